@@ -1,0 +1,3 @@
+"""moebal: train Mixture-of-Experts and dynamic transformers with per-iteration load balancing."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,67 @@
+"""`moebal` command line: a thin dispatcher over `moebal.commands.<name>` modules.
+
+Each command module defines `add_arguments(parser)` and `run(args) -> int`; it is imported only when its
+command runs, so `moebal --help` stays fast and optional dependencies stay optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from moebal.errors import MoebalError
+
+# name -> (module, one-line help). Add a command by adding a module and a line here.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("moebal.commands.train", "train a model (no CONFIG: the embedded default run)"),
+    "bench": ("moebal.commands.bench", "micro-benchmarks (MoE layer, calibration)"),
+    "plan": ("moebal.commands.plan", "dry-run planners: experts | stages | microbatches"),
+    "simulate": ("moebal.commands.simulate", "simulate one training iteration on a modelled GPU cluster"),
+    "calibrate": ("moebal.commands.calibrate", "measure this machine and write a hardware profile"),
+    "convert": ("moebal.commands.convert", "convert checkpoints between HF and moebal"),
+    "launch": ("moebal.commands.launch", "launch a multi-node job described in YAML"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    found = {}
+    for name, (module, help_) in COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_)
+    return found
+
+
+def build_parser(requested: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the requested command's module is imported to add its arguments."""
+    parser = argparse.ArgumentParser(prog="moebal", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in _available().items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        if name == requested:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except MoebalError as e:
+        print(f"moebal {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moebal {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

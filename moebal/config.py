@@ -1,0 +1,488 @@
+"""moebal's one typed configuration schema.
+
+Nested frozen dataclasses are the schema; YAML is only their serialisation. Precedence: dataclass
+defaults < YAML file < `a.b.c=value` overrides. The defaults *are* the embedded default run
+(`configs/default.yaml` is their dump, and a test keeps the two equal).
+
+Every user mistake raises `ConfigError` naming the file, the key, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moebal.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "dump",
+    "from_dict",
+    "load",
+    "resolve_path",
+    "to_dict",
+]
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """The decoder's shape (Mixtral family; names follow HF Mixtral where a field exists there)."""
+
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte tokenizer, the tokenizer's size otherwise."""
+    dim: int = 256
+    """Hidden size (HF `hidden_size`)."""
+    n_layers: int = 4
+    """Number of decoder layers (HF `num_hidden_layers`)."""
+    n_heads: int = 8
+    """Attention query heads."""
+    n_kv_heads: int = 4
+    """Key/value heads for grouped-query attention; must divide `n_heads`."""
+    head_dim: int | None = None
+    """Per-head width; null means dim / n_heads."""
+    ffn_dim: int = 768
+    """Hidden width of a dense SwiGLU MLP (layers that are not MoE)."""
+    max_seq_len: int = 512
+    """Longest sequence the rotary tables are built for (HF `max_position_embeddings`)."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of linear and embedding weights."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts blocks: which layers, the experts, and how tokens are routed."""
+
+    num_experts: int = 8
+    """Experts per MoE layer; 0 makes every layer a dense MLP."""
+    top_k: int = 2
+    """Experts per token (the maximum under adaptive gating)."""
+    expert_ffn_dim: int | None = 512
+    """Hidden width of one expert; null means model.ffn_dim."""
+    every: int = 1
+    """Layer i (0-based) is an MoE layer when (i + 1) % every == 0 (HF `decoder_sparse_step`)."""
+    shared_experts: int = 0
+    """Always-on shared experts added to the routed output (Qwen-MoE style)."""
+    shared_ffn_dim: int | None = None
+    """Hidden width of the shared expert block; null means shared_experts * expert_ffn_dim."""
+    router: Literal["linear", "mlp_tanh"] = "linear"
+    """Router network: one bias-free linear (Mixtral) or Linear-tanh-Linear (LLaMA-MoE v1)."""
+    gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """Mixtral order (softmax over all experts, top-k, renormalise) or top-k of logits then softmax."""
+    adaptive_threshold: float | None = None
+    """Adaptive top-k: a token takes its next expert only when the probability gap is <= this. null: fixed k."""
+    capacity_factor: float | None = None
+    """Per-expert capacity = factor * tokens * k / experts; null is dropless."""
+    drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an over-full expert keeps: the highest gate probabilities, or the earliest positions."""
+    jitter: float = 0.0
+    """Multiplicative input jitter epsilon during training (Switch); 0 disables it."""
+    score_scale: float = 1.0
+    """Factor on the combined expert output (LLaMA-MoE `score_scale_factor`, DeepSeek `routed_scaling_factor`)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: per-expert selection bias step size (DeepSeek-V3); 0 disables it."""
+    kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
+    """Grouped expert GEMM implementation; auto picks the faster one measured for the shape and dtype."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes training samples."""
+
+    source: str = "stdlib"
+    """'stdlib' (this Python's standard-library sources) or a path to a .txt/.jsonl file or directory."""
+    tokenizer: str = "byte"
+    """'byte' (vocab 256) or a path to a HF tokenizer.json."""
+    text_key: str = "text"
+    """Field holding the text in .jsonl records."""
+    seq_len: int = 256
+    """Tokens per packed block (the longest sample in document mode)."""
+    batch_size: int = 16
+    """Sequences per optimizer step."""
+    samples: Literal["packed", "documents"] = "packed"
+    """Fixed-length packed blocks, or variable-length documents cut at seq_len."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation (chosen by a hash of the document's path)."""
+    max_bytes: int | None = None
+    """Read at most this many bytes of the corpus; null reads everything."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The optimisation loop, logging and checkpoints."""
+
+    steps: int = 600
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a share of the peak (cosine decay)."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms, biases or router bias)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision: fp32, or bf16 autocast with fp32 master weights."""
+    seed: int = 0
+    """Seed of the model init, data order and every random choice of the run."""
+    eval_every: int = 100
+    """Validation every N steps (and at the end); 0 only at the end."""
+    eval_batches: int = 8
+    """Batches per validation."""
+    log_every: int = 1
+    """Write a metrics line every N steps."""
+    ckpt_every: int = 200
+    """Checkpoint every N steps (and at the end); 0 only at the end."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    threads: int | None = None
+    """torch intra-op threads per process; null means cores / processes."""
+    out_dir: str = "runs"
+    """Parent folder of run directories."""
+    progress: Literal["auto", "bar", "plain"] = "auto"
+    """Progress display: a bar on a terminal and plain lines otherwise (auto)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """How ranks are split into data-, expert- and pipeline-parallel groups."""
+
+    nproc: int = 1
+    """Processes `moebal train` spawns on this machine (torchrun sets the world size itself)."""
+    ep: int = 1
+    """Expert-parallel size; must divide moe.num_experts and the world size."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """A whole moebal run."""
+
+    name: str = "default"
+    """Run name; the run directory is out_dir/name-<timestamp> unless --out is given."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE blocks and routing."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and samples."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+
+    def __post_init__(self) -> None:
+        _check_whole(self)
+
+    # ---- derived values (never written back into the config) ----
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim or self.model.dim // self.model.n_heads
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe.expert_ffn_dim or self.model.ffn_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Config from a YAML file (a path or a preset name in configs/) plus `a.b=value` overrides."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = resolve_path(path)
+        source = str(p)
+        data = _read_yaml(p)
+    for item in overrides:
+        _apply_override(data, item)
+    return from_dict(data, source=source)
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A config path as given, or a preset name (`mixtral-8x7b`) looked up in configs/."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for cand in (CONFIG_DIR / f"{path}.yaml", CONFIG_DIR / str(path)):
+        if cand.is_file():
+            return cand
+    presets = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    hint = f"; presets: {', '.join(presets)}" if presets else ""
+    raise ConfigError(f"config file '{path}' not found: give a YAML path or a preset name{hint}")
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read config ({e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {_one_line(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, moe:, ...), "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=100")
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key segment in '{key}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(data: Any, source: str = "<dict>") -> Config:
+    """Build and validate a Config from plain data (the parsed YAML)."""
+    return typing.cast(Config, _build(Config, data, source, ""))
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{where}' must be a mapping, got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str) or key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
+    """Check (and gently convert: YAML reads 3e-4 as a string) one value against its type."""
+    if dataclasses.is_dataclass(tp):
+        return _build(typing.cast(type, tp), value, source, key + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(a, value, source, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(str, choices))}; "
+                          f"got {_show(value)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be true or false; got {_show(value)}")
+    if tp is int:
+        if isinstance(value, str):
+            value = _parse_number(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be an integer; got {_show(value)}")
+    if tp is float:
+        if isinstance(value, str):
+            value = _parse_number(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"{source}: '{key}' must be a finite number; got {_show(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be a string; got {_show(value)}")
+    raise TypeError(f"config field {key} has an unsupported type {tp!r}")  # a schema bug, not user input
+
+
+def _parse_number(s: str) -> Any:
+    try:
+        return int(s)
+    except ValueError:
+        pass
+    try:
+        return float(s)
+    except ValueError:
+        return s
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return (text[:60] + "...") if len(text) > 63 else text
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+# --------------------------------------------------------------------------------------------
+# validation: every impossible combination says what to change
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_whole(c: Config) -> None:
+    m, moe, d, t, par = c.model, c.moe, c.data, c.train, c.parallel
+    for key, v in [("model.vocab_size", m.vocab_size), ("model.dim", m.dim), ("model.n_layers", m.n_layers),
+                   ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
+                   ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
+                   ("data.batch_size", d.batch_size), ("moe.top_k", moe.top_k), ("moe.every", moe.every),
+                   ("parallel.nproc", par.nproc), ("parallel.ep", par.ep), ("parallel.pp", par.pp)]:
+        _need(v >= 1, f"'{key}' must be at least 1; got {v}")
+    for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
+                    ("model.init_std", m.init_std), ("train.lr", t.lr)]:
+        _need(fv > 0, f"'{key}' must be positive; got {fv}")
+    _need(m.n_heads % m.n_kv_heads == 0,
+          f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
+    _need(m.head_dim is not None or m.dim % m.n_heads == 0,
+          f"'model.dim' ({m.dim}) is not divisible by 'model.n_heads' ({m.n_heads}): change one or set model.head_dim")
+    _need(m.head_dim is None or (m.head_dim >= 2 and m.head_dim % 2 == 0),
+          f"'model.head_dim' must be an even number >= 2 for rotary embeddings; got {m.head_dim}")
+    _need(m.head_dim is not None or (m.dim // m.n_heads) % 2 == 0,
+          f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    _need(d.seq_len <= m.max_seq_len,
+          f"'data.seq_len' ({d.seq_len}) exceeds 'model.max_seq_len' ({m.max_seq_len}): lower one or raise the other")
+    _need(d.tokenizer != "byte" or m.vocab_size >= 256,
+          f"the byte tokenizer needs 'model.vocab_size' >= 256; got {m.vocab_size}")
+    _need(0.0 <= d.val_fraction < 1.0, f"'data.val_fraction' must be in [0, 1); got {d.val_fraction}")
+    _need(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' must be positive or null; got {d.max_bytes}")
+    _check_moe(c)
+    _check_train(t)
+    _need(par.pp <= m.n_layers,
+          f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
+
+
+def _check_moe(c: Config) -> None:
+    moe, par = c.moe, c.parallel
+    _need(moe.num_experts >= 0, f"'moe.num_experts' must be >= 0 (0 = dense model); got {moe.num_experts}")
+    if moe.num_experts == 0:
+        return
+    _need(moe.top_k <= moe.num_experts,
+          f"'moe.top_k' ({moe.top_k}) is larger than 'moe.num_experts' ({moe.num_experts}): lower top_k")
+    _need(moe.expert_ffn_dim is None or moe.expert_ffn_dim >= 1,
+          f"'moe.expert_ffn_dim' must be at least 1 or null; got {moe.expert_ffn_dim}")
+    _need(moe.num_experts % par.ep == 0,
+          f"'moe.num_experts' ({moe.num_experts}) is not divisible by 'parallel.ep' ({par.ep}): "
+          f"choose ep among {[k for k in range(1, moe.num_experts + 1) if moe.num_experts % k == 0]}")
+    _need(moe.capacity_factor is None or moe.capacity_factor > 0,
+          f"'moe.capacity_factor' must be positive, or null for dropless; got {moe.capacity_factor}")
+    _need(moe.adaptive_threshold is None or 0.0 <= moe.adaptive_threshold <= 1.0,
+          f"'moe.adaptive_threshold' is a probability gap in [0, 1] (or null); got {moe.adaptive_threshold}")
+    _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
+    _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
+          "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
+    _need(moe.every <= c.model.n_layers,
+          f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
+
+
+def _check_train(t: TrainConfig) -> None:
+    _need(t.steps >= 1, f"'train.steps' must be at least 1; got {t.steps}")
+    _need(0 <= t.warmup_steps, f"'train.warmup_steps' must be >= 0; got {t.warmup_steps}")
+    _need(0.0 <= t.min_lr_ratio <= 1.0, f"'train.min_lr_ratio' must be in [0, 1]; got {t.min_lr_ratio}")
+    _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, f"AdamW betas must be in [0, 1); got {t.beta1}, {t.beta2}")
+    for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
+        _need(v >= 0, f"'{key}' must be >= 0; got {v}")
+    for key, iv in [("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every),
+                    ("train.eval_batches", t.eval_batches), ("train.log_every", t.log_every),
+                    ("train.keep_checkpoints", t.keep_checkpoints)]:
+        _need(iv >= 0, f"'{key}' must be >= 0; got {iv}")
+    _need(t.eval_batches >= 1 and t.log_every >= 1 and t.keep_checkpoints >= 1,
+          "'train.eval_batches', 'train.log_every' and 'train.keep_checkpoints' must be at least 1")
+    _need(t.threads is None or t.threads >= 1, f"'train.threads' must be at least 1 or null; got {t.threads}")
+
+
+# --------------------------------------------------------------------------------------------
+# serialisation
+
+
+def to_dict(c: Any) -> dict[str, Any]:
+    """Plain nested dict (YAML/JSON-ready) of a config or any of its sections."""
+    return dataclasses.asdict(c)
+
+
+def dump(c: Config, path: str | Path | None = None) -> str:
+    """YAML text of a config; written to `path` when given."""
+    text = yaml.safe_dump(to_dict(c), sort_keys=False, default_flow_style=False)
+    if path is not None:
+        Path(path).write_text(text, encoding="utf-8")
+    return text
+
+
+def with_overrides(c: Config, overrides: typing.Sequence[str]) -> Config:
+    """A copy of `c` with `a.b=value` overrides applied (and validated)."""
+    data = to_dict(c)
+    for item in overrides:
+        _apply_override(data, item)
+    return from_dict(data, source="<overrides>")
