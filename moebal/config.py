@@ -449,7 +449,7 @@ def _check_moe(c: Config) -> None:
 
 def _check_train(t: TrainConfig) -> None:
     _need(t.steps >= 1, f"'train.steps' must be at least 1; got {t.steps}")
-    _need(0 <= t.warmup_steps, f"'train.warmup_steps' must be >= 0; got {t.warmup_steps}")
+    _need(t.warmup_steps >= 0, f"'train.warmup_steps' must be >= 0; got {t.warmup_steps}")
     _need(0.0 <= t.min_lr_ratio <= 1.0, f"'train.min_lr_ratio' must be in [0, 1]; got {t.min_lr_ratio}")
     _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, f"AdamW betas must be in [0, 1); got {t.beta1}, {t.beta2}")
     for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:

@@ -1,0 +1,218 @@
+"""The Mixtral-family decoder, single-device code.
+
+Shape legend: B = batch, T = sequence, D = model dim, H = query heads, G = key/value heads,
+K = head dim, V = vocabulary, F = MLP hidden width.
+
+Parameter names and maths follow HF Mixtral (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`,
+`input_layernorm`, `post_attention_layernorm`, `block_sparse_moe`, `model.norm`, `lm_head`) so that HF
+checkpoints map onto it one to one; dense layers use the LLaMA/Qwen-MoE names (`mlp.gate_proj/up_proj/
+down_proj`). The one deliberate difference: experts are stored stacked per layer (`experts.w1` [E, F, D])
+instead of one module per expert, because the grouped expert GEMM needs them contiguous; the HF adapter
+splits and stacks them by logical expert id. Parallelism is never decided in here: expert- and
+pipeline-parallel code wraps or slices these modules from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebal.config import Config
+
+__all__ = ["CausalLMOutput", "DecoderLayer", "MoebalForCausalLM", "RMSNorm", "build_model"]
+
+
+class RMSNorm(nn.Module):
+    """HF LLaMA convention: normalise in fp32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary tables in HF's rotate-half layout, angles computed in fp32."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        freqs_TK = torch.cat([torch.outer(t, inv_freq)] * 2, dim=-1)
+        self.register_buffer("cos_TK", freqs_TK.cos(), persistent=False)
+        self.register_buffer("sin_TK", freqs_TK.sin(), persistent=False)
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cos_TK.shape[0]:
+            raise ValueError(f"sequence of {seq_len} tokens is longer than model.max_seq_len "
+                             f"({self.cos_TK.shape[0]}): raise model.max_seq_len or shorten data.seq_len")
+        return self.cos_TK[:seq_len].to(dtype), self.sin_TK[:seq_len].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+    return x_BHTK * cos_TK + _rotate_half(x_BHTK) * sin_TK
+
+
+class Attention(nn.Module):
+    """Grouped-query causal attention through `scaled_dot_product_attention`."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTK = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGTK = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGTK = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTK = apply_rotary(q_BHTK, cos_TK, sin_TK)
+        k_BGTK = apply_rotary(k_BGTK, cos_TK, sin_TK)
+        o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
+                                                enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + ffn(norm(h)); the ffn is a dense MLP or an MoE block."""
+
+    def __init__(self, cfg: Config, index: int) -> None:
+        super().__init__()
+        m = cfg.model
+        self.index = index
+        self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
+        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
+        self.is_moe = cfg.is_moe_layer(index)
+        if self.is_moe:
+            from moebal.models.moe import MoELayer
+
+            self.block_sparse_moe = MoELayer.from_config(cfg)
+        else:
+            self.mlp = MLP(m.dim, m.ffn_dim)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
+    def forward(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
+        return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
+
+
+class MoebalModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF `model.` prefix)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        m = cfg.model
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.n_layers))
+        self.norm = RMSNorm(m.dim, m.norm_eps)
+        self.rotary = Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.embed_tokens(ids_BT)
+        cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, cos_TK, sin_TK)
+        return self.norm(h_BTD)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    """[B, T, V]"""
+    loss: torch.Tensor | None
+    """Mean next-token cross-entropy over labels != -100 (None without labels)."""
+    aux_loss: torch.Tensor
+    """Sum over MoE layers of their coefficient-weighted load-balancing and z losses."""
+
+
+class MoebalForCausalLM(nn.Module):
+    """Decoder LM with an (optionally tied) LM head. `labels` are already shifted by the caller's data."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = MoebalModel(cfg)
+        self.lm_head = nn.Linear(cfg.model.dim, cfg.model.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.model.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)
+        (GPT-2) so the residual stream's variance does not grow with depth."""
+        std = self.config.model.init_std
+        out_std = std / math.sqrt(2 * self.config.model.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or ".block_sparse_moe." in name:
+                continue  # norms stay at one; the MoE layer initialises its own router and experts
+            is_out = name.endswith(("o_proj.weight", "down_proj.weight"))
+            nn.init.normal_(p, mean=0.0, std=out_std if is_out else std)
+        for layer in self.moe_layers():
+            w2 = getattr(getattr(layer, "experts", None), "w2", None)
+            if isinstance(w2, torch.Tensor):
+                with torch.no_grad():
+                    nn.init.normal_(w2, mean=0.0, std=out_std)
+
+    def moe_layers(self) -> Iterator[nn.Module]:
+        for layer in self.model.layers:
+            if layer.is_moe:
+                yield layer.block_sparse_moe
+
+    def forward(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None) -> CausalLMOutput:
+        h_BTD = self.model(ids_BT)
+        logits_BTV = self.lm_head(h_BTD)
+        loss = None
+        if labels_BT is not None:
+            loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
+        aux = sum((layer.aux_loss for layer in self.moe_layers()), start=logits_BTV.new_zeros((), dtype=torch.float32))
+        return CausalLMOutput(logits=logits_BTV, loss=loss, aux_loss=aux)
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count; with active=True only the top_k of E experts (and shared experts) count."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active:
+            return total
+        moe = self.config.moe
+        expert = sum(p.numel() for layer in self.moe_layers() for p in layer.experts.parameters())
+        return total - expert + expert * moe.top_k // max(moe.num_experts, 1)
+
+
+def build_model(cfg: Config, device: torch.device | str | None = None) -> MoebalForCausalLM:
+    """The causal LM for a config, initialised from the caller's torch RNG state (seed it first)."""
+    model = MoebalForCausalLM(cfg)
+    return model.to(device) if device is not None else model
