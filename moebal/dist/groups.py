@@ -1,0 +1,151 @@
+"""The one place that builds process groups. Everyone else asks `dims.group("ep")` by axis name.
+
+Rank layout (row-major, expert-parallel innermost so an EP group sits on consecutive ranks, i.e. inside a
+node when ranks are placed node by node):
+
+    rank = ((pp_index * dp) + dp_index) * ep + ep_index
+
+Axes:
+    "ep"     ranks that split one stage's experts between them (tokens travel by all-to-all);
+    "dp"     ranks holding the same expert shard (expert gradients are averaged here);
+    "dp_ep"  every rank of one pipeline stage (non-expert gradients are averaged here);
+    "pp"     the pipeline stages of one (dp, ep) coordinate (activations travel by send/recv);
+    "world"  everyone.
+
+The device and backend are chosen at run time: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebal.errors import ConfigError
+
+__all__ = ["ParallelDims", "env_world", "pick_device"]
+
+AXES = ("pp", "dp", "ep", "dp_ep", "world")
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) when absent."""
+    try:
+        env = os.environ
+        return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    except ValueError as e:
+        raise ConfigError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({e}); "
+                          "launch with torchrun or moebal train --nproc") from None
+
+
+def pick_device(local_rank: int = 0) -> torch.device:
+    """CUDA device `local_rank` when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the parallel axes and, once `init()` ran, their process groups."""
+
+    world_size: int
+    rank: int
+    ep: int = 1
+    pp: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _groups: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or self.pp < 1 or self.world_size % (self.ep * self.pp):
+            raise ConfigError(f"world size {self.world_size} is not divisible by ep ({self.ep}) x pp ({self.pp}): "
+                              f"choose parallel.ep and parallel.pp whose product divides the number of processes")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.ep * self.pp)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's index along pp, dp and ep."""
+        ep_i = self.rank % self.ep
+        dp_i = (self.rank // self.ep) % self.dp
+        pp_i = self.rank // (self.ep * self.dp)
+        return {"pp": pp_i, "dp": dp_i, "ep": ep_i}
+
+    def ranks_of(self, axis: str, rank: int | None = None) -> list[int]:
+        """Global ranks in `rank`'s group along `axis` (ascending)."""
+        r = self.rank if rank is None else rank
+        ep_i, dp_i, pp_i = r % self.ep, (r // self.ep) % self.dp, r // (self.ep * self.dp)
+
+        def at(p: int, d: int, e: int) -> int:
+            return (p * self.dp + d) * self.ep + e
+
+        if axis == "ep":
+            return [at(pp_i, dp_i, e) for e in range(self.ep)]
+        if axis == "dp":
+            return [at(pp_i, d, ep_i) for d in range(self.dp)]
+        if axis == "dp_ep":
+            return [at(pp_i, d, e) for d in range(self.dp) for e in range(self.ep)]
+        if axis == "pp":
+            return [at(p, dp_i, ep_i) for p in range(self.pp)]
+        if axis == "world":
+            return list(range(self.world_size))
+        raise KeyError(f"unknown parallel axis {axis!r}; axes: {', '.join(AXES)}")
+
+    def size(self, axis: str) -> int:
+        return len(self.ranks_of(axis))
+
+    def index(self, axis: str) -> int:
+        """This rank's position inside its group along `axis`."""
+        return self.ranks_of(axis).index(self.rank)
+
+    # ---- process groups ----
+    @classmethod
+    def from_env(cls, ep: int = 1, pp: int = 1) -> ParallelDims:
+        rank, world, local = env_world()
+        return cls(world_size=world, rank=rank, ep=ep, pp=pp, local_rank=local, device=pick_device(local))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def init(self, timeout_s: float = 120.0) -> ParallelDims:
+        """Join the default group (torchrun env) and build every axis group. Collective on all ranks."""
+        if not self.distributed:
+            return self
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    rank=self.rank, world_size=self.world_size)
+        # new_group is collective over the whole world and must be called in the same order everywhere,
+        # so every rank creates every group of every axis and keeps the ones it belongs to.
+        for axis in ("ep", "dp", "dp_ep", "pp"):
+            seen: set[tuple[int, ...]] = set()
+            for r in range(self.world_size):
+                ranks = tuple(self.ranks_of(axis, r))
+                if ranks in seen:
+                    continue
+                seen.add(ranks)
+                g = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+                if self.rank in ranks:
+                    self._groups[axis] = g
+        self._groups["world"] = dist.group.WORLD
+        return self
+
+    def group(self, axis: str) -> Any:
+        """The process group along `axis` (None when running as a single process)."""
+        if axis not in AXES:
+            raise KeyError(f"unknown parallel axis {axis!r}; axes: {', '.join(AXES)}")
+        return self._groups.get(axis) if self.distributed else None
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
