@@ -1,0 +1,230 @@
+"""Stage partitioners: pure functions from per-layer costs to layers-per-stage.
+
+Shape legend: L = layers, P = stages.
+
+A partition is a list `sizes` of P positive layer counts; stage p runs layers
+[sum(sizes[:p]), sum(sizes[:p+1])). Layers stay contiguous and in model order, always: DynMo's Algorithm 3
+sends a layer to the least-loaded stage wherever it sits, which re-orders the network's blocks and changes
+the model; moebal's diffusion only moves a boundary layer between adjacent stages (the extraction's
+option (a)), and the exact partitioner only produces contiguous ranges.
+
+The embedding is pinned to the first stage and the head (final norm, LM head, loss) to the last; their
+time and memory count toward those stages through `first_extra`/`last_extra`, so a stage holding them
+gets fewer layers instead of being overloaded (the by-Param failure DynPipe reports after pruning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from moebal.errors import ConfigError
+
+__all__ = [
+    "diffuse",
+    "imbalance",
+    "migration_layers",
+    "partition_by_params",
+    "partition_by_time",
+    "partition_uniform",
+    "pipeline_time",
+    "stage_loads",
+    "should_adopt",
+]
+
+
+def _check(costs: Sequence[float], num_stages: int, what: str = "costs") -> np.ndarray:
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim != 1 or c.size == 0:
+        raise ConfigError(f"{what} must be a non-empty list of per-layer numbers; got shape {c.shape}")
+    if not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ConfigError(f"{what} must be finite and non-negative; got {c.tolist()}")
+    if num_stages < 1:
+        raise ConfigError(f"the number of stages must be at least 1; got {num_stages}")
+    if num_stages > c.size:
+        raise ConfigError(f"{num_stages} stages for {c.size} layers: every stage needs at least one layer; "
+                          f"use at most {c.size} stages")
+    return c
+
+
+def stage_loads(costs: Sequence[float], sizes: Sequence[int], first_extra: float = 0.0,
+                last_extra: float = 0.0) -> list[float]:
+    """Sum of layer costs per stage (plus the pinned embedding/head extras)."""
+    c = np.asarray(costs, dtype=np.float64)
+    if sum(sizes) != c.size or any(s < 1 for s in sizes):
+        raise ConfigError(f"partition {list(sizes)} must give every stage at least one layer and cover "
+                          f"exactly {c.size} layers")
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    loads = [float(c[bounds[p]:bounds[p + 1]].sum()) for p in range(len(sizes))]
+    loads[0] += first_extra
+    loads[-1] += last_extra
+    return loads
+
+
+def partition_by_time(costs: Sequence[float], num_stages: int, memory: Sequence[float] | None = None,
+                      capacity: float | Sequence[float] | None = None, first_extra: float = 0.0,
+                      last_extra: float = 0.0, first_memory: float = 0.0, last_memory: float = 0.0) -> list[int]:
+    """The exact min-max contiguous partition (no empty stage), under per-stage memory caps.
+
+    `memory[l]` is layer l's bytes on a stage (parameters, gradients, optimizer state, activations in
+    flight); `capacity` is one cap for every stage or one per stage; `first_memory`/`last_memory` are the
+    pinned embedding/head bytes. Among optimal partitions the one with the earliest boundaries is returned,
+    so every rank computes the same answer from the same inputs.
+
+    Dynamic programming over (stage, prefix) with numpy rows: O(P * L^2) arithmetic, exact (no epsilon of
+    the bisection-plus-probe scheme, which DynPipe's extraction found can also leave a stage empty).
+    """
+    c = _check(costs, num_stages)
+    L, P = c.size, num_stages
+    mem = np.zeros(L) if memory is None else _check(memory, 1, "memory")
+    if mem.size != L:
+        raise ConfigError(f"memory has {mem.size} entries but costs has {L}: give one value per layer")
+    caps = _caps(capacity, P)
+    pre_c = np.concatenate([[0.0], np.cumsum(c)])
+    pre_m = np.concatenate([[0.0], np.cumsum(mem)])
+    # best[p][i]: min over partitions of layers [0, i) into p+1 non-empty stages of the max stage load
+    best = np.full((P, L + 1), np.inf)
+    arg = np.zeros((P, L + 1), dtype=np.int64)
+    for i in range(1, L + 1):
+        load = pre_c[i] + first_extra + (last_extra if P == 1 else 0.0)
+        mem0 = pre_m[i] + first_memory + (last_memory if P == 1 else 0.0)
+        if mem0 <= caps[0]:
+            best[0, i] = load
+    for p in range(1, P):
+        extra = last_extra if p == P - 1 else 0.0
+        extra_m = last_memory if p == P - 1 else 0.0
+        for i in range(p + 1, L + 1):
+            k = np.arange(p, i)  # previous stages cover [0, k); this stage covers [k, i)
+            seg = pre_c[i] - pre_c[k] + extra
+            ok = (pre_m[i] - pre_m[k] + extra_m) <= caps[p]
+            cand = np.where(ok, np.maximum(best[p - 1, k], seg), np.inf)
+            j = int(np.argmin(cand))  # argmin takes the first minimum: the earliest boundary
+            best[p, i], arg[p, i] = cand[j], k[j]
+    if not np.isfinite(best[P - 1, L]):
+        raise ConfigError(f"no partition of {L} layers into {num_stages} stages fits the memory caps "
+                          f"{caps.tolist()} (total layer memory {pre_m[-1]:.4g}): raise the cap, use more stages, "
+                          f"or reduce per-layer memory")
+    return _backtrack(arg, P, L)
+
+
+def _caps(capacity: float | Sequence[float] | None, P: int) -> np.ndarray:
+    if capacity is None:
+        return np.full(P, np.inf)
+    caps = np.broadcast_to(np.asarray(capacity, dtype=np.float64), (P,)).copy() if np.ndim(capacity) == 0 \
+        else np.asarray(capacity, dtype=np.float64)
+    if caps.shape != (P,) or np.any(caps <= 0):
+        raise ConfigError(f"capacity must be one positive number or one per stage ({P}); got {capacity}")
+    return caps
+
+
+def _backtrack(arg: np.ndarray, P: int, L: int) -> list[int]:
+    bounds = [L]
+    i = L
+    for p in range(P - 1, 0, -1):
+        i = int(arg[p, i])
+        bounds.append(i)
+    bounds.append(0)
+    bounds.reverse()
+    return [bounds[p + 1] - bounds[p] for p in range(P)]
+
+
+def partition_by_params(param_counts: Sequence[float], num_stages: int, **kwargs: float) -> list[int]:
+    """DeepSpeed's `parameters` method: the same exact min-max partition over parameter counts."""
+    return partition_by_time(param_counts, num_stages, **kwargs)  # type: ignore[arg-type]
+
+
+def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
+    """Megatron's static split: equal layer counts, the remainder spread over the first stages."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise ConfigError(f"{num_stages} stages for {num_layers} layers: every stage needs at least one layer")
+    q, r = divmod(num_layers, num_stages)
+    return [q + (1 if p < r else 0) for p in range(num_stages)]
+
+
+def diffuse(costs: Sequence[float], sizes: Sequence[int], memory: Sequence[float] | None = None,
+            capacity: float | None = None, max_rounds: int = 5, first_extra: float = 0.0,
+            last_extra: float = 0.0) -> list[int]:
+    """DynMo's diffusion balancer restricted to adjacent-stage boundary moves.
+
+    Each round visits the stages that are above the mean load (status fixed per round, as Algorithm 3) and
+    moves one boundary layer to the lighter adjacent neighbour when that lowers the variance of the stage
+    loads. A move of cost c from load a to load b lowers the variance iff c < a - b, and then both new loads
+    are below a: the maximum never rises and layer order never changes. Stages never become empty.
+    """
+    c = _check(costs, len(sizes))
+    mem = np.zeros(c.size) if memory is None else np.asarray(memory, dtype=np.float64)
+    cap = np.inf if capacity is None else float(capacity)
+    sizes = list(sizes)
+    stage_loads(c, sizes)  # validates the partition
+    for _ in range(max_rounds):
+        loads = stage_loads(c, sizes, first_extra, last_extra)
+        mean = sum(loads) / len(loads)
+        moved = False
+        for p in [q for q, load in enumerate(loads) if load > mean]:
+            moved |= _move_boundary_layer(c, mem, cap, sizes, p, first_extra, last_extra)
+        if not moved:
+            break
+    return sizes
+
+
+def _move_boundary_layer(c: np.ndarray, mem: np.ndarray, cap: float, sizes: list[int], p: int,
+                         first_extra: float, last_extra: float) -> bool:
+    if sizes[p] <= 1:
+        return False
+    loads = stage_loads(c, sizes, first_extra, last_extra)
+    start = sum(sizes[:p])
+    end = start + sizes[p]
+    options = []  # (gain in sum of squares, neighbour, layer)
+    for q, layer in ((p - 1, start), (p + 1, end - 1)):
+        if 0 <= q < len(sizes):
+            gap = loads[p] - loads[q]
+            q_start = sum(sizes[:q])
+            q_mem = float(mem[q_start:q_start + sizes[q]].sum())
+            if c[layer] < gap and q_mem + mem[layer] <= cap:
+                options.append((2 * c[layer] * (gap - c[layer]), -q, q, layer))
+    if not options:
+        return False
+    _, _, q, _ = max(options)  # the largest variance drop; ties go to the lower neighbour index
+    sizes[p] -= 1
+    sizes[q] += 1
+    return True
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of stage loads (1.0 is perfect balance; DynMo's imbalance metric)."""
+    arr = np.asarray(loads, dtype=np.float64)
+    mean = arr.mean()
+    return float(arr.max() / mean) if mean > 0 else 1.0
+
+
+def pipeline_time(loads: Sequence[float], num_micro_batches: int) -> float:
+    """Iteration time of GPipe/1F1B with equal micro-batches: (M + P - 1) x the slowest stage's time per
+    micro-batch (loads are per-micro-batch forward+backward seconds); exact for equal stages."""
+    return (num_micro_batches + len(loads) - 1) * max(loads)
+
+
+def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(layer, from stage, to stage) for every layer whose stage changes between two partitions."""
+    if sum(old) != sum(new):
+        raise ConfigError(f"partitions {list(old)} and {list(new)} cover different numbers of layers")
+    owner_old = np.repeat(np.arange(len(old)), old)
+    owner_new = np.repeat(np.arange(len(new)), new)
+    return [(int(i), int(a), int(b)) for i, (a, b) in enumerate(zip(owner_old, owner_new)) if a != b]
+
+
+def should_adopt(costs: Sequence[float], current: Sequence[int], proposed: Sequence[int], num_micro_batches: int,
+                 interval_iters: int, layer_bytes: Sequence[float], bandwidth_Bps: float, latency_s: float = 0.0,
+                 first_extra: float = 0.0, last_extra: float = 0.0) -> tuple[bool, float, float]:
+    """Adopt a new partition only when its predicted gain over the next interval exceeds the migration cost.
+
+    gain = (T_iter(current) - T_iter(proposed)) x interval_iters; cost = bytes of every moved layer (weights,
+    gradients and optimizer state: give `layer_bytes` accordingly) / bandwidth + latency per moved layer.
+    Returns (adopt, gain_s, cost_s).
+    """
+    t_cur = pipeline_time(stage_loads(costs, current, first_extra, last_extra), num_micro_batches)
+    t_new = pipeline_time(stage_loads(costs, proposed, first_extra, last_extra), num_micro_batches)
+    moved = migration_layers(current, proposed)
+    cost = sum(layer_bytes[i] for i, _, _ in moved) / bandwidth_Bps + latency_s * len(moved)
+    gain = (t_cur - t_new) * interval_iters
+    return (gain > cost and bool(moved)), gain, cost

@@ -1,0 +1,124 @@
+"""Stage partitioners against brute force, and the diffusion balancer's guarantees."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moebal.errors import ConfigError
+from moebal.pipeline.partition import (
+    diffuse,
+    imbalance,
+    migration_layers,
+    partition_by_time,
+    partition_uniform,
+    pipeline_time,
+    should_adopt,
+    stage_loads,
+)
+
+
+def _brute(costs, P, memory=None, cap=np.inf, first=0.0, last=0.0):
+    L = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, L), P - 1):
+        bounds = (0, *cuts, L)
+        sizes = [bounds[i + 1] - bounds[i] for i in range(P)]
+        if memory is not None and any(sum(memory[bounds[i]:bounds[i + 1]]) > cap for i in range(P)):
+            continue
+        m = max(stage_loads(costs, sizes, first, last))
+        if best is None or m < best - 1e-12:
+            best = m
+    return best
+
+
+costs_st = st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs=costs_st, data=st.data())
+def test_partition_is_optimal_against_brute_force(costs, data):
+    P = data.draw(st.integers(1, len(costs)))
+    first = data.draw(st.sampled_from([0.0, 2.5]))
+    last = data.draw(st.sampled_from([0.0, 4.0]))
+    sizes = partition_by_time(costs, P, first_extra=first, last_extra=last)
+    assert len(sizes) == P and all(s >= 1 for s in sizes) and sum(sizes) == len(costs)
+    got = max(stage_loads(costs, sizes, first, last))
+    assert got == pytest.approx(_brute(costs, P, first=first, last=last), abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=costs_st, data=st.data())
+def test_partition_with_memory_caps_is_optimal_or_says_infeasible(costs, data):
+    P = data.draw(st.integers(1, len(costs)))
+    memory = data.draw(st.lists(st.floats(0.1, 5.0), min_size=len(costs), max_size=len(costs)))
+    cap = data.draw(st.floats(0.5, 20.0))
+    ref = _brute(costs, P, memory, cap)
+    if ref is None:
+        with pytest.raises(ConfigError, match="memory caps"):
+            partition_by_time(costs, P, memory=memory, capacity=cap)
+        return
+    sizes = partition_by_time(costs, P, memory=memory, capacity=cap)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    assert all(sum(memory[bounds[i]:bounds[i + 1]]) <= cap + 1e-9 for i in range(P))
+    assert max(stage_loads(costs, sizes)) == pytest.approx(ref, abs=1e-9)
+
+
+def test_partition_worked_example_early_exit_profile():
+    # 12 layers of 1.0 then 0.9^k: the extraction's example; optimum max 5.0 with boundaries [0,5,10,15,24]
+    costs = [1.0] * 12 + [0.9 ** k for k in range(1, 13)]
+    sizes = partition_by_time(costs, 4)
+    assert max(stage_loads(costs, sizes)) == pytest.approx(5.0)
+    assert sizes == partition_by_time(costs, 4)  # deterministic among the optimal partitions
+    assert max(stage_loads(costs, partition_uniform(24, 4))) == pytest.approx(6.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs=st.lists(st.floats(0.0, 10.0), min_size=2, max_size=16), data=st.data())
+def test_diffusion_never_raises_max_and_keeps_order(costs, data):
+    P = data.draw(st.integers(2, len(costs)))
+    start = partition_uniform(len(costs), P)
+    before = max(stage_loads(costs, start))
+    after_sizes = diffuse(costs, start)
+    assert len(after_sizes) == P and all(s >= 1 for s in after_sizes) and sum(after_sizes) == len(costs)
+    assert max(stage_loads(costs, after_sizes)) <= before + 1e-12
+    loads_a, loads_b = stage_loads(costs, start), stage_loads(costs, after_sizes)
+    assert np.var(loads_b) <= np.var(loads_a) + 1e-12
+
+
+def test_diffusion_respects_memory_cap():
+    costs = [1, 1, 1, 1, 8, 8]
+    memory = [1.0] * 6
+    sizes = diffuse(costs, [2, 2, 2], memory=memory, capacity=2.0)
+    assert sizes == [2, 2, 2]  # every neighbour is full
+    assert diffuse(costs, [2, 2, 2])[2] == 1  # without the cap a layer leaves the heavy stage
+
+
+def test_uniform_and_errors():
+    assert partition_uniform(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ConfigError, match="at least one layer"):
+        partition_by_time([1, 2], 3)
+    with pytest.raises(ConfigError, match="non-negative"):
+        partition_by_time([1, -2], 1)
+    with pytest.raises(ConfigError, match="one value per layer"):
+        partition_by_time([1, 2], 1, memory=[1])
+    with pytest.raises(ConfigError, match="at least one layer"):
+        stage_loads([1, 2, 3], [3, 0])
+
+
+def test_migration_and_adoption_rule():
+    assert migration_layers([2, 2], [1, 3]) == [(1, 0, 1)]
+    costs = [4.0, 1.0, 1.0, 1.0]
+    cur, new = [2, 2], [1, 3]
+    # iteration time drops from (4+1)*5 = 25 to (4+1)*4 = 20 with 4 micro-batches
+    assert pipeline_time(stage_loads(costs, cur), 4) == 25 and pipeline_time(stage_loads(costs, new), 4) == 20
+    adopt, gain, cost = should_adopt(costs, cur, new, 4, interval_iters=10, layer_bytes=[100.0] * 4,
+                                     bandwidth_Bps=10.0)
+    assert adopt and gain == 50 and cost == 10
+    adopt, _, _ = should_adopt(costs, cur, new, 4, interval_iters=1, layer_bytes=[100.0] * 4, bandwidth_Bps=10.0)
+    assert not adopt
+    assert imbalance([2.0, 1.0, 3.0]) == pytest.approx(1.5)
