@@ -1,0 +1,88 @@
+"""The one timing helper every moebal benchmark uses: warm-up, repeats, median, min, max.
+
+`time_interleaved` runs several methods round-robin inside one process, so slow drifts of a shared machine
+(other jobs, frequency changes) hit every method alike and ratios stay honest.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of one method over `repeats` timed calls."""
+
+    median: float
+    min: float
+    max: float
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def summarise(samples: list[float]) -> Timing:
+    return Timing(median=statistics.median(samples), min=min(samples), max=max(samples), repeats=len(samples))
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5,
+            device: torch.device | str | None = None) -> Timing:
+    """Time `fn()` (synchronising accelerators around each call)."""
+    return time_interleaved({"fn": fn}, warmup=warmup, repeats=repeats, device=device)["fn"]
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 5,
+                     device: torch.device | str | None = None) -> dict[str, Timing]:
+    """Time several methods round-robin: each round calls every method once, in a rotated order."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        rotated = names[r % len(names):] + names[: r % len(names)]
+        for name in rotated:
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[name]()
+            _sync(device)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: summarise(s) for name, s in samples.items()}
+
+
+def environment() -> dict[str, Any]:
+    """Hardware and versions to record next to every figure."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    env: dict[str, Any] = {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["cuda_device"] = torch.cuda.get_device_name(0)
+    return env

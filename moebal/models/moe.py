@@ -1,0 +1,239 @@
+"""The MoE block: router, top-k routing, sort-based dispatch, grouped SwiGLU experts, weighted combine.
+
+Single-device code. The four steps (route -> plan -> experts -> combine) are separate methods so that an
+expert-parallel dispatcher can run the all-to-alls between them and reuse the same routing decision.
+
+Shape legend: T tokens (all leading dims flattened), D model dim, E experts, K = top_k, F expert hidden dim,
+N dispatched rows (one per active assignment), S shared-expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
+from moebal.kernels.experts import KERNELS, KernelName, choose_kernel, grouped_mm_supports, swiglu_experts
+from moebal.routing import (
+    GateSpec,
+    Routing,
+    RoutingStats,
+    assignment_counts,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    update_selection_bias,
+)
+
+if TYPE_CHECKING:
+    from moebal.config import Config
+
+ROUTERS = ("linear", "mlp_tanh")
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU experts as stacked parameters: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down)."""
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernel: str = "auto") -> None:
+        super().__init__()
+        if kernel not in ("auto", *KERNELS):
+            raise ValueError(f"kernel must be one of auto, {', '.join(KERNELS)}; got {kernel!r}")
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.kernel = kernel
+
+    def resolve_kernel(self, rows: int, dtype: torch.dtype) -> KernelName:
+        E, F_, D = self.w1.shape
+        if self.kernel == "grouped_mm" and not grouped_mm_supports(D, F_, dtype):
+            raise ValueError(f"kernel='grouped_mm' needs dim and ffn_dim whose rows are multiples of 16 bytes in "
+                             f"{dtype} (dim={D}, ffn_dim={F_}); use kernel='auto' or 'loop'")
+        if self.kernel != "auto":
+            return self.kernel  # type: ignore[return-value]
+        return choose_kernel(rows, D, F_, E, dtype, self.w1.device)
+
+    def forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if x_ND.dtype != w1.dtype:  # autocast or a low-precision input: compute in the input's dtype
+            w1, w3, w2 = w1.to(x_ND.dtype), w3.to(x_ND.dtype), w2.to(x_ND.dtype)
+        return swiglu_experts(x_ND, w1, w3, w2, plan, self.resolve_kernel(x_ND.shape[0], x_ND.dtype))
+
+
+class SharedExpert(nn.Module):
+    """Qwen-MoE style always-on SwiGLU expert (HF names gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _check_args(dim: int, ffn_dim: int, num_experts: int, top_k: int, router: str, jitter: float,
+                shared_ffn_dim: int, aux_loss_coef: float, z_loss_coef: float, bias_update_rate: float,
+                init_std: float) -> None:
+    for name, v in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"MoELayer: {name} must be a positive integer; got {v!r}")
+    if top_k > num_experts:
+        raise ValueError(f"MoELayer: top_k ({top_k}) is larger than num_experts ({num_experts}): lower top_k")
+    if router not in ROUTERS:
+        raise ValueError(f"MoELayer: router must be one of {', '.join(ROUTERS)}; got {router!r}")
+    if not 0.0 <= jitter < 1.0:
+        raise ValueError(f"MoELayer: jitter is a multiplicative noise epsilon in [0, 1); got {jitter}")
+    if shared_ffn_dim < 0:
+        raise ValueError(f"MoELayer: shared_ffn_dim must be >= 0 (0 = no shared expert); got {shared_ffn_dim}")
+    for name, f in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                    ("bias_update_rate", bias_update_rate)):
+        if not (f >= 0.0 and math.isfinite(f)):
+            raise ValueError(f"MoELayer: {name} must be a finite number >= 0; got {f}")
+    if not init_std > 0:
+        raise ValueError(f"MoELayer: init_std must be positive; got {init_std}")
+
+
+class MoELayer(nn.Module):
+    """Drop-in MoE block over (..., dim) tensors: top-k routed SwiGLU experts (+ optional shared expert).
+
+    After each forward: `.aux_loss` (coefficient-weighted load-balancing + z loss, fp32 scalar) and
+    `.last_stats` (`RoutingStats` of that forward). Training forwards also accumulate into the step's
+    statistics, which the trainer reads once per step with `take_stats()`.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, capacity_factor: float | None = None,
+                 *, drop_policy: Literal["probs", "position"] = "probs",
+                 gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk",
+                 router: Literal["linear", "mlp_tanh"] = "linear", adaptive_threshold: float | None = None,
+                 jitter: float = 0.0, score_scale: float = 1.0, shared_ffn_dim: int = 0,
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
+                 kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02) -> None:
+        super().__init__()
+        _check_args(dim, ffn_dim, num_experts, top_k, router, jitter, shared_ffn_dim, aux_loss_coef,
+                    z_loss_coef, bias_update_rate, init_std)
+        self.spec = GateSpec(num_experts=num_experts, top_k=top_k, gate=gate, adaptive_threshold=adaptive_threshold,
+                             capacity_factor=capacity_factor, drop_policy=drop_policy, score_scale=score_scale)
+        self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
+        self.router, self.jitter, self.init_std = router, jitter, init_std
+        self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        if router == "mlp_tanh":
+            self.gate_out = nn.Linear(num_experts, num_experts, bias=False)  # LLaMA-MoE v1: G2 tanh(G1 x)
+        self.experts = SwiGLUExperts(num_experts, dim, ffn_dim, kernel)
+        self.shared_expert = SharedExpert(dim, shared_ffn_dim) if shared_ffn_dim > 0 else None
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        else:
+            self.expert_bias = None
+        self.aux_loss: torch.Tensor = torch.zeros(())
+        self.last_stats: RoutingStats | None = None
+        self.last_routing: Routing | None = None
+        self._step_stats: RoutingStats | None = None
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> MoELayer:
+        """The block `cfg.moe` describes, at `cfg.model.dim`, experts `cfg.expert_ffn_dim` wide."""
+        moe = cfg.moe
+        shared = 0
+        if moe.shared_experts > 0:
+            shared = moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim
+        return cls(cfg.model.dim, cfg.expert_ffn_dim, moe.num_experts, moe.top_k, moe.capacity_factor,
+                   drop_policy=moe.drop_policy, gate=moe.gate, router=moe.router,
+                   adaptive_threshold=moe.adaptive_threshold, jitter=moe.jitter, score_scale=moe.score_scale,
+                   shared_ffn_dim=shared, aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
+                   bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std)
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for the router and every expert weight; the selection bias back to zero."""
+        for p in self.parameters():
+            nn.init.normal_(p, mean=0.0, std=self.init_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    # ---- the four steps -------------------------------------------------------------------------------
+
+    def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] in the input's dtype (Switch jitter on the router input while training)."""
+        if self.training and self.jitter > 0:
+            noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            x_TD = x_TD * noise
+        logits_TE = self.gate(x_TD)
+        if self.router == "mlp_tanh":
+            logits_TE = self.gate_out(torch.tanh(logits_TE))
+        return logits_TE
+
+    def route(self, x_TD: torch.Tensor) -> Routing:
+        """The routing decision for tokens x_TD (selection bias applied to the choice only)."""
+        return route(self.router_logits(x_TD), self.spec, self.expert_bias)
+
+    def plan(self, r: Routing) -> DispatchPlan:
+        return make_plan(r.indices_TK, r.active_TK, self.num_experts)
+
+    def expert_forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return self.experts(x_ND, plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoELayer: expected input (..., {self.dim}); got shape {tuple(x.shape)}")
+        x_TD = x.reshape(-1, self.dim)
+        r = self.route(x_TD)
+        plan = self.plan(r)
+        y_ND = self.expert_forward(dispatch(x_TD, plan), plan)
+        out_TD = combine(y_ND, plan, r.weights_TK)
+        if self.shared_expert is not None:
+            out_TD = out_TD + self.shared_expert(x_TD)
+        self._record(r)
+        return out_TD.view(x.shape).to(x.dtype)
+
+    # ---- losses and statistics --------------------------------------------------------------------------
+
+    def _record(self, r: Routing) -> None:
+        stats = RoutingStats.from_routing(r)
+        self.last_routing, self.last_stats = r, stats
+        self.aux_loss = self._losses(r, stats)
+        if self.training and torch.is_grad_enabled():
+            self._step_stats = stats.clone() if self._step_stats is None else self._step_stats.add(stats)
+
+    def _losses(self, r: Routing, stats: RoutingStats) -> torch.Tensor:
+        aux = r.logits_TE.new_zeros(())
+        if self.aux_loss_coef > 0:
+            if self.spec.adaptive_threshold is not None:
+                # Adaptive Gating Eq. 5.4: f counts top-1 decisions only (every token's first choice).
+                counts_E = assignment_counts(r.indices_TK[:, :1], None, self.num_experts)
+            else:
+                counts_E = stats.routed_E
+            aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
+        if self.z_loss_coef > 0:
+            aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
+        return aux
+
+    def take_stats(self) -> RoutingStats:
+        """Statistics accumulated by training forwards since the last call (then reset); no host sync."""
+        stats = self._step_stats
+        self._step_stats = None
+        if stats is None:
+            stats = RoutingStats.zeros(self.num_experts, self.top_k, self.gate.weight.device)
+        return stats
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3); call once per optimizer step with the step's
+        globally reduced gate assignments per expert (e.g. `take_stats().routed_E`, all-reduced)."""
+        if self.expert_bias is None:
+            raise ValueError("MoELayer.update_bias: bias_update_rate is 0, so there is no selection bias to "
+                             "update; build the layer with bias_update_rate > 0")
+        if counts_E.shape != (self.num_experts,):
+            raise ValueError(f"MoELayer.update_bias: counts_E must have shape ({self.num_experts},); "
+                             f"got {tuple(counts_E.shape)}")
+        update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, experts={s.num_experts}, top_k={s.top_k}, gate={s.gate}, "
+                f"router={self.router}, capacity_factor={s.capacity_factor}, adaptive={s.adaptive_threshold}")
