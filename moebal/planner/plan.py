@@ -52,7 +52,8 @@ class ExpertPlacement:
         for e, (o, reps) in enumerate(zip(self.owner, self.replicas)):
             if not 0 <= o < R:
                 raise ValueError(f"expert {e}: owner rank {o} outside 0..{R - 1}")
-            if list(reps) != sorted(set(reps)) or o in reps or any(not 0 <= r < R for r in reps):
+            # sorted-and-unique first, so the range check needs only the ends (planners build ~R*E entries)
+            if list(reps) != sorted(set(reps)) or o in reps or (reps and not 0 <= reps[0] <= reps[-1] < R):
                 raise ValueError(f"expert {e}: replicas {reps} must be sorted, unique, in 0..{R - 1}, "
                                  f"and must not include the owner {o}")
 
