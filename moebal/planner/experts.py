@@ -78,8 +78,9 @@ def check_counts(counts_RE: Any, owner: Sequence[int] | None = None, cost: MoELa
     try:
         c_RE = np.asarray(counts_RE, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ConfigError("routing counts must be a rectangular R x E matrix of numbers "
-                          "(ranks x experts); got a ragged or non-numeric value") from None
+        raise ConfigError(f"routing counts must be a rectangular R x E matrix of numbers (ranks x experts) on the "
+                          f"host; got a ragged or non-numeric {type(counts_RE).__name__} (a device tensor: .cpu())"
+                          ) from None
     if c_RE.ndim != 2 or c_RE.shape[0] < 1 or c_RE.shape[1] < 1:
         raise ConfigError(f"routing counts must be a 2-D R x E matrix (ranks x experts); got shape {c_RE.shape}")
     R, E = c_RE.shape
