@@ -103,6 +103,8 @@ class _SwiGLUExperts(torch.autograd.Function):
 def swiglu_experts(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
                    plan: DispatchPlan, kernel: KernelName) -> torch.Tensor:
     """y_ND = w2[e](silu(w1[e] x) * w3[e] x) for each row's expert e (rows grouped as in `plan`)."""
+    if x_ND.shape[0] == 0:
+        kernel = "loop"  # grouped_mm rejects an empty operand; the loop yields empty rows and zero gradients
     return _SwiGLUExperts.apply(x_ND, w1_EFD, w3_EFD, w2_EDF, plan, kernel)
 
 

@@ -243,3 +243,13 @@ def test_bad_input_shape_raises() -> None:
         layer(torch.randn(3, 7))
     with pytest.raises(ValueError, match="bias_update_rate"):
         layer.update_bias(torch.zeros(4))
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+def test_empty_input(kernel: str) -> None:
+    layer = MoELayer(8, 16, 4, 2, kernel=kernel)
+    x = torch.randn(0, 8, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 8) and layer.experts.w1.grad is not None and layer.experts.w1.grad.abs().sum() == 0
+    assert layer.last_stats is not None and layer.last_stats.read()["tokens"] == 0

@@ -1,0 +1,334 @@
+"""`moebal bench TARGET`: micro-benchmarks that write JSON (and a PNG) next to the figures they print.
+
+Targets are registered in TARGETS (name -> module, help). A target's module defines
+`add_<name>_arguments(parser)` and `run_<name>(args) -> int`; it is imported only to build the parser.
+`layer` (the MoE layer against the dense compute limit) lives here; more targets plug in with one line each.
+
+`layer` times forward + backward of one MoE layer against
+  dense    a SwiGLU MLP over the same K * T rows (the compute limit for the same work),
+  moebal   `moebal.MoELayer` (sort-based dispatch, fused grouped SwiGLU experts),
+  loop     a per-expert Python loop as in HF Mixtral's sparse block (index_select, MLP, index_add),
+  tutel    Tutel's dropless `moe_layer` when `tutel` is importable (recorded as skipped otherwise),
+under balanced and skewed routing (router logits biased by -1.5 * log(expert rank)), dropless, in fp32 and bf16.
+Methods run interleaved in one process, so ratios are measured side by side.
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGETS: dict[str, tuple[str, str]] = {
+    "layer": ("moebal.commands.bench", "MoE layer forward+backward against a dense SwiGLU, a per-expert loop, Tutel"),
+}
+
+DTYPES = ("fp32", "bf16")
+ROUTINGS = ("balanced", "skewed")
+SKEW = 1.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(_bench_parser=parser)
+    sub = parser.add_subparsers(dest="target", metavar="TARGET")
+    for name, (module, help_) in TARGETS.items():
+        if importlib.util.find_spec(module) is None:
+            continue
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_bench_target=(module, name))
+        getattr(importlib.import_module(module), f"add_{name}_arguments")(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    target = getattr(args, "_bench_target", None)
+    if target is None:
+        args._bench_parser.print_help(sys.stderr)
+        return 2
+    module, name = target
+    return int(getattr(importlib.import_module(module), f"run_{name}")(args) or 0)
+
+
+# ---- moebal bench layer ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerShape:
+    tokens: int = 2048
+    dim: int = 512
+    ffn: int = 1024
+    experts: int = 8
+    top_k: int = 2
+
+
+QUICK = LayerShape(tokens=256, dim=128, ffn=256, experts=8, top_k=2)
+
+
+def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+    full = LayerShape()
+    p.add_argument("--quick", action="store_true",
+                   help=f"small shapes ({QUICK.tokens} tokens, dim {QUICK.dim}, ffn {QUICK.ffn}) and few repeats")
+    p.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    p.add_argument("--png", metavar="FILE", help="write a bar chart of the ratios to dense")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--tokens", type=int, default=None, help=f"tokens per call (default {full.tokens})")
+    p.add_argument("--dim", type=int, default=None, help=f"model dim (default {full.dim})")
+    p.add_argument("--ffn", type=int, default=None, help=f"expert hidden dim (default {full.ffn})")
+    p.add_argument("--experts", type=int, default=None, help=f"experts (default {full.experts})")
+    p.add_argument("--top-k", type=int, default=None, help=f"experts per token (default {full.top_k})")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of fp32,bf16")
+    p.add_argument("--routings", default=",".join(ROUTINGS), help="comma list of balanced,skewed")
+    p.add_argument("--kernels", action="store_true",
+                   help="also time moebal with each expert kernel forced (loop, grouped_mm)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per method (default 9, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per method first (default 2, quick 1)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    from moebal.errors import ConfigError
+
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise ConfigError(f"{flag}: expected a comma list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def run_layer(args: argparse.Namespace) -> int:
+    import torch
+
+    from moebal.errors import ConfigError
+    from moebal.kernels.bench import environment
+
+    base = QUICK if args.quick else LayerShape()
+    shape = LayerShape(tokens=args.tokens or base.tokens, dim=args.dim or base.dim, ffn=args.ffn or base.ffn,
+                       experts=args.experts or base.experts, top_k=args.top_k or base.top_k)
+    if min(shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k) < 1 or shape.top_k > shape.experts:
+        raise ConfigError(f"bench layer: sizes must be >= 1 and top_k <= experts; got {shape}")
+    if args.threads < 1:
+        raise ConfigError(f"bench layer: --threads must be >= 1; got {args.threads}")
+    dtypes = _choices(args.dtypes, DTYPES, "--dtypes")
+    routings = _choices(args.routings, ROUTINGS, "--routings")
+    repeats = args.repeats or (3 if args.quick else 9)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    torch.set_num_threads(args.threads)
+    records: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        for routing in routings:
+            records += _bench_case(shape, dtype, routing, args, repeats, warmup)
+    result = {"benchmark": "moe_layer_fwd_bwd", "env": environment(), "shape": shape.__dict__,
+              "threads": args.threads, "repeats": repeats, "warmup": warmup, "records": records}
+    _print_table(records)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.png:
+        _plot(records, shape, args.threads, args.png)
+    return 0
+
+
+def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse.Namespace,
+                repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """One (dtype, routing) group: every method interleaved in the same timing loop."""
+    import torch
+
+    from moebal.kernels.bench import time_interleaved
+
+    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    torch.manual_seed(args.seed)
+    methods, info, skipped = _build_methods(shape, dtype, routing, args.kernels)
+    timings = time_interleaved(methods, warmup=warmup, repeats=repeats)
+    dense = timings["dense"].median
+    common = {"routing": routing, "dtype": dtype_name, "threads": torch.get_num_threads(), **shape.__dict__,
+              "capacity_factor": None}
+    records = []
+    for name, t in timings.items():
+        records.append({"method": name, **common, "median_s": t.median, "min_s": t.min, "max_s": t.max,
+                        "repeats": t.repeats, "ratio_to_dense": t.median / dense, **info.get(name, {})})
+    for name, reason in skipped.items():
+        records.append({"method": name, **common, "skipped": reason})
+    return records
+
+
+def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool
+                   ) -> tuple[dict[str, Callable[[], None]], dict[str, dict[str, Any]], dict[str, str]]:
+    import torch
+
+    from moebal.models.moe import MoELayer
+
+    T, D, F_, E, K = shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k
+    layer = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0).to(dtype)
+    if routing == "skewed":
+        bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(E)])
+        layer.gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.dtype))
+    x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
+    g_TD = torch.randn(T, D, dtype=dtype)
+    methods: dict[str, Callable[[], None]] = {"dense": _dense_method(K * T, D, F_, dtype)}
+    methods["moebal"] = _module_method(layer, x_TD, g_TD)
+    layer(x_TD)
+    stats = layer.last_stats.read()  # type: ignore[union-attr]
+    info = {"moebal": {"kernel": layer.experts.resolve_kernel(K * T, dtype), "imbalance": stats["imbalance"],
+                       "max_load": stats["max_load"], "mean_load": stats["mean_load"]}}
+    if with_kernels:
+        for kernel in ("loop", "grouped_mm"):
+            forced = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0, kernel=kernel).to(dtype)
+            forced.load_state_dict(layer.state_dict())
+            forced.gate = layer.gate  # same router, same skew hook
+            methods[f"moebal_{kernel}"] = _module_method(forced, x_TD, g_TD)
+    methods["loop"] = _module_method(HFLoopBlock(layer), x_TD, g_TD)
+    skipped: dict[str, str] = {}
+    tutel = _tutel_method(shape, dtype, x_TD, g_TD, routing)
+    if isinstance(tutel, str):
+        skipped["tutel"] = tutel
+    else:
+        methods["tutel"] = tutel
+        info["tutel"] = {"note": "Tutel's ffn expert is fc1-act-fc2 (2 matrices, not SwiGLU's 3)"}
+    return methods, info, skipped
+
+
+def _module_method(module: Any, x_TD: Any, g_TD: Any) -> Callable[[], None]:
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        x_TD.grad = None
+        module(x_TD).backward(g_TD)
+
+    return step
+
+
+def _dense_method(rows: int, dim: int, ffn: int, dtype: Any) -> Callable[[], None]:
+    """SwiGLU over the K * T dispatched rows with one weight set: the same FLOPs as the MoE experts."""
+    import torch
+    import torch.nn.functional as F
+
+    w1, w3 = (torch.randn(ffn, dim) * 0.02).to(dtype), (torch.randn(ffn, dim) * 0.02).to(dtype)
+    w2 = (torch.randn(dim, ffn) * 0.02).to(dtype)
+    params = [p.requires_grad_() for p in (w1, w3, w2)]
+    x_ND = torch.randn(rows, dim, dtype=dtype, requires_grad=True)
+    g_ND = torch.randn(rows, dim, dtype=dtype)
+
+    def step() -> None:
+        for p in (*params, x_ND):
+            p.grad = None
+        F.linear(F.silu(F.linear(x_ND, w1)) * F.linear(x_ND, w3), w2).backward(g_ND)
+
+    return step
+
+
+class HFLoopBlock:
+    """HF Mixtral's sparse block: softmax, top-k, renormalise, then for each expert index the tokens, run
+    its MLP and index_add the weighted output. Per-expert Linear weights, like HF's ModuleList."""
+
+    def __init__(self, layer: Any) -> None:
+        import torch
+        from torch import nn
+
+        self.gate, self.top_k, self.num_experts = layer.gate, layer.top_k, layer.num_experts
+        ex = layer.experts
+        self.experts = nn.ModuleList()
+        for e in range(layer.num_experts):
+            m = nn.Module()
+            m.w1, m.w3, m.w2 = (nn.Linear(1, 1, bias=False) for _ in range(3))
+            m.w1.weight, m.w3.weight = nn.Parameter(ex.w1[e].detach().clone()), nn.Parameter(ex.w3[e].detach().clone())
+            m.w2.weight = nn.Parameter(ex.w2[e].detach().clone())
+            self.experts.append(m)
+        self._torch = torch
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.gate.zero_grad(set_to_none=set_to_none)
+        self.experts.zero_grad(set_to_none=set_to_none)
+
+    def __call__(self, x_TD: Any) -> Any:
+        torch = self._torch
+        F = torch.nn.functional
+        probs_TE = torch.softmax(self.gate(x_TD).float(), dim=-1)
+        w_TK, idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        w_TK = (w_TK / w_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        out_TD = torch.zeros_like(x_TD)
+        mask_EKT = F.one_hot(idx_TK, self.num_experts).permute(2, 1, 0)
+        for e, m in enumerate(self.experts):
+            j, t = torch.where(mask_EKT[e])
+            h = x_TD[t]
+            y = m.w2(F.silu(m.w1(h)) * m.w3(h)) * w_TK[t, j, None]
+            out_TD.index_add_(0, t, y)
+        return out_TD
+
+
+def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: str) -> Callable[[], None] | str:
+    """Tutel's dropless layer (capacity_factor 0: every expert padded to the largest load), if importable."""
+    if importlib.util.find_spec("tutel") is None:
+        return "tutel is not importable here (not installable on this machine: no CPU wheel for torch 2.13)"
+    try:
+        from tutel import moe as tutel_moe
+
+        layer = tutel_moe.moe_layer(
+            gate_type={"type": "top", "k": shape.top_k, "capacity_factor": 0.0},
+            model_dim=shape.dim,
+            experts={"type": "ffn", "count_per_node": shape.experts, "hidden_size_per_expert": shape.ffn},
+        ).to(dtype)
+        if routing == "skewed":
+            import torch
+
+            bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(shape.experts)])
+            for gate in layer.gates:
+                gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.dtype))
+    except Exception as e:  # an optional third-party backend: record why it could not run
+        return f"tutel failed to build: {type(e).__name__}: {e}"
+    x_1TD = x_TD.detach().unsqueeze(0).requires_grad_()
+    g_1TD = g_TD.unsqueeze(0)
+
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        x_1TD.grad = None
+        layer(x_1TD).backward(g_1TD)
+
+    return step
+
+
+def _print_table(records: list[dict[str, Any]]) -> None:
+    print(f"{'dtype':5} {'routing':9} {'method':18} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x dense':>8}")
+    for r in records:
+        if "skipped" in r:
+            print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} skipped: {r['skipped']}")
+            continue
+        print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} "
+              f"{r['max_s'] * 1e3:8.1f} {r['ratio_to_dense']:8.2f}")
+
+
+def _plot(records: list[dict[str, Any]], shape: LayerShape, threads: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in records if "skipped" not in r]
+    groups = list(dict.fromkeys((r["dtype"], r["routing"]) for r in timed))
+    methods = list(dict.fromkeys(r["method"] for r in timed))
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(groups), 4.2))
+    for i, method in enumerate(methods):
+        xs, ys = [], []
+        for g, (dt, rt) in enumerate(groups):
+            hit = [r for r in timed if r["method"] == method and r["dtype"] == dt and r["routing"] == rt]
+            if hit:
+                xs.append(g + (i - (len(methods) - 1) / 2) * width)
+                ys.append(hit[0]["ratio_to_dense"])
+        bars = ax.bar(xs, ys, width, label=method)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), [f"{dt}\n{rt}" for dt, rt in groups])
+    ax.set_ylabel("forward+backward time / dense SwiGLU")
+    ax.set_title(f"MoE layer, {shape.tokens} tokens, dim {shape.dim}, ffn {shape.ffn}, "
+                 f"{shape.experts} experts, top-{shape.top_k}, dropless, {threads} threads", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,130 @@
+"""Kernels against plain references: the dispatch plan, dispatch/combine, fused SwiGLU experts, timing helper.
+
+Shape legend: T tokens, K top_k, E experts, N dispatched rows, D dim, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moebal.kernels import (
+    KERNELS,
+    choose_kernel,
+    combine,
+    dispatch,
+    make_plan,
+    reference_experts,
+    swiglu_experts,
+    time_interleaved,
+)
+from moebal.kernels.experts import grouped_mm_supports
+
+
+def test_plan_by_hand() -> None:
+    idx_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    plan = make_plan(idx_TK, None, 4)
+    assert plan.counts_E.tolist() == [2, 2, 2, 0]
+    assert plan.order_N.tolist() == [1, 2, 3, 5, 0, 4]  # flat t * K + j, grouped by expert, token order kept
+    assert plan.token_N.tolist() == [0, 1, 1, 2, 0, 2]
+    assert plan.offsets().tolist() == [2, 4, 6, 6]
+    active_TK = torch.tensor([[True, False], [True, True], [False, True]])
+    plan = make_plan(idx_TK, active_TK, 4)
+    assert plan.counts_E.tolist() == [1, 2, 1, 0]
+    assert plan.token_N.tolist() == [1, 1, 2, 0]
+
+
+def test_dispatch_and_combine_against_dense_formula() -> None:
+    torch.manual_seed(0)
+    T, K, E, D = 5, 2, 3, 4
+    idx_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    active_TK = torch.rand(T, K) > 0.3
+    w_TK = torch.rand(T, K, dtype=torch.float64, requires_grad=True)
+    x_TD = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    plan = make_plan(idx_TK, active_TK, E)
+    scale_E = torch.arange(1.0, E + 1, dtype=torch.float64)
+    expert_N = idx_TK.reshape(-1)[plan.order_N]
+    out_TD = combine(dispatch(x_TD, plan) * scale_E[expert_N, None], plan, w_TK)
+    ref_TD = ((w_TK * active_TK * scale_E[idx_TK]).sum(-1, keepdim=True)) * x_TD
+    torch.testing.assert_close(out_TD, ref_TD)
+    assert torch.autograd.gradcheck(
+        lambda x, w: combine(dispatch(x, plan) * scale_E[expert_N, None], plan, w), (x_TD, w_TK))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_experts_match_autograd_reference(kernel: str) -> None:
+    torch.manual_seed(1)
+    E, D, F = 4, 8, 12
+    idx_T1 = torch.tensor([[0], [3], [3], [0], [3], [1], [0]])  # expert 2 empty
+    plan = make_plan(idx_T1, None, E)
+    x = torch.randn(7, D)
+    ws = [torch.randn(E, F, D) * 0.3, torch.randn(E, F, D) * 0.3, torch.randn(E, D, F) * 0.3]
+    g = torch.randn(7, D)
+    outs = {}
+    for name, fn in (("fused", lambda *a: swiglu_experts(*a, plan, kernel)), ("ref", lambda *a: reference_experts(
+            *a, plan))):
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        y = fn(*leaves)
+        y.backward(g)
+        outs[name] = (y.detach(), *[t.grad for t in leaves])
+    for a, b in zip(outs["fused"], outs["ref"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert outs["fused"][3][2].abs().sum() == 0  # empty expert: zero gradient
+
+
+def test_fused_experts_gradcheck_float64() -> None:
+    torch.manual_seed(2)
+    plan = make_plan(torch.tensor([[1], [0], [1], [1]]), None, 3)
+    args = [torch.randn(4, 3, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, 5, 3, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, 5, 3, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, 3, 5, dtype=torch.float64, requires_grad=True)]
+    assert torch.autograd.gradcheck(lambda *a: swiglu_experts(*a, plan, "loop"), args)
+
+
+@settings(max_examples=12, deadline=None)
+@given(counts=st.lists(st.integers(0, 9), min_size=1, max_size=6), data=st.data())
+def test_grouped_mm_equals_loop(counts: list[int], data: st.DataObject) -> None:
+    D, F = data.draw(st.sampled_from([4, 8])), data.draw(st.sampled_from([4, 12]))
+    E = len(counts)
+    idx_T1 = torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).unsqueeze(1)
+    idx_T1 = idx_T1[torch.randperm(idx_T1.shape[0], generator=torch.Generator().manual_seed(sum(counts)))]
+    plan = make_plan(idx_T1, None, E)
+    gen = torch.Generator().manual_seed(E * 13 + D)
+    x = torch.randn(idx_T1.shape[0], D, generator=gen)
+    ws = [torch.randn(E, F, D, generator=gen), torch.randn(E, F, D, generator=gen), torch.randn(E, D, F, generator=gen)]
+    results = []
+    for kernel in KERNELS:
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        y = swiglu_experts(*leaves, plan, kernel)
+        y.sum().backward()
+        results.append((y.detach(), *[t.grad for t in leaves]))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_choose_kernel_is_valid_and_cached() -> None:
+    small = choose_kernel(16, 8, 8, 4, torch.float32, torch.device("cpu"))
+    assert small == "loop"  # tiny problems skip the measurement on CPU
+    a = choose_kernel(1000, 64, 128, 4, torch.float32, torch.device("cpu"))
+    b = choose_kernel(1024, 64, 128, 4, torch.float32, torch.device("cpu"))  # same power-of-two bucket
+    assert a in KERNELS and a == b
+    assert grouped_mm_supports(64, 128, torch.float32) and not grouped_mm_supports(6, 128, torch.float32)
+    odd = choose_kernel(4096, 130, 130, 2, torch.bfloat16, torch.device("cpu"))  # 260-byte rows: loop only
+    assert odd == "loop"
+
+
+def test_time_interleaved_counts_calls_and_orders_stats() -> None:
+    calls = {"a": 0, "b": 0}
+
+    def make(name: str):
+        def fn() -> None:
+            calls[name] += 1
+        return fn
+
+    out = time_interleaved({"a": make("a"), "b": make("b")}, warmup=2, repeats=5)
+    assert calls == {"a": 7, "b": 7}
+    for t in out.values():
+        assert t.repeats == 5 and 0 <= t.min <= t.median <= t.max

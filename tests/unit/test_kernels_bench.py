@@ -1,0 +1,33 @@
+"""`moebal bench layer` end to end on a tiny shape: JSON records and PNG are written and self-consistent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moebal.cli import main
+
+
+def test_bench_layer_writes_json_and_png(tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "layer", "--tokens", "32", "--dim", "16", "--ffn", "16", "--experts", "4", "--repeats", "1",
+               "--warmup", "0", "--threads", "1", "--json", str(out), "--png", str(png)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["env"]["torch"] and data["shape"]["tokens"] == 32
+    timed = [r for r in data["records"] if "skipped" not in r]
+    groups = {(r["dtype"], r["routing"]) for r in timed}
+    assert groups == {("fp32", "balanced"), ("fp32", "skewed"), ("bf16", "balanced"), ("bf16", "skewed")}
+    for r in timed:
+        assert r["median_s"] > 0 and r["threads"] == 1 and r["top_k"] == 2
+        if r["method"] == "dense":
+            assert r["ratio_to_dense"] == 1.0
+    assert {r["method"] for r in timed} >= {"dense", "moebal", "loop"}
+    skew = [r for r in timed if r["method"] == "moebal" and r["routing"] == "skewed"]
+    assert all(r["imbalance"] > 1.5 for r in skew)  # the skew really skews
+    assert png.stat().st_size > 0
+
+
+def test_bench_layer_rejects_bad_lists(capsys) -> None:
+    assert main(["bench", "layer", "--dtypes", "fp16"]) == 2
+    assert "fp32, bf16" in capsys.readouterr().err
