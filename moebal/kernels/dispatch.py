@@ -94,9 +94,7 @@ class _Combine(torch.autograd.Function):
         g_ND = g_TD.index_select(0, token_N)
         g_w = None
         if ctx.needs_input_grad[1]:
-            g_w = torch.linalg.vecdot(g_ND.float(), y_ND.float()) if g_ND.dtype != torch.float32 \
-                else torch.linalg.vecdot(g_ND, y_ND)
-            g_w = g_w.to(ctx.w_dtype)
+            g_w = torch.linalg.vecdot(g_ND, y_ND).to(ctx.w_dtype)  # in the hidden dtype, as autograd would
         g_y = g_ND.mul_(w_N1) if ctx.needs_input_grad[0] else None
         return g_y, g_w, None, None
 

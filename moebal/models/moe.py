@@ -10,7 +10,7 @@ N dispatched rows (one per active assignment), S shared-expert hidden dim.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,10 +57,21 @@ class SwiGLUExperts(nn.Module):
         return choose_kernel(rows, D, F_, E, dtype, self.w1.device)
 
     def forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        w1, w3, w2 = self.w1, self.w3, self.w2
-        if x_ND.dtype != w1.dtype:  # autocast or a low-precision input: compute in the input's dtype
+        return self.compute(x_ND, self.w1, self.w3, self.w2, plan)
+
+    def compute(self, x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                plan: DispatchPlan) -> torch.Tensor:
+        """The grouped SwiGLU with given stacked weights (an expert-parallel dispatcher passes the experts
+        present on its rank: owned slices and replicas)."""
+        if torch.is_autocast_enabled(x_ND.device.type):
+            x_ND = x_ND.to(torch.get_autocast_dtype(x_ND.device.type))
+        if x_ND.dtype != w1.dtype:  # autocast or a low-precision input: compute in the rows' dtype
             w1, w3, w2 = w1.to(x_ND.dtype), w3.to(x_ND.dtype), w2.to(x_ND.dtype)
-        return swiglu_experts(x_ND, w1, w3, w2, plan, self.resolve_kernel(x_ND.shape[0], x_ND.dtype))
+        kernel = self.resolve_kernel(x_ND.shape[0], x_ND.dtype)
+        # The fused kernel writes into preallocated buffers (`out=`), which autocast would silently leave in
+        # fp32: the dtype is decided above, explicitly, and autocast is off inside.
+        with torch.autocast(x_ND.device.type, enabled=False):
+            return swiglu_experts(x_ND, w1, w3, w2, plan, kernel)
 
 
 class SharedExpert(nn.Module):
@@ -130,6 +141,8 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
+        self.dispatcher: Any = None  # None: every expert on this device (the no-communication path)
+        self.stats_reducer: Any = None  # sums statistics over data-parallel ranks (None: this device only)
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
         self.last_routing: Routing | None = None
@@ -183,9 +196,15 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: expected input (..., {self.dim}); got shape {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.dim)
         r = self.route(x_TD)
-        plan = self.plan(r)
-        y_ND = self.expert_forward(dispatch(x_TD, plan), plan)
-        out_TD = combine(y_ND, plan, r.weights_TK)
+        if self.dispatcher is not None:
+            out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
+        else:
+            plan = self.plan(r)
+            x_c = x_TD
+            if torch.is_autocast_enabled(x.device.type):  # cast before the gather: half the bytes to move
+                x_c = x_TD.to(torch.get_autocast_dtype(x.device.type))
+            y_ND = self.expert_forward(dispatch(x_c, plan), plan)
+            out_TD = combine(y_ND, plan, r.weights_TK)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         self._record(r)
@@ -208,10 +227,23 @@ class MoELayer(nn.Module):
                 counts_E = assignment_counts(r.indices_TK[:, :1], None, self.num_experts)
             else:
                 counts_E = stats.routed_E
-            aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
+            if self.stats_reducer is None:
+                aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
+            else:
+                aux = aux + self.aux_loss_coef * self._global_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
         return aux
+
+    def _global_balancing_loss(self, probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """`load_balancing_loss` over every rank's tokens: f from the summed counts, P from the summed
+        probabilities (the sum carries the gradient back to each rank's own tokens)."""
+        red = self.stats_reducer
+        counts_E = red.sum(counts_E.clone())
+        tokens = red.sum(torch.tensor([float(probs_TE.shape[0])], device=probs_TE.device))
+        P_E = red.sum_grad(probs_TE.sum(dim=0)) / tokens
+        f_E = counts_E.to(P_E.dtype) / counts_E.sum().clamp(min=1).to(P_E.dtype)
+        return self.num_experts * torch.sum(f_E * P_E)
 
     def take_stats(self) -> RoutingStats:
         """Statistics accumulated by training forwards since the last call (then reset); no host sync."""
@@ -232,6 +264,25 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer.update_bias: counts_E must have shape ({self.num_experts},); "
                              f"got {tuple(counts_E.shape)}")
         update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
+
+    # ---- parallelism hooks (set from outside by moebal.dist; the layer itself stays single-device) ----------
+
+    def set_dispatcher(self, dispatcher: Any) -> None:
+        """Route tokens through `dispatcher.forward(x_TD, routing) -> out_TD` instead of the local experts."""
+        self.dispatcher = dispatcher
+
+    def set_stats_reducer(self, reducer: Any) -> None:
+        """Compute the load-balancing loss from statistics summed over ranks (`reducer.sum(t)` without and
+        `reducer.sum_grad(t)` with a gradient), so it equals the single-process loss over the global batch: a
+        product of means is not a mean of products."""
+        self.stats_reducer = reducer
+
+    def __getstate__(self) -> dict:
+        # The last forward's loss and routing hold autograd graphs, which deepcopy/pickle cannot copy.
+        state = self.__dict__.copy()
+        state["aux_loss"] = torch.zeros(())
+        state["last_routing"] = None
+        return state
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -157,6 +157,7 @@ def test_bf16_and_autocast_close_to_fp32() -> None:
     out16 = low(x.bfloat16())
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), ref, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(out, out16.float(), rtol=0, atol=0)  # autocast really computes in bf16
 
 
 def test_interface_and_from_config() -> None:
@@ -253,3 +254,13 @@ def test_empty_input(kernel: str) -> None:
     out.sum().backward()
     assert out.shape == (0, 8) and layer.experts.w1.grad is not None and layer.experts.w1.grad.abs().sum() == 0
     assert layer.last_stats is not None and layer.last_stats.read()["tokens"] == 0
+
+
+def test_deepcopy_after_forward() -> None:
+    import copy
+
+    layer = MoELayer(8, 16, 4, 2)
+    layer(torch.randn(3, 8))
+    clone = copy.deepcopy(layer)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(clone(x), layer(x))
