@@ -1,0 +1,86 @@
+"""Measure the planner's performance-model coefficients on the running job (a second, at start-up).
+
+The Pro-Prophet planner needs, for one MoE layer: expert throughput (tokens/s), all-to-all bandwidth and
+the bandwidth of the parameter transfer (Trans) and gradient return (Agg). A hardware profile gives them for
+modelled clusters; a live job measures them on its own devices and links with the very operations it runs.
+Every rank measures, then the group agrees on the slowest figure (an all-reduce of the times), so every rank
+plans from identical numbers and computes identical placements.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moebal.dist.expert_parallel import ExpertParallelDispatcher, _group_plan
+from moebal.planner.perf import MoELayerCosts
+
+__all__ = ["measure_layer_costs"]
+
+
+def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5) -> MoELayerCosts:
+    """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step."""
+    ex = d.layer.experts
+    dev, dtype = ex.w1.device, ex.w1.dtype
+    D = ex.w1.shape[2]
+    rows = max(64, tokens)
+    local = len(d.owned)
+    x = torch.randn(rows, D, device=dev, dtype=dtype)
+    counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
+    plan = _group_plan(counts, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def expert_fwd() -> None:
+        with torch.no_grad():
+            ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
+
+    R, group = d.R, d.group
+    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype)
+    out = torch.empty_like(chunk)
+
+    def a2a() -> None:
+        dist.all_to_all_single(out, chunk, group=group)
+
+    flat = d.expert_flat(d.owned[0])
+    recv = torch.empty_like(flat)
+    nxt, prv = d.ep_ranks[(d.r + 1) % R], d.ep_ranks[(d.r - 1) % R]
+
+    def ring() -> None:
+        ops = [dist.P2POp(dist.isend, flat, nxt), dist.P2POp(dist.irecv, recv, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    times = torch.tensor([_median_time(expert_fwd, repeats, sync), _median_time(a2a, repeats, sync),
+                          _median_time(ring, repeats, sync)], dtype=torch.float64, device=dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # every rank plans from the same numbers
+    t_exp, t_a2a, t_ring = times.tolist()
+    elem = x.element_size()
+    a2a_bytes = chunk.numel() * elem * (R - 1) / R
+    return MoELayerCosts(token_bytes=D * elem, expert_param_bytes=flat.numel() * elem,
+                         expert_grad_bytes=flat.numel() * elem, expert_tokens_per_s=rows / t_exp,
+                         a2a_bandwidth=a2a_bytes / t_a2a, trans_bandwidth=flat.numel() * elem / t_ring,
+                         agg_bandwidth=flat.numel() * elem / t_ring, num_ranks=R)
+
+
+def describe(costs: MoELayerCosts) -> dict[str, Any]:
+    """The measured figures in readable units (for logs and benchmark records)."""
+    return {"expert_tokens_per_s": round(costs.expert_tokens_per_s, 1),
+            "a2a_GBps": round(costs.a2a_bw(0) / 1e9, 3), "trans_GBps": round(costs.trans_bandwidth / 1e9, 3),
+            "expert_param_MB": round(costs.expert_param_bytes / 1e6, 3)}
