@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,10 +146,12 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     torch.manual_seed(args.seed)
     methods, info, skipped = _build_methods(shape, dtype, routing, args.kernels)
+    load_before = _loadavg()
     timings = time_interleaved(methods, warmup=warmup, repeats=repeats)
     dense = timings["dense"].median
+    # The machine's 1-minute load around the timing: a shared machine's load is part of the evidence.
     common = {"routing": routing, "dtype": dtype_name, "threads": torch.get_num_threads(), **shape.__dict__,
-              "capacity_factor": None}
+              "capacity_factor": None, "loadavg_before": load_before, "loadavg_after": _loadavg()}
     records = []
     for name, t in timings.items():
         records.append({"method": name, **common, "median_s": t.median, "min_s": t.min, "max_s": t.max,
@@ -156,6 +159,13 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
     for name, reason in skipped.items():
         records.append({"method": name, **common, "skipped": reason})
     return records
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool
