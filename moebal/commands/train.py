@@ -1,0 +1,106 @@
+"""`moebal train [CONFIG] [--steps N] [--out DIR] [--seed S] [--resume] [key=value ...]`.
+
+No CONFIG: the embedded default run (the config defaults; `configs/default.yaml` is their dump). With
+`--resume` and no CONFIG, the run's own `config.yaml` is the base, so `moebal train --out DIR --resume`
+continues exactly the run in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from moebal.config import Config, load
+from moebal.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "summary_lines"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", metavar="CONFIG",
+                   help="YAML config or preset name (default: the embedded default run)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=1e-3")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: train.out_dir/NAME-TIMESTAMP)")
+    p.add_argument("--seed", type=int, help="seed of the run (train.seed)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out DIR from its latest checkpoint")
+    p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint directory instead")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """argparse cannot tell `CONFIG` from a first `key=value`; an item with '=' is always an override."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    return config, overrides
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
+    config, overrides = _split_positionals(args)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    resuming = args.resume or args.resume_from
+    if resuming and not args.out and not args.resume_from:
+        raise ConfigError("--resume needs --out DIR, the run directory to continue")
+    out = Path(args.resume_from).parent if args.resume_from and not args.out else (Path(args.out) if args.out
+                                                                                   else None)
+    if config is None and resuming and out is not None and (out / "config.yaml").is_file():
+        config = str(out / "config.yaml")
+    cfg = load(config, overrides)
+    if out is None:
+        out = Path(cfg.train.out_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, out
+
+
+def summary_lines(r: object) -> list[str]:
+    from moebal.train import RunResult
+    from moebal.train.progress import format_duration
+
+    assert isinstance(r, RunResult)
+    val = "n/a (no validation split)" if r.val_loss is None else f"{r.val_loss:.4f}"
+    ratio = "" if r.val_ratio is None else f" = {r.val_ratio:.3f} x"
+    lines = [
+        f"moebal train: {r.steps} steps in {format_duration(r.wall_seconds)} wall "
+        f"(set-up {r.setup_seconds:.1f} s, training {r.train_seconds:.1f} s), "
+        f"{r.tokens / 1e6:.2f}M tokens at {r.tokens_per_s / 1e3:.1f}k tokens/s",
+        f"  loss (nats/token): train {r.train_loss:.4f} (mean of the last steps), validation {val}",
+        f"  corpus unigram entropy {r.unigram_entropy:.4f}: validation{ratio} entropy, "
+        f"train = {r.train_loss / r.unigram_entropy:.3f} x entropy",
+    ]
+    if r.load_imbalance:
+        per = ", ".join(f"{x:.2f}" for x in r.load_imbalance)
+        lines.append(f"  expert load max/mean per MoE layer (last 10% of steps): {per}; "
+                     f"dropped assignments {r.dropped}")
+    lines.append(f"  run directory: {r.run_dir}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    wall0 = time.perf_counter()
+    cfg, out = resolve_config(args)
+    from moebal.train import Trainer
+
+    if not (args.resume or args.resume_from) and (out / "metrics.jsonl").exists():
+        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    resume: bool | str = args.resume_from or bool(args.resume)
+    trainer = Trainer(cfg, out, resume=resume)
+    stream = sys.stderr
+    stream.write(f"moebal train: {cfg.name}, {trainer.data.corpus.train.n_tokens / 1e6:.1f}M training tokens "
+                 f"({trainer.data.corpus.source}), {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M "
+                 f"parameters, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}\n")
+    result = trainer.train()
+    result.wall_seconds = time.perf_counter() - wall0
+    summary = {"steps": result.steps, "train_loss": result.train_loss, "val_loss": result.val_loss,
+               "unigram_entropy": result.unigram_entropy, "val_ratio": result.val_ratio,
+               "tokens": result.tokens, "tokens_per_s": result.tokens_per_s, "wall_seconds": result.wall_seconds,
+               "train_seconds": result.train_seconds, "setup_seconds": result.setup_seconds,
+               "load_imbalance": result.load_imbalance, "dropped": result.dropped, "run_dir": str(result.run_dir)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(summary) if args.json else "\n".join(summary_lines(result)))
+    return 0

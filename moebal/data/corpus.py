@@ -1,0 +1,221 @@
+"""Corpora: which documents, in which order, split how, as one token array per split.
+
+Shape legend: N = tokens in a split, M = documents in a split (+1 for the offsets array).
+
+The embedded default corpus is this Python's standard library (`sysconfig.get_paths()["stdlib"]`): every
+`*.py` file, in sorted relative-path order, skipping `site-packages` (installed third-party code, 20x the
+size of the stdlib and different on every machine), the `test`/`tests`/`idle_test` packages (50 MB of
+regression tests, much of it generated data) and `__pycache__`. What is left (~730 files, ~12 MB on CPython
+3.11) is ordinary library code. A document goes to validation when a hash of its relative path falls below
+`data.val_fraction`, so the split does not depend on file order, the machine, or the other files present.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moebal.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from moebal.errors import DataError
+
+__all__ = ["Corpus", "Split", "iter_documents", "load_corpus", "stdlib_root", "unigram_entropy", "val_share"]
+
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split as a single token array; document m is tokens_N[offsets_M[m]:offsets_M[m + 1]]."""
+
+    tokens_N: np.ndarray
+    offsets_M: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens_N.shape[0])
+
+    @property
+    def n_docs(self) -> int:
+        return int(self.offsets_M.shape[0] - 1)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A tokenised corpus and what the run summary reports about it."""
+
+    source: str
+    tokenizer: Tokenizer
+    train: Split
+    val: Split
+    n_skipped: int
+    """Files that were not valid UTF-8 and were left out."""
+    split_by: str
+    """'path-hash' (documents by hash of their path) or 'tail' (the fallback for one or two documents)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @functools.cached_property
+    def unigram_entropy(self) -> float:
+        """Nats per token of the training split's token frequencies (the loss of a context-free model)."""
+        return unigram_entropy(self.train.tokens_N, self.vocab_size)
+
+
+def unigram_entropy(tokens_N: np.ndarray, vocab_size: int) -> float:
+    counts = np.bincount(tokens_N.astype(np.int64, copy=False), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / max(counts.sum(), 1.0)
+    return float(-(p * np.log(p)).sum())
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def val_share(name: str) -> float:
+    """A document's position in [0, 1) for the split, from a hash of its name (stable across machines)."""
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+# ---------------------------------------------------------------------------------------------
+# documents: (name, UTF-8 bytes) in a deterministic order
+
+
+def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str]) -> list[Path]:
+    found = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in skip and not x.startswith("."))
+        found.extend(Path(d) / f for f in sorted(files) if f.endswith(suffixes))
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _jsonl_records(path: Path, name: str, data: bytes, text_key: str) -> Iterator[tuple[str, bytes]]:
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}:{lineno}: not a JSON object ({e.__class__.__name__}: {e}); "
+                            f"each line of a .jsonl file must be one JSON record") from None
+        if not isinstance(record, dict) or text_key not in record:
+            keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{path}:{lineno}: no '{text_key}' field (found: {keys}); "
+                            f"set data.text_key to the field holding the text")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{lineno}: field '{text_key}' is {type(text).__name__}, not a string")
+        if text:
+            yield f"{name}:{lineno}", text.encode("utf-8")
+
+
+def iter_documents(source: str, text_key: str = "text") -> Iterator[tuple[str, bytes | None]]:
+    """(name, bytes) per document; bytes is None for a file that is not valid UTF-8 (the caller counts it)."""
+    if source == "stdlib":
+        root, files = stdlib_root(), _walk(stdlib_root(), (".py",), SKIP_DIRS)
+    else:
+        root = Path(source).expanduser()
+        if not root.exists():
+            raise DataError(f"data.source: '{source}' does not exist; give 'stdlib' or a .txt/.jsonl file or folder")
+        if root.is_file():
+            if not root.name.endswith(TEXT_SUFFIXES):
+                raise DataError(f"data.source: '{source}' is neither a .txt nor a .jsonl file")
+            files, root = [root], root.parent
+        else:
+            files = _walk(root, TEXT_SUFFIXES, frozenset({"__pycache__"}))
+    for path in files:
+        name = path.relative_to(root).as_posix()
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+        if name.endswith(".jsonl"):
+            yield from _jsonl_records(path, name, data, text_key)
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            yield name, None
+            continue
+        if data:
+            yield name, data
+
+
+# ---------------------------------------------------------------------------------------------
+# the corpus
+
+
+def load_corpus(source: str = "stdlib", tokenizer: str = "byte", *, text_key: str = "text",
+                val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
+    """The tokenised corpus. Cached per process: a second load of the same corpus costs nothing."""
+    if source != "stdlib":
+        source = str(Path(source).expanduser().resolve())
+    if tokenizer != "byte":
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
+    return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float,
+                 max_bytes: int | None) -> Corpus:
+    tok = load_tokenizer(tokenizer)
+    names, texts, skipped = _read(source, text_key, max_bytes)
+    if skipped:
+        print(f"moebal: skipped {skipped} file(s) of {source} that are not valid UTF-8", file=sys.stderr)
+    if not texts:
+        raise DataError(f"data.source '{source}' holds no text (no non-empty .txt/.jsonl documents"
+                        f"{f', {skipped} undecodable file(s)' if skipped else ''})")
+    docs = tok.encode_many(texts) if isinstance(tok, HFTokenizer) else [tok.encode(t) for t in texts]
+    to_val = [val_share(n) < val_fraction for n in names]
+    split_by = "path-hash"
+    if val_fraction > 0 and (all(to_val) or not any(to_val)):
+        # Too few documents for a hash split (one file, say): hold out the tail of every document instead.
+        split_by = "tail"
+        cut = [len(d) - int(round(len(d) * val_fraction)) for d in docs]
+        train = _join([d[:c] for d, c in zip(docs, cut)], tok)
+        val = _join([d[c:] for d, c in zip(docs, cut)], tok)
+    else:
+        train = _join([d for d, v in zip(docs, to_val) if not v], tok)
+        val = _join([d for d, v in zip(docs, to_val) if v], tok)
+    if train.n_tokens < 2:
+        raise DataError(f"data.source '{source}': the training split has {train.n_tokens} token(s); add text")
+    return Corpus(source=source, tokenizer=tok, train=train, val=val, n_skipped=skipped, split_by=split_by)
+
+
+def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str], list[bytes], int]:
+    names: list[str] = []
+    texts: list[bytes] = []
+    skipped = total = 0
+    for name, data in iter_documents(source, text_key):
+        if data is None:
+            skipped += 1
+            continue
+        if max_bytes is not None and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+            data = data.decode("utf-8", errors="ignore").encode("utf-8")  # never cut inside a character
+        if data:
+            names.append(name)
+            texts.append(data)
+            total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return names, texts, skipped
+
+
+def _join(docs: list[np.ndarray], tok: Tokenizer) -> Split:
+    docs = [d for d in docs if len(d)]
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.concatenate(docs).astype(tok.dtype, copy=False) if docs else np.zeros(0, dtype=tok.dtype)
+    return Split(tokens_N=tokens, offsets_M=offsets)

@@ -1,0 +1,183 @@
+"""Training samples from a tokenised split: packed blocks or variable-length documents, in batches.
+
+Shape legend: B = batch, T = sequence (seq_len in packed mode, the batch's longest sample in document mode),
+S = samples in an epoch, N = tokens in the split.
+
+Both samplers are pure functions of (split, seq_len, batch size, seed) and a position (epoch, index): the
+epoch's order and packing offset come from `numpy.random.default_rng([seed, epoch])`, so the loader state is
+two integers plus the seed, and a resumed run reads exactly the batches the uninterrupted run would have.
+Labels are the inputs shifted by one token (`labels[t] = token[t + 1]`); padding positions carry label -100,
+which the model's loss ignores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebal.config import Config
+from moebal.data.corpus import Corpus, Split, load_corpus
+from moebal.errors import DataError
+
+__all__ = ["Batch", "DataBundle", "DocumentSampler", "PackedSampler", "build_data", "eval_batches"]
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Model inputs and next-token labels; `n_tokens` counts the positions that carry a label."""
+
+    ids_BT: torch.Tensor
+    labels_BT: torch.Tensor
+    n_tokens: int
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.ids_BT.to(device), self.labels_BT.to(device), self.n_tokens)
+
+
+def _batch_from_rows(rows: list[np.ndarray]) -> Batch:
+    """Right-pad rows of (len + 1) tokens; inputs are row[:-1], labels row[1:], padding labelled -100."""
+    width = max(len(r) for r in rows) - 1
+    ids_BT = np.zeros((len(rows), width), dtype=np.int64)
+    labels_BT = np.full((len(rows), width), IGNORE, dtype=np.int64)
+    n = 0
+    for b, r in enumerate(rows):
+        ids_BT[b, : len(r) - 1] = r[:-1]
+        labels_BT[b, : len(r) - 1] = r[1:]
+        n += len(r) - 1
+    return Batch(torch.from_numpy(ids_BT), torch.from_numpy(labels_BT), n)
+
+
+class _Sampler:
+    """A shuffled, endless stream of samples; subclasses say what sample i of an epoch is."""
+
+    def __init__(self, split: Split, seq_len: int, batch_size: int, seed: int) -> None:
+        self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch_size, seed
+        self.epoch, self.index = 0, 0
+        self._order_epoch = -1
+        self._order: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._offset = 0
+
+    def _num_samples(self) -> int:
+        raise NotImplementedError
+
+    def _sample(self, i: int, offset: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _shuffle(self, epoch: int) -> None:
+        if self._order_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._offset = int(rng.integers(self.seq_len))
+            self._order = rng.permutation(self._num_samples())
+            self._order_epoch = epoch
+
+    def next_batch(self) -> Batch:
+        rows = []
+        for _ in range(self.batch_size):
+            self._shuffle(self.epoch)
+            rows.append(self._sample(int(self._order[self.index]), self._offset))
+            self.index += 1
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return _batch_from_rows(rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        for key in ("kind", "seed", "seq_len", "batch_size", "samples"):
+            if state.get(key) != mine[key]:
+                raise DataError(f"the checkpoint's data loader has {key}={state.get(key)!r} but this run has "
+                                f"{mine[key]!r}: resume with the same data and config")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class PackedSampler(_Sampler):
+    """Fixed blocks of seq_len + 1 tokens cut from the concatenated split, at a random offset per epoch (so
+    block boundaries move between epochs), in a random order."""
+
+    def __init__(self, split: Split, seq_len: int, batch_size: int, seed: int) -> None:
+        super().__init__(split, seq_len, batch_size, seed)
+        # Blocks that fit for every offset in [0, seq_len): offset + n * seq_len + 1 <= N.
+        self._n = (split.n_tokens - seq_len) // seq_len
+        if self._n < 1:
+            raise DataError(f"the training split has {split.n_tokens} tokens, too few for one block of "
+                            f"data.seq_len={seq_len} (+ a random offset): lower data.seq_len or add data")
+
+    def _num_samples(self) -> int:
+        return self._n
+
+    def _sample(self, i: int, offset: int) -> np.ndarray:
+        start = offset + i * self.seq_len
+        return self.split.tokens_N[start : start + self.seq_len + 1]
+
+
+def _document_spans(split: Split, seq_len: int) -> np.ndarray:
+    """[S, 2] (start, end) of every document cut into pieces of at most seq_len + 1 tokens; consecutive
+    pieces overlap by one token so every next-token target is predicted exactly once."""
+    spans = []
+    for a, b in zip(split.offsets_M[:-1].tolist(), split.offsets_M[1:].tolist()):
+        for s in range(a, b - 1, seq_len):
+            spans.append((s, min(s + seq_len + 1, b)))
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+
+class DocumentSampler(_Sampler):
+    """Documents at their natural length (cut at seq_len), shuffled, padded to the batch's longest."""
+
+    def __init__(self, split: Split, seq_len: int, batch_size: int, seed: int) -> None:
+        super().__init__(split, seq_len, batch_size, seed)
+        self._spans = _document_spans(split, seq_len)
+        if len(self._spans) == 0:
+            raise DataError("the training split has no document of two or more tokens")
+
+    def _num_samples(self) -> int:
+        return len(self._spans)
+
+    def _sample(self, i: int, offset: int) -> np.ndarray:
+        s, e = self._spans[i]
+        return self.split.tokens_N[s:e]
+
+
+def eval_batches(split: Split, mode: str, seq_len: int, batch_size: int, n_batches: int) -> list[Batch]:
+    """A fixed validation set: up to n_batches * batch_size samples spread evenly over the split."""
+    if split.n_tokens < 2:
+        return []
+    if mode == "packed":
+        n = max((split.n_tokens - 1) // seq_len, 1)
+        width = min(seq_len, split.n_tokens - 1)
+        spans = np.array([(i * seq_len, i * seq_len + width + 1) for i in range(n)], dtype=np.int64)
+    else:
+        spans = _document_spans(split, seq_len)
+    take = min(len(spans), n_batches * batch_size)
+    pick = np.unique(np.linspace(0, len(spans) - 1, take).round().astype(np.int64))
+    rows = [split.tokens_N[s:e] for s, e in spans[pick]]
+    return [_batch_from_rows(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+
+
+@dataclass
+class DataBundle:
+    """Everything the trainer takes from the data side."""
+
+    corpus: Corpus
+    train: _Sampler
+    val: list[Batch]
+
+
+def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
+    d = cfg.data
+    corpus = load_corpus(d.source, d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
+                         max_bytes=d.max_bytes)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is "
+                        f"{cfg.model.vocab_size}: set model.vocab_size={corpus.vocab_size}")
+    cls = PackedSampler if d.samples == "packed" else DocumentSampler
+    train = cls(corpus.train, d.seq_len, d.batch_size, cfg.train.seed if seed is None else seed)
+    val = eval_batches(corpus.val, d.samples, d.seq_len, d.batch_size, cfg.train.eval_batches)
+    return DataBundle(corpus=corpus, train=train, val=val)

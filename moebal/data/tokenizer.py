@@ -1,0 +1,87 @@
+"""Tokenizers: the byte tokenizer (vocabulary 256) and an adapter over a HF `tokenizer.json`.
+
+The `tokenizers` package is imported only when a `tokenizer.json` is named, so the byte path needs nothing
+beyond numpy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from moebal.errors import DataError
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    dtype: type[np.integer]
+
+    def encode(self, text: bytes) -> np.ndarray:
+        """Token ids of one document given as UTF-8 bytes (already checked to decode)."""
+        ...
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Text of a sequence of ids (for inspection and samples)."""
+        ...
+
+
+class ByteTokenizer:
+    """One token per byte of the UTF-8 text: no vocabulary file, no unknown tokens."""
+
+    name = "byte"
+    vocab_size = 256
+    dtype: type[np.integer] = np.uint8
+
+    def encode(self, text: bytes) -> np.ndarray:
+        return np.frombuffer(text, dtype=np.uint8)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return bytes(np.asarray(ids, dtype=np.uint8).tobytes()).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A HF fast tokenizer loaded from its `tokenizer.json` (no special tokens are added)."""
+
+    def __init__(self, path: str | Path) -> None:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"data.tokenizer: '{path}' is not a file; give 'byte' or the path of a tokenizer.json")
+        try:
+            import tokenizers
+        except ImportError:
+            raise DataError("data.tokenizer names a tokenizer.json but the 'tokenizers' package is missing: "
+                            "pip install tokenizers (or the moebal[hf] extra)") from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as e:  # the Rust side raises plain Exceptions for malformed files
+            raise DataError(f"data.tokenizer: cannot load '{p}' as a tokenizer.json ({' '.join(str(e).split())})") \
+                from None
+        self.name = str(p)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.int32
+
+    def encode(self, text: bytes) -> np.ndarray:
+        ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=False).ids
+        return np.asarray(ids, dtype=self.dtype)
+
+    def encode_many(self, texts: list[bytes]) -> list[np.ndarray]:
+        """Batch encoding (parallel inside `tokenizers`)."""
+        out = self._tok.encode_batch([t.decode("utf-8") for t in texts], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=self.dtype) for e in out]
+
+    def decode(self, ids: np.ndarray) -> str:
+        return str(self._tok.decode([int(i) for i in ids]))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """'byte' or the path of a HF tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)

@@ -1,0 +1,69 @@
+"""`dashboard.png`: loss curves and, per MoE layer, each expert's share of the routed load over steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_dashboard"]
+
+
+def _smooth(y: np.ndarray, span: int) -> np.ndarray:
+    if len(y) < 2 or span <= 1:
+        return y
+    alpha = 2.0 / (span + 1)
+    out = np.empty_like(y)
+    acc = y[0]
+    for i, v in enumerate(y):
+        acc = alpha * v + (1 - alpha) * acc
+        out[i] = acc
+    return out
+
+
+def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | None = None,
+                    title: str = "") -> Path:
+    """Plot a run's metrics records; matplotlib (Agg) is imported only here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if r.get("val_loss") is not None]
+    counts = [r for r in train if r.get("expert_counts")]
+    n_layers = len(counts[-1]["expert_counts"]) if counts else 0
+    cols = min(max(n_layers, 1), 4)
+    rows = 1 + (n_layers + cols - 1) // cols if n_layers else 1
+    fig = plt.figure(figsize=(4 * cols + 2, 3.2 * rows))
+    grid = fig.add_gridspec(rows, cols)
+    ax = fig.add_subplot(grid[0, :])
+    steps = np.array([r["step"] for r in train])
+    loss = np.array([r["loss"] for r in train], dtype=float)
+    ax.plot(steps, loss, color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(steps, _smooth(loss, max(len(loss) // 50, 1)), color="tab:blue", label="train")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="tab:orange", label="validation")
+    if entropy:
+        ax.axhline(entropy, color="grey", ls="--", lw=0.8, label=f"unigram entropy {entropy:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    for layer in range(n_layers):
+        a = fig.add_subplot(grid[1 + layer // cols, layer % cols])
+        share = np.array([r["expert_counts"][layer] for r in counts], dtype=float)
+        share /= np.maximum(share.sum(axis=1, keepdims=True), 1.0)
+        E = share.shape[1]
+        im = a.imshow(share.T * E, aspect="auto", cmap="magma", interpolation="nearest", vmin=0.0,
+                      extent=(counts[0]["step"], counts[-1]["step"], E - 0.5, -0.5))
+        a.set_title(f"MoE layer {layer}: load / mean")
+        a.set_xlabel("step")
+        a.set_ylabel("expert")
+        fig.colorbar(im, ax=a)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

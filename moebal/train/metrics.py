@@ -1,0 +1,78 @@
+"""`metrics.jsonl` (one JSON object per logged step) and the per-step routing summary.
+
+Routing statistics are taken from every MoE layer at one point per step (the trainer's `_routing_step`),
+reduced across ranks there by a hook when the run is distributed, and turned into plain numbers here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from moebal.routing import RoutingStats
+
+__all__ = ["MetricsLog", "read_metrics", "read_routing", "routing_record"]
+
+
+def read_routing(stats: Iterable[RoutingStats]) -> list[dict[str, Any]]:
+    """Per-layer routing statistics as plain numbers (the step's one host sync of them)."""
+    return [s.read() for s in stats]
+
+
+def routing_record(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metrics fields for one step: per-layer lists, layer order as in the model."""
+    if not per_layer:
+        return {}
+    return {
+        "load_max": [s["max_load"] for s in per_layer],
+        "load_mean": [round(s["mean_load"], 4) for s in per_layer],
+        "load_imbalance": [round(s["imbalance"], 4) for s in per_layer],
+        "dropped": [s["dropped"] for s in per_layer],
+        # share of tokens that used more than one expert (adaptive gating varies it; fixed top-k>1 gives 1)
+        "multi_expert_share": [round(1.0 - s["used_k_share"][0], 4) if s["used_k_share"] else 0.0
+                               for s in per_layer],
+        "expert_counts": [s["counts"] for s in per_layer],
+    }
+
+
+class MetricsLog:
+    """Appends one line per record and flushes it, so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    @staticmethod
+    def truncate_after(path: Path, step: int) -> None:
+        """Drop lines of steps after `step` (a resumed run re-logs them), rewriting the file atomically."""
+        if not path.is_file():
+            return
+        keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a torn last line (a crash mid-write) is ignored."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

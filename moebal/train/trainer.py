@@ -1,0 +1,280 @@
+"""The training loop: one process, one device; distribution, planners and pipelines plug in as hooks.
+
+Per step: read a batch, set the learning rate, forward + backward (`forward_backward`, the override point
+of a pipeline engine), hooks' `after_backward` (gradient synchronisation), clip, AdamW step, then the step's
+one routing-statistics point (`_routing_step`: take every MoE layer's accumulated stats, let hooks reduce
+them, apply the auxiliary-loss-free bias update, read them to numbers), hooks' `after_step`
+(observe -> plan -> apply), validation when due, a metrics line, a checkpoint when due.
+
+Exact resume: the checkpoint holds weights, AdamW state, the data sampler's position, every RNG state and
+hook states; validation runs inside a saved-and-restored RNG state, and the learning rate is a function of
+the step, so a resumed run computes bit for bit what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebal.config import Config, dump
+from moebal.data import Batch, DataBundle, build_data
+from moebal.errors import CheckpointError
+from moebal.routing import RoutingStats
+from moebal.train.checkpoint import (
+    CheckpointState,
+    apply_checkpoint,
+    find_checkpoints,
+    prune_checkpoints,
+    read_checkpoint,
+    restore_rng,
+    rng_state,
+    save_checkpoint,
+)
+from moebal.train.hooks import Hook
+from moebal.train.metrics import MetricsLog, read_metrics, read_routing, routing_record
+from moebal.train.optim import build_optimizer, lr_at
+from moebal.train.progress import Progress
+
+__all__ = ["RunResult", "Trainer", "default_device", "default_threads"]
+
+
+def default_threads(processes: int = 1) -> int:
+    """Cores available to this process divided among the processes sharing the machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(processes, 1))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class RunResult:
+    """What a finished (or stopped) run reports."""
+
+    run_dir: Path
+    steps: int
+    train_loss: float
+    val_loss: float | None
+    unigram_entropy: float
+    tokens: int
+    train_seconds: float
+    wall_seconds: float
+    setup_seconds: float
+    load_imbalance: list[float] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.train_seconds, 1e-9)
+
+    @property
+    def val_ratio(self) -> float | None:
+        return None if self.val_loss is None else self.val_loss / self.unigram_entropy
+
+
+class Trainer:
+    """Builds data, model and optimizer for a config; `train()` runs (or resumes) the loop."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, *, hooks: list[Hook] | None = None,
+                 resume: bool | str | Path = False, device: torch.device | None = None,
+                 model: torch.nn.Module | None = None, data: DataBundle | None = None) -> None:
+        t0 = time.perf_counter()
+        self.cfg, self.run_dir, self.hooks = cfg, Path(run_dir), list(hooks or [])
+        self.device = device or default_device()
+        torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
+        ckpt = self._find_resume(resume)
+        self.data = data or build_data(cfg)
+        seed_everything(cfg.train.seed)
+        if model is None:
+            from moebal.models import build_model
+
+            model = build_model(cfg)
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.step, self.tokens, self.train_seconds = 0, 0, 0.0
+        self.last_val: float | None = None
+        self._recent: list[dict[str, Any]] = []
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt is not None:
+            self._restore(ckpt)
+        dump(cfg, self.run_dir / "config.yaml")
+        self.setup_seconds = time.perf_counter() - t0
+
+    # ---- resume -------------------------------------------------------------------------------------
+
+    def _find_resume(self, resume: bool | str | Path) -> CheckpointState | None:
+        if resume is False:
+            return None
+        if resume is True:
+            found = find_checkpoints(self.run_dir)
+            if not found:
+                raise CheckpointError(f"nothing to resume in {self.run_dir}: it holds no checkpoint "
+                                      f"(run without --resume to start, or point --out at the run)")
+            return read_checkpoint(found[-1])
+        return read_checkpoint(Path(resume))
+
+    def _restore(self, ckpt: CheckpointState) -> None:
+        apply_checkpoint(ckpt, self.model, self.optimizer)
+        s = ckpt.state
+        self.data.train.load_state_dict(s["data"])
+        self.step, self.tokens, self.train_seconds = ckpt.step, int(s["tokens"]), float(s["train_seconds"])
+        self.last_val = s.get("last_val")
+        for hook in self.hooks:
+            hook.load_state_dict(s.get("hooks", {}).get(hook.name, {}))
+        restore_rng(s["rng"])
+        MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", ckpt.step)
+
+    def save(self) -> Path:
+        """Checkpoint the current step and keep the newest `keep_checkpoints`."""
+        extra = {"data": self.data.train.state_dict(), "rng": rng_state(), "tokens": self.tokens,
+                 "train_seconds": self.train_seconds, "last_val": self.last_val,
+                 "hooks": {h.name: h.state_dict() for h in self.hooks}}
+        path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, extra, dump(self.cfg))
+        prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+        return path
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def moe_layers(self) -> list[torch.nn.Module]:
+        get = getattr(self.model, "moe_layers", None)
+        return list(get()) if get is not None else []
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and auxiliary loss of one batch, gradients accumulated (a pipeline engine overrides this)."""
+        with self.autocast():
+            out = self.model(batch.ids_BT, batch.labels_BT)
+        (out.loss + out.aux_loss).backward()
+        return out.loss.detach(), out.aux_loss.detach()
+
+    def _routing_step(self) -> list[RoutingStats]:
+        """The step's one point for routing statistics: take, reduce (hooks), bias update."""
+        layers = self.moe_layers()
+        stats = [layer.take_stats() for layer in layers]
+        for hook in self.hooks:
+            stats = hook.reduce_stats(self, stats)
+        for layer, s in zip(layers, stats):
+            if getattr(layer, "expert_bias", None) is not None:
+                layer.update_bias(s.routed_E)
+        return stats
+
+    def train_step(self) -> dict[str, Any]:
+        step = self.step + 1
+        for hook in self.hooks:
+            hook.before_step(self, step)
+        t0 = time.perf_counter()
+        batch = self.data.train.next_batch().to(self.device)
+        lr = lr_at(step - 1, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss, aux = self.forward_backward(batch)
+        for hook in self.hooks:
+            hook.after_backward(self, step)
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self._routing_step()
+        record: dict[str, Any] = {"step": step, "loss": loss.item(), "aux_loss": aux.item(), "lr": lr,
+                                  "grad_norm": grad_norm.item()}
+        record.update(routing_record(read_routing(stats)))
+        dt = time.perf_counter() - t0
+        self.step, self.tokens, self.train_seconds = step, self.tokens + batch.n_tokens, self.train_seconds + dt
+        record.update(tokens=self.tokens, tokens_per_s=round(batch.n_tokens / dt, 1), step_time_s=round(dt, 4))
+        for hook in self.hooks:
+            hook.after_step(self, step, stats, record)
+        return record
+
+    # ---- validation ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Token-weighted mean loss over the fixed validation batches; RNG state untouched."""
+        if not self.data.val:
+            return None
+        saved = rng_state()
+        self.model.eval()
+        total, n = 0.0, 0
+        try:
+            for batch in self.data.val:
+                b = batch.to(self.device)
+                with self.autocast():
+                    out = self.model(b.ids_BT, b.labels_BT)
+                total += out.loss.item() * b.n_tokens
+                n += b.n_tokens
+        finally:
+            self.model.train()
+            restore_rng(saved)
+        return total / max(n, 1)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def _due(self, every: int, step: int) -> bool:
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def train(self, stop_after: int | None = None) -> RunResult:
+        """Run to `train.steps` (or stop after step `stop_after`, checkpointing there, as an interruption would)."""
+        t = self.cfg.train
+        wall0 = time.perf_counter()
+        for hook in self.hooks:
+            hook.on_start(self)
+        progress = Progress(t.steps, self.step, t.progress)
+        log = MetricsLog(self.run_dir / "metrics.jsonl")
+        try:
+            while self.step < t.steps:
+                record = self.train_step()
+                if self._due(t.eval_every, self.step):
+                    self.last_val = record["val_loss"] = self.evaluate()
+                self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
+                if self.step % t.log_every == 0 or "val_loss" in record or self.step == t.steps:
+                    log.write(record)
+                progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
+                stopping = stop_after is not None and self.step >= stop_after
+                if self._due(t.ckpt_every, self.step) or stopping:
+                    self.save()
+                if stopping:
+                    break
+        finally:
+            progress.close()
+            log.close()
+        if self.step >= t.steps:
+            for hook in self.hooks:
+                hook.on_end(self)
+            self._write_dashboard()
+        return self._result(time.perf_counter() - wall0)
+
+    def _write_dashboard(self) -> None:
+        from moebal.train.dashboard import write_dashboard
+
+        write_dashboard(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "dashboard.png",
+                        entropy=self.data.corpus.unigram_entropy, title=f"{self.cfg.name}: {self.run_dir.name}")
+
+    def _result(self, wall: float) -> RunResult:
+        recent = self._recent or [{"loss": float("nan")}]
+        imbalance = [float(np.mean(col)) for col in zip(*(r["load_imbalance"] for r in recent
+                                                           if "load_imbalance" in r))]
+        return RunResult(run_dir=self.run_dir, steps=self.step,
+                         train_loss=float(np.mean([r["loss"] for r in recent])), val_loss=self.last_val,
+                         unigram_entropy=self.data.corpus.unigram_entropy, tokens=self.tokens,
+                         train_seconds=self.train_seconds, wall_seconds=wall, setup_seconds=self.setup_seconds,
+                         load_imbalance=imbalance, dropped=sum(sum(r.get("dropped", [])) for r in recent))

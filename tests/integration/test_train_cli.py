@@ -1,0 +1,55 @@
+"""`moebal train` end to end, as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.unit.test_train import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def moebal(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "moebal.cli", "train", *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=ROOT)
+
+
+def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    r = moebal("--steps", "3", "--out", str(out), *TINY, "train.ckpt_every=2")
+    assert r.returncode == 0, r.stderr
+    assert {"config.yaml", "metrics.jsonl", "dashboard.png", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
+        {p.name for p in out.iterdir()}
+    assert "validation" in r.stdout and "unigram entropy" in r.stdout and str(out) in r.stdout
+    assert "Traceback" not in r.stderr
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["steps"] == 3 and summary["val_loss"] < summary["unigram_entropy"] * 2
+    assert summary["val_ratio"] == summary["val_loss"] / summary["unigram_entropy"]
+    # a second run into the same directory must say how to continue instead of overwriting
+    again = moebal("--steps", "3", "--out", str(out), *TINY)
+    assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
+    # --resume without CONFIG continues from the run's own config.yaml; more steps extend it
+    r2 = moebal("--out", str(out), "--resume", "--steps", "5", "--json")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout.strip().splitlines()[-1])["steps"] == 5
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    cases = [
+        (["model.dimm=3"], "did you mean 'model.dim'"),
+        (["data.source=" + str(tmp_path / "missing")], "does not exist"),
+        (["--out", str(tmp_path / "none"), "--resume"], "nothing to resume"),
+        (["--resume"], "--resume needs --out"),
+    ]
+    for args, expect in cases:
+        r = moebal(*args, "train.steps=1")
+        assert r.returncode == 2, (args, r.stderr)
+        assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

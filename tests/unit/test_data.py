@@ -1,0 +1,269 @@
+"""Data pipeline: corpora, split, tokenizers, samplers and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moebal.config import Config, with_overrides
+from moebal.data import build_data, load_corpus
+from moebal.data.corpus import _load_cached, iter_documents, stdlib_root, unigram_entropy, val_share
+from moebal.data.loader import DocumentSampler, PackedSampler, eval_batches
+from moebal.errors import DataError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    _load_cached.cache_clear()
+    yield
+    _load_cached.cache_clear()
+
+
+def _write_docs(root: Path, n: int, size: int = 200) -> list[str]:
+    names = []
+    for i in range(n):
+        p = root / f"d{i // 10}" / f"doc{i:03d}.txt"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f"document {i}: " + "abcdefghij"[i % 10] * size + "\n", encoding="utf-8")
+        names.append(p.relative_to(root).as_posix())
+    return names
+
+
+# ---- corpus and split -----------------------------------------------------------------------------------
+
+
+def test_stdlib_corpus_is_library_code_only():
+    names = [name for name, _ in iter_documents("stdlib")]
+    assert names == sorted(names) and len(names) > 100
+    parts = {part for name in names for part in name.split("/")[:-1]}
+    assert not parts & {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+    assert all(name.endswith(".py") for name in names)
+    corpus = load_corpus("stdlib", val_fraction=0.05)
+    assert corpus.vocab_size == 256 and corpus.train.tokens_N.dtype == np.uint8
+    assert corpus.train.n_tokens > 1_000_000 and 0 < corpus.val.n_tokens < corpus.train.n_tokens
+    # Python source over bytes: a few nats of unigram entropy (3.24 on CPython 3.11)
+    assert 2.5 < corpus.unigram_entropy < 4.0
+    assert stdlib_root().is_dir()
+
+
+def test_split_is_by_path_hash_deterministic_and_independent_of_other_files(tmp_path):
+    names = _write_docs(tmp_path, 60)
+    a = load_corpus(str(tmp_path), val_fraction=0.3)
+    _load_cached.cache_clear()
+    b = load_corpus(str(tmp_path), val_fraction=0.3)
+    assert np.array_equal(a.train.tokens_N, b.train.tokens_N) and np.array_equal(a.val.tokens_N, b.val.tokens_N)
+    in_val = {n for n in names if val_share(n) < 0.3}
+    assert 0 < len(in_val) < len(names)
+    assert a.val.n_docs == len(in_val) and a.split_by == "path-hash"
+    # adding files leaves every existing document on its side of the split
+    (tmp_path / "zzz").mkdir()
+    for i in range(5):
+        (tmp_path / "zzz" / f"new{i}.txt").write_text("new text " * 20, encoding="utf-8")
+    _load_cached.cache_clear()
+    c = load_corpus(str(tmp_path), val_fraction=0.3)
+    assert c.val.n_docs == len(in_val) + sum(val_share(f"zzz/new{i}.txt") < 0.3 for i in range(5))
+    # the validation documents' bytes are exactly the hash-chosen ones, in path order
+    expected = b"".join((tmp_path / n).read_bytes() for n in sorted(in_val))
+    assert a.val.tokens_N.tobytes() == expected
+
+
+def test_single_file_falls_back_to_holding_out_its_tail(tmp_path):
+    p = tmp_path / "one.txt"
+    p.write_text("x" * 900 + "y" * 100, encoding="utf-8")
+    c = load_corpus(str(p), val_fraction=0.1)
+    assert c.split_by == "tail"
+    assert c.train.tokens_N.tobytes() == b"x" * 900 and c.val.tokens_N.tobytes() == b"y" * 100
+
+
+def test_unigram_entropy_matches_hand_computed():
+    tokens = np.array([0, 0, 1, 2], dtype=np.uint8)
+    expected = -(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25))
+    assert unigram_entropy(tokens, 256) == pytest.approx(expected)
+
+
+def test_max_bytes_reads_a_prefix(tmp_path):
+    _write_docs(tmp_path, 20)
+    c = load_corpus(str(tmp_path), val_fraction=0.0, max_bytes=500)
+    assert c.train.n_tokens == 500
+
+
+# ---- errors ---------------------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_sources_raise_data_error(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no text"):
+        load_corpus(str(tmp_path / "empty"))
+    (tmp_path / "a.csv").write_text("x,y\n", encoding="utf-8")
+    with pytest.raises(DataError, match="neither a .txt nor a .jsonl"):
+        load_corpus(str(tmp_path / "a.csv"))
+
+
+def test_undecodable_files_are_skipped_and_counted(tmp_path, capsys):
+    _write_docs(tmp_path, 12)
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \x80")
+    c = load_corpus(str(tmp_path), val_fraction=0.2)
+    assert c.n_skipped == 1
+    assert "skipped 1 file" in capsys.readouterr().err
+    only_bad = tmp_path / "onlybad"
+    only_bad.mkdir()
+    (only_bad / "b.txt").write_bytes(b"\xff\xff")
+    with pytest.raises(DataError, match="1 undecodable"):
+        load_corpus(str(only_bad))
+
+
+def test_jsonl_records_and_errors_name_the_line(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"text": f"record {i} " * 10, "id": i}) for i in range(30)) + "\n",
+                    encoding="utf-8")
+    c = load_corpus(str(good), val_fraction=0.2)
+    assert c.train.n_docs + c.val.n_docs == 30
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n\n{"text": broken\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not a JSON object"):
+        load_corpus(str(bad))
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"body": "text here"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"nokey\.jsonl:1: no 'text' field \(found: body\).*data.text_key"):
+        load_corpus(str(nokey))
+    assert load_corpus(str(nokey), text_key="body", val_fraction=0.0).train.n_tokens == len("text here")
+    notstr = tmp_path / "notstr.jsonl"
+    notstr.write_text('{"text": 5}\n', encoding="utf-8")
+    with pytest.raises(DataError, match="notstr.jsonl:1: field 'text' is int"):
+        load_corpus(str(notstr))
+
+
+def test_tokenizer_vocab_larger_than_model_is_a_clear_error(tmp_path):
+    tok = _tiny_tokenizer(tmp_path)
+    cfg = with_overrides(Config(), [f"data.source={tmp_path / 'corpus.txt'}", f"data.tokenizer={tok}",
+                                    "data.seq_len=8", "model.vocab_size=3"])
+    with pytest.raises(DataError, match="set model.vocab_size="):
+        build_data(cfg)
+    with pytest.raises(DataError, match="not a file"):
+        load_corpus(str(tmp_path / "corpus.txt"), str(tmp_path / "missing.json"))
+
+
+# ---- HF tokenizer.json ----------------------------------------------------------------------------------
+
+
+def _tiny_tokenizer(tmp_path: Path) -> Path:
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package (moebal[hf]) is not installed")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    text = "def add(a, b):\n    return a + b\n" * 40 + "class Point:\n    x: int\n    y: int\n" * 40
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train([str(tmp_path / "corpus.txt")], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_json_tokenises_the_corpus(tmp_path):
+    import tokenizers
+
+    path = _tiny_tokenizer(tmp_path)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    c = load_corpus(str(tmp_path / "corpus.txt"), str(path), val_fraction=0.1)
+    assert c.vocab_size == reference.get_vocab_size()
+    text = (tmp_path / "corpus.txt").read_text(encoding="utf-8")
+    ids = reference.encode(text, add_special_tokens=False).ids
+    assert np.concatenate([c.train.tokens_N, c.val.tokens_N]).tolist() == ids  # tail split of one file
+    assert c.train.n_tokens < len(text)  # merges happened: fewer tokens than bytes
+    cfg = with_overrides(Config(), [f"data.source={tmp_path / 'corpus.txt'}", f"data.tokenizer={path}",
+                                    "data.seq_len=16", "data.batch_size=2", f"model.vocab_size={c.vocab_size}"])
+    batch = build_data(cfg).train.next_batch()
+    assert batch.ids_BT.shape == (2, 16) and int(batch.ids_BT.max()) < c.vocab_size
+
+
+# ---- samplers -------------------------------------------------------------------------------------------
+
+
+def test_packed_batches_are_shifted_blocks_of_the_split(tmp_path):
+    _write_docs(tmp_path, 40)
+    c = load_corpus(str(tmp_path), val_fraction=0.1)
+    s = PackedSampler(c.train, seq_len=32, batch_size=4, seed=1)
+    text = c.train.tokens_N.tobytes()
+    for _ in range(5):
+        b = s.next_batch()
+        assert b.ids_BT.shape == (4, 32) and b.n_tokens == 128
+        assert torch.equal(b.ids_BT[:, 1:], b.labels_BT[:, :-1])
+        for row_ids, row_labels in zip(b.ids_BT, b.labels_BT):
+            block = bytes(row_ids.tolist()) + bytes([int(row_labels[-1])])
+            assert block in text
+
+
+def test_sampler_state_resumes_exactly_across_epochs(tmp_path):
+    _write_docs(tmp_path, 10, size=40)
+    c = load_corpus(str(tmp_path), val_fraction=0.0)
+    for cls in (PackedSampler, DocumentSampler):
+        a = cls(c.train, seq_len=16, batch_size=8, seed=3)
+        ref = [a.next_batch() for _ in range(12)]  # several epochs of this small corpus
+        assert a.epoch >= 2
+        b = cls(c.train, seq_len=16, batch_size=8, seed=3)
+        for _ in range(5):
+            b.next_batch()
+        state = json.loads(json.dumps(b.state_dict()))  # survives JSON (the checkpoint's state.json)
+        resumed = cls(c.train, seq_len=16, batch_size=8, seed=3)
+        resumed.load_state_dict(state)
+        for want in ref[5:]:
+            got = resumed.next_batch()
+            assert torch.equal(got.ids_BT, want.ids_BT) and torch.equal(got.labels_BT, want.labels_BT)
+        other = cls(c.train, seq_len=16, batch_size=8, seed=4)
+        assert not torch.equal(other.next_batch().ids_BT, ref[0].ids_BT)
+        with pytest.raises(DataError, match="seed"):
+            other.load_state_dict(state)
+
+
+def test_document_samples_keep_natural_length_with_padding_labelled_ignore(tmp_path):
+    root = tmp_path / "docs"
+    root.mkdir()
+    lengths = [5, 9, 30, 3, 17, 12]
+    for i, n in enumerate(lengths):
+        (root / f"{i}.txt").write_text(chr(ord("a") + i) * n, encoding="utf-8")
+    c = load_corpus(str(root), val_fraction=0.0)
+    s = DocumentSampler(c.train, seq_len=12, batch_size=3, seed=0)
+    # 30 tokens cut at seq_len 12 -> pieces of 13, 13, 6 tokens (one token overlap); 17 -> 13, 5
+    assert sorted(int(e - a) for a, e in s._spans) == sorted([5, 9, 13, 13, 6, 3, 13, 5, 12])
+    seen = 0
+    for _ in range(3):
+        b = s.next_batch()
+        valid = b.labels_BT != -100
+        assert b.n_tokens == int(valid.sum())
+        lens = valid.sum(1)
+        assert b.ids_BT.shape[1] == int(lens.max()) <= 12  # padded to the batch's longest sample
+        for row in range(3):
+            n = int(lens[row])
+            assert valid[row, :n].all() and not valid[row, n:].any()  # right padding
+            assert (b.ids_BT[row, n:] == 0).all()
+            assert torch.equal(b.ids_BT[row, 1:n], b.labels_BT[row, : n - 1])
+            assert len(set(b.ids_BT[row, :n].tolist() + [int(b.labels_BT[row, n - 1])])) == 1  # one document
+        seen += b.n_tokens
+    assert seen == sum(n - 1 for n in lengths)  # one epoch: every next-token target exactly once
+
+
+def test_eval_batches_are_fixed_and_spread_over_the_split(tmp_path):
+    _write_docs(tmp_path, 50)
+    c = load_corpus(str(tmp_path), val_fraction=0.5)
+    a = eval_batches(c.val, "packed", 32, 4, 3)
+    b = eval_batches(c.val, "packed", 32, 4, 3)
+    assert len(a) == 3 and all(torch.equal(x.ids_BT, y.ids_BT) for x, y in zip(a, b))
+    first, last = a[0].ids_BT[0], a[-1].ids_BT[-1]
+    assert bytes(first.tolist()) == c.val.tokens_N[:32].tobytes()
+    assert bytes(last.tolist()) in c.val.tokens_N[-3 * 32 :].tobytes()
+    assert eval_batches(c.val, "documents", 32, 4, 2)[0].labels_BT.shape[0] == 4
+
+
+def test_too_little_data_for_one_block_is_a_clear_error(tmp_path):
+    (tmp_path / "t.txt").write_text("tiny", encoding="utf-8")
+    c = load_corpus(str(tmp_path / "t.txt"), val_fraction=0.0)
+    with pytest.raises(DataError, match="lower data.seq_len"):
+        PackedSampler(c.train, seq_len=64, batch_size=2, seed=0)

@@ -1,0 +1,123 @@
+"""Trainer pieces: schedule, optimizer groups, the default preset, one short run's outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moebal.config import CONFIG_DIR, Config, TrainConfig, dump, with_overrides
+from moebal.train import Hook, Trainer, lr_at
+from moebal.train.optim import build_optimizer, param_groups
+from moebal.train.progress import Progress
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+        "model.max_seq_len=64", "moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=64", "data.seq_len=32",
+        "data.batch_size=4", "data.max_bytes=300000", "train.steps=6", "train.warmup_steps=2",
+        "train.eval_every=3", "train.eval_batches=2", "train.ckpt_every=0", "train.progress=plain",
+        "train.precision=fp32", "train.threads=2"]
+
+
+def tiny(*extra: str) -> Config:
+    return with_overrides(Config(), [*TINY, *extra])
+
+
+def test_default_yaml_is_exactly_the_dump_of_the_defaults():
+    assert (CONFIG_DIR / "default.yaml").read_text(encoding="utf-8") == dump(Config())
+
+
+def test_schedule_warms_up_then_decays_by_cosine_to_the_floor():
+    t = TrainConfig(steps=100, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, t) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(1e-4)
+    mid = 10 + (99 - 10) / 2
+    assert lr_at(int(mid), t) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 89)))
+    assert lr_at(0, TrainConfig(steps=5, lr=2.0, warmup_steps=0, min_lr_ratio=0.5)) == 2.0
+
+
+def test_no_weight_decay_on_norms_biases_and_vectors():
+    from moebal.models import build_model
+
+    model = build_model(tiny())
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert any("norm" in names[id(p)] for p in no_decay["params"])
+    assert any("experts.w1" in names[id(p)] for p in decay["params"])
+    assert sum(len(g["params"]) for g in build_optimizer(model, TrainConfig()).param_groups) == \
+        len(list(model.parameters()))
+
+
+class Recorder(Hook):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.layers_seen = 0
+
+    def before_step(self, trainer, step):
+        self.calls.append(f"before{step}")
+
+    def after_backward(self, trainer, step):
+        assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
+        self.calls.append(f"backward{step}")
+
+    def after_step(self, trainer, step, stats, record):
+        self.layers_seen = len(stats)
+        record["hook_saw"] = int(sum(int(s.tokens) for s in stats))
+
+
+def test_short_run_writes_metrics_checkpoint_dashboard_and_calls_hooks(tmp_path):
+    hook = Recorder()
+    cfg = tiny("moe.adaptive_threshold=0.3", "moe.bias_update_rate=0.01")
+    trainer = Trainer(cfg, tmp_path, hooks=[hook])
+    bias_before = [layer.expert_bias.clone() for layer in trainer.moe_layers()]
+    result = trainer.train()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["ckpt-0000006", "config.yaml", "dashboard.png", "metrics.jsonl"]
+    assert (tmp_path / "config.yaml").read_text(encoding="utf-8") == dump(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    for r in lines:
+        for key in ("loss", "aux_loss", "lr", "tokens_per_s", "grad_norm", "load_max", "load_mean",
+                    "load_imbalance", "dropped", "multi_expert_share", "expert_counts"):
+            assert key in r, key
+        assert len(r["load_imbalance"]) == 2 and r["hook_saw"] == 2 * 4 * 32
+        assert all(0.0 <= s <= 1.0 for s in r["multi_expert_share"])
+        assert sum(r["expert_counts"][0]) == r["load_mean"][0] * 4
+    assert [r["step"] for r in lines if "val_loss" in r] == [3, 6]
+    assert lines[-1]["val_loss"] == result.val_loss and result.steps == 6 and result.tokens == 6 * 4 * 32
+    assert hook.calls[:3] == ["before1", "backward1", "before2"] and hook.layers_seen == 2
+    # the auxiliary-loss-free bias moved (once per step, from the step's counts)
+    assert any(not torch.equal(a, layer.expert_bias) for a, layer in zip(bias_before, trainer.moe_layers()))
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_validation_leaves_the_rng_and_the_model_mode_alone(tmp_path):
+    trainer = Trainer(tiny("moe.jitter=0.1"), tmp_path)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    loss = trainer.evaluate()
+    assert loss is not None and math.isfinite(loss)
+    assert torch.equal(torch.get_rng_state(), state) and trainer.model.training
+
+
+def test_progress_plain_lines_and_bar(capsys):
+    import io
+
+    buf = io.StringIO()
+    p = Progress(40, mode="plain", stream=buf)
+    for s in range(1, 41):
+        p.update(s, 2.0, 1000.0, val_loss=1.5 if s == 7 else None)
+    p.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 21 and lines[-1].startswith("step 40/40 loss 2.000 val 1.500")
+    bar = io.StringIO()
+    b = Progress(10, mode="bar", stream=bar)
+    b.update(10, 1.0, 10.0)
+    b.close()
+    assert bar.getvalue().startswith("\r[" + "#" * 24 + "]") and bar.getvalue().endswith("\n")

@@ -1,0 +1,64 @@
+"""Exact resume: N steps, stop, resume for N more == 2N uninterrupted steps, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moebal.errors import CheckpointError
+from moebal.train import Trainer
+from moebal.train.checkpoint import find_checkpoints
+from tests.unit.test_train import tiny
+
+CASES = {
+    # jitter and adaptive gating draw on the torch RNG and move the routing; the bias update is a buffer
+    "packed-adaptive-bias-jitter": ["moe.adaptive_threshold=0.2", "moe.bias_update_rate=0.01", "moe.jitter=0.05"],
+    "documents-capacity-bf16": ["data.samples=documents", "moe.capacity_factor=1.0", "train.precision=bf16"],
+}
+
+
+def _losses(run: Path) -> list[tuple[int, float, float | None]]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [(r["step"], r["loss"], r.get("val_loss"), r["aux_loss"], r["grad_norm"]) for r in rows]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_is_bitwise_identical(tmp_path, case):
+    cfg = tiny(*CASES[case], "train.steps=8", "train.eval_every=3", "train.ckpt_every=0")
+    whole = Trainer(cfg, tmp_path / "whole").train()
+    first = Trainer(cfg, tmp_path / "split").train(stop_after=4)  # an interruption after step 4
+    assert first.steps == 4 and [p.name for p in find_checkpoints(tmp_path / "split")] == ["ckpt-0000004"]
+    assert not (tmp_path / "split" / "dashboard.png").exists()
+    resumed = Trainer(cfg, tmp_path / "split", resume=True).train()
+    assert resumed.steps == 8
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")  # every logged value, exactly
+    assert resumed.val_loss == whole.val_loss and resumed.tokens == whole.tokens
+
+
+def test_resume_discards_metrics_logged_after_the_checkpoint(tmp_path):
+    cfg = tiny("train.steps=6", "train.ckpt_every=2", "train.keep_checkpoints=5")
+    Trainer(cfg, tmp_path / "whole").train()
+    run = tmp_path / "crashed"
+    Trainer(cfg, run).train(stop_after=5)  # checkpoints at 2, 4 and 5
+    shutil.rmtree(run / "ckpt-0000005")  # the crash came before the step-5 checkpoint
+    Trainer(cfg, run, resume=True).train()
+    assert [s for s, *_ in _losses(run)] == [1, 2, 3, 4, 5, 6]
+    assert _losses(run) == _losses(tmp_path / "whole")
+
+
+def test_resume_errors(tmp_path):
+    cfg = tiny("train.steps=4", "train.ckpt_every=2")
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        Trainer(cfg, tmp_path / "empty", resume=True)
+    Trainer(cfg, tmp_path / "run").train()
+    latest = find_checkpoints(tmp_path / "run")[-1]
+    (latest / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"model.safetensors has 7 bytes.*previous good checkpoint is .*"
+                                              r"ckpt-0000002"):
+        Trainer(cfg, tmp_path / "run", resume=True)
+    other = tiny("train.steps=4", "model.dim=32")
+    with pytest.raises(CheckpointError, match="does not match this model"):
+        Trainer(other, tmp_path / "run", resume=find_checkpoints(tmp_path / "run")[0])
