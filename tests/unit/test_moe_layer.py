@@ -264,3 +264,65 @@ def test_deepcopy_after_forward() -> None:
     clone = copy.deepcopy(layer)
     x = torch.randn(5, 8)
     torch.testing.assert_close(clone(x), layer(x))
+
+
+def naive_weighted(layer: MoELayer, x_TD: torch.Tensor, w_TE: torch.Tensor) -> torch.Tensor:
+    """sum_e w_TE[:, e] * expert_e(x) over the experts with a nonzero weight, token by token."""
+    ex = layer.experts
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for e in torch.nonzero(w_TE[t]).flatten().tolist():
+            out[t] += w_TE[t, e] * dense_swiglu(x_TD[t], ex.w1[e], ex.w3[e], ex.w2[e])
+    return out
+
+
+def test_adaptive_midway_matches_hand_rule() -> None:
+    torch.manual_seed(9)
+    T_, E, K, thr = 25, 5, 3, 0.15
+    layer = MoELayer(6, 10, E, K, adaptive_threshold=thr, init_std=0.6)
+    x = torch.randn(T_, 6)
+    probs = torch.softmax(layer.gate(x).float(), -1)
+    w_TE = torch.zeros(T_, E)
+    for t in range(T_):
+        p, idx = probs[t].topk(K)
+        p = p / p.sum()
+        take = 1
+        while take < K and p[take - 1] - p[take] <= thr:
+            take += 1
+        w_TE[t, idx[:take]] = p[:take] / p[:take].sum()
+    torch.testing.assert_close(layer(x), naive_weighted(layer, x, w_TE), rtol=1e-5, atol=1e-6)
+    used = layer.last_stats.used_K.tolist()
+    assert sum(used) == T_ and used == [int(((w_TE > 0).sum(-1) == j + 1).sum()) for j in range(K)]
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_layer_matches_hand_drops(policy: str) -> None:
+    torch.manual_seed(10)
+    T_, E, K, cf = 16, 4, 2, 0.5  # capacity ceil(0.5 * 16 * 2 / 4) = 4
+    layer = MoELayer(6, 10, E, K, cf, drop_policy=policy, init_std=0.6)
+    with torch.no_grad():
+        layer.gate.weight[0] += 0.5  # make expert 0 popular so it overflows
+    x = torch.randn(T_, 6).abs()
+    probs = torch.softmax(layer.gate(x).detach().float(), -1)
+    p_TK, idx_TK = probs.topk(K)
+    p_TK = p_TK / p_TK.sum(-1, keepdim=True)
+    # hand rule: per expert, order candidates (choice level, token) or by descending probability; keep 4
+    w_TE = torch.zeros(T_, E)
+    for e in range(E):
+        cand = [(j, t) for j in range(K) for t in range(T_) if idx_TK[t, j] == e]
+        if policy == "probs":
+            cand.sort(key=lambda jt: -float(p_TK[jt[1], jt[0]]))
+        for j, t in cand[:4]:
+            w_TE[t, e] = p_TK[t, j]
+    out = layer(x)
+    assert int(layer.last_stats.dropped) > 0
+    torch.testing.assert_close(out, naive_weighted(layer, x, w_TE), rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_gradient_reaches_router_only() -> None:
+    torch.manual_seed(11)
+    layer = MoELayer(6, 10, 4, 2, aux_loss_coef=1.0, z_loss_coef=0.1)
+    layer(torch.randn(12, 6))
+    layer.aux_loss.backward()
+    assert layer.gate.weight.grad is not None and layer.gate.weight.grad.abs().sum() > 0
+    assert layer.experts.w1.grad is None  # the balancing terms depend on the router alone

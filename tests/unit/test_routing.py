@@ -197,3 +197,24 @@ def test_jitter_only_in_training() -> None:
 def test_gate_spec_rejects_bad_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GateSpec(**{"num_experts": 4, "top_k": 2, **kwargs})
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 20), E=st.integers(1, 5), cap=st.integers(1, 6), policy=st.sampled_from(["probs", "position"]),
+       data=st.data())
+def test_capacity_keep_matches_brute_force(T: int, E: int, cap: int, policy: str, data: st.DataObject) -> None:
+    K = data.draw(st.integers(1, E))
+    gen = torch.Generator().manual_seed(T * 100 + E * 10 + cap)
+    idx_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    prio_TK = torch.rand(T, K, generator=gen)
+    taken_TK = torch.rand(T, K, generator=gen) > 0.3
+    taken_TK[:, 0] = True
+    kept = capacity_keep(idx_TK, taken_TK, prio_TK, E, cap, policy)
+    expected = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(E):
+        cand = [(j, t) for j in range(K) for t in range(T) if idx_TK[t, j] == e and taken_TK[t, j]]
+        if policy == "probs":
+            cand.sort(key=lambda jt: -float(prio_TK[jt[1], jt[0]]))  # stable: ties keep (choice, token) order
+        for j, t in cand[:cap]:
+            expected[t, j] = True
+    assert torch.equal(kept, expected)
