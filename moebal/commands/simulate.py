@@ -1,0 +1,157 @@
+"""`moebal simulate`: one training iteration of a model on a modelled GPU cluster, in this process.
+
+Example: moebal simulate mixtral-8x7b --cluster h100-ndr400 --ranks 1024 --policy prophet --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from moebal.errors import ConfigError
+
+DEFAULT_ZIPF = 1.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None,
+                   help="model YAML or preset name (mixtral-8x7b, llama-moe-3.5b); default: the embedded default run")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. moe.top_k=1")
+    p.add_argument("--cluster", default="h100", help="hardware profile: short name (h100, h100-ndr400, a100, "
+                   "rtx3090, rtx3090-nvlink, rtx2080ti) or a YAML path (see `moebal calibrate`)")
+    p.add_argument("--ranks", type=int, default=None, help="GPUs in the job (default: pp x ep)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: parallel.pp)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: parallel.ep)")
+    p.add_argument("--policy", choices=("static", "fastermoe", "prophet"), default="static",
+                   help="expert placement: static EP (DeepSpeed-MoE), FasterMoE shadowing + smart schedule, "
+                        "Pro-Prophet placement + block-wise Trans/Agg overlap")
+    p.add_argument("--lina", action="store_true", help="Lina: all-reduce in 30 MB chunks, never while an "
+                   "all-to-all is queued or running; all-to-all in 2 token chunks pipelined with the experts")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per iteration "
+                   "(default: 1 without pipeline, 4 x pp with one)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: data.seq_len)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
+                   help="compute dtype (default: train.precision)")
+    p.add_argument("--routing", default="synthetic", help="'synthetic' or a routing log / plans.jsonl to replay")
+    p.add_argument("--zipf", type=float, default=DEFAULT_ZIPF, help="synthetic routing: Zipf exponent of expert "
+                   "popularity (0 = uniform)")
+    p.add_argument("--drift", type=float, default=0.05, help="synthetic routing: locality drift per step")
+    p.add_argument("--seed", type=int, default=0, help="synthetic routing seed")
+    p.add_argument("--step", type=int, default=1, help="which step to simulate (placements plan on step - 1)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (open in Perfetto)")
+    p.add_argument("--trace-ranks", type=int, default=64, help="ranks in the trace (the first N; 0 = all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moebal.config import load
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.sim.simulate import plan_placements, simulate, write_chrome_trace
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `moebal simulate moe.top_k=1`: an override, not a file
+        config, overrides = None, [config, *overrides]
+    cfg = load(config, overrides)
+    shape = ModelShape.from_config(cfg)
+    cost = CostModel(args.cluster, args.dtype or cfg.train.precision)
+    spec = _spec(cfg, shape, args)
+    counts, predicted = _routing(args, shape, spec)
+    opts: dict[str, Any] = {"overlap": True} if args.policy == "prophet" else {}
+    stages = spec.stage_layers or _stages(shape, spec)
+    placements = None
+    if predicted is not None:
+        placements = plan_placements(args.policy, cost, shape, spec, predicted, stages, **opts)
+    res = simulate(shape, cost, spec, counts, placements)
+    out = res.to_dict()
+    out["config"] = cfg.name
+    out["policy"] = args.policy
+    if args.trace:
+        n = args.trace_ranks or spec.layout.ranks
+        assert res.engine is not None
+        out["trace_events"] = write_chrome_trace(res.engine, args.trace, range(min(n, spec.layout.ranks)))
+        out["trace"] = args.trace
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print(out)
+    return 0
+
+
+def _stages(shape: Any, spec: Any) -> tuple[int, ...]:
+    from moebal.sim.program import uniform_stages
+
+    return uniform_stages(shape.n_layers, spec.layout.pp)
+
+
+def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
+    from moebal.sim.program import Layout, SimSpec
+
+    pp = args.pp or cfg.parallel.pp
+    ep = args.ep or cfg.parallel.ep
+    ranks = args.ranks or pp * ep
+    for name, v in (("--ranks", ranks), ("--pp", pp), ("--ep", ep), ("--micro-batch-size", args.micro_batch_size)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1; got {v}")
+    m = args.micro_batches or (1 if pp == 1 else 4 * pp)
+    lina = dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2) if args.lina else {}
+    moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina.pop("moe_schedule", "serial")
+    return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
+                   seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
+                   trans_overlap=args.policy == "prophet", grad_bytes=4, **lina)
+
+
+def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    from moebal.sim.routing import LoggedRouting, SyntheticRouting
+
+    if shape.num_experts == 0:
+        return None, None
+    lay = spec.layout
+    tokens = spec.micro_batches * spec.micro_batch_size * spec.seq_len
+    if args.step < 1:
+        raise ConfigError(f"--step must be >= 1 (placements plan on the previous step); got {args.step}")
+    if args.routing == "synthetic":
+        src = SyntheticRouting(num_layers=shape.n_layers, num_experts=shape.num_experts, top_k=shape.top_k,
+                               zipf_s=args.zipf, drift=args.drift, seed=args.seed)
+        return src.counts(args.step, lay.groups, lay.ep, tokens), src.counts(args.step - 1, lay.groups, lay.ep,
+                                                                            tokens)
+    log = LoggedRouting.from_file(args.routing)
+    if log.num_experts != shape.num_experts:
+        raise ConfigError(f"routing log {args.routing} has {log.num_experts} experts but the model has "
+                          f"{shape.num_experts}: replay it with a matching config (moe.num_experts)")
+    moe_layers = [i for i in range(shape.n_layers) if shape.is_moe(i)]
+
+    def full(step: int) -> np.ndarray:
+        c = log.counts(step, len(moe_layers), lay.groups, lay.ep, tokens, shape.top_k)
+        out = np.zeros((shape.n_layers, *c.shape[1:]))
+        out[moe_layers] = c
+        return out
+
+    return full(args.step), full(args.step - 1)
+
+
+def _print(out: dict[str, Any]) -> None:
+    m = out["meta"]
+    print(f"{out['config']} on {m['ranks']} x {m['profile']} ({m['dtype']}): pp={m['pp']} dp={m['dp']} ep={m['ep']}, "
+          f"{m['micro_batches']} micro-batches x {m['micro_batch_size']} x {m['seq_len']} tokens, "
+          f"{m['schedule']}, policy {out['policy']}")
+    print(f"  iteration time   {out['iteration_time_s'] * 1e3:10.2f} ms")
+    print(f"  bubble ratio     {out['bubble_ratio']:10.3f}  (idle share of compute streams)")
+    b, i = out["busy_s"], out["idle_s"]
+    print(f"  busy per rank    {b['mean'] * 1e3:10.2f} ms (min {b['min'] * 1e3:.2f}, max {b['max'] * 1e3:.2f})")
+    print(f"  idle per rank    {i['mean'] * 1e3:10.2f} ms (min {i['min'] * 1e3:.2f}, max {i['max'] * 1e3:.2f})")
+    for k, v in out["comm_s"].items():
+        print(f"  {k:<16} {v * 1e3:10.2f} ms per rank (time inside the ops, overlapped or not)")
+    for k, v in out["bytes_by_link_class"].items():
+        if v:
+            print(f"  bytes {k:<10} {v / 1e9:10.3f} GB")
+    print(f"  expert replicas  {out['placements'].get('replicas', 0):10d}")
+    if "trace" in out:
+        print(f"  trace            {out['trace']} ({out['trace_events']} events)")
+    print(f"  simulated in {out['simulate_wall_s']:.2f} s")

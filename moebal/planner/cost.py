@@ -1,0 +1,438 @@
+"""The CostModel: seconds for every compute op and collective of a training iteration, from a hardware profile.
+
+The planners and the cluster simulator share it: a planner asks for a closed-form time (`time_of`), the
+simulator replays the same collectives as fluid flows over the links they cross (`Collective.phases`), so the
+two agree exactly when nothing overlaps and the simulator adds contention when things do.
+
+Shape legend: R = ranks (of a group), E = experts, T = tokens, D = model dim, F = FFN hidden width,
+V = vocabulary, L = links.
+
+Models (each a deliberate simplification, see docs/cost-model.md):
+- GEMM: 2 m n k FLOPs at peak * eff(m, n, k), eff = max_eff * prod_d d / (d + half_dim) (small GEMMs are far
+  below peak), never faster than streaming its operands from memory (roofline), plus a launch cost.
+- Elementwise work (norms, activations, permutes, optimizer): bytes / achievable memory bandwidth.
+- Collectives: alpha-beta per algorithm. Pairwise all-to-all ((R-1) message latencies, every byte on its own
+  route), ring all-reduce (2(R-1) steps, 2(R-1)/R * S per ring edge), hierarchical all-reduce when the group
+  spans nodes with several members per node (intra reduce-scatter, inter-node ring per local rank, intra
+  all-gather), pipelined-chain broadcast/reduce (S per chain edge, (R-1) latencies), ring all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moebal.errors import ConfigError
+from moebal.planner.hardware import DTYPE_BYTES, HardwareProfile, load_profile
+
+if TYPE_CHECKING:
+    from moebal.config import Config
+    from moebal.planner.perf import MoELayerCosts
+
+__all__ = ["Collective", "CostModel", "ModelShape", "Phase", "Topology"]
+
+ADAM_BYTES_PER_PARAM = 32.0
+"""Optimizer step memory traffic: read+write fp32 param (8), m (8), v (8), read grad (4), write a low-precision
+copy or read the fp32 grad twice (4)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# model shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The dimensions the cost model needs (a Config has them; paper models are built directly)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    num_experts: int = 0
+    top_k: int = 1
+    expert_ffn_dim: int = 0
+    moe_every: int = 1
+    expert_matrices: int = 3
+    """3: SwiGLU (w1, w3, w2); 2: a two-layer (ReLU/GeLU) MLP as in the GPT-style paper models."""
+    router_hidden: int = 0
+    """Hidden width of a Linear-tanh-Linear router (LLaMA-MoE); 0 for one linear."""
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ModelShape:
+        m, moe = cfg.model, cfg.moe
+        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                   head_dim=cfg.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, num_experts=moe.num_experts,
+                   top_k=moe.top_k, expert_ffn_dim=cfg.expert_ffn_dim, moe_every=moe.every,
+                   router_hidden=moe.num_experts if moe.router == "mlp_tanh" else 0,
+                   tie_embeddings=m.tie_embeddings)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def attn_params(self) -> int:
+        q = self.n_heads * self.head_dim
+        kv = self.n_kv_heads * self.head_dim
+        return self.dim * (q + 2 * kv) + q * self.dim + 2 * self.dim  # projections + two norms
+
+    @property
+    def expert_params(self) -> int:
+        return self.expert_matrices * self.dim * self.expert_ffn_dim
+
+    @property
+    def router_params(self) -> int:
+        if self.router_hidden:
+            return self.dim * self.router_hidden + self.router_hidden * self.num_experts
+        return self.dim * self.num_experts
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.dim * self.ffn_dim
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# links and collectives
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a collective: a fluid transfer of `nbytes[i]` over link `links[i]` after `latency_s`."""
+
+    links: np.ndarray
+    nbytes: np.ndarray
+    latency_s: float
+    efficiency: float = 1.0
+    """Collective-specific multiplier on link capacity (from calibration)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective (or point-to-point transfer) as consecutive phases over a topology's links."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    phases: tuple[Phase, ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(p.nbytes.sum() for p in self.phases))
+
+
+class Topology:
+    """Links of `num_ranks` ranks laid out on nodes of a profile, and the route of every byte."""
+
+    def __init__(self, profile: HardwareProfile, num_ranks: int) -> None:
+        if num_ranks < 1:
+            raise ConfigError(f"the simulated cluster needs at least 1 rank; got {num_ranks}")
+        p = self.profile = profile
+        self.num_ranks = R = num_ranks
+        g = p.gpus_per_node
+        self.num_nodes = N = -(-R // g)
+        self.node_R = np.arange(R) // g
+        self.nic_R = self.node_R * p.nics_per_node + (np.arange(R) % g) * p.nics_per_node // g
+        caps: list[np.ndarray] = []
+        names: list[str] = []
+
+        def block(count: int, link: Any, label: str) -> int:
+            start = sum(len(c) for c in caps)
+            caps.append(np.full(count, link.capacity))
+            names.append(label)
+            self._block_ranges.append((start, start + count, label))
+            return start
+
+        self._block_ranges: list[tuple[int, int, str]] = []
+        self.gpu_out0 = block(R, p.intra, "intra_out")
+        self.gpu_in0 = block(R, p.intra, "intra_in")
+        self.pair0 = block(R, p.pair, "pair") if p.pair is not None else -1
+        self.nic_out0 = block(N * p.nics_per_node, p.inter, "nic_out")
+        self.nic_in0 = block(N * p.nics_per_node, p.inter, "nic_in")
+        self.backplane0 = block(N, p.backplane, "backplane") if p.backplane is not None else -1
+        self.capacity_L = np.concatenate(caps)
+
+    @property
+    def num_links(self) -> int:
+        return int(self.capacity_L.shape[0])
+
+    def link_class(self, link: int) -> str:
+        for lo, hi, label in self._block_ranges:
+            if lo <= link < hi:
+                return label
+        raise IndexError(link)
+
+    def link_classes(self) -> list[tuple[int, int, str]]:
+        return list(self._block_ranges)
+
+    def spans_nodes(self, ranks: Sequence[int] | np.ndarray) -> bool:
+        nodes = self.node_R[np.asarray(ranks, dtype=np.int64)]
+        return bool(nodes.min() != nodes.max())
+
+    def latency(self, ranks: Sequence[int] | np.ndarray) -> float:
+        """Per-message latency of the slowest link class a group's messages cross."""
+        if self.spans_nodes(ranks):
+            return self.profile.inter.latency_s
+        return self.profile.intra.latency_s
+
+    def route_bytes(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Aggregate bytes per link for transfers src[i] -> dst[i] of nbytes[i] (vectorised routing)."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        b = np.asarray(nbytes, np.float64)
+        keep = (src != dst) & (b > 0)
+        src, dst, b = src[keep], dst[keep], b[keep]
+        same = self.node_R[src] == self.node_R[dst]
+        parts_l, parts_b = [], []
+        if self.pair0 >= 0:
+            bridged = same & ((src ^ 1) == dst) & ((src // 2) == (dst // 2))
+            parts_l.append(self.pair0 + src[bridged])
+            parts_b.append(b[bridged])
+            switched = same & ~bridged
+        else:
+            switched = same
+        uses_port = switched | (~same if self.profile.fabric == "pcie" else np.zeros_like(same))
+        parts_l += [self.gpu_out0 + src[uses_port], self.gpu_in0 + dst[uses_port]]
+        parts_b += [b[uses_port], b[uses_port]]
+        if self.backplane0 >= 0:
+            parts_l.append(self.backplane0 + self.node_R[src[switched]])
+            parts_b.append(b[switched])
+        cross = ~same
+        parts_l += [self.nic_out0 + self.nic_R[src[cross]], self.nic_in0 + self.nic_R[dst[cross]]]
+        parts_b += [b[cross], b[cross]]
+        links = np.concatenate(parts_l) if parts_l else np.zeros(0, np.int64)
+        vals = np.concatenate(parts_b) if parts_b else np.zeros(0)
+        if links.size == 0:
+            return links, vals
+        uniq, inv = np.unique(links, return_inverse=True)
+        return uniq, np.bincount(inv, weights=vals, minlength=uniq.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the cost model
+
+
+class CostModel:
+    """Times of compute ops and collectives on `profile` in `dtype` (fp32, tf32, bf16, fp16)."""
+
+    def __init__(self, profile: HardwareProfile | str, dtype: str = "bf16") -> None:
+        self.profile = load_profile(profile)
+        if dtype not in DTYPE_BYTES:
+            raise ConfigError(f"cost model dtype must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+        self.dtype = dtype
+        self.act_bytes = DTYPE_BYTES[dtype]
+        self.peak = self.profile.peak_flops(dtype)
+        self.mem_rate = self.profile.memory_bandwidth * self.profile.memory_efficiency
+        self._topos: dict[int, Topology] = {}
+
+    def topology(self, num_ranks: int) -> Topology:
+        if num_ranks not in self._topos:
+            self._topos[num_ranks] = Topology(self.profile, num_ranks)
+        return self._topos[num_ranks]
+
+    # ---- compute ----
+    def gemm_s(self, m: Any, n: float, k: float, efficiency: float = 1.0) -> Any:
+        """Seconds of an (m x k) @ (k x n) GEMM; `m` may be an array (zero rows cost nothing)."""
+        g = self.profile.gemm
+        m_arr = np.asarray(m, dtype=np.float64)
+        h = g.half_dim
+        eff = g.max_efficiency * efficiency * (m_arr / (m_arr + h)) * (n / (n + h)) * (k / (k + h))
+        flops = 2.0 * m_arr * n * k
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t_flop = np.where(m_arr > 0, flops / (self.peak * eff), 0.0)
+        t_mem = (m_arr * k + k * n + m_arr * n) * self.act_bytes / self.mem_rate
+        t = np.where(m_arr > 0, np.maximum(t_flop, t_mem) + g.launch_s, 0.0)
+        return float(t) if t.ndim == 0 else t
+
+    def mem_s(self, nbytes: Any) -> Any:
+        """Seconds to stream `nbytes` through device memory (elementwise kernels)."""
+        return np.asarray(nbytes, dtype=np.float64) / self.mem_rate if np.ndim(nbytes) else nbytes / self.mem_rate
+
+    def attention_fwd_s(self, shape: ModelShape, batch: int, seq: int) -> float:
+        """Norm, QKV, causal SDPA, output projection, residual and the second norm of one layer."""
+        T = batch * seq
+        q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+        proj = self.gemm_s(T, q + 2 * kv, shape.dim) + self.gemm_s(T, shape.dim, q)
+        p = self.profile
+        # SDPA as two batched GEMMs per head (QK^T and PV), of which a causal kernel computes a share.
+        per_head = 2 * self.gemm_s(seq, seq, shape.head_dim, efficiency=p.attention_efficiency) - 2 * p.gemm.launch_s
+        sdpa = p.causal_attention_factor * batch * shape.n_heads * per_head + p.gemm.launch_s
+        elementwise = self.mem_s(10.0 * T * shape.dim * self.act_bytes + 4.0 * T * q * self.act_bytes)
+        return float(proj + sdpa + elementwise)
+
+    def router_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+        """Gate GEMM(s), softmax/top-k, and the sort-based permute of the routed rows."""
+        if shape.router_hidden:
+            gate = self.gemm_s(tokens, shape.router_hidden, shape.dim) + self.gemm_s(tokens, shape.num_experts,
+                                                                                      shape.router_hidden)
+        else:
+            gate = self.gemm_s(tokens, shape.num_experts, shape.dim)
+        rows = tokens * shape.top_k
+        permute = self.mem_s(2.0 * rows * shape.dim * self.act_bytes + 8.0 * tokens * shape.num_experts * 4)
+        return float(gate + permute)
+
+    def combine_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+        """Weighted scatter-add of the expert outputs back to token order."""
+        return float(self.mem_s(3.0 * tokens * shape.top_k * shape.dim * self.act_bytes))
+
+    def experts_fwd_s(self, shape: ModelShape, tokens_per_expert: Any) -> Any:
+        """Expert MLP forward for row counts per expert; the last axis is summed (experts run one by one)."""
+        m = np.asarray(tokens_per_expert, dtype=np.float64)
+        D, F = shape.dim, shape.expert_ffn_dim
+        up = (shape.expert_matrices - 1) * self.gemm_s(m, F, D)
+        down = self.gemm_s(m, D, F)
+        act = self.mem_s(m * F * self.act_bytes * (3.0 if shape.expert_matrices == 3 else 2.0))
+        t = (up + down + act).sum(axis=-1)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def dense_mlp_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+        D, F = shape.dim, shape.ffn_dim
+        return float(2 * self.gemm_s(tokens, F, D) + self.gemm_s(tokens, D, F)
+                     + self.mem_s(3.0 * tokens * F * self.act_bytes))
+
+    def head_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+        """Final norm, LM head GEMM and cross-entropy (fp32 logits)."""
+        V = shape.vocab_size
+        return float(self.gemm_s(tokens, V, shape.dim) + self.mem_s(3.0 * tokens * V * 4 + 2.0 * tokens * shape.dim
+                                                                    * self.act_bytes))
+
+    def embed_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+        return float(self.mem_s(2.0 * tokens * shape.dim * self.act_bytes))
+
+    def optimizer_s(self, params: float) -> float:
+        return float(self.mem_s(ADAM_BYTES_PER_PARAM * params))
+
+    @property
+    def backward_factor(self) -> float:
+        return self.profile.backward_factor
+
+    # ---- collectives ----
+    def _lat(self, kind: str, topo: Topology, ranks: Sequence[int] | np.ndarray) -> float:
+        spec = self.profile.collective(kind)
+        return topo.latency(ranks) if spec.latency_s is None else spec.latency_s
+
+    def _phase(self, kind: str, topo: Topology, src: Any, dst: Any, nbytes: Any, latency: float) -> Phase:
+        links, b = topo.route_bytes(np.asarray(src), np.asarray(dst), np.asarray(nbytes, dtype=np.float64))
+        return Phase(links=links, nbytes=b, latency_s=latency, efficiency=self.profile.collective(kind).efficiency)
+
+    def p2p(self, topo: Topology, src: int, dst: int, nbytes: float) -> Collective:
+        lat = self._lat("p2p", topo, [src, dst])
+        return Collective("p2p", (src, dst), (self._phase("p2p", topo, [src], [dst], [nbytes], lat),))
+
+    def all_to_all(self, topo: Topology, ranks: Sequence[int], bytes_RR: np.ndarray) -> Collective:
+        """Pairwise exchange: bytes_RR[i, j] from ranks[i] to ranks[j]; R-1 message latencies."""
+        r = np.asarray(ranks, dtype=np.int64)
+        n = len(r)
+        b = np.asarray(bytes_RR, dtype=np.float64)
+        if b.shape != (n, n):
+            raise ValueError(f"all_to_all over {n} ranks needs an {n} x {n} byte matrix; got {b.shape}")
+        src, dst = np.repeat(r, n), np.tile(r, n)
+        lat = (n - 1) * self._lat("all_to_all", topo, r)
+        return Collective("all_to_all", tuple(r.tolist()), (self._phase("all_to_all", topo, src, dst, b.ravel(), lat),))
+
+    def all_reduce(self, topo: Topology, ranks: Sequence[int], nbytes: float) -> Collective:
+        r = np.sort(np.asarray(ranks, dtype=np.int64))
+        n = len(r)
+        if n <= 1 or nbytes <= 0:
+            return Collective("all_reduce", tuple(r.tolist()), ())
+        nodes, per_node = np.unique(topo.node_R[r], return_counts=True)
+        if len(nodes) == 1 or per_node.max() == 1 or per_node.min() != per_node.max():
+            return Collective("all_reduce", tuple(r.tolist()), (self._ring(topo, "all_reduce", r, nbytes, 2.0),))
+        g, N = int(per_node[0]), len(nodes)
+        local = r.reshape(N, g)  # sorted ranks: row = node, column = local member
+        intra_src, intra_dst = local.ravel(), np.roll(local, -1, axis=1).ravel()
+        inter_src, inter_dst = local.ravel(), np.roll(local, -1, axis=0).ravel()
+        lat_i = self._lat("all_reduce", topo, local[0])
+        lat_e = self._lat("all_reduce", topo, local[:, 0])
+        rs = self._phase("all_reduce", topo, intra_src, intra_dst, np.full(n, (g - 1) / g * nbytes), (g - 1) * lat_i)
+        ar = self._phase("all_reduce", topo, inter_src, inter_dst, np.full(n, 2.0 * (N - 1) / N * nbytes / g),
+                         2 * (N - 1) * lat_e)
+        ag = self._phase("all_reduce", topo, intra_src, intra_dst, np.full(n, (g - 1) / g * nbytes), (g - 1) * lat_i)
+        return Collective("all_reduce", tuple(r.tolist()), (rs, ar, ag), {"algorithm": "hierarchical"})
+
+    def _ring(self, topo: Topology, kind: str, r: np.ndarray, nbytes: float, factor: float) -> Phase:
+        n = len(r)
+        order = r[np.lexsort((r, topo.node_R[r]))]
+        per_edge = factor * (n - 1) / n * nbytes
+        steps = int(round(factor * (n - 1)))
+        return self._phase(kind, topo, order, np.roll(order, -1), np.full(n, per_edge),
+                           steps * self._lat(kind, topo, r))
+
+    def all_gather(self, topo: Topology, ranks: Sequence[int], nbytes_total: float) -> Collective:
+        r = np.asarray(ranks, dtype=np.int64)
+        if len(r) <= 1:
+            return Collective("all_gather", tuple(r.tolist()), ())
+        return Collective("all_gather", tuple(r.tolist()), (self._ring(topo, "all_gather", r, nbytes_total, 1.0),))
+
+    def broadcast(self, topo: Topology, root: int, ranks: Sequence[int], nbytes: float,
+                  kind: str = "broadcast") -> Collective:
+        """Pipelined chain from `root` through the others (node by node): S on every chain edge."""
+        others = np.asarray([x for x in ranks if x != root], dtype=np.int64)
+        if others.size == 0 or nbytes <= 0:
+            return Collective(kind, (root,), ())
+        others = others[np.lexsort((others, topo.node_R[others] != topo.node_R[root], topo.node_R[others]))]
+        chain = np.concatenate([[root], others])
+        src, dst = (chain[:-1], chain[1:]) if kind == "broadcast" else (chain[1:], chain[:-1])
+        lat = len(others) * self._lat(kind, topo, chain)
+        return Collective(kind, tuple(chain.tolist()),
+                          (self._phase(kind, topo, src, dst, np.full(len(others), float(nbytes)), lat),))
+
+    def reduce(self, topo: Topology, root: int, ranks: Sequence[int], nbytes: float) -> Collective:
+        return self.broadcast(topo, root, ranks, nbytes, kind="reduce")
+
+    def time_of(self, coll: Collective, topo: Topology) -> float:
+        """Uncontended seconds: per phase, latency + the slowest link's bytes / capacity."""
+        t = 0.0
+        for ph in coll.phases:
+            bw = 0.0
+            if ph.links.size:
+                bw = float(np.max(ph.nbytes / (topo.capacity_L[ph.links] * ph.efficiency)))
+            t += ph.latency_s + bw
+        return t
+
+    # ---- Pro-Prophet / FasterMoE coefficients ----
+    def moe_layer_costs(self, shape: ModelShape, ep_ranks: Sequence[int], tokens_per_rank: int, seq: int,
+                        num_ranks: int | None = None) -> MoELayerCosts:
+        """perf.MoELayerCosts for one MoE layer of `shape` on the expert-parallel group `ep_ranks`.
+
+        token_bytes/param sizes from the shape; t from the expert MLP at the average rows per local expert; the
+        A2A bandwidth is a callable whose value at b bytes is b / (time of a uniform all-to-all in which each
+        rank receives b bytes); Trans/Agg bandwidth = expert bytes / chain broadcast time over the group; the
+        non-MoE forward is this layer's attention + router time (backward x backward_factor).
+        """
+        from moebal.planner.perf import MoELayerCosts
+
+        ranks = list(ep_ranks)
+        R = len(ranks)
+        topo = self.topology(num_ranks or (max(ranks) + 1))
+        E = shape.num_experts
+        rows = max(1.0, tokens_per_rank * shape.top_k / max(1, E // R))
+        t_tok = self.experts_fwd_s(shape, [rows]) / rows
+        param_bytes = shape.expert_params * self.act_bytes
+        bcast = self.time_of(self.broadcast(topo, ranks[0], ranks, param_bytes), topo) if R > 1 else 1.0
+
+        def a2a_bw(nbytes: float) -> float:
+            if nbytes <= 0 or R <= 1:
+                return math.inf
+            per_pair = nbytes / (R - 1)
+            mat = np.full((R, R), per_pair)
+            np.fill_diagonal(mat, 0.0)
+            return nbytes / self.time_of(self.all_to_all(topo, ranks, mat), topo)
+
+        fwd = self.attention_fwd_s(shape, max(1, tokens_per_rank // seq), seq) + self.router_fwd_s(shape,
+                                                                                                    tokens_per_rank)
+        return MoELayerCosts(token_bytes=shape.dim * self.act_bytes, expert_param_bytes=param_bytes,
+                             expert_grad_bytes=param_bytes, expert_tokens_per_s=1.0 / t_tok,
+                             a2a_bandwidth=a2a_bw, trans_bandwidth=param_bytes / bcast,
+                             agg_bandwidth=param_bytes / bcast, nonmoe_fwd_s=fwd,
+                             nonmoe_bwd_s=fwd * self.backward_factor, backward_factor=self.backward_factor,
+                             num_ranks=R)

@@ -1,0 +1,322 @@
+"""Hardware profiles: what one accelerator computes, how fast its links move bytes, how nodes are wired.
+
+A profile is a YAML file in `configs/hardware/` (or any path). Every datasheet figure carries its source in a
+comment or in the `source:` list; every figure that is a modelling assumption (achievable fraction of a peak,
+a per-message latency) says so. Load one by short name (`h100`, `a100`, `rtx3090`, `rtx3090-nvlink`,
+`rtx2080ti`, `h100-ndr400`) or by path with `load_profile`.
+
+Units: FLOP/s, bytes/s per direction, seconds, bytes. A link's usable capacity is `bandwidth * efficiency`.
+
+Topology (used by `Topology.route`): rank r sits on node r // gpus_per_node. Inside a node, traffic crosses the
+sender's and receiver's fabric ports (`intra`: an NVSwitch port or the GPU's PCIe link), or a dedicated
+NVLink bridge when the two GPUs are a bridged pair (`pair`). Across nodes it crosses the sender's and
+receiver's NICs (`inter`, `nics_per_node` per node, GPUs spread evenly over them); on a PCIe fabric the GPU's
+PCIe link carries that traffic too. An optional node `backplane` caps the sum of intra-node traffic (a PCIe
+root complex, or the memory bus of a CPU host running gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moebal.errors import ConfigError
+
+__all__ = [
+    "CollectiveSpec",
+    "GemmSpec",
+    "HardwareProfile",
+    "LinkSpec",
+    "PROFILE_DIR",
+    "dump_profile",
+    "list_profiles",
+    "load_profile",
+    "profile_from_dict",
+    "profile_to_dict",
+]
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "hardware"
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+COLLECTIVES = ("all_to_all", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinkSpec:
+    """One kind of link, per direction."""
+
+    bandwidth: float
+    """Peak bytes/s per direction (datasheet)."""
+    latency_s: float
+    """Seconds per message (alpha of the alpha-beta model): software + wire latency."""
+    efficiency: float = 1.0
+    """Achievable fraction of `bandwidth` for large transfers (a modelling assumption unless calibrated)."""
+    kind: str = ""
+    """Free text: pcie3, nvlink4, ib-edr, loopback, ..."""
+
+    @property
+    def capacity(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(kw_only=True, frozen=True)
+class GemmSpec:
+    """Shape-dependent GEMM efficiency: eff(m, n, k) = max_efficiency * prod_d d / (d + half_dim)."""
+
+    max_efficiency: float
+    """Fraction of peak reached by large GEMMs."""
+    half_dim: float
+    """A dimension this small halves the efficiency (small GEMMs are far below peak)."""
+    launch_s: float = 0.0
+    """Fixed seconds per kernel (launch and tail)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CollectiveSpec:
+    """Per-collective corrections of the link model (fitted by calibration; defaults change nothing)."""
+
+    latency_s: float | None = None
+    """Seconds per algorithm step, replacing the links' latency; null keeps the links' value."""
+    efficiency: float = 1.0
+    """Multiplier on link capacity for this collective's traffic."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HardwareProfile:
+    """A cluster of identical nodes of identical accelerators."""
+
+    name: str
+    """Short name (`h100`); the file is configs/hardware/<name>.yaml."""
+    description: str = ""
+    """One line on what the profile models."""
+    source: tuple[str, ...] = ()
+    """Where each datasheet figure comes from."""
+    device: str = ""
+    """Accelerator model (H100 SXM5 80GB, ...)."""
+    gpus_per_node: int
+    """Accelerators per node."""
+    flops: dict[str, float]
+    """Dense peak FLOP/s of matrix multiplies by dtype (fp32, tf32, bf16, fp16)."""
+    gemm: GemmSpec
+    """Efficiency curve of GEMMs."""
+    memory_bandwidth: float
+    """Device memory bytes/s (peak)."""
+    memory_efficiency: float = 0.8
+    """Achievable fraction of memory bandwidth for elementwise kernels (assumption unless calibrated)."""
+    memory_bytes: float
+    """Device memory capacity in bytes."""
+    attention_efficiency: float = 1.0
+    """Multiplier on GEMM efficiency for attention's batched matmuls (fused kernels; calibration fits it)."""
+    causal_attention_factor: float = 0.5
+    """Share of the full T x T attention FLOPs a causal kernel computes (0.5: flash-style skips the masked half)."""
+    backward_factor: float = 2.0
+    """Backward / forward time of matrix work (2: dgrad + wgrad)."""
+    intra: LinkSpec
+    """A GPU's port into the intra-node fabric."""
+    fabric: Literal["switch", "pcie"] = "switch"
+    """switch: NVSwitch-like, NIC traffic does not use the GPU port; pcie: the GPU's PCIe link carries NIC traffic."""
+    pair: LinkSpec | None = None
+    """NVLink bridge between GPUs 2i and 2i+1 of a node (None: no bridges)."""
+    backplane: LinkSpec | None = None
+    """Node-wide cap on the sum of intra-node traffic (None: no cap)."""
+    inter: LinkSpec
+    """One network interface (per direction)."""
+    nics_per_node: int = 1
+    """Network interfaces per node; GPUs are spread over them evenly."""
+    collectives: dict[str, CollectiveSpec] = field(default_factory=dict)
+    """Per-collective corrections by name (all_to_all, all_reduce, broadcast, reduce, all_gather, p2p)."""
+    calibration: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts of how a calibrated profile was measured (host, versions, fit residuals)."""
+
+    def __post_init__(self) -> None:
+        _check_profile(self)
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise ConfigError(f"hardware profile '{self.name}' has no matmul rate for dtype '{dtype}'; "
+                              f"it has {', '.join(sorted(self.flops))}: add flops.{dtype} or pick another dtype")
+        return self.flops[dtype]
+
+    def collective(self, kind: str) -> CollectiveSpec:
+        return self.collectives.get(kind, _NO_CORRECTION)
+
+
+_NO_CORRECTION = CollectiveSpec()
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _check_link(where: str, link: LinkSpec) -> None:
+    _need(_positive(link.bandwidth), f"{where}.bandwidth must be > 0 bytes/s; got {link.bandwidth!r}")
+    _need(link.latency_s >= 0 and math.isfinite(link.latency_s),
+          f"{where}.latency_s must be >= 0 seconds; got {link.latency_s!r}")
+    _need(0 < link.efficiency <= 1, f"{where}.efficiency must be in (0, 1]; got {link.efficiency!r}")
+
+
+def _check_profile(p: HardwareProfile) -> None:
+    n = p.name or "<unnamed>"
+    _need(isinstance(p.gpus_per_node, int) and p.gpus_per_node >= 1,
+          f"profile '{n}': gpus_per_node must be an integer >= 1; got {p.gpus_per_node!r}")
+    _need(isinstance(p.nics_per_node, int) and 1 <= p.nics_per_node <= p.gpus_per_node,
+          f"profile '{n}': nics_per_node must be in 1..gpus_per_node ({p.gpus_per_node}); got {p.nics_per_node!r}")
+    _need(bool(p.flops), f"profile '{n}': flops needs at least one dtype rate, e.g. flops: {{fp32: 19.5e12}}")
+    for dt, v in p.flops.items():
+        _need(dt in DTYPE_BYTES, f"profile '{n}': flops.{dt}: unknown dtype; use {', '.join(DTYPE_BYTES)}")
+        _need(_positive(v), f"profile '{n}': flops.{dt} must be > 0 FLOP/s; got {v!r}")
+    _need(0 < p.gemm.max_efficiency <= 1, f"profile '{n}': gemm.max_efficiency must be in (0, 1]; "
+          f"got {p.gemm.max_efficiency!r}")
+    _need(p.gemm.half_dim >= 0 and p.gemm.launch_s >= 0, f"profile '{n}': gemm.half_dim and gemm.launch_s "
+          f"must be >= 0")
+    for key in ("memory_bandwidth", "memory_bytes", "backward_factor", "attention_efficiency",
+                "causal_attention_factor"):
+        _need(_positive(getattr(p, key)), f"profile '{n}': {key} must be > 0; got {getattr(p, key)!r}")
+    _need(0 < p.memory_efficiency <= 1, f"profile '{n}': memory_efficiency must be in (0, 1]")
+    _check_link(f"profile '{n}': intra", p.intra)
+    _check_link(f"profile '{n}': inter", p.inter)
+    if p.pair is not None:
+        _check_link(f"profile '{n}': pair", p.pair)
+        _need(p.gpus_per_node % 2 == 0, f"profile '{n}': NVLink pairs need an even gpus_per_node")
+    if p.backplane is not None:
+        _check_link(f"profile '{n}': backplane", p.backplane)
+    for kind, spec in p.collectives.items():
+        _need(kind in COLLECTIVES, f"profile '{n}': collectives.{kind}: unknown collective; "
+              f"use {', '.join(COLLECTIVES)}")
+        _need(spec.efficiency > 0 and (spec.latency_s is None or spec.latency_s >= 0),
+              f"profile '{n}': collectives.{kind}: efficiency must be > 0 and latency_s >= 0")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# YAML
+
+
+def list_profiles() -> list[str]:
+    """Short names of the profiles shipped in configs/hardware/."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")) if PROFILE_DIR.is_dir() else []
+
+
+def load_profile(name_or_path: str | Path | HardwareProfile) -> HardwareProfile:
+    """A profile by short name (`a100`) or YAML path; a HardwareProfile passes through."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    p = Path(name_or_path)
+    if not p.is_file():
+        cand = PROFILE_DIR / f"{name_or_path}.yaml"
+        if not cand.is_file():
+            names = list_profiles()
+            close = difflib.get_close_matches(str(name_or_path), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"hardware profile '{name_or_path}' not found{hint}: give a YAML path or one of "
+                              f"{', '.join(names)}; `moebal calibrate` writes one for this machine")
+        p = cand
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{p}: cannot read hardware profile: {' '.join(str(e).split())}") from None
+    return profile_from_dict(data, source=str(p))
+
+
+def profile_from_dict(data: Any, source: str = "<dict>") -> HardwareProfile:
+    """Build and validate a profile from parsed YAML; unknown keys fail naming the closest valid one."""
+    try:
+        return typing.cast(HardwareProfile, _build(HardwareProfile, data, source, ""))
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'the top level'}' must be a mapping; got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in kwargs]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {', '.join(prefix + k for k in missing)}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(typing.cast(type, tp), value, source, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, source, key)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(str, typing.get_args(tp)))}; "
+                              f"got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' must be a mapping; got {value!r}")
+        vt = typing.get_args(tp)[1]
+        return {str(k): _coerce(vt, v, source, f"{key}.{k}") for k, v in value.items()}
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(str(v) for v in items)
+    if tp is float:
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"{source}: '{key}' must be a finite number; got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be an integer; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{source}: '{key}' must be a string; got {value!r}")
+    if tp is Any:
+        return value
+    raise TypeError(f"profile field {key} has an unsupported type {tp!r}")  # a schema bug
+
+
+def profile_to_dict(p: HardwareProfile) -> dict[str, Any]:
+    d = dataclasses.asdict(p)
+    d["source"] = list(p.source)
+    for key in ("pair", "backplane"):
+        if d[key] is None:
+            del d[key]
+    return d
+
+
+def dump_profile(p: HardwareProfile, path: str | Path | None = None, header: str = "") -> str:
+    """YAML text of a profile (written to `path` when given); `header` becomes leading comment lines."""
+    text = yaml.safe_dump(profile_to_dict(p), sort_keys=False, default_flow_style=False)
+    if header:
+        text = "".join(f"# {line}\n" for line in header.splitlines()) + text
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    return text

@@ -1,0 +1,189 @@
+"""Routing sources for the simulator: synthetic (Zipf popularity with locality drift) or a replayed log.
+
+Shape legend: L = MoE layers (or all layers, see below), G = expert-parallel groups of a stage, R = ranks of one
+EP group, E = experts. Counts are token-expert assignments per source rank for a whole iteration.
+
+Routing log format (`routing.jsonl`, one JSON object per line, one line per training step):
+
+    {"step": 12, "counts": [[[c, c, ...], ...], ...]}
+
+`counts[l][r][e]` is the number of token-expert assignments that rank r routed to expert e in the l-th MoE
+layer during that step (all micro-batches). Extra keys are ignored, so a run's `plans.jsonl` whose lines carry
+a `counts` (or `routing`) field replays too. Replaying into a simulated job of another size keeps each
+layer's per-source expert shares: logged rows are cycled over the simulated ranks and rescaled to the
+simulated tokens per rank; logged layers are cycled over the model's MoE layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moebal.errors import DataError
+
+__all__ = ["LoggedRouting", "SyntheticRouting", "mean_imbalance", "read_routing_log", "write_routing_log",
+           "zipf_exponent_for"]
+
+
+def zipf_exponent_for(num_experts: int = 16, top: int = 3, top_share: float = 0.5, bottom_share: float = 0.05) -> float:
+    """Smallest Zipf exponent whose `top` heaviest of `num_experts` take more than `top_share` of the tokens
+    and whose `top` lightest take less than `bottom_share` (Pro-Prophet's Fig. 3 description: 3 heaviest of 16
+    hold > 50 %, 3 lightest < 5 %)."""
+
+    def shares(s: float) -> tuple[float, float]:
+        p = 1.0 / np.arange(1, num_experts + 1) ** s
+        p /= p.sum()
+        return float(p[:top].sum()), float(p[-top:].sum())
+
+    lo, hi = 0.0, 8.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        t, b = shares(mid)
+        if t > top_share and b < bottom_share:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyntheticRouting:
+    """Seeded Zipf routing: per layer, experts ranked by a random permutation get popularity ~ 1 / rank^s.
+
+    Locality drift: popularity logits take a Gaussian random-walk step of `drift` per training step, so
+    consecutive steps are similar (Pro-Prophet's locality) and the hot experts slowly move. `source_spread`
+    perturbs each source rank's shares (log-normal, sigma = source_spread). Each of a rank's tokens picks
+    top_k distinct experts; assignment counts are drawn multinomially and capped at one per token and expert.
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    zipf_s: float = 1.0
+    drift: float = 0.05
+    source_spread: float = 0.0
+    seed: int = 0
+
+    def popularity(self, step: int) -> np.ndarray:
+        """[L, E] expert shares of one step (deterministic in seed and step)."""
+        L, E = self.num_layers, self.num_experts
+        base = np.random.default_rng([self.seed, 0])
+        perm = np.stack([base.permutation(E) for _ in range(L)])
+        logits = -self.zipf_s * np.log(perm + 1.0)
+        if step > 0 and self.drift > 0:
+            walk = np.random.default_rng([self.seed, 1]).normal(0.0, self.drift, size=(step, L, E)).sum(axis=0)
+            logits = logits + walk
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return p / p.sum(axis=1, keepdims=True)
+
+    def counts(self, step: int, groups: int, ranks: int, tokens_per_rank: int) -> np.ndarray:
+        """[L, G, R, E] assignment counts of one step."""
+        L, E, k = self.num_layers, self.num_experts, min(self.top_k, self.num_experts)
+        p_LE = self.popularity(step)
+        rng = np.random.default_rng([self.seed, 2, step])
+        p = np.broadcast_to(p_LE[:, None, None, :], (L, groups, ranks, E))
+        if self.source_spread > 0:
+            p = p * np.exp(rng.normal(0.0, self.source_spread, size=p.shape))
+            p = p / p.sum(axis=-1, keepdims=True)
+        c = rng.multinomial(tokens_per_rank * k, p.reshape(-1, E)).astype(np.float64).reshape(L, groups, ranks, E)
+        return _cap(c, tokens_per_rank)
+
+
+def _cap(c: np.ndarray, cap: float) -> np.ndarray:
+    """No expert takes a token twice: move each row's excess over `cap` to the other experts pro rata."""
+    for _ in range(8):
+        over = np.maximum(c - cap, 0.0)
+        excess = over.sum(axis=-1, keepdims=True)
+        if not excess.any():
+            break
+        c = np.minimum(c, cap)
+        room = np.maximum(cap - c, 0.0)
+        c = c + excess * room / np.maximum(room.sum(axis=-1, keepdims=True), 1e-12)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logs
+
+
+def write_routing_log(path: str | Path, steps: list[np.ndarray], first_step: int = 0) -> None:
+    """Write one line per step; steps[i] is an [L, R, E] count array."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, c in enumerate(steps):
+            f.write(json.dumps({"step": first_step + i, "counts": np.asarray(c).tolist()}) + "\n")
+
+
+def read_routing_log(path: str | Path) -> list[np.ndarray]:
+    """The [L, R, E] count arrays of a routing log (or of plans.jsonl lines that carry `counts`/`routing`)."""
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise DataError(f"routing log {p}: cannot read it ({e})") from None
+    out: list[np.ndarray] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}:{n}: not a JSON object ({e.msg}); expected {{\"step\": N, \"counts\": "
+                            f"[[[...]]]}}") from None
+        counts = rec.get("counts", rec.get("routing")) if isinstance(rec, dict) else None
+        if counts is None:
+            continue
+        arr = np.asarray(counts, dtype=np.float64) if _rectangular(counts) else None
+        if arr is None or arr.ndim != 3 or (arr < 0).any() or not np.isfinite(arr).all():
+            raise DataError(f"{p}:{n}: 'counts' must be a non-negative layers x ranks x experts array of numbers")
+        if out and arr.shape != out[0].shape:
+            raise DataError(f"{p}:{n}: counts shape {arr.shape} differs from the first line's {out[0].shape}")
+        out.append(arr)
+    if not out:
+        raise DataError(f"routing log {p} has no line with a 'counts' field; see moebal/sim/routing.py for the format")
+    return out
+
+
+def _rectangular(x: object) -> bool:
+    try:
+        np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LoggedRouting:
+    """Replays logged steps (cycling) into a simulated layout (see the module docstring)."""
+
+    steps: tuple[np.ndarray, ...]
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LoggedRouting:
+        return cls(tuple(read_routing_log(path)))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.steps[0].shape[2])
+
+    def counts(self, step: int, num_layers: int, groups: int, ranks: int, tokens_per_rank: int,
+               top_k: int) -> np.ndarray:
+        c_LRE = self.steps[step % len(self.steps)]
+        Lg, Rg, _ = c_LRE.shape
+        layers = c_LRE[np.arange(num_layers) % Lg]
+        rows = layers[:, np.arange(groups * ranks) % Rg]  # [L, G*R, E], logged sources cycled
+        total = rows.sum(axis=-1, keepdims=True)
+        shares = np.divide(rows, total, out=np.full_like(rows, 1.0 / rows.shape[-1]), where=total > 0)
+        out = shares * tokens_per_rank * top_k
+        return out.reshape(num_layers, groups, ranks, -1)
+
+
+def mean_imbalance(counts: np.ndarray) -> float:
+    """Mean over layers and groups of max/mean expert load (a one-number summary of skew)."""
+    load = counts.sum(axis=-2)
+    return float(np.mean(load.max(axis=-1) / np.maximum(load.mean(axis=-1), 1e-12)))
+
+
+

@@ -1,0 +1,125 @@
+"""CostModel and hardware profiles: closed forms, monotonicity, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moebal.errors import ConfigError
+from moebal.planner.cost import CostModel, ModelShape
+from moebal.planner.hardware import list_profiles, load_profile, profile_from_dict, profile_to_dict
+
+MIXTRAL = ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336, vocab_size=32000,
+                     num_experts=8, top_k=2, expert_ffn_dim=14336)
+
+
+def test_shipped_profiles_load_and_cite_sources() -> None:
+    names = list_profiles()
+    assert {"h100", "a100", "rtx3090", "rtx2080ti", "rtx3090-nvlink", "h100-ndr400"} <= set(names)
+    for n in names:
+        p = load_profile(n)
+        assert p.source, f"profile {n} must cite its datasheet figures"
+        assert p.inter.capacity > 0 and p.intra.capacity > 0
+
+
+def test_profile_round_trips_through_yaml_dict() -> None:
+    p = load_profile("rtx3090-nvlink")
+    assert profile_from_dict(profile_to_dict(p)) == p
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(gpus_per_nod=4), "did you mean 'gpus_per_node'"),
+    (lambda d: d["inter"].update(bandwidth=-1.0), "inter.bandwidth must be > 0"),
+    (lambda d: d.pop("flops"), "missing required key(s) flops"),
+    (lambda d: d["flops"].update(fp8=1e15), "flops.fp8: unknown dtype"),
+    (lambda d: d.update(fabric="ethernet"), "'fabric' must be one of switch, pcie"),
+    (lambda d: d.update(nics_per_node=16), "nics_per_node must be in 1..gpus_per_node"),
+])
+def test_bad_profiles_name_the_problem(edit, message) -> None:
+    d = profile_to_dict(load_profile("a100"))
+    edit(d)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        profile_from_dict(d, source="bad.yaml")
+
+
+def test_unknown_profile_suggests_a_name() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'h100'"):
+        load_profile("h10")
+
+
+def test_unknown_dtype_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="no matmul rate for dtype 'bf16'"):
+        CostModel("rtx2080ti", "bf16")
+
+
+def test_gemm_efficiency_rises_with_size_and_stays_below_peak() -> None:
+    cm = CostModel("h100", "bf16")
+    m = np.array([16, 64, 256, 1024, 4096, 16384])
+    rate = 2 * m * 4096 * 4096 / cm.gemm_s(m, 4096, 4096)
+    assert np.all(np.diff(rate) > 0)
+    assert rate[-1] < cm.peak * cm.profile.gemm.max_efficiency
+    assert rate[0] < 0.1 * cm.peak  # small GEMMs are far below peak
+    assert cm.gemm_s(0, 4096, 4096) == 0.0
+
+
+def test_single_link_and_ring_all_reduce_closed_forms() -> None:
+    cm = CostModel("a100", "bf16")
+    p = cm.profile
+    topo = cm.topology(8)
+    S = 1e9
+    # one message across nodes: latency + S / (NIC capacity)
+    assert cm.time_of(cm.p2p(topo, 0, 4, S), topo) == pytest.approx(p.inter.latency_s + S / p.inter.capacity)
+    # ring all-reduce inside one node of 4: 2(n-1) alpha + 2(n-1)/n S / B
+    n = 4
+    ring = cm.time_of(cm.all_reduce(topo, range(n), S), topo)
+    assert ring == pytest.approx(2 * (n - 1) * p.intra.latency_s + 2 * (n - 1) / n * S / p.intra.capacity)
+
+
+def test_hierarchical_all_reduce_across_nodes() -> None:
+    cm = CostModel("h100", "bf16")
+    p, topo = cm.profile, cm.topology(16)
+    S, g, N = 4e9, 4, 4
+    t = cm.time_of(cm.all_reduce(topo, range(16), S), topo)
+    intra = 2 * ((g - 1) * p.intra.latency_s + (g - 1) / g * S / p.intra.capacity)
+    inter = 2 * (N - 1) * p.inter.latency_s + 2 * (N - 1) / N * S / g / p.inter.capacity
+    assert t == pytest.approx(intra + inter)
+
+
+def test_all_to_all_is_set_by_the_busiest_link() -> None:
+    cm = CostModel("rtx3090", "fp32")
+    topo = cm.topology(8)
+    b = np.zeros((8, 8))
+    b[1:, 0] = 1e6  # everyone sends 1 MB to rank 0; ranks 4..7 cross the NIC of node 1 -> node 0
+    t = cm.time_of(cm.all_to_all(topo, range(8), b), topo)
+    p = cm.profile
+    nic = 4e6 / p.inter.capacity
+    pcie = 7e6 / p.intra.capacity  # rank 0's PCIe link carries all 7 MB (the fabric is PCIe)
+    assert t == pytest.approx(7 * p.inter.latency_s + max(nic, pcie))
+
+
+def test_more_bandwidth_is_never_slower() -> None:
+    base = load_profile("rtx3090")
+    fast = dataclasses.replace(base, inter=dataclasses.replace(base.inter, bandwidth=4 * base.inter.bandwidth))
+    slow_cm, fast_cm = CostModel(base, "fp32"), CostModel(fast, "fp32")
+    rng = np.random.default_rng(0)
+    b = rng.uniform(0, 1e7, size=(16, 16))
+    for cm_pair in [(slow_cm, fast_cm)]:
+        ts = [cm.time_of(cm.all_to_all(cm.topology(16), range(16), b), cm.topology(16)) for cm in cm_pair]
+        tr = [cm.time_of(cm.all_reduce(cm.topology(16), range(16), 1e9), cm.topology(16)) for cm in cm_pair]
+        assert ts[1] <= ts[0] and tr[1] <= tr[0]
+
+
+def test_moe_layer_costs_feed_the_pro_prophet_model() -> None:
+    from moebal.planner.perf import layer_time
+
+    cm = CostModel("h100-ndr400", "bf16")
+    c = cm.moe_layer_costs(MIXTRAL, range(8), tokens_per_rank=4096, seq=4096, num_ranks=8)
+    assert c.token_bytes == 4096 * 2 and c.expert_param_bytes == 3 * 4096 * 14336 * 2
+    # t: the expert forward at the average rows per expert (8 ranks x 4096 tokens x top-2 / 8 experts)
+    rows = 8 * 4096 * 2 / 8
+    assert c.expert_tokens_per_s == pytest.approx(rows / cm.experts_fwd_s(MIXTRAL, [rows]))
+    # a2a bandwidth grows with message size (latency-bound small messages)
+    assert c.a2a_bw(1e4) < c.a2a_bw(1e6) < c.a2a_bw(1e8)
+    assert layer_time(c, 2048, 2048, 0, 8) > 0

@@ -1,0 +1,215 @@
+"""The discrete-event simulator: closed forms, link sharing, schedules, routing, the trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from moebal.errors import ConfigError, DataError
+from moebal.planner.cost import CostModel, ModelShape
+from moebal.planner.hardware import load_profile
+from moebal.planner.plan import ExpertPlacement
+from moebal.sim.engine import Engine, SimulationError
+from moebal.sim.pipeline import simulate_pipeline
+from moebal.sim.program import Layout, SimSpec, pipeline_order
+from moebal.sim.routing import LoggedRouting, SyntheticRouting, write_routing_log, zipf_exponent_for
+from moebal.sim.simulate import simulate, write_chrome_trace
+
+TINY = ModelShape(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=64, ffn_dim=1024, vocab_size=1000,
+                  num_experts=8, top_k=2, expert_ffn_dim=1024)
+
+
+def _run(cost: CostModel, ranks: int = 8, ep: int = 8, pp: int = 1, m: int = 1, **kw):
+    spec = SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=1, seq_len=512, **kw)
+    counts = SyntheticRouting(num_layers=TINY.n_layers, num_experts=8, top_k=2, zipf_s=1.0).counts(
+        1, spec.layout.groups, ep, m * 512)
+    return simulate(TINY, cost, spec, counts)
+
+
+def test_engine_single_flow_matches_the_cost_model() -> None:
+    cm = CostModel("a100", "bf16")
+    topo = cm.topology(8)
+    coll = cm.p2p(topo, 0, 5, 3e8)
+    eng = Engine(topo)
+    eng.collective(coll, "comm", "send")
+    assert eng.run().makespan == pytest.approx(cm.time_of(coll, topo))
+
+
+def test_two_flows_share_a_link_equally() -> None:
+    cm = CostModel("a100", "bf16")
+    topo = cm.topology(8)
+    a, b = cm.p2p(topo, 0, 4, 1e9), cm.p2p(topo, 1, 5, 1e9)  # both cross node 0's single NIC
+    eng = Engine(topo)
+    eng.collective(a, "s1", "a")
+    eng.collective(b, "s2", "b")
+    lat = cm.profile.inter.latency_s
+    assert eng.run().makespan == pytest.approx(lat + 2 * (cm.time_of(a, topo) - lat))
+
+
+def test_all_to_all_is_slowed_by_a_concurrent_all_reduce_and_priority_removes_it() -> None:
+    """Lina: an all-to-all overlapping an all-reduce on the same NICs runs slower; all-reducing in chunks that
+    are issued only while no all-to-all is registered leaves it at most one chunk to share the links with."""
+    cm = CostModel("a100", "bf16")
+    topo = cm.topology(8)
+    b = np.full((8, 8), 2e7)
+    np.fill_diagonal(b, 0)
+    a2a, chunk = cm.all_to_all(topo, range(8), b), cm.all_reduce(topo, range(8), 2e7)
+    alone = cm.time_of(a2a, topo)
+    times = {}
+    for gated in (False, True):
+        eng = Engine(topo)
+        ar_ops = [eng.collective(chunk, "dp", f"allreduce{k}", gated=gated)[0] for k in range(10)]
+        a2a_ops = eng.collective(a2a, "ep", "a2a", priority=gated)
+        res = eng.run()
+        times[gated] = (res.op_end[a2a_ops[0]] - res.op_start[a2a_ops[0]], res.op_end[ar_ops[-1]])
+    assert times[False][0] > 1.5 * alone
+    assert alone < times[True][0] < 1.2 * alone
+    assert times[True][1] > 0  # every chunk still runs (work conservation)
+
+
+def test_deadlock_is_reported() -> None:
+    cm = CostModel("a100", "bf16")
+    topo = cm.topology(2)
+    eng = Engine(topo)
+    eng.collective(cm.p2p(topo, 0, 1, 10.0), ["out", "in"], "send", deps=[[], []])
+    eng.compute(1, "compute", 1.0, "waits")
+    eng.add_dep(0, 2)  # the send waits for a compute that waits for ... itself through the stream? no: a cycle
+    eng.add_dep(2, 1)
+    with pytest.raises(SimulationError, match="never finished"):
+        eng.run()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 32), (3, 1)])
+def test_equal_stage_pipeline_bubble_is_closed_form(schedule: str, p: int, m: int) -> None:
+    r = simulate_pipeline([1.0] * 2 * p, [2.0] * 2 * p, [2] * p, m, schedule)
+    assert r.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+    assert r.iteration_time_s == pytest.approx((m + p - 1) * 2 * 3.0)
+
+
+def test_1f1b_order_is_complete_and_causal() -> None:
+    for s in range(4):
+        order = pipeline_order("1f1b", s, 4, 6)
+        assert sorted(order) == sorted([("F", j) for j in range(6)] + [("B", j) for j in range(6)])
+        seen = set()
+        for kind, j in order:
+            if kind == "B":
+                assert ("F", j) in seen
+            seen.add((kind, j))
+
+
+def test_imbalanced_stage_sets_the_pace() -> None:
+    bal = simulate_pipeline([1.0] * 8, [2.0] * 8, [2, 2, 2, 2], 16)
+    imb = simulate_pipeline([1.0] * 8, [2.0] * 8, [1, 2, 2, 3], 16)
+    assert imb.iteration_time_s > bal.iteration_time_s and imb.bubble_ratio > bal.bubble_ratio
+
+
+def test_full_iteration_figures_are_consistent() -> None:
+    res = _run(CostModel("a100", "bf16"), ranks=16, ep=8)
+    d = res.to_dict()
+    assert d["iteration_time_s"] > 0 and 0 <= d["bubble_ratio"] < 1
+    assert np.all(res.busy_s <= res.iteration_time_s + 1e-12)
+    assert d["comm_s"]["a2a"] > 0 and d["comm_s"]["allreduce"] > 0
+    assert d["bytes_by_link_class"]["nic_out"] > 0  # the expert-DP all-reduce crosses nodes
+
+
+def test_more_bandwidth_is_never_slower_end_to_end() -> None:
+    base = load_profile("a100")
+    times = []
+    for k in (1.0, 2.0, 8.0):
+        prof = dataclasses.replace(base, inter=dataclasses.replace(base.inter, bandwidth=k * base.inter.bandwidth),
+                                   intra=dataclasses.replace(base.intra, bandwidth=k * base.intra.bandwidth))
+        times.append(_run(CostModel(prof, "bf16"), ranks=16, ep=8).iteration_time_s)
+    assert times[0] >= times[1] >= times[2]
+
+
+def test_pipeline_program_bubble_matches_closed_form_when_comm_is_free() -> None:
+    base = load_profile("h100")
+    free = dataclasses.replace(base, inter=dataclasses.replace(base.inter, bandwidth=1e18, latency_s=0.0),
+                               intra=dataclasses.replace(base.intra, bandwidth=1e18, latency_s=0.0))
+    dense = dataclasses.replace(TINY, num_experts=0, n_layers=8, vocab_size=8)
+    spec = SimSpec(layout=Layout(4, pp=4, ep=1), micro_batches=8, micro_batch_size=1, seq_len=512, optimizer=False)
+    res = simulate(dense, CostModel(free, "bf16"), spec, None)
+    assert res.bubble_ratio == pytest.approx(3 / 11, abs=0.02)  # embed/head make the end stages a bit longer
+
+
+def test_placement_with_replicas_sends_fewer_tokens() -> None:
+    cm = CostModel("rtx3090", "fp32")
+    spec = SimSpec(layout=Layout(8, ep=8), micro_batch_size=2, seq_len=256, trans_overlap=True)
+    counts = SyntheticRouting(num_layers=4, num_experts=8, top_k=2, zipf_s=1.5).counts(1, 1, 8, 512)
+    hot = int(np.argmax(counts[0, 0].sum(axis=0)))
+    rep = ExpertPlacement(num_ranks=8, owner=tuple(range(8)),
+                          replicas=tuple(tuple(r for r in range(8) if r != e) if e == hot else () for e in range(8)))
+    static = [[ExpertPlacement.static(8, 8)] for _ in range(4)]
+    plans = [[rep]] + static[1:]
+    a = simulate(TINY, cm, spec, counts, static)
+    b = simulate(TINY, cm, spec, counts, plans)
+    assert b.comm_s["trans"] > 0 and b.comm_s["agg"] > 0
+    assert b.bytes_by_link_class["nic_in"] != a.bytes_by_link_class["nic_in"]
+
+
+def test_bad_layouts_are_clear() -> None:
+    with pytest.raises(ConfigError, match="multiple of parallel.pp"):
+        Layout(10, pp=4)
+    with pytest.raises(ConfigError, match="must divide the data-parallel size"):
+        Layout(12, pp=1, ep=8)
+    with pytest.raises(ConfigError, match="routing counts of layer 0 have shape"):
+        simulate(TINY, CostModel("a100", "bf16"), SimSpec(layout=Layout(8, ep=8), seq_len=64), np.ones((4, 1, 4, 8)))
+
+
+def test_synthetic_routing_matches_the_pro_prophet_description() -> None:
+    s = zipf_exponent_for(16)
+    c = SyntheticRouting(num_layers=3, num_experts=16, top_k=1, zipf_s=s, seed=3).counts(0, 1, 16, 4096)
+    load = np.sort(c.sum(axis=(1, 2)), axis=1)[:, ::-1]
+    share = load / load.sum(axis=1, keepdims=True)
+    assert np.all(share[:, :3].sum(axis=1) > 0.5) and np.all(share[:, -3:].sum(axis=1) < 0.06)
+    assert np.allclose(c.sum(axis=-1), 4096)
+
+
+def test_synthetic_routing_drifts_slowly_and_is_seeded() -> None:
+    r = SyntheticRouting(num_layers=2, num_experts=8, top_k=2, zipf_s=1.0, drift=0.05, seed=1)
+    a, b, far = r.popularity(10), r.popularity(11), r.popularity(400)
+    assert np.abs(a - b).sum() < np.abs(a - far).sum()
+    assert np.array_equal(r.counts(5, 1, 4, 100), r.counts(5, 1, 4, 100))
+
+
+def test_routing_log_round_trip_and_rescaling(tmp_path) -> None:
+    steps = [np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4) + i for i in range(2)]
+    path = tmp_path / "routing.jsonl"
+    write_routing_log(path, steps)
+    log = LoggedRouting.from_file(path)
+    c = log.counts(1, num_layers=4, groups=2, ranks=4, tokens_per_rank=10, top_k=2)
+    assert c.shape == (4, 2, 4, 4) and np.allclose(c.sum(axis=-1), 20)
+    row = steps[1][0, 0] / steps[1][0, 0].sum()
+    assert np.allclose(c[0, 0, 0] / 20, row) and np.allclose(c[2], c[0])  # layers cycle
+
+
+def test_bad_routing_logs_are_clear(tmp_path) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"step": 0, "counts": [[1, 2], [3]]}\n')
+    with pytest.raises(DataError, match="layers x ranks x experts"):
+        LoggedRouting.from_file(p)
+    p.write_text("not json\n")
+    with pytest.raises(DataError, match="not a JSON object"):
+        LoggedRouting.from_file(p)
+    p.write_text('{"step": 0}\n')
+    with pytest.raises(DataError, match="no line with a 'counts' field"):
+        LoggedRouting.from_file(p)
+
+
+def test_trace_is_valid_json_with_one_track_per_rank(tmp_path) -> None:
+    res = _run(CostModel("a100", "bf16"), ranks=8, ep=4, pp=2, m=4)
+    path = tmp_path / "trace.json"
+    assert res.engine is not None
+    write_chrome_trace(res.engine, path)
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(8)}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(res.iteration_time_s * 1e6, rel=1e-6)
