@@ -155,7 +155,9 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
     records = []
     for name, t in timings.items():
         records.append({"method": name, **common, "median_s": t.median, "min_s": t.min, "max_s": t.max,
-                        "repeats": t.repeats, "ratio_to_dense": t.median / dense, **info.get(name, {})})
+                        "repeats": t.repeats, "ratio_to_dense": t.median / dense,
+                        "min_ratio_to_dense": t.min / timings["dense"].min, "cpu_median_s": t.cpu_median,
+                        "cpu_ratio_to_dense": t.cpu_median / timings["dense"].cpu_median, **info.get(name, {})})
     for name, reason in skipped.items():
         records.append({"method": name, **common, "skipped": reason})
     return records
@@ -303,13 +305,14 @@ def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: 
 
 
 def _print_table(records: list[dict[str, Any]]) -> None:
-    print(f"{'dtype':5} {'routing':9} {'method':18} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x dense':>8}")
+    print(f"{'dtype':5} {'routing':9} {'method':18} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x dense':>8} "
+          f"{'cpu x dense':>11}")
     for r in records:
         if "skipped" in r:
             print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} skipped: {r['skipped']}")
             continue
         print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} "
-              f"{r['max_s'] * 1e3:8.1f} {r['ratio_to_dense']:8.2f}")
+              f"{r['max_s'] * 1e3:8.1f} {r['ratio_to_dense']:8.2f} {r['cpu_ratio_to_dense']:11.2f}")
 
 
 def _plot(records: list[dict[str, Any]], shape: LayerShape, threads: int, path: str) -> None:

@@ -19,12 +19,15 @@ import torch
 
 @dataclass(frozen=True)
 class Timing:
-    """Wall-clock seconds of one method over `repeats` timed calls."""
+    """Wall-clock seconds of one method over `repeats` timed calls (and the process CPU seconds of the same
+    calls: on a shared machine, where other jobs stretch wall time, CPU time still tracks the work done)."""
 
     median: float
     min: float
     max: float
     repeats: int
+    cpu_median: float = float("nan")
+    cpu_min: float = float("nan")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,8 +38,10 @@ def _sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize()
 
 
-def summarise(samples: list[float]) -> Timing:
-    return Timing(median=statistics.median(samples), min=min(samples), max=max(samples), repeats=len(samples))
+def summarise(samples: list[float], cpu_samples: list[float] | None = None) -> Timing:
+    cpu = cpu_samples or [float("nan")]
+    return Timing(median=statistics.median(samples), min=min(samples), max=max(samples), repeats=len(samples),
+                  cpu_median=statistics.median(cpu), cpu_min=min(cpu))
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5,
@@ -53,15 +58,17 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 2, r
         for name in names:
             fns[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         rotated = names[r % len(names):] + names[: r % len(names)]
         for name in rotated:
             _sync(device)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fns[name]()
             _sync(device)
             samples[name].append(time.perf_counter() - t0)
-    return {name: summarise(s) for name, s in samples.items()}
+            cpu[name].append(time.process_time() - c0)
+    return {name: summarise(samples[name], cpu[name]) for name in names}
 
 
 def environment() -> dict[str, Any]:
