@@ -16,19 +16,24 @@ gets fewer layers instead of being overloaded (the by-Param failure DynPipe repo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from moebal.errors import ConfigError
 
 __all__ = [
+    "StagePartition",
     "diffuse",
     "imbalance",
+    "iteration_time",
     "migration_layers",
     "partition_by_params",
     "partition_by_time",
     "partition_uniform",
     "pipeline_time",
+    "plan_repack",
     "stage_loads",
     "should_adopt",
 ]
@@ -213,18 +218,100 @@ def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, 
     return [(int(i), int(a), int(b)) for i, (a, b) in enumerate(zip(owner_old, owner_new)) if a != b]
 
 
+def iteration_time(loads: Sequence[float], num_micro_batches: int, comm_s: float = 0.0) -> float:
+    """1F1B/GPipe iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of
+    all stages (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward,
+    gradient back). Loads are per-micro-batch forward+backward seconds; `comm_s` is one boundary transfer."""
+    return (num_micro_batches - 1) * max(loads) + sum(loads) + 2 * (len(loads) - 1) * comm_s
+
+
 def should_adopt(costs: Sequence[float], current: Sequence[int], proposed: Sequence[int], num_micro_batches: int,
                  interval_iters: int, layer_bytes: Sequence[float], bandwidth_Bps: float, latency_s: float = 0.0,
-                 first_extra: float = 0.0, last_extra: float = 0.0) -> tuple[bool, float, float]:
+                 first_extra: float = 0.0, last_extra: float = 0.0,
+                 comm_s: float | None = None) -> tuple[bool, float, float]:
     """Adopt a new partition only when its predicted gain over the next interval exceeds the migration cost.
 
     gain = (T_iter(current) - T_iter(proposed)) x interval_iters; cost = bytes of every moved layer (weights,
     gradients and optimizer state: give `layer_bytes` accordingly) / bandwidth + latency per moved layer.
+    T_iter is `pipeline_time`, or `iteration_time` with boundary transfers of `comm_s` when that is given.
     Returns (adopt, gain_s, cost_s).
     """
-    t_cur = pipeline_time(stage_loads(costs, current, first_extra, last_extra), num_micro_batches)
-    t_new = pipeline_time(stage_loads(costs, proposed, first_extra, last_extra), num_micro_batches)
+    def t_iter(sizes: Sequence[int]) -> float:
+        loads = stage_loads(costs, sizes, first_extra, last_extra)
+        if comm_s is None:
+            return pipeline_time(loads, num_micro_batches)
+        return iteration_time(loads, num_micro_batches, comm_s)
+
     moved = migration_layers(current, proposed)
     cost = sum(layer_bytes[i] for i, _, _ in moved) / bandwidth_Bps + latency_s * len(moved)
-    gain = (t_cur - t_new) * interval_iters
+    gain = (t_iter(current) - t_iter(proposed)) * interval_iters
     return (gain > cost and bool(moved)), gain, cost
+
+
+def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int, slack: float = 0.1,
+                min_stages: int = 2, memory: Sequence[float] | None = None, capacity: float | None = None,
+                comm_s: float = 0.0, first_extra: float = 0.0, last_extra: float = 0.0, first_memory: float = 0.0,
+                last_memory: float = 0.0) -> list[int] | None:
+    """The partition over the fewest stages P' < P whose predicted iteration time is within `slack` of the best
+    P-stage partition's (so throughput per rank rises while throughput drops by at most `slack`), or None.
+
+    This settles the papers' open re-pack trigger: DynMo's threshold tau is never given and both papers take
+    the target count from the user. Here the trigger is the cost model itself: when the work has shrunk so
+    far that fewer stages run it almost as fast (their fill/drain and transfers weigh less), pack. Stages
+    stay contiguous (exact min-max partition under the memory caps, never DynPipe's first-fit, which can
+    break order) and never fewer than `min_stages`.
+    """
+    kw = dict(memory=memory, capacity=capacity, first_extra=first_extra, last_extra=last_extra,
+              first_memory=first_memory, last_memory=last_memory)
+    best = partition_by_time(costs, num_stages, **kw)  # type: ignore[arg-type]
+    t_best = iteration_time(stage_loads(costs, best, first_extra, last_extra), num_micro_batches, comm_s)
+    for p in range(max(min_stages, 1), num_stages):
+        try:
+            sizes = partition_by_time(costs, p, **kw)  # type: ignore[arg-type]
+        except ConfigError:
+            continue  # does not fit the memory caps on p stages
+        t = iteration_time(stage_loads(costs, sizes, first_extra, last_extra), num_micro_batches, comm_s)
+        if t <= (1.0 + slack) * t_best:
+            return sizes
+    return None
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """A plan for the layer granularity: layers per stage over the ranks of one pipeline (JSON-serialisable).
+
+    `ranks` are the pipeline's global ranks in order; `sizes[p]` layers run on ranks[p]. A re-pack plan has
+    fewer ranks than the pipeline it replaces; `released` lists the ranks that leave.
+    """
+
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    step: int = 0
+    balancer: str = "static"
+    released: tuple[int, ...] = ()
+    predicted_time_s: float | None = None
+    previous_time_s: float | None = None
+    gain_s: float | None = None
+    migration_cost_s: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.ranks) or any(s < 1 for s in self.sizes):
+            raise ConfigError(f"StagePartition: sizes {list(self.sizes)} must give each of the ranks "
+                              f"{list(self.ranks)} at least one layer")
+
+    @property
+    def bounds(self) -> list[int]:
+        return [int(b) for b in np.concatenate([[0], np.cumsum(self.sizes)])]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sizes"], d["ranks"], d["released"] = list(self.sizes), list(self.ranks), list(self.released)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StagePartition:
+        d = dict(d)
+        for k in ("sizes", "ranks", "released"):
+            d[k] = tuple(int(v) for v in d.get(k, ()))
+        return cls(**d)

@@ -1,0 +1,182 @@
+"""Point-to-point communication along one pipeline: the ordered chain of ranks that run its stages.
+
+Everything along the pipeline axis goes through point-to-point messages between chain members, never
+through a collective over a process group: activations and gradients, the per-layer statistics every
+stage needs to plan (`allreduce_sum`), migrated layers. That is what lets re-packing shrink the chain
+without building a new group: released ranks simply stop, and no collective can wait for them (DynMo's
+release by communicator splitting needs every rank, including the leaving ones, to join the split).
+
+Rules that keep the pipeline deadlock-free: sends are non-blocking (`isend`, handles kept until `flush`);
+receives block. Messages between one pair of ranks in one direction arrive in the order they were sent.
+
+Waiting. A blocked gloo receive sleeps, so on a machine with fewer cores than ranks an idle stage hands its
+core to the busy ones, which a GPU cannot do. `wait="spin"` emulates dedicated devices on one host: the
+receiver spins on a shared-memory counter that the sender bumps after posting its send, so every rank
+keeps its share of the CPU while it waits. It is a benchmark device, valid for ranks of one host only.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moebal.errors import ConfigError
+
+__all__ = ["PipeChain"]
+
+
+class _SpinBoard:
+    """world x world message counters in shared memory: [src, dst] counts messages src has posted to dst."""
+
+    def __init__(self, world: int) -> None:
+        """Collective over the default group: rank 0 creates a fresh segment and tells the others its name."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        name = [f"moebal_pp_{os.getpid()}_{uuid.uuid4().hex[:12]}"]
+        if dist.get_rank() == 0:
+            self.shm = shared_memory.SharedMemory(name=name[0], create=True, size=world * world * 8)
+            np.ndarray((world, world), dtype=np.int64, buffer=self.shm.buf)[:] = 0
+        dist.broadcast_object_list(name, src=0)
+        if dist.get_rank() != 0:
+            self.shm = shared_memory.SharedMemory(name=name[0], create=False)
+            # Python's resource tracker would unlink the segment when this attaching process exits.
+            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        dist.barrier()
+        self.counts = np.ndarray((world, world), dtype=np.int64, buffer=self.shm.buf)
+        self.seen = np.zeros(world, dtype=np.int64)
+        self.posted = np.zeros(world, dtype=np.int64)
+
+    def posted_to(self, me: int, dst: int) -> None:
+        self.posted[dst] += 1
+        self.counts[me, dst] = self.posted[dst]  # one writer per slot: a plain store is enough
+
+    def wait_from(self, src: int, me: int) -> None:
+        self.seen[src] += 1
+        target = self.seen[src]
+        while self.counts[src, me] < target:  # busy wait: holds this rank's CPU share like a device would
+            pass
+
+    def close(self) -> None:
+        del self.counts
+        self.shm.close()
+
+
+class PipeChain:
+    """The ordered global ranks of one pipeline and this rank's place in it."""
+
+    def __init__(self, ranks: Sequence[int], rank: int, wait: str = "block") -> None:
+        if rank not in ranks:
+            raise ConfigError(f"rank {rank} is not in the pipeline {list(ranks)}")
+        if wait not in ("block", "spin"):
+            raise ConfigError(f"pipeline wait mode must be 'block' or 'spin'; got {wait!r}")
+        self.ranks, self.rank, self.wait = list(ranks), rank, wait
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._board: _SpinBoard | None = None
+        self.bytes_sent = 0
+        if wait == "spin" and dist.is_initialized():
+            self._board = _SpinBoard(dist.get_world_size())
+
+    # ---- places ----
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def index(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    @property
+    def prev(self) -> int:
+        return self.ranks[self.index - 1]
+
+    @property
+    def next(self) -> int:
+        return self.ranks[self.index + 1]
+
+    def shrink(self, keep: Sequence[int]) -> None:
+        """Continue on the chain members `keep` (in chain order); the others have been released."""
+        self.flush()
+        self.ranks = [r for r in self.ranks if r in set(keep)]
+
+    # ---- messages ----
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        t = t.detach().contiguous()
+        self._pending.append((dist.isend(t, dst), t))  # the tensor stays referenced until the send completes
+        self.bytes_sent += t.numel() * t.element_size()
+        if self._board is not None:
+            self._board.posted_to(self.rank, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        if self._board is not None:
+            self._board.wait_from(src, self.rank)
+        dist.recv(t, src)  # blocking
+        return t
+
+    def flush(self) -> None:
+        """Wait for every send posted so far (their buffers may then be reused or freed)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    # ---- small agreements along the chain ----
+    def allreduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
+        """Sum of every member's `vec`, added in chain order on every member: all members get the same bits.
+
+        P x (P - 1) messages of len(vec) numbers; meant for per-layer statistics and scalars, not gradients.
+        """
+        vec = vec.detach().contiguous()
+        if self.size == 1:
+            return vec.clone()
+        for r in self.ranks:
+            if r != self.rank:
+                self.send(vec, r)
+        parts = []
+        for r in self.ranks:
+            parts.append(vec if r == self.rank else self.recv(torch.empty_like(vec), r))
+        self.flush()
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total
+
+    def allgather_1d(self, vec: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's 1-D tensor (lengths may differ), in chain order."""
+        n = self.allreduce_sum(self._one_hot(vec.numel())).long().tolist()
+        vec = vec.detach().contiguous()
+        for r in self.ranks:
+            if r != self.rank and vec.numel():
+                self.send(vec, r)
+        out = []
+        for i, r in enumerate(self.ranks):
+            if r == self.rank:
+                out.append(vec)
+            else:
+                buf = torch.empty(int(n[i]), dtype=vec.dtype, device=vec.device)
+                out.append(self.recv(buf, r) if n[i] else buf)
+        self.flush()
+        return out
+
+    def _one_hot(self, value: float) -> torch.Tensor:
+        v = torch.zeros(self.size, dtype=torch.float64)
+        v[self.index] = value
+        return v
+
+    def close(self) -> None:
+        self.flush()
+        if self._board is not None:
+            self._board.close()  # rank 0's segment is unlinked by its resource tracker when it exits
+            self._board = None

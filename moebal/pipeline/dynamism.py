@@ -1,0 +1,127 @@
+"""Dynamism schemes: what makes per-layer cost drift while a model trains, seen by the pipeline engine.
+
+A scheme is applied from outside the model (it wraps how a layer runs, masks or freezes parameters,
+attaches small router modules before the model is sliced) and tells the planner what it predicts each
+layer costs. The engine calls, per micro-batch and layer, `layer_forward`; per step `after_backward`,
+`after_optimizer_step` and `update`; migration moves a layer's scheme state with `layer_state`.
+
+Schemes (config `dynamism.scheme`): `none`, `pruning`, `freezing`, `early_exit`, `mod`, `moe`.
+Every decision that concerns more than one stage is taken from numbers all-reduced along the pipeline chain,
+so every rank takes the same decision from the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from moebal.errors import ConfigError
+
+__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "build_dynamism", "register"]
+
+
+@dataclass
+class SchemeContext:
+    """What a scheme may look at around a step (all of it local to this rank's stage)."""
+
+    step: int
+    stage: Any
+    """The PipelineStage of this rank."""
+    chain: Any
+    """The PipeChain (for agreements along the pipeline)."""
+    num_layers: int
+    optimizer: torch.optim.Optimizer | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Dynamism:
+    """The static model: every layer costs what it costs, nothing changes."""
+
+    name = "none"
+    carries: tuple[str, ...] = ()
+    """Names of per-token bool [B, T] tensors that travel forward with the activations between stages."""
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Structural changes to the full model before it is sliced into stages (same on every rank)."""
+
+    def prepare_layer(self, i: int, layer: nn.Module) -> None:
+        """The same structural change on a freshly built skeleton of layer i (a migration receiver)."""
+
+    def init_carry(self, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {}
+
+    def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                      sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
+        return layer(h_BTD, cos_TK, sin_TK)
+
+    def frozen_prefix(self) -> int:
+        """Layers [0, n) are frozen (and the embedding with them when n > 0): forward only, no backward."""
+        return 0
+
+    def after_backward(self, ctx: SchemeContext) -> None:
+        """Gradients of this stage exist and are not yet synchronised or clipped."""
+
+    def after_optimizer_step(self, ctx: SchemeContext) -> None:
+        """The optimizer has stepped this stage's parameters."""
+
+    def update(self, ctx: SchemeContext) -> bool:
+        """End of step: take this step's decisions; True when the model changed (a dynamism event)."""
+        return False
+
+    def cost_factors(self, num_layers: int) -> list[float]:
+        """Predicted forward+backward time of each layer as a fraction of the same layer without dynamism."""
+        return [1.0] * num_layers
+
+    def layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        """Tensors of layer i's scheme state that must travel with the layer (same shapes on every rank)."""
+        return {}
+
+    def layer_state_spec(self, i: int, layer: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of `layer_state(i)`, known to a receiver that only holds the layer skeleton."""
+        return {}
+
+    def load_layer_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """Install what `layer_state(i)` returned on the rank that now owns layer i."""
+
+    def drop_layer(self, i: int) -> None:
+        """Layer i left this rank."""
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+SCHEMES: dict[str, Callable[..., Dynamism]] = {"none": Dynamism}
+
+
+def register(name: str) -> Callable[[type[Dynamism]], type[Dynamism]]:
+    def deco(cls: type[Dynamism]) -> type[Dynamism]:
+        SCHEMES[name] = cls
+        return cls
+
+    return deco
+
+
+def build_dynamism(name: str, options: dict[str, Any] | None = None, **context: Any) -> Dynamism:
+    """The scheme `name` with its options (keyword arguments of its constructor)."""
+    _load_schemes()
+    if name not in SCHEMES:
+        raise ConfigError(f"unknown dynamism scheme {name!r}; choose one of {', '.join(sorted(SCHEMES))}")
+    try:
+        return SCHEMES[name](**(options or {}), **context)
+    except TypeError as e:
+        raise ConfigError(f"dynamism scheme {name!r}: bad options {sorted(options or {})} ({e})") from None
+
+
+def _load_schemes() -> None:
+    """Import the scheme modules (each registers itself)."""
+    from moebal.pipeline import early_exit, freezing, mod, moe_cost, pruning  # noqa: F401

@@ -1,0 +1,208 @@
+"""The pipeline engine: one training iteration of one stage, micro-batch by micro-batch, over point-to-point.
+
+Shape legend: B = rows of a micro-batch, T = sequence, D = model dim; M = micro-batches, L = decoder layers.
+
+One iteration on stage p (`PipelineEngine.run`):
+  1. split the (data-parallel shard of the) batch into M micro-batches along rows (sizes may differ by one);
+  2. walk the stage's schedule (GPipe or 1F1B, `schedule.py`):
+     F(j): receive h_j and the scheme's per-token carries from stage p - 1     <- blocking receive
+           (the first stage embeds ids_j instead), run the stage's layers in ascending global order through
+           the dynamism scheme, then send h_j to stage p + 1 (non-blocking; the last stage instead computes
+           the summed token cross-entropy of micro-batch j and divides it by the batch's label count, so the
+           micro-batch losses add up to the single-process mean loss);
+     B(j): receive dL/dh_j from stage p + 1                                      <- blocking receive
+           (the last stage starts from its loss), backpropagate through the stage together with its MoE
+           layers' auxiliary losses scaled by 1/M, and send dL/dh_in to stage p - 1 (non-blocking);
+  3. wait for every posted send (`chain.flush`).
+A gradient crosses the boundary in front of stage p only when something before it trains: with a frozen
+prefix of n layers, stages starting at layer <= n receive no gradient and their predecessors send none, on
+every rank from the same `frozen_prefix()`, so both sides agree without a message.
+Gradients accumulate in `.grad` across micro-batches; data-parallel sync, clipping and the optimizer step
+are the runner's.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moebal.pipeline.comm import PipeChain
+from moebal.pipeline.dynamism import Dynamism
+from moebal.pipeline.observe import LayerProfiler
+from moebal.pipeline.schedule import make_schedule
+from moebal.pipeline.stage import PipelineStage
+
+__all__ = ["IterationResult", "PipelineEngine"]
+
+
+@dataclass
+class IterationResult:
+    """What one stage reports about one iteration (numbers are local to the stage)."""
+
+    loss_sum: float
+    """Last stage: sum over micro-batches of (token CE sum / batch label count); 0 elsewhere."""
+    aux_by_layer: dict[int, float]
+    """Each of this stage's MoE layers' auxiliary loss, averaged over micro-batches."""
+    busy_s: float
+    """Compute time of this stage (forward and backward ops, waits excluded)."""
+    ops: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """(kind, micro-batch, start, end) per op, perf_counter clock (shared by local processes)."""
+
+
+@dataclass
+class _Saved:
+    h_in: torch.Tensor | None
+    out: torch.Tensor
+    aux: list[torch.Tensor]
+    marks: dict[int, float]
+
+
+class PipelineEngine:
+    """Runs one stage's share of an iteration; the stage, chain and scheme may change between iterations."""
+
+    def __init__(self, stage: PipelineStage, chain: PipeChain, scheme: Dynamism | None = None,
+                 schedule: str = "1f1b", num_micro: int = 1, autocast: Any = None) -> None:
+        self.stage, self.chain = stage, chain
+        self.scheme = scheme or Dynamism()
+        self.schedule_name, self.num_micro = schedule, num_micro
+        self.autocast = autocast or nullcontext
+        make_schedule(schedule, chain.size, chain.index, num_micro)  # validates the names and sizes
+        self.profiler: LayerProfiler | None = None
+        self.record_ops = False
+
+    # ---- boundaries of the frozen prefix ----
+    def _start(self) -> int:
+        return self.stage.layer_ids[0]
+
+    def _input_needs_grad(self) -> bool:
+        return not self.chain.is_first and self.scheme.frozen_prefix() < self._start()
+
+    def _output_needs_grad(self) -> bool:
+        return self.chain.is_last or self.scheme.frozen_prefix() < self.stage.layer_ids[-1] + 1
+
+    # ---- one iteration ----
+    def run(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int) -> IterationResult:
+        """Forward and backward of every micro-batch of this rank's rows; gradients accumulate."""
+        M = min(self.num_micro, ids_BT.shape[0])
+        ids = torch.tensor_split(ids_BT, M)
+        labels = torch.tensor_split(labels_BT, M)
+        saved: dict[int, _Saved] = {}
+        result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
+        for kind, j in make_schedule(self.schedule_name, self.chain.size, self.chain.index, M):
+            if kind == "F":
+                saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
+            else:
+                self._backward(j, saved.pop(j), M, result)
+        self.chain.flush()
+        return result
+
+    def _receive_input(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        B, T = ids_BT.shape
+        D = self.stage.cfg.model.dim
+        h = torch.empty(B, T, D, dtype=self._act_dtype(), device=ids_BT.device)
+        self.chain.recv(h, self.chain.prev)
+        carry = {}
+        for name in self.scheme.carries:
+            buf = torch.empty(B, T, dtype=torch.uint8, device=ids_BT.device)
+            carry[name] = self.chain.recv(buf, self.chain.prev).bool()
+        return h, carry
+
+    def _act_dtype(self) -> torch.dtype:
+        return next(self.stage.parameters()).dtype
+
+    def _forward(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int, M: int,
+                 result: IterationResult) -> _Saved:
+        st, prof = self.stage, self.profiler
+        h_in: torch.Tensor | None = None
+        if self.chain.is_first:
+            carry = self.scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device)
+        else:
+            h_in, carry = self._receive_input(ids_BT)
+            h_in.requires_grad_(self._input_needs_grad())
+        t0 = time.perf_counter()
+        marks: dict[int, float] = {}
+        frozen = self.scheme.frozen_prefix()
+        with self.autocast():
+            if self.chain.is_first:
+                with _maybe(prof, st.num_layers_slot(), st.model.embed_tokens), _grad(frozen == 0):
+                    h = st.embed(ids_BT)
+            else:
+                h = h_in
+            cos, sin = st.rope(ids_BT.shape[1], h.dtype)
+            aux: list[torch.Tensor] = []
+            for i in st.layer_ids:
+                _mark(h, prof, marks, i)
+                layer = st.layer(i)
+                with _maybe(prof, i, layer), _grad(i >= frozen):
+                    h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
+                if layer.is_moe:
+                    a = layer.block_sparse_moe.aux_loss
+                    result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) / M
+                    if a.requires_grad:
+                        aux.append(a.float() / M)
+            if self.chain.is_last:
+                _mark(h, prof, marks, st.num_layers_slot() + 1)
+                with _maybe(prof, st.num_layers_slot() + 1, None):
+                    out = st.head_loss_sum(h, labels_BT) / label_count
+                result.loss_sum += float(out.detach())
+            else:
+                out = h
+        self._op_done(result, "F", j, t0)
+        if not self.chain.is_last:
+            self.chain.send(out, self.chain.next)
+            for name in self.scheme.carries:
+                self.chain.send(carry[name].to(torch.uint8), self.chain.next)
+        return _Saved(h_in, out, aux, marks)
+
+    def _backward(self, j: int, s: _Saved, M: int, result: IterationResult) -> None:
+        if not self._output_needs_grad():
+            return  # a fully frozen stage (and no trainable stage before it): nothing to differentiate
+        if self.chain.is_last:
+            grad = None
+        else:
+            grad = self.chain.recv(torch.empty_like(s.out), self.chain.next)
+        t0 = time.perf_counter()
+        tensors = [s.out] + s.aux
+        grads = [grad] + [None] * len(s.aux) if grad is not None else None
+        if s.out.requires_grad or s.aux:
+            if grad is None:
+                tensors = [sum(tensors[1:], tensors[0])]
+            torch.autograd.backward(tensors, grads)
+        t1 = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.backward_marks(self._slots(), s.marks, t0, t1)
+        self._op_done(result, "B", j, t0)
+        if self._input_needs_grad():
+            assert s.h_in is not None and s.h_in.grad is not None, "stage input received no gradient"
+            self.chain.send(s.h_in.grad, self.chain.prev)
+
+    def _slots(self) -> list[int]:
+        L = self.stage.num_layers_slot()
+        return ([L] if self.chain.is_first else []) + self.stage.layer_ids + ([L + 1] if self.chain.is_last else [])
+
+    def owned_slots(self) -> list[int]:
+        return self._slots()
+
+    def _op_done(self, result: IterationResult, kind: str, j: int, t0: float) -> None:
+        t1 = time.perf_counter()
+        result.busy_s += t1 - t0
+        if self.record_ops:
+            result.ops.append((kind, j, t0, t1))
+
+
+def _grad(enabled: bool) -> Any:
+    return nullcontext() if enabled else torch.no_grad()
+
+
+def _maybe(prof: LayerProfiler | None, slot: int, module: Any) -> Any:
+    return prof.forward(slot, module) if prof is not None else nullcontext()
+
+
+def _mark(h: torch.Tensor, prof: LayerProfiler | None, marks: dict[int, float], slot: int) -> None:
+    """On profiled iterations, note when the gradient of `h` (the input of `slot`) is complete."""
+    if prof is not None and h.requires_grad:
+        h.register_hook(lambda g: marks.__setitem__(slot, time.perf_counter()))

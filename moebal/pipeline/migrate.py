@@ -1,0 +1,171 @@
+"""Apply a stage partition: move whole layers between pipeline ranks with everything that belongs to them.
+
+A moved layer carries (in this order, one flat byte buffer after a small int64 header):
+  - its state dict (parameters and persistent buffers, e.g. an MoE layer's selection bias);
+  - per parameter, when present: its gradient (a migration between backward and optimizer step keeps it)
+    and its AdamW state (`step`, `exp_avg`, `exp_avg_sq`);
+  - its dynamism-scheme state (pruning masks, a freezing snapshot, ...).
+The header says, per parameter, whether a gradient and optimizer state follow; every other size is known
+to the receiver from the layer's structure, which it rebuilds as an uninitialised skeleton (no random
+draws, so the run's random stream is the same with or without migrations).
+
+Protocol (every rank of the chain runs it with the same old and new partitions):
+  1. list the moves (layer, from, to) in ascending layer order (`partition.migration_layers`);
+  2. walk the list: the sender posts header and payload (non-blocking) and drops the layer, the receiver
+     blocks on them, rebuilds the layer and inserts it at its place in layer order; since every rank walks
+     the same list and sends never block, the walk cannot deadlock;
+  3. wait for every send, then rebuild the optimizer over the stage's new parameter set and give every
+     parameter its old state object (kept layers) or the received one (moved layers).
+A partition over the chain may give released ranks zero layers (re-packing): the same walk empties them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moebal.config import Config
+from moebal.pipeline.comm import PipeChain
+from moebal.pipeline.dynamism import Dynamism
+from moebal.pipeline.partition import migration_layers
+from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
+
+__all__ = ["MigrationReport", "OPT_KEYS", "migrate_layers", "rebuild_optimizer"]
+
+OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter state, in transfer order."""
+
+
+@dataclass
+class MigrationReport:
+    moves: list[tuple[int, int, int]]
+    bytes_sent: int
+    seconds: float
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
+                   scheme: Dynamism) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    params = list(layer.parameters())
+    flags, tensors = [], [v for v in layer.state_dict(keep_vars=True).values()]
+    for p in params:
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        unknown = set(state) - set(OPT_KEYS)
+        assert not unknown, f"optimizer state keys {unknown} are not migrated; extend OPT_KEYS"
+        has_opt = all(k in state for k in OPT_KEYS)
+        flags.append((1 if p.grad is not None else 0) | (2 if has_opt else 0))
+        if p.grad is not None:
+            tensors.append(p.grad)
+        if has_opt:
+            tensors += [state["step"].float().reshape(()), state["exp_avg"], state["exp_avg_sq"]]
+    extra = scheme.layer_state(i)
+    tensors += [extra[k] for k in sorted(extra)]
+    return torch.tensor(flags, dtype=torch.int64), tensors
+
+
+def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
+                scheme: Dynamism) -> int:
+    header, tensors = _layer_tensors(layer, i, optimizer, scheme)
+    payload = torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+    chain.send(header, dst)
+    chain.send(payload, dst)
+    return header.numel() * 8 + payload.numel()
+
+
+def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.device,
+                scheme: Dynamism) -> tuple[nn.Module, dict[nn.Parameter, dict[str, torch.Tensor]]]:
+    layer = build_layer_skeleton(cfg, i, device)
+    scheme.prepare_layer(i, layer)
+    params = list(layer.parameters())
+    header = chain.recv(torch.empty(len(params), dtype=torch.int64), src).tolist()
+    sd = layer.state_dict(keep_vars=True)
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
+    for n, (p, f) in enumerate(zip(params, header)):
+        if f & 1:
+            specs.append((f"grad{n}", tuple(p.shape), p.dtype))
+        if f & 2:
+            specs += [(f"step{n}", (), torch.float32), (f"avg{n}", tuple(p.shape), p.dtype),
+                      (f"sq{n}", tuple(p.shape), p.dtype)]
+    extra_spec = scheme.layer_state_spec(i, layer)
+    specs += [(f"x:{k}", *extra_spec[k]) for k in sorted(extra_spec)]
+    sizes = [_nbytes(shape, dt) for _, shape, dt in specs]
+    payload = chain.recv(torch.empty(sum(sizes), dtype=torch.uint8, device=device), src)
+    got = {}
+    for (name, shape, dt), chunk in zip(specs, torch.split(payload, sizes)):
+        got[name] = chunk.view(dt).reshape(shape).clone()
+    with torch.no_grad():
+        for k, v in sd.items():
+            v.copy_(got[k])
+    states: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for n, (p, f) in enumerate(zip(params, header)):
+        if f & 1:
+            p.grad = got[f"grad{n}"]
+        if f & 2:
+            states[p] = {"step": got[f"step{n}"], "exp_avg": got[f"avg{n}"], "exp_avg_sq": got[f"sq{n}"]}
+    scheme.load_layer_state(i, {k: got[f"x:{k}"] for k in extra_spec})
+    return layer, states
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], new: Sequence[int],
+                   optimizer: torch.optim.Optimizer | None, scheme: Dynamism,
+                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[
+                       torch.optim.Optimizer | None, MigrationReport]:
+    """Move layers so that chain member p holds new[p] layers (a partition over the current chain, zeros allowed
+    for members about to be released). Returns the rebuilt optimizer (None if this rank ends with no layers)."""
+    import time
+
+    t0 = time.perf_counter()
+    moves = migration_layers(old, new)
+    me = chain.index
+    received: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    sent = 0
+    device = next(stage.parameters()).device
+    for i, src, dst in moves:
+        if src == me:
+            layer = stage.layer(i)
+            sent += _send_layer(chain, chain.ranks[dst], layer, i, optimizer, scheme)
+            stage.remove_layer(i)
+            scheme.drop_layer(i)
+        elif dst == me:
+            layer, states = _recv_layer(chain, chain.ranks[src], stage.cfg, i, device, scheme)
+            stage.add_layer(i, layer)
+            received.update(states)
+    chain.flush()
+    if new[me] > 0:
+        stage.check_contiguous()
+    if new[me] == 0:
+        return None, MigrationReport(moves, sent, time.perf_counter() - t0)
+    new_opt = rebuild_optimizer(stage, optimizer, received, make_optimizer)
+    return new_opt, MigrationReport(moves, sent, time.perf_counter() - t0)
+
+
+def rebuild_optimizer(module: nn.Module, old: torch.optim.Optimizer | None,
+                      received: dict[nn.Parameter, dict[str, torch.Tensor]],
+                      make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """A fresh optimizer over `module`'s parameters (same construction rule as at start) whose per-parameter
+    state is the old optimizer's for parameters that stayed and the received state for those that arrived.
+    Learning rate and hyper-parameters come from the construction rule; the runner sets the lr every step."""
+    opt = make_optimizer(module)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p in received:
+                opt.state[p] = {k: v.to(p.device) for k, v in received[p].items()}
+            elif old is not None and p in old.state:
+                opt.state[p] = old.state[p]
+    if old is not None:
+        for g_new, g_old in zip(opt.param_groups, old.param_groups):
+            g_new["lr"] = g_old["lr"]
+    return opt

@@ -1,0 +1,162 @@
+"""Observe: per-layer forward/backward time and activation memory, measured on profiled iterations only.
+
+Shape legend: L = decoder layers; a cost vector has L + 2 slots: the layers, then the embedding (first
+stage) and the head (final norm, LM head and loss, last stage).
+
+Cost definition (the papers leave it open; DynMo's code times the forward only): a layer's cost is its
+forward plus backward time for one micro-batch, the median over the profiled iteration's micro-batches
+(robust to one slow micro-batch on a shared machine), smoothed across profiled iterations by an EMA.
+Backward time comes from gradient hooks on the tensors between layers: layer i's backward runs from the
+moment the gradient of its output is complete to the moment the gradient of its input is. A frozen layer
+has no backward, so its measured cost is its forward alone (DynMo's cost model says 0, which is wrong: the
+forward still runs). Communication is not part of a layer's cost.
+
+Memory per layer: parameter, gradient and optimizer bytes (counted) plus the bytes autograd saves for the
+backward during the layer's forward (measured with saved-tensor hooks, parameters excluded), times the
+micro-batches the schedule keeps in flight on its stage. No device statistics are needed, so it is the same
+on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "static_bytes"]
+
+
+@dataclass
+class IterationProfile:
+    """Medians over one profiled iteration's micro-batches; -1 marks a slot this rank does not own."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    act_bytes: np.ndarray
+
+
+class LayerProfiler:
+    """Collects timings for one iteration; the engine calls it only when profiling is on."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.L = num_layers
+        self.fwd: dict[int, list[float]] = {}
+        self.bwd: dict[int, list[float]] = {}
+        self.act: dict[int, list[float]] = {}
+        self._saved = 0
+        self._param_ptrs: set[int] = set()
+
+    # slots: 0..L-1 layers, L embedding, L+1 head
+    def add(self, table: dict[int, list[float]], slot: int, value: float) -> None:
+        table.setdefault(slot, []).append(value)
+
+    @contextmanager
+    def forward(self, slot: int, module: nn.Module | None) -> Iterator[None]:
+        """Time a forward piece and count the activation bytes it saves for backward."""
+        self._param_ptrs = {p.data_ptr() for p in module.parameters()} if module is not None else set()
+        self._saved = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in self._param_ptrs:
+                self._saved += t.numel() * t.element_size()
+            return t
+
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.add(self.fwd, slot, time.perf_counter() - t0)
+        self.add(self.act, slot, float(self._saved))
+
+    def backward_marks(self, slots_out: list[int], marks: dict[int, float], t_start: float, t_end: float) -> None:
+        """Backward times from boundary marks: `marks[i]` is when the gradient of layer i's input was complete.
+
+        `slots_out` are this stage's layer slots in order; the head (if any) runs first, the embedding last.
+        """
+        prev = t_start
+        for slot in reversed(slots_out):  # backward visits layers from the last to the first
+            end = marks.get(slot)
+            if end is None:  # input needed no gradient (a frozen prefix ends here): the rest of the time
+                end = t_end
+            self.add(self.bwd, slot, max(end - prev, 0.0))
+            prev = end
+
+    def result(self, owned: list[int]) -> IterationProfile:
+        fwd = np.full(self.L + 2, -1.0)
+        bwd = np.full(self.L + 2, -1.0)
+        act = np.full(self.L + 2, -1.0)
+        for slot in owned:
+            fwd[slot] = float(np.median(self.fwd.get(slot, [0.0])))
+            bwd[slot] = float(np.median(self.bwd.get(slot, [0.0])))
+            act[slot] = float(np.median(self.act.get(slot, [0.0])))
+        return IterationProfile(fwd, bwd, act)
+
+
+def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
+    """Parameter + gradient + optimizer-state bytes of a module (gradients counted for trainable parameters
+    whether or not they exist right now: they will at the next backward)."""
+    total = 0
+    for p in module.parameters():
+        n = p.numel() * p.element_size()
+        total += n * (2 if p.requires_grad else 1)
+        if optimizer is not None:
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+    for b in module.buffers():
+        total += b.numel() * b.element_size()
+    return float(total)
+
+
+@dataclass
+class CostTracker:
+    """Smoothed per-slot costs, identical on every rank (updated from all-reduced profiles only)."""
+
+    num_layers: int
+    ema: float = 0.5
+    """Weight of the newest profile (1 keeps only the latest)."""
+    fwd: np.ndarray = field(init=False)
+    bwd: np.ndarray = field(init=False)
+    act_bytes: np.ndarray = field(init=False)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.num_layers + 2
+        self.fwd, self.bwd, self.act_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
+
+    def update(self, fwd: np.ndarray, bwd: np.ndarray, act_bytes: np.ndarray) -> None:
+        a = 1.0 if self.samples == 0 else self.ema
+        self.fwd = (1 - a) * self.fwd + a * fwd
+        self.bwd = (1 - a) * self.bwd + a * bwd
+        self.act_bytes = np.maximum(act_bytes, (1 - a) * self.act_bytes + a * act_bytes)
+        self.samples += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.samples > 0
+
+    def layer_costs(self) -> np.ndarray:
+        L = self.num_layers
+        return self.fwd[:L] + self.bwd[:L]
+
+    @property
+    def first_extra(self) -> float:
+        return float(self.fwd[self.num_layers] + self.bwd[self.num_layers])
+
+    @property
+    def last_extra(self) -> float:
+        return float(self.fwd[self.num_layers + 1] + self.bwd[self.num_layers + 1])
+
+    def state_dict(self) -> dict[str, object]:
+        return {"fwd": self.fwd.tolist(), "bwd": self.bwd.tolist(), "act": self.act_bytes.tolist(),
+                "samples": self.samples}
+
+    def load_state_dict(self, s: dict[str, object]) -> None:
+        self.fwd = np.asarray(s["fwd"], dtype=np.float64)
+        self.bwd = np.asarray(s["bwd"], dtype=np.float64)
+        self.act_bytes = np.asarray(s["act"], dtype=np.float64)
+        self.samples = int(s["samples"])  # type: ignore[arg-type]

@@ -1,0 +1,554 @@
+"""The pipeline training loop of one rank: observe, plan, apply at the layer granularity, every N iterations.
+
+Per step (every rank of every pipeline runs the same sequence):
+  1. read the global batch (every rank reads the same one; a data-parallel replica keeps its rows) and
+     count its labels, so micro-batch losses add up to the single-process mean loss;
+  2. the engine runs the stage's forward and backward (`engine.py`); on profiled steps it also times every
+     layer and counts its activation bytes (`observe.py`);
+  3. the dynamism scheme sees the gradients (pruning masks them, freezing reads them);
+  4. data-parallel gradient sum, one all-reduce per layer over the "dp" group: a layer's bucket has the same
+     layout wherever the layer sits, so the sum is the same with or without migrations;
+  5. one small all-reduce along the chain: per-slot squared gradient norms, per-layer auxiliary losses,
+     the loss, each stage's busy and run time; the global norm is summed over slots in model order, so
+     clipping is bit-identical under any partition;
+  6. clip, AdamW step, the scheme's post-step work and its end-of-step decisions (prune, freeze, ...);
+  7. on profiled steps: average the profile over data-parallel replicas, sum it along the chain, smooth it
+     (every rank now holds the same costs), plan (partition by time or diffusion), adopt only when the
+     predicted gain over the next interval exceeds the migration cost, migrate; then consider re-packing
+     onto fewer ranks; released ranks stop here and report `released`.
+Rank order of a pipeline (`PipeChain`) comes from `ParallelDims.ranks_of("pp")`; after a re-pack it is the
+surviving subsequence. Data-parallel replicas take identical decisions from identical (averaged) inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moebal.config import Config
+from moebal.errors import ConfigError
+from moebal.pipeline.comm import PipeChain
+from moebal.pipeline.dynamism import Dynamism, SchemeContext
+from moebal.pipeline.engine import IterationResult, PipelineEngine
+from moebal.pipeline.migrate import MigrationReport, migrate_layers
+from moebal.pipeline.observe import CostTracker, LayerProfiler, static_bytes
+from moebal.pipeline.partition import (
+    StagePartition,
+    diffuse,
+    imbalance,
+    iteration_time,
+    partition_by_params,
+    partition_by_time,
+    partition_uniform,
+    plan_repack,
+    should_adopt,
+    stage_loads,
+)
+from moebal.pipeline.schedule import in_flight
+from moebal.pipeline.stage import PipelineStage
+
+__all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack"]
+
+BALANCERS = ("off", "partition", "diffusion")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipelineOptions:
+    """How the pipeline runs and rebalances (the `pipeline:` part of a run's settings)."""
+
+    schedule: str = "1f1b"
+    """'1f1b' or 'gpipe'."""
+    micro_batches: int = 4
+    """Micro-batches per iteration (capped at the rows of a data-parallel shard)."""
+    rebalance: str = "off"
+    """'off' (static), 'partition' (exact min-max by measured time) or 'diffusion' (adjacent boundary moves)."""
+    initial: str = "uniform"
+    """Starting partition: 'uniform' (equal layer counts, Megatron) or 'params' (parameter counts, DeepSpeed)."""
+    every: int = 10
+    """Profile one iteration and plan every N steps (when rebalancing or re-packing)."""
+    ema: float = 0.5
+    """Weight of the newest profile in the smoothed costs."""
+    repack: bool = False
+    """Merge stages onto fewer ranks when the model predicts fewer run nearly as fast; freed ranks leave."""
+    repack_slack: float = 0.1
+    """Largest predicted slowdown accepted to release ranks (0.1: at most 10% slower)."""
+    min_stages: int = 2
+    """Never re-pack below this many stages (>= 2: the embedding and the head keep their ranks)."""
+    memory_cap: float | None = None
+    """Bytes a stage may hold (layers' parameters, gradients, optimizer state, in-flight activations)."""
+    bandwidth: float | None = None
+    """Bytes/s for migration cost; None measures it along the chain at start."""
+    latency: float = 1e-4
+    """Seconds per migrated layer beyond its bytes."""
+    wait: str = "block"
+    """'block' (sleep in receives) or 'spin' (busy-wait: emulate dedicated devices on a shared host)."""
+    force: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(step, sizes): adopt this partition after that step whatever the planner says (tests, experiments);
+    fewer sizes than stages re-packs."""
+    force_mid: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(step, sizes): migrate between that step's backward and its optimizer step (gradients travel too)."""
+    record_ops: bool = True
+    """Keep one iteration's per-op timeline before and after each adopted plan (for the Gantt chart)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ConfigError(f"pipeline.schedule must be '1f1b' or 'gpipe'; got {self.schedule!r}")
+        if self.rebalance not in BALANCERS:
+            raise ConfigError(f"pipeline.rebalance must be one of {', '.join(BALANCERS)}; got {self.rebalance!r}")
+        if self.initial not in ("uniform", "params"):
+            raise ConfigError(f"pipeline.initial must be 'uniform' or 'params'; got {self.initial!r}")
+        if self.micro_batches < 1 or self.every < 1:
+            raise ConfigError(f"pipeline.micro_batches ({self.micro_batches}) and pipeline.every ({self.every}) "
+                              f"must be at least 1")
+        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2:
+            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack >= 0 and "
+                              f"pipeline.min_stages >= 2; got {self.ema}, {self.repack_slack}, {self.min_stages}")
+        if self.wait not in ("block", "spin"):
+            raise ConfigError(f"pipeline.wait must be 'block' or 'spin'; got {self.wait!r}")
+
+
+@dataclass
+class RunSummary:
+    """What one rank's run returns."""
+
+    rank: int
+    released: bool
+    released_at: int | None
+    records: list[dict[str, Any]]
+    plans: list[dict[str, Any]]
+    final_sizes: list[int]
+    gantt: dict[str, list[list[float]]] = field(default_factory=dict)
+    """'before'/'after': rows of (stage, kind 0=F 1=B, micro-batch, start, end) for one iteration."""
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def expand_repack(sizes: Sequence[int], chain_size: int) -> list[int]:
+    """A P'-stage partition laid over a P-rank chain: the first P' - 1 ranks and the last keep stages (the
+    embedding stays on the first rank, the head on the last), the middle ranks in between get 0 layers."""
+    k = len(sizes)
+    if k > chain_size or k < 1:
+        raise ConfigError(f"partition {list(sizes)} has more stages than the {chain_size} ranks of the pipeline")
+    if k == chain_size:
+        return list(sizes)
+    if k == 1:
+        raise ConfigError("re-packing onto one stage is not supported: the embedding and the head stay on two ranks")
+    return list(sizes[:-1]) + [0] * (chain_size - k) + [sizes[-1]]
+
+
+class PipelineRunner:
+    """Builds this rank's stage from the model and trains it; `train(steps)` runs the loop."""
+
+    def __init__(self, cfg: Config, opts: PipelineOptions, *, scheme: Dynamism | None = None, dims: Any = None,
+                 data: Any = None, run_dir: str | Path | None = None, device: torch.device | None = None) -> None:
+        from moebal.dist.groups import ParallelDims
+
+        self.cfg, self.opts = cfg, opts
+        self.scheme = scheme or Dynamism()
+        self.device = device or torch.device("cpu")
+        if dims is None:
+            # parallel.ep null means 1 here: a stage's other ranks are data-parallel replicas
+            dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
+                                ep=cfg.parallel.ep or 1, device=self.device).init()
+        if dims.ep != 1:
+            raise ConfigError("pipeline parallelism with expert parallelism (parallel.ep > 1) is not supported yet: "
+                              "use parallel.ep=1 with --pp, or pp=1 with --ep")
+        self.dims, self.L = dims, cfg.model.n_layers
+        if dims.pp > self.L:
+            raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
+                              f"use at most {self.L} stages")
+        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait)
+        self.P0 = self.chain.size
+        self.dp_group, self.dp, self.dp_index = dims.group("dp"), dims.dp, dims.coords["dp"]
+        self.data = data if data is not None else _build_data(cfg)
+        self._build(cfg)
+        self.tracker = CostTracker(self.L, ema=opts.ema)
+        self.records: list[dict[str, Any]] = []
+        self.plans: list[dict[str, Any]] = []
+        self.gantt: dict[str, list[list[float]]] = {}
+        self.step = 0
+        self.released_at: int | None = None
+        self.comm_s = 0.0
+        self.bandwidth = opts.bandwidth
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._want_after_gantt = False
+        self.static_mem = np.zeros(self.L + 2)
+
+    # ---- construction ----
+    def _build(self, cfg: Config) -> None:
+        from moebal.models import build_model
+        from moebal.train.trainer import seed_everything
+
+        seed_everything(cfg.train.seed)
+        model = build_model(cfg)
+        self.scheme.prepare_model(model)
+        if self.opts.initial == "params":
+            counts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+            self.sizes = partition_by_params(counts, self.P0,
+                                             first_extra=float(model.model.embed_tokens.weight.numel()),
+                                             last_extra=float(model.lm_head.weight.numel()))
+        else:
+            self.sizes = partition_uniform(self.L, self.P0)
+        p = self.chain.index
+        start = sum(self.sizes[:p])
+        self.stage = PipelineStage.from_model(model, start, start + self.sizes[p], self.chain.is_first,
+                                              self.chain.is_last).to(self.device)
+        del model
+        self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
+        autocast = None
+        if cfg.train.precision == "bf16":
+            def autocast() -> Any:
+                return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
+                                     self.opts.micro_batches, autocast)
+
+    def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        from moebal.train.optim import build_optimizer
+
+        return build_optimizer(module, self.cfg.train)
+
+    def _ctx(self) -> SchemeContext:
+        return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
+                             optimizer=self.optimizer, extra={"dp_group": self.dp_group, "dp": self.dp})
+
+    # ---- the loop ----
+    def train(self, steps: int) -> RunSummary:
+        """Run steps until `steps` (1-based step count) or until this rank is released."""
+        if self._planning() and self.bandwidth is None:
+            self._measure_links()
+        self.bandwidth = self.bandwidth or 1e9
+        while self.step < steps and self.released_at is None:
+            self.train_step()
+        self.chain.flush()
+        return RunSummary(rank=self.dims.rank, released=self.released_at is not None, released_at=self.released_at,
+                          records=self.records, plans=self.plans, final_sizes=list(self.sizes), gantt=self.gantt)
+
+    def _planning(self) -> bool:
+        return self.opts.rebalance != "off" or self.opts.repack
+
+    def _profiled(self, step: int) -> bool:
+        return self._planning() and step % self.opts.every == 0
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        batch = self.data.train.next_batch()
+        ids, labels = batch.ids_BT, batch.labels_BT
+        count = int((labels != -100).sum())
+        if self.dp > 1:
+            if ids.shape[0] < self.dp:
+                raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the data-parallel size "
+                                  f"({self.dp}): every replica needs a row")
+            ids = torch.tensor_split(ids, self.dp)[self.dp_index]
+            labels = torch.tensor_split(labels, self.dp)[self.dp_index]
+        return ids.to(self.device), labels.to(self.device), count
+
+    def train_step(self) -> dict[str, Any]:
+        step = self.step + 1
+        t0 = time.perf_counter()
+        ids, labels, count = self._batch()
+        from moebal.train.optim import lr_at
+
+        lr = lr_at(step - 1, self.cfg.train)
+        assert self.optimizer is not None
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        profiled = self._profiled(step)
+        self.engine.profiler = LayerProfiler(self.L) if profiled else None
+        self.engine.record_ops = self.opts.record_ops
+        t_run = time.perf_counter()
+        res = self.engine.run(ids, labels, count)
+        t_run = time.perf_counter() - t_run
+        self.step = step
+        self.scheme.after_backward(self._ctx())
+        events: dict[str, Any] = {}
+        for s, sizes in self.opts.force_mid:
+            if s == step:
+                events.update(self._apply(list(sizes), "forced-mid", step, lr=lr))
+        self._sync_dp()
+        red = self._reduce(res, t_run)
+        grad_norm = self._clip(red["sq"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheme.after_optimizer_step(self._ctx())
+        changed = self.scheme.update(self._ctx())
+        overhead = time.perf_counter()
+        if profiled:
+            self._observe(res)
+        events.update(self._plan_and_apply(step, res))
+        overhead = time.perf_counter() - overhead
+        if self._want_after_gantt and not events.get("adopted"):
+            self._keep_gantt("after", res)
+            self._want_after_gantt = False
+        record = self._record(step, lr, count, red, grad_norm, time.perf_counter() - t0, overhead, profiled,
+                              changed, events)
+        self.records.append(record)
+        return record
+
+    # ---- gradients ----
+    def _slot_params(self) -> dict[int, list[torch.nn.Parameter]]:
+        return {slot: [p for p in m.parameters()] for slot, m in sorted(self.stage.slot_modules().items())}
+
+    def _sync_dp(self) -> None:
+        """Sum gradients over data-parallel replicas, one bucket per layer (partition-independent layout)."""
+        if self.dp == 1:
+            return
+        for _, params in self._slot_params().items():
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            for g, chunk in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                g.copy_(chunk.view_as(g))
+
+    def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
+        L, P0 = self.L, self.P0
+        n = (L + 2) + L + 1 + 2 * P0
+        vec = torch.zeros(n, dtype=torch.float64)
+        for slot, params in self._slot_params().items():
+            sq = torch.zeros((), dtype=torch.float64)
+            for p in params:
+                if p.grad is not None:
+                    sq += torch.linalg.vector_norm(p.grad.double()) ** 2
+            vec[slot] = sq
+        for i, a in res.aux_by_layer.items():
+            vec[L + 2 + i] = a
+        vec[2 * L + 2] = res.loss_sum
+        pos = self._orig_pos()
+        vec[2 * L + 3 + pos] = res.busy_s
+        vec[2 * L + 3 + P0 + pos] = t_run
+        if self.dp > 1:  # the loss of each replica's rows adds up; norms are equal after the gradient sum
+            part = vec[2 * L + 2:2 * L + 3].clone()
+            dist.all_reduce(part, group=self.dp_group)
+            vec[2 * L + 2] = part[0]
+        out = self.chain.allreduce_sum(vec)
+        return {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
+                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:].tolist()}
+
+    def _orig_pos(self) -> int:
+        return self.dims.ranks_of("pp").index(self.dims.rank)
+
+    def _clip(self, sq: torch.Tensor) -> float:
+        """torch's clip_grad_norm_ rule, with the global norm summed slot by slot in model order."""
+        total = 0.0
+        for v in sq.tolist():
+            total += v
+        norm = math.sqrt(total)
+        clip = self.cfg.train.grad_clip
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        return norm
+
+    # ---- observe ----
+    def _measure_links(self) -> None:
+        """One-way time of an activation-sized message between chain neighbours (median of 5 round trips)."""
+        B = max(1, self.cfg.data.batch_size // max(self.dp, 1) // self.opts.micro_batches)
+        t = torch.zeros(B, self.cfg.data.seq_len, self.cfg.model.dim)
+        nbytes = t.numel() * t.element_size()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            if not self.chain.is_last:
+                self.chain.send(t, self.chain.next)
+            if not self.chain.is_first:
+                self.chain.recv(t, self.chain.prev)
+                self.chain.send(t, self.chain.prev)
+            if not self.chain.is_last:
+                self.chain.recv(t, self.chain.next)
+            self.chain.flush()
+            times.append((time.perf_counter() - t0) / 2)
+        mine = float(np.median(times)) if not self.chain.is_last else 0.0
+        v = torch.zeros(2, dtype=torch.float64)
+        v[0], v[1] = mine, 0.0 if self.chain.is_last else 1.0
+        tot = self.chain.allreduce_sum(v)
+        self.comm_s = float(tot[0] / max(tot[1], 1.0))
+        self.bandwidth = nbytes / max(self.comm_s, 1e-9)
+
+    def _observe(self, res: IterationResult) -> None:
+        assert self.engine.profiler is not None
+        prof = self.engine.profiler.result(self.engine.owned_slots())
+        owned = prof.fwd >= 0
+        L2 = self.L + 2
+        vec = torch.zeros(4 * L2, dtype=torch.float64)
+        vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
+        vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
+        vec[2 * L2:3 * L2] = torch.from_numpy(np.where(owned, prof.act_bytes, 0.0))
+        for slot, m in self.stage.slot_modules().items():
+            vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
+        if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
+            dist.all_reduce(vec, group=self.dp_group)
+            vec /= self.dp
+        tot = self.chain.allreduce_sum(vec).numpy()
+        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2])
+        self.static_mem = tot[3 * L2:]
+
+    # ---- plan and apply ----
+    def _memory(self) -> tuple[np.ndarray, float, float]:
+        """Per-layer bytes on a stage: static bytes + activation bytes x the most micro-batches in flight on
+        any stage (stage 0 under 1F1B): a conservative single number per layer, so the partitioner's caps
+        hold wherever the layer lands."""
+        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        flight = in_flight(self.opts.schedule, self.chain.size, 0, M)
+        mem = self.static_mem + self.tracker.act_bytes * flight
+        return mem[:self.L], float(mem[self.L]), float(mem[self.L + 1])
+
+    def _plan_and_apply(self, step: int, res: IterationResult) -> dict[str, Any]:
+        events: dict[str, Any] = {}
+        for s, sizes in self.opts.force:
+            if s == step:
+                self._keep_gantt("before", res)
+                events.update(self._apply(list(sizes), "forced", step))
+                events["adopted"] = True
+        if not self._profiled(step) or not self.tracker.ready or events:
+            return events
+        plan = self._propose(step)
+        if plan is not None:
+            self.plans.append(plan.to_dict())
+            if plan.meta.get("adopt"):
+                self._keep_gantt("before", res)
+                events.update(self._apply(list(plan.sizes), plan.balancer, step))
+                events["adopted"] = True
+                events["plan"] = plan.to_dict()
+        if self.opts.repack and self.released_at is None and self.chain.size > self.opts.min_stages:
+            packed = self._propose_repack(step)
+            if packed is not None:
+                self.plans.append(packed.to_dict())
+                if "adopted" not in events:
+                    self._keep_gantt("before", res)
+                events.update(self._apply(list(packed.sizes), "repack", step))
+                events["adopted"] = True
+                events["repack"] = packed.to_dict()
+        return events
+
+    def _loads_kw(self) -> dict[str, float]:
+        return {"first_extra": self.tracker.first_extra, "last_extra": self.tracker.last_extra}
+
+    def _propose(self, step: int) -> StagePartition | None:
+        if self.opts.rebalance == "off":
+            return None
+        costs = self.tracker.layer_costs()
+        mem, first_mem, last_mem = self._memory()
+        cap = self.opts.memory_cap
+        kw = self._loads_kw()
+        if self.opts.rebalance == "partition":
+            try:
+                proposal = partition_by_time(costs, self.chain.size, memory=mem, capacity=cap, first_memory=first_mem,
+                                             last_memory=last_mem, **kw)
+            except ConfigError:
+                proposal = list(self.sizes)  # nothing fits the caps: keep the current partition
+        else:
+            proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
+        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        layer_bytes = self.static_mem[:self.L]
+        adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
+                                         float(self.bandwidth or 1e9), self.opts.latency, comm_s=self.comm_s, **kw)
+        t_cur = iteration_time(stage_loads(costs, self.sizes, **kw), M, self.comm_s)
+        t_new = iteration_time(stage_loads(costs, proposal, **kw), M, self.comm_s)
+        return StagePartition(
+            sizes=tuple(proposal), ranks=tuple(self.chain.ranks), step=step, balancer=self.opts.rebalance,
+            predicted_time_s=t_new, previous_time_s=t_cur, gain_s=gain, migration_cost_s=cost,
+            meta={"adopt": adopt, "from": list(self.sizes),
+                  "imbalance_before": imbalance(stage_loads(costs, self.sizes, **kw)),
+                  "imbalance_after": imbalance(stage_loads(costs, proposal, **kw)),
+                  "costs": [round(float(c), 6) for c in costs], **{k: round(v, 6) for k, v in kw.items()}})
+
+    def _propose_repack(self, step: int) -> StagePartition | None:
+        costs = self.tracker.layer_costs()
+        mem, first_mem, last_mem = self._memory()
+        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        sizes = plan_repack(costs, self.chain.size, M, self.opts.repack_slack, self.opts.min_stages, memory=mem,
+                            capacity=self.opts.memory_cap, comm_s=self.comm_s, first_memory=first_mem,
+                            last_memory=last_mem, **self._loads_kw())
+        if sizes is None:
+            return None
+        full = expand_repack(sizes, self.chain.size)
+        kept = tuple(r for r, s in zip(self.chain.ranks, full) if s > 0)
+        released = tuple(r for r, s in zip(self.chain.ranks, full) if s == 0)
+        t_new = iteration_time(stage_loads(costs, sizes, **self._loads_kw()), M, self.comm_s)
+        t_cur = iteration_time(stage_loads(costs, self.sizes, **self._loads_kw()), M, self.comm_s)
+        return StagePartition(sizes=tuple(sizes), ranks=kept, step=step, balancer="repack", released=released,
+                              predicted_time_s=t_new, previous_time_s=t_cur, meta={"from": list(self.sizes)})
+
+    def _apply(self, sizes: list[int], why: str, step: int, lr: float | None = None) -> dict[str, Any]:
+        """Migrate to `sizes` (over the current chain; fewer entries re-packs) on every rank of the chain."""
+        full = expand_repack(sizes, self.chain.size)
+        if full == list(self.sizes):
+            return {}
+        old = list(self.sizes)
+        self.optimizer, rep = migrate_layers(self.stage, self.chain, old, full, self.optimizer, self.scheme,
+                                             self._make_optimizer)
+        if lr is not None and self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        kept = [r for r, s in zip(self.chain.ranks, full) if s > 0]
+        released = [r for r, s in zip(self.chain.ranks, full) if s == 0]
+        out = self._migration_event(why, old, full, rep, released)
+        if self.dims.rank in released:
+            self.released_at = step
+            self.chain.close()
+        else:
+            self.chain.shrink(kept)
+            self.sizes = [s for s in full if s > 0]
+        self._want_after_gantt = True
+        return out
+
+    def _migration_event(self, why: str, old: list[int], new: list[int], rep: MigrationReport,
+                         released: list[int]) -> dict[str, Any]:
+        v = torch.tensor([float(rep.bytes_sent), rep.seconds], dtype=torch.float64)
+        tot = self.chain.allreduce_sum(v)
+        return {"migration": why, "sizes_before": old, "sizes_after": [s for s in new if s > 0],
+                "layers_moved": len(rep.moves), "bytes_moved": int(tot[0]),
+                "migration_s": float(tot[1]) / self.chain.size, "released_ranks": released}
+
+    # ---- timelines and records ----
+    def _keep_gantt(self, which: str, res: IterationResult) -> None:
+        if not self.opts.record_ops or (which == "before" and "before" in self.gantt):
+            return
+        kinds = {"F": 0.0, "B": 1.0}
+        rows = torch.tensor([[float(self.chain.index), kinds[k], float(j), s, e] for k, j, s, e in res.ops],
+                            dtype=torch.float64).reshape(-1)
+        parts = self.chain.allgather_1d(rows)
+        table = torch.cat(parts).reshape(-1, 5)
+        t0 = float(table[:, 3].min()) if table.numel() else 0.0
+        table[:, 3:] -= t0
+        self.gantt[which] = table.tolist()
+
+    def _record(self, step: int, lr: float, count: int, red: dict[str, Any], grad_norm: float, dt: float,
+                overhead: float, profiled: bool, changed: bool, events: dict[str, Any]) -> dict[str, Any]:
+        busy = [b for b, r in zip(red["busy"], red["run"]) if r > 0]
+        run = max(red["run"]) if red["run"] else 0.0
+        aux = 0.0
+        for a in red["aux"].tolist():
+            aux += a
+        rec: dict[str, Any] = {
+            "step": step, "loss": red["loss"], "aux_loss": aux, "grad_norm": grad_norm, "lr": lr,
+            "step_time_s": round(dt, 6), "tokens": count, "tokens_per_s": round(count / max(dt, 1e-9), 2),
+            "stages": len(busy), "sizes": list(self.sizes), "stage_busy_s": [round(b, 6) for b in busy],
+            "pipeline_s": round(run, 6), "bubble_ratio": round(1 - sum(busy) / max(len(busy) * run, 1e-12), 4),
+            "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0, "overhead_s": round(overhead, 6),
+            "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics()}
+        if self.tracker.ready:
+            loads = stage_loads(self.tracker.layer_costs(), self.sizes, **self._loads_kw())
+            rec["predicted_imbalance"] = round(imbalance(loads), 4)
+        rec.update({k: v for k, v in events.items() if k != "adopted"})
+        return rec
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters by full-model name (tests compare them across partitions)."""
+        return {k: v.detach().clone() for k, v in self.stage.state_dict().items()}
+
+
+def _build_data(cfg: Config) -> Any:
+    from moebal.data import build_data
+
+    return build_data(cfg)
