@@ -49,7 +49,14 @@ def build_parser(requested: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes positionals in one run; `key=value` overrides may also follow options (train --nproc 2 a=b)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    args._argv = argv[1:]  # the command's own arguments (a local launcher re-runs them on every rank)
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

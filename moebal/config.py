@@ -29,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",
+    "PlannerConfig",
     "TrainConfig",
     "dump",
     "from_dict",
@@ -172,6 +173,8 @@ class TrainConfig:
     """Parent folder of run directories."""
     progress: Literal["auto", "bar", "plain"] = "auto"
     """Progress display: a bar on a terminal and plain lines otherwise (auto)."""
+    time_limit_min: float | None = None
+    """Safety guard: after this many minutes (from start-up) stop early, validate, checkpoint; null: no limit."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -180,10 +183,28 @@ class ParallelConfig:
 
     nproc: int = 1
     """Processes `moebal train` spawns on this machine (torchrun sets the world size itself)."""
-    ep: int = 1
-    """Expert-parallel size; must divide moe.num_experts and the world size."""
+    ep: int | None = None
+    """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""
     pp: int = 1
     """Pipeline-parallel stages."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlannerConfig:
+    """Per-step expert placement (observe counts, plan the next step, apply it) under expert parallelism."""
+
+    policy: Literal["static", "prophet", "fastermoe", "broadcast_topk"] = "prophet"
+    """Placement policy: plain expert parallelism, Pro-Prophet, FasterMoE shadowing, or replicate the hottest."""
+    every: int = 1
+    """Re-plan every N steps (the plan is kept in between)."""
+    ema: float | None = None
+    """Forecast counts as an exponential moving average with this weight on the past; null: last step only."""
+    hysteresis: float = 0.05
+    """Adopt a new plan only when its predicted gain exceeds this share of the current plan's time."""
+    overlap: bool = False
+    """Cost plans with Pro-Prophet's eq. 8 (Trans/Agg hidden under compute) instead of eq. 6."""
+    costs: str = "measure"
+    """Performance-model coefficients: 'measure' (on the running job at start-up) or a hardware profile."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -202,6 +223,8 @@ class Config:
     """Optimisation."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Expert placement planning (used when parallel.ep > 1)."""
 
     def __post_init__(self) -> None:
         _check_whole(self)
@@ -399,7 +422,7 @@ def _check_whole(c: Config) -> None:
                    ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
                    ("data.batch_size", d.batch_size), ("moe.top_k", moe.top_k), ("moe.every", moe.every),
-                   ("parallel.nproc", par.nproc), ("parallel.ep", par.ep), ("parallel.pp", par.pp)]:
+                   ("parallel.nproc", par.nproc), ("parallel.ep", par.ep or 1), ("parallel.pp", par.pp)]:
         _need(v >= 1, f"'{key}' must be at least 1; got {v}")
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr)]:
@@ -420,6 +443,11 @@ def _check_whole(c: Config) -> None:
     _need(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' must be positive or null; got {d.max_bytes}")
     _check_moe(c)
     _check_train(t)
+    _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
+    _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
+          f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
+    _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
+
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -433,7 +461,7 @@ def _check_moe(c: Config) -> None:
           f"'moe.top_k' ({moe.top_k}) is larger than 'moe.num_experts' ({moe.num_experts}): lower top_k")
     _need(moe.expert_ffn_dim is None or moe.expert_ffn_dim >= 1,
           f"'moe.expert_ffn_dim' must be at least 1 or null; got {moe.expert_ffn_dim}")
-    _need(moe.num_experts % par.ep == 0,
+    _need(par.ep is None or moe.num_experts % par.ep == 0,
           f"'moe.num_experts' ({moe.num_experts}) is not divisible by 'parallel.ep' ({par.ep}): "
           f"choose ep among {[k for k in range(1, moe.num_experts + 1) if moe.num_experts % k == 0]}")
     _need(moe.capacity_factor is None or moe.capacity_factor > 0,
@@ -461,6 +489,8 @@ def _check_train(t: TrainConfig) -> None:
     _need(t.eval_batches >= 1 and t.log_every >= 1 and t.keep_checkpoints >= 1,
           "'train.eval_batches', 'train.log_every' and 'train.keep_checkpoints' must be at least 1")
     _need(t.threads is None or t.threads >= 1, f"'train.threads' must be at least 1 or null; got {t.threads}")
+    _need(t.time_limit_min is None or t.time_limit_min > 0,
+          f"'train.time_limit_min' must be positive or null; got {t.time_limit_min}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out DIR from its latest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint directory instead")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--nproc", type=int, help="ranks to start on this machine (parallel.nproc); under torchrun the "
+                   "world size comes from the environment")
+    p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep; default: every rank)")
+    p.add_argument("--policy", choices=["static", "prophet", "fastermoe", "broadcast_topk"],
+                   help="expert placement policy (planner.policy)")
 
 
 def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -45,6 +51,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
+    for flag, key in (("nproc", "parallel.nproc"), ("ep", "parallel.ep"), ("policy", "planner.policy")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
     resuming = args.resume or args.resume_from
     if resuming and not args.out and not args.resume_from:
         raise ConfigError("--resume needs --out DIR, the run directory to continue")
@@ -58,7 +67,26 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     return cfg, out
 
 
-def summary_lines(r: object) -> list[str]:
+def placement_summary(metrics: Path, cfg: Config) -> dict[str, float] | None:
+    """What expert placement did over the last 10% of steps: rank load max/mean before and after the plans
+    (mean over MoE layers), replicas per step, planner time and the step time."""
+    from moebal.train.metrics import read_metrics
+
+    rows = [r for r in read_metrics(metrics) if "rank_imbalance_before" in r] if metrics.is_file() else []
+    if not rows:
+        return None
+    rows = rows[-max(1, len(rows) // 10):]
+
+    def avg(key: str) -> float:
+        vals = [sum(r[key]) / len(r[key]) if isinstance(r[key], list) else r[key] for r in rows]
+        return round(sum(vals) / len(vals), 4)
+
+    return {"policy": cfg.planner.policy, "rank_imbalance_before": avg("rank_imbalance_before"),
+            "rank_imbalance_after": avg("rank_imbalance_after"), "replicas_per_step": avg("replicas"),
+            "plan_ms": avg("plan_ms"), "step_time_s": avg("step_time_s")}
+
+
+def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[str]:
     from moebal.train import RunResult
     from moebal.train.progress import format_duration
 
@@ -77,8 +105,24 @@ def summary_lines(r: object) -> list[str]:
         per = ", ".join(f"{x:.2f}" for x in r.load_imbalance)
         lines.append(f"  expert load max/mean per MoE layer (last 10% of steps): {per}; "
                      f"dropped assignments {r.dropped}")
+    if placement:
+        p = placement
+        lines.append(f"  expert placement ({p['policy']}): rank load max/mean {p['rank_imbalance_before']:.2f} -> "
+                     f"{p['rank_imbalance_after']:.2f} with {p['replicas_per_step']:.1f} replicas per step; "
+                     f"planner {p['plan_ms']:.2f} ms; step {p['step_time_s']:.3f} s")
     lines.append(f"  run directory: {r.run_dir}")
     return lines
+
+
+def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
+    """`--nproc N` without torchrun: start N ranks of this same command (they see RANK in their environment),
+    all writing to one run directory."""
+    from moebal.dist.launch import spawn_local
+
+    argv = ["train", *args._argv]
+    if args.out is None:
+        argv += ["--out", str(out)]
+    return spawn_local(cfg.parallel.nproc, argv)  # rank 0 prints the summary
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,19 +132,44 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.resume or args.resume_from) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
+        return _spawn(args, cfg, out)
     resume: bool | str = args.resume_from or bool(args.resume)
-    trainer = Trainer(cfg, out, resume=resume)
+    ctx, model, hooks = None, None, []
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        from moebal.train.distributed import setup_parallel
+
+        ctx, model, hooks = setup_parallel(cfg)
+    trainer = Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx)
+    try:
+        return _train(trainer, cfg, out, args, wall0)
+    finally:
+        if ctx is not None:
+            ctx.dims.close()
+
+
+def _train(trainer: object, cfg: Config, out: Path, args: argparse.Namespace, wall0: float) -> int:
+    from moebal.train import Trainer
+
+    assert isinstance(trainer, Trainer)
+    main = trainer.ctx.is_main
     stream = sys.stderr
-    stream.write(f"moebal train: {cfg.name}, {trainer.data.corpus.train.n_tokens / 1e6:.1f}M training tokens "
-                 f"({trainer.data.corpus.source}), {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.1f}M "
-                 f"parameters, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}\n")
+    if main:
+        params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+        ranks = f", {trainer.ctx.dims.world_size} ranks (ep {trainer.ctx.dims.ep})" if trainer.ctx.distributed else ""
+        stream.write(f"moebal train: {cfg.name}, {trainer.data.corpus.train.n_tokens / 1e6:.1f}M training tokens "
+                     f"({trainer.data.corpus.source}), {params:.1f}M parameters{' on rank 0' if ranks else ''}"
+                     f"{ranks}, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}\n")
     result = trainer.train()
     result.wall_seconds = time.perf_counter() - wall0
+    if not main:
+        return 0
     summary = {"steps": result.steps, "train_loss": result.train_loss, "val_loss": result.val_loss,
                "unigram_entropy": result.unigram_entropy, "val_ratio": result.val_ratio,
                "tokens": result.tokens, "tokens_per_s": result.tokens_per_s, "wall_seconds": result.wall_seconds,
                "train_seconds": result.train_seconds, "setup_seconds": result.setup_seconds,
-               "load_imbalance": result.load_imbalance, "dropped": result.dropped, "run_dir": str(result.run_dir)}
+               "load_imbalance": result.load_imbalance, "dropped": result.dropped, "run_dir": str(result.run_dir),
+               "placement": placement_summary(out / "metrics.jsonl", cfg)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(summary) if args.json else "\n".join(summary_lines(result)))
+    print(json.dumps(summary) if args.json else "\n".join(summary_lines(result, summary["placement"])))
     return 0

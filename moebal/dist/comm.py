@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_rows", "exchange_counts"]
+__all__ = ["all_to_all_rows", "exchange_counts", "sum_gradients"]
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -51,3 +51,18 @@ def exchange_counts(send_counts: torch.Tensor, group: Any) -> torch.Tensor:
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
     return recv
+
+
+def sum_gradients(params: Sequence[torch.nn.Parameter], group: Any, divisor: float) -> None:
+    """grad <- (sum over `group` of grad) / divisor, as one flat all-reduce (missing gradients count as zero)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat.div_(divisor)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g)
+        offset += g.numel()

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebal.dist.comm import all_to_all_rows, exchange_counts
+from moebal.dist.comm import all_to_all_rows, exchange_counts, sum_gradients
 from moebal.dist.groups import ParallelDims
 from moebal.kernels.dispatch import DispatchPlan, combine
 from moebal.planner.plan import ExpertPlacement, default_owners
@@ -213,6 +213,13 @@ class ExpertParallel:
             return [dist.P2POp(dist.irecv, buf, d.ep_ranks[owner])]
         return []
 
+    def release(self) -> None:
+        """Drop every replica (back to plain expert parallelism for the token path). Call after the optimizer
+        step: replicas are copies of the pre-update parameters, so any later forward (validation, the next step
+        before its Trans) must not use them."""
+        for d in self.dispatchers:
+            d.placement, d.replicas = ExpertPlacement.static(d.E, d.R), {}
+
     def aggregate(self) -> None:
         """Agg: sum replica gradients into the owners' gradients (fixed rank order); call after backward."""
         ops: list[Any] = []
@@ -244,20 +251,8 @@ class ExpertParallel:
     def sync_gradients(self) -> None:
         """Average gradients so they equal the single-process mean-loss gradient (see the module docstring)."""
         world = self.dims.size("dp_ep")
-        for expert, axis in ((False, "dp_ep"), (True, "dp")):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters(expert)]
-            for p, g in zip(self.parameters(expert), grads):
-                p.grad = g
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if self.dims.size(axis) > 1:
-                dist.all_reduce(flat, group=self.dims.group(axis))
-            flat.div_(world)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        sum_gradients(list(self.parameters(expert=False)), self.dims.group("dp_ep"), world)
+        sum_gradients(list(self.parameters(expert=True)), self.dims.group("dp"), world)
 
 
 class StatsReducer:

@@ -31,6 +31,7 @@ class Progress:
                  width: int = 24) -> None:
         self.stream = stream or sys.stderr
         is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.off = mode == "off"  # ranks other than the first stay quiet
         self.bar = mode == "bar" or (mode == "auto" and is_tty)
         self.total, self.start, self.width = total, start, width
         self.every = max(1, (total - start) // 20)
@@ -39,6 +40,8 @@ class Progress:
         self.val_loss: float | None = None
 
     def update(self, step: int, loss: float, tokens_per_s: float, val_loss: float | None = None) -> None:
+        if self.off:
+            return
         if val_loss is not None:
             self.val_loss = val_loss
         done = step - self.start
@@ -65,6 +68,6 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.bar:
+        if self.bar and not self.off:
             self.stream.write("\n")
             self.stream.flush()

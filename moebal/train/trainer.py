@@ -38,6 +38,7 @@ from moebal.train.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog, read_metrics, read_routing, routing_record
 from moebal.train.optim import build_optimizer, lr_at
@@ -92,9 +93,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | Path, *, hooks: list[Hook] | None = None,
                  resume: bool | str | Path = False, device: torch.device | None = None,
-                 model: torch.nn.Module | None = None, data: DataBundle | None = None) -> None:
+                 model: torch.nn.Module | None = None, data: DataBundle | None = None,
+                 ctx: RunContext | None = None) -> None:
         t0 = time.perf_counter()
         self.cfg, self.run_dir, self.hooks = cfg, Path(run_dir), list(hooks or [])
+        self.ctx = ctx or RunContext()
+        self.ctx.check_batch(cfg.data.batch_size)
         self.device = device or default_device()
         torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
         ckpt = self._find_resume(resume)
@@ -112,7 +116,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if ckpt is not None:
             self._restore(ckpt)
-        dump(cfg, self.run_dir / "config.yaml")
+        if self.ctx.is_main:
+            dump(cfg, self.run_dir / "config.yaml")
         self.setup_seconds = time.perf_counter() - t0
 
     # ---- resume -------------------------------------------------------------------------------------
@@ -121,11 +126,12 @@ class Trainer:
         if resume is False:
             return None
         if resume is True:
-            found = find_checkpoints(self.run_dir)
-            if not found:
+            found = {_step_of_dir(p): p for p in find_checkpoints(self.ctx.ckpt_dir(self.run_dir))}
+            step = self.ctx.agreed_step(list(found))  # the newest step every rank holds
+            if step is None:
                 raise CheckpointError(f"nothing to resume in {self.run_dir}: it holds no checkpoint "
                                       f"(run without --resume to start, or point --out at the run)")
-            return read_checkpoint(found[-1])
+            return read_checkpoint(found[step])
         return read_checkpoint(Path(resume))
 
     def _restore(self, ckpt: CheckpointState) -> None:
@@ -137,15 +143,18 @@ class Trainer:
         for hook in self.hooks:
             hook.load_state_dict(s.get("hooks", {}).get(hook.name, {}))
         restore_rng(s["rng"])
-        MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", ckpt.step)
+        if self.ctx.is_main:  # one writer: another rank rewriting the file could drop rank 0's new lines
+            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", ckpt.step)
 
     def save(self) -> Path:
         """Checkpoint the current step and keep the newest `keep_checkpoints`."""
         extra = {"data": self.data.train.state_dict(), "rng": rng_state(), "tokens": self.tokens,
                  "train_seconds": self.train_seconds, "last_val": self.last_val,
                  "hooks": {h.name: h.state_dict() for h in self.hooks}}
-        path = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, extra, dump(self.cfg))
-        prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+        where = self.ctx.ckpt_dir(self.run_dir)
+        where.mkdir(parents=True, exist_ok=True)
+        path = save_checkpoint(where, self.step, self.model, self.optimizer, extra, dump(self.cfg))
+        prune_checkpoints(where, self.cfg.train.keep_checkpoints)
         return path
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -159,11 +168,12 @@ class Trainer:
         get = getattr(self.model, "moe_layers", None)
         return list(get()) if get is not None else []
 
-    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and auxiliary loss of one batch, gradients accumulated (a pipeline engine overrides this)."""
+    def forward_backward(self, batch: Batch, loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and auxiliary loss of one batch, gradients accumulated (a pipeline engine overrides this).
+        `loss_scale` weights this rank's mean-per-token loss by its share of the global batch's tokens."""
         with self.autocast():
             out = self.model(batch.ids_BT, batch.labels_BT)
-        (out.loss + out.aux_loss).backward()
+        (out.loss * loss_scale + out.aux_loss).backward()
         return out.loss.detach(), out.aux_loss.detach()
 
     def _routing_step(self) -> list[RoutingStats]:
@@ -182,25 +192,28 @@ class Trainer:
         for hook in self.hooks:
             hook.before_step(self, step)
         t0 = time.perf_counter()
-        batch = self.data.train.next_batch().to(self.device)
+        global_batch = self.data.train.next_batch()
+        batch, scale = self.ctx.shard(global_batch)
+        batch = batch.to(self.device)
         lr = lr_at(step - 1, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        loss, aux = self.forward_backward(batch)
+        loss, aux = self.forward_backward(batch, scale)
         for hook in self.hooks:
             hook.after_backward(self, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = self.ctx.clip_grad_norm(self.model, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         stats = self._routing_step()
-        record: dict[str, Any] = {"step": step, "loss": loss.item(), "aux_loss": aux.item(), "lr": lr,
-                                  "grad_norm": grad_norm.item()}
+        record: dict[str, Any] = {"step": step, "loss": self.ctx.mean(loss.item() * scale),
+                                  "aux_loss": self.ctx.mean(aux.item()), "lr": lr, "grad_norm": grad_norm.item()}
         record.update(routing_record(read_routing(stats)))
         dt = time.perf_counter() - t0
-        self.step, self.tokens, self.train_seconds = step, self.tokens + batch.n_tokens, self.train_seconds + dt
-        record.update(tokens=self.tokens, tokens_per_s=round(batch.n_tokens / dt, 1), step_time_s=round(dt, 4))
+        n = global_batch.n_tokens
+        self.step, self.tokens, self.train_seconds = step, self.tokens + n, self.train_seconds + dt
+        record.update(tokens=self.tokens, tokens_per_s=round(n / dt, 1), step_time_s=round(dt, 4))
         for hook in self.hooks:
             hook.after_step(self, step, stats, record)
         return record
@@ -217,7 +230,7 @@ class Trainer:
         total, n = 0.0, 0
         try:
             for batch in self.data.val:
-                b = batch.to(self.device)
+                b = self.ctx.shard(batch)[0].to(self.device)
                 with self.autocast():
                     out = self.model(b.ids_BT, b.labels_BT)
                 total += out.loss.item() * b.n_tokens
@@ -225,6 +238,7 @@ class Trainer:
         finally:
             self.model.train()
             restore_rng(saved)
+        total, n = self.ctx.sum([total, float(n)])
         return total / max(n, 1)
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -238,15 +252,17 @@ class Trainer:
         wall0 = time.perf_counter()
         for hook in self.hooks:
             hook.on_start(self)
-        progress = Progress(t.steps, self.step, t.progress)
-        log = MetricsLog(self.run_dir / "metrics.jsonl")
+        main = self.ctx.is_main
+        progress = Progress(t.steps, self.step, t.progress if main else "off")
+        log = MetricsLog(self.run_dir / "metrics.jsonl") if main else None
         try:
             while self.step < t.steps:
                 record = self.train_step()
                 if self._due(t.eval_every, self.step):
                     self.last_val = record["val_loss"] = self.evaluate()
                 self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
-                if self.step % t.log_every == 0 or "val_loss" in record or self.step == t.steps:
+                if log is not None and (self.step % t.log_every == 0 or "val_loss" in record
+                                        or self.step == t.steps):
                     log.write(record)
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
                 stopping = stop_after is not None and self.step >= stop_after
@@ -256,11 +272,13 @@ class Trainer:
                     break
         finally:
             progress.close()
-            log.close()
+            if log is not None:
+                log.close()
         if self.step >= t.steps:
             for hook in self.hooks:
                 hook.on_end(self)
-            self._write_dashboard()
+            if main:
+                self._write_dashboard()
         return self._result(time.perf_counter() - wall0)
 
     def _write_dashboard(self) -> None:
@@ -278,3 +296,7 @@ class Trainer:
                          unigram_entropy=self.data.corpus.unigram_entropy, tokens=self.tokens,
                          train_seconds=self.train_seconds, wall_seconds=wall, setup_seconds=self.setup_seconds,
                          load_imbalance=imbalance, dropped=sum(sum(r.get("dropped", [])) for r in recent))
+
+
+def _step_of_dir(path: Path) -> int:
+    return int(path.name.split("-")[-1])

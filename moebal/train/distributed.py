@@ -1,0 +1,281 @@
+"""What the trainer needs to know about the other ranks, and the expert-parallel balancing hook.
+
+`RunContext` answers the trainer's few distributed questions (which rows of the global batch are mine, the
+mean of a number over ranks, the global gradient norm, am I the rank that writes files) for a single process
+and for any data x expert-parallel layout, so the trainer never branches on `torch.distributed` itself.
+
+`ExpertParallelHook` is the per-step observe -> plan -> apply loop of Pro-Prophet on a real job:
+  after the step     observe: all-gather every MoE layer's per-expert counts into R x E matrices
+                     plan: one `ExpertPlanner` per layer forecasts step j+1 from step j (optionally EMA'd)
+  before the step    apply: adopt the placements and run Trans (owners send replica parameters)
+  after backward     Agg (replica gradients back to their owners), then gradient sync
+Every rank runs the same planners on the same all-gathered counts and the same measured coefficients, so
+they agree on the plan without a broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moebal.config import Config
+from moebal.dist.comm import sum_gradients
+from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
+from moebal.dist.groups import ParallelDims
+from moebal.errors import ConfigError
+from moebal.planner.experts import ExpertPlanner, placement_metrics
+from moebal.planner.plan import ExpertPlacement
+from moebal.routing import RoutingStats
+from moebal.train.hooks import Hook
+from moebal.train.metrics import MetricsLog
+
+if TYPE_CHECKING:
+    from moebal.data import Batch
+    from moebal.train.trainer import Trainer
+
+__all__ = ["ExpertParallelHook", "RunContext"]
+
+
+class RunContext:
+    """The trainer's view of the job: one process (the default) or `dims.world_size` ranks."""
+
+    def __init__(self, dims: ParallelDims | None = None) -> None:
+        self.dims = dims or ParallelDims(world_size=1, rank=0)
+
+    @property
+    def distributed(self) -> bool:
+        return self.dims.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes metrics, plans, the dashboard and the progress display."""
+        return self.dims.rank == 0
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that split one global batch between them (every rank of a pipeline stage)."""
+        return self.dims.size("dp_ep")
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size % self.data_ranks:
+            raise ConfigError(f"data.batch_size ({batch_size}) is not divisible by the {self.data_ranks} ranks that "
+                              f"share a batch: choose a batch size that is a multiple of {self.data_ranks}")
+
+    def shard(self, batch: Batch) -> tuple[Batch, float]:
+        """My rows of the global batch, and the factor that makes my mean-per-token loss a share of the global
+        mean-per-token loss once gradients are averaged over ranks (1.0 when every rank has as many tokens)."""
+        if not self.distributed:
+            return batch, 1.0
+        from moebal.data import Batch
+
+        n, i = self.data_ranks, self.dims.index("dp_ep")
+        rows = batch.ids_BT.shape[0] // n
+        ids, labels = batch.ids_BT[i * rows:(i + 1) * rows], batch.labels_BT[i * rows:(i + 1) * rows]
+        mine = int((labels != -100).sum())
+        scale = mine * n / max(batch.n_tokens, 1)
+        return Batch(ids, labels, mine), scale
+
+    def mean(self, value: float) -> float:
+        """Mean of a number over the ranks sharing a batch."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.dims.group("dp_ep"))
+        return float(t.item()) / self.data_ranks
+
+    def sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.dims.group("dp_ep"))
+        return t.tolist()
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: replicated gradients count once, expert shards are
+        summed over the expert-parallel group (each rank holds different experts)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not self.distributed:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        dense = [p.grad.float().square().sum() for p in params if not is_expert_param(p)]
+        expert = [p.grad.float().square().sum() for p in params if is_expert_param(p)]
+        sq_dense = torch.stack(dense).sum() if dense else torch.zeros(())
+        sq_expert = torch.stack(expert).sum() if expert else torch.zeros(())
+        if self.dims.size("ep") > 1:
+            dist.all_reduce(sq_expert, group=self.dims.group("ep"))
+        total = (sq_dense + sq_expert).sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    def ckpt_dir(self, run_dir: Path) -> Path:
+        """Where this rank keeps its checkpoints: the run directory on rank 0, ranks/<r>/ elsewhere."""
+        return run_dir if self.dims.rank == 0 else run_dir / "ranks" / str(self.dims.rank)
+
+    def agreed_step(self, steps: list[int]) -> int | None:
+        """The newest checkpoint step every rank holds (None if there is none)."""
+        if not self.distributed:
+            return max(steps) if steps else None
+        gathered: list[Any] = [None] * self.dims.world_size
+        dist.all_gather_object(gathered, sorted(steps))
+        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
+        return max(common) if common else None
+
+
+class ExpertParallelHook(Hook):
+    """Pro-Prophet's observe -> plan -> apply loop on a live expert-parallel job (see the module docstring)."""
+
+    def __init__(self, ep: ExpertParallel, cfg: Config, costs: Any, ctx: RunContext) -> None:
+        self.ep, self.ctx, self.costs = ep, ctx, costs
+        p = cfg.planner
+        E, R = cfg.moe.num_experts, ep.dims.size("ep")
+        self.planners = [ExpertPlanner(E, R, p.policy, costs, every=p.every, ema=p.ema, hysteresis=p.hysteresis,
+                                       **({"overlap": True} if p.overlap and p.policy == "prophet" else {}))
+                         for _ in ep.layers]
+        self.placements: list[ExpertPlacement] = [pl.current for pl in self.planners]
+        self._log = None
+
+    @property
+    def name(self) -> str:
+        return "expert_parallel"
+
+    def on_start(self, trainer: Trainer) -> None:
+        if self.ctx.is_main:
+            path = trainer.run_dir / "plans.jsonl"
+            MetricsLog.truncate_after(path, trainer.step)  # a resumed run re-plans the steps after its checkpoint
+            self._log = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in on_end
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self.ep.apply(self.placements)  # Trans
+
+    def after_backward(self, trainer: Trainer, step: int) -> None:
+        self.ep.aggregate()  # Agg, before the optimizer step
+        self.ep.sync_gradients()
+
+    def reduce_stats(self, trainer: Trainer, stats: list[RoutingStats]) -> list[RoutingStats]:
+        """Keep each rank's counts (the planner's R x E matrix) and return the counts summed over ranks."""
+        group, R = self.ep.dims.group("ep"), self.ep.dims.size("ep")
+        self._counts_RE = []
+        for s in stats:
+            gathered = [torch.zeros_like(s.counts_E) for _ in range(R)]
+            dist.all_gather(gathered, s.counts_E, group=group)
+            self._counts_RE.append(torch.stack(gathered).cpu().numpy().astype(np.float64))
+        return sum_stats(stats, self.ep.dims.group("dp_ep"))
+
+    def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
+        self.ep.release()  # replicas hold pre-update weights; validation and the next Trans must not see them
+        used = self.placements
+        metrics = [placement_metrics(c, p, self.costs) for c, p in zip(self._counts_RE, used)]
+        self.placements = [pl.step(c) for pl, c in zip(self.planners, self._counts_RE)]
+        record["rank_imbalance_before"] = [round(m["imbalance_before"], 4) for m in metrics]
+        record["rank_imbalance_after"] = [round(m["imbalance_after"], 4) for m in metrics]
+        record["replicas"] = [p.num_replicas for p in used]
+        record["trans_bytes"] = int(sum(m["trans_bytes"] for m in metrics))
+        record["a2a_bytes"] = int(sum(m["a2a_bytes"] for m in metrics))
+        record["plan_ms"] = round(1e3 * sum(pl.last.get("plan_s", 0.0) for pl in self.planners), 3)
+        if self._log is not None:
+            line = {"step": step, "counts": [c.astype(int).tolist() for c in self._counts_RE],
+                    "used": [p.to_dict() for p in used], "next": [p.to_dict() for p in self.placements],
+                    "metrics": metrics}
+            self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._log.flush()
+
+    def on_end(self, trainer: Trainer) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Planner forecasts and the placements of the next step, so a resumed run plans what the
+        uninterrupted run would have (placements change only summation order, but resume is bitwise)."""
+        return {"placements": [p.to_dict() for p in self.placements],
+                "planners": [{"forecast": None if pl.forecast_RE is None else pl.forecast_RE.tolist(),
+                              "observed": pl.observed, "current": pl.current.to_dict()} for pl in self.planners]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
+        for pl, s in zip(self.planners, state["planners"]):
+            pl.forecast_RE = None if s["forecast"] is None else np.asarray(s["forecast"], dtype=np.float64)
+            pl.observed = int(s["observed"])
+            pl.current = ExpertPlacement.from_dict(s["current"])
+
+
+def setup_parallel(cfg: Config) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
+    """Join the job described by the torchrun environment and build this rank's model and hooks.
+
+    The full model is built on every rank from the run's seed (so it equals the single-process model), then
+    expert parallelism keeps this rank's experts; the planner's coefficients come from `planner.costs`.
+    """
+    from moebal.models import build_model
+    from moebal.train.trainer import seed_everything
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pp = cfg.parallel.pp
+    if pp != 1:
+        raise ConfigError("parallel.pp > 1 runs the pipeline engine (moebal.pipeline); this entry point builds "
+                          "data and expert parallelism only")
+    ep = cfg.parallel.ep or world
+    if cfg.moe.num_experts and cfg.moe.num_experts % ep:
+        raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) is not divisible by the expert-parallel size "
+                          f"{ep}: set parallel.ep (--ep) to a divisor of it")
+    if cfg.moe.num_experts == 0:
+        ep = 1
+    dims = ParallelDims.from_env(ep=ep, pp=pp).init()
+    ctx = RunContext(dims)
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg).to(dims.device)
+    hooks: list[Hook] = []
+    if dims.distributed and ep > 1 and cfg.moe.num_experts:
+        expert_parallel = ExpertParallel(model, dims)
+        costs = _planner_costs(cfg, expert_parallel, dims)
+        hooks.append(ExpertParallelHook(expert_parallel, cfg, costs, ctx))
+    elif dims.distributed:
+        hooks.append(DataParallelHook(dims))
+    return ctx, model, hooks
+
+
+def _planner_costs(cfg: Config, ep: ExpertParallel, dims: ParallelDims) -> Any:
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    if cfg.planner.costs == "measure":
+        from moebal.dist.calibrate import measure_layer_costs
+
+        return measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k)
+    from moebal.planner.cost import CostModel, ModelShape
+
+    return CostModel(cfg.planner.costs).moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens,
+                                                       cfg.data.seq_len)
+
+
+class DataParallelHook(Hook):
+    """Plain data parallelism (a dense model, or experts replicated): average every gradient over the ranks."""
+
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+
+    def after_backward(self, trainer: Trainer, step: int) -> None:
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        sum_gradients(params, self.dims.group("dp_ep"), self.dims.size("dp_ep"))
+
+    def reduce_stats(self, trainer: Trainer, stats: list[RoutingStats]) -> list[RoutingStats]:
+        return sum_stats(stats, self.dims.group("dp_ep"))
+
+
+def sum_stats(stats: list[RoutingStats], group: Any) -> list[RoutingStats]:
+    """Routing statistics summed over the ranks of `group` (copies; the inputs stay local)."""
+    out = []
+    for s in stats:
+        t = s.clone()
+        for x in (t.counts_E, t.routed_E, t.used_K, t.tokens):
+            dist.all_reduce(x, group=group)
+        out.append(t)
+    return out
