@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,31 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     bad = _train(tmp_path / "bad", "--nproc", "2", "data.batch_size=3")
     assert bad.returncode != 0
     assert "divisible" in bad.stderr and "failed" in bad.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_stops_the_others(tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "moebal.cli", "train", "--steps", "10000", "--seed", "0", "--out", str(out),
+           "--nproc", "2", *TINY]
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0):
+            assert parent.poll() is None and time.monotonic() < deadline, "the run never started training"
+            time.sleep(0.2)
+        ranks = _children(parent.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        _, err = parent.communicate(timeout=60)  # fails fast: no waiting in a collective for the dead rank
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode != 0
+    assert "rank 1 failed (signal 9)" in err
+    assert not _children(parent.pid)
