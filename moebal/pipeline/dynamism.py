@@ -21,7 +21,7 @@ from torch import nn
 
 from moebal.errors import ConfigError
 
-__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "build_dynamism", "register"]
+__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "build_dynamism", "layer_token_flops", "register", "ramp"]
 
 
 @dataclass
@@ -42,8 +42,19 @@ class Dynamism:
     """The static model: every layer costs what it costs, nothing changes."""
 
     name = "none"
+    step = 0
     carries: tuple[str, ...] = ()
     """Names of per-token bool [B, T] tensors that travel forward with the activations between stages."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        self.cfg = cfg
+
+    def on_start(self, ctx: SchemeContext) -> None:
+        """The stage exists and its optimizer too (take first snapshots here)."""
+
+    def begin_step(self, step: int) -> None:
+        """Before step `step` (1-based) runs its forwards: schedules that depend on the step update here."""
+        self.step = step
 
     def prepare_model(self, model: nn.Module) -> None:
         """Structural changes to the full model before it is sliced into stages (same on every rank)."""
@@ -72,6 +83,17 @@ class Dynamism:
         """End of step: take this step's decisions; True when the model changed (a dynamism event)."""
         return False
 
+    def stats_size(self, num_layers: int) -> int:
+        """Length of the per-step statistics vector this scheme sums along the chain (0: none)."""
+        return 0
+
+    def local_stats(self) -> torch.Tensor:
+        """This stage's share of the step's statistics (zeros in slots of layers it does not hold)."""
+        return torch.zeros(0, dtype=torch.float64)
+
+    def set_global_stats(self, vec: torch.Tensor) -> None:
+        """The chain-summed statistics of the step (the same on every rank)."""
+
     def cost_factors(self, num_layers: int) -> list[float]:
         """Predicted forward+backward time of each layer as a fraction of the same layer without dynamism."""
         return [1.0] * num_layers
@@ -84,8 +106,8 @@ class Dynamism:
         """Shapes and dtypes of `layer_state(i)`, known to a receiver that only holds the layer skeleton."""
         return {}
 
-    def load_layer_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
-        """Install what `layer_state(i)` returned on the rank that now owns layer i."""
+    def load_layer_state(self, i: int, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Install what `layer_state(i)` returned on the rank that now owns layer i (`layer`, rebuilt)."""
 
     def drop_layer(self, i: int) -> None:
         """Layer i left this rank."""
@@ -100,6 +122,22 @@ class Dynamism:
         pass
 
 
+def layer_token_flops(cfg: Any, i: int, seq_len: int) -> dict[str, float]:
+    """Multiply-adds per token of decoder layer i, by part: "q_o" (query and output projections), "kv"
+    (key/value projections), "attn" (scores and weighted sum, a causal sequence of `seq_len`: T/2 keys on
+    average), "ffn" (dense SwiGLU, or the top_k experts' SwiGLU plus the router). The schemes' cost
+    predictions are ratios of these sums, so the unit does not matter."""
+    m, hd = cfg.model, cfg.head_dim
+    q_o = 2.0 * m.dim * m.n_heads * hd
+    kv = 2.0 * m.dim * m.n_kv_heads * hd
+    attn = 2.0 * (seq_len / 2.0) * m.n_heads * hd
+    if cfg.is_moe_layer(i):
+        ffn = cfg.moe.top_k * 3.0 * m.dim * cfg.expert_ffn_dim + m.dim * cfg.moe.num_experts
+    else:
+        ffn = 3.0 * m.dim * m.ffn_dim
+    return {"q_o": q_o, "kv": kv, "attn": attn, "ffn": ffn}
+
+
 SCHEMES: dict[str, Callable[..., Dynamism]] = {"none": Dynamism}
 
 
@@ -109,6 +147,15 @@ def register(name: str) -> Callable[[type[Dynamism]], type[Dynamism]]:
         return cls
 
     return deco
+
+
+def ramp(step: int, start: int, length: int, begin: float, end: float) -> float:
+    """`begin` until `start`, then linear to `end` over `length` steps, then `end` (how a scheme sets in)."""
+    if step < start:
+        return begin
+    if length <= 0 or step >= start + length:
+        return end
+    return begin + (end - begin) * (step - start) / length
 
 
 def build_dynamism(name: str, options: dict[str, Any] | None = None, **context: Any) -> Dynamism:

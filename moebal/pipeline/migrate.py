@@ -98,7 +98,7 @@ def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.d
     payload = chain.recv(torch.empty(sum(sizes), dtype=torch.uint8, device=device), src)
     got = {}
     for (name, shape, dt), chunk in zip(specs, torch.split(payload, sizes)):
-        got[name] = chunk.view(dt).reshape(shape).clone()
+        got[name] = chunk.clone().view(dt).reshape(shape)  # clone first: an aligned copy can be viewed as dt
     with torch.no_grad():
         for k, v in sd.items():
             v.copy_(got[k])
@@ -108,7 +108,7 @@ def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.d
             p.grad = got[f"grad{n}"]
         if f & 2:
             states[p] = {"step": got[f"step{n}"], "exp_avg": got[f"avg{n}"], "exp_avg_sq": got[f"sq{n}"]}
-    scheme.load_layer_state(i, {k: got[f"x:{k}"] for k in extra_spec})
+    scheme.load_layer_state(i, layer, {k: got[f"x:{k}"] for k in extra_spec})
     return layer, states
 
 
@@ -121,7 +121,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], new: Sequence[int],
                    optimizer: torch.optim.Optimizer | None, scheme: Dynamism,
-                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> tuple[
+                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None]) -> tuple[
                        torch.optim.Optimizer | None, MigrationReport]:
     """Move layers so that chain member p holds new[p] layers (a partition over the current chain, zeros allowed
     for members about to be released). Returns the rebuilt optimizer (None if this rank ends with no layers)."""
@@ -154,11 +154,14 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
 
 def rebuild_optimizer(module: nn.Module, old: torch.optim.Optimizer | None,
                       received: dict[nn.Parameter, dict[str, torch.Tensor]],
-                      make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+                      make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None]
+                      ) -> torch.optim.Optimizer | None:
     """A fresh optimizer over `module`'s parameters (same construction rule as at start) whose per-parameter
     state is the old optimizer's for parameters that stayed and the received state for those that arrived.
     Learning rate and hyper-parameters come from the construction rule; the runner sets the lr every step."""
     opt = make_optimizer(module)
+    if opt is None:
+        return None  # nothing left to train here (a frozen stage)
     for group in opt.param_groups:
         for p in group["params"]:
             if p in received:

@@ -168,12 +168,12 @@ class PipelineRunner:
         self.P0 = self.chain.size
         self.dp_group, self.dp, self.dp_index = dims.group("dp"), dims.dp, dims.coords["dp"]
         self.data = data if data is not None else _build_data(cfg)
+        self.step = 0
         self._build(cfg)
         self.tracker = CostTracker(self.L, ema=opts.ema)
         self.records: list[dict[str, Any]] = []
         self.plans: list[dict[str, Any]] = []
         self.gantt: dict[str, list[list[float]]] = {}
-        self.step = 0
         self.released_at: int | None = None
         self.comm_s = 0.0
         self.bandwidth = opts.bandwidth
@@ -208,10 +208,20 @@ class PipelineRunner:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
                                      self.opts.micro_batches, autocast)
+        ctx = self._ctx()
+        ctx.extra["rows"] = self._micro_rows() * cfg.data.seq_len
+        self.scheme.on_start(ctx)
 
-    def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+    def _micro_rows(self) -> int:
+        rows = max(1, self.cfg.data.batch_size // max(self.dp, 1))
+        return max(1, rows // min(self.opts.micro_batches, rows))
+
+    def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer | None:
+        """AdamW as the single-process trainer builds it; None when nothing here trains (a frozen stage)."""
         from moebal.train.optim import build_optimizer
 
+        if not any(p.requires_grad for p in module.parameters()):
+            return None
         return build_optimizer(module, self.cfg.train)
 
     def _ctx(self) -> SchemeContext:
@@ -255,10 +265,9 @@ class PipelineRunner:
         from moebal.train.optim import lr_at
 
         lr = lr_at(step - 1, self.cfg.train)
-        assert self.optimizer is not None
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        self._set_lr(lr)
         profiled = self._profiled(step)
+        self.scheme.begin_step(step)
         self.engine.profiler = LayerProfiler(self.L) if profiled else None
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
@@ -273,8 +282,9 @@ class PipelineRunner:
         self._sync_dp()
         red = self._reduce(res, t_run)
         grad_norm = self._clip(red["sq"])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheme.after_optimizer_step(self._ctx())
         changed = self.scheme.update(self._ctx())
         overhead = time.perf_counter()
@@ -289,6 +299,11 @@ class PipelineRunner:
                               changed, events)
         self.records.append(record)
         return record
+
+    def _set_lr(self, lr: float) -> None:
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
 
     # ---- gradients ----
     def _slot_params(self) -> dict[int, list[torch.nn.Parameter]]:
@@ -310,7 +325,10 @@ class PipelineRunner:
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         L, P0 = self.L, self.P0
         n = (L + 2) + L + 1 + 2 * P0
-        vec = torch.zeros(n, dtype=torch.float64)
+        extra = self.scheme.stats_size(L)
+        vec = torch.zeros(n + extra, dtype=torch.float64)
+        if extra:
+            vec[n:] = self.scheme.local_stats()
         for slot, params in self._slot_params().items():
             sq = torch.zeros((), dtype=torch.float64)
             for p in params:
@@ -328,8 +346,10 @@ class PipelineRunner:
             dist.all_reduce(part, group=self.dp_group)
             vec[2 * L + 2] = part[0]
         out = self.chain.allreduce_sum(vec)
+        if extra:
+            self.scheme.set_global_stats(out[n:])
         return {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
-                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:].tolist()}
+                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:n].tolist()}
 
     def _orig_pos(self) -> int:
         return self.dims.ranks_of("pp").index(self.dims.rank)
@@ -487,9 +507,8 @@ class PipelineRunner:
         old = list(self.sizes)
         self.optimizer, rep = migrate_layers(self.stage, self.chain, old, full, self.optimizer, self.scheme,
                                              self._make_optimizer)
-        if lr is not None and self.optimizer is not None:
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
+        if lr is not None:
+            self._set_lr(lr)
         kept = [r for r, s in zip(self.chain.ranks, full) if s > 0]
         released = [r for r, s in zip(self.chain.ranks, full) if s == 0]
         out = self._migration_event(why, old, full, rep, released)

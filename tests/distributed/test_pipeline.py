@@ -59,10 +59,24 @@ def _reference(cfg: Config, steps: int) -> tuple[list[float], dict[str, torch.Te
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(cfg: Config, steps: int, **opts):
+SCHEMES = {
+    "early_exit": {"threshold": 0.995, "first_layer": 1, "start": 1, "ramp_steps": 2},
+    "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
+    "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
+    "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "csr"},
+    "moe": {},
+}
+
+
+STRONG_EXIT = {"threshold": 0.9, "first_layer": 1, "start": 1}  # nearly every token leaves after layer 1
+
+
+def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts):
+    from moebal.pipeline.dynamism import build_dynamism
     from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 
-    runner = PipelineRunner(cfg, PipelineOptions(**opts))
+    dyn = build_dynamism(scheme, SCHEMES.get(scheme, {}) if options is None else options, cfg=cfg)
+    runner = PipelineRunner(cfg, PipelineOptions(**opts), scheme=dyn)
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "released": out.released,
             # numpy, not tensors: torch's queue would share tensor memory with a process that is about to exit
@@ -80,6 +94,14 @@ def _two_ranks(rank: int, world: int) -> dict:
         "static": _train(six, 5, micro_batches=4),
         "forced": _train(six, 5, micro_batches=4, force=((1, (4, 2)), (2, (1, 5)), (3, (2, 4)))),
         "mid": _train(six, 5, micro_batches=4, force_mid=((2, (5, 1)),), force=((3, (3, 3)),)),
+        **{f"{name}_{case}": _train(tiny(n_layers=6, pp=world, moe=4 if name == "moe" else 0), 6, name,
+                                    micro_batches=2, force=force)
+           for name in SCHEMES for case, force in (("static", ()), ("forced", ((2, (2, 4)), (4, (5, 1)))))},
+        "ee_off": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2),
+        "ee_partition": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2, rebalance="partition", every=2,
+                               bandwidth=1e15, latency=0.0),
+        "ee_diffusion": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2, rebalance="diffusion", every=2,
+                               bandwidth=1e15, latency=0.0),
     }
 
 
@@ -89,9 +111,22 @@ def two() -> list[dict]:
 
 
 def _four_ranks(rank: int, world: int) -> dict:
-    cfg = tiny(n_layers=4, pp=2, nproc=4)  # 2 stages x 2 data-parallel replicas
-    return {"dp_static": _train(cfg, 4, micro_batches=2),
-            "dp_forced": _train(cfg, 4, micro_batches=2, force=((2, (1, 3)),))}
+    import torch.distributed as dist
+
+    dp = tiny(n_layers=4, pp=2, nproc=4)  # 2 stages x 2 data-parallel replicas
+    pp4 = tiny(n_layers=8, pp=4, nproc=4)
+    runs = {"dp_static": lambda: _train(dp, 4, micro_batches=2),
+            "dp_forced": lambda: _train(dp, 4, micro_batches=2, force=((2, (1, 3)),)),
+            "pp4_static": lambda: _train(pp4, 5, micro_batches=4),
+            "pp4_repack_forced": lambda: _train(pp4, 5, micro_batches=4, force=((2, (3, 5)),)),
+            "pp4_repack_planned": lambda: _train(pp4, 5, micro_batches=4, repack=True, repack_slack=100.0, every=2),
+            "pp4_balance_then_repack": lambda: _train(pp4, 5, micro_batches=4,
+                                                      force=((1, (1, 1, 2, 4)), (3, (2, 2, 4))))}
+    out = {}
+    for name, run in runs.items():
+        out[name] = run()
+        dist.barrier()  # released ranks wait here until the survivors have finished the run
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +181,51 @@ def test_pipeline_with_data_parallel_matches_single_process_and_migrates(four):
     assert all(math.isclose(a, b, rel_tol=2e-6) for a, b in zip(got, ref)), (got, ref)
     assert all(r["dp_forced"]["losses"] == got for r in results)
     assert all(r["dp_forced"]["sizes"] == [1, 3] for r in results)
+
+
+def test_every_scheme_migrates_its_state_and_keeps_the_losses(two):
+    results = two
+    for name in SCHEMES:
+        static, forced = results[0][f"{name}_static"], results[0][f"{name}_forced"]
+        assert forced["losses"] == static["losses"], name
+        assert forced["sizes"] == [5, 1]
+        a = _merge([r[f"{name}_static"]["state"] for r in results])
+        b = _merge([r[f"{name}_forced"]["state"] for r in results])
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{name}: {k}"
+    ee = results[0]["early_exit_forced"]["records"][-1]
+    assert ee["survival"][0] == 1.0 and ee["survival"][-1] < 1.0  # tokens did exit
+    assert results[0]["freezing_forced"]["records"][-1]["frozen_layers"] >= 1
+    assert results[0]["pruning_forced"]["records"][-1]["sparsity_target"] == 0.8
+    mod = _merge([r["mod_forced"]["state"] for r in results])
+    assert "model.layers.1.mod_router.weight" in mod and "model.layers.0.mod_router.weight" not in mod
+
+
+def test_planned_rebalancing_gives_exactly_the_losses_of_rebalance_off(two):
+    results = two
+    off = results[0]["ee_off"]["losses"]
+    for case in ("ee_partition", "ee_diffusion"):
+        run = results[0][case]
+        assert run["losses"] == off, case
+        plans = [r for r in run["records"] if "plan" in r or "migration" in r]
+        assert plans, f"{case}: the early-exit profile should have moved a layer"
+        assert all(r["profiled"] for r in plans)
+
+
+def test_repacking_releases_ranks_and_keeps_the_losses(four):
+    results = four
+    static = results[0]["pp4_static"]["losses"]
+    for case, released, final in (("pp4_repack_forced", {1, 2}, [3, 5]), ("pp4_repack_planned", {1, 2}, None),
+                                  ("pp4_balance_then_repack", {2}, [2, 2, 4])):
+        runs = [r[case] for r in results]
+        assert {i for i, r in enumerate(runs) if r["released"]} == released, case
+        for r in runs:
+            if not r["released"]:
+                assert r["losses"] == static, case  # training continues on the survivors, unchanged
+                if final is not None:
+                    assert r["sizes"] == final, case
+        survivor = runs[0]["records"]
+        packed = [rec for rec in survivor if rec.get("released_ranks")]
+        assert len(packed) == 1 and set(packed[0]["released_ranks"]) == released, case
+        assert survivor[-1]["stages"] == 4 - len(released)

@@ -1,0 +1,120 @@
+"""Early exit: a token leaves the network once its hidden state has converged; later layers skip it.
+
+Shape legend: B = rows, T = sequence, D = model dim, L = layers.
+
+Confidence (per token, after each exit-eligible layer i): the cosine similarity of the token's hidden state
+before and after the layer, CALM's "hidden-state saturation" measure (Schuster et al. 2022). It needs no
+extra parameters and no LM head on intermediate stages (CALM's softmax measure would need the head on every
+stage). A token with confidence above the threshold exits: later layers compute nothing for it except the
+key/value projections its frozen state still provides as context to the tokens that continue (CALM's state
+propagation), and the head reads its frozen state. DynMo inherits its rule from CALM/ADP-C without giving
+one; this is it.
+
+Settled: exits are allowed after layers first_layer .. L - 2 (the last layer always runs; before
+`first_layer` every token runs, as DynMo assumes equal load before the first exit); the threshold sets in
+gradually (1.0, i.e. nobody exits, until `start`, then linear to `threshold` over `ramp` steps), so the
+dynamism builds up while training runs. The active mask travels forward with the activations.
+
+Cost prediction for layer i: kv + (1 - kv) x s_i, with s_i the share of tokens still active at layer i and
+kv the key/value projections' share of the layer's per-token work (`layer_token_flops`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebal.errors import ConfigError
+from moebal.pipeline.blocks import subset_block
+from moebal.pipeline.dynamism import Dynamism, layer_token_flops, ramp, register
+
+__all__ = ["EarlyExit", "pack_positions"]
+
+
+def pack_positions(active_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pos_BQ, valid_BQ): the active positions of each row, ascending, padded to the longest row with 0."""
+    B, T = active_BT.shape
+    counts = active_BT.sum(dim=1)
+    Q = int(counts.max())  # host sync: the padded width
+    # a stable sort of (not active) puts active positions first, in ascending order
+    order = torch.sort((~active_BT).to(torch.int8), dim=1, stable=True).indices[:, :Q]
+    valid = torch.arange(Q, device=active_BT.device).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(valid, order, torch.zeros_like(order)), valid
+
+
+@register("early_exit")
+class EarlyExit(Dynamism):
+    name = "early_exit"
+    carries = ("active",)
+
+    def __init__(self, cfg: Any, threshold: float = 0.99, first_layer: int | None = None, start: int = 0,
+                 ramp_steps: int = 0) -> None:
+        L = cfg.model.n_layers
+        self.first_layer = max(1, L // 4) if first_layer is None else int(first_layer)
+        if not 0 <= self.first_layer < L:
+            raise ConfigError(f"dynamism early_exit: first_layer must be in [0, {L - 1}]; got {first_layer}")
+        if not -1.0 <= threshold <= 1.0:
+            raise ConfigError(f"dynamism early_exit: threshold is a cosine similarity in [-1, 1]; got {threshold}")
+        self.L, self.threshold, self.start, self.ramp_steps = L, float(threshold), int(start), int(ramp_steps)
+        flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(L)]
+        self.kv_share = [f["kv"] / sum(f.values()) for f in flops]
+        self.tokens_in = torch.zeros(L + 1, dtype=torch.float64)  # slot L: tokens entering the network
+        self.survival = [1.0] * L
+
+    def tau(self, step: int | None = None) -> float:
+        return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.threshold)
+
+    def begin_step(self, step: int) -> None:
+        super().begin_step(step)
+        self.tokens_in.zero_()
+
+    def init_carry(self, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
+        self.tokens_in[self.L] += B * T
+        return {"active": torch.ones(B, T, dtype=torch.bool, device=device)}
+
+    def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                      sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
+        active = carry["active"]
+        n = int(active.sum())  # host sync: choose the full, subset or skip path
+        self.tokens_in[i] += n
+        if n == active.numel():
+            out = layer(h_BTD, cos_TK, sin_TK)
+        elif n == 0:
+            return h_BTD
+        else:
+            pos, valid = pack_positions(active)
+            out = subset_block(layer, h_BTD, cos_TK, sin_TK, pos, valid, keys="all")
+        tau = self.tau()
+        if self.first_layer <= i < self.L - 1 and tau < 1.0:
+            with torch.no_grad():
+                conf = F.cosine_similarity(out.float(), h_BTD.float(), dim=-1)
+                carry["active"] = active & ~(conf > tau)
+        return out
+
+    # ---- statistics and predictions ----
+    def stats_size(self, num_layers: int) -> int:
+        return num_layers + 1
+
+    def local_stats(self) -> torch.Tensor:
+        return self.tokens_in.clone()
+
+    def set_global_stats(self, vec: torch.Tensor) -> None:
+        total = float(vec[self.L]) if vec.numel() > self.L else 0.0
+        if total > 0:
+            self.survival = [float(v) / total for v in vec[:self.L]]
+
+    def cost_factors(self, num_layers: int) -> list[float]:
+        return [1.0 if s >= 1.0 else kv + (1 - kv) * s for kv, s in zip(self.kv_share, self.survival)]
+
+    def metrics(self) -> dict[str, Any]:
+        return {"exit_threshold": round(self.tau(), 6), "survival": [round(s, 4) for s in self.survival],
+                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"survival": self.survival}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.survival = list(state.get("survival", self.survival))

@@ -1,0 +1,122 @@
+"""Layer freezing: converged front layers stop training; they run forward only, with no backward.
+
+Criterion (stated; Egeria compares activations against a reference model and AutoFreeze tracks gradient
+norms, DynMo gives no threshold): every `check_every` steps, each layer's plasticity is the relative change
+of its parameters over the window, ||W_now - W_then|| / ||W_then||. Layers freeze front to back, as in Egeria
+and AutoFreeze: the first unfrozen layer freezes when its plasticity is below `threshold`, then the next
+one is tested, and so on, up to `max_fraction` of the layers. Frozen layers therefore always form a prefix,
+which is what lets them skip backward entirely: nothing before them needs a gradient. The embedding freezes
+with layer 0 for the same reason (its gradient would have to flow back through the frozen layers). Freezing
+is permanent, as in both systems.
+
+Every stage computes the plasticity of its own layers; the numbers are summed along the chain, so every rank
+takes the same decision. A layer's snapshot migrates with it.
+
+Cost: a frozen layer's forward still runs (the papers' "frozen costs 0" is wrong for time), so it costs
+about a third of its forward+backward time; the planner uses measured time, and predicts 1/3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moebal.errors import ConfigError
+from moebal.pipeline.dynamism import Dynamism, SchemeContext, register
+
+__all__ = ["FORWARD_SHARE", "LayerFreezing"]
+
+FORWARD_SHARE = 1.0 / 3.0
+"""A layer's forward as a share of its forward + backward (backward ~ 2x forward)."""
+
+
+def _flat_params(layer: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in layer.parameters()])
+
+
+@register("freezing")
+class LayerFreezing(Dynamism):
+    name = "freezing"
+
+    def __init__(self, cfg: Any, threshold: float = 0.01, check_every: int = 10, max_fraction: float = 0.5,
+                 start: int = 0) -> None:
+        if threshold <= 0 or check_every < 1 or not 0 < max_fraction < 1:
+            raise ConfigError(f"dynamism freezing: threshold ({threshold}) > 0, check_every ({check_every}) >= 1 "
+                              f"and max_fraction ({max_fraction}) in (0, 1) required")
+        self.L = cfg.model.n_layers
+        self.threshold, self.check_every, self.start = float(threshold), int(check_every), int(start)
+        self.max_frozen = max(0, min(self.L - 1, int(max_fraction * self.L)))
+        self.frozen = 0
+        self.snapshots: dict[int, torch.Tensor] = {}
+        self.plasticity: list[float | None] = [None] * self.L
+
+    def frozen_prefix(self) -> int:
+        return self.frozen
+
+    def on_start(self, ctx: SchemeContext) -> None:
+        for i in ctx.stage.layer_ids:
+            self.snapshots[i] = _flat_params(ctx.stage.layer(i))
+
+    def update(self, ctx: SchemeContext) -> bool:
+        if ctx.step < self.start or ctx.step % self.check_every:
+            return False
+        vec = torch.zeros(2 * self.L, dtype=torch.float64)
+        for i in ctx.stage.layer_ids:
+            now = _flat_params(ctx.stage.layer(i))
+            then = self.snapshots[i]
+            vec[i] = float(torch.linalg.vector_norm(now - then) / torch.linalg.vector_norm(then).clamp(min=1e-12))
+            vec[self.L + i] = 1.0
+            self.snapshots[i] = now
+        tot = ctx.chain.allreduce_sum(vec)
+        self.plasticity = [float(tot[i]) if tot[self.L + i] > 0 else None for i in range(self.L)]
+        n = self.frozen
+        while n < self.max_frozen and self.plasticity[n] is not None and self.plasticity[n] < self.threshold:
+            n += 1
+        if n == self.frozen:
+            return False
+        self._freeze(ctx, n)
+        return True
+
+    def _freeze(self, ctx: SchemeContext, n: int) -> None:
+        stage = ctx.stage
+        for i in stage.layer_ids:
+            if i < n:
+                for p in stage.layer(i).parameters():
+                    p.requires_grad_(False)
+                    p.grad = None
+        if stage.model.embed_tokens is not None:
+            stage.model.embed_tokens.weight.requires_grad_(False)
+            stage.model.embed_tokens.weight.grad = None
+        self.frozen = n
+
+    def prepare_layer(self, i: int, layer: nn.Module) -> None:
+        if i < self.frozen:
+            for p in layer.parameters():
+                p.requires_grad_(False)
+
+    def layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        return {"snapshot": self.snapshots[i]}
+
+    def layer_state_spec(self, i: int, layer: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"snapshot": ((sum(p.numel() for p in layer.parameters()),), torch.float32)}
+
+    def load_layer_state(self, i: int, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.snapshots[i] = state["snapshot"]
+
+    def drop_layer(self, i: int) -> None:
+        self.snapshots.pop(i, None)
+
+    def cost_factors(self, num_layers: int) -> list[float]:
+        return [FORWARD_SHARE if i < self.frozen else 1.0 for i in range(num_layers)]
+
+    def metrics(self) -> dict[str, Any]:
+        return {"frozen_layers": self.frozen,
+                "plasticity": [None if p is None else round(p, 6) for p in self.plasticity]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frozen": self.frozen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.frozen = int(state.get("frozen", 0))

@@ -1,0 +1,97 @@
+"""Mixture-of-Depths (Raposo et al. 2024): a routed block processes only the top-capacity share of tokens.
+
+Shape legend: B = rows, T = sequence, D = model dim, C = tokens a routed block keeps per row.
+
+A routed layer gets a router, a bias-free Linear(D, 1) attached to the layer (`layer.mod_router`) before the
+model is sliced, so it trains, migrates and checkpoints with its layer (initialised from its own seeded
+generator: the model's random stream is untouched). Per row, the C = round(capacity x T) tokens with the
+highest router scores run the whole block (attention among the selected tokens only, in their original
+causal order, and the FFN); the others pass through unchanged. A selected token's output is
+h + sigmoid(score) x (block(h) - h): the router weight puts the router on the gradient path (Raposo multiply
+by the raw score; the sigmoid keeps the scale bounded). Selection is expert-choice top-k over the sequence,
+as in training in the paper; its causal predictor for sampling is not needed to train and is not built.
+
+Which layers route: every `every`-th from `first_layer` (Raposo route every other block). The capacity
+sets in from 1.0 (a dense model: the plain layer runs and the router is idle) at `start`, linearly to
+`capacity` over `ramp_steps`: continual training of a dense model into an MoD one, as DynMo runs it.
+
+Cost prediction for a routed layer at capacity c: (q_o + kv + ffn) x c + attn x c^2 (the attention core is
+quadratic in the tokens kept), over the same sum at c = 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moebal.errors import ConfigError
+from moebal.pipeline.blocks import subset_block
+from moebal.pipeline.dynamism import Dynamism, layer_token_flops, ramp, register
+
+__all__ = ["MixtureOfDepths"]
+
+
+@register("mod")
+class MixtureOfDepths(Dynamism):
+    name = "mod"
+
+    def __init__(self, cfg: Any, capacity: float = 0.125, every: int = 2, first_layer: int = 1, start: int = 0,
+                 ramp_steps: int = 0, seed: int = 0) -> None:
+        L = cfg.model.n_layers
+        if not 0 < capacity <= 1:
+            raise ConfigError(f"dynamism mod: capacity is the share of tokens a routed block keeps, in (0, 1]; "
+                              f"got {capacity}")
+        if every < 1 or not 0 <= first_layer < L:
+            raise ConfigError(f"dynamism mod: every ({every}) must be >= 1 and first_layer ({first_layer}) in "
+                              f"[0, {L - 1}]")
+        self.cfg, self.L = cfg, L
+        self.capacity, self.start, self.ramp_steps, self.seed = float(capacity), int(start), int(ramp_steps), seed
+        self.routed = set(range(first_layer, L, every))
+        self.flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(L)]
+
+    def current_capacity(self, step: int | None = None) -> float:
+        return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.capacity)
+
+    def prepare_model(self, model: nn.Module) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        for i in sorted(self.routed):
+            layer = model.model.layers[i]
+            router = nn.Linear(self.cfg.model.dim, 1, bias=False)
+            with torch.no_grad():
+                router.weight.copy_(torch.randn(router.weight.shape, generator=g) * self.cfg.model.init_std)
+            layer.mod_router = router.to(next(layer.parameters()).device)
+
+    def prepare_layer(self, i: int, layer: nn.Module) -> None:
+        if i in self.routed:
+            with torch.device("meta"):
+                router = nn.Linear(self.cfg.model.dim, 1, bias=False)
+            layer.mod_router = router.to_empty(device=next(layer.parameters()).device)
+
+    def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                      sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
+        c = self.current_capacity()
+        if i not in self.routed or c >= 1.0:
+            return layer(h_BTD, cos_TK, sin_TK)
+        B, T, _ = h_BTD.shape
+        C = max(1, round(c * T))
+        score_BT = layer.mod_router(h_BTD).squeeze(-1)
+        pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
+        weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
+        valid = torch.ones_like(pos_BC, dtype=torch.bool)
+        return subset_block(layer, h_BTD, cos_TK, sin_TK, pos_BC, valid, keys="subset", scale_BQ=weight_BC)
+
+    def cost_factors(self, num_layers: int) -> list[float]:
+        c = self.current_capacity()
+        out = []
+        for i, f in enumerate(self.flops):
+            if i not in self.routed or c >= 1.0:
+                out.append(1.0)
+            else:
+                out.append(((f["q_o"] + f["kv"] + f["ffn"]) * c + f["attn"] * c * c) / sum(f.values()))
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        return {"mod_capacity": round(self.current_capacity(), 6),
+                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
