@@ -95,6 +95,12 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
 
     pp = args.pp or cfg.parallel.pp
     ep = args.ep or cfg.parallel.ep
+    if ep is None:  # the config's null: every rank of a stage (capped at one expert per rank)
+        E = max(shape.num_experts, 1)
+        ep = min(E, args.ranks // pp) if args.ranks else E
+        if shape.num_experts and (E % ep or (args.ranks and (args.ranks // pp) % ep)):
+            raise ConfigError(f"parallel.ep is null and {args.ranks} ranks / {pp} stages do not split "
+                              f"{E} experts evenly: give --ep (a divisor of {E})")
     ranks = args.ranks or pp * ep
     for name, v in (("--ranks", ranks), ("--pp", pp), ("--ep", ep), ("--micro-batch-size", args.micro_batch_size)):
         if v < 1:

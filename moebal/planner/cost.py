@@ -35,9 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Collective", "CostModel", "ModelShape", "Phase", "Topology"]
 
-ADAM_BYTES_PER_PARAM = 32.0
-"""Optimizer step memory traffic: read+write fp32 param (8), m (8), v (8), read grad (4), write a low-precision
-copy or read the fp32 grad twice (4)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -240,76 +237,107 @@ class CostModel:
         return self._topos[num_ranks]
 
     # ---- compute ----
-    def gemm_s(self, m: Any, n: float, k: float, efficiency: float = 1.0) -> Any:
-        """Seconds of an (m x k) @ (k x n) GEMM; `m` may be an array (zero rows cost nothing)."""
+    def gemm_s(self, m: Any, n: Any, k: Any, efficiency: float = 1.0) -> Any:
+        """Seconds of an (m x k) @ (k x n) GEMM; dimensions may be arrays (broadcast); an empty GEMM costs 0."""
         g = self.profile.gemm
-        m_arr = np.asarray(m, dtype=np.float64)
+        m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
         h = g.half_dim
-        eff = g.max_efficiency * efficiency * (m_arr / (m_arr + h)) * (n / (n + h)) * (k / (k + h))
-        flops = 2.0 * m_arr * n * k
+        eff = g.max_efficiency * efficiency * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+        ws = (m * k + k * n + m * n) * self.act_bytes
+        if g.cache_bytes > 0:
+            # Operands that outgrow the cache run at a lower rate (CPU hosts: L2-resident vs streaming).
+            c = g.out_of_cache_efficiency
+            eff = eff * (c + (1.0 - c) * g.cache_bytes / (g.cache_bytes + ws))
+        live = (m > 0) & (n > 0) & (k > 0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            t_flop = np.where(m_arr > 0, flops / (self.peak * eff), 0.0)
-        t_mem = (m_arr * k + k * n + m_arr * n) * self.act_bytes / self.mem_rate
-        t = np.where(m_arr > 0, np.maximum(t_flop, t_mem) + g.launch_s, 0.0)
+            t_flop = np.where(live, 2.0 * m * n * k / (self.peak * eff), 0.0)
+        t = np.where(live, np.maximum(t_flop, ws / self.mem_rate) + g.launch_s, 0.0)
         return float(t) if t.ndim == 0 else t
+
+    def linear_s(self, m: Any, n: float, k: float, backward: bool = False, efficiency: float = 1.0) -> Any:
+        """y[m, n] = x[m, k] W[n, k]^T; its backward is dgrad dx = dy W (m x n @ n x k) plus wgrad
+        dW = dy^T x (n x m @ m x k): the same FLOPs twice over, in other shapes."""
+        if not backward:
+            return self.gemm_s(m, n, k, efficiency)
+        return self.gemm_s(m, k, n, efficiency) + self.gemm_s(n, k, m, efficiency)
 
     def mem_s(self, nbytes: Any) -> Any:
         """Seconds to stream `nbytes` through device memory (elementwise kernels)."""
         return np.asarray(nbytes, dtype=np.float64) / self.mem_rate if np.ndim(nbytes) else nbytes / self.mem_rate
 
-    def attention_fwd_s(self, shape: ModelShape, batch: int, seq: int) -> float:
-        """Norm, QKV, causal SDPA, output projection, residual and the second norm of one layer."""
+    def _elementwise(self, nbytes: Any, ops: float, backward: bool) -> Any:
+        """`ops` elementwise kernels moving `nbytes` in the forward; the backward reads the saved input and
+        the output gradient and writes the input gradient (about 2x the bytes and the kernels)."""
+        k = 2.0 if backward else 1.0
+        return k * (self.mem_s(nbytes) + ops * self.profile.op_overhead_s)
+
+    def attention_s(self, shape: ModelShape, batch: int, seq: int, backward: bool = False) -> float:
+        """Norm, QKV, rotary, causal SDPA, output projection, residual and the second norm of one layer."""
         T = batch * seq
         q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-        proj = self.gemm_s(T, q + 2 * kv, shape.dim) + self.gemm_s(T, shape.dim, q)
+        proj = self.linear_s(T, q + 2 * kv, shape.dim, backward) + self.linear_s(T, shape.dim, q, backward)
         p = self.profile
-        # SDPA as two batched GEMMs per head (QK^T and PV), of which a causal kernel computes a share.
+        # SDPA as two GEMMs per head (QK^T and PV), of which a causal kernel computes a share; its backward
+        # recomputes the scores (flash attention): attention_backward_factor x the forward.
         per_head = 2 * self.gemm_s(seq, seq, shape.head_dim, efficiency=p.attention_efficiency) - 2 * p.gemm.launch_s
         sdpa = p.causal_attention_factor * batch * shape.n_heads * per_head + p.gemm.launch_s
-        elementwise = self.mem_s(10.0 * T * shape.dim * self.act_bytes + 4.0 * T * q * self.act_bytes)
-        return float(proj + sdpa + elementwise)
+        if backward:
+            sdpa *= p.attention_backward_factor
+        # Passes over the activations: two RMSNorms in fp32 (~6 read+write passes each), rotary on q and k
+        # (~6 passes), two residual adds, the head transposes; about 32 kernels.
+        nbytes = T * (2 * 6 * 2 * shape.dim * 4 + 6 * 2 * (q + kv) * self.act_bytes + 3 * 3 * shape.dim
+                      * self.act_bytes + 2 * 2 * q * self.act_bytes)
+        return float(proj + sdpa + self._elementwise(nbytes, 32, backward))
 
-    def router_fwd_s(self, shape: ModelShape, tokens: int) -> float:
-        """Gate GEMM(s), softmax/top-k, and the sort-based permute of the routed rows."""
+    def router_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
+        """Gate GEMM(s), softmax/top-k/renormalise, the balancing losses, and the sort-based permute."""
         if shape.router_hidden:
-            gate = self.gemm_s(tokens, shape.router_hidden, shape.dim) + self.gemm_s(tokens, shape.num_experts,
-                                                                                      shape.router_hidden)
+            gate = (self.linear_s(tokens, shape.router_hidden, shape.dim, backward)
+                    + self.linear_s(tokens, shape.num_experts, shape.router_hidden, backward))
         else:
-            gate = self.gemm_s(tokens, shape.num_experts, shape.dim)
+            gate = self.linear_s(tokens, shape.num_experts, shape.dim, backward)
         rows = tokens * shape.top_k
-        permute = self.mem_s(2.0 * rows * shape.dim * self.act_bytes + 8.0 * tokens * shape.num_experts * 4)
-        return float(gate + permute)
+        nbytes = 2.0 * rows * shape.dim * self.act_bytes + 10.0 * tokens * shape.num_experts * 4
+        return float(gate + self._elementwise(nbytes, 16, backward))
 
-    def combine_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+    def combine_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
         """Weighted scatter-add of the expert outputs back to token order."""
-        return float(self.mem_s(3.0 * tokens * shape.top_k * shape.dim * self.act_bytes))
+        return float(self._elementwise(3.0 * tokens * shape.top_k * shape.dim * self.act_bytes, 3, backward))
 
-    def experts_fwd_s(self, shape: ModelShape, tokens_per_expert: Any) -> Any:
-        """Expert MLP forward for row counts per expert; the last axis is summed (experts run one by one)."""
+    def experts_s(self, shape: ModelShape, tokens_per_expert: Any, backward: bool = False) -> Any:
+        """Expert MLPs for row counts per expert; the last axis is summed (experts run one by one)."""
         m = np.asarray(tokens_per_expert, dtype=np.float64)
         D, F = shape.dim, shape.expert_ffn_dim
-        up = (shape.expert_matrices - 1) * self.gemm_s(m, F, D)
-        down = self.gemm_s(m, D, F)
-        act = self.mem_s(m * F * self.act_bytes * (3.0 if shape.expert_matrices == 3 else 2.0))
-        t = (up + down + act).sum(axis=-1)
+        eff = self.profile.grouped_gemm_efficiency
+        up = (shape.expert_matrices - 1) * self.linear_s(m, F, D, backward, eff)
+        down = self.linear_s(m, D, F, backward, eff)
+        gemms = (up + down).sum(axis=-1)
+        rows = m.sum(axis=-1)
+        act = self._elementwise(rows * F * self.act_bytes * (3.0 if shape.expert_matrices == 3 else 2.0), 4, backward)
+        t = gemms + np.where(rows > 0, act, 0.0)
         return float(t) if np.ndim(t) == 0 else t
 
-    def dense_mlp_fwd_s(self, shape: ModelShape, tokens: int) -> float:
-        D, F = shape.dim, shape.ffn_dim
-        return float(2 * self.gemm_s(tokens, F, D) + self.gemm_s(tokens, D, F)
-                     + self.mem_s(3.0 * tokens * F * self.act_bytes))
+    def experts_fwd_s(self, shape: ModelShape, tokens_per_expert: Any) -> Any:
+        return self.experts_s(shape, tokens_per_expert)
 
-    def head_fwd_s(self, shape: ModelShape, tokens: int) -> float:
+    def dense_mlp_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
+        D, F = shape.dim, shape.ffn_dim
+        return float(2 * self.linear_s(tokens, F, D, backward) + self.linear_s(tokens, D, F, backward)
+                     + self._elementwise(3.0 * tokens * F * self.act_bytes, 2, backward))
+
+    def head_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
         """Final norm, LM head GEMM and cross-entropy (fp32 logits)."""
         V = shape.vocab_size
-        return float(self.gemm_s(tokens, V, shape.dim) + self.mem_s(3.0 * tokens * V * 4 + 2.0 * tokens * shape.dim
-                                                                    * self.act_bytes))
+        nbytes = 3.0 * tokens * V * 4 + 12.0 * tokens * shape.dim * 4
+        return float(self.linear_s(tokens, V, shape.dim, backward) + self._elementwise(nbytes, 11, backward))
 
-    def embed_fwd_s(self, shape: ModelShape, tokens: int) -> float:
-        return float(self.mem_s(2.0 * tokens * shape.dim * self.act_bytes))
+    def embed_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
+        return float(self._elementwise(2.0 * tokens * shape.dim * self.act_bytes, 1, backward))
 
-    def optimizer_s(self, params: float) -> float:
-        return float(self.mem_s(ADAM_BYTES_PER_PARAM * params))
+    def optimizer_s(self, params: float, tensors: int = 0) -> float:
+        """One AdamW step: its memory traffic plus ~10 kernels per parameter tensor (single-tensor loop)."""
+        return float(self.mem_s(self.profile.optimizer_bytes_per_param * params)
+                     + 10 * tensors * self.profile.op_overhead_s)
 
     @property
     def backward_factor(self) -> float:
@@ -317,8 +345,8 @@ class CostModel:
 
     # ---- collectives ----
     def _lat(self, kind: str, topo: Topology, ranks: Sequence[int] | np.ndarray) -> float:
-        spec = self.profile.collective(kind)
-        return topo.latency(ranks) if spec.latency_s is None else spec.latency_s
+        lat = self.profile.collective(kind).latency_for(len(ranks))
+        return topo.latency(ranks) if lat is None else lat
 
     def _phase(self, kind: str, topo: Topology, src: Any, dst: Any, nbytes: Any, latency: float) -> Phase:
         links, b = topo.route_bytes(np.asarray(src), np.asarray(dst), np.asarray(nbytes, dtype=np.float64))
@@ -389,6 +417,19 @@ class CostModel:
     def reduce(self, topo: Topology, root: int, ranks: Sequence[int], nbytes: float) -> Collective:
         return self.broadcast(topo, root, ranks, nbytes, kind="reduce")
 
+    def fanout(self, topo: Topology, root: int, ranks: Sequence[int], nbytes: float,
+               kind: str = "broadcast") -> Collective:
+        """Point-to-point fan-out (broadcast) or fan-in (reduce): the root sends S to (receives S from) every
+        other member directly, so its link carries (R-1) * S (moebal's own Trans/Agg on gloo)."""
+        others = np.asarray([x for x in ranks if x != root], dtype=np.int64)
+        if others.size == 0 or nbytes <= 0:
+            return Collective(kind, (root,), ())
+        root_arr = np.full(others.size, root)
+        src, dst = (root_arr, others) if kind == "broadcast" else (others, root_arr)
+        lat = others.size * self._lat("p2p", topo, [root, *others.tolist()])
+        return Collective(kind, (root, *others.tolist()),
+                          (self._phase("p2p", topo, src, dst, np.full(others.size, float(nbytes)), lat),))
+
     def time_of(self, coll: Collective, topo: Topology) -> float:
         """Uncontended seconds: per phase, latency + the slowest link's bytes / capacity."""
         t = 0.0
@@ -407,7 +448,8 @@ class CostModel:
         token_bytes/param sizes from the shape; t from the expert MLP at the average rows per local expert; the
         A2A bandwidth is a callable whose value at b bytes is b / (time of a uniform all-to-all in which each
         rank receives b bytes); Trans/Agg bandwidth = expert bytes / chain broadcast time over the group; the
-        non-MoE forward is this layer's attention + router time (backward x backward_factor).
+        non-MoE forward/backward are this layer's attention + router times; backward_factor is the experts'
+        backward / forward time in this model (2 when GEMM efficiency does not depend on the layout).
         """
         from moebal.planner.perf import MoELayerCosts
 
@@ -416,7 +458,7 @@ class CostModel:
         topo = self.topology(num_ranks or (max(ranks) + 1))
         E = shape.num_experts
         rows = max(1.0, tokens_per_rank * shape.top_k / max(1, E // R))
-        t_tok = self.experts_fwd_s(shape, [rows]) / rows
+        t_tok = self.experts_s(shape, [rows]) / rows
         param_bytes = shape.expert_params * self.act_bytes
         bcast = self.time_of(self.broadcast(topo, ranks[0], ranks, param_bytes), topo) if R > 1 else 1.0
 
@@ -428,11 +470,13 @@ class CostModel:
             np.fill_diagonal(mat, 0.0)
             return nbytes / self.time_of(self.all_to_all(topo, ranks, mat), topo)
 
-        fwd = self.attention_fwd_s(shape, max(1, tokens_per_rank // seq), seq) + self.router_fwd_s(shape,
-                                                                                                    tokens_per_rank)
+        batch = max(1, tokens_per_rank // seq)
+        fwd = self.attention_s(shape, batch, seq) + self.router_s(shape, tokens_per_rank)
+        bwd = self.attention_s(shape, batch, seq, True) + self.router_s(shape, tokens_per_rank, True)
+        backward = self.experts_s(shape, [rows], True) / (t_tok * rows)
         return MoELayerCosts(token_bytes=shape.dim * self.act_bytes, expert_param_bytes=param_bytes,
                              expert_grad_bytes=param_bytes, expert_tokens_per_s=1.0 / t_tok,
                              a2a_bandwidth=a2a_bw, trans_bandwidth=param_bytes / bcast,
                              agg_bandwidth=param_bytes / bcast, nonmoe_fwd_s=fwd,
-                             nonmoe_bwd_s=fwd * self.backward_factor, backward_factor=self.backward_factor,
+                             nonmoe_bwd_s=bwd, backward_factor=float(backward),
                              num_ranks=R)

@@ -78,6 +78,11 @@ class GemmSpec:
     """A dimension this small halves the efficiency (small GEMMs are far below peak)."""
     launch_s: float = 0.0
     """Fixed seconds per kernel (launch and tail)."""
+    cache_bytes: float = 0.0
+    """Operand bytes (m k + k n + m n) at which the rate falls halfway to `out_of_cache_efficiency`; 0 disables
+    the term (GPUs). A CPU core runs cache-resident GEMMs about twice as fast as streaming ones."""
+    out_of_cache_efficiency: float = 1.0
+    """Multiplier on efficiency for operands far larger than `cache_bytes`."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -88,6 +93,16 @@ class CollectiveSpec:
     """Seconds per algorithm step, replacing the links' latency; null keeps the links' value."""
     efficiency: float = 1.0
     """Multiplier on link capacity for this collective's traffic."""
+    latency_by_world: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by group size (a CPU host: latency grows once processes outnumber cores); the nearest
+    listed size applies; empty: `latency_s`."""
+
+    def latency_for(self, world: int) -> float | None:
+        if self.latency_by_world:
+            sizes = sorted(int(w) for w in self.latency_by_world)
+            near = min(sizes, key=lambda w: (abs(w - world), -w))
+            return self.latency_by_world[str(near)]
+        return self.latency_s
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -118,8 +133,18 @@ class HardwareProfile:
     """Multiplier on GEMM efficiency for attention's batched matmuls (fused kernels; calibration fits it)."""
     causal_attention_factor: float = 0.5
     """Share of the full T x T attention FLOPs a causal kernel computes (0.5: flash-style skips the masked half)."""
+    grouped_gemm_efficiency: float = 1.0
+    """Multiplier on GEMM efficiency inside the grouped expert kernel (1 where grouped GEMMs run like plain
+    ones; a CPU loop over small per-expert slices runs well below; calibration measures moebal's kernel)."""
+    op_overhead_s: float = 5e-6
+    """Seconds of fixed cost per elementwise kernel (launch, dispatcher, autograd bookkeeping); GEMMs carry
+    gemm.launch_s instead. 5 us is a GPU kernel-launch assumption; calibration measures a CPU host's."""
+    optimizer_bytes_per_param: float = 32.0
+    """Memory traffic of one AdamW step per parameter (fp32 param, grad, m, v); calibration measures it."""
     backward_factor: float = 2.0
-    """Backward / forward time of matrix work (2: dgrad + wgrad)."""
+    """Backward / forward time the planners assume for work the cost model does not split into GEMMs."""
+    attention_backward_factor: float = 2.5
+    """SDPA backward / forward (flash-style backward recomputes the scores: 2.5 is the FLOP ratio)."""
     intra: LinkSpec
     """A GPU's port into the intra-node fabric."""
     fabric: Literal["switch", "pcie"] = "switch"
@@ -181,12 +206,15 @@ def _check_profile(p: HardwareProfile) -> None:
         _need(_positive(v), f"profile '{n}': flops.{dt} must be > 0 FLOP/s; got {v!r}")
     _need(0 < p.gemm.max_efficiency <= 1, f"profile '{n}': gemm.max_efficiency must be in (0, 1]; "
           f"got {p.gemm.max_efficiency!r}")
-    _need(p.gemm.half_dim >= 0 and p.gemm.launch_s >= 0, f"profile '{n}': gemm.half_dim and gemm.launch_s "
-          f"must be >= 0")
+    _need(p.gemm.half_dim >= 0 and p.gemm.launch_s >= 0 and p.gemm.cache_bytes >= 0,
+          f"profile '{n}': gemm.half_dim, gemm.launch_s and gemm.cache_bytes must be >= 0")
+    _need(0 < p.gemm.out_of_cache_efficiency <= 1, f"profile '{n}': gemm.out_of_cache_efficiency must be in (0, 1]")
     for key in ("memory_bandwidth", "memory_bytes", "backward_factor", "attention_efficiency",
-                "causal_attention_factor"):
+                "causal_attention_factor", "attention_backward_factor", "grouped_gemm_efficiency",
+                "optimizer_bytes_per_param"):
         _need(_positive(getattr(p, key)), f"profile '{n}': {key} must be > 0; got {getattr(p, key)!r}")
     _need(0 < p.memory_efficiency <= 1, f"profile '{n}': memory_efficiency must be in (0, 1]")
+    _need(p.op_overhead_s >= 0, f"profile '{n}': op_overhead_s must be >= 0 seconds; got {p.op_overhead_s!r}")
     _check_link(f"profile '{n}': intra", p.intra)
     _check_link(f"profile '{n}': inter", p.inter)
     if p.pair is not None:
@@ -302,8 +330,21 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
     raise TypeError(f"profile field {key} has an unsupported type {tp!r}")  # a schema bug
 
 
+def _plain(x: Any) -> Any:
+    """YAML-safe copy: numpy scalars become Python numbers, tuples lists."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, str):
+        return str(x)
+    if hasattr(x, "item") and callable(x.item):
+        return x.item()
+    return x
+
+
 def profile_to_dict(p: HardwareProfile) -> dict[str, Any]:
-    d = dataclasses.asdict(p)
+    d = _plain(dataclasses.asdict(p))
     d["source"] = list(p.source)
     for key in ("pair", "backplane"):
         if d[key] is None:

@@ -8,7 +8,7 @@ a stage, EP group g is ranks s * dp + g * ep + [0, ep). Non-expert gradients are
 dp ranks, expert gradients over the dp / ep ranks that hold the same experts. Consecutive ranks share a node,
 so an EP group of 8 on an 8-GPU node exchanges tokens over NVLink.
 
-Per micro-batch and MoE layer, forward (backward mirrors it, backward = backward_factor x forward):
+Per micro-batch and MoE layer, forward (backward mirrors it with the backward GEMM shapes, dgrad + wgrad):
 1. compute: norm + attention + router + permute (merged with the previous layer's combine);
 2. dispatch all-to-all (ep stream) of the byte matrix the placement implies;
 3. compute: the experts this rank holds, on the rows it computes;
@@ -104,6 +104,10 @@ class SimSpec:
     layer_scale: tuple[float, ...] | None = None
     """Multiplier on each layer's compute (dynamism schemes: pruning, MoD, early exit)."""
     optimizer: bool = True
+    trans_algorithm: str = "chain"
+    """Trans/Agg as a pipelined chain (NCCL broadcast/reduce) or a point-to-point fan-out ("fanout")."""
+    count_exchange: bool = True
+    """Exchange the R x E count matrix (a small all-to-all) before each forward dispatch, as dropless EP does."""
     meta: dict[str, object] = field(default_factory=dict)
 
     def check(self, shape: ModelShape) -> None:
@@ -154,11 +158,12 @@ def pipeline_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple
 
 @dataclass
 class _MoELayerData:
-    """Per EP group g: rounds of (dispatch bytes [R, R], expert seconds per member [R]) for one micro-batch,
-    and the Trans collectives' (owner, holders) of the placement."""
+    """Per EP group g: rounds of (dispatch bytes [R, R], expert forward seconds [R], expert backward seconds [R])
+    for one micro-batch, FasterMoE's shadow compute (forward, backward), and each replicated expert's
+    (owner, holders)."""
 
-    rounds: list[list[tuple[np.ndarray, np.ndarray]]]
-    shadow_s: list[np.ndarray]
+    rounds: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]
+    shadow_s: list[tuple[np.ndarray, np.ndarray]]
     replicated: list[list[tuple[int, tuple[int, ...]]]]
 
 
@@ -181,10 +186,11 @@ def _moe_data(cost: CostModel, shape: ModelShape, spec: SimSpec, counts_GRE: np.
     rounds, shadows, repl = [], [], []
     for g, pl in enumerate(placements):
         local_RE, remote_RE, own_RE = _split_placement(counts_GRE[g] / spec.micro_batches, pl)
-        shadow = np.zeros(local_RE.shape[0])
+        shadow = (np.zeros(local_RE.shape[0]), np.zeros(local_RE.shape[0]))
         if spec.moe_schedule == "fastermoe":
             # FasterMoE computes a rank's own tokens of shadowed experts separately, after the rounds.
-            shadow = np.asarray(cost.experts_fwd_s(shape, local_RE * ~own_RE))
+            sh_RE = local_RE * ~own_RE
+            shadow = (np.asarray(cost.experts_s(shape, sh_RE)), np.asarray(cost.experts_s(shape, sh_RE, True)))
             local_RE = local_RE * own_RE
         rounds.append(_split_rounds(cost, shape, spec, local_RE, remote_RE, own_RE))
         shadows.append(shadow)
@@ -193,8 +199,8 @@ def _moe_data(cost: CostModel, shape: ModelShape, spec: SimSpec, counts_GRE: np.
 
 
 def _split_rounds(cost: CostModel, shape: ModelShape, spec: SimSpec, local_RE: np.ndarray, remote_RE: np.ndarray,
-                  own_RE: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[(dispatch bytes [R, R], expert seconds per rank [R])] per round."""
+                  own_RE: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """[(dispatch bytes [R, R], expert forward seconds [R], expert backward seconds [R])] per round."""
     R = local_RE.shape[0]
     tok_bytes = shape.dim * cost.act_bytes
     owner_E = np.argmax(own_RE, axis=0)
@@ -209,12 +215,14 @@ def _split_rounds(cost: CostModel, shape: ModelShape, spec: SimSpec, local_RE: n
         for s in range(n):
             mask_RR = ((grp[None, :] - grp[:, None]) % n) == s  # src group g sends to group g + s in round s
             rows_RE = (mask_RR.T.astype(np.float64) @ remote_RE) * own_RE + (local_RE if s == 0 else 0.0)
-            out.append((send_RR * mask_RR * tok_bytes, np.asarray(cost.experts_fwd_s(shape, rows_RE))))
+            out.append((send_RR * mask_RR * tok_bytes, np.asarray(cost.experts_s(shape, rows_RE)),
+                        np.asarray(cost.experts_s(shape, rows_RE, True))))
         return out
     k = spec.a2a_chunks if spec.moe_schedule == "lina" else 1
     rows_RE = local_RE + (remote_RE.sum(axis=0)[None, :] * own_RE)
-    t_R = np.asarray(cost.experts_fwd_s(shape, rows_RE / k))
-    return [(send_RR * tok_bytes / k, t_R) for _ in range(k)]
+    fwd_R = np.asarray(cost.experts_s(shape, rows_RE / k))
+    bwd_R = np.asarray(cost.experts_s(shape, rows_RE / k, True))
+    return [(send_RR * tok_bytes / k, fwd_R, bwd_R) for _ in range(k)]
 
 
 def build_program(cost: CostModel, shape: ModelShape, spec: SimSpec, counts: np.ndarray | None,
@@ -274,13 +282,17 @@ class _Builder:
         self.moe[layer] = _moe_data(self.cost, self.shape, self.spec, c, pls)
 
     # ---- compute times ----
-    def _attn_s(self, layer: int) -> float:
-        sh, sp = self.shape, self.spec
-        t = self.cost.attention_fwd_s(sh, sp.micro_batch_size, sp.seq_len)
+    def _attn_s(self, layer: int, backward: bool = False) -> float:
+        """Attention and everything of the layer that is not expert work (router, or the dense MLP); the
+        forward includes the previous combine, the backward leaves the combine to its own op."""
+        sh, sp, cost = self.shape, self.spec, self.cost
+        t = cost.attention_s(sh, sp.micro_batch_size, sp.seq_len, backward)
         if sh.is_moe(layer):
-            t += self.cost.router_fwd_s(sh, self.tokens) + self.cost.combine_fwd_s(sh, self.tokens)
+            t += cost.router_s(sh, self.tokens, backward)
+            if not backward:
+                t += cost.combine_s(sh, self.tokens)
         else:
-            t += self.cost.dense_mlp_fwd_s(sh, self.tokens)
+            t += cost.dense_mlp_s(sh, self.tokens, backward)
         return t * self.scale[layer]
 
     # ---- one stage ----
@@ -320,7 +332,7 @@ class _Builder:
         prev: list[list[int]] | None = None
         first = None
         if s == 0:
-            prev = [[o] for o in self._compute(ranks, cost.embed_fwd_s(sh, self.tokens), f"F{j} embed", None)]
+            prev = [[o] for o in self._compute(ranks, cost.embed_s(sh, self.tokens), f"F{j} embed", None)]
             first = [p[0] for p in prev]
         for layer in range(lo, hi):
             if sh.is_moe(layer) and j == 0:
@@ -331,28 +343,25 @@ class _Builder:
             if sh.is_moe(layer):
                 prev = self._moe_pass(s, layer, j, prev, backward=False)
         if s == self.lay.pp - 1:
-            prev = [[o] for o in self._compute(ranks, cost.head_fwd_s(sh, self.tokens), f"F{j} head", prev)]
+            prev = [[o] for o in self._compute(ranks, cost.head_s(sh, self.tokens), f"F{j} head", prev)]
         self.first_op[(s, "F", j)] = first or []
         self.last_op[(s, "F", j)] = [p[-1] for p in prev] if prev else []
 
     def _backward(self, s: int, ranks: np.ndarray, j: int, last: bool) -> None:
-        sh, cost, bf = self.shape, self.cost, self.cost.backward_factor
+        sh, cost = self.shape, self.cost
         lo, hi = int(self.first_layer[s]), int(self.first_layer[s + 1])
         deps = [[o] for o in self.last_op[(s, "F", j)]]
         first = None
         if s == self.lay.pp - 1:
-            ops = self._compute(ranks, bf * cost.head_fwd_s(sh, self.tokens), f"B{j} head", deps)
+            ops = self._compute(ranks, cost.head_s(sh, self.tokens, True), f"B{j} head", deps)
             first, deps = ops, [[o] for o in ops]
         for layer in range(hi - 1, lo - 1, -1):
             if sh.is_moe(layer):
-                comb = self._compute(ranks, bf * cost.combine_fwd_s(sh, self.tokens), f"B{j} L{layer} combine",
-                                     deps)
+                comb = self._compute(ranks, cost.combine_s(sh, self.tokens, True) * self.scale[layer],
+                                     f"B{j} L{layer} combine", deps)
                 first = first or comb
                 deps = self._moe_pass(s, layer, j, [[o] for o in comb], backward=True)
-                attn_s = self._attn_s(layer) - cost.combine_fwd_s(sh, self.tokens) * self.scale[layer]
-            else:
-                attn_s = self._attn_s(layer)
-            ops = self._compute(ranks, bf * attn_s, f"B{j} L{layer} attn", deps)
+            ops = self._compute(ranks, self._attn_s(layer, True), f"B{j} L{layer} attn", deps)
             first = first or ops
             deps = [[o] for o in ops]
             if last:
@@ -360,7 +369,7 @@ class _Builder:
                 if sh.is_moe(layer):
                     self._agg(s, layer, deps)
         if s == 0:
-            ops = self._compute(ranks, bf * cost.embed_fwd_s(sh, self.tokens), f"B{j} embed", deps)
+            ops = self._compute(ranks, cost.embed_s(sh, self.tokens, True), f"B{j} embed", deps)
             deps = [[o] for o in ops]
         self.first_op[(s, "B", j)] = first or []
         self.last_op[(s, "B", j)] = [d[-1] for d in deps]
@@ -372,47 +381,52 @@ class _Builder:
         groups = self.lay.ep_groups(s)
         out: list[list[int]] = [[] for _ in range(self.lay.dp)]
         tag = f"{'B' if backward else 'F'}{j} L{layer}"
-        bf = self.cost.backward_factor if backward else 1.0
         for g, ranks in enumerate(groups):
             base = g * self.lay.ep
             gdeps = deps[base:base + self.lay.ep]
-            res = self._group_pass(layer, g, ranks, gdeps, tag, bf, data, announce=backward)
+            res = self._group_pass(layer, g, ranks, gdeps, tag, backward, data)
             out[base:base + self.lay.ep] = res
         return out
 
-    def _group_pass(self, layer: int, g: int, ranks: np.ndarray, deps: list[list[int]], tag: str, bf: float,
-                    data: _MoELayerData, announce: bool) -> list[list[int]]:
+    def _group_pass(self, layer: int, g: int, ranks: np.ndarray, deps: list[list[int]], tag: str, backward: bool,
+                    data: _MoELayerData) -> list[list[int]]:
         eng = self.eng
         rounds = data.rounds[g]
         prio = self.spec.lina_priority
+        scale = self.scale[layer]
+        if self.spec.count_exchange and not backward:
+            R = len(ranks)
+            coll = self._a2a(layer, g, ranks, -1, np.full((R, R), 8.0 * self.shape.num_experts), "counts")
+            deps = [[o] for o in eng.collective(coll, "ep", self.nm(f"{tag} counts"), "a2a", deps=deps,
+                                                priority=prio)]
         disp = []
-        for k, (b_RR, _) in enumerate(rounds):
-            mat = b_RR.T if bf != 1.0 else b_RR  # backward: output gradients travel like the combine
-            coll = self._a2a(layer, g, ranks, k, mat, "T" if bf != 1.0 else "N")
+        for k, (b_RR, _, _) in enumerate(rounds):
+            mat = b_RR.T if backward else b_RR  # backward: output gradients travel like the combine
+            coll = self._a2a(layer, g, ranks, k, mat, "T" if backward else "N")
             ops = eng.collective(coll, "ep", self.nm(f"{tag} a2a{k}"), "a2a", deps=deps if k == 0 else None,
                                  priority=prio)
-            if announce and prio and k == 0:
+            if backward and prio and k == 0:
                 for d, o in zip(deps, ops):
-                    eng.announce_priority(d[-1], o)
+                    eng.announce_priority(d[-1], o)  # Lina's look-ahead: the combine backward announces it
             disp.append(ops)
         fastermoe = self.spec.moe_schedule == "fastermoe"
-        if fastermoe and data.replicated[g] and bf == 1.0:
+        if fastermoe and data.replicated[g] and not backward:
             disp.append(self._broadcasts(layer, g, "ep", None))
         comb = []
         extra = [self.trans_ops.get((layer, int(r)), []) for r in ranks]
-        for k, (b_RR, t_R) in enumerate(rounds):
-            exp = self._compute(ranks, bf * t_R, f"{tag} experts{k}",
+        for k, (b_RR, fwd_R, bwd_R) in enumerate(rounds):
+            exp = self._compute(ranks, (bwd_R if backward else fwd_R) * scale, f"{tag} experts{k}",
                                 [[disp[k][i], *extra[i]] for i in range(len(ranks))], "experts")
-            mat = b_RR if bf != 1.0 else b_RR.T
-            coll = self._a2a(layer, g, ranks, k, mat, "N" if bf != 1.0 else "T")
+            coll = self._a2a(layer, g, ranks, k, b_RR if backward else b_RR.T, "N" if backward else "T")
             comb.append(eng.collective(coll, "ep", self.nm(f"{tag} a2a{k}'"), "a2a", deps=[[o] for o in exp],
                                        priority=prio))
         last = [[c[i] for c in comb] for i in range(len(ranks))]
-        if fastermoe and data.shadow_s[g].any():
-            sh = self._compute(ranks, bf * data.shadow_s[g], f"{tag} shadow", [[d[-1] for d in disp][i:i + 1]
-                                                                                for i in range(len(ranks))])
+        sh_f, sh_b = data.shadow_s[g]
+        if fastermoe and sh_f.any():
+            sh = self._compute(ranks, (sh_b if backward else sh_f) * scale, f"{tag} shadow",
+                               [[disp[-1][i]] for i in range(len(ranks))])
             last = [lst + [o] for lst, o in zip(last, sh)]
-            if bf != 1.0:
+            if backward:
                 red = self._broadcasts(layer, g, "ep", [[o] for o in sh], reduce=True)
                 last = [lst + [o] for lst, o in zip(last, red)]
         return last
@@ -429,7 +443,11 @@ class _Builder:
         for owner_local, holders_local in self.moe[layer].replicated[g]:
             root = int(ranks[owner_local])
             members = [int(ranks[h]) for h in holders_local]
-            coll = cost.reduce(topo, root, members, nbytes) if reduce else cost.broadcast(topo, root, members, nbytes)
+            if self.spec.trans_algorithm == "fanout":
+                coll = cost.fanout(topo, root, members, nbytes, "reduce" if reduce else "broadcast")
+            else:
+                coll = (cost.reduce(topo, root, members, nbytes) if reduce
+                        else cost.broadcast(topo, root, members, nbytes))
             pos = {int(r): i for i, r in enumerate(ranks)}
             mdeps = [deps[pos[r]] if deps else () for r in coll.ranks]
             ops = eng.collective(coll, stream, self.nm(f"L{layer} {'agg' if reduce else 'trans'}"),
@@ -553,10 +571,16 @@ class _Builder:
     def _optimizer(self, s: int) -> None:
         sh, lay = self.shape, self.lay
         params = sum(d / self.spec.grad_bytes + e / self.spec.grad_bytes for _, d, e in self._grad_items(s))
+        lo, hi = int(self.first_layer[s]), int(self.first_layer[s + 1])
+        # parameter tensors: 4 projections + 2 norms per layer, plus the router and 3 stacked expert matrices
+        # (MoE) or 3 MLP matrices; the embedding on the first stage, final norm and head on the last
+        tensors = sum(6 + ((2 if sh.router_hidden else 1) + 3 if sh.is_moe(i) else 3) for i in range(lo, hi))
+        tensors += (1 if s == 0 else 0) + (2 if s == lay.pp - 1 else 0)
         eng = self.eng
         for i, r in enumerate(lay.stage_ranks(s)):
             deps = [eng._last[k] for k in [(int(r), eng._stream(st)) for st in ("dp", "edp", "aux", "ep", "compute")]
                     if k in eng._last]
             deps += self.agg_ops.get(i, [])
-            eng.compute(int(r), "compute", self.cost.optimizer_s(params), self.nm("optimizer"), "optimizer", deps)
+            eng.compute(int(r), "compute", self.cost.optimizer_s(params, tensors), self.nm("optimizer"), "optimizer",
+                        deps)
         del sh

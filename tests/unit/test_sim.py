@@ -130,10 +130,11 @@ def test_pipeline_program_bubble_matches_closed_form_when_comm_is_free() -> None
     base = load_profile("h100")
     free = dataclasses.replace(base, inter=dataclasses.replace(base.inter, bandwidth=1e18, latency_s=0.0),
                                intra=dataclasses.replace(base.intra, bandwidth=1e18, latency_s=0.0))
-    dense = dataclasses.replace(TINY, num_experts=0, n_layers=8, vocab_size=8)
-    spec = SimSpec(layout=Layout(4, pp=4, ep=1), micro_batches=8, micro_batch_size=1, seq_len=512, optimizer=False)
+    # wide layers, a tiny vocabulary: embedding and head are negligible next to a layer
+    dense = ModelShape(dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=65536, vocab_size=8)
+    spec = SimSpec(layout=Layout(4, pp=4, ep=1), micro_batches=8, micro_batch_size=1, seq_len=2048, optimizer=False)
     res = simulate(dense, CostModel(free, "bf16"), spec, None)
-    assert res.bubble_ratio == pytest.approx(3 / 11, abs=0.02)  # embed/head make the end stages a bit longer
+    assert res.bubble_ratio == pytest.approx(3 / 11, abs=0.01)
 
 
 def test_placement_with_replicas_sends_fewer_tokens() -> None:
