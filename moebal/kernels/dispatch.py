@@ -8,9 +8,12 @@ Shape legend: T tokens, K = top_k, E experts, N dispatched rows (= T * K when no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from moebal.kernels.workers import cpu_workers, run_parallel
 
 
 @dataclass
@@ -27,6 +30,7 @@ class DispatchPlan:
     top_k: int
     _host: list[int] | None = field(default=None, repr=False)
     _offsets: torch.Tensor | None = field(default=None, repr=False)
+    _slots: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -37,6 +41,20 @@ class DispatchPlan:
         if self._host is None:
             self._host = self.counts_E.tolist()
         return self._host
+
+    @property
+    def all_active(self) -> bool:
+        """Every (token, choice) assignment is dispatched (dropless fixed top-k): N = T * K."""
+        return self.num_rows == self.num_tokens * self.top_k
+
+    def slots(self) -> torch.Tensor:
+        """int64 slot_TK: the dispatched row of each assignment (only when every assignment is active)."""
+        assert self.all_active, "slots exist only when every assignment is dispatched"
+        if self._slots is None:
+            slots_A = torch.empty_like(self.order_N)
+            slots_A[self.order_N] = torch.arange(self.order_N.shape[0], device=self.order_N.device)
+            self._slots = slots_A.view(self.num_tokens, self.top_k)
+        return self._slots
 
     def offsets(self) -> torch.Tensor:
         """int32 inclusive cumulative counts: `grouped_mm`'s `offs` (no host sync)."""
@@ -60,51 +78,105 @@ def make_plan(indices_TK: torch.Tensor, active_TK: torch.Tensor | None, num_expe
     return DispatchPlan(order_N=order_A, token_N=token_N, counts_E=counts_E, num_tokens=T, top_k=K)
 
 
+def _row_ranges(total: int, device: torch.device) -> list[tuple[int, int]]:
+    parts = cpu_workers(total, device, min_rows=256)
+    bounds = [total * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """src[index], split by output rows over the CPU workers (one barrier)."""
+    out = src.new_empty((index.shape[0], src.shape[1]))
+
+    def part(lo: int, hi: int) -> None:
+        torch.index_select(src, 0, index[lo:hi], out=out[lo:hi])
+
+    run_parallel([functools.partial(part, lo, hi) for lo, hi in _row_ranges(index.shape[0], src.device)])
+    return out
+
+
+def _sum_slots(rows_ND: torch.Tensor, plan: DispatchPlan, w_TK: torch.Tensor | None) -> torch.Tensor:
+    """out_TD[t] = sum_j (w_TK[t, j] *) rows_ND[slot_TK[t, j]]: a gather per choice, split by tokens, in place
+    of a scatter-add (every assignment active). Products are rounded before the sum, as in HF Mixtral."""
+    slot_TK = plan.slots()
+    out = rows_ND.new_empty((plan.num_tokens, rows_ND.shape[1]))
+
+    def part(lo: int, hi: int) -> None:
+        torch.index_select(rows_ND, 0, slot_TK[lo:hi, 0], out=out[lo:hi])
+        if w_TK is not None:
+            out[lo:hi].mul_(w_TK[lo:hi, 0:1])
+        for j in range(1, plan.top_k):
+            more = rows_ND.index_select(0, slot_TK[lo:hi, j])
+            if w_TK is not None:
+                more.mul_(w_TK[lo:hi, j:j + 1])
+            out[lo:hi].add_(more)
+
+    run_parallel([functools.partial(part, lo, hi) for lo, hi in _row_ranges(plan.num_tokens, rows_ND.device)])
+    return out
+
+
 class _Dispatch(torch.autograd.Function):
-    """x_ND = x_TD[token_N]; backward scatter-adds the rows back to their tokens."""
+    """x_ND = x_TD[token_N]; backward sums each token's rows back (a gather per choice when every assignment
+    is active, a scatter-add otherwise)."""
 
     @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, token_N: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(token_N)
-        ctx.num_tokens = x_TD.shape[0]
-        return x_TD.index_select(0, token_N)
+    def forward(ctx, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        return _gather_rows(x_TD, plan.token_N)
 
     @staticmethod
     def backward(ctx, g_ND: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (token_N,) = ctx.saved_tensors
-        g_TD = g_ND.new_zeros((ctx.num_tokens, g_ND.shape[1]))
-        return g_TD.index_add_(0, token_N, g_ND), None
+        plan: DispatchPlan = ctx.plan
+        g_ND = g_ND.contiguous()
+        if plan.all_active:
+            return _sum_slots(g_ND, plan, None), None
+        g_TD = g_ND.new_zeros((plan.num_tokens, g_ND.shape[1]))
+        return g_TD.index_add_(0, plan.token_N, g_ND), None
 
 
 class _Combine(torch.autograd.Function):
-    """out_TD = sum over a token's rows of w_N * y_ND; backward gives dy = w * dout and dw = <dout, y>."""
+    """out_TD = sum over a token's rows of w * y_ND; backward gives dy = w * dout and dw = <dout, y>."""
 
     @staticmethod
-    def forward(ctx, y_ND: torch.Tensor, w_N: torch.Tensor, token_N: torch.Tensor,  # type: ignore[override]
-                num_tokens: int) -> torch.Tensor:
-        w_N1 = w_N.to(y_ND.dtype).unsqueeze(1)  # Mixtral multiplies in the hidden dtype
-        ctx.save_for_backward(y_ND, w_N1, token_N)
-        ctx.w_dtype = w_N.dtype
-        out_TD = y_ND.new_zeros((num_tokens, y_ND.shape[1]))
-        return out_TD.index_add_(0, token_N, y_ND * w_N1)
+    def forward(ctx, y_ND: torch.Tensor, weights_TK: torch.Tensor,  # type: ignore[override]
+                plan: DispatchPlan) -> torch.Tensor:
+        w_TK = weights_TK.to(y_ND.dtype)  # Mixtral multiplies in the hidden dtype
+        w_N1 = w_TK.reshape(-1).index_select(0, plan.order_N).unsqueeze(1)
+        ctx.save_for_backward(y_ND, w_N1)
+        ctx.plan, ctx.w_dtype = plan, weights_TK.dtype
+        if plan.all_active:
+            return _sum_slots(y_ND, plan, w_TK)
+        out_TD = y_ND.new_zeros((plan.num_tokens, y_ND.shape[1]))
+        return out_TD.index_add_(0, plan.token_N, y_ND * w_N1)
 
     @staticmethod
     def backward(ctx, g_TD: torch.Tensor):  # type: ignore[override]
-        y_ND, w_N1, token_N = ctx.saved_tensors
-        g_ND = g_TD.index_select(0, token_N)
+        y_ND, w_N1 = ctx.saved_tensors
+        plan: DispatchPlan = ctx.plan
+        need_y, need_w = ctx.needs_input_grad[:2]
+        g_ND = _gather_rows(g_TD.contiguous(), plan.token_N)
+        g_w_N = g_ND.new_empty(g_ND.shape[0]) if need_w else None
+
+        def part(lo: int, hi: int) -> None:
+            if g_w_N is not None:  # in the hidden dtype, as autograd would
+                torch.linalg.vecdot(g_ND[lo:hi], y_ND[lo:hi], out=g_w_N[lo:hi])
+            if need_y:
+                g_ND[lo:hi].mul_(w_N1[lo:hi])
+
+        run_parallel([functools.partial(part, lo, hi) for lo, hi in _row_ranges(g_ND.shape[0], g_ND.device)])
         g_w = None
-        if ctx.needs_input_grad[1]:
-            g_w = torch.linalg.vecdot(g_ND, y_ND).to(ctx.w_dtype)  # in the hidden dtype, as autograd would
-        g_y = g_ND.mul_(w_N1) if ctx.needs_input_grad[0] else None
-        return g_y, g_w, None, None
+        if g_w_N is not None:
+            g_w = torch.zeros(plan.num_tokens * plan.top_k, dtype=ctx.w_dtype, device=g_ND.device)
+            g_w[plan.order_N] = g_w_N.to(ctx.w_dtype)
+            g_w = g_w.view(plan.num_tokens, plan.top_k)
+        return (g_ND if need_y else None), g_w, None
 
 
 def dispatch(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Rows x_ND for the experts, grouped by expert (differentiable)."""
-    return _Dispatch.apply(x_TD, plan.token_N)
+    return _Dispatch.apply(x_TD, plan)
 
 
 def combine(y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
     """out_TD: each token's expert outputs weighted by its gate weights (differentiable in both)."""
-    w_N = weights_TK.reshape(-1).index_select(0, plan.order_N)
-    return _Combine.apply(y_ND, w_N, plan.token_N, plan.num_tokens)
+    return _Combine.apply(y_ND, weights_TK, plan)

@@ -4,8 +4,11 @@ One autograd Function runs the whole expert MLP so backward does only the work i
 projections, the silu output and the product (as autograd would for a dense SwiGLU), reuses buffers in
 place, and writes each expert's weight gradient straight into one stacked tensor.
 
-Two GEMM back ends compute the per-expert matmuls on rows grouped by expert:
-- `loop`: one `torch.mm` per non-empty expert slice (needs the per-expert counts on the host),
+Two back ends compute the per-expert matmuls on rows grouped by expert:
+- `loop`: one `torch.mm(out=...)` per expert piece. On CPU the rows are split into contiguous ranges, one
+  per intra-op thread, each run by a single-threaded worker (forward, then backward by rows, then weight
+  gradients by output slices): three barriers per forward + backward instead of one per small GEMM.
+  Needs the per-expert counts on the host.
 - `grouped_mm`: `torch.nn.functional.grouped_mm` with int32 cumulative offsets (no host sync).
 `choose_kernel` picks one by measurement, once per (rows bucket, shape, dtype, device), and caches it.
 
@@ -22,82 +25,155 @@ import torch
 import torch.nn.functional as F
 
 from moebal.kernels.dispatch import DispatchPlan
+from moebal.kernels.workers import cpu_workers, run_parallel
 
 KernelName = Literal["loop", "grouped_mm"]
 KERNELS: tuple[KernelName, ...] = ("loop", "grouped_mm")
 
 
-# ---- GEMM back ends: out_NO = x_NI @ w_EOI[e]^T on expert e's rows, and the weight gradient g^T x ----
+# ---- `loop`: rows split into contiguous ranges, one single-threaded CPU worker per range -------------------
 
-def _fwd_loop(x_NI: torch.Tensor, w_EOI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    out_NO = x_NI.new_empty((x_NI.shape[0], w_EOI.shape[1]))
-    start = 0
-    for e, n in enumerate(plan.host_counts()):
-        if n:
-            torch.mm(x_NI[start:start + n], w_EOI[e].t(), out=out_NO[start:start + n])
-            start += n
-    return out_NO
-
-
-def _wgrad_loop(g_NO: torch.Tensor, x_NI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    counts = plan.host_counts()
-    dw_EOI = g_NO.new_empty((len(counts), g_NO.shape[1], x_NI.shape[1]))
-    start = 0
+def _segments(counts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(expert, start, stop) pieces of the row range [lo, hi) (rows are grouped by expert)."""
+    out, start = [], 0
     for e, n in enumerate(counts):
-        if n:
-            torch.mm(g_NO[start:start + n].t(), x_NI[start:start + n], out=dw_EOI[e])
-            start += n
-        else:
-            dw_EOI[e].zero_()
-    return dw_EOI
+        s, t = max(start, lo), min(start + n, hi)
+        if s < t:
+            out.append((e, s, t))
+        start += n
+        if start >= hi:
+            break
+    return out
 
 
-def _fwd_gmm(x_NI: torch.Tensor, w_EOI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def _ranges(total: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [total * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _loop_forward(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    N, F_, D = x.shape[0], w1.shape[1], w2.shape[1]
+    counts = plan.host_counts()
+    h1, h3, s1, a = (x.new_empty((N, F_)) for _ in range(4))
+    y = x.new_empty((N, D))
+
+    def rows(lo: int, hi: int) -> None:
+        segs = _segments(counts, lo, hi)
+        for e, s, t in segs:
+            torch.mm(x[s:t], w1[e].t(), out=h1[s:t])
+            torch.mm(x[s:t], w3[e].t(), out=h3[s:t])
+        torch.ops.aten.silu.out(h1[lo:hi], out=s1[lo:hi])
+        torch.mul(s1[lo:hi], h3[lo:hi], out=a[lo:hi])
+        for e, s, t in segs:
+            torch.mm(a[s:t], w2[e].t(), out=y[s:t])
+
+    run_parallel([functools.partial(rows, lo, hi) for lo, hi in _ranges(N, cpu_workers(N, x.device))])
+    return y, (h1, h3, s1, a)
+
+
+def _loop_backward(g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   saved: tuple[torch.Tensor, ...], plan: DispatchPlan, need: tuple[bool, ...]
+                   ) -> tuple[torch.Tensor | None, ...]:
+    h1, h3, s1, a = saved
+    N = x.shape[0]
+    counts = plan.host_counts()
+    da, dh3 = g.new_empty(h1.shape), g.new_empty(h1.shape)
+    dx = g.new_empty(x.shape) if need[0] else None
+
+    def rows(lo: int, hi: int) -> None:  # phase 1, by rows: d(product), silu backward, input gradient
+        segs = _segments(counts, lo, hi)
+        for e, s, t in segs:
+            torch.mm(g[s:t], w2[e], out=da[s:t])
+        torch.mul(da[lo:hi], s1[lo:hi], out=dh3[lo:hi])
+        da[lo:hi].mul_(h3[lo:hi])
+        torch.ops.aten.silu_backward.grad_input(da[lo:hi], h1[lo:hi], grad_input=da[lo:hi])  # da is now dh1
+        if dx is not None:
+            for e, s, t in segs:
+                torch.mm(da[s:t], w1[e], out=dx[s:t])
+                dx[s:t].addmm_(dh3[s:t], w3[e])
+
+    workers = cpu_workers(N, x.device)
+    run_parallel([functools.partial(rows, lo, hi) for lo, hi in _ranges(N, workers)])
+    dh1 = da
+    grads = [g.new_empty(w.shape) if n else None for w, n in zip((w1, w3, w2), need[1:4])]
+    # phase 2, weight gradients: worker p computes the p-th slice of output rows of every expert's
+    # gradient (each reduces over all of that expert's rows), so the work splits evenly however skewed.
+    pairs = [(grads[0], dh1, x), (grads[1], dh3, x), (grads[2], g, a)]
+
+    def weights(p: int) -> None:
+        for dw, dout, inp in pairs:
+            if dw is None:
+                continue
+            lo, hi = _ranges(dw.shape[1], workers)[p]
+            start = 0
+            for e, n in enumerate(counts):
+                if n:
+                    torch.mm(dout[start:start + n, lo:hi].t(), inp[start:start + n], out=dw[e, lo:hi])
+                else:
+                    dw[e, lo:hi].zero_()
+                start += n
+
+    run_parallel([functools.partial(weights, p) for p in range(workers)])
+    return dx, grads[0], grads[1], grads[2]
+
+
+# ---- `grouped_mm`: one grouped GEMM per projection (no host sync, accelerators) -------------------------
+
+def _gmm(x_NI: torch.Tensor, w_EOI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return F.grouped_mm(x_NI, w_EOI.transpose(1, 2), offs=plan.offsets())
 
 
-def _wgrad_gmm(g_NO: torch.Tensor, x_NI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def _gmm_wgrad(g_NO: torch.Tensor, x_NI: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return F.grouped_mm(g_NO.t(), x_NI, offs=plan.offsets())
 
 
-_BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
-    "loop": (_fwd_loop, _wgrad_loop),
-    "grouped_mm": (_fwd_gmm, _wgrad_gmm),
-}
+def _gmm_forward(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    h1, h3 = _gmm(x, w1, plan), _gmm(x, w3, plan)
+    s1 = F.silu(h1)
+    a = s1 * h3
+    return _gmm(a, w2, plan), (h1, h3, s1, a)
+
+
+def _gmm_backward(g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                  saved: tuple[torch.Tensor, ...], plan: DispatchPlan, need: tuple[bool, ...]
+                  ) -> tuple[torch.Tensor | None, ...]:
+    h1, h3, s1, a = saved
+    dw2 = _gmm_wgrad(g, a, plan) if need[3] else None
+    da = _gmm(g, w2.transpose(1, 2), plan)  # g @ w2[e]
+    dh3 = da * s1
+    dh1 = torch.ops.aten.silu_backward(da.mul_(h3), h1)
+    dw1 = _gmm_wgrad(dh1, x, plan) if need[1] else None
+    dw3 = _gmm_wgrad(dh3, x, plan) if need[2] else None
+    dx = None
+    if need[0]:
+        dx = _gmm(dh1, w1.transpose(1, 2), plan)
+        dx.add_(_gmm(dh3, w3.transpose(1, 2), plan))
+    return dx, dw1, dw3, dw2
+
+
+_IMPLS = {"loop": (_loop_forward, _loop_backward), "grouped_mm": (_gmm_forward, _gmm_backward)}
 
 
 class _SwiGLUExperts(torch.autograd.Function):
+    """Saves what a dense SwiGLU's autograd saves (x, both projections, silu output, product); backward
+    allocates only the product gradient, one projection gradient, dx and the stacked weight gradients."""
+
     @staticmethod
     def forward(ctx, x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,  # type: ignore[override]
                 w2_EDF: torch.Tensor, plan: DispatchPlan, kernel: str) -> torch.Tensor:
-        fwd, _ = _BACKENDS[kernel]
-        h1_NF = fwd(x_ND, w1_EFD, plan)
-        h3_NF = fwd(x_ND, w3_EFD, plan)
-        s1_NF = F.silu(h1_NF)
-        a_NF = s1_NF * h3_NF
-        y_ND = fwd(a_NF, w2_EDF, plan)
-        ctx.save_for_backward(x_ND, w1_EFD, w3_EFD, w2_EDF, h1_NF, h3_NF, s1_NF, a_NF)
+        y_ND, saved = _IMPLS[kernel][0](x_ND, w1_EFD, w3_EFD, w2_EDF, plan)
+        ctx.save_for_backward(x_ND, w1_EFD, w3_EFD, w2_EDF, *saved)
         ctx.plan, ctx.kernel = plan, kernel
         return y_ND
 
     @staticmethod
     def backward(ctx, g_ND: torch.Tensor):  # type: ignore[override]
-        x_ND, w1_EFD, w3_EFD, w2_EDF, h1_NF, h3_NF, s1_NF, a_NF = ctx.saved_tensors
-        plan: DispatchPlan = ctx.plan
-        fwd, wgrad = _BACKENDS[ctx.kernel]
-        g_ND = g_ND.contiguous()
-        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
-        dw2 = wgrad(g_ND, a_NF, plan) if need_w2 else None
-        da_NF = fwd(g_ND, w2_EDF.transpose(1, 2), plan)  # g @ w2[e]: w2^T is [E, F, D]^T -> rows of F
-        dh3_NF = da_NF * s1_NF
-        dh1_NF = torch.ops.aten.silu_backward(da_NF.mul_(h3_NF), h1_NF)
-        dw1 = wgrad(dh1_NF, x_ND, plan) if need_w1 else None
-        dw3 = wgrad(dh3_NF, x_ND, plan) if need_w3 else None
-        dx = None
-        if need_x:
-            dx = fwd(dh1_NF, w1_EFD.transpose(1, 2), plan)
-            dx.add_(fwd(dh3_NF, w3_EFD.transpose(1, 2), plan))
-        return dx, dw1, dw3, dw2, None, None
+        x_ND, w1_EFD, w3_EFD, w2_EDF, *saved = ctx.saved_tensors
+        grads = _IMPLS[ctx.kernel][1](g_ND.contiguous(), x_ND, w1_EFD, w3_EFD, w2_EDF, tuple(saved), ctx.plan,
+                                      tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None)
 
 
 def swiglu_experts(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
@@ -155,6 +231,8 @@ def _measured_choice(rows: int, dim: int, ffn: int, experts: int, dtype: torch.d
         try:
             run(kernel)()
         except (RuntimeError, NotImplementedError):
+            if kernel == "loop":
+                raise
             continue  # e.g. grouped_mm without a kernel for this dtype/device
         candidates[kernel] = run(kernel)
     if len(candidates) == 1:
