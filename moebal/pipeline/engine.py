@@ -48,7 +48,9 @@ class IterationResult:
     aux_by_layer: dict[int, float]
     """Each of this stage's MoE layers' auxiliary loss, averaged over micro-batches."""
     busy_s: float
-    """Compute time of this stage (forward and backward ops, waits excluded)."""
+    """Wall time of this stage's compute (forward and backward ops, waits excluded)."""
+    busy_cpu_s: float = 0.0
+    """CPU time of the same ops (what the stage would take on a core of its own)."""
     ops: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(kind, micro-batch, start, end) per op, perf_counter clock (shared by local processes)."""
 
@@ -92,6 +94,7 @@ class PipelineEngine:
         labels = torch.tensor_split(labels_BT, M)
         saved: dict[int, _Saved] = {}
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
+        self._cpu0 = 0.0
         for kind, j in make_schedule(self.schedule_name, self.chain.size, self.chain.index, M):
             if kind == "F":
                 saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
@@ -124,6 +127,7 @@ class PipelineEngine:
             h_in, carry = self._receive_input(ids_BT)
             h_in.requires_grad_(self._input_needs_grad())
         t0 = time.perf_counter()
+        self._cpu0 = time.thread_time()
         marks: dict[int, float] = {}
         frozen = self.scheme.frozen_prefix()
         with self.autocast():
@@ -166,15 +170,18 @@ class PipelineEngine:
         else:
             grad = self.chain.recv(torch.empty_like(s.out), self.chain.next)
         t0 = time.perf_counter()
+        self._cpu0 = time.thread_time()
+        clock = self.profiler.clock if self.profiler is not None else time.perf_counter
+        c0 = clock()
         tensors = [s.out] + s.aux
         grads = [grad] + [None] * len(s.aux) if grad is not None else None
         if s.out.requires_grad or s.aux:
             if grad is None:
                 tensors = [sum(tensors[1:], tensors[0])]
             torch.autograd.backward(tensors, grads)
-        t1 = time.perf_counter()
+        c1 = clock()
         if self.profiler is not None:
-            self.profiler.backward_marks(self._slots(), s.marks, t0, t1)
+            self.profiler.backward_marks(self._slots(), s.marks, c0, c1)
         self._op_done(result, "B", j, t0)
         if self._input_needs_grad():
             assert s.h_in is not None and s.h_in.grad is not None, "stage input received no gradient"
@@ -190,6 +197,7 @@ class PipelineEngine:
     def _op_done(self, result: IterationResult, kind: str, j: int, t0: float) -> None:
         t1 = time.perf_counter()
         result.busy_s += t1 - t0
+        result.busy_cpu_s += time.thread_time() - self._cpu0
         if self.record_ops:
             result.ops.append((kind, j, t0, t1))
 
@@ -205,4 +213,5 @@ def _maybe(prof: LayerProfiler | None, slot: int, module: Any) -> Any:
 def _mark(h: torch.Tensor, prof: LayerProfiler | None, marks: dict[int, float], slot: int) -> None:
     """On profiled iterations, note when the gradient of `h` (the input of `slot`) is complete."""
     if prof is not None and h.requires_grad:
-        h.register_hook(lambda g: marks.__setitem__(slot, time.perf_counter()))
+        clock = prof.clock
+        h.register_hook(lambda g: marks.__setitem__(slot, clock()))

@@ -58,7 +58,9 @@ class MixtureOfDepths(Dynamism):
         g = torch.Generator().manual_seed(self.seed)
         for i in sorted(self.routed):
             layer = model.model.layers[i]
-            router = nn.Linear(self.cfg.model.dim, 1, bias=False)
+            with torch.device("meta"):  # nn.Linear's own init would draw from the global generator
+                router = nn.Linear(self.cfg.model.dim, 1, bias=False)
+            router = router.to_empty(device="cpu")
             with torch.no_grad():
                 router.weight.copy_(torch.randn(router.weight.shape, generator=g) * self.cfg.model.init_std)
             layer.mod_router = router.to(next(layer.parameters()).device)

@@ -11,6 +11,12 @@ moment the gradient of its output is complete to the moment the gradient of its 
 has no backward, so its measured cost is its forward alone (DynMo's cost model says 0, which is wrong: the
 forward still runs). Communication is not part of a layer's cost.
 
+Clock: on a CPU, a layer's cost is the CPU time of the rank's thread (`time.thread_time`, one intra-op thread;
+`process_time` with more), not wall time: when more ranks share the machine than it has cores, wall time
+measures the scheduler (an idle stage lends its core, a busy one waits for it), which made time-based plans
+worse than static ones on the 2-core machine moebal is developed on. On CUDA, wall time after a device
+synchronise (profiled iterations only).
+
 Memory per layer: parameter, gradient and optimizer bytes (counted) plus the bytes autograd saves for the
 backward during the layer's forward (measured with saved-tensor hooks, parameters excluded), times the
 micro-batches the schedule keeps in flight on its stage. No device statistics are needed, so it is the same
@@ -20,7 +26,7 @@ on CPU and GPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,7 +34,18 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "static_bytes"]
+__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "pick_clock", "static_bytes"]
+
+
+def pick_clock(device: torch.device) -> Callable[[], float]:
+    """The clock layer costs are measured with (see the module docstring); chosen once per engine."""
+    if device.type == "cuda":
+        def cuda_clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return cuda_clock
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 @dataclass
@@ -43,8 +60,8 @@ class IterationProfile:
 class LayerProfiler:
     """Collects timings for one iteration; the engine calls it only when profiling is on."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.L = num_layers
+    def __init__(self, num_layers: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.L, self.clock = num_layers, clock
         self.fwd: dict[int, list[float]] = {}
         self.bwd: dict[int, list[float]] = {}
         self.act: dict[int, list[float]] = {}
@@ -66,10 +83,10 @@ class LayerProfiler:
                 self._saved += t.numel() * t.element_size()
             return t
 
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        self.add(self.fwd, slot, time.perf_counter() - t0)
+        self.add(self.fwd, slot, self.clock() - t0)
         self.add(self.act, slot, float(self._saved))
 
     def backward_marks(self, slots_out: list[int], marks: dict[int, float], t_start: float, t_end: float) -> None:

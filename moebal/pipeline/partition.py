@@ -219,9 +219,10 @@ def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, 
 
 
 def iteration_time(loads: Sequence[float], num_micro_batches: int, comm_s: float = 0.0) -> float:
-    """1F1B/GPipe iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of
-    all stages (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward,
-    gradient back). Loads are per-micro-batch forward+backward seconds; `comm_s` is one boundary transfer."""
+    """Iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of all stages
+    (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward, gradient
+    back). Exact for GPipe, an upper bound for 1F1B (`schedule.simulate` replays either). Loads are
+    per-micro-batch forward+backward seconds; `comm_s` is one boundary transfer."""
     return (num_micro_batches - 1) * max(loads) + sum(loads) + 2 * (len(loads) - 1) * comm_s
 
 
@@ -263,7 +264,10 @@ def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int,
     """
     kw = dict(memory=memory, capacity=capacity, first_extra=first_extra, last_extra=last_extra,
               first_memory=first_memory, last_memory=last_memory)
-    best = partition_by_time(costs, num_stages, **kw)  # type: ignore[arg-type]
+    try:
+        best = partition_by_time(costs, num_stages, **kw)  # type: ignore[arg-type]
+    except ConfigError:
+        return None  # not even P stages fit the caps: nothing to pack
     t_best = iteration_time(stage_loads(costs, best, first_extra, last_extra), num_micro_batches, comm_s)
     for p in range(max(min_stages, 1), num_stages):
         try:

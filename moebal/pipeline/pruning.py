@@ -42,7 +42,7 @@ from moebal.pipeline.dynamism import Dynamism, SchemeContext, register
 __all__ = ["CSRStructure", "GradualPruning", "csr_linear", "global_magnitude_masks", "prunable_params",
            "zhu_gupta_schedule"]
 
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 
 _PRUNABLE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                       "up_proj.weight", "down_proj.weight", "experts.w1", "experts.w2", "experts.w3")

@@ -39,7 +39,7 @@ from moebal.pipeline.comm import PipeChain
 from moebal.pipeline.dynamism import Dynamism, SchemeContext
 from moebal.pipeline.engine import IterationResult, PipelineEngine
 from moebal.pipeline.migrate import MigrationReport, migrate_layers
-from moebal.pipeline.observe import CostTracker, LayerProfiler, static_bytes
+from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes
 from moebal.pipeline.partition import (
     StagePartition,
     diffuse,
@@ -208,6 +208,7 @@ class PipelineRunner:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
                                      self.opts.micro_batches, autocast)
+        self.clock = pick_clock(self.device)
         ctx = self._ctx()
         ctx.extra["rows"] = self._micro_rows() * cfg.data.seq_len
         self.scheme.on_start(ctx)
@@ -268,7 +269,7 @@ class PipelineRunner:
         self._set_lr(lr)
         profiled = self._profiled(step)
         self.scheme.begin_step(step)
-        self.engine.profiler = LayerProfiler(self.L) if profiled else None
+        self.engine.profiler = LayerProfiler(self.L, self.clock) if profiled else None
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
         res = self.engine.run(ids, labels, count)
@@ -324,7 +325,7 @@ class PipelineRunner:
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         L, P0 = self.L, self.P0
-        n = (L + 2) + L + 1 + 2 * P0
+        n = (L + 2) + L + 1 + 3 * P0
         extra = self.scheme.stats_size(L)
         vec = torch.zeros(n + extra, dtype=torch.float64)
         if extra:
@@ -341,6 +342,7 @@ class PipelineRunner:
         pos = self._orig_pos()
         vec[2 * L + 3 + pos] = res.busy_s
         vec[2 * L + 3 + P0 + pos] = t_run
+        vec[2 * L + 3 + 2 * P0 + pos] = res.busy_cpu_s
         if self.dp > 1:  # the loss of each replica's rows adds up; norms are equal after the gradient sum
             part = vec[2 * L + 2:2 * L + 3].clone()
             dist.all_reduce(part, group=self.dp_group)
@@ -349,7 +351,8 @@ class PipelineRunner:
         if extra:
             self.scheme.set_global_stats(out[n:])
         return {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
-                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:n].tolist()}
+                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:2 * L + 3 + 2 * P0].tolist(),
+                "busy_cpu": out[2 * L + 3 + 2 * P0:n].tolist()}
 
     def _orig_pos(self) -> int:
         return self.dims.ranks_of("pp").index(self.dims.rank)
@@ -545,6 +548,7 @@ class PipelineRunner:
     def _record(self, step: int, lr: float, count: int, red: dict[str, Any], grad_norm: float, dt: float,
                 overhead: float, profiled: bool, changed: bool, events: dict[str, Any]) -> dict[str, Any]:
         busy = [b for b, r in zip(red["busy"], red["run"]) if r > 0]
+        busy_cpu = [b for b, r in zip(red["busy_cpu"], red["run"]) if r > 0]
         run = max(red["run"]) if red["run"] else 0.0
         aux = 0.0
         for a in red["aux"].tolist():
@@ -553,6 +557,7 @@ class PipelineRunner:
             "step": step, "loss": red["loss"], "aux_loss": aux, "grad_norm": grad_norm, "lr": lr,
             "step_time_s": round(dt, 6), "tokens": count, "tokens_per_s": round(count / max(dt, 1e-9), 2),
             "stages": len(busy), "sizes": list(self.sizes), "stage_busy_s": [round(b, 6) for b in busy],
+            "stage_cpu_s": [round(b, 6) for b in busy_cpu],
             "pipeline_s": round(run, 6), "bubble_ratio": round(1 - sum(busy) / max(len(busy) * run, 1e-12), 4),
             "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0, "overhead_s": round(overhead, 6),
             "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics()}

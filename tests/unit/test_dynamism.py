@@ -1,0 +1,195 @@
+"""Dynamism schemes: schedules and cost accounting against hand-computed cases, kernels against references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebal.config import from_dict
+from moebal.errors import ConfigError
+from moebal.models import build_model
+from moebal.pipeline.comm import PipeChain
+from moebal.pipeline.dynamism import SchemeContext, build_dynamism, layer_token_flops, ramp
+from moebal.pipeline.freezing import FORWARD_SHARE
+from moebal.pipeline.moe_cost import routing_cost_factor
+from moebal.pipeline.pruning import (
+    CSRStructure,
+    csr_linear,
+    distributed_keep_masks,
+    global_magnitude_masks,
+    zhu_gupta_schedule,
+)
+from moebal.pipeline.stage import PipelineStage
+
+
+def small(n_layers: int = 4, experts: int = 0):
+    return from_dict({"model": {"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                                "max_seq_len": 32},
+                      "moe": {"num_experts": experts, "top_k": 2, "expert_ffn_dim": 16},
+                      "data": {"seq_len": 16, "batch_size": 4}})
+
+
+def test_ramp():
+    assert [ramp(s, 10, 4, 1.0, 0.5) for s in (0, 10, 12, 14, 20)] == [1.0, 1.0, 0.75, 0.5, 0.5]
+    assert ramp(10, 10, 0, 1.0, 0.5) == 0.5
+
+
+# ---- pruning ---------------------------------------------------------------------------------------------------
+def test_zhu_gupta_schedule_by_hand():
+    sched = zhu_gupta_schedule(0.9, 0.0, start=3000, every=1000, steps=4)
+    assert [t for t, _ in sched] == [4000, 5000, 6000, 7000]
+    assert [round(s, 4) for _, s in sched] == [0.5203, 0.7875, 0.8859, 0.9]
+    # per step, the share of the weights still alive that goes (DynPipe's "52/56/46%"; the extraction's 0.5573
+    # for the second step is a rounding slip: 1 - 0.2125 / 0.4796875 = 0.5570)
+    alive, rel = 1.0, []
+    for _, s in sched:
+        rel.append(round(1 - (1 - s) / alive, 4))
+        alive = 1 - s
+    assert rel == [0.5203, 0.557, 0.4632, 0.1233]
+    with pytest.raises(ConfigError, match="pruning schedule"):
+        zhu_gupta_schedule(1.0)
+
+
+def test_global_magnitude_masks_keep_the_largest_with_ties_in_model_order():
+    a = torch.tensor([[0.5, -3.0], [2.0, 0.5]])
+    b = torch.tensor([0.5, -1.0, 4.0])
+    masks = global_magnitude_masks([[a], [b]], keep=5)
+    # magnitudes 4, 3, 2, 1 are kept, then one of the three 0.5s: the first in model order (a[0, 0])
+    assert masks[0][0].tolist() == [[True, True], [True, False]]
+    assert masks[1][0].tolist() == [False, True, True]
+    assert global_magnitude_masks([[a], [b]], keep=0)[0][0].sum() == 0
+
+
+def test_distributed_masks_on_one_rank_equal_the_reference():
+    torch.manual_seed(0)
+    layers = {i: [torch.randn(6, 5).round(decimals=1), torch.randn(4).round(decimals=1)] for i in range(3)}
+    chain = PipeChain([0], 0)
+    for keep in (0, 1, 17, 40, 54):
+        got = distributed_keep_masks(layers, keep, chain, 3)
+        ref = global_magnitude_masks([layers[i] for i in range(3)], keep)
+        for i in range(3):
+            for g, r in zip(got[i], ref[i]):
+                assert torch.equal(g, r), (keep, i)
+
+
+def test_csr_linear_matches_masked_dense_forward_and_backward():
+    torch.manual_seed(0)
+    w = torch.randn(12, 9)
+    mask = torch.rand(12, 9) > 0.7
+    x = torch.randn(3, 5, 9, requires_grad=True)
+    w1 = (w * mask).requires_grad_(True)
+    w2 = (w * mask).requires_grad_(True)
+    y_ref = torch.nn.functional.linear(x, w1)
+    y = csr_linear(x, w2, CSRStructure.from_mask(mask))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w1), g)
+    dx, dw = torch.autograd.grad(y, (x, w2), g)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, dw_ref * mask, rtol=1e-5, atol=1e-5)  # only kept entries get gradient
+
+
+# ---- cost accounting -------------------------------------------------------------------------------------------
+def test_layer_token_flops_by_hand():
+    cfg = small(2)  # D 32, H 4, G 2, K 8, F 64, T 16
+    f = layer_token_flops(cfg, 0, 16)
+    assert f == {"q_o": 2 * 32 * 32, "kv": 2 * 32 * 16, "attn": 2 * 8 * 32, "ffn": 3 * 32 * 64}
+    moe = layer_token_flops(small(2, experts=4), 0, 16)
+    assert moe["ffn"] == 2 * 3 * 32 * 16 + 32 * 4
+
+
+def test_early_exit_cost_and_threshold_by_hand():
+    cfg = small(4)
+    ee = build_dynamism("early_exit", {"threshold": 0.9, "first_layer": 1, "start": 10, "ramp_steps": 10}, cfg=cfg)
+    assert ee.tau(5) == 1.0 and ee.tau(15) == pytest.approx(0.95) and ee.tau(30) == pytest.approx(0.9)
+    kv = (2 * 32 * 16) / (2 * 32 * 32 + 2 * 32 * 16 + 2 * 8 * 32 + 3 * 32 * 64)
+    ee.set_global_stats(torch.tensor([100.0, 100.0, 50.0, 25.0, 100.0], dtype=torch.float64))
+    assert ee.survival == [1.0, 1.0, 0.5, 0.25]
+    assert ee.cost_factors(4) == pytest.approx([1.0, 1.0, kv + (1 - kv) * 0.5, kv + (1 - kv) * 0.25])
+
+
+def test_early_exit_layer_step_skips_exited_tokens():
+    cfg = small(4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ee = build_dynamism("early_exit", {"threshold": -1.0, "first_layer": 1}, cfg=cfg)  # everyone exits at 1
+    ee.begin_step(1)
+    h = torch.randn(2, 8, 32)
+    cos, sin = model.model.rotary(8, h.dtype)
+    carry = ee.init_carry(2, 8, h.device)
+    for i in range(4):
+        h = ee.layer_forward(i, model.model.layers[i], h, cos, sin, carry)
+    assert ee.tokens_in.tolist() == [16.0, 16.0, 0.0, 0.0, 16.0]
+    assert not carry["active"].any()
+
+
+def test_mod_cost_capacity_and_plain_layer_at_full_capacity():
+    cfg = small(4)
+    mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1, "start": 0, "ramp_steps": 4},
+                         cfg=cfg)
+    mod.begin_step(2)
+    assert mod.current_capacity() == pytest.approx(0.625)
+    mod.begin_step(9)
+    f = layer_token_flops(cfg, 1, 16)
+    routed = ((f["q_o"] + f["kv"] + f["ffn"]) * 0.25 + f["attn"] * 0.0625) / sum(f.values())
+    assert mod.cost_factors(4) == pytest.approx([1.0, routed, 1.0, routed])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    state = torch.random.get_rng_state()
+    mod.prepare_model(model)
+    assert torch.equal(state, torch.random.get_rng_state())  # the routers' init draws from their own generator
+    assert hasattr(model.model.layers[1], "mod_router") and not hasattr(model.model.layers[0], "mod_router")
+    h = torch.randn(2, 8, 32)
+    cos, sin = model.model.rotary(8, h.dtype)
+    mod.begin_step(0)  # capacity 1.0: the dense layer
+    assert torch.equal(mod.layer_forward(1, model.model.layers[1], h, cos, sin, {}),
+                       model.model.layers[1](h, cos, sin))
+    mod.begin_step(9)  # capacity 0.25: 2 of 8 tokens per row change
+    out = mod.layer_forward(1, model.model.layers[1], h, cos, sin, {})
+    assert ((out != h).any(dim=-1).sum(dim=1) == 2).all()
+
+
+def test_freezing_criterion_freezes_a_prefix_and_the_embedding():
+    cfg = small(4)
+    torch.manual_seed(0)
+    stage = PipelineStage.from_model(build_model(cfg), 0, 4, first=True, last=True)
+    fr = build_dynamism("freezing", {"threshold": 0.05, "check_every": 2, "max_fraction": 0.5}, cfg=cfg)
+    ctx = SchemeContext(step=0, stage=stage, chain=PipeChain([0], 0), num_layers=4)
+    fr.on_start(ctx)
+    with torch.no_grad():  # layers 0 and 2 barely move, layer 1 moves a lot: only layer 0 may freeze
+        for i, scale in ((0, 1.001), (1, 1.5), (2, 1.001), (3, 1.001)):
+            for p in stage.layer(i).parameters():
+                p.mul_(scale)
+    ctx.step = 1
+    assert fr.update(ctx) is False  # not a check step
+    ctx.step = 2
+    assert fr.update(ctx) is True
+    assert fr.frozen_prefix() == 1 and fr.plasticity[0] == pytest.approx(0.001, rel=1e-3)
+    assert not any(p.requires_grad for p in stage.layer(0).parameters())
+    assert not stage.model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for p in stage.layer(2).parameters())  # behind an unfrozen layer: stays
+    assert fr.cost_factors(4) == [FORWARD_SHARE, 1.0, 1.0, 1.0]
+    ctx.step = 4  # nothing moved since: layers 1 then 2 freeze, up to max_fraction (2 of 4)
+    assert fr.update(ctx) is True and fr.frozen_prefix() == 2
+
+
+def test_moe_routing_cost_factor_by_hand():
+    f = {"q_o": 10.0, "kv": 5.0, "attn": 5.0, "ffn": 80.0}
+    # 100 tokens x top-2 = 200 assignments; 20 dropped by capacity: the FFN does 90% of its work
+    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2) == pytest.approx((20 + 80 * 0.9) / 100)
+    # expert parallel over 4 ranks: the busiest expert (60) sets the time, as if 240 rows
+    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, expert_parallel=True) == pytest.approx((20 + 96) / 100)
+
+
+def test_build_dynamism_errors():
+    cfg = small(4)
+    with pytest.raises(ConfigError, match="unknown dynamism scheme"):
+        build_dynamism("sparse_attention", {}, cfg=cfg)
+    with pytest.raises(ConfigError, match="bad options"):
+        build_dynamism("mod", {"capacty": 0.5}, cfg=cfg)
+    with pytest.raises(ConfigError, match="capacity"):
+        build_dynamism("mod", {"capacity": 0.0}, cfg=cfg)
+    with pytest.raises(ConfigError, match="first_layer"):
+        build_dynamism("early_exit", {"first_layer": 4}, cfg=cfg)
+    with pytest.raises(ConfigError, match="kernel"):
+        build_dynamism("pruning", {"kernel": "sputnik"}, cfg=cfg)

@@ -1,0 +1,217 @@
+"""Pipeline pieces that need no second process: schedules, re-pack planning, stages, subset blocks, profiler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moebal.config import from_dict
+from moebal.errors import ConfigError
+from moebal.models import build_model
+from moebal.pipeline.blocks import subset_block
+from moebal.pipeline.early_exit import pack_positions
+from moebal.pipeline.observe import CostTracker, LayerProfiler
+from moebal.pipeline.partition import (
+    StagePartition,
+    iteration_time,
+    partition_by_time,
+    plan_repack,
+)
+from moebal.pipeline.runner import PipelineOptions, expand_repack
+from moebal.pipeline.schedule import gpipe, in_flight, make_schedule, one_f_one_b, simulate
+from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
+
+
+def small(n_layers: int = 4, **model):
+    return from_dict({"model": {"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                                "max_seq_len": 32, **model},
+                      "moe": {"num_experts": 0}, "data": {"seq_len": 16, "batch_size": 4}})
+
+
+# ---- schedules -------------------------------------------------------------------------------------------------
+def test_one_f_one_b_order_by_hand():
+    assert one_f_one_b(4, 0, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                    ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert one_f_one_b(4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert one_f_one_b(4, 0, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # fewer micro-batches than warm-up
+    assert gpipe(2, 1, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert in_flight("1f1b", 4, 0, 8) == 4 and in_flight("1f1b", 4, 3, 8) == 1 and in_flight("gpipe", 4, 2, 8) == 8
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_makespan_of_equal_stages(name):
+    P, M, f, b = 4, 6, 1.0, 2.0
+    makespan, ops = simulate(name, [f] * P, [b] * P, M)
+    assert makespan == pytest.approx((M + P - 1) * (f + b))
+    assert len(ops) == 2 * P * M
+    # every op starts after its dependency ended
+    end = {(o.kind, o.stage, o.micro_batch): o.end for o in ops}
+    for o in ops:
+        if o.kind == "F" and o.stage > 0:
+            assert o.start >= end[("F", o.stage - 1, o.micro_batch)]
+        if o.kind == "B" and o.stage < P - 1:
+            assert o.start >= end[("B", o.stage + 1, o.micro_batch)]
+
+
+@pytest.mark.parametrize("slow", [0, 1, 3])
+def test_iteration_time_model_is_gpipe_exact_and_bounds_1f1b(slow):
+    # stage loads (f+b) of 3 with one stage at 6 (b = 2f): (M-1) max + sum, DynPipe's formula
+    fwd, bwd = [1.0] * 4, [2.0] * 4
+    fwd[slow], bwd[slow] = 2.0, 4.0
+    model = iteration_time([f + b for f, b in zip(fwd, bwd)], 8)
+    assert simulate("gpipe", fwd, bwd, 8)[0] == pytest.approx(model)
+    assert simulate("1f1b", fwd, bwd, 8)[0] <= model + 1e-9
+
+
+def test_schedule_errors():
+    with pytest.raises(ConfigError, match="unknown pipeline schedule"):
+        make_schedule("zb", 2, 0, 2)
+    with pytest.raises(ConfigError, match="micro-batches"):
+        gpipe(2, 0, 0)
+    with pytest.raises(ConfigError, match="outside"):
+        one_f_one_b(2, 2, 4)
+
+
+# ---- iteration time, re-packing, plans -----------------------------------------------------------------------
+def test_iteration_time_by_hand():
+    assert iteration_time([2.0, 1.0], 4) == 3 * 2 + 3
+    assert iteration_time([2.0, 1.0, 1.0], 4, comm_s=0.5) == 3 * 2 + 4 + 2 * 2 * 0.5
+
+
+def test_repack_releases_ranks_when_fewer_stages_run_as_fast():
+    # 16 layers: a dense front and a tail whose tokens have exited (the early-exit profile); four stages are
+    # bottlenecked at 2 (two front layers), and so are three: [2, 2, 12] loads 2, 2, 1.2
+    costs = [1.0] * 4 + [0.1] * 12
+    assert plan_repack(costs, 4, 8, slack=0.1) == [2, 2, 12]
+    # two stages would be 3/2 as slow per micro-batch: not within 10%, but within 60%
+    assert plan_repack(costs, 4, 8, slack=0.6) == partition_by_time(costs, 2)
+    # on uniform costs fewer stages are much slower: keep all four
+    assert plan_repack([1.0] * 16, 4, 8, slack=0.1) is None
+    # transfers make more stages dearer: with costly boundaries fewer stages win sooner
+    assert plan_repack([1.0] * 16, 4, 2, slack=0.1, comm_s=10.0) is not None
+
+
+def test_repack_respects_memory_caps_and_min_stages():
+    costs = [1.0] * 4 + [0.1] * 12
+    memory = [1.0] * 16
+    # 12 tail layers do not fit under a cap of 11; [2, 3, 11] does and is still within 10%
+    assert plan_repack(costs, 4, 8, slack=0.1, memory=memory, capacity=11.0) == [2, 3, 11]
+    assert plan_repack(costs, 4, 8, slack=0.1, memory=memory, capacity=5.0) is None  # 3 stages need 6 layers
+    assert plan_repack(costs, 4, 8, slack=0.6, min_stages=3) == [2, 2, 12]
+
+
+def test_expand_repack_keeps_first_and_last_ranks():
+    assert expand_repack([3, 5], 4) == [3, 0, 0, 5]
+    assert expand_repack([2, 2, 4], 4) == [2, 2, 0, 4]
+    assert expand_repack([1, 1, 1, 1], 4) == [1, 1, 1, 1]
+    with pytest.raises(ConfigError, match="one stage"):
+        expand_repack([8], 4)
+    with pytest.raises(ConfigError, match="more stages"):
+        expand_repack([1] * 5, 4)
+
+
+def test_stage_partition_round_trip_and_validation():
+    p = StagePartition(sizes=(3, 5), ranks=(0, 3), step=7, balancer="repack", released=(1, 2), meta={"x": 1})
+    assert StagePartition.from_dict(p.to_dict()) == p
+    assert p.bounds == [0, 3, 8]
+    with pytest.raises(ConfigError, match="at least one layer"):
+        StagePartition(sizes=(3, 0), ranks=(0, 1))
+    with pytest.raises(ConfigError):
+        StagePartition(sizes=(3,), ranks=(0, 1))
+
+
+def test_pipeline_options_errors():
+    with pytest.raises(ConfigError, match="schedule"):
+        PipelineOptions(schedule="zb")
+    with pytest.raises(ConfigError, match="rebalance"):
+        PipelineOptions(rebalance="greedy")
+    with pytest.raises(ConfigError, match="min_stages"):
+        PipelineOptions(min_stages=1)
+    with pytest.raises(ConfigError, match="wait"):
+        PipelineOptions(wait="poll")
+
+
+# ---- stages and blocks -----------------------------------------------------------------------------------------
+def test_stage_slices_the_model_with_its_parameter_names():
+    torch.manual_seed(0)
+    model = build_model(small(4))
+    first = PipelineStage.from_model(model, 0, 2, first=True, last=False)
+    last = PipelineStage.from_model(model, 2, 4, first=False, last=True)
+    names = set(first.state_dict()) | set(last.state_dict())
+    assert names == set(model.state_dict())
+    assert first.layer_ids == [0, 1] and "lm_head.weight" in last.state_dict()
+    layer = last.remove_layer(2)
+    first.add_layer(2, layer)
+    assert first.layer_ids == [0, 1, 2] and last.layer_ids == [3]
+    first.check_contiguous()
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        PipelineStage.from_model(build_model(small(2, tie_embeddings=True)), 0, 1, first=True, last=False)
+
+
+def test_layer_skeleton_draws_no_random_numbers():
+    state = torch.random.get_rng_state()
+    layer = build_layer_skeleton(small(), 1, "cpu")
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert not any(p.is_meta for p in layer.parameters())
+
+
+def _layer_and_input():
+    torch.manual_seed(1)
+    cfg = small(2)
+    model = build_model(cfg)
+    h = torch.randn(2, 12, 32)
+    cos, sin = model.model.rotary(12, h.dtype)
+    return model.model.layers[0], h, cos, sin
+
+
+def test_subset_block_with_all_keys_equals_the_layer_on_the_selected_rows():
+    layer, h, cos, sin = _layer_and_input()
+    active = torch.rand(2, 12) > 0.4
+    active[:, 0] = True
+    pos, valid = pack_positions(active)
+    out = subset_block(layer, h, cos, sin, pos, valid, keys="all")
+    full = layer(h, cos, sin)
+    torch.testing.assert_close(out[active], full[active], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[~active], h[~active])  # skipped tokens keep their state
+
+
+def test_subset_block_on_selected_keys_is_a_shorter_sequence():
+    layer, h, cos, sin = _layer_and_input()
+    k = 7
+    pos = torch.arange(k).expand(2, k)  # a prefix keeps its rotary positions 0..k-1
+    out = subset_block(layer, h, cos, sin, pos, torch.ones(2, k, dtype=torch.bool), keys="subset")
+    ref = layer(h[:, :k], cos[:k], sin[:k])
+    torch.testing.assert_close(out[:, :k], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, k:], h[:, k:])
+
+
+def test_pack_positions_pads_rows():
+    active = torch.tensor([[True, False, True, True], [False, True, False, False]])
+    pos, valid = pack_positions(active)
+    assert pos.tolist() == [[0, 2, 3], [1, 0, 0]]
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+
+
+# ---- observing -------------------------------------------------------------------------------------------------
+def test_backward_marks_by_hand():
+    prof = LayerProfiler(4)
+    # a middle stage with layers 1, 2: backward starts at 10, grad of layer 2's input at 13, of layer 1's at 17
+    prof.backward_marks([1, 2], {2: 13.0, 1: 17.0}, 10.0, 18.0)
+    # a last stage with layer 3 and the head (slot 5): head 20->21, layer 3 21->24
+    prof.backward_marks([3, 5], {5: 21.0, 3: 24.0}, 20.0, 24.5)
+    # a first stage: embedding (slot 4) then layer 0 whose input needs no gradient
+    prof.backward_marks([4, 0], {}, 30.0, 31.0)
+    r = prof.result([0, 1, 2, 3, 4, 5])
+    assert r.bwd.tolist() == [1.0, 4.0, 3.0, 3.0, 0.0, 1.0]
+
+
+def test_cost_tracker_smooths():
+    t = CostTracker(2, ema=0.5)
+    t.update(np.array([1.0, 1.0, 0.1, 0.2]), np.array([2.0, 2.0, 0.1, 0.2]), np.zeros(4))
+    t.update(np.array([3.0, 1.0, 0.1, 0.2]), np.array([2.0, 2.0, 0.1, 0.2]), np.zeros(4))
+    assert t.layer_costs().tolist() == [4.0, 3.0]
+    assert t.first_extra == pytest.approx(0.2) and t.last_extra == pytest.approx(0.4)
+    s = CostTracker(2)
+    s.load_state_dict(t.state_dict())
+    assert s.layer_costs().tolist() == [4.0, 3.0]
