@@ -53,7 +53,7 @@ EP_CASES: list[dict[str, Any]] = [
      "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 768}, "batch": 2, "seq": 512},
 ]
 
-CAL_SIZES = [65536, 1048576, 8388608]
+CAL_SIZES = [65536, 262144, 1048576, 4194304, 16777216]
 """Collective calibration payloads (bytes per rank); the validation collectives use other sizes and splits."""
 
 COLL_CASES: list[dict[str, Any]] = [

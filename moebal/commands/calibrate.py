@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="local", help="profile name")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of the measured process")
     p.add_argument("--worlds", default="2,3,4", help="gloo group sizes to measure collectives at")
-    p.add_argument("--sizes", default="65536,1048576,8388608", help="collective payload bytes per rank")
+    p.add_argument("--sizes", default="65536,262144,1048576,4194304,16777216",
+                   help="collective payload bytes per rank")
     p.add_argument("--repeats", type=int, default=7, help="rounds of every probe (the median is kept)")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and rounds (a smoke run)")
     p.add_argument("--records", default=None, metavar="FILE", help="also write the raw timings as JSON")

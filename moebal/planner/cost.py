@@ -348,9 +348,13 @@ class CostModel:
         lat = self.profile.collective(kind).latency_for(len(ranks))
         return topo.latency(ranks) if lat is None else lat
 
-    def _phase(self, kind: str, topo: Topology, src: Any, dst: Any, nbytes: Any, latency: float) -> Phase:
-        links, b = topo.route_bytes(np.asarray(src), np.asarray(dst), np.asarray(nbytes, dtype=np.float64))
-        return Phase(links=links, nbytes=b, latency_s=latency, efficiency=self.profile.collective(kind).efficiency)
+    def _phase(self, kind: str, topo: Topology, src: Any, dst: Any, nbytes: Any, latency: float,
+               world: int | None = None) -> Phase:
+        src, dst = np.asarray(src), np.asarray(dst)
+        links, b = topo.route_bytes(src, dst, np.asarray(nbytes, dtype=np.float64))
+        n = world if world is not None else len(np.union1d(src, dst))
+        eff = self.profile.collective(kind).efficiency_for(n)
+        return Phase(links=links, nbytes=b, latency_s=latency, efficiency=eff)
 
     def p2p(self, topo: Topology, src: int, dst: int, nbytes: float) -> Collective:
         lat = self._lat("p2p", topo, [src, dst])

@@ -97,12 +97,14 @@ class CollectiveSpec:
     """Seconds per step by group size (a CPU host: latency grows once processes outnumber cores); the nearest
     listed size applies; empty: `latency_s`."""
 
+    efficiency_by_world: dict[str, float] = field(default_factory=dict)
+    """Capacity multiplier by group size (a CPU host: processes share cores); the nearest size applies."""
+
     def latency_for(self, world: int) -> float | None:
-        if self.latency_by_world:
-            sizes = sorted(int(w) for w in self.latency_by_world)
-            near = min(sizes, key=lambda w: (abs(w - world), -w))
-            return self.latency_by_world[str(near)]
-        return self.latency_s
+        return _nearest(self.latency_by_world, world, self.latency_s)
+
+    def efficiency_for(self, world: int) -> float:
+        return float(_nearest(self.efficiency_by_world, world, self.efficiency))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -176,6 +178,13 @@ class HardwareProfile:
 
 
 _NO_CORRECTION = CollectiveSpec()
+
+
+def _nearest(table: dict[str, float], world: int, default: Any) -> Any:
+    if not table:
+        return default
+    near = min((int(w) for w in table), key=lambda w: (abs(w - world), -w))
+    return table[str(near)]
 
 
 def _need(ok: bool, msg: str) -> None:

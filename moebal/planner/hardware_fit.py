@@ -101,26 +101,23 @@ def _collective(cm: Any, topo: Any, kind: str, world: int, nbytes: float) -> Any
 
 
 def fit_collectives(records: Sequence[dict[str, Any]], bandwidth: float) -> dict[str, dict[str, Any]]:
-    """Per collective kind and group size: latency per step and capacity multiplier on `bandwidth`.
+    """Per collective kind and group size: latency per algorithm step and a capacity multiplier on `bandwidth`.
 
-    On a CPU host the per-step latency depends on how many processes share the cores, so each group size
-    gets its own latency (`latency_by_world`); the bandwidth multiplier is shared across sizes."""
+    On a CPU host both depend on how many processes share the cores, so each group size gets its own pair."""
     out: dict[str, dict[str, Any]] = {}
     for kind in sorted({r["kind"] for r in records}):
-        recs = [r for r in records if r["kind"] == kind]
-        worlds = sorted({int(r["world"]) for r in recs})
-        rows, t = [], []
-        for r in recs:
-            steps, demand = collective_terms(kind, int(r["world"]), float(r["bytes"]))
-            row = np.zeros(len(worlds) + 1)
-            row[worlds.index(int(r["world"]))] = steps
-            row[-1] = demand / bandwidth
-            rows.append(row)
-            t.append(float(r["s"]))
-        x, err = _rel_lstsq(np.array(rows), np.array(t))
-        inv_eff = x[-1] if x[-1] > 0 else 1.0
-        out[kind] = {"latency_by_world": {w: float(x[i]) for i, w in enumerate(worlds)},
-                     "efficiency": float(1.0 / inv_eff), "median_rel_error": err}
+        lat, eff, errs = {}, {}, []
+        for w in sorted({int(r["world"]) for r in records if r["kind"] == kind}):
+            recs = [r for r in records if r["kind"] == kind and int(r["world"]) == w]
+            A, t = [], []
+            for r in recs:
+                steps, demand = collective_terms(kind, w, float(r["bytes"]))
+                A.append([steps, demand / bandwidth])
+                t.append(float(r["s"]))
+            (alpha, inv_eff), err = _rel_lstsq(np.array(A), np.array(t))
+            lat[w], eff[w] = float(alpha), float(1.0 / inv_eff) if inv_eff > 0 else 1.0
+            errs.append(err)
+        out[kind] = {"latency_by_world": lat, "efficiency_by_world": eff, "median_rel_error": float(np.median(errs))}
     return out
 
 
@@ -142,8 +139,9 @@ def fit_profile(records: dict[str, list[dict[str, Any]]], *, name: str, descript
     link = LinkSpec(bandwidth=bw, latency_s=max(lat, 0.0), efficiency=1.0, kind="gloo-loopback")
     coll = fit_collectives(records.get("collective", []), bw)
     specs = {k: CollectiveSpec(latency_s=float(np.median(list(v["latency_by_world"].values()))),
-                               efficiency=min(v["efficiency"], 10.0),
-                               latency_by_world={str(w): lt for w, lt in v["latency_by_world"].items()})
+                               efficiency=float(np.median(list(v["efficiency_by_world"].values()))),
+                               latency_by_world={str(w): lt for w, lt in v["latency_by_world"].items()},
+                               efficiency_by_world={str(w): min(e, 10.0) for w, e in v["efficiency_by_world"].items()})
              for k, v in coll.items()}
     gemm = GemmSpec(max_efficiency=1.0, half_dim=ref["half_dim"], launch_s=max(0.0, ref["launch_s"]),
                     cache_bytes=ref["cache_bytes"], out_of_cache_efficiency=ref["out_of_cache_efficiency"])

@@ -106,6 +106,9 @@ class SimSpec:
     optimizer: bool = True
     trans_algorithm: str = "chain"
     """Trans/Agg as a pipelined chain (NCCL broadcast/reduce) or a point-to-point fan-out ("fanout")."""
+    a2a_padding: str = "none"
+    """"capacity": every (source, expert) block padded to the largest one, as DeepSpeed-MoE's dropless mode
+    does (capacity = max over ranks of per-expert counts, the all-to-all carries [E, C, D]); "none": exact."""
     count_exchange: bool = True
     """Exchange the R x E count matrix (a small all-to-all) before each forward dispatch, as dropless EP does."""
     meta: dict[str, object] = field(default_factory=dict)
@@ -124,6 +127,10 @@ class SimSpec:
         if len(stages) != self.layout.pp or sum(stages) != shape.n_layers or min(stages) < 1:
             raise ConfigError(f"stage_layers {list(stages)} must have {self.layout.pp} entries >= 1 summing to "
                               f"{shape.n_layers} layers")
+        if self.a2a_padding not in ("none", "capacity"):
+            raise ConfigError(f"a2a_padding must be 'none' or 'capacity'; got {self.a2a_padding!r}")
+        if self.trans_algorithm not in ("chain", "fanout"):
+            raise ConfigError(f"trans_algorithm must be 'chain' or 'fanout'; got {self.trans_algorithm!r}")
         if self.layer_scale is not None and len(self.layer_scale) != shape.n_layers:
             raise ConfigError(f"layer_scale needs one factor per layer ({shape.n_layers}); got {len(self.layer_scale)}")
 
@@ -184,8 +191,12 @@ def _moe_data(cost: CostModel, shape: ModelShape, spec: SimSpec, counts_GRE: np.
               placements: Sequence[ExpertPlacement]) -> _MoELayerData:
     """Per-micro-batch traffic and expert compute of one MoE layer on every EP group of a stage."""
     rounds, shadows, repl = [], [], []
+    cap = counts_GRE.max() / spec.micro_batches  # DeepSpeed's dropless capacity: max over ranks and experts
     for g, pl in enumerate(placements):
-        local_RE, remote_RE, own_RE = _split_placement(counts_GRE[g] / spec.micro_batches, pl)
+        c_RE = counts_GRE[g] / spec.micro_batches
+        if spec.a2a_padding == "capacity":
+            c_RE = np.full_like(c_RE, cap)
+        local_RE, remote_RE, own_RE = _split_placement(c_RE, pl)
         shadow = (np.zeros(local_RE.shape[0]), np.zeros(local_RE.shape[0]))
         if spec.moe_schedule == "fastermoe":
             # FasterMoE computes a rank's own tokens of shadowed experts separately, after the rounds.
