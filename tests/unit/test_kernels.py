@@ -128,3 +128,63 @@ def test_time_interleaved_counts_calls_and_orders_stats() -> None:
     assert calls == {"a": 7, "b": 7}
     for t in out.values():
         assert t.repeats == 5 and 0 <= t.min <= t.median <= t.max
+
+
+@pytest.mark.parametrize("threads, masked", [(2, False), (3, False), (2, True)])
+def test_threaded_row_split_matches_reference(threads: int, masked: bool) -> None:
+    """Enough rows that the CPU workers split them (ranges cut through experts, one expert empty)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        T, K, E, D, F = 300, 2, 5, 8, 12
+        probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05])
+        idx_TK = torch.stack([torch.multinomial(probs, K, generator=gen) for _ in range(T)])
+        active_TK = None
+        if masked:  # dropped or not-taken assignments: the scatter-add paths
+            active_TK = torch.rand(T, K, generator=gen) > 0.3
+        plan = make_plan(idx_TK, active_TK, E)
+        assert plan.counts_E[2] == 0 and plan.all_active == (not masked)
+        x = torch.randn(T, D, generator=gen)
+        w_TK = torch.rand(T, K, generator=gen)
+        ws = [torch.randn(E, F, D, generator=gen) * 0.3, torch.randn(E, F, D, generator=gen) * 0.3,
+              torch.randn(E, D, F, generator=gen) * 0.3]
+        g = torch.randn(T, D, generator=gen)
+        outs = []
+        for fused in (True, False):
+            leaves = [t.clone().requires_grad_() for t in (x, w_TK, *ws)]
+            x_ND = dispatch(leaves[0], plan)
+            if fused:
+                y_ND = swiglu_experts(x_ND, *leaves[2:], plan, "loop")
+                out = combine(y_ND, plan, leaves[1])
+            else:  # plain autograd: fancy indexing, per-expert loop, index_add
+                x_ND = leaves[0][plan.token_N]
+                y_ND = reference_experts(x_ND, *leaves[2:], plan)
+                w_N = leaves[1].reshape(-1)[plan.order_N]
+                out = torch.zeros(T, D).index_add(0, plan.token_N, y_ND * w_N[:, None])
+            out.backward(g)
+            outs.append((out.detach(), *[t.grad for t in leaves]))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.get_num_threads() == threads  # the workers restore the intra-op thread count
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_run_parallel_propagates_errors_and_restores_threads() -> None:
+    from moebal.kernels.workers import run_parallel
+
+    previous = torch.get_num_threads()
+    seen: list[int] = []
+
+    def ok() -> None:
+        seen.append(torch.get_num_threads())
+
+    def bad() -> None:
+        raise RuntimeError("task failed")
+
+    with pytest.raises(RuntimeError, match="task failed"):
+        run_parallel([ok, bad, ok])
+    assert torch.get_num_threads() == previous
+    run_parallel([ok, ok])
+    assert seen and all(n == 1 for n in seen)  # each task ran with one intra-op thread
