@@ -66,13 +66,18 @@ class SyntheticRouting:
     drift: float = 0.05
     source_spread: float = 0.0
     seed: int = 0
+    layer_zipf_s: tuple[float, ...] | None = None
+    """One exponent per layer (layers differ in skew); None: zipf_s for every layer."""
 
     def popularity(self, step: int) -> np.ndarray:
         """[L, E] expert shares of one step (deterministic in seed and step)."""
         L, E = self.num_layers, self.num_experts
         base = np.random.default_rng([self.seed, 0])
         perm = np.stack([base.permutation(E) for _ in range(L)])
-        logits = -self.zipf_s * np.log(perm + 1.0)
+        s_L = np.full(L, self.zipf_s) if self.layer_zipf_s is None else np.asarray(self.layer_zipf_s, float)
+        if s_L.shape != (L,):
+            raise ValueError(f"layer_zipf_s needs {L} exponents; got {s_L.shape[0]}")
+        logits = -s_L[:, None] * np.log(perm + 1.0)
         if step > 0 and self.drift > 0:
             walk = np.random.default_rng([self.seed, 1]).normal(0.0, self.drift, size=(step, L, E)).sum(axis=0)
             logits = logits + walk
