@@ -242,7 +242,8 @@ class CostModel:
         g = self.profile.gemm
         m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
         h = g.half_dim
-        eff = g.max_efficiency * efficiency * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+        with np.errstate(divide="ignore", invalid="ignore"):  # an empty GEMM (0 / 0 when half_dim is 0)
+            eff = g.max_efficiency * efficiency * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
         ws = (m * k + k * n + m * n) * self.act_bytes
         if g.cache_bytes > 0:
             # Operands that outgrow the cache run at a lower rate (CPU hosts: L2-resident vs streaming).
@@ -418,6 +419,35 @@ class CostModel:
         return Collective(kind, tuple(chain.tolist()),
                           (self._phase(kind, topo, src, dst, np.full(len(others), float(nbytes)), lat),))
 
+    def broadcast_many(self, topo: Topology, groups: Sequence[tuple[int, Sequence[int]]], nbytes: float,
+                       kind: str = "broadcast", algorithm: str = "chain") -> Collective:
+        """Several broadcasts (or reduces) of `nbytes` each, (root, members) per group, issued together: the
+        same as grouped() of the single ones, routed in one vectorised pass; the latency is the longest chain's
+        (or fan-out's) step count times the per-message latency of the union of the members."""
+        srcs, dsts, ranks, steps = [], [], set(), 0
+        for root, members in groups:
+            others = np.asarray([x for x in members if x != root], dtype=np.int64)
+            if others.size == 0:
+                continue
+            if algorithm == "fanout":
+                a, b = np.full(others.size, root), others
+            else:
+                others = others[np.lexsort((others, topo.node_R[others] != topo.node_R[root],
+                                            topo.node_R[others]))]
+                chain = np.concatenate([[root], others])
+                a, b = chain[:-1], chain[1:]
+            steps = max(steps, int(others.size))
+            srcs.append(a if kind == "broadcast" else b)
+            dsts.append(b if kind == "broadcast" else a)
+            ranks.update([int(root), *others.tolist()])
+        if not srcs or nbytes <= 0:
+            return Collective(kind, tuple(sorted(ranks)), ())
+        src, dst = np.concatenate(srcs), np.concatenate(dsts)
+        ck = "p2p" if algorithm == "fanout" else kind
+        lat = steps * self._lat(ck, topo, sorted(ranks))
+        ph = self._phase(ck, topo, src, dst, np.full(src.size, float(nbytes)), lat, world=len(ranks))
+        return Collective(kind, tuple(sorted(ranks)), (ph,))
+
     def reduce(self, topo: Topology, root: int, ranks: Sequence[int], nbytes: float) -> Collective:
         return self.broadcast(topo, root, ranks, nbytes, kind="reduce")
 
@@ -433,6 +463,23 @@ class CostModel:
         lat = others.size * self._lat("p2p", topo, [root, *others.tolist()])
         return Collective(kind, (root, *others.tolist()),
                           (self._phase("p2p", topo, src, dst, np.full(others.size, float(nbytes)), lat),))
+
+    @staticmethod
+    def grouped(colls: Sequence[Collective], kind: str) -> Collective:
+        """Single-phase collectives issued together (an NCCL group, batched point-to-point) as one: their bytes
+        add up per link, the slowest latency counts once."""
+        phases = [c.phases[0] for c in colls if c.phases]
+        if any(len(c.phases) > 1 for c in colls):
+            raise ValueError("grouped() takes single-phase collectives only")
+        ranks = tuple(sorted({r for c in colls for r in c.ranks}))
+        if not phases:
+            return Collective(kind, ranks, ())
+        links = np.concatenate([p.links for p in phases])
+        nbytes = np.concatenate([p.nbytes for p in phases])
+        uniq, inv = np.unique(links, return_inverse=True)
+        merged = Phase(links=uniq, nbytes=np.bincount(inv, weights=nbytes, minlength=uniq.shape[0]),
+                       latency_s=max(p.latency_s for p in phases), efficiency=min(p.efficiency for p in phases))
+        return Collective(kind, ranks, (merged,))
 
     def time_of(self, coll: Collective, topo: Topology) -> float:
         """Uncontended seconds: per phase, latency + the slowest link's bytes / capacity."""

@@ -445,26 +445,24 @@ class _Builder:
     # ---- placement traffic ----
     def _broadcasts(self, layer: int, g: int, stream: str, deps: list[list[int]] | None,
                     reduce: bool = False) -> list[int]:
-        """Trans (or Agg with reduce=True) of every replicated expert of layer `layer` in EP group g; returns
-        per group member the op id of its last one (-1 when it takes no part)."""
+        """Trans (or Agg with reduce=True) of every replicated expert of layer `layer` in EP group g, issued
+        together as one grouped operation (all chains progress at once and share the links); returns per group
+        member its op id (-1 when it takes no part)."""
         eng, cost, topo = self.eng, self.cost, self.topo
         ranks = self.lay.ep_groups(self.layer_stage(layer))[g]
         nbytes = self.shape.expert_params * (self.spec.grad_bytes if reduce else self.cost.act_bytes)
+        kind = "reduce" if reduce else "broadcast"
+        groups = [(int(ranks[o]), [int(ranks[h]) for h in hs]) for o, hs in self.moe[layer].replicated[g]]
         last = {int(r): -1 for r in ranks}
-        for owner_local, holders_local in self.moe[layer].replicated[g]:
-            root = int(ranks[owner_local])
-            members = [int(ranks[h]) for h in holders_local]
-            if self.spec.trans_algorithm == "fanout":
-                coll = cost.fanout(topo, root, members, nbytes, "reduce" if reduce else "broadcast")
-            else:
-                coll = (cost.reduce(topo, root, members, nbytes) if reduce
-                        else cost.broadcast(topo, root, members, nbytes))
-            pos = {int(r): i for i, r in enumerate(ranks)}
-            mdeps = [deps[pos[r]] if deps else () for r in coll.ranks]
-            ops = eng.collective(coll, stream, self.nm(f"L{layer} {'agg' if reduce else 'trans'}"),
-                                 "agg" if reduce else "trans", deps=mdeps)
-            for r, o in zip(coll.ranks, ops):
-                last[r] = o
+        if not groups:
+            return [-1] * len(ranks)
+        coll = cost.broadcast_many(topo, groups, nbytes, kind, self.spec.trans_algorithm)
+        pos = {int(r): i for i, r in enumerate(ranks)}
+        mdeps = [deps[pos[r]] if deps else () for r in coll.ranks]
+        ops = eng.collective(coll, stream, self.nm(f"L{layer} {'agg' if reduce else 'trans'}"),
+                             "agg" if reduce else "trans", deps=mdeps)
+        for r, o in zip(coll.ranks, ops):
+            last[r] = o
         return [last[int(r)] for r in ranks]
 
     def layer_stage(self, layer: int) -> int:

@@ -65,3 +65,25 @@ def test_human_output(capsys) -> None:
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_path) -> None:
+    """`moebal calibrate --from-records` (the fit without the minutes of measuring) writes a profile that
+    `moebal simulate --cluster PATH` accepts."""
+    rng = np.random.default_rng(0)
+    gemm = [{"dtype": dt, "m": m, "n": n, "k": k, "s": (2 * m * n * k / rate + 1e-5) * rng.uniform(0.98, 1.02)}
+            for dt, rate in (("fp32", 8e10), ("bf16", 3e11)) for m in (16, 256, 2048) for n, k in ((256, 256),
+                                                                                                  (1024, 512))]
+    coll = [{"kind": kind, "world": w, "bytes": b, "s": 2e-4 + b / 2e9}
+            for kind in ("p2p", "all_to_all", "all_reduce", "broadcast") for w in (2, 3) for b in (65536, 1 << 20)]
+    records = {"gemm": gemm, "memory": [{"op": "copy", "bytes": 1e7, "s": 5e-4}], "attention": [],
+               "collective": coll, "experts": [], "optimizer": [{"params": 1 << 20, "tensors": 8, "s": 2e-3}],
+               "overhead": [{"ops": 1, "s": 3e-5}, {"ops": 33, "s": 3.5e-4}]}
+    rec_path, prof_path = tmp_path / "records.json", tmp_path / "local.yaml"
+    rec_path.write_text(json.dumps(records))
+    assert main(["calibrate", "--from-records", str(rec_path), "--out", str(prof_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["flops"]["fp32"] == pytest.approx(8e10, rel=0.1)
+    out = _json(capsys, ["simulate", "--cluster", str(prof_path), "--ranks", "2", "--ep", "2", "--dtype", "fp32",
+                         "--json"])
+    assert out["meta"]["profile"] == "local" and out["iteration_time_s"] > 0

@@ -123,3 +123,46 @@ def test_moe_layer_costs_feed_the_pro_prophet_model() -> None:
     # a2a bandwidth grows with message size (latency-bound small messages)
     assert c.a2a_bw(1e4) < c.a2a_bw(1e6) < c.a2a_bw(1e8)
     assert layer_time(c, 2048, 2048, 0, 8) > 0
+
+
+def _synthetic_records(truth, rng) -> dict:
+    """Timings a machine described by `truth` would produce (with 2 % noise)."""
+    from moebal.planner.hardware_fit import collective_terms
+
+    cm = CostModel(truth, "fp32")
+    noise = lambda: float(rng.uniform(0.98, 1.02))  # noqa: E731
+    gemm = [{"dtype": "fp32", "m": m, "n": n, "k": k, "s": cm.gemm_s(m, n, k) * noise()}
+            for m in (16, 64, 256, 1024, 4096) for n, k in ((128, 128), (512, 256), (1024, 1024))]
+    mem = [{"op": "copy", "bytes": b, "s": b / truth.memory_bandwidth * noise()} for b in (1e7, 4e7)]
+    coll = []
+    for kind in ("p2p", "all_to_all", "all_reduce", "broadcast"):
+        for w in ((2,) if kind == "p2p" else (2, 3, 4)):
+            for b in (65536, 1 << 20, 1 << 23):
+                steps, demand = collective_terms(kind, w, b)
+                s = steps * truth.intra.latency_s + demand / truth.intra.bandwidth
+                coll.append({"kind": kind, "world": w, "bytes": b, "s": s * noise()})
+    return {"gemm": gemm, "memory": mem, "attention": [], "collective": coll}
+
+
+def test_calibration_fit_recovers_a_known_machine() -> None:
+    import dataclasses as dc
+
+    from moebal.planner.hardware import GemmSpec, LinkSpec
+    from moebal.planner.hardware_fit import fit_profile
+
+    base = load_profile("a100")
+    truth = dc.replace(base, flops={"fp32": 1e11}, gemm=GemmSpec(max_efficiency=1.0, half_dim=16.0, launch_s=1e-5),
+                       intra=LinkSpec(bandwidth=2e9, latency_s=2e-4), memory_bandwidth=2e10, memory_efficiency=1.0)
+    rec = _synthetic_records(truth, np.random.default_rng(0))
+    prof = fit_profile(rec, name="fit", description="", source=["test"], calibration={})
+    # parameters can trade off against each other (peak vs the cache term): check predictions on other shapes
+    fitted, true = CostModel(prof, "fp32"), CostModel(truth, "fp32")
+    for m, n, k in ((32, 768, 384), (512, 2048, 512), (2048, 256, 256)):
+        assert fitted.gemm_s(m, n, k) == pytest.approx(true.gemm_s(m, n, k), rel=0.06)
+    assert prof.memory_bandwidth == pytest.approx(2e10, rel=0.03)
+    assert prof.intra.bandwidth == pytest.approx(2e9, rel=0.05)
+    for kind in ("all_to_all", "all_reduce", "broadcast"):
+        spec = prof.collective(kind)
+        assert spec.efficiency_for(3) == pytest.approx(1.0, rel=0.1)
+        assert spec.latency_for(3) == pytest.approx(2e-4, rel=0.15)
+    assert prof.calibration["collectives"]["all_reduce"]["median_rel_error"] < 0.03

@@ -214,3 +214,55 @@ def test_trace_is_valid_json_with_one_track_per_rank(tmp_path) -> None:
     assert {e["pid"] for e in spans} == set(range(8))
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(res.iteration_time_s * 1e6, rel=1e-6)
+
+
+# ---- Pro-Prophet's worked example (docs of seed-002 section 6): unit costs, D = E = 4 ----------------------
+_C_RE = np.array([[40, 5, 5, 10], [30, 10, 10, 10], [30, 10, 10, 10], [20, 15, 15, 10]], dtype=float)
+
+
+def _unit_costs():
+    from moebal.planner.perf import MoELayerCosts
+
+    return MoELayerCosts(token_bytes=1.0, expert_param_bytes=50.0, expert_grad_bytes=50.0, expert_tokens_per_s=1.0,
+                         a2a_bandwidth=1.0, trans_bandwidth=1.0, agg_bandwidth=1.0, nonmoe_fwd_s=30.0,
+                         nonmoe_bwd_s=60.0)
+
+
+@pytest.mark.parametrize("replicas, eq6", [(((), (), (), ()), 680.0), (((1, 2, 3), (), (), ()), 430.0)])
+def test_simulated_moe_layer_reproduces_eq6(replicas, eq6) -> None:
+    from moebal.planner.perf import evaluate
+    from moebal.sim.layer import simulate_moe_layer
+
+    pl = ExpertPlacement(num_ranks=4, owner=(0, 1, 2, 3), replicas=replicas)
+    costs = _unit_costs()
+    assert evaluate(_C_RE, pl, costs).total_s == pytest.approx(eq6)
+    assert simulate_moe_layer(_C_RE, pl, costs) == pytest.approx(eq6)
+    # with the non-MoE compute around the layer, overlapping Trans/Agg never loses and never beats eq. 8
+    around = costs.nonmoe_fwd_s + costs.nonmoe_bwd_s
+    sim = simulate_moe_layer(_C_RE, pl, costs, overlap=True)
+    assert evaluate(_C_RE, pl, costs, overlap=True).total_s + around - 1e-9 <= sim <= eq6 + around + 1e-9
+
+
+def test_deepspeed_capacity_padding_sends_and_computes_the_maximum() -> None:
+    cm = CostModel("a100", "bf16")
+    counts = SyntheticRouting(num_layers=TINY.n_layers, num_experts=8, top_k=2, zipf_s=1.5).counts(1, 1, 8, 512)
+    exact = SimSpec(layout=Layout(8, ep=8), seq_len=512, optimizer=False)
+    padded = dataclasses.replace(exact, a2a_padding="capacity")
+    a, b = simulate(TINY, cm, exact, counts), simulate(TINY, cm, padded, counts)
+    assert b.bytes_by_link_class["nic_in"] > a.bytes_by_link_class["nic_in"]
+    assert b.iteration_time_s > a.iteration_time_s
+    assert np.ptp(b.busy_s) < 1e-9  # every expert computes the padded rows: ranks are equally busy
+    with pytest.raises(ConfigError, match="a2a_padding"):
+        simulate(TINY, cm, dataclasses.replace(exact, a2a_padding="pad"), counts)
+
+
+def test_fanout_loads_the_root_and_chains_do_not() -> None:
+    cm = CostModel("a100", "bf16")
+    topo = cm.topology(4)
+    fan = cm.fanout(topo, 0, range(4), 1e6)
+    chain = cm.broadcast(topo, 0, range(4), 1e6)
+    assert fan.phases[0].nbytes.max() == pytest.approx(3e6) and chain.phases[0].nbytes.max() == pytest.approx(1e6)
+    many = cm.broadcast_many(topo, [(0, [0, 1, 2]), (3, [3, 1])], 1e6)
+    ref = cm.grouped([cm.broadcast(topo, 0, [0, 1, 2], 1e6), cm.broadcast(topo, 3, [3, 1], 1e6)], "broadcast")
+    assert np.array_equal(many.phases[0].links, ref.phases[0].links)
+    assert np.allclose(many.phases[0].nbytes, ref.phases[0].nbytes) and many.ranks == ref.ranks
