@@ -26,9 +26,11 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DynamismConfig",
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",
+    "PipelineConfig",
     "PlannerConfig",
     "TrainConfig",
     "dump",
@@ -208,6 +210,122 @@ class PlannerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class PipelineConfig:
+    """Pipeline stages (parallel.pp > 1): schedule, micro-batches and per-iteration layer rebalancing."""
+
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule."""
+    micro_batches: int = 4
+    """Micro-batches per iteration (capped at the rows of a data-parallel shard)."""
+    rebalance: Literal["off", "partition", "diffusion"] = "off"
+    """Layer rebalancing: static, exact min-max partition by measured time, or DynMo diffusion (adjacent moves)."""
+    initial: Literal["uniform", "params"] = "uniform"
+    """Starting partition: equal layer counts (Megatron) or equal parameter counts (DeepSpeed)."""
+    every: int = 10
+    """Profile one iteration and plan every N steps."""
+    ema: float = 0.5
+    """Weight of the newest profile in the smoothed per-layer costs."""
+    repack: bool = False
+    """Merge stages onto fewer ranks when fewer run nearly as fast; the freed ranks leave (exit 0)."""
+    repack_slack: float = 0.1
+    """Largest predicted slowdown accepted to release ranks."""
+    min_stages: int = 2
+    """Never re-pack below this many stages."""
+    memory_cap: float | None = None
+    """Bytes a stage may hold (parameters, gradients, optimizer state, in-flight activations); null: no cap."""
+    wait: Literal["block", "spin"] = "block"
+    """Receives sleep (block) or busy-wait (spin: emulates dedicated devices on a shared CPU, benchmarks only)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class EarlyExitConfig:
+    """Early exit by hidden-state saturation (CALM): a token stops when cos(h_in, h_out) > threshold."""
+
+    threshold: float = 0.99
+    """Cosine similarity above which a token exits."""
+    first_layer: int | None = None
+    """First layer after which tokens may exit; null: n_layers / 4."""
+    start: int = 0
+    """Step at which the threshold starts to fall from 1 (nobody exits)."""
+    ramp_steps: int = 0
+    """Steps over which it falls to `threshold`."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoDConfig:
+    """Mixture-of-Depths: routed blocks process only the top `capacity` share of tokens."""
+
+    capacity: float = 0.125
+    """Share of a row's tokens a routed block keeps."""
+    every: int = 2
+    """Route every N-th layer ..."""
+    first_layer: int = 1
+    """... starting with this one."""
+    start: int = 0
+    """Step at which the capacity starts to fall from 1 (dense)."""
+    ramp_steps: int = 0
+    """Steps over which it falls to `capacity`."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class FreezingConfig:
+    """Front-to-back layer freezing on low parameter change."""
+
+    threshold: float = 0.01
+    """A layer freezes when its parameters moved less than this (relative) over a check window."""
+    check_every: int = 10
+    """Window length in steps."""
+    max_fraction: float = 0.5
+    """Freeze at most this share of the layers."""
+    start: int = 0
+    """First step at which layers may freeze."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PruningConfig:
+    """Gradual global magnitude pruning (Zhu-Gupta cubic schedule)."""
+
+    final_sparsity: float = 0.9
+    """Target sparsity of the prunable matrices at the last pruning step."""
+    initial_sparsity: float = 0.0
+    """Sparsity at `start`."""
+    start: int = 10
+    """t0 of the schedule; pruning steps are start + k * every, k = 1..steps."""
+    every: int = 10
+    """Steps between pruning steps."""
+    steps: int = 4
+    """Number of pruning steps (n)."""
+    kernel: Literal["auto", "dense", "csr"] = "auto"
+    """Masked dense, CSR, or whichever was measured faster per matrix (auto)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoECostConfig:
+    """MoE routing as the per-layer cost source."""
+
+    ep_size: int = 1
+    """Ranks the experts are spread over (>1: the busiest expert sets a layer's time)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DynamismConfig:
+    """Which dynamism scheme trains the model (and drifts per-layer cost), with each scheme's settings."""
+
+    scheme: Literal["none", "pruning", "freezing", "early_exit", "mod", "moe"] = "none"
+    """The scheme in use."""
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    """Settings of `early_exit`."""
+    mod: MoDConfig = field(default_factory=MoDConfig)
+    """Settings of `mod`."""
+    freezing: FreezingConfig = field(default_factory=FreezingConfig)
+    """Settings of `freezing`."""
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    """Settings of `pruning`."""
+    moe: MoECostConfig = field(default_factory=MoECostConfig)
+    """Settings of `moe`."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class Config:
     """A whole moebal run."""
 
@@ -225,6 +343,10 @@ class Config:
     """Parallel layout."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Expert placement planning (used when parallel.ep > 1)."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline schedule and layer rebalancing (used when parallel.pp > 1)."""
+    dynamism: DynamismConfig = field(default_factory=DynamismConfig)
+    """Dynamic-model scheme (pruning, freezing, early exit, Mixture-of-Depths, MoE routing cost)."""
 
     def __post_init__(self) -> None:
         _check_whole(self)
@@ -448,6 +570,7 @@ def _check_whole(c: Config) -> None:
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
     _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
 
+    _check_pipeline(c.pipeline)
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -473,6 +596,17 @@ def _check_moe(c: Config) -> None:
           "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
     _need(moe.every <= c.model.n_layers,
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
+
+
+def _check_pipeline(p: PipelineConfig) -> None:
+    _need(p.micro_batches >= 1 and p.every >= 1,
+          f"'pipeline.micro_batches' ({p.micro_batches}) and 'pipeline.every' ({p.every}) must be at least 1")
+    _need(0.0 < p.ema <= 1.0, f"'pipeline.ema' is the newest profile's weight, in (0, 1]; got {p.ema}")
+    _need(p.repack_slack >= 0.0, f"'pipeline.repack_slack' must be >= 0; got {p.repack_slack}")
+    _need(p.min_stages >= 2, f"'pipeline.min_stages' must be at least 2 (embedding and head keep their ranks); "
+                             f"got {p.min_stages}")
+    _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "
+                                                    f"got {p.memory_cap}")
 
 
 def _check_train(t: TrainConfig) -> None:

@@ -27,6 +27,7 @@ from moebal.errors import ConfigError
 
 TARGETS: dict[str, tuple[str, str]] = {
     "experts": ("moebal.commands.plan", "expert placement of MoE layers from a routing count matrix"),
+    "stages": ("moebal.pipeline.cli", "pipeline stage partitions of per-layer costs (uniform, partition, diffusion)"),
 }
 
 

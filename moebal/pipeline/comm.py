@@ -17,6 +17,7 @@ keeps its share of the CPU while it waits. It is a benchmark device, valid for r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Sequence
@@ -36,17 +37,18 @@ class _SpinBoard:
 
     def __init__(self, world: int) -> None:
         """Collective over the default group: rank 0 creates a fresh segment and tells the others its name."""
-        from multiprocessing import resource_tracker, shared_memory
+        from multiprocessing import shared_memory
 
         name = [f"moebal_pp_{os.getpid()}_{uuid.uuid4().hex[:12]}"]
         if dist.get_rank() == 0:
             self.shm = shared_memory.SharedMemory(name=name[0], create=True, size=world * world * 8)
             np.ndarray((world, world), dtype=np.int64, buffer=self.shm.buf)[:] = 0
         dist.broadcast_object_list(name, src=0)
-        if dist.get_rank() != 0:
+        self.owner = dist.get_rank() == 0
+        if not self.owner:
+            # Python < 3.13 registers an attached segment with the resource tracker too, which unlinks it when
+            # the process exits: harmless (unlinking only removes the name once everyone is attached)
             self.shm = shared_memory.SharedMemory(name=name[0], create=False)
-            # Python's resource tracker would unlink the segment when this attaching process exits.
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
         dist.barrier()
         self.counts = np.ndarray((world, world), dtype=np.int64, buffer=self.shm.buf)
         self.seen = np.zeros(world, dtype=np.int64)
@@ -65,6 +67,9 @@ class _SpinBoard:
     def close(self) -> None:
         del self.counts
         self.shm.close()
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):  # an attached process's resource tracker was first
+                self.shm.unlink()
 
 
 class PipeChain:
@@ -178,5 +183,5 @@ class PipeChain:
     def close(self) -> None:
         self.flush()
         if self._board is not None:
-            self._board.close()  # rank 0's segment is unlinked by its resource tracker when it exits
+            self._board.close()
             self._board = None

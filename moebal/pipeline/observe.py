@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "pick_clock", "static_bytes"]
+__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "pick_clock", "static_bytes", "transfer_bytes"]
 
 
 def pick_clock(device: torch.device) -> Callable[[], float]:
@@ -126,6 +126,22 @@ def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
                     total += v.numel() * v.element_size()
     for b in module.buffers():
         total += b.numel() * b.element_size()
+    return float(total)
+
+
+def transfer_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
+    """What migrating the module sends between iterations: its state (parameters, buffers), its optimizer state
+    and any gradient that exists now (none after the optimizer step)."""
+    total = 0
+    for t in module.state_dict().values():
+        total += t.numel() * t.element_size()
+    for p in module.parameters():
+        if p.grad is not None:
+            total += p.grad.numel() * p.grad.element_size()
+        if optimizer is not None:
+            for v in optimizer.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
     return float(total)
 
 

@@ -39,7 +39,7 @@ from moebal.pipeline.comm import PipeChain
 from moebal.pipeline.dynamism import Dynamism, SchemeContext
 from moebal.pipeline.engine import IterationResult, PipelineEngine
 from moebal.pipeline.migrate import MigrationReport, migrate_layers
-from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes
+from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes, transfer_bytes
 from moebal.pipeline.partition import (
     StagePartition,
     diffuse,
@@ -180,6 +180,7 @@ class PipelineRunner:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._want_after_gantt = False
         self.static_mem = np.zeros(self.L + 2)
+        self.move_bytes = np.zeros(self.L + 2)
 
     # ---- construction ----
     def _build(self, cfg: Config) -> None:
@@ -232,13 +233,31 @@ class PipelineRunner:
     # ---- the loop ----
     def train(self, steps: int) -> RunSummary:
         """Run steps until `steps` (1-based step count) or until this rank is released."""
+        self.start()
+        try:
+            while self.step < steps and not self.released:
+                self.train_step()
+            return self.summary()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release this runner's communication resources (the spin board)."""
+        self.chain.close()
+
+    def start(self) -> None:
+        """Measure the links when planning needs them (collective along the chain); `train` calls it."""
         if self._planning() and self.bandwidth is None:
             self._measure_links()
         self.bandwidth = self.bandwidth or 1e9
-        while self.step < steps and self.released_at is None:
-            self.train_step()
+
+    @property
+    def released(self) -> bool:
+        return self.released_at is not None
+
+    def summary(self) -> RunSummary:
         self.chain.flush()
-        return RunSummary(rank=self.dims.rank, released=self.released_at is not None, released_at=self.released_at,
+        return RunSummary(rank=self.dims.rank, released=self.released, released_at=self.released_at,
                           records=self.records, plans=self.plans, final_sizes=list(self.sizes), gantt=self.gantt)
 
     def _planning(self) -> bool:
@@ -374,46 +393,53 @@ class PipelineRunner:
 
     # ---- observe ----
     def _measure_links(self) -> None:
-        """One-way time of an activation-sized message between chain neighbours (median of 5 round trips)."""
-        B = max(1, self.cfg.data.batch_size // max(self.dp, 1) // self.opts.micro_batches)
-        t = torch.zeros(B, self.cfg.data.seq_len, self.cfg.model.dim)
-        nbytes = t.numel() * t.element_size()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            if not self.chain.is_last:
-                self.chain.send(t, self.chain.next)
-            if not self.chain.is_first:
-                self.chain.recv(t, self.chain.prev)
-                self.chain.send(t, self.chain.prev)
-            if not self.chain.is_last:
-                self.chain.recv(t, self.chain.next)
-            self.chain.flush()
-            times.append((time.perf_counter() - t0) / 2)
-        mine = float(np.median(times)) if not self.chain.is_last else 0.0
-        v = torch.zeros(2, dtype=torch.float64)
-        v[0], v[1] = mine, 0.0 if self.chain.is_last else 1.0
+        """Latency and bandwidth between chain neighbours: round trips of a 4 KiB and a 4 MiB message (median
+        of 3 each); an activation transfer and a layer migration are then costed as latency + bytes/bandwidth.
+        (A single activation-sized ping mostly measures latency and made every migration look too dear.)"""
+        one_way = []
+        for nbytes in (4096, 4 << 20):
+            t = torch.zeros(nbytes // 4)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                if not self.chain.is_last:
+                    self.chain.send(t, self.chain.next)
+                if not self.chain.is_first:
+                    self.chain.recv(t, self.chain.prev)
+                    self.chain.send(t, self.chain.prev)
+                if not self.chain.is_last:
+                    self.chain.recv(t, self.chain.next)
+                self.chain.flush()
+                times.append((time.perf_counter() - t0) / 2)
+            one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
+        v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)
         tot = self.chain.allreduce_sum(v)
-        self.comm_s = float(tot[0] / max(tot[1], 1.0))
-        self.bandwidth = nbytes / max(self.comm_s, 1e-9)
+        n = max(float(tot[2]), 1.0)
+        latency, big = float(tot[0]) / n, float(tot[1]) / n
+        self.bandwidth = ((4 << 20) - 4096) / max(big - latency, 1e-9)
+        B = max(1, self.cfg.data.batch_size // max(self.dp, 1) // self.opts.micro_batches)
+        act_bytes = B * self.cfg.data.seq_len * self.cfg.model.dim * 4
+        self.comm_s = latency + act_bytes / self.bandwidth
 
     def _observe(self, res: IterationResult) -> None:
         assert self.engine.profiler is not None
         prof = self.engine.profiler.result(self.engine.owned_slots())
         owned = prof.fwd >= 0
         L2 = self.L + 2
-        vec = torch.zeros(4 * L2, dtype=torch.float64)
+        vec = torch.zeros(5 * L2, dtype=torch.float64)
         vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
         vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
         vec[2 * L2:3 * L2] = torch.from_numpy(np.where(owned, prof.act_bytes, 0.0))
         for slot, m in self.stage.slot_modules().items():
             vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
+            vec[4 * L2 + slot] = transfer_bytes(m, self.optimizer)
         if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
             dist.all_reduce(vec, group=self.dp_group)
             vec /= self.dp
         tot = self.chain.allreduce_sum(vec).numpy()
         self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2])
-        self.static_mem = tot[3 * L2:]
+        self.static_mem = tot[3 * L2:4 * L2]
+        self.move_bytes = tot[4 * L2:]
 
     # ---- plan and apply ----
     def _memory(self) -> tuple[np.ndarray, float, float]:
@@ -472,7 +498,7 @@ class PipelineRunner:
         else:
             proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
         M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
-        layer_bytes = self.static_mem[:self.L]
+        layer_bytes = self.move_bytes[:self.L]
         adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
                                          float(self.bandwidth or 1e9), self.opts.latency, comm_s=self.comm_s, **kw)
         t_cur = iteration_time(stage_loads(costs, self.sizes, **kw), M, self.comm_s)
@@ -559,7 +585,9 @@ class PipelineRunner:
             "stages": len(busy), "sizes": list(self.sizes), "stage_busy_s": [round(b, 6) for b in busy],
             "stage_cpu_s": [round(b, 6) for b in busy_cpu],
             "pipeline_s": round(run, 6), "bubble_ratio": round(1 - sum(busy) / max(len(busy) * run, 1e-12), 4),
-            "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0, "overhead_s": round(overhead, 6),
+            "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0,
+            "cpu_imbalance": round(imbalance(busy_cpu), 4) if busy_cpu and sum(busy_cpu) > 0 else 1.0,
+            "overhead_s": round(overhead, 6),
             "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics()}
         if self.tracker.ready:
             loads = stage_loads(self.tracker.layer_costs(), self.sizes, **self._loads_kw())

@@ -1,0 +1,66 @@
+"""Per-stage timelines (Gantt charts) of one pipeline iteration, before and after rebalancing.
+
+A timeline is a list of rows (stage, kind, micro-batch, start, end), kind 0 = forward and 1 = backward, times
+in seconds from the iteration's first op (`PipelineRunner` keeps one before the first adopted plan and one
+after the latest). matplotlib is imported only when drawing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["draw_gantt", "timeline_stats", "write_gantt"]
+
+Row = Sequence[float]
+
+
+def timeline_stats(rows: Sequence[Row]) -> dict[str, Any]:
+    """Makespan, per-stage busy time and the bubble ratio 1 - busy / (stages x makespan) of a timeline."""
+    if not rows:
+        return {"makespan_s": 0.0, "busy_s": [], "bubble_ratio": 0.0}
+    stages = sorted({int(r[0]) for r in rows})
+    makespan = max(r[4] for r in rows) - min(r[3] for r in rows)
+    busy = [sum(r[4] - r[3] for r in rows if int(r[0]) == s) for s in stages]
+    bubble = 1.0 - sum(busy) / max(len(stages) * makespan, 1e-12)
+    return {"makespan_s": makespan, "busy_s": busy, "bubble_ratio": bubble}
+
+
+def draw_gantt(ax: Any, rows: Sequence[Row], title: str = "", xmax: float | None = None) -> None:
+    """One timeline on a matplotlib axis: a lane per stage, forwards light, backwards dark, micro-batch numbers."""
+    stages = sorted({int(r[0]) for r in rows})
+    lane = {s: i for i, s in enumerate(stages)}
+    for stage, kind, mb, start, end in rows:
+        y = lane[int(stage)]
+        color = "#9ecae1" if kind == 0 else "#3182bd"
+        ax.barh(y, end - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.4)
+        if end - start > 0.02 * (xmax or max(r[4] for r in rows)):
+            ax.text((start + end) / 2, y, str(int(mb)), ha="center", va="center", fontsize=6,
+                    color="black" if kind == 0 else "white")
+    st = timeline_stats(rows)
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    if xmax is not None:
+        ax.set_xlim(0, xmax)
+    ax.set_title(f"{title}  (iteration {st['makespan_s'] * 1e3:.0f} ms, bubble {st['bubble_ratio']:.0%})",
+                 fontsize=9)
+
+
+def write_gantt(before: Sequence[Row], after: Sequence[Row], path: str | Path, title: str = "") -> Path:
+    """Two timelines on a shared time axis, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(rows, name) for rows, name in ((before, "before rebalancing"), (after, "after")) if rows]
+    fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(10, 1.2 + 1.1 * max(len(panels), 1) * 2), squeeze=False)
+    xmax = max((r[4] for rows, _ in panels for r in rows), default=1.0)
+    for ax, (rows, name) in zip(axes[:, 0], panels):
+        draw_gantt(ax, rows, f"{title} {name}".strip(), xmax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

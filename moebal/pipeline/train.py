@@ -1,0 +1,137 @@
+"""`moebal train --pp P`: one rank's pipeline run from a Config, writing the run directory on global rank 0.
+
+Run directory (rank 0, which is never released: it holds the embedding): `config.yaml`, `metrics.jsonl`
+(one line per step: loss, step time, tokens/s, layers per stage, per-stage busy time, bubble ratio, measured
+and predicted imbalance, migrations, bytes moved, released ranks, the scheme's state), `plans.jsonl` (every
+stage plan, adopted or not, with its predicted times, gain and migration cost), `dashboard.png` (the loss)
+and `pipeline.png` (a Gantt chart of one iteration before the first adopted plan and after the latest),
+`summary.json`. A released rank prints that it was released and returns 0; training goes on without it.
+
+Not in pipeline mode (yet): checkpoints and resume, validation passes, expert parallelism inside a stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moebal.config import Config, dump
+from moebal.errors import ConfigError
+from moebal.pipeline.dynamism import Dynamism, build_dynamism
+from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+
+__all__ = ["options_from_config", "run_pipeline", "scheme_from_config"]
+
+
+def options_from_config(cfg: Config) -> PipelineOptions:
+    p = cfg.pipeline
+    return PipelineOptions(schedule=p.schedule, micro_batches=p.micro_batches, rebalance=p.rebalance,
+                           initial=p.initial, every=p.every, ema=p.ema, repack=p.repack, repack_slack=p.repack_slack,
+                           min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait)
+
+
+def scheme_from_config(cfg: Config) -> Dynamism:
+    name = cfg.dynamism.scheme
+    options = {} if name == "none" else dataclasses.asdict(getattr(cfg.dynamism, name))
+    return build_dynamism(name, options, cfg=cfg)
+
+
+def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
+    """Train `cfg` as a pipeline on this rank (torchrun environment); returns the process exit code."""
+    import torch.distributed as dist
+
+    from moebal.dist.groups import ParallelDims
+    from moebal.train.trainer import default_threads
+
+    if cfg.parallel.ep not in (None, 1):
+        raise ConfigError("pipeline parallelism with expert parallelism is not supported yet: with parallel.pp > 1 "
+                          "set parallel.ep=1 (the other ranks of a stage are data-parallel replicas)")
+    wall0 = time.perf_counter()
+    torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
+    dims = ParallelDims.from_env(ep=1, pp=cfg.parallel.pp).init()
+    main = dims.rank == 0
+    runner: PipelineRunner | None = None
+    try:
+        runner = PipelineRunner(cfg, options_from_config(cfg), scheme=scheme_from_config(cfg), dims=dims,
+                                device=dims.device)
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            dump(cfg, out / "config.yaml")
+            sys.stderr.write(f"moebal train: {cfg.name}, {cfg.parallel.pp}-stage pipeline x {dims.dp} data-parallel, "
+                             f"{cfg.pipeline.schedule} with {cfg.pipeline.micro_batches} micro-batches, rebalance "
+                             f"{cfg.pipeline.rebalance}, dynamism {cfg.dynamism.scheme}, run directory {out}\n")
+        result = _loop(runner, cfg, out, main)
+        if runner.released:
+            sys.stderr.write(f"moebal train: rank {dims.rank} released at step {runner.released_at} "
+                             f"(re-packed onto fewer stages); exiting\n")
+            return 0
+        if main:
+            _finish(runner, result, cfg, out, time.perf_counter() - wall0, json_summary)
+        return 0
+    finally:
+        if runner is not None:
+            runner.close()
+        if dist.is_initialized():
+            dims.close()  # local for gloo: a released rank leaves without waiting for the others
+
+
+def _loop(runner: PipelineRunner, cfg: Config, out: Path, main: bool) -> dict[str, Any]:
+    runner.start()
+    metrics = (out / "metrics.jsonl").open("w", encoding="utf-8") if main else None
+    n_plans = 0
+    t0 = time.perf_counter()
+    try:
+        while runner.step < cfg.train.steps and not runner.released:
+            rec = runner.train_step()
+            if metrics is not None:
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                if len(runner.plans) > n_plans:
+                    with (out / "plans.jsonl").open("a", encoding="utf-8") as f:
+                        for plan in runner.plans[n_plans:]:
+                            f.write(json.dumps(plan) + "\n")
+                    n_plans = len(runner.plans)
+                if rec["step"] % max(1, cfg.train.log_every * 10) == 0 or rec["step"] == cfg.train.steps:
+                    sys.stderr.write(f"step {rec['step']:>5}  loss {rec['loss']:.4f}  {rec['tokens_per_s']:.0f} tok/s  "
+                                     f"stages {rec['sizes']}  bubble {rec['bubble_ratio']:.2f}\n")
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return {"train_seconds": time.perf_counter() - t0}
+
+
+def _finish(runner: PipelineRunner, result: dict[str, Any], cfg: Config, out: Path, wall: float,
+            json_summary: bool) -> None:
+    from moebal.pipeline.gantt import write_gantt
+    from moebal.train.dashboard import write_dashboard
+
+    recs = runner.records
+    tail = recs[-max(1, len(recs) // 10):]
+    tokens = sum(r["tokens"] for r in recs)
+    moves = [r for r in recs if r.get("migration")]
+    summary = {
+        "steps": runner.step, "train_loss": sum(r["loss"] for r in tail) / len(tail), "tokens": tokens,
+        "tokens_per_s": tokens / max(sum(r["step_time_s"] for r in recs), 1e-9), "wall_seconds": wall,
+        "train_seconds": result["train_seconds"], "final_sizes": runner.sizes, "stages": len(runner.sizes),
+        "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
+        "bytes_moved": sum(r["bytes_moved"] for r in moves),
+        "released_ranks": sorted({x for r in recs for x in r.get("released_ranks", [])}),
+        "bubble_ratio_last": tail[-1]["bubble_ratio"], "run_dir": str(out)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_dashboard(recs, out / "dashboard.png", title=f"{cfg.name}: pipeline of {cfg.parallel.pp} stages")
+    if runner.gantt:
+        write_gantt(runner.gantt.get("before", []), runner.gantt.get("after", []), out / "pipeline.png",
+                    title=cfg.dynamism.scheme)
+    if json_summary:
+        print(json.dumps(summary))
+    else:
+        print(f"moebal train: {summary['steps']} steps, loss {summary['train_loss']:.4f}, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, stages {summary['final_sizes']}, "
+              f"{summary['layers_moved']} layer moves ({summary['bytes_moved'] / 1e6:.1f} MB), released ranks "
+              f"{summary['released_ranks'] or 'none'}\n  run directory: {out}")

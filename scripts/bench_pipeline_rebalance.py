@@ -1,0 +1,303 @@
+"""Pipeline rebalancing for dynamic models: real 4-stage runs, static vs partition vs diffusion, per scheme.
+
+One job of 4 gloo ranks x 1 thread trains a 16-layer GPT (dim 128, 8 micro-batches of one 128-token row per
+iteration) as a 4-stage 1F1B pipeline. For each dynamism scheme it runs, interleaved round by round, the same
+training with the three balancers:
+
+  static     the uniform partition all along (Megatron's), no profiling
+  partition  every 5 steps: profile, exact min-max partition by measured time, adopt when worth it, migrate
+  diffusion  same cadence, DynMo's diffusion restricted to adjacent-stage boundary moves
+
+The dynamism sets in during the first ~20 steps (each scheme's settings are in SCHEMES below, with why);
+throughput is tokens / wall seconds over the steps after `settle` (including every profiling, planning and
+migration in that window). A re-pack experiment (early exit, partition with and without re-packing) checks
+that ranks are released and what that costs.
+
+Interleaving: the variants of one scheme train side by side in the same 4 processes, one step of each in turn
+(the order rotates every step), so the load of a shared machine, which swings by +-50% over a minute here,
+hits them alike; every variant reads the same batches and computes the same losses (migration changes no
+maths), which the script checks.
+
+Waiting (`--wait`): 4 ranks share 2 cores here. With blocking receives an idle stage sleeps and lends its core
+to the busy ones, which no GPU can do, so imbalance costs little and balancing gains little: the machine's
+total work / 2 cores bounds every partition alike. `spin` (the default) emulates dedicated devices: waiting
+ranks busy-wait and keep their share of the CPU, and a released rank keeps spinning until the run ends (a
+released GPU does not speed up the others: in the interleaved loop a released rank goes on to the next
+variant's step and spins there). `--wait both` also runs the blocking variant (reported apart).
+
+    python scripts/bench_pipeline_rebalance.py [--quick] [--json FILE] [--png FILE] [--wait spin|block|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from moebal.config import Config, from_dict, to_dict
+from moebal.dist.testing import run_ranks
+from moebal.kernels.bench import environment
+
+BALANCERS = ("static", "partition", "diffusion")
+
+# Each scheme's settings. Thresholds were chosen once on this model so that the dynamism has set in by step ~20.
+SCHEMES: dict[str, dict[str, Any]] = {
+    # CALM-style hidden-state saturation; exits allowed from layer L/4 (the default); the threshold ramps from
+    # 1 (no exit) at step 8 to 0.99 at step 18
+    "early_exit": {"threshold": 0.99, "first_layer": 4, "start": 8, "ramp_steps": 10},
+    # front-to-back freezing when a layer's parameters moved < 1% over a 5-step window, up to half the layers
+    "freezing": {"threshold": 0.01, "check_every": 5, "max_fraction": 0.5, "start": 5},
+    # Raposo's 12.5% capacity on every other block, the first quarter of the network kept dense (its
+    # first routed block is layer 4); capacity ramps from 1 at step 8 to 0.125 at step 18
+    "mod": {"capacity": 0.125, "every": 2, "first_layer": 4, "start": 8, "ramp_steps": 10},
+    # Zhu-Gupta to 90% at steps 5, 10, 15 (n = 3), CSR kernel where measured faster than masked dense
+    "pruning": {"final_sparsity": 0.9, "start": 0, "every": 5, "steps": 3, "kernel": "auto"},
+    # MoE layers with adaptive top-2 gating (a token takes its second expert only when the gap is <= 0.1): the
+    # per-layer expert work follows the routing
+    "moe": {},
+}
+QUICK_SCHEMES = ("early_exit", "freezing", "mod")
+
+
+def bench_config(steps: int, scheme: str) -> Config:
+    moe = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 192, "adaptive_threshold": 0.1, "kernel": "loop"} \
+        if scheme == "moe" else {"num_experts": 0}
+    return from_dict({
+        "name": f"bench-pipeline-{scheme}",
+        "model": {"dim": 128, "n_layers": 16, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": 128},
+        "moe": moe,
+        "data": {"seq_len": 128, "batch_size": 8, "max_bytes": 2_000_000},
+        "train": {"steps": steps, "warmup_steps": 5, "lr": 3e-3, "seed": 0},
+        "parallel": {"pp": 4, "nproc": 4}})
+
+
+VARIANTS = {"static": ("off", False), "partition": ("partition", False), "diffusion": ("diffusion", False),
+            "partition+repack": ("partition", True)}
+
+
+def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Train one scheme under every variant at once, one step of each in turn (order rotated every step), so the
+    shared machine's drifts hit all variants alike."""
+    from moebal.pipeline.dynamism import build_dynamism
+    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+
+    runners, load0 = {}, os.getloadavg()[0]
+    for name in group["variants"]:
+        cfg = bench_config(group["steps"], group["scheme"])
+        bal, repack = VARIANTS[name]
+        opts = PipelineOptions(micro_batches=8, rebalance=bal, every=5, repack=repack, wait=group["wait"])
+        runners[name] = PipelineRunner(cfg, opts, scheme=build_dynamism(group["scheme"], SCHEMES[group["scheme"]],
+                                                                        cfg=cfg))
+        runners[name].start()
+    names = list(runners)
+    t0 = time.perf_counter()
+    for step in range(group["steps"]):
+        k = step % len(names)
+        for name in names[k:] + names[:k]:
+            if not runners[name].released:  # a released rank skips that run; it waits in the next one
+                runners[name].train_step()
+    wall = time.perf_counter() - t0
+    if rank != 0:
+        return None
+    out = []
+    for name, r in runners.items():
+        s = r.summary()
+        out.append({"scheme": group["scheme"], "wait": group["wait"], "round": group["round"], "variant": name,
+                    "balancer": VARIANTS[name][0].replace("off", "static"), "repack": VARIANTS[name][1],
+                    "records": s.records, "plans": s.plans, "gantt": s.gantt, "wall_s": wall,
+                    "load_before": load0, "load_after": os.getloadavg()[0]})
+    return out
+
+
+def _rank_main(rank: int, world: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    for group in groups:
+        t0 = time.perf_counter()
+        res = _run_group(rank, group)
+        dist.barrier()
+        if res is not None:
+            results += res
+            print(f"  {group['scheme']:<10} wait={group['wait']:<5} {', '.join(group['variants'])}: "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
+    recs = run["records"]
+    win = [r for r in recs if r["step"] > settle]
+    step_s = sum(r["step_time_s"] for r in win)
+    plain = [r["step_time_s"] for r in win if not r["profiled"]]
+    base = statistics.median(plain) if plain else 0.0
+    profile_extra = sum(max(r["step_time_s"] - base, 0.0) for r in win if r["profiled"])
+    overhead = sum(r["overhead_s"] for r in win) + profile_extra
+    moves = [r for r in recs if r.get("migration")]
+    released = sorted({x for r in recs for x in r.get("released_ranks", [])})
+    last = recs[-1]
+    return {
+        "scheme": run["scheme"], "balancer": run["balancer"], "repack": run["repack"], "wait": run["wait"],
+        "round": run["round"], "variant": run["variant"], "repack_experiment": run["repack"],
+        "throughput": sum(r["tokens"] for r in win) / step_s,
+        "window_steps": [win[0]["step"], win[-1]["step"]],
+        "median_step_s": statistics.median(r["step_time_s"] for r in win),
+        "overhead_fraction": overhead / step_s, "planning_migration_s": sum(r["overhead_s"] for r in win),
+        "profiling_extra_s": profile_extra,
+        "bubble_ratio": statistics.median(r["bubble_ratio"] for r in win),
+        "cpu_imbalance": statistics.median(r["cpu_imbalance"] for r in win),
+        "stage_cpu_s": last["stage_cpu_s"], "final_sizes": last["sizes"], "stages_at_end": last["stages"],
+        "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
+        "bytes_moved": sum(r["bytes_moved"] for r in moves), "released_ranks": released,
+        "scheme_state": {k: last[k] for k in ("survival", "frozen_layers", "mod_capacity", "layer_density",
+                                               "sparsity_target", "predicted_cost", "csr_matrices_here")
+                         if k in last},
+        "loss_last": last["loss"], "load_before": run["load_before"], "load_after": run["load_after"],
+        "wall_s": run["wall_s"]}
+
+
+def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str]) -> list[dict[str, Any]]:
+    groups = []
+    for r in range(rounds):
+        for wait in waits:
+            for scheme in schemes:
+                variants = list(BALANCERS) + (["partition+repack"] if scheme == "early_exit" and wait == "spin" else [])
+                groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps, "variants": variants})
+    return groups
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median throughput per (wait, scheme, balancer) and the targets' ratios."""
+    med: dict[tuple[str, str, str], float] = {}
+    plain = [r for r in rows if not r.get("repack_experiment")]
+    for key in {(r["wait"], r["scheme"], r["balancer"]) for r in plain}:
+        med[key] = statistics.median(r["throughput"] for r in plain if (r["wait"], r["scheme"], r["balancer"]) == key)
+    out: dict[str, Any] = {"speedup": {}, "targets": {}}
+    for (wait, scheme, bal), tp in sorted(med.items()):
+        if bal != "static" and (wait, scheme, "static") in med:
+            out["speedup"][f"{wait}/{scheme}/{bal}"] = round(tp / med[(wait, scheme, "static")], 3)
+    goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
+    for scheme, target in goal.items():
+        best = max(out["speedup"].get(f"spin/{scheme}/{b}", 0.0) for b in ("partition", "diffusion"))
+        if f"spin/{scheme}/partition" in out["speedup"]:
+            out["targets"][f"{scheme}: best rebalanced / static >= {target}"] = {"measured": best,
+                                                                                  "met": best >= target}
+    dyn = [r for r in rows if r["balancer"] != "static" and not r.get("repack_experiment")]
+    if dyn:
+        worst = max(r["overhead_fraction"] for r in dyn)
+        out["targets"]["rebalancing overhead <= 5% of training time (worst run)"] = {
+            "measured": round(worst, 4), "met": worst <= 0.05,
+            "median": round(statistics.median(r["overhead_fraction"] for r in dyn), 4)}
+    packed = [r for r in rows if r["repack"]]
+    unpacked = [r for r in rows if r["variant"] == "partition" and any(p["round"] == r["round"] and p["scheme"] ==
+                                                                       r["scheme"] and p["wait"] == r["wait"]
+                                                                       for p in packed)]
+    if packed and unpacked:
+        ratio = (statistics.median(r["throughput"] for r in packed)
+                 / statistics.median(r["throughput"] for r in unpacked))
+        released = min(len(r["released_ranks"]) for r in packed)
+        out["targets"]["re-pack releases >= 1 of 4 ranks, throughput within 10% of unpacked"] = {
+            "released_ranks": released, "throughput_ratio": round(ratio, 3), "met": released >= 1 and ratio >= 0.9}
+    return out
+
+
+def write_png(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moebal.pipeline.gantt import draw_gantt
+
+    spin = [r for r in rows if r["wait"] == "spin" and not r.get("repack_experiment")]
+    schemes = sorted({r["scheme"] for r in spin}, key=list(SCHEMES).index)
+    gantt = next((g["gantt"] for g in runs if g["scheme"] == "early_exit" and g["variant"] == "partition"
+                  and "before" in g["gantt"] and "after" in g["gantt"]), None)
+    fig = plt.figure(figsize=(12, 9 if gantt else 4.5))
+    grid = fig.add_gridspec(3 if gantt else 1, 1, height_ratios=[1.4, 1, 1] if gantt else [1])
+    ax = fig.add_subplot(grid[0])
+    width = 0.27
+    for k, bal in enumerate(BALANCERS):
+        vals = [[r["throughput"] for r in spin if r["scheme"] == s and r["variant"] == bal] for s in schemes]
+        meds = [statistics.median(v) if v else 0 for v in vals]
+        lo = [m - min(v) if v else 0 for m, v in zip(meds, vals)]
+        hi = [max(v) - m if v else 0 for m, v in zip(meds, vals)]
+        ax.bar([i + (k - 1) * width for i in range(len(schemes))], meds, width, yerr=[lo, hi], capsize=3, label=bal)
+    ax.set_xticks(range(len(schemes)), schemes)
+    ax.set_ylabel("tokens / s after the dynamism set in")
+    ax.set_title("4-stage pipeline, 4 ranks x 1 thread (spin waits: dedicated-device emulation); median, min-max")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    if gantt:
+        xmax = max(r[4] for part in ("before", "after") for r in gantt[part])
+        draw_gantt(fig.add_subplot(grid[1]), gantt["before"], "early exit, one iteration before rebalancing", xmax)
+        draw_gantt(fig.add_subplot(grid[2]), gantt["after"], "after (partition by measured time)", xmax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="early exit, freezing, MoD; one round; shorter runs")
+    ap.add_argument("--json", type=Path, help="write the records here")
+    ap.add_argument("--png", type=Path, help="write the chart here (default: next to --json)")
+    ap.add_argument("--wait", choices=["spin", "block", "both"], default="spin")
+    ap.add_argument("--schemes", help="comma-separated subset of " + ",".join(SCHEMES))
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every group this many times (default 1)")
+    ap.add_argument("--steps", type=int, help="steps per run (default 45, quick 35)")
+    args = ap.parse_args(argv)
+    schemes = args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
+    unknown = set(schemes) - set(SCHEMES)
+    if unknown:
+        ap.error(f"unknown schemes {sorted(unknown)}; choose from {', '.join(SCHEMES)}")
+    rounds = args.rounds
+    steps = args.steps or (35 if args.quick else 45)
+    settle = steps - (15 if args.quick else 20)
+    waits = ["spin", "block"] if args.wait == "both" else [args.wait]
+    groups = build_groups(schemes, rounds, steps, waits)
+    print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
+          file=sys.stderr)
+    t0 = time.time()
+    runs = run_ranks(_rank_main, 4, groups, timeout_s=7200, threads=1)[0]
+    rows = [summarise_run(r, settle) for r in runs]
+    same_losses = {}
+    for r in runs:
+        key = f"{r['wait']}/{r['scheme']}/round{r['round']}"
+        same_losses.setdefault(key, []).append([x["loss"] for x in r["records"]])
+    same_losses = {k: all(v == ls[0] for v in ls) for k, ls in same_losses.items()}
+    report = {"benchmark": "pipeline_rebalance", "records": rows,
+              "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
+              "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": SCHEMES,
+                         "micro_batches": 8, "schedule": "1f1b", "every": 5, "steps": steps, "settle": settle,
+                         "rounds": rounds, "ranks": 4, "threads_per_rank": 1},
+              "env": {**environment(), "git": _git(), "wall_s": round(time.time() - t0, 1)}}
+    for r in rows:
+        print(f"{r['wait']:<5} {r['scheme']:<10} {r['variant']:<17}"
+              f"{r['throughput']:8.1f} tok/s  bubble {r['bubble_ratio']:.2f}  cpu max/mean {r['cpu_imbalance']:.2f}  "
+              f"sizes {r['final_sizes']}  moves {r['layers_moved']}  overhead {r['overhead_fraction']:.1%}"
+              f"{'  released ' + str(r['released_ranks']) if r['released_ranks'] else ''}")
+    print(json.dumps(report["summary"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png:
+        write_png(rows, runs, png)
+    return 0
+
+
+def _git() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
