@@ -23,6 +23,16 @@ from moebal.kernels import (
 from moebal.kernels.experts import grouped_mm_supports
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread keeps these tests fast on a shared machine (multi-threaded tiny ops
+    wait for descheduled threads); the tests of the threaded paths set their own thread count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def test_plan_by_hand() -> None:
     idx_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
     plan = make_plan(idx_TK, None, 4)

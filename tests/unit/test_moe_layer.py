@@ -17,6 +17,16 @@ from moebal.models.moe import MoELayer
 from moebal.routing import RoutingStats
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread keeps these tests fast on a shared machine (multi-threaded tiny ops
+    wait for descheduled threads); the tests of the threaded paths set their own thread count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     """HF Mixtral's sparse block, written plainly: softmax, top-k, renormalise, per-expert loop, index_add."""
     x_TD = x.reshape(-1, layer.dim)

@@ -27,6 +27,16 @@ from moebal.routing import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread keeps these tests fast on a shared machine (multi-threaded tiny ops
+    wait for descheduled threads); the tests of the threaded paths set their own thread count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("gate", ["softmax_topk", "topk_softmax"])
 def test_topk_weights_by_hand(gate: str) -> None:
     logits_TE = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])
