@@ -276,7 +276,8 @@ class HFLoopBlock:
 def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: str) -> Callable[[], None] | str:
     """Tutel's dropless layer (capacity_factor 0: every expert padded to the largest load), if importable."""
     if importlib.util.find_spec("tutel") is None:
-        return "tutel is not importable here (not installable on this machine: no CPU wheel for torch 2.13)"
+        return ("tutel is not importable: not installed, and the package index has no 'tutel' distribution "
+                "(it installs from source, github.com/microsoft/tutel, which needs network access)")
     try:
         from tutel import moe as tutel_moe
 
