@@ -110,6 +110,8 @@ def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[
         lines.append(f"  expert placement ({p['policy']}): rank load max/mean {p['rank_imbalance_before']:.2f} -> "
                      f"{p['rank_imbalance_after']:.2f} with {p['replicas_per_step']:.1f} replicas per step; "
                      f"planner {p['plan_ms']:.2f} ms; step {p['step_time_s']:.3f} s")
+    if r.stopped_early:
+        lines.append(f"  stopped early: {r.stopped_early}; `--resume` finishes the run")
     lines.append(f"  run directory: {r.run_dir}")
     return lines
 
@@ -168,7 +170,8 @@ def _train(trainer: object, cfg: Config, out: Path, args: argparse.Namespace, wa
                "unigram_entropy": result.unigram_entropy, "val_ratio": result.val_ratio,
                "tokens": result.tokens, "tokens_per_s": result.tokens_per_s, "wall_seconds": result.wall_seconds,
                "train_seconds": result.train_seconds, "setup_seconds": result.setup_seconds,
-               "load_imbalance": result.load_imbalance, "dropped": result.dropped, "run_dir": str(result.run_dir),
+               "load_imbalance": result.load_imbalance, "dropped": result.dropped,
+               "stopped_early": result.stopped_early, "run_dir": str(result.run_dir),
                "placement": placement_summary(out / "metrics.jsonl", cfg)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(summary) if args.json else "\n".join(summary_lines(result, summary["placement"])))

@@ -58,7 +58,7 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
         share /= np.maximum(share.sum(axis=1, keepdims=True), 1.0)
         E = share.shape[1]
         im = a.imshow(share.T * E, aspect="auto", cmap="magma", interpolation="nearest", vmin=0.0,
-                      extent=(counts[0]["step"], counts[-1]["step"], E - 0.5, -0.5))
+                      extent=(counts[0]["step"] - 0.5, counts[-1]["step"] + 0.5, E - 0.5, -0.5))
         a.set_title(f"MoE layer {layer}: load / mean")
         a.set_xlabel("step")
         a.set_ylabel("expert")

@@ -78,6 +78,8 @@ class RunResult:
     setup_seconds: float
     load_imbalance: list[float] = field(default_factory=list)
     dropped: int = 0
+    stopped_early: str | None = None
+    """Why the run ended before train.steps (the time limit); None when it ran to the end."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,7 +97,7 @@ class Trainer:
                  resume: bool | str | Path = False, device: torch.device | None = None,
                  model: torch.nn.Module | None = None, data: DataBundle | None = None,
                  ctx: RunContext | None = None) -> None:
-        t0 = time.perf_counter()
+        self.created = t0 = time.perf_counter()
         self.cfg, self.run_dir, self.hooks = cfg, Path(run_dir), list(hooks or [])
         self.ctx = ctx or RunContext()
         self.ctx.check_batch(cfg.data.batch_size)
@@ -246,8 +248,19 @@ class Trainer:
     def _due(self, every: int, step: int) -> bool:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
+    def out_of_time(self) -> bool:
+        """`train.time_limit_min` has passed since start-up (on any rank: every rank stops at the same step)."""
+        limit = self.cfg.train.time_limit_min
+        if limit is None:
+            return False
+        late = float(time.perf_counter() - self.created >= 60.0 * limit)
+        return self.ctx.sum([late])[0] > 0
+
     def train(self, stop_after: int | None = None) -> RunResult:
-        """Run to `train.steps` (or stop after step `stop_after`, checkpointing there, as an interruption would)."""
+        """Run to `train.steps` (or stop after step `stop_after`, checkpointing there, as an interruption would).
+
+        The time limit, when set, ends the run early but otherwise like a finished one (validation, checkpoint,
+        dashboard); `RunResult.stopped_early` says so."""
         t = self.cfg.train
         wall0 = time.perf_counter()
         for hook in self.hooks:
@@ -255,31 +268,36 @@ class Trainer:
         main = self.ctx.is_main
         progress = Progress(t.steps, self.step, t.progress if main else "off")
         log = MetricsLog(self.run_dir / "metrics.jsonl") if main else None
+        timed_out = False
         try:
             while self.step < t.steps:
                 record = self.train_step()
-                if self._due(t.eval_every, self.step):
+                timed_out = self.out_of_time()
+                if self._due(t.eval_every, self.step) or timed_out:
                     self.last_val = record["val_loss"] = self.evaluate()
                 self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
                 if log is not None and (self.step % t.log_every == 0 or "val_loss" in record
                                         or self.step == t.steps):
                     log.write(record)
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
-                stopping = stop_after is not None and self.step >= stop_after
-                if self._due(t.ckpt_every, self.step) or stopping:
+                interrupted = stop_after is not None and self.step >= stop_after
+                if self._due(t.ckpt_every, self.step) or interrupted or timed_out:
                     self.save()
-                if stopping:
+                if interrupted or timed_out:
                     break
         finally:
             progress.close()
             if log is not None:
                 log.close()
-        if self.step >= t.steps:
+        if self.step >= t.steps or timed_out:
             for hook in self.hooks:
                 hook.on_end(self)
             if main:
                 self._write_dashboard()
-        return self._result(time.perf_counter() - wall0)
+        result = self._result(time.perf_counter() - wall0)
+        if timed_out and self.step < t.steps:
+            result.stopped_early = f"train.time_limit_min={t.time_limit_min} reached after step {self.step}/{t.steps}"
+        return result
 
     def _write_dashboard(self) -> None:
         from moebal.train.dashboard import write_dashboard

@@ -121,3 +121,13 @@ def test_progress_plain_lines_and_bar(capsys):
     b.update(10, 1.0, 10.0)
     b.close()
     assert bar.getvalue().startswith("\r[" + "#" * 24 + "]") and bar.getvalue().endswith("\n")
+
+
+def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path):
+    cfg = tiny("train.time_limit_min=1e-6")  # already over when the first step ends
+    result = Trainer(cfg, tmp_path).train()
+    assert result.steps == 1 and result.stopped_early and "time_limit_min" in result.stopped_early
+    assert result.val_loss is not None
+    assert {"ckpt-0000001", "dashboard.png", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
+    finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
+    assert finished.steps == 6 and finished.stopped_early is None
