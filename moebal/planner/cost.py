@@ -210,8 +210,9 @@ class Topology:
         vals = np.concatenate(parts_b) if parts_b else np.zeros(0)
         if links.size == 0:
             return links, vals
-        uniq, inv = np.unique(links, return_inverse=True)
-        return uniq, np.bincount(inv, weights=vals, minlength=uniq.shape[0])
+        per_L = np.bincount(links, weights=vals, minlength=self.num_links)
+        used = np.flatnonzero(per_L)
+        return used, per_L[used]
 
 
 # ---------------------------------------------------------------------------------------------------------

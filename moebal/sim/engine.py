@@ -29,6 +29,7 @@ from moebal.planner.cost import Collective, Topology
 __all__ = ["Engine", "EngineResult", "SimulationError"]
 
 _COMPUTE, _LATENCY, _FLOW, _START = 0, 1, 2, 3
+_MAX_STREAMS = 64
 
 
 class SimulationError(RuntimeError):
@@ -64,7 +65,7 @@ class Engine:
         self.cap_L = topo.capacity_L
         self.streams: list[str] = []
         self._stream_idx: dict[str, int] = {}
-        self._last: dict[tuple[int, int], int] = {}
+        self._last: dict[int, int] = {}  # rank * _MAX_STREAMS + stream -> last op issued there
         # per-op columns
         self.rank: list[int] = []
         self.stream: list[int] = []
@@ -84,6 +85,8 @@ class Engine:
     # ---- building ----
     def _stream(self, name: str) -> int:
         if name not in self._stream_idx:
+            if len(self.streams) >= _MAX_STREAMS:
+                raise ValueError(f"more than {_MAX_STREAMS} streams per rank")
             self._stream_idx[name] = len(self.streams)
             self.streams.append(name)
         return self._stream_idx[name]
@@ -104,6 +107,7 @@ class Engine:
         self.coll.extend([-1] * n)
         self.name.extend([name] * n)
         self.cat.extend([cat] * n)
+        dependents.extend([] for _ in range(n))
         ids = list(range(first, first + n))
         for i, r in enumerate(ranks):
             op = first + i
@@ -115,13 +119,13 @@ class Engine:
                             raise ValueError(f"op {name!r} depends on op {d}, which does not exist yet")
                         dependents[d].append(op)
                         k += 1
-            prev = last.get((r, s))
+            key = r * _MAX_STREAMS + s
+            prev = last.get(key)
             if prev is not None:
                 dependents[prev].append(op)
                 k += 1
-            last[(r, s)] = op
+            last[key] = op
             ndeps.append(k)
-            dependents.append([])
         return ids
 
     def compute_many(self, ranks: Sequence[int], stream: str, durs: Sequence[float], name: str,
@@ -132,6 +136,11 @@ class Engine:
         ids = self._new_ops(ranks, stream, deps, name, cat)
         self.dur[ids[0]:ids[0] + len(ids)] = [float(d) for d in durs]
         return ids
+
+    def last_op(self, rank: int, stream: str) -> int:
+        """The op issued last on (rank, stream), -1 when none."""
+        s = self._stream_idx.get(stream)
+        return -1 if s is None else self._last.get(rank * _MAX_STREAMS + s, -1)
 
     def add_dep(self, op: int, dep: int) -> None:
         """Make `op` wait for `dep` as well (wiring across stages after both exist)."""

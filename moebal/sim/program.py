@@ -189,35 +189,41 @@ def _split_placement(counts_RE: np.ndarray, pl: ExpertPlacement) -> tuple[np.nda
 
 def _moe_data(cost: CostModel, shape: ModelShape, spec: SimSpec, counts_GRE: np.ndarray,
               placements: Sequence[ExpertPlacement]) -> _MoELayerData:
-    """Per-micro-batch traffic and expert compute of one MoE layer on every EP group of a stage."""
-    rounds, shadows, repl = [], [], []
+    """Per-micro-batch traffic and expert compute of one MoE layer on every EP group of a stage (the expert
+    times of all groups and rounds in one vectorised cost-model call)."""
     cap = counts_GRE.max() / spec.micro_batches  # DeepSpeed's dropless capacity: max over ranks and experts
+    parts, shadow_rows, repl = [], [], []
     for g, pl in enumerate(placements):
         c_RE = counts_GRE[g] / spec.micro_batches
         if spec.a2a_padding == "capacity":
             c_RE = np.full_like(c_RE, cap)
         local_RE, remote_RE, own_RE = _split_placement(c_RE, pl)
-        shadow = (np.zeros(local_RE.shape[0]), np.zeros(local_RE.shape[0]))
         if spec.moe_schedule == "fastermoe":
             # FasterMoE computes a rank's own tokens of shadowed experts separately, after the rounds.
-            sh_RE = local_RE * ~own_RE
-            shadow = (np.asarray(cost.experts_s(shape, sh_RE)), np.asarray(cost.experts_s(shape, sh_RE, True)))
+            shadow_rows.append(local_RE * ~own_RE)
             local_RE = local_RE * own_RE
-        rounds.append(_split_rounds(cost, shape, spec, local_RE, remote_RE, own_RE))
-        shadows.append(shadow)
+        else:
+            shadow_rows.append(np.zeros_like(local_RE))
+        parts.append(_split_rounds(cost, shape, spec, local_RE, remote_RE, own_RE))
         repl.append([(pl.owner[e], pl.holders(e)) for e in pl.replicated])
+    rows = np.stack([r for p in parts for _, r in p] + shadow_rows)  # [groups * rounds + groups, R, E]
+    fwd, bwd = np.asarray(cost.experts_s(shape, rows)), np.asarray(cost.experts_s(shape, rows, True))
+    rounds, k = [], 0
+    for p in parts:
+        rounds.append([(b, fwd[k + i], bwd[k + i]) for i, (b, _) in enumerate(p)])
+        k += len(p)
+    shadows = [(fwd[k + g], bwd[k + g]) for g in range(len(placements))]
     return _MoELayerData(rounds=rounds, shadow_s=shadows, replicated=repl)
 
 
 def _split_rounds(cost: CostModel, shape: ModelShape, spec: SimSpec, local_RE: np.ndarray, remote_RE: np.ndarray,
-                  own_RE: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """[(dispatch bytes [R, R], expert forward seconds [R], expert backward seconds [R])] per round."""
+                  own_RE: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(dispatch bytes [R, R], expert rows [R, E])] per round."""
     R = local_RE.shape[0]
     tok_bytes = shape.dim * cost.act_bytes
     owner_E = np.argmax(own_RE, axis=0)
     send_RR = np.zeros((R, R))
-    for e in range(own_RE.shape[1]):
-        send_RR[:, owner_E[e]] += remote_RE[:, e]
+    np.add.at(send_RR.T, owner_E, remote_RE.T)  # send_RR[:, owner[e]] += remote_RE[:, e]
     np.fill_diagonal(send_RR, 0.0)
     if spec.moe_schedule == "fastermoe" and spec.round_group < R:
         n = -(-R // spec.round_group)
@@ -226,14 +232,11 @@ def _split_rounds(cost: CostModel, shape: ModelShape, spec: SimSpec, local_RE: n
         for s in range(n):
             mask_RR = ((grp[None, :] - grp[:, None]) % n) == s  # src group g sends to group g + s in round s
             rows_RE = (mask_RR.T.astype(np.float64) @ remote_RE) * own_RE + (local_RE if s == 0 else 0.0)
-            out.append((send_RR * mask_RR * tok_bytes, np.asarray(cost.experts_s(shape, rows_RE)),
-                        np.asarray(cost.experts_s(shape, rows_RE, True))))
+            out.append((send_RR * mask_RR * tok_bytes, rows_RE))
         return out
     k = spec.a2a_chunks if spec.moe_schedule == "lina" else 1
-    rows_RE = local_RE + (remote_RE.sum(axis=0)[None, :] * own_RE)
-    fwd_R = np.asarray(cost.experts_s(shape, rows_RE / k))
-    bwd_R = np.asarray(cost.experts_s(shape, rows_RE / k, True))
-    return [(send_RR * tok_bytes / k, fwd_R, bwd_R) for _ in range(k)]
+    rows_RE = (local_RE + (remote_RE.sum(axis=0)[None, :] * own_RE)) / k
+    return [(send_RR * tok_bytes / k, rows_RE) for _ in range(k)]
 
 
 def build_program(cost: CostModel, shape: ModelShape, spec: SimSpec, counts: np.ndarray | None,
@@ -264,7 +267,7 @@ class _Builder:
         self.last_op: dict[tuple[int, str, int], list[int]] = {}
         self.grad_ready: dict[int, list[int]] = {}
         self.trans_ops: dict[tuple[int, int], list[int]] = {}
-        self.agg_ops: dict[int, list[int]] = {}
+        self.agg_ops: dict[int, list[int]] = {}  # global rank -> its Agg ops (the optimizer waits for them)
 
     def nm(self, text: str) -> str:
         return self._names.setdefault(text, text)
@@ -493,9 +496,9 @@ class _Builder:
             base = g * self.lay.ep
             ops = self._broadcasts(layer, g, "aux" if self.spec.trans_overlap else "ep",
                                    deps[base:base + self.lay.ep], reduce=True)
-            for i, o in enumerate(ops):
+            for r, o in zip(self.lay.ep_groups(s)[g], ops):
                 if o >= 0:
-                    self.agg_ops.setdefault(base + i, []).append(o)
+                    self.agg_ops.setdefault(int(r), []).append(o)
 
     # ---- pipeline wiring and gradient sync ----
     def _wire_pipeline(self) -> None:
@@ -550,7 +553,7 @@ class _Builder:
     def _reduce_queue(self, groups: np.ndarray, queue: list[tuple[int, float]], stream: str) -> None:
         spec, eng, cost, topo = self.spec, self.eng, self.cost, self.topo
         chunk = spec.ar_chunk_bytes
-        pending, size, ready = 0.0, 0.0, -1
+        size, ready = 0.0, -1
         pieces: list[tuple[float, int]] = []  # (bytes, layer whose backward must finish first)
         for layer, b in queue:
             if chunk:
@@ -564,7 +567,6 @@ class _Builder:
                 size = 0.0
         if size > 0:
             pieces.append((size, ready))
-        del pending
         last_bwd = {int(r): op for (st, kind, j), ops in self.last_op.items() if kind == "B"
                     for r, op in zip(self.lay.stage_ranks(st), ops)}
         pos = {int(r): i for s in range(self.lay.pp) for i, r in enumerate(self.lay.stage_ranks(s))}
@@ -586,10 +588,9 @@ class _Builder:
         tensors = sum(6 + ((2 if sh.router_hidden else 1) + 3 if sh.is_moe(i) else 3) for i in range(lo, hi))
         tensors += (1 if s == 0 else 0) + (2 if s == lay.pp - 1 else 0)
         eng = self.eng
-        for i, r in enumerate(lay.stage_ranks(s)):
-            deps = [eng._last[k] for k in [(int(r), eng._stream(st)) for st in ("dp", "edp", "aux", "ep", "compute")]
-                    if k in eng._last]
-            deps += self.agg_ops.get(i, [])
+        for r in lay.stage_ranks(s):
+            deps = [eng.last_op(int(r), st) for st in ("dp", "edp", "aux", "ep", "compute")]
+            deps += self.agg_ops.get(int(r), [])
             eng.compute(int(r), "compute", self.cost.optimizer_s(params, tensors), self.nm("optimizer"), "optimizer",
                         deps)
         del sh
