@@ -53,6 +53,15 @@ EP_CASES: list[dict[str, Any]] = [
      "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 768}, "batch": 2, "seq": 512},
 ]
 
+PIPE_CASES: list[dict[str, Any]] = [
+    {"name": "pp2 1f1b dense d256 L4 m4 b8x128", "schedule": "1f1b", "micro_batches": 4,
+     "model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 768}, "moe": {"num_experts": 0},
+     "batch": 8, "seq": 128},
+    {"name": "pp2 gpipe dense d384 L6 m2 b4x256", "schedule": "gpipe", "micro_batches": 2,
+     "model": {"dim": 384, "n_layers": 6, "n_heads": 6, "n_kv_heads": 6, "ffn_dim": 1024},
+     "moe": {"num_experts": 0}, "batch": 4, "seq": 256},
+]
+
 CAL_SIZES = [65536, 262144, 1048576, 4194304, 16777216]
 """Collective calibration payloads (bytes per rank); the validation collectives use other sizes and splits."""
 
@@ -68,12 +77,14 @@ COLL_CASES: list[dict[str, Any]] = [
 ]
 
 
-def _cfg(case: dict[str, Any]) -> Any:
+def _cfg(case: dict[str, Any], pp: int = 1) -> Any:
     from moebal.config import from_dict
 
     model = {**case["model"], "vocab_size": 256, "max_seq_len": case["seq"]}
     return from_dict({"model": model, "moe": {"aux_loss_coef": 0.01, **case["moe"]},
-                      "data": {"seq_len": case["seq"], "batch_size": case["batch"]}, "train": {"precision": "fp32"}})
+                      "data": {"seq_len": case["seq"], "batch_size": case["batch"], "max_bytes": 2_000_000},
+                      "train": {"precision": "fp32", "warmup_steps": 0, "eval_every": 0},
+                      "parallel": {"pp": pp, "nproc": pp}})
 
 
 # ---- workloads (each a callable running one training step or one collective) ------------------------------
@@ -158,6 +169,20 @@ def coll_fn(case: dict[str, Any], rank: int) -> Any:
     return (lambda: dist.send(x, 1)) if rank == 0 else (lambda: dist.recv(x, 0))
 
 
+def pipe_step(case: dict[str, Any], rank: int, world: int) -> Any:
+    """One training step of moebal's pipeline runner (this rank's stage): 1F1B or GPipe over `micro_batches`,
+    point-to-point activations and gradients, the chain's small statistics all-reduce, clipping, AdamW."""
+    from moebal.dist.groups import ParallelDims
+    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+
+    cfg = _cfg(case, pp=world)
+    dims = ParallelDims(world_size=world, rank=rank, pp=world).init()
+    runner = PipelineRunner(cfg, PipelineOptions(schedule=case["schedule"], micro_batches=case["micro_batches"],
+                                                 record_ops=False), dims=dims)
+    runner.start()
+    return runner.train_step
+
+
 def _layer_counts(model: Any, cfg: Any) -> np.ndarray | None:
     """[n_layers, E] assignments of the last forward (zeros for dense layers)."""
     if cfg.moe.num_experts == 0:
@@ -212,6 +237,9 @@ def _world_worker(rank: int, world: int, rounds: int, only: str | None) -> dict[
         for case in EP_CASES:
             if only is None or only in case["name"]:
                 fns[case["name"]], models[case["name"]] = ep_step(case, rank, world)
+        for case in PIPE_CASES:
+            if only is None or only in case["name"]:
+                fns[case["name"]] = pipe_step(case, rank, world)
     samples = cal.synced_round_robin(fns, rounds)
     med = {k: statistics.median(v) for k, v in samples.items()}
     coll = [{**meta, "s": med[k]} for k, (meta, _) in probes.items() if k.startswith("coll")]
@@ -257,6 +285,18 @@ def predict_ep(case: dict[str, Any], counts_LRE: np.ndarray, cost: Any, world: i
     return simulate(ModelShape.from_config(cfg), cost, spec, counts_LRE[:, None], [[p] for p in pls]).iteration_time_s
 
 
+def predict_pipe(case: dict[str, Any], cost: Any, world: int = 2) -> float:
+    from moebal.planner.cost import ModelShape
+    from moebal.sim.program import Layout, SimSpec
+    from moebal.sim.simulate import simulate
+
+    cfg = _cfg(case, pp=world)
+    m = case["micro_batches"]
+    spec = SimSpec(layout=Layout(world, pp=world), micro_batches=m, micro_batch_size=case["batch"] // m,
+                   seq_len=case["seq"], schedule=case["schedule"], count_exchange=False)
+    return simulate(ModelShape.from_config(cfg), cost, spec, None).iteration_time_s
+
+
 def predict_coll(case: dict[str, Any], cost: Any) -> float:
     w, mb = case["world"], float(1 << 20)
     topo = cost.topology(w)
@@ -288,7 +328,7 @@ def validate(rounds: int, only: str | None) -> tuple[list[dict[str, Any]], dict[
 
     single = phase_single(rounds, only)
     needed = {c["world"] for c in COLL_CASES if only is None or only in c["name"]}
-    if any(only is None or only in c["name"] for c in EP_CASES):
+    if any(only is None or only in c["name"] for c in EP_CASES + PIPE_CASES):
         needed.add(2)
     empty = {"collective": [], "compute": {}, "samples": {}, "counts": {}}
     worlds = {w: phase_world(w, rounds, only) if w in needed else empty for w in (2, 3, 4)}
@@ -311,6 +351,11 @@ def validate(rounds: int, only: str | None) -> tuple[list[dict[str, Any]], dict[
         if case["name"] in worlds[2]["samples"]:
             pred = predict_ep(case, worlds[2]["counts"][case["name"]], cost2)
             records.append(_record(case["name"], "ep", case, worlds[2]["samples"][case["name"]], pred, prof2.name))
+    for case in PIPE_CASES:
+        if case["name"] in worlds[2]["samples"]:
+            pred = predict_pipe(case, cost2)
+            records.append(_record(case["name"], "pipeline", case, worlds[2]["samples"][case["name"]], pred,
+                                   prof2.name))
     for case in COLL_CASES:
         w = worlds[case["world"]]
         if case["name"] in w["samples"]:
@@ -331,15 +376,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from moebal.kernels.bench import environment
 
+    import os
+
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     records, fits = validate(args.rounds, args.only)
+    load_after = os.getloadavg()
     for rec in records:
         print(f"{rec['name']:<40} measured {rec['measured_s'] * 1e3:9.2f} ms  predicted "
               f"{rec['predicted_s'] * 1e3:9.2f} ms  error {rec['error'] * 100:+6.1f}%")
     errs = [abs(r["error"]) for r in records]
     summary = {"records": len(records), "median_abs_error": statistics.median(errs) if errs else None,
                "max_abs_error": max(errs) if errs else None, "within_15pct": sum(e <= 0.15 for e in errs),
-               "wall_s": round(time.perf_counter() - t0, 1)}
+               "wall_s": round(time.perf_counter() - t0, 1),
+               # other jobs on the machine: the 1-minute load average before and after (cores: os.cpu_count())
+               "load_average": [round(load_before[0], 2), round(load_after[0], 2)], "cores": os.cpu_count()}
     print(json.dumps(summary))
     if args.json:
         out = {"summary": summary, "fitted_profiles": fits, "environment": environment(), "records": records}
@@ -356,7 +407,7 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 6))
-    for kind, marker in (("model", "o"), ("ep", "s"), ("collective", "^")):
+    for kind, marker in (("model", "o"), ("ep", "s"), ("pipeline", "D"), ("collective", "^")):
         pts = [(r["measured_s"] * 1e3, r["predicted_s"] * 1e3) for r in records if r["kind"] == kind]
         if pts:
             ax.scatter(*zip(*pts), marker=marker, label=kind)
