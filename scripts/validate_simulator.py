@@ -374,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run only cases whose name contains this text")
     args = ap.parse_args(argv)
 
-    from moebal.kernels.bench import environment
-
     import os
+
+    from moebal.kernels.bench import environment
 
     t0 = time.perf_counter()
     load_before = os.getloadavg()
