@@ -96,8 +96,7 @@ def lpt_reorder(costs: np.ndarray, stages: int) -> tuple[np.ndarray, list[int]]:
     bins: list[list[int]] = [[] for _ in range(stages)]
     load = np.zeros(stages)
     for layer in np.argsort(-costs, kind="stable"):
-        s = int(np.argmin(np.where([len(b) == 0 for b in bins], -1.0, load))) if any(not b for b in bins) else \
-            int(np.argmin(load))
+        s = int(np.argmin(load))  # costs are positive: the first `stages` layers fill the empty stages
         bins[s].append(int(layer))
         load[s] += costs[layer]
     order = np.array([layer for b in bins for layer in b])

@@ -266,3 +266,20 @@ def test_fanout_loads_the_root_and_chains_do_not() -> None:
     ref = cm.grouped([cm.broadcast(topo, 0, [0, 1, 2], 1e6), cm.broadcast(topo, 3, [3, 1], 1e6)], "broadcast")
     assert np.array_equal(many.phases[0].links, ref.phases[0].links)
     assert np.allclose(many.phases[0].nbytes, ref.phases[0].nbytes) and many.ranks == ref.ranks
+
+
+def test_eager_compute_settling_matches_a_fully_event_driven_run() -> None:
+    from moebal.sim.engine import _Run
+    from moebal.sim.program import build_program
+
+    cm = CostModel("h100", "bf16")
+    spec = SimSpec(layout=Layout(16, pp=2, ep=4), micro_batches=4, seq_len=256, trans_overlap=True)
+    counts = SyntheticRouting(num_layers=TINY.n_layers, num_experts=8, top_k=2, zipf_s=1.2).counts(1, 2, 4, 1024)
+    rep = ExpertPlacement(num_ranks=4, owner=(0, 0, 1, 1, 2, 2, 3, 3), replicas=((1, 2), (), (), (), (), (), (), ()))
+    eng = build_program(cm, TINY, spec, counts, [[rep, rep]] * TINY.n_layers, cm.topology(16))
+    runs = []
+    for eager in (True, False):
+        run = _Run(eng)
+        run.eager = eager
+        runs.append(run.go())
+    assert np.allclose(runs[0].op_end, runs[1].op_end) and np.allclose(runs[0].op_start, runs[1].op_start)
