@@ -368,7 +368,8 @@ def validate(rounds: int, only: str | None) -> tuple[list[dict[str, Any]], dict[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None, metavar="FILE", help="write the records")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the records (a JSON list) to FILE and the "
+                    "summary, fitted profiles and environment to FILE with suffix .summary.json")
     ap.add_argument("--png", default=None, metavar="FILE", help="write predicted vs measured as a scatter plot")
     ap.add_argument("--rounds", type=int, default=7, help="round-robin rounds (every figure is a median of them)")
     ap.add_argument("--only", default=None, help="run only cases whose name contains this text")
@@ -393,8 +394,12 @@ def main(argv: list[str] | None = None) -> int:
                "load_average": [round(load_before[0], 2), round(load_after[0], 2)], "cores": os.cpu_count()}
     print(json.dumps(summary))
     if args.json:
-        out = {"summary": summary, "fitted_profiles": fits, "environment": environment(), "records": records}
-        Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+        # the records file is a list of records (config, measured_s, predicted_s, ...); the summary, the fitted
+        # profiles and the environment go next to it
+        Path(args.json).write_text(json.dumps(records, indent=1), encoding="utf-8")
+        side = Path(args.json).with_suffix(".summary.json")
+        side.write_text(json.dumps({"summary": summary, "fitted_profiles": fits, "environment": environment()},
+                                   indent=1), encoding="utf-8")
     if args.png and records:
         _plot(records, args.png)
     return 0
