@@ -225,6 +225,8 @@ class PipelineConfig:
     """Profile one iteration and plan every N steps."""
     ema: float = 0.5
     """Weight of the newest profile in the smoothed per-layer costs."""
+    min_gain: float = 0.05
+    """Adopt a plan only when it shortens the predicted iteration by at least this share (hysteresis)."""
     repack: bool = False
     """Merge stages onto fewer ranks when fewer run nearly as fast; the freed ranks leave (exit 0)."""
     repack_slack: float = 0.1
@@ -602,7 +604,8 @@ def _check_pipeline(p: PipelineConfig) -> None:
     _need(p.micro_batches >= 1 and p.every >= 1,
           f"'pipeline.micro_batches' ({p.micro_batches}) and 'pipeline.every' ({p.every}) must be at least 1")
     _need(0.0 < p.ema <= 1.0, f"'pipeline.ema' is the newest profile's weight, in (0, 1]; got {p.ema}")
-    _need(p.repack_slack >= 0.0, f"'pipeline.repack_slack' must be >= 0; got {p.repack_slack}")
+    _need(p.repack_slack >= 0.0 and p.min_gain >= 0.0,
+          f"'pipeline.repack_slack' and 'pipeline.min_gain' must be >= 0; got {p.repack_slack}, {p.min_gain}")
     _need(p.min_stages >= 2, f"'pipeline.min_stages' must be at least 2 (embedding and head keep their ranks); "
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "

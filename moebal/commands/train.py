@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep; default: every rank)")
     p.add_argument("--policy", choices=["static", "prophet", "fastermoe", "broadcast_topk"],
                    help="expert placement policy (planner.policy)")
+    p.add_argument("--pp", type=int, help="pipeline stages (parallel.pp)")
+    p.add_argument("--rebalance", choices=["off", "partition", "diffusion"],
+                   help="pipeline layer rebalancing (pipeline.rebalance)")
+    p.add_argument("--dynamism", choices=["none", "pruning", "freezing", "early_exit", "mod", "moe"],
+                   help="dynamic-model scheme (dynamism.scheme)")
 
 
 def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -51,9 +56,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
-    for flag, key in (("nproc", "parallel.nproc"), ("ep", "parallel.ep"), ("policy", "planner.policy")):
+    for flag, key in (("nproc", "parallel.nproc"), ("ep", "parallel.ep"), ("policy", "planner.policy"),
+                      ("pp", "parallel.pp"), ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme")):
         if getattr(args, flag, None) is not None:
-            overrides.append(f"{key}={getattr(args, flag)}")
+            overrides.append(f"{key}='{getattr(args, flag)}'")  # quoted: YAML would read a bare off as false
     resuming = args.resume or args.resume_from
     if resuming and not args.out and not args.resume_from:
         raise ConfigError("--resume needs --out DIR, the run directory to continue")
@@ -136,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
     if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
         return _spawn(args, cfg, out)
+    if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
+        from moebal.pipeline.train import run_pipeline
+
+        return run_pipeline(cfg, out, json_summary=args.json)
     resume: bool | str = args.resume_from or bool(args.resume)
     ctx, model, hooks = None, None, []
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:

@@ -15,7 +15,9 @@ Clock: on a CPU, a layer's cost is the CPU time of the rank's thread (`time.thre
 `process_time` with more), not wall time: when more ranks share the machine than it has cores, wall time
 measures the scheduler (an idle stage lends its core, a busy one waits for it), which made time-based plans
 worse than static ones on the 2-core machine moebal is developed on. On CUDA, wall time after a device
-synchronise (profiled iterations only).
+synchronise (profiled iterations only). CPU time is stable but not in the unit of the transfers and
+migrations (wall seconds); the planner converts with the profiled iteration's contention factor
+kappa = sum of stages' wall busy time / sum of their CPU time, so it compares gains and costs in one unit.
 
 Memory per layer: parameter, gradient and optimizer bytes (counted) plus the bytes autograd saves for the
 backward during the layer's forward (measured with saved-tensor hooks, parameters excluded), times the
@@ -60,8 +62,9 @@ class IterationProfile:
 class LayerProfiler:
     """Collects timings for one iteration; the engine calls it only when profiling is on."""
 
-    def __init__(self, num_layers: int, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.L, self.clock = num_layers, clock
+    def __init__(self, num_layers: int, clock: Callable[[], float] = time.perf_counter,
+                 count_bytes: bool = True) -> None:
+        self.L, self.clock, self.count_bytes = num_layers, clock, count_bytes
         self.fwd: dict[int, list[float]] = {}
         self.bwd: dict[int, list[float]] = {}
         self.act: dict[int, list[float]] = {}
@@ -84,7 +87,10 @@ class LayerProfiler:
             return t
 
         t0 = self.clock()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if self.count_bytes:  # a Python call per saved tensor: only when memory caps need the number
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        else:
             yield
         self.add(self.fwd, slot, self.clock() - t0)
         self.add(self.act, slot, float(self._saved))

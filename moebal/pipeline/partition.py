@@ -85,7 +85,9 @@ def partition_by_time(costs: Sequence[float], num_stages: int, memory: Sequence[
     mem = np.zeros(L) if memory is None else _check(memory, 1, "memory")
     if mem.size != L:
         raise ConfigError(f"memory has {mem.size} entries but costs has {L}: give one value per layer")
-    caps = _caps(capacity, P)
+    # prefix-sum differences round differently from the direct sums a user checks against the cap: allow
+    # the last few ulps, so a stage whose layers exactly fill the cap counts as fitting
+    caps = _caps(capacity, P) * (1 + 1e-12) + 1e-12
     pre_c = np.concatenate([[0.0], np.cumsum(c)])
     pre_m = np.concatenate([[0.0], np.cumsum(mem)])
     # best[p][i]: min over partitions of layers [0, i) into p+1 non-empty stages of the max stage load
@@ -108,8 +110,8 @@ def partition_by_time(costs: Sequence[float], num_stages: int, memory: Sequence[
             best[p, i], arg[p, i] = cand[j], k[j]
     if not np.isfinite(best[P - 1, L]):
         raise ConfigError(f"no partition of {L} layers into {num_stages} stages fits the memory caps "
-                          f"{caps.tolist()} (total layer memory {pre_m[-1]:.4g}): raise the cap, use more stages, "
-                          f"or reduce per-layer memory")
+                          f"{_caps(capacity, P).tolist()} (total layer memory {pre_m[-1]:.4g}): raise the cap, use "
+                          f"more stages, or reduce per-layer memory")
     return _backtrack(arg, P, L)
 
 

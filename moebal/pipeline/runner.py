@@ -88,6 +88,9 @@ class PipelineOptions:
     """Bytes/s for migration cost; None measures it along the chain at start."""
     latency: float = 1e-4
     """Seconds per migrated layer beyond its bytes."""
+    min_gain: float = 0.05
+    """Adopt a plan only when it also shortens the predicted iteration by this share (hysteresis: measured
+    costs are noisy, and chasing noise migrates layers back and forth)."""
     wait: str = "block"
     """'block' (sleep in receives) or 'spin' (busy-wait: emulate dedicated devices on a shared host)."""
     force: tuple[tuple[int, tuple[int, ...]], ...] = ()
@@ -108,9 +111,10 @@ class PipelineOptions:
         if self.micro_batches < 1 or self.every < 1:
             raise ConfigError(f"pipeline.micro_batches ({self.micro_batches}) and pipeline.every ({self.every}) "
                               f"must be at least 1")
-        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2:
-            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack >= 0 and "
-                              f"pipeline.min_stages >= 2; got {self.ema}, {self.repack_slack}, {self.min_stages}")
+        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2 or self.min_gain < 0:
+            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack and pipeline.min_gain >= 0, "
+                              f"pipeline.min_stages >= 2; got {self.ema}, {self.repack_slack}, {self.min_gain}, "
+                              f"{self.min_stages}")
         if self.wait not in ("block", "spin"):
             raise ConfigError(f"pipeline.wait must be 'block' or 'spin'; got {self.wait!r}")
 
@@ -181,6 +185,7 @@ class PipelineRunner:
         self._want_after_gantt = False
         self.static_mem = np.zeros(self.L + 2)
         self.move_bytes = np.zeros(self.L + 2)
+        self.kappa: float | None = None
 
     # ---- construction ----
     def _build(self, cfg: Config) -> None:
@@ -288,7 +293,8 @@ class PipelineRunner:
         self._set_lr(lr)
         profiled = self._profiled(step)
         self.scheme.begin_step(step)
-        self.engine.profiler = LayerProfiler(self.L, self.clock) if profiled else None
+        self.engine.profiler = (LayerProfiler(self.L, self.clock, count_bytes=self.opts.memory_cap is not None)
+                                if profiled else None)
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
         res = self.engine.run(ids, labels, count)
@@ -413,6 +419,9 @@ class PipelineRunner:
                 times.append((time.perf_counter() - t0) / 2)
             one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
         v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)
+        if self.dp > 1:  # replicas must plan from the same numbers
+            dist.all_reduce(v, group=self.dp_group)
+            v /= self.dp
         tot = self.chain.allreduce_sum(v)
         n = max(float(tot[2]), 1.0)
         latency, big = float(tot[0]) / n, float(tot[1]) / n
@@ -426,20 +435,25 @@ class PipelineRunner:
         prof = self.engine.profiler.result(self.engine.owned_slots())
         owned = prof.fwd >= 0
         L2 = self.L + 2
-        vec = torch.zeros(5 * L2, dtype=torch.float64)
+        vec = torch.zeros(5 * L2 + 2, dtype=torch.float64)
         vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
         vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
         vec[2 * L2:3 * L2] = torch.from_numpy(np.where(owned, prof.act_bytes, 0.0))
         for slot, m in self.stage.slot_modules().items():
             vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
             vec[4 * L2 + slot] = transfer_bytes(m, self.optimizer)
+        vec[5 * L2], vec[5 * L2 + 1] = res.busy_s, res.busy_cpu_s
         if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
             dist.all_reduce(vec, group=self.dp_group)
             vec /= self.dp
         tot = self.chain.allreduce_sum(vec).numpy()
         self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2])
         self.static_mem = tot[3 * L2:4 * L2]
-        self.move_bytes = tot[4 * L2:]
+        self.move_bytes = tot[4 * L2:5 * L2]
+        kappa = float(tot[5 * L2] / tot[5 * L2 + 1]) if tot[5 * L2 + 1] > 0 else 1.0
+        if self.clock is time.perf_counter or self.device.type == "cuda":
+            kappa = 1.0  # costs are already wall seconds
+        self.kappa = kappa if self.kappa is None else (1 - self.opts.ema) * self.kappa + self.opts.ema * kappa
 
     # ---- plan and apply ----
     def _memory(self) -> tuple[np.ndarray, float, float]:
@@ -480,12 +494,17 @@ class PipelineRunner:
         return events
 
     def _loads_kw(self) -> dict[str, float]:
-        return {"first_extra": self.tracker.first_extra, "last_extra": self.tracker.last_extra}
+        k = self.kappa or 1.0
+        return {"first_extra": self.tracker.first_extra * k, "last_extra": self.tracker.last_extra * k}
+
+    def _costs(self) -> np.ndarray:
+        """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa)."""
+        return self.tracker.layer_costs() * (self.kappa or 1.0)
 
     def _propose(self, step: int) -> StagePartition | None:
         if self.opts.rebalance == "off":
             return None
-        costs = self.tracker.layer_costs()
+        costs = self._costs()
         mem, first_mem, last_mem = self._memory()
         cap = self.opts.memory_cap
         kw = self._loads_kw()
@@ -503,16 +522,18 @@ class PipelineRunner:
                                          float(self.bandwidth or 1e9), self.opts.latency, comm_s=self.comm_s, **kw)
         t_cur = iteration_time(stage_loads(costs, self.sizes, **kw), M, self.comm_s)
         t_new = iteration_time(stage_loads(costs, proposal, **kw), M, self.comm_s)
+        adopt = adopt and t_new <= (1.0 - self.opts.min_gain) * t_cur
         return StagePartition(
             sizes=tuple(proposal), ranks=tuple(self.chain.ranks), step=step, balancer=self.opts.rebalance,
             predicted_time_s=t_new, previous_time_s=t_cur, gain_s=gain, migration_cost_s=cost,
             meta={"adopt": adopt, "from": list(self.sizes),
                   "imbalance_before": imbalance(stage_loads(costs, self.sizes, **kw)),
                   "imbalance_after": imbalance(stage_loads(costs, proposal, **kw)),
-                  "costs": [round(float(c), 6) for c in costs], **{k: round(v, 6) for k, v in kw.items()}})
+                  "costs": [round(float(c), 6) for c in costs], "kappa": round(self.kappa or 1.0, 4),
+                  "bandwidth": float(self.bandwidth or 0.0), **{k: round(v, 6) for k, v in kw.items()}})
 
     def _propose_repack(self, step: int) -> StagePartition | None:
-        costs = self.tracker.layer_costs()
+        costs = self._costs()
         mem, first_mem, last_mem = self._memory()
         M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
         sizes = plan_repack(costs, self.chain.size, M, self.opts.repack_slack, self.opts.min_stages, memory=mem,
@@ -552,11 +573,22 @@ class PipelineRunner:
 
     def _migration_event(self, why: str, old: list[int], new: list[int], rep: MigrationReport,
                          released: list[int]) -> dict[str, Any]:
-        v = torch.tensor([float(rep.bytes_sent), rep.seconds], dtype=torch.float64)
+        """Report a migration (numbers agreed along the chain and over replicas) and calibrate the migration
+        bandwidth on it: the next adoption decision costs moves at what this one really took."""
+        v = torch.zeros(1 + self.P0, dtype=torch.float64)
+        v[0], v[1 + self._orig_pos()] = float(rep.bytes_sent), rep.seconds
+        if self.dp > 1:
+            dist.all_reduce(v, group=self.dp_group)
+            v /= self.dp
         tot = self.chain.allreduce_sum(v)
+        seconds = float(tot[1:].max())
+        moved = len(rep.moves)
+        if moved and tot[0] > 0:
+            measured = float(tot[0]) / max(seconds - self.opts.latency * moved, 1e-6)
+            self.bandwidth = measured if self.bandwidth is None else 0.5 * float(self.bandwidth) + 0.5 * measured
         return {"migration": why, "sizes_before": old, "sizes_after": [s for s in new if s > 0],
-                "layers_moved": len(rep.moves), "bytes_moved": int(tot[0]),
-                "migration_s": float(tot[1]) / self.chain.size, "released_ranks": released}
+                "layers_moved": moved, "bytes_moved": int(tot[0]), "migration_s": round(seconds, 6),
+                "released_ranks": released}
 
     # ---- timelines and records ----
     def _keep_gantt(self, which: str, res: IterationResult) -> None:
@@ -590,8 +622,9 @@ class PipelineRunner:
             "overhead_s": round(overhead, 6),
             "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics()}
         if self.tracker.ready:
-            loads = stage_loads(self.tracker.layer_costs(), self.sizes, **self._loads_kw())
+            loads = stage_loads(self._costs(), self.sizes, **self._loads_kw())
             rec["predicted_imbalance"] = round(imbalance(loads), 4)
+            rec["kappa"] = round(self.kappa or 1.0, 4)
         rec.update({k: v for k, v in events.items() if k != "adopted"})
         return rec
 

@@ -32,7 +32,8 @@ __all__ = ["options_from_config", "run_pipeline", "scheme_from_config"]
 def options_from_config(cfg: Config) -> PipelineOptions:
     p = cfg.pipeline
     return PipelineOptions(schedule=p.schedule, micro_batches=p.micro_batches, rebalance=p.rebalance,
-                           initial=p.initial, every=p.every, ema=p.ema, repack=p.repack, repack_slack=p.repack_slack,
+                           initial=p.initial, every=p.every, ema=p.ema, min_gain=p.min_gain, repack=p.repack,
+                           repack_slack=p.repack_slack,
                            min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait)
 
 

@@ -1,0 +1,32 @@
+"""`moebal train --nproc 4 --pp 4` end to end: rebalancing, a dynamism scheme and re-packing with released ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "4", "--steps", "6",
+           "--rebalance", "partition", "--dynamism", "early_exit", "--out", str(out),
+           "model.dim=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+           "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
+           "pipeline.every=2", "pipeline.repack=true", "pipeline.repack_slack=100",
+           "dynamism.early_exit.threshold=0.9", "dynamism.early_exit.first_layer=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 released at step 2" in proc.stderr and "rank 2 released at step 2" in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["released_ranks"] == [1, 2] and summary["stages"] == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["stages"] == 2 and sum(records[-1]["sizes"]) == 8
+    assert all(k in records[-1] for k in ("stage_busy_s", "bubble_ratio", "survival", "tokens_per_s"))
+    plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
+    assert any(p["balancer"] == "repack" and p["released"] == [1, 2] for p in plans)
+    assert (out / "pipeline.png").stat().st_size > 0 and (out / "dashboard.png").stat().st_size > 0
