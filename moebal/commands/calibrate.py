@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.quick:
-        worlds, sizes = worlds[:2], sizes[:2]
+        worlds, sizes = worlds[:2], sorted({sizes[0], sizes[-1]})
     t0 = time.perf_counter()
     if args.from_records:
         records = json.loads(Path(args.from_records).read_text(encoding="utf-8"))
