@@ -3,10 +3,10 @@
     moebal plan stages --costs 1,1,1,1,0.5,0.5,0.2,0.2 --stages 4 [--memory FILE] [--capacity BYTES] [--json]
 
 Costs are per-layer seconds (or any unit) as a comma list or a JSON file (a list, or an object with `costs`,
-as a `plans.jsonl` line of a pipeline run holds under `meta.costs`). Every balancer runs side by side:
-uniform (Megatron), params (the same costs read as parameter counts: DeepSpeed's method), partition (exact
-min-max, the by-time balancer), diffusion (from --from, default uniform), and with --repack the fewest stages
-within --slack of the best.
+as a `plans.jsonl` line of a pipeline run holds under `meta.costs`; a .jsonl file: its last line). Every
+balancer runs side by side: uniform (Megatron), partition (exact min-max by the given costs: by time for
+measured times, DeepSpeed's `parameters` method for parameter counts), diffusion (from --from, default
+uniform), and with --repack the fewest stages within --slack of the best.
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ def add_stages_arguments(p: argparse.ArgumentParser) -> None:
 
 def _numbers(text: str, flag: str) -> list[float]:
     path = Path(text)
-    if path.suffix == ".json" or path.is_file():
+    if path.suffix in (".json", ".jsonl") or path.is_file():
         try:
-            data: Any = json.loads(path.read_text())
+            text_ = path.read_text()
+            if path.suffix == ".jsonl":  # a run's plans.jsonl: the last plan's costs
+                text_ = [ln for ln in text_.splitlines() if ln.strip()][-1]
+            data: Any = json.loads(text_)
         except OSError as e:
             raise ConfigError(f"{flag} {text}: cannot read it ({e.strerror or e})") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, IndexError) as e:
             raise ConfigError(f"{flag} {text}: not valid JSON ({e})") from None
         if isinstance(data, dict):
             data = data.get("meta", data)

@@ -547,7 +547,8 @@ class PipelineRunner:
         t_new = iteration_time(stage_loads(costs, sizes, **self._loads_kw()), M, self.comm_s)
         t_cur = iteration_time(stage_loads(costs, self.sizes, **self._loads_kw()), M, self.comm_s)
         return StagePartition(sizes=tuple(sizes), ranks=kept, step=step, balancer="repack", released=released,
-                              predicted_time_s=t_new, previous_time_s=t_cur, meta={"from": list(self.sizes)})
+                              predicted_time_s=t_new, previous_time_s=t_cur,
+                              meta={"from": list(self.sizes), "costs": [round(float(c), 6) for c in costs]})
 
     def _apply(self, sizes: list[int], why: str, step: int, lr: float | None = None) -> dict[str, Any]:
         """Migrate to `sizes` (over the current chain; fewer entries re-packs) on every rank of the chain."""

@@ -83,11 +83,31 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
             "state": {k: v.numpy() for k, v in runner.full_state().items()}, "records": out.records}
 
 
+def _layer_weights(i: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    # coarse values: many ties at the threshold, across the two ranks
+    return [torch.randint(-4, 5, (5, 6), generator=g).float(), torch.randint(-4, 5, (7,), generator=g).float()]
+
+
+def _global_topk(rank: int, world: int) -> dict:
+    from moebal.pipeline.comm import PipeChain
+    from moebal.pipeline.pruning import distributed_keep_masks
+
+    chain = PipeChain(list(range(world)), rank)
+    mine = {i: _layer_weights(i) for i in range(5) if (i < 2) == (rank == 0)}  # rank 0: layers 0-1, rank 1: 2-4
+    out = {}
+    for keep in (0, 7, 60, 111, 185):
+        masks = distributed_keep_masks(mine, keep, chain, 5)
+        out[keep] = {i: [m.numpy() for m in ms] for i, ms in masks.items()}
+    return out
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(1234 + rank)  # a different global RNG state per rank must not matter
     cfg = tiny(pp=world)
     six = tiny(n_layers=6, pp=world)
     return {
+        "topk": _global_topk(rank, world),
         "1f1b": _train(cfg, 4, micro_batches=4),
         "gpipe_uneven": _train(cfg, 4, schedule="gpipe", micro_batches=3),
         "moe_m1": _train(tiny(pp=world, moe=4), 3, micro_batches=1),
@@ -229,3 +249,16 @@ def test_repacking_releases_ranks_and_keeps_the_losses(four):
         packed = [rec for rec in survivor if rec.get("released_ranks")]
         assert len(packed) == 1 and set(packed[0]["released_ranks"]) == released, case
         assert survivor[-1]["stages"] == 4 - len(released)
+
+
+def test_distributed_global_magnitude_pruning_equals_the_single_process_top_k(two):
+    from moebal.pipeline.pruning import global_magnitude_masks
+
+    layers = [_layer_weights(i) for i in range(5)]
+    for keep in (0, 7, 60, 111, 185):
+        ref = global_magnitude_masks(layers, keep)
+        got = {**two[0]["topk"][keep], **two[1]["topk"][keep]}
+        assert sorted(got) == list(range(5))
+        for i in range(5):
+            for g, r in zip(got[i], ref[i]):
+                assert (torch.from_numpy(g) == r).all(), (keep, i)
