@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown schemes {sorted(unknown)}; choose from {', '.join(SCHEMES)}")
     rounds = args.rounds
     steps = args.steps or (36 if args.quick else 45)
-    settle = 20 if args.quick else 25
+    settle = min(20 if args.quick else 25, steps // 2)
     waits = ["spin", "block"] if args.wait == "both" else [args.wait]
     groups = build_groups(schemes, rounds, steps, waits)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",

@@ -89,6 +89,27 @@ def test_csr_linear_matches_masked_dense_forward_and_backward():
     torch.testing.assert_close(dw, dw_ref * mask, rtol=1e-5, atol=1e-5)  # only kept entries get gradient
 
 
+def test_pruning_step_masks_globally_and_times_kernels_on_one_stage():
+    cfg = small(2)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    pr = build_dynamism("pruning", {"final_sparsity": 0.9, "start": 0, "every": 1, "steps": 1, "kernel": "auto"},
+                        cfg=cfg)
+    pr.prepare_model(model)
+    stage = PipelineStage.from_model(model, 0, 2, first=True, last=True)
+    ctx = SchemeContext(step=1, stage=stage, chain=PipeChain([0], 0), num_layers=2, extra={"rows": 64})
+    pr.on_start(ctx)
+    assert pr.update(ctx) is True  # the one pruning step, at step 1
+    kept = sum(int(m.sum()) for i in (0, 1) for m in pr.masks[i].values())
+    assert kept == round(0.1 * pr.total)
+    q = stage.layer(0).self_attn.q_proj.weight
+    assert (q[~pr.masks[0]["self_attn.q_proj.weight"]] == 0).all()  # pruned weights are zero
+    assert set(pr.kernels[0].values()) <= {0, 1}  # a measured choice per matrix
+    x = torch.randn(1, 8, 32)
+    cos, sin = model.model.rotary(8, x.dtype)
+    stage.layer(0)(x, cos, sin).sum().backward()  # whichever kernel: it runs and differentiates
+
+
 # ---- cost accounting -------------------------------------------------------------------------------------------
 def test_layer_token_flops_by_hand():
     cfg = small(2)  # D 32, H 4, G 2, K 8, F 64, T 16
