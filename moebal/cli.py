@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
@@ -63,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MoebalError as e:
-        print(f"moebal {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
+            print(f"moebal {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"moebal {args.command}: interrupted", file=sys.stderr)

@@ -123,7 +123,7 @@ class DataConfig:
     """'byte' (vocab 256) or a path to a HF tokenizer.json."""
     text_key: str = "text"
     """Field holding the text in .jsonl records."""
-    seq_len: int = 256
+    seq_len: int = 128
     """Tokens per packed block (the longest sample in document mode)."""
     batch_size: int = 16
     """Sequences per optimizer step."""
@@ -139,13 +139,13 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop, logging and checkpoints."""
 
-    steps: int = 600
+    steps: int = 400
     """Optimizer steps."""
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a share of the peak (cosine decay)."""
-    warmup_steps: int = 50
+    warmup_steps: int = 30
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases or router bias)."""
@@ -155,11 +155,11 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "bf16"
     """Compute precision: fp32, or bf16 autocast with fp32 master weights."""
     seed: int = 0
     """Seed of the model init, data order and every random choice of the run."""
-    eval_every: int = 100
+    eval_every: int = 200
     """Validation every N steps (and at the end); 0 only at the end."""
     eval_batches: int = 8
     """Batches per validation."""
@@ -175,7 +175,7 @@ class TrainConfig:
     """Parent folder of run directories."""
     progress: Literal["auto", "bar", "plain"] = "auto"
     """Progress display: a bar on a terminal and plain lines otherwise (auto)."""
-    time_limit_min: float | None = None
+    time_limit_min: float | None = 4.5
     """Safety guard: after this many minutes (from start-up) stop early, validate, checkpoint; null: no limit."""
 
 
@@ -183,7 +183,7 @@ class TrainConfig:
 class ParallelConfig:
     """How ranks are split into data-, expert- and pipeline-parallel groups."""
 
-    nproc: int = 1
+    nproc: int = 2
     """Processes `moebal train` spawns on this machine (torchrun sets the world size itself)."""
     ep: int | None = None
     """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""

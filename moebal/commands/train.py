@@ -125,8 +125,17 @@ def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[
 def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
     """`--nproc N` without torchrun: start N ranks of this same command (they see RANK in their environment),
     all writing to one run directory."""
+    # Bad input fails here, once, before any rank starts (the same checks every rank would make).
+    from moebal.data import build_data
     from moebal.dist.launch import spawn_local
 
+    build_data(cfg)
+    if args.resume:
+        from moebal.train.checkpoint import find_checkpoints
+
+        if not find_checkpoints(out):
+            raise ConfigError(f"nothing to resume in {out}: it holds no checkpoint "
+                              f"(run without --resume to start, or point --out at the run)")
     argv = ["train", *args._argv]
     if args.out is None:
         argv += ["--out", str(out)]

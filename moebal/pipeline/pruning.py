@@ -173,6 +173,10 @@ def csr_linear(x: torch.Tensor, weight_FD: torch.Tensor, st: CSRStructure) -> to
 
 
 def _csr_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type):
+        # CPU sparse kernels have no bf16 path; the pruned weight is zero off the mask, so the dense product is
+        # the same maths (the kernel choice was timed in fp32, where the CSR path exists).
+        return F.linear(x, self.weight)
     return csr_linear(x, self.weight, self._moebal_csr)
 
 

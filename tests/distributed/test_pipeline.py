@@ -21,7 +21,7 @@ def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: in
         "model": {"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": moe, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop"},
         "data": {"seq_len": 16, "batch_size": batch, "max_bytes": 200_000},
-        "train": {"steps": 6, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, **train},
+        "train": {"steps": 6, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32", **train},
         "parallel": {"pp": pp, "nproc": nproc or pp}})
 
 
