@@ -105,7 +105,8 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         for routing, bias in routings.items():
             _set_bias(model, bias)
             for policy in POLICIES:
-                planners = [ExpertPlanner(E, world, policy, costs) for _ in range(L)]
+                planners = [ExpertPlanner(E, world, policy, costs, hysteresis=cfg.planner.hysteresis)
+                            for _ in range(L)]
                 placements = [p.current for p in planners]
                 for i in range(spec["warmup"] + spec["steps"]):
                     ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)

@@ -34,11 +34,14 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     val = [r for r in records if r.get("val_loss") is not None]
     counts = [r for r in train if r.get("expert_counts")]
     n_layers = len(counts[-1]["expert_counts"]) if counts else 0
+    placed = [r for r in train if r.get("rank_imbalance_before")]
     cols = min(max(n_layers, 1), 4)
     rows = 1 + (n_layers + cols - 1) // cols if n_layers else 1
     fig = plt.figure(figsize=(4 * cols + 2, 3.2 * rows))
     grid = fig.add_gridspec(rows, cols)
-    ax = fig.add_subplot(grid[0, :])
+    ax = fig.add_subplot(grid[0, :] if not placed or cols < 2 else grid[0, : cols - 1])
+    if placed and cols >= 2:
+        _placement_panel(fig.add_subplot(grid[0, cols - 1]), placed)
     steps = np.array([r["step"] for r in train])
     loss = np.array([r["loss"] for r in train], dtype=float)
     ax.plot(steps, loss, color="tab:blue", alpha=0.25, lw=0.8)
@@ -67,3 +70,19 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _placement_panel(ax: Any, placed: list[dict[str, Any]]) -> None:
+    """Rank load max/mean (mean over MoE layers) before and after each step's expert placement."""
+    steps = [r["step"] for r in placed]
+    before = np.array([np.mean(r["rank_imbalance_before"]) for r in placed])
+    after = np.array([np.mean(r["rank_imbalance_after"]) for r in placed])
+    span = max(len(steps) // 50, 1)
+    ax.plot(steps, _smooth(before, span), color="tab:red", label="plain expert parallel")
+    ax.plot(steps, _smooth(after, span), color="tab:green", label="after placement")
+    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("rank load max / mean")
+    ax.set_title("expert placement")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
