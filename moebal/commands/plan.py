@@ -68,6 +68,13 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-zero", action="store_true", help="prophet: also send replicas to ranks with no tokens")
     p.add_argument("--overlap", action="store_true", help="cost with eq. 8 (Trans/Agg hidden under compute)")
     p.add_argument("--k", type=int, default=2, help="broadcast_topk: how many hottest experts (default 2)")
+    p.add_argument("--config", metavar="CONFIG", help="dry run for a model (preset name or YAML, e.g. "
+                   "mixtral-8x7b): costs from --cluster, counts synthetic unless --counts is given")
+    p.add_argument("--cluster", default="h100", help="hardware profile for --config (name or path; default h100)")
+    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks for --config (default 8)")
+    p.add_argument("--zipf", type=float, default=1.11, help="synthetic routing skew for --config (Zipf exponent; "
+                   "1.11 makes the 3 hottest of 16 experts take half the tokens)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic routing seed for --config")
     p.add_argument("--bench", action="store_true", help="measure planner latency on synthetic skewed counts")
     p.add_argument("--bench-sizes", default="64x64,256x256", help="RANKSxEXPERTS list for --bench")
     p.add_argument("--repeats", type=int, default=31, help="timed repeats per case for --bench (median reported)")
@@ -76,13 +83,19 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
 def run_experts(args: argparse.Namespace) -> int:
     from moebal.planner.experts import POLICIES
 
-    costs = _load_costs(args.costs)
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    if args.config:
+        costs, synthetic = _dry_run(args)
+    else:
+        costs, synthetic = _load_costs(args.costs), None
     if args.bench:
         return _bench(args, costs, policies)
-    if not args.counts:
-        raise ConfigError("moebal plan experts needs --counts FILE (or --bench)")
-    layers = _load_counts(Path(args.counts), args.layer, args.line)
+    if args.counts:
+        layers = _load_counts(Path(args.counts), args.layer, args.line)
+    elif synthetic is not None:
+        layers = [(i, c) for i, c in enumerate(synthetic) if args.layer is None or i == args.layer]
+    else:
+        raise ConfigError("moebal plan experts needs --counts FILE, --config CONFIG (a dry run) or --bench")
     owner = _parse_ints(args.owner, "--owner") if args.owner else None
     report = [_plan_layer(idx, c_RE, costs, owner, policies, args) for idx, c_RE in layers]
     if args.json:
@@ -91,6 +104,27 @@ def run_experts(args: argparse.Namespace) -> int:
         for layer in report:
             _print_layer(layer)
     return 0
+
+
+def _dry_run(args: argparse.Namespace) -> tuple[Any, list[np.ndarray]]:
+    """Costs of one MoE layer of a real model on a modelled cluster, and one step of seeded Zipf routing."""
+    from moebal.config import load
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.sim.routing import SyntheticRouting
+
+    cfg = load(args.config)
+    E, R = cfg.moe.num_experts, args.ranks
+    if E == 0:
+        raise ConfigError(f"{args.config}: a dense model (moe.num_experts = 0) has no experts to place")
+    if R < 1 or E % R:
+        raise ConfigError(f"--ranks {R} must divide the {E} experts of {args.config}")
+    shape = ModelShape.from_config(cfg)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    costs = CostModel(args.cluster).moe_layer_costs(shape, list(range(R)), tokens, cfg.data.seq_len)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.model.n_layers))
+    routing = SyntheticRouting(num_layers=moe_layers, num_experts=E, top_k=cfg.moe.top_k, zipf_s=args.zipf,
+                               seed=args.seed)
+    return costs, list(routing.counts(0, 1, R, tokens)[:, 0])
 
 
 def _policy_options(policy: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,22 @@
+"""`moebal plan experts --config PRESET --cluster --ranks`: dry-run planning of a real model in one process."""
+
+from __future__ import annotations
+
+import json
+
+from moebal.cli import main
+
+
+def test_mixtral_dry_run_plans_every_policy(capsys):
+    assert main(["plan", "experts", "--config", "mixtral-8x7b", "--cluster", "a100", "--ranks", "8",
+                 "--layer", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["layers"][0]
+    by = {p["policy"]: p["metrics"] for p in report["plans"]}
+    assert set(by) >= {"prophet", "fastermoe", "static"}
+    assert report["num_ranks"] == 8 and report["num_experts"] == 8
+    assert by["prophet"]["predicted_time_s"] <= by["static"]["predicted_time_s"]
+
+
+def test_dry_run_rejects_ranks_that_do_not_divide_the_experts(capsys):
+    assert main(["plan", "experts", "--config", "mixtral-8x7b", "--ranks", "3"]) == 2
+    assert "must divide the 8 experts" in capsys.readouterr().err
