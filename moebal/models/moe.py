@@ -13,11 +13,11 @@ import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
 from moebal.kernels.experts import KERNELS, KernelName, choose_kernel, grouped_mm_supports, swiglu_experts
+from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
     Routing,
@@ -74,17 +74,8 @@ class SwiGLUExperts(nn.Module):
             return swiglu_experts(x_ND, w1, w3, w2, plan, kernel)
 
 
-class SharedExpert(nn.Module):
-    """Qwen-MoE style always-on SwiGLU expert (HF names gate_proj/up_proj/down_proj)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# Qwen-MoE style always-on expert: the dense SwiGLU MLP under the HF names (mlp.shared_expert.gate_proj, ...).
+SharedExpert = MLP
 
 
 def _check_args(dim: int, ffn_dim: int, num_experts: int, top_k: int, router: str, jitter: float,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebal.config import Config
+from moebal.models.mlp import MLP
 
 __all__ = ["CausalLMOutput", "DecoderLayer", "MoebalForCausalLM", "RMSNorm", "build_model"]
 
@@ -89,19 +90,6 @@ class Attention(nn.Module):
         o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
                                                 enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """Dense SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
