@@ -121,12 +121,21 @@ class ExpertParallelDispatcher:
                 parts.append((ex.w1[i], ex.w3[i], ex.w2[i]))
         return tuple(torch.stack([p[j] for p in parts]) for j in range(3))  # type: ignore[return-value]
 
+    def _destinations(self, device: torch.device) -> torch.Tensor:
+        """Compute rank of this rank's tokens for each expert under the current placement (cached per plan)."""
+        key = (self.placement, device)
+        if getattr(self, "_dest_key", None) != key:
+            self._dest_E = torch.tensor([self.placement.compute_rank(self.r, e) for e in range(self.E)],
+                                        device=device)
+            self._dest_key = key
+        return self._dest_E
+
     # ---- the token path ----
     def forward(self, x_TD: torch.Tensor, routing: Any) -> torch.Tensor:
         T, K = routing.indices_TK.shape
         E, R, dev = self.E, self.R, x_TD.device
         # 1. sort assignments by (compute rank, expert)
-        dest_E = torch.tensor([self.placement.compute_rank(self.r, e) for e in range(E)], device=dev)
+        dest_E = self._destinations(dev)
         experts_A = routing.indices_TK.reshape(-1)
         keys_A = dest_E[experts_A] * E + experts_A
         if routing.active_TK is not None:
