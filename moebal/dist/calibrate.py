@@ -5,10 +5,16 @@ the bandwidth of the parameter transfer (Trans) and gradient return (Agg). A har
 modelled clusters; a live job measures them on its own devices and links with the very operations it runs.
 Every rank measures, then the group agrees on the slowest figure (an all-reduce of the times), so every rank
 plans from identical numbers and computes identical placements.
+
+The figures vary from one measurement to the next (tens of per cent on a shared machine), and placements
+follow them, so a run measures once: the trainer's expert-parallel hook keeps the figures in every
+checkpoint and a resumed run plans from the saved ones (see `ExpertParallelHook`). The measurement draws
+its inputs from a private generator, so it never moves the run's RNG streams.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -20,7 +26,7 @@ import torch.distributed as dist
 from moebal.dist.expert_parallel import ExpertParallelDispatcher, _group_plan
 from moebal.planner.perf import MoELayerCosts
 
-__all__ = ["measure_layer_costs"]
+__all__ = ["costs_from_dict", "costs_to_dict", "describe", "measure_layer_costs"]
 
 
 def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
@@ -42,7 +48,8 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
     D = ex.w1.shape[2]
     rows = max(64, tokens)
     local = len(d.owned)
-    x = torch.randn(rows, D, device=dev, dtype=dtype)
+    gen = torch.Generator(device=dev).manual_seed(0)  # private: the run's RNG streams stay where they are
+    x = torch.randn(rows, D, device=dev, dtype=dtype, generator=gen)
     counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
     plan = _group_plan(counts, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -52,7 +59,7 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
             ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
 
     R, group = d.R, d.group
-    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype)
+    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen)
     out = torch.empty_like(chunk)
 
     def a2a() -> None:
@@ -77,6 +84,19 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
                          expert_grad_bytes=flat.numel() * elem, expert_tokens_per_s=rows / t_exp,
                          a2a_bandwidth=a2a_bytes / t_a2a, trans_bandwidth=flat.numel() * elem / t_ring,
                          agg_bandwidth=flat.numel() * elem / t_ring, num_ranks=R)
+
+
+def costs_to_dict(costs: MoELayerCosts) -> dict[str, Any]:
+    """Measured coefficients as JSON data (constant bandwidths only: what `measure_layer_costs` returns)."""
+    d = dataclasses.asdict(costs)
+    if not all(isinstance(v, (int, float)) or v is None for v in d.values()):
+        raise ValueError("only measured costs (constant bandwidths) serialise; a profile's costs are rebuilt "
+                         "from the config instead")
+    return d
+
+
+def costs_from_dict(d: dict[str, Any]) -> MoELayerCosts:
+    return MoELayerCosts(**d)
 
 
 def describe(costs: MoELayerCosts) -> dict[str, Any]:

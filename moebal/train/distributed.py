@@ -10,7 +10,9 @@ and for any data x expert-parallel layout, so the trainer never branches on `tor
   before the step    apply: adopt the placements and run Trans (owners send replica parameters)
   after backward     Agg (replica gradients back to their owners), then gradient sync
 Every rank runs the same planners on the same all-gathered counts and the same measured coefficients, so
-they agree on the plan without a broadcast.
+they agree on the plan without a broadcast. The coefficients are measured once per run and travel in the
+checkpoints: a resumed run plans from the same figures, hence the same placements, as the uninterrupted one
+(a re-measurement would differ and change replicas, so the summation order, so the last bits of the loss).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,8 +136,12 @@ class RunContext:
 class ExpertParallelHook(Hook):
     """Pro-Prophet's observe -> plan -> apply loop on a live expert-parallel job (see the module docstring)."""
 
-    def __init__(self, ep: ExpertParallel, cfg: Config, costs: Any, ctx: RunContext) -> None:
-        self.ep, self.ctx, self.costs = ep, ctx, costs
+    def __init__(self, ep: ExpertParallel, cfg: Config, costs: Any, ctx: RunContext,
+                 measure: Callable[[], Any] | None = None) -> None:
+        """`costs`: the planner's coefficients (from a hardware profile), or None with `measure`, which measures
+        them on the job at the start of training unless a checkpoint brought the figures of the run's first
+        measurement (live figures vary run to run, and placements follow them)."""
+        self.ep, self.ctx, self.costs, self._measure = ep, ctx, costs, measure
         p = cfg.planner
         E, R = cfg.moe.num_experts, ep.dims.size("ep")
         self.planners = [ExpertPlanner(E, R, p.policy, costs, every=p.every, ema=p.ema, hysteresis=p.hysteresis,
@@ -143,11 +150,19 @@ class ExpertParallelHook(Hook):
         self.placements: list[ExpertPlacement] = [pl.current for pl in self.planners]
         self._log = None
 
+    def _set_costs(self, costs: Any) -> None:
+        self.costs = costs
+        for pl in self.planners:
+            pl.cost = costs
+
     @property
     def name(self) -> str:
         return "expert_parallel"
 
     def on_start(self, trainer: Trainer) -> None:
+        if self.costs is None:
+            assert self._measure is not None, "ExpertParallelHook needs costs or a way to measure them"
+            self._set_costs(self._measure())  # collective: every rank of the EP group measures together
         if self.ctx.is_main:
             path = trainer.run_dir / "plans.jsonl"
             MetricsLog.truncate_after(path, trainer.step)  # a resumed run re-plans the steps after its checkpoint
@@ -194,20 +209,27 @@ class ExpertParallelHook(Hook):
             self._log = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Planner forecasts and the placements of the next step, so a resumed run plans what the
-        uninterrupted run would have (placements change only summation order, but resume is bitwise)."""
+        """Planner forecasts, the placements of the next step and measured coefficients, so a resumed run plans
+        what the uninterrupted run would have (placements change only summation order, but resume is bitwise)."""
+        from moebal.dist.calibrate import costs_to_dict
+
         return {"placements": [p.to_dict() for p in self.placements],
                 "planners": [{"forecast": None if pl.forecast_RE is None else pl.forecast_RE.tolist(),
-                              "observed": pl.observed, "current": pl.current.to_dict()} for pl in self.planners]}
+                              "observed": pl.observed, "current": pl.current.to_dict()} for pl in self.planners],
+                "measured_costs": costs_to_dict(self.costs) if self._measure is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
+        from moebal.dist.calibrate import costs_from_dict
+
         self.placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
         for pl, s in zip(self.planners, state["planners"]):
             pl.forecast_RE = None if s["forecast"] is None else np.asarray(s["forecast"], dtype=np.float64)
             pl.observed = int(s["observed"])
             pl.current = ExpertPlacement.from_dict(s["current"])
+        if self._measure is not None and state.get("measured_costs"):
+            self._set_costs(costs_from_dict(state["measured_costs"]))  # no re-measurement: the same plans
 
 
 def setup_parallel(cfg: Config) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
@@ -237,23 +259,26 @@ def setup_parallel(cfg: Config) -> tuple[RunContext, torch.nn.Module, list[Hook]
     hooks: list[Hook] = []
     if dims.distributed and ep > 1 and cfg.moe.num_experts:
         expert_parallel = ExpertParallel(model, dims)
-        costs = _planner_costs(cfg, expert_parallel, dims)
-        hooks.append(ExpertParallelHook(expert_parallel, cfg, costs, ctx))
+        hooks.append(_expert_parallel_hook(cfg, expert_parallel, dims, ctx))
     elif dims.distributed:
         hooks.append(DataParallelHook(dims))
     return ctx, model, hooks
 
 
-def _planner_costs(cfg: Config, ep: ExpertParallel, dims: ParallelDims) -> Any:
+def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, ctx: RunContext) -> ExpertParallelHook:
+    """The hook with its planner coefficients: from a hardware profile now, or measured on the job when
+    training starts (`planner.costs: measure`) unless a resumed checkpoint holds the run's measurement."""
     tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
     if cfg.planner.costs == "measure":
         from moebal.dist.calibrate import measure_layer_costs
 
-        return measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k)
+        return ExpertParallelHook(ep, cfg, None, ctx,
+                                  measure=lambda: measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k))
     from moebal.planner.cost import CostModel, ModelShape
 
-    return CostModel(cfg.planner.costs).moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens,
-                                                       cfg.data.seq_len)
+    costs = CostModel(cfg.planner.costs).moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens,
+                                                        cfg.data.seq_len)
+    return ExpertParallelHook(ep, cfg, costs, ctx)
 
 
 class DataParallelHook(Hook):

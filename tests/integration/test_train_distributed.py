@@ -64,6 +64,10 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert [x["step"] for x in b] == list(range(1, 9))
     assert [x["loss"] for x in a] == [y["loss"] for y in b]
     assert [x.get("val_loss") for x in a] == [y.get("val_loss") for y in b]
+    # the same plans, predicted times included: the resumed run plans from the coefficients the full run
+    # measured (saved in the checkpoint), not from a new measurement that would differ and move replicas
+    full_plans = (tmp_path / "full" / "plans.jsonl").read_text().splitlines()
+    assert (part / "plans.jsonl").read_text().splitlines() == full_plans
 
 
 def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
