@@ -28,6 +28,8 @@ from moebal.errors import ConfigError
 TARGETS: dict[str, tuple[str, str]] = {
     "experts": ("moebal.commands.plan", "expert placement of MoE layers from a routing count matrix"),
     "stages": ("moebal.pipeline.cli", "pipeline stage partitions of per-layer costs (uniform, partition, diffusion)"),
+    "microbatches": ("moebal.pipeline.mbcli", "DynaPipe micro-batching of variable-length samples (dynamic, "
+                     "padding, packing, token-based) with schedule and communication plan"),
 }
 
 

@@ -1,0 +1,514 @@
+"""DynaPipe micro-batching: split one mini-batch of variable-length samples into micro-batches of different
+sizes and lengths, assign them to data-parallel pipelines, order and schedule them, plan the communication.
+
+Shape legend: N = samples of the mini-batch, K = most rows a micro-batch may have, C = candidate time
+limits, P = stages (c in the paper), D = data-parallel replicas, M = micro-batches.
+
+Pure: lengths and a `MicroBatchCost` in, a frozen `MicroBatchPlan` out (JSON-serialisable, replayable); no
+torch, so planning runs in background worker processes (`planahead.py`).
+
+The steps (DynaPipe §4-§7):
+  1. check the lengths (an empty sample or one longer than the model's maximum is an error naming it);
+  2. sort by length, descending (the reference's direction: a run's padded length is its first sample's,
+     and memory grows monotonically along a run);
+  3. the exact DP split (Eq2) of the sorted list into contiguous runs, for every candidate limit t_max on a
+     micro-batch's time, under a per-micro-batch memory limit; each candidate's partition is scored by
+     Eq1 with its *actual* maximum, (P - 1) max_M t(M) + sum_M t(M) / D, and the best kept;
+  4. data parallelism: the micro-batches are spread over the D replicas by Karmarkar-Karp (largest
+     differencing) on their times;
+  5. per replica: injection order and schedule chosen by simulation (`dynschedule.choose_schedule`), then
+     the communication plan from the simulated timeline (`commplan.build_comm_plan`).
+
+Gaps of the paper, settled (docs/microbatching.md has the long form):
+  * Eq2's index range is 0 <= i <= n - 1 (the paper's 1 <= i misses one micro-batch holding the prefix);
+  * t(M) is the bottleneck stage's forward + backward time (`MicroBatchCost.time`): per-stage, as Eq1
+    implies, and the slowest stage where embedding or head make stages unequal;
+  * thinning of the candidate limits: the paper keeps candidates 5 us apart. Here the spacing is relative,
+    delta = thin * LB / (P - 1) with LB = (P - 1 + 1/D) * min_k t(first k samples), a lower bound on the
+    optimum (the longest sample is in the first run). Each window of width delta is represented by its
+    *upper* end and partitions are scored by their actual maximum, so the thinned plan is at most
+    (P - 1) delta = thin * LB <= thin * OPT worse than the exact one (tested against the unthinned DP);
+  * memory: the DP limits each micro-batch to memory / P (1F1B keeps up to P micro-batches in flight on
+    the first stage); when even that cannot hold the longest sample, it retries with the whole budget (one
+    micro-batch must fit) and leaves the rest to the memory-aware adaptive schedule (the reference's
+    escalation); when one sample alone does not fit, that is an error naming it;
+  * padded length: the run's longest sample rounded up to `pad_multiple` (8 in the reference; configurable);
+  * loss normalisation is per token (the engine's business; see docs/microbatching.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moebal.errors import ConfigError
+from moebal.pipeline.commplan import build_comm_plan
+from moebal.pipeline.dynschedule import DYN_SCHEDULES, choose_schedule, one_f_one_b, simulate
+from moebal.pipeline.mbcost import MicroBatchCost
+
+__all__ = ["METHODS", "MicroBatch", "MicroBatchPlan", "check_lengths", "dp_split", "iteration_objective",
+           "karmarkar_karp", "plan_microbatches", "split_packing", "split_padding", "split_tokens"]
+
+METHODS = ("dynamic", "padding", "packing", "tokens")
+
+
+def check_lengths(lengths: Sequence[Any], max_len: int | None = None, what: str = "sample") -> np.ndarray:
+    """Lengths as int64, or a ConfigError naming the first bad one and the fix."""
+    arr = np.asarray(list(lengths), dtype=object)
+    if arr.size == 0:
+        raise ConfigError("no samples: the mini-batch is empty")
+    out = np.zeros(arr.size, dtype=np.int64)
+    for i, v in enumerate(arr.tolist()):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or (isinstance(v, float)
+                                                                                   and not v.is_integer()):
+            raise ConfigError(f"{what} {i}: length {v!r} is not a whole number of tokens")
+        if v <= 0:
+            raise ConfigError(f"{what} {i} has length {int(v)}: every sample needs at least one token "
+                              f"(drop empty samples)")
+        if max_len is not None and v > max_len:
+            raise ConfigError(f"{what} {i} has length {int(v)}, longer than the model's maximum {max_len}: "
+                              f"truncate or cut long samples (data.seq_len) or raise model.max_seq_len")
+        out[i] = int(v)
+    return out
+
+
+def _pad(s: Any, multiple: int) -> Any:
+    return -(-np.asarray(s) // multiple) * multiple
+
+
+def iteration_objective(times: Sequence[float], stages: int, dp: int = 1) -> float:
+    """Eq1 (with §5.3's data-parallel bound): (P - 1) max t + sum t / D."""
+    t = np.asarray(times, dtype=np.float64)
+    return float((stages - 1) * t.max() + t.sum() / dp) if t.size else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the DP (Eq2)
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """Contiguous runs [start, end) of the sorted samples, their times, and how the DP got there."""
+
+    runs: tuple[tuple[int, int], ...]
+    times: tuple[float, ...]
+    objective: float
+    candidates: int
+    candidates_exact: int
+    delta: float
+    memory_limit: float | None
+    memory_mode: str
+
+
+def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """run_t[i, k-1], mem[i, k-1]: time and memory of the run of k samples starting at sorted index i (inf where
+    the run leaves the batch or the cost table)."""
+    N = len(L_desc)
+    K = int(min(N, cost.b_grid[-1]))
+    k = np.arange(1, K + 1)
+    s = _pad(L_desc, pad_multiple)
+    run_t = cost.time(k[None, :], s[:, None])
+    mem = cost.memory(k[None, :], s[:, None])
+    beyond = (np.arange(N)[:, None] + k[None, :]) > N
+    run_t[beyond] = np.inf
+    mem[beyond] = np.inf
+    return run_t, mem
+
+
+def _candidates(T_ok: np.ndarray, delta: float) -> np.ndarray:
+    """Distinct finite run times, thinned to windows of width delta, each represented by its upper end."""
+    vals = np.unique(T_ok[np.isfinite(T_ok)])
+    if delta <= 0 or vals.size == 0:
+        return vals
+    keep = []
+    i = 0
+    while i < vals.size:
+        j = int(np.searchsorted(vals, vals[i] + delta, side="right")) - 1
+        keep.append(vals[j])
+        i = j + 1
+    return np.asarray(keep)
+
+
+def _dp(run_t: np.ndarray, ok: np.ndarray, tmax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """f[C, N + 1] (least sum of run times with every run <= tmax[c]) and the argmin start of each prefix's
+    last run; all candidates at once, one vector step per prefix end n (runs are at most K long)."""
+    N, K = run_t.shape
+    C = tmax.shape[0]
+    f = np.full((C, N + 1), np.inf)
+    f[:, 0] = 0.0
+    arg = np.zeros((C, N + 1), dtype=np.int64)
+    for n in range(1, N + 1):
+        k = np.arange(1, min(K, n) + 1)
+        i = n - k                                    # run [i, n) of k samples
+        t = run_t[i, k - 1]
+        allowed = ok[i, k - 1][None, :] & (t[None, :] <= tmax[:, None])
+        val = np.where(allowed, f[:, i] + t[None, :], np.inf)
+        best = val.argmin(axis=1)
+        f[:, n] = val[np.arange(C), best]
+        arg[:, n] = i[best]
+    return f, arg
+
+
+def _backtrack(arg: np.ndarray, N: int) -> list[tuple[int, int]]:
+    runs = []
+    n = N
+    while n > 0:
+        i = int(arg[n])
+        runs.append((i, n))
+        n = i
+    return runs[::-1]
+
+
+def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int = 1, memory: float | None = None,
+             thin: float = 0.01, pad_multiple: int = 8) -> SplitResult:
+    """The best contiguous split of descending lengths under Eq1 (exact when thin == 0)."""
+    if stages < 1 or dp < 1:
+        raise ConfigError(f"stages ({stages}) and data-parallel size ({dp}) must be at least 1")
+    if thin < 0:
+        raise ConfigError(f"thin must be >= 0 (0: exact); got {thin}")
+    N = len(L_desc)
+    run_t, mem = _run_tables(L_desc, cost, pad_multiple)
+    if not np.isfinite(run_t[:, 0]).all():
+        i = int(np.flatnonzero(~np.isfinite(run_t[:, 0]))[0])
+        raise ConfigError(f"a sample of length {int(L_desc[i])} has no cost: "
+                          f"{cost.explain_infeasible(1, int(_pad(L_desc[i], pad_multiple)))}")
+    modes = [("per-1f1b", memory / stages), ("single", memory)] if memory is not None else [("none", None)]
+    for mode, limit in modes:
+        ok = np.isfinite(run_t) & (np.ones_like(run_t, dtype=bool) if limit is None else mem <= limit)
+        if not ok[:, 0].all():
+            continue
+        t_first = run_t[0][ok[0]]
+        lb = (stages - 1 + 1.0 / dp) * float(t_first.min())
+        delta = thin * lb / (stages - 1) if stages > 1 else 0.0
+        exact = _candidates(np.where(ok, run_t, np.inf), 0.0)
+        if exact.size == 0:
+            continue
+        cands = exact[-1:] if stages == 1 else _candidates(np.where(ok, run_t, np.inf), delta)
+        # Prune by an upper bound: the unconstrained split's Eq1 (UB >= OPT). The optimum's maximum m* has
+        # (P - 1) m* <= UB, and its window representative is <= m* + delta, so larger limits never win.
+        f1, arg1 = _dp(run_t, ok, exact[-1:])
+        if np.isfinite(f1[0, N]):
+            runs1 = _backtrack(arg1[0], N)
+            ub = iteration_objective([float(run_t[i, n - i - 1]) for i, n in runs1], stages, dp)
+            if stages > 1:
+                cands = cands[(stages - 1) * cands <= ub + (stages - 1) * delta * (1 + 1e-12) + 1e-300]
+        longest = int(np.max(np.where(ok & (run_t <= cands.max()), np.arange(1, run_t.shape[1] + 1)[None, :], 0)))
+        f, arg = _dp(run_t[:, :max(longest, 1)], ok[:, :max(longest, 1)], cands)
+        best: tuple[float, list[tuple[int, int]]] | None = None
+        for c in np.flatnonzero(np.isfinite(f[:, N])):
+            runs = _backtrack(arg[c], N)
+            times = [float(run_t[i, n - i - 1]) for i, n in runs]
+            obj = iteration_objective(times, stages, dp)
+            if best is None or obj < best[0] - 1e-15 * abs(obj):
+                best = (obj, runs)
+        if best is None:
+            continue
+        obj, runs = best
+        return SplitResult(runs=tuple(runs), times=tuple(float(run_t[i, n - i - 1]) for i, n in runs), objective=obj,
+                           candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
+                           memory_limit=limit, memory_mode=mode)
+    worst = int(np.argmax(mem[:, 0]))
+    raise ConfigError(f"a sample of length {int(L_desc[worst])} needs {mem[worst, 0]:.4g} bytes of activations on "
+                      f"its largest stage, more than the memory budget {memory:.4g}: raise the budget, use "
+                      f"more stages or cut long samples")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data parallelism: Karmarkar-Karp
+
+
+def karmarkar_karp(values: Sequence[float], k: int) -> list[list[int]]:
+    """Largest differencing method for k-way number partitioning: the indices of `values` per part (parts
+    in decreasing order of their sums). Deterministic: ties are broken by insertion order."""
+    if k < 1:
+        raise ConfigError(f"karmarkar_karp needs k >= 1; got {k}")
+    vals = [float(v) for v in values]
+    if k == 1:
+        return [list(range(len(vals)))]
+    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    for n, v in enumerate(vals):
+        sums = [v] + [0.0] * (k - 1)
+        parts: list[list[int]] = [[n]] + [[] for _ in range(k - 1)]
+        heapq.heappush(heap, (-v, n, sums, parts))
+    tick = len(vals)
+    while len(heap) > 1:
+        _, _, sa, pa = heapq.heappop(heap)
+        _, _, sb, pb = heapq.heappop(heap)
+        # a is sorted descending; pair its largest with b's smallest
+        ob = sorted(range(k), key=lambda q: (sb[q], q))
+        sums = [sa[q] + sb[ob[q]] for q in range(k)]
+        parts = [pa[q] + pb[ob[q]] for q in range(k)]
+        order = sorted(range(k), key=lambda q: (-sums[q], q))
+        sums, parts = [sums[q] for q in order], [parts[q] for q in order]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tick, sums, parts))
+        tick += 1
+    if not heap:
+        return [[] for _ in range(k)]
+    return [sorted(p) for p in heap[0][3]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# baselines: padding to the batch maximum, packing, token budget
+
+
+def split_padding(lengths: np.ndarray, num_micro: int) -> list[list[int]]:
+    """Megatron-style: the batch in its given order, cut into num_micro equal row counts (sizes differ by at
+    most one); every micro-batch is padded to the *batch's* longest sample."""
+    N = len(lengths)
+    m = max(1, min(num_micro, N))
+    return [list(map(int, part)) for part in np.array_split(np.arange(N), m)]
+
+
+def split_packing(lengths: np.ndarray, max_len: int) -> list[list[int]]:
+    """Rows of at most max_len tokens, filled first-fit in the given order (no sample is cut: every sample
+    is at most max_len long)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths.tolist()):
+        for r in range(len(rows)):
+            if room[r] >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(max_len - n)
+    return rows
+
+
+def split_tokens(L_desc: np.ndarray, budget: int, pad_multiple: int = 8) -> list[tuple[int, int]]:
+    """Token-based micro-batching (TB in §8.4): sorted runs whose padded tokens stay within a budget."""
+    runs, i, N = [], 0, len(L_desc)
+    while i < N:
+        s = int(_pad(L_desc[i], pad_multiple))
+        k = max(1, budget // s)
+        runs.append((i, min(N, i + k)))
+        i = min(N, i + k)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of sample indices (one sample per row, several when packed), padded to `seq` tokens."""
+
+    rows: tuple[tuple[int, ...], ...]
+    seq: int
+    tokens: int
+    """Real tokens (sum of the samples' lengths)."""
+    time_s: float
+    """Predicted bottleneck-stage forward + backward seconds."""
+    memory: float
+    """Predicted stored activation bytes on its largest stage."""
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def samples(self) -> list[int]:
+        return [i for row in self.rows for i in row]
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One data-parallel pipeline's share: its micro-batches (global ids) in injection order, the schedule,
+    and every stage's instruction stream (micro-batch numbers are positions in `micro_batches`)."""
+
+    micro_batches: tuple[int, ...]
+    schedule: str
+    streams: tuple[tuple[tuple[str, int], ...], ...]
+    makespan_s: float
+    peak_memory: tuple[float, ...]
+    candidates: tuple[tuple[str, float, bool], ...] = ()
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One iteration's micro-batching: what every rank of every pipeline needs to run it."""
+
+    method: str
+    stages: int
+    micro_batches: tuple[MicroBatch, ...]
+    replicas: tuple[ReplicaPlan, ...]
+    objective_s: float
+    """Eq1 of the split (before scheduling)."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(m.tokens for m in self.micro_batches)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(m.size * m.seq for m in self.micro_batches)
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / max(self.computed_tokens, 1)
+
+    @property
+    def predicted_time_s(self) -> float:
+        """Simulated iteration time: the slowest replica's pipeline."""
+        return max(r.makespan_s for r in self.replicas)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "stages": self.stages, "objective_s": self.objective_s,
+                "padding_efficiency": round(self.padding_efficiency, 6), "predicted_time_s": self.predicted_time_s,
+                "real_tokens": self.real_tokens, "computed_tokens": self.computed_tokens,
+                "micro_batches": [{"rows": [list(r) for r in m.rows], "seq": m.seq, "tokens": m.tokens,
+                                   "time_s": m.time_s, "memory": m.memory} for m in self.micro_batches],
+                "replicas": [{"micro_batches": list(r.micro_batches), "schedule": r.schedule,
+                              "makespan_s": r.makespan_s, "peak_memory": list(r.peak_memory),
+                              "candidates": [list(c) for c in r.candidates],
+                              "streams": [[list(i) for i in s] for s in r.streams]} for r in self.replicas],
+                "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MicroBatchPlan:
+        mbs = tuple(MicroBatch(rows=tuple(tuple(int(i) for i in r) for r in m["rows"]), seq=int(m["seq"]),
+                               tokens=int(m["tokens"]), time_s=float(m["time_s"]), memory=float(m["memory"]))
+                    for m in d["micro_batches"])
+        reps = tuple(ReplicaPlan(micro_batches=tuple(int(x) for x in r["micro_batches"]), schedule=r["schedule"],
+                                 streams=tuple(tuple((str(op), int(j)) for op, j in s) for s in r["streams"]),
+                                 makespan_s=float(r["makespan_s"]), peak_memory=tuple(r["peak_memory"]),
+                                 candidates=tuple((str(a), float(b), bool(c)) for a, b, c in r["candidates"]))
+                     for r in d["replicas"])
+        return cls(method=d["method"], stages=int(d["stages"]), micro_batches=mbs, replicas=reps,
+                   objective_s=float(d["objective_s"]), meta=dict(d.get("meta", {})))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> MicroBatchPlan:
+        return cls.from_dict(json.loads(text))
+
+
+def _micro(rows: list[list[int]], seq: int, lengths: np.ndarray, cost: MicroBatchCost) -> MicroBatch:
+    b = len(rows)
+    t = float(cost.time(b, seq))
+    if not math.isfinite(t):
+        raise ConfigError(f"a micro-batch of {b} rows x {seq} tokens has no cost: {cost.explain_infeasible(b, seq)}")
+    return MicroBatch(rows=tuple(tuple(int(i) for i in r) for r in rows), seq=int(seq),
+                      tokens=int(sum(int(lengths[i]) for r in rows for i in r)), time_s=t,
+                      memory=float(cost.memory(b, seq)))
+
+
+def _counts(n: int, cost: MicroBatchCost) -> list[int]:
+    """Micro-batch counts a baseline's search tries: n / r for every profiled row count r (powers of two)."""
+    return sorted({-(-n // int(r)) for r in cost.b_grid if r <= n} | {n})
+
+
+def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: float | None) -> list[MicroBatch]:
+    """Baselines' micro-batch count, searched on the cost model (the paper grid-searches the baseline's
+    micro-batch size and reports its best): the count with the least Eq1 that fits the memory limit."""
+    best: tuple[float, list[MicroBatch]] | None = None
+    for m in counts:
+        try:
+            mbs = make(m)
+        except ConfigError:
+            continue
+        if memory is not None and max(x.memory for x in mbs) > memory / stages:
+            continue
+        obj = iteration_objective([x.time_s for x in mbs], stages, dp)
+        if best is None or obj < best[0]:
+            best = (obj, mbs)
+    if best is None:
+        raise ConfigError("no micro-batch count of the baseline fits the cost table and the memory budget")
+    return best[1]
+
+
+def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: str = "dynamic", dp: int = 1,
+                      memory: float | None = None, max_len: int | None = None, pad_multiple: int = 8,
+                      thin: float = 0.01, schedules: Sequence[str] = DYN_SCHEDULES, num_micro: int | None = None,
+                      token_budget: int | None = None, clusters: int | None = None,
+                      comm_s: float = 0.0) -> MicroBatchPlan:
+    """The micro-batching of one mini-batch (sample i has length lengths[i]) on `cost.stages` stages x dp.
+
+    method: 'dynamic' (DynaPipe), 'padding' (batch order, padded to the batch's longest, num_micro
+    micro-batches, or the best count by the cost model), 'packing' (first-fit rows of max_len tokens,
+    rows grouped into num_micro micro-batches or the best count), 'tokens' (sorted, a token budget per
+    micro-batch). Baselines run 1F1B in their given order; 'dynamic' simulates `schedules`.
+    """
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise ConfigError(f"unknown micro-batching method {method!r}; choose one of {', '.join(METHODS)}")
+    if pad_multiple < 1:
+        raise ConfigError(f"pad_multiple must be at least 1; got {pad_multiple}")
+    P = cost.stages
+    cap = max_len if max_len is not None else cost.max_len
+    L = check_lengths(lengths, cap)
+    meta: dict[str, Any] = {"samples": int(L.size), "dp": dp, "pad_multiple": pad_multiple}
+    if method == "dynamic":
+        order = np.argsort(-L, kind="stable")
+        split = dp_split(L[order], cost, P, dp=dp, memory=memory, thin=thin, pad_multiple=pad_multiple)
+        mbs = [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
+               for a, b in split.runs]
+        meta.update(candidates=split.candidates, candidates_exact=split.candidates_exact, delta_s=split.delta,
+                    memory_mode=split.memory_mode, memory_limit=split.memory_limit, thin=thin)
+    elif method == "padding":
+        seq = int(_pad(L.max(), pad_multiple))
+        mbs = _best_count(lambda m: [_micro([[i] for i in part], seq, L, cost) for part in split_padding(L, m)],
+                          [num_micro] if num_micro else _counts(L.size, cost), P, dp, memory)
+    elif method == "packing":
+        rows = split_packing(L, cap)
+        mbs = _best_count(lambda m: [_micro([rows[r] for r in part], cap, L, cost)
+                                     for part in np.array_split(np.arange(len(rows)), min(m, len(rows)))],
+                          [num_micro] if num_micro else _counts(len(rows), cost), P, dp, memory)
+    else:
+        order = np.argsort(-L, kind="stable")
+
+        def by_budget(budget: int) -> list[MicroBatch]:
+            return [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
+                    for a, b in split_tokens(L[order], budget, pad_multiple)]
+
+        budgets = [token_budget] if token_budget else sorted({int(b * s) for b in cost.b_grid for s in cost.s_grid
+                                                              if s >= L.max()})
+        mbs = _best_count(by_budget, budgets, P, dp, memory)
+    objective = iteration_objective([m.time_s for m in mbs], P, dp)
+    if dp > 1:
+        parts = karmarkar_karp([m.time_s for m in mbs], dp) if method == "dynamic" else \
+            [list(map(int, x)) for x in np.array_split(np.arange(len(mbs)), dp)]
+        if any(not p for p in parts):
+            raise ConfigError(f"{len(mbs)} micro-batches cannot feed {dp} data-parallel pipelines: every replica "
+                              f"needs one (use a larger batch or fewer replicas)")
+    else:
+        parts = [list(range(len(mbs)))]
+    replicas = tuple(_schedule_replica(mbs, part, cost, memory, schedules if method == "dynamic" else ("1f1b",),
+                                       method == "dynamic", clusters, comm_s) for part in parts)
+    meta["plan_s"] = time.perf_counter() - t0
+    return MicroBatchPlan(method=method, stages=P, micro_batches=tuple(mbs), replicas=replicas,
+                          objective_s=objective, meta=meta)
+
+
+def _schedule_replica(mbs: list[MicroBatch], ids: list[int], cost: MicroBatchCost, memory: float | None,
+                      schedules: Sequence[str], search: bool, clusters: int | None, comm_s: float) -> ReplicaPlan:
+    rows = np.asarray([mbs[i].size for i in ids])
+    seqs = np.asarray([mbs[i].seq for i in ids])
+    f, b = cost.stage_times(rows, seqs)
+    act = cost.stage_memory(rows, seqs)
+    if search:
+        choice = choose_schedule(f, b, act, memory, schedules, comm_s, clusters)
+        order, name, tl, cands = list(choice.order), choice.name, choice.timeline, choice.candidates
+    else:
+        order, name = list(range(len(ids))), "1f1b"
+        tl = simulate(one_f_one_b(cost.stages, order), f, b, comm_s, act)
+        cands = (("1f1b", tl.makespan, memory is None or max(tl.peak_P) <= memory),)
+    # renumber: micro-batch k of this replica is the k-th injected
+    pos = {j: k for k, j in enumerate(order)}
+    ops = [(p, kind, pos[j], s, e) for p, kind, j, s, e in tl.ops]
+    streams = build_comm_plan(ops, cost.stages)
+    return ReplicaPlan(micro_batches=tuple(ids[j] for j in order), schedule=name,
+                       streams=tuple(tuple(s) for s in streams), makespan_s=tl.makespan, peak_memory=tl.peak_P,
+                       candidates=cands)

@@ -1,0 +1,264 @@
+"""DynaPipe micro-batching, pure parts: cost table, DP split, thinning bound, memory limits, Karmarkar-Karp,
+schedules over variable micro-batches, the communication plan and its deadlock checker, bad lengths."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from moebal.errors import ConfigError
+from moebal.pipeline.commplan import build_comm_plan, check_plan, naive_plan
+from moebal.pipeline.dynschedule import adaptive, choose_schedule, cluster_orders, one_f_one_b, simulate
+from moebal.pipeline.mbcost import MicroBatchCost, analytic_table, default_grid, load_cost
+from moebal.pipeline.microbatch import (
+    MicroBatchPlan,
+    check_lengths,
+    dp_split,
+    iteration_objective,
+    karmarkar_karp,
+    plan_microbatches,
+)
+
+
+def quad_table(P: int = 4, max_len: int = 256, max_tokens: int = 2048, alpha: float = 0.3, beta: float = 1e-3,
+               gamma: float = 2e-6, rng: np.random.Generator | None = None, noise: float = 0.0) -> MicroBatchCost:
+    """t = alpha + beta b s + gamma b s^2 per stage (forward a third), memory b s; optional noise."""
+    b, s = default_grid(max_len, max_tokens)
+    rows, seq = np.meshgrid(b, s, indexing="ij")
+    tokens = rows * seq
+    t = alpha + beta * tokens + gamma * tokens * seq
+    t = np.broadcast_to(t, (P,) + t.shape).copy()
+    if rng is not None and noise:
+        t *= np.exp(noise * rng.standard_normal(t.shape))
+    beyond = tokens > max_tokens
+    t[:, beyond] = np.nan
+    act = np.broadcast_to(tokens.astype(float), t.shape).copy()
+    act[:, beyond] = np.nan
+    return MicroBatchCost(b_grid=b, s_grid=s, fwd_PBS=t / 3, bwd_PBS=2 * t / 3, act_PBS=act, source="test")
+
+
+def brute_force(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, dp: int, limit: float | None) -> float:
+    """Eq1 minimised over every contiguous partition of the sorted order (2^(N-1) of them)."""
+    N = len(L_desc)
+    s = -(-L_desc // 8) * 8
+    best = math.inf
+    for cuts in itertools.product([False, True], repeat=N - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [N]
+        times = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            t = float(cost.time(b - a, s[a]))
+            if not math.isfinite(t) or (limit is not None and float(cost.memory(b - a, s[a])) > limit):
+                break
+            times.append(t)
+        else:
+            best = min(best, iteration_objective(times, stages, dp))
+    return best
+
+
+# ---- cost table ----
+def test_cost_table_interpolates_and_says_infeasible(tmp_path):
+    c = quad_table(P=2, max_len=128, max_tokens=512)
+    f, b = c.stage_times(4, 64)
+    assert f[0] == pytest.approx((0.3 + 1e-3 * 256 + 2e-6 * 256 * 64) / 3)  # a grid point: exact
+    mid = c.time(3, 48)  # bilinear between (2, 32), (4, 32), (2, 64), (4, 64)
+    corners = [float(c.time(bb, ss)) for bb in (2, 4) for ss in (32, 64)]
+    assert mid == pytest.approx(np.mean(corners))
+    assert c.time(5, 20) > c.time(4, 16)
+    assert c.time(1, 3) == c.time(1, 16)  # shorter than the grid: the shortest length's value
+    assert math.isinf(c.time(1, 129)) and math.isinf(c.time(64, 16))  # beyond the longest length / most rows
+    assert math.isinf(c.time(8, 96))  # a missing corner (8 x 128 > 512 tokens): infeasible
+    assert not c.feasible(8, 96) and c.feasible(4, 96)
+    assert "longest profiled length 128" in c.explain_infeasible(1, 200)
+    c.save(tmp_path / "c.json")
+    d = load_cost(tmp_path / "c.json")
+    assert np.array_equal(np.isnan(d.fwd_PBS), np.isnan(c.fwd_PBS)) and float(d.time(3, 48)) == float(mid)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        load_cost(tmp_path / "bad.json")
+
+
+def test_analytic_table_grows_superlinearly_in_length():
+    from moebal.planner.cost import ModelShape
+
+    shape = ModelShape(dim=1024, n_layers=4, n_heads=16, n_kv_heads=16, head_dim=64, ffn_dim=4096, vocab_size=32000)
+    b, s = default_grid(4096, 16384)
+    c = analytic_table(shape, "a100", [2, 2], b, s)
+    t1, t4 = float(c.time(1, 1024)), float(c.time(1, 4096))
+    assert t4 > float(c.time(4, 1024)) * 1.1  # the same tokens in longer rows: attention is quadratic
+    assert float(c.time(4, 1024)) < 4 * t1  # 4 rows share the fixed costs
+    assert c.stage_times(1, 1024)[0][1] > c.stage_times(1, 1024)[0][0]  # the head is on the last stage
+
+
+# ---- the DP ----
+def test_dp_equals_brute_force_on_small_instances():
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        cost = quad_table(P=2, rng=rng, noise=0.3, max_len=256, max_tokens=1024)
+        N = int(rng.integers(1, 10))
+        L = np.sort(rng.integers(1, 257, N))[::-1]
+        stages, dp = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        memory = None if trial % 3 == 0 else float(rng.uniform(300, 3000)) * stages
+        try:
+            res = dp_split(L, cost, stages, dp=dp, memory=memory, thin=0.0)
+        except ConfigError:
+            assert math.isinf(brute_force(L, cost, stages, dp, memory))  # nothing fits the whole budget
+            continue
+        assert res.objective == pytest.approx(brute_force(L, cost, stages, dp, res.memory_limit), rel=1e-12)
+        assert [a for a, _ in res.runs] == [0] + [b for _, b in res.runs[:-1]] and res.runs[-1][1] == N
+
+
+def test_thinning_loses_at_most_its_bound():
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        cost = quad_table(P=4, rng=rng, noise=0.2, max_len=512, max_tokens=4096)
+        L = np.sort(np.clip(rng.lognormal(np.log(60), 1.0, 40), 1, 512).astype(int))[::-1]
+        exact = dp_split(L, cost, 4, thin=0.0)
+        for thin in (0.02, 0.2):
+            res = dp_split(L, cost, 4, thin=thin)
+            assert res.candidates <= exact.candidates_exact
+            assert res.objective <= exact.objective + 3 * res.delta * (1 + 1e-9)
+            assert res.objective <= (1 + thin) * exact.objective * (1 + 1e-12)
+    assert dp_split(L, cost, 4, thin=0.2).candidates < exact.candidates_exact  # it does thin
+
+
+def test_memory_limits_are_respected_and_escalate():
+    cost = quad_table(P=4, max_len=256, max_tokens=2048)
+    rng = np.random.default_rng(2)
+    L = np.clip(rng.lognormal(np.log(50), 1.0, 60), 1, 256).astype(int)
+    budget = 4 * 600.0
+    plan = plan_microbatches(L, cost, memory=budget)
+    assert plan.meta["memory_mode"] == "per-1f1b"
+    assert all(m.memory <= budget / 4 for m in plan.micro_batches)
+    assert max(plan.replicas[0].peak_memory) <= budget
+    # the longest sample (256 tokens, 256 bytes) fits the whole budget but not a quarter: escalate
+    plan = plan_microbatches(L, cost, memory=700.0)
+    assert plan.meta["memory_mode"] == "single" and all(m.memory <= 700 for m in plan.micro_batches)
+    assert max(plan.replicas[0].peak_memory) <= 700.0
+    with pytest.raises(ConfigError, match="more than the memory budget"):
+        plan_microbatches(L, cost, memory=100.0)
+
+
+def test_dynamic_beats_padding_on_long_tailed_lengths():
+    cost = quad_table(P=4, max_len=2048, max_tokens=16384, gamma=2e-4 / 4096 * 4)
+    rng = np.random.default_rng(3)
+    L = np.clip(rng.lognormal(np.log(150), 1.1, 100), 1, 2048).astype(int)
+    dyn = plan_microbatches(L, cost)
+    pad = plan_microbatches(L, cost, method="padding")
+    pack = plan_microbatches(L, cost, method="packing")
+    tok = plan_microbatches(L, cost, method="tokens")
+    assert dyn.padding_efficiency >= 0.9 and pad.padding_efficiency <= 0.4
+    assert dyn.objective_s <= tok.objective_s  # the DP is optimal among sorted contiguous splits
+    assert dyn.predicted_time_s < pad.predicted_time_s / 1.3 and dyn.predicted_time_s < pack.predicted_time_s
+    assert sorted(i for m in dyn.micro_batches for i in m.samples) == list(range(100))
+    assert sorted(i for m in pack.micro_batches for i in m.samples) == list(range(100))
+    again = MicroBatchPlan.from_json(dyn.to_json())
+    assert again.micro_batches == dyn.micro_batches and again.replicas == dyn.replicas
+
+
+@pytest.mark.parametrize("lengths,match", [([5, 0, 3], "sample 1 has length 0"), ([4, -2], "sample 1 has length -2"),
+                                           ([3, 2.5], "not a whole number"), ([10, 300], "longer than the model's "
+                                                                              "maximum 256"), ([], "empty")])
+def test_bad_lengths_get_clear_errors(lengths, match):
+    with pytest.raises(ConfigError, match=match):
+        check_lengths(lengths, 256)
+    if lengths:
+        with pytest.raises(ConfigError, match=match):
+            plan_microbatches(lengths, quad_table(max_len=256), max_len=256)
+
+
+# ---- data parallelism ----
+def test_karmarkar_karp_balances():
+    rng = np.random.default_rng(4)
+    for _ in range(60):
+        n, k = int(rng.integers(1, 9)), int(rng.integers(2, 4))
+        v = rng.uniform(0.1, 10.0, n)
+        parts = karmarkar_karp(v, k)
+        assert sorted(i for p in parts for i in p) == list(range(n)) and len(parts) == k
+        sums = sorted(sum(v[i] for i in p) for p in parts)
+        best = min(max(np.bincount(a, weights=v, minlength=k)) for a in itertools.product(range(k), repeat=n))
+        assert sums[-1] <= (4 / 3) * best + 1e-9  # Graham-type bound of largest differencing
+        assert sums[-1] - sums[0] <= v.max() + 1e-9
+    assert karmarkar_karp([8, 7, 6, 5, 4], 2) == [[1, 3, 4], [0, 2]]  # the textbook LDM run: 16 / 14
+    cost = quad_table(P=2)
+    plan = plan_microbatches(np.arange(1, 101), cost, dp=2)
+    loads = [sum(plan.micro_batches[j].time_s for j in r.micro_batches) for r in plan.replicas]
+    assert max(loads) - min(loads) <= max(m.time_s for m in plan.micro_batches)
+
+
+# ---- schedules ----
+def test_adaptive_schedule_facts():
+    for c, m in ((4, 8), (4, 16)):
+        f, b, a = np.ones((c, m)), 2 * np.ones((c, m)), np.ones((c, m))
+        order = list(range(m))
+        assert simulate(adaptive(c, order), f, b).makespan == simulate(one_f_one_b(c, order), f, b).makespan
+        assert adaptive(c, order, a, [c - p for p in range(c)]) == one_f_one_b(c, order)
+        peaks = simulate(adaptive(c, order), f, b, act_PM=a).peak_P
+        assert peaks == tuple(float(min(2 * (c - p) - 1, m)) for p in range(c))
+    f, b, a = np.ones((4, 16)), 2 * np.ones((4, 16)), np.ones((4, 16))
+    uniform = simulate(adaptive(4, list(range(16)), a, [4] * 4), f, b).makespan
+    assert uniform == 66 and simulate(one_f_one_b(4, list(range(16))), f, b).makespan == 57
+    choice = choose_schedule(f, b, a, limit=4)  # the chooser keeps 1F1B there
+    assert choice.name == "1f1b" and choice.timeline.makespan == 57
+
+
+def test_adaptive_is_more_robust_to_variable_durations():
+    rng = np.random.default_rng(5)
+    for c, m in ((4, 16), (8, 32)):
+        one, ada = [], []
+        for _ in range(40):
+            n = np.clip(1 + 0.4 * rng.standard_normal(m), 0.05, None)[None, :].repeat(c, 0)
+            one.append(simulate(one_f_one_b(c, list(range(m))), n, 2 * n).makespan)
+            ada.append(simulate(adaptive(c, list(range(m))), n, 2 * n).makespan)
+        assert np.mean(ada) < np.mean(one)
+
+
+def test_cluster_orders_are_permutations_of_groups():
+    t = [5, 5.1, 1, 1.1, 3, 3.2, 9]
+    orders = cluster_orders(t)
+    assert orders[0] == list(range(7)) and len(orders) == len({tuple(o) for o in orders}) <= 1 + 24
+    assert all(sorted(o) == list(range(7)) for o in orders)
+    assert [2, 3, 4, 5, 0, 1, 6] in orders  # groups by duration, ascending
+
+
+# ---- communication plans ----
+def _random_instance(rng: np.random.Generator) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
+    P, M = int(rng.integers(2, 6)), int(rng.integers(1, 13))
+    f = rng.uniform(0.2, 2.0, (P, M)) * rng.uniform(0.5, 1.5, (P, 1))
+    return P, M, f, f * rng.uniform(1.5, 2.5, (P, M)), rng.uniform(0.5, 2.0, (P, M))
+
+
+def test_every_planned_communication_order_is_deadlock_free():
+    rng = np.random.default_rng(6)
+    for _ in range(150):
+        P, M, f, b, a = _random_instance(rng)
+        for orders in (one_f_one_b(P, list(rng.permutation(M))),
+                       adaptive(P, list(range(M)), a, rng.uniform(1.0, 6.0, P))):
+            tl = simulate(orders, f, b, comm_s=float(rng.uniform(0, 0.3)), act_PM=a)
+            streams = build_comm_plan(tl.ops, P)
+            result = check_plan(streams)
+            assert result, result.reason
+            # whatever the real durations: the order does not depend on them being right
+            f2, b2 = f * rng.lognormal(0, 0.8, f.shape), b * rng.lognormal(0, 0.8, b.shape)
+            assert simulate(orders, f2, b2).makespan > 0 and check_plan(streams)
+
+
+def test_an_unordered_plan_fails_the_checker():
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        P, M, f, b, a = _random_instance(rng)
+        if M < 2:
+            continue
+        for orders in (one_f_one_b(P, list(range(M))), adaptive(P, list(range(M)))):
+            result = check_plan(naive_plan(orders))
+            assert not result and "deadlock" in result.reason
+    streams = build_comm_plan(simulate(one_f_one_b(2, [0, 1]), np.ones((2, 2)), np.ones((2, 2))).ops, 2)
+    broken = [list(s) for s in streams]
+    broken[1].remove(("wait_act", 1))
+    assert "comes before" in check_plan(broken).reason  # a consumer before its receive is not a plan
+    swapped = [list(s) for s in streams]
+    i, j = swapped[0].index(("send_act", 0)), swapped[0].index(("send_act", 1))
+    swapped[0][i], swapped[0][j] = swapped[0][j], swapped[0][i]
+    assert not check_plan(swapped)  # sends posted out of the receivers' order

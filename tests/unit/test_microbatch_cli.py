@@ -1,0 +1,81 @@
+"""`moebal plan microbatches`: every method side by side, JSON output, length files, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from moebal.cli import main
+
+
+def _lengths(tmp_path, n: int = 120, max_len: int = 2048):
+    rng = np.random.default_rng(0)
+    L = np.clip(rng.lognormal(np.log(150), 1.1, n), 1, max_len).astype(int)
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(L.tolist()))
+    return path, L
+
+
+def test_plan_microbatches_json(capsys, tmp_path):
+    path, L = _lengths(tmp_path)
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "4", "--max-len", "2048",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plans = out["plans"]
+    assert set(plans) == {"dynamic", "padding", "packing", "tokens"} and out["samples"] == len(L)
+    assert all(p["deadlock_free"] for p in plans.values())
+    assert plans["dynamic"]["padding_efficiency"] >= 0.9 > 0.5 > plans["padding"]["padding_efficiency"]
+    assert plans["dynamic"]["predicted_time_s"] < plans["packing"]["predicted_time_s"]
+    mbs = plans["dynamic"]["plan"]["micro_batches"]
+    assert sorted(i for m in mbs for r in m["rows"] for i in r) == list(range(len(L)))
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "4", "--max-len", "2048",
+                 "--dp", "2", "--memory", "2e10", "--method", "dynamic"]) == 0
+    text = capsys.readouterr().out
+    assert "replica 1" in text and "dynamic" in text
+
+
+def test_plan_microbatches_length_files_and_errors(capsys, tmp_path):
+    lines = tmp_path / "samples.jsonl"
+    lines.write_text('{"text": "hello world"}\n{"length": 40}\n\n{"text": "h\\u00e9"}\n')
+    assert main(["plan", "microbatches", "--lengths", str(lines), "--stages", "2", "--max-len", "512",
+                 "--method", "dynamic", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 11 + 40 + 3  # UTF-8 bytes: the byte tokenizer
+    txt = tmp_path / "lengths.txt"
+    txt.write_text("12\n0\n7\n")
+    assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
+    assert "sample 1 has length 0" in capsys.readouterr().err
+    txt.write_text("12\n9000\n")
+    assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
+    assert "longer than the model's maximum 8192" in capsys.readouterr().err
+    txt.write_text("12\nabc\n")
+    assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
+    assert "lengths.txt:2" in capsys.readouterr().err
+    assert main(["plan", "microbatches", "--stages", "2"]) == 2
+    assert "--lengths" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "x"}\n')
+    assert main(["plan", "microbatches", "--lengths", str(bad), "--stages", "2"]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_plan_microbatches_profile_then_plan(capsys, tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("model: {dim: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 64, max_seq_len: 64}\n"
+                   "moe: {num_experts: 0}\ndata: {seq_len: 64}\ntrain: {precision: fp32}\n")
+    table = tmp_path / "cost.json"
+    assert main(["plan", "microbatches", "--profile", str(table), "--config", str(cfg), "--stages", "2",
+                 "--max-tokens", "256"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    data = json.loads(table.read_text())
+    assert data["s_grid"] == [16, 32, 64] and data["b_grid"][-1] == 16 and data["fwd_s"][0][0][0] > 0
+    assert data["fwd_s"][0][-1][-1] is None  # 16 x 64 tokens is beyond the cap: not profiled
+    lengths = tmp_path / "l.json"
+    lengths.write_text(json.dumps([60, 5, 9, 33, 17, 64, 2, 40]))
+    assert main(["plan", "microbatches", "--lengths", str(lengths), "--stages", "2", "--cost", str(table)]) == 0
+    assert "measured" in capsys.readouterr().out
+    assert main(["plan", "microbatches", "--lengths", str(lengths), "--stages", "3", "--cost", str(table)]) == 2
+    assert "has 2 stages" in capsys.readouterr().err
+    lengths.write_text(json.dumps([65]))
+    assert main(["plan", "microbatches", "--lengths", str(lengths), "--stages", "2", "--cost", str(table)]) == 2
+    assert "longer than the model's maximum 64" in capsys.readouterr().err
