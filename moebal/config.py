@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DynamismConfig",
+    "HFConfig",
     "ModelConfig",
     "MoEConfig",
     "ParallelConfig",
@@ -69,6 +70,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
+    attention_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
@@ -89,10 +92,18 @@ class MoEConfig:
     """Always-on shared experts added to the routed output (Qwen-MoE style)."""
     shared_ffn_dim: int | None = None
     """Hidden width of the shared expert block; null means shared_experts * expert_ffn_dim."""
+    shared_gate: bool = False
+    """Scale the shared expert's output by sigmoid(w . x), one learned gate per token (Qwen2-MoE)."""
     router: Literal["linear", "mlp_tanh"] = "linear"
     """Router network: one bias-free linear (Mixtral) or Linear-tanh-Linear (LLaMA-MoE v1)."""
     gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
     """Mixtral order (softmax over all experts, top-k, renormalise) or top-k of logits then softmax."""
+    norm_topk: bool = True
+    """Renormalise the top-k probabilities to sum to one; false keeps the full-softmax values (Qwen2-MoE
+    `norm_topk_prob: false`; softmax_topk only)."""
+    router_noise: float | None = None
+    """Noisy top-k gating while training (LLaMA-MoE v1): logits += N(0, 1) * (softplus(W_noise x) + this);
+    null disables it (and the noise projection)."""
     adaptive_threshold: float | None = None
     """Adaptive top-k: a token takes its next expert only when the probability gap is <= this. null: fixed k."""
     capacity_factor: float | None = None
@@ -123,6 +134,9 @@ class DataConfig:
     """'byte' (vocab 256) or a path to a HF tokenizer.json."""
     text_key: str = "text"
     """Field holding the text in .jsonl records."""
+    add_special_tokens: bool = False
+    """Let a tokenizer.json add its special tokens to every document (LLaMA's and Mixtral's <s>), as the model
+    saw them in pretraining; the byte tokenizer has none."""
     seq_len: int = 128
     """Tokens per packed block (the longest sample in document mode)."""
     batch_size: int = 16
@@ -328,6 +342,22 @@ class DynamismConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class HFConfig:
+    """Start from a Hugging Face checkpoint and export back to one (docs/hf-interop.md)."""
+
+    init_from: str | None = None
+    """HF checkpoint directory (Mixtral, LLaMA-MoE v1, Qwen2-MoE): model.* and moe.* shape fields come from
+    its config.json and its weights replace the random initialisation."""
+    export_to: str | None = None
+    """At the end of training, write the final weights here as a HF checkpoint (a relative path is inside
+    the run directory); null: no export."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the exported weights; auto: that of hf.init_from's checkpoint (float32 without one)."""
+    shard_gb: float = 5.0
+    """Largest safetensors file of an export, in GB (above it the weights are sharded with an index)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class Config:
     """A whole moebal run."""
 
@@ -349,6 +379,8 @@ class Config:
     """Pipeline schedule and layer rebalancing (used when parallel.pp > 1)."""
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)
     """Dynamic-model scheme (pruning, freezing, early exit, Mixture-of-Depths, MoE routing cost)."""
+    hf: HFConfig = field(default_factory=HFConfig)
+    """Hugging Face checkpoints to start from and export to."""
 
     def __post_init__(self) -> None:
         _check_whole(self)
@@ -380,7 +412,52 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
         data = _read_yaml(p)
     for item in overrides:
         _apply_override(data, item)
-    return from_dict(data, source=source)
+    return _with_hf_fields(data, source)
+
+
+def _with_hf_fields(data: dict[str, Any], source: str) -> Config:
+    """With `hf.init_from`, fill model.* and moe.* from the checkpoint's config.json: shape fields the config
+    leaves out are taken from it and ones it sets must agree; training defaults (the balancing coefficient,
+    router noise) apply unless the config sets its own."""
+    hf = data.get("hf")
+    init = hf.get("init_from") if isinstance(hf, dict) else None
+    if not isinstance(init, str) or not init:
+        return from_dict(data, source=source)
+    from moebal.errors import CheckpointError
+    from moebal.models.hf import config_fields
+
+    user = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
+    try:
+        fields = config_fields(init)
+    except CheckpointError as e:
+        set_all = (all(k in (user.get("model") or {}) for k in ("dim", "n_layers", "vocab_size"))
+                   and not Path(init).exists())
+        if set_all:  # a run's own resolved config: the shape is all there; resuming needs no HF directory
+            return from_dict(data, source=source)
+        raise ConfigError(f"{source}: hf.init_from: {e}") from None
+    merged = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
+    for group in (fields.shape, fields.defaults):
+        for section, values in group.items():
+            sec = merged.setdefault(section, {})
+            if not isinstance(sec, dict):
+                raise ConfigError(f"{source}: '{section}' must be a mapping")
+            for key, value in values.items():
+                sec.setdefault(key, value)
+    cfg = from_dict(merged, source=source)
+    clash = []
+    for section, values in fields.shape.items():
+        given = user.get(section) or {}
+        for key, value in values.items():
+            if key not in given:
+                continue
+            ours = cfg.head_dim if key == "head_dim" else getattr(getattr(cfg, section), key)
+            theirs = (value or cfg.model.dim // cfg.model.n_heads) if key == "head_dim" else value
+            if ours != theirs:
+                clash.append(f"{section}.{key} is {ours!r} here but {theirs!r} in the checkpoint")
+    if clash:
+        raise ConfigError(f"{source}: the config disagrees with hf.init_from ({init}/config.json): "
+                          f"{'; '.join(clash)}: remove these keys (they are read from the checkpoint)")
+    return cfg
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -573,6 +650,7 @@ def _check_whole(c: Config) -> None:
     _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
 
     _check_pipeline(c.pipeline)
+    _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -596,6 +674,13 @@ def _check_moe(c: Config) -> None:
     _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
     _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
           "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
+    _need(moe.norm_topk or moe.gate == "softmax_topk",
+          "'moe.norm_topk: false' keeps the full-softmax probabilities, which only 'moe.gate: softmax_topk' has: "
+          "set moe.gate=softmax_topk")
+    _need(moe.router_noise is None or moe.router_noise >= 0.0,
+          f"'moe.router_noise' is the noise floor epsilon, >= 0 (or null to disable); got {moe.router_noise}")
+    _need(not moe.shared_gate or moe.shared_experts > 0,
+          "'moe.shared_gate: true' gates the shared expert, but moe.shared_experts is 0: set shared_experts >= 1")
     _need(moe.every <= c.model.n_layers,
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
 

@@ -149,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not (args.resume or args.resume_from) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if cfg.hf.export_to:
+        from moebal.train.export import check_export
+
+        check_export(cfg)  # before training, not after it
     if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
         return _spawn(args, cfg, out)
     if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
@@ -160,7 +164,11 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         from moebal.train.distributed import setup_parallel
 
-        ctx, model, hooks = setup_parallel(cfg)
+        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume)
+    if cfg.hf.export_to:
+        from moebal.train.export import ExportHook
+
+        hooks.append(ExportHook(cfg, out))
     trainer = Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx)
     try:
         return _train(trainer, cfg, out, args, wall0)

@@ -157,19 +157,19 @@ def iter_documents(source: str, text_key: str = "text") -> Iterator[tuple[str, b
 
 
 def load_corpus(source: str = "stdlib", tokenizer: str = "byte", *, text_key: str = "text",
-                val_fraction: float = 0.05, max_bytes: int | None = None) -> Corpus:
+                val_fraction: float = 0.05, max_bytes: int | None = None, add_special_tokens: bool = False) -> Corpus:
     """The tokenised corpus. Cached per process: a second load of the same corpus costs nothing."""
     if source != "stdlib":
         source = str(Path(source).expanduser().resolve())
     if tokenizer != "byte":
         tokenizer = str(Path(tokenizer).expanduser().resolve())
-    return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes)
+    return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes, add_special_tokens)
 
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float,
-                 max_bytes: int | None) -> Corpus:
-    tok = load_tokenizer(tokenizer)
+                 max_bytes: int | None, add_special_tokens: bool = False) -> Corpus:
+    tok = load_tokenizer(tokenizer, add_special_tokens)
     names, texts, skipped = _read(source, text_key, max_bytes)
     if skipped:
         print(f"moebal: skipped {skipped} file(s) of {source} that are not valid UTF-8", file=sys.stderr)

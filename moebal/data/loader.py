@@ -173,7 +173,7 @@ class DataBundle:
 def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
     d = cfg.data
     corpus = load_corpus(d.source, d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
-                         max_bytes=d.max_bytes)
+                         max_bytes=d.max_bytes, add_special_tokens=d.add_special_tokens)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise DataError(f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}: set model.vocab_size={corpus.vocab_size}")

@@ -47,9 +47,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HF fast tokenizer loaded from its `tokenizer.json` (no special tokens are added)."""
+    """A HF fast tokenizer loaded from its `tokenizer.json`; with `add_special_tokens` its post-processor adds
+    the special tokens it defines (a LLaMA tokenizer's BOS) to every document."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, add_special_tokens: bool = False) -> None:
         p = Path(path)
         if not p.is_file():
             raise DataError(f"data.tokenizer: '{path}' is not a file; give 'byte' or the path of a tokenizer.json")
@@ -64,24 +65,25 @@ class HFTokenizer:
             raise DataError(f"data.tokenizer: cannot load '{p}' as a tokenizer.json ({' '.join(str(e).split())})") \
                 from None
         self.name = str(p)
+        self.add_special_tokens = add_special_tokens
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.int32
 
     def encode(self, text: bytes) -> np.ndarray:
-        ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=False).ids
+        ids = self._tok.encode(text.decode("utf-8"), add_special_tokens=self.add_special_tokens).ids
         return np.asarray(ids, dtype=self.dtype)
 
     def encode_many(self, texts: list[bytes]) -> list[np.ndarray]:
         """Batch encoding (parallel inside `tokenizers`)."""
-        out = self._tok.encode_batch([t.decode("utf-8") for t in texts], add_special_tokens=False)
+        out = self._tok.encode_batch([t.decode("utf-8") for t in texts], add_special_tokens=self.add_special_tokens)
         return [np.asarray(e.ids, dtype=self.dtype) for e in out]
 
     def decode(self, ids: np.ndarray) -> str:
         return str(self._tok.decode([int(i) for i in ids]))
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str, add_special_tokens: bool = False) -> Tokenizer:
     """'byte' or the path of a HF tokenizer.json."""
     if spec == "byte":
         return ByteTokenizer()
-    return HFTokenizer(spec)
+    return HFTokenizer(spec, add_special_tokens)

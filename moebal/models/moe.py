@@ -80,7 +80,7 @@ SharedExpert = MLP
 
 def _check_args(dim: int, ffn_dim: int, num_experts: int, top_k: int, router: str, jitter: float,
                 shared_ffn_dim: int, aux_loss_coef: float, z_loss_coef: float, bias_update_rate: float,
-                init_std: float) -> None:
+                init_std: float, router_noise: float | None, shared_gate: bool) -> None:
     for name, v in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts), ("top_k", top_k)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"MoELayer: {name} must be a positive integer; got {v!r}")
@@ -92,6 +92,10 @@ def _check_args(dim: int, ffn_dim: int, num_experts: int, top_k: int, router: st
         raise ValueError(f"MoELayer: jitter is a multiplicative noise epsilon in [0, 1); got {jitter}")
     if shared_ffn_dim < 0:
         raise ValueError(f"MoELayer: shared_ffn_dim must be >= 0 (0 = no shared expert); got {shared_ffn_dim}")
+    if shared_gate and shared_ffn_dim == 0:
+        raise ValueError("MoELayer: shared_gate=True needs a shared expert (shared_ffn_dim > 0)")
+    if router_noise is not None and not (router_noise >= 0.0 and math.isfinite(router_noise)):
+        raise ValueError(f"MoELayer: router_noise is a noise floor epsilon >= 0 (or None); got {router_noise}")
     for name, f in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                     ("bias_update_rate", bias_update_rate)):
         if not (f >= 0.0 and math.isfinite(f)):
@@ -114,20 +118,25 @@ class MoELayer(nn.Module):
                  router: Literal["linear", "mlp_tanh"] = "linear", adaptive_threshold: float | None = None,
                  jitter: float = 0.0, score_scale: float = 1.0, shared_ffn_dim: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02) -> None:
+                 kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02,
+                 norm_topk: bool = True, router_noise: float | None = None, shared_gate: bool = False) -> None:
         super().__init__()
         _check_args(dim, ffn_dim, num_experts, top_k, router, jitter, shared_ffn_dim, aux_loss_coef,
-                    z_loss_coef, bias_update_rate, init_std)
+                    z_loss_coef, bias_update_rate, init_std, router_noise, shared_gate)
         self.spec = GateSpec(num_experts=num_experts, top_k=top_k, gate=gate, adaptive_threshold=adaptive_threshold,
-                             capacity_factor=capacity_factor, drop_policy=drop_policy, score_scale=score_scale)
+                             capacity_factor=capacity_factor, drop_policy=drop_policy, score_scale=score_scale,
+                             norm_topk=norm_topk)
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
-        self.router, self.jitter, self.init_std = router, jitter, init_std
+        self.router, self.jitter, self.init_std, self.router_noise = router, jitter, init_std, router_noise
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "mlp_tanh":
             self.gate_out = nn.Linear(num_experts, num_experts, bias=False)  # LLaMA-MoE v1: G2 tanh(G1 x)
+        if router_noise is not None:
+            self.gate_noise = nn.Linear(dim, num_experts, bias=False)  # noise scale W_noise (Shazeer et al. 2017)
         self.experts = SwiGLUExperts(num_experts, dim, ffn_dim, kernel)
         self.shared_expert = SharedExpert(dim, shared_ffn_dim) if shared_ffn_dim > 0 else None
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None  # Qwen2-MoE
         if bias_update_rate > 0:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
@@ -151,25 +160,34 @@ class MoELayer(nn.Module):
                    drop_policy=moe.drop_policy, gate=moe.gate, router=moe.router,
                    adaptive_threshold=moe.adaptive_threshold, jitter=moe.jitter, score_scale=moe.score_scale,
                    shared_ffn_dim=shared, aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
-                   bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std)
+                   bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std,
+                   norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate)
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for the router and every expert weight; the selection bias back to zero."""
+        """Normal(0, init_std) for the router and every expert weight; the selection bias and the noise
+        projection at zero (every token then starts with the same noise scale, as in Shazeer et al.)."""
         for p in self.parameters():
             nn.init.normal_(p, mean=0.0, std=self.init_std)
+        if self.router_noise is not None:
+            nn.init.zeros_(self.gate_noise.weight)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
     # ---- the four steps -------------------------------------------------------------------------------
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E] in the input's dtype (Switch jitter on the router input while training)."""
+        """Router logits [T, E] in the input's dtype. While training: Switch jitter on the router input, and
+        noisy top-k gating on the logits (noise scale from the unjittered input)."""
+        x_in = x_TD
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TD = x_TD * noise
         logits_TE = self.gate(x_TD)
         if self.router == "mlp_tanh":
             logits_TE = self.gate_out(torch.tanh(logits_TE))
+        if self.training and self.router_noise is not None:
+            std_TE = torch.nn.functional.softplus(self.gate_noise(x_in)) + self.router_noise
+            logits_TE = logits_TE + torch.randn_like(logits_TE) * std_TE
         return logits_TE
 
     def route(self, x_TD: torch.Tensor) -> Routing:
@@ -197,7 +215,10 @@ class MoELayer(nn.Module):
             y_ND = self.expert_forward(dispatch(x_c, plan), plan)
             out_TD = combine(y_ND, plan, r.weights_TK)
         if self.shared_expert is not None:
-            out_TD = out_TD + self.shared_expert(x_TD)
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            out_TD = out_TD + shared_TD
         self._record(r)
         return out_TD.view(x.shape).to(x.dtype)
 

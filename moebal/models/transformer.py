@@ -72,12 +72,12 @@ def apply_rotary(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tenso
 class Attention(nn.Module):
     """Grouped-query causal attention through `scaled_dot_product_attention`."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         m = cfg.model
         self.index = index
         self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
-        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim)
+        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim, m.attention_bias)
         self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -166,6 +166,8 @@ class MoebalForCausalLM(nn.Module):
         std = self.config.model.init_std
         out_std = std / math.sqrt(2 * self.config.model.n_layers)
         for name, p in self.named_parameters():
+            if name.endswith(".bias") and ".block_sparse_moe." not in name:
+                nn.init.zeros_(p)  # attention biases (Qwen2-MoE) start at zero
             if p.dim() < 2 or ".block_sparse_moe." in name:
                 continue  # norms stay at one; the MoE layer initialises its own router and experts
             is_out = name.endswith(("o_proj.weight", "down_proj.weight"))
@@ -200,7 +202,14 @@ class MoebalForCausalLM(nn.Module):
         return total - expert + expert * moe.top_k // max(moe.num_experts, 1)
 
 
-def build_model(cfg: Config, device: torch.device | str | None = None) -> MoebalForCausalLM:
-    """The causal LM for a config, initialised from the caller's torch RNG state (seed it first)."""
+def build_model(cfg: Config, device: torch.device | str | None = None, *,
+                load_weights: bool = True) -> MoebalForCausalLM:
+    """The causal LM for a config: with `hf.init_from` (and `load_weights`), the weights of that checkpoint
+    (moebal/models/hf.py); otherwise initialised from the caller's torch RNG state (seed it first).
+    `load_weights=False` skips reading a checkpoint whose weights a resumed run overwrites anyway."""
+    if cfg.hf.init_from and load_weights:
+        from moebal.models.hf import from_hf
+
+        return from_hf(cfg.hf.init_from, cfg=cfg, device=device or "cpu")  # type: ignore[return-value]
     model = MoebalForCausalLM(cfg)
     return model.to(device) if device is not None else model

@@ -33,6 +33,7 @@ class GateSpec:
     capacity_factor: float | None = None
     drop_policy: DropPolicy = "probs"
     score_scale: float = 1.0
+    norm_topk: bool = True
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -53,6 +54,9 @@ class GateSpec:
             raise ValueError(f"capacity_factor must be a positive number, or None for dropless routing; got {cf!r}")
         if not math.isfinite(self.score_scale):
             raise ValueError(f"score_scale must be finite; got {self.score_scale}")
+        if not self.norm_topk and self.gate != "softmax_topk":
+            raise ValueError("norm_topk=False keeps the full-softmax probabilities, which only gate='softmax_topk' "
+                             "computes: use gate='softmax_topk'")
 
 
 @dataclass
@@ -75,8 +79,8 @@ class Routing:
     """Per-expert capacity used for drops; None when dropless."""
 
 
-def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder,
-                bias_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder, bias_E: torch.Tensor | None = None,
+                norm_topk: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(indices_TK, probs_TK normalised over the k choices, probs_TE) from fp32 logits.
 
     `softmax_topk` is Mixtral's order (softmax over all experts in fp32, top-k, renormalise);
@@ -84,7 +88,8 @@ def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder,
     (the full partition function cancels) but round differently, so both exist for bit-faithful parity.
     A selection bias (auxiliary-loss-free balancing) is added to the logits for the choice only; the
     weights come from the unbiased scores (DeepSeek-V3). We add it to logits rather than to probabilities
-    so both orders select the same experts for the same bias.
+    so both orders select the same experts for the same bias. `norm_topk=False` (softmax_topk only) keeps
+    the full-softmax values of the chosen experts (Qwen2-MoE's `norm_topk_prob: false`).
     """
     probs_TE = torch.softmax(logits_TE, dim=-1)
     if bias_E is not None:
@@ -95,7 +100,8 @@ def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder,
         indices_TK = logits_TE.topk(k, dim=-1).indices
     if gate == "softmax_topk":
         p_TK = probs_TE.gather(1, indices_TK)
-        p_TK = p_TK / p_TK.sum(dim=-1, keepdim=True)
+        if norm_topk:
+            p_TK = p_TK / p_TK.sum(dim=-1, keepdim=True)
     else:
         p_TK = torch.softmax(logits_TE.gather(1, indices_TK), dim=-1)
     return indices_TK, p_TK, probs_TE
@@ -117,7 +123,7 @@ def adaptive_take(p_TK: torch.Tensor, threshold: float) -> torch.Tensor:
 def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None) -> Routing:
     """The routing decision for router logits [T, E]: choices, combine weights, active mask."""
     logits_TE = logits_TE.float()
-    indices_TK, p_TK, probs_TE = select_topk(logits_TE, spec.top_k, spec.gate, bias_E)
+    indices_TK, p_TK, probs_TE = select_topk(logits_TE, spec.top_k, spec.gate, bias_E, spec.norm_topk)
     taken_TK = None
     weights_TK = p_TK
     if spec.adaptive_threshold is not None and spec.top_k > 1:

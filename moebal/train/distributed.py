@@ -232,11 +232,12 @@ class ExpertParallelHook(Hook):
             self._set_costs(costs_from_dict(state["measured_costs"]))  # no re-measurement: the same plans
 
 
-def setup_parallel(cfg: Config) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
+def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
     """Join the job described by the torchrun environment and build this rank's model and hooks.
 
-    The full model is built on every rank from the run's seed (so it equals the single-process model), then
-    expert parallelism keeps this rank's experts; the planner's coefficients come from `planner.costs`.
+    The full model is built on every rank from the run's seed (or read from `hf.init_from`, unless
+    `load_weights` is false because a checkpoint will overwrite it), so it equals the single-process model;
+    then expert parallelism keeps this rank's experts; the planner's coefficients come from `planner.costs`.
     """
     from moebal.models import build_model
     from moebal.train.trainer import seed_everything
@@ -255,7 +256,7 @@ def setup_parallel(cfg: Config) -> tuple[RunContext, torch.nn.Module, list[Hook]
     dims = ParallelDims.from_env(ep=ep, pp=pp).init()
     ctx = RunContext(dims)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg).to(dims.device)
+    model = build_model(cfg, load_weights=load_weights).to(dims.device)
     hooks: list[Hook] = []
     if dims.distributed and ep > 1 and cfg.moe.num_experts:
         expert_parallel = ExpertParallel(model, dims)

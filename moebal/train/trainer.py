@@ -109,7 +109,7 @@ class Trainer:
         if model is None:
             from moebal.models import build_model
 
-            model = build_model(cfg)
+            model = build_model(cfg, load_weights=ckpt is None)
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.step, self.tokens, self.train_seconds = 0, 0, 0.0

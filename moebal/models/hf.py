@@ -1,0 +1,832 @@
+"""Hugging Face interop: Mixtral, LLaMA-MoE v1 and Qwen2-MoE checkpoints <-> moebal's decoder.
+
+Three pieces, each usable alone:
+
+1. `config_fields(dir)`: the checkpoint's `config.json` mapped onto moebal's `model.*` and `moe.*` fields,
+   split into shape fields (the weights only fit these values) and training defaults (values a continuation
+   run starts from but may override, such as the load-balancing coefficient). `moebal.config.load` applies
+   them when `hf.init_from` is set; `config_from_hf(dir)` builds a whole `Config` from them.
+2. `hf_links(cfg, arch)`: the name mapping, one `Link` per HF tensor: HF tensor `hf` equals moebal tensor
+   `ours`, or row `index` of it (moebal stacks a layer's experts, `experts.w1` [E, F, D]; HF stores one tensor
+   per expert). Loading and exporting walk the same list, so the two directions cannot disagree.
+3. `load_hf_weights` / `from_hf` and `write_hf` / `to_hf`: both stream tensor by tensor through a
+   `TensorSource` (moebal/models/tensor_io.py). A model to fill is built on the meta device and materialised
+   empty, then every parameter is read straight into its storage; an export produces each HF tensor (a view
+   of the model, or a row range of a file) only when its bytes are written. Peak memory is the model being
+   built plus one tensor in flight (two when the dtype changes), whatever the checkpoint's size.
+
+Every check happens before the first byte of weights is read: a missing, unexpected or misshapen tensor is a
+`CheckpointError` naming the tensor, its file and the fix; nothing is returned half-loaded.
+
+Maths the three formats share with moebal, and what maps where: docs/hf-interop.md. In short:
+- Mixtral: softmax over all experts, top-k, renormalise (`moe.gate: softmax_topk`), linear router, dropless.
+- LLaMA-MoE v1: Linear-tanh-Linear router (`moe.router: mlp_tanh`), softmax over the k selected logits
+  (`moe.gate: topk_softmax`), output scaled by `score_scale_factor` (`moe.score_scale`, kept as a runtime
+  factor rather than folded into w2 so that the parameters, their gradients and weight decay stay those of
+  the original), noisy gating while training (`moe.router_noise`).
+- Qwen2-MoE: softmax, top-k, optionally renormalised (`moe.norm_topk`), a shared expert scaled by a sigmoid
+  gate (`moe.shared_gate`), q/k/v biases (`model.attention_bias`), dense layers between MoE layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moebal.config import Config, from_dict
+from moebal.errors import CheckpointError, ConfigError
+from moebal.models.tensor_io import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    DirectorySource,
+    OutTensor,
+    StateDictSource,
+    TensorSource,
+    iter_shards,
+    write_safetensors,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "HFFields",
+    "Link",
+    "choose_arch",
+    "config_fields",
+    "config_from_hf",
+    "from_hf",
+    "hf_config_for",
+    "hf_links",
+    "load_hf_weights",
+    "read_hf_config",
+    "to_hf",
+    "write_hf",
+]
+
+# HF class name -> moebal's name for the layout
+ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "LlamaMoEForCausalLM": "llama_moe",
+                 "Qwen2MoeForCausalLM": "qwen2_moe"}
+_MODEL_TYPES = {"mixtral": "mixtral", "llama_moe": "llama_moe", "qwen2_moe": "qwen2_moe"}
+_ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
+# Files of a HF model directory that are not weights and travel with an export (tokenizer, generation
+# defaults, the remote code LLaMA-MoE's config.json points to).
+_COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+               "generation_config.json", "added_tokens.json")
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A moebal weights directory (`hf_to_moebal`): the model's config, its weights under moebal's names, the
+# source's config.json (kept so an export restores every original key), and a manifest of sizes and sha256.
+MOEBAL_CONFIG, BASE_CONFIG, MANIFEST = "config.yaml", "hf_config.json", "manifest.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> moebal fields
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a HF model directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{path} is not a directory: give a HF model directory (config.json + "
+                              f"*.safetensors)")
+    f = p / "config.json"
+    if not f.is_file():
+        raise CheckpointError(f"{p} has no config.json: a HF model directory holds config.json next to its "
+                              f"*.safetensors (save it with save_pretrained, or copy the model's config.json there)")
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: expected a JSON object")
+    return data
+
+
+def architecture(hf: dict[str, Any], where: str) -> str:
+    """'mixtral', 'llama_moe' or 'qwen2_moe' from config.json's `architectures` (or `model_type`)."""
+    names = hf.get("architectures") or []
+    for n in names if isinstance(names, list) else []:
+        if n in ARCHITECTURES:
+            return ARCHITECTURES[n]
+    if hf.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf["model_type"]]
+    got = ", ".join(map(str, names)) if isinstance(names, list) and names else f"model_type {hf.get('model_type')!r}"
+    raise CheckpointError(f"{where}: architecture {got} is not supported; moebal loads "
+                          f"{', '.join(ARCHITECTURES)} (dense models and other MoE layouts are not mapped)")
+
+
+@dataclass(frozen=True)
+class HFFields:
+    """A checkpoint's config.json in moebal's terms."""
+
+    arch: str
+    shape: dict[str, dict[str, Any]]
+    """Fields the weights fix ({'model': {...}, 'moe': {...}}): a config must agree with every one."""
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Training settings of the original model, used unless the config sets its own."""
+
+
+def _get(hf: dict[str, Any], key: str, default: Any, where: str, kind: type | tuple[type, ...] = int) -> Any:
+    v = hf.get(key, default)
+    if v is None:
+        v = default
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise CheckpointError(f"{where}: '{key}' must be {getattr(kind, '__name__', kind)}; got {v!r}")
+    return v
+
+
+def _rope_theta(hf: dict[str, Any], default: float, where: str) -> float:
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise CheckpointError(f"{where}: rotary scaling '{kind}' is not supported (moebal implements plain RoPE); "
+                              f"use a checkpoint without rope_scaling")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    return float(default if theta is None else theta)
+
+
+def _common(hf: dict[str, Any], where: str, *, rope: float, eps: float, kv_default: int | None,
+            max_pos: int, vocab: int) -> dict[str, Any]:
+    """The decoder fields every supported architecture shares (LLaMA's names)."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{where}: hidden_act '{act}' is not supported: moebal's MLPs and experts are SwiGLU "
+                              f"(silu)")
+    dim = _get(hf, "hidden_size", 4096, where)
+    heads = _get(hf, "num_attention_heads", 32, where)
+    kv = _get(hf, "num_key_value_heads", kv_default or heads, where)
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim == dim // heads and dim % heads == 0:
+        head_dim = None  # the default: keep the config's null
+    return {"vocab_size": _get(hf, "vocab_size", vocab, where), "dim": dim,
+            "n_layers": _get(hf, "num_hidden_layers", 32, where), "n_heads": heads, "n_kv_heads": kv,
+            "head_dim": head_dim, "max_seq_len": _get(hf, "max_position_embeddings", max_pos, where),
+            "rope_theta": _rope_theta(hf, rope, where), "norm_eps": _get(hf, "rms_norm_eps", eps, where, float),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
+def _mixtral(hf: dict[str, Any], where: str) -> HFFields:
+    # Defaults are MixtralConfig's, so a config.json that omits a key means what it means to transformers.
+    model = _common(hf, where, rope=1e6, eps=1e-5, kv_default=8, max_pos=4096 * 32, vocab=32000)
+    window = hf.get("sliding_window")
+    if window is not None:
+        # Attention with a window of W equals full causal attention on sequences of at most W tokens:
+        # cap the sequence length there instead of implementing the window.
+        model["max_seq_len"] = min(model["max_seq_len"], int(window))
+    ffn = _get(hf, "intermediate_size", 14336, where)
+    model["ffn_dim"] = ffn
+    moe = {"num_experts": _get(hf, "num_local_experts", 8, where), "top_k": _get(hf, "num_experts_per_tok", 2, where),
+           "expert_ffn_dim": ffn, "every": 1, "shared_experts": 0, "shared_ffn_dim": None, "shared_gate": False,
+           "router": "linear", "gate": "softmax_topk", "norm_topk": True, "score_scale": 1.0}
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float),
+                        "jitter": _get(hf, "router_jitter_noise", 0.0, where, float)}}
+    return HFFields("mixtral", {"model": model, "moe": moe}, defaults)
+
+
+def _llama_moe(hf: dict[str, Any], where: str) -> HFFields:
+    # LlamaMoEConfig's defaults: rms_norm_eps 1e-6 (the released config.json files say 1e-5), rope 10000.
+    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=None, max_pos=2048, vocab=32000)
+    if hf.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias is true; LLaMA attention biases (q, k, v and o) are not "
+                              f"supported")
+    E, k, L = _get(hf, "num_experts", 16, where), _get(hf, "num_selects", 4, where), model["n_layers"]
+    total = _get(hf, "intermediate_size", 11008, where)
+    sizes = hf.get("size_experts")
+    if sizes is None:
+        if total % E:
+            raise CheckpointError(f"{where}: intermediate_size {total} does not split into {E} equal experts and "
+                                  f"size_experts is absent")
+        width = total // E
+    else:
+        flat = {int(s) for layer in sizes for s in layer} if isinstance(sizes, list) else set()
+        if len(flat) != 1 or len(sizes) != L or any(len(layer) != E for layer in sizes):
+            raise CheckpointError(f"{where}: size_experts must list {L} layers of {E} equal expert widths; experts "
+                                  f"of different widths are not supported (got widths {sorted(flat)[:6]})")
+        width = flat.pop()
+    checks = [("gate_type", "TopKBalancedNoisyGate"), ("calculator_type", "UniversalCalculator"),
+              ("gate_use_softmax", True), ("multiply_gate_scores", True), ("add_weight_norm", False)]
+    for key, want in checks:
+        if key in hf and hf[key] != want:
+            raise CheckpointError(f"{where}: {key}={hf[key]!r} is not supported (LLaMA-MoE v1 uses {want!r}): "
+                                  f"see docs/hf-interop.md for the variants moebal maps")
+    network = hf.get("gate_network", "mlp")
+    if network not in ("mlp", "linear"):
+        raise CheckpointError(f"{where}: gate_network '{network}' is not supported; expected 'mlp' or 'linear'")
+    scale = hf.get("score_scale_factor", 1.0)
+    if isinstance(scale, list):
+        if len(set(scale)) != 1:
+            raise CheckpointError(f"{where}: a per-layer score_scale_factor with different values {scale[:4]}... is "
+                                  f"not supported (moe.score_scale is one number)")
+        scale = scale[0]
+    model["ffn_dim"] = total
+    moe = {"num_experts": E, "top_k": k, "expert_ffn_dim": width, "every": 1, "shared_experts": 0,
+           "shared_ffn_dim": None, "shared_gate": False, "router": "mlp_tanh" if network == "mlp" else "linear",
+           "gate": "topk_softmax", "norm_topk": True, "score_scale": float(scale)}
+    noise = float(hf.get("gate_noise_epsilon", 0.01)) if hf.get("gate_add_noise", True) else None
+    return HFFields("llama_moe", {"model": model, "moe": moe}, {"moe": {"router_noise": noise}})
+
+
+def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
+    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=16, max_pos=32768, vocab=151936)
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
+    if hf.get("mlp_only_layers"):
+        raise CheckpointError(f"{where}: mlp_only_layers {hf['mlp_only_layers']} is not supported; moebal places "
+                              f"MoE layers every decoder_sparse_step layers only")
+    shared = _get(hf, "shared_expert_intermediate_size", 5632, where)
+    if shared < 1:
+        raise CheckpointError(f"{where}: shared_expert_intermediate_size must be positive; got {shared}")
+    model["ffn_dim"] = _get(hf, "intermediate_size", 5632, where)
+    model["attention_bias"] = bool(hf.get("qkv_bias", True))
+    E = _get(hf, "num_experts", 60, where)
+    if E < 1:
+        raise CheckpointError(f"{where}: num_experts is {E}: a dense Qwen2 model is not an MoE checkpoint")
+    moe = {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", 4, where),
+           "expert_ffn_dim": _get(hf, "moe_intermediate_size", 1408, where),
+           "every": _get(hf, "decoder_sparse_step", 1, where), "shared_experts": 1, "shared_ffn_dim": shared,
+           "shared_gate": True, "router": "linear", "gate": "softmax_topk",
+           "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0}
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float)}}
+    return HFFields("qwen2_moe", {"model": model, "moe": moe}, defaults)
+
+
+_FIELDS = {"mixtral": _mixtral, "llama_moe": _llama_moe, "qwen2_moe": _qwen2_moe}
+
+
+def fields_of(hf: dict[str, Any], where: str) -> HFFields:
+    """moebal fields of a parsed config.json (`where` names it in errors)."""
+    return _FIELDS[architecture(hf, where)](hf, where)
+
+
+_MOE_SHAPE = ("num_experts", "top_k", "expert_ffn_dim", "every", "shared_experts", "shared_ffn_dim", "shared_gate",
+              "router", "gate", "norm_topk", "score_scale")
+
+
+def is_moebal_dir(path: str | Path) -> bool:
+    """A directory written by `hf_to_moebal` (moebal names, stacked experts) rather than a HF one."""
+    p = Path(path)
+    return (p / MOEBAL_CONFIG).is_file() and (p / SINGLE_NAME).is_file() and not (p / "config.json").is_file()
+
+
+def _moebal_dir_fields(path: Path) -> HFFields:
+    from moebal.config import load
+
+    c = load(path / MOEBAL_CONFIG)
+    base = path / BASE_CONFIG
+    arch = fields_of(json.loads(base.read_text(encoding="utf-8")), str(base)).arch if base.is_file() else "moebal"
+    model = {k: v for k, v in vars(c.model).items() if k != "init_std"}
+    moe = {k: getattr(c.moe, k) for k in _MOE_SHAPE}
+    defaults = {"moe": {k: getattr(c.moe, k) for k in ("aux_loss_coef", "jitter", "router_noise")}}
+    return HFFields(arch, {"model": model, "moe": moe}, defaults)
+
+
+def config_fields(path: str | Path) -> HFFields:
+    """moebal fields of the HF model directory `path` (or of a moebal weights directory)."""
+    if is_moebal_dir(path):
+        return _moebal_dir_fields(Path(path))
+    return fields_of(read_hf_config(path), str(Path(path) / "config.json"))
+
+
+def config_from_hf(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """A whole moebal Config for the checkpoint in `path`: its shape and training defaults, its tokenizer.json,
+    moebal's defaults elsewhere (the sequence length capped by the model's), plus `overrides`
+    ({'train': {'lr': 1e-5}, ...})."""
+    f = config_fields(path)
+    data: dict[str, Any] = {"hf": {"init_from": str(path)}}
+    for src in (f.defaults, f.shape):
+        for section, values in src.items():
+            data.setdefault(section, {}).update(values)
+    # The model's own tokenizer (validated only when data is loaded) and a sequence the model can take.
+    data["data"] = {"seq_len": min(128, f.shape["model"]["max_seq_len"]),
+                    "tokenizer": str(Path(path) / "tokenizer.json")}
+    data["parallel"] = {"ep": None}
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update(values)
+    return from_dict(data, source=f"{path}/config.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# the name mapping
+
+
+@dataclass(frozen=True)
+class Link:
+    """HF tensor `hf` is moebal tensor `ours` (row `index` of it when moebal stacks experts)."""
+
+    hf: str
+    ours: str
+    index: int | None = None
+
+
+_EXPERT_NAMES = {  # HF per-expert names of moebal's w1 (gate), w3 (up), w2 (down)
+    "mixtral": ("block_sparse_moe.", "experts.{e}.w1.weight", "experts.{e}.w3.weight", "experts.{e}.w2.weight"),
+    "qwen2_moe": ("mlp.", "experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight",
+                  "experts.{e}.down_proj.weight"),
+    "llama_moe": ("mlp.", "calculator.experts.weight_gate.{e}", "calculator.experts.weight_up.{e}",
+                  "calculator.experts.weight_down.{e}"),
+}
+
+
+def _router_links(cfg: Config, arch: str, hp: str, op: str) -> list[Link]:
+    moe = cfg.moe
+    if arch == "llama_moe":
+        if moe.router == "mlp_tanh":
+            links = [Link(hp + "gate.gate_network.0.weight", op + "gate.weight"),
+                     Link(hp + "gate.gate_network.2.weight", op + "gate_out.weight")]
+        else:
+            links = [Link(hp + "gate.gate_network.weight", op + "gate.weight")]
+        if moe.router_noise is not None:
+            links.append(Link(hp + "gate.weight_noise.weight", op + "gate_noise.weight"))
+        return links
+    return [Link(hp + "gate.weight", op + "gate.weight")]
+
+
+def moebal_links(cfg: Config) -> list[Link]:
+    """moebal's own names, one tensor each (a moebal weights directory)."""
+    from moebal.models.transformer import MoebalForCausalLM
+
+    with torch.device("meta"):
+        names = list(MoebalForCausalLM(cfg).state_dict())
+    skip = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
+    return [Link(n, n) for n in names if n not in skip and not n.endswith("expert_bias")]
+
+
+def hf_links(cfg: Config, arch: str) -> list[Link]:
+    """Every HF tensor of `arch` for the model `cfg` describes, in checkpoint order (layer by layer)."""
+    if arch == "moebal":
+        return moebal_links(cfg)
+    m, moe = cfg.model, cfg.moe
+    links = [Link("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        links += [Link(p + n, p + n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            links.append(Link(f"{p}self_attn.{proj}.weight", f"{p}self_attn.{proj}.weight"))
+            if m.attention_bias and proj != "o_proj":
+                links.append(Link(f"{p}self_attn.{proj}.bias", f"{p}self_attn.{proj}.bias"))
+        if not cfg.is_moe_layer(i):
+            links += [Link(f"{p}mlp.{n}.weight", f"{p}mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        sub, w1, w3, w2 = _EXPERT_NAMES[arch]
+        hp, op = p + sub, p + "block_sparse_moe."
+        links += _router_links(cfg, arch, hp, op)
+        for e in range(moe.num_experts):
+            links += [Link(hp + w1.format(e=e), op + "experts.w1", e), Link(hp + w3.format(e=e), op + "experts.w3", e),
+                      Link(hp + w2.format(e=e), op + "experts.w2", e)]
+        if moe.shared_experts:
+            links += [Link(f"{hp}shared_expert.{n}.weight", f"{op}shared_expert.{n}.weight")
+                      for n in ("gate_proj", "up_proj", "down_proj")]
+            if moe.shared_gate:
+                links.append(Link(hp + "shared_expert_gate.weight", op + "shared_expert_gate.weight"))
+    links.append(Link("model.norm.weight", "model.norm.weight"))
+    if not m.tie_embeddings:
+        links.append(Link("lm_head.weight", "lm_head.weight"))
+    return links
+
+
+def _ignorable(arch: str, tied: bool) -> re.Pattern[str]:
+    """HF tensors a load may skip: rotary tables (recomputed in fp32), LLaMA-MoE's noise projection when noisy
+    gating is off, and a tied model's stored copy of the LM head."""
+    parts = [r"\.rotary_emb\.inv_freq$"]
+    if arch == "llama_moe":
+        parts.append(r"\.mlp\.gate\.weight_noise\.weight$")
+    if tied:
+        parts.append(r"^lm_head\.weight$")
+    return re.compile("|".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _show(names: Iterable[str], n: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[int, ...]], arch: str,
+                 tied: bool, where: str) -> None:
+    """Every linked tensor present with the right shape, nothing unexpected left over; CheckpointError
+    naming the tensors, their files and the likely fix otherwise."""
+    info = source.info()
+    want = {ln.hf for ln in links}
+    skip = _ignorable(arch, tied)
+    missing = sorted(want - set(info))
+    extra = sorted(n for n in set(info) - want if not skip.search(n))
+    if missing or extra:
+        msg = [f"{where}: the weights do not match the model config.json describes"]
+        if missing:
+            msg.append(f"missing {len(missing)} tensor(s): {_show(missing)}")
+        if extra:
+            msg.append(f"unexpected {len(extra)} tensor(s): {_show(extra)} (in {info[extra[0]].where})")
+        msg.append("check that config.json belongs to these weights (num_local_experts, num_hidden_layers, "
+                   "tie_word_embeddings, ...) and that no shard is missing")
+        raise CheckpointError("; ".join(msg))
+    wrong = []
+    for ln in links:
+        shape = ours[ln.ours] if ln.index is None else ours[ln.ours][1:]
+        got = info[ln.hf]
+        if got.shape != shape:
+            wrong.append(f"'{ln.hf}' in {got.where} is {list(got.shape)}, expected {list(shape)}")
+        elif not got.dtype.is_floating_point:
+            wrong.append(f"'{ln.hf}' in {got.where} has dtype {got.dtype}, expected a floating-point dtype")
+    if wrong:
+        raise CheckpointError(f"{where}: {len(wrong)} tensor(s) do not fit the model config.json describes: "
+                              f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; check that config.json "
+                              f"(hidden_size, intermediate_size, num_key_value_heads, head_dim) belongs to these "
+                              f"weights")
+
+
+def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """The model with uninitialised storage (built on the meta device: no time spent on a random init that
+    the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real."""
+    from moebal.models.transformer import MoebalForCausalLM, Rotary
+
+    with torch.device("meta"):
+        model = MoebalForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    m = cfg.model
+    with torch.device(device):
+        model.model.rotary = Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)  # fp32 tables, as built normally
+    for layer in model.moe_layers():
+        if layer.expert_bias is not None:
+            layer.expert_bias = torch.zeros(layer.num_experts, device=device)
+    if m.tie_embeddings:  # to_empty makes new parameters: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, where: str) -> None:
+    """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time."""
+    cfg: Config = model.config  # type: ignore[assignment]
+    links = hf_links(cfg, arch)
+    state = model.state_dict()
+    check_source(source, links, {k: tuple(v.shape) for k, v in state.items()}, arch, cfg.model.tie_embeddings,
+                 where)
+    covered = {ln.ours for ln in links} | {k for k in state if k.endswith("expert_bias")}
+    if cfg.model.tie_embeddings:
+        covered.add("lm_head.weight")
+    assert covered == set(state), sorted(set(state) - covered)  # the mapping covers the whole model
+    with torch.no_grad():
+        for ln in links:
+            target = state[ln.ours] if ln.index is None else state[ln.ours][ln.index]
+            source.read(ln.hf, out=target)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        if name not in DTYPE_NAMES:
+            raise CheckpointError(f"config.json dtype '{name}' is not one of {', '.join(DTYPE_NAMES)}")
+        return DTYPE_NAMES[name]
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
+def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype | str | None = torch.float32,
+            device: torch.device | str = "cpu") -> torch.nn.Module:
+    """moebal's model with the weights of the HF checkpoint directory `path` (Mixtral, LLaMA-MoE v1 or
+    Qwen2-MoE; one safetensors file or a sharded index), or of a directory `hf_to_moebal` wrote.
+
+    `cfg` defaults to `config_from_hf(path)`; a given one must describe the same shapes. `dtype` is that of
+    the parameters: float32 by default (training keeps fp32 master weights), 'auto' for the checkpoint's own.
+    """
+    where = str(Path(path))
+    if is_moebal_dir(path):
+        verify_manifest(Path(path))
+        hf, arch = {}, "moebal"
+    else:
+        hf = read_hf_config(path)
+        arch = architecture(hf, f"{where}/config.json")
+    cfg = cfg or config_from_hf(path)
+    source = DirectorySource(path)
+    try:
+        if arch == "moebal" and dtype in (None, "auto"):
+            dtype = source.info()["model.embed_tokens.weight"].dtype
+        model = _empty_model(cfg, _resolve_dtype(dtype, hf), device)
+        load_hf_weights(model, source, arch, where)
+    finally:
+        source.close()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# exporting
+
+
+def choose_arch(cfg: Config) -> str:
+    """The HF layout that expresses a moebal model: LLaMA-MoE for the tanh-MLP router, Qwen2-MoE for shared
+    experts, dense layers or attention biases, Mixtral otherwise."""
+    moe = cfg.moe
+    if moe.router == "mlp_tanh" or moe.score_scale != 1.0 or moe.router_noise is not None:
+        return "llama_moe"
+    if moe.shared_experts or moe.every != 1 or cfg.model.attention_bias or not moe.norm_topk:
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def check_exportable(cfg: Config, arch: str) -> None:
+    """ConfigError naming each part of the model `arch` cannot express (its inference maths would differ)."""
+    m, moe = cfg.model, cfg.moe
+    if moe.num_experts == 0:
+        raise ConfigError("moe.num_experts is 0: a dense model is not exported as an MoE checkpoint")
+    problems = []
+    if moe.adaptive_threshold is not None:
+        problems.append("adaptive top-k gating (moe.adaptive_threshold) routes some tokens to fewer than top_k "
+                        "experts, which no HF layout does")
+    if moe.bias_update_rate > 0:
+        problems.append("the auxiliary-loss-free selection bias (moe.bias_update_rate > 0) has no place in these "
+                        "layouts")
+    if arch != "qwen2_moe":
+        if moe.shared_experts:
+            problems.append("shared experts need the qwen2_moe layout")
+        if moe.every != 1:
+            problems.append("dense layers between MoE layers (moe.every > 1) need the qwen2_moe layout")
+        if m.attention_bias:
+            problems.append("attention biases need the qwen2_moe layout")
+        if not moe.norm_topk:
+            problems.append("moe.norm_topk: false needs the qwen2_moe layout")
+    else:
+        if not moe.shared_experts or not moe.shared_gate:
+            problems.append("the qwen2_moe layout always has a gated shared expert (moe.shared_experts: 1, "
+                            "moe.shared_gate: true)")
+        if moe.shared_experts > 1 and moe.shared_ffn_dim is None:
+            problems.append("several shared experts are exported as one; set moe.shared_ffn_dim")
+    if arch != "llama_moe":
+        if moe.router != "linear":
+            problems.append(f"moe.router '{moe.router}' needs the llama_moe layout")
+        if moe.score_scale != 1.0:
+            problems.append("moe.score_scale != 1 needs the llama_moe layout")
+        if moe.router_noise is not None:
+            problems.append("noisy gating (moe.router_noise) needs the llama_moe layout")
+    if problems:
+        raise ConfigError(f"cannot export to the {arch} layout: " + "; ".join(problems))
+
+
+def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
+    """config.json keys for the shape of `cfg` in layout `arch` (the inverse of `config_fields`)."""
+    m, moe = cfg.model, cfg.moe
+    out: dict[str, Any] = {
+        "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": m.vocab_size, "hidden_size": m.dim,
+        "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+        "max_position_embeddings": m.max_seq_len, "rope_theta": m.rope_theta, "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu"}
+    if m.head_dim is not None:
+        out["head_dim"] = m.head_dim
+    F = cfg.expert_ffn_dim
+    if arch == "mixtral":
+        out.update(intermediate_size=F, num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   sliding_window=None, router_aux_loss_coef=moe.aux_loss_coef, router_jitter_noise=moe.jitter)
+    elif arch == "qwen2_moe":
+        out.update(intermediate_size=m.ffn_dim, moe_intermediate_size=F, num_experts=moe.num_experts,
+                   num_experts_per_tok=moe.top_k, decoder_sparse_step=moe.every, mlp_only_layers=[],
+                   shared_expert_intermediate_size=moe.shared_ffn_dim or moe.shared_experts * F,
+                   norm_topk_prob=moe.norm_topk, qkv_bias=m.attention_bias, use_sliding_window=False,
+                   router_aux_loss_coef=moe.aux_loss_coef)
+    else:
+        out.update(intermediate_size=F * moe.num_experts, size_experts=[[F] * moe.num_experts] * m.n_layers,
+                   num_experts=moe.num_experts, num_selects=moe.top_k,
+                   gate_network="mlp" if moe.router == "mlp_tanh" else "linear", gate_type="TopKBalancedNoisyGate",
+                   calculator_type="UniversalCalculator", gate_use_softmax=True, multiply_gate_scores=True,
+                   add_weight_norm=False, score_scale_factor=moe.score_scale, attention_bias=False,
+                   gate_add_noise=moe.router_noise is not None, gate_noise_epsilon=moe.router_noise or 0.01)
+    return out
+
+
+def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of an export. With `base` (the config.json the model was loaded from) every key of
+    the original is kept (tokenizer ids, auto_map, sliding window, ...) after checking that its shape is
+    still `cfg`'s; without one it is written from `cfg` alone."""
+    dtype_name = next(k for k, v in DTYPE_NAMES.items() if v == dtype)
+    if base is None:
+        return {**_hf_shape_fields(cfg, arch), "torch_dtype": dtype_name}
+    where = "the base config.json"
+    f = fields_of(base, where)
+    if f.arch != arch:
+        raise ConfigError(f"the model was loaded from a {f.arch} checkpoint but is exported as {arch}")
+    ours = {"model": {k: getattr(cfg.model, k) for k in f.shape["model"]},
+            "moe": {k: getattr(cfg.moe, k) for k in f.shape["moe"]}}
+    diff = [f"{s}.{k}: {ours[s][k]!r} vs {v!r}" for s in ("model", "moe") for k, v in f.shape[s].items()
+            if ours[s][k] != v]
+    if diff:
+        raise ConfigError(f"the model no longer has the shape of its base config.json ({'; '.join(diff[:4])}): "
+                          f"export without the base config")
+    out = dict(base)
+    out["torch_dtype" if "torch_dtype" in base or "dtype" not in base else "dtype"] = dtype_name
+    if arch == "mixtral":
+        out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef, router_jitter_noise=cfg.moe.jitter)
+    elif arch == "qwen2_moe":
+        out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef)
+    else:
+        out.update(gate_add_noise=cfg.moe.router_noise is not None)
+        if cfg.moe.router_noise is not None:
+            out["gate_noise_epsilon"] = cfg.moe.router_noise
+    return out
+
+
+def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) -> list[OutTensor]:
+    info = source.info()
+    out = []
+    for ln in links:
+        if ln.ours not in info:
+            raise CheckpointError(f"the moebal weights lack '{ln.ours}' (needed for HF tensor '{ln.hf}')")
+        shape = info[ln.ours].shape if ln.index is None else info[ln.ours].shape[1:]
+
+        def produce(name: str = ln.ours, index: int | None = ln.index) -> torch.Tensor:
+            return source.read(name, index)
+
+        out.append(OutTensor(ln.hf, dtype, tuple(shape), produce))
+    return out
+
+
+def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str | None = None,
+             dtype: torch.dtype = torch.float32, shard_bytes: int = 5 * 10**9, base: dict[str, Any] | None = None,
+             copy_from: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write the moebal weights in `source` (moebal names, stacked experts; `cfg` their model) as a HF checkpoint
+    directory: config.json, safetensors sharded above `shard_bytes` with an index, and the tokenizer and
+    remote-code files of `copy_from`. Written into a temporary directory and renamed into place."""
+    arch = arch or (fields_of(base, "the base config.json").arch if base else choose_arch(cfg))
+    if arch not in _ARCH_CLASS:
+        raise ConfigError(f"unknown HF layout '{arch}'; choose one of {', '.join(_ARCH_CLASS)}")
+    check_exportable(cfg, arch)
+    _check_selection_bias(source, cfg)
+    config_json = hf_config_for(cfg, arch, dtype, base)
+    entries = _out_tensors(source, hf_links(cfg, arch), dtype)
+    final = Path(path)
+    if final.exists() and not overwrite:
+        raise CheckpointError(f"{final} already exists: choose a new directory or pass --overwrite")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        shards = list(iter_shards(entries, shard_bytes))
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            name = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(tmp / name, shard, metadata={"format": "pt"})
+            weight_map.update((t.name, name) for t in shard)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in entries)}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n", encoding="utf-8")
+        if copy_from is not None:
+            _copy_companions(Path(copy_from), tmp)
+        _replace_dir(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _check_selection_bias(source: TensorSource, cfg: Config) -> None:
+    for name in (n for n in source.info() if n.endswith("expert_bias")):
+        if source.read(name).abs().max().item() != 0:
+            raise ConfigError(f"'{name}' is non-zero: the auxiliary-loss-free selection bias changes which experts "
+                              f"tokens choose and no HF layout stores it")
+
+
+def _copy_companions(src: Path, dst: Path) -> None:
+    for p in sorted(src.iterdir()) if src.is_dir() else []:
+        if p.is_file() and (p.name in _COMPANIONS or p.suffix == ".py"):
+            shutil.copy2(p, dst / p.name)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
+          dtype: torch.dtype | str | None = None, shard_bytes: int = 5 * 10**9, base: dict[str, Any] | None = None,
+          copy_from: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write `model` (a moebal model) as a HF checkpoint directory `transformers` loads.
+
+    `arch`: 'mixtral', 'llama_moe' or 'qwen2_moe' (default: the one that expresses the model, see
+    `choose_arch`). `dtype`: of the written weights (default: the model's). `base`: the config.json the model
+    came from, whose other keys are kept. `copy_from`: a directory whose tokenizer and remote-code files are
+    copied along."""
+    cfg: Config = model.config  # type: ignore[assignment]
+    params = dict(model.state_dict())
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+        dtype = DTYPE_NAMES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        dtype = model.lm_head.weight.dtype
+    return write_hf(StateDictSource(params), cfg, path, arch=arch, dtype=dtype, shard_bytes=shard_bytes, base=base,
+                    copy_from=copy_from, overwrite=overwrite)
+
+
+def max_tensor_bytes(source: TensorSource) -> int:
+    """Size of the source's largest tensor (what a streaming conversion holds at once)."""
+    return max((t.nbytes for t in source.info().values()), default=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# moebal weights directories
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path) -> None:
+    """manifest.json: size and sha256 of every other file in `path`."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(path.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n", encoding="utf-8")
+
+
+def verify_manifest(path: Path) -> None:
+    """CheckpointError naming the first file of a moebal weights directory that is missing, truncated or
+    altered."""
+    m = path / MANIFEST
+    try:
+        files = json.loads(m.read_text(encoding="utf-8"))["files"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{m} is missing or corrupt: re-run moebal convert hf-to-moebal") from None
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (listed in {m})")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest says {want['bytes']} (truncated?)")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"{f} is corrupt: its sha256 does not match {m}")
+
+
+def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str | None = "auto",
+                 overwrite: bool = False) -> Path:
+    """Convert the HF checkpoint `src` into a moebal weights directory `dst` (config.yaml, model.safetensors
+    under moebal's names with stacked experts, the source's config.json as hf_config.json, its tokenizer files,
+    manifest.json), streaming: each stacked expert tensor is written expert by expert, so at most one source
+    tensor is in memory. `dst` loads with `from_hf(dst)` and as `hf.init_from: dst`."""
+    from moebal.config import dump, with_overrides
+    from moebal.models.transformer import MoebalForCausalLM
+
+    src, final = Path(src), Path(dst)
+    hf = read_hf_config(src)
+    arch = architecture(hf, f"{src}/config.json")
+    cfg = config_from_hf(src)
+    out_dtype = _resolve_dtype(dtype, hf)
+    source = DirectorySource(src)
+    try:
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in MoebalForCausalLM(cfg).state_dict().items()}
+        links = hf_links(cfg, arch)
+        check_source(source, links, shapes, arch, cfg.model.tie_embeddings, str(src))
+        parts: dict[str, list[Link]] = {}
+        for ln in links:
+            parts.setdefault(ln.ours, []).append(ln)
+        entries = []
+        for name, group in parts.items():
+            group.sort(key=lambda ln: -1 if ln.index is None else ln.index)
+
+            def produce(group: list[Link] = group) -> Iterable[torch.Tensor]:
+                return (source.read(ln.hf) for ln in group)
+
+            entries.append(OutTensor(name, out_dtype, shapes[name], produce))
+        if final.exists() and not overwrite:
+            raise CheckpointError(f"{final} already exists: choose a new directory or pass --overwrite")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write_safetensors(tmp / SINGLE_NAME, entries, metadata={"format": "pt", "moebal_source": arch})
+            _copy_companions(src, tmp)
+            shutil.copy2(src / "config.json", tmp / BASE_CONFIG)
+            tok = str(final.resolve() / "tokenizer.json") if (tmp / "tokenizer.json").is_file() else cfg.data.tokenizer
+            dump(with_overrides(cfg, ["hf.init_from=null", f"data.tokenizer={tok}"]), tmp / MOEBAL_CONFIG)
+            write_manifest(tmp)
+            _replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        source.close()
+    return final

@@ -1,0 +1,77 @@
+"""Tiny random HF checkpoints written by `transformers` itself, and a tiny tokenizer.json, for interop tests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+def transformers_or_skip() -> Any:
+    return pytest.importorskip("transformers", reason="transformers (extra 'hf') is not installed")
+
+
+def _quiet_save(model: Any, path: Path, **kw: Any) -> None:
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(str(path), **kw)
+
+
+def tiny_mixtral(path: Path, seed: int = 0, shard: str | None = None, **overrides: Any) -> Any:
+    """A random MixtralForCausalLM saved to `path` (GQA 4:2, rope theta 5e5, untied); returns the model."""
+    transformers = transformers_or_skip()
+    kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64,
+                              sliding_window=None, router_aux_loss_coef=0.02)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**kw)).eval()
+    _quiet_save(model, path, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+def tiny_qwen2_moe(path: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random Qwen2MoeForCausalLM saved to `path`: shared expert with sigmoid gate, q/k/v biases, MoE on
+    every second layer (dense MLPs between)."""
+    transformers = transformers_or_skip()
+    kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2,
+                              norm_topk_prob=False, max_position_embeddings=64, rope_theta=20000.0,
+                              tie_word_embeddings=False)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**kw)).eval()
+    with torch.no_grad():  # transformers initialises biases to zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.02)
+    _quiet_save(model, path)
+    return model
+
+
+def tiny_tokenizer(path: Path, texts: list[str], vocab_size: int = 96) -> Path:
+    """A byte-level BPE tokenizer.json trained on `texts` with `tokenizers` (ids < vocab_size)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (extra 'hf') is not installed")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                             show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    out = path / "tokenizer.json"
+    tok.save(str(out))
+    assert json.loads(out.read_text())["model"]["type"] == "BPE"
+    assert tok.get_vocab_size() <= vocab_size
+    return out
+
+
+def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits

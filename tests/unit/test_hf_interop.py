@@ -1,0 +1,222 @@
+"""HF interop against `transformers` itself: Mixtral and Qwen2-MoE logits, round trips, sharded files, the
+routing options that reproduce Mixtral, and every kind of bad checkpoint giving its own clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebal.config import load
+from moebal.errors import CheckpointError, ConfigError
+from moebal.models.hf import config_from_hf, from_hf, to_hf
+from moebal.models.tensor_io import DirectorySource, read_header
+from tests.hf_util import logits, tiny_mixtral, tiny_qwen2_moe, transformers_or_skip
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    src = DirectorySource(path)
+    try:
+        return {k: src.read(k).clone() for k in src.info()}
+    finally:
+        src.close()
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    d = tmp_path_factory.mktemp("mixtral")
+    return d, tiny_mixtral(d)
+
+
+def test_mixtral_logits_equal_transformers(mixtral_dir):
+    path, ref = mixtral_dir
+    ours = from_hf(path).eval()
+    cfg = ours.config
+    assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.rope_theta) == (4, 2, 5e5)  # GQA, rope theta
+    assert not cfg.model.tie_embeddings and cfg.moe.aux_loss_coef == 0.02
+    ids = torch.randint(0, 96, (3, 40), generator=torch.Generator().manual_seed(1))
+    err = (logits(ours, ids) - logits(ref, ids)).abs().max().item()
+    assert err < 1e-4, err
+
+
+def test_mixtral_round_trip_gives_identical_tensors_and_transformers_loads_it(mixtral_dir, tmp_path):
+    path, ref = mixtral_dir
+    out = to_hf(from_hf(path), tmp_path / "out")
+    a, b = _tensors(path), _tensors(out)
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    back = transformers_or_skip().MixtralForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(logits(back, ids), logits(ref, ids))
+
+
+def test_sharded_checkpoints_both_ways(tmp_path):
+    ref = tiny_mixtral(tmp_path / "src", shard="20KB", tie_word_embeddings=True)
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
+    ours = from_hf(tmp_path / "src").eval()
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+    assert (logits(ours, ids) - logits(ref, ids)).abs().max().item() < 1e-4
+    out = to_hf(ours, tmp_path / "out", shard_bytes=16_000, dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((out / s).is_file() for s in shards)
+    assert all(read_header(out / s)[0] for s in shards)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = transformers_or_skip().MixtralForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    want = {k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()}
+    got = back.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("options, exact", [
+    ({}, True),                                  # softmax over all experts, top-k, renormalise: Mixtral itself
+    ({"gate": "topk_softmax"}, True),            # the same maths, rounded differently
+    ({"capacity_factor": 0.5}, False),           # drops assignments: not Mixtral (dropless)
+    ({"adaptive_threshold": 0.0}, False),        # top-1 for most tokens: not Mixtral
+    ({"norm_topk": False}, False),               # unnormalised top-k weights: Qwen2-MoE's option, not Mixtral's
+])
+def test_which_routing_options_reproduce_mixtral(mixtral_dir, options, exact):
+    path, ref = mixtral_dir
+    cfg = config_from_hf(path, {"moe": options})
+    ours = from_hf(path, cfg=cfg).eval()
+    ids = torch.randint(0, 96, (4, 48), generator=torch.Generator().manual_seed(4))
+    err = (logits(ours, ids) - logits(ref, ids)).abs().max().item()
+    assert (err < 1e-4) == exact, (options, err)
+
+
+def test_router_jitter_is_mapped_and_only_acts_in_training(tmp_path):
+    tiny_mixtral(tmp_path, router_jitter_noise=0.1)
+    model = from_hf(tmp_path)
+    assert model.config.moe.jitter == 0.1
+    ids = torch.randint(0, 96, (1, 8))
+    model.eval()
+    assert torch.equal(logits(model, ids), logits(model, ids))
+
+
+def test_qwen2_moe_shared_expert_logits_equal_transformers(tmp_path):
+    for norm in (False, True):
+        d = tmp_path / f"norm{norm}"
+        ref = tiny_qwen2_moe(d, norm_topk_prob=norm)
+        ours = from_hf(d).eval()
+        moe = ours.config.moe
+        assert (moe.shared_gate, moe.norm_topk, moe.every, ours.config.model.attention_bias) == (True, norm, 2, True)
+        assert not ours.model.layers[0].is_moe and ours.model.layers[1].is_moe
+        ids = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(5))
+        err = (logits(ours, ids) - logits(ref, ids)).abs().max().item()
+        assert err < 1e-4, (norm, err)
+        out = to_hf(ours, tmp_path / f"out{norm}")
+        a, b = _tensors(d), _tensors(out)
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_overlay_fills_the_shape_and_rejects_disagreement(mixtral_dir, tmp_path):
+    path, _ = mixtral_dir
+    cfg = load(None, [f"hf.init_from={path}", "data.seq_len=32", "moe.aux_loss_coef=0.05",
+                      f"data.tokenizer={path}/tokenizer.json"])
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.moe.num_experts, cfg.moe.expert_ffn_dim) == (32, 2, 4, 48)
+    assert cfg.moe.aux_loss_coef == 0.05  # a training default the config may override
+    same = load(None, [f"hf.init_from={path}", "data.seq_len=32", "model.dim=32",
+                       f"data.tokenizer={path}/tokenizer.json"])
+    assert same.model.dim == 32
+    with pytest.raises(ConfigError, match=r"model.dim is 64 here but 32 in the checkpoint.*remove these keys"):
+        load(None, [f"hf.init_from={path}", "data.seq_len=32", "model.dim=64", f"data.tokenizer={path}/t.json"])
+    with pytest.raises(ConfigError, match="no config.json"):
+        load(None, [f"hf.init_from={tmp_path}"])
+
+
+# ---- bad input: each its own clear error, never a partial load ----------------------------------------
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path: Path, drop: str | None = None, add: dict[str, torch.Tensor] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = _tensors(path)
+    if drop:
+        del tensors[drop]
+    tensors.update(add or {})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_bad_directories(mixtral_dir, tmp_path):
+    path, _ = mixtral_dir
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        from_hf(tmp_path)
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        from_hf(tmp_path / "nope")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM is not supported; moebal loads MixtralForCausalLM"):
+        from_hf(llama)
+    bins = _copy(path, tmp_path / "bins")
+    (bins / "model.safetensors").rename(bins / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="PyTorch pickles, which moebal does not unpickle"):
+        from_hf(bins)
+    scaled = _copy(path, tmp_path / "rope")
+    c = json.loads((scaled / "config.json").read_text())
+    c["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    (scaled / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match="rotary scaling 'yarn' is not supported"):
+        from_hf(scaled)
+
+
+def test_missing_unexpected_and_misshapen_tensors(mixtral_dir, tmp_path):
+    path, _ = mixtral_dir
+    missing = _copy(path, tmp_path / "missing")
+    _rewrite(missing, drop="model.layers.1.block_sparse_moe.experts.3.w2.weight")
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.1.block_sparse_moe.experts.3.w2"):
+        from_hf(missing)
+    extra = _copy(path, tmp_path / "extra")
+    _rewrite(extra, add={"model.layers.0.block_sparse_moe.experts.4.w1.weight": torch.zeros(48, 32)})
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model.layers.0.*experts.4.w1.*num_local"):
+        from_hf(extra)
+    shape = _copy(path, tmp_path / "shape")
+    c = json.loads((shape / "config.json").read_text())
+    c["intermediate_size"] = 64
+    (shape / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match=r"experts.0.w1.weight' in .*model.safetensors is \[48, 32\], "
+                                              r"expected \[64, 32\].*intermediate_size"):
+        from_hf(shape)
+
+
+def test_truncated_and_corrupt_files(mixtral_dir, tmp_path):
+    path, _ = mixtral_dir
+    trunc = _copy(path, tmp_path / "trunc")
+    f = trunc / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor '.*' .*does not fit .*truncated"):
+        from_hf(trunc)
+    junk = _copy(path, tmp_path / "junk")
+    (junk / "model.safetensors").write_bytes(struct.pack("<Q", 12) + b"not json!!!!")
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        from_hf(junk)
+    sharded = tmp_path / "sharded"
+    tiny_mixtral(sharded, shard="20KB")
+    victim = sorted(sharded.glob("model-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"names shard\\(s\\) that are missing: {victim.name}"):
+        from_hf(sharded)
+
+
+def test_export_refuses_what_the_layout_cannot_express(mixtral_dir, tmp_path):
+    path, _ = mixtral_dir
+    model = from_hf(path, cfg=config_from_hf(path, {"moe": {"adaptive_threshold": 0.1}}))
+    with pytest.raises(ConfigError, match="adaptive top-k gating"):
+        to_hf(model, tmp_path / "a")
+    with pytest.raises(ConfigError, match="the qwen2_moe layout always has a gated shared expert"):
+        to_hf(from_hf(path), tmp_path / "b", arch="qwen2_moe")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    to_hf(from_hf(path), tmp_path / "c")
+    with pytest.raises(CheckpointError, match="already exists"):
+        to_hf(from_hf(path), tmp_path / "c")
