@@ -181,11 +181,25 @@ class ExpertParallel:
 
     def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
         self.model, self.dims = model, dims
-        self.layers = list(model.moe_layers())
-        self.dispatchers = [ExpertParallelDispatcher(layer, dims) for layer in self.layers]
-        for layer, d in zip(self.layers, self.dispatchers):
+        self.layers: list[nn.Module] = []
+        self.dispatchers: list[ExpertParallelDispatcher] = []
+        self.refresh()
+
+    def attach(self, layer: nn.Module) -> ExpertParallelDispatcher:
+        """Shard one MoE layer over the "ep" group and route its tokens through a dispatcher (a layer built
+        here, or the uninitialised skeleton of a layer migrating in, before its shard's values arrive)."""
+        d = layer.dispatcher
+        if not isinstance(d, ExpertParallelDispatcher):
+            d = ExpertParallelDispatcher(layer, self.dims)
             layer.set_dispatcher(d)
-            layer.set_stats_reducer(StatsReducer(dims.group("dp_ep")))
+            layer.set_stats_reducer(StatsReducer(self.dims.group("dp_ep")))
+        return d
+
+    def refresh(self) -> None:
+        """Re-read the model's MoE layers (after layers migrated in or out); new ones are sharded, placements
+        are indexed in the new order."""
+        self.layers = list(self.model.moe_layers())
+        self.dispatchers = [self.attach(layer) for layer in self.layers]
 
     def parameters(self, expert: bool) -> Iterator[nn.Parameter]:
         return (p for p in self.model.parameters() if is_expert_param(p) == expert)

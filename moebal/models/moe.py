@@ -244,8 +244,19 @@ class MoELayer(nn.Module):
             else:
                 aux = aux + self.aux_loss_coef * self._global_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
-            aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
+            if self.stats_reducer is None:
+                aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
+            else:
+                aux = aux + self.z_loss_coef * self._global_z_loss(r.logits_TE)
         return aux
+
+    def _global_z_loss(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """`router_z_loss` over every rank's tokens: the summed squares over the summed token count (a mean of
+        per-rank means is not the mean when ranks hold different numbers of tokens, e.g. after early exits)."""
+        red = self.stats_reducer
+        tokens = red.sum(torch.tensor([float(logits_TE.shape[0])], device=logits_TE.device))
+        sq = torch.logsumexp(logits_TE.float(), dim=-1).square().sum().reshape(1)
+        return (red.sum_grad(sq) / tokens.clamp(min=1.0))[0]
 
     def _global_balancing_loss(self, probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """`load_balancing_loss` over every rank's tokens: f from the summed counts, P from the summed
@@ -253,7 +264,7 @@ class MoELayer(nn.Module):
         red = self.stats_reducer
         counts_E = red.sum(counts_E.clone())
         tokens = red.sum(torch.tensor([float(probs_TE.shape[0])], device=probs_TE.device))
-        P_E = red.sum_grad(probs_TE.sum(dim=0)) / tokens
+        P_E = red.sum_grad(probs_TE.sum(dim=0)) / tokens.clamp(min=1.0)  # no token anywhere: P = 0, not NaN
         f_E = counts_E.to(P_E.dtype) / counts_E.sum().clamp(min=1).to(P_E.dtype)
         return self.num_experts * torch.sum(f_E * P_E)
 

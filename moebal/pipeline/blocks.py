@@ -9,6 +9,11 @@ rows; keys and values come either from every position (`keys="all"`: early exit,
 frozen hidden state still serves as context, CALM's state propagation) or from the selected positions only
 (`keys="subset"`: Mixture-of-Depths, where the block is a shorter sequence). Positions keep their rotary
 angles and the causal order of the full sequence. When every position is selected the plain layer runs.
+
+`skip_layer` is the layer with no position selected. Alone, it computes nothing. An MoE block whose experts
+or routing statistics are shared with other ranks (expert parallelism, summed load-balancing statistics)
+must still join their collectives, with no tokens of its own: the all-to-alls carry the other ranks' tokens
+to the experts held here, and their backward must run too, so the empty output is tied into the graph.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import nn
 
 from moebal.models.transformer import apply_rotary
 
-__all__ = ["gather_rows", "subset_block"]
+__all__ = ["gather_rows", "skip_layer", "subset_block"]
 
 
 def gather_rows(x_BTD: torch.Tensor, pos_BQ: torch.Tensor) -> torch.Tensor:
@@ -65,3 +70,33 @@ def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, si
     rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
     flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
     return h_BTD.reshape(B * T, D).index_copy(0, flat_N, out_ND.to(h_BTD.dtype)).view(B, T, D)
+
+
+class _Tie(torch.autograd.Function):
+    """h unchanged; `y` (an empty tensor) joins the graph: its backward runs, with a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.y_meta = (y.shape, y.dtype, y.device)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        shape, dtype, device = ctx.y_meta
+        return g, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def skip_layer(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
+    """Layer `layer` with no token selected: h unchanged (see the module docstring for MoE blocks)."""
+    if not getattr(layer, "is_moe", False):
+        return h_BTD
+    moe = layer.block_sparse_moe
+    if moe.dispatcher is None and moe.stats_reducer is None:
+        moe.aux_loss = torch.zeros((), device=h_BTD.device)  # nothing routed: no balancing loss
+        return h_BTD
+    # the peers' MoE input needs a gradient whenever this layer trains (layers freeze whole): so must this one,
+    # or the dispatch all-to-all would be missing from this rank's backward while the peers wait in theirs
+    x_0D = h_BTD.new_empty(0, h_BTD.shape[-1])
+    if torch.is_grad_enabled() and (h_BTD.requires_grad or any(p.requires_grad for p in layer.parameters())):
+        x_0D.requires_grad_(True)
+    return _Tie.apply(h_BTD, layer.ffn(x_0D))

@@ -45,6 +45,9 @@ class Dynamism:
     step = 0
     carries: tuple[str, ...] = ()
     """Names of per-token bool [B, T] tensors that travel forward with the activations between stages."""
+    replan_every_step = False
+    """Plan a partition after every step from the latest `cost_factors` (not only after profiled steps): for
+    schemes whose cost moves every iteration (MoE routing; DynMo fires those every iteration)."""
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = cfg

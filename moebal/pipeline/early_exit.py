@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebal.errors import ConfigError
-from moebal.pipeline.blocks import subset_block
+from moebal.pipeline.blocks import skip_layer, subset_block
 from moebal.pipeline.dynamism import Dynamism, layer_token_flops, ramp, register
 
 __all__ = ["EarlyExit", "pack_positions"]
@@ -83,7 +83,7 @@ class EarlyExit(Dynamism):
         if n == active.numel():
             out = layer(h_BTD, cos_TK, sin_TK)
         elif n == 0:
-            return h_BTD
+            return skip_layer(layer, h_BTD)
         else:
             pos, valid = pack_positions(active)
             out = subset_block(layer, h_BTD, cos_TK, sin_TK, pos, valid, keys="all")

@@ -12,7 +12,10 @@ One iteration on stage p (`PipelineEngine.run`):
            micro-batch losses add up to the single-process mean loss);
      B(j): receive dL/dh_j from stage p + 1                                      <- blocking receive
            (the last stage starts from its loss), backpropagate through the stage together with its MoE
-           layers' auxiliary losses scaled by 1/M, and send dL/dh_in to stage p - 1 (non-blocking);
+           layers' auxiliary losses scaled by 1/M (and by 1/n when the n ranks of a stage compute one
+           auxiliary loss from their summed statistics: its gradient reaches every rank's own tokens through
+           the differentiable all-reduce, and the gradient sync sums the n copies), and send dL/dh_in to
+           stage p - 1 (non-blocking);
   3. wait for every posted send (`chain.flush`).
 A gradient crosses the boundary in front of stage p only when something before it trains: with a frozen
 prefix of n layers, stages starting at layer <= n receive no gradient and their predecessors send none, on
@@ -67,8 +70,9 @@ class PipelineEngine:
     """Runs one stage's share of an iteration; the stage, chain and scheme may change between iterations."""
 
     def __init__(self, stage: PipelineStage, chain: PipeChain, scheme: Dynamism | None = None,
-                 schedule: str = "1f1b", num_micro: int = 1, autocast: Any = None) -> None:
+                 schedule: str = "1f1b", num_micro: int = 1, autocast: Any = None, aux_ranks: int = 1) -> None:
         self.stage, self.chain = stage, chain
+        self.aux_ranks = aux_ranks
         self.scheme = scheme or Dynamism()
         self.schedule_name, self.num_micro = schedule, num_micro
         self.autocast = autocast or nullcontext
@@ -147,7 +151,7 @@ class PipelineEngine:
                     a = layer.block_sparse_moe.aux_loss
                     result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) / M
                     if a.requires_grad:
-                        aux.append(a.float() / M)
+                        aux.append(a.float() / (M * self.aux_ranks))
             if self.chain.is_last:
                 _mark(h, prof, marks, st.num_layers_slot() + 1)
                 with _maybe(prof, st.num_layers_slot() + 1, None):

@@ -9,8 +9,10 @@ which is what lets them skip backward entirely: nothing before them needs a grad
 with layer 0 for the same reason (its gradient would have to flow back through the frozen layers). Freezing
 is permanent, as in both systems.
 
-Every stage computes the plasticity of its own layers; the numbers are summed along the chain, so every rank
-takes the same decision. A layer's snapshot migrates with it.
+Every stage computes the plasticity of its own layers from sums of squares; under expert parallelism the
+expert shards' squares are summed over the expert-parallel group first (each rank holds other experts),
+and the numbers are summed along the chain, so every rank takes the same decision. A layer's snapshot
+migrates with it.
 
 Cost: a frozen layer's forward still runs (the papers' "frozen costs 0" is wrong for time), so it costs
 about a third of its forward+backward time; the planner uses measured time, and predicts 1/3.
@@ -18,11 +20,13 @@ about a third of its forward+backward time; the planner uses measured time, and 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from moebal.dist.expert_parallel import is_expert_param
 from moebal.errors import ConfigError
 from moebal.pipeline.dynamism import Dynamism, SchemeContext, register
 
@@ -32,8 +36,13 @@ FORWARD_SHARE = 1.0 / 3.0
 """A layer's forward as a share of its forward + backward (backward ~ 2x forward)."""
 
 
-def _flat_params(layer: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).float() for p in layer.parameters()])
+def _flat_params(layer: nn.Module) -> tuple[torch.Tensor, int]:
+    """The layer's parameters as one fp32 vector, replicated ones first, then expert shards (their squares
+    add up over the expert-parallel group); and how many entries are replicated."""
+    dense = [p for p in layer.parameters() if not is_expert_param(p)]
+    shard = [p for p in layer.parameters() if is_expert_param(p)]
+    flat = torch.cat([p.detach().reshape(-1).float() for p in dense + shard])
+    return flat, sum(p.numel() for p in dense)
 
 
 @register("freezing")
@@ -57,20 +66,26 @@ class LayerFreezing(Dynamism):
 
     def on_start(self, ctx: SchemeContext) -> None:
         for i in ctx.stage.layer_ids:
-            self.snapshots[i] = _flat_params(ctx.stage.layer(i))
+            self.snapshots[i] = _flat_params(ctx.stage.layer(i))[0]
 
     def update(self, ctx: SchemeContext) -> bool:
         if ctx.step < self.start or ctx.step % self.check_every:
             return False
-        vec = torch.zeros(2 * self.L, dtype=torch.float64)
+        L = self.L
+        vec = torch.zeros(3 * L, dtype=torch.float64)  # per layer: |W_now - W_then|^2, |W_then|^2, held here
+        shard = torch.zeros(2 * L, dtype=torch.float64)  # the same two sums over this rank's expert shards
         for i in ctx.stage.layer_ids:
-            now = _flat_params(ctx.stage.layer(i))
+            now, k = _flat_params(ctx.stage.layer(i))
             then = self.snapshots[i]
-            vec[i] = float(torch.linalg.vector_norm(now - then) / torch.linalg.vector_norm(then).clamp(min=1e-12))
-            vec[self.L + i] = 1.0
+            diff, ref = (now - then).double().square(), then.double().square()
+            vec[i], vec[L + i], vec[2 * L + i] = diff[:k].sum(), ref[:k].sum(), 1.0
+            shard[i], shard[L + i] = diff[k:].sum(), ref[k:].sum()
             self.snapshots[i] = now
+        shard_sum = ctx.extra.get("shard_sum")
+        vec[:2 * L] += shard_sum(shard) if shard_sum is not None else shard
         tot = ctx.chain.allreduce_sum(vec)
-        self.plasticity = [float(tot[i]) if tot[self.L + i] > 0 else None for i in range(self.L)]
+        self.plasticity = [math.sqrt(float(tot[i]) / max(float(tot[L + i]), 1e-24)) if tot[2 * L + i] > 0 else None
+                           for i in range(L)]
         n = self.frozen
         while n < self.max_frozen and self.plasticity[n] is not None and self.plasticity[n] < self.threshold:
             n += 1

@@ -4,10 +4,12 @@ A moved layer carries (in this order, one flat byte buffer after a small int64 h
   - its state dict (parameters and persistent buffers, e.g. an MoE layer's selection bias);
   - per parameter, when present: its gradient (a migration between backward and optimizer step keeps it)
     and its AdamW state (`step`, `exp_avg`, `exp_avg_sq`);
-  - its dynamism-scheme state (pruning masks, a freezing snapshot, ...).
+  - its dynamism-scheme state (pruning masks, a freezing snapshot, ...) and, under expert parallelism, its
+    placement planner's state (forecast and current placement; `pipeline/experts.py`).
 The header says, per parameter, whether a gradient and optimizer state follow; every other size is known
 to the receiver from the layer's structure, which it rebuilds as an uninitialised skeleton (no random
-draws, so the run's random stream is the same with or without migrations).
+draws, so the run's random stream is the same with or without migrations). Under expert parallelism the
+skeleton is sharded like the sender's layer (shard e of the chain's ep coordinate) before its values arrive.
 
 Protocol (every rank of the chain runs it with the same old and new partitions):
   1. list the moves (layer, from, to) in ascending layer order (`partition.migration_layers`);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +54,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
-                   scheme: Dynamism) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                   parts: Sequence[Dynamism]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     params = list(layer.parameters())
     flags, tensors = [], [v for v in layer.state_dict(keep_vars=True).values()]
     for p in params:
@@ -64,14 +67,15 @@ def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | 
             tensors.append(p.grad)
         if has_opt:
             tensors += [state["step"].float().reshape(()), state["exp_avg"], state["exp_avg_sq"]]
-    extra = scheme.layer_state(i)
-    tensors += [extra[k] for k in sorted(extra)]
+    for part in parts:
+        extra = part.layer_state(i)
+        tensors += [extra[k] for k in sorted(extra)]
     return torch.tensor(flags, dtype=torch.int64), tensors
 
 
 def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
-                scheme: Dynamism) -> int:
-    header, tensors = _layer_tensors(layer, i, optimizer, scheme)
+                parts: Sequence[Dynamism]) -> int:
+    header, tensors = _layer_tensors(layer, i, optimizer, parts)
     payload = torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
     chain.send(header, dst)
     chain.send(payload, dst)
@@ -79,9 +83,10 @@ def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer:
 
 
 def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.device,
-                scheme: Dynamism) -> tuple[nn.Module, dict[nn.Parameter, dict[str, torch.Tensor]]]:
+                parts: Sequence[Dynamism]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, torch.Tensor]]]:
     layer = build_layer_skeleton(cfg, i, device)
-    scheme.prepare_layer(i, layer)
+    for part in parts:  # expert sharding first: a scheme's structural change sees the shard's parameters
+        part.prepare_layer(i, layer)
     params = list(layer.parameters())
     header = chain.recv(torch.empty(len(params), dtype=torch.int64), src).tolist()
     sd = layer.state_dict(keep_vars=True)
@@ -92,8 +97,8 @@ def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.d
         if f & 2:
             specs += [(f"step{n}", (), torch.float32), (f"avg{n}", tuple(p.shape), p.dtype),
                       (f"sq{n}", tuple(p.shape), p.dtype)]
-    extra_spec = scheme.layer_state_spec(i, layer)
-    specs += [(f"x:{k}", *extra_spec[k]) for k in sorted(extra_spec)]
+    extra_specs = [part.layer_state_spec(i, layer) for part in parts]
+    specs += [(f"x{n}:{k}", *spec[k]) for n, spec in enumerate(extra_specs) for k in sorted(spec)]
     sizes = [_nbytes(shape, dt) for _, shape, dt in specs]
     payload = chain.recv(torch.empty(sum(sizes), dtype=torch.uint8, device=device), src)
     got = {}
@@ -108,7 +113,8 @@ def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.d
             p.grad = got[f"grad{n}"]
         if f & 2:
             states[p] = {"step": got[f"step{n}"], "exp_avg": got[f"avg{n}"], "exp_avg_sq": got[f"sq{n}"]}
-    scheme.load_layer_state(i, layer, {k: got[f"x:{k}"] for k in extra_spec})
+    for n, (part, spec) in enumerate(zip(parts, extra_specs)):
+        part.load_layer_state(i, layer, {k: got[f"x{n}:{k}"] for k in spec})
     return layer, states
 
 
@@ -121,10 +127,11 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], new: Sequence[int],
                    optimizer: torch.optim.Optimizer | None, scheme: Dynamism,
-                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None]) -> tuple[
-                       torch.optim.Optimizer | None, MigrationReport]:
+                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
+                   experts: Any = None) -> tuple[torch.optim.Optimizer | None, MigrationReport]:
     """Move layers so that chain member p holds new[p] layers (a partition over the current chain, zeros allowed
-    for members about to be released). Returns the rebuilt optimizer (None if this rank ends with no layers)."""
+    for members about to be released). Returns the rebuilt optimizer (None if this rank ends with no layers).
+    `experts` (a `StageExperts`) shards arriving MoE layers and carries their placement planners."""
     import time
 
     t0 = time.perf_counter()
@@ -133,17 +140,21 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
     received: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     sent = 0
     device = next(stage.parameters()).device
+    parts = [p for p in (experts, scheme) if p is not None]
     for i, src, dst in moves:
         if src == me:
             layer = stage.layer(i)
-            sent += _send_layer(chain, chain.ranks[dst], layer, i, optimizer, scheme)
+            sent += _send_layer(chain, chain.ranks[dst], layer, i, optimizer, parts)
             stage.remove_layer(i)
-            scheme.drop_layer(i)
+            for part in parts:
+                part.drop_layer(i)
         elif dst == me:
-            layer, states = _recv_layer(chain, chain.ranks[src], stage.cfg, i, device, scheme)
+            layer, states = _recv_layer(chain, chain.ranks[src], stage.cfg, i, device, parts)
             stage.add_layer(i, layer)
             received.update(states)
     chain.flush()
+    if experts is not None:
+        experts.refresh()
     if new[me] > 0:
         stage.check_contiguous()
     if new[me] == 0:

@@ -4,14 +4,18 @@ Shape legend: E = experts, L = layers.
 
 Per MoE layer and step, from the layer's `RoutingStats` (counts per expert of kept assignments): the expert
 work of a layer on one rank is proportional to its kept assignments (the grouped GEMM runs every routed row;
-adaptive top-k and capacity drops lower it); under expert parallelism the layer waits for its busiest rank,
-so the work is E x the largest expert count over E experts per rank. DynMo leaves this mapping open; this
-settles it, with `ep_size` choosing which:
+adaptive top-k and capacity drops lower it); under expert parallelism over R ranks (E/R experts each, in
+contiguous blocks as `default_owners` shards them) the layer waits for its busiest rank. DynMo leaves this
+mapping open; this settles it:
 
     factor_i = (non-FFN work + FFN work x rows_i / (tokens_i x top_k)) / (non-FFN + FFN work),
-    rows_i = sum_E counts (one rank)  or  max_E counts x E (expert parallel, perfectly spread = sum).
+    rows_i = sum_E counts (R = 1)  or  R x max_r sum_{e of rank r} counts (perfectly spread = sum).
 
-Non-MoE layers have factor 1. Iteration k's routing predicts iteration k + 1 (the planner acts after the step).
+R is the job's expert-parallel size when it has one (pipeline x expert parallelism), else `ep_size` (to
+model an expert-parallel deployment from a run without one). Counts are summed over every rank of a stage
+and along the pipeline, so every rank predicts the same. Non-MoE layers have factor 1. Iteration k's
+routing predicts iteration k + 1 (the planner acts after the step, and the runner rescales each layer's
+measured cost by this prediction between profiles: `runner.py`).
 """
 
 from __future__ import annotations
@@ -21,17 +25,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebal.pipeline.dynamism import Dynamism, layer_token_flops, register
+from moebal.errors import ConfigError
+from moebal.pipeline.dynamism import Dynamism, SchemeContext, layer_token_flops, register
 
 __all__ = ["MoERoutingCost", "routing_cost_factor"]
 
 
 def routing_cost_factor(flops: dict[str, float], counts_E: list[float], tokens: float, top_k: int,
-                        expert_parallel: bool = False) -> float:
-    """Predicted cost of an MoE layer relative to a perfectly balanced, drop-free top-k routing."""
+                        ranks: int = 1) -> float:
+    """Predicted cost of an MoE layer relative to a perfectly balanced, drop-free top-k routing, with its
+    experts spread over `ranks` ranks in contiguous blocks."""
     if tokens <= 0:
         return 1.0
-    rows = max(counts_E) * len(counts_E) if expert_parallel else sum(counts_E)
+    if ranks > 1:
+        per = len(counts_E) // ranks
+        rows = ranks * max(sum(counts_E[r * per:(r + 1) * per]) for r in range(ranks))
+    else:
+        rows = sum(counts_E)
     other = flops["q_o"] + flops["kv"] + flops["attn"]
     return (other + flops["ffn"] * rows / (tokens * top_k)) / (other + flops["ffn"])
 
@@ -39,13 +49,21 @@ def routing_cost_factor(flops: dict[str, float], counts_E: list[float], tokens: 
 @register("moe")
 class MoERoutingCost(Dynamism):
     name = "moe"
+    replan_every_step = True
 
     def __init__(self, cfg: Any, ep_size: int = 1) -> None:
         self.cfg, self.L, self.E, self.K = cfg, cfg.model.n_layers, cfg.moe.num_experts, cfg.moe.top_k
-        self.expert_parallel = ep_size > 1
+        if ep_size < 1 or (ep_size > 1 and self.E % ep_size):
+            raise ConfigError(f"dynamism moe: ep_size ({ep_size}) must be >= 1 and divide moe.num_experts ({self.E})")
+        self.ranks = ep_size
         self.flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(self.L)]
         self.counts = torch.zeros(self.L, max(self.E, 1) + 1, dtype=torch.float64)  # per layer: E counts, tokens
         self.factors = [1.0] * self.L
+
+    def on_start(self, ctx: SchemeContext) -> None:
+        ep = int(ctx.extra.get("ep", 1))
+        if ep > 1:
+            self.ranks = ep  # the job's own expert parallelism
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
@@ -69,7 +87,7 @@ class MoERoutingCost(Dynamism):
     def set_global_stats(self, vec: torch.Tensor) -> None:
         c = vec.reshape(self.counts.shape)
         self.factors = [routing_cost_factor(self.flops[i], c[i, :self.E].tolist(), float(c[i, self.E]), self.K,
-                                            self.expert_parallel) if self.cfg.is_moe_layer(i) else 1.0
+                                            self.ranks) if self.cfg.is_moe_layer(i) else 1.0
                         for i in range(self.L)]
 
     def cost_factors(self, num_layers: int) -> list[float]:

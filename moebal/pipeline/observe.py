@@ -36,6 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
+MIN_FACTOR = 1e-3
+"""Smallest cost factor a prediction may scale a layer by (a layer never costs nothing: its forward runs)."""
+
 __all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "pick_clock", "static_bytes", "transfer_bytes"]
 
 
@@ -153,7 +156,14 @@ def transfer_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 @dataclass
 class CostTracker:
-    """Smoothed per-slot costs, identical on every rank (updated from all-reduced profiles only)."""
+    """Smoothed per-slot costs, identical on every rank (updated from all-reduced profiles only).
+
+    A layer's measured time is divided by the cost factor its dynamism scheme predicted for the profiled
+    iteration before smoothing, so the tracker holds each layer's cost without dynamism ("at factor 1"), and
+    `layer_costs(factors)` scales it by the latest prediction: profiles taken before and after the dynamism
+    moved (a layer froze, the routing shifted) average correctly, and between profiles the plan follows the
+    scheme's per-iteration prediction (MoE routing moves every iteration; profiling every one would cost).
+    """
 
     num_layers: int
     ema: float = 0.5
@@ -167,7 +177,12 @@ class CostTracker:
         n = self.num_layers + 2
         self.fwd, self.bwd, self.act_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
 
-    def update(self, fwd: np.ndarray, bwd: np.ndarray, act_bytes: np.ndarray) -> None:
+    def update(self, fwd: np.ndarray, bwd: np.ndarray, act_bytes: np.ndarray,
+               factors: np.ndarray | None = None) -> None:
+        if factors is not None:
+            f = np.ones(self.num_layers + 2)
+            f[:self.num_layers] = np.maximum(np.asarray(factors, dtype=np.float64), MIN_FACTOR)
+            fwd, bwd = fwd / f, bwd / f
         a = 1.0 if self.samples == 0 else self.ema
         self.fwd = (1 - a) * self.fwd + a * fwd
         self.bwd = (1 - a) * self.bwd + a * bwd
@@ -178,9 +193,12 @@ class CostTracker:
     def ready(self) -> bool:
         return self.samples > 0
 
-    def layer_costs(self) -> np.ndarray:
+    def layer_costs(self, factors: np.ndarray | None = None) -> np.ndarray:
         L = self.num_layers
-        return self.fwd[:L] + self.bwd[:L]
+        costs = self.fwd[:L] + self.bwd[:L]
+        if factors is not None:
+            costs = costs * np.maximum(np.asarray(factors, dtype=np.float64), MIN_FACTOR)
+        return costs
 
     @property
     def first_extra(self) -> float:

@@ -34,10 +34,12 @@ import torch
 import torch.distributed as dist
 
 from moebal.config import Config
+from moebal.dist.expert_parallel import is_expert_param
 from moebal.errors import ConfigError
 from moebal.pipeline.comm import PipeChain
 from moebal.pipeline.dynamism import Dynamism, SchemeContext
 from moebal.pipeline.engine import IterationResult, PipelineEngine
+from moebal.pipeline.experts import StageExperts, stage_metrics
 from moebal.pipeline.migrate import MigrationReport, migrate_layers
 from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes, transfer_bytes
 from moebal.pipeline.partition import (
@@ -55,7 +57,7 @@ from moebal.pipeline.partition import (
 from moebal.pipeline.schedule import in_flight
 from moebal.pipeline.stage import PipelineStage
 
-__all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack"]
+__all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
 
 BALANCERS = ("off", "partition", "diffusion")
 
@@ -134,6 +136,16 @@ class RunSummary:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def pipeline_ep(cfg: Config, world_size: int) -> int:
+    """Expert-parallel size of a pipeline run: `parallel.ep`, or when null every rank of a stage for an MoE
+    model (world / pp), and 1 for a dense model (the other ranks of a stage are data-parallel replicas)."""
+    if cfg.parallel.ep is not None:
+        return cfg.parallel.ep
+    if cfg.moe.num_experts == 0:
+        return 1
+    return max(1, world_size // max(cfg.parallel.pp, 1))
+
+
 def expand_repack(sizes: Sequence[int], chain_size: int) -> list[int]:
     """A P'-stage partition laid over a P-rank chain: the first P' - 1 ranks and the last keep stages (the
     embedding stays on the first rank, the head on the last), the middle ranks in between get 0 layers."""
@@ -158,19 +170,26 @@ class PipelineRunner:
         self.scheme = scheme or Dynamism()
         self.device = device or torch.device("cpu")
         if dims is None:
-            # parallel.ep null means 1 here: a stage's other ranks are data-parallel replicas
             dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
-                                ep=cfg.parallel.ep or 1, device=self.device).init()
-        if dims.ep != 1:
-            raise ConfigError("pipeline parallelism with expert parallelism (parallel.ep > 1) is not supported yet: "
-                              "use parallel.ep=1 with --pp, or pp=1 with --ep")
+                                ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init()
+        if dims.ep > 1 and (cfg.moe.num_experts == 0 or cfg.moe.num_experts % dims.ep):
+            raise ConfigError(f"parallel.ep = {dims.ep} needs MoE layers whose moe.num_experts "
+                              f"({cfg.moe.num_experts}) it divides: choose a divisor of it, or ep=1")
+        if dims.ep > 1 and self.scheme.name == "pruning":
+            raise ConfigError("dynamism pruning with expert parallelism inside pipeline stages (parallel.ep > 1) is "
+                              "not supported: the global magnitude threshold does not count expert shards yet; "
+                              "use parallel.ep=1 or another scheme")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
                               f"use at most {self.L} stages")
         self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait)
         self.P0 = self.chain.size
-        self.dp_group, self.dp, self.dp_index = dims.group("dp"), dims.dp, dims.coords["dp"]
+        self.dp_group, self.dp = dims.group("dp"), dims.dp
+        # the ranks of one stage ("dp_ep": data-parallel replicas x expert shards) split each batch's rows
+        self.stage_group, self.data_ranks, self.data_index = dims.group("dp_ep"), dims.size("dp_ep"), \
+            dims.index("dp_ep")
+        self.ep_group = dims.group("ep")
         self.data = data if data is not None else _build_data(cfg)
         self.step = 0
         self._build(cfg)
@@ -207,20 +226,21 @@ class PipelineRunner:
         self.stage = PipelineStage.from_model(model, start, start + self.sizes[p], self.chain.is_first,
                                               self.chain.is_last).to(self.device)
         del model
+        self.experts = StageExperts(self.stage, self.dims, cfg)
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
         if cfg.train.precision == "bf16":
             def autocast() -> Any:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
-                                     self.opts.micro_batches, autocast)
+                                     self.opts.micro_batches, autocast, aux_ranks=self.data_ranks)
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
         ctx.extra["rows"] = self._micro_rows() * cfg.data.seq_len
         self.scheme.on_start(ctx)
 
     def _micro_rows(self) -> int:
-        rows = max(1, self.cfg.data.batch_size // max(self.dp, 1))
+        rows = max(1, self.cfg.data.batch_size // self.data_ranks)
         return max(1, rows // min(self.opts.micro_batches, rows))
 
     def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer | None:
@@ -233,7 +253,9 @@ class PipelineRunner:
 
     def _ctx(self) -> SchemeContext:
         return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
-                             optimizer=self.optimizer, extra={"dp_group": self.dp_group, "dp": self.dp})
+                             optimizer=self.optimizer,
+                             extra={"dp_group": self.dp_group, "dp": self.dp, "ep": self.dims.ep,
+                                    "shard_sum": self.experts.shard_sum})
 
     # ---- the loop ----
     def train(self, steps: int) -> RunSummary:
@@ -275,13 +297,24 @@ class PipelineRunner:
         batch = self.data.train.next_batch()
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
-        if self.dp > 1:
-            if ids.shape[0] < self.dp:
-                raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the data-parallel size "
-                                  f"({self.dp}): every replica needs a row")
-            ids = torch.tensor_split(ids, self.dp)[self.dp_index]
-            labels = torch.tensor_split(labels, self.dp)[self.dp_index]
+        n = self.data_ranks
+        if n > 1:
+            if ids.shape[0] < n:
+                raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
+                                  f"stage (data-parallel x expert-parallel): every rank needs a row")
+            ids = torch.tensor_split(ids, n)[self.data_index]
+            labels = torch.tensor_split(labels, n)[self.data_index]
         return ids.to(self.device), labels.to(self.device), count
+
+    def _num_micro(self) -> int:
+        return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))
+
+    def _stage_mean(self, v: torch.Tensor) -> torch.Tensor:
+        """Mean over the ranks of this stage (replicas and expert shards): what every pipeline plans from."""
+        if self.data_ranks > 1:
+            dist.all_reduce(v, group=self.stage_group)
+            v /= self.data_ranks
+        return v
 
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1
@@ -293,6 +326,7 @@ class PipelineRunner:
         self._set_lr(lr)
         profiled = self._profiled(step)
         self.scheme.begin_step(step)
+        self.experts.before_step()  # Trans of the placed expert replicas
         self.engine.profiler = (LayerProfiler(self.L, self.clock, count_bytes=self.opts.memory_cap is not None)
                                 if profiled else None)
         self.engine.record_ops = self.opts.record_ops
@@ -300,13 +334,15 @@ class PipelineRunner:
         res = self.engine.run(ids, labels, count)
         t_run = time.perf_counter() - t_run
         self.step = step
+        self.experts.after_backward()  # Agg of replica gradients; observe routing, plan the next placements
         self.scheme.after_backward(self._ctx())
         events: dict[str, Any] = {}
         for s, sizes in self.opts.force_mid:
             if s == step:
                 events.update(self._apply(list(sizes), "forced-mid", step, lr=lr))
-        self._sync_dp()
+        self._sync_grads()
         red = self._reduce(res, t_run)
+        measured_factors = np.asarray(self.scheme.cost_factors(self.L))  # what this iteration ran at
         grad_norm = self._clip(red["sq"])
         if self.optimizer is not None:
             self.optimizer.step()
@@ -315,7 +351,7 @@ class PipelineRunner:
         changed = self.scheme.update(self._ctx())
         overhead = time.perf_counter()
         if profiled:
-            self._observe(res)
+            self._observe(res, measured_factors)
         events.update(self._plan_and_apply(step, res))
         overhead = time.perf_counter() - overhead
         if self._want_after_gantt and not events.get("adopted"):
@@ -335,32 +371,42 @@ class PipelineRunner:
     def _slot_params(self) -> dict[int, list[torch.nn.Parameter]]:
         return {slot: [p for p in m.parameters()] for slot, m in sorted(self.stage.slot_modules().items())}
 
-    def _sync_dp(self) -> None:
-        """Sum gradients over data-parallel replicas, one bucket per layer (partition-independent layout)."""
-        if self.dp == 1:
-            return
+    def _sync_grads(self) -> None:
+        """Sum gradients over the ranks that hold the same parameters, one bucket per layer and kind (a layer's
+        buckets have the same layout wherever it sits, so the sums are the same with or without migrations):
+        replicated parameters over every rank of the stage ("dp_ep"), expert shards over their data-parallel
+        copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens)."""
         for _, params in self._slot_params().items():
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            for g, chunk in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-                g.copy_(chunk.view_as(g))
+            for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
+                grads = [p.grad for p in params if p.grad is not None and is_expert_param(p) == expert]
+                if n == 1 or not grads:
+                    continue
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=group)
+                for g, chunk in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                    g.copy_(chunk.view_as(g))
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         L, P0 = self.L, self.P0
         n = (L + 2) + L + 1 + 3 * P0
         extra = self.scheme.stats_size(L)
-        vec = torch.zeros(n + extra, dtype=torch.float64)
+        n_ep = 3 * L if self.experts.sharded else 0
+        vec = torch.zeros(n + extra + n_ep, dtype=torch.float64)
         if extra:
-            vec[n:] = self.scheme.local_stats()
+            vec[n:n + extra] = self.scheme.local_stats()
+        if n_ep:
+            vec[n + extra:] = self.experts.step_vector(L)
+        shard_sq = torch.zeros(L + 2, dtype=torch.float64)
         for slot, params in self._slot_params().items():
             sq = torch.zeros((), dtype=torch.float64)
             for p in params:
-                if p.grad is not None:
+                if p.grad is not None and not is_expert_param(p):
                     sq += torch.linalg.vector_norm(p.grad.double()) ** 2
+                elif p.grad is not None:
+                    shard_sq[slot] += torch.linalg.vector_norm(p.grad.double()) ** 2
             vec[slot] = sq
+        if self.experts.sharded:  # each rank holds other experts: their squares add up over the ep group
+            vec[:L + 2] += self.experts.shard_sum(shard_sq)
         for i, a in res.aux_by_layer.items():
             vec[L + 2 + i] = a
         vec[2 * L + 2] = res.loss_sum
@@ -368,16 +414,23 @@ class PipelineRunner:
         vec[2 * L + 3 + pos] = res.busy_s
         vec[2 * L + 3 + P0 + pos] = t_run
         vec[2 * L + 3 + 2 * P0 + pos] = res.busy_cpu_s
-        if self.dp > 1:  # the loss of each replica's rows adds up; norms are equal after the gradient sum
-            part = vec[2 * L + 2:2 * L + 3].clone()
-            dist.all_reduce(part, group=self.dp_group)
+        if self.data_ranks > 1:  # the loss of each rank's rows adds up; norms are equal after the gradient sum,
+            part = vec[2 * L + 2:2 * L + 3].clone()  # and scheme statistics are taken over the whole stage
+            dist.all_reduce(part, group=self.stage_group)
             vec[2 * L + 2] = part[0]
+            if extra:
+                stats = vec[n:n + extra].clone()
+                dist.all_reduce(stats, group=self.stage_group)
+                vec[n:n + extra] = stats
         out = self.chain.allreduce_sum(vec)
         if extra:
-            self.scheme.set_global_stats(out[n:])
-        return {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
-                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:2 * L + 3 + 2 * P0].tolist(),
-                "busy_cpu": out[2 * L + 3 + 2 * P0:n].tolist()}
+            self.scheme.set_global_stats(out[n:n + extra])
+        red = {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
+               "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:2 * L + 3 + 2 * P0].tolist(),
+               "busy_cpu": out[2 * L + 3 + 2 * P0:n].tolist()}
+        if n_ep:
+            red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
+        return red
 
     def _orig_pos(self) -> int:
         return self.dims.ranks_of("pp").index(self.dims.rank)
@@ -419,18 +472,15 @@ class PipelineRunner:
                 times.append((time.perf_counter() - t0) / 2)
             one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
         v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)
-        if self.dp > 1:  # replicas must plan from the same numbers
-            dist.all_reduce(v, group=self.dp_group)
-            v /= self.dp
-        tot = self.chain.allreduce_sum(v)
+        tot = self.chain.allreduce_sum(self._stage_mean(v))  # every pipeline must plan from the same numbers
         n = max(float(tot[2]), 1.0)
         latency, big = float(tot[0]) / n, float(tot[1]) / n
         self.bandwidth = ((4 << 20) - 4096) / max(big - latency, 1e-9)
-        B = max(1, self.cfg.data.batch_size // max(self.dp, 1) // self.opts.micro_batches)
+        B = max(1, self.cfg.data.batch_size // self.data_ranks // self.opts.micro_batches)
         act_bytes = B * self.cfg.data.seq_len * self.cfg.model.dim * 4
         self.comm_s = latency + act_bytes / self.bandwidth
 
-    def _observe(self, res: IterationResult) -> None:
+    def _observe(self, res: IterationResult, factors: np.ndarray) -> None:
         assert self.engine.profiler is not None
         prof = self.engine.profiler.result(self.engine.owned_slots())
         owned = prof.fwd >= 0
@@ -443,11 +493,13 @@ class PipelineRunner:
             vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
             vec[4 * L2 + slot] = transfer_bytes(m, self.optimizer)
         vec[5 * L2], vec[5 * L2 + 1] = res.busy_s, res.busy_cpu_s
+        if self.experts.sharded:  # a stage is as slow as its slowest expert shard (the all-to-alls wait for it)
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.ep_group)
         if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
             dist.all_reduce(vec, group=self.dp_group)
             vec /= self.dp
         tot = self.chain.allreduce_sum(vec).numpy()
-        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2])
+        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2], factors)
         self.static_mem = tot[3 * L2:4 * L2]
         self.move_bytes = tot[4 * L2:5 * L2]
         kappa = float(tot[5 * L2] / tot[5 * L2 + 1]) if tot[5 * L2 + 1] > 0 else 1.0
@@ -460,7 +512,7 @@ class PipelineRunner:
         """Per-layer bytes on a stage: static bytes + activation bytes x the most micro-batches in flight on
         any stage (stage 0 under 1F1B): a conservative single number per layer, so the partitioner's caps
         hold wherever the layer lands."""
-        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        M = self._num_micro()
         flight = in_flight(self.opts.schedule, self.chain.size, 0, M)
         mem = self.static_mem + self.tracker.act_bytes * flight
         return mem[:self.L], float(mem[self.L]), float(mem[self.L + 1])
@@ -472,7 +524,8 @@ class PipelineRunner:
                 self._keep_gantt("before", res)
                 events.update(self._apply(list(sizes), "forced", step))
                 events["adopted"] = True
-        if not self._profiled(step) or not self.tracker.ready or events:
+        replan = self._profiled(step) or (self._planning() and self.scheme.replan_every_step)
+        if not replan or not self.tracker.ready or events:
             return events
         plan = self._propose(step)
         if plan is not None:
@@ -498,8 +551,9 @@ class PipelineRunner:
         return {"first_extra": self.tracker.first_extra * k, "last_extra": self.tracker.last_extra * k}
 
     def _costs(self) -> np.ndarray:
-        """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa)."""
-        return self.tracker.layer_costs() * (self.kappa or 1.0)
+        """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa), scaled by the
+        scheme's latest prediction (`CostTracker`)."""
+        return self.tracker.layer_costs(np.asarray(self.scheme.cost_factors(self.L))) * (self.kappa or 1.0)
 
     def _propose(self, step: int) -> StagePartition | None:
         if self.opts.rebalance == "off":
@@ -516,7 +570,7 @@ class PipelineRunner:
                 proposal = list(self.sizes)  # nothing fits the caps: keep the current partition
         else:
             proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
-        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        M = self._num_micro()
         layer_bytes = self.move_bytes[:self.L]
         adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
                                          float(self.bandwidth or 1e9), self.opts.latency, comm_s=self.comm_s, **kw)
@@ -535,7 +589,7 @@ class PipelineRunner:
     def _propose_repack(self, step: int) -> StagePartition | None:
         costs = self._costs()
         mem, first_mem, last_mem = self._memory()
-        M = min(self.opts.micro_batches, self.cfg.data.batch_size // max(self.dp, 1))
+        M = self._num_micro()
         sizes = plan_repack(costs, self.chain.size, M, self.opts.repack_slack, self.opts.min_stages, memory=mem,
                             capacity=self.opts.memory_cap, comm_s=self.comm_s, first_memory=first_mem,
                             last_memory=last_mem, **self._loads_kw())
@@ -557,7 +611,7 @@ class PipelineRunner:
             return {}
         old = list(self.sizes)
         self.optimizer, rep = migrate_layers(self.stage, self.chain, old, full, self.optimizer, self.scheme,
-                                             self._make_optimizer)
+                                             self._make_optimizer, experts=self.experts)
         if lr is not None:
             self._set_lr(lr)
         kept = [r for r, s in zip(self.chain.ranks, full) if s > 0]
@@ -578,10 +632,7 @@ class PipelineRunner:
         bandwidth on it: the next adoption decision costs moves at what this one really took."""
         v = torch.zeros(1 + self.P0, dtype=torch.float64)
         v[0], v[1 + self._orig_pos()] = float(rep.bytes_sent), rep.seconds
-        if self.dp > 1:
-            dist.all_reduce(v, group=self.dp_group)
-            v /= self.dp
-        tot = self.chain.allreduce_sum(v)
+        tot = self.chain.allreduce_sum(self._stage_mean(v))
         seconds = float(tot[1:].max())
         moved = len(rep.moves)
         if moved and tot[0] > 0:
@@ -621,7 +672,7 @@ class PipelineRunner:
             "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0,
             "cpu_imbalance": round(imbalance(busy_cpu), 4) if busy_cpu and sum(busy_cpu) > 0 else 1.0,
             "overhead_s": round(overhead, 6),
-            "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics()}
+            "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics(), **red.get("experts", {})}
         if self.tracker.ready:
             loads = stage_loads(self._costs(), self.sizes, **self._loads_kw())
             rec["predicted_imbalance"] = round(imbalance(loads), 4)

@@ -7,7 +7,7 @@ stage plan, adopted or not, with its predicted times, gain and migration cost), 
 and `pipeline.png` (a Gantt chart of one iteration before the first adopted plan and after the latest),
 `summary.json`. A released rank prints that it was released and returns 0; training goes on without it.
 
-Not in pipeline mode (yet): checkpoints and resume, validation passes, expert parallelism inside a stage.
+Not in pipeline mode (yet): checkpoints and resume, validation passes.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from moebal.config import Config, dump
-from moebal.errors import ConfigError
 from moebal.pipeline.dynamism import Dynamism, build_dynamism
-from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+from moebal.pipeline.runner import PipelineOptions, PipelineRunner, pipeline_ep
 
 __all__ = ["options_from_config", "run_pipeline", "scheme_from_config"]
 
@@ -47,15 +46,13 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
     """Train `cfg` as a pipeline on this rank (torchrun environment); returns the process exit code."""
     import torch.distributed as dist
 
-    from moebal.dist.groups import ParallelDims
+    from moebal.dist.groups import ParallelDims, env_world
     from moebal.train.trainer import default_threads
 
-    if cfg.parallel.ep not in (None, 1):
-        raise ConfigError("pipeline parallelism with expert parallelism is not supported yet: with parallel.pp > 1 "
-                          "set parallel.ep=1 (the other ranks of a stage are data-parallel replicas)")
     wall0 = time.perf_counter()
     torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
-    dims = ParallelDims.from_env(ep=1, pp=cfg.parallel.pp).init()
+    _, world, _ = env_world()
+    dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init()
     main = dims.rank == 0
     runner: PipelineRunner | None = None
     try:
@@ -64,7 +61,8 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
         if main:
             out.mkdir(parents=True, exist_ok=True)
             dump(cfg, out / "config.yaml")
-            sys.stderr.write(f"moebal train: {cfg.name}, {cfg.parallel.pp}-stage pipeline x {dims.dp} data-parallel, "
+            sys.stderr.write(f"moebal train: {cfg.name}, {cfg.parallel.pp}-stage pipeline x {dims.dp} data-parallel "
+                             f"x {dims.ep} expert-parallel, "
                              f"{cfg.pipeline.schedule} with {cfg.pipeline.micro_batches} micro-batches, rebalance "
                              f"{cfg.pipeline.rebalance}, dynamism {cfg.dynamism.scheme}, run directory {out}\n")
         result = _loop(runner, cfg, out, main)

@@ -30,3 +30,23 @@ def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
     plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
     assert any(p["balancer"] == "repack" and p["released"] == [1, 2] for p in plans)
     assert (out / "pipeline.png").stat().st_size > 0 and (out / "dashboard.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_train_pipeline_with_expert_parallel_stages(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps", "4",
+           "--rebalance", "partition", "--dynamism", "moe", "--out", str(out), "--json",
+           "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+           "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=16", "data.batch_size=8",
+           "data.max_bytes=200000", "pipeline.every=2", "planner.policy=broadcast_topk", "planner.costs=rtx3090"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel" in proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["stages"] == 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["replicas"]) == 4 and len(r["rank_imbalance_after"]) == 4 for r in records)
+    assert all(len(r["predicted_cost"]) == 4 for r in records)
+    plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in plans] == [2, 3, 4]  # the routing cost is re-planned after every step

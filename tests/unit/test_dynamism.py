@@ -199,7 +199,10 @@ def test_moe_routing_cost_factor_by_hand():
     # 100 tokens x top-2 = 200 assignments; 20 dropped by capacity: the FFN does 90% of its work
     assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2) == pytest.approx((20 + 80 * 0.9) / 100)
     # expert parallel over 4 ranks: the busiest expert (60) sets the time, as if 240 rows
-    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, expert_parallel=True) == pytest.approx((20 + 96) / 100)
+    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, ranks=4) == pytest.approx((20 + 96) / 100)
+    # over 2 ranks of 2 experts: the first rank computes 120 rows, as if 240 in all
+    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, ranks=2) == pytest.approx((20 + 96) / 100)
+    assert routing_cost_factor(f, [60, 20, 40, 60], 100, 2, ranks=2) == pytest.approx((20 + 80) / 100)
 
 
 def test_build_dynamism_errors():
