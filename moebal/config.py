@@ -26,6 +26,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DynamicMicroBatchConfig",
     "DynamismConfig",
     "HFConfig",
     "ModelConfig",
@@ -143,6 +144,11 @@ class DataConfig:
     """Sequences per optimizer step."""
     samples: Literal["packed", "documents"] = "packed"
     """Fixed-length packed blocks, or variable-length documents cut at seq_len."""
+    units: Literal["files", "blocks"] = "files"
+    """What one document is: a whole text file, or each of its top-level blocks (a blank line then an unindented
+    line: Python definitions, text paragraphs; natural, long-tailed lengths). A .jsonl line is always one."""
+    mixture: dict[str, float] | None = None
+    """Sources and sampling weights, e.g. {stdlib: 0.8, chat.jsonl: 0.2}; replaces data.source when set."""
     val_fraction: float = 0.05
     """Share of documents held out for validation (chosen by a hash of the document's path)."""
     max_bytes: int | None = None
@@ -224,6 +230,29 @@ class PlannerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class DynamicMicroBatchConfig:
+    """DynaPipe micro-batching: cost table, memory budget, DP thinning, schedules, planning ahead."""
+
+    costs: str = "measure"
+    """Per-stage micro-batch costs: 'measure' (profile each stage at start-up), a cost table JSON path, or a
+    hardware profile name (analytic model)."""
+    max_tokens: int | None = None
+    """Largest micro-batch (tokens) the cost table covers; null: the global batch's tokens."""
+    memory: float | None = None
+    """Activation bytes a stage may hold; null: no limit."""
+    thin: float = 0.01
+    """Thinning of the DP's time limits: the plan is at most this share worse than the exact DP (0: exact)."""
+    pad_multiple: int = 8
+    """Round a micro-batch's padded length up to a multiple of this."""
+    schedules: str = "1f1b,adaptive"
+    """Schedules simulated per iteration (the faster is run): any of 1f1b, adaptive."""
+    workers: int = 1
+    """Background planning processes (0: plan inline on rank 0)."""
+    lookahead: int = 2
+    """Iterations planned ahead of the one training."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class PipelineConfig:
     """Pipeline stages (parallel.pp > 1): schedule, micro-batches and per-iteration layer rebalancing."""
 
@@ -251,6 +280,11 @@ class PipelineConfig:
     """Bytes a stage may hold (parameters, gradients, optimizer state, in-flight activations); null: no cap."""
     wait: Literal["block", "spin"] = "block"
     """Receives sleep (block) or busy-wait (spin: emulates dedicated devices on a shared CPU, benchmarks only)."""
+    microbatching: Literal["fixed", "dynamic", "padding", "packing"] = "fixed"
+    """'fixed': micro_batches equal row splits; 'dynamic': DynaPipe (variable-size micro-batches by DP on a cost
+    model, adaptive or 1F1B schedule, planned communication); 'padding'/'packing': its baselines, planned alike."""
+    dynamic: DynamicMicroBatchConfig = field(default_factory=DynamicMicroBatchConfig)
+    """Settings of planned micro-batching (microbatching dynamic, padding or packing)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -555,6 +589,12 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
+    if origin is dict:
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{source}: '{key}' must be a non-empty mapping, e.g. {{a: 1, b: 2}}; got {_show(value)}")
+        kt, vt = typing.get_args(tp)
+        return {_coerce(kt, str(k) if kt is str else k, source, f"{key}.{k}"): _coerce(vt, v, source, f"{key}.{k}")
+                for k, v in value.items()}
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:
@@ -642,6 +682,8 @@ def _check_whole(c: Config) -> None:
           f"the byte tokenizer needs 'model.vocab_size' >= 256; got {m.vocab_size}")
     _need(0.0 <= d.val_fraction < 1.0, f"'data.val_fraction' must be in [0, 1); got {d.val_fraction}")
     _need(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' must be positive or null; got {d.max_bytes}")
+    for src, w in (d.mixture or {}).items():
+        _need(w > 0, f"'data.mixture.{src}' is a sampling weight and must be positive; got {w}")
     _check_moe(c)
     _check_train(t)
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
@@ -651,6 +693,15 @@ def _check_whole(c: Config) -> None:
 
     _check_pipeline(c.pipeline)
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
+    if c.pipeline.microbatching != "fixed":
+        mb = f"pipeline.microbatching={c.pipeline.microbatching}"
+        _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
+        _need(c.pipeline.rebalance == "off" and not c.pipeline.repack,
+              f"{mb} with layer rebalancing or re-packing is not supported yet: set pipeline.rebalance=off and "
+              f"pipeline.repack=false")
+        _need(c.dynamism.scheme in ("none", "moe"),
+              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported yet (its per-token state and frozen "
+              f"layers change what crosses stages): use dynamism.scheme none")
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -686,6 +737,17 @@ def _check_moe(c: Config) -> None:
 
 
 def _check_pipeline(p: PipelineConfig) -> None:
+    dyn = p.dynamic
+    _need(dyn.thin >= 0, f"'pipeline.dynamic.thin' must be >= 0 (0: exact DP); got {dyn.thin}")
+    _need(dyn.pad_multiple >= 1 and dyn.workers >= 0 and dyn.lookahead >= 1,
+          f"'pipeline.dynamic.pad_multiple' and 'lookahead' must be >= 1 and 'workers' >= 0; got "
+          f"{dyn.pad_multiple}, {dyn.lookahead}, {dyn.workers}")
+    _need(dyn.memory is None or dyn.memory > 0, f"'pipeline.dynamic.memory' must be positive or null; got {dyn.memory}")
+    _need(dyn.max_tokens is None or dyn.max_tokens >= 1,
+          f"'pipeline.dynamic.max_tokens' must be positive or null; got {dyn.max_tokens}")
+    bad = [x for x in dyn.schedules.split(",") if x.strip() not in ("1f1b", "adaptive")]
+    _need(not bad and dyn.schedules.strip() != "",
+          f"'pipeline.dynamic.schedules' is a comma list of 1f1b, adaptive; got {dyn.schedules!r}")
     _need(p.micro_batches >= 1 and p.every >= 1,
           f"'pipeline.micro_batches' ({p.micro_batches}) and 'pipeline.every' ({p.every}) must be at least 1")
     _need(0.0 < p.ema <= 1.0, f"'pipeline.ema' is the newest profile's weight, in (0, 1]; got {p.ema}")

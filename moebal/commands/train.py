@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, help="pipeline stages (parallel.pp)")
     p.add_argument("--rebalance", choices=["off", "partition", "diffusion"],
                    help="pipeline layer rebalancing (pipeline.rebalance)")
+    p.add_argument("--microbatching", choices=["fixed", "dynamic", "padding", "packing"],
+                   help="pipeline micro-batching (pipeline.microbatching): dynamic = DynaPipe")
     p.add_argument("--dynamism", choices=["none", "pruning", "freezing", "early_exit", "mod", "moe"],
                    help="dynamic-model scheme (dynamism.scheme)")
 
@@ -57,7 +59,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
     for flag, key in (("nproc", "parallel.nproc"), ("ep", "parallel.ep"), ("policy", "planner.policy"),
-                      ("pp", "parallel.pp"), ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme")):
+                      ("pp", "parallel.pp"), ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme"),
+                      ("microbatching", "pipeline.microbatching")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{key}='{getattr(args, flag)}'")  # quoted: YAML would read a bare off as false
     resuming = args.resume or args.resume_from

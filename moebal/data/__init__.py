@@ -1,7 +1,15 @@
 """Corpora, tokenizers and training samples."""
 
 from moebal.data.corpus import Corpus, Split, load_corpus, unigram_entropy
-from moebal.data.loader import Batch, DataBundle, DocumentSampler, PackedSampler, build_data, eval_batches
+from moebal.data.loader import (
+    Batch,
+    DataBundle,
+    DocumentSampler,
+    MixtureSampler,
+    PackedSampler,
+    build_data,
+    eval_batches,
+)
 from moebal.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -11,6 +19,7 @@ __all__ = [
     "DataBundle",
     "DocumentSampler",
     "HFTokenizer",
+    "MixtureSampler",
     "PackedSampler",
     "Split",
     "Tokenizer",

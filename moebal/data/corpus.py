@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -27,7 +28,8 @@ import numpy as np
 from moebal.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from moebal.errors import DataError
 
-__all__ = ["Corpus", "Split", "iter_documents", "load_corpus", "stdlib_root", "unigram_entropy", "val_share"]
+__all__ = ["Corpus", "Split", "iter_documents", "load_corpus", "merge_corpora", "split_blocks", "stdlib_root",
+           "unigram_entropy", "val_share"]
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -157,18 +159,37 @@ def iter_documents(source: str, text_key: str = "text") -> Iterator[tuple[str, b
 
 
 def load_corpus(source: str = "stdlib", tokenizer: str = "byte", *, text_key: str = "text",
-                val_fraction: float = 0.05, max_bytes: int | None = None, add_special_tokens: bool = False) -> Corpus:
-    """The tokenised corpus. Cached per process: a second load of the same corpus costs nothing."""
+                val_fraction: float = 0.05, max_bytes: int | None = None, add_special_tokens: bool = False,
+                units: str = "files") -> Corpus:
+    """The tokenised corpus. Cached per process: a second load of the same corpus costs nothing.
+
+    units: 'files' (a text file is one document) or 'blocks' (each top-level block of a text file is one,
+    `split_blocks`); a .jsonl line is always one document.
+    """
+    if units not in ("files", "blocks"):
+        raise DataError(f"data.units must be 'files' or 'blocks'; got {units!r}")
     if source != "stdlib":
         source = str(Path(source).expanduser().resolve())
     if tokenizer != "byte":
         tokenizer = str(Path(tokenizer).expanduser().resolve())
-    return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes, add_special_tokens)
+    return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes, add_special_tokens, units)
+
+
+_BLOCK_START = re.compile(rb"\n[ \t]*\n(?=[^\s)\]}])")
+
+
+def split_blocks(data: bytes) -> list[bytes]:
+    """A text's top-level blocks: it is cut after every blank line that is followed by an unindented line
+    (not a closing bracket): Python statements and definitions (with their leading comments), paragraphs of
+    prose. Lossless: the blocks concatenate back to the text (each keeps its trailing blank lines)."""
+    cuts = [m.end() for m in _BLOCK_START.finditer(data)]
+    edges = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float,
-                 max_bytes: int | None, add_special_tokens: bool = False) -> Corpus:
+                 max_bytes: int | None, add_special_tokens: bool = False, units: str = "files") -> Corpus:
     tok = load_tokenizer(tokenizer, add_special_tokens)
     names, texts, skipped = _read(source, text_key, max_bytes)
     if skipped:
@@ -176,6 +197,10 @@ def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float
     if not texts:
         raise DataError(f"data.source '{source}' holds no text (no non-empty .txt/.jsonl documents"
                         f"{f', {skipped} undecodable file(s)' if skipped else ''})")
+    if units == "blocks":  # a file's blocks share its name: the split keeps them on one side
+        pairs = [(n, b) for n, t in zip(names, texts)
+                 for b in ([t] if ".jsonl:" in n else split_blocks(t))]
+        names, texts = [n for n, _ in pairs], [b for _, b in pairs]
     docs = tok.encode_many(texts) if isinstance(tok, HFTokenizer) else [tok.encode(t) for t in texts]
     to_val = [val_share(n) < val_fraction for n in names]
     split_by = "path-hash"
@@ -211,6 +236,20 @@ def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str],
         if max_bytes is not None and total >= max_bytes:
             break
     return names, texts, skipped
+
+
+def merge_corpora(corpora: list[Corpus], source: str) -> Corpus:
+    """One corpus holding every document of several (same tokenizer), in order: a mixture's summary view."""
+    tok = corpora[0].tokenizer
+
+    def join(splits: list[Split]) -> Split:
+        docs = [sp.tokens_N[a:b] for sp in splits
+                for a, b in zip(sp.offsets_M[:-1].tolist(), sp.offsets_M[1:].tolist())]
+        return _join(docs, tok)
+
+    return Corpus(source=source, tokenizer=tok, train=join([c.train for c in corpora]),
+                  val=join([c.val for c in corpora]), n_skipped=sum(c.n_skipped for c in corpora),
+                  split_by=",".join(sorted({c.split_by for c in corpora})))
 
 
 def _join(docs: list[np.ndarray], tok: Tokenizer) -> Split:

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from moebal.config import Config
-from moebal.data.corpus import Corpus, Split, load_corpus
+from moebal.data.corpus import Corpus, Split, load_corpus, merge_corpora
 from moebal.errors import DataError
 
-__all__ = ["Batch", "DataBundle", "DocumentSampler", "PackedSampler", "build_data", "eval_batches"]
+__all__ = ["Batch", "DataBundle", "DocumentSampler", "MixtureSampler", "PackedSampler", "build_data", "eval_batches"]
 
 IGNORE = -100
 
@@ -75,15 +75,21 @@ class _Sampler:
             self._order = rng.permutation(self._num_samples())
             self._order_epoch = epoch
 
+    def next_sample(self) -> np.ndarray:
+        """The next sample's len + 1 tokens (inputs row[:-1], labels row[1:])."""
+        self._shuffle(self.epoch)
+        row = self._sample(int(self._order[self.index]), self._offset)
+        self.index += 1
+        if self.index == len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+        return row
+
+    def next_samples(self) -> list[np.ndarray]:
+        """The next batch's samples, unpadded (each keeps its own length)."""
+        return [self.next_sample() for _ in range(self.batch_size)]
+
     def next_batch(self) -> Batch:
-        rows = []
-        for _ in range(self.batch_size):
-            self._shuffle(self.epoch)
-            rows.append(self._sample(int(self._order[self.index]), self._offset))
-            self.index += 1
-            if self.index == len(self._order):
-                self.epoch, self.index = self.epoch + 1, 0
-        return _batch_from_rows(rows)
+        return _batch_from_rows(self.next_samples())
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
@@ -145,6 +151,44 @@ class DocumentSampler(_Sampler):
         return self.split.tokens_N[s:e]
 
 
+class MixtureSampler:
+    """Samples drawn from several sources with weights: for each sample of batch n, the source is drawn from
+    `numpy.random.default_rng([seed, 104729, n])` (a pure function of the batch index), then that source's own
+    shuffled stream gives its next sample. State: the batch count and every source's (epoch, index)."""
+
+    def __init__(self, samplers: list[_Sampler], names: list[str], weights: list[float], batch_size: int,
+                 seed: int) -> None:
+        if not samplers or len(samplers) != len(weights) or min(weights) <= 0:
+            raise DataError("a data mixture needs at least one source and a positive weight per source")
+        self.samplers, self.names, self.batch_size, self.seed = samplers, names, batch_size, seed
+        self.weights = [float(w) for w in weights]
+        self._p = np.asarray(self.weights) / sum(self.weights)
+        self.batches = 0
+
+    def next_samples(self) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, 104729, self.batches])
+        picks = rng.choice(len(self.samplers), size=self.batch_size, p=self._p)
+        self.batches += 1
+        return [self.samplers[int(k)].next_sample() for k in picks]
+
+    def next_batch(self) -> Batch:
+        return _batch_from_rows(self.next_samples())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "MixtureSampler", "batches": self.batches, "sources": list(self.names),
+                "weights": list(self.weights), "parts": [s.state_dict() for s in self.samplers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "MixtureSampler" or state.get("sources") != self.names \
+                or state.get("weights") != self.weights:
+            raise DataError(f"the checkpoint's data loader ({state.get('kind')}, sources {state.get('sources')}, "
+                            f"weights {state.get('weights')}) is not this run's mixture ({self.names}, "
+                            f"{self.weights}): resume with the same data.mixture")
+        for sampler, part in zip(self.samplers, state["parts"]):
+            sampler.load_state_dict(part)
+        self.batches = int(state["batches"])
+
+
 def eval_batches(split: Split, mode: str, seq_len: int, batch_size: int, n_batches: int) -> list[Batch]:
     """A fixed validation set: up to n_batches * batch_size samples spread evenly over the split."""
     if split.n_tokens < 2:
@@ -166,18 +210,31 @@ class DataBundle:
     """Everything the trainer takes from the data side."""
 
     corpus: Corpus
-    train: _Sampler
+    """The source (a mixture: every source's documents in one corpus, for summaries and validation)."""
+    train: _Sampler | MixtureSampler
     val: list[Batch]
 
 
 def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
     d = cfg.data
-    corpus = load_corpus(d.source, d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
-                         max_bytes=d.max_bytes, add_special_tokens=d.add_special_tokens)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is "
-                        f"{cfg.model.vocab_size}: set model.vocab_size={corpus.vocab_size}")
+    sources = list(d.mixture) if d.mixture else [d.source]
+    corpora = [load_corpus(src, d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
+                           max_bytes=d.max_bytes, add_special_tokens=d.add_special_tokens,
+                           units=d.units) for src in sources]
+    for corpus in corpora:
+        if corpus.vocab_size > cfg.model.vocab_size:
+            raise DataError(f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is "
+                            f"{cfg.model.vocab_size}: set model.vocab_size={corpus.vocab_size}")
     cls = PackedSampler if d.samples == "packed" else DocumentSampler
-    train = cls(corpus.train, d.seq_len, d.batch_size, cfg.train.seed if seed is None else seed)
+    seed = cfg.train.seed if seed is None else seed
+    train: _Sampler | MixtureSampler
+    if d.mixture:
+        parts = [cls(c.train, d.seq_len, d.batch_size, seed + 7919 * k) for k, c in enumerate(corpora)]
+        train = MixtureSampler(parts, sources, [d.mixture[s] for s in sources], d.batch_size, seed)
+        weights = ",".join(f"{s}:{d.mixture[s]:g}" for s in sources)
+        corpus = merge_corpora(corpora, f"mixture({weights})")
+    else:
+        corpus = corpora[0]
+        train = cls(corpus.train, d.seq_len, d.batch_size, seed)
     val = eval_batches(corpus.val, d.samples, d.seq_len, d.batch_size, cfg.train.eval_batches)
     return DataBundle(corpus=corpus, train=train, val=val)

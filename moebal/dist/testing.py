@@ -43,7 +43,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads), daemon=True)
+    # Not daemonic: a rank may start processes of its own (background micro-batch planners); the finally
+    # below joins or terminates every rank whatever happens.
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()

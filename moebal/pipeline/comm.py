@@ -60,7 +60,10 @@ class _SpinBoard:
 
     def wait_from(self, src: int, me: int) -> None:
         self.seen[src] += 1
-        target = self.seen[src]
+        self.wait_count(src, me, int(self.seen[src]))
+
+    def wait_count(self, src: int, me: int, target: int) -> None:
+        """Until src has posted its target-th message to me."""
         while self.counts[src, me] < target:  # busy wait: holds this rank's CPU share like a device would
             pass
 
@@ -130,6 +133,33 @@ class PipeChain:
             self._board.wait_from(src, self.rank)
         dist.recv(t, src)  # blocking
         return t
+
+    # ---- posted transfers (planned communication: Start now, Wait later) ----
+    def post_send(self, t: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
+        """Start a send; the handle keeps the tensor alive until `wait_send`."""
+        t = t.detach().contiguous()
+        work = dist.isend(t, dst)
+        self.bytes_sent += t.numel() * t.element_size()
+        if self._board is not None:
+            self._board.posted_to(self.rank, dst)
+        return work, t
+
+    def wait_send(self, handle: tuple[Any, torch.Tensor]) -> None:
+        handle[0].wait()
+
+    def post_recv(self, t: torch.Tensor, src: int) -> tuple[Any, int, int]:
+        """Start a receive into t. Messages between two ranks match in posting order on both sides (gloo and
+        NCCL), so the k-th receive from src gets src's k-th send to this rank."""
+        if self._board is not None:
+            self._board.seen[src] += 1
+            return dist.irecv(t, src), src, int(self._board.seen[src])
+        return dist.irecv(t, src), src, 0
+
+    def wait_recv(self, handle: tuple[Any, int, int]) -> None:
+        work, src, seq = handle
+        if self._board is not None:
+            self._board.wait_count(src, self.rank, seq)
+        work.wait()
 
     def flush(self) -> None:
         """Wait for every send posted so far (their buffers may then be reused or freed)."""

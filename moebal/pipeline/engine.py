@@ -123,12 +123,25 @@ class PipelineEngine:
 
     def _forward(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int, M: int,
                  result: IterationResult) -> _Saved:
-        st, prof = self.stage, self.profiler
         h_in: torch.Tensor | None = None
         if self.chain.is_first:
             carry = self.scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device)
         else:
             h_in, carry = self._receive_input(ids_BT)
+        s = self._forward_compute(j, ids_BT, labels_BT, label_count, 1.0 / M, result, h_in, carry)
+        if not self.chain.is_last:
+            self.chain.send(s.out, self.chain.next)
+            for name in self.scheme.carries:
+                self.chain.send(carry[name].to(torch.uint8), self.chain.next)
+        return s
+
+    def _forward_compute(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
+                         aux_w: float, result: IterationResult, h_in: torch.Tensor | None,
+                         carry: dict[str, torch.Tensor]) -> _Saved:
+        """F(j) on this stage from its input (ids on the first stage, the received h_in elsewhere); the MoE
+        auxiliary losses enter the backward weighted by aux_w. Sends nothing."""
+        st, prof = self.stage, self.profiler
+        if h_in is not None:
             h_in.requires_grad_(self._input_needs_grad())
         t0 = time.perf_counter()
         self._cpu0 = time.thread_time()
@@ -149,9 +162,9 @@ class PipelineEngine:
                     h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
                 if layer.is_moe:
                     a = layer.block_sparse_moe.aux_loss
-                    result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) / M
+                    result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) * aux_w
                     if a.requires_grad:
-                        aux.append(a.float() / (M * self.aux_ranks))
+                        aux.append(a.float() * aux_w / self.aux_ranks)
             if self.chain.is_last:
                 _mark(h, prof, marks, st.num_layers_slot() + 1)
                 with _maybe(prof, st.num_layers_slot() + 1, None):
@@ -160,10 +173,6 @@ class PipelineEngine:
             else:
                 out = h
         self._op_done(result, "F", j, t0)
-        if not self.chain.is_last:
-            self.chain.send(out, self.chain.next)
-            for name in self.scheme.carries:
-                self.chain.send(carry[name].to(torch.uint8), self.chain.next)
         return _Saved(h_in, out, aux, marks)
 
     def _backward(self, j: int, s: _Saved, M: int, result: IterationResult) -> None:
@@ -173,6 +182,14 @@ class PipelineEngine:
             grad = None
         else:
             grad = self.chain.recv(torch.empty_like(s.out), self.chain.next)
+        g_in = self._backward_compute(j, s, grad, result)
+        if g_in is not None:
+            self.chain.send(g_in, self.chain.prev)
+
+    def _backward_compute(self, j: int, s: _Saved, grad: torch.Tensor | None,
+                          result: IterationResult) -> torch.Tensor | None:
+        """B(j) on this stage from the output gradient (None on the last stage: from its loss); returns the
+        gradient of the stage's input when the previous stage needs it. Sends nothing."""
         t0 = time.perf_counter()
         self._cpu0 = time.thread_time()
         clock = self.profiler.clock if self.profiler is not None else time.perf_counter
@@ -189,7 +206,8 @@ class PipelineEngine:
         self._op_done(result, "B", j, t0)
         if self._input_needs_grad():
             assert s.h_in is not None and s.h_in.grad is not None, "stage input received no gradient"
-            self.chain.send(s.h_in.grad, self.chain.prev)
+            return s.h_in.grad
+        return None
 
     def _slots(self) -> list[int]:
         L = self.stage.num_layers_slot()

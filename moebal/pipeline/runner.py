@@ -316,10 +316,19 @@ class PipelineRunner:
             v /= self.data_ranks
         return v
 
+    def _next_input(self) -> tuple[Any, int]:
+        """This step's input for the engine and the global batch's label count."""
+        ids, labels, count = self._batch()
+        return (ids, labels), count
+
+    def _run_engine(self, work: Any, count: int) -> IterationResult:
+        ids, labels = work
+        return self.engine.run(ids, labels, count)
+
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1
         t0 = time.perf_counter()
-        ids, labels, count = self._batch()
+        work, count = self._next_input()
         from moebal.train.optim import lr_at
 
         lr = lr_at(step - 1, self.cfg.train)
@@ -331,7 +340,7 @@ class PipelineRunner:
                                 if profiled else None)
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
-        res = self.engine.run(ids, labels, count)
+        res = self._run_engine(work, count)
         t_run = time.perf_counter() - t_run
         self.step = step
         self.experts.after_backward()  # Agg of replica gradients; observe routing, plan the next placements

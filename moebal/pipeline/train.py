@@ -56,15 +56,22 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
     main = dims.rank == 0
     runner: PipelineRunner | None = None
     try:
-        runner = PipelineRunner(cfg, options_from_config(cfg), scheme=scheme_from_config(cfg), dims=dims,
-                                device=dims.device)
+        runner_cls: type[PipelineRunner] = PipelineRunner
+        if cfg.pipeline.microbatching != "fixed":
+            from moebal.pipeline.planned import PlannedPipelineRunner
+
+            runner_cls = PlannedPipelineRunner
+        runner = runner_cls(cfg, options_from_config(cfg), scheme=scheme_from_config(cfg), dims=dims,
+                            device=dims.device)
         if main:
             out.mkdir(parents=True, exist_ok=True)
             dump(cfg, out / "config.yaml")
+            micro = (f"{cfg.pipeline.schedule} with {cfg.pipeline.micro_batches} micro-batches"
+                     if cfg.pipeline.microbatching == "fixed" else
+                     f"{cfg.pipeline.microbatching} micro-batching ({cfg.pipeline.dynamic.schedules})")
             sys.stderr.write(f"moebal train: {cfg.name}, {cfg.parallel.pp}-stage pipeline x {dims.dp} data-parallel "
-                             f"x {dims.ep} expert-parallel, "
-                             f"{cfg.pipeline.schedule} with {cfg.pipeline.micro_batches} micro-batches, rebalance "
-                             f"{cfg.pipeline.rebalance}, dynamism {cfg.dynamism.scheme}, run directory {out}\n")
+                             f"x {dims.ep} expert-parallel, {micro}, rebalance {cfg.pipeline.rebalance}, "
+                             f"dynamism {cfg.dynamism.scheme}, run directory {out}\n")
         result = _loop(runner, cfg, out, main)
         if runner.released:
             sys.stderr.write(f"moebal train: rank {dims.rank} released at step {runner.released_at} "
@@ -122,6 +129,16 @@ def _finish(runner: PipelineRunner, result: dict[str, Any], cfg: Config, out: Pa
         "bytes_moved": sum(r["bytes_moved"] for r in moves),
         "released_ranks": sorted({x for r in recs for x in r.get("released_ranks", [])}),
         "bubble_ratio_last": tail[-1]["bubble_ratio"], "run_dir": str(out)}
+    if "padding_efficiency" in recs[0]:
+        steady = recs[cfg.pipeline.dynamic.lookahead:] or recs  # the first plans also wait for the workers
+        summary.update({
+            "microbatching": cfg.pipeline.microbatching,
+            "padding_efficiency": sum(r["tokens"] for r in recs) / max(sum(r["computed_tokens"] for r in recs), 1),
+            "micro_batches_mean": sum(r["micro_batches"] for r in recs) / len(recs),
+            "schedules": {k: sum(r["schedule"] == k for r in recs) for k in sorted({r["schedule"] for r in recs})},
+            "planning_exposed_s": sum(r["plan_wait_s"] for r in steady),
+            "planning_exposed_share": sum(r["plan_wait_s"] for r in steady) / max(sum(r["step_time_s"] for r in
+                                                                                       steady), 1e-9)})
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     write_dashboard(recs, out / "dashboard.png", title=f"{cfg.name}: pipeline of {cfg.parallel.pp} stages")
     if runner.gantt:
@@ -134,3 +151,8 @@ def _finish(runner: PipelineRunner, result: dict[str, Any], cfg: Config, out: Pa
               f"{summary['tokens_per_s']:.0f} tokens/s, stages {summary['final_sizes']}, "
               f"{summary['layers_moved']} layer moves ({summary['bytes_moved'] / 1e6:.1f} MB), released ranks "
               f"{summary['released_ranks'] or 'none'}\n  run directory: {out}")
+        if "padding_efficiency" in summary:
+            print(f"  {summary['microbatching']} micro-batching: padding efficiency "
+                  f"{summary['padding_efficiency']:.3f}, "
+                  f"{summary['micro_batches_mean']:.1f} micro-batches per step, schedules {summary['schedules']}, "
+                  f"planning exposed {100 * summary['planning_exposed_share']:.1f} % of step time after warm-up")

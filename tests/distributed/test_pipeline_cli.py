@@ -50,3 +50,23 @@ def test_train_pipeline_with_expert_parallel_stages(tmp_path):
     assert all(len(r["predicted_cost"]) == 4 for r in records)
     plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
     assert [p["step"] for p in plans] == [2, 3, 4]  # the routing cost is re-planned after every step
+
+
+@pytest.mark.slow
+def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "4", "--steps", "5",
+           "--microbatching", "dynamic", "--out", str(out),
+           "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+           "model.max_seq_len=128", "moe.num_experts=0", "data.seq_len=128", "data.batch_size=16",
+           "data.max_bytes=300000", "data.samples=documents", "data.units=blocks", "train.precision=fp32",
+           "pipeline.dynamic.max_tokens=512", "pipeline.dynamic.lookahead=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamic micro-batching" in proc.stderr and "padding efficiency" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["microbatching"] == "dynamic"
+    assert summary["padding_efficiency"] > 0.5 and sum(summary["schedules"].values()) == 5
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 6))
+    assert all(r["micro_batches"] >= 1 and r["plan_wait_s"] >= 0 and r["loss"] > 0 for r in records)

@@ -267,3 +267,56 @@ def test_too_little_data_for_one_block_is_a_clear_error(tmp_path):
     c = load_corpus(str(tmp_path / "t.txt"), val_fraction=0.0)
     with pytest.raises(DataError, match="lower data.seq_len"):
         PackedSampler(c.train, seq_len=64, batch_size=2, seed=0)
+
+
+def test_blocks_are_natural_lossless_documents(tmp_path):
+    from moebal.data.corpus import split_blocks
+
+    text = (b"import os\n\n\n# note\ndef f():\n    x = 1\n\n    return x\n\n"
+            b"class A:\n    y = [\n        1,\n\n]\n\nz = 2\n")
+    blocks = split_blocks(text)
+    assert b"".join(blocks) == text
+    assert [b.split(b"\n")[0] for b in blocks] == [b"import os", b"# note", b"class A:", b"z = 2"]
+    (tmp_path / "a.py.txt").write_bytes(text)
+    (tmp_path / "b.jsonl").write_text('{"text": "one sample\\n\\nnot split"}\n{"text": "two"}\n')
+    files = load_corpus(str(tmp_path), val_fraction=0.0)
+    c = load_corpus(str(tmp_path), val_fraction=0.0, units="blocks")
+    assert c.train.tokens_N.tobytes() == files.train.tokens_N.tobytes()  # the same text, cut differently
+    lengths = np.diff(c.train.offsets_M).tolist()
+    assert lengths == [len(b) for b in blocks] + [len("one sample\n\nnot split"), 3]  # a .jsonl line stays whole
+    with pytest.raises(DataError, match="data.units"):
+        load_corpus(str(tmp_path), units="lines")
+
+
+def test_stdlib_blocks_are_long_tailed():
+    c = load_corpus("stdlib", units="blocks")
+    lengths = np.diff(c.train.offsets_M)
+    median, p90 = np.percentile(lengths, [50, 90])
+    assert c.train.n_docs > 5000 and median < 400 and p90 > 4 * median  # many short, a long tail
+
+
+def test_mixture_draws_by_weight_and_resumes(tmp_path):
+    from moebal.config import from_dict
+    from moebal.data import MixtureSampler, build_data
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(f'{{"text": "{"a" * (5 + i % 7)}"}}\n' for i in range(40)))
+    b.write_text("".join(f'{{"text": "{"b" * (20 + i % 5)}"}}\n' for i in range(40)))
+    cfg = from_dict({"data": {"mixture": {str(a): 3.0, str(b): 1.0}, "samples": "documents", "seq_len": 32,
+                              "batch_size": 16, "val_fraction": 0.0}})
+    data = build_data(cfg)
+    assert isinstance(data.train, MixtureSampler) and data.corpus.source.startswith("mixture(")
+    draws = [bytes(r[:1].tolist()) for _ in range(50) for r in data.train.next_samples()]
+    share_a = draws.count(b"a") / len(draws)
+    assert 0.7 < share_a < 0.8  # weight 3 : 1
+    state = data.train.state_dict()
+    nxt = [r.tolist() for r in data.train.next_samples()]
+    again = build_data(cfg)
+    again.train.load_state_dict(state)
+    assert [r.tolist() for r in again.train.next_samples()] == nxt  # a resumed run reads the same samples
+    other = build_data(from_dict({"data": {"mixture": {str(a): 1.0, str(b): 1.0}, "samples": "documents",
+                                           "seq_len": 32, "batch_size": 16, "val_fraction": 0.0}}))
+    with pytest.raises(DataError, match="data.mixture"):
+        other.train.load_state_dict(state)
+    batch = build_data(cfg).train.next_batch()  # padded like any document batch
+    assert batch.ids_BT.shape[0] == 16 and int((batch.labels_BT != -100).sum()) == batch.n_tokens

@@ -1,0 +1,166 @@
+"""Planning ahead: micro-batch plans for the next iterations are computed in background worker processes
+while the current iteration trains, and handed to every rank in iteration order.
+
+DynaPipe plans on CPU cores next to the GPUs and pushes each executor's instructions to a store (Redis in the
+paper). Here, on one job:
+  1. every rank reads the same global batches (the samplers are deterministic), `lookahead` iterations
+     ahead of the one training; global rank 0 submits each batch's sample lengths to a pool of `workers`
+     spawned processes (`concurrent.futures.ProcessPoolExecutor`; the planner imports no torch, so a worker
+     starts in a fraction of a second and the cost table is sent to it once, at start);
+  2. a publisher thread on rank 0 takes the finished plans *in iteration order* and writes each as JSON to a
+     `torch.distributed.TCPStore` hosted by rank 0 (key `mbplan/<step>`);
+  3. at step s every rank reads `mbplan/<s>` (a blocking get: the only place training can wait on planning);
+     rank 0 deletes the key of step s - 2, which every rank has read (the pipeline's reductions order the
+     steps).
+`workers = 0` plans inline on rank 0 when the step asks for its plan (all of the planning is exposed; for
+tests and comparison). A failed plan is published as an error, so no rank hangs: every rank raises it.
+The time each rank waits in `get` is the exposed planning time it reports (`plan_wait_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+from moebal.errors import ConfigError
+from moebal.pipeline.mbcost import MicroBatchCost
+from moebal.pipeline.microbatch import MicroBatchPlan, plan_microbatches
+
+__all__ = ["PlanAhead", "plan_json"]
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(cost: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    _WORKER["cost"] = MicroBatchCost.from_dict(cost)
+    _WORKER["kwargs"] = kwargs
+
+
+def plan_json(lengths: Sequence[int], cost: MicroBatchCost, kwargs: dict[str, Any]) -> str:
+    """One plan as JSON, or 'ERROR:<message>' (published so every rank raises it)."""
+    try:
+        return plan_microbatches(lengths, cost, **kwargs).to_json()
+    except ConfigError as e:
+        return f"ERROR:{e}"
+
+
+def _worker_plan(lengths: list[int]) -> str:
+    return plan_json(lengths, _WORKER["cost"], _WORKER["kwargs"])
+
+
+class PlanAhead:
+    """The plan of step s, on every rank; rank 0 plans (in workers) and publishes through a TCPStore."""
+
+    def __init__(self, cost: MicroBatchCost | None, kwargs: dict[str, Any], *, workers: int = 1,
+                 store: Any = None, is_planner: bool = True, timeout_s: float = 600.0) -> None:
+        self.kwargs, self.workers, self.is_planner = dict(kwargs), workers, is_planner
+        self.store, self.timeout_s = store, timeout_s
+        self.cost = cost
+        self._pending: dict[int, Future[str] | list[int]] = {}
+        self._pool: ProcessPoolExecutor | None = None
+        self._out: queue.Queue[tuple[int, Future[str] | list[int]] | None] = queue.Queue()
+        self._local: dict[int, str] = {}
+        self._lock = threading.Condition()
+        self._publisher: threading.Thread | None = None
+        if is_planner:
+            if cost is None:
+                raise ConfigError("the planning rank needs a cost table")
+            if workers > 0:
+                import multiprocessing
+
+                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_init_worker, initargs=(cost.to_dict(), self.kwargs))
+            self._publisher = threading.Thread(target=self._publish, name="moebal-plan-publisher", daemon=True)
+            self._publisher.start()
+
+    @classmethod
+    def for_job(cls, cost: MicroBatchCost | None, kwargs: dict[str, Any], workers: int) -> PlanAhead:
+        """Collective over the default process group: rank 0 hosts the store on a free port, tells the others."""
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        host = [None]
+        store = None
+        if rank == 0:
+            from moebal.dist.launch import free_port
+
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            store = dist.TCPStore(addr, free_port(), world, is_master=True, timeout=timedelta(seconds=600),
+                                  wait_for_workers=False)
+            host = [(addr, store.port)]
+        dist.broadcast_object_list(host, src=0)
+        if rank != 0:
+            addr, port = host[0]  # type: ignore[misc]
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=600))
+        return cls(cost, kwargs, workers=workers, store=store, is_planner=rank == 0)
+
+    # ---- rank 0: submit and publish ----
+    def submit(self, step: int, lengths: Sequence[int]) -> None:
+        """Queue the plan of `step` (planner rank only; steps in increasing order)."""
+        if not self.is_planner:
+            return
+        lengths = [int(x) for x in lengths]
+        job: Future[str] | list[int] = self._pool.submit(_worker_plan, lengths) if self._pool else lengths
+        self._pending[step] = job
+        self._out.put((step, job))
+
+    def _publish(self) -> None:
+        while True:
+            item = self._out.get()
+            if item is None:
+                return
+            step, job = item
+            if isinstance(job, list):  # inline planning: done when the step asks (see get)
+                continue
+            try:
+                text = job.result()
+            except Exception as e:  # noqa: BLE001 - a dead worker must not hang the other ranks
+                text = f"ERROR:planning worker failed: {e.__class__.__name__}: {e}"
+            self._put(step, text)
+
+    def _put(self, step: int, text: str) -> None:
+        with self._lock:
+            self._local[step] = text
+            self._lock.notify_all()
+        if self.store is not None:
+            self.store.set(f"mbplan/{step}", text)
+
+    # ---- every rank ----
+    def get(self, step: int) -> tuple[MicroBatchPlan, float]:
+        """The plan of `step` and the seconds this call waited for it (exposed planning time)."""
+        t0 = time.perf_counter()
+        if self.is_planner:
+            job = self._pending.pop(step, None)
+            if job is None:
+                raise RuntimeError(f"no plan was submitted for step {step}")  # programmer error
+            if isinstance(job, list):
+                self._put(step, plan_json(job, self.cost, self.kwargs))  # type: ignore[arg-type]
+            with self._lock:
+                if not self._lock.wait_for(lambda: step in self._local, timeout=self.timeout_s):
+                    raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")
+                text = self._local.pop(step)
+            if self.store is not None and step >= 3:
+                self.store.delete_key(f"mbplan/{step - 2}")
+        else:
+            raw = self.store.get(f"mbplan/{step}")
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        wait = time.perf_counter() - t0
+        if text.startswith("ERROR:"):
+            raise ConfigError(f"micro-batch plan of step {step}: {text[len('ERROR:'):]}")
+        return MicroBatchPlan.from_dict(json.loads(text)), wait
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._out.put(None)
+            self._publisher.join(timeout=5)
+            self._publisher = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
