@@ -188,7 +188,9 @@ class TrainConfig:
     ckpt_every: int = 200
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2
-    """How many checkpoints to keep."""
+    """How many checkpoints to keep (the newest; an older one is deleted only once a newer one is complete)."""
+    ckpt_async: bool = False
+    """Write checkpoints in a background thread: training waits only while tensors are copied to CPU memory."""
     threads: int | None = None
     """torch intra-op threads per process; null means cores / processes."""
     out_dir: str = "runs"

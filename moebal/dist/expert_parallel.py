@@ -92,6 +92,7 @@ class ExpertParallelDispatcher:
             p = nn.Parameter(full.detach()[lo:hi].clone())
             setattr(p, _EXPERT_ATTR, True)
             setattr(layer.experts, name, p)
+        layer.experts.expert_ids = tuple(self.owned)  # rows are experts lo..hi-1 (checkpoints key them so)
 
     def _local_index(self, e: int) -> int:
         return e - self.owned[0]

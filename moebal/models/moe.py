@@ -36,10 +36,17 @@ ROUTERS = ("linear", "mlp_tanh")
 
 
 class SwiGLUExperts(nn.Module):
-    """E SwiGLU experts as stacked parameters: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down)."""
+    """E SwiGLU experts as stacked parameters: w1, w3 [E, F, D] (gate, up), w2 [E, D, F] (down).
+
+    Under expert parallelism a rank holds some rows only: `expert_ids` gives the logical expert of each row
+    (checkpoints store experts by logical id, so they load under any layout), `num_experts` the layer's total."""
+
+    stacked_expert_params = ("w1", "w3", "w2")
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernel: str = "auto") -> None:
         super().__init__()
+        self.num_experts = num_experts
+        self.expert_ids: tuple[int, ...] = tuple(range(num_experts))
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"kernel must be one of auto, {', '.join(KERNELS)}; got {kernel!r}")
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))

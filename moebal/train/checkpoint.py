@@ -1,43 +1,82 @@
-"""Checkpoints: atomic, verified, and loaded without unpickling anything.
+"""Checkpoints: sharded by logical tensor, atomic, verified, loadable under any layout, never unpickled.
 
-A checkpoint is a directory `ckpt-<step>` holding
+A checkpoint is a directory `ckpt-<step>` in the run directory (which every rank must see: a shared
+filesystem on a multi-node job):
 
-    model.safetensors      weights (tied tensors stored once, their aliases in the metadata)
-    optimizer.safetensors  the optimizer's per-parameter tensors (AdamW moments and step counts)
-    state.json             step, optimizer hyper-parameters, data-loader position, RNG states (torch, CUDA,
-                           numpy, python), hook states
-    config.yaml            the resolved config of the run
-    manifest.json          written last: size and sha256 of every file above
+    model-r00000.safetensors   the model tensors rank 0 wrote (one file per writing rank)
+    optim-r00000.safetensors   their optimizer state (AdamW moments and step counts)
+    model-r00001.safetensors   ... rank 1's, and so on
+    state.json                 step, tokens, data position, per-rank RNG and hook states, the layout
+    config.yaml                the resolved config of the run
+    manifest.json              written last: size and sha256 of every file above, and for every tensor its
+                               file, dtype and shape
 
-It is written under a temporary name, every file and the directory are fsync'ed, and only then renamed to
-its final name, so a crash leaves either a whole checkpoint or an ignorable `.tmp` directory. Loading
-verifies the manifest before reading a byte of state and checks every tensor's name and shape against the
-live model and optimizer before changing either, so a bad checkpoint never half-loads. Tensors go through
-safetensors and everything else through JSON: nothing is unpickled.
+**Names are logical, never by rank.** A tensor is stored under the model's own parameter name; an
+expert-stacked parameter (`model.layers.3.block_sparse_moe.experts.w1`, [E, F, D]) is stored as one tensor
+per logical expert, `model.layers.3.block_sparse_moe.experts.<e>.w1` [F, D], whichever rank owns expert e.
+Optimizer state is stored as `<logical name>:<key>` (`exp_avg`, `exp_avg_sq`, `step`), split the same way.
+Which rank wrote a tensor matters only to find its file (the manifest says), so a checkpoint loads under
+any data-, expert- or pipeline-parallel size: each rank reads the logical tensors it now holds, and the
+optimizer state of an expert follows the expert to its new owner.
+
+**Who writes what.** A rank writes the dense tensors it holds if it is the first rank of its stage's
+data x expert-parallel group, and the expert tensors it owns if it is the first of its data-parallel group:
+every logical tensor is written exactly once (rank 0 checks this when it completes the checkpoint).
+
+**Atomicity.** Every rank writes its files into `.ckpt-<step>.<session>.tmp/`, fsyncs them, and then
+publishes a small `rank-<r>.json` (its files' sizes and checksums, its tensors, its RNG and hook states)
+by rename. Rank 0 waits for every rank's note, checks that every expert of every layer is there, writes
+`state.json`, `config.yaml` and the manifest, fsyncs the directory and only then renames it to `ckpt-<step>`.
+A crash at any point leaves the previous checkpoints untouched and at most an ignorable `.tmp` directory.
+Only then are checkpoints beyond the newest `keep` deleted. No collective is involved, so the writing can
+run in a background thread (`background=True`): the training loop is blocked only while tensors are copied
+to CPU memory (see `Checkpointer`).
+
+**Loading** verifies the manifest, then each file's size and sha256 before reading it, checks every tensor
+this rank needs against the live model and optimizer (names, shapes, experts), agrees with the other ranks
+that every one of them succeeded, and only then copies anything: a bad checkpoint never half-loads. An
+integrity error (missing, truncated or corrupt file) names the file and the newest older checkpoint that
+verifies, and how to resume from it. Tensors go through safetensors and everything else through JSON:
+nothing is unpickled.
+
+**Reading** a checkpoint outside training: `CheckpointReader(path)` lists the model's full logical state
+dict (experts stacked again, [E, ...], under the model's parameter names) and reads it tensor by tensor, or
+one expert's row of a stacked tensor, without assembling the model (see docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from moebal.errors import CheckpointError
 
 __all__ = [
-    "CheckpointState",
+    "Checkpointer",
+    "CheckpointReader",
+    "PendingLoad",
+    "TensorInfo",
     "apply_checkpoint",
+    "expert_name",
     "find_checkpoints",
     "latest_good_checkpoint",
+    "load_agreed",
+    "load_checkpoint",
     "prune_checkpoints",
     "read_checkpoint",
     "restore_rng",
@@ -46,9 +85,10 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-FORMAT = 1
+FORMAT = 2
 NAME_RE = re.compile(r"^ckpt-(\d+)$")
-FILES = ("model.safetensors", "optimizer.safetensors", "state.json", "config.yaml")
+TMP_RE = re.compile(r"^\.ckpt-(\d+)\.(.+)\.(tmp|old)$")
+STATE_FILES = ("state.json", "config.yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +119,85 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# logical names
+
+
+def expert_name(stacked: str, e: int) -> str:
+    """Logical name of expert `e`'s slice of an expert-stacked tensor: `...experts.w1` -> `...experts.<e>.w1`."""
+    prefix, _, leaf = stacked.rpartition(".")
+    return f"{prefix}.{e}.{leaf}" if prefix else f"{e}.{leaf}"
+
+
+def _stacked(module: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
+    """State-dict name of every expert-stacked tensor -> (logical expert id of each row, experts in the layer).
+
+    A module declares stacked tensors with `stacked_expert_params` (names of its tensors stacked on dim 0 by
+    expert), `expert_ids` (the logical id of each row it holds) and `num_experts` (of the whole layer)."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for leaf in getattr(m, "stacked_expert_params", ()):
+            ids = tuple(int(e) for e in m.expert_ids)
+            out[f"{prefix}.{leaf}" if prefix else leaf] = (ids, int(m.num_experts))
+    return out
+
+
+@dataclass
+class _LocalView:
+    """What one rank holds, by logical name (views into the live tensors, nothing copied)."""
+
+    tensors: dict[str, torch.Tensor]
+    experts: dict[str, tuple[str, int, int]]  # logical name -> (stacked name, expert id, experts in the layer)
+    aliases: dict[str, str]  # state-dict name -> the name its (tied) storage is kept under
+    stacked: dict[str, tuple[tuple[int, ...], int]]
+
+
+def _local_view(module: nn.Module) -> _LocalView:
+    stacked = _stacked(module)
+    view = _LocalView({}, {}, {}, stacked)
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, t in module.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:
+            view.aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        if name in stacked:
+            ids, E = stacked[name]
+            for row, e in enumerate(ids):
+                ln = expert_name(name, e)
+                view.tensors[ln], view.experts[ln] = t[row], (name, e, E)
+        else:
+            view.tensors[name] = t
+    return view
+
+
+def _optimizer_view(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    stacked: dict[str, tuple[tuple[int, ...], int]]) -> tuple[dict[str, torch.Tensor],
+                                                                              dict[str, Any]]:
+    """Optimizer state by `<logical name>:<key>`: tensors (split per expert like their parameter; a scalar
+    such as AdamW's step is repeated for every expert) and plain numbers."""
+    tensors: dict[str, torch.Tensor] = {}
+    numbers: dict[str, Any] = {}
+    if optimizer is None:
+        return tensors, numbers
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p, state in optimizer.state.items():
+        name = names.get(id(p))
+        if name is None:
+            raise CheckpointError("the optimizer holds state for a parameter the module does not have")
+        rows = list(enumerate(stacked[name][0])) if name in stacked else [(None, None)]
+        for row, e in rows:
+            ln = name if e is None else expert_name(name, e)
+            for key, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    split = row is not None and v.dim() > 0 and v.shape[0] == p.shape[0]
+                    tensors[f"{ln}:{key}"] = v[row] if split else v
+                else:
+                    numbers[f"{ln}:{key}"] = v
+    return tensors, numbers
+
+
+# ---------------------------------------------------------------------------------------------
 # writing
 
 
@@ -86,6 +205,11 @@ def _fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
 
@@ -108,116 +232,325 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """State dict with tied tensors stored once: (tensors, alias -> stored name)."""
-    tensors: dict[str, torch.Tensor] = {}
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass
+class _Snapshot:
+    """CPU copies of what one rank writes, taken while the training loop waits."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    experts: dict[str, tuple[str, int, int]]
+    aliases: dict[str, str]
+    optim: dict[str, torch.Tensor]
+    optim_numbers: dict[str, Any]
+    rank_state: dict[str, Any]
+    global_state: dict[str, Any]
+    config_yaml: str
+    layout: dict[str, Any]
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+class Checkpointer:
+    """One rank's side of writing checkpoints (see the module docstring for the protocol).
+
+    `save` copies what this rank writes to CPU memory, then writes it, inline or, with `background=True`,
+    in a thread while training goes on; the next `save` (and `wait`/`close`) first waits for the previous one
+    and re-raises its error. Rank 0 completes each checkpoint once every rank in `ranks` published its part,
+    then keeps the newest `keep`. `session` names this job's temporary directories (the same on every rank)."""
+
+    def __init__(self, run_dir: str | Path, *, rank: int = 0, ranks: list[int] | range | None = None,
+                 write_dense: bool = True, write_experts: bool = True, keep: int = 2, background: bool = False,
+                 session: str = "0", timeout_s: float = 600.0) -> None:
+        self.run_dir, self.rank = Path(run_dir), rank
+        self.ranks = list(ranks) if ranks is not None else [0]
+        self.write_dense, self.write_experts = write_dense, write_experts
+        self.keep, self.background, self.session, self.timeout_s = keep, background, session, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocked_s = 0.0
+        """Seconds the last `save` call blocked its caller."""
+        self.last_write_s = 0.0
+        """Seconds the last write took (in the background thread, or inline)."""
+
+    def save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+             global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
+             layout: dict[str, Any] | None = None) -> Path:
+        """Checkpoint `step`; returns the final directory (complete once `wait` returns, or at once if inline).
+        `global_state` (rank 0's is kept) and `rank_state` must be JSON-serialisable."""
+        t0 = time.perf_counter()
+        self.wait()
+        snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
+        if self.background:
+            self._thread = threading.Thread(target=self._run, args=(snap,), name=f"moebal-ckpt-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._run(snap)
+        self.last_blocked_s = time.perf_counter() - t0
+        if not self.background:
+            self.wait()
+        return self.run_dir / f"ckpt-{step:07d}"
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    close = wait
+
+    def wait_quietly(self) -> None:
+        """`wait`, dropping the save's error (when another error is already on its way)."""
+        with contextlib.suppress(Exception):
+            self.wait()
+
+    # ---- the parts ----
+    def _snapshot(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
+                  layout: dict[str, Any]) -> _Snapshot:
+        view = _local_view(module)
+        opt, numbers = _optimizer_view(module, optimizer, view.stacked)
+
+        def mine(name: str) -> bool:
+            return self.write_experts if name in view.experts else self.write_dense
+
+        model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
+        optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
+        numbers = {k: v for k, v in numbers.items() if mine(k.rsplit(":", 1)[0])}
+        json.dumps([global_state, rank_state])  # fail here, in the caller, on anything not JSON-serialisable
+        return _Snapshot(step, model, {n: view.experts[n] for n in model if n in view.experts},
+                         view.aliases if self.write_dense else {}, optim, numbers, rank_state, global_state,
+                         config_yaml, layout)
+
+    def _run(self, snap: _Snapshot) -> None:
+        t0 = time.perf_counter()
+        tmp = self.run_dir / f".ckpt-{snap.step:07d}.{self.session}.tmp"
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            self._write_part(tmp, snap)
+            if self.rank == 0:
+                self._complete(tmp, snap)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller at the next wait()
+            self._error = e
+            _publish(tmp / f"rank-{self.rank:05d}.error", {"error": f"{type(e).__name__}: {e}"}, best_effort=True)
+        self.last_write_s = time.perf_counter() - t0
+
+    def _write_part(self, tmp: Path, snap: _Snapshot) -> None:
+        from safetensors.torch import save_file
+
+        files: dict[str, dict[str, Any]] = {}
+        tensors: dict[str, dict[str, Any]] = {}
+        for kind, payload in (("model", snap.model), ("optim", snap.optim)):
+            if not payload:
+                continue
+            name = f"{kind}-r{self.rank:05d}.safetensors"
+            save_file(payload, str(tmp / name))
+            _fsync_file(tmp / name)
+            files[name] = _file_record(tmp / name)
+            for k, t in payload.items():
+                tensors[k] = {"file": name, "dtype": _dtype_name(t), "shape": list(t.shape)}
+        note = {"rank": self.rank, "files": files, "tensors": tensors,
+                "experts": {n: list(v) for n, v in snap.experts.items()}, "aliases": snap.aliases,
+                "optimizer_numbers": snap.optim_numbers, "state": snap.rank_state}
+        _publish(tmp / f"rank-{self.rank:05d}.json", note)
+
+    def _complete(self, tmp: Path, snap: _Snapshot) -> None:
+        """Rank 0: gather the ranks' notes, write state, config and manifest, publish by rename, prune."""
+        notes = self._await_notes(tmp, snap.step)
+        manifest = _merge_notes(notes, tmp)
+        state = {"format": FORMAT, "step": snap.step, **snap.global_state, "layout": snap.layout,
+                 "ranks": {str(n["rank"]): n["state"] for n in notes}}
+        _fsync_write(tmp / "state.json", json.dumps(state).encode("utf-8"))
+        _fsync_write(tmp / "config.yaml", snap.config_yaml.encode("utf-8"))
+        for name in STATE_FILES:
+            manifest["files"][name] = _file_record(tmp / name)
+        for r in self.ranks:
+            (tmp / f"rank-{r:05d}.json").unlink()
+        _fsync_write(tmp / "manifest.json", json.dumps({"format": FORMAT, "step": snap.step, **manifest},
+                                                       indent=1).encode("utf-8"))
+        _fsync_dir(tmp)
+        final = self.run_dir / f"ckpt-{snap.step:07d}"
+        old = None
+        if final.exists():  # re-saving a step (a resumed run's final step): the old copy goes only after
+            old = self.run_dir / f".ckpt-{snap.step:07d}.{self.session}.old"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.run_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.run_dir, self.keep, session=self.session)
+
+    def _await_notes(self, tmp: Path, step: int) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for r in self.ranks:
+                err = tmp / f"rank-{r:05d}.error"
+                if err.is_file():
+                    msg = json.loads(err.read_text(encoding="utf-8"))["error"]
+                    raise CheckpointError(f"rank {r} could not write its part of checkpoint {step}: {msg}")
+            missing = [r for r in self.ranks if not (tmp / f"rank-{r:05d}.json").is_file()]
+            if not missing:
+                return [json.loads((tmp / f"rank-{r:05d}.json").read_text(encoding="utf-8")) for r in self.ranks]
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {step}: ranks {missing} did not write their part within "
+                                      f"{self.timeout_s:.0f} s into {tmp} (every rank must see the run directory: "
+                                      f"put it on a filesystem shared by all nodes)")
+            time.sleep(0.02)
+
+
+def _publish(path: Path, obj: Any, best_effort: bool = False) -> None:
+    """Write a small JSON file so that readers see all of it or nothing (temporary name, fsync, rename)."""
+    part = path.with_name(path.name + ".part")
+    try:
+        _fsync_write(part, json.dumps(obj).encode("utf-8"))
+        os.replace(part, path)
+    except OSError:
+        if not best_effort:
+            raise
+
+
+def _merge_notes(notes: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if t.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = t.detach().to("cpu").contiguous()
-    return tensors, aliases
+    numbers: dict[str, Any] = {}
+    for note in notes:
+        for name, entry in note["tensors"].items():
+            if name in tensors:
+                raise CheckpointError(f"{tmp}: two ranks wrote '{name}' (a bug in the writer assignment)")
+            tensors[name] = entry
+        files.update(note["files"])
+        experts.update(note["experts"])
+        aliases.update(note["aliases"])
+        numbers.update(note["optimizer_numbers"])
+    stacked: dict[str, dict[str, Any]] = {}
+    for name, (stk, e, E) in experts.items():
+        s = stacked.setdefault(stk, {"num_experts": E, "experts": set(), "dtype": tensors[name]["dtype"],
+                                     "shape": [E, *tensors[name]["shape"]]})
+        s["experts"].add(e)
+    for stk, s in stacked.items():
+        if s["experts"] != set(range(s["num_experts"])):
+            missing = sorted(set(range(s["num_experts"])) - s["experts"])
+            raise CheckpointError(f"{tmp}: no rank wrote experts {missing} of '{stk}' (a bug in the writer "
+                                  f"assignment)")
+        s["experts"] = s["num_experts"]
+    return {"files": files, "tensors": tensors, "experts": {n: v[:2] for n, v in experts.items()},
+            "stacked": {k: {"num_experts": v["num_experts"], "dtype": v["dtype"], "shape": v["shape"]}
+                        for k, v in stacked.items()},
+            "aliases": aliases, "optimizer_numbers": numbers}
 
 
-def _optimizer_payload(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, per_param in sd["state"].items():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = value.detach().to("cpu").contiguous()
-            else:
-                scalars.setdefault(str(idx), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    state: dict[str, Any], config_yaml: str, keep: int | None = None) -> Path:
+    """One process writes ckpt-<step> synchronously (the whole model is its own); `state` must be
+    JSON-serialisable. Keeps the newest `keep` checkpoints when given."""
+    ck = Checkpointer(run_dir, keep=keep or 1 << 30, session=f"{os.getpid()}")
+    return ck.save(step, model, optimizer, global_state=state, rank_state={}, config_yaml=config_yaml)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], config_yaml: str) -> Path:
-    """Write ckpt-<step> atomically; `extra` (loader state, RNG, hooks) must be JSON-serialisable."""
-    from safetensors.torch import save_file
-
-    final = run_dir / f"ckpt-{step:07d}"
-    tmp = run_dir / f".ckpt-{step:07d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    weights, aliases = _model_tensors(model)
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"aliases": json.dumps(aliases)})
-    opt_tensors, opt_meta = _optimizer_payload(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    state = {"format": FORMAT, "step": step, "optimizer": opt_meta, **extra}
-    _fsync_write(tmp / "state.json", json.dumps(state).encode("utf-8"))
-    _fsync_write(tmp / "config.yaml", config_yaml.encode("utf-8"))
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
-    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES}
-    _fsync_write(tmp / "manifest.json", json.dumps({"format": FORMAT, "step": step, "files": files},
-                                                   indent=1).encode("utf-8"))
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (a resumed run's final step): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(run_dir)
-    return final
+# ---------------------------------------------------------------------------------------------
+# finding and pruning
 
 
-def find_checkpoints(run_dir: Path) -> list[Path]:
+def find_checkpoints(run_dir: str | Path) -> list[Path]:
     """Checkpoint directories of a run, oldest first (temporary ones are not checkpoints)."""
+    run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := NAME_RE.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints and any temporary leftovers of crashed saves."""
+def prune_checkpoints(run_dir: str | Path, keep: int, session: str | None = None) -> None:
+    """Delete all but the newest `keep` checkpoints, and temporary directories of other sessions (crashed
+    saves; this session's own may still be in flight)."""
+    run_dir = Path(run_dir)
     for p in find_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
-    for p in run_dir.glob(".ckpt-*.tmp-*"):
-        if p.is_dir() and str(os.getpid()) != p.name.rsplit("-", 1)[-1]:
+    for p in run_dir.iterdir():
+        m = TMP_RE.match(p.name)
+        if not (p.is_dir() and m and m.group(2) != session):
+            continue
+        final = run_dir / f"ckpt-{m.group(1)}"
+        if m.group(3) == "old" and not final.exists():
+            os.replace(p, final)  # a crash between the two renames of a re-save: the old copy is the checkpoint
+        else:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def step_of(path: Path) -> int:
+    m = NAME_RE.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
 # ---------------------------------------------------------------------------------------------
-# reading
+# verification
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """The manifest, after checking every file's presence, size and sha256; CheckpointError otherwise."""
+def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / "manifest.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory (it does not exist)")
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT}")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        fmt = manifest.get("format")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
-    for name in FILES:
-        f = path / name
-        if name not in files:
-            raise CheckpointError(f"{manifest_path} does not list {name}")
-        if not f.is_file():
-            raise CheckpointError(f"{f} is missing")
-        size = f.stat().st_size
-        if size != files[name]["bytes"]:
-            raise CheckpointError(f"{f} has {size} bytes, the manifest says {files[name]['bytes']} (truncated?)")
-        if _sha256(f) != files[name]["sha256"]:
-            raise CheckpointError(f"{f} is corrupt: its sha256 does not match the manifest")
+    if fmt != FORMAT:
+        raise CheckpointError(f"{manifest_path}: checkpoint format {fmt!r}, this moebal reads format {FORMAT}"
+                              + (" (a format-1 checkpoint: resume it with the moebal version that wrote it)"
+                                 if fmt == 1 else ""))
+    try:
+        for key in ("files", "tensors", "stacked", "aliases", "experts"):
+            if not isinstance(manifest[key], dict):
+                raise TypeError(key)
+        int(manifest["step"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
     return dict(manifest)
 
 
-def latest_good_checkpoint(run_dir: Path, before: Path | None = None) -> Path | None:
+def _verify_file(path: Path, name: str, record: dict[str, Any] | None) -> None:
+    f = path / name
+    if record is None:
+        raise CheckpointError(f"{path / 'manifest.json'} does not list {name}")
+    if not f.is_file():
+        raise CheckpointError(f"{f} is missing")
+    size = f.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{f} has {size} bytes, the manifest says {record['bytes']} (truncated?)")
+    if _sha256(f) != record["sha256"]:
+        raise CheckpointError(f"{f} is corrupt: its sha256 does not match the manifest")
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The manifest, after checking every file's presence, size and sha256; CheckpointError otherwise."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name in [*STATE_FILES, *sorted(set(manifest["files"]) - set(STATE_FILES))]:
+        _verify_file(path, name, manifest["files"].get(name))
+    return manifest
+
+
+def latest_good_checkpoint(run_dir: str | Path, before: Path | None = None) -> Path | None:
     """The newest checkpoint that verifies (older than `before` when given)."""
     for p in reversed(find_checkpoints(run_dir)):
-        if before is not None and _step_of(p) >= _step_of(before):
+        if before is not None and step_of(p) >= step_of(before):
             continue
         try:
             verify_checkpoint(p)
@@ -227,89 +560,337 @@ def latest_good_checkpoint(run_dir: Path, before: Path | None = None) -> Path | 
     return None
 
 
-def _step_of(path: Path) -> int:
-    m = NAME_RE.match(path.name)
-    return int(m.group(1)) if m else -1
+def with_previous_hint(path: Path, err: CheckpointError) -> CheckpointError:
+    """`err` plus the newest older checkpoint that verifies and how to resume from it."""
+    previous = latest_good_checkpoint(path.parent, before=path)
+    if previous is None:
+        return CheckpointError(f"{err}; no older good checkpoint exists in {path.parent}")
+    return CheckpointError(f"{err}; the previous good checkpoint is {previous}: resume from it with "
+                           f"`moebal train --out {path.parent} --resume-from {previous}` (or move {path.name} "
+                           f"aside and use --resume)")
+
+
+# ---------------------------------------------------------------------------------------------
+# reading: the public read API
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the reader knows about a tensor before reading it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    where: str
+    """The file holding it (the first expert's file for a stacked tensor)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in a checkpoint manifest")
+    return dt
+
+
+class CheckpointReader:
+    """A checkpoint's full logical state, read tensor by tensor (the public read API).
+
+    `info()` lists every model tensor under the model's parameter names, expert-stacked ones whole
+    ([E, ...], as the single-device model holds them); `read(name)` reads one, `read(name, index=e)` reads
+    expert e's row of a stacked tensor alone; iterating yields `(name, tensor)` one at a time, so a consumer
+    holds one tensor (one stacked tensor) at a time. Every file is checked (size, sha256) the first time it
+    is read, so a corrupt checkpoint raises CheckpointError naming the file instead of returning bad data.
+    `state` (step, data position, RNG...), `config_yaml` and `optimizer_state(name)` give the rest."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path)
+        self.step = int(self.manifest["step"])
+        self._verified: set[str] = set()
+        self._handles: dict[str, Any] = {}
+        self._state: dict[str, Any] | None = None
+        self._by_stacked: dict[str, dict[int, str]] = {}
+        for name, (stk, e) in self.manifest["experts"].items():
+            self._by_stacked.setdefault(stk, {})[int(e)] = name
+        self._optim: dict[str, dict[str, str]] = {}  # logical name -> {state key: manifest key}
+        for k in [*self.manifest["tensors"], *self.manifest["optimizer_numbers"]]:
+            if ":" in k:
+                ln, key = k.rsplit(":", 1)
+                self._optim.setdefault(ln, {})[key] = k
+
+    # ---- files ----
+    def _file(self, name: str) -> Path:
+        if name not in self._verified:
+            _verify_file(self.path, name, self.manifest["files"].get(name))
+            self._verified.add(name)
+        return self.path / name
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        entry = self.manifest["tensors"].get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path} holds no tensor '{key}'")
+        file = entry["file"]
+        try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(self._file(file)), framework="pt")
+            t = self._handles[file].get_tensor(key)
+        except (SafetensorError, OSError, KeyError) as e:
+            raise CheckpointError(f"{self.path / file}: unreadable although its checksum matches ({e})") from None
+        if list(t.shape) != list(entry["shape"]):
+            raise CheckpointError(f"{self.path / file}: '{key}' has shape {tuple(t.shape)}, the manifest says "
+                                  f"{tuple(entry['shape'])}")
+        return t
+
+    def verify(self) -> CheckpointReader:
+        """Check every file now (instead of on first use)."""
+        for name in self.manifest["files"]:
+            self._file(name)
+        return self
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the model's logical state dict ----
+    def names(self) -> list[str]:
+        """Model tensor names (stacked experts under their stacked name, tied aliases included), sorted."""
+        plain = [n for n in self.manifest["tensors"] if ":" not in n and n not in self.manifest["experts"]]
+        return sorted([*plain, *self.manifest["stacked"], *self.manifest["aliases"]])
+
+    def info(self) -> dict[str, TensorInfo]:
+        out = {}
+        for name in self.names():
+            target = self.manifest["aliases"].get(name, name)
+            if target in self.manifest["stacked"]:
+                s = self.manifest["stacked"][target]
+                first = self.manifest["tensors"][self._by_stacked[target][0]]
+                out[name] = TensorInfo(_torch_dtype(s["dtype"]), tuple(s["shape"]), str(self.path / first["file"]))
+            else:
+                e = self.manifest["tensors"][target]
+                out[name] = TensorInfo(_torch_dtype(e["dtype"]), tuple(e["shape"]), str(self.path / e["file"]))
+        return out
+
+    def read(self, name: str, index: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `name` (or row `index` of a stacked expert tensor), into `out` when given."""
+        target = self.manifest["aliases"].get(name, name)
+        if target in self.manifest["stacked"]:
+            experts = self._by_stacked[target]
+            if index is None:
+                t = torch.stack([self._tensor(experts[e]) for e in range(len(experts))])
+            elif index in experts:
+                t = self._tensor(experts[index])
+            else:
+                raise CheckpointError(f"{self.path}: '{name}' has no expert {index} (it has {len(experts)})")
+        elif index is not None:
+            t = self._tensor(target)[index]
+        else:
+            t = self._tensor(target)
+        if out is not None:
+            out.copy_(t)
+            return out
+        return t
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            yield name, self.read(name)
+
+    tensors = __iter__
+
+    def optimizer_state(self, name: str, index: int | None = None) -> dict[str, Any]:
+        """Optimizer state of parameter `name` (of expert `index` for a stacked one): {key: tensor or number}."""
+        ln = expert_name(name, index) if index is not None else name
+        numbers = self.manifest["optimizer_numbers"]
+        return {key: numbers[k] if k in numbers else self._tensor(k) for key, k in self._optim.get(ln, {}).items()}
+
+    def optimizer_keys(self, logical: str) -> list[str]:
+        """State keys saved for one logical tensor (`exp_avg`, ...); empty when it has no optimizer state."""
+        return sorted(self._optim.get(logical, {}))
+
+    # ---- the rest ----
+    @property
+    def state(self) -> dict[str, Any]:
+        """state.json: step, tokens, data position, layout, per-rank RNG and hook states."""
+        if self._state is None:
+            try:
+                self._state = json.loads(self._file("state.json").read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path / 'state.json'} is unreadable although its checksum matches "
+                                      f"({e})") from None
+        return self._state
+
+    @property
+    def config_yaml(self) -> str:
+        return self._file("config.yaml").read_text(encoding="utf-8")
+
+
+def read_checkpoint(path: str | Path) -> CheckpointReader:
+    """A reader of `path` after verifying every file; a failure names the file and the previous good checkpoint."""
+    path = Path(path)
+    try:
+        return CheckpointReader(path).verify()
+    except CheckpointError as e:
+        raise with_previous_hint(path, e) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# loading into a live model and optimizer
 
 
 @dataclass
-class CheckpointState:
-    """A verified checkpoint read into memory, not yet applied to anything."""
+class PendingLoad:
+    """Everything read and checked, nothing applied yet; `apply()` copies it in (cannot fail halfway on bad
+    data: every shape was checked when it was read)."""
 
-    path: Path
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    state: dict[str, Any]
-    config_yaml: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    optimizer_state: dict[str, Any] | None = None
+    needed: list[str] = field(default_factory=list)
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for dst, src in self.copies:
+                dst.copy_(src)
+        if self.optimizer is not None and self.optimizer_state is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
 
 
-def read_checkpoint(path: Path) -> CheckpointState:
-    """Verify and read a checkpoint; a failure names the file and the newest older checkpoint that is good."""
+def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
+    """The first way this rank's model differs from the checkpoint's, as a message; None when it fits."""
+    m = reader.manifest
+    fix = "resume with the model config the checkpoint was written with (its config.yaml)"
+    for stk, (_, E) in view.stacked.items():
+        saved = m["stacked"].get(stk)
+        if saved is not None and saved["num_experts"] != E:
+            return (f"{reader.path}: '{stk}' has {saved['num_experts']} experts in the checkpoint but {E} in this "
+                    f"model (moe.num_experts): {fix}")
+    for name, t in view.tensors.items():
+        entry = m["tensors"].get(name)
+        if entry is None:
+            if name in view.experts:
+                stk, e, _ = view.experts[name]
+                return (f"{reader.path} has no expert {e} of '{stk}' (layer tensor '{name}' is missing from the "
+                        f"manifest): the checkpoint is incomplete; resume from an older checkpoint")
+            return f"{reader.path} holds no tensor '{name}', which this model has: {fix}"
+        if list(entry["shape"]) != list(t.shape):
+            return (f"{reader.path}: '{name}' has shape {tuple(entry['shape'])} in the checkpoint but "
+                    f"{tuple(t.shape)} in this model: {fix}")
+    return None
+
+
+def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> PendingLoad:
+    """Read and check everything this rank's `module` (and `optimizer`) needs from `reader`; apply nothing.
+
+    Raises CheckpointError for a model that does not fit (names, shapes, expert counts) and for a missing,
+    truncated or corrupt file (the message then offers the previous good checkpoint)."""
+    view = _local_view(module)
+    problem = _mismatch(reader, view)
+    if problem is not None:
+        raise CheckpointError(problem)
+    pending = PendingLoad(module, optimizer, needed=sorted(view.tensors))
     try:
-        verify_checkpoint(path)
-        return _read_verified(path)
+        _ = reader.state  # checked here, so that a bad state.json fails before anything is applied
+        for name, dst in view.tensors.items():
+            pending.copies.append((dst, reader.read(name)))
+        if optimizer is not None:
+            pending.optimizer_state = _optimizer_state(reader, module, optimizer, view)
     except CheckpointError as e:
-        previous = latest_good_checkpoint(path.parent, before=path)
-        hint = (f"; the previous good checkpoint is {previous}: move {path.name} aside (or pass "
-                f"--resume-from {previous}) to continue from it") if previous else "; no older good checkpoint exists"
-        raise CheckpointError(f"{e}{hint}") from None
+        raise with_previous_hint(reader.path, e) from None
+    return pending
 
 
-def _read_verified(path: Path) -> CheckpointState:
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    try:
-        model = load_file(str(path / "model.safetensors"))
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-        opt_tensors = load_file(str(path / "optimizer.safetensors"))
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
-        raise CheckpointError(f"{path}: unreadable although its checksums match ({e})") from None
-    for alias, target in aliases.items():
-        model[alias] = model[target]
-    meta = state.pop("optimizer")
-    opt_state: dict[int, dict[str, Any]] = {}
-    for key, t in opt_tensors.items():
-        _, idx, name = key.split(".", 2)
-        opt_state.setdefault(int(idx), {})[name] = t
-    for idx, scalars in meta["scalars"].items():
-        opt_state.setdefault(int(idx), {}).update(scalars)
-    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
-    return CheckpointState(path=path, step=int(state["step"]), model=model,
-                           optimizer={"state": opt_state, "param_groups": groups}, state=state,
-                           config_yaml=(path / "config.yaml").read_text(encoding="utf-8"))
-
-
-def _check_shapes(ckpt: CheckpointState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    live = model.state_dict()
-    missing = sorted(set(live) - set(ckpt.model))
-    unexpected = sorted(set(ckpt.model) - set(live))
-    wrong = sorted(k for k in set(live) & set(ckpt.model) if tuple(live[k].shape) != tuple(ckpt.model[k].shape))
-    if missing or unexpected or wrong:
-        def show(xs: list[str]) -> str:
-            return ", ".join(xs[:3]) + (" ..." if len(xs) > 3 else "")
-
-        raise CheckpointError(f"{ckpt.path} does not match this model (missing: {show(missing) or '-'}; "
-                              f"unexpected: {show(unexpected) or '-'}; other shape: {show(wrong) or '-'}): "
-                              f"resume with the config the checkpoint was written with")
+def _optimizer_state(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer,
+                     view: _LocalView) -> dict[str, Any]:
+    """The optimizer's state dict (index-keyed, its own param groups) rebuilt from logical entries."""
+    names = {id(p): n for n, p in module.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved_sizes = [len(g["params"]) for g in ckpt.optimizer["param_groups"]]
-    if saved_sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(f"{ckpt.path}: optimizer parameter groups {saved_sizes} do not match this run's")
-    for idx, per_param in ckpt.optimizer["state"].items():
-        if not 0 <= idx < len(params):
-            raise CheckpointError(f"{ckpt.path}: optimizer state for parameter {idx} of {len(params)}")
-        for name, t in per_param.items():
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != tuple(params[idx].shape):
-                raise CheckpointError(f"{ckpt.path}: optimizer state {idx}.{name} has shape {tuple(t.shape)}, "
-                                      f"the parameter has {tuple(params[idx].shape)}")
+    state: dict[int, dict[str, Any]] = {}
+    for idx, p in enumerate(params):
+        name = names[id(p)]
+        rows = view.stacked[name][0] if name in view.stacked else None
+        lns = [name] if rows is None else [expert_name(name, e) for e in rows]
+        have = [reader.optimizer_keys(ln) for ln in lns]
+        if not any(have):
+            continue  # no state saved (a parameter the optimizer never stepped)
+        if any(h != have[0] for h in have):
+            bad = [ln for ln, h in zip(lns, have) if h != have[0]]
+            raise CheckpointError(f"{reader.path}: optimizer state of {bad[0]} is missing or differs from its "
+                                  f"layer's other experts")
+        per = [reader.optimizer_state(name, e) for e in rows] if rows is not None else [reader.optimizer_state(name)]
+        state[idx] = {key: _join_rows([s[key] for s in per], p, rows is not None, f"{name}:{key}", reader.path)
+                      for key in have[0]}
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
-def apply_checkpoint(ckpt: CheckpointState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load weights and optimizer state, after checking everything fits (never a partial load)."""
-    _check_shapes(ckpt, model, optimizer)
-    model.load_state_dict(ckpt.model, strict=True)
-    optimizer.load_state_dict(ckpt.optimizer)
+def _join_rows(values: list[Any], p: torch.Tensor, stacked: bool, what: str, path: Path) -> Any:
+    first = values[0]
+    if not stacked:
+        if isinstance(first, torch.Tensor) and first.dim() > 0 and tuple(first.shape) != tuple(p.shape):
+            raise CheckpointError(f"{path}: optimizer state '{what}' has shape {tuple(first.shape)}, the "
+                                  f"parameter has {tuple(p.shape)}")
+        return first
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        t = torch.stack(values)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{path}: optimizer state '{what}' stacks to {tuple(t.shape)}, the parameter "
+                                  f"has {tuple(p.shape)}")
+        return t
+    if any(not _same(v, first) for v in values[1:]):  # a per-parameter scalar (AdamW's step): one value
+        raise CheckpointError(f"{path}: optimizer state '{what}' differs between experts of one layer")
+    return first
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def apply_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """One process: load weights and optimizer state after checking everything fits (never a partial load)."""
+    load_agreed(reader, module, optimizer).apply()
+
+
+def load_agreed(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                gather: Callable[[Any], list[Any]] | None = None) -> PendingLoad:
+    """`load_checkpoint` on every rank of a job, agreed: raises on every rank if any rank failed (so none
+    applies a partial state), and checks that the ranks together need every model tensor the checkpoint
+    holds (a checkpoint of a bigger model does not load into a smaller one). `gather(obj)` returns every
+    rank's obj in rank order (an all-gather); None for one process."""
+    pending, error = None, None
+    try:
+        pending = load_checkpoint(reader, module, optimizer)
+    except CheckpointError as e:
+        error = str(e)
+    results = [(error, pending.needed if pending else [])] if gather is None else gather(
+        (error, pending.needed if pending else []))
+    for r, (err, _) in enumerate(results):
+        if err:
+            raise CheckpointError(err if err == error or gather is None else f"rank {r}: {err}")
+    needed = {n for _, names in results for n in names}
+    stored = {n for n in reader.manifest["tensors"] if ":" not in n}
+    extra = sorted(stored - needed)
+    if extra:
+        raise CheckpointError(f"{reader.path} holds tensors this model does not have ({', '.join(extra[:3])}"
+                              f"{' ...' if len(extra) > 3 else ''}): resume with the model config the checkpoint "
+                              f"was written with (its config.yaml)")
+    assert pending is not None
+    return pending

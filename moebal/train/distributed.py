@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from moebal.errors import ConfigError
 from moebal.planner.experts import ExpertPlanner, placement_metrics
 from moebal.planner.plan import ExpertPlacement
 from moebal.routing import RoutingStats
+from moebal.train.checkpoint import Checkpointer
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog
 
@@ -119,18 +121,28 @@ class RunContext:
                 p.grad.mul_(coef.to(p.grad.dtype))
         return total
 
-    def ckpt_dir(self, run_dir: Path) -> Path:
-        """Where this rank keeps its checkpoints: the run directory on rank 0, ranks/<r>/ elsewhere."""
-        return run_dir if self.dims.rank == 0 else run_dir / "ranks" / str(self.dims.rank)
-
-    def agreed_step(self, steps: list[int]) -> int | None:
-        """The newest checkpoint step every rank holds (None if there is none)."""
+    # ---- checkpoints (moebal/train/checkpoint.py) ----
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (JSON-like data), in rank order."""
         if not self.distributed:
-            return max(steps) if steps else None
-        gathered: list[Any] = [None] * self.dims.world_size
-        dist.all_gather_object(gathered, sorted(steps))
-        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
-        return max(common) if common else None
+            return [obj]
+        out: list[Any] = [None] * self.dims.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def layout(self) -> dict[str, int]:
+        """The parallel layout, as checkpoints record it (a resume under another one reshards)."""
+        d = self.dims
+        return {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
+
+    def checkpointer(self, run_dir: Path, keep: int, background: bool) -> Checkpointer:
+        """This rank's checkpoint writer. Every logical tensor is written once: dense ones by the first rank
+        of the stage's data x expert group, experts by the first rank of their data-parallel group.
+        Collective (the ranks agree on a session name for their temporary directories)."""
+        session = self.gather(f"{int(time.time())}-{os.getpid()}")[0]
+        return Checkpointer(run_dir, rank=self.dims.rank, ranks=range(self.dims.world_size),
+                            write_dense=self.dims.index("dp_ep") == 0, write_experts=self.dims.index("dp") == 0,
+                            keep=keep, background=background, session=session)
 
 
 class ExpertParallelHook(Hook):
@@ -223,7 +235,10 @@ class ExpertParallelHook(Hook):
             return
         from moebal.dist.calibrate import costs_from_dict
 
-        self.placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
+        placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
+        if len(placements) != len(self.planners) or any(p.num_ranks != self.ep.dims.size("ep") for p in placements):
+            return  # a checkpoint of another expert-parallel size: plan afresh (and measure this layout's costs)
+        self.placements = placements
         for pl, s in zip(self.planners, state["planners"]):
             pl.forecast_RE = None if s["forecast"] is None else np.asarray(s["forecast"], dtype=np.float64)
             pl.observed = int(s["observed"])

@@ -29,14 +29,12 @@ from moebal.data import Batch, DataBundle, build_data
 from moebal.errors import CheckpointError
 from moebal.routing import RoutingStats
 from moebal.train.checkpoint import (
-    CheckpointState,
-    apply_checkpoint,
+    CheckpointReader,
     find_checkpoints,
-    prune_checkpoints,
-    read_checkpoint,
+    load_agreed,
     restore_rng,
     rng_state,
-    save_checkpoint,
+    with_previous_hint,
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
@@ -116,6 +114,8 @@ class Trainer:
         self.last_val: float | None = None
         self._recent: list[dict[str, Any]] = []
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpointer = self.ctx.checkpointer(self.run_dir, cfg.train.keep_checkpoints, cfg.train.ckpt_async)
+        self.checkpoint_times: list[dict[str, float]] = []
         if ckpt is not None:
             self._restore(ckpt)
         if self.ctx.is_main:
@@ -124,39 +124,57 @@ class Trainer:
 
     # ---- resume -------------------------------------------------------------------------------------
 
-    def _find_resume(self, resume: bool | str | Path) -> CheckpointState | None:
+    def _find_resume(self, resume: bool | str | Path) -> CheckpointReader | None:
+        """The checkpoint to resume from, the same on every rank (the run directory must be shared)."""
         if resume is False:
             return None
-        if resume is True:
-            found = {_step_of_dir(p): p for p in find_checkpoints(self.ctx.ckpt_dir(self.run_dir))}
-            step = self.ctx.agreed_step(list(found))  # the newest step every rank holds
-            if step is None:
-                raise CheckpointError(f"nothing to resume in {self.run_dir}: it holds no checkpoint "
-                                      f"(run without --resume to start, or point --out at the run)")
-            return read_checkpoint(found[step])
-        return read_checkpoint(Path(resume))
+        found = find_checkpoints(self.run_dir) if resume is True else [Path(resume)]
+        error, reader = None, None
+        if not found:
+            error = (f"nothing to resume in {self.run_dir}: it holds no checkpoint (run without --resume to start, "
+                     f"or point --out at the run)")
+        else:
+            try:
+                reader = CheckpointReader(found[-1])
+            except CheckpointError as e:
+                error = str(with_previous_hint(found[-1], e))
+        seen = self.ctx.gather((str(found[-1]) if found else None, error))
+        errors = [e for _, e in seen if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        if len({p for p, _ in seen}) > 1:
+            raise CheckpointError(f"the ranks see different newest checkpoints ({sorted({p for p, _ in seen})}): "
+                                  f"the run directory must be on a filesystem every rank shares")
+        return reader
 
-    def _restore(self, ckpt: CheckpointState) -> None:
-        apply_checkpoint(ckpt, self.model, self.optimizer)
-        s = ckpt.state
-        self.data.train.load_state_dict(s["data"])
-        self.step, self.tokens, self.train_seconds = ckpt.step, int(s["tokens"]), float(s["train_seconds"])
+    def _restore(self, reader: CheckpointReader) -> None:
+        """Load under any layout: weights and optimizer state by logical name (experts follow their owner), the
+        data position (global), and RNG and hook states (this rank's own when the layout is the same, rank 0's
+        otherwise: random draws per rank cannot be mapped between layouts)."""
+        gather = self.ctx.gather if self.ctx.distributed else None
+        pending = load_agreed(reader, self.model, self.optimizer, gather)
+        s = reader.state
+        self.data.train.load_state_dict(s["data"])  # checks the data fits before anything is applied
+        pending.apply()
+        self.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
         self.last_val = s.get("last_val")
+        same = s.get("layout") == self.ctx.layout()
+        mine = s["ranks"][str(self.ctx.dims.rank) if same else "0"]
         for hook in self.hooks:
-            hook.load_state_dict(s.get("hooks", {}).get(hook.name, {}))
-        restore_rng(s["rng"])
+            hook.load_state_dict(mine.get("hooks", {}).get(hook.name, {}))
+        restore_rng(mine["rng"])
         if self.ctx.is_main:  # one writer: another rank rewriting the file could drop rank 0's new lines
-            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", ckpt.step)
+            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", reader.step)
 
     def save(self) -> Path:
-        """Checkpoint the current step and keep the newest `keep_checkpoints`."""
-        extra = {"data": self.data.train.state_dict(), "rng": rng_state(), "tokens": self.tokens,
-                 "train_seconds": self.train_seconds, "last_val": self.last_val,
-                 "hooks": {h.name: h.state_dict() for h in self.hooks}}
-        where = self.ctx.ckpt_dir(self.run_dir)
-        where.mkdir(parents=True, exist_ok=True)
-        path = save_checkpoint(where, self.step, self.model, self.optimizer, extra, dump(self.cfg))
-        prune_checkpoints(where, self.cfg.train.keep_checkpoints)
+        """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
+        `keep_checkpoints` are kept."""
+        global_state = {"data": self.data.train.state_dict(), "tokens": self.tokens,
+                        "train_seconds": self.train_seconds, "last_val": self.last_val}
+        rank_state = {"rng": rng_state(), "hooks": {h.name: h.state_dict() for h in self.hooks}}
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, global_state=global_state,
+                                      rank_state=rank_state, config_yaml=dump(self.cfg), layout=self.ctx.layout())
+        self.checkpoint_times.append({"step": self.step, "blocked_s": self.checkpointer.last_blocked_s})
         return path
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -285,10 +303,14 @@ class Trainer:
                     self.save()
                 if interrupted or timed_out:
                     break
+        except BaseException:
+            self.checkpointer.wait_quietly()  # let a save in flight finish; the loop's error is the one to see
+            raise
         finally:
             progress.close()
             if log is not None:
                 log.close()
+        self.checkpointer.wait()  # the last checkpoint is complete (or its error raised) before the run ends
         if self.step >= t.steps or timed_out:
             for hook in self.hooks:
                 hook.on_end(self)
@@ -316,5 +338,3 @@ class Trainer:
                          load_imbalance=imbalance, dropped=sum(sum(r.get("dropped", [])) for r in recent))
 
 
-def _step_of_dir(path: Path) -> int:
-    return int(path.name.split("-")[-1])

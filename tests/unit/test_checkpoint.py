@@ -1,10 +1,12 @@
-"""Checkpoints: round trip, atomic writes, verification, clear errors, never a partial load, no pickle."""
+"""Checkpoints: round trip, logical names, the read API, atomic writes, verification, one clear error per
+kind of damage or mismatch, never a partial load, no pickle, several writers, background writing."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +16,14 @@ from torch import nn
 
 from moebal.config import TrainConfig
 from moebal.errors import CheckpointError
+from moebal.models import build_model
 from moebal.train.checkpoint import (
+    Checkpointer,
+    CheckpointReader,
     apply_checkpoint,
     find_checkpoints,
     latest_good_checkpoint,
+    load_checkpoint,
     prune_checkpoints,
     read_checkpoint,
     restore_rng,
@@ -25,135 +31,204 @@ from moebal.train.checkpoint import (
     save_checkpoint,
 )
 from moebal.train.optim import build_optimizer
+from tests.unit.test_train import tiny
+
+W1 = "model.layers.0.block_sparse_moe.experts.w1"
 
 
-class Tiny(nn.Module):
-    def __init__(self, dim: int = 8, tie: bool = False) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, 16)
-        self.register_buffer("bias_E", torch.zeros(4))
-        if tie:
-            self.head.weight = self.emb.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.emb(ids)))
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: a second thread only adds contention on a busy machine (fused AdamW took 0.15 s/step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-def _trained(dim: int = 8, tie: bool = False, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _trained(*overrides: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The tiny MoE model (4 experts per layer) after 2 AdamW steps on a cheap random quadratic loss (every
+    parameter and every expert row gets its own optimizer state)."""
+    cfg = tiny(*overrides)
     torch.manual_seed(seed)
-    model = Tiny(dim, tie)
+    model = build_model(cfg)
     opt = build_optimizer(model, TrainConfig())
-    for _ in range(3):
-        ids = torch.randint(0, 16, (4, 5))
-        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    for _ in range(2):
+        sum((p * torch.randn_like(p)).square().sum() for p in model.parameters()).backward()
         opt.step()
         opt.zero_grad()
-    model.bias_E += 1.5
     return model, opt
 
 
-def _save(run: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> Path:
+def _save(run: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer | None, **kw) -> Path:
     return save_checkpoint(run, step, model, opt, {"data": {"epoch": 1, "index": step}, "rng": rng_state()},
-                           "name: test\n")
+                           "name: test\n", **kw)
+
+
+def _same_state(a: nn.Module, b: nn.Module, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    for pa, pb in zip(oa.state.values(), ob.state.values()):
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_round_trip_restores_weights_buffers_optimizer_and_rng(tmp_path, tie):
-    model, opt = _trained(tie=tie)
+def test_round_trip_restores_weights_optimizer_and_state(tmp_path, tie):
+    model, opt = _trained(f"model.tie_embeddings={str(tie).lower()}")
     random.seed(5)
     np.random.seed(6)
     torch.manual_seed(7)
     path = _save(tmp_path, 3, model, opt)
     want = (random.random(), np.random.rand(), torch.rand(1))
-    assert sorted(p.name for p in path.iterdir()) == ["config.yaml", "manifest.json", "model.safetensors",
-                                                      "optimizer.safetensors", "state.json"]
-    ckpt = read_checkpoint(path)
-    fresh, fresh_opt = _trained(tie=tie, seed=1)
-    apply_checkpoint(ckpt, fresh, fresh_opt)
-    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert sorted(p.name for p in path.iterdir()) == ["config.yaml", "manifest.json", "model-r00000.safetensors",
+                                                      "optim-r00000.safetensors", "state.json"]
+    reader = read_checkpoint(path)
+    fresh, fresh_opt = _trained(f"model.tie_embeddings={str(tie).lower()}", seed=1)
+    apply_checkpoint(reader, fresh, fresh_opt)
+    _same_state(model, fresh, opt, fresh_opt)
     if tie:
-        assert fresh.head.weight.data_ptr() == fresh.emb.weight.data_ptr()  # still tied after loading
-    for pa, pb in zip(opt.state.values(), fresh_opt.state.values()):
-        assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    assert fresh_opt.param_groups[0]["betas"] == opt.param_groups[0]["betas"]
-    restore_rng(ckpt.state["rng"])
+        assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+    restore_rng(reader.state["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == want
-    assert ckpt.state["data"] == {"epoch": 1, "index": 3} and ckpt.step == 3
-    # one more identical optimizer step from both
-    for m, o in ((model, opt), (fresh, fresh_opt)):
+    assert reader.state["data"] == {"epoch": 1, "index": 3} and reader.step == 3
+    for m, o in ((model, opt), (fresh, fresh_opt)):  # one more identical step from both
         torch.manual_seed(0)
-        ids = torch.randint(0, 16, (4, 5))
-        nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward()
+        sum((p * torch.randn_like(p)).square().sum() for p in m.parameters()).backward()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_experts_are_stored_by_logical_id_and_read_back_stacked(tmp_path):
+    model, opt = _trained()
+    path = _save(tmp_path, 1, model, opt)
+    manifest = json.loads((path / "manifest.json").read_text())
+    stored = set(manifest["tensors"])
+    assert {f"model.layers.0.block_sparse_moe.experts.{e}.w1" for e in range(4)} <= stored
+    assert W1 not in stored and f"{W1.replace('w1', '2.w1')}:exp_avg" in stored
+    reader = CheckpointReader(path)
+    live = model.state_dict()
+    info = reader.info()
+    assert sorted(info) == sorted(live)  # the model's own names, experts stacked again
+    assert info[W1].shape == tuple(live[W1].shape) and info[W1].dtype == torch.float32
+    assert torch.equal(reader.read(W1), live[W1]) and torch.equal(reader.read(W1, index=2), live[W1][2])
+    names = [name for name, _ in reader]
+    assert names == sorted(live) and all(torch.equal(t, live[n]) for n, t in reader)
+    state = reader.optimizer_state(W1, index=1)
+    assert torch.equal(state["exp_avg"], opt.state[model.model.layers[0].block_sparse_moe.experts.w1]["exp_avg"][1])
 
 
 def test_write_is_atomic_a_crash_before_the_rename_leaves_no_checkpoint(tmp_path, monkeypatch):
     model, opt = _trained()
     good = _save(tmp_path, 1, model, opt)
+    real = os.replace
 
-    def crash(*args, **kwargs):
-        raise OSError("simulated crash")
+    def crash(src, dst):
+        if Path(dst).name.startswith("ckpt-"):
+            raise OSError("simulated crash")
+        real(src, dst)
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated"):
         _save(tmp_path, 2, model, opt)
     monkeypatch.undo()
     assert find_checkpoints(tmp_path) == [good]  # the half-written one is invisible
-    assert any(p.name.startswith(".ckpt-0000002.tmp") for p in tmp_path.iterdir())
+    assert any(p.name.startswith(".ckpt-0000002.") and p.name.endswith(".tmp") for p in tmp_path.iterdir())
     assert latest_good_checkpoint(tmp_path) == good
-    prune_checkpoints(tmp_path, keep=2)
-    assert find_checkpoints(tmp_path) == [good]
+    prune_checkpoints(tmp_path, keep=2, session="another")
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]
 
 
-def test_prune_keeps_the_newest(tmp_path):
+def test_the_newest_k_are_kept_and_the_previous_survives_a_failed_save(tmp_path, monkeypatch):
     model, opt = _trained()
     for step in (1, 2, 3, 4):
-        _save(tmp_path, step, model, opt)
-        prune_checkpoints(tmp_path, keep=2)
+        _save(tmp_path, step, model, opt, keep=2)
+    assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003", "ckpt-0000004"]
+    monkeypatch.setattr("moebal.train.checkpoint._merge_notes", lambda *a: (_ for _ in ()).throw(OSError("full")))
+    with pytest.raises(OSError, match="full"):
+        _save(tmp_path, 5, model, opt, keep=1)
     assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003", "ckpt-0000004"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
-@pytest.mark.parametrize("target", ["model.safetensors", "optimizer.safetensors", "state.json"])
-def test_damaged_checkpoint_names_the_file_and_offers_the_previous_good_one(tmp_path, damage, target):
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("target", ["model-r00000.safetensors", "optim-r00000.safetensors", "state.json"])
+def test_a_damaged_file_is_named_and_the_previous_good_checkpoint_offered(tmp_path, damage, target):
     model, opt = _trained()
     previous = _save(tmp_path, 1, model, opt)
     latest = _save(tmp_path, 2, model, opt)
-    f = latest / ("manifest.json" if damage == "manifest" else target)
+    f = latest / target
     data = f.read_bytes()
     if damage == "flip":
         f.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
-        expect = f"{f} is corrupt"
+        expect = f"{f} is corrupt: its sha256 does not match"
     elif damage == "truncate":
         f.write_bytes(data[: len(data) // 2])
-        expect = "truncated"
-    elif damage == "delete":
-        f.unlink()
-        expect = f"{f} is missing"
+        expect = f"{f} has {len(data) // 2} bytes, the manifest says {len(data)} (truncated?)"
     else:
         f.unlink()
-        expect = "incomplete"
-    with pytest.raises(CheckpointError, match="previous good checkpoint") as err:
-        read_checkpoint(latest)
-    assert expect in str(err.value) and str(previous) in str(err.value)
+        expect = f"{f} is missing"
+    fresh, fresh_opt = _trained(seed=3)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError) as err:
+        apply_checkpoint(CheckpointReader(latest), fresh, fresh_opt)
+    assert expect in str(err.value)
+    assert f"the previous good checkpoint is {previous}" in str(err.value)
+    assert f"--resume-from {previous}" in str(err.value)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing loaded
     assert latest_good_checkpoint(tmp_path) == previous
-    read_checkpoint(previous)  # the older one still loads
+    apply_checkpoint(read_checkpoint(previous), fresh, fresh_opt)  # the older one still loads
 
 
-def test_mismatched_model_is_rejected_before_anything_changes(tmp_path):
-    model, opt = _trained(dim=8)
+@pytest.mark.parametrize("damage", ["missing", "garbage", "format"])
+def test_a_bad_manifest_has_its_own_message(tmp_path, damage):
+    model, opt = _trained()
+    _save(tmp_path, 1, model, opt)
+    latest = _save(tmp_path, 2, model, opt)
+    m = latest / "manifest.json"
+    if damage == "missing":
+        m.unlink()
+        expect = "manifest.json is missing: the checkpoint is incomplete"
+    elif damage == "garbage":
+        m.write_text("{not json")
+        expect = "manifest.json is corrupt"
+    else:
+        m.write_text(json.dumps({**json.loads(m.read_text()), "format": 1}))
+        expect = "checkpoint format 1, this moebal reads format 2"
+    with pytest.raises(CheckpointError, match="previous good checkpoint is .*ckpt-0000001") as err:
+        read_checkpoint(latest)
+    assert expect in str(err.value)
+
+
+def _unchanged_after(fn, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    fn()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(opt_before[id(p)][k], v) for p, s in opt.state.items() for k, v in s.items())
+
+
+@pytest.mark.parametrize("case", ["shape", "more-experts", "fewer-experts", "missing-expert", "more-layers"])
+def test_a_mismatched_checkpoint_has_its_own_error_and_loads_nothing(tmp_path, case):
+    saved_cfg = {"shape": ["model.dim=64"], "more-experts": ["moe.num_experts=8"], "fewer-experts":
+                 ["moe.num_experts=2"], "missing-expert": [], "more-layers": ["model.n_layers=3"]}[case]
+    model, opt = _trained(*saved_cfg)
     path = _save(tmp_path, 1, model, opt)
-    other, other_opt = _trained(dim=12, seed=3)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
-    opt_before = json.dumps({k: v.tolist() for k, v in other_opt.state[other.emb.weight].items()})
-    with pytest.raises(CheckpointError, match="does not match this model.*other shape: emb.weight"):
-        apply_checkpoint(read_checkpoint(path), other, other_opt)
-    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-    assert json.dumps({k: v.tolist() for k, v in other_opt.state[other.emb.weight].items()}) == opt_before
+    expect = {"shape": r"'model.embed_tokens.weight' has shape \(256, 64\) in the checkpoint but \(256, 32\)",
+              "more-experts": f"'{W1}' has 8 experts in the checkpoint but 4 in this model",
+              "fewer-experts": f"'{W1}' has 2 experts in the checkpoint but 4 in this model",
+              "missing-expert": f"has no expert 3 of '{W1}'",
+              "more-layers": r"holds tensors this model does not have \(model.layers.2"}[case]
+    if case == "missing-expert":  # a manifest that lost an expert (its shard would still verify)
+        m = json.loads((path / "manifest.json").read_text())
+        lost = W1.replace("w1", "3.w1")
+        del m["tensors"][lost], m["experts"][lost]
+        (path / "manifest.json").write_text(json.dumps(m))
+    other, other_opt = _trained(*(["model.dim=32"] if case == "shape" else []), seed=3)
+
+    def load() -> None:
+        with pytest.raises(CheckpointError, match=expect) as err:
+            apply_checkpoint(CheckpointReader(path), other, other_opt)
+        assert "previous good checkpoint" not in str(err.value)  # not a damaged file: an older one is no help
+
+    _unchanged_after(load, other, other_opt)
 
 
 def test_loading_never_unpickles(tmp_path, monkeypatch):
@@ -169,4 +244,92 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     fresh, fresh_opt = _trained(seed=2)
     apply_checkpoint(read_checkpoint(path), fresh, fresh_opt)
-    assert torch.equal(fresh.head.weight, model.head.weight)
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+def _shard(model: nn.Module, opt: torch.optim.Optimizer, rank: int, ranks: int) -> tuple[nn.Module,
+                                                                                          torch.optim.Optimizer]:
+    """What expert parallelism leaves on `rank` of `ranks`: its rows of every stacked expert tensor (and of
+    their optimizer state), with their logical ids."""
+    import copy
+
+    m = copy.deepcopy(model)
+    o = build_optimizer(m, TrainConfig())
+    o.load_state_dict(opt.state_dict())
+    for layer in m.moe_layers():
+        ex = layer.experts
+        per = ex.num_experts // ranks
+        rows = slice(rank * per, (rank + 1) * per)
+        for name in ex.stacked_expert_params:
+            old = getattr(ex, name)
+            new = nn.Parameter(old.detach()[rows].clone())
+            state = o.state.pop(old)
+            o.state[new] = {k: (v[rows].clone() if v.dim() else v.clone()) for k, v in state.items()}
+            for g in o.param_groups:
+                g["params"] = [new if p is old else p for p in g["params"]]
+            setattr(ex, name, new)
+        ex.expert_ids = tuple(range(rows.start, rows.stop))
+    return m, o
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_ranks_write_their_experts_and_one_process_reads_the_whole(tmp_path, background):
+    """Two writers (threads standing in for two expert-parallel ranks): each writes its experts, rank 0 the
+    dense tensors too; the checkpoint loads into the unsharded model, and into a 4-way sharding."""
+    model, opt = _trained()
+    parts = [_shard(model, opt, r, 2) for r in range(2)]
+    writers = [Checkpointer(tmp_path, rank=r, ranks=[0, 1], write_dense=r == 0, background=background,
+                            session="s") for r in range(2)]
+
+    def save(r: int) -> None:
+        writers[r].save(7, parts[r][0], parts[r][1], global_state={"data": {}}, rank_state={"rank": r},
+                        config_yaml="x: 1\n", layout={"ep": 2})
+        writers[r].wait()
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    path = tmp_path / "ckpt-0000007"
+    assert sorted(p.name for p in path.iterdir() if "safetensors" in p.name) == [
+        "model-r00000.safetensors", "model-r00001.safetensors", "optim-r00000.safetensors",
+        "optim-r00001.safetensors"]
+    reader = read_checkpoint(path)
+    assert reader.state["ranks"] == {"0": {"rank": 0}, "1": {"rank": 1}} and reader.state["layout"] == {"ep": 2}
+    whole, whole_opt = _trained(seed=5)
+    apply_checkpoint(reader, whole, whole_opt)
+    _same_state(model, whole, opt, whole_opt)
+    four, four_opt = _shard(*_trained(seed=6), rank=3, ranks=4)
+    with pytest.raises(CheckpointError, match="holds tensors this model does not have"):
+        apply_checkpoint(reader, four, four_opt)  # alone, a quarter of the experts does not cover it
+    load_checkpoint(reader, four, four_opt).apply()  # as rank 3 of 4 (coverage is checked over all ranks)
+    ex = four.model.layers[1].block_sparse_moe.experts
+    assert torch.equal(ex.w2, model.model.layers[1].block_sparse_moe.experts.w2[3:4])
+    assert torch.equal(four_opt.state[ex.w2]["exp_avg_sq"], opt.state[
+        model.model.layers[1].block_sparse_moe.experts.w2]["exp_avg_sq"][3:4])
+
+
+def test_a_rank_that_fails_to_write_fails_the_checkpoint_and_keeps_the_previous(tmp_path):
+    model, opt = _trained()
+    parts = [_shard(model, opt, r, 2) for r in range(2)]
+    good = _save(tmp_path, 1, model, opt)
+    writers = [Checkpointer(tmp_path, rank=r, ranks=[0, 1], write_dense=r == 0, session="s", timeout_s=30)
+               for r in range(2)]
+    errors: dict[int, str] = {}
+
+    def save(r: int) -> None:
+        state = {"bad": object()} if r == 1 else {}
+        try:
+            writers[r].save(2, parts[r][0], parts[r][1], global_state={}, rank_state=state, config_yaml="")
+        except Exception as e:  # noqa: BLE001
+            errors[r] = str(e)
+
+    rank1 = threading.Thread(target=save, args=(1,))
+    rank1.start()
+    rank1.join()
+    assert "not JSON serializable" in errors[1]  # refused in the caller, before writing anything
+    writers[0].timeout_s = 0.5  # rank 1 never wrote: rank 0 must time out, not hang
+    save(0)
+    assert "ranks [1] did not write their part" in errors[0] and "shared" in errors[0]
+    assert find_checkpoints(tmp_path) == [good]
