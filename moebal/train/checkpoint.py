@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from moebal.errors import CheckpointError
+from moebal.models.tensor_io import TensorInfo
 
 __all__ = [
     "Checkpointer",
@@ -574,27 +575,6 @@ def with_previous_hint(path: Path, err: CheckpointError) -> CheckpointError:
 # reading: the public read API
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the reader knows about a tensor before reading it."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    where: str
-    """The file holding it (the first expert's file for a stacked tensor)."""
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -635,23 +615,24 @@ class CheckpointReader:
             self._verified.add(name)
         return self.path / name
 
-    def _tensor(self, key: str) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
+    def _tensor(self, key: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
+        """Stored tensor `key`, read with plain reads at its offsets (no memory map: pages a reader touched
+        would count as its resident memory)."""
+        from moebal.models.tensor_io import FileSource
 
         entry = self.manifest["tensors"].get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} holds no tensor '{key}'")
         file = entry["file"]
-        try:
-            if file not in self._handles:
-                self._handles[file] = safe_open(str(self._file(file)), framework="pt")
-            t = self._handles[file].get_tensor(key)
-        except (SafetensorError, OSError, KeyError) as e:
-            raise CheckpointError(f"{self.path / file}: unreadable although its checksum matches ({e})") from None
-        if list(t.shape) != list(entry["shape"]):
-            raise CheckpointError(f"{self.path / file}: '{key}' has shape {tuple(t.shape)}, the manifest says "
-                                  f"{tuple(entry['shape'])}")
-        return t
+        if file not in self._handles:
+            self._handles[file] = FileSource(self._file(file))
+        src = self._handles[file]
+        if key not in src.entries:
+            raise CheckpointError(f"{self.path / file} lacks '{key}', which the manifest places there")
+        if list(src.entries[key].shape) != list(entry["shape"]):
+            raise CheckpointError(f"{self.path / file}: '{key}' has shape {tuple(src.entries[key].shape)}, the "
+                                  f"manifest says {tuple(entry['shape'])}")
+        return src.read(key, index, out)
 
     def verify(self) -> CheckpointReader:
         """Check every file now (instead of on first use)."""
@@ -660,6 +641,8 @@ class CheckpointReader:
         return self
 
     def close(self) -> None:
+        for src in self._handles.values():
+            src.close()
         self._handles.clear()
 
     def __enter__(self) -> CheckpointReader:
@@ -692,20 +675,16 @@ class CheckpointReader:
         target = self.manifest["aliases"].get(name, name)
         if target in self.manifest["stacked"]:
             experts = self._by_stacked[target]
-            if index is None:
-                t = torch.stack([self._tensor(experts[e]) for e in range(len(experts))])
-            elif index in experts:
-                t = self._tensor(experts[index])
-            else:
-                raise CheckpointError(f"{self.path}: '{name}' has no expert {index} (it has {len(experts)})")
-        elif index is not None:
-            t = self._tensor(target)[index]
-        else:
-            t = self._tensor(target)
-        if out is not None:
-            out.copy_(t)
-            return out
-        return t
+            if index is None:  # assembled in place, expert by expert
+                s = self.manifest["stacked"][target]
+                whole = out if out is not None else torch.empty(s["shape"], dtype=_torch_dtype(s["dtype"]))
+                for e in range(len(experts)):
+                    self._tensor(experts[e], whole[e])
+                return whole
+            if index in experts:
+                return self._tensor(experts[index], out)
+            raise CheckpointError(f"{self.path}: '{name}' has no expert {index} (it has {len(experts)})")
+        return self._tensor(target, out, index)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():

@@ -1,14 +1,12 @@
 """Consolidated weights of a training checkpoint, and their export as a HF checkpoint.
 
 `checkpoint_weights(path)` presents a run's checkpoint as one `TensorSource` under moebal's names with every
-expert of a layer stacked by logical expert id, whatever expert-parallel layout wrote it: each expert row is
-read from the rank file that holds it, one row at a time, so a consolidated export of a sharded checkpoint
-never gathers the model in memory. `path` is a checkpoint directory (`ckpt-<step>`) or a run directory (its
-newest checkpoint).
-
-The format read here is `moebal/train/checkpoint.py`'s: rank 0's weights in `RUN/ckpt-N/model.safetensors`,
-rank r's in `RUN/ranks/r/ckpt-N/model.safetensors`, experts sharded in contiguous blocks of logical ids
-(`default_owners`) over the first `ep` ranks, every file verified against its manifest before it is read.
+expert of a layer stacked by logical expert id, whatever layout wrote it. It is a thin view of
+`moebal.train.checkpoint.CheckpointReader`: checkpoints store every expert as its own tensor keyed by layer
+and logical expert id, so each expert row is read from the rank file that holds it, one row at a time, and a
+consolidated export of a sharded checkpoint never gathers the model in memory. Every file is verified
+against the manifest (size, sha256) before it is read. `path` is a checkpoint directory (`ckpt-<step>`) or a
+run directory (its newest checkpoint).
 
 `ExportHook` writes `hf.export_to` at the end of training from the final checkpoint.
 """
@@ -23,18 +21,16 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.errors import CheckpointError
-from moebal.models.tensor_io import FileSource, TensorInfo
+from moebal.models.tensor_io import TensorInfo
 from moebal.train.hooks import Hook
 
 __all__ = ["CheckpointWeights", "ExportHook", "checkpoint_weights", "export_checkpoint"]
-
-_EXPERT_SUFFIXES = (".experts.w1", ".experts.w3", ".experts.w2")
 
 
 def _resolve(path: Path) -> Path:
     from moebal.train.checkpoint import find_checkpoints
 
-    if (path / "manifest.json").is_file() and (path / "model.safetensors").is_file():
+    if (path / "manifest.json").is_file():
         return path
     found = find_checkpoints(path)
     if not found:
@@ -43,87 +39,37 @@ def _resolve(path: Path) -> Path:
     return found[-1]
 
 
-def _read_config(ckpt: Path) -> Config:
+def _read_config(text: str, where: Path) -> Config:
     import yaml
 
     try:
-        data = yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise CheckpointError(f"{ckpt}/config.yaml: unreadable ({' '.join(str(e).split())})") from None
-    return from_dict(data, source=str(ckpt / "config.yaml"))
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{where}: unreadable ({' '.join(str(e).split())})") from None
+    return from_dict(data, source=str(where))
 
 
 class CheckpointWeights:
-    """A run checkpoint's model weights, consolidated over expert-parallel ranks (a `TensorSource`)."""
+    """A run checkpoint's model weights, consolidated over ranks (a `TensorSource`)."""
 
     def __init__(self, path: str | Path) -> None:
-        from moebal.train.checkpoint import verify_checkpoint
+        from moebal.train.checkpoint import CheckpointReader, with_previous_hint
 
         self.path = _resolve(Path(path))
-        self.config = _read_config(self.path)
-        if self.config.parallel.pp > 1:
-            raise CheckpointError(f"{self.path} was written by a pipeline-parallel run (parallel.pp > 1), whose "
-                                  f"stages keep their own layers; export its weights from a run with pp=1")
-        verify_checkpoint(self.path)
-        self.files = [FileSource(self.path / "model.safetensors")]
-        self.aliases = self._aliases(self.files[0])
-        E = self.config.moe.num_experts
-        local = self._local_experts(self.files[0])
-        self.ep = E // local if local else 1
-        run = self.path.parent
-        for r in range(1, self.ep):
-            shard = run / "ranks" / str(r) / self.path.name
-            if not shard.is_dir():
-                raise CheckpointError(f"{shard} is missing: the checkpoint was written by {self.ep} expert-parallel "
-                                      f"ranks and rank {r}'s shard holds experts {r * local}..{(r + 1) * local - 1}")
-            verify_checkpoint(shard)
-            self.files.append(FileSource(shard / "model.safetensors"))
-        self.per_rank = local
-
-    @staticmethod
-    def _aliases(f: FileSource) -> dict[str, str]:
-        import json
-
-        return dict(json.loads(f.metadata.get("aliases", "{}")))
-
-    def _local_experts(self, f: FileSource) -> int:
-        rows = {e.shape[0] for n, e in f.entries.items() if n.endswith(_EXPERT_SUFFIXES)}
-        if len(rows) > 1:
-            raise CheckpointError(f"{f.path}: expert tensors hold different numbers of experts {sorted(rows)}")
-        local = rows.pop() if rows else 0
-        E = self.config.moe.num_experts
-        if local and E % local:
-            raise CheckpointError(f"{f.path}: {local} experts per rank do not divide moe.num_experts={E}")
-        return local
-
-    def _is_expert(self, name: str) -> bool:
-        return name.endswith(_EXPERT_SUFFIXES)
+        try:
+            self.reader = CheckpointReader(self.path)
+            self.config = _read_config(self.reader.config_yaml, self.path / "config.yaml")
+        except CheckpointError as e:
+            raise with_previous_hint(self.path, e) from None
 
     def info(self) -> dict[str, TensorInfo]:
-        out = {}
-        for name, t in self.files[0].info().items():
-            shape = (self.config.moe.num_experts, *t.shape[1:]) if self._is_expert(name) else t.shape
-            out[name] = TensorInfo(t.dtype, tuple(shape), t.where)
-        for alias, target in self.aliases.items():
-            out[alias] = out[target]
-        return out
+        return self.reader.info()
 
     def read(self, name: str, index: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        name = self.aliases.get(name, name)
-        if not self._is_expert(name):
-            return self.files[0].read(name, index, out)
-        if index is None:  # the whole stacked tensor: rank by rank (only for callers that want it whole)
-            parts = [f.read(name) for f in self.files]
-            whole = torch.cat(parts)
-            if out is not None:
-                out.copy_(whole)
-                return out
-            return whole
-        return self.files[index // self.per_rank].read(name, index % self.per_rank, out)
+        return self.reader.read(name, index, out)
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        self.reader.close()
 
 
 def checkpoint_weights(path: str | Path) -> CheckpointWeights:
