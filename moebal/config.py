@@ -34,6 +34,7 @@ __all__ = [
     "ParallelConfig",
     "PipelineConfig",
     "PlannerConfig",
+    "SchedulerConfig",
     "TrainConfig",
     "dump",
     "from_dict",
@@ -255,6 +256,33 @@ class DynamicMicroBatchConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class SchedulerConfig:
+    """Communication scheduling under expert parallelism: priorities, chunked collectives, overlap."""
+
+    mode: Literal["off", "ddp", "lina"] = "lina"
+    """Gradient sync: after the backward pass (off), bucketed and concurrent with the all-to-alls (ddp), or in
+    chunks issued only while no all-to-all is queued or in flight (lina)."""
+    chunk_mb: float | None = None
+    """Gradient all-reduce chunk in MB (lina); null: from the measured or profiled all-reduce latency."""
+    bucket_mb: float = 25.0
+    """Bucket size in MB of the ddp mode (PyTorch DDP's default)."""
+    inflight: int = 1
+    """Gradient chunks in flight at once (lina)."""
+    lookahead: bool = True
+    """Hold gradient chunks from the start of a backward combine, when an all-to-all is imminent (lina)."""
+    a2a_chunks: int | None = None
+    """Token chunks per all-to-all, expert compute pipelined with them; null: per layer from the cost model."""
+    block_overlap: bool = False
+    """Pro-Prophet: Trans of the next MoE layer under this layer's compute, Agg under the backward (eq. 8)."""
+    timeout_s: float = 120.0
+    """A collective not finished after this many seconds stops the run on every rank with an error."""
+    trace_step: int = 3
+    """Write comm_trace.json (Chrome trace of every rank) for this step; 0: none."""
+    events: bool = True
+    """Write every collective of every step to comm/rank<r>.jsonl in the run directory."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class PipelineConfig:
     """Pipeline stages (parallel.pp > 1): schedule, micro-batches and per-iteration layer rebalancing."""
 
@@ -411,6 +439,8 @@ class Config:
     """Parallel layout."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Expert placement planning (used when parallel.ep > 1)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Communication scheduling (used when parallel.ep > 1)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     """Pipeline schedule and layer rebalancing (used when parallel.pp > 1)."""
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)
@@ -704,6 +734,7 @@ def _check_whole(c: Config) -> None:
         _need(c.dynamism.scheme in ("none", "moe"),
               f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported yet (its per-token state and frozen "
               f"layers change what crosses stages): use dynamism.scheme none")
+    _check_scheduler(c.scheduler)
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -759,6 +790,16 @@ def _check_pipeline(p: PipelineConfig) -> None:
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "
                                                     f"got {p.memory_cap}")
+
+
+def _check_scheduler(s: SchedulerConfig) -> None:
+    _need(s.chunk_mb is None or s.chunk_mb > 0, f"'scheduler.chunk_mb' must be positive or null; got {s.chunk_mb}")
+    _need(s.bucket_mb > 0, f"'scheduler.bucket_mb' must be positive; got {s.bucket_mb}")
+    _need(s.inflight >= 1, f"'scheduler.inflight' must be at least 1; got {s.inflight}")
+    _need(s.a2a_chunks is None or 1 <= s.a2a_chunks <= 64,
+          f"'scheduler.a2a_chunks' must be in 1..64 or null (chosen per layer); got {s.a2a_chunks}")
+    _need(s.timeout_s > 0, f"'scheduler.timeout_s' must be positive; got {s.timeout_s}")
+    _need(s.trace_step >= 0, f"'scheduler.trace_step' must be >= 0 (0: no trace); got {s.trace_step}")
 
 
 def _check_train(t: TrainConfig) -> None:

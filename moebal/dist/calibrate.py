@@ -23,10 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.dist.expert_parallel import ExpertParallelDispatcher, _group_plan
+from moebal.dist.expert_parallel import ExpertParallelDispatcher
+from moebal.planner.comm import CommCosts
 from moebal.planner.perf import MoELayerCosts
+from moebal.scheduler.exchange import group_plan
 
-__all__ = ["costs_from_dict", "costs_to_dict", "describe", "measure_layer_costs"]
+__all__ = ["costs_from_dict", "costs_to_dict", "describe", "measure_comm_costs", "measure_layer_costs"]
 
 
 def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
@@ -51,7 +53,7 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
     gen = torch.Generator(device=dev).manual_seed(0)  # private: the run's RNG streams stay where they are
     x = torch.randn(rows, D, device=dev, dtype=dtype, generator=gen)
     counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
-    plan = _group_plan(counts, dev)
+    plan = group_plan(counts, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def expert_fwd() -> None:
@@ -104,3 +106,60 @@ def describe(costs: MoELayerCosts) -> dict[str, Any]:
     return {"expert_tokens_per_s": round(costs.expert_tokens_per_s, 1),
             "a2a_GBps": round(costs.a2a_bw(0) / 1e9, 3), "trans_GBps": round(costs.trans_bandwidth / 1e9, 3),
             "expert_param_MB": round(costs.expert_param_bytes / 1e6, 3)}
+
+
+def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: int, layer: MoELayerCosts,
+                       repeats: int = 5) -> CommCosts:
+    """The communication model's coefficients on the running job (collective over every rank):
+
+    - gradient all-reduce latency and bandwidth: a two-point fit of all-reduces of 16 KB and 4 MB over the
+      stage's ranks (alpha + S / beta);
+    - all-to-all latency: an all-to-all of 8 bytes per rank;
+    - overlap: the share of an all-to-all (one step's size) that runs concurrently with expert compute of the
+      same duration order when both are in flight: (t_compute + t_a2a - t_both) / min(t_compute, t_a2a),
+      clipped to [0, 1]. On a GPU this is close to 1; on a CPU the cores that compute also move the bytes.
+    Every rank adopts the slowest rank's figures (an all-reduce of the times), so all plan alike.
+    """
+    ex = d.layer.experts
+    dev, dtype = ex.w1.device, ex.w1.dtype
+    D = ex.w1.shape[2]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    small, large = torch.zeros(4096, device=dev), torch.zeros(1 << 20, device=dev)
+
+    def ar(t: torch.Tensor) -> Callable[[], None]:
+        return lambda: dist.all_reduce(t, group=dense_group)
+
+    R, group = d.R, d.group
+    tiny_in, tiny_out = torch.zeros(R * 2, device=dev), torch.zeros(R * 2, device=dev)
+    rows = max(64, tokens)
+    gen = torch.Generator(device=dev).manual_seed(1)  # private: the run's RNG streams stay where they are
+    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen)
+    out = torch.empty_like(chunk)
+    x = torch.randn(rows, D, device=dev, dtype=dtype, generator=gen)
+    local = len(d.owned)
+    plan = group_plan([rows // local + (1 if i < rows % local else 0) for i in range(local)], dev)
+
+    def compute() -> None:
+        with torch.no_grad():
+            ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
+
+    def a2a() -> None:
+        dist.all_to_all_single(out, chunk, group=group)
+
+    def both() -> None:
+        work = dist.all_to_all_single(out, chunk, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    times = torch.tensor([_median_time(f, repeats, sync) for f in (
+        ar(small), ar(large), lambda: dist.all_to_all_single(tiny_out, tiny_in, group=group), compute, a2a, both)],
+        dtype=torch.float64, device=dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    t_s, t_l, t_tiny, t_c, t_a, t_b = times.tolist()
+    s_s, s_l = small.numel() * 4, large.numel() * 4
+    beta = (s_l - s_s) / max(t_l - t_s, 1e-9)
+    alpha = max(0.0, t_s - s_s / beta)
+    overlap = min(1.0, max(0.0, (t_c + t_a - t_b) / max(min(t_c, t_a), 1e-9)))
+    return CommCosts(ar_latency_s=alpha, ar_bandwidth=beta, a2a_latency_s=t_tiny,
+                     a2a_bandwidth=layer.a2a_bw(0), expert_tokens_per_s=layer.expert_tokens_per_s,
+                     backward_factor=layer.backward_factor, overlap=overlap)

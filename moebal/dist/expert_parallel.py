@@ -35,10 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebal.dist.comm import all_to_all_rows, exchange_counts, sum_gradients
 from moebal.dist.groups import ParallelDims
 from moebal.kernels.dispatch import DispatchPlan, combine
 from moebal.planner.plan import ExpertPlacement, default_owners
+from moebal.scheduler.core import CommScheduler, Handle
+from moebal.scheduler.exchange import ExchangePlan, expert_exchange
+from moebal.scheduler.grads import GradGroup, GradSync
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher", "is_expert_param"]
 
@@ -60,20 +62,17 @@ def _sorted_plan(keys_A: torch.Tensor, num_keys: int, num_tokens: int, top_k: in
                         counts_E=counts[:num_keys], num_tokens=num_tokens, top_k=top_k)
 
 
-def _group_plan(counts: list[int], device: torch.device) -> DispatchPlan:
-    """A plan that only carries per-expert row counts (rows are already grouped by expert)."""
-    counts_E = torch.tensor(counts, dtype=torch.int64, device=device)
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    plan = DispatchPlan(order_N=empty, token_N=empty, counts_E=counts_E, num_tokens=0, top_k=1)
-    plan._host = list(counts)
-    return plan
-
-
 class ExpertParallelDispatcher:
     """The token path of one MoE layer under expert parallelism (replaces the local dispatch/compute/combine)."""
 
-    def __init__(self, layer: nn.Module, dims: ParallelDims) -> None:
-        self.layer = layer
+    def __init__(self, layer: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None,
+                 index: int = 0) -> None:
+        self.layer, self.index = layer, index
+        self.sched = sched or CommScheduler("off", rank=dims.rank)
+        self.a2a_chunks = 1  # Lina's all-to-all micro-ops per exchange (set per step by the scheduling hook)
+        self.trans: Handle | None = None  # this layer's Trans in flight
+        self.on_start: Any = None  # called when the layer's token exchange begins (block overlap: next Trans)
+        self.on_grads: Any = None  # called with {replicated expert: flat gradient} when its backward is done
         self.group = dims.group("ep")
         self.R, self.r = dims.size("ep"), dims.index("ep")
         self.ep_ranks = dims.ranks_of("ep")
@@ -135,6 +134,8 @@ class ExpertParallelDispatcher:
     def forward(self, x_TD: torch.Tensor, routing: Any) -> torch.Tensor:
         T, K = routing.indices_TK.shape
         E, R, dev = self.E, self.R, x_TD.device
+        if self.on_start is not None:
+            self.on_start()
         # 1. sort assignments by (compute rank, expert)
         dest_E = self._destinations(dev)
         experts_A = routing.indices_TK.reshape(-1)
@@ -144,46 +145,65 @@ class ExpertParallelDispatcher:
         plan = _sorted_plan(keys_A, R * E, T, K)
         send_RE = plan.counts_E.view(R, E)
         # 2. counts: recv_RE[s, e] = rows rank s sends here for expert e
-        recv_RE = exchange_counts(send_RE, self.group)
+        recv_RE = torch.empty_like(send_RE)
+        self.sched.all_to_all(recv_RE, send_RE, None, None, self.group, name=f"L{self.index} counts",
+                              layer=self.index, kind="counts").wait()
         send_counts, recv_counts = send_RE.tolist(), recv_RE.tolist()  # host sync
-        send_splits = [sum(row) for row in send_counts]
-        recv_splits = [sum(row) for row in recv_counts]
-        # 3. dispatch
-        x_ND = x_TD.index_select(0, plan.token_N)
-        x_MD = all_to_all_rows(x_ND, send_splits, recv_splits, self.group)
-        # 4. regroup by expert and compute
+        # 3-5. dispatch, experts on the L local experts (owned and Trans'd replicas), combine: in c token chunks
         local = list(self.placement.local_experts(self.r))
-        perm, per_expert = _regroup(recv_counts, local)
-        perm_t = torch.as_tensor(perm, device=dev)
-        w1, w3, w2 = self._local_weights(local)
-        y_MD = self.layer.experts.compute(x_MD.index_select(0, perm_t), w1, w3, w2,
-                                          _group_plan(per_expert, dev))
-        y_MD = torch.empty_like(y_MD).index_copy(0, perm_t, y_MD) if len(perm) else y_MD
-        # 5. return and combine
-        y_ND = all_to_all_rows(y_MD, recv_splits, send_splits, self.group)
-        return combine(y_ND, plan, routing.weights_TK)
+        xplan = ExchangePlan(send_counts=send_counts, recv_counts=recv_counts, local=local,
+                             chunks=self.a2a_chunks, device=dev, layer=self.index)
+        if self.on_grads is not None and self.placement.replicated:  # owners post their receives here too
+            xplan.on_weight_grads = lambda dW: self.on_grads(self._replica_grads(local, dW))
+        x_ND = x_TD.index_select(0, plan.token_N)
+        self.wait_trans()
+        y_ND = expert_exchange(x_ND, self._local_weights(local), xplan, self.layer.experts, self.sched, self.group)
+        out_TD = combine(y_ND, plan, routing.weights_TK)
+        if out_TD.requires_grad:
+            # Lina's look-ahead: when the backward reaches this combine, a backward all-to-all is imminent
+            out_TD.register_hook(self._announce)
+        return out_TD
 
+    def _replica_grads(self, local: list[int], dW: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """Flat [w1 | w3 | w2] gradient of every replica among the experts computed here."""
+        out = {}
+        for j, e in enumerate(local):
+            if e in self.replicas and all(g is not None for g in dW):
+                out[e] = torch.cat([g[j].reshape(-1) for g in dW])  # type: ignore[index]
+        return out
 
-def _regroup(recv_counts: list[list[int]], local: list[int]) -> tuple[np.ndarray, list[int]]:
-    """Row permutation from (source rank, expert) order to (expert, source rank) order, and rows per expert."""
-    counts_RE = np.asarray(recv_counts, dtype=np.int64)
-    sub_RL = counts_RE[:, local] if local else np.zeros((counts_RE.shape[0], 0), dtype=np.int64)
-    if counts_RE[:, [e for e in range(counts_RE.shape[1]) if e not in local]].any():
-        raise RuntimeError("received tokens for an expert this rank does not hold: ranks disagree on the placement")
-    starts_RL = (np.cumsum(sub_RL.reshape(-1)) - sub_RL.reshape(-1)).reshape(sub_RL.shape)
-    pieces = [np.arange(starts_RL[s, j], starts_RL[s, j] + sub_RL[s, j])
-              for j in range(sub_RL.shape[1]) for s in range(sub_RL.shape[0])]
-    perm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return perm, sub_RL.sum(axis=0).tolist()
+    def _announce(self, grad: torch.Tensor) -> None:
+        self.sched.expect_critical()
+
+    def wait_trans(self) -> None:
+        """Block until this layer's replica parameters have arrived (Trans issued earlier, maybe overlapped)."""
+        h, self.trans = getattr(self, "trans", None), None
+        if h is not None:
+            h.wait()
 
 
 class ExpertParallel:
-    """Expert parallelism for a whole model: sharding, per-step placements, Trans, Agg and gradient sync."""
+    """Expert parallelism for a whole model: sharding, per-step placements, Trans, Agg and gradient sync.
 
-    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+    Every collective goes through `sched` (a `CommScheduler`; mode "off" issues the gradient sync after the
+    backward pass, "ddp" and "lina" overlap it with the backward, see moebal/scheduler). With `overlap`
+    (Pro-Prophet's block-wise scheduling), Trans of layer l+1 is issued when layer l's MoE block starts and
+    waited for just before layer l+1 exchanges tokens, and Agg of layer l is issued as soon as layer l's expert
+    backward has produced the replica gradients and waited for only before the optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None, *,
+                 chunk_bytes: float = 0.0, overlap: bool = False) -> None:
         self.model, self.dims = model, dims
+        self.sched = sched or CommScheduler("off", rank=dims.rank)
+        self.overlap = overlap
+        self.reducer = StatsReducer(dims.group("dp_ep"), self.sched)
         self.layers: list[nn.Module] = []
         self.dispatchers: list[ExpertParallelDispatcher] = []
+        self._agg: list[tuple[list[Handle], list[tuple[ExpertParallelDispatcher, int, list]]]] = []
+        self._chunk_bytes = chunk_bytes
+        self._channels = self._grad_channels()
+        self.grads: GradSync | None = None
         self.refresh()
 
     def attach(self, layer: nn.Module) -> ExpertParallelDispatcher:
@@ -191,50 +211,96 @@ class ExpertParallel:
         here, or the uninitialised skeleton of a layer migrating in, before its shard's values arrive)."""
         d = layer.dispatcher
         if not isinstance(d, ExpertParallelDispatcher):
-            d = ExpertParallelDispatcher(layer, self.dims)
+            d = ExpertParallelDispatcher(layer, self.dims, self.sched)
             layer.set_dispatcher(d)
-            layer.set_stats_reducer(StatsReducer(self.dims.group("dp_ep")))
+            layer.set_stats_reducer(self.reducer)
         return d
 
     def refresh(self) -> None:
         """Re-read the model's MoE layers (after layers migrated in or out); new ones are sharded, placements
-        are indexed in the new order."""
+        are indexed in the new order, the gradient buffers are rebuilt for the new parameter set."""
         self.layers = list(self.model.moe_layers())
         self.dispatchers = [self.attach(layer) for layer in self.layers]
+        for i, d in enumerate(self.dispatchers):
+            d.index = i
+            d.on_start = (lambda i=i: self._trans(i + 1)) if self.overlap else None
+            d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW)) if self.overlap else None
+        self.set_chunk_bytes(self._chunk_bytes)
+
+    def set_chunk_bytes(self, chunk_bytes: float) -> None:
+        """Cut the gradient buffers into chunks of this size (between steps)."""
+        if self.grads is not None:
+            if self.grads.active:
+                raise RuntimeError("the gradient buffers cannot be rebuilt inside a step")
+            self.grads.close()
+        self._chunk_bytes = chunk_bytes
+        dense, expert = self._channels
+        world = self.dims.size("dp_ep")
+        groups = [GradGroup("dp_ep", [p for p in self.parameters(expert=False) if p.requires_grad], dense, world),
+                  GradGroup("dp", [p for p in self.parameters(expert=True) if p.requires_grad], expert, world)]
+        self.grads = GradSync(self.sched, groups, chunk_bytes if self.sched.mode != "off" else 0.0)
+
+    def _grad_channels(self) -> tuple[Any, Any]:
+        """Non-expert gradients are averaged over every rank of the stage, expert gradients summed over their
+        data-parallel copies and divided by the same count: on the scheduler's own channels when it overlaps
+        the sync with the backward pass (nothing else may issue on them), on the axis groups otherwise."""
+        dims = self.dims
+        own = self.sched.mode != "off"
+        dense = dims.new_channel("dp_ep", timeout_s=self.sched.timeout_s) if own else dims.group("dp_ep")
+        expert = None
+        if dims.size("dp") > 1:
+            expert = dims.new_channel("dp", timeout_s=self.sched.timeout_s) if own else dims.group("dp")
+        return dense, expert
 
     def parameters(self, expert: bool) -> Iterator[nn.Parameter]:
         return (p for p in self.model.parameters() if is_expert_param(p) == expert)
 
     # ---- placements: Trans before forward, Agg after backward ----
     def apply(self, placements: Iterable[ExpertPlacement]) -> None:
-        """Adopt one placement per MoE layer and run Trans (collective over the EP group)."""
+        """Start a step: adopt one placement per MoE layer and issue Trans (all layers now and wait, or with
+        `overlap` layer 0 now and each next layer when the previous one starts); arm the gradient hooks."""
         placements = list(placements)
         if len(placements) != len(self.dispatchers):
             raise ValueError(f"{len(placements)} placements for {len(self.dispatchers)} MoE layers")
-        ops: list[Any] = []
         for d, plc in zip(self.dispatchers, placements):
             if plc.num_ranks != d.R or plc.owner != d.owner:
                 raise ValueError(f"placement for {plc.num_ranks} ranks with owners {plc.owner} does not match the "
                                  f"expert-parallel layout ({d.R} ranks, owners {d.owner})")
-            d.placement, d.replicas = plc, {}
-            for e in plc.replicated:
-                ops.extend(self._trans_ops(d, e))
-        _run_p2p(ops)
-        for d in self.dispatchers:
-            for buf in d.replicas.values():
-                buf.requires_grad_(True)
+            d.placement, d.replicas, d.trans = plc, {}, None
+        self._agg = []
+        if self.sched.mode != "off":
+            self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
+        for i in range(len(self.dispatchers) if not self.overlap else 1):
+            self._trans(i)
+        if not self.overlap:
+            for d in self.dispatchers:
+                d.wait_trans()
+
+    def _trans(self, i: int) -> None:
+        """Issue Trans of MoE layer i: owners send each replicated expert to its holders (point-to-point)."""
+        if i >= len(self.dispatchers):
+            return
+        d = self.dispatchers[i]
+        ops: list[Any] = []
+        for e in d.placement.replicated:
+            ops.extend(self._trans_ops(d, e))
+        for buf in d.replicas.values():
+            buf.requires_grad_(True)
+        if ops:
+            d.trans = self.sched.p2p(ops, kind="trans", name=f"L{i} trans", layer=i)
 
     def _trans_ops(self, d: ExpertParallelDispatcher, e: int) -> list[Any]:
         owner, holders = d.placement.owner[e], d.placement.replicas[e]
+        tag = 1 + 2 * d.index  # Trans and Agg of every layer on their own tags: no cross-layer matching
         if d.r == owner:
             flat = d.expert_flat(e)
-            return [dist.P2POp(dist.isend, flat, d.ep_ranks[h]) for h in holders]
+            return [dist.P2POp(dist.isend, flat, d.ep_ranks[h], tag=tag) for h in holders]
         if d.r in holders:
             ex = d.layer.experts
             numel = ex.w1[0].numel() * 2 + ex.w2[0].numel()
             buf = torch.empty(numel, dtype=ex.w1.dtype, device=ex.w1.device)
             d.replicas[e] = buf
-            return [dist.P2POp(dist.irecv, buf, d.ep_ranks[owner])]
+            return [dist.P2POp(dist.irecv, buf, d.ep_ranks[owner], tag=tag)]
         return []
 
     def release(self) -> None:
@@ -242,75 +308,89 @@ class ExpertParallel:
         step: replicas are copies of the pre-update parameters, so any later forward (validation, the next step
         before its Trans) must not use them."""
         for d in self.dispatchers:
-            d.placement, d.replicas = ExpertPlacement.static(d.E, d.R), {}
+            d.placement, d.replicas, d.trans = ExpertPlacement.static(d.E, d.R), {}, None
 
-    def aggregate(self) -> None:
-        """Agg: sum replica gradients into the owners' gradients (fixed rank order); call after backward."""
+    def _agg_issue(self, i: int, grads: dict[int, torch.Tensor]) -> None:
+        """Issue Agg of MoE layer i: holders send replica gradients (flat [w1 | w3 | w2]) to the owner, which
+        posts one receive per holder. `grads` maps each replicated expert held here to its gradient."""
+        d = self.dispatchers[i]
+        tag = 2 + 2 * d.index
         ops: list[Any] = []
         inbox: list[tuple[ExpertParallelDispatcher, int, list[tuple[int, torch.Tensor]]]] = []
-        for d in self.dispatchers:
-            for e in d.placement.replicated:
-                owner, holders = d.placement.owner[e], d.placement.replicas[e]
-                if d.r in holders:
-                    buf = d.replicas[e]
-                    grad = buf.grad if buf.grad is not None else torch.zeros_like(buf)
-                    ops.append(dist.P2POp(dist.isend, grad.contiguous(), d.ep_ranks[owner]))
-                elif d.r == owner:
-                    recv = [(h, torch.empty_like(d.expert_flat(e))) for h in holders]
-                    ops.extend(dist.P2POp(dist.irecv, t, d.ep_ranks[h]) for h, t in recv)
-                    inbox.append((d, e, recv))
-        _run_p2p(ops)
-        for d, e, recv in inbox:
-            ex, i = d.layer.experts, d._local_index(e)
-            for p in (ex.w1, ex.w3, ex.w2):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            g1, g3, g2 = ex.w1.grad[i], ex.w3.grad[i], ex.w2.grad[i]
-            for _, flat in sorted(recv, key=lambda item: item[0]):
-                v1, v3, v2 = d._expert_views(flat)
-                g1.add_(v1)
-                g3.add_(v3)
-                g2.add_(v2)
+        for e in d.placement.replicated:
+            owner, holders = d.placement.owner[e], d.placement.replicas[e]
+            if d.r in holders:
+                g = grads.get(e)
+                ops.append(dist.P2POp(dist.isend, (g if g is not None else torch.zeros_like(d.replicas[e]))
+                                      .contiguous(), d.ep_ranks[owner], tag=tag))
+            elif d.r == owner:
+                recv = [(h, torch.empty_like(d.expert_flat(e))) for h in holders]
+                ops.extend(dist.P2POp(dist.irecv, t, d.ep_ranks[h], tag=tag) for h, t in recv)
+                inbox.append((d, e, recv))
+        handles = [self.sched.p2p(ops, kind="agg", name=f"L{i} agg", layer=i)] if ops else []
+        self._agg.append((handles, inbox))
+
+    def aggregate(self) -> None:
+        """Agg: sum replica gradients into the owners' gradients (fixed rank order); call after backward. With
+        `overlap` the transfers were issued during the backward pass and are only waited for here."""
+        if not self.overlap:
+            for i, d in enumerate(self.dispatchers):
+                self._agg_issue(i, {e: buf.grad for e, buf in d.replicas.items() if buf.grad is not None})
+        for handles, inbox in self._agg:
+            for h in handles:
+                h.wait()
+            for d, e, recv in inbox:
+                ex, i = d.layer.experts, d._local_index(e)
+                for p in (ex.w1, ex.w3, ex.w2):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                g1, g3, g2 = ex.w1.grad[i], ex.w3.grad[i], ex.w2.grad[i]
+                for _, flat in sorted(recv, key=lambda item: item[0]):
+                    v1, v3, v2 = d._expert_views(flat)
+                    g1.add_(v1)
+                    g3.add_(v3)
+                    g2.add_(v2)
+        self._agg = []
 
     def sync_gradients(self) -> None:
-        """Average gradients so they equal the single-process mean-loss gradient (see the module docstring)."""
-        world = self.dims.size("dp_ep")
-        sum_gradients(list(self.parameters(expert=False)), self.dims.group("dp_ep"), world)
-        sum_gradients(list(self.parameters(expert=True)), self.dims.group("dp"), world)
+        """Average gradients so they equal the single-process mean-loss gradient (see the module docstring);
+        with a scheduler most chunks are already in flight or done, this waits for the rest."""
+        if not self.grads.active:
+            self.grads.begin_step()
+        self.grads.finish()
+
+    def close(self) -> None:
+        self.grads.close()
 
 
 class StatsReducer:
-    """Sums routing statistics over a group; `sum_grad` is differentiable (its backward sums gradients)."""
+    """Sums routing statistics over a group; `sum_grad` is differentiable (its backward sums gradients). With a
+    scheduler the all-reduces go through it (logged, and counted as critical: gradient chunks wait)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, group: Any, sched: CommScheduler | None = None) -> None:
+        self.group, self.sched = group, sched
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        if self.sched is not None:
+            return self.sched.all_reduce(t, self.group, name=name)
         dist.all_reduce(t, group=self.group)
         return t
 
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.reduce(t, "routing stats")
+
     def sum_grad(self, t: torch.Tensor) -> torch.Tensor:
-        return _AllReduceSum.apply(t, self.group)
+        return _AllReduceSum.apply(t, self)
 
 
 class _AllReduceSum(torch.autograd.Function):
     """y = sum over ranks of x; every rank's y feeds its own loss, so dL/dx = sum over ranks of dL_r/dy."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
+    def forward(ctx: Any, x: torch.Tensor, red: StatsReducer) -> torch.Tensor:
+        ctx.red = red
+        return red.reduce(x.clone(), "balancing loss")
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-def _run_p2p(ops: list[Any]) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        return ctx.red.reduce(g.clone(), "balancing loss bwd"), None

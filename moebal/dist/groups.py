@@ -140,6 +140,32 @@ class ParallelDims:
         self._groups["world"] = dist.group.WORLD
         return self
 
+    def new_channel(self, axis: str, *, high_priority: bool = False, timeout_s: float | None = None) -> Any:
+        """A second communicator over the same ranks as `axis` (None in a single process). Collective on all
+        ranks, in the same order everywhere.
+
+        The communication scheduler owns its channels: nothing else issues on them, so the order of its
+        collectives on a channel is its own fixed order on every rank, whatever other threads do on the axis's
+        main group. `high_priority` asks NCCL for a high-priority stream (no effect on gloo)."""
+        if axis not in AXES or axis == "world":
+            raise KeyError(f"unknown parallel axis {axis!r} for a channel; axes: {', '.join(AXES[:-1])}")
+        if not self.distributed:
+            return None
+        opts = None
+        if high_priority and self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        mine, seen = None, set()
+        for r in range(self.world_size):
+            ranks = tuple(self.ranks_of(axis, r))
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            g = dist.new_group(list(ranks), timeout=timeout, pg_options=opts)
+            if self.rank in ranks:
+                mine = g
+        return mine
+
     def group(self, axis: str) -> Any:
         """The process group along `axis` (None when running as a single process)."""
         if axis not in AXES:

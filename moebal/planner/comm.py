@@ -1,0 +1,171 @@
+"""Communication plans: gradient chunk size, all-to-all chunks per MoE layer, and Lina's expert packing.
+
+Pure functions of measured or profiled costs (no torch.distributed here). The executor is moebal.scheduler.
+
+Shape legend: R = ranks in the expert-parallel group, E = experts.
+
+- **Gradient chunk size** (Lina's all-reduce micro-op; the thesis tunes 30 MB by hand for 100 Gb/s
+  InfiniBand). A chunk of S bytes costs alpha + S / beta; we take the smallest S whose fixed cost is at most
+  `overhead` (5 %) of its time, S = alpha * beta * (1 - overhead) / overhead: smaller chunks waste time in
+  latency, larger ones make an arriving all-to-all wait longer behind the chunk in flight. On 16 A100s with
+  100 Gb/s InfiniBand (ring all-reduce latency about 2 * 15 * 5 us) this gives about 36 MB, next to the
+  thesis's 30 MB; on a 2-core CPU with gloo it gives about 3 MB.
+- **All-to-all chunks** (Lina's all-to-all micro-ops; Tutel's `a2a_ffn_overlap_degree`, which its users pick by
+  hand): the dispatch/experts/combine pipeline of `moebal.scheduler.exchange` replayed for c = 1..max_chunks
+  with per-chunk latency, and the c with the smallest predicted forward + backward time. `overlap` says how
+  much of a transfer really runs concurrently with compute (1 on a GPU, whose copy engines and NICs work
+  while its SMs compute; measured on a CPU, whose cores do both): the prediction is
+  overlap * pipelined + (1 - overlap) * serial.
+- **Expert packing** (Lina, section 4.3.3): start with one expert per rank and double while the expert compute
+  of one all-to-all chunk is shorter than the chunk's transfer; `pack_experts` applies the rule to
+  time functions of the experts per rank (what the start-up measurement or the cost model gives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moebal.errors import ConfigError
+
+__all__ = ["CommCosts", "CommSchedule", "a2a_chunks", "ar_chunk_bytes", "comm_costs_from_profile", "exchange_time",
+           "pack_experts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommCosts:
+    """Coefficients of the communication model (seconds, bytes/s)."""
+
+    ar_latency_s: float
+    """Fixed cost of one gradient all-reduce (alpha)."""
+    ar_bandwidth: float
+    """Bytes/s of one all-reduce once its fixed cost is paid (beta)."""
+    a2a_latency_s: float
+    """Fixed cost of one all-to-all (a chunk pays it again)."""
+    a2a_bandwidth: float
+    """Bytes/s one rank receives in an all-to-all."""
+    expert_tokens_per_s: float
+    """Rows one rank pushes through its experts' forward per second."""
+    backward_factor: float = 2.0
+    """Expert backward / forward time."""
+    overlap: float = 1.0
+    """Share of a transfer that runs concurrently with compute (1: dedicated links and copy engines)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ar_latency_s", "a2a_latency_s", "backward_factor"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"CommCosts.{name} = {v!r}: must be a finite number >= 0")
+        for name in ("ar_bandwidth", "a2a_bandwidth", "expert_tokens_per_s"):
+            v = getattr(self, name)
+            if not (v > 0):
+                raise ConfigError(f"CommCosts.{name} = {v!r}: must be a rate > 0")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ConfigError(f"CommCosts.overlap = {self.overlap!r}: must be a share in [0, 1]")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CommSchedule:
+    """What the scheduler does in one step: gradient chunk bytes, token chunks per MoE layer, predictions."""
+
+    ar_chunk_bytes: float
+    a2a_chunks: tuple[int, ...]
+    predicted_s: tuple[float, ...] = ()
+    """Predicted forward + backward exchange time per layer with the chosen chunks."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ar_chunk_bytes": self.ar_chunk_bytes, "a2a_chunks": list(self.a2a_chunks),
+                "predicted_s": [round(t, 7) for t in self.predicted_s], **self.meta}
+
+
+def ar_chunk_bytes(costs: CommCosts, overhead: float = 0.05, lo: float = 64e3, hi: float = 256e6) -> float:
+    """Gradient chunk size whose fixed cost is `overhead` of its time (see the module docstring)."""
+    if not 0.0 < overhead < 1.0:
+        raise ConfigError(f"overhead must be in (0, 1); got {overhead}")
+    s = costs.ar_latency_s * costs.ar_bandwidth * (1.0 - overhead) / overhead
+    return float(min(hi, max(lo, s)))
+
+
+def exchange_time(c: int, a2a_s: float, fec_s: float, latency_s: float, overlap: float) -> float:
+    """Predicted time of one exchange (dispatch, experts, combine) in c chunks.
+
+    Pipelined replay of the executor's issue order: every dispatch chunk at once (the link serves them in
+    order), experts of chunk i after dispatch i and experts i-1, combine i queued on the link when experts i
+    end; a2a_s is one full all-to-all, fec_s the experts on all rows. Serial: c * (2 a/c + f/c + 2 latency).
+    """
+    a, f = latency_s + a2a_s / c, fec_s / c
+    link = 0.0
+    disp_end = []
+    for _ in range(c):
+        link += a
+        disp_end.append(link)
+    comp = 0.0
+    comb_ready = []
+    for i in range(c):
+        comp = max(comp, disp_end[i]) + f
+        comb_ready.append(comp)
+    for i in range(c):
+        link = max(link, comb_ready[i]) + a
+    serial = 2 * c * latency_s + 2 * a2a_s + fec_s
+    return overlap * link + (1.0 - overlap) * serial
+
+
+def a2a_chunks(costs: CommCosts, recv_bytes: float, compute_rows: float, max_chunks: int = 8,
+               min_chunk_bytes: float = 16e3) -> tuple[int, float]:
+    """Token chunks for one MoE layer's exchanges: (c, predicted forward + backward seconds).
+
+    recv_bytes: bytes the busiest rank receives in one all-to-all; compute_rows: rows the busiest rank's
+    experts compute. Chunks below min_chunk_bytes are not considered (all latency)."""
+    a2a_s = recv_bytes / costs.a2a_bandwidth
+    fec = compute_rows / costs.expert_tokens_per_s
+    best = (1, math.inf)
+    for c in range(1, max(1, max_chunks) + 1):
+        if c > 1 and recv_bytes / c < min_chunk_bytes:
+            break
+        t = (exchange_time(c, a2a_s, fec, costs.a2a_latency_s, costs.overlap)
+             + exchange_time(c, a2a_s, costs.backward_factor * fec, costs.a2a_latency_s, costs.overlap))
+        if t < best[1] - 1e-12:  # ties keep fewer chunks
+            best = (c, t)
+    return best
+
+
+def pack_experts(num_experts: int, world: int, t_ffn: Callable[[int], float], t_a2a: Callable[[int], float],
+                 max_per_rank: int | None = None) -> int:
+    """Lina's packing rule: experts per rank m = 1, 2, 4, ... while t_ffn(m) < t_a2a(m) and the next m still
+    gives an expert-parallel group (world / m ranks) that divides the experts. Returns the experts per rank.
+
+    t_ffn(m), t_a2a(m): expert compute and all-to-all time of one micro-op with m experts per rank (with a
+    smaller group the all-to-all shrinks and may stay inside a node; at m = E it disappears). Lina starts at
+    one expert per rank (#experts = #ranks); with fewer ranks than experts we start at E / world.
+    """
+    if num_experts % world and world % num_experts:
+        raise ConfigError(f"{num_experts} experts and {world} ranks: one must divide the other to pack experts")
+    m = max(1, num_experts // world)
+    cap = max_per_rank or num_experts
+    while 2 * m <= cap and num_experts % (2 * m) == 0 and world % (num_experts // (2 * m) or 1) == 0:
+        if not t_ffn(m) < t_a2a(m):
+            break
+        m *= 2
+    return m
+
+
+def comm_costs_from_profile(cost: Any, layer: Any, ep_ranks: list[int], dense_ranks: list[int]) -> CommCosts:
+    """CommCosts from a `CostModel` (a hardware profile) and the layer's `MoELayerCosts`: the all-reduce fit on
+    1 MB and 64 MB over the dense group, an 8-byte all-to-all over the expert-parallel group, full overlap."""
+    import numpy as np
+
+    topo = cost.topology(max(max(ep_ranks), max(dense_ranks)) + 1)
+    t1 = cost.time_of(cost.all_reduce(topo, dense_ranks, 1e6), topo)
+    t2 = cost.time_of(cost.all_reduce(topo, dense_ranks, 64e6), topo)
+    beta = 63e6 / max(t2 - t1, 1e-12)
+    R = len(ep_ranks)
+    tiny = cost.time_of(cost.all_to_all(topo, ep_ranks, np.full((R, R), 8.0)), topo) if R > 1 else 0.0
+    return CommCosts(ar_latency_s=max(0.0, t1 - 1e6 / beta), ar_bandwidth=beta, a2a_latency_s=tiny,
+                     a2a_bandwidth=layer.a2a_bw(8e6), expert_tokens_per_s=layer.expert_tokens_per_s,
+                     backward_factor=layer.backward_factor, overlap=1.0)
