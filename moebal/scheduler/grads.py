@@ -68,6 +68,7 @@ class GradSync:
                 order.setdefault(id(p), len(order))
         position = {pid: len(order) - 1 - i for pid, i in order.items()}  # reverse registration order
         self.bufs: list[torch.Tensor] = []
+        self._sizes: list[int] = []
         self._buf_meta: list[tuple[GradGroup, torch.dtype]] = []
         self.slots: dict[int, _Slot] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -77,7 +78,8 @@ class GradSync:
                 ps = sorted((p for p in g.params if p.dtype == dtype), key=lambda p: position[id(p)])
                 b = len(self.bufs)
                 total = sum(p.numel() for p in ps)
-                self.bufs.append(torch.zeros(total, dtype=dtype, device=ps[0].device))
+                self.bufs.append(torch.empty(0, dtype=dtype, device=ps[0].device))  # allocated by begin_step
+                self._sizes.append(total)
                 self._buf_meta.append((g, dtype))
                 offset, spans = 0, []
                 for p in ps:
@@ -131,6 +133,9 @@ class GradSync:
 
     def begin_step(self) -> None:
         """Arm the hooks for one backward pass."""
+        for b, n in enumerate(self._sizes):
+            if self.bufs[b].numel() != n:  # first step: gradient-sized buffers only once they are used
+                self.bufs[b] = torch.zeros(n, dtype=self.bufs[b].dtype, device=self.bufs[b].device)
         self._missing = [len(p) for p in self._chunk_params]
         self._arrived = set()
         self._active = True
