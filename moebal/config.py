@@ -376,7 +376,8 @@ class PruningConfig:
     steps: int = 4
     """Number of pruning steps (n)."""
     kernel: Literal["auto", "dense", "csr"] = "auto"
-    """Masked dense, CSR, or whichever was measured faster per matrix (auto)."""
+    """Masked dense, CSR, or whichever was measured faster per matrix (auto: fastest, but a timing choice, so two
+    runs of one seed may differ in the last bits; dense and csr are bitwise reproducible)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -22,6 +22,13 @@ no speed-up) or CSR (`torch.sparse` SpMM forward and input gradient, sampled den
 weight gradient: all three at the kept entries only). `kernel="auto"` times both on the layer's real shape,
 density and rows at each pruning step and keeps the faster (GPU kernels only beat dense from ~75% sparsity,
 and CPU crossovers differ again), so the sparse kernel runs only where it was measured faster.
+
+Reproducibility: the two kernels add the kept products in different orders (a 384 x 128 matrix at 90%
+sparsity: forward outputs differ by up to 3e-6), and `auto`'s choice is a timing race: two runs of the same
+seed and partition can choose differently near the crossover and then differ in the last bits (measured:
+two static runs of one job). Migration itself changes nothing: the choice travels with the layer, and with
+`dense` or `csr` any partition and any migration give bit-identical losses (tested). Like cuDNN's
+benchmark mode, `auto` trades bitwise run-to-run reproducibility for speed; choose `dense` or `csr` to keep it.
 """
 
 from __future__ import annotations
@@ -193,7 +200,10 @@ def _install_csr(module: nn.Module, mask: torch.Tensor | None) -> None:
 def _time_kernels(weight: torch.Tensor, mask: torch.Tensor, rows: int, repeats: int = 3) -> tuple[float, float]:
     """Median forward+backward seconds of (masked dense, CSR) for this matrix at `rows` input rows."""
     w = (weight.detach() * mask).requires_grad_(True)
-    x = torch.randn(rows, weight.shape[1], requires_grad=True)
+    # a private generator: how many matrices a rank times depends on the partition, and drawing from the global
+    # generator would make a migration change later random draws (router jitter, say)
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).requires_grad_(True)
     st = CSRStructure.from_mask(mask)
 
     def run(fn: Any) -> float:

@@ -99,7 +99,10 @@ def test_pruning_step_masks_globally_and_times_kernels_on_one_stage():
     stage = PipelineStage.from_model(model, 0, 2, first=True, last=True)
     ctx = SchemeContext(step=1, stage=stage, chain=PipeChain([0], 0), num_layers=2, extra={"rows": 64})
     pr.on_start(ctx)
+    rng = torch.get_rng_state()
     assert pr.update(ctx) is True  # the one pruning step, at step 1
+    # timing the kernels draws no global random numbers (how many matrices a stage times depends on the partition)
+    assert torch.equal(torch.get_rng_state(), rng)
     kept = sum(int(m.sum()) for i in (0, 1) for m in pr.masks[i].values())
     assert kept == round(0.1 * pr.total)
     q = stage.layer(0).self_attn.q_proj.weight
