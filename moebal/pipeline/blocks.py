@@ -32,11 +32,14 @@ def gather_rows(x_BTD: torch.Tensor, pos_BQ: torch.Tensor) -> torch.Tensor:
 
 
 def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                 pos_BQ: torch.Tensor, valid_BQ: torch.Tensor, keys: str = "all",
+                 pos_BQ: torch.Tensor, valid_BQ: torch.Tensor | None = None, keys: str = "all",
                  scale_BQ: torch.Tensor | None = None) -> torch.Tensor:
     """h with the rows at (b, pos_BQ[b, q]) for valid_BQ replaced by the layer's output there.
 
     `pos_BQ` must be ascending per row over its valid entries; invalid (padding) slots are ignored.
+    `valid_BQ=None`: every slot is a real position (Mixture-of-Depths keeps C tokens in every row), which
+    takes a cheaper path: no padding masks, no boolean gathers (host syncs), and on selected keys plain causal
+    attention (ascending positions: causal among the selected tokens is the lower triangle).
     With `scale_BQ`, a selected row becomes h + scale * (layer(h) - h) (Mixture-of-Depths' router weight).
     """
     attn = layer.self_attn
@@ -45,30 +48,41 @@ def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, si
     H, G, K = attn.n_heads, attn.n_kv_heads, attn.head_dim
     hq_BQD = gather_rows(h_BTD, pos_BQ)
     xq_BQD = layer.input_layernorm(hq_BQD)
+    mask: torch.Tensor | None = None
     if keys == "all":
         xk = layer.input_layernorm(h_BTD)
         posk = torch.arange(T, device=h_BTD.device).expand(B, T)
-        allowed = posk[:, None, :] <= pos_BQ[:, :, None]
+        mask = posk[:, None, :] <= pos_BQ[:, :, None]
+        if valid_BQ is not None:
+            mask = mask | ~valid_BQ[:, :, None]  # padding queries see every key: no all-masked row, no NaN
     else:
         xk, posk = xq_BQD, pos_BQ
-        allowed = (posk[:, None, :] <= pos_BQ[:, :, None]) & valid_BQ[:, None, :]
-    allowed = allowed | ~valid_BQ[:, :, None]  # padding queries see every key: no all-masked row, no NaN
+        if valid_BQ is not None:
+            mask = (posk[:, None, :] <= pos_BQ[:, :, None]) & valid_BQ[:, None, :]
+            mask = mask | ~valid_BQ[:, :, None]
     Tk = xk.shape[1]
     q = attn.q_proj(xq_BQD).view(B, Q, H, K).transpose(1, 2)
     k = attn.k_proj(xk).view(B, Tk, G, K).transpose(1, 2)
     v = attn.v_proj(xk).view(B, Tk, G, K).transpose(1, 2)
     q = apply_rotary(q, cos_TK[pos_BQ].unsqueeze(1), sin_TK[pos_BQ].unsqueeze(1))
     k = apply_rotary(k, cos_TK[posk].unsqueeze(1), sin_TK[posk].unsqueeze(1))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=G != H)
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=G != H)
     r_BQD = hq_BQD + attn.o_proj(o.transpose(1, 2).reshape(B, Q, H * K))
-    # the FFN sees valid rows only, packed, so an MoE router never routes padding
-    h_ND = hq_BQD[valid_BQ]
-    r_ND = r_BQD[valid_BQ]
-    out_ND = r_ND + layer.ffn(layer.post_attention_layernorm(r_ND))
-    if scale_BQ is not None:
-        out_ND = h_ND + scale_BQ[valid_BQ].unsqueeze(-1).to(out_ND.dtype) * (out_ND - h_ND)
     rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
-    flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
+    if valid_BQ is None:
+        h_ND, r_ND = hq_BQD.reshape(B * Q, D), r_BQD.reshape(B * Q, D)
+        flat_N = (rows_B1 * T + pos_BQ).reshape(-1)
+        scale_N = scale_BQ.reshape(-1) if scale_BQ is not None else None
+    else:  # the FFN sees valid rows only, packed, so an MoE router never routes padding
+        h_ND, r_ND = hq_BQD[valid_BQ], r_BQD[valid_BQ]
+        flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
+        scale_N = scale_BQ[valid_BQ] if scale_BQ is not None else None
+    out_ND = r_ND + layer.ffn(layer.post_attention_layernorm(r_ND))
+    if scale_N is not None:
+        out_ND = h_ND + scale_N.unsqueeze(-1).to(out_ND.dtype) * (out_ND - h_ND)
     return h_BTD.reshape(B * T, D).index_copy(0, flat_N, out_ND.to(h_BTD.dtype)).view(B, T, D)
 
 

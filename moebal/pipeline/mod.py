@@ -81,8 +81,7 @@ class MixtureOfDepths(Dynamism):
         score_BT = layer.mod_router(h_BTD).squeeze(-1)
         pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
         weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
-        valid = torch.ones_like(pos_BC, dtype=torch.bool)
-        return subset_block(layer, h_BTD, cos_TK, sin_TK, pos_BC, valid, keys="subset", scale_BQ=weight_BC)
+        return subset_block(layer, h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset", scale_BQ=weight_BC)
 
     def cost_factors(self, num_layers: int) -> list[float]:
         c = self.current_capacity()

@@ -180,10 +180,17 @@ def test_subset_block_on_selected_keys_is_a_shorter_sequence():
     layer, h, cos, sin = _layer_and_input()
     k = 7
     pos = torch.arange(k).expand(2, k)  # a prefix keeps its rotary positions 0..k-1
-    out = subset_block(layer, h, cos, sin, pos, torch.ones(2, k, dtype=torch.bool), keys="subset")
     ref = layer(h[:, :k], cos[:k], sin[:k])
-    torch.testing.assert_close(out[:, :k], ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[:, k:], h[:, k:])
+    for valid in (torch.ones(2, k, dtype=torch.bool), None):  # with padding masks, and the all-valid path
+        out = subset_block(layer, h, cos, sin, pos, valid, keys="subset")
+        torch.testing.assert_close(out[:, :k], ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[:, k:], h[:, k:])
+    # scattered positions: the all-valid path equals the masked one
+    pos = torch.tensor([[1, 4, 5, 9], [0, 2, 3, 11]])
+    scale = torch.rand(2, 4)
+    a = subset_block(layer, h, cos, sin, pos, torch.ones(2, 4, dtype=torch.bool), keys="subset", scale_BQ=scale)
+    b = subset_block(layer, h, cos, sin, pos, None, keys="subset", scale_BQ=scale)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_pack_positions_pads_rows():
