@@ -48,6 +48,7 @@ from moebal.models.tensor_io import (
     SINGLE_NAME,
     DirectorySource,
     OutTensor,
+    ScratchReader,
     StateDictSource,
     TensorSource,
     iter_shards,
@@ -476,10 +477,15 @@ def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, whe
     if cfg.model.tie_embeddings:
         covered.add("lm_head.weight")
     assert covered == set(state), sorted(set(state) - covered)  # the mapping covers the whole model
+    info = source.info()
+    reader = ScratchReader(source).prime()
     with torch.no_grad():
         for ln in links:
             target = state[ln.ours] if ln.index is None else state[ln.ours][ln.index]
-            source.read(ln.hf, out=target)
+            if info[ln.hf].dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu":
+                source.read(ln.hf, out=target)  # straight into the parameter's storage
+            else:
+                target.copy_(reader.read(ln.hf))  # through one reused buffer: dtype or device change
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
@@ -638,6 +644,7 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
 
 def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) -> list[OutTensor]:
     info = source.info()
+    reader = ScratchReader(source).prime()
     out = []
     for ln in links:
         if ln.ours not in info:
@@ -645,7 +652,7 @@ def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) ->
         shape = info[ln.ours].shape if ln.index is None else info[ln.ours].shape[1:]
 
         def produce(name: str = ln.ours, index: int | None = ln.index) -> torch.Tensor:
-            return source.read(name, index)
+            return reader.read(name, index)
 
         out.append(OutTensor(ln.hf, dtype, tuple(shape), produce))
     return out
@@ -803,12 +810,13 @@ def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str |
         parts: dict[str, list[Link]] = {}
         for ln in links:
             parts.setdefault(ln.ours, []).append(ln)
+        reader = ScratchReader(source).prime()
         entries = []
         for name, group in parts.items():
             group.sort(key=lambda ln: -1 if ln.index is None else ln.index)
 
             def produce(group: list[Link] = group) -> Iterable[torch.Tensor]:
-                return (source.read(ln.hf) for ln in group)
+                return (reader.read(ln.hf) for ln in group)
 
             entries.append(OutTensor(name, out_dtype, shapes[name], produce))
         if final.exists() and not overwrite:

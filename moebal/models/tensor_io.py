@@ -34,6 +34,7 @@ __all__ = [
     "DirectorySource",
     "FileSource",
     "OutTensor",
+    "ScratchReader",
     "StateDictSource",
     "TensorInfo",
     "TensorSource",
@@ -273,6 +274,8 @@ class DirectorySource:
 class StateDictSource:
     """An in-memory state dict (a live model's): reads are views, so nothing is copied."""
 
+    in_memory = True
+
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
@@ -291,6 +294,38 @@ class StateDictSource:
 
     def close(self) -> None:
         pass
+
+
+class ScratchReader:
+    """Reads of a file source into one reused buffer, grown to the largest tensor read so far: a conversion
+    that consumes each tensor before asking for the next holds one buffer, instead of a fresh allocation per
+    tensor that the allocator may keep after it is freed. A returned tensor is valid until the next read."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.in_memory = bool(getattr(source, "in_memory", False))
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._info: dict[str, TensorInfo] | None = None
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        if self.in_memory:
+            return self.source.read(name, index)  # views of live tensors: nothing to allocate
+        t = (self._info or self.source.info())[name]
+        shape = t.shape if index is None else t.shape[1:]
+        size = torch.empty((), dtype=t.dtype).element_size()
+        n = size
+        for d in shape:
+            n *= d
+        if n > self._buf.numel():
+            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old buffer before the larger one exists
+            self._buf = torch.empty(n, dtype=torch.uint8)
+        out = self._buf[:n].view(t.dtype).view(shape)
+        return self.source.read(name, index, out=out)
+
+    def prime(self) -> ScratchReader:
+        """Cache the source's tensor list (reads then do not re-list it)."""
+        self._info = self.source.info()
+        return self
 
 
 def open_source(path: str | Path) -> DirectorySource | FileSource:

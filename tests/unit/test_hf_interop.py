@@ -220,3 +220,34 @@ def test_export_refuses_what_the_layout_cannot_express(mixtral_dir, tmp_path):
     to_hf(from_hf(path), tmp_path / "c")
     with pytest.raises(CheckpointError, match="already exists"):
         to_hf(from_hf(path), tmp_path / "c")
+
+
+def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, capsys):
+    from moebal.cli import main
+
+    path, ref = mixtral_dir
+    assert main(["convert", "hf-to-moebal", str(path), str(tmp_path / "mb"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"] >= 5
+    mb = tmp_path / "mb"
+    assert {"config.yaml", "model.safetensors", "hf_config.json", "manifest.json"} <= {p.name for p in mb.iterdir()}
+    stacked = read_header(mb / "model.safetensors")[0]["model.layers.0.block_sparse_moe.experts.w1"]
+    assert stacked.shape == (4, 48, 32)
+    ours = from_hf(mb).eval()
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(6))
+    assert (logits(ours, ids) - logits(ref, ids)).abs().max().item() < 1e-4
+    cfg = load(None, [f"hf.init_from={mb}", "data.seq_len=32", f"data.tokenizer={mb}/tokenizer.json"])
+    assert (cfg.model.dim, cfg.moe.num_experts, cfg.moe.aux_loss_coef) == (32, 4, 0.02)
+    assert main(["convert", "moebal-to-hf", str(mb), str(tmp_path / "hf")]) == 0
+    a, b = _tensors(path), _tensors(tmp_path / "hf")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
+        {**json.loads((path / "config.json").read_text())}
+    capsys.readouterr()
+    assert main(["convert", "moebal-to-hf", str(mb), str(tmp_path / "hf")]) == 2
+    assert "already exists: choose a new directory or pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", "hf-to-moebal", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and len(err.strip().splitlines()) == 1
+    (mb / "model.safetensors").write_bytes((mb / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="sha256 does not match"):
+        from_hf(mb)
