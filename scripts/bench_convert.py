@@ -17,7 +17,8 @@ imports through /proc/self/clear_refs, so the figure is what the conversion itse
                     that is not streamed holds
 
 The issue's target: peak at most about twice the largest tensor plus the model being built.
-Writes JSON (and prints a table); run it under `flock /tmp/moebal-bench.lock` on a shared machine.
+Writes JSON and a PNG next to it (and prints a table); run it under `flock /tmp/moebal-bench.lock` on a shared
+machine.
 """
 
 from __future__ import annotations
@@ -168,6 +169,29 @@ def _run_child(op: str, src: Path, dst: Path) -> dict[str, float]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _plot(out: dict, path: Path) -> None:
+    """Peak memory of each operation against its target (the PNG next to the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(out["results"])
+    peak = [out["results"][o]["peak_extra_bytes"] / 1e9 for o in ops]
+    target = [out["results"][o]["target_bytes"] / 1e9 for o in ops]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    x = range(len(ops))
+    ax.bar([i - 0.2 for i in x], peak, width=0.4, label="peak memory above start")
+    ax.bar([i + 0.2 for i in x], target, width=0.4, label="target: 2 x largest tensor (+ the model)", alpha=0.6)
+    ax.set_xticks(list(x), ops, rotation=20)
+    ax.set_ylabel("GB")
+    ax.set_title(f"streaming conversion of a {out['checkpoint']['bytes'] / 1e9:.2f} GB checkpoint")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: a 3.1 GB checkpoint)")
@@ -218,6 +242,7 @@ def main() -> int:
                   f"{r['ratio_to_target']:7.2f} {r['peak_over_largest_tensor']:10.2f} {r['seconds']:7.1f}")
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            _plot(out, Path(args.json).with_suffix(".png"))
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
