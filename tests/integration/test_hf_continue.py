@@ -98,6 +98,13 @@ def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc):
     c = moebal("convert", "moebal-to-hf", str(run), str(again))  # the run directory: its newest checkpoint
     assert c.returncode == 0, c.stderr[-2000:]
     assert all(torch.equal(exported[k], v) for k, v in _tensors(again).items())
+    if nproc == 1:  # resuming reads the run's checkpoint (not hf.init_from's weights) and exports again
+        r2 = moebal("train", "--out", str(run), "--resume", "--steps", "4")
+        assert r2.returncode == 0, r2.stderr[-3000:]
+        assert "exported step 4" in r2.stderr
+        steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4]
+        assert any(not torch.equal(exported[k], v) for k, v in _tensors(export).items())
 
 
 def test_llama_moe_continue_first_loss_and_export(tmp_path):
