@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -36,14 +36,18 @@ __all__ = [
     "PlannerConfig",
     "SchedulerConfig",
     "TrainConfig",
+    "apply_override",
+    "build_schema",
     "dump",
     "from_dict",
     "load",
+    "read_yaml",
     "resolve_path",
     "to_dict",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -535,7 +539,7 @@ def resolve_path(path: str | Path) -> Path:
     for cand in (CONFIG_DIR / f"{path}.yaml", CONFIG_DIR / str(path)):
         if cand.is_file():
             return cand
-    presets = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    presets = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml") if not q.stem.startswith("cluster-"))
     hint = f"; presets: {', '.join(presets)}" if presets else ""
     raise ConfigError(f"config file '{path}' not found: give a YAML path or a preset name{hint}")
 
@@ -584,6 +588,22 @@ def from_dict(data: Any, source: str = "<dict>") -> Config:
     return typing.cast(Config, _build(Config, data, source, ""))
 
 
+def build_schema(cls: type[T], data: Any, source: str = "<dict>") -> T:
+    """Build any schema dataclass (the run's Config, a cluster description, ...) from plain data, with the
+    same checks and messages as the run config: unknown keys, types, and the class's own validation."""
+    return typing.cast(T, _build(cls, data, source, ""))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; ConfigError naming the file when it cannot be read or parsed."""
+    return _read_yaml(Path(path))
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one `a.b=value` override (the value read as YAML) to nested plain data, in place."""
+    _apply_override(data, item)
+
+
 def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if data is None:
@@ -609,7 +629,26 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
     """Check (and gently convert: YAML reads 3e-4 as a string) one value against its type."""
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type, tp), value, source, key + ".")
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
+    if origin is tuple:  # tuple[X, ...]: a YAML list (tuples keep the frozen sections hashable)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: '{key}' must be a list; got {_show(value)}")
+        item = typing.get_args(tp)[0]
+        return tuple(_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:  # dict[str, X]: a YAML mapping
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' must be a mapping; got {_show(value)}")
+        item = typing.get_args(tp)[1]
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{source}: '{key}' keys must be strings; got {_show(k)}")
+            out[k] = _coerce(item, v, source, f"{key}.{k}")
+        return out
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

@@ -29,9 +29,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of the run (train.seed)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out DIR from its latest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint directory instead")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue the run in --out DIR from the latest checkpoint every rank holds, or start it "
+                        "when there is none (what restarted ranks run; moebal launch passes it)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--nproc", type=int, help="ranks to start on this machine (parallel.nproc); under torchrun the "
                    "world size comes from the environment")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --nproc: when a rank fails, restart every rank from the last checkpoint, up to N "
+                        "times (under torchrun, its own --max-restarts does this)")
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep; default: every rank)")
     p.add_argument("--policy", choices=["static", "prophet", "fastermoe", "broadcast_topk"],
                    help="expert placement policy (planner.policy)")
@@ -66,6 +72,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     resuming = args.resume or args.resume_from
     if resuming and not args.out and not args.resume_from:
         raise ConfigError("--resume needs --out DIR, the run directory to continue")
+    if getattr(args, "auto_resume", False) and not args.out:
+        raise ConfigError("--auto-resume needs --out DIR, the run directory to continue or start")
     out = Path(args.resume_from).parent if args.resume_from and not args.out else (Path(args.out) if args.out
                                                                                    else None)
     if config is None and resuming and out is not None and (out / "config.yaml").is_file():
@@ -142,7 +150,14 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
     argv = ["train", *args._argv]
     if args.out is None:
         argv += ["--out", str(out)]
-    return spawn_local(cfg.parallel.nproc, argv)  # rank 0 prints the summary
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
+    if args.max_restarts and cfg.parallel.pp > 1:
+        raise ConfigError("--max-restarts needs checkpoints to resume from, and pipeline runs (parallel.pp > 1) "
+                          "keep none yet: run without it")
+    # restarted ranks continue from the last checkpoint every rank holds (or start over before the first one)
+    restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
+    return spawn_local(cfg.parallel.nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +165,10 @@ def run(args: argparse.Namespace) -> int:
     cfg, out = resolve_config(args)
     from moebal.train import Trainer
 
-    if not (args.resume or args.resume_from) and (out / "metrics.jsonl").exists():
+    # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run
+    # from the last checkpoint every rank holds, or starts it over when there is none yet
+    auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
+    if not (args.resume or args.resume_from or auto) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
     if cfg.hf.export_to:
         from moebal.train.export import check_export
@@ -158,21 +176,26 @@ def run(args: argparse.Namespace) -> int:
         check_export(cfg)  # before training, not after it
     if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
         return _spawn(args, cfg, out)
+    if cfg.parallel.pp > 1 and auto:
+        raise ConfigError("--auto-resume: pipeline runs (parallel.pp > 1) keep no checkpoints yet, so a restarted "
+                          "one cannot resume; run it without restarts")
     if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
         from moebal.pipeline.train import run_pipeline
 
         return run_pipeline(cfg, out, json_summary=args.json)
-    resume: bool | str = args.resume_from or bool(args.resume)
+    resume: bool | str = args.resume_from or bool(args.resume) or auto
     ctx, model, hooks = None, None, []
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         from moebal.train.distributed import setup_parallel
 
-        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume)
+        # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
+        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume or auto)
     if cfg.hf.export_to:
         from moebal.train.export import ExportHook
 
         hooks.append(ExportHook(cfg, out))
-    trainer = Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx)
+    trainer = Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx,
+                      require_checkpoint=not auto)
     try:
         return _train(trainer, cfg, out, args, wall0)
     finally:
@@ -189,9 +212,11 @@ def _train(trainer: object, cfg: Config, out: Path, args: argparse.Namespace, wa
     if main:
         params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
         ranks = f", {trainer.ctx.dims.world_size} ranks (ep {trainer.ctx.dims.ep})" if trainer.ctx.distributed else ""
+        resumed = f", resumed at step {trainer.step}" if trainer.step else ""
         stream.write(f"moebal train: {cfg.name}, {trainer.data.corpus.train.n_tokens / 1e6:.1f}M training tokens "
                      f"({trainer.data.corpus.source}), {params:.1f}M parameters{' on rank 0' if ranks else ''}"
-                     f"{ranks}, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}\n")
+                     f"{ranks}, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}{resumed}\n")
+        stream.flush()
     result = trainer.train()
     result.wall_seconds = time.perf_counter() - wall0
     if not main:

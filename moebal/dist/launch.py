@@ -1,9 +1,16 @@
-"""Local multi-process launch: `moebal train --nproc N` starts N ranks itself, the way torchrun would.
+"""Starting and watching processes: the ranks of `moebal train --nproc N`, and the nodes of `moebal launch`.
 
-Each rank is a fresh `python -m moebal.cli ...` process with the torchrun environment (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same code path runs under plain torchrun.
-The parent watches its children: when one fails, it stops the others at once instead of letting them hang
-in a collective, and reports which rank failed.
+`spawn_local` runs N ranks on this machine, each a fresh `python -m moebal.cli ...` process with the torchrun
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same code path
+runs under plain torchrun. When a rank fails it stops the others at once instead of letting them hang in a
+collective, reports which rank failed and, with `max_restarts`, starts every rank again (with
+TORCHELASTIC_RESTART_COUNT set as torchrun would, and `restart_argv`: `--auto-resume` makes `moebal train`
+continue from the run's last checkpoint).
+Exit code 2 (bad input: config, data, checkpoint) is not restarted, since it would fail the same way.
+
+`run_nodes` runs one local command per node (an ssh, a namespace exec, ...), prefixes every line the node
+prints with its name, and stops every node when one fails. Restarting ranks inside a node is torchrun's job
+there; a node whose torchrun exits non-zero has run out of restarts (or lost its rendezvous).
 """
 
 from __future__ import annotations
@@ -13,10 +20,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from typing import IO
 
-__all__ = ["free_port", "spawn_local"]
+from moebal.errors import ConfigError
+
+__all__ = ["free_port", "run_nodes", "spawn_local"]
+
+BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
 
 
 def free_port() -> int:
@@ -26,42 +39,62 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
 def spawn_local(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None,
-                threads_per_rank: int | None = None, poll_s: float = 0.05) -> int:
-    """Run `python -m moebal.cli *argv` as `nproc` ranks; return 0, or the first failing rank's exit code."""
-    port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
+                threads_per_rank: int | None = None, poll_s: float = 0.05, max_restarts: int = 0,
+                restart_argv: Sequence[str] = ()) -> int:
+    """Run `python -m moebal.cli *argv` as `nproc` ranks; return 0, or the failing rank's exit code once
+    `max_restarts` restarts of the whole job are used up. Restarts run `*argv, *restart_argv`."""
     base = {**os.environ, **(env or {})}
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
-    for rank in range(nproc):
-        rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": str(threads_per_rank)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "moebal.cli", *argv], env=rank_env))
-    try:
-        return _watch(procs, poll_s)
-    except KeyboardInterrupt:
+    for attempt in range(max_restarts + 1):
+        port = free_port()
+        procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "OMP_NUM_THREADS": str(threads_per_rank), "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+            extra = list(restart_argv) if attempt else []
+            procs.append(subprocess.Popen([sys.executable, "-m", "moebal.cli", *argv, *extra], env=rank_env))
+        try:
+            failed = _watch(procs, poll_s)
+        except KeyboardInterrupt:
+            _stop(procs)
+            raise
+        if failed is None:
+            return 0
+        rank, code = failed
         _stop(procs)
-        raise
+        if attempt < max_restarts and code != BAD_INPUT:
+            print(f"moebal: rank {rank} failed ({_how(code)}); restarting every rank from the last checkpoint "
+                  f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
+            continue
+        left = "; no restarts left" if max_restarts and code != BAD_INPUT else ""
+        print(f"moebal: rank {rank} failed ({_how(code)}); stopped the other ranks{left}", file=sys.stderr)
+        return code if code > 0 else 1
+    raise AssertionError("unreachable")
 
 
-def _watch(procs: list[subprocess.Popen[bytes]], poll_s: float) -> int:
+def _watch(procs: Sequence[subprocess.Popen[bytes]], poll_s: float) -> tuple[int, int] | None:
+    """Wait until every process exited 0 (None) or one failed: (its index, its exit code)."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            rank, code = failed[0]
-            _stop(procs)
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            print(f"moebal: rank {rank} failed ({how}); stopped the other ranks", file=sys.stderr)
-            return code if code > 0 else 1
+            return failed[0]
         if all(c == 0 for c in codes):
-            return 0
+            return None
         time.sleep(poll_s)
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM every process still running, SIGKILL (its whole process group when it leads one) after
+    `grace_s`."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -70,5 +103,65 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            try:
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
+            except ProcessLookupError:
+                pass
             p.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# nodes
+
+
+def _pump(stream: IO[bytes], prefix: str, sink: IO[str], lock: threading.Lock) -> None:
+    """Copy a node's output to ours line by line, each line prefixed (a terminal's \\r\\n made \\n)."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        with lock:
+            sink.write(f"{prefix}{line}\n")
+            sink.flush()
+    stream.close()
+
+
+def run_nodes(nodes: Sequence[tuple[str, Sequence[str]]], grace_s: float = 15.0, poll_s: float = 0.1,
+              stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Run one command per node (name, argv; no shell) until all exit 0 (return 0) or one fails: then stop
+    the others (SIGTERM, SIGKILL after `grace_s`) and return the failed node's exit code."""
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for name, argv in nodes:
+            try:
+                # a session of its own: a Ctrl-C reaches the launcher, which stops the nodes in order
+                p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+            except OSError as e:
+                raise ConfigError(f"cannot start node {name}: {argv[0]!r}: {e.strerror or e}; check the launcher "
+                                  f"command (ssh.command) and that the program is installed here") from None
+            procs.append(p)
+            for stream, sink in ((p.stdout, out), (p.stderr, err)):
+                assert stream is not None
+                t = threading.Thread(target=_pump, args=(stream, f"[{name}] ", sink, lock), daemon=True)
+                t.start()
+                pumps.append(t)
+        failed = _watch(procs, poll_s)
+    except BaseException:
+        _stop(procs, grace_s)
+        raise
+    if failed is not None:
+        i, code = failed
+        _stop(procs, grace_s)
+    for t in pumps:
+        t.join(timeout=5.0)
+    if failed is None:
+        return 0
+    with lock:
+        err.write(f"moebal launch: node {nodes[i][0]} failed ({_how(code)}); stopped the other nodes\n")
+        err.flush()
+    return code if code > 0 else 1

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from moebal.dist.launch import free_port
 
-__all__ = ["run_ranks"]
+__all__ = ["kill_rank_when", "rank_pid", "run_ranks"]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any, threads: int) -> None:
@@ -68,3 +71,42 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 p.terminate()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+def rank_pid(rank: int, marker: str) -> int | None:
+    """The process of training rank `rank` in the job whose environment holds `marker` (NAME=value), found in
+    /proc (Linux): it works across network namespaces and launchers, wherever the rank was started."""
+    want = {marker.encode(), f"RANK={rank}".encode()}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if want <= env and b"moebal.cli" in cmd and b"torch.distributed.run" not in cmd:
+            found.append(int(entry.name))
+    return max(found) if found else None  # the newest, should an earlier attempt's process still be exiting
+
+
+def kill_rank_when(ready: Callable[[], bool], rank: int, marker: str, timeout_s: float = 300.0,
+                   poll_s: float = 0.05, alive: Callable[[], bool] = lambda: True) -> float:
+    """SIGKILL rank `rank` of the marked job as soon as `ready()` (e.g. a checkpoint exists); the time of the kill
+    (time.time()). Raises TimeoutError when `ready()` or the rank did not show up in time, or `alive()` turned
+    false (the job ended) first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if time.monotonic() > deadline or not alive():
+            raise TimeoutError(f"rank {rank} of {marker} was not ready to be killed "
+                               f"({'timed out' if alive() else 'the job ended'})")
+        pid = rank_pid(rank, marker) if ready() else None
+        if pid is not None:
+            t = time.time()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return t
+        time.sleep(poll_s)

@@ -94,14 +94,15 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, hooks: list[Hook] | None = None,
                  resume: bool | str | Path = False, device: torch.device | None = None,
                  model: torch.nn.Module | None = None, data: DataBundle | None = None,
-                 ctx: RunContext | None = None) -> None:
+                 ctx: RunContext | None = None, require_checkpoint: bool = True) -> None:
         self.created = t0 = time.perf_counter()
         self.cfg, self.run_dir, self.hooks = cfg, Path(run_dir), list(hooks or [])
         self.ctx = ctx or RunContext()
         self.ctx.check_batch(cfg.data.batch_size)
         self.device = device or default_device()
-        torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
-        ckpt = self._find_resume(resume)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc))  # ranks on this machine under torchrun
+        torch.set_num_threads(cfg.train.threads or default_threads(local))
+        ckpt = self._find_resume(resume, require_checkpoint)
         self.data = data or build_data(cfg)
         seed_everything(cfg.train.seed)
         if model is None:
@@ -124,16 +125,17 @@ class Trainer:
 
     # ---- resume -------------------------------------------------------------------------------------
 
-    def _find_resume(self, resume: bool | str | Path) -> CheckpointReader | None:
-        """The checkpoint to resume from, the same on every rank (the run directory must be shared)."""
+    def _find_resume(self, resume: bool | str | Path, require: bool = True) -> CheckpointReader | None:
+        """The checkpoint to resume from, the same on every rank (the run directory must be shared). Without
+        one, `require=False` (--auto-resume: a restarted job killed before its first checkpoint) starts over."""
         if resume is False:
             return None
         found = find_checkpoints(self.run_dir) if resume is True else [Path(resume)]
         error, reader = None, None
-        if not found:
+        if not found and require:
             error = (f"nothing to resume in {self.run_dir}: it holds no checkpoint (run without --resume to start, "
                      f"or point --out at the run)")
-        else:
+        elif found:
             try:
                 reader = CheckpointReader(found[-1])
             except CheckpointError as e:
@@ -145,6 +147,8 @@ class Trainer:
         if len({p for p, _ in seen}) > 1:
             raise CheckpointError(f"the ranks see different newest checkpoints ({sorted({p for p, _ in seen})}): "
                                   f"the run directory must be on a filesystem every rank shares")
+        if reader is None and self.ctx.is_main:  # starting over: the failed attempt's lines go (plans: its hook)
+            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", 0)
         return reader
 
     def _restore(self, reader: CheckpointReader) -> None:
@@ -233,7 +237,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         n = global_batch.n_tokens
         self.step, self.tokens, self.train_seconds = step, self.tokens + n, self.train_seconds + dt
-        record.update(tokens=self.tokens, tokens_per_s=round(n / dt, 1), step_time_s=round(dt, 4))
+        record.update(tokens=self.tokens, tokens_per_s=round(n / dt, 1), step_time_s=round(dt, 4),
+                      time=round(time.time(), 3))
         for hook in self.hooks:
             hook.after_step(self, step, stats, record)
         return record

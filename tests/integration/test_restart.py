@@ -1,0 +1,69 @@
+"""Restarts: a rank SIGKILLed mid-run restarts the job from its last checkpoint, and the run ends with exactly the
+losses of an uninterrupted one (fixed seed; weights, optimizer, data position and RNG restored by resume).
+
+The planner's coefficients come from a hardware profile (`planner.costs=a100`), not from timing the live job:
+re-measured coefficients after a restart could pick other placements, which change the summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from moebal.dist.testing import kill_rank_when
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
+        "moe.num_experts=4", "moe.expert_ffn_dim=64", "data.seq_len=64", "data.batch_size=4",
+        "data.max_bytes=400000", "train.precision=fp32", "train.eval_every=4", "train.eval_batches=2",
+        "train.warmup_steps=2", "train.ckpt_every=4", "train.threads=1", "planner.costs=a100"]
+STEPS = 40
+
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "moebal.cli", "train", "--nproc", "2", "--steps", str(STEPS), "--seed", "0",
+            "--out", str(out), *TINY, *extra]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tmp_path):
+    ref = subprocess.run(_cmd(tmp_path / "ref"), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    marker = f"MOEBAL_TEST_JOB={uuid.uuid4().hex}"
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run, "--max-restarts", "1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, marker.split("=")[0]: marker.split("=")[1]})
+    try:
+        kill_rank_when(lambda: (run / "ckpt-0000004").is_dir() and (run / "ranks/1/ckpt-0000004").is_dir(),
+                       rank=1, marker=marker, alive=lambda: proc.poll() is None)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "rank 1 failed (signal 9); restarting every rank from the last checkpoint (restart 1 of 1)" in err
+    resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", err)]
+    assert len(resumed) == 1 and 4 <= resumed[0] < STEPS
+    a, b = _metrics(tmp_path / "ref"), _metrics(run)
+    assert [x["step"] for x in b] == list(range(1, STEPS + 1))
+    assert [x["loss"] for x in b] == [x["loss"] for x in a]
+    assert [x.get("val_loss") for x in b] == [x.get("val_loss") for x in a]
+
+
+def test_bad_input_is_not_restarted(tmp_path):
+    # two ranks cannot split a batch of 3: every rank fails with exit code 2, which a restart would repeat
+    bad = subprocess.run(_cmd(tmp_path / "bad", "--max-restarts", "2", "data.batch_size=3"), capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2
+    assert "divisible" in bad.stderr and "failed (exit code 2); stopped the other ranks" in bad.stderr
+    assert "restarting" not in bad.stderr
