@@ -7,7 +7,7 @@ also checks that the run's losses equal those of the same run uninterrupted, bit
 
 Settings (`--setting`, repeatable; default: all that can run here):
   tiny-local     `moebal train --nproc 2` on a 0.1M-parameter model (the restart test's job)
-  default-local  `moebal train --nproc 2` on the default model (4 layers, 8 experts, bf16)
+  default-local  `moebal train --nproc 2` on the default model (4 layers, 8 experts, bf16, the full corpus)
   tiny-netns     `moebal launch` on two network-namespace nodes, 2 ranks each (needs root and iproute2)
 
     python scripts/bench_restart.py [--setting S] [--repeats 3] [--json FILE] [--png FILE]
@@ -43,8 +43,10 @@ TINY = {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_
         "train": {"precision": "fp32", "eval_every": 10, "eval_batches": 2, "warmup_steps": 2, "ckpt_every": 10,
                   "threads": 1, "steps": 60, "seed": 0, "time_limit_min": None},
         "planner": {"costs": "a100"}}
+# moe.kernel: loop, not auto: auto times the kernels in every process and may pick another one in another run
+# (two uninterrupted default runs differ from step 2 on), which would hide what the restart does to the losses
 DEFAULT = {"train": {"steps": 40, "ckpt_every": 10, "eval_every": 0, "seed": 0, "time_limit_min": None},
-           "planner": {"costs": "a100"}}
+           "moe": {"kernel": "loop"}, "planner": {"costs": "a100"}}
 SETTINGS = ("tiny-local", "default-local", "tiny-netns")
 
 
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["repeat"] = rep
                     r["losses_equal_uninterrupted"] = (r.get("losses") is not None and r["losses"] == ref.get("losses")
                                                        and r["val_losses"] == ref.get("val_losses"))
+                    pairs = zip(r.get("losses") or [], ref.get("losses") or [])
+                    r["first_different_step"] = next((i + 1 for i, (x, y) in enumerate(pairs) if x != y), None)
                     records.append(r)
                     print(f"{s} #{rep}: recovery {r.get('recovery_s')} s (resumed at step {r.get('resumed_at')}, "
                           f"kill -> resumed line {r.get('kill_to_resumed_line_s')} s), losses equal "

@@ -30,7 +30,7 @@ TINY = {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_
         "data": {"seq_len": 64, "batch_size": 4, "max_bytes": 400000},
         "train": {"precision": "fp32", "eval_every": 4, "eval_batches": 2, "warmup_steps": 2, "ckpt_every": 4,
                   "threads": 1, "steps": 24, "seed": 0},
-        "planner": {"costs": "a100"}}  # a profile: coefficients measured after a restart could change plans
+        "planner": {"costs": "a100"}}  # a profile: the two runs compared would measure different coefficients
 
 
 def _flat(d: dict, prefix: str = "") -> list[str]:

@@ -2,7 +2,8 @@
 losses of an uninterrupted one (fixed seed; weights, optimizer, data position and RNG restored by resume).
 
 The planner's coefficients come from a hardware profile (`planner.costs=a100`), not from timing the live job:
-re-measured coefficients after a restart could pick other placements, which change the summation order.
+the two runs compared would each measure their own figures, pick different replicas and so sum in another
+order. (Within one run a restart reuses the run's first measurement, which travels in the checkpoints.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "moe.num_experts=4", "moe.expert_ffn_dim=64", "data.seq_len=64", "data.batch_size=4",
         "data.max_bytes=400000", "train.precision=fp32", "train.eval_every=4", "train.eval_batches=2",
         "train.warmup_steps=2", "train.ckpt_every=4", "train.threads=1", "planner.costs=a100"]
-STEPS = 40
+STEPS = 30
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
