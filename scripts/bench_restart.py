@@ -112,8 +112,8 @@ def run_once(setting: str, tmp: Path, pair: NamespacePair | None, kill: bool) ->
         if kill:
             world = 4 if setting.endswith("netns") else 2
             victim = world - 1
-            ckpts = (out / "ckpt-0000010", out / "ranks" / str(victim) / "ckpt-0000010")
-            rec["kill_time"] = kill_rank_when(lambda: all(p.is_dir() for p in ckpts), victim,
+            ckpt = out / "ckpt-0000010"  # complete once every rank's shard is in
+            rec["kill_time"] = kill_rank_when(ckpt.is_dir, victim,
                                               f"MOEBAL_BENCH_JOB={marker}",
                                               alive=lambda: proc.poll() is None)
         proc.wait(timeout=900)

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out DIR from its latest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint directory instead")
     p.add_argument("--auto-resume", action="store_true",
-                   help="continue the run in --out DIR from the latest checkpoint every rank holds, or start it "
+                   help="continue the run in --out DIR from its newest complete checkpoint, or start it "
                         "when there is none (what restarted ranks run; moebal launch passes it)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--nproc", type=int, help="ranks to start on this machine (parallel.nproc); under torchrun the "
@@ -155,7 +155,7 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
     if args.max_restarts and cfg.parallel.pp > 1:
         raise ConfigError("--max-restarts needs checkpoints to resume from, and pipeline runs (parallel.pp > 1) "
                           "keep none yet: run without it")
-    # restarted ranks continue from the last checkpoint every rank holds (or start over before the first one)
+    # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
     return spawn_local(cfg.parallel.nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)
 
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from moebal.train import Trainer
 
     # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run
-    # from the last checkpoint every rank holds, or starts it over when there is none yet
+    # from its newest complete checkpoint, or starts it over when there is none yet
     auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
     if not (args.resume or args.resume_from or auto) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")

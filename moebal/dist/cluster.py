@@ -357,7 +357,7 @@ def train_argv(c: ClusterConfig, out: str, resume: bool = False) -> list[str]:
     if resume:
         argv.append("--resume")
     elif c.max_restarts:
-        # a rank restarted by torchrun continues from the last checkpoint every rank holds (its own
+        # a rank restarted by torchrun continues from the newest complete checkpoint (its own
         # TORCHELASTIC_RESTART_COUNT cannot tell it: a node restarted for another node's failure keeps its count)
         argv.append("--auto-resume")
     return argv
