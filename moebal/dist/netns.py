@@ -12,12 +12,13 @@ Needs root and iproute2; `unavailable()` says why not when they are missing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
 
-__all__ = ["NamespacePair", "unavailable"]
+__all__ = ["NamespacePair", "sweep_stale", "unavailable"]
 
 IFNAME = "mb0"  # the veth's name inside both namespaces
 
@@ -40,10 +41,24 @@ def unavailable() -> str | None:
     return None
 
 
+def sweep_stale() -> list[str]:
+    """Delete the namespace pairs of processes that no longer exist (a test killed before its clean-up); the
+    names deleted. A pair's tag ends with the id of the process that made it."""
+    gone = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        m = re.match(r"^mb([a-z]*)(\d+)([ab])\b", line.strip())
+        if m and not os.path.exists(f"/proc/{m.group(2)}"):
+            name = line.split()[0]
+            _ip("netns", "del", name, check=False)
+            gone.append(name)
+    return gone
+
+
 @dataclass
 class NamespacePair:
     """Namespaces `names[i]` with address `addrs[i]` on interface IFNAME, linked by one veth pair.
-    A context manager: leaving it kills what still runs inside and deletes both namespaces."""
+    A context manager: leaving it kills what still runs inside and deletes both namespaces. `tag` should end
+    with the creating process's id (`sweep_stale` relies on it)."""
 
     tag: str
     subnet: int = 77
@@ -54,6 +69,7 @@ class NamespacePair:
         self.ifname = IFNAME
 
     def __enter__(self) -> NamespacePair:
+        sweep_stale()
         try:
             self._create()
         except BaseException:
