@@ -17,7 +17,8 @@ The steps (DynaPipe §4-§7):
   4. data parallelism: the micro-batches are spread over the D replicas by Karmarkar-Karp (largest
      differencing) on their times;
   5. per replica: injection order and schedule chosen by simulation (`dynschedule.choose_schedule`), then
-     the communication plan from the simulated timeline (`commplan.build_comm_plan`).
+     the communication plan from the simulated timeline (`commplan.build_comm_plan`), proved deadlock-free by
+     `commplan.check_plan` before the plan is returned.
 
 Gaps of the paper, settled (docs/microbatching.md has the long form):
   * Eq2's index range is 0 <= i <= n - 1 (the paper's 1 <= i misses one micro-batch holding the prefix);
@@ -49,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.pipeline.commplan import build_comm_plan
+from moebal.pipeline.commplan import build_comm_plan, check_plan
 from moebal.pipeline.dynschedule import DYN_SCHEDULES, choose_schedule, one_f_one_b, simulate
 from moebal.pipeline.mbcost import MicroBatchCost
 
@@ -509,6 +510,8 @@ def _schedule_replica(mbs: list[MicroBatch], ids: list[int], cost: MicroBatchCos
     pos = {j: k for k, j in enumerate(order)}
     ops = [(p, kind, pos[j], s, e) for p, kind, j, s, e in tl.ops]
     streams = build_comm_plan(ops, cost.stages)
+    proof = check_plan(streams)  # every plan proves its order before any rank runs it
+    assert proof, f"planner bug: the communication plan does not pass the deadlock checker: {proof.reason}"
     return ReplicaPlan(micro_batches=tuple(ids[j] for j in order), schedule=name,
                        streams=tuple(tuple(s) for s in streams), makespan_s=tl.makespan, peak_memory=tl.peak_P,
                        candidates=cands)
