@@ -153,8 +153,8 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     if args.max_restarts and cfg.parallel.pp > 1:
-        raise ConfigError("--max-restarts needs checkpoints to resume from, and pipeline runs (parallel.pp > 1) "
-                          "keep none yet: run without it")
+        raise ConfigError("--max-restarts is not supported for pipeline runs (parallel.pp > 1) yet (they resume "
+                          "with --resume, but automatic restarts are untested there): run without it")
     # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
     return spawn_local(cfg.parallel.nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)
@@ -176,13 +176,11 @@ def run(args: argparse.Namespace) -> int:
         check_export(cfg)  # before training, not after it
     if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
         return _spawn(args, cfg, out)
-    if cfg.parallel.pp > 1 and auto:
-        raise ConfigError("--auto-resume: pipeline runs (parallel.pp > 1) keep no checkpoints yet, so a restarted "
-                          "one cannot resume; run it without restarts")
     if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
         from moebal.pipeline.train import run_pipeline
 
-        return run_pipeline(cfg, out, json_summary=args.json)
+        return run_pipeline(cfg, out, json_summary=args.json, resume=args.resume_from or bool(args.resume) or auto,
+                            require_checkpoint=not auto)
     resume: bool | str = args.resume_from or bool(args.resume) or auto
     ctx, model, hooks = None, None, []
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:

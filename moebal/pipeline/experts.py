@@ -182,6 +182,37 @@ class StageExperts:
         if self.ep is not None:
             self.ep.refresh()
 
+    # ---- checkpoints: the run's measured coefficients and each held layer's planner, as JSON ----
+    def state_dict(self) -> dict[str, Any]:
+        from moebal.dist.calibrate import costs_to_dict
+
+        measured = self.costs is not None and self.cfg.planner.costs == "measure"
+        return {"R": self.R, "costs": costs_to_dict(self.costs) if measured else None,
+                "planners": {str(i): {"forecast": None if pl.forecast_RE is None else pl.forecast_RE.tolist(),
+                                      "observed": pl.observed, "current": pl.current.to_dict()}
+                             for i, pl in self.planners.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], layers: dict[int, dict[str, Any]]) -> None:
+        """Restore the measured coefficients (`state`, any rank's: they are agreed over the job) and the planner
+        of every MoE layer held here from `layers` (layer id -> the saved planner of that layer, in this
+        rank's data-parallel replica). A checkpoint of another expert-parallel size restores nothing: the
+        planners start afresh on this layout's own measurement."""
+        if self.ep is None or state.get("R") != self.R:
+            return
+        from moebal.dist.calibrate import costs_from_dict
+
+        if state.get("costs"):
+            self.costs = costs_from_dict(state["costs"])
+        for i in self._moe_ids():
+            pl = self._new_planner()
+            saved = layers.get(i)
+            if saved is not None:
+                pl.forecast_RE = None if saved["forecast"] is None else np.asarray(saved["forecast"],
+                                                                                   dtype=np.float64)
+                pl.observed = int(saved["observed"])
+                pl.current = ExpertPlacement.from_dict(saved["current"])
+            self.planners[i] = pl
+
 
 def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
     """Coefficients of every stage's planners: a hardware profile, or measured on this job at start-up with a

@@ -142,6 +142,7 @@ class PlannedPipelineRunner(PipelineRunner):
         self.planner = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
         self._ahead: collections.deque[tuple[int, list[np.ndarray]]] = collections.deque()
         self._read = 0
+        self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self._last: dict[str, Any] = {}
 
     # ---- costs ----
@@ -171,11 +172,16 @@ class PlannedPipelineRunner(PipelineRunner):
         return analytic_table(ModelShape.from_config(self.cfg), dyn.costs, list(self.sizes), b_grid, s_grid,
                               "bf16" if self.cfg.train.precision == "bf16" else "fp32")
 
+    def data_state(self) -> dict[str, Any]:
+        """The data position of the next step to train (batches read ahead are read again on resume)."""
+        return dict(self._positions[0]) if self._positions else self.data.train.state_dict()
+
     # ---- the step ----
     def _fill(self, step: int) -> None:
         """Read batches up to step + lookahead; the planning rank submits their lengths."""
         while self._read < step + self.lookahead:
             self._read += 1
+            self._positions.append(self.data.train.state_dict())  # where batch _read starts (checkpoints)
             samples = self.data.train.next_samples()
             self._ahead.append((self._read, samples))
             self.planner.submit(self._read, [len(x) - 1 for x in samples])
@@ -184,6 +190,7 @@ class PlannedPipelineRunner(PipelineRunner):
         step = self.step + 1
         self._fill(step)
         s, samples = self._ahead.popleft()
+        self._positions.popleft()
         assert s == step, "batches read ahead are out of step"
         plan, wait = self.planner.get(step)
         count = sum(len(x) - 1 for x in samples)

@@ -689,6 +689,55 @@ class PipelineRunner:
         rec.update({k: v for k, v in events.items() if k != "adopted"})
         return rec
 
+    # ---- checkpoints (moebal/pipeline/train.py writes them; weights and optimizer go by logical name) ----
+    def data_state(self) -> dict[str, Any]:
+        """The data position of the next step to train."""
+        return self.data.train.state_dict()
+
+    def resume_partition(self, sizes: list[int]) -> None:
+        """Migrate to the partition a checkpoint was taken under (after its weights and optimizer state were
+        loaded into this run's initial partition): the resumed run then plans as the uninterrupted one."""
+        self._apply(list(sizes), "resume", self.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's runner state as JSON: the partition, the smoothed costs and link figures (identical on
+        every rank), the scheme's state, and the expert planners of the layers held here."""
+        return {"sizes": list(self.sizes), "chain": self.P0, "coords": dict(self.dims.coords),
+                "layers": list(self.stage.layer_ids), "tracker": self.tracker.state_dict(),
+                "kappa": self.kappa, "bandwidth": self.bandwidth, "comm_s": self.comm_s,
+                "static_mem": self.static_mem.tolist(), "move_bytes": self.move_bytes.tolist(),
+                "scheme": self.scheme.state_dict(), "experts": self.experts.state_dict()}
+
+    def load_state_dict(self, ranks: dict[str, dict[str, Any]]) -> list[int] | None:
+        """Restore from every saved rank's `state_dict` (any layout: what does not carry over is rebuilt) and
+        return the saved partition when it fits this chain (the caller migrates to it once the weights are
+        loaded), else None. The per-layer costs, link figures and scheme state are the job's (rank 0's); each
+        held MoE layer's planner comes from the saved rank that held the layer in the same expert-parallel
+        position (and data-parallel replica, when there is one)."""
+        if not ranks:
+            return None
+        first = ranks.get("0") or next(iter(ranks.values()))
+        if "tracker" not in first:
+            return None  # written by the single-stage trainer: nothing of a pipeline to restore
+        if len(first["tracker"]["fwd"]) == self.L + 2:
+            self.tracker.load_state_dict(first["tracker"])
+            self.static_mem = np.asarray(first["static_mem"], dtype=np.float64)
+            self.move_bytes = np.asarray(first["move_bytes"], dtype=np.float64)
+        self.kappa, self.bandwidth, self.comm_s = first["kappa"], first["bandwidth"], first["comm_s"]
+        self.scheme.load_state_dict(first["scheme"])
+        me = self.dims.coords
+
+        def held_by(s: dict[str, Any]) -> int:  # same ep position first, then the same replica
+            c = s["coords"]
+            return (c["ep"] != me["ep"]) * 2 + (c["dp"] != me["dp"])
+
+        layers: dict[int, dict[str, Any]] = {}
+        for s in sorted(ranks.values(), key=held_by, reverse=True):  # the best match is written last
+            if s["experts"].get("R") == self.dims.ep and s["coords"]["ep"] == me["ep"]:
+                layers.update({int(i): p for i, p in s["experts"]["planners"].items()})
+        self.experts.load_state_dict(first["experts"], layers)
+        return list(first["sizes"]) if first["chain"] == self.P0 else None
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters by full-model name (tests compare them across partitions)."""
         return {k: v.detach().clone() for k, v in self.stage.state_dict().items()}

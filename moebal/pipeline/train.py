@@ -7,7 +7,14 @@ stage plan, adopted or not, with its predicted times, gain and migration cost), 
 and `pipeline.png` (a Gantt chart of one iteration before the first adopted plan and after the latest),
 `summary.json`. A released rank prints that it was released and returns 0; training goes on without it.
 
-Not in pipeline mode (yet): checkpoints and resume, validation passes.
+Checkpoints are the trainer's (`moebal/train/checkpoint.py`): every rank writes the logical tensors of the
+layers it holds (the first rank of each stage's data x expert group the dense ones, the first of each
+data-parallel group its expert shards), so a pipeline checkpoint resumes under any number of stages, or
+none, and a trainer's checkpoint resumes as a pipeline. Per rank it also keeps the runner's state (the
+partition, smoothed costs, link figures, expert planners) and RNG; under the same layout the resumed run
+migrates to the saved partition and continues exactly, under another it starts from its initial partition.
+
+Not in pipeline mode (yet): validation passes; resuming the freezing and pruning schemes.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ def scheme_from_config(cfg: Config) -> Dynamism:
     return build_dynamism(name, options, cfg=cfg)
 
 
-def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
+def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: bool | str = False,
+                 require_checkpoint: bool = True) -> int:
     """Train `cfg` as a pipeline on this rank (torchrun environment); returns the process exit code."""
     import torch.distributed as dist
 
@@ -72,13 +80,18 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
             sys.stderr.write(f"moebal train: {cfg.name}, {cfg.parallel.pp}-stage pipeline x {dims.dp} data-parallel "
                              f"x {dims.ep} expert-parallel, {micro}, rebalance {cfg.pipeline.rebalance}, "
                              f"dynamism {cfg.dynamism.scheme}, run directory {out}\n")
-        result = _loop(runner, cfg, out, main)
+        ckpt = _Checkpoints(runner, cfg, out)
+        if resume:
+            ckpt.resume(resume, require_checkpoint)
+        result = _loop(runner, cfg, out, main, ckpt)
         if runner.released:
             sys.stderr.write(f"moebal train: rank {dims.rank} released at step {runner.released_at} "
                              f"(re-packed onto fewer stages); exiting\n")
             return 0
-        if main:
+        if main and runner.records:
             _finish(runner, result, cfg, out, time.perf_counter() - wall0, json_summary)
+        elif main:
+            print(f"moebal train: nothing to do, the run in {out} is at step {runner.step} of {cfg.train.steps}")
         return 0
     finally:
         if runner is not None:
@@ -87,14 +100,15 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False) -> int:
             dims.close()  # local for gloo: a released rank leaves without waiting for the others
 
 
-def _loop(runner: PipelineRunner, cfg: Config, out: Path, main: bool) -> dict[str, Any]:
+def _loop(runner: PipelineRunner, cfg: Config, out: Path, main: bool, ckpt: _Checkpoints) -> dict[str, Any]:
     runner.start()
-    metrics = (out / "metrics.jsonl").open("w", encoding="utf-8") if main else None
+    metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if main else None  # a resume truncated it
     n_plans = 0
     t0 = time.perf_counter()
     try:
         while runner.step < cfg.train.steps and not runner.released:
             rec = runner.train_step()
+            ckpt.train_seconds += rec["step_time_s"]
             if metrics is not None:
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
@@ -106,10 +120,95 @@ def _loop(runner: PipelineRunner, cfg: Config, out: Path, main: bool) -> dict[st
                 if rec["step"] % max(1, cfg.train.log_every * 10) == 0 or rec["step"] == cfg.train.steps:
                     sys.stderr.write(f"step {rec['step']:>5}  loss {rec['loss']:.4f}  {rec['tokens_per_s']:.0f} tok/s  "
                                      f"stages {rec['sizes']}  bubble {rec['bubble_ratio']:.2f}\n")
+            every = cfg.train.ckpt_every
+            if not runner.released and (runner.step == cfg.train.steps or (every > 0 and runner.step % every == 0)):
+                ckpt.save()
+    except BaseException:
+        ckpt.checkpointer.wait_quietly()
+        raise
     finally:
         if metrics is not None:
             metrics.close()
+    ckpt.checkpointer.wait()
     return {"train_seconds": time.perf_counter() - t0}
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _Checkpoints:
+    """Checkpoints of a pipeline run: the trainer's format and writer, the pipeline's state (module docstring)."""
+
+    def __init__(self, runner: PipelineRunner, cfg: Config, out: Path) -> None:
+        import os
+
+        from moebal.train.checkpoint import Checkpointer
+
+        self.runner, self.cfg, self.out = runner, cfg, out
+        d = runner.dims
+        self.layout = {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
+        session = _gather(f"{int(time.time())}-{os.getpid()}")[0]  # every rank is still here at start-up
+        self.checkpointer = Checkpointer(out, rank=d.rank, ranks=range(d.world_size),
+                                         write_dense=d.index("dp_ep") == 0, write_experts=d.index("dp") == 0,
+                                         keep=cfg.train.keep_checkpoints, background=cfg.train.ckpt_async,
+                                         session=session)
+        self.tokens, self.train_seconds = 0, 0.0
+
+    def alive(self) -> list[int]:
+        """Ranks still training: after a re-pack, the pipeline positions kept (the same in every replica)."""
+        d, chain = self.runner.dims, self.runner.chain
+        kept = {d.ranks_of("pp").index(r) for r in chain.ranks}
+        return [r for r in range(d.world_size) if r // (d.ep * d.dp) in kept]
+
+    def save(self) -> None:
+        from moebal.config import dump
+        from moebal.train.checkpoint import rng_state
+
+        r = self.runner
+        self.checkpointer.ranks = self.alive()
+        tokens = self.tokens + sum(rec["tokens"] for rec in r.records)
+        self.checkpointer.save(r.step, r.stage, r.optimizer, config_yaml=dump(self.cfg), layout=self.layout,
+                               global_state={"data": r.data_state(), "tokens": tokens,
+                                             "train_seconds": self.train_seconds, "last_val": None},
+                               rank_state={"rng": rng_state(), "pipeline": r.state_dict()})
+
+    def resume(self, resume: bool | str, require: bool = True) -> None:
+        """Load a checkpoint of any layout (see the module docstring); every rank, before training. Without a
+        checkpoint and not `require` (--auto-resume before the first checkpoint), start over."""
+        from moebal.errors import ConfigError
+        from moebal.train.checkpoint import load_agreed, open_for_resume, restore_rng
+        from moebal.train.metrics import MetricsLog
+
+        if self.cfg.dynamism.scheme in ("freezing", "pruning"):
+            raise ConfigError(f"resuming a pipeline run with dynamism {self.cfg.dynamism.scheme} is not supported "
+                              f"yet (its frozen layers or masks are not restored): start the run afresh")
+        r = self.runner
+        reader = open_for_resume(self.out, resume, _gather, require)
+        if reader is None:
+            if r.dims.rank == 0:
+                for name in ("metrics.jsonl", "plans.jsonl"):
+                    MetricsLog.truncate_after(self.out / name, 0)
+            return
+        pending = load_agreed(reader, r.stage, r.optimizer, _gather)
+        s = reader.state
+        r.data.train.load_state_dict(s["data"])
+        pending.apply()
+        r.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
+        sizes = r.load_state_dict({k: v["pipeline"] for k, v in s["ranks"].items() if "pipeline" in v})
+        if sizes is not None and sizes != r.sizes:
+            r.resume_partition(sizes)
+        same = s.get("layout") == self.layout
+        restore_rng(s["ranks"][str(r.dims.rank) if same else "0"]["rng"])
+        if r.dims.rank == 0:
+            for name in ("metrics.jsonl", "plans.jsonl"):
+                MetricsLog.truncate_after(self.out / name, reader.step)
 
 
 def _finish(runner: PipelineRunner, result: dict[str, Any], cfg: Config, out: Path, wall: float,

@@ -77,6 +77,7 @@ __all__ = [
     "find_checkpoints",
     "latest_good_checkpoint",
     "load_agreed",
+    "open_for_resume",
     "load_checkpoint",
     "prune_checkpoints",
     "read_checkpoint",
@@ -717,6 +718,36 @@ class CheckpointReader:
     @property
     def config_yaml(self) -> str:
         return self._file("config.yaml").read_text(encoding="utf-8")
+
+
+def open_for_resume(run_dir: str | Path, resume: bool | str | Path,
+                    gather: Callable[[Any], list[Any]] | None = None, require: bool = True) -> CheckpointReader | None:
+    """The checkpoint a run resumes from (`resume`: True for the newest in `run_dir`, or a path), opened on
+    every rank alike: the ranks check they see the same one (the run directory must be shared) and all raise
+    the same error if any cannot open it. None when `resume` is False, or when there is none and not
+    `require` (a restarted job that died before its first checkpoint starts over)."""
+    if resume is False:
+        return None
+    run_dir = Path(run_dir)
+    found = find_checkpoints(run_dir) if resume is True else [Path(resume)]
+    error, reader = None, None
+    if not found and require:
+        error = (f"nothing to resume in {run_dir}: it holds no checkpoint (run without --resume to start, or point "
+                 f"--out at the run)")
+    elif found:
+        try:
+            reader = CheckpointReader(found[-1])
+        except CheckpointError as e:
+            error = str(with_previous_hint(found[-1], e))
+    seen = [(str(found[-1]) if found else None, error)] if gather is None else gather(
+        (str(found[-1]) if found else None, error))
+    errors = [e for _, e in seen if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    if len({p for p, _ in seen}) > 1:
+        raise CheckpointError(f"the ranks see different newest checkpoints ({sorted({p for p, _ in seen})}): the run "
+                              f"directory must be on a filesystem every rank shares")
+    return reader
 
 
 def read_checkpoint(path: str | Path) -> CheckpointReader:

@@ -26,15 +26,13 @@ import torch
 
 from moebal.config import Config, dump
 from moebal.data import Batch, DataBundle, build_data
-from moebal.errors import CheckpointError
 from moebal.routing import RoutingStats
 from moebal.train.checkpoint import (
     CheckpointReader,
-    find_checkpoints,
     load_agreed,
+    open_for_resume,
     restore_rng,
     rng_state,
-    with_previous_hint,
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
@@ -128,27 +126,9 @@ class Trainer:
     def _find_resume(self, resume: bool | str | Path, require: bool = True) -> CheckpointReader | None:
         """The checkpoint to resume from, the same on every rank (the run directory must be shared). Without
         one, `require=False` (--auto-resume: a restarted job killed before its first checkpoint) starts over."""
-        if resume is False:
-            return None
-        found = find_checkpoints(self.run_dir) if resume is True else [Path(resume)]
-        error, reader = None, None
-        if not found and require:
-            error = (f"nothing to resume in {self.run_dir}: it holds no checkpoint (run without --resume to start, "
-                     f"or point --out at the run)")
-        elif found:
-            try:
-                reader = CheckpointReader(found[-1])
-            except CheckpointError as e:
-                error = str(with_previous_hint(found[-1], e))
-        seen = self.ctx.gather((str(found[-1]) if found else None, error))
-        errors = [e for _, e in seen if e]
-        if errors:
-            raise CheckpointError(errors[0])
-        if len({p for p, _ in seen}) > 1:
-            raise CheckpointError(f"the ranks see different newest checkpoints ({sorted({p for p, _ in seen})}): "
-                                  f"the run directory must be on a filesystem every rank shares")
-        if reader is None and self.ctx.is_main:  # starting over: the failed attempt's lines go (plans: its hook)
-            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", 0)
+        reader = open_for_resume(self.run_dir, resume, self.ctx.gather if self.ctx.distributed else None, require)
+        if resume is not False and reader is None and self.ctx.is_main:  # starting over: the failed attempt's
+            MetricsLog.truncate_after(self.run_dir / "metrics.jsonl", 0)  # lines go (plans: its hook)
         return reader
 
     def _restore(self, reader: CheckpointReader) -> None:
