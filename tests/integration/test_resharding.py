@@ -20,7 +20,7 @@ import pytest
 
 from tests.integration.test_train_distributed import TINY
 
-STEPS = 8
+STEPS = 10
 
 
 def _run(out: Path, *extra: str) -> None:
@@ -35,7 +35,8 @@ def _losses(out: Path) -> dict[int, float]:
 
 def _legs(tmp: Path, first: list[str], legs: list[tuple[list[str], bool]], *common: str) -> None:
     """Run STEPS steps under `first`, then resume its checkpoints leg by leg (2 steps each) under each leg's
-    layout, comparing every leg's steps with the uninterrupted run (bitwise when the leg says so)."""
+    layout, comparing every leg's steps with the uninterrupted run (bitwise when the leg says so). The last
+    leg runs to the end."""
     common = ("--seed", "0", *TINY, "train.ckpt_every=2", f"train.keep_checkpoints={STEPS}", "train.eval_every=0",
               *common)
     whole = tmp / "whole"
@@ -50,7 +51,7 @@ def _legs(tmp: Path, first: list[str], legs: list[tuple[list[str], bool]], *comm
         _run(run, "--resume", *layout)
         got = _losses(run)
         assert sorted(got) == list(range(1, STEPS + 1))
-        for s in (step + 1, step + 2):
+        for s in range(step + 1, step + 3 if leg < len(legs) else STEPS + 1):
             if bitwise:
                 assert got[s] == want[s], (layout, s, got[s], want[s])
             else:
@@ -58,17 +59,19 @@ def _legs(tmp: Path, first: list[str], legs: list[tuple[list[str], bool]], *comm
 
 
 @pytest.mark.slow
-def test_resume_under_1_2_4_1_expert_parallel_ranks_keeps_the_losses(tmp_path):
+def test_resume_under_other_expert_parallel_sizes_keeps_the_losses(tmp_path):
+    """1 -> 2 -> 4 -> 2 -> 1 expert-parallel ranks."""
     _legs(tmp_path, ["--nproc", "1"], [(["--nproc", "2"], False), (["--nproc", "4"], False),
-                                       (["--nproc", "1"], False)])
+                                       (["--nproc", "2"], False), (["--nproc", "1"], False)])
     manifest = json.loads((tmp_path / "run" / "ckpt-0000006" / "manifest.json").read_text())
     files = {e["file"] for e in manifest["tensors"].values()}
     assert {f for f in files if f.startswith("model-")} == {f"model-r{r:05d}.safetensors" for r in range(4)}
 
 
 @pytest.mark.slow
-def test_resume_under_2_2_4_1_pipeline_stages_keeps_the_losses(tmp_path):
-    pp = ["model.n_layers=4", "model.tie_embeddings=false", "pipeline.micro_batches=2"]
+def test_resume_under_other_pipeline_and_expert_parallel_sizes_keeps_the_losses(tmp_path):
+    """2 stages -> 2 stages (bitwise) -> 4 stages -> 2 stages x 2 expert shards -> 1 process."""
+    pp = ["model.n_layers=4", "pipeline.micro_batches=2"]
     _legs(tmp_path, ["--nproc", "2", "--pp", "2"],
           [(["--nproc", "2", "--pp", "2"], True), (["--nproc", "4", "--pp", "4"], False),
-           (["--nproc", "1", "--pp", "1"], False)], *pp)
+           (["--nproc", "4", "--pp", "2"], False), (["--nproc", "1", "--pp", "1"], False)], *pp)
