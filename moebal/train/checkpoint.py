@@ -331,7 +331,9 @@ class Checkpointer:
         model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
         optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
         numbers = {k: v for k, v in numbers.items() if mine(k.rsplit(":", 1)[0])}
-        json.dumps([global_state, rank_state])  # fail here, in the caller, on anything not JSON-serialisable
+        # a copy through JSON: fails here, in the caller, on anything not serialisable, and the writer never
+        # sees a structure the training loop goes on mutating
+        global_state, rank_state, layout = json.loads(json.dumps([global_state, rank_state, layout]))
         return _Snapshot(step, model, {n: view.experts[n] for n in model if n in view.experts},
                          view.aliases if self.write_dense else {}, optim, numbers, rank_state, global_state,
                          config_yaml, layout)
