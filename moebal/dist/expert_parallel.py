@@ -88,7 +88,10 @@ class ExpertParallelDispatcher:
         lo, hi = self.owned[0], self.owned[-1] + 1
         for name in ("w1", "w3", "w2"):
             full = getattr(layer.experts, name)
-            p = nn.Parameter(full.detach()[lo:hi].clone())
+            if full.shape[0] == len(self.owned) < self.E:  # built as this rank's shard (moebal.models.from_hf)
+                p = full if isinstance(full, nn.Parameter) else nn.Parameter(full.detach())
+            else:
+                p = nn.Parameter(full.detach()[lo:hi].clone())
             setattr(p, _EXPERT_ATTR, True)
             setattr(layer.experts, name, p)
         layer.experts.expert_ids = tuple(self.owned)  # rows are experts lo..hi-1 (checkpoints key them so)

@@ -34,7 +34,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -447,13 +447,20 @@ def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[
                               f"weights")
 
 
-def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
+                 experts: Sequence[int] | None = None) -> torch.nn.Module:
     """The model with uninitialised storage (built on the meta device: no time spent on a random init that
-    the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real."""
+    the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real. With `experts`, each
+    MoE layer's stacked expert tensors hold only those experts' rows (an expert-parallel rank's shard)."""
     from moebal.models.transformer import MoebalForCausalLM, Rotary
 
     with torch.device("meta"):
         model = MoebalForCausalLM(cfg)
+        if experts is not None:
+            for layer in model.moe_layers():
+                for name in ("w1", "w3", "w2"):
+                    full = getattr(layer.experts, name)
+                    setattr(layer.experts, name, torch.nn.Parameter(torch.empty(len(experts), *full.shape[1:])))
     model = model.to(dtype=dtype).to_empty(device=device)
     m = cfg.model
     with torch.device(device):
@@ -466,13 +473,20 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str) ->
     return model
 
 
-def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, where: str) -> None:
-    """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time."""
+def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, where: str,
+                    experts: Sequence[int] | None = None) -> None:
+    """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time; with
+    `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read)."""
     cfg: Config = model.config  # type: ignore[assignment]
     links = hf_links(cfg, arch)
     state = model.state_dict()
-    check_source(source, links, {k: tuple(v.shape) for k, v in state.items()}, arch, cfg.model.tie_embeddings,
-                 where)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    row = None
+    if experts is not None:  # the checkpoint is checked whole, whichever rows this model keeps
+        row = {e: i for i, e in enumerate(experts)}
+        stacked = {ln.ours for ln in links if ln.index is not None}
+        shapes.update({k: (cfg.moe.num_experts, *shapes[k][1:]) for k in stacked})
+    check_source(source, links, shapes, arch, cfg.model.tie_embeddings, where)
     covered = {ln.ours for ln in links} | {k for k in state if k.endswith("expert_bias")}
     if cfg.model.tie_embeddings:
         covered.add("lm_head.weight")
@@ -481,7 +495,12 @@ def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, whe
     reader = ScratchReader(source).prime()
     with torch.no_grad():
         for ln in links:
-            target = state[ln.ours] if ln.index is None else state[ln.ours][ln.index]
+            index = ln.index
+            if index is not None and row is not None:
+                if index not in row:
+                    continue  # another rank's expert
+                index = row[index]
+            target = state[ln.ours] if index is None else state[ln.ours][index]
             if info[ln.hf].dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu":
                 source.read(ln.hf, out=target)  # straight into the parameter's storage
             else:
@@ -502,12 +521,14 @@ def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch
 
 
 def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype | str | None = torch.float32,
-            device: torch.device | str = "cpu") -> torch.nn.Module:
+            device: torch.device | str = "cpu", experts: Sequence[int] | None = None) -> torch.nn.Module:
     """moebal's model with the weights of the HF checkpoint directory `path` (Mixtral, LLaMA-MoE v1 or
     Qwen2-MoE; one safetensors file or a sharded index), or of a directory `hf_to_moebal` wrote.
 
     `cfg` defaults to `config_from_hf(path)`; a given one must describe the same shapes. `dtype` is that of
     the parameters: float32 by default (training keeps fp32 master weights), 'auto' for the checkpoint's own.
+    `experts` (logical ids, ascending): keep only these experts' rows in every MoE layer, so an
+    expert-parallel rank reads and holds its own shard and never the whole model.
     """
     where = str(Path(path))
     if is_moebal_dir(path):
@@ -521,8 +542,8 @@ def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype |
     try:
         if arch == "moebal" and dtype in (None, "auto"):
             dtype = source.info()["model.embed_tokens.weight"].dtype
-        model = _empty_model(cfg, _resolve_dtype(dtype, hf), device)
-        load_hf_weights(model, source, arch, where)
+        model = _empty_model(cfg, _resolve_dtype(dtype, hf), device, experts)
+        load_hf_weights(model, source, arch, where, experts)
     finally:
         source.close()
     return model

@@ -330,10 +330,11 @@ class ExpertParallelHook(Hook):
 def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
     """Join the job described by the torchrun environment and build this rank's model and hooks.
 
-    The full model is built on every rank from the run's seed (or read from `hf.init_from`, unless
-    `load_weights` is false because a checkpoint will overwrite it), so it equals the single-process model;
-    then expert parallelism keeps this rank's experts; the planner's coefficients come from `planner.costs`,
-    the communication scheduler's from the same source (measured on the job, or the hardware profile).
+    The full model is built on every rank from the run's seed, so it equals the single-process model, then
+    expert parallelism keeps this rank's experts; from `hf.init_from` (unless `load_weights` is false because a
+    checkpoint will overwrite it) each rank reads the shared weights and its own experts only. The planner's
+    coefficients come from `planner.costs`, the communication scheduler's from the same source (measured on
+    the job, or the hardware profile).
     """
     from moebal.models import build_model
     from moebal.train.trainer import seed_everything
@@ -352,7 +353,16 @@ def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, 
     dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=cfg.scheduler.timeout_s)
     ctx = RunContext(dims)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg, load_weights=load_weights).to(dims.device)
+    if cfg.hf.init_from and load_weights and dims.distributed and ep > 1 and cfg.moe.num_experts:
+        # Each rank reads only its own experts from the checkpoint: a rank never holds the whole model.
+        from moebal.models.hf import from_hf
+        from moebal.planner.plan import default_owners
+
+        owners, r = default_owners(cfg.moe.num_experts, ep), dims.index("ep")
+        model = from_hf(cfg.hf.init_from, cfg=cfg, device=dims.device,
+                        experts=[e for e, o in enumerate(owners) if o == r])
+    else:
+        model = build_model(cfg, load_weights=load_weights).to(dims.device)
     hooks: list[Hook] = []
     if dims.distributed and ep > 1 and cfg.moe.num_experts:
         from moebal.scheduler import completion_for

@@ -251,3 +251,14 @@ def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, cap
     (mb / "model.safetensors").write_bytes((mb / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         from_hf(mb)
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(mixtral_dir):
+    path, _ = mixtral_dir
+    full, part = from_hf(path), from_hf(path, experts=[2, 3])
+    for a, b in zip(full.moe_layers(), part.moe_layers()):
+        for n in ("w1", "w3", "w2"):
+            assert getattr(b.experts, n).shape[0] == 2
+            assert torch.equal(getattr(b.experts, n), getattr(a.experts, n)[2:4])
+        assert torch.equal(a.gate.weight, b.gate.weight)
+    assert torch.equal(part.lm_head.weight, full.lm_head.weight)
