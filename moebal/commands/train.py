@@ -181,8 +181,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
         from moebal.pipeline.train import run_pipeline
 
-        return run_pipeline(cfg, out, json_summary=args.json, resume=args.resume_from or bool(args.resume) or auto,
+        code = run_pipeline(cfg, out, json_summary=args.json, resume=args.resume_from or bool(args.resume) or auto,
                             require_checkpoint=not auto)
+        if code == 0 and cfg.hf.export_to and os.environ.get("RANK", "0") == "0":
+            from moebal.train.export import export_final
+
+            export_final(cfg, out)  # rank 0's checkpointer waited for every stage's shard before returning
+        return code
     resume: bool | str = args.resume_from or bool(args.resume) or auto
     ctx, model, hooks = None, None, []
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:

@@ -8,7 +8,8 @@ consolidated export of a sharded checkpoint never gathers the model in memory. E
 against the manifest (size, sha256) before it is read. `path` is a checkpoint directory (`ckpt-<step>`) or a
 run directory (its newest checkpoint).
 
-`ExportHook` writes `hf.export_to` at the end of training from the final checkpoint.
+`ExportHook` writes `hf.export_to` at the end of training from the final checkpoint (`export_final`, which a
+pipeline run calls on rank 0 once it has finished).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from moebal.errors import CheckpointError
 from moebal.models.tensor_io import TensorInfo
 from moebal.train.hooks import Hook
 
-__all__ = ["CheckpointWeights", "ExportHook", "checkpoint_weights", "export_checkpoint"]
+__all__ = ["CheckpointWeights", "ExportHook", "checkpoint_weights", "export_checkpoint", "export_final"]
 
 
 def _resolve(path: Path) -> Path:
@@ -125,9 +126,6 @@ def check_export(cfg: Config) -> None:
     from moebal.errors import ConfigError
     from moebal.models.hf import check_exportable, choose_arch
 
-    if cfg.parallel.pp > 1:
-        raise ConfigError("hf.export_to is not supported with parallel.pp > 1 (pipeline stages checkpoint their own "
-                          "layers): train with pp=1, or drop hf.export_to")
     base, _ = _base_of(cfg)
     if cfg.hf.init_from and Path(cfg.hf.export_to or "").resolve() == Path(cfg.hf.init_from).resolve():
         raise ConfigError("hf.export_to is the directory of hf.init_from: export somewhere else so the original "
@@ -136,6 +134,20 @@ def check_export(cfg: Config) -> None:
 
     arch = fields_of(base, "hf.init_from").arch if base else choose_arch(cfg)
     check_exportable(cfg, arch)
+
+
+def export_final(cfg: Config, run_dir: Path) -> Path:
+    """Export the run's newest checkpoint (complete: the writers wait for it before a run ends) to
+    `hf.export_to`, replacing an earlier export of the same run."""
+    from moebal.train.checkpoint import find_checkpoints
+
+    found = find_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"{run_dir} holds no checkpoint to export to hf.export_to")
+    written = export_checkpoint(found[-1], export_target(cfg, run_dir), overwrite=True)
+    step = int(found[-1].name.split("-")[-1])
+    print(f"moebal train: exported step {step} as a HF checkpoint to {written}", file=sys.stderr, flush=True)
+    return written
 
 
 class ExportHook(Hook):
@@ -157,11 +169,6 @@ class ExportHook(Hook):
         if trainer.ctx.distributed:
             dist.barrier()  # every rank's final shard is written before rank 0 reads them
         if trainer.ctx.is_main:
-            from moebal.train.checkpoint import find_checkpoints
-
-            final = find_checkpoints(trainer.run_dir)[-1]
-            self.written = export_checkpoint(final, self.target, overwrite=True)
-            print(f"moebal train: exported step {trainer.step} as a HF checkpoint to {self.written}", file=sys.stderr,
-                  flush=True)
+            self.written = export_final(trainer.cfg, trainer.run_dir)
         if trainer.ctx.distributed:
             dist.barrier()

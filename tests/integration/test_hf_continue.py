@@ -37,12 +37,12 @@ def _corpus(tmp: Path) -> Path:
     return path
 
 
-def _overrides(model_dir: Path, corpus: Path, steps: int, nproc: int = 1) -> list[str]:
+def _overrides(model_dir: Path, corpus: Path, steps: int, nproc: int = 1, pp: int = 1) -> list[str]:
     return [f"hf.init_from={model_dir}", f"data.tokenizer={model_dir / 'tokenizer.json'}", f"data.source={corpus}",
             "data.seq_len=32", "data.batch_size=4", "data.val_fraction=0.1", f"train.steps={steps}",
             "train.precision=fp32", "train.eval_every=0", "train.ckpt_every=0", "train.eval_batches=1",
-            "train.warmup_steps=1", "train.lr=1e-3", f"parallel.nproc={nproc}", f"parallel.ep={nproc}",
-            "planner.policy=static"]
+            "train.warmup_steps=1", "train.lr=1e-3", f"parallel.nproc={nproc}", f"parallel.ep={nproc // pp}",
+            f"parallel.pp={pp}", "planner.policy=static"]
 
 
 def _first_loss(run: Path) -> float:
@@ -57,14 +57,14 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         src.close()
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc):
+@pytest.mark.parametrize("nproc, pp", [(1, 1), (2, 1), (2, 2)], ids=["one-process", "expert-parallel", "pipeline"])
+def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc, pp):
     transformers = transformers_or_skip()
     model_dir = tmp_path / "mixtral"
-    ref = tiny_mixtral(model_dir, seed=nproc)
+    ref = tiny_mixtral(model_dir, seed=nproc + pp)
     tiny_tokenizer(model_dir, TEXTS, vocab_size=96)
     corpus, run = _corpus(tmp_path), tmp_path / "run"
-    overrides = _overrides(model_dir, corpus, steps=3, nproc=nproc)
+    overrides = _overrides(model_dir, corpus, steps=3, nproc=nproc, pp=pp)
     r = moebal("train", str(CONFIG_DIR / "mixtral-continue.yaml"), "--out", str(run), *overrides)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exported step 3" in r.stderr
@@ -79,8 +79,8 @@ def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc):
     want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
     assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
 
-    # the export (consolidated over expert-parallel ranks when nproc > 1) loads in transformers and holds the
-    # final checkpoint's weights, which training moved away from the start
+    # the export (consolidated over expert-parallel ranks or pipeline stages) loads in transformers and holds
+    # the final checkpoint's weights, which training moved away from the start
     export = run / "hf"
     assert (export / "tokenizer.json").is_file()
     assert json.loads((export / "config.json").read_text())["router_aux_loss_coef"] == 0.02
@@ -98,7 +98,7 @@ def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc):
     c = moebal("convert", "moebal-to-hf", str(run), str(again))  # the run directory: its newest checkpoint
     assert c.returncode == 0, c.stderr[-2000:]
     assert all(torch.equal(exported[k], v) for k, v in _tensors(again).items())
-    if nproc == 1:  # resuming reads the run's checkpoint (not hf.init_from's weights) and exports again
+    if nproc == 1 and pp == 1:  # resuming reads the run's checkpoint (not hf.init_from's weights) and exports again
         r2 = moebal("train", "--out", str(run), "--resume", "--steps", "4")
         assert r2.returncode == 0, r2.stderr[-3000:]
         assert "exported step 4" in r2.stderr
