@@ -333,3 +333,21 @@ def test_a_rank_that_fails_to_write_fails_the_checkpoint_and_keeps_the_previous(
     save(0)
     assert "ranks [1] did not write their part" in errors[0] and "shared" in errors[0]
     assert find_checkpoints(tmp_path) == [good]
+
+
+def test_when_another_rank_fails_to_load_no_rank_applies_anything(tmp_path):
+    """The agreed load: every rank checks and reads first; one rank's failure raises on all of them."""
+    from moebal.train.checkpoint import load_agreed
+
+    model, opt = _trained()
+    path = _save(tmp_path, 1, model, opt)
+    fresh, fresh_opt = _trained(seed=4)
+
+    def gather(obj):  # this rank is rank 0; rank 1 could not read its shard
+        return [obj, ("/run/ckpt-0000001/model-r00001.safetensors is corrupt: ...", [])]
+
+    def load() -> None:
+        with pytest.raises(CheckpointError, match="rank 1: .*model-r00001.safetensors is corrupt"):
+            load_agreed(CheckpointReader(path), fresh, fresh_opt, gather)
+
+    _unchanged_after(load, fresh, fresh_opt)
