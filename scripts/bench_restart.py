@@ -12,7 +12,7 @@ Settings (`--setting`, repeatable; default: all that can run here):
 
     python scripts/bench_restart.py [--setting S] [--repeats 3] [--json FILE] [--png FILE]
 
-Wrap it in `flock /tmp/moebal-bench.lock` on a shared machine, and keep `uptime` with the figures.
+On a shared machine run one benchmark at a time (a lock file), and keep `uptime` with the figures.
 """
 
 from __future__ import annotations
