@@ -68,9 +68,6 @@ def check_training(c: ClusterConfig, source: str) -> Config:
             raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) is not divisible by the expert-parallel "
                               f"size {ep} of {world} ranks: set train.overrides parallel.ep to a divisor of it")
         RunContext(ParallelDims(world_size=world, rank=0, ep=ep, pp=pp)).check_batch(cfg.data.batch_size)
-        if c.max_restarts and pp > 1:
-            raise ConfigError("max_restarts is not supported for pipeline runs (parallel.pp > 1) yet (automatic "
-                              "restarts are untested there): set max_restarts to 0")
     except ConfigError as e:
         raise ConfigError(f"{source}: train: {e}") from None
     return cfg

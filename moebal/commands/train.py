@@ -154,9 +154,6 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
         argv += ["--out", str(out)]
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
-    if args.max_restarts and cfg.parallel.pp > 1:
-        raise ConfigError("--max-restarts is not supported for pipeline runs (parallel.pp > 1) yet (they resume "
-                          "with --resume, but automatic restarts are untested there): run without it")
     # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
     return spawn_local(cfg.parallel.nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)

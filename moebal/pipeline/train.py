@@ -108,6 +108,7 @@ def _loop(runner: PipelineRunner, cfg: Config, out: Path, main: bool, ckpt: _Che
     try:
         while runner.step < cfg.train.steps and not runner.released:
             rec = runner.train_step()
+            rec["time"] = round(time.time(), 3)  # wall clock, as the trainer logs it (recovery times, plots)
             ckpt.train_seconds += rec["step_time_s"]
             if metrics is not None:
                 metrics.write(json.dumps(rec) + "\n")
