@@ -349,6 +349,9 @@ class MoDConfig:
     """Step at which the capacity starts to fall from 1 (dense)."""
     ramp_steps: int = 0
     """Steps over which it falls to `capacity`."""
+    subset_precision: Literal["auto", "autocast", "fp32"] = "auto"
+    """Precision of a routed block under bf16 autocast: auto = fp32 on a CPU when it keeps at most half the
+    tokens (small bf16 kernels are slower there), the run's autocast otherwise."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -8,6 +8,7 @@ import torch
 from moebal.config import from_dict
 from moebal.errors import ConfigError
 from moebal.models import build_model
+from moebal.pipeline.blocks import subset_block
 from moebal.pipeline.comm import PipeChain
 from moebal.pipeline.dynamism import SchemeContext, build_dynamism, layer_token_flops, ramp
 from moebal.pipeline.freezing import FORWARD_SHARE
@@ -220,3 +221,31 @@ def test_build_dynamism_errors():
         build_dynamism("early_exit", {"first_layer": 4}, cfg=cfg)
     with pytest.raises(ConfigError, match="kernel"):
         build_dynamism("pruning", {"kernel": "sputnik"}, cfg=cfg)
+
+
+def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens():
+    cfg = small(4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    h = torch.randn(2, 8, 32)
+    cos, sin = model.model.rotary(8, h.dtype)
+    layer = model.model.layers[1]
+    outs = {}
+    for precision in ("auto", "autocast"):
+        mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1, "subset_precision": precision},
+                             cfg=cfg)
+        mod.prepare_model(model)
+        mod.begin_step(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[precision] = mod.layer_forward(1, layer, h, cos, sin, {})
+            assert mod._fp32_subset(h.device, 2, 8) == (precision == "auto")
+            assert not mod._fp32_subset(h.device, 6, 8)  # keeps most of the row: the run's precision
+        assert not mod._fp32_subset(h.device, 2, 8)  # no autocast: nothing to leave
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same selection, the block computed in fp32 by hand
+        score = layer.mod_router(h).squeeze(-1)
+    pos = torch.topk(score, 2, dim=1).indices.sort(dim=1).values
+    weight = torch.sigmoid(score.gather(1, pos)).float()
+    ref = subset_block(layer, h, cos, sin, pos, None, keys="subset", scale_BQ=weight)
+    assert torch.equal(outs["auto"], ref)
+    assert not torch.equal(outs["autocast"], ref)  # bf16 inside
+    torch.testing.assert_close(outs["autocast"], ref, rtol=0.05, atol=0.05)
