@@ -314,6 +314,9 @@ class PipelineConfig:
     """Bytes a stage may hold (parameters, gradients, optimizer state, in-flight activations); null: no cap."""
     wait: Literal["block", "spin"] = "block"
     """Receives sleep (block) or busy-wait (spin: emulates dedicated devices on a shared CPU, benchmarks only)."""
+    dilate: float = 1.0
+    """> 1: each forward/backward op lasts this many times its CPU time (emulates devices that much slower than
+    a core when ranks outnumber cores; benchmarks only). 1: off."""
     microbatching: Literal["fixed", "dynamic", "padding", "packing"] = "fixed"
     """'fixed': micro_batches equal row splits; 'dynamic': DynaPipe (variable-size micro-batches by DP on a cost
     model, adaptive or 1F1B schedule, planned communication); 'padding'/'packing': its baselines, planned alike."""

@@ -79,6 +79,8 @@ class PipelineEngine:
         make_schedule(schedule, chain.size, chain.index, num_micro)  # validates the names and sizes
         self.profiler: LayerProfiler | None = None
         self.record_ops = False
+        self.dilate = 1.0
+        """> 1: emulate devices this many times slower than a core (`PipelineOptions.dilate`)."""
 
     # ---- boundaries of the frozen prefix ----
     def _start(self) -> int:
@@ -217,9 +219,14 @@ class PipelineEngine:
         return self._slots()
 
     def _op_done(self, result: IterationResult, kind: str, j: int, t0: float) -> None:
+        cpu = time.thread_time() - self._cpu0
+        if self.dilate > 1.0:  # a device `dilate` times slower than this core: the op ends at dilate x its CPU time
+            rest = self.dilate * cpu - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)  # before the op's output is sent, as a slower device would send it
         t1 = time.perf_counter()
         result.busy_s += t1 - t0
-        result.busy_cpu_s += time.thread_time() - self._cpu0
+        result.busy_cpu_s += cpu
         if self.record_ops:
             result.ops.append((kind, j, t0, t1))
 

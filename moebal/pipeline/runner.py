@@ -95,6 +95,11 @@ class PipelineOptions:
     costs are noisy, and chasing noise migrates layers back and forth)."""
     wait: str = "block"
     """'block' (sleep in receives) or 'spin' (busy-wait: emulate dedicated devices on a shared host)."""
+    dilate: float = 1.0
+    """> 1: emulate dedicated devices this many times slower than a core on a host with fewer cores than ranks:
+    each forward/backward op lasts `dilate` x its CPU time (the rank sleeps out the rest before sending), so
+    with dilate > ranks / cores the ranks never oversubscribe the cores and waiting ranks (block) wake at
+    once. A benchmark device, like `wait: spin`."""
     force: tuple[tuple[int, tuple[int, ...]], ...] = ()
     """(step, sizes): adopt this partition after that step whatever the planner says (tests, experiments);
     fewer sizes than stages re-packs."""
@@ -119,6 +124,8 @@ class PipelineOptions:
                               f"{self.min_stages}")
         if self.wait not in ("block", "spin"):
             raise ConfigError(f"pipeline.wait must be 'block' or 'spin'; got {self.wait!r}")
+        if not self.dilate >= 1.0:
+            raise ConfigError(f"pipeline.dilate must be >= 1 (1: off); got {self.dilate}")
 
 
 @dataclass
@@ -234,6 +241,7 @@ class PipelineRunner:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
                                      self.opts.micro_batches, autocast, aux_ranks=self.data_ranks)
+        self.engine.dilate = self.opts.dilate
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
         ctx.extra["rows"] = self._micro_rows() * cfg.data.seq_len

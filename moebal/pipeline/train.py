@@ -40,7 +40,7 @@ def options_from_config(cfg: Config) -> PipelineOptions:
     return PipelineOptions(schedule=p.schedule, micro_batches=p.micro_batches, rebalance=p.rebalance,
                            initial=p.initial, every=p.every, ema=p.ema, min_gain=p.min_gain, repack=p.repack,
                            repack_slack=p.repack_slack,
-                           min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait)
+                           min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait, dilate=p.dilate)
 
 
 def scheme_from_config(cfg: Config) -> Dynamism:

@@ -130,6 +130,24 @@ def test_pipeline_options_errors():
         PipelineOptions(min_stages=1)
     with pytest.raises(ConfigError, match="wait"):
         PipelineOptions(wait="poll")
+    with pytest.raises(ConfigError, match="dilate"):
+        PipelineOptions(dilate=0.5)
+
+
+def test_dilated_ops_last_a_multiple_of_their_cpu_time():
+    from moebal.pipeline.comm import PipeChain
+    from moebal.pipeline.engine import PipelineEngine
+
+    torch.manual_seed(0)
+    model = build_model(small(2))
+    stage = PipelineStage.from_model(model, 0, 2, first=True, last=True)
+    ids = torch.randint(0, 256, (4, 16))
+    for dilate in (1.0, 3.0):
+        engine = PipelineEngine(stage, PipeChain([0], 0), num_micro=2)
+        engine.dilate = dilate
+        res = engine.run(ids, ids, ids.numel())
+        if dilate > 1:
+            assert res.busy_s >= 0.95 * dilate * res.busy_cpu_s  # the op ends at dilate x its CPU time, or later
 
 
 # ---- stages and blocks -----------------------------------------------------------------------------------------
@@ -222,3 +240,15 @@ def test_cost_tracker_smooths():
     s = CostTracker(2)
     s.load_state_dict(t.state_dict())
     assert s.layer_costs().tolist() == [4.0, 3.0]
+
+
+def test_cost_tracker_normalises_profiles_by_the_predicted_factor():
+    t = CostTracker(2, ema=0.5)
+    # layer 0 measured at 3 s while predicted at 0.5 of its plain cost: 6 s without dynamism
+    t.update(np.array([1.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 0.0, 0.0]), np.zeros(4), factors=[0.5, 1.0])
+    assert t.layer_costs().tolist() == [6.0, 3.0]
+    assert t.layer_costs([0.25, 2.0]).tolist() == [1.5, 6.0]  # scaled by the latest prediction
+    # a later profile at factor 1 averages with the first in the same unit
+    t.update(np.array([2.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 0.0, 0.0]), np.zeros(4), factors=[1.0, 1.0])
+    assert t.layer_costs().tolist() == [5.0, 3.0]
+    assert t.layer_costs([0.0, 1.0])[0] > 0  # a layer never costs nothing
