@@ -165,6 +165,9 @@ def _local_view(module: nn.Module) -> _LocalView:
         seen[key] = name
         if name in stacked:
             ids, E = stacked[name]
+            if t.shape[0] != len(ids):  # a module that kept some experts' rows must say which (expert_ids)
+                raise RuntimeError(f"'{name}' holds {t.shape[0]} expert rows but its module's expert_ids lists "
+                                   f"{len(ids)}: set expert_ids to the logical experts of its rows")
             for row, e in enumerate(ids):
                 ln = expert_name(name, e)
                 view.tensors[ln], view.experts[ln] = t[row], (name, e, E)
