@@ -3,7 +3,9 @@
 A scheme is applied from outside the model (it wraps how a layer runs, masks or freezes parameters,
 attaches small router modules before the model is sliced) and tells the planner what it predicts each
 layer costs. The engine calls, per micro-batch and layer, `layer_forward`; per step `after_backward`,
-`after_optimizer_step` and `update`; migration moves a layer's scheme state with `layer_state`.
+`after_optimizer_step` and `update`; migration moves a layer's scheme state with `layer_state`, and a
+checkpoint keeps it by global layer index (and a parameter-shaped entry `<kind>:<parameter name>` by logical
+expert), with the job-wide `state_dict`, so a resume under any partition restores it.
 
 Schemes (config `dynamism.scheme`): `none`, `pruning`, `freezing`, `early_exit`, `mod`, `moe`.
 Every decision that concerns more than one stage is taken from numbers all-reduced along the pipeline chain,
@@ -119,10 +121,15 @@ class Dynamism:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
+        """The scheme's job-wide state as JSON (the same on every rank); per-layer tensors go by `layer_state`."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore `state_dict` (from a checkpoint, before the held layers' `load_layer_state`)."""
+
+    def on_resume(self, ctx: SchemeContext) -> None:
+        """A checkpoint's state was loaded into this stage (job-wide state, then each held layer's): re-apply
+        its effect on the live modules (frozen parameters, say)."""
 
 
 def layer_token_flops(cfg: Any, i: int, seq_len: int) -> dict[str, float]:

@@ -12,7 +12,8 @@ is permanent, as in both systems.
 Every stage computes the plasticity of its own layers from sums of squares; under expert parallelism the
 expert shards' squares are summed over the expert-parallel group first (each rank holds other experts),
 and the numbers are summed along the chain, so every rank takes the same decision. A layer's snapshot
-migrates with it.
+migrates with it, and checkpoints keep it per parameter (an expert shard's rows by logical expert) with the
+frozen count and the last plasticities, so a resumed run, under any partition, takes the same decisions.
 
 Cost: a frozen layer's forward still runs (the papers' "frozen costs 0" is wrong for time), so it costs
 about a third of its forward+backward time; the planner uses measured time, and predicts 1/3.
@@ -36,13 +37,25 @@ FORWARD_SHARE = 1.0 / 3.0
 """A layer's forward as a share of its forward + backward (backward ~ 2x forward)."""
 
 
-def _flat_params(layer: nn.Module) -> tuple[torch.Tensor, int]:
-    """The layer's parameters as one fp32 vector, replicated ones first, then expert shards (their squares
-    add up over the expert-parallel group); and how many entries are replicated."""
-    dense = [p for p in layer.parameters() if not is_expert_param(p)]
-    shard = [p for p in layer.parameters() if is_expert_param(p)]
-    flat = torch.cat([p.detach().reshape(-1).float() for p in dense + shard])
-    return flat, sum(p.numel() for p in dense)
+def _ordered(layer: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], int]:
+    """The layer's parameters, replicated ones first, then expert shards (their squares add up over the
+    expert-parallel group); and how many entries are replicated."""
+    dense = [(n, p) for n, p in layer.named_parameters() if not is_expert_param(p)]
+    shard = [(n, p) for n, p in layer.named_parameters() if is_expert_param(p)]
+    return dense + shard, sum(p.numel() for _, p in dense)
+
+
+def _snapshot(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of the layer's parameters by name (kept per parameter, not as one vector, so that a
+    checkpoint can key an expert shard's rows by logical expert and restore them under another layout)."""
+    return {n: p.detach().float().clone() for n, p in layer.named_parameters()}
+
+
+def _flat(layer: nn.Module, snap: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+    """The layer's parameters (or their snapshot) as one fp32 vector in `_ordered` order."""
+    named, k = _ordered(layer)
+    parts = [(p.detach() if snap is None else snap[n]).reshape(-1).float() for n, p in named]
+    return torch.cat(parts), k
 
 
 @register("freezing")
@@ -58,7 +71,7 @@ class LayerFreezing(Dynamism):
         self.threshold, self.check_every, self.start = float(threshold), int(check_every), int(start)
         self.max_frozen = max(0, min(self.L - 1, int(max_fraction * self.L)))
         self.frozen = 0
-        self.snapshots: dict[int, torch.Tensor] = {}
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.plasticity: list[float | None] = [None] * self.L
 
     def frozen_prefix(self) -> int:
@@ -66,7 +79,7 @@ class LayerFreezing(Dynamism):
 
     def on_start(self, ctx: SchemeContext) -> None:
         for i in ctx.stage.layer_ids:
-            self.snapshots[i] = _flat_params(ctx.stage.layer(i))[0]
+            self.snapshots[i] = _snapshot(ctx.stage.layer(i))
 
     def update(self, ctx: SchemeContext) -> bool:
         if ctx.step < self.start or ctx.step % self.check_every:
@@ -75,12 +88,13 @@ class LayerFreezing(Dynamism):
         vec = torch.zeros(3 * L, dtype=torch.float64)  # per layer: |W_now - W_then|^2, |W_then|^2, held here
         shard = torch.zeros(2 * L, dtype=torch.float64)  # the same two sums over this rank's expert shards
         for i in ctx.stage.layer_ids:
-            now, k = _flat_params(ctx.stage.layer(i))
-            then = self.snapshots[i]
+            layer = ctx.stage.layer(i)
+            now, k = _flat(layer)
+            then = _flat(layer, self.snapshots[i])[0]
             diff, ref = (now - then).double().square(), then.double().square()
             vec[i], vec[L + i], vec[2 * L + i] = diff[:k].sum(), ref[:k].sum(), 1.0
             shard[i], shard[L + i] = diff[k:].sum(), ref[k:].sum()
-            self.snapshots[i] = now
+            self.snapshots[i] = _snapshot(layer)
         shard_sum = ctx.extra.get("shard_sum")
         vec[:2 * L] += shard_sum(shard) if shard_sum is not None else shard
         tot = ctx.chain.allreduce_sum(vec)
@@ -112,13 +126,13 @@ class LayerFreezing(Dynamism):
                 p.requires_grad_(False)
 
     def layer_state(self, i: int) -> dict[str, torch.Tensor]:
-        return {"snapshot": self.snapshots[i]}
+        return {f"snapshot:{n}": t for n, t in self.snapshots[i].items()}
 
     def layer_state_spec(self, i: int, layer: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"snapshot": ((sum(p.numel() for p in layer.parameters()),), torch.float32)}
+        return {f"snapshot:{n}": (tuple(p.shape), torch.float32) for n, p in layer.named_parameters()}
 
     def load_layer_state(self, i: int, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        self.snapshots[i] = state["snapshot"]
+        self.snapshots[i] = {k.removeprefix("snapshot:"): t for k, t in state.items()}
 
     def drop_layer(self, i: int) -> None:
         self.snapshots.pop(i, None)
@@ -130,8 +144,13 @@ class LayerFreezing(Dynamism):
         return {"frozen_layers": self.frozen,
                 "plasticity": [None if p is None else round(p, 6) for p in self.plasticity]}
 
+    def on_resume(self, ctx: SchemeContext) -> None:
+        if self.frozen:
+            self._freeze(ctx, self.frozen)  # the held frozen layers and, on the first stage, the embedding
+
     def state_dict(self) -> dict[str, Any]:
-        return {"frozen": self.frozen}
+        return {"frozen": self.frozen, "plasticity": self.plasticity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen = int(state.get("frozen", 0))
+        self.plasticity = list(state.get("plasticity", [None] * self.L))

@@ -234,6 +234,9 @@ class GradualPruning(Dynamism):
         self.masks: dict[int, dict[str, torch.Tensor]] = {}
         self.kernels: dict[int, dict[str, int]] = {}
         self.density: list[float] = [1.0] * self.L
+        self.csr: list[bool] = [False] * self.L
+        """Per layer: does any of its matrices run the CSR kernel (agreed along the chain: every rank predicts
+        every layer's cost alike, whichever layers it holds)."""
 
     def prepare_model(self, model: nn.Module) -> None:
         self.total = sum(p.numel() for layer in model.model.layers for _, p in prunable_params(layer))
@@ -264,12 +267,14 @@ class GradualPruning(Dynamism):
                         v.mul_(m)
             self._choose_kernels(i, stage.layer(i))
         self.level = sparsity
-        dens = torch.zeros(2 * self.L, dtype=torch.float64)
+        dens = torch.zeros(3 * self.L, dtype=torch.float64)
         for i in stage.layer_ids:
             dens[i] = float(sum(int(m.sum()) for m in self.masks[i].values()))
             dens[self.L + i] = float(sum(m.numel() for m in self.masks[i].values()))
+            dens[2 * self.L + i] = float(any(self.kernels[i].values()))
         tot = ctx.chain.allreduce_sum(dens)
         self.density = [float(tot[i] / tot[self.L + i]) if tot[self.L + i] > 0 else 1.0 for i in range(self.L)]
+        self.csr = [bool(tot[2 * self.L + i] > 0) for i in range(self.L)]
 
     def _choose_kernels(self, i: int, layer: nn.Module) -> None:
         modules = dict(layer.named_modules())
@@ -338,16 +343,19 @@ class GradualPruning(Dynamism):
     # ---- predictions ----
     def cost_factors(self, num_layers: int) -> list[float]:
         """Masked dense costs what dense costs; a CSR layer's linear work scales with its density."""
-        out = []
-        for i in range(num_layers):
-            csr = any(self.kernels.get(i, {}).values())
-            out.append(self.density[i] if csr else 1.0)
-        return out
+        return [d if csr else 1.0 for d, csr in zip(self.density, self.csr)]
 
     def metrics(self) -> dict[str, Any]:
         csr = sum(v for k in self.kernels.values() for v in k.values())
         return {"sparsity_target": round(self.level, 4), "layer_density": [round(d, 4) for d in self.density],
                 "csr_matrices_here": int(csr)}
 
+    # ---- checkpoints: the schedule position and the per-layer figures; masks and kernel choices go by
+    # `layer_state` (the checkpoint keys them by layer), so a resume re-times nothing ----
     def state_dict(self) -> dict[str, Any]:
-        return {"level": self.level}
+        return {"level": self.level, "density": self.density, "csr": self.csr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.level = float(state.get("level", 0.0))
+        self.density = [float(d) for d in state.get("density", [1.0] * self.L)]
+        self.csr = [bool(c) for c in state.get("csr", [False] * self.L)]

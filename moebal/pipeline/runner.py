@@ -212,6 +212,7 @@ class PipelineRunner:
         self.static_mem = np.zeros(self.L + 2)
         self.move_bytes = np.zeros(self.L + 2)
         self.kappa: float | None = None
+        self._scheme_resumed = False
 
     # ---- construction ----
     def _build(self, cfg: Config) -> None:
@@ -709,19 +710,25 @@ class PipelineRunner:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's runner state as JSON: the partition, the smoothed costs and link figures (identical on
-        every rank), the scheme's state, and the expert planners of the layers held here."""
+        every rank), the scheme's job-wide state, and the expert planners of the layers held here. (The
+        scheme's per-layer tensors go into the checkpoint's extra tensors: `scheme_tensors`.)"""
         return {"sizes": list(self.sizes), "chain": self.P0, "coords": dict(self.dims.coords),
                 "layers": list(self.stage.layer_ids), "tracker": self.tracker.state_dict(),
                 "kappa": self.kappa, "bandwidth": self.bandwidth, "comm_s": self.comm_s,
                 "static_mem": self.static_mem.tolist(), "move_bytes": self.move_bytes.tolist(),
-                "scheme": self.scheme.state_dict(), "experts": self.experts.state_dict()}
+                "scheme_name": self.scheme.name, "scheme": self.scheme.state_dict(),
+                "experts": self.experts.state_dict()}
 
-    def load_state_dict(self, ranks: dict[str, dict[str, Any]]) -> list[int] | None:
+    def load_state_dict(self, ranks: dict[str, dict[str, Any]], same_stages: bool = False) -> list[int] | None:
         """Restore from every saved rank's `state_dict` (any layout: what does not carry over is rebuilt) and
         return the saved partition when it fits this chain (the caller migrates to it once the weights are
-        loaded), else None. The per-layer costs, link figures and scheme state are the job's (rank 0's); each
-        held MoE layer's planner comes from the saved rank that held the layer in the same expert-parallel
-        position (and data-parallel replica, when there is one)."""
+        loaded), else None: it fits when the saved chain had as many ranks as this one, or when
+        `same_stages` (the ranks of a stage are the same, data- and expert-parallel) and the saved partition
+        (re-packed onto fewer stages, say) has as many stages as this chain. The per-layer costs, link
+        figures and scheme state are the job's (rank 0's); each held MoE layer's planner comes from the saved
+        rank that held the layer in the same expert-parallel position (and data-parallel replica, when there
+        is one). A checkpoint of another dynamism scheme leaves this scheme's state as it starts."""
+        self._scheme_resumed = False
         if not ranks:
             return None
         first = ranks.get("0") or next(iter(ranks.values()))
@@ -732,7 +739,9 @@ class PipelineRunner:
             self.static_mem = np.asarray(first["static_mem"], dtype=np.float64)
             self.move_bytes = np.asarray(first["move_bytes"], dtype=np.float64)
         self.kappa, self.bandwidth, self.comm_s = first["kappa"], first["bandwidth"], first["comm_s"]
-        self.scheme.load_state_dict(first["scheme"])
+        if first.get("scheme_name", self.scheme.name) == self.scheme.name:
+            self.scheme.load_state_dict(first["scheme"])
+            self._scheme_resumed = True
         me = self.dims.coords
 
         def held_by(s: dict[str, Any]) -> int:  # same ep position first, then the same replica
@@ -744,11 +753,86 @@ class PipelineRunner:
             if s["experts"].get("R") == self.dims.ep and s["coords"]["ep"] == me["ep"]:
                 layers.update({int(i): p for i, p in s["experts"]["planners"].items()})
         self.experts.load_state_dict(first["experts"], layers)
-        return list(first["sizes"]) if first["chain"] == self.P0 else None
+        fits = first["chain"] == self.P0 or (same_stages and len(first["sizes"]) == self.P0)
+        return list(first["sizes"]) if fits else None
+
+    # ---- the scheme's per-layer state in checkpoints (keyed by global layer, so any partition resumes it) ----
+    def scheme_tensors(self, dense: bool = True, experts: bool = True) -> dict[str, torch.Tensor]:
+        """The scheme's `layer_state` of every layer held here, by checkpoint name: `dynamism.layers.<i>.<key>`;
+        a parameter-shaped entry (`<kind>:<parameter>`) of an expert-stacked parameter is split into one
+        tensor per logical expert (`<kind>:...experts.<e>.w1`), like the weights. `dense`/`experts`: which
+        of the two kinds this rank writes (the checkpoint's writer assignment)."""
+        from moebal.train.checkpoint import stacked_experts
+
+        out: dict[str, torch.Tensor] = {}
+        for i in self.stage.layer_ids:
+            stacked = stacked_experts(self.stage.layer(i))
+            for key, t in self.scheme.layer_state(i).items():
+                for name, row in _scheme_names(i, key, tuple(t.shape), stacked):
+                    if (experts if row is not None else dense):
+                        out[name] = t if row is None else t[row]
+        return out
+
+    def read_scheme_tensors(self, reader: Any) -> dict[int, dict[str, torch.Tensor]]:
+        """Read (and check) the scheme state of every layer held here from checkpoint `reader`; nothing is
+        applied (`load_scheme_tensors` does that once every rank has read its part)."""
+        from moebal.errors import CheckpointError
+        from moebal.train.checkpoint import stacked_experts
+
+        if not self._scheme_resumed:
+            return {}
+        saved = set(reader.extra_names())
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for i in self.stage.layer_ids:
+            layer = self.stage.layer(i)
+            stacked = stacked_experts(layer)
+            state = {}
+            for key, (shape, dtype) in self.scheme.layer_state_spec(i, layer).items():
+                names = _scheme_names(i, key, shape, stacked)
+                missing = [n for n, _ in names if n not in saved]
+                if missing:
+                    raise CheckpointError(f"{reader.path} holds no '{missing[0]}' (the {self.scheme.name} scheme's "
+                                          f"state of layer {i}): it was written by a moebal that did not save "
+                                          f"it; resume it with dynamism.scheme none, or start the run afresh")
+                parts = [reader.read_extra(n) for n, _ in names]
+                t = parts[0] if names[0][1] is None else torch.stack(parts)
+                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise CheckpointError(f"{reader.path}: the {self.scheme.name} state '{key}' of layer {i} has "
+                                          f"shape {tuple(t.shape)} and dtype {t.dtype}, this model needs "
+                                          f"{tuple(shape)} and {dtype}: resume with the model config the "
+                                          f"checkpoint was written with")
+                state[key] = t.to(self.device)
+            out[i] = state
+        return out
+
+    def load_scheme_tensors(self, layers: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Install what `read_scheme_tensors` read (after the weights are loaded) and let the scheme re-apply
+        its effect; a scheme that starts afresh (the checkpoint had another) starts from the loaded weights."""
+        ctx = self._ctx()
+        if not self._scheme_resumed:
+            ctx.extra["rows"] = self._micro_rows() * self.cfg.data.seq_len
+            self.scheme.on_start(ctx)
+            return
+        for i, state in layers.items():
+            self.scheme.load_layer_state(i, self.stage.layer(i), state)
+        self.scheme.on_resume(ctx)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters by full-model name (tests compare them across partitions)."""
         return {k: v.detach().clone() for k, v in self.stage.state_dict().items()}
+
+
+def _scheme_names(i: int, key: str, shape: tuple[int, ...],
+                  stacked: dict[str, tuple[tuple[int, ...], int]]) -> list[tuple[str, int | None]]:
+    """Checkpoint names of layer i's scheme-state entry `key`: one, or for an entry shaped like an
+    expert-stacked parameter (`<kind>:<parameter>`) one per row, named by logical expert (with the row)."""
+    from moebal.train.checkpoint import expert_name
+
+    kind, sep, param = key.partition(":")
+    ids = stacked.get(param, ((), 0))[0] if sep else ()
+    if ids and len(shape) > 0 and shape[0] == len(ids):
+        return [(f"dynamism.layers.{i}.{kind}:{expert_name(param, e)}", row) for row, e in enumerate(ids)]
+    return [(f"dynamism.layers.{i}.{key}", None)]
 
 
 def _build_data(cfg: Config) -> Any:

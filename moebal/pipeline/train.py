@@ -11,10 +11,15 @@ Checkpoints are the trainer's (`moebal/train/checkpoint.py`): every rank writes 
 layers it holds (the first rank of each stage's data x expert group the dense ones, the first of each
 data-parallel group its expert shards), so a pipeline checkpoint resumes under any number of stages, or
 none, and a trainer's checkpoint resumes as a pipeline. Per rank it also keeps the runner's state (the
-partition, smoothed costs, link figures, expert planners) and RNG; under the same layout the resumed run
-migrates to the saved partition and continues exactly, under another it starts from its initial partition.
+partition, smoothed costs, link figures, expert planners, the dynamism scheme's job-wide state) and RNG; the
+scheme's per-layer tensors (pruning masks and kernel choices, freezing snapshots) are extra tensors keyed by
+global layer index (`PipelineRunner.scheme_tensors`), so they resume under any partition. Under the same
+layout the resumed run migrates to the saved partition and continues exactly, under another it starts from
+its initial partition. After a re-pack only the ranks still training write, and the layout records the
+active stages and ranks: resumed on the launch layout the job re-packs again at once (the released ranks
+leave), resumed on as many ranks as were still training it continues on the saved partition.
 
-Not in pipeline mode (yet): validation passes; resuming the freezing and pruning schemes.
+Not in pipeline mode (yet): validation passes.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def scheme_from_config(cfg: Config) -> Dynamism:
 
 
 def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: bool | str = False,
-                 require_checkpoint: bool = True) -> int:
-    """Train `cfg` as a pipeline on this rank (torchrun environment); returns the process exit code."""
+                 require_checkpoint: bool = True, dims: Any = None) -> int:
+    """Train `cfg` as a pipeline on this rank (torchrun environment); returns the process exit code. `dims`:
+    the process groups of a job already set up (tests run several pipelines in one job; it stays open)."""
     import torch.distributed as dist
 
     from moebal.dist.groups import ParallelDims, env_world
@@ -59,8 +65,10 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: boo
 
     wall0 = time.perf_counter()
     torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
-    _, world, _ = env_world()
-    dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init()
+    own = dims is None
+    if dims is None:
+        _, world, _ = env_world()
+        dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init()
     main = dims.rank == 0
     runner: PipelineRunner | None = None
     try:
@@ -96,7 +104,7 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: boo
     finally:
         if runner is not None:
             runner.close()
-        if dist.is_initialized():
+        if own and dist.is_initialized():
             dims.close()  # local for gloo: a released rank leaves without waiting for the others
 
 
@@ -156,8 +164,9 @@ class _Checkpoints:
         d = runner.dims
         self.layout = {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
         session = _gather(f"{int(time.time())}-{os.getpid()}")[0]  # every rank is still here at start-up
+        self.write_dense, self.write_experts = d.index("dp_ep") == 0, d.index("dp") == 0
         self.checkpointer = Checkpointer(out, rank=d.rank, ranks=range(d.world_size),
-                                         write_dense=d.index("dp_ep") == 0, write_experts=d.index("dp") == 0,
+                                         write_dense=self.write_dense, write_experts=self.write_experts,
                                          keep=cfg.train.keep_checkpoints, background=cfg.train.ckpt_async,
                                          session=session)
         self.tokens, self.train_seconds = 0, 0.0
@@ -168,28 +177,47 @@ class _Checkpoints:
         kept = {d.ranks_of("pp").index(r) for r in chain.ranks}
         return [r for r in range(d.world_size) if r // (d.ep * d.dp) in kept]
 
+    def active_layout(self) -> dict[str, Any]:
+        """The layout the job was launched with, and the one training now (after a re-pack: fewer stages, the
+        ranks still in; the checkpoint's writers)."""
+        alive = self.alive()
+        return {**self.layout, "active": {"pp": self.runner.chain.size, "world_size": len(alive), "ranks": alive}}
+
     def save(self) -> None:
         from moebal.config import dump
         from moebal.train.checkpoint import rng_state
 
         r = self.runner
-        self.checkpointer.ranks = self.alive()
+        self.checkpointer.ranks = self.alive()  # a released rank writes nothing and is not waited for
         tokens = self.tokens + sum(rec["tokens"] for rec in r.records)
-        self.checkpointer.save(r.step, r.stage, r.optimizer, config_yaml=dump(self.cfg), layout=self.layout,
+        self.checkpointer.save(r.step, r.stage, r.optimizer, config_yaml=dump(self.cfg),
+                               layout=self.active_layout(),
                                global_state={"data": r.data_state(), "tokens": tokens,
                                              "train_seconds": self.train_seconds, "last_val": None},
-                               rank_state={"rng": rng_state(), "pipeline": r.state_dict()})
+                               rank_state={"rng": rng_state(), "pipeline": r.state_dict()},
+                               extra=r.scheme_tensors(self.write_dense, self.write_experts))
+
+    def saved_rank(self, state: dict[str, Any]) -> str | None:
+        """The saved rank whose per-rank state (RNG) this rank continues: itself under the launch layout it
+        was saved with; under the layout that was training when it was saved (a re-packed job resumed on its
+        surviving ranks) the saved rank in the same place; else None (another layout: rank 0's)."""
+        saved, me = state.get("layout") or {}, self.runner.dims.rank
+        launched = {k: saved.get(k) for k in self.layout}
+        if launched == self.layout:
+            return str(me) if str(me) in state["ranks"] else None  # released since: no state of its own
+        active = saved.get("active")
+        if active and active["pp"] == self.layout["pp"] and active["world_size"] == self.layout["world_size"] \
+                and saved.get("dp") == self.layout["dp"] and saved.get("ep") == self.layout["ep"]:
+            return str(active["ranks"][me])
+        return None
 
     def resume(self, resume: bool | str, require: bool = True) -> None:
         """Load a checkpoint of any layout (see the module docstring); every rank, before training. Without a
         checkpoint and not `require` (--auto-resume before the first checkpoint), start over."""
-        from moebal.errors import ConfigError
+        from moebal.errors import CheckpointError
         from moebal.train.checkpoint import load_agreed, open_for_resume, restore_rng
         from moebal.train.metrics import MetricsLog
 
-        if self.cfg.dynamism.scheme in ("freezing", "pruning"):
-            raise ConfigError(f"resuming a pipeline run with dynamism {self.cfg.dynamism.scheme} is not supported "
-                              f"yet (its frozen layers or masks are not restored): start the run afresh")
         r = self.runner
         reader = open_for_resume(self.out, resume, _gather, require)
         if reader is None:
@@ -199,14 +227,24 @@ class _Checkpoints:
             return
         pending = load_agreed(reader, r.stage, r.optimizer, _gather)
         s = reader.state
+        saved = s.get("layout") or {}
+        same_stages = saved.get("dp") == self.layout["dp"] and saved.get("ep") == self.layout["ep"]
+        sizes = r.load_state_dict({k: v["pipeline"] for k, v in s["ranks"].items() if "pipeline" in v}, same_stages)
+        scheme_layers, error = {}, None
+        try:  # the scheme's per-layer state, read and checked on every rank before anything is applied
+            scheme_layers = r.read_scheme_tensors(reader)
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in _gather(error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
         r.data.train.load_state_dict(s["data"])
         pending.apply()
         r.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
-        sizes = r.load_state_dict({k: v["pipeline"] for k, v in s["ranks"].items() if "pipeline" in v})
+        r.load_scheme_tensors(scheme_layers)
         if sizes is not None and sizes != r.sizes:
-            r.resume_partition(sizes)
-        same = s.get("layout") == self.layout
-        restore_rng(s["ranks"][str(r.dims.rank) if same else "0"]["rng"])
+            r.resume_partition(sizes)  # a re-packed partition over this launch layout releases ranks again
+        restore_rng(s["ranks"][self.saved_rank(s) or "0"]["rng"])
         if r.dims.rank == 0:
             for name in ("metrics.jsonl", "plans.jsonl"):
                 MetricsLog.truncate_after(self.out / name, reader.step)

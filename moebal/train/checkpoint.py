@@ -5,6 +5,8 @@ filesystem on a multi-node job):
 
     model-r00000.safetensors   the model tensors rank 0 wrote (one file per writing rank)
     optim-r00000.safetensors   their optimizer state (AdamW moments and step counts)
+    extra-r00000.safetensors   training state beyond model and optimizer that is made of tensors (a pipeline's
+                               dynamism scheme: pruning masks, freezing snapshots), by the caller's names
     model-r00001.safetensors   ... rank 1's, and so on
     state.json                 step, tokens, data position, per-rank RNG and hook states, the layout
     config.yaml                the resolved config of the run
@@ -74,6 +76,7 @@ __all__ = [
     "TensorInfo",
     "apply_checkpoint",
     "expert_name",
+    "stacked_experts",
     "find_checkpoints",
     "latest_good_checkpoint",
     "load_agreed",
@@ -141,6 +144,12 @@ def _stacked(module: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
             ids = tuple(int(e) for e in m.expert_ids)
             out[f"{prefix}.{leaf}" if prefix else leaf] = (ids, int(m.num_experts))
     return out
+
+
+def stacked_experts(module: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
+    """`module`'s expert-stacked tensors (names relative to it) -> (logical expert id of each row held, experts
+    in the layer): what a caller splits its own per-parameter state by, to key it by logical expert."""
+    return _stacked(module)
 
 
 @dataclass
@@ -255,6 +264,7 @@ class _Snapshot:
     aliases: dict[str, str]
     optim: dict[str, torch.Tensor]
     optim_numbers: dict[str, Any]
+    extra: dict[str, torch.Tensor]
     rank_state: dict[str, Any]
     global_state: dict[str, Any]
     config_yaml: str
@@ -289,12 +299,15 @@ class Checkpointer:
 
     def save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
              global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
-             layout: dict[str, Any] | None = None) -> Path:
+             layout: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None) -> Path:
         """Checkpoint `step`; returns the final directory (complete once `wait` returns, or at once if inline).
-        `global_state` (rank 0's is kept) and `rank_state` must be JSON-serialisable."""
+        `global_state` (rank 0's is kept) and `rank_state` must be JSON-serialisable. `extra`: more tensors
+        by name (`CheckpointReader.read_extra`), written as given: the callers see to it that each name is
+        written by one rank only (rank 0 checks)."""
         t0 = time.perf_counter()
         self.wait()
         snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
+        snap.extra = {k: _cpu_copy(t) for k, t in (extra or {}).items()}
         if self.background:
             self._thread = threading.Thread(target=self._run, args=(snap,), name=f"moebal-ckpt-{step}", daemon=True)
             self._thread.start()
@@ -338,7 +351,7 @@ class Checkpointer:
         # sees a structure the training loop goes on mutating
         global_state, rank_state, layout = json.loads(json.dumps([global_state, rank_state, layout]))
         return _Snapshot(step, model, {n: view.experts[n] for n in model if n in view.experts},
-                         view.aliases if self.write_dense else {}, optim, numbers, rank_state, global_state,
+                         view.aliases if self.write_dense else {}, optim, numbers, {}, rank_state, global_state,
                          config_yaml, layout)
 
     def _run(self, snap: _Snapshot) -> None:
@@ -359,7 +372,8 @@ class Checkpointer:
 
         files: dict[str, dict[str, Any]] = {}
         tensors: dict[str, dict[str, Any]] = {}
-        for kind, payload in (("model", snap.model), ("optim", snap.optim)):
+        extra: dict[str, dict[str, Any]] = {}
+        for kind, payload in (("model", snap.model), ("optim", snap.optim), ("extra", snap.extra)):
             if not payload:
                 continue
             name = f"{kind}-r{self.rank:05d}.safetensors"
@@ -367,8 +381,9 @@ class Checkpointer:
             _fsync_file(tmp / name)
             files[name] = _file_record(tmp / name)
             for k, t in payload.items():
-                tensors[k] = {"file": name, "dtype": _dtype_name(t), "shape": list(t.shape)}
-        note = {"rank": self.rank, "files": files, "tensors": tensors,
+                (extra if kind == "extra" else tensors)[k] = {"file": name, "dtype": _dtype_name(t),
+                                                              "shape": list(t.shape)}
+        note = {"rank": self.rank, "files": files, "tensors": tensors, "extra": extra,
                 "experts": {n: list(v) for n, v in snap.experts.items()}, "aliases": snap.aliases,
                 "optimizer_numbers": snap.optim_numbers, "state": snap.rank_state}
         _publish(tmp / f"rank-{self.rank:05d}.json", note)
@@ -431,14 +446,16 @@ def _publish(path: Path, obj: Any, best_effort: bool = False) -> None:
 def _merge_notes(notes: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     files: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     experts: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     numbers: dict[str, Any] = {}
     for note in notes:
-        for name, entry in note["tensors"].items():
-            if name in tensors:
-                raise CheckpointError(f"{tmp}: two ranks wrote '{name}' (a bug in the writer assignment)")
-            tensors[name] = entry
+        for into, entries in ((tensors, note["tensors"]), (extra, note.get("extra", {}))):
+            for name, entry in entries.items():
+                if name in into:
+                    raise CheckpointError(f"{tmp}: two ranks wrote '{name}' (a bug in the writer assignment)")
+                into[name] = entry
         files.update(note["files"])
         experts.update(note["experts"])
         aliases.update(note["aliases"])
@@ -457,7 +474,7 @@ def _merge_notes(notes: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     return {"files": files, "tensors": tensors, "experts": {n: v[:2] for n, v in experts.items()},
             "stacked": {k: {"num_experts": v["num_experts"], "dtype": v["dtype"], "shape": v["shape"]}
                         for k, v in stacked.items()},
-            "aliases": aliases, "optimizer_numbers": numbers}
+            "aliases": aliases, "optimizer_numbers": numbers, "extra": extra}
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -621,12 +638,13 @@ class CheckpointReader:
             self._verified.add(name)
         return self.path / name
 
-    def _tensor(self, key: str, out: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
+    def _tensor(self, key: str, out: torch.Tensor | None = None, index: int | None = None,
+                section: str = "tensors") -> torch.Tensor:
         """Stored tensor `key`, read with plain reads at its offsets (no memory map: pages a reader touched
         would count as its resident memory)."""
         from moebal.models.tensor_io import FileSource
 
-        entry = self.manifest["tensors"].get(key)
+        entry = self.manifest.get(section, {}).get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} holds no tensor '{key}'")
         file = entry["file"]
@@ -707,6 +725,14 @@ class CheckpointReader:
     def optimizer_keys(self, logical: str) -> list[str]:
         """State keys saved for one logical tensor (`exp_avg`, ...); empty when it has no optimizer state."""
         return sorted(self._optim.get(logical, {}))
+
+    def extra_names(self) -> list[str]:
+        """Names of the extra tensors (`Checkpointer.save(extra=...)`), sorted."""
+        return sorted(self.manifest.get("extra", {}))
+
+    def read_extra(self, name: str) -> torch.Tensor:
+        """Extra tensor `name`; CheckpointError when the checkpoint has none of that name."""
+        return self._tensor(name, section="extra")
 
     # ---- the rest ----
     @property

@@ -1,0 +1,163 @@
+"""Pipeline checkpoints of every dynamism scheme, and of a re-packed job, resume exactly.
+
+A run is interrupted after its step-3 checkpoint (a copy of the uninterrupted run's directory without the
+later checkpoint) and resumed; its losses must equal the uninterrupted run's: bitwise under the same layout,
+and under another number of stages too (a pipeline's losses do not depend on its partition or stage count:
+every sum goes layer by layer in model order); with data-parallel replicas, which split each micro-batch's
+rows, within the resharding tests' 1e-5 relative. Several pipelines run in one spawned job (`run_pipeline(dims=...)`),
+4 ranks then 2, on a tiny dense 4-layer model, 6 steps each.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moebal.config import Config, from_dict
+from moebal.dist.testing import run_ranks
+
+SCHEMES = {  # each sets in before the step-3 checkpoint and acts again after it
+    "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
+    "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "csr"},
+    "early_exit": {"threshold": 0.995, "first_layer": 1, "start": 1, "ramp_steps": 2},
+    "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
+    "moe": {},
+}
+
+
+def cfg_for(pp: int, nproc: int, scheme: str = "none", **pipeline) -> Config:
+    moe = 4 if scheme == "moe" else 0
+    dyn = {"scheme": scheme, **({scheme: SCHEMES[scheme]} if scheme in SCHEMES else {})}
+    return from_dict({
+        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
+        "moe": {"num_experts": moe, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop"},
+        "data": {"seq_len": 16, "batch_size": 4, "max_bytes": 200_000},
+        "train": {"steps": 6, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32", "threads": 1,
+                  "ckpt_every": 3, "keep_checkpoints": 10},
+        "parallel": {"pp": pp, "nproc": nproc}, "dynamism": dyn,
+        "pipeline": {"micro_batches": 2, **pipeline}})
+
+
+def _run(rank: int, cfg: Config, out: Path, resume: bool = False) -> list[dict] | None:
+    """One pipeline run of the spawned job; rank 0 returns its metrics lines."""
+    import torch.distributed as dist
+
+    from moebal.dist.groups import ParallelDims
+    from moebal.pipeline.runner import pipeline_ep
+    from moebal.pipeline.train import run_pipeline
+
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world, rank=rank, pp=cfg.parallel.pp, ep=pipeline_ep(cfg, world)).init()
+    assert run_pipeline(cfg, out, resume=resume, dims=dims) == 0
+    dist.barrier()  # released ranks wait here for the survivors
+    if rank != 0:
+        return None
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _interrupted(rank: int, whole: Path, to: Path) -> Path:
+    """The run `whole` as it stood after its step-3 checkpoint (rank 0 copies; every rank waits)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        shutil.copytree(whole, to)
+        shutil.rmtree(to / "ckpt-0000006")
+    dist.barrier()
+    return to
+
+
+def _four(rank: int, world: int, tmp: str) -> dict:
+    base, out = Path(tmp), {}
+    for scheme in ("freezing", "pruning"):
+        whole = base / scheme / "whole"
+        out[f"{scheme}_whole"] = _run(rank, cfg_for(4, 4, scheme), whole)
+        out[f"{scheme}_same"] = _run(rank, cfg_for(4, 4, scheme), _interrupted(rank, whole, base / scheme / "same"),
+                                     resume=True)
+        if scheme == "pruning":  # 2 stages x 2 data-parallel replicas
+            out[f"{scheme}_2x2"] = _run(rank, cfg_for(2, 4, scheme), _interrupted(rank, whole, base / scheme / "2x2"),
+                                        resume=True)
+    repack = {"repack": True, "repack_slack": 100.0, "every": 2}  # re-packs onto 2 of the 4 ranks at step 2
+    whole = base / "repack" / "whole"
+    out["repack_whole"] = _run(rank, cfg_for(4, 4, **repack), whole)
+    out["repack_same"] = _run(rank, cfg_for(4, 4, **repack), _interrupted(rank, whole, base / "repack" / "same"),
+                              resume=True)
+    return out
+
+
+def _two(rank: int, world: int, tmp: str) -> dict:
+    base, out = Path(tmp), {}
+    # onto the 2 ranks still training when the checkpoint was written / a 4-stage checkpoint onto 2 stages
+    out["repack_two"] = _run(rank, cfg_for(2, 2), _interrupted(rank, base / "repack" / "whole",
+                                                                base / "repack" / "two"), resume=True)
+    for scheme in ("freezing", "pruning"):
+        out[f"{scheme}_two"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, base / scheme / "whole",
+                                                                              base / scheme / "two"), resume=True)
+    for scheme in ("early_exit", "mod", "moe"):
+        whole = base / scheme / "whole"
+        out[f"{scheme}_whole"] = _run(rank, cfg_for(2, 2, scheme), whole)
+        out[f"{scheme}_same"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, whole, base / scheme / "same"),
+                                     resume=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = str(tmp_path_factory.mktemp("resume"))
+    four = run_ranks(_four, 4, tmp, timeout_s=300)[0]
+    two = run_ranks(_two, 2, tmp, timeout_s=300)[0]
+    return {**four, **two, "tmp": tmp}
+
+
+def _losses(lines: list[dict]) -> list[float]:
+    assert [r["step"] for r in lines] == list(range(1, 7))
+    return [r["loss"] for r in lines]
+
+
+@pytest.mark.parametrize("scheme", ["freezing", "pruning"])
+def test_freezing_and_pruning_resume_exactly_under_any_number_of_stages(runs, scheme):
+    whole = runs[f"{scheme}_whole"]
+    key = {"freezing": "frozen_layers", "pruning": "sparsity_target"}[scheme]
+    # the scheme acted before the step-3 checkpoint, and its saved state decides what follows: freezing's
+    # next check compares against the step-2 snapshots of the layers not frozen yet, pruning prunes again
+    assert whole[2][key] > 0, [r[key] for r in whole]
+    if scheme == "freezing":
+        assert whole[3]["plasticity"] != whole[2]["plasticity"] and whole[3]["plasticity"][-1] > 0
+    else:
+        assert whole[5][key] > whole[2][key]
+    for case in ("same", "2x2", "two") if scheme == "pruning" else ("same", "two"):
+        got = runs[f"{scheme}_{case}"]
+        if case == "2x2":  # replicas split each micro-batch's rows: gradients add up in another order
+            assert all(abs(a - b) <= 1e-5 * b for a, b in zip(_losses(got), _losses(whole))), (scheme, case)
+        else:
+            assert _losses(got) == _losses(whole), (scheme, case)
+        assert [r[key] for r in got] == [r[key] for r in whole], (scheme, case)
+        if scheme == "freezing":
+            assert [r["plasticity"] for r in got] == [r["plasticity"] for r in whole], case
+        elif case != "2x2":  # (the kept set is a top-k of weights that differ in the last bits there)
+            assert [r["layer_density"] for r in got] == [r["layer_density"] for r in whole], case
+    assert runs[f"{scheme}_two"][-1]["stages"] == 2
+
+
+@pytest.mark.parametrize("scheme", ["early_exit", "mod", "moe"])
+def test_other_schemes_resume_exactly(runs, scheme):
+    whole, got = runs[f"{scheme}_whole"], runs[f"{scheme}_same"]
+    assert _losses(got) == _losses(whole)
+    assert [r.get("predicted_cost") for r in got] == [r.get("predicted_cost") for r in whole]
+
+
+def test_a_checkpoint_after_a_repack_resumes_on_the_launch_layout_and_on_the_surviving_ranks(runs):
+    whole = runs["repack_whole"]
+    packed = [r for r in whole if r.get("released_ranks")]
+    assert len(packed) == 1 and packed[0]["step"] == 2 and set(packed[0]["released_ranks"]) == {1, 2}
+    ckpt = Path(runs["tmp"]) / "repack" / "whole" / "ckpt-0000003"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["layout"]["active"] == {"pp": 2, "world_size": 2, "ranks": [0, 3]}
+    assert sorted(state["ranks"]) == ["0", "3"]  # the released ranks wrote nothing and were not waited for
+    sizes = whole[2]["sizes"]
+    for case in ("same", "two"):
+        got = runs[f"repack_{case}"]
+        assert _losses(got) == _losses(whole), case
+        assert [r["sizes"] for r in got[3:]] == [r["sizes"] for r in whole[3:]] and got[3]["sizes"] == sizes
