@@ -169,6 +169,12 @@ def run(args: argparse.Namespace) -> int:
     auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
     if not (args.resume or args.resume_from or auto) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if cfg.dynamism.scheme != "none" and cfg.parallel.pp <= 1:
+        # the single-stage trainer has no dynamism schemes: it would train (or resume) without the frozen layers
+        # or masks, silently
+        raise ConfigError(f"dynamism.scheme={cfg.dynamism.scheme} runs in pipeline runs only (parallel.pp >= 2): "
+                          f"use --pp 2 or more, or dynamism.scheme=none to train without it (a pruned model's "
+                          f"weights may then grow back)")
     if cfg.hf.export_to:
         from moebal.train.export import check_export
 
