@@ -777,7 +777,7 @@ class PipelineRunner:
         """Read (and check) the scheme state of every layer held here from checkpoint `reader`; nothing is
         applied (`load_scheme_tensors` does that once every rank has read its part)."""
         from moebal.errors import CheckpointError
-        from moebal.train.checkpoint import stacked_experts
+        from moebal.train.checkpoint import stacked_experts, with_previous_hint
 
         if not self._scheme_resumed:
             return {}
@@ -794,7 +794,10 @@ class PipelineRunner:
                     raise CheckpointError(f"{reader.path} holds no '{missing[0]}' (the {self.scheme.name} scheme's "
                                           f"state of layer {i}): it was written by a moebal that did not save "
                                           f"it; resume it with dynamism.scheme none, or start the run afresh")
-                parts = [reader.read_extra(n) for n, _ in names]
+                try:
+                    parts = [reader.read_extra(n) for n, _ in names]
+                except CheckpointError as e:  # a damaged file: offer the previous good checkpoint
+                    raise with_previous_hint(reader.path, e) from None
                 t = parts[0] if names[0][1] is None else torch.stack(parts)
                 if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise CheckpointError(f"{reader.path}: the {self.scheme.name} state '{key}' of layer {i} has "
