@@ -28,8 +28,8 @@ SCHEMES = {  # each sets in before the step-3 checkpoint and acts again after it
 }
 
 
-def cfg_for(pp: int, nproc: int, scheme: str = "none", **pipeline) -> Config:
-    moe = 4 if scheme == "moe" else 0
+def cfg_for(pp: int, nproc: int, scheme: str = "none", moe: int = 0, **pipeline) -> Config:
+    moe = 4 if scheme == "moe" else moe
     dyn = {"scheme": scheme, **({scheme: SCHEMES[scheme]} if scheme in SCHEMES else {})}
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
@@ -38,6 +38,8 @@ def cfg_for(pp: int, nproc: int, scheme: str = "none", **pipeline) -> Config:
         "train": {"steps": 6, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32", "threads": 1,
                   "ckpt_every": 3, "keep_checkpoints": 10},
         "parallel": {"pp": pp, "nproc": nproc}, "dynamism": dyn,
+        # expert placement from a hardware profile, not from timing this job (two runs would place differently)
+        "planner": {"costs": "a100"},
         "pipeline": {"micro_batches": 2, **pipeline}})
 
 
@@ -79,6 +81,8 @@ def _four(rank: int, world: int, tmp: str) -> dict:
         if scheme == "pruning":  # 2 stages x 2 data-parallel replicas
             out[f"{scheme}_2x2"] = _run(rank, cfg_for(2, 4, scheme), _interrupted(rank, whole, base / scheme / "2x2"),
                                         resume=True)
+    # expert-parallel: 2 stages x 2 expert shards; the snapshots of expert rows go by logical expert
+    out["freezing_ep_whole"] = _run(rank, cfg_for(2, 4, "freezing", moe=4), base / "freezing_ep" / "whole")
     repack = {"repack": True, "repack_slack": 100.0, "every": 2}  # re-packs onto 2 of the 4 ranks at step 2
     whole = base / "repack" / "whole"
     out["repack_whole"] = _run(rank, cfg_for(4, 4, **repack), whole)
@@ -95,6 +99,9 @@ def _two(rank: int, world: int, tmp: str) -> dict:
     for scheme in ("freezing", "pruning"):
         out[f"{scheme}_two"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, base / scheme / "whole",
                                                                               base / scheme / "two"), resume=True)
+    # ... resumed without expert parallelism (each stage holds all 4 experts)
+    out["freezing_ep_two"] = _run(rank, cfg_for(2, 2, "freezing", moe=4), _interrupted(
+        rank, base / "freezing_ep" / "whole", base / "freezing_ep" / "two"), resume=True)
     for scheme in ("early_exit", "mod", "moe"):
         whole = base / scheme / "whole"
         out[f"{scheme}_whole"] = _run(rank, cfg_for(2, 2, scheme), whole)
@@ -161,3 +168,21 @@ def test_a_checkpoint_after_a_repack_resumes_on_the_launch_layout_and_on_the_sur
         got = runs[f"repack_{case}"]
         assert _losses(got) == _losses(whole), case
         assert [r["sizes"] for r in got[3:]] == [r["sizes"] for r in whole[3:]] and got[3]["sizes"] == sizes
+
+
+def test_freezing_snapshots_of_expert_shards_resume_under_another_expert_parallel_size(runs):
+    whole, got = runs["freezing_ep_whole"], runs["freezing_ep_two"]
+    assert whole[2]["frozen_layers"] > 0
+    ckpt = Path(runs["tmp"]) / "freezing_ep" / "whole" / "ckpt-0000003"
+    extra = json.loads((ckpt / "manifest.json").read_text())["extra"]
+    rows = [n for n in extra if ".snapshot:block_sparse_moe.experts." in n and n.endswith(".w1")]
+    assert len(rows) == 4 * 4 and "dynamism.layers.3.snapshot:block_sparse_moe.experts.3.w1" in rows
+    assert {extra[n]["file"] for n in rows} == {"extra-r00000.safetensors", "extra-r00001.safetensors",
+                                                 "extra-r00002.safetensors", "extra-r00003.safetensors"}
+    # another expert-parallel size sums expert rows in another order: the resharding tests' tolerance
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(_losses(got), _losses(whole)))
+    assert [r["frozen_layers"] for r in got] == [r["frozen_layers"] for r in whole]
+    for a, b in zip(got[3:], whole[3:]):  # (logged to 6 decimals)
+        assert all((x is None) == (y is None) and (x is None or abs(x - y) <= 2e-6 + 1e-4 * y)
+                   for x, y in zip(a["plasticity"], b["plasticity"])), (a["plasticity"], b["plasticity"])
+
