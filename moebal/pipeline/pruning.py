@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -274,7 +275,12 @@ class GradualPruning(Dynamism):
             dens[2 * self.L + i] = float(any(self.kernels[i].values()))
         tot = ctx.chain.allreduce_sum(dens)
         self.density = [float(tot[i] / tot[self.L + i]) if tot[self.L + i] > 0 else 1.0 for i in range(self.L)]
-        self.csr = [bool(tot[2 * self.L + i] > 0) for i in range(self.L)]
+        # the kernel choice is timed, so data-parallel replicas of a stage may choose differently: a layer
+        # counts as CSR when any replica runs it so (the same answer on every rank; it only feeds predictions)
+        csr = tot[2 * self.L:].clone()
+        if int(ctx.extra.get("dp", 1)) > 1:
+            dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.extra.get("dp_group"))
+        self.csr = [bool(c > 0) for c in csr.tolist()]
 
     def _choose_kernels(self, i: int, layer: nn.Module) -> None:
         modules = dict(layer.named_modules())
@@ -348,7 +354,7 @@ class GradualPruning(Dynamism):
     def metrics(self) -> dict[str, Any]:
         csr = sum(v for k in self.kernels.values() for v in k.values())
         return {"sparsity_target": round(self.level, 4), "layer_density": [round(d, 4) for d in self.density],
-                "csr_matrices_here": int(csr)}
+                "csr_matrices_here": int(csr), "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
 
     # ---- checkpoints: the schedule position and the per-layer figures; masks and kernel choices go by
     # `layer_state` (the checkpoint keys them by layer), so a resume re-times nothing ----

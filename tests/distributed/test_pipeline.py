@@ -251,6 +251,15 @@ def test_repacking_releases_ranks_and_keeps_the_losses(four):
         assert survivor[-1]["stages"] == 4 - len(released)
 
 
+def test_pruning_predictions_are_the_same_on_every_stage(two):
+    # each stage chooses the kernels of its own layers; the cost prediction the planner multiplies the measured
+    # costs by must still be the same on every rank (else ranks plan different partitions and a migration hangs)
+    for case in ("pruning_static", "pruning_forced"):
+        preds = [r[case]["records"][-1]["predicted_cost"] for r in two]
+        assert preds[0] == preds[1], case
+        assert all(c < 1.0 for c in preds[0]), (case, preds[0])  # kernel "csr": every layer's work scales down
+
+
 def test_distributed_global_magnitude_pruning_equals_the_single_process_top_k(two):
     from moebal.pipeline.pruning import global_magnitude_masks
 
