@@ -127,7 +127,8 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing: per-expert selection bias step size (DeepSeek-V3); 0 disables it."""
     kernel: Literal["auto", "grouped_mm", "loop"] = "auto"
-    """Grouped expert GEMM implementation; auto picks the faster one measured for the shape and dtype."""
+    """Grouped expert GEMM implementation; auto: the loop on CPU, grouped_mm on accelerators (a fixed rule, settled
+    once per run and kept in its checkpoints, so a seed gives the same losses in every run and resume)."""
 
 
 @dataclass(kw_only=True, frozen=True)

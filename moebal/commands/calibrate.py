@@ -164,7 +164,7 @@ def expert_probes(dtype: str, shapes: Sequence[tuple[int, int, int, int]]) -> di
     import torch
 
     from moebal.kernels.dispatch import make_plan
-    from moebal.kernels.experts import choose_kernel, swiglu_experts
+    from moebal.kernels.experts import auto_kernel, swiglu_experts
 
     out: dict[str, Probe] = {}
     for E, N, D, Fh in shapes:
@@ -172,7 +172,7 @@ def expert_probes(dtype: str, shapes: Sequence[tuple[int, int, int, int]]) -> di
         plan = make_plan(torch.randint(0, E, (N, 1), generator=gen), None, E)
         x = torch.randn(N, D, dtype=_dtype(dtype), requires_grad=True)
         ws = [(torch.randn(E, a, b) * 0.02).to(_dtype(dtype)).requires_grad_() for a, b in ((Fh, D), (Fh, D), (D, Fh))]
-        kernel = choose_kernel(N, D, Fh, E, _dtype(dtype), torch.device("cpu"))
+        kernel = auto_kernel(torch.device("cpu"), D, Fh, _dtype(dtype))
 
         def step(x: Any = x, ws: list = ws, plan: Any = plan, kernel: Any = kernel) -> None:
             swiglu_experts(x, ws[0], ws[1], ws[2], plan, kernel).sum().backward()

@@ -2,13 +2,13 @@
 
 from moebal.kernels.bench import Timing, environment, time_fn, time_interleaved
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
-from moebal.kernels.experts import KERNELS, choose_kernel, reference_experts, swiglu_experts
+from moebal.kernels.experts import KERNELS, auto_kernel, reference_experts, swiglu_experts
 
 __all__ = [
     "KERNELS",
     "DispatchPlan",
     "Timing",
-    "choose_kernel",
+    "auto_kernel",
     "combine",
     "dispatch",
     "environment",

@@ -10,7 +10,12 @@ Two back ends compute the per-expert matmuls on rows grouped by expert:
   gradients by output slices): three barriers per forward + backward instead of one per small GEMM.
   Needs the per-expert counts on the host.
 - `grouped_mm`: `torch.nn.functional.grouped_mm` with int32 cumulative offsets (no host sync).
-`choose_kernel` picks one by measurement, once per (rows bucket, shape, dtype, device), and caches it.
+`auto_kernel` is `kernel="auto"`'s rule (the loop on CPU, grouped_mm on accelerators); a training run settles
+its one kernel at start-up and keeps it (moebal/train/kernels.py).
+
+On this CPU (MKL, AVX-512) the two back ends give the same bits with one intra-op thread, fp32 and bf16, every
+pass, and the loop gives the same bits at any thread count (its workers never cut a sliver off an expert,
+see `_row_ranges`); multi-threaded `grouped_mm` does not in fp32 at some shapes, and on GPUs they differ.
 
 Shape legend: N dispatched rows grouped by expert, E experts, D model dim, F expert hidden dim.
 """
@@ -18,7 +23,6 @@ Shape legend: N dispatched rows grouped by expert, E experts, D model dim, F exp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -46,9 +50,38 @@ def _segments(counts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]
     return out
 
 
+MIN_PIECE = 16
+"""Fewest rows of one expert a worker boundary may leave on either side of it (see `_row_ranges`)."""
+
+
 def _ranges(total: int, parts: int) -> list[tuple[int, int]]:
     bounds = [total * i // parts for i in range(parts + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def _row_ranges(counts: list[int], total: int, parts: int) -> list[tuple[int, int]]:
+    """Near-equal contiguous row ranges, one per worker, whose boundaries never cut fewer than MIN_PIECE rows
+    off an expert: a boundary that would is moved to that expert's edge.
+
+    Why: a BLAS may compute a GEMM of a few rows on another path than a taller one (MKL here: 1 to 3 rows
+    round differently), so a sliver of an expert would change the results with the number of workers and make
+    `loop` differ from `grouped_mm` (which multiplies each expert's rows at once). Pieces of at least
+    MIN_PIECE rows give each row the bits of the whole expert's GEMM.
+    """
+    bounds = [total * i // parts for i in range(parts + 1)]
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    e = 0
+    for i in range(1, parts):
+        c = bounds[i]
+        while starts[e + 1] <= c and e + 1 < len(counts):
+            e += 1
+        s, t = starts[e], starts[e + 1]
+        if s < c < t and (c - s < MIN_PIECE or t - c < MIN_PIECE):
+            c = s if c - s <= t - c else t
+        bounds[i] = max(c, bounds[i - 1])
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
 
 
 def _loop_forward(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, plan: DispatchPlan
@@ -68,7 +101,8 @@ def _loop_forward(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch
         for e, s, t in segs:
             torch.mm(a[s:t], w2[e].t(), out=y[s:t])
 
-    run_parallel([functools.partial(rows, lo, hi) for lo, hi in _ranges(N, cpu_workers(N, x.device))])
+    ranges = _row_ranges(counts, N, cpu_workers(N, x.device))
+    run_parallel([functools.partial(rows, lo, hi) for lo, hi in ranges])
     return y, (h1, h3, s1, a)
 
 
@@ -89,12 +123,15 @@ def _loop_backward(g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch
         da[lo:hi].mul_(h3[lo:hi])
         torch.ops.aten.silu_backward.grad_input(da[lo:hi], h1[lo:hi], grad_input=da[lo:hi])  # da is now dh1
         if dx is not None:
+            # dx = dh1 w1 + dh3 w3 as two rounded products and one add, like `grouped_mm` (and autograd): an
+            # accumulating addmm_ rounds once, which differs in the last bit (in bf16 by up to 1e-3)
+            tmp = dx.new_empty((hi - lo, dx.shape[1]))
             for e, s, t in segs:
                 torch.mm(da[s:t], w1[e], out=dx[s:t])
-                dx[s:t].addmm_(dh3[s:t], w3[e])
+                dx[s:t].add_(torch.mm(dh3[s:t], w3[e], out=tmp[s - lo:t - lo]))
 
     workers = cpu_workers(N, x.device)
-    run_parallel([functools.partial(rows, lo, hi) for lo, hi in _ranges(N, workers)])
+    run_parallel([functools.partial(rows, lo, hi) for lo, hi in _row_ranges(counts, N, workers)])
     dh1 = da
     grads = [g.new_empty(w.shape) if n else None for w, n in zip((w1, w3, w2), need[1:4])]
     # phase 2, weight gradients: worker p computes the p-th slice of output rows of every expert's
@@ -105,7 +142,10 @@ def _loop_backward(g: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w3: torch
         for dw, dout, inp in pairs:
             if dw is None:
                 continue
-            lo, hi = _ranges(dw.shape[1], workers)[p]
+            parts = max(1, min(workers, dw.shape[1] // MIN_PIECE))  # slices of MIN_PIECE rows or more
+            if p >= parts:
+                continue
+            lo, hi = _ranges(dw.shape[1], parts)[p]
             start = 0
             for e, n in enumerate(counts):
                 if n:
@@ -201,61 +241,34 @@ def grouped_mm_supports(dim: int, ffn: int, dtype: torch.dtype) -> bool:
     return (dim * size) % 16 == 0 and (ffn * size) % 16 == 0
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-@functools.lru_cache(maxsize=64)
-def _measured_choice(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype, device: str) -> KernelName:
-    """Fastest back end for a balanced forward + backward at this shape (a memo of measurements)."""
-    from moebal.kernels.bench import time_interleaved
+@functools.lru_cache(maxsize=16)
+def grouped_mm_runs(device: str, dtype: torch.dtype) -> bool:
+    """Whether this torch build has `grouped_mm` kernels (forward and weight gradient) for the device and dtype:
+    one tiny forward + backward, remembered (a capability of the build, not a timing)."""
     from moebal.kernels.dispatch import make_plan
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    idx_T1 = torch.randint(0, experts, (rows, 1), generator=gen).to(device)
-    plan = make_plan(idx_T1, None, experts)
-    x = torch.randn(rows, dim, generator=gen).to(device, dtype).requires_grad_()
-    ws = [(torch.randn(experts, a, b, generator=gen) * 0.02).to(device, dtype).requires_grad_()
-          for a, b in ((ffn, dim), (ffn, dim), (dim, ffn))]
-
-    def run(kernel: KernelName) -> Callable[[], None]:
-        def step() -> None:
-            with torch.enable_grad():
-                swiglu_experts(x, ws[0], ws[1], ws[2], plan, kernel).sum().backward()
-        return step
-
-    candidates: dict[str, Callable[[], None]] = {}
-    for kernel in KERNELS:
-        if kernel == "grouped_mm" and not grouped_mm_supports(dim, ffn, dtype):
-            continue
-        try:
-            run(kernel)()
-        except (RuntimeError, NotImplementedError):
-            if kernel == "loop":
-                raise
-            continue  # e.g. grouped_mm without a kernel for this dtype/device
-        candidates[kernel] = run(kernel)
-    if len(candidates) == 1:
-        return next(iter(candidates))  # type: ignore[return-value]
-    timings = time_interleaved(candidates, warmup=1, repeats=3, device=device)
-    # The minimum, not the median: on a shared machine interference only ever adds time.
-    return min(timings, key=lambda k: timings[k].min)  # type: ignore[return-value]
+    dev = torch.device(device)
+    plan = make_plan(torch.tensor([[0], [1], [1]], device=dev), None, 2)
+    x = torch.ones(3, 16, device=dev, dtype=dtype, requires_grad=True)
+    ws = [torch.ones(2, 16, 16, device=dev, dtype=dtype, requires_grad=True) for _ in range(3)]
+    try:
+        with torch.enable_grad():
+            swiglu_experts(x, ws[0], ws[1], ws[2], plan, "grouped_mm").sum().backward()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
-SMALL_WORK = 1 << 22
-"""Below this many multiply-adds per expert GEMM (rows * dim * ffn) timing is noise: take the default."""
+def auto_kernel(device: torch.device, dim: int, ffn: int, dtype: torch.dtype) -> KernelName:
+    """`kernel="auto"`: `grouped_mm` on accelerators when it has a kernel for the dtype and the rows are aligned
+    (no host sync, one launch per projection), the loop on CPU.
 
-
-def choose_kernel(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype,
-                  device: torch.device) -> KernelName:
-    """The measured-faster back end, cached per (rows rounded up to a power of two, shape, dtype, device).
-
-    Tiny problems skip the measurement: `grouped_mm` on accelerators (no host sync) when its alignment
-    allows, the loop on CPU.
+    A fixed rule, never a timing: the two back ends are not bitwise equal everywhere (multi-threaded MKL
+    `grouped_mm` in fp32 at some shapes, and any GPU), so a measured choice made every process, every run and
+    every restart pick differently and change the losses' last bits. On CPU the loop is never slower: with one
+    intra-op thread both run the same per-expert GEMMs (CPU `grouped_mm` loops over the groups); with more,
+    the loop's single-threaded workers avoid a barrier per small GEMM (docs/moe-layer.md has the figures).
     """
-    if rows * dim * ffn < SMALL_WORK:
-        if device.type != "cpu" and grouped_mm_supports(dim, ffn, dtype):
-            return "grouped_mm"
-        return "loop"
-    dev = str(device) if device.type != "cpu" else "cpu"
-    return _measured_choice(_bucket(max(rows, 1)), dim, ffn, experts, dtype, dev)
+    if device.type != "cpu" and grouped_mm_supports(dim, ffn, dtype) and grouped_mm_runs(str(device), dtype):
+        return "grouped_mm"
+    return "loop"

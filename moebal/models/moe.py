@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
-from moebal.kernels.experts import KERNELS, KernelName, choose_kernel, grouped_mm_supports, swiglu_experts
+from moebal.kernels.experts import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
 from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
@@ -52,16 +52,19 @@ class SwiGLUExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        # "auto" (`auto_kernel`'s rule) or the back end every call uses; a training run sets the one it settled
+        # on at start-up (moebal/train/kernels.py)
         self.kernel = kernel
 
     def resolve_kernel(self, rows: int, dtype: torch.dtype) -> KernelName:
-        E, F_, D = self.w1.shape
+        """The back end of a call with `rows` rows in `dtype` (the same for every row count)."""
+        _, F_, D = self.w1.shape
         if self.kernel == "grouped_mm" and not grouped_mm_supports(D, F_, dtype):
             raise ValueError(f"kernel='grouped_mm' needs dim and ffn_dim whose rows are multiples of 16 bytes in "
                              f"{dtype} (dim={D}, ffn_dim={F_}); use kernel='auto' or 'loop'")
         if self.kernel != "auto":
             return self.kernel  # type: ignore[return-value]
-        return choose_kernel(rows, D, F_, E, dtype, self.w1.device)
+        return auto_kernel(self.w1.device, D, F_, dtype)
 
     def forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.compute(x_ND, self.w1, self.w3, self.w2, plan)

@@ -6,13 +6,15 @@ one routing-statistics point (`_routing_step`: take every MoE layer's accumulate
 them, apply the auxiliary-loss-free bias update, read them to numbers), hooks' `after_step`
 (observe -> plan -> apply), validation when due, a metrics line, a checkpoint when due.
 
-Exact resume: the checkpoint holds weights, AdamW state, the data sampler's position, every RNG state and
-hook states; validation runs inside a saved-and-restored RNG state, and the learning rate is a function of
-the step, so a resumed run computes bit for bit what the uninterrupted run would have.
+Exact resume: the checkpoint holds weights, AdamW state, the data sampler's position, every RNG state,
+hook states and the run's expert kernel (settled once at start-up, moebal/train/kernels.py); validation runs
+inside a saved-and-restored RNG state, and the learning rate is a function of the step, so a resumed run
+computes bit for bit what the uninterrupted run would have.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -36,6 +38,7 @@ from moebal.train.checkpoint import (
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
+from moebal.train.kernels import settle_expert_kernel
 from moebal.train.metrics import MetricsLog, read_metrics, read_routing, routing_record
 from moebal.train.optim import build_optimizer, lr_at
 from moebal.train.progress import Progress
@@ -117,8 +120,15 @@ class Trainer:
         self.checkpoint_times: list[dict[str, float]] = []
         if ckpt is not None:
             self._restore(ckpt)
+        # the run's one expert kernel: the config's, the checkpoint's, or auto's rule; rank 0's on every rank
+        self.kernels = settle_expert_kernel(self.model, cfg, self.device,
+                                            self.ctx.gather if self.ctx.distributed else None,
+                                            ckpt.state.get("kernels") if ckpt is not None else None)
         if self.ctx.is_main:
             dump(cfg, self.run_dir / "config.yaml")
+            if self.kernels is not None:
+                (self.run_dir / "kernels.json").write_text(json.dumps({"experts": self.kernels}, indent=1) + "\n",
+                                                           encoding="utf-8")
         self.setup_seconds = time.perf_counter() - t0
 
     # ---- resume -------------------------------------------------------------------------------------
@@ -154,7 +164,7 @@ class Trainer:
         """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
         `keep_checkpoints` are kept."""
         global_state = {"data": self.data.train.state_dict(), "tokens": self.tokens,
-                        "train_seconds": self.train_seconds, "last_val": self.last_val}
+                        "train_seconds": self.train_seconds, "last_val": self.last_val, "kernels": self.kernels}
         rank_state = {"rng": rng_state(), "hooks": {h.name: h.state_dict() for h in self.hooks}}
         path = self.checkpointer.save(self.step, self.model, self.optimizer, global_state=global_state,
                                       rank_state=rank_state, config_yaml=dump(self.cfg), layout=self.ctx.layout())

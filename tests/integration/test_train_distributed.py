@@ -69,6 +69,32 @@ def test_two_rank_resume_is_exact(tmp_path):
     assert (part / "plans.jsonl").read_text().splitlines() == full_plans
 
 
+# 1,024 rows per rank and layer in bf16: sizes at which the former per-size timing of the expert kernels chose
+# between loop and grouped_mm in every process (and made two runs of one seed differ from step 2 on). The
+# planner's coefficients come from a profile: measured ones differ run to run, and so do the placements they
+# choose (replicas change summation order), which fresh runs of `planner.costs: measure` may show.
+TIMED_SIZES = ["data.batch_size=16", "moe.expert_ffn_dim=128", "train.precision=bf16", "moe.kernel=auto",
+               "planner.costs=a100"]
+
+
+@pytest.mark.slow
+def test_kernel_auto_gives_one_seed_the_same_losses_in_fresh_runs_and_on_resume(tmp_path):
+    a, b = (_train(tmp_path / n, "--nproc", "2", *TIMED_SIZES) for n in ("a", "b"))
+    assert a.returncode == 0, a.stderr[-2000:]
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert [x["loss"] for x in _metrics(tmp_path / "a")] == [y["loss"] for y in _metrics(tmp_path / "b")]
+    record = json.loads((tmp_path / "a" / "kernels.json").read_text())["experts"]
+    assert (record["kernel"], record["source"], record["dtype"]) == ("loop", "auto", "bfloat16")
+    part = tmp_path / "part"  # interrupted after its step-4 checkpoint, then resumed
+    shutil.copytree(tmp_path / "a", part)
+    shutil.rmtree(part / "ckpt-0000008")
+    resumed = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(part), "--resume",
+                              "--nproc", "2"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [x["loss"] for x in _metrics(tmp_path / "a")] == [y["loss"] for y in _metrics(part)]
+    assert json.loads((part / "kernels.json").read_text())["experts"]["source"] == "checkpoint"
+
+
 def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     # a batch that two ranks cannot split evenly fails on every rank before training; the launcher reports it
     bad = _train(tmp_path / "bad", "--nproc", "2", "data.batch_size=3")

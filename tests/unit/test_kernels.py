@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from moebal.kernels import (
     KERNELS,
-    choose_kernel,
+    auto_kernel,
     combine,
     dispatch,
     make_plan,
@@ -20,7 +20,9 @@ from moebal.kernels import (
     swiglu_experts,
     time_interleaved,
 )
-from moebal.kernels.experts import grouped_mm_supports
+from moebal.kernels import experts as experts_mod
+from moebal.kernels.experts import MIN_PIECE, _row_ranges, grouped_mm_runs, grouped_mm_supports
+from moebal.models.moe import SwiGLUExperts
 
 
 @pytest.fixture(autouse=True)
@@ -115,15 +117,59 @@ def test_grouped_mm_equals_loop(counts: list[int], data: st.DataObject) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_choose_kernel_is_valid_and_cached() -> None:
-    small = choose_kernel(16, 8, 8, 4, torch.float32, torch.device("cpu"))
-    assert small == "loop"  # tiny problems skip the measurement on CPU
-    a = choose_kernel(1000, 64, 128, 4, torch.float32, torch.device("cpu"))
-    b = choose_kernel(1024, 64, 128, 4, torch.float32, torch.device("cpu"))  # same power-of-two bucket
-    assert a in KERNELS and a == b
+def test_auto_kernel_is_a_rule_not_a_timing(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert grouped_mm_runs("cpu", torch.float32) and grouped_mm_runs("cpu", torch.bfloat16)
+    experts = SwiGLUExperts(8, 256, 512)  # kernel "auto"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert auto_kernel(cpu, 256, 512, dtype) == "loop"
+        # no row count changes the choice (the former per-size timing did, and so changed the losses)
+        assert {experts.resolve_kernel(rows, dtype) for rows in (16, 4096, 1 << 16)} == {"loop"}
     assert grouped_mm_supports(64, 128, torch.float32) and not grouped_mm_supports(6, 128, torch.float32)
-    odd = choose_kernel(4096, 130, 130, 2, torch.bfloat16, torch.device("cpu"))  # 260-byte rows: loop only
-    assert odd == "loop"
+    # accelerators: grouped_mm where torch has a kernel and the rows are 16-byte aligned, else the loop
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(experts_mod, "grouped_mm_runs", lambda device, dtype: dtype == torch.bfloat16)
+    assert auto_kernel(gpu, 64, 128, torch.bfloat16) == "grouped_mm"
+    assert auto_kernel(gpu, 130, 130, torch.bfloat16) == "loop"  # 260-byte rows
+    assert auto_kernel(gpu, 64, 128, torch.float32) == "loop"  # no kernel for the dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(0, 90), min_size=1, max_size=8), parts=st.integers(1, 5))
+def test_worker_ranges_never_cut_a_sliver_off_an_expert(counts: list[int], parts: int) -> None:
+    N = sum(counts)
+    ranges = _row_ranges(counts, N, parts)
+    assert [r for lo, hi in ranges for r in range(lo, hi)] == list(range(N))  # contiguous, complete
+    starts = [sum(counts[:e]) for e in range(len(counts) + 1)]
+    for lo, hi in ranges:
+        for e, n in enumerate(counts):
+            piece = min(hi, starts[e + 1]) - max(lo, starts[e])
+            assert piece <= 0 or piece == n or piece >= MIN_PIECE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loop_is_bitwise_grouped_mm_and_the_same_at_any_thread_count(dtype: torch.dtype) -> None:
+    """Every pass (output, input and weight gradients) bit for bit, so a run's kernel choice changes nothing
+    here; the counts put a 2-worker boundary 2 rows into expert 1 and give expert 2 only 2 rows."""
+    counts = [298, 100, 2, 200]
+    E, D, F = len(counts), 64, 96
+    plan = make_plan(torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).unsqueeze(1), None, E)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(counts), D, generator=gen).to(dtype)
+    ws = [(torch.randn(E, a, b, generator=gen) * 0.05).to(dtype) for a, b in ((F, D), (F, D), (D, F))]
+    g = torch.randn(sum(counts), D, generator=gen).to(dtype)
+
+    def run(kernel: str, threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+        y = swiglu_experts(*leaves, plan, kernel)  # type: ignore[arg-type]
+        y.backward(g)
+        return [y.detach(), *[t.grad for t in leaves]]
+
+    reference = run("grouped_mm", 1)
+    for kernel, threads in (("loop", 1), ("loop", 2)):
+        for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), run(kernel, threads), reference):
+            assert torch.equal(a, b), (kernel, threads, name, (a.float() - b.float()).abs().max().item())
 
 
 def test_time_interleaved_counts_calls_and_orders_stats() -> None:

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from moebal.errors import CheckpointError
 from moebal.train import Trainer
@@ -62,3 +63,51 @@ def test_resume_errors(tmp_path):
     other = tiny("train.steps=4", "model.dim=32")
     with pytest.raises(CheckpointError, match="in the checkpoint but .* in this model"):
         Trainer(other, tmp_path / "run", resume=find_checkpoints(tmp_path / "run")[0])
+
+
+def test_the_run_expert_kernel_is_recorded_and_kept_on_resume(tmp_path):
+    """The kernel a run settled on at start-up is in kernels.json and in its checkpoints, and a resume keeps
+    it even where auto's rule would now choose the other one (say, after an upgrade); an explicit
+    moe.kernel wins over the record."""
+    from moebal.config import with_overrides
+    from moebal.train.checkpoint import _file_record
+
+    cfg, run = tiny("train.steps=4", "train.eval_every=0"), tmp_path / "run"
+    Trainer(cfg, run).train(stop_after=2)
+    record = json.loads((run / "kernels.json").read_text(encoding="utf-8"))["experts"]
+    assert (record["kernel"], record["source"], record["dtype"]) == ("loop", "auto", "float32")
+    ckpt = find_checkpoints(run)[-1]
+    state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    assert state["kernels"] == record
+    state["kernels"]["kernel"] = "grouped_mm"  # what the run chose before the interruption
+    (ckpt / "state.json").write_text(json.dumps(state), encoding="utf-8")
+    manifest = json.loads((ckpt / "manifest.json").read_text(encoding="utf-8"))
+    manifest["files"]["state.json"] = _file_record(ckpt / "state.json")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+    resumed = Trainer(cfg, run, resume=True)
+    assert {layer.experts.kernel for layer in resumed.moe_layers()} == {"grouped_mm"}
+    assert json.loads((run / "kernels.json").read_text(encoding="utf-8"))["experts"]["source"] == "checkpoint"
+    resumed.train()
+    assert json.loads((find_checkpoints(run)[-1] / "state.json").read_text())["kernels"]["kernel"] == "grouped_mm"
+    forced = Trainer(with_overrides(cfg, ["moe.kernel=loop"]), run, resume=True)
+    assert {layer.experts.kernel for layer in forced.moe_layers()} == {"loop"}
+    assert forced.kernels is not None and forced.kernels["source"] == "config"
+
+
+def test_every_rank_takes_rank_0s_expert_kernel():
+    from moebal.models import build_model
+    from moebal.train.kernels import settle_expert_kernel
+
+    cfg = tiny()
+    model = build_model(cfg)
+    seen: list[dict] = []
+
+    def gather(mine: dict) -> list[dict]:  # rank 1 of two: rank 0 decided on grouped_mm
+        seen.append(mine)
+        return [{"kernel": "grouped_mm", "source": "auto"}, mine]
+
+    out = settle_expert_kernel(model, cfg, torch.device("cpu"), gather)
+    assert seen == [{"kernel": "loop", "source": "auto"}]  # what this rank would have chosen alone
+    assert out is not None and out["kernel"] == "grouped_mm"
+    assert {layer.experts.kernel for layer in model.moe_layers()} == {"grouped_mm"}
