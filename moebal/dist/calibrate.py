@@ -115,9 +115,10 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     - gradient all-reduce latency and bandwidth: a two-point fit of all-reduces of 16 KB and 4 MB over the
       stage's ranks (alpha + S / beta);
     - all-to-all latency: an all-to-all of 8 bytes per rank;
-    - overlap: the share of an all-to-all (one step's size) that runs concurrently with expert compute of the
-      same duration order when both are in flight: (t_compute + t_a2a - t_both) / min(t_compute, t_a2a),
-      clipped to [0, 1]. On a GPU this is close to 1; on a CPU the cores that compute also move the bytes.
+    - overlap: an all-to-all of one step's size and an expert computation sized to take about as long, alone
+      and together (all-to-all in flight while the experts compute): (t_compute + t_a2a - t_both) /
+      min(t_compute, t_a2a), clipped to [0, 1]. Equal durations keep the figure above the timing noise. On a
+      GPU it is close to 1; on a CPU the cores that compute also move the bytes.
     Every rank adopts the slowest rank's figures (an all-reduce of the times), so all plan alike.
     """
     ex = d.layer.experts
@@ -125,37 +126,39 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     D = ex.w1.shape[2]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     small, large = torch.zeros(4096, device=dev), torch.zeros(1 << 20, device=dev)
-
-    def ar(t: torch.Tensor) -> Callable[[], None]:
-        return lambda: dist.all_reduce(t, group=dense_group)
-
     R, group = d.R, d.group
     tiny_in, tiny_out = torch.zeros(R * 2, device=dev), torch.zeros(R * 2, device=dev)
     rows = max(64, tokens)
     gen = torch.Generator(device=dev).manual_seed(1)  # private: the run's RNG streams stay where they are
     chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen)
     out = torch.empty_like(chunk)
-    x = torch.randn(rows, D, device=dev, dtype=dtype, generator=gen)
+
+    def a2a() -> None:
+        dist.all_to_all_single(out, chunk, group=group)
+
+    times = torch.tensor([_median_time(f, repeats, sync) for f in (
+        lambda: dist.all_reduce(small, group=dense_group), lambda: dist.all_reduce(large, group=dense_group),
+        lambda: dist.all_to_all_single(tiny_out, tiny_in, group=group), a2a)], dtype=torch.float64, device=dev)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    t_s, t_l, t_tiny, t_a = times.tolist()
+    # expert compute sized to last about as long as the all-to-all (same rows on every rank)
+    n = int(min(max(16, t_a * layer.expert_tokens_per_s), 8 * rows))
     local = len(d.owned)
-    plan = group_plan([rows // local + (1 if i < rows % local else 0) for i in range(local)], dev)
+    x = torch.randn(n, D, device=dev, dtype=dtype, generator=gen)
+    plan = group_plan([n // local + (1 if i < n % local else 0) for i in range(local)], dev)
 
     def compute() -> None:
         with torch.no_grad():
             ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
-
-    def a2a() -> None:
-        dist.all_to_all_single(out, chunk, group=group)
 
     def both() -> None:
         work = dist.all_to_all_single(out, chunk, group=group, async_op=True)
         compute()
         work.wait()
 
-    times = torch.tensor([_median_time(f, repeats, sync) for f in (
-        ar(small), ar(large), lambda: dist.all_to_all_single(tiny_out, tiny_in, group=group), compute, a2a, both)],
-        dtype=torch.float64, device=dev)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    t_s, t_l, t_tiny, t_c, t_a, t_b = times.tolist()
+    t2 = torch.tensor([_median_time(f, repeats, sync) for f in (compute, a2a, both)], dtype=torch.float64, device=dev)
+    dist.all_reduce(t2, op=dist.ReduceOp.MAX)
+    t_c, t_a, t_b = t2.tolist()
     s_s, s_l = small.numel() * 4, large.numel() * 4
     beta = (s_l - s_s) / max(t_l - t_s, 1e-9)
     alpha = max(0.0, t_s - s_s / beta)

@@ -9,7 +9,10 @@ Shape legend: R = ranks in the expert-parallel group, E = experts.
   `overhead` (5 %) of its time, S = alpha * beta * (1 - overhead) / overhead: smaller chunks waste time in
   latency, larger ones make an arriving all-to-all wait longer behind the chunk in flight. On 16 A100s with
   100 Gb/s InfiniBand (ring all-reduce latency about 2 * 15 * 5 us) this gives about 36 MB, next to the
-  thesis's 30 MB; on a 2-core CPU with gloo it gives about 3 MB.
+  thesis's 30 MB; on a 2-core CPU with gloo about 3 MB. Lina never fuses gradients, so its micro-ops are also
+  never larger than one tensor: a model's gradients come in many pieces that can go out as the backward pass
+  produces them. We cut a flat buffer, so we add that bound explicitly: at most 1/8 of the step's gradients
+  per chunk (but never below alpha * beta, where the fixed cost would be half the chunk's time).
 - **All-to-all chunks** (Lina's all-to-all micro-ops; Tutel's `a2a_ffn_overlap_degree`, which its users pick by
   hand): the dispatch/experts/combine pipeline of `moebal.scheduler.exchange` replayed for c = 1..max_chunks
   with per-chunk latency, and the c with the smallest predicted forward + backward time. `overlap` says how
@@ -84,11 +87,17 @@ class CommSchedule:
                 "predicted_s": [round(t, 7) for t in self.predicted_s], **self.meta}
 
 
-def ar_chunk_bytes(costs: CommCosts, overhead: float = 0.05, lo: float = 64e3, hi: float = 256e6) -> float:
-    """Gradient chunk size whose fixed cost is `overhead` of its time (see the module docstring)."""
+def ar_chunk_bytes(costs: CommCosts, overhead: float = 0.05, total_bytes: float | None = None,
+                   pieces: int = 8, lo: float = 64e3, hi: float = 256e6) -> float:
+    """Gradient chunk size (see the module docstring): the smallest chunk whose fixed cost is `overhead` of its
+    time, but no more than 1/`pieces` of the gradients (`total_bytes`) so that chunks can fill the gaps of
+    the backward pass, and never so small that the fixed cost exceeds half the chunk's time."""
     if not 0.0 < overhead < 1.0:
         raise ConfigError(f"overhead must be in (0, 1); got {overhead}")
-    s = costs.ar_latency_s * costs.ar_bandwidth * (1.0 - overhead) / overhead
+    ab = costs.ar_latency_s * costs.ar_bandwidth
+    s = ab * (1.0 - overhead) / overhead
+    if total_bytes:
+        s = max(ab, min(s, total_bytes / max(1, pieces)))
     return float(min(hi, max(lo, s)))
 
 

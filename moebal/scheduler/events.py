@@ -78,11 +78,13 @@ class StepComm:
     exposed_s: float
     """Compute thread blocked on communication."""
     a2a_s: float
-    """Sum of all-to-all durations (issue to completion, chunks included; overlapped or not)."""
+    """Time with at least one all-to-all (or count exchange) in flight, issue to completion, concurrent token
+    chunks counted once, less the time the experts computed meanwhile (the overlap token chunks buy): the
+    all-to-all's share of the critical path, whether the compute thread waited for it or did other work."""
     allreduce_s: float
-    """Sum of gradient all-reduce durations."""
+    """Time with at least one gradient all-reduce chunk in flight."""
     placement_s: float
-    """Sum of Trans and Agg durations."""
+    """Time with at least one Trans or Agg in flight."""
     collectives: int
     bytes: int
     events: list[CommEvent] = field(default_factory=list, repr=False)
@@ -132,12 +134,20 @@ class EventLog:
         with self._lock:
             events, spans = list(self.events), list(self.spans)
 
+        def spans_of(kinds: Sequence[str]) -> list[tuple[float, float]]:
+            return [(e.started, e.finished) for e in events if e.kind in kinds and e.done]
+
         def busy(kinds: Sequence[str]) -> float:
-            return sum(e.finished - e.started for e in events if e.kind in kinds and e.done)
+            return _union_len(spans_of(kinds))
+
+        a2a = spans_of(("a2a", "counts"))
+        experts = [(x.start, x.end) for x in spans if x.cat == "compute" and " experts" in x.name]
+        hidden = _union_len(a2a) + _union_len(experts) - _union_len(a2a + experts)  # |A n B| = |A| + |B| - |A u B|
 
         return StepComm(step=self.step, step_s=t1 - self.t0,
                         exposed_s=_union_len([(s.start, s.end) for s in spans if s.cat == "blocked"]),
-                        a2a_s=busy(("a2a",)), allreduce_s=busy(("allreduce",)), placement_s=busy(("trans", "agg")),
+                        a2a_s=busy(("a2a", "counts")) - hidden, allreduce_s=busy(("allreduce",)),
+                        placement_s=busy(("trans", "agg")),
                         collectives=len(events), bytes=sum(e.nbytes for e in events), events=events, spans=spans,
                         t0=self.t0)
 

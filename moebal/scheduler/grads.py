@@ -115,6 +115,12 @@ class GradSync:
         return self._active
 
     @property
+    def reduced_bytes(self) -> int:
+        """Bytes all-reduced per step (buffers of one-rank groups excluded)."""
+        return sum(n * self.bufs[b].element_size() for b, n in enumerate(self._sizes)
+                   if self._buf_meta[b][0].group is not None)
+
+    @property
     def num_chunks(self) -> int:
         return len(self.chunks)
 

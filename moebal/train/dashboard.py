@@ -1,4 +1,5 @@
-"""`dashboard.png`: loss curves and, per MoE layer, each expert's share of the routed load over steps."""
+"""`dashboard.png`: loss curves, expert placement, communication per step (exposed time, all-to-all, gradient
+all-reduce) and, per MoE layer, each expert's share of the routed load over steps."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     counts = [r for r in train if r.get("expert_counts")]
     n_layers = len(counts[-1]["expert_counts"]) if counts else 0
     placed = [r for r in train if r.get("rank_imbalance_before")]
+    comm = [r for r in train if r.get("exposed_comm_s") is not None]
     cols = min(max(n_layers, 1), 4)
     rows = 1 + (n_layers + cols - 1) // cols if n_layers else 1
+    rows += 1 if comm else 0
     fig = plt.figure(figsize=(4 * cols + 2, 3.2 * rows))
     grid = fig.add_gridspec(rows, cols)
     ax = fig.add_subplot(grid[0, :] if not placed or cols < 2 else grid[0, : cols - 1])
@@ -55,8 +58,11 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     ax.set_title(title or "loss")
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
+    if comm:
+        _comm_panel(fig.add_subplot(grid[1, :]), comm)
+    first = 2 if comm else 1
     for layer in range(n_layers):
-        a = fig.add_subplot(grid[1 + layer // cols, layer % cols])
+        a = fig.add_subplot(grid[first + layer // cols, layer % cols])
         share = np.array([r["expert_counts"][layer] for r in counts], dtype=float)
         share /= np.maximum(share.sum(axis=1, keepdims=True), 1.0)
         E = share.shape[1]
@@ -70,6 +76,27 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _comm_panel(ax: Any, recs: list[dict[str, Any]]) -> None:
+    """Per step (mean over ranks): time the compute thread waited on communication, and the time each kind of
+    collective was in flight (overlapped with compute or not), next to the step time."""
+    steps = [r["step"] for r in recs]
+    span = max(len(steps) // 50, 1)
+    series = (("comm_window_s", "whole step (with Trans and bookkeeping)", "grey"),
+              ("exposed_comm_s", "exposed communication", "tab:red"),
+              ("a2a_s", "all-to-all in flight", "tab:blue"),
+              ("allreduce_s", "gradient all-reduce in flight", "tab:green"),
+              ("placement_comm_s", "Trans/Agg in flight", "tab:purple"))
+    for key, label, color in series:
+        y = np.array([r.get(key, np.nan) for r in recs], dtype=float)
+        if np.isfinite(y).any():
+            ax.plot(steps, 1e3 * _smooth(y, span), color=color, label=label, lw=1.2 if key != "comm_window_s" else 0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step")
+    ax.set_title("communication (mean over ranks)")
+    ax.legend(loc="upper right", fontsize=8, ncol=3)
+    ax.grid(alpha=0.3)
 
 
 def _placement_panel(ax: Any, placed: list[dict[str, Any]]) -> None:

@@ -211,7 +211,7 @@ class ExpertParallelHook(Hook):
         if self.comm_costs is None and self._measure_comm is not None:
             self.comm_costs = self._measure_comm(self.costs)  # collective as well
         if self.comm_costs is not None:
-            self.ep.set_chunk_bytes(_chunk_bytes(self.sc, self.comm_costs))
+            self.ep.set_chunk_bytes(_chunk_bytes(self.sc, self.comm_costs, self.ep.grads.reduced_bytes))
         if self.chunks is None:
             self.chunks = [self._chunks_for(self._uniform, plc) for plc in self.placements]
         if self.ctx.is_main:
@@ -278,6 +278,7 @@ class ExpertParallelHook(Hook):
         n = self.ep.dims.size("dp_ep")
         for key, v in zip(("exposed_comm_s", "a2a_s", "allreduce_s", "placement_comm_s"), vals):
             record[key] = round(v / n, 6)
+        record["comm_window_s"] = round(comm.step_s, 6)  # from Trans to the step's bookkeeping, this rank
         if self._events is not None:
             self._events.write(json.dumps(line, separators=(",", ":")) + "\n")
             self._events.flush()
@@ -399,13 +400,13 @@ def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, c
     return ExpertParallelHook(ep, cfg, costs, ctx, comm_costs=comm)
 
 
-def _chunk_bytes(sc: Any, comm_costs: CommCosts) -> float:
-    """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (5 % fixed cost per chunk)."""
+def _chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float) -> float:
+    """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (`ar_chunk_bytes`)."""
     from moebal.planner.comm import ar_chunk_bytes
 
     if sc.mode == "ddp":
         return sc.bucket_mb * 1e6
-    return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs)
+    return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs, total_bytes=total_bytes)
 
 
 class DataParallelHook(Hook):

@@ -1,0 +1,300 @@
+"""Communication scheduling on real gloo ranks: unscheduled vs Lina vs Lina + Pro-Prophet block overlap.
+
+    python scripts/bench_comm_schedule.py [--quick] [--json FILE] [--png FILE] [--no-sim]
+
+For 2 ranks (expert parallel over both) and 4 ranks (2 expert-parallel x 2 data-parallel, so the expert
+gradients are all-reduced too) one job builds the same MoE model three times, one per mode, and runs them
+interleaved step by step (every round runs one step of every mode, in a rotated order, so outside load hits
+all alike):
+
+  unscheduled   gradients in buckets all-reduced as soon as they are ready, concurrent with the all-to-alls
+                (PyTorch DDP's behaviour; its 25 MB buckets scaled to this model: --bucket-mb, default 1 MB,
+                about a quarter of the dense gradients); one all-to-all per exchange; Trans and Agg blocking
+  lina          gradient chunks issued only while no all-to-all is queued or in flight (chunk size and token
+                chunks per layer from the cost model measured on the job); Trans and Agg blocking
+  lina+overlap  lina plus Pro-Prophet's block overlap (Trans of layer l+1 under layer l, Agg under the
+                backward) and the planner costing plans with eq. 8
+  serial        reference: the gradients all-reduced after the backward pass (no overlap, no contention)
+
+Every mode trains with the Pro-Prophet planner on skewed routing (a selection bias that makes the busiest
+expert about 3x the mean), so Trans and Agg happen. A step is apply placements + forward + backward + Agg +
+gradient sync + AdamW, timed from a barrier; per step and rank the scheduler's event log gives
+
+  a2a_time_s       time with an all-to-all (or count exchange) in flight: what concurrent gradient traffic
+                   slows down (Lina's "all-to-all time")
+  exposed_comm_s   time the compute thread waited on communication of any kind
+  step_time_s      the slowest rank's step
+
+and the figures are medians over steps of the mean over ranks (step time: of the slowest rank).
+
+What a CPU run can show: here the "links" are loopback TCP driven by the same two cores that compute, so a
+concurrent all-reduce slows an all-to-all by taking CPU time and socket bandwidth rather than NIC bandwidth, and
+communication that Lina moves into compute gaps still costs the compute some CPU. The all-to-all time under
+concurrent gradient sync measures the contention Lina removes; the step time says whether that pays off on
+this machine. 4 ranks share 2 cores (two per core): their absolute times are not device times.
+
+Without --no-sim the script also runs the simulated comparison on Lina's cluster (scripts/reproduce_lina.py:
+16 A100, 100 Gb/s InfiniBand) and appends its records (kind "simulated").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moebal.config import Config, from_dict, to_dict
+from moebal.dist.calibrate import describe, measure_comm_costs, measure_layer_costs
+from moebal.dist.expert_parallel import ExpertParallel
+from moebal.dist.groups import ParallelDims
+from moebal.dist.testing import run_ranks
+from moebal.models import build_model
+from moebal.planner.comm import a2a_chunks, ar_chunk_bytes
+from moebal.planner.experts import ExpertPlanner
+from moebal.planner.perf import placement_loads
+from moebal.scheduler import CommScheduler
+
+MODES = ("unscheduled", "lina", "lina+overlap", "serial")
+
+
+def bench_config() -> Config:
+    """Communication-heavy, as in Lina's measurements (Table 4.1: a third of the step in all-to-all): many
+    narrow experts (16 x 256 wide), so the exchanged rows and the expert gradients are large next to the
+    compute. An A100 on 100 Gb/s InfiniBand does about 8,000 FLOPs per byte moved; two CPU cores on loopback
+    about 40, so a model with the GPU's balance must compute little per byte here."""
+    return from_dict({
+        "name": "bench-comm-schedule",
+        "model": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 768, "max_seq_len": 128},
+        "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 512, "aux_loss_coef": 0.01},
+        "data": {"seq_len": 128, "batch_size": 4},
+        "train": {"precision": "fp32"},
+    })
+
+
+class _System:
+    """One mode: its own model copy, scheduler, expert parallelism, planners and optimizer."""
+
+    def __init__(self, mode: str, cfg: Config, dims: ParallelDims, bias: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        self.mode = mode
+        self.model = build_model(cfg)
+        for layer in self.model.moe_layers():
+            layer.expert_bias = bias.clone()
+        sched_mode = {"unscheduled": "ddp", "serial": "off"}.get(mode, "lina")
+        self.sched = CommScheduler(sched_mode, rank=dims.rank, timeout_s=600)
+        self.ep = ExpertParallel(self.model, dims, self.sched, overlap=mode == "lina+overlap")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.planners: list[ExpertPlanner] = []
+        self.placements: list[Any] = []
+        self.chunks = [1] * len(self.ep.dispatchers)
+
+    def plan_setup(self, costs: Any, E: int, R: int) -> None:
+        extra = {"overlap": True} if self.mode == "lina+overlap" else {}
+        self.planners = [ExpertPlanner(E, R, "prophet", costs, hysteresis=0.05, **extra) for _ in self.ep.dispatchers]
+        self.placements = [p.current for p in self.planners]
+
+
+def _counts(system: _System, dims: ParallelDims) -> list[np.ndarray]:
+    out = []
+    for layer in system.model.moe_layers():
+        local = layer.take_stats().counts_E
+        gathered = [torch.zeros_like(local) for _ in range(dims.size("ep"))]
+        dist.all_gather(gathered, local, group=dims.group("ep"))
+        out.append(torch.stack(gathered).numpy().astype(np.float64))
+    return out
+
+
+def _step(s: _System, ids: torch.Tensor, step: int) -> tuple[float, float, Any]:
+    s.sched.log.begin(step)
+    for d, c in zip(s.ep.dispatchers, s.chunks):
+        d.a2a_chunks = c
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    s.ep.apply(s.placements)
+    out = s.model(ids[:, :-1], ids[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    s.ep.aggregate()
+    s.ep.sync_gradients()
+    s.opt.step()
+    s.opt.zero_grad(set_to_none=True)
+    s.ep.release()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dt, cpu, s.sched.log.end()
+
+
+def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    cfg = from_dict(spec["config"])
+    dims = ParallelDims(world_size=world, rank=rank, ep=spec["ep"]).init(timeout_s=600)
+    E, R = cfg.moe.num_experts, dims.size("ep")
+    bias = -spec["skew"] * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
+    systems = {m: _System(m, cfg, dims, bias) for m in MODES}
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    rows = B * T * cfg.moe.top_k
+    first = systems["lina"].ep.dispatchers[0]
+    layer_costs = measure_layer_costs(first, rows)
+    comm = measure_comm_costs(first, dims.group("dp_ep"), rows, layer_costs)
+    token_bytes = cfg.model.dim * 4
+    for s in systems.values():
+        s.plan_setup(layer_costs, E, R)
+        total = s.ep.grads.reduced_bytes
+        s.ep.set_chunk_bytes(spec["bucket_mb"] * 1e6 if s.mode == "unscheduled"
+                             else ar_chunk_bytes(comm, total_bytes=total))
+    n = dims.size("dp_ep")
+    samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    load = [os.getloadavg()[0]]
+    schedule = [(m, False, -1 - w) for m in MODES for w in range(spec["warmup"])]
+    for k in range(spec["rounds"] * spec["steps"]):  # one step of every mode per round, order rotated
+        schedule += [(m, True, k) for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]]
+    for step_no, (mode, measured, k) in enumerate(schedule, 1):
+        s = systems[mode]
+        gen = torch.Generator().manual_seed(1000 * (k + 10) + rank)  # round k: the same batch for every mode
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+        dt, cpu, c = _step(s, ids, step_no)
+        counts = _counts(s, dims)
+        s.placements = [p.step(x) for p, x in zip(s.planners, counts)]
+        if mode.startswith("lina"):
+            s.chunks = [a2a_chunks(comm, float(placement_loads(x, p)[1].max()) * token_bytes,
+                                   float(placement_loads(x, p)[0].max()))[0]
+                        for x, p in zip(counts, s.placements)]
+        t = torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu], dtype=torch.float64)
+        dist.all_reduce(v)
+        v /= n
+        if measured:
+            samples[mode].append({"step_s": t.item(), "exposed_s": v[0].item(), "a2a_s": v[1].item(),
+                                  "allreduce_s": v[2].item(), "placement_s": v[3].item(), "cpu_s": v[4].item(),
+                                  "a2a_chunks": list(s.chunks),
+                                  "replicas": sum(p.num_replicas for p in s.placements),
+                                  "chunks": s.ep.grads.num_chunks})
+    load.append(os.getloadavg()[0])
+    for s in systems.values():
+        s.ep.close()
+        s.sched.close()
+    if rank:
+        return []
+    meta = {"comm_costs": comm.to_dict(), "layer_costs": describe(layer_costs), "load_average": load,
+            "ep": R, "dp": dims.size("dp")}
+    return [_record(m, world, samples[m], meta, systems[m]) for m in MODES]
+
+
+def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any], s: _System) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return statistics.median(x[key] for x in xs)
+
+    return {"kind": "measured", "mode": mode, "world_size": world, "steps": len(xs),
+            "a2a_time_s": med("a2a_s"), "exposed_comm_s": med("exposed_s"), "step_time_median_s": med("step_s"),
+            "step_time_min_s": min(x["step_s"] for x in xs), "allreduce_time_s": med("allreduce_s"),
+            "placement_comm_s": med("placement_s"), "cpu_s_per_rank": med("cpu_s"),
+            "gradient_chunks": xs[-1]["chunks"], "a2a_chunks_last": xs[-1]["a2a_chunks"],
+            "replicas_per_step": statistics.mean(x["replicas"] for x in xs), **meta}
+
+
+def summarise(records: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    measured = [r for r in records if r.get("kind") == "measured"]
+    for world in sorted({r["world_size"] for r in measured}):
+        by = {r["mode"]: r for r in measured if r["world_size"] == world}
+        base = by["unscheduled"]
+        for m in MODES:
+            r = by[m]
+            lines.append(f"{world} ranks {m:<13} step {r['step_time_median_s']:.4f}s  a2a {r['a2a_time_s']:.4f}s  "
+                         f"exposed {r['exposed_comm_s']:.4f}s  all-reduce {r['allreduce_time_s']:.4f}s  "
+                         f"a2a x{base['a2a_time_s'] / r['a2a_time_s']:.2f}  "
+                         f"step x{base['step_time_median_s'] / r['step_time_median_s']:.2f}")
+    for r in records:
+        if r.get("kind") == "simulated":
+            lines.append(f"simulated {r['experts']:>2} experts on {r['gpus']} A100: {r['mode']:<22} "
+                         f"{r['simulated_speedup']:.2f}x (paper {r['paper_speedup']:.2f}x)")
+    return lines
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in records if r.get("kind") == "measured"]
+    sim = [r for r in records if r.get("kind") == "simulated" and r["mode"] == "lina"]
+    worlds = sorted({r["world_size"] for r in measured})
+    fig, axes = plt.subplots(1, 3 + bool(sim), figsize=(4.2 * (3 + bool(sim)), 3.8))
+    width = 0.8 / len(MODES)
+    for ax, key, title in zip(axes, ("step_time_median_s", "a2a_time_s", "exposed_comm_s"),
+                              ("step time", "all-to-all time", "exposed communication")):
+        for i, m in enumerate(MODES):
+            vals = [next(r[key] for r in measured if r["world_size"] == w and r["mode"] == m) for w in worlds]
+            ax.bar(np.arange(len(worlds)) + i * width, vals, width, label=m)
+        ax.set_xticks(np.arange(len(worlds)) + width, [f"{w} ranks" for w in worlds])
+        ax.set_title(f"{title} (median, s)")
+    axes[0].legend(fontsize=8)
+    if sim:
+        ax = axes[-1]
+        x = np.arange(len(sim))
+        ax.bar(x - 0.2, [r["paper_speedup"] for r in sim], 0.4, alpha=0.5, label="paper")
+        ax.bar(x + 0.2, [r["simulated_speedup"] for r in sim], 0.4, label="simulated")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, [f"{r['experts']} experts" for r in sim])
+        ax.set_title("Lina on A100 + 100 Gb/s IB: step speedup")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def simulated() -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import reproduce_lina
+
+    return reproduce_lina.comparison()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    ap.add_argument("--json", type=Path, help="write the records here")
+    ap.add_argument("--png", type=Path, help="write the figure here (default: next to --json)")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulated comparison on Lina's cluster")
+    ap.add_argument("--worlds", default="2,4", help="rank counts to run (default 2,4)")
+    ap.add_argument("--skew", type=float, default=2.0, help="strength s of the routing skew -s*log(id+1)")
+    ap.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of the unscheduled mode")
+    args = ap.parse_args(argv)
+    cfg = bench_config()
+    spec = {"config": to_dict(cfg), "skew": args.skew, "bucket_mb": args.bucket_mb,
+            "rounds": 8 if args.quick else 20, "steps": 1, "warmup": 2}
+    records: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for world in (int(w) for w in args.worlds.split(",")):
+        records += run_ranks(_worker, world, {**spec, "ep": 2}, timeout_s=3600)[0]
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cores": os.cpu_count(), "threads_per_rank": 1, "config": spec["config"], "skew": args.skew,
+            "bucket_mb": args.bucket_mb, "rounds": spec["rounds"], "steps_per_round": spec["steps"],
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    for r in records:
+        r["meta"] = meta
+    if not args.no_sim:
+        records += simulated()
+    for line in summarise(records):
+        print(line)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=1))
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png:
+        plot(records, png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
