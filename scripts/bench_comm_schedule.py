@@ -1,6 +1,6 @@
 """Communication scheduling on real gloo ranks: unscheduled vs Lina vs Lina + Pro-Prophet block overlap.
 
-    python scripts/bench_comm_schedule.py [--quick] [--json FILE] [--png FILE] [--no-sim]
+    python scripts/bench_comm_schedule.py [--quick] [--json FILE] [--png FILE] [--no-sim] [--link-mbit M|0]
 
 For 2 ranks (expert parallel over both) and 4 ranks (2 expert-parallel x 2 data-parallel, so the expert
 gradients are all-reduced too) one job builds the same MoE model three times, one per mode, and runs them
@@ -27,11 +27,15 @@ gradient sync + AdamW, timed from a barrier; per step and rank the scheduler's e
 
 and the figures are medians over steps of the mean over ranks (step time: of the slowest rank).
 
-What a CPU run can show: here the "links" are loopback TCP driven by the same two cores that compute, so a
-concurrent all-reduce slows an all-to-all by taking CPU time and socket bandwidth rather than NIC bandwidth, and
-communication that Lina moves into compute gaps still costs the compute some CPU. The all-to-all time under
-concurrent gradient sync measures the contention Lina removes; the step time says whether that pays off on
-this machine. 4 ranks share 2 cores (two per core): their absolute times are not device times.
+The network: by default (root and iproute2 available) the ranks run on two "nodes", Linux network namespaces
+joined by a veth pair (moebal.dist.netns) whose two directions are each shaped to --link-mbit (default 1000,
+a token-bucket qdisc): rank r lives on node r % 2, so every expert-parallel group and the stage's gradient
+all-reduce cross the link, while the 4-rank run's expert-gradient groups stay inside a node. All-to-all and
+all-reduce then compete for one bandwidth-limited link, as an all-to-all and DDP's all-reduce compete for a
+NIC (Lina's setting), and the qdisc that enforces the rate costs no compute. With --link-mbit 0 (or without
+root) the ranks talk over loopback: there the "link" is the two cores themselves, which also compute, so
+communication moved out of an all-to-all lands on compute instead and the comparison says little about
+networks. 4 ranks share 2 cores (two per core): their absolute times are not device times.
 
 Without --no-sim the script also runs the simulated comparison on Lina's cluster (scripts/reproduce_lina.py:
 16 A100, 100 Gb/s InfiniBand) and appends its records (kind "simulated").
@@ -44,8 +48,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +69,19 @@ from moebal.models import build_model
 from moebal.planner.comm import a2a_chunks, ar_chunk_bytes
 from moebal.planner.experts import ExpertPlanner
 from moebal.planner.perf import placement_loads
-from moebal.scheduler import CommScheduler
+from moebal.scheduler import CommScheduler, step_record
 
 MODES = ("unscheduled", "lina", "lina+overlap", "serial")
 
 
 def bench_config() -> Config:
-    """Communication-heavy, as in Lina's measurements (Table 4.1: a third of the step in all-to-all): many
-    narrow experts (16 x 256 wide), so the exchanged rows and the expert gradients are large next to the
-    compute. An A100 on 100 Gb/s InfiniBand does about 8,000 FLOPs per byte moved; two CPU cores on loopback
-    about 40, so a model with the GPU's balance must compute little per byte here."""
+    """MoE every other layer (GShard, Switch): the dense layers' gradients are a data-parallel all-reduce of
+    about the size of the step's all-to-all traffic, and the MoE layers between them exchange tokens while the
+    dense gradients of the layers after them are ready: the overlap Lina schedules."""
     return from_dict({
         "name": "bench-comm-schedule",
-        "model": {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 768, "max_seq_len": 128},
-        "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 512, "aux_loss_coef": 0.01},
+        "model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 1024, "max_seq_len": 128},
+        "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 128, "every": 2, "aux_loss_coef": 0.01},
         "data": {"seq_len": 128, "batch_size": 4},
         "train": {"precision": "fp32"},
     })
@@ -148,11 +154,13 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     for s in systems.values():
         s.plan_setup(layer_costs, E, R)
         total = s.ep.grads.reduced_bytes
+        a2a_s = rows * token_bytes * (R - 1) / R / comm.a2a_bandwidth  # one exchange, balanced routing
         s.ep.set_chunk_bytes(spec["bucket_mb"] * 1e6 if s.mode == "unscheduled"
-                             else ar_chunk_bytes(comm, total_bytes=total))
+                             else ar_chunk_bytes(comm, total_bytes=total, a2a_s=a2a_s))
     n = dims.size("dp_ep")
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     load = [os.getloadavg()[0]]
+    traces: dict[str, list[Any]] = {}
     schedule = [(m, False, -1 - w) for m in MODES for w in range(spec["warmup"])]
     for k in range(spec["rounds"] * spec["steps"]):  # one step of every mode per round, order rotated
         schedule += [(m, True, k) for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]]
@@ -172,6 +180,10 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu], dtype=torch.float64)
         dist.all_reduce(v)
         v /= n
+        if measured and k == spec["rounds"] * spec["steps"] - 1:  # the last round: keep a trace of every rank
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, step_record(c, rank))
+            traces[mode] = gathered
         if measured:
             samples[mode].append({"step_s": t.item(), "exposed_s": v[0].item(), "a2a_s": v[1].item(),
                                   "allreduce_s": v[2].item(), "placement_s": v[3].item(), "cpu_s": v[4].item(),
@@ -182,11 +194,12 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     for s in systems.values():
         s.ep.close()
         s.sched.close()
+    dist.barrier()
     if rank:
         return []
     meta = {"comm_costs": comm.to_dict(), "layer_costs": describe(layer_costs), "load_average": load,
             "ep": R, "dp": dims.size("dp")}
-    return [_record(m, world, samples[m], meta, systems[m]) for m in MODES]
+    return [{**_record(m, world, samples[m], meta, systems[m]), "trace": traces.get(m)} for m in MODES]
 
 
 def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any], s: _System) -> dict[str, Any]:
@@ -253,6 +266,57 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def run_world(world: int, spec: dict[str, Any], link_mbit: float) -> tuple[list[dict[str, Any]], str]:
+    """The records of one world size, and the network used (a shaped namespace link, or loopback)."""
+    from moebal.dist.netns import NamespacePair, unavailable
+
+    why = unavailable() if link_mbit > 0 else "loopback requested"
+    if why is not None:
+        return run_ranks(_worker, world, spec, timeout_s=3600)[0], f"loopback ({why})"
+    with NamespacePair(tag=f"cs{os.getpid()}", subnet=93) as pair, tempfile.TemporaryDirectory() as tmp:
+        for ns in pair.names:  # each direction of the veth limited to the link rate
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", pair.ifname, "root", "tbf",
+                            "rate", f"{link_mbit:g}mbit", "burst", "256kb", "latency", "100ms"], check=True)
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        procs = []
+        for r in range(world):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r // 2),
+                   "MASTER_ADDR": pair.addrs[0], "MASTER_PORT": "29571", "GLOO_SOCKET_IFNAME": pair.ifname}
+            cmd = ["ip", "netns", "exec", pair.names[r % 2], sys.executable, __file__, "--rank-worker",
+                   str(spec_path), str(out)]
+            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        errors = []
+        for r, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=3600)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode:
+                errors.append(f"rank {r} exited with {proc.returncode}:\n{err[-6000:]}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return json.loads(out.read_text()), f"{link_mbit:g} Mbit/s veth between two network namespaces"
+
+
+def _rank_worker(spec_path: str, out: str) -> int:
+    """One rank of a namespace run (environment from run_world)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        res = _worker(rank, world, json.loads(Path(spec_path).read_text()))
+        if rank == 0:
+            Path(out).write_text(json.dumps(res))
+    except BaseException:  # noqa: BLE001 - reported to the parent through stderr and the exit code
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
 def simulated() -> list[dict[str, Any]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import reproduce_lina
@@ -269,14 +333,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="2,4", help="rank counts to run (default 2,4)")
     ap.add_argument("--skew", type=float, default=2.0, help="strength s of the routing skew -s*log(id+1)")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="bucket size of the unscheduled mode")
+    ap.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="rate of the link between the two namespace nodes (0: loopback, no namespaces)")
+    ap.add_argument("--trace", type=Path, help="write a Chrome trace of one step of every mode into this folder")
+    ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rank_worker:
+        return _rank_worker(*args.rank_worker)
     cfg = bench_config()
     spec = {"config": to_dict(cfg), "skew": args.skew, "bucket_mb": args.bucket_mb,
             "rounds": 8 if args.quick else 20, "steps": 1, "warmup": 2}
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    network = {}
     for world in (int(w) for w in args.worlds.split(",")):
-        records += run_ranks(_worker, world, {**spec, "ep": 2}, timeout_s=3600)[0]
+        recs, network[world] = run_world(world, {**spec, "ep": 2}, args.link_mbit)
+        for r in recs:
+            r["network"] = network[world]
+        records += recs
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cores": os.cpu_count(), "threads_per_rank": 1, "config": spec["config"], "skew": args.skew,
             "bucket_mb": args.bucket_mb, "rounds": spec["rounds"], "steps_per_round": spec["steps"],
@@ -287,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         records += simulated()
     for line in summarise(records):
         print(line)
+    if args.trace:
+        from moebal.scheduler import write_chrome_trace
+
+        args.trace.mkdir(parents=True, exist_ok=True)
+        for r in records:
+            if r.get("trace"):
+                write_chrome_trace(r["trace"], args.trace / f"{r['world_size']}ranks-{r['mode']}.json")
+    for r in records:
+        r.pop("trace", None)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(records, indent=1))

@@ -213,7 +213,8 @@ def lina_plan(prof: Any, experts: int, batch: int) -> dict[str, Any]:
         lc = cost.moe_layer_costs(sh, ranks[:r], tokens, SEQ) if r > 1 else layer
         comm = comm_costs_from_profile(cost, lc, ranks[:max(r, 2)], ranks)
         c = a2a_chunks(comm, rows * row_bytes * (r - 1) / r, rows)[0] if r > 1 else 1
-        out[key] = {"ar_chunk_bytes": ar_chunk_bytes(comm, total_bytes=g), "a2a_chunks": c, "grad_bytes": g}
+        chunk = ar_chunk_bytes(comm, total_bytes=g, a2a_s=t_a2a(experts // r) or None)
+        out[key] = {"ar_chunk_bytes": chunk, "a2a_chunks": c, "grad_bytes": g}
     return out
 
 

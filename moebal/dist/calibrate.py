@@ -119,7 +119,8 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
       and together (all-to-all in flight while the experts compute): (t_compute + t_a2a - t_both) /
       min(t_compute, t_a2a), clipped to [0, 1]. Equal durations keep the figure above the timing noise. On a
       GPU it is close to 1; on a CPU the cores that compute also move the bytes.
-    Every rank adopts the slowest rank's figures (an all-reduce of the times), so all plan alike.
+    Every rank of the job adopts the slowest rank's figures (an all-reduce of the times over the default group),
+    so all plan alike.
     """
     ex = d.layer.experts
     dev, dtype = ex.w1.device, ex.w1.dtype
@@ -156,13 +157,15 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
         compute()
         work.wait()
 
-    t2 = torch.tensor([_median_time(f, repeats, sync) for f in (compute, a2a, both)], dtype=torch.float64, device=dev)
+    # the layer's rates were agreed inside the expert-parallel group only; the gradient chunks depend on them
+    # too, and every rank of a stage must cut alike: agree on the slowest over the whole job
+    t2 = torch.tensor([_median_time(f, repeats, sync) for f in (compute, a2a, both)]
+                      + [1.0 / layer.a2a_bw(0), 1.0 / layer.expert_tokens_per_s], dtype=torch.float64, device=dev)
     dist.all_reduce(t2, op=dist.ReduceOp.MAX)
-    t_c, t_a, t_b = t2.tolist()
+    t_c, t_a, t_b, inv_a2a_bw, inv_tok = t2.tolist()
     s_s, s_l = small.numel() * 4, large.numel() * 4
     beta = (s_l - s_s) / max(t_l - t_s, 1e-9)
     alpha = max(0.0, t_s - s_s / beta)
     overlap = min(1.0, max(0.0, (t_c + t_a - t_b) / max(min(t_c, t_a), 1e-9)))
-    return CommCosts(ar_latency_s=alpha, ar_bandwidth=beta, a2a_latency_s=t_tiny,
-                     a2a_bandwidth=layer.a2a_bw(0), expert_tokens_per_s=layer.expert_tokens_per_s,
-                     backward_factor=layer.backward_factor, overlap=overlap)
+    return CommCosts(ar_latency_s=alpha, ar_bandwidth=beta, a2a_latency_s=t_tiny, a2a_bandwidth=1.0 / inv_a2a_bw,
+                     expert_tokens_per_s=1.0 / inv_tok, backward_factor=layer.backward_factor, overlap=overlap)

@@ -228,10 +228,19 @@ class ExpertParallel:
             d.index = i
             d.on_start = (lambda i=i: self._trans(i + 1)) if self.overlap else None
             d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW)) if self.overlap else None
-        self.set_chunk_bytes(self._chunk_bytes)
+        self._rebuild_grads(self._chunk_bytes)
 
     def set_chunk_bytes(self, chunk_bytes: float) -> None:
-        """Cut the gradient buffers into chunks of this size (between steps)."""
+        """Cut the gradient buffers into chunks of this size (between steps; collective over the stage: the
+        ranks adopt the smallest size any of them asks for, since every rank of a reduction group must cut
+        its buffer alike)."""
+        if self.dims.distributed:
+            t = torch.tensor([float(chunk_bytes)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dims.group("dp_ep"))
+            chunk_bytes = t.item()
+        self._rebuild_grads(chunk_bytes)
+
+    def _rebuild_grads(self, chunk_bytes: float) -> None:
         if self.grads is not None:
             if self.grads.active:
                 raise RuntimeError("the gradient buffers cannot be rebuilt inside a step")

@@ -5,14 +5,18 @@ Pure functions of measured or profiled costs (no torch.distributed here). The ex
 Shape legend: R = ranks in the expert-parallel group, E = experts.
 
 - **Gradient chunk size** (Lina's all-reduce micro-op; the thesis tunes 30 MB by hand for 100 Gb/s
-  InfiniBand). A chunk of S bytes costs alpha + S / beta; we take the smallest S whose fixed cost is at most
-  `overhead` (5 %) of its time, S = alpha * beta * (1 - overhead) / overhead: smaller chunks waste time in
-  latency, larger ones make an arriving all-to-all wait longer behind the chunk in flight. On 16 A100s with
-  100 Gb/s InfiniBand (ring all-reduce latency about 2 * 15 * 5 us) this gives about 36 MB, next to the
-  thesis's 30 MB; on a 2-core CPU with gloo about 3 MB. Lina never fuses gradients, so its micro-ops are also
-  never larger than one tensor: a model's gradients come in many pieces that can go out as the backward pass
-  produces them. We cut a flat buffer, so we add that bound explicitly: at most 1/8 of the step's gradients
-  per chunk (but never below alpha * beta, where the fixed cost would be half the chunk's time).
+  InfiniBand). A chunk of S bytes costs alpha + S / beta. Lina never fuses gradients, so its micro-ops are
+  never larger than one tensor: on its models (1M-parameter matrices in fp16) they are 1-2 MB, a few dozen per
+  step, each going out as soon as the backward pass produces it. We cut a flat buffer, so we set the same
+  granularity explicitly: 8 chunks per step's gradients (3 MB for the 25 MB of Lina's 16-expert
+  Transformer-XL), and no chunk longer on the wire than half an all-to-all, since a chunk in flight is not
+  pre-empted and an arriving all-to-all shares the link with it (Lina's bound: an all-to-all waits at most one
+  micro-op); but never so small that the fixed cost is more than half a chunk's time (alpha * beta).
+  Smaller chunks pay the latency and the scheduler's turnaround (one chunk in flight: the next is issued when
+  the last completes on every rank) many times; larger ones cannot use the short gaps between all-to-alls
+  and make an arriving all-to-all wait longer behind the chunk in flight. Without the step's gradient size
+  the rule falls back to the smallest chunk whose fixed cost is 5 % of its time (about 36 MB on 100 Gb/s
+  InfiniBand, close to the thesis's 30 MB).
 - **All-to-all chunks** (Lina's all-to-all micro-ops; Tutel's `a2a_ffn_overlap_degree`, which its users pick by
   hand): the dispatch/experts/combine pipeline of `moebal.scheduler.exchange` replayed for c = 1..max_chunks
   with per-chunk latency, and the c with the smallest predicted forward + backward time. `overlap` says how
@@ -88,16 +92,21 @@ class CommSchedule:
 
 
 def ar_chunk_bytes(costs: CommCosts, overhead: float = 0.05, total_bytes: float | None = None,
-                   pieces: int = 8, lo: float = 64e3, hi: float = 256e6) -> float:
-    """Gradient chunk size (see the module docstring): the smallest chunk whose fixed cost is `overhead` of its
-    time, but no more than 1/`pieces` of the gradients (`total_bytes`) so that chunks can fill the gaps of
-    the backward pass, and never so small that the fixed cost exceeds half the chunk's time."""
+                   pieces: int = 8, a2a_s: float | None = None, lo: float = 64e3, hi: float = 256e6) -> float:
+    """Gradient chunk size (see the module docstring). Without `total_bytes`: the smallest chunk whose fixed
+    cost is `overhead` of its time. With it: `pieces` chunks per step's gradients, and no longer on the wire than
+    half an all-to-all (`a2a_s`, when given), but never so small that the fixed cost is more than half a
+    chunk's time."""
     if not 0.0 < overhead < 1.0:
         raise ConfigError(f"overhead must be in (0, 1); got {overhead}")
     ab = costs.ar_latency_s * costs.ar_bandwidth
-    s = ab * (1.0 - overhead) / overhead
-    if total_bytes:
-        s = max(ab, min(s, total_bytes / max(1, pieces)))
+    if not total_bytes:
+        s = ab * (1.0 - overhead) / overhead
+    else:
+        s = total_bytes / max(1, pieces)
+        if a2a_s:
+            s = min(s, costs.ar_bandwidth * a2a_s / 2)
+        s = max(ab, s)
     return float(min(hi, max(lo, s)))
 
 

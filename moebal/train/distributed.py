@@ -211,7 +211,9 @@ class ExpertParallelHook(Hook):
         if self.comm_costs is None and self._measure_comm is not None:
             self.comm_costs = self._measure_comm(self.costs)  # collective as well
         if self.comm_costs is not None:
-            self.ep.set_chunk_bytes(_chunk_bytes(self.sc, self.comm_costs, self.ep.grads.reduced_bytes))
+            R = self._uniform.shape[0]  # one exchange under balanced routing: the rows that leave the rank
+            a2a_s = self._uniform.sum(axis=1).max() * (R - 1) / R * self.token_bytes / self.comm_costs.a2a_bandwidth
+            self.ep.set_chunk_bytes(_chunk_bytes(self.sc, self.comm_costs, self.ep.grads.reduced_bytes, a2a_s))
         if self.chunks is None:
             self.chunks = [self._chunks_for(self._uniform, plc) for plc in self.placements]
         if self.ctx.is_main:
@@ -400,13 +402,13 @@ def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, c
     return ExpertParallelHook(ep, cfg, costs, ctx, comm_costs=comm)
 
 
-def _chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float) -> float:
+def _chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float, a2a_s: float) -> float:
     """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (`ar_chunk_bytes`)."""
     from moebal.planner.comm import ar_chunk_bytes
 
     if sc.mode == "ddp":
         return sc.bucket_mb * 1e6
-    return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs, total_bytes=total_bytes)
+    return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs, total_bytes=total_bytes, a2a_s=a2a_s)
 
 
 class DataParallelHook(Hook):

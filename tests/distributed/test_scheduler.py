@@ -51,6 +51,8 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
                           timeout_s=opts.get("timeout", 60))
     ep = ExpertParallel(model, dims, sched, chunk_bytes=opts.get("chunk_bytes", 4096),
                         overlap=opts.get("overlap", False))
+    if opts.get("ragged_chunks"):  # every rank asks for another size: set_chunk_bytes agrees on the smallest
+        ep.set_chunk_bytes(opts.get("chunk_bytes", 4096) * (1 + rank))
     for d in ep.dispatchers:
         d.a2a_chunks = opts.get("a2a_chunks", 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -134,9 +136,11 @@ def test_two_ranks_losses_ordering_and_pipelining():
 
 def test_four_ranks_with_data_parallel_experts_and_many_small_gradients():
     """ep 2 x dp 2 (expert gradients all-reduced over dp, dense ones over all 4): the same losses within
-    1e-6 (4 ranks: a chunked all-reduce may add the ranks in another order); then 4 layers of small tensors
-    in 256-byte chunks (hundreds of all-reduces per step, one in flight) finish without a deadlock."""
-    runs = [{"mode": "off", "ep": 2}, {"mode": "lina", "ep": 2, "a2a_chunks": 2, "overlap": True},
+    1e-6 (4 ranks: a chunked all-reduce may add the ranks in another order), also when the ranks ask for
+    different chunk sizes (they agree on one); then 4 layers of small tensors in 256-byte chunks (hundreds of
+    all-reduces per step, one in flight) finish without a deadlock."""
+    runs = [{"mode": "off", "ep": 2},
+            {"mode": "lina", "ep": 2, "a2a_chunks": 2, "overlap": True, "ragged_chunks": True},
             {"mode": "lina", "ep": 2, "layers": 4, "dim": 16, "chunk_bytes": 256, "steps": 2, "overlap": True}]
     results = run_ranks(_session, 4, runs, timeout_s=180)
     _check_session(results, runs)
