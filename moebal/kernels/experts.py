@@ -74,13 +74,15 @@ def _row_ranges(counts: list[int], total: int, parts: int) -> list[tuple[int, in
         starts.append(starts[-1] + n)
     e = 0
     for i in range(1, parts):
-        c = bounds[i]
+        c = max(bounds[i], bounds[i - 1])
         while starts[e + 1] <= c and e + 1 < len(counts):
             e += 1
-        s, t = starts[e], starts[e + 1]
+        # the piece this boundary closes starts at the expert's first row or at the previous boundary, whichever
+        # is later; both it and the rest of the expert must keep MIN_PIECE rows, else snap to the nearer end
+        s, t = max(starts[e], bounds[i - 1]), starts[e + 1]
         if s < c < t and (c - s < MIN_PIECE or t - c < MIN_PIECE):
             c = s if c - s <= t - c else t
-        bounds[i] = max(c, bounds[i - 1])
+        bounds[i] = c
     return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
 
 
