@@ -78,7 +78,7 @@ def test_short_run_writes_metrics_checkpoint_dashboard_and_calls_hooks(tmp_path)
     bias_before = [layer.expert_bias.clone() for layer in trainer.moe_layers()]
     result = trainer.train()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["ckpt-0000006", "config.yaml", "dashboard.png", "metrics.jsonl"]
+    assert files == ["ckpt-0000006", "config.yaml", "dashboard.png", "kernels.json", "metrics.jsonl"]
     assert (tmp_path / "config.yaml").read_text(encoding="utf-8") == dump(cfg)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
