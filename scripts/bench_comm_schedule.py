@@ -1,6 +1,7 @@
 """Communication scheduling on real gloo ranks: unscheduled vs Lina vs Lina + Pro-Prophet block overlap.
 
-    python scripts/bench_comm_schedule.py [--quick] [--json FILE] [--png FILE] [--no-sim] [--link-mbit M|0]
+    python scripts/bench_comm_schedule.py [--quick] [--json FILE] [--png FILE] [--no-sim] [--preset P]
+                                          [--link-mbit M|0] [--bucket-mb B] [--modes ...] [--set key=value]
 
 For 2 ranks (expert parallel over both) and 4 ranks (2 expert-parallel x 2 data-parallel, so the expert
 gradients are all-reduced too) one job builds the same MoE model three times, one per mode, and runs them
@@ -8,8 +9,8 @@ interleaved step by step (every round runs one step of every mode, in a rotated 
 all alike):
 
   unscheduled   gradients in buckets all-reduced as soon as they are ready, concurrent with the all-to-alls
-                (PyTorch DDP's behaviour; its 25 MB buckets, about one layer of a large model, scaled to this
-                model: --bucket-mb, default 0.5 MB, about one layer's dense gradients); Trans and Agg blocking
+                (PyTorch DDP's behaviour; its 25 MB buckets, about one block of a large model, scaled to this
+                model: --bucket-mb, default the preset's); Trans and Agg blocking
   lina          gradient chunks issued only while no all-to-all is queued or in flight (chunk size and token
                 chunks per layer from the cost model measured on the job); Trans and Agg blocking
   lina+overlap  lina plus Pro-Prophet's block overlap (Trans of layer l+1 under layer l, Agg under the
@@ -22,20 +23,27 @@ gradient sync + AdamW, timed from a barrier; per step and rank the scheduler's e
 
   a2a_time_s       time with an all-to-all (or count exchange) in flight: what concurrent gradient traffic
                    slows down (Lina's "all-to-all time")
+  a2a_shared_s     time with an all-to-all and a gradient all-reduce chunk in flight together: whether the
+                   configuration has the contention the comparison is about
   exposed_comm_s   time the compute thread waited on communication of any kind
   step_time_s      the slowest rank's step
 
 and the figures are medians over steps of the mean over ranks (step time: of the slowest rank).
 
 The network: by default (root and iproute2 available) the ranks run on two "nodes", Linux network namespaces
-joined by a veth pair (moebal.dist.netns) whose two directions are each shaped to --link-mbit (default 1000,
-a token-bucket qdisc): rank r lives on node r % 2, so every expert-parallel group and the stage's gradient
+joined by a veth pair (moebal.dist.netns) whose two directions are each shaped to --link-mbit (default: the
+preset's; a token-bucket qdisc): rank r lives on node r % 2, so every expert-parallel group and the stage's gradient
 all-reduce cross the link, while the 4-rank run's expert-gradient groups stay inside a node. All-to-all and
 all-reduce then compete for one bandwidth-limited link, as an all-to-all and DDP's all-reduce compete for a
 NIC (Lina's setting), and the qdisc that enforces the rate costs no compute. With --link-mbit 0 (or without
 root) the ranks talk over loopback: there the "link" is the two cores themselves, which also compute, so
 communication moved out of an all-to-all lands on compute instead and the comparison says little about
 networks. 4 ranks share 2 cores (two per core): their absolute times are not device times.
+
+Presets (PRESETS): `contended` (default), the situation the issue's metric names: an MoE layer in every
+other block (GShard's and DeepSpeed-MoE's GPT layout) on a 300 Mbit/s link, where the unscheduled mode's
+buckets are in flight during the next MoE block's backward all-to-alls; `balanced`, the earlier configuration
+(an MoE layer in every block, 1 Gbit/s), where they barely meet. --set key=value overrides a model key.
 
 Without --no-sim the script also runs the simulated comparison on Lina's cluster (scripts/reproduce_lina.py:
 16 A100, 100 Gb/s InfiniBand) and appends its records (kind "simulated").
@@ -60,7 +68,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebal.config import Config, from_dict, to_dict
+from moebal.config import Config, from_dict, to_dict, with_overrides
 from moebal.dist.calibrate import describe, measure_comm_costs, measure_layer_costs
 from moebal.dist.expert_parallel import ExpertParallel
 from moebal.dist.groups import ParallelDims
@@ -74,17 +82,39 @@ from moebal.scheduler import CommScheduler, step_record
 MODES = ("unscheduled", "lina", "lina+overlap", "serial")
 
 
-def bench_config() -> Config:
-    """Lina's regime (Table 4.1: all-to-all a third of the step, the data-parallel all-reduce much smaller but
-    overlapping it): an MoE layer in every block with 16 narrow experts, so the rows exchanged dominate the
-    link while the non-expert gradients are a few MB."""
-    return from_dict({
-        "name": "bench-comm-schedule",
-        "model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 768, "max_seq_len": 128},
-        "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 128, "aux_loss_coef": 0.01},
-        "data": {"seq_len": 128, "batch_size": 8},
-        "train": {"precision": "fp32"},
-    })
+PRESETS: dict[str, dict[str, Any]] = {
+    # Lina's byte balance (Table 4.1): an MoE layer in every block with 16 narrow experts, so the rows exchanged
+    # dominate the link while the non-expert gradients are a few MB, on a 1 Gbit/s link. Here the unscheduled
+    # mode's all-to-alls barely meet a gradient bucket (the buckets of a block are done before the next
+    # block's all-to-alls): there is little contention to remove.
+    "balanced": {
+        "config": {"model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 768,
+                             "max_seq_len": 128},
+                   "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 128, "aux_loss_coef": 0.01},
+                   "data": {"seq_len": 128, "batch_size": 8}},
+        "link_mbit": 1000.0, "bucket_mb": 0.5},
+    # The situation the issue's metric names: DDP-style buckets really in flight while the next MoE block's
+    # backward all-to-alls run. GShard's, Switch's and DeepSpeed-MoE's GPT layout (an MoE layer in every other
+    # block, dense 4d FFNs between), so a block pair's dense gradients (about 4 MB) are a few times one
+    # exchange's rows (1 MB on the wire), as in Lina's GPT-2 and Transformer-XL where a block's fp16 attention
+    # and FFN gradients are 10-30 MB; a 300 Mbit/s link, on which one step's gradient sync (10 MB, about
+    # 0.27 s) takes about as long as the backward pass computes, so neither the link nor the compute dominates;
+    # buckets of one block's mean dense gradients (2.5 MB: DDP's 25 MB is about one block of a large model).
+    "contended": {
+        "config": {"model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 1024,
+                             "max_seq_len": 128},
+                   "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 128, "aux_loss_coef": 0.01,
+                           "every": 2},
+                   "data": {"seq_len": 128, "batch_size": 8}},
+        "link_mbit": 300.0, "bucket_mb": 2.5},
+}
+
+
+def bench_config(preset: str = "balanced") -> Config:
+    """The model of a preset (see PRESETS)."""
+    base = PRESETS[preset]["config"]
+    return from_dict({"name": f"bench-comm-schedule-{preset}", **base,
+                      "moe": {**base["moe"]}, "train": {"precision": "fp32"}})
 
 
 class _System:
@@ -144,7 +174,8 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     dims = ParallelDims(world_size=world, rank=rank, ep=spec["ep"]).init(timeout_s=600)
     E, R = cfg.moe.num_experts, dims.size("ep")
     bias = -spec["skew"] * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
-    systems = {m: _System(m, cfg, dims, bias) for m in MODES}
+    modes = tuple(spec.get("modes", MODES))
+    systems = {m: _System(m, cfg, dims, bias) for m in modes}
     B, T = cfg.data.batch_size, cfg.data.seq_len
     rows = B * T * cfg.moe.top_k
     first = systems["lina"].ep.dispatchers[0]
@@ -158,12 +189,12 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         s.ep.set_chunk_bytes(spec["bucket_mb"] * 1e6 if s.mode == "unscheduled"
                              else ar_chunk_bytes(comm, total_bytes=total, a2a_s=a2a_s))
     n = dims.size("dp_ep")
-    samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     load = [os.getloadavg()[0]]
     traces: dict[str, list[Any]] = {}
-    schedule = [(m, False, -1 - w) for m in MODES for w in range(spec["warmup"])]
+    schedule = [(m, False, -1 - w) for m in modes for w in range(spec["warmup"])]
     for k in range(spec["rounds"] * spec["steps"]):  # one step of every mode per round, order rotated
-        schedule += [(m, True, k) for m in MODES[k % len(MODES):] + MODES[:k % len(MODES)]]
+        schedule += [(m, True, k) for m in modes[k % len(modes):] + modes[:k % len(modes)]]
     for step_no, (mode, measured, k) in enumerate(schedule, 1):
         s = systems[mode]
         gen = torch.Generator().manual_seed(1000 * (k + 10) + rank)  # round k: the same batch for every mode
@@ -177,7 +208,8 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
                         for x, p in zip(counts, s.placements)]
         t = torch.tensor([dt], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu], dtype=torch.float64)
+        v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu, c.a2a_shared_s],
+                         dtype=torch.float64)
         dist.all_reduce(v)
         v /= n
         if measured and k == spec["rounds"] * spec["steps"] - 1:  # the last round: keep a trace of every rank
@@ -187,6 +219,7 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         if measured:
             samples[mode].append({"step_s": t.item(), "exposed_s": v[0].item(), "a2a_s": v[1].item(),
                                   "allreduce_s": v[2].item(), "placement_s": v[3].item(), "cpu_s": v[4].item(),
+                                  "a2a_shared_s": v[5].item(),
                                   "a2a_chunks": list(s.chunks),
                                   "replicas": sum(p.num_replicas for p in s.placements),
                                   "chunks": s.ep.grads.num_chunks})
@@ -199,7 +232,7 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         return []
     meta = {"comm_costs": comm.to_dict(), "layer_costs": describe(layer_costs), "load_average": load,
             "ep": R, "dp": dims.size("dp")}
-    return [{**_record(m, world, samples[m], meta, systems[m]), "trace": traces.get(m)} for m in MODES]
+    return [{**_record(m, world, samples[m], meta, systems[m]), "trace": traces.get(m)} for m in modes]
 
 
 def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any], s: _System) -> dict[str, Any]:
@@ -210,6 +243,7 @@ def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any
             "a2a_time_s": med("a2a_s"), "exposed_comm_s": med("exposed_s"), "step_time_median_s": med("step_s"),
             "step_time_min_s": min(x["step_s"] for x in xs), "allreduce_time_s": med("allreduce_s"),
             "placement_comm_s": med("placement_s"), "cpu_s_per_rank": med("cpu_s"),
+            "a2a_shared_s": med("a2a_shared_s"),
             "gradient_chunks": xs[-1]["chunks"], "a2a_chunks_last": xs[-1]["a2a_chunks"],
             "replicas_per_step": statistics.mean(x["replicas"] for x in xs), **meta}
 
@@ -220,10 +254,11 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
     for world in sorted({r["world_size"] for r in measured}):
         by = {r["mode"]: r for r in measured if r["world_size"] == world}
         base = by["unscheduled"]
-        for m in MODES:
+        for m in (m for m in MODES if m in by):
             r = by[m]
             lines.append(f"{world} ranks {m:<13} step {r['step_time_median_s']:.4f}s  a2a {r['a2a_time_s']:.4f}s  "
                          f"exposed {r['exposed_comm_s']:.4f}s  all-reduce {r['allreduce_time_s']:.4f}s  "
+                         f"a2a||ar {r['a2a_shared_s']:.4f}s  "
                          f"a2a x{base['a2a_time_s'] / r['a2a_time_s']:.2f}  "
                          f"step x{base['step_time_median_s'] / r['step_time_median_s']:.2f}")
     for r in records:
@@ -243,10 +278,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     sim = [r for r in records if r.get("kind") == "simulated" and r["mode"] == "lina"]
     worlds = sorted({r["world_size"] for r in measured})
     fig, axes = plt.subplots(1, 3 + bool(sim), figsize=(4.2 * (3 + bool(sim)), 3.8))
-    width = 0.8 / len(MODES)
+    modes = [m for m in MODES if any(r["mode"] == m for r in measured)]
+    width = 0.8 / len(modes)
     for ax, key, title in zip(axes, ("step_time_median_s", "a2a_time_s", "exposed_comm_s"),
                               ("step time", "all-to-all time", "exposed communication")):
-        for i, m in enumerate(MODES):
+        for i, m in enumerate(modes):
             vals = [next(r[key] for r in measured if r["world_size"] == w and r["mode"] == m) for w in worlds]
             ax.bar(np.arange(len(worlds)) + i * width, vals, width, label=m)
         ax.set_xticks(np.arange(len(worlds)) + width, [f"{w} ranks" for w in worlds])
@@ -332,16 +368,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sim", action="store_true", help="skip the simulated comparison on Lina's cluster")
     ap.add_argument("--worlds", default="2,4", help="rank counts to run (default 2,4)")
     ap.add_argument("--skew", type=float, default=2.0, help="strength s of the routing skew -s*log(id+1)")
-    ap.add_argument("--bucket-mb", type=float, default=0.5, help="bucket size of the unscheduled mode")
-    ap.add_argument("--link-mbit", type=float, default=1000.0,
+    ap.add_argument("--preset", default="contended", choices=sorted(PRESETS),
+                    help="model, link rate and bucket size (see PRESETS; default contended)")
+    ap.add_argument("--bucket-mb", type=float, help="bucket size of the unscheduled mode (default: the preset's)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a model config key of the preset (e.g. model.dim=512); repeatable")
+    ap.add_argument("--link-mbit", type=float,
                     help="rate of the link between the two namespace nodes (0: loopback, no namespaces)")
     ap.add_argument("--trace", type=Path, help="write a Chrome trace of one step of every mode into this folder")
     ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_worker:
         return _rank_worker(*args.rank_worker)
-    cfg = bench_config()
-    spec = {"config": to_dict(cfg), "skew": args.skew, "bucket_mb": args.bucket_mb,
+    preset = PRESETS[args.preset]
+    cfg = bench_config(args.preset)
+    if args.set:
+        cfg = with_overrides(cfg, args.set)
+    args.bucket_mb = preset["bucket_mb"] if args.bucket_mb is None else args.bucket_mb
+    args.link_mbit = preset["link_mbit"] if args.link_mbit is None else args.link_mbit
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "unscheduled" not in modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: a comma list of {', '.join(MODES)} that includes unscheduled (the baseline)")
+    spec = {"config": to_dict(cfg), "skew": args.skew, "bucket_mb": args.bucket_mb, "modes": modes,
             "rounds": 8 if args.quick else 20, "steps": 1, "warmup": 2}
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -353,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         records += recs
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cores": os.cpu_count(), "threads_per_rank": 1, "config": spec["config"], "skew": args.skew,
+            "preset": args.preset, "overrides": args.set, "link_mbit": args.link_mbit,
             "bucket_mb": args.bucket_mb, "rounds": spec["rounds"], "steps_per_round": spec["steps"],
             "wall_s": round(time.perf_counter() - t0, 1)}
     for r in records:

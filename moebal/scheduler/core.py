@@ -282,6 +282,7 @@ class CommScheduler:
             ev = self.log.event(kind, name, nbytes, layer=layer, chunk=chunk, group=group)
             if critical:
                 self._critical += 1
+            if kind == "a2a":  # the announced all-to-all is here: the look-ahead has done its job
                 self._lookahead = False
             ev.started = ev.queued
         try:
@@ -321,7 +322,10 @@ class CommScheduler:
                           nbytes=nbytes, layer=layer)
 
     def expect_critical(self) -> None:
-        """Lina's look-ahead: an all-to-all is about to be issued (the backward combine started); hold chunks."""
+        """Lina's look-ahead: an all-to-all is about to be issued (the backward combine started); hold chunks
+        until it is. Only the all-to-all ends the hold: the routing statistics' backward all-reduce that the
+        backward pass often issues between the announcement and the all-to-all is critical too, and when it
+        ended the hold a chunk slipped onto the link a millisecond before the all-to-all and shared it."""
         if self.use_lookahead:
             with self._cond:
                 self._lookahead = True

@@ -85,6 +85,9 @@ class StepComm:
     """Time with at least one gradient all-reduce chunk in flight."""
     placement_s: float
     """Time with at least one Trans or Agg in flight."""
+    a2a_shared_s: float
+    """Time with an all-to-all (or count exchange) and a gradient all-reduce chunk in flight together: how long
+    the critical exchange shared the links with gradient sync (what Lina's priority removes)."""
     collectives: int
     bytes: int
     events: list[CommEvent] = field(default_factory=list, repr=False)
@@ -93,7 +96,8 @@ class StepComm:
 
     def metrics(self) -> dict[str, float]:
         return {"exposed_comm_s": round(self.exposed_s, 6), "a2a_s": round(self.a2a_s, 6),
-                "allreduce_s": round(self.allreduce_s, 6), "placement_comm_s": round(self.placement_s, 6)}
+                "allreduce_s": round(self.allreduce_s, 6), "placement_comm_s": round(self.placement_s, 6),
+                "a2a_shared_s": round(self.a2a_shared_s, 6)}
 
 
 class EventLog:
@@ -142,12 +146,13 @@ class EventLog:
 
         a2a = spans_of(("a2a", "counts"))
         experts = [(x.start, x.end) for x in spans if x.cat == "compute" and " experts" in x.name]
-        hidden = _union_len(a2a) + _union_len(experts) - _union_len(a2a + experts)  # |A n B| = |A| + |B| - |A u B|
+        hidden = _intersection_len(a2a, experts)
+        ar = spans_of(("allreduce",))
 
         return StepComm(step=self.step, step_s=t1 - self.t0,
                         exposed_s=_union_len([(s.start, s.end) for s in spans if s.cat == "blocked"]),
-                        a2a_s=busy(("a2a", "counts")) - hidden, allreduce_s=busy(("allreduce",)),
-                        placement_s=busy(("trans", "agg")),
+                        a2a_s=busy(("a2a", "counts")) - hidden, allreduce_s=_union_len(ar),
+                        placement_s=busy(("trans", "agg")), a2a_shared_s=_intersection_len(a2a, ar),
                         collectives=len(events), bytes=sum(e.nbytes for e in events), events=events, spans=spans,
                         t0=self.t0)
 
@@ -161,6 +166,11 @@ def _union_len(intervals: Iterable[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def _intersection_len(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Length of (union of a) n (union of b): |A n B| = |A| + |B| - |A u B|."""
+    return _union_len(a) + _union_len(b) - _union_len([*a, *b])
 
 
 def step_record(comm: StepComm, rank: int) -> dict[str, Any]:

@@ -4,8 +4,12 @@ Layout, fixed at start-up (identical on every rank, since every rank holds the s
 - one flat buffer per (communicator, dtype) holding its parameters' gradients, parameters in reverse
   registration order (roughly the order the backward pass finishes them);
 - each buffer is cut into chunks of `chunk_bytes`; a chunk is ready when every gradient overlapping it is;
-- one global issue order over all chunks: by the position of the chunk's last gradient in that reverse
-  order, then by buffer. Every rank issues chunks in this order (never in hook order), so the ranks agree.
+- one global issue order over all chunks: chunks fed by backward hooks first, those holding expert weights
+  (released only after Agg, at the end of the backward pass) last; within each, by the position of the
+  chunk's last gradient in that reverse order, then by buffer. Every rank issues chunks in this order (never
+  in hook order), so the ranks agree. (Ordering the expert chunks by position alone put them first, since
+  the experts are registered after their block's attention: every dense chunk then waited behind them for
+  the end of the backward pass, and with data-parallel experts no gradient went out during the backward.)
 
 Lina cuts each gradient on its own and never mixes two gradients in one micro-op, to keep the concatenation
 simple. We cut a flat buffer instead: a large gradient still becomes equal-sized chunks, while the many small
@@ -55,6 +59,11 @@ class _Slot:
     chunks: list[int]  # indices into the issue order
 
 
+def _released_late(p: torch.nn.Parameter) -> bool:
+    """Expert weights: their gradients are final only after Agg, so no hook releases them (see `finish`)."""
+    return bool(getattr(p, "_moebal_expert_param", False))
+
+
 class GradSync:
     """Chunked, scheduled gradient all-reduce of several parameter groups (see the module docstring)."""
 
@@ -72,7 +81,7 @@ class GradSync:
         self._buf_meta: list[tuple[GradGroup, torch.dtype]] = []
         self.slots: dict[int, _Slot] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
-        chunks: list[tuple[int, int, int, int, list[int]]] = []  # (ready position, buf, start, stop, param ids)
+        chunks: list[tuple[int, int, int, int, int, list[int]]] = []  # (late, position, buf, start, stop, ids)
         for g in self.groups:
             for dtype in dict.fromkeys(p.dtype for p in g.params):
                 ps = sorted((p for p in g.params if p.dtype == dtype), key=lambda p: position[id(p)])
@@ -94,9 +103,10 @@ class GradSync:
                 for start in range(0, total, elems):
                     stop = min(total, start + elems)
                     pids = [pid for a, z, pid in spans if a < stop and z > start]
-                    chunks.append((max(position[pid] for pid in pids), b, start, stop, pids))
-        chunks.sort(key=lambda c: (c[0], c[1], c[2]))
-        self.chunks = [(b, start, stop) for _, b, start, stop, _ in chunks]
+                    late = any(_released_late(self.params[pid]) for pid in pids)
+                    chunks.append((int(late), max(position[pid] for pid in pids), b, start, stop, pids))
+        chunks.sort(key=lambda c: (c[0], c[1], c[2], c[3]))
+        self.chunks = [(b, start, stop) for _, _, b, start, stop, _ in chunks]
         self._chunk_params = [pids for *_, pids in chunks]
         for k, pids in enumerate(self._chunk_params):
             for pid in pids:
@@ -107,7 +117,7 @@ class GradSync:
         self._handles = []
         if hooks and sched.mode != "off":
             self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params.values()
-                             if not getattr(p, "_moebal_expert_param", False)]
+                             if not _released_late(p)]
 
     @property
     def active(self) -> bool:

@@ -35,7 +35,19 @@ def test_step_summary_counts_waits_once_and_subtracts_hidden_transfers():
     # all-to-all in flight 0..2, experts computed 1..1.8 under it: 1.2 s on the critical path
     assert c.a2a_s == pytest.approx(1.2)
     assert c.allreduce_s == pytest.approx(0.5)
+    assert c.a2a_shared_s == 0.0  # the chunk started after the last all-to-all finished
     assert c.collectives == 4 and c.bytes == 6500
+
+
+def test_shared_link_time_is_the_overlap_of_all_to_alls_and_gradient_chunks():
+    log = _log()
+    t0 = log.t0
+    for start, end in ((t0 + 1.6, t0 + 2.4), (t0 + 1.9, t0 + 2.2)):  # concurrent chunks count once
+        r = log.event("allreduce", "dp_ep allreduce 1", 4000, chunk=1)
+        r.queued, r.started, r.finished = start, start, end
+    c = log.end()
+    assert c.a2a_shared_s == pytest.approx(0.4)  # all-to-all until 2.0, chunks from 1.6
+    assert c.allreduce_s == pytest.approx(0.8 + 0.5)
 
 
 def test_check_order_accepts_lina_and_names_violations():
