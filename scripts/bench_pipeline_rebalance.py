@@ -349,11 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report["summary"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    if args.raw:
-        args.raw.write_text(json.dumps(runs))
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png:
         write_png(rows, runs, png)
+    if args.raw:  # records hold numpy scalars here and there
+        args.raw.write_text(json.dumps(runs, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
     return 0
 
 
