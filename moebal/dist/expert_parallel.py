@@ -296,8 +296,10 @@ class ExpertParallel:
         ops: list[Any] = []
         for e in d.placement.replicated:
             ops.extend(self._trans_ops(d, e))
+        # a replica of a frozen layer's expert (the owner's weights take no gradient) takes none either
+        trainable = d.layer.experts.w1.requires_grad
         for buf in d.replicas.values():
-            buf.requires_grad_(True)
+            buf.requires_grad_(trainable)
         if ops:
             d.trans = self.sched.p2p(ops, kind="trans", name=f"L{i} trans", layer=i)
 
@@ -353,6 +355,8 @@ class ExpertParallel:
                 h.wait()
             for d, e, recv in inbox:
                 ex, i = d.layer.experts, d._local_index(e)
+                if not ex.w1.requires_grad:  # frozen: a gradient here would let the optimizer move the weights
+                    continue
                 for p in (ex.w1, ex.w3, ex.w2):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
