@@ -93,11 +93,18 @@ class PipelineEngine:
         return self.chain.is_last or self.scheme.frozen_prefix() < self.stage.layer_ids[-1] + 1
 
     # ---- one iteration ----
-    def run(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int) -> IterationResult:
-        """Forward and backward of every micro-batch of this rank's rows; gradients accumulate."""
-        M = min(self.num_micro, ids_BT.shape[0])
-        ids = torch.tensor_split(ids_BT, M)
-        labels = torch.tensor_split(labels_BT, M)
+    def run(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
+            micro_rows: list[int] | None = None) -> IterationResult:
+        """Forward and backward of every micro-batch of this rank's rows; gradients accumulate.
+
+        `micro_rows`: this rank's rows in each micro-batch, in order (every rank of a stage has the same count
+        of micro-batches); default: the rows cut into `num_micro` near-equal parts."""
+        if micro_rows is None:
+            M = min(self.num_micro, ids_BT.shape[0])
+            ids, labels = torch.tensor_split(ids_BT, M), torch.tensor_split(labels_BT, M)
+        else:
+            M = len(micro_rows)
+            ids, labels = torch.split(ids_BT, micro_rows), torch.split(labels_BT, micro_rows)
         saved: dict[int, _Saved] = {}
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
         self._cpu0 = 0.0

@@ -302,18 +302,30 @@ class PipelineRunner:
     def _profiled(self, step: int) -> bool:
         return self._planning() and step % self.opts.every == 0
 
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+        """This rank's rows of the global batch, the batch's label count and this rank's rows per micro-batch.
+
+        Micro-batch-major split: the global batch is cut into the M micro-batches first, and the ranks of a stage
+        (data-parallel replicas x expert shards) split each micro-batch's rows. So global micro-batch j holds the
+        same rows under every data-parallel size, and what is not linear in the tokens (the load-balancing loss
+        from a micro-batch's summed routing statistics) is the same too: a resume under another layout keeps
+        the maths. (Splitting the batch by rank first would group rows into micro-batches by layout.)
+        """
         batch = self.data.train.next_batch()
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
         n = self.data_ranks
-        if n > 1:
-            if ids.shape[0] < n:
-                raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
-                                  f"stage (data-parallel x expert-parallel): every rank needs a row")
-            ids = torch.tensor_split(ids, n)[self.data_index]
-            labels = torch.tensor_split(labels, n)[self.data_index]
-        return ids.to(self.device), labels.to(self.device), count
+        M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
+        if n == 1:
+            return ids.to(self.device), labels.to(self.device), count, \
+                [len(x) for x in torch.tensor_split(torch.arange(ids.shape[0]), M)]
+        if ids.shape[0] < n:
+            raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
+                              f"stage (data-parallel x expert-parallel): every rank needs a row")
+        mine = [torch.tensor_split(rows, n)[self.data_index]
+                for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
+        index = torch.cat(mine)
+        return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine]
 
     def _num_micro(self) -> int:
         return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))
@@ -327,12 +339,12 @@ class PipelineRunner:
 
     def _next_input(self) -> tuple[Any, int]:
         """This step's input for the engine and the global batch's label count."""
-        ids, labels, count = self._batch()
-        return (ids, labels), count
+        ids, labels, count, sizes = self._batch()
+        return (ids, labels, sizes), count
 
     def _run_engine(self, work: Any, count: int) -> IterationResult:
-        ids, labels = work
-        return self.engine.run(ids, labels, count)
+        ids, labels, sizes = work
+        return self.engine.run(ids, labels, count, sizes)
 
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1

@@ -31,8 +31,10 @@ def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: ob
 
 
 def reference(cfg: Config, steps: int, ranks: int, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: each step's global micro-batch j is every rank's j-th micro-batch (rows in rank order), whose
-    load-balancing loss is what the ranks compute from their summed statistics; AdamW as the pipeline steps."""
+    """One process: each step's batch cut into `micro` micro-batches, the plain gradient accumulation a pipeline
+    of any data-parallel size computes (the ranks of a stage split each micro-batch's rows and sum its routing
+    statistics, so the load-balancing loss is the whole micro-batch's); AdamW as the pipeline steps. `ranks`
+    only checks that every rank gets a row of every micro-batch."""
     from moebal.data import build_data
     from moebal.models import build_model
     from moebal.train.optim import build_optimizer, lr_at
@@ -51,12 +53,9 @@ def reference(cfg: Config, steps: int, ranks: int, micro: int) -> tuple[list[flo
             for g in opt.param_groups:
                 g["lr"] = lr_at(s, cfg.train)
             count = int((b.labels_BT != -100).sum())
-            shards = [(torch.tensor_split(i, micro), torch.tensor_split(lb, micro))
-                      for i, lb in zip(torch.tensor_split(b.ids_BT, ranks), torch.tensor_split(b.labels_BT, ranks))]
+            assert b.ids_BT.shape[0] >= micro * ranks
             total = 0.0
-            for j in range(micro):
-                ids = torch.cat([sh[0][j] for sh in shards])
-                labels = torch.cat([sh[1][j] for sh in shards])
+            for ids, labels in zip(torch.tensor_split(b.ids_BT, micro), torch.tensor_split(b.labels_BT, micro)):
                 out = model(ids, labels)
                 part = out.loss * int((labels != -100).sum()) / count
                 (part + out.aux_loss / micro).backward()

@@ -183,10 +183,10 @@ def test_freezing_snapshots_of_expert_shards_resume_under_another_expert_paralle
     assert len(rows) == 4 * 4 and "dynamism.layers.3.snapshot:block_sparse_moe.experts.3.w1" in rows
     assert {extra[n]["file"] for n in rows} == {"extra-r00000.safetensors", "extra-r00001.safetensors",
                                                  "extra-r00002.safetensors", "extra-r00003.safetensors"}
-    # another expert-parallel size sums expert rows in another order, and Adam at lr 1e-2 on this tiny model
-    # amplifies the last bits over the steps after the resume (measured: equal at step 4, 8e-6 relative at step
-    # 5, 2e-5 at step 6); the same-layout resumes above are bitwise
-    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(_losses(got), _losses(whole))), (_losses(got), _losses(whole))
+    # another expert-parallel size sums expert rows and gradients in another order: the last bits only, since the
+    # ranks of a stage split each micro-batch (not the batch), so every micro-batch's load-balancing loss is the
+    # same under both layouts (split batch-first, the micro-batches held other rows: 2e-5 apart by step 6)
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(_losses(got), _losses(whole))), (_losses(got), _losses(whole))
     assert [r["frozen_layers"] for r in got] == [r["frozen_layers"] for r in whole]
     # the step-4 check is the first after the resume and measures against the restored snapshots: exact (to the
     # 6 logged decimals); later checks measure the diverging trajectories' own snapshots
