@@ -221,20 +221,39 @@ def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str]) 
     return groups
 
 
+def _paired(rows: list[dict[str, Any]], key: str, better: str = "higher") -> dict[tuple[str, str, str], float]:
+    """Median over rounds of each round's ratio rebalanced / static, per (wait, scheme, balancer).
+
+    Variants of one round run interleaved step by step, so their ratio is the side-by-side figure; rounds run
+    minutes apart under whatever else the machine does, so a ratio of medians taken over different rounds
+    would mix one round's static with another round's rebalanced run."""
+    by: dict[tuple[str, str, int], dict[str, float]] = {}
+    for r in rows:
+        by.setdefault((r["wait"], r["scheme"], r["round"]), {})[r["balancer"]] = r[key]
+    ratios: dict[tuple[str, str, str], list[float]] = {}
+    for (wait, scheme, _), vals in by.items():
+        for bal, v in vals.items():
+            if bal != "static" and "static" in vals:
+                ratio = v / vals["static"] if better == "higher" else vals["static"] / v
+                ratios.setdefault((wait, scheme, bal), []).append(ratio)
+    return {k: statistics.median(v) for k, v in ratios.items()}
+
+
 def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median throughput per (wait, scheme, balancer) and the targets' ratios."""
-    med: dict[tuple[str, str, str], float] = {}
+    """Speed-ups (median over rounds of the per-round ratio to static) and the targets' verdicts."""
     plain = [r for r in rows if not r.get("repack_experiment")]
-    for key in {(r["wait"], r["scheme"], r["balancer"]) for r in plain}:
-        med[key] = statistics.median(r["throughput"] for r in plain if (r["wait"], r["scheme"], r["balancer"]) == key)
-    out: dict[str, Any] = {"speedup": {}, "cpu_model_speedup": {}, "targets": {}}
-    for (wait, scheme, bal), tp in sorted(med.items()):
-        if bal != "static" and (wait, scheme, "static") in med:
-            out["speedup"][f"{wait}/{scheme}/{bal}"] = round(tp / med[(wait, scheme, "static")], 3)
-            model = {b: statistics.median(r["cpu_model_iteration_s"] for r in plain
-                                          if (r["wait"], r["scheme"], r["balancer"]) == (wait, scheme, b))
-                     for b in ("static", bal)}
-            out["cpu_model_speedup"][f"{wait}/{scheme}/{bal}"] = round(model["static"] / model[bal], 3)
+    out: dict[str, Any] = {"speedup": {}, "speedup_per_round": {}, "cpu_model_speedup": {}, "targets": {}}
+    for (wait, scheme, bal), v in sorted(_paired(plain, "throughput").items()):
+        out["speedup"][f"{wait}/{scheme}/{bal}"] = round(v, 3)
+    for (wait, scheme, bal), v in sorted(_paired(plain, "cpu_model_iteration_s", better="lower").items()):
+        out["cpu_model_speedup"][f"{wait}/{scheme}/{bal}"] = round(v, 3)
+    for r in plain:
+        if r["balancer"] != "static":
+            static = [x for x in plain if (x["wait"], x["scheme"], x["round"], x["balancer"])
+                      == (r["wait"], r["scheme"], r["round"], "static")]
+            if static:
+                out["speedup_per_round"].setdefault(f"{r['wait']}/{r['scheme']}/{r['balancer']}", []).append(
+                    round(r["throughput"] / static[0]["throughput"], 3))
     goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
     for wait in ("spin", "dilate"):
         for scheme, target in goal.items():
@@ -251,11 +270,11 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for wait in ("spin", "dilate"):
         packed = [r for r in rows if r["repack_experiment"] and r["repack"] and r["wait"] == wait]
         unpacked = [r for r in rows if r["repack_experiment"] and not r["repack"] and r["wait"] == wait]
-        if packed and unpacked:
-            ratio = (statistics.median(r["throughput"] for r in packed)
-                     / statistics.median(r["throughput"] for r in unpacked))
-            per_rank = (statistics.median(r["throughput_per_rank"] for r in packed)
-                        / statistics.median(r["throughput_per_rank"] for r in unpacked))
+        if packed and unpacked:  # per-round ratios of the interleaved pair, median over rounds
+            pair = {r["round"]: r for r in unpacked}
+            ratio = statistics.median(r["throughput"] / pair[r["round"]]["throughput"] for r in packed)
+            per_rank = statistics.median(r["throughput_per_rank"] / pair[r["round"]]["throughput_per_rank"]
+                                         for r in packed)
             released = min(len(r["released_ranks"]) for r in packed)
             # the target compares the job's throughput; throughput per active rank (DynMo's per-GPU view) is
             # reported beside it and does not decide the verdict

@@ -1,0 +1,48 @@
+"""The pipeline benchmark's verdicts pair each rebalanced run with the static run of its own round."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline_rebalance.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_pipeline_rebalance", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(scheme: str, bal: str, rnd: int, tp: float, **kw: object) -> dict:
+    return {"wait": "dilate", "scheme": scheme, "balancer": bal, "round": rnd, "throughput": tp,
+            "cpu_model_iteration_s": 1.0 / tp, "overhead_fraction": 0.01, "repack_experiment": False, **kw}
+
+
+def test_speedup_is_the_median_of_per_round_ratios(bench) -> None:
+    # round 1 ran on a slow machine: a ratio of medians over rounds (1000 / 800 = 1.25) would mix rounds
+    rows = [_row("freezing", "static", 0, 1000.0), _row("freezing", "partition", 0, 1200.0),
+            _row("freezing", "static", 1, 600.0), _row("freezing", "partition", 1, 800.0),
+            _row("freezing", "static", 2, 800.0), _row("freezing", "partition", 2, 960.0)]
+    v = bench.verdicts(rows)
+    assert v["speedup_per_round"]["dilate/freezing/partition"] == [1.2, 1.333, 1.2]
+    assert v["speedup"]["dilate/freezing/partition"] == 1.2
+    assert v["cpu_model_speedup"]["dilate/freezing/partition"] == 1.2
+    assert v["targets"]["dilate: freezing: best rebalanced / static >= 1.3"] == {"measured": 1.2, "met": False}
+
+
+def test_repack_verdict_needs_a_released_rank(bench) -> None:
+    pack = {"repack_experiment": True, "scheme": "early_exit"}
+    rows = [_row(**pack, bal="partition", rnd=0, tp=1000.0, repack=False, throughput_per_rank=250.0,
+                 released_ranks=[]),
+            _row(**pack, bal="partition", rnd=0, tp=950.0, repack=True, throughput_per_rank=316.7,
+                 released_ranks=[2])]
+    got = bench.verdicts(rows)["targets"]["dilate: re-pack releases >= 1 of 4 ranks, throughput within 10% of unpacked"]
+    assert got["released_ranks"] == 1 and got["throughput_ratio"] == 0.95 and got["met"]
+    rows[1]["released_ranks"] = []
+    got = bench.verdicts(rows)["targets"]["dilate: re-pack releases >= 1 of 4 ranks, throughput within 10% of unpacked"]
+    assert not got["met"]
