@@ -25,17 +25,19 @@ def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: in
         "parallel": {"pp": pp, "nproc": nproc or pp}})
 
 
-def reference_losses(cfg: Config, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The plain single-process loop: whole-batch forward, backward, clip, AdamW."""
+def reference_losses(cfg: Config, steps: int, micro: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain single-process loop: forward and backward of the batch (of its `micro` micro-batches in turn,
+    accumulating: each micro-batch's mean loss weighted by its share of the labels, its auxiliary loss by
+    1 / micro), clip, AdamW."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two OpenMP threads on a loaded 2-core machine run tiny GEMMs 100x slower
     try:
-        return _reference(cfg, steps)
+        return _reference(cfg, steps, micro)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(cfg: Config, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(cfg: Config, steps: int, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     from moebal.data import build_data
     from moebal.models import build_model
     from moebal.train.optim import build_optimizer, lr_at
@@ -50,12 +52,21 @@ def _reference(cfg: Config, steps: int) -> tuple[list[float], dict[str, torch.Te
         b = data.train.next_batch()
         for g in opt.param_groups:
             g["lr"] = lr_at(s, cfg.train)
-        out = model(b.ids_BT, b.labels_BT)
-        (out.loss + out.aux_loss).backward()
+        if micro == 1:
+            out = model(b.ids_BT, b.labels_BT)
+            (out.loss + out.aux_loss).backward()
+            total = out.loss.item()
+        else:
+            count, total = int((b.labels_BT != -100).sum()), 0.0
+            for ids, labels in zip(torch.tensor_split(b.ids_BT, micro), torch.tensor_split(b.labels_BT, micro)):
+                out = model(ids, labels)
+                part = out.loss * int((labels != -100).sum()) / count
+                (part + out.aux_loss / micro).backward()
+                total += part.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad()
-        losses.append(out.loss.item())
+        losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -16,6 +16,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.dist.testing import run_ranks
+from tests.distributed.test_pipeline import reference_losses
 
 
 def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: object) -> Config:
@@ -28,45 +29,6 @@ def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: ob
         "parallel": {"pp": 2, "ep": 2, "nproc": 4},
         # a fixed hardware profile: every run plans the same placements from the same counts
         "planner": {"policy": policy, "costs": "rtx3090", "hysteresis": 0.0}})
-
-
-def reference(cfg: Config, steps: int, ranks: int, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: each step's batch cut into `micro` micro-batches, the plain gradient accumulation a pipeline
-    of any data-parallel size computes (the ranks of a stage split each micro-batch's rows and sum its routing
-    statistics, so the load-balancing loss is the whole micro-batch's); AdamW as the pipeline steps. `ranks`
-    only checks that every rank gets a row of every micro-batch."""
-    from moebal.data import build_data
-    from moebal.models import build_model
-    from moebal.train.optim import build_optimizer, lr_at
-    from moebal.train.trainer import seed_everything
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = build_data(cfg)
-        seed_everything(cfg.train.seed)
-        model = build_model(cfg)
-        opt = build_optimizer(model, cfg.train)
-        losses = []
-        for s in range(steps):
-            b = data.train.next_batch()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(s, cfg.train)
-            count = int((b.labels_BT != -100).sum())
-            assert b.ids_BT.shape[0] >= micro * ranks
-            total = 0.0
-            for ids, labels in zip(torch.tensor_split(b.ids_BT, micro), torch.tensor_split(b.labels_BT, micro)):
-                out = model(ids, labels)
-                part = out.loss * int((labels != -100).sum()) / count
-                (part + out.aux_loss / micro).backward()
-                total += part.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total)
-        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts: object) -> dict:
@@ -184,7 +146,9 @@ def _merge(states: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def test_pipeline_x_expert_parallel_matches_single_process(four):
-    ref, ref_state = reference(moe_cfg(), 4, ranks=2, micro=2)
+    # a stage's 2 ranks split each of the 2 micro-batches' rows and sum its routing statistics: the same maths as
+    # accumulating the batch's 2 micro-batches in one process
+    ref, ref_state = reference_losses(moe_cfg(), 4, micro=2)
     for case in ("static", "placed"):
         got = four[0][case]["losses"]
         assert all(r[case]["losses"] == got for r in four)  # every rank reports the same loss
