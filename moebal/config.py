@@ -275,6 +275,9 @@ class SchedulerConfig:
     """Gradient chunks in flight at once (lina)."""
     lookahead: bool = True
     """Hold gradient chunks from the start of a backward combine, when an all-to-all is imminent (lina)."""
+    predict: bool = True
+    """Also hold a gradient chunk that would still be in flight when the next all-to-all (or other critical
+    collective) arrives, predicted from the last step's event log (lina)."""
     a2a_chunks: int | None = None
     """Token chunks per all-to-all, expert compute pipelined with them; null: per layer from the cost model."""
     block_overlap: bool = False

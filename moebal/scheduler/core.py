@@ -18,6 +18,16 @@ it. If B's all-to-all then waited for its chunk k to finish, B would wait for A'
 and the all-to-all for B: a deadlock. So an arriving all-to-all runs at once and shares the links with at most
 `inflight` chunks (one by default), which bounds the contention the way the thesis intends.
 
+Forecast (`predict`, lina): the look-ahead above is an exact signal but a late one: a chunk issued a moment
+before the announcement is still on the link when the all-to-all arrives (a chunk in flight is not pre-empted).
+The backward pass issues the same critical collectives in the same order every step, with gaps that change
+little, so the scheduler reads the last step's event log (`Forecast`): after the critical collective that just
+finished, when was the next one queued, and how long did a chunk of this size hold the link. A chunk that
+would still be in flight at the predicted arrival is held until the collective is queued (then the usual rule
+applies) or until the prediction has clearly failed (a quarter of the chunk's time after the predicted
+arrival), so a wrong forecast costs bounded link idle time and never correctness or a deadlock (holding is
+what the look-ahead already does; an all-to-all never waits for a chunk).
+
 Every rank issues the chunks of one channel in the same order (the order is fixed at start-up, not the order
 in which hooks fire), and the chunks run on communicators the scheduler alone uses, so the ranks always agree
 on which collective comes next whatever the compute threads do on the other groups meanwhile.
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import math
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +62,8 @@ import torch.distributed as dist
 
 from moebal.scheduler.events import CRITICAL, CommEvent, EventLog
 
-__all__ = ["MODES", "BackgroundOp", "CommScheduler", "Completion", "Handle", "SchedulerError", "completion_for"]
+__all__ = ["MODES", "BackgroundOp", "CommScheduler", "Completion", "Forecast", "Handle", "SchedulerError",
+           "completion_for"]
 
 MODES = ("off", "ddp", "lina")
 
@@ -243,11 +255,54 @@ class BackgroundOp:
         self.done = False
 
 
+def _keys(events: Sequence[CommEvent]) -> list[tuple[str, int]]:
+    """(name, occurrence) of each event: names repeat within a step ("routing stats" once per layer)."""
+    seen: dict[str, int] = {}
+    out = []
+    for e in events:
+        out.append((e.name, seen.get(e.name, 0)))
+        seen[e.name] = seen.get(e.name, 0) + 1
+    return out
+
+
+class Forecast:
+    """The last step's timing, read as a forecast of this one (module docstring, "Forecast").
+
+    `next_critical`: when the next critical collective will be queued, as the gap the last step had between
+    the finish of the same critical collective (same name, same occurrence) and the queueing of its successor;
+    before the step's first critical collective, the gap from the step's start. `wire`: how long a gradient
+    chunk of `nbytes` holds the link, from the last step's chunks of the same communicator (median seconds per
+    byte of the chunks at least half as large). None where the last step says nothing (first step, a name
+    that did not occur: e.g. another number of token chunks), and then nothing is held."""
+
+    def __init__(self, t0: float, events: Sequence[CommEvent]) -> None:
+        crit = sorted((e for e in events if e.kind in CRITICAL and e.done), key=lambda e: e.queued)
+        self.first = crit[0].queued - t0 if crit else None
+        self.gap = {k: nxt.queued - e.finished for k, e, nxt in zip(_keys(crit), crit, crit[1:])}
+        self.chunks: dict[str, list[tuple[int, float]]] = {}
+        for e in events:
+            if e.kind == "allreduce" and e.done and not math.isnan(e.started) and e.nbytes > 0:
+                self.chunks.setdefault(e.group, []).append((e.nbytes, e.finished - e.started))
+
+    def next_critical(self, t0: float, current: Sequence[CommEvent]) -> float | None:
+        """Predicted queue time of the next critical collective, given this step's so far (`current`, in
+        queue order, the last one finished)."""
+        if not current:
+            return None if self.first is None else t0 + self.first
+        last = current[-1]
+        gap = self.gap.get(_keys(current)[-1])
+        return None if gap is None or not last.done else last.finished + gap
+
+    def wire(self, group: str, nbytes: int) -> float | None:
+        xs = [d / b for b, d in self.chunks.get(group, ()) if b >= nbytes / 2]
+        return nbytes * statistics.median(xs) if xs else None
+
+
 class CommScheduler:
     """Issues a rank's collectives by priority (see the module docstring)."""
 
     def __init__(self, mode: str = "lina", *, rank: int = 0, completion: Completion | None = None,
-                 log: EventLog | None = None, inflight: int = 1, lookahead: bool = True,
+                 log: EventLog | None = None, inflight: int = 1, lookahead: bool = True, predict: bool = True,
                  timeout_s: float = 120.0) -> None:
         if mode not in MODES:
             raise ValueError(f"scheduler mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -258,6 +313,11 @@ class CommScheduler:
         self.log = log or EventLog(rank)
         self.window = inflight if mode == "lina" else math.inf
         self.use_lookahead = lookahead and mode == "lina"
+        self.use_forecast = predict and mode == "lina"
+        self._forecast: Forecast | None = None
+        self._draining = False
+        self.held_s = 0.0
+        """Time this step's chunks were held on the forecast (the scheduler thread's view)."""
         self.timeout_s = timeout_s
         self._cond = threading.Condition(threading.RLock())
         self._critical = 0  # critical collectives queued or in flight
@@ -352,6 +412,8 @@ class CommScheduler:
             if any(not op.done for op in self._seq):
                 raise SchedulerError("begin_step while the previous step's gradient chunks are still pending")
             self._seq, self._next, self._inflight, self._lookahead = list(ops), 0, 0, False
+            self._draining, self.held_s = False, 0.0
+            self._forecast = Forecast(*self.log.previous) if self.use_forecast else None
             for op in self._seq:
                 op.ready, op.done, op.event = False, False, None
 
@@ -366,8 +428,8 @@ class CommScheduler:
 
     def drain(self) -> None:
         """Block until every background op of the step has completed (before the optimizer step)."""
-        with self._cond:
-            self._lookahead = False
+        with self._cond:  # nothing critical comes before the optimizer step: no hold any more
+            self._lookahead, self._draining = False, True
             self._cond.notify_all()
         if self.mode == "off":
             self._issue_inline()
@@ -405,11 +467,34 @@ class CommScheduler:
             return False
         return self.mode != "lina" or (self._critical == 0 and not self._lookahead)
 
+    def _hold_s(self) -> float:
+        """How long to hold the next chunk on the forecast (0: issue it now). Held when it would still be in
+        flight at the predicted arrival of the next critical collective, until that arrival plus a quarter of
+        the chunk's time (then the forecast has failed and holding longer would only idle the link)."""
+        f = self._forecast
+        if f is None or self._draining:
+            return 0.0
+        op = self._seq[self._next]
+        w = f.wire(op.group, op.nbytes)
+        q = f.next_critical(self.log.t0, self.log.critical_so_far()) if w is not None else None
+        if q is None or w is None:
+            return 0.0
+        now = time.perf_counter()
+        return q + w / 4 - now if now + w > q and now < q + w / 4 else 0.0
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and (self._error is not None or not self._can_issue()):
-                    self._cond.wait()
+                while not self._stop:
+                    if self._error is None and self._can_issue():
+                        hold = self._hold_s()
+                        if hold <= 0:
+                            break
+                        t = time.perf_counter()
+                        self._cond.wait(timeout=hold)  # a critical collective queued meanwhile takes over
+                        self.held_s += time.perf_counter() - t
+                    else:
+                        self._cond.wait()
                 if self._stop:
                     return
                 op = self._seq[self._next]

@@ -109,6 +109,8 @@ class EventLog:
         self.t0 = time.perf_counter()
         self.events: list[CommEvent] = []
         self.spans: list[Span] = []
+        self.previous: tuple[float, list[CommEvent]] = (self.t0, [])
+        """The last step's start and events (the scheduler predicts the current step's collectives from them)."""
         self._lock = threading.Lock()
 
     @staticmethod
@@ -117,8 +119,15 @@ class EventLog:
 
     def begin(self, step: int) -> None:
         with self._lock:
+            if self.events:
+                self.previous = (self.t0, self.events)
             self.step, self.t0 = step, time.perf_counter()
             self.events, self.spans = [], []
+
+    def critical_so_far(self) -> list[CommEvent]:
+        """The current step's critical collectives, in the order they were queued."""
+        with self._lock:
+            return [e for e in self.events if e.kind in CRITICAL]
 
     def event(self, kind: str, name: str, nbytes: int, *, layer: int = -1, chunk: int = -1,
               group: str = "") -> CommEvent:

@@ -372,7 +372,7 @@ def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, 
 
         sc = cfg.scheduler
         sched = CommScheduler(sc.mode, rank=dims.rank, completion=completion_for(dims.device), inflight=sc.inflight,
-                              lookahead=sc.lookahead, timeout_s=sc.timeout_s)
+                              lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s)
         expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap)
         ctx.comm = sched
         hooks.append(_expert_parallel_hook(cfg, expert_parallel, dims, ctx))

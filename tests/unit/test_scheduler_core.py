@@ -81,3 +81,75 @@ def test_expert_chunks_are_issued_after_every_hook_fed_chunk():
         gs.close()
     finally:
         sched.close()
+
+
+class _TimedWork:
+    """A collective's work that completes `seconds` after launch (what a chunk on a slow link looks like)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.fut: torch.futures.Future = torch.futures.Future()
+        threading.Timer(seconds, lambda: self.fut.set_result(None)).start()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+    def wait(self) -> None:
+        self.fut.wait()
+
+
+def _slow_chunk(seconds: float) -> BackgroundOp:
+    return BackgroundOp("allreduce", "dp_ep allreduce 0", 1 << 20, lambda: _TimedWork(seconds), group="dp_ep",
+                        chunk=0)
+
+
+def _backward_like_step(sched: CommScheduler, step: int, gap_s: float, chunk_s: float, all_to_all: bool = True):
+    """Statistics all-reduce, chunk ready, `gap_s` later an (unannounced) all-to-all (or none), then the
+    optimizer's drain; the step's events."""
+    sched.log.begin(step)
+    sched.begin_step([_slow_chunk(chunk_s)])
+    sched.run("stats", lambda: None, name="balancing loss bwd", nbytes=64)
+    sched.ready(0)
+    time.sleep(gap_s)
+    if all_to_all:
+        sched.issue("a2a", lambda: _TimedWork(0.05), name="L0 combine0 bwd", nbytes=4096).wait()
+    sched.drain()
+    return {e.name: e for e in sched.log.events}
+
+
+def test_forecast_holds_a_chunk_that_would_meet_the_next_all_to_all():
+    """The last step showed an all-to-all 0.3 s after the statistics all-reduce and a chunk that holds the link
+    for 0.4 s: from the second step on, a chunk ready right after the statistics waits for the all-to-all
+    instead of sharing the link with it; without the forecast (or on the first step) it goes at once."""
+    sched = CommScheduler("lina", timeout_s=10)
+    try:
+        first = _backward_like_step(sched, 1, 0.3, 0.4)
+        assert first["dp_ep allreduce 0"].started < first["L0 combine0 bwd"].queued  # nothing to predict from
+        second = _backward_like_step(sched, 2, 0.3, 0.4)
+        chunk, a2a = second["dp_ep allreduce 0"], second["L0 combine0 bwd"]
+        assert chunk.started >= a2a.finished, "the chunk met the all-to-all the last step predicted"
+        assert sched.held_s > 0.2
+        # a forecast that fails (no all-to-all this time) holds for a bounded time only: arrival + chunk / 4
+        third = _backward_like_step(sched, 3, 0.6, 0.4, all_to_all=False)
+        waited = third["dp_ep allreduce 0"].started - third["balancing loss bwd"].finished
+        assert 0.2 < waited < 0.3 + 0.1 + 0.15, waited
+    finally:
+        sched.close()
+    plain = CommScheduler("lina", predict=False, timeout_s=10)
+    try:
+        _backward_like_step(plain, 1, 0.3, 0.4)
+        ev = _backward_like_step(plain, 2, 0.3, 0.4)
+        assert ev["dp_ep allreduce 0"].started < ev["L0 combine0 bwd"].queued
+    finally:
+        plain.close()
+
+
+def test_forecast_lets_a_chunk_go_that_finishes_before_the_next_all_to_all():
+    """A chunk much shorter than the gap is issued at once: the forecast only holds what would overlap."""
+    sched = CommScheduler("lina", timeout_s=10)
+    try:
+        _backward_like_step(sched, 1, 0.4, 0.05)
+        ev = _backward_like_step(sched, 2, 0.4, 0.05)
+        chunk, a2a = ev["dp_ep allreduce 0"], ev["L0 combine0 bwd"]
+        assert chunk.finished < a2a.queued and sched.held_s == 0.0
+    finally:
+        sched.close()
