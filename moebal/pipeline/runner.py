@@ -315,13 +315,10 @@ class PipelineRunner:
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
         n = self.data_ranks
-        M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
-        if n == 1:
-            return ids.to(self.device), labels.to(self.device), count, \
-                [len(x) for x in torch.tensor_split(torch.arange(ids.shape[0]), M)]
         if ids.shape[0] < n:
             raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
                               f"stage (data-parallel x expert-parallel): every rank needs a row")
+        M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
         mine = [torch.tensor_split(rows, n)[self.data_index]
                 for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
         index = torch.cat(mine)
