@@ -181,8 +181,9 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
-    precision: Literal["fp32", "bf16"] = "bf16"
-    """Compute precision: fp32, or bf16 autocast with fp32 master weights."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: fp32, or bf16 autocast with fp32 master weights; auto: bf16 where the device computes
+    it natively (CUDA since Ampere, AVX-512/AMX CPUs), else fp32 (moebal/train/precision.py)."""
     seed: int = 0
     """Seed of the model init, data order and every random choice of the run."""
     eval_every: int = 200

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         config, overrides = None, [config, *overrides]
     cfg = load(config, overrides)
     shape = ModelShape.from_config(cfg)
-    cost = CostModel(args.cluster, args.dtype or cfg.train.precision)
+    # a modelled cluster's GPUs compute bf16 natively: that is what precision auto means there
+    cost = CostModel(args.cluster, args.dtype or cfg.train.precision.replace("auto", "bf16"))
     spec = _spec(cfg, shape, args)
     counts, predicted = _routing(args, shape, spec)
     opts: dict[str, Any] = {"overlap": True} if args.policy == "prophet" else {}

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 from moebal.config import Config, load
+from moebal.dist.groups import pick_device
 from moebal.errors import ConfigError
+from moebal.train.precision import resolve_precision
 
 __all__ = ["add_arguments", "run", "summary_lines"]
 
@@ -79,6 +81,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     if config is None and resuming and out is not None and (out / "config.yaml").is_file():
         config = str(out / "config.yaml")
     cfg = load(config, overrides)
+    # auto precision is settled here, once, and config.yaml keeps the result (moebal/train/precision.py)
+    cfg = resolve_precision(cfg, pick_device())
     if out is None:
         out = Path(cfg.train.out_dir) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, out

@@ -29,6 +29,7 @@ from moebal.config import Config
 from moebal.pipeline.mbcost import MicroBatchCost, default_grid
 from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.stage import PipelineStage
+from moebal.train.precision import compute_precision, uses_bf16
 
 __all__ = ["profile_stage", "profile_table", "stage_sizes"]
 
@@ -39,7 +40,7 @@ def stage_sizes(n_layers: int, stages: int) -> list[int]:
 
 
 def _autocast(cfg: Config, device: torch.device) -> Callable[[], Any]:
-    if cfg.train.precision == "bf16":
+    if uses_bf16(cfg, device):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext
 
@@ -116,7 +117,8 @@ def profile_table(cfg: Config, stages: int, *, max_len: int, max_tokens: int, re
         fwd.append(f)
         bwd.append(b)
         act.append(a)
+    precision = compute_precision(cfg.train.precision, device)
     return MicroBatchCost(b_grid=b_grid, s_grid=s_grid, fwd_PBS=np.stack(fwd), bwd_PBS=np.stack(bwd),
-                          act_PBS=np.stack(act), source=f"measured:{platform.node() or 'host'}:{cfg.train.precision}",
+                          act_PBS=np.stack(act), source=f"measured:{platform.node() or 'host'}:{precision}",
                           meta={"sizes": sizes, "threads": torch.get_num_threads(), "max_tokens": max_tokens,
                                 "model": {"dim": cfg.model.dim, "n_layers": cfg.model.n_layers}})

@@ -42,6 +42,7 @@ from moebal.pipeline.mbcost import MicroBatchCost, analytic_table, default_grid,
 from moebal.pipeline.microbatch import MicroBatch, MicroBatchPlan
 from moebal.pipeline.planahead import PlanAhead
 from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+from moebal.train.precision import compute_precision
 
 __all__ = ["PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "planner_kwargs"]
 
@@ -170,7 +171,7 @@ class PlannedPipelineRunner(PipelineRunner):
         from moebal.planner.cost import ModelShape
 
         return analytic_table(ModelShape.from_config(self.cfg), dyn.costs, list(self.sizes), b_grid, s_grid,
-                              "bf16" if self.cfg.train.precision == "bf16" else "fp32")
+                              compute_precision(self.cfg.train.precision, self.device))
 
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume)."""

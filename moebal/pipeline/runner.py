@@ -56,6 +56,7 @@ from moebal.pipeline.partition import (
 )
 from moebal.pipeline.schedule import in_flight
 from moebal.pipeline.stage import PipelineStage
+from moebal.train.precision import uses_bf16
 
 __all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
 
@@ -237,7 +238,7 @@ class PipelineRunner:
         self.experts = StageExperts(self.stage, self.dims, cfg)
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
-        if cfg.train.precision == "bf16":
+        if uses_bf16(cfg, self.device):
             def autocast() -> Any:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,

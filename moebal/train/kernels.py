@@ -24,6 +24,7 @@ from torch import nn
 
 from moebal.config import Config
 from moebal.kernels.experts import KERNELS, auto_kernel, grouped_mm_runs, grouped_mm_supports
+from moebal.train.precision import uses_bf16
 
 __all__ = ["settle_expert_kernel"]
 
@@ -45,7 +46,7 @@ def settle_expert_kernel(model: nn.Module, cfg: Config, device: torch.device,
         return None
     w1 = layers[0].experts.w1
     _, ffn, dim = w1.shape
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else w1.dtype
+    dtype = torch.bfloat16 if uses_bf16(cfg, device) else w1.dtype
     old = (recorded or {}).get("kernel")
     if cfg.moe.kernel != "auto":
         mine = {"kernel": cfg.moe.kernel, "source": "config"}

@@ -41,6 +41,7 @@ from moebal.train.hooks import Hook
 from moebal.train.kernels import settle_expert_kernel
 from moebal.train.metrics import MetricsLog, read_metrics, read_routing, routing_record
 from moebal.train.optim import build_optimizer, lr_at
+from moebal.train.precision import uses_bf16
 from moebal.train.progress import Progress
 
 __all__ = ["RunResult", "Trainer", "default_device", "default_threads"]
@@ -174,7 +175,7 @@ class Trainer:
     # ---- one step -----------------------------------------------------------------------------------
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.cfg.train.precision == "bf16":
+        if uses_bf16(self.cfg, self.device):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
