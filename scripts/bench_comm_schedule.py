@@ -124,14 +124,14 @@ def bench_config(preset: str = "balanced") -> Config:
 class _System:
     """One mode: its own model copy, scheduler, expert parallelism, planners and optimizer."""
 
-    def __init__(self, mode: str, cfg: Config, dims: ParallelDims, bias: torch.Tensor) -> None:
+    def __init__(self, mode: str, cfg: Config, dims: ParallelDims, bias: torch.Tensor, dilate: float = 1.0) -> None:
         torch.manual_seed(0)
         self.mode = mode
         self.model = build_model(cfg)
         for layer in self.model.moe_layers():
             layer.expert_bias = bias.clone()
         sched_mode = {"unscheduled": "ddp", "serial": "off"}.get(mode, "lina")
-        self.sched = CommScheduler(sched_mode, rank=dims.rank, timeout_s=600)
+        self.sched = CommScheduler(sched_mode, rank=dims.rank, timeout_s=600, dilate=dilate)
         self.ep = ExpertParallel(self.model, dims, self.sched, overlap=mode == "lina+overlap")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.planners: list[ExpertPlanner] = []
@@ -160,6 +160,7 @@ def _step(s: _System, ids: torch.Tensor, step: int) -> tuple[float, float, Any]:
         d.a2a_chunks = c
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
+    s.sched.start_compute()
     s.ep.apply(s.placements)
     out = s.model(ids[:, :-1], ids[:, 1:])
     (out.loss + out.aux_loss).backward()
@@ -168,6 +169,7 @@ def _step(s: _System, ids: torch.Tensor, step: int) -> tuple[float, float, Any]:
     s.opt.step()
     s.opt.zero_grad(set_to_none=True)
     s.ep.release()
+    s.sched.settle()  # the optimizer step on the emulated device (--dilate)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return dt, cpu, s.sched.log.end()
 
@@ -179,12 +181,13 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     E, R = cfg.moe.num_experts, dims.size("ep")
     bias = -spec["skew"] * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
     modes = tuple(spec.get("modes", MODES))
-    systems = {m: _System(m, cfg, dims, bias) for m in modes}
+    systems = {m: _System(m, cfg, dims, bias, spec.get("dilate", 1.0)) for m in modes}
     B, T = cfg.data.batch_size, cfg.data.seq_len
     rows = B * T * cfg.moe.top_k
     first = systems["lina"].ep.dispatchers[0]
-    layer_costs = measure_layer_costs(first, rows)
-    comm = measure_comm_costs(first, dims.group("dp_ep"), rows, layer_costs)
+    dilate = spec.get("dilate", 1.0)
+    layer_costs = measure_layer_costs(first, rows, dilate=dilate)
+    comm = measure_comm_costs(first, dims.group("dp_ep"), rows, layer_costs, dilate=dilate)
     token_bytes = cfg.model.dim * 4
     for s in systems.values():
         s.plan_setup(layer_costs, E, R)
@@ -425,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a model config key of the preset (e.g. model.dim=512); repeatable")
     ap.add_argument("--link-mbit", type=float,
                     help="rate of the link between the two namespace nodes (0: loopback, no namespaces)")
+    ap.add_argument("--dilate", type=float, default=1.0,
+                    help="emulate devices this many times slower than a core (moebal.dist.dilate; 1: off); the "
+                         "link is slowed by the same factor unless --link-mbit is given")
     ap.add_argument("--trace", type=Path, help="write a Chrome trace of one step of every mode into this folder")
     ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -435,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.set:
         cfg = with_overrides(cfg, args.set)
     args.bucket_mb = preset["bucket_mb"] if args.bucket_mb is None else args.bucket_mb
-    args.link_mbit = preset["link_mbit"] if args.link_mbit is None else args.link_mbit
+    if args.dilate < 1:
+        ap.error(f"--dilate must be >= 1 (1: off); got {args.dilate}")
+    args.link_mbit = preset["link_mbit"] / args.dilate if args.link_mbit is None else args.link_mbit
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "unscheduled" not in modes or any(m not in MODES for m in modes):
         ap.error(f"--modes: a comma list of {', '.join(MODES)} that includes unscheduled (the baseline)")
     spec = {"config": to_dict(cfg), "skew": args.skew, "bucket_mb": args.bucket_mb, "modes": modes,
-            "rounds": 8 if args.quick else 20, "steps": 1, "warmup": 2}
+            "rounds": 8 if args.quick else 20, "steps": 1, "warmup": 2, "dilate": args.dilate}
     records: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     network = {}
@@ -452,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         records += recs
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cores": os.cpu_count(), "threads_per_rank": 1, "config": spec["config"], "skew": args.skew,
-            "preset": args.preset, "overrides": args.set, "link_mbit": args.link_mbit,
+            "preset": args.preset, "overrides": args.set, "link_mbit": args.link_mbit, "dilate": args.dilate,
             "bucket_mb": args.bucket_mb, "rounds": spec["rounds"], "steps_per_round": spec["steps"],
             "wall_s": round(time.perf_counter() - t0, 1)}
     for r in records:

@@ -18,11 +18,13 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from moebal.dist.dilate import settle
 from moebal.dist.expert_parallel import ExpertParallelDispatcher
 from moebal.planner.comm import CommCosts
 from moebal.planner.perf import MoELayerCosts
@@ -43,8 +45,23 @@ def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None])
     return statistics.median(times)
 
 
-def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5) -> MoELayerCosts:
-    """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step."""
+def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
+    """`fn` on a device `dilate` x slower than this core (`moebal.dist.dilate`; 1: `fn` itself)."""
+    if dilate <= 1.0:
+        return fn
+
+    def slow() -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        settle(dilate, time.thread_time() - c0, t0)
+
+    return slow
+
+
+def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5,
+                        dilate: float = 1.0) -> MoELayerCosts:
+    """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step
+    (`dilate` > 1: on an emulated device that many times slower than a core, as the scheduler's)."""
     ex = d.layer.experts
     dev, dtype = ex.w1.device, ex.w1.dtype
     D = ex.w1.shape[2]
@@ -56,6 +73,7 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
     plan = group_plan(counts, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    @partial(_dilated, dilate=dilate)
     def expert_fwd() -> None:
         with torch.no_grad():
             ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
@@ -109,7 +127,7 @@ def describe(costs: MoELayerCosts) -> dict[str, Any]:
 
 
 def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: int, layer: MoELayerCosts,
-                       repeats: int = 5) -> CommCosts:
+                       repeats: int = 5, dilate: float = 1.0) -> CommCosts:
     """The communication model's coefficients on the running job (collective over every rank):
 
     - gradient all-reduce latency and bandwidth: a two-point fit of all-reduces of 16 KB and 4 MB over the
@@ -120,7 +138,7 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
       min(t_compute, t_a2a), clipped to [0, 1]. Equal durations keep the figure above the timing noise. On a
       GPU it is close to 1; on a CPU the cores that compute also move the bytes.
     Every rank of the job adopts the slowest rank's figures (an all-reduce of the times over the default group),
-    so all plan alike.
+    so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device (`moebal.dist.dilate`).
     """
     ex = d.layer.experts
     dev, dtype = ex.w1.device, ex.w1.dtype
@@ -148,6 +166,7 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     x = torch.randn(n, D, device=dev, dtype=dtype, generator=gen)
     plan = group_plan([n // local + (1 if i < n % local else 0) for i in range(local)], dev)
 
+    @partial(_dilated, dilate=dilate)
     def compute() -> None:
         with torch.no_grad():
             ex.compute(x, ex.w1, ex.w3, ex.w2, plan)

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebal.dist.dilate import DeviceClock
 from moebal.scheduler.events import CRITICAL, CommEvent, EventLog
 
 __all__ = ["MODES", "BackgroundOp", "CommScheduler", "Completion", "Forecast", "Handle", "SchedulerError",
@@ -238,6 +239,7 @@ class Handle:
                     w.wait()  # CUDA: order the compute stream after the communication stream
         finally:
             s.log.span("blocked", self.event.name, t)
+            s.clock.mark()  # waiting is not device time
         if self.error is not None:
             raise SchedulerError(s._describe(self.event, self.error)) from self.error
         s.check()
@@ -303,7 +305,7 @@ class CommScheduler:
 
     def __init__(self, mode: str = "lina", *, rank: int = 0, completion: Completion | None = None,
                  log: EventLog | None = None, inflight: int = 1, lookahead: bool = True, predict: bool = True,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, dilate: float = 1.0) -> None:
         if mode not in MODES:
             raise ValueError(f"scheduler mode must be one of {', '.join(MODES)}; got {mode!r}")
         if inflight < 1:
@@ -319,6 +321,9 @@ class CommScheduler:
         self.held_s = 0.0
         """Time this step's chunks were held on the forecast (the scheduler thread's view)."""
         self.timeout_s = timeout_s
+        self.clock = DeviceClock(dilate)
+        """Emulated devices `dilate` x slower than a core (a CPU benchmark device, `moebal.dist.dilate`): the
+        compute thread's span before each collective, gradient hand-off and wait lasts `dilate` x its CPU time."""
         self._cond = threading.Condition(threading.RLock())
         self._critical = 0  # critical collectives queued or in flight
         self._lookahead = False
@@ -337,6 +342,7 @@ class CommScheduler:
               chunk: int = -1, group: str = "") -> Handle:
         """Issue a collective now; its completion is observed in the background, `wait()` blocks on it."""
         self.check()
+        self.clock.settle()
         critical = kind in CRITICAL
         with self._cond:
             ev = self.log.event(kind, name, nbytes, layer=layer, chunk=chunk, group=group)
@@ -404,6 +410,15 @@ class CommScheduler:
             self._cond.notify_all()
         h._evt.set()
 
+    # ---- the compute thread's device time (dilation) ----
+    def start_compute(self) -> None:
+        """The compute thread starts a span of device work (after waiting outside the scheduler: a barrier)."""
+        self.clock.mark()
+
+    def settle(self) -> None:
+        """The compute thread reached a point other ranks see outside the scheduler (the step's end)."""
+        self.clock.settle()
+
     # ---- background work ----
     def begin_step(self, ops: Sequence[BackgroundOp]) -> None:
         """The step's background ops, in the one order every rank issues them."""
@@ -419,6 +434,7 @@ class CommScheduler:
 
     def ready(self, index: int) -> None:
         """Background op `index` may be issued (its gradients are complete)."""
+        self.clock.settle()  # the device produced the gradients only now
         with self._cond:
             op = self._seq[index]
             if not op.ready:
@@ -428,6 +444,7 @@ class CommScheduler:
 
     def drain(self) -> None:
         """Block until every background op of the step has completed (before the optimizer step)."""
+        self.clock.settle()
         with self._cond:  # nothing critical comes before the optimizer step: no hold any more
             self._lookahead, self._draining = False, True
             self._cond.notify_all()
@@ -444,6 +461,7 @@ class CommScheduler:
                     self._cond.wait(timeout=min(left, 1.0))
         finally:
             self.log.span("blocked", "gradient all-reduce", t)
+            self.clock.mark()
         self.check()
 
     def _issue_inline(self) -> None:
