@@ -217,7 +217,7 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
                         for x, p in zip(counts, s.placements)]
         t = torch.tensor([dt], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu, c.a2a_shared_s],
+        v = torch.tensor([c.exposed_s, c.a2a_s, c.allreduce_s, c.placement_s, cpu, c.a2a_shared_s, c.held_s],
                          dtype=torch.float64)
         dist.all_reduce(v)
         v /= n
@@ -228,7 +228,7 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         if measured:
             samples[mode].append({"step_s": t.item(), "exposed_s": v[0].item(), "a2a_s": v[1].item(),
                                   "allreduce_s": v[2].item(), "placement_s": v[3].item(), "cpu_s": v[4].item(),
-                                  "a2a_shared_s": v[5].item(),
+                                  "a2a_shared_s": v[5].item(), "held_s": v[6].item(),
                                   "a2a_chunks": list(s.chunks),
                                   "replicas": sum(p.num_replicas for p in s.placements),
                                   "chunks": s.ep.grads.num_chunks})
@@ -252,7 +252,7 @@ def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any
             "a2a_time_s": med("a2a_s"), "exposed_comm_s": med("exposed_s"), "step_time_median_s": med("step_s"),
             "step_time_min_s": min(x["step_s"] for x in xs), "allreduce_time_s": med("allreduce_s"),
             "placement_comm_s": med("placement_s"), "cpu_s_per_rank": med("cpu_s"),
-            "a2a_shared_s": med("a2a_shared_s"),
+            "a2a_shared_s": med("a2a_shared_s"), "held_s": med("held_s"),
             "gradient_chunks": xs[-1]["chunks"], "a2a_chunks_last": xs[-1]["a2a_chunks"],
             "replicas_per_step": statistics.mean(x["replicas"] for x in xs), **meta}
 
@@ -267,7 +267,7 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
             r = by[m]
             lines.append(f"{world} ranks {m:<13} step {r['step_time_median_s']:.4f}s  a2a {r['a2a_time_s']:.4f}s  "
                          f"exposed {r['exposed_comm_s']:.4f}s  all-reduce {r['allreduce_time_s']:.4f}s  "
-                         f"a2a||ar {r['a2a_shared_s']:.4f}s  "
+                         f"a2a||ar {r['a2a_shared_s']:.4f}s  held {r.get('held_s', float('nan')):.4f}s  "
                          f"a2a x{base['a2a_time_s'] / r['a2a_time_s']:.2f}  "
                          f"step x{base['step_time_median_s'] / r['step_time_median_s']:.2f}")
     for r in records:

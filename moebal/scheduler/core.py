@@ -511,6 +511,7 @@ class CommScheduler:
                         t = time.perf_counter()
                         self._cond.wait(timeout=hold)  # a critical collective queued meanwhile takes over
                         self.held_s += time.perf_counter() - t
+                        self.log.span("held", self._seq[self._next].name, t)
                     else:
                         self._cond.wait()
                 if self._stop:

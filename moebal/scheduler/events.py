@@ -57,7 +57,8 @@ class CommEvent:
 
 @dataclass
 class Span:
-    """An interval of the compute thread: `cat` is blocked (waiting on `name`) or a compute phase."""
+    """An interval of the compute thread: `cat` is blocked (waiting on `name`) or a compute phase; or of the
+    scheduler thread: `cat` held, a ready gradient chunk `name` held back on the forecast."""
 
     cat: str
     name: str
@@ -88,6 +89,8 @@ class StepComm:
     a2a_shared_s: float
     """Time with an all-to-all (or count exchange) and a gradient all-reduce chunk in flight together: how long
     the critical exchange shared the links with gradient sync (what Lina's priority removes)."""
+    held_s: float
+    """Time a ready gradient chunk was held back on the forecast (lina's `predict`; the link may idle meanwhile)."""
     collectives: int
     bytes: int
     events: list[CommEvent] = field(default_factory=list, repr=False)
@@ -97,7 +100,7 @@ class StepComm:
     def metrics(self) -> dict[str, float]:
         return {"exposed_comm_s": round(self.exposed_s, 6), "a2a_s": round(self.a2a_s, 6),
                 "allreduce_s": round(self.allreduce_s, 6), "placement_comm_s": round(self.placement_s, 6),
-                "a2a_shared_s": round(self.a2a_shared_s, 6)}
+                "a2a_shared_s": round(self.a2a_shared_s, 6), "held_s": round(self.held_s, 6)}
 
 
 class EventLog:
@@ -158,12 +161,14 @@ class EventLog:
         hidden = _intersection_len(a2a, experts)
         ar = spans_of(("allreduce",))
 
-        return StepComm(step=self.step, step_s=t1 - self.t0,
-                        exposed_s=_union_len([(s.start, s.end) for s in spans if s.cat == "blocked"]),
+        def of_cat(cat: str) -> float:
+            return _union_len([(s.start, s.end) for s in spans if s.cat == cat])
+
+        return StepComm(step=self.step, step_s=t1 - self.t0, exposed_s=of_cat("blocked"),
                         a2a_s=busy(("a2a", "counts")) - hidden, allreduce_s=_union_len(ar),
                         placement_s=busy(("trans", "agg")), a2a_shared_s=_intersection_len(a2a, ar),
-                        collectives=len(events), bytes=sum(e.nbytes for e in events), events=events, spans=spans,
-                        t0=self.t0)
+                        held_s=of_cat("held"), collectives=len(events), bytes=sum(e.nbytes for e in events),
+                        events=events, spans=spans, t0=self.t0)
 
 
 def _union_len(intervals: Iterable[tuple[float, float]]) -> float:
@@ -193,16 +198,17 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rank; threads: compute (phases), waits (blocked spans), and one track per collective kind."""
     t_min = min((r["t0"] for r in records), default=0.0)
     out: list[dict[str, Any]] = []
-    tracks = {"compute": 0, "blocked": 1, "a2a": 2, "counts": 2, "stats": 3, "trans": 4, "agg": 5, "allreduce": 6}
+    tracks = {"compute": 0, "blocked": 1, "a2a": 2, "counts": 2, "stats": 3, "trans": 4, "agg": 5, "allreduce": 6,
+              "held": 8}
     names = {0: "compute", 1: "waits on communication", 2: "all-to-all", 3: "stats", 4: "Trans", 5: "Agg",
-             6: "gradient all-reduce"}
+             6: "gradient all-reduce", 8: "gradient chunks held (forecast)"}
     for r in records:
         pid, shift = r["rank"], (r["t0"] - t_min) * 1e6
         out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}})
         for tid, label in names.items():
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
         for s in r["spans"]:
-            tid = 1 if s["cat"] == "blocked" else 0
+            tid = {"blocked": 1, "held": 8}.get(s["cat"], 0)
             out.append({"ph": "X", "pid": pid, "tid": tid, "name": s["name"], "cat": s["cat"],
                         "ts": shift + s["start"] * 1e6, "dur": max(0.0, (s["end"] - s["start"]) * 1e6)})
         for e in r["events"]:

@@ -276,9 +276,11 @@ class ExpertParallelHook(Hook):
         file, and on `scheduler.trace_step` a Chrome trace of every rank (gathered on rank 0)."""
         comm = self.sched.log.end()
         line = step_record(comm, self.ep.dims.rank)
-        vals = self.ctx.sum([comm.exposed_s, comm.a2a_s, comm.allreduce_s, comm.placement_s, comm.a2a_shared_s])
+        vals = self.ctx.sum([comm.exposed_s, comm.a2a_s, comm.allreduce_s, comm.placement_s, comm.a2a_shared_s,
+                             comm.held_s])
         n = self.ep.dims.size("dp_ep")
-        for key, v in zip(("exposed_comm_s", "a2a_s", "allreduce_s", "placement_comm_s", "a2a_shared_s"), vals):
+        for key, v in zip(("exposed_comm_s", "a2a_s", "allreduce_s", "placement_comm_s", "a2a_shared_s", "held_s"),
+                          vals):
             record[key] = round(v / n, 6)
         record["comm_window_s"] = round(comm.step_s, 6)  # from Trans to the step's bookkeeping, this rank
         if self._events is not None:

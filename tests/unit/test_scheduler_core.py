@@ -128,6 +128,9 @@ def test_forecast_holds_a_chunk_that_would_meet_the_next_all_to_all():
         chunk, a2a = second["dp_ep allreduce 0"], second["L0 combine0 bwd"]
         assert chunk.started >= a2a.finished, "the chunk met the all-to-all the last step predicted"
         assert sched.held_s > 0.2
+        comm = sched.log.end()  # the event log shows the hold too: a span of the chunk, in the step's held_s
+        assert {s.name for s in comm.spans if s.cat == "held"} == {"dp_ep allreduce 0"}
+        assert abs(comm.held_s - sched.held_s) < 1e-3 and comm.metrics()["held_s"] > 0.2
         # a forecast that fails (no all-to-all this time) holds for a bounded time only: arrival + chunk / 4
         third = _backward_like_step(sched, 3, 0.6, 0.4, all_to_all=False)
         waited = third["dp_ep allreduce 0"].started - third["balancing loss bwd"].finished
