@@ -289,6 +289,9 @@ class SchedulerConfig:
     """Write comm_trace.json (Chrome trace of every rank) for this step; 0: none."""
     events: bool = True
     """Write every collective of every step to comm/rank<r>.jsonl in the run directory."""
+    dilate: float = 1.0
+    """> 1: the compute between two collectives lasts this many times its CPU time (emulates devices that much
+    slower than a core when ranks outnumber cores; CPU benchmarks only, moebal/dist/dilate.py). 1: off."""
 
 
 @dataclass(kw_only=True, frozen=True)

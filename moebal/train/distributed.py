@@ -228,6 +228,7 @@ class ExpertParallelHook(Hook):
 
     def before_step(self, trainer: Trainer, step: int) -> None:
         self.sched.log.begin(step)
+        self.sched.start_compute()  # the emulated device's clock (scheduler.dilate) starts with the step
         for d, c in zip(self.ep.dispatchers, self.chunks or []):
             d.a2a_chunks = c
         self.ep.apply(self.placements)  # Trans (all layers now, or layer 0 now and the rest overlapped)
@@ -373,8 +374,11 @@ def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, 
         from moebal.scheduler import completion_for
 
         sc = cfg.scheduler
+        if not sc.dilate >= 1.0 or (sc.dilate > 1.0 and dims.device.type != "cpu"):
+            raise ConfigError(f"scheduler.dilate={sc.dilate}: emulated slow devices are for CPU benchmarks (a value "
+                              f">= 1 on a CPU; 1: off), this run is on {dims.device.type}")
         sched = CommScheduler(sc.mode, rank=dims.rank, completion=completion_for(dims.device), inflight=sc.inflight,
-                              lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s)
+                              lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s, dilate=sc.dilate)
         expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap)
         ctx.comm = sched
         hooks.append(_expert_parallel_hook(cfg, expert_parallel, dims, ctx))
@@ -392,9 +396,10 @@ def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, c
         from moebal.dist.calibrate import measure_comm_costs, measure_layer_costs
 
         return ExpertParallelHook(
-            ep, cfg, None, ctx, measure=lambda: measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k),
+            ep, cfg, None, ctx, measure=lambda: measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k,
+                                                                    dilate=cfg.scheduler.dilate),
             measure_comm=lambda layer: measure_comm_costs(ep.dispatchers[0], dims.group("dp_ep"),
-                                                          tokens * cfg.moe.top_k, layer))
+                                                          tokens * cfg.moe.top_k, layer, dilate=cfg.scheduler.dilate))
     from moebal.planner.comm import comm_costs_from_profile
     from moebal.planner.cost import CostModel, ModelShape
 

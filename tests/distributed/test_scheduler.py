@@ -65,7 +65,7 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg)
     sched = CommScheduler(opts["mode"], rank=rank, inflight=opts.get("inflight", 1),
-                          timeout_s=opts.get("timeout", 60))
+                          timeout_s=opts.get("timeout", 60), dilate=opts.get("dilate", 1.0))
     ep = ExpertParallel(model, dims, sched, chunk_bytes=opts.get("chunk_bytes", 4096),
                         overlap=opts.get("overlap", False))
     if opts.get("ragged_chunks"):  # every rank asks for another size: set_chunk_bytes agrees on the smallest
@@ -82,6 +82,7 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
             ids = torch.randint(0, 256, (2 * n, 17), generator=g)
             i = dims.index("dp_ep")
             sched.log.begin(step)
+            sched.start_compute()
             if opts.get("fail_rank") == rank and step == opts.get("fail_step"):
                 ep.grads._op = _failing(ep.grads._op)
             ep.apply(_placements(E, R, step, cfg.model.n_layers) if opts.get("replicas", True)
@@ -94,6 +95,7 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
             opt.step()
             opt.zero_grad()
             ep.release()
+            sched.settle()
             sched.log.span("compute", "optimizer", t)
             loss = sched.all_reduce(out.loss.detach().clone(), dims.group("dp_ep"), name="loss")
             losses.append(loss.item() / n)
@@ -103,7 +105,7 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
     finally:
         ep.close()
         sched.close()
-    return {"losses": losses, "records": records}
+    return {"losses": losses, "records": records, "dilated_s": sched.clock.slept_s}
 
 
 def _failing(make_op):
@@ -135,14 +137,16 @@ def _check_session(results: list[list[dict]], runs: list[dict]) -> None:
 
 def test_two_ranks_losses_ordering_and_pipelining():
     """Scheduling moves communication, not maths: ddp, lina, two token chunks per exchange and the block
-    overlap all give the unscheduled run's losses (relative 1e-6; with two ranks they are bitwise equal, the
-    sum a + b has one order). The event log shows Lina's rule held on every step, Trans before its layer's
-    experts, Agg before the optimizer, and chunk 0's experts computing while chunk 1 was still in transit."""
+    overlap (on emulated devices twice slower than a core) all give the unscheduled run's losses (relative
+    1e-6; with two ranks they are bitwise equal, the sum a + b has one order). The event log shows Lina's
+    rule held on every step, Trans before its layer's experts, Agg before the optimizer, and chunk 0's experts
+    computing while chunk 1 was still in transit."""
     runs = [{"mode": "off"}, {"mode": "ddp"}, {"mode": "lina"},
-            {"mode": "lina", "a2a_chunks": 2, "overlap": True, "chunk_bytes": 1024}]
+            {"mode": "lina", "a2a_chunks": 2, "overlap": True, "chunk_bytes": 1024, "dilate": 2.0}]
     results = run_ranks(_session, 2, runs)
     _check_session(results, runs)
     last = [r[-1] for r in results]
+    assert all(r["dilated_s"] > 0 for r in last)  # emulated slow devices (dilate 2): the same bits, later
     for r in last:
         assert r["losses"] == results[0][0]["losses"]
         for rec in r["records"]:
