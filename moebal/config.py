@@ -159,6 +159,13 @@ class DataConfig:
     """Share of documents held out for validation (chosen by a hash of the document's path)."""
     max_bytes: int | None = None
     """Read at most this many bytes of the corpus; null reads everything."""
+    order: Literal["shuffle", "complexity"] = "shuffle"
+    """Sample order of an epoch: shuffled, or Adaptive Gating's curriculum (from the second epoch on, samples by
+    the cosine similarity of their per-layer two-expert token shares to the sample with the fewest two-expert
+    tokens; needs moe.adaptive_threshold; moebal/data/curriculum.py)."""
+    order_metric: Literal["distance", "cosine"] = "distance"
+    """Similarity of `order: complexity`: Euclidean distance to the anchor, nearest first, or the thesis's cosine
+    (which ignores how many tokens take two experts; see moebal/data/curriculum.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -292,6 +299,10 @@ class SchedulerConfig:
     dilate: float = 1.0
     """> 1: the compute between two collectives lasts this many times its CPU time (emulates devices that much
     slower than a core when ranks outnumber cores; CPU benchmarks only, moebal/dist/dilate.py). 1: off."""
+    expert_packing: Literal["off", "lina"] = "off"
+    """lina: more experts per rank (a smaller expert-parallel group, experts replicated over the rest) while an
+    expert computation is shorter than its all-to-all and the saved all-to-all time exceeds the added
+    expert-gradient all-reduce; decided once at start-up from measurements or the profile (moebal/dist/packing.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -770,6 +781,12 @@ def _check_whole(c: Config) -> None:
     _need(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' must be positive or null; got {d.max_bytes}")
     for src, w in (d.mixture or {}).items():
         _need(w > 0, f"'data.mixture.{src}' is a sampling weight and must be positive; got {w}")
+    if d.order == "complexity":
+        _need(c.moe.num_experts > 0 and c.moe.top_k > 1 and c.moe.adaptive_threshold is not None,
+              "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
+              "it needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold set (e.g. 0.1)")
+        _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
+        _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
     _check_train(t)
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
@@ -789,6 +806,10 @@ def _check_whole(c: Config) -> None:
               f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported yet (its per-token state and frozen "
               f"layers change what crosses stages): use dynamism.scheme none")
     _check_scheduler(c.scheduler)
+    if c.scheduler.expert_packing != "off":
+        _need(par.pp == 1 and c.moe.num_experts > 0,
+              "'scheduler.expert_packing: lina' chooses the expert-parallel size of an MoE model in the expert- and "
+              "data-parallel trainer (parallel.pp 1, moe.num_experts > 0)")
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -854,6 +875,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
           f"'scheduler.a2a_chunks' must be in 1..64 or null (chosen per layer); got {s.a2a_chunks}")
     _need(s.timeout_s > 0, f"'scheduler.timeout_s' must be positive; got {s.timeout_s}")
     _need(s.trace_step >= 0, f"'scheduler.trace_step' must be >= 0 (0: no trace); got {s.trace_step}")
+    _need(s.dilate >= 1.0, f"'scheduler.dilate' must be >= 1 (1: off); got {s.dilate}")
 
 
 def _check_train(t: TrainConfig) -> None:

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         from moebal.train.distributed import setup_parallel
 
         # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
-        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume or auto)
+        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume))
     if cfg.hf.export_to:
         from moebal.train.export import ExportHook
 

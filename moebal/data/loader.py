@@ -20,6 +20,7 @@ import torch
 
 from moebal.config import Config
 from moebal.data.corpus import Corpus, Split, load_corpus, merge_corpora
+from moebal.data.curriculum import Curriculum
 from moebal.errors import DataError
 
 __all__ = ["Batch", "DataBundle", "DocumentSampler", "MixtureSampler", "PackedSampler", "build_data", "eval_batches"]
@@ -61,6 +62,11 @@ class _Sampler:
         self._order_epoch = -1
         self._order: np.ndarray = np.zeros(0, dtype=np.int64)
         self._offset = 0
+        self.curriculum: Curriculum | None = None
+        """`data.order: complexity`: epochs after the first are ordered by it (moebal/data/curriculum.py), and
+        packed blocks keep the first epoch's offset so a sample is the same text in every epoch."""
+        self.last_ids: list[int] = []
+        """Sample ids (within the epoch's sample space) of the rows of the last `next_samples()`."""
 
     def _num_samples(self) -> int:
         raise NotImplementedError
@@ -73,27 +79,45 @@ class _Sampler:
             rng = np.random.default_rng([self.seed, epoch])
             self._offset = int(rng.integers(self.seq_len))
             self._order = rng.permutation(self._num_samples())
+            if self.curriculum is not None:
+                self._offset = int(np.random.default_rng([self.seed, 0]).integers(self.seq_len))
+                if epoch > 0:
+                    self._order = self.curriculum.order(self._order, upto=epoch * self._num_samples())
             self._order_epoch = epoch
 
-    def next_sample(self) -> np.ndarray:
-        """The next sample's len + 1 tokens (inputs row[:-1], labels row[1:])."""
+    @property
+    def position(self) -> int:
+        """Samples drawn so far over the run."""
+        return self.epoch * self._num_samples() + self.index
+
+    def _next(self) -> tuple[int, np.ndarray]:
         self._shuffle(self.epoch)
-        row = self._sample(int(self._order[self.index]), self._offset)
+        i = int(self._order[self.index])
+        row = self._sample(i, self._offset)
         self.index += 1
         if self.index == len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
-        return row
+        return i, row
+
+    def next_sample(self) -> np.ndarray:
+        """The next sample's len + 1 tokens (inputs row[:-1], labels row[1:])."""
+        return self._next()[1]
 
     def next_samples(self) -> list[np.ndarray]:
         """The next batch's samples, unpadded (each keeps its own length)."""
-        return [self.next_sample() for _ in range(self.batch_size)]
+        drawn = [self._next() for _ in range(self.batch_size)]
+        self.last_ids = [i for i, _ in drawn]
+        return [row for _, row in drawn]
 
     def next_batch(self) -> Batch:
         return _batch_from_rows(self.next_samples())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
-                "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
+        state = {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
+                 "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
+        if self.curriculum is not None:
+            state["curriculum"] = self.curriculum.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
@@ -101,7 +125,14 @@ class _Sampler:
             if state.get(key) != mine[key]:
                 raise DataError(f"the checkpoint's data loader has {key}={state.get(key)!r} but this run has "
                                 f"{mine[key]!r}: resume with the same data and config")
+        if (self.curriculum is not None) != ("curriculum" in state):
+            raise DataError(f"the checkpoint's data order is {'complexity' if 'curriculum' in state else 'shuffle'} "
+                            f"but this run's is {'complexity' if self.curriculum is not None else 'shuffle'}: "
+                            f"resume with the run's data.order")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order_epoch = -1  # the order is recomputed for the restored epoch
+        if self.curriculum is not None:
+            self.curriculum.load_state_dict(state["curriculum"])
 
 
 class PackedSampler(_Sampler):
@@ -236,5 +267,7 @@ def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
     else:
         corpus = corpora[0]
         train = cls(corpus.train, d.seq_len, d.batch_size, seed)
+        if d.order == "complexity":
+            train.curriculum = Curriculum(d.order_metric)
     val = eval_batches(corpus.val, d.samples, d.seq_len, d.batch_size, cfg.train.eval_batches)
     return DataBundle(corpus=corpus, train=train, val=val)

@@ -26,6 +26,12 @@ Shape legend: R = ranks in the expert-parallel group, E = experts.
 - **Expert packing** (Lina, section 4.3.3): start with one expert per rank and double while the expert compute
   of one all-to-all chunk is shorter than the chunk's transfer; `pack_experts` applies the rule to
   time functions of the experts per rank (what the start-up measurement or the cost model gives).
+  `lina_packing` is the rule a real run applies (`scheduler.expert_packing: lina`), with the guard the thesis
+  leaves out: packing halves the expert-parallel group, so each expert then has twice the data-parallel
+  copies and its gradient must be all-reduced among them (the thesis never says so). A doubling is taken only
+  while the all-to-all time it saves per step (four exchanges per MoE layer: dispatch and combine, forward
+  and backward) is at least the expert-gradient all-reduce time it adds; without that guard a link-bound job
+  (the gradient sync already filling the step) packs itself into a slower one.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from typing import Any
 
 from moebal.errors import ConfigError
 
-__all__ = ["CommCosts", "CommSchedule", "a2a_chunks", "ar_chunk_bytes", "comm_costs_from_profile", "exchange_time",
-           "pack_experts"]
+__all__ = ["CommCosts", "CommSchedule", "PackingCandidate", "a2a_chunks", "ar_chunk_bytes", "comm_costs_from_profile",
+           "exchange_time", "lina_packing", "pack_experts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +177,47 @@ def pack_experts(num_experts: int, world: int, t_ffn: Callable[[int], float], t_
             break
         m *= 2
     return m
+
+
+@dataclass(frozen=True)
+class PackingCandidate:
+    """One expert-parallel layout of a packing decision (seconds, per MoE layer)."""
+
+    ep: int
+    """Expert-parallel ranks: experts per rank = E / ep."""
+    t_ffn: float
+    """Expert compute (forward) of one exchange's rows on a rank."""
+    t_a2a: float
+    """One exchange (all-to-all) of those rows on the wire; 0 when ep = 1."""
+    t_expert_sync: float
+    """All-reduce of a rank's expert gradients among their data-parallel copies, once per step; 0 when there is
+    one copy."""
+
+
+def lina_packing(cands: list[PackingCandidate], exchanges_per_step: int = 4) -> tuple[int, list[str]]:
+    """Lina's doubling with moebal's gradient guard (module docstring): `cands` are the layouts in packing order
+    (ep, ep / 2, ep / 4, ...). Returns the chosen expert-parallel size and one line per decision taken."""
+    if not cands:
+        raise ValueError("lina_packing needs at least the starting layout")
+    i, why = 0, []
+    while i + 1 < len(cands):
+        c, n = cands[i], cands[i + 1]
+        if not c.t_ffn < c.t_a2a:
+            why.append(f"ep {c.ep}: kept, expert compute {1e3 * c.t_ffn:.3g} ms >= all-to-all {1e3 * c.t_a2a:.3g} ms "
+                       f"(Lina's rule: the compute already covers the transfer)")
+            break
+        saved = exchanges_per_step * (c.t_a2a - n.t_a2a)
+        added = n.t_expert_sync - c.t_expert_sync
+        if added > saved:
+            why.append(f"ep {c.ep}: kept, packing to ep {n.ep} would save {1e3 * saved:.3g} ms of all-to-all per "
+                       f"layer and step but add {1e3 * added:.3g} ms of expert-gradient all-reduce")
+            break
+        why.append(f"ep {c.ep} -> {n.ep}: expert compute {1e3 * c.t_ffn:.3g} ms < all-to-all {1e3 * c.t_a2a:.3g} ms; "
+                   f"saves {1e3 * saved:.3g} ms of all-to-all, adds {1e3 * added:.3g} ms of gradient all-reduce")
+        i += 1
+    if i + 1 == len(cands) and len(cands) > 1 and (not why or "->" in why[-1]):
+        why.append(f"ep {cands[i].ep}: no smaller layout divides the experts and ranks")
+    return cands[i].ep, why
 
 
 def comm_costs_from_profile(cost: Any, layer: Any, ep_ranks: list[int], dense_ranks: list[int]) -> CommCosts:

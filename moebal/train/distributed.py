@@ -35,7 +35,7 @@ import torch.distributed as dist
 from moebal.config import Config
 from moebal.dist.comm import sum_gradients
 from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
-from moebal.dist.groups import ParallelDims
+from moebal.dist.groups import ParallelDims, env_world, pick_device
 from moebal.errors import ConfigError
 from moebal.planner.comm import CommCosts, a2a_chunks
 from moebal.planner.experts import ExpertPlanner, placement_metrics
@@ -99,6 +99,18 @@ class RunContext:
         mine = int((labels != -100).sum())
         scale = mine * n / max(batch.n_tokens, 1)
         return Batch(ids, labels, mine), scale
+
+    def global_rows(self, local_RX: np.ndarray, batch_rows: int) -> np.ndarray:
+        """[batch_rows, X]: every rank's per-row values of its shard (`shard`'s rows) in global row order. Exact:
+        each entry is one rank's value plus zeros."""
+        if not self.distributed:
+            return local_RX
+        n, i = self.data_ranks, self.dims.index("dp_ep")
+        rows = batch_rows // n
+        full = torch.zeros((batch_rows, local_RX.shape[1]), dtype=torch.float64)
+        full[i * rows:(i + 1) * rows] = torch.from_numpy(np.asarray(local_RX, dtype=np.float64))
+        self._all_reduce(full, self.dims.group("dp_ep"), "rows")
+        return full.numpy()
 
     def mean(self, value: float) -> float:
         """Mean of a number over the ranks sharing a batch."""
@@ -333,8 +345,12 @@ class ExpertParallelHook(Hook):
             self.chunks = [int(c) for c in state["a2a_chunks"]]
 
 
-def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
+def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None = None,
+                   resume: bool = False) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
     """Join the job described by the torchrun environment and build this rank's model and hooks.
+
+    With `scheduler.expert_packing: lina` the expert-parallel size is chosen first (measured on the job, or
+    read from `run_dir`'s packing.json when the run `resume`s; moebal/dist/packing.py).
 
     The full model is built on every rank from the run's seed, so it equals the single-process model, then
     expert parallelism keeps this rank's experts; from `hf.init_from` (unless `load_weights` is false because a
@@ -351,6 +367,12 @@ def setup_parallel(cfg: Config, load_weights: bool = True) -> tuple[RunContext, 
         raise ConfigError("parallel.pp > 1 runs the pipeline engine (moebal.pipeline); this entry point builds "
                           "data and expert parallelism only")
     ep = cfg.parallel.ep or world
+    if cfg.scheduler.expert_packing != "off" and world > 1 and cfg.moe.num_experts:
+        from moebal.dist.packing import choose_expert_parallel
+
+        rank, _, local = env_world()
+        ep = choose_expert_parallel(cfg, world, rank, pick_device(local), min(ep, cfg.moe.num_experts), run_dir,
+                                    resume)
     if cfg.moe.num_experts and cfg.moe.num_experts % ep:
         raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) is not divisible by the expert-parallel size "
                           f"{ep}: set parallel.ep (--ep) to a divisor of it")

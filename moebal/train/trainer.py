@@ -28,6 +28,7 @@ import torch
 
 from moebal.config import Config, dump
 from moebal.data import Batch, DataBundle, build_data
+from moebal.data.curriculum import row_complexity
 from moebal.routing import RoutingStats
 from moebal.train.checkpoint import (
     CheckpointReader,
@@ -202,6 +203,18 @@ class Trainer:
                 layer.update_bias(s.routed_E)
         return stats
 
+    def _record_complexity(self, global_batch: Batch, batch: Batch) -> None:
+        """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
+        table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py)."""
+        sampler = self.data.train
+        curriculum = getattr(sampler, "curriculum", None)
+        if curriculum is None:
+            return
+        local = row_complexity(self.moe_layers(), batch.labels_BT)
+        C_BL = self.ctx.global_rows(local, global_batch.ids_BT.shape[0])
+        tokens = (global_batch.labels_BT != -100).sum(dim=1).tolist()
+        curriculum.record(sampler.last_ids, C_BL, tokens, at=sampler.position)
+
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1
         for hook in self.hooks:
@@ -215,6 +228,7 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss, aux = self.forward_backward(batch, scale)
+        self._record_complexity(global_batch, batch)
         for hook in self.hooks:
             hook.after_backward(self, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

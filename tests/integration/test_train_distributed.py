@@ -128,3 +128,45 @@ def test_a_rank_killed_mid_run_stops_the_others(tmp_path):
     assert parent.returncode != 0
     assert "rank 1 failed (signal 9)" in err
     assert not _children(parent.pid)
+
+
+def test_complexity_order_on_two_ranks_matches_one_process(tmp_path):
+    """Adaptive Gating's curriculum (data.order complexity) on 2 expert-parallel ranks: each rank records its own
+    rows, the table is gathered, so both ranks order the second epoch alike and as one process does (the same
+    losses within 1e-5, the same table in the checkpoints)."""
+    extra = ["moe.adaptive_threshold=0.02", "data.order=complexity", "data.max_bytes=1500", "data.val_fraction=0",
+             "train.eval_every=0", "train.ckpt_every=8"]
+    one, two = _train(tmp_path / "one", "--nproc", "1", *extra), _train(tmp_path / "two", "--nproc", "2", *extra)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], (x["step"], x["loss"], y["loss"])
+    states = [json.loads((tmp_path / run / "ckpt-0000008" / "state.json").read_text()) for run in ("one", "two")]
+    data = [s["data"] for s in states]
+    assert data[0]["epoch"] >= 1 and data[0] == data[1]  # past the first epoch; one table, equal
+    assert len(data[0]["curriculum"]["entries"]) >= 16
+
+
+def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path):
+    """scheduler.expert_packing lina (from the a100 profile: deterministic) picks the expert-parallel size before
+    sharding, writes packing.json, trains exactly as a run with that size set by hand, and a resume keeps it."""
+    extra = ["moe.num_experts=4", "scheduler.expert_packing=lina", "planner.costs=a100"]
+    packed = _train(tmp_path / "packed", "--nproc", "2", *extra)
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    record = json.loads((tmp_path / "packed" / "packing.json").read_text())
+    assert record["start_ep"] == 2 and record["ep"] in (1, 2) and record["decisions"]
+    assert [c["ep"] for c in record["candidates"]] == [2, 1]
+    assert "expert packing (Lina)" in packed.stderr
+    fixed = _train(tmp_path / "fixed", "--nproc", "2", "moe.num_experts=4", "planner.costs=a100",
+                   f"parallel.ep={record['ep']}")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert [r["loss"] for r in _metrics(tmp_path / "packed")] == [r["loss"] for r in _metrics(tmp_path / "fixed")]
+    state = json.loads((tmp_path / "packed" / "ckpt-0000008" / "state.json").read_text())
+    assert state["layout"]["ep"] == record["ep"]
+    cmd = [sys.executable, "-m", "moebal.cli", "train", "--steps", "10", "--out", str(tmp_path / "packed"),
+           "--resume", "--nproc", "2", *TINY, *extra]
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "expert packing (Lina)" not in resumed.stderr  # read from packing.json, not measured again
+    assert [r["step"] for r in _metrics(tmp_path / "packed")] == list(range(1, 11))

@@ -52,3 +52,22 @@ def test_bad_costs_are_config_errors():
         CommCosts(**{**IB.to_dict(), "overlap": 1.5})
     with pytest.raises(ConfigError, match="ar_bandwidth"):
         CommCosts(**{**IB.to_dict(), "ar_bandwidth": 0.0})
+
+
+def test_lina_packing_doubles_while_compute_is_shorter_and_the_gradient_guard_allows():
+    from moebal.dist.packing import candidate_layouts
+    from moebal.planner.comm import PackingCandidate, lina_packing
+
+    assert candidate_layouts(16, 4, 4) == [4, 2, 1] and candidate_layouts(8, 6, 2) == [2, 1]
+    assert candidate_layouts(12, 8, 4) == [4, 2, 1] and candidate_layouts(6, 6, 3) == [3]
+    c = PackingCandidate
+    # the transfer dwarfs the compute at every size and syncing experts is cheap: pack all the way (ep 1)
+    ep, why = lina_packing([c(4, 1e-3, 8e-3, 0.0), c(2, 1e-3, 6e-3, 1e-3), c(1, 1e-3, 0.0, 3e-3)])
+    assert ep == 1 and len(why) == 3 and "->" in why[0] and "->" in why[1] and "no smaller layout" in why[2]
+    # Lina's rule stops where the compute covers the transfer
+    ep, why = lina_packing([c(4, 1e-3, 8e-3, 0.0), c(2, 7e-3, 6e-3, 1e-3), c(1, 1e-3, 0.0, 3e-3)])
+    assert ep == 2 and "Lina's rule" in why[-1]
+    # the guard: halving saves 4 x (8 - 7) = 4 ms of all-to-all but adds 5 ms of expert-gradient all-reduce
+    ep, why = lina_packing([c(4, 1e-3, 8e-3, 0.0), c(2, 1e-3, 7e-3, 5e-3)])
+    assert ep == 4 and "would save 4 ms" in why[0] and "add 5 ms" in why[0]
+    assert lina_packing([c(2, 1e-3, 1e-2, 0.0)]) == (2, [])
