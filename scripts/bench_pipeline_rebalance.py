@@ -53,7 +53,7 @@ import torch.distributed as dist
 from moebal.config import Config, from_dict, to_dict
 from moebal.dist.testing import run_ranks
 from moebal.kernels.bench import environment
-from moebal.pipeline.partition import iteration_time
+from moebal.pipeline.partition import replay_time
 
 BALANCERS = ("static", "partition", "diffusion")
 WAITS = ("spin", "block", "dilate")
@@ -88,14 +88,23 @@ QUICK_SCHEMES = ("early_exit", "freezing", "mod")
 REPACK = {"threshold": 0.97, "first_layer": 4, "start": 4, "ramp_steps": 8}
 
 
+# Sequence length per scheme (default 256). Mixture-of-Depths runs 512-token rows: at 256 a routed block keeps 32
+# tokens, whose GEMMs sit on the CPU's small-GEMM floor (a layer on 32 rows costs 0.21-0.26 of one on 256, not
+# 0.125), so the routed block cost 0.38 of a dense layer in the benchmark and rebalancing had little to move
+# (1.01x-1.04x). At 512 it keeps 64 tokens per row (Raposo et al. train on 2,048-token rows at the same 12.5 %),
+# and costs 0.21-0.26 of a dense layer inside the benchmark (one round). docs/pipeline.md has both runs.
+SEQ_LEN = {"mod": 512}
+
+
 def bench_config(steps: int, scheme: str) -> Config:
     moe = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 192, "adaptive_threshold": 0.1, "kernel": "loop"} \
         if scheme == "moe" else {"num_experts": 0}
+    seq = SEQ_LEN.get(scheme, 256)
     return from_dict({
         "name": f"bench-pipeline-{scheme}",
-        "model": {"dim": 128, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": 256},
+        "model": {"dim": 128, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": seq},
         "moe": moe,
-        "data": {"seq_len": 256, "batch_size": 16, "max_bytes": 2_000_000},
+        "data": {"seq_len": seq, "batch_size": 16, "max_bytes": 2_000_000},
         "train": {"steps": steps, "warmup_steps": 5, "lr": 3e-3, "seed": 0},
         "parallel": {"pp": 4, "nproc": 4}})
 
@@ -171,8 +180,9 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
     overhead = sum(r["overhead_s"] for r in win) / step_s + profile_frac
     moves = [r for r in recs if r.get("migration")]
     # The same iteration on dedicated devices, estimated from the measured per-stage CPU time (median over the
-    # window) with the 1F1B/GPipe time model: separates what balancing does from what 4 ranks sharing 2
-    # vCPUs do (concurrent compute slows every rank's compute down, idle-stage spinning does not)
+    # window) by replaying the 1F1B schedule (forward : backward taken as 1 : 2): separates what balancing does
+    # from what 4 ranks sharing 2 vCPUs do (concurrent compute slows every rank's compute down, idle-stage
+    # spinning does not)
     n_st = min(len(r["stage_cpu_s"]) for r in win)
     cpu_loads = [statistics.median(r["stage_cpu_s"][i] for r in win) / 16 for i in range(n_st)]
     released = sorted({x for r in recs for x in r.get("released_ranks", [])})
@@ -199,7 +209,7 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "predicted_imbalance": statistics.median(predicted) if predicted else None,
         "stage_busy_s_median": per_stage["stage_busy_s"], "stage_cpu_s_median": per_stage["stage_cpu_s"],
         "pipeline_s_median": statistics.median(r["pipeline_s"] for r in win),
-        "cpu_model_iteration_s": iteration_time(cpu_loads, 16),
+        "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], 16),
         "stage_cpu_s": last["stage_cpu_s"], "final_sizes": last["sizes"], "stages_at_end": last["stages"],
         "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
         "bytes_moved": sum(r["bytes_moved"] for r in moves), "released_ranks": released,
@@ -359,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "pipeline_rebalance", "records": rows,
               "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
               "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": SCHEMES,
-                         "repack_experiment_early_exit": REPACK,
+                         "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
                          "micro_batches": 16, "schedule": "1f1b", "every": 4, "ema": 0.7, "steps": steps,
                          "settle": settle, "rounds": rounds, "ranks": 4, "threads_per_rank": 1, "dilate": DILATE},
               "env": {**environment(), "git": _git(), "wall_s": round(time.time() - t0, 1)}}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,11 @@ from moebal.pipeline.partition import (
     StagePartition,
     diffuse,
     imbalance,
-    iteration_time,
     partition_by_params,
     partition_by_time,
     partition_uniform,
     plan_repack,
+    replay_time,
     should_adopt,
     stage_loads,
 )
@@ -578,6 +578,25 @@ class PipelineRunner:
         k = self.kappa or 1.0
         return {"first_extra": self.tracker.first_extra * k, "last_extra": self.tracker.last_extra * k}
 
+    def _time_fn(self, costs: np.ndarray) -> Callable[[Sequence[int]], float]:
+        """Predicted iteration time of a partition (a list of sizes over the current chain): the schedule replayed
+        op by op (`replay_time`) with each stage's forward and backward seconds per micro-batch. A slot's cost
+        splits into the two by its smoothed measured shares (a frozen layer is all forward; a slot never
+        measured takes DynMo's 1 : 2)."""
+        tr, k, M = self.tracker, self.kappa or 1.0, self._num_micro()
+        tot = tr.fwd + tr.bwd
+        share = np.divide(tr.fwd, tot, out=np.full(tot.shape, 1.0 / 3.0), where=tot > 0)
+        fwd_c, bwd_c = costs * share[:self.L], costs * (1.0 - share[:self.L])
+        extra_f = [tr.fwd[self.L] * k, tr.fwd[self.L + 1] * k]
+        extra_b = [tr.bwd[self.L] * k, tr.bwd[self.L + 1] * k]
+
+        def t_iter(sizes: Sequence[int]) -> float:
+            f = stage_loads(fwd_c, sizes, extra_f[0], extra_f[1])
+            b = stage_loads(bwd_c, sizes, extra_b[0], extra_b[1])
+            return float(replay_time(f, b, M, float(self.comm_s), self.opts.schedule))
+
+        return t_iter
+
     def _costs(self) -> np.ndarray:
         """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa), scaled by the
         scheme's latest prediction (`CostTracker`)."""
@@ -600,10 +619,10 @@ class PipelineRunner:
             proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
         M = self._num_micro()
         layer_bytes = self.move_bytes[:self.L]
+        t_iter = self._time_fn(costs)
         adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
-                                         float(self.bandwidth or 1e9), self.opts.latency, comm_s=self.comm_s, **kw)
-        t_cur = iteration_time(stage_loads(costs, self.sizes, **kw), M, self.comm_s)
-        t_new = iteration_time(stage_loads(costs, proposal, **kw), M, self.comm_s)
+                                         float(self.bandwidth or 1e9), self.opts.latency, time_fn=t_iter)
+        t_cur, t_new = t_iter(self.sizes), t_iter(proposal)
         adopt = adopt and t_new <= (1.0 - self.opts.min_gain) * t_cur
         return StagePartition(
             sizes=tuple(proposal), ranks=tuple(self.chain.ranks), step=step, balancer=self.opts.rebalance,
@@ -618,18 +637,17 @@ class PipelineRunner:
         costs = self._costs()
         mem, first_mem, last_mem = self._memory()
         M = self._num_micro()
+        t_iter = self._time_fn(costs)
         sizes = plan_repack(costs, self.chain.size, M, self.opts.repack_slack, self.opts.min_stages, memory=mem,
-                            capacity=self.opts.memory_cap, comm_s=self.comm_s, first_memory=first_mem,
-                            last_memory=last_mem, **self._loads_kw())
+                            capacity=self.opts.memory_cap, first_memory=first_mem, last_memory=last_mem,
+                            time_fn=t_iter, **self._loads_kw())
         if sizes is None:
             return None
         full = expand_repack(sizes, self.chain.size)
         kept = tuple(r for r, s in zip(self.chain.ranks, full) if s > 0)
         released = tuple(r for r, s in zip(self.chain.ranks, full) if s == 0)
-        t_new = iteration_time(stage_loads(costs, sizes, **self._loads_kw()), M, self.comm_s)
-        t_cur = iteration_time(stage_loads(costs, self.sizes, **self._loads_kw()), M, self.comm_s)
         return StagePartition(sizes=tuple(sizes), ranks=kept, step=step, balancer="repack", released=released,
-                              predicted_time_s=t_new, previous_time_s=t_cur,
+                              predicted_time_s=t_iter(sizes), previous_time_s=t_iter(self.sizes),
                               meta={"from": list(self.sizes), "costs": [round(float(c), 6) for c in costs]})
 
     def _apply(self, sizes: list[int], why: str, step: int, lr: float | None = None) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from moebal.pipeline.partition import (
     iteration_time,
     partition_by_time,
     plan_repack,
+    replay_time,
+    should_adopt,
 )
 from moebal.pipeline.runner import PipelineOptions, expand_repack
 from moebal.pipeline.schedule import gpipe, in_flight, make_schedule, one_f_one_b, simulate
@@ -77,6 +79,64 @@ def test_schedule_errors():
 def test_iteration_time_by_hand():
     assert iteration_time([2.0, 1.0], 4) == 3 * 2 + 3
     assert iteration_time([2.0, 1.0, 1.0], 4, comm_s=0.5) == 3 * 2 + 4 + 2 * 2 * 0.5
+
+
+def test_replay_time_by_hand_and_against_the_closed_form():
+    # 2 stages, 2 micro-batches, 1F1B. Stage 0: F0 0-2, F1 2-4, B0 5-9 (after stage 1's B0 ends at 5),
+    # B1 9-13; stage 1: F0 2-3, B0 3-5, F1 5-6, B1 6-8. The closed form charges 1 x 6 + 9 = 15.
+    assert replay_time([2.0, 1.0], [4.0, 2.0], 2) == 13.0
+    assert iteration_time([6.0, 3.0], 2) == 15.0
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        P, M = int(rng.integers(2, 6)), int(rng.integers(1, 17))
+        loads = rng.uniform(0.5, 2.0, P)
+        f, b = loads / 3, 2 * loads / 3
+        # GPipe with forward and backward in one ratio on every stage: the closed form is exact
+        assert replay_time(f, b, M, schedule="gpipe") == pytest.approx(iteration_time(loads, M))
+        # 1F1B: never above the closed form, which is its upper bound
+        assert replay_time(f, b, M) <= iteration_time(loads, M) + 1e-12
+    # equal stages: (M + P - 1) stage times in both
+    assert replay_time([1.0] * 4, [2.0] * 4, 16) == pytest.approx(19 * 3.0)
+    # the case the planner got wrong: a slow first stage hides most of the others' fill behind its warm-up
+    slow_first = [2.78, 1.81, 1.83, 1.85]
+    t_replay = replay_time([x / 48 for x in slow_first], [x / 24 for x in slow_first], 16)
+    assert t_replay < 0.96 * iteration_time([x / 16 for x in slow_first], 16)
+    with pytest.raises(ConfigError, match="one of each per stage"):
+        replay_time([1.0, 1.0], [2.0], 4)
+
+
+def test_planner_decisions_follow_the_given_time_model():
+    costs = [1.0] * 4 + [0.1] * 12
+    # a model in which fewer stages are never slower: pack down to min_stages
+    assert plan_repack(costs, 4, 8, slack=0.0, time_fn=lambda sizes: 1.0) == partition_by_time(costs, 2)
+    # one in which fewer stages are always much slower: keep all four
+    assert plan_repack(costs, 4, 8, slack=0.1, time_fn=lambda sizes: 10.0 / len(sizes)) is None
+    # adoption compares the model's times of the current and proposed partition
+    def faster_when_balanced(sizes):
+        return 2.0 if list(sizes) == [8, 8] else 3.0
+    adopt, gain, cost = should_adopt([1.0] * 16, [12, 4], [8, 8], 8, 10, [0.0] * 16, 1e9,
+                                     time_fn=faster_when_balanced)
+    assert adopt and gain == pytest.approx(10.0) and cost == 0.0
+    adopt, gain, _ = should_adopt([1.0] * 16, [12, 4], [8, 8], 8, 10, [0.0] * 16, 1e9, time_fn=lambda s: 2.0)
+    assert not adopt and gain == 0.0
+
+
+def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares():
+    from types import SimpleNamespace
+
+    from moebal.pipeline.runner import PipelineRunner
+    tr = CostTracker(4)
+    # layers 0-2 measured 1 : 2, layer 3 frozen (forward only), embedding 0.5 forward, head 0.25 + 0.5
+    tr.update(np.array([1.0, 1.0, 1.0, 3.0, 0.5, 0.25]), np.array([2.0, 2.0, 2.0, 0.0, 0.0, 0.5]),
+              np.zeros(6))
+    runner = SimpleNamespace(tracker=tr, kappa=2.0, L=4, comm_s=0.1, opts=SimpleNamespace(schedule="1f1b"),
+                             _num_micro=lambda: 4)
+    costs = tr.layer_costs() * 2.0  # what `_costs` gives: wall seconds (CPU x kappa)
+    t_iter = PipelineRunner._time_fn(runner, costs)
+    # stage 0: layers 0-1 + embedding: forward 2 x 2 + 1 = 5, backward 2 x 4 = 8; stage 1: layers 2-3 + head:
+    # forward 2 + 6 + 0.5 = 8.5, backward 4 + 0 + 1 = 5
+    assert t_iter([2, 2]) == replay_time([5.0, 8.5], [8.0, 5.0], 4, 0.1)
+    assert t_iter([1, 3]) == replay_time([3.0, 10.5], [4.0, 9.0], 4, 0.1)
 
 
 def test_repack_releases_ranks_when_fewer_stages_run_as_fast():
