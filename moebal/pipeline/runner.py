@@ -22,6 +22,7 @@ surviving subsequence. Data-parallel replicas take identical decisions from iden
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -590,12 +591,13 @@ class PipelineRunner:
         extra_f = [tr.fwd[self.L] * k, tr.fwd[self.L + 1] * k]
         extra_b = [tr.bwd[self.L] * k, tr.bwd[self.L + 1] * k]
 
-        def t_iter(sizes: Sequence[int]) -> float:
+        @functools.cache  # the planner asks for the same partitions more than once per plan point
+        def replay(sizes: tuple[int, ...]) -> float:
             f = stage_loads(fwd_c, sizes, extra_f[0], extra_f[1])
             b = stage_loads(bwd_c, sizes, extra_b[0], extra_b[1])
             return float(replay_time(f, b, M, float(self.comm_s), self.opts.schedule))
 
-        return t_iter
+        return lambda sizes: replay(tuple(int(x) for x in sizes))
 
     def _costs(self) -> np.ndarray:
         """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa), scaled by the
