@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from moebal.train.precision import bf16_native
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -89,7 +91,11 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
+        # what `train.precision: auto` resolves to here: the same benchmark computes in bf16 on one 2-core EPYC
+        # and in fp32 on another, and the CPU name does not tell them apart
+        "cpu_bf16_native": bf16_native(torch.device("cpu")),
     }
     if torch.cuda.is_available():
         env["cuda_device"] = torch.cuda.get_device_name(0)
+        env["cuda_bf16_native"] = bf16_native(torch.device("cuda"))
     return env
