@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from moebal.train.precision import bf16_native
-
 
 @dataclass(frozen=True)
 class Timing:
@@ -75,6 +73,8 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 2, r
 
 def environment() -> dict[str, Any]:
     """Hardware and versions to record next to every figure."""
+    from moebal.train.precision import bf16_native  # here: moebal.train imports the kernels package
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
