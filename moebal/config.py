@@ -309,8 +309,8 @@ class SchedulerConfig:
 class PipelineConfig:
     """Pipeline stages (parallel.pp > 1): schedule, micro-batches and per-iteration layer rebalancing."""
 
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule."""
+    schedule: Literal["1f1b", "gpipe", "zb"] = "1f1b"
+    """Pipeline schedule: 1f1b, gpipe, or zb (zero bubble: weight gradients deferred into the bubbles)."""
     micro_batches: int = 4
     """Micro-batches per iteration (capped at the rows of a data-parallel shard)."""
     rebalance: Literal["off", "partition", "diffusion"] = "off"
@@ -846,6 +846,10 @@ def _check_moe(c: Config) -> None:
 
 def _check_pipeline(p: PipelineConfig) -> None:
     dyn = p.dynamic
+    _need(p.schedule != "zb" or p.microbatching == "fixed",
+          f"'pipeline.schedule: zb' runs fixed micro-batches; planned micro-batching ({p.microbatching!r}) chooses "
+          "its own schedules from 'pipeline.dynamic.schedules': set pipeline.schedule to 1f1b, or "
+          "pipeline.microbatching to fixed")
     _need(dyn.thin >= 0, f"'pipeline.dynamic.thin' must be >= 0 (0: exact DP); got {dyn.thin}")
     _need(dyn.pad_multiple >= 1 and dyn.workers >= 0 and dyn.lookahead >= 1,
           f"'pipeline.dynamic.pad_multiple' and 'lookahead' must be >= 1 and 'workers' >= 0; got "

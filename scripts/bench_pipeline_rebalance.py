@@ -124,7 +124,8 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         cfg = bench_config(group["steps"], group["scheme"])
         bal, repack = VARIANTS[name]
         dilated = group["wait"] == "dilate"
-        opts = PipelineOptions(micro_batches=16, rebalance=bal, every=4, ema=0.7, repack=repack,
+        opts = PipelineOptions(schedule=group["schedule"], micro_batches=16, rebalance=bal, every=4, ema=0.7,
+                               repack=repack,
                                wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         options = REPACK if group.get("repack_experiment") else SCHEMES[group["scheme"]]
         runners[name] = PipelineRunner(cfg, opts, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
@@ -144,7 +145,8 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         return None
     out = []
     for name, s in summaries.items():
-        out.append({"scheme": group["scheme"], "wait": group["wait"], "round": group["round"], "variant": name,
+        out.append({"scheme": group["scheme"], "wait": group["wait"], "schedule": group["schedule"],
+                    "round": group["round"], "variant": name,
                     "repack_experiment": bool(group.get("repack_experiment")),
                     "balancer": VARIANTS[name][0].replace("off", "static"), "repack": VARIANTS[name][1],
                     "records": s.records, "plans": s.plans, "gantt": s.gantt, "wall_s": wall,
@@ -160,7 +162,8 @@ def _rank_main(rank: int, world: int, groups: list[dict[str, Any]]) -> list[dict
         dist.barrier()
         if res is not None:
             results += res
-            print(f"  {group['scheme']:<10} wait={group['wait']:<5} {', '.join(group['variants'])}: "
+            print(f"  {group['scheme']:<10} {_mode(group['wait'], group['schedule']):<9} "
+                  f"{', '.join(group['variants'])}: "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return results
 
@@ -196,7 +199,8 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
     predicted = [r["predicted_imbalance"] for r in win if "predicted_imbalance" in r]
     return {
         "scheme": run["scheme"], "balancer": run["balancer"], "repack": run["repack"], "wait": run["wait"],
-        "mode": run["wait"], "round": run["round"], "variant": run["variant"],
+        "schedule": run["schedule"], "mode": _mode(run["wait"], run["schedule"]), "round": run["round"],
+        "variant": run["variant"],
         "repack_experiment": run["repack_experiment"],
         "throughput": throughput, "active_ranks": active, "throughput_per_rank": throughput / active,
         "window_steps": [win[0]["step"], win[-1]["step"]],
@@ -209,7 +213,8 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "predicted_imbalance": statistics.median(predicted) if predicted else None,
         "stage_busy_s_median": per_stage["stage_busy_s"], "stage_cpu_s_median": per_stage["stage_cpu_s"],
         "pipeline_s_median": statistics.median(r["pipeline_s"] for r in win),
-        "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], 16),
+        "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], 16,
+                                             schedule=run["schedule"]),
         "stage_cpu_s": last["stage_cpu_s"], "final_sizes": last["sizes"], "stages_at_end": last["stages"],
         "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
         "bytes_moved": sum(r["bytes_moved"] for r in moves), "released_ranks": released,
@@ -220,29 +225,36 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "wall_s": run["wall_s"]}
 
 
+def _mode(wait: str, schedule: str) -> str:
+    """What a figure is reported under: the wait mode, and the schedule when it is not 1F1B ("dilate+zb")."""
+    return wait if schedule == "1f1b" else f"{wait}+{schedule}"
+
+
 def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
-                 repack_only: bool = False) -> list[dict[str, Any]]:
+                 repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",)) -> list[dict[str, Any]]:
     groups = []
     for r in range(rounds):
         for wait in waits:
-            for scheme in [] if repack_only else schemes:
-                groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps,
-                               "variants": list(BALANCERS)})
-            if ("early_exit" in schemes or repack_only) and wait != "block":
-                groups.append({"scheme": "early_exit", "wait": wait, "round": r, "steps": steps,
-                               "variants": ["partition", "partition+repack"], "repack_experiment": True})
+            for sched in schedules:
+                for scheme in [] if repack_only else schemes:
+                    groups.append({"scheme": scheme, "wait": wait, "schedule": sched, "round": r, "steps": steps,
+                                   "variants": list(BALANCERS)})
+                if ("early_exit" in schemes or repack_only) and wait != "block":
+                    groups.append({"scheme": "early_exit", "wait": wait, "schedule": sched, "round": r,
+                                   "steps": steps, "variants": ["partition", "partition+repack"],
+                                   "repack_experiment": True})
     return groups
 
 
 def _paired(rows: list[dict[str, Any]], key: str, better: str = "higher") -> dict[tuple[str, str, str], float]:
-    """Median over rounds of each round's ratio rebalanced / static, per (wait, scheme, balancer).
+    """Median over rounds of each round's ratio rebalanced / static, per (mode, scheme, balancer).
 
     Variants of one round run interleaved step by step, so their ratio is the side-by-side figure; rounds run
     minutes apart under whatever else the machine does, so a ratio of medians taken over different rounds
     would mix one round's static with another round's rebalanced run."""
     by: dict[tuple[str, str, int], dict[str, float]] = {}
     for r in rows:
-        by.setdefault((r["wait"], r["scheme"], r["round"]), {})[r["balancer"]] = r[key]
+        by.setdefault((r["mode"], r["scheme"], r["round"]), {})[r["balancer"]] = r[key]
     ratios: dict[tuple[str, str, str], list[float]] = {}
     for (wait, scheme, _), vals in by.items():
         for bal, v in vals.items():
@@ -262,13 +274,14 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["cpu_model_speedup"][f"{wait}/{scheme}/{bal}"] = round(v, 3)
     for r in plain:
         if r["balancer"] != "static":
-            static = [x for x in plain if (x["wait"], x["scheme"], x["round"], x["balancer"])
-                      == (r["wait"], r["scheme"], r["round"], "static")]
+            static = [x for x in plain if (x["mode"], x["scheme"], x["round"], x["balancer"])
+                      == (r["mode"], r["scheme"], r["round"], "static")]
             if static:
-                out["speedup_per_round"].setdefault(f"{r['wait']}/{r['scheme']}/{r['balancer']}", []).append(
+                out["speedup_per_round"].setdefault(f"{r['mode']}/{r['scheme']}/{r['balancer']}", []).append(
                     round(r["throughput"] / static[0]["throughput"], 3))
     goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
-    for wait in ("spin", "dilate"):
+    modes = sorted({r["mode"] for r in rows if not r["mode"].startswith("block")})
+    for wait in modes:
         for scheme, target in goal.items():
             best = max(out["speedup"].get(f"{wait}/{scheme}/{b}", 0.0) for b in ("partition", "diffusion"))
             if f"{wait}/{scheme}/partition" in out["speedup"]:
@@ -280,9 +293,9 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["targets"]["rebalancing overhead <= 5% of training time (worst run)"] = {
             "measured": round(worst, 4), "met": worst <= 0.05,
             "median": round(statistics.median(r["overhead_fraction"] for r in dyn), 4)}
-    for wait in ("spin", "dilate"):
-        packed = [r for r in rows if r["repack_experiment"] and r["repack"] and r["wait"] == wait]
-        unpacked = [r for r in rows if r["repack_experiment"] and not r["repack"] and r["wait"] == wait]
+    for wait in modes:
+        packed = [r for r in rows if r["repack_experiment"] and r["repack"] and r["mode"] == wait]
+        unpacked = [r for r in rows if r["repack_experiment"] and not r["repack"] and r["mode"] == wait]
         if packed and unpacked:  # per-round ratios of the interleaved pair, median over rounds
             pair = {r["round"]: r for r in unpacked}
             ratio = statistics.median(r["throughput"] / pair[r["round"]]["throughput"] for r in packed)
@@ -306,11 +319,13 @@ def write_png(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path
 
     from moebal.pipeline.gantt import draw_gantt
 
-    shown = "dilate" if any(r["wait"] == "dilate" for r in rows) else "spin"
-    spin = [r for r in rows if r["wait"] == shown and not r.get("repack_experiment")]
+    modes = {r["mode"] for r in rows}
+    shown = next((m for m in ("dilate+zb", "dilate", "spin+zb", "spin") if m in modes), "spin")
+    spin = [r for r in rows if r["mode"] == shown and not r.get("repack_experiment")]
     schemes = sorted({r["scheme"] for r in spin}, key=list(SCHEMES).index)
     gantt = next((g["gantt"] for g in runs if g["scheme"] == "early_exit" and g["variant"] == "partition"
-                  and "before" in g["gantt"] and "after" in g["gantt"]), None)
+                  and _mode(g["wait"], g["schedule"]) == shown and "before" in g["gantt"] and "after" in g["gantt"]),
+                 None)
     fig = plt.figure(figsize=(12, 9 if gantt else 4.5))
     grid = fig.add_gridspec(3 if gantt else 1, 1, height_ratios=[1.4, 1, 1] if gantt else [1])
     ax = fig.add_subplot(grid[0])
@@ -346,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="steps per run (default 45, quick 36)")
     ap.add_argument("--raw", type=Path, help="also write every run's per-step records and plans here")
     ap.add_argument("--repack-only", action="store_true", help="run only the re-pack experiment")
+    ap.add_argument("--schedule", choices=("1f1b", "zb", "both"), default="1f1b",
+                    help="pipeline schedule of every variant (zb: zero bubble); both: each group under each")
     args = ap.parse_args(argv)
     schemes = args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
     unknown = set(schemes) - set(SCHEMES)
@@ -355,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (36 if args.quick else 45)
     settle = min(20 if args.quick else 25, steps // 2)
     waits = list(WAITS) if args.wait == "all" else [args.wait]
-    groups = build_groups(schemes, rounds, steps, waits, args.repack_only)
+    schedules = ("1f1b", "zb") if args.schedule == "both" else (args.schedule,)
+    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
@@ -363,19 +381,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise_run(r, settle) for r in runs]
     same_losses = {}
     for r in runs:
-        key = f"{r['wait']}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}/round{r['round']}"
+        key = (f"{_mode(r['wait'], r['schedule'])}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}"
+               f"/round{r['round']}")
         same_losses.setdefault(key, []).append([x["loss"] for x in r["records"]])
     same_losses = {k: all(v == ls[0] for v in ls) for k, ls in same_losses.items()}
     report = {"benchmark": "pipeline_rebalance", "records": rows,
               "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
               "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": SCHEMES,
                          "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
-                         "micro_batches": 16, "schedule": "1f1b", "every": 4, "ema": 0.7, "steps": steps,
+                         "micro_batches": 16, "schedules": list(schedules), "every": 4, "ema": 0.7, "steps": steps,
                          "settle": settle, "rounds": rounds, "ranks": 4, "threads_per_rank": 1, "dilate": DILATE},
               "env": {**environment(), "git": _git(), "wall_s": round(time.time() - t0, 1)}}
     for r in rows:
         name = r["variant"] + (" (pack exp.)" if r["repack_experiment"] else "")
-        print(f"{r['wait']:<5} {r['scheme']:<10} {name:<29}"
+        print(f"{r['mode']:<9} {r['scheme']:<10} {name:<29}"
               f"{r['throughput']:8.1f} tok/s  bubble {r['bubble_ratio']:.2f}  cpu max/mean {r['cpu_imbalance']:.2f}  "
               f"sizes {r['final_sizes']}  moves {r['layers_moved']}  overhead {r['overhead_fraction']:.1%}"
               f"{'  released ' + str(r['released_ranks']) if r['released_ranks'] else ''}")

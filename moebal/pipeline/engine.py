@@ -16,6 +16,8 @@ One iteration on stage p (`PipelineEngine.run`):
            auxiliary loss from their summed statistics: its gradient reaches every rank's own tokens through
            the differentiable all-reduce, and the gradient sync sums the n copies), and send dL/dh_in to
            stage p - 1 (non-blocking);
+     W(j): (zero-bubble schedule only) the weight gradients of the stage's Linear layers for micro-batch j,
+           which its B left for later (`wgrad.py`); local, no message;
   3. wait for every posted send (`chain.flush`).
 A gradient crosses the boundary in front of stage p only when something before it trains: with a frozen
 prefix of n layers, stages starting at layer <= n receive no gradient and their predecessors send none, on
@@ -38,6 +40,7 @@ from moebal.pipeline.dynamism import Dynamism
 from moebal.pipeline.observe import LayerProfiler
 from moebal.pipeline.schedule import make_schedule
 from moebal.pipeline.stage import PipelineStage
+from moebal.pipeline.wgrad import WeightGradQueue
 
 __all__ = ["IterationResult", "PipelineEngine"]
 
@@ -77,6 +80,7 @@ class PipelineEngine:
         self.schedule_name, self.num_micro = schedule, num_micro
         self.autocast = autocast or nullcontext
         make_schedule(schedule, chain.size, chain.index, num_micro)  # validates the names and sizes
+        self.wgrad = WeightGradQueue()
         self.profiler: LayerProfiler | None = None
         self.record_ops = False
         self.dilate = 1.0
@@ -108,11 +112,19 @@ class PipelineEngine:
         saved: dict[int, _Saved] = {}
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
         self._cpu0 = 0.0
-        for kind, j in make_schedule(self.schedule_name, self.chain.size, self.chain.index, M):
-            if kind == "F":
-                saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
-            else:
-                self._backward(j, saved.pop(j), M, result)
+        ops = make_schedule(self.schedule_name, self.chain.size, self.chain.index, M)
+        split = any(kind == "W" for kind, _ in ops)
+        self.wgrad.clear()
+        with self.wgrad.installed(self.stage) if split else nullcontext():
+            for kind, j in ops:
+                if kind == "F":
+                    with self.wgrad.capture(j) if split else nullcontext():
+                        saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
+                elif kind == "B":
+                    self._backward(j, saved.pop(j), M, result)
+                else:
+                    self._weight_grads(j, result)
+        assert self.wgrad.pending() == 0, "a deferred weight gradient was never run"
         self.chain.flush()
         return result
 
@@ -158,6 +170,7 @@ class PipelineEngine:
         frozen = self.scheme.frozen_prefix()
         with self.autocast():
             if self.chain.is_first:
+                self.wgrad.slot = st.num_layers_slot()
                 with _maybe(prof, st.num_layers_slot(), st.model.embed_tokens), _grad(frozen == 0):
                     h = st.embed(ids_BT)
             else:
@@ -166,6 +179,7 @@ class PipelineEngine:
             aux: list[torch.Tensor] = []
             for i in st.layer_ids:
                 _mark(h, prof, marks, i)
+                self.wgrad.slot = i
                 layer = st.layer(i)
                 with _maybe(prof, i, layer), _grad(i >= frozen):
                     h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
@@ -176,6 +190,7 @@ class PipelineEngine:
                         aux.append(a.float() * aux_w / self.aux_ranks)
             if self.chain.is_last:
                 _mark(h, prof, marks, st.num_layers_slot() + 1)
+                self.wgrad.slot = st.num_layers_slot() + 1
                 with _maybe(prof, st.num_layers_slot() + 1, None):
                     out = st.head_loss_sum(h, labels_BT) / label_count
                 result.loss_sum += float(out.detach())
@@ -217,6 +232,20 @@ class PipelineEngine:
             assert s.h_in is not None and s.h_in.grad is not None, "stage input received no gradient"
             return s.h_in.grad
         return None
+
+    def _weight_grads(self, j: int, result: IterationResult) -> None:
+        """W(j): the deferred Linear weight gradients of micro-batch j, timed per cost slot when profiling."""
+        t0 = time.perf_counter()
+        self._cpu0 = time.thread_time()
+        prof = self.profiler
+        for slot, fn in self.wgrad.pop(j):
+            if prof is None:
+                fn()
+            else:
+                c0 = prof.clock()
+                fn()
+                prof.add_weight_grad(slot, j, prof.clock() - c0)
+        self._op_done(result, "W", j, t0)
 
     def _slots(self) -> list[int]:
         L = self.stage.num_layers_slot()

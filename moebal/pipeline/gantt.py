@@ -1,8 +1,9 @@
 """Per-stage timelines (Gantt charts) of one pipeline iteration, before and after rebalancing.
 
-A timeline is a list of rows (stage, kind, micro-batch, start, end), kind 0 = forward and 1 = backward, times
-in seconds from the iteration's first op (`PipelineRunner` keeps one before the first adopted plan and one
-after the latest). matplotlib is imported only when drawing.
+A timeline is a list of rows (stage, kind, micro-batch, start, end), kind 0 = forward, 1 = backward and 2 =
+deferred weight gradients (the zero-bubble schedule's W), times in seconds from the iteration's first op
+(`PipelineRunner` keeps one before the first adopted plan and one after the latest). matplotlib is imported
+only when drawing.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ def timeline_stats(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 def draw_gantt(ax: Any, rows: Sequence[Row], title: str = "", xmax: float | None = None) -> None:
-    """One timeline on a matplotlib axis: a lane per stage, forwards light, backwards dark, micro-batch numbers."""
+    """One timeline on a matplotlib axis: a lane per stage, forwards light, backwards dark, weight gradients
+    (W) orange, micro-batch numbers."""
     stages = sorted({int(r[0]) for r in rows})
     lane = {s: i for i, s in enumerate(stages)}
     for stage, kind, mb, start, end in rows:
         y = lane[int(stage)]
-        color = "#9ecae1" if kind == 0 else "#3182bd"
+        color = ("#9ecae1", "#3182bd", "#fd8d3c")[int(kind)]
         ax.barh(y, end - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.4)
         if end - start > 0.02 * (xmax or max(r[4] for r in rows)):
             ax.text((start + end) / 2, y, str(int(mb)), ha="center", va="center", fontsize=6,
-                    color="black" if kind == 0 else "white")
+                    color="white" if kind == 1 else "black")
     st = timeline_stats(rows)
     ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
     ax.invert_yaxis()

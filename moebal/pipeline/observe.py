@@ -9,7 +9,9 @@ forward plus backward time for one micro-batch, the median over the profiled ite
 Backward time comes from gradient hooks on the tensors between layers: layer i's backward runs from the
 moment the gradient of its output is complete to the moment the gradient of its input is. A frozen layer
 has no backward, so its measured cost is its forward alone (DynMo's cost model says 0, which is wrong: the
-forward still runs). Communication is not part of a layer's cost.
+forward still runs). Under the zero-bubble schedule a layer's deferred weight gradients (its W share) are
+timed when W runs and added to that micro-batch's backward, so a cost means the same on every schedule.
+Communication is not part of a layer's cost.
 
 Clock: on a CPU, a layer's cost is the CPU time of the rank's thread (`time.thread_time`, one intra-op thread;
 `process_time` with more), not wall time: when more ranks share the machine than it has cores, wall time
@@ -71,6 +73,8 @@ class LayerProfiler:
         self.fwd: dict[int, list[float]] = {}
         self.bwd: dict[int, list[float]] = {}
         self.act: dict[int, list[float]] = {}
+        self.wgt: dict[tuple[int, int], float] = {}
+        """(slot, micro-batch) -> deferred weight-gradient time (zero-bubble W ops), added to that backward."""
         self._saved = 0
         self._param_ptrs: set[int] = set()
 
@@ -111,13 +115,19 @@ class LayerProfiler:
             self.add(self.bwd, slot, max(end - prev, 0.0))
             prev = end
 
+    def add_weight_grad(self, slot: int, micro_batch: int, seconds: float) -> None:
+        key = (slot, micro_batch)
+        self.wgt[key] = self.wgt.get(key, 0.0) + seconds
+
     def result(self, owned: list[int]) -> IterationProfile:
         fwd = np.full(self.L + 2, -1.0)
         bwd = np.full(self.L + 2, -1.0)
         act = np.full(self.L + 2, -1.0)
         for slot in owned:
             fwd[slot] = float(np.median(self.fwd.get(slot, [0.0])))
-            bwd[slot] = float(np.median(self.bwd.get(slot, [0.0])))
+            # B(j) runs in micro-batch order on every schedule: entry j of a slot's list is micro-batch j
+            back = [b + self.wgt.get((slot, j), 0.0) for j, b in enumerate(self.bwd.get(slot, [0.0]))]
+            bwd[slot] = float(np.median(back))
             act[slot] = float(np.median(self.act.get(slot, [0.0])))
         return IterationProfile(fwd, bwd, act)
 

@@ -55,7 +55,7 @@ from moebal.pipeline.partition import (
     should_adopt,
     stage_loads,
 )
-from moebal.pipeline.schedule import in_flight
+from moebal.pipeline.schedule import SCHEDULES, in_flight
 from moebal.pipeline.stage import PipelineStage
 from moebal.train.precision import uses_bf16
 
@@ -69,7 +69,7 @@ class PipelineOptions:
     """How the pipeline runs and rebalances (the `pipeline:` part of a run's settings)."""
 
     schedule: str = "1f1b"
-    """'1f1b' or 'gpipe'."""
+    """'1f1b', 'gpipe' or 'zb' (zero bubble: 1F1B's memory, weight gradients deferred into the bubbles)."""
     micro_batches: int = 4
     """Micro-batches per iteration (capped at the rows of a data-parallel shard)."""
     rebalance: str = "off"
@@ -111,8 +111,8 @@ class PipelineOptions:
     """Keep one iteration's per-op timeline before and after each adopted plan (for the Gantt chart)."""
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ConfigError(f"pipeline.schedule must be '1f1b' or 'gpipe'; got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.rebalance not in BALANCERS:
             raise ConfigError(f"pipeline.rebalance must be one of {', '.join(BALANCERS)}; got {self.rebalance!r}")
         if self.initial not in ("uniform", "params"):
@@ -694,7 +694,7 @@ class PipelineRunner:
     def _keep_gantt(self, which: str, res: IterationResult) -> None:
         if not self.opts.record_ops or (which == "before" and "before" in self.gantt):
             return
-        kinds = {"F": 0.0, "B": 1.0}
+        kinds = {"F": 0.0, "B": 1.0, "W": 2.0}
         rows = torch.tensor([[float(self.chain.index), kinds[k], float(j), s, e] for k, j, s, e in res.ops],
                             dtype=torch.float64).reshape(-1)
         parts = self.chain.allgather_1d(rows)

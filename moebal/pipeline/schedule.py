@@ -2,10 +2,24 @@
 
 Shape legend: P = stages, M = micro-batches.
 
-A schedule is a list of `(kind, micro_batch)` with kind "F" (forward) or "B" (backward). Both schedules below
-are deadlock-free under the engine's communication rule (every send is non-blocking, every receive blocks):
-a stage's receive for F(j) waits only on F(j) upstream, its receive for B(j) only on B(j) downstream, and
-B(j) on the last stage follows F(j) on that same stage, so the wait graph is acyclic.
+A schedule is a list of `(kind, micro_batch)` with kind "F" (forward), "B" (backward) or "W" (weight
+gradients). GPipe and 1F1B have no W: their B computes every gradient. They are deadlock-free under the
+engine's communication rule (every send is non-blocking, every receive blocks): a stage's receive for F(j)
+waits only on F(j) upstream, its receive for B(j) only on B(j) downstream, and B(j) on the last stage
+follows F(j) on that same stage, so the wait graph is acyclic.
+
+Zero bubble ("zb", after Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): B(j) computes only what the
+previous stage waits for (gradients of activations, and of the parameters outside Linear layers), and W(j)
+later computes the Linear weight gradients of micro-batch j (half of a Linear layer's backward GEMMs, no
+communication). A W can be put where a stage would otherwise wait, so the pipeline's warm-up and drain
+bubbles shrink. The order is not a fixed pattern but generated (`zero_bubble`): a greedy replay of all
+stages on unit times (F = B = W, the paper's assumption) in which a free stage runs, by priority, the next
+B whose gradient has arrived, else the next F whose input has arrived, else its oldest pending W. A
+micro-batch holds memory on stage p from its F to its W, and at most P - p of them may (1F1B's bound for
+activations), so a stage runs a W before an F when the bound is reached. The per-stage orders come from
+one feasible global timeline, so executing them with blocking receives cannot deadlock, whatever the real
+times. Settled here, not in the paper: the paper's ZB-H1 is a hand-made pattern and ZB-H2/auto need a
+solver and optimizer-step rollback; the greedy rule gives ZB-H1's memory bound with no solver.
 
 `simulate` replays per-stage schedules on given per-micro-batch times (the same rule, no communication
 cost unless given) and is what the planner's predicted iteration time and the Gantt charts of a plan use.
@@ -13,12 +27,14 @@ cost unless given) and is what the planner's predicted iteration time and the Ga
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moebal.errors import ConfigError
 
-__all__ = ["SCHEDULES", "Op", "TimedOp", "gpipe", "make_schedule", "one_f_one_b", "simulate"]
+__all__ = ["SCHEDULES", "W_SHARE", "Op", "TimedOp", "gpipe", "make_schedule", "one_f_one_b", "simulate",
+           "zero_bubble"]
 
 Op = tuple[str, int]
 
@@ -48,7 +64,64 @@ def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[Op]:
     return ops
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(num_stages: int, stage: int, num_micro: int) -> list[Op]:
+    """Stage `stage`'s F / B / W order under the zero-bubble rule (see the module docstring)."""
+    _check(num_stages, stage, num_micro)
+    return list(_zero_bubble_orders(num_stages, num_micro)[stage])
+
+
+@functools.cache
+def _zero_bubble_orders(P: int, M: int) -> tuple[tuple[Op, ...], ...]:
+    f_end: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> time its F ends (unit times: integers)
+    b_end: dict[tuple[int, int], int] = {}
+    nf, nb, nw = [0] * P, [0] * P, [0] * P  # F, B, W done per stage (each in micro-batch order)
+    clock = [0] * P
+    orders: list[list[Op]] = [[] for _ in range(P)]
+
+    def choice(p: int) -> str | None:
+        now = clock[p]
+        if nb[p] < nf[p]:
+            j = nb[p]
+            arrived = f_end[(p, j)] if p == P - 1 else b_end.get((p + 1, j))
+            if arrived is not None and arrived <= now:
+                return "B"
+        if nf[p] < M and nf[p] - nw[p] < min(P - p, M):
+            arrived = 0 if p == 0 else f_end.get((p - 1, nf[p]))
+            if arrived is not None and arrived <= now:
+                return "F"
+        return "W" if nw[p] < nb[p] else None
+
+    while any(nw[p] < M for p in range(P)):
+        live = [p for p in range(P) if nw[p] < M]
+        now = min(clock[p] for p in live)
+        ready = [p for p in live if clock[p] == now and choice(p) is not None]
+        if not ready:  # every stage at `now` waits: move them to the next moment anything ends
+            later = [t for t in (*f_end.values(), *b_end.values(), *(clock[p] for p in live)) if t > now]
+            assert later, "zero-bubble generation deadlocked"  # programmer invariant: some op is always running
+            for p in live:
+                if clock[p] == now:
+                    clock[p] = min(later)
+            continue
+        for p in ready:
+            kind = choice(p)
+            assert kind is not None
+            done = (nf if kind == "F" else nb if kind == "B" else nw)
+            j = done[p]
+            orders[p].append((kind, j))
+            done[p] += 1
+            clock[p] += 1
+            if kind == "F":
+                f_end[(p, j)] = clock[p]
+            elif kind == "B":
+                b_end[(p, j)] = clock[p]
+    return tuple(tuple(o) for o in orders)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
+
+W_SHARE = 0.5
+"""Share of a backward that is W under "zb", for replays from a backward time alone (a Linear layer's backward
+is two equal GEMMs, one of them W; attention cores and norms have no W, so measured shares run lower)."""
 
 
 def make_schedule(name: str, num_stages: int, stage: int, num_micro: int) -> list[Op]:
@@ -58,10 +131,13 @@ def make_schedule(name: str, num_stages: int, stage: int, num_micro: int) -> lis
 
 
 def in_flight(name: str, num_stages: int, stage: int, num_micro: int) -> int:
-    """Most micro-batches whose activations a stage holds at once (for the memory model)."""
+    """Most micro-batches whose activations a stage holds at once (for the memory model): from F to B, or
+    to W where the schedule has W (the inputs and output gradients of Linear layers wait for it)."""
+    ops = make_schedule(name, num_stages, stage, num_micro)
+    release = "W" if any(kind == "W" for kind, _ in ops) else "B"
     alive = peak = 0
-    for kind, _ in make_schedule(name, num_stages, stage, num_micro):
-        alive += 1 if kind == "F" else -1
+    for kind, _ in ops:
+        alive += 1 if kind == "F" else -1 if kind == release else 0
         peak = max(peak, alive)
     return peak
 
@@ -78,9 +154,11 @@ class TimedOp:
 Times = Sequence[Sequence[float]] | Sequence[float]
 
 
-def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 0.0) -> tuple[float, list[TimedOp]]:
+def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 0.0,
+             w_share: float = W_SHARE) -> tuple[float, list[TimedOp]]:
     """(makespan, ops) of one iteration; `fwd[p]`/`bwd[p]` are stage p's per-micro-batch times (a number, or
-    one per micro-batch). A backward time of 0 means the stage has nothing to differentiate (frozen)."""
+    one per micro-batch). A backward time of 0 means the stage has nothing to differentiate (frozen). Under a
+    schedule with W ops, B takes (1 - w_share) of the backward time and W the rest."""
     P = len(fwd)
     if len(bwd) != P:
         raise ConfigError(f"fwd has {P} stages but bwd has {len(bwd)}")
@@ -89,6 +167,7 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
         return float(x) if isinstance(x, (int, float)) else float(x[j])
 
     scheds = [make_schedule(name, P, p, num_micro) for p in range(P)]
+    has_w = [any(kind == "W" for kind, _ in sched) for sched in scheds]
     done: dict[tuple[str, int, int], float] = {}
     pos, free = [0] * P, [0.0] * P
     out: list[TimedOp] = []
@@ -99,6 +178,14 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
                 continue
             kind, j = scheds[p][pos[p]]
             dep = ("F", p - 1, j) if kind == "F" else ("B", p + 1, j)
+            if kind == "W":
+                start = free[p]
+                end = start + at(bwd[p], j) * w_share
+                done[(kind, p, j)] = free[p] = end
+                out.append(TimedOp(p, kind, j, start, end))
+                pos[p] += 1
+                progressed = True
+                continue
             if (kind == "F" and p == 0) or (kind == "B" and p == P - 1):
                 ready = done[("F", p, j)] if kind == "B" else 0.0
             elif dep in done:
@@ -106,10 +193,11 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
             else:
                 continue
             start = max(free[p], ready)
-            end = start + (at(fwd[p], j) if kind == "F" else at(bwd[p], j))
+            split = w_share if has_w[p] else 0.0
+            end = start + (at(fwd[p], j) if kind == "F" else at(bwd[p], j) * (1.0 - split))
             done[(kind, p, j)] = free[p] = end
             out.append(TimedOp(p, kind, j, start, end))
             pos[p] += 1
             progressed = True
-        assert progressed, "schedule deadlocked"  # programmer invariant: both schedules are acyclic
+        assert progressed, "schedule deadlocked"  # programmer invariant: every schedule here is acyclic
     return max(free), out

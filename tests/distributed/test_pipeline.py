@@ -128,11 +128,19 @@ def _two_ranks(rank: int, world: int) -> dict:
         **{f"{name}_{case}": _train(tiny(n_layers=6, pp=world, moe=4 if name == "moe" else 0), 6, name,
                                     micro_batches=2, force=force)
            for name in SCHEMES for case, force in (("static", ()), ("forced", ((2, (2, 4)), (4, (5, 1)))))},
+        **{f"{name}_zb": _train(tiny(n_layers=6, pp=world, moe=4 if name == "moe" else 0), 6, name,
+                                micro_batches=2, schedule="zb", force=((2, (2, 4)), (4, (5, 1))))
+           for name in SCHEMES},
+        "zb": _train(cfg, 4, micro_batches=4, schedule="zb"),
+        "bf16_1f1b": _train(tiny(pp=world, precision="bf16"), 3, micro_batches=3),
+        "bf16_zb": _train(tiny(pp=world, precision="bf16"), 3, micro_batches=3, schedule="zb"),
         "ee_off": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2),
         "ee_partition": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2, rebalance="partition", every=2,
                                bandwidth=1e15, latency=0.0),
         "ee_diffusion": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2, rebalance="diffusion", every=2,
                                bandwidth=1e15, latency=0.0),
+        "ee_zb_partition": _train(six, 8, "early_exit", STRONG_EXIT, micro_batches=2, rebalance="partition",
+                                  every=2, bandwidth=1e15, latency=0.0, schedule="zb"),
     }
 
 
@@ -148,7 +156,10 @@ def _four_ranks(rank: int, world: int) -> dict:
     pp4 = tiny(n_layers=8, pp=4, nproc=4)
     runs = {"dp_static": lambda: _train(dp, 4, micro_batches=2),
             "dp_forced": lambda: _train(dp, 4, micro_batches=2, force=((2, (1, 3)),)),
+            "dp_zb": lambda: _train(dp, 4, micro_batches=2, schedule="zb", force=((2, (1, 3)),)),
             "pp4_static": lambda: _train(pp4, 5, micro_batches=4),
+            "pp4_zb_repack": lambda: _train(pp4, 5, micro_batches=4, schedule="zb", force=((1, (1, 1, 2, 4)),
+                                                                                         (3, (2, 2, 4)))),
             "pp4_repack_forced": lambda: _train(pp4, 5, micro_batches=4, force=((2, (3, 5)),)),
             "pp4_repack_planned": lambda: _train(pp4, 5, micro_batches=4, repack=True, repack_slack=100.0, every=2),
             "pp4_balance_then_repack": lambda: _train(pp4, 5, micro_batches=4,
@@ -204,6 +215,22 @@ def test_forced_migrations_give_exactly_the_static_losses_and_parameters(two):
     assert rec[2]["layers_moved"] == 1
 
 
+def test_zero_bubble_schedule_gives_exactly_the_losses_of_1f1b(two):
+    results = two
+    for a, b in (("1f1b", "zb"), ("bf16_1f1b", "bf16_zb")):
+        assert results[0][b]["losses"] == results[0][a]["losses"], b  # bit-identical: W is autograd's maths
+        sa, sb = _merge([r[a]["state"] for r in results]), _merge([r[b]["state"] for r in results])
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), b
+    for name in SCHEMES:  # every dynamism scheme, with forced migrations, on the zero-bubble schedule
+        assert results[0][f"{name}_zb"]["losses"] == results[0][f"{name}_static"]["losses"], name
+        assert results[0][f"{name}_zb"]["sizes"] == [5, 1], name
+    zb = results[0]["ee_zb_partition"]
+    assert zb["losses"] == results[0]["ee_off"]["losses"]
+    # the profile counts the deferred weight gradients: the costs the planner saw equal 1F1B's in scale
+    plans = [r for r in zb["records"] if "plan" in r or "migration" in r]
+    assert plans, "the early-exit profile should have moved a layer under zb too"
+
+
 def test_pipeline_with_data_parallel_matches_single_process_and_migrates(four):
     results = four
     ref, _ = reference_losses(tiny(pp=2), 4)
@@ -212,6 +239,7 @@ def test_pipeline_with_data_parallel_matches_single_process_and_migrates(four):
     assert all(math.isclose(a, b, rel_tol=2e-6) for a, b in zip(got, ref)), (got, ref)
     assert all(r["dp_forced"]["losses"] == got for r in results)
     assert all(r["dp_forced"]["sizes"] == [1, 3] for r in results)
+    assert all(r["dp_zb"]["losses"] == got and r["dp_zb"]["sizes"] == [1, 3] for r in results)
 
 
 def test_every_scheme_migrates_its_state_and_keeps_the_losses(two):
@@ -260,6 +288,9 @@ def test_repacking_releases_ranks_and_keeps_the_losses(four):
         packed = [rec for rec in survivor if rec.get("released_ranks")]
         assert len(packed) == 1 and set(packed[0]["released_ranks"]) == released, case
         assert survivor[-1]["stages"] == 4 - len(released)
+    zb = [r["pp4_zb_repack"] for r in results]  # zero bubble through a migration and a re-pack
+    assert [bool(r["released"]) for r in zb] == [False, False, True, False]
+    assert all(r["losses"] == results[0]["pp4_balance_then_repack"]["losses"] for r in zb if not r["released"])
 
 
 def test_pruning_predictions_are_the_same_on_every_stage(two):

@@ -19,6 +19,7 @@ def bench():
 
 
 def _row(scheme: str, bal: str, rnd: int, tp: float, **kw: object) -> dict:
+    kw.setdefault("mode", "dilate")
     return {"wait": "dilate", "scheme": scheme, "balancer": bal, "round": rnd, "throughput": tp,
             "cpu_model_iteration_s": 1.0 / tp, "overhead_fraction": 0.01, "repack_experiment": False, **kw}
 
@@ -46,3 +47,14 @@ def test_repack_verdict_needs_a_released_rank(bench) -> None:
     rows[1]["released_ranks"] = []
     got = bench.verdicts(rows)["targets"]["dilate: re-pack releases >= 1 of 4 ranks, throughput within 10% of unpacked"]
     assert not got["met"]
+
+
+def test_each_schedule_is_paired_with_its_own_static_run(bench) -> None:
+    rows = [_row("mod", "static", 0, 1000.0), _row("mod", "partition", 0, 1100.0),
+            _row("mod", "static", 0, 1050.0, mode="dilate+zb"), _row("mod", "partition", 0, 1218.0, mode="dilate+zb")]
+    v = bench.verdicts(rows)
+    assert v["speedup"] == {"dilate/mod/partition": 1.1, "dilate+zb/mod/partition": 1.16}
+    assert v["targets"]["dilate+zb: mod: best rebalanced / static >= 1.1"]["met"]
+    assert bench._mode("dilate", "1f1b") == "dilate" and bench._mode("spin", "zb") == "spin+zb"
+    groups = bench.build_groups(["mod"], 1, 10, ["dilate"], schedules=("1f1b", "zb"))
+    assert [(g["scheme"], g["schedule"]) for g in groups] == [("mod", "1f1b"), ("mod", "zb")]
