@@ -183,11 +183,14 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
     overhead = sum(r["overhead_s"] for r in win) / step_s + profile_frac
     moves = [r for r in recs if r.get("migration")]
     # The same iteration on dedicated devices, estimated from the measured per-stage CPU time (median over the
-    # window) by replaying the 1F1B schedule (forward : backward taken as 1 : 2): separates what balancing does
+    # window) by replaying the run's schedule (forward : backward taken as 1 : 2): separates what balancing does
     # from what 4 ranks sharing 2 vCPUs do (concurrent compute slows every rank's compute down, idle-stage
     # spinning does not)
     n_st = min(len(r["stage_cpu_s"]) for r in win)
     cpu_loads = [statistics.median(r["stage_cpu_s"][i] for r in win) / 16 for i in range(n_st)]
+    # zero bubble: each stage's W share of its (nominal 2/3) backward, as measured
+    w_loads = [statistics.median(r.get("stage_w_cpu_s", [0.0] * n_st)[i] for r in win) / 16 for i in range(n_st)]
+    w_share = [min(w / (2 * c / 3), 1.0) if c > 0 else 0.0 for w, c in zip(w_loads, cpu_loads)]
     released = sorted({x for r in recs for x in r.get("released_ranks", [])})
     last = recs[-1]
     # ranks holding a stage over the window (a re-packed run has fewer): throughput per active rank is what
@@ -214,7 +217,8 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "stage_busy_s_median": per_stage["stage_busy_s"], "stage_cpu_s_median": per_stage["stage_cpu_s"],
         "pipeline_s_median": statistics.median(r["pipeline_s"] for r in win),
         "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], 16,
-                                             schedule=run["schedule"]),
+                                             schedule=run["schedule"], w_share=w_share),
+        "w_share_of_backward": [round(x, 4) for x in w_share],
         "stage_cpu_s": last["stage_cpu_s"], "final_sizes": last["sizes"], "stages_at_end": last["stages"],
         "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
         "bytes_moved": sum(r["bytes_moved"] for r in moves), "released_ranks": released,

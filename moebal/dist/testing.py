@@ -62,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result within "
                                    f"{timeout_s:.0f}s (exited without reporting: {dead})") from None
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_failures(q, rank, value))
             results[rank] = value
     finally:
         for p in procs:
@@ -71,6 +71,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 p.terminate()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+def _failures(q: Any, rank: int, value: str, grace_s: float = 5.0) -> str:
+    """Every rank's failure that arrives within `grace_s` of the first. The first report is often not the cause:
+    a rank whose peer died reports the broken connection, and the peer's own traceback may still be in its
+    queue's feeder thread. A failure that is not a broken connection is listed first."""
+    failed = {rank: value}
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            r, ok, v = q.get(timeout=max(end - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if not ok:
+            failed[r] = v
+    broken = ("Connection reset", "Connection closed", "Broken pipe")
+    order = sorted(failed, key=lambda r: (any(b in failed[r] for b in broken), r))
+    return "\n".join(f"rank {r} failed:\n{failed[r]}" for r in order)
 
 
 def rank_pid(rank: int, marker: str) -> int | None:

@@ -57,6 +57,8 @@ class IterationResult:
     """Wall time of this stage's compute (forward and backward ops, waits excluded)."""
     busy_cpu_s: float = 0.0
     """CPU time of the same ops (what the stage would take on a core of its own)."""
+    w_cpu_s: float = 0.0
+    """The part of `busy_cpu_s` spent in W ops (deferred weight gradients; zero-bubble schedule only)."""
     ops: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(kind, micro-batch, start, end) per op, perf_counter clock (shared by local processes)."""
 
@@ -263,6 +265,8 @@ class PipelineEngine:
         t1 = time.perf_counter()
         result.busy_s += t1 - t0
         result.busy_cpu_s += cpu
+        if kind == "W":
+            result.w_cpu_s += cpu
         if self.record_ops:
             result.ops.append((kind, j, t0, t1))
 

@@ -62,6 +62,8 @@ class IterationProfile:
     fwd: np.ndarray
     bwd: np.ndarray
     act_bytes: np.ndarray
+    wgt: np.ndarray
+    """The part of `bwd` that ran as deferred weight gradients (W ops; zero outside the zero-bubble schedule)."""
 
 
 class LayerProfiler:
@@ -123,13 +125,15 @@ class LayerProfiler:
         fwd = np.full(self.L + 2, -1.0)
         bwd = np.full(self.L + 2, -1.0)
         act = np.full(self.L + 2, -1.0)
+        wgt = np.full(self.L + 2, -1.0)
         for slot in owned:
             fwd[slot] = float(np.median(self.fwd.get(slot, [0.0])))
             # B(j) runs in micro-batch order on every schedule: entry j of a slot's list is micro-batch j
             back = [b + self.wgt.get((slot, j), 0.0) for j, b in enumerate(self.bwd.get(slot, [0.0]))]
             bwd[slot] = float(np.median(back))
             act[slot] = float(np.median(self.act.get(slot, [0.0])))
-        return IterationProfile(fwd, bwd, act)
+            wgt[slot] = float(np.median([self.wgt.get((slot, j), 0.0) for j in range(max(len(back), 1))]))
+        return IterationProfile(fwd, bwd, act, wgt)
 
 
 def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
@@ -181,21 +185,25 @@ class CostTracker:
     fwd: np.ndarray = field(init=False)
     bwd: np.ndarray = field(init=False)
     act_bytes: np.ndarray = field(init=False)
+    wgt: np.ndarray = field(init=False)
+    """The part of `bwd` measured as deferred weight gradients (zero-bubble W ops; zeros otherwise)."""
     samples: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_layers + 2
-        self.fwd, self.bwd, self.act_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.fwd, self.bwd, self.act_bytes, self.wgt = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
 
     def update(self, fwd: np.ndarray, bwd: np.ndarray, act_bytes: np.ndarray,
-               factors: np.ndarray | None = None) -> None:
+               factors: np.ndarray | None = None, wgt: np.ndarray | None = None) -> None:
+        wgt = np.zeros(self.num_layers + 2) if wgt is None else wgt
         if factors is not None:
             f = np.ones(self.num_layers + 2)
             f[:self.num_layers] = np.maximum(np.asarray(factors, dtype=np.float64), MIN_FACTOR)
-            fwd, bwd = fwd / f, bwd / f
+            fwd, bwd, wgt = fwd / f, bwd / f, wgt / f
         a = 1.0 if self.samples == 0 else self.ema
         self.fwd = (1 - a) * self.fwd + a * fwd
         self.bwd = (1 - a) * self.bwd + a * bwd
+        self.wgt = (1 - a) * self.wgt + a * wgt
         self.act_bytes = np.maximum(act_bytes, (1 - a) * self.act_bytes + a * act_bytes)
         self.samples += 1
 
@@ -220,10 +228,12 @@ class CostTracker:
 
     def state_dict(self) -> dict[str, object]:
         return {"fwd": self.fwd.tolist(), "bwd": self.bwd.tolist(), "act": self.act_bytes.tolist(),
-                "samples": self.samples}
+                "wgt": self.wgt.tolist(), "samples": self.samples}
 
     def load_state_dict(self, s: dict[str, object]) -> None:
         self.fwd = np.asarray(s["fwd"], dtype=np.float64)
         self.bwd = np.asarray(s["bwd"], dtype=np.float64)
         self.act_bytes = np.asarray(s["act"], dtype=np.float64)
+        # checkpoints written before the zero-bubble schedule carry no W times
+        self.wgt = np.asarray(s.get("wgt", np.zeros_like(self.bwd)), dtype=np.float64)
         self.samples = int(s["samples"])  # type: ignore[arg-type]

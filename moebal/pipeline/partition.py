@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.pipeline.schedule import simulate
+from moebal.pipeline.schedule import W_SHARE, simulate
 
 __all__ = [
     "StagePartition",
@@ -231,7 +231,7 @@ def iteration_time(loads: Sequence[float], num_micro_batches: int, comm_s: float
 
 
 def replay_time(fwd_loads: Sequence[float], bwd_loads: Sequence[float], num_micro_batches: int,
-                comm_s: float = 0.0, schedule: str = "1f1b") -> float:
+                comm_s: float = 0.0, schedule: str = "1f1b", w_share: float | Sequence[float] = W_SHARE) -> float:
     """Iteration time by replaying the schedule op by op (`schedule.simulate`) from each stage's forward and
     backward seconds per micro-batch, with `comm_s` per boundary transfer.
 
@@ -242,11 +242,12 @@ def replay_time(fwd_loads: Sequence[float], bwd_loads: Sequence[float], num_micr
     the rebalanced partition 2.83 s, 2.82 s and 2.76-2.79 s. The upper bound thus predicted a 1.18x gain
     where the replay predicted, and the run measured, 1.07x. The planner uses the replay for adoption and
     re-packing (`PipelineRunner`); `iteration_time` stays the closed form for `moebal plan stages`.
+    `w_share` (zero bubble only): the share of each stage's backward that is deferred weight gradients.
     """
     if len(fwd_loads) != len(bwd_loads):
         raise ConfigError(f"{len(fwd_loads)} forward loads but {len(bwd_loads)} backward loads: one of each per "
                           f"stage")
-    return simulate(schedule, list(fwd_loads), list(bwd_loads), num_micro_batches, comm_s)[0]
+    return simulate(schedule, list(fwd_loads), list(bwd_loads), num_micro_batches, comm_s, w_share)[0]
 
 
 def should_adopt(costs: Sequence[float], current: Sequence[int], proposed: Sequence[int], num_micro_batches: int,

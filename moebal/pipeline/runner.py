@@ -417,7 +417,7 @@ class PipelineRunner:
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         L, P0 = self.L, self.P0
-        n = (L + 2) + L + 1 + 3 * P0
+        n = (L + 2) + L + 1 + 4 * P0
         extra = self.scheme.stats_size(L)
         n_ep = 3 * L if self.experts.sharded else 0
         vec = torch.zeros(n + extra + n_ep, dtype=torch.float64)
@@ -443,6 +443,7 @@ class PipelineRunner:
         vec[2 * L + 3 + pos] = res.busy_s
         vec[2 * L + 3 + P0 + pos] = t_run
         vec[2 * L + 3 + 2 * P0 + pos] = res.busy_cpu_s
+        vec[2 * L + 3 + 3 * P0 + pos] = res.w_cpu_s
         if self.data_ranks > 1:  # the loss of each rank's rows adds up; norms are equal after the gradient sum,
             part = vec[2 * L + 2:2 * L + 3].clone()  # and scheme statistics are taken over the whole stage
             dist.all_reduce(part, group=self.stage_group)
@@ -456,7 +457,8 @@ class PipelineRunner:
             self.scheme.set_global_stats(out[n:n + extra])
         red = {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
                "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:2 * L + 3 + 2 * P0].tolist(),
-               "busy_cpu": out[2 * L + 3 + 2 * P0:n].tolist()}
+               "busy_cpu": out[2 * L + 3 + 2 * P0:2 * L + 3 + 3 * P0].tolist(),
+               "w_cpu": out[2 * L + 3 + 3 * P0:n].tolist()}
         if n_ep:
             red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
         return red
@@ -514,24 +516,25 @@ class PipelineRunner:
         prof = self.engine.profiler.result(self.engine.owned_slots())
         owned = prof.fwd >= 0
         L2 = self.L + 2
-        vec = torch.zeros(5 * L2 + 2, dtype=torch.float64)
+        vec = torch.zeros(6 * L2 + 2, dtype=torch.float64)
         vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
         vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
         vec[2 * L2:3 * L2] = torch.from_numpy(np.where(owned, prof.act_bytes, 0.0))
         for slot, m in self.stage.slot_modules().items():
             vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
             vec[4 * L2 + slot] = transfer_bytes(m, self.optimizer)
-        vec[5 * L2], vec[5 * L2 + 1] = res.busy_s, res.busy_cpu_s
+        vec[5 * L2:6 * L2] = torch.from_numpy(np.where(owned, prof.wgt, 0.0))
+        vec[6 * L2], vec[6 * L2 + 1] = res.busy_s, res.busy_cpu_s
         if self.experts.sharded:  # a stage is as slow as its slowest expert shard (the all-to-alls wait for it)
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.ep_group)
         if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
             dist.all_reduce(vec, group=self.dp_group)
             vec /= self.dp
         tot = self.chain.allreduce_sum(vec).numpy()
-        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2], factors)
+        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2], factors, wgt=tot[5 * L2:6 * L2])
         self.static_mem = tot[3 * L2:4 * L2]
         self.move_bytes = tot[4 * L2:5 * L2]
-        kappa = float(tot[5 * L2] / tot[5 * L2 + 1]) if tot[5 * L2 + 1] > 0 else 1.0
+        kappa = float(tot[6 * L2] / tot[6 * L2 + 1]) if tot[6 * L2 + 1] > 0 else 1.0
         if self.clock is time.perf_counter or self.device.type == "cuda":
             kappa = 1.0  # costs are already wall seconds
         self.kappa = kappa if self.kappa is None else (1 - self.opts.ema) * self.kappa + self.opts.ema * kappa
@@ -583,19 +586,25 @@ class PipelineRunner:
         """Predicted iteration time of a partition (a list of sizes over the current chain): the schedule replayed
         op by op (`replay_time`) with each stage's forward and backward seconds per micro-batch. A slot's cost
         splits into the two by its smoothed measured shares (a frozen layer is all forward; a slot never
-        measured takes DynMo's 1 : 2)."""
+        measured takes DynMo's 1 : 2). Under the zero-bubble schedule a stage's backward splits into B and W by
+        the W time its slots measured (`CostTracker.wgt`), not by the nominal `W_SHARE`."""
         tr, k, M = self.tracker, self.kappa or 1.0, self._num_micro()
         tot = tr.fwd + tr.bwd
         share = np.divide(tr.fwd, tot, out=np.full(tot.shape, 1.0 / 3.0), where=tot > 0)
         fwd_c, bwd_c = costs * share[:self.L], costs * (1.0 - share[:self.L])
+        w_of_b = np.divide(tr.wgt, tr.bwd, out=np.zeros(tot.shape), where=tr.bwd > 0)
+        wgt_c = bwd_c * w_of_b[:self.L]
         extra_f = [tr.fwd[self.L] * k, tr.fwd[self.L + 1] * k]
         extra_b = [tr.bwd[self.L] * k, tr.bwd[self.L + 1] * k]
+        extra_w = [tr.wgt[self.L] * k, tr.wgt[self.L + 1] * k]
 
         @functools.cache  # the planner asks for the same partitions more than once per plan point
         def replay(sizes: tuple[int, ...]) -> float:
             f = stage_loads(fwd_c, sizes, extra_f[0], extra_f[1])
             b = stage_loads(bwd_c, sizes, extra_b[0], extra_b[1])
-            return float(replay_time(f, b, M, float(self.comm_s), self.opts.schedule))
+            w = stage_loads(wgt_c, sizes, extra_w[0], extra_w[1])
+            w_share = [min(wi / bi, 1.0) if bi > 0 else 0.0 for wi, bi in zip(w, b)]
+            return float(replay_time(f, b, M, float(self.comm_s), self.opts.schedule, w_share))
 
         return lambda sizes: replay(tuple(int(x) for x in sizes))
 
@@ -707,6 +716,7 @@ class PipelineRunner:
                 overhead: float, profiled: bool, changed: bool, events: dict[str, Any]) -> dict[str, Any]:
         busy = [b for b, r in zip(red["busy"], red["run"]) if r > 0]
         busy_cpu = [b for b, r in zip(red["busy_cpu"], red["run"]) if r > 0]
+        w_cpu = [b for b, r in zip(red["w_cpu"], red["run"]) if r > 0]
         run = max(red["run"]) if red["run"] else 0.0
         aux = 0.0
         for a in red["aux"].tolist():
@@ -715,7 +725,7 @@ class PipelineRunner:
             "step": step, "loss": red["loss"], "aux_loss": aux, "grad_norm": grad_norm, "lr": lr,
             "step_time_s": round(dt, 6), "tokens": count, "tokens_per_s": round(count / max(dt, 1e-9), 2),
             "stages": len(busy), "sizes": list(self.sizes), "stage_busy_s": [round(b, 6) for b in busy],
-            "stage_cpu_s": [round(b, 6) for b in busy_cpu],
+            "stage_cpu_s": [round(b, 6) for b in busy_cpu], "stage_w_cpu_s": [round(b, 6) for b in w_cpu],
             "pipeline_s": round(run, 6), "bubble_ratio": round(1 - sum(busy) / max(len(busy) * run, 1e-12), 4),
             "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0,
             "cpu_imbalance": round(imbalance(busy_cpu), 4) if busy_cpu and sum(busy_cpu) > 0 else 1.0,

@@ -120,8 +120,10 @@ def _zero_bubble_orders(P: int, M: int) -> tuple[tuple[Op, ...], ...]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble}
 
 W_SHARE = 0.5
-"""Share of a backward that is W under "zb", for replays from a backward time alone (a Linear layer's backward
-is two equal GEMMs, one of them W; attention cores and norms have no W, so measured shares run lower)."""
+"""Share of a backward that is W under "zb" when nothing measured says otherwise (a Linear layer's backward is
+two equal GEMMs, one of them W; attention cores, norms and activations have no W, so measured shares run
+lower: 0.16 for a dense layer of the pipeline benchmark's GPT in bf16 on one CPU thread, 0.26 in fp32). The
+runner replays with each stage's measured share once a "zb" iteration has been profiled."""
 
 
 def make_schedule(name: str, num_stages: int, stage: int, num_micro: int) -> list[Op]:
@@ -155,13 +157,17 @@ Times = Sequence[Sequence[float]] | Sequence[float]
 
 
 def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 0.0,
-             w_share: float = W_SHARE) -> tuple[float, list[TimedOp]]:
+             w_share: float | Sequence[float] = W_SHARE) -> tuple[float, list[TimedOp]]:
     """(makespan, ops) of one iteration; `fwd[p]`/`bwd[p]` are stage p's per-micro-batch times (a number, or
     one per micro-batch). A backward time of 0 means the stage has nothing to differentiate (frozen). Under a
-    schedule with W ops, B takes (1 - w_share) of the backward time and W the rest."""
+    schedule with W ops, stage p's B takes (1 - w_share[p]) of its backward time and W the rest (one number
+    for every stage, or one per stage)."""
     P = len(fwd)
     if len(bwd) != P:
         raise ConfigError(f"fwd has {P} stages but bwd has {len(bwd)}")
+    shares = [float(w_share)] * P if isinstance(w_share, (int, float)) else [float(x) for x in w_share]
+    if len(shares) != P or not all(0.0 <= x <= 1.0 for x in shares):
+        raise ConfigError(f"w_share must be one number in [0, 1] or one per stage ({P}); got {w_share!r}")
 
     def at(x: Sequence[float] | float, j: int) -> float:
         return float(x) if isinstance(x, (int, float)) else float(x[j])
@@ -180,7 +186,7 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
             dep = ("F", p - 1, j) if kind == "F" else ("B", p + 1, j)
             if kind == "W":
                 start = free[p]
-                end = start + at(bwd[p], j) * w_share
+                end = start + at(bwd[p], j) * shares[p]
                 done[(kind, p, j)] = free[p] = end
                 out.append(TimedOp(p, kind, j, start, end))
                 pos[p] += 1
@@ -193,7 +199,7 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
             else:
                 continue
             start = max(free[p], ready)
-            split = w_share if has_w[p] else 0.0
+            split = shares[p] if has_w[p] else 0.0
             end = start + (at(fwd[p], j) if kind == "F" else at(bwd[p], j) * (1.0 - split))
             done[(kind, p, j)] = free[p] = end
             out.append(TimedOp(p, kind, j, start, end))

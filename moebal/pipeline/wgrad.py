@@ -60,7 +60,10 @@ class _DeferredLinear(torch.autograd.Function):
         xc, wc = ctx.saved_tensors
         g_NO = grad.reshape(-1, grad.shape[-1])
         gx = g_NO.mm(wc).view(*grad.shape[:-1], wc.shape[1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        x_NI = xc.reshape(-1, xc.shape[-1])
+        # Detached: an input saved as is (fp32, or already in the autocast dtype) carries its grad_fn, and the
+        # closure would keep the graph upstream of this layer alive, and with it every other deferred Linear's
+        # node of the micro-batch (a reference cycle through C++ nodes, which Python's collector cannot break).
+        x_NI = xc.detach().reshape(-1, xc.shape[-1])
         weight, bias = ctx.params
 
         def weight_grad() -> None:
@@ -70,6 +73,7 @@ class _DeferredLinear(torch.autograd.Function):
                     _accumulate(bias, g_NO.sum(0))
 
         ctx.sink.append((ctx.slot, weight_grad))
+        ctx.sink = ctx.params = None  # the node may outlive this backward (a tensor's grad_fn): hold nothing
         return gx, None, None, None, None
 
 
@@ -93,7 +97,11 @@ class WeightGradQueue:
             self._sink = None
 
     def pop(self, j: int) -> list[tuple[int, Callable[[], None]]]:
-        return self._items.pop(j, [])
+        """Micro-batch j's closures, in the order its backward left them; the queue keeps no reference."""
+        items = self._items.pop(j, [])
+        out = list(items)
+        items.clear()  # graph nodes of the micro-batch may still point at this list
+        return out
 
     def pending(self) -> int:
         return sum(len(v) for v in self._items.values())

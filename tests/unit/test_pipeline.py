@@ -82,6 +82,21 @@ def test_zero_bubble_shrinks_the_bubble_of_equal_and_of_unequal_stages():
                                                                                               [2.0] * 3, 6)[0])
 
 
+def test_zero_bubble_replay_takes_one_w_share_per_stage():
+    fwd, bwd = [1.0, 1.0], [2.0, 2.0]
+    _, timed = simulate("zb", fwd, bwd, 4, w_share=[0.25, 0.0])
+    for o in timed:
+        if o.kind == "W":
+            assert o.end - o.start == pytest.approx([0.5, 0.0][o.stage])
+        if o.kind == "B":
+            assert o.end - o.start == pytest.approx([1.5, 2.0][o.stage])
+    # a stage without W time adds nothing to the zero-bubble order; a larger W share fills more of the bubble
+    assert simulate("zb", fwd, bwd, 4, w_share=0.5)[0] < simulate("zb", fwd, bwd, 4, w_share=0.1)[0]
+    for bad in ([0.5], [0.5, 1.5], -0.1):
+        with pytest.raises(ConfigError, match="w_share"):
+            simulate("zb", fwd, bwd, 4, w_share=bad)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_makespan_of_equal_stages(name):
     P, M, f, b = 4, 6, 1.0, 2.0
@@ -178,6 +193,22 @@ def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares()
     # forward 2 + 6 + 0.5 = 8.5, backward 4 + 0 + 1 = 5
     assert t_iter([2, 2]) == replay_time([5.0, 8.5], [8.0, 5.0], 4, 0.1)
     assert t_iter([1, 3]) == replay_time([3.0, 10.5], [4.0, 9.0], 4, 0.1)
+
+
+def test_the_runner_replays_zero_bubble_with_each_stage_s_measured_w_share():
+    from types import SimpleNamespace
+
+    from moebal.pipeline.runner import PipelineRunner
+    tr = CostTracker(4)
+    # every layer 1 forward, 2 backward of which W: 1.0 (layer 0), 0.5 (1), 0 (2, 3); embedding and head none
+    tr.update(np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 2.0, 2.0, 0.0, 0.0]), np.zeros(6),
+              wgt=np.array([1.0, 0.5, 0.0, 0.0, 0.0, 0.0]))
+    runner = SimpleNamespace(tracker=tr, kappa=1.0, L=4, comm_s=0.0, opts=SimpleNamespace(schedule="zb"),
+                             _num_micro=lambda: 4)
+    t_iter = PipelineRunner._time_fn(runner, tr.layer_costs())
+    # stage 0 (layers 0-1): backward 4 of which W 1.5; stage 1 (layers 2-3): no W
+    assert t_iter([2, 2]) == replay_time([2.0, 2.0], [4.0, 4.0], 4, 0.0, "zb", [1.5 / 4, 0.0])
+    assert t_iter([1, 3]) == replay_time([1.0, 3.0], [2.0, 6.0], 4, 0.0, "zb", [0.5, 0.5 / 6])
 
 
 def test_repack_releases_ranks_when_fewer_stages_run_as_fast():
@@ -330,6 +361,16 @@ def test_backward_marks_by_hand():
     prof.backward_marks([4, 0], {}, 30.0, 31.0)
     r = prof.result([0, 1, 2, 3, 4, 5])
     assert r.bwd.tolist() == [1.0, 4.0, 3.0, 3.0, 0.0, 1.0]
+    assert r.wgt.tolist() == [0.0] * 6
+
+
+def test_deferred_weight_gradients_count_in_their_micro_batch_s_backward():
+    prof = LayerProfiler(2)
+    for j in range(3):  # layer 0's B takes 2 s per micro-batch, its W 1 s (micro-batch 1: 3 s)
+        prof.backward_marks([0, 1], {1: 10.0 * j + 1.0, 0: 10.0 * j + 3.0}, 10.0 * j, 10.0 * j + 3.0)
+        prof.add_weight_grad(0, j, 3.0 if j == 1 else 1.0)
+    r = prof.result([0, 1])
+    assert r.bwd[0] == 3.0 and r.wgt[0] == 1.0 and r.wgt[1] == 0.0
 
 
 def test_cost_tracker_smooths():
@@ -341,6 +382,13 @@ def test_cost_tracker_smooths():
     s = CostTracker(2)
     s.load_state_dict(t.state_dict())
     assert s.layer_costs().tolist() == [4.0, 3.0]
+    # W times smooth like the rest; a tracker saved before they existed loads with none
+    t.update(np.array([3.0, 1.0, 0.1, 0.2]), np.array([2.0, 2.0, 0.1, 0.2]), np.zeros(4),
+             wgt=np.array([1.0, 0.0, 0.0, 0.0]))
+    assert t.wgt.tolist() == [0.5, 0.0, 0.0, 0.0]
+    old = {k: v for k, v in t.state_dict().items() if k != "wgt"}
+    s.load_state_dict(old)
+    assert s.wgt.tolist() == [0.0] * 4
 
 
 def test_cost_tracker_normalises_profiles_by_the_predicted_factor():

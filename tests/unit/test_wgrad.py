@@ -92,3 +92,36 @@ def test_a_replaced_forward_is_left_alone():
         y.sum().backward()
         assert [slot for slot, _ in q.pop(0)] == [-1]  # only `a` deferred (slot: none set)
     assert net.b.forward is replacement  # kept through and after the block
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_run_micro_batches_leave_no_graph_behind(bf16):
+    # Each deferred Linear's node once held its micro-batch's closure list, and a closure held its input with
+    # that input's grad_fn: a cycle through C++ graph nodes that the collector cannot free. A benchmark rank
+    # grew to 6 GB in 45 steps before the fix.
+    import gc
+
+    net, q = Net(), WeightGradQueue()
+
+    def nodes() -> int:
+        gc.collect()
+        return sum(type(o).__name__ == "_DeferredLinearBackward" for o in gc.get_objects())
+
+    def iteration() -> None:
+        with q.installed(net), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            outs = []
+            for j in range(3):
+                with q.capture(j):
+                    outs.append(net(torch.randn(4, 8, requires_grad=True)))
+            for y in outs:
+                y.float().sum().backward()
+            outs.clear()
+            for j in range(3):
+                for _, fn in q.pop(j):
+                    fn()
+
+    iteration()
+    before = nodes()
+    for _ in range(3):
+        iteration()
+    assert nodes() == before == 0
