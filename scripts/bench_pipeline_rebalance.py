@@ -33,7 +33,15 @@ machine's total work / 2 cores bounds every partition alike. Two emulations of d
           arrives: four devices each 3x slower than a core, with fast links. A released rank sleeps.
 `--wait all` runs the three (reported apart).
 
+Schedule (`--schedule`): 1F1B (the default), zero bubble (`zb`: backward split into B and deferred weight
+gradients W, which fill the warm-up and drain bubbles; docs/pipeline.md), or `both` (one group per schedule,
+figures under zb are reported as mode "<wait>+zb").
+With `both`, each group interleaves six runs (three balancers x two schedules): the targets pair each
+rebalanced run with the static run of its own schedule, and `zb_over_1f1b` compares the schedules, same
+balancer, same round. All six compute the same losses (checked).
+
     python scripts/bench_pipeline_rebalance.py [--quick] [--json FILE] [--png FILE] [--wait spin|block|dilate|all]
+        [--schedule 1f1b|zb|both] [--schemes S,...] [--rounds N] [--steps N] [--raw FILE] [--repack-only]
 """
 
 from __future__ import annotations
@@ -111,6 +119,13 @@ def bench_config(steps: int, scheme: str) -> Config:
 
 VARIANTS = {"static": ("off", False), "partition": ("partition", False), "diffusion": ("diffusion", False),
             "partition+repack": ("partition", True)}
+"""Variant name -> (pipeline.rebalance, re-pack). A name may end in "@zb": the same under the zero-bubble schedule."""
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """("partition@zb") -> ("partition", "zb"); a name without a schedule runs 1F1B."""
+    base, _, sched = name.partition("@")
+    return base, sched or "1f1b"
 
 
 def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -122,9 +137,10 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     runners, load0 = {}, os.getloadavg()[0]
     for name in group["variants"]:
         cfg = bench_config(group["steps"], group["scheme"])
-        bal, repack = VARIANTS[name]
+        base, sched = split_variant(name)
+        bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
-        opts = PipelineOptions(schedule=group["schedule"], micro_batches=16, rebalance=bal, every=4, ema=0.7,
+        opts = PipelineOptions(schedule=sched, micro_batches=16, rebalance=bal, every=4, ema=0.7,
                                repack=repack,
                                wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         options = REPACK if group.get("repack_experiment") else SCHEMES[group["scheme"]]
@@ -145,10 +161,11 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         return None
     out = []
     for name, s in summaries.items():
-        out.append({"scheme": group["scheme"], "wait": group["wait"], "schedule": group["schedule"],
+        base, sched = split_variant(name)
+        out.append({"scheme": group["scheme"], "wait": group["wait"], "schedule": sched,
                     "round": group["round"], "variant": name,
                     "repack_experiment": bool(group.get("repack_experiment")),
-                    "balancer": VARIANTS[name][0].replace("off", "static"), "repack": VARIANTS[name][1],
+                    "balancer": VARIANTS[base][0].replace("off", "static"), "repack": VARIANTS[base][1],
                     "records": s.records, "plans": s.plans, "gantt": s.gantt, "wall_s": wall,
                     "load_before": load0, "load_after": os.getloadavg()[0]})
     return out
@@ -162,7 +179,7 @@ def _rank_main(rank: int, world: int, groups: list[dict[str, Any]]) -> list[dict
         dist.barrier()
         if res is not None:
             results += res
-            print(f"  {group['scheme']:<10} {_mode(group['wait'], group['schedule']):<9} "
+            print(f"  {group['scheme']:<10} {group['wait']:<7} "
                   f"{', '.join(group['variants'])}: "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return results
@@ -236,17 +253,21 @@ def _mode(wait: str, schedule: str) -> str:
 
 def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
                  repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",)) -> list[dict[str, Any]]:
+    """One group per (round, wait, scheme); every schedule's variants train interleaved in the same group, so
+    zero bubble and 1F1B are compared side by side as well as rebalanced and static."""
+
+    def named(variants: list[str]) -> list[str]:
+        return [v if s == "1f1b" else f"{v}@{s}" for s in schedules for v in variants]
+
     groups = []
     for r in range(rounds):
         for wait in waits:
-            for sched in schedules:
-                for scheme in [] if repack_only else schemes:
-                    groups.append({"scheme": scheme, "wait": wait, "schedule": sched, "round": r, "steps": steps,
-                                   "variants": list(BALANCERS)})
-                if ("early_exit" in schemes or repack_only) and wait != "block":
-                    groups.append({"scheme": "early_exit", "wait": wait, "schedule": sched, "round": r,
-                                   "steps": steps, "variants": ["partition", "partition+repack"],
-                                   "repack_experiment": True})
+            for scheme in [] if repack_only else schemes:
+                groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps,
+                               "variants": named(list(BALANCERS))})
+            if ("early_exit" in schemes or repack_only) and wait != "block":
+                groups.append({"scheme": "early_exit", "wait": wait, "round": r, "steps": steps,
+                               "variants": named(["partition", "partition+repack"]), "repack_experiment": True})
     return groups
 
 
@@ -283,6 +304,14 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if static:
                 out["speedup_per_round"].setdefault(f"{r['mode']}/{r['scheme']}/{r['balancer']}", []).append(
                     round(r["throughput"] / static[0]["throughput"], 3))
+    # zero bubble against 1F1B, same balancer, same round (the variants ran interleaved in one group)
+    by_run = {(r["wait"], r["scheme"], r["round"], r["balancer"], r["schedule"]): r["throughput"] for r in plain}
+    zb: dict[str, list[float]] = {}
+    for (wait, scheme, rnd, bal, sched), tp in by_run.items():
+        if sched == "zb" and (wait, scheme, rnd, bal, "1f1b") in by_run:
+            zb.setdefault(f"{wait}/{scheme}/{bal}", []).append(tp / by_run[(wait, scheme, rnd, bal, "1f1b")])
+    if zb:
+        out["zb_over_1f1b"] = {k: round(statistics.median(v), 3) for k, v in sorted(zb.items())}
     goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
     modes = sorted({r["mode"] for r in rows if not r["mode"].startswith("block")})
     for wait in modes:
@@ -327,15 +356,16 @@ def write_png(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path
     shown = next((m for m in ("dilate+zb", "dilate", "spin+zb", "spin") if m in modes), "spin")
     spin = [r for r in rows if r["mode"] == shown and not r.get("repack_experiment")]
     schemes = sorted({r["scheme"] for r in spin}, key=list(SCHEMES).index)
-    gantt = next((g["gantt"] for g in runs if g["scheme"] == "early_exit" and g["variant"] == "partition"
-                  and _mode(g["wait"], g["schedule"]) == shown and "before" in g["gantt"] and "after" in g["gantt"]),
+    gantt = next((g["gantt"] for g in runs if g["scheme"] == "early_exit" and g["balancer"] == "partition"
+                  and not g["repack"] and _mode(g["wait"], g["schedule"]) == shown
+                  and "before" in g["gantt"] and "after" in g["gantt"]),
                  None)
     fig = plt.figure(figsize=(12, 9 if gantt else 4.5))
     grid = fig.add_gridspec(3 if gantt else 1, 1, height_ratios=[1.4, 1, 1] if gantt else [1])
     ax = fig.add_subplot(grid[0])
     width = 0.27
     for k, bal in enumerate(BALANCERS):
-        vals = [[r["throughput"] for r in spin if r["scheme"] == s and r["variant"] == bal] for s in schemes]
+        vals = [[r["throughput"] for r in spin if r["scheme"] == s and r["balancer"] == bal] for s in schemes]
         meds = [statistics.median(v) if v else 0 for v in vals]
         lo = [m - min(v) if v else 0 for m, v in zip(meds, vals)]
         hi = [max(v) - m if v else 0 for m, v in zip(meds, vals)]
@@ -385,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise_run(r, settle) for r in runs]
     same_losses = {}
     for r in runs:
-        key = (f"{_mode(r['wait'], r['schedule'])}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}"
-               f"/round{r['round']}")
+        # every schedule's runs of a group compute the same losses (zero bubble changes no maths either)
+        key = f"{r['wait']}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}/round{r['round']}"
         same_losses.setdefault(key, []).append([x["loss"] for x in r["records"]])
     same_losses = {k: all(v == ls[0] for v in ls) for k, ls in same_losses.items()}
     report = {"benchmark": "pipeline_rebalance", "records": rows,

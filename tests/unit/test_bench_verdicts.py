@@ -20,6 +20,7 @@ def bench():
 
 def _row(scheme: str, bal: str, rnd: int, tp: float, **kw: object) -> dict:
     kw.setdefault("mode", "dilate")
+    kw.setdefault("schedule", "zb" if str(kw["mode"]).endswith("+zb") else "1f1b")
     return {"wait": "dilate", "scheme": scheme, "balancer": bal, "round": rnd, "throughput": tp,
             "cpu_model_iteration_s": 1.0 / tp, "overhead_fraction": 0.01, "repack_experiment": False, **kw}
 
@@ -57,4 +58,16 @@ def test_each_schedule_is_paired_with_its_own_static_run(bench) -> None:
     assert v["targets"]["dilate+zb: mod: best rebalanced / static >= 1.1"]["met"]
     assert bench._mode("dilate", "1f1b") == "dilate" and bench._mode("spin", "zb") == "spin+zb"
     groups = bench.build_groups(["mod"], 1, 10, ["dilate"], schedules=("1f1b", "zb"))
-    assert [(g["scheme"], g["schedule"]) for g in groups] == [("mod", "1f1b"), ("mod", "zb")]
+    assert [g["variants"] for g in groups] == [["static", "partition", "diffusion",
+                                                "static@zb", "partition@zb", "diffusion@zb"]]
+    assert bench.split_variant("partition+repack@zb") == ("partition+repack", "zb")
+    assert bench.split_variant("static") == ("static", "1f1b")
+
+
+def test_zero_bubble_is_compared_with_1f1b_of_the_same_balancer_and_round(bench) -> None:
+    rows = [_row("mod", b, rnd, tp, schedule=s, mode="dilate" if s == "1f1b" else "dilate+zb")
+            for b, rnd, tp, s in [("static", 0, 1000.0, "1f1b"), ("static", 0, 1020.0, "zb"),
+                                  ("partition", 0, 1100.0, "1f1b"), ("partition", 0, 1155.0, "zb"),
+                                  ("static", 1, 500.0, "1f1b"), ("static", 1, 520.0, "zb")]]
+    z = bench.verdicts(rows)["zb_over_1f1b"]
+    assert z == {"dilate/mod/static": 1.03, "dilate/mod/partition": 1.05}
