@@ -70,3 +70,22 @@ def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 6))
     assert all(r["micro_batches"] >= 1 and r["plan_wait_s"] >= 0 and r["loss"] > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_train_pipeline_zero_bubble_from_the_command_line_matches_1f1b(tmp_path):
+    losses, w_cpu = {}, {}
+    for sched in ("1f1b", "zb"):
+        out = tmp_path / sched
+        cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "2", "--pp", "2", "--steps", "3",
+               "--rebalance", "partition", "--out", str(out), f"pipeline.schedule={sched}",
+               "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+               "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
+               "pipeline.every=1", "train.precision=fp32"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[sched] = [r["loss"] for r in records]
+        w_cpu[sched] = [sum(r["stage_w_cpu_s"]) for r in records]
+    assert losses["zb"] == losses["1f1b"] and len(losses["zb"]) == 3
+    assert all(w > 0 for w in w_cpu["zb"]) and all(w == 0 for w in w_cpu["1f1b"])
