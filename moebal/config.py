@@ -317,12 +317,18 @@ class PipelineConfig:
     """Layer rebalancing: static, exact min-max partition by measured time, or DynMo diffusion (adjacent moves)."""
     initial: Literal["uniform", "params"] = "uniform"
     """Starting partition: equal layer counts (Megatron) or equal parameter counts (DeepSpeed)."""
+    split_layers: bool = False
+    """Let a stage boundary fall between a dense layer's attention and FFN halves (finer partition units for
+    rebalancing; layers the dynamism scheme runs specially, and MoE layers, stay whole). The start stays whole."""
     every: int = 10
     """Profile one iteration and plan every N steps."""
     ema: float = 0.5
     """Weight of the newest profile in the smoothed per-layer costs."""
     min_gain: float = 0.05
     """Adopt a plan only when it shortens the predicted iteration by at least this share (hysteresis)."""
+    confirm: int = 2
+    """Adopt a plan gaining less than min_gain (at least a fifth of it) once proposed at this many consecutive plan
+    points (0: never)."""
     repack: bool = False
     """Merge stages onto fewer ranks when fewer run nearly as fast; the freed ranks leave (exit 0)."""
     repack_slack: float = 0.1
@@ -846,6 +852,9 @@ def _check_moe(c: Config) -> None:
 
 def _check_pipeline(p: PipelineConfig) -> None:
     dyn = p.dynamic
+    _need(not p.split_layers or p.microbatching == "fixed",
+          f"'pipeline.split_layers: true' runs fixed micro-batches; planned micro-batching ({p.microbatching!r}) "
+          "profiles and plans whole layers: set pipeline.split_layers to false, or pipeline.microbatching to fixed")
     _need(p.schedule != "zb" or p.microbatching == "fixed",
           f"'pipeline.schedule: zb' runs fixed micro-batches; planned micro-batching ({p.microbatching!r}) chooses "
           "its own schedules from 'pipeline.dynamic.schedules': set pipeline.schedule to 1f1b, or "
@@ -863,8 +872,9 @@ def _check_pipeline(p: PipelineConfig) -> None:
     _need(p.micro_batches >= 1 and p.every >= 1,
           f"'pipeline.micro_batches' ({p.micro_batches}) and 'pipeline.every' ({p.every}) must be at least 1")
     _need(0.0 < p.ema <= 1.0, f"'pipeline.ema' is the newest profile's weight, in (0, 1]; got {p.ema}")
-    _need(p.repack_slack >= 0.0 and p.min_gain >= 0.0,
-          f"'pipeline.repack_slack' and 'pipeline.min_gain' must be >= 0; got {p.repack_slack}, {p.min_gain}")
+    _need(p.repack_slack >= 0.0 and p.min_gain >= 0.0 and p.confirm >= 0,
+          f"'pipeline.repack_slack', 'pipeline.min_gain' and 'pipeline.confirm' must be >= 0; got {p.repack_slack}, "
+          f"{p.min_gain}, {p.confirm}")
     _need(p.min_stages >= 2, f"'pipeline.min_stages' must be at least 2 (embedding and head keep their ranks); "
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "

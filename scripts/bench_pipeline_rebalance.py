@@ -40,8 +40,15 @@ With `both`, each group interleaves six runs (three balancers x two schedules): 
 rebalanced run with the static run of its own schedule, and `zb_over_1f1b` compares the schedules, same
 balancer, same round. All six compute the same losses (checked).
 
+Partition units (`--units`): whole layers (the default), `halves` (`pipeline.split_layers`: a stage boundary
+may fall between a dense layer's attention and FFN halves, for the layers the scheme runs plain), or `both`
+(each group interleaves the variants under both; figures under halves are reported as mode "<wait>+halves",
+and `halves_over_layers` compares the two, same balancer, same round). Every run starts from the same
+whole-layer partition.
+
     python scripts/bench_pipeline_rebalance.py [--quick] [--json FILE] [--png FILE] [--wait spin|block|dilate|all]
-        [--schedule 1f1b|zb|both] [--schemes S,...] [--rounds N] [--steps N] [--raw FILE] [--repack-only]
+        [--schedule 1f1b|zb|both] [--units layers|halves|both] [--schemes S,...] [--rounds N] [--steps N]
+        [--raw FILE] [--repack-only]
 """
 
 from __future__ import annotations
@@ -123,9 +130,15 @@ VARIANTS = {"static": ("off", False), "partition": ("partition", False), "diffus
 
 
 def split_variant(name: str) -> tuple[str, str]:
-    """("partition@zb") -> ("partition", "zb"); a name without a schedule runs 1F1B."""
-    base, _, sched = name.partition("@")
+    """("partition@zb") -> ("partition", "zb"); a name without a schedule runs 1F1B. A "~halves" tag (split
+    partition units, `variant_units`) may end the name."""
+    base, _, sched = name.partition("~")[0].partition("@")
     return base, sched or "1f1b"
+
+
+def variant_units(name: str) -> str:
+    """("partition~halves") -> "halves"; "layers" without the tag."""
+    return name.partition("~")[2] or "layers"
 
 
 def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -141,7 +154,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
         opts = PipelineOptions(schedule=sched, micro_batches=16, rebalance=bal, every=4, ema=0.7,
-                               repack=repack,
+                               repack=repack, split_layers=variant_units(name) == "halves",
                                wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         options = REPACK if group.get("repack_experiment") else SCHEMES[group["scheme"]]
         runners[name] = PipelineRunner(cfg, opts, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
@@ -163,6 +176,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     for name, s in summaries.items():
         base, sched = split_variant(name)
         out.append({"scheme": group["scheme"], "wait": group["wait"], "schedule": sched,
+                    "units": variant_units(name),
                     "round": group["round"], "variant": name,
                     "repack_experiment": bool(group.get("repack_experiment")),
                     "balancer": VARIANTS[base][0].replace("off", "static"), "repack": VARIANTS[base][1],
@@ -219,7 +233,8 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
     predicted = [r["predicted_imbalance"] for r in win if "predicted_imbalance" in r]
     return {
         "scheme": run["scheme"], "balancer": run["balancer"], "repack": run["repack"], "wait": run["wait"],
-        "schedule": run["schedule"], "mode": _mode(run["wait"], run["schedule"]), "round": run["round"],
+        "schedule": run["schedule"], "units": run.get("units", "layers"),
+        "mode": _mode(run["wait"], run["schedule"], run.get("units", "layers")), "round": run["round"],
         "variant": run["variant"],
         "repack_experiment": run["repack_experiment"],
         "throughput": throughput, "active_ranks": active, "throughput_per_rank": throughput / active,
@@ -246,18 +261,21 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "wall_s": run["wall_s"]}
 
 
-def _mode(wait: str, schedule: str) -> str:
-    """What a figure is reported under: the wait mode, and the schedule when it is not 1F1B ("dilate+zb")."""
-    return wait if schedule == "1f1b" else f"{wait}+{schedule}"
+def _mode(wait: str, schedule: str, units: str = "layers") -> str:
+    """What a figure is reported under: the wait mode, the schedule when it is not 1F1B ("dilate+zb"), and
+    "+halves" under split partition units."""
+    return wait + ("" if schedule == "1f1b" else f"+{schedule}") + ("" if units == "layers" else f"+{units}")
 
 
 def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
-                 repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",)) -> list[dict[str, Any]]:
-    """One group per (round, wait, scheme); every schedule's variants train interleaved in the same group, so
-    zero bubble and 1F1B are compared side by side as well as rebalanced and static."""
+                 repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",),
+                 units: tuple[str, ...] = ("layers",)) -> list[dict[str, Any]]:
+    """One group per (round, wait, scheme); every schedule's and unit setting's variants train interleaved in
+    the same group, so they are compared side by side as well as rebalanced and static."""
 
     def named(variants: list[str]) -> list[str]:
-        return [v if s == "1f1b" else f"{v}@{s}" for s in schedules for v in variants]
+        return [v + ("" if s == "1f1b" else f"@{s}") + ("" if u == "layers" else f"~{u}")
+                for u in units for s in schedules for v in variants]
 
     groups = []
     for r in range(rounds):
@@ -305,13 +323,22 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 out["speedup_per_round"].setdefault(f"{r['mode']}/{r['scheme']}/{r['balancer']}", []).append(
                     round(r["throughput"] / static[0]["throughput"], 3))
     # zero bubble against 1F1B, same balancer, same round (the variants ran interleaved in one group)
-    by_run = {(r["wait"], r["scheme"], r["round"], r["balancer"], r["schedule"]): r["throughput"] for r in plain}
+    by_run = {(r["wait"], r["scheme"], r["round"], r["balancer"], r["schedule"], r.get("units", "layers")):
+              r["throughput"] for r in plain}
     zb: dict[str, list[float]] = {}
-    for (wait, scheme, rnd, bal, sched), tp in by_run.items():
-        if sched == "zb" and (wait, scheme, rnd, bal, "1f1b") in by_run:
-            zb.setdefault(f"{wait}/{scheme}/{bal}", []).append(tp / by_run[(wait, scheme, rnd, bal, "1f1b")])
+    halves: dict[str, list[float]] = {}
+    for (wait, scheme, rnd, bal, sched, units), tp in by_run.items():
+        if sched == "zb" and (wait, scheme, rnd, bal, "1f1b", units) in by_run:
+            zb.setdefault(f"{_mode(wait, '1f1b', units)}/{scheme}/{bal}", []).append(
+                tp / by_run[(wait, scheme, rnd, bal, "1f1b", units)])
+        # split units against whole layers, same balancer, schedule and round
+        if units == "halves" and (wait, scheme, rnd, bal, sched, "layers") in by_run:
+            halves.setdefault(f"{_mode(wait, sched)}/{scheme}/{bal}", []).append(
+                tp / by_run[(wait, scheme, rnd, bal, sched, "layers")])
     if zb:
         out["zb_over_1f1b"] = {k: round(statistics.median(v), 3) for k, v in sorted(zb.items())}
+    if halves:
+        out["halves_over_layers"] = {k: round(statistics.median(v), 3) for k, v in sorted(halves.items())}
     goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
     modes = sorted({r["mode"] for r in rows if not r["mode"].startswith("block")})
     for wait in modes:
@@ -357,7 +384,7 @@ def write_png(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path
     spin = [r for r in rows if r["mode"] == shown and not r.get("repack_experiment")]
     schemes = sorted({r["scheme"] for r in spin}, key=list(SCHEMES).index)
     gantt = next((g["gantt"] for g in runs if g["scheme"] == "early_exit" and g["balancer"] == "partition"
-                  and not g["repack"] and _mode(g["wait"], g["schedule"]) == shown
+                  and not g["repack"] and _mode(g["wait"], g["schedule"], g.get("units", "layers")) == shown
                   and "before" in g["gantt"] and "after" in g["gantt"]),
                  None)
     fig = plt.figure(figsize=(12, 9 if gantt else 4.5))
@@ -397,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repack-only", action="store_true", help="run only the re-pack experiment")
     ap.add_argument("--schedule", choices=("1f1b", "zb", "both"), default="1f1b",
                     help="pipeline schedule of every variant (zb: zero bubble); both: each group under each")
+    ap.add_argument("--units", choices=("layers", "halves", "both"), default="layers",
+                    help="partition units: whole layers, layer halves (pipeline.split_layers), or both side by side")
     args = ap.parse_args(argv)
     schemes = args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
     unknown = set(schemes) - set(SCHEMES)
@@ -407,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     settle = min(20 if args.quick else 25, steps // 2)
     waits = list(WAITS) if args.wait == "all" else [args.wait]
     schedules = ("1f1b", "zb") if args.schedule == "both" else (args.schedule,)
-    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules)
+    units = ("layers", "halves") if args.units == "both" else (args.units,)
+    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
@@ -416,14 +446,17 @@ def main(argv: list[str] | None = None) -> int:
     same_losses = {}
     for r in runs:
         # every schedule's runs of a group compute the same losses (zero bubble changes no maths either)
-        key = f"{r['wait']}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}/round{r['round']}"
+        # (split units sum the gradient norm per half: another float order than whole layers, so apart)
+        key = (f"{r['wait']}/{r['scheme']}{'/repack' if r['repack_experiment'] else ''}"
+               f"{'/halves' if r.get('units') == 'halves' else ''}/round{r['round']}")
         same_losses.setdefault(key, []).append([x["loss"] for x in r["records"]])
     same_losses = {k: all(v == ls[0] for v in ls) for k, ls in same_losses.items()}
     report = {"benchmark": "pipeline_rebalance", "records": rows,
               "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
               "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": SCHEMES,
                          "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
-                         "micro_batches": 16, "schedules": list(schedules), "every": 4, "ema": 0.7, "steps": steps,
+                         "micro_batches": 16, "schedules": list(schedules),
+                         "units": list(units), "every": 4, "ema": 0.7, "steps": steps,
                          "settle": settle, "rounds": rounds, "ranks": 4, "threads_per_rank": 1, "dilate": DILATE},
               "env": {**environment(), "git": _git(), "wall_s": round(time.time() - t0, 1)}}
     for r in rows:

@@ -115,7 +115,13 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if self.is_moe else self.mlp
 
     def forward(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
+        return self.ffn_part(self.attention_part(h_BTD, cos_TK, sin_TK))
+
+    # The two halves run apart when a pipeline splits the layer over two stages (`pipeline.split_layers`).
+    def attention_part(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        return h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
+
+    def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
         return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
 
 

@@ -74,6 +74,12 @@ class Dynamism:
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         return layer(h_BTD, cos_TK, sin_TK)
 
+    def splittable(self, i: int) -> bool:
+        """Whether dense layer i may run as two partition units (`pipeline.split_layers`): only when
+        `layer_forward(i, ...)` is the plain layer and layer i has no scheme state or statistics, because the
+        engine runs a split layer's halves directly."""
+        return type(self).layer_forward is Dynamism.layer_forward and type(self).layer_state is Dynamism.layer_state
+
     def frozen_prefix(self) -> int:
         """Layers [0, n) are frozen (and the embedding with them when n > 0): forward only, no backward."""
         return 0

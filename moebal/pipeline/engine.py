@@ -40,6 +40,7 @@ from moebal.pipeline.dynamism import Dynamism
 from moebal.pipeline.observe import LayerProfiler
 from moebal.pipeline.schedule import make_schedule
 from moebal.pipeline.stage import PipelineStage
+from moebal.pipeline.units import ATTN, LAYER
 from moebal.pipeline.wgrad import WeightGradQueue
 
 __all__ = ["IterationResult", "PipelineEngine"]
@@ -88,15 +89,17 @@ class PipelineEngine:
         self.dilate = 1.0
         """> 1: emulate devices this many times slower than a core (`PipelineOptions.dilate`)."""
 
-    # ---- boundaries of the frozen prefix ----
-    def _start(self) -> int:
-        return self.stage.layer_ids[0]
-
+    # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
     def _input_needs_grad(self) -> bool:
-        return not self.chain.is_first and self.scheme.frozen_prefix() < self._start()
+        """The previous stage trains its last unit's layer: it needs this stage's input gradient."""
+        if self.chain.is_first:
+            return False
+        units = self.stage.units
+        return self.scheme.frozen_prefix() <= units.layer(self.stage.unit_ids[0] - 1)
 
     def _output_needs_grad(self) -> bool:
-        return self.chain.is_last or self.scheme.frozen_prefix() < self.stage.layer_ids[-1] + 1
+        units = self.stage.units
+        return self.chain.is_last or self.scheme.frozen_prefix() <= units.layer(self.stage.unit_ids[-1])
 
     # ---- one iteration ----
     def run(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
@@ -179,13 +182,19 @@ class PipelineEngine:
                 h = h_in
             cos, sin = st.rope(ids_BT.shape[1], h.dtype)
             aux: list[torch.Tensor] = []
-            for i in st.layer_ids:
-                _mark(h, prof, marks, i)
-                self.wgrad.slot = i
+            for u in st.unit_ids:
+                i, kind = st.units.parts[u]
+                _mark(h, prof, marks, u)
+                self.wgrad.slot = u
                 layer = st.layer(i)
-                with _maybe(prof, i, layer), _grad(i >= frozen):
-                    h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
-                if layer.is_moe:
+                with _maybe(prof, u, st.unit_module(u) if prof is not None else None), _grad(i >= frozen):
+                    if kind == LAYER:
+                        h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
+                    elif kind == ATTN:  # half of a split layer: the scheme runs it as the plain layer
+                        h = layer.attention_part(h, cos, sin)
+                    else:
+                        h = layer.ffn_part(h)
+                if kind == LAYER and layer.is_moe:
                     a = layer.block_sparse_moe.aux_loss
                     result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) * aux_w
                     if a.requires_grad:
@@ -251,7 +260,7 @@ class PipelineEngine:
 
     def _slots(self) -> list[int]:
         L = self.stage.num_layers_slot()
-        return ([L] if self.chain.is_first else []) + self.stage.layer_ids + ([L + 1] if self.chain.is_last else [])
+        return ([L] if self.chain.is_first else []) + self.stage.unit_ids + ([L + 1] if self.chain.is_last else [])
 
     def owned_slots(self) -> list[int]:
         return self._slots()

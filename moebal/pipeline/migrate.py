@@ -1,4 +1,5 @@
-"""Apply a stage partition: move whole layers between pipeline ranks with everything that belongs to them.
+"""Apply a stage partition: move partition units (whole layers, or halves of split layers: `units.py`) between
+pipeline ranks with everything that belongs to them.
 
 A moved layer carries (in this order, one flat byte buffer after a small int64 header):
   - its state dict (parameters and persistent buffers, e.g. an MoE layer's selection bias);
@@ -12,9 +13,11 @@ draws, so the run's random stream is the same with or without migrations). Under
 skeleton is sharded like the sender's layer (shard e of the chain's ep coordinate) before its values arrive.
 
 Protocol (every rank of the chain runs it with the same old and new partitions):
-  1. list the moves (layer, from, to) in ascending layer order (`partition.migration_layers`);
+  1. list the moves (unit, from, to) in ascending unit order (`partition.migration_layers`; a unit is a layer
+     under whole-layer units);
   2. walk the list: the sender posts header and payload (non-blocking) and drops the layer, the receiver
-     blocks on them, rebuilds the layer and inserts it at its place in layer order; since every rank walks
+     blocks on them, rebuilds the layer (or the half, joined to the other half when the receiver holds it)
+     and inserts it at its place in layer order; since every rank walks
      the same list and sends never block, the walk cannot deadlock;
   3. wait for every send, then rebuild the optimizer over the stage's new parameter set and give every
      parameter its old state object (kept layers) or the received one (moved layers).
@@ -34,7 +37,8 @@ from moebal.config import Config
 from moebal.pipeline.comm import PipeChain
 from moebal.pipeline.dynamism import Dynamism
 from moebal.pipeline.partition import migration_layers
-from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
+from moebal.pipeline.stage import PipelineStage, build_layer_skeleton, half_modules, keep_half
+from moebal.pipeline.units import LAYER, UnitMap
 
 __all__ = ["MigrationReport", "OPT_KEYS", "migrate_layers", "rebuild_optimizer"]
 
@@ -82,11 +86,23 @@ def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer:
     return header.numel() * 8 + payload.numel()
 
 
-def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.device,
-                parts: Sequence[Dynamism]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, torch.Tensor]]]:
+def _recv_unit(chain: PipeChain, src: int, cfg: Config, units: UnitMap, u: int, device: torch.device,
+               parts: Sequence[Dynamism]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, torch.Tensor]]]:
+    """Unit u's layer module as it arrives: the whole layer, or a skeleton holding only the half."""
+    i, kind = units.parts[u]
     layer = build_layer_skeleton(cfg, i, device)
-    for part in parts:  # expert sharding first: a scheme's structural change sees the shard's parameters
-        part.prepare_layer(i, layer)
+    if kind == LAYER:
+        for part in parts:  # expert sharding first: a scheme's structural change sees the shard's parameters
+            part.prepare_layer(i, layer)
+        return layer, _recv_into(chain, src, layer, i, device, parts)
+    keep_half(layer, kind)  # a split layer has no scheme or expert state (`Dynamism.splittable`)
+    return layer, _recv_into(chain, src, half_modules(layer, kind), i, device, ())
+
+
+def _recv_into(chain: PipeChain, src: int, layer: nn.Module, i: int, device: torch.device,
+               parts: Sequence[Dynamism]) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """Receive header and payload into the skeleton `layer` (what `_send_layer` sent); returns the optimizer
+    state that arrived per parameter."""
     params = list(layer.parameters())
     header = chain.recv(torch.empty(len(params), dtype=torch.int64), src).tolist()
     sd = layer.state_dict(keep_vars=True)
@@ -115,7 +131,7 @@ def _recv_layer(chain: PipeChain, src: int, cfg: Config, i: int, device: torch.d
             states[p] = {"step": got[f"step{n}"], "exp_avg": got[f"avg{n}"], "exp_avg_sq": got[f"sq{n}"]}
     for n, (part, spec) in enumerate(zip(parts, extra_specs)):
         part.load_layer_state(i, layer, {k: got[f"x{n}:{k}"] for k in spec})
-    return layer, states
+    return states
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -141,16 +157,22 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
     sent = 0
     device = next(stage.parameters()).device
     parts = [p for p in (experts, scheme) if p is not None]
-    for i, src, dst in moves:
+    units = stage.units
+    for u, src, dst in moves:
+        i, kind = units.parts[u]
         if src == me:
-            layer = stage.layer(i)
-            sent += _send_layer(chain, chain.ranks[dst], layer, i, optimizer, parts)
-            stage.remove_layer(i)
-            for part in parts:
-                part.drop_layer(i)
+            if kind == LAYER:
+                sent += _send_layer(chain, chain.ranks[dst], stage.layer(i), i, optimizer, parts)
+            else:
+                assert not any(part.layer_state(i) for part in parts), f"split layer {i} has scheme state"
+                sent += _send_layer(chain, chain.ranks[dst], stage.unit_module(u), i, optimizer, ())
+            stage.remove_unit(u)
+            if i not in stage.layer_ids:
+                for part in parts:
+                    part.drop_layer(i)
         elif dst == me:
-            layer, states = _recv_layer(chain, chain.ranks[src], stage.cfg, i, device, parts)
-            stage.add_layer(i, layer)
+            layer, states = _recv_unit(chain, chain.ranks[src], stage.cfg, units, u, device, parts)
+            stage.add_unit(u, layer)
             received.update(states)
     chain.flush()
     if experts is not None:

@@ -84,6 +84,10 @@ class MixtureOfDepths(Dynamism):
                 router = nn.Linear(self.cfg.model.dim, 1, bias=False)
             layer.mod_router = router.to_empty(device=next(layer.parameters()).device)
 
+    def splittable(self, i: int) -> bool:
+        """A routed block stays whole (its selection spans both halves); the other layers run plain."""
+        return i not in self.routed
+
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         c = self.current_capacity()

@@ -45,6 +45,7 @@ from moebal.pipeline.migrate import MigrationReport, migrate_layers
 from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes, transfer_bytes
 from moebal.pipeline.partition import (
     StagePartition,
+    clears_hysteresis,
     diffuse,
     imbalance,
     partition_by_params,
@@ -57,6 +58,7 @@ from moebal.pipeline.partition import (
 )
 from moebal.pipeline.schedule import SCHEDULES, in_flight
 from moebal.pipeline.stage import PipelineStage
+from moebal.pipeline.units import UnitMap
 from moebal.train.precision import uses_bf16
 
 __all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
@@ -76,6 +78,9 @@ class PipelineOptions:
     """'off' (static), 'partition' (exact min-max by measured time) or 'diffusion' (adjacent boundary moves)."""
     initial: str = "uniform"
     """Starting partition: 'uniform' (equal layer counts, Megatron) or 'params' (parameter counts, DeepSpeed)."""
+    split_layers: bool = False
+    """Partition units: a dense layer the scheme runs plain may split between its attention and FFN halves
+    (`units.py`); False: whole layers."""
     every: int = 10
     """Profile one iteration and plan every N steps (when rebalancing or re-packing)."""
     ema: float = 0.5
@@ -94,7 +99,10 @@ class PipelineOptions:
     """Seconds per migrated layer beyond its bytes."""
     min_gain: float = 0.05
     """Adopt a plan only when it also shortens the predicted iteration by this share (hysteresis: measured
-    costs are noisy, and chasing noise migrates layers back and forth)."""
+    costs are noisy, and chasing noise migrates layers back and forth) ..."""
+    confirm: int = 2
+    """... or by a fifth of it when the same plan was proposed at this many consecutive plan points (0: never;
+    `partition.clears_hysteresis`)."""
     wait: str = "block"
     """'block' (sleep in receives) or 'spin' (busy-wait: emulate dedicated devices on a shared host)."""
     dilate: float = 1.0
@@ -120,10 +128,11 @@ class PipelineOptions:
         if self.micro_batches < 1 or self.every < 1:
             raise ConfigError(f"pipeline.micro_batches ({self.micro_batches}) and pipeline.every ({self.every}) "
                               f"must be at least 1")
-        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2 or self.min_gain < 0:
-            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack and pipeline.min_gain >= 0, "
-                              f"pipeline.min_stages >= 2; got {self.ema}, {self.repack_slack}, {self.min_gain}, "
-                              f"{self.min_stages}")
+        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2 or self.min_gain < 0 \
+                or self.confirm < 0:
+            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack, pipeline.min_gain and "
+                              f"pipeline.confirm >= 0, pipeline.min_stages >= 2; got {self.ema}, "
+                              f"{self.repack_slack}, {self.min_gain}, {self.confirm}, {self.min_stages}")
         if self.wait not in ("block", "spin"):
             raise ConfigError(f"pipeline.wait must be 'block' or 'spin'; got {self.wait!r}")
         if not self.dilate >= 1.0:
@@ -201,8 +210,12 @@ class PipelineRunner:
         self.ep_group = dims.group("ep")
         self.data = data if data is not None else _build_data(cfg)
         self.step = 0
+        self.units = self._unit_map(cfg)
+        self.U = self.units.size
+        """Partition units (`units.py`): what costs, sizes, migrations and gradient-norm slots count; L layers
+        when no layer is split."""
         self._build(cfg)
-        self.tracker = CostTracker(self.L, ema=opts.ema)
+        self.tracker = CostTracker(self.U, ema=opts.ema)
         self.records: list[dict[str, Any]] = []
         self.plans: list[dict[str, Any]] = []
         self.gantt: dict[str, list[list[float]]] = {}
@@ -211,12 +224,21 @@ class PipelineRunner:
         self.bandwidth = opts.bandwidth
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._want_after_gantt = False
-        self.static_mem = np.zeros(self.L + 2)
-        self.move_bytes = np.zeros(self.L + 2)
+        self.static_mem = np.zeros(self.U + 2)
+        self.move_bytes = np.zeros(self.U + 2)
         self.kappa: float | None = None
         self._scheme_resumed = False
+        self._proposed: tuple[tuple[int, ...], int] | None = None
+        """The last plan point's proposal that gained more than it costs, and at how many consecutive points."""
 
     # ---- construction ----
+    def _unit_map(self, cfg: Config) -> UnitMap:
+        """Whole layers, or with `split_layers` every dense layer the scheme runs plain split in two halves."""
+        if not self.opts.split_layers:
+            return UnitMap.whole(self.L)
+        return UnitMap.build(self.L, [i for i in range(self.L)
+                                      if not cfg.is_moe_layer(i) and self.scheme.splittable(i)])
+
     def _build(self, cfg: Config) -> None:
         from moebal.models import build_model
         from moebal.train.trainer import seed_everything
@@ -226,15 +248,16 @@ class PipelineRunner:
         self.scheme.prepare_model(model)
         if self.opts.initial == "params":
             counts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-            self.sizes = partition_by_params(counts, self.P0,
-                                             first_extra=float(model.model.embed_tokens.weight.numel()),
-                                             last_extra=float(model.lm_head.weight.numel()))
+            layer_sizes = partition_by_params(counts, self.P0,
+                                              first_extra=float(model.model.embed_tokens.weight.numel()),
+                                              last_extra=float(model.lm_head.weight.numel()))
         else:
-            self.sizes = partition_uniform(self.L, self.P0)
+            layer_sizes = partition_uniform(self.L, self.P0)
+        self.sizes = self.units.unit_sizes(layer_sizes)  # the initial partition keeps layers whole
         p = self.chain.index
         start = sum(self.sizes[:p])
         self.stage = PipelineStage.from_model(model, start, start + self.sizes[p], self.chain.is_first,
-                                              self.chain.is_last).to(self.device)
+                                              self.chain.is_last, self.units).to(self.device)
         del model
         self.experts = StageExperts(self.stage, self.dims, cfg)
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
@@ -356,7 +379,7 @@ class PipelineRunner:
         profiled = self._profiled(step)
         self.scheme.begin_step(step)
         self.experts.before_step()  # Trans of the placed expert replicas
-        self.engine.profiler = (LayerProfiler(self.L, self.clock, count_bytes=self.opts.memory_cap is not None)
+        self.engine.profiler = (LayerProfiler(self.U, self.clock, count_bytes=self.opts.memory_cap is not None)
                                 if profiled else None)
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
@@ -371,7 +394,7 @@ class PipelineRunner:
                 events.update(self._apply(list(sizes), "forced-mid", step, lr=lr))
         self._sync_grads()
         red = self._reduce(res, t_run)
-        measured_factors = np.asarray(self.scheme.cost_factors(self.L))  # what this iteration ran at
+        measured_factors = self._factors()  # what this iteration ran at
         grad_norm = self._clip(red["sq"])
         if self.optimizer is not None:
             self.optimizer.step()
@@ -416,8 +439,10 @@ class PipelineRunner:
                     g.copy_(chunk.view_as(g))
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
-        L, P0 = self.L, self.P0
-        n = (L + 2) + L + 1 + 4 * P0
+        """One vector summed along the chain: gradient squares per cost slot (units, embedding, head), MoE
+        auxiliary losses per layer, the loss, per-stage times, scheme statistics, expert metrics."""
+        L, S, P0 = self.L, self.U + 2, self.P0
+        n = S + L + 1 + 4 * P0
         extra = self.scheme.stats_size(L)
         n_ep = 3 * L if self.experts.sharded else 0
         vec = torch.zeros(n + extra + n_ep, dtype=torch.float64)
@@ -425,7 +450,7 @@ class PipelineRunner:
             vec[n:n + extra] = self.scheme.local_stats()
         if n_ep:
             vec[n + extra:] = self.experts.step_vector(L)
-        shard_sq = torch.zeros(L + 2, dtype=torch.float64)
+        shard_sq = torch.zeros(S, dtype=torch.float64)
         for slot, params in self._slot_params().items():
             sq = torch.zeros((), dtype=torch.float64)
             for p in params:
@@ -435,19 +460,20 @@ class PipelineRunner:
                     shard_sq[slot] += torch.linalg.vector_norm(p.grad.double()) ** 2
             vec[slot] = sq
         if self.experts.sharded:  # each rank holds other experts: their squares add up over the ep group
-            vec[:L + 2] += self.experts.shard_sum(shard_sq)
+            vec[:S] += self.experts.shard_sum(shard_sq)
         for i, a in res.aux_by_layer.items():
-            vec[L + 2 + i] = a
-        vec[2 * L + 2] = res.loss_sum
+            vec[S + i] = a
+        t = S + L + 1  # the per-stage times
+        vec[S + L] = res.loss_sum
         pos = self._orig_pos()
-        vec[2 * L + 3 + pos] = res.busy_s
-        vec[2 * L + 3 + P0 + pos] = t_run
-        vec[2 * L + 3 + 2 * P0 + pos] = res.busy_cpu_s
-        vec[2 * L + 3 + 3 * P0 + pos] = res.w_cpu_s
+        vec[t + pos] = res.busy_s
+        vec[t + P0 + pos] = t_run
+        vec[t + 2 * P0 + pos] = res.busy_cpu_s
+        vec[t + 3 * P0 + pos] = res.w_cpu_s
         if self.data_ranks > 1:  # the loss of each rank's rows adds up; norms are equal after the gradient sum,
-            part = vec[2 * L + 2:2 * L + 3].clone()  # and scheme statistics are taken over the whole stage
+            part = vec[S + L:S + L + 1].clone()  # and scheme statistics are taken over the whole stage
             dist.all_reduce(part, group=self.stage_group)
-            vec[2 * L + 2] = part[0]
+            vec[S + L] = part[0]
             if extra:
                 stats = vec[n:n + extra].clone()
                 dist.all_reduce(stats, group=self.stage_group)
@@ -455,10 +481,9 @@ class PipelineRunner:
         out = self.chain.allreduce_sum(vec)
         if extra:
             self.scheme.set_global_stats(out[n:n + extra])
-        red = {"sq": out[:L + 2], "aux": out[L + 2:2 * L + 2], "loss": float(out[2 * L + 2]),
-               "busy": out[2 * L + 3:2 * L + 3 + P0].tolist(), "run": out[2 * L + 3 + P0:2 * L + 3 + 2 * P0].tolist(),
-               "busy_cpu": out[2 * L + 3 + 2 * P0:2 * L + 3 + 3 * P0].tolist(),
-               "w_cpu": out[2 * L + 3 + 3 * P0:n].tolist()}
+        red = {"sq": out[:S], "aux": out[S:S + L], "loss": float(out[S + L]),
+               "busy": out[t:t + P0].tolist(), "run": out[t + P0:t + 2 * P0].tolist(),
+               "busy_cpu": out[t + 2 * P0:t + 3 * P0].tolist(), "w_cpu": out[t + 3 * P0:n].tolist()}
         if n_ep:
             red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
         return red
@@ -515,7 +540,7 @@ class PipelineRunner:
         assert self.engine.profiler is not None
         prof = self.engine.profiler.result(self.engine.owned_slots())
         owned = prof.fwd >= 0
-        L2 = self.L + 2
+        L2 = self.U + 2
         vec = torch.zeros(6 * L2 + 2, dtype=torch.float64)
         vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
         vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
@@ -547,7 +572,7 @@ class PipelineRunner:
         M = self._num_micro()
         flight = in_flight(self.opts.schedule, self.chain.size, 0, M)
         mem = self.static_mem + self.tracker.act_bytes * flight
-        return mem[:self.L], float(mem[self.L]), float(mem[self.L + 1])
+        return mem[:self.U], float(mem[self.U]), float(mem[self.U + 1])
 
     def _plan_and_apply(self, step: int, res: IterationResult) -> dict[str, Any]:
         events: dict[str, Any] = {}
@@ -591,12 +616,13 @@ class PipelineRunner:
         tr, k, M = self.tracker, self.kappa or 1.0, self._num_micro()
         tot = tr.fwd + tr.bwd
         share = np.divide(tr.fwd, tot, out=np.full(tot.shape, 1.0 / 3.0), where=tot > 0)
-        fwd_c, bwd_c = costs * share[:self.L], costs * (1.0 - share[:self.L])
+        U = self.U
+        fwd_c, bwd_c = costs * share[:U], costs * (1.0 - share[:U])
         w_of_b = np.divide(tr.wgt, tr.bwd, out=np.zeros(tot.shape), where=tr.bwd > 0)
-        wgt_c = bwd_c * w_of_b[:self.L]
-        extra_f = [tr.fwd[self.L] * k, tr.fwd[self.L + 1] * k]
-        extra_b = [tr.bwd[self.L] * k, tr.bwd[self.L + 1] * k]
-        extra_w = [tr.wgt[self.L] * k, tr.wgt[self.L + 1] * k]
+        wgt_c = bwd_c * w_of_b[:U]
+        extra_f = [tr.fwd[U] * k, tr.fwd[U + 1] * k]
+        extra_b = [tr.bwd[U] * k, tr.bwd[U + 1] * k]
+        extra_w = [tr.wgt[U] * k, tr.wgt[U + 1] * k]
 
         @functools.cache  # the planner asks for the same partitions more than once per plan point
         def replay(sizes: tuple[int, ...]) -> float:
@@ -608,10 +634,14 @@ class PipelineRunner:
 
         return lambda sizes: replay(tuple(int(x) for x in sizes))
 
+    def _factors(self) -> np.ndarray:
+        """The scheme's latest per-layer cost prediction, per unit (a half takes its layer's factor)."""
+        return np.asarray(self.units.per_unit(self.scheme.cost_factors(self.L)))
+
     def _costs(self) -> np.ndarray:
-        """Smoothed per-layer costs in wall seconds (CPU time x the contention factor kappa), scaled by the
+        """Smoothed per-unit costs in wall seconds (CPU time x the contention factor kappa), scaled by the
         scheme's latest prediction (`CostTracker`)."""
-        return self.tracker.layer_costs(np.asarray(self.scheme.cost_factors(self.L))) * (self.kappa or 1.0)
+        return self.tracker.layer_costs(self._factors()) * (self.kappa or 1.0)
 
     def _propose(self, step: int) -> StagePartition | None:
         if self.opts.rebalance == "off":
@@ -629,16 +659,21 @@ class PipelineRunner:
         else:
             proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
         M = self._num_micro()
-        layer_bytes = self.move_bytes[:self.L]
+        layer_bytes = self.move_bytes[:self.U]
         t_iter = self._time_fn(costs)
         adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
                                          float(self.bandwidth or 1e9), self.opts.latency, time_fn=t_iter)
         t_cur, t_new = t_iter(self.sizes), t_iter(proposal)
-        adopt = adopt and t_new <= (1.0 - self.opts.min_gain) * t_cur
+        same = self._proposed is not None and self._proposed[0] == tuple(proposal)
+        streak = (self._proposed[1] + 1 if same else 1) if adopt else 0
+        self._proposed = (tuple(proposal), streak) if adopt else None
+        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm)
+        if adopt:
+            self._proposed = None
         return StagePartition(
             sizes=tuple(proposal), ranks=tuple(self.chain.ranks), step=step, balancer=self.opts.rebalance,
             predicted_time_s=t_new, previous_time_s=t_cur, gain_s=gain, migration_cost_s=cost,
-            meta={"adopt": adopt, "from": list(self.sizes),
+            meta={"adopt": adopt, "from": list(self.sizes), "streak": streak,
                   "imbalance_before": imbalance(stage_loads(costs, self.sizes, **kw)),
                   "imbalance_after": imbalance(stage_loads(costs, proposal, **kw)),
                   "costs": [round(float(c), 6) for c in costs], "kappa": round(self.kappa or 1.0, 4),
@@ -667,6 +702,7 @@ class PipelineRunner:
         if full == list(self.sizes):
             return {}
         old = list(self.sizes)
+        self._proposed = None  # plans from here on compare against the new partition
         self.optimizer, rep = migrate_layers(self.stage, self.chain, old, full, self.optimizer, self.scheme,
                                              self._make_optimizer, experts=self.experts)
         if lr is not None:
@@ -731,6 +767,8 @@ class PipelineRunner:
             "cpu_imbalance": round(imbalance(busy_cpu), 4) if busy_cpu and sum(busy_cpu) > 0 else 1.0,
             "overhead_s": round(overhead, 6),
             "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics(), **red.get("experts", {})}
+        if self.units.split_layers:  # sizes count units; a layer's half counts 0.5 here
+            rec["stage_layers"] = self.units.stage_layers(self.sizes)
         if self.tracker.ready:
             loads = stage_loads(self._costs(), self.sizes, **self._loads_kw())
             rec["predicted_imbalance"] = round(imbalance(loads), 4)
@@ -753,7 +791,8 @@ class PipelineRunner:
         every rank), the scheme's job-wide state, and the expert planners of the layers held here. (The
         scheme's per-layer tensors go into the checkpoint's extra tensors: `scheme_tensors`.)"""
         return {"sizes": list(self.sizes), "chain": self.P0, "coords": dict(self.dims.coords),
-                "layers": list(self.stage.layer_ids), "tracker": self.tracker.state_dict(),
+                "layers": list(self.stage.layer_ids), "units": self.units.split_layers,
+                "tracker": self.tracker.state_dict(),
                 "kappa": self.kappa, "bandwidth": self.bandwidth, "comm_s": self.comm_s,
                 "static_mem": self.static_mem.tolist(), "move_bytes": self.move_bytes.tolist(),
                 "scheme_name": self.scheme.name, "scheme": self.scheme.state_dict(),
@@ -774,7 +813,7 @@ class PipelineRunner:
         first = ranks.get("0") or next(iter(ranks.values()))
         if "tracker" not in first:
             return None  # written by the single-stage trainer: nothing of a pipeline to restore
-        if len(first["tracker"]["fwd"]) == self.L + 2:
+        if len(first["tracker"]["fwd"]) == self.U + 2:
             self.tracker.load_state_dict(first["tracker"])
             self.static_mem = np.asarray(first["static_mem"], dtype=np.float64)
             self.move_bytes = np.asarray(first["move_bytes"], dtype=np.float64)
@@ -794,6 +833,7 @@ class PipelineRunner:
                 layers.update({int(i): p for i, p in s["experts"]["planners"].items()})
         self.experts.load_state_dict(first["experts"], layers)
         fits = first["chain"] == self.P0 or (same_stages and len(first["sizes"]) == self.P0)
+        fits = fits and first.get("units", []) == self.units.split_layers  # sizes count the same units
         return list(first["sizes"]) if fits else None
 
     # ---- the scheme's per-layer state in checkpoints (keyed by global layer, so any partition resumes it) ----

@@ -10,6 +10,10 @@ their cost counts toward those stages in the planner).
 
 Layers are always held and run in ascending global index: migration inserts a received layer at its place
 in that order, never appends it (the DynMo prototype appends, which reorders the network).
+
+What a stage holds is a contiguous range of partition units (`units.py`): whole layers, or with
+`pipeline.split_layers` also a layer's attention or FFN half. A half-held layer is the layer's module with
+the other half's submodules set to None, so names stay the model's and its state dict is the half's slice.
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ from torch import nn
 
 from moebal.config import Config
 from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, Rotary
+from moebal.pipeline.units import ATTN, FFN, LAYER, UnitMap
 
-__all__ = ["PipelineStage", "build_layer_skeleton"]
+__all__ = ["PipelineStage", "build_layer_skeleton", "half_modules", "keep_half", "merge_half"]
+
+_HALF = {ATTN: ("input_layernorm", "self_attn"), FFN: ("post_attention_layernorm", "mlp")}
+"""The submodules of each half of a dense decoder layer."""
 
 
 class _Body(nn.Module):
@@ -39,8 +47,14 @@ class PipelineStage(nn.Module):
 
     def __init__(self, cfg: Config, layers: dict[int, DecoderLayer], first: bool, last: bool,
                  embed: nn.Embedding | None = None, norm: nn.Module | None = None,
-                 lm_head: nn.Linear | None = None) -> None:
+                 lm_head: nn.Linear | None = None, units: UnitMap | None = None,
+                 unit_ids: list[int] | None = None) -> None:
+        """`units`: the run's partition units (default: whole layers); `unit_ids`: the units held here (default:
+        every unit of `layers`)."""
         super().__init__()
+        self.units = units or UnitMap.whole(cfg.model.n_layers)
+        self._unit_ids = sorted(unit_ids if unit_ids is not None else
+                                [u for i in layers for u in self.units.units_of(i)])
         self.cfg, self.first, self.last = cfg, first, last
         self.model = _Body()
         self.model.embed_tokens = embed if first else None
@@ -51,16 +65,28 @@ class PipelineStage(nn.Module):
         self._set_layers(layers)
 
     @classmethod
-    def from_model(cls, model: MoebalForCausalLM, start: int, end: int, first: bool, last: bool) -> PipelineStage:
-        """Slice layers [start, end) (shared modules, no copy) out of a full model."""
+    def from_model(cls, model: MoebalForCausalLM, start: int, end: int, first: bool, last: bool,
+                   units: UnitMap | None = None) -> PipelineStage:
+        """Slice units [start, end) (layers, under the default whole-layer units) out of a full model: shared
+        modules, no copy; a layer held by one half loses the other half's submodules (the model is a
+        throw-away copy per rank)."""
         if model.config.model.tie_embeddings and not (first and last):
             from moebal.errors import ConfigError
 
             raise ConfigError("pipeline parallelism needs model.tie_embeddings=false: the embedding lives on the "
                               "first stage and the LM head on the last, and a tied copy would need its gradient "
                               "summed across the two stages, which moebal does not do")
-        layers = {i: model.model.layers[i] for i in range(start, end)}
-        return cls(model.config, layers, first, last, model.model.embed_tokens, model.model.norm, model.lm_head)
+        units = units or UnitMap.whole(model.config.model.n_layers)
+        held = list(range(start, end))
+        layers = {}
+        for i in units.layers_of(held):
+            layer = model.model.layers[i]
+            kinds = [units.kind(u) for u in units.units_of(i) if u in held]
+            if LAYER not in kinds and len(kinds) == 1:
+                keep_half(layer, kinds[0])
+            layers[i] = layer
+        return cls(model.config, layers, first, last, model.model.embed_tokens, model.model.norm, model.lm_head,
+                   units, held)
 
     # ---- the layer set ----
     def _set_layers(self, layers: dict[int, nn.Module]) -> None:
@@ -68,39 +94,77 @@ class PipelineStage(nn.Module):
 
     @property
     def layer_ids(self) -> list[int]:
+        """The layers held here, wholly or by one half, ascending."""
         return [int(k) for k in self.model.layers]
+
+    @property
+    def unit_ids(self) -> list[int]:
+        """The partition units held here, ascending (the layer ids under whole-layer units)."""
+        return list(self._unit_ids)
 
     def layer(self, i: int) -> nn.Module:
         return self.model.layers[str(i)]
 
+    def unit_module(self, u: int) -> nn.Module:
+        """What unit u runs: its layer, or the half's submodules."""
+        i, kind = self.units.parts[u]
+        return self.layer(i) if kind == LAYER else half_modules(self.layer(i), kind)
+
     def add_layer(self, i: int, layer: nn.Module) -> None:
-        layers = {int(k): v for k, v in self.model.layers.items()}
-        layers[i] = layer
-        self._set_layers(layers)
+        """Hold the whole layer i (every unit of it)."""
+        for u in self.units.units_of(i):
+            self.add_unit(u, layer)
 
     def remove_layer(self, i: int) -> nn.Module:
-        layers = {int(k): v for k, v in self.model.layers.items()}
-        layer = layers.pop(i)
-        self._set_layers(layers)
+        """Stop holding layer i (every unit of it held here); returns its module."""
+        layer = self.layer(i)
+        for u in self.units.units_of(i):
+            if u in self._unit_ids:
+                self.remove_unit(u)
         return layer
 
+    def add_unit(self, u: int, layer: nn.Module) -> None:
+        """Hold unit u, carried by `layer` (a whole or half-held layer module); a half joins the other half
+        when this stage holds that already."""
+        i, kind = self.units.parts[u]
+        layers = {int(k): v for k, v in self.model.layers.items()}
+        if i in layers and layers[i] is not layer:
+            assert kind != LAYER, f"layer {i} is held here already"
+            merge_half(layers[i], layer, kind)
+        else:
+            layers[i] = layer
+        self._set_layers(layers)
+        self._unit_ids = sorted(set(self._unit_ids) | {u})
+
+    def remove_unit(self, u: int) -> None:
+        """Stop holding unit u: drop its layer, or strip the half off when the layer's other half stays."""
+        i, kind = self.units.parts[u]
+        self._unit_ids = [v for v in self._unit_ids if v != u]
+        if any(self.units.layer(v) == i for v in self._unit_ids):
+            keep_half(self.layer(i), FFN if kind == ATTN else ATTN)
+            return
+        layers = {int(k): v for k, v in self.model.layers.items()}
+        layers.pop(i)
+        self._set_layers(layers)
+
     def check_contiguous(self) -> None:
-        ids = self.layer_ids
-        assert ids == list(range(ids[0], ids[0] + len(ids))), f"stage layers are not contiguous: {ids}"
+        ids = self._unit_ids
+        assert ids == list(range(ids[0], ids[0] + len(ids))), f"stage units are not contiguous: {ids}"
 
     def num_layers_slot(self) -> int:
-        """Index of the embedding's cost slot (the head's is this + 1): the model's layer count."""
-        return self.cfg.model.n_layers
+        """Index of the embedding's cost slot (the head's is this + 1): the number of units (of layers, under
+        whole-layer units)."""
+        return self.units.size
 
     def slot_modules(self) -> dict[int, nn.Module]:
-        """Cost/bucket slots this stage holds: its layers, then L (embedding) and L + 1 (norm and head)."""
-        L = self.cfg.model.n_layers
+        """Cost/bucket slots this stage holds: its units, then U (embedding) and U + 1 (norm and head)."""
+        U = self.units.size
         out: dict[int, nn.Module] = {}
         if self.model.embed_tokens is not None:
-            out[L] = self.model.embed_tokens
-        out.update({i: self.layer(i) for i in self.layer_ids})
+            out[U] = self.model.embed_tokens
+        out.update({u: self.unit_module(u) for u in self._unit_ids})
         if self.model.norm is not None:
-            out[L + 1] = nn.ModuleList([self.model.norm, self.lm_head])
+            out[U + 1] = nn.ModuleList([self.model.norm, self.lm_head])
         return out
 
     def moe_layers(self) -> list[nn.Module]:
@@ -142,3 +206,22 @@ def build_layer_skeleton(cfg: Config, i: int, device: torch.device | str) -> Dec
     with torch.device("meta"):
         layer = DecoderLayer(cfg, i)
     return layer.to_empty(device=device)
+
+
+def keep_half(layer: nn.Module, kind: str) -> None:
+    """Strip a dense layer down to its `kind` half (the other half's submodules become None)."""
+    other = FFN if kind == ATTN else ATTN
+    assert not getattr(layer, "is_moe", False), "an MoE layer is never split"
+    for name in _HALF[other]:
+        setattr(layer, name, None)
+
+
+def half_modules(layer: nn.Module, kind: str) -> nn.ModuleList:
+    """The submodules of a layer's `kind` half (shared, not copied)."""
+    return nn.ModuleList([getattr(layer, name) for name in _HALF[kind]])
+
+
+def merge_half(into: nn.Module, src: nn.Module, kind: str) -> None:
+    """Give `into` the `kind` half of `src` (the same module objects)."""
+    for name in _HALF[kind]:
+        setattr(into, name, getattr(src, name))

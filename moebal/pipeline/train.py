@@ -43,7 +43,8 @@ __all__ = ["options_from_config", "run_pipeline", "scheme_from_config"]
 def options_from_config(cfg: Config) -> PipelineOptions:
     p = cfg.pipeline
     return PipelineOptions(schedule=p.schedule, micro_batches=p.micro_batches, rebalance=p.rebalance,
-                           initial=p.initial, every=p.every, ema=p.ema, min_gain=p.min_gain, repack=p.repack,
+                           initial=p.initial, split_layers=p.split_layers, every=p.every, ema=p.ema,
+                           min_gain=p.min_gain, confirm=p.confirm, repack=p.repack,
                            repack_slack=p.repack_slack,
                            min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait, dilate=p.dilate)
 

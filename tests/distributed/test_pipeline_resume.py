@@ -43,17 +43,25 @@ def cfg_for(pp: int, nproc: int, scheme: str = "none", moe: int = 0, **pipeline)
         "pipeline": {"micro_batches": 2, **pipeline}})
 
 
-def _run(rank: int, cfg: Config, out: Path, resume: bool = False) -> list[dict] | None:
-    """One pipeline run of the spawned job; rank 0 returns its metrics lines."""
+def _run(rank: int, cfg: Config, out: Path, resume: bool = False, force: tuple = ()) -> list[dict] | None:
+    """One pipeline run of the spawned job; rank 0 returns its metrics lines. `force`: partitions adopted after
+    the given steps (`PipelineOptions.force`, which the config does not expose)."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from moebal.dist.groups import ParallelDims
+    from moebal.pipeline import train
     from moebal.pipeline.runner import pipeline_ep
-    from moebal.pipeline.train import run_pipeline
 
     world = dist.get_world_size()
     dims = ParallelDims(world_size=world, rank=rank, pp=cfg.parallel.pp, ep=pipeline_ep(cfg, world)).init()
-    assert run_pipeline(cfg, out, resume=resume, dims=dims) == 0
+    options = train.options_from_config
+    train.options_from_config = lambda c: dataclasses.replace(options(c), force=force)
+    try:
+        assert train.run_pipeline(cfg, out, resume=resume, dims=dims) == 0
+    finally:
+        train.options_from_config = options
     dist.barrier()  # released ranks wait here for the survivors
     if rank != 0:
         return None
@@ -107,6 +115,13 @@ def _two(rank: int, world: int, tmp: str) -> dict:
         out[f"{scheme}_whole"] = _run(rank, cfg_for(2, 2, scheme), whole)
         out[f"{scheme}_same"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, whole, base / scheme / "same"),
                                      resume=True)
+    # split partition units: layer 1's halves on different stages from step 2 (a forced partition: the tiny
+    # model's planner keeps its stages), so the step-3 checkpoint holds half-held layers
+    whole = base / "split" / "whole"
+    cut = ((2, (3, 5)),)  # 0a 0f 1a | 1f 2a 2f 3a 3f
+    out["split_whole"] = _run(rank, cfg_for(2, 2, split_layers=True), whole, force=cut)
+    out["split_same"] = _run(rank, cfg_for(2, 2, split_layers=True), _interrupted(rank, whole, base / "split" / "same"),
+                             resume=True, force=cut)
     return out
 
 
@@ -192,3 +207,11 @@ def test_freezing_snapshots_of_expert_shards_resume_under_another_expert_paralle
     # 6 logged decimals); later checks measure the diverging trajectories' own snapshots
     assert got[3]["plasticity"] == whole[3]["plasticity"]
 
+
+
+def test_a_checkpoint_with_layer_halves_on_two_stages_resumes_exactly(runs):
+    whole, got = runs["split_whole"], runs["split_same"]
+    assert whole[0]["sizes"] == [4, 4] and whole[2]["sizes"] == [3, 5]
+    assert whole[2]["stage_layers"] == [1.5, 2.5]
+    assert _losses(got) == _losses(whole)
+    assert [r["sizes"] for r in got] == [r["sizes"] for r in whole]

@@ -71,3 +71,19 @@ def test_zero_bubble_is_compared_with_1f1b_of_the_same_balancer_and_round(bench)
                                   ("static", 1, 500.0, "1f1b"), ("static", 1, 520.0, "zb")]]
     z = bench.verdicts(rows)["zb_over_1f1b"]
     assert z == {"dilate/mod/static": 1.03, "dilate/mod/partition": 1.05}
+
+
+def test_split_units_are_paired_with_their_own_static_run_and_with_whole_layers(bench) -> None:
+    rows = [_row("mod", "static", 0, 1000.0), _row("mod", "partition", 0, 1080.0),
+            _row("mod", "static", 0, 1010.0, mode="dilate+halves", units="halves"),
+            _row("mod", "partition", 0, 1161.5, mode="dilate+halves", units="halves")]
+    v = bench.verdicts(rows)
+    assert v["speedup"] == {"dilate/mod/partition": 1.08, "dilate+halves/mod/partition": 1.15}
+    assert v["targets"]["dilate+halves: mod: best rebalanced / static >= 1.1"]["met"]
+    assert v["halves_over_layers"] == {"dilate/mod/static": 1.01, "dilate/mod/partition": 1.075}
+    assert bench._mode("dilate", "zb", "halves") == "dilate+zb+halves"
+    groups = bench.build_groups(["mod"], 1, 10, ["dilate"], units=("layers", "halves"))
+    assert groups[0]["variants"] == ["static", "partition", "diffusion",
+                                     "static~halves", "partition~halves", "diffusion~halves"]
+    assert bench.split_variant("partition@zb~halves") == ("partition", "zb")
+    assert bench.variant_units("partition@zb~halves") == "halves" and bench.variant_units("static") == "layers"

@@ -122,3 +122,13 @@ def test_migration_and_adoption_rule():
     adopt, _, _ = should_adopt(costs, cur, new, 4, interval_iters=1, layer_bytes=[100.0] * 4, bandwidth_Bps=10.0)
     assert not adopt
     assert imbalance([2.0, 1.0, 3.0]) == pytest.approx(1.5)
+
+
+def test_hysteresis_takes_a_small_gain_only_when_it_keeps_winning():
+    from moebal.pipeline.partition import clears_hysteresis
+
+    assert clears_hysteresis(1.0, 0.95, 0.05, streak=1, confirm=2)  # min_gain: at once
+    assert not clears_hysteresis(1.0, 0.97, 0.05, streak=1, confirm=2)  # 3 %: wait for a second plan point
+    assert clears_hysteresis(1.0, 0.97, 0.05, streak=2, confirm=2)
+    assert not clears_hysteresis(1.0, 0.995, 0.05, streak=5, confirm=2)  # below a fifth of min_gain: never
+    assert not clears_hysteresis(1.0, 0.97, 0.05, streak=9, confirm=0)  # confirm 0: the threshold alone

@@ -185,7 +185,7 @@ def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares()
     # layers 0-2 measured 1 : 2, layer 3 frozen (forward only), embedding 0.5 forward, head 0.25 + 0.5
     tr.update(np.array([1.0, 1.0, 1.0, 3.0, 0.5, 0.25]), np.array([2.0, 2.0, 2.0, 0.0, 0.0, 0.5]),
               np.zeros(6))
-    runner = SimpleNamespace(tracker=tr, kappa=2.0, L=4, comm_s=0.1, opts=SimpleNamespace(schedule="1f1b"),
+    runner = SimpleNamespace(tracker=tr, kappa=2.0, U=4, comm_s=0.1, opts=SimpleNamespace(schedule="1f1b"),
                              _num_micro=lambda: 4)
     costs = tr.layer_costs() * 2.0  # what `_costs` gives: wall seconds (CPU x kappa)
     t_iter = PipelineRunner._time_fn(runner, costs)
@@ -203,7 +203,7 @@ def test_the_runner_replays_zero_bubble_with_each_stage_s_measured_w_share():
     # every layer 1 forward, 2 backward of which W: 1.0 (layer 0), 0.5 (1), 0 (2, 3); embedding and head none
     tr.update(np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 2.0, 2.0, 0.0, 0.0]), np.zeros(6),
               wgt=np.array([1.0, 0.5, 0.0, 0.0, 0.0, 0.0]))
-    runner = SimpleNamespace(tracker=tr, kappa=1.0, L=4, comm_s=0.0, opts=SimpleNamespace(schedule="zb"),
+    runner = SimpleNamespace(tracker=tr, kappa=1.0, U=4, comm_s=0.0, opts=SimpleNamespace(schedule="zb"),
                              _num_micro=lambda: 4)
     t_iter = PipelineRunner._time_fn(runner, tr.layer_costs())
     # stage 0 (layers 0-1): backward 4 of which W 1.5; stage 1 (layers 2-3): no W
