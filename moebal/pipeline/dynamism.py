@@ -78,7 +78,8 @@ class Dynamism:
         """Whether dense layer i may run as two partition units (`pipeline.split_layers`): only when
         `layer_forward(i, ...)` is the plain layer and layer i has no scheme state or statistics, because the
         engine runs a split layer's halves directly."""
-        return type(self).layer_forward is Dynamism.layer_forward and type(self).layer_state is Dynamism.layer_state
+        base = Dynamism  # a scheme that overrides none of these runs every layer plain and keeps nothing per layer
+        return all(getattr(type(self), m) is getattr(base, m) for m in ("layer_forward", "layer_state", "stats_size"))
 
     def frozen_prefix(self) -> int:
         """Layers [0, n) are frozen (and the embedding with them when n > 0): forward only, no backward."""
