@@ -50,6 +50,7 @@ and raised in the compute thread at its next call into the scheduler, and waits 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import statistics
 import threading
@@ -223,6 +224,22 @@ def completion_for(device: torch.device) -> Completion:
     return PollingCompletion(device=device) if device.type == "cuda" else HostCompletion()
 
 
+def _check_stream_concurrency(device: torch.device, mode: str) -> None:
+    """Refuse the one setting under which overlapped collectives on several communicators can deadlock.
+
+    With mode ddp or lina a rank's gradient chunks and its critical collectives run on different
+    communicators, and the ranks issue them in different orders (each rank gates its own chunks). NCCL
+    tolerates that only while the kernels of the two communicators can run side by side: each communicator has
+    its own stream, and at most `inflight` chunks plus one critical collective are in flight. With
+    CUDA_DEVICE_MAX_CONNECTIONS=1 every stream feeds one hardware queue, so rank A's chunk kernel (waiting for
+    its peer) can sit in front of the all-to-all kernel its peer is waiting for: a deadlock. docs/scheduler.md."""
+    if device.type == "cuda" and mode != "off" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(f"scheduler.mode={mode} overlaps collectives on several NCCL communicators in an order "
+                         f"that differs between ranks, which can deadlock when CUDA_DEVICE_MAX_CONNECTIONS=1 puts "
+                         f"every stream in one hardware queue: unset CUDA_DEVICE_MAX_CONNECTIONS or use "
+                         f"scheduler.mode=off")
+
+
 # ---- operations ----------------------------------------------------------------------------------------------
 class Handle:
     """A collective issued by the compute thread; `wait()` blocks until it completes.
@@ -340,6 +357,7 @@ class CommScheduler:
             # of its result (the count exchange's split sizes) would read uninitialised memory.
             raise ValueError(f"{type(self.completion).__name__} observes {self.completion.device_type} "
                              f"collectives, this scheduler's device is {self.device}: use completion_for(device)")
+        _check_stream_concurrency(self.device, mode)
         self.log = log or EventLog(rank)
         self.window = inflight if mode == "lina" else math.inf
         self.use_lookahead = lookahead and mode == "lina"

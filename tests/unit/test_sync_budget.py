@@ -128,3 +128,13 @@ def test_completion_follows_the_device():
         polling.close()
     with pytest.raises(ValueError, match="observes cpu collectives"):
         CommScheduler("off", device="cuda", completion=HostCompletion())
+
+
+def test_one_hardware_queue_is_refused_for_overlapping_schedulers(monkeypatch):
+    from moebal.scheduler.core import _check_stream_concurrency
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        _check_stream_concurrency(torch.device("cuda"), "lina")
+    _check_stream_concurrency(torch.device("cuda"), "off")  # one order on every rank: safe
+    _check_stream_concurrency(torch.device("cpu"), "lina")  # gloo: no GPU queue
