@@ -8,8 +8,9 @@ plans from identical numbers and computes identical placements.
 
 Every figure comes from the shared timing helper (`moebal.kernels.bench.time_fn`): on CUDA each timed call is
 bracketed by a device synchronisation (a kernel launch returns long before the kernel ends), and the expert
-computation runs under the run's autocast (`autocast`: bf16 for a bf16 run), with the all-to-all payload in
-that dtype, as in training; an fp32 timing of a bf16 run would halve the modelled expert throughput on a GPU.
+computation runs under the run's autocast (the dispatcher's `compute_dtype`: bf16 for a bf16 run), with the
+all-to-all payload in that dtype, as in training (an fp32 timing of a bf16 run would understate a GPU's expert
+throughput several-fold), and Trans is timed with the payload it sends (`expert_flat`, in the same dtype).
 
 The figures vary from one measurement to the next (tens of per cent on a shared machine), and placements
 follow them, so a run measures once: the trainer's expert-parallel hook keeps the figures in every
@@ -60,13 +61,13 @@ def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
     return slow
 
 
-def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5, dilate: float = 1.0,
-                        autocast: torch.dtype | None = None) -> MoELayerCosts:
+def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5,
+                        dilate: float = 1.0) -> MoELayerCosts:
     """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step
     (`dilate` > 1: on an emulated device that many times slower than a core, as the scheduler's), the experts
-    computing under `autocast` (the run's: `moebal.train.precision.autocast_dtype`; None: fp32)."""
+    computing under autocast to `d.compute_dtype` (the run's precision; None: the parameters' dtype)."""
     ex = d.layer.experts
-    dev, dtype = ex.w1.device, ex.w1.dtype
+    dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
     rows = max(64, tokens)
     local = len(d.owned)
@@ -130,7 +131,7 @@ def describe(costs: MoELayerCosts) -> dict[str, Any]:
 
 
 def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: int, layer: MoELayerCosts,
-                       repeats: int = 5, dilate: float = 1.0, autocast: torch.dtype | None = None) -> CommCosts:
+                       repeats: int = 5, dilate: float = 1.0) -> CommCosts:
     """The communication model's coefficients on the running job (collective over every rank):
 
     - gradient all-reduce latency and bandwidth: a two-point fit of all-reduces of 16 KB and 4 MB over the
@@ -142,10 +143,10 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
       GPU it is close to 1; on a CPU the cores that compute also move the bytes.
     Every rank of the job adopts the slowest rank's figures (an all-reduce of the times over the default group),
     so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device (`moebal.dist.dilate`);
-    it runs under `autocast` (the run's), and the all-to-all payload is in that dtype.
+    it runs under autocast to `d.compute_dtype` (the run's precision), and the all-to-all payload is in that dtype.
     """
     ex = d.layer.experts
-    dev, dtype = ex.w1.device, ex.w1.dtype
+    dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
     small, large = torch.zeros(4096, device=dev), torch.zeros(1 << 20, device=dev)
     R, group = d.R, d.group

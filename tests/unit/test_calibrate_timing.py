@@ -87,13 +87,14 @@ def test_autocast_dtype_follows_the_run_precision() -> None:
 
 # ---- the live calibration ------------------------------------------------------------------------------------
 
-def _fake_dispatcher(E: int = 4, D: int = 16, F: int = 32) -> Any:
+def _fake_dispatcher(compute_dtype: torch.dtype | None, E: int = 4, D: int = 16, F: int = 32) -> Any:
     ex = SwiGLUExperts(E, D, F, kernel="loop")
     with torch.no_grad():
         for p in ex.parameters():
             p.normal_(0.0, 0.02)
     return SimpleNamespace(layer=SimpleNamespace(experts=ex), owned=list(range(E)), R=2, r=0, ep_ranks=[0, 1],
-                           group=None, expert_flat=lambda e: torch.cat([w[e].reshape(-1) for w in ex.parameters()]))
+                           group=None, compute_dtype=compute_dtype,
+                           expert_flat=lambda e: torch.cat([w[e].reshape(-1) for w in ex.parameters()]))
 
 
 def _watch(monkeypatch, ex: SwiGLUExperts) -> dict[str, list[Any]]:
@@ -122,9 +123,10 @@ def _watch(monkeypatch, ex: SwiGLUExperts) -> dict[str, list[Any]]:
 
 @pytest.mark.parametrize("autocast", [torch.bfloat16, None])
 def test_measure_layer_costs_times_the_run_precision(monkeypatch, autocast) -> None:
+    """The dispatcher's compute dtype (bf16 under a bf16 run's autocast) is the precision timed."""
     from moebal.dist import calibrate
 
-    d = _fake_dispatcher()
+    d = _fake_dispatcher(autocast)
     seen = _watch(monkeypatch, d.layer.experts)
     timed: list[Any] = []
     real = calibrate.time_fn
@@ -134,11 +136,11 @@ def test_measure_layer_costs_times_the_run_precision(monkeypatch, autocast) -> N
         return real(fn, **kw)
 
     monkeypatch.setattr(calibrate, "time_fn", spy)
-    costs = calibrate.measure_layer_costs(d, 64, repeats=2, autocast=autocast)
+    costs = calibrate.measure_layer_costs(d, 64, repeats=2)
     assert seen["compute"] and set(seen["compute"]) == {autocast}
     assert set(seen["a2a"]) == {autocast or torch.float32}  # the rows travel in the compute dtype
     assert costs.token_bytes == 16 * (2 if autocast else 4)
-    assert costs.expert_param_bytes == 3 * 32 * 16 * 4  # the fp32 weights the ring sends
+    assert costs.expert_param_bytes == 3 * 32 * 16 * 4  # what this fake's Trans sends (fp32)
     assert all(kw["device"] == torch.device("cpu") for kw in timed) and len(timed) == 3
     assert [kw["autocast"] for kw in timed] == [autocast, None, None]  # only compute runs under autocast
 
@@ -147,11 +149,11 @@ def test_measure_comm_costs_times_compute_under_autocast(monkeypatch) -> None:
     from moebal.dist import calibrate
     from moebal.planner.perf import MoELayerCosts
 
-    d = _fake_dispatcher()
+    d = _fake_dispatcher(torch.bfloat16)
     seen = _watch(monkeypatch, d.layer.experts)
     layer = MoELayerCosts(token_bytes=32, expert_param_bytes=1e4, expert_grad_bytes=1e4, expert_tokens_per_s=1e6,
                           a2a_bandwidth=1e9, trans_bandwidth=1e9, agg_bandwidth=1e9, num_ranks=2)
-    calibrate.measure_comm_costs(d, None, 64, layer, repeats=2, autocast=torch.bfloat16)
+    calibrate.measure_comm_costs(d, None, 64, layer, repeats=2)
     assert seen["compute"] and set(seen["compute"]) == {torch.bfloat16}
     assert torch.bfloat16 in seen["a2a"]  # the step-sized exchange (the 8-byte latency probe stays fp32)
 
@@ -159,7 +161,7 @@ def test_measure_comm_costs_times_compute_under_autocast(monkeypatch) -> None:
 def test_packing_layout_times_run_synchronised_in_the_run_precision(monkeypatch) -> None:
     from moebal.dist import calibrate, packing
 
-    d = _fake_dispatcher()
+    d = _fake_dispatcher(None)
     ex = d.layer.experts
     seen = _watch(monkeypatch, ex)
     devices: list[Any] = []
