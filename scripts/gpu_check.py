@@ -371,7 +371,7 @@ def check_grouped_gemm(ctx: Ctx) -> dict[str, Any]:
                 continue
             per.append(_errs(gw[e], rw[e]))
         errs[name] = {"worst_rel_norm": max(p["rel_norm"] for p in per),
-                      "worst_rel_max": max(p["rel_max"] for p in per)}
+                      "worst_rel_max": max(p["rel_max"] for p in per), "worst_max_abs": max(p["max_abs"] for p in per)}
         ok &= all(_within(p, tol) for p in per)
     worst = max(v.get("rel_norm", v.get("worst_rel_norm", 0.0)) for v in errs.values())
     return {"ok": ok and zero_ok, "counts": counts, "D": D, "F": F_, "dtype": str(dtype).replace("torch.", ""),

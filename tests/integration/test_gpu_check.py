@@ -52,3 +52,32 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert bench["tflops"]["dense"] > 0 and set(bench["x_dense"]) == {"balanced", "skewed_4x"}
     # the short table is printed too
     assert "expert_kernel_vs_dense" in r.stdout and "all passed" in r.stdout
+
+
+def _load_script(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", mod)  # its dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    gc = _load_script(monkeypatch)
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(gc.CHECKS, "env", broken)
+    out = tmp_path / "r.json"
+    code = gc.main(["--device", "cpu", "--quick", "--only", "env,grouped_gemm", "--json", str(out),
+                    "--workdir", str(tmp_path / "w")])
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert code == 1 and not report["ok"] and report["failed"] == ["env"]
+    env = report["checks"]["env"]
+    assert env["status"] == "failed" and env["error"] == "RuntimeError: boom" and "broken" in env["traceback"]
+    assert report["checks"]["grouped_gemm"]["status"] == "passed"
+    assert "FAILED: env" in capsys.readouterr().out
+    assert gc.main(["--only", "nope"]) == 2
