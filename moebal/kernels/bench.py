@@ -50,7 +50,9 @@ def _sync(device: torch.device | str | None) -> None:
 def _precision(device: torch.device | str | None, autocast: torch.dtype | None) -> Any:
     if autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device if device is not None else "cpu").type, dtype=autocast)
+    if device is None:
+        raise ValueError(f"timing under autocast={autocast} needs the device whose autocast to enter: pass device")
+    return torch.autocast(torch.device(device).type, dtype=autocast)
 
 
 def summarise(samples: list[float], cpu_samples: list[float] | None = None) -> Timing:

@@ -53,6 +53,8 @@ def test_timed_calls_run_under_the_given_autocast() -> None:
     time_fn(probe, warmup=1, repeats=2, device="cpu")
     assert all(not on for on, _ in seen) and len(seen) == 3
     assert not torch.is_autocast_enabled("cpu")  # left as found
+    with pytest.raises(ValueError, match="pass device"):
+        time_fn(probe, autocast=torch.bfloat16)  # whose autocast? not guessed
 
 
 def test_sample_interleaved_runs_before_outside_the_timed_region(fake_cuda) -> None:
@@ -169,7 +171,7 @@ def test_packing_layout_times_run_synchronised_in_the_run_precision(monkeypatch)
 
     def spy(fn: Any, **kw: Any) -> Any:
         devices.append(kw["device"])
-        return real(fn, **{**kw, "device": None})  # really on the CPU
+        return real(fn, **kw)
 
     monkeypatch.setattr(calibrate, "time_fn", spy)
     dims = SimpleNamespace(group=lambda axis: None)
