@@ -27,9 +27,21 @@ from typing import IO
 
 from moebal.errors import ConfigError
 
-__all__ = ["free_port", "run_nodes", "spawn_local"]
+__all__ = ["free_port", "local_ranks", "run_nodes", "spawn_local"]
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
+
+
+def local_ranks(nproc: int | None, gpus: int) -> int:
+    """Ranks `moebal train` runs on this machine: `parallel.nproc`, or when null one per visible GPU (`gpus` > 0:
+    a CUDA run), 2 on a CPU. On CUDA more ranks than GPUs is a ConfigError (NCCL needs a GPU per rank)."""
+    from moebal.dist.groups import check_ranks_fit
+
+    if gpus <= 0:
+        return 2 if nproc is None else nproc
+    n = gpus if nproc is None else nproc
+    check_ranks_fit(n, gpus)
+    return n
 
 
 def free_port() -> int:
