@@ -12,7 +12,15 @@ receives block. Messages between one pair of ranks in one direction arrive in th
 Waiting. A blocked gloo receive sleeps, so on a machine with fewer cores than ranks an idle stage hands its
 core to the busy ones, which a GPU cannot do. `wait="spin"` emulates dedicated devices on one host: the
 receiver spins on a shared-memory counter that the sender bumps after posting its send, so every rank
-keeps its share of the CPU while it waits. It is a benchmark device, valid for ranks of one host only.
+keeps its share of the CPU while it waits. It is a benchmark device, valid for ranks of one host only (and
+refused on CUDA: `moebal.config.refuse_cpu_only`).
+
+Devices. Messages go over the default group, device-aware on CUDA (`cpu:gloo,cuda:nccl`): a CUDA tensor
+travels over NCCL, a CPU tensor over gloo, so both ends of a message must use the same device type. The
+convention: activations, gradients and migrated layers on the compute device; the small agreements
+(`allreduce_sum` of per-layer statistics and times, `allgather_1d`'s lengths) on the CPU, since they are host
+values read on the host at once. On NCCL a receive returns once it is ordered before the compute stream's
+next kernel (the data are not yet on the host), which is all a tensor consumed by GPU code needs.
 """
 
 from __future__ import annotations
@@ -171,7 +179,9 @@ class PipeChain:
     def allreduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
         """Sum of every member's `vec`, added in chain order on every member: all members get the same bits.
 
-        P x (P - 1) messages of len(vec) numbers; meant for per-layer statistics and scalars, not gradients.
+        P x (P - 1) messages of len(vec) numbers; meant for per-layer statistics and scalars, not gradients, and
+        for CPU tensors (gloo): every member sends before it receives, which NCCL, whose sends may wait for the
+        matching receive, does not promise to complete.
         """
         vec = vec.detach().contiguous()
         if self.size == 1:
@@ -206,7 +216,7 @@ class PipeChain:
         return out
 
     def _one_hot(self, value: float) -> torch.Tensor:
-        v = torch.zeros(self.size, dtype=torch.float64)
+        v = torch.zeros(self.size, dtype=torch.float64)  # a host value: gloo
         v[self.index] = value
         return v
 
