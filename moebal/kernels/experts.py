@@ -221,8 +221,9 @@ def padded_layout(counts_E: torch.Tensor, num_rows: int, align: int) -> GroupLay
     expert_N = torch.searchsorted(end_E, rows_N, right=True)  # rows are grouped by expert; E: after them all
     pos_N = rows_N + torch.cat([shift_E, shift_E.new_zeros(1)])[expert_N]
     expert_row_N = expert_N < E
-    offs_E = pad_end_E.to(torch.int32)
-    offs_E[-1] = body
+    # the last end set by a fill, not `offs[-1] = body`: a Python value assigned into a CUDA tensor is copied
+    # from the host, a sync (seen by torch.cuda.set_sync_debug_mode on an H200)
+    offs_E = torch.cat([pad_end_E[:-1], pad_end_E.new_full((1,), body)]).to(torch.int32)
     return GroupLayout(offs_E=offs_E, pos_N=torch.where(expert_row_N, pos_N, body),
                        src_N=torch.where(expert_row_N, pos_N, body - 1), rows=body + align)
 
