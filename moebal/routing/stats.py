@@ -42,12 +42,14 @@ class RoutingStats:
         E = r.probs_TE.shape[-1]
         routed_E = assignment_counts(r.indices_TK, r.taken_TK, E)
         counts_E = routed_E if r.active_TK is None else assignment_counts(r.indices_TK, r.active_TK, E)
+        # Python numbers enter device tensors by fills only: `t[i] = T` on CUDA is a host-to-device copy (a sync)
+        dev = routed_E.device
         if r.taken_TK is None:
-            used_K = torch.zeros(K, dtype=torch.int64, device=routed_E.device)
-            used_K[K - 1] = T
+            used_K = torch.cat([torch.zeros(K - 1, dtype=torch.int64, device=dev),
+                                torch.full((1,), T, dtype=torch.int64, device=dev)])
         else:
             used_K = count_ids(r.taken_TK.sum(dim=-1) - 1, K)
-        tokens = torch.full((), T, dtype=torch.int64, device=routed_E.device)  # a fill: no host-to-device copy
+        tokens = torch.full((), T, dtype=torch.int64, device=dev)
         return cls(counts_E=counts_E, routed_E=routed_E, used_K=used_K, tokens=tokens)
 
     def add(self, other: RoutingStats) -> RoutingStats:
