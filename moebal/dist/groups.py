@@ -97,6 +97,7 @@ class ParallelDims:
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
     _nodes: list[str] | None = field(default=None, repr=False)
     _channels: list[Any] = field(default_factory=list, repr=False)
+    _pipe: tuple[Any, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.pp < 1 or self.world_size % (self.ep * self.pp):
@@ -181,8 +182,21 @@ class ParallelDims:
                 if self.rank in ranks:
                     self._groups[axis] = g
         self._groups["world"] = dist.group.WORLD
+        if self.pp > 1:
+            for ranks in self._axis_groups("pp"):
+                pair = tuple(dist.new_group(list(ranks), timeout=timeout, backend=backend) for _ in range(2))
+                if self.rank in ranks:
+                    self._pipe = (pair[0], pair[1])
         self.warm_up()
         return self
+
+    def pipe_groups(self) -> tuple[Any, Any] | None:
+        """Two groups over this rank's pipeline ("pp") for its point-to-point messages: those toward later
+        stages (activations) and those toward earlier ones (gradients); None in a single process or without
+        pipeline stages. On NCCL each group has its own stream, on which a large send waits for its receive:
+        with one stream for both directions, a stage sending forward and its neighbour sending backward would
+        each wait behind their own send (`moebal.pipeline.comm`)."""
+        return self._pipe if self.distributed else None
 
     def _axis_groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along `axis`, each once, in the order every rank creates them."""
@@ -202,6 +216,8 @@ class ParallelDims:
             return
         for axis in ("ep", "dp", "dp_ep", "pp", "world"):
             self._warm(self._groups[axis])
+        for g in self._pipe or ():
+            self._warm(g)
 
     def _warm(self, group: Any, devices: tuple[torch.device, ...] | None = None) -> None:
         for device in devices or _devices(self.device):

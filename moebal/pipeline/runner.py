@@ -208,7 +208,7 @@ class PipelineRunner:
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
                               f"use at most {self.L} stages")
-        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait)
+        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait, groups=dims.pipe_groups())
         self.P0 = self.chain.size
         self.dp_group, self.dp = dims.group("dp"), dims.dp
         # the ranks of one stage ("dp_ep": data-parallel replicas x expert shards) split each batch's rows

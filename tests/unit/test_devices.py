@@ -207,3 +207,46 @@ def test_setup_parallel_uses_the_process_group_timeout_not_the_schedulers(monkey
     with pytest.raises(Stop):
         D.setup_parallel(cfg)
     assert seen == [45 * 60.0]
+
+
+# ---- pipeline messages: one group per direction ------------------------------------------------------------
+
+def test_pipeline_messages_travel_on_one_group_per_direction(monkeypatch):
+    """On NCCL a send holds its communicator's stream until the receive is posted: stage p's forward send and
+    stage p + 1's backward send must not share a stream, or 1F1B deadlocks. Every message toward a later
+    chain member goes on the first group, every message toward an earlier one on the second."""
+    from moebal.pipeline.comm import PipeChain
+
+    used: list[tuple[str, int, Any]] = []
+    work = SimpleNamespace(wait=lambda: None)
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group=None: used.append(("send", dst, group)) or work)
+    monkeypatch.setattr(dist, "irecv", lambda t, src, group=None: used.append(("irecv", src, group)) or work)
+    monkeypatch.setattr(dist, "recv", lambda t, src, group=None: used.append(("recv", src, group)))
+    t = torch.zeros(2)
+    chain = PipeChain([3, 5, 7], 5, groups=("later", "earlier"))
+    chain.send(t, 7)  # an activation
+    chain.recv(t, 7)  # a gradient
+    chain.send(t, 3)  # a gradient
+    chain.recv(t, 3)  # an activation
+    chain.post_recv(t, 3)
+    chain.post_send(t, 7)
+    assert used == [("send", 7, "later"), ("recv", 7, "earlier"), ("send", 3, "earlier"), ("recv", 3, "later"),
+                    ("irecv", 3, "later"), ("send", 7, "later")]
+    first = PipeChain([3, 5, 7], 3, groups=("later", "earlier"))
+    first.shrink([3, 7])  # re-packed: 5 released, the order of the rest kept
+    used.clear()
+    first.send(t, 7)
+    assert used == [("send", 7, "later")]
+    used.clear()
+    PipeChain([0, 1], 0).send(t, 1)  # no groups: the default group, as before
+    assert used == [("send", 1, None)]
+
+
+def test_pipeline_groups_are_built_and_warmed_only_with_stages(monkeypatch):
+    fake = _FakeDist(monkeypatch)
+    dims = ParallelDims(world_size=4, rank=2, pp=2).init()
+    pair = dims.pipe_groups()
+    assert pair is not None and pair[0] != pair[1]
+    assert all(g in {grp for grp, _ in fake.reduced} for g in pair)
+    assert all(g.endswith(f":{dims.ranks_of('pp')}") for g in pair)  # over this rank's pipeline
+    assert ParallelDims(world_size=2, rank=0).init().pipe_groups() is None
