@@ -205,6 +205,7 @@ class PipeChain:
         for CPU tensors (gloo): every member sends before it receives, which NCCL, whose sends may wait for the
         matching receive, does not promise to complete.
         """
+        assert vec.device.type == "cpu", "allreduce_sum sends before it receives: CPU tensors (gloo) only"
         vec = vec.detach().contiguous()
         if self.size == 1:
             return vec.clone()
@@ -221,7 +222,9 @@ class PipeChain:
         return total
 
     def allgather_1d(self, vec: torch.Tensor) -> list[torch.Tensor]:
-        """Every member's 1-D tensor (lengths may differ), in chain order."""
+        """Every member's 1-D tensor (lengths may differ), in chain order. CPU tensors only, like
+        `allreduce_sum` (every member sends before it receives)."""
+        assert vec.device.type == "cpu", "allgather_1d sends before it receives: CPU tensors (gloo) only"
         n = self.allreduce_sum(self._one_hot(vec.numel())).long().tolist()
         vec = vec.detach().contiguous()
         for r in self.ranks:

@@ -250,3 +250,16 @@ def test_pipeline_groups_are_built_and_warmed_only_with_stages(monkeypatch):
     assert all(g in {grp for grp, _ in fake.reduced} for g in pair)
     assert all(g.endswith(f":{dims.ranks_of('pp')}") for g in pair)  # over this rank's pipeline
     assert ParallelDims(world_size=2, rank=0).init().pipe_groups() is None
+
+
+def test_chain_agreements_take_host_tensors_only():
+    """`allreduce_sum` and `allgather_1d` send to every member before receiving: fine on gloo, a possible
+    deadlock on NCCL, so a device tensor is refused (every caller passes host bookkeeping)."""
+    from moebal.pipeline.comm import PipeChain
+
+    chain = PipeChain([0, 1], 0)
+    with pytest.raises(AssertionError, match="CPU tensors"):
+        chain.allreduce_sum(torch.zeros(2, device="meta"))
+    with pytest.raises(AssertionError, match="CPU tensors"):
+        chain.allgather_1d(torch.zeros(2, device="meta"))
+    assert PipeChain([0], 0).allreduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
