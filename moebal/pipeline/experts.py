@@ -60,9 +60,9 @@ class StageExperts:
         self.stage, self.dims, self.cfg = stage, dims, cfg
         self.R = dims.ep
         self.data_ranks = dims.size("dp_ep")
-        from moebal.train.precision import uses_bf16
+        from moebal.train.precision import autocast_dtype
 
-        dtype = torch.bfloat16 if uses_bf16(cfg, dims.device) else None  # replicas travel in the compute dtype
+        dtype = autocast_dtype(cfg, dims.device)  # replicas travel in the compute dtype
         self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype)
                                           if self.R > 1 else None)
         if self.ep is None:

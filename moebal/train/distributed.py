@@ -266,15 +266,23 @@ class ExpertParallelHook(Hook):
         self._t_opt = time.perf_counter()
 
     def reduce_stats(self, trainer: Trainer, stats: list[RoutingStats]) -> list[RoutingStats]:
-        """Keep each rank's counts (the planner's R x E matrix) and return the counts summed over ranks."""
-        group, R = self.ep.dims.group("ep"), self.ep.dims.size("ep")
-        self._counts_RE = []
-        for s in stats:
-            gathered = [torch.zeros_like(s.counts_E) for _ in range(R)]
-            self.sched.run("stats", lambda g=gathered, s=s: dist.all_gather(g, s.counts_E, group=group, async_op=True),
-                           name="routing counts", nbytes=s.counts_E.numel() * s.counts_E.element_size() * R)
-            self._counts_RE.append(torch.stack(gathered).cpu().numpy().astype(np.float64))
-        return sum_stats(stats, self.ep.dims.group("dp_ep"), self.sched)
+        """Keep each rank's counts (the planner's R x E matrix) and return the statistics summed over the
+        stage's ranks: one all-gather of every layer's packed statistics over "dp_ep" (it holds the "ep"
+        group's rows too) and one host read of the expert-parallel group's counts."""
+        dims = self.ep.dims
+        packed_LX = torch.stack([s.packed() for s in stats])
+        gathered = [torch.empty_like(packed_LX) for _ in range(dims.size("dp_ep"))]
+        self.sched.run("stats", lambda: dist.all_gather(gathered, packed_LX, group=dims.group("dp_ep"),
+                                                        async_op=True),
+                       name="routing stats", nbytes=packed_LX.numel() * packed_LX.element_size() * len(gathered))
+        all_WLX = torch.stack(gathered)
+        E = stats[0].counts_E.numel()
+        members = dims.ranks_of("dp_ep")
+        rows = [members.index(r) for r in dims.ranks_of("ep")]
+        counts_RLE = np.asarray(to_host(all_WLX[rows, :, :E], "placement counts"), dtype=np.float64)
+        self._counts_RE = [np.ascontiguousarray(counts_RLE[:, i]) for i in range(len(stats))]
+        summed_LX = all_WLX.sum(dim=0)
+        return [RoutingStats.unpack(summed_LX[i], E) for i in range(len(stats))]
 
     def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
         self.ep.release()  # replicas hold pre-update weights; validation and the next Trans must not see them
@@ -414,7 +422,10 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
         # (ParallelDims.init) before the scheduler's thread can issue on them
         sched = CommScheduler(sc.mode, rank=dims.rank, device=dims.device, inflight=sc.inflight,
                               lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s, dilate=sc.dilate)
-        expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap)
+        from moebal.train.precision import autocast_dtype
+
+        expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap,
+                                         compute_dtype=autocast_dtype(cfg, dims.device))
         ctx.comm = sched
         hooks.append(_expert_parallel_hook(cfg, expert_parallel, dims, ctx))
     elif dims.distributed:
@@ -468,14 +479,14 @@ class DataParallelHook(Hook):
 
 
 def sum_stats(stats: list[RoutingStats], group: Any, sched: CommScheduler | None = None) -> list[RoutingStats]:
-    """Routing statistics summed over the ranks of `group` (copies; the inputs stay local)."""
-    out = []
-    for s in stats:
-        t = s.clone()
-        for x in (t.counts_E, t.routed_E, t.used_K, t.tokens):
-            if sched is not None:
-                sched.all_reduce(x, group, name="routing stats")
-            else:
-                dist.all_reduce(x, group=group)
-        out.append(t)
-    return out
+    """Routing statistics summed over the ranks of `group` with one all-reduce of every layer's packed
+    statistics (copies; the inputs stay local)."""
+    if not stats:
+        return []
+    packed_LX = torch.stack([s.packed() for s in stats])
+    if sched is not None:
+        sched.all_reduce(packed_LX, group, name="routing stats")
+    else:
+        dist.all_reduce(packed_LX, group=group)
+    E = stats[0].counts_E.numel()
+    return [RoutingStats.unpack(packed_LX[i], E) for i in range(len(stats))]
