@@ -80,7 +80,7 @@ def _candidate(ep: int, world: int, E: int, rows: int, token_bytes: float, exper
     return PackingCandidate(ep=ep, t_ffn=t_ffn, t_a2a=t_a2a, t_expert_sync=t_sync)
 
 
-def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: list[int], timeout_s: float,
+def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: list[int], pg_timeout_s: float,
               dilate: float) -> list[PackingCandidate]:
     """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups, timed on
     the device (synchronised) in the run's precision (its autocast; the exchange's rows in that dtype)."""
@@ -103,7 +103,7 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
     big = torch.zeros(1 << 20, device=device)  # 4 MB: the all-reduce's bandwidth over the whole job
     times = []
     for ep in eps:
-        dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(timeout_s)
+        dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(pg_timeout_s)
         times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
     t_small = median_time(lambda: dist.all_reduce(big[:4096]), 5, device)
     t_big = median_time(lambda: dist.all_reduce(big), 5, device)
@@ -163,7 +163,7 @@ def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.dev
         return ep
     eps = candidate_layouts(cfg.moe.num_experts, world, ep0)
     if cfg.planner.costs == "measure":
-        cands = _measured(cfg, world, rank, device, eps, sc.timeout_s, sc.dilate)
+        cands = _measured(cfg, world, rank, device, eps, 60.0 * cfg.parallel.timeout_min, sc.dilate)
     else:
         cands = _profiled(cfg, world, eps)
     ep, why = lina_packing(cands)
