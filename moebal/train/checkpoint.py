@@ -544,9 +544,21 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             if not isinstance(manifest[key], dict):
                 raise TypeError(key)
         int(manifest["step"])
+        files = [*manifest["files"], *(e["file"] for k in ("tensors", "extra") for e in manifest.get(k, {}).values())]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
+    for name in files:
+        _check_inside(path, name)
     return dict(manifest)
+
+
+def _check_inside(path: Path, name: Any) -> None:
+    """A manifest names files of its own directory only: a path elsewhere (`../run/x`, `/abs/x`, a symlink out)
+    would load another checkpoint's tensors into this one, however well its checksum matches."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+    if not plain or not (path / name).resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"{path / 'manifest.json'} is corrupt: it lists {name!r}, which is not a file of "
+                              f"the checkpoint directory (a manifest may only name files inside it)")
 
 
 def _verify_file(path: Path, name: str, record: dict[str, Any] | None) -> None:

@@ -197,6 +197,28 @@ def test_a_bad_manifest_has_its_own_message(tmp_path, damage):
     assert expect in str(err.value)
 
 
+@pytest.mark.parametrize("how", ["parent", "absolute", "symlink"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_refused(tmp_path, how):
+    # another run's shard with its true size and sha256: only the path gives it away
+    a, a_opt = _trained(seed=1)
+    b, b_opt = _trained(seed=2)
+    other = _save(tmp_path / "other", 1, a, a_opt)
+    latest = _save(tmp_path / "run", 1, b, b_opt)
+    m = json.loads((latest / "manifest.json").read_text())
+    shard = "model-r00000.safetensors"
+    name = {"parent": f"../../other/{other.name}/{shard}", "absolute": str(other / shard), "symlink": "link"}[how]
+    if how == "symlink":
+        (latest / name).symlink_to(other / shard)
+    m["files"][name] = json.loads((other / "manifest.json").read_text())["files"][shard]
+    for entry in m["tensors"].values():
+        if entry["file"] == shard:
+            entry["file"] = name
+    (latest / "manifest.json").write_text(json.dumps(m))
+    fresh, fresh_opt = _trained(seed=3)
+    with pytest.raises(CheckpointError, match="which is not a file of the checkpoint directory"):
+        _unchanged_after(lambda: apply_checkpoint(read_checkpoint(latest), fresh, fresh_opt), fresh, fresh_opt)
+
+
 def _unchanged_after(fn, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
