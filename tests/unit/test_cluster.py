@@ -145,6 +145,30 @@ def test_a_missing_launcher_program_is_one_clear_error(tmp_path, capsys):
     assert "cannot start node n1: 'no-such-ssh-program'" in capsys.readouterr().err
 
 
+def test_a_host_inside_a_template_word_cannot_run_code(tmp_path, capsys):
+    # the placeholder is part of a word that `sh -c` runs as a script: the host must stay one literal word there
+    evil = f"n0;touch${{IFS}}{tmp_path}/x"
+    data = _cluster(tmp_path, nodes=[{"host": evil, "addr": "127.0.0.1", "slots": 1}],
+                    ssh={"command": "sh -c 'echo node={host}; exit 3' {command}", "stop_grace_s": 5})
+    path = _write(tmp_path / "c.yaml", data)
+    c = load_cluster(path)
+    [cmd] = node_commands(c, train_argv(c, "runs/o"), "runs/o")
+    assert cmd.argv[:3] == ["sh", "-c", f"echo node={shlex.quote(evil)}; exit 3"]
+    done = subprocess.run(cmd.argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (3, f"node={evil}\n")
+    assert not (tmp_path / "x").exists()
+    assert main(["launch", str(path), "--dry-run"]) == 0  # the dry run shows the quoted word
+    assert shlex.quote(f"echo node={shlex.quote(evil)}; exit 3") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("template", ["sh -c 'echo \"node={host}\"' {command}", "sh -c \"echo 'n={node}'\" {command}",
+                                      "sh -c \"echo \\\"{command}\\\"\""])
+def test_a_placeholder_inside_quotes_of_a_template_word_is_refused(tmp_path, template):
+    data = _cluster(tmp_path, ssh={"command": template})
+    with pytest.raises(ConfigError, match=r"is inside a .-quoted string in .*put the placeholder outside"):
+        load_cluster(_write(tmp_path / "c.yaml", data))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"nodez": []}, "unknown key 'nodez'; did you mean 'nodes'"),
     ({"nodes": [{"host": "a", "slotz": 2}]}, "unknown key 'nodes[0].slotz'; did you mean 'nodes[0].slots'"),
