@@ -60,8 +60,23 @@ def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]
     return config, overrides
 
 
+def _refuse_conflicts(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Two spellings of one setting with different values would leave one silently ignored."""
+    if args.resume and args.resume_from:
+        raise ConfigError("--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) "
+                          "conflict: give one of them")
+    given = {item.partition("=")[0].strip(): item for item in overrides}
+    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("nproc", "parallel.nproc"),
+                      ("ep", "parallel.ep"), ("pp", "parallel.pp"), ("policy", "planner.policy"),
+                      ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme"),
+                      ("microbatching", "pipeline.microbatching")):
+        if getattr(args, flag, None) is not None and key in given:
+            raise ConfigError(f"--{flag} and the override {given[key]} both set {key}: give one of them")
+
+
 def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     config, overrides = _split_positionals(args)
+    _refuse_conflicts(args, overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:

@@ -61,6 +61,8 @@ def test_human_output(capsys) -> None:
     (["--ranks", "12", "--ep", "8"], "must divide the data-parallel size"),
     (["moe.top_kk=1"], "did you mean 'moe.top_k'"),
     (["--routing", "/nonexistent/routing.jsonl"], "cannot read it"),
+    (["--ranks", "0"], "--ranks must be >= 1; got 0"),
+    (["--ep", "0"], "--ep must be >= 1; got 0"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2

@@ -21,7 +21,8 @@ def moebal(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     out = tmp_path / "run"
-    r = moebal("--steps", "3", "--out", str(out), *TINY, "train.ckpt_every=2")
+    tiny = [x for x in TINY if not x.startswith("train.steps=")]  # --steps sets it (both would be refused)
+    r = moebal("--steps", "3", "--out", str(out), *tiny, "train.ckpt_every=2")
     assert r.returncode == 0, r.stderr
     assert {"config.yaml", "metrics.jsonl", "dashboard.png", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
         {p.name for p in out.iterdir()}
@@ -31,7 +32,7 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert summary["steps"] == 3 and summary["val_loss"] < summary["unigram_entropy"] * 2
     assert summary["val_ratio"] == summary["val_loss"] / summary["unigram_entropy"]
     # a second run into the same directory must say how to continue instead of overwriting
-    again = moebal("--steps", "3", "--out", str(out), *TINY)
+    again = moebal("--steps", "3", "--out", str(out), *tiny)
     assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
     # --resume without CONFIG continues from the run's own config.yaml; more steps extend it
     r2 = moebal("--out", str(out), "--resume", "--steps", "5", "--json")
@@ -47,6 +48,9 @@ def test_cli_errors_are_one_clear_line(tmp_path):
         (["data.source=" + str(tmp_path / "missing")], "does not exist"),
         (["--out", str(tmp_path / "none"), "--resume"], "nothing to resume"),
         (["--resume"], "--resume needs --out"),
+        (["--steps", "2"], "--steps and the override train.steps=1 both set train.steps: give one of them"),
+        (["--out", str(tmp_path / "a"), "--resume", "--resume-from", str(tmp_path / "a" / "ckpt-0000001")],
+         "--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) conflict"),
     ]
     for args, expect in cases:
         r = moebal(*args, "train.steps=1")
