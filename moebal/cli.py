@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -61,15 +62,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    if "MOEBAL_LAUNCHER_PID" in os.environ:  # a rank of `--nproc N`: never outlive the launcher
+        from moebal.dist.launch import die_with_launcher
+
+        die_with_launcher()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MoebalError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"moebal {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.dist.launch.Stopped)
+        signum = getattr(e, "signum", 2)
+        print(f"moebal {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

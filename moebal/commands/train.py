@@ -175,12 +175,27 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
         raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
-    return spawn_local(cfg.parallel.nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)
+    from moebal.train.rundir import LOCK_ENV, LOCK_NAME
+
+    # the ranks work under this launcher's lock of the run directory
+    return spawn_local(cfg.parallel.nproc, argv, env={LOCK_ENV: str((out / LOCK_NAME).resolve())},
+                       max_restarts=args.max_restarts, restart_argv=restart)
 
 
 def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cfg, out = resolve_config(args)
+    from moebal.train.checkpoint import prune_checkpoints
+    from moebal.train.rundir import lock_run_dir
+
+    # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
+    with lock_run_dir(out) as lock:
+        if lock.held:
+            prune_checkpoints(out, keep=1 << 30)  # every .ckpt-*.tmp: no other job can be writing one
+        return _run_locked(args, cfg, out, wall0)
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) -> int:
     from moebal.train import Trainer
 
     # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run

@@ -8,9 +8,11 @@ created by injected shell code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -43,7 +45,7 @@ def _fake_python(tmp: Path) -> Path:
         print("hello from", os.environ["FAKE_NODE"], flush=True)
         print("to stderr", file=sys.stderr, flush=True)
         with open(os.path.join(os.environ["FAKE_OUT"], os.environ["FAKE_NODE"] + ".json"), "w") as f:
-            json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}, f)
+            json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}}, f)
         time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
         sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
         """), encoding="utf-8")
@@ -137,6 +139,41 @@ def test_a_failing_node_stops_the_others(tmp_path, capsys):
     assert time.monotonic() - t0 < 30  # node n1 (sleeping 60 s) was stopped
     err = capsys.readouterr().err
     assert "node n2 failed (exit code 3); stopped the other nodes" in err
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signalled_launcher_stops_its_nodes_before_it_exits(tmp_path, sig):
+    # what a job scheduler does to `moebal launch`: the nodes (sessions of their own) must not be orphaned
+    data = _cluster(tmp_path)
+    for node in data["nodes"]:
+        node["env"].update(FAKE_SLEEP=120)
+    path = _write(tmp_path / "c.yaml", data)
+    launcher = subprocess.Popen([sys.executable, "-m", "moebal.cli", "launch", str(path)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    recs = [tmp_path / "rec" / f"{n}.json" for n in ("n1", "n2")]
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.is_file() and r.stat().st_size for r in recs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [json.loads(r.read_text())["pid"] for r in recs]
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + sig, err
+        assert f"moebal launch: interrupted ({signal.Signals(sig).name})" in err
+        assert not [pid for pid in pids if _running(pid)]  # stopped, and waited for
+    finally:
+        launcher.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_missing_launcher_program_is_one_clear_error(tmp_path, capsys):
