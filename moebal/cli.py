@@ -7,6 +7,7 @@ command runs, so `moebal --help` stays fast and optional dependencies stay optio
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import os
@@ -71,6 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoebalError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        # the disk, not a bug: one line from each rank that met it (checkpoints say more: CheckpointError)
+        rank = os.environ.get("RANK", "0")
+        print(f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e.strerror}"
+              f"{f': {e.filename}' if e.filename else ''}; free space and continue with --resume", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.dist.launch.Stopped)
         signum = getattr(e, "signum", 2)

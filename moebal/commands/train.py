@@ -186,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cfg, out = resolve_config(args)
     from moebal.train.checkpoint import prune_checkpoints
+    from moebal.train.memory import check_fits_here
     from moebal.train.rundir import lock_run_dir
+
+    check_fits_here(cfg)  # an impossible size is one line, before anything is allocated or created
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:

@@ -363,7 +363,7 @@ class Checkpointer:
             if self.rank == 0:
                 self._complete(tmp, snap)
         except BaseException as e:  # noqa: BLE001 - reported to the caller at the next wait()
-            self._error = e
+            self._error = _as_input_error(e, snap.step, self.run_dir)
             _publish(tmp / f"rank-{self.rank:05d}.error", {"error": f"{type(e).__name__}: {e}"}, best_effort=True)
         self.last_write_s = time.perf_counter() - t0
 
@@ -430,6 +430,16 @@ class Checkpointer:
                                       f"{self.timeout_s:.0f} s into {tmp} (every rank must see the run directory: "
                                       f"put it on a filesystem shared by all nodes)")
             time.sleep(0.02)
+
+
+def _as_input_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
+    """An operating-system error of the write (a full disk, a quota, a read-only or vanished run directory) is
+    the user's to fix, so it becomes one line (CheckpointError); anything else is a bug and stays itself."""
+    if not isinstance(e, OSError) or e.errno is None:
+        return e
+    return CheckpointError(f"cannot write checkpoint {step} into {run_dir}: {e.strerror or e}"
+                           f"{f' ({e.filename})' if e.filename else ''}; the previous checkpoints are intact: free "
+                           f"space (or fix the directory) and continue with `moebal train --out {run_dir} --resume`")
 
 
 def _publish(path: Path, obj: Any, best_effort: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -57,3 +58,36 @@ def test_cli_errors_are_one_clear_line(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_full_disk_is_one_line_and_the_leftover_does_not_block_the_resume(tmp_path, monkeypatch, capsys):
+    from moebal.cli import main
+    from moebal.train import checkpoint
+
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith("train.steps=")]
+    real = checkpoint._fsync_write
+
+    def full_at_step_4(path, data):
+        if ".ckpt-0000004." in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", full_at_step_4)
+    assert main(["train", "--steps", "4", "--out", str(out), *tiny, "train.ckpt_every=2", "parallel.nproc=1"]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.startswith(f"moebal train: error: cannot write checkpoint 4 into {out}: No space left on device")
+    assert [p.name for p in out.glob(".ckpt-*.tmp")]  # what the failed save left (taking the freed space)
+    monkeypatch.undo()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert not list(out.glob(".ckpt-*.tmp")) and (out / "ckpt-0000004").is_dir()
+    assert "resumed at step 2" in capsys.readouterr().err
+
+
+def test_an_unwritable_run_directory_and_an_impossible_size_are_one_line(tmp_path):
+    for args, expect in [(["--out", "/proc/nope/run"], "cannot create the run directory /proc/nope/run: "),
+                         (["model.dim=1e24", "--out", str(tmp_path / "big")], "parameters (model.dim=")]:
+        r = moebal(*args, "train.steps=1")
+        assert r.returncode == 2 and expect in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "big").exists()  # refused before anything was created

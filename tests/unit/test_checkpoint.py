@@ -3,6 +3,7 @@ kind of damage or mismatch, never a partial load, no pickle, several writers, ba
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -146,6 +147,21 @@ def test_the_newest_k_are_kept_and_the_previous_survives_a_failed_save(tmp_path,
     with pytest.raises(OSError, match="full"):
         _save(tmp_path, 5, model, opt, keep=1)
     assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003", "ckpt-0000004"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    model, opt = _trained()
+    good = _save(tmp_path, 1, model, opt)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("moebal.train.checkpoint._fsync_write", full)
+    with pytest.raises(CheckpointError) as e:
+        _save(tmp_path, 2, model, opt)
+    assert str(e.value).startswith(f"cannot write checkpoint 2 into {tmp_path}: No space left on device (")
+    assert f"continue with `moebal train --out {tmp_path} --resume`" in str(e.value) and "\n" not in str(e.value)
+    assert find_checkpoints(tmp_path) == [good]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
