@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import importlib
 import importlib.util
 import os
@@ -49,7 +50,21 @@ def build_parser(requested: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+HANG_ENV = "MOEBAL_HANG_TIMEOUT_S"
+
+
+def _bound_the_process() -> None:
+    """With MOEBAL_HANG_TIMEOUT_S set (the test suite sets it), a moebal process still running after that many
+    seconds prints every thread's stack to stderr and exits 1, so that a hung job fails with its ranks' stacks
+    instead of hanging. A launcher waits 30 s longer than its ranks: they dump first, then it reports them."""
+    limit = os.environ.get(HANG_ENV)
+    if limit:
+        faulthandler.dump_traceback_later(float(limit) + (0 if "RANK" in os.environ else 30), exit=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a process of its own (not a test calling main() in its process)
+        _bound_the_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
     args, extra = parser.parse_known_args(argv)

@@ -2,10 +2,12 @@
 
 `spawn_local` runs N ranks on this machine, each a fresh `python -m moebal.cli ...` process with the torchrun
 environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same code path
-runs under plain torchrun. When a rank fails it stops the others at once instead of letting them hang in a
-collective, reports which rank failed and, with `max_restarts`, starts every rank again (with
-TORCHELASTIC_RESTART_COUNT set as torchrun would, and `restart_argv`: `--auto-resume` makes `moebal train`
-continue from the run's last checkpoint).
+runs under plain torchrun. Like torchrun's agent, the launcher hosts the job's c10d store itself (a new one per
+attempt), listening before any rank starts, and the ranks connect to it as clients
+(TORCHELASTIC_USE_AGENT_STORE): see `_rendezvous_store` for the race this closes. When a rank fails it stops the
+others at once instead of letting them hang in a collective, reports which rank failed and, with `max_restarts`,
+starts every rank again (with TORCHELASTIC_RESTART_COUNT set as torchrun would, and `restart_argv`:
+`--auto-resume` makes `moebal train` continue from the run's last checkpoint).
 Exit code 2 (bad input: config, data, checkpoint) is not restarted, since it would fail the same way.
 
 Stopping: SIGTERM and SIGHUP (what a job scheduler or a closed terminal sends) stop a launcher the way Ctrl-C
@@ -29,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import IO
+from typing import IO, Any
 
 from moebal.errors import ConfigError
 
@@ -107,14 +109,15 @@ def spawn_local(nproc: int, argv: Sequence[str], env: dict[str, str] | None = No
 def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per_rank: int, poll_s: float,
               max_restarts: int, restart_argv: Sequence[str]) -> int:
     for attempt in range(max_restarts + 1):
-        port = free_port()
+        store = _rendezvous_store(nproc)  # held until this attempt's ranks are gone
+        port = store.port
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(nproc):
                 rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                             "OMP_NUM_THREADS": str(threads_per_rank), "TORCHELASTIC_RESTART_COUNT": str(attempt),
-                            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+                            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True"}
                 extra = list(restart_argv) if attempt else []
                 procs.append(subprocess.Popen([sys.executable, "-m", "moebal.cli", *argv, *extra], env=rank_env))
             failed = _watch(procs, poll_s)
@@ -133,6 +136,24 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
         print(f"moebal: rank {rank} failed ({_how(code)}); stopped the other ranks{left}", file=sys.stderr)
         return code if code > 0 else 1
     raise AssertionError("unreachable")
+
+
+def _rendezvous_store(world_size: int) -> Any:
+    """A c10d TCPStore for one attempt of the job, listening on a port of its own choosing before any rank starts.
+
+    Handing the ranks a port that was free a moment ago (`free_port`) and letting rank 0 bind it races under
+    load: until rank 0, still importing torch, listens, the other ranks retry their connects, and the kernel may
+    give such a connect that very port as its own local port (the port is in the ephemeral range), so the
+    client connects to itself (a TCP simultaneous open) and waits for its own replies while rank 0 waits for
+    it: the ranks stay alive and idle, which is how a restarted job of the restart test hung for 600 s under a
+    full-suite load. A port with a listener is never handed out for a connect, and the ranks find it listening.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=300))
 
 
 def _watch(procs: Sequence[subprocess.Popen[bytes]], poll_s: float) -> tuple[int, int] | None:

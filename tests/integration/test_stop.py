@@ -48,7 +48,7 @@ def test_sigterm_stops_the_ranks_and_a_live_run_directory_refuses_a_second_job(t
         pids = [rank_pid(r, f"{name}={value}") for r in (0, 1)]
         assert all(pids), pids
         second = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(run), "--resume"],
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=600)
         assert second.returncode == 2, second.stderr
         [line] = second.stderr.strip().splitlines()  # one line, naming the live owner
         assert line.startswith(f"moebal train: error: {run} is in use by another job: PID {job.pid} on host "
@@ -63,3 +63,19 @@ def test_sigterm_stops_the_ranks_and_a_live_run_directory_refuses_a_second_job(t
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+
+def test_a_hung_rank_fails_with_its_stacks_instead_of_hanging(tmp_path):
+    # a store that accepts the connection and never answers: the rank waits in its rendezvous
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(silent.getsockname()[1]),
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "MOEBAL_HANG_TIMEOUT_S": "20"}
+        t0 = time.monotonic()
+        rank = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(tmp_path / "run"), *TINY],
+                              capture_output=True, text=True, timeout=300, env=env)
+    assert rank.returncode == 1 and time.monotonic() - t0 < 120
+    assert "Timeout (0:00:20)!" in rank.stderr and "most recent call first" in rank.stderr
+    assert "init_process_group" in rank.stderr  # where it hung, in the stack it printed

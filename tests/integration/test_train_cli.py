@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def moebal(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "moebal.cli", "train", *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+                          env=env, timeout=600, cwd=ROOT)
 
 
 def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
