@@ -42,6 +42,7 @@ __all__ = [
     "from_dict",
     "load",
     "read_yaml",
+    "refuse_cpu_only",
     "resolve_path",
     "to_dict",
 ]
@@ -219,8 +220,12 @@ class TrainConfig:
 class ParallelConfig:
     """How ranks are split into data-, expert- and pipeline-parallel groups."""
 
-    nproc: int = 2
-    """Processes `moebal train` spawns on this machine (torchrun sets the world size itself)."""
+    nproc: int | None = None
+    """Processes `moebal train` spawns on this machine; null: one per visible GPU on CUDA, 2 on a CPU (torchrun
+    sets the world size itself)."""
+    timeout_min: float = 30.0
+    """Process-group timeout in minutes (NCCL's watchdog): how long one rank may keep the others waiting in a
+    collective (a checkpoint, a weight load); the scheduler's own waits use scheduler.timeout_s."""
     ep: int | None = None
     """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""
     pp: int = 1
@@ -785,10 +790,11 @@ def _check_whole(c: Config) -> None:
                    ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
                    ("data.batch_size", d.batch_size), ("moe.top_k", moe.top_k), ("moe.every", moe.every),
-                   ("parallel.nproc", par.nproc), ("parallel.ep", par.ep or 1), ("parallel.pp", par.pp)]:
+                   ("parallel.nproc", 1 if par.nproc is None else par.nproc), ("parallel.ep", par.ep or 1),
+                   ("parallel.pp", par.pp)]:
         _need(v >= 1, f"'{key}' must be at least 1; got {v}")
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
-                    ("model.init_std", m.init_std), ("train.lr", t.lr)]:
+                    ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
@@ -898,6 +904,18 @@ def _check_pipeline(p: PipelineConfig) -> None:
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "
                                                     f"got {p.memory_cap}")
+
+
+def refuse_cpu_only(c: Config, device_type: str) -> None:
+    """Refuse, in one line, the benchmark modes that emulate dedicated devices on a shared CPU (busy-wait
+    receives, dilated compute) when the run's device is not a CPU: on a GPU they would measure nothing real."""
+    if device_type == "cpu":
+        return
+    on = [name for name, set_ in (("pipeline.wait: spin", c.pipeline.wait == "spin"),
+                                  (f"pipeline.dilate: {c.pipeline.dilate:g}", c.pipeline.dilate != 1.0),
+                                  (f"scheduler.dilate: {c.scheduler.dilate:g}", c.scheduler.dilate != 1.0)) if set_]
+    _need(not on, f"{', '.join(on)}: CPU benchmark mode(s) emulating devices on a shared CPU, refused on "
+                  f"{device_type}; use pipeline.wait: block and dilate 1 (the defaults)")
 
 
 def _check_scheduler(s: SchedulerConfig) -> None:

@@ -16,7 +16,8 @@ counts are made with `count_ids` (a scatter-add; `torch.bincount` on CUDA reads 
 
 `SyncAudit` counts the syncs of a block of code: the ones made through `to_host`, by reason, and every other
 Python-level read of a tensor's value (`.item()`, `.tolist()`, `.numpy()`, `int()`, `float()`, `bool()`,
-`__index__`, `nonzero`) as `unaccounted`, with the file and line that made it. A test runs an MoE layer's
+`__index__`, `nonzero`) or write of host data into one (`t[i] = 3`, `torch.tensor(x, device=d)`) as
+`unaccounted`, with the file and line that made it. A test runs an MoE layer's
 forward and backward inside an audit and fails when a sync appears that is not in the budget. On CPU this
 sees what Python code reads; syncs inside C++ operators (a CUDA `bincount`, boolean-mask indexing) are only
 visible on a GPU, where `scripts/gpu_check.py` counts them with `torch.cuda.set_sync_debug_mode`.
@@ -90,10 +91,10 @@ class SyncAudit:
         if threading.get_ident() == self._thread:
             self.counted[why] += 1
 
-    def _raw(self, name: str) -> None:
+    def _raw(self, name: str, depth: int = 2) -> None:
         if threading.get_ident() != self._thread or getattr(_inside, "active", False):
             return
-        f = sys._getframe(2)
+        f = sys._getframe(depth)
         self.unaccounted.append(f"Tensor.{name} at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})")
 
     def reset(self) -> None:
@@ -104,13 +105,13 @@ class SyncAudit:
         return f"SyncAudit(counted={dict(self.counted)}, unaccounted={self.unaccounted})"
 
 
-_originals: dict[str, Any] = {}
+_originals: dict[tuple[Any, str], Any] = {}
 
 
 def _patch() -> None:
     for name in _READS:
         orig = getattr(torch.Tensor, name)
-        _originals[name] = orig
+        _originals[(torch.Tensor, name)] = orig
 
         def wrapper(self: torch.Tensor, *args: Any, _orig: Any = orig, _name: str = name, **kw: Any) -> Any:
             for a in _audits:
@@ -118,11 +119,34 @@ def _patch() -> None:
             return _orig(self, *args, **kw)
 
         setattr(torch.Tensor, name, wrapper)
+    # Writes that are host-to-device copies on CUDA: a Python number stored into a tensor (`t[i] = 3`), and a
+    # tensor built from host data straight on a device (`torch.tensor(x, device=d)`; `upload` is the sync-free way)
+    setitem = torch.Tensor.__setitem__
+    _originals[(torch.Tensor, "__setitem__")] = setitem
+
+    def set_item(self: torch.Tensor, index: Any, value: Any) -> Any:
+        if isinstance(value, (int, float, bool)):
+            for a in _audits:
+                a._raw("__setitem__ of a Python number")
+        return setitem(self, index, value)
+
+    torch.Tensor.__setitem__ = set_item  # type: ignore[method-assign]
+    for fn_name in ("tensor", "as_tensor"):
+        fn = getattr(torch, fn_name)
+        _originals[(torch, fn_name)] = fn
+
+        def build(*args: Any, _fn: Any = fn, _name: str = fn_name, **kw: Any) -> Any:
+            if kw.get("device") is not None:
+                for a in _audits:
+                    a._raw(f"{_name}(..., device=...)")
+            return _fn(*args, **kw)
+
+        setattr(torch, fn_name, build)
 
 
 def _unpatch() -> None:
-    for name, orig in _originals.items():
-        setattr(torch.Tensor, name, orig)
+    for (owner, name), orig in _originals.items():
+        setattr(owner, name, orig)
     _originals.clear()
 
 

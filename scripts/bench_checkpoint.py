@@ -31,7 +31,11 @@ from typing import Any
 
 import torch
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.dist.testing import run_ranks
+
+CPU_ONLY = "it times 2 gloo ranks of the default job on this machine's cores"
+"""Why `--device` accepts cpu only here."""
 
 MODES = ("sync", "async")
 
@@ -106,7 +110,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds; each saves once in each mode")
     ap.add_argument("--steps", type=int, default=12, help="training steps after each save")
     ap.add_argument("--json", help="write the results here")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args()
+    script_device(args.device, cpu_only=CPU_ONLY)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         ranks = run_ranks(_job, 2, args.rounds, args.steps, tmp, timeout_s=1800, threads=1)

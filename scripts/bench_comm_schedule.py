@@ -72,6 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict, with_overrides
 from moebal.dist.calibrate import describe, measure_comm_costs, measure_layer_costs
 from moebal.dist.expert_parallel import ExpertParallel
@@ -82,6 +83,9 @@ from moebal.planner.comm import a2a_chunks, ar_chunk_bytes
 from moebal.planner.experts import ExpertPlanner
 from moebal.planner.perf import placement_loads
 from moebal.scheduler import CommScheduler, step_record
+
+CPU_ONLY = "it emulates devices on shared cores (dilation) and links between network namespaces"
+"""Why `--device` accepts cpu only here."""
 
 MODES = ("unscheduled", "lina", "lina+overlap", "serial")
 
@@ -433,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                          "link is slowed by the same factor unless --link-mbit is given")
     ap.add_argument("--trace", type=Path, help="write a Chrome trace of one step of every mode into this folder")
     ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     if args.rank_worker:
         return _rank_worker(*args.rank_worker)
     preset = PRESETS[args.preset]

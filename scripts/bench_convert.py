@@ -37,6 +37,11 @@ from pathlib import Path
 
 import torch
 
+from moebal.commands.bench import add_device_argument, script_device
+
+CPU_ONLY = "it measures the host memory of checkpoint conversion"
+"""Why `--device` accepts cpu only here."""
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 7168, "num_attention_heads": 16,
          "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2}
@@ -198,7 +203,9 @@ def main() -> int:
     ap.add_argument("--workdir", help="where to write the checkpoints (default: a temporary directory)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--child", nargs=3, metavar=("OP", "SRC", "DST"), help=argparse.SUPPRESS)
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args()
+    script_device(args.device, cpu_only=CPU_ONLY)
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0

@@ -2,6 +2,7 @@
 
     python scripts/bench_expert_kernels.py [--dim 256] [--ffn 512] [--experts 4] [--rows 512,1024,...]
                                            [--dtypes fp32,bf16] [--repeats 7] [--threads N] [--json FILE]
+                                           [--device cuda|cpu]
 
 Forward + backward of `swiglu_experts` on balanced routing (each row's expert drawn uniformly), both kernels
 interleaved in one process (`time_interleaved`: warm-up, repeats, median/min/max, process CPU time), for every
@@ -19,17 +20,20 @@ import sys
 
 import torch
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.kernels import environment, make_plan, swiglu_experts, time_interleaved
 from moebal.kernels.experts import KERNELS, grouped_mm_supports
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def case(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype, repeats: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    plan = make_plan(torch.randint(0, experts, (rows, 1), generator=gen), None, experts)
-    x = torch.randn(rows, dim, generator=gen).to(dtype).requires_grad_()
-    ws = [(torch.randn(experts, a, b, generator=gen) * 0.02).to(dtype).requires_grad_()
+def case(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype, repeats: int,
+         device: torch.device | None = None) -> dict:
+    device = device or torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU, then moved: the same data on every device
+    plan = make_plan(torch.randint(0, experts, (rows, 1), generator=gen).to(device), None, experts)
+    x = torch.randn(rows, dim, generator=gen).to(device, dtype).requires_grad_()
+    ws = [(torch.randn(experts, a, b, generator=gen) * 0.02).to(device, dtype).requires_grad_()
           for a, b in ((ffn, dim), (ffn, dim), (dim, ffn))]
 
     def step(kernel: str):
@@ -39,7 +43,7 @@ def case(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype, repeat
 
     kernels = [k for k in KERNELS if k == "loop" or grouped_mm_supports(dim, ffn, dtype)]
     load0 = os.getloadavg()[0]
-    t = time_interleaved({k: step(k) for k in kernels}, warmup=1, repeats=repeats)
+    t = time_interleaved({k: step(k) for k in kernels}, warmup=1, repeats=repeats, device=device)
     out = {"rows": rows, "dtype": str(dtype).removeprefix("torch."), "load_before": load0,
            "load_after": os.getloadavg()[0], "timings": {k: v.to_dict() for k, v in t.items()}}
     if "grouped_mm" in t:
@@ -58,20 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="FILE")
+    add_device_argument(p)
     a = p.parse_args(argv)
+    device = script_device(a.device)
     if a.threads:
         torch.set_num_threads(a.threads)
     records = []
     for name in a.dtypes.split(","):
         for rows in (int(r) for r in a.rows.split(",")):
-            r = case(rows, a.dim, a.ffn, a.experts, DTYPES[name], a.repeats)
+            r = case(rows, a.dim, a.ffn, a.experts, DTYPES[name], a.repeats, device)
             records.append(r)
             ratio = r.get("grouped_mm_over_loop")
             print(f"{name} rows {rows:6d}  loop {1e3 * r['timings']['loop']['median']:8.2f} ms  "
                   + (f"grouped_mm/loop {ratio:5.2f}x (cpu time {r['grouped_mm_over_loop_cpu']:5.2f}x)"
                      if ratio else "grouped_mm unsupported") + f"  load {r['load_before']:.1f}", flush=True)
     if a.json:
-        shape = {"dim": a.dim, "ffn": a.ffn, "experts": a.experts, "threads": torch.get_num_threads()}
+        shape = {"dim": a.dim, "ffn": a.ffn, "experts": a.experts, "threads": torch.get_num_threads(),
+                 "device": str(device)}
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"environment": environment(), "shape": shape, "records": records}, f, indent=1)
     return 0

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.dist.calibrate import describe, measure_layer_costs
 from moebal.dist.expert_parallel import ExpertParallel
@@ -39,6 +40,9 @@ from moebal.dist.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.experts import ExpertPlanner, placement_metrics
 from moebal.planner.plan import ExpertPlacement
+
+CPU_ONLY = "it times gloo ranks on this machine's cores"
+"""Why `--device` accepts cpu only here."""
 
 POLICIES = ("static", "fastermoe", "prophet")
 
@@ -223,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write a bar chart here (default: next to --json)")
     ap.add_argument("--recorded", type=Path, help="a run directory whose routing to replay")
     ap.add_argument("--skew", type=float, default=3.0, help="strength s of the skew bias -s*log(id+1)")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     cfg = bench_config(args.quick)
     spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": 2 if args.quick else 3,
             "steps": 4 if args.quick else 6, "warmup": 2,

@@ -43,9 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.dist.testing import run_ranks
 from moebal.kernels.bench import environment
+
+CPU_ONLY = "it times 4 gloo ranks of one thread each on this machine's cores"
+"""Why `--device` accepts cpu only here."""
 
 METHODS = ("padding", "packing", "dynamic")
 PAPER_GPT_SPEEDUP = 3.25
@@ -278,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="background planning processes")
     ap.add_argument("--no-real", action="store_true", help="only the simulated GPT setting")
     ap.add_argument("--replot", metavar="JSON", help="redraw the figure from a records file and stop")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     if args.replot:
         png = Path(args.png) if args.png else Path(args.replot).with_suffix(".png")
         write_png(json.loads(Path(args.replot).read_text(encoding="utf-8")), png)

@@ -1,6 +1,6 @@
 """MoE layer forward+backward against the dense SwiGLU limit, a per-expert loop and Tutel (when importable).
 
-    python scripts/bench_moe_layer.py [--quick] [--json FILE] [--png FILE]
+    python scripts/bench_moe_layer.py [--quick] [--json FILE] [--png FILE] [--device cuda|cpu]
 
 The same as `moebal bench layer`; see `moebal bench layer --help` for every option.
 """

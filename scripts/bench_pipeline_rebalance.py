@@ -65,10 +65,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.dist.testing import run_ranks
 from moebal.kernels.bench import environment
 from moebal.pipeline.partition import replay_time
+
+CPU_ONLY = "it emulates dedicated devices on shared cores (spin waits, dilated compute)"
+"""Why `--device` accepts cpu only here."""
 
 BALANCERS = ("static", "partition", "diffusion")
 WAITS = ("spin", "block", "dilate")
@@ -426,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="pipeline schedule of every variant (zb: zero bubble); both: each group under each")
     ap.add_argument("--units", choices=("layers", "halves", "both"), default="layers",
                     help="partition units: whole layers, layer halves (pipeline.split_layers), or both side by side")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     schemes = args.schemes.split(",") if args.schemes else list(QUICK_SCHEMES if args.quick else SCHEMES)
     unknown = set(schemes) - set(SCHEMES)
     if unknown:

@@ -34,8 +34,12 @@ from typing import Any
 
 import yaml
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.dist.netns import NamespacePair, unavailable
 from moebal.dist.testing import kill_rank_when
+
+CPU_ONLY = "its jobs run on this machine's cores, tiny-netns in network namespaces"
+"""Why `--device` accepts cpu only here."""
 
 TINY = {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96},
         "moe": {"num_experts": 4, "expert_ffn_dim": 64},
@@ -174,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="killed runs per setting (interleaved)")
     ap.add_argument("--json", type=Path, help="write the records here")
     ap.add_argument("--png", type=Path, help="write the recovery chart here (default: next to --json)")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     why = unavailable()
     settings = args.setting or [s for s in SETTINGS if not (s.endswith("netns") and why)]
     if any(s.endswith("netns") for s in settings) and why:

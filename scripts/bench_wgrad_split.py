@@ -24,12 +24,15 @@ from typing import Any
 
 import torch
 
+from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import from_dict
 from moebal.kernels.bench import environment
 from moebal.models import build_model
 from moebal.pipeline.wgrad import WeightGradQueue
 from moebal.train.precision import bf16_native
 
+CPU_ONLY = "it measures the CPU thread time of the backward pass"
+"""Why `--device` accepts cpu only here."""
 
 def _stage(tokens: int, layers: int) -> tuple[torch.nn.Module, Any, Any]:
     cfg = from_dict({"model": {"dim": 128, "n_layers": layers, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384,
@@ -99,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=6, help="dense layers in the stage (default 6: 24 / 4 stages)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per iteration")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     try:
         lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
     except ValueError:

@@ -36,7 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import add_device_argument, script_device
+
 PP, DP, M = 16, 8, 64
+CPU_ONLY = "a simulation: nothing runs on a device"
+"""Why `--device` accepts cpu only here."""
+
 DRIFT = 0.05
 SEED = 0
 PAPER = {
@@ -210,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     ap.add_argument("--steps", type=int, default=4)
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     t0 = time.perf_counter()
     sims = [run_case(name, args.steps) for name in PAPER]
     records = [r for s in sims for r in records_of(s)]

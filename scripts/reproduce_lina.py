@@ -47,6 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebal.commands.bench import add_device_argument, script_device
+
+CPU_ONLY = "a simulation: nothing runs on a device"
+"""Why `--device` accepts cpu only here."""
+
 SEQ = 512
 PAPER_A2A_S = 0.333
 PAPER_A2A_SHARE = {16: 0.395, 4: 0.367}
@@ -250,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     ap.add_argument("--steps", type=int, default=2)
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     t0 = time.perf_counter()
     fitted = fit()
     prof, batch = fitted["profile"], fitted["sequences_per_gpu"]

@@ -36,6 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import add_device_argument, script_device
+
+CPU_ONLY = "a simulation: nothing runs on a device"
+"""Why `--device` accepts cpu only here."""
+
 MODELS = {"S": (12, 512, 1024), "M": (12, 1024, 2048), "L": (12, 2048, 4096), "DS": (24, 512, 1024),
           "DM": (24, 1024, 2048)}
 
@@ -155,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
     ap.add_argument("--steps", type=int, default=4, help="simulated iterations per row (times are averaged)")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
     t0 = time.perf_counter()
     records = rows(args.steps)
     within = [abs(r["rel_error"]) <= 0.25 for r in records]

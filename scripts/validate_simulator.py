@@ -25,6 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import add_device_argument, script_device
+
+CPU_ONLY = "it validates the simulator against runs on this machine's cores (gloo ranks)"
+"""Why `--device` accepts cpu only here."""
+
 MODEL_CASES: list[dict[str, Any]] = [
     {"name": "dense d256 L4 b4x256", "model": {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
                                               "ffn_dim": 768}, "moe": {"num_experts": 0}, "batch": 4, "seq": 256},
@@ -396,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", default=None, metavar="FILE", help="write predicted vs measured as a scatter plot")
     ap.add_argument("--rounds", type=int, default=7, help="round-robin rounds (every figure is a median of them)")
     ap.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
+    script_device(args.device, cpu_only=CPU_ONLY)
 
     import os
 

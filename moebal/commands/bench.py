@@ -13,6 +13,10 @@ under balanced and skewed routing (router logits biased by -1.5 * log(expert ran
 Methods run interleaved in one process, so ratios are measured side by side.
 
 Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k.
+
+Every benchmark (this command and `scripts/bench_*.py`) takes `--device` through `add_device_argument` and
+`bench_device`: CUDA when one is visible, else the CPU; benchmarks that only mean something on a CPU (dilated
+compute, network namespaces) accept `--device cpu` only.
 """
 
 from __future__ import annotations
@@ -72,6 +76,49 @@ class LayerShape:
 QUICK = LayerShape(tokens=256, dim=128, ffn=256, experts=8, top_k=2)
 
 
+def add_device_argument(p: argparse.ArgumentParser, cpu_only: str | None = None) -> None:
+    """`--device`: cuda or cpu (default: cuda when visible). `cpu_only`: why this benchmark runs on a CPU only
+    (then the default is cpu and any other device is refused)."""
+    if cpu_only:
+        p.add_argument("--device", default="cpu", help=f"cpu only: {cpu_only}")
+    else:
+        p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when a GPU is visible, else cpu)")
+
+
+def bench_device(name: str | None, cpu_only: str | None = None) -> Any:
+    """The torch device a benchmark runs on (see `add_device_argument`); one-line ConfigError otherwise."""
+    import torch
+
+    from moebal.errors import ConfigError
+
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: expected cuda, cuda:N or cpu") from None
+    if cpu_only and device.type != "cpu":
+        raise ConfigError(f"--device {name}: this benchmark runs on a CPU only: {cpu_only}; use --device cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is visible here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: expected cuda, cuda:N or cpu")
+    return device
+
+
+def script_device(name: str | None, cpu_only: str | None = None) -> Any:
+    """`bench_device` for a script's main: a bad `--device` ends the script with its one-line message. A
+    CPU-only benchmark also hides the GPUs from itself and the ranks it starts (CUDA_VISIBLE_DEVICES=""),
+    which would otherwise pick CUDA on their own (`moebal train`, the trainer's default device)."""
+    from moebal.errors import ConfigError
+
+    try:
+        device = bench_device(name, cpu_only)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if cpu_only:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    return device
+
+
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     full = LayerShape()
     p.add_argument("--quick", action="store_true",
@@ -91,6 +138,7 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed calls per method (default 9, quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per method first (default 2, quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    add_device_argument(p)
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -118,6 +166,7 @@ def run_layer(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench layer: --threads must be >= 1; got {args.threads}")
     dtypes = _choices(args.dtypes, DTYPES, "--dtypes")
     routings = _choices(args.routings, ROUTINGS, "--routings")
+    args.device = bench_device(args.device)
     repeats = args.repeats or (3 if args.quick else 9)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     torch.set_num_threads(args.threads)
@@ -125,7 +174,8 @@ def run_layer(args: argparse.Namespace) -> int:
     for dtype in dtypes:
         for routing in routings:
             records += _bench_case(shape, dtype, routing, args, repeats, warmup)
-    result = {"benchmark": "moe_layer_fwd_bwd", "env": environment(), "shape": shape.__dict__,
+    result = {"benchmark": "moe_layer_fwd_bwd", "env": environment(), "device": str(args.device),
+              "shape": shape.__dict__,
               "threads": args.threads, "repeats": repeats, "warmup": warmup, "records": records}
     _print_table(records)
     if args.json:
@@ -145,9 +195,9 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
 
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     torch.manual_seed(args.seed)
-    methods, info, skipped = _build_methods(shape, dtype, routing, args.kernels)
+    methods, info, skipped = _build_methods(shape, dtype, routing, args.kernels, args.device)
     load_before = _loadavg()
-    timings = time_interleaved(methods, warmup=warmup, repeats=repeats)
+    timings = time_interleaved(methods, warmup=warmup, repeats=repeats, device=args.device)
     dense = timings["dense"].median
     # The machine's 1-minute load around the timing: a shared machine's load is part of the evidence.
     common = {"routing": routing, "dtype": dtype_name, "threads": torch.get_num_threads(), **shape.__dict__,
@@ -170,7 +220,7 @@ def _loadavg() -> float | None:
         return None
 
 
-def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool
+def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool, device: Any = "cpu"
                    ) -> tuple[dict[str, Callable[[], None]], dict[str, dict[str, Any]], dict[str, str]]:
     import torch
 
@@ -180,10 +230,12 @@ def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bo
     layer = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0).to(dtype)
     if routing == "skewed":
         bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(E)])
-        layer.gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.dtype))
-    x_TD = torch.randn(T, D, dtype=dtype, requires_grad=True)
-    g_TD = torch.randn(T, D, dtype=dtype)
-    methods: dict[str, Callable[[], None]] = {"dense": _dense_method(K * T, D, F_, dtype)}
+        layer.gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.device, out.dtype))
+    # built on the CPU from the seed, then moved: the same weights and inputs on every device
+    layer = layer.to(device)
+    x_TD = torch.randn(T, D, dtype=dtype).to(device).requires_grad_()
+    g_TD = torch.randn(T, D, dtype=dtype).to(device)
+    methods: dict[str, Callable[[], None]] = {"dense": _dense_method(K * T, D, F_, dtype, device)}
     methods["moebal"] = _module_method(layer, x_TD, g_TD)
     layer(x_TD)
     stats = layer.last_stats.read()  # type: ignore[union-attr]
@@ -191,13 +243,13 @@ def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bo
                        "max_load": stats["max_load"], "mean_load": stats["mean_load"]}}
     if with_kernels:
         for kernel in ("loop", "grouped_mm"):
-            forced = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0, kernel=kernel).to(dtype)
+            forced = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0, kernel=kernel).to(device, dtype)
             forced.load_state_dict(layer.state_dict())
             forced.gate = layer.gate  # same router, same skew hook
             methods[f"moebal_{kernel}"] = _module_method(forced, x_TD, g_TD)
     methods["loop"] = _module_method(HFLoopBlock(layer), x_TD, g_TD)
     skipped: dict[str, str] = {}
-    tutel = _tutel_method(shape, dtype, x_TD, g_TD, routing)
+    tutel = _tutel_method(shape, dtype, x_TD, g_TD, routing, device)
     if isinstance(tutel, str):
         skipped["tutel"] = tutel
     else:
@@ -215,16 +267,16 @@ def _module_method(module: Any, x_TD: Any, g_TD: Any) -> Callable[[], None]:
     return step
 
 
-def _dense_method(rows: int, dim: int, ffn: int, dtype: Any) -> Callable[[], None]:
+def _dense_method(rows: int, dim: int, ffn: int, dtype: Any, device: Any = "cpu") -> Callable[[], None]:
     """SwiGLU over the K * T dispatched rows with one weight set: the same FLOPs as the MoE experts."""
     import torch
     import torch.nn.functional as F
 
-    w1, w3 = (torch.randn(ffn, dim) * 0.02).to(dtype), (torch.randn(ffn, dim) * 0.02).to(dtype)
-    w2 = (torch.randn(dim, ffn) * 0.02).to(dtype)
+    w1, w3 = (torch.randn(ffn, dim) * 0.02).to(device, dtype), (torch.randn(ffn, dim) * 0.02).to(device, dtype)
+    w2 = (torch.randn(dim, ffn) * 0.02).to(device, dtype)
     params = [p.requires_grad_() for p in (w1, w3, w2)]
-    x_ND = torch.randn(rows, dim, dtype=dtype, requires_grad=True)
-    g_ND = torch.randn(rows, dim, dtype=dtype)
+    x_ND = torch.randn(rows, dim, dtype=dtype).to(device).requires_grad_()
+    g_ND = torch.randn(rows, dim, dtype=dtype).to(device)
 
     def step() -> None:
         for p in (*params, x_ND):
@@ -273,7 +325,8 @@ class HFLoopBlock:
         return out_TD
 
 
-def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: str) -> Callable[[], None] | str:
+def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: str,
+                  device: Any = "cpu") -> Callable[[], None] | str:
     """Tutel's dropless layer (capacity_factor 0: every expert padded to the largest load), if importable."""
     if importlib.util.find_spec("tutel") is None:
         return ("tutel is not importable: not installed, and the package index has no 'tutel' distribution "
@@ -285,13 +338,13 @@ def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: 
             gate_type={"type": "top", "k": shape.top_k, "capacity_factor": 0.0},
             model_dim=shape.dim,
             experts={"type": "ffn", "count_per_node": shape.experts, "hidden_size_per_expert": shape.ffn},
-        ).to(dtype)
+        ).to(device, dtype)
         if routing == "skewed":
             import torch
 
             bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(shape.experts)])
             for gate in layer.gates:
-                gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.dtype))
+                gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.device, out.dtype))
     except Exception as e:  # an optional third-party backend: record why it could not run
         return f"tutel failed to build: {type(e).__name__}: {e}"
     x_1TD = x_TD.detach().unsqueeze(0).requires_grad_()

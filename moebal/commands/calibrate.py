@@ -251,20 +251,11 @@ def compute_records(probes: dict[str, Probe], medians: dict[str, float]) -> dict
 
 def round_robin(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1,
                 sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
-    """Seconds of each fn per round; every round calls each fn once, in a rotated order."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if sync is not None:
-                sync()
-            t0 = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
+    """Seconds of each fn per round; every round calls each fn once, in a rotated order (the shared timing
+    helper; `sync` runs before each timed call, outside the timed region). The probes run on the CPU."""
+    from moebal.kernels.bench import sample_interleaved
+
+    return sample_interleaved(fns, warmup=warmup, repeats=rounds, before=sync)[0]
 
 
 def measure_compute(rounds: int, quick: bool) -> dict[str, list[dict[str, Any]]]:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from moebal.config import Config, load
+from moebal.config import Config, load, refuse_cpu_only
 from moebal.dist.groups import pick_device
 from moebal.errors import ConfigError
 from moebal.train.precision import resolve_precision
@@ -154,7 +154,16 @@ def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[
     return lines
 
 
-def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
+def _local_ranks(cfg: Config) -> int:
+    """Ranks to start here without torchrun: parallel.nproc, or one per visible GPU (2 on a CPU)."""
+    import torch
+
+    from moebal.dist.launch import local_ranks
+
+    return local_ranks(cfg.parallel.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     """`--nproc N` without torchrun: start N ranks of this same command (they see RANK in their environment),
     all writing to one run directory."""
     # Bad input fails here, once, before any rank starts (the same checks every rank would make).
@@ -178,18 +187,20 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path) -> int:
     from moebal.train.rundir import LOCK_ENV, LOCK_NAME
 
     # the ranks work under this launcher's lock of the run directory
-    return spawn_local(cfg.parallel.nproc, argv, env={LOCK_ENV: str((out / LOCK_NAME).resolve())},
+    return spawn_local(nproc, argv, env={LOCK_ENV: str((out / LOCK_NAME).resolve())},
                        max_restarts=args.max_restarts, restart_argv=restart)
 
 
 def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cfg, out = resolve_config(args)
+    refuse_cpu_only(cfg, pick_device().type)
     from moebal.train.checkpoint import prune_checkpoints
     from moebal.train.memory import check_fits_here
     from moebal.train.rundir import lock_run_dir
 
-    check_fits_here(cfg)  # an impossible size is one line, before anything is allocated or created
+    # an impossible size is one line, before anything is allocated or created
+    check_fits_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:
@@ -216,8 +227,9 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
         from moebal.train.export import check_export
 
         check_export(cfg)  # before training, not after it
-    if cfg.parallel.nproc > 1 and "RANK" not in os.environ:
-        return _spawn(args, cfg, out)
+    nproc = _local_ranks(cfg) if "RANK" not in os.environ else 1
+    if nproc > 1:
+        return _spawn(args, cfg, out, nproc)
     if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
         from moebal.pipeline.train import run_pipeline
 

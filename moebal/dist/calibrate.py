@@ -6,6 +6,12 @@ modelled clusters; a live job measures them on its own devices and links with th
 Every rank measures, then the group agrees on the slowest figure (an all-reduce of the times), so every rank
 plans from identical numbers and computes identical placements.
 
+Every figure comes from the shared timing helper (`moebal.kernels.bench.time_fn`): on CUDA each timed call is
+bracketed by a device synchronisation (a kernel launch returns long before the kernel ends), and the expert
+computation runs under the run's autocast (the dispatcher's `compute_dtype`: bf16 for a bf16 run), with the
+all-to-all payload in that dtype, as in training (an fp32 timing of a bf16 run would understate a GPU's expert
+throughput several-fold), and Trans is timed with the payload it sends (`expert_flat`, in the same dtype).
+
 The figures vary from one measurement to the next (tens of per cent on a shared machine), and placements
 follow them, so a run measures once: the trainer's expert-parallel hook keeps the figures in every
 checkpoint and a resumed run plans from the saved ones (see `ExpertParallelHook`). The measurement draws
@@ -15,7 +21,6 @@ its inputs from a private generator, so it never moves the run's RNG streams.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -26,23 +31,21 @@ import torch.distributed as dist
 
 from moebal.dist.dilate import settle
 from moebal.dist.expert_parallel import ExpertParallelDispatcher
+from moebal.kernels.bench import time_fn
 from moebal.planner.comm import CommCosts
 from moebal.planner.perf import MoELayerCosts
 from moebal.scheduler.exchange import group_plan
+from moebal.sync import to_host
 
-__all__ = ["costs_from_dict", "costs_to_dict", "describe", "measure_comm_costs", "measure_layer_costs"]
+__all__ = ["costs_from_dict", "costs_to_dict", "describe", "measure_comm_costs", "measure_layer_costs",
+           "median_time"]
 
 
-def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_time(fn: Callable[[], Any], repeats: int, device: torch.device,
+                autocast: torch.dtype | None = None) -> float:
+    """Median seconds of `fn()` after one warm-up call: the shared timing helper, synchronising `device`
+    around each call, under `autocast` when given."""
+    return time_fn(fn, warmup=1, repeats=repeats, device=device, autocast=autocast).median
 
 
 def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
@@ -61,9 +64,10 @@ def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
 def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5,
                         dilate: float = 1.0) -> MoELayerCosts:
     """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step
-    (`dilate` > 1: on an emulated device that many times slower than a core, as the scheduler's)."""
+    (`dilate` > 1: on an emulated device that many times slower than a core, as the scheduler's), the experts
+    computing under autocast to `d.compute_dtype` (the run's precision; None: the parameters' dtype)."""
     ex = d.layer.experts
-    dev, dtype = ex.w1.device, ex.w1.dtype
+    dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
     rows = max(64, tokens)
     local = len(d.owned)
@@ -71,7 +75,6 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
     x = torch.randn(rows, D, device=dev, dtype=dtype, generator=gen)
     counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
     plan = group_plan(counts, dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     @partial(_dilated, dilate=dilate)
     def expert_fwd() -> None:
@@ -79,7 +82,8 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
             ex.compute(x, ex.w1, ex.w3, ex.w2, plan)
 
     R, group = d.R, d.group
-    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen)
+    # rows travel in the compute dtype (autocast's), as the layer sends them
+    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen).to(autocast or dtype)
     out = torch.empty_like(chunk)
 
     def a2a() -> None:
@@ -94,16 +98,16 @@ def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int =
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
-    times = torch.tensor([_median_time(expert_fwd, repeats, sync), _median_time(a2a, repeats, sync),
-                          _median_time(ring, repeats, sync)], dtype=torch.float64, device=dev)
+    times = torch.tensor([median_time(expert_fwd, repeats, dev, autocast), median_time(a2a, repeats, dev),
+                          median_time(ring, repeats, dev)], dtype=torch.float64, device=dev)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # every rank plans from the same numbers
-    t_exp, t_a2a, t_ring = times.tolist()
-    elem = x.element_size()
+    t_exp, t_a2a, t_ring = to_host(times, "calibration figures")
+    elem, w_elem = chunk.element_size(), flat.element_size()
     a2a_bytes = chunk.numel() * elem * (R - 1) / R
-    return MoELayerCosts(token_bytes=D * elem, expert_param_bytes=flat.numel() * elem,
-                         expert_grad_bytes=flat.numel() * elem, expert_tokens_per_s=rows / t_exp,
-                         a2a_bandwidth=a2a_bytes / t_a2a, trans_bandwidth=flat.numel() * elem / t_ring,
-                         agg_bandwidth=flat.numel() * elem / t_ring, num_ranks=R)
+    return MoELayerCosts(token_bytes=D * elem, expert_param_bytes=flat.numel() * w_elem,
+                         expert_grad_bytes=flat.numel() * w_elem, expert_tokens_per_s=rows / t_exp,
+                         a2a_bandwidth=a2a_bytes / t_a2a, trans_bandwidth=flat.numel() * w_elem / t_ring,
+                         agg_bandwidth=flat.numel() * w_elem / t_ring, num_ranks=R)
 
 
 def costs_to_dict(costs: MoELayerCosts) -> dict[str, Any]:
@@ -138,28 +142,28 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
       min(t_compute, t_a2a), clipped to [0, 1]. Equal durations keep the figure above the timing noise. On a
       GPU it is close to 1; on a CPU the cores that compute also move the bytes.
     Every rank of the job adopts the slowest rank's figures (an all-reduce of the times over the default group),
-    so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device (`moebal.dist.dilate`).
+    so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device (`moebal.dist.dilate`);
+    it runs under autocast to `d.compute_dtype` (the run's precision), and the all-to-all payload is in that dtype.
     """
     ex = d.layer.experts
-    dev, dtype = ex.w1.device, ex.w1.dtype
+    dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     small, large = torch.zeros(4096, device=dev), torch.zeros(1 << 20, device=dev)
     R, group = d.R, d.group
     tiny_in, tiny_out = torch.zeros(R * 2, device=dev), torch.zeros(R * 2, device=dev)
     rows = max(64, tokens)
     gen = torch.Generator(device=dev).manual_seed(1)  # private: the run's RNG streams stay where they are
-    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen)
+    chunk = torch.randn(R * max(1, rows // R), D, device=dev, dtype=dtype, generator=gen).to(autocast or dtype)
     out = torch.empty_like(chunk)
 
     def a2a() -> None:
         dist.all_to_all_single(out, chunk, group=group)
 
-    times = torch.tensor([_median_time(f, repeats, sync) for f in (
+    times = torch.tensor([median_time(f, repeats, dev) for f in (
         lambda: dist.all_reduce(small, group=dense_group), lambda: dist.all_reduce(large, group=dense_group),
         lambda: dist.all_to_all_single(tiny_out, tiny_in, group=group), a2a)], dtype=torch.float64, device=dev)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    t_s, t_l, t_tiny, t_a = times.tolist()
+    t_s, t_l, t_tiny, t_a = to_host(times, "calibration figures")
     # expert compute sized to last about as long as the all-to-all (same rows on every rank)
     n = int(min(max(16, t_a * layer.expert_tokens_per_s), 8 * rows))
     local = len(d.owned)
@@ -178,10 +182,10 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
 
     # the layer's rates were agreed inside the expert-parallel group only; the gradient chunks depend on them
     # too, and every rank of a stage must cut alike: agree on the slowest over the whole job
-    t2 = torch.tensor([_median_time(f, repeats, sync) for f in (compute, a2a, both)]
+    t2 = torch.tensor([median_time(f, repeats, dev, autocast) for f in (compute, a2a, both)]
                       + [1.0 / layer.a2a_bw(0), 1.0 / layer.expert_tokens_per_s], dtype=torch.float64, device=dev)
     dist.all_reduce(t2, op=dist.ReduceOp.MAX)
-    t_c, t_a, t_b, inv_a2a_bw, inv_tok = t2.tolist()
+    t_c, t_a, t_b, inv_a2a_bw, inv_tok = to_host(t2, "calibration figures")
     s_s, s_l = small.numel() * 4, large.numel() * 4
     beta = (s_l - s_s) / max(t_l - t_s, 1e-9)
     alpha = max(0.0, t_s - s_s / beta)

@@ -117,7 +117,8 @@ class SlurmConfig:
     gpus_per_node: int | None = None
     """#SBATCH --gpus-per-node; null: none requested."""
     cpus_per_task: int | None = None
-    """#SBATCH --cpus-per-task (the node's torchrun and all its ranks are one task); null: Slurm's default."""
+    """CPUs of each node's task (its torchrun and all its ranks), given to sbatch and srun; null: Slurm's default
+    (one CPU per task on most sites: set it, e.g. to the node's cores)."""
     options: tuple[str, ...] = ()
     """More #SBATCH options, each one word like '--qos=high' or '--exclusive'."""
     script: str | None = None
@@ -500,8 +501,11 @@ def sbatch_script(c: ClusterConfig, train: list[str], out: str) -> str:
                 "--rdzv-backend=c10d", f"--rdzv-conf=join_timeout={int(math.ceil(c.rendezvous.join_timeout_s))}",
                 f"--max-restarts={c.max_restarts}", "--tee=3"]
     log_dir = shlex.quote(str(Path(out) / "logs"))  # torchrun adds a directory of its own per node and run
-    # srun: every node's task stops when one fails (--kill-on-bad-exit); --label prefixes lines with the node
-    lines.append(" ".join(["srun --kill-on-bad-exit=1 --label", shlex.join(torchrun),
+    # srun: every node's task stops when one fails (--kill-on-bad-exit); --label prefixes lines with the node;
+    # --cpus-per-task again, since srun no longer inherits it from sbatch (Slurm 22.05): without it the node's
+    # torchrun and all its ranks would share the step's default of one CPU
+    srun = "srun --kill-on-bad-exit=1 --label" + (f" --cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else "")
+    lines.append(" ".join([srun, shlex.join(torchrun),
                            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", f"--log-dir={log_dir}",
                            "-m moebal.cli", shlex.join(train)]))
     return "\n".join(lines) + "\n"

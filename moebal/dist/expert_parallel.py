@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +40,7 @@ from moebal.planner.plan import ExpertPlacement, default_owners
 from moebal.scheduler.core import CommScheduler, Handle
 from moebal.scheduler.exchange import ExchangePlan, expert_exchange
 from moebal.scheduler.grads import GradGroup, GradSync
+from moebal.sync import count_ids, to_host, upload
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher", "is_expert_param"]
 
@@ -52,28 +52,30 @@ def is_expert_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, _EXPERT_ATTR, False))
 
 
-def _sorted_plan(keys_A: torch.Tensor, num_keys: int, num_tokens: int, top_k: int) -> DispatchPlan:
-    """Rows grouped by an integer key in [0, num_keys); key == num_keys marks an inactive assignment."""
+def _sorted_keys(keys_A: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_A, counts_K): assignments sorted by an integer key in [0, num_keys) (key == num_keys marks an
+    inactive assignment, sorted last) and the rows per key; no host sync."""
     order_A = torch.sort(keys_A, stable=True).indices
-    counts = torch.bincount(keys_A, minlength=num_keys + 1)
-    n_active = int(keys_A.numel() - counts[num_keys])  # host sync, folded into the count exchange below
-    order_N = order_A[:n_active]
-    return DispatchPlan(order_N=order_N, token_N=torch.div(order_N, top_k, rounding_mode="floor"),
-                        counts_E=counts[:num_keys], num_tokens=num_tokens, top_k=top_k)
+    return order_A, count_ids(keys_A, num_keys + 1)[:num_keys]
 
 
 class ExpertParallelDispatcher:
     """The token path of one MoE layer under expert parallelism (replaces the local dispatch/compute/combine)."""
 
     def __init__(self, layer: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, group: Any = None, compute_dtype: torch.dtype | None = None) -> None:
+        """`group`: the communicator of the token exchange (default: the "ep" group; `ExpertParallel` passes
+        its high-priority channel); `compute_dtype`: the dtype the experts compute in (bf16 under autocast),
+        in which replicas travel and are held (None: the parameters' dtype)."""
         self.layer, self.index = layer, index
-        self.sched = sched or CommScheduler("off", rank=dims.rank)
+        self.sched = sched or CommScheduler("off", rank=dims.rank, device=dims.device)
+        self.compute_dtype = compute_dtype
+        self._stacked: tuple[Any, tuple[torch.Tensor, ...]] | None = None  # (key, weights) for this step
         self.a2a_chunks = 1  # Lina's all-to-all micro-ops per exchange (set per step by the scheduling hook)
         self.trans: Handle | None = None  # this layer's Trans in flight
         self.on_start: Any = None  # called when the layer's token exchange begins (block overlap: next Trans)
         self.on_grads: Any = None  # called with {replicated expert: flat gradient} when its backward is done
-        self.group = dims.group("ep")
+        self.group = group if group is not None else dims.group("ep")
         self.R, self.r = dims.size("ep"), dims.index("ep")
         self.ep_ranks = dims.ranks_of("ep")
         self.E = layer.num_experts
@@ -99,10 +101,16 @@ class ExpertParallelDispatcher:
     def _local_index(self, e: int) -> int:
         return e - self.owned[0]
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of replicas and their gradients (Trans and Agg payloads)."""
+        return self.compute_dtype or self.layer.experts.w1.dtype
+
     def expert_flat(self, e: int) -> torch.Tensor:
-        """An owned expert's parameters as one flat tensor [w1 | w3 | w2] (what Trans sends)."""
+        """An owned expert's parameters as one flat tensor [w1 | w3 | w2] in the wire dtype (what Trans sends)."""
         i, ex = self._local_index(e), self.layer.experts
-        return torch.cat([ex.w1[i].reshape(-1), ex.w3[i].reshape(-1), ex.w2[i].reshape(-1)]).detach()
+        return torch.cat([ex.w1[i].reshape(-1), ex.w3[i].reshape(-1), ex.w2[i].reshape(-1)]).detach().to(
+            self.wire_dtype)
 
     def _expert_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ex = self.layer.experts
@@ -111,25 +119,40 @@ class ExpertParallelDispatcher:
         return flat[:n].view(F_, D), flat[n:2 * n].view(F_, D), flat[2 * n:].view(D, F_)
 
     def _local_weights(self, local: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stacked [L, ...] weights of the experts computed here, in ascending expert id."""
+        """Stacked [L, ...] weights of the experts computed here, in ascending expert id.
+
+        Plain expert parallelism uses the parameters (no copy). With replicas the owned slices and the
+        replica buffers are stacked once per step, in the compute dtype (the cast the kernel would make
+        anyway), and reused by every micro-batch's forward until the next placement (`reset_step`): the
+        stack's autograd nodes save no tensors, so each backward pass can run through them."""
         ex = self.layer.experts
         if local == self.owned:
             return ex.w1, ex.w3, ex.w2  # plain expert parallelism: no copy
+        key = (self.placement, tuple(local), torch.is_grad_enabled())
+        if self._stacked is not None and self._stacked[0] == key:
+            return self._stacked[1]  # type: ignore[return-value]
+        dtype = self.wire_dtype
         parts: list[tuple[torch.Tensor, ...]] = []
         for e in local:
             if e in self.replicas:
                 parts.append(self._expert_views(self.replicas[e]))
             else:
                 i = self._local_index(e)
-                parts.append((ex.w1[i], ex.w3[i], ex.w2[i]))
-        return tuple(torch.stack([p[j] for p in parts]) for j in range(3))  # type: ignore[return-value]
+                parts.append((ex.w1[i].to(dtype), ex.w3[i].to(dtype), ex.w2[i].to(dtype)))
+        stacked = tuple(torch.stack([p[j] for p in parts]) for j in range(3))
+        self._stacked = (key, stacked)
+        return stacked  # type: ignore[return-value]
+
+    def reset_step(self) -> None:
+        """Forget this step's stacked weights (new placement, or the parameters changed)."""
+        self._stacked = None
 
     def _destinations(self, device: torch.device) -> torch.Tensor:
         """Compute rank of this rank's tokens for each expert under the current placement (cached per plan)."""
         key = (self.placement, device)
         if getattr(self, "_dest_key", None) != key:
-            self._dest_E = torch.tensor([self.placement.compute_rank(self.r, e) for e in range(self.E)],
-                                        device=device)
+            self._dest_E = upload([self.placement.compute_rank(self.r, e) for e in range(self.E)], device,
+                                  torch.int64)
             self._dest_key = key
         return self._dest_E
 
@@ -139,19 +162,25 @@ class ExpertParallelDispatcher:
         E, R, dev = self.E, self.R, x_TD.device
         if self.on_start is not None:
             self.on_start()
+        if torch.is_autocast_enabled(dev.type):  # rows travel in the compute dtype: half the bytes of fp32
+            x_TD = x_TD.to(torch.get_autocast_dtype(dev.type))
         # 1. sort assignments by (compute rank, expert)
         dest_E = self._destinations(dev)
         experts_A = routing.indices_TK.reshape(-1)
         keys_A = dest_E[experts_A] * E + experts_A
         if routing.active_TK is not None:
             keys_A = torch.where(routing.active_TK.reshape(-1), keys_A, R * E)
-        plan = _sorted_plan(keys_A, R * E, T, K)
-        send_RE = plan.counts_E.view(R, E)
+        order_A, counts_RE = _sorted_keys(keys_A, R * E)
+        send_RE = counts_RE.view(R, E)
         # 2. counts: recv_RE[s, e] = rows rank s sends here for expert e
         recv_RE = torch.empty_like(send_RE)
         self.sched.all_to_all(recv_RE, send_RE, None, None, self.group, name=f"L{self.index} counts",
                               layer=self.index, kind="counts").wait()
-        send_counts, recv_counts = send_RE.tolist(), recv_RE.tolist()  # host sync
+        # The layer's one host sync: the split sizes of the uneven all-to-all (both directions in one read).
+        send_counts, recv_counts = to_host(torch.stack([send_RE, recv_RE]), "all-to-all counts")
+        order_N = order_A[:sum(map(sum, send_counts))]
+        plan = DispatchPlan(order_N=order_N, token_N=torch.div(order_N, K, rounding_mode="floor"),
+                            counts_E=counts_RE, num_tokens=T, top_k=K)
         # 3-5. dispatch, experts on the L local experts (owned and Trans'd replicas), combine: in c token chunks
         local = list(self.placement.local_experts(self.r))
         xplan = ExchangePlan(send_counts=send_counts, recv_counts=recv_counts, local=local,
@@ -196,10 +225,17 @@ class ExpertParallel:
     """
 
     def __init__(self, model: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None, *,
-                 chunk_bytes: float = 0.0, overlap: bool = False) -> None:
+                 chunk_bytes: float = 0.0, overlap: bool = False, compute_dtype: torch.dtype | None = None) -> None:
+        """`compute_dtype`: what the experts compute in (bf16 under autocast; None: the parameters' dtype):
+        replicas travel and live in it. The token exchanges of every layer share one high-priority channel
+        over the "ep" ranks (NCCL: a high-priority stream; gloo: a group of its own)."""
         self.model, self.dims = model, dims
-        self.sched = sched or CommScheduler("off", rank=dims.rank)
-        self.overlap = overlap
+        self.sched = sched or CommScheduler("off", rank=dims.rank, device=dims.device)
+        if self.sched.device.type != dims.device.type:
+            raise ValueError(f"the communication scheduler runs on {self.sched.device}, the job on {dims.device}: "
+                             f"build it with device=dims.device")
+        self.overlap, self.compute_dtype = overlap, compute_dtype
+        self.a2a_group = dims.new_channel("ep", high_priority=True, timeout_s=self.sched.timeout_s)
         self.reducer = StatsReducer(dims.group("dp_ep"), self.sched)
         self.layers: list[nn.Module] = []
         self.dispatchers: list[ExpertParallelDispatcher] = []
@@ -214,7 +250,8 @@ class ExpertParallel:
         here, or the uninitialised skeleton of a layer migrating in, before its shard's values arrive)."""
         d = layer.dispatcher
         if not isinstance(d, ExpertParallelDispatcher):
-            d = ExpertParallelDispatcher(layer, self.dims, self.sched)
+            d = ExpertParallelDispatcher(layer, self.dims, self.sched, group=self.a2a_group,
+                                         compute_dtype=self.compute_dtype)
             layer.set_dispatcher(d)
             layer.set_stats_reducer(self.reducer)
         return d
@@ -235,6 +272,8 @@ class ExpertParallel:
         ranks adopt the smallest size any of them asks for, since every rank of a reduction group must cut
         its buffer alike)."""
         if self.dims.distributed:
+            # a host value, once per run: a CPU tensor, which the device-aware group hands to gloo (NCCL would
+            # reject it, and a device copy would only add an upload and a read-back)
             t = torch.tensor([float(chunk_bytes)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dims.group("dp_ep"))
             chunk_bytes = t.item()
@@ -285,6 +324,7 @@ class ExpertParallel:
                 raise ValueError(f"placement for {plc.num_ranks} ranks with owners {plc.owner} does not match the "
                                  f"expert-parallel layout ({d.R} ranks, owners {d.owner})")
             d.placement, d.replicas, d.trans = plc, {}, None
+            d.reset_step()
         self._agg = []
         if self.sched.mode != "off":
             self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
@@ -318,7 +358,7 @@ class ExpertParallel:
         if d.r in holders:
             ex = d.layer.experts
             numel = ex.w1[0].numel() * 2 + ex.w2[0].numel()
-            buf = torch.empty(numel, dtype=ex.w1.dtype, device=ex.w1.device)
+            buf = torch.empty(numel, dtype=d.wire_dtype, device=ex.w1.device)
             d.replicas[e] = buf
             return [dist.P2POp(dist.irecv, buf, d.ep_ranks[owner], tag=tag)]
         return []
@@ -329,6 +369,7 @@ class ExpertParallel:
         before its Trans) must not use them."""
         for d in self.dispatchers:
             d.placement, d.replicas, d.trans = ExpertPlacement.static(d.E, d.R), {}, None
+            d.reset_step()
 
     def _agg_issue(self, i: int, grads: dict[int, torch.Tensor]) -> None:
         """Issue Agg of MoE layer i: holders send replica gradients (flat [w1 | w3 | w2]) to the owner, which
@@ -341,10 +382,12 @@ class ExpertParallel:
             owner, holders = d.placement.owner[e], d.placement.replicas[e]
             if d.r in holders:
                 g = grads.get(e)
-                ops.append(dist.P2POp(dist.isend, (g if g is not None else torch.zeros_like(d.replicas[e]))
-                                      .contiguous(), d.ep_ranks[owner], tag=tag))
+                g = g.to(d.wire_dtype) if g is not None else torch.zeros_like(d.replicas[e])
+                ops.append(dist.P2POp(dist.isend, g.contiguous(), d.ep_ranks[owner], tag=tag))
             elif d.r == owner:
-                recv = [(h, torch.empty_like(d.expert_flat(e))) for h in holders]
+                ex = d.layer.experts
+                numel = ex.w1[0].numel() * 2 + ex.w2[0].numel()
+                recv = [(h, torch.empty(numel, dtype=d.wire_dtype, device=ex.w1.device)) for h in holders]
                 ops.extend(dist.P2POp(dist.irecv, t, d.ep_ranks[h], tag=tag) for h, t in recv)
                 inbox.append((d, e, recv))
         handles = [self.sched.p2p(ops, kind="agg", name=f"L{i} agg", layer=i)] if ops else []

@@ -12,7 +12,13 @@ Axes:
     "pp"     the pipeline stages of one (dp, ep) coordinate (activations travel by send/recv);
     "world"  everyone.
 
-The device and backend are chosen at run time: NCCL on CUDA, gloo on CPU.
+The device and backend are chosen at run time (`backend_for`): on CUDA every group is device-aware,
+`cpu:gloo,cuda:nccl`, so one group object carries CUDA tensors over NCCL and CPU tensors (rare bookkeeping:
+an agreed chunk size, object gathers) over gloo; on CPU it is gloo alone. On CUDA the default group is bound to
+the rank's GPU (`device_id`), so NCCL communicators are created eagerly, every subgroup is split from the
+default one, and `warm_up` runs one tiny collective on every group and channel from the main thread before any
+helper thread (the communication scheduler's) issues on them. The process-group timeout (NCCL's watchdog) is
+`parallel.timeout_min`, separate from the scheduler's own `scheduler.timeout_s`.
 
 Ring order of all-reduce channels (`new_channel(..., ring_by_node=True)`): gloo's ring all-reduce passes data
 from group rank i to i + 1, so its bytes on the network depend on how the ranks sit on nodes. With ranks
@@ -37,7 +43,7 @@ import torch.distributed as dist
 
 from moebal.errors import ConfigError
 
-__all__ = ["ParallelDims", "env_world", "pick_device"]
+__all__ = ["ParallelDims", "backend_for", "check_ranks_fit", "env_world", "pick_device"]
 
 AXES = ("pp", "dp", "ep", "dp_ep", "world")
 
@@ -52,10 +58,27 @@ def env_world() -> tuple[int, int, int]:
                           "launch with torchrun or moebal train --nproc") from None
 
 
-def pick_device(local_rank: int = 0) -> torch.device:
-    """CUDA device `local_rank` when CUDA is present, else the CPU."""
+def backend_for(device: torch.device) -> str:
+    """The process-group backend for a job whose compute device is `device`: on CUDA gloo for CPU tensors and
+    NCCL for CUDA tensors in one group (NCCL rejects CPU tensors, and bookkeeping values often live on the
+    host), on CPU gloo."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def check_ranks_fit(local_ranks: int, gpus: int) -> None:
+    """On CUDA every rank of a machine needs a GPU of its own: NCCL refuses two ranks on one device."""
+    if local_ranks > gpus:
+        raise ConfigError(f"{local_ranks} ranks on this machine but {gpus} visible GPU(s): NCCL needs one GPU per "
+                          f"rank; set parallel.nproc (--nproc, torchrun --nproc-per-node) to at most {gpus}, or make "
+                          f"more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def pick_device(local_rank: int = 0, local_ranks: int | None = None) -> torch.device:
+    """CUDA device `local_rank` when CUDA is present (a ConfigError when the machine's `local_ranks` ranks
+    outnumber its GPUs), else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        check_ranks_fit(max(local_rank + 1, local_ranks or 0), torch.cuda.device_count())
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -74,6 +97,7 @@ class ParallelDims:
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
     _nodes: list[str] | None = field(default=None, repr=False)
     _channels: list[Any] = field(default_factory=list, repr=False)
+    _pipe: tuple[Any, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.pp < 1 or self.world_size % (self.ep * self.pp):
@@ -123,36 +147,84 @@ class ParallelDims:
     @classmethod
     def from_env(cls, ep: int = 1, pp: int = 1) -> ParallelDims:
         rank, world, local = env_world()
-        return cls(world_size=world, rank=rank, ep=ep, pp=pp, local_rank=local, device=pick_device(local))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+        return cls(world_size=world, rank=rank, ep=ep, pp=pp, local_rank=local,
+                   device=pick_device(local, local_ranks))
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def init(self, timeout_s: float = 120.0) -> ParallelDims:
-        """Join the default group (torchrun env) and build every axis group. Collective on all ranks."""
+    def init(self, timeout_s: float = 1800.0) -> ParallelDims:
+        """Join the default group (torchrun env), build every axis group and warm them up. Collective on all
+        ranks. `timeout_s`: the process groups' timeout (NCCL's watchdog; `parallel.timeout_min`), long enough
+        for one rank's checkpoint or weight load while the others already wait in a collective."""
         if not self.distributed:
             return self
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = backend_for(self.device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        bind: dict[str, Any] = {}
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            # bound to its GPU, the group creates NCCL communicators now (not at the first collective, maybe
+            # from a helper thread) and subgroups split from it (ncclCommSplit) instead of a fresh rendezvous
+            bind["device_id"] = self.device
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                    rank=self.rank, world_size=self.world_size)
+            dist.init_process_group(backend=backend, timeout=timeout, rank=self.rank, world_size=self.world_size,
+                                    **bind)
         # new_group is collective over the whole world and must be called in the same order everywhere,
         # so every rank creates every group of every axis and keeps the ones it belongs to.
         for axis in ("ep", "dp", "dp_ep", "pp"):
-            seen: set[tuple[int, ...]] = set()
-            for r in range(self.world_size):
-                ranks = tuple(self.ranks_of(axis, r))
-                if ranks in seen:
-                    continue
-                seen.add(ranks)
-                g = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
+            for ranks in self._axis_groups(axis):
+                g = dist.new_group(list(ranks), timeout=timeout, backend=backend)
                 if self.rank in ranks:
                     self._groups[axis] = g
         self._groups["world"] = dist.group.WORLD
+        if self.pp > 1:
+            for ranks in self._axis_groups("pp"):
+                pair = tuple(dist.new_group(list(ranks), timeout=timeout, backend=backend) for _ in range(2))
+                if self.rank in ranks:
+                    self._pipe = (pair[0], pair[1])
+        self.warm_up()
         return self
+
+    def pipe_groups(self) -> tuple[Any, Any] | None:
+        """Two groups over this rank's pipeline ("pp") for its point-to-point messages: those toward later
+        stages (activations) and those toward earlier ones (gradients); None in a single process or without
+        pipeline stages. On NCCL each group has its own stream, on which a large send waits for its receive:
+        with one stream for both directions, a stage sending forward and its neighbour sending backward would
+        each wait behind their own send (`moebal.pipeline.comm`)."""
+        return self._pipe if self.distributed else None
+
+    def _axis_groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis`, each once, in the order every rank creates them."""
+        out: list[tuple[int, ...]] = []
+        for r in range(self.world_size):
+            ranks = tuple(self.ranks_of(axis, r))
+            if ranks not in out:
+                out.append(ranks)
+        return out
+
+    def warm_up(self) -> None:
+        """One tiny all-reduce on every axis group from the calling thread (collective on all ranks, in axis
+        order: each axis's groups partition the world, so no rank waits on a group another has not reached).
+        NCCL communicators must exist before the communication scheduler's thread issues on them, and a broken
+        interface shows here, at start-up, not at the first step. On CUDA both backends are exercised."""
+        if not self.distributed:
+            return
+        for axis in ("ep", "dp", "dp_ep", "pp", "world"):
+            self._warm(self._groups[axis])
+        for g in self._pipe or ():
+            self._warm(g)
+
+    def _warm(self, group: Any, devices: tuple[torch.device, ...] | None = None) -> None:
+        for device in devices or _devices(self.device):
+            t = torch.ones(1, device=device)
+            dist.all_reduce(t, group=group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the NCCL all-reduce has finished, not only been enqueued
 
     def nodes(self) -> list[str]:
         """The node of every rank (collective on all ranks the first time, cached)."""
@@ -204,20 +276,27 @@ class ParallelDims:
             return None
         if ring_by_node and self.needs_node_ring(axis):
             return self._node_ring_channel(axis, timeout_s)
-        opts = None
-        if high_priority and self.device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-        mine, seen = None, set()
-        for r in range(self.world_size):
-            ranks = tuple(self.ranks_of(axis, r))
-            if ranks in seen:
-                continue
-            seen.add(ranks)
-            g = dist.new_group(list(ranks), timeout=timeout, pg_options=opts)
+        timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 1800.0)
+        backend = backend_for(self.device)
+        mine = None
+        for ranks in self._axis_groups(axis):
+            g = dist.new_group(list(ranks), timeout=timeout, backend=backend,
+                               pg_options=self._nccl_options(high_priority, timeout))
             if self.rank in ranks:
                 mine = g
+        self._warm(mine)
         return mine
+
+    def _nccl_options(self, high_priority: bool, timeout: datetime.timedelta) -> Any:
+        """NCCL options of one new group (None: the defaults). A fresh object per group: torch records the
+        group's name, ranks and split source in it, and the group keeps it. With the device-aware backend the
+        options reach the NCCL part only (torch's gloo branch ignores `pg_options`), so CPU tensors on a
+        high-priority channel still work."""
+        if not (high_priority and self.device.type == "cuda"):
+            return None
+        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        opts._timeout = timeout  # what new_group sets anyway; equal, so torch does not warn about an override
+        return opts
 
     def _node_ring_channel(self, axis: str, timeout_s: float | None) -> Any:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -229,6 +308,7 @@ class ParallelDims:
         store = dist.PrefixStore(f"moebal-ring/{number}/{'-'.join(map(str, order))}/", _get_default_store())
         ch = dist.ProcessGroupGloo(store, order.index(self.rank), len(order), timeout)
         self._channels[-1] = ch
+        self._warm(ch, (torch.device("cpu"),))
         return ch
 
     def group(self, axis: str) -> Any:
@@ -241,3 +321,8 @@ class ParallelDims:
         self._channels.clear()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _devices(device: torch.device) -> tuple[torch.device, ...]:
+    """The devices whose backends a group of a job on `device` carries (see `backend_for`)."""
+    return (torch.device("cpu"), device) if device.type == "cuda" else (device,)

@@ -35,7 +35,7 @@ from typing import IO, Any
 
 from moebal.errors import ConfigError
 
-__all__ = ["Stopped", "die_with_launcher", "free_port", "run_nodes", "spawn_local"]
+__all__ = ["Stopped", "die_with_launcher", "free_port", "local_ranks", "run_nodes", "spawn_local"]
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
 LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: the launcher it must not outlive
@@ -81,6 +81,18 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
     if os.getppid() != int(pid):  # the launcher died before the request: nobody would send the signal
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def local_ranks(nproc: int | None, gpus: int) -> int:
+    """Ranks `moebal train` runs on this machine: `parallel.nproc`, or when null one per visible GPU (`gpus` > 0:
+    a CUDA run), 2 on a CPU. On CUDA more ranks than GPUs is a ConfigError (NCCL needs a GPU per rank)."""
+    from moebal.dist.groups import check_ranks_fit
+
+    if gpus <= 0:
+        return 2 if nproc is None else nproc
+    n = gpus if nproc is None else nproc
+    check_ranks_fit(n, gpus)
+    return n
 
 
 def free_port() -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,10 @@ from moebal.config import Config
 from moebal.dist.groups import ParallelDims
 from moebal.errors import ConfigError
 from moebal.planner.comm import PackingCandidate, lina_packing
+from moebal.sync import to_host
+
+if TYPE_CHECKING:
+    from moebal.models.moe import SwiGLUExperts
 
 __all__ = ["PACKING_FILE", "candidate_layouts", "choose_expert_parallel"]
 
@@ -76,16 +80,18 @@ def _candidate(ep: int, world: int, E: int, rows: int, token_bytes: float, exper
     return PackingCandidate(ep=ep, t_ffn=t_ffn, t_a2a=t_a2a, t_expert_sync=t_sync)
 
 
-def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: list[int], timeout_s: float,
+def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: list[int], pg_timeout_s: float,
               dilate: float) -> list[PackingCandidate]:
-    """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups."""
-    from moebal.dist.calibrate import _dilated, _median_time
+    """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups, timed on
+    the device (synchronised) in the run's precision (its autocast; the exchange's rows in that dtype)."""
+    from moebal.dist.calibrate import median_time
     from moebal.models.moe import MoELayer
-    from moebal.scheduler.exchange import group_plan
+    from moebal.train.precision import autocast_dtype
 
     E, D = cfg.moe.num_experts, cfg.model.dim
     tokens = cfg.data.batch_size * cfg.data.seq_len // world
     rows = tokens * cfg.moe.top_k
+    autocast = autocast_dtype(cfg, device)
     gen = torch.Generator(device=device).manual_seed(2)  # private: the run's RNG streams stay where they are
     with torch.device("meta"):
         scratch = MoELayer.from_config(cfg)
@@ -97,37 +103,46 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
     big = torch.zeros(1 << 20, device=device)  # 4 MB: the all-reduce's bandwidth over the whole job
     times = []
     for ep in eps:
-        dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(timeout_s)
-        held = E // ep
-        x = torch.randn(rows, D, device=device, generator=gen)
-        plan = group_plan([rows // held + (1 if i < rows % held else 0) for i in range(held)], device)
-        w1, w3, w2 = ex.w1[:held], ex.w3[:held], ex.w2[:held]
-
-        def ffn() -> None:
-            with torch.no_grad():
-                ex.compute(x, w1, w3, w2, plan)
-
-        t_ffn = _median_time(_dilated(ffn, dilate), 5, lambda: None)
-        t_a2a = 0.0
-        if ep > 1:
-            send = torch.randn(ep * max(1, rows // ep), D, device=device, generator=gen)
-            recv = torch.empty_like(send)
-            t_a2a = _median_time(lambda: dist.all_to_all_single(recv, send, group=dims.group("ep")), 5, lambda: None)
-        times.append([t_ffn, t_a2a])
-    t_small = _median_time(lambda: dist.all_reduce(big[:4096]), 5, lambda: None)
-    t_big = _median_time(lambda: dist.all_reduce(big), 5, lambda: None)
-    flat = torch.tensor([v for pair in times for v in pair] + [t_small, t_big], dtype=torch.float64, device=device)
+        dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(pg_timeout_s)
+        times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
+    t_small = median_time(lambda: dist.all_reduce(big[:4096]), 5, device)
+    t_big = median_time(lambda: dist.all_reduce(big), 5, device)
+    flat = torch.tensor(times + [t_small, t_big], dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # every rank decides from the slowest rank's figures
-    vals = flat.tolist()
+    vals = to_host(flat, "calibration figures")
     beta = (big.numel() - 4096) * 4 / max(vals[-1] - vals[-2], 1e-9)
     alpha = max(0.0, vals[-2] - 4096 * 4 / beta)
+    token_bytes = D * torch.empty((), dtype=autocast or ex.w1.dtype).element_size()
     out = []
     for k, ep in enumerate(eps):
         t_ffn, t_a2a = vals[2 * k], vals[2 * k + 1]
-        token_bytes = D * 4
         bw = rows * token_bytes * (ep - 1) / ep / t_a2a if ep > 1 and t_a2a > 0 else 1.0
         out.append(_candidate(ep, world, E, rows, token_bytes, expert_bytes, t_ffn, bw, alpha, beta))
     return out
+
+
+def _layout_times(ex: SwiGLUExperts, dims: ParallelDims, ep: int, rows: int, gen: torch.Generator,
+                  autocast: torch.dtype | None, dilate: float) -> list[float]:
+    """[expert compute of one exchange's rows, the exchange] on the layout of `ep` ranks per expert group."""
+    from moebal.dist.calibrate import _dilated, median_time
+    from moebal.scheduler.exchange import group_plan
+
+    device, D = ex.w1.device, ex.w1.shape[2]
+    held = ex.w1.shape[0] // ep
+    x = torch.randn(rows, D, device=device, generator=gen)
+    plan = group_plan([rows // held + (1 if i < rows % held else 0) for i in range(held)], device)
+    w1, w3, w2 = ex.w1[:held], ex.w3[:held], ex.w2[:held]
+
+    def ffn() -> None:
+        with torch.no_grad():
+            ex.compute(x, w1, w3, w2, plan)
+
+    t_ffn = median_time(_dilated(ffn, dilate), 5, device, autocast)
+    if ep == 1:
+        return [t_ffn, 0.0]
+    send = torch.randn(ep * max(1, rows // ep), D, device=device, generator=gen).to(autocast or ex.w1.dtype)
+    recv, group = torch.empty_like(send), dims.group("ep")
+    return [t_ffn, median_time(lambda: dist.all_to_all_single(recv, send, group=group), 5, device)]
 
 
 def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.device, ep0: int,
@@ -148,7 +163,7 @@ def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.dev
         return ep
     eps = candidate_layouts(cfg.moe.num_experts, world, ep0)
     if cfg.planner.costs == "measure":
-        cands = _measured(cfg, world, rank, device, eps, sc.timeout_s, sc.dilate)
+        cands = _measured(cfg, world, rank, device, eps, 60.0 * cfg.parallel.timeout_min, sc.dilate)
     else:
         cands = _profiled(cfg, world, eps)
     ep, why = lina_packing(cands)

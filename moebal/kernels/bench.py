@@ -1,11 +1,19 @@
-"""The one timing helper every moebal benchmark uses: warm-up, repeats, median, min, max.
+"""The one timing helper every moebal benchmark and calibration uses: warm-up, repeats, median, min, max.
 
 `time_interleaved` runs several methods round-robin inside one process, so slow drifts of a shared machine
-(other jobs, frequency changes) hit every method alike and ratios stay honest.
+(other jobs, frequency changes) hit every method alike and ratios stay honest. `sample_interleaved` gives the
+raw seconds (for callers that combine them across ranks).
+
+On an accelerator a call only queues kernels: given `device`, every timed call is bracketed by a device
+synchronisation (`torch.cuda.synchronize`), so a figure is the work's duration, not its launch time. Given
+`autocast`, every call runs under `torch.autocast(device type, autocast)`, entered per call as a training step
+does (so the casts autocast caches within a region are paid per call, too): time the precision the run trains
+in (`moebal.train.precision.autocast_dtype`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -34,8 +42,17 @@ class Timing:
 
 
 def _sync(device: torch.device | str | None) -> None:
+    """Wait for the device's queued work (CUDA; elsewhere a call's work is done when it returns)."""
     if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
+
+
+def _precision(device: torch.device | str | None, autocast: torch.dtype | None) -> Any:
+    if autocast is None:
+        return contextlib.nullcontext()
+    if device is None:
+        raise ValueError(f"timing under autocast={autocast} needs the device whose autocast to enter: pass device")
+    return torch.autocast(torch.device(device).type, dtype=autocast)
 
 
 def summarise(samples: list[float], cpu_samples: list[float] | None = None) -> Timing:
@@ -44,31 +61,45 @@ def summarise(samples: list[float], cpu_samples: list[float] | None = None) -> T
                   cpu_median=statistics.median(cpu), cpu_min=min(cpu))
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5,
-            device: torch.device | str | None = None) -> Timing:
-    """Time `fn()` (synchronising accelerators around each call)."""
-    return time_interleaved({"fn": fn}, warmup=warmup, repeats=repeats, device=device)["fn"]
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5, device: torch.device | str | None = None,
+            autocast: torch.dtype | None = None) -> Timing:
+    """Time `fn()` (synchronising the device around each call; under `autocast` when given)."""
+    return time_interleaved({"fn": fn}, warmup=warmup, repeats=repeats, device=device, autocast=autocast)["fn"]
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 5,
-                     device: torch.device | str | None = None) -> dict[str, Timing]:
+                     device: torch.device | str | None = None, autocast: torch.dtype | None = None
+                     ) -> dict[str, Timing]:
     """Time several methods round-robin: each round calls every method once, in a rotated order."""
+    wall, cpu = sample_interleaved(fns, warmup=warmup, repeats=repeats, device=device, autocast=autocast)
+    return {name: summarise(wall[name], cpu[name]) for name in fns}
+
+
+def sample_interleaved(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 5,
+                       device: torch.device | str | None = None, autocast: torch.dtype | None = None,
+                       before: Callable[[], Any] | None = None
+                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and process CPU seconds of each call of `time_interleaved`'s rounds; `before` runs ahead of each
+    timed call, outside the timed region (a barrier, so that ranks start a collective together)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
-            fns[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
+            with _precision(device, autocast):
+                fns[name]()
+    wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        rotated = names[r % len(names):] + names[: r % len(names)]
-        for name in rotated:
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if before is not None:
+                before()
             _sync(device)
             c0, t0 = time.process_time(), time.perf_counter()
-            fns[name]()
+            with _precision(device, autocast):
+                fns[name]()
             _sync(device)
-            samples[name].append(time.perf_counter() - t0)
+            wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    return {name: summarise(samples[name], cpu[name]) for name in names}
+    return wall, cpu
 
 
 def environment() -> dict[str, Any]:

@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 from moebal.kernels.workers import cpu_workers, run_parallel
+from moebal.sync import count_ids, to_host
 
 
 @dataclass
 class DispatchPlan:
-    """Where each dispatched row comes from and how many rows each expert gets."""
+    """Where each dispatched row comes from and how many rows each expert gets.
+
+    A plan made without a host sync (`make_plan(..., trim=False)` with an active mask) keeps a row for every
+    assignment: the inactive ones sort after every expert's rows (beyond the last offset), `valid_N` marks the
+    real rows, and the caller zeroes the rest (`mask_tail`)."""
 
     order_N: torch.Tensor
     """int64 flat assignment index (t * K + j) of each row, grouped by expert."""
@@ -28,6 +33,8 @@ class DispatchPlan:
     """int64 rows per expert (on the tokens' device)."""
     num_tokens: int
     top_k: int
+    valid_N: torch.Tensor | None = None
+    """bool: rows that belong to an expert (None: all of them)."""
     _host: list[int] | None = field(default=None, repr=False)
     _offsets: torch.Tensor | None = field(default=None, repr=False)
     _slots: torch.Tensor | None = field(default=None, repr=False)
@@ -39,13 +46,20 @@ class DispatchPlan:
     def host_counts(self) -> list[int]:
         """Rows per expert as Python ints (a host sync on accelerators; cached)."""
         if self._host is None:
-            self._host = self.counts_E.tolist()
+            self._host = to_host(self.counts_E, "expert row counts")
         return self._host
 
     @property
     def all_active(self) -> bool:
         """Every (token, choice) assignment is dispatched (dropless fixed top-k): N = T * K."""
-        return self.num_rows == self.num_tokens * self.top_k
+        return self.valid_N is None and self.num_rows == self.num_tokens * self.top_k
+
+    def mask_tail(self, rows_ND: torch.Tensor) -> torch.Tensor:
+        """rows_ND with the rows beyond the experts' (inactive assignments) set to zero, exactly, whatever they
+        held (a kernel leaves them unwritten); differentiable: their gradient is dropped the same way."""
+        if self.valid_N is None:
+            return rows_ND
+        return rows_ND.masked_fill(~self.valid_N.unsqueeze(1), 0)
 
     def slots(self) -> torch.Tensor:
         """int64 slot_TK: the dispatched row of each assignment (only when every assignment is active)."""
@@ -63,19 +77,30 @@ class DispatchPlan:
         return self._offsets
 
 
-def make_plan(indices_TK: torch.Tensor, active_TK: torch.Tensor | None, num_experts: int) -> DispatchPlan:
-    """Plan for the active assignments: one stable argsort of expert ids, counts by bincount."""
+def make_plan(indices_TK: torch.Tensor, active_TK: torch.Tensor | None, num_experts: int, *,
+              trim: bool = True) -> DispatchPlan:
+    """Plan for the active assignments: one stable argsort of expert ids, counts by a scatter-add.
+
+    With an active mask, `trim` reads the per-expert counts on the host once (the one sync of a kernel that
+    needs host counts anyway) and keeps only the active rows; `trim=False` keeps every row and marks the
+    active ones (`valid_N`): no host sync, for kernels that take their offsets on the device."""
     T, K = indices_TK.shape
     experts_A = indices_TK.reshape(-1)
     if active_TK is not None:
         experts_A = torch.where(active_TK.reshape(-1), experts_A, num_experts)  # inactive sort last
     order_A = torch.sort(experts_A, stable=True).indices
-    counts_E1 = torch.bincount(experts_A, minlength=num_experts + 1)
+    counts_E1 = count_ids(experts_A, num_experts + 1)
     counts_E = counts_E1[:num_experts]
-    if active_TK is not None:
-        order_A = order_A[: T * K - int(counts_E1[num_experts])]  # host sync: the row count
+    valid_N, host = None, None
+    if active_TK is not None and trim:
+        host = to_host(counts_E1, "expert row counts")
+        order_A = order_A[: T * K - host[num_experts]]
+        host = host[:num_experts]
+    elif active_TK is not None:
+        valid_N = torch.arange(T * K, device=experts_A.device) < T * K - counts_E1[num_experts]
     token_N = torch.div(order_A, K, rounding_mode="floor")
-    return DispatchPlan(order_N=order_A, token_N=token_N, counts_E=counts_E, num_tokens=T, top_k=K)
+    return DispatchPlan(order_N=order_A, token_N=token_N, counts_E=counts_E, num_tokens=T, top_k=K, valid_N=valid_N,
+                        _host=host)
 
 
 def _row_ranges(total: int, device: torch.device) -> list[tuple[int, int]]:

@@ -204,8 +204,10 @@ class MoELayer(nn.Module):
         """The routing decision for tokens x_TD (selection bias applied to the choice only)."""
         return route(self.router_logits(x_TD), self.spec, self.expert_bias)
 
-    def plan(self, r: Routing) -> DispatchPlan:
-        return make_plan(r.indices_TK, r.active_TK, self.num_experts)
+    def plan(self, r: Routing, trim: bool = True) -> DispatchPlan:
+        """The dispatch plan of a routing decision; `trim=False` keeps inactive assignments as masked rows
+        (no host sync: see `make_plan`)."""
+        return make_plan(r.indices_TK, r.active_TK, self.num_experts, trim=trim)
 
     def expert_forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.experts(x_ND, plan)
@@ -218,12 +220,14 @@ class MoELayer(nn.Module):
         if self.dispatcher is not None:
             out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
         else:
-            plan = self.plan(r)
             x_c = x_TD
             if torch.is_autocast_enabled(x.device.type):  # cast before the gather: half the bytes to move
                 x_c = x_TD.to(torch.get_autocast_dtype(x.device.type))
-            y_ND = self.expert_forward(dispatch(x_c, plan), plan)
-            out_TD = combine(y_ND, plan, r.weights_TK)
+            # The loop kernel reads its row counts on the host anyway; grouped_mm keeps them on the device, so
+            # dropped or untaken assignments stay as masked rows instead of a host read of the active count.
+            plan = self.plan(r, trim=self.experts.resolve_kernel(x_TD.shape[0], x_c.dtype) == "loop")
+            y_ND = self.expert_forward(plan.mask_tail(dispatch(x_c, plan)), plan)
+            out_TD = combine(plan.mask_tail(y_ND), plan, r.weights_TK)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:
@@ -243,40 +247,45 @@ class MoELayer(nn.Module):
 
     def _losses(self, r: Routing, stats: RoutingStats) -> torch.Tensor:
         aux = r.logits_TE.new_zeros(())
+        counts_E = None
         if self.aux_loss_coef > 0:
             if self.spec.adaptive_threshold is not None:
                 # Adaptive Gating Eq. 5.4: f counts top-1 decisions only (every token's first choice).
                 counts_E = assignment_counts(r.indices_TK[:, :1], None, self.num_experts)
             else:
                 counts_E = stats.routed_E
-            if self.stats_reducer is None:
-                aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
-            else:
-                aux = aux + self.aux_loss_coef * self._global_balancing_loss(r.probs_TE, counts_E)
+        if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
+            return aux + self._global_losses(r, counts_E)
+        if counts_E is not None:
+            aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
-            if self.stats_reducer is None:
-                aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
-            else:
-                aux = aux + self.z_loss_coef * self._global_z_loss(r.logits_TE)
+            aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
         return aux
 
-    def _global_z_loss(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """`router_z_loss` over every rank's tokens: the summed squares over the summed token count (a mean of
-        per-rank means is not the mean when ranks hold different numbers of tokens, e.g. after early exits)."""
-        red = self.stats_reducer
-        tokens = red.sum(torch.tensor([float(logits_TE.shape[0])], device=logits_TE.device))
-        sq = torch.logsumexp(logits_TE.float(), dim=-1).square().sum().reshape(1)
-        return (red.sum_grad(sq) / tokens.clamp(min=1.0))[0]
+    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None) -> torch.Tensor:
+        """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward).
 
-    def _global_balancing_loss(self, probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """`load_balancing_loss` over every rank's tokens: f from the summed counts, P from the summed
-        probabilities (the sum carries the gradient back to each rank's own tokens)."""
-        red = self.stats_reducer
-        counts_E = red.sum(counts_E.clone())
-        tokens = red.sum(torch.tensor([float(probs_TE.shape[0])], device=probs_TE.device))
-        P_E = red.sum_grad(probs_TE.sum(dim=0)) / tokens.clamp(min=1.0)  # no token anywhere: P = 0, not NaN
-        f_E = counts_E.to(P_E.dtype) / counts_E.sum().clamp(min=1).to(P_E.dtype)
-        return self.num_experts * torch.sum(f_E * P_E)
+        Load balancing: f from the summed counts, P from the summed probabilities over the summed token count
+        (a product of means is not a mean of products). Z-loss: the summed squares over the summed token count
+        (a mean of per-rank means is not the mean when ranks hold different numbers of tokens, e.g. after early
+        exits). Counts travel as fp32 (exact below 2^24 assignments per expert) beside the probability sums;
+        the sum carries the gradient back to each rank's own tokens."""
+        T, E = r.probs_TE.shape
+        parts = [torch.full((1,), float(T), dtype=torch.float32, device=r.probs_TE.device)]
+        if counts_E is not None:
+            parts += [counts_E.to(torch.float32), r.probs_TE.sum(dim=0)]
+        if self.z_loss_coef > 0:
+            parts.append(torch.logsumexp(r.logits_TE.float(), dim=-1).square().sum().reshape(1))
+        total = self.stats_reducer.sum_grad(torch.cat(parts))
+        tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
+        aux = r.logits_TE.new_zeros(())
+        if counts_E is not None:
+            counts, P_E = total[1:1 + E].detach(), total[1 + E:1 + 2 * E] / tokens
+            f_E = counts / counts.sum().clamp(min=1.0)
+            aux = aux + self.aux_loss_coef * (self.num_experts * torch.sum(f_E * P_E))
+        if self.z_loss_coef > 0:
+            aux = aux + self.z_loss_coef * (total[-1] / tokens)
+        return aux
 
     def take_stats(self) -> RoutingStats:
         """Statistics accumulated by training forwards since the last call (then reset); no host sync."""

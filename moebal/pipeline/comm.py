@@ -8,11 +8,28 @@ release by communicator splitting needs every rank, including the leaving ones, 
 
 Rules that keep the pipeline deadlock-free: sends are non-blocking (`isend`, handles kept until `flush`);
 receives block. Messages between one pair of ranks in one direction arrive in the order they were sent.
+On NCCL a send is non-blocking for the host but not for the device: it occupies its communicator's stream
+until the peer posts the matching receive (for messages beyond NCCL's buffers), and a rank's messages on one
+communicator run in issue order. In 1F1B, stage p sends activation a forward and then receives gradient b,
+while stage p + 1 sends gradient b back and then receives activation a: on one stream per rank each send
+waits behind nothing but blocks the receive its peer needs, a deadlock. So a chain built with the
+pipeline's two groups (`ParallelDims.pipe_groups`) sends every message toward later stages on the first and
+every message toward earlier stages on the second: on each group a pair of ranks exchanges messages in one
+direction only, in FIFO order, and along the chain the "later" relation has no cycle, so every send's
+receive is eventually posted (the messages keep gloo's semantics; on gloo the split changes nothing).
 
 Waiting. A blocked gloo receive sleeps, so on a machine with fewer cores than ranks an idle stage hands its
 core to the busy ones, which a GPU cannot do. `wait="spin"` emulates dedicated devices on one host: the
 receiver spins on a shared-memory counter that the sender bumps after posting its send, so every rank
-keeps its share of the CPU while it waits. It is a benchmark device, valid for ranks of one host only.
+keeps its share of the CPU while it waits. It is a benchmark device, valid for ranks of one host only (and
+refused on CUDA: `moebal.config.refuse_cpu_only`).
+
+Devices. Messages go over the default group, device-aware on CUDA (`cpu:gloo,cuda:nccl`): a CUDA tensor
+travels over NCCL, a CPU tensor over gloo, so both ends of a message must use the same device type. The
+convention: activations, gradients and migrated layers on the compute device; the small agreements
+(`allreduce_sum` of per-layer statistics and times, `allgather_1d`'s lengths) on the CPU, since they are host
+values read on the host at once. On NCCL a receive returns once it is ordered before the compute stream's
+next kernel (the data are not yet on the host), which is all a tensor consumed by GPU code needs.
 """
 
 from __future__ import annotations
@@ -78,12 +95,17 @@ class _SpinBoard:
 class PipeChain:
     """The ordered global ranks of one pipeline and this rank's place in it."""
 
-    def __init__(self, ranks: Sequence[int], rank: int, wait: str = "block") -> None:
+    def __init__(self, ranks: Sequence[int], rank: int, wait: str = "block",
+                 groups: tuple[Any, Any] | None = None) -> None:
+        """`groups`: (toward later members, toward earlier members) over the chain's ranks, or None for the
+        default group (a single process, tests)."""
         if rank not in ranks:
             raise ConfigError(f"rank {rank} is not in the pipeline {list(ranks)}")
         if wait not in ("block", "spin"):
             raise ConfigError(f"pipeline wait mode must be 'block' or 'spin'; got {wait!r}")
         self.ranks, self.rank, self.wait = list(ranks), rank, wait
+        self._groups = groups
+        self._pos = {r: i for i, r in enumerate(self.ranks)}  # chain order, kept when the chain shrinks
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._board: _SpinBoard | None = None
         self.bytes_sent = 0
@@ -121,9 +143,16 @@ class PipeChain:
         self.ranks = [r for r in self.ranks if r in set(keep)]
 
     # ---- messages ----
+    def _group(self, src: int, dst: int) -> Any:
+        """The group of a message from src to dst (see the module docstring); None: the default group."""
+        if self._groups is None:
+            return None
+        return self._groups[0] if self._pos[dst] > self._pos[src] else self._groups[1]
+
     def send(self, t: torch.Tensor, dst: int) -> None:
         t = t.detach().contiguous()
-        self._pending.append((dist.isend(t, dst), t))  # the tensor stays referenced until the send completes
+        work = dist.isend(t, dst, group=self._group(self.rank, dst))
+        self._pending.append((work, t))  # the tensor stays referenced until the send completes
         self.bytes_sent += t.numel() * t.element_size()
         if self._board is not None:
             self._board.posted_to(self.rank, dst)
@@ -131,14 +160,14 @@ class PipeChain:
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if self._board is not None:
             self._board.wait_from(src, self.rank)
-        dist.recv(t, src)  # blocking
+        dist.recv(t, src, group=self._group(src, self.rank))  # blocking (on NCCL: ordered on the stream)
         return t
 
     # ---- posted transfers (planned communication: Start now, Wait later) ----
     def post_send(self, t: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
         """Start a send; the handle keeps the tensor alive until `wait_send`."""
         t = t.detach().contiguous()
-        work = dist.isend(t, dst)
+        work = dist.isend(t, dst, group=self._group(self.rank, dst))
         self.bytes_sent += t.numel() * t.element_size()
         if self._board is not None:
             self._board.posted_to(self.rank, dst)
@@ -150,10 +179,11 @@ class PipeChain:
     def post_recv(self, t: torch.Tensor, src: int) -> tuple[Any, int, int]:
         """Start a receive into t. Messages between two ranks match in posting order on both sides (gloo and
         NCCL), so the k-th receive from src gets src's k-th send to this rank."""
+        group = self._group(src, self.rank)
         if self._board is not None:
             self._board.seen[src] += 1
-            return dist.irecv(t, src), src, int(self._board.seen[src])
-        return dist.irecv(t, src), src, 0
+            return dist.irecv(t, src, group=group), src, int(self._board.seen[src])
+        return dist.irecv(t, src, group=group), src, 0
 
     def wait_recv(self, handle: tuple[Any, int, int]) -> None:
         work, src, seq = handle
@@ -171,8 +201,11 @@ class PipeChain:
     def allreduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
         """Sum of every member's `vec`, added in chain order on every member: all members get the same bits.
 
-        P x (P - 1) messages of len(vec) numbers; meant for per-layer statistics and scalars, not gradients.
+        P x (P - 1) messages of len(vec) numbers; meant for per-layer statistics and scalars, not gradients, and
+        for CPU tensors (gloo): every member sends before it receives, which NCCL, whose sends may wait for the
+        matching receive, does not promise to complete.
         """
+        assert vec.device.type == "cpu", "allreduce_sum sends before it receives: CPU tensors (gloo) only"
         vec = vec.detach().contiguous()
         if self.size == 1:
             return vec.clone()
@@ -189,7 +222,9 @@ class PipeChain:
         return total
 
     def allgather_1d(self, vec: torch.Tensor) -> list[torch.Tensor]:
-        """Every member's 1-D tensor (lengths may differ), in chain order."""
+        """Every member's 1-D tensor (lengths may differ), in chain order. CPU tensors only, like
+        `allreduce_sum` (every member sends before it receives)."""
+        assert vec.device.type == "cpu", "allgather_1d sends before it receives: CPU tensors (gloo) only"
         n = self.allreduce_sum(self._one_hot(vec.numel())).long().tolist()
         vec = vec.detach().contiguous()
         for r in self.ranks:
@@ -206,7 +241,7 @@ class PipeChain:
         return out
 
     def _one_hot(self, value: float) -> torch.Tensor:
-        v = torch.zeros(self.size, dtype=torch.float64)
+        v = torch.zeros(self.size, dtype=torch.float64)  # a host value: gloo
         v[self.index] = value
         return v
 

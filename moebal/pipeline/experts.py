@@ -24,6 +24,10 @@ Routing statistics for the load-balancing loss are summed over the stage's ranks
 all-reduce, `StatsReducer`), so each micro-batch's auxiliary loss is that of the micro-batch formed by every
 rank's rows (the single-process loss of that global micro-batch); the engine scales its backward by 1/ranks
 because the gradient sync sums over them. This also holds with ep = 1 and data-parallel replicas.
+
+Devices: the count all-gather and `shard_sum` run on the compute device (NCCL on CUDA; one read of all
+layers' counts per step, through `moebal.sync.to_host`); the planner's state is host data (CPU tensors when it
+migrates, moved to the compute device for the transfer by `migrate.py` and back here).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from moebal.dist.groups import ParallelDims
 from moebal.planner.experts import ExpertPlanner, placement_metrics
 from moebal.planner.perf import MoELayerCosts
 from moebal.planner.plan import ExpertPlacement
+from moebal.scheduler import CommScheduler
+from moebal.sync import to_host
 
 __all__ = ["StageExperts"]
 
@@ -54,7 +60,11 @@ class StageExperts:
         self.stage, self.dims, self.cfg = stage, dims, cfg
         self.R = dims.ep
         self.data_ranks = dims.size("dp_ep")
-        self.ep: ExpertParallel | None = ExpertParallel(stage, dims) if self.R > 1 else None
+        from moebal.train.precision import autocast_dtype
+
+        dtype = autocast_dtype(cfg, dims.device)  # replicas travel in the compute dtype
+        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype)
+                                          if self.R > 1 else None)
         if self.ep is None:
             for i in stage.layer_ids:
                 self.prepare_layer(i, stage.layer(i))
@@ -98,13 +108,17 @@ class StageExperts:
             for i in self._moe_ids():
                 self.stage.layer(i).block_sparse_moe.take_stats()  # the step's statistics: nobody plans on them
             return
-        group = self.dims.group("ep")
         self.metrics = {}
-        for i in self._moe_ids():
-            counts_E = self.stage.layer(i).block_sparse_moe.take_stats().counts_E
-            gathered = [torch.zeros_like(counts_E) for _ in range(self.R)]
-            dist.all_gather(gathered, counts_E, group=group)
-            counts_RE = torch.stack(gathered).cpu().numpy().astype(np.float64)
+        ids = self._moe_ids()
+        if not ids:  # every rank of the ep group holds the same layers: none of them gathers
+            return
+        # one all-gather of every layer's counts on the compute device, one host read for the planners
+        counts_NE = torch.stack([self.stage.layer(i).block_sparse_moe.take_stats().counts_E for i in ids])
+        gathered = [torch.empty_like(counts_NE) for _ in range(self.R)]
+        dist.all_gather(gathered, counts_NE, group=self.dims.group("ep"))
+        counts_RNE = np.asarray(to_host(torch.stack(gathered), "placement counts"), dtype=np.float64)
+        for n, i in enumerate(ids):
+            counts_RE = np.ascontiguousarray(counts_RNE[:, n])
             planner = self.planners[i]
             used = planner.current
             self.metrics[i] = placement_metrics(counts_RE, used, self.costs)
@@ -119,7 +133,8 @@ class StageExperts:
 
     # ---- gradients ----
     def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of a per-rank quantity of the expert shards over the ep group (identity without sharding)."""
+        """Sum of a per-rank quantity of the expert shards over the ep group (identity without sharding), on
+        `t`'s device (the runner's gradient squares: the compute device)."""
         if self.ep is not None:
             dist.all_reduce(t, group=self.dims.group("ep"))
         return t
@@ -162,6 +177,7 @@ class StageExperts:
     def load_layer_state(self, i: int, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
         if not state:
             return
+        state = {k: v.cpu() for k, v in state.items()}  # planner state is host data; it travelled on the device
         pl = self._new_planner()
         observed, has_forecast, t, planned = state["ep_meta"].tolist()
         pl.observed = int(observed)
@@ -226,6 +242,7 @@ def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
     from moebal.dist.calibrate import measure_layer_costs
     from moebal.dist.expert_parallel import ExpertParallelDispatcher
     from moebal.models.moe import MoELayer
+    from moebal.train.precision import autocast_dtype
 
     with torch.device("meta"):
         scratch = MoELayer.from_config(cfg)
@@ -233,13 +250,22 @@ def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
     with torch.no_grad():
         for p in scratch.parameters():
             p.zero_()
-    measured = measure_layer_costs(ExpertParallelDispatcher(scratch, dims), tokens * cfg.moe.top_k)
+    # timed in the run's precision: the dispatcher's compute dtype (its autocast)
+    dispatcher = ExpertParallelDispatcher(scratch, dims, _scheduler(dims),
+                                          compute_dtype=autocast_dtype(cfg, dims.device))
+    measured = measure_layer_costs(dispatcher, tokens * cfg.moe.top_k)
     rates = torch.tensor([measured.expert_tokens_per_s, measured.a2a_bw(0), measured.trans_bandwidth,
                           measured.agg_bandwidth], dtype=torch.float64, device=dims.device)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every stage plans from the same numbers
     tps, a2a, trans, agg = rates.tolist()
     return dataclasses.replace(measured, expert_tokens_per_s=tps, a2a_bandwidth=a2a, trans_bandwidth=trans,
                                agg_bandwidth=agg)
+
+
+def _scheduler(dims: ParallelDims) -> CommScheduler:
+    """A scheduler without a thread (collectives issued and waited for in place) whose completion matches the
+    device: on CUDA a host-side completion would call an NCCL collective done when it is only enqueued."""
+    return CommScheduler("off", rank=dims.rank, device=dims.device)
 
 
 def stage_metrics(vec: torch.Tensor, num_layers: int, moe_ids: list[int]) -> dict[str, Any]:

@@ -22,6 +22,12 @@ Protocol (every rank of the chain runs it with the same old and new partitions):
   3. wait for every send, then rebuild the optimizer over the stage's new parameter set and give every
      parameter its old state object (kept layers) or the received one (moved layers).
 A partition over the chain may give released ranks zero layers (re-packing): the same walk empties them.
+
+Devices: the header is a CPU tensor (gloo under the device-aware backend: the receiver reads it on the host at
+once, so a device copy would only add a round trip); the payload is built on the stage's compute device (NCCL
+on CUDA), every part moved there first (AdamW's `step` and a scheme's bookkeeping may live on the CPU), and
+arrives on the receiver's compute device. Optimizer state is put back where torch's AdamW keeps it: `step` on
+the CPU unless the optimizer is fused or capturable.
 """
 
 from __future__ import annotations
@@ -78,9 +84,10 @@ def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | 
 
 
 def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
-                parts: Sequence[Dynamism]) -> int:
+                parts: Sequence[Dynamism], device: torch.device) -> int:
     header, tensors = _layer_tensors(layer, i, optimizer, parts)
-    payload = torch.cat([_flat(t) for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+    payload = (torch.cat([_flat(t.to(device)) for t in tensors]) if tensors
+               else torch.empty(0, dtype=torch.uint8, device=device))
     chain.send(header, dst)
     chain.send(payload, dst)
     return header.numel() * 8 + payload.numel()
@@ -162,10 +169,10 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
         i, kind = units.parts[u]
         if src == me:
             if kind == LAYER:
-                sent += _send_layer(chain, chain.ranks[dst], stage.layer(i), i, optimizer, parts)
+                sent += _send_layer(chain, chain.ranks[dst], stage.layer(i), i, optimizer, parts, device)
             else:
                 assert not any(part.layer_state(i) for part in parts), f"split layer {i} has scheme state"
-                sent += _send_layer(chain, chain.ranks[dst], stage.unit_module(u), i, optimizer, ())
+                sent += _send_layer(chain, chain.ranks[dst], stage.unit_module(u), i, optimizer, (), device)
             stage.remove_unit(u)
             if i not in stage.layer_ids:
                 for part in parts:
@@ -195,10 +202,12 @@ def rebuild_optimizer(module: nn.Module, old: torch.optim.Optimizer | None,
     opt = make_optimizer(module)
     if opt is None:
         return None  # nothing left to train here (a frozen stage)
+    step_on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
     for group in opt.param_groups:
         for p in group["params"]:
             if p in received:
-                opt.state[p] = {k: v.to(p.device) for k, v in received[p].items()}
+                opt.state[p] = {k: v.to(p.device if k != "step" or step_on_device else torch.device("cpu"))
+                                for k, v in received[p].items()}
             elif old is not None and p in old.state:
                 opt.state[p] = old.state[p]
     if old is not None:

@@ -73,7 +73,7 @@ def zhu_gupta_schedule(final: float, initial: float = 0.0, start: int = 0, every
 def global_magnitude_masks(layers: list[list[torch.Tensor]], keep: int) -> list[list[torch.Tensor]]:
     """Single-process reference: keep the `keep` largest |w| over all matrices, ties in model order."""
     flat = torch.cat([w.detach().abs().reshape(-1) for ws in layers for w in ws])
-    mask = torch.zeros(flat.numel(), dtype=torch.bool)
+    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
     if keep > 0:
         order = torch.sort(-flat, stable=True).indices[:keep]
         mask[order] = True
@@ -94,7 +94,9 @@ def distributed_keep_masks(local: dict[int, list[torch.Tensor]], keep: int, chai
     allm = torch.cat(list(mags.values())) if mags else torch.zeros(0)
     k_local = min(keep, allm.numel())
     top = torch.topk(allm, k_local, sorted=False).values if k_local else torch.zeros(0)
-    union = torch.cat(chain.allgather_1d(top))
+    # on the host (gloo): the chain's all-gather sends to every member before it receives, an order NCCL does
+    # not promise to complete; a pruning event is rare, and its threshold is read on the host anyway
+    union = torch.cat(chain.allgather_1d(top.cpu()))
     if keep <= 0 or keep > union.numel():
         thr = torch.tensor(-1.0) if keep > 0 else torch.tensor(float("inf"))
     else:
@@ -278,7 +280,7 @@ class GradualPruning(Dynamism):
         # the kernel choice is timed, so data-parallel replicas of a stage may choose differently: a layer
         # counts as CSR when any replica runs it so (the same answer on every rank; it only feeds predictions)
         csr = tot[2 * self.L:].clone()
-        if int(ctx.extra.get("dp", 1)) > 1:
+        if int(ctx.extra.get("dp", 1)) > 1:  # a CPU tensor: host bookkeeping over gloo
             dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.extra.get("dp_group"))
         self.csr = [bool(c > 0) for c in csr.tolist()]
 

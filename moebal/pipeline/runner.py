@@ -22,6 +22,7 @@ surviving subsequence. Data-parallel replicas take identical decisions from iden
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebal.config import Config
+from moebal.config import Config, refuse_cpu_only
 from moebal.dist.expert_parallel import is_expert_param
 from moebal.errors import ConfigError
 from moebal.pipeline.comm import PipeChain
@@ -59,6 +60,7 @@ from moebal.pipeline.partition import (
 from moebal.pipeline.schedule import SCHEDULES, in_flight
 from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import UnitMap
+from moebal.sync import to_host
 from moebal.train.precision import uses_bf16
 
 __all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
@@ -187,9 +189,14 @@ class PipelineRunner:
         self.cfg, self.opts = cfg, opts
         self.scheme = scheme or Dynamism()
         self.device = device or torch.device("cpu")
+        # the options may differ from the config's pipeline section (benchmarks build them directly)
+        refuse_cpu_only(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, wait=opts.wait,
+                                                                              dilate=opts.dilate)),
+                        self.device.type)
         if dims is None:
             dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
-                                ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init()
+                                ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init(
+                60.0 * cfg.parallel.timeout_min)
         if dims.ep > 1 and (cfg.moe.num_experts == 0 or cfg.moe.num_experts % dims.ep):
             raise ConfigError(f"parallel.ep = {dims.ep} needs MoE layers whose moe.num_experts "
                               f"({cfg.moe.num_experts}) it divides: choose a divisor of it, or ep=1")
@@ -201,7 +208,7 @@ class PipelineRunner:
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
                               f"use at most {self.L} stages")
-        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait)
+        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait, groups=dims.pipe_groups())
         self.P0 = self.chain.size
         self.dp_group, self.dp = dims.group("dp"), dims.dp
         # the ranks of one stage ("dp_ep": data-parallel replicas x expert shards) split each batch's rows
@@ -440,7 +447,11 @@ class PipelineRunner:
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         """One vector summed along the chain: gradient squares per cost slot (units, embedding, head), MoE
-        auxiliary losses per layer, the loss, per-stage times, scheme statistics, expert metrics."""
+        auxiliary losses per layer, the loss, per-stage times, scheme statistics, expert metrics.
+
+        Host bookkeeping (times and losses are host floats already): a CPU vector, so its collectives and the
+        chain's messages go to gloo under the device-aware backend. Only the gradient squares are computed on
+        the device, and read back once (`_grad_squares`)."""
         L, S, P0 = self.L, self.U + 2, self.P0
         n = S + L + 1 + 4 * P0
         extra = self.scheme.stats_size(L)
@@ -450,17 +461,7 @@ class PipelineRunner:
             vec[n:n + extra] = self.scheme.local_stats()
         if n_ep:
             vec[n + extra:] = self.experts.step_vector(L)
-        shard_sq = torch.zeros(S, dtype=torch.float64)
-        for slot, params in self._slot_params().items():
-            sq = torch.zeros((), dtype=torch.float64)
-            for p in params:
-                if p.grad is not None and not is_expert_param(p):
-                    sq += torch.linalg.vector_norm(p.grad.double()) ** 2
-                elif p.grad is not None:
-                    shard_sq[slot] += torch.linalg.vector_norm(p.grad.double()) ** 2
-            vec[slot] = sq
-        if self.experts.sharded:  # each rank holds other experts: their squares add up over the ep group
-            vec[:S] += self.experts.shard_sum(shard_sq)
+        vec[:S] = torch.tensor(to_host(self._grad_squares(S), "gradient norms"), dtype=torch.float64)
         for i, a in res.aux_by_layer.items():
             vec[S + i] = a
         t = S + L + 1  # the per-stage times
@@ -488,6 +489,24 @@ class PipelineRunner:
             red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
         return red
 
+    def _grad_squares(self, S: int) -> torch.Tensor:
+        """[S] float64 on the compute device: squared gradient norms per cost slot, each slot summed parameter
+        by parameter in model order (the same bits wherever the slot sits); expert shards' squares summed over
+        the ep group there (NCCL on CUDA)."""
+        rep_S = torch.zeros(S, dtype=torch.float64, device=self.device)
+        shard_S = torch.zeros(S, dtype=torch.float64, device=self.device)
+        for slot, params in self._slot_params().items():
+            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            for p in params:
+                if p.grad is not None and not is_expert_param(p):
+                    sq += torch.linalg.vector_norm(p.grad.double()) ** 2
+                elif p.grad is not None:
+                    shard_S[slot] += torch.linalg.vector_norm(p.grad.double()) ** 2
+            rep_S[slot] = sq
+        if self.experts.sharded:  # each rank holds other experts: their squares add up over the ep group
+            rep_S += self.experts.shard_sum(shard_S)
+        return rep_S
+
     def _orig_pos(self) -> int:
         return self.dims.ranks_of("pp").index(self.dims.rank)
 
@@ -513,7 +532,7 @@ class PipelineRunner:
         (A single activation-sized ping mostly measures latency and made every migration look too dear.)"""
         one_way = []
         for nbytes in (4096, 4 << 20):
-            t = torch.zeros(nbytes // 4)
+            t = torch.zeros(nbytes // 4, device=self.device)  # the activations' link: NCCL on CUDA
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -525,6 +544,8 @@ class PipelineRunner:
                 if not self.chain.is_last:
                     self.chain.recv(t, self.chain.next)
                 self.chain.flush()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # NCCL returns at enqueue: time the transfer itself
                 times.append((time.perf_counter() - t0) / 2)
             one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
         v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)

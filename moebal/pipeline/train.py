@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,11 +66,13 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: boo
     from moebal.train.trainer import default_threads
 
     wall0 = time.perf_counter()
-    torch.set_num_threads(cfg.train.threads or default_threads(cfg.parallel.nproc))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc or 1))  # ranks on this machine
+    torch.set_num_threads(cfg.train.threads or default_threads(local))
     own = dims is None
     if dims is None:
         _, world, _ = env_world()
-        dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init()
+        dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init(
+            60.0 * cfg.parallel.timeout_min)
     main = dims.rank == 0
     runner: PipelineRunner | None = None
     try:

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from moebal.sync import count_ids
+
 
 def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
     """Assignments one expert may keep: ceil(factor * tokens * k / E) (Switch/GShard, counted locally)."""
@@ -35,7 +37,7 @@ def capacity_keep(indices_TK: torch.Tensor, taken_TK: torch.Tensor | None, prior
     by_expert = torch.argsort(experts_N[order_N], stable=True)
     order_N = order_N[by_expert]
     sorted_experts_N = experts_N[order_N]
-    counts_E1 = torch.bincount(sorted_experts_N, minlength=num_experts + 1)
+    counts_E1 = count_ids(sorted_experts_N, num_experts + 1)
     starts_E1 = torch.cumsum(counts_E1, 0) - counts_E1
     rank_N = torch.arange(T * K, device=indices_TK.device) - starts_E1[sorted_experts_N]
     keep_sorted_N = (rank_N < capacity) & (sorted_experts_N < num_experts)

@@ -12,6 +12,7 @@ import torch
 
 from moebal.routing.balance import assignment_counts
 from moebal.routing.gate import Routing
+from moebal.sync import count_ids, to_host
 
 
 @dataclass
@@ -41,12 +42,14 @@ class RoutingStats:
         E = r.probs_TE.shape[-1]
         routed_E = assignment_counts(r.indices_TK, r.taken_TK, E)
         counts_E = routed_E if r.active_TK is None else assignment_counts(r.indices_TK, r.active_TK, E)
+        # Python numbers enter device tensors by fills only: `t[i] = T` on CUDA is a host-to-device copy (a sync)
+        dev = routed_E.device
         if r.taken_TK is None:
-            used_K = torch.zeros(K, dtype=torch.int64, device=routed_E.device)
-            used_K[K - 1] = T
+            used_K = torch.cat([torch.zeros(K - 1, dtype=torch.int64, device=dev),
+                                torch.full((1,), T, dtype=torch.int64, device=dev)])
         else:
-            used_K = torch.bincount(r.taken_TK.sum(dim=-1) - 1, minlength=K)
-        tokens = torch.tensor(T, dtype=torch.int64, device=routed_E.device)
+            used_K = count_ids(r.taken_TK.sum(dim=-1) - 1, K)
+        tokens = torch.full((), T, dtype=torch.int64, device=dev)
         return cls(counts_E=counts_E, routed_E=routed_E, used_K=used_K, tokens=tokens)
 
     def add(self, other: RoutingStats) -> RoutingStats:
@@ -80,21 +83,45 @@ class RoutingStats:
         mean = self.mean_load
         return torch.where(mean > 0, self.max_load.float() / mean.clamp(min=1e-12), torch.zeros_like(mean))
 
+    def packed(self) -> torch.Tensor:
+        """int64 [2E + K + 1]: counts, routed, used_k, tokens (what travels in one collective)."""
+        return torch.cat([self.counts_E, self.routed_E, self.used_K, self.tokens.reshape(1)])
+
+    @classmethod
+    def unpack(cls, v: torch.Tensor, num_experts: int) -> RoutingStats:
+        """The inverse of `packed` (views into v)."""
+        E = num_experts
+        return cls(counts_E=v[:E], routed_E=v[E:2 * E], used_K=v[2 * E:-1], tokens=v[-1])
+
     def read(self) -> dict[str, Any]:
-        """Plain Python numbers (the one host sync; call once per step)."""
-        tokens = int(self.tokens.item())
-        used = self.used_K.tolist()
-        routed = self.routed_E.tolist()
-        counts = self.counts_E.tolist()
-        mean = sum(counts) / max(len(counts), 1)
-        return {
-            "tokens": tokens,
-            "counts": counts,
-            "routed": routed,
-            "dropped": sum(routed) - sum(counts),
-            "used_k": used,
-            "used_k_share": [u / tokens if tokens else 0.0 for u in used],
-            "max_load": max(counts) if counts else 0,
-            "mean_load": mean,
-            "imbalance": max(counts) / mean if mean > 0 else 0.0,
-        }
+        """Plain Python numbers (one host sync; `read_all` reads many layers with one)."""
+        return read_all([self])[0]
+
+
+def read_all(stats: list[RoutingStats]) -> list[dict[str, Any]]:
+    """Every layer's statistics as plain Python numbers, with one host sync for all of them."""
+    if not stats:
+        return []
+    sizes = [s.packed().numel() for s in stats]
+    flat = to_host(torch.cat([s.packed() for s in stats]), "routing statistics")
+    out, at = [], 0
+    for s, n in zip(stats, sizes):
+        out.append(_as_numbers(flat[at:at + n], s.counts_E.numel()))
+        at += n
+    return out
+
+
+def _as_numbers(v: list[int], E: int) -> dict[str, Any]:
+    counts, routed, used, tokens = v[:E], v[E:2 * E], v[2 * E:-1], v[-1]
+    mean = sum(counts) / max(len(counts), 1)
+    return {
+        "tokens": tokens,
+        "counts": counts,
+        "routed": routed,
+        "dropped": sum(routed) - sum(counts),
+        "used_k": used,
+        "used_k_share": [u / tokens if tokens else 0.0 for u in used],
+        "max_load": max(counts) if counts else 0,
+        "mean_load": mean,
+        "imbalance": max(counts) / mean if mean > 0 else 0.0,
+    }

@@ -50,6 +50,7 @@ and raised in the compute thread at its next call into the scheduler, and waits 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import statistics
 import threading
@@ -85,8 +86,11 @@ def _as_list(works: Works) -> list[Any]:
 class Completion:
     """Calls `callback(error_or_None)` once every work of an issued operation has finished."""
 
+    device_type = "cpu"
+    """The device whose collectives this strategy observes (`CommScheduler` refuses another pairing)."""
     stream_wait = False
-    """After completion, call each work's wait() on the compute thread (CUDA: orders the compute stream)."""
+    """`Handle.wait` is a stream wait (each work's wait() on the compute thread: the compute stream waits for
+    the communication stream, the host does not), not a host wait for the completion callback."""
 
     def watch(self, works: Sequence[Any], callback: Callable[[BaseException | None], None]) -> None:
         raise NotImplementedError
@@ -98,13 +102,14 @@ class Completion:
 class _Waiter(threading.Thread):
     """A daemon thread that waits for queued works in order (blocking waits) or polls them (poll_s > 0)."""
 
-    def __init__(self, poll_s: float) -> None:
+    def __init__(self, poll_s: float, device: torch.device | None = None) -> None:
         super().__init__(name="moebal-comm-waiter", daemon=True)
-        self.poll_s = poll_s
+        self.poll_s, self.device = poll_s, device
         self.q: queue.Queue[Any] = queue.Queue()
         self.start()
 
     def run(self) -> None:
+        _set_thread_device(self.device)
         watching: list[tuple[list[Any], Callable[[BaseException | None], None]]] = []
         while True:
             try:
@@ -131,6 +136,13 @@ class _Waiter(threading.Thread):
 
     def stop(self) -> None:
         self.q.put(None)
+
+
+def _set_thread_device(device: torch.device | None) -> None:
+    """A helper thread's current CUDA device is device 0 until it says otherwise: anything it launches or
+    allocates (an NCCL work's events, a collective issued from the scheduler thread) must be on the rank's."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _wait_all(works: Sequence[Any]) -> BaseException | None:
@@ -186,12 +198,16 @@ class HostCompletion(Completion):
 
 
 class PollingCompletion(Completion):
-    """CUDA (NCCL): a waiter thread polls each work's completion event (wait() only orders streams)."""
+    """CUDA (NCCL): a waiter thread polls each work's completion event (`is_completed`), which is what the
+    scheduler's gate needs (is a critical collective still on the link?); the compute thread never waits for
+    it: `Handle.wait` is a stream wait (an NCCL work's wait() only orders the compute stream after the
+    communication stream)."""
 
+    device_type = "cuda"
     stream_wait = True
 
-    def __init__(self, poll_s: float = 50e-6) -> None:
-        self._waiter = _Waiter(poll_s=poll_s)
+    def __init__(self, poll_s: float = 50e-6, device: torch.device | None = None) -> None:
+        self._waiter = _Waiter(poll_s=poll_s, device=device)
 
     def watch(self, works: Sequence[Any], callback: Callable[[BaseException | None], None]) -> None:
         if not works:
@@ -205,7 +221,23 @@ class PollingCompletion(Completion):
 
 def completion_for(device: torch.device) -> Completion:
     """The completion strategy for the job's device, chosen once at start-up."""
-    return PollingCompletion() if device.type == "cuda" else HostCompletion()
+    return PollingCompletion(device=device) if device.type == "cuda" else HostCompletion()
+
+
+def _check_stream_concurrency(device: torch.device, mode: str) -> None:
+    """Refuse the one setting under which overlapped collectives on several communicators can deadlock.
+
+    With mode ddp or lina a rank's gradient chunks and its critical collectives run on different
+    communicators, and the ranks issue them in different orders (each rank gates its own chunks). NCCL
+    tolerates that only while the kernels of the two communicators can run side by side: each communicator has
+    its own stream, and at most `inflight` chunks plus one critical collective are in flight. With
+    CUDA_DEVICE_MAX_CONNECTIONS=1 every stream feeds one hardware queue, so rank A's chunk kernel (waiting for
+    its peer) can sit in front of the all-to-all kernel its peer is waiting for: a deadlock. docs/scheduler.md."""
+    if device.type == "cuda" and mode != "off" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(f"scheduler.mode={mode} overlaps collectives on several NCCL communicators in an order "
+                         f"that differs between ranks, which can deadlock when CUDA_DEVICE_MAX_CONNECTIONS=1 puts "
+                         f"every stream in one hardware queue: unset CUDA_DEVICE_MAX_CONNECTIONS or use "
+                         f"scheduler.mode=off")
 
 
 # ---- operations ----------------------------------------------------------------------------------------------
@@ -222,7 +254,15 @@ class Handle:
         self._evt = threading.Event()
 
     def wait(self) -> None:
+        """CPU: block until the collective completed (or failed, or `timeout_s` passed). CUDA: order the compute
+        stream after it and return at once (no host sync; the NCCL watchdog enforces the process group's
+        timeout, and a failure seen by the waiter thread is raised at the next call into the scheduler)."""
         s = self.sched
+        if s.completion.stream_wait:
+            for w in self.works:
+                w.wait()
+            s.check()
+            return
         t = time.perf_counter()
         deadline = t + s.timeout_s
         try:
@@ -234,9 +274,6 @@ class Handle:
                                        f"stopped issuing collectives")
                     s._fail(err, self.event)
                     raise SchedulerError(s._describe(self.event, err))
-            if self.error is None and s.completion.stream_wait:
-                for w in self.works:
-                    w.wait()  # CUDA: order the compute stream after the communication stream
         finally:
             s.log.span("blocked", self.event.name, t)
             s.clock.mark()  # waiting is not device time
@@ -254,6 +291,8 @@ class BackgroundOp:
         self.group, self.chunk = group, chunk
         self.ready = False
         self.event: CommEvent | None = None
+        self.works: list[Any] | None = None
+        """What `launch()` returned, once issued."""
         self.done = False
 
 
@@ -303,15 +342,22 @@ class Forecast:
 class CommScheduler:
     """Issues a rank's collectives by priority (see the module docstring)."""
 
-    def __init__(self, mode: str = "lina", *, rank: int = 0, completion: Completion | None = None,
-                 log: EventLog | None = None, inflight: int = 1, lookahead: bool = True, predict: bool = True,
-                 timeout_s: float = 120.0, dilate: float = 1.0) -> None:
+    def __init__(self, mode: str = "lina", *, rank: int = 0, device: torch.device | str = "cpu",
+                 completion: Completion | None = None, log: EventLog | None = None, inflight: int = 1,
+                 lookahead: bool = True, predict: bool = True, timeout_s: float = 120.0,
+                 dilate: float = 1.0) -> None:
         if mode not in MODES:
             raise ValueError(f"scheduler mode must be one of {', '.join(MODES)}; got {mode!r}")
         if inflight < 1:
             raise ValueError(f"scheduler inflight must be >= 1; got {inflight}")
-        self.mode, self.rank = mode, rank
-        self.completion = completion or HostCompletion()
+        self.mode, self.rank, self.device = mode, rank, torch.device(device)
+        self.completion = completion or completion_for(self.device)
+        if self.completion.device_type != self.device.type:
+            # A host completion on NCCL would report a collective done when it is only enqueued, and a reader
+            # of its result (the count exchange's split sizes) would read uninitialised memory.
+            raise ValueError(f"{type(self.completion).__name__} observes {self.completion.device_type} "
+                             f"collectives, this scheduler's device is {self.device}: use completion_for(device)")
+        _check_stream_concurrency(self.device, mode)
         self.log = log or EventLog(rank)
         self.window = inflight if mode == "lina" else math.inf
         self.use_lookahead = lookahead and mode == "lina"
@@ -334,6 +380,8 @@ class CommScheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         if mode != "off":
+            # Started after the process groups exist and were warmed up (ParallelDims.init): this thread issues
+            # on the scheduler's own channels only, so two threads never create a communicator at once.
             self._thread = threading.Thread(target=self._loop, name=f"moebal-comm-scheduler-{rank}", daemon=True)
             self._thread.start()
 
@@ -424,13 +472,15 @@ class CommScheduler:
         """The step's background ops, in the one order every rank issues them."""
         self.check()
         with self._cond:
-            if any(not op.done for op in self._seq):
+            if any(not self._settled(op) for op in self._seq):
                 raise SchedulerError("begin_step while the previous step's gradient chunks are still pending")
-            self._seq, self._next, self._inflight, self._lookahead = list(ops), 0, 0, False
+            # `_inflight` carries over: with stream waits (CUDA) the last step's chunks may still be on the link,
+            # and they count against the window until the waiter thread sees them finish.
+            self._seq, self._next, self._lookahead = list(ops), 0, False
             self._draining, self.held_s = False, 0.0
             self._forecast = Forecast(*self.log.previous) if self.use_forecast else None
             for op in self._seq:
-                op.ready, op.done, op.event = False, False, None
+                op.ready, op.done, op.event, op.works = False, False, None, None
 
     def ready(self, index: int) -> None:
         """Background op `index` may be issued (its gradients are complete)."""
@@ -443,7 +493,8 @@ class CommScheduler:
                 self._cond.notify_all()
 
     def drain(self) -> None:
-        """Block until every background op of the step has completed (before the optimizer step)."""
+        """Block until every background op of the step has completed (before the optimizer step). On CUDA:
+        until every op has been issued, then the compute stream waits for them (the host does not)."""
         self.clock.settle()
         with self._cond:  # nothing critical comes before the optimizer step: no hold any more
             self._lookahead, self._draining = False, True
@@ -454,7 +505,7 @@ class CommScheduler:
         deadline = t + self.timeout_s
         try:
             with self._cond:
-                while self._error is None and not all(op.done for op in self._seq):
+                while self._error is None and not all(self._settled(op) for op in self._seq):
                     left = deadline - time.perf_counter()
                     if left <= 0:
                         raise SchedulerError(self._stuck())
@@ -463,6 +514,14 @@ class CommScheduler:
             self.log.span("blocked", "gradient all-reduce", t)
             self.clock.mark()
         self.check()
+        if self.completion.stream_wait:
+            for op in self._seq:
+                for w in op.works or ():
+                    w.wait()
+
+    def _settled(self, op: BackgroundOp) -> bool:
+        """Nothing more for the host to wait for: done, or (stream waits) issued."""
+        return op.done or (self.completion.stream_wait and op.works is not None)
 
     def _issue_inline(self) -> None:
         """Mode off: issue every op from the compute thread, one after the other (no overlap)."""
@@ -473,7 +532,7 @@ class CommScheduler:
                 op.event = self.log.event(op.kind, op.name, op.nbytes, chunk=op.chunk, group=op.group)
             op.event.started = time.perf_counter()
             self._inflight += 1
-            works = _as_list(op.launch())
+            works = op.works = _as_list(op.launch())
             err = _wait_all(works)
             self._background_done(op, err)
             self.check()
@@ -501,6 +560,7 @@ class CommScheduler:
         return q + w / 4 - now if now + w > q and now < q + w / 4 else 0.0
 
     def _loop(self) -> None:
+        _set_thread_device(self.device)
         while True:
             with self._cond:
                 while not self._stop:
@@ -528,6 +588,8 @@ class CommScheduler:
                 except BaseException as e:  # noqa: BLE001 - handed to the compute thread
                     self._background_done(op, e)
                     continue
+                op.works = works
+                self._cond.notify_all()
             self.completion.watch(works, lambda err, op=op: self._background_done(op, err))
 
     def _background_done(self, op: BackgroundOp, err: BaseException | None) -> None:

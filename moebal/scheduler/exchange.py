@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from moebal.kernels.dispatch import DispatchPlan
+from moebal.sync import upload
 
 __all__ = ["ExchangePlan", "expert_exchange", "group_plan", "regroup", "split_sizes"]
 
@@ -45,8 +46,9 @@ def split_sizes(n: int, c: int) -> list[int]:
 
 
 def group_plan(counts: list[int], device: torch.device) -> DispatchPlan:
-    """A plan that only carries per-expert row counts (rows are already grouped by expert)."""
-    counts_E = torch.tensor(counts, dtype=torch.int64, device=device)
+    """A plan that only carries per-expert row counts (rows are already grouped by expert); the counts are
+    known on the host and uploaded without a sync."""
+    counts_E = upload(counts, device, torch.int64)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     plan = DispatchPlan(order_N=empty, token_N=empty, counts_E=counts_E, num_tokens=0, top_k=1)
     plan._host = list(counts)
@@ -117,12 +119,12 @@ class ExchangePlan:
             idx = None
             if c > 1:
                 lo = [int(starts[j]) + sum(send_parts[j][:i]) for j in range(len(send_R))]
-                idx = torch.as_tensor(np.concatenate([np.arange(a, a + n) for a, n in zip(lo, send)])
-                                      if send else np.zeros(0, np.int64), dtype=torch.int64, device=self.device)
+                idx = upload(np.concatenate([np.arange(a, a + n) for a, n in zip(lo, send)])
+                             if send else np.zeros(0, np.int64), self.device, torch.int64)
             counts_RE = np.stack([_range_counts(rc[s], sum(recv_parts[s][:i]), sum(recv_parts[s][:i + 1]))
                                   for s in range(len(recv_R))]) if recv_R else rc
             perm, per_expert = regroup(counts_RE, self.local)
-            self.parts.append(_Chunk(send, recv, idx, torch.as_tensor(perm, dtype=torch.int64, device=self.device),
+            self.parts.append(_Chunk(send, recv, idx, upload(perm, self.device, torch.int64),
                                      group_plan(per_expert, self.device)))
 
     @property

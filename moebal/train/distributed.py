@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebal.config import Config
+from moebal.config import Config, refuse_cpu_only
 from moebal.dist.comm import sum_gradients
 from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
 from moebal.dist.groups import ParallelDims, env_world, pick_device
@@ -43,6 +43,7 @@ from moebal.planner.perf import placement_loads
 from moebal.planner.plan import ExpertPlacement
 from moebal.routing import RoutingStats
 from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
+from moebal.sync import to_host
 from moebal.train.checkpoint import Checkpointer
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog
@@ -102,7 +103,8 @@ class RunContext:
 
     def global_rows(self, local_RX: np.ndarray, batch_rows: int) -> np.ndarray:
         """[batch_rows, X]: every rank's per-row values of its shard (`shard`'s rows) in global row order. Exact:
-        each entry is one rank's value plus zeros."""
+        each entry is one rank's value plus zeros. Host data in, host data out: a CPU tensor, so gloo carries it
+        (on CUDA an NCCL round trip would add an upload and a read-back)."""
         if not self.distributed:
             return local_RX
         n, i = self.data_ranks, self.dims.index("dp_ep")
@@ -113,14 +115,25 @@ class RunContext:
         return full.numpy()
 
     def mean(self, value: float) -> float:
-        """Mean of a number over the ranks sharing a batch."""
+        """Mean of a number over the ranks sharing a batch (a host value: a CPU tensor over gloo)."""
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         self._all_reduce(t, self.dims.group("dp_ep"), "mean")
         return float(t.item()) / self.data_ranks
 
+    def means(self, values: list[torch.Tensor]) -> list[float]:
+        """Means over the ranks sharing a batch of per-step device scalars (the loss, the auxiliary loss): one
+        stacked float64 tensor on their device, one all-reduce (NCCL on CUDA), one host read, instead of a host
+        read and a gloo all-reduce per value."""
+        v = torch.stack([x.detach().reshape(()).double() for x in values])
+        if self.distributed:
+            self._all_reduce(v, self.dims.group("dp_ep"), "means")
+            v = v / self.data_ranks
+        return [float(x) for x in to_host(v, "step record")]
+
     def sum(self, values: list[float]) -> list[float]:
+        """Sums of host numbers over the ranks sharing a batch (a CPU tensor over gloo)."""
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64)
@@ -129,14 +142,16 @@ class RunContext:
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: replicated gradients count once, expert shards are
-        summed over the expert-parallel group (each rank holds different experts)."""
+        summed over the expert-parallel group (each rank holds different experts). Everything stays on the
+        gradients' device (the expert all-reduce goes to NCCL on CUDA); no host read."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not self.distributed:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        device = params[0].grad.device if params else self.dims.device
         dense = [p.grad.float().square().sum() for p in params if not is_expert_param(p)]
         expert = [p.grad.float().square().sum() for p in params if is_expert_param(p)]
-        sq_dense = torch.stack(dense).sum() if dense else torch.zeros(())
-        sq_expert = torch.stack(expert).sum() if expert else torch.zeros(())
+        sq_dense = torch.stack(dense).sum() if dense else torch.zeros((), device=device)
+        sq_expert = torch.stack(expert).sum() if expert else torch.zeros((), device=device)
         if self.dims.size("ep") > 1:
             self._all_reduce(sq_expert, self.dims.group("ep"), "gradient norm")
         total = (sq_dense + sq_expert).sqrt()
@@ -251,15 +266,23 @@ class ExpertParallelHook(Hook):
         self._t_opt = time.perf_counter()
 
     def reduce_stats(self, trainer: Trainer, stats: list[RoutingStats]) -> list[RoutingStats]:
-        """Keep each rank's counts (the planner's R x E matrix) and return the counts summed over ranks."""
-        group, R = self.ep.dims.group("ep"), self.ep.dims.size("ep")
-        self._counts_RE = []
-        for s in stats:
-            gathered = [torch.zeros_like(s.counts_E) for _ in range(R)]
-            self.sched.run("stats", lambda g=gathered, s=s: dist.all_gather(g, s.counts_E, group=group, async_op=True),
-                           name="routing counts", nbytes=s.counts_E.numel() * s.counts_E.element_size() * R)
-            self._counts_RE.append(torch.stack(gathered).cpu().numpy().astype(np.float64))
-        return sum_stats(stats, self.ep.dims.group("dp_ep"), self.sched)
+        """Keep each rank's counts (the planner's R x E matrix) and return the statistics summed over the
+        stage's ranks: one all-gather of every layer's packed statistics over "dp_ep" (it holds the "ep"
+        group's rows too) and one host read of the expert-parallel group's counts."""
+        dims = self.ep.dims
+        packed_LX = torch.stack([s.packed() for s in stats])
+        gathered = [torch.empty_like(packed_LX) for _ in range(dims.size("dp_ep"))]
+        self.sched.run("stats", lambda: dist.all_gather(gathered, packed_LX, group=dims.group("dp_ep"),
+                                                        async_op=True),
+                       name="routing stats", nbytes=packed_LX.numel() * packed_LX.element_size() * len(gathered))
+        all_WLX = torch.stack(gathered)
+        E = stats[0].counts_E.numel()
+        members = dims.ranks_of("dp_ep")
+        rows = [members.index(r) for r in dims.ranks_of("ep")]
+        counts_RLE = np.asarray(to_host(all_WLX[rows, :, :E], "placement counts"), dtype=np.float64)
+        self._counts_RE = [np.ascontiguousarray(counts_RLE[:, i]) for i in range(len(stats))]
+        summed_LX = all_WLX.sum(dim=0)
+        return [RoutingStats.unpack(summed_LX[i], E) for i in range(len(stats))]
 
     def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
         self.ep.release()  # replicas hold pre-update weights; validation and the next Trans must not see them
@@ -378,7 +401,8 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
                           f"{ep}: set parallel.ep (--ep) to a divisor of it")
     if cfg.moe.num_experts == 0:
         ep = 1
-    dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=cfg.scheduler.timeout_s)
+    dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=60.0 * cfg.parallel.timeout_min)
+    refuse_cpu_only(cfg, dims.device.type)
     ctx = RunContext(dims)
     seed_everything(cfg.train.seed)
     if cfg.hf.init_from and load_weights and dims.distributed and ep > 1 and cfg.moe.num_experts:
@@ -393,15 +417,15 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
         model = build_model(cfg, load_weights=load_weights).to(dims.device)
     hooks: list[Hook] = []
     if dims.distributed and ep > 1 and cfg.moe.num_experts:
-        from moebal.scheduler import completion_for
-
         sc = cfg.scheduler
-        if not sc.dilate >= 1.0 or (sc.dilate > 1.0 and dims.device.type != "cpu"):
-            raise ConfigError(f"scheduler.dilate={sc.dilate}: emulated slow devices are for CPU benchmarks (a value "
-                              f">= 1 on a CPU; 1: off), this run is on {dims.device.type}")
-        sched = CommScheduler(sc.mode, rank=dims.rank, completion=completion_for(dims.device), inflight=sc.inflight,
+        # the device chooses the completion (a stream wait on CUDA); channels and groups exist and are warm
+        # (ParallelDims.init) before the scheduler's thread can issue on them
+        sched = CommScheduler(sc.mode, rank=dims.rank, device=dims.device, inflight=sc.inflight,
                               lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s, dilate=sc.dilate)
-        expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap)
+        from moebal.train.precision import autocast_dtype
+
+        expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap,
+                                         compute_dtype=autocast_dtype(cfg, dims.device))
         ctx.comm = sched
         hooks.append(_expert_parallel_hook(cfg, expert_parallel, dims, ctx))
     elif dims.distributed:
@@ -455,14 +479,14 @@ class DataParallelHook(Hook):
 
 
 def sum_stats(stats: list[RoutingStats], group: Any, sched: CommScheduler | None = None) -> list[RoutingStats]:
-    """Routing statistics summed over the ranks of `group` (copies; the inputs stay local)."""
-    out = []
-    for s in stats:
-        t = s.clone()
-        for x in (t.counts_E, t.routed_E, t.used_K, t.tokens):
-            if sched is not None:
-                sched.all_reduce(x, group, name="routing stats")
-            else:
-                dist.all_reduce(x, group=group)
-        out.append(t)
-    return out
+    """Routing statistics summed over the ranks of `group` with one all-reduce of every layer's packed
+    statistics (copies; the inputs stay local)."""
+    if not stats:
+        return []
+    packed_LX = torch.stack([s.packed() for s in stats])
+    if sched is not None:
+        sched.all_reduce(packed_LX, group, name="routing stats")
+    else:
+        dist.all_reduce(packed_LX, group=group)
+    E = stats[0].counts_E.numel()
+    return [RoutingStats.unpack(packed_LX[i], E) for i in range(len(stats))]

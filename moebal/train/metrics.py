@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from moebal.routing import RoutingStats
+from moebal.routing.stats import read_all
 
 __all__ = ["MetricsLog", "read_metrics", "read_routing", "routing_record"]
 
 
 def read_routing(stats: Iterable[RoutingStats]) -> list[dict[str, Any]]:
     """Per-layer routing statistics as plain numbers (the step's one host sync of them)."""
-    return [s.read() for s in stats]
+    return read_all(list(stats))
 
 
 def routing_record(per_layer: list[dict[str, Any]]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bf16_native", "compute_precision", "resolve_precision", "uses_bf16"]
+__all__ = ["autocast_dtype", "bf16_native", "compute_precision", "resolve_precision", "uses_bf16"]
 
 
 def bf16_native(device: torch.device) -> bool:
@@ -46,6 +46,11 @@ def compute_precision(precision: str, device: torch.device) -> str:
 def uses_bf16(cfg: Any, device: torch.device) -> bool:
     """Whether a run of `cfg` on `device` computes under bf16 autocast."""
     return compute_precision(cfg.train.precision, device) == "bf16"
+
+
+def autocast_dtype(cfg: Any, device: torch.device) -> torch.dtype | None:
+    """The dtype a run of `cfg` on `device` autocasts to (None: fp32, no autocast): what its timings use."""
+    return torch.bfloat16 if uses_bf16(cfg, device) else None
 
 
 def resolve_precision(cfg: Any, device: torch.device) -> Any:

@@ -30,6 +30,7 @@ from moebal.config import Config, dump
 from moebal.data import Batch, DataBundle, build_data
 from moebal.data.curriculum import row_complexity
 from moebal.routing import RoutingStats
+from moebal.sync import to_host
 from moebal.train.checkpoint import (
     CheckpointReader,
     load_agreed,
@@ -103,7 +104,7 @@ class Trainer:
         self.ctx = ctx or RunContext()
         self.ctx.check_batch(cfg.data.batch_size)
         self.device = device or default_device()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc))  # ranks on this machine under torchrun
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc or 1))  # ranks on this machine (torchrun)
         torch.set_num_threads(cfg.train.threads or default_threads(local))
         ckpt = self._find_resume(resume, require_checkpoint)
         self.data = data or build_data(cfg)
@@ -236,8 +237,10 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         stats = self._routing_step()
-        record: dict[str, Any] = {"step": step, "loss": self.ctx.mean(loss.item() * scale),
-                                  "aux_loss": self.ctx.mean(aux.item()), "lr": lr, "grad_norm": grad_norm.item()}
+        loss_v, aux_v, norm_v = to_host(torch.stack([t.detach().to(loss.device, torch.float64)
+                                                     for t in (loss, aux, grad_norm)]), "step losses")
+        record: dict[str, Any] = {"step": step, "loss": self.ctx.mean(loss_v * scale),
+                                  "aux_loss": self.ctx.mean(aux_v), "lr": lr, "grad_norm": norm_v}
         record.update(routing_record(read_routing(stats)))
         dt = time.perf_counter() - t0
         n = global_batch.n_tokens

@@ -84,3 +84,55 @@ def test_expert_parallel_matches_single_process(world, experts, kind):
         assert worst["loss"] < 1e-5, worst
         assert worst["grad"] < 1e-5, worst
         assert worst["param"] < 1e-5, worst
+
+
+def _budget_worker(rank: int, world: int) -> dict:
+    """One bf16-autocast step with replicas: host syncs per MoE layer (through moebal.sync), the dtype of every
+    token payload, and the loss against the single-process model under the same autocast."""
+    from moebal.sync import audit
+
+    cfg = _cfg(4, capacity=1.0)
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    model = copy.deepcopy(ref)
+    dims = ParallelDims(world_size=world, rank=rank, ep=world).init()
+    ep = ExpertParallel(model, dims, compute_dtype=torch.bfloat16)
+    payloads: list[torch.dtype] = []
+    real = ep.sched.all_to_all
+
+    def spy(out, inp, out_splits, in_splits, group, **kw):
+        if kw.get("kind", "a2a") == "a2a":
+            payloads.append(inp.dtype)
+        return real(out, inp, out_splits, in_splits, group, **kw)
+
+    ep.sched.all_to_all = spy
+    ids = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(3))
+    x, y = ids[:, :-1], ids[:, 1:]
+    ep.apply(_placements("random", 4, world, 1, cfg.model.n_layers))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with audit() as fwd:
+            out = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        with audit() as bwd:
+            (out.loss + out.aux_loss).backward()
+        ref_out = ref(x, y)
+    ep.aggregate()
+    ep.sync_gradients()
+    replica_dtypes = sorted({str(b.dtype) for d in ep.dispatchers for b in d.replicas.values()})
+    loss = out.loss.detach().float().clone()
+    dist.all_reduce(loss)
+    return {"fwd": dict(fwd.counted), "fwd_raw": fwd.unaccounted, "bwd": dict(bwd.counted),
+            "bwd_raw": bwd.unaccounted, "payloads": sorted({str(p) for p in payloads}), "n_payloads": len(payloads),
+            "replicas": replica_dtypes, "loss": loss.item() / world, "ref": ref_out.loss.item()}
+
+
+def test_expert_parallel_host_syncs_and_payloads_under_autocast():
+    layers = _cfg(4).model.n_layers
+    for r in run_ranks(_budget_worker, 2):
+        # one sync per MoE layer forward (the count exchange; budget 2), none in the backward (budget 1)
+        assert r["fwd_raw"] == [] and r["bwd_raw"] == [], r
+        assert r["fwd"] == {"all-to-all counts": layers}, r
+        assert r["bwd"] == {}, r
+        # token rows, expert outputs and their gradients all travel in the autocast dtype
+        assert r["payloads"] == ["torch.bfloat16"] and r["n_payloads"] == 4 * layers, r
+        assert r["replicas"] in ([], ["torch.bfloat16"]), r
+        assert abs(r["loss"] - r["ref"]) / r["ref"] < 2e-2, r

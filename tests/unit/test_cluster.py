@@ -86,7 +86,8 @@ def test_example_cluster_file_loads_and_dry_runs(capsys):
     assert first[:4] == ["ssh", "-tt", "-o", "BatchMode=yes"] and first[4] == "gpu-01"
     remote = shlex.split(first[5])  # what the node's login shell runs
     assert remote[:3] == ["cd", os.getcwd(), "&&"] and remote[3:5] == ["exec", "env"]
-    assert "NCCL_SOCKET_IFNAME=eth0" in remote and "--nproc-per-node=8" in remote
+    assert "NCCL_DEBUG=WARN" in remote and "--nproc-per-node=8" in remote
+    assert not [w for w in remote if "IFNAME" in w]  # interfaces are commented choices, not a guessed eth0
     assert "--rdzv-endpoint=10.0.0.1:29500" in remote and "--local-addr=10.0.0.1" in remote
     assert "--rdzv-conf=join_timeout=600,is_host=1" in remote and "--max-restarts=2" in remote
     assert "--rdzv-conf=join_timeout=600,is_host=0" in shlex.split(shlex.split(cmds[1])[5])
@@ -267,8 +268,8 @@ def _slurm_cluster(tmp_path: Path) -> dict:
     for n in data["nodes"]:
         del n["addr"], n["env"], n["host"]
     data["env"]["FAKE_NODE"] = "slurm-task"
-    data["slurm"] = {"partition": "gpu", "time": "02:00:00", "gpus_per_node": 8, "options": ["--exclusive"],
-                     "submit": str(tmp_path / "fake-sbatch")}
+    data["slurm"] = {"partition": "gpu", "time": "02:00:00", "gpus_per_node": 8, "cpus_per_task": 96,
+                     "options": ["--exclusive"], "submit": str(tmp_path / "fake-sbatch")}
     return data
 
 
@@ -282,8 +283,12 @@ def test_slurm_script_runs_torchrun_on_every_node_with_intact_values(tmp_path, c
     script = sbatch_script(c, train_argv(c, out), out)
     assert script in printed and not (Path(c.workdir) / out).exists()  # a dry run writes nothing
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu",
-                 "#SBATCH --time=02:00:00", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive"):
+                 "#SBATCH --time=02:00:00", "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=96",
+                 "#SBATCH --exclusive"):
         assert line in script.splitlines()
+    # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): the step asks for it itself
+    srun = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert len(srun) == 1 and " --cpus-per-task=96 " in srun[0]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # run the script with stand-ins for srun (runs its command) and scontrol (names the job's nodes)
     bin_ = tmp_path / "bin"
@@ -321,3 +326,12 @@ def test_slurm_submission_writes_the_script_and_calls_sbatch(tmp_path, capsys):
     args = (tmp_path / "sbatch-args").read_text().splitlines()
     assert args == [f"--output={out}/slurm-%j.out", f"{out}/launch.sbatch"]
     assert "Submitted batch job 42" in capsys.readouterr().out
+
+
+def test_slurm_srun_leaves_cpus_to_slurm_when_unset(tmp_path):
+    data = _slurm_cluster(tmp_path)
+    data["slurm"]["cpus_per_task"] = None
+    c = load_cluster(_write(tmp_path / "c.yaml", data))
+    out = str(c.train.out)
+    script = sbatch_script(c, train_argv(c, out), out)
+    assert "--cpus-per-task" not in script

@@ -78,6 +78,9 @@ def test_unknown_section_suggests_closest():
         (["train.lr=-1"], "positive"),
         (["moe.adaptive_threshold=2"], "[0, 1]"),
         (["parallel.pp=99"], "a stage needs a layer"),
+        (["parallel.timeout_min=0"], "'parallel.timeout_min' must be positive"),
+        (["parallel.timeout_min=.inf"], "'parallel.timeout_min' must be a finite number"),
+        (["parallel.nproc=0"], "'parallel.nproc' must be at least 1"),
     ],
 )
 def test_impossible_values_say_what_to_change(overrides, fragment):
@@ -157,3 +160,10 @@ def test_arbitrary_overrides_only_raise_config_error(items, key, value):
         C.load(None, items)
     except ConfigError as e:
         assert str(e)
+
+
+def test_parallel_defaults_nproc_per_device_and_a_30_minute_group_timeout():
+    par = C.Config().parallel
+    assert par.nproc is None  # resolved at launch: one rank per visible GPU, 2 on a CPU (moebal.dist.launch)
+    assert par.timeout_min == 30.0
+    assert C.with_overrides(C.Config(), ["parallel.nproc=3"]).parallel.nproc == 3

@@ -21,7 +21,14 @@ from moebal.kernels import (
     time_interleaved,
 )
 from moebal.kernels import experts as experts_mod
-from moebal.kernels.experts import MIN_PIECE, _row_ranges, grouped_mm_runs, grouped_mm_supports
+from moebal.kernels.experts import (
+    MIN_PIECE,
+    _row_ranges,
+    grouped_mm_alignment,
+    grouped_mm_runs,
+    grouped_mm_supports,
+    padded_layout,
+)
 from moebal.models.moe import SwiGLUExperts
 
 
@@ -128,10 +135,29 @@ def test_auto_kernel_is_a_rule_not_a_timing(monkeypatch) -> None:
     assert grouped_mm_supports(64, 128, torch.float32) and not grouped_mm_supports(6, 128, torch.float32)
     # accelerators: grouped_mm where torch has a kernel and the rows are 16-byte aligned, else the loop
     gpu = torch.device("cuda")
-    monkeypatch.setattr(experts_mod, "grouped_mm_runs", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(experts_mod, "grouped_mm_probe",
+                        lambda device, dtype: None if dtype == torch.bfloat16 else "RuntimeError: no kernel")
+    monkeypatch.setattr(experts_mod, "_noted", set())
     assert auto_kernel(gpu, 64, 128, torch.bfloat16) == "grouped_mm"
-    assert auto_kernel(gpu, 130, 130, torch.bfloat16) == "loop"  # 260-byte rows
-    assert auto_kernel(gpu, 64, 128, torch.float32) == "loop"  # no kernel for the dtype
+    with pytest.warns(RuntimeWarning, match="dim=130, ffn=130 .* multiples of 8"):
+        assert auto_kernel(gpu, 130, 130, torch.bfloat16) == "loop"  # 260-byte rows
+    with pytest.warns(RuntimeWarning, match="failed its probe in torch.float32 .RuntimeError: no kernel"):
+        assert auto_kernel(gpu, 64, 128, torch.float32) == "loop"  # no kernel for the dtype
+
+
+def test_auto_kernel_says_once_why_it_takes_the_loop_on_an_accelerator(monkeypatch) -> None:
+    import warnings
+
+    monkeypatch.setattr(experts_mod, "grouped_mm_probe", lambda device, dtype: "RuntimeError: no kernel")
+    monkeypatch.setattr(experts_mod, "_noted", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):  # a layer resolves its kernel every call: one warning per reason, not per call
+            assert auto_kernel(torch.device("cuda"), 64, 128, torch.bfloat16) == "loop"
+            assert auto_kernel(torch.device("cuda"), 6, 128, torch.bfloat16) == "loop"
+            assert auto_kernel(torch.device("cpu"), 64, 128, torch.bfloat16) == "loop"  # the CPU rule: silent
+    assert len(seen) == 2 and all(issubclass(w.category, RuntimeWarning) for w in seen)
+    assert "probe" in str(seen[0].message) and "dim=6" in str(seen[1].message)
 
 
 @settings(max_examples=40, deadline=None)
@@ -244,3 +270,141 @@ def test_run_parallel_propagates_errors_and_restores_threads() -> None:
     assert torch.get_num_threads() == previous
     run_parallel([ok, ok])
     assert seen and all(n == 1 for n in seen)  # each task ran with one intra-op thread
+
+
+# ---- grouped_mm with padded groups (the CUDA layout, run here on the CPU) ------------------------------------
+
+UNALIGNED = [0, 1, 7, 13, 0, 300, 5, 33]
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=9), align=st.sampled_from([2, 4, 8]),
+       extra=st.integers(0, 12))
+def test_padded_layout_aligns_every_group_and_keeps_row_order(counts: list[int], align: int, extra: int) -> None:
+    """`extra` rows after the experts' rows: an untrimmed plan's inactive assignments."""
+    N = sum(counts) + extra
+    layout = padded_layout(torch.tensor(counts), N, align)
+    offs = layout.offs_E.tolist()
+    assert layout.offs_E.dtype == torch.int32 and offs[-1] == layout.rows - align
+    assert layout.rows == -(-N // align) * align + (len(counts) + 2) * align  # static: known without the counts
+    starts = [0, *offs[:-1]]
+    assert all(o % align == 0 for o in offs)  # every group starts (and ends) on an aligned row
+    assert all(e - s >= max(n, 1) for s, e, n in zip(starts, offs, counts))  # no group empty, none cut
+    dense = [s for n, s in zip(counts, starts) for s in range(s, s + n)]
+    pos, src = layout.pos_N.tolist(), layout.src_N.tolist()
+    assert pos[:sum(counts)] == src[:sum(counts)] == dense  # expert e's rows first in its group, in order
+    assert all(p >= offs[-1] for p in pos[sum(counts):])  # inactive rows: beyond every group (never read)
+    last_rows = set(range(offs[-1] - align, offs[-1]))
+    assert not last_rows & set(dense) and all(r in last_rows for r in src[sum(counts):])  # ... results: zero
+
+
+@pytest.fixture
+def padded(monkeypatch):
+    """grouped_mm with the CUDA layout on the CPU: groups padded to 16 bytes' worth of rows."""
+    monkeypatch.setattr(experts_mod, "grouped_mm_alignment", lambda device, dtype: 16 // dtype.itemsize)
+
+
+def _expert_case(counts: list[int], dtype: torch.dtype, D: int = 32, F: int = 48):
+    E = len(counts)
+    plan = make_plan(torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).unsqueeze(1), None, E)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(counts), D, generator=gen).to(dtype)
+    ws = [(torch.randn(E, a, b, generator=gen) * 0.2).to(dtype) for a, b in ((F, D), (F, D), (D, F))]
+    g = torch.randn(sum(counts), D, generator=gen).to(dtype)
+    return plan, x, ws, g
+
+
+def _passes(fn, x, ws, g) -> list[torch.Tensor]:
+    leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+    y = fn(*leaves)
+    y.backward(g)
+    return [y.detach(), *[t.grad for t in leaves]]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_padded_grouped_mm_matches_reference_and_loop_at_unaligned_counts(padded, dtype, tol) -> None:
+    """Forward, input and every weight gradient against a float64 reference and the loop (errors relative to
+    the largest value of each result: 2^-8 per bf16 rounding, sums over up to 300 rows)."""
+    plan, x, ws, g = _expert_case(UNALIGNED, dtype)
+    got = _passes(lambda *a: swiglu_experts(*a, plan, "grouped_mm"), x, ws, g)
+    loop = _passes(lambda *a: swiglu_experts(*a, plan, "loop"), x, ws, g)
+    ref = _passes(lambda *a: reference_experts(*[t.double() for t in a], plan), x, ws, g)
+    for name, a, b, r in zip(("y", "dx", "dw1", "dw3", "dw2"), got, loop, ref):
+        assert a.dtype == dtype and a.shape == b.shape == r.shape, name
+        scale = r.abs().max().item()
+        assert (a.double() - r).abs().max().item() <= tol * scale, name
+        assert (a.double() - b.double()).abs().max().item() <= tol * scale, name
+    for e in (0, 4):  # the empty experts: exactly zero weight gradients (their groups are all padding)
+        assert all(w[e].abs().sum() == 0 for w in got[2:])
+
+
+def test_unpadded_cpu_grouped_mm_keeps_its_bits() -> None:
+    """On the CPU the path is unchanged (no padding): bit for bit the loop's, so the layout costs nothing here."""
+    assert grouped_mm_alignment(torch.device("cpu"), torch.bfloat16) == 1
+    assert grouped_mm_alignment(torch.device("cuda"), torch.bfloat16) == 8
+    assert grouped_mm_alignment(torch.device("cuda"), torch.float32) == 4
+    plan, x, ws, g = _expert_case(UNALIGNED, torch.bfloat16)
+    a = _passes(lambda *t: swiglu_experts(*t, plan, "grouped_mm"), x, ws, g)
+    b = _passes(lambda *t: swiglu_experts(*t, plan, "loop"), x, ws, g)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_padded_grouped_mm_of_an_untrimmed_plan(padded) -> None:
+    """A plan made without a host sync keeps the inactive assignments as rows after the experts' rows: they get
+    zero outputs and zero input gradients, and no weight gradient sees them (whatever they hold)."""
+    plan, x, ws, g = _expert_case(UNALIGNED, torch.float32)
+    tail = torch.randn(37, x.shape[1]) * 1e3
+    got = _passes(lambda *a: swiglu_experts(*a, plan, "grouped_mm"), torch.cat([x, tail]), ws, torch.cat([g, tail]))
+    ref = _passes(lambda *a: swiglu_experts(*a, plan, "grouped_mm"), x, ws, g)
+    N = x.shape[0]
+    assert got[0][N:].eq(0).all() and got[1][N:].eq(0).all()
+    for a, b in zip(got, ref):
+        assert torch.equal(a[:N] if a.shape[0] > N and a.dim() == 2 else a, b)
+
+
+@pytest.mark.parametrize("counts", [UNALIGNED, [0, 0, 0]])
+def test_grouped_mm_path_reads_nothing_on_the_host(padded, monkeypatch, counts: list[int]) -> None:
+    """Forward and backward of the padded path (also with no rows at all) without a single host read: the
+    offsets, positions and padding are computed on the device."""
+    from moebal import sync
+
+    plan, x, ws, g = _expert_case(counts, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (x, *ws)]
+    writes: list[object] = []
+    real_setitem = torch.Tensor.__setitem__
+
+    def setitem(self, index, value):  # `t[i] = 3` copies 3 from the host: a sync on CUDA, unseen by the audit
+        writes.append(value)
+        return real_setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", setitem)
+    with sync.audit() as a:
+        swiglu_experts(*leaves, plan, "grouped_mm").backward(g)
+    assert a.syncs == 0 and writes == [], (a, writes)
+    assert all(t.grad is not None for t in leaves)
+    with sync.audit() as a:  # the audit does see the loop's read of the counts
+        swiglu_experts(*[t.detach() for t in leaves], plan, "loop")
+    assert a.syncs == 1, a
+
+
+def test_probe_runs_unaligned_groups_and_catches_wrong_results(padded, monkeypatch) -> None:
+    probe = experts_mod.grouped_mm_probe.__wrapped__  # uncached
+    assert experts_mod.PROBE_COUNTS.count(0) >= 2 and any(n % 8 for n in experts_mod.PROBE_COUNTS)
+    assert probe("cpu", torch.bfloat16) is None and probe("cpu", torch.float32) is None
+    calls: list[torch.Tensor] = []
+    real = torch.nn.functional.grouped_mm
+
+    def wrong(a, b, *, offs):  # a kernel whose forward results are off by 3 %
+        calls.append(offs)
+        out = real(a, b, offs=offs)
+        return out * 1.03 if b.dim() == 3 else out
+
+    monkeypatch.setattr(experts_mod.F, "grouped_mm", wrong)
+    assert "differs from the float64 reference" in probe("cpu", torch.bfloat16)
+    assert any((o % 8 == 0).all() and o.shape[0] == len(experts_mod.PROBE_COUNTS) for o in calls)
+
+    def broken(a, b, *, offs):
+        raise RuntimeError("no kernel for this GPU\nmore detail")
+
+    monkeypatch.setattr(experts_mod.F, "grouped_mm", broken)
+    assert probe("cpu", torch.bfloat16) == "RuntimeError: no kernel for this GPU"

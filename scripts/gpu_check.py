@@ -1,0 +1,794 @@
+#!/usr/bin/env python
+"""The GPU check: one prepared script that shows moebal's CUDA path correct on a real GPU, in at most 8 minutes
+on one H100, with nothing to edit first.
+
+    python scripts/gpu_check.py --json out.json                        # a GPU machine (CUDA found: used)
+    python scripts/gpu_check.py --device cpu --quick --json out.json   # the CI form (tests/integration)
+
+It needs torch, numpy and pyyaml; moebal need not be installed (the repository root is put on sys.path, and
+the training runs are `python -m moebal.cli` with PYTHONPATH set). Checks, each independent (an exception is
+recorded as that check's failure with the traceback's last lines, and the next check runs):
+
+1. env: versions (torch, CUDA, NCCL, driver), GPU name and capability, CPU model, bf16 support.
+2. nccl_smoke: a one-rank `cpu:gloo,cuda:nccl` process group under torchrun (this script re-run as a worker):
+   all-reduces of a CUDA and a CPU tensor on the one default group, then a `CommScheduler` round trip: an
+   uneven all-to-all (fp32 and bf16), a scheduled all-reduce, and a chunked gradient all-reduce (`GradSync`).
+3. grouped_gemm: `swiglu_experts(..., "grouped_mm")` against `reference_experts` (fp32 from the same bf16
+   inputs) at unaligned counts: forward, input gradient and every expert's weight gradients.
+4. moe_layer: `MoELayer` on the device against the same weights on CPU: fp32 `loop` and bf16 autocast
+   `grouped_mm`, dropless, capacity drops and adaptive top-k; outputs and every gradient; host syncs per
+   forward and backward (CUDA sync debug mode and `moebal.sync.audit`).
+5. train_resume: `moebal train --nproc 1` for 100 steps, `--resume` to 120 in a copy of its directory, and a
+   straight 120-step run: the loss falls, steps 101-120 are bitwise the straight run's, tokens/s.
+6. expert_kernel_vs_dense: the expert kernel's forward + backward against one dense SwiGLU over the same rows,
+   balanced and 4x-skewed routing, in TFLOP/s and as a multiple of the dense time (CUDA events).
+
+On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
+else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
+
+Shape legend: T tokens, N dispatched rows (grouped by expert), D model dim, F expert hidden dim, E experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import linecache
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+BUDGET_S = 480.0
+"""The whole check's budget on one H100 (8 minutes): subprocesses get at most what is left of it."""
+
+# Tolerances, stated once, on the error relative to the reference's norm and to its largest magnitude. bf16
+# kernels round every intermediate (both projections, silu, the product) to 8 mantissa bits (relative 2^-9 per
+# rounding), so they differ from an fp32 evaluation of the same bf16 inputs, or from a bf16 CPU run, by a few
+# 1e-3 in norm (4e-3 measured on an H200 at D=4096, F=14336); the bounds leave a margin of a few x and still
+# catch a wrong row, offset or group (errors of order 1). fp32 against fp64, or CUDA fp32 (TF32 off) against
+# CPU fp32: summation order only (below 1e-6 measured).
+TOL = {
+    "bf16": {"rel_norm": 1e-2, "rel_max": 3e-2},
+    "fp32": {"rel_norm": 1e-5, "rel_max": 1e-4},
+}
+MAX_ROUTING_MISMATCH = 0.01
+"""moe_layer: the largest share of tokens whose routing may differ between the devices (near-ties of router
+scores rounded differently); those tokens are left out of the comparison, and their count is reported."""
+
+
+@dataclass
+class Ctx:
+    device: torch.device
+    quick: bool
+    deadline: float
+    workdir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+# ---- small helpers ---------------------------------------------------------------------------------------------
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _env() -> dict[str, str]:
+    """The environment of a subprocess: moebal importable from the repository root."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+def _errs(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """Error of `a` against the reference `b`: max abs, and relative to the reference's max and norm."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    d = (a - b).abs()
+    max_abs, max_ref = float(d.max()) if d.numel() else 0.0, float(b.abs().max()) if b.numel() else 0.0
+    norm_d, norm_b = float(d.norm()), float(b.norm())
+    return {"max_abs": max_abs, "max_ref": max_ref, "rel_max": max_abs / max_ref if max_ref else max_abs,
+            "rel_norm": norm_d / norm_b if norm_b else norm_d}
+
+
+def _within(e: dict[str, float], tol: dict[str, float]) -> bool:
+    return e["rel_norm"] <= tol["rel_norm"] and e["rel_max"] <= tol["rel_max"]
+
+
+def _round(x: Any) -> Any:
+    """Four significant digits; NaN as null (the report is plain JSON)."""
+    if isinstance(x, float):
+        return float(f"{x:.4g}") if x == x else None
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+def _free(ctx: Ctx) -> None:
+    gc.collect()
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+
+
+# ---- 1. env ----------------------------------------------------------------------------------------------------
+
+def _driver() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=15)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=ROOT)
+        return r.stdout.strip() if r.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _source() -> dict[str, Any]:
+    """The commit the tree is at and how many tracked files differ from it (a run may test uncommitted work)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git("rev-parse", "HEAD"), "modified_files": None if status is None else
+            len(status.splitlines())}
+
+
+def check_env(ctx: Ctx) -> dict[str, Any]:
+    from moebal.kernels.bench import environment
+
+    res: dict[str, Any] = {"ok": True, "env": environment(), "torch_cuda": torch.version.cuda,
+                           "python": platform.python_version(), "cuda_available": torch.cuda.is_available(),
+                           "moebal_source": _source(), "skipped": []}
+    if not ctx.cuda:
+        res["skipped"].append("gpu, nccl, driver: skipped: no CUDA device in use (--device cpu)")
+        res["summary"] = f"torch {torch.__version__}, CPU {res['env']['cpu']}"
+        return res
+    props = torch.cuda.get_device_properties(ctx.device)
+    nccl = torch.cuda.nccl.version()
+    res.update(gpu=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(ctx.device))),
+               gpu_memory_gib=round(props.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count(),
+               nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+               bf16_supported=torch.cuda.is_bf16_supported(), driver=_driver(),
+               allow_tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+    res["summary"] = (f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {res['nccl']}, {props.name} "
+                      f"sm{res['capability']}, driver {res['driver']}")
+    return res
+
+
+# ---- 2. nccl_smoke (a torchrun worker) ------------------------------------------------------------------------
+
+def _a2a_rows(src: int, dst: int) -> int:
+    """Rows rank `src` sends rank `dst` in the smoke all-to-all: uneven in both ranks."""
+    return 3 + src + 2 * dst
+
+
+def _a2a_block(src: int, dst: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    n = _a2a_rows(src, dst)
+    rows_N1 = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+    cols_1C = torch.arange(5, dtype=torch.float64).unsqueeze(0) * 0.5
+    return (src * 1000 + dst * 100 + rows_N1 + cols_1C).to(dtype).to(device)
+
+
+def _smoke_a2a(sched: Any, rank: int, world: int, dev: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    inp = torch.cat([_a2a_block(rank, j, dtype, dev) for j in range(world)])
+    want = torch.cat([_a2a_block(j, rank, dtype, dev) for j in range(world)])
+    out = torch.full_like(want, float("nan"))
+    in_splits = [_a2a_rows(rank, j) for j in range(world)]
+    out_splits = [_a2a_rows(j, rank) for j in range(world)]
+    h = sched.all_to_all(out, inp, out_splits, in_splits, dist.group.WORLD, name=f"gpu_check a2a {dtype}")
+    h.wait()  # CUDA: a stream wait; the comparison below reads the result on the compute stream
+    return {"ok": bool(torch.equal(out, want)), "rows_in": in_splits, "rows_out": out_splits}
+
+
+def _smoke_grads(sched: Any, world: int, dev: torch.device) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from moebal.scheduler import GradGroup, GradSync
+
+    torch.manual_seed(0)  # the same model and data on every rank: the mean over ranks is each rank's gradient
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(dev)
+    x = torch.randn(64, 16, device=dev)
+    model(x).square().mean().backward()
+    want = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    gs = GradSync(sched, [GradGroup("dp", list(model.parameters()), dist.group.WORLD, float(world))],
+                  chunk_bytes=256)
+    worst = 0.0
+    try:
+        for _ in range(2):  # two steps: buffers allocated on the first, reused on the second
+            gs.begin_step()
+            model(x).square().mean().backward()
+            gs.finish()
+            for p, w in zip(model.parameters(), want):
+                worst = max(worst, float((p.grad - w).abs().max()))
+                p.grad = None
+    finally:
+        gs.close()
+    return {"ok": worst <= 1e-6, "chunks": gs.num_chunks, "max_abs_err": worst}
+
+
+def _smoke_collectives(rank: int, world: int, dev: torch.device, res: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    total = world * (world + 1) / 2  # sum over ranks of (rank + 1)
+    if dev.type == "cuda":
+        t = torch.arange(4, dtype=torch.float32, device=dev) * (rank + 1)
+        dist.all_reduce(t)
+        res["allreduce_cuda"] = bool(torch.equal(t.cpu(), torch.arange(4, dtype=torch.float32) * total))
+    else:
+        res["skipped"].append("allreduce_cuda: skipped: no CUDA device (gloo only)")
+    c = torch.arange(4, dtype=torch.float64) * (rank + 1)  # a CPU tensor on the same default group: gloo
+    dist.all_reduce(c)
+    res["allreduce_cpu"] = bool(torch.equal(c, torch.arange(4, dtype=torch.float64) * total))
+
+
+def _smoke_worker(device_type: str, out_path: Path) -> int:
+    """One rank of the smoke test (under torchrun): writes its findings to `out_path` (rank 0)."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    from moebal.scheduler import CommScheduler
+
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cuda = device_type == "cuda"
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    res: dict[str, Any] = {"world_size": world, "skipped": []}
+    try:
+        if cuda:
+            torch.cuda.set_device(dev)
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        dist.init_process_group(backend, timeout=dt.timedelta(seconds=90), device_id=dev if cuda else None)
+        res["backend"] = str(dist.get_backend())
+        with contextlib.suppress(AttributeError, RuntimeError):
+            res["backend_config"] = str(dist.get_backend_config())
+        _smoke_collectives(rank, world, dev, res)  # also creates and warms the communicators
+        sched = CommScheduler("lina", rank=rank, device=dev, timeout_s=60.0)
+        res["completion"] = type(sched.completion).__name__
+        res["stream_wait"] = bool(getattr(sched.completion, "stream_wait", False))
+        try:
+            res["a2a_fp32"] = _smoke_a2a(sched, rank, world, dev, torch.float32)
+            res["a2a_bf16"] = _smoke_a2a(sched, rank, world, dev, torch.bfloat16)
+            s = sched.all_reduce(torch.full((3,), float(rank + 1), device=dev), dist.group.WORLD, name="gpu_check")
+            res["sched_allreduce"] = bool(torch.equal(s.cpu(), torch.full((3,), world * (world + 1) / 2)))
+            res["grad_sync"] = _smoke_grads(sched, world, dev)
+        finally:
+            sched.close()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        parts = [res["allreduce_cpu"], res.get("allreduce_cuda", True), res["a2a_fp32"]["ok"],
+                 res["a2a_bf16"]["ok"], res["sched_allreduce"], res["grad_sync"]["ok"]]
+        res["ok"] = all(parts)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which records the check as failed
+        res.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], traceback=_tail(traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        out_path.write_text(json.dumps(res, indent=1), encoding="utf-8")
+    return 0 if res["ok"] else 1
+
+
+def check_nccl_smoke(ctx: Ctx) -> dict[str, Any]:
+    out = ctx.workdir / "smoke.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", __file__,
+           "--worker", "smoke", "--device", ctx.device.type, "--worker-out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(),
+                       timeout=max(30.0, min(180.0, ctx.left())))
+    if not out.exists():
+        return {"ok": False, "error": f"the torchrun worker wrote no result (exit {r.returncode})",
+                "stderr_tail": _tail(r.stderr)}
+    res = json.loads(out.read_text(encoding="utf-8"))
+    if r.returncode != 0:
+        res["ok"] = False
+        res["stderr_tail"] = _tail(r.stderr)
+    if ctx.cuda and res.get("ok") and not res.get("stream_wait"):
+        res.update(ok=False, error=f"the scheduler on CUDA chose {res.get('completion')}, not a stream wait")
+    res["summary"] = (f"{res.get('backend_config', res.get('backend'))}: all-reduce cuda/cpu, "
+                      f"scheduler a2a fp32/bf16, grad sync ({res.get('grad_sync', {}).get('chunks')} chunks), "
+                      f"completion {res.get('completion')}")
+    return res
+
+
+# ---- 3. grouped_gemm ------------------------------------------------------------------------------------------
+
+def _stacked(E: int, D: int, F_: int, dtype: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+    """w1, w3 [E, F, D] and w2 [E, D, F], scaled so every activation stays of order 1."""
+    ws = [torch.randn(E, F_, D, device=dev) * D**-0.5, torch.randn(E, F_, D, device=dev) * D**-0.5,
+          torch.randn(E, D, F_, device=dev) * F_**-0.5]
+    return [w.to(dtype).requires_grad_(True) for w in ws]
+
+
+def _plan_for(counts: list[int], dev: torch.device) -> Any:
+    from moebal.kernels import make_plan
+
+    ids_N = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return make_plan(ids_N.unsqueeze(1).to(dev), None, len(counts))
+
+
+def check_grouped_gemm(ctx: Ctx) -> dict[str, Any]:
+    from moebal.kernels import reference_experts, swiglu_experts
+
+    if ctx.quick:
+        counts, D, F_ = [0, 1, 7, 13, 0, 37, 5, 129], 64, 128
+    else:
+        counts, D, F_ = [0, 1, 7, 13, 0, 300, 5, 2049], 4096, 14336
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    ref_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float64
+    tol = TOL["bf16" if dtype == torch.bfloat16 else "fp32"]
+    torch.manual_seed(0)
+    plan = _plan_for(counts, ctx.device)
+    x = torch.randn(sum(counts), D, device=ctx.device).to(dtype).requires_grad_(True)
+    ws = _stacked(len(counts), D, F_, dtype, ctx.device)
+    y = swiglu_experts(x, *ws, plan, "grouped_mm")
+    g = torch.randn_like(y)
+    got = [y, *torch.autograd.grad(y, [x, *ws], g)]
+    leaves = [t.detach().to(ref_dtype).requires_grad_(True) for t in (x, *ws)]
+    y_ref = reference_experts(*leaves, plan)
+    want = [y_ref, *torch.autograd.grad(y_ref, leaves, g.to(ref_dtype))]
+    errs: dict[str, Any] = {"y": _errs(got[0], want[0]), "dx": _errs(got[1], want[1])}
+    ok = _within(errs["y"], tol) and _within(errs["dx"], tol)
+    zero_ok = True
+    for name, gw, rw in zip(("dw1", "dw3", "dw2"), got[2:], want[2:]):
+        per = []
+        for e, n in enumerate(counts):  # per expert: a small expert's error is not hidden by a large one's
+            if n == 0:  # an expert without rows must get exact zeros (not stale memory)
+                zero_ok &= bool(torch.count_nonzero(gw[e]) == 0)
+                continue
+            per.append(_errs(gw[e], rw[e]))
+        errs[name] = {"worst_rel_norm": max(p["rel_norm"] for p in per),
+                      "worst_rel_max": max(p["rel_max"] for p in per), "worst_max_abs": max(p["max_abs"] for p in per)}
+        ok &= all(_within(p, tol) for p in per)
+    worst = max(v.get("rel_norm", v.get("worst_rel_norm", 0.0)) for v in errs.values())
+    return {"ok": ok and zero_ok, "counts": counts, "D": D, "F": F_, "dtype": str(dtype).replace("torch.", ""),
+            "reference_dtype": str(ref_dtype).replace("torch.", ""), "tolerance": tol, "errors": _round(errs),
+            "empty_experts_zero_grad": zero_ok,
+            "summary": f"{len(counts)} experts, counts {counts}, worst rel-norm error {worst:.2e} "
+                       f"(tol {tol['rel_norm']:g})"}
+
+
+# ---- 4. moe_layer --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _count_syncs(dev: torch.device, rec: dict[str, Any]) -> Iterator[None]:
+    """Host syncs of the block: CUDA's sync debug mode (every synchronising CUDA call, C++ ones included) and
+    `moebal.sync.audit` (the intentional `to_host` syncs by reason, and other Python-level reads)."""
+    try:
+        from moebal.sync import audit
+        auditor: Any = audit()
+    except ImportError:
+        auditor = contextlib.nullcontext(None)
+    cuda = dev.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with auditor as a:
+                yield
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    rec["cuda_syncs"] = len(syncs) if cuda else None
+    rec["cuda_sync_sites"] = sorted({_site(w.filename, w.lineno) for w in syncs})[:12]
+    if a is not None:
+        rec["audit_counted"] = dict(a.counted)
+        rec["audit_unaccounted"] = list(a.unaccounted)[:12]
+        rec["audit_syncs"] = int(a.syncs)
+
+
+def _site(filename: str, lineno: int) -> str:
+    """Where a sync warning came from, with the line's text (line numbers alone go stale as the tree moves)."""
+    path = Path(filename).resolve()
+    where = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else "/".join(path.parts[-3:])
+    return f"{where}:{lineno}: {linecache.getline(filename, lineno).strip()[:100]}"
+
+
+def _same_routing(r_dev: Any, r_ref: Any) -> torch.Tensor:
+    """bool [T]: the token's choices (and which of them are active) are the same on both devices."""
+    same_T = (r_dev.indices_TK.cpu() == r_ref.indices_TK).all(dim=1)
+    a_dev, a_ref = r_dev.active_TK, r_ref.active_TK
+    if (a_dev is None) != (a_ref is None):
+        return torch.zeros_like(same_T)
+    if a_dev is not None:
+        same_T &= (a_dev.cpu() == a_ref).all(dim=1)
+    return same_T
+
+
+def _forward(layer: Any, x: torch.Tensor, bf16: bool, syncs: dict[str, Any] | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, x leaf) of one forward, its host syncs counted into `syncs` when given."""
+    x = x.detach().clone().requires_grad_(True)
+    counting = _count_syncs(x.device, syncs) if syncs is not None else contextlib.nullcontext()
+    with counting, torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = layer(x)
+    return out, x
+
+
+def _backward(out: torch.Tensor, g: torch.Tensor, keep_T: torch.Tensor, syncs: dict[str, Any] | None) -> None:
+    """Backward of sum(out * g) over the kept tokens. The aux loss is left out: it depends on every token's
+    routing, including the tokens left out of the comparison."""
+    loss = (out.float() * g * keep_T.to(out.device).unsqueeze(1)).sum()
+    with _count_syncs(out.device, syncs) if syncs is not None else contextlib.nullcontext():
+        loss.backward()
+
+
+def _moe_variant(ctx: Ctx, kernel: str, bf16: bool, extra: dict[str, Any], shape: dict[str, int]) -> dict[str, Any]:
+    """One layer configuration on the device against the same weights on CPU (the loop kernel there: it runs
+    on any torch build). Tokens whose routing differs are left out of the loss on both sides."""
+    from moebal import MoELayer
+
+    T, D, F_, E, K = (shape[k] for k in ("T", "D", "F", "E", "K"))
+    torch.manual_seed(1)
+    ref = MoELayer(D, F_, E, K, kernel="loop", **extra)
+    layer = MoELayer(D, F_, E, K, kernel=kernel, **extra).to(ctx.device)
+    layer.load_state_dict(ref.state_dict())
+    x, g = torch.randn(T, D), torch.randn(T, D)
+    warm, _ = _forward(layer, torch.randn(T, D, device=ctx.device), bf16, None)  # one-time work left uncounted
+    _backward(warm, g.to(ctx.device), torch.ones(T, dtype=torch.bool), None)
+    layer.zero_grad(set_to_none=True)
+    syncs: dict[str, Any] = {"forward": {}, "backward": {}}
+    out_ref, x_ref = _forward(ref, x, bf16, None)
+    out, x_dev = _forward(layer, x.to(ctx.device), bf16, syncs["forward"])
+    keep_T = _same_routing(layer.last_routing, ref.last_routing)
+    _backward(out_ref, g, keep_T, None)
+    _backward(out, g.to(ctx.device), keep_T, syncs["backward"])
+    tol = TOL["bf16" if bf16 else "fp32"]
+    errs = {"out": _errs(out.detach().cpu()[keep_T], out_ref.detach()[keep_T]), "dx": _errs(x_dev.grad, x_ref.grad)}
+    refs = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():
+        gp, gr = p.grad, refs[name].grad
+        errs[f"d.{name}"] = _errs(gp, gr) if gp is not None and gr is not None else {"missing_grad": True}
+    bad = [k for k, e in errs.items() if "missing_grad" in e or not _within(e, tol)]
+    mismatch = int((~keep_T).sum())
+    active = layer.last_routing.active_TK
+    return {"ok": not bad and mismatch <= MAX_ROUTING_MISMATCH * T, "kernel": kernel,
+            "precision": "bf16 autocast" if bf16 else "fp32", "options": extra, "tolerance": tol,
+            "routing_mismatch_tokens": mismatch,
+            "inactive_assignments": int((~active).sum()) if active is not None else 0, "failed_tensors": bad,
+            "worst_rel_norm": max(e.get("rel_norm", 0.0) for e in errs.values()), "errors": _round(errs),
+            "syncs": syncs}
+
+
+def _sync_totals(v: dict[str, Any], cuda: bool) -> tuple[int | None, int | None]:
+    key = "cuda_syncs" if cuda else "audit_syncs"
+    return v["syncs"]["forward"].get(key), v["syncs"]["backward"].get(key)
+
+
+def check_moe_layer(ctx: Ctx) -> dict[str, Any]:
+    shape = ({"T": 128, "D": 64, "F": 128, "E": 4, "K": 2} if ctx.quick else
+             {"T": 1024, "D": 256, "F": 512, "E": 8, "K": 2})
+    extras = {"dropless": {}, "capacity": {"capacity_factor": 1.0}, "adaptive": {"adaptive_threshold": 0.1}}
+    variants: dict[str, Any] = {}
+    for kernel, bf16 in (("loop", False), ("grouped_mm", True)):
+        for ename, extra in extras.items():
+            name = f"{'bf16' if bf16 else 'fp32'}_{kernel}_{ename}"
+            try:
+                variants[name] = _moe_variant(ctx, kernel, bf16, extra, shape)
+            except Exception as e:  # noqa: BLE001 - one variant's failure is recorded, the others still run
+                variants[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000],
+                                  "traceback": _tail(traceback.format_exc(), 8)}
+    res: dict[str, Any] = {"ok": all(v["ok"] for v in variants.values()), "shape": shape,
+                           "max_routing_mismatch_share": MAX_ROUTING_MISMATCH, "variants": variants, "skipped": []}
+    table = {n: _sync_totals(v, ctx.cuda) for n, v in variants.items() if "syncs" in v}
+    res["syncs_fwd_bwd"] = table
+    budget = [t for n, t in table.items() if "grouped_mm" in n]
+    res["sync_budget"] = "0 per forward and per backward (single-device MoELayer, grouped_mm)"
+    res["sync_budget_basis"] = "torch.cuda.set_sync_debug_mode" if ctx.cuda else "moebal.sync.audit (Python reads)"
+    res["sync_budget_ok"] = bool(budget) and all(f == 0 and b == 0 for f, b in budget)
+    if not ctx.cuda:
+        res["skipped"].append("cuda sync debug mode: skipped: needs CUDA (CPU counts come from moebal.sync.audit)")
+        res["skipped"].append("device vs CPU: skipped: no CUDA device, the CPU layer runs on both sides")
+    gmm = table.get("bf16_grouped_mm_dropless", (None, None))
+    res["summary"] = (f"{sum(v['ok'] for v in variants.values())}/{len(variants)} variants within tolerance; "
+                      f"grouped_mm dropless syncs fwd/bwd {gmm[0]}/{gmm[1]}; sync budget "
+                      f"{'met' if res['sync_budget_ok'] else 'MISSED'}")
+    return res
+
+
+# ---- 5. train_resume ----------------------------------------------------------------------------------------
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+        "model.max_seq_len=64", "moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=64", "data.seq_len=32",
+        "data.batch_size=4", "data.max_bytes=300000", "train.warmup_steps=2", "train.eval_every=3",
+        "train.eval_batches=2", "train.precision=fp32", "train.threads=2"]
+# The default model on the GPU; a constant learning rate after warm-up (min_lr_ratio 1), so the 100-step run
+# resumed to 120 follows the same schedule as the straight 120-step run (the cosine decay ends at train.steps).
+GPU_TRAIN = ["data.max_bytes=4000000", "train.eval_batches=4"]
+COMMON_TRAIN = ["train.min_lr_ratio=1.0", "train.ckpt_every=0", "train.progress=plain"]
+
+
+# `moebal train` with torch's deterministic algorithms on (CUDA): a resumed run can equal a straight one bitwise
+# only if the straight run equals itself, and on a GPU some kernels (attention backward, index_add_) add in
+# an order that changes from run to run unless asked not to; the CPU kernels are deterministic already.
+DETERMINISTIC_CLI = ("import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
+                     "from moebal.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _train(ctx: Ctx, out: Path, steps: int, overrides: list[str], resume: bool) -> dict[str, Any]:
+    args = ["train", "--nproc", "1", "--steps", str(steps), "--out", str(out), "--json"]
+    args += ["--resume"] if resume else overrides
+    env = _env()
+    if ctx.cuda:
+        cmd = [sys.executable, "-c", DETERMINISTIC_CLI, *args]
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # what deterministic cuBLAS needs
+    else:
+        cmd = [sys.executable, "-m", "moebal.cli", *args]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=max(30.0, min(240.0, ctx.left())))
+    if r.returncode != 0:
+        raise RuntimeError(f"moebal train ({' '.join(args)}) exited {r.returncode}: {_tail(r.stderr, 12)}")
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
+def _losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def check_train_resume(ctx: Ctx) -> dict[str, Any]:
+    first, total = (6, 8) if ctx.quick else (100, 120)
+    overrides = (TINY if ctx.quick else GPU_TRAIN) + COMMON_TRAIN
+    base = ctx.workdir / "train"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    a, a2, b = base / f"first-{first}", base / f"resumed-{total}", base / f"straight-{total}"
+    s_a = _train(ctx, a, first, overrides, resume=False)
+    shutil.copytree(a, a2)
+    s_a2 = _train(ctx, a2, total, overrides, resume=True)
+    s_b = _train(ctx, b, total, overrides, resume=False)
+    la, la2, lb = _losses(a), _losses(a2), _losses(b)
+    tail = list(range(first + 1, total + 1))
+    resumed_ok = all(s in la2 and s in lb for s in tail) and all(la2[s] == lb[s] for s in tail)
+    repeatable = all(s in lb and la.get(s) == lb[s] for s in range(1, first + 1))
+    diverged = next((s for s in range(1, total + 1) if la2.get(s) != lb.get(s)), None)
+    q = max(1, total // 4)
+    early = statistics.mean(lb[s] for s in range(1, q + 1))
+    late = statistics.mean(lb[s] for s in range(total - q + 1, total + 1))
+    res = {"ok": resumed_ok and late < early, "config": "tiny" if ctx.quick else "default",
+           "deterministic_algorithms": ctx.cuda,
+           "overrides": overrides, "steps": [first, total], "resume_bitwise": resumed_ok,
+           "first_steps_repeatable": repeatable, "first_differing_step": diverged,
+           "loss_first_quarter": early, "loss_last_quarter": late, "val_loss": s_b.get("val_loss"),
+           "tokens_per_s": s_b.get("tokens_per_s"), "run_wall_s": [s_a["wall_s"], s_a2["wall_s"], s_b["wall_s"]],
+           "losses_resumed_tail": [la2.get(s) for s in tail][-5:],
+           "losses_straight_tail": [lb.get(s) for s in tail][-5:]}
+    if not resumed_ok:
+        why = "the straight runs differ too (nondeterministic kernels)" if not repeatable else "resume differs"
+        res["error"] = f"steps {first + 1}-{total}: resumed != straight from step {diverged}: {why}"
+    res["summary"] = (f"loss {early:.3f} -> {late:.3f}, resume {'bitwise' if resumed_ok else 'DIFFERS'}, "
+                      f"{s_b.get('tokens_per_s', float('nan')):.0f} tokens/s"
+                      + (" (deterministic algorithms)" if ctx.cuda else ""))
+    return res
+
+
+# ---- 6. expert_kernel_vs_dense --------------------------------------------------------------------------------
+
+def _time_events(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, Any]:
+    """CUDA-event times of several methods, round-robin (each round calls every method once, rotated), so a
+    drift of the clock or the card hits all alike; summarised by the shared timing helper."""
+    from moebal.kernels.bench import summarise
+
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            end.synchronize()
+            ms[n].append(start.elapsed_time(end) / 1e3)
+    return {n: summarise(s) for n, s in ms.items()}
+
+
+def _skewed(N: int, E: int, factor: float) -> list[int]:
+    """Counts summing to N whose busiest expert holds `factor` x the mean, the rest spread evenly."""
+    big = int(round(factor * N / E))
+    rest = N - big
+    return [big] + [rest // (E - 1) + (1 if i < rest % (E - 1) else 0) for i in range(E - 1)]
+
+
+def check_expert_vs_dense(ctx: Ctx) -> dict[str, Any]:
+    from moebal.kernels import swiglu_experts
+    from moebal.kernels.bench import time_interleaved
+    from moebal.kernels.experts import auto_kernel
+
+    full = ctx.cuda and not ctx.quick
+    N, D, F_, E = (16384, 4096, 14336, 8) if full else (1024, 64, 128, 8)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    kernel = auto_kernel(ctx.device, D, F_, dtype)
+    torch.manual_seed(0)
+    x = torch.randn(N, D, device=ctx.device).to(dtype).requires_grad_(True)
+    g = torch.randn(N, D, device=ctx.device).to(dtype)
+    dense = [w[0].detach().clone().requires_grad_(True) for w in _stacked(1, D, F_, dtype, ctx.device)]
+    ws = _stacked(E, D, F_, dtype, ctx.device)
+    counts = {"balanced": [N // E] * E, "skewed_4x": _skewed(N, E, 4.0)}
+    plans = {k: _plan_for(c, ctx.device) for k, c in counts.items()}
+
+    def run_dense() -> None:
+        w1, w3, w2 = dense
+        y = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        torch.autograd.grad(y, [x, *dense], g)
+
+    def run_experts(plan: Any) -> Callable[[], None]:
+        return lambda: torch.autograd.grad(swiglu_experts(x, *ws, plan, kernel), [x, *ws], g)
+
+    fns = {"dense": run_dense, **{k: run_experts(p) for k, p in plans.items()}}
+    if ctx.cuda:
+        times = _time_events(fns, warmup=3, repeats=10 if full else 5)
+    else:
+        times = time_interleaved(fns, warmup=1, repeats=3, device=ctx.device)
+    flop = 18.0 * N * D * F_  # 3 GEMMs of 2NDF forward, twice that backward (input and weight gradients)
+    t = {k: v.median for k, v in times.items()}
+    res: dict[str, Any] = {"ok": True, "shape": {"N": N, "D": D, "F": F_, "E": E},
+                           "dtype": str(dtype).replace("torch.", ""), "kernel": kernel, "counts": counts,
+                           "timing": "cuda events" if ctx.cuda else "wall clock",
+                           "times_s": {k: v.to_dict() for k, v in times.items()},
+                           "tflops": {k: flop / s / 1e12 for k, s in t.items()},
+                           "x_dense": {k: t[k] / t["dense"] for k in counts}, "targets_x_dense":
+                           {"balanced": 1.15, "skewed_4x": 1.3}, "skipped": []}
+    if full:
+        res["targets_met"] = {k: res["x_dense"][k] <= v for k, v in res["targets_x_dense"].items()}
+    else:
+        res["targets_met"] = None
+        res["skipped"].append("targets: skipped: they are set for an H100 at the full shape (not --quick, CUDA)")
+    xd = res["x_dense"]
+    res["summary"] = (f"{kernel}: balanced {xd['balanced']:.2f}x dense, skewed {xd['skewed_4x']:.2f}x; "
+                      f"dense {res['tflops']['dense']:.1f} TFLOP/s" + ("" if full else " (targets not applied)"))
+    return _round(res)
+
+
+# ---- the runner ------------------------------------------------------------------------------------------------
+
+CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "env": check_env,
+    "nccl_smoke": check_nccl_smoke,
+    "grouped_gemm": check_grouped_gemm,
+    "moe_layer": check_moe_layer,
+    "train_resume": check_train_resume,
+    "expert_kernel_vs_dense": check_expert_vs_dense,
+}
+
+
+def run_check(name: str, ctx: Ctx) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if ctx.left() <= 0:
+        res: dict[str, Any] = {"ok": False, "error": f"not run: the {BUDGET_S:g} s budget was spent before it"}
+    else:
+        try:
+            res = CHECKS[name](ctx)
+        except Exception as e:  # noqa: BLE001 - each check is independent: record and go on
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": _tail(traceback.format_exc())}
+    res.setdefault("ok", False)
+    res.setdefault("skipped", [])
+    res["status"] = "passed" if res["ok"] else "failed"
+    if res.get("skip_reason"):
+        res["status"] = "skipped"
+    res["wall_s"] = round(time.perf_counter() - t0, 2)
+    _free(ctx)
+    return res
+
+
+def print_table(report: dict[str, Any]) -> None:
+    rows = [("check", "status", "wall s", "summary")]
+    for name, r in report["checks"].items():
+        summary = r.get("summary") or r.get("error", "")
+        if r["status"] == "failed" and r.get("error"):
+            summary = f"{summary} | {r['error']}" if r.get("summary") else r["error"]
+        rows.append((name, r["status"] + (" (+skips)" if r["skipped"] else ""), f"{r['wall_s']:.1f}",
+                     summary.splitlines()[0][:160] if summary else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+    for name, r in report["checks"].items():
+        for s in r["skipped"]:
+            print(f"  {name}: {s}")
+    print(f"gpu_check: {'all passed' if report['ok'] else 'FAILED: ' + ', '.join(report['failed'])} "
+          f"on {report['device']} in {report['total_s']:.0f} s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when available, else the CPU")
+    p.add_argument("--quick", action="store_true", help="small shapes and few steps (the CI form)")
+    p.add_argument("--json", metavar="PATH", help="write the full report here")
+    p.add_argument("--only", metavar="NAMES", help=f"comma-separated subset of: {', '.join(CHECKS)}")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop starting checks after this many seconds")
+    p.add_argument("--workdir", metavar="DIR", help="scratch directory (default: a fresh temporary one)")
+    p.add_argument("--worker", choices=["smoke"], help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _report(args: argparse.Namespace, argv: list[str] | None, dev: torch.device, t0: float,
+            checks: dict[str, Any]) -> dict[str, Any]:
+    failed = [n for n, r in checks.items() if r["status"] == "failed"]
+    return {"script": "scripts/gpu_check.py", "argv": sys.argv[1:] if argv is None else argv,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "device_type": dev.type,
+            "quick": args.quick, "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), "total_s": round(time.perf_counter() - t0, 1), "budget_s": args.budget_s,
+            "ok": not failed, "failed": failed,
+            "skipped": [f"{n}: {s}" for n, r in checks.items() for s in r["skipped"]], "checks": checks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker == "smoke":
+        return _smoke_worker(args.device, Path(args.worker_out))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda, but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    names = list(CHECKS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(f"gpu_check: --only: unknown check(s) {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                       else "cpu")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons in true fp32
+    t0 = time.perf_counter()
+    checks: dict[str, Any] = {}
+    report = _report(args, argv, dev, t0, checks)
+    with contextlib.ExitStack() as stack:
+        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="moebal-gpu-check-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        ctx = Ctx(device=dev, quick=args.quick, deadline=t0 + args.budget_s, workdir=workdir)
+        for n in names:
+            checks[n] = run_check(n, ctx)
+            print(f"gpu_check: {n}: {checks[n]['status']} ({checks[n]['wall_s']:.1f} s)", file=sys.stderr, flush=True)
+            report = _report(args, argv, dev, t0, checks)
+            if args.json:  # after every check: a run cut short still leaves what it found
+                Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    print_table(report)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

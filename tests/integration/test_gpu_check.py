@@ -1,0 +1,83 @@
+"""`scripts/gpu_check.py --device cpu --quick` as CI runs it (a subprocess): every check runs and passes, and the
+CUDA-only parts are listed as skipped with their reason, so the script that a GPU machine runs cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense"]
+
+
+def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick", "--json", str(out),
+                        "--workdir", str(tmp_path / "work")], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["ok"] and report["failed"] == [] and report["device_type"] == "cpu" and report["quick"]
+    assert list(report["checks"]) == CHECKS
+    for name, res in report["checks"].items():
+        assert res["status"] == "passed" and res["ok"], (name, res)
+        assert res["wall_s"] >= 0 and res.get("summary"), (name, res)
+        assert all(": skipped: " in s for s in res["skipped"]), (name, res["skipped"])
+    # what CPU cannot check is said, not silently passed
+    skipped = report["skipped"]
+    assert any(s.startswith("env: gpu") for s in skipped)
+    assert any(s.startswith("nccl_smoke: allreduce_cuda: skipped") for s in skipped)
+    assert any(s.startswith("moe_layer: cuda sync debug mode: skipped") for s in skipped)
+    assert any(s.startswith("expert_kernel_vs_dense: targets: skipped") for s in skipped)
+    checks = report["checks"]
+    smoke = checks["nccl_smoke"]
+    assert smoke["allreduce_cpu"] and smoke["a2a_fp32"]["ok"] and smoke["a2a_bf16"]["ok"]
+    assert smoke["sched_allreduce"] and smoke["grad_sync"]["ok"] and smoke["grad_sync"]["chunks"] > 1
+    gg = checks["grouped_gemm"]
+    assert 0 in gg["counts"] and gg["empty_experts_zero_grad"]
+    assert set(gg["errors"]) == {"y", "dx", "dw1", "dw3", "dw2"}
+    moe = checks["moe_layer"]
+    assert set(moe["variants"]) == {f"{p}_{k}_{v}" for p, k in (("fp32", "loop"), ("bf16", "grouped_mm"))
+                                    for v in ("dropless", "capacity", "adaptive")}
+    assert moe["variants"]["fp32_loop_capacity"]["inactive_assignments"] > 0  # drops happened
+    assert moe["variants"]["bf16_grouped_mm_adaptive"]["inactive_assignments"] > 0  # some tokens took one expert
+    assert isinstance(moe["sync_budget_ok"], bool)
+    tr = checks["train_resume"]
+    assert tr["resume_bitwise"] and tr["loss_last_quarter"] < tr["loss_first_quarter"] and tr["tokens_per_s"] > 0
+    bench = checks["expert_kernel_vs_dense"]
+    assert bench["tflops"]["dense"] > 0 and set(bench["x_dense"]) == {"balanced", "skewed_4x"}
+    # the short table is printed too
+    assert "expert_kernel_vs_dense" in r.stdout and "all passed" in r.stdout
+
+
+def _load_script(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", mod)  # its dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    gc = _load_script(monkeypatch)
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(gc.CHECKS, "env", broken)
+    out = tmp_path / "r.json"
+    code = gc.main(["--device", "cpu", "--quick", "--only", "env,grouped_gemm", "--json", str(out),
+                    "--workdir", str(tmp_path / "w")])
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert code == 1 and not report["ok"] and report["failed"] == ["env"]
+    env = report["checks"]["env"]
+    assert env["status"] == "failed" and env["error"] == "RuntimeError: boom" and "broken" in env["traceback"]
+    assert report["checks"]["grouped_gemm"]["status"] == "passed"
+    assert "FAILED: env" in capsys.readouterr().out
+    assert gc.main(["--only", "nope"]) == 2
