@@ -7,9 +7,12 @@ command runs, so `moebal --help` stays fast and optional dependencies stay optio
 from __future__ import annotations
 
 import argparse
+import errno
+import faulthandler
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -47,7 +50,21 @@ def build_parser(requested: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+HANG_ENV = "MOEBAL_HANG_TIMEOUT_S"
+
+
+def _bound_the_process() -> None:
+    """With MOEBAL_HANG_TIMEOUT_S set (the test suite sets it), a moebal process still running after that many
+    seconds prints every thread's stack to stderr and exits 1, so that a hung job fails with its ranks' stacks
+    instead of hanging. A launcher waits 30 s longer than its ranks: they dump first, then it reports them."""
+    limit = os.environ.get(HANG_ENV)
+    if limit:
+        faulthandler.dump_traceback_later(float(limit) + (0 if "RANK" in os.environ else 30), exit=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a process of its own (not a test calling main() in its process)
+        _bound_the_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)
     args, extra = parser.parse_known_args(argv)
@@ -61,15 +78,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    if "MOEBAL_LAUNCHER_PID" in os.environ:  # a rank of `--nproc N`: never outlive the launcher
+        from moebal.dist.launch import die_with_launcher
+
+        die_with_launcher()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MoebalError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"moebal {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        # the disk, not a bug: one line from each rank that met it (checkpoints say more: CheckpointError)
+        rank = os.environ.get("RANK", "0")
+        print(f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e.strerror}"
+              f"{f': {e.filename}' if e.filename else ''}; free space and continue with --resume", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.dist.launch.Stopped)
+        signum = getattr(e, "signum", 2)
+        print(f"moebal {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -580,13 +580,32 @@ def resolve_path(path: str | Path) -> Path:
     raise ConfigError(f"config file '{path}' not found: give a YAML path or a preset name{hint}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last one, so a
+    second `lr:` further down a section would quietly win). Keys brought in by a `<<` merge may be overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (first on line {seen[key] + 1}): "
+                                f"keep one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(p: Path) -> dict[str, Any]:
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: cannot read config ({e})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {_one_line(e)}") from None
     if data is None:

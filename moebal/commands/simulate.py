@@ -94,6 +94,9 @@ def _stages(shape: Any, spec: Any) -> tuple[int, ...]:
 def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     from moebal.sim.program import Layout, SimSpec
 
+    for name, given in (("--ranks", args.ranks), ("--pp", args.pp), ("--ep", args.ep)):
+        if given is not None and given < 1:  # 0 is falsy: it would silently fall back to the default below
+            raise ConfigError(f"{name} must be >= 1; got {given}")
     pp = args.pp or cfg.parallel.pp
     ep = args.ep or cfg.parallel.ep
     if ep is None:  # the config's null: every rank of a stage (capped at one expert per rank)

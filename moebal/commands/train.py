@@ -60,8 +60,23 @@ def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]
     return config, overrides
 
 
+def _refuse_conflicts(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Two spellings of one setting with different values would leave one silently ignored."""
+    if args.resume and args.resume_from:
+        raise ConfigError("--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) "
+                          "conflict: give one of them")
+    given = {item.partition("=")[0].strip(): item for item in overrides}
+    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("nproc", "parallel.nproc"),
+                      ("ep", "parallel.ep"), ("pp", "parallel.pp"), ("policy", "planner.policy"),
+                      ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme"),
+                      ("microbatching", "pipeline.microbatching")):
+        if getattr(args, flag, None) is not None and key in given:
+            raise ConfigError(f"--{flag} and the override {given[key]} both set {key}: give one of them")
+
+
 def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     config, overrides = _split_positionals(args)
+    _refuse_conflicts(args, overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.seed is not None:
@@ -169,13 +184,32 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
         raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
-    return spawn_local(nproc, argv, max_restarts=args.max_restarts, restart_argv=restart)
+    from moebal.train.rundir import LOCK_ENV, LOCK_NAME
+
+    # the ranks work under this launcher's lock of the run directory
+    return spawn_local(nproc, argv, env={LOCK_ENV: str((out / LOCK_NAME).resolve())},
+                       max_restarts=args.max_restarts, restart_argv=restart)
 
 
 def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cfg, out = resolve_config(args)
     refuse_cpu_only(cfg, pick_device().type)
+    from moebal.train.checkpoint import prune_checkpoints
+    from moebal.train.memory import check_fits_here
+    from moebal.train.rundir import lock_run_dir
+
+    # an impossible size is one line, before anything is allocated or created
+    check_fits_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
+
+    # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
+    with lock_run_dir(out) as lock:
+        if lock.held:
+            prune_checkpoints(out, keep=1 << 30)  # every .ckpt-*.tmp: no other job can be writing one
+        return _run_locked(args, cfg, out, wall0)
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) -> int:
     from moebal.train import Trainer
 
     # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run

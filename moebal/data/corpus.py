@@ -102,13 +102,18 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str]) -> list[P
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _jsonl_records(path: Path, name: str, data: bytes, text_key: str) -> Iterator[tuple[str, bytes]]:
+def _jsonl_records(path: Path, name: str, data: bytes, text_key: str) -> Iterator[tuple[str, bytes | None]]:
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            line_text = line.decode("utf-8")
+        except UnicodeDecodeError:  # the one rule for text: an undecodable document is skipped and counted
+            yield f"{name}:{lineno}", None
+            continue
+        try:
+            record = json.loads(line_text)
+        except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not a JSON object ({e.__class__.__name__}: {e}); "
                             f"each line of a .jsonl file must be one JSON record") from None
         if not isinstance(record, dict) or text_key not in record:
@@ -123,7 +128,8 @@ def _jsonl_records(path: Path, name: str, data: bytes, text_key: str) -> Iterato
 
 
 def iter_documents(source: str, text_key: str = "text") -> Iterator[tuple[str, bytes | None]]:
-    """(name, bytes) per document; bytes is None for a file that is not valid UTF-8 (the caller counts it)."""
+    """(name, bytes) per document (a .txt file, a .jsonl line); bytes is None for a document that is not valid
+    UTF-8 (the caller skips and counts it)."""
     if source == "stdlib":
         root, files = stdlib_root(), _walk(stdlib_root(), (".py",), SKIP_DIRS)
     else:
@@ -191,12 +197,15 @@ def split_blocks(data: bytes) -> list[bytes]:
 def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float,
                  max_bytes: int | None, add_special_tokens: bool = False, units: str = "files") -> Corpus:
     tok = load_tokenizer(tokenizer, add_special_tokens)
-    names, texts, skipped = _read(source, text_key, max_bytes)
-    if skipped:
-        print(f"moebal: skipped {skipped} file(s) of {source} that are not valid UTF-8", file=sys.stderr)
+    names, texts, bad = _read(source, text_key, max_bytes)
+    skipped = len(bad)
+    undecodable = f"{skipped} document(s) not valid UTF-8, the first {bad[0]}" if bad else ""
+    if bad:
+        print(f"moebal: skipped {undecodable} (.txt files and .jsonl lines must be UTF-8: convert them, e.g. "
+              f"iconv -f latin1 -t utf-8)", file=sys.stderr)
     if not texts:
         raise DataError(f"data.source '{source}' holds no text (no non-empty .txt/.jsonl documents"
-                        f"{f', {skipped} undecodable file(s)' if skipped else ''})")
+                        f"{f'; skipped {undecodable}' if bad else ''})")
     if units == "blocks":  # a file's blocks share its name: the split keeps them on one side
         pairs = [(n, b) for n, t in zip(names, texts)
                  for b in ([t] if ".jsonl:" in n else split_blocks(t))]
@@ -218,13 +227,15 @@ def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float
     return Corpus(source=source, tokenizer=tok, train=train, val=val, n_skipped=skipped, split_by=split_by)
 
 
-def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str], list[bytes], int]:
+def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str], list[bytes], list[str]]:
+    """The documents' names and bytes, and the names of those skipped as not UTF-8."""
     names: list[str] = []
     texts: list[bytes] = []
-    skipped = total = 0
+    skipped: list[str] = []
+    total = 0
     for name, data in iter_documents(source, text_key):
         if data is None:
-            skipped += 1
+            skipped.append(name)
             continue
         if max_bytes is not None and total + len(data) > max_bytes:
             data = data[: max_bytes - total]

@@ -10,9 +10,13 @@ last checkpoint; `moebal launch` itself refuses a run directory that already hol
 
 Quoting: a node's command is one shell string (what ssh hands to the remote login shell, or `sh -c` runs),
 and every value taken from the file is in it through `shlex.quote`, word by word. The template that carries
-it to the node is split into words once and never passed through a local shell: its placeholders fill whole
-words of the argv. So no host, path, override or environment value can change the command's structure,
-whatever characters it holds. Slurm directives only take values without whitespace (checked here).
+it to the node is split into words once and never passed through a local shell, but a word of it may reach a
+shell later (`sh -c 'echo {host}; ...'`, or the words ssh joins into the remote line): so {host}, {addr} and
+{node} always go in through `shlex.quote` (a plain host name is unchanged by it), {command} is already one
+quoted shell string, and a placeholder inside a quoted string of a template word is refused, since no
+quoting is right for every kind of quote around it. So no host, path, override or environment value can
+change the command's structure, whatever characters it holds. Slurm directives only take values without
+whitespace (checked here).
 
 The schema is the same kind as the run config's (`moebal.config`): frozen dataclasses with a docstring per
 field, unknown keys named with the closest valid key, every impossible value explained.
@@ -242,15 +246,44 @@ def _check_template(template: str) -> None:
         except ValueError as e:
             raise ConfigError(f"'ssh.command': bad placeholder in {word!r} ({e}); write a literal brace as "
                               f"{{{{ or }}}}") from None
-        for _, name, spec, conv in fields:
+        quote = ""  # the shell quote open before each placeholder, were the word read by a shell
+        for literal, name, spec, conv in fields:
+            quote = _quote_after(literal, quote)
             if name is None:
                 continue
             _need(name in PLACEHOLDERS and not spec and not conv,
                   f"'ssh.command': unknown placeholder {{{name}}} in {word!r}; placeholders: "
                   + ", ".join(f"{{{p}}}" for p in PLACEHOLDERS))
+            _need(not quote, f"'ssh.command': {{{name}}} is inside a {quote}-quoted string in {word!r}; values are "
+                             f"shell-quoted where they go in, so put the placeholder outside the quotes "
+                             f"(e.g. echo node={{{name}}})")
             names.append(name)
     _need("command" in names, f"'ssh.command' must contain {{command}} (the node's command), e.g. "
                               f"'ssh -tt {{host}} {{command}}'; got {template!r}")
+
+
+def _quote_after(text: str, quote: str) -> str:
+    """The shell quote (\' or \", or none: "") open after `text`, starting inside `quote`."""
+    escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quote != "'":
+            escaped = True
+        elif ch in "'\"" and quote in ("", ch):
+            quote = "" if quote else ch
+    return quote
+
+
+def _fill(word: str, values: dict[str, str]) -> str:
+    """One template word with a node's values: {command} as it is (a quoted shell string already), the
+    others through shlex.quote, so that they stay one literal word if a shell ever reads this one."""
+    out = []
+    for literal, name, _, _ in string.Formatter().parse(word):
+        out.append(literal)
+        if name is not None:
+            out.append(values[name] if name == "command" else shlex.quote(values[name]))
+    return "".join(out)
 
 
 def _check(c: ClusterConfig) -> None:
@@ -434,7 +467,7 @@ def node_commands(c: ClusterConfig, train: list[str], out: str) -> list[NodeComm
         remote = remote_command(c, i, train, out)
         values = {"host": node.host or "", "addr": node.addr or node.host or "", "node": c.node_name(i),
                   "command": remote}
-        cmds.append(NodeCommand(i, c.node_name(i), [w.format(**values) for w in words], remote))
+        cmds.append(NodeCommand(i, c.node_name(i), [_fill(w, values) for w in words], remote))
     return cmds
 
 

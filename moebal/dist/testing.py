@@ -7,6 +7,7 @@ with that rank's traceback; the others are stopped instead of waiting in a colle
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import signal
@@ -29,6 +30,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     import torch
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks for the stacks of a hung rank
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -59,8 +61,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 rank, ok, value = q.get(timeout=timeout_s)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                _dump_stacks(procs)
                 raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result within "
-                                   f"{timeout_s:.0f}s (exited without reporting: {dead})") from None
+                                   f"{timeout_s:.0f}s (exited without reporting: {dead}); the stacks of those still "
+                                   f"running are on stderr above") from None
             if not ok:
                 raise RuntimeError(_failures(q, rank, value))
             results[rank] = value
@@ -71,6 +75,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 p.terminate()
                 p.join()
     return [results[r] for r in range(world_size)]
+
+
+def _dump_stacks(procs: list[Any], wait_s: float = 2.0) -> None:
+    """Have every live rank print all its threads' stacks to stderr (faulthandler on SIGUSR1, see _entry)."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(wait_s)
 
 
 def _failures(q: Any, rank: int, value: str, grace_s: float = 5.0) -> str:

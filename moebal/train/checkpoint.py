@@ -363,7 +363,7 @@ class Checkpointer:
             if self.rank == 0:
                 self._complete(tmp, snap)
         except BaseException as e:  # noqa: BLE001 - reported to the caller at the next wait()
-            self._error = e
+            self._error = _as_input_error(e, snap.step, self.run_dir)
             _publish(tmp / f"rank-{self.rank:05d}.error", {"error": f"{type(e).__name__}: {e}"}, best_effort=True)
         self.last_write_s = time.perf_counter() - t0
 
@@ -430,6 +430,16 @@ class Checkpointer:
                                       f"{self.timeout_s:.0f} s into {tmp} (every rank must see the run directory: "
                                       f"put it on a filesystem shared by all nodes)")
             time.sleep(0.02)
+
+
+def _as_input_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
+    """An operating-system error of the write (a full disk, a quota, a read-only or vanished run directory) is
+    the user's to fix, so it becomes one line (CheckpointError); anything else is a bug and stays itself."""
+    if not isinstance(e, OSError) or e.errno is None:
+        return e
+    return CheckpointError(f"cannot write checkpoint {step} into {run_dir}: {e.strerror or e}"
+                           f"{f' ({e.filename})' if e.filename else ''}; the previous checkpoints are intact: free "
+                           f"space (or fix the directory) and continue with `moebal train --out {run_dir} --resume`")
 
 
 def _publish(path: Path, obj: Any, best_effort: bool = False) -> None:
@@ -544,9 +554,21 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             if not isinstance(manifest[key], dict):
                 raise TypeError(key)
         int(manifest["step"])
+        files = [*manifest["files"], *(e["file"] for k in ("tensors", "extra") for e in manifest.get(k, {}).values())]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
+    for name in files:
+        _check_inside(path, name)
     return dict(manifest)
+
+
+def _check_inside(path: Path, name: Any) -> None:
+    """A manifest names files of its own directory only: a path elsewhere (`../run/x`, `/abs/x`, a symlink out)
+    would load another checkpoint's tensors into this one, however well its checksum matches."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+    if not plain or not (path / name).resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"{path / 'manifest.json'} is corrupt: it lists {name!r}, which is not a file of "
+                              f"the checkpoint directory (a manifest may only name files inside it)")
 
 
 def _verify_file(path: Path, name: str, record: dict[str, Any] | None) -> None:

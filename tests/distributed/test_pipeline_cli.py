@@ -18,7 +18,7 @@ def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
            "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
            "pipeline.every=2", "pipeline.repack=true", "pipeline.repack_slack=100",
            "dynamism.early_exit.threshold=0.9", "dynamism.early_exit.first_layer=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 released at step 2" in proc.stderr and "rank 2 released at step 2" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -40,7 +40,7 @@ def test_train_pipeline_with_expert_parallel_stages(tmp_path):
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=16", "data.batch_size=8",
            "data.max_bytes=200000", "pipeline.every=2", "planner.policy=broadcast_topk", "planner.costs=rtx3090"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel" in proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -61,7 +61,7 @@ def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
            "model.max_seq_len=128", "moe.num_experts=0", "data.seq_len=128", "data.batch_size=16",
            "data.max_bytes=300000", "data.samples=documents", "data.units=blocks", "train.precision=fp32",
            "pipeline.dynamic.max_tokens=512", "pipeline.dynamic.lookahead=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dynamic micro-batching" in proc.stderr and "padding efficiency" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -82,7 +82,7 @@ def test_train_pipeline_zero_bubble_from_the_command_line_matches_1f1b(tmp_path)
                "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
                "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
                "pipeline.every=1", "train.precision=fp32"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[sched] = [r["loss"] for r in records]

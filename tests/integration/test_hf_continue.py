@@ -28,7 +28,7 @@ TEXTS = [f"document {i}: mixtures of experts route each token to a few experts; 
 def moebal(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "moebal.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
+                          timeout=600, cwd=ROOT)
 
 
 def _corpus(tmp: Path) -> Path:

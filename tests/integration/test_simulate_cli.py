@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +63,8 @@ def test_human_output(capsys) -> None:
     (["--ranks", "12", "--ep", "8"], "must divide the data-parallel size"),
     (["moe.top_kk=1"], "did you mean 'moe.top_k'"),
     (["--routing", "/nonexistent/routing.jsonl"], "cannot read it"),
+    (["--ranks", "0"], "--ranks must be >= 1; got 0"),
+    (["--ep", "0"], "--ep must be >= 1; got 0"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2
@@ -87,3 +91,15 @@ def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_pat
     out = _json(capsys, ["simulate", "--cluster", str(prof_path), "--ranks", "2", "--ep", "2", "--dtype", "fp32",
                          "--json"])
     assert out["meta"]["profile"] == "local" and out["iteration_time_s"] > 0
+
+
+def test_the_readme_row_of_the_1024_rank_simulation_is_what_its_command_prints(capsys) -> None:
+    # the row names its command; the figures must be that command's (they once came from another --cluster)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| 1,024-rank Mixtral-8x7B iteration"))
+    static, prophet = (float(x) for x in re.search(r"\| ([\d.]+) s \(([\d.]+) s with Pro-Prophet", row).groups())
+    command = re.search(r"`moebal (simulate [^`]+)`", row).group(1).split()
+    assert command == ["simulate", "mixtral-8x7b", "--cluster", "h100", "--ranks", "1024"]
+    assert round(_json(capsys, [*command, "--json"])["iteration_time_s"], 1) == static
+    assert round(_json(capsys, [*command, "--policy", "prophet", "--json"])["iteration_time_s"], 1) == prophet
+

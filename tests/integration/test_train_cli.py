@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -16,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def moebal(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "moebal.cli", "train", *args], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=ROOT)
+                          env=env, timeout=600, cwd=ROOT)
 
 
 def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     out = tmp_path / "run"
-    r = moebal("--steps", "3", "--out", str(out), *TINY, "train.ckpt_every=2")
+    tiny = [x for x in TINY if not x.startswith("train.steps=")]  # --steps sets it (both would be refused)
+    r = moebal("--steps", "3", "--out", str(out), *tiny, "train.ckpt_every=2")
     assert r.returncode == 0, r.stderr
     assert {"config.yaml", "metrics.jsonl", "dashboard.png", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
         {p.name for p in out.iterdir()}
@@ -31,7 +33,7 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert summary["steps"] == 3 and summary["val_loss"] < summary["unigram_entropy"] * 2
     assert summary["val_ratio"] == summary["val_loss"] / summary["unigram_entropy"]
     # a second run into the same directory must say how to continue instead of overwriting
-    again = moebal("--steps", "3", "--out", str(out), *TINY)
+    again = moebal("--steps", "3", "--out", str(out), *tiny)
     assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
     # --resume without CONFIG continues from the run's own config.yaml; more steps extend it
     r2 = moebal("--out", str(out), "--resume", "--steps", "5", "--json")
@@ -47,9 +49,45 @@ def test_cli_errors_are_one_clear_line(tmp_path):
         (["data.source=" + str(tmp_path / "missing")], "does not exist"),
         (["--out", str(tmp_path / "none"), "--resume"], "nothing to resume"),
         (["--resume"], "--resume needs --out"),
+        (["--steps", "2"], "--steps and the override train.steps=1 both set train.steps: give one of them"),
+        (["--out", str(tmp_path / "a"), "--resume", "--resume-from", str(tmp_path / "a" / "ckpt-0000001")],
+         "--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) conflict"),
     ]
     for args, expect in cases:
         r = moebal(*args, "train.steps=1")
         assert r.returncode == 2, (args, r.stderr)
         assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_full_disk_is_one_line_and_the_leftover_does_not_block_the_resume(tmp_path, monkeypatch, capsys):
+    from moebal.cli import main
+    from moebal.train import checkpoint
+
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith("train.steps=")]
+    real = checkpoint._fsync_write
+
+    def full_at_step_4(path, data):
+        if ".ckpt-0000004." in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "_fsync_write", full_at_step_4)
+    assert main(["train", "--steps", "4", "--out", str(out), *tiny, "train.ckpt_every=2", "parallel.nproc=1"]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.startswith(f"moebal train: error: cannot write checkpoint 4 into {out}: No space left on device")
+    assert [p.name for p in out.glob(".ckpt-*.tmp")]  # what the failed save left (taking the freed space)
+    monkeypatch.undo()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "4"]) == 0
+    assert not list(out.glob(".ckpt-*.tmp")) and (out / "ckpt-0000004").is_dir()
+    assert "resumed at step 2" in capsys.readouterr().err
+
+
+def test_an_unwritable_run_directory_and_an_impossible_size_are_one_line(tmp_path):
+    for args, expect in [(["--out", "/proc/nope/run"], "cannot create the run directory /proc/nope/run: "),
+                         (["model.dim=1e24", "--out", str(tmp_path / "big")], "parameters (model.dim=")]:
+        r = moebal(*args, "train.steps=1")
+        assert r.returncode == 2 and expect in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "big").exists()  # refused before anything was created

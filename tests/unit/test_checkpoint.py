@@ -3,6 +3,7 @@ kind of damage or mismatch, never a partial load, no pickle, several writers, ba
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -148,6 +149,21 @@ def test_the_newest_k_are_kept_and_the_previous_survives_a_failed_save(tmp_path,
     assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003", "ckpt-0000004"]
 
 
+def test_a_full_disk_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    model, opt = _trained()
+    good = _save(tmp_path, 1, model, opt)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr("moebal.train.checkpoint._fsync_write", full)
+    with pytest.raises(CheckpointError) as e:
+        _save(tmp_path, 2, model, opt)
+    assert str(e.value).startswith(f"cannot write checkpoint 2 into {tmp_path}: No space left on device (")
+    assert f"continue with `moebal train --out {tmp_path} --resume`" in str(e.value) and "\n" not in str(e.value)
+    assert find_checkpoints(tmp_path) == [good]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 @pytest.mark.parametrize("target", ["model-r00000.safetensors", "optim-r00000.safetensors", "state.json"])
 def test_a_damaged_file_is_named_and_the_previous_good_checkpoint_offered(tmp_path, damage, target):
@@ -195,6 +211,28 @@ def test_a_bad_manifest_has_its_own_message(tmp_path, damage):
     with pytest.raises(CheckpointError, match="previous good checkpoint is .*ckpt-0000001") as err:
         read_checkpoint(latest)
     assert expect in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute", "symlink"])
+def test_a_manifest_naming_a_file_outside_its_checkpoint_is_refused(tmp_path, how):
+    # another run's shard with its true size and sha256: only the path gives it away
+    a, a_opt = _trained(seed=1)
+    b, b_opt = _trained(seed=2)
+    other = _save(tmp_path / "other", 1, a, a_opt)
+    latest = _save(tmp_path / "run", 1, b, b_opt)
+    m = json.loads((latest / "manifest.json").read_text())
+    shard = "model-r00000.safetensors"
+    name = {"parent": f"../../other/{other.name}/{shard}", "absolute": str(other / shard), "symlink": "link"}[how]
+    if how == "symlink":
+        (latest / name).symlink_to(other / shard)
+    m["files"][name] = json.loads((other / "manifest.json").read_text())["files"][shard]
+    for entry in m["tensors"].values():
+        if entry["file"] == shard:
+            entry["file"] = name
+    (latest / "manifest.json").write_text(json.dumps(m))
+    fresh, fresh_opt = _trained(seed=3)
+    with pytest.raises(CheckpointError, match="which is not a file of the checkpoint directory"):
+        _unchanged_after(lambda: apply_checkpoint(read_checkpoint(latest), fresh, fresh_opt), fresh, fresh_opt)
 
 
 def _unchanged_after(fn, model: nn.Module, opt: torch.optim.Optimizer) -> None:

@@ -8,9 +8,11 @@ created by injected shell code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -43,7 +45,7 @@ def _fake_python(tmp: Path) -> Path:
         print("hello from", os.environ["FAKE_NODE"], flush=True)
         print("to stderr", file=sys.stderr, flush=True)
         with open(os.path.join(os.environ["FAKE_OUT"], os.environ["FAKE_NODE"] + ".json"), "w") as f:
-            json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}, f)
+            json.dump({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}}, f)
         time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
         sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
         """), encoding="utf-8")
@@ -140,10 +142,69 @@ def test_a_failing_node_stops_the_others(tmp_path, capsys):
     assert "node n2 failed (exit code 3); stopped the other nodes" in err
 
 
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signalled_launcher_stops_its_nodes_before_it_exits(tmp_path, sig):
+    # what a job scheduler does to `moebal launch`: the nodes (sessions of their own) must not be orphaned
+    data = _cluster(tmp_path)
+    for node in data["nodes"]:
+        node["env"].update(FAKE_SLEEP=120)
+    path = _write(tmp_path / "c.yaml", data)
+    launcher = subprocess.Popen([sys.executable, "-m", "moebal.cli", "launch", str(path)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    recs = [tmp_path / "rec" / f"{n}.json" for n in ("n1", "n2")]
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.is_file() and r.stat().st_size for r in recs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [json.loads(r.read_text())["pid"] for r in recs]
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + sig, err
+        assert f"moebal launch: interrupted ({signal.Signals(sig).name})" in err
+        assert not [pid for pid in pids if _running(pid)]  # stopped, and waited for
+    finally:
+        launcher.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_missing_launcher_program_is_one_clear_error(tmp_path, capsys):
     data = _cluster(tmp_path, ssh={"command": "no-such-ssh-program {host} {command}"})
     assert main(["launch", str(_write(tmp_path / "c.yaml", data))]) == 2
     assert "cannot start node n1: 'no-such-ssh-program'" in capsys.readouterr().err
+
+
+def test_a_host_inside_a_template_word_cannot_run_code(tmp_path, capsys):
+    # the placeholder is part of a word that `sh -c` runs as a script: the host must stay one literal word there
+    evil = f"n0;touch${{IFS}}{tmp_path}/x"
+    data = _cluster(tmp_path, nodes=[{"host": evil, "addr": "127.0.0.1", "slots": 1}],
+                    ssh={"command": "sh -c 'echo node={host}; exit 3' {command}", "stop_grace_s": 5})
+    path = _write(tmp_path / "c.yaml", data)
+    c = load_cluster(path)
+    [cmd] = node_commands(c, train_argv(c, "runs/o"), "runs/o")
+    assert cmd.argv[:3] == ["sh", "-c", f"echo node={shlex.quote(evil)}; exit 3"]
+    done = subprocess.run(cmd.argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (3, f"node={evil}\n")
+    assert not (tmp_path / "x").exists()
+    assert main(["launch", str(path), "--dry-run"]) == 0  # the dry run shows the quoted word
+    assert shlex.quote(f"echo node={shlex.quote(evil)}; exit 3") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("template", ["sh -c 'echo \"node={host}\"' {command}", "sh -c \"echo 'n={node}'\" {command}",
+                                      "sh -c \"echo \\\"{command}\\\"\""])
+def test_a_placeholder_inside_quotes_of_a_template_word_is_refused(tmp_path, template):
+    data = _cluster(tmp_path, ssh={"command": template})
+    with pytest.raises(ConfigError, match=r"is inside a .-quoted string in .*put the placeholder outside"):
+        load_cluster(_write(tmp_path / "c.yaml", data))
 
 
 @pytest.mark.parametrize("change, message", [

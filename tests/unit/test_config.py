@@ -35,6 +35,18 @@ def test_precedence_defaults_yaml_overrides(tmp_path):
     assert cfg.model == C.ModelConfig()  # untouched sections keep their defaults
 
 
+@pytest.mark.parametrize("text, line", [("train:\n  lr: 1e-3\n  steps: 5\n  lr: 3e-4\n", 2),
+                                        ("model:\n  dim: 64\nmodel:\n  dim: 32\n", 1)])
+def test_a_key_given_twice_is_refused(tmp_path, text, line):
+    with pytest.raises(ConfigError, match=rf"run.yaml: not valid YAML: .*twice in one mapping \(first on line {line}"):
+        C.load(_write(tmp_path, text))
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    p = _write(tmp_path, "base: &b {steps: 5, lr: 1e-3}\n")
+    assert yaml.load(p.read_text() + "x:\n  <<: *b\n  steps: 7\n", Loader=C._UniqueKeyLoader)["x"]["steps"] == 7
+
+
 def test_override_to_null_and_back():
     cfg = C.with_overrides(C.Config(), ["moe.capacity_factor=1.0", "moe.capacity_factor=null"])
     assert cfg.moe.capacity_factor is None

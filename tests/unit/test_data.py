@@ -105,16 +105,18 @@ def test_missing_and_empty_sources_raise_data_error(tmp_path):
         load_corpus(str(tmp_path / "a.csv"))
 
 
-def test_undecodable_files_are_skipped_and_counted(tmp_path, capsys):
+def test_undecodable_documents_are_skipped_and_counted_in_txt_and_jsonl_alike(tmp_path, capsys):
+    # one rule (docs/data.md): a .txt file or a .jsonl line that is not UTF-8 is skipped, counted and named
     _write_docs(tmp_path, 12)
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \x80")
+    (tmp_path / "mixed.jsonl").write_bytes(b'{"text": "fine text here"}\n{"text": "caf\xe9"}\n')
     c = load_corpus(str(tmp_path), val_fraction=0.2)
-    assert c.n_skipped == 1
-    assert "skipped 1 file" in capsys.readouterr().err
+    assert c.n_skipped == 2
+    assert "skipped 2 document(s) not valid UTF-8, the first bad.txt" in capsys.readouterr().err
     only_bad = tmp_path / "onlybad"
     only_bad.mkdir()
-    (only_bad / "b.txt").write_bytes(b"\xff\xff")
-    with pytest.raises(DataError, match="1 undecodable"):
+    (only_bad / "b.jsonl").write_bytes(b'{"text": "\xff\xff"}\n')
+    with pytest.raises(DataError, match="holds no text .*skipped 1 document.*the first b.jsonl:1"):
         load_corpus(str(only_bad))
 
 

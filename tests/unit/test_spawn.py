@@ -1,0 +1,38 @@
+"""`spawn_local`'s rendezvous: the job's store listens before any rank starts (no port race, no TCP self-connect).
+
+The ranks are a stand-in interpreter (`sys.executable` replaced) that records what it finds at start-up and
+exits, so the test needs no torch process group.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import textwrap
+
+from moebal.dist.launch import spawn_local
+
+
+def test_every_rank_finds_the_store_listening_when_it_starts(tmp_path, monkeypatch):
+    # a rank that connected to MASTER_PORT before anything listened there could be handed that very port for its
+    # own end by the kernel, connect to itself and wait for itself forever (the hang of a restarted job)
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import json, os, socket
+        s = socket.socket()
+        listening = s.connect_ex(("127.0.0.1", int(os.environ["MASTER_PORT"]))) == 0
+        s.close()
+        with open(os.path.join({str(tmp_path)!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+            json.dump({{"listening": listening, "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+                       "port": os.environ["MASTER_PORT"]}}, f)
+        """), encoding="utf-8")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    assert spawn_local(3, ["train"], max_restarts=0) == 0
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(s["listening"] and s["agent_store"] == "True" for s in seen), seen
+    assert len({s["port"] for s in seen}) == 1
+    with socket.socket() as s:  # the store went with the job
+        assert s.connect_ex(("127.0.0.1", int(seen[0]["port"]))) != 0
