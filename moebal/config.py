@@ -79,6 +79,12 @@ class ModelConfig:
     """Share the input embedding with the LM head."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection."""
+    qk_norm: Literal["none", "head", "full"] = "none"
+    """RMSNorm on queries and keys before rotary: per head over head_dim (Qwen3-MoE), over the whole q and k
+    projections (OLMoE), or none."""
+    sliding_window: int | None = None
+    """Each token attends to itself and the sliding_window - 1 tokens before it (Mixtral's `sliding_window`);
+    null: full causal attention."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
@@ -95,6 +101,8 @@ class MoEConfig:
     """Hidden width of one expert; null means model.ffn_dim."""
     every: int = 1
     """Layer i (0-based) is an MoE layer when (i + 1) % every == 0 (HF `decoder_sparse_step`)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers (0-based) that are dense MLPs whatever `every` says (HF `mlp_only_layers`)."""
     shared_experts: int = 0
     """Always-on shared experts added to the routed output (Qwen-MoE style)."""
     shared_ffn_dim: int | None = None
@@ -502,7 +510,7 @@ class Config:
         return self.moe.expert_ffn_dim or self.model.ffn_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
+        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i not in self.moe.dense_layers
 
 
 # --------------------------------------------------------------------------------------------
@@ -804,8 +812,9 @@ def _check_whole(c: Config) -> None:
           f"'model.head_dim' must be an even number >= 2 for rotary embeddings; got {m.head_dim}")
     _need(m.head_dim is not None or (m.dim // m.n_heads) % 2 == 0,
           f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
-    _need(d.seq_len <= m.max_seq_len,
-          f"'data.seq_len' ({d.seq_len}) exceeds 'model.max_seq_len' ({m.max_seq_len}): lower one or raise the other")
+    _need(d.seq_len <= m.max_seq_len, _seq_len_advice(c))
+    _need(m.sliding_window is None or m.sliding_window >= 1,
+          f"'model.sliding_window' must be at least 1 (or null for full attention); got {m.sliding_window}")
     _need(d.tokenizer != "byte" or m.vocab_size >= 256,
           f"the byte tokenizer needs 'model.vocab_size' >= 256; got {m.vocab_size}")
     _need(0.0 <= d.val_fraction < 1.0, f"'data.val_fraction' must be in [0, 1); got {d.val_fraction}")
@@ -845,6 +854,15 @@ def _check_whole(c: Config) -> None:
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
 
+def _seq_len_advice(c: Config) -> str:
+    m, d = c.model, c.data
+    head = f"'data.seq_len' ({d.seq_len}) exceeds 'model.max_seq_len' ({m.max_seq_len})"
+    if c.hf.init_from:  # max_seq_len is the checkpoint's max_position_embeddings: only one side may move
+        return (f"{head}, the longest sequence of hf.init_from's checkpoint (max_position_embeddings): lower "
+                f"data.seq_len to at most {m.max_seq_len}")
+    return f"{head}: lower one or raise the other"
+
+
 def _check_moe(c: Config) -> None:
     moe, par = c.moe, c.parallel
     _need(moe.num_experts >= 0, f"'moe.num_experts' must be >= 0 (0 = dense model); got {moe.num_experts}")
@@ -873,6 +891,8 @@ def _check_moe(c: Config) -> None:
           "'moe.shared_gate: true' gates the shared expert, but moe.shared_experts is 0: set shared_experts >= 1")
     _need(moe.every <= c.model.n_layers,
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
+    bad = [i for i in moe.dense_layers if not 0 <= i < c.model.n_layers]
+    _need(not bad, f"'moe.dense_layers' names layers {bad} outside 0..{c.model.n_layers - 1}: remove them")
 
 
 def _check_pipeline(p: PipelineConfig) -> None:

@@ -55,6 +55,47 @@ def tiny_qwen2_moe(path: Path, seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
+def _save_random(model: Any, path: Path, bias_std: float = 0.0, norm_std: float = 0.0, **save: Any) -> Any:
+    """Perturb what transformers initialises to constants (biases at zero, norm weights at one) so that a
+    mapping error in them shows in the logits, then save."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and bias_std:
+                p.normal_(0, bias_std)
+            if "norm" in name and norm_std:
+                p.add_(torch.randn_like(p) * norm_std)
+    _quiet_save(model, path, **save)
+    return model
+
+
+def tiny_qwen3_moe(path: Path, seed: int = 0, save: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    """A random Qwen3MoeForCausalLM saved to `path`: per-head q/k RMSNorm, head_dim 12 (not 32 / 4), MoE every
+    layer but the dense layer 1 (`mlp_only_layers`), untied; returns the model."""
+    transformers = transformers_or_skip()
+    kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                              num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                              norm_topk_prob=True, max_position_embeddings=64, rope_theta=20000.0,
+                              rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**kw)).eval()
+    return _save_random(model, path, norm_std=0.1, **(save or {}))
+
+
+def tiny_olmoe(path: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random OlmoeForCausalLM saved to `path`: q/k RMSNorm over the whole projections, GQA 4:2; returns it."""
+    transformers = transformers_or_skip()
+    kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                              norm_topk_prob=False, max_position_embeddings=64, rope_theta=10000.0,
+                              rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, pad_token_id=1)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**kw)).eval()
+    return _save_random(model, path, norm_std=0.1)
+
+
 def tiny_tokenizer(path: Path, texts: list[str], vocab_size: int = 96) -> Path:
     """A byte-level BPE tokenizer.json trained on `texts` with `tokenizers` (ids < vocab_size)."""
     tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (extra 'hf') is not installed")

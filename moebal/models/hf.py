@@ -58,6 +58,7 @@ from moebal.models.tensor_io import (
 __all__ = [
     "ARCHITECTURES",
     "HFFields",
+    "HFOrigin",
     "Link",
     "choose_arch",
     "config_fields",
@@ -65,6 +66,7 @@ __all__ = [
     "from_hf",
     "hf_config_for",
     "hf_links",
+    "hf_origin",
     "load_hf_weights",
     "read_hf_config",
     "to_hf",
@@ -73,8 +75,8 @@ __all__ = [
 
 # HF class name -> moebal's name for the layout
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "LlamaMoEForCausalLM": "llama_moe",
-                 "Qwen2MoeForCausalLM": "qwen2_moe"}
-_MODEL_TYPES = {"mixtral": "mixtral", "llama_moe": "llama_moe", "qwen2_moe": "qwen2_moe"}
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+_MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 _ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
 # Files of a HF model directory that are not weights and travel with an export (tokenizer, generation
 # defaults, the remote code LLaMA-MoE's config.json points to).
@@ -172,22 +174,21 @@ def _common(hf: dict[str, Any], where: str, *, rope: float, eps: float, kv_defau
             "n_layers": _get(hf, "num_hidden_layers", 32, where), "n_heads": heads, "n_kv_heads": kv,
             "head_dim": head_dim, "max_seq_len": _get(hf, "max_position_embeddings", max_pos, where),
             "rope_theta": _rope_theta(hf, rope, where), "norm_eps": _get(hf, "rms_norm_eps", eps, where, float),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qk_norm": "none", "sliding_window": None}
 
 
 def _mixtral(hf: dict[str, Any], where: str) -> HFFields:
     # Defaults are MixtralConfig's, so a config.json that omits a key means what it means to transformers.
     model = _common(hf, where, rope=1e6, eps=1e-5, kv_default=8, max_pos=4096 * 32, vocab=32000)
     window = hf.get("sliding_window")
-    if window is not None:
-        # Attention with a window of W equals full causal attention on sequences of at most W tokens:
-        # cap the sequence length there instead of implementing the window.
-        model["max_seq_len"] = min(model["max_seq_len"], int(window))
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise CheckpointError(f"{where}: 'sliding_window' must be a positive integer or null; got {window!r}")
+    model["sliding_window"] = window
     ffn = _get(hf, "intermediate_size", 14336, where)
     model["ffn_dim"] = ffn
     moe = {"num_experts": _get(hf, "num_local_experts", 8, where), "top_k": _get(hf, "num_experts_per_tok", 2, where),
-           "expert_ffn_dim": ffn, "every": 1, "shared_experts": 0, "shared_ffn_dim": None, "shared_gate": False,
-           "router": "linear", "gate": "softmax_topk", "norm_topk": True, "score_scale": 1.0}
+           "expert_ffn_dim": ffn, "every": 1, "dense_layers": (), "shared_experts": 0, "shared_ffn_dim": None,
+           "shared_gate": False, "router": "linear", "gate": "softmax_topk", "norm_topk": True, "score_scale": 1.0}
     defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float),
                         "jitter": _get(hf, "router_jitter_noise", 0.0, where, float)}}
     return HFFields("mixtral", {"model": model, "moe": moe}, defaults)
@@ -229,38 +230,95 @@ def _llama_moe(hf: dict[str, Any], where: str) -> HFFields:
                                   f"not supported (moe.score_scale is one number)")
         scale = scale[0]
     model["ffn_dim"] = total
-    moe = {"num_experts": E, "top_k": k, "expert_ffn_dim": width, "every": 1, "shared_experts": 0,
+    moe = {"num_experts": E, "top_k": k, "expert_ffn_dim": width, "every": 1, "dense_layers": (), "shared_experts": 0,
            "shared_ffn_dim": None, "shared_gate": False, "router": "mlp_tanh" if network == "mlp" else "linear",
            "gate": "topk_softmax", "norm_topk": True, "score_scale": float(scale)}
     noise = float(hf.get("gate_noise_epsilon", 0.01)) if hf.get("gate_add_noise", True) else None
     return HFFields("llama_moe", {"model": model, "moe": moe}, {"moe": {"router_noise": noise}})
 
 
+def _dense_layers(hf: dict[str, Any], where: str, n_layers: int) -> tuple[int, ...]:
+    layers = hf.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in layers):
+        raise CheckpointError(f"{where}: 'mlp_only_layers' must list layer indices in 0..{n_layers - 1}; "
+                              f"got {layers!r}")
+    return tuple(sorted(set(layers)))
+
+
+def _no_sliding_window(hf: dict[str, Any], where: str) -> None:
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window is true; moebal implements one window for every layer "
+                              f"(Mixtral's sliding_window), not Qwen's per-layer windows (max_window_layers)")
+
+
+def _num_experts(hf: dict[str, Any], where: str, default: int) -> int:
+    # transformers 5 saves Qwen3-MoE's num_experts under its attribute-map name num_local_experts
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    E = _get(hf, key, default, where)
+    if E < 1:
+        raise CheckpointError(f"{where}: {key} is {E}: a dense model is not an MoE checkpoint")
+    return E
+
+
+def _routed_moe(hf: dict[str, Any], where: str, n_layers: int, E: int, ffn: int) -> dict[str, Any]:
+    """The MoE fields Qwen2-MoE, Qwen3-MoE and OLMoE share: softmax, top-k, optionally renormalised."""
+    return {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", 8, where), "expert_ffn_dim": ffn,
+            "every": _get(hf, "decoder_sparse_step", 1, where), "dense_layers": _dense_layers(hf, where, n_layers),
+            "shared_experts": 0, "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
+            "gate": "softmax_topk", "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0}
+
+
 def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
     model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=16, max_pos=32768, vocab=151936)
-    if hf.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
-    if hf.get("mlp_only_layers"):
-        raise CheckpointError(f"{where}: mlp_only_layers {hf['mlp_only_layers']} is not supported; moebal places "
-                              f"MoE layers every decoder_sparse_step layers only")
+    _no_sliding_window(hf, where)
     shared = _get(hf, "shared_expert_intermediate_size", 5632, where)
-    if shared < 1:
-        raise CheckpointError(f"{where}: shared_expert_intermediate_size must be positive; got {shared}")
+    if shared < 0:
+        raise CheckpointError(f"{where}: shared_expert_intermediate_size must be >= 0; got {shared}")
     model["ffn_dim"] = _get(hf, "intermediate_size", 5632, where)
     model["attention_bias"] = bool(hf.get("qkv_bias", True))
-    E = _get(hf, "num_experts", 60, where)
-    if E < 1:
-        raise CheckpointError(f"{where}: num_experts is {E}: a dense Qwen2 model is not an MoE checkpoint")
-    moe = {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", 4, where),
-           "expert_ffn_dim": _get(hf, "moe_intermediate_size", 1408, where),
-           "every": _get(hf, "decoder_sparse_step", 1, where), "shared_experts": 1, "shared_ffn_dim": shared,
-           "shared_gate": True, "router": "linear", "gate": "softmax_topk",
-           "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0}
+    moe = _routed_moe(hf, where, model["n_layers"], _num_experts(hf, where, 60),
+                      _get(hf, "moe_intermediate_size", 1408, where))
+    if shared:  # size 0: the checkpoint's shared expert has empty weights (no shared expert)
+        moe.update(shared_experts=1, shared_ffn_dim=shared, shared_gate=True)
     defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float)}}
     return HFFields("qwen2_moe", {"model": model, "moe": moe}, defaults)
 
 
-_FIELDS = {"mixtral": _mixtral, "llama_moe": _llama_moe, "qwen2_moe": _qwen2_moe}
+def _qwen3_moe(hf: dict[str, Any], where: str) -> HFFields:
+    # Qwen3MoeConfig's defaults; the architecture is Qwen2-MoE's without shared expert and biases, plus an
+    # RMSNorm over each query and key head before rotary.
+    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=4, max_pos=32768, vocab=151936)
+    _no_sliding_window(hf, where)
+    if hf.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias is true; biases on q, k, v and o are not supported "
+                              f"(moebal has q/k/v biases only)")
+    model.update(ffn_dim=_get(hf, "intermediate_size", 6144, where), qk_norm="head")
+    moe = _routed_moe(hf, where, model["n_layers"], _num_experts(hf, where, 128),
+                      _get(hf, "moe_intermediate_size", 768, where))
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float)}}
+    return HFFields("qwen3_moe", {"model": model, "moe": moe}, defaults)
+
+
+def _olmoe(hf: dict[str, Any], where: str) -> HFFields:
+    # OlmoeConfig's defaults; every layer is MoE, q and k are normalised over the whole projection.
+    model = _common(hf, where, rope=10000.0, eps=1e-5, kv_default=None, max_pos=4096, vocab=50304)
+    for key in ("attention_bias", "clip_qkv"):
+        if hf.get(key):
+            raise CheckpointError(f"{where}: {key} is {hf[key]!r}; moebal maps OLMoE without it (the released "
+                                  f"OLMoE-1B-7B sets it to false/null)")
+    if "head_dim" in hf and model["head_dim"] is not None:
+        raise CheckpointError(f"{where}: OLMoE's head width is hidden_size / num_attention_heads; got head_dim "
+                              f"{hf['head_dim']}")
+    ffn = _get(hf, "intermediate_size", 1024, where)
+    model.update(ffn_dim=ffn, qk_norm="full")
+    moe = _routed_moe({**hf, "decoder_sparse_step": 1, "mlp_only_layers": []}, where, model["n_layers"],
+                      _num_experts(hf, where, 64), ffn)
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.01, where, float)}}
+    return HFFields("olmoe", {"model": model, "moe": moe}, defaults)
+
+
+_FIELDS = {"mixtral": _mixtral, "llama_moe": _llama_moe, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
+           "olmoe": _olmoe}
 
 
 def fields_of(hf: dict[str, Any], where: str) -> HFFields:
@@ -268,8 +326,8 @@ def fields_of(hf: dict[str, Any], where: str) -> HFFields:
     return _FIELDS[architecture(hf, where)](hf, where)
 
 
-_MOE_SHAPE = ("num_experts", "top_k", "expert_ffn_dim", "every", "shared_experts", "shared_ffn_dim", "shared_gate",
-              "router", "gate", "norm_topk", "score_scale")
+_MOE_SHAPE = ("num_experts", "top_k", "expert_ffn_dim", "every", "dense_layers", "shared_experts", "shared_ffn_dim",
+              "shared_gate", "router", "gate", "norm_topk", "score_scale")
 
 
 def is_moebal_dir(path: str | Path) -> bool:
@@ -326,6 +384,13 @@ class Link:
     hf: str
     ours: str
     index: int | None = None
+    zeros: tuple[int, ...] | None = None
+    """Set (with `ours` empty) for a HF tensor moebal has no parameter for because it does nothing: read past
+    when loading, written as zeros of this shape (Qwen2-MoE's empty shared expert and its gate)."""
+    hf_row: int | None = None
+    """transformers 5's fused layout (read only): `ours` row `index` is row `hf_row` of the stacked HF tensor..."""
+    half: int | None = None
+    """... or its first (0, gate) or second (1, up) half along the row's first dim (`gate_up_proj`)."""
 
 
 _EXPERT_NAMES = {  # HF per-expert names of moebal's w1 (gate), w3 (up), w2 (down)
@@ -335,6 +400,7 @@ _EXPERT_NAMES = {  # HF per-expert names of moebal's w1 (gate), w3 (up), w2 (dow
     "llama_moe": ("mlp.", "calculator.experts.weight_gate.{e}", "calculator.experts.weight_up.{e}",
                   "calculator.experts.weight_down.{e}"),
 }
+_EXPERT_NAMES["qwen3_moe"] = _EXPERT_NAMES["olmoe"] = _EXPERT_NAMES["qwen2_moe"]
 
 
 def _router_links(cfg: Config, arch: str, hp: str, op: str) -> list[Link]:
@@ -361,8 +427,28 @@ def moebal_links(cfg: Config) -> list[Link]:
     return [Link(n, n) for n in names if n not in skip and not n.endswith("expert_bias")]
 
 
-def hf_links(cfg: Config, arch: str) -> list[Link]:
-    """Every HF tensor of `arch` for the model `cfg` describes, in checkpoint order (layer by layer)."""
+def _fused_expert_links(hp: str, op: str, num_experts: int) -> list[Link]:
+    """transformers 5's own layout (`save_original_format=False`): per layer one gate_up_proj [E, 2F, D] (gate
+    rows first) and one down_proj [E, D, F]."""
+    links = []
+    for e in range(num_experts):
+        links += [Link(hp + "experts.gate_up_proj", op + "experts.w1", e, hf_row=e, half=0),
+                  Link(hp + "experts.gate_up_proj", op + "experts.w3", e, hf_row=e, half=1),
+                  Link(hp + "experts.down_proj", op + "experts.w2", e, hf_row=e)]
+    return links
+
+
+_FUSED_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # the layouts transformers 5 has a fused form of
+
+
+def is_fused(names: Iterable[str]) -> bool:
+    """Whether checkpoint tensor names are in transformers 5's fused expert layout."""
+    return any(n.endswith(".experts.gate_up_proj") for n in names)
+
+
+def hf_links(cfg: Config, arch: str, fused: bool = False) -> list[Link]:
+    """Every HF tensor of `arch` for the model `cfg` describes, in checkpoint order (layer by layer); `fused`:
+    the experts in transformers 5's fused layout (read only: exports use the per-expert layout)."""
     if arch == "moebal":
         return moebal_links(cfg)
     m, moe = cfg.model, cfg.moe
@@ -374,13 +460,17 @@ def hf_links(cfg: Config, arch: str) -> list[Link]:
             links.append(Link(f"{p}self_attn.{proj}.weight", f"{p}self_attn.{proj}.weight"))
             if m.attention_bias and proj != "o_proj":
                 links.append(Link(f"{p}self_attn.{proj}.bias", f"{p}self_attn.{proj}.bias"))
+        if m.qk_norm != "none":
+            links += [Link(f"{p}self_attn.{n}.weight", f"{p}self_attn.{n}.weight") for n in ("q_norm", "k_norm")]
         if not cfg.is_moe_layer(i):
             links += [Link(f"{p}mlp.{n}.weight", f"{p}mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")]
             continue
         sub, w1, w3, w2 = _EXPERT_NAMES[arch]
-        hp, op = p + sub, p + "block_sparse_moe."
+        hp, op = p + ("mlp." if fused else sub), p + "block_sparse_moe."
         links += _router_links(cfg, arch, hp, op)
-        for e in range(moe.num_experts):
+        if fused:
+            links += _fused_expert_links(hp, op, moe.num_experts)
+        for e in range(0 if fused else moe.num_experts):
             links += [Link(hp + w1.format(e=e), op + "experts.w1", e), Link(hp + w3.format(e=e), op + "experts.w3", e),
                       Link(hp + w2.format(e=e), op + "experts.w2", e)]
         if moe.shared_experts:
@@ -388,6 +478,11 @@ def hf_links(cfg: Config, arch: str) -> list[Link]:
                       for n in ("gate_proj", "up_proj", "down_proj")]
             if moe.shared_gate:
                 links.append(Link(hp + "shared_expert_gate.weight", op + "shared_expert_gate.weight"))
+        elif arch == "qwen2_moe":  # transformers keeps an empty shared expert whose gate multiplies nothing
+            D = m.dim
+            links += [Link(f"{hp}shared_expert.{n}.weight", "", zeros=shape)
+                      for n, shape in (("gate_proj", (0, D)), ("up_proj", (0, D)), ("down_proj", (D, 0)))]
+            links.append(Link(hp + "shared_expert_gate.weight", "", zeros=(1, D)))
     links.append(Link("model.norm.weight", "model.norm.weight"))
     if not m.tie_embeddings:
         links.append(Link("lm_head.weight", "lm_head.weight"))
@@ -414,11 +509,46 @@ def _show(names: Iterable[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def _refuse_fused_experts(info: dict[str, Any], arch: str, where: str) -> None:
+    fused = sorted(n for n in info if n.endswith(".experts.gate_up_proj"))
+    if fused and arch not in _FUSED_ARCHS:
+        raise CheckpointError(
+            f"{where}: the experts are in transformers 5's fused layout ('{fused[0]}', one [E, 2F, D] gate_up_proj "
+            f"and one [E, D, F] down_proj per layer, written by save_pretrained(..., save_original_format=False)), "
+            f"which moebal reads for {', '.join(_FUSED_ARCHS)} but not for {arch}: "
+            f"re-save once with "
+            f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) (save_original_format=True, the "
+            f"default)")
+
+
+def _hf_shape(ln: Link, ours: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape HF tensor `ln.hf` must have, given moebal's (whole) tensor shapes."""
+    if ln.zeros is not None:
+        return ln.zeros
+    if ln.index is None:
+        return ours[ln.ours]
+    E, *row = ours[ln.ours]
+    if ln.half is not None:
+        row[0] *= 2
+    return (E, *row) if ln.hf_row is not None else tuple(row)
+
+
+def read_link(reader: ScratchReader, ln: Link) -> torch.Tensor:
+    """The values of moebal tensor `ln.ours` (row `ln.index`) that HF tensor `ln.hf` holds (valid until the
+    reader's next read)."""
+    t = reader.read(ln.hf, ln.hf_row)
+    if ln.half is not None:
+        F = t.shape[0] // 2
+        t = t[ln.half * F:(ln.half + 1) * F]
+    return t
+
+
 def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[int, ...]], arch: str,
                  tied: bool, where: str) -> None:
     """Every linked tensor present with the right shape, nothing unexpected left over; CheckpointError
     naming the tensors, their files and the likely fix otherwise."""
     info = source.info()
+    _refuse_fused_experts(info, arch, where)
     want = {ln.hf for ln in links}
     skip = _ignorable(arch, tied)
     missing = sorted(want - set(info))
@@ -434,7 +564,7 @@ def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[
         raise CheckpointError("; ".join(msg))
     wrong = []
     for ln in links:
-        shape = ours[ln.ours] if ln.index is None else ours[ln.ours][1:]
+        shape = _hf_shape(ln, ours)
         got = info[ln.hf]
         if got.shape != shape:
             wrong.append(f"'{ln.hf}' in {got.where} is {list(got.shape)}, expected {list(shape)}")
@@ -478,7 +608,7 @@ def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, whe
     """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time; with
     `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read)."""
     cfg: Config = model.config  # type: ignore[assignment]
-    links = hf_links(cfg, arch)
+    links = hf_links(cfg, arch, fused=arch in _FUSED_ARCHS and is_fused(source.info()))
     state = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     row = None
@@ -487,7 +617,7 @@ def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, whe
         stacked = {ln.ours for ln in links if ln.index is not None}
         shapes.update({k: (cfg.moe.num_experts, *shapes[k][1:]) for k in stacked})
     check_source(source, links, shapes, arch, cfg.model.tie_embeddings, where)
-    covered = {ln.ours for ln in links} | {k for k in state if k.endswith("expert_bias")}
+    covered = {ln.ours for ln in links if ln.zeros is None} | {k for k in state if k.endswith("expert_bias")}
     if cfg.model.tie_embeddings:
         covered.add("lm_head.weight")
     assert covered == set(state), sorted(set(state) - covered)  # the mapping covers the whole model
@@ -495,16 +625,19 @@ def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, whe
     reader = ScratchReader(source).prime()
     with torch.no_grad():
         for ln in links:
+            if ln.zeros is not None:
+                continue  # no moebal parameter: it does nothing
             index = ln.index
             if index is not None and row is not None:
                 if index not in row:
                     continue  # another rank's expert
                 index = row[index]
             target = state[ln.ours] if index is None else state[ln.ours][index]
-            if info[ln.hf].dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu":
-                source.read(ln.hf, out=target)  # straight into the parameter's storage
+            direct = info[ln.hf].dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"
+            if direct and ln.half is None:
+                source.read(ln.hf, ln.hf_row, out=target)  # straight into the parameter's storage
             else:
-                target.copy_(reader.read(ln.hf))  # through one reused buffer: dtype or device change
+                target.copy_(read_link(reader, ln))  # through one reused buffer: dtype change or a fused half
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
@@ -546,7 +679,29 @@ def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype |
         load_hf_weights(model, source, arch, where, experts)
     finally:
         source.close()
+    # to_hf keeps this config.json's keys and copies the directory's tokenizer files, even if it is gone by then
+    model.hf_origin = hf_origin(path)
     return model
+
+
+@dataclass(frozen=True)
+class HFOrigin:
+    """Where a model came from: the original config.json (None for a moebal directory without one) and the
+    directory holding its tokenizer and generation files."""
+
+    base: dict[str, Any] | None
+    path: Path
+
+
+def hf_origin(path: str | Path | None) -> HFOrigin | None:
+    """The origin of a model loaded from `path` (a HF or moebal weights directory), None when it is not one."""
+    if not path or not Path(path).is_dir():
+        return None
+    p = Path(path)
+    if is_moebal_dir(p):
+        base = p / BASE_CONFIG
+        return HFOrigin(json.loads(base.read_text(encoding="utf-8")) if base.is_file() else None, p)
+    return HFOrigin(read_hf_config(p), p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,14 +709,49 @@ def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype |
 
 
 def choose_arch(cfg: Config) -> str:
-    """The HF layout that expresses a moebal model: LLaMA-MoE for the tanh-MLP router, Qwen2-MoE for shared
-    experts, dense layers or attention biases, Mixtral otherwise."""
+    """The HF layout that expresses a moebal model: Qwen3-MoE for per-head q/k norms, OLMoE for whole-projection
+    q/k norms, LLaMA-MoE for the tanh-MLP router, Qwen2-MoE for shared experts, dense layers or attention
+    biases, Mixtral otherwise."""
     moe = cfg.moe
+    if cfg.model.qk_norm != "none":
+        return "qwen3_moe" if cfg.model.qk_norm == "head" else "olmoe"
     if moe.router == "mlp_tanh" or moe.score_scale != 1.0 or moe.router_noise is not None:
         return "llama_moe"
-    if moe.shared_experts or moe.every != 1 or cfg.model.attention_bias or not moe.norm_topk:
+    if (moe.shared_experts or moe.every != 1 or moe.dense_layers or cfg.model.attention_bias
+            or not moe.norm_topk):
         return "qwen2_moe"
     return "mixtral"
+
+
+# What each layout can express beyond the Mixtral core (a plain linear router, softmax, renormalised top-k).
+_CAN = {
+    "mixtral": {"sliding_window"},
+    "llama_moe": {"llama_router"},
+    "qwen2_moe": {"shared", "dense", "bias", "unnormalised"},
+    "qwen3_moe": {"dense", "unnormalised", "qk_head"},
+    "olmoe": {"unnormalised", "qk_full"},
+}
+
+
+def _needs(cfg: Config) -> dict[str, str]:
+    """The features of the model `cfg` beyond the Mixtral core, each with the setting that asks for it."""
+    m, moe = cfg.model, cfg.moe
+    needs = {}
+    if m.sliding_window is not None:
+        needs["sliding_window"] = "a sliding window (model.sliding_window)"
+    if moe.router != "linear" or moe.score_scale != 1.0 or moe.router_noise is not None:
+        needs["llama_router"] = "moe.router / moe.score_scale / moe.router_noise (LLaMA-MoE's router)"
+    if moe.shared_experts:
+        needs["shared"] = "shared experts (moe.shared_experts)"
+    if moe.every != 1 or moe.dense_layers:
+        needs["dense"] = "dense layers between MoE layers (moe.every, moe.dense_layers)"
+    if m.attention_bias:
+        needs["bias"] = "attention biases (model.attention_bias)"
+    if not moe.norm_topk:
+        needs["unnormalised"] = "moe.norm_topk: false"
+    if m.qk_norm != "none":
+        needs["qk_" + m.qk_norm] = f"model.qk_norm: {m.qk_norm}"
+    return needs
 
 
 def check_exportable(cfg: Config, arch: str) -> None:
@@ -576,28 +766,19 @@ def check_exportable(cfg: Config, arch: str) -> None:
     if moe.bias_update_rate > 0:
         problems.append("the auxiliary-loss-free selection bias (moe.bias_update_rate > 0) has no place in these "
                         "layouts")
-    if arch != "qwen2_moe":
-        if moe.shared_experts:
-            problems.append("shared experts need the qwen2_moe layout")
-        if moe.every != 1:
-            problems.append("dense layers between MoE layers (moe.every > 1) need the qwen2_moe layout")
-        if m.attention_bias:
-            problems.append("attention biases need the qwen2_moe layout")
-        if not moe.norm_topk:
-            problems.append("moe.norm_topk: false needs the qwen2_moe layout")
-    else:
-        if not moe.shared_experts or not moe.shared_gate:
-            problems.append("the qwen2_moe layout always has a gated shared expert (moe.shared_experts: 1, "
-                            "moe.shared_gate: true)")
-        if moe.shared_experts > 1 and moe.shared_ffn_dim is None:
-            problems.append("several shared experts are exported as one; set moe.shared_ffn_dim")
-    if arch != "llama_moe":
-        if moe.router != "linear":
-            problems.append(f"moe.router '{moe.router}' needs the llama_moe layout")
-        if moe.score_scale != 1.0:
-            problems.append("moe.score_scale != 1 needs the llama_moe layout")
-        if moe.router_noise is not None:
-            problems.append("noisy gating (moe.router_noise) needs the llama_moe layout")
+    for need, what in _needs(cfg).items():
+        if need not in _CAN[arch]:
+            fits = [a for a, can in _CAN.items() if need in can]
+            problems.append(f"{what} needs the {' or '.join(fits)} layout")
+    if arch in ("qwen3_moe", "olmoe") and m.qk_norm == "none":
+        problems.append(f"the {arch} layout always normalises q and k (model.qk_norm: "
+                        f"{'head' if arch == 'qwen3_moe' else 'full'})")
+    if arch == "qwen2_moe" and moe.shared_experts and not moe.shared_gate:
+        problems.append("the qwen2_moe layout gates its shared expert (moe.shared_gate: true)")
+    if arch == "qwen2_moe" and moe.shared_experts > 1 and moe.shared_ffn_dim is None:
+        problems.append("several shared experts are exported as one; set moe.shared_ffn_dim")
+    if arch == "olmoe" and m.head_dim is not None and m.head_dim * m.n_heads != m.dim:
+        problems.append("the olmoe layout has no head_dim: model.head_dim must be model.dim / model.n_heads")
     if problems:
         raise ConfigError(f"cannot export to the {arch} layout: " + "; ".join(problems))
 
@@ -613,15 +794,21 @@ def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
     if m.head_dim is not None:
         out["head_dim"] = m.head_dim
     F = cfg.expert_ffn_dim
+    routed = dict(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.norm_topk,
+                  router_aux_loss_coef=moe.aux_loss_coef)
     if arch == "mixtral":
         out.update(intermediate_size=F, num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                   sliding_window=None, router_aux_loss_coef=moe.aux_loss_coef, router_jitter_noise=moe.jitter)
-    elif arch == "qwen2_moe":
-        out.update(intermediate_size=m.ffn_dim, moe_intermediate_size=F, num_experts=moe.num_experts,
-                   num_experts_per_tok=moe.top_k, decoder_sparse_step=moe.every, mlp_only_layers=[],
-                   shared_expert_intermediate_size=moe.shared_ffn_dim or moe.shared_experts * F,
-                   norm_topk_prob=moe.norm_topk, qkv_bias=m.attention_bias, use_sliding_window=False,
-                   router_aux_loss_coef=moe.aux_loss_coef)
+                   sliding_window=m.sliding_window, router_aux_loss_coef=moe.aux_loss_coef,
+                   router_jitter_noise=moe.jitter)
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        out.update(routed, intermediate_size=m.ffn_dim, moe_intermediate_size=F, decoder_sparse_step=moe.every,
+                   mlp_only_layers=list(moe.dense_layers), use_sliding_window=False, sliding_window=None)
+        if arch == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=_shared_width(cfg), qkv_bias=m.attention_bias)
+        else:
+            out.update(head_dim=cfg.head_dim, attention_bias=False)
+    elif arch == "olmoe":
+        out.update(routed, intermediate_size=F, attention_bias=False, clip_qkv=None)
     else:
         out.update(intermediate_size=F * moe.num_experts, size_experts=[[F] * moe.num_experts] * m.n_layers,
                    num_experts=moe.num_experts, num_selects=moe.top_k,
@@ -630,6 +817,12 @@ def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
                    add_weight_norm=False, score_scale_factor=moe.score_scale, attention_bias=False,
                    gate_add_noise=moe.router_noise is not None, gate_noise_epsilon=moe.router_noise or 0.01)
     return out
+
+
+def _shared_width(cfg: Config) -> int:
+    """Width of the (one) HF shared expert: 0 when the model has none."""
+    moe = cfg.moe
+    return (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
 
 
 def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -642,19 +835,20 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     where = "the base config.json"
     f = fields_of(base, where)
     if f.arch != arch:
-        raise ConfigError(f"the model was loaded from a {f.arch} checkpoint but is exported as {arch}")
+        raise ConfigError(f"the model was loaded from a {f.arch} checkpoint but is exported as {arch}: keep "
+                          f"{f.arch}, or write a config from the model alone (to_hf(..., keep_origin=False))")
     ours = {"model": {k: getattr(cfg.model, k) for k in f.shape["model"]},
             "moe": {k: getattr(cfg.moe, k) for k in f.shape["moe"]}}
     diff = [f"{s}.{k}: {ours[s][k]!r} vs {v!r}" for s in ("model", "moe") for k, v in f.shape[s].items()
             if ours[s][k] != v]
     if diff:
         raise ConfigError(f"the model no longer has the shape of its base config.json ({'; '.join(diff[:4])}): "
-                          f"export without the base config")
+                          f"export without the base config (to_hf(..., keep_origin=False))")
     out = dict(base)
     out["torch_dtype" if "torch_dtype" in base or "dtype" not in base else "dtype"] = dtype_name
     if arch == "mixtral":
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef, router_jitter_noise=cfg.moe.jitter)
-    elif arch == "qwen2_moe":
+    elif arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef)
     else:
         out.update(gate_add_noise=cfg.moe.router_noise is not None)
@@ -668,6 +862,9 @@ def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) ->
     reader = ScratchReader(source).prime()
     out = []
     for ln in links:
+        if ln.zeros is not None:
+            out.append(OutTensor(ln.hf, dtype, ln.zeros, lambda shape=ln.zeros: torch.zeros(shape, dtype=dtype)))
+            continue
         if ln.ours not in info:
             raise CheckpointError(f"the moebal weights lack '{ln.ours}' (needed for HF tensor '{ln.hf}')")
         shape = info[ln.ours].shape if ln.index is None else info[ln.ours].shape[1:]
@@ -745,14 +942,19 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
           dtype: torch.dtype | str | None = None, shard_bytes: int = 5 * 10**9, base: dict[str, Any] | None = None,
-          copy_from: str | Path | None = None, overwrite: bool = False) -> Path:
+          copy_from: str | Path | None = None, overwrite: bool = False, keep_origin: bool = True) -> Path:
     """Write `model` (a moebal model) as a HF checkpoint directory `transformers` loads.
 
-    `arch`: 'mixtral', 'llama_moe' or 'qwen2_moe' (default: the one that expresses the model, see
-    `choose_arch`). `dtype`: of the written weights (default: the model's). `base`: the config.json the model
-    came from, whose other keys are kept. `copy_from`: a directory whose tokenizer and remote-code files are
-    copied along."""
+    `arch`: one of `ARCHITECTURES`' layouts (default: the one the model came from, else the one that expresses
+    it, see `choose_arch`). `dtype`: of the written weights (default: the model's). `base`: the config.json
+    whose keys are kept; `copy_from`: a directory whose tokenizer, generation and remote-code files are copied
+    along. Both default to the model's origin (the directory `from_hf` read, or the config's `hf.init_from`):
+    an export then keeps every key of the original config.json (after checking the model still has its shape)
+    and its tokenizer. `keep_origin=False` writes config.json from the model's config alone."""
     cfg: Config = model.config  # type: ignore[assignment]
+    origin = (getattr(model, "hf_origin", None) or hf_origin(cfg.hf.init_from)) if keep_origin else None
+    if origin is not None and base is None and copy_from is None:
+        base, copy_from = origin.base, origin.path
     params = dict(model.state_dict())
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in DTYPE_NAMES:
@@ -826,10 +1028,10 @@ def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str |
     try:
         with torch.device("meta"):
             shapes = {k: tuple(v.shape) for k, v in MoebalForCausalLM(cfg).state_dict().items()}
-        links = hf_links(cfg, arch)
+        links = hf_links(cfg, arch, fused=arch in _FUSED_ARCHS and is_fused(source.info()))
         check_source(source, links, shapes, arch, cfg.model.tie_embeddings, str(src))
         parts: dict[str, list[Link]] = {}
-        for ln in links:
+        for ln in (ln for ln in links if ln.zeros is None):
             parts.setdefault(ln.ours, []).append(ln)
         reader = ScratchReader(source).prime()
         entries = []
@@ -837,7 +1039,7 @@ def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str |
             group.sort(key=lambda ln: -1 if ln.index is None else ln.index)
 
             def produce(group: list[Link] = group) -> Iterable[torch.Tensor]:
-                return (reader.read(ln.hf) for ln in group)
+                return (read_link(reader, ln) for ln in group)
 
             entries.append(OutTensor(name, out_dtype, shapes[name], produce))
         if final.exists() and not overwrite:

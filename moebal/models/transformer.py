@@ -69,26 +69,60 @@ def apply_rotary(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tenso
     return x_BHTK * cos_TK + _rotate_half(x_BHTK) * sin_TK
 
 
-class Attention(nn.Module):
-    """Grouped-query causal attention through `scaled_dot_product_attention`."""
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, T] boolean mask, True where query t may attend key s: s <= t and t - s < window (HF's sliding
+    window: a token sees itself and the window - 1 tokens before it)."""
+    t_T = torch.arange(seq_len, device=device)
+    diff_TT = t_T[:, None] - t_T[None, :]
+    return (diff_TT >= 0) & (diff_TT < window)
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False) -> None:
+
+class Attention(nn.Module):
+    """Grouped-query causal attention through `scaled_dot_product_attention`, optionally within a sliding window
+    and with RMSNorm on queries and keys (`qk_norm`: "head" normalises each head, Qwen3-MoE; "full" the whole
+    projection, OLMoE)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False, *,
+                 qk_norm: str = "none", norm_eps: float = 1e-5, sliding_window: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.qk_norm, self.sliding_window = qk_norm, sliding_window
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
+        elif qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, norm_eps), RMSNorm(n_kv_heads * head_dim, norm_eps)
+        elif qk_norm != "none":
+            raise ValueError(f"Attention: qk_norm must be none, head or full; got {qk_norm!r}")
+
+    def _project(self, x_BTD: torch.Tensor, proj: nn.Linear, heads: int, norm: str) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        y = proj(x_BTD)
+        if self.qk_norm == "full":
+            y = getattr(self, norm)(y)
+        y_BTHK = y.view(B, T, heads, self.head_dim)
+        if self.qk_norm == "head":
+            y_BTHK = getattr(self, norm)(y_BTHK)
+        return y_BTHK.transpose(1, 2)
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BHTK = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGTK = self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTK = self._project(x_BTD, self.q_proj, self.n_heads, "q_norm")
+        k_BGTK = self._project(x_BTD, self.k_proj, self.n_kv_heads, "k_norm")
         v_BGTK = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTK = apply_rotary(q_BHTK, cos_TK, sin_TK)
         k_BGTK = apply_rotary(k_BGTK, cos_TK, sin_TK)
-        o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True,
-                                                enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if self.sliding_window is not None and self.sliding_window < T:
+            # Within the window the mask is plain causal; only longer sequences need the explicit mask (and lose
+            # the is_causal fast path).
+            mask_TT = window_mask(T, self.sliding_window, x_BTD.device)
+            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_TT, enable_gqa=gqa)
+        else:
+            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
         return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -100,7 +134,8 @@ class DecoderLayer(nn.Module):
         m = cfg.model
         self.index = index
         self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
-        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim, m.attention_bias)
+        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim, m.attention_bias,
+                                   qk_norm=m.qk_norm, norm_eps=m.norm_eps, sliding_window=m.sliding_window)
         self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:

@@ -79,18 +79,10 @@ def checkpoint_weights(path: str | Path) -> CheckpointWeights:
 
 def _base_of(cfg: Config) -> tuple[dict[str, Any] | None, Path | None]:
     """The config.json (and the directory) the run started from, when it is still there."""
-    from moebal.models.hf import BASE_CONFIG, is_moebal_dir, read_hf_config
+    from moebal.models.hf import hf_origin
 
-    init = cfg.hf.init_from
-    if not init or not Path(init).is_dir():
-        return None, None
-    p = Path(init)
-    if is_moebal_dir(p):
-        import json
-
-        base = p / BASE_CONFIG
-        return (json.loads(base.read_text(encoding="utf-8")) if base.is_file() else None), p
-    return read_hf_config(p), p
+    origin = hf_origin(cfg.hf.init_from)
+    return (None, None) if origin is None else (origin.base, origin.path)
 
 
 def export_checkpoint(path: str | Path, dst: str | Path, *, arch: str | None = None, dtype: str = "auto",
