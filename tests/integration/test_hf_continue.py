@@ -1,6 +1,6 @@
-"""Continuation runs end to end: `moebal train configs/{mixtral,llama-moe}-continue.yaml` from a tiny random
-checkpoint written by `transformers` (or with LLaMA-MoE's names) and a tokenizer.json built with `tokenizers`;
-the first loss equals the reference's on the same batch and the export loads back (in `transformers`)."""
+"""Continuation runs end to end: `moebal train configs/{mixtral,llama-moe,qwen-moe,olmoe}-continue.yaml` from a
+tiny random checkpoint written by `transformers` (or with LLaMA-MoE's names) and a tokenizer.json built with
+`tokenizers`; the first loss equals the reference's on the same batch and the export loads back (in `transformers`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from moebal.config import CONFIG_DIR, load
 from moebal.data import build_data
 from moebal.models.hf import from_hf
 from moebal.models.tensor_io import DirectorySource
-from tests.hf_util import tiny_mixtral, tiny_tokenizer, transformers_or_skip
+from tests.hf_util import tiny_mixtral, tiny_olmoe, tiny_qwen2_moe, tiny_qwen3_moe, tiny_tokenizer, transformers_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [f"document {i}: mixtures of experts route each token to a few experts; load balance keeps them busy. "
@@ -133,6 +133,47 @@ def test_llama_moe_continue_first_loss_and_export(tmp_path):
     names = set(_tensors(export))
     # weight_noise is not trained without noise, so it is not exported; everything else keeps its name
     assert names == {n for n in sd if not n.endswith(("inv_freq", "weight_noise.weight"))}
+
+
+FAMILIES = {  # preset, the tiny checkpoint, its transformers class
+    "qwen3_moe": ("qwen-moe-continue", lambda d: tiny_qwen3_moe(d, seed=3), "Qwen3MoeForCausalLM"),
+    "qwen2_moe-no-shared": ("qwen-moe-continue",
+                            lambda d: tiny_qwen2_moe(d, seed=4, shared_expert_intermediate_size=0, mlp_only_layers=[3]),
+                            "Qwen2MoeForCausalLM"),
+    "olmoe": ("olmoe-continue", lambda d: tiny_olmoe(d, seed=5), "OlmoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qwen_and_olmoe_continue_match_transformers_and_export(tmp_path, family):
+    """The first logged loss is transformers' loss on the same batch; the export keeps the source's config.json
+    and tokenizer, loads with AutoModelForCausalLM and holds the trained weights."""
+    transformers = transformers_or_skip()
+    preset, make, cls = FAMILIES[family]
+    model_dir = tmp_path / "src"
+    ref = make(model_dir)
+    tiny_tokenizer(model_dir, TEXTS, vocab_size=96)
+    corpus, run = _corpus(tmp_path), tmp_path / "run"
+    overrides = _overrides(model_dir, corpus, steps=2)
+    r = moebal("train", str(CONFIG_DIR / f"{preset}.yaml"), "--out", str(run), *overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exported step 2" in r.stderr
+    cfg = load(CONFIG_DIR / f"{preset}.yaml", overrides)
+    batch = build_data(cfg).train.next_batch()
+    with torch.no_grad():
+        logits = ref(batch.ids_BT).logits
+    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
+    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    export = run / "hf"
+    assert json.loads((export / "config.json").read_text()) == json.loads((model_dir / "config.json").read_text())
+    assert (export / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    assert type(back).__name__ == cls
+    final, start = back.state_dict(), ref.state_dict()
+    assert set(final) == set(start) and any(not torch.equal(final[k], start[k]) for k in start)
+    with torch.no_grad():
+        ids = batch.ids_BT[:2]
+        assert (from_hf(export).eval()(ids).logits - back(ids).logits).abs().max().item() < 1e-4
 
 
 def test_continue_presets_refuse_a_missing_checkpoint(tmp_path):
