@@ -1,4 +1,4 @@
-"""Hugging Face interop: Mixtral, LLaMA-MoE v1 and Qwen2-MoE checkpoints <-> moebal's decoder.
+"""Hugging Face interop: Mixtral, LLaMA-MoE v1, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints <-> moebal's decoder.
 
 Three pieces, each usable alone:
 
@@ -25,7 +25,15 @@ Maths the three formats share with moebal, and what maps where: docs/hf-interop.
   factor rather than folded into w2 so that the parameters, their gradients and weight decay stay those of
   the original), noisy gating while training (`moe.router_noise`).
 - Qwen2-MoE: softmax, top-k, optionally renormalised (`moe.norm_topk`), a shared expert scaled by a sigmoid
-  gate (`moe.shared_gate`), q/k/v biases (`model.attention_bias`), dense layers between MoE layers.
+  gate (`moe.shared_gate`; none when its width is 0), q/k/v biases (`model.attention_bias`), dense layers
+  between MoE layers (`moe.every`, `moe.dense_layers`).
+- Qwen3-MoE: Qwen2-MoE's routing without shared expert or biases, RMSNorm on each q/k head (`model.qk_norm:
+  head`), its own head_dim. OLMoE: RMSNorm over the whole q and k projections (`model.qk_norm: full`).
+- transformers 5's fused experts (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]) are read
+  row by row (`Link.hf_row`, `Link.half`); exports always use the per-expert layout.
+
+A model `from_hf` returns carries `hf_origin` (the original config.json and its directory): `to_hf` keeps
+every key of that config.json and copies the directory's tokenizer and generation files.
 """
 
 from __future__ import annotations
@@ -112,7 +120,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def architecture(hf: dict[str, Any], where: str) -> str:
-    """'mixtral', 'llama_moe' or 'qwen2_moe' from config.json's `architectures` (or `model_type`)."""
+    """The layout name ('mixtral', 'qwen3_moe', ...) from config.json's `architectures` (or `model_type`)."""
     names = hf.get("architectures") or []
     for n in names if isinstance(names, list) else []:
         if n in ARCHITECTURES:
@@ -655,8 +663,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch
 
 def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype | str | None = torch.float32,
             device: torch.device | str = "cpu", experts: Sequence[int] | None = None) -> torch.nn.Module:
-    """moebal's model with the weights of the HF checkpoint directory `path` (Mixtral, LLaMA-MoE v1 or
-    Qwen2-MoE; one safetensors file or a sharded index), or of a directory `hf_to_moebal` wrote.
+    """moebal's model with the weights of the HF checkpoint directory `path` (one of `ARCHITECTURES`; one
+    safetensors file or a sharded index; per-expert or fused experts), or of a directory `hf_to_moebal` wrote.
 
     `cfg` defaults to `config_from_hf(path)`; a given one must describe the same shapes. `dtype` is that of
     the parameters: float32 by default (training keeps fp32 master weights), 'auto' for the checkpoint's own.
