@@ -14,6 +14,7 @@ pipeline-parallel code wraps or slices these modules from outside.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,9 +70,11 @@ def apply_rotary(x_BHTK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tenso
     return x_BHTK * cos_TK + _rotate_half(x_BHTK) * sin_TK
 
 
+@functools.lru_cache(maxsize=8)
 def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
     """[T, T] boolean mask, True where query t may attend key s: s <= t and t - s < window (HF's sliding
-    window: a token sees itself and the window - 1 tokens before it)."""
+    window: a token sees itself and the window - 1 tokens before it). Cached: every layer of every step asks
+    for the same few masks."""
     t_T = torch.arange(seq_len, device=device)
     diff_TT = t_T[:, None] - t_T[None, :]
     return (diff_TT >= 0) & (diff_TT < window)

@@ -176,6 +176,26 @@ def test_qwen_and_olmoe_continue_match_transformers_and_export(tmp_path, family)
         assert (from_hf(export).eval()(ids).logits - back(ids).logits).abs().max().item() < 1e-4
 
 
+def test_a_sliding_window_checkpoint_trains_on_sequences_longer_than_its_window(tmp_path):
+    """Mixtral with a window of 12 trained on 32-token sequences: the first loss is transformers' (which masks
+    beyond the window too), and the export keeps the window."""
+    model_dir = tmp_path / "mixtral"
+    ref = tiny_mixtral(model_dir, seed=6, sliding_window=12)
+    tiny_tokenizer(model_dir, TEXTS, vocab_size=96)
+    corpus, run = _corpus(tmp_path), tmp_path / "run"
+    overrides = _overrides(model_dir, corpus, steps=1)
+    r = moebal("train", str(CONFIG_DIR / "mixtral-continue.yaml"), "--out", str(run), *overrides)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = load(CONFIG_DIR / "mixtral-continue.yaml", overrides)
+    assert (cfg.model.sliding_window, cfg.data.seq_len) == (12, 32)
+    batch = build_data(cfg).train.next_batch()
+    with torch.no_grad():
+        logits = ref(batch.ids_BT).logits
+    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
+    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    assert json.loads((run / "hf" / "config.json").read_text())["sliding_window"] == 12
+
+
 def test_continue_presets_refuse_a_missing_checkpoint(tmp_path):
     r = moebal("train", "mixtral-continue", f"hf.init_from={tmp_path / 'nope'}", "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
