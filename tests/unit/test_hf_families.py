@@ -106,6 +106,21 @@ def test_qwen3_moe_export_without_origin_loads_in_transformers(tmp_path):
     assert _err(back, ref) < 1e-6
 
 
+def test_qwen3_moe_convert_cli_both_ways(tmp_path):
+    from moebal.cli import main
+
+    src = tmp_path / "src"
+    ref = tiny_qwen3_moe(src)
+    assert main(["convert", "hf-to-moebal", str(src), str(tmp_path / "mb")]) == 0
+    cfg = load(tmp_path / "mb" / "config.yaml")
+    assert (cfg.model.qk_norm, cfg.model.head_dim, cfg.moe.dense_layers) == ("head", 12, (1,))
+    assert _err(from_hf(tmp_path / "mb").eval(), ref) < 1e-4
+    assert main(["convert", "moebal-to-hf", str(tmp_path / "mb"), str(tmp_path / "hf")]) == 0
+    a, b = _tensors(src), _tensors(tmp_path / "hf")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
 # ---- OLMoE -----------------------------------------------------------------------------------------------
 
 OLMOE_SETTINGS = {
