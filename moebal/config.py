@@ -103,11 +103,21 @@ class MoEConfig:
     """Scale the shared expert's output by sigmoid(w . x), one learned gate per token (Qwen2-MoE)."""
     router: Literal["linear", "mlp_tanh"] = "linear"
     """Router network: one bias-free linear (Mixtral) or Linear-tanh-Linear (LLaMA-MoE v1)."""
-    gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """Mixtral order (softmax over all experts, top-k, renormalise) or top-k of logits then softmax."""
+    gate: Literal["softmax_topk", "topk_softmax", "sigmoid_topk"] = "softmax_topk"
+    """Mixtral order (softmax over all experts, top-k, renormalise), top-k of logits then softmax (LLaMA-MoE), or
+    sigmoid of each logit then top-k (DeepSeek-V3)."""
     norm_topk: bool = True
-    """Renormalise the top-k probabilities to sum to one; false keeps the full-softmax values (Qwen2-MoE
-    `norm_topk_prob: false`; softmax_topk only)."""
+    """Renormalise the top-k scores to sum to one; false keeps the chosen experts' own softmax or sigmoid values
+    (Qwen2-MoE and DeepSeek `norm_topk_prob: false`; not with topk_softmax)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (DeepSeek `n_group`); must divide num_experts; 1: no groups."""
+    topk_group: int | None = None
+    """Groups a token may pick its experts from, the best by group score (DeepSeek `topk_group`); null: all."""
+    group_score: Literal["max", "top2_sum"] = "max"
+    """A group's score: its best expert's (DeepSeek-V2 group_limited_greedy) or its two best summed (V3)."""
+    selection_bias: bool = False
+    """Keep a per-expert selection bias even with bias_update_rate 0 (a loaded DeepSeek-V3
+    `e_score_correction_bias`, used as it is); it changes the choice only, never the weights."""
     router_noise: float | None = None
     """Noisy top-k gating while training (LLaMA-MoE v1): logits += N(0, 1) * (softplus(W_noise x) + this);
     null disables it (and the noise projection)."""
@@ -864,15 +874,33 @@ def _check_moe(c: Config) -> None:
     _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
     _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
           "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
-    _need(moe.norm_topk or moe.gate == "softmax_topk",
-          "'moe.norm_topk: false' keeps the full-softmax probabilities, which only 'moe.gate: softmax_topk' has: "
-          "set moe.gate=softmax_topk")
+    _need(moe.norm_topk or moe.gate != "topk_softmax",
+          "'moe.norm_topk: false' keeps the chosen experts' own scores, which 'moe.gate: topk_softmax' never computes: "
+          "set moe.gate=softmax_topk (or sigmoid_topk)")
+    _check_groups(moe)
     _need(moe.router_noise is None or moe.router_noise >= 0.0,
           f"'moe.router_noise' is the noise floor epsilon, >= 0 (or null to disable); got {moe.router_noise}")
     _need(not moe.shared_gate or moe.shared_experts > 0,
           "'moe.shared_gate: true' gates the shared expert, but moe.shared_experts is 0: set shared_experts >= 1")
     _need(moe.every <= c.model.n_layers,
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
+
+
+def _check_groups(moe: MoEConfig) -> None:
+    E, G, tg = moe.num_experts, moe.n_group, moe.topk_group
+    _need(G >= 1 and E % G == 0, f"'moe.n_group' ({G}) must be a positive divisor of 'moe.num_experts' ({E}): "
+                                 f"choose among {[g for g in range(1, E + 1) if E % g == 0]}")
+    _need(tg is None or 1 <= tg <= G, f"'moe.topk_group' must be in 1..moe.n_group ({G}), or null for every group; "
+                                      f"got {tg}")
+    allowed = (tg or G) * (E // G)
+    _need(moe.top_k <= allowed, f"'moe.top_k' ({moe.top_k}) is more than the {allowed} experts of moe.topk_group={tg} "
+                                f"groups of {E // G}: raise moe.topk_group or lower moe.top_k")
+    _need(moe.group_score != "top2_sum" or G == 1 or E // G >= 2,
+          f"'moe.group_score: top2_sum' sums each group's two best scores, but moe.n_group={G} leaves one expert per "
+          f"group: use group_score max or fewer groups")
+    _need(moe.adaptive_threshold is None or moe.norm_topk or moe.gate != "sigmoid_topk",
+          "'moe.adaptive_threshold' compares normalised top-k scores: with moe.gate sigmoid_topk set "
+          "moe.norm_topk=true")
 
 
 def _check_pipeline(p: PipelineConfig) -> None:
