@@ -52,6 +52,48 @@ T = TypeVar("T")
 
 
 @dataclass(kw_only=True, frozen=True)
+class RopeScalingConfig:
+    """YaRN rotary scaling (Peng et al. 2023), as DeepSeek-V2/V3 and transformers' `rope_type: yarn` define it."""
+
+    type: Literal["yarn"] = "yarn"
+    """The scaling method; only yarn is implemented."""
+    factor: float = 40.0
+    """Context extension factor (HF `factor`)."""
+    original_max_seq_len: int = 4096
+    """Pretraining context the frequencies were fitted to (HF `original_max_position_embeddings`)."""
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is extrapolated (kept as it is)."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is interpolated (divided by factor)."""
+    mscale: float | None = None
+    """Numerator scale of the rotary attention factor (HF `mscale`); null as HF leaves it."""
+    mscale_all_dim: float | None = None
+    """Denominator of that factor, and the softmax scale's extra mscale(factor, this)^2 (DeepSeek)."""
+    attention_factor: float | None = None
+    """Explicit factor on cos/sin; null derives it from factor, mscale and mscale_all_dim as HF does."""
+    truncate: bool = True
+    """Round the correction range to whole dimensions (HF `truncate`, default true)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 section 2.1): compressed q and kv, decoupled rotary part."""
+
+    q_lora_rank: int | None = None
+    """Rank of the compressed query (q_a_proj, q_a_layernorm, q_b_proj); null: one q_proj (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the compressed key/value latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj)."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """Per-head query/key width with rotary embedding (the key's part is shared by all heads)."""
+    v_head_dim: int = 128
+    """Per-head value width."""
+    rope_interleave: bool = True
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's weights expect; false: rotate-half pairs."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """The decoder's shape (Mixtral family; names follow HF Mixtral where a field exists there)."""
 
@@ -78,9 +120,14 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
     attention_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection."""
+    """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection. With model.mla:
+    on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's `attention_bias`)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    rope_scaling: RopeScalingConfig | None = None
+    """YaRN rotary scaling (DeepSeek-V2/V3); null: plain RoPE. Implemented for multi-head latent attention."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek) instead of grouped-query attention; null: grouped-query."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -829,6 +876,7 @@ def _check_whole(c: Config) -> None:
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
         _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
+    _check_mla(m)
     _check_train(t)
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
@@ -884,6 +932,24 @@ def _check_moe(c: Config) -> None:
           "'moe.shared_gate: true' gates the shared expert, but moe.shared_experts is 0: set shared_experts >= 1")
     _need(moe.every <= c.model.n_layers,
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
+
+
+def _check_mla(m: ModelConfig) -> None:
+    a, r = m.mla, m.rope_scaling
+    _need(r is None or a is not None, "'model.rope_scaling' (yarn) is implemented for multi-head latent attention "
+                                      "only: set model.mla, or remove model.rope_scaling")
+    if r is not None:
+        _need(r.factor >= 1.0 and r.original_max_seq_len >= 1 and r.beta_fast > 0 and r.beta_slow > 0,
+              f"'model.rope_scaling' needs factor >= 1, original_max_seq_len >= 1 and positive betas; got {r}")
+    if a is None:
+        return
+    for key, v in (("kv_lora_rank", a.kv_lora_rank), ("qk_nope_head_dim", a.qk_nope_head_dim),
+                   ("v_head_dim", a.v_head_dim), ("q_lora_rank", a.q_lora_rank or 1)):
+        _need(v >= 1, f"'model.mla.{key}' must be at least 1; got {v}")
+    _need(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0,
+          f"'model.mla.qk_rope_head_dim' must be an even number >= 2 (rotary pairs); got {a.qk_rope_head_dim}")
+    _need(m.n_kv_heads == m.n_heads, f"multi-head latent attention expands the latent into every head: set "
+                                     f"'model.n_kv_heads' to model.n_heads ({m.n_heads}); got {m.n_kv_heads}")
 
 
 def _check_groups(moe: MoEConfig) -> None:
