@@ -142,6 +142,8 @@ class MoEConfig:
     """Hidden width of one expert; null means model.ffn_dim."""
     every: int = 1
     """Layer i (0-based) is an MoE layer when (i + 1) % every == 0 (HF `decoder_sparse_step`)."""
+    first_dense: int = 0
+    """The first N layers are dense MLPs whatever `every` says (DeepSeek `first_k_dense_replace`)."""
     shared_experts: int = 0
     """Always-on shared experts added to the routed output (Qwen-MoE style)."""
     shared_ffn_dim: int | None = None
@@ -559,7 +561,7 @@ class Config:
         return self.moe.expert_ffn_dim or self.model.ffn_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
+        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i >= self.moe.first_dense
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,6 +617,8 @@ def _with_hf_fields(data: dict[str, Any], source: str) -> Config:
             if key not in given:
                 continue
             ours = cfg.head_dim if key == "head_dim" else getattr(getattr(cfg, section), key)
+            if dataclasses.is_dataclass(ours):  # model.mla, model.rope_scaling: compared as config.json's dicts
+                ours = dataclasses.asdict(ours)
             theirs = (value or cfg.model.dim // cfg.model.n_heads) if key == "head_dim" else value
             if ours != theirs:
                 clash.append(f"{section}.{key} is {ours!r} here but {theirs!r} in the checkpoint")
@@ -926,6 +930,9 @@ def _check_moe(c: Config) -> None:
           "'moe.norm_topk: false' keeps the chosen experts' own scores, which 'moe.gate: topk_softmax' never computes: "
           "set moe.gate=softmax_topk (or sigmoid_topk)")
     _check_groups(moe)
+    _need(0 <= moe.first_dense < c.model.n_layers,
+          f"'moe.first_dense' ({moe.first_dense}) must be in 0..model.n_layers - 1 ({c.model.n_layers - 1}): "
+          f"at least one layer must be MoE")
     _need(moe.router_noise is None or moe.router_noise >= 0.0,
           f"'moe.router_noise' is the noise floor epsilon, >= 0 (or null to disable); got {moe.router_noise}")
     _need(not moe.shared_gate or moe.shared_experts > 0,
