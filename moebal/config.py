@@ -164,6 +164,8 @@ class MoEConfig:
     """Groups a token may pick its experts from, the best by group score (DeepSeek `topk_group`); null: all."""
     group_score: Literal["max", "top2_sum"] = "max"
     """A group's score: its best expert's (DeepSeek-V2 group_limited_greedy) or its two best summed (V3)."""
+    router_fp32: bool = False
+    """Compute router logits in fp32 whatever the autocast, from a weight kept in fp32 by HF exports (DeepSeek)."""
     selection_bias: bool = False
     """Keep a per-expert selection bias even with bias_update_rate 0 (a loaded DeepSeek-V3
     `e_score_correction_bias`, used as it is); it changes the choice only, never the weights."""

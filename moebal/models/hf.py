@@ -289,7 +289,7 @@ def _moebal_dir_fields(path: Path) -> HFFields:
     arch = fields_of(json.loads(base.read_text(encoding="utf-8")), str(base)).arch if base.is_file() else "moebal"
     model = {k: _plain(v) for k, v in vars(c.model).items() if k != "init_std"}
     moe = {k: getattr(c.moe, k) for k in _MOE_SHAPE}
-    defaults = {"moe": {k: getattr(c.moe, k) for k in ("aux_loss_coef", "jitter", "router_noise")}}
+    defaults = {"moe": {k: getattr(c.moe, k) for k in ("aux_loss_coef", "jitter", "router_noise", "router_fp32")}}
     return HFFields(arch, {"model": model, "moe": moe}, defaults)
 
 
@@ -507,8 +507,13 @@ def _deepseek(hf: dict[str, Any], where: str, v3: bool) -> HFFields:
            "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
            "score_scale": _get(hf, "routed_scaling_factor", 2.5 if v3 else 1.0, where, float),
            **_deepseek_routing(hf, where, v3)}
-    defaults = {"moe": {"aux_loss_coef": _get(hf, "aux_loss_alpha", 0.001, where, float)}}
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "aux_loss_alpha", 0.001, where, float), "router_fp32": True}}
     return HFFields("deepseek_v3" if v3 else "deepseek_v2", {"model": model, "moe": moe}, defaults)
+
+
+# HF tensors a layout keeps in fp32 in a bf16 checkpoint (transformers' `_keep_in_fp32_modules_strict`)
+_KEEP_FP32 = {"deepseek_v2": re.compile(r"\.mlp\.gate\.weight$"),
+              "deepseek_v3": re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")}
 
 
 def _deepseek_v2(hf: dict[str, Any], where: str) -> HFFields:
@@ -690,6 +695,8 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
     for layer in model.moe_layers():
         if layer.expert_bias is not None:
             layer.expert_bias = torch.zeros(layer.num_experts, device=device)
+        if layer.router_fp32:  # the router weight stays fp32 in a bf16 model, as transformers keeps it
+            layer.gate.float()
     if m.tie_embeddings:  # to_empty makes new parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -895,7 +902,8 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     return out
 
 
-def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) -> list[OutTensor]:
+def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype,
+                 keep_fp32: re.Pattern[str] | None = None) -> list[OutTensor]:
     info = source.info()
     reader = ScratchReader(source).prime()
     out = []
@@ -907,7 +915,8 @@ def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) ->
         def produce(name: str = ln.ours, index: int | None = ln.index) -> torch.Tensor:
             return reader.read(name, index)
 
-        out.append(OutTensor(ln.hf, dtype, tuple(shape), produce))
+        fp32 = keep_fp32 is not None and keep_fp32.search(ln.hf) and info[ln.ours].dtype == torch.float32
+        out.append(OutTensor(ln.hf, torch.float32 if fp32 else dtype, tuple(shape), produce))
     return out
 
 
@@ -924,7 +933,7 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
     if arch != "deepseek_v3":  # the one layout that stores the bias (e_score_correction_bias)
         _check_selection_bias(source, cfg)
     config_json = hf_config_for(cfg, arch, dtype, base)
-    entries = _out_tensors(source, hf_links(cfg, arch), dtype)
+    entries = _out_tensors(source, hf_links(cfg, arch), dtype, _KEEP_FP32.get(arch))
     final = Path(path)
     if final.exists() and not overwrite:
         raise CheckpointError(f"{final} already exists: choose a new directory or pass --overwrite")

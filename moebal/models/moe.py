@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
                  kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02,
                  norm_topk: bool = True, router_noise: float | None = None, shared_gate: bool = False,
                  n_group: int = 1, topk_group: int | None = None, group_score: GroupScore = "max",
-                 selection_bias: bool = False) -> None:
+                 selection_bias: bool = False, router_fp32: bool = False) -> None:
         super().__init__()
         _check_args(dim, ffn_dim, num_experts, top_k, router, jitter, shared_ffn_dim, aux_loss_coef,
                     z_loss_coef, bias_update_rate, init_std, router_noise, shared_gate)
@@ -141,6 +141,7 @@ class MoELayer(nn.Module):
                              norm_topk=norm_topk, n_group=n_group, topk_group=topk_group, group_score=group_score)
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.router, self.jitter, self.init_std, self.router_noise = router, jitter, init_std, router_noise
+        self.router_fp32 = router_fp32
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "mlp_tanh":
@@ -177,7 +178,7 @@ class MoELayer(nn.Module):
                    bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std,
                    norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate,
                    n_group=moe.n_group, topk_group=moe.topk_group, group_score=moe.group_score,
-                   selection_bias=moe.selection_bias)
+                   selection_bias=moe.selection_bias, router_fp32=moe.router_fp32)
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for the router and every expert weight; the selection bias and the noise
@@ -192,13 +193,18 @@ class MoELayer(nn.Module):
     # ---- the four steps -------------------------------------------------------------------------------
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E] in the input's dtype. While training: Switch jitter on the router input, and
-        noisy top-k gating on the logits (noise scale from the unjittered input)."""
+        """Router logits [T, E] in the input's dtype (fp32 with `router_fp32`). While training: Switch jitter on
+        the router input, and noisy top-k gating on the logits (noise scale from the unjittered input)."""
         x_in = x_TD
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TD = x_TD * noise
-        logits_TE = self.gate(x_TD)
+        if self.router_fp32:
+            # transformers' DeepSeek routers: fp32 input times an fp32 weight, whatever the model's dtype or autocast
+            with torch.autocast(x_TD.device.type, enabled=False):
+                logits_TE = torch.nn.functional.linear(x_TD.float(), self.gate.weight.float())
+        else:
+            logits_TE = self.gate(x_TD)
         if self.router == "mlp_tanh":
             logits_TE = self.gate_out(torch.tanh(logits_TE))
         if self.training and self.router_noise is not None:

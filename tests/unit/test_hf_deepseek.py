@@ -144,3 +144,33 @@ def test_deepseek_refusals_name_the_key(tmp_path):
         (src / "config.json").write_text(json.dumps({**conf, key: value}))
         with pytest.raises(CheckpointError, match=match):
             config_from_hf(src)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_bf16_round_trip_keeps_the_fp32_router_bit_identical(version, tmp_path):
+    """transformers keeps DeepSeek's gate.weight (and V3's e_score_correction_bias) in fp32 in a bf16 checkpoint;
+    a bf16 load keeps them fp32 and the export writes them back as fp32, the rest as bf16."""
+    transformers = transformers_or_skip()
+    tiny_deepseek(tmp_path / "a", version, n_group=4, topk_group=2,
+                  **({"topk_method": "group_limited_greedy"} if version == 2 else {}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.bfloat16)
+    with contextlib.redirect_stderr(io.StringIO()):
+        hf.save_pretrained(str(tmp_path / "b"))
+    ours = from_hf(tmp_path / "b", dtype="auto")
+    layer = ours.model.layers[1].block_sparse_moe
+    assert layer.gate.weight.dtype == torch.float32 and layer.experts.w1.dtype == torch.bfloat16
+    a, b = _tensors(tmp_path / "b"), _tensors(to_hf(ours, tmp_path / "c"))
+    assert {k: v.dtype for k, v in a.items()} == {k: v.dtype for k, v in b.items()}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_router_fp32_ignores_autocast():
+    from moebal.models.moe import MoELayer
+
+    layer = MoELayer(32, 8, 16, 4, gate="sigmoid_topk", n_group=4, topk_group=2, group_score="top2_sum",
+                     router_fp32=True)
+    x = torch.randn(40, 32)
+    want = x @ layer.gate.weight.t()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer.router_logits(x)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
