@@ -440,7 +440,8 @@ def _deepseek_rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any
                               f"plain RoPE and yarn): use a checkpoint whose rope_scaling is yarn or absent")
     if src.get("factor") is None or src.get("original_max_position_embeddings") is None:
         raise CheckpointError(f"{where}: yarn rope_scaling needs 'factor' and 'original_max_position_embeddings'")
-    return theta, {"factor": float(src["factor"]), "original_max_seq_len": int(src["original_max_position_embeddings"]),
+    return theta, {"type": "yarn", "factor": float(src["factor"]),
+                   "original_max_seq_len": int(src["original_max_position_embeddings"]),
                    "beta_fast": float(src.get("beta_fast") or 32.0), "beta_slow": float(src.get("beta_slow") or 1.0),
                    "mscale": src.get("mscale"), "mscale_all_dim": src.get("mscale_all_dim"),
                    "attention_factor": src.get("attention_factor"), "truncate": bool(src.get("truncate", True))}
@@ -894,7 +895,8 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     elif arch == "qwen2_moe":
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef)
     elif arch in _DEEPSEEK:
-        out.update(aux_loss_alpha=cfg.moe.aux_loss_coef)
+        if "aux_loss_alpha" in base:  # DeepSeek's own key; transformers 5 writes none
+            out.update(aux_loss_alpha=cfg.moe.aux_loss_coef)
     else:
         out.update(gate_add_noise=cfg.moe.router_noise is not None)
         if cfg.moe.router_noise is not None:

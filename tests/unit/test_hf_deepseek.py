@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,9 @@ def test_deepseek_logits_equal_transformers_and_the_round_trip_is_bit_identical(
     ids = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(3))
     err = (logits(ours, ids) - logits(ref, ids)).abs().max().item()
     assert err < 1e-4, err
-    out = to_hf(ours, tmp_path / "out")
+    base = json.loads((src / "config.json").read_text())
+    out = to_hf(ours, tmp_path / "out", base=base)  # what a continuation run's export does: keep every key
+    assert json.loads((out / "config.json").read_text()) == {**base, "dtype": "float32"}
     a, b = _tensors(src), _tensors(out)
     a = {k: v for k, v in a.items() if v.numel()}  # a 0-wide shared expert (n_shared_experts 0) holds nothing
     assert set(a) == set(b)
@@ -133,8 +136,6 @@ def test_v3_selection_bias_loads_into_expert_bias_and_only_changes_the_choice(tm
 
 
 def test_deepseek_refusals_name_the_key(tmp_path):
-    import json
-
     src = tmp_path / "src"
     tiny_deepseek(src, 2)
     conf = json.loads((src / "config.json").read_text())
