@@ -175,3 +175,20 @@ def test_router_fp32_ignores_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = layer.router_logits(x)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_convert_cli_both_ways_through_a_moebal_directory(tmp_path, capsys):
+    """`moebal convert hf-to-moebal` keeps MLA, the routing fields and V3's selection bias; `moebal-to-hf` gives
+    back the same tensors."""
+    from moebal.cli import main
+
+    src = tmp_path / "src"
+    ref = tiny_deepseek(src, 3, n_group=4, topk_group=2)
+    assert main(["convert", "hf-to-moebal", str(src), str(tmp_path / "mb")]) == 0
+    ours = from_hf(tmp_path / "mb").eval()
+    assert ours.config.moe.selection_bias and ours.config.model.mla is not None
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(6))
+    assert (logits(ours, ids) - logits(ref, ids)).abs().max().item() < 1e-4
+    assert main(["convert", "moebal-to-hf", str(tmp_path / "mb"), str(tmp_path / "back"), "--arch", "deepseek_v3"]) == 0
+    a, b = _tensors(src), _tensors(tmp_path / "back")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
