@@ -192,3 +192,22 @@ def test_convert_cli_both_ways_through_a_moebal_directory(tmp_path, capsys):
     assert main(["convert", "moebal-to-hf", str(tmp_path / "mb"), str(tmp_path / "back"), "--arch", "deepseek_v3"]) == 0
     a, b = _tensors(src), _tensors(tmp_path / "back")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exports_refuse_what_the_layout_cannot_express(tmp_path):
+    from moebal.config import with_overrides
+    from moebal.errors import ConfigError
+    from moebal.models.hf import check_exportable, choose_arch
+
+    src = tmp_path / "src"
+    tiny_deepseek(src, 3, n_group=4, topk_group=2)
+    cfg = config_from_hf(src)
+    assert choose_arch(cfg) == "deepseek_v3"
+    with pytest.raises(ConfigError, match="multi-head latent attention"):
+        check_exportable(cfg, "mixtral")
+    with pytest.raises(ConfigError, match="deepseek_v2 routes with"):
+        check_exportable(cfg, "deepseek_v2")
+    with pytest.raises(ConfigError, match="sigmoid_topk"):
+        check_exportable(with_overrides(cfg, ["moe.gate=softmax_topk"]), "deepseek_v3")
+    with pytest.raises(ConfigError, match="gated shared expert"):
+        check_exportable(with_overrides(cfg, ["moe.shared_gate=true"]), "deepseek_v3")
