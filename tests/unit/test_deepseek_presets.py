@@ -32,3 +32,13 @@ def test_v3_preset_routes_as_deepseek_v3():
     assert (moe.gate, moe.n_group, moe.topk_group, moe.group_score, moe.score_scale, moe.norm_topk) == (
         "sigmoid_topk", 8, 4, "top2_sum", 2.5, True)
     assert moe.selection_bias and moe.bias_update_rate == 0.001
+
+
+def test_cost_model_shape_counts_the_dense_first_layers():
+    from moebal.planner.cost import ModelShape
+
+    cfg = load("deepseek-v3")
+    shape = ModelShape.from_config(cfg)
+    assert [shape.is_moe(i) for i in range(cfg.model.n_layers)] == [cfg.is_moe_layer(i)
+                                                                    for i in range(cfg.model.n_layers)]
+    assert sum(shape.is_moe(i) for i in range(cfg.model.n_layers)) == 58
