@@ -413,6 +413,8 @@ def _ignorable(arch: str, tied: bool) -> re.Pattern[str]:
     parts = [r"\.rotary_emb\.inv_freq$"]
     if arch == "llama_moe":
         parts.append(r"\.mlp\.gate\.weight_noise\.weight$")
+    if arch == "deepseek_v3":  # its multi-token-prediction layer, as transformers' _keys_to_ignore_on_load_unexpected
+        parts.append(r"^model\.layers\.61\.")
     if tied:
         parts.append(r"^lm_head\.weight$")
     return re.compile("|".join(parts))
@@ -493,6 +495,12 @@ def _deepseek_routing(hf: dict[str, Any], where: str, v3: bool) -> dict[str, Any
 
 
 def _deepseek(hf: dict[str, Any], where: str, v3: bool) -> HFFields:
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{where}: quantised weights (quantization_config {method!r}, e.g. DeepSeek-V3's FP8 "
+                              f"blocks with weight_scale_inv) are not supported: dequantise to bf16 first and drop "
+                              f"quantization_config from config.json")
     model = _deepseek_model(hf, where, v3)
     if hf.get("moe_layer_freq", 1) != 1:
         raise CheckpointError(f"{where}: moe_layer_freq {hf['moe_layer_freq']} is not supported (transformers' "

@@ -141,7 +141,8 @@ def test_deepseek_refusals_name_the_key(tmp_path):
     conf = json.loads((src / "config.json").read_text())
     for key, value, match in (("norm_topk_prob", True, "norm_topk_prob"), ("topk_method", "noaux_tc", "topk_method"),
                               ("moe_layer_freq", 2, "moe_layer_freq"), ("first_k_dense_replace", 3, "no MoE layer"),
-                              ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "dynamic")):
+                              ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+                              ("quantization_config", {"quant_method": "fp8"}, "dequantise to bf16")):
         (src / "config.json").write_text(json.dumps({**conf, key: value}))
         with pytest.raises(CheckpointError, match=match):
             config_from_hf(src)
@@ -211,3 +212,18 @@ def test_exports_refuse_what_the_layout_cannot_express(tmp_path):
         check_exportable(with_overrides(cfg, ["moe.gate=softmax_topk"]), "deepseek_v3")
     with pytest.raises(ConfigError, match="gated shared expert"):
         check_exportable(with_overrides(cfg, ["moe.shared_gate=true"]), "deepseek_v3")
+
+
+def test_v3_multi_token_prediction_layer_is_skipped(tmp_path):
+    """DeepSeek-V3 ships its multi-token-prediction module as model.layers.61.*, which transformers ignores."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    ref = tiny_deepseek(src, 3, n_group=4, topk_group=2)
+    f = src / "model.safetensors"
+    sd = load_file(str(f))
+    sd["model.layers.61.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    ours = from_hf(src).eval()
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(8))
+    assert (logits(ours, ids) - logits(ref, ids)).abs().max().item() < 1e-4
