@@ -883,6 +883,9 @@ def _check_whole(c: Config) -> None:
         _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
     _check_mla(m)
+    _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit"),
+          f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
+          f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,

@@ -42,3 +42,10 @@ def test_cost_model_shape_counts_the_dense_first_layers():
     assert [shape.is_moe(i) for i in range(cfg.model.n_layers)] == [cfg.is_moe_layer(i)
                                                                     for i in range(cfg.model.n_layers)]
     assert sum(shape.is_moe(i) for i in range(cfg.model.n_layers)) == 58
+
+
+def test_token_subset_schemes_are_refused_with_mla():
+    from moebal.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.mla"):
+        load("deepseek-v2-lite", ["dynamism.scheme=mod", "parallel.pp=2"])
