@@ -52,6 +52,48 @@ T = TypeVar("T")
 
 
 @dataclass(kw_only=True, frozen=True)
+class RopeScalingConfig:
+    """YaRN rotary scaling (Peng et al. 2023), as DeepSeek-V2/V3 and transformers' `rope_type: yarn` define it."""
+
+    type: Literal["yarn"] = "yarn"
+    """The scaling method; only yarn is implemented."""
+    factor: float = 40.0
+    """Context extension factor (HF `factor`)."""
+    original_max_seq_len: int = 4096
+    """Pretraining context the frequencies were fitted to (HF `original_max_position_embeddings`)."""
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is extrapolated (kept as it is)."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is interpolated (divided by factor)."""
+    mscale: float | None = None
+    """Numerator scale of the rotary attention factor (HF `mscale`); null as HF leaves it."""
+    mscale_all_dim: float | None = None
+    """Denominator of that factor, and the softmax scale's extra mscale(factor, this)^2 (DeepSeek)."""
+    attention_factor: float | None = None
+    """Explicit factor on cos/sin; null derives it from factor, mscale and mscale_all_dim as HF does."""
+    truncate: bool = True
+    """Round the correction range to whole dimensions (HF `truncate`, default true)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 section 2.1): compressed q and kv, decoupled rotary part."""
+
+    q_lora_rank: int | None = None
+    """Rank of the compressed query (q_a_proj, q_a_layernorm, q_b_proj); null: one q_proj (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Rank of the compressed key/value latent (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj)."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """Per-head query/key width with rotary embedding (the key's part is shared by all heads)."""
+    v_head_dim: int = 128
+    """Per-head value width."""
+    rope_interleave: bool = True
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's weights expect; false: rotate-half pairs."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     """The decoder's shape (Mixtral family; names follow HF Mixtral where a field exists there)."""
 
@@ -78,7 +120,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
     attention_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection."""
+    """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection. With model.mla:
+    on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's `attention_bias`)."""
     qk_norm: Literal["none", "head", "full"] = "none"
     """RMSNorm on queries and keys before rotary: per head over head_dim (Qwen3-MoE), over the whole q and k
     projections (OLMoE), or none."""
@@ -87,6 +130,10 @@ class ModelConfig:
     null: full causal attention."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights."""
+    rope_scaling: RopeScalingConfig | None = None
+    """YaRN rotary scaling (DeepSeek-V2/V3); null: plain RoPE. Implemented for multi-head latent attention."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek) instead of grouped-query attention; null: grouped-query."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -101,6 +148,8 @@ class MoEConfig:
     """Hidden width of one expert; null means model.ffn_dim."""
     every: int = 1
     """Layer i (0-based) is an MoE layer when (i + 1) % every == 0 (HF `decoder_sparse_step`)."""
+    first_dense: int = 0
+    """The first N layers are dense MLPs whatever `every` says (DeepSeek `first_k_dense_replace`)."""
     dense_layers: tuple[int, ...] = ()
     """Layers (0-based) that are dense MLPs whatever `every` says (HF `mlp_only_layers`)."""
     shared_experts: int = 0
@@ -111,11 +160,23 @@ class MoEConfig:
     """Scale the shared expert's output by sigmoid(w . x), one learned gate per token (Qwen2-MoE)."""
     router: Literal["linear", "mlp_tanh"] = "linear"
     """Router network: one bias-free linear (Mixtral) or Linear-tanh-Linear (LLaMA-MoE v1)."""
-    gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
-    """Mixtral order (softmax over all experts, top-k, renormalise) or top-k of logits then softmax."""
+    gate: Literal["softmax_topk", "topk_softmax", "sigmoid_topk"] = "softmax_topk"
+    """Mixtral order (softmax over all experts, top-k, renormalise), top-k of logits then softmax (LLaMA-MoE), or
+    sigmoid of each logit then top-k (DeepSeek-V3)."""
     norm_topk: bool = True
-    """Renormalise the top-k probabilities to sum to one; false keeps the full-softmax values (Qwen2-MoE
-    `norm_topk_prob: false`; softmax_topk only)."""
+    """Renormalise the top-k scores to sum to one; false keeps the chosen experts' own softmax or sigmoid values
+    (Qwen2-MoE and DeepSeek `norm_topk_prob: false`; not with topk_softmax)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (DeepSeek `n_group`); must divide num_experts; 1: no groups."""
+    topk_group: int | None = None
+    """Groups a token may pick its experts from, the best by group score (DeepSeek `topk_group`); null: all."""
+    group_score: Literal["max", "top2_sum"] = "max"
+    """A group's score: its best expert's (DeepSeek-V2 group_limited_greedy) or its two best summed (V3)."""
+    router_fp32: bool = False
+    """Compute router logits in fp32 whatever the autocast, from a weight kept in fp32 by HF exports (DeepSeek)."""
+    selection_bias: bool = False
+    """Keep a per-expert selection bias even with bias_update_rate 0 (a loaded DeepSeek-V3
+    `e_score_correction_bias`, used as it is); it changes the choice only, never the weights."""
     router_noise: float | None = None
     """Noisy top-k gating while training (LLaMA-MoE v1): logits += N(0, 1) * (softplus(W_noise x) + this);
     null disables it (and the noise projection)."""
@@ -510,7 +571,8 @@ class Config:
         return self.moe.expert_ffn_dim or self.model.ffn_dim
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i not in self.moe.dense_layers
+        return (self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i >= self.moe.first_dense
+                and i not in self.moe.dense_layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,6 +628,8 @@ def _with_hf_fields(data: dict[str, Any], source: str) -> Config:
             if key not in given:
                 continue
             ours = cfg.head_dim if key == "head_dim" else getattr(getattr(cfg, section), key)
+            if dataclasses.is_dataclass(ours):  # model.mla, model.rope_scaling: compared as config.json's dicts
+                ours = dataclasses.asdict(ours)
             theirs = (value or cfg.model.dim // cfg.model.n_heads) if key == "head_dim" else value
             if ours != theirs:
                 clash.append(f"{section}.{key} is {ours!r} here but {theirs!r} in the checkpoint")
@@ -828,6 +892,10 @@ def _check_whole(c: Config) -> None:
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
         _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
+    _check_mla(m)
+    _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit"),
+          f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
+          f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
@@ -882,9 +950,13 @@ def _check_moe(c: Config) -> None:
     _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
     _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
           "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
-    _need(moe.norm_topk or moe.gate == "softmax_topk",
-          "'moe.norm_topk: false' keeps the full-softmax probabilities, which only 'moe.gate: softmax_topk' has: "
-          "set moe.gate=softmax_topk")
+    _need(moe.norm_topk or moe.gate != "topk_softmax",
+          "'moe.norm_topk: false' keeps the chosen experts' own scores, which 'moe.gate: topk_softmax' never computes: "
+          "set moe.gate=softmax_topk (or sigmoid_topk)")
+    _check_groups(moe)
+    _need(0 <= moe.first_dense < c.model.n_layers,
+          f"'moe.first_dense' ({moe.first_dense}) must be in 0..model.n_layers - 1 ({c.model.n_layers - 1}): "
+          f"at least one layer must be MoE")
     _need(moe.router_noise is None or moe.router_noise >= 0.0,
           f"'moe.router_noise' is the noise floor epsilon, >= 0 (or null to disable); got {moe.router_noise}")
     _need(not moe.shared_gate or moe.shared_experts > 0,
@@ -893,6 +965,44 @@ def _check_moe(c: Config) -> None:
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
     bad = [i for i in moe.dense_layers if not 0 <= i < c.model.n_layers]
     _need(not bad, f"'moe.dense_layers' names layers {bad} outside 0..{c.model.n_layers - 1}: remove them")
+
+
+def _check_mla(m: ModelConfig) -> None:
+    a, r = m.mla, m.rope_scaling
+    _need(r is None or a is not None, "'model.rope_scaling' (yarn) is implemented for multi-head latent attention "
+                                      "only: set model.mla, or remove model.rope_scaling")
+    if r is not None:
+        _need(r.factor >= 1.0 and r.original_max_seq_len >= 1 and r.beta_fast > 0 and r.beta_slow > 0,
+              f"'model.rope_scaling' needs factor >= 1, original_max_seq_len >= 1 and positive betas; got {r}")
+    if a is None:
+        return
+    _need(m.qk_norm == "none" and m.sliding_window is None,
+          "multi-head latent attention has no q/k norm option and no sliding window: set model.qk_norm=none and "
+          "model.sliding_window=null, or remove model.mla")
+    for key, v in (("kv_lora_rank", a.kv_lora_rank), ("qk_nope_head_dim", a.qk_nope_head_dim),
+                   ("v_head_dim", a.v_head_dim), ("q_lora_rank", a.q_lora_rank or 1)):
+        _need(v >= 1, f"'model.mla.{key}' must be at least 1; got {v}")
+    _need(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0,
+          f"'model.mla.qk_rope_head_dim' must be an even number >= 2 (rotary pairs); got {a.qk_rope_head_dim}")
+    _need(m.n_kv_heads == m.n_heads, f"multi-head latent attention expands the latent into every head: set "
+                                     f"'model.n_kv_heads' to model.n_heads ({m.n_heads}); got {m.n_kv_heads}")
+
+
+def _check_groups(moe: MoEConfig) -> None:
+    E, G, tg = moe.num_experts, moe.n_group, moe.topk_group
+    _need(G >= 1 and E % G == 0, f"'moe.n_group' ({G}) must be a positive divisor of 'moe.num_experts' ({E}): "
+                                 f"choose among {[g for g in range(1, E + 1) if E % g == 0]}")
+    _need(tg is None or 1 <= tg <= G, f"'moe.topk_group' must be in 1..moe.n_group ({G}), or null for every group; "
+                                      f"got {tg}")
+    allowed = (tg or G) * (E // G)
+    _need(moe.top_k <= allowed, f"'moe.top_k' ({moe.top_k}) is more than the {allowed} experts of moe.topk_group={tg} "
+                                f"groups of {E // G}: raise moe.topk_group or lower moe.top_k")
+    _need(moe.group_score != "top2_sum" or G == 1 or E // G >= 2,
+          f"'moe.group_score: top2_sum' sums each group's two best scores, but moe.n_group={G} leaves one expert per "
+          f"group: use group_score max or fewer groups")
+    _need(moe.adaptive_threshold is None or moe.norm_topk or moe.gate != "sigmoid_topk",
+          "'moe.adaptive_threshold' compares normalised top-k scores: with moe.gate sigmoid_topk set "
+          "moe.norm_topk=true")
 
 
 def _check_pipeline(p: PipelineConfig) -> None:

@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("direction", choices=["hf-to-moebal", "moebal-to-hf"], help="which way to convert")
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (written whole, then renamed into place)")
-    p.add_argument("--arch", choices=["mixtral", "llama_moe", "qwen2_moe", "qwen3_moe", "olmoe"],
+    from moebal.models.hf import ARCHITECTURES
+
+    p.add_argument("--arch", choices=sorted(set(ARCHITECTURES.values())),
                    help="HF layout to write (moebal-to-hf; default: the source's, else the one that expresses the "
                         "model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

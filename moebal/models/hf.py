@@ -84,6 +84,7 @@ __all__ = [
 # HF class name -> moebal's name for the layout
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "LlamaMoEForCausalLM": "llama_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+ARCHITECTURES.update({"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"})
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 _ARCH_CLASS = {v: k for k, v in ARCHITECTURES.items()}
 # Files of a HF model directory that are not weights and travel with an export (tokenizer, generation
@@ -336,6 +337,7 @@ def fields_of(hf: dict[str, Any], where: str) -> HFFields:
 
 _MOE_SHAPE = ("num_experts", "top_k", "expert_ffn_dim", "every", "dense_layers", "shared_experts", "shared_ffn_dim",
               "shared_gate", "router", "gate", "norm_topk", "score_scale")
+_MOE_SHAPE += ("first_dense", "n_group", "topk_group", "group_score", "selection_bias")
 
 
 def is_moebal_dir(path: str | Path) -> bool:
@@ -350,10 +352,17 @@ def _moebal_dir_fields(path: Path) -> HFFields:
     c = load(path / MOEBAL_CONFIG)
     base = path / BASE_CONFIG
     arch = fields_of(json.loads(base.read_text(encoding="utf-8")), str(base)).arch if base.is_file() else "moebal"
-    model = {k: v for k, v in vars(c.model).items() if k != "init_std"}
+    model = {k: _plain(v) for k, v in vars(c.model).items() if k != "init_std"}
     moe = {k: getattr(c.moe, k) for k in _MOE_SHAPE}
-    defaults = {"moe": {k: getattr(c.moe, k) for k in ("aux_loss_coef", "jitter", "router_noise")}}
+    defaults = {"moe": {k: getattr(c.moe, k) for k in ("aux_loss_coef", "jitter", "router_noise", "router_fp32")}}
     return HFFields(arch, {"model": model, "moe": moe}, defaults)
+
+
+def _plain(v: Any) -> Any:
+    """A config section (model.mla, model.rope_scaling) as the plain dict config.json fields hold."""
+    import dataclasses
+
+    return dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
 
 
 def config_fields(path: str | Path) -> HFFields:
@@ -432,7 +441,8 @@ def moebal_links(cfg: Config) -> list[Link]:
     with torch.device("meta"):
         names = list(MoebalForCausalLM(cfg).state_dict())
     skip = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
-    return [Link(n, n) for n in names if n not in skip and not n.endswith("expert_bias")]
+    keep_bias = cfg.moe.selection_bias  # a loaded DeepSeek-V3 bias is part of the model
+    return [Link(n, n) for n in names if n not in skip and (keep_bias or not n.endswith("expert_bias"))]
 
 
 def _fused_expert_links(hp: str, op: str, num_experts: int) -> list[Link]:
@@ -459,6 +469,8 @@ def hf_links(cfg: Config, arch: str, fused: bool = False) -> list[Link]:
     the experts in transformers 5's fused layout (read only: exports use the per-expert layout)."""
     if arch == "moebal":
         return moebal_links(cfg)
+    if arch in _DEEPSEEK:
+        return _deepseek_links(cfg, arch)
     m, moe = cfg.model, cfg.moe
     links = [Link("model.embed_tokens.weight", "model.embed_tokens.weight")]
     for i in range(m.n_layers):
@@ -503,9 +515,231 @@ def _ignorable(arch: str, tied: bool) -> re.Pattern[str]:
     parts = [r"\.rotary_emb\.inv_freq$"]
     if arch == "llama_moe":
         parts.append(r"\.mlp\.gate\.weight_noise\.weight$")
+    if arch == "deepseek_v3":  # its multi-token-prediction layer, as transformers' _keys_to_ignore_on_load_unexpected
+        parts.append(r"^model\.layers\.61\.")
     if tied:
         parts.append(r"^lm_head\.weight$")
     return re.compile("|".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V2 / V3: multi-head latent attention, shared experts, first-k dense layers, their routing
+
+
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+
+
+def _deepseek_rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, model.rope_scaling fields or None) from transformers 5's `rope_parameters` or the original
+    configs' `rope_scaling` (DeepSeek-V2 and V3 ship yarn)."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    src = {**scaling, **params}
+    kind = src.get("rope_type") or src.get("type") or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise CheckpointError(f"{where}: rotary scaling '{kind}' is not supported for DeepSeek (moebal implements "
+                              f"plain RoPE and yarn): use a checkpoint whose rope_scaling is yarn or absent")
+    if src.get("factor") is None or src.get("original_max_position_embeddings") is None:
+        raise CheckpointError(f"{where}: yarn rope_scaling needs 'factor' and 'original_max_position_embeddings'")
+    return theta, {"type": "yarn", "factor": float(src["factor"]),
+                   "original_max_seq_len": int(src["original_max_position_embeddings"]),
+                   "beta_fast": float(src.get("beta_fast") or 32.0), "beta_slow": float(src.get("beta_slow") or 1.0),
+                   "mscale": src.get("mscale"), "mscale_all_dim": src.get("mscale_all_dim"),
+                   "attention_factor": src.get("attention_factor"), "truncate": bool(src.get("truncate", True))}
+
+
+def _deepseek_model(hf: dict[str, Any], where: str, v3: bool) -> dict[str, Any]:
+    theta, yarn = _deepseek_rope(hf, where)
+    plain = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters", "head_dim")}
+    plain["rope_theta"] = theta
+    model = _common(plain, where, rope=10000.0, eps=1e-6, kv_default=None, max_pos=4096 if v3 else 2048,
+                    vocab=129280 if v3 else 102400)
+    q_rank = hf.get("q_lora_rank", 1536)
+    if q_rank is not None and (not isinstance(q_rank, int) or isinstance(q_rank, bool)):
+        raise CheckpointError(f"{where}: 'q_lora_rank' must be an integer or null; got {q_rank!r}")
+    mla = {"q_lora_rank": q_rank, "kv_lora_rank": _get(hf, "kv_lora_rank", 512, where),
+           "qk_nope_head_dim": _get(hf, "qk_nope_head_dim", 128, where),
+           "qk_rope_head_dim": _get(hf, "qk_rope_head_dim", 64, where),
+           "v_head_dim": _get(hf, "v_head_dim", 128, where),
+           # transformers' DeepseekV2 always rotates interleaved pairs; V3 lets config.json choose
+           "rope_interleave": bool(hf.get("rope_interleave", True)) if v3 else True}
+    model.update(ffn_dim=_get(hf, "intermediate_size", 18432 if v3 else 11008, where),
+                 attention_bias=bool(hf.get("attention_bias", False)), rope_scaling=yarn, mla=mla)
+    return model
+
+
+def _deepseek_routing(hf: dict[str, Any], where: str, v3: bool) -> dict[str, Any]:
+    """The moe.* routing fields: V2 softmax with greedy or group-limited greedy top-k, weights not renormalised;
+    V3 sigmoid, e_score_correction_bias, group-limited top-k on the sum of each group's two best, normalised."""
+    if not v3:
+        method = hf.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"{where}: DeepSeek-V2 topk_method '{method}' is not supported; expected greedy or "
+                                  f"group_limited_greedy")
+        if hf.get("norm_topk_prob"):
+            raise CheckpointError(f"{where}: norm_topk_prob is true, which transformers' DeepseekV2 ignores (it never "
+                                  f"renormalises) while DeepSeek's own code renormalises: set it to false to get "
+                                  f"transformers' maths")
+        limited = method == "group_limited_greedy"
+        return {"gate": "softmax_topk", "norm_topk": False, "n_group": _get(hf, "n_group", 1, where) if limited else 1,
+                "topk_group": _get(hf, "topk_group", 1, where) if limited else None, "group_score": "max",
+                "selection_bias": False}
+    if (hf.get("scoring_func") or "sigmoid") != "sigmoid":
+        raise CheckpointError(f"{where}: DeepSeek-V3 scoring_func '{hf['scoring_func']}' is not supported; expected "
+                              f"sigmoid (transformers' DeepseekV3 always uses it)")
+    n_group = _get(hf, "n_group", 8, where)
+    return {"gate": "sigmoid_topk", "norm_topk": bool(hf.get("norm_topk_prob", True)), "n_group": n_group,
+            "topk_group": _get(hf, "topk_group", 4, where), "group_score": "top2_sum" if n_group > 1 else "max",
+            "selection_bias": True}
+
+
+def _deepseek(hf: dict[str, Any], where: str, v3: bool) -> HFFields:
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{where}: quantised weights (quantization_config {method!r}, e.g. DeepSeek-V3's FP8 "
+                              f"blocks with weight_scale_inv) are not supported: dequantise to bf16 first and drop "
+                              f"quantization_config from config.json")
+    model = _deepseek_model(hf, where, v3)
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"{where}: moe_layer_freq {hf['moe_layer_freq']} is not supported (transformers' "
+                              f"DeepSeek makes every layer after first_k_dense_replace an MoE layer)")
+    L, first = model["n_layers"], _get(hf, "first_k_dense_replace", 3 if v3 else 0, where)
+    if first >= L:
+        raise CheckpointError(f"{where}: first_k_dense_replace ({first}) leaves no MoE layer among {L}: a dense "
+                              f"model is not an MoE checkpoint")
+    E = _get(hf, "n_routed_experts", 256 if v3 else 64, where)
+    moe = {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", 8 if v3 else 6, where),
+           "expert_ffn_dim": _get(hf, "moe_intermediate_size", 2048 if v3 else 1407, where), "every": 1,
+           "first_dense": first, "shared_experts": _get(hf, "n_shared_experts", 1 if v3 else 2, where),
+           "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
+           "score_scale": _get(hf, "routed_scaling_factor", 2.5 if v3 else 1.0, where, float),
+           **_deepseek_routing(hf, where, v3)}
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "aux_loss_alpha", 0.001, where, float), "router_fp32": True}}
+    return HFFields("deepseek_v3" if v3 else "deepseek_v2", {"model": model, "moe": moe}, defaults)
+
+
+# HF tensors a layout keeps in fp32 in a bf16 checkpoint (transformers' `_keep_in_fp32_modules_strict`)
+_KEEP_FP32 = {"deepseek_v2": re.compile(r"\.mlp\.gate\.weight$"),
+              "deepseek_v3": re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")}
+
+
+def _deepseek_v2(hf: dict[str, Any], where: str) -> HFFields:
+    return _deepseek(hf, where, v3=False)
+
+
+def _deepseek_v3(hf: dict[str, Any], where: str) -> HFFields:
+    return _deepseek(hf, where, v3=True)
+
+
+_FIELDS.update({"deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3})
+
+
+def _deepseek_links(cfg: Config, arch: str) -> list[Link]:
+    """Every HF tensor of a DeepSeek-V2/V3 checkpoint (transformers' per-expert names) for the model `cfg`."""
+    m, moe, mla = cfg.model, cfg.moe, cfg.model.mla
+    assert mla is not None  # check_exportable / config_fields guarantee it
+    links = [Link("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    for i in range(m.n_layers):
+        p = f"model.layers.{i}."
+        names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        biased = ["kv_a_proj_with_mqa", "o_proj"] + (["q_a_proj"] if mla.q_lora_rank is not None else [])
+        names += [f"self_attn.{n}.weight" for n in
+                  (["q_proj"] if mla.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"])
+                  + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]]
+        names += [f"self_attn.{n}.bias" for n in biased] if m.attention_bias else []
+        if not cfg.is_moe_layer(i):
+            names += [f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        links += [Link(p + n, p + n) for n in names]
+        if not cfg.is_moe_layer(i):
+            continue
+        hp, op = p + "mlp.", p + "block_sparse_moe."
+        links.append(Link(hp + "gate.weight", op + "gate.weight"))
+        if arch == "deepseek_v3":
+            links.append(Link(hp + "gate.e_score_correction_bias", op + "expert_bias"))
+        for e in range(moe.num_experts):
+            links += [Link(f"{hp}experts.{e}.gate_proj.weight", op + "experts.w1", e),
+                      Link(f"{hp}experts.{e}.up_proj.weight", op + "experts.w3", e),
+                      Link(f"{hp}experts.{e}.down_proj.weight", op + "experts.w2", e)]
+        if moe.shared_experts:
+            links += [Link(f"{hp}shared_experts.{n}.weight", f"{op}shared_expert.{n}.weight")
+                      for n in ("gate_proj", "up_proj", "down_proj")]
+    links.append(Link("model.norm.weight", "model.norm.weight"))
+    if not m.tie_embeddings:
+        links.append(Link("lm_head.weight", "lm_head.weight"))
+    return links
+
+
+def _deepseek_only(cfg: Config) -> list[str]:
+    """What only the DeepSeek layouts express (problems when exporting to another one)."""
+    m, moe, out = cfg.model, cfg.moe, []
+    if m.mla is not None or m.rope_scaling is not None:
+        out.append("multi-head latent attention and yarn rotary scaling need a deepseek layout")
+    if moe.gate == "sigmoid_topk" or moe.selection_bias:
+        out.append("sigmoid gates and a loaded selection bias need the deepseek_v3 layout")
+    if moe.n_group > 1 and moe.topk_group is not None and moe.topk_group < moe.n_group:
+        out.append("group-limited routing (moe.n_group, moe.topk_group) needs a deepseek layout")
+    if moe.first_dense:
+        out.append("dense first layers (moe.first_dense) need a deepseek layout")
+    return out
+
+
+def _check_deepseek_exportable(cfg: Config, arch: str) -> list[str]:
+    m, moe, v3 = cfg.model, cfg.moe, arch == "deepseek_v3"
+    problems = []
+    if m.mla is None:
+        problems.append("the deepseek layouts use multi-head latent attention: set model.mla")
+    if moe.router != "linear" or moe.router_noise is not None or moe.shared_gate or moe.every != 1:
+        problems.append("a tanh-MLP or noisy router, a gated shared expert and moe.every > 1 have no place in them")
+    if moe.shared_experts and moe.shared_ffn_dim not in (None, moe.shared_experts * cfg.expert_ffn_dim):
+        problems.append("DeepSeek's shared experts are n_shared_experts * moe_intermediate_size wide: set "
+                        "moe.shared_ffn_dim to null")
+    limited = moe.n_group > 1 and moe.topk_group is not None and moe.topk_group < moe.n_group
+    if v3:
+        if moe.gate != "sigmoid_topk" or (limited and moe.group_score != "top2_sum"):
+            problems.append("deepseek_v3 routes with moe.gate sigmoid_topk and, with groups, group_score top2_sum")
+    else:
+        if moe.gate != "softmax_topk" or moe.norm_topk or (limited and moe.group_score != "max"):
+            problems.append("deepseek_v2 routes with moe.gate softmax_topk, moe.norm_topk false and group_score max")
+        if moe.selection_bias or moe.bias_update_rate > 0:
+            problems.append("deepseek_v2 has no selection bias (moe.selection_bias, moe.bias_update_rate)")
+    return problems
+
+
+def _deepseek_hf_fields(cfg: Config, arch: str) -> dict[str, Any]:
+    """config.json keys for a DeepSeek layout (the inverse of `_deepseek`); rotary as transformers 5 writes it."""
+    m, moe, mla, v3 = cfg.model, cfg.moe, cfg.model.mla, arch == "deepseek_v3"
+    assert mla is not None
+    limited = moe.n_group > 1 and moe.topk_group is not None and moe.topk_group < moe.n_group
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    r = m.rope_scaling
+    if r is not None:
+        rope.update({"rope_type": "yarn", "factor": r.factor,
+                     "original_max_position_embeddings": r.original_max_seq_len, "beta_fast": r.beta_fast,
+                     "beta_slow": r.beta_slow, "truncate": r.truncate})
+        rope.update({k: v for k, v in (("mscale", r.mscale), ("mscale_all_dim", r.mscale_all_dim),
+                                       ("attention_factor", r.attention_factor)) if v is not None})
+    out: dict[str, Any] = {
+        "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": m.vocab_size, "hidden_size": m.dim,
+        "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+        "max_position_embeddings": m.max_seq_len, "rope_parameters": rope, "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "attention_bias": m.attention_bias,
+        "intermediate_size": m.ffn_dim, "moe_intermediate_size": cfg.expert_ffn_dim,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "n_shared_experts": moe.shared_experts,
+        "first_k_dense_replace": moe.first_dense, "moe_layer_freq": 1, "routed_scaling_factor": moe.score_scale,
+        "norm_topk_prob": moe.norm_topk, "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim, "aux_loss_alpha": moe.aux_loss_coef}
+    if v3:
+        out.update(n_group=moe.n_group, topk_group=moe.topk_group or moe.n_group, rope_interleave=mla.rope_interleave,
+                   topk_method="noaux_tc", scoring_func="sigmoid")
+    else:
+        out.update(topk_method="group_limited_greedy" if limited else "greedy",
+                   n_group=moe.n_group if limited else None, topk_group=moe.topk_group if limited else None)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,7 +794,8 @@ def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[
     want = {ln.hf for ln in links}
     skip = _ignorable(arch, tied)
     missing = sorted(want - set(info))
-    extra = sorted(n for n in set(info) - want if not skip.search(n))
+    # a zero-size tensor holds no weight (transformers' DeepSeek builds a 0-wide shared expert for n_shared_experts 0)
+    extra = sorted(n for n in set(info) - want if not skip.search(n) and all(info[n].shape))
     if missing or extra:
         msg = [f"{where}: the weights do not match the model config.json describes"]
         if missing:
@@ -590,7 +825,7 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
     """The model with uninitialised storage (built on the meta device: no time spent on a random init that
     the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real. With `experts`, each
     MoE layer's stacked expert tensors hold only those experts' rows (an expert-parallel rank's shard)."""
-    from moebal.models.transformer import MoebalForCausalLM, Rotary
+    from moebal.models.transformer import MoebalForCausalLM, rotary_for
 
     with torch.device("meta"):
         model = MoebalForCausalLM(cfg)
@@ -602,10 +837,12 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
     model = model.to(dtype=dtype).to_empty(device=device)
     m = cfg.model
     with torch.device(device):
-        model.model.rotary = Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)  # fp32 tables, as built normally
+        model.model.rotary = rotary_for(cfg)  # fp32 tables, as built normally
     for layer in model.moe_layers():
         if layer.expert_bias is not None:
             layer.expert_bias = torch.zeros(layer.num_experts, device=device)
+        if layer.router_fp32:  # the router weight stays fp32 in a bf16 model, as transformers keeps it
+            layer.gate.float()
     if m.tie_embeddings:  # to_empty makes new parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
@@ -721,6 +958,8 @@ def choose_arch(cfg: Config) -> str:
     q/k norms, LLaMA-MoE for the tanh-MLP router, Qwen2-MoE for shared experts, dense layers or attention
     biases, Mixtral otherwise."""
     moe = cfg.moe
+    if cfg.model.mla is not None:
+        return "deepseek_v3" if moe.gate == "sigmoid_topk" else "deepseek_v2"
     if cfg.model.qk_norm != "none":
         return "qwen3_moe" if cfg.model.qk_norm == "head" else "olmoe"
     if moe.router == "mlp_tanh" or moe.score_scale != 1.0 or moe.router_noise is not None:
@@ -767,10 +1006,17 @@ def check_exportable(cfg: Config, arch: str) -> None:
     m, moe = cfg.model, cfg.moe
     if moe.num_experts == 0:
         raise ConfigError("moe.num_experts is 0: a dense model is not exported as an MoE checkpoint")
-    problems = []
+    problems = _check_deepseek_exportable(cfg, arch) if arch in _DEEPSEEK else _deepseek_only(cfg)
     if moe.adaptive_threshold is not None:
         problems.append("adaptive top-k gating (moe.adaptive_threshold) routes some tokens to fewer than top_k "
                         "experts, which no HF layout does")
+    if arch in _DEEPSEEK:
+        if moe.dense_layers:
+            problems.append("the deepseek layouts have dense first layers only (moe.first_dense), not "
+                            "moe.dense_layers: they need the qwen2_moe or qwen3_moe layout")
+        if problems:
+            raise ConfigError(f"cannot export to the {arch} layout: " + "; ".join(problems))
+        return
     if moe.bias_update_rate > 0:
         problems.append("the auxiliary-loss-free selection bias (moe.bias_update_rate > 0) has no place in these "
                         "layouts")
@@ -793,6 +1039,8 @@ def check_exportable(cfg: Config, arch: str) -> None:
 
 def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
     """config.json keys for the shape of `cfg` in layout `arch` (the inverse of `config_fields`)."""
+    if arch in _DEEPSEEK:
+        return _deepseek_hf_fields(cfg, arch)
     m, moe = cfg.model, cfg.moe
     out: dict[str, Any] = {
         "architectures": [_ARCH_CLASS[arch]], "model_type": arch, "vocab_size": m.vocab_size, "hidden_size": m.dim,
@@ -845,7 +1093,7 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     if f.arch != arch:
         raise ConfigError(f"the model was loaded from a {f.arch} checkpoint but is exported as {arch}: keep "
                           f"{f.arch}, or write a config from the model alone (to_hf(..., keep_origin=False))")
-    ours = {"model": {k: getattr(cfg.model, k) for k in f.shape["model"]},
+    ours = {"model": {k: _plain(getattr(cfg.model, k)) for k in f.shape["model"]},
             "moe": {k: getattr(cfg.moe, k) for k in f.shape["moe"]}}
     diff = [f"{s}.{k}: {ours[s][k]!r} vs {v!r}" for s in ("model", "moe") for k, v in f.shape[s].items()
             if ours[s][k] != v]
@@ -858,6 +1106,9 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef, router_jitter_noise=cfg.moe.jitter)
     elif arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef)
+    elif arch in _DEEPSEEK:
+        if "aux_loss_alpha" in base:  # DeepSeek's own key; transformers 5 writes none
+            out.update(aux_loss_alpha=cfg.moe.aux_loss_coef)
     else:
         out.update(gate_add_noise=cfg.moe.router_noise is not None)
         if cfg.moe.router_noise is not None:
@@ -865,7 +1116,8 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     return out
 
 
-def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) -> list[OutTensor]:
+def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype,
+                 keep_fp32: re.Pattern[str] | None = None) -> list[OutTensor]:
     info = source.info()
     reader = ScratchReader(source).prime()
     out = []
@@ -880,7 +1132,8 @@ def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype) ->
         def produce(name: str = ln.ours, index: int | None = ln.index) -> torch.Tensor:
             return reader.read(name, index)
 
-        out.append(OutTensor(ln.hf, dtype, tuple(shape), produce))
+        fp32 = keep_fp32 is not None and keep_fp32.search(ln.hf) and info[ln.ours].dtype == torch.float32
+        out.append(OutTensor(ln.hf, torch.float32 if fp32 else dtype, tuple(shape), produce))
     return out
 
 
@@ -894,9 +1147,10 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
     if arch not in _ARCH_CLASS:
         raise ConfigError(f"unknown HF layout '{arch}'; choose one of {', '.join(_ARCH_CLASS)}")
     check_exportable(cfg, arch)
-    _check_selection_bias(source, cfg)
+    if arch != "deepseek_v3":  # the one layout that stores the bias (e_score_correction_bias)
+        _check_selection_bias(source, cfg)
     config_json = hf_config_for(cfg, arch, dtype, base)
-    entries = _out_tensors(source, hf_links(cfg, arch), dtype)
+    entries = _out_tensors(source, hf_links(cfg, arch), dtype, _KEEP_FP32.get(arch))
     final = Path(path)
     if final.exists() and not overwrite:
         raise CheckpointError(f"{final} already exists: choose a new directory or pass --overwrite")

@@ -20,6 +20,7 @@ from moebal.kernels.experts import KERNELS, KernelName, auto_kernel, grouped_mm_
 from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
+    GroupScore,
     Routing,
     RoutingStats,
     assignment_counts,
@@ -124,20 +125,23 @@ class MoELayer(nn.Module):
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, capacity_factor: float | None = None,
                  *, drop_policy: Literal["probs", "position"] = "probs",
-                 gate: Literal["softmax_topk", "topk_softmax"] = "softmax_topk",
+                 gate: Literal["softmax_topk", "topk_softmax", "sigmoid_topk"] = "softmax_topk",
                  router: Literal["linear", "mlp_tanh"] = "linear", adaptive_threshold: float | None = None,
                  jitter: float = 0.0, score_scale: float = 1.0, shared_ffn_dim: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02,
-                 norm_topk: bool = True, router_noise: float | None = None, shared_gate: bool = False) -> None:
+                 norm_topk: bool = True, router_noise: float | None = None, shared_gate: bool = False,
+                 n_group: int = 1, topk_group: int | None = None, group_score: GroupScore = "max",
+                 selection_bias: bool = False, router_fp32: bool = False) -> None:
         super().__init__()
         _check_args(dim, ffn_dim, num_experts, top_k, router, jitter, shared_ffn_dim, aux_loss_coef,
                     z_loss_coef, bias_update_rate, init_std, router_noise, shared_gate)
         self.spec = GateSpec(num_experts=num_experts, top_k=top_k, gate=gate, adaptive_threshold=adaptive_threshold,
                              capacity_factor=capacity_factor, drop_policy=drop_policy, score_scale=score_scale,
-                             norm_topk=norm_topk)
+                             norm_topk=norm_topk, n_group=n_group, topk_group=topk_group, group_score=group_score)
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.router, self.jitter, self.init_std, self.router_noise = router, jitter, init_std, router_noise
+        self.router_fp32 = router_fp32
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "mlp_tanh":
@@ -147,7 +151,8 @@ class MoELayer(nn.Module):
         self.experts = SwiGLUExperts(num_experts, dim, ffn_dim, kernel)
         self.shared_expert = SharedExpert(dim, shared_ffn_dim) if shared_ffn_dim > 0 else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None  # Qwen2-MoE
-        if bias_update_rate > 0:
+        if bias_update_rate > 0 or selection_bias:
+            # DeepSeek-V3's e_score_correction_bias: a buffer (no gradient), moved only by `update_bias`
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
@@ -171,7 +176,9 @@ class MoELayer(nn.Module):
                    adaptive_threshold=moe.adaptive_threshold, jitter=moe.jitter, score_scale=moe.score_scale,
                    shared_ffn_dim=shared, aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
                    bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std,
-                   norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate)
+                   norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate,
+                   n_group=moe.n_group, topk_group=moe.topk_group, group_score=moe.group_score,
+                   selection_bias=moe.selection_bias, router_fp32=moe.router_fp32)
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for the router and every expert weight; the selection bias and the noise
@@ -186,13 +193,18 @@ class MoELayer(nn.Module):
     # ---- the four steps -------------------------------------------------------------------------------
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E] in the input's dtype. While training: Switch jitter on the router input, and
-        noisy top-k gating on the logits (noise scale from the unjittered input)."""
+        """Router logits [T, E] in the input's dtype (fp32 with `router_fp32`). While training: Switch jitter on
+        the router input, and noisy top-k gating on the logits (noise scale from the unjittered input)."""
         x_in = x_TD
         if self.training and self.jitter > 0:
             noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             x_TD = x_TD * noise
-        logits_TE = self.gate(x_TD)
+        if self.router_fp32:
+            # transformers' DeepSeek routers: fp32 input times an fp32 weight, whatever the model's dtype or autocast
+            with torch.autocast(x_TD.device.type, enabled=False):
+                logits_TE = torch.nn.functional.linear(x_TD.float(), self.gate.weight.float())
+        else:
+            logits_TE = self.gate(x_TD)
         if self.router == "mlp_tanh":
             logits_TE = self.gate_out(torch.tanh(logits_TE))
         if self.training and self.router_noise is not None:
@@ -300,12 +312,13 @@ class MoELayer(nn.Module):
         """Auxiliary-loss-free balancing step (DeepSeek-V3); call once per optimizer step with the step's
         globally reduced gate assignments per expert (e.g. `take_stats().routed_E`, all-reduced)."""
         if self.expert_bias is None:
-            raise ValueError("MoELayer.update_bias: bias_update_rate is 0, so there is no selection bias to "
-                             "update; build the layer with bias_update_rate > 0")
+            raise ValueError("MoELayer.update_bias: the layer has no selection bias to update; build it with "
+                             "bias_update_rate > 0")
         if counts_E.shape != (self.num_experts,):
             raise ValueError(f"MoELayer.update_bias: counts_E must have shape ({self.num_experts},); "
                              f"got {tuple(counts_E.shape)}")
-        update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
+        if self.bias_update_rate > 0:  # a loaded bias (selection_bias) with rate 0 stays as it is
+            update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
 
     # ---- parallelism hooks (set from outside by moebal.dist; the layer itself stays single-device) ----------
 
@@ -329,4 +342,6 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         s = self.spec
         return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, experts={s.num_experts}, top_k={s.top_k}, gate={s.gate}, "
-                f"router={self.router}, capacity_factor={s.capacity_factor}, adaptive={s.adaptive_threshold}")
+                f"router={self.router}, capacity_factor={s.capacity_factor}, adaptive={s.adaptive_threshold}"
+                + (f", n_group={s.n_group}, topk_group={s.topk_group}, group_score={s.group_score}"
+                   if s.limits_groups else ""))

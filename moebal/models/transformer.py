@@ -26,7 +26,7 @@ from torch import nn
 from moebal.config import Config
 from moebal.models.mlp import MLP
 
-__all__ = ["CausalLMOutput", "DecoderLayer", "MoebalForCausalLM", "RMSNorm", "build_model"]
+__all__ = ["CausalLMOutput", "DecoderLayer", "MoebalForCausalLM", "RMSNorm", "build_model", "rotary_for"]
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +129,29 @@ class Attention(nn.Module):
         return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+def rotary_for(cfg: Config) -> Rotary:
+    """The model's rotary tables: head_dim wide, or for multi-head latent attention qk_rope_head_dim wide and
+    YaRN-scaled when model.rope_scaling is set (moebal/models/mla.py)."""
+    m = cfg.model
+    if m.mla is None:
+        return Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)
+    from moebal.models.mla import ScaledRotary
+
+    return ScaledRotary(m.mla.qk_rope_head_dim, m.max_seq_len, m.rope_theta, m.rope_scaling)
+
+
+def attention_for(cfg: Config) -> nn.Module:
+    """Grouped-query attention, or multi-head latent attention when model.mla is set (DeepSeek)."""
+    m = cfg.model
+    if m.mla is None:
+        return Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim, m.attention_bias, qk_norm=m.qk_norm,
+                         norm_eps=m.norm_eps, sliding_window=m.sliding_window)
+    from moebal.models.mla import MLAttention, mla_softmax_scale
+
+    scale = mla_softmax_scale(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.rope_scaling)
+    return MLAttention(m.dim, m.n_heads, m.mla, scale, m.attention_bias)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + ffn(norm(h)); the ffn is a dense MLP or an MoE block."""
 
@@ -137,8 +160,7 @@ class DecoderLayer(nn.Module):
         m = cfg.model
         self.index = index
         self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
-        self.self_attn = Attention(m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim, m.attention_bias,
-                                   qk_norm=m.qk_norm, norm_eps=m.norm_eps, sliding_window=m.sliding_window)
+        self.self_attn = attention_for(cfg)
         self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
@@ -172,7 +194,7 @@ class MoebalModel(nn.Module):
         self.embed_tokens = nn.Embedding(m.vocab_size, m.dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.n_layers))
         self.norm = RMSNorm(m.dim, m.norm_eps)
-        self.rotary = Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)
+        self.rotary = rotary_for(cfg)
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.embed_tokens(ids_BT)

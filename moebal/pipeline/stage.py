@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebal.config import Config
-from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, Rotary
+from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, rotary_for
 from moebal.pipeline.units import ATTN, FFN, LAYER, UnitMap
 
 __all__ = ["PipelineStage", "build_layer_skeleton", "half_modules", "keep_half", "merge_half"]
@@ -60,8 +60,7 @@ class PipelineStage(nn.Module):
         self.model.embed_tokens = embed if first else None
         self.model.norm = norm if last else None
         self.lm_head = lm_head if last else None
-        m = cfg.model
-        self.rotary = Rotary(cfg.head_dim, m.max_seq_len, m.rope_theta)
+        self.rotary = rotary_for(cfg)
         self._set_layers(layers)
 
     @classmethod

@@ -56,6 +56,8 @@ class ModelShape:
     top_k: int = 1
     expert_ffn_dim: int = 0
     moe_every: int = 1
+    moe_first_dense: int = 0
+    """The first N layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)."""
     dense_layers: tuple[int, ...] = ()
     """Layers that are dense whatever moe_every says (HF mlp_only_layers)."""
     expert_matrices: int = 3
@@ -70,11 +72,13 @@ class ModelShape:
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                    head_dim=cfg.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, num_experts=moe.num_experts,
                    top_k=moe.top_k, expert_ffn_dim=cfg.expert_ffn_dim, moe_every=moe.every,
-                   dense_layers=moe.dense_layers, router_hidden=moe.num_experts if moe.router == "mlp_tanh" else 0,
+                   moe_first_dense=moe.first_dense, dense_layers=moe.dense_layers,
+                   router_hidden=moe.num_experts if moe.router == "mlp_tanh" else 0,
                    tie_embeddings=m.tie_embeddings)
 
     def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer not in self.dense_layers
+        return (self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer >= self.moe_first_dense
+                and layer not in self.dense_layers)
 
     @property
     def attn_params(self) -> int:

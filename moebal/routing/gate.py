@@ -1,4 +1,5 @@
-"""Token-choice gates: top-k in two orders, adaptive top-k, capacity drops, and the routing decision.
+"""Token-choice gates: softmax top-k in two orders, sigmoid top-k, group-limited choice, adaptive top-k,
+capacity drops, and the routing decision.
 
 The routing decision (`Routing`) is plain tensors, so a dispatcher (local or expert-parallel) can reuse it:
 gate -> `Routing` -> dispatch plan -> expert compute -> combine, each a separate step.
@@ -15,10 +16,13 @@ from typing import Literal
 import torch
 
 from moebal.routing.capacity import capacity_keep, expert_capacity
+from moebal.routing.groups import GROUP_SCORES, GroupScore, group_limit
 
-GateOrder = Literal["softmax_topk", "topk_softmax"]
+GateOrder = Literal["softmax_topk", "topk_softmax", "sigmoid_topk"]
 DropPolicy = Literal["probs", "position"]
-GATE_ORDERS = ("softmax_topk", "topk_softmax")
+GATE_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+# DeepSeek-V3's normalisation adds this to the sum of the chosen sigmoid scores (HF DeepseekV3TopkRouter)
+SIGMOID_NORM_EPS = 1e-20
 DROP_POLICIES = ("probs", "position")
 
 
@@ -34,6 +38,9 @@ class GateSpec:
     drop_policy: DropPolicy = "probs"
     score_scale: float = 1.0
     norm_topk: bool = True
+    n_group: int = 1
+    topk_group: int | None = None
+    group_score: GroupScore = "max"
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -54,9 +61,35 @@ class GateSpec:
             raise ValueError(f"capacity_factor must be a positive number, or None for dropless routing; got {cf!r}")
         if not math.isfinite(self.score_scale):
             raise ValueError(f"score_scale must be finite; got {self.score_scale}")
-        if not self.norm_topk and self.gate != "softmax_topk":
-            raise ValueError("norm_topk=False keeps the full-softmax probabilities, which only gate='softmax_topk' "
-                             "computes: use gate='softmax_topk'")
+        if not self.norm_topk and self.gate == "topk_softmax":
+            raise ValueError("norm_topk=False keeps the unnormalised scores of the chosen experts, which "
+                             "gate='topk_softmax' never computes: use gate='softmax_topk' or 'sigmoid_topk'")
+        if self.adaptive_threshold is not None and self.gate == "sigmoid_topk" and not self.norm_topk:
+            raise ValueError("adaptive_threshold compares normalised top-k scores: with gate='sigmoid_topk' set "
+                             "norm_topk=True")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        G, E = self.n_group, self.num_experts
+        if not isinstance(G, int) or G < 1 or E % G:
+            raise ValueError(f"n_group must be a positive divisor of num_experts={E}; got {G!r}")
+        tg = self.topk_group
+        if tg is not None and not (isinstance(tg, int) and 1 <= tg <= G):
+            raise ValueError(f"topk_group must be in [1, n_group={G}] (or None for every group); got {tg!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {', '.join(GROUP_SCORES)}; got {self.group_score!r}")
+        if self.limits_groups:
+            if self.top_k > (tg or G) * (E // G):
+                raise ValueError(f"top_k={self.top_k} is more than the {(tg or G) * (E // G)} experts of "
+                                 f"topk_group={tg} groups of {E // G}: raise topk_group or lower top_k")
+            if self.group_score == "top2_sum" and E // G < 2:
+                raise ValueError(f"group_score='top2_sum' sums each group's two best scores, but groups have "
+                                 f"{E // G} expert: use group_score='max' or fewer groups")
+
+    @property
+    def limits_groups(self) -> bool:
+        """Whether the group limit can exclude an expert (some groups are left out)."""
+        return self.n_group > 1 and self.topk_group is not None and self.topk_group < self.n_group
 
 
 @dataclass
@@ -72,7 +105,8 @@ class Routing:
     taken_TK: torch.Tensor | None
     """bool: taken by the (adaptive) gate, before capacity drops; None means all K taken."""
     probs_TE: torch.Tensor
-    """fp32 softmax over all experts (input of the load-balancing loss)."""
+    """fp32 scores over all experts summing to one per token (input of the load-balancing loss): the softmax,
+    or for sigmoid gates the sigmoid scores normalised to sum one (DeepSeek-V3 eq. 19's s')."""
     logits_TE: torch.Tensor
     """fp32 router logits (input of the z-loss)."""
     capacity: int | None
@@ -80,31 +114,48 @@ class Routing:
 
 
 def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder, bias_E: torch.Tensor | None = None,
-                norm_topk: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(indices_TK, probs_TK normalised over the k choices, probs_TE) from fp32 logits.
+                norm_topk: bool = True, *, n_group: int = 1, topk_group: int | None = None,
+                group_score: GroupScore = "max") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indices_TK, probs_TK: the combine weights before scaling, probs_TE) from fp32 logits.
 
     `softmax_topk` is Mixtral's order (softmax over all experts in fp32, top-k, renormalise);
     `topk_softmax` takes the top-k logits and softmaxes over them (LLaMA-MoE). The two are the same maths
     (the full partition function cancels) but round differently, so both exist for bit-faithful parity.
-    A selection bias (auxiliary-loss-free balancing) is added to the logits for the choice only; the
-    weights come from the unbiased scores (DeepSeek-V3). We add it to logits rather than to probabilities
-    so both orders select the same experts for the same bias. `norm_topk=False` (softmax_topk only) keeps
-    the full-softmax values of the chosen experts (Qwen2-MoE's `norm_topk_prob: false`).
+    `sigmoid_topk` scores each expert alone by sigmoid(logit) and normalises over the chosen k (DeepSeek-V3
+    eq. 15-16). `norm_topk=False` (not for topk_softmax) keeps the chosen experts' own scores (Qwen2-MoE's
+    `norm_topk_prob: false`, DeepSeek-V2).
+
+    A selection bias (auxiliary-loss-free balancing, DeepSeek-V3 eq. 16) changes the choice only; the
+    weights come from the unbiased scores. It is added to what the gate ranks: the logits of softmax gates
+    (so both orders select the same experts for the same bias) and the sigmoid scores of sigmoid gates (as
+    DeepSeek-V3's `e_score_correction_bias`). With `n_group` groups and `topk_group` < n_group the choice is
+    limited to each token's best groups (moebal/routing/groups.py), ranked on those same biased scores.
     """
+    choice_TE, probs_TE, scores_TE = _choice_scores(logits_TE, gate, bias_E)
+    if n_group > 1 and topk_group is not None and topk_group < n_group:
+        choice_TE = group_limit(choice_TE, n_group, topk_group, group_score)
+    indices_TK = choice_TE.topk(k, dim=-1).indices
+    if gate == "topk_softmax":
+        return indices_TK, torch.softmax(logits_TE.gather(1, indices_TK), dim=-1), probs_TE
+    p_TK = scores_TE.gather(1, indices_TK)
+    if norm_topk:
+        sum_T1 = p_TK.sum(dim=-1, keepdim=True)
+        p_TK = p_TK / (sum_T1 + SIGMOID_NORM_EPS if gate == "sigmoid_topk" else sum_T1)
+    return indices_TK, p_TK, probs_TE
+
+
+def _choice_scores(logits_TE: torch.Tensor, gate: GateOrder,
+                   bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(what the top-k ranks, probs_TE summing to one, each expert's own score) of one gate."""
+    if gate == "sigmoid_topk":
+        scores_TE = torch.sigmoid(logits_TE)
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        return (scores_TE if bias_E is None else scores_TE + bias_E), probs_TE, scores_TE
     probs_TE = torch.softmax(logits_TE, dim=-1)
     if bias_E is not None:
-        indices_TK = (logits_TE + bias_E).topk(k, dim=-1).indices
-    elif gate == "softmax_topk":
-        indices_TK = probs_TE.topk(k, dim=-1).indices
-    else:
-        indices_TK = logits_TE.topk(k, dim=-1).indices
-    if gate == "softmax_topk":
-        p_TK = probs_TE.gather(1, indices_TK)
-        if norm_topk:
-            p_TK = p_TK / p_TK.sum(dim=-1, keepdim=True)
-    else:
-        p_TK = torch.softmax(logits_TE.gather(1, indices_TK), dim=-1)
-    return indices_TK, p_TK, probs_TE
+        return logits_TE + bias_E, probs_TE, probs_TE
+    # Mixtral ranks the probabilities, LLaMA-MoE the logits: the same order, kept for bit-faithful ties
+    return (probs_TE if gate == "softmax_topk" else logits_TE), probs_TE, probs_TE
 
 
 def adaptive_take(p_TK: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -123,7 +174,9 @@ def adaptive_take(p_TK: torch.Tensor, threshold: float) -> torch.Tensor:
 def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None = None) -> Routing:
     """The routing decision for router logits [T, E]: choices, combine weights, active mask."""
     logits_TE = logits_TE.float()
-    indices_TK, p_TK, probs_TE = select_topk(logits_TE, spec.top_k, spec.gate, bias_E, spec.norm_topk)
+    indices_TK, p_TK, probs_TE = select_topk(logits_TE, spec.top_k, spec.gate, bias_E, spec.norm_topk,
+                                             n_group=spec.n_group, topk_group=spec.topk_group,
+                                             group_score=spec.group_score)
     taken_TK = None
     weights_TK = p_TK
     if spec.adaptive_threshold is not None and spec.top_k > 1:
@@ -145,6 +198,8 @@ def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None =
     elif taken_TK is not None:
         weights_TK = weights_TK * taken_TK
     if spec.score_scale != 1.0:
+        # LLaMA-MoE's score_scale_factor, DeepSeek's routed_scaling_factor: after normalisation (DeepSeek-V3's
+        # normalised sigmoid weights then sum to this factor)
         weights_TK = weights_TK * spec.score_scale
     return Routing(indices_TK=indices_TK, weights_TK=weights_TK, active_TK=active_TK, taken_TK=taken_TK,
                    probs_TE=probs_TE, logits_TE=logits_TE, capacity=capacity)

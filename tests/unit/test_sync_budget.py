@@ -17,6 +17,11 @@ VARIANTS = {
     "capacity": {"capacity_factor": 1.0},
     "adaptive": {"adaptive_threshold": 0.2},
     "adaptive+capacity": {"adaptive_threshold": 0.2, "capacity_factor": 1.0},
+    # DeepSeek-V3's gate: sigmoid scores, a selection bias, group-limited top-k, routed scaling
+    "sigmoid+groups+bias": {"gate": "sigmoid_topk", "n_group": 4, "topk_group": 2, "group_score": "top2_sum",
+                            "score_scale": 2.5, "selection_bias": True},
+    # DeepSeek-V2's: softmax, group-limited greedy on each group's best score, weights not renormalised
+    "softmax+groups": {"n_group": 4, "topk_group": 2, "norm_topk": False, "score_scale": 16.0},
 }
 
 
