@@ -1,0 +1,81 @@
+"""`moebal bench layer`'s third-party methods: a method that raises in any phase is recorded as failed and the
+run still writes its JSON; Tutel's path, run against a stand-in package with Tutel's interface
+(tests/fake_tutel: Tutel installs from source and is not installed here), loads moebal's weights and matches
+moebal's output dropless, and records its dropped fraction at capacity factor 1.0 and its version."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from moebal.cli import main
+from moebal.commands import bench
+
+FAKE_TUTEL = Path(__file__).resolve().parents[1] / "fake_tutel"
+TINY = ["bench", "layer", "--tokens", "32", "--dim", "16", "--ffn", "16", "--experts", "4", "--repeats", "2",
+        "--threads", "1", "--dtypes", "fp32"]
+
+
+def _raises_in_warmup(case: bench.Case) -> dict[str, bench.ThirdPartyMethod]:
+    def step() -> None:
+        raise RuntimeError("boom in warm-up\nsecond line is not recorded")
+
+    def broken() -> tuple:
+        raise ImportError("no such kernel")
+
+    return {"boom": bench.ThirdPartyMethod(build=lambda: (step, None), info={"version": "1.0"}),
+            "unbuilt": bench.ThirdPartyMethod(build=broken)}
+
+
+def test_third_party_failing_in_warmup_is_recorded_and_json_written(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(bench, "THIRD_PARTY", {"fake": _raises_in_warmup})
+    out = tmp_path / "bench.json"
+    assert main([*TINY, "--warmup", "1", "--routings", "balanced", "--json", str(out)]) == 0
+    records = {r["method"]: r for r in json.loads(out.read_text())["records"]}
+    assert records["boom"]["failed"] == "warm-up 1: RuntimeError: boom in warm-up"
+    assert records["boom"]["version"] == "1.0" and "median_s" not in records["boom"]
+    assert records["unbuilt"]["failed"] == "construction: ImportError: no such kernel"
+    for name in ("dense", "moebal", "loop"):  # the others were timed in full
+        assert records[name]["median_s"] > 0 and records[name]["repeats"] == 2
+
+
+def test_failed_result_check_drops_the_timing(tmp_path: Path, monkeypatch) -> None:
+    def provider(case: bench.Case) -> dict[str, bench.ThirdPartyMethod]:
+        def check() -> dict:
+            raise ValueError("output differs")
+
+        return {"checked": bench.ThirdPartyMethod(build=lambda: ((lambda: None), check))}
+
+    monkeypatch.setattr(bench, "THIRD_PARTY", {"fake": provider})
+    out = tmp_path / "bench.json"
+    assert main([*TINY, "--warmup", "0", "--routings", "balanced", "--json", str(out)]) == 0
+    (rec,) = [r for r in json.loads(out.read_text())["records"] if r["method"] == "checked"]
+    assert rec["failed"] == "result check: ValueError: output differs" and "median_s" not in rec
+
+
+@pytest.fixture
+def stand_in_tutel(monkeypatch) -> Iterator[None]:
+    monkeypatch.syspath_prepend(str(FAKE_TUTEL))
+    yield
+    for name in [m for m in sys.modules if m == "tutel" or m.startswith("tutel.")]:
+        del sys.modules[name]
+
+
+def test_tutel_path_against_stand_in(tmp_path: Path, stand_in_tutel: None) -> None:
+    out = tmp_path / "bench.json"
+    assert main([*TINY, "--warmup", "1", "--json", str(out)]) == 0
+    records = {(r["method"], r["routing"]): r for r in json.loads(out.read_text())["records"]}
+    for routing in ("balanced", "skewed"):
+        dropless, capped = records[("tutel", routing)], records[("tutel_cf1", routing)]
+        assert dropless["median_s"] > 0 and capped["median_s"] > 0
+        assert dropless["matches_moebal"] and dropless["max_abs_diff_vs_moebal"] < 1e-5  # same weights, routing
+        assert dropless["dropped_fraction"] == 0.0 and dropless["capacity_factor"] == 0.0
+        assert capped["capacity_factor"] == 1.0 and capped["capacity_rows_per_expert"] == 2 * 8  # K * T / E
+        assert dropless["tutel"]["version"] == "0.0.0+stand-in" and dropless["tutel"]["commit"] == "unknown"
+        assert "llama_ffn" in dropless["expert"]
+    # skewed routing overfills the busiest experts: capacity 1.0 drops rows there
+    assert records[("tutel_cf1", "skewed")]["dropped_fraction"] > records[("tutel_cf1", "balanced")]["dropped_fraction"]
