@@ -6,6 +6,8 @@ moebal's output dropless, and records its dropped fraction at capacity factor 1.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,3 +81,16 @@ def test_tutel_path_against_stand_in(tmp_path: Path, stand_in_tutel: None) -> No
         assert "llama_ffn" in dropless["expert"]
     # skewed routing overfills the busiest experts: capacity 1.0 drops rows there
     assert records[("tutel_cf1", "skewed")]["dropped_fraction"] > records[("tutel_cf1", "balanced")]["dropped_fraction"]
+
+
+def test_tutel_is_not_imported_at_module_load() -> None:
+    # a fresh interpreter with the stand-in importable: loading the benchmarks must not import it
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "import moebal.commands.bench, bench_expert_parallel; "
+            "from moebal.commands.third_party import tutel_importable; "
+            "assert tutel_importable() and 'tutel' not in sys.modules, sorted(sys.modules)")
+    root = FAKE_TUTEL.parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code, str(FAKE_TUTEL), str(root / "scripts")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
