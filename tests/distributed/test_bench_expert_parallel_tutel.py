@@ -48,3 +48,15 @@ def test_tutel_method_beside_policies(monkeypatch) -> None:
         "expert_load_max_over_mean"]
     lines = bep.summarise(records)
     assert "fastermoe-policy" in lines[0] and any("tutel" in line and "skewed" in line for line in lines[1:])
+
+
+def test_tutel_construction_failure_is_recorded_not_raised(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fake_tutel"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    try:
+        bep = importlib.import_module("bench_expert_parallel")
+        job, why = bep._tutel_job(from_dict(TINY), rank=0, world=3)  # 4 experts do not divide over 3 ranks
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("tutel", "bench_expert_parallel")]:
+            del sys.modules[name]
+    assert job is None and why.startswith("construction: ValueError: Tutel holds the same number of experts")

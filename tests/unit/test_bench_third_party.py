@@ -94,3 +94,34 @@ def test_tutel_is_not_imported_at_module_load() -> None:
     r = subprocess.run([sys.executable, "-c", code, str(FAKE_TUTEL), str(root / "scripts")], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_drop_stats_follow_tutels_capacity_rule() -> None:
+    import torch
+
+    from moebal.commands.third_party import drop_stats
+
+    counts_E = torch.tensor([10, 4, 1, 1])  # 8 tokens x top-2 over 4 experts
+    capped = drop_stats(1.0, tokens=8, top_k=2, counts_E=counts_E)  # capacity 2 * int(1.0 * ceil(8 / 4)) = 4
+    assert capped == {"capacity_rows_per_expert": 4, "routed_rows": 16, "computed_rows": 16, "dropped_fraction": 6 / 16}
+    dropless = drop_stats(0.0, tokens=8, top_k=2, counts_E=counts_E)  # every expert padded to the largest load
+    assert dropless["dropped_fraction"] == 0.0 and dropless["computed_rows"] == 40
+
+
+def test_commit_comes_only_from_the_packages_own_checkout(tmp_path: Path) -> None:
+    from moebal.commands.third_party import _checkout_commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                   "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+
+    (tmp_path / "tutel").mkdir()
+    (tmp_path / "tutel" / "__init__.py").write_text("")
+    (tmp_path / "site" / "tutel").mkdir(parents=True)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    assert _checkout_commit(tmp_path / "tutel") == git("rev-parse", "HEAD")
+    # installed inside some other repository (a site-packages in a checkout): not that repository's commit
+    assert _checkout_commit(tmp_path / "site" / "tutel") == "unknown"
