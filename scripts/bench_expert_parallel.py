@@ -6,11 +6,17 @@ interleaved in rounds, runs a few steps of every (routing, policy) pair:
   routing   balanced (the router as trained), skewed (a selection bias -s*log(expert id + 1) that makes the
             busiest expert's load at least 3x the mean), recorded (the per-expert shares of a real run's
             metrics.jsonl, reproduced with a selection bias; skipped without --recorded RUN_DIR)
-  policy    static (plain expert parallelism), fastermoe (dynamic shadowing), prophet (Pro-Prophet greedy)
+  method    placement policies on moebal's executor (its all-to-all, Trans and Agg): static (plain expert
+            parallelism), fastermoe-policy (FasterMoE's dynamic shadowing policy; not FasterMoE's system: no smart
+            schedule, no FastMoE kernels), prophet (Pro-Prophet greedy); and, when `tutel` is importable, tutel:
+            the same model with every MoE block replaced by Tutel's dropless `moe_layer` (SwiGLU expert, the
+            block's router and experts loaded, Tutel's own all-to-all over the same ranks)
 
-Each step = plan from the previous step's all-gathered counts, Trans, forward, backward, Agg, gradient sync,
-optimizer step; the step time is the slowest rank's. The planner's coefficients are measured on the job
-itself at start-up (moebal.dist.calibrate), so the planner and the measurement see the same machine.
+Each moebal step = plan from the previous step's all-gathered counts, Trans, forward, backward, Agg, gradient
+sync, optimizer step; a Tutel step = forward, backward, gradient sync (dense gradients averaged in one
+all-reduce), optimizer step. The step time is the slowest rank's. Every round runs every (routing, method)
+pair, the order of both rotated by one each round. The planner's coefficients are measured on the job itself
+at start-up (moebal.dist.calibrate), so the planner and the measurement see the same machine.
 
     python scripts/bench_expert_parallel.py [--quick] [--json FILE] [--png FILE] [--recorded RUN_DIR]
 """
@@ -24,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.commands import third_party as tp
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.dist.calibrate import describe, measure_layer_costs
@@ -39,12 +47,28 @@ from moebal.dist.groups import ParallelDims
 from moebal.dist.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.experts import ExpertPlanner, placement_metrics
+from moebal.planner.perf import MoELayerCosts
 from moebal.planner.plan import ExpertPlacement
 
 CPU_ONLY = "it times gloo ranks on this machine's cores"
 """Why `--device` accepts cpu only here."""
 
 POLICIES = ("static", "fastermoe", "prophet")
+TUTEL = "tutel"
+METHODS = (*POLICIES, TUTEL)
+LABELS = {"static": "static", "fastermoe": "fastermoe-policy", "prophet": "prophet", TUTEL: "tutel"}
+"""How the table and the chart name each method ("fastermoe" is the policy's name in moebal's planner)."""
+NOTES = {
+    "static": "placement policy on moebal's executor: every expert on its owner",
+    "fastermoe": "FasterMoE's dynamic shadowing placement policy on moebal's executor (moebal's all-to-all, Trans "
+                 "and Agg); not FasterMoE's system: no smart schedule, no FastMoE kernels",
+    "prophet": "Pro-Prophet's greedy placement policy on moebal's executor",
+    TUTEL: "Tutel's dropless moe_layer (llama_ffn SwiGLU expert, explicit silu) with its own all-to-all, the "
+           "moebal block's router and experts loaded; the routing bias is added to its logits (same expert "
+           "choice as moebal's choice-only bias; its combine weights see the bias too)",
+}
+LEGEND = ("static, fastermoe-policy, prophet: placement policies on moebal's executor (fastermoe-policy is "
+          "FasterMoE's shadowing policy, not FasterMoE's system); tutel: Tutel's moe_layer and all-to-all")
 
 
 def bench_config(quick: bool) -> Config:
@@ -103,32 +127,164 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     routings = {"balanced": None, "skewed": skew_bias(cfg.moe.num_experts, spec["skew"])}
     if spec.get("recorded_shares"):
         routings["recorded"] = recorded_bias(spec["recorded_shares"])
-    L, E = cfg.model.n_layers, cfg.moe.num_experts
+    tutel, tutel_failed = _tutel_job(cfg, rank, world) if spec.get("tutel") else (None, None)
+    if spec.get("tutel"):  # every rank must agree, or the others would wait in Tutel's all-to-all
+        built = torch.tensor([0 if tutel is None else 1])
+        dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if not built.item() and tutel is not None:
+            tutel, tutel_failed = None, "construction: failed on another rank (its traceback is not gathered)"
+    methods = [*spec.get("policies", POLICIES), *([TUTEL] if tutel is not None else [])]
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for _ in range(spec["rounds"]):
-        for routing, bias in routings.items():
-            _set_bias(model, bias)
-            for policy in POLICIES:
-                planners = [ExpertPlanner(E, world, policy, costs, hysteresis=cfg.planner.hysteresis)
-                            for _ in range(L)]
-                placements = [p.current for p in planners]
-                for i in range(spec["warmup"] + spec["steps"]):
-                    ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    counts = _step(model, ep, opt, ids, placements)
-                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                    t1 = time.perf_counter()
-                    used = placements
-                    placements = [p.step(c) for p, c in zip(planners, counts)]
-                    plan_s = time.perf_counter() - t1
-                    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                    if i >= spec["warmup"]:
-                        samples.setdefault((routing, policy), []).append(
-                            _sample(dt.item() + plan_s, plan_s, counts, used, costs))
+    for r in range(spec["rounds"]):
+        for routing in _rotated(list(routings), r):
+            for method in _rotated(methods, r):
+                key = (routing, method)
+                if method == TUTEL:
+                    _set_bias(tutel.model, routings[routing])
+                    samples.setdefault(key, []).extend(_run_tutel(tutel, spec, cfg, gen, world))
+                else:
+                    _set_bias(model, routings[routing])
+                    samples.setdefault(key, []).extend(_run_policy(model, ep, opt, method, costs, spec, cfg, gen))
     if rank:
         return []
-    return [_record(routing, policy, world, s, costs, cfg) for (routing, policy), s in samples.items()]
+    records = [_tutel_record(routing, world, s, tutel.provenance) if method == TUTEL
+               else _record(routing, method, world, s, costs, cfg) for (routing, method), s in samples.items()]
+    if tutel_failed:
+        records.append({"policy": TUTEL, "executor": TUTEL, "world_size": world, "failed": tutel_failed,
+                        "note": NOTES[TUTEL]})
+    return records
+
+
+def _rotated(items: list[str], r: int) -> list[str]:
+    """`items` starting at position r (mod its length): each round starts with another variant, so slow drifts
+    of a shared machine do not always fall on the same one."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def _run_policy(model: torch.nn.Module, ep: ExpertParallel, opt: torch.optim.Optimizer, policy: str,
+                costs: MoELayerCosts, spec: dict[str, Any], cfg: Config, gen: torch.Generator
+                ) -> list[dict[str, Any]]:
+    """Warm-up and timed steps of one placement policy on moebal's executor (fresh planners each time)."""
+    L, E, world = cfg.model.n_layers, cfg.moe.num_experts, ep.dims.size("ep")
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    planners = [ExpertPlanner(E, world, policy, costs, hysteresis=cfg.planner.hysteresis) for _ in range(L)]
+    placements = [p.current for p in planners]
+    out = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        counts = _step(model, ep, opt, ids, placements)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        t1 = time.perf_counter()
+        used = placements
+        placements = [p.step(c) for p, c in zip(planners, counts)]
+        plan_s = time.perf_counter() - t1
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= spec["warmup"]:
+            out.append(_sample(dt.item() + plan_s, plan_s, counts, used, costs))
+    return out
+
+
+# ---- Tutel on the same ranks -----------------------------------------------------------------------------
+
+class TutelBlock(torch.nn.Module):
+    """Stands in for a model's MoELayer: Tutel's dropless moe_layer over the world group (here the "ep" group:
+    ep = world), holding this rank's E / world experts. The MoELayer's router and those experts' weights are
+    loaded (moebal/commands/third_party.py), so both executors start from the same function. Tutel's own
+    balancing loss is not added: the benchmark's aux_loss_coef is 0."""
+
+    def __init__(self, moe: torch.nn.Module, rank: int, world: int) -> None:
+        super().__init__()
+        n = moe.num_experts // world
+        mine = slice(rank * n, (rank + 1) * n)  # Tutel's all-to-all sends global expert g to rank g // n
+        self.tutel = tp.tutel_layer(dim=moe.dim, ffn=moe.ffn_dim, experts=moe.num_experts, top_k=moe.top_k,
+                                    capacity_factor=0.0, world=world)
+        ex = moe.experts
+        tp.load_moebal_weights(self.tutel, moe.gate.weight, ex.w1[mine], ex.w3[mine], ex.w2[mine])
+        self.expert_bias: torch.Tensor | None = None  # set by _set_bias, as on a MoELayer
+        self.counts: list[torch.Tensor] = []
+        self.tutel.gates[0].register_forward_hook(tp.routing_hook(lambda: self.expert_bias, self.counts))
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tutel(x)
+
+
+@dataclass
+class TutelJob:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    dense: list[torch.nn.Parameter]
+    experts: list[torch.nn.Parameter]
+    provenance: dict[str, str]
+
+
+def _tutel_job(cfg: Config, rank: int, world: int) -> tuple[TutelJob | None, str | None]:
+    """moebal's model built from the same seed (the same weights) with every MoE block replaced by a
+    TutelBlock; (None, why) when construction fails (it fails alike on every rank: no collective runs)."""
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.block_sparse_moe = TutelBlock(layer.block_sparse_moe, rank, world)
+        expert_ids = {id(p) for b in model.moe_layers() for p in b.tutel.experts.parameters()}
+        params = list(model.parameters())
+        return TutelJob(model=model, opt=torch.optim.AdamW(params, lr=1e-5),
+                        dense=[p for p in params if id(p) not in expert_ids],
+                        experts=[p for p in params if id(p) in expert_ids], provenance=tp.tutel_provenance()), None
+    except Exception as e:  # an optional third-party backend: record why it could not run, keep the others
+        return None, f"construction: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _tutel_step(job: TutelJob, ids: torch.Tensor, world: int) -> None:
+    out = job.model(ids[:, :-1], ids[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    # Dense gradients averaged over the ranks in one all-reduce; expert gradients already summed over the
+    # ranks by the all-to-all's backward, divided by the same count (moebal's executor does the same).
+    grads = [p.grad for p in job.dense if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g)).div_(world)
+        offset += g.numel()
+    for p in job.experts:
+        if p.grad is not None:
+            p.grad.div_(world)
+    job.opt.step()
+    job.opt.zero_grad(set_to_none=True)
+
+
+def _run_tutel(job: TutelJob, spec: dict[str, Any], cfg: Config, gen: torch.Generator,
+               world: int) -> list[dict[str, Any]]:
+    """Warm-up and timed steps of the Tutel model; per-expert loads summed over the ranks outside the timing."""
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    out = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _tutel_step(job, ids, world)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        counts_LE = torch.stack([b.counts[0].to(torch.float64) for b in job.model.moe_layers()])
+        dist.all_reduce(counts_LE)
+        if i >= spec["warmup"]:
+            imbalance = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1)).mean().item()
+            out.append({"step_s": dt.item(), "expert_imbalance": imbalance})
+    return out
+
+
+def _tutel_record(routing: str, world: int, s: list[dict], provenance: dict[str, str]) -> dict[str, Any]:
+    steps = [x["step_s"] for x in s]
+    return {"policy": TUTEL, "executor": TUTEL, "label": LABELS[TUTEL], "routing": routing, "world_size": world,
+            "step_time_median_s": statistics.median(steps), "step_time_min_s": min(steps),
+            "step_time_max_s": max(steps), "steps": len(steps), "capacity_factor": 0.0,
+            "expert_load_max_over_mean": float(np.mean([x["expert_imbalance"] for x in s])),
+            "tutel": provenance, "note": NOTES[TUTEL]}
 
 
 def _sample(step_s: float, plan_s: float, counts: list[np.ndarray], used: list[ExpertPlacement], costs) -> dict:
@@ -149,7 +305,8 @@ def _record(routing: str, policy: str, world: int, s: list[dict], costs, cfg: Co
         return float(np.mean([sum(layer[key] for layer in x["layers"]) for x in s]))
 
     return {
-        "policy": policy, "routing": routing, "world_size": world,
+        "policy": policy, "executor": "moebal", "label": LABELS[policy], "note": NOTES[policy],
+        "routing": routing, "world_size": world,
         "step_time_median_s": statistics.median(steps), "step_time_min_s": min(steps),
         "step_time_max_s": max(steps), "steps": len(steps),
         "expert_load_max_over_mean": float(np.mean([x["expert_imbalance"] for x in s])),
@@ -178,23 +335,25 @@ def recorded_shares(run_dir: Path) -> list[float] | None:
 
 
 def summarise(records: list[dict[str, Any]]) -> list[str]:
-    by = {(r["world_size"], r["routing"], r["policy"]): r["step_time_median_s"] for r in records}
-    lines = []
+    """One line per (ranks, routing): each method's median step time and Pro-Prophet's ratios to the others."""
+    by = {(r["world_size"], r["routing"], r["policy"]): r["step_time_median_s"] for r in records if "failed" not in r}
+    lines = [LEGEND]
     for world in sorted({r["world_size"] for r in records}):
         limit = by.get((world, "balanced", "static"))
         for routing in ("balanced", "skewed", "recorded"):
-            row = {p: by.get((world, routing, p)) for p in POLICIES}
-            if row["static"] is None:
+            row = {m: by.get((world, routing, m)) for m in METHODS}
+            if not any(row.values()):
                 continue
-            cells = "  ".join(f"{p} {row[p]:.4f}s" for p in POLICIES if row[p] is not None)
+            cells = "  ".join(f"{LABELS[m]} {row[m]:.4f}s" for m in METHODS if row[m] is not None)
             ratios = ""
-            if routing != "balanced" and limit and row["prophet"]:
-                ratios = (f"  prophet/limit {row['prophet'] / limit:.3f}"
-                          f"  prophet/static {row['prophet'] / row['static']:.3f}"
-                          f"  prophet/fastermoe {row['prophet'] / row['fastermoe']:.3f}")
-            elif row["prophet"]:
-                ratios = f"  prophet/static {row['prophet'] / row['static']:.3f}"
+            if row["prophet"]:
+                if routing != "balanced" and limit:
+                    ratios += f"  prophet/limit {row['prophet'] / limit:.3f}"
+                ratios += "".join(f"  prophet/{LABELS[m]} {row['prophet'] / row[m]:.3f}" for m in METHODS
+                                  if m != "prophet" and row[m] and (routing != "balanced" or m == "static"))
             lines.append(f"{world} ranks {routing:9s} {cells}{ratios}")
+    lines += [f"{r['world_size']} ranks {LABELS[r['policy']]} FAILED in {r['failed']}"
+              for r in records if "failed" in r]
     return lines
 
 
@@ -204,16 +363,19 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["world_size"], r["routing"]) for r in records})
+    timed = [r for r in records if "failed" not in r]
+    groups = sorted({(r["world_size"], r["routing"]) for r in timed})
+    methods = [m for m in METHODS if any(r["policy"] == m for r in timed)]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-    width = 0.8 / len(POLICIES)
-    for i, policy in enumerate(POLICIES):
-        vals = [next((r["step_time_median_s"] for r in records if (r["world_size"], r["routing"]) == g
-                      and r["policy"] == policy), math.nan) for g in groups]
-        ax.bar(np.arange(len(groups)) + i * width, vals, width, label=policy)
-    ax.set_xticks(np.arange(len(groups)) + width, [f"{w} ranks\n{r}" for w, r in groups])
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        vals = [next((r["step_time_median_s"] for r in timed if (r["world_size"], r["routing"]) == g
+                      and r["policy"] == method), math.nan) for g in groups]
+        ax.bar(np.arange(len(groups)) + i * width, vals, width, label=LABELS[method])
+    ax.set_xticks(np.arange(len(groups)) + width * (len(methods) - 1) / 2, [f"{w} ranks\n{r}" for w, r in groups])
     ax.set_ylabel("median step time (s)")
-    ax.set_title("Expert-parallel step time by placement policy (lower is better)")
+    ax.set_title("Expert-parallel step time by method (lower is better)\n"
+                 "fastermoe-policy: FasterMoE's placement policy on moebal's executor, not FasterMoE", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -233,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_config(args.quick)
     spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": 2 if args.quick else 3,
             "steps": 4 if args.quick else 6, "warmup": 2,
-            "recorded_shares": recorded_shares(args.recorded) if args.recorded else None}
+            "recorded_shares": recorded_shares(args.recorded) if args.recorded else None,
+            "tutel": tp.tutel_importable()}
+    if not spec["tutel"]:
+        print(f"tutel skipped: {tp.NOT_IMPORTABLE}", file=sys.stderr)
     if args.recorded and spec["recorded_shares"] is None:
         print(f"no per-expert counts in {args.recorded}/metrics.jsonl: skipping the recorded routing",
               file=sys.stderr)
@@ -242,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         records += run_ranks(_worker, world, spec, timeout_s=1800)[0]
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "processor": platform.processor(), "threads_per_rank": 1, "config": spec["config"],
-            "skew": args.skew}
+            "skew": args.skew, "tutel": tp.tutel_provenance() if spec["tutel"] else f"skipped: {tp.NOT_IMPORTABLE}"}
     for r in records:
         r["meta"] = meta
     for line in summarise(records):

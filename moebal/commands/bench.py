@@ -8,9 +8,14 @@ Targets are registered in TARGETS (name -> module, help). A target's module defi
   dense    a SwiGLU MLP over the same K * T rows (the compute limit for the same work),
   moebal   `moebal.MoELayer` (sort-based dispatch, fused grouped SwiGLU experts),
   loop     a per-expert Python loop as in HF Mixtral's sparse block (index_select, MLP, index_add),
-  tutel    Tutel's dropless `moe_layer` when `tutel` is importable (recorded as skipped otherwise),
+  tutel    Tutel's `moe_layer` when `tutel` is importable (recorded as skipped otherwise), with Tutel's SwiGLU
+           expert (llama_ffn, explicit silu) and moebal's router and expert weights: dropless (`tutel`, capacity
+           factor 0, checked against moebal's output) and at capacity factor 1.0 (`tutel_cf1`, its dropped
+           fraction recorded); the Tutel version and commit are recorded (moebal/commands/third_party.py),
 under balanced and skewed routing (router logits biased by -1.5 * log(expert rank)), dropless, in fp32 and bf16.
-Methods run interleaved in one process, so ratios are measured side by side.
+Methods run interleaved in one process, so ratios are measured side by side. Every phase of a third-party
+method (construction, warm-up, timed calls, result check) is guarded: an exception records the method as
+failed (phase, exception type, first line of the message) and the run goes on and still writes its JSON.
 
 Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top_k.
 
@@ -29,7 +34,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,16 +193,20 @@ def run_layer(args: argparse.Namespace) -> int:
 
 def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse.Namespace,
                 repeats: int, warmup: int) -> list[dict[str, Any]]:
-    """One (dtype, routing) group: every method interleaved in the same timing loop."""
+    """One (dtype, routing) group: every method interleaved in the same timing loop. Third-party methods
+    run guarded in every phase (`_add_third_party`), so one that raises is recorded as failed and the others
+    go on."""
     import torch
 
     from moebal.kernels.bench import time_interleaved
 
     dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
     torch.manual_seed(args.seed)
-    methods, info, skipped = _build_methods(shape, dtype, routing, args.kernels, args.device)
+    case = _build_methods(shape, dtype, routing, args.kernels, args.device)
+    guarded = _add_third_party(case, warmup)
     load_before = _loadavg()
-    timings = time_interleaved(methods, warmup=warmup, repeats=repeats, device=args.device)
+    timings = time_interleaved(case.methods, warmup=warmup, repeats=repeats, device=args.device)
+    _finish_third_party(case, guarded, timings)
     dense = timings["dense"].median
     # The machine's 1-minute load around the timing: a shared machine's load is part of the evidence.
     common = {"routing": routing, "dtype": dtype_name, "threads": torch.get_num_threads(), **shape.__dict__,
@@ -207,8 +216,11 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
         records.append({"method": name, **common, "median_s": t.median, "min_s": t.min, "max_s": t.max,
                         "repeats": t.repeats, "ratio_to_dense": t.median / dense,
                         "min_ratio_to_dense": t.min / timings["dense"].min, "cpu_median_s": t.cpu_median,
-                        "cpu_ratio_to_dense": t.cpu_median / timings["dense"].cpu_median, **info.get(name, {})})
-    for name, reason in skipped.items():
+                        "cpu_ratio_to_dense": t.cpu_median / timings["dense"].cpu_median,
+                        **case.info.get(name, {})})
+    for name, reason in case.failed.items():
+        records.append({"method": name, **common, **case.info.get(name, {}), "failed": reason})
+    for name, reason in case.skipped.items():
         records.append({"method": name, **common, "skipped": reason})
     return records
 
@@ -220,14 +232,32 @@ def _loadavg() -> float | None:
         return None
 
 
-def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool, device: Any = "cpu"
-                   ) -> tuple[dict[str, Callable[[], None]], dict[str, dict[str, Any]], dict[str, str]]:
+@dataclass
+class Case:
+    """One (dtype, routing) case: its inputs, the methods to time and what to record beside them. Third-party
+    providers build their methods from the same inputs (`layer` holds the weights every method copies)."""
+
+    shape: LayerShape
+    dtype: Any
+    device: Any
+    layer: Any
+    bias_E: Any
+    x_TD: Any
+    g_TD: Any
+    methods: dict[str, Callable[[], None]] = field(default_factory=dict)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bool, device: Any = "cpu") -> Case:
     import torch
 
     from moebal.models.moe import MoELayer
 
     T, D, F_, E, K = shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k
     layer = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0).to(dtype)
+    bias_E = None
     if routing == "skewed":
         bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(E)])
         layer.gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.device, out.dtype))
@@ -235,27 +265,21 @@ def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bo
     layer = layer.to(device)
     x_TD = torch.randn(T, D, dtype=dtype).to(device).requires_grad_()
     g_TD = torch.randn(T, D, dtype=dtype).to(device)
-    methods: dict[str, Callable[[], None]] = {"dense": _dense_method(K * T, D, F_, dtype, device)}
-    methods["moebal"] = _module_method(layer, x_TD, g_TD)
+    case = Case(shape=shape, dtype=dtype, device=device, layer=layer, bias_E=bias_E, x_TD=x_TD, g_TD=g_TD)
+    case.methods["dense"] = _dense_method(K * T, D, F_, dtype, device)
+    case.methods["moebal"] = _module_method(layer, x_TD, g_TD)
     layer(x_TD)
     stats = layer.last_stats.read()  # type: ignore[union-attr]
-    info = {"moebal": {"kernel": layer.experts.resolve_kernel(K * T, dtype), "imbalance": stats["imbalance"],
-                       "max_load": stats["max_load"], "mean_load": stats["mean_load"]}}
+    case.info["moebal"] = {"kernel": layer.experts.resolve_kernel(K * T, dtype), "imbalance": stats["imbalance"],
+                           "max_load": stats["max_load"], "mean_load": stats["mean_load"]}
     if with_kernels:
         for kernel in ("loop", "grouped_mm"):
             forced = MoELayer(D, F_, E, K, None, aux_loss_coef=0.0, kernel=kernel).to(device, dtype)
             forced.load_state_dict(layer.state_dict())
             forced.gate = layer.gate  # same router, same skew hook
-            methods[f"moebal_{kernel}"] = _module_method(forced, x_TD, g_TD)
-    methods["loop"] = _module_method(HFLoopBlock(layer), x_TD, g_TD)
-    skipped: dict[str, str] = {}
-    tutel = _tutel_method(shape, dtype, x_TD, g_TD, routing, device)
-    if isinstance(tutel, str):
-        skipped["tutel"] = tutel
-    else:
-        methods["tutel"] = tutel
-        info["tutel"] = {"note": "Tutel's ffn expert is fc1-act-fc2 (2 matrices, not SwiGLU's 3)"}
-    return methods, info, skipped
+            case.methods[f"moebal_{kernel}"] = _module_method(forced, x_TD, g_TD)
+    case.methods["loop"] = _module_method(HFLoopBlock(layer), x_TD, g_TD)
+    return case
 
 
 def _module_method(module: Any, x_TD: Any, g_TD: Any) -> Callable[[], None]:
@@ -325,45 +349,138 @@ class HFLoopBlock:
         return out_TD
 
 
-def _tutel_method(shape: LayerShape, dtype: Any, x_TD: Any, g_TD: Any, routing: str,
-                  device: Any = "cpu") -> Callable[[], None] | str:
-    """Tutel's dropless layer (capacity_factor 0: every expert padded to the largest load), if importable."""
-    if importlib.util.find_spec("tutel") is None:
-        return ("tutel is not importable: not installed, and the package index has no 'tutel' distribution "
-                "(it installs from source, github.com/microsoft/tutel, which needs network access)")
-    try:
-        from tutel import moe as tutel_moe
+# ---- third-party methods: every phase guarded ------------------------------------------------------------
 
-        layer = tutel_moe.moe_layer(
-            gate_type={"type": "top", "k": shape.top_k, "capacity_factor": 0.0},
-            model_dim=shape.dim,
-            experts={"type": "ffn", "count_per_node": shape.experts, "hidden_size_per_expert": shape.ffn},
-        ).to(device, dtype)
-        if routing == "skewed":
-            import torch
+@dataclass(frozen=True)
+class ThirdPartyMethod:
+    """A third-party method of `moebal bench layer`. `build()` constructs it and returns its step (one
+    forward + backward, timed with the others) and an optional result check, run once after the timing,
+    whose fields are recorded; `info` is recorded beside its figures (the version it ran, its settings)."""
 
-            bias_E = torch.tensor([-SKEW * math.log(r + 1) for r in range(shape.experts)])
-            for gate in layer.gates:
-                gate.register_forward_hook(lambda _m, _i, out: out + bias_E.to(out.device, out.dtype))
-    except Exception as e:  # an optional third-party backend: record why it could not run
-        return f"tutel failed to build: {type(e).__name__}: {e}"
-    x_1TD = x_TD.detach().unsqueeze(0).requires_grad_()
-    g_1TD = g_TD.unsqueeze(0)
+    build: Callable[[], tuple[Callable[[], None], Callable[[], dict[str, Any]] | None]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def failure(phase: str, e: BaseException) -> str:
+    """How a failed phase is recorded: the phase, the exception type and its message's first line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{phase}: {type(e).__name__}: {first}"
+
+
+class GuardedStep:
+    """A third-party step that keeps its first exception instead of raising it (and does nothing after it),
+    so the interleaved timing of the other methods goes on. Calls up to `warmup` are the warm-up phase."""
+
+    def __init__(self, step: Callable[[], None], warmup: int) -> None:
+        self.step, self.warmup, self.calls = step, warmup, 0
+        self.error: str | None = None
+
+    def __call__(self) -> None:
+        if self.error is not None:
+            return
+        self.calls += 1
+        try:
+            self.step()
+        except Exception as e:  # a third-party method must not end the run: it is recorded as failed
+            phase = "warm-up" if self.calls <= self.warmup else "timed call"
+            self.error = failure(f"{phase} {self.calls}", e)
+
+
+def _add_third_party(case: Case, warmup: int) -> dict[str, tuple[GuardedStep, Callable[[], dict] | None]]:
+    """Build every provider's methods (construction guarded) and add their guarded steps to the case."""
+    guarded: dict[str, tuple[GuardedStep, Callable[[], dict] | None]] = {}
+    for provider_name, provider in THIRD_PARTY.items():
+        try:
+            built = provider(case)
+        except Exception as e:  # e.g. the package imports but is broken: recorded, the run goes on
+            case.failed[provider_name] = failure("construction", e)
+            continue
+        if isinstance(built, str):
+            case.skipped[provider_name] = built
+            continue
+        for name, method in built.items():
+            case.info[name] = dict(method.info)
+            try:
+                step, check = method.build()
+            except Exception as e:
+                case.failed[name] = failure("construction", e)
+                continue
+            guarded[name] = (GuardedStep(step, warmup), check)
+            case.methods[name] = guarded[name][0]
+    return guarded
+
+
+def _finish_third_party(case: Case, guarded: dict[str, tuple[GuardedStep, Callable[[], dict] | None]],
+                        timings: dict[str, Any]) -> None:
+    """Run the result checks (guarded); a method that failed in any phase loses its timings (a partial
+    figure would read as a real one) and is recorded as failed."""
+    for name, (step, check) in guarded.items():
+        if step.error is None and check is not None:
+            try:
+                case.info[name].update(check())
+            except Exception as e:
+                step.error = failure("result check", e)
+        if step.error is not None:
+            case.failed[name] = step.error
+            timings.pop(name, None)
+
+
+def _tutel_methods(case: Case) -> dict[str, ThirdPartyMethod] | str:
+    """Tutel dropless (capacity factor 0) and at capacity factor 1.0, both with Tutel's SwiGLU expert and
+    moebal's router and expert weights loaded, so routing and work per routed row equal moebal's."""
+    from moebal.commands import third_party as tp
+
+    if not tp.tutel_importable():
+        return tp.NOT_IMPORTABLE
+    info = {"tutel": tp.tutel_provenance(), "expert": f"Tutel {tp.EXPERT_TYPE} (SwiGLU), activation silu"}
+    return {"tutel": ThirdPartyMethod(lambda: _tutel_build(case, 0.0), {**info, "capacity_factor": 0.0}),
+            "tutel_cf1": ThirdPartyMethod(lambda: _tutel_build(case, 1.0), {**info, "capacity_factor": 1.0})}
+
+
+def _tutel_build(case: Case, capacity_factor: float
+                 ) -> tuple[Callable[[], None], Callable[[], dict[str, Any]]]:
+    import torch
+
+    from moebal.commands import third_party as tp
+
+    s, moe = case.shape, case.layer
+    layer = tp.tutel_layer(dim=s.dim, ffn=s.ffn, experts=s.experts, top_k=s.top_k,
+                           capacity_factor=capacity_factor).to(case.device, case.dtype)
+    tp.load_moebal_weights(layer, moe.gate.weight, moe.experts.w1, moe.experts.w3, moe.experts.w2)
+    counts: list[Any] = []
+    layer.gates[0].register_forward_hook(tp.routing_hook(lambda: case.bias_E, counts))
+    x_TD = case.x_TD.detach().clone().requires_grad_()
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
-        x_1TD.grad = None
-        layer(x_1TD).backward(g_1TD)
+        x_TD.grad = None
+        layer(x_TD).backward(case.g_TD)
 
-    return step
+    def check() -> dict[str, Any]:
+        with torch.no_grad():
+            y_TD = layer(x_TD).float()
+            out = tp.drop_stats(capacity_factor, s.tokens, s.top_k, counts[0])
+            if capacity_factor == 0:  # dropless: the same function as moebal's layer
+                ref_TD = moe(x_TD).float()
+                diff, scale = (y_TD - ref_TD).abs().max().item(), ref_TD.abs().max().item()
+                tol = 1e-4 if case.dtype == torch.float32 else 5e-2
+                out |= {"max_abs_diff_vs_moebal": diff, "matches_moebal": diff <= tol * max(scale, 1e-30)}
+        return out
+
+    return step, check
+
+
+THIRD_PARTY: dict[str, Callable[[Case], dict[str, ThirdPartyMethod] | str]] = {"tutel": _tutel_methods}
+"""Providers of third-party methods: each returns its methods, or why it is skipped (not installed)."""
 
 
 def _print_table(records: list[dict[str, Any]]) -> None:
     print(f"{'dtype':5} {'routing':9} {'method':18} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'x dense':>8} "
           f"{'cpu x dense':>11}")
     for r in records:
-        if "skipped" in r:
-            print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} skipped: {r['skipped']}")
+        if "median_s" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED in {r['failed']}"
+            print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} {why}")
             continue
         print(f"{r['dtype']:5} {r['routing']:9} {r['method']:18} {r['median_s'] * 1e3:10.1f} {r['min_s'] * 1e3:8.1f} "
               f"{r['max_s'] * 1e3:8.1f} {r['ratio_to_dense']:8.2f} {r['cpu_ratio_to_dense']:11.2f}")
@@ -375,7 +492,7 @@ def _plot(records: list[dict[str, Any]], shape: LayerShape, threads: int, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = [r for r in records if "skipped" not in r]
+    timed = [r for r in records if "median_s" in r]
     groups = list(dict.fromkeys((r["dtype"], r["routing"]) for r in timed))
     methods = list(dict.fromkeys(r["method"] for r in timed))
     width = 0.8 / max(len(methods), 1)

@@ -58,7 +58,8 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--counts", metavar="FILE", help="R x E token counts (source rank x expert): .json list of "
                    "lists (or L x R x E, or {'counts_RE': ...}), .npy, or a .jsonl log (last line by default)")
     p.add_argument("--policy", default="all", choices=["prophet", "fastermoe", "static", "broadcast_topk", "all"],
-                   help="placement policy to run (default: all, side by side)")
+                   help="placement policy to run (default: all, side by side); fastermoe = FasterMoE's shadowing "
+                        "policy (its decision, costed with Pro-Prophet's model), not FasterMoE's system")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--costs", metavar="FILE", help="JSON object of MoELayerCosts fields (bytes, seconds); "
                    "default: the paper's RTX 3090 + 100 Gb/s IB constants for MoE-GPT-M")

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "times (under torchrun, its own --max-restarts does this)")
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep; default: every rank)")
     p.add_argument("--policy", choices=["static", "prophet", "fastermoe", "broadcast_topk"],
-                   help="expert placement policy (planner.policy)")
+                   help="expert placement policy (planner.policy); fastermoe = FasterMoE's shadowing policy on "
+                        "moebal's executor, not FasterMoE's system")
     p.add_argument("--pp", type=int, help="pipeline stages (parallel.pp)")
     p.add_argument("--rebalance", choices=["off", "partition", "diffusion"],
                    help="pipeline layer rebalancing (pipeline.rebalance)")
