@@ -42,6 +42,22 @@ __all__ = ["Collective", "CostModel", "ModelShape", "Phase", "Topology"]
 
 
 @dataclass(frozen=True, kw_only=True)
+class MLAShape:
+    """Multi-head latent attention's widths (DeepSeek-V2 section 2.1; `moebal.config.MLAConfig`)."""
+
+    q_lora_rank: int
+    """0: one query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """The dimensions the cost model needs (a Config has them; paper models are built directly)."""
 
@@ -65,16 +81,28 @@ class ModelShape:
     router_hidden: int = 0
     """Hidden width of a Linear-tanh-Linear router (LLaMA-MoE); 0 for one linear."""
     tie_embeddings: bool = False
+    mla: MLAShape | None = None
+    """Multi-head latent attention's widths (None: grouped-query attention of `head_dim` per head)."""
+    qk_norm: int = 0
+    """Parameters of the query/key norms per layer (Qwen3-MoE: per head, OLMoE: over the projections)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelShape:
         m, moe = cfg.model, cfg.moe
+        mla = None
+        if m.mla is not None:
+            a = m.mla
+            mla = MLAShape(q_lora_rank=a.q_lora_rank or 0, kv_lora_rank=a.kv_lora_rank,
+                           qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                           v_head_dim=a.v_head_dim)
+        hd = cfg.head_dim
+        qk_norm = {"none": 0, "head": 2 * hd, "full": (m.n_heads + m.n_kv_heads) * hd}[m.qk_norm]
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                   head_dim=cfg.head_dim, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, num_experts=moe.num_experts,
+                   head_dim=hd, ffn_dim=m.ffn_dim, vocab_size=m.vocab_size, num_experts=moe.num_experts,
                    top_k=moe.top_k, expert_ffn_dim=cfg.expert_ffn_dim, moe_every=moe.every,
                    moe_first_dense=moe.first_dense, dense_layers=moe.dense_layers,
                    router_hidden=moe.num_experts if moe.router == "mlp_tanh" else 0,
-                   tie_embeddings=m.tie_embeddings)
+                   tie_embeddings=m.tie_embeddings, mla=mla, qk_norm=qk_norm)
 
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and (layer + 1) % self.moe_every == 0 and layer >= self.moe_first_dense
@@ -82,9 +110,17 @@ class ModelShape:
 
     @property
     def attn_params(self) -> int:
+        """Projections, the layer's two norms, and q/k norms (MLA: its compressions and their norms)."""
+        if self.mla is not None:
+            a, H = self.mla, self.n_heads
+            q = (self.dim * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * H * a.qk_head_dim if a.q_lora_rank
+                 else self.dim * H * a.qk_head_dim)
+            kv = (self.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+                  + a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim))
+            return q + kv + H * a.v_head_dim * self.dim + 2 * self.dim
         q = self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
-        return self.dim * (q + 2 * kv) + q * self.dim + 2 * self.dim  # projections + two norms
+        return self.dim * (q + 2 * kv) + q * self.dim + 2 * self.dim + self.qk_norm  # projections + norms
 
     @property
     def expert_params(self) -> int:
@@ -279,15 +315,36 @@ class CostModel:
         k = 2.0 if backward else 1.0
         return k * (self.mem_s(nbytes) + ops * self.profile.op_overhead_s)
 
+    def _mla_projections_s(self, shape: ModelShape, T: int, backward: bool) -> float:
+        """MLA's projections: query (compressed or not), the kv compression with the shared rotary key, its
+        expansion to per-head keys and values, the output projection."""
+        a, H, D = shape.mla, shape.n_heads, shape.dim
+        assert a is not None
+        if a.q_lora_rank:
+            q = self.linear_s(T, a.q_lora_rank, D, backward) + self.linear_s(T, H * a.qk_head_dim, a.q_lora_rank,
+                                                                             backward)
+        else:
+            q = self.linear_s(T, H * a.qk_head_dim, D, backward)
+        kv = (self.linear_s(T, a.kv_lora_rank + a.qk_rope_head_dim, D, backward)
+              + self.linear_s(T, H * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank, backward))
+        return float(q + kv + self.linear_s(T, D, H * a.v_head_dim, backward))
+
     def attention_s(self, shape: ModelShape, batch: int, seq: int, backward: bool = False) -> float:
         """Norm, QKV, rotary, causal SDPA, output projection, residual and the second norm of one layer."""
         T = batch * seq
-        q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-        proj = self.linear_s(T, q + 2 * kv, shape.dim, backward) + self.linear_s(T, shape.dim, q, backward)
         p = self.profile
+        if shape.mla is None:
+            q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+            proj = self.linear_s(T, q + 2 * kv, shape.dim, backward) + self.linear_s(T, shape.dim, q, backward)
+            qk_dim = v_dim = shape.head_dim
+        else:
+            qk_dim, v_dim = shape.mla.qk_head_dim, shape.mla.v_head_dim
+            q = kv = shape.n_heads * qk_dim
+            proj = self._mla_projections_s(shape, T, backward)
         # SDPA as two GEMMs per head (QK^T and PV), of which a causal kernel computes a share; its backward
         # recomputes the scores (flash attention): attention_backward_factor x the forward.
-        per_head = 2 * self.gemm_s(seq, seq, shape.head_dim, efficiency=p.attention_efficiency) - 2 * p.gemm.launch_s
+        per_head = (self.gemm_s(seq, seq, qk_dim, efficiency=p.attention_efficiency)
+                    + self.gemm_s(seq, seq, v_dim, efficiency=p.attention_efficiency) - 2 * p.gemm.launch_s)
         sdpa = p.causal_attention_factor * batch * shape.n_heads * per_head + p.gemm.launch_s
         if backward:
             sdpa *= p.attention_backward_factor

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from moebal.errors import ConfigError
 from moebal.planner.cost import CostModel, ModelShape
@@ -166,3 +167,25 @@ def test_calibration_fit_recovers_a_known_machine() -> None:
         assert spec.efficiency_for(3) == pytest.approx(1.0, rel=0.1)
         assert spec.latency_for(3) == pytest.approx(2e-4, rel=0.15)
     assert prof.calibration["collectives"]["all_reduce"]["median_rel_error"] < 0.03
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "llama-moe-3.5b", "qwen3-30b-a3b", "olmoe-1b-7b",
+                                    "deepseek-v2-lite", "deepseek-v3"])
+def test_model_shape_counts_each_presets_attention_and_the_memory_bound_holds(preset):
+    """The cost model's attention parameters (grouped-query with q/k norms, or multi-head latent attention) equal
+    the built layer's, and the memory check's count is a lower bound of the model (shared experts left out)."""
+    from moebal.config import load
+    from moebal.models.transformer import MoebalForCausalLM
+    from moebal.planner.cost import ModelShape
+    from moebal.train.memory import param_count
+
+    cfg = load(preset)
+    with torch.device("meta"):
+        model = MoebalForCausalLM(cfg)
+    layer = model.model.layers[-1]
+    built = sum(p.numel() for p in layer.self_attn.parameters()) + sum(
+        p.numel() for p in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+    assert ModelShape.from_config(cfg).attn_params == built
+    total = model.num_parameters()
+    assert param_count(cfg) <= total
+    assert param_count(cfg) >= 0.97 * total  # only shared experts and their gates are left out
