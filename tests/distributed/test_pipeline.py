@@ -315,3 +315,46 @@ def test_distributed_global_magnitude_pruning_equals_the_single_process_top_k(tw
         for i in range(5):
             for g, r in zip(got[i], ref[i]):
                 assert (torch.from_numpy(g) == r).all(), (keep, i)
+
+
+def _family(name: str) -> Config:
+    """Six-layer versions of the new families' layers: DeepSeek-V3 (multi-head latent attention, sigmoid
+    group-limited gate with a selection bias, a dense first layer) and Qwen3-MoE (per-head q/k norms, head_dim
+    not dim / heads, a dense layer among MoE ones)."""
+    model: dict = {"dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32}
+    moe: dict = {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, "kernel": "loop"}
+    if name == "deepseek-v3":
+        model.update(n_kv_heads=4, mla={"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+                                        "qk_rope_head_dim": 4, "v_head_dim": 6})
+        moe.update(gate="sigmoid_topk", n_group=4, topk_group=2, group_score="top2_sum", first_dense=1,
+                   shared_experts=1, score_scale=2.5, bias_update_rate=0.01)
+    else:
+        model.update(qk_norm="head", head_dim=12)
+        moe.update(dense_layers=[3])
+    return from_dict({"model": model, "moe": moe, "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
+                      "train": {"steps": 5, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32"},
+                      "parallel": {"pp": 2, "nproc": 2}})
+
+
+def _families(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("deepseek-v3", "qwen3-moe"):
+        cfg = _family(name)
+        out[name] = {"static": _train(cfg, 5, "moe", micro_batches=4),
+                     "forced": _train(cfg, 5, "moe", micro_batches=4, force=((2, (4, 2)), (3, (1, 5))))}
+    return out
+
+
+def test_the_new_families_layers_migrate_with_the_static_losses():
+    """MLA layers, q/k-normed attention and sigmoid group-limited MoE layers (their selection bias included)
+    move between stages with their optimizer state: bit-identical losses and parameters to the static run."""
+    results = run_ranks(_families, 2)
+    for name in ("deepseek-v3", "qwen3-moe"):
+        static, forced = results[0][name]["static"], results[0][name]["forced"]
+        assert forced["losses"] == static["losses"], name
+        assert forced["sizes"] == [1, 5] and static["sizes"] == [3, 3], name
+        want = _merge([r[name]["static"]["state"] for r in results])
+        got = _merge([r[name]["forced"]["state"] for r in results])
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{name}: {k} differs after migration"
