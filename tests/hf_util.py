@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from moebal.models.tensor_io import DirectorySource
+
 
 def transformers_or_skip() -> Any:
     return pytest.importorskip("transformers", reason="transformers (extra 'hf') is not installed")
@@ -116,3 +118,12 @@ def tiny_tokenizer(path: Path, texts: list[str], vocab_size: int = 96) -> Path:
 def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint directory, read into memory."""
+    src = DirectorySource(path)
+    try:
+        return {k: src.read(k).clone() for k in src.info()}
+    finally:
+        src.close()

@@ -17,8 +17,15 @@ import torch.nn.functional as F
 from moebal.config import CONFIG_DIR, load
 from moebal.data import build_data
 from moebal.models.hf import from_hf
-from moebal.models.tensor_io import DirectorySource
-from tests.hf_util import tiny_mixtral, tiny_olmoe, tiny_qwen2_moe, tiny_qwen3_moe, tiny_tokenizer, transformers_or_skip
+from tests.hf_util import (
+    read_tensors,
+    tiny_mixtral,
+    tiny_olmoe,
+    tiny_qwen2_moe,
+    tiny_qwen3_moe,
+    tiny_tokenizer,
+    transformers_or_skip,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [f"document {i}: mixtures of experts route each token to a few experts; load balance keeps them busy. "
@@ -47,14 +54,6 @@ def _overrides(model_dir: Path, corpus: Path, steps: int, nproc: int = 1, pp: in
 
 def _first_loss(run: Path) -> float:
     return float(json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"])
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    src = DirectorySource(path)
-    try:
-        return {k: src.read(k).clone() for k in src.info()}
-    finally:
-        src.close()
 
 
 @pytest.mark.parametrize("nproc, pp", [(1, 1), (2, 1), (2, 2)], ids=["one-process", "expert-parallel", "pipeline"])
@@ -93,18 +92,18 @@ def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc, pp):
     ids = batch.ids_BT[:2]
     with torch.no_grad():
         assert (ours(ids).logits - back(ids).logits).abs().max().item() < 1e-4
-    exported = _tensors(export)
+    exported = read_tensors(export)
     again = tmp_path / "again"
     c = moebal("convert", "moebal-to-hf", str(run), str(again))  # the run directory: its newest checkpoint
     assert c.returncode == 0, c.stderr[-2000:]
-    assert all(torch.equal(exported[k], v) for k, v in _tensors(again).items())
+    assert all(torch.equal(exported[k], v) for k, v in read_tensors(again).items())
     if nproc == 1 and pp == 1:  # resuming reads the run's checkpoint (not hf.init_from's weights) and exports again
         r2 = moebal("train", "--out", str(run), "--resume", "--steps", "4")
         assert r2.returncode == 0, r2.stderr[-3000:]
         assert "exported step 4" in r2.stderr
         steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert steps == [1, 2, 3, 4]
-        assert any(not torch.equal(exported[k], v) for k, v in _tensors(export).items())
+        assert any(not torch.equal(exported[k], v) for k, v in read_tensors(export).items())
 
 
 def test_llama_moe_continue_first_loss_and_export(tmp_path):
@@ -121,7 +120,7 @@ def test_llama_moe_continue_first_loss_and_export(tmp_path):
     cfg = load(CONFIG_DIR / "llama-moe-continue.yaml", overrides)
     assert (cfg.moe.router, cfg.moe.gate, cfg.moe.score_scale) == ("mlp_tanh", "topk_softmax", 4.0)
     batch = build_data(cfg).train.next_batch()
-    sd = _tensors(model_dir)
+    sd = read_tensors(model_dir)
     logits = reference_logits(sd, batch.ids_BT, 8, 2, 4.0)
     want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
     assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
@@ -130,7 +129,7 @@ def test_llama_moe_continue_first_loss_and_export(tmp_path):
     written = json.loads((export / "config.json").read_text())
     assert written["auto_map"] == base["auto_map"] and written["gate_add_noise"] is False
     assert (export / "modeling_llama_moe_hf.py").is_file()
-    names = set(_tensors(export))
+    names = set(read_tensors(export))
     # weight_noise is not trained without noise, so it is not exported; everything else keeps its name
     assert names == {n for n in sd if not n.endswith(("inv_freq", "weight_noise.weight"))}
 

@@ -15,8 +15,7 @@ import torch
 
 from moebal.errors import CheckpointError
 from moebal.models.hf import config_from_hf, from_hf, to_hf
-from moebal.models.tensor_io import DirectorySource
-from tests.hf_util import logits, transformers_or_skip
+from tests.hf_util import logits, read_tensors, transformers_or_skip
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
@@ -61,14 +60,6 @@ def tiny_deepseek(path: Path, version: int, seed: int = 0, **overrides: Any) -> 
     return model
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    src = DirectorySource(path)
-    try:
-        return {k: src.read(k).clone() for k in src.info()}
-    finally:
-        src.close()
-
-
 CASES = {  # version, overrides of tiny_deepseek
     "v3-groups4of2-shared1-dense1-yarn": (3, dict(n_group=4, topk_group=2)),
     "v3-groups8of3-noshared-qplain-halfrope": (3, dict(n_group=8, topk_group=3, n_shared_experts=0, q_lora_rank=None,
@@ -98,7 +89,7 @@ def test_deepseek_logits_equal_transformers_and_the_round_trip_is_bit_identical(
     base = json.loads((src / "config.json").read_text())
     out = to_hf(ours, tmp_path / "out", base=base)  # what a continuation run's export does: keep every key
     assert json.loads((out / "config.json").read_text()) == {**base, "dtype": "float32"}
-    a, b = _tensors(src), _tensors(out)
+    a, b = read_tensors(src), read_tensors(out)
     a = {k: v for k, v in a.items() if v.numel()}  # a 0-wide shared expert (n_shared_experts 0) holds nothing
     assert set(a) == set(b)
     for k in a:
@@ -161,7 +152,7 @@ def test_bf16_round_trip_keeps_the_fp32_router_bit_identical(version, tmp_path):
     ours = from_hf(tmp_path / "b", dtype="auto")
     layer = ours.model.layers[1].block_sparse_moe
     assert layer.gate.weight.dtype == torch.float32 and layer.experts.w1.dtype == torch.bfloat16
-    a, b = _tensors(tmp_path / "b"), _tensors(to_hf(ours, tmp_path / "c"))
+    a, b = read_tensors(tmp_path / "b"), read_tensors(to_hf(ours, tmp_path / "c"))
     assert {k: v.dtype for k, v in a.items()} == {k: v.dtype for k, v in b.items()}
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -191,7 +182,7 @@ def test_convert_cli_both_ways_through_a_moebal_directory(tmp_path, capsys):
     ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(6))
     assert (logits(ours, ids) - logits(ref, ids)).abs().max().item() < 1e-4
     assert main(["convert", "moebal-to-hf", str(tmp_path / "mb"), str(tmp_path / "back"), "--arch", "deepseek_v3"]) == 0
-    a, b = _tensors(src), _tensors(tmp_path / "back")
+    a, b = read_tensors(src), read_tensors(tmp_path / "back")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 

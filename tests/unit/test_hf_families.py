@@ -16,10 +16,10 @@ import torch
 from moebal.config import load
 from moebal.errors import CheckpointError, ConfigError
 from moebal.models.hf import config_from_hf, from_hf, to_hf
-from moebal.models.tensor_io import DirectorySource
 from moebal.models.transformer import MoebalForCausalLM
 from tests.hf_util import (
     logits,
+    read_tensors,
     tiny_mixtral,
     tiny_olmoe,
     tiny_qwen2_moe,
@@ -31,14 +31,6 @@ from tests.hf_util import (
 TEXTS = [f"sample {i}: experts, routers and tokens; the lazy dog sleeps {i % 5} hours." for i in range(12)]
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    src = DirectorySource(path)
-    try:
-        return {k: src.read(k).clone() for k in src.info()}
-    finally:
-        src.close()
-
-
 def _err(ours: Any, ref: Any, T: int = 37, seed: int = 0) -> float:
     ids = torch.randint(0, ref.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(seed))
     return (logits(ours, ids) - logits(ref, ids)).abs().max().item()
@@ -47,7 +39,7 @@ def _err(ours: Any, ref: Any, T: int = 37, seed: int = 0) -> float:
 def _round_trip(src: Path, out: Path, ignore: tuple[str, ...] = ()) -> None:
     """to_hf(from_hf(src)): the same tensors bit for bit, the same config.json keys and values."""
     to_hf(from_hf(src), out)
-    a, b = _tensors(src), _tensors(out)
+    a, b = read_tensors(src), read_tensors(out)
     assert set(a) == set(b), sorted(set(a) ^ set(b))[:4]
     for k in a:
         if not k.endswith(ignore):
@@ -116,7 +108,7 @@ def test_qwen3_moe_convert_cli_both_ways(tmp_path):
     assert (cfg.model.qk_norm, cfg.model.head_dim, cfg.moe.dense_layers) == ("head", 12, (1,))
     assert _err(from_hf(tmp_path / "mb").eval(), ref) < 1e-4
     assert main(["convert", "moebal-to-hf", str(tmp_path / "mb"), str(tmp_path / "hf")]) == 0
-    a, b = _tensors(src), _tensors(tmp_path / "hf")
+    a, b = read_tensors(src), read_tensors(tmp_path / "hf")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
 
@@ -165,7 +157,7 @@ def test_qwen2_moe_mlp_only_layers_and_no_shared_expert(tmp_path, shared):
     # An absent shared expert is stored by transformers as empty tensors and a gate that multiplies nothing; the
     # export writes those as zeros (the gate's random values cannot change any output).
     _round_trip(src, tmp_path / "out", ignore=("shared_expert_gate.weight",) if not shared else ())
-    gates = {k: v for k, v in _tensors(tmp_path / "out").items() if k.endswith("shared_expert_gate.weight")}
+    gates = {k: v for k, v in read_tensors(tmp_path / "out").items() if k.endswith("shared_expert_gate.weight")}
     assert len(gates) == 2 and (shared > 0 or all(not v.any() for v in gates.values()))
     _generates_like(tmp_path / "out", ref)
 
@@ -252,11 +244,11 @@ def test_fused_expert_layout_is_read_directly(tmp_path, family):
     fused, plain = tmp_path / "fused", tmp_path / "plain"
     ref = make[family](plain)
     ref.save_pretrained(str(fused), save_original_format=False)
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in _tensors(fused))
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in read_tensors(fused))
     ours = from_hf(fused).eval()
     assert _err(ours, ref) < 1e-4
     to_hf(ours, tmp_path / "out")
-    a, b = _tensors(plain), _tensors(tmp_path / "out")
+    a, b = read_tensors(plain), read_tensors(tmp_path / "out")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     part = from_hf(fused, experts=[2, 3])  # an expert-parallel rank's rows only
     assert torch.equal(next(part.moe_layers()).experts.w3, next(ours.moe_layers()).experts.w3[2:4])

@@ -14,16 +14,8 @@ import torch
 from moebal.config import load
 from moebal.errors import CheckpointError, ConfigError
 from moebal.models.hf import config_from_hf, from_hf, to_hf
-from moebal.models.tensor_io import DirectorySource, read_header
-from tests.hf_util import logits, tiny_mixtral, tiny_qwen2_moe, transformers_or_skip
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    src = DirectorySource(path)
-    try:
-        return {k: src.read(k).clone() for k in src.info()}
-    finally:
-        src.close()
+from moebal.models.tensor_io import read_header
+from tests.hf_util import logits, read_tensors, tiny_mixtral, tiny_qwen2_moe, transformers_or_skip
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +38,7 @@ def test_mixtral_logits_equal_transformers(mixtral_dir):
 def test_mixtral_round_trip_gives_identical_tensors_and_transformers_loads_it(mixtral_dir, tmp_path):
     path, ref = mixtral_dir
     out = to_hf(from_hf(path), tmp_path / "out")
-    a, b = _tensors(path), _tensors(out)
+    a, b = read_tensors(path), read_tensors(out)
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
@@ -112,7 +104,7 @@ def test_qwen2_moe_shared_expert_logits_equal_transformers(tmp_path):
         err = (logits(ours, ids) - logits(ref, ids)).abs().max().item()
         assert err < 1e-4, (norm, err)
         out = to_hf(ours, tmp_path / f"out{norm}")
-        a, b = _tensors(d), _tensors(out)
+        a, b = read_tensors(d), read_tensors(out)
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -142,7 +134,7 @@ def _copy(src: Path, dst: Path) -> Path:
 def _rewrite(path: Path, drop: str | None = None, add: dict[str, torch.Tensor] | None = None) -> None:
     from safetensors.torch import save_file
 
-    tensors = _tensors(path)
+    tensors = read_tensors(path)
     if drop:
         del tensors[drop]
     tensors.update(add or {})
@@ -239,7 +231,7 @@ def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, cap
     cfg = load(None, [f"hf.init_from={mb}", "data.seq_len=32", f"data.tokenizer={mb}/tokenizer.json"])
     assert (cfg.model.dim, cfg.moe.num_experts, cfg.moe.aux_loss_coef) == (32, 4, 0.02)
     assert main(["convert", "moebal-to-hf", str(mb), str(tmp_path / "hf")]) == 0
-    a, b = _tensors(path), _tensors(tmp_path / "hf")
+    a, b = read_tensors(path), read_tensors(tmp_path / "hf")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
         {**json.loads((path / "config.json").read_text())}
