@@ -95,3 +95,26 @@ def test_pro_prophet_one_real_row() -> None:
     # padding every block to the largest can only slow the static baseline down
     for system in pp.SYSTEMS:
         assert sim["speedup"]["padded"][system] >= sim["speedup"]["exact"][system] > 0.5
+
+
+def test_lina_fit_takes_baseline_targets_only() -> None:
+    lina = _load("reproduce_lina")
+    held = {r.paper for r in lina.held_out_rows()}
+    assert len(lina.held_out_rows()) == 8
+    assert set(lina.FIT_TARGETS) == {"a2a_s_16", "a2a_share_16", "a2a_share_4", "layer_a2a_share_16"}
+    assert not held & set(lina.FIT_TARGETS.values())  # no speed-up among the fitted numbers
+    poisoned = dict(lina.FIT_TARGETS) | {"speedup_16": 1.47}
+    with pytest.raises(ValueError, match="baseline targets"):
+        lina.fit(poisoned)
+
+
+def test_lina_leave_one_out_never_sees_its_row() -> None:
+    lina = _load("reproduce_lina")
+    rows = lina.held_out_rows()
+    base = lina.leave_one_out_medians(rows)
+    poisoned = [dataclasses.replace(r, paper=100.0) if r.label == "2 experts" else r for r in rows]
+    moved = lina.leave_one_out_medians(poisoned)
+    for r in rows:
+        if r.label == "2 experts":
+            assert moved[r.id] == base[r.id]
+    assert base["Fig. 4.10/lina/2 experts"] == pytest.approx(1.47)  # median of 1.37, 1.73, 1.47
