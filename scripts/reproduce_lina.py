@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from moebal.commands.bench import add_device_argument, script_device
-from moebal.sim.holdout import PaperRow, judge, score
+from moebal.sim.holdout import PaperRow, judge, leave_one_out_medians, score
 
 CPU_ONLY = "a simulation: nothing runs on a device"
 """Why `--device` accepts cpu only here."""
@@ -272,11 +272,6 @@ def held_out_rows() -> list[PaperRow]:
     """The predicted rows: Fig. 4.10 (full Lina) and Fig. 4.14 (no packing); none of them reaches `fit`."""
     return ([PaperRow("Fig. 4.10", "lina", f"{e} experts", v) for e, v in PAPER_FULL.items()]
             + [PaperRow("Fig. 4.14", "lina (no packing)", f"{e} experts", v) for e, v in PAPER_NO_PACKING.items()])
-
-
-def leave_one_out_medians(rows: list[PaperRow]) -> dict[str, float]:
-    """Each row predicted by the median of the other rows of its column: a constant that never sees its row."""
-    return {r.id: statistics.median(o.paper for o in rows if o.column == r.column and o is not r) for r in rows}
 
 
 def assess(full: list[dict[str, Any]]) -> dict[str, Any]:

@@ -88,6 +88,12 @@ def column_medians(rows: Sequence[PaperRow]) -> dict[str, float]:
     return {c: statistics.median(r.paper for r in rows if r.column == c) for c in cols}
 
 
+def leave_one_out_medians(rows: Sequence[PaperRow]) -> dict[str, float]:
+    """Each row predicted by the median of the other rows of its column: a constant baseline for a reproduction
+    with no fitting rows, which never sees the row it predicts."""
+    return {r.id: statistics.median(o.paper for o in rows if o.column == r.column and o is not r) for r in rows}
+
+
 def judge(held: Sequence[PaperRow], pred: Mapping[str, float], baselines: Mapping[str, Mapping[str, float]]
           ) -> dict[str, Any]:
     """Held-out scores of `pred` and of each constant baseline; reproduced only where `pred` beats them all."""

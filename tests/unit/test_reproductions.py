@@ -118,3 +118,13 @@ def test_lina_leave_one_out_never_sees_its_row() -> None:
         if r.label == "2 experts":
             assert moved[r.id] == base[r.id]
     assert base["Fig. 4.10/lina/2 experts"] == pytest.approx(1.47)  # median of 1.37, 1.73, 1.47
+
+
+def test_dynmo_fits_nothing_and_scores_all_nine() -> None:
+    dynmo = _load("reproduce_dynmo")
+    perfect = [{"case": c, **vals} for c, vals in dynmo.PAPER.items()]
+    res = dynmo.assess(perfect)
+    assert res["fitted_on"] == {} and res["held_out"]["rows"] == 9
+    assert res["held_out"]["mean_abs_rel_error"] == 0.0 and res["reproduced"] is True
+    flat = [{"case": c, **{m: 1.0 for m in vals}} for c, vals in dynmo.PAPER.items()]
+    assert dynmo.assess(flat)["reproduced"] is False
