@@ -11,6 +11,20 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
 os.environ.setdefault("MOEBAL_HANG_TIMEOUT_S", "540")
 if os.environ["MOEBAL_HANG_TIMEOUT_S"] in ("", "0"):
     del os.environ["MOEBAL_HANG_TIMEOUT_S"]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread keeps a test fast on a shared machine (multi-threaded tiny ops wait for
+    descheduled threads); a test of a threaded path sets its own count inside. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -38,6 +38,30 @@ def _placements(kind: str, E: int, R: int, step: int, layers: int) -> list[Exper
     return out
 
 
+def step_against_reference(model: torch.nn.Module, ref: torch.nn.Module, ep: ExpertParallel, ids: torch.Tensor,
+                           placements: list[ExpertPlacement], per: int, worst: dict[str, float]) -> None:
+    """One step of `model` on this rank's 2 rows of `ids` under expert parallelism and of `ref` on all rows in
+    one process (gradients left for the caller's optimizers); the worst relative loss and gradient and the worst
+    absolute parameter difference so far go into `worst`. Rank r holds experts [r * per, (r + 1) * per)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = ids[:, :-1], ids[:, 1:]
+    ep.apply(placements)
+    out = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+    (out.loss + out.aux_loss).backward()
+    ep.aggregate()
+    ep.sync_gradients()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    ref_out = ref(x, y)
+    (ref_out.loss + ref_out.aux_loss).backward()
+    worst["loss"] = max(worst["loss"], abs(loss.item() / world - ref_out.loss.item()) / ref_out.loss.item())
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        rg = rp.grad[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.grad
+        rw = rp.detach()[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.detach()
+        worst["grad"] = max(worst["grad"], ((p.grad - rg).norm() / rg.norm().clamp(min=1e-12)).item())
+        worst["param"] = max(worst["param"], ((p.detach() - rw).abs().max()).item())
+
+
 def _worker(rank: int, world: int, experts: int, kind: str, steps: int) -> dict[str, float]:
     cfg = _cfg(experts)
     torch.manual_seed(0)
@@ -54,22 +78,8 @@ def _worker(rank: int, world: int, experts: int, kind: str, steps: int) -> dict[
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 256, (2 * world, 17), generator=g)
-        x, y = ids[:, :-1], ids[:, 1:]
-        ep.apply(_placements(kind, experts, world, step, cfg.model.n_layers))
-        out = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-        (out.loss + out.aux_loss).backward()
-        ep.aggregate()
-        ep.sync_gradients()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        ref_out = ref(x, y)
-        (ref_out.loss + ref_out.aux_loss).backward()
-        worst["loss"] = max(worst["loss"], abs(loss.item() / world - ref_out.loss.item()) / ref_out.loss.item())
-        for p, rp in zip(model.parameters(), ref.parameters()):
-            rg = rp.grad[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.grad
-            rw = rp.detach()[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.detach()
-            worst["grad"] = max(worst["grad"], ((p.grad - rg).norm() / rg.norm().clamp(min=1e-12)).item())
-            worst["param"] = max(worst["param"], ((p.detach() - rw).abs().max()).item())
+        step_against_reference(model, ref, ep, ids, _placements(kind, experts, world, step, cfg.model.n_layers),
+                               per, worst)
         opt.step()
         ref_opt.step()
         opt.zero_grad()

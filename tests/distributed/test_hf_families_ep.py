@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
+from moebal.dist.expert_parallel import ExpertParallel
 from moebal.dist.groups import ParallelDims
 from moebal.dist.testing import run_ranks
 from moebal.models.hf import from_hf
 from moebal.planner.plan import ExpertPlacement
+from tests.distributed.test_expert_parallel import step_against_reference
 from tests.hf_util import tiny_olmoe, tiny_qwen2_moe, tiny_qwen3_moe
 
 
@@ -32,22 +32,8 @@ def _worker(rank: int, world: int, path: str, steps: int) -> dict[str, float]:
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
         ids = torch.randint(0, cfg.model.vocab_size, (2 * world, 17), generator=torch.Generator().manual_seed(step))
-        x, y = ids[:, :-1], ids[:, 1:]
-        ep.apply([ExpertPlacement.static(E, world) for _ in range(layers)])
-        out = model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-        (out.loss + out.aux_loss).backward()
-        ep.aggregate()
-        ep.sync_gradients()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        ref_out = ref(x, y)
-        (ref_out.loss + ref_out.aux_loss).backward()
-        worst["loss"] = max(worst["loss"], abs(loss.item() / world - ref_out.loss.item()) / ref_out.loss.item())
-        for p, rp in zip(model.parameters(), ref.parameters()):
-            rg = rp.grad[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.grad
-            rw = rp.detach()[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.detach()
-            worst["grad"] = max(worst["grad"], ((p.grad - rg).norm() / rg.norm().clamp(min=1e-12)).item())
-            worst["param"] = max(worst["param"], (p.detach() - rw).abs().max().item())
+        step_against_reference(model, ref, ep, ids, [ExpertPlacement.static(E, world) for _ in range(layers)], per,
+                               worst)
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +57,14 @@ def _first_loss(run: Path) -> float:
     return float(json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"])
 
 
+def _assert_first_loss_is_transformers(run: Path, ref: Any, batch: Any) -> None:
+    """The run's first logged loss equals transformers' loss of `ref` on the same first batch (within 1e-4)."""
+    with torch.no_grad():
+        logits = ref(batch.ids_BT).logits
+    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
+    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+
+
 @pytest.mark.parametrize("nproc, pp", [(1, 1), (2, 1), (2, 2)], ids=["one-process", "expert-parallel", "pipeline"])
 def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc, pp):
     transformers = transformers_or_skip()
@@ -73,10 +82,7 @@ def test_mixtral_continue_matches_transformers_and_exports(tmp_path, nproc, pp):
     assert cfg.data.add_special_tokens and cfg.moe.num_experts == 4
     batch = build_data(cfg).train.next_batch()
     assert (batch.ids_BT == 0).any()  # <s> (id 0) starts every document: add_special_tokens reached the data
-    with torch.no_grad():
-        logits = ref(batch.ids_BT).logits
-    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
-    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    _assert_first_loss_is_transformers(run, ref, batch)
 
     # the export (consolidated over expert-parallel ranks or pipeline stages) loads in transformers and holds
     # the final checkpoint's weights, which training moved away from the start
@@ -159,10 +165,7 @@ def test_qwen_and_olmoe_continue_match_transformers_and_export(tmp_path, family)
     assert "exported step 2" in r.stderr
     cfg = load(CONFIG_DIR / f"{preset}.yaml", overrides)
     batch = build_data(cfg).train.next_batch()
-    with torch.no_grad():
-        logits = ref(batch.ids_BT).logits
-    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
-    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    _assert_first_loss_is_transformers(run, ref, batch)
     export = run / "hf"
     assert json.loads((export / "config.json").read_text()) == json.loads((model_dir / "config.json").read_text())
     assert (export / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
@@ -188,10 +191,7 @@ def test_a_sliding_window_checkpoint_trains_on_sequences_longer_than_its_window(
     cfg = load(CONFIG_DIR / "mixtral-continue.yaml", overrides)
     assert (cfg.model.sliding_window, cfg.data.seq_len) == (12, 32)
     batch = build_data(cfg).train.next_batch()
-    with torch.no_grad():
-        logits = ref(batch.ids_BT).logits
-    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
-    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    _assert_first_loss_is_transformers(run, ref, batch)
     assert json.loads((run / "hf" / "config.json").read_text())["sliding_window"] == 12
 
 

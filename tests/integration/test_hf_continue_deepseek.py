@@ -8,12 +8,17 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moebal.config import CONFIG_DIR, load
 from moebal.data import build_data
 from tests.hf_util import tiny_tokenizer, transformers_or_skip
-from tests.integration.test_hf_continue import TEXTS, _corpus, _first_loss, _overrides, moebal
+from tests.integration.test_hf_continue import (
+    TEXTS,
+    _assert_first_loss_is_transformers,
+    _corpus,
+    _overrides,
+    moebal,
+)
 from tests.unit.test_hf_deepseek import tiny_deepseek
 
 CASES = {"v3-one-process": (3, 1, 1), "v3-expert-parallel": (3, 2, 1), "v2lite-expert-parallel": (2, 2, 1),
@@ -37,10 +42,7 @@ def test_deepseek_continue_matches_transformers_and_exports(tmp_path, case):
     cfg = load(CONFIG_DIR / "deepseek-continue.yaml", overrides)
     assert cfg.model.mla is not None and cfg.moe.router_fp32
     batch = build_data(cfg).train.next_batch()
-    with torch.no_grad():
-        logits = ref(batch.ids_BT).logits
-    want = F.cross_entropy(logits.flatten(0, 1), batch.labels_BT.flatten(), ignore_index=-100).item()
-    assert abs(_first_loss(run) - want) < 1e-4, (_first_loss(run), want)
+    _assert_first_loss_is_transformers(run, ref, batch)
 
     export = run / "hf"
     assert json.loads((export / "config.json").read_text())["model_type"] == f"deepseek_v{version}"

@@ -37,13 +37,7 @@ from tests.unit.test_train import tiny
 W1 = "model.layers.0.block_sparse_moe.experts.w1"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second thread only adds contention on a busy machine (fused AdamW took 0.15 s/step)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 
 def _trained(*overrides: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -22,12 +22,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 PLAIN = {"rope_type": "default", "rope_theta": 20000.0}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 
 def tiny_deepseek(path: Path, version: int, seed: int = 0, **overrides: Any) -> Any:

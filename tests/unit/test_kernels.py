@@ -31,15 +31,7 @@ from moebal.kernels.experts import (
 )
 from moebal.models.moe import SwiGLUExperts
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread keeps these tests fast on a shared machine (multi-threaded tiny ops
-    wait for descheduled threads); the tests of the threaded paths set their own thread count."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 
 def test_plan_by_hand() -> None:

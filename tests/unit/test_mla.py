@@ -23,12 +23,7 @@ YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings":
 YARN_V3 = {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-@pytest.fixture(autouse=True)
-def _fp32_one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 
 def _hf_config(version: int, q_lora: int | None, rope: dict[str, Any] | None, interleave: bool = True):

@@ -16,13 +16,7 @@ from moebal.config import ConfigError, load
 from moebal.models.moe import MoELayer
 from moebal.routing import GateSpec, group_limit, route, select_topk
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
 
 def reference_route(logits_TE: torch.Tensor, k: int, gate: str, bias_E: torch.Tensor | None, n_group: int,
