@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if "MOEBAL_LAUNCHER_PID" in os.environ:  # a rank of `--nproc N`: never outlive the launcher
-        from moebal.dist.launch import die_with_launcher
+        from moebal.launch.spawn import die_with_launcher
 
         die_with_launcher()
     try:
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e.strerror}"
               f"{f': {e.filename}' if e.filename else ''}; free space and continue with --resume", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.dist.launch.Stopped)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.launch.spawn.Stopped)
         signum = getattr(e, "signum", 2)
         print(f"moebal {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum

@@ -372,11 +372,12 @@ class SchedulerConfig:
     """Write every collective of every step to comm/rank<r>.jsonl in the run directory."""
     dilate: float = 1.0
     """> 1: the compute between two collectives lasts this many times its CPU time (emulates devices that much
-    slower than a core when ranks outnumber cores; CPU benchmarks only, moebal/dist/dilate.py). 1: off."""
+    slower than a core when ranks outnumber cores; CPU benchmarks only, moebal/distributed/dilate.py). 1: off."""
     expert_packing: Literal["off", "lina"] = "off"
     """lina: more experts per rank (a smaller expert-parallel group, experts replicated over the rest) while an
     expert computation is shorter than its all-to-all and the saved all-to-all time exceeds the added
-    expert-gradient all-reduce; decided once at start-up from measurements or the profile (moebal/dist/packing.py)."""
+    expert-gradient all-reduce; decided once at start-up from measurements or the profile
+    (moebal/balance/packing.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -601,7 +602,7 @@ def _with_hf_fields(data: dict[str, Any], source: str) -> Config:
     if not isinstance(init, str) or not init:
         return from_dict(data, source=source)
     from moebal.errors import CheckpointError
-    from moebal.models.hf import config_fields
+    from moebal.interop.hf import config_fields
 
     user = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
     try:

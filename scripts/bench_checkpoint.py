@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from moebal.commands.bench import add_device_argument, script_device
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 
 CPU_ONLY = "it times 2 gloo ranks of the default job on this machine's cores"
 """Why `--device` accepts cpu only here."""

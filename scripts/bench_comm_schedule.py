@@ -31,7 +31,7 @@ gradient sync + AdamW, timed from a barrier; per step and rank the scheduler's e
 and the figures are medians over steps of the mean over ranks (step time: of the slowest rank).
 
 The network: by default (root and iproute2 available) the ranks run on two "nodes", Linux network namespaces
-joined by a veth pair (moebal.dist.netns) whose two directions are each shaped to --link-mbit (default: the
+joined by a veth pair (moebal.launch.netns) whose two directions are each shaped to --link-mbit (default: the
 preset's; a token-bucket qdisc): rank r lives on node r % 2, so every expert-parallel group and the stage's gradient
 all-reduce cross the link, while the 4-rank run's expert-gradient groups stay inside a node. All-to-all and
 all-reduce then compete for one bandwidth-limited link, as an all-to-all and DDP's all-reduce compete for a
@@ -74,14 +74,14 @@ import torch.distributed as dist
 
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict, with_overrides
-from moebal.dist.calibrate import describe, measure_comm_costs, measure_layer_costs
-from moebal.dist.expert_parallel import ExpertParallel
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
+from moebal.distributed.calibrate import describe, measure_comm_costs, measure_layer_costs
+from moebal.distributed.expert_parallel import ExpertParallel
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
-from moebal.planner.comm import a2a_chunks, ar_chunk_bytes
-from moebal.planner.experts import ExpertPlanner
+from moebal.planner.comm_plan import a2a_chunks, ar_chunk_bytes
 from moebal.planner.perf import placement_loads
+from moebal.planner.placement import ExpertPlanner
 from moebal.scheduler import CommScheduler, step_record
 
 CPU_ONLY = "it emulates devices on shared cores (dilation) and links between network namespaces"
@@ -325,7 +325,7 @@ class StartupError(RuntimeError):
 def run_world(world: int, spec: dict[str, Any], link_mbit: float) -> tuple[list[dict[str, Any]], str, list[str]]:
     """The records of one world size, the network used (a shaped namespace link, or loopback), and the
     start-up failures that were retried (see `_run_namespaces`)."""
-    from moebal.dist.netns import unavailable
+    from moebal.launch.netns import unavailable
 
     why = unavailable() if link_mbit > 0 else "loopback requested"
     if why is not None:
@@ -350,7 +350,7 @@ def _run_namespaces(world: int, spec: dict[str, Any], link_mbit: float, port: in
     warning that reverse DNS of a peer address fails: the namespaces have no resolver) before any step ran;
     a rank that dies before every rank reported start-up done raises StartupError (the caller retries: nothing
     was measured), a failure after it is a real error."""
-    from moebal.dist.netns import NamespacePair
+    from moebal.launch.netns import NamespacePair
 
     with NamespacePair(tag=f"cs{os.getpid()}", subnet=93) as pair, tempfile.TemporaryDirectory() as tmp:
         for ns in pair.names:  # each direction of the veth limited to the link rate
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-mbit", type=float,
                     help="rate of the link between the two namespace nodes (0: loopback, no namespaces)")
     ap.add_argument("--dilate", type=float, default=1.0,
-                    help="emulate devices this many times slower than a core (moebal.dist.dilate; 1: off); the "
+                    help="emulate devices this many times slower than a core (moebal.distributed.dilate; 1: off); the "
                          "link is slowed by the same factor unless --link-mbit is given")
     ap.add_argument("--trace", type=Path, help="write a Chrome trace of one step of every mode into this folder")
     ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)

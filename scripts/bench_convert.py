@@ -64,7 +64,7 @@ def _reset_peak() -> bool:
 
 def write_checkpoint(path: Path, layers: int) -> dict[str, int]:
     """A random bf16 Mixtral checkpoint written tensor by tensor (1 GB shards + index)."""
-    from moebal.models.tensor_io import OutTensor, iter_shards, write_safetensors
+    from moebal.interop.tensor_io import OutTensor, iter_shards, write_safetensors
 
     s = SHAPE
     D, F, E, V = s["hidden_size"], s["intermediate_size"], s["num_local_experts"], s["vocab_size"]
@@ -108,8 +108,8 @@ def write_checkpoint(path: Path, layers: int) -> dict[str, int]:
 
 def child(op: str, src: str, dst: str) -> dict[str, float]:
     """Run one conversion; report its peak RSS above the post-import baseline."""
-    import moebal.models.hf as hf
-    from moebal.models.tensor_io import DirectorySource
+    import moebal.interop.hf as hf
+    from moebal.interop.tensor_io import DirectorySource
 
     # Warm-up: the first use of the model code (lazy imports, allocator arenas) costs a fixed amount of memory
     # whatever the checkpoint's size; it is measured and reported apart from the conversion's own peak.

@@ -22,7 +22,7 @@ import torch
 
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.kernels import environment, make_plan, swiglu_experts, time_interleaved
-from moebal.kernels.experts import KERNELS, grouped_mm_supports
+from moebal.kernels.expert_ffn import KERNELS, grouped_mm_supports
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

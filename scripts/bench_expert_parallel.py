@@ -16,7 +16,7 @@ Each moebal step = plan from the previous step's all-gathered counts, Trans, for
 sync, optimizer step; a Tutel step = forward, backward, gradient sync (dense gradients averaged in one
 all-reduce), optimizer step. The step time is the slowest rank's. Every round runs every (routing, method)
 pair, the order of both rotated by one each round. The planner's coefficients are measured on the job itself
-at start-up (moebal.dist.calibrate), so the planner and the measurement see the same machine.
+at start-up (moebal.distributed.calibrate), so the planner and the measurement see the same machine.
 
     python scripts/bench_expert_parallel.py [--quick] [--json FILE] [--png FILE] [--recorded RUN_DIR]
 """
@@ -41,13 +41,13 @@ import torch.distributed as dist
 from moebal.commands import third_party as tp
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
-from moebal.dist.calibrate import describe, measure_layer_costs
-from moebal.dist.expert_parallel import ExpertParallel
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
+from moebal.distributed.calibrate import describe, measure_layer_costs
+from moebal.distributed.expert_parallel import ExpertParallel
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
-from moebal.planner.experts import ExpertPlanner, placement_metrics
 from moebal.planner.perf import MoELayerCosts
+from moebal.planner.placement import ExpertPlanner, placement_metrics
 from moebal.planner.plan import ExpertPlacement
 
 CPU_ONLY = "it times gloo ranks on this machine's cores"

@@ -45,7 +45,7 @@ import numpy as np
 
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 from moebal.kernels.bench import environment
 
 CPU_ONLY = "it times 4 gloo ranks of one thread each on this machine's cores"
@@ -186,9 +186,9 @@ def simulated_gpt(lengths_max: list[int], seed: int = 0, batches: int = 3) -> li
 
 
 def _simulated_gpt(lengths_max: list[int], variant: str, seed: int, batches: int) -> list[dict[str, Any]]:
-    from moebal.pipeline.mbcli import _paper_gpt
-    from moebal.pipeline.mbcost import analytic_table, default_grid
-    from moebal.pipeline.microbatch import plan_microbatches
+    from moebal.commands.plan_microbatches import _paper_gpt
+    from moebal.planner.microbatch import plan_microbatches
+    from moebal.planner.microbatch_cost import analytic_table, default_grid
 
     shape = _paper_gpt()
     # The first two variants set no memory limit (activations as if they fit: large packed micro-batches, fewer
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_real:
         import torch
 
-        from moebal.pipeline.mbprofile import profile_table
+        from moebal.pipeline.microbatch_profile import profile_table
 
         for max_len in lens:
             table = out_dir / f"microbatch-cost-{max_len}.json"

@@ -67,9 +67,9 @@ import torch.distributed as dist
 
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 from moebal.kernels.bench import environment
-from moebal.pipeline.partition import replay_time
+from moebal.planner.partition import replay_time
 
 CPU_ONLY = "it emulates dedicated devices on shared cores (spin waits, dilated compute)"
 """Why `--device` accepts cpu only here."""
@@ -148,7 +148,7 @@ def variant_units(name: str) -> str:
 def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Train one scheme under every variant at once, one step of each in turn (order rotated every step), so the
     shared machine's drifts hit all variants alike."""
-    from moebal.pipeline.dynamism import build_dynamism
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 
     runners, load0 = {}, os.getloadavg()[0]

@@ -35,8 +35,8 @@ from typing import Any
 import yaml
 
 from moebal.commands.bench import add_device_argument, script_device
-from moebal.dist.netns import NamespacePair, unavailable
-from moebal.dist.testing import kill_rank_when
+from moebal.distributed.testing import kill_rank_when
+from moebal.launch.netns import NamespacePair, unavailable
 
 CPU_ONLY = "its jobs run on this machine's cores, tiny-netns in network namespaces"
 """Why `--device` accepts cpu only here."""

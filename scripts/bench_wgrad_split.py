@@ -28,7 +28,7 @@ from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import from_dict
 from moebal.kernels.bench import environment
 from moebal.models import build_model
-from moebal.pipeline.wgrad import WeightGradQueue
+from moebal.pipeline.zero_bubble import WeightGradQueue
 from moebal.train.precision import bf16_native
 
 CPU_ONLY = "it measures the CPU thread time of the backward pass"

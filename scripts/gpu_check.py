@@ -634,7 +634,7 @@ def _skewed(N: int, E: int, factor: float) -> list[int]:
 def check_expert_vs_dense(ctx: Ctx) -> dict[str, Any]:
     from moebal.kernels import swiglu_experts
     from moebal.kernels.bench import time_interleaved
-    from moebal.kernels.experts import auto_kernel
+    from moebal.kernels.expert_ffn import auto_kernel
 
     full = ctx.cuda and not ctx.quick
     N, D, F_, E = (16384, 4096, 14336, 8) if full else (1024, 64, 128, 8)

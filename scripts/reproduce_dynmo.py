@@ -114,8 +114,8 @@ def lpt_reorder(costs: np.ndarray, stages: int) -> tuple[np.ndarray, list[int]]:
 
 def run_case(name: str, steps: int) -> dict[str, Any]:
     from moebal.config import load
-    from moebal.pipeline.partition import partition_by_time
     from moebal.planner.cost import CostModel, ModelShape
+    from moebal.planner.partition import partition_by_time
     from moebal.sim.pipeline import simulate_pipeline
     from moebal.sim.program import uniform_stages
     from moebal.sim.routing import SyntheticRouting

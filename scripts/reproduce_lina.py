@@ -34,7 +34,7 @@ Systems:
 - priority (Fig. 4.14): buckets issued only while no all-to-all is registered on the rank (Lina's look-ahead
   included); priority + partitioning: the thesis's 30 MB per-gradient chunks and 2 token chunks;
 - lina (no packing) and lina (Fig. 4.10): every choice made by moebal's own scheduler model
-  (moebal.planner.comm) on the fitted profile: gradient chunk size (`ar_chunk_bytes`), token chunks per
+  (moebal.planner.comm_plan) on the fitted profile: gradient chunk size (`ar_chunk_bytes`), token chunks per
   all-to-all (`a2a_chunks`) and, for full Lina, experts per GPU (`pack_experts`, Lina's doubling rule: pack
   while one micro-op's expert compute is shorter than its all-to-all; with m experts per GPU the
   expert-parallel group has E/m GPUs and every expert has m replicas whose gradients are all-reduced too).
@@ -207,7 +207,7 @@ def lina_plan(prof: Any, experts: int, batch: int) -> dict[str, Any]:
     """What moebal's scheduler model chooses for `experts` experts on as many GPUs of profile `prof`."""
     import numpy as np
 
-    from moebal.planner.comm import a2a_chunks, ar_chunk_bytes, comm_costs_from_profile, pack_experts
+    from moebal.planner.comm_plan import a2a_chunks, ar_chunk_bytes, comm_costs_from_profile, pack_experts
     from moebal.planner.cost import CostModel
 
     cost, sh = CostModel(prof, "fp16"), shape(experts)

@@ -122,8 +122,8 @@ def ep_step(case: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
     """(one expert-parallel step on this rank: Trans, forward, backward, Agg, gradient sync, AdamW; the model)."""
     import torch
 
-    from moebal.dist.expert_parallel import ExpertParallel
-    from moebal.dist.groups import ParallelDims
+    from moebal.distributed.expert_parallel import ExpertParallel
+    from moebal.distributed.groups import ParallelDims
     from moebal.models import build_model
 
     cfg = _cfg(case)
@@ -181,7 +181,7 @@ def coll_fn(case: dict[str, Any], rank: int) -> Any:
 def pipe_step(case: dict[str, Any], rank: int, world: int) -> Any:
     """One training step of moebal's pipeline runner (this rank's stage): 1F1B or GPipe over `micro_batches`,
     point-to-point activations and gradients, the chain's small statistics all-reduce, clipping, AdamW."""
-    from moebal.dist.groups import ParallelDims
+    from moebal.distributed.groups import ParallelDims
     from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 
     cfg = _cfg(case, pp=world)
@@ -259,7 +259,7 @@ def _world_worker(rank: int, world: int, rounds: int, only: str | None) -> dict[
 
 
 def phase_world(world: int, rounds: int, only: str | None) -> dict[str, Any]:
-    from moebal.dist.testing import run_ranks
+    from moebal.distributed.testing import run_ranks
 
     res = run_ranks(_world_worker, world, rounds, only, timeout_s=1800.0)
     out = res[0]

@@ -3,7 +3,7 @@
 Every moebal process a test starts on its own (a `moebal train --nproc N` job's launcher and ranks, torchrun's
 ranks) prints every thread's stack and exits once it has run MOEBAL_HANG_TIMEOUT_S seconds (moebal/cli.py), so
 a hung job fails its test with the ranks' stacks in the job's stderr, before the tests' own 600 s subprocess
-timeouts. `run_ranks` (moebal/dist/testing.py) has the ranks print their stacks when it gives up on them.
+timeouts. `run_ranks` (moebal/distributed/testing.py) has the ranks print their stacks when it gives up on them.
 Set MOEBAL_HANG_TIMEOUT_S yourself to change the bound (0: none).
 """
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from moebal.models.tensor_io import DirectorySource
+from moebal.interop.tensor_io import DirectorySource
 
 
 def transformers_or_skip() -> Any:

@@ -164,7 +164,7 @@ def expert_probes(dtype: str, shapes: Sequence[tuple[int, int, int, int]]) -> di
     import torch
 
     from moebal.kernels.dispatch import make_plan
-    from moebal.kernels.experts import auto_kernel, swiglu_experts
+    from moebal.kernels.expert_ffn import auto_kernel, swiglu_experts
 
     out: dict[str, Probe] = {}
     for E, N, D, Fh in shapes:
@@ -312,6 +312,6 @@ def _collective_worker(rank: int, world: int, sizes: list[int], rounds: int) -> 
 
 
 def measure_collectives(world: int, sizes: Sequence[int], rounds: int) -> list[dict[str, Any]]:
-    from moebal.dist.testing import run_ranks
+    from moebal.distributed.testing import run_ranks
 
     return run_ranks(_collective_worker, world, list(sizes), rounds, timeout_s=900.0)[0]

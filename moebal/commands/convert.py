@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("direction", choices=["hf-to-moebal", "moebal-to-hf"], help="which way to convert")
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (written whole, then renamed into place)")
-    from moebal.models.hf import ARCHITECTURES
+    from moebal.interop.hf import ARCHITECTURES
 
     p.add_argument("--arch", choices=sorted(set(ARCHITECTURES.values())),
                    help="HF layout to write (moebal-to-hf; default: the source's, else the one that expresses the "
@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _moebal_to_hf(args: argparse.Namespace) -> Path:
-    from moebal.models.hf import BASE_CONFIG, DTYPE_NAMES, is_moebal_dir, write_hf
-    from moebal.models.tensor_io import FileSource
+    from moebal.interop.hf import BASE_CONFIG, DTYPE_NAMES, is_moebal_dir, write_hf
+    from moebal.interop.tensor_io import FileSource
 
     src = Path(args.src)
     if not is_moebal_dir(src):
@@ -48,7 +48,7 @@ def _moebal_to_hf(args: argparse.Namespace) -> Path:
         return export_checkpoint(src, args.dst, arch=args.arch, dtype=args.dtype, shard_gb=args.shard_gb,
                                  overwrite=args.overwrite)
     from moebal.config import load
-    from moebal.models.hf import verify_manifest
+    from moebal.interop.hf import verify_manifest
 
     verify_manifest(src)
     cfg = load(src / "config.yaml")
@@ -68,7 +68,7 @@ def _moebal_to_hf(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.direction == "hf-to-moebal":
-        from moebal.models.hf import hf_to_moebal
+        from moebal.interop.hf import hf_to_moebal
 
         out = hf_to_moebal(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     else:

@@ -1,6 +1,6 @@
 """`moebal launch CLUSTER.yaml [--dry-run] [--max-restarts N] [--out DIR] [--resume] [key=value ...]`.
 
-Reads the cluster file (`moebal/dist/cluster.py`), checks the training config and the parallel layout here,
+Reads the cluster file (`moebal/launch/cluster.py`), checks the training config and the parallel layout here,
 before anything starts, then either prints the exact per-node commands (--dry-run), runs them (ssh: one
 torchrun per node, output prefixed with the node's name and the rank, every node stopped when one fails),
 or writes and submits the Slurm batch script. `key=value` overrides apply to the cluster file
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from moebal.config import Config, load, resolve_path
-from moebal.dist.cluster import (
+from moebal.errors import ConfigError
+from moebal.launch.cluster import (
     ClusterConfig,
     load_cluster,
     node_commands,
@@ -28,7 +29,6 @@ from moebal.dist.cluster import (
     train_argv,
     train_overrides,
 )
-from moebal.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
@@ -54,7 +54,7 @@ def _local(c: ClusterConfig, path: str) -> Path:
 def check_training(c: ClusterConfig, source: str) -> Config:
     """The training config the ranks will load, with its overrides, and the layout's divisibility, checked here
     so that a mistake is one clear line instead of a failure on every rank of every node."""
-    from moebal.dist.groups import ParallelDims
+    from moebal.distributed.groups import ParallelDims
     from moebal.train.distributed import RunContext
 
     config = c.train.config
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"# node {cmd.index}: {cmd.name}{addr}, {node.slots} ranks\n{shlex.join(cmd.argv)}")
         return 0
     print(f"{header}; rendezvous at {c.endpoint}", file=sys.stderr, flush=True)
-    from moebal.dist.launch import run_nodes
+    from moebal.launch.spawn import run_nodes
 
     code = run_nodes([(cmd.name, cmd.argv) for cmd in commands], grace_s=c.ssh.stop_grace_s)
     if code == 0:

@@ -27,9 +27,11 @@ from moebal.errors import ConfigError
 
 TARGETS: dict[str, tuple[str, str]] = {
     "experts": ("moebal.commands.plan", "expert placement of MoE layers from a routing count matrix"),
-    "stages": ("moebal.pipeline.cli", "pipeline stage partitions of per-layer costs (uniform, partition, diffusion)"),
-    "microbatches": ("moebal.pipeline.mbcli", "DynaPipe micro-batching of variable-length samples (dynamic, "
-                     "padding, packing, token-based) with schedule and communication plan"),
+    "stages": ("moebal.commands.plan_stages",
+               "pipeline stage partitions of per-layer costs (uniform, partition, diffusion)"),
+    "microbatches": ("moebal.commands.plan_microbatches",
+                     "DynaPipe micro-batching of variable-length samples (dynamic, padding, packing, token-based) "
+                     "with schedule and communication plan"),
 }
 
 
@@ -84,7 +86,7 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_experts(args: argparse.Namespace) -> int:
-    from moebal.planner.experts import POLICIES
+    from moebal.planner.placement import POLICIES
 
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     if args.config:
@@ -142,7 +144,7 @@ def _policy_options(policy: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _plan_layer(idx: int | None, c_RE: np.ndarray, costs: Any, owner: list[int] | None, policies: list[str],
                 args: argparse.Namespace) -> dict[str, Any]:
-    from moebal.planner.experts import placement_metrics, plan_experts
+    from moebal.planner.placement import placement_metrics, plan_experts
 
     plans = []
     for policy in policies:
@@ -208,8 +210,8 @@ def _parse_ints(text: str, flag: str) -> list[int]:
 
 
 def _load_costs(path: str | None) -> Any:
-    from moebal.planner.experts import DEFAULT_COSTS
     from moebal.planner.perf import MoELayerCosts
+    from moebal.planner.placement import DEFAULT_COSTS
 
     if path is None:
         return DEFAULT_COSTS
@@ -275,7 +277,7 @@ def _counts_field(data: Any, path: Path) -> Any:
 
 # ---- planner latency benchmark ---------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace, costs: Any, policies: list[str]) -> int:
-    from moebal.planner.experts import plan_experts
+    from moebal.planner.placement import plan_experts
 
     records = []
     for size in args.bench_sizes.split(","):

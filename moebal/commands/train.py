@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from moebal.config import Config, load, refuse_cpu_only
-from moebal.dist.groups import pick_device
+from moebal.distributed.groups import pick_device
 from moebal.errors import ConfigError
 from moebal.train.precision import resolve_precision
 
@@ -159,7 +159,7 @@ def _local_ranks(cfg: Config) -> int:
     """Ranks to start here without torchrun: parallel.nproc, or one per visible GPU (2 on a CPU)."""
     import torch
 
-    from moebal.dist.launch import local_ranks
+    from moebal.launch.spawn import local_ranks
 
     return local_ranks(cfg.parallel.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
@@ -169,7 +169,7 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     all writing to one run directory."""
     # Bad input fails here, once, before any rank starts (the same checks every rank would make).
     from moebal.data import build_data
-    from moebal.dist.launch import spawn_local
+    from moebal.launch.spawn import spawn_local
 
     build_data(cfg)
     if args.resume:

@@ -2,7 +2,7 @@
 
 from moebal.kernels.bench import Timing, environment, time_fn, time_interleaved
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
-from moebal.kernels.experts import KERNELS, auto_kernel, reference_experts, swiglu_experts
+from moebal.kernels.expert_ffn import KERNELS, auto_kernel, reference_experts, swiglu_experts
 
 __all__ = [
     "KERNELS",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
-from moebal.kernels.experts import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
+from moebal.kernels.expert_ffn import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
 from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
@@ -320,7 +320,7 @@ class MoELayer(nn.Module):
         if self.bias_update_rate > 0:  # a loaded bias (selection_bias) with rate 0 stays as it is
             update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
 
-    # ---- parallelism hooks (set from outside by moebal.dist; the layer itself stays single-device) ----------
+    # ---- parallelism hooks (set from outside by moebal.distributed; the layer itself stays single-device) ----------
 
     def set_dispatcher(self, dispatcher: Any) -> None:
         """Route tokens through `dispatcher.forward(x_TD, routing) -> out_TD` instead of the local experts."""

@@ -271,10 +271,10 @@ class MoebalForCausalLM(nn.Module):
 def build_model(cfg: Config, device: torch.device | str | None = None, *,
                 load_weights: bool = True) -> MoebalForCausalLM:
     """The causal LM for a config: with `hf.init_from` (and `load_weights`), the weights of that checkpoint
-    (moebal/models/hf.py); otherwise initialised from the caller's torch RNG state (seed it first).
+    (moebal/interop/hf.py); otherwise initialised from the caller's torch RNG state (seed it first).
     `load_weights=False` skips reading a checkpoint whose weights a resumed run overwrites anyway."""
     if cfg.hf.init_from and load_weights:
-        from moebal.models.hf import from_hf
+        from moebal.interop.hf import from_hf
 
         return from_hf(cfg.hf.init_from, cfg=cfg, device=device or "cpu")  # type: ignore[return-value]
     model = MoebalForCausalLM(cfg)

@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from moebal.pipeline.comm import PipeChain
-from moebal.pipeline.dynamism import Dynamism
+from moebal.dynamism.scheme import Dynamism
 from moebal.pipeline.observe import LayerProfiler
-from moebal.pipeline.schedule import make_schedule
+from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import ATTN, LAYER
-from moebal.pipeline.wgrad import WeightGradQueue
+from moebal.pipeline.zero_bubble import WeightGradQueue
+from moebal.planner.schedule import make_schedule
 
 __all__ = ["IterationResult", "PipelineEngine"]
 

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from moebal.balance.microbatch_workers import PlanAhead
 from moebal.config import Config
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
-from moebal.pipeline.mbcost import MicroBatchCost, analytic_table, default_grid, load_cost
-from moebal.pipeline.microbatch import MicroBatch, MicroBatchPlan
-from moebal.pipeline.planahead import PlanAhead
 from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
+from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
 from moebal.train.precision import compute_precision
 
 __all__ = ["PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "planner_kwargs"]
@@ -153,7 +153,7 @@ class PlannedPipelineRunner(PipelineRunner):
         max_tokens = dyn.max_tokens or 4 * d.seq_len
         b_grid, s_grid = default_grid(d.seq_len, max_tokens)
         if dyn.costs == "measure":
-            from moebal.pipeline.mbprofile import profile_stage
+            from moebal.pipeline.microbatch_profile import profile_stage
 
             f, b, a = profile_stage(self.stage, b_grid, s_grid, max_tokens, device=self.device)
             mine = torch.from_numpy(np.stack([f, b, a]).reshape(-1))

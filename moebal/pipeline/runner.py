@@ -35,16 +35,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.balance.stage_experts import StageExperts, stage_metrics
 from moebal.config import Config, refuse_cpu_only
-from moebal.dist.expert_parallel import is_expert_param
+from moebal.distributed.expert_parallel import is_expert_param
+from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
-from moebal.pipeline.comm import PipeChain
-from moebal.pipeline.dynamism import Dynamism, SchemeContext
 from moebal.pipeline.engine import IterationResult, PipelineEngine
-from moebal.pipeline.experts import StageExperts, stage_metrics
 from moebal.pipeline.migrate import MigrationReport, migrate_layers
 from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes, transfer_bytes
-from moebal.pipeline.partition import (
+from moebal.pipeline.p2p import PipeChain
+from moebal.pipeline.stage import PipelineStage
+from moebal.pipeline.units import UnitMap
+from moebal.planner.partition import (
     StagePartition,
     clears_hysteresis,
     diffuse,
@@ -57,9 +59,7 @@ from moebal.pipeline.partition import (
     should_adopt,
     stage_loads,
 )
-from moebal.pipeline.schedule import SCHEDULES, in_flight
-from moebal.pipeline.stage import PipelineStage
-from moebal.pipeline.units import UnitMap
+from moebal.planner.schedule import SCHEDULES, in_flight
 from moebal.sync import to_host
 from moebal.train.precision import uses_bf16
 
@@ -184,7 +184,7 @@ class PipelineRunner:
 
     def __init__(self, cfg: Config, opts: PipelineOptions, *, scheme: Dynamism | None = None, dims: Any = None,
                  data: Any = None, run_dir: str | Path | None = None, device: torch.device | None = None) -> None:
-        from moebal.dist.groups import ParallelDims
+        from moebal.distributed.groups import ParallelDims
 
         self.cfg, self.opts = cfg, opts
         self.scheme = scheme or Dynamism()

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from moebal.config import Config, dump
-from moebal.pipeline.dynamism import Dynamism, build_dynamism
+from moebal.dynamism.scheme import Dynamism, build_dynamism
 from moebal.pipeline.runner import PipelineOptions, PipelineRunner, pipeline_ep
 
 __all__ = ["options_from_config", "run_pipeline", "scheme_from_config"]
@@ -62,7 +62,7 @@ def run_pipeline(cfg: Config, out: Path, json_summary: bool = False, resume: boo
     the process groups of a job already set up (tests run several pipelines in one job; it stays open)."""
     import torch.distributed as dist
 
-    from moebal.dist.groups import ParallelDims, env_world
+    from moebal.distributed.groups import ParallelDims, env_world
     from moebal.train.trainer import default_threads
 
     wall0 = time.perf_counter()

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.dist.dilate import DeviceClock
+from moebal.distributed.dilate import DeviceClock
 from moebal.scheduler.events import CRITICAL, CommEvent, EventLog
 
 __all__ = ["MODES", "BackgroundOp", "CommScheduler", "Completion", "Forecast", "Handle", "SchedulerError",
@@ -368,7 +368,7 @@ class CommScheduler:
         """Time this step's chunks were held on the forecast (the scheduler thread's view)."""
         self.timeout_s = timeout_s
         self.clock = DeviceClock(dilate)
-        """Emulated devices `dilate` x slower than a core (a CPU benchmark device, `moebal.dist.dilate`): the
+        """Emulated devices `dilate` x slower than a core (a CPU benchmark device, `moebal.distributed.dilate`): the
         compute thread's span before each collective, gradient hand-off and wait lasts `dilate` x its CPU time."""
         self._cond = threading.Condition(threading.RLock())
         self._critical = 0  # critical collectives queued or in flight

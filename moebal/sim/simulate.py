@@ -83,7 +83,7 @@ def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSp
     static = ExpertPlacement.static(shape.num_experts, lay.ep)
     if policy == "static" or lay.ep == 1:
         return [[static] * lay.groups for _ in range(shape.n_layers)]
-    from moebal.planner.experts import plan_experts
+    from moebal.planner.placement import plan_experts
 
     first = np.concatenate([[0], np.cumsum(stages)])
     tokens = spec.micro_batches * spec.micro_batch_size * spec.seq_len

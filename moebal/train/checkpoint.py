@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from moebal.errors import CheckpointError
-from moebal.models.tensor_io import TensorInfo
+from moebal.interop.tensor_io import TensorInfo
 
 __all__ = [
     "Checkpointer",
@@ -664,7 +664,7 @@ class CheckpointReader:
                 section: str = "tensors") -> torch.Tensor:
         """Stored tensor `key`, read with plain reads at its offsets (no memory map: pages a reader touched
         would count as its resident memory)."""
-        from moebal.models.tensor_io import FileSource
+        from moebal.interop.tensor_io import FileSource
 
         entry = self.manifest.get(section, {}).get(key)
         if entry is None:

@@ -7,7 +7,7 @@ and for any data x expert-parallel layout, so the trainer never branches on `tor
 `ExpertParallelHook` is the per-step observe -> plan -> apply loop of Pro-Prophet on a real job:
   after the step     observe: all-gather every MoE layer's per-expert counts into R x E matrices
                      plan: one `ExpertPlanner` per layer forecasts step j+1 from step j (optionally EMA'd),
-                     and the communication plan: token chunks per layer for step j+1 (moebal.planner.comm)
+                     and the communication plan: token chunks per layer for step j+1 (moebal.planner.comm_plan)
   before the step    apply: adopt the placements and run Trans (owners send replica parameters)
   after backward     Agg (replica gradients back to their owners), then gradient sync
 Every rank runs the same planners on the same all-gathered counts and the same measured coefficients, so
@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 
 from moebal.config import Config, refuse_cpu_only
-from moebal.dist.comm import sum_gradients
-from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
-from moebal.dist.groups import ParallelDims, env_world, pick_device
+from moebal.distributed.autograd import sum_gradients
+from moebal.distributed.expert_parallel import ExpertParallel, is_expert_param
+from moebal.distributed.groups import ParallelDims, env_world, pick_device
 from moebal.errors import ConfigError
-from moebal.planner.comm import CommCosts, a2a_chunks
-from moebal.planner.experts import ExpertPlanner, placement_metrics
+from moebal.planner.comm_plan import CommCosts, a2a_chunks
 from moebal.planner.perf import placement_loads
+from moebal.planner.placement import ExpertPlanner, placement_metrics
 from moebal.planner.plan import ExpertPlacement
 from moebal.routing import RoutingStats
 from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
@@ -338,7 +338,7 @@ class ExpertParallelHook(Hook):
         """Planner forecasts, the placements and token chunks of the next step and measured coefficients, so a
         resumed run plans what the uninterrupted run would have (placements and chunks change only summation
         order, but resume is bitwise)."""
-        from moebal.dist.calibrate import costs_to_dict
+        from moebal.distributed.calibrate import costs_to_dict
 
         return {"placements": [p.to_dict() for p in self.placements],
                 "planners": [{"forecast": None if pl.forecast_RE is None else pl.forecast_RE.tolist(),
@@ -350,7 +350,7 @@ class ExpertParallelHook(Hook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        from moebal.dist.calibrate import costs_from_dict
+        from moebal.distributed.calibrate import costs_from_dict
 
         placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
         if len(placements) != len(self.planners) or any(p.num_ranks != self.ep.dims.size("ep") for p in placements):
@@ -373,7 +373,7 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     """Join the job described by the torchrun environment and build this rank's model and hooks.
 
     With `scheduler.expert_packing: lina` the expert-parallel size is chosen first (measured on the job, or
-    read from `run_dir`'s packing.json when the run `resume`s; moebal/dist/packing.py).
+    read from `run_dir`'s packing.json when the run `resume`s; moebal/balance/packing.py).
 
     The full model is built on every rank from the run's seed, so it equals the single-process model, then
     expert parallelism keeps this rank's experts; from `hf.init_from` (unless `load_weights` is false because a
@@ -391,7 +391,7 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
                           "data and expert parallelism only")
     ep = cfg.parallel.ep or world
     if cfg.scheduler.expert_packing != "off" and world > 1 and cfg.moe.num_experts:
-        from moebal.dist.packing import choose_expert_parallel
+        from moebal.balance.packing import choose_expert_parallel
 
         rank, _, local = env_world()
         ep = choose_expert_parallel(cfg, world, rank, pick_device(local), min(ep, cfg.moe.num_experts), run_dir,
@@ -407,7 +407,7 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     seed_everything(cfg.train.seed)
     if cfg.hf.init_from and load_weights and dims.distributed and ep > 1 and cfg.moe.num_experts:
         # Each rank reads only its own experts from the checkpoint: a rank never holds the whole model.
-        from moebal.models.hf import from_hf
+        from moebal.interop.hf import from_hf
         from moebal.planner.plan import default_owners
 
         owners, r = default_owners(cfg.moe.num_experts, ep), dims.index("ep")
@@ -439,14 +439,14 @@ def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, c
     measurement."""
     tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
     if cfg.planner.costs == "measure":
-        from moebal.dist.calibrate import measure_comm_costs, measure_layer_costs
+        from moebal.distributed.calibrate import measure_comm_costs, measure_layer_costs
 
         return ExpertParallelHook(
             ep, cfg, None, ctx, measure=lambda: measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k,
                                                                     dilate=cfg.scheduler.dilate),
             measure_comm=lambda layer: measure_comm_costs(ep.dispatchers[0], dims.group("dp_ep"),
                                                           tokens * cfg.moe.top_k, layer, dilate=cfg.scheduler.dilate))
-    from moebal.planner.comm import comm_costs_from_profile
+    from moebal.planner.comm_plan import comm_costs_from_profile
     from moebal.planner.cost import CostModel, ModelShape
 
     cost = CostModel(cfg.planner.costs)
@@ -457,7 +457,7 @@ def _expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, c
 
 def _chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float, a2a_s: float) -> float:
     """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (`ar_chunk_bytes`)."""
-    from moebal.planner.comm import ar_chunk_bytes
+    from moebal.planner.comm_plan import ar_chunk_bytes
 
     if sc.mode == "ddp":
         return sc.bucket_mb * 1e6

@@ -22,7 +22,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.errors import CheckpointError
-from moebal.models.tensor_io import TensorInfo
+from moebal.interop.tensor_io import TensorInfo
 from moebal.train.hooks import Hook
 
 __all__ = ["CheckpointWeights", "ExportHook", "checkpoint_weights", "export_checkpoint", "export_final"]
@@ -79,7 +79,7 @@ def checkpoint_weights(path: str | Path) -> CheckpointWeights:
 
 def _base_of(cfg: Config) -> tuple[dict[str, Any] | None, Path | None]:
     """The config.json (and the directory) the run started from, when it is still there."""
-    from moebal.models.hf import hf_origin
+    from moebal.interop.hf import hf_origin
 
     origin = hf_origin(cfg.hf.init_from)
     return (None, None) if origin is None else (origin.base, origin.path)
@@ -89,7 +89,7 @@ def export_checkpoint(path: str | Path, dst: str | Path, *, arch: str | None = N
                       shard_gb: float | None = None, overwrite: bool = False) -> Path:
     """Write the checkpoint (or run directory) `path` as a HF checkpoint directory `dst`: config.json from the
     run's `hf.init_from` when there is one (every original key kept), its tokenizer and remote-code files."""
-    from moebal.models.hf import DTYPE_NAMES, write_hf
+    from moebal.interop.hf import DTYPE_NAMES, write_hf
 
     weights = checkpoint_weights(path)
     try:
@@ -116,13 +116,13 @@ def export_target(cfg: Config, run_dir: Path) -> Path:
 def check_export(cfg: Config) -> None:
     """Fail before training, not after it, when `hf.export_to` cannot be written."""
     from moebal.errors import ConfigError
-    from moebal.models.hf import check_exportable, choose_arch
+    from moebal.interop.hf import check_exportable, choose_arch
 
     base, _ = _base_of(cfg)
     if cfg.hf.init_from and Path(cfg.hf.export_to or "").resolve() == Path(cfg.hf.init_from).resolve():
         raise ConfigError("hf.export_to is the directory of hf.init_from: export somewhere else so the original "
                           "checkpoint is kept")
-    from moebal.models.hf import fields_of
+    from moebal.interop.hf import fields_of
 
     arch = fields_of(base, "hf.init_from").arch if base else choose_arch(cfg)
     check_exportable(cfg, arch)

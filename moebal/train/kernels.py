@@ -1,6 +1,6 @@
 """The run's expert kernel: settled once at start-up, the same on every rank, recorded, kept on resume.
 
-The two expert back ends (`loop`, `grouped_mm`, moebal/kernels/experts.py) add the same products in orders
+The two expert back ends (`loop`, `grouped_mm`, moebal/kernels/expert_ffn.py) add the same products in orders
 that are not bitwise equal on every device, so a run must not switch between them: not between ranks, not
 between steps (a choice per row count would follow the routing), not across a restart. At start-up the run
 takes, in this order,
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moebal.config import Config
-from moebal.kernels.experts import KERNELS, auto_kernel, grouped_mm_runs, grouped_mm_supports
+from moebal.kernels.expert_ffn import KERNELS, auto_kernel, grouped_mm_runs, grouped_mm_supports
 from moebal.train.precision import uses_bf16
 
 __all__ = ["settle_expert_kernel"]

@@ -59,7 +59,7 @@ def check_fits(cfg: Config, device: torch.device, world_size: int, local_ranks: 
 def check_fits_here(cfg: Config, local_ranks: int) -> None:
     """`check_fits` for this process: a rank (WORLD_SIZE, LOCAL_WORLD_SIZE from its launcher), or the launcher
     or single process of `moebal train`, which runs `local_ranks` ranks, all on this machine."""
-    from moebal.dist.groups import pick_device
+    from moebal.distributed.groups import pick_device
 
     world = int(os.environ.get("WORLD_SIZE", local_ranks))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from moebal.config import from_dict, to_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {

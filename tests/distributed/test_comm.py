@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moebal.dist.comm import all_to_all_rows, exchange_counts
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
+from moebal.distributed.autograd import all_to_all_rows, exchange_counts
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
 
 
 def _splits(rank: int, world: int) -> list[int]:

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from moebal.config import from_dict
-from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
+from moebal.distributed.expert_parallel import ExpertParallel, is_expert_param
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.plan import ExpertPlacement, default_owners
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebal.dist.expert_parallel import ExpertParallel
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
-from moebal.models.hf import from_hf
+from moebal.distributed.expert_parallel import ExpertParallel
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
+from moebal.interop.hf import from_hf
 from moebal.planner.plan import ExpertPlacement
 from tests.distributed.test_expert_parallel import step_against_reference
 from tests.hf_util import tiny_olmoe, tiny_qwen2_moe, tiny_qwen3_moe

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moebal.config import Config, from_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 
 from .test_pipeline import _merge, reference_losses
 

@@ -1,4 +1,4 @@
-"""Lina's expert packing at start-up (moebal/dist/packing.py): measured on real ranks, decided alike everywhere,
+"""Lina's expert packing at start-up (moebal/balance/packing.py): measured on real ranks, decided alike everywhere,
 recorded and read back on resume."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from moebal.dist import packing
-from moebal.dist.testing import run_ranks
+from moebal.balance import packing
+from moebal.distributed.testing import run_ranks
 from moebal.errors import ConfigError
-from moebal.planner.comm import PackingCandidate
+from moebal.planner.comm_plan import PackingCandidate
 from tests.unit.test_train import tiny
 
 

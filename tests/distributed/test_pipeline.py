@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moebal.config import Config, from_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 
 
 def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: int | None = None,
@@ -83,7 +83,7 @@ STRONG_EXIT = {"threshold": 0.9, "first_layer": 1, "start": 1}  # nearly every t
 
 
 def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts):
-    from moebal.pipeline.dynamism import build_dynamism
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 
     dyn = build_dynamism(scheme, SCHEMES.get(scheme, {}) if options is None else options, cfg=cfg)
@@ -101,8 +101,8 @@ def _layer_weights(i: int) -> list[torch.Tensor]:
 
 
 def _global_topk(rank: int, world: int) -> dict:
-    from moebal.pipeline.comm import PipeChain
-    from moebal.pipeline.pruning import distributed_keep_masks
+    from moebal.dynamism.pruning import distributed_keep_masks
+    from moebal.pipeline.p2p import PipeChain
 
     chain = PipeChain(list(range(world)), rank)
     mine = {i: _layer_weights(i) for i in range(5) if (i < 2) == (rank == 0)}  # rank 0: layers 0-1, rank 1: 2-4
@@ -305,7 +305,7 @@ def test_pruning_predictions_are_the_same_on_every_stage(two):
 
 
 def test_distributed_global_magnitude_pruning_equals_the_single_process_top_k(two):
-    from moebal.pipeline.pruning import global_magnitude_masks
+    from moebal.dynamism.pruning import global_magnitude_masks
 
     layers = [_layer_weights(i) for i in range(5)]
     for keep in (0, 7, 60, 111, 185):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moebal.config import Config, from_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 from tests.distributed.test_pipeline import reference_losses
 
 
@@ -32,7 +32,7 @@ def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: ob
 
 
 def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts: object) -> dict:
-    from moebal.pipeline.dynamism import build_dynamism
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 
     dyn = build_dynamism(scheme, options or {}, cfg=cfg)
@@ -59,11 +59,11 @@ def _skip_one_side(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from moebal.dist.expert_parallel import ExpertParallel, is_expert_param
-    from moebal.dist.groups import ParallelDims
+    from moebal.distributed.expert_parallel import ExpertParallel, is_expert_param
+    from moebal.distributed.groups import ParallelDims
+    from moebal.dynamism.early_exit import pack_positions
+    from moebal.models.subset import skip_layer, subset_block
     from moebal.models.transformer import DecoderLayer, Rotary
-    from moebal.pipeline.blocks import skip_layer, subset_block
-    from moebal.pipeline.early_exit import pack_positions
 
     class One(nn.Module):
         def __init__(self, layer: nn.Module) -> None:

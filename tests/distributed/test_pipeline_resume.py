@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moebal.config import Config, from_dict
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 
 SCHEMES = {  # each sets in before the step-3 checkpoint and acts again after it
     "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
@@ -50,7 +50,7 @@ def _run(rank: int, cfg: Config, out: Path, resume: bool = False, force: tuple =
 
     import torch.distributed as dist
 
-    from moebal.dist.groups import ParallelDims
+    from moebal.distributed.groups import ParallelDims
     from moebal.pipeline import train
     from moebal.pipeline.runner import pipeline_ep
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from moebal.dist.testing import run_ranks
+from moebal.distributed.testing import run_ranks
 from tests.distributed.test_pipeline import _merge, _train, tiny
 
 MOD = {"capacity": 0.5, "every": 2, "first_layer": 1}  # layers 1, 3, 5 routed (whole); 0, 2, 4 split

@@ -10,9 +10,9 @@ import time
 import torch
 
 from moebal.config import from_dict
-from moebal.dist.expert_parallel import ExpertParallel
-from moebal.dist.groups import ParallelDims
-from moebal.dist.testing import run_ranks
+from moebal.distributed.expert_parallel import ExpertParallel
+from moebal.distributed.groups import ParallelDims
+from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.plan import ExpertPlacement, default_owners
 from moebal.scheduler import CommScheduler, SchedulerError, check_order, step_record

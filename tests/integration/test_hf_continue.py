@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moebal.config import CONFIG_DIR, load
 from moebal.data import build_data
-from moebal.models.hf import from_hf
+from moebal.interop.hf import from_hf
 from tests.hf_util import (
     read_tensors,
     tiny_mixtral,

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moebal.dist.netns import NamespacePair, unavailable
-from moebal.dist.testing import kill_rank_when
+from moebal.distributed.testing import kill_rank_when
+from moebal.launch.netns import NamespacePair, unavailable
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the two-node launch test needs network namespaces: "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moebal.dist.testing import kill_rank_when
+from moebal.distributed.testing import kill_rank_when
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
         "moe.num_experts=4", "moe.expert_ffn_dim=64", "data.seq_len=64", "data.batch_size=4",

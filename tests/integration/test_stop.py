@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from moebal.dist.testing import rank_pid
+from moebal.distributed.testing import rank_pid
 from tests.integration.test_restart import TINY
 
 

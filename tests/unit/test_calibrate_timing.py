@@ -1,5 +1,5 @@
 """Timing on an accelerator, tested on the CPU: the shared timing helper synchronises a CUDA device around every
-timed call and runs it under the run's autocast; the live calibration (moebal/dist/calibrate.py, packing.py)
+timed call and runs it under the run's autocast; the live calibration (moebal/distributed/calibrate.py, packing.py)
 times through it, the experts in the run's precision and the exchange's rows in that dtype.
 
 CUDA is faked: `torch.cuda.synchronize` is replaced by a recorder, and the collectives by no-ops.
@@ -126,7 +126,7 @@ def _watch(monkeypatch, ex: SwiGLUExperts) -> dict[str, list[Any]]:
 @pytest.mark.parametrize("autocast", [torch.bfloat16, None])
 def test_measure_layer_costs_times_the_run_precision(monkeypatch, autocast) -> None:
     """The dispatcher's compute dtype (bf16 under a bf16 run's autocast) is the precision timed."""
-    from moebal.dist import calibrate
+    from moebal.distributed import calibrate
 
     d = _fake_dispatcher(autocast)
     seen = _watch(monkeypatch, d.layer.experts)
@@ -148,7 +148,7 @@ def test_measure_layer_costs_times_the_run_precision(monkeypatch, autocast) -> N
 
 
 def test_measure_comm_costs_times_compute_under_autocast(monkeypatch) -> None:
-    from moebal.dist import calibrate
+    from moebal.distributed import calibrate
     from moebal.planner.perf import MoELayerCosts
 
     d = _fake_dispatcher(torch.bfloat16)
@@ -161,7 +161,8 @@ def test_measure_comm_costs_times_compute_under_autocast(monkeypatch) -> None:
 
 
 def test_packing_layout_times_run_synchronised_in_the_run_precision(monkeypatch) -> None:
-    from moebal.dist import calibrate, packing
+    from moebal.balance import packing
+    from moebal.distributed import calibrate
 
     d = _fake_dispatcher(None)
     ex = d.layer.experts

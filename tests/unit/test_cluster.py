@@ -24,8 +24,8 @@ import yaml
 
 from moebal.cli import main
 from moebal.config import CONFIG_DIR
-from moebal.dist.cluster import load_cluster, node_commands, sbatch_script, train_argv
 from moebal.errors import ConfigError
+from moebal.launch.cluster import load_cluster, node_commands, sbatch_script, train_argv
 
 HOSTILE = "x'; touch PWNED; echo '$(touch PWNED2) `touch PWNED3` \"q\" \\ ${HOME}"
 

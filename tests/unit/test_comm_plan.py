@@ -1,11 +1,11 @@
-"""Communication plans (moebal.planner.comm): gradient chunk size, token chunks per layer, expert packing."""
+"""Communication plans (moebal.planner.comm_plan): gradient chunk size, token chunks per layer, expert packing."""
 
 from __future__ import annotations
 
 import pytest
 
 from moebal.errors import ConfigError
-from moebal.planner.comm import CommCosts, a2a_chunks, ar_chunk_bytes, exchange_time, pack_experts
+from moebal.planner.comm_plan import CommCosts, a2a_chunks, ar_chunk_bytes, exchange_time, pack_experts
 
 IB = CommCosts(ar_latency_s=2 * 15 * 5e-6, ar_bandwidth=12.5e9, a2a_latency_s=15 * 5e-6, a2a_bandwidth=12.5e9,
                expert_tokens_per_s=2e6)
@@ -55,8 +55,8 @@ def test_bad_costs_are_config_errors():
 
 
 def test_lina_packing_doubles_while_compute_is_shorter_and_the_gradient_guard_allows():
-    from moebal.dist.packing import candidate_layouts
-    from moebal.planner.comm import PackingCandidate, lina_packing
+    from moebal.balance.packing import candidate_layouts
+    from moebal.planner.comm_plan import PackingCandidate, lina_packing
 
     assert candidate_layouts(16, 4, 4) == [4, 2, 1] and candidate_layouts(8, 6, 2) == [2, 1]
     assert candidate_layouts(12, 8, 4) == [4, 2, 1] and candidate_layouts(6, 6, 3) == [3]

@@ -164,6 +164,6 @@ def test_arbitrary_overrides_only_raise_config_error(items, key, value):
 
 def test_parallel_defaults_nproc_per_device_and_a_30_minute_group_timeout():
     par = C.Config().parallel
-    assert par.nproc is None  # resolved at launch: one rank per visible GPU, 2 on a CPU (moebal.dist.launch)
+    assert par.nproc is None  # resolved at launch: one rank per visible GPU, 2 on a CPU (moebal.launch.spawn)
     assert par.timeout_min == 30.0
     assert C.with_overrides(C.Config(), ["parallel.nproc=3"]).parallel.nproc == 3

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
 from moebal import config as C
-from moebal.dist import groups
-from moebal.dist.groups import ParallelDims, backend_for, check_ranks_fit, pick_device
-from moebal.dist.launch import local_ranks
+from moebal.distributed import groups
+from moebal.distributed.groups import ParallelDims, backend_for, check_ranks_fit, pick_device
 from moebal.errors import ConfigError
+from moebal.launch.spawn import local_ranks
 from moebal.train.distributed import RunContext
 
 CUDA0 = torch.device("cuda", 0)
@@ -180,7 +180,7 @@ def test_gradient_norm_accumulators_live_on_the_gradients_device(reduced):
 
 
 def test_set_chunk_bytes_agrees_on_the_host(reduced):
-    from moebal.dist.expert_parallel import ExpertParallel
+    from moebal.distributed.expert_parallel import ExpertParallel
 
     rebuilt: list[float] = []
     fake = SimpleNamespace(dims=ParallelDims(world_size=2, rank=0, device=CUDA0), _rebuild_grads=rebuilt.append)
@@ -215,7 +215,7 @@ def test_pipeline_messages_travel_on_one_group_per_direction(monkeypatch):
     """On NCCL a send holds its communicator's stream until the receive is posted: stage p's forward send and
     stage p + 1's backward send must not share a stream, or 1F1B deadlocks. Every message toward a later
     chain member goes on the first group, every message toward an earlier one on the second."""
-    from moebal.pipeline.comm import PipeChain
+    from moebal.pipeline.p2p import PipeChain
 
     used: list[tuple[str, int, Any]] = []
     work = SimpleNamespace(wait=lambda: None)
@@ -255,7 +255,7 @@ def test_pipeline_groups_are_built_and_warmed_only_with_stages(monkeypatch):
 def test_chain_agreements_take_host_tensors_only():
     """`allreduce_sum` and `allgather_1d` send to every member before receiving: fine on gloo, a possible
     deadlock on NCCL, so a device tensor is refused (every caller passes host bookkeeping)."""
-    from moebal.pipeline.comm import PipeChain
+    from moebal.pipeline.p2p import PipeChain
 
     chain = PipeChain([0, 1], 0)
     with pytest.raises(AssertionError, match="CPU tensors"):

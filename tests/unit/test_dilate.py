@@ -1,4 +1,4 @@
-"""Emulated slow devices (`moebal.dist.dilate`): with fake clocks, so nothing here depends on the machine's speed."""
+"""Emulated slow devices (`moebal.distributed.dilate`): fake clocks; nothing depends on the machine's speed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from moebal.dist import dilate
+from moebal.distributed import dilate
 from moebal.scheduler import BackgroundOp, CommScheduler
 
 

@@ -6,20 +6,20 @@ import pytest
 import torch
 
 from moebal.config import from_dict
-from moebal.errors import ConfigError
-from moebal.models import build_model
-from moebal.pipeline.blocks import subset_block
-from moebal.pipeline.comm import PipeChain
-from moebal.pipeline.dynamism import SchemeContext, build_dynamism, layer_token_flops, ramp
-from moebal.pipeline.freezing import FORWARD_SHARE
-from moebal.pipeline.moe_cost import routing_cost_factor
-from moebal.pipeline.pruning import (
+from moebal.dynamism.freezing import FORWARD_SHARE
+from moebal.dynamism.moe_routing import routing_cost_factor
+from moebal.dynamism.pruning import (
     CSRStructure,
     csr_linear,
     distributed_keep_masks,
     global_magnitude_masks,
     zhu_gupta_schedule,
 )
+from moebal.dynamism.scheme import SchemeContext, build_dynamism, layer_token_flops, ramp
+from moebal.errors import ConfigError
+from moebal.models import build_model
+from moebal.models.subset import subset_block
+from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 
 

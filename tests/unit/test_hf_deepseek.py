@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moebal.errors import CheckpointError
-from moebal.models.hf import config_from_hf, from_hf, to_hf
+from moebal.interop.hf import config_from_hf, from_hf, to_hf
 from tests.hf_util import logits, read_tensors, transformers_or_skip
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
@@ -100,8 +100,8 @@ def test_export_without_a_base_config_writes_what_transformers_reads(tmp_path):
     ref = tiny_deepseek(src, 3, n_group=4, topk_group=2)
     ours = from_hf(src).eval()
     (tmp_path / "out").mkdir()
-    from moebal.models.hf import write_hf
-    from moebal.models.tensor_io import StateDictSource
+    from moebal.interop.hf import write_hf
+    from moebal.interop.tensor_io import StateDictSource
 
     out = write_hf(StateDictSource(dict(ours.state_dict())), ours.config, tmp_path / "out" / "m")
     back = transformers_or_skip().AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -184,7 +184,7 @@ def test_convert_cli_both_ways_through_a_moebal_directory(tmp_path, capsys):
 def test_exports_refuse_what_the_layout_cannot_express(tmp_path):
     from moebal.config import with_overrides
     from moebal.errors import ConfigError
-    from moebal.models.hf import check_exportable, choose_arch
+    from moebal.interop.hf import check_exportable, choose_arch
 
     src = tmp_path / "src"
     tiny_deepseek(src, 3, n_group=4, topk_group=2)

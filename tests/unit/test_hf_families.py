@@ -15,7 +15,7 @@ import torch
 
 from moebal.config import load
 from moebal.errors import CheckpointError, ConfigError
-from moebal.models.hf import config_from_hf, from_hf, to_hf
+from moebal.interop.hf import config_from_hf, from_hf, to_hf
 from moebal.models.transformer import MoebalForCausalLM
 from tests.hf_util import (
     logits,
@@ -252,14 +252,14 @@ def test_fused_expert_layout_is_read_directly(tmp_path, family):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     part = from_hf(fused, experts=[2, 3])  # an expert-parallel rank's rows only
     assert torch.equal(next(part.moe_layers()).experts.w3, next(ours.moe_layers()).experts.w3[2:4])
-    from moebal.models.hf import hf_to_moebal
+    from moebal.interop.hf import hf_to_moebal
 
     assert _err(from_hf(hf_to_moebal(fused, tmp_path / "mb")).eval(), ref) < 1e-4
 
 
 def test_fused_layout_of_a_layout_without_one_is_refused_in_one_line(tmp_path):
-    from moebal.models.hf import check_source, hf_links
-    from moebal.models.tensor_io import StateDictSource
+    from moebal.interop.hf import check_source, hf_links
+    from moebal.interop.tensor_io import StateDictSource
 
     cfg = config_from_hf(_qwen3_dir(tmp_path))
     src = StateDictSource({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(6, 32, 32)})

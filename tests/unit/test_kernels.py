@@ -20,8 +20,8 @@ from moebal.kernels import (
     swiglu_experts,
     time_interleaved,
 )
-from moebal.kernels import experts as experts_mod
-from moebal.kernels.experts import (
+from moebal.kernels import expert_ffn as experts_mod
+from moebal.kernels.expert_ffn import (
     MIN_PIECE,
     _row_ranges,
     grouped_mm_alignment,

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from moebal.errors import CheckpointError
-from moebal.models.hf import from_hf, to_hf
-from moebal.models.tensor_io import DirectorySource
+from moebal.interop.hf import from_hf, to_hf
+from moebal.interop.tensor_io import DirectorySource
 
 H, NH, V, L = 32, 4, 80, 2
 

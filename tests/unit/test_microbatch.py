@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from moebal.errors import ConfigError
-from moebal.pipeline.commplan import build_comm_plan, check_plan, naive_plan
-from moebal.pipeline.dynschedule import adaptive, choose_schedule, cluster_orders, one_f_one_b, simulate
-from moebal.pipeline.mbcost import MicroBatchCost, analytic_table, default_grid, load_cost
-from moebal.pipeline.microbatch import (
+from moebal.planner.adaptive_schedule import adaptive, choose_schedule, cluster_orders, one_f_one_b, simulate
+from moebal.planner.instructions import build_comm_plan, check_plan, naive_plan
+from moebal.planner.microbatch import (
     MicroBatchPlan,
     check_lengths,
     dp_split,
@@ -21,6 +20,7 @@ from moebal.pipeline.microbatch import (
     karmarkar_karp,
     plan_microbatches,
 )
+from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
 
 
 def quad_table(P: int = 4, max_len: int = 256, max_tokens: int = 2048, alpha: float = 0.3, beta: float = 1e-3,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moebal.errors import ConfigError
-from moebal.pipeline.partition import (
+from moebal.planner.partition import (
     diffuse,
     imbalance,
     migration_layers,
@@ -125,7 +125,7 @@ def test_migration_and_adoption_rule():
 
 
 def test_hysteresis_takes_a_small_gain_only_when_it_keeps_winning():
-    from moebal.pipeline.partition import clears_hysteresis
+    from moebal.planner.partition import clears_hysteresis
 
     assert clears_hysteresis(1.0, 0.95, 0.05, streak=1, confirm=2)  # min_gain: at once
     assert not clears_hysteresis(1.0, 0.97, 0.05, streak=1, confirm=2)  # 3 %: wait for a second plan point

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from moebal.config import from_dict
+from moebal.dynamism.early_exit import pack_positions
 from moebal.errors import ConfigError
 from moebal.models import build_model
-from moebal.pipeline.blocks import subset_block
-from moebal.pipeline.early_exit import pack_positions
+from moebal.models.subset import subset_block
 from moebal.pipeline.observe import CostTracker, LayerProfiler
-from moebal.pipeline.partition import (
+from moebal.pipeline.runner import PipelineOptions, expand_repack
+from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
+from moebal.planner.partition import (
     StagePartition,
     iteration_time,
     partition_by_time,
@@ -20,9 +22,7 @@ from moebal.pipeline.partition import (
     replay_time,
     should_adopt,
 )
-from moebal.pipeline.runner import PipelineOptions, expand_repack
-from moebal.pipeline.schedule import gpipe, in_flight, make_schedule, one_f_one_b, simulate, zero_bubble
-from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
+from moebal.planner.schedule import gpipe, in_flight, make_schedule, one_f_one_b, simulate, zero_bubble
 
 
 def small(n_layers: int = 4, **model):
@@ -267,8 +267,8 @@ def test_pipeline_options_errors():
 
 
 def test_dilated_ops_last_a_multiple_of_their_cpu_time():
-    from moebal.pipeline.comm import PipeChain
     from moebal.pipeline.engine import PipelineEngine
+    from moebal.pipeline.p2p import PipeChain
 
     torch.manual_seed(0)
     model = build_model(small(2))

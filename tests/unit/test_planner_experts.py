@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from moebal.errors import ConfigError
 from moebal.planner import ExpertPlanner, MoELayerCosts, placement_metrics, plan_experts
-from moebal.planner.experts import DEFAULT_COSTS
 from moebal.planner.perf import FasterMoECosts, evaluate
+from moebal.planner.placement import DEFAULT_COSTS
 from moebal.planner.plan import ExpertPlacement
 
 UNIT = MoELayerCosts(token_bytes=1, expert_param_bytes=50, expert_grad_bytes=50, expert_tokens_per_s=1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 
-from moebal.dist.testing import _failures
+from moebal.distributed.testing import _failures
 
 
 def test_the_cause_is_listed_before_the_broken_connections_it_caused():

@@ -11,7 +11,7 @@ import socket
 import sys
 import textwrap
 
-from moebal.dist.launch import spawn_local
+from moebal.launch.spawn import spawn_local
 
 
 def test_every_rank_finds_the_store_listening_when_it_starts(tmp_path, monkeypatch):

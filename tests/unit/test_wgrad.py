@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from moebal.pipeline.wgrad import WeightGradQueue
+from moebal.pipeline.zero_bubble import WeightGradQueue
 
 
 class Net(nn.Module):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moebal.errors import ConfigError
-from moebal.pipeline.partition import (
+from moebal.planner.partition import (
     diffuse,
     imbalance,
     iteration_time,

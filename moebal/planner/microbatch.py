@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.pipeline.commplan import build_comm_plan, check_plan
-from moebal.pipeline.dynschedule import DYN_SCHEDULES, choose_schedule, one_f_one_b, simulate
-from moebal.pipeline.mbcost import MicroBatchCost
+from moebal.planner.adaptive_schedule import DYN_SCHEDULES, choose_schedule, one_f_one_b, simulate
+from moebal.planner.instructions import build_comm_plan, check_plan
+from moebal.planner.microbatch_cost import MicroBatchCost
 
 __all__ = ["METHODS", "MicroBatch", "MicroBatchPlan", "check_lengths", "dp_split", "iteration_objective",
            "karmarkar_karp", "plan_microbatches", "split_packing", "split_padding", "split_tokens"]

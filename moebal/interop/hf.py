@@ -10,7 +10,7 @@ Three pieces, each usable alone:
    `ours`, or row `index` of it (moebal stacks a layer's experts, `experts.w1` [E, F, D]; HF stores one tensor
    per expert). Loading and exporting walk the same list, so the two directions cannot disagree.
 3. `load_hf_weights` / `from_hf` and `write_hf` / `to_hf`: both stream tensor by tensor through a
-   `TensorSource` (moebal/models/tensor_io.py). A model to fill is built on the meta device and materialised
+   `TensorSource` (moebal/interop/tensor_io.py). A model to fill is built on the meta device and materialised
    empty, then every parameter is read straight into its storage; an export produces each HF tensor (a view
    of the model, or a row range of a file) only when its bytes are written. Peak memory is the model being
    built plus one tensor in flight (two when the dtype changes), whatever the checkpoint's size.
@@ -51,7 +51,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.errors import CheckpointError, ConfigError
-from moebal.models.tensor_io import (
+from moebal.interop.tensor_io import (
     INDEX_NAME,
     SINGLE_NAME,
     DirectorySource,

@@ -3,7 +3,7 @@
 Shape legend: N = rows sent by this rank, M = rows received, D = row width.
 
 Devices: every tensor here is per-step data on the compute device (NCCL on CUDA under the device-aware
-backend, `moebal.dist.groups.backend_for`), issued from the compute thread on its current stream: torch orders
+backend, `moebal.distributed.groups.backend_for`), issued from the compute thread on its current stream: torch orders
 NCCL's stream after it, and the blocking calls order the compute stream after NCCL's, so the results are
 ready for the next kernel without a host wait. Split sizes are Python ints the caller already holds.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from moebal.dist.launch import free_port
+from moebal.launch.spawn import free_port
 
 __all__ = ["kill_rank_when", "rank_pid", "run_ranks"]
 

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebal.dist.expert_parallel import is_expert_param
+from moebal.distributed.expert_parallel import is_expert_param
+from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
-from moebal.pipeline.dynamism import Dynamism, SchemeContext, register
 
 __all__ = ["FORWARD_SHARE", "LayerFreezing"]
 

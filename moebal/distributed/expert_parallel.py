@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moebal.dist.groups import ParallelDims
+from moebal.distributed.groups import ParallelDims
 from moebal.kernels.dispatch import DispatchPlan, combine
 from moebal.planner.plan import ExpertPlacement, default_owners
 from moebal.scheduler.core import CommScheduler, Handle
@@ -296,7 +296,7 @@ class ExpertParallel:
         data-parallel copies and divided by the same count: on the scheduler's own channels when it overlaps
         the sync with the backward pass (nothing else may issue on them), on the axis groups otherwise; in
         either case with the ring in node order where the axis group's is not (gloo, nodes interleaved: see
-        moebal.dist.groups), which halves what a 4-rank all-reduce puts on each link there."""
+        moebal.distributed.groups), which halves what a 4-rank all-reduce puts on each link there."""
         dims = self.dims
         own = self.sched.mode != "off"
 

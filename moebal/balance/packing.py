@@ -7,7 +7,7 @@ is then held by more data-parallel copies. moebal takes that decision once, at s
 sharded: for the starting layout (`parallel.ep`, or min(ranks, experts)) and every halving of it that still
 divides the experts and the ranks, it measures on the job's own devices and links (or reads from the hardware
 profile, `planner.costs`) the expert compute of one exchange's rows, the exchange itself and the all-reduce of
-a rank's expert gradients among their copies, and applies `moebal.planner.comm.lina_packing` (Lina's rule and
+a rank's expert gradients among their copies, and applies `moebal.planner.comm_plan.lina_packing` (Lina's rule and
 the gradient guard the thesis leaves out). Every rank decides from the slowest rank's figures, so all agree.
 
 Settled here, where the thesis is silent or where moebal differs:
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from moebal.config import Config
-from moebal.dist.groups import ParallelDims
+from moebal.distributed.groups import ParallelDims
 from moebal.errors import ConfigError
-from moebal.planner.comm import PackingCandidate, lina_packing
+from moebal.planner.comm_plan import PackingCandidate, lina_packing
 from moebal.sync import to_host
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def candidate_layouts(num_experts: int, world: int, ep0: int) -> list[int]:
 
 def _profiled(cfg: Config, world: int, eps: list[int]) -> list[PackingCandidate]:
     """The candidates from the hardware profile's cost model (no measurement, the same on every rank)."""
-    from moebal.planner.comm import comm_costs_from_profile
+    from moebal.planner.comm_plan import comm_costs_from_profile
     from moebal.planner.cost import CostModel, ModelShape
 
     cost, shape = CostModel(cfg.planner.costs), ModelShape.from_config(cfg)
@@ -84,7 +84,7 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
               dilate: float) -> list[PackingCandidate]:
     """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups, timed on
     the device (synchronised) in the run's precision (its autocast; the exchange's rows in that dtype)."""
-    from moebal.dist.calibrate import median_time
+    from moebal.distributed.calibrate import median_time
     from moebal.models.moe import MoELayer
     from moebal.train.precision import autocast_dtype
 
@@ -124,7 +124,7 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
 def _layout_times(ex: SwiGLUExperts, dims: ParallelDims, ep: int, rows: int, gen: torch.Generator,
                   autocast: torch.dtype | None, dilate: float) -> list[float]:
     """[expert compute of one exchange's rows, the exchange] on the layout of `ep` ranks per expert group."""
-    from moebal.dist.calibrate import _dilated, median_time
+    from moebal.distributed.calibrate import _dilated, median_time
     from moebal.scheduler.exchange import group_plan
 
     device, D = ex.w1.device, ex.w1.shape[2]

@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
-from moebal.pipeline.dynamism import Dynamism, SchemeContext, register
 
 __all__ = ["CSRStructure", "GradualPruning", "csr_linear", "global_magnitude_masks", "prunable_params",
            "zhu_gupta_schedule"]

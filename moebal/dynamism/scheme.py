@@ -188,4 +188,4 @@ def build_dynamism(name: str, options: dict[str, Any] | None = None, **context: 
 
 def _load_schemes() -> None:
     """Import the scheme modules (each registers itself)."""
-    from moebal.pipeline import early_exit, freezing, mod, moe_cost, pruning  # noqa: F401
+    from moebal.dynamism import early_exit, freezing, mod, moe_routing, pruning  # noqa: F401

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moebal.dynamism.scheme import Dynamism, SchemeContext, layer_token_flops, register
 from moebal.errors import ConfigError
-from moebal.pipeline.dynamism import Dynamism, SchemeContext, layer_token_flops, register
 
 __all__ = ["MoERoutingCost", "routing_cost_factor"]
 

@@ -195,7 +195,7 @@ class ParallelDims:
         stages (activations) and those toward earlier ones (gradients); None in a single process or without
         pipeline stages. On NCCL each group has its own stream, on which a large send waits for its receive:
         with one stream for both directions, a stage sending forward and its neighbour sending backward would
-        each wait behind their own send (`moebal.pipeline.comm`)."""
+        each wait behind their own send (`moebal.pipeline.p2p`)."""
         return self._pipe if self.distributed else None
 
     def _axis_groups(self, axis: str) -> list[tuple[int, ...]]:

@@ -18,7 +18,7 @@ Linear interpolation in s overestimates a quadratic (attention) between grid poi
 Two sources fill a table:
   * `analytic_table`: the hardware-profile CostModel (planner/cost.py) per layer, for dry runs of paper
     clusters (the GPT setting of the DynaPipe paper on A100s);
-  * `moebal.pipeline.mbprofile.profile_table`: real forward+backward runs of each stage on this machine.
+  * `moebal.pipeline.microbatch_profile.profile_table`: real forward+backward runs of each stage on this machine.
 Tables serialise to JSON (`save`, `load`), so a profile is measured once and reused.
 
 The module is pure numpy (no torch): planning workers import it without starting torch.

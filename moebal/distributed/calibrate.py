@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.dist.dilate import settle
-from moebal.dist.expert_parallel import ExpertParallelDispatcher
+from moebal.distributed.dilate import settle
+from moebal.distributed.expert_parallel import ExpertParallelDispatcher
 from moebal.kernels.bench import time_fn
-from moebal.planner.comm import CommCosts
+from moebal.planner.comm_plan import CommCosts
 from moebal.planner.perf import MoELayerCosts
 from moebal.scheduler.exchange import group_plan
 from moebal.sync import to_host
@@ -49,7 +49,7 @@ def median_time(fn: Callable[[], Any], repeats: int, device: torch.device,
 
 
 def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
-    """`fn` on a device `dilate` x slower than this core (`moebal.dist.dilate`; 1: `fn` itself)."""
+    """`fn` on a device `dilate` x slower than this core (`moebal.distributed.dilate`; 1: `fn` itself)."""
     if dilate <= 1.0:
         return fn
 
@@ -142,8 +142,9 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
       min(t_compute, t_a2a), clipped to [0, 1]. Equal durations keep the figure above the timing noise. On a
       GPU it is close to 1; on a CPU the cores that compute also move the bytes.
     Every rank of the job adopts the slowest rank's figures (an all-reduce of the times over the default group),
-    so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device (`moebal.dist.dilate`);
-    it runs under autocast to `d.compute_dtype` (the run's precision), and the all-to-all payload is in that dtype.
+    so all plan alike. With `dilate` > 1 the expert computation runs on the emulated device
+    (`moebal.distributed.dilate`); it runs under autocast to `d.compute_dtype` (the run's precision), and the
+    all-to-all payload is in that dtype.
     """
     ex = d.layer.experts
     dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype

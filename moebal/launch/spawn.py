@@ -86,7 +86,7 @@ def die_with_launcher() -> None:
 def local_ranks(nproc: int | None, gpus: int) -> int:
     """Ranks `moebal train` runs on this machine: `parallel.nproc`, or when null one per visible GPU (`gpus` > 0:
     a CUDA run), 2 on a CPU. On CUDA more ranks than GPUs is a ConfigError (NCCL needs a GPU per rank)."""
-    from moebal.dist.groups import check_ranks_fit
+    from moebal.distributed.groups import check_ranks_fit
 
     if gpus <= 0:
         return 2 if nproc is None else nproc

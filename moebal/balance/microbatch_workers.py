@@ -30,8 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 from moebal.errors import ConfigError
-from moebal.pipeline.mbcost import MicroBatchCost
-from moebal.pipeline.microbatch import MicroBatchPlan, plan_microbatches
+from moebal.planner.microbatch import MicroBatchPlan, plan_microbatches
+from moebal.planner.microbatch_cost import MicroBatchCost
 
 __all__ = ["PlanAhead", "plan_json"]
 
@@ -89,7 +89,7 @@ class PlanAhead:
         host = [None]
         store = None
         if rank == 0:
-            from moebal.dist.launch import free_port
+            from moebal.launch.spawn import free_port
 
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
             store = dist.TCPStore(addr, free_port(), world, is_master=True, timeout=timedelta(seconds=600),

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from moebal.config import Config
-from moebal.pipeline.mbcost import MicroBatchCost, default_grid
 from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.stage import PipelineStage
+from moebal.planner.microbatch_cost import MicroBatchCost, default_grid
 from moebal.train.precision import compute_precision, uses_bf16
 
 __all__ = ["profile_stage", "profile_table", "stage_sizes"]

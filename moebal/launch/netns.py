@@ -11,6 +11,7 @@ Needs root and iproute2; `unavailable()` says why not when they are missing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -99,10 +100,8 @@ class NamespacePair:
         for ns in self.names:
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
             _ip("netns", "del", ns, check=False)
         for ns in self.names:  # a veth end left in the root namespace by a failed set-up
             _ip("link", "del", f"{ns}x"[-15:], check=False)

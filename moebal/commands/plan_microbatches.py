@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.pipeline.commplan import check_plan
-from moebal.pipeline.mbcost import MicroBatchCost, analytic_table, default_grid, load_cost
-from moebal.pipeline.microbatch import METHODS, MicroBatchPlan, plan_microbatches
+from moebal.planner.instructions import check_plan
+from moebal.planner.microbatch import METHODS, MicroBatchPlan, plan_microbatches
+from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
 
 __all__ = ["add_microbatches_arguments", "read_lengths", "run_microbatches"]
 
@@ -197,7 +197,7 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.config import load
-    from moebal.pipeline.mbprofile import profile_table
+    from moebal.pipeline.microbatch_profile import profile_table
 
     cfg = load(args.config)
     max_len = args.max_len or cfg.model.max_seq_len

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebal.dynamism.scheme import Dynamism, layer_token_flops, ramp, register
 from moebal.errors import ConfigError
-from moebal.pipeline.blocks import skip_layer, subset_block
-from moebal.pipeline.dynamism import Dynamism, layer_token_flops, ramp, register
+from moebal.models.subset import skip_layer, subset_block
 
 __all__ = ["EarlyExit", "pack_positions"]
 

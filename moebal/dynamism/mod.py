@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from moebal.dynamism.scheme import Dynamism, layer_token_flops, ramp, register
 from moebal.errors import ConfigError
-from moebal.pipeline.blocks import subset_block
-from moebal.pipeline.dynamism import Dynamism, layer_token_flops, ramp, register
+from moebal.models.subset import subset_block
 
 __all__ = ["MixtureOfDepths"]
 

@@ -2,9 +2,9 @@
 
 Shape legend: R = ranks of a stage's "ep" group, E = experts of an MoE layer.
 
-Layout (`moebal/dist/groups.py`): a stage is held by dp x ep ranks ("dp_ep"); its MoE layers shard their
+Layout (`moebal/distributed/groups.py`): a stage is held by dp x ep ranks ("dp_ep"); its MoE layers shard their
 experts over the stage's "ep" group with the expert-parallel dispatcher and placement executor of
-`moebal/dist/expert_parallel.py` (all-to-all token path, Trans, Agg, owner-only optimizer state). A
+`moebal/distributed/expert_parallel.py` (all-to-all token path, Trans, Agg, owner-only optimizer state). A
 pipeline chain is one (dp, ep) coordinate's ranks, so the chain member at stage p holds expert shard `ep` of
 every MoE layer of stage p: migrating a layer along the chain moves shard e, its gradients and its AdamW
 state straight to the rank of the receiving stage that must hold shard e. Nothing is resharded.
@@ -42,10 +42,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moebal.config import Config
-from moebal.dist.expert_parallel import ExpertParallel, StatsReducer
-from moebal.dist.groups import ParallelDims
-from moebal.planner.experts import ExpertPlanner, placement_metrics
+from moebal.distributed.expert_parallel import ExpertParallel, StatsReducer
+from moebal.distributed.groups import ParallelDims
 from moebal.planner.perf import MoELayerCosts
+from moebal.planner.placement import ExpertPlanner, placement_metrics
 from moebal.planner.plan import ExpertPlacement
 from moebal.scheduler import CommScheduler
 from moebal.sync import to_host
@@ -200,7 +200,7 @@ class StageExperts:
 
     # ---- checkpoints: the run's measured coefficients and each held layer's planner, as JSON ----
     def state_dict(self) -> dict[str, Any]:
-        from moebal.dist.calibrate import costs_to_dict
+        from moebal.distributed.calibrate import costs_to_dict
 
         measured = self.costs is not None and self.cfg.planner.costs == "measure"
         return {"R": self.R, "costs": costs_to_dict(self.costs) if measured else None,
@@ -215,7 +215,7 @@ class StageExperts:
         planners start afresh on this layout's own measurement."""
         if self.ep is None or state.get("R") != self.R:
             return
-        from moebal.dist.calibrate import costs_from_dict
+        from moebal.distributed.calibrate import costs_from_dict
 
         if state.get("costs"):
             self.costs = costs_from_dict(state["costs"])
@@ -239,8 +239,8 @@ def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
 
         return CostModel(cfg.planner.costs).moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens,
                                                            cfg.data.seq_len)
-    from moebal.dist.calibrate import measure_layer_costs
-    from moebal.dist.expert_parallel import ExpertParallelDispatcher
+    from moebal.distributed.calibrate import measure_layer_costs
+    from moebal.distributed.expert_parallel import ExpertParallelDispatcher
     from moebal.models.moe import MoELayer
     from moebal.train.precision import autocast_dtype
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.pipeline.schedule import W_SHARE, simulate
+from moebal.planner.schedule import W_SHARE, simulate
 
 __all__ = [
     "StagePartition",

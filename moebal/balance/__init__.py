@@ -1,0 +1,1 @@
+"""The balancers: observe, plan, apply, at the expert, layer and micro-batch levels."""

@@ -1,1 +1,0 @@
-"""moebal.dist."""

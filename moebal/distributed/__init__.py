@@ -1,0 +1,1 @@
+"""Process groups, expert parallelism and collectives: the runtime under every parallel mode."""

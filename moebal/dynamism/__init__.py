@@ -1,0 +1,1 @@
+"""Dynamism schemes: what makes per-layer cost drift while a model trains."""

@@ -1,0 +1,1 @@
+"""Reading and writing other projects' formats (Hugging Face checkpoints, safetensors)."""

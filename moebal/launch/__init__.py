@@ -1,0 +1,1 @@
+"""Starting and watching processes: local ranks, multi-node jobs, network namespaces."""

@@ -1,0 +1,67 @@
+"""The balancers' closed loop (moebal/balance/feedback.py): arms, verdicts, holds, re-checks, resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from moebal.balance.feedback import FeedbackConfig, PlanFeedback
+from moebal.errors import ConfigError
+
+
+def run(fb: PlanFeedback, steps: int, base_s: float, plan_s: float, start: int = 1) -> list[bool]:
+    """Feed `steps` steps whose time depends on the arm; return the arms used (True: plan)."""
+    arms = []
+    for step in range(start, start + steps):
+        arms.append(fb.use_plan())
+        fb.observe(step, plan_s if arms[-1] else base_s)
+    return arms
+
+
+def test_a_plan_that_pays_is_kept_and_rechecked():
+    fb = PlanFeedback(FeedbackConfig(window=4, recheck=20))
+    arms = run(fb, 9, base_s=1.0, plan_s=0.8)
+    assert arms == [False] * 5 + [True] * 4  # warm-up + 4 base steps, then a 4-step trial
+    [event] = fb.drain()
+    assert event == {"step": 9, "verdict": "kept", "base_s": 1.0, "plan_s": 0.8, "measured_gain": 0.2}
+    arms = run(fb, 30, base_s=1.0, plan_s=0.8, start=10)
+    assert arms[:20] == [True] * 20  # kept until the re-check at step 29
+    assert arms[20:24] == [False] * 4 and arms[24:28] == [True] * 4  # fresh base window, then a trial
+    assert [e["verdict"] for e in fb.drain()] == ["kept"]
+
+
+def test_a_plan_that_measures_slower_backs_off_with_doubling_holds():
+    fb = PlanFeedback(FeedbackConfig(window=4, hold=10, max_hold=25, tolerance=0.03))
+    arms = run(fb, 9, base_s=1.0, plan_s=1.3)
+    [event] = fb.drain()
+    assert event["verdict"] == "backed_off" and event["hold"] == 10 and event["measured_gain"] == -0.3
+    arms = run(fb, 60, base_s=1.0, plan_s=1.3, start=10)
+    assert arms[:10] == [False] * 10 and arms[10:14] == [True] * 4  # hold, then a new trial
+    holds = [e["hold"] for e in fb.drain()]
+    assert holds[:2] == [20, 25]  # doubled, capped at max_hold
+    share = sum(run(fb, 1000, base_s=1.0, plan_s=1.3, start=70)) / 1000
+    assert share < 0.2  # backed off most of the time: trials cost window / (window + max_hold) of the steps
+
+
+def test_within_tolerance_is_kept_and_the_loop_follows_a_change_of_load():
+    fb = PlanFeedback(FeedbackConfig(window=3, recheck=10, tolerance=0.05))
+    run(fb, 7, base_s=1.0, plan_s=1.04)
+    assert fb.drain()[0]["verdict"] == "kept"
+    run(fb, 40, base_s=1.0, plan_s=1.5, start=8)  # the plan stops paying: found at the next re-check
+    verdicts = [e["verdict"] for e in fb.drain()]
+    assert verdicts and verdicts[0] == "backed_off" and not fb.use_plan()
+
+
+def test_disabled_always_plans_and_resume_continues_exactly():
+    off = PlanFeedback(FeedbackConfig(enabled=False))
+    assert all(run(off, 20, base_s=1.0, plan_s=2.0))
+    a = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    run(a, 11, base_s=1.0, plan_s=1.3)
+    b = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    b.load_state_dict(a.state_dict())
+    assert run(a, 30, 1.0, 1.3, start=12) == run(b, 30, 1.0, 1.3, start=12)
+
+
+@pytest.mark.parametrize("bad", [dict(tolerance=1.0), dict(window=0), dict(hold=8, max_hold=4), dict(recheck=-1)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ConfigError, match="feedback"):
+        FeedbackConfig(**bad)
