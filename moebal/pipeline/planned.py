@@ -37,7 +37,13 @@ import numpy as np
 import torch
 
 from moebal.balance.microbatches import MicrobatchPlanner
-from moebal.config import REFUSE_PLANNED_EP, REFUSE_PLANNED_REPACK, Config
+from moebal.config import (
+    REFUSE_PLANNED_EP,
+    REFUSE_PLANNED_MOE_DP,
+    REFUSE_PLANNED_REPACK,
+    Config,
+    planned_moe_losses,
+)
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
 from moebal.pipeline.runner import PipelineOptions, PipelineRunner
@@ -124,6 +130,8 @@ class PlannedPipelineRunner(PipelineRunner):
             raise ConfigError(REFUSE_PLANNED_REPACK)
         if self.dims.ep > 1:
             raise ConfigError(REFUSE_PLANNED_EP)
+        if self.data_ranks > 1 and planned_moe_losses(cfg):
+            raise ConfigError(REFUSE_PLANNED_MOE_DP)
         self.engine = PlannedEngine(self.stage, self.chain, self.scheme, "1f1b", 1, self.engine.autocast,
                                     aux_ranks=1)
         self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)

@@ -218,14 +218,17 @@ def test_the_remaining_refusals_are_one_line_each():
     from moebal.config import from_dict
     from moebal.errors import ConfigError
 
-    base = {"model": {"n_layers": 4}, "parallel": {"pp": 2, "nproc": 4},
+    base = {"model": {"n_layers": 4}, "moe": {"num_experts": 0}, "parallel": {"pp": 2, "nproc": 4},
             "pipeline": {"microbatching": "dynamic"}}
     for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True}}, "re-packing is not supported"),
                          ({"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4}},
                           "expert parallelism inside stages"),
                          ({"dynamism": {"scheme": "early_exit"}}, "dynamism.scheme=early_exit is not supported"),
                          ({"parallel": {"pp": 1, "nproc": 1}, "pipeline": {"rebalance": "partition"}},
-                          "parallel.pp 1 has one stage")):
+                          "parallel.pp 1 has one stage"),
+                         ({"moe": {"num_experts": 4}}, "expert parallelism inside stages"),  # ep null: 4 / 2
+                         ({"parallel": {"pp": 2, "nproc": 4, "ep": 1}, "moe": {"num_experts": 4}},
+                          "MoE routing losses .* and data-parallel pipelines")):
         with pytest.raises(ConfigError, match=match) as e:
             from_dict(_merge(base, extra))
         assert "\n" not in str(e.value).strip()
