@@ -121,8 +121,7 @@ class LayerBalancer:
         if profiled:  # first: a revert below changes the slots this rank owns
             self.observe(res, factors)
         events = self._check(step, red)
-        if not events:
-            events = self.plan_and_apply(step, res)
+        events.update(self.plan_and_apply(step, res, plan=not events))  # no new plan on a step that reverted
         if self._want_after_gantt and not events.get("adopted"):
             self.keep_gantt("after", res)
             self._want_after_gantt = False
@@ -233,8 +232,9 @@ class LayerBalancer:
         mem = self.static_mem + self.tracker.act_bytes * flight
         return mem[:self.U], float(mem[self.U]), float(mem[self.U + 1])
 
-    def plan_and_apply(self, step: int, res: IterationResult) -> dict[str, Any]:
-        """Forced partitions of this step, else (at a plan point) the planner's partition and a re-pack."""
+    def plan_and_apply(self, step: int, res: IterationResult, plan: bool = True) -> dict[str, Any]:
+        """Forced partitions of this step, else (at a plan point, when `plan`) the planner's partition and a
+        re-pack."""
         events: dict[str, Any] = {}
         for s, sizes in self.opts.force:
             if s == step:
@@ -242,17 +242,17 @@ class LayerBalancer:
                 events.update(self.apply(list(sizes), "forced", step))
                 events["adopted"] = True
         replan = self.profiled(step) or (self.planning and self.r.scheme.replan_every_step)
-        if not replan or not self.tracker.ready or events:
+        if not (plan and replan and self.tracker.ready) or events:
             return events
-        plan = self.propose(step)
-        if plan is not None:
-            self.plans.append(plan.to_dict())
-            if plan.meta.get("adopt"):
+        proposal = self.propose(step)
+        if proposal is not None:
+            self.plans.append(proposal.to_dict())
+            if proposal.meta.get("adopt"):
                 self.keep_gantt("before", res)
-                events.update(self.apply(list(plan.sizes), plan.balancer, step))
+                events.update(self.apply(list(proposal.sizes), proposal.balancer, step))
                 events["adopted"] = True
-                events["plan"] = plan.to_dict()
-                self._begin_trial(step, plan)
+                events["plan"] = proposal.to_dict()
+                self._begin_trial(step, proposal)
         if self.opts.repack and self.r.released_at is None and self.r.chain.size > self.opts.min_stages:
             packed = self.propose_repack(step)
             if packed is not None:

@@ -6,7 +6,7 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
   1. the plan (`microbatch.MicroBatchPlan`, the same on every rank) lists the replica's micro-batches in
      injection order, each as rows of sample indices padded to T tokens; every rank builds the tensors it
      needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere);
-  2. the stage executes its instruction stream (`commplan.py`) in order:
+  2. the stage executes its instruction stream (`planner/instructions.py`) in order:
        recv_act j    post a receive of (B_j, T_j, D) from stage p - 1          <- non-blocking
        wait_act j    wait for it                                             <- blocks
        F j           forward (`PipelineEngine._forward_compute`)
@@ -14,7 +14,7 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
        recv_grad j / wait_grad j / B j / send_grad j: the same for gradients, towards stage p - 1
        wait_send_act j, wait_send_grad j: the send's buffer may be freed
      The order of every post is the plan's global order, so no backend can deadlock on it (checked when the
-     plan is made, `commplan.check_plan`); the shapes travel in the plan, nothing is negotiated.
+     plan is made, `instructions.check_plan`); the shapes travel in the plan, nothing is negotiated.
 Loss normalisation: per token. The last stage adds each micro-batch's summed token cross-entropy divided by
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
