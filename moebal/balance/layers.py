@@ -337,8 +337,8 @@ class LayerBalancer:
                                          self.move_bytes[:self.U], float(self.bandwidth or 1e9), self.opts.latency,
                                          time_fn=t_iter)
         t_cur, t_new = t_iter(sizes), t_iter(proposal)
-        same = self._proposed is not None and self._proposed[0] == tuple(proposal)
-        streak = (self._proposed[1] + 1 if same else 1) if adopt else 0
+        prev = self._proposed
+        streak = (prev[1] + 1 if prev is not None and prev[0] == tuple(proposal) else 1) if adopt else 0
         self._proposed = (tuple(proposal), streak) if adopt else None
         adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm)
         held = adopt and not self.feedback.can_try(step)
