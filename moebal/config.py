@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from moebal.balance.feedback import FeedbackConfig
 from moebal.errors import ConfigError
 
 __all__ = [
@@ -422,6 +423,9 @@ class PipelineConfig:
     model, adaptive or 1F1B schedule, planned communication); 'padding'/'packing': its baselines, planned alike."""
     dynamic: DynamicMicroBatchConfig = field(default_factory=DynamicMicroBatchConfig)
     """Settings of planned micro-batching (microbatching dynamic, padding or packing)."""
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    """The layer balancer's closed loop (on by default): an adopted partition runs `window` measured steps and
+    is migrated back when slower than the one it replaced by more than `tolerance` (`balance/feedback.py`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -857,6 +861,28 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+REFUSE_REBALANCE_PP1 = ("pipeline.rebalance and pipeline.repack move layers between pipeline stages, and parallel.pp "
+                        "1 has one stage: set parallel.pp >= 2, or pipeline.rebalance=off and pipeline.repack=false")
+REFUSE_PLANNED_REPACK = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with "
+                         "re-packing is not supported: the plans made ahead name the stages they run on, and a "
+                         "re-pack removes stages; set pipeline.repack=false")
+REFUSE_PLANNED_MOE_DP = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with MoE routing "
+                         "losses (moe.aux_loss_coef or moe.z_loss_coef > 0) and data-parallel pipelines "
+                         "(parallel.nproc > parallel.pp) is not supported: an MoE layer sums its routing statistics "
+                         "over the ranks of a stage at every micro-batch, and each replica runs its own micro-batches; "
+                         "use parallel.nproc = parallel.pp, both coefficients 0, or pipeline.microbatching fixed")
+REFUSE_PLANNED_EP = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with expert "
+                     "parallelism inside stages (parallel.ep > 1) is not supported: each data-parallel replica plans "
+                     "its own micro-batch count and order, and an expert shard's all-to-alls need every rank of its "
+                     "stage to run the same ones; use parallel.ep=1")
+
+
+def planned_moe_losses(c: Config) -> bool:
+    """Whether the model's MoE layers sum routing statistics over a stage's ranks (for the load-balancing or
+    the z-loss), which planned micro-batches cannot do across data-parallel replicas."""
+    return c.moe.num_experts > 0 and (c.moe.aux_loss_coef > 0 or c.moe.z_loss_coef > 0)
+
+
 def _check_whole(c: Config) -> None:
     m, moe, d, t, par = c.model, c.moe, c.data, c.train, c.parallel
     for key, v in [("model.vocab_size", m.vocab_size), ("model.dim", m.dim), ("model.n_layers", m.n_layers),
@@ -904,16 +930,20 @@ def _check_whole(c: Config) -> None:
     _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
 
     _check_pipeline(c.pipeline)
+    _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
-        _need(c.pipeline.rebalance == "off" and not c.pipeline.repack,
-              f"{mb} with layer rebalancing or re-packing is not supported yet: set pipeline.rebalance=off and "
-              f"pipeline.repack=false")
+        _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
+        # parallel.ep null: a pipeline of an MoE model shards experts over every rank of a stage (pipeline_ep)
+        ep = par.ep if par.ep is not None else ((par.nproc or par.pp) // par.pp if c.moe.num_experts else 1)
+        _need(ep == 1, REFUSE_PLANNED_EP)
+        _need(not (planned_moe_losses(c) and par.nproc is not None and par.nproc > par.pp), REFUSE_PLANNED_MOE_DP)
         _need(c.dynamism.scheme in ("none", "moe"),
-              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported yet (its per-token state and frozen "
-              f"layers change what crosses stages): use dynamism.scheme none")
+              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state and "
+              f"frozen layers change what crosses stages, which a plan made ahead fixes; use dynamism.scheme none "
+              f"or moe")
     _check_scheduler(c.scheduler)
     if c.scheduler.expert_packing != "off":
         _need(par.pp == 1 and c.moe.num_experts > 0,

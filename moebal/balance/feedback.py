@@ -14,6 +14,13 @@ backs off to the base when the plan measures slower:
   3. a kept plan is re-checked every `recheck` steps: `window` base steps, then a new trial, so a plan that
      stops paying (the machine's load changed) is found within one re-check period.
 
+A balancer whose plans come at plan points (the layer balancer: a new partition costs a migration each way)
+starts each trial itself (`auto=False`): the base window rolls over the latest steps of the current plan,
+`begin_trial` is called when a new plan is applied, a kept plan becomes the base the next trial is compared
+with (no re-check: the planner re-plans from fresh measurements every few steps), and a plan backed off from
+is replaced by the base again (the balancer migrates back) and no trial starts during the hold
+(`can_try`).
+
 Medians of a few steps, compared only between adjacent windows, follow slow drifts of the machine without
 letting one slow step decide. Every rank must feed the same numbers (the step time's maximum over the ranks
 that apply the plan) so that every rank takes the same decision: the module is pure and deterministic.
@@ -51,7 +58,8 @@ class FeedbackConfig:
     max_hold: int = 512
     """... up to this many."""
     recheck: int = 100
-    """Steps between re-checks of a kept plan (window base steps, then a trial); 0: never."""
+    """Steps between re-checks of a kept plan (window base steps, then a trial); 0: never. (A balancer that
+    starts its own trials, the layer balancer, re-plans at its plan points instead.)"""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1 or self.window < 1 or self.hold < 1 or self.max_hold < self.hold \
@@ -80,6 +88,9 @@ class PlanFeedback:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Every decision: step, verdict, medians (seconds), hold; drained by the balancer into its plan log."""
     seen: int = 0
+    auto: bool = True
+    """True: the arms alternate by themselves (module docstring, 1-3); False: the balancer starts each trial
+    (`begin_trial`), and a kept plan becomes the base."""
 
     def use_plan(self) -> bool:
         """Whether the next step runs the balancer's plan (else its base)."""
@@ -95,6 +106,9 @@ class PlanFeedback:
         w = self.times[self.arm]
         w.append(float(seconds))
         del w[:-self.cfg.window]  # a rolling window: a hold keeps the latest base steps for the next trial
+        if not self.auto:
+            self._observe_manual(step)
+            return
         if self.until < 0:
             return  # kept for good (recheck 0)
         if self.until:
@@ -110,6 +124,31 @@ class PlanFeedback:
         else:
             self._judge(step)
 
+    def _observe_manual(self, step: int) -> None:
+        if self.arm == "base":
+            if self.until and step >= self.until:
+                self.until = 0  # the hold is over: the balancer may try a plan again
+        elif len(self.times["plan"]) >= self.cfg.window:
+            self._judge(step)
+
+    def can_try(self, step: int) -> bool:
+        """Whether the balancer may start a trial now (`auto=False`): on the base arm, outside a hold, with at
+        least one base step measured to compare against; always when the loop is disabled."""
+        if not self.cfg.enabled:
+            return True
+        return self.arm == "base" and not (self.until and step < self.until) and bool(self.times["base"])
+
+    def begin_trial(self, step: int) -> None:
+        """The balancer applied a new plan after step `step`: measure it for `window` steps (`auto=False`)."""
+        if self.cfg.enabled:
+            self._start_trial()
+
+    def cancel(self) -> None:
+        """The plan under trial and the base were both replaced (a forced migration, a re-pack): start over on
+        the base arm with an empty window; a hold in progress continues."""
+        self.arm = "base"
+        self.times = {a: [] for a in ARMS}
+
     def _switch(self, arm: str, until: int) -> None:
         self.arm, self.until = arm, until
         self.times[arm] = []
@@ -123,7 +162,11 @@ class PlanFeedback:
         event: dict[str, Any] = {"step": step, "verdict": "kept" if ok else "backed_off",
                                  "base_s": round(base, 6), "plan_s": round(plan, 6),
                                  "measured_gain": round(1.0 - plan / base, 4) if base > 0 else 0.0}
-        if ok:
+        if ok and not self.auto:  # the kept plan is the base of the next trial
+            self.failures, self.kept_since = 0, step
+            self.arm, self.until = "base", 0
+            self.times = {"base": self.times["plan"], "plan": []}
+        elif ok:
             self.failures, self.kept_since = 0, step
             self.arm, self.until = "plan", (step + self.cfg.recheck if self.cfg.recheck else -1)
         else:

@@ -72,13 +72,26 @@ class PlanAhead:
         if is_planner:
             if cost is None:
                 raise ConfigError("the planning rank needs a cost table")
-            if workers > 0:
-                import multiprocessing
-
-                self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(cost.to_dict(), self.kwargs))
+            self._start_pool()
             self._publisher = threading.Thread(target=self._publish, name="moebal-plan-publisher", daemon=True)
             self._publisher.start()
+
+    def _start_pool(self) -> None:
+        if self.workers > 0 and self.cost is not None:
+            import multiprocessing
+
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_worker, initargs=(self.cost.to_dict(), self.kwargs))
+
+    def set_cost(self, cost: MicroBatchCost) -> None:
+        """Plan the steps submitted from now on with `cost` (the layers moved); plans already submitted finish
+        on the old table in the old workers, which then exit."""
+        if not self.is_planner:
+            return
+        self.cost = cost
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # queued plans still run; the publisher waits on their futures
+            self._start_pool()
 
     @classmethod
     def for_job(cls, cost: MicroBatchCost | None, kwargs: dict[str, Any], workers: int) -> PlanAhead:

@@ -6,7 +6,7 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
   1. the plan (`microbatch.MicroBatchPlan`, the same on every rank) lists the replica's micro-batches in
      injection order, each as rows of sample indices padded to T tokens; every rank builds the tensors it
      needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere);
-  2. the stage executes its instruction stream (`commplan.py`) in order:
+  2. the stage executes its instruction stream (`planner/instructions.py`) in order:
        recv_act j    post a receive of (B_j, T_j, D) from stage p - 1          <- non-blocking
        wait_act j    wait for it                                             <- blocks
        F j           forward (`PipelineEngine._forward_compute`)
@@ -14,37 +14,43 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
        recv_grad j / wait_grad j / B j / send_grad j: the same for gradients, towards stage p - 1
        wait_send_act j, wait_send_grad j: the send's buffer may be freed
      The order of every post is the plan's global order, so no backend can deadlock on it (checked when the
-     plan is made, `commplan.check_plan`); the shapes travel in the plan, nothing is negotiated.
+     plan is made, `instructions.check_plan`); the shapes travel in the plan, nothing is negotiated.
 Loss normalisation: per token. The last stage adds each micro-batch's summed token cross-entropy divided by
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
 Padding positions carry label -100 and, right-padded under causal attention, never affect a real position.
 MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens.
 
-`PlannedPipelineRunner` is the pipeline runner with this engine: it reads batches ahead, has them planned
-(`planahead.py`), and records padding efficiency, micro-batch counts, the schedule and the exposed planning
-time per step.
+`PlannedPipelineRunner` is the pipeline runner with this engine: the micro-batch planner
+(`balance/microbatches.py`) reads batches ahead and has them planned; the runner executes each step's plan and
+records padding efficiency, micro-batch counts, the schedule and the exposed planning time per step. The layer
+balancer runs as in the fixed runner (`pipeline.rebalance`): it profiles planned iterations, migrates layers,
+and the micro-batch planner re-costs the following plans on the new partition.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from moebal.balance.microbatch_workers import PlanAhead
-from moebal.config import Config
+from moebal.balance.microbatches import MicrobatchPlanner
+from moebal.config import (
+    REFUSE_PLANNED_EP,
+    REFUSE_PLANNED_MOE_DP,
+    REFUSE_PLANNED_REPACK,
+    Config,
+    planned_moe_losses,
+)
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
 from moebal.pipeline.runner import PipelineOptions, PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
-from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
-from moebal.train.precision import compute_precision
+from moebal.planner.microbatch_cost import MicroBatchCost
 
-__all__ = ["PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "planner_kwargs"]
+__all__ = ["PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors"]
 
 IGNORE = -100
 
@@ -113,92 +119,34 @@ class PlannedEngine(PipelineEngine):
         return result
 
 
-def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
-    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...)."""
-    p = cfg.pipeline
-    return {"method": p.microbatching, "dp": dp, "memory": p.dynamic.memory, "max_len": cfg.data.seq_len,
-            "pad_multiple": p.dynamic.pad_multiple, "thin": p.dynamic.thin,
-            "schedules": tuple(x.strip() for x in p.dynamic.schedules.split(",") if x.strip())}
-
-
 class PlannedPipelineRunner(PipelineRunner):
-    """The pipeline runner with planned micro-batches (pipeline.microbatching dynamic, padding or packing)."""
+    """The pipeline runner with planned micro-batches (pipeline.microbatching dynamic, padding or packing): the
+    micro-batch planner (`balance/microbatches.py`) makes the plans, this runner executes them."""
 
     def __init__(self, cfg: Config, opts: PipelineOptions, *, cost: MicroBatchCost | None = None,
                  kwargs: dict[str, Any] | None = None, workers: int | None = None, **kw: Any) -> None:
         super().__init__(cfg, opts, **kw)
-        if self._planning():
-            raise ConfigError("planned micro-batching with layer rebalancing or re-packing is not supported yet: "
-                              "set pipeline.rebalance=off and pipeline.repack=false")
+        if opts.repack:
+            raise ConfigError(REFUSE_PLANNED_REPACK)
         if self.dims.ep > 1:
-            raise ConfigError("planned micro-batching with expert parallelism inside stages (parallel.ep > 1) is not "
-                              "supported yet: use parallel.ep=1 (the other ranks of a stage are data-parallel "
-                              "pipelines, each planned its own micro-batches)")
+            raise ConfigError(REFUSE_PLANNED_EP)
+        if self.data_ranks > 1 and planned_moe_losses(cfg):
+            raise ConfigError(REFUSE_PLANNED_MOE_DP)
         self.engine = PlannedEngine(self.stage, self.chain, self.scheme, "1f1b", 1, self.engine.autocast,
                                     aux_ranks=1)
-        self.kwargs = kwargs or planner_kwargs(cfg, self.dp)
-        self.lookahead = cfg.pipeline.dynamic.lookahead
-        self.cost = cost if cost is not None else self._cost_table()
-        n_workers = cfg.pipeline.dynamic.workers if workers is None else workers
-        self.planner = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
-        self._ahead: collections.deque[tuple[int, list[np.ndarray]]] = collections.deque()
-        self._read = 0
-        self._positions: collections.deque[dict[str, Any]] = collections.deque()
+        self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)
         self._last: dict[str, Any] = {}
-
-    # ---- costs ----
-    def _cost_table(self) -> MicroBatchCost:
-        """'measure': every rank profiles its own stage, gathered along the chain; a path; a hardware profile."""
-        dyn, d = self.cfg.pipeline.dynamic, self.cfg.data
-        max_tokens = dyn.max_tokens or 4 * d.seq_len
-        b_grid, s_grid = default_grid(d.seq_len, max_tokens)
-        if dyn.costs == "measure":
-            from moebal.pipeline.microbatch_profile import profile_stage
-
-            f, b, a = profile_stage(self.stage, b_grid, s_grid, max_tokens, device=self.device)
-            mine = torch.from_numpy(np.stack([f, b, a]).reshape(-1))
-            parts = self.chain.allgather_1d(mine)
-            arr = torch.stack(parts).numpy().reshape(self.chain.size, 3, len(b_grid), len(s_grid))
-            return MicroBatchCost(b_grid=b_grid, s_grid=s_grid, fwd_PBS=arr[:, 0], bwd_PBS=arr[:, 1],
-                                  act_PBS=arr[:, 2], source="measured at start-up",
-                                  meta={"sizes": list(self.sizes), "max_tokens": max_tokens})
-        if dyn.costs.endswith(".json"):
-            table = load_cost(dyn.costs)
-            if table.stages != self.chain.size:
-                raise ConfigError(f"pipeline.dynamic.costs {dyn.costs} has {table.stages} stages; this pipeline "
-                                  f"has {self.chain.size}")
-            return table
-        from moebal.planner.cost import ModelShape
-
-        return analytic_table(ModelShape.from_config(self.cfg), dyn.costs, list(self.sizes), b_grid, s_grid,
-                              compute_precision(self.cfg.train.precision, self.device))
 
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume)."""
-        return dict(self._positions[0]) if self._positions else self.data.train.state_dict()
+        return self.microbatches.data_state()
+
+    def after_migration(self) -> None:
+        self.microbatches.after_migration()
 
     # ---- the step ----
-    def _fill(self, step: int) -> None:
-        """Read batches up to step + lookahead; the planning rank submits their lengths."""
-        while self._read < step + self.lookahead:
-            self._read += 1
-            self._positions.append(self.data.train.state_dict())  # where batch _read starts (checkpoints)
-            samples = self.data.train.next_samples()
-            self._ahead.append((self._read, samples))
-            self.planner.submit(self._read, [len(x) - 1 for x in samples])
-
     def _next_input(self) -> tuple[Any, int]:
-        step = self.step + 1
-        self._fill(step)
-        s, samples = self._ahead.popleft()
-        self._positions.popleft()
-        assert s == step, "batches read ahead are out of step"
-        plan, wait = self.planner.get(step)
-        count = sum(len(x) - 1 for x in samples)
-        self._last = {"plan_wait_s": round(wait, 6), "micro_batches": len(plan.micro_batches),
-                      "padding_efficiency": round(plan.padding_efficiency, 4),
-                      "computed_tokens": plan.computed_tokens, "schedule": plan.replicas[self.data_index].schedule,
-                      "predicted_time_s": round(plan.predicted_time_s, 6), "plan_s": round(plan.meta["plan_s"], 6)}
+        plan, samples, count, self._last = self.microbatches.next(self.step + 1, self.data_index)
         return (plan, samples), count
 
     def _run_engine(self, work: Any, count: int) -> IterationResult:
@@ -214,5 +162,5 @@ class PlannedPipelineRunner(PipelineRunner):
         return record
 
     def close(self) -> None:
-        self.planner.close()
+        self.microbatches.close()
         super().close()

@@ -1,4 +1,4 @@
-"""The pipeline training loop of one rank: observe, plan, apply at the layer granularity, every N iterations.
+"""The pipeline training loop of one rank; the layer balancer (`balance/layers.py`) observes, plans and applies.
 
 Per step (every rank of every pipeline runs the same sequence):
   1. read the global batch (every rank reads the same one; a data-parallel replica keeps its rows) and
@@ -12,10 +12,10 @@ Per step (every rank of every pipeline runs the same sequence):
      the loss, each stage's busy and run time; the global norm is summed over slots in model order, so
      clipping is bit-identical under any partition;
   6. clip, AdamW step, the scheme's post-step work and its end-of-step decisions (prune, freeze, ...);
-  7. on profiled steps: average the profile over data-parallel replicas, sum it along the chain, smooth it
-     (every rank now holds the same costs), plan (partition by time or diffusion), adopt only when the
-     predicted gain over the next interval exceeds the migration cost, migrate; then consider re-packing
-     onto fewer ranks; released ranks stop here and report `released`.
+  7. the layer balancer's step (`LayerBalancer.step`): on profiled steps it folds the profile into the
+     smoothed costs, checks the partition under trial against the one it replaced (migrating back when it
+     measures slower), plans (partition by time or diffusion, then re-packing onto fewer ranks) and migrates;
+     released ranks stop here and report `released`.
 Rank order of a pipeline (`PipeChain`) comes from `ParallelDims.ranks_of("pp")`; after a re-pack it is the
 surviving subsequence. Data-parallel replicas take identical decisions from identical (averaged) inputs.
 """
@@ -23,43 +23,29 @@ surviving subsequence. Data-parallel replicas take identical decisions from iden
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.balance.feedback import FeedbackConfig
+from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.balance.stage_experts import StageExperts, stage_metrics
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine
-from moebal.pipeline.migrate import MigrationReport, migrate_layers
-from moebal.pipeline.observe import CostTracker, LayerProfiler, pick_clock, static_bytes, transfer_bytes
+from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import UnitMap
-from moebal.planner.partition import (
-    StagePartition,
-    clears_hysteresis,
-    diffuse,
-    imbalance,
-    partition_by_params,
-    partition_by_time,
-    partition_uniform,
-    plan_repack,
-    replay_time,
-    should_adopt,
-    stage_loads,
-)
-from moebal.planner.schedule import SCHEDULES, in_flight
+from moebal.planner.partition import imbalance, partition_by_params, partition_uniform
+from moebal.planner.schedule import SCHEDULES
 from moebal.sync import to_host
 from moebal.train.precision import uses_bf16
 
@@ -119,6 +105,9 @@ class PipelineOptions:
     """(step, sizes): migrate between that step's backward and its optimizer step (gradients travel too)."""
     record_ops: bool = True
     """Keep one iteration's per-op timeline before and after each adopted plan (for the Gantt chart)."""
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    """The layer balancer's closed loop: an adopted partition that measures slower than the one it replaced
+    is migrated back (`balance/feedback.py`)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -166,19 +155,6 @@ def pipeline_ep(cfg: Config, world_size: int) -> int:
     return max(1, world_size // max(cfg.parallel.pp, 1))
 
 
-def expand_repack(sizes: Sequence[int], chain_size: int) -> list[int]:
-    """A P'-stage partition laid over a P-rank chain: the first P' - 1 ranks and the last keep stages (the
-    embedding stays on the first rank, the head on the last), the middle ranks in between get 0 layers."""
-    k = len(sizes)
-    if k > chain_size or k < 1:
-        raise ConfigError(f"partition {list(sizes)} has more stages than the {chain_size} ranks of the pipeline")
-    if k == chain_size:
-        return list(sizes)
-    if k == 1:
-        raise ConfigError("re-packing onto one stage is not supported: the embedding and the head stay on two ranks")
-    return list(sizes[:-1]) + [0] * (chain_size - k) + [sizes[-1]]
-
-
 class PipelineRunner:
     """Builds this rank's stage from the model and trains it; `train(steps)` runs the loop."""
 
@@ -222,21 +198,12 @@ class PipelineRunner:
         """Partition units (`units.py`): what costs, sizes, migrations and gradient-norm slots count; L layers
         when no layer is split."""
         self._build(cfg)
-        self.tracker = CostTracker(self.U, ema=opts.ema)
         self.records: list[dict[str, Any]] = []
-        self.plans: list[dict[str, Any]] = []
-        self.gantt: dict[str, list[list[float]]] = {}
         self.released_at: int | None = None
-        self.comm_s = 0.0
-        self.bandwidth = opts.bandwidth
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self._want_after_gantt = False
-        self.static_mem = np.zeros(self.U + 2)
-        self.move_bytes = np.zeros(self.U + 2)
-        self.kappa: float | None = None
         self._scheme_resumed = False
-        self._proposed: tuple[tuple[int, ...], int] | None = None
-        """The last plan point's proposal that gained more than it costs, and at how many consecutive points."""
+        self.balancer = LayerBalancer(self, opts.feedback)
+        """Observe, plan, apply and check at the layer granularity (`balance/layers.py`)."""
 
     # ---- construction ----
     def _unit_map(self, cfg: Config) -> UnitMap:
@@ -315,9 +282,7 @@ class PipelineRunner:
 
     def start(self) -> None:
         """Measure the links when planning needs them (collective along the chain); `train` calls it."""
-        if self._planning() and self.bandwidth is None:
-            self._measure_links()
-        self.bandwidth = self.bandwidth or 1e9
+        self.balancer.start()
 
     @property
     def released(self) -> bool:
@@ -328,11 +293,18 @@ class PipelineRunner:
         return RunSummary(rank=self.dims.rank, released=self.released, released_at=self.released_at,
                           records=self.records, plans=self.plans, final_sizes=list(self.sizes), gantt=self.gantt)
 
-    def _planning(self) -> bool:
-        return self.opts.rebalance != "off" or self.opts.repack
+    @property
+    def plans(self) -> list[dict[str, Any]]:
+        """Every plan and verdict of the layer balancer (the run's plans.jsonl)."""
+        return self.balancer.plans
 
-    def _profiled(self, step: int) -> bool:
-        return self._planning() and step % self.opts.every == 0
+    @property
+    def gantt(self) -> dict[str, list[list[float]]]:
+        """'before'/'after' the first adopted plan: one iteration's ops per stage (`LayerBalancer.keep_gantt`)."""
+        return self.balancer.gantt
+
+    def after_migration(self) -> None:
+        """Called on every rank after the balancer moved layers (the partition in `sizes` is the new one)."""
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
         """This rank's rows of the global batch, the batch's label count and this rank's rows per micro-batch.
@@ -383,11 +355,10 @@ class PipelineRunner:
 
         lr = lr_at(step - 1, self.cfg.train)
         self._set_lr(lr)
-        profiled = self._profiled(step)
+        profiled = self.balancer.profiled(step)
         self.scheme.begin_step(step)
         self.experts.before_step()  # Trans of the placed expert replicas
-        self.engine.profiler = (LayerProfiler(self.U, self.clock, count_bytes=self.opts.memory_cap is not None)
-                                if profiled else None)
+        self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.opts.record_ops
         t_run = time.perf_counter()
         res = self._run_engine(work, count)
@@ -398,10 +369,10 @@ class PipelineRunner:
         events: dict[str, Any] = {}
         for s, sizes in self.opts.force_mid:
             if s == step:
-                events.update(self._apply(list(sizes), "forced-mid", step, lr=lr))
+                events.update(self.balancer.apply(list(sizes), "forced-mid", step, lr=lr))
         self._sync_grads()
         red = self._reduce(res, t_run)
-        measured_factors = self._factors()  # what this iteration ran at
+        measured_factors = self.balancer.factors()  # what this iteration ran at
         grad_norm = self._clip(red["sq"])
         if self.optimizer is not None:
             self.optimizer.step()
@@ -409,13 +380,8 @@ class PipelineRunner:
         self.scheme.after_optimizer_step(self._ctx())
         changed = self.scheme.update(self._ctx())
         overhead = time.perf_counter()
-        if profiled:
-            self._observe(res, measured_factors)
-        events.update(self._plan_and_apply(step, res))
+        events.update(self.balancer.step(step, res, red, measured_factors, profiled))
         overhead = time.perf_counter() - overhead
-        if self._want_after_gantt and not events.get("adopted"):
-            self._keep_gantt("after", res)
-            self._want_after_gantt = False
         record = self._record(step, lr, count, red, grad_norm, time.perf_counter() - t0, overhead, profiled,
                               changed, events)
         self.records.append(record)
@@ -525,250 +491,6 @@ class PipelineRunner:
                         p.grad.mul_(coef)
         return norm
 
-    # ---- observe ----
-    def _measure_links(self) -> None:
-        """Latency and bandwidth between chain neighbours: round trips of a 4 KiB and a 4 MiB message (median
-        of 3 each); an activation transfer and a layer migration are then costed as latency + bytes/bandwidth.
-        (A single activation-sized ping mostly measures latency and made every migration look too dear.)"""
-        one_way = []
-        for nbytes in (4096, 4 << 20):
-            t = torch.zeros(nbytes // 4, device=self.device)  # the activations' link: NCCL on CUDA
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                if not self.chain.is_last:
-                    self.chain.send(t, self.chain.next)
-                if not self.chain.is_first:
-                    self.chain.recv(t, self.chain.prev)
-                    self.chain.send(t, self.chain.prev)
-                if not self.chain.is_last:
-                    self.chain.recv(t, self.chain.next)
-                self.chain.flush()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # NCCL returns at enqueue: time the transfer itself
-                times.append((time.perf_counter() - t0) / 2)
-            one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
-        v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)
-        tot = self.chain.allreduce_sum(self._stage_mean(v))  # every pipeline must plan from the same numbers
-        n = max(float(tot[2]), 1.0)
-        latency, big = float(tot[0]) / n, float(tot[1]) / n
-        self.bandwidth = ((4 << 20) - 4096) / max(big - latency, 1e-9)
-        B = max(1, self.cfg.data.batch_size // self.data_ranks // self.opts.micro_batches)
-        act_bytes = B * self.cfg.data.seq_len * self.cfg.model.dim * 4
-        self.comm_s = latency + act_bytes / self.bandwidth
-
-    def _observe(self, res: IterationResult, factors: np.ndarray) -> None:
-        assert self.engine.profiler is not None
-        prof = self.engine.profiler.result(self.engine.owned_slots())
-        owned = prof.fwd >= 0
-        L2 = self.U + 2
-        vec = torch.zeros(6 * L2 + 2, dtype=torch.float64)
-        vec[:L2] = torch.from_numpy(np.where(owned, prof.fwd, 0.0))
-        vec[L2:2 * L2] = torch.from_numpy(np.where(owned, prof.bwd, 0.0))
-        vec[2 * L2:3 * L2] = torch.from_numpy(np.where(owned, prof.act_bytes, 0.0))
-        for slot, m in self.stage.slot_modules().items():
-            vec[3 * L2 + slot] = static_bytes(m, self.optimizer)
-            vec[4 * L2 + slot] = transfer_bytes(m, self.optimizer)
-        vec[5 * L2:6 * L2] = torch.from_numpy(np.where(owned, prof.wgt, 0.0))
-        vec[6 * L2], vec[6 * L2 + 1] = res.busy_s, res.busy_cpu_s
-        if self.experts.sharded:  # a stage is as slow as its slowest expert shard (the all-to-alls wait for it)
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.ep_group)
-        if self.dp > 1:  # replicas must plan from the same numbers: average their profiles first
-            dist.all_reduce(vec, group=self.dp_group)
-            vec /= self.dp
-        tot = self.chain.allreduce_sum(vec).numpy()
-        self.tracker.update(tot[:L2], tot[L2:2 * L2], tot[2 * L2:3 * L2], factors, wgt=tot[5 * L2:6 * L2])
-        self.static_mem = tot[3 * L2:4 * L2]
-        self.move_bytes = tot[4 * L2:5 * L2]
-        kappa = float(tot[6 * L2] / tot[6 * L2 + 1]) if tot[6 * L2 + 1] > 0 else 1.0
-        if self.clock is time.perf_counter or self.device.type == "cuda":
-            kappa = 1.0  # costs are already wall seconds
-        self.kappa = kappa if self.kappa is None else (1 - self.opts.ema) * self.kappa + self.opts.ema * kappa
-
-    # ---- plan and apply ----
-    def _memory(self) -> tuple[np.ndarray, float, float]:
-        """Per-layer bytes on a stage: static bytes + activation bytes x the most micro-batches in flight on
-        any stage (stage 0 under 1F1B): a conservative single number per layer, so the partitioner's caps
-        hold wherever the layer lands."""
-        M = self._num_micro()
-        flight = in_flight(self.opts.schedule, self.chain.size, 0, M)
-        mem = self.static_mem + self.tracker.act_bytes * flight
-        return mem[:self.U], float(mem[self.U]), float(mem[self.U + 1])
-
-    def _plan_and_apply(self, step: int, res: IterationResult) -> dict[str, Any]:
-        events: dict[str, Any] = {}
-        for s, sizes in self.opts.force:
-            if s == step:
-                self._keep_gantt("before", res)
-                events.update(self._apply(list(sizes), "forced", step))
-                events["adopted"] = True
-        replan = self._profiled(step) or (self._planning() and self.scheme.replan_every_step)
-        if not replan or not self.tracker.ready or events:
-            return events
-        plan = self._propose(step)
-        if plan is not None:
-            self.plans.append(plan.to_dict())
-            if plan.meta.get("adopt"):
-                self._keep_gantt("before", res)
-                events.update(self._apply(list(plan.sizes), plan.balancer, step))
-                events["adopted"] = True
-                events["plan"] = plan.to_dict()
-        if self.opts.repack and self.released_at is None and self.chain.size > self.opts.min_stages:
-            packed = self._propose_repack(step)
-            if packed is not None:
-                self.plans.append(packed.to_dict())
-                if "adopted" not in events:
-                    self._keep_gantt("before", res)
-                events.update(self._apply(list(packed.sizes), "repack", step))
-                events["adopted"] = True
-                events["repack"] = packed.to_dict()
-        return events
-
-    def _loads_kw(self) -> dict[str, float]:
-        k = self.kappa or 1.0
-        return {"first_extra": self.tracker.first_extra * k, "last_extra": self.tracker.last_extra * k}
-
-    def _time_fn(self, costs: np.ndarray) -> Callable[[Sequence[int]], float]:
-        """Predicted iteration time of a partition (a list of sizes over the current chain): the schedule replayed
-        op by op (`replay_time`) with each stage's forward and backward seconds per micro-batch. A slot's cost
-        splits into the two by its smoothed measured shares (a frozen layer is all forward; a slot never
-        measured takes DynMo's 1 : 2). Under the zero-bubble schedule a stage's backward splits into B and W by
-        the W time its slots measured (`CostTracker.wgt`), not by the nominal `W_SHARE`."""
-        tr, k, M = self.tracker, self.kappa or 1.0, self._num_micro()
-        tot = tr.fwd + tr.bwd
-        share = np.divide(tr.fwd, tot, out=np.full(tot.shape, 1.0 / 3.0), where=tot > 0)
-        U = self.U
-        fwd_c, bwd_c = costs * share[:U], costs * (1.0 - share[:U])
-        w_of_b = np.divide(tr.wgt, tr.bwd, out=np.zeros(tot.shape), where=tr.bwd > 0)
-        wgt_c = bwd_c * w_of_b[:U]
-        extra_f = [tr.fwd[U] * k, tr.fwd[U + 1] * k]
-        extra_b = [tr.bwd[U] * k, tr.bwd[U + 1] * k]
-        extra_w = [tr.wgt[U] * k, tr.wgt[U + 1] * k]
-
-        @functools.cache  # the planner asks for the same partitions more than once per plan point
-        def replay(sizes: tuple[int, ...]) -> float:
-            f = stage_loads(fwd_c, sizes, extra_f[0], extra_f[1])
-            b = stage_loads(bwd_c, sizes, extra_b[0], extra_b[1])
-            w = stage_loads(wgt_c, sizes, extra_w[0], extra_w[1])
-            w_share = [min(wi / bi, 1.0) if bi > 0 else 0.0 for wi, bi in zip(w, b)]
-            return float(replay_time(f, b, M, float(self.comm_s), self.opts.schedule, w_share))
-
-        return lambda sizes: replay(tuple(int(x) for x in sizes))
-
-    def _factors(self) -> np.ndarray:
-        """The scheme's latest per-layer cost prediction, per unit (a half takes its layer's factor)."""
-        return np.asarray(self.units.per_unit(self.scheme.cost_factors(self.L)))
-
-    def _costs(self) -> np.ndarray:
-        """Smoothed per-unit costs in wall seconds (CPU time x the contention factor kappa), scaled by the
-        scheme's latest prediction (`CostTracker`)."""
-        return self.tracker.layer_costs(self._factors()) * (self.kappa or 1.0)
-
-    def _propose(self, step: int) -> StagePartition | None:
-        if self.opts.rebalance == "off":
-            return None
-        costs = self._costs()
-        mem, first_mem, last_mem = self._memory()
-        cap = self.opts.memory_cap
-        kw = self._loads_kw()
-        if self.opts.rebalance == "partition":
-            try:
-                proposal = partition_by_time(costs, self.chain.size, memory=mem, capacity=cap, first_memory=first_mem,
-                                             last_memory=last_mem, **kw)
-            except ConfigError:
-                proposal = list(self.sizes)  # nothing fits the caps: keep the current partition
-        else:
-            proposal = diffuse(costs, self.sizes, memory=mem, capacity=cap, **kw)
-        M = self._num_micro()
-        layer_bytes = self.move_bytes[:self.U]
-        t_iter = self._time_fn(costs)
-        adopt, gain, cost = should_adopt(costs, self.sizes, proposal, M, self.opts.every, layer_bytes,
-                                         float(self.bandwidth or 1e9), self.opts.latency, time_fn=t_iter)
-        t_cur, t_new = t_iter(self.sizes), t_iter(proposal)
-        same = self._proposed is not None and self._proposed[0] == tuple(proposal)
-        streak = (self._proposed[1] + 1 if same else 1) if adopt else 0
-        self._proposed = (tuple(proposal), streak) if adopt else None
-        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm)
-        if adopt:
-            self._proposed = None
-        return StagePartition(
-            sizes=tuple(proposal), ranks=tuple(self.chain.ranks), step=step, balancer=self.opts.rebalance,
-            predicted_time_s=t_new, previous_time_s=t_cur, gain_s=gain, migration_cost_s=cost,
-            meta={"adopt": adopt, "from": list(self.sizes), "streak": streak,
-                  "imbalance_before": imbalance(stage_loads(costs, self.sizes, **kw)),
-                  "imbalance_after": imbalance(stage_loads(costs, proposal, **kw)),
-                  "costs": [round(float(c), 6) for c in costs], "kappa": round(self.kappa or 1.0, 4),
-                  "bandwidth": float(self.bandwidth or 0.0), **{k: round(v, 6) for k, v in kw.items()}})
-
-    def _propose_repack(self, step: int) -> StagePartition | None:
-        costs = self._costs()
-        mem, first_mem, last_mem = self._memory()
-        M = self._num_micro()
-        t_iter = self._time_fn(costs)
-        sizes = plan_repack(costs, self.chain.size, M, self.opts.repack_slack, self.opts.min_stages, memory=mem,
-                            capacity=self.opts.memory_cap, first_memory=first_mem, last_memory=last_mem,
-                            time_fn=t_iter, **self._loads_kw())
-        if sizes is None:
-            return None
-        full = expand_repack(sizes, self.chain.size)
-        kept = tuple(r for r, s in zip(self.chain.ranks, full) if s > 0)
-        released = tuple(r for r, s in zip(self.chain.ranks, full) if s == 0)
-        return StagePartition(sizes=tuple(sizes), ranks=kept, step=step, balancer="repack", released=released,
-                              predicted_time_s=t_iter(sizes), previous_time_s=t_iter(self.sizes),
-                              meta={"from": list(self.sizes), "costs": [round(float(c), 6) for c in costs]})
-
-    def _apply(self, sizes: list[int], why: str, step: int, lr: float | None = None) -> dict[str, Any]:
-        """Migrate to `sizes` (over the current chain; fewer entries re-packs) on every rank of the chain."""
-        full = expand_repack(sizes, self.chain.size)
-        if full == list(self.sizes):
-            return {}
-        old = list(self.sizes)
-        self._proposed = None  # plans from here on compare against the new partition
-        self.optimizer, rep = migrate_layers(self.stage, self.chain, old, full, self.optimizer, self.scheme,
-                                             self._make_optimizer, experts=self.experts)
-        if lr is not None:
-            self._set_lr(lr)
-        kept = [r for r, s in zip(self.chain.ranks, full) if s > 0]
-        released = [r for r, s in zip(self.chain.ranks, full) if s == 0]
-        out = self._migration_event(why, old, full, rep, released)
-        if self.dims.rank in released:
-            self.released_at = step
-            self.chain.close()
-        else:
-            self.chain.shrink(kept)
-            self.sizes = [s for s in full if s > 0]
-        self._want_after_gantt = True
-        return out
-
-    def _migration_event(self, why: str, old: list[int], new: list[int], rep: MigrationReport,
-                         released: list[int]) -> dict[str, Any]:
-        """Report a migration (numbers agreed along the chain and over replicas) and calibrate the migration
-        bandwidth on it: the next adoption decision costs moves at what this one really took."""
-        v = torch.zeros(1 + self.P0, dtype=torch.float64)
-        v[0], v[1 + self._orig_pos()] = float(rep.bytes_sent), rep.seconds
-        tot = self.chain.allreduce_sum(self._stage_mean(v))
-        seconds = float(tot[1:].max())
-        moved = len(rep.moves)
-        if moved and tot[0] > 0:
-            measured = float(tot[0]) / max(seconds - self.opts.latency * moved, 1e-6)
-            self.bandwidth = measured if self.bandwidth is None else 0.5 * float(self.bandwidth) + 0.5 * measured
-        return {"migration": why, "sizes_before": old, "sizes_after": [s for s in new if s > 0],
-                "layers_moved": moved, "bytes_moved": int(tot[0]), "migration_s": round(seconds, 6),
-                "released_ranks": released}
-
-    # ---- timelines and records ----
-    def _keep_gantt(self, which: str, res: IterationResult) -> None:
-        if not self.opts.record_ops or (which == "before" and "before" in self.gantt):
-            return
-        kinds = {"F": 0.0, "B": 1.0, "W": 2.0}
-        rows = torch.tensor([[float(self.chain.index), kinds[k], float(j), s, e] for k, j, s, e in res.ops],
-                            dtype=torch.float64).reshape(-1)
-        parts = self.chain.allgather_1d(rows)
-        table = torch.cat(parts).reshape(-1, 5)
-        t0 = float(table[:, 3].min()) if table.numel() else 0.0
-        table[:, 3:] -= t0
-        self.gantt[which] = table.tolist()
-
     def _record(self, step: int, lr: float, count: int, red: dict[str, Any], grad_norm: float, dt: float,
                 overhead: float, profiled: bool, changed: bool, events: dict[str, Any]) -> dict[str, Any]:
         busy = [b for b, r in zip(red["busy"], red["run"]) if r > 0]
@@ -790,10 +512,7 @@ class PipelineRunner:
             "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics(), **red.get("experts", {})}
         if self.units.split_layers:  # sizes count units; a layer's half counts 0.5 here
             rec["stage_layers"] = self.units.stage_layers(self.sizes)
-        if self.tracker.ready:
-            loads = stage_loads(self._costs(), self.sizes, **self._loads_kw())
-            rec["predicted_imbalance"] = round(imbalance(loads), 4)
-            rec["kappa"] = round(self.kappa or 1.0, 4)
+        rec.update(self.balancer.record_fields())
         rec.update({k: v for k, v in events.items() if k != "adopted"})
         return rec
 
@@ -805,7 +524,7 @@ class PipelineRunner:
     def resume_partition(self, sizes: list[int]) -> None:
         """Migrate to the partition a checkpoint was taken under (after its weights and optimizer state were
         loaded into this run's initial partition): the resumed run then plans as the uninterrupted one."""
-        self._apply(list(sizes), "resume", self.step)
+        self.balancer.apply(list(sizes), "resume", self.step)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's runner state as JSON: the partition, the smoothed costs and link figures (identical on
@@ -813,9 +532,7 @@ class PipelineRunner:
         scheme's per-layer tensors go into the checkpoint's extra tensors: `scheme_tensors`.)"""
         return {"sizes": list(self.sizes), "chain": self.P0, "coords": dict(self.dims.coords),
                 "layers": list(self.stage.layer_ids), "units": self.units.split_layers,
-                "tracker": self.tracker.state_dict(),
-                "kappa": self.kappa, "bandwidth": self.bandwidth, "comm_s": self.comm_s,
-                "static_mem": self.static_mem.tolist(), "move_bytes": self.move_bytes.tolist(),
+                **self.balancer.state_dict(),
                 "scheme_name": self.scheme.name, "scheme": self.scheme.state_dict(),
                 "experts": self.experts.state_dict()}
 
@@ -834,11 +551,7 @@ class PipelineRunner:
         first = ranks.get("0") or next(iter(ranks.values()))
         if "tracker" not in first:
             return None  # written by the single-stage trainer: nothing of a pipeline to restore
-        if len(first["tracker"]["fwd"]) == self.U + 2:
-            self.tracker.load_state_dict(first["tracker"])
-            self.static_mem = np.asarray(first["static_mem"], dtype=np.float64)
-            self.move_bytes = np.asarray(first["move_bytes"], dtype=np.float64)
-        self.kappa, self.bandwidth, self.comm_s = first["kappa"], first["bandwidth"], first["comm_s"]
+        self.balancer.load_state_dict(first)
         if first.get("scheme_name", self.scheme.name) == self.scheme.name:
             self.scheme.load_state_dict(first["scheme"])
             self._scheme_resumed = True

@@ -47,7 +47,8 @@ def options_from_config(cfg: Config) -> PipelineOptions:
                            initial=p.initial, split_layers=p.split_layers, every=p.every, ema=p.ema,
                            min_gain=p.min_gain, confirm=p.confirm, repack=p.repack,
                            repack_slack=p.repack_slack,
-                           min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait, dilate=p.dilate)
+                           min_stages=p.min_stages, memory_cap=p.memory_cap, wait=p.wait, dilate=p.dilate,
+                           feedback=p.feedback)
 
 
 def scheme_from_config(cfg: Config) -> Dynamism:

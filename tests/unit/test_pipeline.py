@@ -180,7 +180,7 @@ def test_planner_decisions_follow_the_given_time_model():
 def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares():
     from types import SimpleNamespace
 
-    from moebal.pipeline.runner import PipelineRunner
+    from moebal.balance.layers import LayerBalancer
     tr = CostTracker(4)
     # layers 0-2 measured 1 : 2, layer 3 frozen (forward only), embedding 0.5 forward, head 0.25 + 0.5
     tr.update(np.array([1.0, 1.0, 1.0, 3.0, 0.5, 0.25]), np.array([2.0, 2.0, 2.0, 0.0, 0.0, 0.5]),
@@ -188,7 +188,7 @@ def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares()
     runner = SimpleNamespace(tracker=tr, kappa=2.0, U=4, comm_s=0.1, opts=SimpleNamespace(schedule="1f1b"),
                              _num_micro=lambda: 4)
     costs = tr.layer_costs() * 2.0  # what `_costs` gives: wall seconds (CPU x kappa)
-    t_iter = PipelineRunner._time_fn(runner, costs)
+    t_iter = LayerBalancer.time_fn(runner, costs)
     # stage 0: layers 0-1 + embedding: forward 2 x 2 + 1 = 5, backward 2 x 4 = 8; stage 1: layers 2-3 + head:
     # forward 2 + 6 + 0.5 = 8.5, backward 4 + 0 + 1 = 5
     assert t_iter([2, 2]) == replay_time([5.0, 8.5], [8.0, 5.0], 4, 0.1)
@@ -198,14 +198,14 @@ def test_the_runner_predicts_by_replaying_measured_forward_and_backward_shares()
 def test_the_runner_replays_zero_bubble_with_each_stage_s_measured_w_share():
     from types import SimpleNamespace
 
-    from moebal.pipeline.runner import PipelineRunner
+    from moebal.balance.layers import LayerBalancer
     tr = CostTracker(4)
     # every layer 1 forward, 2 backward of which W: 1.0 (layer 0), 0.5 (1), 0 (2, 3); embedding and head none
     tr.update(np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 2.0, 2.0, 0.0, 0.0]), np.zeros(6),
               wgt=np.array([1.0, 0.5, 0.0, 0.0, 0.0, 0.0]))
     runner = SimpleNamespace(tracker=tr, kappa=1.0, U=4, comm_s=0.0, opts=SimpleNamespace(schedule="zb"),
                              _num_micro=lambda: 4)
-    t_iter = PipelineRunner._time_fn(runner, tr.layer_costs())
+    t_iter = LayerBalancer.time_fn(runner, tr.layer_costs())
     # stage 0 (layers 0-1): backward 4 of which W 1.5; stage 1 (layers 2-3): no W
     assert t_iter([2, 2]) == replay_time([2.0, 2.0], [4.0, 4.0], 4, 0.0, "zb", [1.5 / 4, 0.0])
     assert t_iter([1, 3]) == replay_time([1.0, 3.0], [2.0, 6.0], 4, 0.0, "zb", [0.5, 0.5 / 6])

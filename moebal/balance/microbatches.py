@@ -1,0 +1,131 @@
+"""The micro-batch planner of a pipeline (DynaPipe): the cost table, planning ahead, the plan of each step.
+
+  1. cost table (`MicroBatchCost`, per stage x micro-batch rows x padded length): 'measure' profiles every
+     stage at start-up (`pipeline/microbatch_profile.py`, gathered along the chain), a `.json` file is read, a
+     hardware profile name gives the analytic table of the current partition (`planner/microbatch_cost.py`);
+  2. planning ahead: every rank reads the global batches `lookahead` steps ahead (the samplers are
+     deterministic); global rank 0 submits their sample lengths to the planning workers
+     (`balance/microbatch_workers.py`), which run the pure DP (`planner/microbatch.py`) and publish the plans
+     in step order;
+  3. the plan of step s: every rank takes it (the only wait on planning, reported as `plan_wait_s`) with the
+     step's samples; `pipeline/planned.py` executes it on the engine.
+After the layer balancer migrates layers (`after_migration`) the table is rebuilt for the new partition (a
+measured table by profiling the new stages again, collective along the chain) and the workers plan the steps
+not yet submitted with it; plans already made stay valid (a plan names micro-batches and an instruction order
+per stage position, not layers), only costed on the old partition. A `.json` table describes the partition it
+was made for and is kept.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from moebal.balance.microbatch_workers import PlanAhead
+from moebal.config import Config
+from moebal.errors import ConfigError
+from moebal.planner.microbatch import MicroBatchPlan
+from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
+from moebal.train.precision import compute_precision
+
+if TYPE_CHECKING:
+    from moebal.pipeline.runner import PipelineRunner
+
+__all__ = ["MicrobatchPlanner", "planner_kwargs"]
+
+
+def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
+    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...)."""
+    p = cfg.pipeline
+    return {"method": p.microbatching, "dp": dp, "memory": p.dynamic.memory, "max_len": cfg.data.seq_len,
+            "pad_multiple": p.dynamic.pad_multiple, "thin": p.dynamic.thin,
+            "schedules": tuple(x.strip() for x in p.dynamic.schedules.split(",") if x.strip())}
+
+
+class MicrobatchPlanner:
+    """The plans of the next steps for one rank of a pipeline (module docstring)."""
+
+    def __init__(self, runner: PipelineRunner, *, cost: MicroBatchCost | None = None,
+                 kwargs: dict[str, Any] | None = None, workers: int | None = None) -> None:
+        self.r = runner
+        cfg = runner.cfg
+        self.kwargs = kwargs or planner_kwargs(cfg, runner.dp)
+        self.lookahead = cfg.pipeline.dynamic.lookahead
+        self._given_cost = cost is not None
+        self.cost = cost if cost is not None else self.cost_table()
+        n_workers = cfg.pipeline.dynamic.workers if workers is None else workers
+        self.ahead = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
+        self._batches: collections.deque[tuple[int, list[np.ndarray]]] = collections.deque()
+        self._read = 0
+        self._positions: collections.deque[dict[str, Any]] = collections.deque()
+
+    # ---- costs ----
+    def cost_table(self) -> MicroBatchCost:
+        """'measure': every rank profiles its own stage, gathered along the chain; a path; a hardware profile."""
+        r = self.r
+        dyn, d = r.cfg.pipeline.dynamic, r.cfg.data
+        max_tokens = dyn.max_tokens or 4 * d.seq_len
+        b_grid, s_grid = default_grid(d.seq_len, max_tokens)
+        if dyn.costs == "measure":
+            from moebal.pipeline.microbatch_profile import profile_stage
+
+            f, b, a = profile_stage(r.stage, b_grid, s_grid, max_tokens, device=r.device)
+            mine = torch.from_numpy(np.stack([f, b, a]).reshape(-1))
+            parts = r.chain.allgather_1d(mine)
+            arr = torch.stack(parts).numpy().reshape(r.chain.size, 3, len(b_grid), len(s_grid))
+            return MicroBatchCost(b_grid=b_grid, s_grid=s_grid, fwd_PBS=arr[:, 0], bwd_PBS=arr[:, 1],
+                                  act_PBS=arr[:, 2], source="measured at start-up",
+                                  meta={"sizes": list(r.sizes), "max_tokens": max_tokens})
+        if dyn.costs.endswith(".json"):
+            table = load_cost(dyn.costs)
+            if table.stages != r.chain.size:
+                raise ConfigError(f"pipeline.dynamic.costs {dyn.costs} has {table.stages} stages; this pipeline "
+                                  f"has {r.chain.size}")
+            return table
+        from moebal.planner.cost import ModelShape
+
+        return analytic_table(ModelShape.from_config(r.cfg), dyn.costs, list(r.sizes), b_grid, s_grid,
+                              compute_precision(r.cfg.train.precision, r.device))
+
+    def after_migration(self) -> None:
+        """The layers moved: cost the steps not yet submitted on the new partition (every rank; a measured
+        table profiles the new stages, a collective along the chain)."""
+        if self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json"):
+            return
+        self.cost = self.cost_table()
+        self.ahead.set_cost(self.cost)
+
+    # ---- the plans ----
+    def data_state(self) -> dict[str, Any]:
+        """The data position of the next step to train (batches read ahead are read again on resume)."""
+        return dict(self._positions[0]) if self._positions else self.r.data.train.state_dict()
+
+    def _fill(self, step: int) -> None:
+        """Read batches up to step + lookahead; the planning rank submits their lengths."""
+        while self._read < step + self.lookahead:
+            self._read += 1
+            self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)
+            samples = self.r.data.train.next_samples()
+            self._batches.append((self._read, samples))
+            self.ahead.submit(self._read, [len(x) - 1 for x in samples])
+
+    def next(self, step: int, replica: int) -> tuple[MicroBatchPlan, list[np.ndarray], int, dict[str, Any]]:
+        """The plan of `step`, its samples, their label count, and the step record's planning figures
+        (`replica`: the data-parallel replica whose schedule is reported)."""
+        self._fill(step)
+        s, samples = self._batches.popleft()
+        self._positions.popleft()
+        assert s == step, "batches read ahead are out of step"
+        plan, wait = self.ahead.get(step)
+        count = sum(len(x) - 1 for x in samples)
+        info = {"plan_wait_s": round(wait, 6), "micro_batches": len(plan.micro_batches),
+                "padding_efficiency": round(plan.padding_efficiency, 4),
+                "computed_tokens": plan.computed_tokens, "schedule": plan.replicas[replica].schedule,
+                "predicted_time_s": round(plan.predicted_time_s, 6), "plan_s": round(plan.meta["plan_s"], 6)}
+        return plan, samples, count, info
+
+    def close(self) -> None:
+        self.ahead.close()
