@@ -747,6 +747,10 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {', '.join(prefix + k for k in missing)}")
     try:
         return cls(**kwargs)
     except ConfigError as e:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from moebal.balance.stage_experts import StageExperts, stage_metrics
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.probe import probe_link
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine
@@ -527,35 +528,30 @@ class PipelineRunner:
 
     # ---- observe ----
     def _measure_links(self) -> None:
-        """Latency and bandwidth between chain neighbours: round trips of a 4 KiB and a 4 MiB message (median
-        of 3 each); an activation transfer and a layer migration are then costed as latency + bytes/bandwidth.
-        (A single activation-sized ping mostly measures latency and made every migration look too dear.)"""
-        one_way = []
-        for nbytes in (4096, 4 << 20):
-            t = torch.zeros(nbytes // 4, device=self.device)  # the activations' link: NCCL on CUDA
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                if not self.chain.is_last:
-                    self.chain.send(t, self.chain.next)
-                if not self.chain.is_first:
-                    self.chain.recv(t, self.chain.prev)
-                    self.chain.send(t, self.chain.prev)
-                if not self.chain.is_last:
-                    self.chain.recv(t, self.chain.next)
-                self.chain.flush()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # NCCL returns at enqueue: time the transfer itself
-                times.append((time.perf_counter() - t0) / 2)
-            one_way.append(float(np.median(times)) if not self.chain.is_last else 0.0)
-        v = torch.tensor([one_way[0], one_way[1], 0.0 if self.chain.is_last else 1.0], dtype=torch.float64)
-        tot = self.chain.allreduce_sum(self._stage_mean(v))  # every pipeline must plan from the same numbers
-        n = max(float(tot[2]), 1.0)
-        latency, big = float(tot[0]) / n, float(tot[1]) / n
-        self.bandwidth = ((4 << 20) - 4096) / max(big - latency, 1e-9)
+        """Latency and bandwidth between chain neighbours (`moebal.distributed.probe`): round trips of a 4 KiB
+        and a 4 MiB message (median of 3 each), averaged over the pipelines' non-last stages; an activation
+        transfer and a layer migration are then costed as latency + bytes/bandwidth."""
+        chain, last = self.chain, self.chain.is_last
+
+        def round_trip(t: torch.Tensor) -> None:
+            if not chain.is_last:
+                chain.send(t, chain.next)
+            if not chain.is_first:
+                chain.recv(t, chain.prev)
+                chain.send(t, chain.prev)
+            if not chain.is_last:
+                chain.recv(t, chain.next)
+            chain.flush()
+
+        def agree(t: torch.Tensor) -> torch.Tensor:  # every pipeline must plan from the same numbers
+            v = torch.zeros(3, dtype=torch.float64) if last else torch.cat([t.cpu(), torch.ones(1, dtype=t.dtype)])
+            tot = chain.allreduce_sum(self._stage_mean(v))
+            return tot[:2] / max(float(tot[2]), 1.0)
+
+        link = probe_link(round_trip, self.device, sizes=(4096, 4 << 20), repeats=3, legs=2, agree=agree)
+        self.bandwidth = link.bandwidth
         B = max(1, self.cfg.data.batch_size // self.data_ranks // self.opts.micro_batches)
-        act_bytes = B * self.cfg.data.seq_len * self.cfg.model.dim * 4
-        self.comm_s = latency + act_bytes / self.bandwidth
+        self.comm_s = link.seconds(B * self.cfg.data.seq_len * self.cfg.model.dim * 4)
 
     def _observe(self, res: IterationResult, factors: np.ndarray) -> None:
         assert self.engine.profiler is not None
