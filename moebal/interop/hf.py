@@ -4,7 +4,7 @@ Three pieces, each usable alone:
 
 1. `config_fields(dir)`: the checkpoint's `config.json` mapped onto moebal's `model.*` and `moe.*` fields,
    split into shape fields (the weights only fit these values) and training defaults (values a continuation
-   run starts from but may override, such as the load-balancing coefficient). `moebal.config.load` applies
+   run starts from but may override, such as the load-balancing coefficient). `moebal.interop.hf_config.load` applies
    them when `hf.init_from` is set; `config_from_hf(dir)` builds a whole `Config` from them.
 2. `hf_links(cfg, arch)`: the name mapping, one `Link` per HF tensor: HF tensor `hf` equals moebal tensor
    `ours`, or row `index` of it (moebal stacks a layer's experts, `experts.w1` [E, F, D]; HF stores one tensor
