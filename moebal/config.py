@@ -403,8 +403,10 @@ class PipelineConfig:
     min_gain: float = 0.05
     """Adopt a plan only when it shortens the predicted iteration by at least this share (hysteresis)."""
     confirm: int = 2
-    """Adopt a plan gaining less than min_gain (at least a fifth of it) once proposed at this many consecutive plan
-    points (0: never)."""
+    """Adopt a plan gaining less than min_gain (at least confirm_fraction of it) once proposed at this many
+    consecutive plan points (0: never)."""
+    confirm_fraction: float = 0.2
+    """Share of min_gain that a plan proposed at `confirm` consecutive plan points must still gain, in [0, 1]."""
     repack: bool = False
     """Merge stages onto fewer ranks when fewer run nearly as fast; the freed ranks leave (exit 0)."""
     repack_slack: float = 0.1
@@ -1008,6 +1010,8 @@ def _check_pipeline(p: PipelineConfig) -> None:
     _need(p.repack_slack >= 0.0 and p.min_gain >= 0.0 and p.confirm >= 0,
           f"'pipeline.repack_slack', 'pipeline.min_gain' and 'pipeline.confirm' must be >= 0; got {p.repack_slack}, "
           f"{p.min_gain}, {p.confirm}")
+    _need(0.0 <= p.confirm_fraction <= 1.0, f"'pipeline.confirm_fraction' is a share of pipeline.min_gain, in "
+                                            f"[0, 1]; got {p.confirm_fraction}")
     _need(p.min_stages >= 2, f"'pipeline.min_stages' must be at least 2 (embedding and head keep their ranks); "
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "

@@ -684,7 +684,8 @@ class PipelineRunner:
         same = self._proposed is not None and self._proposed[0] == tuple(proposal)
         streak = (self._proposed[1] + 1 if same else 1) if adopt else 0
         self._proposed = (tuple(proposal), streak) if adopt else None
-        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm)
+        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm,
+                                            self.cfg.pipeline.confirm_fraction)
         if adopt:
             self._proposed = None
         return StagePartition(
