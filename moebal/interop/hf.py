@@ -1228,11 +1228,6 @@ def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
                     copy_from=copy_from, overwrite=overwrite)
 
 
-def max_tensor_bytes(source: TensorSource) -> int:
-    """Size of the source's largest tensor (what a streaming conversion holds at once)."""
-    return max((t.nbytes for t in source.info().values()), default=0)
-
-
 # ---------------------------------------------------------------------------------------------
 # moebal weights directories
 
