@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ def probe_link(transfer: Callable[[torch.Tensor], None], device: torch.device,
     times = []
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), device=device)
-        times.append(time_fn(lambda b=buf: transfer(b), warmup=1, repeats=repeats, device=device).median / legs)
+        times.append(time_fn(partial(transfer, buf), warmup=1, repeats=repeats, device=device).median / legs)
     t = torch.tensor(times, dtype=torch.float64, device=device)
     if agree is not None:
         t = agree(t)

@@ -62,7 +62,8 @@ def with_hf_fields(data: dict[str, Any], source: str) -> Config:
             if key not in given:
                 continue
             ours = cfg.head_dim if key == "head_dim" else getattr(getattr(cfg, section), key)
-            if dataclasses.is_dataclass(ours):  # model.mla, model.rope_scaling: compared as config.json's dicts
+            # model.mla, model.rope_scaling: compared as config.json's dicts
+            if dataclasses.is_dataclass(ours) and not isinstance(ours, type):
                 ours = dataclasses.asdict(ours)
             theirs = (value or cfg.model.dim // cfg.model.n_heads) if key == "head_dim" else value
             if ours != theirs:
