@@ -42,6 +42,7 @@ __all__ = [
     "dump",
     "from_dict",
     "load",
+    "load_data",
     "read_yaml",
     "refuse_cpu_only",
     "resolve_path",
@@ -403,8 +404,10 @@ class PipelineConfig:
     min_gain: float = 0.05
     """Adopt a plan only when it shortens the predicted iteration by at least this share (hysteresis)."""
     confirm: int = 2
-    """Adopt a plan gaining less than min_gain (at least a fifth of it) once proposed at this many consecutive plan
-    points (0: never)."""
+    """Adopt a plan gaining less than min_gain (at least confirm_fraction of it) once proposed at this many
+    consecutive plan points (0: never)."""
+    confirm_fraction: float = 0.2
+    """Share of min_gain that a plan proposed at `confirm` consecutive plan points must still gain, in [0, 1]."""
     repack: bool = False
     """Merge stages onto fewer ranks when fewer run nearly as fast; the freed ranks leave (exit 0)."""
     repack_slack: float = 0.1
@@ -585,7 +588,26 @@ class Config:
 
 
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Config from a YAML file (a path or a preset name in configs/) plus `a.b=value` overrides."""
+    """Config from a YAML file (a path or a preset name in configs/) plus `a.b=value` overrides.
+
+    With `hf.init_from`, the model's shape comes from the checkpoint's config.json, which this module does not
+    read: `moebal.interop.hf_config.load` fills it in (what the commands call). Here such a config loads only
+    when it states the shape itself (`model.dim`, `model.n_layers` and `model.vocab_size`: a run's resolved
+    config.yaml)."""
+    data, source = load_data(path, overrides)
+    hf = data.get("hf")
+    init = hf.get("init_from") if isinstance(hf, dict) else None
+    model = data.get("model")
+    shaped = isinstance(model, dict) and all(k in model for k in ("dim", "n_layers", "vocab_size"))
+    if isinstance(init, str) and init and not shaped:
+        raise ConfigError(f"{source}: hf.init_from is set, so model.* and moe.* come from {init}/config.json: "
+                          f"load this config with moebal.interop.hf_config.load (as `moebal train` does)")
+    return from_dict(data, source=source)
+
+
+def load_data(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> tuple[dict[str, Any], str]:
+    """The plain data of a config file (a path or a preset name; None: the defaults) with `a.b=value` overrides
+    applied, and the name of its source (for messages)."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -594,54 +616,7 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
         data = _read_yaml(p)
     for item in overrides:
         _apply_override(data, item)
-    return _with_hf_fields(data, source)
-
-
-def _with_hf_fields(data: dict[str, Any], source: str) -> Config:
-    """With `hf.init_from`, fill model.* and moe.* from the checkpoint's config.json: shape fields the config
-    leaves out are taken from it and ones it sets must agree; training defaults (the balancing coefficient,
-    router noise) apply unless the config sets its own."""
-    hf = data.get("hf")
-    init = hf.get("init_from") if isinstance(hf, dict) else None
-    if not isinstance(init, str) or not init:
-        return from_dict(data, source=source)
-    from moebal.errors import CheckpointError
-    from moebal.interop.hf import config_fields
-
-    user = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
-    try:
-        fields = config_fields(init)
-    except CheckpointError as e:
-        set_all = (all(k in (user.get("model") or {}) for k in ("dim", "n_layers", "vocab_size"))
-                   and not Path(init).exists())
-        if set_all:  # a run's own resolved config: the shape is all there; resuming needs no HF directory
-            return from_dict(data, source=source)
-        raise ConfigError(f"{source}: hf.init_from: {e}") from None
-    merged = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
-    for group in (fields.shape, fields.defaults):
-        for section, values in group.items():
-            sec = merged.setdefault(section, {})
-            if not isinstance(sec, dict):
-                raise ConfigError(f"{source}: '{section}' must be a mapping")
-            for key, value in values.items():
-                sec.setdefault(key, value)
-    cfg = from_dict(merged, source=source)
-    clash = []
-    for section, values in fields.shape.items():
-        given = user.get(section) or {}
-        for key, value in values.items():
-            if key not in given:
-                continue
-            ours = cfg.head_dim if key == "head_dim" else getattr(getattr(cfg, section), key)
-            if dataclasses.is_dataclass(ours):  # model.mla, model.rope_scaling: compared as config.json's dicts
-                ours = dataclasses.asdict(ours)
-            theirs = (value or cfg.model.dim // cfg.model.n_heads) if key == "head_dim" else value
-            if ours != theirs:
-                clash.append(f"{section}.{key} is {ours!r} here but {theirs!r} in the checkpoint")
-    if clash:
-        raise ConfigError(f"{source}: the config disagrees with hf.init_from ({init}/config.json): "
-                          f"{'; '.join(clash)}: remove these keys (they are read from the checkpoint)")
-    return cfg
+    return data, source
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -751,6 +726,10 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {', '.join(prefix + k for k in missing)}")
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -1061,6 +1040,8 @@ def _check_pipeline(p: PipelineConfig) -> None:
     _need(p.repack_slack >= 0.0 and p.min_gain >= 0.0 and p.confirm >= 0,
           f"'pipeline.repack_slack', 'pipeline.min_gain' and 'pipeline.confirm' must be >= 0; got {p.repack_slack}, "
           f"{p.min_gain}, {p.confirm}")
+    _need(0.0 <= p.confirm_fraction <= 1.0, f"'pipeline.confirm_fraction' is a share of pipeline.min_gain, in "
+                                            f"[0, 1]; got {p.confirm_fraction}")
     _need(p.min_stages >= 2, f"'pipeline.min_stages' must be at least 2 (embedding and head keep their ranks); "
                              f"got {p.min_stages}")
     _need(p.memory_cap is None or p.memory_cap > 0, f"'pipeline.memory_cap' must be positive or null; "

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moebal.balance.feedback import FeedbackConfig, PlanFeedback
+from moebal.distributed.probe import probe_link
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult
 from moebal.pipeline.migrate import MigrationReport, migrate_layers
@@ -129,36 +130,31 @@ class LayerBalancer:
 
     # ---- observe ----
     def _measure_links(self) -> None:
-        """Latency and bandwidth between chain neighbours: round trips of a 4 KiB and a 4 MiB message (median
-        of 3 each); an activation transfer and a layer migration are then costed as latency + bytes/bandwidth.
-        (A single activation-sized ping mostly measures latency and made every migration look too dear.)"""
+        """Latency and bandwidth between chain neighbours (`moebal.distributed.probe`): round trips of a 4 KiB
+        and a 4 MiB message (median of 3 each), averaged over the pipelines' non-last stages; an activation
+        transfer and a layer migration are then costed as latency + bytes/bandwidth."""
         r, chain = self.r, self.r.chain
-        one_way = []
-        for nbytes in (4096, 4 << 20):
-            t = torch.zeros(nbytes // 4, device=r.device)  # the activations' link: NCCL on CUDA
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                if not chain.is_last:
-                    chain.send(t, chain.next)
-                if not chain.is_first:
-                    chain.recv(t, chain.prev)
-                    chain.send(t, chain.prev)
-                if not chain.is_last:
-                    chain.recv(t, chain.next)
-                chain.flush()
-                if r.device.type == "cuda":
-                    torch.cuda.synchronize(r.device)  # NCCL returns at enqueue: time the transfer itself
-                times.append((time.perf_counter() - t0) / 2)
-            one_way.append(float(np.median(times)) if not chain.is_last else 0.0)
-        v = torch.tensor([one_way[0], one_way[1], 0.0 if chain.is_last else 1.0], dtype=torch.float64)
-        tot = chain.allreduce_sum(r._stage_mean(v))  # every pipeline must plan from the same numbers
-        n = max(float(tot[2]), 1.0)
-        latency, big = float(tot[0]) / n, float(tot[1]) / n
-        self.bandwidth = ((4 << 20) - 4096) / max(big - latency, 1e-9)
+        last = chain.is_last
+
+        def round_trip(t: torch.Tensor) -> None:
+            if not chain.is_last:
+                chain.send(t, chain.next)
+            if not chain.is_first:
+                chain.recv(t, chain.prev)
+                chain.send(t, chain.prev)
+            if not chain.is_last:
+                chain.recv(t, chain.next)
+            chain.flush()
+
+        def agree(t: torch.Tensor) -> torch.Tensor:  # every pipeline must plan from the same numbers
+            v = torch.zeros(3, dtype=torch.float64) if last else torch.cat([t.cpu(), torch.ones(1, dtype=t.dtype)])
+            tot = chain.allreduce_sum(r._stage_mean(v))
+            return tot[:2] / max(float(tot[2]), 1.0)
+
+        link = probe_link(round_trip, r.device, sizes=(4096, 4 << 20), repeats=3, legs=2, agree=agree)
+        self.bandwidth = link.bandwidth
         B = max(1, r.cfg.data.batch_size // r.data_ranks // self.opts.micro_batches)
-        act_bytes = B * r.cfg.data.seq_len * r.cfg.model.dim * 4
-        self.comm_s = latency + act_bytes / self.bandwidth
+        self.comm_s = link.seconds(B * r.cfg.data.seq_len * r.cfg.model.dim * 4)
 
     def observe(self, res: IterationResult, factors: np.ndarray) -> None:
         """Fold the profiled iteration into the smoothed costs (identical on every rank afterwards)."""
@@ -340,7 +336,8 @@ class LayerBalancer:
         prev = self._proposed
         streak = (prev[1] + 1 if prev is not None and prev[0] == tuple(proposal) else 1) if adopt else 0
         self._proposed = (tuple(proposal), streak) if adopt else None
-        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm)
+        adopt = adopt and clears_hysteresis(t_cur, t_new, self.opts.min_gain, streak, self.opts.confirm,
+                                            self.r.cfg.pipeline.confirm_fraction)
         held = adopt and not self.feedback.can_try(step)
         adopt = adopt and not held
         if adopt:

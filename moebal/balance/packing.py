@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from moebal.config import Config
 from moebal.distributed.groups import ParallelDims
+from moebal.distributed.probe import probe_link, slowest_over
 from moebal.errors import ConfigError
 from moebal.planner.comm_plan import PackingCandidate, lina_packing
 from moebal.sync import to_host
@@ -84,7 +85,6 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
               dilate: float) -> list[PackingCandidate]:
     """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups, timed on
     the device (synchronised) in the run's precision (its autocast; the exchange's rows in that dtype)."""
-    from moebal.distributed.calibrate import median_time
     from moebal.models.moe import MoELayer
     from moebal.train.precision import autocast_dtype
 
@@ -100,24 +100,22 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
         for p in ex.parameters():
             p.normal_(0.0, 0.02, generator=gen)
     expert_bytes = sum(p[0].numel() * p.element_size() for p in (ex.w1, ex.w3, ex.w2))
-    big = torch.zeros(1 << 20, device=device)  # 4 MB: the all-reduce's bandwidth over the whole job
     times = []
     for ep in eps:
         dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(pg_timeout_s)
         times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
-    t_small = median_time(lambda: dist.all_reduce(big[:4096]), 5, device)
-    t_big = median_time(lambda: dist.all_reduce(big), 5, device)
-    flat = torch.tensor(times + [t_small, t_big], dtype=torch.float64, device=device)
+    # the all-reduce's latency and bandwidth over the whole job
+    link = probe_link(lambda buf: dist.all_reduce(buf), device, agree=slowest_over())
+    flat = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)  # every rank decides from the slowest rank's figures
     vals = to_host(flat, "calibration figures")
-    beta = (big.numel() - 4096) * 4 / max(vals[-1] - vals[-2], 1e-9)
-    alpha = max(0.0, vals[-2] - 4096 * 4 / beta)
     token_bytes = D * torch.empty((), dtype=autocast or ex.w1.dtype).element_size()
     out = []
     for k, ep in enumerate(eps):
         t_ffn, t_a2a = vals[2 * k], vals[2 * k + 1]
         bw = rows * token_bytes * (ep - 1) / ep / t_a2a if ep > 1 and t_a2a > 0 else 1.0
-        out.append(_candidate(ep, world, E, rows, token_bytes, expert_bytes, t_ffn, bw, alpha, beta))
+        out.append(_candidate(ep, world, E, rows, token_bytes, expert_bytes, t_ffn, bw, link.latency_s,
+                              link.bandwidth))
     return out
 
 

@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from moebal.config import Config, load, resolve_path
+from moebal.config import Config, resolve_path
 from moebal.errors import ConfigError
+from moebal.interop.hf_config import load
 from moebal.launch.cluster import (
     ClusterConfig,
     load_cluster,

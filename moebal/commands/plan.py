@@ -113,7 +113,7 @@ def run_experts(args: argparse.Namespace) -> int:
 
 def _dry_run(args: argparse.Namespace) -> tuple[Any, list[np.ndarray]]:
     """Costs of one MoE layer of a real model on a modelled cluster, and one step of seeded Zipf routing."""
-    from moebal.config import load
+    from moebal.interop.hf_config import load
     from moebal.planner.cost import CostModel, ModelShape
     from moebal.sim.routing import SyntheticRouting
 

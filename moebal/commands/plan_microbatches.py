@@ -114,7 +114,7 @@ def _model(args: argparse.Namespace) -> tuple[Any, int]:
 
     if args.config is None:
         return _paper_gpt(), 8192
-    from moebal.config import load
+    from moebal.interop.hf_config import load
 
     cfg = load(args.config)
     return ModelShape.from_config(cfg), cfg.model.max_seq_len
@@ -196,7 +196,7 @@ def _fmt(t: float) -> str:
 def _profile(args: argparse.Namespace) -> int:
     import torch
 
-    from moebal.config import load
+    from moebal.interop.hf_config import load
     from moebal.pipeline.microbatch_profile import profile_table
 
     cfg = load(args.config)

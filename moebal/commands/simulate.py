@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moebal.config import load
+    from moebal.interop.hf_config import load
     from moebal.planner.cost import CostModel, ModelShape
     from moebal.sim.simulate import plan_placements, simulate, write_chrome_trace
 

@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from moebal.config import Config, load, refuse_cpu_only
+from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.groups import pick_device
 from moebal.errors import ConfigError
+from moebal.interop.hf_config import load
 from moebal.train.precision import resolve_precision
 
 __all__ = ["add_arguments", "run", "summary_lines"]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from moebal.distributed.dilate import settle
 from moebal.distributed.expert_parallel import ExpertParallelDispatcher
+from moebal.distributed.probe import probe_link, slowest_over
 from moebal.kernels.bench import time_fn
 from moebal.planner.comm_plan import CommCosts
 from moebal.planner.perf import MoELayerCosts
@@ -134,8 +135,8 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
                        repeats: int = 5, dilate: float = 1.0) -> CommCosts:
     """The communication model's coefficients on the running job (collective over every rank):
 
-    - gradient all-reduce latency and bandwidth: a two-point fit of all-reduces of 16 KB and 4 MB over the
-      stage's ranks (alpha + S / beta);
+    - gradient all-reduce latency and bandwidth: the link probe (`moebal.distributed.probe`) on all-reduces of
+      16 KiB and 4 MiB over the stage's ranks (alpha + S / beta);
     - all-to-all latency: an all-to-all of 8 bytes per rank;
     - overlap: an all-to-all of one step's size and an expert computation sized to take about as long, alone
       and together (all-to-all in flight while the experts compute): (t_compute + t_a2a - t_both) /
@@ -149,7 +150,6 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     ex = d.layer.experts
     dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
-    small, large = torch.zeros(4096, device=dev), torch.zeros(1 << 20, device=dev)
     R, group = d.R, d.group
     tiny_in, tiny_out = torch.zeros(R * 2, device=dev), torch.zeros(R * 2, device=dev)
     rows = max(64, tokens)
@@ -160,11 +160,12 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     def a2a() -> None:
         dist.all_to_all_single(out, chunk, group=group)
 
+    link = probe_link(lambda buf: dist.all_reduce(buf, group=dense_group), dev, repeats=repeats,
+                      agree=slowest_over())
     times = torch.tensor([median_time(f, repeats, dev) for f in (
-        lambda: dist.all_reduce(small, group=dense_group), lambda: dist.all_reduce(large, group=dense_group),
         lambda: dist.all_to_all_single(tiny_out, tiny_in, group=group), a2a)], dtype=torch.float64, device=dev)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    t_s, t_l, t_tiny, t_a = to_host(times, "calibration figures")
+    t_tiny, t_a = to_host(times, "calibration figures")
     # expert compute sized to last about as long as the all-to-all (same rows on every rank)
     n = int(min(max(16, t_a * layer.expert_tokens_per_s), 8 * rows))
     local = len(d.owned)
@@ -187,9 +188,7 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
                       + [1.0 / layer.a2a_bw(0), 1.0 / layer.expert_tokens_per_s], dtype=torch.float64, device=dev)
     dist.all_reduce(t2, op=dist.ReduceOp.MAX)
     t_c, t_a, t_b, inv_a2a_bw, inv_tok = to_host(t2, "calibration figures")
-    s_s, s_l = small.numel() * 4, large.numel() * 4
-    beta = (s_l - s_s) / max(t_l - t_s, 1e-9)
-    alpha = max(0.0, t_s - s_s / beta)
     overlap = min(1.0, max(0.0, (t_c + t_a - t_b) / max(min(t_c, t_a), 1e-9)))
-    return CommCosts(ar_latency_s=alpha, ar_bandwidth=beta, a2a_latency_s=t_tiny, a2a_bandwidth=1.0 / inv_a2a_bw,
+    return CommCosts(ar_latency_s=link.latency_s, ar_bandwidth=link.bandwidth, a2a_latency_s=t_tiny,
+                     a2a_bandwidth=1.0 / inv_a2a_bw,
                      expert_tokens_per_s=1.0 / inv_tok, backward_factor=layer.backward_factor, overlap=overlap)

@@ -95,8 +95,7 @@ class LayerFreezing(Dynamism):
             vec[i], vec[L + i], vec[2 * L + i] = diff[:k].sum(), ref[:k].sum(), 1.0
             shard[i], shard[L + i] = diff[k:].sum(), ref[k:].sum()
             self.snapshots[i] = _snapshot(layer)
-        shard_sum = ctx.extra.get("shard_sum")
-        vec[:2 * L] += shard_sum(shard) if shard_sum is not None else shard
+        vec[:2 * L] += ctx.shard_sum(shard) if ctx.shard_sum is not None else shard
         tot = ctx.chain.allreduce_sum(vec)
         self.plasticity = [math.sqrt(float(tot[i]) / max(float(tot[L + i]), 1e-24)) if tot[2 * L + i] > 0 else None
                            for i in range(L)]

@@ -61,9 +61,8 @@ class MoERoutingCost(Dynamism):
         self.factors = [1.0] * self.L
 
     def on_start(self, ctx: SchemeContext) -> None:
-        ep = int(ctx.extra.get("ep", 1))
-        if ep > 1:
-            self.ranks = ep  # the job's own expert parallelism
+        if ctx.ep > 1:
+            self.ranks = ctx.ep  # the job's own expert parallelism
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)

@@ -245,7 +245,8 @@ class GradualPruning(Dynamism):
         self.total = sum(p.numel() for layer in model.model.layers for _, p in prunable_params(layer))
 
     def on_start(self, ctx: SchemeContext) -> None:
-        self.rows = int(ctx.extra.get("rows", self.rows))  # a micro-batch's token rows: what kernels are timed at
+        if ctx.rows is not None:  # a micro-batch's token rows: what kernels are timed at
+            self.rows = ctx.rows
 
     def update(self, ctx: SchemeContext) -> bool:
         due = [s for t, s in self.schedule if t == ctx.step]
@@ -280,8 +281,8 @@ class GradualPruning(Dynamism):
         # the kernel choice is timed, so data-parallel replicas of a stage may choose differently: a layer
         # counts as CSR when any replica runs it so (the same answer on every rank; it only feeds predictions)
         csr = tot[2 * self.L:].clone()
-        if int(ctx.extra.get("dp", 1)) > 1:  # a CPU tensor: host bookkeeping over gloo
-            dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.extra.get("dp_group"))
+        if ctx.dp > 1:  # a CPU tensor: host bookkeeping over gloo
+            dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.dp_group)
         self.csr = [bool(c > 0) for c in csr.tolist()]
 
     def _choose_kernels(self, i: int, layer: nn.Module) -> None:

@@ -15,10 +15,11 @@ so every rank takes the same decision from the same bits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moebal.errors import ConfigError
@@ -26,18 +27,53 @@ from moebal.errors import ConfigError
 __all__ = ["SCHEMES", "Dynamism", "SchemeContext", "build_dynamism", "layer_token_flops", "register", "ramp"]
 
 
+class SchemeStage(Protocol):
+    """What a scheme reads of this rank's pipeline stage (`moebal.pipeline.stage.PipelineStage`)."""
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The decoder layers held here, ascending."""
+        ...
+
+    @property
+    def model(self) -> nn.Module:
+        """The stage's body: `layers` and, on the first stage, `embed_tokens` (None elsewhere)."""
+        ...
+
+    def layer(self, i: int) -> nn.Module:
+        """Decoder layer i (held here)."""
+        ...
+
+
+class SchemeChain(Protocol):
+    """The pipeline chain a scheme agrees through (`moebal.pipeline.p2p.PipeChain`)."""
+
+    def allreduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
+        """Sum of every member's CPU `vec`, the same bits on every member."""
+        ...
+
+
 @dataclass
 class SchemeContext:
     """What a scheme may look at around a step (all of it local to this rank's stage)."""
 
     step: int
-    stage: Any
+    stage: SchemeStage
     """The PipelineStage of this rank."""
-    chain: Any
+    chain: SchemeChain
     """The PipeChain (for agreements along the pipeline)."""
     num_layers: int
     optimizer: torch.optim.Optimizer | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    rows: int | None = None
+    """Token rows of one micro-batch on this rank (what kernels are timed at); set when a scheme starts."""
+    dp: int = 1
+    """Data-parallel copies of this stage."""
+    dp_group: dist.ProcessGroup | None = None
+    """The process group of those copies (None: the default group)."""
+    ep: int = 1
+    """Expert-parallel size of this stage's MoE layers (1: every expert on each rank)."""
+    shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums a per-rank quantity over this rank's expert shards (None: nothing is sharded)."""
 
 
 class Dynamism:

@@ -4,7 +4,7 @@ Three pieces, each usable alone:
 
 1. `config_fields(dir)`: the checkpoint's `config.json` mapped onto moebal's `model.*` and `moe.*` fields,
    split into shape fields (the weights only fit these values) and training defaults (values a continuation
-   run starts from but may override, such as the load-balancing coefficient). `moebal.config.load` applies
+   run starts from but may override, such as the load-balancing coefficient). `moebal.interop.hf_config.load` applies
    them when `hf.init_from` is set; `config_from_hf(dir)` builds a whole `Config` from them.
 2. `hf_links(cfg, arch)`: the name mapping, one `Link` per HF tensor: HF tensor `hf` equals moebal tensor
    `ours`, or row `index` of it (moebal stacks a layer's experts, `experts.w1` [E, F, D]; HF stores one tensor
@@ -1226,11 +1226,6 @@ def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
         dtype = model.lm_head.weight.dtype
     return write_hf(StateDictSource(params), cfg, path, arch=arch, dtype=dtype, shard_bytes=shard_bytes, base=base,
                     copy_from=copy_from, overwrite=overwrite)
-
-
-def max_tensor_bytes(source: TensorSource) -> int:
-    """Size of the source's largest tensor (what a streaming conversion holds at once)."""
-    return max((t.nbytes for t in source.info().values()), default=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ __all__ = [
     "TensorInfo",
     "TensorSource",
     "dtype_name",
-    "open_source",
     "read_header",
     "write_safetensors",
 ]
@@ -326,16 +325,6 @@ class ScratchReader:
         """Cache the source's tensor list (reads then do not re-list it)."""
         self._info = self.source.info()
         return self
-
-
-def open_source(path: str | Path) -> DirectorySource | FileSource:
-    """A directory of safetensors weights or one safetensors file."""
-    p = Path(path)
-    if p.is_dir():
-        return DirectorySource(p)
-    if p.is_file():
-        return FileSource(p)
-    raise CheckpointError(f"{path} does not exist: give a checkpoint directory or a .safetensors file")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ N dispatched rows (one per active assignment), S shared-expert hidden dim.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import nn
@@ -34,6 +34,45 @@ if TYPE_CHECKING:
     from moebal.config import Config
 
 ROUTERS = ("linear", "mlp_tanh")
+
+
+class Dispatcher(Protocol):
+    """Runs a MoE layer's experts on its routed tokens: `LocalDispatcher` (every expert on this device, the
+    default) or `moebal.distributed.expert_parallel.ExpertParallelDispatcher` (all-to-alls around the experts
+    of an expert-parallel group), set from outside with `MoELayer.set_dispatcher`."""
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """out_TD: the weighted sum of each token's top-k experts' outputs (no shared expert)."""
+        ...
+
+
+class StatsReducer(Protocol):
+    """Sums routing statistics over ranks (`moebal.distributed.expert_parallel.StatsReducer`)."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, no gradient."""
+        ...
+
+    def sum_grad(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks whose backward sums the gradients too."""
+        ...
+
+
+class LocalDispatcher:
+    """Every expert of `layer` on this device: gather the rows per expert, run them, combine (no communication)."""
+
+    def __init__(self, layer: MoELayer) -> None:
+        self.layer = layer
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        layer, x_c = self.layer, x_TD
+        if torch.is_autocast_enabled(x_TD.device.type):  # cast before the gather: half the bytes to move
+            x_c = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
+        # The loop kernel reads its row counts on the host anyway; grouped_mm keeps them on the device, so
+        # dropped or untaken assignments stay as masked rows instead of a host read of the active count.
+        plan = layer.plan(routing, trim=layer.experts.resolve_kernel(x_TD.shape[0], x_c.dtype) == "loop")
+        y_ND = layer.expert_forward(plan.mask_tail(dispatch(x_c, plan)), plan)
+        return combine(plan.mask_tail(y_ND), plan, routing.weights_TK)
 
 
 class SwiGLUExperts(nn.Module):
@@ -156,8 +195,8 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
-        self.dispatcher: Any = None  # None: every expert on this device (the no-communication path)
-        self.stats_reducer: Any = None  # sums statistics over data-parallel ranks (None: this device only)
+        self.dispatcher: Dispatcher = LocalDispatcher(self)
+        self.stats_reducer: StatsReducer | None = None  # sums statistics over data-parallel ranks (None: this device)
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
         self.last_routing: Routing | None = None
@@ -229,17 +268,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer: expected input (..., {self.dim}); got shape {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.dim)
         r = self.route(x_TD)
-        if self.dispatcher is not None:
-            out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
-        else:
-            x_c = x_TD
-            if torch.is_autocast_enabled(x.device.type):  # cast before the gather: half the bytes to move
-                x_c = x_TD.to(torch.get_autocast_dtype(x.device.type))
-            # The loop kernel reads its row counts on the host anyway; grouped_mm keeps them on the device, so
-            # dropped or untaken assignments stay as masked rows instead of a host read of the active count.
-            plan = self.plan(r, trim=self.experts.resolve_kernel(x_TD.shape[0], x_c.dtype) == "loop")
-            y_ND = self.expert_forward(plan.mask_tail(dispatch(x_c, plan)), plan)
-            out_TD = combine(plan.mask_tail(y_ND), plan, r.weights_TK)
+        out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:
@@ -267,14 +296,14 @@ class MoELayer(nn.Module):
             else:
                 counts_E = stats.routed_E
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
-            return aux + self._global_losses(r, counts_E)
+            return aux + self._global_losses(r, counts_E, self.stats_reducer)
         if counts_E is not None:
             aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
         return aux
 
-    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None) -> torch.Tensor:
+    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: StatsReducer) -> torch.Tensor:
         """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward).
 
         Load balancing: f from the summed counts, P from the summed probabilities over the summed token count
@@ -288,7 +317,7 @@ class MoELayer(nn.Module):
             parts += [counts_E.to(torch.float32), r.probs_TE.sum(dim=0)]
         if self.z_loss_coef > 0:
             parts.append(torch.logsumexp(r.logits_TE.float(), dim=-1).square().sum().reshape(1))
-        total = self.stats_reducer.sum_grad(torch.cat(parts))
+        total = reducer.sum_grad(torch.cat(parts))
         tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
         aux = r.logits_TE.new_zeros(())
         if counts_E is not None:
@@ -322,11 +351,15 @@ class MoELayer(nn.Module):
 
     # ---- parallelism hooks (set from outside by moebal.distributed; the layer itself stays single-device) ----------
 
-    def set_dispatcher(self, dispatcher: Any) -> None:
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
         """Route tokens through `dispatcher.forward(x_TD, routing) -> out_TD` instead of the local experts."""
         self.dispatcher = dispatcher
 
-    def set_stats_reducer(self, reducer: Any) -> None:
+    def is_local(self) -> bool:
+        """Whether every expert runs here and statistics stay on this device (no peer waits on this layer)."""
+        return isinstance(self.dispatcher, LocalDispatcher) and self.stats_reducer is None
+
+    def set_stats_reducer(self, reducer: StatsReducer) -> None:
         """Compute the load-balancing loss from statistics summed over ranks (`reducer.sum(t)` without and
         `reducer.sum_grad(t)` with a gradient), so it equals the single-process loss over the global batch: a
         product of means is not a mean of products."""

@@ -105,7 +105,7 @@ def skip_layer(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     if not getattr(layer, "is_moe", False):
         return h_BTD
     moe = layer.block_sparse_moe
-    if moe.dispatcher is None and moe.stats_reducer is None:
+    if moe.is_local():
         moe.aux_loss = torch.zeros((), device=h_BTD.device)  # nothing routed: no balancing loss
         return h_BTD
     # the peers' MoE input needs a gradient whenever this layer trains (layers freeze whole): so must this one,

@@ -244,7 +244,7 @@ class PipelineRunner:
         self.engine.dilate = self.opts.dilate
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
-        ctx.extra["rows"] = self._micro_rows() * cfg.data.seq_len
+        ctx.rows = self._micro_rows() * cfg.data.seq_len
         self.scheme.on_start(ctx)
 
     def _micro_rows(self) -> int:
@@ -261,9 +261,8 @@ class PipelineRunner:
 
     def _ctx(self) -> SchemeContext:
         return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
-                             optimizer=self.optimizer,
-                             extra={"dp_group": self.dp_group, "dp": self.dp, "ep": self.dims.ep,
-                                    "shard_sum": self.experts.shard_sum})
+                             optimizer=self.optimizer, dp_group=self.dp_group, dp=self.dp, ep=self.dims.ep,
+                             shard_sum=self.experts.shard_sum)
 
     # ---- the loop ----
     def train(self, steps: int) -> RunSummary:
@@ -627,7 +626,7 @@ class PipelineRunner:
         its effect; a scheme that starts afresh (the checkpoint had another) starts from the loaded weights."""
         ctx = self._ctx()
         if not self._scheme_resumed:
-            ctx.extra["rows"] = self._micro_rows() * self.cfg.data.seq_len
+            ctx.rows = self._micro_rows() * self.cfg.data.seq_len
             self.scheme.on_start(ctx)
             return
         for i, state in layers.items():

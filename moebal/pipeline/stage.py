@@ -169,15 +169,6 @@ class PipelineStage(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [layer.block_sparse_moe for layer in self.model.layers.values() if layer.is_moe]
 
-    def pinned_modules(self) -> dict[str, nn.Module]:
-        """The embedding / final norm / head this stage holds (they never migrate)."""
-        out: dict[str, nn.Module] = {}
-        if self.model.embed_tokens is not None:
-            out["embed"] = self.model.embed_tokens
-        if self.model.norm is not None:
-            out["head"] = nn.ModuleList([self.model.norm, self.lm_head])
-        return out
-
     # ---- compute pieces (the engine runs them; dynamism schemes wrap the layer step) ----
     def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
         assert self.model.embed_tokens is not None
@@ -192,11 +183,6 @@ class PipelineStage(nn.Module):
         logits_BTV = self.lm_head(self.model.norm(h_BTD))
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100,
                                reduction="sum")
-
-    def moe_aux(self) -> torch.Tensor | None:
-        """Sum of the last forward's auxiliary losses of this stage's MoE layers (None without MoE layers)."""
-        aux = [layer.block_sparse_moe.aux_loss for layer in self.model.layers.values() if layer.is_moe]
-        return torch.stack([a.float() for a in aux]).sum() if aux else None
 
 
 def build_layer_skeleton(cfg: Config, i: int, device: torch.device | str) -> DecoderLayer:

@@ -7,7 +7,7 @@ A schedule is, per stage, the ordered list of operations `(kind, j)`: "F" (forwa
 micro-batch j. Micro-batches are injected into the first stage in an *order* (a permutation of 0..M-1).
 
 * `one_f_one_b`: PipeDream-flush over the injection order: stage p runs P - p - 1 warm-up forwards, then
-  alternates, then drains (the same op pattern as `schedule.one_f_one_b`, with micro-batch ids permuted).
+  alternates, then drains (`schedule.one_f_one_b` with the injection order, for every stage).
   At most P - p micro-batches are in flight on stage p; with variable durations its stages have no safety
   stock in the steady phase, so any slow micro-batch idles the stages behind it (DynaPipe §6.1).
 * `adaptive`: DynaPipe's Alg. 1, cleaned up (seed §6.3). Time advances in cycles; in a cycle every stage
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebal.errors import ConfigError
+from moebal.planner.schedule import one_f_one_b as stage_one_f_one_b
 
 __all__ = ["DYN_SCHEDULES", "Timeline", "adaptive", "choose_schedule", "cluster_orders", "memory_peaks",
            "one_f_one_b", "simulate"]
@@ -47,17 +48,8 @@ DYN_SCHEDULES = ("1f1b", "adaptive")
 
 
 def one_f_one_b(num_stages: int, order: Sequence[int]) -> list[list[Op]]:
-    """1F1B per stage over micro-batches injected in `order`."""
-    M = len(order)
-    out = []
-    for p in range(num_stages):
-        warm = min(num_stages - p - 1, M)
-        ops: list[Op] = [("F", order[j]) for j in range(warm)]
-        for j in range(M - warm):
-            ops += [("F", order[warm + j]), ("B", order[j])]
-        ops += [("B", order[j]) for j in range(M - warm, M)]
-        out.append(ops)
-    return out
+    """1F1B per stage over micro-batches injected in `order` (`planner.schedule.one_f_one_b` for every stage)."""
+    return [stage_one_f_one_b(num_stages, p, len(order), order) for p in range(num_stages)]
 
 
 def adaptive(num_stages: int, order: Sequence[int], act_PM: np.ndarray | None = None,

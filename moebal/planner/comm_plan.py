@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from moebal.errors import ConfigError
 
-__all__ = ["CommCosts", "CommSchedule", "PackingCandidate", "a2a_chunks", "ar_chunk_bytes", "comm_costs_from_profile",
+__all__ = ["CommCosts", "PackingCandidate", "a2a_chunks", "ar_chunk_bytes", "comm_costs_from_profile",
            "exchange_time", "lina_packing", "pack_experts"]
 
 
@@ -80,21 +80,6 @@ class CommCosts:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class CommSchedule:
-    """What the scheduler does in one step: gradient chunk bytes, token chunks per MoE layer, predictions."""
-
-    ar_chunk_bytes: float
-    a2a_chunks: tuple[int, ...]
-    predicted_s: tuple[float, ...] = ()
-    """Predicted forward + backward exchange time per layer with the chosen chunks."""
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ar_chunk_bytes": self.ar_chunk_bytes, "a2a_chunks": list(self.a2a_chunks),
-                "predicted_s": [round(t, 7) for t in self.predicted_s], **self.meta}
 
 
 def ar_chunk_bytes(costs: CommCosts, overhead: float = 0.05, total_bytes: float | None = None,

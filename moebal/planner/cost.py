@@ -205,12 +205,6 @@ class Topology:
     def num_links(self) -> int:
         return int(self.capacity_L.shape[0])
 
-    def link_class(self, link: int) -> str:
-        for lo, hi, label in self._block_ranges:
-            if lo <= link < hi:
-                return label
-        raise IndexError(link)
-
     def link_classes(self) -> list[tuple[int, int, str]]:
         return list(self._block_ranges)
 

@@ -17,18 +17,16 @@ root complex, or the memory bus of a CPU host running gloo).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from moebal.config import build_schema, read_yaml
 from moebal.errors import ConfigError
 
 __all__ = [
@@ -261,82 +259,13 @@ def load_profile(name_or_path: str | Path | HardwareProfile) -> HardwareProfile:
             raise ConfigError(f"hardware profile '{name_or_path}' not found{hint}: give a YAML path or one of "
                               f"{', '.join(names)}; `moebal calibrate` writes one for this machine")
         p = cand
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{p}: cannot read hardware profile: {' '.join(str(e).split())}") from None
-    return profile_from_dict(data, source=str(p))
+    return profile_from_dict(read_yaml(p), source=str(p))
 
 
 def profile_from_dict(data: Any, source: str = "<dict>") -> HardwareProfile:
-    """Build and validate a profile from parsed YAML; unknown keys fail naming the closest valid one."""
-    try:
-        return typing.cast(HardwareProfile, _build(HardwareProfile, data, source, ""))
-    except ConfigError as e:
-        msg = str(e)
-        raise ConfigError(msg if msg.startswith(source) else f"{source}: {msg}") from None
-
-
-def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: '{prefix.rstrip('.') or 'the top level'}' must be a mapping; got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
-        kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    missing = [k for k in required if k not in kwargs]
-    if missing:
-        raise ConfigError(f"{source}: missing required key(s) {', '.join(prefix + k for k in missing)}")
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(typing.cast(type, tp), value, source, key + ".")
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, source, key)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(str, typing.get_args(tp)))}; "
-                              f"got {value!r}")
-        return value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{key}' must be a mapping; got {value!r}")
-        vt = typing.get_args(tp)[1]
-        return {str(k): _coerce(vt, v, source, f"{key}.{k}") for k, v in value.items()}
-    if origin is tuple:
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return tuple(str(v) for v in items)
-    if tp is float:
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise ConfigError(f"{source}: '{key}' must be a finite number; got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{source}: '{key}' must be an integer; got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{source}: '{key}' must be a string; got {value!r}")
-    if tp is Any:
-        return value
-    raise TypeError(f"profile field {key} has an unsupported type {tp!r}")  # a schema bug
+    """Build and validate a profile from parsed YAML with the run config's rules and messages
+    (`moebal.config.build_schema`): unknown keys fail naming the closest valid one."""
+    return build_schema(HardwareProfile, data, source=source)
 
 
 def _plain(x: Any) -> Any:

@@ -276,18 +276,19 @@ def should_adopt(costs: Sequence[float], current: Sequence[int], proposed: Seque
     return bool(gain > cost and moved), float(gain), float(cost)
 
 
-def clears_hysteresis(t_cur: float, t_new: float, min_gain: float, streak: int, confirm: int) -> bool:
+def clears_hysteresis(t_cur: float, t_new: float, min_gain: float, streak: int, confirm: int,
+                      confirm_fraction: float = 0.2) -> bool:
     """Whether a proposal predicted at `t_new` s per iteration (current partition: `t_cur`) is worth moving to.
 
-    At once when it gains at least `min_gain` of the iteration. A smaller gain, at least a fifth of that, only
-    when the same partition has now been proposed at `confirm` consecutive plan points (`streak` counts them,
-    this one included; `confirm` 0 never): noise makes a different winner at each plan point, a real but small
-    improvement keeps winning. (With one threshold alone, finer partition units found gains of 2-3 % at
-    every plan point and never took them.)
+    At once when it gains at least `min_gain` of the iteration. A smaller gain, at least `confirm_fraction` of
+    `min_gain` (`pipeline.confirm_fraction`), only when the same partition has now been proposed at `confirm`
+    consecutive plan points (`streak` counts them, this one included; `confirm` 0 never): noise makes a
+    different winner at each plan point, a real but small improvement keeps winning. (With one threshold
+    alone, finer partition units found gains of 2-3 % at every plan point and never took them.)
     """
     if t_new <= (1.0 - min_gain) * t_cur:
         return True
-    return confirm > 0 and streak >= confirm and t_new <= (1.0 - min_gain / 5.0) * t_cur
+    return confirm > 0 and streak >= confirm and t_new <= (1.0 - confirm_fraction * min_gain) * t_cur
 
 
 def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int, slack: float = 0.1,

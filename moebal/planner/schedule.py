@@ -52,15 +52,20 @@ def gpipe(num_stages: int, stage: int, num_micro: int) -> list[Op]:
     return [("F", j) for j in range(num_micro)] + [("B", j) for j in range(num_micro)]
 
 
-def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[Op]:
+def one_f_one_b(num_stages: int, stage: int, num_micro: int, order: Sequence[int] | None = None) -> list[Op]:
     """1F1B (PipeDream-flush): P - p - 1 warm-up forwards, then alternate one forward and one backward,
-    then drain; at most P - p micro-batches' activations are alive on stage p."""
+    then drain; at most P - p micro-batches' activations are alive on stage p. Micro-batches are injected in
+    `order` (a permutation of range(num_micro); None: 0, 1, ...). The one 1F1B order of the project: the
+    engine, the adaptive schedule and the simulator all call it."""
     _check(num_stages, stage, num_micro)
+    ids = list(range(num_micro)) if order is None else list(order)
+    if sorted(ids) != list(range(num_micro)):
+        raise ConfigError(f"order must be a permutation of range({num_micro}); got {ids}")
     warm = min(num_stages - stage - 1, num_micro)
-    ops: list[Op] = [("F", j) for j in range(warm)]
+    ops: list[Op] = [("F", ids[j]) for j in range(warm)]
     for j in range(num_micro - warm):
-        ops += [("F", warm + j), ("B", j)]
-    ops += [("B", j) for j in range(num_micro - warm, num_micro)]
+        ops += [("F", ids[warm + j]), ("B", ids[j])]
+    ops += [("B", ids[j]) for j in range(num_micro - warm, num_micro)]
     return ops
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from moebal.errors import ConfigError
 from moebal.planner.cost import Collective, CostModel, ModelShape, Topology
 from moebal.planner.plan import ExpertPlacement
+from moebal.planner.schedule import make_schedule
 from moebal.sim.engine import Engine
 
 __all__ = ["Layout", "SimSpec", "build_program", "pipeline_order", "uniform_stages"]
@@ -144,19 +145,11 @@ def uniform_stages(n_layers: int, pp: int) -> tuple[int, ...]:
 
 
 def pipeline_order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    """The (F|B, micro-batch) order a stage runs: GPipe (all forwards, then all backwards) or 1F1B."""
-    if schedule == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    warm = min(stages - stage - 1, m)
-    order = [("F", j) for j in range(warm)]
-    f, b = warm, 0
-    while f < m:
-        order.append(("F", f))
-        f += 1
-        order.append(("B", b))
-        b += 1
-    order += [("B", j) for j in range(b, m)]
-    return order
+    """The (F|B, micro-batch) order a stage runs: GPipe (all forwards, then all backwards) or 1F1B, as the
+    pipeline engine runs them (`planner.schedule`)."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown simulated pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return make_schedule(schedule, stages, stage, m)
 
 
 # ---------------------------------------------------------------------------------------------------------

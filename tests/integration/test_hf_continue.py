@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moebal.config import CONFIG_DIR, load
+from moebal.config import CONFIG_DIR
 from moebal.data import build_data
 from moebal.interop.hf import from_hf
+from moebal.interop.hf_config import load
 from tests.hf_util import (
     read_tensors,
     tiny_mixtral,

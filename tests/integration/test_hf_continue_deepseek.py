@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from moebal.config import CONFIG_DIR, load
+from moebal.config import CONFIG_DIR
 from moebal.data import build_data
+from moebal.interop.hf_config import load
 from tests.hf_util import tiny_tokenizer, transformers_or_skip
 from tests.integration.test_hf_continue import (
     TEXTS,

@@ -98,7 +98,7 @@ def test_pruning_step_masks_globally_and_times_kernels_on_one_stage():
                         cfg=cfg)
     pr.prepare_model(model)
     stage = PipelineStage.from_model(model, 0, 2, first=True, last=True)
-    ctx = SchemeContext(step=1, stage=stage, chain=PipeChain([0], 0), num_layers=2, extra={"rows": 64})
+    ctx = SchemeContext(step=1, stage=stage, chain=PipeChain([0], 0), num_layers=2, rows=64)
     pr.on_start(ctx)
     rng = torch.get_rng_state()
     assert pr.update(ctx) is True  # the one pruning step, at step 1

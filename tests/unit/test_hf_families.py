@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from moebal.config import load
 from moebal.errors import CheckpointError, ConfigError
 from moebal.interop.hf import config_from_hf, from_hf, to_hf
+from moebal.interop.hf_config import load
 from moebal.models.transformer import MoebalForCausalLM
 from tests.hf_util import (
     logits,

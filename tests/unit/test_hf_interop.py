@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebal.config import load
 from moebal.errors import CheckpointError, ConfigError
 from moebal.interop.hf import config_from_hf, from_hf, to_hf
+from moebal.interop.hf_config import load
 from moebal.interop.tensor_io import read_header
 from tests.hf_util import logits, read_tensors, tiny_mixtral, tiny_qwen2_moe, transformers_or_skip
 

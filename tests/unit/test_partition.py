@@ -132,3 +132,15 @@ def test_hysteresis_takes_a_small_gain_only_when_it_keeps_winning():
     assert clears_hysteresis(1.0, 0.97, 0.05, streak=2, confirm=2)
     assert not clears_hysteresis(1.0, 0.995, 0.05, streak=5, confirm=2)  # below a fifth of min_gain: never
     assert not clears_hysteresis(1.0, 0.97, 0.05, streak=9, confirm=0)  # confirm 0: the threshold alone
+
+
+def test_confirm_fraction_sets_the_confirmed_threshold() -> None:
+    from moebal.config import load
+    from moebal.planner.partition import clears_hysteresis
+
+    assert not clears_hysteresis(1.0, 0.995, 0.05, streak=2, confirm=2)  # 0.5 %: under a fifth of min_gain
+    assert clears_hysteresis(1.0, 0.995, 0.05, streak=2, confirm=2, confirm_fraction=0.1)
+    assert not clears_hysteresis(1.0, 0.97, 0.05, streak=2, confirm=2, confirm_fraction=0.8)
+    assert load(None, ["pipeline.confirm_fraction=0.5"]).pipeline.confirm_fraction == 0.5
+    with pytest.raises(ConfigError, match="pipeline.confirm_fraction"):
+        load(None, ["pipeline.confirm_fraction=1.5"])
