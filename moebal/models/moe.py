@@ -10,7 +10,7 @@ N dispatched rows (one per active assignment), S shared-expert hidden dim.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import nn
@@ -34,6 +34,22 @@ if TYPE_CHECKING:
     from moebal.config import Config
 
 ROUTERS = ("linear", "mlp_tanh")
+
+
+class TokenDispatcher(Protocol):
+    """A token path that replaces the local dispatch/experts/combine (expert parallelism): the routed tokens in,
+    the combined expert outputs out."""
+
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor: ...
+
+
+class RankReducer(Protocol):
+    """Sums routing statistics over ranks: `sum` without a gradient, `sum_grad` with one (its backward sums the
+    gradients)."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def sum_grad(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 class SwiGLUExperts(nn.Module):
@@ -156,8 +172,9 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
-        self.dispatcher: Any = None  # None: every expert on this device (the no-communication path)
-        self.stats_reducer: Any = None  # sums statistics over data-parallel ranks (None: this device only)
+        self.dispatcher: TokenDispatcher | None = None  # None: every expert on this device (no communication)
+        # sums statistics over data-parallel ranks (None: this device only)
+        self.stats_reducer: RankReducer | None = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
         self.last_routing: Routing | None = None
@@ -222,7 +239,8 @@ class MoELayer(nn.Module):
         return make_plan(r.indices_TK, r.active_TK, self.num_experts, trim=trim)
 
     def expert_forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        return self.experts(x_ND, plan)
+        y_ND: torch.Tensor = self.experts(x_ND, plan)  # nn.Module.__call__ is typed Any
+        return y_ND
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
@@ -266,15 +284,16 @@ class MoELayer(nn.Module):
                 counts_E = assignment_counts(r.indices_TK[:, :1], None, self.num_experts)
             else:
                 counts_E = stats.routed_E
-        if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
-            return aux + self._global_losses(r, counts_E)
+        reducer = self.stats_reducer
+        if reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
+            return aux + self._global_losses(r, counts_E, reducer)
         if counts_E is not None:
             aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
         return aux
 
-    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None) -> torch.Tensor:
+    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: RankReducer) -> torch.Tensor:
         """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward).
 
         Load balancing: f from the summed counts, P from the summed probabilities over the summed token count
@@ -288,7 +307,7 @@ class MoELayer(nn.Module):
             parts += [counts_E.to(torch.float32), r.probs_TE.sum(dim=0)]
         if self.z_loss_coef > 0:
             parts.append(torch.logsumexp(r.logits_TE.float(), dim=-1).square().sum().reshape(1))
-        total = self.stats_reducer.sum_grad(torch.cat(parts))
+        total = reducer.sum_grad(torch.cat(parts))
         tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
         aux = r.logits_TE.new_zeros(())
         if counts_E is not None:
@@ -322,17 +341,17 @@ class MoELayer(nn.Module):
 
     # ---- parallelism hooks (set from outside by moebal.distributed; the layer itself stays single-device) ----------
 
-    def set_dispatcher(self, dispatcher: Any) -> None:
+    def set_dispatcher(self, dispatcher: TokenDispatcher | None) -> None:
         """Route tokens through `dispatcher.forward(x_TD, routing) -> out_TD` instead of the local experts."""
         self.dispatcher = dispatcher
 
-    def set_stats_reducer(self, reducer: Any) -> None:
+    def set_stats_reducer(self, reducer: RankReducer | None) -> None:
         """Compute the load-balancing loss from statistics summed over ranks (`reducer.sum(t)` without and
         `reducer.sum_grad(t)` with a gradient), so it equals the single-process loss over the global batch: a
         product of means is not a mean of products."""
         self.stats_reducer = reducer
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         # The last forward's loss and routing hold autograd graphs, which deepcopy/pickle cannot copy.
         state = self.__dict__.copy()
         state["aux_loss"] = torch.zeros(())
