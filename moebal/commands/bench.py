@@ -269,7 +269,8 @@ def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bo
     case.methods["dense"] = _dense_method(K * T, D, F_, dtype, device)
     case.methods["moebal"] = _module_method(layer, x_TD, g_TD)
     layer(x_TD)
-    stats = layer.last_stats.read()  # type: ignore[union-attr]
+    assert layer.last_stats is not None  # recorded by the forward just above
+    stats = layer.last_stats.read()
     case.info["moebal"] = {"kernel": layer.experts.resolve_kernel(K * T, dtype), "imbalance": stats["imbalance"],
                            "max_load": stats["max_load"], "mean_load": stats["mean_load"]}
     if with_kernels:

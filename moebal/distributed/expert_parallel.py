@@ -219,10 +219,11 @@ class ExpertParallelDispatcher:
 
     def _replica_grads(self, local: list[int], dW: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """Flat [w1 | w3 | w2] gradient of every replica among the experts computed here."""
+        grads = [g for g in dW if g is not None]
         out = {}
         for j, e in enumerate(local):
-            if e in self.replicas and all(g is not None for g in dW):
-                out[e] = torch.cat([g[j].reshape(-1) for g in dW])  # type: ignore[index]
+            if e in self.replicas and len(grads) == len(dW):
+                out[e] = torch.cat([g[j].reshape(-1) for g in grads])
         return out
 
     def _announce(self, grad: torch.Tensor) -> None:

@@ -857,11 +857,11 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
     return model
 
 
-def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, where: str,
+def load_hf_weights(model: MoebalForCausalLM, source: TensorSource, arch: str, where: str,
                     experts: Sequence[int] | None = None) -> None:
     """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time; with
     `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read)."""
-    cfg: Config = model.config  # type: ignore[assignment]
+    cfg = model.config
     links = hf_links(cfg, arch, fused=arch in _FUSED_ARCHS and is_fused(source.info()))
     state = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}

@@ -79,9 +79,12 @@ class SwiGLUExperts(nn.Module):
         if self.kernel == "grouped_mm" and not grouped_mm_supports(D, F_, dtype):
             raise ValueError(f"kernel='grouped_mm' needs dim and ffn_dim whose rows are multiples of 16 bytes in "
                              f"{dtype} (dim={D}, ffn_dim={F_}); use kernel='auto' or 'loop'")
-        if self.kernel != "auto":
-            return self.kernel  # type: ignore[return-value]
-        return auto_kernel(self.w1.device, D, F_, dtype)
+        if self.kernel == "auto":
+            return auto_kernel(self.w1.device, D, F_, dtype)
+        for k in KERNELS:  # checked here too: a run sets `kernel` after construction (moebal/train/kernels.py)
+            if k == self.kernel:
+                return k
+        raise ValueError(f"kernel must be one of auto, {', '.join(KERNELS)}; got {self.kernel!r}")
 
     def forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.compute(x_ND, self.w1, self.w3, self.w2, plan)
