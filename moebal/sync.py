@@ -130,7 +130,8 @@ def _patch() -> None:
                 a._raw("__setitem__ of a Python number")
         return setitem(self, index, value)
 
-    torch.Tensor.__setitem__ = set_item  # type: ignore[method-assign]
+    # the audit patches torch itself (undone by its exit); a typed wrapper of the overloaded original is not worth it
+    torch.Tensor.__setitem__ = set_item  # type: ignore[method-assign, assignment]
     for fn_name in ("tensor", "as_tensor"):
         fn = getattr(torch, fn_name)
         _originals[(torch, fn_name)] = fn

@@ -269,7 +269,8 @@ def _build_methods(shape: LayerShape, dtype: Any, routing: str, with_kernels: bo
     case.methods["dense"] = _dense_method(K * T, D, F_, dtype, device)
     case.methods["moebal"] = _module_method(layer, x_TD, g_TD)
     layer(x_TD)
-    stats = layer.last_stats.read()  # type: ignore[union-attr]
+    assert layer.last_stats is not None  # recorded by the forward just above
+    stats = layer.last_stats.read()
     case.info["moebal"] = {"kernel": layer.experts.resolve_kernel(K * T, dtype), "imbalance": stats["imbalance"],
                            "max_load": stats["max_load"], "mean_load": stats["mean_load"]}
     if with_kernels:
@@ -321,12 +322,15 @@ class HFLoopBlock:
         self.gate, self.top_k, self.num_experts = layer.gate, layer.top_k, layer.num_experts
         ex = layer.experts
         self.experts = nn.ModuleList()
+        self._mlps: list[tuple[nn.Linear, nn.Linear, nn.Linear]] = []  # the experts' (w1, w3, w2), typed
         for e in range(layer.num_experts):
             m = nn.Module()
-            m.w1, m.w3, m.w2 = (nn.Linear(1, 1, bias=False) for _ in range(3))
-            m.w1.weight, m.w3.weight = nn.Parameter(ex.w1[e].detach().clone()), nn.Parameter(ex.w3[e].detach().clone())
-            m.w2.weight = nn.Parameter(ex.w2[e].detach().clone())
+            w1, w3, w2 = (nn.Linear(1, 1, bias=False) for _ in range(3))
+            m.w1, m.w3, m.w2 = w1, w3, w2
+            w1.weight, w3.weight = nn.Parameter(ex.w1[e].detach().clone()), nn.Parameter(ex.w3[e].detach().clone())
+            w2.weight = nn.Parameter(ex.w2[e].detach().clone())
             self.experts.append(m)
+            self._mlps.append((w1, w3, w2))
         self._torch = torch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -341,10 +345,10 @@ class HFLoopBlock:
         w_TK = (w_TK / w_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
         out_TD = torch.zeros_like(x_TD)
         mask_EKT = F.one_hot(idx_TK, self.num_experts).permute(2, 1, 0)
-        for e, m in enumerate(self.experts):
+        for e, (w1, w3, w2) in enumerate(self._mlps):
             j, t = torch.where(mask_EKT[e])
             h = x_TD[t]
-            y = m.w2(F.silu(m.w1(h)) * m.w3(h)) * w_TK[t, j, None]
+            y = w2(F.silu(w1(h)) * w3(h)) * w_TK[t, j, None]
             out_TD.index_add_(0, t, y)
         return out_TD
 
@@ -386,9 +390,9 @@ class GuardedStep:
             self.error = failure(f"{phase} {self.calls}", e)
 
 
-def _add_third_party(case: Case, warmup: int) -> dict[str, tuple[GuardedStep, Callable[[], dict] | None]]:
+def _add_third_party(case: Case, warmup: int) -> dict[str, tuple[GuardedStep, Callable[[], dict[str, Any]] | None]]:
     """Build every provider's methods (construction guarded) and add their guarded steps to the case."""
-    guarded: dict[str, tuple[GuardedStep, Callable[[], dict] | None]] = {}
+    guarded: dict[str, tuple[GuardedStep, Callable[[], dict[str, Any]] | None]] = {}
     for provider_name, provider in THIRD_PARTY.items():
         try:
             built = provider(case)
@@ -410,7 +414,7 @@ def _add_third_party(case: Case, warmup: int) -> dict[str, tuple[GuardedStep, Ca
     return guarded
 
 
-def _finish_third_party(case: Case, guarded: dict[str, tuple[GuardedStep, Callable[[], dict] | None]],
+def _finish_third_party(case: Case, guarded: dict[str, tuple[GuardedStep, Callable[[], dict[str, Any]] | None]],
                         timings: dict[str, Any]) -> None:
     """Run the result checks (guarded); a method that failed in any phase loses its timings (a partial
     figure would read as a real one) and is recorded as failed."""

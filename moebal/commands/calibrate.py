@@ -163,8 +163,8 @@ def expert_probes(dtype: str, shapes: Sequence[tuple[int, int, int, int]]) -> di
     over the experts at random (seeded)."""
     import torch
 
-    from moebal.kernels.dispatch import make_plan
-    from moebal.kernels.expert_ffn import auto_kernel, swiglu_experts
+    from moebal.kernels.dispatch import DispatchPlan, make_plan
+    from moebal.kernels.expert_ffn import KernelName, auto_kernel, swiglu_experts
 
     out: dict[str, Probe] = {}
     for E, N, D, Fh in shapes:
@@ -174,7 +174,8 @@ def expert_probes(dtype: str, shapes: Sequence[tuple[int, int, int, int]]) -> di
         ws = [(torch.randn(E, a, b) * 0.02).to(_dtype(dtype)).requires_grad_() for a, b in ((Fh, D), (Fh, D), (D, Fh))]
         kernel = auto_kernel(torch.device("cpu"), D, Fh, _dtype(dtype))
 
-        def step(x: Any = x, ws: list = ws, plan: Any = plan, kernel: Any = kernel) -> None:
+        def step(x: torch.Tensor = x, ws: list[torch.Tensor] = ws, plan: DispatchPlan = plan,
+                 kernel: KernelName = kernel) -> None:
             swiglu_experts(x, ws[0], ws[1], ws[2], plan, kernel).sum().backward()
 
         meta = {"dtype": dtype, "dim": D, "ffn": Fh, "rows": plan.host_counts()}
@@ -226,7 +227,7 @@ def compute_records(probes: dict[str, Probe], medians: dict[str, float]) -> dict
     """Fit records (see hardware_fit) from probe facts and median seconds."""
     rec: dict[str, list[dict[str, Any]]] = {"gemm": [], "memory": [], "attention": [], "experts": [],
                                             "optimizer": [], "overhead": []}
-    sdpa: dict[tuple, dict[str, Any]] = {}
+    sdpa: dict[tuple[object, ...], dict[str, Any]] = {}  # keyed by (dtype, batch, heads, seq, head_dim)
     for name, (meta, _) in probes.items():
         if name not in medians:
             continue
@@ -314,4 +315,5 @@ def _collective_worker(rank: int, world: int, sizes: list[int], rounds: int) -> 
 def measure_collectives(world: int, sizes: Sequence[int], rounds: int) -> list[dict[str, Any]]:
     from moebal.distributed.testing import run_ranks
 
-    return run_ranks(_collective_worker, world, list(sizes), rounds, timeout_s=900.0)[0]
+    per_rank: list[list[dict[str, Any]]] = run_ranks(_collective_worker, world, list(sizes), rounds, timeout_s=900.0)
+    return per_rank[0]

@@ -90,7 +90,7 @@ def run_stages(args: argparse.Namespace) -> int:
         if packed is not None:
             plans["repack"] = packed
     base = iteration_time(stage_loads(costs, plans["uniform"], **kw), M, args.comm)
-    report = []
+    report: list[dict[str, Any]] = []  # JSON rows
     for name, sizes in plans.items():
         loads = stage_loads(costs, sizes, **kw)
         t = iteration_time(loads, M, args.comm)

@@ -110,7 +110,8 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
         if v < 1:
             raise ConfigError(f"{name} must be >= 1; got {v}")
     m = args.micro_batches or (1 if pp == 1 else 4 * pp)
-    lina = dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2) if args.lina else {}
+    lina: dict[str, Any] = (dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2)
+                            if args.lina else {})
     moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina.pop("moe_schedule", "serial")
     return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,

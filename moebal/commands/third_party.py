@@ -56,8 +56,9 @@ def tutel_provenance() -> dict[str, str]:
     module = importlib.import_module("tutel")
     if out["version"] == "unknown":
         out["version"] = str(getattr(module, "__version__", "unknown"))
-    if out["commit"] == "unknown" and getattr(module, "__file__", None):
-        out["commit"] = _checkout_commit(Path(module.__file__).resolve().parent)
+    file = getattr(module, "__file__", None)
+    if out["commit"] == "unknown" and file:
+        out["commit"] = _checkout_commit(Path(file).resolve().parent)
     return out
 
 

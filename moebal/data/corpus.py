@@ -95,7 +95,7 @@ def val_share(name: str) -> float:
 
 
 def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str]) -> list[Path]:
-    found = []
+    found: list[Path] = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in skip and not x.startswith("."))
         found.extend(Path(d) / f for f in sorted(files) if f.endswith(suffixes))

@@ -260,7 +260,7 @@ def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
     seed = cfg.train.seed if seed is None else seed
     train: _Sampler | MixtureSampler
     if d.mixture:
-        parts = [cls(c.train, d.seq_len, d.batch_size, seed + 7919 * k) for k, c in enumerate(corpora)]
+        parts: list[_Sampler] = [cls(c.train, d.seq_len, d.batch_size, seed + 7919 * k) for k, c in enumerate(corpora)]
         train = MixtureSampler(parts, sources, [d.mixture[s] for s in sources], d.batch_size, seed)
         weights = ",".join(f"{s}:{d.mixture[s]:g}" for s in sources)
         corpus = merge_corpora(corpora, f"mixture({weights})")

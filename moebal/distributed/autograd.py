@@ -45,7 +45,8 @@ class _AllToAllRows(torch.autograd.Function):
 def all_to_all_rows(x_ND: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                     group: Any) -> torch.Tensor:
     """Differentiable uneven all-to-all along dim 0."""
-    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group)
+    y_MD: torch.Tensor = _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group)  # apply: Any
+    return y_MD
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Any) -> torch.Tensor:

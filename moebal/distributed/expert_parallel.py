@@ -27,8 +27,8 @@ Around the step (`ExpertParallel`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,16 @@ from moebal.scheduler.core import CommScheduler, Handle
 from moebal.scheduler.exchange import ExchangePlan, expert_exchange
 from moebal.scheduler.grads import GradGroup, GradSync
 from moebal.sync import count_ids, to_host, upload
+
+if TYPE_CHECKING:
+    from moebal.models.moe import MoELayer
+    from moebal.routing import Routing
+
+# (placement, experts computed here, grad mode): what a step's stacked weights were built for
+_StackKey = tuple[ExpertPlacement, tuple[int, ...], bool]
+_Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# an owner's Agg receives for one replicated expert: (dispatcher, expert, [(holder, flat gradient)])
+_Inbox = tuple["ExpertParallelDispatcher", int, list[tuple[int, torch.Tensor]]]
 
 __all__ = ["ExpertParallel", "ExpertParallelDispatcher", "is_expert_param"]
 
@@ -59,10 +69,18 @@ def _sorted_keys(keys_A: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, tor
     return order_A, count_ids(keys_A, num_keys + 1)[:num_keys]
 
 
+class ExpertModel(Protocol):
+    """What expert parallelism needs of a model: a whole model (`MoebalForCausalLM`) or a pipeline stage."""
+
+    def moe_layers(self) -> Iterable[MoELayer]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
 class ExpertParallelDispatcher:
     """The token path of one MoE layer under expert parallelism (replaces the local dispatch/compute/combine)."""
 
-    def __init__(self, layer: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None,
+    def __init__(self, layer: MoELayer, dims: ParallelDims, sched: CommScheduler | None = None,
                  index: int = 0, group: Any = None, compute_dtype: torch.dtype | None = None) -> None:
         """`group`: the communicator of the token exchange (default: the "ep" group; `ExpertParallel` passes
         its high-priority channel); `compute_dtype`: the dtype the experts compute in (bf16 under autocast),
@@ -70,11 +88,13 @@ class ExpertParallelDispatcher:
         self.layer, self.index = layer, index
         self.sched = sched or CommScheduler("off", rank=dims.rank, device=dims.device)
         self.compute_dtype = compute_dtype
-        self._stacked: tuple[Any, tuple[torch.Tensor, ...]] | None = None  # (key, weights) for this step
+        self._stacked: tuple[_StackKey, _Weights] | None = None  # (key, weights) for this step
         self.a2a_chunks = 1  # Lina's all-to-all micro-ops per exchange (set per step by the scheduling hook)
         self.trans: Handle | None = None  # this layer's Trans in flight
-        self.on_start: Any = None  # called when the layer's token exchange begins (block overlap: next Trans)
-        self.on_grads: Any = None  # called with {replicated expert: flat gradient} when its backward is done
+        # called when the layer's token exchange begins (block overlap: next Trans)
+        self.on_start: Callable[[], None] | None = None
+        # called with {replicated expert: flat gradient} when its backward is done
+        self.on_grads: Callable[[dict[int, torch.Tensor]], None] | None = None
         self.group = group if group is not None else dims.group("ep")
         self.R, self.r = dims.size("ep"), dims.index("ep")
         self.ep_ranks = dims.ranks_of("ep")
@@ -86,7 +106,7 @@ class ExpertParallelDispatcher:
         self._shard(layer)
 
     # ---- sharding and replicas ----
-    def _shard(self, layer: nn.Module) -> None:
+    def _shard(self, layer: MoELayer) -> None:
         lo, hi = self.owned[0], self.owned[-1] + 1
         for name in ("w1", "w3", "w2"):
             full = getattr(layer.experts, name)
@@ -118,7 +138,7 @@ class ExpertParallelDispatcher:
         n = F_ * D
         return flat[:n].view(F_, D), flat[n:2 * n].view(F_, D), flat[2 * n:].view(D, F_)
 
-    def _local_weights(self, local: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _local_weights(self, local: list[int]) -> _Weights:
         """Stacked [L, ...] weights of the experts computed here, in ascending expert id.
 
         Plain expert parallelism uses the parameters (no copy). With replicas the owned slices and the
@@ -130,7 +150,7 @@ class ExpertParallelDispatcher:
             return ex.w1, ex.w3, ex.w2  # plain expert parallelism: no copy
         key = (self.placement, tuple(local), torch.is_grad_enabled())
         if self._stacked is not None and self._stacked[0] == key:
-            return self._stacked[1]  # type: ignore[return-value]
+            return self._stacked[1]
         dtype = self.wire_dtype
         parts: list[tuple[torch.Tensor, ...]] = []
         for e in local:
@@ -139,9 +159,9 @@ class ExpertParallelDispatcher:
             else:
                 i = self._local_index(e)
                 parts.append((ex.w1[i].to(dtype), ex.w3[i].to(dtype), ex.w2[i].to(dtype)))
-        stacked = tuple(torch.stack([p[j] for p in parts]) for j in range(3))
-        self._stacked = (key, stacked)
-        return stacked  # type: ignore[return-value]
+        w1, w3, w2 = (torch.stack([p[j] for p in parts]) for j in range(3))
+        self._stacked = (key, (w1, w3, w2))
+        return w1, w3, w2
 
     def reset_step(self) -> None:
         """Forget this step's stacked weights (new placement, or the parameters changed)."""
@@ -157,7 +177,7 @@ class ExpertParallelDispatcher:
         return self._dest_E
 
     # ---- the token path ----
-    def forward(self, x_TD: torch.Tensor, routing: Any) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.indices_TK.shape
         E, R, dev = self.E, self.R, x_TD.device
         if self.on_start is not None:
@@ -185,8 +205,9 @@ class ExpertParallelDispatcher:
         local = list(self.placement.local_experts(self.r))
         xplan = ExchangePlan(send_counts=send_counts, recv_counts=recv_counts, local=local,
                              chunks=self.a2a_chunks, device=dev, layer=self.index)
-        if self.on_grads is not None and self.placement.replicated:  # owners post their receives here too
-            xplan.on_weight_grads = lambda dW: self.on_grads(self._replica_grads(local, dW))
+        on_grads = self.on_grads
+        if on_grads is not None and self.placement.replicated:  # owners post their receives here too
+            xplan.on_weight_grads = lambda dW: on_grads(self._replica_grads(local, dW))
         x_ND = x_TD.index_select(0, plan.token_N)
         self.wait_trans()
         y_ND = expert_exchange(x_ND, self._local_weights(local), xplan, self.layer.experts, self.sched, self.group)
@@ -198,10 +219,11 @@ class ExpertParallelDispatcher:
 
     def _replica_grads(self, local: list[int], dW: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """Flat [w1 | w3 | w2] gradient of every replica among the experts computed here."""
+        grads = [g for g in dW if g is not None]
         out = {}
         for j, e in enumerate(local):
-            if e in self.replicas and all(g is not None for g in dW):
-                out[e] = torch.cat([g[j].reshape(-1) for g in dW])  # type: ignore[index]
+            if e in self.replicas and len(grads) == len(dW):
+                out[e] = torch.cat([g[j].reshape(-1) for g in grads])
         return out
 
     def _announce(self, grad: torch.Tensor) -> None:
@@ -224,7 +246,7 @@ class ExpertParallel:
     backward has produced the replica gradients and waited for only before the optimizer step.
     """
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, sched: CommScheduler | None = None, *,
+    def __init__(self, model: ExpertModel, dims: ParallelDims, sched: CommScheduler | None = None, *,
                  chunk_bytes: float = 0.0, overlap: bool = False, compute_dtype: torch.dtype | None = None) -> None:
         """`compute_dtype`: what the experts compute in (bf16 under autocast; None: the parameters' dtype):
         replicas travel and live in it. The token exchanges of every layer share one high-priority channel
@@ -237,15 +259,15 @@ class ExpertParallel:
         self.overlap, self.compute_dtype = overlap, compute_dtype
         self.a2a_group = dims.new_channel("ep", high_priority=True, timeout_s=self.sched.timeout_s)
         self.reducer = StatsReducer(dims.group("dp_ep"), self.sched)
-        self.layers: list[nn.Module] = []
+        self.layers: list[MoELayer] = []
         self.dispatchers: list[ExpertParallelDispatcher] = []
-        self._agg: list[tuple[list[Handle], list[tuple[ExpertParallelDispatcher, int, list]]]] = []
+        self._agg: list[tuple[list[Handle], list[_Inbox]]] = []
         self._chunk_bytes = chunk_bytes
         self._channels = self._grad_channels()
         self.grads: GradSync | None = None
         self.refresh()
 
-    def attach(self, layer: nn.Module) -> ExpertParallelDispatcher:
+    def attach(self, layer: MoELayer) -> ExpertParallelDispatcher:
         """Shard one MoE layer over the "ep" group and route its tokens through a dispatcher (a layer built
         here, or the uninitialised skeleton of a layer migrating in, before its shard's values arrive)."""
         d = layer.dispatcher
@@ -327,7 +349,7 @@ class ExpertParallel:
             d.reset_step()
         self._agg = []
         if self.sched.mode != "off":
-            self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
+            self._sync.begin_step()  # arm the hooks: chunks go out during the backward pass
         for i in range(len(self.dispatchers) if not self.overlap else 1):
             self._trans(i)
         if not self.overlap:
@@ -377,7 +399,7 @@ class ExpertParallel:
         d = self.dispatchers[i]
         tag = 2 + 2 * d.index
         ops: list[Any] = []
-        inbox: list[tuple[ExpertParallelDispatcher, int, list[tuple[int, torch.Tensor]]]] = []
+        inbox: list[_Inbox] = []
         for e in d.placement.replicated:
             owner, holders = d.placement.owner[e], d.placement.replicas[e]
             if d.r in holders:
@@ -406,10 +428,7 @@ class ExpertParallel:
                 ex, i = d.layer.experts, d._local_index(e)
                 if not ex.w1.requires_grad:  # frozen: a gradient here would let the optimizer move the weights
                     continue
-                for p in (ex.w1, ex.w3, ex.w2):
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                g1, g3, g2 = ex.w1.grad[i], ex.w3.grad[i], ex.w2.grad[i]
+                g1, g3, g2 = _grad_of(ex.w1)[i], _grad_of(ex.w3)[i], _grad_of(ex.w2)[i]
                 for _, flat in sorted(recv, key=lambda item: item[0]):
                     v1, v3, v2 = d._expert_views(flat)
                     g1.add_(v1)
@@ -420,12 +439,26 @@ class ExpertParallel:
     def sync_gradients(self) -> None:
         """Average gradients so they equal the single-process mean-loss gradient (see the module docstring);
         with a scheduler most chunks are already in flight or done, this waits for the rest."""
-        if not self.grads.active:
-            self.grads.begin_step()
-        self.grads.finish()
+        if not self._sync.active:
+            self._sync.begin_step()
+        self._sync.finish()
 
     def close(self) -> None:
-        self.grads.close()
+        self._sync.close()
+
+    @property
+    def _sync(self) -> GradSync:
+        if self.grads is None:
+            raise RuntimeError("ExpertParallel: the gradient buffers are built in __init__ (refresh); none exist")
+        return self.grads
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient, created as zeros when it has none yet."""
+    g = p.grad
+    if g is None:
+        g = p.grad = torch.zeros_like(p)
+    return g
 
 
 class StatsReducer:
@@ -445,7 +478,8 @@ class StatsReducer:
         return self.reduce(t, "routing stats")
 
     def sum_grad(self, t: torch.Tensor) -> torch.Tensor:
-        return _AllReduceSum.apply(t, self)
+        total: torch.Tensor = _AllReduceSum.apply(t, self)  # Function.apply is typed Any
+        return total
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -24,7 +24,8 @@ from moebal.launch.spawn import free_port
 __all__ = ["kill_rank_when", "rank_pid", "run_ranks"]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any, threads: int) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
+           threads: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch

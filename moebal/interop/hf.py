@@ -38,6 +38,7 @@ every key of that config.json and copies the directory's tokenizer and generatio
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -45,7 +46,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,6 +63,9 @@ from moebal.interop.tensor_io import (
     iter_shards,
     write_safetensors,
 )
+
+if TYPE_CHECKING:
+    from moebal.models.transformer import MoebalForCausalLM
 
 __all__ = [
     "ARCHITECTURES",
@@ -155,9 +159,14 @@ def _get(hf: dict[str, Any], key: str, default: Any, where: str, kind: type | tu
     return v
 
 
+def _dict_field(hf: dict[str, Any], key: str) -> dict[str, Any]:
+    """hf[key] when it is a JSON object, else {} (absent, null, or another kind of value)."""
+    v = hf.get(key)
+    return v if isinstance(v, dict) else {}
+
+
 def _rope_theta(hf: dict[str, Any], default: float, where: str) -> float:
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    params, scaling = _dict_field(hf, "rope_parameters"), _dict_field(hf, "rope_scaling")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise CheckpointError(f"{where}: rotary scaling '{kind}' is not supported (moebal implements plain RoPE); "
@@ -263,7 +272,7 @@ def _no_sliding_window(hf: dict[str, Any], where: str) -> None:
 def _num_experts(hf: dict[str, Any], where: str, default: int) -> int:
     # transformers 5 saves Qwen3-MoE's num_experts under its attribute-map name num_local_experts
     key = "num_experts" if "num_experts" in hf else "num_local_experts"
-    E = _get(hf, key, default, where)
+    E: int = _get(hf, key, default, where)
     if E < 1:
         raise CheckpointError(f"{where}: {key} is {E}: a dense model is not an MoE checkpoint")
     return E
@@ -335,8 +344,9 @@ def fields_of(hf: dict[str, Any], where: str) -> HFFields:
     return _FIELDS[architecture(hf, where)](hf, where)
 
 
-_MOE_SHAPE = ("num_experts", "top_k", "expert_ffn_dim", "every", "dense_layers", "shared_experts", "shared_ffn_dim",
-              "shared_gate", "router", "gate", "norm_topk", "score_scale")
+_MOE_SHAPE: tuple[str, ...] = (
+    "num_experts", "top_k", "expert_ffn_dim", "every", "dense_layers", "shared_experts", "shared_ffn_dim",
+    "shared_gate", "router", "gate", "norm_topk", "score_scale")
 _MOE_SHAPE += ("first_dense", "n_group", "topk_group", "group_score", "selection_bias")
 
 
@@ -532,8 +542,7 @@ _DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 def _deepseek_rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, model.rope_scaling fields or None) from transformers 5's `rope_parameters` or the original
     configs' `rope_scaling` (DeepSeek-V2 and V3 ship yarn)."""
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    params, scaling = _dict_field(hf, "rope_parameters"), _dict_field(hf, "rope_scaling")
     src = {**scaling, **params}
     kind = src.get("rope_type") or src.get("type") or "default"
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -821,7 +830,7 @@ def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[
 
 
 def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
-                 experts: Sequence[int] | None = None) -> torch.nn.Module:
+                 experts: Sequence[int] | None = None) -> MoebalForCausalLM:
     """The model with uninitialised storage (built on the meta device: no time spent on a random init that
     the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real. With `experts`, each
     MoE layer's stacked expert tensors hold only those experts' rows (an expert-parallel rank's shard)."""
@@ -848,11 +857,11 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
     return model
 
 
-def load_hf_weights(model: torch.nn.Module, source: TensorSource, arch: str, where: str,
+def load_hf_weights(model: MoebalForCausalLM, source: TensorSource, arch: str, where: str,
                     experts: Sequence[int] | None = None) -> None:
     """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time; with
     `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read)."""
-    cfg: Config = model.config  # type: ignore[assignment]
+    cfg = model.config
     links = hf_links(cfg, arch, fused=arch in _FUSED_ARCHS and is_fused(source.info()))
     state = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -899,7 +908,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch
 
 
 def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype | str | None = torch.float32,
-            device: torch.device | str = "cpu", experts: Sequence[int] | None = None) -> torch.nn.Module:
+            device: torch.device | str = "cpu", experts: Sequence[int] | None = None) -> MoebalForCausalLM:
     """moebal's model with the weights of the HF checkpoint directory `path` (one of `ARCHITECTURES`; one
     safetensors file or a sharded index; per-expert or fused experts), or of a directory `hf_to_moebal` wrote.
 
@@ -925,7 +934,8 @@ def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype |
     finally:
         source.close()
     # to_hf keeps this config.json's keys and copies the directory's tokenizer files, even if it is gone by then
-    model.hf_origin = hf_origin(path)
+    # a plain attribute (nn.Module's __setattr__ is typed for tensors and modules), read back by to_hf
+    setattr(model, "hf_origin", hf_origin(path))  # noqa: B010
     return model
 
 
@@ -1123,7 +1133,7 @@ def _out_tensors(source: TensorSource, links: list[Link], dtype: torch.dtype,
     out = []
     for ln in links:
         if ln.zeros is not None:
-            out.append(OutTensor(ln.hf, dtype, ln.zeros, lambda shape=ln.zeros: torch.zeros(shape, dtype=dtype)))
+            out.append(OutTensor(ln.hf, dtype, ln.zeros, functools.partial(torch.zeros, ln.zeros, dtype=dtype)))
             continue
         if ln.ours not in info:
             raise CheckpointError(f"the moebal weights lack '{ln.ours}' (needed for HF tensor '{ln.hf}')")
@@ -1202,7 +1212,7 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
+def to_hf(model: MoebalForCausalLM, path: str | Path, *, arch: str | None = None,
           dtype: torch.dtype | str | None = None, shard_bytes: int = 5 * 10**9, base: dict[str, Any] | None = None,
           copy_from: str | Path | None = None, overwrite: bool = False, keep_origin: bool = True) -> Path:
     """Write `model` (a moebal model) as a HF checkpoint directory `transformers` loads.
@@ -1213,7 +1223,7 @@ def to_hf(model: torch.nn.Module, path: str | Path, *, arch: str | None = None,
     along. Both default to the model's origin (the directory `from_hf` read, or the config's `hf.init_from`):
     an export then keeps every key of the original config.json (after checking the model still has its shape)
     and its tokenizer. `keep_origin=False` writes config.json from the model's config alone."""
-    cfg: Config = model.config  # type: ignore[assignment]
+    cfg = model.config
     origin = (getattr(model, "hf_origin", None) or hf_origin(cfg.hf.init_from)) if keep_origin else None
     if origin is not None and base is None and copy_from is None:
         base, copy_from = origin.base, origin.path

@@ -22,6 +22,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -137,26 +138,26 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
         try:
             dtype = DTYPES[h["dtype"]]
             shape = tuple(int(s) for s in h["shape"])
-            b, e = (int(x) for x in h["data_offsets"])
+            b, end = (int(x) for x in h["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor '{name}' has an unsupported or malformed header entry "
                                   f"{json.dumps(h)[:120]}") from None
         numel = 1
         for s in shape:
             numel *= s
-        if e - b != numel * torch.empty((), dtype=dtype).element_size() or base + e > size or b < 0:
-            raise CheckpointError(f"{path}: tensor '{name}' ({h['dtype']} {list(shape)}) has byte range {b}..{e}, "
+        if end - b != numel * torch.empty((), dtype=dtype).element_size() or base + end > size or b < 0:
+            raise CheckpointError(f"{path}: tensor '{name}' ({h['dtype']} {list(shape)}) has byte range {b}..{end}, "
                                   f"which does not fit its shape or the file's {size} bytes (truncated?)")
-        entries[name] = _Entry(dtype, shape, base + b, base + e)
+        entries[name] = _Entry(dtype, shape, base + b, base + end)
     return entries, {str(k): str(v) for k, v in meta.items()}
 
 
-def _readinto(f: object, offset: int, buf: torch.Tensor, path: Path, name: str) -> None:
-    view = memoryview(buf.view(-1).view(torch.uint8).numpy())
-    f.seek(offset)  # type: ignore[attr-defined]
+def _readinto(f: BufferedReader, offset: int, buf: torch.Tensor, path: Path, name: str) -> None:
+    view = buf.view(-1).view(torch.uint8).numpy().data  # a writable memoryview over the tensor's bytes
+    f.seek(offset)
     got = 0
     while got < len(view):
-        n = f.readinto(view[got:])  # type: ignore[attr-defined]
+        n = f.readinto(view[got:])
         if not n:
             raise CheckpointError(f"{path}: tensor '{name}' ends early: the file is truncated")
         got += n
@@ -168,7 +169,7 @@ class FileSource:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.entries, self.metadata = read_header(self.path)
-        self._f: object | None = None
+        self._f: BufferedReader | None = None
 
     def info(self) -> dict[str, TensorInfo]:
         return {k: TensorInfo(e.dtype, e.shape, str(self.path)) for k, e in self.entries.items()}
@@ -185,7 +186,7 @@ class FileSource:
             raise CheckpointError(f"{self.path}: tensor '{name}' has shape {list(shape)}, expected "
                                   f"{list(out.shape)}")
         direct = out is not None and out.dtype == e.dtype and out.is_contiguous() and out.device.type == "cpu"
-        buf = out if direct else torch.empty(shape, dtype=e.dtype)
+        buf = out if out is not None and direct else torch.empty(shape, dtype=e.dtype)
         if self._f is None:
             self._f = open(self.path, "rb")  # noqa: SIM115 - closed by close()
         if buf.numel():
@@ -198,7 +199,7 @@ class FileSource:
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()  # type: ignore[attr-defined]
+            self._f.close()
             self._f = None
 
 
@@ -393,7 +394,7 @@ def _write_tensor(f: BinaryIO, t: OutTensor) -> int:
     for value in pieces:
         value = value.detach().to(device="cpu", dtype=t.dtype).contiguous()
         if value.numel():
-            f.write(memoryview(value.view(-1).view(torch.uint8).numpy()))
+            f.write(value.view(-1).view(torch.uint8).numpy().data)
         written += value.numel() * value.element_size()
         del value
     if written != t.nbytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -145,12 +146,12 @@ class _Dispatch(torch.autograd.Function):
     is active, a scatter-add otherwise)."""
 
     @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         ctx.plan = plan
         return _gather_rows(x_TD, plan.token_N)
 
     @staticmethod
-    def backward(ctx, g_ND: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, g_ND: torch.Tensor) -> tuple[torch.Tensor, None]:
         plan: DispatchPlan = ctx.plan
         g_ND = g_ND.contiguous()
         if plan.all_active:
@@ -163,8 +164,7 @@ class _Combine(torch.autograd.Function):
     """out_TD = sum over a token's rows of w * y_ND; backward gives dy = w * dout and dw = <dout, y>."""
 
     @staticmethod
-    def forward(ctx, y_ND: torch.Tensor, weights_TK: torch.Tensor,  # type: ignore[override]
-                plan: DispatchPlan) -> torch.Tensor:
+    def forward(ctx: Any, y_ND: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         w_TK = weights_TK.to(y_ND.dtype)  # Mixtral multiplies in the hidden dtype
         w_N1 = w_TK.reshape(-1).index_select(0, plan.order_N).unsqueeze(1)
         ctx.save_for_backward(y_ND, w_N1)
@@ -175,7 +175,7 @@ class _Combine(torch.autograd.Function):
         return out_TD.index_add_(0, plan.token_N, y_ND * w_N1)
 
     @staticmethod
-    def backward(ctx, g_TD: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, g_TD: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         y_ND, w_N1 = ctx.saved_tensors
         plan: DispatchPlan = ctx.plan
         need_y, need_w = ctx.needs_input_grad[:2]
@@ -199,9 +199,11 @@ class _Combine(torch.autograd.Function):
 
 def dispatch(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Rows x_ND for the experts, grouped by expert (differentiable)."""
-    return _Dispatch.apply(x_TD, plan)
+    x_ND: torch.Tensor = _Dispatch.apply(x_TD, plan)  # Function.apply is typed Any
+    return x_ND
 
 
 def combine(y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
     """out_TD: each token's expert outputs weighted by its gate weights (differentiable in both)."""
-    return _Combine.apply(y_ND, weights_TK, plan)
+    out_TD: torch.Tensor = _Combine.apply(y_ND, weights_TK, plan)  # Function.apply is typed Any
+    return out_TD

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -285,7 +286,12 @@ def _gmm_backward(g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch
     return dx, dw1, dw3, dw2
 
 
-_IMPLS = {"loop": (_loop_forward, _loop_backward), "grouped_mm": (_gmm_forward, _gmm_backward)}
+# (forward, backward) per kernel; the third value forward returns (the plan, or grouped_mm's padded layout) is
+# the kernel's own and goes back to its backward unread, hence the open argument list
+_Forward = Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...], object]]
+_Backward = Callable[..., tuple[torch.Tensor | None, ...]]
+_IMPLS: dict[str, tuple[_Forward, _Backward]] = {"loop": (_loop_forward, _loop_backward),
+                                                 "grouped_mm": (_gmm_forward, _gmm_backward)}
 
 
 class _SwiGLUExperts(torch.autograd.Function):
@@ -293,15 +299,15 @@ class _SwiGLUExperts(torch.autograd.Function):
     allocates only the product gradient, one projection gradient, dx and the stacked weight gradients."""
 
     @staticmethod
-    def forward(ctx, x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,  # type: ignore[override]
-                w2_EDF: torch.Tensor, plan: DispatchPlan, kernel: str) -> torch.Tensor:
+    def forward(ctx: Any, x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+                plan: DispatchPlan, kernel: str) -> torch.Tensor:
         y_ND, saved, layout = _IMPLS[kernel][0](x_ND, w1_EFD, w3_EFD, w2_EDF, plan)
         ctx.save_for_backward(w1_EFD, w3_EFD, w2_EDF, *saved)  # saved[0]: x (padded for grouped_mm)
         ctx.layout, ctx.kernel = layout, kernel
         return y_ND
 
     @staticmethod
-    def backward(ctx, g_ND: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, g_ND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         w1_EFD, w3_EFD, w2_EDF, *saved = ctx.saved_tensors
         grads = _IMPLS[ctx.kernel][1](g_ND.contiguous(), w1_EFD, w3_EFD, w2_EDF, tuple(saved), ctx.layout,
                                       tuple(ctx.needs_input_grad[:4]))
@@ -315,7 +321,8 @@ def swiglu_experts(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tenso
         # unpadded grouped_mm rejects an empty operand; the loop yields empty rows and zero gradients (padded,
         # the buffer is never empty: no host read of the counts)
         kernel = "loop"
-    return _SwiGLUExperts.apply(x_ND, w1_EFD, w3_EFD, w2_EDF, plan, kernel)
+    y_ND: torch.Tensor = _SwiGLUExperts.apply(x_ND, w1_EFD, w3_EFD, w2_EDF, plan, kernel)  # apply is typed Any
+    return y_ND
 
 
 def reference_experts(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
@@ -357,19 +364,25 @@ def grouped_mm_probe(device: str, dtype: torch.dtype) -> str | None:
     x, w1, w3, w2, g = _probe_inputs(dtype)
     experts_N1 = torch.repeat_interleave(torch.arange(len(PROBE_COUNTS)), torch.tensor(PROBE_COUNTS)).unsqueeze(1)
     results = []
-    for where, kernel in ((torch.device(device), "grouped_mm"), (torch.device("cpu"), None)):
+    runs: tuple[tuple[torch.device, KernelName | None], ...] = ((torch.device(device), "grouped_mm"),
+                                                                (torch.device("cpu"), None))
+    for where, kernel in runs:
         try:  # a build without the device's kernels (or without the device) raises; a device assert cannot be caught
             plan = make_plan(experts_N1.to(where), None, len(PROBE_COUNTS))
             leaves = [t.to(where, torch.float64 if kernel is None else dtype, copy=True).requires_grad_()
                       for t in (x, w1, w3, w2)]
+            lx, l1, l3, l2 = leaves
             with torch.enable_grad(), torch.autocast(where.type, enabled=False):
-                y = (swiglu_experts(*leaves, plan, kernel) if kernel is not None
-                     else reference_experts(*leaves, plan))
+                y = (swiglu_experts(lx, l1, l3, l2, plan, kernel) if kernel is not None
+                     else reference_experts(lx, l1, l3, l2, plan))
                 y.backward(g.to(where, y.dtype))
         except (RuntimeError, NotImplementedError, AssertionError) as e:
             lines = str(e).strip().splitlines()
             return f"{type(e).__name__}: {lines[0] if lines else ''}"
-        results.append([t.detach().to("cpu", torch.float64) for t in (y, *(leaf.grad for leaf in leaves))])
+        grads = [leaf.grad for leaf in leaves]
+        if any(g is None for g in grads):
+            return f"the backward on {where} left an input without a gradient"
+        results.append([t.detach().to("cpu", torch.float64) for t in (y, *grads) if t is not None])
     tol = 1e-2 if dtype == torch.float32 else 4e-2  # TF32 may be on in fp32; bf16 rounds each product
     for name, got, want in zip(("output", "dx", "dw1", "dw3", "dw2"), *results):
         err, scale = (got - want).abs().max().item(), max(1.0, want.abs().max().item())

@@ -372,7 +372,7 @@ def flatten_overrides(overrides: dict[str, Any], prefix: str = "") -> dict[str, 
 
 def _yaml_scalar(value: Any) -> str:
     """The YAML text that reads back as `value` (so `off` stays the string 'off', 1e-3 stays a number)."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=math.inf)
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 

@@ -64,7 +64,7 @@ def yarn_frequencies(dim: int, theta: float, r: RopeScalingConfig) -> tuple[torc
 def mla_softmax_scale(qk_head_dim: int, r: RopeScalingConfig | None) -> float:
     """1 / sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's softmax scale,
     transformers' `yarn_apply_mscale`)."""
-    scale = qk_head_dim ** -0.5
+    scale: float = qk_head_dim ** -0.5  # int ** float is typed Any (a negative base gives a complex)
     if r is not None and r.mscale_all_dim:
         m = yarn_mscale(r.factor, r.mscale_all_dim)
         scale = scale * m * m
@@ -135,4 +135,5 @@ class MLAttention(nn.Module):
         q_BHTK = torch.cat([q_nope_BHTN, q_rot_BHTR], dim=-1)
         k_BHTK = torch.cat([k_nope_BHTN, k_rot_B1TR.expand(B, H, T, R)], dim=-1)  # one rotary key for every head
         o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.softmax_scale)
-        return self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, H * V))
+        out_BTD: torch.Tensor = self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, H * V))
+        return out_BTD

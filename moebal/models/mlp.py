@@ -19,4 +19,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # Module.__call__ is Any
+        return y

@@ -102,9 +102,12 @@ class SwiGLUExperts(nn.Module):
         if self.kernel == "grouped_mm" and not grouped_mm_supports(D, F_, dtype):
             raise ValueError(f"kernel='grouped_mm' needs dim and ffn_dim whose rows are multiples of 16 bytes in "
                              f"{dtype} (dim={D}, ffn_dim={F_}); use kernel='auto' or 'loop'")
-        if self.kernel != "auto":
-            return self.kernel  # type: ignore[return-value]
-        return auto_kernel(self.w1.device, D, F_, dtype)
+        if self.kernel == "auto":
+            return auto_kernel(self.w1.device, D, F_, dtype)
+        for k in KERNELS:  # checked here too: a run sets `kernel` after construction (moebal/train/kernels.py)
+            if k == self.kernel:
+                return k
+        raise ValueError(f"kernel must be one of auto, {', '.join(KERNELS)}; got {self.kernel!r}")
 
     def forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         return self.compute(x_ND, self.w1, self.w3, self.w2, plan)
@@ -261,7 +264,8 @@ class MoELayer(nn.Module):
         return make_plan(r.indices_TK, r.active_TK, self.num_experts, trim=trim)
 
     def expert_forward(self, x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        return self.experts(x_ND, plan)
+        y_ND: torch.Tensor = self.experts(x_ND, plan)  # nn.Module.__call__ is typed Any
+        return y_ND
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
@@ -365,7 +369,7 @@ class MoELayer(nn.Module):
         product of means is not a mean of products."""
         self.stats_reducer = reducer
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         # The last forward's loss and routing hold autograd graphs, which deepcopy/pickle cannot copy.
         state = self.__dict__.copy()
         state["aux_loss"] = torch.zeros(())

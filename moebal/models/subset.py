@@ -18,11 +18,12 @@ to the experts held here, and their backward must run too, so the empty output i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from moebal.models.transformer import apply_rotary
+from moebal.models.transformer import Attention, DecoderLayer, apply_rotary
 
 __all__ = ["gather_rows", "skip_layer", "subset_block"]
 
@@ -31,7 +32,7 @@ def gather_rows(x_BTD: torch.Tensor, pos_BQ: torch.Tensor) -> torch.Tensor:
     return x_BTD.gather(1, pos_BQ.unsqueeze(-1).expand(-1, -1, x_BTD.shape[-1]))
 
 
-def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+def subset_block(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                  pos_BQ: torch.Tensor, valid_BQ: torch.Tensor | None = None, keys: str = "all",
                  scale_BQ: torch.Tensor | None = None) -> torch.Tensor:
     """h with the rows at (b, pos_BQ[b, q]) for valid_BQ replaced by the layer's output there.
@@ -43,6 +44,9 @@ def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, si
     With `scale_BQ`, a selected row becomes h + scale * (layer(h) - h) (Mixture-of-Depths' router weight).
     """
     attn = layer.self_attn
+    if not isinstance(attn, Attention):
+        raise ValueError(f"subset_block: a token-subset layer (early exit, Mixture-of-Depths) needs grouped-query "
+                         f"attention, not {type(attn).__name__}: unset model.mla or the dynamism scheme")
     B, T, D = h_BTD.shape
     Q = pos_BQ.shape[1]
     H, G, K = attn.n_heads, attn.n_kv_heads, attn.head_dim
@@ -70,7 +74,7 @@ def subset_block(layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, si
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=G != H)
-    r_BQD = hq_BQD + attn.o_proj(o.transpose(1, 2).reshape(B, Q, H * K))
+    r_BQD: torch.Tensor = hq_BQD + attn.o_proj(o.transpose(1, 2).reshape(B, Q, H * K))
     rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
     if valid_BQ is None:
         h_ND, r_ND = hq_BQD.reshape(B * Q, D), r_BQD.reshape(B * Q, D)
@@ -90,17 +94,17 @@ class _Tie(torch.autograd.Function):
     """h unchanged; `y` (an empty tensor) joins the graph: its backward runs, with a zero gradient."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx.y_meta = (y.shape, y.dtype, y.device)
         return h.clone()
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dtype, device = ctx.y_meta
         return g, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def skip_layer(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
+def skip_layer(layer: DecoderLayer, h_BTD: torch.Tensor) -> torch.Tensor:
     """Layer `layer` with no token selected: h unchanged (see the module docstring for MoE blocks)."""
     if not getattr(layer, "is_moe", False):
         return h_BTD
@@ -113,4 +117,5 @@ def skip_layer(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
     x_0D = h_BTD.new_empty(0, h_BTD.shape[-1])
     if torch.is_grad_enabled() and (h_BTD.requires_grad or any(p.requires_grad for p in layer.parameters())):
         x_0D.requires_grad_(True)
-    return _Tie.apply(h_BTD, layer.ffn(x_0D))
+    tied_BTD: torch.Tensor = _Tie.apply(h_BTD, layer.ffn(x_0D))  # Function.apply is typed Any
+    return tied_BTD

@@ -18,6 +18,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from torch import nn
 
 from moebal.config import Config
 from moebal.models.mlp import MLP
+
+if TYPE_CHECKING:
+    from moebal.models.moe import MoELayer
 
 __all__ = ["CausalLMOutput", "DecoderLayer", "MoebalForCausalLM", "RMSNorm", "build_model", "rotary_for"]
 
@@ -45,6 +49,9 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Rotary tables in HF's rotate-half layout, angles computed in fp32."""
+
+    cos_TK: torch.Tensor  # buffers (registered in __init__)
+    sin_TK: torch.Tensor
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
@@ -103,7 +110,7 @@ class Attention(nn.Module):
 
     def _project(self, x_BTD: torch.Tensor, proj: nn.Linear, heads: int, norm: str) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        y = proj(x_BTD)
+        y: torch.Tensor = proj(x_BTD)
         if self.qk_norm == "full":
             y = getattr(self, norm)(y)
         y_BTHK = y.view(B, T, heads, self.head_dim)
@@ -126,7 +133,8 @@ class Attention(nn.Module):
             o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_TT, enable_gqa=gqa)
         else:
             o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
-        return self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out_BTD: torch.Tensor = self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return out_BTD
 
 
 def rotary_for(cfg: Config) -> Rotary:
@@ -178,11 +186,14 @@ class DecoderLayer(nn.Module):
         return self.ffn_part(self.attention_part(h_BTD, cos_TK, sin_TK))
 
     # The two halves run apart when a pipeline splits the layer over two stages (`pipeline.split_layers`).
+    # nn.Module.__call__ is typed Any: the annotated locals give the results their type.
     def attention_part(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
-        return h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
+        a_BTD: torch.Tensor = self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
+        return h_BTD + a_BTD
 
     def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
+        f_BTD: torch.Tensor = self.ffn(self.post_attention_layernorm(h_BTD))
+        return h_BTD + f_BTD
 
 
 class MoebalModel(nn.Module):
@@ -201,7 +212,8 @@ class MoebalModel(nn.Module):
         cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
         for layer in self.layers:
             h_BTD = layer(h_BTD, cos_TK, sin_TK)
-        return self.norm(h_BTD)
+        out_BTD: torch.Tensor = self.norm(h_BTD)
+        return out_BTD
 
 
 @dataclass
@@ -244,10 +256,11 @@ class MoebalForCausalLM(nn.Module):
                 with torch.no_grad():
                     nn.init.normal_(w2, mean=0.0, std=out_std)
 
-    def moe_layers(self) -> Iterator[nn.Module]:
+    def moe_layers(self) -> Iterator[MoELayer]:
         for layer in self.model.layers:
-            if layer.is_moe:
-                yield layer.block_sparse_moe
+            block = cast(DecoderLayer, layer)  # nn.ModuleList yields nn.Module
+            if block.is_moe:
+                yield block.block_sparse_moe
 
     def forward(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None) -> CausalLMOutput:
         h_BTD = self.model(ids_BT)
@@ -255,7 +268,9 @@ class MoebalForCausalLM(nn.Module):
         loss = None
         if labels_BT is not None:
             loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
-        aux = sum((layer.aux_loss for layer in self.moe_layers()), start=logits_BTV.new_zeros((), dtype=torch.float32))
+        aux = logits_BTV.new_zeros((), dtype=torch.float32)
+        for layer in self.moe_layers():  # the order of sum(..., start=aux)
+            aux = aux + layer.aux_loss
         return CausalLMOutput(logits=logits_BTV, loss=loss, aux_loss=aux)
 
     def num_parameters(self, active: bool = False) -> int:
@@ -276,6 +291,6 @@ def build_model(cfg: Config, device: torch.device | str | None = None, *,
     if cfg.hf.init_from and load_weights:
         from moebal.interop.hf import from_hf
 
-        return from_hf(cfg.hf.init_from, cfg=cfg, device=device or "cpu")  # type: ignore[return-value]
+        return from_hf(cfg.hf.init_from, cfg=cfg, device=device or "cpu")
     model = MoebalForCausalLM(cfg)
     return model.to(device) if device is not None else model

@@ -49,6 +49,7 @@ and raised in the compute thread at its next call into the scheduler, and waits 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -413,9 +414,10 @@ class CommScheduler:
         self.issue(kind, launch, **kw).wait()
 
     # ---- the collectives moebal's parallel code issues ----
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                   group: Any, *, name: str, layer: int = -1, chunk: int = -1, kind: str = "a2a") -> Handle:
-        """Uneven all_to_all_single along dim 0, issued now (async)."""
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None, group: Any, *, name: str, layer: int = -1, chunk: int = -1,
+                   kind: str = "a2a") -> Handle:
+        """Uneven all_to_all_single along dim 0, issued now (async); splits None: even."""
         inp = inp.contiguous()
         return self.issue(kind, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                                                 async_op=True),
@@ -590,7 +592,7 @@ class CommScheduler:
                     continue
                 op.works = works
                 self._cond.notify_all()
-            self.completion.watch(works, lambda err, op=op: self._background_done(op, err))
+            self.completion.watch(works, functools.partial(self._background_done, op))
 
     def _background_done(self, op: BackgroundOp, err: BaseException | None) -> None:
         with self._cond:

@@ -28,14 +28,19 @@ pipeline both directions of both passes, which is the same idea applied to every
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from moebal.kernels.dispatch import DispatchPlan
 from moebal.sync import upload
+
+if TYPE_CHECKING:
+    from moebal.models.moe import SwiGLUExperts
+    from moebal.scheduler.core import CommScheduler
 
 __all__ = ["ExchangePlan", "expert_exchange", "group_plan", "regroup", "split_sizes"]
 
@@ -72,7 +77,8 @@ def _range_counts(counts_E: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Per-expert rows inside positions [lo, hi) of a block sorted by expert with `counts_E` rows each."""
     cum = np.cumsum(counts_E)
     start = cum - counts_E
-    return np.clip(np.minimum(cum, hi) - np.maximum(start, lo), 0, None)
+    rows_E: np.ndarray = np.clip(np.minimum(cum, hi) - np.maximum(start, lo), 0, None)
+    return rows_E
 
 
 @dataclass
@@ -98,7 +104,7 @@ class ExchangePlan:
     device: torch.device
     layer: int = -1
     parts: list[_Chunk] = field(default_factory=list)
-    on_weight_grads: Any = None
+    on_weight_grads: Callable[[list[torch.Tensor | None]], None] | None = None
     """Called in the backward with the [w1, w3, w2] gradients of the local experts as soon as they exist
     (Pro-Prophet's block overlap issues Agg from here)."""
 
@@ -133,17 +139,19 @@ class ExchangePlan:
 
 
 def expert_exchange(x_ND: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    plan: ExchangePlan, experts: Any, sched: Any, group: Any) -> torch.Tensor:
+                    plan: ExchangePlan, experts: SwiGLUExperts, sched: CommScheduler, group: Any) -> torch.Tensor:
     """Dispatch x_ND, run `experts.compute` on the received rows with `weights`, return the outputs in x_ND's
     row order (see the module docstring); differentiable in x_ND and the weights."""
     grad = torch.is_grad_enabled() and (x_ND.requires_grad or any(w.requires_grad for w in weights))
-    return _Exchange.apply(x_ND, *weights, plan, experts, sched, group, grad)
+    y_ND: torch.Tensor = _Exchange.apply(x_ND, *weights, plan, experts, sched, group, grad)  # apply is typed Any
+    return y_ND
 
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                plan: ExchangePlan, experts: Any, sched: Any, group: Any, grad: bool) -> torch.Tensor:
+                plan: ExchangePlan, experts: SwiGLUExperts, sched: CommScheduler, group: Any,
+                grad: bool) -> torch.Tensor:
         tag = f"L{plan.layer}"
         D = x_ND.shape[1]
         # 1. every dispatch chunk at once
@@ -164,10 +172,10 @@ class _Exchange(torch.autograd.Function):
             if grad:
                 x_in.requires_grad_(True)
                 with torch.enable_grad():
-                    y = experts.compute(x_in, *wq, ch.plan)
+                    y = experts.compute(x_in, wq[0], wq[1], wq[2], ch.plan)
                 graphs.append((x_in, y))
             else:
-                y = experts.compute(x_in, *wq, ch.plan)
+                y = experts.compute(x_in, wq[0], wq[1], wq[2], ch.plan)
             back = torch.empty_like(y).index_copy(0, ch.perm, y.detach()) if ch.perm.numel() else y.detach()
             sched.log.span("compute", f"{tag} experts{i}", t)
             out = back.new_empty((sum(ch.send), back.shape[1]))
@@ -182,6 +190,7 @@ class _Exchange(torch.autograd.Function):
         else:
             y_ND = outs[0].new_empty((plan.send_rows, outs[0].shape[1]))
             for ch, out in zip(plan.parts, outs):
+                assert ch.send_idx is not None  # set for every chunk when there are several
                 y_ND.index_copy_(0, ch.send_idx, out)
         ctx.plan, ctx.sched, ctx.group, ctx.graphs, ctx.wq = plan, sched, group, graphs, wq
         ctx.x_dtype = x_ND.dtype
@@ -212,8 +221,9 @@ class _Exchange(torch.autograd.Function):
             grads = torch.autograd.grad(y, [x_in, *wants], gy, allow_unused=True)
             gx = grads[0] if grads[0] is not None else torch.zeros_like(x_in)
             for j, g in enumerate(grads[1:]):
+                prev = dW[j]
                 if g is not None:
-                    dW[j] = g if dW[j] is None else dW[j] + g
+                    dW[j] = g if prev is None else prev + g
             gx_recv = torch.empty_like(gx).index_copy(0, ch.perm, gx) if ch.perm.numel() else gx
             sched.log.span("compute", f"{tag} experts{i} bwd", t)
             out = gx_recv.new_empty((sum(ch.send), gx_recv.shape[1]))

@@ -97,7 +97,8 @@ def leave_one_out_medians(rows: Sequence[PaperRow]) -> dict[str, float]:
 def judge(held: Sequence[PaperRow], pred: Mapping[str, float], baselines: Mapping[str, Mapping[str, float]]
           ) -> dict[str, Any]:
     """Held-out scores of `pred` and of each constant baseline; reproduced only where `pred` beats them all."""
-    out = {"held_out": score(held, pred), "baselines": {k: score(held, b) for k, b in baselines.items()}}
+    out: dict[str, Any] = {"held_out": score(held, pred),
+                           "baselines": {k: score(held, b) for k, b in baselines.items()}}
     out["reproduced"] = bool(all(out["held_out"]["mean_abs_rel_error"] < b["mean_abs_rel_error"]
                                  for b in out["baselines"].values()))
     return out

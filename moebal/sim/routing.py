@@ -82,7 +82,8 @@ class SyntheticRouting:
             walk = np.random.default_rng([self.seed, 1]).normal(0.0, self.drift, size=(step, L, E)).sum(axis=0)
             logits = logits + walk
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        return p / p.sum(axis=1, keepdims=True)
+        shares_LE: np.ndarray = p / p.sum(axis=1, keepdims=True)
+        return shares_LE
 
     def counts(self, step: int, groups: int, ranks: int, tokens_per_rank: int) -> np.ndarray:
         """[L, G, R, E] assignment counts of one step."""
@@ -181,7 +182,7 @@ class LoggedRouting:
         rows = layers[:, np.arange(groups * ranks) % Rg]  # [L, G*R, E], logged sources cycled
         total = rows.sum(axis=-1, keepdims=True)
         shares = np.divide(rows, total, out=np.full_like(rows, 1.0 / rows.shape[-1]), where=total > 0)
-        out = shares * tokens_per_rank * top_k
+        out: np.ndarray = shares * tokens_per_rank * top_k
         return out.reshape(num_layers, groups, ranks, -1)
 
 

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ from torch import nn
 
 from moebal.errors import CheckpointError
 from moebal.interop.tensor_io import TensorInfo
+
+if TYPE_CHECKING:
+    from moebal.interop.tensor_io import FileSource
 
 __all__ = [
     "Checkpointer",
@@ -102,7 +105,8 @@ STATE_FILES = ("state.json", "config.yaml")
 
 def rng_state() -> dict[str, Any]:
     """Every RNG the run draws from, as plain data."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the global RandomState is MT19937: legacy=True gives its 5-tuple
     state: dict[str, Any] = {
         "torch": torch.get_rng_state().tolist(),
         "numpy": [np_state[0], np_state[1].tolist(), *(x.item() if hasattr(x, "item") else x for x in np_state[2:])],
@@ -642,7 +646,7 @@ class CheckpointReader:
         self.manifest = _read_manifest(self.path)
         self.step = int(self.manifest["step"])
         self._verified: set[str] = set()
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, FileSource] = {}
         self._state: dict[str, Any] | None = None
         self._by_stacked: dict[str, dict[int, str]] = {}
         for name, (stk, e) in self.manifest["experts"].items():
@@ -798,8 +802,9 @@ def open_for_resume(run_dir: str | Path, resume: bool | str | Path,
     if errors:
         raise CheckpointError(errors[0])
     if len({p for p, _ in seen}) > 1:
-        raise CheckpointError(f"the ranks see different newest checkpoints ({sorted({p for p, _ in seen})}): the run "
-                              f"directory must be on a filesystem every rank shares")
+        newest = sorted({str(p) for p, _ in seen})  # str: a rank that sees none reports None
+        raise CheckpointError(f"the ranks see different newest checkpoints ({newest}): the run directory must be on "
+                              f"a filesystem every rank shares")
     return reader
 
 
@@ -924,7 +929,7 @@ def _join_rows(values: list[Any], p: torch.Tensor, stacked: bool, what: str, pat
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return torch.equal(a, b)
-    return a == b
+    return bool(a == b)
 
 
 def apply_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from torch import nn
 from moebal.config import Config
 from moebal.kernels.expert_ffn import KERNELS, auto_kernel, grouped_mm_runs, grouped_mm_supports
 from moebal.train.precision import uses_bf16
+
+if TYPE_CHECKING:
+    from moebal.models.moe import MoELayer
 
 __all__ = ["settle_expert_kernel"]
 
@@ -41,7 +44,8 @@ def settle_expert_kernel(model: nn.Module, cfg: Config, device: torch.device,
     """Choose the run's expert kernel (module docstring), set it on every MoE layer of `model` and return the
     record to keep (None for a model without MoE layers). `gather` collects a value from every rank (rank
     order); `recorded` is the resumed checkpoint's record."""
-    layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
+    moe_layers = getattr(model, "moe_layers", None)  # a whole model or a pipeline stage; a plain module has none
+    layers: list[MoELayer] = list(moe_layers()) if moe_layers is not None else []
     if not layers:
         return None
     w1 = layers[0].experts.w1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,11 +13,12 @@ from moebal.config import TrainConfig
 __all__ = ["build_optimizer", "lr_at", "param_groups"]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay only on parameters with two or more dimensions (linear, embedding and stacked expert
     matrices); norms, biases and any 1-D parameter (a router bias, say) are not decayed, since shrinking them
     towards zero has no regularising meaning (RMSNorm gains should sit near one)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
