@@ -99,7 +99,7 @@ class PlanAhead:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        host = [None]
+        host: list[tuple[str, int] | None] = [None]
         store = None
         if rank == 0:
             from moebal.launch.spawn import free_port
@@ -110,7 +110,8 @@ class PlanAhead:
             host = [(addr, store.port)]
         dist.broadcast_object_list(host, src=0)
         if rank != 0:
-            addr, port = host[0]  # type: ignore[misc]
+            assert host[0] is not None  # filled in by rank 0's broadcast
+            addr, port = host[0]
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=600))
         return cls(cost, kwargs, workers=workers, store=store, is_planner=rank == 0)
 

@@ -41,7 +41,7 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 sink: list[tuple[int, Callable[[], None]]], slot: int) -> torch.Tensor:
         dev = x.device.type
         xc, wc, bc = x, weight, bias
@@ -56,7 +56,7 @@ class _DeferredLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         xc, wc = ctx.saved_tensors
         g_NO = grad.reshape(-1, grad.shape[-1])
         gx = g_NO.mm(wc).view(*grad.shape[:-1], wc.shape[1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
@@ -113,7 +113,8 @@ class WeightGradQueue:
         w = module.weight
         if self._sink is None or not torch.is_grad_enabled() or not (w.requires_grad and w.is_leaf):
             return F.linear(x, w, module.bias)
-        return _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot)
+        out: torch.Tensor = _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot)
+        return out
 
     @contextmanager
     def installed(self, root: nn.Module) -> Iterator[None]:
