@@ -155,7 +155,9 @@ class PlanAhead:
             if job is None:
                 raise RuntimeError(f"no plan was submitted for step {step}")  # programmer error
             if isinstance(job, list):
-                self._put(step, plan_json(job, self.cost, self.kwargs))  # type: ignore[arg-type]
+                if self.cost is None:  # programmer error: the runner sets the cost model before planning
+                    raise RuntimeError(f"no micro-batch cost model to plan step {step} with: call set_cost first")
+                self._put(step, plan_json(job, self.cost, self.kwargs))
             with self._lock:
                 if not self._lock.wait_for(lambda: step in self._local, timeout=self.timeout_s):
                     raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")

@@ -121,6 +121,7 @@ class WeightGradQueue:
         """Route every plain nn.Linear under `root` through `linear` until the block ends."""
         mods = [m for m in root.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
         for m in mods:
+            # an instance attribute shadows the class's forward; popped from __dict__ when the block ends
             m.forward = (lambda mod: lambda x: self.linear(mod, x))(m)  # type: ignore[method-assign]
         try:
             yield
