@@ -319,7 +319,8 @@ class LayerBalancer:
                                               first_memory=first_mem, last_memory=last_mem, **kw))
             except ConfigError:
                 return list(sizes)  # nothing fits the caps: keep the current partition
-        return list(diffuse(costs, sizes, memory=mem, capacity=cap, **kw))
+        return list(diffuse(costs, sizes, memory=mem, capacity=cap, first_extra=kw["first_extra"],
+                            last_extra=kw["last_extra"]))
 
     def propose(self, step: int) -> StagePartition | None:
         """The planner's partition and whether to adopt it (gain over migration cost, hysteresis, the

@@ -99,7 +99,7 @@ class PlanAhead:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        host = [None]
+        host: list[tuple[str, int] | None] = [None]
         store = None
         if rank == 0:
             from moebal.launch.spawn import free_port
@@ -110,7 +110,8 @@ class PlanAhead:
             host = [(addr, store.port)]
         dist.broadcast_object_list(host, src=0)
         if rank != 0:
-            addr, port = host[0]  # type: ignore[misc]
+            assert host[0] is not None  # filled in by rank 0's broadcast
+            addr, port = host[0]
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=600))
         return cls(cost, kwargs, workers=workers, store=store, is_planner=rank == 0)
 
@@ -154,7 +155,9 @@ class PlanAhead:
             if job is None:
                 raise RuntimeError(f"no plan was submitted for step {step}")  # programmer error
             if isinstance(job, list):
-                self._put(step, plan_json(job, self.cost, self.kwargs))  # type: ignore[arg-type]
+                if self.cost is None:  # programmer error: the runner sets the cost model before planning
+                    raise RuntimeError(f"no micro-batch cost model to plan step {step} with: call set_cost first")
+                self._put(step, plan_json(job, self.cost, self.kwargs))
             with self._lock:
                 if not self._lock.wait_for(lambda: step in self._local, timeout=self.timeout_s):
                     raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, layer_token_flops, ramp, register
+from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register
 from moebal.errors import ConfigError
 from moebal.models.subset import skip_layer, subset_block
 
@@ -80,13 +80,14 @@ class EarlyExit(Dynamism):
         active = carry["active"]
         n = int(active.sum())  # host sync: choose the full, subset or skip path
         self.tokens_in[i] += n
+        out: torch.Tensor
         if n == active.numel():
             out = layer(h_BTD, cos_TK, sin_TK)
         elif n == 0:
-            return skip_layer(layer, h_BTD)
+            return skip_layer(as_decoder(layer), h_BTD)
         else:
             pos, valid = pack_positions(active)
-            out = subset_block(layer, h_BTD, cos_TK, sin_TK, pos, valid, keys="all")
+            out = subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos, valid, keys="all")
         tau = self.tau()
         if self.first_layer <= i < self.L - 1 and tau < 1.0:
             with torch.no_grad():

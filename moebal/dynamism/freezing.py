@@ -100,7 +100,7 @@ class LayerFreezing(Dynamism):
         self.plasticity = [math.sqrt(float(tot[i]) / max(float(tot[L + i]), 1e-24)) if tot[2 * L + i] > 0 else None
                            for i in range(L)]
         n = self.frozen
-        while n < self.max_frozen and self.plasticity[n] is not None and self.plasticity[n] < self.threshold:
+        while n < self.max_frozen and (p := self.plasticity[n]) is not None and p < self.threshold:
             n += 1
         if n == self.frozen:
             return False

@@ -30,14 +30,17 @@ and under the run's autocast elsewhere. "autocast" keeps the run's precision, "f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, layer_token_flops, ramp, register
+from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register
 from moebal.errors import ConfigError
 from moebal.models.subset import subset_block
+
+if TYPE_CHECKING:
+    from moebal.models.transformer import MoebalForCausalLM
 
 __all__ = ["MixtureOfDepths"]
 
@@ -67,7 +70,7 @@ class MixtureOfDepths(Dynamism):
     def current_capacity(self, step: int | None = None) -> float:
         return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.capacity)
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: MoebalForCausalLM) -> None:
         g = torch.Generator().manual_seed(self.seed)
         for i in sorted(self.routed):
             layer = model.model.layers[i]
@@ -92,17 +95,19 @@ class MixtureOfDepths(Dynamism):
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         c = self.current_capacity()
         if i not in self.routed or c >= 1.0:
-            return layer(h_BTD, cos_TK, sin_TK)
+            out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
+            return out_BTD
         B, T, _ = h_BTD.shape
         C = max(1, round(c * T))
-        score_BT = layer.mod_router(h_BTD).squeeze(-1)
+        score_BT = layer.get_submodule("mod_router")(h_BTD).squeeze(-1)
         pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
         weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
         if self._fp32_subset(h_BTD.device, C, T):
             with torch.autocast(h_BTD.device.type, enabled=False):
-                return subset_block(layer, h_BTD.float(), cos_TK.float(), sin_TK.float(), pos_BC, None,
+                return subset_block(as_decoder(layer), h_BTD.float(), cos_TK.float(), sin_TK.float(), pos_BC, None,
                                     keys="subset", scale_BQ=weight_BC.float()).to(h_BTD.dtype)
-        return subset_block(layer, h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset", scale_BQ=weight_BC)
+        return subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset",
+                            scale_BQ=weight_BC)
 
     def _fp32_subset(self, device: torch.device, kept: int, T: int) -> bool:
         """Whether the routed block leaves the run's autocast for fp32 (see the module docstring)."""

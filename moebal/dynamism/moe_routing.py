@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, SchemeContext, layer_token_flops, register
+from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register
 from moebal.errors import ConfigError
 
 __all__ = ["MoERoutingCost", "routing_cost_factor"]
@@ -70,9 +70,11 @@ class MoERoutingCost(Dynamism):
 
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = layer(h_BTD, cos_TK, sin_TK)
-        if layer.is_moe:
-            s = layer.block_sparse_moe.last_stats
+        out: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
+        block = as_decoder(layer)
+        if block.is_moe:
+            s = block.block_sparse_moe.last_stats
+            assert s is not None  # set by the forward just run
             self.counts[i, :self.E] += s.counts_E.double().cpu()
             self.counts[i, self.E] += float(s.tokens)
         return out

@@ -36,8 +36,9 @@ from __future__ import annotations
 import time
 import types
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moebal.models.transformer import MoebalForCausalLM
 
 __all__ = ["CSRStructure", "GradualPruning", "csr_linear", "global_magnitude_masks", "prunable_params",
            "zhu_gupta_schedule"]
@@ -87,7 +91,7 @@ def global_magnitude_masks(layers: list[list[torch.Tensor]], keep: int) -> list[
     return out
 
 
-def distributed_keep_masks(local: dict[int, list[torch.Tensor]], keep: int, chain: Any,
+def distributed_keep_masks(local: Mapping[int, Sequence[torch.Tensor]], keep: int, chain: Any,
                            num_layers: int) -> dict[int, list[torch.Tensor]]:
     """The same kept set as `global_magnitude_masks` over every stage's layers, computed along the chain."""
     mags = {i: torch.cat([w.detach().abs().reshape(-1).float() for w in ws]) for i, ws in sorted(local.items())}
@@ -156,7 +160,8 @@ class _CSRLinear(torch.autograd.Function):
         A = torch.sparse_csr_tensor(st.crow, st.col, vals_Z, size=st.shape, check_invariants=False)
         ctx.save_for_backward(x_ND, vals_Z)
         ctx.st = st
-        return torch.sparse.mm(A, x_ND.t()).t()
+        y_NF: torch.Tensor = torch.sparse.mm(A, x_ND.t()).t()
+        return y_NF
 
     @staticmethod
     def backward(ctx: Any, dy_NF: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -179,7 +184,8 @@ class _CSRLinear(torch.autograd.Function):
 def csr_linear(x: torch.Tensor, weight_FD: torch.Tensor, st: CSRStructure) -> torch.Tensor:
     """x @ W^T computed with W's kept entries only (CSR)."""
     x_ND = x.reshape(-1, x.shape[-1])
-    return _CSRLinear.apply(x_ND, weight_FD, st).reshape(*x.shape[:-1], st.shape[0])
+    y_NF: torch.Tensor = _CSRLinear.apply(x_ND, weight_FD, st)
+    return y_NF.reshape(*x.shape[:-1], st.shape[0])
 
 
 def _csr_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +193,8 @@ def _csr_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # CPU sparse kernels have no bf16 path; the pruned weight is zero off the mask, so the dense product is
         # the same maths (the kernel choice was timed in fp32, where the CSR path exists).
         return F.linear(x, self.weight)
-    return csr_linear(x, self.weight, self._moebal_csr)
+    st: CSRStructure = self.__dict__["_moebal_csr"]  # a plain attribute: nn.Module keeps it in __dict__
+    return csr_linear(x, self.weight, st)
 
 
 def _install_csr(module: nn.Module, mask: torch.Tensor | None) -> None:
@@ -196,7 +203,7 @@ def _install_csr(module: nn.Module, mask: torch.Tensor | None) -> None:
         module.__dict__.pop("forward", None)
         module.__dict__.pop("_moebal_csr", None)
         return
-    module._moebal_csr = CSRStructure.from_mask(mask)
+    module.__dict__["_moebal_csr"] = CSRStructure.from_mask(mask)  # where nn.Module keeps a plain attribute
     module.forward = types.MethodType(_csr_forward, module)
 
 
@@ -241,7 +248,7 @@ class GradualPruning(Dynamism):
         """Per layer: does any of its matrices run the CSR kernel (agreed along the chain: every rank predicts
         every layer's cost alike, whichever layers it holds)."""
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: MoebalForCausalLM) -> None:
         self.total = sum(p.numel() for layer in model.model.layers for _, p in prunable_params(layer))
 
     def on_start(self, ctx: SchemeContext) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,20 @@ from torch import nn
 
 from moebal.errors import ConfigError
 
-__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "build_dynamism", "layer_token_flops", "register", "ramp"]
+if TYPE_CHECKING:
+    from moebal.models.transformer import DecoderLayer, MoebalForCausalLM
+
+__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops", "register",
+           "ramp"]
+
+
+class SchemeBody(Protocol):
+    """What a scheme reads of a stage's body (`moebal.pipeline.stage`'s `model.`)."""
+
+    @property
+    def embed_tokens(self) -> nn.Embedding | None:
+        """The embedding on the first stage, None elsewhere."""
+        ...
 
 
 class SchemeStage(Protocol):
@@ -36,7 +49,7 @@ class SchemeStage(Protocol):
         ...
 
     @property
-    def model(self) -> nn.Module:
+    def model(self) -> SchemeBody:
         """The stage's body: `layers` and, on the first stage, `embed_tokens` (None elsewhere)."""
         ...
 
@@ -97,7 +110,7 @@ class Dynamism:
         """Before step `step` (1-based) runs its forwards: schedules that depend on the step update here."""
         self.step = step
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: MoebalForCausalLM) -> None:
         """Structural changes to the full model before it is sliced into stages (same on every rank)."""
 
     def prepare_layer(self, i: int, layer: nn.Module) -> None:
@@ -108,7 +121,8 @@ class Dynamism:
 
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
-        return layer(h_BTD, cos_TK, sin_TK)
+        out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
+        return out_BTD
 
     def splittable(self, i: int) -> bool:
         """Whether dense layer i may run as two partition units (`pipeline.split_layers`): only when
@@ -225,3 +239,9 @@ def build_dynamism(name: str, options: dict[str, Any] | None = None, **context: 
 def _load_schemes() -> None:
     """Import the scheme modules (each registers itself)."""
     from moebal.dynamism import early_exit, freezing, mod, moe_routing, pruning  # noqa: F401
+
+
+def as_decoder(layer: nn.Module) -> DecoderLayer:
+    """`layer` typed as the DecoderLayer it is: models and stages keep their decoder layers in containers typed
+    as plain modules (nn.ModuleList, nn.ModuleDict), and a scheme's hooks receive them from there."""
+    return cast("DecoderLayer", layer)

@@ -63,7 +63,7 @@ def _one(stage: PipelineStage, b: int, s: int, autocast: Callable[[], Any], cloc
     h_in = None if stage.first else torch.randn(b, s, m.dim, generator=gen, dtype=dtype).to(device).requires_grad_()
     t0 = clock()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-        h = stage.embed(ids) if stage.first else h_in
+        h = stage.embed(ids) if h_in is None else h_in  # h_in is None exactly on the first stage
         cos, sin = stage.rope(s, h.dtype)
         for i in stage.layer_ids:
             h = stage.layer(i)(h, cos, sin)

@@ -30,9 +30,10 @@ on CPU and GPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -213,7 +214,7 @@ class CostTracker:
 
     def layer_costs(self, factors: np.ndarray | None = None) -> np.ndarray:
         L = self.num_layers
-        costs = self.fwd[:L] + self.bwd[:L]
+        costs: np.ndarray = self.fwd[:L] + self.bwd[:L]
         if factors is not None:
             costs = costs * np.maximum(np.asarray(factors, dtype=np.float64), MIN_FACTOR)
         return costs
@@ -230,10 +231,10 @@ class CostTracker:
         return {"fwd": self.fwd.tolist(), "bwd": self.bwd.tolist(), "act": self.act_bytes.tolist(),
                 "wgt": self.wgt.tolist(), "samples": self.samples}
 
-    def load_state_dict(self, s: dict[str, object]) -> None:
+    def load_state_dict(self, s: Mapping[str, Any]) -> None:
         self.fwd = np.asarray(s["fwd"], dtype=np.float64)
         self.bwd = np.asarray(s["bwd"], dtype=np.float64)
         self.act_bytes = np.asarray(s["act"], dtype=np.float64)
         # checkpoints written before the zero-bubble schedule carry no W times
         self.wgt = np.asarray(s.get("wgt", np.zeros_like(self.bwd)), dtype=np.float64)
-        self.samples = int(s["samples"])  # type: ignore[arg-type]
+        self.samples = int(s["samples"])

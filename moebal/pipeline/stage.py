@@ -18,6 +18,9 @@ the other half's submodules set to None, so names stay the model's and its state
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,7 +48,7 @@ class _Body(nn.Module):
 class PipelineStage(nn.Module):
     """Layers [start, end) of a causal LM, plus the embedding on the first stage and the head on the last."""
 
-    def __init__(self, cfg: Config, layers: dict[int, DecoderLayer], first: bool, last: bool,
+    def __init__(self, cfg: Config, layers: Mapping[int, nn.Module], first: bool, last: bool,
                  embed: nn.Embedding | None = None, norm: nn.Module | None = None,
                  lm_head: nn.Linear | None = None, units: UnitMap | None = None,
                  unit_ids: list[int] | None = None) -> None:
@@ -88,7 +91,7 @@ class PipelineStage(nn.Module):
                    units, held)
 
     # ---- the layer set ----
-    def _set_layers(self, layers: dict[int, nn.Module]) -> None:
+    def _set_layers(self, layers: Mapping[int, nn.Module]) -> None:
         self.model.layers = nn.ModuleDict({str(i): layers[i] for i in sorted(layers)})
 
     @property
@@ -163,19 +166,24 @@ class PipelineStage(nn.Module):
             out[U] = self.model.embed_tokens
         out.update({u: self.unit_module(u) for u in self._unit_ids})
         if self.model.norm is not None:
+            assert self.lm_head is not None  # the last stage holds both
             out[U + 1] = nn.ModuleList([self.model.norm, self.lm_head])
         return out
 
     def moe_layers(self) -> list[nn.Module]:
-        return [layer.block_sparse_moe for layer in self.model.layers.values() if layer.is_moe]
+        # the ModuleDict holds DecoderLayers (whole or half-held), typed as plain modules
+        layers = cast("list[DecoderLayer]", list(self.model.layers.values()))
+        return [layer.block_sparse_moe for layer in layers if layer.is_moe]
 
     # ---- compute pieces (the engine runs them; dynamism schemes wrap the layer step) ----
     def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
         assert self.model.embed_tokens is not None
-        return self.model.embed_tokens(ids_BT)
+        h_BTD: torch.Tensor = self.model.embed_tokens(ids_BT)
+        return h_BTD
 
     def rope(self, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(T, dtype)
+        cos_sin: tuple[torch.Tensor, torch.Tensor] = self.rotary(T, dtype)
+        return cos_sin
 
     def head_loss_sum(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         """Sum of next-token cross-entropy over labels != -100 (the engine divides by the batch's count)."""

@@ -41,7 +41,7 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 sink: list[tuple[int, Callable[[], None]]], slot: int) -> torch.Tensor:
         dev = x.device.type
         xc, wc, bc = x, weight, bias
@@ -56,7 +56,7 @@ class _DeferredLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         xc, wc = ctx.saved_tensors
         g_NO = grad.reshape(-1, grad.shape[-1])
         gx = g_NO.mm(wc).view(*grad.shape[:-1], wc.shape[1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
@@ -113,13 +113,15 @@ class WeightGradQueue:
         w = module.weight
         if self._sink is None or not torch.is_grad_enabled() or not (w.requires_grad and w.is_leaf):
             return F.linear(x, w, module.bias)
-        return _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot)
+        out: torch.Tensor = _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot)
+        return out
 
     @contextmanager
     def installed(self, root: nn.Module) -> Iterator[None]:
         """Route every plain nn.Linear under `root` through `linear` until the block ends."""
         mods = [m for m in root.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
         for m in mods:
+            # an instance attribute shadows the class's forward; popped from __dict__ when the block ends
             m.forward = (lambda mod: lambda x: self.linear(mod, x))(m)  # type: ignore[method-assign]
         try:
             yield

@@ -419,7 +419,7 @@ class CostModel:
         lat = self._lat("p2p", topo, [src, dst])
         return Collective("p2p", (src, dst), (self._phase("p2p", topo, [src], [dst], [nbytes], lat),))
 
-    def all_to_all(self, topo: Topology, ranks: Sequence[int], bytes_RR: np.ndarray) -> Collective:
+    def all_to_all(self, topo: Topology, ranks: Sequence[int] | np.ndarray, bytes_RR: np.ndarray) -> Collective:
         """Pairwise exchange: bytes_RR[i, j] from ranks[i] to ranks[j]; R-1 message latencies."""
         r = np.asarray(ranks, dtype=np.int64)
         n = len(r)

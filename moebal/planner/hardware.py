@@ -22,12 +22,14 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
 from moebal.config import build_schema, read_yaml
 from moebal.errors import ConfigError
+
+_D = TypeVar("_D")
 
 __all__ = [
     "CollectiveSpec",
@@ -178,7 +180,7 @@ class HardwareProfile:
 _NO_CORRECTION = CollectiveSpec()
 
 
-def _nearest(table: dict[str, float], world: int, default: Any) -> Any:
+def _nearest(table: dict[str, float], world: int, default: _D) -> float | _D:
     if not table:
         return default
     near = min((int(w) for w in table), key=lambda w: (abs(w - world), -w))
@@ -282,7 +284,7 @@ def _plain(x: Any) -> Any:
 
 
 def profile_to_dict(p: HardwareProfile) -> dict[str, Any]:
-    d = _plain(dataclasses.asdict(p))
+    d: dict[str, Any] = _plain(dataclasses.asdict(p))
     d["source"] = list(p.source)
     for key in ("pair", "backplane"):
         if d[key] is None:
@@ -292,7 +294,7 @@ def profile_to_dict(p: HardwareProfile) -> dict[str, Any]:
 
 def dump_profile(p: HardwareProfile, path: str | Path | None = None, header: str = "") -> str:
     """YAML text of a profile (written to `path` when given); `header` becomes leading comment lines."""
-    text = yaml.safe_dump(profile_to_dict(p), sort_keys=False, default_flow_style=False)
+    text: str = yaml.safe_dump(profile_to_dict(p), sort_keys=False, default_flow_style=False)
     if header:
         text = "".join(f"# {line}\n" for line in header.splitlines()) + text
     if path is not None:

@@ -124,14 +124,17 @@ class MicroBatchCost:
         """t(M) of the DP: the bottleneck stage's forward + backward seconds (stages are balanced for the
         average micro-batch; the slowest one sets the pipeline's pace). +inf where infeasible."""
         f, bw = self.stage_times(b, s)
-        return (f + bw).max(axis=0)
+        bottleneck: np.ndarray = (f + bw).max(axis=0)
+        return bottleneck
 
     def memory(self, b: Any, s: Any) -> np.ndarray:
         """The largest stage's stored activation bytes (the per-micro-batch memory the DP limits)."""
-        return self.stage_memory(b, s).max(axis=0)
+        largest: np.ndarray = self.stage_memory(b, s).max(axis=0)
+        return largest
 
     def feasible(self, b: Any, s: Any) -> np.ndarray:
-        return np.isfinite(self.time(b, s))
+        ok: np.ndarray = np.isfinite(self.time(b, s))
+        return ok
 
     def explain_infeasible(self, b: int, s: int) -> str:
         """Why (b, s) has no cost, and how to get one."""
@@ -198,14 +201,15 @@ def _layer_activation_bytes(shape: Any, b: np.ndarray, s: np.ndarray, act_bytes:
     T = b * s
     q = shape.n_heads * shape.head_dim
     kv = shape.n_kv_heads * shape.head_dim
-    per_tok = (2 * shape.dim * 4 + 2 * shape.dim * act_bytes + (2 * q + 2 * kv) * act_bytes
+    per_tok: float = (2 * shape.dim * 4 + 2 * shape.dim * act_bytes + (2 * q + 2 * kv) * act_bytes
                + shape.n_heads * 4 + 2 * shape.dim * act_bytes)
     if moe:
         F = shape.expert_ffn_dim
         per_tok += shape.top_k * (shape.dim + 3 * F) * act_bytes + shape.num_experts * 4 * 2
     else:
         per_tok += (shape.dim + 3 * shape.ffn_dim) * act_bytes
-    return T * per_tok
+    bytes_: np.ndarray = T * per_tok
+    return bytes_
 
 
 def analytic_table(shape: Any, profile: Any, sizes: list[int], b_grid: np.ndarray, s_grid: np.ndarray,

@@ -24,6 +24,9 @@ import numpy as np
 from moebal.errors import ConfigError
 from moebal.planner.schedule import W_SHARE, simulate
 
+Floats = Sequence[float] | np.ndarray
+"""Per-layer or per-stage numbers: a list from a config or a test, or a 1-D array from a profile."""
+
 __all__ = [
     "StagePartition",
     "clears_hysteresis",
@@ -42,7 +45,7 @@ __all__ = [
 ]
 
 
-def _check(costs: Sequence[float], num_stages: int, what: str = "costs") -> np.ndarray:
+def _check(costs: Floats, num_stages: int, what: str = "costs") -> np.ndarray:
     c = np.asarray(costs, dtype=np.float64)
     if c.ndim != 1 or c.size == 0:
         raise ConfigError(f"{what} must be a non-empty list of per-layer numbers; got shape {c.shape}")
@@ -56,7 +59,7 @@ def _check(costs: Sequence[float], num_stages: int, what: str = "costs") -> np.n
     return c
 
 
-def stage_loads(costs: Sequence[float], sizes: Sequence[int], first_extra: float = 0.0,
+def stage_loads(costs: Floats, sizes: Sequence[int], first_extra: float = 0.0,
                 last_extra: float = 0.0) -> list[float]:
     """Sum of layer costs per stage (plus the pinned embedding/head extras)."""
     c = np.asarray(costs, dtype=np.float64)
@@ -70,8 +73,8 @@ def stage_loads(costs: Sequence[float], sizes: Sequence[int], first_extra: float
     return loads
 
 
-def partition_by_time(costs: Sequence[float], num_stages: int, memory: Sequence[float] | None = None,
-                      capacity: float | Sequence[float] | None = None, first_extra: float = 0.0,
+def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = None,
+                      capacity: float | Floats | None = None, first_extra: float = 0.0,
                       last_extra: float = 0.0, first_memory: float = 0.0, last_memory: float = 0.0) -> list[int]:
     """The exact min-max contiguous partition (no empty stage), under per-stage memory caps.
 
@@ -118,7 +121,7 @@ def partition_by_time(costs: Sequence[float], num_stages: int, memory: Sequence[
     return _backtrack(arg, P, L)
 
 
-def _caps(capacity: float | Sequence[float] | None, P: int) -> np.ndarray:
+def _caps(capacity: float | Floats | None, P: int) -> np.ndarray:
     if capacity is None:
         return np.full(P, np.inf)
     caps = np.broadcast_to(np.asarray(capacity, dtype=np.float64), (P,)).copy() if np.ndim(capacity) == 0 \
@@ -139,9 +142,12 @@ def _backtrack(arg: np.ndarray, P: int, L: int) -> list[int]:
     return [bounds[p + 1] - bounds[p] for p in range(P)]
 
 
-def partition_by_params(param_counts: Sequence[float], num_stages: int, **kwargs: float) -> list[int]:
+def partition_by_params(param_counts: Floats, num_stages: int, *, memory: Floats | None = None,
+                        capacity: float | Floats | None = None, first_extra: float = 0.0, last_extra: float = 0.0,
+                        first_memory: float = 0.0, last_memory: float = 0.0) -> list[int]:
     """DeepSpeed's `parameters` method: the same exact min-max partition over parameter counts."""
-    return partition_by_time(param_counts, num_stages, **kwargs)  # type: ignore[arg-type]
+    return partition_by_time(param_counts, num_stages, memory=memory, capacity=capacity, first_extra=first_extra,
+                             last_extra=last_extra, first_memory=first_memory, last_memory=last_memory)
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
@@ -152,7 +158,7 @@ def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
     return [q + (1 if p < r else 0) for p in range(num_stages)]
 
 
-def diffuse(costs: Sequence[float], sizes: Sequence[int], memory: Sequence[float] | None = None,
+def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
             capacity: float | None = None, max_rounds: int = 5, first_extra: float = 0.0,
             last_extra: float = 0.0) -> list[int]:
     """DynMo's diffusion balancer restricted to adjacent-stage boundary moves.
@@ -201,14 +207,14 @@ def _move_boundary_layer(c: np.ndarray, mem: np.ndarray, cap: float, sizes: list
     return True
 
 
-def imbalance(loads: Sequence[float]) -> float:
+def imbalance(loads: Floats) -> float:
     """max / mean of stage loads (1.0 is perfect balance; DynMo's imbalance metric)."""
     arr = np.asarray(loads, dtype=np.float64)
     mean = arr.mean()
     return float(arr.max() / mean) if mean > 0 else 1.0
 
 
-def pipeline_time(loads: Sequence[float], num_micro_batches: int) -> float:
+def pipeline_time(loads: Floats, num_micro_batches: int) -> float:
     """Iteration time of GPipe/1F1B with equal micro-batches: (M + P - 1) x the slowest stage's time per
     micro-batch (loads are per-micro-batch forward+backward seconds); exact for equal stages."""
     return (num_micro_batches + len(loads) - 1) * max(loads)
@@ -223,7 +229,7 @@ def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, 
     return [(int(i), int(a), int(b)) for i, (a, b) in enumerate(zip(owner_old, owner_new)) if a != b]
 
 
-def iteration_time(loads: Sequence[float], num_micro_batches: int, comm_s: float = 0.0) -> float:
+def iteration_time(loads: Floats, num_micro_batches: int, comm_s: float = 0.0) -> float:
     """Iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of all stages
     (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward, gradient
     back). Exact for GPipe, an upper bound for 1F1B (`schedule.simulate` replays either). Loads are
@@ -231,7 +237,7 @@ def iteration_time(loads: Sequence[float], num_micro_batches: int, comm_s: float
     return (num_micro_batches - 1) * max(loads) + sum(loads) + 2 * (len(loads) - 1) * comm_s
 
 
-def replay_time(fwd_loads: Sequence[float], bwd_loads: Sequence[float], num_micro_batches: int,
+def replay_time(fwd_loads: Floats, bwd_loads: Floats, num_micro_batches: int,
                 comm_s: float = 0.0, schedule: str = "1f1b", w_share: float | Sequence[float] = W_SHARE) -> float:
     """Iteration time by replaying the schedule op by op (`schedule.simulate`) from each stage's forward and
     backward seconds per micro-batch, with `comm_s` per boundary transfer.
@@ -251,8 +257,8 @@ def replay_time(fwd_loads: Sequence[float], bwd_loads: Sequence[float], num_micr
     return simulate(schedule, list(fwd_loads), list(bwd_loads), num_micro_batches, comm_s, w_share)[0]
 
 
-def should_adopt(costs: Sequence[float], current: Sequence[int], proposed: Sequence[int], num_micro_batches: int,
-                 interval_iters: int, layer_bytes: Sequence[float], bandwidth_Bps: float, latency_s: float = 0.0,
+def should_adopt(costs: Floats, current: Sequence[int], proposed: Sequence[int], num_micro_batches: int,
+                 interval_iters: int, layer_bytes: Floats, bandwidth_Bps: float, latency_s: float = 0.0,
                  first_extra: float = 0.0, last_extra: float = 0.0, comm_s: float | None = None,
                  time_fn: Callable[[Sequence[int]], float] | None = None) -> tuple[bool, float, float]:
     """Adopt a new partition only when its predicted gain over the next interval exceeds the migration cost.
@@ -291,8 +297,8 @@ def clears_hysteresis(t_cur: float, t_new: float, min_gain: float, streak: int, 
     return confirm > 0 and streak >= confirm and t_new <= (1.0 - confirm_fraction * min_gain) * t_cur
 
 
-def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int, slack: float = 0.1,
-                min_stages: int = 2, memory: Sequence[float] | None = None, capacity: float | None = None,
+def plan_repack(costs: Floats, num_stages: int, num_micro_batches: int, slack: float = 0.1,
+                min_stages: int = 2, memory: Floats | None = None, capacity: float | None = None,
                 comm_s: float = 0.0, first_extra: float = 0.0, last_extra: float = 0.0, first_memory: float = 0.0,
                 last_memory: float = 0.0,
                 time_fn: Callable[[Sequence[int]], float] | None = None) -> list[int] | None:
@@ -306,10 +312,12 @@ def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int,
     stay contiguous (exact min-max partition under the memory caps, never DynPipe's first-fit, which can
     break order) and never fewer than `min_stages`.
     """
-    kw = dict(memory=memory, capacity=capacity, first_extra=first_extra, last_extra=last_extra,
-              first_memory=first_memory, last_memory=last_memory)
+    def fit(p: int) -> list[int]:
+        return partition_by_time(costs, p, memory=memory, capacity=capacity, first_extra=first_extra,
+                                 last_extra=last_extra, first_memory=first_memory, last_memory=last_memory)
+
     try:
-        best = partition_by_time(costs, num_stages, **kw)  # type: ignore[arg-type]
+        best = fit(num_stages)
     except ConfigError:
         return None  # not even P stages fit the caps: nothing to pack
     def t_iter(sizes: Sequence[int]) -> float:
@@ -320,7 +328,7 @@ def plan_repack(costs: Sequence[float], num_stages: int, num_micro_batches: int,
     t_best = t_iter(best)
     for p in range(max(min_stages, 1), num_stages):
         try:
-            sizes = partition_by_time(costs, p, **kw)  # type: ignore[arg-type]
+            sizes = fit(p)
         except ConfigError:
             continue  # does not fit the memory caps on p stages
         if t_iter(sizes) <= (1.0 + slack) * t_best:

@@ -84,11 +84,11 @@ class MoELayerCosts:
         for name in ("token_bytes", "expert_param_bytes", "expert_grad_bytes", "nonmoe_fwd_s", "nonmoe_bwd_s",
                      "backward_factor"):
             v = getattr(self, name)
-            if not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+            if not (isinstance(v, numbers.Real) and math.isfinite(v) and float(v) >= 0):
                 raise ConfigError(f"MoELayerCosts.{name} = {v!r}: must be a finite number >= 0")
         for name in ("expert_tokens_per_s", "trans_bandwidth", "agg_bandwidth"):
             v = getattr(self, name)
-            if not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0):
+            if not (isinstance(v, numbers.Real) and math.isfinite(v) and float(v) > 0):
                 raise ConfigError(f"MoELayerCosts.{name} = {v!r}: must be a rate > 0 (per second)")
         if self.num_ranks is not None and self.num_ranks < 1:
             raise ConfigError(f"MoELayerCosts.num_ranks = {self.num_ranks}: must be >= 1 or None")
@@ -146,9 +146,10 @@ class MoELayerCosts:
 
 def _normalise_bandwidth(bw: Any) -> Bandwidth:
     if callable(bw):
-        return bw
+        fn: Callable[[float], float] = bw  # any callable is taken as bytes -> bytes/s, as documented
+        return fn
     if isinstance(bw, numbers.Real) and not isinstance(bw, bool):
-        if not (math.isfinite(bw) and bw > 0):
+        if not (math.isfinite(bw) and float(bw) > 0):
             raise ConfigError(f"MoELayerCosts.a2a_bandwidth = {bw!r}: must be > 0 bytes/s")
         return float(bw)
     try:
@@ -347,7 +348,8 @@ def fastermoe_expert_loads(counts_RE: np.ndarray) -> np.ndarray:
     with more than one expert per rank, can only ever mark experts 0..R-1. We sum over sources, which is
     what the paper's per-expert latency model means.
     """
-    return counts_RE.sum(axis=0, dtype=np.float64)
+    loads_E: np.ndarray = counts_RE.sum(axis=0, dtype=np.float64)
+    return loads_E
 
 
 def fastermoe_shadow(loads_E: np.ndarray, fc: FasterMoECosts) -> tuple[np.ndarray, float]:

@@ -514,7 +514,7 @@ class _Builder:
         """(layer, non-expert grad bytes, expert grad bytes per rank) in the order grads become ready."""
         sh, gb = self.shape, self.spec.grad_bytes
         lo, hi = int(self.first_layer[s]), int(self.first_layer[s + 1])
-        items = []
+        items: list[tuple[int, float, float]] = []
         head = sh.vocab_size * sh.dim if (s == self.lay.pp - 1 and not sh.tie_embeddings) else 0
         for layer in range(hi - 1, lo - 1, -1):
             dense = sh.attn_params + (sh.router_params if sh.is_moe(layer) else sh.dense_mlp_params)
