@@ -29,36 +29,11 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from moebal.errors import ConfigError
+from moebal.config import FeedbackConfig  # the schema lives with the typed config (planner.feedback)
 
 __all__ = ["FeedbackConfig", "PlanFeedback"]
 
 ARMS = ("base", "plan")
-
-
-@dataclass(kw_only=True, frozen=True)
-class FeedbackConfig:
-    """How a balancer checks its plans against measured time."""
-
-    enabled: bool = True
-    """False: apply every plan the planner makes (the open loop)."""
-    tolerance: float = 0.02
-    """Largest measured slowdown of the plan against the base accepted before backing off (0.02: 2 %)."""
-    window: int = 4
-    """Steps measured per arm before a comparison (the first step of each run is not counted: warm-up)."""
-    hold: int = 32
-    """Steps on the base arm after a failed trial; doubled after each consecutive failure ..."""
-    max_hold: int = 512
-    """... up to this many."""
-    recheck: int = 100
-    """Steps between re-checks of a kept plan (window base steps, then a trial); 0: never."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tolerance < 1 or self.window < 1 or self.hold < 1 or self.max_hold < self.hold \
-                or self.recheck < 0:
-            raise ConfigError(f"feedback: tolerance must be in [0, 1), window and hold >= 1, max_hold >= hold, "
-                              f"recheck >= 0; got tolerance={self.tolerance}, window={self.window}, "
-                              f"hold={self.hold}, max_hold={self.max_hold}, recheck={self.recheck}")
 
 
 @dataclass

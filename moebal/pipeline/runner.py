@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebal.balance.stage_experts import StageExperts, stage_metrics
+from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.dynamism.scheme import Dynamism, SchemeContext
@@ -486,7 +486,8 @@ class PipelineRunner:
                "busy": out[t:t + P0].tolist(), "run": out[t + P0:t + 2 * P0].tolist(),
                "busy_cpu": out[t + 2 * P0:t + 3 * P0].tolist(), "w_cpu": out[t + 3 * P0:n].tolist()}
         if n_ep:
-            red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
+            red["experts"] = {**stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)]),
+                              **self.experts.feedback_record()}
         return red
 
     def _grad_squares(self, S: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ def run(fb: PlanFeedback, steps: int, base_s: float, plan_s: float, start: int =
 
 
 def test_a_plan_that_pays_is_kept_and_rechecked():
-    fb = PlanFeedback(FeedbackConfig(window=4, recheck=20))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=4, recheck=20))
     arms = run(fb, 9, base_s=1.0, plan_s=0.8)
     assert arms == [False] * 5 + [True] * 4  # warm-up + 4 base steps, then a 4-step trial
     [event] = fb.drain()
@@ -30,7 +30,7 @@ def test_a_plan_that_pays_is_kept_and_rechecked():
 
 
 def test_a_plan_that_measures_slower_backs_off_with_doubling_holds():
-    fb = PlanFeedback(FeedbackConfig(window=4, hold=10, max_hold=25, tolerance=0.03))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=4, hold=10, max_hold=25, tolerance=0.03))
     arms = run(fb, 9, base_s=1.0, plan_s=1.3)
     [event] = fb.drain()
     assert event["verdict"] == "backed_off" and event["hold"] == 10 and event["measured_gain"] == -0.3
@@ -43,7 +43,7 @@ def test_a_plan_that_measures_slower_backs_off_with_doubling_holds():
 
 
 def test_within_tolerance_is_kept_and_the_loop_follows_a_change_of_load():
-    fb = PlanFeedback(FeedbackConfig(window=3, recheck=10, tolerance=0.05))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=3, recheck=10, tolerance=0.05))
     run(fb, 7, base_s=1.0, plan_s=1.04)
     assert fb.drain()[0]["verdict"] == "kept"
     run(fb, 40, base_s=1.0, plan_s=1.5, start=8)  # the plan stops paying: found at the next re-check
@@ -54,9 +54,9 @@ def test_within_tolerance_is_kept_and_the_loop_follows_a_change_of_load():
 def test_disabled_always_plans_and_resume_continues_exactly():
     off = PlanFeedback(FeedbackConfig(enabled=False))
     assert all(run(off, 20, base_s=1.0, plan_s=2.0))
-    a = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    a = PlanFeedback(FeedbackConfig(enabled=True, window=3, hold=5))
     run(a, 11, base_s=1.0, plan_s=1.3)
-    b = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    b = PlanFeedback(FeedbackConfig(enabled=True, window=3, hold=5))
     b.load_state_dict(a.state_dict())
     assert run(a, 30, 1.0, 1.3, start=12) == run(b, 30, 1.0, 1.3, start=12)
 
