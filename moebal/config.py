@@ -320,7 +320,11 @@ class FeedbackConfig:
     max_hold: int = 512
     """... up to this many."""
     recheck: int = 100
-    """Steps between re-checks of a kept plan (window base steps, then a trial); 0: never."""
+    """Steps between re-checks of a kept plan (a new trial); 0: never."""
+    interleave: bool = True
+    """Trials alternate the arms step by step (pairs: base plan, plan base, ...) and compare pair by pair, so a
+    change of the machine's load between steps weighs on both arms alike; false: a window of base steps, then a
+    window of plan steps, compared by their medians."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tolerance < 1 or self.window < 1 or self.hold < 1 or self.max_hold < self.hold \

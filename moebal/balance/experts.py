@@ -164,7 +164,7 @@ class ExpertBalancer:
             pl.step(c_RE)
         self.predicted_gain = 1.0 - planned_s / static_s if static_s > 0 else 0.0
         if step_s is not None:
-            self._gains = [*self._gains, self.predicted_gain][-self.feedback.cfg.window:]
+            self._gains = [*self._gains, self.predicted_gain][-2 * self.feedback.cfg.window:]  # a trial's steps
             self.feedback.observe(step, step_s)
 
     def decisions(self) -> list[dict[str, Any]]:

@@ -4,18 +4,23 @@ A balancer plans from a model of the machine (calibrated coefficients, smoothed 
 describing the machine (another job shares the cores, the links are busier than at start-up) the plan it
 predicts to be faster can be slower. `PlanFeedback` watches the measured step time under both arms, the
 balancer's plan ("plan") and its fallback ("base": static expert placement, the current stage partition), and
-backs off to the base when the plan measures slower:
+backs off to the base when the plan measures slower. A trial compares the two arms in one of two ways:
 
-  1. the run starts on the base arm (a balancer has nothing to apply before its first observation) and records
-     `window` step times; then the plan arm runs `window` steps (a trial);
-  2. after a trial the medians are compared: the plan is kept when median(plan) <= (1 + tolerance) x
-     median(base), else the balancer backs off to the base for `hold` steps (doubled after every failed trial,
-     at most `max_hold`), then tries again with fresh windows of both arms;
-  3. a kept plan is re-checked every `recheck` steps: `window` base steps, then a new trial, so a plan that
-     stops paying (the machine's load changed) is found within one re-check period.
+  interleaved (`interleave: true`, the default): after the warm-up step, 2 x `window` steps alternate the arms in
+     pairs, base plan plan base base plan ... (each pair one step of each arm, every other pair in reverse order,
+     so a load that rises or falls steadily favours neither arm); the plan is kept when the median over the
+     pairs of plan time / base time is <= 1 + tolerance;
+  windows (`interleave: false`): the run starts on the base arm and records `window` step times, then the plan
+     arm runs `window` steps; the plan is kept when median(plan) <= (1 + tolerance) x median(base).
+A failed trial backs off to the base for `hold` steps (doubled after every failed trial, at most `max_hold`),
+then tries again with fresh measurements of both arms; a kept plan is re-checked every `recheck` steps (a new
+trial), so a plan that stops paying (the machine's load changed) is found within one re-check period.
 
-Medians of a few steps, compared only between adjacent windows, follow slow drifts of the machine without
-letting one slow step decide. Every rank must feed the same numbers (the step time's maximum over the ranks
+Medians of a few steps do not let one slow step decide. Adjacent windows follow slow drifts of the machine, but
+a machine shared with other jobs changes its load within seconds (a test suite starts, a build ends): a window
+of base steps measured under one load and a window of plan steps under another can make a 10 % slower plan look
+25 % faster, or the other way round. Pairs of adjacent steps see the same load, which is why interleaving is the
+default. Every rank must feed the same numbers (the step time's maximum over the ranks
 that apply the plan) so that every rank takes the same decision: the module is pure and deterministic.
 The predictions the balancer made are recorded beside the measurements (`predicted_gain`, `measured_gain`), for
 the dashboard and the docs, but do not decide: a prediction is what the loop is there to check.
@@ -34,6 +39,8 @@ from moebal.config import FeedbackConfig  # the schema lives with the typed conf
 __all__ = ["FeedbackConfig", "PlanFeedback"]
 
 ARMS = ("base", "plan")
+PAIRS = ("base", "plan", "plan", "base")
+"""The arms of an interleaved trial, repeated: pairs of one step of each arm, every other pair reversed."""
 
 
 @dataclass
@@ -55,6 +62,8 @@ class PlanFeedback:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Every decision: step, verdict, medians (seconds), hold; drained by the balancer into its plan log."""
     seen: int = 0
+    trial: int = -1
+    """Position in an interleaved trial (-1: not in one)."""
 
     def use_plan(self) -> bool:
         """Whether the next step runs the balancer's plan (else its base)."""
@@ -65,8 +74,13 @@ class PlanFeedback:
         if not self.cfg.enabled:
             return
         self.seen += 1
-        if self.seen == 1:
-            return  # warm-up: allocations and first-touch costs belong to no arm
+        if self.seen == 1:  # warm-up: allocations and first-touch costs belong to no arm
+            if self.cfg.interleave:
+                self._begin_pairs()
+            return
+        if self.cfg.interleave:
+            self._observe_pairs(step, float(seconds))
+            return
         w = self.times[self.arm]
         w.append(float(seconds))
         del w[:-self.cfg.window]  # a rolling window: a hold keeps the latest base steps for the next trial
@@ -92,12 +106,34 @@ class PlanFeedback:
     def _start_trial(self) -> None:
         self._switch("plan", 0)
 
+    def _begin_pairs(self) -> None:
+        self.trial, self.arm, self.until = 0, "base", 0
+        self.times = {a: [] for a in ARMS}
+
+    def _observe_pairs(self, step: int, seconds: float) -> None:
+        if self.trial >= 0:
+            self.times[self.arm].append(seconds)
+            self.trial += 1
+            if self.trial < 2 * self.cfg.window:
+                self.arm = PAIRS[self.trial % len(PAIRS)]
+                return
+            self.trial = -1
+            ratio = median(p / b if b > 0 else 1.0 for b, p in zip(self.times["base"], self.times["plan"]))
+            self._verdict(step, ratio)
+        elif self.until > 0 and step >= self.until:  # a hold ends, or a kept plan's re-check is due
+            self._begin_pairs()
+
     def _judge(self, step: int) -> None:
         base, plan = median(self.times["base"]), median(self.times["plan"])
-        ok = plan <= (1.0 + self.cfg.tolerance) * base
+        self._verdict(step, plan / base if base > 0 else 1.0)
+
+    def _verdict(self, step: int, ratio: float) -> None:
+        """Keep the plan or back off, from the plan's measured time over the base's (`ratio`)."""
+        base, plan = median(self.times["base"]), median(self.times["plan"])
+        ok = ratio <= 1.0 + self.cfg.tolerance
         event: dict[str, Any] = {"step": step, "verdict": "kept" if ok else "backed_off",
                                  "base_s": round(base, 6), "plan_s": round(plan, 6),
-                                 "measured_gain": round(1.0 - plan / base, 4) if base > 0 else 0.0}
+                                 "measured_gain": round(1.0 - ratio, 4)}
         if ok:
             self.failures, self.kept_since = 0, step
             self.arm, self.until = "plan", (step + self.cfg.recheck if self.cfg.recheck else -1)
@@ -116,7 +152,7 @@ class PlanFeedback:
 
     def state_dict(self) -> dict[str, Any]:
         return {"arm": self.arm, "until": self.until, "failures": self.failures, "kept_since": self.kept_since,
-                "times": {a: list(v) for a, v in self.times.items()}, "seen": self.seen}
+                "times": {a: list(v) for a, v in self.times.items()}, "seen": self.seen, "trial": self.trial}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -125,3 +161,4 @@ class PlanFeedback:
         self.failures, self.kept_since = int(state["failures"]), int(state["kept_since"])
         self.times = {a: [float(x) for x in state["times"].get(a, [])] for a in ARMS}
         self.seen = int(state["seen"])
+        self.trial = int(state.get("trial", -1))

@@ -42,12 +42,13 @@ def test_open_loop_applies_every_plan_and_takes_no_time():
 def test_the_loop_starts_static_tries_the_plan_and_backs_off_when_it_measures_slower():
     b = _balancer(enabled=True, window=2, hold=3, max_hold=6)
     arms, replicas = [], []
-    for step in range(1, 12):
+    for step in range(1, 14):
         arm, used = _step(b, step, {"base": 1.0, "plan": 1.3})
         arms.append(arm)
         replicas.append(sum(p.num_replicas for p in used))
-    # warm-up + 2 base steps, a 2-step trial, 3 steps held on the base, a new trial, held again
-    assert arms == ["base"] * 3 + ["plan"] * 2 + ["base"] * 3 + ["plan"] * 2 + ["base"]
+    # warm-up, a trial of 2 pairs (base plan plan base), 3 steps held on the base, a new trial, held again
+    trial = ["base", "plan", "plan", "base"]
+    assert arms == ["base", *trial, *["base"] * 3, *trial, "base"]
     assert all((r > 0) == (a == "plan") for a, r in zip(arms, replicas))  # base: static placement, no replica
     verdicts = b.decisions()
     assert [v["verdict"] for v in verdicts] == ["backed_off", "backed_off"]
@@ -58,7 +59,7 @@ def test_the_loop_starts_static_tries_the_plan_and_backs_off_when_it_measures_sl
 def test_a_plan_that_pays_is_kept():
     b = _balancer(enabled=True, window=2)
     arms = [_step(b, step, {"base": 1.0, "plan": 0.8})[0] for step in range(1, 10)]
-    assert arms == ["base"] * 3 + ["plan"] * 6
+    assert arms == ["base", "base", "plan", "plan", "base"] + ["plan"] * 4
     assert [v["verdict"] for v in b.decisions()] == ["kept"]
 
 
