@@ -22,7 +22,8 @@ pair, the order of both rotated by one each round. The planner's coefficients ar
 at start-up (moebal.distributed.calibrate). `--load N` keeps N busy processes (one spinning Python loop each)
 running for the whole run, calibration included: a machine shared with other jobs.
 
-    python scripts/bench_expert_parallel.py [--quick] [--load N] [--json FILE] [--png FILE] [--recorded RUN_DIR]
+    python scripts/bench_expert_parallel.py [--quick] [--load N] [--rounds R --steps S --warmup W] [--json FILE]
+                                           [--png FILE] [--recorded RUN_DIR]
 """
 
 from __future__ import annotations
@@ -173,10 +174,21 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
     for rec in records:
         if rec["policy"] == FEEDBACK:
             rec["feedback_decisions"] = loops[rec["routing"]].decisions
+    _round_ratios(records)
     if tutel_failed:
         records.append({"policy": TUTEL, "executor": TUTEL, "world_size": world, "failed": tutel_failed,
                         "note": NOTES[TUTEL]})
     return records
+
+
+def _round_ratios(records: list[dict[str, Any]]) -> None:
+    """Each record's median over the rounds of its round median / static's round median (same routing and
+    round): steps compared with those of the same round, close in time, which a changing load needs."""
+    static = {r["routing"]: r["round_medians_s"] for r in records if r["policy"] == "static"}
+    for r in records:
+        base = static.get(r["routing"])
+        if base and r["policy"] != "static" and len(r.get("round_medians_s", [])) == len(base):
+            r["median_round_ratio_to_static"] = statistics.median(a / b for a, b in zip(r["round_medians_s"], base))
 
 
 def _rotated(items: list[str], r: int) -> list[str]:
@@ -433,6 +445,9 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
                     lines.append(f"{'':18s}round {k + 1} ratio to static: " + "  ".join(
                         f"{LABELS[m]} {r['round_medians_s'][k] / s0:.3f}" for m, r in row.items()
                         if m != "static" and len(r.get("round_medians_s", [])) > k))
+                lines.append(f"{'':18s}median of the round ratios: " + "  ".join(
+                    f"{LABELS[m]} {r['median_round_ratio_to_static']:.3f}" for m, r in row.items()
+                    if "median_round_ratio_to_static" in r))
             if routing != "balanced" and limit and "prophet" in row:
                 p = row["prophet"]["step_time_median_s"]
                 lines.append(f"{'':18s}prophet/limit {p / limit['step_time_median_s']:.3f}" + "".join(
@@ -484,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write a bar chart here (default: next to --json)")
     ap.add_argument("--recorded", type=Path, help="a run directory whose routing to replay")
     ap.add_argument("--skew", type=float, default=3.0, help="strength s of the skew bias -s*log(id+1)")
+    ap.add_argument("--rounds", type=int, help="rounds (default 2 with --quick, else 3); more rounds of fewer steps "
+                    "compare the methods closer in time, which a machine whose load changes needs")
+    ap.add_argument("--steps", type=int, help="timed steps per method and round (default 4 with --quick, else 6)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method and round (>= 1: a fresh "
+                    "planner's first step has no history and runs static placement)")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="keep N busy processes running for the whole run (a machine shared with other jobs)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
@@ -491,10 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     script_device(args.device, cpu_only=CPU_ONLY)
     if args.load < 0:
         ap.error(f"--load must be >= 0 (busy background processes); got {args.load}")
+    for name in ("rounds", "steps", "warmup"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     cfg = bench_config(args.quick)
     window = cfg.planner.feedback.window
-    spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": 2 if args.quick else 3,
-            "steps": 4 if args.quick else 6, "warmup": 2, "settle": 1 + 2 * window,
+    spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": args.rounds or (2 if args.quick else 3),
+            "steps": args.steps or (4 if args.quick else 6), "warmup": args.warmup, "settle": 1 + 2 * window,
             "recorded_shares": recorded_shares(args.recorded) if args.recorded else None,
             "tutel": tp.tutel_importable()}
     if not spec["tutel"]:

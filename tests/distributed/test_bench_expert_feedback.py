@@ -35,5 +35,5 @@ def test_the_closed_loop_runs_beside_static_with_its_rounds_and_verdicts(monkeyp
         assert loop["steps"] == 2 * 2 and len(loop["round_medians_s"]) == 2 and 0.0 <= loop["plan_arm_share"] <= 1.0
         # the settle-in steps are the loop's first trial (warm-up, 4 base steps, 4 plan steps): one verdict
         assert [d["verdict"] in ("kept", "backed_off") for d in loop["feedback_decisions"]] == [True]
-        assert len(by[("static", routing)]["round_medians_s"]) == 2
+        assert len(by[("static", routing)]["round_medians_s"]) == 2 and loop["median_round_ratio_to_static"] > 0
     assert any("round 2 ratio to static: prophet+feedback" in line for line in lines)
