@@ -41,15 +41,15 @@ def _train(cfg: Config, out: Path, slow_plan: bool) -> list[dict]:
 def _worker(rank: int, world: int, root: str) -> dict[str, list[dict]]:
     loop = {"enabled": True, "window": 1, "hold": 2, "max_hold": 4}
     runs = {"static": (_cfg("static", {}), False), "open": (_cfg("prophet", {}), False),
-            "backed_off": (_cfg("prophet", loop), True)}
+            "backed_off": (_cfg("prophet", loop), True), "timed": (_cfg("prophet", loop), False)}
     return {name: _train(cfg, Path(root) / name, slow) for name, (cfg, slow) in runs.items()}
 
 
 def test_a_forced_backing_off_keeps_the_losses_of_static_placement(tmp_path):
     out = run_ranks(_worker, 2, str(tmp_path))[0]
-    static, open_loop, backed = (out[k] for k in ("static", "open", "backed_off"))
+    static, open_loop, backed, timed = (out[k] for k in ("static", "open", "backed_off", "timed"))
     assert [r["step"] for r in backed] == list(range(1, STEPS + 1))
-    for name, run in (("open", open_loop), ("backed_off", backed)):  # the replica-parity tolerance
+    for name, run in (("open", open_loop), ("backed_off", backed), ("timed", timed)):  # replica-parity tolerance
         for a, b in zip(static, run):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (name, a["step"], a["loss"], b["loss"])
     # warm-up, a trial of one pair (base, plan), 2 steps held, a new trial, held again
@@ -60,5 +60,8 @@ def test_a_forced_backing_off_keeps_the_losses_of_static_placement(tmp_path):
     assert [v["verdict"] for v in verdicts] == ["backed_off", "backed_off"]
     assert verdicts[0]["measured_gain"] == -1.0 and "predicted_gain" in verdicts[0]
     assert "placement_arm" not in open_loop[-1] and sum(open_loop[-1]["replicas"]) > 0
+    # measured for real (the step time's maximum over the ranks, through the scheduler): a verdict at step 3
+    assert all(r["placement_step_s"] > 0 for r in timed)
+    assert [v["step"] for r in timed for v in r.get("placement_feedback", [])][:1] == [3]
     plans = [json.loads(line) for line in (tmp_path / "backed_off" / "plans.jsonl").read_text().splitlines()]
     assert [p["arm"] for p in plans] == arms and plans[2]["feedback"][0]["verdict"] == "backed_off"
