@@ -108,7 +108,7 @@ class ExpertBalancer:
             pl.cost = costs
 
     def new_planner(self) -> ExpertPlanner:
-        extra = {"overlap": True} if self.overlap else {}
+        extra: dict[str, Any] = {"overlap": True} if self.overlap else {}
         return ExpertPlanner(self.E, self.R, self.policy, self.costs, every=self.every, ema=self.ema,
                              hysteresis=self.hysteresis, **extra)
 
