@@ -20,7 +20,6 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from moebal.balance.feedback import FeedbackConfig
 from moebal.errors import ConfigError
 
 __all__ = [
@@ -29,6 +28,7 @@ __all__ = [
     "DataConfig",
     "DynamicMicroBatchConfig",
     "DynamismConfig",
+    "FeedbackConfig",
     "HFConfig",
     "ModelConfig",
     "MoEConfig",
@@ -304,6 +304,38 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class FeedbackConfig:
+    """How a balancer checks its plans against measured time (moebal/balance/feedback.py)."""
+
+    enabled: bool = False
+    """True: back off from plans that measure slower. False (the default): apply every plan the planner makes
+    (the open loop), as the arm follows measured time, so a run's placements (hence the summation order, the
+    last bits of its losses) would depend on the machine's load and a resumed run would not repeat the
+    uninterrupted one bit for bit."""
+    tolerance: float = 0.02
+    """Largest measured slowdown of the plan against the base accepted before backing off (0.02: 2 %)."""
+    window: int = 4
+    """Steps measured per arm before a comparison (the first step of each run is not counted: warm-up)."""
+    hold: int = 32
+    """Steps on the base arm after a failed trial; doubled after each consecutive failure ..."""
+    max_hold: int = 512
+    """... up to this many."""
+    recheck: int = 100
+    """Steps between re-checks of a kept plan (a new trial); 0: never."""
+    interleave: bool = True
+    """Trials alternate the arms step by step (pairs: base plan, plan base, ...) and compare pair by pair, so a
+    change of the machine's load between steps weighs on both arms alike; false: a window of base steps, then a
+    window of plan steps, compared by their medians."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tolerance < 1 or self.window < 1 or self.hold < 1 or self.max_hold < self.hold \
+                or self.recheck < 0:
+            raise ConfigError(f"feedback: tolerance must be in [0, 1), window and hold >= 1, max_hold >= hold, "
+                              f"recheck >= 0; got tolerance={self.tolerance}, window={self.window}, "
+                              f"hold={self.hold}, max_hold={self.max_hold}, recheck={self.recheck}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class PlannerConfig:
     """Per-step expert placement (observe counts, plan the next step, apply it) under expert parallelism."""
 
@@ -319,6 +351,9 @@ class PlannerConfig:
     """Cost plans with Pro-Prophet's eq. 8 (Trans/Agg hidden under compute) instead of eq. 6."""
     costs: str = "measure"
     """Performance-model coefficients: 'measure' (on the running job at start-up) or a hardware profile."""
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    """Closed loop: measure the step time under the plan and under static placement (the maximum over the
+    expert-parallel group) and run static placement while the plan does not pay (docs/expert-parallel.md)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -426,9 +461,11 @@ class PipelineConfig:
     model, adaptive or 1F1B schedule, planned communication); 'padding'/'packing': its baselines, planned alike."""
     dynamic: DynamicMicroBatchConfig = field(default_factory=DynamicMicroBatchConfig)
     """Settings of planned micro-batching (microbatching dynamic, padding or packing)."""
-    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
-    """The layer balancer's closed loop (on by default): an adopted partition runs `window` measured steps and
-    is migrated back when slower than the one it replaced by more than `tolerance` (`balance/feedback.py`)."""
+    feedback: FeedbackConfig = field(default_factory=lambda: FeedbackConfig(enabled=True))
+    """The layer balancer's closed loop (on by default: a migration keeps the losses bit for bit, so resume stays
+    exact): an adopted partition runs `window` measured steps and is migrated back when slower than the one it
+    replaced by more than `tolerance` (`balance/feedback.py`; always in windows: `interleave` and `recheck` do
+    not apply, a partition cannot alternate step by step)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -8,17 +8,22 @@ interleaved in rounds, runs a few steps of every (routing, policy) pair:
             metrics.jsonl, reproduced with a selection bias; skipped without --recorded RUN_DIR)
   method    placement policies on moebal's executor (its all-to-all, Trans and Agg): static (plain expert
             parallelism), fastermoe-policy (FasterMoE's dynamic shadowing policy; not FasterMoE's system: no smart
-            schedule, no FastMoE kernels), prophet (Pro-Prophet greedy); and, when `tutel` is importable, tutel:
-            the same model with every MoE block replaced by Tutel's dropless `moe_layer` (SwiGLU expert, the
-            block's router and experts loaded, Tutel's own all-to-all over the same ranks)
+            schedule, no FastMoE kernels), prophet (Pro-Prophet greedy, open loop: every plan applied),
+            prophet+feedback (the `ExpertBalancer` as training runs it with `planner.feedback.enabled`: Pro-Prophet
+            placement or static placement, as the measured step times say; one balancer per routing for the
+            whole run, first settled in by 1 + 2 x window untimed steps, the loop's first trial); and, when
+            `tutel` is importable, tutel: the same model with every MoE block replaced by Tutel's dropless
+            `moe_layer` (SwiGLU expert, the block's router and experts loaded, Tutel's own all-to-all)
 
 Each moebal step = plan from the previous step's all-gathered counts, Trans, forward, backward, Agg, gradient
 sync, optimizer step; a Tutel step = forward, backward, gradient sync (dense gradients averaged in one
 all-reduce), optimizer step. The step time is the slowest rank's. Every round runs every (routing, method)
 pair, the order of both rotated by one each round. The planner's coefficients are measured on the job itself
-at start-up (moebal.distributed.calibrate), so the planner and the measurement see the same machine.
+at start-up (moebal.distributed.calibrate). `--load N` keeps N busy processes (one spinning Python loop each)
+running for the whole run, calibration included: a machine shared with other jobs.
 
-    python scripts/bench_expert_parallel.py [--quick] [--json FILE] [--png FILE] [--recorded RUN_DIR]
+    python scripts/bench_expert_parallel.py [--quick] [--load N] [--rounds R --steps S --warmup W] [--json FILE]
+                                           [--png FILE] [--recorded RUN_DIR]
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moebal.balance.experts import ExpertBalancer
 from moebal.commands import third_party as tp
 from moebal.commands.bench import add_device_argument, script_device
 from moebal.config import Config, from_dict, to_dict
@@ -54,21 +62,26 @@ CPU_ONLY = "it times gloo ranks on this machine's cores"
 """Why `--device` accepts cpu only here."""
 
 POLICIES = ("static", "fastermoe", "prophet")
+FEEDBACK = "prophet+feedback"
 TUTEL = "tutel"
-METHODS = (*POLICIES, TUTEL)
-LABELS = {"static": "static", "fastermoe": "fastermoe-policy", "prophet": "prophet", TUTEL: "tutel"}
+METHODS = (*POLICIES, FEEDBACK, TUTEL)
+LABELS = {"static": "static", "fastermoe": "fastermoe-policy", "prophet": "prophet", FEEDBACK: FEEDBACK,
+          TUTEL: "tutel"}
 """How the table and the chart name each method ("fastermoe" is the policy's name in moebal's planner)."""
 NOTES = {
     "static": "placement policy on moebal's executor: every expert on its owner",
     "fastermoe": "FasterMoE's dynamic shadowing placement policy on moebal's executor (moebal's all-to-all, Trans "
                  "and Agg); not FasterMoE's system: no smart schedule, no FastMoE kernels",
-    "prophet": "Pro-Prophet's greedy placement policy on moebal's executor",
+    "prophet": "Pro-Prophet's greedy placement policy on moebal's executor, open loop (every plan applied)",
+    FEEDBACK: "the ExpertBalancer with its loop closed (planner.feedback defaults, enabled): Pro-Prophet's placement "
+              "or static placement as the measured step times say; one balancer per routing for the whole run",
     TUTEL: "Tutel's dropless moe_layer (llama_ffn SwiGLU expert, explicit silu) with its own all-to-all, the "
            "moebal block's router and experts loaded; the routing bias is added to its logits (same expert "
            "choice as moebal's choice-only bias; its combine weights see the bias too)",
 }
 LEGEND = ("static, fastermoe-policy, prophet: placement policies on moebal's executor (fastermoe-policy is "
-          "FasterMoE's shadowing policy, not FasterMoE's system); tutel: Tutel's moe_layer and all-to-all")
+          "FasterMoE's shadowing policy, not FasterMoE's system); prophet+feedback: Pro-Prophet with the closed "
+          "loop (moebal.balance.experts); tutel: Tutel's moe_layer and all-to-all")
 
 
 def bench_config(quick: bool) -> Config:
@@ -133,7 +146,11 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         dist.all_reduce(built, op=dist.ReduceOp.MIN)
         if not built.item() and tutel is not None:
             tutel, tutel_failed = None, "construction: failed on another rank (its traceback is not gathered)"
-    methods = [*spec.get("policies", POLICIES), *([TUTEL] if tutel is not None else [])]
+    methods = [*spec.get("policies", (*POLICIES, FEEDBACK)), *([TUTEL] if tutel is not None else [])]
+    loops = {routing: _Loop(cfg, ep, costs) for routing in routings} if FEEDBACK in methods else {}
+    for routing, loop in loops.items():  # the loop's first trial: base window, then plan window, judged
+        _set_bias(model, routings[routing])
+        _run_loop(model, ep, opt, loop, spec["settle"], cfg, gen, costs, 0)
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(spec["rounds"]):
         for routing in _rotated(list(routings), r):
@@ -141,18 +158,37 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
                 key = (routing, method)
                 if method == TUTEL:
                     _set_bias(tutel.model, routings[routing])
-                    samples.setdefault(key, []).extend(_run_tutel(tutel, spec, cfg, gen, world))
+                    got = _run_tutel(tutel, spec, cfg, gen, world)
+                elif method == FEEDBACK:
+                    _set_bias(model, routings[routing])
+                    got = _run_loop(model, ep, opt, loops[routing], spec["warmup"] + spec["steps"], cfg, gen, costs,
+                                    spec["warmup"])
                 else:
                     _set_bias(model, routings[routing])
-                    samples.setdefault(key, []).extend(_run_policy(model, ep, opt, method, costs, spec, cfg, gen))
+                    got = _run_policy(model, ep, opt, method, costs, spec, cfg, gen)
+                samples.setdefault(key, []).extend(dict(x, round=r) for x in got)
     if rank:
         return []
     records = [_tutel_record(routing, world, s, tutel.provenance) if method == TUTEL
                else _record(routing, method, world, s, costs, cfg) for (routing, method), s in samples.items()]
+    for rec in records:
+        if rec["policy"] == FEEDBACK:
+            rec["feedback_decisions"] = loops[rec["routing"]].decisions
+    _round_ratios(records)
     if tutel_failed:
         records.append({"policy": TUTEL, "executor": TUTEL, "world_size": world, "failed": tutel_failed,
                         "note": NOTES[TUTEL]})
     return records
+
+
+def _round_ratios(records: list[dict[str, Any]]) -> None:
+    """Each record's median over the rounds of its round median / static's round median (same routing and
+    round): steps compared with those of the same round, close in time, which a changing load needs."""
+    static = {r["routing"]: r["round_medians_s"] for r in records if r["policy"] == "static"}
+    for r in records:
+        base = static.get(r["routing"])
+        if base and r["policy"] != "static" and len(r.get("round_medians_s", [])) == len(base):
+            r["median_round_ratio_to_static"] = statistics.median(a / b for a, b in zip(r["round_medians_s"], base))
 
 
 def _rotated(items: list[str], r: int) -> list[str]:
@@ -184,6 +220,52 @@ def _run_policy(model: torch.nn.Module, ep: ExpertParallel, opt: torch.optim.Opt
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= spec["warmup"]:
             out.append(_sample(dt.item() + plan_s, plan_s, counts, used, costs))
+    return out
+
+
+class _Loop:
+    """One routing's `ExpertBalancer` with its loop closed, kept for the whole run, and its step count."""
+
+    def __init__(self, cfg: Config, ep: ExpertParallel, costs: MoELayerCosts) -> None:
+        loop_cfg = from_dict({**to_dict(cfg), "planner": {**to_dict(cfg)["planner"], "policy": "prophet",
+                                                          "feedback": {"enabled": True}}})
+        self.balancer = ExpertBalancer(loop_cfg, ep.dims.size("ep"), costs, executor_overlaps=ep.overlap)
+        self.ids = list(range(cfg.model.n_layers))
+        for i in self.ids:
+            self.balancer.add_layer(i)
+        self.step = 0
+        self.decisions: list[dict[str, Any]] = []
+
+
+def _run_loop(model: torch.nn.Module, ep: ExpertParallel, opt: torch.optim.Optimizer, loop: _Loop, n: int,
+              cfg: Config, gen: torch.Generator, costs: MoELayerCosts, warmup: int) -> list[dict[str, Any]]:
+    """`n` steps of the balancer as the trainer's hook runs it (apply the arm's placements, step, time the step as
+    the maximum over the ranks, observe); the samples of those after the first `warmup`."""
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    b, group = loop.balancer, ep.dims.group("ep")
+
+    def reduce_max(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        used = b.begin_step(loop.ids)
+        arm = b.used_arm
+        counts = _step(model, ep, opt, ids, used)
+        step_s = b.step_time(reduce_max, torch.device("cpu"))
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        t1 = time.perf_counter()
+        loop.step += 1
+        b.observe(dict(zip(loop.ids, counts)), loop.step, step_s)
+        plan_s = time.perf_counter() - t1
+        loop.decisions += b.decisions()
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            out.append(dict(_sample(dt.item() + plan_s, plan_s, counts, used, costs), arm=arm))
     return out
 
 
@@ -280,7 +362,10 @@ def _run_tutel(job: TutelJob, spec: dict[str, Any], cfg: Config, gen: torch.Gene
 
 def _tutel_record(routing: str, world: int, s: list[dict], provenance: dict[str, str]) -> dict[str, Any]:
     steps = [x["step_s"] for x in s]
-    return {"policy": TUTEL, "executor": TUTEL, "label": LABELS[TUTEL], "routing": routing, "world_size": world,
+    rounds = sorted({x["round"] for x in s})
+    return {"policy": TUTEL, "round_medians_s": [statistics.median(x["step_s"] for x in s if x["round"] == r)
+                                                 for r in rounds],
+            "executor": TUTEL, "label": LABELS[TUTEL], "routing": routing, "world_size": world,
             "step_time_median_s": statistics.median(steps), "step_time_min_s": min(steps),
             "step_time_max_s": max(steps), "steps": len(steps), "capacity_factor": 0.0,
             "expert_load_max_over_mean": float(np.mean([x["expert_imbalance"] for x in s])),
@@ -304,11 +389,14 @@ def _record(routing: str, policy: str, world: int, s: list[dict], costs, cfg: Co
     def total_of(key: str) -> float:
         return float(np.mean([sum(layer[key] for layer in x["layers"]) for x in s]))
 
+    rounds = sorted({x["round"] for x in s})
+    extra = {"plan_arm_share": float(np.mean([x["arm"] == "plan" for x in s]))} if "arm" in s[0] else {}
     return {
         "policy": policy, "executor": "moebal", "label": LABELS[policy], "note": NOTES[policy],
         "routing": routing, "world_size": world,
         "step_time_median_s": statistics.median(steps), "step_time_min_s": min(steps),
         "step_time_max_s": max(steps), "steps": len(steps),
+        "round_medians_s": [statistics.median(x["step_s"] for x in s if x["round"] == r) for r in rounds], **extra,
         "expert_load_max_over_mean": float(np.mean([x["expert_imbalance"] for x in s])),
         "rank_load_max_over_mean_before": mean_of("imbalance_before"),
         "rank_load_max_over_mean_after": mean_of("imbalance_after"),
@@ -335,23 +423,40 @@ def recorded_shares(run_dir: Path) -> list[float] | None:
 
 
 def summarise(records: list[dict[str, Any]]) -> list[str]:
-    """One line per (ranks, routing): each method's median step time and Pro-Prophet's ratios to the others."""
-    by = {(r["world_size"], r["routing"], r["policy"]): r["step_time_median_s"] for r in records if "failed" not in r}
+    """Per (ranks, routing): each method's median step time and its ratio to static placement, then each round's
+    ratios to static (the same round's static steps); Pro-Prophet's ratios to the others on skewed routings."""
+    timed = [r for r in records if "failed" not in r]
+    by = {(r["world_size"], r["routing"], r["policy"]): r for r in timed}
     lines = [LEGEND]
-    for world in sorted({r["world_size"] for r in records}):
+    for world in sorted({r["world_size"] for r in timed}):
         limit = by.get((world, "balanced", "static"))
         for routing in ("balanced", "skewed", "recorded"):
-            row = {m: by.get((world, routing, m)) for m in METHODS}
-            if not any(row.values()):
+            row = {m: by[(world, routing, m)] for m in METHODS if (world, routing, m) in by}
+            if not row:
                 continue
-            cells = "  ".join(f"{LABELS[m]} {row[m]:.4f}s" for m in METHODS if row[m] is not None)
-            ratios = ""
-            if row["prophet"]:
-                if routing != "balanced" and limit:
-                    ratios += f"  prophet/limit {row['prophet'] / limit:.3f}"
-                ratios += "".join(f"  prophet/{LABELS[m]} {row['prophet'] / row[m]:.3f}" for m in METHODS
-                                  if m != "prophet" and row[m] and (routing != "balanced" or m == "static"))
-            lines.append(f"{world} ranks {routing:9s} {cells}{ratios}")
+            cells = "  ".join(f"{LABELS[m]} {r['step_time_median_s']:.4f}s" for m, r in row.items())
+            lines.append(f"{world} ranks {routing:9s} {cells}")
+            static = row.get("static")
+            if static:
+                lines.append(f"{'':18s}median ratio to static: " + "  ".join(
+                    f"{LABELS[m]} {r['step_time_median_s'] / static['step_time_median_s']:.3f}"
+                    for m, r in row.items() if m != "static"))
+                for k, s0 in enumerate(static.get("round_medians_s", [])):
+                    lines.append(f"{'':18s}round {k + 1} ratio to static: " + "  ".join(
+                        f"{LABELS[m]} {r['round_medians_s'][k] / s0:.3f}" for m, r in row.items()
+                        if m != "static" and len(r.get("round_medians_s", [])) > k))
+                lines.append(f"{'':18s}median of the round ratios: " + "  ".join(
+                    f"{LABELS[m]} {r['median_round_ratio_to_static']:.3f}" for m, r in row.items()
+                    if "median_round_ratio_to_static" in r))
+            if routing != "balanced" and limit and "prophet" in row:
+                p = row["prophet"]["step_time_median_s"]
+                lines.append(f"{'':18s}prophet/limit {p / limit['step_time_median_s']:.3f}" + "".join(
+                    f"  prophet/{LABELS[m]} {p / r['step_time_median_s']:.3f}" for m, r in row.items()
+                    if m != "prophet"))
+            if FEEDBACK in row:
+                share = row[FEEDBACK].get("plan_arm_share", 0.0)
+                verdicts = [d["verdict"] for d in row[FEEDBACK].get("feedback_decisions", [])]
+                lines.append(f"{'':18s}{FEEDBACK}: plan arm on {share:.0%} of the timed steps; verdicts {verdicts}")
     lines += [f"{r['world_size']} ranks {LABELS[r['policy']]} FAILED in {r['failed']}"
               for r in records if "failed" in r]
     return lines
@@ -382,6 +487,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _busy(n: int) -> list[subprocess.Popen]:
+    """`n` processes that spin on a core each until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 ranks only, fewer rounds")
@@ -389,12 +499,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write a bar chart here (default: next to --json)")
     ap.add_argument("--recorded", type=Path, help="a run directory whose routing to replay")
     ap.add_argument("--skew", type=float, default=3.0, help="strength s of the skew bias -s*log(id+1)")
+    ap.add_argument("--rounds", type=int, help="rounds (default 2 with --quick, else 3); more rounds of fewer steps "
+                    "compare the methods closer in time, which a machine whose load changes needs")
+    ap.add_argument("--steps", type=int, help="timed steps per method and round (default 4 with --quick, else 6)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method and round (>= 1: a fresh "
+                    "planner's first step has no history and runs static placement)")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="keep N busy processes running for the whole run (a machine shared with other jobs)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)
+    if args.load < 0:
+        ap.error(f"--load must be >= 0 (busy background processes); got {args.load}")
+    for name in ("rounds", "steps", "warmup"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     cfg = bench_config(args.quick)
-    spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": 2 if args.quick else 3,
-            "steps": 4 if args.quick else 6, "warmup": 2,
+    window = cfg.planner.feedback.window
+    spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": args.rounds or (2 if args.quick else 3),
+            "steps": args.steps or (4 if args.quick else 6), "warmup": args.warmup, "settle": 1 + 2 * window,
             "recorded_shares": recorded_shares(args.recorded) if args.recorded else None,
             "tutel": tp.tutel_importable()}
     if not spec["tutel"]:
@@ -403,11 +526,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no per-expert counts in {args.recorded}/metrics.jsonl: skipping the recorded routing",
               file=sys.stderr)
     records: list[dict[str, Any]] = []
-    for world in ([2] if args.quick else [2, 4]):
-        records += run_ranks(_worker, world, spec, timeout_s=1800)[0]
+    loadavg_start = os.getloadavg()  # other jobs on the machine, before the busy processes start
+    load = _busy(args.load)
+    try:
+        for world in ([2] if args.quick else [2, 4]):
+            records += run_ranks(_worker, world, spec, timeout_s=1800)[0]
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "processor": platform.processor(), "threads_per_rank": 1, "config": spec["config"],
-            "skew": args.skew, "tutel": tp.tutel_provenance() if spec["tutel"] else f"skipped: {tp.NOT_IMPORTABLE}"}
+            "processor": platform.processor(), "cpus": os.cpu_count(), "threads_per_rank": 1,
+            "config": spec["config"], "skew": args.skew, "load": args.load,
+            "loadavg_start": [round(x, 2) for x in loadavg_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            "load_note": f"{args.load} busy Python processes ran for the whole run, calibration included",
+            "rounds": spec["rounds"], "steps_per_round": spec["steps"], "warmup": spec["warmup"],
+            "feedback_settle_steps": spec["settle"],
+            "tutel": tp.tutel_provenance() if spec["tutel"] else f"skipped: {tp.NOT_IMPORTABLE}"}
     for r in records:
         r["meta"] = meta
     for line in summarise(records):

@@ -4,25 +4,30 @@ A balancer plans from a model of the machine (calibrated coefficients, smoothed 
 describing the machine (another job shares the cores, the links are busier than at start-up) the plan it
 predicts to be faster can be slower. `PlanFeedback` watches the measured step time under both arms, the
 balancer's plan ("plan") and its fallback ("base": static expert placement, the current stage partition), and
-backs off to the base when the plan measures slower:
+backs off to the base when the plan measures slower. A trial compares the two arms in one of two ways:
 
-  1. the run starts on the base arm (a balancer has nothing to apply before its first observation) and records
-     `window` step times; then the plan arm runs `window` steps (a trial);
-  2. after a trial the medians are compared: the plan is kept when median(plan) <= (1 + tolerance) x
-     median(base), else the balancer backs off to the base for `hold` steps (doubled after every failed trial,
-     at most `max_hold`), then tries again with fresh windows of both arms;
-  3. a kept plan is re-checked every `recheck` steps: `window` base steps, then a new trial, so a plan that
-     stops paying (the machine's load changed) is found within one re-check period.
+  interleaved (`interleave: true`, the default): after the warm-up step, 2 x `window` steps alternate the arms in
+     pairs, base plan plan base base plan ... (each pair one step of each arm, every other pair in reverse order,
+     so a load that rises or falls steadily favours neither arm); the plan is kept when the median over the
+     pairs of plan time / base time is <= 1 + tolerance;
+  windows (`interleave: false`): the run starts on the base arm and records `window` step times, then the plan
+     arm runs `window` steps; the plan is kept when median(plan) <= (1 + tolerance) x median(base).
+A failed trial backs off to the base for `hold` steps (doubled after every failed trial, at most `max_hold`),
+then tries again with fresh measurements of both arms; a kept plan is re-checked every `recheck` steps (a new
+trial), so a plan that stops paying (the machine's load changed) is found within one re-check period.
 
-A balancer whose plans come at plan points (the layer balancer: a new partition costs a migration each way)
-starts each trial itself (`auto=False`): the base window rolls over the latest steps of the current plan,
-`begin_trial` is called when a new plan is applied, a kept plan becomes the base the next trial is compared
-with (no re-check: the planner re-plans from fresh measurements every few steps), and a plan backed off from
-is replaced by the base again (the balancer migrates back) and no trial starts during the hold
-(`can_try`).
+A balancer whose plans come at plan points (the layer balancer: a new partition costs a migration each way, so
+its arms cannot alternate step by step) starts each trial itself (`auto=False`, always in windows): the base
+window rolls over the latest steps of the current plan, `begin_trial` is called when a new plan is applied, a
+kept plan becomes the base the next trial is compared with (no re-check: the planner re-plans from fresh
+measurements every few steps), and a plan backed off from is replaced by the base again (the balancer migrates
+back) and no trial starts during the hold (`can_try`).
 
-Medians of a few steps, compared only between adjacent windows, follow slow drifts of the machine without
-letting one slow step decide. Every rank must feed the same numbers (the step time's maximum over the ranks
+Medians of a few steps do not let one slow step decide. Adjacent windows follow slow drifts of the machine, but
+a machine shared with other jobs changes its load within seconds (a test suite starts, a build ends): a window
+of base steps measured under one load and a window of plan steps under another can make a 10 % slower plan look
+25 % faster, or the other way round. Pairs of adjacent steps see the same load, which is why interleaving is the
+default. Every rank must feed the same numbers (the step time's maximum over the ranks
 that apply the plan) so that every rank takes the same decision: the module is pure and deterministic.
 The predictions the balancer made are recorded beside the measurements (`predicted_gain`, `measured_gain`), for
 the dashboard and the docs, but do not decide: a prediction is what the loop is there to check.
@@ -36,37 +41,13 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from moebal.errors import ConfigError
+from moebal.config import FeedbackConfig  # the schema lives with the typed config (planner.feedback)
 
 __all__ = ["FeedbackConfig", "PlanFeedback"]
 
 ARMS = ("base", "plan")
-
-
-@dataclass(kw_only=True, frozen=True)
-class FeedbackConfig:
-    """How a balancer checks its plans against measured time."""
-
-    enabled: bool = True
-    """False: apply every plan the planner makes (the open loop)."""
-    tolerance: float = 0.02
-    """Largest measured slowdown of the plan against the base accepted before backing off (0.02: 2 %)."""
-    window: int = 4
-    """Steps measured per arm before a comparison (the first step of each run is not counted: warm-up)."""
-    hold: int = 32
-    """Steps on the base arm after a failed trial; doubled after each consecutive failure ..."""
-    max_hold: int = 512
-    """... up to this many."""
-    recheck: int = 100
-    """Steps between re-checks of a kept plan (window base steps, then a trial); 0: never. (A balancer that
-    starts its own trials, the layer balancer, re-plans at its plan points instead.)"""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.tolerance < 1 or self.window < 1 or self.hold < 1 or self.max_hold < self.hold \
-                or self.recheck < 0:
-            raise ConfigError(f"feedback: tolerance must be in [0, 1), window and hold >= 1, max_hold >= hold, "
-                              f"recheck >= 0; got tolerance={self.tolerance}, window={self.window}, "
-                              f"hold={self.hold}, max_hold={self.max_hold}, recheck={self.recheck}")
+PAIRS = ("base", "plan", "plan", "base")
+"""The arms of an interleaved trial, repeated: pairs of one step of each arm, every other pair reversed."""
 
 
 @dataclass
@@ -88,9 +69,11 @@ class PlanFeedback:
     events: list[dict[str, Any]] = field(default_factory=list)
     """Every decision: step, verdict, medians (seconds), hold; drained by the balancer into its plan log."""
     seen: int = 0
+    trial: int = -1
+    """Position in an interleaved trial (-1: not in one)."""
     auto: bool = True
-    """True: the arms alternate by themselves (module docstring, 1-3); False: the balancer starts each trial
-    (`begin_trial`), and a kept plan becomes the base."""
+    """True: the arms alternate by themselves; False: the balancer starts each trial (`begin_trial`), and a kept
+    plan becomes the base (module docstring)."""
 
     def use_plan(self) -> bool:
         """Whether the next step runs the balancer's plan (else its base)."""
@@ -101,8 +84,14 @@ class PlanFeedback:
         if not self.cfg.enabled:
             return
         self.seen += 1
-        if self.seen == 1:
-            return  # warm-up: allocations and first-touch costs belong to no arm
+        pairs = self.cfg.interleave and self.auto
+        if self.seen == 1:  # warm-up: allocations and first-touch costs belong to no arm
+            if pairs:
+                self._begin_pairs()
+            return
+        if pairs:
+            self._observe_pairs(step, float(seconds))
+            return
         w = self.times[self.arm]
         w.append(float(seconds))
         del w[:-self.cfg.window]  # a rolling window: a hold keeps the latest base steps for the next trial
@@ -156,12 +145,34 @@ class PlanFeedback:
     def _start_trial(self) -> None:
         self._switch("plan", 0)
 
+    def _begin_pairs(self) -> None:
+        self.trial, self.arm, self.until = 0, "base", 0
+        self.times = {a: [] for a in ARMS}
+
+    def _observe_pairs(self, step: int, seconds: float) -> None:
+        if self.trial >= 0:
+            self.times[self.arm].append(seconds)
+            self.trial += 1
+            if self.trial < 2 * self.cfg.window:
+                self.arm = PAIRS[self.trial % len(PAIRS)]
+                return
+            self.trial = -1
+            ratio = median(p / b if b > 0 else 1.0 for b, p in zip(self.times["base"], self.times["plan"]))
+            self._verdict(step, ratio)
+        elif self.until > 0 and step >= self.until:  # a hold ends, or a kept plan's re-check is due
+            self._begin_pairs()
+
     def _judge(self, step: int) -> None:
         base, plan = median(self.times["base"]), median(self.times["plan"])
-        ok = plan <= (1.0 + self.cfg.tolerance) * base
+        self._verdict(step, plan / base if base > 0 else 1.0)
+
+    def _verdict(self, step: int, ratio: float) -> None:
+        """Keep the plan or back off, from the plan's measured time over the base's (`ratio`)."""
+        base, plan = median(self.times["base"]), median(self.times["plan"])
+        ok = ratio <= 1.0 + self.cfg.tolerance
         event: dict[str, Any] = {"step": step, "verdict": "kept" if ok else "backed_off",
                                  "base_s": round(base, 6), "plan_s": round(plan, 6),
-                                 "measured_gain": round(1.0 - plan / base, 4) if base > 0 else 0.0}
+                                 "measured_gain": round(1.0 - ratio, 4)}
         if ok and not self.auto:  # the kept plan is the base of the next trial
             self.failures, self.kept_since = 0, step
             self.arm, self.until = "base", 0
@@ -184,7 +195,7 @@ class PlanFeedback:
 
     def state_dict(self) -> dict[str, Any]:
         return {"arm": self.arm, "until": self.until, "failures": self.failures, "kept_since": self.kept_since,
-                "times": {a: list(v) for a, v in self.times.items()}, "seen": self.seen}
+                "times": {a: list(v) for a, v in self.times.items()}, "seen": self.seen, "trial": self.trial}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -193,3 +204,4 @@ class PlanFeedback:
         self.failures, self.kept_since = int(state["failures"]), int(state["kept_since"])
         self.times = {a: [float(x) for x in state["times"].get(a, [])] for a in ARMS}
         self.seen = int(state["seen"])
+        self.trial = int(state.get("trial", -1))

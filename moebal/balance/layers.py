@@ -91,7 +91,7 @@ class LayerBalancer:
         self._want_after_gantt = False
         self._proposed: tuple[tuple[int, ...], int] | None = None
         """The last plan point's proposal that gained more than it costs, and at how many consecutive points."""
-        self.feedback = PlanFeedback(feedback or FeedbackConfig(), auto=False)
+        self.feedback = PlanFeedback(feedback or FeedbackConfig(enabled=True), auto=False)
         self.trial: dict[str, Any] | None = None
         """The adopted partition under trial: its sizes, the partition it replaced, the step and the prediction."""
 

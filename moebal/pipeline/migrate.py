@@ -6,7 +6,7 @@ A moved layer carries (in this order, one flat byte buffer after a small int64 h
   - per parameter, when present: its gradient (a migration between backward and optimizer step keeps it)
     and its AdamW state (`step`, `exp_avg`, `exp_avg_sq`);
   - its dynamism-scheme state (pruning masks, a freezing snapshot, ...) and, under expert parallelism, its
-    placement planner's state (forecast and current placement; `balance/stage_experts.py`).
+    placement planner's state (forecast and current placement; `balance/experts.py`).
 The header says, per parameter, whether a gradient and optimizer state follow; every other size is known
 to the receiver from the layer's structure, which it rebuilds as an uninitialised skeleton (no random
 draws, so the run's random stream is the same with or without migrations). Under expert parallelism the

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.balance.feedback import FeedbackConfig
 from moebal.balance.layers import LayerBalancer, expand_repack
-from moebal.balance.stage_experts import StageExperts, stage_metrics
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.dynamism.scheme import Dynamism, SchemeContext
@@ -105,7 +105,7 @@ class PipelineOptions:
     """(step, sizes): migrate between that step's backward and its optimizer step (gradients travel too)."""
     record_ops: bool = True
     """Keep one iteration's per-op timeline before and after each adopted plan (for the Gantt chart)."""
-    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    feedback: FeedbackConfig = field(default_factory=lambda: FeedbackConfig(enabled=True))
     """The layer balancer's closed loop: an adopted partition that measures slower than the one it replaced
     is migrated back (`balance/feedback.py`)."""
 
@@ -451,7 +451,8 @@ class PipelineRunner:
                "busy": out[t:t + P0].tolist(), "run": out[t + P0:t + 2 * P0].tolist(),
                "busy_cpu": out[t + 2 * P0:t + 3 * P0].tolist(), "w_cpu": out[t + 3 * P0:n].tolist()}
         if n_ep:
-            red["experts"] = stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)])
+            red["experts"] = {**stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)]),
+                              **self.experts.feedback_record()}
         return red
 
     def _grad_squares(self, S: int) -> torch.Tensor:

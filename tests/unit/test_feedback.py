@@ -18,7 +18,7 @@ def run(fb: PlanFeedback, steps: int, base_s: float, plan_s: float, start: int =
 
 
 def test_a_plan_that_pays_is_kept_and_rechecked():
-    fb = PlanFeedback(FeedbackConfig(window=4, recheck=20))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=4, recheck=20))
     arms = run(fb, 9, base_s=1.0, plan_s=0.8)
     assert arms == [False] * 5 + [True] * 4  # warm-up + 4 base steps, then a 4-step trial
     [event] = fb.drain()
@@ -30,7 +30,7 @@ def test_a_plan_that_pays_is_kept_and_rechecked():
 
 
 def test_a_plan_that_measures_slower_backs_off_with_doubling_holds():
-    fb = PlanFeedback(FeedbackConfig(window=4, hold=10, max_hold=25, tolerance=0.03))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=4, hold=10, max_hold=25, tolerance=0.03))
     arms = run(fb, 9, base_s=1.0, plan_s=1.3)
     [event] = fb.drain()
     assert event["verdict"] == "backed_off" and event["hold"] == 10 and event["measured_gain"] == -0.3
@@ -43,7 +43,7 @@ def test_a_plan_that_measures_slower_backs_off_with_doubling_holds():
 
 
 def test_within_tolerance_is_kept_and_the_loop_follows_a_change_of_load():
-    fb = PlanFeedback(FeedbackConfig(window=3, recheck=10, tolerance=0.05))
+    fb = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=3, recheck=10, tolerance=0.05))
     run(fb, 7, base_s=1.0, plan_s=1.04)
     assert fb.drain()[0]["verdict"] == "kept"
     run(fb, 40, base_s=1.0, plan_s=1.5, start=8)  # the plan stops paying: found at the next re-check
@@ -54,9 +54,9 @@ def test_within_tolerance_is_kept_and_the_loop_follows_a_change_of_load():
 def test_disabled_always_plans_and_resume_continues_exactly():
     off = PlanFeedback(FeedbackConfig(enabled=False))
     assert all(run(off, 20, base_s=1.0, plan_s=2.0))
-    a = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    a = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=3, hold=5))
     run(a, 11, base_s=1.0, plan_s=1.3)
-    b = PlanFeedback(FeedbackConfig(window=3, hold=5))
+    b = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=3, hold=5))
     b.load_state_dict(a.state_dict())
     assert run(a, 30, 1.0, 1.3, start=12) == run(b, 30, 1.0, 1.3, start=12)
 
@@ -65,3 +65,41 @@ def test_disabled_always_plans_and_resume_continues_exactly():
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError, match="feedback"):
         FeedbackConfig(**bad)
+
+
+def test_interleaved_trials_alternate_the_arms_in_pairs_and_keep_a_plan_that_pays():
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=4, recheck=20))
+    arms = run(fb, 9, base_s=1.0, plan_s=0.8)
+    assert arms == [False] + [False, True, True, False, False, True, True, False]  # warm-up, then 4 pairs
+    [event] = fb.drain()
+    assert event == {"step": 9, "verdict": "kept", "base_s": 1.0, "plan_s": 0.8, "measured_gain": 0.2}
+    arms = run(fb, 30, base_s=1.0, plan_s=0.8, start=10)
+    assert arms[:20] == [True] * 20 and arms[20:24] == [False, True, True, False]  # kept, then re-checked
+
+
+def test_interleaved_trials_see_through_a_change_of_load_that_misleads_adjacent_windows():
+    def loaded(fb: PlanFeedback, steps: int) -> list[bool]:
+        """The plan is 10 % faster, but the machine's load doubles every step time from step 6 on."""
+        arms = []
+        for step in range(1, steps + 1):
+            arms.append(fb.use_plan())
+            fb.observe(step, (0.9 if arms[-1] else 1.0) * (2.0 if step >= 6 else 1.0))
+        return arms
+
+    paired = PlanFeedback(FeedbackConfig(enabled=True, window=4))
+    loaded(paired, 9)
+    assert [e["verdict"] for e in paired.drain()] == ["kept"] and paired.use_plan()
+    windows = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=4))
+    loaded(windows, 9)  # base steps 2-5 under the light load, plan steps 6-9 under the heavy one
+    assert [e["verdict"] for e in windows.drain()] == ["backed_off"]
+
+
+def test_an_interleaved_trial_of_a_slower_plan_backs_off_and_resumes_exactly():
+    a = PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4))
+    arms = run(a, 12, base_s=1.0, plan_s=1.3)
+    # warm-up, a trial (b p p b), 4 held steps (the last one ends the hold), a new trial's first pair, ...
+    assert arms == [False, False, True, True, False, False, False, False, False, False, True, True]
+    assert [e["verdict"] for e in a.drain()] == ["backed_off"]
+    b = PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4))
+    b.load_state_dict(a.state_dict())
+    assert run(a, 30, 1.0, 1.3, start=13) == run(b, 30, 1.0, 1.3, start=13)

@@ -11,7 +11,7 @@ def steps(fb: PlanFeedback, first: int, last: int, seconds: float) -> None:
 
 
 def test_trials_start_only_when_the_balancer_adopts_a_plan():
-    fb = PlanFeedback(FeedbackConfig(window=3), auto=False)
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=3), auto=False)
     assert not fb.can_try(1)  # nothing measured yet: no base to compare with
     steps(fb, 1, 10, 1.0)  # step 1 is warm-up; the base window rolls and never starts a trial by itself
     assert fb.arm == "base" and fb.times["base"] == [1.0, 1.0, 1.0] and fb.can_try(10)
@@ -26,7 +26,7 @@ def test_trials_start_only_when_the_balancer_adopts_a_plan():
 
 
 def test_a_slower_plan_is_backed_off_and_held_with_doubling_holds():
-    fb = PlanFeedback(FeedbackConfig(window=2, hold=4, max_hold=6), auto=False)
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4, max_hold=6), auto=False)
     steps(fb, 1, 3, 1.0)
     fb.begin_trial(3)
     steps(fb, 4, 5, 1.5)
@@ -41,14 +41,14 @@ def test_a_slower_plan_is_backed_off_and_held_with_doubling_holds():
 
 
 def test_cancel_drops_the_trial_and_the_base_and_resume_continues():
-    fb = PlanFeedback(FeedbackConfig(window=2), auto=False)
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=2), auto=False)
     steps(fb, 1, 3, 1.0)
     fb.begin_trial(3)
     fb.observe(4, 2.0)
     fb.cancel()  # a forced migration replaced both partitions
     assert fb.arm == "base" and not fb.can_try(4)
     fb.observe(5, 1.0)
-    other = PlanFeedback(FeedbackConfig(window=2), auto=False)
+    other = PlanFeedback(FeedbackConfig(enabled=True, window=2), auto=False)
     other.load_state_dict(fb.state_dict())
     assert other.can_try(5) and other.times == fb.times
     assert not fb.drain()

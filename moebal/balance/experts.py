@@ -1,0 +1,695 @@
+"""The expert-level balancer: Pro-Prophet placement observed, planned, applied and checked in one place.
+
+Shape legend: R = ranks of an "ep" group, E = experts of an MoE layer, L = MoE layers held, X = packed statistics.
+
+`ExpertBalancer` runs the loop for the MoE layers it holds, every rank of an "ep" group alike:
+  observe   the step's per-expert counts of every held layer, all-gathered over the "ep" group (R x E each)
+  plan      one `ExpertPlanner` (moebal/planner/placement.py) per layer forecasts step j+1 from step j
+  apply     the placements go to the `ExpertParallel` executor (moebal/distributed/expert_parallel.py):
+            Trans before the step, Agg of replica gradients after the backward pass
+  check     `PlanFeedback` (balance/feedback.py) compares the step time under the plan with the step time under
+            static placement and says which of the two the next step applies (`planner.feedback`)
+Every rank plans from the same gathered counts and the same coefficients and feeds the feedback the same time
+(the maximum over the "ep" group: a stage is as slow as its slowest expert shard), so the ranks agree on every
+placement without a broadcast.
+
+Two adapters drive it:
+  ExpertParallelHook  a trainer `Hook` for expert parallelism alone: Trans in before_step, Agg and gradient sync
+                      in after_backward, counts from the routing-statistics all-gather in reduce_stats, planning
+                      in after_step; it also plans the communication (token chunks per layer, gradient chunk
+                      size: moebal.planner.comm_plan) and writes plans.jsonl and the communication logs.
+  StageExperts        the MoE layers of one pipeline stage (moebal/pipeline/runner.py): the same balancer keyed by
+                      global layer id, plus what is stage-specific: a layer's planner travels with the layer when
+                      it migrates (`layer_state` / `load_layer_state` / `drop_layer`).
+
+Cost source, chosen once per balancer from `planner.costs`: a hardware profile (the analytic cost model), or
+figures measured on the job (moebal/distributed/calibrate.py): by the hook on its first layer's dispatcher when
+training starts, by a stage at construction on a scratch layer (a stage may hold no MoE layer yet) and agreed
+over the job (the slowest rates), so a layer is planned alike on whichever stage it sits. Measured figures travel
+in the checkpoints: a resumed run plans from the same numbers, hence the same placements, as the uninterrupted
+one (a re-measurement would differ and change replicas, so the summation order, so the last bits of the loss).
+
+Overlap: plans are costed with Trans/Agg hidden under compute (Pro-Prophet's eq. 8 instead of eq. 6) when
+`planner.overlap` is set or when the executor does overlap them (`ExpertParallel.overlap`: the trainer's
+`scheduler.block_overlap`; pipeline stages never overlap). One rule for both adapters: the executor is asked
+what it does, so a plan is never costed for an overlap that does not happen, nor the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moebal.balance.feedback import PlanFeedback
+from moebal.config import Config
+from moebal.distributed.expert_parallel import ExpertParallel, StatsReducer
+from moebal.distributed.groups import ParallelDims
+from moebal.planner.comm_plan import CommCosts, a2a_chunks
+from moebal.planner.perf import MoELayerCosts, placement_loads
+from moebal.planner.placement import ExpertPlanner, placement_metrics
+from moebal.planner.plan import ExpertPlacement
+from moebal.routing import RoutingStats
+from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
+from moebal.sync import to_host
+from moebal.train.hooks import Hook
+from moebal.train.metrics import MetricsLog
+
+if TYPE_CHECKING:
+    from moebal.train.distributed import RunContext
+    from moebal.train.trainer import Trainer
+
+__all__ = ["ExpertBalancer", "ExpertParallelHook", "StageExperts", "expert_parallel_hook", "stage_metrics"]
+
+ReduceMax = Callable[[torch.Tensor], torch.Tensor]
+"""An in-place all-reduce (maximum) over the ranks that apply one plan."""
+
+
+class ExpertBalancer:
+    """Observe -> plan -> apply -> check for the MoE layers of one "ep" group (see the module docstring).
+
+    Layers are keyed by an id (the position among the executor's layers, or a global layer id in a pipeline).
+    `costs` None: measured by `measure` on the first `ensure_costs` (a collective over the group)."""
+
+    def __init__(self, cfg: Config, num_ranks: int, costs: MoELayerCosts | None, *, executor_overlaps: bool,
+                 measure: Callable[[], MoELayerCosts] | None = None) -> None:
+        p = cfg.planner
+        self.policy, self.every, self.ema, self.hysteresis = p.policy, p.every, p.ema, p.hysteresis
+        self.E, self.R = cfg.moe.num_experts, num_ranks
+        self.measured = p.costs == "measure"  # the figures belong to this run: checkpoints keep them
+        self.costs, self._measure = costs, measure
+        self.overlap = (p.overlap or executor_overlaps) and p.policy == "prophet"
+        self.planners: dict[int, ExpertPlanner] = {}
+        self.feedback = PlanFeedback(p.feedback)
+        self.used: dict[int, ExpertPlacement] = {}  # what the step running now applies
+        self.used_arm = "plan"  # ... and from which arm
+        self.metrics: dict[int, dict[str, float]] = {}  # per layer, of the last observed step
+        self.predicted_gain = 0.0  # of the planner's placements on the last observed counts
+        self._gains: list[float] = []  # the predicted gains of the steps the feedback is judging
+        self._t0 = 0.0
+
+    # ---- coefficients and planners ----
+    def ensure_costs(self) -> None:
+        if self.costs is None:
+            assert self._measure is not None, "ExpertBalancer needs costs or a way to measure them"
+            self.set_costs(self._measure())
+
+    def set_costs(self, costs: MoELayerCosts) -> None:
+        self.costs = costs
+        for pl in self.planners.values():
+            pl.cost = costs
+
+    def new_planner(self) -> ExpertPlanner:
+        extra: dict[str, Any] = {"overlap": True} if self.overlap else {}
+        return ExpertPlanner(self.E, self.R, self.policy, self.costs, every=self.every, ema=self.ema,
+                             hysteresis=self.hysteresis, **extra)
+
+    def add_layer(self, i: int) -> ExpertPlanner:
+        self.planners[i] = self.new_planner()
+        return self.planners[i]
+
+    def drop_layer(self, i: int) -> None:
+        self.planners.pop(i, None)
+        self.metrics.pop(i, None)
+        self.used.pop(i, None)
+
+    # ---- apply ----
+    @property
+    def arm(self) -> str:
+        """What the next step applies: the planner's placements ("plan") or static placement ("base")."""
+        return "plan" if self.feedback.use_plan() else "base"
+
+    def next_placements(self, ids: list[int]) -> list[ExpertPlacement]:
+        """Placements of the next step for layers `ids`, as the feedback's arm says (no side effect)."""
+        if self.feedback.use_plan():
+            return [self.planners[i].current for i in ids]
+        return [ExpertPlacement.static(self.E, self.R, self.planners[i].owner) for i in ids]
+
+    def begin_step(self, ids: list[int]) -> list[ExpertPlacement]:
+        """The placements to apply now (remembered for the metrics); starts the step's clock."""
+        self.used_arm = self.arm
+        placements = self.next_placements(ids)
+        self.used = dict(zip(ids, placements))
+        self._t0 = time.perf_counter()
+        return placements
+
+    def step_time(self, reduce_max: ReduceMax, device: torch.device) -> float | None:
+        """Seconds since `begin_step`, the maximum over the group (one small all-reduce); None without feedback
+        (no collective then). Call it after the step's last host sync, so device work is counted."""
+        if not self.feedback.cfg.enabled:
+            return None
+        t = torch.tensor([time.perf_counter() - self._t0], dtype=torch.float64, device=device)
+        return float(to_host(reduce_max(t), "step time")[0])
+
+    # ---- observe and plan ----
+    def observe(self, counts: dict[int, np.ndarray], step: int, step_s: float | None) -> None:
+        """One step's R x E counts per layer: metrics of the placements used, the planners stepped, the step's
+        time into the feedback."""
+        self.metrics, static_s, planned_s = {}, 0.0, 0.0
+        for i, c_RE in counts.items():
+            pl = self.planners[i]
+            used = self.used.get(i, pl.current)
+            self.metrics[i] = placement_metrics(c_RE, used, self.costs)
+            plan = self.metrics[i] if used is pl.current else placement_metrics(c_RE, pl.current, self.costs)
+            static_s += plan["static_time_s"]
+            planned_s += plan["predicted_time_s"]
+            pl.step(c_RE)
+        self.predicted_gain = 1.0 - planned_s / static_s if static_s > 0 else 0.0
+        if step_s is not None:
+            self._gains = [*self._gains, self.predicted_gain][-2 * self.feedback.cfg.window:]  # a trial's steps
+            self.feedback.observe(step, step_s)
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The feedback's verdicts since the last call, each with the planner's mean predicted gain over the
+        judged steps beside the measured one."""
+        events = self.feedback.drain()
+        for e in events:
+            e["predicted_gain"] = round(float(np.mean(self._gains)), 4) if self._gains else 0.0
+        return events
+
+    # ---- checkpoints ----
+    @staticmethod
+    def planner_state(pl: ExpertPlanner) -> dict[str, Any]:
+        return {"forecast": None if pl.forecast_RE is None else pl.forecast_RE.tolist(),
+                "observed": pl.observed, "current": pl.current.to_dict()}
+
+    def load_planner(self, i: int, saved: dict[str, Any] | None) -> ExpertPlanner:
+        """A fresh planner for layer i, restored from `saved` (a `planner_state`) when given."""
+        pl = self.add_layer(i)
+        if saved is not None:
+            pl.forecast_RE = None if saved["forecast"] is None else np.asarray(saved["forecast"], dtype=np.float64)
+            pl.observed = int(saved["observed"])
+            pl.current = ExpertPlacement.from_dict(saved["current"])
+        return pl
+
+    def costs_state(self) -> dict[str, Any] | None:
+        from moebal.distributed.calibrate import costs_to_dict
+
+        return costs_to_dict(self.costs) if self.measured and self.costs is not None else None
+
+    def load_costs(self, saved: dict[str, Any] | None) -> None:
+        if self.measured and saved:
+            from moebal.distributed.calibrate import costs_from_dict
+
+            self.set_costs(costs_from_dict(saved))  # no re-measurement: the same plans
+
+
+# ---- expert parallelism alone: the trainer's hook -------------------------------------------------------------
+
+class ExpertParallelHook(Hook):
+    """The `ExpertBalancer` of the trainer's expert-parallel layers, with the step's communication plan.
+
+      before step     apply: the feedback's arm of placements, Trans (all layers now, or layer 0 now and the
+                      rest overlapped); the token chunks planned for them
+      after backward  Agg (replica gradients back to their owners), then the chunked gradient sync
+      reduce stats    observe: one all-gather of every layer's packed statistics over "dp_ep"; the step time
+      after step      plan: placements and token chunks of the next step; records and plans.jsonl
+    Every collective goes through the rank's `CommScheduler`, whose event log becomes comm/rank<r>.jsonl, a
+    Chrome trace of one step (comm_trace.json) and the step's exposed communication time in metrics.jsonl."""
+
+    def __init__(self, ep: ExpertParallel, cfg: Config, costs: MoELayerCosts | None, ctx: RunContext,
+                 measure: Callable[[], MoELayerCosts] | None = None, comm_costs: CommCosts | None = None,
+                 measure_comm: Callable[[MoELayerCosts], CommCosts] | None = None) -> None:
+        """`costs`: the planner's coefficients (from a hardware profile), or None with `measure`, which measures
+        them on the job at the start of training unless a checkpoint brought the figures of the run's first
+        measurement. `comm_costs` / `measure_comm` (given the layer costs): the same for the communication plan
+        (gradient chunk size, token chunks)."""
+        self.ep, self.ctx = ep, ctx
+        self.comm_costs, self._measure_comm = comm_costs, measure_comm
+        self.sched, self.sc = ep.sched, cfg.scheduler
+        R = ep.dims.size("ep")
+        self.balancer = ExpertBalancer(cfg, R, costs, executor_overlaps=ep.overlap, measure=measure)
+        self.ids = list(range(len(ep.layers)))
+        for i in self.ids:
+            self.balancer.add_layer(i)
+        tokens = cfg.data.batch_size * cfg.data.seq_len // ep.dims.size("dp_ep") * cfg.moe.top_k
+        self._uniform = np.full((R, cfg.moe.num_experts), tokens / cfg.moe.num_experts)
+        self.token_bytes = cfg.model.dim * 4  # rows travel in the residual stream's dtype (fp32)
+        self.chunks: list[int] | None = None  # token chunks per layer for the next step (None: not planned yet)
+        self._counts_RE: list[np.ndarray] = []
+        self._step_s: float | None = None
+        self._log: Any = None
+        self._events: Any = None
+        self._t_opt = 0.0
+
+    @property
+    def name(self) -> str:
+        return "expert_parallel"
+
+    @property
+    def planners(self) -> list[ExpertPlanner]:
+        return [self.balancer.planners[i] for i in self.ids]
+
+    @property
+    def costs(self) -> MoELayerCosts | None:
+        return self.balancer.costs
+
+    def _chunks_for(self, counts_RE: np.ndarray, placement: ExpertPlacement) -> int:
+        """Token chunks of one layer's exchanges (fixed by scheduler.a2a_chunks, else the cost model's best)."""
+        if self.sc.a2a_chunks is not None:
+            return self.sc.a2a_chunks
+        if self.comm_costs is None:
+            return 1
+        H_R, recv_R = placement_loads(counts_RE, placement)
+        return a2a_chunks(self.comm_costs, float(recv_R.max()) * self.token_bytes, float(H_R.max()))[0]
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.balancer.ensure_costs()  # collective: every rank of the EP group measures together
+        if self.comm_costs is None and self._measure_comm is not None:
+            assert self.costs is not None
+            self.comm_costs = self._measure_comm(self.costs)  # collective as well
+        if self.comm_costs is not None:
+            R = self._uniform.shape[0]  # one exchange under balanced routing: the rows that leave the rank
+            a2a_s = self._uniform.sum(axis=1).max() * (R - 1) / R * self.token_bytes / self.comm_costs.a2a_bandwidth
+            self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, self.ep.grads.reduced_bytes, a2a_s))
+        if self.chunks is None:
+            self.chunks = [self._chunks_for(self._uniform, plc) for plc in self.balancer.next_placements(self.ids)]
+        if self.ctx.is_main:
+            path = trainer.run_dir / "plans.jsonl"
+            MetricsLog.truncate_after(path, trainer.step)  # a resumed run re-plans the steps after its checkpoint
+            self._log = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in on_end
+        if self.sc.events:
+            path = trainer.run_dir / "comm" / f"rank{self.ep.dims.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            MetricsLog.truncate_after(path, trainer.step)
+            self._events = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in on_end
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self.sched.log.begin(step)
+        self.sched.start_compute()  # the emulated device's clock (scheduler.dilate) starts with the step
+        for d, c in zip(self.ep.dispatchers, self.chunks or []):
+            d.a2a_chunks = c
+        self.ep.apply(self.balancer.begin_step(self.ids))
+
+    def after_backward(self, trainer: Trainer, step: int) -> None:
+        self.ep.aggregate()  # Agg, before the optimizer step
+        self.ep.sync_gradients()  # waits for the chunks still in flight
+        self._t_opt = time.perf_counter()
+
+    def reduce_stats(self, trainer: Trainer, stats: list[RoutingStats]) -> list[RoutingStats]:
+        """Keep each rank's counts (the planner's R x E matrix) and return the statistics summed over the
+        stage's ranks: one all-gather of every layer's packed statistics over "dp_ep" (it holds the "ep"
+        group's rows too) and one host read of the expert-parallel group's counts; then the step's time."""
+        dims = self.ep.dims
+        packed_LX = torch.stack([s.packed() for s in stats])
+        gathered = [torch.empty_like(packed_LX) for _ in range(dims.size("dp_ep"))]
+        self.sched.run("stats", lambda: dist.all_gather(gathered, packed_LX, group=dims.group("dp_ep"),
+                                                        async_op=True),
+                       name="routing stats", nbytes=packed_LX.numel() * packed_LX.element_size() * len(gathered))
+        all_WLX = torch.stack(gathered)
+        E = stats[0].counts_E.numel()
+        members = dims.ranks_of("dp_ep")
+        rows = [members.index(r) for r in dims.ranks_of("ep")]
+        counts_RLE = np.asarray(to_host(all_WLX[rows, :, :E], "placement counts"), dtype=np.float64)
+        self._counts_RE = [np.ascontiguousarray(counts_RLE[:, i]) for i in range(len(stats))]
+        # after the host read above: the device's work of the step is done and counted
+        self._step_s = self.balancer.step_time(
+            lambda t: self.sched.all_reduce(t, dims.group("ep"), name="step time", op=dist.ReduceOp.MAX),
+            packed_LX.device)
+        summed_LX = all_WLX.sum(dim=0)
+        return [RoutingStats.unpack(summed_LX[i], E) for i in range(len(stats))]
+
+    def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
+        self.ep.release()  # replicas hold pre-update weights; validation and the next Trans must not see them
+        self.sched.log.span("compute", "optimizer", self._t_opt)
+        b = self.balancer
+        used = [b.used[i] for i in self.ids]
+        arm = b.used_arm
+        b.observe(dict(zip(self.ids, self._counts_RE)), step, self._step_s)
+        metrics = [b.metrics[i] for i in self.ids]
+        nxt = b.next_placements(self.ids)
+        used_chunks = list(self.chunks or [])
+        self.chunks = [self._chunks_for(c, p) for c, p in zip(self._counts_RE, nxt)]
+        record["rank_imbalance_before"] = [round(m["imbalance_before"], 4) for m in metrics]
+        record["rank_imbalance_after"] = [round(m["imbalance_after"], 4) for m in metrics]
+        record["replicas"] = [p.num_replicas for p in used]
+        record["trans_bytes"] = int(sum(m["trans_bytes"] for m in metrics))
+        record["a2a_bytes"] = int(sum(m["a2a_bytes"] for m in metrics))
+        record["plan_ms"] = round(1e3 * sum(pl.last.get("plan_s", 0.0) for pl in self.planners), 3)
+        record["a2a_chunks"] = used_chunks
+        record["predicted_gain"] = round(b.predicted_gain, 4)
+        decisions = self._record_feedback(record, arm)
+        self._record_comm(trainer, step, record)
+        if self._log is not None:
+            line: dict[str, Any] = {
+                "step": step, "counts": [c.astype(int).tolist() for c in self._counts_RE],
+                "used": [p.to_dict() for p in used], "next": [p.current.to_dict() for p in self.planners],
+                "metrics": metrics, "a2a_chunks": used_chunks, "predicted_gain": record["predicted_gain"]}
+            if b.feedback.cfg.enabled:
+                line.update(arm=arm, next_arm=b.arm, step_s=self._step_s, feedback=decisions)
+            self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._log.flush()
+
+    def _record_feedback(self, record: dict[str, Any], arm: str) -> list[dict[str, Any]]:
+        """The closed loop's fields of the step record: the arm the step ran, its measured time (maximum over
+        the "ep" group) and the verdicts taken after it (with predicted and measured gains)."""
+        decisions = self.balancer.decisions()
+        if self.balancer.feedback.cfg.enabled:
+            record["placement_arm"] = arm
+            record["placement_step_s"] = None if self._step_s is None else round(self._step_s, 6)
+            if decisions:
+                record["placement_feedback"] = decisions
+        return decisions
+
+    def _record_comm(self, trainer: Trainer, step: int, record: dict[str, Any]) -> None:
+        """The step's communication: means over ranks into the metrics record, this rank's events into its log
+        file, and on `scheduler.trace_step` a Chrome trace of every rank (gathered on rank 0)."""
+        comm = self.sched.log.end()
+        line = step_record(comm, self.ep.dims.rank)
+        vals = self.ctx.sum([comm.exposed_s, comm.a2a_s, comm.allreduce_s, comm.placement_s, comm.a2a_shared_s,
+                             comm.held_s])
+        n = self.ep.dims.size("dp_ep")
+        for key, v in zip(("exposed_comm_s", "a2a_s", "allreduce_s", "placement_comm_s", "a2a_shared_s", "held_s"),
+                          vals):
+            record[key] = round(v / n, 6)
+        record["comm_window_s"] = round(comm.step_s, 6)  # from Trans to the step's bookkeeping, this rank
+        if self._events is not None:
+            self._events.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._events.flush()
+        if step == self.sc.trace_step:
+            gathered: list[Any] = [None] * self.ep.dims.world_size
+            dist.all_gather_object(gathered, line)
+            if self.ctx.is_main:
+                write_chrome_trace(gathered, trainer.run_dir / "comm_trace.json")
+
+    def on_end(self, trainer: Trainer) -> None:
+        for f in (self._log, self._events):
+            if f is not None:
+                f.close()
+        self._log = self._events = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Planner forecasts, the placements and token chunks of the next step, measured coefficients and the
+        feedback's state, so a resumed run plans what the uninterrupted run would have (placements and chunks
+        change only summation order, but resume is bitwise)."""
+        b = self.balancer
+        return {"placements": [p.current.to_dict() for p in self.planners],
+                "planners": [b.planner_state(pl) for pl in self.planners],
+                "measured_costs": b.costs_state(),
+                "comm_costs": self.comm_costs.to_dict() if self._measure_comm and self.comm_costs else None,
+                "a2a_chunks": self.chunks, "feedback": b.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
+        if len(placements) != len(self.ids) or any(p.num_ranks != self.ep.dims.size("ep") for p in placements):
+            return  # a checkpoint of another expert-parallel size: plan afresh (and measure this layout's costs)
+        b = self.balancer
+        for i, saved in zip(self.ids, state["planners"]):
+            b.load_planner(i, saved)
+        b.load_costs(state.get("measured_costs"))
+        if self._measure_comm is not None and state.get("comm_costs"):
+            self.comm_costs = CommCosts(**state["comm_costs"])
+        if state.get("a2a_chunks"):
+            self.chunks = [int(c) for c in state["a2a_chunks"]]
+        b.feedback.load_state_dict(state.get("feedback") or {})
+
+
+def expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, ctx: RunContext) -> ExpertParallelHook:
+    """The trainer's hook with its planner and scheduler coefficients: from a hardware profile now, or measured
+    on the job when training starts (`planner.costs: measure`) unless a resumed checkpoint holds the run's
+    measurement."""
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    if cfg.planner.costs == "measure":
+        from moebal.distributed.calibrate import measure_comm_costs, measure_layer_costs
+
+        return ExpertParallelHook(
+            ep, cfg, None, ctx, measure=lambda: measure_layer_costs(ep.dispatchers[0], tokens * cfg.moe.top_k,
+                                                                    dilate=cfg.scheduler.dilate),
+            measure_comm=lambda layer: measure_comm_costs(ep.dispatchers[0], dims.group("dp_ep"),
+                                                          tokens * cfg.moe.top_k, layer, dilate=cfg.scheduler.dilate))
+    from moebal.planner.comm_plan import comm_costs_from_profile
+
+    cost, costs = _profile_costs(cfg, dims)
+    comm = comm_costs_from_profile(cost, costs, dims.ranks_of("ep"), dims.ranks_of("dp_ep"))
+    return ExpertParallelHook(ep, cfg, costs, ctx, comm_costs=comm)
+
+
+def chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float, a2a_s: float) -> float:
+    """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (`ar_chunk_bytes`)."""
+    from moebal.planner.comm_plan import ar_chunk_bytes
+
+    if sc.mode == "ddp":
+        return sc.bucket_mb * 1e6
+    return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs, total_bytes=total_bytes, a2a_s=a2a_s)
+
+
+def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]:
+    """The hardware profile `planner.costs` names and its coefficients for one MoE layer of this layout."""
+    from moebal.planner.cost import CostModel, ModelShape
+
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    cost = CostModel(cfg.planner.costs)
+    return cost, cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens, cfg.data.seq_len)
+
+
+# ---- expert parallelism inside pipeline stages ---------------------------------------------------------------
+
+class StageExperts:
+    """The MoE layers of one pipeline stage under expert parallelism, balanced by an `ExpertBalancer`.
+
+    Layout (`moebal/distributed/groups.py`): a stage is held by dp x ep ranks ("dp_ep"); its MoE layers shard
+    their experts over the stage's "ep" group. A pipeline chain is one (dp, ep) coordinate's ranks, so the chain
+    member at stage p holds expert shard `ep` of every MoE layer of stage p: migrating a layer along the chain
+    moves shard e, its gradients and its AdamW state straight to the rank of the receiving stage that must hold
+    shard e, and its planner (forecast, current placement) with it (`layer_state`), so a run with migrations
+    places experts exactly as the run without and its losses are the same bit for bit.
+
+    Per step, on every rank of a stage (called by the runner):
+      1. `before_step`: adopt each MoE layer's placement (the feedback's arm) and run Trans (collective, "ep")
+      2. `after_backward`: Agg, drop the replicas, all-gather each MoE layer's step counts into an R x E matrix
+         (one collective over "ep" on the compute device, one host read), step the planners, feed the step time.
+    Routing statistics for the load-balancing loss are summed over the stage's ranks ("dp_ep": a differentiable
+    all-reduce, `StatsReducer`), so each micro-batch's auxiliary loss is that of the micro-batch formed by every
+    rank's rows; this also holds with ep = 1 and data-parallel replicas."""
+
+    def __init__(self, stage: nn.Module, dims: ParallelDims, cfg: Config) -> None:
+        self.stage, self.dims, self.cfg = stage, dims, cfg
+        self.R = dims.ep
+        self.data_ranks = dims.size("dp_ep")
+        from moebal.train.precision import autocast_dtype
+
+        dtype = autocast_dtype(cfg, dims.device)  # replicas travel in the compute dtype
+        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype)
+                                          if self.R > 1 else None)
+        if self.ep is None:
+            for i in stage.layer_ids:
+                self.prepare_layer(i, stage.layer(i))
+        self.balancer: ExpertBalancer | None = None
+        self.step = 0  # steps observed: the feedback's clock
+        if self.ep is not None:
+            self.balancer = ExpertBalancer(cfg, self.R, _planner_costs(cfg, dims), executor_overlaps=self.ep.overlap)
+            for i in self._moe_ids():
+                self.balancer.add_layer(i)
+
+    @property
+    def sharded(self) -> bool:
+        return self.ep is not None
+
+    @property
+    def planners(self) -> dict[int, ExpertPlanner]:
+        return {} if self.balancer is None else self.balancer.planners
+
+    @property
+    def metrics(self) -> dict[int, dict[str, float]]:
+        return {} if self.balancer is None else self.balancer.metrics
+
+    def _moe_ids(self) -> list[int]:
+        return [i for i in self.stage.layer_ids if self.stage.layer(i).is_moe]
+
+    # ---- the step ----
+    def before_step(self) -> None:
+        """Trans: adopt every MoE layer's placement (collective over the ep group)."""
+        if self.ep is not None and self.balancer is not None:
+            self.ep.apply(self.balancer.begin_step(self._moe_ids()))
+
+    def after_backward(self) -> None:
+        """Agg: replica gradients back to their owners, the replicas dropped (nothing may run on them); then
+        observe the step's counts and plan the next step's placements (collective over the ep group)."""
+        if self.ep is not None:
+            self.ep.aggregate()
+            self.ep.release()
+        self._observe_and_plan()
+
+    def _observe_and_plan(self) -> None:
+        ids = self._moe_ids()
+        if self.ep is None or self.balancer is None:
+            for i in ids:
+                self.stage.layer(i).block_sparse_moe.take_stats()  # the step's statistics: nobody plans on them
+            return
+        self.balancer.metrics = {}
+        if not ids:  # every rank of the ep group holds the same layers: none of them gathers
+            return
+        # one all-gather of every layer's counts on the compute device, one host read for the planners
+        counts_NE = torch.stack([self.stage.layer(i).block_sparse_moe.take_stats().counts_E for i in ids])
+        gathered = [torch.empty_like(counts_NE) for _ in range(self.R)]
+        group = self.dims.group("ep")
+        dist.all_gather(gathered, counts_NE, group=group)
+        counts_RNE = np.asarray(to_host(torch.stack(gathered), "placement counts"), dtype=np.float64)
+        step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), counts_NE.device)
+        self.step += 1
+        self.balancer.observe({i: np.ascontiguousarray(counts_RNE[:, n]) for n, i in enumerate(ids)}, self.step,
+                              step_s)
+
+    def step_vector(self, num_layers: int) -> torch.Tensor:
+        """Per layer: replicas used, rank load imbalance before and after placement (0 where not held)."""
+        v = torch.zeros(3 * num_layers, dtype=torch.float64)
+        for i, m in self.metrics.items():
+            v[i], v[num_layers + i], v[2 * num_layers + i] = m["replicas"], m["imbalance_before"], m["imbalance_after"]
+        return v
+
+    def feedback_record(self) -> dict[str, Any]:
+        """The closed loop's fields of this stage's step (empty without feedback): the arm the next step runs,
+        the planners' predicted gain, the verdicts taken since the last call."""
+        b = self.balancer
+        if b is None or not b.feedback.cfg.enabled:
+            return {}
+        out: dict[str, Any] = {"placement_next_arm": b.arm, "predicted_gain": round(b.predicted_gain, 4)}
+        decisions = b.decisions()
+        if decisions:
+            out["placement_feedback"] = decisions
+        return out
+
+    # ---- gradients ----
+    def shard_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a per-rank quantity of the expert shards over the ep group (identity without sharding), on
+        `t`'s device (the runner's gradient squares: the compute device)."""
+        if self.ep is not None:
+            dist.all_reduce(t, group=self.dims.group("ep"))
+        return t
+
+    # ---- migration: the same interface as a dynamism scheme's layer state ----
+    def prepare_layer(self, i: int, layer: nn.Module) -> None:
+        """A layer arriving here (or built here): shard its experts, sum its statistics over the stage."""
+        if not getattr(layer, "is_moe", False):
+            return
+        moe = layer.block_sparse_moe
+        if self.ep is not None:
+            self.ep.attach(moe)
+        elif self.data_ranks > 1:
+            moe.set_stats_reducer(StatsReducer(self.dims.group("dp_ep")))
+
+    def layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        if i not in self.planners:
+            return {}
+        pl = self.planners[i]
+        E, R = self.cfg.moe.num_experts, self.R
+        held = torch.zeros(E, R, dtype=torch.uint8)
+        for e, reps in enumerate(pl.current.replicas):
+            for r in reps:
+                held[e, r] = 1
+        t = pl.current.predicted_time
+        meta = torch.tensor([float(pl.observed), float(pl.forecast_RE is not None),
+                             math.nan if t is None else float(t), float(pl.current.policy != "static")],
+                            dtype=torch.float64)
+        forecast = torch.zeros(R, E, dtype=torch.float64) if pl.forecast_RE is None else \
+            torch.from_numpy(np.ascontiguousarray(pl.forecast_RE, dtype=np.float64))
+        return {"ep_forecast": forecast, "ep_meta": meta, "ep_replicas": held}
+
+    def layer_state_spec(self, i: int, layer: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.ep is None or not getattr(layer, "is_moe", False):
+            return {}
+        E, R = self.cfg.moe.num_experts, self.R
+        return {"ep_forecast": ((R, E), torch.float64), "ep_meta": ((4,), torch.float64),
+                "ep_replicas": ((E, R), torch.uint8)}
+
+    def load_layer_state(self, i: int, layer: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if not state or self.balancer is None:
+            return
+        state = {k: v.cpu() for k, v in state.items()}  # planner state is host data; it travelled on the device
+        pl = self.balancer.add_layer(i)
+        observed, has_forecast, t, planned = state["ep_meta"].tolist()
+        pl.observed = int(observed)
+        pl.forecast_RE = state["ep_forecast"].numpy().copy() if has_forecast else None
+        held = state["ep_replicas"]
+        replicas = tuple(tuple(int(r) for r in torch.nonzero(held[e]).flatten().tolist()) for e in range(held.shape[0]))
+        pl.current = ExpertPlacement(num_ranks=self.R, owner=pl.owner, replicas=replicas,
+                                     policy=self.cfg.planner.policy if planned else "static",
+                                     predicted_time=None if math.isnan(t) else t)
+
+    def drop_layer(self, i: int) -> None:
+        if self.balancer is not None:
+            self.balancer.drop_layer(i)
+
+    def refresh(self) -> None:
+        """After a migration: the stage's MoE layers changed."""
+        if self.ep is not None:
+            self.ep.refresh()
+
+    # ---- checkpoints: the run's measured coefficients and each held layer's planner, as JSON ----
+    def state_dict(self) -> dict[str, Any]:
+        b = self.balancer
+        return {"R": self.R, "costs": None if b is None else b.costs_state(),
+                "planners": {str(i): ExpertBalancer.planner_state(pl) for i, pl in self.planners.items()},
+                "feedback": None if b is None else b.feedback.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any], layers: dict[int, dict[str, Any]]) -> None:
+        """Restore the measured coefficients and the feedback (`state`, any rank's: they are agreed over the
+        job; the feedback over the ep group) and the planner of every MoE layer held here from `layers` (layer
+        id -> the saved planner of that layer, in this rank's data-parallel replica). A checkpoint of another
+        expert-parallel size restores nothing: the planners start afresh on this layout's own measurement."""
+        b = self.balancer
+        if b is None or state.get("R") != self.R:
+            return
+        b.load_costs(state.get("costs"))
+        for i in self._moe_ids():
+            b.load_planner(i, layers.get(i))
+        b.feedback.load_state_dict(state.get("feedback") or {})
+        self.step = int(state.get("step", 0))
+
+
+def _all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
+    """Coefficients of every stage's planners: a hardware profile, or measured on this job at start-up with a
+    scratch MoE layer (a stage may hold no MoE layer yet) and agreed over the job: the slowest rates."""
+    if cfg.planner.costs != "measure":
+        return _profile_costs(cfg, dims)[1]
+    from moebal.distributed.calibrate import measure_layer_costs
+    from moebal.distributed.expert_parallel import ExpertParallelDispatcher
+    from moebal.models.moe import MoELayer
+    from moebal.train.precision import autocast_dtype
+
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    with torch.device("meta"):
+        scratch = MoELayer.from_config(cfg)
+    scratch = scratch.to_empty(device=dims.device)
+    with torch.no_grad():
+        for p in scratch.parameters():
+            p.zero_()
+    # timed in the run's precision: the dispatcher's compute dtype (its autocast)
+    dispatcher = ExpertParallelDispatcher(scratch, dims, _scheduler(dims),
+                                          compute_dtype=autocast_dtype(cfg, dims.device))
+    measured = measure_layer_costs(dispatcher, tokens * cfg.moe.top_k)
+    rates = torch.tensor([measured.expert_tokens_per_s, measured.a2a_bw(0), measured.trans_bandwidth,
+                          measured.agg_bandwidth], dtype=torch.float64, device=dims.device)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every stage plans from the same numbers
+    tps, a2a, trans, agg = rates.tolist()
+    return dataclasses.replace(measured, expert_tokens_per_s=tps, a2a_bandwidth=a2a, trans_bandwidth=trans,
+                               agg_bandwidth=agg)
+
+
+def _scheduler(dims: ParallelDims) -> CommScheduler:
+    """A scheduler without a thread (collectives issued and waited for in place) whose completion matches the
+    device: on CUDA a host-side completion would call an NCCL collective done when it is only enqueued."""
+    return CommScheduler("off", rank=dims.rank, device=dims.device)
+
+
+def stage_metrics(vec: torch.Tensor, num_layers: int, moe_ids: list[int]) -> dict[str, Any]:
+    """Record fields from the chain-summed `step_vector`s: per MoE layer, in layer order."""
+    L = num_layers
+    return {"replicas": [int(vec[i]) for i in moe_ids],
+            "rank_imbalance_before": [round(float(vec[L + i]), 4) for i in moe_ids],
+            "rank_imbalance_after": [round(float(vec[2 * L + i]), 4) for i in moe_ids]}
