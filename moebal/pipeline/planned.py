@@ -39,7 +39,7 @@ from moebal.balance.microbatch_workers import PlanAhead
 from moebal.config import Config
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
-from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
 from moebal.train.precision import compute_precision
@@ -124,9 +124,9 @@ def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
 class PlannedPipelineRunner(PipelineRunner):
     """The pipeline runner with planned micro-batches (pipeline.microbatching dynamic, padding or packing)."""
 
-    def __init__(self, cfg: Config, opts: PipelineOptions, *, cost: MicroBatchCost | None = None,
-                 kwargs: dict[str, Any] | None = None, workers: int | None = None, **kw: Any) -> None:
-        super().__init__(cfg, opts, **kw)
+    def __init__(self, cfg: Config, *, cost: MicroBatchCost | None = None, kwargs: dict[str, Any] | None = None,
+                 workers: int | None = None, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
         if self._planning():
             raise ConfigError("planned micro-batching with layer rebalancing or re-packing is not supported yet: "
                               "set pipeline.rebalance=off and pipeline.repack=false")
