@@ -40,9 +40,9 @@ root) the ranks talk over loopback: there the "link" is the two cores themselves
 communication moved out of an all-to-all lands on compute instead and the comparison says little about
 networks. 4 ranks share 2 cores (two per core): their absolute times are not device times.
 
-Presets (PRESETS): `contended` (default), the situation the issue's metric names: an MoE layer in every
+Presets (PRESETS): `contended` (default), the situation the target metric names: an MoE layer in every
 other block (GShard's and DeepSpeed-MoE's GPT layout) on a 300 Mbit/s link, where the unscheduled mode's
-buckets are in flight during the next MoE block's backward all-to-alls; `balanced`, the earlier configuration
+buckets are in flight during the next MoE block's backward all-to-alls; `balanced`, the control configuration
 (an MoE layer in every block, 1 Gbit/s), where they barely meet. --set key=value overrides a model key.
 
 Start-up in the namespaces: gloo's connection set-up there now and then aborts a rank before any step runs
@@ -101,7 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "moe": {"num_experts": 16, "top_k": 2, "expert_ffn_dim": 128, "aux_loss_coef": 0.01},
                    "data": {"seq_len": 128, "batch_size": 8}},
         "link_mbit": 1000.0, "bucket_mb": 0.5},
-    # The situation the metric names: DDP-style buckets really in flight while the next MoE block's
+    # The situation the target metric names: DDP-style buckets really in flight while the next MoE block's
     # backward all-to-alls run. GShard's, Switch's and DeepSpeed-MoE's GPT layout (an MoE layer in every other
     # block, dense 4d FFNs between), so a block pair's dense gradients (about 4 MB) are a few times one
     # exchange's rows (1 MB on the wire), as in Lina's GPT-2 and Transformer-XL where a block's fp16 attention

@@ -16,7 +16,7 @@ imports through /proc/self/clear_refs, so the figure is what the conversion itse
   load_file (ref)   every shard read with safetensors.torch.load_file, experts stacked: what a conversion
                     that is not streamed holds
 
-The issue's target: peak at most about twice the largest tensor plus the model being built.
+The target: peak at most about twice the largest tensor plus the model being built.
 Writes JSON and a PNG next to it (and prints a table); run it under `flock /tmp/moebal-bench.lock` on a shared
 machine.
 """

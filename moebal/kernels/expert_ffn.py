@@ -18,7 +18,7 @@ Two back ends compute the per-expert matmuls on rows grouped by expert:
 else the loop with a warning that says why); a training run settles its one kernel at start-up and keeps it
 (moebal/train/kernels.py).
 
-On this CPU (MKL, AVX-512) the two back ends give the same bits with one intra-op thread, fp32 and bf16, every
+On a CPU with MKL (AVX-512) the two back ends give the same bits with one intra-op thread, fp32 and bf16, every
 pass, and the loop gives the same bits at any thread count (its workers never cut a sliver off an expert,
 see `_row_ranges`); multi-threaded `grouped_mm` does not in fp32 at some shapes, and on GPUs they differ.
 
