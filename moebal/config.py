@@ -1054,6 +1054,11 @@ def _check_groups(moe: MoEConfig) -> None:
 
 def _check_pipeline(p: PipelineConfig) -> None:
     dyn = p.dynamic
+    hints = typing.get_type_hints(PipelineConfig)  # a Config built in code skips the loader's choice checks
+    for key in ("schedule", "rebalance", "initial", "wait", "microbatching"):
+        allowed, value = typing.get_args(hints[key]), getattr(p, key)
+        _need(value in allowed, f"'pipeline.{key}' must be one of {', '.join(allowed)}; got {value!r}")
+    _need(p.dilate >= 1.0, f"'pipeline.dilate' must be >= 1 (1: off); got {p.dilate}")
     _need(not p.split_layers or p.microbatching == "fixed",
           f"'pipeline.split_layers: true' runs fixed micro-batches; planned micro-batching ({p.microbatching!r}) "
           "profiles and plans whole layers: set pipeline.split_layers to false, or pipeline.microbatching to fixed")

@@ -72,12 +72,11 @@ def _rank_main(rank: int, world: int, cfgs: dict[str, dict[str, Any]], steps: in
     """Every method side by side in these 4 processes, one step of each in turn (rotated)."""
     from moebal.config import from_dict as build
     from moebal.pipeline.planned import PlannedPipelineRunner
-    from moebal.pipeline.train import options_from_config
 
     runners = {}
     for name, c in cfgs.items():
         cfg = build(c)
-        runners[name] = PlannedPipelineRunner(cfg, options_from_config(cfg))
+        runners[name] = PlannedPipelineRunner(cfg)
         runners[name].start()
     names = list(runners)
     records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

@@ -54,6 +54,7 @@ whole-layer partition.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -149,7 +150,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Train one scheme under every variant at once, one step of each in turn (order rotated every step), so the
     shared machine's drifts hit all variants alike."""
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     runners, load0 = {}, os.getloadavg()[0]
     for name in group["variants"]:
@@ -157,11 +158,12 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         base, sched = split_variant(name)
         bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
-        opts = PipelineOptions(schedule=sched, micro_batches=16, rebalance=bal, every=4, ema=0.7,
-                               repack=repack, split_layers=variant_units(name) == "halves",
-                               wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
+        pipe = dataclasses.replace(cfg.pipeline, schedule=sched, micro_batches=16, rebalance=bal, every=4, ema=0.7,
+                                   repack=repack, split_layers=variant_units(name) == "halves",
+                                   wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
+        cfg = dataclasses.replace(cfg, pipeline=pipe)
         options = REPACK if group.get("repack_experiment") else SCHEMES[group["scheme"]]
-        runners[name] = PipelineRunner(cfg, opts, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
+        runners[name] = PipelineRunner(cfg, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
         runners[name].start()
     names = list(runners)
     t0 = time.perf_counter()

@@ -181,13 +181,16 @@ def coll_fn(case: dict[str, Any], rank: int) -> Any:
 def pipe_step(case: dict[str, Any], rank: int, world: int) -> Any:
     """One training step of moebal's pipeline runner (this rank's stage): 1F1B or GPipe over `micro_batches`,
     point-to-point activations and gradients, the chain's small statistics all-reduce, clipping, AdamW."""
+    import dataclasses
+
     from moebal.distributed.groups import ParallelDims
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     cfg = _cfg(case, pp=world)
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, schedule=case["schedule"],
+                                                                micro_batches=case["micro_batches"]))
     dims = ParallelDims(world_size=world, rank=rank, pp=world).init()
-    runner = PipelineRunner(cfg, PipelineOptions(schedule=case["schedule"], micro_batches=case["micro_batches"],
-                                                 record_ops=False), dims=dims)
+    runner = PipelineRunner(cfg, dims=dims, record_ops=False)
     runner.start()
     return runner.train_step
 

@@ -76,13 +76,14 @@ class LayerBalancer:
     The runner owns the stage, the chain, the optimizer and the current partition (`runner.sizes`); the balancer
     changes them only through a migration (`apply`)."""
 
-    def __init__(self, runner: PipelineRunner, feedback: FeedbackConfig | None = None) -> None:
+    def __init__(self, runner: PipelineRunner, feedback: FeedbackConfig | None = None,
+                 bandwidth: float | None = None) -> None:
         self.r = runner
         self.opts = runner.opts
         self.U = runner.U
         self.tracker = CostTracker(self.U, ema=self.opts.ema)
         self.kappa: float | None = None
-        self.bandwidth: float | None = self.opts.bandwidth
+        self.bandwidth: float | None = bandwidth
         self.comm_s = 0.0
         self.static_mem = np.zeros(self.U + 2)
         self.move_bytes = np.zeros(self.U + 2)
@@ -232,7 +233,7 @@ class LayerBalancer:
         """Forced partitions of this step, else (at a plan point, when `plan`) the planner's partition and a
         re-pack."""
         events: dict[str, Any] = {}
-        for s, sizes in self.opts.force:
+        for s, sizes in self.r.force:
             if s == step:
                 self.keep_gantt("before", res)
                 events.update(self.apply(list(sizes), "forced", step))
@@ -331,7 +332,7 @@ class LayerBalancer:
         proposal = self._partition(costs, sizes)
         t_iter = self.time_fn(costs)
         adopt, gain, cost = should_adopt(costs, sizes, proposal, self._num_micro(), self.opts.every,
-                                         self.move_bytes[:self.U], float(self.bandwidth or 1e9), self.opts.latency,
+                                         self.move_bytes[:self.U], float(self.bandwidth or 1e9), self.r.latency,
                                          time_fn=t_iter)
         t_cur, t_new = t_iter(sizes), t_iter(proposal)
         prev = self._proposed
@@ -409,7 +410,7 @@ class LayerBalancer:
         seconds = float(tot[1:].max())
         moved = len(rep.moves)
         if moved and tot[0] > 0:
-            measured = float(tot[0]) / max(seconds - self.opts.latency * moved, 1e-6)
+            measured = float(tot[0]) / max(seconds - self.r.latency * moved, 1e-6)
             self.bandwidth = measured if self.bandwidth is None else 0.5 * float(self.bandwidth) + 0.5 * measured
         return {"migration": why, "sizes_before": old, "sizes_after": [s for s in new if s > 0],
                 "layers_moved": moved, "bytes_moved": int(tot[0]), "migration_s": round(seconds, 6),
@@ -418,7 +419,7 @@ class LayerBalancer:
     # ---- timelines and records ----
     def keep_gantt(self, which: str, res: IterationResult) -> None:
         """Keep one iteration's per-op timeline of every stage ('before' the first adopted plan, 'after' it)."""
-        if not self.opts.record_ops or (which == "before" and "before" in self.gantt):
+        if not self.r.record_ops or (which == "before" and "before" in self.gantt):
             return
         kinds = {"F": 0.0, "B": 1.0, "W": 2.0}
         rows = torch.tensor([[float(self.r.chain.index), kinds[k], float(j), s, e] for k, j, s, e in res.ops],

@@ -13,12 +13,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.groups import pick_device
 from moebal.errors import ConfigError
 from moebal.interop.hf_config import load
 from moebal.train.precision import resolve_precision
+
+if TYPE_CHECKING:
+    from moebal.train import Trainer
 
 __all__ = ["add_arguments", "run", "summary_lines"]
 
@@ -105,28 +109,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     return cfg, out
 
 
-def placement_summary(metrics: Path, cfg: Config) -> dict[str, float] | None:
-    """What expert placement did over the last 10% of steps: rank load max/mean before and after the plans
-    (mean over MoE layers), replicas per step, planner time and the step time."""
-    from moebal.train.metrics import read_metrics
-
-    keys = ("rank_imbalance_before", "rank_imbalance_after", "replicas", "plan_ms", "step_time_s")
-    # the expert-parallel trainer's lines only (a run resumed from a pipeline checkpoint also has the pipeline's)
-    rows = [r for r in read_metrics(metrics) if all(k in r for k in keys)] if metrics.is_file() else []
-    if not rows:
-        return None
-    rows = rows[-max(1, len(rows) // 10):]
-
-    def avg(key: str) -> float:
-        vals = [sum(r[key]) / len(r[key]) if isinstance(r[key], list) else r[key] for r in rows]
-        return round(sum(vals) / len(vals), 4)
-
-    return {"policy": cfg.planner.policy, "rank_imbalance_before": avg("rank_imbalance_before"),
-            "rank_imbalance_after": avg("rank_imbalance_after"), "replicas_per_step": avg("replicas"),
-            "plan_ms": avg("plan_ms"), "step_time_s": avg("step_time_s")}
-
-
-def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[str]:
+def summary_lines(r: object, extra: list[str] | None = None) -> list[str]:
+    """The printed summary of a run: the trainer's figures, then the strategy's own lines (`extra`)."""
     from moebal.train import RunResult
     from moebal.train.progress import format_duration
 
@@ -145,11 +129,7 @@ def summary_lines(r: object, placement: dict[str, float] | None = None) -> list[
         per = ", ".join(f"{x:.2f}" for x in r.load_imbalance)
         lines.append(f"  expert load max/mean per MoE layer (last 10% of steps): {per}; "
                      f"dropped assignments {r.dropped}")
-    if placement:
-        p = placement
-        lines.append(f"  expert placement ({p['policy']}): rank load max/mean {p['rank_imbalance_before']:.2f} -> "
-                     f"{p['rank_imbalance_after']:.2f} with {p['replicas_per_step']:.1f} replicas per step; "
-                     f"planner {p['plan_ms']:.2f} ms; step {p['step_time_s']:.3f} s")
+    lines += extra or []
     if r.stopped_early:
         lines.append(f"  stopped early: {r.stopped_early}; `--resume` finishes the run")
     lines.append(f"  run directory: {r.run_dir}")
@@ -212,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) -> int:
-    from moebal.train import Trainer
-
     # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run
     # from its newest complete checkpoint, or starts it over when there is none yet
     auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
@@ -232,52 +210,56 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
     nproc = _local_ranks(cfg) if "RANK" not in os.environ else 1
     if nproc > 1:
         return _spawn(args, cfg, out, nproc)
-    if cfg.parallel.pp > 1:  # the pipeline runner (moebal/pipeline/train.py) owns pipeline runs
-        from moebal.pipeline.train import run_pipeline
+    trainer = _build_trainer(cfg, out, args.resume_from or bool(args.resume) or auto, auto)
+    try:
+        return _train(trainer, cfg, out, args, wall0)
+    finally:
+        trainer.close()
+        if trainer.ctx.distributed:
+            trainer.ctx.dims.close()  # local for gloo: a released rank leaves without waiting for the others
 
-        code = run_pipeline(cfg, out, json_summary=args.json, resume=args.resume_from or bool(args.resume) or auto,
-                            require_checkpoint=not auto)
-        if code == 0 and cfg.hf.export_to and os.environ.get("RANK", "0") == "0":
-            from moebal.train.export import export_final
 
-            export_final(cfg, out)  # rank 0's checkpointer waited for every stage's shard before returning
-        return code
-    resume: bool | str = args.resume_from or bool(args.resume) or auto
-    ctx, model, hooks = None, None, []
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        from moebal.train.distributed import setup_parallel
+def _build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool) -> Trainer:
+    """One trainer for every mode: a pipeline stage (parallel.pp > 1), data x expert parallelism (a torchrun
+    job), or one process. --auto-resume (`auto`) may find no checkpoint and start over."""
+    from moebal.train import Hook, Trainer
 
-        # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
-        ctx, model, hooks = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume))
+    hooks: list[Hook] = []
     if cfg.hf.export_to:
         from moebal.train.export import ExportHook
 
         hooks.append(ExportHook(cfg, out))
-    trainer = Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx,
-                      require_checkpoint=not auto)
-    try:
-        return _train(trainer, cfg, out, args, wall0)
-    finally:
-        if ctx is not None:
-            ctx.dims.close()
+    if cfg.parallel.pp > 1:
+        from moebal.train.pipelined import pipeline_trainer
+
+        return pipeline_trainer(cfg, out, resume=resume, require_checkpoint=not auto, hooks=hooks)
+    ctx, model = None, None
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        from moebal.train.distributed import setup_parallel
+
+        # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
+        ctx, model, parallel = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume))
+        hooks = parallel + hooks
+    return Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx, require_checkpoint=not auto)
 
 
-def _train(trainer: object, cfg: Config, out: Path, args: argparse.Namespace, wall0: float) -> int:
-    from moebal.train import Trainer
-
-    assert isinstance(trainer, Trainer)
+def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, wall0: float) -> int:
     main = trainer.ctx.is_main
     stream = sys.stderr
     if main:
         params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
-        ranks = f", {trainer.ctx.dims.world_size} ranks (ep {trainer.ctx.dims.ep})" if trainer.ctx.distributed else ""
         resumed = f", resumed at step {trainer.step}" if trainer.step else ""
         stream.write(f"moebal train: {cfg.name}, {trainer.data.corpus.train.n_tokens / 1e6:.1f}M training tokens "
-                     f"({trainer.data.corpus.source}), {params:.1f}M parameters{' on rank 0' if ranks else ''}"
-                     f"{ranks}, {cfg.train.steps} steps, {cfg.train.precision}, run directory {out}{resumed}\n")
+                     f"({trainer.data.corpus.source}), {params:.1f}M parameters"
+                     f"{' on rank 0' if trainer.ctx.distributed else ''}, {trainer.strategy.describe()}, "
+                     f"{cfg.train.steps} steps, {cfg.train.precision}, run directory {out}{resumed}\n")
         stream.flush()
     result = trainer.train()
     result.wall_seconds = time.perf_counter() - wall0
+    if result.released_at is not None:
+        stream.write(f"moebal train: rank {trainer.ctx.dims.rank} released at step {result.released_at} "
+                     f"(re-packed onto fewer stages); exiting\n")
+        return 0
     if not main:
         return 0
     summary = {"steps": result.steps, "train_loss": result.train_loss, "val_loss": result.val_loss,
@@ -286,7 +268,8 @@ def _train(trainer: object, cfg: Config, out: Path, args: argparse.Namespace, wa
                "train_seconds": result.train_seconds, "setup_seconds": result.setup_seconds,
                "load_imbalance": result.load_imbalance, "dropped": result.dropped,
                "stopped_early": result.stopped_early, "run_dir": str(result.run_dir),
-               "placement": placement_summary(out / "metrics.jsonl", cfg)}
+               **trainer.strategy.summary(trainer)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(summary) if args.json else "\n".join(summary_lines(result, summary["placement"])))
+    print(json.dumps(summary) if args.json else "\n".join(summary_lines(result,
+                                                                         trainer.strategy.summary_lines(summary))))
     return 0

@@ -2,7 +2,7 @@
 
 Shape legend: B = rows of a micro-batch, T = sequence, D = model dim; M = micro-batches, L = decoder layers.
 
-One iteration on stage p (`PipelineEngine.run`):
+One iteration on stage p (`PipelineEngine.run`; `evaluate` runs only the F ops, for validation):
   1. split the (data-parallel shard of the) batch into M micro-batches along rows (sizes may differ by one);
   2. walk the stage's schedule (GPipe or 1F1B, `schedule.py`):
      F(j): receive h_j and the scheme's per-token carries from stage p - 1     <- blocking receive
@@ -87,7 +87,7 @@ class PipelineEngine:
         self.profiler: LayerProfiler | None = None
         self.record_ops = False
         self.dilate = 1.0
-        """> 1: emulate devices this many times slower than a core (`PipelineOptions.dilate`)."""
+        """> 1: emulate devices this many times slower than a core (`pipeline.dilate`)."""
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
     def _input_needs_grad(self) -> bool:
@@ -132,6 +132,23 @@ class PipelineEngine:
         assert self.wgrad.pending() == 0, "a deferred weight gradient was never run"
         self.chain.flush()
         return result
+
+    @torch.no_grad()
+    def evaluate(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, micro_rows: list[int]) -> float:
+        """Forward only, for validation: F(j) of every micro-batch of this rank's rows in order (receive, the
+        stage's layers through the scheme, send; no backward, hence no schedule to follow). Returns the summed
+        token cross-entropy of the rows on the last stage, 0 elsewhere. No gradient, profile or op record."""
+        ids, labels = torch.split(ids_BT, micro_rows), torch.split(labels_BT, micro_rows)
+        result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
+        profiler, record_ops = self.profiler, self.record_ops
+        self.profiler, self.record_ops = None, False
+        try:
+            for j in range(len(micro_rows)):
+                self._forward(j, ids[j], labels[j], 1, len(micro_rows), result)  # label count 1: sums
+        finally:
+            self.profiler, self.record_ops = profiler, record_ops
+        self.chain.flush()
+        return result.loss_sum
 
     def _receive_input(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, T = ids_BT.shape

@@ -46,7 +46,7 @@ from moebal.config import (
 )
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
-from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
 
@@ -123,10 +123,10 @@ class PlannedPipelineRunner(PipelineRunner):
     """The pipeline runner with planned micro-batches (pipeline.microbatching dynamic, padding or packing): the
     micro-batch planner (`balance/microbatches.py`) makes the plans, this runner executes them."""
 
-    def __init__(self, cfg: Config, opts: PipelineOptions, *, cost: MicroBatchCost | None = None,
-                 kwargs: dict[str, Any] | None = None, workers: int | None = None, **kw: Any) -> None:
-        super().__init__(cfg, opts, **kw)
-        if opts.repack:
+    def __init__(self, cfg: Config, *, cost: MicroBatchCost | None = None, kwargs: dict[str, Any] | None = None,
+                 workers: int | None = None, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        if cfg.pipeline.repack:
             raise ConfigError(REFUSE_PLANNED_REPACK)
         if self.dims.ep > 1:
             raise ConfigError(REFUSE_PLANNED_EP)

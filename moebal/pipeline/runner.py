@@ -1,4 +1,8 @@
-"""The pipeline training loop of one rank; the layer balancer (`balance/layers.py`) observes, plans and applies.
+"""One rank's pipeline step; the layer balancer (`balance/layers.py`) observes, plans and applies.
+
+The trainer (`moebal.train.Trainer`) runs it as its step strategy (`moebal/train/pipelined.py`): validation,
+the time limit, metrics, checkpoints and the summary are the trainer's. `PipelineRunner.train` runs bare
+steps without them (tests and benchmarks that compare the engine with a reference).
 
 Per step (every rank of every pipeline runs the same sequence):
   1. read the global batch (every rank reads the same one; a data-parallel replica keeps its rows) and
@@ -22,9 +26,9 @@ surviving subsequence. Data-parallel replicas take identical decisions from iden
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from moebal.balance.experts import StageExperts, stage_metrics
-from moebal.balance.feedback import FeedbackConfig
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
@@ -45,89 +48,15 @@ from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import UnitMap
 from moebal.planner.partition import imbalance, partition_by_params, partition_uniform
-from moebal.planner.schedule import SCHEDULES
 from moebal.sync import to_host
 from moebal.train.precision import uses_bf16
 
-__all__ = ["BALANCERS", "PipelineOptions", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
+__all__ = ["BALANCERS", "Forced", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
 
 BALANCERS = ("off", "partition", "diffusion")
 
-
-@dataclass(kw_only=True, frozen=True)
-class PipelineOptions:
-    """How the pipeline runs and rebalances (the `pipeline:` part of a run's settings)."""
-
-    schedule: str = "1f1b"
-    """'1f1b', 'gpipe' or 'zb' (zero bubble: 1F1B's memory, weight gradients deferred into the bubbles)."""
-    micro_batches: int = 4
-    """Micro-batches per iteration (capped at the rows of a data-parallel shard)."""
-    rebalance: str = "off"
-    """'off' (static), 'partition' (exact min-max by measured time) or 'diffusion' (adjacent boundary moves)."""
-    initial: str = "uniform"
-    """Starting partition: 'uniform' (equal layer counts, Megatron) or 'params' (parameter counts, DeepSpeed)."""
-    split_layers: bool = False
-    """Partition units: a dense layer the scheme runs plain may split between its attention and FFN halves
-    (`units.py`); False: whole layers."""
-    every: int = 10
-    """Profile one iteration and plan every N steps (when rebalancing or re-packing)."""
-    ema: float = 0.5
-    """Weight of the newest profile in the smoothed costs."""
-    repack: bool = False
-    """Merge stages onto fewer ranks when the model predicts fewer run nearly as fast; freed ranks leave."""
-    repack_slack: float = 0.1
-    """Largest predicted slowdown accepted to release ranks (0.1: at most 10% slower)."""
-    min_stages: int = 2
-    """Never re-pack below this many stages (>= 2: the embedding and the head keep their ranks)."""
-    memory_cap: float | None = None
-    """Bytes a stage may hold (layers' parameters, gradients, optimizer state, in-flight activations)."""
-    bandwidth: float | None = None
-    """Bytes/s for migration cost; None measures it along the chain at start."""
-    latency: float = 1e-4
-    """Seconds per migrated layer beyond its bytes."""
-    min_gain: float = 0.05
-    """Adopt a plan only when it also shortens the predicted iteration by this share (hysteresis: measured
-    costs are noisy, and chasing noise migrates layers back and forth) ..."""
-    confirm: int = 2
-    """... or by a fifth of it when the same plan was proposed at this many consecutive plan points (0: never;
-    `partition.clears_hysteresis`)."""
-    wait: str = "block"
-    """'block' (sleep in receives) or 'spin' (busy-wait: emulate dedicated devices on a shared host)."""
-    dilate: float = 1.0
-    """> 1: emulate dedicated devices this many times slower than a core on a host with fewer cores than ranks:
-    each forward/backward op lasts `dilate` x its CPU time (the rank sleeps out the rest before sending), so
-    with dilate > ranks / cores the ranks never oversubscribe the cores and waiting ranks (block) wake at
-    once. A benchmark device, like `wait: spin`."""
-    force: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    """(step, sizes): adopt this partition after that step whatever the planner says (tests, experiments);
-    fewer sizes than stages re-packs."""
-    force_mid: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    """(step, sizes): migrate between that step's backward and its optimizer step (gradients travel too)."""
-    record_ops: bool = True
-    """Keep one iteration's per-op timeline before and after each adopted plan (for the Gantt chart)."""
-    feedback: FeedbackConfig = field(default_factory=lambda: FeedbackConfig(enabled=True))
-    """The layer balancer's closed loop: an adopted partition that measures slower than the one it replaced
-    is migrated back (`balance/feedback.py`)."""
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
-        if self.rebalance not in BALANCERS:
-            raise ConfigError(f"pipeline.rebalance must be one of {', '.join(BALANCERS)}; got {self.rebalance!r}")
-        if self.initial not in ("uniform", "params"):
-            raise ConfigError(f"pipeline.initial must be 'uniform' or 'params'; got {self.initial!r}")
-        if self.micro_batches < 1 or self.every < 1:
-            raise ConfigError(f"pipeline.micro_batches ({self.micro_batches}) and pipeline.every ({self.every}) "
-                              f"must be at least 1")
-        if not 0 < self.ema <= 1 or self.repack_slack < 0 or self.min_stages < 2 or self.min_gain < 0 \
-                or self.confirm < 0:
-            raise ConfigError("pipeline.ema must be in (0, 1], pipeline.repack_slack, pipeline.min_gain and "
-                              f"pipeline.confirm >= 0, pipeline.min_stages >= 2; got {self.ema}, "
-                              f"{self.repack_slack}, {self.min_gain}, {self.confirm}, {self.min_stages}")
-        if self.wait not in ("block", "spin"):
-            raise ConfigError(f"pipeline.wait must be 'block' or 'spin'; got {self.wait!r}")
-        if not self.dilate >= 1.0:
-            raise ConfigError(f"pipeline.dilate must be >= 1 (1: off); got {self.dilate}")
+Forced = Sequence[tuple[int, Sequence[int]]]
+"""(step, sizes) pairs: partitions adopted at given steps whatever the planner says (tests, experiments)."""
 
 
 @dataclass
@@ -156,19 +85,27 @@ def pipeline_ep(cfg: Config, world_size: int) -> int:
 
 
 class PipelineRunner:
-    """Builds this rank's stage from the model and trains it; `train(steps)` runs the loop."""
+    """Builds this rank's stage from the model; `train_step` trains one step, `evaluate` validates."""
 
-    def __init__(self, cfg: Config, opts: PipelineOptions, *, scheme: Dynamism | None = None, dims: Any = None,
-                 data: Any = None, run_dir: str | Path | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: Config, *, scheme: Dynamism | None = None, dims: Any = None, data: Any = None,
+                 run_dir: str | Path | None = None, device: torch.device | None = None, force: Forced = (),
+                 force_mid: Forced = (), record_ops: bool = True, bandwidth: float | None = None,
+                 latency: float = 1e-4) -> None:
+        """Build this rank's stage of `cfg` (its `pipeline` section says how the pipeline runs and rebalances).
+
+        Experiment and test knobs: `force` adopts (step, sizes) after that step whatever the planner says (fewer
+        sizes than stages re-packs); `force_mid` migrates between that step's backward and its optimizer step
+        (gradients travel too); `record_ops` keeps one iteration's per-op timeline before and after each adopted
+        plan (the Gantt chart); `bandwidth` (bytes/s) costs migrations instead of measuring the chain at start;
+        `latency` is the seconds per migrated layer beyond its bytes."""
         from moebal.distributed.groups import ParallelDims
 
-        self.cfg, self.opts = cfg, opts
+        self.cfg, self.opts = cfg, cfg.pipeline
+        self.force, self.force_mid = tuple(force), tuple(force_mid)
+        self.record_ops, self.latency = record_ops, latency
         self.scheme = scheme or Dynamism()
         self.device = device or torch.device("cpu")
-        # the options may differ from the config's pipeline section (benchmarks build them directly)
-        refuse_cpu_only(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, wait=opts.wait,
-                                                                              dilate=opts.dilate)),
-                        self.device.type)
+        refuse_cpu_only(cfg, self.device.type)
         if dims is None:
             dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
                                 ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init(
@@ -184,7 +121,7 @@ class PipelineRunner:
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
                               f"use at most {self.L} stages")
-        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, opts.wait, groups=dims.pipe_groups())
+        self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, self.opts.wait, groups=dims.pipe_groups())
         self.P0 = self.chain.size
         self.dp_group, self.dp = dims.group("dp"), dims.dp
         # the ranks of one stage ("dp_ep": data-parallel replicas x expert shards) split each batch's rows
@@ -202,7 +139,7 @@ class PipelineRunner:
         self.released_at: int | None = None
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._scheme_resumed = False
-        self.balancer = LayerBalancer(self, opts.feedback)
+        self.balancer = LayerBalancer(self, cfg.pipeline.feedback, bandwidth=bandwidth)
         """Observe, plan, apply and check at the layer granularity (`balance/layers.py`)."""
 
     # ---- construction ----
@@ -266,7 +203,8 @@ class PipelineRunner:
 
     # ---- the loop ----
     def train(self, steps: int) -> RunSummary:
-        """Run steps until `steps` (1-based step count) or until this rank is released."""
+        """Run bare steps until `steps` (1-based step count) or until this rank is released: no validation,
+        metrics file or checkpoint (the trainer's), for tests and benchmarks."""
         self.start()
         try:
             while self.step < steps and not self.released:
@@ -306,6 +244,10 @@ class PipelineRunner:
         """Called on every rank after the balancer moved layers (the partition in `sizes` is the new one)."""
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+        """The next training batch, split as `_rows` splits it."""
+        return self._rows(self.data.train.next_batch())
+
+    def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
         """This rank's rows of the global batch, the batch's label count and this rank's rows per micro-batch.
 
         Micro-batch-major split: the global batch is cut into the M micro-batches first, and the ranks of a stage
@@ -314,7 +256,6 @@ class PipelineRunner:
         from a micro-batch's summed routing statistics) is the same too: a resume under another layout keeps
         the maths. (Splitting the batch by rank first would group rows into micro-batches by layout.)
         """
-        batch = self.data.train.next_batch()
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
         n = self.data_ranks
@@ -358,7 +299,7 @@ class PipelineRunner:
         self.scheme.begin_step(step)
         self.experts.before_step()  # Trans of the placed expert replicas
         self.engine.profiler = self.balancer.profiler() if profiled else None
-        self.engine.record_ops = self.opts.record_ops
+        self.engine.record_ops = self.record_ops
         t_run = time.perf_counter()
         res = self._run_engine(work, count)
         t_run = time.perf_counter() - t_run
@@ -366,7 +307,7 @@ class PipelineRunner:
         self.experts.after_backward()  # Agg of replica gradients; observe routing, plan the next placements
         self.scheme.after_backward(self._ctx())
         events: dict[str, Any] = {}
-        for s, sizes in self.opts.force_mid:
+        for s, sizes in self.force_mid:
             if s == step:
                 events.update(self.balancer.apply(list(sizes), "forced-mid", step, lr=lr))
         self._sync_grads()
@@ -385,6 +326,33 @@ class PipelineRunner:
                               changed, events)
         self.records.append(record)
         return record
+
+    # ---- validation ----
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Any]) -> tuple[float, float]:
+        """Summed token cross-entropy and label count of `batches` (global batches, split as in training),
+        forward only (`PipelineEngine.evaluate`), the same on every rank still training: the last stage's sums
+        are summed over the stage's ranks, then along the chain. The caller keeps the RNG state."""
+        self.stage.eval()
+        total, count = 0.0, 0
+        try:
+            for batch in batches:
+                ids, labels, n, rows = self._rows(batch)
+                total += self.engine.evaluate(ids, labels, rows)
+                count += n
+        finally:
+            self.stage.train()
+        v = torch.tensor([total], dtype=torch.float64)  # host numbers: gloo, like the step's bookkeeping
+        if self.data_ranks > 1:
+            dist.all_reduce(v, group=self.stage_group)
+        return float(self.chain.allreduce_sum(v)[0]), float(count)
+
+    def agree_any(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank still training (every one of them gets the same answer)."""
+        v = torch.tensor([float(flag)], dtype=torch.float64)
+        if self.data_ranks > 1:
+            dist.all_reduce(v, group=self.stage_group)
+        return float(self.chain.allreduce_sum(v)[0]) > 0
 
     def _set_lr(self, lr: float) -> None:
         if self.optimizer is not None:
@@ -516,7 +484,7 @@ class PipelineRunner:
         rec.update({k: v for k, v in events.items() if k != "adopted"})
         return rec
 
-    # ---- checkpoints (moebal/pipeline/train.py writes them; weights and optimizer go by logical name) ----
+    # ---- checkpoints (the trainer writes them, moebal/train/pipelined.py; weights and optimizer by logical name) ----
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train."""
         return self.data.train.state_dict()

@@ -8,8 +8,8 @@ consolidated export of a sharded checkpoint never gathers the model in memory. E
 against the manifest (size, sha256) before it is read. `path` is a checkpoint directory (`ckpt-<step>`) or a
 run directory (its newest checkpoint).
 
-`ExportHook` writes `hf.export_to` at the end of training from the final checkpoint (`export_final`, which a
-pipeline run calls on rank 0 once it has finished).
+`ExportHook` writes `hf.export_to` at the end of training from the final checkpoint (`export_final`), in every
+mode of the trainer.
 """
 
 from __future__ import annotations
@@ -156,11 +156,7 @@ class ExportHook(Hook):
         return "hf_export"
 
     def on_end(self, trainer: Any) -> None:
-        import torch.distributed as dist
-
-        if trainer.ctx.distributed:
-            dist.barrier()  # every rank's final shard is written before rank 0 reads them
+        trainer.barrier()  # every training rank's final shard is written before rank 0 reads them
         if trainer.ctx.is_main:
             self.written = export_final(trainer.cfg, trainer.run_dir)
-        if trainer.ctx.distributed:
-            dist.barrier()
+        trainer.barrier()

@@ -9,7 +9,9 @@ Later capabilities plug in here instead of branching inside the trainer or the m
   its own `plans.jsonl` in `trainer.run_dir`);
 - anything stateful saves itself in the checkpoint through `state_dict` / `load_state_dict`.
 
-A pipeline engine replaces `Trainer.forward_backward` (subclass) rather than hooking into it.
+`on_start`, `before_step`, `after_step`, `on_end` and the state run in every mode of the trainer; `after_backward`
+and `reduce_stats` are called by the local step (moebal/train/local.py), whose gradients and routing statistics
+they act on. A pipeline is a step strategy (moebal/train/strategy.py), not a hook: its stage balances itself.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class Hook:
         return stats
 
     def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
-        """After the optimizer step, with the step's (reduced) routing statistics and its metrics record."""
+        """After the optimizer step, with the step's (reduced) routing statistics (none from a pipeline step)
+        and its metrics record."""
 
     def on_end(self, trainer: Trainer) -> None:
         """After the last step and the final validation."""

@@ -1,7 +1,8 @@
 """`metrics.jsonl` (one JSON object per logged step) and the per-step routing summary.
 
-Routing statistics are taken from every MoE layer at one point per step (the trainer's `_routing_step`),
-reduced across ranks there by a hook when the run is distributed, and turned into plain numbers here.
+Routing statistics are taken from every MoE layer at one point per step (`LocalStep._routing_step`,
+moebal/train/local.py), reduced across ranks there by a hook when the run is distributed, and turned into plain
+numbers here.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from moebal.config import Config
 from moebal.distributed.testing import run_ranks
 
 from .test_microbatching import docs, write_samples
-from .test_pipeline import SCHEMES, tiny
+from .test_pipeline import SCHEMES, pipeline_cfg, runner_knobs, tiny
 from .test_pipeline_ep import SCHEMES as EP_SCHEMES
 from .test_pipeline_ep import moe_cfg
 
@@ -33,13 +33,13 @@ def _feedback_run(steps: int, slower: bool | None, scheme: str = "none", cfg: Co
     `slower=None`: no balancer. `opts`: `pipeline.feedback` settings."""
     from moebal.balance.feedback import FeedbackConfig
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     cfg = cfg or tiny(n_layers=4, pp=2, moe=4 if scheme == "moe" else 0)
     dyn = build_dynamism(scheme, SCHEMES.get(scheme, {}), cfg=cfg)
-    options = PipelineOptions(micro_batches=2, **(PLAN if slower is not None else {}),
-                              feedback=FeedbackConfig(**opts))  # type: ignore[arg-type]
-    runner = PipelineRunner(cfg, options, scheme=dyn)
+    options = {"micro_batches": 2, **(PLAN if slower is not None else {}),
+               "feedback": FeedbackConfig(**{"enabled": True, **opts})}  # type: ignore[arg-type]
+    runner = PipelineRunner(pipeline_cfg(cfg, options), scheme=dyn, **runner_knobs(options))
     bal = runner.balancer
     bal.costs = lambda: np.resize(SKEWED, runner.U)  # type: ignore[method-assign]
     start = list(runner.sizes)
@@ -54,12 +54,11 @@ def _planned_run(steps: int, rebalance: str = "off", moe: int = 0, **opts: objec
     import dataclasses
 
     from moebal.pipeline.planned import PlannedPipelineRunner
-    from moebal.pipeline.train import options_from_config
 
     cfg = docs(moe=moe)
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, rebalance=rebalance, every=2,
                                                                 min_gain=0.0))
-    runner = PlannedPipelineRunner(cfg, dataclasses.replace(options_from_config(cfg), **opts))
+    runner = PlannedPipelineRunner(pipeline_cfg(cfg, opts), **runner_knobs(opts))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes,
             "migrations": [(r["step"], r["migration"]) for r in out.records if "migration" in r]}
@@ -116,9 +115,10 @@ def _four_ranks(rank: int, world: int) -> dict:
 def _repack_run(cfg: Config, scheme: str) -> dict:
     """Rebalancing and planned re-packing (a slack that accepts any pack) under `scheme`."""
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
-    runner = PipelineRunner(cfg, PipelineOptions(micro_batches=2, repack=True, repack_slack=100.0, **PLAN),
+    options = {"micro_batches": 2, "repack": True, "repack_slack": 100.0, **PLAN}
+    runner = PipelineRunner(pipeline_cfg(cfg, options), **runner_knobs(options),
                             scheme=build_dynamism(scheme, SCHEMES.get(scheme, {}), cfg=cfg))
     out = runner.train(4)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "released": out.released,
@@ -243,14 +243,14 @@ def _six_ranks(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     cfg = moe_cfg(n_layers=6)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=3, nproc=6))
     out = {}
     for scheme in SIX_SCHEMES:
         for case, force in (("static", ()), ("repack", ((2, (2, 4)),))):
-            runner = PipelineRunner(cfg, PipelineOptions(micro_batches=2, force=force),
+            runner = PipelineRunner(pipeline_cfg(cfg, {"micro_batches": 2}), force=force,
                                     scheme=build_dynamism(scheme, EP_SCHEMES.get(scheme, {}), cfg=cfg))
             run = runner.train(4)
             out[f"{scheme}_{case}"] = {"losses": [r["loss"] for r in run.records], "released": run.released,

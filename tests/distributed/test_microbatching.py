@@ -47,7 +47,6 @@ def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: in
 def _train(cfg: Config, steps: int) -> dict:
     """The losses of `steps` steps and the first step's gradients (summed over replicas, before clipping)."""
     from moebal.pipeline.planned import PlannedPipelineRunner
-    from moebal.pipeline.train import options_from_config
 
     class Capture(PlannedPipelineRunner):
         grads: dict = {}
@@ -58,7 +57,7 @@ def _train(cfg: Config, steps: int) -> dict:
                 self.grads = {k: p.grad.numpy().copy() for k, p in self.stage.named_parameters()
                               if p.grad is not None}
 
-    runner = Capture(cfg, options_from_config(cfg))
+    runner = Capture(cfg)
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "records": out.records, "grads": runner.grads}
 

@@ -6,6 +6,7 @@ module (a fixture) and runs every short training the tests below check (tiny mod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -79,15 +80,29 @@ SCHEMES = {
 }
 
 
+RUNNER_KNOBS = ("force", "force_mid", "record_ops", "bandwidth", "latency")
+"""`PipelineRunner` keywords (experiments and tests); every other option is a `pipeline.*` config field."""
+
+
+def pipeline_cfg(cfg: Config, opts: dict) -> Config:
+    """`cfg` with the `pipeline.*` fields among `opts`."""
+    fields = {k: v for k, v in opts.items() if k not in RUNNER_KNOBS}
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, **fields))
+
+
+def runner_knobs(opts: dict) -> dict:
+    return {k: v for k, v in opts.items() if k in RUNNER_KNOBS}
+
+
 STRONG_EXIT = {"threshold": 0.9, "first_layer": 1, "start": 1}  # nearly every token leaves after layer 1
 
 
 def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts):
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     dyn = build_dynamism(scheme, SCHEMES.get(scheme, {}) if options is None else options, cfg=cfg)
-    runner = PipelineRunner(cfg, PipelineOptions(**opts), scheme=dyn)
+    runner = PipelineRunner(pipeline_cfg(cfg, opts), scheme=dyn, **runner_knobs(opts))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "released": out.released,
             # numpy, not tensors: torch's queue would share tensor memory with a process that is about to exit

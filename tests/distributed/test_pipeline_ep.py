@@ -16,7 +16,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
-from tests.distributed.test_pipeline import reference_losses
+from tests.distributed.test_pipeline import pipeline_cfg, reference_losses, runner_knobs
 
 
 def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: object) -> Config:
@@ -33,10 +33,10 @@ def moe_cfg(n_layers: int = 4, policy: str = "static", batch: int = 8, **moe: ob
 
 def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **opts: object) -> dict:
     from moebal.dynamism.scheme import build_dynamism
-    from moebal.pipeline.runner import PipelineOptions, PipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
 
     dyn = build_dynamism(scheme, options or {}, cfg=cfg)
-    runner = PipelineRunner(cfg, PipelineOptions(**opts), scheme=dyn)
+    runner = PipelineRunner(pipeline_cfg(cfg, opts), scheme=dyn, **runner_knobs(opts))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "records": out.records,
             "plans": out.plans,

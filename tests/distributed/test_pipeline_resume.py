@@ -4,14 +4,15 @@ A run is interrupted after its step-3 checkpoint (a copy of the uninterrupted ru
 later checkpoint) and resumed; its losses must equal the uninterrupted run's: bitwise under the same layout,
 and under another number of stages too (a pipeline's losses do not depend on its partition or stage count:
 every sum goes layer by layer in model order); with data-parallel replicas, which split each micro-batch's
-rows, within the resharding tests' 1e-5 relative. Several pipelines run in one spawned job (`run_pipeline(dims=...)`),
-4 ranks then 2, on a tiny dense 4-layer model, 6 steps each.
+rows, within the resharding tests' 1e-5 relative. Several pipelines run in one spawned job
+(`pipeline_trainer(dims=...)`), 4 ranks then 2, on a tiny dense 4-layer model, 6 steps each.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -45,27 +46,31 @@ def cfg_for(pp: int, nproc: int, scheme: str = "none", moe: int = 0, **pipeline)
 
 def _run(rank: int, cfg: Config, out: Path, resume: bool = False, force: tuple = ()) -> list[dict] | None:
     """One pipeline run of the spawned job; rank 0 returns its metrics lines. `force`: partitions adopted after
-    the given steps (`PipelineOptions.force`, which the config does not expose)."""
-    import dataclasses
-
+    the given steps (the runner's `force` keyword, which the config does not expose)."""
     import torch.distributed as dist
 
     from moebal.distributed.groups import ParallelDims
-    from moebal.pipeline import train
     from moebal.pipeline.runner import pipeline_ep
+    from moebal.train.pipelined import pipeline_trainer
 
     world = dist.get_world_size()
     dims = ParallelDims(world_size=world, rank=rank, pp=cfg.parallel.pp, ep=pipeline_ep(cfg, world)).init()
-    options = train.options_from_config
-    train.options_from_config = lambda c: dataclasses.replace(options(c), force=force)
+    trainer = pipeline_trainer(cfg, out, resume=resume, dims=dims, force=force)
     try:
-        assert train.run_pipeline(cfg, out, resume=resume, dims=dims) == 0
+        trainer.train()
     finally:
-        train.options_from_config = options
+        trainer.close()
     dist.barrier()  # released ranks wait here for the survivors
     if rank != 0:
         return None
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _resume(rank: int, runs: dict, key: str, cfg: Config, out: Path, force: tuple = ()) -> None:
+    """`runs[key]`: the metrics lines of `out` resumed; `runs[key + "_started"]`: when the resume started."""
+    started = time.time()
+    runs[key] = _run(rank, cfg, out, resume=True, force=force)
+    runs[f"{key}_started"] = started
 
 
 def _interrupted(rank: int, whole: Path, to: Path) -> Path:
@@ -84,44 +89,41 @@ def _four(rank: int, world: int, tmp: str) -> dict:
     for scheme in ("freezing", "pruning"):
         whole = base / scheme / "whole"
         out[f"{scheme}_whole"] = _run(rank, cfg_for(4, 4, scheme), whole)
-        out[f"{scheme}_same"] = _run(rank, cfg_for(4, 4, scheme), _interrupted(rank, whole, base / scheme / "same"),
-                                     resume=True)
+        _resume(rank, out, f"{scheme}_same", cfg_for(4, 4, scheme), _interrupted(rank, whole, base / scheme / "same"))
         if scheme == "pruning":  # 2 stages x 2 data-parallel replicas
-            out[f"{scheme}_2x2"] = _run(rank, cfg_for(2, 4, scheme), _interrupted(rank, whole, base / scheme / "2x2"),
-                                        resume=True)
+            _resume(rank, out, f"{scheme}_2x2", cfg_for(2, 4, scheme),
+                    _interrupted(rank, whole, base / scheme / "2x2"))
     # expert-parallel: 2 stages x 2 expert shards; the snapshots of expert rows go by logical expert
     out["freezing_ep_whole"] = _run(rank, cfg_for(2, 4, "freezing", moe=4), base / "freezing_ep" / "whole")
     repack = {"repack": True, "repack_slack": 100.0, "every": 2}  # re-packs onto 2 of the 4 ranks at step 2
     whole = base / "repack" / "whole"
     out["repack_whole"] = _run(rank, cfg_for(4, 4, **repack), whole)
-    out["repack_same"] = _run(rank, cfg_for(4, 4, **repack), _interrupted(rank, whole, base / "repack" / "same"),
-                              resume=True)
+    _resume(rank, out, "repack_same", cfg_for(4, 4, **repack), _interrupted(rank, whole, base / "repack" / "same"))
     return out
 
 
 def _two(rank: int, world: int, tmp: str) -> dict:
     base, out = Path(tmp), {}
     # onto the 2 ranks still training when the checkpoint was written / a 4-stage checkpoint onto 2 stages
-    out["repack_two"] = _run(rank, cfg_for(2, 2), _interrupted(rank, base / "repack" / "whole",
-                                                                base / "repack" / "two"), resume=True)
+    _resume(rank, out, "repack_two", cfg_for(2, 2), _interrupted(rank, base / "repack" / "whole",
+                                                                base / "repack" / "two"))
     for scheme in ("freezing", "pruning"):
-        out[f"{scheme}_two"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, base / scheme / "whole",
-                                                                              base / scheme / "two"), resume=True)
+        _resume(rank, out, f"{scheme}_two", cfg_for(2, 2, scheme), _interrupted(rank, base / scheme / "whole",
+                                                                                base / scheme / "two"))
     # ... resumed without expert parallelism (each stage holds all 4 experts)
-    out["freezing_ep_two"] = _run(rank, cfg_for(2, 2, "freezing", moe=4), _interrupted(
-        rank, base / "freezing_ep" / "whole", base / "freezing_ep" / "two"), resume=True)
+    _resume(rank, out, "freezing_ep_two", cfg_for(2, 2, "freezing", moe=4), _interrupted(
+        rank, base / "freezing_ep" / "whole", base / "freezing_ep" / "two"))
     for scheme in ("early_exit", "mod", "moe"):
         whole = base / scheme / "whole"
         out[f"{scheme}_whole"] = _run(rank, cfg_for(2, 2, scheme), whole)
-        out[f"{scheme}_same"] = _run(rank, cfg_for(2, 2, scheme), _interrupted(rank, whole, base / scheme / "same"),
-                                     resume=True)
+        _resume(rank, out, f"{scheme}_same", cfg_for(2, 2, scheme), _interrupted(rank, whole, base / scheme / "same"))
     # split partition units: layer 1's halves on different stages from step 2 (a forced partition: the tiny
     # model's planner keeps its stages), so the step-3 checkpoint holds half-held layers
     whole = base / "split" / "whole"
     cut = ((2, (3, 5)),)  # 0a 0f 1a | 1f 2a 2f 3a 3f
     out["split_whole"] = _run(rank, cfg_for(2, 2, split_layers=True), whole, force=cut)
-    out["split_same"] = _run(rank, cfg_for(2, 2, split_layers=True), _interrupted(rank, whole, base / "split" / "same"),
-                             resume=True, force=cut)
+    _resume(rank, out, "split_same", cfg_for(2, 2, split_layers=True),
+            _interrupted(rank, whole, base / "split" / "same"), force=cut)
     return out
 
 
@@ -131,6 +133,19 @@ def runs(tmp_path_factory) -> dict:
     four = run_ranks(_four, 4, tmp, timeout_s=300)[0]
     two = run_ranks(_two, 2, tmp, timeout_s=300)[0]
     return {**four, **two, "tmp": tmp}
+
+
+def test_every_resumed_run_trained_its_own_steps(runs):
+    """The resumed directories start as copies of the uninterrupted run's (its metrics.jsonl included): the
+    lines after the step-3 checkpoint must be the resumed run's own, written after it started, and the
+    checkpoint's earlier lines kept."""
+    resumed = [k.removesuffix("_started") for k in runs if k.endswith("_started")]
+    assert len(resumed) == 12, resumed
+    for key in resumed:
+        lines, started = runs[key], runs[f"{key}_started"]
+        assert [r["step"] for r in lines] == list(range(1, 7)), key
+        assert all(r["time"] < started for r in lines[:3]), key
+        assert all(r["time"] >= started for r in lines[3:]), key
 
 
 def _losses(lines: list[dict]) -> list[float]:

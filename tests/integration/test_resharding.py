@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,12 @@ def _run(out: Path, *extra: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def _lines(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
 def _losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {s: r["loss"] for s, r in _lines(out).items()}
 
 
 def _legs(tmp: Path, first: list[str], legs: list[tuple[list[str], bool]], *common: str) -> None:
@@ -48,9 +53,15 @@ def _legs(tmp: Path, first: list[str], legs: list[tuple[list[str], bool]], *comm
         step = 2 * leg  # resume from here: the previous leg wrote this checkpoint under its own layout
         for later in (p for p in run.glob("ckpt-*") if int(p.name[5:]) > step):
             shutil.rmtree(later)
+        started = time.time()
         _run(run, "--resume", *layout)
         got = _losses(run)
         assert sorted(got) == list(range(1, STEPS + 1))
+        # the leg trained its own steps: the lines after its checkpoint are its own (the run directory started as
+        # a copy of the whole run's, metrics.jsonl included), the earlier ones were kept
+        when = {s: r["time"] for s, r in _lines(run).items()}
+        assert all(when[s] < started for s in range(1, step + 1)), (layout, when, started)
+        assert all(when[s] >= started for s in range(step + 1, STEPS + 1)), (layout, when, started)
         for s in range(step + 1, step + 3 if leg < len(legs) else STEPS + 1):
             if bitwise:
                 assert got[s] == want[s], (layout, s, got[s], want[s])

@@ -12,7 +12,7 @@ from moebal.errors import ConfigError
 from moebal.models import build_model
 from moebal.models.subset import subset_block
 from moebal.pipeline.observe import CostTracker, LayerProfiler
-from moebal.pipeline.runner import PipelineOptions, expand_repack
+from moebal.pipeline.runner import expand_repack
 from moebal.pipeline.stage import PipelineStage, build_layer_skeleton
 from moebal.planner.partition import (
     StagePartition,
@@ -253,17 +253,16 @@ def test_stage_partition_round_trip_and_validation():
         StagePartition(sizes=(3,), ranks=(0, 1))
 
 
-def test_pipeline_options_errors():
-    with pytest.raises(ConfigError, match="schedule"):
-        PipelineOptions(schedule="interleaved")
-    with pytest.raises(ConfigError, match="rebalance"):
-        PipelineOptions(rebalance="greedy")
-    with pytest.raises(ConfigError, match="min_stages"):
-        PipelineOptions(min_stages=1)
-    with pytest.raises(ConfigError, match="wait"):
-        PipelineOptions(wait="poll")
-    with pytest.raises(ConfigError, match="dilate"):
-        PipelineOptions(dilate=0.5)
+def test_pipeline_config_errors():
+    import dataclasses
+
+    from moebal.config import Config
+
+    base = Config()
+    for key, bad in (("schedule", "interleaved"), ("rebalance", "greedy"), ("min_stages", 1), ("wait", "poll"),
+                     ("dilate", 0.5)):
+        with pytest.raises(ConfigError, match=key):
+            dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, **{key: bad}))
 
 
 def test_dilated_ops_last_a_multiple_of_their_cpu_time():

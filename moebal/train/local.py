@@ -1,0 +1,225 @@
+"""The local step: the whole model on this rank, alone or as one of a data x expert-parallel job.
+
+Per step: read the global batch and keep this rank's rows (`RunContext.shard`), set the learning rate,
+forward + backward, hooks' `after_backward` (gradient synchronisation, Pro-Prophet's Agg), clip by the global
+norm, AdamW step, then the step's one routing-statistics point (`_routing_step`: take every MoE layer's
+accumulated stats, let hooks reduce them, apply the auxiliary-loss-free bias update, read them to numbers).
+The trainer calls the hooks' `before_step` and `after_step` (observe -> plan -> apply) around it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moebal.config import Config
+from moebal.data import Batch, DataBundle
+from moebal.data.curriculum import row_complexity
+from moebal.routing import RoutingStats
+from moebal.sync import to_host
+from moebal.train.distributed import RunContext
+from moebal.train.kernels import settle_expert_kernel
+from moebal.train.metrics import read_metrics, read_routing, routing_record
+from moebal.train.optim import build_optimizer, lr_at
+from moebal.train.precision import uses_bf16
+from moebal.train.strategy import StepOutput
+
+if TYPE_CHECKING:
+    from moebal.models.moe import MoELayer
+    from moebal.train.checkpoint import CheckpointReader
+    from moebal.train.trainer import Trainer
+
+__all__ = ["LocalStep", "placement_summary"]
+
+
+class LocalStep:
+    """`StepStrategy` of the whole model on this rank (moebal/train/strategy.py)."""
+
+    released = False
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, data: DataBundle, ctx: RunContext,
+                 device: torch.device) -> None:
+        ctx.check_batch(cfg.data.batch_size)
+        self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
+        self.model = model.to(device)
+        self._optimizer = build_optimizer(self.model, cfg.train)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def describe(self) -> str:
+        d = self.ctx.dims
+        return f"{d.world_size} ranks (ep {d.ep})" if self.ctx.distributed else "one process"
+
+    def start(self, trainer: Trainer) -> None:
+        """Nothing to measure: the hooks' `on_start` does the expert-parallel calibration."""
+
+    # ---- one step ----
+    def autocast(self) -> AbstractContextManager[Any]:
+        if uses_bf16(self.cfg, self.device):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def moe_layers(self) -> list[MoELayer]:
+        get = getattr(self.model, "moe_layers", None)
+        return list(get()) if get is not None else []
+
+    def forward_backward(self, batch: Batch, loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss and auxiliary loss of one batch, gradients accumulated. `loss_scale` weights this rank's
+        mean-per-token loss by its share of the global batch's tokens."""
+        with self.autocast():
+            out = self.model(batch.ids_BT, batch.labels_BT)
+        (out.loss * loss_scale + out.aux_loss).backward()
+        return out.loss.detach(), out.aux_loss.detach()
+
+    def _routing_step(self, trainer: Trainer) -> list[RoutingStats]:
+        """The step's one point for routing statistics: take, reduce (hooks), bias update."""
+        layers = self.moe_layers()
+        stats = [layer.take_stats() for layer in layers]
+        for hook in trainer.hooks:
+            stats = hook.reduce_stats(trainer, stats)
+        for layer, s in zip(layers, stats):
+            if getattr(layer, "expert_bias", None) is not None:
+                layer.update_bias(s.routed_E)
+        return stats
+
+    def _record_complexity(self, global_batch: Batch, batch: Batch) -> None:
+        """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
+        table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py)."""
+        sampler = self.data.train
+        curriculum = getattr(sampler, "curriculum", None)
+        if curriculum is None:
+            return
+        local = row_complexity(self.moe_layers(), batch.labels_BT)
+        C_BL = self.ctx.global_rows(local, global_batch.ids_BT.shape[0])
+        tokens = (global_batch.labels_BT != -100).sum(dim=1).tolist()
+        curriculum.record(getattr(sampler, "last_ids"), C_BL, tokens, at=getattr(sampler, "position"))  # noqa: B009
+
+    def train_step(self, trainer: Trainer, step: int) -> StepOutput:
+        global_batch = self.data.train.next_batch()
+        batch, scale = self.ctx.shard(global_batch)
+        batch = batch.to(self.device)
+        lr = lr_at(step - 1, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss, aux = self.forward_backward(batch, scale)
+        self._record_complexity(global_batch, batch)
+        for hook in trainer.hooks:
+            hook.after_backward(trainer, step)
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        grad_norm = self.ctx.clip_grad_norm(self.model, clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self._routing_step(trainer)
+        loss_v, aux_v, norm_v = to_host(torch.stack([t.detach().to(loss.device, torch.float64)
+                                                     for t in (loss, aux, grad_norm)]), "step losses")
+        record: dict[str, Any] = {"step": step, "loss": self.ctx.mean(loss_v * scale),
+                                  "aux_loss": self.ctx.mean(aux_v), "lr": lr, "grad_norm": norm_v}
+        record.update(routing_record(read_routing(stats)))
+        return StepOutput(record, global_batch.n_tokens, stats)
+
+    # ---- validation and agreement ----
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> tuple[float, float]:
+        self.model.eval()
+        total, n = 0.0, 0
+        try:
+            for batch in self.data.val:
+                b = self.ctx.shard(batch)[0].to(self.device)
+                with self.autocast():
+                    out = self.model(b.ids_BT, b.labels_BT)
+                total += out.loss.item() * b.n_tokens
+                n += b.n_tokens
+        finally:
+            self.model.train()
+        total, count = self.ctx.sum([total, float(n)])
+        return total, count
+
+    def agree_any(self, flag: bool) -> bool:
+        return self.ctx.sum([float(flag)])[0] > 0
+
+    def barrier(self) -> None:
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ---- checkpoints ----
+    def layout(self) -> dict[str, Any]:
+        return dict(self.ctx.layout())
+
+    def writing_ranks(self) -> list[int]:
+        return list(range(self.ctx.dims.world_size))
+
+    def data_state(self) -> dict[str, Any]:
+        return self.data.train.state_dict()
+
+    def rank_state(self) -> dict[str, Any]:
+        return {}
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def saved_rank(self, state: dict[str, Any]) -> str:
+        """This rank's own state under the same layout, rank 0's otherwise (random draws per rank cannot be
+        mapped between layouts)."""
+        return str(self.ctx.dims.rank) if state.get("layout") == self.layout() else "0"
+
+    def read_state(self, reader: CheckpointReader) -> None:
+        """Nothing beyond weights, data, RNG and hooks."""
+
+    def apply_state(self, reader: CheckpointReader) -> None:
+        """Nothing beyond weights, data, RNG and hooks."""
+
+    def settle_kernels(self, trainer: Trainer, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+        return settle_expert_kernel(self.model, self.cfg, self.device,
+                                    self.ctx.gather if self.ctx.distributed else None, recorded)
+
+    # ---- the end ----
+    def new_plans(self) -> list[dict[str, Any]]:
+        return []  # the expert-parallel hook writes plans.jsonl itself
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        return {"placement": placement_summary(trainer.run_dir / "metrics.jsonl", self.cfg)}
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        p = summary.get("placement")
+        if not p:
+            return []
+        return [f"  expert placement ({p['policy']}): rank load max/mean {p['rank_imbalance_before']:.2f} -> "
+                f"{p['rank_imbalance_after']:.2f} with {p['replicas_per_step']:.1f} replicas per step; "
+                f"planner {p['plan_ms']:.2f} ms; step {p['step_time_s']:.3f} s"]
+
+    def finish(self, trainer: Trainer) -> None:
+        """No plot beyond the trainer's dashboard."""
+
+    def close(self) -> None:
+        """The process groups belong to whoever built the run context."""
+
+
+def placement_summary(metrics: Path, cfg: Config) -> dict[str, float | str] | None:
+    """What expert placement did over the last 10% of steps: rank load max/mean before and after the plans
+    (mean over MoE layers), replicas per step, planner time and the step time."""
+    keys = ("rank_imbalance_before", "rank_imbalance_after", "replicas", "plan_ms", "step_time_s")
+    # the expert-parallel trainer's lines only (a run resumed from a pipeline checkpoint also has the pipeline's)
+    rows = [r for r in read_metrics(metrics) if all(k in r for k in keys)] if metrics.is_file() else []
+    if not rows:
+        return None
+    rows = rows[-max(1, len(rows) // 10):]
+
+    def avg(key: str) -> float:
+        vals = [sum(r[key]) / len(r[key]) if isinstance(r[key], list) else r[key] for r in rows]
+        return round(float(sum(vals)) / len(vals), 4)
+
+    return {"policy": cfg.planner.policy, "rank_imbalance_before": avg("rank_imbalance_before"),
+            "rank_imbalance_after": avg("rank_imbalance_after"), "replicas_per_step": avg("replicas"),
+            "plan_ms": avg("plan_ms"), "step_time_s": avg("step_time_s")}

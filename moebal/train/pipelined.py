@@ -1,0 +1,274 @@
+"""The pipeline step: this rank's stage of a `--pp P` run, trained by the pipeline runner.
+
+`PipelineStep` wraps `PipelineRunner` (fixed micro-batches) or `PlannedPipelineRunner` (planned
+micro-batching) as the trainer's step strategy (moebal/train/strategy.py); the trainer does the rest, as for
+every mode. The runner's metrics line per step: loss, step time, tokens/s, layers per stage, per-stage busy
+time, bubble ratio, measured and predicted imbalance, migrations, bytes moved, released ranks, the scheme's
+state; `plans.jsonl` gets every stage plan, adopted or not; `pipeline.png` is a Gantt chart of one iteration
+before the first adopted plan and after the latest.
+
+Checkpoints are the trainer's (`moebal/train/checkpoint.py`): every rank writes the logical tensors of the
+layers it holds (the first rank of each stage's data x expert group the dense ones, the first of each
+data-parallel group its expert shards), so a pipeline checkpoint resumes under any number of stages, or
+none, and a single-stage checkpoint resumes as a pipeline. Per rank it also keeps the runner's state (the
+partition, smoothed costs, link figures, expert planners, the dynamism scheme's job-wide state) and RNG; the
+scheme's per-layer tensors (pruning masks and kernel choices, freezing snapshots) are extra tensors keyed by
+global layer index (`PipelineRunner.scheme_tensors`), so they resume under any partition. Under the same
+layout the resumed run migrates to the saved partition and continues exactly, under another it starts from
+its initial partition. After a re-pack only the ranks still training write, and the layout records the
+active stages and ranks: resumed on the launch layout the job re-packs again at once (the released ranks
+leave), resumed on as many ranks as were still training it continues on the saved partition.
+
+Validation runs the stages forward only (`PipelineRunner.evaluate`); a rank a re-pack released leaves the
+trainer's loop after the step that released it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from moebal.config import Config
+from moebal.data import DataBundle
+from moebal.dynamism.scheme import Dynamism, build_dynamism
+from moebal.errors import CheckpointError
+from moebal.pipeline.runner import PipelineRunner
+from moebal.train.strategy import StepOutput
+
+if TYPE_CHECKING:
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.checkpoint import CheckpointReader
+    from moebal.train.hooks import Hook
+    from moebal.train.trainer import Trainer
+
+__all__ = ["PipelineStep", "build_runner", "pipeline_trainer", "scheme_from_config"]
+
+
+def scheme_from_config(cfg: Config) -> Dynamism:
+    """The run's dynamism scheme (`dynamism.scheme` with its settings)."""
+    name = cfg.dynamism.scheme
+    options = {} if name == "none" else dataclasses.asdict(getattr(cfg.dynamism, name))
+    return build_dynamism(name, options, cfg=cfg)
+
+
+def build_runner(cfg: Config, dims: ParallelDims, data: DataBundle, **knobs: Any) -> PipelineRunner:
+    """This rank's pipeline runner for `cfg`: planned micro-batches unless `pipeline.microbatching` is fixed.
+    `knobs`: the runner's experiment keywords (`force`, `force_mid`, `record_ops`, `bandwidth`, `latency`)."""
+    runner_cls: type[PipelineRunner] = PipelineRunner
+    if cfg.pipeline.microbatching != "fixed":
+        from moebal.pipeline.planned import PlannedPipelineRunner
+
+        runner_cls = PlannedPipelineRunner
+    return runner_cls(cfg, scheme=scheme_from_config(cfg), dims=dims, data=data, device=dims.device, **knobs)
+
+
+def pipeline_trainer(cfg: Config, run_dir: str | Path, *, resume: bool | str | Path = False,
+                     require_checkpoint: bool = True, hooks: list[Hook] | None = None, dims: ParallelDims | None = None,
+                     **knobs: Any) -> Trainer:
+    """The trainer of this rank's pipeline stage (torchrun environment). `dims`: the process groups of a job
+    already set up (tests run several pipelines in one job), else the job's, joined here; `Trainer.close`
+    releases the runner, the caller the process groups (`trainer.ctx.dims.close()`)."""
+    from moebal.data import build_data
+    from moebal.distributed.groups import ParallelDims, env_world
+    from moebal.pipeline.runner import pipeline_ep
+    from moebal.train.distributed import RunContext
+    from moebal.train.trainer import Trainer, set_threads
+
+    set_threads(cfg)
+    if dims is None:
+        _, world, _ = env_world()
+        dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init(
+            60.0 * cfg.parallel.timeout_min)
+    data = build_data(cfg)
+    runner = build_runner(cfg, dims, data, **knobs)
+    try:
+        return Trainer(cfg, run_dir, hooks=hooks, resume=resume, device=dims.device, data=data, ctx=RunContext(dims),
+                       require_checkpoint=require_checkpoint, strategy=PipelineStep(runner))
+    except BaseException:
+        runner.close()
+        raise
+
+
+class PipelineStep:
+    """`StepStrategy` of this rank's pipeline stage (module docstring)."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+        d = runner.dims
+        self._layout = {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
+        self._plans_written = 0
+        self._scheme_layers: dict[int, dict[str, torch.Tensor]] = {}
+        self._saved_sizes: list[int] | None = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.runner.stage
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.runner.optimizer
+
+    @property
+    def released(self) -> bool:
+        return self.runner.released
+
+    def describe(self) -> str:
+        cfg, d = self.runner.cfg, self.runner.dims
+        p = cfg.pipeline
+        micro = (f"{p.schedule} with {p.micro_batches} micro-batches" if p.microbatching == "fixed" else
+                 f"{p.microbatching} micro-batching ({p.dynamic.schedules})")
+        return (f"{d.pp}-stage pipeline x {d.dp} data-parallel x {d.ep} expert-parallel, {micro}, rebalance "
+                f"{p.rebalance}, dynamism {cfg.dynamism.scheme}")
+
+    def start(self, trainer: Trainer) -> None:
+        self.runner.start()  # link measurements when planning needs them (collective along the chain)
+
+    def train_step(self, trainer: Trainer, step: int) -> StepOutput:
+        assert step == self.runner.step + 1, "the trainer and the pipeline runner count steps alike"
+        record = self.runner.train_step()
+        return StepOutput(record, int(record["tokens"]))
+
+    # ---- validation and agreement ----
+    def evaluate(self, trainer: Trainer) -> tuple[float, float]:
+        return self.runner.evaluate(trainer.data.val)
+
+    def agree_any(self, flag: bool) -> bool:
+        return self.runner.agree_any(flag)
+
+    def barrier(self) -> None:
+        self.runner.agree_any(False)  # a collective over every rank still training
+
+    # ---- checkpoints ----
+    def alive(self) -> list[int]:
+        """Ranks still training: after a re-pack, the pipeline positions kept (the same in every replica)."""
+        d, chain = self.runner.dims, self.runner.chain
+        kept = {d.ranks_of("pp").index(r) for r in chain.ranks}
+        return [r for r in range(d.world_size) if r // (d.ep * d.dp) in kept]
+
+    def layout(self) -> dict[str, Any]:
+        """The layout the job was launched with, and the one training now (after a re-pack: fewer stages, the
+        ranks still in; the checkpoint's writers)."""
+        alive = self.alive()
+        return {**self._layout, "active": {"pp": self.runner.chain.size, "world_size": len(alive), "ranks": alive}}
+
+    def writing_ranks(self) -> list[int]:
+        return self.alive()
+
+    def data_state(self) -> dict[str, Any]:
+        return self.runner.data_state()
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"pipeline": self.runner.state_dict()}
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        d = self.runner.dims
+        return self.runner.scheme_tensors(d.index("dp_ep") == 0, d.index("dp") == 0)
+
+    def saved_rank(self, state: dict[str, Any]) -> str:
+        """The saved rank whose per-rank state (RNG) this rank continues: itself under the launch layout it
+        was saved with; under the layout that was training when it was saved (a re-packed job resumed on its
+        surviving ranks) the saved rank in the same place; else rank 0 (another layout)."""
+        saved, me = state.get("layout") or {}, self.runner.dims.rank
+        launched = {k: saved.get(k) for k in self._layout}
+        if launched == self._layout:
+            return str(me) if str(me) in state["ranks"] else "0"  # released since: no state of its own
+        active = saved.get("active")
+        if active and active["pp"] == self._layout["pp"] and active["world_size"] == self._layout["world_size"] \
+                and saved.get("dp") == self._layout["dp"] and saved.get("ep") == self._layout["ep"]:
+            return str(active["ranks"][me])
+        return "0"
+
+    def read_state(self, reader: CheckpointReader) -> None:
+        """The runner's state of every saved rank, and the scheme's per-layer tensors of the layers held here,
+        read and checked on every rank (one rank's error is every rank's) before anything is applied."""
+        r, s = self.runner, reader.state
+        saved = s.get("layout") or {}
+        same_stages = saved.get("dp") == self._layout["dp"] and saved.get("ep") == self._layout["ep"]
+        self._saved_sizes = r.load_state_dict({k: v["pipeline"] for k, v in s["ranks"].items() if "pipeline" in v},
+                                              same_stages)
+        error = None
+        try:
+            self._scheme_layers = r.read_scheme_tensors(reader)
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in _gather(error) if e]
+        if errors:
+            raise CheckpointError(errors[0])
+
+    def apply_state(self, reader: CheckpointReader) -> None:
+        """The step, the scheme's tensors, then the saved partition (a re-packed partition over this launch
+        layout releases ranks again)."""
+        r = self.runner
+        r.step = reader.step
+        r.load_scheme_tensors(self._scheme_layers)
+        self._scheme_layers = {}
+        if self._saved_sizes is not None and self._saved_sizes != r.sizes:
+            r.resume_partition(self._saved_sizes)
+
+    def settle_kernels(self, trainer: Trainer, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None  # stages run the configured expert kernel
+
+    # ---- the end ----
+    def new_plans(self) -> list[dict[str, Any]]:
+        plans = self.runner.plans[self._plans_written:]
+        self._plans_written = len(self.runner.plans)
+        return plans
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        """The pipeline's fields of `summary.json`: partition, migrations, released ranks, the last bubble
+        ratio, and with planned micro-batching its padding efficiency, micro-batch counts and schedules."""
+        r, cfg = self.runner, trainer.cfg
+        recs = r.records
+        moves = [x for x in recs if x.get("migration")]
+        out: dict[str, Any] = {
+            "final_sizes": r.sizes, "stages": len(r.sizes), "migrations": len(moves),
+            "layers_moved": sum(x["layers_moved"] for x in moves), "bytes_moved": sum(x["bytes_moved"] for x in moves),
+            "released_ranks": sorted({x for rec in recs for x in rec.get("released_ranks", [])}),
+            "bubble_ratio_last": recs[-1]["bubble_ratio"] if recs else None}
+        if recs and "padding_efficiency" in recs[0]:
+            steady = recs[cfg.pipeline.dynamic.lookahead:] or recs  # the first plans also wait for the workers
+            out.update({
+                "microbatching": cfg.pipeline.microbatching,
+                "padding_efficiency": sum(x["tokens"] for x in recs) / max(sum(x["computed_tokens"] for x in recs), 1),
+                "micro_batches_mean": sum(x["micro_batches"] for x in recs) / len(recs),
+                "schedules": {k: sum(x["schedule"] == k for x in recs) for k in sorted({x["schedule"] for x in recs})},
+                "planning_exposed_s": sum(x["plan_wait_s"] for x in steady),
+                "planning_exposed_share": sum(x["plan_wait_s"] for x in steady) / max(
+                    sum(x["step_time_s"] for x in steady), 1e-9)})
+        return out
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        s = summary
+        lines = [f"  pipeline: stages {s['final_sizes']}, {s['layers_moved']} layer moves "
+                 f"({s['bytes_moved'] / 1e6:.1f} MB), released ranks {s['released_ranks'] or 'none'}"]
+        if "padding_efficiency" in s:
+            lines.append(f"  {s['microbatching']} micro-batching: padding efficiency {s['padding_efficiency']:.3f}, "
+                         f"{s['micro_batches_mean']:.1f} micro-batches per step, schedules {s['schedules']}, "
+                         f"planning exposed {100 * s['planning_exposed_share']:.1f} % of step time after warm-up")
+        return lines
+
+    def finish(self, trainer: Trainer) -> None:
+        """The Gantt chart of one iteration before the first adopted plan and after the latest."""
+        from moebal.pipeline.gantt import write_gantt
+
+        gantt = self.runner.gantt
+        if gantt:
+            write_gantt(gantt.get("before", []), gantt.get("after", []), trainer.run_dir / "pipeline.png",
+                        title=trainer.cfg.dynamism.scheme)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (start-up and resume only: every rank is still in the job)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
