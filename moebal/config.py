@@ -685,7 +685,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                 f"keep one", key_node.start_mark)
             if isinstance(key, typing.Hashable):
                 seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)  # PyYAML has no stubs: Any
+        return mapping
 
 
 def _read_yaml(p: Path) -> dict[str, Any]:
@@ -1142,7 +1143,7 @@ def to_dict(c: Any) -> dict[str, Any]:
 
 def dump(c: Config, path: str | Path | None = None) -> str:
     """YAML text of a config; written to `path` when given."""
-    text = yaml.safe_dump(to_dict(c), sort_keys=False, default_flow_style=False)
+    text: str = yaml.safe_dump(to_dict(c), sort_keys=False, default_flow_style=False)
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text

@@ -50,9 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moebal.balance.feedback import PlanFeedback
-from moebal.config import Config
+from moebal.config import Config, SchedulerConfig
 from moebal.distributed.expert_parallel import ExpertParallel, StatsReducer
 from moebal.distributed.groups import ParallelDims
+from moebal.dynamism.scheme import as_decoder
 from moebal.planner.comm_plan import CommCosts, a2a_chunks
 from moebal.planner.perf import MoELayerCosts, placement_loads
 from moebal.planner.placement import ExpertPlanner, placement_metrics
@@ -64,6 +65,7 @@ from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog
 
 if TYPE_CHECKING:
+    from moebal.pipeline.stage import PipelineStage
     from moebal.train.distributed import RunContext
     from moebal.train.trainer import Trainer
 
@@ -269,7 +271,9 @@ class ExpertParallelHook(Hook):
         if self.comm_costs is not None:
             R = self._uniform.shape[0]  # one exchange under balanced routing: the rows that leave the rank
             a2a_s = self._uniform.sum(axis=1).max() * (R - 1) / R * self.token_bytes / self.comm_costs.a2a_bandwidth
-            self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, self.ep.grads.reduced_bytes, a2a_s))
+            grads = self.ep.grads
+            assert grads is not None  # ExpertParallel builds its gradient buffers in __init__
+            self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, grads.reduced_bytes, a2a_s))
         if self.chunks is None:
             self.chunks = [self._chunks_for(self._uniform, plc) for plc in self.balancer.next_placements(self.ids)]
         if self.ctx.is_main:
@@ -434,7 +438,7 @@ def expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, ct
     return ExpertParallelHook(ep, cfg, costs, ctx, comm_costs=comm)
 
 
-def chunk_bytes(sc: Any, comm_costs: CommCosts, total_bytes: float, a2a_s: float) -> float:
+def chunk_bytes(sc: SchedulerConfig, comm_costs: CommCosts, total_bytes: float, a2a_s: float) -> float:
     """Gradient chunk: ddp's bucket, `scheduler.chunk_mb`, or the cost model's (`ar_chunk_bytes`)."""
     from moebal.planner.comm_plan import ar_chunk_bytes
 
@@ -472,7 +476,7 @@ class StageExperts:
     all-reduce, `StatsReducer`), so each micro-batch's auxiliary loss is that of the micro-batch formed by every
     rank's rows; this also holds with ep = 1 and data-parallel replicas."""
 
-    def __init__(self, stage: nn.Module, dims: ParallelDims, cfg: Config) -> None:
+    def __init__(self, stage: PipelineStage, dims: ParallelDims, cfg: Config) -> None:
         self.stage, self.dims, self.cfg = stage, dims, cfg
         self.R = dims.ep
         self.data_ranks = dims.size("dp_ep")
@@ -572,7 +576,7 @@ class StageExperts:
         """A layer arriving here (or built here): shard its experts, sum its statistics over the stage."""
         if not getattr(layer, "is_moe", False):
             return
-        moe = layer.block_sparse_moe
+        moe = as_decoder(layer).block_sparse_moe
         if self.ep is not None:
             self.ep.attach(moe)
         elif self.data_ranks > 1:

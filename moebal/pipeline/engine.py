@@ -196,6 +196,7 @@ class PipelineEngine:
                 with _maybe(prof, st.num_layers_slot(), st.model.embed_tokens), _grad(frozen == 0):
                     h = st.embed(ids_BT)
             else:
+                assert h_in is not None  # every stage but the first computes from the activation it received
                 h = h_in
             cos, sin = st.rope(ids_BT.shape[1], h.dtype)
             aux: list[torch.Tensor] = []

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine
@@ -50,6 +51,9 @@ from moebal.pipeline.units import UnitMap
 from moebal.planner.partition import imbalance, partition_by_params, partition_uniform
 from moebal.sync import to_host
 from moebal.train.precision import uses_bf16
+
+if TYPE_CHECKING:
+    from moebal.data import DataBundle
 
 __all__ = ["BALANCERS", "Forced", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
 
@@ -87,9 +91,9 @@ def pipeline_ep(cfg: Config, world_size: int) -> int:
 class PipelineRunner:
     """Builds this rank's stage from the model; `train_step` trains one step, `evaluate` validates."""
 
-    def __init__(self, cfg: Config, *, scheme: Dynamism | None = None, dims: Any = None, data: Any = None,
-                 run_dir: str | Path | None = None, device: torch.device | None = None, force: Forced = (),
-                 force_mid: Forced = (), record_ops: bool = True, bandwidth: float | None = None,
+    def __init__(self, cfg: Config, *, scheme: Dynamism | None = None, dims: ParallelDims | None = None,
+                 data: DataBundle | None = None, run_dir: str | Path | None = None, device: torch.device | None = None,
+                 force: Forced = (), force_mid: Forced = (), record_ops: bool = True, bandwidth: float | None = None,
                  latency: float = 1e-4) -> None:
         """Build this rank's stage of `cfg` (its `pipeline` section says how the pipeline runs and rebalances).
 
@@ -98,8 +102,6 @@ class PipelineRunner:
         (gradients travel too); `record_ops` keeps one iteration's per-op timeline before and after each adopted
         plan (the Gantt chart); `bandwidth` (bytes/s) costs migrations instead of measuring the chain at start;
         `latency` is the seconds per migrated layer beyond its bytes."""
-        from moebal.distributed.groups import ParallelDims
-
         self.cfg, self.opts = cfg, cfg.pipeline
         self.force, self.force_mid = tuple(force), tuple(force_mid)
         self.record_ops, self.latency = record_ops, latency
@@ -526,7 +528,7 @@ class PipelineRunner:
         me = self.dims.coords
 
         def held_by(s: dict[str, Any]) -> int:  # same ep position first, then the same replica
-            c = s["coords"]
+            c: dict[str, int] = s["coords"]
             return (c["ep"] != me["ep"]) * 2 + (c["dp"] != me["dp"])
 
         layers: dict[int, dict[str, Any]] = {}
@@ -620,7 +622,7 @@ def _scheme_names(i: int, key: str, shape: tuple[int, ...],
     return [(f"dynamism.layers.{i}.{key}", None)]
 
 
-def _build_data(cfg: Config) -> Any:
+def _build_data(cfg: Config) -> DataBundle:
     from moebal.data import build_data
 
     return build_data(cfg)

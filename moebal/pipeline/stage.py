@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebal.config import Config
+from moebal.models.moe import MoELayer
 from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, rotary_for
 from moebal.pipeline.units import ATTN, FFN, LAYER, UnitMap
 
@@ -104,8 +105,10 @@ class PipelineStage(nn.Module):
         """The partition units held here, ascending (the layer ids under whole-layer units)."""
         return list(self._unit_ids)
 
-    def layer(self, i: int) -> nn.Module:
-        return self.model.layers[str(i)]
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i (whole, or the half held here)."""
+        # the ModuleDict holds DecoderLayers (whole or half-held), typed as plain modules
+        return cast(DecoderLayer, self.model.layers[str(i)])
 
     def unit_module(self, u: int) -> nn.Module:
         """What unit u runs: its layer, or the half's submodules."""
@@ -170,10 +173,9 @@ class PipelineStage(nn.Module):
             out[U + 1] = nn.ModuleList([self.model.norm, self.lm_head])
         return out
 
-    def moe_layers(self) -> list[nn.Module]:
-        # the ModuleDict holds DecoderLayers (whole or half-held), typed as plain modules
-        layers = cast("list[DecoderLayer]", list(self.model.layers.values()))
-        return [layer.block_sparse_moe for layer in layers if layer.is_moe]
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers held here, in layer order."""
+        return [layer.block_sparse_moe for layer in map(self.layer, self.layer_ids) if layer.is_moe]
 
     # ---- compute pieces (the engine runs them; dynamism schemes wrap the layer step) ----
     def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:

@@ -128,12 +128,12 @@ class RunContext:
         """Clip by the norm of the whole model's gradient: replicated gradients count once, expert shards are
         summed over the expert-parallel group (each rank holds different experts). Everything stays on the
         gradients' device (the expert all-reduce goes to NCCL on CUDA); no host read."""
-        params = [p for p in model.parameters() if p.grad is not None]
+        held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         if not self.distributed:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        device = params[0].grad.device if params else self.dims.device
-        dense = [p.grad.float().square().sum() for p in params if not is_expert_param(p)]
-        expert = [p.grad.float().square().sum() for p in params if is_expert_param(p)]
+            return torch.nn.utils.clip_grad_norm_([p for p, _ in held], max_norm)
+        device = held[0][1].device if held else self.dims.device
+        dense = [g.float().square().sum() for p, g in held if not is_expert_param(p)]
+        expert = [g.float().square().sum() for p, g in held if is_expert_param(p)]
         sq_dense = torch.stack(dense).sum() if dense else torch.zeros((), device=device)
         sq_expert = torch.stack(expert).sum() if expert else torch.zeros((), device=device)
         if self.dims.size("ep") > 1:
@@ -141,8 +141,8 @@ class RunContext:
         total = (sq_dense + sq_expert).sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            for _, g in held:
+                g.mul_(coef.to(g.dtype))
         return total
 
     # ---- checkpoints (moebal/train/checkpoint.py) ----

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebal.config import Config
-from moebal.data import Batch, DataBundle
+from moebal.data import Batch, DataBundle, DocumentSampler, PackedSampler
 from moebal.data.curriculum import row_complexity
 from moebal.routing import RoutingStats
 from moebal.sync import to_host
@@ -95,13 +95,13 @@ class LocalStep:
         """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
         table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py)."""
         sampler = self.data.train
-        curriculum = getattr(sampler, "curriculum", None)
-        if curriculum is None:
+        # a mixture of sources has no curriculum (build_data gives one to a single source only)
+        if not isinstance(sampler, (PackedSampler, DocumentSampler)) or sampler.curriculum is None:
             return
         local = row_complexity(self.moe_layers(), batch.labels_BT)
         C_BL = self.ctx.global_rows(local, global_batch.ids_BT.shape[0])
         tokens = (global_batch.labels_BT != -100).sum(dim=1).tolist()
-        curriculum.record(getattr(sampler, "last_ids"), C_BL, tokens, at=getattr(sampler, "position"))  # noqa: B009
+        sampler.curriculum.record(sampler.last_ids, C_BL, tokens, at=sampler.position)
 
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         global_batch = self.data.train.next_batch()
