@@ -1,0 +1,613 @@
+"""Refresh every README Results row with one command: run each row's benchmark, write one JSON and one table.
+
+    python scripts/bench_all.py --quick|--full [--json FILE] [--table FILE] [--only NAME,...] [--dry-run]
+
+Every row of the README's Results table names a command; `ROWS` below holds one entry per row (its claim,
+the run behind it, and how its figure is read from that run's JSON). Rows that share a command share one run
+(`RUNS`). Each run is its own subprocess from the repository root, with `--json` into a temporary folder (or
+`--json` to stdout for the `moebal` subcommands that print their JSON), and a per-run timeout. `--full` runs
+each command as the README names it; `--quick` adds the script's own `--quick` where it has one (and drops
+the README's options that would override it); a command without a quick form runs as in `--full`. A run that
+fails or times out is recorded as failed with its message and the others go on. Test rows (`pytest`) run the
+tests; their figure is the pytest summary line. GPU-only runs are skipped with the reason when torch sees no
+CUDA device.
+
+Outputs: the JSON (per run: command, exit status, wall time, the script's own JSON; per row: the claim, the
+figure, the run) and a markdown table (claim, figure, machine, command), both to stdout's summary and to
+`--json` / `--table` when given. No figure is written by hand: each comes from a JSON the run produced, and
+where that JSON lacks what a row needs the figure says "n/a (reason)".
+
+`--only NAME,...` picks runs by name (`--dry-run` lists them). Tests and other callers can pass their own
+registry to `main(argv, runs=..., rows=...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL_CHARS = 4000  # of a run's stdout / stderr kept in the JSON
+
+
+@dataclass(frozen=True)
+class Run:
+    """One command behind one or more README rows.
+
+    `argv` is the command as the README names it (words; "python" and "moebal" are run with this
+    interpreter). `quick` replaces it under `--quick` (None: the same command). `json` says how the run hands
+    back its JSON: "file" (`--json PATH` appended), "stdout" (`--json` appended, stdout parsed), "none" (a
+    test run: bench_all records its summary line). `prepare` writes input files into the run's folder and
+    returns extra arguments.
+    """
+
+    name: str
+    argv: tuple[str, ...]
+    quick: tuple[str, ...] | None = None
+    json: str = "file"
+    gpu: bool = False
+    timeout_s: float = 3600.0
+    prepare: Callable[[Path], list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One README Results row: its claim, the run it comes from, and the figure read from that run's JSON."""
+
+    claim: str
+    run: str
+    figure: Callable[[Any], str]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+def _spread(values: Sequence[float], fmt: str = "{:.3f}x") -> str:
+    """median with min-max over the rounds (or just the value for one round)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("no rounds in the JSON")
+    med = fmt.format(statistics.median(vals))
+    if len(vals) == 1:
+        return f"{med} (1 round)"
+    return f"median {med} (min {fmt.format(min(vals))}, max {fmt.format(max(vals))}, {len(vals)} rounds)"
+
+
+def _records(data: Any) -> list[dict[str, Any]]:
+    """The list of records of a script's JSON (a list, or a dict with `records`)."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and isinstance(data.get("records"), list):
+        return data["records"]
+    raise ValueError("the JSON holds no list of records")
+
+
+def fig_layer(data: Any) -> str:
+    """moebal's and the per-expert loop's forward+backward time over dense SwiGLU, per dtype and routing."""
+    parts = []
+    recs = [r for r in _records(data) if "ratio_to_dense" in r]
+    for dtype in sorted({r["dtype"] for r in recs}):
+        cells = []
+        for method, label in (("moebal", "moebal"), ("loop", "per-expert loop")):
+            got = {r["routing"]: r["ratio_to_dense"] for r in recs if r["dtype"] == dtype and r["method"] == method}
+            if got:
+                cells.append(f"{label} " + " / ".join(f"{got[k]:.2f}x {k}" for k in sorted(got)))
+        parts.append(f"{dtype}: " + "; ".join(cells))
+    if not parts:
+        raise ValueError("no record with ratio_to_dense")
+    return "; ".join(parts) + " (ratio to dense, median of repeats)"
+
+
+def fig_expert_parallel(data: Any) -> str:
+    """Each policy's step time over static placement, per routing: the median of the per-round ratios."""
+    recs = _records(data)
+    parts = []
+    for ranks in sorted({r.get("ranks", r.get("world_size", 0)) for r in recs if "round_medians_s" in r}):
+        here = [r for r in recs if r.get("ranks", r.get("world_size", 0)) == ranks and "round_medians_s" in r]
+        for routing in sorted({r["routing"] for r in here}):
+            static = next(r for r in here if r["routing"] == routing and r["policy"] == "static")
+            cells = []
+            for r in here:
+                if r["routing"] != routing or r["policy"] == "static":
+                    continue
+                ratios = [a / b for a, b in zip(r["round_medians_s"], static["round_medians_s"])]
+                cells.append(f"{r['policy']} {_spread(ratios)}")
+            parts.append(f"{ranks} ranks {routing}: " + "; ".join(cells))
+    if not parts:
+        raise ValueError("no record with round_medians_s")
+    return " | ".join(parts) + " (step time / static, per round)"
+
+
+def fig_plan_latency(data: Any) -> str:
+    """Pro-Prophet's planning time per size (median, min, max of the repeats)."""
+    recs = [r for r in _records(data) if r.get("policy") == "prophet"]
+    if not recs:
+        raise ValueError("no prophet record")
+    return "; ".join(f"{r['median_ms']:.2f} ms at {r['experts']} experts x {r['ranks']} ranks "
+                     f"(min {r['min_ms']:.2f}, max {r['max_ms']:.2f})" for r in recs)
+
+
+def fig_comm(data: Any) -> str:
+    """Unscheduled over Lina (+ overlap): all-to-all time and step time, per world size."""
+    recs = [r for r in _records(data) if r.get("kind") == "measured"]
+    parts = []
+    for world in sorted({r["world_size"] for r in recs}):
+        by = {r["mode"]: r for r in recs if r["world_size"] == world}
+        base = by["unscheduled"]
+        cells = [f"{m}: step {base['step_time_median_s'] / by[m]['step_time_median_s']:.2f}x, all-to-all "
+                 f"{base['a2a_time_s'] / by[m]['a2a_time_s']:.2f}x" for m in ("lina", "lina+overlap") if m in by]
+        parts.append(f"{world} ranks " + "; ".join(cells))
+    if not parts:
+        raise ValueError("no measured record")
+    return " | ".join(parts) + " lower than unscheduled (medians over steps)"
+
+
+def _pipeline_summary(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict) or "summary" not in data:
+        raise ValueError("the JSON has no summary")
+    return data["summary"]
+
+
+def _overhead(summary: dict[str, Any]) -> str:
+    ov = next(v for k, v in summary["targets"].items() if k.startswith("rebalancing overhead"))
+    text = f"overhead every step worst {ov['measured']:.1%} (median {ov['median']:.1%})"
+    after = summary.get("overhead_after_settle_excluding_first_migrations")
+    if after:
+        text += f"; after settle, first migrations left out: worst {after['worst']:.1%}"
+    return text
+
+
+def fig_pipeline(scheme: str) -> Callable[[Any], str]:
+    """The best rebalanced / static throughput for `scheme` (median and spread of the per-round ratios)."""
+
+    def figure(data: Any) -> str:
+        summary = _pipeline_summary(data)
+        per_round = summary["speedup_per_round"]
+        keys = [k for k in per_round if k.split("/")[1:2] == [scheme] and not k.startswith("block")]
+        if not keys:
+            raise ValueError(f"no speedup_per_round entry for {scheme}")
+        best = max(keys, key=lambda k: statistics.median(per_round[k]))
+        text = f"{best}: {_spread(per_round[best])} static throughput"
+        halves = {k: v for k, v in summary.get("halves_over_layers", {}).items() if f"/{scheme}/" in k}
+        if halves:
+            text += "; halves / whole layers " + ", ".join(f"{k} {v:.3f}x" for k, v in halves.items())
+        same = summary.get("identical_losses_across_variants")
+        return f"{text}; {_overhead(summary)}; identical losses: {same}"
+
+    return figure
+
+
+def fig_repack(data: Any) -> str:
+    """Whether re-packing released a rank and its throughput against the unpacked run."""
+    summary = _pipeline_summary(data)
+    hits = {k: v for k, v in summary["targets"].items() if "re-pack" in k}
+    if not hits:
+        raise ValueError("no re-pack target in the summary")
+    rows = [r for r in _records(data) if r.get("repack_experiment")]
+    pair = {r["round"]: r["throughput"] for r in rows if not r["repack"]}
+    ratios = [r["throughput"] / pair[r["round"]] for r in rows if r["repack"] and r["round"] in pair]
+    released = sum(bool(r["released_ranks"]) for r in rows if r["repack"])
+    v = next(iter(hits.values()))
+    return (f"a rank released in {released} of {len(ratios)} rounds; packed / unpacked throughput "
+            f"{_spread(ratios)}; met: {v['met']}")
+
+
+def fig_zb(data: Any) -> str:
+    """Zero bubble over 1F1B tokens/s per scheme and balancer, and whether losses matched."""
+    summary = _pipeline_summary(data)
+    zb = summary["zb_over_1f1b"]
+    return ("zb / 1F1B " + ", ".join(f"{k} {v:.3f}x" for k, v in zb.items())
+            + f"; identical losses: {summary.get('identical_losses_across_variants')}")
+
+
+def fig_microbatching(data: Any) -> str:
+    """DynaPipe's real runs: padding efficiency, speed over padding and packing, exposed planning share."""
+    recs = [r for r in _records(data) if r.get("kind") == "real" and r.get("method") == "dynamic"]
+    if not recs:
+        raise ValueError("no real dynamic record")
+    return "; ".join(f"max {r['max_len']}: padding efficiency {r['padding_efficiency']:.3f}, "
+                     f"{r.get('speedup_vs_padding', float('nan')):.2f}x padding, "
+                     f"{r.get('speedup_vs_packing', float('nan')):.2f}x packing tokens/s (per-step medians "
+                     f"{r.get('speedup_vs_padding_median_step', float('nan')):.2f}x / "
+                     f"{r.get('speedup_vs_packing_median_step', float('nan')):.2f}x), planning exposed "
+                     f"{r['planning_exposed_share']:.2%}" for r in recs)
+
+
+def fig_microbatching_sim(data: Any) -> str:
+    """DynaPipe's simulated GPT 3.35B: speed over packing per attention variant and maximum length."""
+    recs = [r for r in _records(data) if r.get("kind") == "simulated" and r.get("method") == "dynamic"]
+    if not recs:
+        raise ValueError("no simulated dynamic record")
+    return "; ".join(f"{r['attention']}, max {r['max_len']}: {r['speedup_vs_packing']:.2f}x packing "
+                     f"(paper: up to {r['paper_speedup_vs_packing']}x)" for r in recs)
+
+
+def fig_plan_microbatches(data: Any) -> str:
+    """The dynamic plan's planning time and size."""
+    plan = data["plans"]["dynamic"]
+    return (f"{plan['plan_s']:.3f} s for {data['samples']} samples ({data['tokens']} tokens), "
+            f"{plan['micro_batches']} micro-batches, padding efficiency {plan['padding_efficiency']:.3f}")
+
+
+def fig_simulate(data: Any) -> str:
+    """The simulated iteration time."""
+    return (f"{data['iteration_time_s']:.2f} s per iteration on {data['num_ranks']} ranks "
+            f"(policy {data.get('policy')}; other clusters and policies: not run by this row's command)")
+
+
+def fig_validate(data: Any) -> str:
+    """The simulator's error over every measured run: median, 90th percentile, maximum."""
+    errs = sorted(abs(r["error"]) for r in _records(data))
+    if not errs:
+        raise ValueError("no record")
+    p90 = errs[min(len(errs) - 1, int(round(0.9 * (len(errs) - 1))))]
+    return (f"median |error| {statistics.median(errs):.1%}, 90th percentile {p90:.1%}, max {errs[-1]:.1%} "
+            f"over {len(errs)} runs; rank correlation: n/a (the JSON holds no rank correlation)")
+
+
+def fig_pro_prophet(data: Any) -> str:
+    """Held-out error, within-25 % count, the constant baseline's error, and the verdict."""
+    s = data["summary"]
+    held = s["held_out"]
+    base = "; ".join(f"constant {k}: {v['mean_abs_rel_error']:.1%}" for k, v in s.get("baselines", {}).items())
+    return (f"held out: mean |error| {held['mean_abs_rel_error']:.1%}, {held['within_25pct']} within 25 %; "
+            f"{base}; reproduced: {s['reproduced']}")
+
+
+def fig_lina(data: Any) -> str:
+    """Simulated and paper speed-ups of Lina's comparison."""
+    rows = data["lina"]
+    text = "; ".join(f"{r['experts']} experts {r['mode']} {r['simulated_speedup']:.2f}x (paper {r['paper_speedup']}x)"
+                     for r in rows)
+    verdict = data["summary"].get("assessment", {})
+    if isinstance(verdict, dict) and "reproduced" in verdict:
+        text += f"; reproduced: {verdict['reproduced']}"
+    return text
+
+
+def fig_convert(data: Any) -> str:
+    """Peak extra memory of each conversion."""
+    res = data["results"]
+    return "; ".join(f"{op} {r['peak_extra_bytes'] / 1e6:.0f} MB" for op, r in res.items()) + \
+        f" (checkpoint {data['checkpoint']['bytes'] / 1e9:.2f} GB)"
+
+
+def fig_checkpoint(data: Any) -> str:
+    """How long a save blocks training, per mode, and its share of 100 steps."""
+    return "; ".join(f"{mode}: blocks {min(m['blocked_s']):.2f}-{max(m['blocked_s']):.2f} s, median "
+                     f"{m['blocked_share_of_100_steps']:.2%} of 100 steps" for mode, m in data["modes"].items()) + \
+        f" ({data['bytes_per_checkpoint'] / 1e6:.0f} MB per checkpoint)"
+
+
+def fig_restart(data: Any) -> str:
+    """Median recovery time per setting, and whether losses matched the uninterrupted run."""
+    return "; ".join(f"{s}: {v['median_recovery_s']} s, losses equal {v['all_losses_equal']}"
+                     for s, v in data["summary"].items())
+
+
+def fig_train(data: Any) -> str:
+    """The default run's steps, wall time, throughput, validation loss and load balance."""
+    return (f"{data['steps']} steps in {data['wall_seconds']:.0f} s, {data['tokens_per_s']:.0f} tokens/s; "
+            f"validation loss {data['val_loss']:.3f} = {data['val_ratio']:.3f}x the unigram entropy; "
+            f"load max/mean {data['load_imbalance']}; stopped early: {data['stopped_early']}")
+
+
+def fig_gpu_check(data: Any) -> str:
+    """Which of the GPU checks passed."""
+    checks = {k: v for k, v in data.items() if isinstance(v, dict) and "ok" in v}
+    passed = sorted(k for k, v in checks.items() if v["ok"])
+    return f"{len(passed)} of {len(checks)} pass ({', '.join(passed)}); all ok: {data.get('ok')}"
+
+
+def fig_pytest(data: Any) -> str:
+    """The pytest summary line of a test row."""
+    line = data.get("pytest_summary")
+    if not line:
+        raise ValueError("pytest printed no summary line")
+    return line
+
+
+# --------------------------------------------------------------------------------------------------- registry
+
+PIPE = ("python", "scripts/bench_pipeline_rebalance.py", "--wait", "dilate")
+RUNS: tuple[Run, ...] = (
+    Run("train", ("moebal", "train"), json="stdout", timeout_s=1800,
+        prepare=lambda d: ["--out", str(d / "train-run")]),
+    Run("gpu_check", ("python", "scripts/gpu_check.py"), ("python", "scripts/gpu_check.py", "--quick"), gpu=True),
+    Run("layer_cuda", ("moebal", "bench", "layer", "--device", "cuda", "--dtypes", "bf16", "--tokens", "16384",
+                       "--dim", "4096", "--ffn", "14336", "--kernels"),
+        ("moebal", "bench", "layer", "--device", "cuda", "--dtypes", "bf16", "--quick", "--kernels"), gpu=True),
+    Run("layer_cpu", ("python", "scripts/bench_moe_layer.py", "--repeats", "11"),
+        ("python", "scripts/bench_moe_layer.py", "--quick")),
+    Run("test_sync_budget", ("python", "-m", "pytest", "tests/unit/test_sync_budget.py",
+                             "tests/distributed/test_expert_parallel.py"), json="none"),
+    Run("test_expert_parallel", ("python", "-m", "pytest", "tests/distributed/test_expert_parallel.py"),
+        json="none"),
+    Run("expert_parallel", ("python", "scripts/bench_expert_parallel.py"),
+        ("python", "scripts/bench_expert_parallel.py", "--quick")),
+    Run("plan_latency", ("moebal", "plan", "experts", "--bench"), json="stdout"),
+    Run("comm_schedule", ("python", "scripts/bench_comm_schedule.py", "--dilate", "3"),
+        ("python", "scripts/bench_comm_schedule.py", "--dilate", "3", "--quick")),
+    Run("pipeline_exit_freezing", (*PIPE, "--schemes", "early_exit,freezing", "--units", "halves"),
+        (*PIPE, "--schemes", "early_exit,freezing", "--units", "halves", "--quick"), timeout_s=7200),
+    Run("pipeline_mod", (*PIPE, "--schemes", "mod", "--units", "halves", "--rounds", "3"),
+        (*PIPE, "--schemes", "mod", "--units", "halves", "--quick"), timeout_s=7200),
+    Run("pipeline_repack", (*PIPE, "--repack-only", "--rounds", "3"), (*PIPE, "--repack-only", "--quick"),
+        timeout_s=7200),
+    Run("pipeline_zb", (*PIPE, "--schemes", "freezing,mod", "--schedule", "both"),
+        (*PIPE, "--schemes", "freezing,mod", "--schedule", "both", "--quick"), timeout_s=7200),
+    Run("microbatching", ("python", "scripts/bench_microbatching.py", "--steps", "10"),
+        ("python", "scripts/bench_microbatching.py", "--quick")),
+    Run("plan_microbatches", ("moebal", "plan", "microbatches", "--lengths", "FILE", "--stages", "4"),
+        json="stdout", prepare=lambda d: _flan_lengths(d / "lengths.json")),
+    Run("simulate", ("moebal", "simulate", "mixtral-8x7b", "--cluster", "h100", "--ranks", "1024"), json="stdout"),
+    Run("validate_simulator", ("python", "scripts/validate_simulator.py"), timeout_s=7200),
+    Run("reproduce_pro_prophet", ("python", "scripts/reproduce_pro_prophet.py")),
+    Run("reproduce_lina", ("python", "scripts/reproduce_lina.py")),
+    Run("test_hf", ("python", "-m", "pytest", "tests/unit/test_hf_interop.py", "tests/unit/test_hf_families.py",
+                    "tests/unit/test_hf_deepseek.py"), json="none"),
+    Run("convert", ("python", "scripts/bench_convert.py")),
+    Run("checkpoint", ("python", "scripts/bench_checkpoint.py")),
+    Run("test_resharding", ("python", "-m", "pytest", "tests/integration/test_resharding.py",
+                            "tests/distributed/test_pipeline_resume.py"), json="none"),
+    Run("restart", ("python", "scripts/bench_restart.py")),
+)
+
+ROWS: tuple[Row, ...] = (
+    Row("default run: validation loss within 5 minutes", "train", fig_train),
+    Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume", "gpu_check", fig_gpu_check),
+    Row("MoE layer fwd+bwd vs dense SwiGLU (bf16, 16,384 tokens, d 4096, 8 experts)", "layer_cuda", fig_layer),
+    Row("MoE layer vs dense SwiGLU on CPU (2048 tokens, d 512)", "layer_cpu", fig_layer),
+    Row("host syncs of the MoE path", "test_sync_budget", fig_pytest),
+    Row("expert parallelism = one process", "test_expert_parallel", fig_pytest),
+    Row("Pro-Prophet step time, 2 ranks (busiest expert 4x the mean)", "expert_parallel", fig_expert_parallel),
+    Row("planner latency (Pro-Prophet search)", "plan_latency", fig_plan_latency),
+    Row("Lina scheduling + block overlap on real ranks (emulated devices, `--dilate 3`)", "comm_schedule", fig_comm),
+    Row("pipeline rebalancing, early exit (4 stages, dilate 3)", "pipeline_exit_freezing", fig_pipeline("early_exit")),
+    Row("pipeline rebalancing, freezing", "pipeline_exit_freezing", fig_pipeline("freezing")),
+    Row("pipeline rebalancing, Mixture-of-Depths (layer halves as units)", "pipeline_mod", fig_pipeline("mod")),
+    Row("re-pack onto fewer ranks (early exit leaving 28 % of the work)", "pipeline_repack", fig_repack),
+    Row("zero bubble (`pipeline.schedule: zb`) vs 1F1B", "pipeline_zb", fig_zb),
+    Row("DynaPipe micro-batching, 4 stages, lengths up to 2048", "microbatching", fig_microbatching),
+    Row("DynaPipe GPT 3.35B on 4 A100s, simulated, 8,192 tokens", "microbatching", fig_microbatching_sim),
+    Row("micro-batch plan time", "plan_microbatches", fig_plan_microbatches),
+    Row("1,024-rank Mixtral-8x7B iteration, simulated on H100s (`configs/hardware/h100.yaml`)", "simulate",
+        fig_simulate),
+    Row("simulator vs measured moebal runs", "validate_simulator", fig_validate),
+    Row("Pro-Prophet Table V predicted from Table IV", "reproduce_pro_prophet", fig_pro_prophet),
+    Row("Lina Fig. 4.10 on 2-16 A100s", "reproduce_lina", fig_lina),
+    Row("HF logits vs `transformers` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3; LLaMA-MoE v1)", "test_hf",
+        fig_pytest),
+    Row("streaming conversion of a 3.16 GB Mixtral-shaped checkpoint", "convert", fig_convert),
+    Row("checkpoint save, default model, 2 ranks", "checkpoint", fig_checkpoint),
+    Row("resume under another layout", "test_resharding", fig_pytest),
+    Row("recovery after a killed rank (target < 1 min)", "restart", fig_restart),
+)
+
+
+def _flan_lengths(path: Path) -> list[str]:
+    """FLAN-like sample lengths (log-normal, median 150, sigma 1.1, seed 0, up to 65,536 tokens, max 8,192:
+    the micro-batching benchmark's stand-in for FLANv2) written to `path`; returns the `--lengths` argument."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(150), 1.1, 4000), 4, 8192).astype(int)
+    lengths = lengths[np.cumsum(lengths) <= 65536]
+    path.write_text(json.dumps([int(x) for x in lengths]), encoding="utf-8")
+    return ["--lengths", str(path)]
+
+
+# -------------------------------------------------------------------------------------------------- running
+
+def command(run: Run, quick: bool) -> list[str]:
+    """The run's words under --quick or --full, before its folder's arguments."""
+    return list(run.quick if quick and run.quick is not None else run.argv)
+
+
+def display(run: Run, quick: bool) -> str:
+    """The command as a person would type it (with `--json FILE` for file-JSON runs)."""
+    words = command(run, quick) + (["--json", "FILE"] if run.json == "file" else ["--json"] if run.json == "stdout"
+                                   else [])
+    return shlex.join(words)
+
+
+def _argv(run: Run, quick: bool, folder: Path) -> tuple[list[str], Path | None]:
+    """The subprocess argv (interpreter filled in) and where its JSON file goes (None: stdout or no JSON)."""
+    words = command(run, quick)
+    extra = run.prepare(folder) if run.prepare else []
+    if "FILE" in words and extra:  # a placeholder the prepared file fills (`--lengths FILE`)
+        i = words.index("FILE")
+        words = words[:i - 1] + extra + words[i + 1:]
+        extra = []
+    out = folder / f"{run.name}.json" if run.json == "file" else None
+    words = words + extra + (["--json", str(out)] if out else ["--json"] if run.json == "stdout" else [])
+    if words[0] == "python":
+        return [sys.executable, *words[1:]], out
+    if words[0] == "moebal":
+        return [sys.executable, "-c", "import sys; from moebal.cli import main; sys.exit(main())", *words[1:]], out
+    return words, out
+
+
+def _read_json(run: Run, out: Path | None, stdout: str) -> Any:
+    """The run's own JSON: its --json file (with a `.summary.json` beside it merged in), or stdout's JSON."""
+    if run.json == "file":
+        if out is None or not out.exists():
+            raise ValueError("the script wrote no JSON file")
+        data = json.loads(out.read_text(encoding="utf-8"))
+        side = out.with_suffix(".summary.json")
+        if side.exists():
+            data = {"records": data, **json.loads(side.read_text(encoding="utf-8"))}
+        return data
+    start = stdout.find("{")
+    if start < 0:
+        raise ValueError("no JSON on stdout")
+    return json.loads(stdout[start:])
+
+
+def _pytest_summary(stdout: str) -> str | None:
+    lines = [ln.strip("= ").strip() for ln in stdout.splitlines() if (" passed" in ln or " failed" in ln
+                                                                       or " error" in ln) and " in " in ln]
+    return lines[-1] if lines else None
+
+
+def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run one command in its subprocess; a failure or timeout is recorded, never raised."""
+    rec: dict[str, Any] = {"name": run.name, "command": display(run, quick)}
+    try:
+        argv, out = _argv(run, quick, folder)
+    except Exception as e:  # noqa: BLE001 - a bad input file fails this run only
+        return {**rec, "status": "failed", "message": f"preparing the inputs: {type(e).__name__}: {e}"}
+    rec["argv"] = argv
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=run.timeout_s)
+    except subprocess.TimeoutExpired as e:
+        return {**rec, "status": "failed", "exit_status": None, "wall_s": round(time.perf_counter() - t0, 1),
+                "message": f"timed out after {run.timeout_s:.0f} s",
+                "stderr_tail": _text(e.stderr)[-TAIL_CHARS:]}
+    rec.update(exit_status=p.returncode, wall_s=round(time.perf_counter() - t0, 1),
+               stdout_tail=p.stdout[-TAIL_CHARS:], stderr_tail=p.stderr[-TAIL_CHARS:])
+    if run.json == "none":
+        rec["result"] = {"pytest_summary": _pytest_summary(p.stdout)}
+    else:
+        try:
+            rec["result"] = _read_json(run, out, p.stdout)
+        except (ValueError, OSError) as e:
+            rec["json_error"] = str(e)
+    if p.returncode != 0:
+        last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or [""]
+        return {**rec, "status": "failed", "message": f"exit status {p.returncode}: {last[0][:500]}"}
+    return {**rec, "status": "ok"}
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def figure(row: Row, rec: dict[str, Any] | None) -> str:
+    """The row's figure from its run's record, or "n/a (reason)"."""
+    if rec is None:
+        return "n/a (not run: excluded by --only)"
+    if rec["status"] == "skipped":
+        return f"skipped ({rec['message']})"
+    if "result" not in rec:
+        return f"n/a ({rec.get('message') or rec.get('json_error', 'no JSON')})"
+    try:
+        text = row.figure(rec["result"])
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration, ZeroDivisionError) as e:
+        what = f"the JSON lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        return f"n/a ({what})"
+    return text if rec["status"] == "ok" else f"{text} [run failed: {rec['message']}]"
+
+
+def machine() -> dict[str, str]:
+    """platform, CPU model, torch version and CUDA device of this machine, found now."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpus": str(os.cpu_count()), "torch": "not installed",
+            "cuda_device": ""}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["cuda_device"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def table(rows: Sequence[Row], recs: dict[str, dict[str, Any]], mach: dict[str, str]) -> str:
+    """The markdown table: claim, figure, machine, command."""
+    where = f"{mach['platform']} / {mach['cpu']} ({mach['cpus']} CPUs) / torch {mach['torch']}"
+    lines = ["| claim | figure | machine | command |", "|---|---|---|---|"]
+    for row in rows:
+        rec = recs.get(row.run)
+        gpu = f" / {mach['cuda_device']}" if mach["cuda_device"] else ""
+        cmd = rec["command"] if rec else row.run
+        cells = [row.claim, figure(row, rec), where + gpu, f"`{cmd}`"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: Sequence[str] | None, runs: Sequence[Run]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--quick", action="store_true", help="each script's own quick form where it has one")
+    mode.add_argument("--full", action="store_true", help="each command as the README names it (hours)")
+    ap.add_argument("--json", type=Path, help="write the runs, their JSON and every row's figure here")
+    ap.add_argument("--table", type=Path, help="write the markdown table here")
+    ap.add_argument("--only", help="comma list of run names (see --dry-run)")
+    ap.add_argument("--dry-run", action="store_true", help="print one command per README row and stop")
+    args = ap.parse_args(argv)
+    names = [r.name for r in runs]
+    args.only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    bad = [n for n in args.only or [] if n not in names]
+    if bad:
+        ap.error(f"--only: unknown run(s) {', '.join(bad)}; choose from {', '.join(names)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Sequence[Row] = ROWS,
+         cuda: bool | None = None) -> int:
+    """Run the registry (`runs`, `rows`: the README's by default); 0 when every selected run succeeded."""
+    args = parse(argv, runs)
+    by_name = {r.name: r for r in runs}
+    missing = sorted({row.run for row in rows} - set(by_name))
+    if missing:
+        raise SystemExit(f"bench_all: rows name runs that the registry lacks: {', '.join(missing)}")
+    chosen = [r for r in runs if args.only is None or r.name in args.only]
+    if args.dry_run:
+        for row in rows:
+            if args.only is None or row.run in args.only:
+                print(f"{row.run:<24} {display(by_name[row.run], args.quick)}    # {row.claim}")
+        return 0
+    mach = machine()
+    has_cuda = bool(mach["cuda_device"]) if cuda is None else cuda
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    recs: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:
+        for run in chosen:
+            if run.gpu and not has_cuda:
+                recs[run.name] = {"name": run.name, "command": display(run, args.quick), "status": "skipped",
+                                  "message": "needs a CUDA device; torch sees none"}
+            else:
+                print(f"bench_all: {run.name}: {display(run, args.quick)}", file=sys.stderr, flush=True)
+                recs[run.name] = execute(run, args.quick, Path(tmp), env)
+            rec = recs[run.name]
+            print(f"bench_all: {run.name}: {rec['status']} {rec.get('wall_s', '')} {rec.get('message', '')}",
+                  file=sys.stderr, flush=True)
+    shown = [row for row in rows if row.run in recs]
+    text = table(shown, recs, mach)
+    report = {"mode": "quick" if args.quick else "full", "machine": mach, "wall_s": round(time.perf_counter() - t0, 1),
+              "runs": recs, "rows": [{"claim": row.claim, "run": row.run, "figure": figure(row, recs.get(row.run))}
+                                     for row in shown]}
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    if args.table:
+        args.table.write_text(text, encoding="utf-8")
+    return 0 if all(r["status"] != "failed" for r in recs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

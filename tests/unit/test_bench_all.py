@@ -1,0 +1,113 @@
+"""scripts/bench_all.py: one command per README Results row, one JSON and one table, failures recorded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_all.py"
+
+
+@pytest.fixture(scope="module")
+def bench_all():
+    spec = importlib.util.spec_from_file_location("bench_all", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_all"] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _strip_json(cmd: str) -> str:
+    return re.sub(r"\s--json(\s+\S+)?", "", cmd).strip()
+
+
+def _readme_rows() -> list[tuple[str, str]]:
+    """(claim, command) of every row of the README's Results table ("same command" resolved)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows, last = [], ""
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith("| claim"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        cmd = cells[-1].strip("`") if cells[-1] != "same command" else last
+        rows.append((cells[0], cmd))
+        last = cmd
+    return rows
+
+
+def test_dry_run_lists_one_command_per_readme_row(bench_all, capsys) -> None:
+    assert bench_all.main(["--full", "--dry-run"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    readme = _readme_rows()
+    assert len(readme) == 26
+    assert len(lines) == len(readme)
+    for (claim, cmd), line in zip(readme, lines):
+        shown = _strip_json(line.split("    # ")[0].split(None, 1)[1])
+        assert shown == _strip_json(cmd), claim
+
+
+def test_quick_uses_the_scripts_own_quick_option(bench_all, capsys) -> None:
+    assert bench_all.main(["--quick", "--dry-run", "--only", "expert_parallel,reproduce_lina"]) == 0
+    out = capsys.readouterr().out
+    assert "scripts/bench_expert_parallel.py --quick --json FILE" in out
+    assert "scripts/reproduce_lina.py --json FILE" in out  # no quick form: the default command
+    assert "pipeline" not in out
+
+
+def test_only_rejects_an_unknown_name(bench_all) -> None:
+    with pytest.raises(SystemExit):
+        bench_all.main(["--quick", "--only", "nope"])
+
+
+def test_a_run_writes_the_json_and_the_table_and_records_failures(bench_all, tmp_path) -> None:
+    good = tmp_path / "good.py"
+    good.write_text("import json, sys\n"
+                    "path = sys.argv[sys.argv.index('--json') + 1]\n"
+                    "quick = '--quick' in sys.argv\n"
+                    "json.dump({'rounds': [1.2, 1.5, 1.3], 'quick': quick}, open(path, 'w'))\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit('bad.py: the fake benchmark broke')\n")
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(30)\n")
+    Run, Row = bench_all.Run, bench_all.Row
+    runs = (Run("good", ("python", str(good)), ("python", str(good), "--quick")),
+            Run("bad", ("python", str(bad))),
+            Run("slow", ("python", str(slow)), timeout_s=1.0),
+            Run("gpu", ("python", str(good)), gpu=True),
+            Run("other", ("python", str(good))))
+    rows = (Row("good claim", "good", lambda d: bench_all._spread(d["rounds"]) + f" quick={d['quick']}"),
+            Row("good claim, missing key", "good", lambda d: d["absent"]),
+            Row("bad claim", "bad", lambda d: "never"),
+            Row("slow claim", "slow", lambda d: "never"),
+            Row("gpu claim", "gpu", lambda d: "never"),
+            Row("not selected", "other", lambda d: "never"))
+    out_json, out_md = tmp_path / "all.json", tmp_path / "all.md"
+    rc = bench_all.main(["--quick", "--only", "good,bad,slow,gpu", "--json", str(out_json), "--table", str(out_md)],
+                        runs=runs, rows=rows, cuda=False)
+    assert rc == 1  # a run failed; the others still ran
+    report = json.loads(out_json.read_text())
+    recs = report["runs"]
+    assert set(recs) == {"good", "bad", "slow", "gpu"}
+    assert recs["good"]["status"] == "ok" and recs["good"]["exit_status"] == 0
+    assert recs["good"]["result"] == {"rounds": [1.2, 1.5, 1.3], "quick": True}
+    assert recs["good"]["command"].endswith("good.py --quick --json FILE")
+    assert recs["bad"]["status"] == "failed" and "the fake benchmark broke" in recs["bad"]["message"]
+    assert recs["slow"]["status"] == "failed" and "timed out" in recs["slow"]["message"]
+    assert recs["gpu"]["status"] == "skipped" and "CUDA" in recs["gpu"]["message"]
+    figures = {r["claim"]: r["figure"] for r in report["rows"]}
+    assert figures["good claim"] == "median 1.300x (min 1.200x, max 1.500x, 3 rounds) quick=True"
+    assert figures["good claim, missing key"] == "n/a (the JSON lacks 'absent')"
+    assert figures["bad claim"].startswith("n/a (exit status 1")
+    assert figures["slow claim"].startswith("n/a (timed out")
+    assert figures["gpu claim"].startswith("skipped (needs a CUDA device")
+    assert "not selected" not in figures
+    table = out_md.read_text().splitlines()
+    assert table[0] == "| claim | figure | machine | command |"
+    assert len(table) == 2 + 5
+    assert "median 1.300x" in table[2] and report["machine"]["torch"] in table[2]
