@@ -87,10 +87,9 @@ def _spread(values: Sequence[float], fmt: str = "{:.3f}x") -> str:
 
 def _records(data: Any) -> list[dict[str, Any]]:
     """The list of records of a script's JSON (a list, or a dict with `records`)."""
-    if isinstance(data, list):
-        return data
-    if isinstance(data, dict) and isinstance(data.get("records"), list):
-        return data["records"]
+    recs = data.get("records") if isinstance(data, dict) else data
+    if isinstance(recs, list):
+        return [r for r in recs if isinstance(r, dict)]
     raise ValueError("the JSON holds no list of records")
 
 
@@ -157,7 +156,8 @@ def fig_comm(data: Any) -> str:
 def _pipeline_summary(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict) or "summary" not in data:
         raise ValueError("the JSON has no summary")
-    return data["summary"]
+    summary: dict[str, Any] = data["summary"]
+    return summary
 
 
 def _overhead(summary: dict[str, Any]) -> str:
@@ -316,7 +316,7 @@ def fig_pytest(data: Any) -> str:
     line = data.get("pytest_summary")
     if not line:
         raise ValueError("pytest printed no summary line")
-    return line
+    return str(line)
 
 
 # --------------------------------------------------------------------------------------------------- registry
