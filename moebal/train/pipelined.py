@@ -36,6 +36,7 @@ from moebal.data import DataBundle
 from moebal.dynamism.scheme import Dynamism, build_dynamism
 from moebal.errors import CheckpointError
 from moebal.pipeline.runner import PipelineRunner
+from moebal.train.distributed import RunContext
 from moebal.train.strategy import StepOutput
 
 if TYPE_CHECKING:
@@ -74,7 +75,6 @@ def pipeline_trainer(cfg: Config, run_dir: str | Path, *, resume: bool | str | P
     from moebal.data import build_data
     from moebal.distributed.groups import ParallelDims, env_world
     from moebal.pipeline.runner import pipeline_ep
-    from moebal.train.distributed import RunContext
     from moebal.train.trainer import Trainer, set_threads
 
     set_threads(cfg)
@@ -194,7 +194,7 @@ class PipelineStep:
             self._scheme_layers = r.read_scheme_tensors(reader)
         except CheckpointError as e:
             error = str(e)
-        errors = [e for e in _gather(error) if e]
+        errors = [e for e in RunContext(r.dims).gather(error) if e]  # every rank is still in the job here
         if errors:
             raise CheckpointError(errors[0])
 
@@ -262,13 +262,3 @@ class PipelineStep:
     def close(self) -> None:
         self.runner.close()
 
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's `obj` (start-up and resume only: every rank is still in the job)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
