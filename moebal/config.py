@@ -285,6 +285,10 @@ class TrainConfig:
     """Progress display: a bar on a terminal and plain lines otherwise (auto)."""
     time_limit_min: float | None = 4.5
     """Safety guard: after this many minutes (from start-up) stop early, validate, checkpoint; null: no limit."""
+    recompute: Literal["none", "moe", "attention", "full"] = "none"
+    """Activation recomputation per decoder layer (torch's checkpoint utilities): none; moe: the layer's MoE/MLP
+    part is recomputed in the backward pass; attention: its attention part; full: the whole layer (only its
+    input is kept). Exact in fp32: the same loss and gradients as none."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -301,6 +305,11 @@ class ParallelConfig:
     """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""
     pp: int = 1
     """Pipeline-parallel stages."""
+    shard: Literal["none", "optimizer", "full"] = "none"
+    """Sharded model state: none (every rank keeps full fp32 weights, gradients and AdamW state of what it
+    holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
+    and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2); full: weights too
+    (FSDP2 `fully_shard` for dense parameters, ZeRO-3 style)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -912,6 +921,8 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
+    _need(par.shard == "none", f"'parallel.shard: {par.shard}' is not built yet: use parallel.shard=none")
+    _need(t.recompute == "none", f"'train.recompute: {t.recompute}' is not built yet: use train.recompute=none")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,
