@@ -921,7 +921,11 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
-    _need(par.shard == "none", f"'parallel.shard: {par.shard}' is not built yet: use parallel.shard=none")
+    _need(par.shard != "full", "'parallel.shard: full' (FSDP2 weight sharding) is not built yet: use "
+          "parallel.shard=optimizer (gradients and AdamW state sharded) or none")
+    _need(par.shard == "none" or par.pp == 1,
+          f"'parallel.shard: {par.shard}' with a pipeline (parallel.pp {par.pp}) is not built: a migrating layer "
+          f"would have to carry its gradient and AdamW shards; use parallel.shard=none or parallel.pp=1")
     _need(t.recompute == "none", f"'train.recompute: {t.recompute}' is not built yet: use train.recompute=none")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")

@@ -272,8 +272,8 @@ class ExpertParallelHook(Hook):
             R = self._uniform.shape[0]  # one exchange under balanced routing: the rows that leave the rank
             a2a_s = self._uniform.sum(axis=1).max() * (R - 1) / R * self.token_bytes / self.comm_costs.a2a_bandwidth
             grads = self.ep.grads
-            assert grads is not None  # ExpertParallel builds its gradient buffers in __init__
-            self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, grads.reduced_bytes, a2a_s))
+            if grads is not None:  # none under sharded state: the optimizer reduce-scatters
+                self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, grads.reduced_bytes, a2a_s))
         if self.chunks is None:
             self.chunks = [self._chunks_for(self._uniform, plc) for plc in self.balancer.next_placements(self.ids)]
         if self.ctx.is_main:

@@ -247,16 +247,19 @@ class ExpertParallel:
     """
 
     def __init__(self, model: ExpertModel, dims: ParallelDims, sched: CommScheduler | None = None, *,
-                 chunk_bytes: float = 0.0, overlap: bool = False, compute_dtype: torch.dtype | None = None) -> None:
+                 chunk_bytes: float = 0.0, overlap: bool = False, compute_dtype: torch.dtype | None = None,
+                 sync_gradients: bool = True) -> None:
         """`compute_dtype`: what the experts compute in (bf16 under autocast; None: the parameters' dtype):
-        replicas travel and live in it. The token exchanges of every layer share one high-priority channel
-        over the "ep" ranks (NCCL: a high-priority stream; gloo: a group of its own)."""
+        replicas travel and live in it. `sync_gradients` false: no gradient buffers and no sync (a sharded
+        optimizer, moebal/distributed/sharded.py, reduce-scatters the gradients after Agg). The token
+        exchanges of every layer share one high-priority channel over the "ep" ranks (NCCL: a high-priority
+        stream; gloo: a group of its own)."""
         self.model, self.dims = model, dims
         self.sched = sched or CommScheduler("off", rank=dims.rank, device=dims.device)
         if self.sched.device.type != dims.device.type:
             raise ValueError(f"the communication scheduler runs on {self.sched.device}, the job on {dims.device}: "
                              f"build it with device=dims.device")
-        self.overlap, self.compute_dtype = overlap, compute_dtype
+        self.overlap, self.compute_dtype, self.sync = overlap, compute_dtype, sync_gradients
         self.a2a_group = dims.new_channel("ep", high_priority=True, timeout_s=self.sched.timeout_s)
         self.reducer = StatsReducer(dims.group("dp_ep"), self.sched)
         self.layers: list[MoELayer] = []
@@ -306,7 +309,10 @@ class ExpertParallel:
             if self.grads.active:
                 raise RuntimeError("the gradient buffers cannot be rebuilt inside a step")
             self.grads.close()
+            self.grads = None
         self._chunk_bytes = chunk_bytes
+        if not self.sync:
+            return
         dense, expert = self._channels
         world = self.dims.size("dp_ep")
         groups = [GradGroup("dp_ep", [p for p in self.parameters(expert=False) if p.requires_grad], dense, world),
@@ -348,8 +354,8 @@ class ExpertParallel:
             d.placement, d.replicas, d.trans = plc, {}, None
             d.reset_step()
         self._agg = []
-        if self.sched.mode != "off":
-            self._sync.begin_step()  # arm the hooks: chunks go out during the backward pass
+        if self.sched.mode != "off" and self.grads is not None:
+            self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
         for i in range(len(self.dispatchers) if not self.overlap else 1):
             self._trans(i)
         if not self.overlap:
@@ -438,13 +444,17 @@ class ExpertParallel:
 
     def sync_gradients(self) -> None:
         """Average gradients so they equal the single-process mean-loss gradient (see the module docstring);
-        with a scheduler most chunks are already in flight or done, this waits for the rest."""
+        with a scheduler most chunks are already in flight or done, this waits for the rest. Nothing without
+        gradient buffers (`sync_gradients` false)."""
+        if self.grads is None:
+            return
         if not self._sync.active:
             self._sync.begin_step()
         self._sync.finish()
 
     def close(self) -> None:
-        self._sync.close()
+        if self.grads is not None:
+            self.grads.close()
 
     @property
     def _sync(self) -> GradSync:

@@ -23,7 +23,10 @@ optimizer state of an expert follows the expert to its new owner.
 
 **Who writes what.** A rank writes the dense tensors it holds if it is the first rank of its stage's
 data x expert-parallel group, and the expert tensors it owns if it is the first of its data-parallel group:
-every logical tensor is written exactly once (rank 0 checks this when it completes the checkpoint).
+every logical tensor is written exactly once (rank 0 checks this when it completes the checkpoint). With
+sharded optimizer state (`parallel.shard: optimizer`) the optimizer says what this rank writes
+(`logical_state`): each logical tensor's state whole, by the owner of its first element, in the same format,
+and reads back only the overlap with its parts (`read_logical_state`), so resuming works across shard sizes.
 
 **Atomicity.** Every rank writes its files into `.ckpt-<step>.<session>.tmp/`, fsyncs them, and then
 publishes a small `rank-<r>.json` (its files' sizes and checksums, its tensors, its RNG and hook states)
@@ -343,14 +346,19 @@ class Checkpointer:
                   global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
                   layout: dict[str, Any]) -> _Snapshot:
         view = _local_view(module)
-        opt, numbers = _optimizer_view(module, optimizer, view.stacked)
 
         def mine(name: str) -> bool:
             return self.write_experts if name in view.experts else self.write_dense
 
         model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
-        optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
-        numbers = {k: v for k, v in numbers.items() if mine(k.rsplit(":", 1)[0])}
+        sharded = getattr(optimizer, "logical_state", None)
+        if sharded is not None:  # sharded state: each logical tensor's owner writes it (a collective)
+            opt, numbers = sharded(module, view.stacked)
+            optim = {k: _cpu_copy(t) for k, t in opt.items()}
+        else:
+            opt, numbers = _optimizer_view(module, optimizer, view.stacked)
+            optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
+            numbers = {k: v for k, v in numbers.items() if mine(k.rsplit(":", 1)[0])}
         # a copy through JSON: fails here, in the caller, on anything not serialisable, and the writer never
         # sees a structure the training loop goes on mutating
         global_state, rank_state, layout = json.loads(json.dumps([global_state, rank_state, layout]))
@@ -878,7 +886,10 @@ def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torc
         _ = reader.state  # checked here, so that a bad state.json fails before anything is applied
         for name, dst in view.tensors.items():
             pending.copies.append((dst, reader.read(name)))
-        if optimizer is not None:
+        sharded = getattr(optimizer, "read_logical_state", None)
+        if sharded is not None:  # sharded state: the parts of the logical tensors this rank owns
+            pending.optimizer_state = sharded(reader, module, view.stacked)
+        elif optimizer is not None:
             pending.optimizer_state = _optimizer_state(reader, module, optimizer, view)
     except CheckpointError as e:
         raise with_previous_hint(reader.path, e) from None

@@ -225,24 +225,29 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
                               lookahead=sc.lookahead, predict=sc.predict, timeout_s=sc.timeout_s, dilate=sc.dilate)
         from moebal.train.precision import autocast_dtype
 
+        # sharded state: the optimizer reduce-scatters gradients itself (moebal/distributed/sharded.py)
         expert_parallel = ExpertParallel(model, dims, sched, overlap=sc.block_overlap,
-                                         compute_dtype=autocast_dtype(cfg, dims.device))
+                                         compute_dtype=autocast_dtype(cfg, dims.device),
+                                         sync_gradients=cfg.parallel.shard == "none")
         ctx.comm = sched
         from moebal.balance.experts import expert_parallel_hook
 
         hooks.append(expert_parallel_hook(cfg, expert_parallel, dims, ctx))
     elif dims.distributed:
-        hooks.append(DataParallelHook(dims))
+        hooks.append(DataParallelHook(dims, sync_gradients=cfg.parallel.shard == "none"))
     return ctx, model, hooks
 
 
 class DataParallelHook(Hook):
-    """Plain data parallelism (a dense model, or experts replicated): average every gradient over the ranks."""
+    """Plain data parallelism (a dense model, or experts replicated): average every gradient over the ranks
+    (unless `sync_gradients` is false: a sharded optimizer reduce-scatters them itself)."""
 
-    def __init__(self, dims: ParallelDims) -> None:
-        self.dims = dims
+    def __init__(self, dims: ParallelDims, sync_gradients: bool = True) -> None:
+        self.dims, self.sync = dims, sync_gradients
 
     def after_backward(self, trainer: Trainer, step: int) -> None:
+        if not self.sync:
+            return
         params = [p for p in trainer.model.parameters() if p.requires_grad]
         sum_gradients(params, self.dims.group("dp_ep"), self.dims.size("dp_ep"))
 

@@ -4,6 +4,8 @@ Per step: read the global batch and keep this rank's rows (`RunContext.shard`), 
 forward + backward, hooks' `after_backward` (gradient synchronisation, Pro-Prophet's Agg), clip by the global
 norm, AdamW step, then the step's one routing-statistics point (`_routing_step`: take every MoE layer's
 accumulated stats, let hooks reduce them, apply the auxiliary-loss-free bias update, read them to numbers).
+With `parallel.shard: optimizer` the hooks leave gradients alone and the `ShardedAdamW`
+(moebal/distributed/sharded.py) reduce-scatters them, clips by the global norm and all-gathers the weights.
 The trainer calls the hooks' `before_step` and `after_step` (observe -> plan -> apply) around it.
 """
 
@@ -28,6 +30,7 @@ from moebal.train.precision import uses_bf16
 from moebal.train.strategy import StepOutput
 
 if TYPE_CHECKING:
+    from moebal.distributed.sharded import ShardedAdamW
     from moebal.models.moe import MoELayer
     from moebal.train.checkpoint import CheckpointReader
     from moebal.train.trainer import Trainer
@@ -45,7 +48,13 @@ class LocalStep:
         ctx.check_batch(cfg.data.batch_size)
         self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
         self.model = model.to(device)
-        self._optimizer = build_optimizer(self.model, cfg.train)
+        self._sharded: ShardedAdamW | None = None
+        if cfg.parallel.shard == "optimizer" and ctx.distributed:
+            from moebal.distributed.sharded import ShardedAdamW
+
+            # the hooks leave gradients unsynchronised (setup_parallel): this optimizer reduce-scatters them
+            self._sharded = ShardedAdamW(self.model, cfg.train, ctx.dims)
+        self._optimizer = self._sharded or build_optimizer(self.model, cfg.train)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -111,12 +120,18 @@ class LocalStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        if self._sharded is not None:
+            self._sharded.begin()  # gradient buckets go out during the backward pass
         loss, aux = self.forward_backward(batch, scale)
         self._record_complexity(global_batch, batch)
         for hook in trainer.hooks:
             hook.after_backward(trainer, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        grad_norm = self.ctx.clip_grad_norm(self.model, clip)
+        if self._sharded is not None:
+            self._sharded.reduce()  # after Agg: the expert buckets, then every part averaged
+            grad_norm = self._sharded.clip_grad_norm(clip)
+        else:
+            grad_norm = self.ctx.clip_grad_norm(self.model, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         stats = self._routing_step(trainer)
@@ -203,7 +218,9 @@ class LocalStep:
         """No plot beyond the trainer's dashboard."""
 
     def close(self) -> None:
-        """The process groups belong to whoever built the run context."""
+        """The process groups belong to whoever built the run context; a sharded optimizer's hooks go."""
+        if self._sharded is not None:
+            self._sharded.close()
 
 
 def placement_summary(metrics: Path, cfg: Config) -> dict[str, float | str] | None:

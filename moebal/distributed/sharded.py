@@ -1,0 +1,446 @@
+"""Sharded gradients and AdamW state (`parallel.shard: optimizer`, ZeRO-2): weights replicated, each rank
+keeps the gradient and the AdamW moments of its own part of every parameter only.
+
+Shape legend: W = ranks of a shard group, S = elements a rank owns of one bucket (its part), N = a flat's
+elements (padded to a multiple of W).
+
+Layout, fixed at start-up (identical on every rank of a shard group, which holds the same parameters):
+- the parameters are split into flats by (shard axis, weight decay, dtype): dense parameters are sharded over
+  every rank of the stage ("dp_ep", the ranks that average dense gradients), expert parameters over their
+  expert-data-parallel copies ("dp", the ranks that hold the same experts); the weight decay of AdamW's two
+  parameter groups (moebal/train/optim.py) is a flat's own;
+- a flat is one buffer that its parameters become views of, in reverse registration order (roughly the order
+  the backward pass finishes them), cut into buckets of a multiple of W elements (the last one padded); rank
+  r owns part r of every bucket: S contiguous elements, the AdamW leaf of that bucket (a view of the flat, so
+  the optimizer's in-place update is the weights' update on the owner).
+
+One step (`begin` before the forward pass, `reduce` after the hooks' `after_backward`, then `clip_grad_norm`,
+`step`):
+  1. backward: when every gradient of a dense bucket is final (a post-accumulate-grad hook) the bucket's
+     gradients are copied into a send buffer, the parameters' gradients whose last bucket this was are freed,
+     and the bucket is reduce-scattered (async) into its owners' parts; buckets go out in one fixed order on
+     every rank (by position, then flat) whatever order the hooks fire in, so the ranks agree;
+  2. `reduce` (after Agg: expert gradients are final only once replica gradients were added into the owner's)
+     treats gradients that never arrived as zero, issues every remaining bucket (the expert ones last), waits
+     for all of them                                                       <- wait: every reduce-scatter
+     and divides by the stage's rank count (the same averages the unsharded sync makes);
+  3. `clip_grad_norm`: the squares of every owned part, summed over the stage in one all-reduce: each element
+     of the model is in exactly one rank's part (dense over "dp_ep", experts over "dp" and disjoint over "ep");
+  4. `step`: AdamW on the owned parts (fused where torch has the kernel), then every bucket's parts are
+     all-gathered into the flat: the updated weights on every rank; the gradient parts are freed.
+Memory per rank: the weights (replicated) + 1/W of the gradients (while a step runs) + 1/W of AdamW's two
+moments; no persistent full-size gradient buffer. The full-size gradients of the backward pass are freed
+bucket by bucket as their buckets go out.
+
+Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
+is written whole, by the owner of its first element, which receives the other owners' pieces point to point
+(`logical_state`); loading reads the logical tensors that overlap this rank's parts and keeps the overlap
+(`read_logical_state`), so a checkpoint resumes under any shard size, or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moebal.config import TrainConfig
+from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.groups import ParallelDims
+
+if TYPE_CHECKING:
+    from moebal.train.checkpoint import CheckpointReader
+
+__all__ = ["ShardedAdamW", "model_state_bytes"]
+
+# 16 MB of fp32 per bucket: large enough that a collective's latency is small against its transfer, small
+# enough that the send buffers in flight stay a small part of the gradients
+DEFAULT_BUCKET_ELEMS = 1 << 22
+
+
+@dataclass
+class _Bucket:
+    flat: int
+    start: int  # flat offset
+    part: int  # S: elements each rank owns
+    params: list[int]  # indices (into the flat's params) of the parameters overlapping it
+    position: int  # of its last parameter in reverse registration order (the issue order)
+    late: bool  # expert weights: released only after Agg, in `reduce`
+    missing: int = 0
+
+
+@dataclass
+class _Piece:
+    """One logical tensor of a flat (a parameter, or one expert's row of a stacked one): its checkpoint name,
+    shape and flat range."""
+
+    name: str
+    stacked: str | None
+    expert: int | None
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+@dataclass
+class _Flat:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buf: torch.Tensor  # [N], the parameters are views of it
+    group: Any
+    ranks: list[int]  # global ranks of the shard group, in group order
+    index: int  # this rank's position in it
+    weight_decay: float
+    buckets: list[int] = field(default_factory=list)  # global bucket indices
+    leaves: list[torch.Tensor] = field(default_factory=list)  # per bucket: this rank's part (a view of buf)
+
+    @property
+    def W(self) -> int:
+        return len(self.ranks)
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over gradient and moment shards (see the module docstring). Its `param_groups` are the model's
+    (the trainer sets the learning rate there); `state` stays empty: the moments live on the owned parts."""
+
+    def __init__(self, model: nn.Module, t: TrainConfig, dims: ParallelDims,
+                 bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> None:
+        from moebal.train.optim import param_groups
+
+        groups = param_groups(model, t.weight_decay)
+        super().__init__(groups, {"lr": t.lr})
+        self.dims = dims
+        self.divisor = float(dims.size("dp_ep"))
+        self.flats: list[_Flat] = []
+        self.buckets: list[_Bucket] = []
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        for g in groups:
+            for expert in (False, True):
+                ps = [p for p in g["params"] if is_expert_param(p) == expert]
+                for dtype in dict.fromkeys(p.dtype for p in ps):
+                    same = sorted((p for p in ps if p.dtype == dtype), key=lambda p: -order[id(p)])
+                    self._add_flat(same, "dp" if expert else "dp_ep", g["weight_decay"], expert, order,
+                                   bucket_elems)
+        # one issue order on every rank: dense buckets by the position their last gradient arrives at, expert
+        # buckets (after Agg) last
+        self.order = sorted(range(len(self.buckets)),
+                            key=lambda k: (self.buckets[k].late, self.buckets[k].position, k))
+        self._of_param: dict[int, tuple[int, int]] = {id(p): (f, i) for f, fl in enumerate(self.flats)
+                                                      for i, p in enumerate(fl.params)}
+        self._param_buckets: dict[int, list[int]] = {}
+        for k, b in enumerate(self.buckets):
+            for i in b.params:
+                self._param_buckets.setdefault(id(self.flats[b.flat].params[i]), []).append(k)
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for fl in self.flats
+                    for p in fl.params)
+        self.inner = torch.optim.AdamW([{"params": fl.leaves, "weight_decay": fl.weight_decay}
+                                        for fl in self.flats if fl.leaves],
+                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                       fused=fused or None, foreach=None if fused else True)
+        self._active = False
+        self._next = 0  # position in `order` of the next bucket to issue
+        self._inflight: list[tuple[Any, torch.Tensor, torch.Tensor, int]] = []  # (handle, send, out, bucket)
+        self._outs: dict[int, torch.Tensor] = {}
+        self._arrived: set[int] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for fl in self.flats for p in fl.params
+                       if not is_expert_param(p)]
+
+    # ---- layout ----
+    def _add_flat(self, params: list[nn.Parameter], axis: str, weight_decay: float, late: bool,
+                  order: dict[int, int], bucket_elems: int) -> None:
+        if not params:
+            return
+        ranks = self.dims.ranks_of(axis)
+        W = len(ranks)
+        total = sum(p.numel() for p in params)
+        N = -(-total // W) * W
+        buf = torch.zeros(N, dtype=params[0].dtype, device=params[0].device)
+        offsets, o = [], 0
+        with torch.no_grad():
+            for p in params:
+                buf[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = buf[o:o + p.numel()].view_as(p)  # the weights live in the flat from now on
+                offsets.append(o)
+                o += p.numel()
+        fl = _Flat(params, offsets, buf, self.dims.group(axis), ranks, ranks.index(self.dims.rank), weight_decay)
+        f = len(self.flats)
+        self.flats.append(fl)
+        step = max(W, bucket_elems // W * W)
+        for start in range(0, N, step):
+            stop = min(N, start + step)
+            ids = [i for i, (p, a) in enumerate(zip(params, offsets)) if a < stop and a + p.numel() > start]
+            position = max(len(order) - 1 - order[id(params[i])] for i in ids)
+            fl.buckets.append(len(self.buckets))
+            self.buckets.append(_Bucket(f, start, (stop - start) // W, ids, position, late))
+            part = buf[start + fl.index * ((stop - start) // W):start + (fl.index + 1) * ((stop - start) // W)]
+            fl.leaves.append(part.detach().requires_grad_(True))
+
+    def pieces(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> Iterator[
+            tuple[int, _Piece]]:
+        """(flat, piece) of every logical tensor, in one order on every rank."""
+        from moebal.train.checkpoint import expert_name
+
+        names = {id(p): n for n, p in module.named_parameters()}
+        for f, fl in enumerate(self.flats):
+            for p, o in zip(fl.params, fl.offsets):
+                name = names[id(p)]
+                if name in stacked:
+                    row = p[0].numel()
+                    for j, e in enumerate(stacked[name][0]):
+                        yield f, _Piece(expert_name(name, e), name, e, tuple(p.shape[1:]), o + j * row,
+                                        o + (j + 1) * row)
+                else:
+                    yield f, _Piece(name, None, None, tuple(p.shape), o, o + p.numel())
+
+    def _runs(self, f: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
+        """(owner, bucket, lo, hi): the flat range [start, stop) cut where the owner changes; [lo, hi) are flat
+        offsets inside one owner's part of one bucket."""
+        for k in self.flats[f].buckets:
+            b = self.buckets[k]
+            for j in range(self.flats[f].W):
+                a, z = b.start + j * b.part, b.start + (j + 1) * b.part
+                lo, hi = max(a, start), min(z, stop)
+                if lo < hi:
+                    yield j, k, lo, hi
+
+    # ---- gradients ----
+    def begin(self) -> None:
+        """Arm the hooks for one backward pass."""
+        for b in self.buckets:
+            b.missing = len(b.params)
+        self._arrived, self._inflight, self._outs, self._next = set(), [], {}, 0
+        self._active = True
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._active:
+            self._mark(p)
+            self._issue_ready()
+
+    def _mark(self, p: torch.Tensor) -> None:
+        if id(p) in self._arrived or id(p) not in self._of_param:
+            return
+        self._arrived.add(id(p))
+        for k in self._param_buckets.get(id(p), []):
+            self.buckets[k].missing -= 1
+
+    def _issue_ready(self) -> None:
+        while self._next < len(self.order) and self.buckets[self.order[self._next]].missing == 0:
+            self._issue(self.order[self._next])
+            self._next += 1
+        # send buffers whose reduce-scatter is done are dropped now (no wait: a rank waiting here could hold
+        # up a collective of the backward pass another rank needs first)
+        self._inflight = [x for x in self._inflight if x[0] is not None and not x[0].is_completed()]
+
+    def _issue(self, k: int) -> None:
+        b = self.buckets[k]
+        fl = self.flats[b.flat]
+        end = b.start + b.part * fl.W
+        send = torch.zeros(b.part * fl.W, dtype=fl.buf.dtype, device=fl.buf.device)
+        for i in b.params:
+            p, o = fl.params[i], fl.offsets[i]
+            lo, hi = max(o, b.start), min(o + p.numel(), end)
+            if p.grad is not None:
+                send[lo - b.start:hi - b.start].copy_(p.grad.detach().reshape(-1)[lo - o:hi - o])
+            if self._param_buckets[id(p)][-1] == k:
+                p.grad = None  # its last bucket went out: the full-size gradient is not needed any more
+        if fl.W == 1:
+            self._outs[k] = send
+            return
+        out = torch.empty(b.part, dtype=send.dtype, device=send.device)
+        handle = dist.reduce_scatter_single(out, send, group=fl.group, async_op=True)
+        self._outs[k] = out
+        self._inflight.append((handle, send, out, k))
+
+    def reduce(self) -> None:
+        """After the backward pass and Agg: every remaining bucket out, every part's gradient averaged and set."""
+        if not self._active:
+            self.begin()
+        for fl in self.flats:
+            for p in fl.params:
+                self._mark(p)
+        self._issue_ready()
+        for handle, *_ in self._inflight:
+            handle.wait()  # wait: the step's reduce-scatters
+        self._inflight, self._active = [], False
+        for fl in self.flats:
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                leaf.grad = self._outs[k].div_(self.divisor)
+        self._outs = {}
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (each element counted once over the stage); no host
+        read."""
+        sq = [leaf.grad.float().square().sum() for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
+        total_sq = torch.stack(sq).sum() if sq else torch.zeros((), device=self.dims.device)
+        if self.dims.distributed:
+            dist.all_reduce(total_sq, group=self.dims.group("dp_ep"))
+        total = total_sq.sqrt()
+        if max_norm != float("inf"):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for fl in self.flats:
+                for leaf in fl.leaves:
+                    if leaf.grad is not None:
+                        leaf.grad.mul_(coef.to(leaf.grad.dtype))
+        return total
+
+    # ---- the update ----
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """AdamW on the owned parts, then the updated weights all-gathered into every rank's flat."""
+        lr = self.param_groups[0]["lr"]
+        for g in self.inner.param_groups:
+            g["lr"] = lr
+        self.inner.step()
+        for fl in self.flats:
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                leaf.grad = None
+                if fl.W > 1:
+                    b = self.buckets[k]
+                    dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], leaf.detach().clone(),
+                                           group=fl.group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for fl in self.flats:
+            for p in fl.params:
+                p.grad = None
+            for leaf in fl.leaves:
+                leaf.grad = None
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- what it holds ----
+    def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(gradient parts, AdamW state tensors) held now."""
+        grads = [leaf.grad for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
+        state = [v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return grads, state
+
+    # ---- checkpoints ----
+    def _part_state(self, k: int) -> dict[str, torch.Tensor]:
+        fl = self.flats[self.buckets[k].flat]
+        leaf = fl.leaves[fl.buckets.index(k)]
+        state: dict[str, torch.Tensor] = self.inner.state.get(leaf, {})
+        return state
+
+    def logical_state(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The AdamW state this rank writes, by `<logical name>:<key>`: every logical tensor whose first element
+        it owns, whole (the other owners' pieces received point to point). Collective over the shard groups."""
+        out: dict[str, torch.Tensor] = {}
+        if not self.inner.state:
+            return out, {}
+        keys = ("exp_avg", "exp_avg_sq")
+        ops: list[Any] = []
+        for f, piece in self.pieces(module, stacked):
+            fl = self.flats[f]
+            runs = list(self._runs(f, piece.start, piece.stop))
+            writer = runs[0][0]
+            mine = fl.index == writer
+            full = {key: torch.empty(piece.stop - piece.start, dtype=fl.buf.dtype, device=fl.buf.device)
+                    for key in keys} if mine else {}
+            for j, k, lo, hi in runs:
+                b = self.buckets[k]
+                a = lo - b.start - j * b.part
+                z = hi - b.start - j * b.part
+                if j == fl.index:
+                    state = self._part_state(k)
+                    for key in keys:
+                        if mine:
+                            full[key][lo - piece.start:hi - piece.start].copy_(state[key][a:z])
+                        else:
+                            ops.append(dist.P2POp(dist.isend, state[key][a:z].contiguous(), fl.ranks[writer]))
+                elif mine:
+                    ops.extend(dist.P2POp(dist.irecv, full[key][lo - piece.start:hi - piece.start],
+                                          fl.ranks[j]) for key in keys)
+            if mine:
+                step = self._part_state(runs[0][1])["step"]
+                for key in keys:
+                    out[f"{piece.name}:{key}"] = full[key].view(piece.shape)
+                out[f"{piece.name}:step"] = step.detach().clone()
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()  # wait: the pieces of the logical tensors this rank writes
+        return out, {}
+
+    def read_logical_state(self, reader: CheckpointReader, module: nn.Module,
+                           stacked: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, Any]:
+        """The AdamW state of this rank's parts from a checkpoint's logical tensors (of any shard size), for
+        `load_state_dict`. Raises CheckpointError for state that does not fit."""
+        from moebal.errors import CheckpointError
+
+        parts: dict[int, dict[str, torch.Tensor]] = {}
+        for f, piece in self.pieces(module, stacked):
+            fl = self.flats[f]
+            runs = [r for r in self._runs(f, piece.start, piece.stop) if r[0] == fl.index]
+            if not runs:
+                continue
+            keys = reader.optimizer_keys(piece.name)
+            if not keys:
+                continue  # no state saved: the part starts fresh, as an unsharded optimizer's would
+            saved = reader.optimizer_state(piece.stacked, piece.expert) if piece.stacked is not None else \
+                reader.optimizer_state(piece.name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = saved.get(key)
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != piece.shape:
+                    raise CheckpointError(f"{reader.path}: optimizer state '{piece.name}:{key}' is missing or has "
+                                          f"another shape than the parameter {piece.shape}")
+            for _, k, lo, hi in runs:
+                b = self.buckets[k]
+                a = lo - b.start - fl.index * b.part
+                dst = parts.setdefault(k, {key: torch.zeros(b.part, dtype=fl.buf.dtype) for key in
+                                           ("exp_avg", "exp_avg_sq")})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    dst[key][a:a + hi - lo] = saved[key].reshape(-1)[lo - piece.start:hi - piece.start]
+                step = saved.get("step")
+                dst["step"] = step if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))
+        return {"sharded_parts": parts}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket)."""
+        parts = state_dict["sharded_parts"]
+        for k, s in parts.items():
+            fl = self.flats[self.buckets[k].flat]
+            leaf = fl.leaves[fl.buckets.index(k)]
+            step = s["step"].detach().to(torch.float32).reshape(())
+            self.inner.state[leaf] = {"step": step.to(leaf.device) if self.inner.defaults.get("fused") else step,
+                                      "exp_avg": s["exp_avg"].to(leaf.device),
+                                      "exp_avg_sq": s["exp_avg_sq"].to(leaf.device)}
+
+
+def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            s = t.untyped_storage()
+            out.setdefault(s.data_ptr(), s.nbytes())
+    return out
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                      grad_buffers: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes of model state this rank holds now, from the tensors' storages (each storage counted once, in
+    the first category that holds it): parameters, gradients (the parameters' and a sharded optimizer's
+    parts), persistent gradient buffers, optimizer state; and their total."""
+    params = _storages(model.parameters())
+    grads_t: list[torch.Tensor | None] = [p.grad for p in model.parameters()]
+    if isinstance(optimizer, ShardedAdamW):
+        parts, state_t = optimizer.shard_tensors()
+        grads_t.extend(parts)
+    else:
+        state_t = [v for s in (optimizer.state.values() if optimizer is not None else [])
+                   for v in s.values() if isinstance(v, torch.Tensor)]
+    seen = dict(params)
+    out = {"params": sum(params.values())}
+    for key, ts in (("grads", grads_t), ("grad_buffers", list(grad_buffers)), ("optimizer", state_t)):
+        new = {k: v for k, v in _storages(ts).items() if k not in seen}
+        seen.update(new)
+        out[key] = sum(new.values())
+    out["total"] = sum(seen.values())
+    return out
