@@ -78,3 +78,57 @@ def test_sharded_optimizer_with_prophet_replicas_matches_unsharded(tmp_path):
     out = run_ranks(_pair, 2, str(tmp_path), 2, "prophet", timeout_s=600)
     assert any(sum(r["replicas"]) > 0 for r in out[0]["optimizer"])  # Trans and Agg ran
     _check(out)
+
+
+# ---- checkpoints: resume across shard sizes ------------------------------------------------------------------
+
+RESUME_STEPS = 6
+
+
+def _leg(rank: int, world: int, root: str, shard: str, ep: int | None, resume: bool, stop: int | None) -> list[dict]:
+    from moebal.train.distributed import setup_parallel
+    from moebal.train.trainer import Trainer
+
+    cfg = _cfg(shard, ep, steps=RESUME_STEPS, ckpt_every=2)
+    out = Path(root)
+    ctx, model, hooks = setup_parallel(cfg, run_dir=out, resume=resume)
+    trainer = Trainer(cfg, out, model=model, hooks=hooks, ctx=ctx, resume=resume)
+    trainer.train(stop_after=stop)
+    trainer.close()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if ctx.is_main else []
+    return [r for r in rows if "loss" in r]
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a checkpoint and its AdamW moments, by name."""
+    from moebal.train.checkpoint import read_checkpoint
+
+    out: dict[str, torch.Tensor] = {}
+    with read_checkpoint(path) as reader:
+        for name in reader.names():
+            out[name] = reader.read(name)
+        for k in reader.manifest["tensors"]:
+            ln, _, key = k.rpartition(":")
+            if ln and key != "step":
+                out[k] = reader.optimizer_state(ln)[key]
+    return out
+
+
+def test_resume_across_shard_sizes_1_2_4_with_expert_parallelism(tmp_path):
+    """One process for 2 steps, then 2 ranks (ep 2: dense state in 2 shards), then 4 ranks (ep 2: dense state in 4
+    shards, expert state in 2), against one uninterrupted process: losses, weights and AdamW moments."""
+    whole = run_ranks(_leg, 1, str(tmp_path / "whole"), "none", None, False, None, timeout_s=600)[0]
+    run = str(tmp_path / "resumed")
+    run_ranks(_leg, 1, run, "none", None, False, 2, timeout_s=600)
+    run_ranks(_leg, 2, run, "optimizer", 2, True, 4, timeout_s=600)
+    resumed = run_ranks(_leg, 4, run, "optimizer", 2, True, None, timeout_s=600)[0]
+    assert [r["step"] for r in resumed] == list(range(1, RESUME_STEPS + 1))
+    for a, b in zip(whole, resumed):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+    ref, got = (_state(Path(d) / f"ckpt-{RESUME_STEPS:07d}") for d in (tmp_path / "whole", run))
+    assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") for k in ref)
+    worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
+    assert worst < 1e-5, worst
+    manifest = json.loads((Path(run) / f"ckpt-{RESUME_STEPS:07d}" / "manifest.json").read_text())
+    writers = {e["file"] for k, e in manifest["tensors"].items() if ":" in k}
+    assert len(writers) == 4, writers  # the AdamW state was written by its owners, every rank a part
