@@ -2,10 +2,10 @@
 
     python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--json FILE]
 
-For each layout (data parallel; data x expert parallel with ep 2) and each of shard none / optimizer, the
-trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the tensors' storages (each
-storage once), the bytes of its parameters, gradients, persistent gradient buffers and optimizer state
-(`moebal.distributed.sharded.model_state_bytes`) at three points of every step:
+For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way expert parallel) and each of
+shard none / optimizer, the trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the
+tensors' storages (each storage once), the bytes of its parameters, gradients, persistent gradient buffers and
+optimizer state (`moebal.distributed.sharded.model_state_bytes`) at three points of every step:
   backward   right after the backward pass (a hook ahead of the gradient synchronisation)
   update     just before the optimizer step (the reduced gradients held, moments allocated)
   rest       after the step (between steps: what a run holds all the time)
@@ -28,7 +28,10 @@ from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
 from moebal.train.hooks import Hook
 
-LAYOUTS = {"dp": None, "dp_x_ep2": 2}
+LAYOUTS = {"dp": 1, "dp2_x_ep2": 2, "ep4": 4}
+"""parallel.ep of each layout on 4 ranks: experts replicated (their state sharded 4 ways with the dense state);
+2 expert-parallel x 2 data-parallel (expert state 2 ways); experts sharded 4 ways (expert state not sharded: each
+expert has one copy, so no expert-data-parallel ranks to split it over)."""
 
 
 def bench_config(shard: str, ep: int | None, steps: int) -> Config:

@@ -117,6 +117,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.divisor = float(dims.size("dp_ep"))
         self.flats: list[_Flat] = []
         self.buckets: list[_Bucket] = []
+        # channels of our own (collective to create, in this order everywhere): the reduce-scatters are issued
+        # from backward hooks, which must never interleave with what the communication scheduler's thread
+        # issues on the axis groups
+        self._channels = {axis: dims.new_channel(axis) if dims.size(axis) > 1 else None for axis in ("dp_ep", "dp")}
         order = {id(p): i for i, p in enumerate(model.parameters())}
         for g in groups:
             for expert in (False, True):
@@ -166,7 +170,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.data = buf[o:o + p.numel()].view_as(p)  # the weights live in the flat from now on
                 offsets.append(o)
                 o += p.numel()
-        fl = _Flat(params, offsets, buf, self.dims.group(axis), ranks, ranks.index(self.dims.rank), weight_decay)
+        fl = _Flat(params, offsets, buf, self._channels[axis], ranks, ranks.index(self.dims.rank), weight_decay)
         f = len(self.flats)
         self.flats.append(fl)
         step = max(W, bucket_elems // W * W)
@@ -276,8 +280,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         read."""
         sq = [leaf.grad.float().square().sum() for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
         total_sq = torch.stack(sq).sum() if sq else torch.zeros((), device=self.dims.device)
-        if self.dims.distributed:
-            dist.all_reduce(total_sq, group=self.dims.group("dp_ep"))
+        if self._channels["dp_ep"] is not None:
+            dist.all_reduce(total_sq, group=self._channels["dp_ep"])
         total = total_sq.sqrt()
         if max_norm != float("inf"):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
