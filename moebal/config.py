@@ -308,8 +308,8 @@ class ParallelConfig:
     shard: Literal["none", "optimizer", "full"] = "none"
     """Sharded model state: none (every rank keeps full fp32 weights, gradients and AdamW state of what it
     holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
-    and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2); full: weights too
-    (FSDP2 `fully_shard` for dense parameters, ZeRO-3 style)."""
+    and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
+    weights too (FSDP2 `fully_shard`, ZeRO-3 style; refused: not built). Not with parallel.pp > 1."""
 
 
 @dataclass(kw_only=True, frozen=True)
