@@ -40,7 +40,7 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "moe.num_experts=4", "moe.expert_ffn_dim=64", "model.max_seq_len=128"]
 COMMON = ["train.precision=fp32", "data.max_bytes=2000000", "train.eval_every=0", "train.eval_batches=1",
           "train.warmup_steps=1", "train.time_limit_min=null", "planner.policy=static", "scheduler.trace_step=0",
-          "scheduler.events=false", "train.threads=1", "data.val_fraction=0.05"]
+          "scheduler.events=false", "train.threads=1", "data.val_fraction=0"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,14 @@ BASELINE_CASES = [
     Case("tiny_ep4", ("parallel.ep=4", "data.batch_size=16", "data.seq_len=64"), model=tuple(TINY)),
     Case("tiny_dp4", ("parallel.ep=1", "data.batch_size=16", "data.seq_len=64"), model=tuple(TINY)),
 ]
+CALIBRATION = ["model.dim=384", "model.n_layers=3", "model.n_heads=6", "model.n_kv_heads=6", "model.ffn_dim=1152",
+               "moe.num_experts=8", "moe.expert_ffn_dim=1152", "model.max_seq_len=512"]
+CALIBRATION_CASES = [  # another model than the validation layouts': the slack constants' own data
+    Case("cal_ep4", ("parallel.ep=4", "data.batch_size=16", "data.seq_len=128"), model=tuple(CALIBRATION)),
+    Case("cal_dp4", ("parallel.ep=1", "data.batch_size=16", "data.seq_len=128"), model=tuple(CALIBRATION)),
+    Case("cal_pp2_dp2", ("parallel.pp=2", "parallel.ep=1", "pipeline.micro_batches=2", "data.batch_size=16",
+                         "data.seq_len=128"), model=tuple(CALIBRATION)),
+]
 
 
 def overrides(case: Case, steps: int) -> list[str]:
@@ -108,20 +116,24 @@ def plan_config(case: Case, steps: int) -> Config:
     return load(None, rest)
 
 
-def predict(case: Case, steps: int, runtime: bool = True) -> dict[str, Any]:
+def predict(case: Case, steps: int, runtime: bool = True, skew: float = 1.0) -> dict[str, Any]:
+    """The plan of a case on this machine's CPU (runtime False: the model's bytes alone, no CPU constants), with
+    the busiest rank's routed rows `skew` times the mean."""
     from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
 
     cfg = plan_config(case, steps)
     given = dict(o.split("=", 1) for o in case.overrides)
     lay = layout_from_config(cfg, RANKS, shard=given.get("parallel.shard"), recompute=given.get("train.recompute"),
-                             precision="fp32")
+                             precision="fp32", routing_skew=skew)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     dev = DeviceMemory.cpu(ram, RANKS)
     if not runtime:
-        dev = DeviceMemory(name=dev.name, capacity_bytes=dev.capacity_bytes, runtime_bytes=0.0, slack=0.0)
+        dev = DeviceMemory(name=dev.name, capacity_bytes=dev.capacity_bytes, runtime_bytes=0.0, slack=0.0,
+                           startup_retained=0.0)
     plan = plan_memory(cfg, lay, dev)
     return {"layout": lay.describe(), "peak_bytes": plan.peak_bytes, "terms": plan.to_dict()["terms"],
-            "stage_peaks": list(plan.stage_peaks), "phases": plan.to_dict()["phases"]}
+            "stage_peaks": list(plan.stage_peaks), "phases": plan.to_dict()["phases"],
+            "stage_train_bytes": list(plan.stage_train), "stage_freed_bytes": list(plan.stage_freed)}
 
 
 def _port() -> int:
@@ -161,8 +173,27 @@ def measure(case: Case, steps: int, workdir: Path) -> dict[str, Any]:
     if errors:
         return {"status": "failed", "exit_codes": codes, "stderr_tail": errors, "wall_s": wall}
     summary = json.loads((out / "summary.json").read_text())
+    counts = [json.loads(line).get("expert_counts") for line in (out / "metrics.jsonl").read_text().splitlines()
+              if line.strip()]
     return {"status": "ok", "rss_bytes": [rss[r] for r in range(RANKS)], "tokens_per_s": summary["tokens_per_s"],
-            "wall_s": wall}
+            "wall_s": wall, "expert_counts": [c for c in counts if c]}
+
+
+def rank_skews(counts_steps: list[list[list[float]]], ep: int) -> list[float]:
+    """Per expert-parallel rank: its routed rows over the MoE layers / the mean rank's, at the step where that is
+    largest (experts in contiguous blocks of E / ep per rank, as `default_owners`)."""
+    out = [1.0] * ep
+    for layers in counts_steps:
+        per_rank = [0.0] * ep
+        total = 0.0
+        for counts_E in layers:
+            E = len(counts_E)
+            for e, c in enumerate(counts_E):
+                per_rank[e // (E // ep)] += c
+                total += c
+        if total:
+            out = [max(o, x / (total / ep)) for o, x in zip(out, per_rank)]
+    return out
 
 
 def run_case(case: Case, steps: int, workdir: Path) -> dict[str, Any]:
@@ -180,6 +211,15 @@ def run_case(case: Case, steps: int, workdir: Path) -> dict[str, Any]:
     if row["status"] == "ok" and "peak_bytes" in row["predicted"]:
         pred = row["predicted"]
         per_rank = _per_rank_prediction(case, pred)
+        row["predicted_rank_bytes_skew1"] = per_rank
+        ep = int(dict(o.split("=", 1) for o in case.overrides).get("parallel.ep", 1))
+        pp = int(dict(o.split("=", 1) for o in case.overrides).get("parallel.pp", 1))
+        if ep > 1:  # the plan's routing-skew input, observed: the rank that owns the hot experts computes their rows
+            skews = rank_skews(row.pop("expert_counts"), ep)
+            row["rank_skew"] = [skews[(r % (RANKS // pp)) % ep] for r in range(RANKS)]
+            per_rank = [_per_rank_prediction(case, predict(case, steps, skew=s))[r]
+                        for r, s in enumerate(row["rank_skew"])]
+        row.pop("expert_counts", None)
         row["predicted_rank_bytes"] = per_rank
         row["error_per_rank"] = [(p - m) / m for p, m in zip(per_rank, row["rss_bytes"])]
         row["error"] = (max(per_rank) - max(row["rss_bytes"])) / max(row["rss_bytes"])
@@ -232,7 +272,36 @@ def fit_baseline(steps: int, workdir: Path) -> dict[str, Any]:
         rows.append({"name": case.name, "rss_bytes": m["rss_bytes"], "model_terms_bytes": p["peak_bytes"],
                      "runtime_bytes": [x - p["peak_bytes"] for x in m["rss_bytes"]]})
     fitted = [x for r in rows for x in r.get("runtime_bytes", [])]
-    return {"rows": rows, "runtime_bytes_median": statistics.median(fitted) if fitted else None}
+    runtime = statistics.median(fitted) if fitted else 0.0
+    return {"rows": rows, "runtime_bytes_median": runtime, **fit_slack(steps, workdir, runtime)}
+
+
+def fit_slack(steps: int, workdir: Path, runtime: float) -> dict[str, Any]:
+    """The CPU allocator constants, by least squares over every rank of CALIBRATION_CASES:
+    rss - runtime - train = slack * train + retained * freed (train: the training phases' bytes of the rank's
+    stage; freed: what its start-up built and then freed)."""
+    import numpy as np
+
+    A, b, rows = [], [], []
+    for case in CALIBRATION_CASES:
+        m = measure(case, steps, workdir)
+        rows.append({"name": case.name, **m})
+        if m["status"] != "ok":
+            continue
+        given = dict(o.split("=", 1) for o in case.overrides)
+        ep = int(given.get("parallel.ep", 1))
+        skews = rank_skews(m.pop("expert_counts"), ep) if ep > 1 else [1.0]
+        for r, rss in enumerate(m["rss_bytes"]):
+            p = predict(case, steps, runtime=False, skew=skews[r % ep])
+            per = RANKS // len(p["stage_train_bytes"])
+            train, freed = p["stage_train_bytes"][r // per], p["stage_freed_bytes"][r // per]
+            A.append([train, freed])
+            b.append(rss - runtime - train)
+        rows[-1]["rank_skew"] = [skews[r % ep] for r in range(RANKS)]
+    if not A:
+        return {"calibration_rows": rows}
+    (slack, retained), *_ = np.linalg.lstsq(np.array(A), np.array(b), rcond=None)
+    return {"calibration_rows": rows, "allocator_slack": float(slack), "startup_retained": float(retained)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,15 +324,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_memory: {c.name} ...", file=sys.stderr, flush=True)
                 rows.append(run_case(c, args.steps, Path(tmp)))
             errs = [abs(r["error"]) for r in rows if "error" in r]
+            ranks = [abs(e) for r in rows for e in r.get("error_per_rank", [])]
             result = {"rows": rows, "savings": savings(rows),
                       "median_abs_error": statistics.median(errs) if errs else None,
-                      "max_abs_error": max(errs) if errs else None, "validated_rows": len(errs)}
+                      "max_abs_error": max(errs) if errs else None, "validated_rows": len(errs),
+                      "median_abs_error_per_rank": statistics.median(ranks) if ranks else None}
     import torch
 
-    from moebal.planner.memory import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES
+    from moebal.planner.memory import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES, CPU_STARTUP_RETAINED
 
     result["meta"] = {"ranks": RANKS, "steps": args.steps, "model": MODEL, "common": COMMON,
                       "cpu_runtime_bytes": CPU_RUNTIME_BYTES, "cpu_allocator_slack": CPU_ALLOCATOR_SLACK,
+                      "cpu_startup_retained": CPU_STARTUP_RETAINED,
                       "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                       "torch": torch.__version__, "python": platform.python_version(),
                       "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - t0}
@@ -281,6 +353,10 @@ def _print(result: dict[str, Any]) -> None:
             print(f"{r['name']:<12} rss {[round(x / 1e6) for x in r.get('rss_bytes', [])]} MB, "
                   f"runtime {[round(x / 1e6) for x in r.get('runtime_bytes', [])]} MB")
         print(f"median runtime constant: {(b['runtime_bytes_median'] or 0) / 1e6:.0f} MB")
+        for r in b.get("calibration_rows", []):
+            print(f"{r['name']:<12} rss {[round(x / 1e6) for x in r.get('rss_bytes', [])]} MB ({r['status']})")
+        if "allocator_slack" in b:
+            print(f"fitted allocator slack {b['allocator_slack']:.3f}, start-up retained {b['startup_retained']:.3f}")
         return
     print(f"{'layout':<26}{'measured max MB':>16}{'predicted MB':>14}{'error':>8}  per-rank MB (measured / predicted)")
     for r in result["rows"]:
@@ -294,7 +370,8 @@ def _print(result: dict[str, Any]) -> None:
               f"{r['error'] * 100:>7.1f}%  {meas} / {pr}")
     if result["median_abs_error"] is not None:
         print(f"median |error| {result['median_abs_error'] * 100:.1f} % over {result['validated_rows']} layouts "
-              f"(max {result['max_abs_error'] * 100:.1f} %)")
+              f"(max {result['max_abs_error'] * 100:.1f} %); per rank "
+              f"{result['median_abs_error_per_rank'] * 100:.1f} %")
     for s in result["savings"]:
         meas = (f"measured {s['measured_ratio']:.2f}x peak, throughput cost {s['throughput_cost']:.2f}x"
                 if "measured_ratio" in s else s.get("measured", ""))

@@ -70,13 +70,19 @@ RANK_LOCAL_INIT = False
 model in fp32 first (moebal/train/distributed.py, moebal/pipeline/runner.py), which the start-up phase counts."""
 
 CPU_RUNTIME_BYTES = 360e6
-"""A CPU rank's resident memory before its model: Python, torch, gloo, the byte corpus and the training loop's
-own buffers. Fitted on separate runs (`python scripts/bench_memory.py --fit-baseline`: the median peak RSS of
-4 gloo ranks training two 0.1M-parameter models, ep 4 and dp 4, where every model term is below 10 MB;
-docs/memory.md)."""
+"""A CPU rank's resident memory before its model: Python, torch, gloo, the byte corpus (its first 2 MB in the
+runs) and the training loop's own buffers. Fitted on separate runs (`python scripts/bench_memory.py
+--fit-baseline`: the median peak RSS of 4 gloo ranks training two 0.1M-parameter models, ep 4 and dp 4, minus
+their model terms, which are below 10 MB; docs/memory.md)."""
+CPU_STARTUP_RETAINED = 0.0
+"""Share of the start-up's freed bytes that stays resident on a CPU host: glibc malloc raises its mmap threshold
+when the whole model's large tensors are freed, so later tensors below it come from heap pages that are not
+returned. Fitted with CPU_ALLOCATOR_SLACK (below)."""
 CPU_ALLOCATOR_SLACK = 0.05
-"""glibc malloc's arenas and torch's CPU allocator keep freed blocks; a share of the modelled bytes (fitted with
-CPU_RUNTIME_BYTES, docs/memory.md)."""
+"""A CPU host's allocator slack: freed heap blocks that stay resident, a share of the modelled bytes. Fitted with
+CPU_STARTUP_RETAINED by least squares over every rank of three calibration runs (`scripts/bench_memory.py
+--fit-baseline`: a d 384, 3-layer, 8-expert model, not the validation's, trained as ep 4, dp 4 and pp 2 x dp 2 on
+4 gloo ranks; docs/memory.md)."""
 
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
@@ -104,6 +110,10 @@ class DeviceMemory:
     capacity_bytes: float
     runtime_bytes: float
     slack: float
+    startup_retained: float = 0.0
+    """Share of what the start-up built and freed that stays resident (a CPU host's malloc keeps freed heap
+    pages once the whole model's large frees have raised its mmap threshold; a GPU's caching allocator reuses
+    them: 0)."""
 
     @classmethod
     def from_profile(cls, p: HardwareProfile) -> DeviceMemory:
@@ -114,7 +124,7 @@ class DeviceMemory:
     def cpu(cls, ram_bytes: float, local_ranks: int) -> DeviceMemory:
         """A CPU host's RAM shared by `local_ranks` ranks, with the fitted CPU constants."""
         return cls(name=f"CPU host RAM / {local_ranks} rank(s)", capacity_bytes=ram_bytes / max(local_ranks, 1),
-                   runtime_bytes=CPU_RUNTIME_BYTES, slack=CPU_ALLOCATOR_SLACK)
+                   runtime_bytes=CPU_RUNTIME_BYTES, slack=CPU_ALLOCATOR_SLACK, startup_retained=CPU_STARTUP_RETAINED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +180,10 @@ class MemoryPlan:
     stage: int
     """The stage whose peak is the largest (0 without a pipeline)."""
     stage_peaks: tuple[float, ...] = field(default=())
+    stage_train: tuple[float, ...] = field(default=())
+    """Per stage: its largest training phase (bytes, before runtime and slack)."""
+    stage_freed: tuple[float, ...] = field(default=())
+    """Per stage: what its start-up built and freed (bytes)."""
 
     @property
     def fits(self) -> bool:
@@ -371,19 +385,25 @@ def plan_memory(cfg: Config, layout: MemoryLayout, device: DeviceMemory) -> Memo
 def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: DeviceMemory) -> MemoryPlan:
     _check_layout(cfg, layout)
     best: tuple[float, int, dict[str, float], dict[str, float]] | None = None
-    peaks = []
+    peaks, trains, freeds = [], [], []
     for s, layers in enumerate(_stage_layers(cfg.model.n_layers, layout.pp)):
         terms, phases = _stage_terms(cfg, specs, layout, s, layers)
-        body = max(phases.values())
+        train = max(v for k, v in phases.items() if k != "start-up")
+        freed = max(0.0, phases["start-up"] - terms["parameters"])
+        terms["start-up leftovers"] = device.startup_retained * freed
+        body = max(phases["start-up"], train + terms["start-up leftovers"])
         peak = device.runtime_bytes + (1 + device.slack) * body
         peaks.append(peak)
+        trains.append(train)
+        freeds.append(freed)
         if best is None or peak > best[0]:
             best = (peak, s, terms, phases)
     assert best is not None
     peak, s, terms, phases = best
-    terms = {**terms, "runtime": device.runtime_bytes, "allocator slack": device.slack * max(phases.values())}
+    body = (peak - device.runtime_bytes) / (1 + device.slack)
+    terms = {**terms, "runtime": device.runtime_bytes, "allocator slack": device.slack * body}
     return MemoryPlan(layout=layout, device=device, terms=terms, phases=phases, peak_bytes=peak, stage=s,
-                      stage_peaks=tuple(peaks))
+                      stage_peaks=tuple(peaks), stage_train=tuple(trains), stage_freed=tuple(freeds))
 
 
 # ---- the smallest layout that fits ------------------------------------------------------------------------------

@@ -175,7 +175,9 @@ def test_bench_memory_json(tmp_path, monkeypatch):
     bench = _bench()
 
     def measure(case, steps, workdir):  # the processes are the slow part: a stand-in with known peaks
-        return {"status": "ok", "rss_bytes": [1.0e9, 1.1e9, 1.0e9, 1.0e9], "tokens_per_s": 100.0, "wall_s": 0.0}
+        # one step, 4 MoE layers whose tokens all go to experts 0 and 1: ep rank 0's
+        return {"status": "ok", "rss_bytes": [1.0e9, 1.1e9, 1.0e9, 1.0e9], "tokens_per_s": 100.0, "wall_s": 0.0,
+                "expert_counts": [[[4, 4, 0, 0, 0, 0, 0, 0]] * 4]}
 
     monkeypatch.setattr(bench, "measure", measure)
     out = tmp_path / "m.json"
@@ -184,6 +186,8 @@ def test_bench_memory_json(tmp_path, monkeypatch):
     rows = {r["name"]: r for r in data["rows"]}
     ep4 = rows["ep4"]
     assert ep4["status"] == "ok" and ep4["error"] == pytest.approx((max(ep4["predicted_rank_bytes"]) - 1.1e9) / 1.1e9)
+    assert ep4["rank_skew"] == [4.0, 1.0, 1.0, 1.0]  # rank 0 computes every routed row of the group
+    assert ep4["predicted_rank_bytes"][0] > ep4["predicted_rank_bytes"][1] == ep4["predicted_rank_bytes_skew1"][1]
     shard = rows["ep4_shard_optimizer"]
     assert shard["predicted"]["peak_bytes"] < ep4["predicted"]["peak_bytes"]  # planned even where refused
     assert shard["status"] in ("ok", "skipped")
