@@ -98,7 +98,7 @@ def check_plan(cfg: Config, device: torch.device, world_size: int, local_ranks: 
     except ConfigError:
         return
     if not plan.fits:
-        raise ConfigError(f"moebal train: {refusal_line(cfg, plan, built=BUILT)}; to start anyway: "
+        raise ConfigError(f"{refusal_line(cfg, plan, built=BUILT)}; to start anyway: "
                           f"--no-memory-check")
 
 
