@@ -22,7 +22,7 @@ from moebal.errors import MoebalError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("moebal.commands.train", "train a model (no CONFIG: the embedded default run)"),
     "bench": ("moebal.commands.bench", "micro-benchmarks (MoE layer, calibration)"),
-    "plan": ("moebal.commands.plan", "dry-run planners: experts | stages | microbatches"),
+    "plan": ("moebal.commands.plan", "dry-run planners: experts | stages | microbatches | memory"),
     "simulate": ("moebal.commands.simulate", "simulate one training iteration on a modelled GPU cluster"),
     "calibrate": ("moebal.commands.calibrate", "measure this machine and write a hardware profile"),
     "convert": ("moebal.commands.convert", "convert checkpoints between HF and moebal"),

@@ -2,7 +2,7 @@
 
 Targets are registered in TARGETS (name -> module, help). A target's module defines
 `add_<name>_arguments(parser)` and `run_<name>(args) -> int`; it is imported only to build the parser.
-`experts` lives in this module; `stages` and `microbatches` plug in with one line each.
+`experts` lives in this module; `stages`, `microbatches` and `memory` plug in with one line each.
 
 Shape legend: L = MoE layers, R = ranks in the expert-parallel group, E = experts.
 """
@@ -32,6 +32,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "microbatches": ("moebal.commands.plan_microbatches",
                      "DynaPipe micro-batching of variable-length samples (dynamic, padding, packing, token-based) "
                      "with schedule and communication plan"),
+    "memory": ("moebal.commands.plan_memory", "per-rank peak memory of a config on a cluster, by term; --fit: the "
+               "smallest layout that fits"),
 }
 
 

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     out = res.to_dict()
     out["config"] = cfg.name
     out["policy"] = args.policy
+    out["memory"] = _memory(cfg, spec, args)
     if args.trace:
         n = args.trace_ranks or spec.layout.ranks
         assert res.engine is not None
@@ -83,6 +84,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(out)
     return 0
+
+
+def _memory(cfg: Any, spec: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The memory plan of the simulated layout (moebal/planner/memory.py): per-rank peak by term, the verdict."""
+    from moebal.config import with_overrides
+    from moebal.planner.hardware import load_profile
+    from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
+
+    lay, m = spec.layout, spec.micro_batches
+    stage_ranks = lay.ranks // lay.pp
+    rows = spec.micro_batch_size * stage_ranks * (m if lay.pp > 1 else 1)  # pp 1: one micro-batch at a time
+    try:
+        run = with_overrides(cfg, [f"data.batch_size={rows}", f"data.seq_len={spec.seq_len}"])
+        dtype = args.dtype or cfg.train.precision.replace("auto", "bf16")
+        layout = layout_from_config(run, lay.ranks, pp=lay.pp, ep=lay.ep, micro_batches=m if lay.pp > 1 else 1,
+                                    schedule=spec.schedule, policy=args.policy,
+                                    precision="bf16" if dtype in ("bf16", "fp16") else "fp32")
+        plan = plan_memory(run, layout, DeviceMemory.from_profile(load_profile(args.cluster)))
+    except ConfigError as e:
+        return {"error": str(e)}
+    return plan.to_dict()
 
 
 def _stages(shape: Any, spec: Any) -> tuple[int, ...]:
@@ -163,6 +185,16 @@ def _print(out: dict[str, Any]) -> None:
         if v:
             print(f"  bytes {k:<10} {v / 1e9:10.3f} GB")
     print(f"  expert replicas  {out['placements'].get('replicas', 0):10d}")
+    mem = out["memory"]
+    if "error" in mem:
+        print(f"  memory plan      n/a ({mem['error']})")
+    else:
+        t = mem["terms"]
+        top = sorted((k for k in t if k not in ("runtime", "allocator slack")), key=lambda k: -t[k])[:3]
+        print(f"  memory per rank  {mem['peak_bytes'] / 1e9:10.2f} GB of {mem['capacity_bytes'] / 1e9:.1f} GB: "
+              f"{'fits' if mem['fits'] else 'does NOT fit'} (shard {mem['layout']['shard']}, recompute "
+              f"{mem['layout']['recompute']}; largest: " + ", ".join(f"{k} {t[k] / 1e9:.1f} GB" for k in top)
+              + "; `moebal plan memory`)")
     if "trace" in out:
         print(f"  trace            {out['trace']} ({out['trace_events']} events)")
     print(f"  simulated in {out['simulate_wall_s']:.2f} s")

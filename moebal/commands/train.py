@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline micro-batching (pipeline.microbatching): dynamic = DynaPipe")
     p.add_argument("--dynamism", choices=["none", "pruning", "freezing", "early_exit", "mod", "moe"],
                    help="dynamic-model scheme (dynamism.scheme)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="start even when the memory plan (`moebal plan memory`) predicts a rank will not fit")
 
 
 def _split_positionals(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -178,11 +180,14 @@ def run(args: argparse.Namespace) -> int:
     cfg, out = resolve_config(args)
     refuse_cpu_only(cfg, pick_device().type)
     from moebal.train.checkpoint import prune_checkpoints
-    from moebal.train.memory import check_fits_here
+    from moebal.train.memory import check_fits_here, check_plan_here
     from moebal.train.rundir import lock_run_dir
 
     # an impossible size is one line, before anything is allocated or created
     check_fits_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
+    # the memory plan: each rank's predicted peak by term (docs/memory.md); --no-memory-check skips it
+    if not getattr(args, "no_memory_check", False):
+        check_plan_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:

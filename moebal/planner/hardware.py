@@ -163,6 +163,11 @@ class HardwareProfile:
     """Per-collective corrections by name (all_to_all, all_reduce, broadcast, reduce, all_gather, p2p)."""
     calibration: dict[str, Any] = field(default_factory=dict)
     """Free-form facts of how a calibrated profile was measured (host, versions, fit residuals)."""
+    memory_reserved_bytes: float = 0.0
+    """Device bytes a training process holds before its model (CUDA context, cuBLAS and NCCL workspaces): the
+    memory plan's runtime term (moebal/planner/memory.py)."""
+    allocator_slack: float = 0.0
+    """Share of the planned bytes the caching allocator loses to fragmentation (the memory plan's slack)."""
 
     def __post_init__(self) -> None:
         _check_profile(self)
@@ -223,6 +228,9 @@ def _check_profile(p: HardwareProfile) -> None:
                 "optimizer_bytes_per_param"):
         _need(_positive(getattr(p, key)), f"profile '{n}': {key} must be > 0; got {getattr(p, key)!r}")
     _need(0 < p.memory_efficiency <= 1, f"profile '{n}': memory_efficiency must be in (0, 1]")
+    _need(p.memory_reserved_bytes >= 0 and 0 <= p.allocator_slack < 1,
+          f"profile '{n}': memory_reserved_bytes must be >= 0 and allocator_slack in [0, 1); got "
+          f"{p.memory_reserved_bytes!r}, {p.allocator_slack!r}")
     _need(p.op_overhead_s >= 0, f"profile '{n}': op_overhead_s must be >= 0 seconds; got {p.op_overhead_s!r}")
     _check_link(f"profile '{n}': intra", p.intra)
     _check_link(f"profile '{n}': inter", p.inter)

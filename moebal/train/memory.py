@@ -6,6 +6,10 @@ attention, dense MLPs, experts and routers; shared experts and activations left 
 model that fits) at 16 bytes each: fp32 weights, gradients and AdamW's two moments. A job spreads them over
 its ranks at best evenly, so one rank needs at least the total / world size, against what one rank has: its
 GPU's memory, or on the CPU this machine's RAM shared by the ranks it runs.
+
+Then the memory plan (`check_plan`, moebal/planner/memory.py) predicts each rank's peak by term and refuses,
+in one line naming the largest term and a setting that fits, a job that will not fit (`moebal train
+--no-memory-check` starts it anyway).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from moebal.config import Config
 from moebal.errors import ConfigError
 from moebal.planner.cost import ModelShape
+from moebal.planner.memory import DeviceMemory
 
-__all__ = ["BYTES_PER_PARAM", "check_fits", "check_fits_here", "param_count"]
+__all__ = ["BYTES_PER_PARAM", "check_fits", "check_fits_here", "check_plan", "check_plan_here", "param_count"]
 
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 
@@ -64,3 +69,47 @@ def check_fits_here(cfg: Config, local_ranks: int) -> None:
     world = int(os.environ.get("WORLD_SIZE", local_ranks))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     check_fits(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)
+
+
+def _device_memory(device: torch.device, local_ranks: int, costs: str) -> DeviceMemory:
+    """One rank's memory: its GPU's capacity with the runtime and slack of the hardware profile named by
+    `planner.costs` (else of the h100 profile's assumptions), or this machine's RAM shared by its ranks."""
+    from moebal.planner.hardware import list_profiles, load_profile
+
+    if device.type != "cuda":
+        have, _ = _available(device, local_ranks)
+        return DeviceMemory.cpu(float(have) * max(local_ranks, 1), local_ranks)
+    profile = load_profile(costs if costs in list_profiles() else "h100")
+    total = float(torch.cuda.get_device_properties(device).total_memory)
+    return DeviceMemory(name=f"{torch.cuda.get_device_name(device)} ({total / 1e9:.1f} GB)", capacity_bytes=total,
+                        runtime_bytes=profile.memory_reserved_bytes, slack=profile.allocator_slack)
+
+
+def check_plan(cfg: Config, device: torch.device, world_size: int, local_ranks: int) -> None:
+    """ConfigError in one line when the memory plan (moebal/planner/memory.py) says a rank of this job will not
+    fit: the predicted peak, the largest term and a setting that fits. A layout the plan cannot describe is
+    left to the trainer's own checks (which name what is wrong)."""
+    from moebal.planner.memory import layout_from_config, plan_memory, refusal_line
+
+    mem = _device_memory(device, local_ranks, cfg.planner.costs)
+    precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
+    try:
+        plan = plan_memory(cfg, layout_from_config(cfg, world_size, precision=precision), mem)
+    except ConfigError:
+        return
+    if not plan.fits:
+        raise ConfigError(f"{refusal_line(cfg, plan, built=BUILT)}; to start anyway: "
+                          f"--no-memory-check")
+
+
+BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none",), ("none",))
+"""The parallel.shard and train.recompute values this build runs: a refusal proposes only these."""
+
+
+def check_plan_here(cfg: Config, local_ranks: int) -> None:
+    """`check_plan` for this process (as `check_fits_here`)."""
+    from moebal.distributed.groups import pick_device
+
+    world = int(os.environ.get("WORLD_SIZE", local_ranks))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_plan(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)

@@ -1,0 +1,534 @@
+"""The memory plan: each rank's peak memory for a config and a layout, as named terms. Pure (no torch).
+
+A rank's peak is modelled in phases, each a sum of terms, and the plan is their maximum:
+
+    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync) + start-up leftovers)
+    state   = parameters + optimizer state + persistent gradient buffers
+    fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
+              one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
+              + Pro-Prophet replicas
+    sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
+    start-up = the whole model in fp32, built on every rank before it keeps its share (today's
+              initialisation; `init="local"` models rank-local initialisation, which holds its share only)
+    start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
+              start-up built and freed
+
+Activations and gradients are not added: a backward pass frees each layer's activations as it creates that
+layer's gradients, so the two ends of the backward pass (all activations, no gradients; all gradients, no
+activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and the code they model:
+
+- parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
+  divides both by the data-parallel ranks that share them (dense: the stage's ranks; experts: the expert-data
+  -parallel ranks), plus two layers of gathered weights (current and prefetched, FSDP2's unshard).
+- compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
+  is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
+- gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
+  reduce-scattered layer by layer, plus one layer's full-size gradients in flight.
+- persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
+  fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
+  `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
+  bucket at a time (`moebal/pipeline/runner.py`). With sharding the reduce-scatter output is the shard itself.
+- optimizer state: AdamW's exp_avg and exp_avg_sq in fp32 (`moebal/train/optim.py`), divided by the shard
+  degree under `shard: optimizer|full`.
+- activations: per decoder layer and token, the tensors autograd saves (RMSNorm input and output, q/k after
+  rotary, v, attention output and its reshaped copy, the softmax statistics; per routed row the expert's input,
+  both projections, the SiLU output, their product and the expert's output; a dense MLP's four F-wide
+  tensors), times the tokens of the micro-batches in flight (1F1B: stage s holds min(pp - s, M); GPipe: M).
+  Recomputation keeps a part's input instead of its saved tensors (`full`: the layer's input only) and adds one
+  layer's activations, rebuilt in the backward pass.
+- logits/loss: the last stage's [tokens, vocab] logits, fp32 log-probabilities and their two gradients.
+- all-to-all buffers: one MoE layer's dispatched rows sent and received (forward or backward), in compute dtype.
+- pipeline p2p buffers: one micro-batch's boundary activations and gradients, sent and received.
+- Pro-Prophet replicas: per MoE layer, the replicas a rank may hold (static: 0; broadcast_topk: k; prophet and
+  fastermoe: every expert it does not own, the search's own limit: it selects at most every expert once), each
+  with its gradient and its row of the per-step stacked weights, in the compute dtype
+  (`moebal/distributed/expert_parallel.py`: `_trans_ops`, `_local_weights`).
+- runtime: what a process holds before the model (CUDA context, cuBLAS and NCCL workspaces; on a CPU the
+  Python interpreter, torch, gloo and the data pipeline), from the hardware profile (`memory_reserved_bytes`).
+- allocator slack: the caching allocator's fragmentation, a share of everything above (`allocator_slack`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moebal.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moebal.config import Config
+    from moebal.planner.hardware import HardwareProfile
+
+__all__ = ["CPU_RUNTIME_BYTES", "DeviceMemory", "MemoryLayout", "MemoryPlan", "RANK_LOCAL_INIT",
+           "SHARDS", "RECOMPUTES", "fit_layout", "plan_memory", "refusal_line"]
+
+SHARDS = ("none", "optimizer", "full")
+RECOMPUTES = ("none", "moe", "attention", "full")
+SCHEDULES = ("1f1b", "gpipe", "zb")
+RANK_LOCAL_INIT = False
+"""Whether `moebal train` builds only what a rank holds (issue 20 item 3). False: every rank builds the whole
+model in fp32 first (moebal/train/distributed.py, moebal/pipeline/runner.py), which the start-up phase counts."""
+
+CPU_RUNTIME_BYTES = 359e6
+"""A CPU rank's resident memory before its model: Python, torch, gloo, the byte corpus (its first 2 MB in the
+runs) and the training loop's own buffers. Fitted on separate runs (`python scripts/bench_memory.py
+--fit-baseline`: the median peak RSS of 4 gloo ranks training two 0.1M-parameter models, ep 4 and dp 4, minus
+their model terms, which are below 10 MB; docs/memory.md)."""
+CPU_STARTUP_RETAINED = 0.044
+"""Share of the start-up's freed bytes that stays resident on a CPU host: glibc malloc raises its mmap threshold
+when the whole model's large tensors are freed, so later tensors below it come from heap pages that are not
+returned. Fitted with CPU_ALLOCATOR_SLACK (below)."""
+CPU_ALLOCATOR_SLACK = 0.216
+"""A CPU host's allocator slack: freed heap blocks that stay resident, a share of the modelled bytes. Fitted with
+CPU_STARTUP_RETAINED by least squares over every rank of three calibration runs (`scripts/bench_memory.py
+--fit-baseline`: a d 384, 3-layer, 8-expert model, not the validation's, trained as ep 4, dp 4 and pp 2 x dp 2 on
+4 gloo ranks; docs/memory.md)."""
+
+_STATE = ("parameters", "optimizer state", "persistent gradient buffers")
+PHASE_TERMS = {
+    "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
+                         "pipeline p2p buffers", "replicas (Pro-Prophet)"),
+    "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
+    "start-up": ("start-up (whole model built)",),
+}
+"""The terms each phase adds up."""
+_SHARD_COST = {"none": 0.0, "optimizer": 0.02, "full": 0.1}
+_RECOMPUTE_COST = {"none": 0.0, "attention": 0.1, "moe": 0.2, "full": 0.33}
+_TERM_SETTING = {
+    "optimizer state": "parallel.shard=optimizer", "gradients": "parallel.shard=optimizer",
+    "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
+    "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
+    "logits/loss": "a smaller data.batch_size", "replicas (Pro-Prophet)": "planner.policy=static",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """What one rank may use: its device's capacity, what the runtime takes first, the allocator's slack."""
+
+    name: str
+    capacity_bytes: float
+    runtime_bytes: float
+    slack: float
+    startup_retained: float = 0.0
+    """Share of what the start-up built and freed that stays resident (a CPU host's malloc keeps freed heap
+    pages once the whole model's large frees have raised its mmap threshold; a GPU's caching allocator reuses
+    them: 0)."""
+
+    @classmethod
+    def from_profile(cls, p: HardwareProfile) -> DeviceMemory:
+        return cls(name=f"{p.name} ({p.device or 'device'})", capacity_bytes=p.memory_bytes,
+                   runtime_bytes=p.memory_reserved_bytes, slack=p.allocator_slack)
+
+    @classmethod
+    def cpu(cls, ram_bytes: float, local_ranks: int) -> DeviceMemory:
+        """A CPU host's RAM shared by `local_ranks` ranks, with the fitted CPU constants."""
+        return cls(name=f"CPU host RAM / {local_ranks} rank(s)", capacity_bytes=ram_bytes / max(local_ranks, 1),
+                   runtime_bytes=CPU_RUNTIME_BYTES, slack=CPU_ALLOCATOR_SLACK, startup_retained=CPU_STARTUP_RETAINED)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryLayout:
+    """A parallel layout and the settings that change memory."""
+
+    ranks: int
+    pp: int = 1
+    ep: int = 1
+    shard: str = "none"
+    recompute: str = "none"
+    micro_batches: int = 1
+    """Micro-batches per iteration of a pipeline (pp > 1); 1 without one (the trainer does not accumulate)."""
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    """fp32, or bf16 (autocast over fp32 master weights)."""
+    policy: str = "static"
+    """Expert placement policy: how many replicas a rank may hold."""
+    init: str = "full"
+    """full: every rank builds the whole model first (today); local: rank-local initialisation."""
+    routing_skew: float = 1.0
+    """Busiest rank's routed rows / the mean (1: balanced); multiplies the expert activations and buffers."""
+
+    @property
+    def stage_ranks(self) -> int:
+        return self.ranks // self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: copies of one expert shard in a stage."""
+        return self.stage_ranks // self.ep
+
+    def describe(self) -> str:
+        mb = f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else ""
+        return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard} "
+                f"recompute={self.recompute} {self.precision}")
+
+    def settings(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Per-rank peak memory of the worst stage, by term, and the verdict."""
+
+    layout: MemoryLayout
+    device: DeviceMemory
+    terms: dict[str, float]
+    """Every term in bytes (the worst stage's)."""
+    phases: dict[str, float]
+    """Bytes of each phase before runtime and slack: state + fwd/bwd, state + sync, start-up."""
+    peak_bytes: float
+    stage: int
+    """The stage whose peak is the largest (0 without a pipeline)."""
+    stage_peaks: tuple[float, ...] = field(default=())
+    stage_train: tuple[float, ...] = field(default=())
+    """Per stage: its largest training phase (bytes, before runtime and slack)."""
+    stage_freed: tuple[float, ...] = field(default=())
+    """Per stage: what its start-up built and freed (bytes)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.device.capacity_bytes
+
+    @property
+    def largest_term(self) -> tuple[str, float]:
+        """The largest term of the phase that sets the peak."""
+        phase = max(self.phases, key=lambda k: self.phases[k])
+        name = max(PHASE_TERMS[phase], key=lambda k: self.terms[k])
+        return name, self.terms[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.settings(), "device": dataclasses.asdict(self.device),
+                "terms": {k: round(v) for k, v in self.terms.items()},
+                "phases": {k: round(v) for k, v in self.phases.items()}, "peak_bytes": round(self.peak_bytes),
+                "capacity_bytes": round(self.device.capacity_bytes), "fits": self.fits, "stage": self.stage,
+                "stage_peaks": [round(x) for x in self.stage_peaks], "largest_term": self.largest_term[0]}
+
+
+# ---- the model's sizes ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Layer:
+    dense: int
+    """Parameters replicated over the stage (attention, norms, router, shared expert, dense MLP)."""
+    expert: int
+    """Parameters of all routed experts of the layer (0: dense layer)."""
+    matmul: int
+    """Parameters used as matmul weights (cast to the compute dtype under autocast)."""
+    moe: bool
+
+
+def _layers(cfg: Config) -> list[_Layer]:
+    from moebal.planner.cost import ModelShape
+
+    shape = ModelShape.from_config(cfg)
+    return [_layer(cfg, shape, i) for i in range(cfg.model.n_layers)]
+
+
+def _layer(cfg: Config, s: Any, i: int) -> _Layer:
+    D, moe = s.dim, cfg.moe
+    attn = s.attn_params
+    if not cfg.is_moe_layer(i):
+        return _Layer(attn + s.dense_mlp_params, 0, attn - 2 * D + s.dense_mlp_params, False)
+    shared_f = (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
+    extra = 3 * D * shared_f + (D if moe.shared_gate else 0) + (D * moe.num_experts if moe.router_noise is not None
+                                                                 else 0)
+    dense = attn + s.router_params + extra
+    expert = moe.num_experts * s.expert_params
+    return _Layer(dense, expert, dense - 2 * D + expert, True)
+
+
+def _stage_layers(n_layers: int, pp: int) -> list[range]:
+    """Equal layer counts, the remainder on the first stages (moebal.planner.partition.partition_uniform)."""
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float) -> tuple[float, float]:
+    """(attention part, FFN part) bytes saved for backward per token of one decoder layer."""
+    m, r = cfg.model, 4  # the residual stream stays fp32 (fp32 embeddings, fp32 + bf16 sums)
+    D, H, G, hd = m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim
+    if m.mla is not None:
+        q = H * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim)
+        kv, o = q + H * m.mla.v_head_dim, H * m.mla.v_head_dim
+    else:
+        q, kv, o = H * hd, 2 * G * hd, H * hd
+    casts = 3 * a * D if a == 2 else 0  # autocast casts the norm output once per projection
+    attn = r * 2 * D + casts + a * (q + kv + 2 * o) + 4 * H
+    ffn_cast = a * D if a == 2 else 0
+    if not moe_layer:
+        return attn, r * 2 * D + ffn_cast + a * 4 * m.ffn_dim
+    moe, F = cfg.moe, cfg.expert_ffn_dim
+    routed = moe.top_k * skew * (a * (2 * D + 4 * F) + 3 * 8)  # rows: x, h1, h3, silu, product, output; indices
+    shared_f = (moe.shared_ffn_dim or moe.shared_experts * F) if moe.shared_experts else 0
+    return attn, r * 2 * D + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
+
+
+def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str) -> tuple[float, float]:
+    """(kept across the forward pass, full) activation bytes per token of layer i under `recompute`."""
+    attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew)
+    inp = 4 * cfg.model.dim
+    kept = {"none": attn + ffn, "attention": inp + ffn, "moe": attn + inp, "full": inp}[recompute]
+    return kept, attn + ffn
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------------
+def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    E = cfg.moe.num_experts
+    need(lay.ranks >= 1 and lay.pp >= 1 and lay.ep >= 1 and lay.micro_batches >= 1,
+         f"ranks, pp, ep and micro-batches must be >= 1; got {lay.describe()}")
+    need(lay.ranks % lay.pp == 0, f"{lay.ranks} ranks do not split into {lay.pp} pipeline stages: use a multiple")
+    need(lay.pp <= cfg.model.n_layers, f"pp={lay.pp} stages for {cfg.model.n_layers} layers: a stage needs a layer")
+    need(lay.stage_ranks % lay.ep == 0, f"ep={lay.ep} must divide the {lay.stage_ranks} ranks of a stage")
+    need(lay.ep == 1 or (E > 0 and E % lay.ep == 0), f"ep={lay.ep} must divide moe.num_experts ({E})")
+    need(lay.shard in SHARDS, f"shard must be one of {', '.join(SHARDS)}; got {lay.shard!r}")
+    need(lay.recompute in RECOMPUTES, f"recompute must be one of {', '.join(RECOMPUTES)}; got {lay.recompute!r}")
+    need(lay.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}; got {lay.schedule!r}")
+    need(lay.precision in ("fp32", "bf16"), f"precision must be fp32 or bf16; got {lay.precision!r}")
+    need(lay.init in ("full", "local"), f"init must be full or local; got {lay.init!r}")
+    need(cfg.data.batch_size % lay.stage_ranks == 0,
+         f"data.batch_size ({cfg.data.batch_size}) is not divisible by the {lay.stage_ranks} ranks of a stage")
+    rows = cfg.data.batch_size // lay.stage_ranks
+    need(lay.pp == 1 or lay.micro_batches <= rows,
+         f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}")
+
+
+def _replicas(cfg: Config, lay: MemoryLayout) -> int:
+    """Most replicas one rank may hold per MoE layer under the placement policy (the planner's own limit)."""
+    E = cfg.moe.num_experts
+    if lay.ep == 1 or E == 0 or lay.policy == "static":
+        return 0
+    others = E - E // lay.ep
+    return min(2, others) if lay.policy == "broadcast_topk" else others
+
+
+def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """The terms of one stage's ranks and their phases (before runtime and slack)."""
+    a = 2 if lay.precision == "bf16" else 4
+    m, D, V = cfg.model, cfg.model.dim, cfg.model.vocab_size
+    specs = [all_specs[i] for i in layers]
+    first, last = s == 0, s == lay.pp - 1
+    dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first else V * D))
+                                                                     if last else 0)
+    expert = sum(x.expert for x in specs) // lay.ep
+    matmul = sum(x.matmul for x in specs) + (V * D if last and not m.tie_embeddings else 0)
+    held = dense + expert
+    d_dense, d_expert = lay.stage_ranks, lay.edp
+    sharded = dense / d_dense + expert / d_expert
+    biggest = max((x.dense + x.expert / lay.ep for x in specs), default=0.0)
+    t: dict[str, float] = {}
+    if lay.shard == "full":  # FSDP2 gathers a layer's weights (in the compute dtype) for its forward and backward
+        t["parameters"] = 4 * sharded + 2 * biggest * a
+    else:
+        t["parameters"] = 4.0 * held
+    bf16_held = a == 2 and lay.shard != "full"
+    t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
+    t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
+    t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * sharded + 4 * biggest
+    grad_sync = lay.stage_ranks > 1 or lay.ep > 1
+    persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
+    t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
+    transient = 0.0
+    if lay.shard == "none" and grad_sync and not persistent:
+        transient = 4.0 * (biggest if lay.pp > 1 else held)  # a pipeline's per-layer bucket; DP's flat copy
+    t["gradient all-reduce copy"] = transient
+    _activations(cfg, lay, s, layers, a, t)
+    t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)
+                                         if lay.init == "full" else 4.0 * held)
+    return t, {phase: sum(t[k] for k in names) for phase, names in PHASE_TERMS.items()}
+
+
+def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, t: dict[str, float]) -> None:
+    """Activation, logits, buffer and replica terms of stage s (added to `t`)."""
+    m, D = cfg.model, cfg.model.dim
+    rows = cfg.data.batch_size // lay.stage_ranks
+    M = lay.micro_batches if lay.pp > 1 else 1
+    tok = rows * cfg.data.seq_len / M
+    inflight = M if lay.schedule == "gpipe" else min(lay.pp - s, M)
+    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute) for i in layers]
+    kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)
+    one_layer = max((f for _, f in kept_full), default=0.0)
+    t["activations"] = tok * (inflight * kept + one_layer)
+    logit = (4 + 4 + 4 + 4) if a == 4 else (2 + 4 + 4 + 4)
+    t["logits/loss"] = tok * m.vocab_size * logit if s == lay.pp - 1 else 0.0
+    moe_here = any(cfg.is_moe_layer(i) for i in layers)
+    t["all-to-all buffers"] = (2 * tok * cfg.moe.top_k * lay.routing_skew * D * a
+                               if lay.ep > 1 and moe_here else 0.0)
+    t["pipeline p2p buffers"] = 2 * 2 * tok * D * 4 if lay.pp > 1 else 0.0
+    n_moe = sum(1 for i in layers if cfg.is_moe_layer(i))
+    expert_params = 3 * D * cfg.expert_ffn_dim
+    reps = _replicas(cfg, lay)
+    local = cfg.moe.num_experts // lay.ep if cfg.moe.num_experts else 0
+    # per layer: each replica buffer, its gradient and its row of the stacked weights, plus the owned rows stacked
+    t["replicas (Pro-Prophet)"] = (n_moe * expert_params * a * (3 * reps + local) if reps else 0.0)
+
+
+def _total_params(cfg: Config, specs: list[_Layer]) -> int:
+    m = cfg.model
+    return (sum(x.dense + x.expert for x in specs) + m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+            + m.dim)
+
+
+def plan_memory(cfg: Config, layout: MemoryLayout, device: DeviceMemory) -> MemoryPlan:
+    """Each rank's peak memory (the worst pipeline stage's), by term, against `device`."""
+    return _plan(cfg, _layers(cfg), layout, device)
+
+
+def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: DeviceMemory) -> MemoryPlan:
+    _check_layout(cfg, layout)
+    best: tuple[float, int, dict[str, float], dict[str, float]] | None = None
+    peaks, trains, freeds = [], [], []
+    for s, layers in enumerate(_stage_layers(cfg.model.n_layers, layout.pp)):
+        terms, phases = _stage_terms(cfg, specs, layout, s, layers)
+        train = max(v for k, v in phases.items() if k != "start-up")
+        freed = max(0.0, phases["start-up"] - terms["parameters"])
+        terms["start-up leftovers"] = device.startup_retained * freed
+        body = max(phases["start-up"], train + terms["start-up leftovers"])
+        peak = device.runtime_bytes + (1 + device.slack) * body
+        peaks.append(peak)
+        trains.append(train)
+        freeds.append(freed)
+        if best is None or peak > best[0]:
+            best = (peak, s, terms, phases)
+    assert best is not None
+    peak, s, terms, phases = best
+    body = (peak - device.runtime_bytes) / (1 + device.slack)
+    terms = {**terms, "runtime": device.runtime_bytes, "allocator slack": device.slack * body}
+    return MemoryPlan(layout=layout, device=device, terms=terms, phases=phases, peak_bytes=peak, stage=s,
+                      stage_peaks=tuple(peaks), stage_train=tuple(trains), stage_freed=tuple(freeds))
+
+
+# ---- the smallest layout that fits ------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, ...],
+                recomputes: tuple[str, ...]) -> Iterator[MemoryLayout]:
+    E = cfg.moe.num_experts
+    policies = [base.policy] + (["static"] if base.policy != "static" and E else [])
+    for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
+        stage = ranks // pp
+        if cfg.data.batch_size % stage:
+            continue
+        rows = cfg.data.batch_size // stage
+        eps = [e for e in _divisors(stage) if E and E % e == 0] if E else [1]
+        mbs = [1] if pp == 1 else sorted({mb for mb in (pp, 2 * pp, 4 * pp, rows) if mb <= rows and rows % mb == 0})
+        for ep in eps:
+            for mb in mbs:
+                for shard in shards:
+                    for rc in recomputes:
+                        for policy in policies if ep > 1 else [base.policy]:
+                            yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
+                                                      micro_batches=mb, policy=policy)
+
+
+def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int, int]:
+    """The order --fit prefers among layouts of one rank count: the least estimated throughput overhead, then
+    the fewest stages, the largest expert-parallel size (fewest experts per rank), the fewest micro-batches.
+
+    The estimate (a share of the step time, deliberately rough): recomputation repeats a forward part, one of
+    the three forward-units of a step (full 0.33; moe 0.2 and attention 0.1, the parts' usual FLOP shares in
+    an MoE decoder); sharding adds communication (optimizer 0.02: reduce-scatter plus all-gather moves what
+    the all-reduce moved; full 0.1: the weights are gathered again for the backward pass); a 1F1B pipeline
+    idles (pp - 1) / (M + pp - 1) of the step (GPipe's bubble is the same share); giving up the configured
+    placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing)."""
+    score = (_RECOMPUTE_COST[lay.recompute] + _SHARD_COST[lay.shard]
+             + ((lay.pp - 1) / (lay.micro_batches + lay.pp - 1) if lay.pp > 1 else 0.0)
+             + (0.1 if lay.policy != policy else 0.0))
+    return (round(score, 6), lay.pp, -lay.ep, lay.micro_batches)
+
+
+def rank_counts(max_ranks: int, per_node: int) -> list[int]:
+    """Rank counts --fit tries: powers of two below a node, then whole nodes in powers of two, up to max_ranks."""
+    out = {1 << k for k in range(64) if (1 << k) <= min(per_node, max_ranks)}
+    n = per_node
+    while n <= max_ranks:
+        out.add(n)
+        n *= 2
+    return sorted(out)
+
+
+def fit_layout(cfg: Config, device: DeviceMemory, base: MemoryLayout, max_ranks: int, per_node: int = 8,
+               shards: tuple[str, ...] = SHARDS, recomputes: tuple[str, ...] = RECOMPUTES) -> MemoryPlan | None:
+    """The smallest layout that fits: the fewest ranks (of `rank_counts`), then the least `overhead`. None
+    when nothing up to `max_ranks` fits."""
+    specs = _layers(cfg)
+    for ranks in rank_counts(max_ranks, per_node):
+        fitting = [p for lay in _candidates(cfg, ranks, base, shards, recomputes)
+                   if (p := _plan(cfg, specs, lay, device)).fits]
+        if fitting:
+            return min(fitting, key=lambda p: (overhead(p.layout, base.policy), p.peak_bytes))
+    return None
+
+
+def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
+            recomputes: tuple[str, ...] = RECOMPUTES) -> MemoryPlan | None:
+    """The least-overhead change of shard, recompute, ep, pp and micro-batches on the same ranks that fits."""
+    specs = _layers(cfg)
+    fitting = [p for lay in _candidates(cfg, plan.layout.ranks, plan.layout, shards, recomputes)
+               if (p := _plan(cfg, specs, lay, plan.device)).fits]
+    return min(fitting, key=lambda p: (overhead(p.layout, plan.layout.policy), p.peak_bytes)) if fitting else None
+
+
+def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
+    keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
+            "micro_batches": "pipeline.micro_batches", "policy": "planner.policy"}
+    out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
+    return " ".join(out)
+
+
+def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> str:
+    """One line: the predicted peak against the capacity, the largest term, and a setting that fits (the least
+    overhead on the same ranks, else the fewest ranks `fit_layout` finds up to 64 nodes). `built`: the shard
+    and recompute values this build runs (the rest are only planned)."""
+    gb = 1e9
+    name, size = plan.largest_term
+    head = (f"will not fit: {plan.peak_bytes / gb:.1f} GB per rank predicted against "
+            f"{plan.device.capacity_bytes / gb:.1f} GB ({plan.device.name}; {plan.layout.describe()}); largest term: "
+            f"{name} {size / gb:.1f} GB")
+    shards, recomputes = built or (SHARDS, RECOMPUTES)
+    if plan.layout.init == "full" and plan.device.runtime_bytes + plan.phases["start-up"] > plan.device.capacity_bytes:
+        return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
+                f"model before keeping its share, so no layout fits until rank-local initialisation is built "
+                f"(`moebal plan memory --init local` plans with it)")
+    fix = fix_for(cfg, plan, shards, recomputes)
+    if fix is not None:
+        return f"{head}; fits with {_changes(plan.layout, fix.layout)} ({fix.peak_bytes / gb:.1f} GB)"
+    more = fit_layout(cfg, plan.device, plan.layout, max_ranks=max(plan.layout.ranks, 1) * 64, shards=shards,
+                      recomputes=recomputes)
+    if more is not None:
+        return (f"{head}; fits on {more.layout.ranks} ranks with {_changes(plan.layout, more.layout) or 'this layout'}"
+                f" ({more.peak_bytes / gb:.1f} GB)")
+    hint = _TERM_SETTING.get(name, "a smaller model")
+    return f"{head}; no layout fits up to {64 * plan.layout.ranks} ranks: try {hint} or a smaller model"
+
+
+def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
+    """The layout a config describes on `ranks` ranks (null parallel.ep: every rank of a stage, capped at the
+    experts), with `changes` (None values ignored) applied."""
+    par = cfg.parallel
+    pp = changes.get("pp") or par.pp
+    E = cfg.moe.num_experts
+    ep = changes.get("ep") or par.ep or (math.gcd(E, ranks // max(pp, 1)) if E else 1)
+    prec = cfg.train.precision.replace("auto", "bf16")
+    base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
+                        micro_batches=cfg.pipeline.micro_batches if pp > 1 else 1, schedule=cfg.pipeline.schedule,
+                        precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full")
+    rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}
+    lay = dataclasses.replace(base, **rest)
+    if lay.pp > 1 and "micro_batches" not in rest:
+        rows = cfg.data.batch_size // max(lay.stage_ranks, 1)
+        lay = dataclasses.replace(lay, micro_batches=max(1, min(lay.micro_batches, rows)))
+    return lay

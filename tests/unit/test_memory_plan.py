@@ -1,0 +1,198 @@
+"""The memory plan (moebal/planner/memory.py): term arithmetic by hand, refusals, --fit, the bench's JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from moebal.cli import main
+from moebal.config import load
+from moebal.planner.hardware import load_profile
+from moebal.planner.memory import (
+    DeviceMemory,
+    MemoryLayout,
+    fit_layout,
+    layout_from_config,
+    plan_memory,
+    refusal_line,
+)
+
+TINY = ["model.vocab_size=256", "model.dim=8", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
+        "model.ffn_dim=16", "moe.num_experts=2", "moe.top_k=1", "moe.expert_ffn_dim=4", "data.batch_size=2",
+        "data.seq_len=4", "model.max_seq_len=8", "train.precision=fp32"]
+BARE = DeviceMemory(name="bare", capacity_bytes=1e12, runtime_bytes=0.0, slack=0.0)
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
+
+
+def test_terms_by_hand_one_rank():
+    cfg = load(None, TINY)
+    plan = plan_memory(cfg, MemoryLayout(ranks=1), BARE)
+    # parameters: attention 8*(8+16) + 8*8 + 2*8 = 272, router 16, experts 2*3*8*4 = 192, embed + head 2*2048, norm 8
+    held = 272 + 16 + 192 + 2 * 2048 + 8
+    t = plan.terms
+    assert t["parameters"] == 4 * held and t["gradients"] == 4 * held and t["optimizer state"] == 8 * held
+    assert t["persistent gradient buffers"] == 0 and t["gradient all-reduce copy"] == 0  # one rank: no sync
+    # per token: attention 4*2*8 (norm) + 4*(8 + 16 + 2*8) (q, k+v, o twice) + 4*2 (lse) = 232; MoE 4*2*8 (norm)
+    # + 4*3*2 (router) + 1 routed row * (4*(2*8 + 4*4) + 24) = 240; kept = 472 + 8 (ids) + 64 (final norm)
+    tokens = 2 * 4
+    assert t["activations"] == tokens * ((472 + 8 + 64) + 472)  # in flight + one layer's backward working set
+    assert t["logits/loss"] == tokens * 256 * 16
+    assert t["start-up (whole model built)"] == 4 * held
+    state = 12 * held
+    assert plan.phases["forward/backward"] == state + t["activations"] + t["logits/loss"]
+    assert plan.phases["gradient sync"] == state + 4 * held
+    assert plan.peak_bytes == max(plan.phases.values())
+
+
+def test_terms_by_hand_sharded_and_expert_parallel():
+    cfg = load(None, TINY)
+    held = 272 + 16 + 192 + 2 * 2048 + 8
+    dense, experts = held - 192, 192
+    opt = plan_memory(cfg, MemoryLayout(ranks=2, shard="optimizer"), BARE).terms
+    assert opt["optimizer state"] == 8 * held / 2
+    assert opt["gradients"] == 4 * held / 2 + 4 * (272 + 16 + 192)  # the shard + one layer in flight
+    assert opt["parameters"] == 4 * held  # ZeRO-2: weights replicated
+    ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2), BARE).terms
+    assert ep["parameters"] == 4 * (dense + experts / 2)
+    assert ep["persistent gradient buffers"] == 4 * (dense + experts / 2)  # GradSync's flat buffer
+    assert ep["all-to-all buffers"] == 2 * 4 * 1 * 8 * 4  # rows of one layer sent + received, fp32
+    full = plan_memory(cfg, MemoryLayout(ranks=2, ep=2, shard="full"), BARE).terms
+    assert full["parameters"] == 4 * (dense / 2 + experts / 2) + 2 * 4 * (272 + 16 + 192 / 2)
+
+
+def test_recompute_keeps_layer_inputs():
+    cfg = load(None, TINY)
+    none = plan_memory(cfg, MemoryLayout(ranks=1), BARE).terms["activations"]
+    full = plan_memory(cfg, MemoryLayout(ranks=1, recompute="full"), BARE).terms["activations"]
+    assert full == 8 * ((4 * 8 + 8 + 64) + 472)  # the layer input only, plus one rebuilt layer
+    assert full < none
+    moe = plan_memory(cfg, MemoryLayout(ranks=1, recompute="moe"), BARE).terms["activations"]
+    assert moe == 8 * ((232 + 32 + 8 + 64) + 472)
+
+
+def test_pipeline_stages_and_in_flight_micro_batches():
+    cfg = load(None, [*TINY, "model.n_layers=2", "data.batch_size=8"])
+    plan = plan_memory(cfg, MemoryLayout(ranks=2, pp=2, micro_batches=4), BARE)
+    assert len(plan.stage_peaks) == 2
+    tokens = 8 // 4 * 4  # a micro-batch: 8 rows / 4 micro-batches, of 4 tokens
+    assert plan.terms["pipeline p2p buffers"] == 2 * 2 * tokens * 8 * 4  # fwd + bwd, sent + received, D 8, fp32
+    gpipe = plan_memory(cfg, MemoryLayout(ranks=2, pp=2, micro_batches=4, schedule="gpipe"), BARE)
+    assert gpipe.stage_peaks[0] > plan.stage_peaks[0]  # GPipe keeps all 4 micro-batches, 1F1B 2 on stage 0
+
+
+def test_layout_errors_name_the_fix():
+    cfg = load(None, TINY)
+    with pytest.raises(Exception, match="ep=3 must divide"):
+        plan_memory(cfg, MemoryLayout(ranks=3, ep=3), BARE)
+    with pytest.raises(Exception, match="not divisible by the 4 ranks"):
+        plan_memory(cfg, MemoryLayout(ranks=4), BARE)
+
+
+def test_impossible_job_is_refused_in_one_line(capsys):
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "a100", "--ranks", "1", "--ep", "1"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    line = out[-1]
+    assert line.startswith("will not fit:") and "largest term:" in line and "GB per rank" in line
+    assert "peak per rank" in out[-2] and "does NOT fit" in out[-2]
+
+
+def test_refusal_names_a_setting_that_fits():
+    cfg = load("llama-moe-3.5b", ["parallel.pp=1", "parallel.ep=8"])
+    dev = DeviceMemory.from_profile(load_profile("h100"))
+    plan = plan_memory(cfg, layout_from_config(cfg, 8, init="local"), dev)
+    assert not plan.fits
+    line = refusal_line(cfg, plan)
+    assert "fits with" in line
+    fix = line.split("fits with ")[1].split(" (")[0]
+    changes = dict(kv.split("=") for kv in fix.split())
+    keys = {"parallel.shard": "shard", "train.recompute": "recompute", "parallel.pp": "pp", "parallel.ep": "ep",
+            "pipeline.micro_batches": "micro_batches", "planner.policy": "policy"}
+    fixed = dataclasses.replace(plan.layout, **{keys[k]: (int(v) if v.isdigit() else v) for k, v in changes.items()})
+    assert plan_memory(cfg, fixed, dev).fits
+
+
+def test_fit_returns_a_layout_the_plan_accepts(capsys):
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--ranks", "64", "--init", "local",
+                 "--fit", "--json", "data.batch_size=64"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"]
+    cfg = load("mixtral-8x7b", ["data.batch_size=64"])
+    lay = MemoryLayout(**out["layout"])
+    plan = plan_memory(cfg, lay, DeviceMemory.from_profile(load_profile("h100")))
+    assert plan.fits and plan.peak_bytes == pytest.approx(out["peak_bytes"], abs=1)
+    # nothing on fewer ranks fits: the fit is the smallest
+    smaller = fit_layout(cfg, plan.device, dataclasses.replace(lay, pp=1, ep=1), max_ranks=lay.ranks // 2)
+    assert smaller is None
+
+
+def test_presets_fit_on_their_clusters():
+    dev = DeviceMemory.from_profile(load_profile("h100-ndr400"))
+    llama = load("llama-moe-3.5b")  # one 8-GPU node, with what is built today (whole-model initialisation)
+    assert plan_memory(llama, layout_from_config(llama, 8), dev).fits
+    mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (shard, recompute, local init)
+    planned = layout_from_config(mixtral, 16, shard="full", recompute="moe", init="local")
+    assert plan_memory(mixtral, planned, dev).fits
+    assert not plan_memory(mixtral, layout_from_config(mixtral, 16, init="local"), dev).fits
+
+
+def _ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_train_refuses_at_start_up_and_can_be_overridden(tmp_path, capsys):
+    # logits of 65,536 vocabulary entries per token, fp32, four copies: 1 MB per token; more tokens per rank than
+    # this machine's RAM shared by 2 ranks holds
+    rows = 2 * (int(_ram() / 2 / (65536 * 16) / 512) + 2)
+    argv = ["train", f"data.batch_size={rows}", "data.seq_len=512", "model.vocab_size=65536", "--nproc", "2",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    refusal = [ln for ln in err if "will not fit" in ln]
+    assert len(refusal) == 1 and "largest term: logits/loss" in refusal[0] and "--no-memory-check" in refusal[0]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main([*argv, "--no-memory-check"]) == 2  # the check is skipped: the next check speaks
+    err2 = capsys.readouterr().err
+    assert "will not fit" not in err2 and "already holds a run" in err2
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_memory"] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_memory_json(tmp_path, monkeypatch):
+    bench = _bench()
+
+    def measure(case, steps, workdir):  # the processes are the slow part: a stand-in with known peaks
+        # one step, 4 MoE layers whose tokens all go to experts 0 and 1: ep rank 0's
+        return {"status": "ok", "rss_bytes": [1.0e9, 1.1e9, 1.0e9, 1.0e9], "tokens_per_s": 100.0, "wall_s": 0.0,
+                "expert_counts": [[[4, 4, 0, 0, 0, 0, 0, 0]] * 4]}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "m.json"
+    assert bench.main(["--only", "ep4,ep4_shard_optimizer", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    ep4 = rows["ep4"]
+    assert ep4["status"] == "ok" and ep4["error"] == pytest.approx((max(ep4["predicted_rank_bytes"]) - 1.1e9) / 1.1e9)
+    assert ep4["rank_skew"] == [4.0, 1.0, 1.0, 1.0]  # rank 0 computes every routed row of the group
+    assert ep4["predicted_rank_bytes"][0] > ep4["predicted_rank_bytes"][1] == ep4["predicted_rank_bytes_skew1"][1]
+    shard = rows["ep4_shard_optimizer"]
+    assert shard["predicted"]["peak_bytes"] < ep4["predicted"]["peak_bytes"]  # planned even where refused
+    assert shard["status"] in ("ok", "skipped")
+    if shard["status"] == "skipped":
+        assert "refused by the config" in shard["reason"] and "parallel.shard" in shard["reason"]
+    saved = [s for s in data["savings"] if s["setting"] == "parallel.shard=optimizer"][0]
+    assert saved["predicted_model_state_ratio"] < 1.0
+    assert data["meta"]["ranks"] == 4
