@@ -288,7 +288,8 @@ class TrainConfig:
     recompute: Literal["none", "moe", "attention", "full"] = "none"
     """Activation recomputation per decoder layer (torch's checkpoint utilities): none; moe: the layer's MoE/MLP
     part is recomputed in the backward pass; attention: its attention part; full: the whole layer (only its
-    input is kept). Exact in fp32: the same loss and gradients as none."""
+    input is kept). Exact in fp32: the same loss and gradients as none. A MoE block that exchanges tokens with
+    other ranks recomputes its rank-local compute only (expert GEMMs, shared expert; docs/training.md)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -922,7 +923,6 @@ def _check_whole(c: Config) -> None:
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
     _need(par.shard == "none", f"'parallel.shard: {par.shard}' is not built yet: use parallel.shard=none")
-    _need(t.recompute == "none", f"'train.recompute: {t.recompute}' is not built yet: use train.recompute=none")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,
