@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        nn.init.ones_(self.weight)  # through torch.nn.init: a rank-local build replays it (models/local_init.py)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
