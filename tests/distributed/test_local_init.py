@@ -16,7 +16,7 @@ from moebal.distributed.testing import run_ranks
 def _cfg(pp: int = 1, nproc: int = 2, ep: int | None = None) -> Config:
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "router_noise": 0.01},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop"},
         "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
         "train": {"steps": 1, "warmup_steps": 0, "eval_every": 0, "precision": "fp32", "seed": 11},
         "parallel": {"pp": pp, "nproc": nproc, "ep": ep}})
