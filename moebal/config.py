@@ -288,7 +288,8 @@ class TrainConfig:
     recompute: Literal["none", "moe", "attention", "full"] = "none"
     """Activation recomputation per decoder layer (torch's checkpoint utilities): none; moe: the layer's MoE/MLP
     part is recomputed in the backward pass; attention: its attention part; full: the whole layer (only its
-    input is kept). Exact in fp32: the same loss and gradients as none."""
+    input is kept). Exact in fp32: the same loss and gradients as none. A MoE block that exchanges tokens with
+    other ranks recomputes its rank-local compute only (expert GEMMs, shared expert; docs/training.md)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -926,7 +927,6 @@ def _check_whole(c: Config) -> None:
     _need(par.shard == "none" or par.pp == 1,
           f"'parallel.shard: {par.shard}' with a pipeline (parallel.pp {par.pp}) is not built: a migrating layer "
           f"would have to carry its gradient and AdamW shards; use parallel.shard=none or parallel.pp=1")
-    _need(t.recompute == "none", f"'train.recompute: {t.recompute}' is not built yet: use train.recompute=none")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,

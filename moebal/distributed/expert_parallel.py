@@ -204,7 +204,8 @@ class ExpertParallelDispatcher:
         # 3-5. dispatch, experts on the L local experts (owned and Trans'd replicas), combine: in c token chunks
         local = list(self.placement.local_experts(self.r))
         xplan = ExchangePlan(send_counts=send_counts, recv_counts=recv_counts, local=local,
-                             chunks=self.a2a_chunks, device=dev, layer=self.index)
+                             chunks=self.a2a_chunks, device=dev, layer=self.index,
+                             recompute=self.layer.recomputes_experts())
         on_grads = self.on_grads
         if on_grads is not None and self.placement.replicated:  # owners post their receives here too
             xplan.on_weight_grads = lambda dW: on_grads(self._replica_grads(local, dW))

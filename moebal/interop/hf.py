@@ -65,6 +65,7 @@ from moebal.interop.tensor_io import (
 )
 
 if TYPE_CHECKING:
+    from moebal.models.local_init import Holding
     from moebal.models.transformer import MoebalForCausalLM
 
 __all__ = [
@@ -830,10 +831,11 @@ def check_source(source: TensorSource, links: list[Link], ours: dict[str, tuple[
 
 
 def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
-                 experts: Sequence[int] | None = None) -> MoebalForCausalLM:
+                 experts: Sequence[int] | None = None, holding: Holding | None = None) -> MoebalForCausalLM:
     """The model with uninitialised storage (built on the meta device: no time spent on a random init that
     the checkpoint overwrites, no second copy), non-persistent buffers rebuilt for real. With `experts`, each
-    MoE layer's stacked expert tensors hold only those experts' rows (an expert-parallel rank's shard)."""
+    MoE layer's stacked expert tensors hold only those experts' rows (an expert-parallel rank's shard); with
+    `holding`, only the tensors it holds get storage (a pipeline stage's), the others stay on the meta device."""
     from moebal.models.transformer import MoebalForCausalLM, rotary_for
 
     with torch.device("meta"):
@@ -843,7 +845,12 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
                 for name in ("w1", "w3", "w2"):
                     full = getattr(layer.experts, name)
                     setattr(layer.experts, name, torch.nn.Parameter(torch.empty(len(experts), *full.shape[1:])))
-    model = model.to(dtype=dtype).to_empty(device=device)
+    if holding is None:
+        model = model.to(dtype=dtype).to_empty(device=device)
+    else:
+        from moebal.models.local_init import allocate_held
+
+        allocate_held(model.to(dtype=dtype), holding, device, slice_rows=False)
     m = cfg.model
     with torch.device(device):
         model.model.rotary = rotary_for(cfg)  # fp32 tables, as built normally
@@ -858,9 +865,10 @@ def _empty_model(cfg: Config, dtype: torch.dtype, device: torch.device | str,
 
 
 def load_hf_weights(model: MoebalForCausalLM, source: TensorSource, arch: str, where: str,
-                    experts: Sequence[int] | None = None) -> None:
+                    experts: Sequence[int] | None = None, holding: Holding | None = None) -> None:
     """Fill every parameter of `model` from `source` (HF names of `arch`), one tensor at a time; with
-    `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read)."""
+    `experts`, the model's stacked expert tensors hold those experts' rows only (the rest are not read); with
+    `holding`, only the tensors it holds are read (the others are on the meta device)."""
     cfg = model.config
     links = hf_links(cfg, arch, fused=arch in _FUSED_ARCHS and is_fused(source.info()))
     state = model.state_dict()
@@ -881,6 +889,8 @@ def load_hf_weights(model: MoebalForCausalLM, source: TensorSource, arch: str, w
         for ln in links:
             if ln.zeros is not None:
                 continue  # no moebal parameter: it does nothing
+            if holding is not None and not holding.holds(ln.ours):
+                continue  # another pipeline stage's tensor
             index = ln.index
             if index is not None and row is not None:
                 if index not in row:
@@ -908,15 +918,20 @@ def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch
 
 
 def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype | str | None = torch.float32,
-            device: torch.device | str = "cpu", experts: Sequence[int] | None = None) -> MoebalForCausalLM:
+            device: torch.device | str = "cpu", experts: Sequence[int] | None = None,
+            holding: Holding | None = None) -> MoebalForCausalLM:
     """moebal's model with the weights of the HF checkpoint directory `path` (one of `ARCHITECTURES`; one
     safetensors file or a sharded index; per-expert or fused experts), or of a directory `hf_to_moebal` wrote.
 
     `cfg` defaults to `config_from_hf(path)`; a given one must describe the same shapes. `dtype` is that of
     the parameters: float32 by default (training keeps fp32 master weights), 'auto' for the checkpoint's own.
     `experts` (logical ids, ascending): keep only these experts' rows in every MoE layer, so an
-    expert-parallel rank reads and holds its own shard and never the whole model.
+    expert-parallel rank reads and holds its own shard and never the whole model. `holding`
+    (moebal/models/local_init.py): read and hold only its tensors (a pipeline stage's layers, and its `experts`
+    when set there); the others stay on the meta device.
     """
+    if holding is not None and experts is None:
+        experts = holding.experts
     where = str(Path(path))
     if is_moebal_dir(path):
         verify_manifest(Path(path))
@@ -929,8 +944,8 @@ def from_hf(path: str | Path, *, cfg: Config | None = None, dtype: torch.dtype |
     try:
         if arch == "moebal" and dtype in (None, "auto"):
             dtype = source.info()["model.embed_tokens.weight"].dtype
-        model = _empty_model(cfg, _resolve_dtype(dtype, hf), device, experts)
-        load_hf_weights(model, source, arch, where, experts)
+        model = _empty_model(cfg, _resolve_dtype(dtype, hf), device, experts, holding)
+        load_hf_weights(model, source, arch, where, experts, holding)
     finally:
         source.close()
     # to_hf keeps this config.json's keys and copies the directory's tokenizer files, even if it is gone by then

@@ -10,10 +10,13 @@ N dispatched rows (one per active assignment), S shared-expert hidden dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
 from moebal.kernels.expert_ffn import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
@@ -71,7 +74,11 @@ class LocalDispatcher:
         # The loop kernel reads its row counts on the host anyway; grouped_mm keeps them on the device, so
         # dropped or untaken assignments stay as masked rows instead of a host read of the active count.
         plan = layer.plan(routing, trim=layer.experts.resolve_kernel(x_TD.shape[0], x_c.dtype) == "loop")
-        y_ND = layer.expert_forward(plan.mask_tail(dispatch(x_c, plan)), plan)
+        x_ND = plan.mask_tail(dispatch(x_c, plan))
+        if layer.recomputes_experts():
+            y_ND: torch.Tensor = checkpoint(layer.expert_forward, x_ND, plan, use_reentrant=False)
+        else:
+            y_ND = layer.expert_forward(x_ND, plan)
         return combine(plan.mask_tail(y_ND), plan, routing.weights_TK)
 
 
@@ -204,6 +211,10 @@ class MoELayer(nn.Module):
         self.last_stats: RoutingStats | None = None
         self.last_routing: Routing | None = None
         self._step_stats: RoutingStats | None = None
+        # activation recomputation (moebal/models/recompute.py): whether a block that talks to other ranks
+        # recomputes its rank-local compute in the backward pass, and whether a replay is running now
+        self.recompute_local = False
+        self._replay = False
         self.reset_parameters()
 
     @classmethod
@@ -213,7 +224,7 @@ class MoELayer(nn.Module):
         shared = 0
         if moe.shared_experts > 0:
             shared = moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim
-        return cls(cfg.model.dim, cfg.expert_ffn_dim, moe.num_experts, moe.top_k, moe.capacity_factor,
+        layer = cls(cfg.model.dim, cfg.expert_ffn_dim, moe.num_experts, moe.top_k, moe.capacity_factor,
                    drop_policy=moe.drop_policy, gate=moe.gate, router=moe.router,
                    adaptive_threshold=moe.adaptive_threshold, jitter=moe.jitter, score_scale=moe.score_scale,
                    shared_ffn_dim=shared, aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
@@ -221,6 +232,8 @@ class MoELayer(nn.Module):
                    norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate,
                    n_group=moe.n_group, topk_group=moe.topk_group, group_score=moe.group_score,
                    selection_bias=moe.selection_bias, router_fp32=moe.router_fp32)
+        layer.recompute_local = cfg.train.recompute in ("moe", "full")
+        return layer
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for the router and every expert weight; the selection bias and the noise
@@ -274,7 +287,10 @@ class MoELayer(nn.Module):
         r = self.route(x_TD)
         out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
         if self.shared_expert is not None:
-            shared_TD = self.shared_expert(x_TD)
+            if self.recomputes_experts():
+                shared_TD = checkpoint(self.shared_expert, x_TD, use_reentrant=False)
+            else:
+                shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             out_TD = out_TD + shared_TD
@@ -285,8 +301,10 @@ class MoELayer(nn.Module):
 
     def _record(self, r: Routing) -> None:
         stats = RoutingStats.from_routing(r)
-        self.last_routing, self.last_stats = r, stats
-        self.aux_loss = self._losses(r, stats)
+        aux = self._losses(r, stats)  # in a replay too: the backward unpacks its saved tensors
+        if self._replay:
+            return  # the forward recorded this step's statistics and loss already
+        self.last_routing, self.last_stats, self.aux_loss = r, stats, aux
         if self.training and torch.is_grad_enabled():
             self._step_stats = stats.clone() if self._step_stats is None else self._step_stats.add(stats)
 
@@ -352,6 +370,23 @@ class MoELayer(nn.Module):
                              f"got {tuple(counts_E.shape)}")
         if self.bias_update_rate > 0:  # a loaded bias (selection_bias) with rate 0 stays as it is
             update_selection_bias(self.expert_bias, counts_E, self.bias_update_rate)
+
+    # ---- activation recomputation (moebal/models/recompute.py) ----
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The block's forward runs again inside (a recomputation in the backward pass): no bookkeeping."""
+        self._replay = True
+        try:
+            yield
+        finally:
+            self._replay = False
+
+    def recomputes_experts(self) -> bool:
+        """Whether this forward recomputes its rank-local expert compute in the backward pass on its own: with
+        `recompute_local`, when the block talks to other ranks (a replay of the whole block, which the decoder
+        layer does otherwise, would rerun the collectives) and gradients are on."""
+        return self.recompute_local and not self.is_local() and torch.is_grad_enabled()
 
     # ---- parallelism hooks (set from outside by moebal.distributed; the layer itself stays single-device) ----------
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from moebal.config import Config
 from moebal.models.mlp import MLP
+from moebal.models.recompute import recompute_call
 
 if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
@@ -38,7 +39,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        nn.init.ones_(self.weight)  # through torch.nn.init: a rank-local build replays it (models/local_init.py)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,12 +163,16 @@ def attention_for(cfg: Config) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + ffn(norm(h)); the ffn is a dense MLP or an MoE block."""
+    """Pre-norm block: h + attn(norm(h)), then h + ffn(norm(h)); the ffn is a dense MLP or an MoE block.
+
+    `recompute` (`train.recompute`, changed with `moebal.models.recompute.set_recompute`) chooses which part's
+    activations are recomputed in the backward pass instead of kept (moebal/models/recompute.py)."""
 
     def __init__(self, cfg: Config, index: int) -> None:
         super().__init__()
         m = cfg.model
         self.index = index
+        self.recompute: str = cfg.train.recompute
         self.input_layernorm = RMSNorm(m.dim, m.norm_eps)
         self.self_attn = attention_for(cfg)
         self.post_attention_layernorm = RMSNorm(m.dim, m.norm_eps)
@@ -183,17 +189,45 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if self.is_moe else self.mlp
 
     def forward(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        if self._recomputes("full") and self._ffn_replayable():
+            return recompute_call(self._forward, self._moe(), h_BTD, cos_TK, sin_TK)
         return self.ffn_part(self.attention_part(h_BTD, cos_TK, sin_TK))
 
     # The two halves run apart when a pipeline splits the layer over two stages (`pipeline.split_layers`).
-    # nn.Module.__call__ is typed Any: the annotated locals give the results their type.
     def attention_part(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        if self._recomputes("attention", "full"):
+            return recompute_call(self._attention_part, None, h_BTD, cos_TK, sin_TK)
+        return self._attention_part(h_BTD, cos_TK, sin_TK)
+
+    def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        if self._recomputes("moe", "full") and self._ffn_replayable():
+            return recompute_call(self._ffn_part, self._moe(), h_BTD)
+        return self._ffn_part(h_BTD)
+
+    # ---- the plain computation (nn.Module.__call__ is typed Any: the annotated locals give the results a type)
+    def _forward(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        return self._ffn_part(self._attention_part(h_BTD, cos_TK, sin_TK))
+
+    def _attention_part(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         a_BTD: torch.Tensor = self.self_attn(self.input_layernorm(h_BTD), cos_TK, sin_TK)
         return h_BTD + a_BTD
 
-    def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
+    def _ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
         f_BTD: torch.Tensor = self.ffn(self.post_attention_layernorm(h_BTD))
         return h_BTD + f_BTD
+
+    # ---- recomputation ----
+    def _recomputes(self, *modes: str) -> bool:
+        return self.recompute in modes and torch.is_grad_enabled()
+
+    def _moe(self) -> MoELayer | None:
+        return self.block_sparse_moe if self.is_moe else None
+
+    def _ffn_replayable(self) -> bool:
+        """Whether the FFN part may run twice: a dense MLP, or a MoE block that talks to no other rank (else it
+        recomputes its rank-local compute only, `MoELayer.recompute_local`)."""
+        moe = self._moe()
+        return moe is None or moe.is_local()
 
 
 class MoebalModel(nn.Module):

@@ -126,7 +126,9 @@ class PipelineEngine:
                     with self.wgrad.capture(j) if split else nullcontext():
                         saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
                 elif kind == "B":
-                    self._backward(j, saved.pop(j), M, result)
+                    # a recomputed layer's Linears run again in B: deferred like F's (their closures are F's)
+                    with self.wgrad.capture(j) if split else nullcontext():
+                        self._backward(j, saved.pop(j), M, result)
                 else:
                     self._weight_grads(j, result)
         assert self.wgrad.pending() == 0, "a deferred weight gradient was never run"

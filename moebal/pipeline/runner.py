@@ -26,6 +26,7 @@ surviving subsequence. Data-parallel replicas take identical decisions from iden
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ from moebal.train.precision import uses_bf16
 
 if TYPE_CHECKING:
     from moebal.data import DataBundle
+    from moebal.models.local_init import InitProgram
+    from moebal.models.transformer import MoebalForCausalLM
 
 __all__ = ["BALANCERS", "Forced", "PipelineRunner", "RunSummary", "expand_repack", "pipeline_ep"]
 
@@ -153,22 +156,25 @@ class PipelineRunner:
                                       if not cfg.is_moe_layer(i) and self.scheme.splittable(i)])
 
     def _build(self, cfg: Config) -> None:
-        from moebal.models import build_model
+        from moebal.models.local_init import meta_model
         from moebal.train.trainer import seed_everything
 
         seed_everything(cfg.train.seed)
-        model = build_model(cfg)
-        self.scheme.prepare_model(model)
+        model, program = meta_model(cfg)  # the full model on the meta device: nothing allocated yet
         if self.opts.initial == "params":
-            counts = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+            probe = copy.deepcopy(model)  # the scheme's structural changes count (meta: no memory)
+            self.scheme.prepare_model(probe)
+            counts = [sum(p.numel() for p in layer.parameters()) for layer in probe.model.layers]
             layer_sizes = partition_by_params(counts, self.P0,
-                                              first_extra=float(model.model.embed_tokens.weight.numel()),
-                                              last_extra=float(model.lm_head.weight.numel()))
+                                              first_extra=float(probe.model.embed_tokens.weight.numel()),
+                                              last_extra=float(probe.lm_head.weight.numel()))
         else:
             layer_sizes = partition_uniform(self.L, self.P0)
         self.sizes = self.units.unit_sizes(layer_sizes)  # the initial partition keeps layers whole
         p = self.chain.index
         start = sum(self.sizes[:p])
+        model = self._materialise(cfg, model, program, list(range(start, start + self.sizes[p])))
+        self.scheme.prepare_model(model)
         self.stage = PipelineStage.from_model(model, start, start + self.sizes[p], self.chain.is_first,
                                               self.chain.is_last, self.units).to(self.device)
         del model
@@ -185,6 +191,27 @@ class PipelineRunner:
         ctx = self._ctx()
         ctx.rows = self._micro_rows() * cfg.data.seq_len
         self.scheme.on_start(ctx)
+
+    def _materialise(self, cfg: Config, model: MoebalForCausalLM, program: InitProgram,
+                     units: list[int]) -> MoebalForCausalLM:
+        """This rank's part of the meta-built model for real (moebal/models/local_init.py): its stage's layers,
+        the embedding on the first stage, the norm and head on the last, and its experts' rows under expert
+        parallelism; from `hf.init_from` (only those tensors are read) or the seeded random initialisation."""
+        from moebal.models.local_init import Holding, materialise
+        from moebal.planner.plan import default_owners
+
+        experts = None
+        if self.dims.ep > 1:
+            owners = default_owners(cfg.moe.num_experts, self.dims.ep)
+            experts = tuple(e for e, o in enumerate(owners) if o == self.dims.index("ep"))
+        holding = Holding(layers=frozenset(self.units.layers_of(units)), embed=self.chain.is_first,
+                          head=self.chain.is_last, experts=experts)
+        if cfg.hf.init_from:
+            from moebal.interop.hf import from_hf
+
+            return from_hf(cfg.hf.init_from, cfg=cfg, holding=holding)
+        materialise(model, program, holding)
+        return model
 
     def _micro_rows(self) -> int:
         rows = max(1, self.cfg.data.batch_size // self.data_ranks)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from moebal.kernels.dispatch import DispatchPlan
 from moebal.sync import upload
@@ -107,6 +108,9 @@ class ExchangePlan:
     on_weight_grads: Callable[[list[torch.Tensor | None]], None] | None = None
     """Called in the backward with the [w1, w3, w2] gradients of the local experts as soon as they exist
     (Pro-Prophet's block overlap issues Agg from here)."""
+    recompute: bool = False
+    """Keep only each chunk's received rows and recompute the expert activations in the backward pass
+    (`train.recompute`: moebal/models/recompute.py)."""
 
     def __post_init__(self) -> None:
         c = max(1, int(self.chunks))
@@ -172,7 +176,10 @@ class _Exchange(torch.autograd.Function):
             if grad:
                 x_in.requires_grad_(True)
                 with torch.enable_grad():
-                    y = experts.compute(x_in, wq[0], wq[1], wq[2], ch.plan)
+                    if plan.recompute:  # the expert backward (below) recomputes them from x_in
+                        y = checkpoint(experts.compute, x_in, wq[0], wq[1], wq[2], ch.plan, use_reentrant=False)
+                    else:
+                        y = experts.compute(x_in, wq[0], wq[1], wq[2], ch.plan)
                 graphs.append((x_in, y))
             else:
                 y = experts.compute(x_in, wq[0], wq[1], wq[2], ch.plan)

@@ -176,9 +176,10 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     With `scheduler.expert_packing: lina` the expert-parallel size is chosen first (measured on the job, or
     read from `run_dir`'s packing.json when the run `resume`s; moebal/balance/packing.py).
 
-    The full model is built on every rank from the run's seed, so it equals the single-process model, then
-    expert parallelism keeps this rank's experts; from `hf.init_from` (unless `load_weights` is false because a
-    checkpoint will overwrite it) each rank reads the shared weights and its own experts only. The planner's
+    Under expert parallelism a rank materialises only its own experts' rows: from the run's seed on the meta
+    device (moebal/models/local_init.py: bit-identical to those rows of the single-process model), or from
+    `hf.init_from` (unless `load_weights` is false because a checkpoint will overwrite it), reading the shared
+    weights and its own experts only. Without it every rank builds the whole model, as one process would. The planner's
     coefficients come from `planner.costs`, the communication scheduler's from the same source (measured on
     the job, or the hardware profile).
     """
@@ -206,14 +207,19 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     refuse_cpu_only(cfg, dims.device.type)
     ctx = RunContext(dims)
     seed_everything(cfg.train.seed)
-    if cfg.hf.init_from and load_weights and dims.distributed and ep > 1 and cfg.moe.num_experts:
-        # Each rank reads only its own experts from the checkpoint: a rank never holds the whole model.
-        from moebal.interop.hf import from_hf
+    if dims.distributed and ep > 1 and cfg.moe.num_experts:
+        # A rank never holds the whole model: only its own experts are read or initialised.
+        from moebal.models.local_init import Holding, build_local
         from moebal.planner.plan import default_owners
 
         owners, r = default_owners(cfg.moe.num_experts, ep), dims.index("ep")
-        model = from_hf(cfg.hf.init_from, cfg=cfg, device=dims.device,
-                        experts=[e for e, o in enumerate(owners) if o == r])
+        owned = [e for e, o in enumerate(owners) if o == r]
+        if cfg.hf.init_from and load_weights:
+            from moebal.interop.hf import from_hf
+
+            model = from_hf(cfg.hf.init_from, cfg=cfg, device=dims.device, experts=owned)
+        else:
+            model = build_local(cfg, Holding(experts=tuple(owned))).to(dims.device)
     else:
         model = build_model(cfg, load_weights=load_weights).to(dims.device)
     hooks: list[Hook] = []
