@@ -23,10 +23,12 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
     no message, and a resume continues the same walk.
 - When it sets in: layers run dense before `start` (continual training of a dense model, as DynMo runs it).
 - Cost (DynMo: c_i = s_i c_i, the whole layer scaled): only the attention core scales. Layer i's cost relative to
-  its dense self is (q_o + kv + ffn + w attn f_i) / (q_o + kv + ffn + w attn), f_i the kept share of the causal
-  block grid (`kept_fraction`: a function of the density alone), from `layer_token_flops` at the run's sequence;
-  w (`attn_weight`) is the measured time per multiply-add of the dense attention core relative to the GEMMs
-  (a CPU's flash-attention kernel runs far below GEMM speed). The density a step runs at is fixed before the
+  its dense self is (q_o + kv + ffn + w attn (o + f_i)) / (q_o + kv + ffn + w attn) below density 1 (1 at
+  density 1: the plain layer), f_i the kept share of the causal block grid (`kept_fraction`: a function of the
+  density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.5) is the time per
+  multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.25) the sparse path's fixed
+  extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core: both fitted to a dim-128
+  layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`). The density a step runs at is fixed before the
   step (`update` sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
 - Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
   DynMo's Figure 3 caption).
@@ -79,7 +81,7 @@ class DynamicSparseAttention(Dynamism):
 
     def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
                  min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
-                 attn_weight: float = 1.0, seed: int = 0) -> None:
+                 attn_weight: float = 1.5, overhead: float = 0.25, seed: int = 0) -> None:
         m, T = cfg.model, cfg.data.seq_len
         if budget not in ("coverage", "random_walk"):
             raise ConfigError(f"dynamism sparse_attention: budget must be coverage or random_walk; got {budget!r}")
@@ -89,15 +91,16 @@ class DynamicSparseAttention(Dynamism):
         if block < 1 or T % block or T // block < 2:
             raise ConfigError(f"dynamism sparse_attention: block ({block}) must divide data.seq_len ({T}) into at "
                               f"least 2 blocks; choose a block such as {max(1, T // 16)}")
-        if not 0 < coverage <= 1 or walk_step < 0 or attn_weight <= 0:
+        if not 0 < coverage <= 1 or walk_step < 0 or attn_weight <= 0 or overhead < 0:
             raise ConfigError(f"dynamism sparse_attention: need coverage in (0, 1] (got {coverage}), walk_step >= 0 "
-                              f"(got {walk_step}) and attn_weight > 0 (got {attn_weight})")
+                              f"(got {walk_step}), attn_weight > 0 (got {attn_weight}) and overhead >= 0 "
+                              f"(got {overhead})")
         if m.mla is not None or (m.sliding_window is not None and m.sliding_window < T):
             raise ConfigError("dynamism sparse_attention runs grouped-query causal attention over the whole row: "
                               "unset model.mla and model.sliding_window (or use another scheme)")
         self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
         self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
-        self.start, self.attn_weight, self.seed = start, attn_weight, seed
+        self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
         self.flops = [layer_token_flops(cfg, i, T) for i in range(self.L)]
         self.density = [1.0] * self.L
         """The density each layer runs at in the coming step (agreed: every rank computes the same)."""
@@ -167,10 +170,14 @@ class DynamicSparseAttention(Dynamism):
 
     # ---- predictions ----
     def cost_factors(self, num_layers: int) -> list[float]:
+        """(other + w attn (o + f_i)) / (other + w attn) below density 1, else 1 (module docstring)."""
         out = []
         for f, d in zip(self.flops, self.density):
+            if d >= 1.0:
+                out.append(1.0)
+                continue
             other, attn = f["q_o"] + f["kv"] + f["ffn"], f["attn"] * self.attn_weight
-            out.append((other + attn * kept_fraction(self.T, self.block, d)) / (other + attn))
+            out.append((other + attn * (self.overhead + kept_fraction(self.T, self.block, d))) / (other + attn))
         return out
 
     def metrics(self) -> dict[str, Any]:
