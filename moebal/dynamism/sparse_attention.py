@@ -28,8 +28,9 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.5) is the time per
   multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.25) the sparse path's fixed
   extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core: both fitted to a dim-128
-  layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`). The density a step runs at is fixed before the
-  step (`update` sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
+  layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`, which
+  reports the prediction beside the measurement). The density a step runs at is fixed before the step (`update`
+  sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
 - Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
   DynMo's Figure 3 caption).
 """
