@@ -114,15 +114,6 @@ def _diag_mask(c: int, block: int, like: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def _gather_blocks(x_BGTK: torch.Tensor, sel: BlockSelection) -> torch.Tensor:
-    """[B, G, M, b, K]: the kept blocks of x, in selection order (one row gather: its backward is one index_add)."""
-    B, G, T, K = x_BGTK.shape
-    b, N, M = sel.block, T // sel.block, sel.kept
-    base_BG1 = (torch.arange(B * G, device=x_BGTK.device) * N).view(B, G, 1)
-    rows = (base_BG1 + sel.index_BGM).reshape(-1)
-    return x_BGTK.reshape(B * G * N, b * K).index_select(0, rows).view(B, G, M, b, K)
-
-
 def _runs(counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(first query block, how many, kept count) of each run of consecutive query blocks that keep as many key
     blocks (counts never decrease along the sequence, so equal counts are consecutive)."""
@@ -135,33 +126,46 @@ def _runs(counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _run_rows(sel: BlockSelection, runs: list[tuple[int, int, int]], B: int, G: int, N: int) -> torch.Tensor:
+    """Rows of the [B G N, b K] block table to gather, run after run, each run ordered (query block, row, group,
+    kept block): a run's gathered blocks are then directly its [R B, G, c b, K] key tensor."""
+    dev = sel.index_BGM.device
+    base_BG1 = (torch.arange(B * G, device=dev) * N).view(B, G, 1)
+    rows_BGM = base_BG1 + sel.index_BGM
+    parts, off = [], 0
+    for _, r, c in runs:
+        parts.append(rows_BGM[:, :, off:off + r * c].reshape(B, G, r, c).permute(2, 0, 1, 3).reshape(-1))
+        off += r * c
+    return torch.cat(parts)
+
+
 def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                            sel: BlockSelection) -> torch.Tensor:
     """Causal attention of each query block over its selected key blocks only (differentiable in q, k, v).
 
-    Query blocks that keep as many key blocks run as one SDPA call, stacked along the batch dimension (R of them
-    at a time): fewer, larger calls."""
+    Query blocks that keep as many key blocks (a run: R consecutive query blocks) run as one SDPA call, stacked
+    along the batch dimension. Queries are laid out block-major once ([N B, H, b, K]: one copy), and the key and
+    value blocks are gathered in each run's order, so every run's tensors are views, with no copy per run."""
     B, H, T, K = q_BHTK.shape
     G, b = k_BGTK.shape[1], sel.block
-    gqa = G != H
+    N, gqa = T // b, G != H
     runs = _runs(sel.counts)
-    sizes = [r * c for _, r, c in runs]
-    ks = torch.split(_gather_blocks(k_BGTK, sel), sizes, dim=2)
-    vs = torch.split(_gather_blocks(v_BGTK, sel), sizes, dim=2)
-    qs = torch.split(q_BHTK, [r * b for _, r, _ in runs], dim=2)
+    rows = _run_rows(sel, runs, B, G, N)
+    k_all = k_BGTK.reshape(B * G * N, b * K).index_select(0, rows)
+    v_all = v_BGTK.reshape(B * G * N, b * K).index_select(0, rows)
+    sizes = [r * c * B * G for _, r, c in runs]
+    q_NBHbK = q_BHTK.view(B, H, N, b, K).permute(2, 0, 1, 3, 4).contiguous()
     outs = []
-    for (_, r, c), q_BHXK, k_BGYbK, v_BGYbK in zip(runs, qs, ks, vs):
-        # [B, H, R b, K] -> [R B, H, b, K]; [B, G, R c, b, K] -> [R B, G, c b, K]
-        q_XHbK = q_BHXK.view(B, H, r, b, K).permute(2, 0, 1, 3, 4).reshape(r * B, H, b, K)
-        k_XGSK = k_BGYbK.view(B, G, r, c * b, K).permute(2, 0, 1, 3, 4).reshape(r * B, G, c * b, K)
-        v_XGSK = v_BGYbK.view(B, G, r, c * b, K).permute(2, 0, 1, 3, 4).reshape(r * B, G, c * b, K)
+    for (n0, r, c), k_rows, v_rows in zip(runs, torch.split(k_all, sizes), torch.split(v_all, sizes)):
+        q_XHbK = q_NBHbK[n0:n0 + r].view(r * B, H, b, K)
+        k_XGSK, v_XGSK = k_rows.view(r * B, G, c * b, K), v_rows.view(r * B, G, c * b, K)
         if c == 1:  # the diagonal block alone: plain causal
-            o_XHbK = F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, is_causal=True, enable_gqa=gqa)
+            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, is_causal=True, enable_gqa=gqa))
         else:
-            o_XHbK = F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=_diag_mask(c, b, q_BHTK),
-                                                    enable_gqa=gqa)
-        outs.append(o_XHbK.view(r, B, H, b, K).permute(1, 2, 0, 3, 4).reshape(B, H, r * b, K))
-    return torch.cat(outs, dim=2)
+            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=_diag_mask(c, b, q_BHTK),
+                                                       enable_gqa=gqa))
+    o_NBHbK = torch.cat(outs).view(N, B, H, b, K)
+    return o_NBHbK.permute(1, 2, 0, 3, 4).reshape(B, H, T, K)
 
 
 def block_mask(sel: BlockSelection, T: int) -> torch.Tensor:
