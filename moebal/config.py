@@ -553,10 +553,37 @@ class MoECostConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class SparseAttentionConfig:
+    """Dynamic block-sparse attention: each layer keeps a moving share of its causal attention blocks."""
+
+    budget: Literal["coverage", "random_walk"] = "coverage"
+    """How each layer's density moves: coverage = the share of blocks that covered `coverage` of the pooled
+    block-score mass last step; random_walk = DynMo's bounded random walk (a benchmark driver)."""
+    block: int = 64
+    """Tokens per attention block (must divide data.seq_len into at least 2 blocks)."""
+    coverage: float = 0.9
+    """Softmax mass of the pooled block scores the kept blocks must cover (budget coverage)."""
+    min_density: float = 0.1
+    """Lowest density a layer may run at."""
+    max_density: float = 1.0
+    """Highest density (1: dense)."""
+    walk_step: float = 0.1
+    """Largest per-step change of a layer's density (budget random_walk)."""
+    start: int = 0
+    """Layers run dense up to this step."""
+    attn_weight: float = 1.5
+    """Time per multiply-add of the attention core relative to the GEMMs, for the cost prediction."""
+    overhead: float = 0.25
+    """Fixed extra time of the sparse path as a share of the dense attention core, for the cost prediction."""
+    seed: int = 0
+    """Seed of the random walk."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class DynamismConfig:
     """Which dynamism scheme trains the model (and drifts per-layer cost), with each scheme's settings."""
 
-    scheme: Literal["none", "pruning", "freezing", "early_exit", "mod", "moe"] = "none"
+    scheme: Literal["none", "pruning", "freezing", "early_exit", "mod", "moe", "sparse_attention"] = "none"
     """The scheme in use."""
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     """Settings of `early_exit`."""
@@ -568,6 +595,8 @@ class DynamismConfig:
     """Settings of `pruning`."""
     moe: MoECostConfig = field(default_factory=MoECostConfig)
     """Settings of `moe`."""
+    sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+    """Settings of `sparse_attention`."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -952,7 +981,7 @@ def _check_whole(c: Config) -> None:
         _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
     _check_mla(m)
-    _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit"),
+    _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
           f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
           f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)

@@ -98,6 +98,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # MoE layers with adaptive top-2 gating (a token takes its second expert only when the gap is <= 0.1): the
     # per-layer expert work follows the routing
     "moe": {},
+    # dynamic block-sparse attention driven by DynMo's bounded random walk: each layer starts at a density drawn in
+    # [0.1, 1] at step 3 and moves by up to 0.1 per step (the balancer re-plans after every step); 64-token blocks
+    "sparse_attention": {"budget": "random_walk", "block": 64, "min_density": 0.1, "max_density": 1.0,
+                         "walk_step": 0.1, "start": 2},
 }
 QUICK_SCHEMES = ("early_exit", "freezing", "mod")
 # Re-pack experiment: early exit that leaves the work to the first layers, partition with and without
@@ -115,7 +119,10 @@ REPACK = {"threshold": 0.97, "first_layer": 4, "start": 4, "ramp_steps": 8}
 # 0.125), so the routed block cost 0.38 of a dense layer in the benchmark and rebalancing had little to move
 # (1.01x-1.04x). At 512 it keeps 64 tokens per row (Raposo et al. train on 2,048-token rows at the same 12.5 %),
 # and costs 0.21-0.26 of a dense layer inside the benchmark (one round). docs/pipeline.md has both runs.
-SEQ_LEN = {"mod": 512}
+# Sparse attention runs 1,024-token rows: at 256 the attention core is a sliver of a dim-128 layer (its share of the
+# multiply-adds is T / (T + 1.5 x 1,024)), so densities would move little time; at 1,024 it is about half a dense
+# layer's measured time (docs/dynamism.md).
+SEQ_LEN = {"mod": 512, "sparse_attention": 1024}
 
 
 def bench_config(steps: int, scheme: str) -> Config:
@@ -275,7 +282,8 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "migrations": len(moves), "layers_moved": sum(r["layers_moved"] for r in moves),
         "bytes_moved": sum(r["bytes_moved"] for r in moves), "released_ranks": released,
         "scheme_state": {k: last[k] for k in ("survival", "frozen_layers", "mod_capacity", "layer_density",
-                                               "sparsity_target", "predicted_cost", "csr_matrices_here")
+                                               "sparsity_target", "predicted_cost", "csr_matrices_here",
+                                               "attention_density")
                          if k in last},
         "loss_last": last["loss"], "load_before": run["load_before"], "load_after": run["load_after"],
         "wall_s": run["wall_s"]}
@@ -359,7 +367,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["zb_over_1f1b"] = {k: round(statistics.median(v), 3) for k, v in sorted(zb.items())}
     if halves:
         out["halves_over_layers"] = {k: round(statistics.median(v), 3) for k, v in sorted(halves.items())}
-    goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1}
+    goal = {"early_exit": 1.3, "freezing": 1.3, "mod": 1.1, "sparse_attention": 1.15}
     modes = sorted({r["mode"] for r in rows if not r["mode"].startswith("block")})
     for wait in modes:
         for scheme, target in goal.items():

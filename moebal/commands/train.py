@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline layer rebalancing (pipeline.rebalance)")
     p.add_argument("--microbatching", choices=["fixed", "dynamic", "padding", "packing"],
                    help="pipeline micro-batching (pipeline.microbatching): dynamic = DynaPipe")
-    p.add_argument("--dynamism", choices=["none", "pruning", "freezing", "early_exit", "mod", "moe"],
+    p.add_argument("--dynamism", choices=["none", "pruning", "freezing", "early_exit", "mod", "moe",
+                                             "sparse_attention"],
                    help="dynamic-model scheme (dynamism.scheme)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="start even when the memory plan (`moebal plan memory`) predicts a rank will not fit")

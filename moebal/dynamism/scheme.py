@@ -7,7 +7,7 @@ layer costs. The engine calls, per micro-batch and layer, `layer_forward`; per s
 checkpoint keeps it by global layer index (and a parameter-shaped entry `<kind>:<parameter name>` by logical
 expert), with the job-wide `state_dict`, so a resume under any partition restores it.
 
-Schemes (config `dynamism.scheme`): `none`, `pruning`, `freezing`, `early_exit`, `mod`, `moe`.
+Schemes (config `dynamism.scheme`): `none`, `pruning`, `freezing`, `early_exit`, `mod`, `moe`, `sparse_attention`.
 Every decision that concerns more than one stage is taken from numbers all-reduced along the pipeline chain,
 so every rank takes the same decision from the same bits.
 """
@@ -238,7 +238,7 @@ def build_dynamism(name: str, options: dict[str, Any] | None = None, **context: 
 
 def _load_schemes() -> None:
     """Import the scheme modules (each registers itself)."""
-    from moebal.dynamism import early_exit, freezing, mod, moe_routing, pruning  # noqa: F401
+    from moebal.dynamism import early_exit, freezing, mod, moe_routing, pruning, sparse_attention  # noqa: F401
 
 
 def as_decoder(layer: nn.Module) -> DecoderLayer:

@@ -212,7 +212,7 @@ def test_moe_routing_cost_factor_by_hand():
 def test_build_dynamism_errors():
     cfg = small(4)
     with pytest.raises(ConfigError, match="unknown dynamism scheme"):
-        build_dynamism("sparse_attention", {}, cfg=cfg)
+        build_dynamism("hashed_attention", {}, cfg=cfg)
     with pytest.raises(ConfigError, match="bad options"):
         build_dynamism("mod", {"capacty": 0.5}, cfg=cfg)
     with pytest.raises(ConfigError, match="capacity"):

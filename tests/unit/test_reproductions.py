@@ -128,3 +128,27 @@ def test_dynmo_fits_nothing_and_scores_all_nine() -> None:
     assert res["held_out"]["mean_abs_rel_error"] == 0.0 and res["reproduced"] is True
     flat = [{"case": c, **{m: 1.0 for m in vals}} for c, vals in dynmo.PAPER.items()]
     assert dynmo.assess(flat)["reproduced"] is False
+
+
+def test_dynmo_table1_fits_the_walk_on_the_shallow_models_only() -> None:
+    dynmo = _load("reproduce_dynmo")
+    rows = dynmo.table1_rows()
+    assert len(rows) == 12 and dynmo.FIT_TABLE1 == ("24 layers", "32 layers")
+    assert rows[0].paper == pytest.approx(12.88 / 10.67)  # the better of Diff and Part over Megatron
+    fit_rows = [r for r in rows if r.table in dynmo.FIT_TABLE1]
+    with pytest.raises(ValueError, match="held-out"):
+        fit_choice(rows, {"any": {r.id: 1.0 for r in rows}}, dynmo.FIT_TABLE1)
+    # "deep" is exact on the held-out 40-56-layer rows only: a fit that peeked would choose it
+    cands = {"shallow": {r.id: r.paper * (1.0 if r in fit_rows else 1.3) for r in rows},
+             "deep": {r.id: r.paper * (1.3 if r in fit_rows else 1.0) for r in rows}}
+    res = evaluate(rows, cands, dynmo.FIT_TABLE1)
+    assert res["fit"]["choice"] == "shallow" and res["fit"]["fit_rows"] == [r.id for r in fit_rows]
+    assert res["held_out"]["rows"] == 6
+
+
+def test_dynmo_table1_one_cell_balances_a_moving_walk() -> None:
+    dynmo = _load("reproduce_dynmo")
+    one = dynmo.table1_case(24, 8, 0.05, 0.2, 32768, 3)
+    flat = dynmo.table1_case(24, 8, 1.0, 0.0, 32768, 3)  # every layer dense all along: nothing to balance
+    assert one["best"] == max(one["part"], one["diff"]) and one["best"] > 1.0
+    assert flat["best"] == pytest.approx(1.0)

@@ -1,0 +1,208 @@
+"""Dynamic block-sparse attention (DynMo section 2.4): each layer's attention keeps a moving share of its blocks.
+
+Shape legend: B = rows, T = sequence, D = model dim, H = query heads, G = key/value heads, K = head dim.
+
+A layer runs its attention core as `moebal.kernels.sparse_attention`: per key/value head and query block of
+`block` tokens, the top-scoring key blocks by pooled q.k (the diagonal always kept, causal), k_n =
+round(density_i x (n + 1)) of them for query block n. The projections, rotary embedding, output projection and
+FFN are the layer's own, unchanged. At density 1 the layer runs its plain dense path.
+
+DynMo builds on hashed sparse FlashAttention (Pagliardini et al. 2023) and only says that the share of non-zero
+blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, settled here:
+- Which blocks: the top key blocks by a cheap score (mean-pooled query of the block's group x mean-pooled key),
+  not hashing, so the kept share is exactly the budget (the cost is predictable) and the choice is deterministic
+  (the same on any partition: migration changes no maths).
+- How the budget moves (`budget`):
+  - `coverage` (the sparsity rule): after each step, a layer's next density is the share of causal blocks it
+    needed, on that step's data, for its kept blocks to cover `coverage` of the softmax mass of the pooled block
+    scores (averaged over rows, heads and query blocks, micro-batches summed along the pipeline), within
+    [min_density, max_density]. A layer whose attention is peaked keeps fewer blocks.
+  - `random_walk` (DynMo's benchmark driver, its extraction section 8.1): each layer starts at a density drawn
+    uniformly in [min_density, max_density] and moves every step by a uniform step in [-walk_step, walk_step],
+    clipped to the bounds. Drawn from a generator seeded by (seed, step): every rank draws the same numbers with
+    no message, and a resume continues the same walk.
+- When it sets in: layers run dense before `start` (continual training of a dense model, as DynMo runs it).
+- Cost (DynMo: c_i = s_i c_i, the whole layer scaled): only the attention core scales. Layer i's cost relative to
+  its dense self is (q_o + kv + ffn + w attn (o + f_i)) / (q_o + kv + ffn + w attn) below density 1 (1 at
+  density 1: the plain layer), f_i the kept share of the causal block grid (`kept_fraction`: a function of the
+  density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.5) is the time per
+  multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.25) the sparse path's fixed
+  extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core: both fitted to a dim-128
+  layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`, which
+  reports the prediction beside the measurement). The density a step runs at is fixed before the step (`update`
+  sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
+- Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
+  DynMo's Figure 3 caption).
+- Precision: once active, every layer runs this path, and under bf16 autocast on a CPU its attention core
+  (dense at density 1, or sparse) computes in fp32 (measured, 1,024 tokens, 1 thread: the dense core 0.090 s
+  in bf16 against 0.039 s in fp32; the sparse one at density 0.5 1.25x the dense bf16 core in bf16, 0.92x in
+  fp32). Projections and FFN keep the run's precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register
+from moebal.errors import ConfigError
+from moebal.kernels.sparse_attention import (
+    block_scores,
+    block_sparse_attention,
+    coverage_density,
+    kept_fraction,
+    select_from_scores,
+)
+from moebal.models.transformer import Attention, apply_rotary
+
+__all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
+
+
+def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                             density: float, block: int, fp32_core: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn`'s forward with the block-sparse core at `density`; also the pooled block scores [B, G, N, N] (for
+    the coverage rule). Density 1 runs the dense causal core. `fp32_core`: the attention core (dense or sparse)
+    computes in fp32 outside autocast, the projections keep the run's precision."""
+    B, T, _ = x_BTD.shape
+    q_BHTK = apply_rotary(attn._project(x_BTD, attn.q_proj, attn.n_heads, "q_norm"), cos_TK, sin_TK)
+    k_BGTK = apply_rotary(attn._project(x_BTD, attn.k_proj, attn.n_kv_heads, "k_norm"), cos_TK, sin_TK)
+    v_BGTK = attn.v_proj(x_BTD).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    s_BGNN = block_scores(q_BHTK, k_BGTK, block)
+    gqa = attn.n_kv_heads != attn.n_heads
+    dtype = q_BHTK.dtype
+    with torch.autocast(x_BTD.device.type, enabled=False) if fp32_core else contextlib.nullcontext():
+        if fp32_core:
+            q_BHTK, k_BGTK, v_BGTK = q_BHTK.float(), k_BGTK.float(), v_BGTK.float()
+        if density >= 1.0:
+            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
+        else:
+            o_BHTK = block_sparse_attention(q_BHTK, k_BGTK, v_BGTK, select_from_scores(s_BGNN, block, density))
+    o_BHTK = o_BHTK.to(dtype)
+    out_BTD: torch.Tensor = attn.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
+    return out_BTD, s_BGNN
+
+
+@register("sparse_attention")
+class DynamicSparseAttention(Dynamism):
+    name = "sparse_attention"
+    replan_every_step = True
+
+    def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
+                 min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
+                 attn_weight: float = 1.5, overhead: float = 0.25, seed: int = 0) -> None:
+        m, T = cfg.model, cfg.data.seq_len
+        if budget not in ("coverage", "random_walk"):
+            raise ConfigError(f"dynamism sparse_attention: budget must be coverage or random_walk; got {budget!r}")
+        if not 0 < min_density <= max_density <= 1:
+            raise ConfigError(f"dynamism sparse_attention: need 0 < min_density ({min_density}) <= max_density "
+                              f"({max_density}) <= 1")
+        if block < 1 or T % block or T // block < 2:
+            raise ConfigError(f"dynamism sparse_attention: block ({block}) must divide data.seq_len ({T}) into at "
+                              f"least 2 blocks; choose a block such as {max(1, T // 16)}")
+        if not 0 < coverage <= 1 or walk_step < 0 or attn_weight <= 0 or overhead < 0:
+            raise ConfigError(f"dynamism sparse_attention: need coverage in (0, 1] (got {coverage}), walk_step >= 0 "
+                              f"(got {walk_step}), attn_weight > 0 (got {attn_weight}) and overhead >= 0 "
+                              f"(got {overhead})")
+        if m.mla is not None or (m.sliding_window is not None and m.sliding_window < T):
+            raise ConfigError("dynamism sparse_attention runs grouped-query causal attention over the whole row: "
+                              "unset model.mla and model.sliding_window (or use another scheme)")
+        self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
+        self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
+        self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
+        self.flops = [layer_token_flops(cfg, i, T) for i in range(self.L)]
+        self.density = [1.0] * self.L
+        """The density each layer runs at in the coming step (agreed: every rank computes the same)."""
+        self.ran = list(self.density)
+        """The densities the current (last begun) step runs at."""
+        self.needed = torch.zeros(2 * self.L, dtype=torch.float64)
+        """This step's coverage statistics: per layer the summed needed share, then the count of samples."""
+
+    # ---- the budget ----
+    def _walk(self, step: int) -> list[float]:
+        """The random walk's densities for `step` from the current ones (the first active step draws a start)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        u = torch.rand(self.L, generator=g, dtype=torch.float64).tolist()
+        if step == self.start + 1:
+            return [self.lo + (self.hi - self.lo) * x for x in u]
+        return [min(self.hi, max(self.lo, d + self.walk_step * (2 * x - 1))) for d, x in zip(self.density, u)]
+
+    def begin_step(self, step: int) -> None:
+        super().begin_step(step)
+        self.needed.zero_()
+        if step == self.start + 1 and self.budget == "random_walk":  # the walk's first active step
+            self.density = self._walk(step)
+        self.ran = list(self.density)
+
+    def update(self, ctx: SchemeContext) -> bool:
+        """Set the next step's densities (from this step's coverage, or the walk)."""
+        nxt = ctx.step + 1
+        if nxt <= self.start:
+            return False
+        if self.budget == "random_walk":
+            self.density = self._walk(nxt)
+        else:
+            self.density = [min(self.hi, max(self.lo, float(self.needed[i] / self.needed[self.L + i])))
+                            if self.needed[self.L + i] > 0 else d for i, d in enumerate(self.density)]
+        return True
+
+    # ---- the layer ----
+    def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                      sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
+        measure = self.budget == "coverage" and self.step >= self.start
+        if self.step <= self.start and not measure:  # not yet active: the plain layer
+            out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
+            return out_BTD
+        block = as_decoder(layer)
+        attn = block.self_attn
+        if not isinstance(attn, Attention):  # programmer invariant: the constructor refused model.mla
+            raise TypeError("sparse_attention needs grouped-query Attention")
+        # under CPU autocast the core computes in fp32: torch's bf16 attention kernels on a CPU are 2.3x slower
+        # than fp32 (dense, 1,024 tokens) and the sparse path's small calls slower still (the mod scheme's finding)
+        fp32 = h_BTD.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        a_BTD, s_BGNN = sparse_attention_forward(attn, block.input_layernorm(h_BTD), cos_TK, sin_TK,
+                                                 self.density[i], self.block, fp32_core=fp32)
+        if measure:
+            self.needed[i] += coverage_density(s_BGNN, self.coverage) * h_BTD.shape[0]
+            self.needed[self.L + i] += h_BTD.shape[0]
+        return block.ffn_part(h_BTD + a_BTD)
+
+    def splittable(self, i: int) -> bool:
+        return False  # the layer's attention runs here, not through the plain halves
+
+    # ---- statistics along the chain (coverage) ----
+    def stats_size(self, num_layers: int) -> int:
+        return 2 * self.L if self.budget == "coverage" else 0
+
+    def local_stats(self) -> torch.Tensor:
+        return self.needed.clone()
+
+    def set_global_stats(self, vec: torch.Tensor) -> None:
+        self.needed = vec.clone()
+
+    # ---- predictions ----
+    def cost_factors(self, num_layers: int) -> list[float]:
+        """(other + w attn (o + f_i)) / (other + w attn) below density 1, else 1 (module docstring)."""
+        out = []
+        for f, d in zip(self.flops, self.density):
+            if d >= 1.0:
+                out.append(1.0)
+                continue
+            other, attn = f["q_o"] + f["kv"] + f["ffn"], f["attn"] * self.attn_weight
+            out.append((other + attn * (self.overhead + kept_fraction(self.T, self.block, d))) / (other + attn))
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        """The step's densities; the next step's predicted costs (what the balancer planned with)."""
+        return {"attention_density": [round(d, 4) for d in self.ran],
+                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
+
+    # ---- checkpoints: the coming step's densities (the walk continues from them) ----
+    def state_dict(self) -> dict[str, Any]:
+        return {"density": list(self.density)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.density = [float(d) for d in state.get("density", [1.0] * self.L)]

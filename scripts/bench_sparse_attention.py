@@ -1,0 +1,126 @@
+"""Block-sparse causal attention: time (forward + backward) against density, beside the dense SDPA path.
+
+The dense figure is what `Attention` runs today (`scaled_dot_product_attention(is_causal=True, enable_gqa)`);
+the sparse one is the `sparse_attention` scheme's whole attention core: block selection (pooled scores, top-k)
+plus `block_sparse_attention`. Shapes are the pipeline benchmark's heads (4 query heads, 2 key/value heads,
+head dim 32) on one 2,048-token row, 1 thread. Methods are timed interleaved (`time_interleaved`, rotated
+order, medians of repeats); the ratio is of CPU-time medians (the machine is shared; wall time beside it).
+Target: at most 0.6x the dense time at density 0.5.
+
+`--layer`: the same for a whole decoder layer of the pipeline benchmark's model (dim 128, 4 heads, 2 key/value
+heads, FFN 384) run through the scheme (`DynamicSparseAttention.layer_forward`), each density's measured time
+over the dense layer's beside the scheme's prediction (`cost_factors`): the cost model against measured times.
+
+    python scripts/bench_sparse_attention.py [--seq 2048] [--block 128] [--repeats 7] [--layer] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moebal.kernels.bench import environment, time_interleaved
+from moebal.kernels.sparse_attention import block_sparse_attention, kept_fraction, select_blocks
+
+DENSITIES = (1.0, 0.75, 0.5, 0.25, 0.1)
+
+
+def measure(seq: int, block: int, repeats: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 32
+            ) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, seq, head_dim, generator=g).requires_grad_(True)
+    k = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
+    v = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
+
+    def dense() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def sparse(d: float) -> Any:
+        def run() -> None:
+            block_sparse_attention(q, k, v, select_blocks(q, k, block, d)).sum().backward()
+        return run
+
+    fns = {"dense": dense, **{f"sparse@{d}": sparse(d) for d in DENSITIES}}
+    t = time_interleaved(fns, warmup=2, repeats=repeats)
+    rows = []
+    for d in DENSITIES:
+        s = t[f"sparse@{d}"]
+        rows.append({"density": d, "kept_fraction": round(kept_fraction(seq, block, d), 4), "block": block,
+                     "seq_len": seq, "dense_cpu_s": t["dense"].cpu_median, "sparse_cpu_s": s.cpu_median,
+                     "ratio_cpu": round(s.cpu_median / t["dense"].cpu_median, 3),
+                     "ratio_wall": round(s.median / t["dense"].median, 3)})
+    return rows
+
+
+def measure_layer(seq: int, block: int, repeats: int) -> list[dict[str, Any]]:
+    """Measured fwd+bwd CPU time of one decoder layer at each density over the dense layer's, and the scheme's
+    predicted factor."""
+    from moebal.config import from_dict
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.models import build_model
+
+    cfg = from_dict({"model": {"dim": 128, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384,
+                               "max_seq_len": seq},
+                     "moe": {"num_experts": 0}, "data": {"seq_len": seq, "batch_size": 1}})
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    layer = model.model.layers[0]
+    cos, sin = model.model.rotary(seq, torch.float32)
+    h = torch.randn(1, seq, 128, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    scheme = build_dynamism("sparse_attention", {"budget": "random_walk", "block": block}, cfg=cfg)
+
+    def at(d: float) -> Any:
+        def run() -> None:
+            scheme.density = [d]
+            layer.zero_grad(set_to_none=True)
+            scheme.layer_forward(0, layer, h, cos, sin, {}).sum().backward()
+        return run
+
+    t = time_interleaved({d: at(d) for d in DENSITIES}, warmup=2, repeats=repeats)
+    rows = []
+    for d in DENSITIES:
+        scheme.density = [d]
+        rows.append({"density": d, "measured": round(t[d].cpu_median / t[1.0].cpu_median, 3),
+                     "predicted": round(scheme.cost_factors(1)[0], 3), "layer_cpu_s": t[d].cpu_median})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--layer", action="store_true", help="also time a whole layer against the cost model")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.block < 1 or args.seq % args.block or args.seq // args.block < 2:
+        ap.error(f"--block ({args.block}) must divide --seq ({args.seq}) into at least 2 blocks")
+    torch.set_num_threads(1)
+    rows = measure(args.seq, args.block, args.repeats)
+    at_half = next(r for r in rows if r["density"] == 0.5)["ratio_cpu"]
+    for r in rows:
+        print(f"density {r['density']:<5} kept {r['kept_fraction']:<6} sparse/dense cpu {r['ratio_cpu']:.3f} "
+              f"wall {r['ratio_wall']:.3f}", file=sys.stderr)
+    layer = measure_layer(args.seq, args.block, args.repeats) if args.layer else []
+    for r in layer:
+        print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f}",
+              file=sys.stderr)
+    report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer,
+              "target": {"sparse/dense at density 0.5 <= 0.6": {"measured": at_half, "met": at_half <= 0.6}},
+              "config": {"seq": args.seq, "block": args.block, "repeats": args.repeats, "heads": 4, "kv_heads": 2,
+                         "head_dim": 32, "threads": 1},
+              "env": environment()}
+    print(json.dumps(report["target"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

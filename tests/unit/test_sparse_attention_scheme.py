@@ -1,0 +1,102 @@
+"""The sparse_attention scheme on one process: its budget rules, its cost model and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebal.config import from_dict
+from moebal.dynamism.scheme import build_dynamism, layer_token_flops
+from moebal.errors import ConfigError
+from moebal.kernels.sparse_attention import coverage_density, kept_fraction
+
+
+def cfg(seq: int = 64, **model):
+    return from_dict({"model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64,
+                                "max_seq_len": seq, **model},
+                      "moe": {"num_experts": 0}, "data": {"seq_len": seq, "batch_size": 2}})
+
+
+class _Ctx:
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def test_coverage_density_on_hand_made_scores() -> None:
+    inf = float("-inf")
+    # 3 query blocks; block 1 puts all mass on one key block, block 2 spreads it evenly over three
+    s = torch.tensor([[0.0, inf, inf], [10.0, -10.0, inf], [0.0, 0.0, 0.0]]).view(1, 1, 3, 3)
+    # coverage 0.9: needs 1, 1, 3 blocks of 1 + 2 + 3 = 6
+    assert coverage_density(s, 0.9) == pytest.approx(5 / 6)
+    # coverage 0.5: 1, 1, 2
+    assert coverage_density(s, 0.5) == pytest.approx(4 / 6)
+
+
+def test_random_walk_stays_in_bounds_moves_and_is_seeded() -> None:
+    c = cfg()
+    opts = {"budget": "random_walk", "block": 16, "min_density": 0.2, "max_density": 0.9, "walk_step": 0.1,
+            "start": 1}
+    a, b = build_dynamism("sparse_attention", opts, cfg=c), build_dynamism("sparse_attention", opts, cfg=c)
+    seen = []
+    for step in range(1, 8):
+        for s in (a, b):
+            s.begin_step(step)
+        assert a.ran == b.ran
+        seen.append(a.ran)
+        if step == 1:
+            assert a.ran == [1.0] * 4  # dense until start
+        else:
+            assert all(0.2 <= d <= 0.9 for d in a.ran)
+        if step >= 3:
+            assert all(abs(x - y) <= 0.1 + 1e-12 for x, y in zip(seen[-1], seen[-2]))
+        for s in (a, b):
+            s.update(_Ctx(step))
+    assert len({tuple(d) for d in seen[1:]}) == 6
+
+
+def test_coverage_rule_sets_the_next_density_from_the_chain_sums() -> None:
+    s = build_dynamism("sparse_attention", {"budget": "coverage", "block": 16, "min_density": 0.3}, cfg=cfg())
+    s.begin_step(1)
+    # per layer: summed needed share, then the number of rows it was measured on
+    s.set_global_stats(torch.tensor([1.2, 0.4, 3.0, 0.0, 2.0, 2.0, 3.0, 0.0], dtype=torch.float64))
+    s.update(_Ctx(1))
+    assert s.density == pytest.approx([0.6, 0.3, 1.0, 1.0])  # 0.2 raised to min_density; layer 3 unmeasured
+
+
+def test_cost_model_is_the_flops_model_with_the_measured_weights() -> None:
+    c = cfg(seq=64)
+    s = build_dynamism("sparse_attention", {"block": 16, "attn_weight": 2.0, "overhead": 0.1}, cfg=c)
+    s.density = [1.0, 0.5, 0.25, 0.999]
+    f = layer_token_flops(c, 0, 64)
+    other, attn = f["q_o"] + f["kv"] + f["ffn"], 2.0 * f["attn"]
+    want = [1.0] + [(other + attn * (0.1 + kept_fraction(64, 16, d))) / (other + attn) for d in (0.5, 0.25, 0.999)]
+    assert s.cost_factors(4) == pytest.approx(want)
+    assert want[2] < want[1] < 1.0 < want[3]  # below density 1 the sparse path's overhead can exceed the saving
+
+
+@pytest.mark.parametrize("opts,match", [({"block": 48}, "block"), ({"block": 64}, "block"),
+                                        ({"budget": "hash"}, "budget"), ({"min_density": 0.0}, "min_density"),
+                                        ({"coverage": 1.5}, "coverage")])
+def test_bad_options_are_refused(opts, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_dynamism("sparse_attention", {"block": 16, **opts}, cfg=cfg())
+
+
+def test_sliding_window_is_refused() -> None:
+    with pytest.raises(ConfigError, match="sliding_window"):
+        build_dynamism("sparse_attention", {"block": 16}, cfg=cfg(sliding_window=16))
+
+
+def test_the_layer_at_density_one_is_the_plain_layer() -> None:
+    from moebal.models import build_model
+
+    c = cfg()
+    torch.manual_seed(0)
+    m = build_model(c)
+    s = build_dynamism("sparse_attention", {"block": 16, "budget": "coverage"}, cfg=c)
+    s.begin_step(1)  # coverage measures from step 0: the scheme's own attention path runs at density 1
+    h = torch.randn(2, 64, 32)
+    cos, sin = m.model.rotary(64, torch.float32)
+    layer = m.model.layers[1]
+    torch.testing.assert_close(s.layer_forward(1, layer, h, cos, sin, {}), layer(h, cos, sin), rtol=0, atol=0)
+    assert s.needed[s.L + 1] == 2  # the coverage statistics counted the two rows
