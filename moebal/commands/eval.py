@@ -79,7 +79,7 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
         for policy in order:
             sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1")
                                   else None)
-            fwd, equal, loss, n = [], True, 0.0, 0
+            fwd, equal, diff, loss, n = [], True, 0.0, 0.0, 0
             for b, ids in enumerate(job.batches):
                 per = ids.shape[0] // world
                 mine = ids[rank * per:(rank + 1) * per]
@@ -91,12 +91,14 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
                     static_logits[b] = logits
                 elif b in static_logits:
                     equal = equal and bool(torch.equal(logits, static_logits[b]))
+                    diff = max(diff, float((logits - static_logits[b]).abs().max()))
                 if job.labels:
                     lab = job.labels[b][rank * per:(rank + 1) * per]
                     loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
                                             reduction="sum").item()
                     n += lab.numel()
-            rnd[policy] = {"forwards": fwd, "equal_static": equal if static_logits else None, "loss": loss,
+            rnd[policy] = {"forwards": fwd, "equal_static": equal if static_logits else None,
+                           "max_diff_static": diff, "loss": loss,
                            "tokens": n}
         out["rounds"].append(rnd)
     return out

@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 __all__ = ["POLICIES", "LayerRecord", "LinaInference"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
+# An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
+# On CPU, a GEMM of a few rows takes another kernel than a large one and rounds differently (measured with
+# torch 2.13: 1 and 7 rows differ in the last bits from the same rows inside a 1,100-row product; 37 and more
+# agree), so a group under MIN_ROWS rows is padded with zero rows: a row's output then does not depend on
+# where it is computed, and every policy gives the static run's logits bit for bit.
+MIN_ROWS = 64
 
 
 @dataclass
@@ -219,8 +225,11 @@ class LinaDispatcher:
                 continue
             rows = torch.cat(idx).to(x_MD.device)
             x = x_MD.index_select(0, rows)
+            n = x.shape[0]
+            if n < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
+                x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
             h = F.silu(x @ ex.w1[e].to(x.dtype).T) * (x @ ex.w3[e].to(x.dtype).T)
-            y_MD[rows] = h @ ex.w2[e].to(x.dtype).T
+            y_MD[rows] = (h @ ex.w2[e].to(x.dtype).T)[:n]
         return y_MD
 
 
