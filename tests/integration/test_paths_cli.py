@@ -45,6 +45,13 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
     # the estimate over the profiled tokens themselves is exactly their layer-1 counts
     counts = np.bincount(np.concatenate(samples, axis=1)[1].reshape(-1), minlength=4)
     np.testing.assert_allclose(prof.estimate(top1_TL, 1), counts)
+    # `moebal eval`: the run's model on 2 gloo ranks under every policy gives the static run's logits bit for bit
+    r = moebal("eval", str(out), "--nproc", "2", "--profile", str(tmp_path / "p.npz"), "--batches", "1",
+               "--top-k", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res[p]["equal_static"] for p in ("lina", "phase1", "oracle")), res
+    assert len({res[p]["val_loss"] for p in ("static", "lina", "phase1", "oracle")}) == 1
 
 
 def test_paths_errors_are_clear(tmp_path: Path) -> None:
@@ -52,3 +59,5 @@ def test_paths_errors_are_clear(tmp_path: Path) -> None:
     assert r.returncode == 2 and "train.record_routing_every" in r.stderr and "Traceback" not in r.stderr
     r = moebal("train", *TINY, "train.record_routing_every=-1", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "record_routing_every" in r.stderr
+    r = moebal("eval", str(tmp_path))
+    assert r.returncode == 2 and "config.yaml" in r.stderr and "Traceback" not in r.stderr
