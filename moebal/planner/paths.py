@@ -47,6 +47,23 @@ class PathTable:
         if not self.index:
             self.index.update({tuple(int(v) for v in k): i for i, k in enumerate(self.keys_Pm)})
 
+    def rows(self, keys_Tm: np.ndarray, num_experts: int) -> np.ndarray:
+        """The row of each key (-1: not observed). Keys are coded as base-E numbers, oldest layer most
+        significant, so the table's sorted keys (np.unique's order) are sorted codes and one searchsorted finds
+        them all; paths too long for int64 codes fall back to a dictionary lookup per distinct key."""
+        m = keys_Tm.shape[1]
+        if num_experts ** max(m, 1) >= 2 ** 62:
+            uniq, inv = np.unique(keys_Tm, axis=0, return_inverse=True)
+            rows = np.array([self.index.get(tuple(int(v) for v in k), -1) for k in uniq], dtype=np.int64)
+            out: np.ndarray = rows[inv.reshape(-1)]
+            return out
+        weights = num_experts ** np.arange(m - 1, -1, -1, dtype=np.int64)
+        codes_P = self.keys_Pm.astype(np.int64) @ weights
+        codes_T = keys_Tm.astype(np.int64) @ weights
+        pos = np.minimum(np.searchsorted(codes_P, codes_T), max(len(codes_P) - 1, 0))
+        hit = (codes_P[pos] == codes_T) if len(codes_P) else np.zeros(len(codes_T), dtype=bool)
+        return np.where(hit, pos, -1)
+
 
 @dataclass(frozen=True)
 class PathProfile:
@@ -78,10 +95,7 @@ class PathProfile:
                 break
             tab = tables[m]
             idx = np.flatnonzero(todo)
-            keys = paths_TL[idx, layer - m:layer]
-            uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-            rows = np.array([tab.index.get(tuple(int(v) for v in k), -1) for k in uniq], dtype=np.int64)
-            rows_T = rows[inv.reshape(-1)]
+            rows_T = tab.rows(paths_TL[idx, layer - m:layer], E)
             ok = rows_T >= 0
             ok[ok] = tab.tokens_P[rows_T[ok]] >= (min_tokens if m > 0 else 1)
             hit = idx[ok]

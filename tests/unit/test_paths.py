@@ -82,3 +82,10 @@ def test_accuracy_metrics() -> None:
     assert acc["overlap"] == 0.5 and acc["equal"] == 0.0
     assert top_set(np.array([1.0, 2, 2, 0]), 2) == {1, 2}
     np.testing.assert_allclose(previous_estimate(np.array([2, 4]), 6, 12), [4, 8])
+
+
+def test_row_lookup_by_codes_and_by_dictionary_agree() -> None:
+    tab = build_profile([_sample()], num_experts=4, path_len=2).tables[2][2]
+    keys = np.array([[0, 1], [1, 1], [2, 1], [1, 0]])
+    assert tab.rows(keys, 4).tolist() == [0, 1, -1, -1]
+    assert tab.rows(keys, 2 ** 40).tolist() == [0, 1, -1, -1]  # codes would overflow: dictionary lookup
