@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("moebal.commands.calibrate", "measure this machine and write a hardware profile"),
     "convert": ("moebal.commands.convert", "convert checkpoints between HF and moebal"),
     "launch": ("moebal.commands.launch", "launch a multi-node job described in YAML"),
+    "paths": ("moebal.commands.paths", "build Lina's sample-path profile from a run's recorded routing"),
+    "eval": ("moebal.commands.eval", "a run's model forward with expert parallelism under Lina's inference scheduling"),
 }
 
 

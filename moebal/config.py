@@ -290,6 +290,10 @@ class TrainConfig:
     part is recomputed in the backward pass; attention: its attention part; full: the whole layer (only its
     input is kept). Exact in fp32: the same loss and gradients as none. A MoE block that exchanges tokens with
     other ranks recomputes its rank-local compute only (expert GEMMs, shared expert; docs/training.md)."""
+    record_routing_every: int = 0
+    """Every N steps write the step's routing (each token's top-k experts in every MoE layer, last micro-batch,
+    this rank's tokens on rank 0) to `routing/step_NNNNNN.npz` in the run directory, the input of Lina's path
+    profile (`moebal paths`); 0: never. Not in pipeline runs (a stage sees only its own layers)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -985,6 +989,9 @@ def _check_whole(c: Config) -> None:
           f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
           f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)
+    _need(t.record_routing_every == 0 or (par.pp == 1 and c.moe.num_experts > 0),
+          "'train.record_routing_every' records every MoE layer of the model in one process: it needs an MoE "
+          "model (moe.num_experts > 0) and no pipeline (parallel.pp 1); set it to 0")
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
@@ -1174,6 +1181,8 @@ def _check_train(t: TrainConfig) -> None:
     _need(t.threads is None or t.threads >= 1, f"'train.threads' must be at least 1 or null; got {t.threads}")
     _need(t.time_limit_min is None or t.time_limit_min > 0,
           f"'train.time_limit_min' must be positive or null; got {t.time_limit_min}")
+    _need(t.record_routing_every >= 0,
+          f"'train.record_routing_every' must be >= 0 (0: never); got {t.record_routing_every}")
 
 
 # --------------------------------------------------------------------------------------------

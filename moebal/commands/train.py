@@ -235,6 +235,10 @@ def _build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool) -> Tr
         from moebal.train.export import ExportHook
 
         hooks.append(ExportHook(cfg, out))
+    if cfg.train.record_routing_every:
+        from moebal.train.routing_log import RoutingRecorder
+
+        hooks.append(RoutingRecorder(cfg.train.record_routing_every))
     if cfg.parallel.pp > 1:
         from moebal.train.pipelined import pipeline_trainer
 

@@ -1,0 +1,193 @@
+"""`moebal eval`: a trained run's model forward on validation batches with expert parallelism on N local gloo ranks,
+under Lina's inference scheduling or plain expert parallelism (moebal/distributed/lina_inference.py).
+
+Example: moebal eval runs/default-2026... --nproc 2 --policy all --top-k 1
+(`--policy all` runs static, lina, phase1 and oracle on the same batches, checks that their logits equal the
+static run's bit for bit, and reports each one's MoE-layer time, the slowest rank's, per forward.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moebal.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory with a checkpoint (moebal train --out RUN_DIR)")
+    p.add_argument("--nproc", type=int, default=2, help="expert-parallel gloo ranks on this machine (default 2)")
+    p.add_argument("--policy", default="all", choices=("static", "lina", "phase1", "oracle", "all"),
+                   help="static expert parallelism, Lina (phases 1 and 2), phase 1 only, FFD on the real counts; "
+                        "all: each of them on the same batches (default)")
+    p.add_argument("--profile", default=None, help="path profile (default RUN_DIR/paths.npz; build it with "
+                   "`moebal paths RUN_DIR`)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token at inference (default: the model's)")
+    p.add_argument("--batches", type=int, default=4, help="validation batches (default 4)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per batch over all ranks "
+                   "(default: data.batch_size)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+@dataclass
+class ServeJob:
+    """What every rank of an inference job needs (pickled to the spawned ranks)."""
+
+    model: Any  # the full model (every rank holds every expert: Lina's host-DRAM copy)
+    batches: list[Any]  # global batches of token ids [B, T]; rank r takes rows [r * B/R, (r + 1) * B/R)
+    policies: list[list[str]]  # per round, the policies in the order they run
+    profile: Any = None
+    labels: list[Any] = field(default_factory=list)  # next-token labels per batch (optional: the loss)
+    threads: int = 1
+
+
+def pack(job: ServeJob) -> bytes:
+    """The job as bytes for `serve_worker` (tensors pickled by value: spawned ranks share no file descriptors)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(job, buf)
+    return buf.getvalue()
+
+
+def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
+    """Run every round's policies over the batches on this rank; per (round, policy) the per-forward MoE layer
+    records, whether the logits equal the static run's, and the summed loss of this rank's labelled tokens."""
+    import io
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from moebal.distributed.lina_inference import LinaInference
+
+    job: ServeJob = torch.load(io.BytesIO(packed), weights_only=False)
+    torch.set_num_threads(job.threads)
+    model = job.model.eval()
+    static_logits: dict[int, Any] = {}
+    out: dict[str, Any] = {"rounds": []}
+    for order in job.policies:
+        rnd: dict[str, Any] = {}
+        for policy in order:
+            sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1")
+                                  else None)
+            fwd, equal, diff, loss, n = [], True, 0.0, 0.0, 0
+            for b, ids in enumerate(job.batches):
+                per = ids.shape[0] // world
+                mine = ids[rank * per:(rank + 1) * per]
+                sched.begin()
+                with torch.no_grad():
+                    logits = model(mine).logits
+                fwd.append([dataclasses.asdict(r) for r in sched.records])
+                if policy == "static":
+                    static_logits[b] = logits
+                elif b in static_logits:
+                    equal = equal and bool(torch.equal(logits, static_logits[b]))
+                    diff = max(diff, float((logits - static_logits[b]).abs().max()))
+                if job.labels:
+                    lab = job.labels[b][rank * per:(rank + 1) * per]
+                    loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
+                                            reduction="sum").item()
+                    n += lab.numel()
+            rnd[policy] = {"forwards": fwd, "equal_static": equal if static_logits else None,
+                           "max_diff_static": diff, "loss": loss,
+                           "tokens": n}
+        out["rounds"].append(rnd)
+    return out
+
+
+def moe_times(results: list[dict[str, Any]], rnd: int, policy: str) -> list[float]:
+    """Per forward: the MoE layers' time, each layer the slowest rank's, summed over the layers."""
+    per_rank = [r["rounds"][rnd][policy]["forwards"] for r in results]
+    return [sum(max(rank[f][j]["seconds"] for rank in per_rank) for j in range(len(per_rank[0][f])))
+            for f in range(len(per_rank[0]))]
+
+
+def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any]:
+    """(config, model) of a run's newest checkpoint, served with `top_k` experts per token (None: trained)."""
+    from moebal.config import load
+    from moebal.models import build_model
+    from moebal.train.checkpoint import apply_checkpoint, find_checkpoints, read_checkpoint
+
+    if not (run_dir / "config.yaml").exists():
+        raise ConfigError(f"{run_dir}: no config.yaml: give a run directory of `moebal train`")
+    ckpts = find_checkpoints(run_dir)
+    if not ckpts:
+        raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
+    cfg = load(run_dir / "config.yaml")
+    model = build_model(cfg, "cpu", load_weights=False)
+    apply_checkpoint(read_checkpoint(ckpts[-1]), model, None)
+    if top_k is not None:
+        set_top_k(model, top_k)
+    return cfg, model.eval()
+
+
+def set_top_k(model: Any, k: int) -> None:
+    """Serve every MoE layer with k experts per token."""
+    for layer in model.moe_layers():
+        if not 1 <= k <= layer.num_experts:
+            raise ConfigError(f"--top-k must be in 1..{layer.num_experts}; got {k}")
+        layer.spec = dataclasses.replace(layer.spec, top_k=k)
+        layer.top_k = k
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moebal.data import build_data, eval_batches
+    from moebal.distributed.testing import run_ranks
+    from moebal.planner.paths import PathProfile
+
+    run_dir = Path(args.run_dir)
+    if args.nproc < 1 or args.batches < 1:
+        raise ConfigError(f"--nproc and --batches must be >= 1; got {args.nproc}, {args.batches}")
+    cfg, model = load_run_model(run_dir, args.top_k)
+    policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else [args.policy]
+    profile = None
+    if {"lina", "phase1"} & set(policies):
+        path = Path(args.profile) if args.profile else run_dir / "paths.npz"
+        if not path.exists():
+            raise ConfigError(f"{path}: no path profile: build one with `moebal paths {run_dir}` (record the "
+                              f"routing with train.record_routing_every=N), or use --policy static")
+        try:
+            profile = PathProfile.load(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    bs = args.batch_size or cfg.data.batch_size
+    if bs % args.nproc:
+        raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")
+    data = build_data(cfg)
+    val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, bs, args.batches)
+    val = [b for b in val if b.ids_BT.shape[0] == bs] or val[:1]
+    job = ServeJob(model=model, batches=[b.ids_BT for b in val], labels=[b.labels_BT for b in val],
+                   policies=[policies], profile=profile)
+    try:
+        results = run_ranks(serve_worker, args.nproc, pack(job), timeout_s=1800)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(val),
+                               "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__}
+    for p in policies:
+        rs = [r["rounds"][0][p] for r in results]
+        times = moe_times(results, 0, p)
+        loss = sum(r["loss"] for r in rs) / max(sum(r["tokens"] for r in rs), 1)
+        summary[p] = {"moe_s_median": statistics.median(times), "val_loss": loss, "ppl": math.exp(min(loss, 50)),
+                      "equal_static": all(r["equal_static"] for r in rs) if p != "static" else None,
+                      "replans": sum(sum(x["replanned"] for x in f) for f in rs[0]["forwards"])}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for p in policies:
+            s = summary[p]
+            eq = "" if s["equal_static"] is None else f", logits equal static: {s['equal_static']}"
+            print(f"{p:7s} MoE layers {s['moe_s_median'] * 1e3:.1f} ms per forward (slowest rank, median), "
+                  f"val loss {s['val_loss']:.4f}{eq}")
+    return 0

@@ -1,0 +1,242 @@
+"""Lina's inference scheduling: per batch and per MoE layer, replicas for popular experts and packing of
+unpopular ones, planned from the tokens' sample paths before the gate (phase 1) and re-planned after the gate
+when the estimate was wrong (phase 2). Forward only (no autograd): `moebal eval --policy lina`.
+
+Every rank holds every expert's weights (Lina's "each device saves the weights of all experts in host DRAM"), so
+a new mapping moves no weights: a rank computes the rows it receives with the experts the mapping gives it. The
+mapping is a `moebal.planner.ffd.ReplicaMap` (holders and token shares per expert); `split_rows` turns it and
+the real counts into rows per (source, holder).
+
+One MoE layer i on rank r (`LinaDispatcher.forward`):
+  1. the gate has run (MoELayer.route); append each token's first choice to its path; count this rank's
+     assignments per expert; estimate layer i+1's loads from the paths (`PathProfile.estimate`);
+  2. one all-gather of [counts_E | estimate of layer i+1 | tokens] over the group      <- host sync: splits
+     (the piggy-back: Lina adds the estimate to the layer's first all-to-all for device 0 and sends the new
+     mapping back on the second; here every rank receives every rank's counts and estimate in the one small
+     exchange the layer needs anyway for its split sizes, and computes the same deterministic plan, so no
+     mapping travels, as in moebal's expert planner: docs/expert-parallel.md, "Plan agreement");
+  3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1; when the top-2k experts of
+     its estimate and of the real counts differ (as sets), re-plan from the real counts (FFD);
+     phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer;
+  4. rows sorted by (holder, expert), all-to-all with uneven splits; each rank runs the SwiGLU of each expert
+     on the rows it received for it (experts one after another, as Lina does);
+  5. all-to-all back, rows restored to the token order, combined with the gate weights.
+
+Policies: "static" (plain expert parallelism: contiguous blocks of experts per rank, the same code path),
+"lina" (phases 1 and 2), "phase1" (phase 1 only, the thesis's ablation), "oracle" (FFD on the real counts at
+every layer: what phase 2 would do every time). Layer 0 has no path before it: static under every policy.
+
+Shape legend: T local tokens, K = top_k, E experts, R ranks, D model dim, A = T*K assignments, N rows sent,
+M rows received.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moebal.planner.ffd import MAX_PER_RANK, ReplicaMap, devices_from_load, ffd_allocate, split_rows
+from moebal.planner.paths import PathProfile, top_set
+
+if TYPE_CHECKING:
+    from moebal.models.moe import MoELayer
+    from moebal.routing import Routing
+
+__all__ = ["POLICIES", "LayerRecord", "LinaInference"]
+
+POLICIES = ("static", "lina", "phase1", "oracle")
+# An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
+# On CPU, a GEMM of a few rows takes another kernel than a large one and rounds differently (measured with
+# torch 2.13: 1 and 7 rows differ in the last bits from the same rows inside a 1,100-row product; 37 and more
+# agree), so a group under MIN_ROWS rows is padded with zero rows: a row's output then does not depend on
+# where it is computed, and every policy gives the static run's logits bit for bit.
+MIN_ROWS = 64
+
+
+@dataclass
+class LayerRecord:
+    """One MoE layer of one forward on this rank."""
+
+    layer: int
+    seconds: float  # from the dispatcher's entry to its exit (planning, both exchanges, experts)
+    replanned: bool  # phase 2 re-planned from the real counts
+    rank_rows: list[int]  # rows each rank computed
+    estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
+    replicas: int  # extra holders beyond one per expert in the layer's mapping
+
+
+@dataclass
+class _ForwardState:
+    """What a forward carries from one MoE layer to the next on this rank."""
+
+    paths: list[np.ndarray] = field(default_factory=list)  # [T] first choices of each layer so far
+    next_map: ReplicaMap | None = None
+    next_est: np.ndarray | None = None  # summed estimate of the next layer over every rank
+
+
+class LinaInference:
+    """Attach to a model (every rank holds the full model): each MoE layer's tokens go through a
+    `LinaDispatcher` over `group`. Call `begin()` before each forward; `records` then holds its layers."""
+
+    def __init__(self, model: Any, group: Any, policy: str = "lina", profile: PathProfile | None = None, *,
+                 max_per_rank: int = MAX_PER_RANK, truncate: int | None = None, min_tokens: int = 1) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if policy in ("lina", "phase1") and profile is None:
+            raise ValueError(f"policy {policy!r} plans from a path profile: build one with `moebal paths` and pass "
+                             f"it (or use policy 'static' or 'oracle')")
+        self.layers: list[MoELayer] = list(model.moe_layers())
+        if profile is not None and (profile.num_layers != len(self.layers)
+                                    or profile.num_experts != self.layers[0].num_experts):
+            raise ValueError(f"the path profile describes {profile.num_layers} layers of {profile.num_experts} "
+                             f"experts; the model has {len(self.layers)} MoE layers of "
+                             f"{self.layers[0].num_experts}: build the profile from this model's routing")
+        self.group, self.policy, self.profile = group, policy, profile
+        self.max_per_rank, self.truncate, self.min_tokens = max_per_rank, truncate, min_tokens
+        self.R, self.r = dist.get_world_size(group), dist.get_rank(group)
+        self.state = _ForwardState()
+        self.records: list[LayerRecord] = []
+        for i, layer in enumerate(self.layers):
+            layer.set_dispatcher(LinaDispatcher(self, layer, i))
+
+    def begin(self) -> None:
+        """Start a forward: forget the previous batch's paths, plans and records."""
+        self.state, self.records = _ForwardState(), []
+
+
+class LinaDispatcher:
+    """One MoE layer's token path under `LinaInference` (see the module docstring for the phases)."""
+
+    def __init__(self, owner: LinaInference, layer: MoELayer, index: int) -> None:
+        self.o, self.layer, self.index = owner, layer, index
+        self.E, self.K = layer.num_experts, layer.top_k
+
+    @torch.no_grad()
+    def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        t0 = time.perf_counter()
+        o, E, R = self.o, self.E, self.o.R
+        T, K = routing.indices_TK.shape
+        experts_A = routing.indices_TK.reshape(-1)
+        active_A = routing.active_TK.reshape(-1) if routing.active_TK is not None else None
+        # 1. paths, local counts, the estimate of the next layer
+        o.state.paths.append(routing.indices_TK[:, 0].cpu().numpy().astype(np.int64))  # host sync on a GPU
+        counts_E = torch.bincount(experts_A if active_A is None else experts_A[active_A], minlength=E)
+        est_E = self._estimate_next()
+        # 2. one all-gather: counts, next layer's estimate, tokens (the layer's one host sync)
+        mine = torch.cat([counts_E.double().cpu(), torch.as_tensor(est_E, dtype=torch.float64),
+                          torch.tensor([float(T)], dtype=torch.float64)])
+        every = [torch.empty_like(mine) for _ in range(R)]
+        dist.all_gather(every, mine, group=o.group)
+        all_RX = torch.stack(every).numpy()
+        counts_RE = all_RX[:, :E].round().astype(np.int64)
+        # 3. phase 2 for this layer, phase 1 for the next
+        rmap, replanned, hit = self._this_layer_map(counts_RE)
+        self._plan_next(all_RX[:, E:2 * E].sum(axis=0), float(all_RX[:, -1].sum()))
+        rows_SRE = split_rows(counts_RE, rmap)
+        out_TD = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
+        o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, replanned=replanned,
+                                     rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
+                                     replicas=sum(len(h) for h in rmap.holders) - E))
+        return out_TD
+
+    def _estimate_next(self) -> np.ndarray:
+        o, nxt = self.o, self.index + 1
+        if o.policy not in ("lina", "phase1") or o.profile is None or nxt >= len(o.layers):
+            return np.zeros(self.E)
+        paths_TL = np.stack(o.state.paths, axis=1)
+        return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens)
+
+    def _this_layer_map(self, counts_RE: np.ndarray) -> tuple[ReplicaMap, bool, bool | None]:
+        """(mapping for this layer, re-planned by phase 2, estimate's top-2k equal to the real one's)."""
+        o, E, R = self.o, self.E, self.o.R
+        actual_E = counts_RE.sum(axis=0)
+        if o.policy == "static" or self.index == 0:
+            return ReplicaMap.static(E, R), False, None
+        if o.policy == "oracle":
+            return self._ffd(actual_E, float(actual_E.sum())), True, None
+        planned, est = o.state.next_map, o.state.next_est
+        if planned is None or est is None:
+            return ReplicaMap.static(E, R), False, None
+        n = min(2 * self.K, E)
+        hit = top_set(est, n) == top_set(actual_E, n)
+        if hit or o.policy == "phase1":
+            return planned, False, hit
+        return self._ffd(actual_E, float(actual_E.sum())), True, hit
+
+    def _plan_next(self, est_E: np.ndarray, tokens: float) -> None:
+        o = self.o
+        o.state.next_est, o.state.next_map = None, None
+        if o.policy in ("lina", "phase1") and self.index + 1 < len(o.layers):
+            nxt = o.layers[self.index + 1]
+            o.state.next_est = est_E
+            o.state.next_map = self._ffd(est_E, tokens * nxt.top_k)
+
+    def _ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
+        return ffd_allocate(devices_from_load(load_E.tolist(), self.o.R, assignments), self.o.R, self.o.max_per_rank)
+
+    # ---- 4-5: the token exchange ----
+    def _exchange(self, x_TD: torch.Tensor, routing: Routing, experts_A: torch.Tensor, active_A: torch.Tensor | None,
+                  rows_SRE: np.ndarray) -> torch.Tensor:
+        E, R, r = self.E, self.o.R, self.o.r
+        T, K = routing.indices_TK.shape
+        dev = x_TD.device
+        # rows of this rank, sorted by expert, cut into holder blocks (holder ascending within an expert)
+        keys_A = experts_A if active_A is None else torch.where(active_A, experts_A, E)
+        by_expert = torch.sort(keys_A, stable=True).indices[:int(rows_SRE[r].sum())]
+        send_HE = torch.as_tensor(rows_SRE[r].T.reshape(-1))  # (expert, holder) order
+        dest_N = torch.repeat_interleave(torch.arange(R).repeat(E), send_HE).to(dev)
+        order = torch.sort(dest_N * E + experts_A[by_expert], stable=True).indices
+        assign_N = by_expert[order]  # assignments in (holder, expert) order
+        x_ND = x_TD.index_select(0, torch.div(assign_N, K, rounding_mode="floor"))
+        recv_SE = rows_SRE[:, r, :]
+        y_MD = self._experts(self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1)), recv_SE)
+        y_ND = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
+        y_AD = x_TD.new_zeros(T * K, x_TD.shape[1])
+        y_AD[assign_N] = y_ND.to(y_AD.dtype)
+        w_TK = routing.weights_TK.to(y_AD.dtype)
+        if active_A is not None:
+            w_TK = w_TK * active_A.view(T, K)
+        out_TD: torch.Tensor = (y_AD.view(T, K, -1) * w_TK.unsqueeze(-1)).sum(dim=1)
+        return out_TD
+
+    def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> torch.Tensor:
+        out = x_ND.new_empty(int(recv_R.sum()), x_ND.shape[1])
+        dist.all_to_all_single(out, x_ND.contiguous(), [int(v) for v in recv_R], [int(v) for v in send_R],
+                               group=self.o.group)
+        return out
+
+    def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray) -> torch.Tensor:
+        """The received rows (blocks in (source, expert) order) through their experts, one expert at a time."""
+        ex = self.layer.experts
+        y_MD = torch.empty_like(x_MD)
+        starts = np.concatenate([[0], np.cumsum(recv_SE.reshape(-1))]).reshape(-1)
+        S, E = recv_SE.shape
+        for e in range(E):
+            idx = [torch.arange(int(starts[s * E + e]), int(starts[s * E + e + 1])) for s in range(S)
+                   if recv_SE[s, e]]
+            if not idx:
+                continue
+            rows = torch.cat(idx).to(x_MD.device)
+            x = x_MD.index_select(0, rows)
+            n = x.shape[0]
+            if n < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
+                x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
+            h = F.silu(x @ ex.w1[e].to(x.dtype).T) * (x @ ex.w3[e].to(x.dtype).T)
+            y_MD[rows] = (h @ ex.w2[e].to(x.dtype).T)[:n]
+        return y_MD
+
+
+def summarize(records: Iterable[LayerRecord]) -> dict[str, Any]:
+    """Per-forward figures of one rank: MoE time, replans, estimate hits."""
+    recs = list(records)
+    hits = [r.estimate_hit for r in recs if r.estimate_hit is not None]
+    return {"moe_s": sum(r.seconds for r in recs), "replans": sum(r.replanned for r in recs),
+            "hits": sum(hits), "estimated": len(hits),
+            "rank_rows": [r.rank_rows for r in recs]}

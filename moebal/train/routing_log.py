@@ -1,0 +1,67 @@
+"""Routing samples of a training run: the input of Lina's path profile (moebal/planner/paths.py).
+
+`RoutingRecorder` (a trainer hook, on with `train.record_routing_every: N`) writes, every N steps, the routing of
+the step's last micro-batch: every MoE layer's top-k expert ids of each of this rank's tokens, on rank 0 only,
+to `<run dir>/routing/step_NNNNNN.npz` (one int16 array `ids_LTK`, L MoE layers in model order, T tokens, K =
+top_k, the gate's order: column 0 is the first choice). `load_routing(run_dir)` reads them back in step order.
+
+Shape legend: L MoE layers, T tokens, K = top_k.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moebal.sync import to_host
+from moebal.train.hooks import Hook
+
+if TYPE_CHECKING:
+    from moebal.routing import RoutingStats
+    from moebal.train.trainer import Trainer
+
+__all__ = ["RoutingRecorder", "load_routing", "routing_files"]
+
+ROUTING_DIR = "routing"
+
+
+class RoutingRecorder(Hook):
+    """Writes the step's routing every `every` steps (rank 0; the host read happens only on those steps)."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"RoutingRecorder: every must be >= 1; got {every}")
+        self.every = every
+
+    def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
+        if step % self.every or not trainer.ctx.is_main:
+            return
+        import torch
+
+        ids: list[torch.Tensor] = []
+        for layer in trainer.moe_layers():
+            routing = getattr(layer, "last_routing", None)
+            if routing is not None:
+                ids.append(routing.indices_TK)
+        if not ids:
+            return
+        ids_LTK = np.asarray(to_host(torch.stack(ids), "routing sample"), dtype=np.int16)
+        out = Path(trainer.run_dir) / ROUTING_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(out / f"step_{step:06d}.npz", ids_LTK=ids_LTK)
+
+
+def routing_files(run_dir: str | Path) -> list[Path]:
+    """The run's routing samples in step order (raises naming the fix when there are none)."""
+    files = sorted((Path(run_dir) / ROUTING_DIR).glob("step_*.npz"))
+    if not files:
+        raise ValueError(f"no routing samples in {Path(run_dir) / ROUTING_DIR}: train with "
+                         f"train.record_routing_every=N (e.g. 10) to record them")
+    return files
+
+
+def load_routing(run_dir: str | Path) -> list[np.ndarray]:
+    """Every routing sample of a run as an int64 [L, T, K] array, in step order."""
+    return [np.load(f)["ids_LTK"].astype(np.int64) for f in routing_files(run_dir)]

@@ -1,0 +1,181 @@
+"""Lina's inference scheduling against static expert parallelism: MoE layer time (the slowest rank's) on gloo ranks.
+
+The model is a trained run's (its newest checkpoint), served with top-1 routing (Lina's inference setting). Two
+changes make it a benchmark of skewed inference on experts of a realistic width, and neither changes what the
+trained routers and attention compute:
+  - **skew**: every MoE layer gets a selection bias -s log(1 + pi_l(e)) (pi_l: a permutation of the experts drawn
+    per layer, so each layer has its own hot experts, as in the thesis's Table 4.2), with s found by bisection so
+    that the busiest expert's load is `--skew` (4) times the mean, averaged over the layers, on the profiling
+    batches; the figure measured on the benchmark batches is reported beside it;
+  - **width**: the experts are padded from the trained width to `--width` hidden units (the new w1/w3 rows
+    random, the new w2 columns zero), so each expert computes what a `--width`-wide expert costs while its
+    output is the trained expert's (checked: logits within 1e-5 of the unpadded model's).
+The path profile is built from the served model's routing on training batches (Lina profiles offline on the
+training data); the timed batches come from the validation split.
+
+Per rank count, `--rounds` rounds each run every policy over the same `--batches` batches, the policies in an
+order rotated per round; a forward's MoE time is the sum over MoE layers of the slowest rank's time in the layer
+(planning, both all-to-alls, the experts; the gate is outside and the same for every policy). Reported: every
+round's median per policy, the median over rounds, static / lina, and the same over the layers Lina schedules
+(1 .. L-1; layer 0 has no path and runs static under every policy).
+
+Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
+from moebal.data import build_data, eval_batches
+from moebal.distributed.testing import run_ranks
+from moebal.planner.paths import build_profile
+
+POLICIES = ["static", "lina", "phase1", "oracle"]
+
+
+def _pad_experts(model: Any, width: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in model.moe_layers():
+        ex = layer.experts
+        E, F0, D = ex.w1.shape
+        if width <= F0:
+            continue
+        std = float(ex.w1.detach().std())
+        w1, w3 = (torch.cat([w.detach(), torch.randn(E, width - F0, D, generator=g) * std], 1) for w in (ex.w1, ex.w3))
+        w2 = torch.cat([ex.w2.detach(), torch.zeros(E, D, width - F0)], 2)
+        ex.w1, ex.w3, ex.w2 = (torch.nn.Parameter(w, requires_grad=False) for w in (w1, w3, w2))
+        layer.ffn_dim = width
+
+
+def _routing(model: Any, batches: list[torch.Tensor]) -> list[np.ndarray]:
+    """[L, T, K] expert ids per batch, single process."""
+    out = []
+    with torch.no_grad():
+        for ids in batches:
+            model(ids)
+            out.append(np.stack([layer.last_routing.indices_TK.numpy() for layer in model.moe_layers()]))
+    return out
+
+
+def _skew(samples: list[np.ndarray], E: int) -> list[float]:
+    """Busiest expert's load / mean load per layer, over the samples."""
+    ids = np.concatenate(samples, axis=1)
+    return [float(np.bincount(ids[j].reshape(-1), minlength=E).max() / (ids[j].size / E)) for j in range(len(ids))]
+
+
+def _set_bias(model: Any, s: float, perms: list[np.ndarray]) -> None:
+    for layer, perm in zip(model.moe_layers(), perms):
+        layer.expert_bias = -s * torch.log1p(torch.as_tensor(perm, dtype=torch.float32))
+
+
+def _fit_skew(model: Any, batches: list[torch.Tensor], target: float, perms: list[np.ndarray], E: int) -> float:
+    lo, hi = 0.0, 8.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        _set_bias(model, mid, perms)
+        if statistics.mean(_skew(_routing(model, batches), E)) < target:
+            lo = mid
+        else:
+            hi = mid
+    _set_bias(model, (lo + hi) / 2, perms)
+    return (lo + hi) / 2
+
+
+def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    L = len(results[0]["rounds"][0]["static"]["forwards"][0])
+    for p in POLICIES:
+        per_round, per_round_sched = [], []
+        for rnd in range(rounds):
+            fw = [r["rounds"][rnd][p]["forwards"] for r in results]
+            layer_max = [[max(rank[f][j]["seconds"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
+            per_round.append(statistics.median(sum(x) for x in layer_max))
+            per_round_sched.append(statistics.median(sum(x[1:]) for x in layer_max))
+        f0 = results[0]["rounds"][0][p]["forwards"]
+        loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd[1:]]
+                 for fwd in f0]
+        hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
+        out[p] = {"moe_s_rounds": per_round, "moe_s": statistics.median(per_round),
+                  "moe_s_layers_1_on_rounds": per_round_sched, "moe_s_layers_1_on": statistics.median(per_round_sched),
+                  "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
+                  "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
+                  "estimate_top2k_equal": statistics.mean(hits) if hits else None,
+                  "equal_static": all(r["rounds"][i][p]["equal_static"] is not False
+                                      for r in results for i in range(rounds))}
+    for p in POLICIES[1:]:
+        out[f"static_over_{p}"] = out["static"]["moe_s"] / out[p]["moe_s"]
+        out[f"static_over_{p}_layers_1_on"] = out["static"]["moe_s_layers_1_on"] / out[p]["moe_s_layers_1_on"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--skew", type=float, default=4.0, help="busiest expert / mean load to fit (0: the model's own)")
+    ap.add_argument("--width", type=int, default=1024, help="expert hidden width after padding")
+    ap.add_argument("--rows", type=int, default=8, help="sequences per rank per forward")
+    ap.add_argument("--batches", type=int, default=4, help="timed forwards per policy per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
+    ap.add_argument("--path-len", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    cfg, model = load_run_model(Path(args.run_dir), top_k=1)
+    E = cfg.moe.num_experts
+    data = build_data(cfg, seed=1234)
+    prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]
+    rng = np.random.default_rng(0)
+    perms = [rng.permutation(E) for _ in model.moe_layers()]
+    s = _fit_skew(model, prof_batches[:4], args.skew, perms, E) if args.skew > 0 else 0.0
+    ref_batch = prof_batches[0][:2]
+    with torch.no_grad():
+        before = model(ref_batch).logits
+        _pad_experts(model, args.width)
+        after = model(ref_batch).logits
+    pad_diff = float((before - after).abs().max())
+    assert pad_diff < 1e-4, f"padding changed the logits by {pad_diff}"
+    profile = build_profile(_routing(model, prof_batches), E, args.path_len)
+    res: dict[str, Any] = {
+        "run_dir": str(Path(args.run_dir).resolve()),
+        "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
+        "bias_strength": s, "padding_max_logit_diff": pad_diff, "num_experts": E,
+        "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1, "by_ranks": {}}
+    for R in args.ranks:
+        val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, R * args.rows, args.batches)
+        batches = [b.ids_BT for b in val if b.ids_BT.shape[0] == R * args.rows][:args.batches]
+        order = [POLICIES[i % 4:] + POLICIES[:i % 4] for i in range(args.rounds)]
+        job = ServeJob(model=model, batches=batches, policies=order, profile=profile)
+        results = run_ranks(serve_worker, R, pack(job), timeout_s=1800)
+        summ = _summary(results, args.rounds)
+        summ["skew_timed_batches"] = _skew(_routing(model, batches), E)
+        summ["policy_order_per_round"] = order
+        res["by_ranks"][str(R)] = summ
+        print(f"{R} ranks: static {summ['static']['moe_s'] * 1e3:.1f} ms, lina {summ['lina']['moe_s'] * 1e3:.1f} ms, "
+              f"phase1 {summ['phase1']['moe_s'] * 1e3:.1f} ms, oracle {summ['oracle']['moe_s'] * 1e3:.1f} ms; "
+              f"static/lina {summ['static_over_lina']:.2f} "
+              f"(layers 1..L-1: {summ['static_over_lina_layers_1_on']:.2f}); "
+              f"skew {statistics.mean(summ['skew_timed_batches']):.2f}; outputs equal static: "
+              f"{all(summ[p]['equal_static'] for p in POLICIES)}", flush=True)
+    res["wall_s"] = time.perf_counter() - t0
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

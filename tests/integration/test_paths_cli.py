@@ -1,0 +1,63 @@
+"""Recording a run's routing (train.record_routing_every) and building Lina's path profile from it (`moebal paths`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moebal.planner.paths import PathProfile, build_profile
+from moebal.train.routing_log import load_routing
+from tests.unit.test_train import TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def moebal(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "moebal.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+
+
+def test_record_routing_then_build_profile(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith("train.steps=")]
+    r = moebal("train", "--out", str(out), *tiny, "train.steps=4", "train.record_routing_every=2",
+               "parallel.nproc=1")
+    assert r.returncode == 0, r.stderr
+    samples = load_routing(out)
+    assert [p.name for p in sorted((out / "routing").iterdir())] == ["step_000002.npz", "step_000004.npz"]
+    # [L=2 MoE layers, T = batch 4 x 32 tokens, K = 2], valid expert ids, two distinct choices per token
+    assert all(s.shape == (2, 128, 2) for s in samples)
+    assert all(s.min() >= 0 and s.max() < 4 and (s[..., 0] != s[..., 1]).all() for s in samples)
+    r = moebal("paths", str(out), "-o", str(tmp_path / "p.npz"), "--path-len", "3")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["samples"] == 2 and info["layers"] == 2 and info["top_k"] == 2
+    prof = PathProfile.load(tmp_path / "p.npz")
+    ref = build_profile(samples, 4, 3)
+    top1_TL = np.concatenate(samples, axis=1)[:, :, 0].T
+    np.testing.assert_allclose(prof.estimate(top1_TL, 1), ref.estimate(top1_TL, 1))
+    # the estimate over the profiled tokens themselves is exactly their layer-1 counts
+    counts = np.bincount(np.concatenate(samples, axis=1)[1].reshape(-1), minlength=4)
+    np.testing.assert_allclose(prof.estimate(top1_TL, 1), counts)
+    # `moebal eval`: the run's model on 2 gloo ranks under every policy gives the static run's logits bit for bit
+    r = moebal("eval", str(out), "--nproc", "2", "--profile", str(tmp_path / "p.npz"), "--batches", "1",
+               "--top-k", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(res[p]["equal_static"] for p in ("lina", "phase1", "oracle")), res
+    assert len({res[p]["val_loss"] for p in ("static", "lina", "phase1", "oracle")}) == 1
+
+
+def test_paths_errors_are_clear(tmp_path: Path) -> None:
+    r = moebal("paths", str(tmp_path))
+    assert r.returncode == 2 and "train.record_routing_every" in r.stderr and "Traceback" not in r.stderr
+    r = moebal("train", *TINY, "train.record_routing_every=-1", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "record_routing_every" in r.stderr
+    r = moebal("eval", str(tmp_path))
+    assert r.returncode == 2 and "config.yaml" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,91 @@
+"""Lina's sample-path profile and estimate (moebal/planner/paths.py) on hand-made routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moebal.planner.paths import PathProfile, build_profile, estimate_accuracy, previous_estimate, top_set
+
+
+def _sample() -> np.ndarray:
+    """[L=3, T=6, K=1]: tokens 0-2 take expert 0 then 1 then {2, 2, 3}; tokens 3-5 take 1, 1, then {0, 0, 0}."""
+    top1 = np.array([[0, 0, 0, 1, 1, 1],
+                     [1, 1, 1, 1, 1, 1],
+                     [2, 2, 3, 0, 0, 0]])
+    return top1[:, :, None]
+
+
+def test_exact_distributions_per_path_and_back_off() -> None:
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    # layer 2 given path (layer 0, layer 1) = (0, 1): 2/3 expert 2, 1/3 expert 3; (1, 1): all expert 0
+    paths = np.array([[0, 1], [1, 1]])
+    psi = prof.distributions(paths, layer=2)
+    np.testing.assert_allclose(psi, [[0, 0, 2 / 3, 1 / 3], [1, 0, 0, 0]])
+    # unseen full path (2, 1) backs off to the path (1,) of length 1: every token of layer 1 took expert 1
+    psi = prof.distributions(np.array([[2, 1]]), layer=2)
+    np.testing.assert_allclose(psi, [[3 / 6, 0, 2 / 6, 1 / 6]])
+    # unseen at every length: the layer's marginal (same here, since every path's suffix (1,) was seen)
+    psi = prof.distributions(np.array([[3, 3]]), layer=2)
+    np.testing.assert_allclose(psi, [[3 / 6, 0, 2 / 6, 1 / 6]])
+    # layer 1 from layer 0 alone: paths (0,) and (1,) both go to expert 1
+    np.testing.assert_allclose(prof.distributions(np.array([[0], [1]]), layer=1), [[0, 1, 0, 0]] * 2)
+
+
+def test_min_tokens_backs_off_from_rare_paths() -> None:
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    psi = prof.distributions(np.array([[0, 1]]), layer=2, min_tokens=4)  # (0, 1) seen 3 times: too rare
+    np.testing.assert_allclose(psi, [[3 / 6, 0, 2 / 6, 1 / 6]])
+
+
+def test_top_k_routing_counts_every_choice() -> None:
+    ids = np.array([[[0, 1], [0, 2]], [[2, 3], [3, 0]]])  # [L=2, T=2, K=2]
+    prof = build_profile([ids], num_experts=4, path_len=3)
+    psi = prof.distributions(np.array([[0], [0]]), layer=1)  # both tokens' first choice in layer 0 was 0
+    np.testing.assert_allclose(psi[0], [0.5, 0, 0.5, 1.0])  # sums to k = 2
+    assert prof.tables[1][1].keys_Pm.tolist() == [[0]]
+
+
+def test_estimate_sums_and_truncation() -> None:
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    paths = np.array([[0, 1], [0, 1], [1, 1]])
+    np.testing.assert_allclose(prof.estimate(paths, 2), [1, 0, 4 / 3, 2 / 3])
+    np.testing.assert_allclose(prof.estimate(paths, 2, truncate=1), [1, 0, 4 / 3, 0])  # Lina's top-1 of Psi
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    prof = build_profile([_sample(), _sample()], num_experts=4, path_len=3)
+    prof.save(tmp_path / "p.npz")
+    back = PathProfile.load(tmp_path / "p.npz")
+    assert (back.num_experts, back.top_k, back.path_len, back.num_layers) == (4, 1, 3, 3)
+    paths = np.array([[0, 1], [1, 1], [3, 1]])
+    np.testing.assert_allclose(back.estimate(paths, 2), prof.estimate(paths, 2))
+    with pytest.raises(ValueError, match="not a path profile"):
+        PathProfile.load(tmp_path / "missing.npz")
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="expert ids outside"):
+        build_profile([_sample()], num_experts=2)
+    with pytest.raises(ValueError, match="path_len"):
+        build_profile([_sample()], num_experts=4, path_len=0)
+    with pytest.raises(ValueError, match="layers 1..2"):
+        build_profile([_sample()], num_experts=4).distributions(np.zeros((1, 3), dtype=np.int64), layer=3)
+
+
+def test_accuracy_metrics() -> None:
+    acc = estimate_accuracy(np.array([4.0, 3, 2, 1]), np.array([3.0, 4, 1, 2]), top_n=2)
+    assert acc["overlap"] == 1.0 and acc["equal"] == 1.0 and acc["mae"] == 1.0 and acc["rel_mae"] == 0.4
+    acc = estimate_accuracy(np.array([1.0, 1, 0, 0]), np.array([0.0, 1, 1, 0]), top_n=2)
+    assert acc["overlap"] == 0.5 and acc["equal"] == 0.0
+    assert top_set(np.array([1.0, 2, 2, 0]), 2) == {1, 2}
+    np.testing.assert_allclose(previous_estimate(np.array([2, 4]), 6, 12), [4, 8])
+
+
+def test_row_lookup_by_codes_and_by_dictionary_agree() -> None:
+    tab = build_profile([_sample()], num_experts=4, path_len=2).tables[2][2]
+    keys = np.array([[0, 1], [1, 1], [2, 1], [1, 0]])
+    assert tab.rows(keys, 4).tolist() == [0, 1, -1, -1]
+    assert tab.rows(keys, 2 ** 40).tolist() == [0, 1, -1, -1]  # codes would overflow: dictionary lookup
