@@ -68,9 +68,9 @@ __all__ = ["CPU_RUNTIME_BYTES", "DeviceMemory", "MemoryLayout", "MemoryPlan", "R
 SHARDS = ("none", "optimizer", "full")
 RECOMPUTES = ("none", "moe", "attention", "full")
 SCHEDULES = ("1f1b", "gpipe", "zb")
-RANK_LOCAL_INIT = False
-"""Whether `moebal train` builds only what a rank holds (issue 20 item 3). False: every rank builds the whole
-model in fp32 first (moebal/train/distributed.py, moebal/pipeline/runner.py), which the start-up phase counts."""
+RANK_LOCAL_INIT = True
+"""Whether `moebal train` builds only what a rank holds (moebal/models/local_init.py: expert-parallel ranks their
+experts, pipeline stages their layers). False would model every rank building the whole fp32 model first."""
 
 CPU_RUNTIME_BYTES = 359e6
 """A CPU rank's resident memory before its model: Python, torch, gloo, the byte corpus (its first 2 MB in the
@@ -428,6 +428,8 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
+                    if shard != "none" and pp > 1 and "full" not in shards:
+                        continue  # the built sharding (optimizer) does not compose with the pipeline yet
                     for rc in recomputes:
                         for policy in policies if ep > 1 else [base.policy]:
                             yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,

@@ -95,7 +95,7 @@ def test_layout_errors_name_the_fix():
 
 
 def test_impossible_job_is_refused_in_one_line(capsys):
-    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "a100", "--ranks", "1", "--ep", "1"]) == 1
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "a100", "--ranks", "1", "--pp", "1", "--ep", "1"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     line = out[-1]
     assert line.startswith("will not fit:") and "largest term:" in line and "GB per rank" in line
@@ -133,12 +133,13 @@ def test_fit_returns_a_layout_the_plan_accepts(capsys):
 
 def test_presets_fit_on_their_clusters():
     dev = DeviceMemory.from_profile(load_profile("h100-ndr400"))
-    llama = load("llama-moe-3.5b")  # one 8-GPU node, with what is built today (whole-model initialisation)
+    llama = load("llama-moe-3.5b")  # one 8-GPU node
     assert plan_memory(llama, layout_from_config(llama, 8), dev).fits
-    mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (shard, recompute, local init)
-    planned = layout_from_config(mixtral, 16, shard="full", recompute="moe", init="local")
+    mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
+    assert plan_memory(mixtral, layout_from_config(mixtral, 16), dev).fits
+    assert not plan_memory(mixtral, layout_from_config(mixtral, 16, recompute="none"), dev).fits
+    planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")  # planned, not built
     assert plan_memory(mixtral, planned, dev).fits
-    assert not plan_memory(mixtral, layout_from_config(mixtral, 16, init="local"), dev).fits
 
 
 def _ram() -> int:
