@@ -311,6 +311,14 @@ def fig_gpu_check(data: Any) -> str:
     return f"{len(passed)} of {len(checks)} pass ({', '.join(passed)}); all ok: {data.get('ok')}"
 
 
+def fig_memory(data: Any) -> str:
+    """The memory plan's error against measured peaks: median and max over the validated layouts."""
+    if data.get("median_abs_error") is None:
+        raise ValueError("bench_memory validated no layout")
+    return (f"median error {data['median_abs_error']:.1%}, max {data['max_abs_error']:.1%} over "
+            f"{data['validated_rows']} layouts (per rank {data['median_abs_error_per_rank']:.1%})")
+
+
 def fig_pytest(data: Any) -> str:
     """The pytest summary line of a test row."""
     line = data.get("pytest_summary")
@@ -363,6 +371,12 @@ RUNS: tuple[Run, ...] = (
     Run("test_resharding", ("python", "-m", "pytest", "tests/integration/test_resharding.py",
                             "tests/distributed/test_pipeline_resume.py"), json="none"),
     Run("restart", ("python", "scripts/bench_restart.py")),
+    Run("memory", ("python", "scripts/bench_memory.py"), ("python", "scripts/bench_memory.py", "--quick"),
+        timeout_s=7200),
+    Run("test_sharded", ("python", "-m", "pytest", "tests/distributed/test_sharded.py"), json="none"),
+    Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
+                           "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
+    Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
 )
 
 ROWS: tuple[Row, ...] = (
@@ -394,6 +408,10 @@ ROWS: tuple[Row, ...] = (
     Row("checkpoint save, default model, 2 ranks", "checkpoint", fig_checkpoint),
     Row("resume under another layout", "test_resharding", fig_pytest),
     Row("recovery after a killed rank (target < 1 min)", "restart", fig_restart),
+    Row("memory plan vs measured peak memory per rank (4 gloo ranks, 80M-parameter MoE)", "memory", fig_memory),
+    Row("sharded optimizer state (`parallel.shard: optimizer`)", "test_sharded", fig_pytest),
+    Row("activation recomputation and rank-local initialisation", "test_recompute", fig_pytest),
+    Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest),
 )
 
 

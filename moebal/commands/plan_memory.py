@@ -48,7 +48,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision (default train.precision; "
                    "auto is bf16 on a GPU profile)")
     p.add_argument("--init", choices=("full", "local"), help="start-up: full = every rank builds the whole model "
-                   "first (the default until rank-local initialisation is built), local = only its share")
+                   "first, local = only its share (the default: moebal/models/local_init.py)")
     p.add_argument("--skew", type=float, default=1.0, help="busiest rank's routed rows / the mean (default 1)")
     p.add_argument("--fit", action="store_true", help="propose the smallest layout that fits")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

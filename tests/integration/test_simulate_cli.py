@@ -22,7 +22,7 @@ def test_simulate_mixtral_json_and_trace(capsys, tmp_path) -> None:
     trace = tmp_path / "trace.json"
     out = _json(capsys, ["simulate", "mixtral-8x7b", "--cluster", "h100-ndr400", "--ranks", "16", "--json",
                          "--trace", str(trace)])
-    assert out["iteration_time_s"] > 0 and out["meta"]["ep"] == 8 and out["meta"]["dp"] == 16
+    assert out["iteration_time_s"] > 0 and out["meta"]["ep"] == 8 and out["meta"]["dp"] == 8
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(16))
 
