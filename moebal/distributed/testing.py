@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import queue
+import random
 import signal
 import time
 import traceback
@@ -20,8 +21,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from moebal.launch.spawn import free_port
+from moebal.planner.plan import ExpertPlacement, default_owners
 
-__all__ = ["kill_rank_when", "rank_pid", "run_ranks"]
+__all__ = ["kill_rank_when", "random_placements", "rank_pid", "run_ranks"]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
@@ -141,3 +143,15 @@ def kill_rank_when(ready: Callable[[], bool], rank: int, marker: str, timeout_s:
                 continue
             return t
         time.sleep(poll_s)
+
+
+def random_placements(E: int, R: int, step: int, layers: int) -> list[ExpertPlacement]:
+    """Per layer, every expert replicated on each other rank with probability 1/2: the same draw on every rank
+    (seeded by `step`), so tests exercise Trans/Agg without a planner."""
+    owner = default_owners(E, R)
+    rng = random.Random(1000 * step + 7)
+    out = []
+    for _ in range(layers):
+        reps = tuple(tuple(sorted(r for r in range(R) if r != owner[e] and rng.random() < 0.5)) for e in range(E))
+        out.append(ExpertPlacement(num_ranks=R, owner=owner, replicas=reps, policy="random"))
+    return out

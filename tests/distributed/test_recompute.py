@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
 
 import torch
 
 from moebal.config import from_dict
-from moebal.distributed.testing import run_ranks
-from moebal.planner.plan import ExpertPlacement, default_owners
+from moebal.distributed.testing import random_placements, run_ranks
 
 MODES = ("none", "moe", "attention", "full")
 
@@ -23,16 +21,6 @@ def _ep_cfg():
                 "jitter": 0.1, "shared_experts": 1, "kernel": "loop"},
         "data": {"seq_len": 16},
     })
-
-
-def _placements(E: int, R: int, step: int, layers: int) -> list[ExpertPlacement]:
-    owner = default_owners(E, R)
-    rng = random.Random(1000 * step + 7)  # the same on every rank
-    out = []
-    for _ in range(layers):
-        reps = tuple(tuple(sorted(r for r in range(R) if r != owner[e] and rng.random() < 0.5)) for e in range(E))
-        out.append(ExpertPlacement(num_ranks=R, owner=owner, replicas=reps, policy="random"))
-    return out
 
 
 def _ep_worker(rank: int, world: int, overlap: bool) -> dict:
@@ -67,7 +55,7 @@ def _ep_worker(rank: int, world: int, overlap: bool) -> dict:
             g = torch.Generator().manual_seed(step)
             ids = torch.randint(0, 256, (2 * world, 17), generator=g)
             x, y = ids[2 * rank:2 * rank + 2, :-1], ids[2 * rank:2 * rank + 2, 1:]
-            ep.apply(_placements(4, world, step, 2))
+            ep.apply(random_placements(4, world, step, 2))
             torch.manual_seed(100 + step)  # jitter draws
             res = model(x, y)
             (res.loss + res.aux_loss).backward()

@@ -4,7 +4,6 @@ every rank instead of hanging."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -12,9 +11,9 @@ import torch
 from moebal.config import from_dict
 from moebal.distributed.expert_parallel import ExpertParallel
 from moebal.distributed.groups import ParallelDims
-from moebal.distributed.testing import run_ranks
+from moebal.distributed.testing import random_placements, run_ranks
 from moebal.models import build_model
-from moebal.planner.plan import ExpertPlacement, default_owners
+from moebal.planner.plan import ExpertPlacement
 from moebal.scheduler import CommScheduler, SchedulerError, check_order, step_record
 
 
@@ -24,16 +23,6 @@ def _cfg(layers: int = 2, dim: int = 32):
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 24, "aux_loss_coef": 0.01, "z_loss_coef": 0.001},
         "data": {"seq_len": 16},
     })
-
-
-def _placements(E: int, R: int, step: int, layers: int) -> list[ExpertPlacement]:
-    owner = default_owners(E, R)
-    rng = random.Random(1000 * step + 7)  # the same on every rank
-    out = []
-    for _ in range(layers):
-        reps = tuple(tuple(sorted(r for r in range(R) if r != owner[e] and rng.random() < 0.5)) for e in range(E))
-        out.append(ExpertPlacement(num_ranks=R, owner=owner, replicas=reps, policy="random"))
-    return out
 
 
 def _session(rank: int, world: int, runs: list[dict]) -> list[dict]:
@@ -85,7 +74,7 @@ def _train(dims: ParallelDims, rank: int, opts: dict) -> dict:
             sched.start_compute()
             if opts.get("fail_rank") == rank and step == opts.get("fail_step"):
                 ep.grads._op = _failing(ep.grads._op)
-            ep.apply(_placements(E, R, step, cfg.model.n_layers) if opts.get("replicas", True)
+            ep.apply(random_placements(E, R, step, cfg.model.n_layers) if opts.get("replicas", True)
                      else [ExpertPlacement.static(E, R)] * cfg.model.n_layers)
             out = model(ids[2 * i:2 * i + 2, :-1], ids[2 * i:2 * i + 2, 1:])
             (out.loss + out.aux_loss).backward()
