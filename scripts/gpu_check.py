@@ -22,6 +22,15 @@ recorded as that check's failure with the traceback's last lines, and the next c
    straight 120-step run: the loss falls, steps 101-120 are bitwise the straight run's, tokens/s.
 6. expert_kernel_vs_dense: the expert kernel's forward + backward against one dense SwiGLU over the same rows,
    balanced and 4x-skewed routing, in TFLOP/s and as a multiple of the dense time (CUDA events).
+7. recompute: `train.recompute` none/moe/attention/full on the device (one model per mode from one seed): fp32
+   loss and every gradient bitwise equal to none (deterministic algorithms on CUDA; none against itself shows
+   whether the device's kernels allow it), then activation peak (allocator peak over a step minus what was
+   allocated before it) and step time (CUDA events) in bf16 autocast, modes rotated per round, every round kept.
+8. memory_plan: `moebal train --nproc 1` for a few steps at 5 layouts (precision, recompute, sequence length)
+   against `moebal.planner.memory.plan_memory` with the h100 profile's runtime and slack assumptions at this
+   card's capacity: measured peak = (used - reserved after the run: the CUDA context and libraries) + the
+   allocator's peak reserved bytes; also the measured runtime and slack against the assumed 2.0 GB and 5 %, and
+   the simulator's one-rank step time on the h100 profile against the measured median step (balanced routing).
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -56,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -681,6 +691,267 @@ def check_expert_vs_dense(ctx: Ctx) -> dict[str, Any]:
     return _round(res)
 
 
+# ---- 7. recompute -----------------------------------------------------------------------------------------------
+
+RECOMPUTE_MODES = ("none", "moe", "attention", "full")
+
+
+def _recompute_config(shape: dict[str, int], mode: str) -> Any:
+    """The model `scripts/measure_recompute.py` measures on a CPU, at the given shape (MoE every layer, top-2)."""
+    from moebal.config import from_dict
+
+    D = shape["D"]
+    return from_dict({
+        "model": {"vocab_size": 256, "dim": D, "n_layers": shape["L"], "n_heads": shape["H"], "n_kv_heads": shape["H"],
+                  "ffn_dim": 4 * D, "max_seq_len": shape["T"]},
+        "moe": {"num_experts": shape["E"], "top_k": 2, "expert_ffn_dim": 2 * D},
+        "data": {"seq_len": shape["T"]}, "train": {"recompute": mode}})
+
+
+def _recompute_models(ctx: Ctx, shape: dict[str, int]) -> dict[str, Any]:
+    """One model per mode, each built from seed 0 on the device (so all hold the same weights)."""
+    from moebal.models import build_model
+
+    models = {}
+    for mode in RECOMPUTE_MODES:
+        torch.manual_seed(0)
+        with ctx.device:  # built where it runs (a CPU build of the full-shape model would take most of the check)
+            models[mode] = build_model(_recompute_config(shape, mode)).to(ctx.device).train()
+    return models
+
+
+def _recompute_exact(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor) -> dict[str, Any]:
+    """fp32 loss and every gradient of each mode against `none`, bitwise (deterministic algorithms on CUDA: the
+    recomputed forward must reproduce the saved one exactly, which atomics would break run to run)."""
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(ctx.cuda, warn_only=True)
+    try:
+        got: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for mode, model in [("none_again", models["none"]), *models.items()]:
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)  # the same RNG stream for every mode (router jitter, if any)
+            out = model(ids, ids)
+            loss = out.loss + out.aux_loss
+            loss.backward()
+            got[mode] = (loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters()
+                                                 if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=True)
+    ref_loss, ref_grads = got["none"]
+    rows = {}
+    for mode, (loss, grads) in got.items():
+        same = len(grads) == len(ref_grads)
+        rows[mode] = {"bitwise": bool(same and torch.equal(loss, ref_loss)
+                                      and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))),
+                      "loss_diff": abs(float(loss - ref_loss)),
+                      "grad_rel_norm_max": max((float((a - b).norm() / b.norm().clamp_min(1e-30))
+                                                for a, b in zip(grads, ref_grads)), default=0.0) if same else None}
+    return rows
+
+
+def _recompute_cost(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor, rounds: int, steps: int,
+                    bf16: bool) -> dict[str, Any]:
+    """Activation peak (the allocator's peak over a step minus what was allocated before it: weights and kept
+    gradients) and step time (CUDA events; wall clock on a CPU, where the peak is not measured here) of each
+    mode, modes rotated per round, every round kept."""
+    def step(model: Any, x: torch.Tensor) -> None:
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(x, x)
+            loss = out.loss + out.aux_loss
+        loss.backward()
+        model.zero_grad(set_to_none=False)
+
+    for model in models.values():  # gradients allocated and kept, kernels warmed
+        step(model, ids)
+    names = list(models)
+    rows: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for mode in names[r % len(names):] + names[:r % len(names)]:
+            times, peak = [], None
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)
+                base = torch.cuda.memory_allocated(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            for _ in range(steps):
+                if ctx.cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step(models[mode], ids)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    step(models[mode], ids)
+                    times.append(time.perf_counter() - t0)
+            if ctx.cuda:
+                peak = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
+            rows.append({"round": r, "mode": mode, "step_s": statistics.median(times), "steps_s": times,
+                         "act_peak_mb": peak})
+    return {"rounds": rows}
+
+
+def check_recompute(ctx: Ctx) -> dict[str, Any]:
+    full = ctx.cuda and not ctx.quick
+    shape = ({"D": 1024, "L": 8, "H": 16, "E": 8, "T": 2048, "B": 8} if full
+             else {"D": 64, "L": 2, "H": 4, "E": 4, "T": 64, "B": 2})
+    rounds, steps = (3, 5) if full else (1, 1)
+    models = _recompute_models(ctx, shape)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (shape["B"], shape["T"]), generator=g).to(ctx.device)
+    exact = _recompute_exact(ctx, models, ids[:2, : min(shape["T"], 512)])
+    bf16 = ctx.cuda and torch.cuda.is_bf16_supported()
+    cost = _recompute_cost(ctx, models, ids, rounds, steps, bf16)
+    summary: dict[str, dict[str, Any]] = {}
+    for mode in RECOMPUTE_MODES:
+        mine = [row for row in cost["rounds"] if row["mode"] == mode]
+        summary[mode] = {"step_s": statistics.median(row["step_s"] for row in mine),
+                         "act_peak_mb": (statistics.median(row["act_peak_mb"] for row in mine) if ctx.cuda else None)}
+    for mode in RECOMPUTE_MODES:
+        summary[mode]["time_ratio"] = summary[mode]["step_s"] / summary["none"]["step_s"]
+        if ctx.cuda:
+            summary[mode]["act_ratio"] = summary[mode]["act_peak_mb"] / summary["none"]["act_peak_mb"]
+    del models
+    targets = {"full_act_ratio_max": 0.35, "full_time_ratio_max": 1.4}
+    res: dict[str, Any] = {"ok": all(r["bitwise"] for r in exact.values()), "shape": shape,
+                           "rounds_x_steps": [rounds, steps], "dtype": "bf16 autocast" if bf16 else "fp32",
+                           "exact_fp32": exact, "summary_by_mode": summary, "targets": targets, "skipped": [], **cost}
+    if not res["ok"]:
+        why = ("" if exact["none_again"]["bitwise"] else
+               " (none differs from itself: kernels without a deterministic implementation)")
+        res["error"] = f"recompute differs from none in fp32: {[m for m, r in exact.items() if not r['bitwise']]}{why}"
+    if full:
+        res["targets_met"] = {"act": summary["full"]["act_ratio"] <= targets["full_act_ratio_max"],
+                              "time": summary["full"]["time_ratio"] <= targets["full_time_ratio_max"]}
+    else:
+        res["targets_met"] = None
+        res["skipped"].append("targets: skipped: they are set for a GPU at the full shape (not --quick, CUDA)")
+    if not ctx.cuda:
+        res["skipped"].append("activation peak: skipped: the allocator's peak is CUDA's "
+                              "(scripts/measure_recompute.py measures resident memory on a CPU)")
+    f = summary["full"]
+    act = f" act {f['act_ratio']:.2f}x," if ctx.cuda else ""
+    res["summary"] = (f"fp32 {'bitwise' if res['ok'] else 'DIFFERS'}; full recompute:{act} time "
+                      f"{f['time_ratio']:.2f}x of none ({res['dtype']})")
+    return _round(res)
+
+
+# ---- 8. memory_plan ---------------------------------------------------------------------------------------------
+
+# `moebal train` on one device, then the CUDA allocator's figures, written where MOEBAL_GPU_STATS says.
+STATS_CLI = ("import json, os, sys, torch; from moebal.cli import main; rc = main(sys.argv[1:]); "
+             "d = torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else None; "
+             "free, total = torch.cuda.mem_get_info(d) if d is not None else (0, 0); "
+             "st = {'max_allocated': torch.cuda.max_memory_allocated(d), 'max_reserved': "
+             "torch.cuda.max_memory_reserved(d), 'reserved': torch.cuda.memory_reserved(d), 'used': total - free, "
+             "'total': total} if d is not None else {}; "
+             "open(os.environ['MOEBAL_GPU_STATS'], 'w').write(json.dumps(st)); sys.exit(rc)")
+MEM_MODEL = ["model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=2816",
+             "model.max_seq_len=2048", "moe.num_experts=8", "moe.top_k=2", "moe.expert_ffn_dim=1408",
+             "data.seq_len=2048", "data.batch_size=8"]
+MEM_COMMON = ["data.max_bytes=4000000", "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=1",
+              "train.ckpt_every=0", "train.progress=plain", "data.val_fraction=0", "train.steps=6"]
+MEM_LAYOUTS = {"bf16_none": ["train.precision=bf16", "train.recompute=none"],
+               "bf16_full": ["train.precision=bf16", "train.recompute=full"],
+               "fp32_none": ["train.precision=fp32", "train.recompute=none"],
+               "fp32_moe": ["train.precision=fp32", "train.recompute=moe"],
+               "bf16_none_seq4096": ["train.precision=bf16", "train.recompute=none", "data.seq_len=4096",
+                                     "model.max_seq_len=4096", "data.batch_size=4"]}
+
+
+def _mem_predict(ctx: Ctx, overrides: list[str], capacity: float) -> dict[str, Any]:
+    """The plan of a one-rank run on the h100 profile's runtime and slack assumptions, at the card's capacity."""
+    from moebal.config import load
+    from moebal.planner.hardware import load_profile
+    from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
+
+    cfg = load(None, overrides)
+    prof = load_profile("h100")
+    dev = DeviceMemory(name="this card", capacity_bytes=capacity, runtime_bytes=prof.memory_reserved_bytes,
+                       slack=prof.allocator_slack)
+    precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
+    plan = plan_memory(cfg, layout_from_config(cfg, 1, precision=precision), dev)
+    body = (plan.peak_bytes - dev.runtime_bytes) / (1 + dev.slack)
+    return {"peak_bytes": plan.peak_bytes, "body_bytes": body, "runtime_bytes": dev.runtime_bytes,
+            "slack": dev.slack, "largest_term": plan.largest_term[0], "terms": plan.to_dict()["terms"]}
+
+
+def _mem_run(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:
+    out = ctx.workdir / "memory" / name
+    shutil.rmtree(out, ignore_errors=True)
+    stats = ctx.workdir / "memory" / f"{name}.json"
+    stats.parent.mkdir(parents=True, exist_ok=True)
+    env = {**_env(), "MOEBAL_GPU_STATS": str(stats)}
+    args = ["train", "--nproc", "1", "--out", str(out), "--json", *overrides]
+    r = subprocess.run([sys.executable, "-c", STATS_CLI, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=max(30.0, min(180.0, ctx.left())))
+    if r.returncode != 0:
+        raise RuntimeError(f"moebal train ({name}) exited {r.returncode}: {_tail(r.stderr, 12)}")
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    times = [r["step_time_s"] for r in recs if "step_time_s" in r and r.get("step", 0) > 1]  # step 1: warm-up
+    return {"stats": json.loads(stats.read_text(encoding="utf-8")), "tokens_per_s": summary.get("tokens_per_s"),
+            "step_s": statistics.median(times) if times else None}
+
+
+def _step_predict(overrides: list[str], profile: str) -> float:
+    """The simulator's one-rank step time on `profile` (balanced routing: the run's counts are not replayed)."""
+    from moebal.config import load
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.sim.program import Layout, SimSpec
+    from moebal.sim.simulate import simulate
+
+    cfg = load(None, overrides)
+    precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
+    spec = SimSpec(layout=Layout(1), micro_batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                   count_exchange=False)
+    E, rows = cfg.moe.num_experts, cfg.data.batch_size * cfg.data.seq_len * cfg.moe.top_k
+    counts = (np.full((cfg.model.n_layers, 1, 1, E), rows / E) if E else None)  # [L, micro-batch, rank, E]
+    return float(simulate(ModelShape.from_config(cfg), CostModel(profile, precision), spec, counts).iteration_time_s)
+
+
+def check_memory_plan(ctx: Ctx) -> dict[str, Any]:
+    tiny = [o for o in TINY if not o.startswith("train.eval")] + ["train.eval_every=0", "train.steps=2",
+                                                                  "train.ckpt_every=0", "train.progress=plain"]
+    layouts = ({"tiny_fp32_none": tiny} if not ctx.cuda or ctx.quick
+               else {k: MEM_MODEL + MEM_COMMON + v for k, v in MEM_LAYOUTS.items()})
+    capacity = float(torch.cuda.get_device_properties(ctx.device).total_memory) if ctx.cuda else 80e9
+    rows: dict[str, Any] = {}
+    for name, overrides in layouts.items():
+        pred = _mem_predict(ctx, overrides, capacity)
+        run = _mem_run(ctx, name, overrides)
+        row: dict[str, Any] = {"overrides": overrides, "predicted": pred, "tokens_per_s": run["tokens_per_s"],
+                               "step_s": run["step_s"], "step_s_predicted_h100": _step_predict(overrides, "h100")}
+        if run["step_s"]:
+            row["error"] = {"step_time_h100_profile": row["step_s_predicted_h100"] / run["step_s"] - 1}
+        st = run["stats"]
+        if st:
+            runtime = st["used"] - st["reserved"]
+            peak = runtime + st["max_reserved"]
+            row["measured"] = {**st, "runtime_bytes": runtime, "peak_bytes": peak,
+                               "slack": st["max_reserved"] / st["max_allocated"] - 1}
+            row["error"] = {**row.get("error", {}), "peak": pred["peak_bytes"] / peak - 1,
+                            "body_vs_max_allocated": pred["body_bytes"] / st["max_allocated"] - 1}
+        rows[name] = row
+    res: dict[str, Any] = {"ok": True, "profile_assumptions": "h100", "layouts": rows, "skipped": []}
+    if not ctx.cuda:
+        res["skipped"].append("measured peak: skipped: CUDA allocator figures only (scripts/bench_memory.py "
+                              "validates the plan against resident memory on a CPU)")
+        res["summary"] = f"plan and run of {len(rows)} layout(s); measurement CUDA-only"
+        return _round(res)
+    errs = [r["error"]["peak"] for r in rows.values()]
+    res["median_abs_peak_error"] = statistics.median(abs(e) for e in errs)
+    res["measured_runtime_bytes"] = statistics.median(r["measured"]["runtime_bytes"] for r in rows.values())
+    res["measured_slack"] = statistics.median(r["measured"]["slack"] for r in rows.values())
+    res["step_time_errors_h100_profile"] = [r["error"].get("step_time_h100_profile") for r in rows.values()]
+    res["summary"] = (f"{len(rows)} layouts: peak error median {res['median_abs_peak_error']:.1%} "
+                      f"(per layout {', '.join(f'{e:+.0%}' for e in errs)}); runtime "
+                      f"{res['measured_runtime_bytes'] / 1e9:.2f} GB (assumed 2.0), slack "
+                      f"{res['measured_slack']:.1%} (assumed 5%)")
+    return _round(res)
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -690,6 +961,8 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "moe_layer": check_moe_layer,
     "train_resume": check_train_resume,
     "expert_kernel_vs_dense": check_expert_vs_dense,
+    "recompute": check_recompute,
+    "memory_plan": check_memory_plan,
 }
 
 

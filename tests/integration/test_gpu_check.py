@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense"]
+CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
+          "memory_plan"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
@@ -50,8 +51,16 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert tr["resume_bitwise"] and tr["loss_last_quarter"] < tr["loss_first_quarter"] and tr["tokens_per_s"] > 0
     bench = checks["expert_kernel_vs_dense"]
     assert bench["tflops"]["dense"] > 0 and set(bench["x_dense"]) == {"balanced", "skewed_4x"}
+    rc = checks["recompute"]
+    assert set(rc["exact_fp32"]) == {"none_again", "none", "moe", "attention", "full"}
+    assert all(r["bitwise"] for r in rc["exact_fp32"].values())
+    assert {row["mode"] for row in rc["rounds"]} == {"none", "moe", "attention", "full"}
+    assert any(s.startswith("recompute: activation peak: skipped") for s in skipped)
+    mem = checks["memory_plan"]["layouts"]["tiny_fp32_none"]
+    assert mem["predicted"]["peak_bytes"] > mem["predicted"]["runtime_bytes"] > 0 and mem["step_s"] > 0
+    assert mem["step_s_predicted_h100"] > 0 and "measured" not in mem  # CUDA allocator figures only
     # the short table is printed too
-    assert "expert_kernel_vs_dense" in r.stdout and "all passed" in r.stdout
+    assert "expert_kernel_vs_dense" in r.stdout and "memory_plan" in r.stdout and "all passed" in r.stdout
 
 
 def _load_script(monkeypatch):
