@@ -721,18 +721,23 @@ def _recompute_models(ctx: Ctx, shape: dict[str, int]) -> dict[str, Any]:
 
 
 def _recompute_exact(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor) -> dict[str, Any]:
-    """fp32 loss and every gradient of each mode against `none`, bitwise (deterministic algorithms on CUDA: the
-    recomputed forward must reproduce the saved one exactly, which atomics would break run to run)."""
+    """fp32 loss and every gradient of each mode against `none`, bitwise (deterministic algorithms and SDPA's math
+    backend on CUDA: the memory-efficient kernel's backward adds with atomics, so there none differs from itself
+    by about 1e-6 relative on an H200, which would hide what recomputation itself changes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(ctx.cuda, warn_only=True)
+    backends = [SDPBackend.MATH] if ctx.cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
     try:
         got: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for mode, model in [("none_again", models["none"]), *models.items()]:
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1)  # the same RNG stream for every mode (router jitter, if any)
-            out = model(ids, ids)
-            loss = out.loss + out.aux_loss
-            loss.backward()
+            with sdpa_kernel(backends):
+                out = model(ids, ids)
+                loss = out.loss + out.aux_loss
+                loss.backward()
             got[mode] = (loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters()
                                                  if p.grad is not None])
             model.zero_grad(set_to_none=True)

@@ -45,7 +45,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register
@@ -57,7 +56,7 @@ from moebal.kernels.sparse_attention import (
     kept_fraction,
     select_from_scores,
 )
-from moebal.models.transformer import Attention, apply_rotary
+from moebal.models.transformer import Attention, apply_rotary, grouped_sdpa
 
 __all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
 
@@ -72,13 +71,12 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     k_BGTK = apply_rotary(attn._project(x_BTD, attn.k_proj, attn.n_kv_heads, "k_norm"), cos_TK, sin_TK)
     v_BGTK = attn.v_proj(x_BTD).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
     s_BGNN = block_scores(q_BHTK, k_BGTK, block)
-    gqa = attn.n_kv_heads != attn.n_heads
     dtype = q_BHTK.dtype
     with torch.autocast(x_BTD.device.type, enabled=False) if fp32_core else contextlib.nullcontext():
         if fp32_core:
             q_BHTK, k_BGTK, v_BGTK = q_BHTK.float(), k_BGTK.float(), v_BGTK.float()
         if density >= 1.0:
-            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
+            o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
         else:
             o_BHTK = block_sparse_attention(q_BHTK, k_BGTK, v_BGTK, select_from_scores(s_BGNN, block, density))
     o_BHTK = o_BHTK.to(dtype)

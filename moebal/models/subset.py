@@ -21,9 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from moebal.models.transformer import Attention, DecoderLayer, apply_rotary
+from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, grouped_sdpa
 
 __all__ = ["gather_rows", "skip_layer", "subset_block"]
 
@@ -71,9 +70,9 @@ def subset_block(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
     q = apply_rotary(q, cos_TK[pos_BQ].unsqueeze(1), sin_TK[pos_BQ].unsqueeze(1))
     k = apply_rotary(k, cos_TK[posk].unsqueeze(1), sin_TK[posk].unsqueeze(1))
     if mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+        o = grouped_sdpa(q, k, v, is_causal=True)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=G != H)
+        o = grouped_sdpa(q, k, v, attn_mask=mask.unsqueeze(1))
     r_BQD: torch.Tensor = hq_BQD + attn.o_proj(o.transpose(1, 2).reshape(B, Q, H * K))
     rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
     if valid_BQ is None:

@@ -89,6 +89,30 @@ def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor
     return (diff_TT >= 0) & (diff_TT < window)
 
 
+def expand_kv_heads(q_BHTK: torch.Tensor) -> bool:
+    """Whether grouped-query attention expands keys and values to every query head before SDPA instead of passing
+    `enable_gqa`. On CUDA in fp32 only: flash attention needs fp16/bf16, and the memory-efficient kernel takes no
+    `enable_gqa`, so SDPA falls back to its math path, which saves the [B, H, T, T] probabilities for the backward
+    pass (measured on an H200, docs/gpu.md: 2.2x the planned peak at 2,048 tokens); expanded, the memory-efficient
+    kernel runs in memory linear in T for the price of H/G-times larger K/V. bf16/fp16 (flash) and the CPU
+    (its flash kernel takes fp32 and groups) keep `enable_gqa`."""
+    return q_BHTK.is_cuda and q_BHTK.dtype == torch.float32
+
+
+def grouped_sdpa(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor, *, is_causal: bool = False,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`scaled_dot_product_attention` of H query heads over G key/value heads (G divides H), keys and values
+    expanded first where `expand_kv_heads` says so."""
+    H, G = q_BHTK.shape[1], k_BGTK.shape[1]
+    gqa = G != H
+    if gqa and expand_kv_heads(q_BHTK):
+        k_BGTK, v_BGTK = (t.repeat_interleave(H // G, dim=1) for t in (k_BGTK, v_BGTK))
+        gqa = False
+    o_BHTK: torch.Tensor = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=attn_mask,
+                                                          is_causal=is_causal, enable_gqa=gqa)
+    return o_BHTK
+
+
 class Attention(nn.Module):
     """Grouped-query causal attention through `scaled_dot_product_attention`, optionally within a sliding window
     and with RMSNorm on queries and keys (`qk_norm`: "head" normalises each head, Qwen3-MoE; "full" the whole
@@ -127,14 +151,13 @@ class Attention(nn.Module):
         v_BGTK = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTK = apply_rotary(q_BHTK, cos_TK, sin_TK)
         k_BGTK = apply_rotary(k_BGTK, cos_TK, sin_TK)
-        gqa = self.n_kv_heads != self.n_heads
         if self.sliding_window is not None and self.sliding_window < T:
             # Within the window the mask is plain causal; only longer sequences need the explicit mask (and lose
             # the is_causal fast path).
             mask_TT = window_mask(T, self.sliding_window, x_BTD.device)
-            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_TT, enable_gqa=gqa)
+            o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_TT)
         else:
-            o_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BGTK, v_BGTK, is_causal=True, enable_gqa=gqa)
+            o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
         out_BTD: torch.Tensor = self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return out_BTD
 

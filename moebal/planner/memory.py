@@ -503,8 +503,8 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
     shards, recomputes = built or (SHARDS, RECOMPUTES)
     if plan.layout.init == "full" and plan.device.runtime_bytes + plan.phases["start-up"] > plan.device.capacity_bytes:
         return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
-                f"model before keeping its share, so no layout fits until rank-local initialisation is built "
-                f"(`moebal plan memory --init local` plans with it)")
+                f"model before keeping its share, so no layout fits with a whole-model start-up: use rank-local "
+                f"initialisation (what `moebal train` does; `moebal plan memory --init local` plans with it)")
     fix = fix_for(cfg, plan, shards, recomputes)
     if fix is not None:
         return f"{head}; fits with {_changes(plan.layout, fix.layout)} ({fix.peak_bytes / gb:.1f} GB)"

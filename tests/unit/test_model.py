@@ -65,3 +65,31 @@ def test_sequence_longer_than_rotary_table_is_a_clear_error():
 def test_tied_embeddings_share_storage():
     model = build_model(_dense_cfg(tie_embeddings=True))
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_grouped_query_attention_with_keys_and_values_expanded_equals_enable_gqa(monkeypatch, window):
+    """The CUDA fp32 path (keys and values repeated to every query head, no `enable_gqa`) computes what the
+    grouped call does: forward and every gradient, on the CPU with the switch forced."""
+    import moebal.models.transformer as tr
+
+    assert not tr.expand_kv_heads(torch.zeros(1, 4, 2, 8))  # the CPU keeps enable_gqa
+    torch.manual_seed(0)
+    attn = tr.Attention(32, 4, 2, 8, sliding_window=window)
+    rope = tr.Rotary(8, 16, 10000.0)
+    x = torch.randn(2, 12, 32)
+    cos, sin = rope(12, torch.float32)
+
+    def run(expand: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(tr, "expand_kv_heads", lambda q: expand)
+        attn.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = attn(xi, cos, sin)
+        out.square().sum().backward()
+        return out.detach(), [xi.grad, *(p.grad for p in attn.parameters())]
+
+    out_g, grads_g = run(False)
+    out_e, grads_e = run(True)
+    torch.testing.assert_close(out_e, out_g, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_e, grads_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
