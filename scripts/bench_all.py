@@ -319,6 +319,14 @@ def fig_memory(data: Any) -> str:
             f"{data['validated_rows']} layouts (per rank {data['median_abs_error_per_rank']:.1%})")
 
 
+def fig_sparse_attention(data: Any) -> str:
+    """The block-sparse kernel's time over dense at density 0.5, and the layer's measured against predicted."""
+    t = data["target"]["sparse/dense at density 0.5 <= 0.6"]
+    layer = next((r for r in data.get("layer", []) if r["density"] == 0.5), None)
+    tail = f"; layer {layer['measured']:.2f}x measured vs {layer['predicted']:.2f}x predicted" if layer else ""
+    return f"{t['measured']:.2f}x dense at density 0.5 (target 0.6x: {'met' if t['met'] else 'missed'}){tail}"
+
+
 def fig_pytest(data: Any) -> str:
     """The pytest summary line of a test row."""
     line = data.get("pytest_summary")
@@ -377,11 +385,14 @@ RUNS: tuple[Run, ...] = (
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
+    Run("sparse_attention", ("python", "scripts/bench_sparse_attention.py", "--layer"),
+        ("python", "scripts/bench_sparse_attention.py", "--layer", "--seq", "512", "--repeats", "3")),
 )
 
 ROWS: tuple[Row, ...] = (
     Row("default run: validation loss within 5 minutes", "train", fig_train),
-    Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume", "gpu_check", fig_gpu_check),
+    Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume, recompute, memory plan", "gpu_check",
+        fig_gpu_check),
     Row("MoE layer fwd+bwd vs dense SwiGLU (bf16, 16,384 tokens, d 4096, 8 experts)", "layer_cuda", fig_layer),
     Row("MoE layer vs dense SwiGLU on CPU (2048 tokens, d 512)", "layer_cpu", fig_layer),
     Row("host syncs of the MoE path", "test_sync_budget", fig_pytest),
@@ -412,6 +423,8 @@ ROWS: tuple[Row, ...] = (
     Row("sharded optimizer state (`parallel.shard: optimizer`)", "test_sharded", fig_pytest),
     Row("activation recomputation and rank-local initialisation", "test_recompute", fig_pytest),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest),
+    Row("block-sparse causal attention vs dense SDPA (2,048 tokens, density 0.5)", "sparse_attention",
+        fig_sparse_attention),
 )
 
 
