@@ -910,7 +910,7 @@ def _step_predict(overrides: list[str], profile: str) -> float:
     cfg = load(None, overrides)
     precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
     spec = SimSpec(layout=Layout(1), micro_batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                   count_exchange=False)
+                   count_exchange=False, recompute=cfg.train.recompute)
     E, rows = cfg.moe.num_experts, cfg.data.batch_size * cfg.data.seq_len * cfg.moe.top_k
     counts = (np.full((cfg.model.n_layers, 1, 1, E), rows / E) if E else None)  # [L, micro-batch, rank, E]
     return float(simulate(ModelShape.from_config(cfg), CostModel(profile, precision), spec, counts).iteration_time_s)

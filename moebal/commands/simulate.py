@@ -137,7 +137,7 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina.pop("moe_schedule", "serial")
     return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
-                   trans_overlap=args.policy == "prophet", grad_bytes=4, **lina)
+                   trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute, **lina)
 
 
 def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarray | None, np.ndarray | None]:

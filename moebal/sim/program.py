@@ -39,6 +39,7 @@ __all__ = ["Layout", "SimSpec", "build_program", "pipeline_order", "uniform_stag
 
 SCHEDULES = ("1f1b", "gpipe")
 MOE_SCHEDULES = ("serial", "fastermoe", "lina")
+RECOMPUTE = ("none", "moe", "attention", "full")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,11 @@ class SimSpec:
     does (capacity = max over ranks of per-expert counts, the all-to-all carries [E, C, D]); "none": exact."""
     count_exchange: bool = True
     """Exchange the R x E count matrix (a small all-to-all) before each forward dispatch, as dropless EP does."""
+    recompute: str = "none"
+    """`train.recompute`: none, moe, attention, full. The backward pass of a layer first re-runs the forward of
+    what is recomputed: attention (`attention`, `full`); the router and the expert GEMMs, or the dense MLP
+    (`moe`, `full`). Under expert parallelism only the rank-local expert GEMMs are rerun, never the
+    all-to-alls (moebal/models/recompute.py), so the recomputation is compute on the backward ops only."""
     meta: dict[str, object] = field(default_factory=dict)
 
     def check(self, shape: ModelShape) -> None:
@@ -119,6 +125,8 @@ class SimSpec:
             raise ConfigError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         if self.moe_schedule not in MOE_SCHEDULES:
             raise ConfigError(f"moe schedule must be one of {', '.join(MOE_SCHEDULES)}; got {self.moe_schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {self.recompute!r}")
         if self.micro_batches < 1 or self.micro_batch_size < 1 or self.seq_len < 1:
             raise ConfigError("micro_batches, micro_batch_size and seq_len must be >= 1")
         if shape.num_experts and shape.num_experts % self.layout.ep:
@@ -300,6 +308,12 @@ class _Builder:
                 t += cost.combine_s(sh, self.tokens)
         else:
             t += cost.dense_mlp_s(sh, self.tokens, backward)
+        if backward:  # the recomputed forward runs at the start of the layer's backward
+            if sp.recompute in ("attention", "full"):
+                t += cost.attention_s(sh, sp.micro_batch_size, sp.seq_len, False)
+            if sp.recompute in ("moe", "full"):
+                t += (cost.router_s(sh, self.tokens, False) if sh.is_moe(layer)
+                      else cost.dense_mlp_s(sh, self.tokens, False))
         return t * self.scale[layer]
 
     # ---- one stage ----
@@ -421,8 +435,10 @@ class _Builder:
             disp.append(self._broadcasts(layer, g, "ep", None))
         comb = []
         extra = [self.trans_ops.get((layer, int(r)), []) for r in ranks]
+        again = self.spec.recompute in ("moe", "full")  # the expert GEMMs' forward rerun before their backward
         for k, (b_RR, fwd_R, bwd_R) in enumerate(rounds):
-            exp = self._compute(ranks, (bwd_R if backward else fwd_R) * scale, f"{tag} experts{k}",
+            exp = self._compute(ranks, ((bwd_R + fwd_R if again else bwd_R) if backward else fwd_R) * scale,
+                                f"{tag} experts{k}",
                                 [[disp[k][i], *extra[i]] for i in range(len(ranks))], "experts")
             coll = self._a2a(layer, g, ranks, k, b_RR if backward else b_RR.T, "N" if backward else "T")
             comb.append(eng.collective(coll, "ep", self.nm(f"{tag} a2a{k}'"), "a2a", deps=[[o] for o in exp],

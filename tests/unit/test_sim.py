@@ -283,3 +283,28 @@ def test_eager_compute_settling_matches_a_fully_event_driven_run() -> None:
         run.eager = eager
         runs.append(run.go())
     assert np.allclose(runs[0].op_end, runs[1].op_end) and np.allclose(runs[0].op_start, runs[1].op_start)
+
+
+def test_recompute_adds_the_rerun_forward_to_the_backward_on_one_rank() -> None:
+    """One rank, a dense model, no communication: the step grows by exactly the recomputed forward ops."""
+    cost = CostModel("h100", "bf16")
+    dense = dataclasses.replace(TINY, num_experts=0)
+    B, T = 2, 512
+    base = SimSpec(layout=Layout(1), micro_batch_size=B, seq_len=T, count_exchange=False, optimizer=False)
+    t = {rc: simulate(dense, cost, dataclasses.replace(base, recompute=rc), None).iteration_time_s
+         for rc in ("none", "moe", "attention", "full")}
+    attn = cost.attention_s(dense, B, T, False) * dense.n_layers
+    mlp = cost.dense_mlp_s(dense, B * T, False) * dense.n_layers
+    assert t["attention"] - t["none"] == pytest.approx(attn, rel=1e-9)
+    assert t["moe"] - t["none"] == pytest.approx(mlp, rel=1e-9)
+    assert t["full"] - t["none"] == pytest.approx(attn + mlp, rel=1e-9)
+    with pytest.raises(ConfigError, match="recompute must be one of"):
+        simulate(dense, cost, dataclasses.replace(base, recompute="all"), None)
+
+
+def test_recompute_under_expert_parallelism_reruns_the_expert_gemms_not_the_all_to_alls() -> None:
+    cost = CostModel("h100", "bf16")
+    none, moe = _run(cost), _run(cost, recompute="moe")
+    assert moe.iteration_time_s > none.iteration_time_s
+    assert moe.bytes_by_link_class == none.bytes_by_link_class  # the same traffic: no all-to-all is rerun
+    assert moe.busy_s.sum() > none.busy_s.sum()
