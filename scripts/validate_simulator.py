@@ -118,7 +118,7 @@ STEP_CASES: list[dict[str, Any]] = [
 ]
 """The step runs: 21 over 8 model shapes. `ep` and `scheduled` run on 2 gloo ranks (ep 2), `pipeline` on 2
 stages."""
-QUICK_STEPS = ("single moe d384 L2 E4 k1 b8x128", "ep moe d256 L2 E4 k2 b4x256 placement=static",
+QUICK_STEPS = ("single moe d384 L2 E4 k1 b8x128", "ep moe d256 L2 E4 k2 b4x256 placement=replicated",
                "scheduled moe d256 L2 E4 k2 b4x256 a2a_chunks=2 chunk_mb=1",
                "pipeline dense d256 L4 b8x128 schedule=1f1b micro_batches=4")
 
@@ -222,20 +222,31 @@ class ShapeLog:
 
         saved = {n: getattr(dist, n) for n in self.COLLECTIVES if hasattr(dist, n)}
 
+        wrapped: dict[Any, Callable[..., Any]] = {}
+
         def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
                 log.add_collective(name, args)
                 return fn(*args, **kwargs)
+            wrapped[call] = fn
             return call
+
+        p2p_op = dist.P2POp
+
+        def make_p2p_op(op: Any, *args: Any, **kwargs: Any) -> Any:
+            # P2POp accepts only the real isend/irecv: hand it the original under the wrapper
+            return p2p_op(wrapped.get(op, op), *args, **kwargs)
 
         for n, fn in saved.items():
             setattr(dist, n, wrap(n, fn))
+        dist.P2POp = make_p2p_op  # type: ignore[misc,assignment]
         try:
             with _Mode():
                 yield
         finally:
             for n, fn in saved.items():
                 setattr(dist, n, fn)
+            dist.P2POp = p2p_op  # type: ignore[misc]
 
     def as_json(self) -> dict[str, list[Any]]:
         return {"gemm": sorted(self.gemm), "attention": sorted(self.attention), "collective": sorted(self.collective)}
