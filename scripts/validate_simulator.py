@@ -505,7 +505,7 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
             "samples": {k: v for k, v in secs.items() if k not in probes},
             "loads": {k: v for k, v in loads.items() if k not in probes}, "shapes": shapes,
             "reported": {k: v[1:] for k, v in reported.items()},  # the first call is the untimed warm-up
-            "counts": {k: _layer_counts(m, _cfg(next(c for c in cases if c["name"] == k))).tolist()
+            "counts": {k: np.asarray(_layer_counts(m, _cfg(next(c for c in cases if c["name"] == k)))).tolist()
                        for k, m in models.items()}}
 
 
@@ -513,7 +513,7 @@ def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: boo
     from moebal.distributed.testing import run_ranks
 
     res = run_ranks(_world_worker, world, rounds, cases, quick, timeout_s=1800.0)
-    out = res[0]
+    out: dict[str, Any] = res[0]
     out["counts"] = {k: np.stack([np.asarray(r["counts"][k]) for r in res], axis=1) for k in out["counts"]}
     out["shapes"] = (_merge([r["shapes"][0] for r in res]), _merge([r["shapes"][1] for r in res]))
     return out
@@ -633,7 +633,7 @@ def _fit(single: dict[str, Any], worlds: dict[int, dict[str, Any]]) -> tuple[Any
     from moebal.planner.hardware_fit import fit_profile
 
     coll = [r for w in worlds.values() for r in w["collective"]]
-    kw = {"source": ["scripts/validate_simulator.py (probes only, shapes disjoint from the workloads)"],
+    kw: dict[str, Any] = {"source": ["scripts/validate_simulator.py (probes only, shapes disjoint from the workloads)"],
           "calibration": {"statistic": "median"}}
     prof1 = fit_profile({**single["compute"], "collective": coll}, name="validation-1proc",
                         description="fitted in the validation run (1 process)", **kw)
@@ -738,12 +738,13 @@ def _plot(records: list[dict[str, Any]], path: str) -> None:
         pts = [(s["measured_s"] * 1e3, r["predicted_s"] * 1e3) for r in records if r["mode"] == mode
                for s in r["samples"]]
         if pts:
-            ax.scatter(*zip(*pts), marker=marker, label=mode, s=12)
+            xs, ys = zip(*pts)
+            ax.scatter(xs, ys, marker=marker, label=mode, s=12)
     lo = min(min(r["measured_s"], r["predicted_s"]) for r in records) * 1e3 * 0.5
     hi = max(max(r["measured_s"], r["predicted_s"]) for r in records) * 1e3 * 2.0
-    xs = np.array([lo, hi])
-    ax.plot(xs, xs, "k-", lw=0.8)
-    ax.fill_between(xs, xs * 0.85, xs * 1.15, color="grey", alpha=0.2, label="+-15%")
+    line = np.array([lo, hi])
+    ax.plot(line, line, "k-", lw=0.8)
+    ax.fill_between(line, line * 0.85, line * 1.15, color="grey", alpha=0.2, label="+-15%")
     ax.set(xscale="log", yscale="log", xlabel="measured ms (every round)", ylabel="predicted ms",
            title="simulator vs measured moebal runs (out of sample)")
     ax.legend()
