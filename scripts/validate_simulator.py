@@ -1,6 +1,7 @@
 """Validate the simulator out of sample: predicted vs measured step time of real moebal runs on this machine.
 
     python scripts/validate_simulator.py [--json FILE] [--png FILE] [--rounds 5] [--quick]
+    python scripts/validate_simulator.py --pool run1.json run2.json     # the figures over several runs
 
 The machine is shared, so the calibration runs inside the validation: calibration probes (GEMMs by shape and
 layout, elementwise kernels, SDPA, moebal's expert kernel, AdamW, per-kernel overhead, gloo collectives) run
@@ -689,6 +690,18 @@ def summarise(records: list[dict[str, Any]], rounds: int, loads: list[float], wa
             "load_average_samples": [round(min(sample_loads), 2), round(max(sample_loads), 2)] if sample_loads else []}
 
 
+def pool(paths: list[str]) -> int:
+    """Print the error statistics over the records of several runs' --json files together."""
+    records = [r for p in paths for r in json.loads(Path(p).read_text(encoding="utf-8"))]
+    steps = [r for r in records if r["mode"] in STEP_MODES]
+    loads = [s["load_average"] for r in records for s in r["samples"]]
+    print(json.dumps({"files": len(paths), "steps": error_stats(steps),
+                      "by_mode": {m: error_stats([r for r in records if r["mode"] == m])
+                                  for m in STEP_MODES + ("collective",)},
+                      "load_average_samples": [min(loads), max(loads)] if loads else []}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, metavar="FILE", help="write the records (a JSON list) to FILE and the "
@@ -697,9 +710,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 5; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="one run per mode, fewer probes, 2 rounds (a smoke test)")
     ap.add_argument("--only", default=None, help="run only runs whose name contains this text")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="JSON", help="measure nothing: print the summary "
+                    "over every record of these --json files together (several runs of the script pooled)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)
+    if args.pool:
+        return pool(args.pool)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     if rounds < 1:
         ap.error("--rounds must be at least 1")

@@ -122,3 +122,26 @@ def test_spearman_with_ties():
     # ranks [0, 1.5, 1.5, 3] and [0, 2, 1, 3]: Pearson 4.5 / sqrt(4.5 * 5)
     assert vs.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / np.sqrt(22.5))
     assert vs.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_pool_summarises_every_record_of_several_runs(tmp_path, capsys):
+    vs = _module()
+
+    def rec(mode, pred, meas):
+        return {"name": f"{mode} {pred}", "mode": mode, "predicted_s": pred, "measured_s": float(np.median(meas)),
+                "error": (pred - float(np.median(meas))) / float(np.median(meas)),
+                "samples": [{"round": i, "measured_s": m, "error": (pred - m) / m, "load_average": 1.0 + i}
+                            for i, m in enumerate(meas)]}
+
+    a = [rec("single", 1.0, [1.0, 1.25]), rec("ep", 2.0, [2.5, 2.0]), rec("collective", 0.01, [0.02, 0.01])]
+    b = [rec("pipeline", 3.0, [3.0, 6.0])]
+    paths = []
+    for i, recs in enumerate((a, b)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(recs), encoding="utf-8")
+    assert vs.main(["--pool", *map(str, paths)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    steps = out["steps"]
+    assert steps["runs"] == 3 and steps["samples"] == 6  # the collective is reported apart
+    assert steps["median_abs_error"] == pytest.approx(np.median([0, 0.2, 0.2, 0, 0, 0.5]))
+    assert out["by_mode"]["collective"]["runs"] == 1 and out["load_average_samples"] == [1.0, 2.0]
