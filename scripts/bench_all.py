@@ -326,6 +326,14 @@ def fig_memory(data: Any) -> str:
             f"{data['validated_rows']} layouts (per rank {data['median_abs_error_per_rank']:.1%})")
 
 
+def fig_dynapipe(data: Any) -> str:
+    """The DynaPipe reproduction's held-out error and verdict."""
+    a = data["assessment"]
+    h, base = a["held_out"], a["baselines"]["no_speedup_1x"]
+    return (f"held-out mean error {h['mean_abs_rel_error']:.1%} ({h['within_25pct']} of {h['rows']} within 25 %; "
+            f"1.0x baseline {base['mean_abs_rel_error']:.1%}); reproduced: {a['reproduced']}")
+
+
 def fig_sparse_attention(data: Any) -> str:
     """The block-sparse kernel's time over dense at density 0.5, and the layer's measured against predicted."""
     t = data["target"]["sparse/dense at density 0.5 <= 0.6"]
@@ -393,6 +401,8 @@ RUNS: tuple[Run, ...] = (
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
+    Run("reproduce_dynapipe", ("python", "scripts/reproduce_dynapipe.py"),
+        ("python", "scripts/reproduce_dynapipe.py", "--quick")),
     Run("sparse_attention", ("python", "scripts/bench_sparse_attention.py", "--layer"),
         ("python", "scripts/bench_sparse_attention.py", "--layer", "--seq", "512", "--repeats", "3")),
 )
@@ -415,6 +425,7 @@ ROWS: tuple[Row, ...] = (
     Row("zero bubble (`pipeline.schedule: zb`) vs 1F1B", "pipeline_zb", fig_zb),
     Row("DynaPipe micro-batching, 4 stages, lengths up to 2048", "microbatching", fig_microbatching),
     Row("DynaPipe GPT 3.35B on 4 A100s, simulated, 8,192 tokens", "microbatching", fig_microbatching_sim),
+    Row("DynaPipe GPT speed-ups predicted from Fig. 4's packing bound", "reproduce_dynapipe", fig_dynapipe),
     Row("micro-batch plan time", "plan_microbatches", fig_plan_microbatches),
     Row("1,024-rank Mixtral-8x7B iteration, simulated on H100s (`configs/hardware/h100.yaml`)", "simulate",
         fig_simulate),
