@@ -114,6 +114,9 @@ class PlanAhead:
     def __init__(self, num_layers: int, num_experts: int, path_len: int, plan: PlanFn, device: torch.device,
                  profile: PathProfile | None = None, *, refresh: int = 10, window: int = 40,
                  min_tokens: int = 1) -> None:
+        if num_experts ** path_len >= 2 ** 62:
+            raise ValueError(f"planner.path_len {path_len} with {num_experts} experts: paths do not fit an int64 code "
+                             f"(E^l < 2^62); use a shorter planner.path_len")
         if profile is not None and (profile.num_layers != num_layers or profile.num_experts != num_experts):
             raise ValueError(f"planner.path_profile describes {profile.num_layers} MoE layers of "
                              f"{profile.num_experts} experts; the model has {num_layers} of {num_experts}: build it "

@@ -19,6 +19,7 @@ from moebal.models import build_model
 from moebal.planner.perf import MoELayerCosts
 from moebal.planner.placement import ExpertPlanner, plan_experts
 from moebal.planner.plan import ExpertPlacement
+from moebal.sync import audit
 
 POLICIES = ("static", "prophet", "ahead")
 
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, experts: int, steps: int) -> dict:
                       dims.device, None, refresh=2, window=4)
     ep.set_plan_ahead(ahead)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    out: dict = {"loss_equal": True, "dense_equal": True, "expert_rel": 0.0, "ahead_steps": 0,
+    out: dict = {"ahead_syncs": [], "loss_equal": True, "dense_equal": True, "expert_rel": 0.0, "ahead_steps": 0,
                  "ahead_replicas": 0, "ahead_differs": 0, "prophet_replicas": 0}
     for step in range(steps):
         ids = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(step))
@@ -73,7 +74,10 @@ def _worker(rank: int, world: int, experts: int, steps: int) -> dict:
             plc = ([ExpertPlacement.static(experts, world) for _ in range(L)] if policy == "static"
                    else [p.current for p in planners])
             ep.apply(plc, plan_ahead=policy == "ahead")
-            o = model(x, y)
+            with audit() as syncs:
+                o = model(x, y)
+            if policy == "ahead":  # the estimate rides the count exchange: still one host sync per MoE layer
+                out["ahead_syncs"].append((dict(syncs.counted), syncs.unaccounted))
             (o.loss + o.aux_loss).backward()
             ep.aggregate()
             ep.sync_gradients()
@@ -118,6 +122,7 @@ def test_static_prophet_and_plan_ahead_give_the_same_losses(world, experts):
         assert r["ahead_steps"] == 4, r  # online profile: built after steps 1 and 3; steps 2-5 plan ahead
         assert r["ahead_replicas"] > 0 and r["prophet_replicas"] > 0, r
         assert r["ahead_differs"] > 0, r  # plan-ahead planned placements of its own, not Pro-Prophet's
+        assert all(counted == {"all-to-all counts": 3} and not raw for counted, raw in r["ahead_syncs"]), r
 
 
 TRAIN_STEPS = 6
