@@ -128,8 +128,9 @@ def test_static_prophet_and_plan_ahead_give_the_same_losses(world, experts):
 TRAIN_STEPS = 6
 
 
-def _train_cfg(policy: str, ahead: bool):
+def _train_cfg(policy: str, ahead: bool, overlap: bool = False):
     return from_dict({
+        "scheduler": {"block_overlap": overlap},
         "model": {"dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
         "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
@@ -148,7 +149,7 @@ def _train_worker(rank: int, world: int, root: str) -> dict[str, list[dict]]:
 
     out = {}
     for name, cfg in (("static", _train_cfg("static", False)), ("prophet", _train_cfg("prophet", False)),
-                      ("ahead", _train_cfg("prophet", True))):
+                      ("ahead", _train_cfg("prophet", True)), ("overlap", _train_cfg("prophet", True, True))):
         run = Path(root) / name
         ctx, model, hooks = setup_parallel(cfg, run_dir=run)
         Trainer(cfg, run, model=model, hooks=hooks, ctx=ctx).train()
@@ -159,12 +160,13 @@ def _train_worker(rank: int, world: int, root: str) -> dict[str, list[dict]]:
 
 def test_the_trainer_plans_ahead_with_the_losses_of_static_placement(tmp_path):
     out = run_ranks(_train_worker, 2, str(tmp_path), timeout_s=300)[0]
-    static, prophet, ahead = out["static"], out["prophet"], out["ahead"]
-    assert [r["loss"] for r in ahead] == [r["loss"] for r in static] == [r["loss"] for r in prophet]
-    # online profile (l = 1, rebuilt every 2 steps): steps 1-2 fall back to the previous iteration, then layers
-    # 1 and 2 are planned during the layer before them, with the accuracy the plans ran with
-    assert [r["plan_ahead_layers"] for r in ahead] == [[], [], [1, 2], [1, 2], [1, 2], [1, 2]]
-    for r in ahead[2:]:
-        assert 0 <= r["plan_ahead_path_overlap"] <= 1 and r["plan_ahead_path_rel_mae"] >= 0
-        assert "plan_ahead_prev_overlap" in r
-    assert sum(sum(r["replicas"]) for r in ahead) > 0
+    static, prophet = out["static"], out["prophet"]
+    for ahead in (out["ahead"], out["overlap"]):  # the latter with Pro-Prophet's block-wise Trans/Agg overlap
+        assert [r["loss"] for r in ahead] == [r["loss"] for r in static] == [r["loss"] for r in prophet]
+        # online profile (l = 1, rebuilt every 2 steps): steps 1-2 fall back to the previous iteration, then
+        # layers 1 and 2 are planned during the layer before them, with the accuracy the plans ran with
+        assert [r["plan_ahead_layers"] for r in ahead] == [[], [], [1, 2], [1, 2], [1, 2], [1, 2]]
+        for r in ahead[2:]:
+            assert 0 <= r["plan_ahead_path_overlap"] <= 1 and r["plan_ahead_path_rel_mae"] >= 0
+            assert "plan_ahead_prev_overlap" in r
+        assert sum(sum(r["replicas"]) for r in ahead) > 0
