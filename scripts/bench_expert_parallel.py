@@ -28,7 +28,7 @@ at start-up (moebal.distributed.calibrate). `--load N` keeps N busy processes (o
 running for the whole run, calibration included: a machine shared with other jobs.
 
     python scripts/bench_expert_parallel.py [--quick] [--load N] [--rounds R --steps S --warmup W] [--json FILE]
-                                           [--png FILE] [--recorded RUN_DIR]
+                                           [--png FILE] [--recorded RUN_DIR] [--methods M ...] [--path-len L]
 """
 
 from __future__ import annotations
@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="timed steps per method and round (default 4 with --quick, else 6)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method and round (>= 1: a fresh "
                     "planner's first step has no history and runs static placement)")
+    ap.add_argument("--methods", nargs="+", choices=(*POLICIES, FEEDBACK, AHEAD),
+                    help="moebal methods to run (default: all; static is needed for the ratios)")
     ap.add_argument("--path-len", type=int, default=1, help="plan-ahead's path length l (layers >= l are planned "
                     "ahead; the benchmark model has 2 MoE layers, so 1 is the only length that plans one)")
     ap.add_argument("--path-settle", type=int, default=10, help="untimed plan-ahead steps per routing before the "
@@ -607,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
             "recorded_shares": recorded_shares(args.recorded) if args.recorded else None,
             "tutel": tp.tutel_importable(), "path_len": args.path_len, "path_settle": args.path_settle,
             "path_refresh": 5, "path_window": 20}
+    if args.methods:
+        spec["policies"] = list(args.methods)
     if not spec["tutel"]:
         print(f"tutel skipped: {tp.NOT_IMPORTABLE}", file=sys.stderr)
     if args.recorded and spec["recorded_shares"] is None:
