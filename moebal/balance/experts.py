@@ -371,7 +371,8 @@ class ExpertParallelHook(Hook):
         profile takes the step's routing."""
         a, b = self.ahead, self.balancer
         assert a is not None
-        b.used.update(a.placed)
+        for j in a.armed:  # an ahead layer runs static until its plan arrives (always, on a complete forward)
+            b.used[j] = a.placed.get(j, ExpertPlacement.static(b.E, b.R, b.planners[j].owner))
         counts = dict(zip(self.ids, self._counts_RE))
         previous = {j: b.planners[j].forecast_RE for j in a.estimates}
         k = self.ep.layers[0].top_k if self.ep.layers else 1

@@ -134,6 +134,7 @@ class PlanAhead:
         self.steps = 0
         self._issue: IssueFn | None = None
         self.pending: set[int] = set()  # ahead layers not planned yet this step
+        self.armed: list[int] = []
         self.placed: dict[int, ExpertPlacement] = {}  # this step's ahead placements
         self.estimates: dict[int, np.ndarray] = {}  # this step's est_RE per ahead layer
         self._top1: list[torch.Tensor] = []  # this forward's first choices per layer
@@ -152,6 +153,7 @@ class PlanAhead:
         step without plan-ahead (the feedback's static arm), nothing pending."""
         self._issue = issue
         self.pending = set(self.ahead_layers()) if issue is not None else set()
+        self.armed = sorted(self.pending)  # the step's ahead layers (static unless planned)
         self.placed, self.estimates, self._top1, self._ids = {}, {}, [], []
         return sorted(self.pending)
 
