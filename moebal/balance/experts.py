@@ -222,6 +222,8 @@ class ExpertParallelHook(Hook):
       after backward  Agg (replica gradients back to their owners), then the chunked gradient sync
       reduce stats    observe: one all-gather of every layer's packed statistics over "dp_ep"; the step time
       after step      plan: placements and token chunks of the next step; records and plans.jsonl
+    With `planner.plan_ahead: path` a `PlanAhead` (moebal/distributed/plan_ahead.py) plans the ahead layers inside
+    the forward instead; after the step their placements and forecast accuracy go into the records.
     Every collective goes through the rank's `CommScheduler`, whose event log becomes comm/rank<r>.jsonl, a
     Chrome trace of one step (comm_trace.json) and the step's exposed communication time in metrics.jsonl."""
 

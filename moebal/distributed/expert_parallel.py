@@ -8,6 +8,8 @@ One layer's forward on rank r (`ExpertParallelDispatcher.forward`):
      (compute rank, expert): the compute rank of (r, e) is r itself when r owns e or holds a replica of e
      (Pro-Prophet: a replica computes its own rank's tokens), else e's owner;
   2. exchange the [R, E] count matrix with one small all-to-all              <- host sync: split sizes
+     (with plan-ahead, E more columns: this rank's estimate of layer i+1, moebal/distributed/plan_ahead.py,
+     after which layer i+1's placement is planned and its Trans issued);
   3. all-to-all the token rows (uneven splits, inside autograd);
   4. regroup the received rows from (source, expert) order to (expert, source) order and run the grouped
      SwiGLU over the L local experts (owned parameters and Trans'd replica buffers);
