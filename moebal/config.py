@@ -368,6 +368,18 @@ class PlannerConfig:
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     """Closed loop: measure the step time under the plan and under static placement (the maximum over the
     expert-parallel group) and run static placement while the plan does not pay (docs/expert-parallel.md)."""
+    plan_ahead: Literal["off", "path"] = "off"
+    """'path': plan MoE layer i+1's placement during layer i from the tokens' sample paths (Lina's estimate) and
+    issue its Trans before its gate runs; layers before planner.path_len, and every layer until a profile exists,
+    keep the previous-iteration plan (docs/expert-parallel.md, "Placement ahead of the gate")."""
+    path_profile: str | None = None
+    """Path profile for plan_ahead (`moebal paths RUN_DIR -o FILE`); null: built online from the run's routing."""
+    path_len: int = 3
+    """Sample path length l of plan_ahead: layer j >= l is planned from the experts of layers j-l .. j-1."""
+    path_refresh: int = 10
+    """Online profile (no path_profile): rebuilt every N steps from the last path_window steps' routing."""
+    path_window: int = 40
+    """Online profile: steps of routing it is built from (each rank its own tokens)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -996,6 +1008,7 @@ def _check_whole(c: Config) -> None:
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
     _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
+    _check_plan_ahead(c)
 
     _check_pipeline(c.pipeline)
     _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
@@ -1102,6 +1115,26 @@ def _check_groups(moe: MoEConfig) -> None:
     _need(moe.adaptive_threshold is None or moe.norm_topk or moe.gate != "sigmoid_topk",
           "'moe.adaptive_threshold' compares normalised top-k scores: with moe.gate sigmoid_topk set "
           "moe.norm_topk=true")
+
+
+def _check_plan_ahead(c: Config) -> None:
+    pl = c.planner
+    _need(pl.plan_ahead in ("off", "path"), f"'planner.plan_ahead' must be off or path; got {pl.plan_ahead!r}")
+    _need(pl.path_len >= 1 and pl.path_refresh >= 1 and pl.path_window >= pl.path_refresh,
+          f"'planner.path_len' ({pl.path_len}) and 'planner.path_refresh' ({pl.path_refresh}) must be at least 1 and "
+          f"'planner.path_window' ({pl.path_window}) at least path_refresh")
+    if pl.plan_ahead == "off":
+        return
+    _need(pl.policy != "static", "'planner.plan_ahead: path' plans replicas; with planner.policy static there is "
+          "nothing to plan: set planner.policy to prophet (or plan_ahead off)")
+    _need(c.parallel.pp == 1, "'planner.plan_ahead: path' runs in the expert-parallel trainer (parallel.pp 1); a "
+          "pipeline stage sees only its own layers: set plan_ahead off")
+    _need(c.dynamism.scheme not in ("mod", "early_exit"),
+          f"'planner.plan_ahead: path' follows every token through every MoE layer; dynamism.scheme "
+          f"{c.dynamism.scheme} runs layers on token subsets: set plan_ahead off")
+    _need(pl.path_profile is None or Path(pl.path_profile).is_file(),
+          f"'planner.path_profile' {pl.path_profile!r} is not a file: build one with `moebal paths RUN_DIR -o FILE`, "
+          f"or set it to null to build the profile online")
 
 
 def _check_pipeline(p: PipelineConfig) -> None:

@@ -11,7 +11,12 @@ interleaved in rounds, runs a few steps of every (routing, policy) pair:
             schedule, no FastMoE kernels), prophet (Pro-Prophet greedy, open loop: every plan applied),
             prophet+feedback (the `ExpertBalancer` as training runs it with `planner.feedback.enabled`: Pro-Prophet
             placement or static placement, as the measured step times say; one balancer per routing for the
-            whole run, first settled in by 1 + 2 x window untimed steps, the loop's first trial); and, when
+            whole run, first settled in by 1 + 2 x window untimed steps, the loop's first trial), plan-ahead
+            (`planner.plan_ahead: path`: the MoE layers from l = --path-len on planned during the layer before
+            them from the tokens' sample paths, Trans issued before their gate; the others as prophet; the path
+            profile built online from the run's own routing, one per routing for the whole run, first settled in
+            by --path-settle untimed steps; its records carry the prediction accuracy the plans ran with, against
+            the previous-iteration forecast on the same steps); and, when
             `tutel` is importable, tutel: the same model with every MoE block replaced by Tutel's dropless
             `moe_layer` (SwiGLU expert, the block's router and experts loaded, Tutel's own all-to-all)
 
@@ -23,7 +28,7 @@ at start-up (moebal.distributed.calibrate). `--load N` keeps N busy processes (o
 running for the whole run, calibration included: a machine shared with other jobs.
 
     python scripts/bench_expert_parallel.py [--quick] [--load N] [--rounds R --steps S --warmup W] [--json FILE]
-                                           [--png FILE] [--recorded RUN_DIR]
+                                           [--png FILE] [--recorded RUN_DIR] [--methods M ...] [--path-len L]
 """
 
 from __future__ import annotations
@@ -52,10 +57,11 @@ from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.calibrate import describe, measure_layer_costs
 from moebal.distributed.expert_parallel import ExpertParallel
 from moebal.distributed.groups import ParallelDims
+from moebal.distributed.plan_ahead import PlanAhead
 from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.perf import MoELayerCosts
-from moebal.planner.placement import ExpertPlanner, placement_metrics
+from moebal.planner.placement import ExpertPlanner, placement_metrics, plan_experts
 from moebal.planner.plan import ExpertPlacement
 
 CPU_ONLY = "it times gloo ranks on this machine's cores"
@@ -63,10 +69,11 @@ CPU_ONLY = "it times gloo ranks on this machine's cores"
 
 POLICIES = ("static", "fastermoe", "prophet")
 FEEDBACK = "prophet+feedback"
+AHEAD = "plan-ahead"
 TUTEL = "tutel"
-METHODS = (*POLICIES, FEEDBACK, TUTEL)
+METHODS = (*POLICIES, FEEDBACK, AHEAD, TUTEL)
 LABELS = {"static": "static", "fastermoe": "fastermoe-policy", "prophet": "prophet", FEEDBACK: FEEDBACK,
-          TUTEL: "tutel"}
+          AHEAD: AHEAD, TUTEL: "tutel"}
 """How the table and the chart name each method ("fastermoe" is the policy's name in moebal's planner)."""
 NOTES = {
     "static": "placement policy on moebal's executor: every expert on its owner",
@@ -75,6 +82,9 @@ NOTES = {
     "prophet": "Pro-Prophet's greedy placement policy on moebal's executor, open loop (every plan applied)",
     FEEDBACK: "the ExpertBalancer with its loop closed (planner.feedback defaults, enabled): Pro-Prophet's placement "
               "or static placement as the measured step times say; one balancer per routing for the whole run",
+    AHEAD: "planner.plan_ahead: path on moebal's executor: MoE layers from --path-len on planned (Pro-Prophet's "
+           "greedy) during the layer before them from the sample-path estimate, Trans issued before their gate; "
+           "the earlier layers as prophet; online path profile",
     TUTEL: "Tutel's dropless moe_layer (llama_ffn SwiGLU expert, explicit silu) with its own all-to-all, the "
            "moebal block's router and experts loaded; the routing bias is added to its logits (same expert "
            "choice as moebal's choice-only bias; its combine weights see the bias too)",
@@ -146,11 +156,15 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         dist.all_reduce(built, op=dist.ReduceOp.MIN)
         if not built.item() and tutel is not None:
             tutel, tutel_failed = None, "construction: failed on another rank (its traceback is not gathered)"
-    methods = [*spec.get("policies", (*POLICIES, FEEDBACK)), *([TUTEL] if tutel is not None else [])]
+    methods = [*spec.get("policies", (*POLICIES, FEEDBACK, AHEAD)), *([TUTEL] if tutel is not None else [])]
     loops = {routing: _Loop(cfg, ep, costs) for routing in routings} if FEEDBACK in methods else {}
     for routing, loop in loops.items():  # the loop's first trial: base window, then plan window, judged
         _set_bias(model, routings[routing])
         _run_loop(model, ep, opt, loop, spec["settle"], cfg, gen, costs, 0)
+    aheads = {routing: _ahead(cfg, ep, costs, spec) for routing in routings} if AHEAD in methods else {}
+    for routing, ahead in aheads.items():  # the online profile's first builds
+        _set_bias(model, routings[routing])
+        _run_ahead(model, ep, opt, ahead, costs, {**spec, "warmup": spec["path_settle"], "steps": 0}, cfg, gen)
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(spec["rounds"]):
         for routing in _rotated(list(routings), r):
@@ -159,6 +173,9 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
                 if method == TUTEL:
                     _set_bias(tutel.model, routings[routing])
                     got = _run_tutel(tutel, spec, cfg, gen, world)
+                elif method == AHEAD:
+                    _set_bias(model, routings[routing])
+                    got = _run_ahead(model, ep, opt, aheads[routing], costs, spec, cfg, gen)
                 elif method == FEEDBACK:
                     _set_bias(model, routings[routing])
                     got = _run_loop(model, ep, opt, loops[routing], spec["warmup"] + spec["steps"], cfg, gen, costs,
@@ -183,12 +200,17 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
 
 def _round_ratios(records: list[dict[str, Any]]) -> None:
     """Each record's median over the rounds of its round median / static's round median (same routing and
-    round): steps compared with those of the same round, close in time, which a changing load needs."""
-    static = {r["routing"]: r["round_medians_s"] for r in records if r["policy"] == "static"}
-    for r in records:
-        base = static.get(r["routing"])
-        if base and r["policy"] != "static" and len(r.get("round_medians_s", [])) == len(base):
-            r["median_round_ratio_to_static"] = statistics.median(a / b for a, b in zip(r["round_medians_s"], base))
+    round): steps compared with those of the same round, close in time, which a changing load needs; plan-ahead's
+    also against prophet's."""
+    for ref in ("static", "prophet"):
+        base_of = {r["routing"]: r["round_medians_s"] for r in records if r["policy"] == ref}
+        for r in records:
+            base = base_of.get(r["routing"])
+            if ref == "prophet" and r["policy"] != AHEAD:
+                continue
+            if base and r["policy"] != ref and len(r.get("round_medians_s", [])) == len(base):
+                r[f"median_round_ratio_to_{ref}"] = statistics.median(
+                    a / b for a, b in zip(r["round_medians_s"], base))
 
 
 def _rotated(items: list[str], r: int) -> list[str]:
@@ -220,6 +242,51 @@ def _run_policy(model: torch.nn.Module, ep: ExpertParallel, opt: torch.optim.Opt
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= spec["warmup"]:
             out.append(_sample(dt.item() + plan_s, plan_s, counts, used, costs))
+    return out
+
+
+def _ahead(cfg: Config, ep: ExpertParallel, costs: MoELayerCosts, spec: dict[str, Any]) -> PlanAhead:
+    """One routing's plan-ahead planner (online profile), kept for the whole run."""
+    E, world = cfg.moe.num_experts, ep.dims.size("ep")
+    owner = ExpertPlacement.static(E, world).owner
+    return PlanAhead(len(ep.layers), E, spec["path_len"],
+                     lambda j, est_RE: plan_experts(est_RE, "prophet", costs, owner), ep.dims.device, None,
+                     refresh=spec["path_refresh"], window=spec["path_window"])
+
+
+def _run_ahead(model: torch.nn.Module, ep: ExpertParallel, opt: torch.optim.Optimizer, ahead: PlanAhead,
+               costs: MoELayerCosts, spec: dict[str, Any], cfg: Config, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Warm-up and timed steps of plan-ahead: the ahead layers planned inside the step (their planning and the
+    online profile's bookkeeping timed with it), the other layers by fresh Pro-Prophet planners as in
+    `_run_policy`; each sample carries the accuracy of the path estimate and of the previous-iteration forecast
+    on the ahead layers."""
+    L, E, world = cfg.model.n_layers, cfg.moe.num_experts, ep.dims.size("ep")
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    planners = [ExpertPlanner(E, world, "prophet", costs, hysteresis=cfg.planner.hysteresis) for _ in range(L)]
+    placements = [p.current for p in planners]
+    top_n = min(2 * cfg.moe.top_k, E)
+    out = []
+    ep.set_plan_ahead(ahead)
+    try:
+        for i in range(spec["warmup"] + spec["steps"]):
+            ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+            dist.barrier()
+            t0 = time.perf_counter()
+            counts = _step(model, ep, opt, ids, placements)
+            used = [ahead.placed.get(j, p) for j, p in enumerate(placements)]
+            acc = ahead.accuracy(dict(enumerate(counts)), {j: planners[j].forecast_RE for j in ahead.estimates},
+                                 top_n)
+            ahead.end_step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            t1 = time.perf_counter()
+            placements = [p.step(c) for p, c in zip(planners, counts)]
+            plan_s = time.perf_counter() - t1
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i >= spec["warmup"]:
+                out.append(dict(_sample(dt.item() + plan_s, plan_s, counts, used, costs), accuracy=acc,
+                                ahead_layers=sorted(ahead.placed)))
+    finally:
+        ep.set_plan_ahead(None)
     return out
 
 
@@ -391,6 +458,11 @@ def _record(routing: str, policy: str, world: int, s: list[dict], costs, cfg: Co
 
     rounds = sorted({x["round"] for x in s})
     extra = {"plan_arm_share": float(np.mean([x["arm"] == "plan" for x in s]))} if "arm" in s[0] else {}
+    if "accuracy" in s[0]:
+        keys = sorted({k for x in s for k in x["accuracy"]})
+        extra["prediction"] = {k: float(np.mean([x["accuracy"][k] for x in s if k in x["accuracy"]])) for k in keys}
+        extra["prediction_steps"] = sum(bool(x["accuracy"]) for x in s)
+        extra["ahead_layers"] = sorted({j for x in s for j in x["ahead_layers"]})
     return {
         "policy": policy, "executor": "moebal", "label": LABELS[policy], "note": NOTES[policy],
         "routing": routing, "world_size": world,
@@ -453,6 +525,16 @@ def summarise(records: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"{'':18s}prophet/limit {p / limit['step_time_median_s']:.3f}" + "".join(
                     f"  prophet/{LABELS[m]} {p / r['step_time_median_s']:.3f}" for m, r in row.items()
                     if m != "prophet"))
+            if AHEAD in row:
+                a = row[AHEAD]
+                pr = a.get("prediction", {})
+                ratios = "  ".join(f"{k.replace('median_round_ratio_', '')} {a[k]:.3f}" for k in
+                                   ("median_round_ratio_to_static", "median_round_ratio_to_prophet") if k in a)
+                lines.append(f"{'':18s}{AHEAD} (layers {a.get('ahead_layers')}): median of the round ratios {ratios}; "
+                             f"top-2k overlap path {pr.get('path_overlap', math.nan):.3f} vs previous "
+                             f"{pr.get('prev_overlap', math.nan):.3f}, MAE/mean path "
+                             f"{pr.get('path_rel_mae', math.nan):.3f} vs previous "
+                             f"{pr.get('prev_rel_mae', math.nan):.3f} ({a.get('prediction_steps', 0)} steps)")
             if FEEDBACK in row:
                 share = row[FEEDBACK].get("plan_arm_share", 0.0)
                 verdicts = [d["verdict"] for d in row[FEEDBACK].get("feedback_decisions", [])]
@@ -504,6 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="timed steps per method and round (default 4 with --quick, else 6)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method and round (>= 1: a fresh "
                     "planner's first step has no history and runs static placement)")
+    ap.add_argument("--methods", nargs="+", choices=(*POLICIES, FEEDBACK, AHEAD),
+                    help="moebal methods to run (default: all; static is needed for the ratios)")
+    ap.add_argument("--path-len", type=int, default=1, help="plan-ahead's path length l (layers >= l are planned "
+                    "ahead; the benchmark model has 2 MoE layers, so 1 is the only length that plans one)")
+    ap.add_argument("--path-settle", type=int, default=10, help="untimed plan-ahead steps per routing before the "
+                    "rounds, so the online profile exists (rebuilt every 5 steps from the last 20)")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="keep N busy processes running for the whole run (a machine shared with other jobs)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
@@ -519,7 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"config": to_dict(cfg), "skew": args.skew, "rounds": args.rounds or (2 if args.quick else 3),
             "steps": args.steps or (4 if args.quick else 6), "warmup": args.warmup, "settle": 1 + 2 * window,
             "recorded_shares": recorded_shares(args.recorded) if args.recorded else None,
-            "tutel": tp.tutel_importable()}
+            "tutel": tp.tutel_importable(), "path_len": args.path_len, "path_settle": args.path_settle,
+            "path_refresh": 5, "path_window": 20}
+    if args.methods:
+        spec["policies"] = list(args.methods)
     if not spec["tutel"]:
         print(f"tutel skipped: {tp.NOT_IMPORTABLE}", file=sys.stderr)
     if args.recorded and spec["recorded_shares"] is None:
@@ -543,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_note": f"{args.load} busy Python processes ran for the whole run, calibration included",
             "rounds": spec["rounds"], "steps_per_round": spec["steps"], "warmup": spec["warmup"],
             "feedback_settle_steps": spec["settle"],
+            "plan_ahead": {k: spec[k] for k in ("path_len", "path_settle", "path_refresh", "path_window")},
             "tutel": tp.tutel_provenance() if spec["tutel"] else f"skipped: {tp.NOT_IMPORTABLE}"}
     for r in records:
         r["meta"] = meta

@@ -56,7 +56,7 @@ from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import as_decoder
 from moebal.planner.comm_plan import CommCosts, a2a_chunks
 from moebal.planner.perf import MoELayerCosts, placement_loads
-from moebal.planner.placement import ExpertPlanner, placement_metrics
+from moebal.planner.placement import ExpertPlanner, placement_metrics, plan_experts
 from moebal.planner.plan import ExpertPlacement
 from moebal.routing import RoutingStats
 from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
@@ -65,6 +65,7 @@ from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog
 
 if TYPE_CHECKING:
+    from moebal.distributed.plan_ahead import PlanAhead
     from moebal.pipeline.stage import PipelineStage
     from moebal.train.distributed import RunContext
     from moebal.train.trainer import Trainer
@@ -113,6 +114,13 @@ class ExpertBalancer:
         extra: dict[str, Any] = {"overlap": True} if self.overlap else {}
         return ExpertPlanner(self.E, self.R, self.policy, self.costs, every=self.every, ema=self.ema,
                              hysteresis=self.hysteresis, **extra)
+
+    def plan_ahead(self, i: int, est_RE: np.ndarray) -> ExpertPlacement:
+        """Layer i's placement from an estimated R x E count matrix (planner.plan_ahead: the tokens' sample
+        paths), with the layer's policy, options and this balancer's coefficients: every rank that gives the same
+        matrix gets the same placement."""
+        pl = self.planners[i]
+        return plan_experts(est_RE, self.policy, self.costs, pl.owner, **pl.options)
 
     def add_layer(self, i: int) -> ExpertPlanner:
         self.planners[i] = self.new_planner()
@@ -214,6 +222,8 @@ class ExpertParallelHook(Hook):
       after backward  Agg (replica gradients back to their owners), then the chunked gradient sync
       reduce stats    observe: one all-gather of every layer's packed statistics over "dp_ep"; the step time
       after step      plan: placements and token chunks of the next step; records and plans.jsonl
+    With `planner.plan_ahead: path` a `PlanAhead` (moebal/distributed/plan_ahead.py) plans the ahead layers inside
+    the forward instead; after the step their placements and forecast accuracy go into the records.
     Every collective goes through the rank's `CommScheduler`, whose event log becomes comm/rank<r>.jsonl, a
     Chrome trace of one step (comm_trace.json) and the step's exposed communication time in metrics.jsonl."""
 
@@ -241,6 +251,8 @@ class ExpertParallelHook(Hook):
         self._log: Any = None
         self._events: Any = None
         self._t_opt = 0.0
+        self.ahead = _plan_ahead(cfg, ep, self.balancer)
+        ep.set_plan_ahead(self.ahead)
 
     @property
     def name(self) -> str:
@@ -291,7 +303,8 @@ class ExpertParallelHook(Hook):
         self.sched.start_compute()  # the emulated device's clock (scheduler.dilate) starts with the step
         for d, c in zip(self.ep.dispatchers, self.chunks or []):
             d.a2a_chunks = c
-        self.ep.apply(self.balancer.begin_step(self.ids))
+        placements = self.balancer.begin_step(self.ids)
+        self.ep.apply(placements, plan_ahead=self.balancer.used_arm == "plan")
 
     def after_backward(self, trainer: Trainer, step: int) -> None:
         self.ep.aggregate()  # Agg, before the optimizer step
@@ -325,6 +338,8 @@ class ExpertParallelHook(Hook):
         self.ep.release()  # replicas hold pre-update weights; validation and the next Trans must not see them
         self.sched.log.span("compute", "optimizer", self._t_opt)
         b = self.balancer
+        if self.ahead is not None:
+            self._plan_ahead_step(record)
         used = [b.used[i] for i in self.ids]
         arm = b.used_arm
         b.observe(dict(zip(self.ids, self._counts_RE)), step, self._step_s)
@@ -351,6 +366,22 @@ class ExpertParallelHook(Hook):
                 line.update(arm=arm, next_arm=b.arm, step_s=self._step_s, feedback=decisions)
             self._log.write(json.dumps(line, separators=(",", ":")) + "\n")
             self._log.flush()
+
+    def _plan_ahead_step(self, record: dict[str, Any]) -> None:
+        """The step's ahead placements become the ones it used (metrics, plans.jsonl); the accuracy of the path
+        estimate the plans ran with against the previous-iteration forecast, on the real counts; the online
+        profile takes the step's routing."""
+        a, b = self.ahead, self.balancer
+        assert a is not None
+        for j in a.armed:  # an ahead layer runs static until its plan arrives (always, on a complete forward)
+            b.used[j] = a.placed.get(j, ExpertPlacement.static(b.E, b.R, b.planners[j].owner))
+        counts = dict(zip(self.ids, self._counts_RE))
+        previous = {j: b.planners[j].forecast_RE for j in a.estimates}
+        k = self.ep.layers[0].top_k if self.ep.layers else 1
+        acc = a.accuracy(counts, previous, min(2 * k, b.E))
+        record["plan_ahead_layers"] = sorted(a.placed)
+        record.update({f"plan_ahead_{key}": round(v, 4) for key, v in acc.items()})
+        a.end_step()
 
     def _record_feedback(self, record: dict[str, Any], arm: str) -> list[dict[str, Any]]:
         """The closed loop's fields of the step record: the arm the step ran, its measured time (maximum over
@@ -454,6 +485,19 @@ def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]
     tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
     cost = CostModel(cfg.planner.costs)
     return cost, cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens, cfg.data.seq_len)
+
+
+def _plan_ahead(cfg: Config, ep: ExpertParallel, balancer: ExpertBalancer) -> PlanAhead | None:
+    """The plan-ahead planner of `planner.plan_ahead: path` (None when off): a loaded profile, or built online."""
+    p = cfg.planner
+    if p.plan_ahead == "off":
+        return None
+    from moebal.distributed.plan_ahead import PlanAhead
+    from moebal.planner.paths import PathProfile
+
+    profile = PathProfile.load(p.path_profile) if p.path_profile else None
+    return PlanAhead(len(ep.layers), cfg.moe.num_experts, p.path_len, balancer.plan_ahead, ep.dims.device,
+                     profile, refresh=p.path_refresh, window=p.path_window)
 
 
 # ---- expert parallelism inside pipeline stages ---------------------------------------------------------------

@@ -8,6 +8,8 @@ One layer's forward on rank r (`ExpertParallelDispatcher.forward`):
      (compute rank, expert): the compute rank of (r, e) is r itself when r owns e or holds a replica of e
      (Pro-Prophet: a replica computes its own rank's tokens), else e's owner;
   2. exchange the [R, E] count matrix with one small all-to-all              <- host sync: split sizes
+     (with plan-ahead, E more columns: this rank's estimate of layer i+1, moebal/distributed/plan_ahead.py,
+     after which layer i+1's placement is planned and its Trans issued);
   3. all-to-all the token rows (uneven splits, inside autograd);
   4. regroup the received rows from (source, expert) order to (expert, source) order and run the grouped
      SwiGLU over the L local experts (owned parameters and Trans'd replica buffers);
@@ -43,6 +45,7 @@ from moebal.scheduler.grads import GradGroup, GradSync
 from moebal.sync import count_ids, to_host, upload
 
 if TYPE_CHECKING:
+    from moebal.distributed.plan_ahead import PlanAhead
     from moebal.models.moe import MoELayer
     from moebal.routing import Routing
 
@@ -103,6 +106,7 @@ class ExpertParallelDispatcher:
         self.owned = [e for e in range(self.E) if self.owner[e] == self.r]
         self.placement = ExpertPlacement.static(self.E, self.R)
         self.replicas: dict[int, torch.Tensor] = {}  # expert -> flat [w1 | w3 | w2] buffer (a leaf with grad)
+        self.ahead: PlanAhead | None = None  # plans the next layer from this layer's gate (planner.plan_ahead)
         self._shard(layer)
 
     # ---- sharding and replicas ----
@@ -192,12 +196,19 @@ class ExpertParallelDispatcher:
             keys_A = torch.where(routing.active_TK.reshape(-1), keys_A, R * E)
         order_A, counts_RE = _sorted_keys(keys_A, R * E)
         send_RE = counts_RE.view(R, E)
-        # 2. counts: recv_RE[s, e] = rows rank s sends here for expert e
-        recv_RE = torch.empty_like(send_RE)
-        self.sched.all_to_all(recv_RE, send_RE, None, None, self.group, name=f"L{self.index} counts",
+        # plan-ahead (moebal/distributed/plan_ahead.py): this rank's estimate of the next layer rides along
+        ahead = self.ahead
+        est_E = ahead.on_gate(self.index, routing.indices_TK) if ahead is not None else None
+        send_RX = send_RE if est_E is None else torch.cat([send_RE, est_E.expand(R, E)], dim=1)
+        # 2. counts: recv_RX[s, e] = rows rank s sends here for expert e (then rank s's estimate, if any)
+        recv_RX = torch.empty_like(send_RX)
+        self.sched.all_to_all(recv_RX, send_RX, None, None, self.group, name=f"L{self.index} counts",
                               layer=self.index, kind="counts").wait()
         # The layer's one host sync: the split sizes of the uneven all-to-all (both directions in one read).
-        send_counts, recv_counts = to_host(torch.stack([send_RE, recv_RE]), "all-to-all counts")
+        send_wide, recv_wide = to_host(torch.stack([send_RX, recv_RX]), "all-to-all counts")
+        send_counts, recv_counts = [row[:E] for row in send_wide], [row[:E] for row in recv_wide]
+        if est_E is not None and ahead is not None:  # plan the next layer, issue its Trans (async)
+            ahead.on_counts(self.index, [row[E:] for row in recv_wide])
         order_N = order_A[:sum(map(sum, send_counts))]
         plan = DispatchPlan(order_N=order_N, token_N=torch.div(order_N, K, rounding_mode="floor"),
                             counts_E=counts_RE, num_tokens=T, top_k=K)
@@ -269,7 +280,14 @@ class ExpertParallel:
         self._chunk_bytes = chunk_bytes
         self._channels = self._grad_channels()
         self.grads: GradSync | None = None
+        self.ahead: PlanAhead | None = None  # planner.plan_ahead: set_plan_ahead
         self.refresh()
+
+    def set_plan_ahead(self, ahead: PlanAhead | None) -> None:
+        """Plan each ahead layer during the layer before it (moebal/distributed/plan_ahead.py); None: off."""
+        self.ahead = ahead
+        for d in self.dispatchers:
+            d.ahead = ahead
 
     def attach(self, layer: MoELayer) -> ExpertParallelDispatcher:
         """Shard one MoE layer over the "ep" group and route its tokens through a dispatcher (a layer built
@@ -291,6 +309,7 @@ class ExpertParallel:
             d.index = i
             d.on_start = (lambda i=i: self._trans(i + 1)) if self.overlap else None
             d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW)) if self.overlap else None
+            d.ahead = getattr(self, "ahead", None)
         self._rebuild_grads(self._chunk_bytes)
 
     def set_chunk_bytes(self, chunk_bytes: float) -> None:
@@ -342,12 +361,18 @@ class ExpertParallel:
         return (p for p in self.model.parameters() if is_expert_param(p) == expert)
 
     # ---- placements: Trans before forward, Agg after backward ----
-    def apply(self, placements: Iterable[ExpertPlacement]) -> None:
+    def apply(self, placements: Iterable[ExpertPlacement], *, plan_ahead: bool = True) -> None:
         """Start a step: adopt one placement per MoE layer and issue Trans (all layers now and wait, or with
-        `overlap` layer 0 now and each next layer when the previous one starts); arm the gradient hooks."""
+        `overlap` layer 0 now and each next layer when the previous one starts); arm the gradient hooks. With a
+        plan-ahead planner (`set_plan_ahead`) and `plan_ahead`, its ahead layers start static, without Trans:
+        their placements are planned and their Trans issued during the layer before them (`place_ahead`)."""
         placements = list(placements)
         if len(placements) != len(self.dispatchers):
             raise ValueError(f"{len(placements)} placements for {len(self.dispatchers)} MoE layers")
+        if self.ahead is not None:
+            for j in self.ahead.arm(self.place_ahead if plan_ahead else None):
+                placements[j] = ExpertPlacement.static(placements[j].num_experts, placements[j].num_ranks,
+                                                       placements[j].owner)
         for d, plc in zip(self.dispatchers, placements):
             if plc.num_ranks != d.R or plc.owner != d.owner:
                 raise ValueError(f"placement for {plc.num_ranks} ranks with owners {plc.owner} does not match the "
@@ -362,6 +387,17 @@ class ExpertParallel:
         if not self.overlap:
             for d in self.dispatchers:
                 d.wait_trans()
+
+    def place_ahead(self, i: int, placement: ExpertPlacement) -> None:
+        """Adopt layer i's placement planned ahead (inside the forward of layer i-1) and issue its Trans, which
+        layer i's forward waits for before its token exchange."""
+        d = self.dispatchers[i]
+        if placement.num_ranks != d.R or placement.owner != d.owner:
+            raise ValueError(f"plan-ahead placement for {placement.num_ranks} ranks with owners {placement.owner} "
+                             f"does not match the expert-parallel layout ({d.R} ranks, owners {d.owner})")
+        d.placement, d.replicas, d.trans = placement, {}, None
+        d.reset_step()
+        self._trans(i)
 
     def _trans(self, i: int) -> None:
         """Issue Trans of MoE layer i: owners send each replicated expert to its holders (point-to-point)."""
@@ -396,6 +432,8 @@ class ExpertParallel:
         """Drop every replica (back to plain expert parallelism for the token path). Call after the optimizer
         step: replicas are copies of the pre-update parameters, so any later forward (validation, the next step
         before its Trans) must not use them."""
+        if self.ahead is not None:
+            self.ahead.disarm()
         for d in self.dispatchers:
             d.placement, d.replicas, d.trans = ExpertPlacement.static(d.E, d.R), {}, None
             d.reset_step()

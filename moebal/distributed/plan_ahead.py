@@ -1,0 +1,224 @@
+"""Expert placement ahead of the gate in training (`planner.plan_ahead: path`): layer i+1's placement is planned
+during layer i from Lina's sample-path estimate, so Trans (replica weights) for layer i+1 is issued before layer
+i+1's gate runs. Neither Lina (inference only, every expert on every device) nor Pro-Prophet (previous
+iteration's counts, planned between steps) does this.
+
+Shape legend: T local tokens, K = top_k, E experts, R ranks of the "ep" group, P profiled paths, m path length,
+L MoE layers.
+
+One step on rank r, once `ExpertParallel.apply` armed the planner (the plan arm of the feedback):
+  0. at apply, every layer planned ahead ("ahead layers": j >= l while a profile exists) starts from static
+     placement and gets no Trans; the others take their previous-iteration placement and Trans as without this
+     option;
+  layer i's forward (`ExpertParallelDispatcher.forward`), when layer i+1 is an ahead layer:
+  1. the gate has run; the tokens' first choices of layer i join their paths (device tensors, no host sync);
+  2. the estimate of layer i+1 from the paths of layers i-l+1 .. i (`DevicePaths.estimate`, the profile looked up
+     on the device: no host sync);
+  3. the estimate travels in layer i's count all-to-all (E more int64 columns, fixed point 1/SCALE), so the
+     layer's one host sync (the split sizes) brings every rank's estimate: est_RE (source rank x expert), the
+     matrix Pro-Prophet's planner takes;
+  4. every rank plans the same placement from est_RE (`plan_experts`, the balancer's policy and coefficients)
+     and issues layer i+1's Trans now (async); layer i+1's forward waits for it before its token exchange.
+Later forwards of the step (micro-batches, recomputation) keep the step's placements; Agg after the backward
+pass uses them, as for any placement.
+
+Gaps settled (docs/expert-parallel.md, "Placement ahead of the gate"):
+- **First l layers**: layer j < l has no full path; it takes the previous-iteration (Pro-Prophet) placement and
+  its Trans at step start. The profile's back-off would give layers 1 .. l-1 an estimate from shorter paths, but
+  on training-sized batches the shorter paths forecast worse than the previous iteration (docs, accuracy table).
+- **No profile**: `planner.path_profile` names a file built by `moebal paths` (loaded at start-up, refused with
+  the reason when it does not fit the model); without one the profile is built online from the run's own
+  routing (each rank's tokens, the last `path_window` steps, rebuilt every `path_refresh` steps). Until the first
+  build every layer takes the previous-iteration placement. Ranks rebuild on the same steps, so they agree on the
+  ahead layers; their profiles differ (each its own tokens) but the plan is made from every rank's estimate, so
+  the placements agree.
+- **Placement never changes the maths**: a placement only decides where an expert's rows are computed; the
+  losses equal static expert parallelism's and the gradients equal it up to the summation order of Agg
+  (tests/distributed/test_plan_ahead.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebal.planner.paths import PathProfile, build_profile, estimate_accuracy
+from moebal.planner.plan import ExpertPlacement
+from moebal.sync import to_host, upload
+
+__all__ = ["SCALE", "DevicePaths", "PlanAhead"]
+
+SCALE = 256
+"""Fixed point of the estimate in the count exchange (int64): 1/256 of an assignment."""
+
+PlanFn = Callable[[int, np.ndarray], ExpertPlacement]
+"""(layer, est_RE) -> that layer's placement: the same on every rank for the same matrix."""
+IssueFn = Callable[[int, ExpertPlacement], None]
+"""Adopt a layer's placement and issue its Trans (ExpertParallel.place_ahead)."""
+
+
+class DevicePaths:
+    """A `PathProfile` on the device: per layer j >= 1 and path length m, the observed paths as sorted base-E codes
+    [P], each path's distribution of layer j's assignments [P, E] and its token count [P]. `estimate` gives what
+    `PathProfile.estimate` gives (up to float summation order) without leaving the device."""
+
+    def __init__(self, profile: PathProfile, device: torch.device) -> None:
+        E = profile.num_experts
+        if E ** max(profile.path_len, 1) >= 2 ** 62:
+            raise ValueError(f"planner.path_len {profile.path_len} with {E} experts: paths do not fit an int64 code "
+                             f"(E^l < 2^62); use a shorter planner.path_len")
+        self.E, self.path_len, self.num_layers = E, profile.path_len, profile.num_layers
+        self.tables: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = [[]]
+        for tabs in profile.tables[1:]:
+            layer = []
+            for m, t in enumerate(tabs):
+                weights = E ** np.arange(m - 1, -1, -1, dtype=np.int64)
+                codes_P = t.keys_Pm.astype(np.int64) @ weights if m else np.zeros(len(t.tokens_P), dtype=np.int64)
+                psi_PE = t.counts_PE / np.maximum(t.tokens_P, 1)[:, None]
+                layer.append((upload(codes_P, device, torch.int64), upload(psi_PE, device, torch.float64),
+                              upload(t.tokens_P, device, torch.int64), upload(weights, device, torch.int64)))
+            self.tables.append(layer)
+
+    def estimate(self, top1_TL: list[torch.Tensor], layer: int, min_tokens: int = 1) -> torch.Tensor:
+        """est_E (float64): the expected assignments to each expert of `layer` of the tokens whose first choices
+        in layers 0 .. layer-1 are `top1_TL` ([T] each), backing off to the longest observed suffix."""
+        tabs = self.tables[layer]
+        dev = top1_TL[0].device
+        T = top1_TL[0].shape[0]
+        psi_TE = torch.zeros(T, self.E, dtype=torch.float64, device=dev)
+        todo_T = torch.ones(T, dtype=torch.bool, device=dev)
+        for m in range(len(tabs) - 1, -1, -1):  # longest path first
+            codes_P, psi_PE, tokens_P, w_m = tabs[m]
+            if m == 0:  # the layer's marginal: every token left
+                marginal_E = psi_PE[0] if psi_PE.shape[0] == 1 else psi_PE.sum(0)
+                psi_TE = torch.where(todo_T[:, None], marginal_E, psi_TE)
+                break
+            codes_T = torch.stack(top1_TL[layer - m:layer], dim=1) @ w_m
+            pos_T = torch.searchsorted(codes_P, codes_T).clamp(max=codes_P.shape[0] - 1)
+            hit_T = todo_T & (codes_P[pos_T] == codes_T) & (tokens_P[pos_T] >= min_tokens)
+            psi_TE = torch.where(hit_T[:, None], psi_PE[pos_T], psi_TE)
+            todo_T = todo_T & ~hit_T
+        return psi_TE.sum(dim=0)
+
+
+class PlanAhead:
+    """The step's plan-ahead state of one "ep" group's MoE layers (see the module docstring).
+
+    `plan(j, est_RE)` plans layer j from an estimated count matrix; `profile` is a loaded profile or None (built
+    online from this rank's routing: `refresh`, `window` in steps)."""
+
+    def __init__(self, num_layers: int, num_experts: int, path_len: int, plan: PlanFn, device: torch.device,
+                 profile: PathProfile | None = None, *, refresh: int = 10, window: int = 40,
+                 min_tokens: int = 1) -> None:
+        if num_experts ** path_len >= 2 ** 62:
+            raise ValueError(f"planner.path_len {path_len} with {num_experts} experts: paths do not fit an int64 code "
+                             f"(E^l < 2^62); use a shorter planner.path_len")
+        if profile is not None and (profile.num_layers != num_layers or profile.num_experts != num_experts):
+            raise ValueError(f"planner.path_profile describes {profile.num_layers} MoE layers of "
+                             f"{profile.num_experts} experts; the model has {num_layers} of {num_experts}: build it "
+                             f"from this model's routing (`moebal paths RUN_DIR`) or set planner.path_profile null "
+                             f"(built online)")
+        if profile is not None and profile.path_len < path_len:
+            raise ValueError(f"planner.path_profile holds paths of up to {profile.path_len} layers, planner.path_len "
+                             f"is {path_len}: rebuild it with `moebal paths --path-len {path_len}` or lower "
+                             f"planner.path_len")
+        self.L, self.E, self.path_len, self.device = num_layers, num_experts, path_len, device
+        self.plan_fn, self.online = plan, profile is None
+        self.refresh, self.min_tokens = refresh, min_tokens
+        self.samples: deque[np.ndarray] = deque(maxlen=window)  # [L, T, K] routing of this rank, one per step
+        self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device)
+        self.steps = 0
+        self._issue: IssueFn | None = None
+        self.pending: set[int] = set()  # ahead layers not planned yet this step
+        self.armed: list[int] = []
+        self.placed: dict[int, ExpertPlacement] = {}  # this step's ahead placements
+        self.estimates: dict[int, np.ndarray] = {}  # this step's est_RE per ahead layer
+        self._top1: list[torch.Tensor] = []  # this forward's first choices per layer
+        self._ids: list[torch.Tensor] = []  # this step's first forward's routing per layer (online profile)
+
+    # ---- which layers ----
+    def ahead_layers(self) -> list[int]:
+        """Layers planned ahead now: j >= l (a full path before j), while a profile exists."""
+        if self.paths is None:
+            return []
+        return [j for j in range(max(self.path_len, 1), self.L)]
+
+    # ---- the step ----
+    def arm(self, issue: IssueFn | None) -> list[int]:
+        """Start a step: on the plan arm (`issue` given) the ahead layers become pending (returned); None: a
+        step without plan-ahead (the feedback's static arm), nothing pending."""
+        self._issue = issue
+        self.pending = set(self.ahead_layers()) if issue is not None else set()
+        self.armed = sorted(self.pending)  # the step's ahead layers (static unless planned)
+        self.placed, self.estimates, self._top1, self._ids = {}, {}, [], []
+        return sorted(self.pending)
+
+    def disarm(self) -> None:
+        self._issue, self.pending = None, set()
+
+    def on_gate(self, i: int, indices_TK: torch.Tensor) -> torch.Tensor | None:
+        """Layer i's gate ran: its first choices join the paths; the estimate of layer i+1 in fixed point [E]
+        (int64, device) when layer i+1 is pending, else None."""
+        if self._issue is None:
+            return None
+        if i == 0:
+            self._top1 = []
+        if len(self._top1) != i:  # a later forward of the step (micro-batch) or a recomputation: plan nothing
+            return None
+        if self._top1 and self._top1[0].shape[0] != indices_TK.shape[0]:
+            raise RuntimeError("plan-ahead follows each token through every MoE layer: layer "
+                               f"{i} saw {indices_TK.shape[0]} tokens, layer 0 {self._top1[0].shape[0]}")
+        self._top1.append(indices_TK[:, 0].detach())
+        if i == len(self._ids):
+            self._ids.append(indices_TK.detach())
+        if i + 1 not in self.pending or self.paths is None:
+            return None
+        est_E = self.paths.estimate(self._top1, i + 1, self.min_tokens)
+        return (est_E * SCALE).round().to(torch.int64)
+
+    def on_counts(self, i: int, est_RE: list[list[int]]) -> None:
+        """Layer i's count exchange brought every rank's fixed-point estimate of layer i+1: plan it, issue Trans."""
+        j = i + 1
+        assert self._issue is not None and j in self.pending, "plan-ahead: an estimate nobody asked for"
+        est = np.asarray(est_RE, dtype=np.float64) / SCALE
+        placement = self.plan_fn(j, est)
+        self.pending.discard(j)
+        self.placed[j], self.estimates[j] = placement, est
+        self._issue(j, placement)
+
+    def end_step(self) -> None:
+        """After the step: the online profile takes this step's routing (one host read of every layer's ids) and
+        is rebuilt every `refresh` steps from the last `window`."""
+        self.disarm()
+        self.steps += 1
+        if not self.online or len(self._ids) != self.L:
+            return
+        self.samples.append(np.asarray(to_host(torch.stack(self._ids), "plan-ahead routing"), dtype=np.int64))
+        if self.steps % self.refresh == 0:
+            self.paths = DevicePaths(build_profile(list(self.samples), self.E, self.path_len), self.device)
+
+    def accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],
+                 top_n: int) -> dict[str, float]:
+        """This step's forecasts of the ahead layers against the real counts (R x E each): the path estimate the
+        plan ran with and the previous-iteration forecast (Pro-Prophet's), top-n overlap and relative MAE
+        (`estimate_accuracy`), means over the layers; empty when no layer was planned ahead."""
+        rows: dict[str, list[float]] = {"path_overlap": [], "path_rel_mae": [], "prev_overlap": [],
+                                        "prev_rel_mae": []}
+        for j, est_RE in self.estimates.items():
+            actual_E = counts[j].sum(axis=0)
+            a = estimate_accuracy(est_RE.sum(axis=0), actual_E, top_n)
+            rows["path_overlap"].append(a["overlap"])
+            rows["path_rel_mae"].append(a["rel_mae"])
+            prev = previous.get(j)
+            if prev is not None:
+                b = estimate_accuracy(prev.sum(axis=0), actual_E, top_n)
+                rows["prev_overlap"].append(b["overlap"])
+                rows["prev_rel_mae"].append(b["rel_mae"])
+        return {k: float(np.mean(v)) for k, v in rows.items() if v}
+
+    def state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "online": self.online, "ahead_layers": self.ahead_layers()}

@@ -1,0 +1,135 @@
+"""Plan-ahead (moebal/distributed/plan_ahead.py) in one process on hand-made routing: the device estimate equals
+the profile's, the plan of layer i+1 follows the estimate made during layer i, the first l layers and a missing
+profile fall back to the previous-iteration plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moebal.config import ConfigError, from_dict
+from moebal.distributed.plan_ahead import SCALE, DevicePaths, PlanAhead
+from moebal.planner.paths import build_profile
+from moebal.planner.perf import MoELayerCosts
+from moebal.planner.placement import plan_experts
+from moebal.planner.plan import ExpertPlacement
+
+E, R = 4, 2
+
+
+def _routing() -> np.ndarray:
+    """[L=3, T=8, K=1]: tokens that took expert 0 in layers 0 and 1 take expert 3 in layer 2 (owned by rank 1);
+    tokens that took expert 1 then 1 take expert 0 in layer 2 (owned by rank 0)."""
+    top1 = np.array([[0, 0, 0, 0, 1, 1, 1, 1],
+                     [0, 0, 0, 0, 1, 1, 1, 1],
+                     [3, 3, 3, 3, 0, 0, 0, 0]])
+    return top1[:, :, None]
+
+
+def test_device_estimate_equals_the_profile() -> None:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, E, size=(4, 64, 2))
+    prof = build_profile([ids], num_experts=E, path_len=2)
+    dev = DevicePaths(prof, torch.device("cpu"))
+    batch = rng.integers(0, E, size=(4, 30, 2))
+    batch[:, :3, 0] = E - 1  # some paths the profile may not hold: back-off
+    top1 = [torch.as_tensor(batch[j, :, 0]) for j in range(4)]
+    for layer in (1, 2, 3):
+        want = prof.estimate(batch[:, :, 0].T, layer)
+        got = dev.estimate(top1, layer).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    for min_tokens in (3, 100):
+        np.testing.assert_allclose(dev.estimate(top1, 3, min_tokens).numpy(),
+                                   prof.estimate(batch[:, :, 0].T, 3, min_tokens=min_tokens), rtol=1e-12)
+
+
+def _costs() -> MoELayerCosts:
+    """Expert compute dear, transfers cheap: a hot expert is worth replicating."""
+    return MoELayerCosts(token_bytes=4, expert_param_bytes=4, expert_grad_bytes=4, expert_tokens_per_s=1e3,
+                         a2a_bandwidth=1e12, trans_bandwidth=1e12, agg_bandwidth=1e12)
+
+
+def _planner(log: list[tuple[int, np.ndarray]]):
+    def plan(j: int, est_RE: np.ndarray) -> ExpertPlacement:
+        log.append((j, est_RE))
+        return plan_experts(est_RE, "prophet", _costs())
+    return plan
+
+
+def test_plan_for_the_next_layer_follows_the_estimate() -> None:
+    prof = build_profile([_routing()], num_experts=E, path_len=2)
+    log: list[tuple[int, np.ndarray]] = []
+    ahead = PlanAhead(3, E, 2, _planner(log), torch.device("cpu"), prof)
+    assert ahead.ahead_layers() == [2]  # layers 0, 1 (< l): previous-iteration plan
+    issued: dict[int, ExpertPlacement] = {}
+    assert ahead.arm(lambda j, p: issued.__setitem__(j, p)) == [2]
+    # this rank's 6 tokens: paths (0, 0) -> all of layer 2's load on expert 3
+    ids0 = torch.tensor([[0]] * 6)
+    assert ahead.on_gate(0, ids0) is None  # layer 1 is not planned ahead
+    est = ahead.on_gate(1, ids0)
+    assert est is not None and est.tolist() == [0, 0, 0, 6 * SCALE]
+    # the count exchange: rank 0 sends its estimate, rank 1 (paths (1, 1)) predicts 2 tokens for expert 0
+    ahead.on_counts(1, [est.tolist(), [2 * SCALE, 0, 0, 0]])
+    j, est_RE = log[-1]
+    assert j == 2
+    np.testing.assert_array_equal(est_RE, [[0, 0, 0, 6], [2, 0, 0, 0]])
+    plc = issued[2]
+    assert plc is ahead.placed[2]
+    assert 0 in plc.replicas[3]  # the hot expert of the estimate (owned by rank 1) is replicated on rank 0
+    assert plc == plan_experts(np.array([[0, 0, 0, 6], [2, 0, 0, 0]]), "prophet", _costs())
+    assert 1 in plc.replicas[0]  # rank 1's predicted rows of expert 0 (owned by rank 0) stay on rank 1
+    assert plc != plan_experts(np.ones((R, E)), "prophet", _costs())  # not what a balanced forecast gives
+    assert ahead.pending == set()
+    # a second forward of the step plans nothing more
+    assert ahead.on_gate(0, ids0) is None and ahead.on_gate(1, ids0) is None
+    # accuracy of the plan's estimate against the real counts and the previous-iteration forecast
+    counts = {2: np.array([[0, 0, 0, 6], [2, 0, 0, 0]], dtype=float)}
+    prev = {2: np.array([[1, 1, 1, 1], [1, 1, 1, 1]], dtype=float)}
+    acc = ahead.accuracy(counts, prev, top_n=2)
+    assert acc["path_overlap"] == 1.0 and acc["path_rel_mae"] == 0.0
+    assert acc["prev_overlap"] == 0.5 and acc["prev_rel_mae"] == 1.0  # uniform: ties take experts 0, 1
+
+
+def test_static_arm_plans_nothing_and_mismatched_profile_is_refused() -> None:
+    prof = build_profile([_routing()], num_experts=E, path_len=2)
+    ahead = PlanAhead(3, E, 2, _planner([]), torch.device("cpu"), prof)
+    assert ahead.arm(None) == []
+    assert ahead.on_gate(1, torch.tensor([[0]] * 4)) is None
+    with pytest.raises(ValueError, match="describes 3 MoE layers"):
+        PlanAhead(4, E, 2, _planner([]), torch.device("cpu"), prof)
+    with pytest.raises(ValueError, match="--path-len 3"):
+        PlanAhead(3, E, 3, _planner([]), torch.device("cpu"), prof)
+
+
+def test_online_profile_starts_empty_then_builds_from_the_run() -> None:
+    log: list[tuple[int, np.ndarray]] = []
+    ahead = PlanAhead(3, E, 1, _planner(log), torch.device("cpu"), None, refresh=2, window=4)
+    ids = torch.as_tensor(_routing())
+    for _ in range(2):
+        assert ahead.ahead_layers() == []  # no profile yet: every layer keeps the previous-iteration plan
+        assert ahead.arm(lambda j, p: None) == []
+        for i in range(3):
+            assert ahead.on_gate(i, ids[i]) is None
+        ahead.end_step()
+    assert len(ahead.samples) == 2
+    assert ahead.ahead_layers() == [1, 2]  # l = 1: layer 1 from layer 0's expert
+    ahead.arm(lambda j, p: None)
+    est = ahead.on_gate(0, ids[0])
+    assert est is not None and est.tolist() == [4 * SCALE, 4 * SCALE, 0, 0]
+    ahead.on_counts(0, [est.tolist(), est.tolist()])
+    assert log[-1][0] == 1
+    est = ahead.on_gate(1, ids[1])
+    assert est is not None and est.tolist() == [4 * SCALE, 0, 0, 4 * SCALE]
+
+
+def test_config_refusals(tmp_path) -> None:
+    base = {"moe": {"num_experts": 4}, "planner": {"plan_ahead": "path"}}
+    assert from_dict(base).planner.plan_ahead == "path"
+    for bad, match in (({"path_len": 0}, "path_len"), ({"path_refresh": 5, "path_window": 2}, "path_window"),
+                       ({"policy": "static"}, "policy static"),
+                       ({"path_profile": str(tmp_path / "none.npz")}, "is not a file")):
+        with pytest.raises(ConfigError, match=match):
+            from_dict({**base, "planner": {**base["planner"], **bad}})
+    with pytest.raises(ConfigError, match="token subsets"):
+        from_dict({**base, "dynamism": {"scheme": "mod"}})
