@@ -401,6 +401,7 @@ RUNS: tuple[Run, ...] = (
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
+    Run("test_plan_ahead", ("python", "-m", "pytest", "tests/distributed/test_plan_ahead.py"), json="none"),
     Run("reproduce_dynapipe", ("python", "scripts/reproduce_dynapipe.py"),
         ("python", "scripts/reproduce_dynapipe.py", "--quick")),
     Run("sparse_attention", ("python", "scripts/bench_sparse_attention.py", "--layer"),
@@ -442,6 +443,7 @@ ROWS: tuple[Row, ...] = (
     Row("sharded optimizer state (`parallel.shard: optimizer`)", "test_sharded", fig_pytest),
     Row("activation recomputation and rank-local initialisation", "test_recompute", fig_pytest),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest),
+    Row("expert placement planned ahead of the gate (`planner.plan_ahead: path`)", "test_plan_ahead", fig_pytest),
     Row("block-sparse causal attention vs dense SDPA (2,048 tokens, density 0.5)", "sparse_attention",
         fig_sparse_attention),
 )
