@@ -169,16 +169,23 @@ class _LocalView:
     stacked: dict[str, tuple[tuple[int, ...], int]]
 
 
-def _local_view(module: nn.Module) -> _LocalView:
+def _local_view(module: nn.Module, gather: bool = False) -> _LocalView:
+    """`gather`: DTensors (`parallel.shard: full`) as whole logical tensors (collective over their mesh, in
+    state-dict order on every rank); else as they are (a load copies each rank's chunk into them)."""
+    from torch.distributed.tensor import DTensor
+
     stacked = _stacked(module)
     view = _LocalView({}, {}, {}, stacked)
     seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, t in module.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = (local.data_ptr(), tuple(t.shape), tuple(local.stride()))
         if t.numel() and key in seen:
             view.aliases[name] = seen[key]
             continue
         seen[key] = name
+        if gather and isinstance(t, DTensor):
+            t = t.full_tensor()
         if name in stacked:
             ids, E = stacked[name]
             if t.shape[0] != len(ids):  # a module that kept some experts' rows must say which (expert_ids)
@@ -345,7 +352,7 @@ class Checkpointer:
     def _snapshot(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                   global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
                   layout: dict[str, Any]) -> _Snapshot:
-        view = _local_view(module)
+        view = _local_view(module, gather=True)
 
         def mine(name: str) -> bool:
             return self.write_experts if name in view.experts else self.write_dense
@@ -841,9 +848,16 @@ class PendingLoad:
     needed: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             for dst, src in self.copies:
-                dst.copy_(src)
+                if isinstance(dst, DTensor):  # `parallel.shard: full`: this rank's chunk of the logical tensor
+                    from moebal.distributed.fsdp import local_chunk
+
+                    dst.to_local().copy_(local_chunk(src, dst).to_local())
+                else:
+                    dst.copy_(src)
         if self.optimizer is not None and self.optimizer_state is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
 
