@@ -314,7 +314,14 @@ class ParallelConfig:
     """Sharded model state: none (every rank keeps full fp32 weights, gradients and AdamW state of what it
     holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
-    weights too (FSDP2 `fully_shard`, ZeRO-3 style; refused: not built). Not with parallel.pp > 1."""
+    dense weights too (FSDP2 `fully_shard` over the data-parallel ranks; expert parameters keep the optimizer
+    sharding over their expert-data-parallel ranks, docs/sharding.md). Not with parallel.pp > 1."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Under shard: full, the dtype FSDP2 all-gathers dense weights in for compute (bf16 needs
+    train.precision: bf16); master weights and AdamW state stay fp32."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Under shard: full, the dtype gradients are reduce-scattered in (dense by FSDP2, expert parts by the sharded
+    optimizer); the optimizer receives fp32 gradients."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -967,8 +974,12 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
-    _need(par.shard != "full", "'parallel.shard: full' (FSDP2 weight sharding) is not built yet: use "
-          "parallel.shard=optimizer (gradients and AdamW state sharded) or none")
+    _need(par.shard == "full" or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
+          f"'parallel.param_dtype: {par.param_dtype}' / 'parallel.reduce_dtype: {par.reduce_dtype}' are FSDP2's "
+          f"mixed-precision policy: set parallel.shard=full, or leave both fp32")
+    _need(par.param_dtype == "fp32" or t.precision == "bf16",
+          "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
+          "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
     _need(par.shard == "none" or par.pp == 1,
           f"'parallel.shard: {par.shard}' with a pipeline (parallel.pp {par.pp}) is not built: a migrating layer "
           f"would have to carry its gradient and AdamW shards; use parallel.shard=none or parallel.pp=1")

@@ -1,15 +1,17 @@
-"""Model-state memory per rank with and without `parallel.shard: optimizer`, measured on real gloo ranks.
+"""Model-state memory per rank under `parallel.shard` none / optimizer / full, measured on real gloo ranks.
 
-    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--json FILE]
+    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--shards none optimizer full] [--json FILE]
 
-For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way expert parallel) and each of
-shard none / optimizer, the trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the
-tensors' storages (each storage once), the bytes of its parameters, gradients, persistent gradient buffers and
-optimizer state (`moebal.distributed.sharded.model_state_bytes`) at three points of every step:
+For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way expert parallel) and each shard
+value, the trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the tensors' storages
+(each storage once), the bytes of its parameters, gradients, persistent gradient buffers and optimizer state
+(`moebal.distributed.sharded.model_state_bytes`) at four points of every step:
+  forward    inside the last decoder layer's forward, ahead of its MoE/MLP part (under full: the root's and
+             this layer's weights all-gathered beside every shard, FSDP2's sharded storage counted too)
   backward   right after the backward pass (a hook ahead of the gradient synchronisation)
   update     just before the optimizer step (the reduced gradients held, moments allocated)
   rest       after the step (between steps: what a run holds all the time)
-`peak` is the largest of the three. The figures are bytes, exact and deterministic (no repeats needed); the
+`peak` is the largest of the four. The figures are bytes, exact and deterministic (no repeats needed); the
 JSON has every rank's samples, the ratios sharded / unsharded of the worst rank, the config and versions.
 """
 
@@ -67,13 +69,37 @@ class _Probe(Hook):
             ep = getattr(h, "ep", None)
             if isinstance(ep, ExpertParallel) and ep.grads is not None:
                 bufs.extend(ep.grads.bufs)
-        self.samples.append({"step": step, "point": point, **model_state_bytes(t.model, t.optimizer, bufs)})
+        self.samples.append({"step": step, "point": point,
+                             **model_state_bytes(t.model, t.optimizer, bufs, fsdp_shards(t.model))})
+
+    def watch_forward(self, model: torch.nn.Module) -> None:
+        """The "forward" sample: ahead of the last decoder layer's MoE/MLP part."""
+        from moebal.models.transformer import DecoderLayer
+
+        last = [m for m in model.modules() if isinstance(m, DecoderLayer)][-1]
+        last.ffn.register_forward_pre_hook(
+            lambda *_: self.sample("forward", self.trainer.step + 1) if torch.is_grad_enabled() else None)
 
     def after_backward(self, trainer: Any, step: int) -> None:
         self.sample("backward", step)
 
     def after_step(self, trainer: Any, step: int, stats: Any, record: dict[str, Any]) -> None:
         self.sample("rest", step)
+
+
+def fsdp_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The sharded storage of every FSDP2 parameter (`parallel.shard: full`): while a unit is gathered the module
+    lists its unsharded weights, and the shards stay allocated beside them. Reads FSDP2's per-parameter state
+    (`_sharded_param_data`, torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.extend(fp._sharded_param_data for fp in group.fsdp_params)
+    return out
 
 
 def _run(rank: int, world: int, root: str, layout: str, shard: str, steps: int) -> dict[str, Any]:
@@ -86,6 +112,7 @@ def _run(rank: int, world: int, root: str, layout: str, shard: str, steps: int) 
     probe = _Probe()
     trainer = Trainer(cfg, out, model=model, hooks=[probe, *hooks], ctx=ctx)
     probe.trainer = trainer
+    probe.watch_forward(trainer.model)
     opt = trainer.optimizer
     assert opt is not None
     step_fn = opt.step
@@ -112,9 +139,11 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         worst["peak"] = max(worst.values())
         out[key] = worst
     for layout in LAYOUTS:
-        a, b = out.get(f"{layout}-none"), out.get(f"{layout}-optimizer")
-        if a and b:
-            out[f"{layout}-ratio"] = {k: round(b[k] / a[k], 4) for k in a}
+        a = out.get(f"{layout}-none")
+        for shard in ("optimizer", "full"):
+            b = out.get(f"{layout}-{shard}")
+            if a and b:
+                out[f"{layout}-ratio-{shard}"] = {k: round(b[k] / a[k], 4) for k in a}
     return out
 
 
@@ -122,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--shards", nargs="+", default=["none", "optimizer", "full"],
+                    choices=["none", "optimizer", "full"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import tempfile
@@ -129,11 +160,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as root:
         for layout in LAYOUTS:
-            for shard in ("none", "optimizer"):
+            for shard in args.shards:
                 runs[f"{layout}-{shard}"] = run_ranks(_run, args.ranks, root, layout, shard, args.steps,
                                                       timeout_s=900)
     summary = summarise(runs)
-    result = {"ranks": args.ranks, "steps": args.steps, "summary": summary, "runs": runs,
+    result = {"ranks": args.ranks, "steps": args.steps, "shards": args.shards, "summary": summary, "runs": runs,
               "config": {layout: to_dict(bench_config("optimizer", ep, args.steps)) for layout, ep in LAYOUTS.items()},
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__, "backend": "gloo"}}

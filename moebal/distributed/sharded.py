@@ -40,7 +40,7 @@ is written whole, by the owner of its first element, which receives the other ow
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -108,11 +108,19 @@ class ShardedAdamW(torch.optim.Optimizer):
     (the trainer sets the learning rate there); `state` stays empty: the moments live on the owned parts."""
 
     def __init__(self, model: nn.Module, t: TrainConfig, dims: ParallelDims,
-                 bucket_elems: int = DEFAULT_BUCKET_ELEMS) -> None:
+                 bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
+        moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
+        the owned parts' gradients are always in the parameters' dtype."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
+        if include is not None:
+            groups = [{**g, "params": [p for p in g["params"] if include(p)]} for g in groups]
+            groups = [g for g in groups if g["params"]]
         super().__init__(groups, {"lr": t.lr})
+        self.reduce_dtype = reduce_dtype
         self.dims = dims
         self.divisor = float(dims.size("dp_ep"))
         self.flats: list[_Flat] = []
@@ -121,7 +129,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # from backward hooks, which must never interleave with what the communication scheduler's thread
         # issues on the axis groups
         self._channels = {axis: dims.new_channel(axis) if dims.size(axis) > 1 else None for axis in ("dp_ep", "dp")}
-        order = {id(p): i for i, p in enumerate(model.parameters())}
+        order = {id(p): i for i, p in enumerate(p for p in model.parameters() if include is None or include(p))}
         for g in groups:
             for expert in (False, True):
                 ps = [p for p in g["params"] if is_expert_param(p) == expert]
@@ -243,7 +251,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         b = self.buckets[k]
         fl = self.flats[b.flat]
         end = b.start + b.part * fl.W
-        send = torch.zeros(b.part * fl.W, dtype=fl.buf.dtype, device=fl.buf.device)
+        send = torch.zeros(b.part * fl.W, dtype=self.reduce_dtype or fl.buf.dtype, device=fl.buf.device)
         for i in b.params:
             p, o = fl.params[i], fl.offsets[i]
             lo, hi = max(o, b.start), min(o + p.numel(), end)
@@ -272,23 +280,30 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._inflight, self._active = [], False
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
-                leaf.grad = self._outs[k].div_(self.divisor)
+                leaf.grad = self._outs[k].to(leaf.dtype).div_(self.divisor)
         self._outs = {}
+
+    def owned_squares(self) -> list[torch.Tensor]:
+        """The summed squares of every owned part's gradient (fp32 scalars)."""
+        return [leaf.grad.float().square().sum() for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Every owned part's gradient times `coef` (a scalar tensor)."""
+        for fl in self.flats:
+            for leaf in fl.leaves:
+                if leaf.grad is not None:
+                    leaf.grad.mul_(coef.to(leaf.grad.dtype))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (each element counted once over the stage); no host
         read."""
-        sq = [leaf.grad.float().square().sum() for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
+        sq = self.owned_squares()
         total_sq = torch.stack(sq).sum() if sq else torch.zeros((), device=self.dims.device)
         if self._channels["dp_ep"] is not None:
             dist.all_reduce(total_sq, group=self._channels["dp_ep"])
         total = total_sq.sqrt()
         if max_norm != float("inf"):
-            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for fl in self.flats:
-                for leaf in fl.leaves:
-                    if leaf.grad is not None:
-                        leaf.grad.mul_(coef.to(leaf.grad.dtype))
+            self.scale_grads((max_norm / (total + 1e-6)).clamp(max=1.0))
         return total
 
     # ---- the update ----
@@ -418,6 +433,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                                       "exp_avg_sq": s["exp_avg_sq"].to(leaf.device)}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (`parallel.shard: full`), other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in tensors:
@@ -428,14 +450,17 @@ def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                      grad_buffers: Iterable[torch.Tensor] = ()) -> dict[str, int]:
-    """Bytes of model state this rank holds now, from the tensors' storages (each storage counted once, in
-    the first category that holds it): parameters, gradients (the parameters' and a sharded optimizer's
-    parts), persistent gradient buffers, optimizer state; and their total."""
-    params = _storages(model.parameters())
-    grads_t: list[torch.Tensor | None] = [p.grad for p in model.parameters()]
-    if isinstance(optimizer, ShardedAdamW):
-        parts, state_t = optimizer.shard_tensors()
+                      grad_buffers: Iterable[torch.Tensor] = (), more_params: Iterable[torch.Tensor] = ()
+                      ) -> dict[str, int]:
+    """Bytes of model state this rank holds now, from the tensors' storages (a DTensor's: its local shard's;
+    each storage counted once, in the first category that holds it): parameters, gradients (the parameters'
+    and a sharded optimizer's parts), persistent gradient buffers, optimizer state; and their total.
+    `more_params`: weight tensors the module does not list now (FSDP2's shards while a unit is gathered)."""
+    params = _storages([*(_local(p) for p in model.parameters()), *more_params])
+    grads_t: list[torch.Tensor | None] = [_local(p.grad) if p.grad is not None else None for p in model.parameters()]
+    shard_tensors = getattr(optimizer, "shard_tensors", None)
+    if shard_tensors is not None:  # ShardedAdamW, FullyShardedAdamW (moebal/distributed/fsdp.py)
+        parts, state_t = shard_tensors()
         grads_t.extend(parts)
     else:
         state_t = [v for s in (optimizer.state.values() if optimizer is not None else [])

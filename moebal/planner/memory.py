@@ -18,12 +18,15 @@ layer's gradients, so the two ends of the backward pass (all activations, no gra
 activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and the code they model:
 
 - parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
-  divides both by the data-parallel ranks that share them (dense: the stage's ranks; experts: the expert-data
-  -parallel ranks), plus two layers of gathered weights (current and prefetched, FSDP2's unshard).
+  (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and keeps the experts whole (they
+  are replicated over the expert-data-parallel ranks: only their gradients and moments are sharded), plus the
+  weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
+  whole forward and backward) and two decoder layers' dense weights (current and prefetched).
 - compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
-  reduce-scattered layer by layer, plus one layer's full-size gradients in flight.
+  reduce-scattered layer by layer, plus one layer's full-size gradients in flight; under `full` the expert
+  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them).
 - persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
   fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
   `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
@@ -328,14 +331,22 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     sharded = dense / d_dense + expert / d_expert
     biggest = max((x.dense + x.expert / lay.ep for x in specs), default=0.0)
     t: dict[str, float] = {}
-    if lay.shard == "full":  # FSDP2 gathers a layer's weights (in the compute dtype) for its forward and backward
-        t["parameters"] = 4 * sharded + 2 * biggest * a
+    # full: FSDP2 shards what expert parallelism does not split (with ep 1 the experts too); expert-parallel
+    # experts stay whole (replicated over their expert-data-parallel ranks) until Agg has run
+    fsdp_ep1 = lay.ep == 1
+    whole = 0.0 if fsdp_ep1 else expert
+    fsdp = dense + expert - whole
+    if lay.shard == "full":  # the shards, the experts held whole, the root unit and two layers gathered
+        root = dense - sum(x.dense for x in specs)
+        unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
+        t["parameters"] = 4 * (fsdp / d_dense + whole) + (root + 2 * unit) * a
     else:
         t["parameters"] = 4.0 * held
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
-    t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * sharded + 4 * biggest
+    grads_kept = fsdp / d_dense + whole if lay.shard == "full" else sharded
+    t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * biggest
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
@@ -415,7 +426,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, ...],
-                recomputes: tuple[str, ...]) -> Iterator[MemoryLayout]:
+                recomputes: tuple[str, ...], built: bool = False) -> Iterator[MemoryLayout]:
+    """`built`: only combinations this build runs (no sharding with a pipeline)."""
     E = cfg.moe.num_experts
     policies = [base.policy] + (["static"] if base.policy != "static" and E else [])
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
@@ -428,8 +440,8 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard != "none" and pp > 1 and "full" not in shards:
-                        continue  # the built sharding (optimizer) does not compose with the pipeline yet
+                    if shard != "none" and pp > 1 and built:
+                        continue  # the built sharding does not compose with the pipeline yet
                     for rc in recomputes:
                         for policy in policies if ep > 1 else [base.policy]:
                             yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
@@ -463,12 +475,13 @@ def rank_counts(max_ranks: int, per_node: int) -> list[int]:
 
 
 def fit_layout(cfg: Config, device: DeviceMemory, base: MemoryLayout, max_ranks: int, per_node: int = 8,
-               shards: tuple[str, ...] = SHARDS, recomputes: tuple[str, ...] = RECOMPUTES) -> MemoryPlan | None:
+               shards: tuple[str, ...] = SHARDS, recomputes: tuple[str, ...] = RECOMPUTES, built: bool = False
+               ) -> MemoryPlan | None:
     """The smallest layout that fits: the fewest ranks (of `rank_counts`), then the least `overhead`. None
-    when nothing up to `max_ranks` fits."""
+    when nothing up to `max_ranks` fits. `built`: only combinations this build runs."""
     specs = _layers(cfg)
     for ranks in rank_counts(max_ranks, per_node):
-        fitting = [p for lay in _candidates(cfg, ranks, base, shards, recomputes)
+        fitting = [p for lay in _candidates(cfg, ranks, base, shards, recomputes, built)
                    if (p := _plan(cfg, specs, lay, device)).fits]
         if fitting:
             return min(fitting, key=lambda p: (overhead(p.layout, base.policy), p.peak_bytes))
@@ -476,10 +489,11 @@ def fit_layout(cfg: Config, device: DeviceMemory, base: MemoryLayout, max_ranks:
 
 
 def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
-            recomputes: tuple[str, ...] = RECOMPUTES) -> MemoryPlan | None:
-    """The least-overhead change of shard, recompute, ep, pp and micro-batches on the same ranks that fits."""
+            recomputes: tuple[str, ...] = RECOMPUTES, built: bool = False) -> MemoryPlan | None:
+    """The least-overhead change of shard, recompute, ep, pp and micro-batches on the same ranks that fits
+    (`built`: only combinations this build runs)."""
     specs = _layers(cfg)
-    fitting = [p for lay in _candidates(cfg, plan.layout.ranks, plan.layout, shards, recomputes)
+    fitting = [p for lay in _candidates(cfg, plan.layout.ranks, plan.layout, shards, recomputes, built)
                if (p := _plan(cfg, specs, lay, plan.device)).fits]
     return min(fitting, key=lambda p: (overhead(p.layout, plan.layout.policy), p.peak_bytes)) if fitting else None
 
@@ -505,11 +519,11 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
         return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
                 f"model before keeping its share, so no layout fits with a whole-model start-up: use rank-local "
                 f"initialisation (what `moebal train` does; `moebal plan memory --init local` plans with it)")
-    fix = fix_for(cfg, plan, shards, recomputes)
+    fix = fix_for(cfg, plan, shards, recomputes, built is not None)
     if fix is not None:
         return f"{head}; fits with {_changes(plan.layout, fix.layout)} ({fix.peak_bytes / gb:.1f} GB)"
     more = fit_layout(cfg, plan.device, plan.layout, max_ranks=max(plan.layout.ranks, 1) * 64, shards=shards,
-                      recomputes=recomputes)
+                      recomputes=recomputes, built=built is not None)
     if more is not None:
         return (f"{head}; fits on {more.layout.ranks} ranks with {_changes(plan.layout, more.layout) or 'this layout'}"
                 f" ({more.peak_bytes / gb:.1f} GB)")

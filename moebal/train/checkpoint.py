@@ -161,24 +161,38 @@ def stacked_experts(module: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]
 
 @dataclass
 class _LocalView:
-    """What one rank holds, by logical name (views into the live tensors, nothing copied)."""
+    """What one rank holds, by logical name (views into the live tensors, nothing copied; gathered DTensors are
+    fresh host tensors, named in `gathered`)."""
 
     tensors: dict[str, torch.Tensor]
     experts: dict[str, tuple[str, int, int]]  # logical name -> (stacked name, expert id, experts in the layer)
     aliases: dict[str, str]  # state-dict name -> the name its (tied) storage is kept under
     stacked: dict[str, tuple[tuple[int, ...], int]]
+    gathered: set[str] = field(default_factory=set)
 
 
-def _local_view(module: nn.Module) -> _LocalView:
+def _local_view(module: nn.Module, gather: Callable[[bool], bool] | None = None) -> _LocalView:
+    """`gather`: DTensors (`parallel.shard: full`) as whole logical host tensors (collective over their mesh, in
+    state-dict order on every rank), kept where `gather(is_expert_stack)` says this rank writes them (the others
+    drop each one at once); None: as they are (a load copies each rank's chunk into them)."""
+    from torch.distributed.tensor import DTensor
+
     stacked = _stacked(module)
     view = _LocalView({}, {}, {}, stacked)
     seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, t in module.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = (local.data_ptr(), tuple(t.shape), tuple(local.stride()))
         if t.numel() and key in seen:
             view.aliases[name] = seen[key]
             continue
         seen[key] = name
+        if gather is not None and isinstance(t, DTensor):
+            full = t.full_tensor()  # collective: every rank, in this order
+            if not gather(name in stacked):
+                continue
+            t = full.to("cpu")
+            view.gathered.update([expert_name(name, e) for e in stacked[name][0]] if name in stacked else [name])
         if name in stacked:
             ids, E = stacked[name]
             if t.shape[0] != len(ids):  # a module that kept some experts' rows must say which (expert_ids)
@@ -345,16 +359,18 @@ class Checkpointer:
     def _snapshot(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                   global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
                   layout: dict[str, Any]) -> _Snapshot:
-        view = _local_view(module)
+        view = _local_view(module, gather=lambda expert: self.write_experts if expert else self.write_dense)
 
         def mine(name: str) -> bool:
             return self.write_experts if name in view.experts else self.write_dense
 
-        model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
+        # gathered tensors are host copies already (taken, not copied again)
+        model = {n: t if n in view.gathered else _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
         sharded = getattr(optimizer, "logical_state", None)
         if sharded is not None:  # sharded state: each logical tensor's owner writes it (a collective)
             opt, numbers = sharded(module, view.stacked)
-            optim = {k: _cpu_copy(t) for k, t in opt.items()}
+            # assembled tensors of the writer's own: each copied to the host and dropped in turn
+            optim = {k: _cpu_copy(opt.pop(k)) for k in list(opt)}
         else:
             opt, numbers = _optimizer_view(module, optimizer, view.stacked)
             optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
@@ -841,9 +857,16 @@ class PendingLoad:
     needed: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             for dst, src in self.copies:
-                dst.copy_(src)
+                if isinstance(dst, DTensor):  # `parallel.shard: full`: this rank's chunk of the logical tensor
+                    from moebal.distributed.fsdp import local_chunk
+
+                    dst.to_local().copy_(local_chunk(src, dst).to_local())
+                else:
+                    dst.copy_(src)
         if self.optimizer is not None and self.optimizer_state is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
 

@@ -5,7 +5,9 @@ forward + backward, hooks' `after_backward` (gradient synchronisation, Pro-Proph
 norm, AdamW step, then the step's one routing-statistics point (`_routing_step`: take every MoE layer's
 accumulated stats, let hooks reduce them, apply the auxiliary-loss-free bias update, read them to numbers).
 With `parallel.shard: optimizer` the hooks leave gradients alone and the `ShardedAdamW`
-(moebal/distributed/sharded.py) reduce-scatters them, clips by the global norm and all-gathers the weights.
+(moebal/distributed/sharded.py) reduce-scatters them, clips by the global norm and all-gathers the weights;
+with `parallel.shard: full` FSDP2 shards the dense weights and reduce-scatters their gradients in the backward
+pass, and `FullyShardedAdamW` (moebal/distributed/fsdp.py) does the rest.
 The trainer calls the hooks' `before_step` and `after_step` (observe -> plan -> apply) around it.
 """
 
@@ -30,6 +32,7 @@ from moebal.train.precision import uses_bf16
 from moebal.train.strategy import StepOutput
 
 if TYPE_CHECKING:
+    from moebal.distributed.fsdp import FullyShardedAdamW
     from moebal.distributed.sharded import ShardedAdamW
     from moebal.models.moe import MoELayer
     from moebal.train.checkpoint import CheckpointReader
@@ -48,12 +51,19 @@ class LocalStep:
         ctx.check_batch(cfg.data.batch_size)
         self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
         self.model = model.to(device)
-        self._sharded: ShardedAdamW | None = None
+        self._sharded: ShardedAdamW | FullyShardedAdamW | None = None
         if cfg.parallel.shard == "optimizer" and ctx.distributed:
             from moebal.distributed.sharded import ShardedAdamW
 
             # the hooks leave gradients unsynchronised (setup_parallel): this optimizer reduce-scatters them
             self._sharded = ShardedAdamW(self.model, cfg.train, ctx.dims)
+        elif cfg.parallel.shard == "full" and ctx.distributed:
+            from moebal.distributed.fsdp import FullyShardedAdamW, fully_shard_model
+
+            # dense weights, gradients and moments split by FSDP2 (which reduce-scatters their gradients in
+            # the backward pass), expert ones by the sharded optimizer, after Agg
+            fully_shard_model(self.model, cfg, ctx.dims)
+            self._sharded = FullyShardedAdamW(self.model, cfg, ctx.dims)
         self._optimizer = self._sharded or build_optimizer(self.model, cfg.train)
 
     @property

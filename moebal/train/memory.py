@@ -102,7 +102,7 @@ def check_plan(cfg: Config, device: torch.device, world_size: int, local_ranks: 
                           f"--no-memory-check")
 
 
-BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none", "optimizer"), ("none", "moe", "attention", "full"))
+BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none", "optimizer", "full"), ("none", "moe", "attention", "full"))
 """The parallel.shard and train.recompute values this build runs: a refusal proposes only these."""
 
 

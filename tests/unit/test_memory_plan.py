@@ -63,7 +63,15 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     assert ep["persistent gradient buffers"] == 4 * (dense + experts / 2)  # GradSync's flat buffer
     assert ep["all-to-all buffers"] == 2 * 4 * 1 * 8 * 4  # rows of one layer sent + received, fp32
     full = plan_memory(cfg, MemoryLayout(ranks=2, ep=2, shard="full"), BARE).terms
-    assert full["parameters"] == 4 * (dense / 2 + experts / 2) + 2 * 4 * (272 + 16 + 192 / 2)
+    # full (moebal/distributed/fsdp.py): dense shards, this rank's experts whole (replicated over the
+    # expert-data-parallel ranks), FSDP2's gathered root unit (embedding, head, norm) and two layers' dense weights
+    layer = 272 + 16
+    assert full["parameters"] == 4 * (dense / 2 + experts / 2) + 4 * ((dense - layer) + 2 * layer)
+    assert full["gradients"] == 4 * (dense / 2 + experts / 2) + 4 * (layer + experts / 2)
+    # with ep 1 FSDP2 shards the experts with the rest (no expert parallelism to leave them to)
+    dp = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full"), BARE).terms
+    assert dp["parameters"] == 4 * held / 2 + 4 * ((dense - layer) + 2 * (layer + experts))
+    assert dp["optimizer state"] == 8 * held / 2
 
 
 def test_recompute_keeps_layer_inputs():
@@ -138,7 +146,7 @@ def test_presets_fit_on_their_clusters():
     mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
     assert plan_memory(mixtral, layout_from_config(mixtral, 16), dev).fits
     assert not plan_memory(mixtral, layout_from_config(mixtral, 16, recompute="none"), dev).fits
-    planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")  # planned, not built
+    planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")  # built: pp 1
     assert plan_memory(mixtral, planned, dev).fits
 
 
