@@ -146,8 +146,10 @@ def test_presets_fit_on_their_clusters():
     mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
     assert plan_memory(mixtral, layout_from_config(mixtral, 16), dev).fits
     assert not plan_memory(mixtral, layout_from_config(mixtral, 16, recompute="none"), dev).fits
-    planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")  # built: pp 1
-    assert plan_memory(mixtral, planned, dev).fits
+    # without the pipeline even full sharding misses 16 GPUs: expert gradients stay whole until Agg (81.3 GB)
+    planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")
+    plan = plan_memory(mixtral, planned, dev)
+    assert not plan.fits and plan.largest_term[0] == "gradients"
 
 
 def _ram() -> int:
