@@ -7,127 +7,51 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from moebal.config import Config, from_dict
+from moebal.config import from_dict
 from moebal.distributed.testing import run_ranks
-
-STEPS = 20
-
-
-def _cfg(shard: str, ep: int | None, policy: str = "static", steps: int = STEPS, **train: Any) -> Config:
-    return from_dict({
-        "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
-        "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
-        "train": {"steps": steps, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
-                  "ckpt_every": 0, "progress": "plain", "threads": 1, "grad_clip": 0.5, **train},
-        "parallel": {"ep": ep, "shard": shard},
-        # a fixed hardware profile and no hysteresis: the same plans in every run, and they replicate
-        "planner": {"policy": policy, "costs": "rtx3090", "hysteresis": 0.0}})
-
-
-def _train(cfg: Config, out: Path, resume: bool = False) -> dict[str, Any]:
-    from moebal.train.distributed import setup_parallel
-    from moebal.train.trainer import Trainer
-
-    ctx, model, hooks = setup_parallel(cfg, run_dir=out, resume=resume)
-    trainer = Trainer(cfg, out, model=model, hooks=hooks, ctx=ctx, resume=resume)
-    trainer.train()
-    params = {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
-    trainer.close()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if ctx.is_main else []
-    return {"rows": [r for r in rows if "loss" in r], "params": params, "optimizer": type(trainer.optimizer).__name__}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12))
-
-
-def _pair(rank: int, world: int, root: str, ep: int | None, policy: str) -> dict[str, Any]:
-    """Both runs on these ranks; the rows, and the worst relative difference of this rank's parameters (plain
-    data: tensors do not cross the result queue)."""
-    runs = {shard: _train(_cfg(shard, ep, policy), Path(root) / shard) for shard in ("none", "optimizer")}
-    p, s = runs["none"]["params"], runs["optimizer"]["params"]
-    assert p.keys() == s.keys()
-    assert (runs["none"]["optimizer"], runs["optimizer"]["optimizer"]) == ("AdamW", "ShardedAdamW")
-    return {"none": runs["none"]["rows"], "optimizer": runs["optimizer"]["rows"],
-            "param_rel": max(_rel(s[n], p[n]) for n in p)}
-
-
-def _check(out: list[dict[str, Any]]) -> None:
-    plain, sharded = out[0]["none"], out[0]["optimizer"]
-    assert [r["step"] for r in sharded] == list(range(1, STEPS + 1))
-    for a, b in zip(plain, sharded):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a["step"], a["grad_norm"], b["grad_norm"])
-    assert any(r["grad_norm"] > 0.5 for r in plain)  # the clip acted
-    worst = max(r["param_rel"] for r in out)
-    assert worst < 1e-5, worst
+from tests.distributed.shard_parity import (
+    RESUME_STEPS,
+    check_parity,
+    checkpoint_state,
+    leg,
+    pair,
+    rel,
+    shard_cfg,
+)
 
 
 @pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)])
 def test_sharded_optimizer_matches_unsharded_for_20_steps(tmp_path, world, ep):
-    _check(run_ranks(_pair, world, str(tmp_path), ep, "static", timeout_s=600))
+    check_parity(run_ranks(pair, world, str(tmp_path), ep, "static", "optimizer", timeout_s=600), "optimizer")
 
 
 def test_sharded_optimizer_with_prophet_replicas_matches_unsharded(tmp_path):
-    out = run_ranks(_pair, 2, str(tmp_path), 2, "prophet", timeout_s=600)
+    out = run_ranks(pair, 2, str(tmp_path), 2, "prophet", "optimizer", timeout_s=600)
     assert any(sum(r["replicas"]) > 0 for r in out[0]["optimizer"])  # Trans and Agg ran
-    _check(out)
+    check_parity(out, "optimizer")
 
 
 # ---- checkpoints: resume across shard sizes ------------------------------------------------------------------
-
-RESUME_STEPS = 6
-
-
-def _leg(rank: int, world: int, root: str, shard: str, ep: int | None, resume: bool, stop: int | None) -> list[dict]:
-    from moebal.train.distributed import setup_parallel
-    from moebal.train.trainer import Trainer
-
-    cfg = _cfg(shard, ep, steps=RESUME_STEPS, ckpt_every=2)
-    out = Path(root)
-    ctx, model, hooks = setup_parallel(cfg, run_dir=out, resume=resume)
-    trainer = Trainer(cfg, out, model=model, hooks=hooks, ctx=ctx, resume=resume)
-    trainer.train(stop_after=stop)
-    trainer.close()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if ctx.is_main else []
-    return [r for r in rows if "loss" in r]
-
-
-def _state(path: Path) -> dict[str, torch.Tensor]:
-    """Every logical tensor of a checkpoint and its AdamW moments, by name."""
-    from moebal.train.checkpoint import read_checkpoint
-
-    out: dict[str, torch.Tensor] = {}
-    with read_checkpoint(path) as reader:
-        for name in reader.names():
-            out[name] = reader.read(name)
-        for k in reader.manifest["tensors"]:
-            ln, _, key = k.rpartition(":")
-            if ln and key != "step":
-                out[k] = reader.optimizer_state(ln)[key]
-    return out
 
 
 def test_resume_across_shard_sizes_1_2_4_with_expert_parallelism(tmp_path):
     """One process for 2 steps, then 2 ranks (ep 2: dense state in 2 shards), then 4 ranks (ep 2: dense state in 4
     shards, expert state in 2), against one uninterrupted process: losses, weights and AdamW moments."""
-    whole = run_ranks(_leg, 1, str(tmp_path / "whole"), "none", None, False, None, timeout_s=600)[0]
+    whole = run_ranks(leg, 1, str(tmp_path / "whole"), "none", None, False, None, timeout_s=600)[0]
     run = str(tmp_path / "resumed")
-    run_ranks(_leg, 1, run, "none", None, False, 2, timeout_s=600)
-    run_ranks(_leg, 2, run, "optimizer", 2, True, 4, timeout_s=600)
-    resumed = run_ranks(_leg, 4, run, "optimizer", 2, True, None, timeout_s=600)[0]
+    run_ranks(leg, 1, run, "none", None, False, 2, timeout_s=600)
+    run_ranks(leg, 2, run, "optimizer", 2, True, 4, timeout_s=600)
+    resumed = run_ranks(leg, 4, run, "optimizer", 2, True, None, timeout_s=600)[0]
     assert [r["step"] for r in resumed] == list(range(1, RESUME_STEPS + 1))
     for a, b in zip(whole, resumed):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
-    ref, got = (_state(Path(d) / f"ckpt-{RESUME_STEPS:07d}") for d in (tmp_path / "whole", run))
+    ref, got = (checkpoint_state(Path(d) / f"ckpt-{RESUME_STEPS:07d}") for d in (tmp_path / "whole", run))
     assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") for k in ref)
-    worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
+    worst = max(rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
     assert worst < 1e-5, worst
     manifest = json.loads((Path(run) / f"ckpt-{RESUME_STEPS:07d}" / "manifest.json").read_text())
     writers = {e["file"] for k, e in manifest["tensors"].items() if ":" in k}
@@ -151,7 +75,7 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
     from moebal.train.checkpoint import Checkpointer, load_checkpoint, read_checkpoint
     from moebal.train.optim import build_optimizer
 
-    cfg = _cfg("optimizer", 2)
+    cfg = shard_cfg("optimizer", 2)
     dims = ParallelDims(world_size=world, rank=rank, ep=2).init()
     torch.manual_seed(0)
     ref = build_model(cfg)
@@ -178,7 +102,7 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 b = opt.buckets[k]
                 want = full[b.start + fl.index * b.part:b.start + (fl.index + 1) * b.part]
-                worst["grad"] = max(worst["grad"], _rel(leaf.grad, want) if want.norm() > 0 else 0.0)
+                worst["grad"] = max(worst["grad"], rel(leaf.grad, want) if want.norm() > 0 else 0.0)
         norm = opt.clip_grad_norm(float("inf"))
         sq = sum(float(p.grad.double().square().sum()) for p in ref.parameters() if not is_expert_param(p))
         sq_e = torch.tensor(sum(float(p.grad.double().square().sum()) for p in ref.parameters() if is_expert_param(p)))
@@ -188,7 +112,7 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
         opt.step()
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad()
-        worst["param"] = max(worst["param"], max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters())))
+        worst["param"] = max(worst["param"], max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters())))
     # checkpoints: the sharded writer's logical state equals the reference optimizer's
     ck = Checkpointer(root, rank=rank, ranks=range(world), write_dense=dims.index("dp_ep") == 0,
                       write_experts=dims.index("dp") == 0, session="direct")
@@ -199,9 +123,9 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
     ck_ref.save(5, ref, ref_opt, global_state={"data": {}, "tokens": 0, "train_seconds": 0.0}, rank_state={},
                 config_yaml="")
     dist.barrier()
-    a, b = _state(Path(root) / "ckpt-0000005"), _state(Path(root) / "ref" / "ckpt-0000005")
+    a, b = checkpoint_state(Path(root) / "ckpt-0000005"), checkpoint_state(Path(root) / "ref" / "ckpt-0000005")
     assert a.keys() == b.keys()
-    worst["ckpt"] = max(_rel(a[k], b[k]) for k in a if b[k].norm() > 0)
+    worst["ckpt"] = max(rel(a[k], b[k]) for k in a if b[k].norm() > 0)
     # read back into other buckets: each part holds the reference optimizer's moments of its slice
     other_model = build_model(cfg)  # its weights come from the checkpoint
     ExpertParallel(other_model, dims, sync_gradients=False)
@@ -220,7 +144,7 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
                 want = full[b.start + fl.index * b.part:b.start + (fl.index + 1) * b.part]
                 st = other.inner.state[leaf]
                 assert float(st["step"]) == 5.0
-                worst["reload"] = max(worst["reload"], _rel(st[key], want) if want.norm() > 0 else 0.0)
+                worst["reload"] = max(worst["reload"], rel(st[key], want) if want.norm() > 0 else 0.0)
     return worst
 
 
@@ -234,4 +158,4 @@ def test_what_is_not_built_is_refused_with_the_fix():
 
     with pytest.raises(ConfigError, match="with a pipeline.*parallel.shard=none or parallel.pp=1"):
         from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}})
-    assert _cfg("optimizer", 2).parallel.shard == "optimizer"
+    assert shard_cfg("optimizer", 2).parallel.shard == "optimizer"
