@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 from moebal.config import from_dict, to_dict
 from moebal.distributed.testing import run_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = {
-    "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
-    "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "aux_loss_coef": 0.0},
-    "data": {"seq_len": 16, "batch_size": 2},
-    "train": {"precision": "fp32"},
-}
+from tests.distributed.test_bench_expert_feedback import ROOT, TINY  # the same tiny model and script path
 
 
 def test_plan_ahead_runs_beside_static_and_prophet_with_its_accuracy(monkeypatch) -> None:
