@@ -874,7 +874,7 @@ def _mem_predict(ctx: Ctx, overrides: list[str], capacity: float) -> dict[str, A
     cfg = load(None, overrides)
     prof = load_profile("h100")
     dev = DeviceMemory(name="this card", capacity_bytes=capacity, runtime_bytes=prof.memory_reserved_bytes,
-                       slack=prof.allocator_slack)
+                       slack=prof.allocator_slack, cuda=True)
     precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
     plan = plan_memory(cfg, layout_from_config(cfg, 1, precision=precision), dev)
     body = (plan.peak_bytes - dev.runtime_bytes) / (1 + dev.slack)

@@ -120,11 +120,14 @@ class DeviceMemory:
     """Share of what the start-up built and freed that stays resident (a CPU host's malloc keeps freed heap
     pages once the whole model's large frees have raised its mmap threshold; a GPU's caching allocator reuses
     them: 0)."""
+    cuda: bool = False
+    """A CUDA device: fp32 grouped-query attention there expands keys and values to every query head before
+    SDPA (moebal.models.transformer.expand_kv_heads), so they are saved at H heads, not G."""
 
     @classmethod
     def from_profile(cls, p: HardwareProfile) -> DeviceMemory:
         return cls(name=f"{p.name} ({p.device or 'device'})", capacity_bytes=p.memory_bytes,
-                   runtime_bytes=p.memory_reserved_bytes, slack=p.allocator_slack)
+                   runtime_bytes=p.memory_reserved_bytes, slack=p.allocator_slack, cuda=True)
 
     @classmethod
     def cpu(cls, ram_bytes: float, local_ranks: int) -> DeviceMemory:
@@ -253,15 +256,16 @@ def _stage_layers(n_layers: int, pp: int) -> list[range]:
     return out
 
 
-def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float) -> tuple[float, float]:
-    """(attention part, FFN part) bytes saved for backward per token of one decoder layer."""
+def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv: bool) -> tuple[float, float]:
+    """(attention part, FFN part) bytes saved for backward per token of one decoder layer; `expand_kv`: keys and
+    values are saved at every query head (fp32 grouped-query attention on CUDA)."""
     m, r = cfg.model, 4  # the residual stream stays fp32 (fp32 embeddings, fp32 + bf16 sums)
     D, H, G, hd = m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim
     if m.mla is not None:
         q = H * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim)
         kv, o = q + H * m.mla.v_head_dim, H * m.mla.v_head_dim
     else:
-        q, kv, o = H * hd, 2 * G * hd, H * hd
+        q, kv, o = H * hd, 2 * (H if expand_kv else G) * hd, H * hd
     casts = 3 * a * D if a == 2 else 0  # autocast casts the norm output once per projection
     attn = r * 2 * D + casts + a * (q + kv + 2 * o) + 4 * H
     ffn_cast = a * D if a == 2 else 0
@@ -273,9 +277,9 @@ def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float) -> tuple[f
     return attn, r * 2 * D + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
 
 
-def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str) -> tuple[float, float]:
+def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str, expand_kv: bool) -> tuple[float, float]:
     """(kept across the forward pass, full) activation bytes per token of layer i under `recompute`."""
-    attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew)
+    attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew, expand_kv)
     inp = 4 * cfg.model.dim
     kept = {"none": attn + ffn, "attention": inp + ffn, "moe": attn + inp, "full": inp}[recompute]
     return kept, attn + ffn
@@ -315,7 +319,7 @@ def _replicas(cfg: Config, lay: MemoryLayout) -> int:
     return min(2, others) if lay.policy == "broadcast_topk" else others
 
 
-def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range
+def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range, cuda: bool
                  ) -> tuple[dict[str, float], dict[str, float]]:
     """The terms of one stage's ranks and their phases (before runtime and slack)."""
     a = 2 if lay.precision == "bf16" else 4
@@ -354,20 +358,21 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     if lay.shard == "none" and grad_sync and not persistent:
         transient = 4.0 * (biggest if lay.pp > 1 else held)  # a pipeline's per-layer bucket; DP's flat copy
     t["gradient all-reduce copy"] = transient
-    _activations(cfg, lay, s, layers, a, t)
+    _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4)
     t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)
                                          if lay.init == "full" else 4.0 * held)
     return t, {phase: sum(t[k] for k in names) for phase, names in PHASE_TERMS.items()}
 
 
-def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, t: dict[str, float]) -> None:
+def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, t: dict[str, float], *,
+                 expand_kv: bool) -> None:
     """Activation, logits, buffer and replica terms of stage s (added to `t`)."""
     m, D = cfg.model, cfg.model.dim
     rows = cfg.data.batch_size // lay.stage_ranks
     M = lay.micro_batches if lay.pp > 1 else 1
     tok = rows * cfg.data.seq_len / M
     inflight = M if lay.schedule == "gpipe" else min(lay.pp - s, M)
-    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute) for i in layers]
+    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv) for i in layers]
     kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)
     one_layer = max((f for _, f in kept_full), default=0.0)
     t["activations"] = tok * (inflight * kept + one_layer)
@@ -401,7 +406,7 @@ def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: Device
     best: tuple[float, int, dict[str, float], dict[str, float]] | None = None
     peaks, trains, freeds = [], [], []
     for s, layers in enumerate(_stage_layers(cfg.model.n_layers, layout.pp)):
-        terms, phases = _stage_terms(cfg, specs, layout, s, layers)
+        terms, phases = _stage_terms(cfg, specs, layout, s, layers, device.cuda)
         train = max(v for k, v in phases.items() if k != "start-up")
         freed = max(0.0, phases["start-up"] - terms["parameters"])
         terms["start-up leftovers"] = device.startup_retained * freed

@@ -82,7 +82,7 @@ def _device_memory(device: torch.device, local_ranks: int, costs: str) -> Device
     profile = load_profile(costs if costs in list_profiles() else "h100")
     total = float(torch.cuda.get_device_properties(device).total_memory)
     return DeviceMemory(name=f"{torch.cuda.get_device_name(device)} ({total / 1e9:.1f} GB)", capacity_bytes=total,
-                        runtime_bytes=profile.memory_reserved_bytes, slack=profile.allocator_slack)
+                        runtime_bytes=profile.memory_reserved_bytes, slack=profile.allocator_slack, cuda=True)
 
 
 def check_plan(cfg: Config, device: torch.device, world_size: int, local_ranks: int) -> None:

@@ -74,6 +74,23 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     assert dp["optimizer state"] == 8 * held / 2
 
 
+def test_cuda_fp32_grouped_query_attention_saves_keys_and_values_at_every_query_head():
+    """On CUDA in fp32 the model expands K/V to the H query heads before SDPA (models.transformer.expand_kv_heads):
+    the plan saves 2 (H - G) head_dim more fp32 values per token and layer there, and nothing more elsewhere."""
+    gqa = load(None, [*TINY, "model.n_heads=4", "model.n_kv_heads=2"])  # head_dim 2
+    cuda = dataclasses.replace(BARE, cuda=True)
+    per_token_layer = 4 * 2 * (4 - 2) * 2
+    tokens = 2 * 4
+    host, gpu = (plan_memory(gqa, MemoryLayout(ranks=1), d).terms["activations"] for d in (BARE, cuda))
+    assert gpu - host == tokens * 2 * per_token_layer  # kept in flight + the one layer's backward working set
+    bf16 = [plan_memory(gqa, MemoryLayout(ranks=1, precision="bf16"), d).terms["activations"] for d in (BARE, cuda)]
+    assert bf16[0] == bf16[1]  # bf16 runs flash attention with enable_gqa: nothing expanded
+    mha = load(None, TINY)  # G == H: nothing to expand
+    assert (plan_memory(mha, MemoryLayout(ranks=1), BARE).terms["activations"]
+            == plan_memory(mha, MemoryLayout(ranks=1), cuda).terms["activations"])
+    assert DeviceMemory.from_profile(load_profile("h100")).cuda
+
+
 def test_recompute_keeps_layer_inputs():
     cfg = load(None, TINY)
     none = plan_memory(cfg, MemoryLayout(ranks=1), BARE).terms["activations"]
