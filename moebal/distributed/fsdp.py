@@ -24,9 +24,11 @@ sharded fp32 master weights and AdamW moments, all-gathers the weights cast to `
 reduce-scatters gradients in `reduce_dtype` (the expert reduce-scatters use the same dtype); gradients reach
 the optimizer in fp32. fp32 / fp32 (the default) is the parity case.
 
-Checkpoints keep their format (docs/checkpoints.md): a dense tensor's weights and moments are all-gathered
-(`full_tensor`, collective over "dp_ep") and written whole by the stage's first rank; loading keeps the
-rank's dim-0 chunk of each logical tensor, so a checkpoint resumes under any shard size, or none.
+Checkpoints keep their logical names (docs/checkpoints.md) and are written by each owner, with no gather: a
+rank writes the rows of the dense weights and moments it holds as row pieces of the logical tensors (the
+manifest lists them; readers assemble them), and the rows it holds of a stacked expert tensor (`parallel.ep:
+1`) as whole logical experts with their moments. Loading keeps the rank's dim-0 chunk of each logical tensor,
+so a checkpoint resumes under any shard size, or none.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 
 if TYPE_CHECKING:
-    from moebal.train.checkpoint import CheckpointReader
+    from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["FullyShardedAdamW", "fully_shard_model", "local_chunk"]
+__all__ = ["FullyShardedAdamW", "fully_shard_model", "local_chunk", "shard_rows"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -76,6 +78,21 @@ def local_chunk(full: torch.Tensor, like: DTensor) -> DTensor:
     own chunk; no communication."""
     return distribute_tensor(full.to(dtype=like.dtype, device=like.device), like.device_mesh,
                              list(like.placements), src_data_rank=None)
+
+
+def shard_rows(t: DTensor) -> tuple[int, int]:
+    """(first row, rows) of the logical tensor that this rank's shard of `t` holds: FSDP2's dim-0 layout, chunks of
+    ceil(n / W) rows in mesh order, the last ones short or empty (as `torch.chunk`)."""
+    if t.device_mesh.ndim != 1 or len(t.placements) != 1 or not t.placements[0].is_shard(0):
+        raise RuntimeError(f"a DTensor laid out as {t.placements} over a {t.device_mesh.ndim}-d mesh: checkpoints "
+                           f"write dim-0 shards over one mesh dimension (FSDP2's layout) only")
+    n, W = t.shape[0], t.device_mesh.size()
+    first = min(n, t.device_mesh.get_local_rank() * -(-n // W))
+    rows = t.to_local().shape[0]
+    if first + rows > n or (rows and rows != min(-(-n // W), n - first)):
+        raise RuntimeError(f"a shard of {rows} rows at row {first} of a {n}-row DTensor over {W} ranks: not FSDP2's "
+                           f"dim-0 chunks")
+    return first, rows
 
 
 class FullyShardedAdamW(torch.optim.Optimizer):
@@ -173,23 +190,34 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         return [(n, p) for n, p in module.named_parameters() if id(p) in ids]
 
     def logical_state(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The AdamW state this rank writes, by `<logical name>:<key>`: dense tensors whole (gathered over
-        "dp_ep", written by its first rank), expert ones as `ShardedAdamW.logical_state`. Collective."""
-        out: dict[str, torch.Tensor] = {}
-        writer = self.dims.index("dp_ep") == 0
+                      ) -> tuple[dict[str, torch.Tensor | RowPiece], dict[str, Any]]:
+        """The AdamW state this rank writes, by `<logical name>:<key>`: the rows of each dense moment it holds (a
+        `RowPiece`, or per logical expert for a stacked expert tensor, with its step), the step count by the
+        holder of row 0; expert-parallel experts as `ShardedAdamW.logical_state` (collective)."""
+        from moebal.train.checkpoint import RowPiece, expert_name
+
+        out: dict[str, torch.Tensor | RowPiece] = {}
         if self.dense is not None:
             for name, p in self._named_dense(module):
                 state = self.dense.state.get(p)
                 if not state:
                     continue
-                for key in ("exp_avg", "exp_avg_sq"):
-                    v = state[key]
-                    full = v.full_tensor() if isinstance(v, DTensor) else v  # collective over "dp_ep"
-                    if writer:
-                        out[f"{name}:{key}"] = full
-                if writer:
-                    out[f"{name}:step"] = _local(state["step"]).detach().clone()
+                first, rows = shard_rows(p) if isinstance(p, DTensor) else (0, p.shape[0] if p.dim() else 1)
+                step = _local(state["step"]).detach().clone()
+                moments = {key: _local(state[key]) for key in ("exp_avg", "exp_avg_sq")}
+                if name in stacked:  # rows are whole experts
+                    ids = stacked[name][0]
+                    for row in range(rows):
+                        ln = expert_name(name, ids[first + row])
+                        out.update({f"{ln}:{k}": v[row] for k, v in moments.items()})
+                        out[f"{ln}:step"] = step
+                    continue
+                if rows:
+                    whole = rows == (p.shape[0] if p.dim() else 1)
+                    out.update({f"{name}:{k}": v if whole else RowPiece(v, first, tuple(p.shape))
+                                for k, v in moments.items()})
+                if first == 0:
+                    out[f"{name}:step"] = step
         if self.experts is not None:
             out.update(self.experts.logical_state(module, stacked)[0])
         return out, {}
@@ -202,9 +230,9 @@ class FullyShardedAdamW(torch.optim.Optimizer):
 
         dense: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in self._named_dense(module):
-            if not reader.optimizer_keys(name):
+            saved = _saved_state(reader, name, stacked)
+            if saved is None:
                 continue  # never stepped: starts fresh, as an unsharded optimizer's would
-            saved = reader.optimizer_state(name)
             entry: dict[str, torch.Tensor] = {}
             for key in ("exp_avg", "exp_avg_sq"):
                 v = saved.get(key)
@@ -227,6 +255,25 @@ class FullyShardedAdamW(torch.optim.Optimizer):
                     self.dense.state[p] = dict(state_dict["dense"][name])
         if self.experts is not None and state_dict["experts"] is not None:
             self.experts.load_state_dict(state_dict["experts"])
+
+
+def _saved_state(reader: CheckpointReader, name: str, stacked: dict[str, tuple[tuple[int, ...], int]]
+                 ) -> dict[str, Any] | None:
+    """Parameter `name`'s saved AdamW state, a stacked expert tensor's assembled from its logical experts (moments
+    stacked, the step of the first); None when nothing was saved."""
+    from moebal.errors import CheckpointError
+    from moebal.train.checkpoint import expert_name
+
+    if name not in stacked or reader.optimizer_keys(name):  # plain, or stacked under its own name
+        return reader.optimizer_state(name) if reader.optimizer_keys(name) else None
+    ids = stacked[name][0]
+    have = [reader.optimizer_keys(expert_name(name, e)) for e in ids]
+    if not any(have):
+        return None
+    if any(h != have[0] for h in have):
+        raise CheckpointError(f"{reader.path}: optimizer state of some experts of '{name}' is missing")
+    per = [reader.optimizer_state(name, e) for e in ids]
+    return {k: torch.stack([s[k] for s in per]) if k != "step" else per[0][k] for k in have[0]}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

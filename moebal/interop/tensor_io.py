@@ -197,6 +197,25 @@ class FileSource:
             return out
         return buf
 
+    def read_rows(self, name: str, first: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [first, first + len(out)) of tensor `name` into `out` (one contiguous read)."""
+        e = self.entries[name]
+        n = out.shape[0] if out.dim() else 0
+        if not e.shape or first < 0 or first + n > e.shape[0] or tuple(out.shape[1:]) != e.shape[1:]:
+            raise CheckpointError(f"{self.path}: tensor '{name}' {list(e.shape)} has no rows {first}..{first + n} "
+                                  f"of shape {list(out.shape[1:])}")
+        row = (e.end - e.begin) // e.shape[0] if e.shape[0] else 0
+        direct = out.dtype == e.dtype and out.is_contiguous() and out.device.type == "cpu"
+        buf = out if direct else torch.empty(tuple(out.shape), dtype=e.dtype)
+        if self._f is None:
+            self._f = open(self.path, "rb")  # noqa: SIM115 - closed by close()
+        if buf.numel():
+            _readinto(self._f, e.begin + first * row, buf, self.path, name)
+        if not direct:
+            with torch.no_grad():
+                out.copy_(buf)
+        return out
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()

@@ -27,6 +27,9 @@ every logical tensor is written exactly once (rank 0 checks this when it complet
 sharded optimizer state (`parallel.shard: optimizer`) the optimizer says what this rank writes
 (`logical_state`): each logical tensor's state whole, by the owner of its first element, in the same format,
 and reads back only the overlap with its parts (`read_logical_state`), so resuming works across shard sizes.
+With FSDP2's shards (`parallel.shard: full`) each rank writes the rows it holds, no gather: a dense tensor as a
+row piece of its logical name (the manifest lists the pieces, rank 0 checks that they tile the rows, readers
+assemble them: `RowPiece`), stacked expert rows as whole logical experts; a rank loads only its rows.
 
 **Atomicity.** Every rank writes its files into `.ckpt-<step>.<session>.tmp/`, fsyncs them, and then
 publishes a small `rank-<r>.json` (its files' sizes and checksums, its tensors, its RNG and hook states)
@@ -79,6 +82,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointReader",
     "PendingLoad",
+    "RowPiece",
     "TensorInfo",
     "apply_checkpoint",
     "expert_name",
@@ -159,22 +163,35 @@ def stacked_experts(module: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]
     return _stacked(module)
 
 
+@dataclass(frozen=True)
+class RowPiece:
+    """Rows [first, first + len(tensor)) of a logical tensor of `shape`, written by the rank that holds them (a
+    `parallel.shard: full` shard): the manifest lists the pieces under the logical name and readers assemble
+    them, so the checkpoint reads as if the tensor had been written whole."""
+
+    tensor: torch.Tensor
+    first: int
+    shape: tuple[int, ...]
+
+
 @dataclass
 class _LocalView:
-    """What one rank holds, by logical name (views into the live tensors, nothing copied; gathered DTensors are
-    fresh host tensors, named in `gathered`)."""
+    """What one rank holds, by logical name (views into the live tensors, nothing copied)."""
 
     tensors: dict[str, torch.Tensor]
     experts: dict[str, tuple[str, int, int]]  # logical name -> (stacked name, expert id, experts in the layer)
     aliases: dict[str, str]  # state-dict name -> the name its (tied) storage is kept under
     stacked: dict[str, tuple[tuple[int, ...], int]]
-    gathered: set[str] = field(default_factory=set)
+    pieces: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    """Logical name -> (first row, logical shape) of a shard that holds only some rows."""
+    owned: set[str] = field(default_factory=set)
+    """Names this rank writes whatever its place in the layout: the rows of its DTensor shards."""
 
 
-def _local_view(module: nn.Module, gather: Callable[[bool], bool] | None = None) -> _LocalView:
-    """`gather`: DTensors (`parallel.shard: full`) as whole logical host tensors (collective over their mesh, in
-    state-dict order on every rank), kept where `gather(is_expert_stack)` says this rank writes them (the others
-    drop each one at once); None: as they are (a load copies each rank's chunk into them)."""
+def _local_view(module: nn.Module) -> _LocalView:
+    """DTensors (`parallel.shard: full`) are this rank's rows (no communication): a stacked expert tensor's rows as
+    whole logical experts, any other tensor as a row piece (whole where it holds every row); a checkpoint writes
+    them from this rank and loads only them into it."""
     from torch.distributed.tensor import DTensor
 
     stacked = _stacked(module)
@@ -187,12 +204,9 @@ def _local_view(module: nn.Module, gather: Callable[[bool], bool] | None = None)
             view.aliases[name] = seen[key]
             continue
         seen[key] = name
-        if gather is not None and isinstance(t, DTensor):
-            full = t.full_tensor()  # collective: every rank, in this order
-            if not gather(name in stacked):
-                continue
-            t = full.to("cpu")
-            view.gathered.update([expert_name(name, e) for e in stacked[name][0]] if name in stacked else [name])
+        if isinstance(t, DTensor):
+            _add_shard(view, name, t)
+            continue
         if name in stacked:
             ids, E = stacked[name]
             if t.shape[0] != len(ids):  # a module that kept some experts' rows must say which (expert_ids)
@@ -204,6 +218,25 @@ def _local_view(module: nn.Module, gather: Callable[[bool], bool] | None = None)
         else:
             view.tensors[name] = t
     return view
+
+
+def _add_shard(view: _LocalView, name: str, t: Any) -> None:
+    """This rank's rows of DTensor `t` into `view` (see `_local_view`)."""
+    from moebal.distributed.fsdp import shard_rows
+
+    first, n = shard_rows(t)
+    local = t.to_local()
+    if name in view.stacked:
+        ids, E = view.stacked[name]
+        for row in range(n):
+            ln = expert_name(name, ids[first + row])
+            view.tensors[ln], view.experts[ln] = local[row], (name, ids[first + row], E)
+            view.owned.add(ln)
+    elif n:
+        view.tensors[name] = local
+        view.owned.add(name)
+        if n != t.shape[0]:
+            view.pieces[name] = (first, tuple(t.shape))
 
 
 def _optimizer_view(module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -290,6 +323,8 @@ class _Snapshot:
     global_state: dict[str, Any]
     config_yaml: str
     layout: dict[str, Any]
+    pieces: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    """Model or optimizer key -> (first row, logical shape) of the row pieces among them."""
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -359,18 +394,25 @@ class Checkpointer:
     def _snapshot(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
                   global_state: dict[str, Any], rank_state: dict[str, Any], config_yaml: str,
                   layout: dict[str, Any]) -> _Snapshot:
-        view = _local_view(module, gather=lambda expert: self.write_experts if expert else self.write_dense)
+        view = _local_view(module)
 
         def mine(name: str) -> bool:
+            if name in view.owned:
+                return True
             return self.write_experts if name in view.experts else self.write_dense
 
-        # gathered tensors are host copies already (taken, not copied again)
-        model = {n: t if n in view.gathered else _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
+        model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
+        pieces = {n: v for n, v in view.pieces.items() if n in model}
         sharded = getattr(optimizer, "logical_state", None)
         if sharded is not None:  # sharded state: each logical tensor's owner writes it (a collective)
             opt, numbers = sharded(module, view.stacked)
-            # assembled tensors of the writer's own: each copied to the host and dropped in turn
-            optim = {k: _cpu_copy(opt.pop(k)) for k in list(opt)}
+            optim = {}
+            for k in list(opt):  # assembled tensors of the writer's own: copied to the host and dropped in turn
+                v = opt.pop(k)
+                if isinstance(v, RowPiece):
+                    pieces[k] = (v.first, v.shape)
+                    v = v.tensor
+                optim[k] = _cpu_copy(v)
         else:
             opt, numbers = _optimizer_view(module, optimizer, view.stacked)
             optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}
@@ -380,7 +422,7 @@ class Checkpointer:
         global_state, rank_state, layout = json.loads(json.dumps([global_state, rank_state, layout]))
         return _Snapshot(step, model, {n: view.experts[n] for n in model if n in view.experts},
                          view.aliases if self.write_dense else {}, optim, numbers, {}, rank_state, global_state,
-                         config_yaml, layout)
+                         config_yaml, layout, pieces)
 
     def _run(self, snap: _Snapshot) -> None:
         t0 = time.perf_counter()
@@ -405,12 +447,17 @@ class Checkpointer:
             if not payload:
                 continue
             name = f"{kind}-r{self.rank:05d}.safetensors"
-            save_file(payload, str(tmp / name))
+            pieces = {} if kind == "extra" else {k: snap.pieces[k] for k in payload if k in snap.pieces}
+            save_file({f"{k}@{pieces[k][0]}" if k in pieces else k: t for k, t in payload.items()}, str(tmp / name))
             _fsync_file(tmp / name)
             files[name] = _file_record(tmp / name)
             for k, t in payload.items():
-                (extra if kind == "extra" else tensors)[k] = {"file": name, "dtype": _dtype_name(t),
-                                                              "shape": list(t.shape)}
+                entry: dict[str, Any] = {"file": name, "dtype": _dtype_name(t), "shape": list(t.shape)}
+                if k in pieces:  # a row piece: listed under its logical name, with the rows it holds
+                    first, shape = pieces[k]
+                    entry = {"dtype": _dtype_name(t), "shape": list(shape),
+                             "pieces": [{"file": name, "key": f"{k}@{first}", "rows": [first, first + t.shape[0]]}]}
+                (extra if kind == "extra" else tensors)[k] = entry
         note = {"rank": self.rank, "files": files, "tensors": tensors, "extra": extra,
                 "experts": {n: list(v) for n, v in snap.experts.items()}, "aliases": snap.aliases,
                 "optimizer_numbers": snap.optim_numbers, "state": snap.rank_state}
@@ -491,13 +538,18 @@ def _merge_notes(notes: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     for note in notes:
         for into, entries in ((tensors, note["tensors"]), (extra, note.get("extra", {}))):
             for name, entry in entries.items():
-                if name in into:
+                if name in into and not _more_pieces(into[name], entry):
                     raise CheckpointError(f"{tmp}: two ranks wrote '{name}' (a bug in the writer assignment)")
-                into[name] = entry
+                if name in into:
+                    into[name] = {**into[name], "pieces": [*into[name]["pieces"], *entry["pieces"]]}
+                else:
+                    into[name] = entry
         files.update(note["files"])
         experts.update(note["experts"])
         aliases.update(note["aliases"])
         numbers.update(note["optimizer_numbers"])
+    for name, entry in tensors.items():
+        _check_pieces(name, entry, tmp)
     stacked: dict[str, dict[str, Any]] = {}
     for name, (stk, e, E) in experts.items():
         s = stacked.setdefault(stk, {"num_experts": E, "experts": set(), "dtype": tensors[name]["dtype"],
@@ -513,6 +565,32 @@ def _merge_notes(notes: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
             "stacked": {k: {"num_experts": v["num_experts"], "dtype": v["dtype"], "shape": v["shape"]}
                         for k, v in stacked.items()},
             "aliases": aliases, "optimizer_numbers": numbers, "extra": extra}
+
+
+def _more_pieces(have: dict[str, Any], entry: dict[str, Any]) -> bool:
+    """Whether `entry` adds row pieces to the same logical tensor as `have`."""
+    return ("pieces" in have and "pieces" in entry and have["dtype"] == entry["dtype"]
+            and have["shape"] == entry["shape"])
+
+
+def _check_pieces(name: str, entry: dict[str, Any], tmp: Path) -> None:
+    """A pieced tensor's pieces, sorted, must cover its rows exactly once."""
+    if "pieces" not in entry:
+        return
+    entry["pieces"].sort(key=lambda p: p["rows"][0])
+    end = 0
+    for p in entry["pieces"]:
+        if p["rows"][0] != end:
+            raise CheckpointError(f"{tmp}: the pieces of '{name}' {'overlap' if p['rows'][0] < end else 'leave a gap'}"
+                                  f" at row {min(end, p['rows'][0])} (a bug in the writer assignment)")
+        end = p["rows"][1]
+    if end != entry["shape"][0]:
+        raise CheckpointError(f"{tmp}: no rank wrote rows {end}.. of '{name}' (a bug in the writer assignment)")
+
+
+def _entry_files(entry: dict[str, Any]) -> list[Any]:
+    """The files a manifest entry's data lies in (one, or one per row piece)."""
+    return [p["file"] for p in entry["pieces"]] if "pieces" in entry else [entry["file"]]
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -582,7 +660,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             if not isinstance(manifest[key], dict):
                 raise TypeError(key)
         int(manifest["step"])
-        files = [*manifest["files"], *(e["file"] for k in ("tensors", "extra") for e in manifest.get(k, {}).values())]
+        files = [*manifest["files"], *(f for k in ("tensors", "extra") for e in manifest.get(k, {}).values()
+                                       for f in _entry_files(e))]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
     for name in files:
@@ -691,22 +770,44 @@ class CheckpointReader:
     def _tensor(self, key: str, out: torch.Tensor | None = None, index: int | None = None,
                 section: str = "tensors") -> torch.Tensor:
         """Stored tensor `key`, read with plain reads at its offsets (no memory map: pages a reader touched
-        would count as its resident memory)."""
-        from moebal.interop.tensor_io import FileSource
-
+        would count as its resident memory); a tensor written in row pieces is assembled from them."""
         entry = self.manifest.get(section, {}).get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} holds no tensor '{key}'")
-        file = entry["file"]
+        if "pieces" not in entry:
+            return self._stored(entry["file"], key, entry["shape"], out, index)
+        shape = [int(n) for n in entry["shape"]]
+        spans = [(int(p["rows"][0]), int(p["rows"][1]), p) for p in entry["pieces"]]
+        if index is not None:  # one row: from the piece that holds it
+            for a, b, p in spans:
+                if a <= index < b:
+                    return self._stored(p["file"], p["key"], [b - a, *shape[1:]], out, index - a)
+            raise CheckpointError(f"{self.path}: tensor '{key}' {shape} has no row {index}")
+        if out is not None and list(out.shape) != shape:
+            raise CheckpointError(f"{self.path}: tensor '{key}' has shape {shape}, expected {list(out.shape)}")
+        whole = out if out is not None else torch.empty(shape, dtype=_torch_dtype(entry["dtype"]))
+        for a, b, p in spans:  # row pieces, each read into its rows
+            self._stored(p["file"], p["key"], [b - a, *shape[1:]], whole[a:b])
+        return whole
+
+    def _stored(self, file: str, key: str, shape: list[int], out: torch.Tensor | None = None,
+                index: int | None = None) -> torch.Tensor:
+        """Tensor `key` of `file`, which the manifest says has `shape`."""
+        return self._source(file, key, shape).read(key, index, out)
+
+    def _source(self, file: str, key: str, shape: list[int]) -> FileSource:
+        """The open, verified `file`, after checking that it holds `key` at `shape`."""
+        from moebal.interop.tensor_io import FileSource
+
         if file not in self._handles:
             self._handles[file] = FileSource(self._file(file))
         src = self._handles[file]
         if key not in src.entries:
             raise CheckpointError(f"{self.path / file} lacks '{key}', which the manifest places there")
-        if list(src.entries[key].shape) != list(entry["shape"]):
+        if list(src.entries[key].shape) != list(shape):
             raise CheckpointError(f"{self.path / file}: '{key}' has shape {tuple(src.entries[key].shape)}, the "
-                                  f"manifest says {tuple(entry['shape'])}")
-        return src.read(key, index, out)
+                                  f"manifest says {tuple(shape)}")
+        return src
 
     def verify(self) -> CheckpointReader:
         """Check every file now (instead of on first use)."""
@@ -738,10 +839,11 @@ class CheckpointReader:
             if target in self.manifest["stacked"]:
                 s = self.manifest["stacked"][target]
                 first = self.manifest["tensors"][self._by_stacked[target][0]]
-                out[name] = TensorInfo(_torch_dtype(s["dtype"]), tuple(s["shape"]), str(self.path / first["file"]))
+                out[name] = TensorInfo(_torch_dtype(s["dtype"]), tuple(s["shape"]),
+                                       str(self.path / _entry_files(first)[0]))
             else:
                 e = self.manifest["tensors"][target]
-                out[name] = TensorInfo(_torch_dtype(e["dtype"]), tuple(e["shape"]), str(self.path / e["file"]))
+                out[name] = TensorInfo(_torch_dtype(e["dtype"]), tuple(e["shape"]), str(self.path / _entry_files(e)[0]))
         return out
 
     def read(self, name: str, index: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -759,6 +861,24 @@ class CheckpointReader:
                 return self._tensor(experts[index], out)
             raise CheckpointError(f"{self.path}: '{name}' has no expert {index} (it has {len(experts)})")
         return self._tensor(target, out, index)
+
+    def read_rows(self, name: str, first: int, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [first, first + rows) of plain tensor `name` (not a stacked one), from whichever pieces hold them."""
+        target = self.manifest["aliases"].get(name, name)
+        entry = self.manifest["tensors"].get(target)
+        if entry is None or target in self.manifest["stacked"]:
+            raise CheckpointError(f"{self.path} holds no plain tensor '{name}'")
+        shape = [int(n) for n in entry["shape"]]
+        if not shape or first < 0 or first + rows > shape[0]:
+            raise CheckpointError(f"{self.path}: tensor '{name}' {shape} has no rows {first}..{first + rows}")
+        whole = out if out is not None else torch.empty([rows, *shape[1:]], dtype=_torch_dtype(entry["dtype"]))
+        spans = ([(int(p["rows"][0]), int(p["rows"][1]), p["file"], p["key"]) for p in entry["pieces"]]
+                 if "pieces" in entry else [(0, shape[0], entry["file"], target)])
+        for a, b, file, key in spans:
+            lo, hi = max(a, first), min(b, first + rows)
+            if lo < hi:
+                self._source(file, key, [b - a, *shape[1:]]).read_rows(key, lo - a, whole[lo - first:hi - first])
+        return whole
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
@@ -857,16 +977,9 @@ class PendingLoad:
     needed: list[str] = field(default_factory=list)
 
     def apply(self) -> None:
-        from torch.distributed.tensor import DTensor
-
         with torch.no_grad():
-            for dst, src in self.copies:
-                if isinstance(dst, DTensor):  # `parallel.shard: full`: this rank's chunk of the logical tensor
-                    from moebal.distributed.fsdp import local_chunk
-
-                    dst.to_local().copy_(local_chunk(src, dst).to_local())
-                else:
-                    dst.copy_(src)
+            for dst, src in self.copies:  # a DTensor shard's rows are plain views (`_local_view`)
+                dst.copy_(src)
         if self.optimizer is not None and self.optimizer_state is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
 
@@ -888,9 +1001,10 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
                 return (f"{reader.path} has no expert {e} of '{stk}' (layer tensor '{name}' is missing from the "
                         f"manifest): the checkpoint is incomplete; resume from an older checkpoint")
             return f"{reader.path} holds no tensor '{name}', which this model has: {fix}"
-        if list(entry["shape"]) != list(t.shape):
+        shape = view.pieces[name][1] if name in view.pieces else tuple(t.shape)
+        if list(entry["shape"]) != list(shape):
             return (f"{reader.path}: '{name}' has shape {tuple(entry['shape'])} in the checkpoint but "
-                    f"{tuple(t.shape)} in this model: {fix}")
+                    f"{tuple(shape)} in this model: {fix}")
     return None
 
 
@@ -907,8 +1021,10 @@ def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torc
     pending = PendingLoad(module, optimizer, needed=sorted(view.tensors))
     try:
         _ = reader.state  # checked here, so that a bad state.json fails before anything is applied
-        for name, dst in view.tensors.items():
-            pending.copies.append((dst, reader.read(name)))
+        for name, dst in view.tensors.items():  # a shard's rows alone
+            piece = view.pieces.get(name)
+            src = reader.read(name) if piece is None else reader.read_rows(name, piece[0], dst.shape[0])
+            pending.copies.append((dst, src))
         sharded = getattr(optimizer, "read_logical_state", None)
         if sharded is not None:  # sharded state: the parts of the logical tensors this rank owns
             pending.optimizer_state = sharded(reader, module, view.stacked)

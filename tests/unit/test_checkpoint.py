@@ -21,6 +21,7 @@ from moebal.models import build_model
 from moebal.train.checkpoint import (
     Checkpointer,
     CheckpointReader,
+    RowPiece,
     apply_checkpoint,
     find_checkpoints,
     latest_good_checkpoint,
@@ -383,3 +384,46 @@ def test_when_another_rank_fails_to_load_no_rank_applies_anything(tmp_path):
             load_agreed(CheckpointReader(path), fresh, fresh_opt, gather)
 
     _unchanged_after(load, fresh, fresh_opt)
+
+
+class _RowOwner:
+    """An optimizer stand-in whose state this rank writes as one row piece of a [6, 4] logical tensor (what
+    `parallel.shard: full` writes for a dense tensor's moments)."""
+
+    def __init__(self, full: torch.Tensor, rows: tuple[int, int]) -> None:
+        self.full, self.rows = full, rows
+
+    def logical_state(self, module, stacked):
+        a, b = self.rows
+        return {"weight:exp_avg": RowPiece(self.full[a:b], a, tuple(self.full.shape))}, {}
+
+
+def _two_writers(run: Path, rows: list[tuple[int, int]]) -> Path:
+    """Ranks 1 then 0 (which completes) write one checkpoint; rank r's optimizer piece covers rows[r]."""
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    module = nn.Linear(4, 6, bias=False)
+    for r in (1, 0):
+        Checkpointer(run, rank=r, ranks=[0, 1], write_dense=r == 0, timeout_s=5).save(
+            3, module, _RowOwner(full, rows[r]), global_state={}, rank_state={}, config_yaml="")  # type: ignore[arg-type]
+    return run / "ckpt-0000003"
+
+
+def test_row_pieces_of_two_owners_read_as_one_logical_tensor(tmp_path):
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    path = _two_writers(tmp_path, [(0, 4), (4, 6)])
+    entry = json.loads((path / "manifest.json").read_text())["tensors"]["weight:exp_avg"]
+    assert [p["rows"] for p in entry["pieces"]] == [[0, 4], [4, 6]] and entry["shape"] == [6, 4]
+    with read_checkpoint(path) as reader:
+        assert torch.equal(reader.optimizer_state("weight")["exp_avg"], full)
+        assert torch.equal(reader.read_rows("weight:exp_avg", 3, 2), full[3:5])  # across the two pieces
+        assert torch.equal(reader.read_rows("weight", 1, 3), reader.read("weight")[1:4])  # a whole tensor's rows
+        with pytest.raises(CheckpointError, match="no rows 5..7"):
+            reader.read_rows("weight:exp_avg", 5, 2)
+
+
+@pytest.mark.parametrize("rows, word", [([(0, 4), (5, 6)], "gap"), ([(0, 4), (3, 6)], "overlap"),
+                                        ([(0, 4), (4, 5)], "no rank wrote rows 5")])
+def test_row_pieces_that_do_not_tile_the_tensor_fail_the_checkpoint(tmp_path, rows, word):
+    with pytest.raises(CheckpointError, match=word):
+        _two_writers(tmp_path, rows)
+    assert not find_checkpoints(tmp_path)  # nothing published
