@@ -2,8 +2,8 @@
 
 The dense figure is what `Attention` runs today (`scaled_dot_product_attention(is_causal=True, enable_gqa)`);
 the sparse one is the `sparse_attention` scheme's whole attention core: block selection (pooled scores, top-k)
-plus `block_sparse_attention` on its default path here ("split" on a CPU), with the "masked" path (CUDA's)
-beside it. Shapes are the pipeline benchmark's heads (4 query heads, 2 key/value heads, head dim 32) on one
+plus `block_sparse_attention` on its default path for the shape (`default_path`), with the other path beside
+it. Shapes are the pipeline benchmark's heads (4 query heads, 2 key/value heads, head dim 32) on one
 2,048-token row, 1 thread. Methods are timed interleaved (`time_interleaved`, every round calls each once in a
 rotated order; medians of repeats, every round's samples in the JSON); the ratio is of CPU-time medians (the
 machine is shared; wall time beside it, and the load average before and after). Target: at most 0.6x the dense
@@ -41,7 +41,7 @@ def measure(seq: int, block: int, repeats: int, heads: int = 4, kv_heads: int = 
     q = torch.randn(1, heads, seq, head_dim, generator=g).requires_grad_(True)
     k = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
     v = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
-    default = default_path(q.device)
+    default = default_path(q.device, block, heads // kv_heads)
 
     def dense() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()

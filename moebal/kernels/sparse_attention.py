@@ -11,7 +11,8 @@ token itself, so no row is empty). Every head keeps the same count per query blo
 is one batched call), which also makes the kept share of the grid a function of the density and T alone
 (`kept_fraction`): the cost a planner predicts is exact, whatever the data.
 
-Kernel (`block_sparse_attention`), two paths computing the same attention; `default_path` picks one per device:
+Kernel (`block_sparse_attention`), two paths computing the same attention; `default_path` picks one per device
+and shape:
 - "split" (CPU, torch's CPU flash-attention ops `_scaled_dot_product_flash_attention_for_cpu` and its backward,
   private aten ops that return and take the log-sum-exp): no mask anywhere. The diagonal blocks of all query
   blocks run as one causal (`is_causal`) call; the off-diagonal kept blocks are gathered once (one
@@ -42,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = ["PATHS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention", "coverage_density",
-           "default_path", "dense_block_attention", "kept_counts", "kept_fraction", "masked_block_attention",
-           "select_blocks", "select_from_scores", "split_block_attention"]
+__all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
+           "coverage_density", "default_path", "dense_block_attention", "kept_counts", "kept_fraction",
+           "masked_block_attention", "select_blocks", "select_from_scores", "split_block_attention"]
 
 
 def kept_counts(n_blocks: int, density: float) -> list[int]:
@@ -202,10 +203,20 @@ _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 PATHS = ("split", "masked")
 
 
-def default_path(device: torch.device) -> str:
-    """"split" on a CPU whose torch has the CPU flash-attention ops, "masked" anywhere else (CUDA included: its
-    public SDPA kernels take the mask without the CPU kernel's cost, and the private CPU ops do not run there)."""
-    return "split" if device.type == "cpu" and _FLASH is not None and _FLASH_BWD is not None else "masked"
+SPLIT_MIN_ROWS = 192
+"""The split path's mask-free calls fold a group's query heads into the query length, (H / G) x block rows: from
+192 rows torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the
+split path measure faster than the masked one (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
+group, faster; blocks of 64, 128 rows, slower below density 0.5)."""
+
+
+def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
+    """"split" on a CPU whose torch has the CPU flash-attention ops, where a group's folded query rows (`group`
+    = H / G query heads per key/value head, times `block`) reach `SPLIT_MIN_ROWS`; "masked" anywhere else (CUDA
+    included: the private CPU ops do not run there, and its public SDPA kernels are the tested path)."""
+    if device.type != "cpu" or _FLASH is None or _FLASH_BWD is None:
+        return "masked"
+    return "split" if group * block >= SPLIT_MIN_ROWS else "masked"
 
 
 def _diag_kv(t_BGTK: torch.Tensor, H: int, b: int) -> torch.Tensor:
@@ -339,9 +350,10 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
     """Causal attention of each query block over its selected key blocks only (differentiable in q, k, v).
 
     `path`: "split" (mask-free parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
-    mask on the diagonal block, any device); None takes `default_path` of q's device. Both compute the same
+    mask on the diagonal block, any device); None takes `default_path` for q's device and shape. Both compute the same
     attention (tested against each other and against `dense_block_attention`)."""
-    path = default_path(q_BHTK.device) if path is None else path
+    if path is None:
+        path = default_path(q_BHTK.device, sel.block, q_BHTK.shape[1] // k_BGTK.shape[1])
     if path == "split":
         return split_block_attention(q_BHTK, k_BGTK, v_BGTK, sel)
     if path == "masked":

@@ -62,8 +62,9 @@ def test_split_path_matches_masked_fallback(density: float) -> None:
 
 
 def test_path_choice_and_its_errors() -> None:
-    assert default_path(torch.device("cpu")) == "split"  # torch 2.13 has the CPU flash ops
-    assert default_path(torch.device("cuda")) == "masked"
+    assert default_path(torch.device("cpu"), 128, 2) == "split"  # torch 2.13 has the CPU flash ops
+    assert default_path(torch.device("cpu"), 64, 2) == "masked"  # 128 folded rows: the kernel's 32-row chunks
+    assert default_path(torch.device("cuda"), 128, 2) == "masked"
     qkv = _qkv(1, 2, 2, 32, 4)
     sel = select_blocks(qkv[0], qkv[1], 16, 0.5)
     with pytest.raises(ValueError, match="path must be one of"):
@@ -76,7 +77,7 @@ def test_path_choice_and_its_errors() -> None:
 def test_split_path_falls_back_where_the_private_ops_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch without the CPU flash ops: the default is the masked path, which still matches dense."""
     monkeypatch.setattr(sa, "_FLASH", None)
-    assert default_path(torch.device("cpu")) == "masked"
+    assert default_path(torch.device("cpu"), 256, 4) == "masked"
     qkv = _qkv(1, 4, 2, 64, 8)
     sel = select_blocks(qkv[0], qkv[1], 16, 0.5)
     torch.testing.assert_close(block_sparse_attention(*qkv, sel), dense_block_attention(*qkv, sel),
