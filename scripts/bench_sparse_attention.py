@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, samples = measure(args.seq, args.block, args.repeats)
     at_half = next(r for r in rows if r["density"] == 0.5)["ratio_cpu"]
     for r in rows:
-        masked = f" (masked path {r['ratio_cpu_masked']:.3f})" if "ratio_cpu_masked" in r else ""
+        other = "".join(f" ({p} path {r[f'ratio_cpu_{p}']:.3f})" for p in PATHS if f"ratio_cpu_{p}" in r)
         print(f"density {r['density']:<5} kept {r['kept_fraction']:<6} sparse/dense cpu {r['ratio_cpu']:.3f} "
-              f"wall {r['ratio_wall']:.3f} [{r['path']}]{masked}", file=sys.stderr)
+              f"wall {r['ratio_wall']:.3f} [{r['path']}]{other}", file=sys.stderr)
     layer = measure_layer(args.seq, args.block, args.repeats) if args.layer else []
     for r in layer:
         print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f}",
