@@ -1,7 +1,8 @@
 """Block-sparse causal attention: each query block attends to its top-scoring key blocks only.
 
 Shape legend: B = rows, H = query heads, G = key/value heads, T = sequence, K = head dim, N = blocks along the
-sequence (T / b), b = block size, S = kept key blocks of one query block, M = kept (query, key) block pairs.
+sequence (T / b), b = block size, S = kept key blocks of one query block, M = kept (query, key) block pairs,
+X = the batch of one kernel call (query blocks x rows), L = a call's query length (a group's heads folded in).
 
 Selection (`select_blocks`, no gradient): the causal block grid of a sequence has N (N + 1) / 2 (query block,
 key block) pairs with key block <= query block. Per head and query block n, the kept key blocks are the
@@ -244,7 +245,8 @@ def _off_views(q_NBHbK: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, 
 
 
 class _SplitBlocks(torch.autograd.Function):
-    """The "split" path: each query block's attention in two mask-free parts, merged by their log-sum-exps.
+    """The "split" path: each query block's attention in two parts without a mask tensor, merged by their
+    log-sum-exps.
 
     1. Diagonal part: every query block against its own key block, causal (`is_causal`), all N blocks in one
        call ([N B, H, b, K]).
