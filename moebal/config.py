@@ -594,9 +594,9 @@ class SparseAttentionConfig:
     """Largest per-step change of a layer's density (budget random_walk)."""
     start: int = 0
     """Layers run dense up to this step."""
-    attn_weight: float = 1.5
+    attn_weight: float = 1.6
     """Time per multiply-add of the attention core relative to the GEMMs, for the cost prediction."""
-    overhead: float = 0.25
+    overhead: float = 0.22
     """Fixed extra time of the sparse path as a share of the dense attention core, for the cost prediction."""
     seed: int = 0
     """Seed of the random walk."""

@@ -2,10 +2,12 @@
 
 The dense figure is what `Attention` runs today (`scaled_dot_product_attention(is_causal=True, enable_gqa)`);
 the sparse one is the `sparse_attention` scheme's whole attention core: block selection (pooled scores, top-k)
-plus `block_sparse_attention`. Shapes are the pipeline benchmark's heads (4 query heads, 2 key/value heads,
-head dim 32) on one 2,048-token row, 1 thread. Methods are timed interleaved (`time_interleaved`, rotated
-order, medians of repeats); the ratio is of CPU-time medians (the machine is shared; wall time beside it).
-Target: at most 0.6x the dense time at density 0.5.
+plus `block_sparse_attention` on its default path for the shape (`default_path`), with the other path beside
+it. Shapes are the pipeline benchmark's heads (4 query heads, 2 key/value heads, head dim 32) on one
+2,048-token row, 1 thread. Methods are timed interleaved (`time_interleaved`, every round calls each once in a
+rotated order; medians of repeats, every round's samples in the JSON); the ratio is of CPU-time medians (the
+machine is shared; wall time beside it, and the load average before and after). Target: at most 0.6x the dense
+time at density 0.5.
 
 `--layer`: the same for a whole decoder layer of the pipeline benchmark's model (dim 128, 4 heads, 2 key/value
 heads, FFN 384) run through the scheme (`DynamicSparseAttention.layer_forward`), each density's measured time
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,37 +28,45 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moebal.kernels.bench import environment, time_interleaved
-from moebal.kernels.sparse_attention import block_sparse_attention, kept_fraction, select_blocks
+from moebal.kernels.bench import environment, sample_interleaved, summarise, time_interleaved
+from moebal.kernels.sparse_attention import PATHS, block_sparse_attention, default_path, kept_fraction, select_blocks
 
 DENSITIES = (1.0, 0.75, 0.5, 0.25, 0.1)
 
 
 def measure(seq: int, block: int, repeats: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 32
-            ) -> list[dict[str, Any]]:
+            ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows per density (each path's median CPU time over the dense one's) and every round's samples."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, seq, head_dim, generator=g).requires_grad_(True)
     k = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
     v = torch.randn(1, kv_heads, seq, head_dim, generator=g).requires_grad_(True)
+    default = default_path(q.device, block, heads // kv_heads)
 
     def dense() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
 
-    def sparse(d: float) -> Any:
+    def sparse(d: float, path: str) -> Any:
         def run() -> None:
-            block_sparse_attention(q, k, v, select_blocks(q, k, block, d)).sum().backward()
+            block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=path).sum().backward()
         return run
 
-    fns = {"dense": dense, **{f"sparse@{d}": sparse(d) for d in DENSITIES}}
-    t = time_interleaved(fns, warmup=2, repeats=repeats)
+    paths = [default] + [p for p in PATHS if p != default]
+    fns = {"dense": dense, **{f"{p}@{d}": sparse(d, p) for d in DENSITIES for p in paths}}
+    wall, cpu = sample_interleaved(fns, warmup=2, repeats=repeats)
+    t = {name: summarise(wall[name], cpu[name]) for name in fns}
     rows = []
     for d in DENSITIES:
-        s = t[f"sparse@{d}"]
-        rows.append({"density": d, "kept_fraction": round(kept_fraction(seq, block, d), 4), "block": block,
-                     "seq_len": seq, "dense_cpu_s": t["dense"].cpu_median, "sparse_cpu_s": s.cpu_median,
-                     "ratio_cpu": round(s.cpu_median / t["dense"].cpu_median, 3),
-                     "ratio_wall": round(s.median / t["dense"].median, 3)})
-    return rows
+        row: dict[str, Any] = {"density": d, "kept_fraction": round(kept_fraction(seq, block, d), 4), "block": block,
+                               "seq_len": seq, "path": default, "dense_cpu_s": t["dense"].cpu_median}
+        for p in paths:
+            s = t[f"{p}@{d}"]
+            key = "" if p == default else f"_{p}"
+            row.update({f"sparse{key}_cpu_s": s.cpu_median,
+                        f"ratio_cpu{key}": round(s.cpu_median / t["dense"].cpu_median, 3),
+                        f"ratio_wall{key}": round(s.median / t["dense"].median, 3)})
+        rows.append(row)
+    return rows, {"wall_s": wall, "cpu_s": cpu}
 
 
 def measure_layer(seq: int, block: int, repeats: int) -> list[dict[str, Any]]:
@@ -74,6 +85,7 @@ def measure_layer(seq: int, block: int, repeats: int) -> list[dict[str, Any]]:
     cos, sin = model.model.rotary(seq, torch.float32)
     h = torch.randn(1, seq, 128, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     scheme = build_dynamism("sparse_attention", {"budget": "random_walk", "block": block}, cfg=cfg)
+    scheme.begin_step(scheme.start + 1)  # active (before its start the scheme runs the plain layer)
 
     def at(d: float) -> Any:
         def run() -> None:
@@ -102,16 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.block < 1 or args.seq % args.block or args.seq // args.block < 2:
         ap.error(f"--block ({args.block}) must divide --seq ({args.seq}) into at least 2 blocks")
     torch.set_num_threads(1)
-    rows = measure(args.seq, args.block, args.repeats)
+    load_before = os.getloadavg()
+    rows, samples = measure(args.seq, args.block, args.repeats)
     at_half = next(r for r in rows if r["density"] == 0.5)["ratio_cpu"]
     for r in rows:
+        other = "".join(f" ({p} path {r[f'ratio_cpu_{p}']:.3f})" for p in PATHS if f"ratio_cpu_{p}" in r)
         print(f"density {r['density']:<5} kept {r['kept_fraction']:<6} sparse/dense cpu {r['ratio_cpu']:.3f} "
-              f"wall {r['ratio_wall']:.3f}", file=sys.stderr)
+              f"wall {r['ratio_wall']:.3f} [{r['path']}]{other}", file=sys.stderr)
     layer = measure_layer(args.seq, args.block, args.repeats) if args.layer else []
     for r in layer:
         print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f}",
               file=sys.stderr)
-    report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer,
+    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    print(f"load average (1, 5, 15 min) before {load['before']} after {load['after']}", file=sys.stderr)
+    report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer, "samples": samples, "load": load,
               "target": {"sparse/dense at density 0.5 <= 0.6": {"measured": at_half, "met": at_half <= 0.6}},
               "config": {"seq": args.seq, "block": args.block, "repeats": args.repeats, "heads": 4, "kv_heads": 2,
                          "head_dim": 32, "threads": 1},

@@ -25,8 +25,8 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
 - Cost (DynMo: c_i = s_i c_i, the whole layer scaled): only the attention core scales. Layer i's cost relative to
   its dense self is (q_o + kv + ffn + w attn (o + f_i)) / (q_o + kv + ffn + w attn) below density 1 (1 at
   density 1: the plain layer), f_i the kept share of the causal block grid (`kept_fraction`: a function of the
-  density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.5) is the time per
-  multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.25) the sparse path's fixed
+  density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.6) is the time per
+  multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.22) the sparse path's fixed
   extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core: both fitted to a dim-128
   layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`, which
   reports the prediction beside the measurement). The density a step runs at is fixed before the step (`update`
@@ -91,7 +91,7 @@ class DynamicSparseAttention(Dynamism):
 
     def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
                  min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
-                 attn_weight: float = 1.5, overhead: float = 0.25, seed: int = 0) -> None:
+                 attn_weight: float = 1.6, overhead: float = 0.22, seed: int = 0) -> None:
         m, T = cfg.model, cfg.data.seq_len
         if budget not in ("coverage", "random_walk"):
             raise ConfigError(f"dynamism sparse_attention: budget must be coverage or random_walk; got {budget!r}")

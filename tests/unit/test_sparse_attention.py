@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from moebal.kernels import sparse_attention as sa
 from moebal.kernels.sparse_attention import (
+    PATHS,
     block_mask,
     block_sparse_attention,
+    default_path,
     dense_block_attention,
     kept_counts,
     kept_fraction,
@@ -21,27 +26,72 @@ def _qkv(B: int, H: int, G: int, T: int, K: int, seed: int = 0) -> list[torch.Te
     return [torch.randn(B, n, T, K, generator=g, dtype=torch.float32).requires_grad_(True) for n in (H, G, G)]
 
 
+def _out_and_grads(fn: Callable[..., torch.Tensor], qkv: list[torch.Tensor], sel: sa.BlockSelection,
+                   g_out: torch.Tensor) -> list[torch.Tensor]:
+    out = fn(*qkv, sel)
+    return [out, *torch.autograd.grad(out, qkv, g_out)]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("density", [1.0, 0.6, 0.5, 0.25, 0.05])
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
-def test_parity_with_dense_under_same_mask(density: float, heads: tuple[int, int]) -> None:
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
+def test_parity_with_dense_under_same_mask(path: str, density: float, heads: tuple[int, int]) -> None:
     H, G = heads
-    q, k, v = _qkv(2, H, G, 128, 16)
-    sel = select_blocks(q, k, 16, density)
+    qkv = _qkv(2, H, G, 128, 16)
+    sel = select_blocks(qkv[0], qkv[1], 16, density)
     g_out = torch.randn(2, H, 128, 16, generator=torch.Generator().manual_seed(1))
-    out = block_sparse_attention(q, k, v, sel)
-    grads = torch.autograd.grad(out, (q, k, v), g_out)
-    ref = dense_block_attention(q, k, v, sel)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g_out)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads, ref_grads):
+    got = _out_and_grads(lambda *a: block_sparse_attention(*a, path=path), qkv, sel, g_out)
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_full_density_is_causal_attention() -> None:
+@pytest.mark.parametrize("density", [0.75, 0.5, 0.1])
+def test_split_path_matches_masked_fallback(density: float) -> None:
+    """The CPU split path (mask-free parts merged by log-sum-exp) and the masked path CUDA runs agree, forward
+    and backward, on a non-contiguous value tensor (as the model's transposed projection gives) and a batch."""
+    qkv = _qkv(3, 4, 2, 192, 8, seed=5)
+    v = torch.randn(3, 192, 2, 8, generator=torch.Generator().manual_seed(6)).transpose(1, 2).requires_grad_(True)
+    qkv[2] = v
+    sel = select_blocks(qkv[0], qkv[1], 32, density)
+    g_out = torch.randn(3, 4, 192, 8, generator=torch.Generator().manual_seed(7))
+    split = _out_and_grads(sa.split_block_attention, qkv, sel, g_out)
+    masked = _out_and_grads(sa.masked_block_attention, qkv, sel, g_out)
+    for a, b in zip(split, masked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_path_choice_and_its_errors() -> None:
+    assert default_path(torch.device("cpu"), 128, 2) == "split"  # torch 2.13 has the CPU flash ops
+    assert default_path(torch.device("cpu"), 64, 2) == "masked"  # 128 folded rows: the kernel's 32-row chunks
+    assert default_path(torch.device("cuda"), 128, 2) == "masked"
+    qkv = _qkv(1, 2, 2, 32, 4)
+    sel = select_blocks(qkv[0], qkv[1], 16, 0.5)
+    with pytest.raises(ValueError, match="path must be one of"):
+        block_sparse_attention(*qkv, sel, path="flash")
+    meta = [t.detach().to("meta") for t in qkv]
+    with pytest.raises(RuntimeError, match="use path='masked'"):
+        sa.split_block_attention(*meta, sel)
+
+
+def test_split_path_falls_back_where_the_private_ops_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without the CPU flash ops: the default is the masked path, which still matches dense."""
+    monkeypatch.setattr(sa, "_FLASH", None)
+    assert default_path(torch.device("cpu"), 256, 4) == "masked"
+    qkv = _qkv(1, 4, 2, 64, 8)
+    sel = select_blocks(qkv[0], qkv[1], 16, 0.5)
+    torch.testing.assert_close(block_sparse_attention(*qkv, sel), dense_block_attention(*qkv, sel),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="ops present: False"):
+        sa.split_block_attention(*qkv, sel)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_full_density_is_causal_attention(path: str) -> None:
     q, k, v = _qkv(1, 4, 2, 64, 8)
     sel = select_blocks(q, k, 16, 1.0)
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(block_sparse_attention(q, k, v, sel), dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block_sparse_attention(q, k, v, sel, path=path), dense, rtol=1e-5, atol=1e-5)
     assert block_mask(sel, 64).all(dim=(0, 1)).equal(torch.ones(64, 64, dtype=torch.bool).tril())
 
 
