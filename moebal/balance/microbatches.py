@@ -37,10 +37,12 @@ if TYPE_CHECKING:
 __all__ = ["MicrobatchPlanner", "planner_kwargs"]
 
 
-def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
-    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...)."""
+def planner_kwargs(cfg: Config, dp: int, lockstep: int = 1) -> dict[str, Any]:
+    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...): `dp` independent
+    replicas of `lockstep` ranks each (`pipeline/planned.py`, `Lockstep`)."""
     p = cfg.pipeline
-    return {"method": p.microbatching, "dp": dp, "memory": p.dynamic.memory, "max_len": cfg.data.seq_len,
+    return {"method": p.microbatching, "dp": dp, "lockstep": lockstep, "memory": p.dynamic.memory,
+            "max_len": cfg.data.seq_len,
             "pad_multiple": p.dynamic.pad_multiple, "thin": p.dynamic.thin,
             "schedules": tuple(x.strip() for x in p.dynamic.schedules.split(",") if x.strip())}
 
@@ -52,7 +54,7 @@ class MicrobatchPlanner:
                  kwargs: dict[str, Any] | None = None, workers: int | None = None) -> None:
         self.r = runner
         cfg = runner.cfg
-        self.kwargs = kwargs or planner_kwargs(cfg, runner.dp)
+        self.kwargs = kwargs or planner_kwargs(cfg, runner.dp)  # the planned runner passes its lockstep layout
         self.lookahead = cfg.pipeline.dynamic.lookahead
         self._given_cost = cost is not None
         self.cost = cost if cost is not None else self.cost_table()
