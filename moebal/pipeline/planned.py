@@ -5,7 +5,11 @@ Shape legend: B = rows of a micro-batch (its size), T = its padded length, D = m
 One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
   1. the plan (`microbatch.MicroBatchPlan`, the same on every rank) lists the replica's micro-batches in
      injection order, each as rows of sample indices padded to T tokens; every rank builds the tensors it
-     needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere);
+     needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere).
+     A replica may be run by several lockstep ranks (`Lockstep`: expert shards, whose all-to-alls pair their
+     micro-batches, or every rank of a stage whose MoE layers sum routing statistics at every micro-batch):
+     they execute the same stream, each on its `MicroBatch.part` of every micro-batch's rows (the plan gives
+     each at least one row; token counts differ, the all-to-all takes uneven splits);
   2. the stage executes its instruction stream (`planner/instructions.py`) in order:
        recv_act j    post a receive of (B_j, T_j, D) from stage p - 1          <- non-blocking
        wait_act j    wait for it                                             <- blocks
@@ -19,7 +23,9 @@ Loss normalisation: per token. The last stage adds each micro-batch's summed tok
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
 Padding positions carry label -100 and, right-padded under causal attention, never affect a real position.
-MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens.
+MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens (the whole
+micro-batch's, all lockstep parts: its loss comes from their summed statistics, and each of the stage's n ranks
+adds 1/n of it).
 
 `PlannedPipelineRunner` is the pipeline runner with this engine: the micro-batch planner
 (`balance/microbatches.py`) reads batches ahead and has them planned; the runner executes each step's plan and

@@ -148,8 +148,10 @@ def _four_ranks(rank: int, world: int, path: str) -> dict:
     return {"dp": _train(docs(nproc=4), 3),  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
             # 2 stages x 2 expert shards, routing losses: the stage's two ranks run every micro-batch together
             "ep": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 3),
-            "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),  # lockstep for the all-to-alls only
-            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3)}  # 2 data-parallel pipelines summing routing losses
+            # no routing loss: lockstep for the all-to-alls only
+            "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),
+            # 2 data-parallel pipelines summing routing losses
+            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3)}
 
 
 @pytest.fixture(scope="module")
