@@ -213,7 +213,7 @@ def _planned_ep_ranks(rank: int, world: int, path: str) -> dict:
 @pytest.fixture(scope="module")
 def planned_ep(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     path = write_samples(str(tmp_path_factory.mktemp("samples") / "samples.jsonl"))
-    return run_ranks(_planned_ep_ranks, 4, path)
+    return run_ranks(_planned_ep_ranks, 4, path, timeout_s=300)  # 4 short runs: a loaded host needs the time
 
 
 def test_expert_parallel_stages_under_the_layer_balancer_keep_the_losses(four):

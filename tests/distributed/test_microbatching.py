@@ -145,9 +145,13 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
 
 def _four_ranks(rank: int, world: int, path: str) -> dict:
     SAMPLES["path"] = path
-    return {"dp": _train(docs(nproc=4), 3),  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
-            # 2 stages x 2 expert shards, routing losses: the stage's two ranks run every micro-batch together
-            "ep": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 3),
+    return {"dp": _train(docs(nproc=4), 3)}  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
+
+
+def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
+    SAMPLES["path"] = path
+    # 2 stages x 2 expert shards, routing losses: the stage's two ranks run every micro-batch together
+    return {"ep": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 3),
             # no routing loss: lockstep for the all-to-alls only
             "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),
             # 2 data-parallel pipelines summing routing losses
@@ -200,6 +204,11 @@ def four(corpus: str) -> list[dict]:
     return run_ranks(_four_ranks, 4, corpus)
 
 
+@pytest.fixture(scope="module")
+def lockstep(corpus: str) -> list[dict]:
+    return run_ranks(_lockstep_ranks, 4, corpus, timeout_s=300)  # 3 short runs: a loaded host needs the time
+
+
 def test_dynamic_micro_batches_with_data_parallel_pipelines(four):
     results = four
     ref, _ = reference_losses(docs(nproc=4), 3)
@@ -209,14 +218,14 @@ def test_dynamic_micro_batches_with_data_parallel_pipelines(four):
     assert [r["dp"]["ran"][0]["replica"] for r in results] == [0, 1, 0, 1]  # each replica plans its own
 
 
-def _same_schedule_per_stage(results: list[dict], case: str, lockstep: int) -> None:
+def _same_schedule_per_stage(results: list[dict], case: str, ranks: int) -> None:
     """The ranks of a stage run the same instruction stream, each its own rows, together every planned row."""
     for step in range(len(results[0][case]["plans"])):
         plan = results[0][case]["plans"][step]
-        assert plan["lockstep"] == lockstep and all(r[case]["plans"][step] == plan for r in results)
+        assert plan["lockstep"] == ranks and all(r[case]["plans"][step] == plan for r in results)
         for stage in (0, 1):
             ran = [r[case]["ran"][step] for r in results if r[case]["ran"][step]["stage"] == stage]
-            assert sorted(x["part"] for x in ran) == list(range(lockstep))
+            assert sorted(x["part"] for x in ran) == list(range(ranks))
             assert all(x["stream"] == ran[0]["stream"] and x["replica"] == ran[0]["replica"] for x in ran)
             for j, g in enumerate(plan["replicas"][ran[0]["replica"]]["micro_batches"]):
                 mine = [x["rows"][j] for x in ran]
@@ -224,34 +233,34 @@ def _same_schedule_per_stage(results: list[dict], case: str, lockstep: int) -> N
                 assert sorted(r for rows in mine for r in rows) == sorted(map(tuple, plan["micro_batches"][g]["rows"]))
 
 
-def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(four):
+def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(lockstep):
     """pp 2 x ep 2: the losses, auxiliary losses and dense gradients of the planned run replayed in one process;
     without routing losses, the one-batch losses per token."""
-    ep = four[0]["ep"]
-    _same_schedule_per_stage(four, "ep", 2)
+    ep = lockstep[0]["ep"]
+    _same_schedule_per_stage(lockstep, "ep", 2)
     ref = planned_reference(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), ep["plans"])
-    assert all(r["ep"]["losses"] == ep["losses"] for r in four)
+    assert all(r["ep"]["losses"] == ep["losses"] for r in lockstep)
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ep["losses"], ref["losses"])), (ep["losses"], ref)
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ep["aux"], ref["aux"])), (ep["aux"], ref["aux"])
-    grads = _merge([r["ep"]["grads"] for r in four])
+    grads = _merge([r["ep"]["grads"] for r in lockstep])
     dense = {k: v for k, v in ref["grads"].items() if ".experts." not in k}
     assert set(dense) <= set(grads) and any("gate" in k for k in dense)
     for k, v in dense.items():  # the router's gradient carries the routing losses' summed statistics
         torch.testing.assert_close(grads[k], v, rtol=1e-4, atol=1e-6 * float(v.abs().max()), msg=k)
     assert all(r["micro_batches"] >= 2 for r in ep["records"])  # lockstep over several micro-batches
-    _same_schedule_per_stage(four, "ep_no_losses", 2)
+    _same_schedule_per_stage(lockstep, "ep_no_losses", 2)
     one_batch, _ = reference_losses(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3)
-    got = four[0]["ep_no_losses"]["losses"]
+    got = lockstep[0]["ep_no_losses"]["losses"]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, one_batch)), (got, one_batch)
 
 
-def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(four):
+def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockstep):
     """pp 2 x dp 2 with the load-balancing loss: one plan for both replicas' ranks of a stage, replayed in one
     process (losses, auxiliary losses and every gradient)."""
-    run = four[0]["dp_moe"]
-    _same_schedule_per_stage(four, "dp_moe", 2)
+    run = lockstep[0]["dp_moe"]
+    _same_schedule_per_stage(lockstep, "dp_moe", 2)
     cfg = docs(nproc=4, moe=4, ep=1, max_tokens=96)
     ref = planned_reference(cfg, run["plans"])
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(run["aux"], ref["aux"])), (run["aux"], ref["aux"])
-    _check(four, "dp_moe", ref["losses"], ref["grads"])
+    _check(lockstep, "dp_moe", ref["losses"], ref["grads"])
     assert all(r["micro_batches"] >= 2 for r in run["records"])
