@@ -106,7 +106,10 @@ class MicrobatchPlanner:
         return dict(self._positions[0]) if self._positions else self.r.data.train.state_dict()
 
     def _fill(self, step: int) -> None:
-        """Read batches up to step + lookahead; the planning rank submits their lengths."""
+        """Read batches up to step + lookahead; the planning rank submits their lengths. The first batch read
+        is `step`'s: a resumed run's data position is that of its first step."""
+        if not self._batches:
+            self._read = max(self._read, step - 1)
         while self._read < step + self.lookahead:
             self._read += 1
             self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)
