@@ -50,11 +50,12 @@ def planner_kwargs(cfg: Config, dp: int, lockstep: int = 1) -> dict[str, Any]:
 class MicrobatchPlanner:
     """The plans of the next steps for one rank of a pipeline (module docstring)."""
 
-    def __init__(self, runner: PipelineRunner, *, cost: MicroBatchCost | None = None,
-                 kwargs: dict[str, Any] | None = None, workers: int | None = None) -> None:
+    def __init__(self, runner: PipelineRunner, *, kwargs: dict[str, Any], cost: MicroBatchCost | None = None,
+                 workers: int | None = None) -> None:
+        """`kwargs`: the planner's arguments (`planner_kwargs`: the runner's replicas and lockstep ranks)."""
         self.r = runner
         cfg = runner.cfg
-        self.kwargs = kwargs or planner_kwargs(cfg, runner.dp)  # the planned runner passes its lockstep layout
+        self.kwargs = kwargs
         self.lookahead = cfg.pipeline.dynamic.lookahead
         self._given_cost = cost is not None
         self.cost = cost if cost is not None else self.cost_table()
