@@ -945,20 +945,11 @@ REFUSE_REBALANCE_PP1 = ("pipeline.rebalance and pipeline.repack move layers betw
 REFUSE_PLANNED_REPACK = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with "
                          "re-packing is not supported: the plans made ahead name the stages they run on, and a "
                          "re-pack removes stages; set pipeline.repack=false")
-REFUSE_PLANNED_MOE_DP = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with MoE routing "
-                         "losses (moe.aux_loss_coef or moe.z_loss_coef > 0) and data-parallel pipelines "
-                         "(parallel.nproc > parallel.pp) is not supported: an MoE layer sums its routing statistics "
-                         "over the ranks of a stage at every micro-batch, and each replica runs its own micro-batches; "
-                         "use parallel.nproc = parallel.pp, both coefficients 0, or pipeline.microbatching fixed")
-REFUSE_PLANNED_EP = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with expert "
-                     "parallelism inside stages (parallel.ep > 1) is not supported: each data-parallel replica plans "
-                     "its own micro-batch count and order, and an expert shard's all-to-alls need every rank of its "
-                     "stage to run the same ones; use parallel.ep=1")
 
 
 def planned_moe_losses(c: Config) -> bool:
     """Whether the model's MoE layers sum routing statistics over a stage's ranks (for the load-balancing or
-    the z-loss), which planned micro-batches cannot do across data-parallel replicas."""
+    the z-loss) at every micro-batch: planned micro-batches then run every rank of a stage in lockstep."""
     return c.moe.num_experts > 0 and (c.moe.aux_loss_coef > 0 or c.moe.z_loss_coef > 0)
 
 
@@ -1028,10 +1019,6 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
-        # parallel.ep null: a pipeline of an MoE model shards experts over every rank of a stage (pipeline_ep)
-        ep = par.ep if par.ep is not None else ((par.nproc or par.pp) // par.pp if c.moe.num_experts else 1)
-        _need(ep == 1, REFUSE_PLANNED_EP)
-        _need(not (planned_moe_losses(c) and par.nproc is not None and par.nproc > par.pp), REFUSE_PLANNED_MOE_DP)
         _need(c.dynamism.scheme in ("none", "moe"),
               f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state and "
               f"frozen layers change what crosses stages, which a plan made ahead fixes; use dynamism.scheme none "

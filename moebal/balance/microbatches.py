@@ -37,10 +37,12 @@ if TYPE_CHECKING:
 __all__ = ["MicrobatchPlanner", "planner_kwargs"]
 
 
-def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
-    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...)."""
+def planner_kwargs(cfg: Config, dp: int, lockstep: int = 1) -> dict[str, Any]:
+    """The plan_microbatches arguments of a run (method, memory, thinning, schedules, ...): `dp` independent
+    replicas of `lockstep` ranks each (`pipeline/planned.py`, `Lockstep`)."""
     p = cfg.pipeline
-    return {"method": p.microbatching, "dp": dp, "memory": p.dynamic.memory, "max_len": cfg.data.seq_len,
+    return {"method": p.microbatching, "dp": dp, "lockstep": lockstep, "memory": p.dynamic.memory,
+            "max_len": cfg.data.seq_len,
             "pad_multiple": p.dynamic.pad_multiple, "thin": p.dynamic.thin,
             "schedules": tuple(x.strip() for x in p.dynamic.schedules.split(",") if x.strip())}
 
@@ -48,11 +50,12 @@ def planner_kwargs(cfg: Config, dp: int) -> dict[str, Any]:
 class MicrobatchPlanner:
     """The plans of the next steps for one rank of a pipeline (module docstring)."""
 
-    def __init__(self, runner: PipelineRunner, *, cost: MicroBatchCost | None = None,
-                 kwargs: dict[str, Any] | None = None, workers: int | None = None) -> None:
+    def __init__(self, runner: PipelineRunner, *, kwargs: dict[str, Any], cost: MicroBatchCost | None = None,
+                 workers: int | None = None) -> None:
+        """`kwargs`: the planner's arguments (`planner_kwargs`: the runner's replicas and lockstep ranks)."""
         self.r = runner
         cfg = runner.cfg
-        self.kwargs = kwargs or planner_kwargs(cfg, runner.dp)
+        self.kwargs = kwargs
         self.lookahead = cfg.pipeline.dynamic.lookahead
         self._given_cost = cost is not None
         self.cost = cost if cost is not None else self.cost_table()
@@ -104,7 +107,10 @@ class MicrobatchPlanner:
         return dict(self._positions[0]) if self._positions else self.r.data.train.state_dict()
 
     def _fill(self, step: int) -> None:
-        """Read batches up to step + lookahead; the planning rank submits their lengths."""
+        """Read batches up to step + lookahead; the planning rank submits their lengths. The first batch read
+        is `step`'s: a resumed run's data position is that of its first step."""
+        if not self._batches:
+            self._read = max(self._read, step - 1)
         while self._read < step + self.lookahead:
             self._read += 1
             self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)

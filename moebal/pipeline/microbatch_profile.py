@@ -8,7 +8,9 @@ stage embeds token ids, the last computes the loss; middle stages take a (b, s, 
 back), under the run's precision. Times are the median of `repeats` after one warm-up, in the clock the
 pipeline profiler uses (a CPU rank's thread CPU time: on a machine with fewer cores than ranks wall time
 measures the scheduler; CUDA: wall time after a synchronise). Memory is what autograd saves for the
-backward (saved-tensor hooks, parameters excluded), the same count as `observe.py`.
+backward (saved-tensor hooks, parameters excluded), the same count as `observe.py`. Under expert parallelism
+(or routing losses summed over a stage) every rank of a stage profiles the same grid in the same order, so the
+MoE layers' all-to-alls and all-reduces pair up; the routing statistics of the profile are dropped.
 
 A table measured on one rank per stage is gathered along the pipeline (`profile_stage` per rank, then
 `gather`); `profile_table` measures every stage in one process (the CLI, benchmarks, tests).
@@ -95,6 +97,9 @@ def profile_stage(stage: PipelineStage, b_grid: np.ndarray, s_grid: np.ndarray, 
             fwd[ib, js] = statistics.median(r[0] for r in runs)
             bwd[ib, js] = statistics.median(r[1] for r in runs)
             act[ib, js] = runs[0][2]
+    for i in stage.layer_ids:  # the profile's routing is no step's: the expert balancer must not observe it
+        if stage.layer(i).is_moe:
+            stage.layer(i).block_sparse_moe.take_stats()
     return fwd, bwd, act
 
 

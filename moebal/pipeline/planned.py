@@ -5,7 +5,11 @@ Shape legend: B = rows of a micro-batch (its size), T = its padded length, D = m
 One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
   1. the plan (`microbatch.MicroBatchPlan`, the same on every rank) lists the replica's micro-batches in
      injection order, each as rows of sample indices padded to T tokens; every rank builds the tensors it
-     needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere);
+     needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere).
+     A replica may be run by several lockstep ranks (`Lockstep`: expert shards, whose all-to-alls pair their
+     micro-batches, or every rank of a stage whose MoE layers sum routing statistics at every micro-batch):
+     they execute the same stream, each on its `MicroBatch.part` of every micro-batch's rows (the plan gives
+     each at least one row; token counts differ, the all-to-all takes uneven splits);
   2. the stage executes its instruction stream (`planner/instructions.py`) in order:
        recv_act j    post a receive of (B_j, T_j, D) from stage p - 1          <- non-blocking
        wait_act j    wait for it                                             <- blocks
@@ -19,7 +23,9 @@ Loss normalisation: per token. The last stage adds each micro-batch's summed tok
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
 Padding positions carry label -100 and, right-padded under causal attention, never affect a real position.
-MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens.
+MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens (the whole
+micro-batch's, all lockstep parts: its loss comes from their summed statistics, and each of the stage's n ranks
+adds 1/n of it).
 
 `PlannedPipelineRunner` is the pipeline runner with this engine: the micro-batch planner
 (`balance/microbatches.py`) reads batches ahead and has them planned; the runner executes each step's plan and
@@ -31,36 +37,35 @@ and the micro-batch planner re-costs the following plans on the new partition.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from moebal.balance.microbatches import MicrobatchPlanner
-from moebal.config import (
-    REFUSE_PLANNED_EP,
-    REFUSE_PLANNED_MOE_DP,
-    REFUSE_PLANNED_REPACK,
-    Config,
-    planned_moe_losses,
-)
+from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
+from moebal.config import REFUSE_PLANNED_REPACK, Config, planned_moe_losses
+from moebal.distributed.groups import ParallelDims
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
 
-__all__ = ["PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors"]
+__all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors"]
 
 IGNORE = -100
 
 
-def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_BT, labels_BT) of a micro-batch: each row is its samples' (input, label) pairs concatenated (one
-    sample per row unless packed), right-padded to T with id 0 and label -100."""
-    ids = np.zeros((mb.size, mb.seq), dtype=np.int64)
-    labels = np.full((mb.size, mb.seq), IGNORE, dtype=np.int64)
-    for r, row in enumerate(mb.rows):
+def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch,
+                        rows: tuple[tuple[int, ...], ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BT, labels_BT) of a micro-batch (or of its `rows`, a lockstep rank's part): each row is its samples'
+    (input, label) pairs concatenated (one sample per row unless packed), right-padded to T with id 0 and label
+    -100."""
+    rows = mb.rows if rows is None else rows
+    ids = np.zeros((len(rows), mb.seq), dtype=np.int64)
+    labels = np.full((len(rows), mb.seq), IGNORE, dtype=np.int64)
+    for r, row in enumerate(rows):
         pos = 0
         for i in row:
             x = samples[i]
@@ -75,10 +80,15 @@ def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch) -> tuple[torc
 class PlannedEngine(PipelineEngine):
     """The pipeline engine driven by a plan's instruction stream instead of a fixed schedule."""
 
-    def run_plan(self, plan: MicroBatchPlan, replica: int, samples: list[np.ndarray], label_count: int,
+    def run_plan(self, plan: MicroBatchPlan, replica: int, part: int, samples: list[np.ndarray], label_count: int,
                  device: torch.device) -> IterationResult:
+        """Run `replica`'s micro-batches, of each its rows `part` of the plan's lockstep ranks (all rows when
+        `plan.lockstep` is 1)."""
         rep = plan.replicas[replica]
         mbs = [plan.micro_batches[g] for g in rep.micro_batches]
+        rows = [m.part(part, plan.lockstep) for m in mbs]
+        # a micro-batch's auxiliary loss is that of all its rows (statistics summed over the lockstep ranks):
+        # weighted by the whole micro-batch's share of the batch's tokens
         total = max(sum(m.tokens for m in plan.micro_batches), 1)
         chain, D, dtype = self.chain, self.stage.cfg.model.dim, self._act_dtype()
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
@@ -92,7 +102,7 @@ class PlannedEngine(PipelineEngine):
         for op, j in rep.streams[chain.index]:
             mb = mbs[j]
             if op == "recv_act":
-                inputs[j] = torch.empty(mb.size, mb.seq, D, dtype=dtype, device=device)
+                inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
                 recvs[("act", j)] = chain.post_recv(inputs[j], chain.prev)
             elif op == "recv_grad":
                 grads[j] = torch.empty_like(saved[j].out)
@@ -100,7 +110,7 @@ class PlannedEngine(PipelineEngine):
             elif op in ("wait_act", "wait_grad"):
                 chain.wait_recv(recvs.pop((op[5:], j)))
             elif op == "F":
-                ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb))
+                ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
                 saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
                                                  inputs.pop(j, None), {})
             elif op == "B":
@@ -119,6 +129,28 @@ class PlannedEngine(PipelineEngine):
         return result
 
 
+@dataclass(frozen=True)
+class Lockstep:
+    """How the ranks of a stage share a plan: `replicas` independent pipelines (each its own micro-batches, by
+    Karmarkar-Karp), each run by `ranks` ranks in lockstep (the same micro-batches in the same order, each rank
+    its `MicroBatch.part` of every micro-batch's rows); this rank runs part `part` of replica `replica`."""
+
+    replicas: int
+    ranks: int
+    replica: int
+    part: int
+
+    @classmethod
+    def of(cls, dims: ParallelDims, cfg: Config) -> Lockstep:
+        """Every rank of a stage when the MoE layers sum routing statistics over it at every micro-batch (the
+        load-balancing or z-loss with more than one rank per stage); else each expert-parallel group (its
+        all-to-alls pair the shards' micro-batches); else every rank plans alone (DynaPipe's replicas)."""
+        n = dims.size("dp_ep")
+        if n > 1 and planned_moe_losses(cfg):
+            return cls(replicas=1, ranks=n, replica=0, part=dims.index("dp_ep"))
+        return cls(replicas=dims.dp, ranks=dims.ep, replica=dims.index("dp"), part=dims.index("ep"))
+
+
 class PlannedPipelineRunner(PipelineRunner):
     """The pipeline runner with planned micro-batches (pipeline.microbatching dynamic, padding or packing): the
     micro-batch planner (`balance/microbatches.py`) makes the plans, this runner executes them."""
@@ -128,12 +160,16 @@ class PlannedPipelineRunner(PipelineRunner):
         super().__init__(cfg, **kw)
         if cfg.pipeline.repack:
             raise ConfigError(REFUSE_PLANNED_REPACK)
-        if self.dims.ep > 1:
-            raise ConfigError(REFUSE_PLANNED_EP)
-        if self.data_ranks > 1 and planned_moe_losses(cfg):
-            raise ConfigError(REFUSE_PLANNED_MOE_DP)
+        self.lockstep = Lockstep.of(self.dims, cfg)
+        # aux_ranks: a stage's ranks that sum routing statistics run in lockstep, each adding 1/n of the loss
         self.engine = PlannedEngine(self.stage, self.chain, self.scheme, "1f1b", 1, self.engine.autocast,
-                                    aux_ranks=1)
+                                    aux_ranks=self.data_ranks)
+        ls = self.lockstep
+        kwargs = kwargs or planner_kwargs(cfg, ls.replicas, ls.ranks)
+        if kwargs.get("dp", 1) != ls.replicas or kwargs.get("lockstep", 1) != ls.ranks:
+            raise ConfigError(f"micro-batch planner arguments plan {kwargs.get('dp', 1)} replica(s) of "
+                              f"{kwargs.get('lockstep', 1)} lockstep rank(s); this pipeline runs {ls.replicas} of "
+                              f"{ls.ranks}: pass planner_kwargs(cfg, {ls.replicas}, {ls.ranks})")
         self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)
         self._last: dict[str, Any] = {}
 
@@ -146,13 +182,13 @@ class PlannedPipelineRunner(PipelineRunner):
 
     # ---- the step ----
     def _next_input(self) -> tuple[Any, int]:
-        plan, samples, count, self._last = self.microbatches.next(self.step + 1, self.data_index)
+        plan, samples, count, self._last = self.microbatches.next(self.step + 1, self.lockstep.replica)
         return (plan, samples), count
 
     def _run_engine(self, work: Any, count: int) -> IterationResult:
         plan, samples = work
         assert isinstance(self.engine, PlannedEngine)
-        return self.engine.run_plan(plan, self.data_index, samples, count, self.device)
+        return self.engine.run_plan(plan, self.lockstep.replica, self.lockstep.part, samples, count, self.device)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -112,7 +112,7 @@ def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int) -> 
     """run_t[i, k-1], mem[i, k-1]: time and memory of the run of k samples starting at sorted index i (inf where
     the run leaves the batch or the cost table)."""
     N = len(L_desc)
-    K = int(min(N, cost.b_grid[-1]))
+    K = int(min(N, cost.rows_grid[-1]))
     k = np.arange(1, K + 1)
     s = _pad(L_desc, pad_multiple)
     run_t = cost.time(k[None, :], s[:, None])
@@ -174,16 +174,22 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
         raise ConfigError(f"stages ({stages}) and data-parallel size ({dp}) must be at least 1")
     if thin < 0:
         raise ConfigError(f"thin must be >= 0 (0: exact); got {thin}")
-    N = len(L_desc)
+    N, R = len(L_desc), cost.spread
+    if N < R:
+        raise ConfigError(f"{N} samples cannot give each of the {R} ranks that run micro-batches in lockstep a "
+                          f"row: use a larger batch (data.batch_size)")
     run_t, mem = _run_tables(L_desc, cost, pad_multiple)
-    if not np.isfinite(run_t[:, 0]).all():
-        i = int(np.flatnonzero(~np.isfinite(run_t[:, 0]))[0])
+    # the shortest run: one sample, or one row per lockstep rank; every sample must fit in one (a run of R
+    # sorted samples costs what its longest one does, and every sample is the longest of such a run)
+    first = np.minimum(np.arange(N), N - R)
+    if not np.isfinite(run_t[first, R - 1]).all():
+        i = int(np.flatnonzero(~np.isfinite(run_t[first, R - 1]))[0])
         raise ConfigError(f"a sample of length {int(L_desc[i])} has no cost: "
-                          f"{cost.explain_infeasible(1, int(_pad(L_desc[i], pad_multiple)))}")
+                          f"{cost.explain_infeasible(R, int(_pad(L_desc[i], pad_multiple)))}")
     modes = [("per-1f1b", memory / stages), ("single", memory)] if memory is not None else [("none", None)]
     for mode, limit in modes:
         ok = np.isfinite(run_t) & (np.ones_like(run_t, dtype=bool) if limit is None else mem <= limit)
-        if not ok[:, 0].all():
+        if not ok[first, R - 1].all():
             continue
         t_first = run_t[0][ok[0]]
         lb = (stages - 1 + 1.0 / dp) * float(t_first.min())
@@ -215,8 +221,13 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
         return SplitResult(runs=tuple(runs), times=tuple(float(run_t[i, n - i - 1]) for i, n in runs), objective=obj,
                            candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
                            memory_limit=limit, memory_mode=mode)
-    worst = int(np.argmax(mem[:, 0]))
-    raise ConfigError(f"a sample of length {int(L_desc[worst])} needs {mem[worst, 0]:.4g} bytes of activations on "
+    if memory is None:  # every sample fits, yet no split into runs of R to K rows exists
+        raise ConfigError(f"{N} samples cannot be split into micro-batches of {R} to {run_t.shape[1]} rows (each of "
+                          f"the {R} ranks that run micro-batches in lockstep takes at most {int(cost.b_grid[-1])} "
+                          f"rows of the cost table): profile a larger token cap (pipeline.dynamic.max_tokens)")
+    worst = int(np.argmax(mem[first, R - 1]))
+    raise ConfigError(f"a sample of length {int(L_desc[worst])} needs {mem[first[worst], R - 1]:.4g} bytes of "
+                      f"activations on "
                       f"its largest stage, more than the memory budget {memory:.4g}: raise the budget, use "
                       f"more stages or cut long samples")
 
@@ -320,6 +331,11 @@ class MicroBatch:
     def samples(self) -> list[int]:
         return [i for row in self.rows for i in row]
 
+    def part(self, index: int, parts: int) -> tuple[tuple[int, ...], ...]:
+        """The rows lockstep rank `index` of `parts` runs: every parts-th row from its index (rows come sorted
+        by length, so each rank gets long and short ones; the plan gives every rank at least one)."""
+        return self.rows[index::parts]
+
 
 @dataclass(frozen=True)
 class ReplicaPlan:
@@ -345,6 +361,8 @@ class MicroBatchPlan:
     objective_s: float
     """Eq1 of the split (before scheduling)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    lockstep: int = 1
+    """Ranks that split each micro-batch's rows (`MicroBatch.part`) and run the replica's schedule together."""
 
     @property
     def real_tokens(self) -> int:
@@ -373,7 +391,7 @@ class MicroBatchPlan:
                               "makespan_s": r.makespan_s, "peak_memory": list(r.peak_memory),
                               "candidates": [list(c) for c in r.candidates],
                               "streams": [[list(i) for i in s] for s in r.streams]} for r in self.replicas],
-                "meta": self.meta}
+                "lockstep": self.lockstep, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MicroBatchPlan:
@@ -386,7 +404,8 @@ class MicroBatchPlan:
                                  candidates=tuple((str(a), float(b), bool(c)) for a, b, c in r["candidates"]))
                      for r in d["replicas"])
         return cls(method=d["method"], stages=int(d["stages"]), micro_batches=mbs, replicas=reps,
-                   objective_s=float(d["objective_s"]), meta=dict(d.get("meta", {})))
+                   objective_s=float(d["objective_s"]), meta=dict(d.get("meta", {})),
+                   lockstep=int(d.get("lockstep", 1)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -408,7 +427,7 @@ def _micro(rows: list[list[int]], seq: int, lengths: np.ndarray, cost: MicroBatc
 
 def _counts(n: int, cost: MicroBatchCost) -> list[int]:
     """Micro-batch counts a baseline's search tries: n / r for every profiled row count r (powers of two)."""
-    return sorted({-(-n // int(r)) for r in cost.b_grid if r <= n} | {n})
+    return sorted({-(-n // int(r)) for r in cost.rows_grid if r <= n} | {n})
 
 
 def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: float | None) -> list[MicroBatch]:
@@ -434,8 +453,12 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
                       memory: float | None = None, max_len: int | None = None, pad_multiple: int = 8,
                       thin: float = 0.01, schedules: Sequence[str] = DYN_SCHEDULES, num_micro: int | None = None,
                       token_budget: int | None = None, clusters: int | None = None,
-                      comm_s: float = 0.0) -> MicroBatchPlan:
+                      comm_s: float = 0.0, lockstep: int = 1) -> MicroBatchPlan:
     """The micro-batching of one mini-batch (sample i has length lengths[i]) on `cost.stages` stages x dp.
+
+    lockstep: ranks of each replica that split every micro-batch's rows and run its schedule together (expert
+    shards, or every rank of a stage when MoE layers sum routing statistics over it): a micro-batch is costed
+    by its busiest rank's rows and has at least one row per rank (`MicroBatchCost.spread_over`).
 
     method: 'dynamic' (DynaPipe), 'padding' (batch order, padded to the batch's longest, num_micro
     micro-batches, or the best count by the cost model), 'packing' (first-fit rows of max_len tokens,
@@ -447,6 +470,9 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
         raise ConfigError(f"unknown micro-batching method {method!r}; choose one of {', '.join(METHODS)}")
     if pad_multiple < 1:
         raise ConfigError(f"pad_multiple must be at least 1; got {pad_multiple}")
+    if lockstep < 1:
+        raise ConfigError(f"lockstep must be at least 1 rank; got {lockstep}")
+    cost = cost.spread_over(lockstep)
     P = cost.stages
     cap = max_len if max_len is not None else cost.max_len
     L = check_lengths(lengths, cap)
@@ -474,7 +500,7 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
             return [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
                     for a, b in split_tokens(L[order], budget, pad_multiple)]
 
-        budgets = [token_budget] if token_budget else sorted({int(b * s) for b in cost.b_grid for s in cost.s_grid
+        budgets = [token_budget] if token_budget else sorted({int(b * s) for b in cost.rows_grid for s in cost.s_grid
                                                               if s >= L.max()})
         mbs = _best_count(by_budget, budgets, P, dp, memory)
     objective = iteration_objective([m.time_s for m in mbs], P, dp)
@@ -490,7 +516,7 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
                                        method == "dynamic", clusters, comm_s) for part in parts)
     meta["plan_s"] = time.perf_counter() - t0
     return MicroBatchPlan(method=method, stages=P, micro_batches=tuple(mbs), replicas=replicas,
-                          objective_s=objective, meta=meta)
+                          objective_s=objective, meta=meta, lockstep=lockstep)
 
 
 def _schedule_replica(mbs: list[MicroBatch], ids: list[int], cost: MicroBatchCost, memory: float | None,

@@ -15,6 +15,11 @@ profiled only when b x s fits the token cap, so large b at long s is absent. A q
     says which shape fell outside the table and how to widen it.
 Linear interpolation in s overestimates a quadratic (attention) between grid points: conservative.
 
+Lockstep ranks (`spread`, set by `spread_over`): when R ranks split every micro-batch's rows and must run the
+same micro-batches together (expert shards of a stage exchanging tokens, or a stage's ranks summing routing
+statistics), a micro-batch of b rows costs what its busiest rank's ceil(b / R) rows cost one rank, and one of
+fewer than R rows is infeasible: no rank ever runs a micro-batch empty.
+
 Two sources fill a table:
   * `analytic_table`: the hardware-profile CostModel (planner/cost.py) per layer, for dry runs of paper
     clusters (the GPT setting of the DynaPipe paper on A100s);
@@ -27,7 +32,7 @@ The module is pure numpy (no torch): planning workers import it without starting
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +69,13 @@ class MicroBatchCost:
     source: str = ""
     """Where the numbers come from (a profile name, 'measured on HOST', ...)."""
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    spread: int = 1
+    """Lockstep ranks that split each micro-batch's rows (module docstring); the table's values are one rank's.
+    Not serialised: the planner's `lockstep` argument sets it."""
 
     def __post_init__(self) -> None:
+        if self.spread < 1:
+            raise ConfigError(f"cost table: spread must be at least 1 rank; got {self.spread}")
         P, NB, NS = self.fwd_PBS.shape
         if self.bwd_PBS.shape != (P, NB, NS) or self.act_PBS.shape != (P, NB, NS):
             raise ConfigError("cost table: fwd, bwd and act must have the same [stages, b, s] shape")
@@ -82,20 +92,30 @@ class MicroBatchCost:
     def max_len(self) -> int:
         return int(self.s_grid[-1])
 
+    @property
+    def rows_grid(self) -> np.ndarray:
+        """Micro-batch row counts at the grid points: b_grid rows on each of the `spread` lockstep ranks."""
+        return self.b_grid * self.spread
+
+    def spread_over(self, ranks: int) -> MicroBatchCost:
+        """This table for micro-batches whose rows `ranks` lockstep ranks split (module docstring)."""
+        return self if ranks == self.spread else replace(self, spread=int(ranks))
+
     def max_rows(self, s: int) -> int:
-        """The largest profiled b at length s (0 if none)."""
-        ok = self.feasible(self.b_grid, np.full(len(self.b_grid), s))
-        return int(self.b_grid[ok].max()) if ok.any() else 0
+        """The largest profiled micro-batch row count at length s (0 if none)."""
+        ok = self.feasible(self.rows_grid, np.full(len(self.b_grid), s))
+        return int(self.rows_grid[ok].max()) if ok.any() else 0
 
     # ---- queries (vectorised: b and s broadcast) ----
     def _interp(self, table: np.ndarray, b: Any, s: Any) -> np.ndarray:
         """[P, *shape] bilinear values; +inf outside the profiled range."""
-        b = np.asarray(b, dtype=np.float64)
+        rows = np.asarray(b, dtype=np.float64)
         s = np.asarray(s, dtype=np.float64)
-        b, s = np.broadcast_arrays(b, s)
+        rows, s = np.broadcast_arrays(rows, s)
+        b = np.ceil(rows / self.spread)  # the busiest lockstep rank's rows
         bg, sg = self.b_grid.astype(np.float64), self.s_grid.astype(np.float64)
         s_c = np.maximum(s, sg[0])  # shorter than the grid: the shortest length's value (an upper bound)
-        out_of_range = (b < bg[0]) | (b > bg[-1]) | (s_c > sg[-1]) | (s < 1)
+        out_of_range = (b < bg[0]) | (b > bg[-1]) | (s_c > sg[-1]) | (s < 1) | (rows < self.spread)
         ib = np.clip(np.searchsorted(bg, b, side="right") - 1, 0, max(len(bg) - 2, 0))
         is_ = np.clip(np.searchsorted(sg, s_c, side="right") - 1, 0, max(len(sg) - 2, 0))
         ib1 = np.minimum(ib + 1, len(bg) - 1)
@@ -141,9 +161,12 @@ class MicroBatchCost:
         if s > self.max_len:
             return (f"length {s} is longer than the cost table's longest profiled length {self.max_len}: "
                     f"profile up to a longer length (or truncate samples)")
+        if b < self.spread:
+            return (f"{b} rows cannot give each of the {self.spread} ranks that run micro-batches in lockstep a "
+                    f"row: use a larger batch (data.batch_size)")
         rows = self.max_rows(s)
         return (f"{b} rows of length {s} exceed the profiled range (at most {rows} rows at that length, "
-                f"{int(self.b_grid[-1])} at any): profile a larger token cap")
+                f"{int(self.rows_grid[-1])} at any): profile a larger token cap")
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:

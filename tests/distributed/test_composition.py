@@ -49,16 +49,19 @@ def _feedback_run(steps: int, slower: bool | None, scheme: str = "none", cfg: Co
             "migrations": [(r["step"], r["migration"], r["sizes_after"]) for r in out.records if "migration" in r]}
 
 
-def _planned_run(steps: int, rebalance: str = "off", moe: int = 0, **opts: object) -> dict:
+def _planned_run(steps: int, rebalance: str = "off", moe: int = 0, cfg: Config | None = None, scheme: str = "none",
+                 **opts: object) -> dict:
     """DynaPipe micro-batches (analytic costs, inline planning) on the corpus of test_microbatching.py."""
     import dataclasses
 
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.planned import PlannedPipelineRunner
 
-    cfg = docs(moe=moe)
+    cfg = cfg or docs(moe=moe)
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, rebalance=rebalance, every=2,
                                                                 min_gain=0.0))
-    runner = PlannedPipelineRunner(pipeline_cfg(cfg, opts), **runner_knobs(opts))
+    runner = PlannedPipelineRunner(pipeline_cfg(cfg, opts), **runner_knobs(opts),
+                                   scheme=build_dynamism(scheme, SCHEMES.get(scheme, {}), cfg=cfg))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes,
             "migrations": [(r["step"], r["migration"]) for r in out.records if "migration" in r]}
@@ -192,6 +195,27 @@ def four() -> list[dict]:
     return run_ranks(_four_ranks, 4)
 
 
+def _planned_ep_ranks(rank: int, world: int, path: str) -> dict:
+    """2 stages x 2 expert shards with routing losses: planned micro-batches in lockstep, with and without a
+    forced migration, without a scheme and with the MoE routing cost."""
+    from .test_microbatching import SAMPLES
+
+    SAMPLES["path"] = path
+    cfg = docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96)
+    out = {}
+    for scheme in ("none", "moe"):
+        out[f"{scheme}_static"] = _planned_run(4, cfg=cfg, scheme=scheme)
+        out[f"{scheme}_partition"] = _planned_run(4, "partition", cfg=cfg, scheme=scheme, bandwidth=1e15,
+                                                  latency=0.0, force=((2, (1, 3)),))
+    return out
+
+
+@pytest.fixture(scope="module")
+def planned_ep(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    path = write_samples(str(tmp_path_factory.mktemp("samples") / "samples.jsonl"))
+    return run_ranks(_planned_ep_ranks, 4, path, timeout_s=300)  # 4 short runs: a loaded host needs the time
+
+
 def test_expert_parallel_stages_under_the_layer_balancer_keep_the_losses(four):
     for scheme in ("none", "early_exit", "mod", "freezing"):
         prefix = "ep" if scheme == "none" else f"ep_{scheme}"
@@ -203,6 +227,18 @@ def test_expert_parallel_stages_under_the_layer_balancer_keep_the_losses(four):
     assert [m[:2] for m in reverted["migrations"]] == [(2, "partition"), (4, "feedback-revert")]
     held = [p for p in reverted["plans"] if p["step"] == 5 and p["balancer"] == "partition"]
     assert held and held[0]["meta"]["held"] and not held[0]["meta"]["adopt"]  # the MoE cost re-plans each step
+
+
+def test_planned_micro_batches_on_expert_parallel_stages_compose_with_layer_rebalancing(planned_ep):
+    """pp 2 x ep 2, planned micro-batches in lockstep, a forced migration of expert-sharded layers at step 2,
+    without a scheme and with the MoE routing cost."""
+    for scheme in ("none", "moe"):
+        static, run = planned_ep[0][f"{scheme}_static"], planned_ep[0][f"{scheme}_partition"]
+        assert run["migrations"][0] == (2, "forced"), scheme  # expert-sharded layers moved
+        assert all(r[f"{scheme}_partition"]["losses"] == run["losses"] for r in planned_ep), scheme
+        assert run["losses"][:2] == static["losses"][:2], scheme  # before the move: bit for bit
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(run["losses"], static["losses"])), \
+            (scheme, run["losses"], static["losses"])
 
 
 def test_repacking_under_every_scheme_releases_ranks_and_keeps_the_losses(four):
@@ -221,17 +257,20 @@ def test_the_remaining_refusals_are_one_line_each():
     base = {"model": {"n_layers": 4}, "moe": {"num_experts": 0}, "parallel": {"pp": 2, "nproc": 4},
             "pipeline": {"microbatching": "dynamic"}}
     for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True}}, "re-packing is not supported"),
-                         ({"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4}},
-                          "expert parallelism inside stages"),
                          ({"dynamism": {"scheme": "early_exit"}}, "dynamism.scheme=early_exit is not supported"),
                          ({"parallel": {"pp": 1, "nproc": 1}, "pipeline": {"rebalance": "partition"}},
-                          "parallel.pp 1 has one stage"),
-                         ({"moe": {"num_experts": 4}}, "expert parallelism inside stages"),  # ep null: 4 / 2
-                         ({"parallel": {"pp": 2, "nproc": 4, "ep": 1}, "moe": {"num_experts": 4}},
-                          "MoE routing losses .* and data-parallel pipelines")):
+                          "parallel.pp 1 has one stage")):
         with pytest.raises(ConfigError, match=match) as e:
             from_dict(_merge(base, extra))
         assert "\n" not in str(e.value).strip()
+    # planned micro-batches with expert shards inside stages, and with routing losses on data-parallel
+    # pipelines, run in lockstep (tests/distributed/test_microbatching.py): accepted
+    for extra in ({"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4}},
+                  {"moe": {"num_experts": 4}},  # ep null: 4 / 2
+                  {"parallel": {"pp": 2, "nproc": 4, "ep": 1}, "moe": {"num_experts": 4, "z_loss_coef": 1e-3}},
+                  {"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4},
+                   "pipeline": {"microbatching": "packing", "rebalance": "diffusion"}}):
+        from_dict(_merge(base, extra))
 
 
 SIX_SCHEMES = ("none", "moe", "early_exit", "mod", "freezing")

@@ -31,25 +31,31 @@ def write_samples(path: str, n: int = 400, seed: int = 0) -> str:
 SAMPLES: dict[str, str] = {}
 
 
-def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: int = 0, **dynamic: object) -> Config:
-    """A tiny model on variable-length samples (one per .jsonl line): long-tailed lengths."""
+def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: int = 0, ep: int | None = None,
+         aux: float = 0.01, z: float = 0.0, **dynamic: object) -> Config:
+    """A tiny model on variable-length samples (one per .jsonl line): long-tailed lengths. `ep` null: an MoE
+    model's experts are sharded over every rank of a stage; `aux`, `z`: the MoE routing losses' coefficients."""
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 64},
-        "moe": {"num_experts": moe, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop"},
+        "moe": {"num_experts": moe, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": aux,
+                "z_loss_coef": z},
         "data": {"source": SAMPLES["path"], "seq_len": 64, "batch_size": 12, "samples": "documents",
                  "val_fraction": 0.0},
         "train": {"steps": 3, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32"},
-        "parallel": {"pp": pp, "nproc": nproc or pp},
+        "parallel": {"pp": pp, "nproc": nproc or pp, "ep": ep},
         "pipeline": {"microbatching": method,
                      "dynamic": {"costs": "a100", "max_tokens": 192, "workers": 0, **dynamic}}})
 
 
 def _train(cfg: Config, steps: int) -> dict:
-    """The losses of `steps` steps and the first step's gradients (summed over replicas, before clipping)."""
+    """The losses of `steps` steps, the first step's gradients (summed over replicas, before clipping), each
+    step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows)."""
     from moebal.pipeline.planned import PlannedPipelineRunner
 
     class Capture(PlannedPipelineRunner):
         grads: dict = {}
+        plans: list = []
+        ran: list = []
 
         def _sync_grads(self) -> None:
             super()._sync_grads()
@@ -57,9 +63,59 @@ def _train(cfg: Config, steps: int) -> dict:
                 self.grads = {k: p.grad.numpy().copy() for k, p in self.stage.named_parameters()
                               if p.grad is not None}
 
+        def _run_engine(self, work, count):
+            plan, ls = work[0], self.lockstep
+            rep = plan.replicas[ls.replica]
+            self.plans.append(plan.to_dict())
+            self.ran.append({"replica": ls.replica, "part": ls.part, "stage": self.chain.index,
+                             "stream": rep.streams[self.chain.index],
+                             "rows": [plan.micro_batches[g].part(ls.part, plan.lockstep) for g in rep.micro_batches]})
+            return super()._run_engine(work, count)
+
     runner = Capture(cfg)
     out = runner.train(steps)
-    return {"losses": [r["loss"] for r in out.records], "records": out.records, "grads": runner.grads}
+    return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
+            "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran}
+
+
+def planned_reference(cfg: Config, plans: list[dict]) -> dict:
+    """One process replays a planned run: per step, every micro-batch of the plan in turn (all its rows, every
+    replica's), its summed token cross-entropy over the batch's label count plus its auxiliary loss weighted by
+    its share of the batch's tokens; clip, AdamW. The losses, auxiliary losses and first step's gradients."""
+    from moebal.data import build_data
+    from moebal.models import build_model
+    from moebal.pipeline.planned import micro_batch_tensors
+    from moebal.planner.microbatch import MicroBatchPlan
+    from moebal.train.optim import build_optimizer, lr_at
+    from moebal.train.trainer import seed_everything
+
+    data = build_data(cfg)
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg)
+    opt = build_optimizer(model, cfg.train)
+    out: dict = {"losses": [], "aux": [], "grads": {}}
+    for s, raw in enumerate(plans):
+        plan = MicroBatchPlan.from_dict(raw)
+        samples = data.train.next_samples()
+        count = sum(len(x) - 1 for x in samples)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s, cfg.train)
+        loss = aux = 0.0
+        for mb in plan.micro_batches:
+            ids, labels = micro_batch_tensors(samples, mb)
+            res = model(ids, labels)
+            part = res.loss * int((labels != -100).sum()) / count
+            weighted = res.aux_loss * mb.tokens / count
+            (part + weighted).backward()
+            loss, aux = loss + part.item(), aux + weighted.item()
+        out["losses"].append(loss)
+        out["aux"].append(aux)
+        if s == 0:
+            out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return out
 
 
 def reference_grads(cfg: Config) -> dict[str, torch.Tensor]:
@@ -90,6 +146,16 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
 def _four_ranks(rank: int, world: int, path: str) -> dict:
     SAMPLES["path"] = path
     return {"dp": _train(docs(nproc=4), 3)}  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
+
+
+def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
+    SAMPLES["path"] = path
+    # 2 stages x 2 expert shards, routing losses: the stage's two ranks run every micro-batch together
+    return {"ep": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 3),
+            # no routing loss: lockstep for the all-to-alls only
+            "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),
+            # 2 data-parallel pipelines summing routing losses
+            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3)}
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +199,68 @@ def test_dynamic_micro_batches_give_the_one_batch_loss_per_token(two):
     assert all(np.isfinite(got))
 
 
-def test_dynamic_micro_batches_with_data_parallel_pipelines(corpus):
-    results = run_ranks(_four_ranks, 4, corpus)
+@pytest.fixture(scope="module")
+def four(corpus: str) -> list[dict]:
+    return run_ranks(_four_ranks, 4, corpus)
+
+
+@pytest.fixture(scope="module")
+def lockstep(corpus: str) -> list[dict]:
+    return run_ranks(_lockstep_ranks, 4, corpus, timeout_s=300)  # 3 short runs: a loaded host needs the time
+
+
+def test_dynamic_micro_batches_with_data_parallel_pipelines(four):
+    results = four
     ref, _ = reference_losses(docs(nproc=4), 3)
     _check(results, "dp", ref, reference_grads(docs(nproc=4)))
     recs = results[0]["dp"]["records"]
     assert all(r["micro_batches"] >= 2 for r in recs)
+    assert [r["dp"]["ran"][0]["replica"] for r in results] == [0, 1, 0, 1]  # each replica plans its own
+
+
+def _same_schedule_per_stage(results: list[dict], case: str, ranks: int) -> None:
+    """The ranks of a stage run the same instruction stream, each its own rows, together every planned row."""
+    for step in range(len(results[0][case]["plans"])):
+        plan = results[0][case]["plans"][step]
+        assert plan["lockstep"] == ranks and all(r[case]["plans"][step] == plan for r in results)
+        for stage in (0, 1):
+            ran = [r[case]["ran"][step] for r in results if r[case]["ran"][step]["stage"] == stage]
+            assert sorted(x["part"] for x in ran) == list(range(ranks))
+            assert all(x["stream"] == ran[0]["stream"] and x["replica"] == ran[0]["replica"] for x in ran)
+            for j, g in enumerate(plan["replicas"][ran[0]["replica"]]["micro_batches"]):
+                mine = [x["rows"][j] for x in ran]
+                assert all(mine)  # no rank runs a micro-batch empty
+                assert sorted(r for rows in mine for r in rows) == sorted(map(tuple, plan["micro_batches"][g]["rows"]))
+
+
+def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(lockstep):
+    """pp 2 x ep 2: the losses, auxiliary losses and dense gradients of the planned run replayed in one process;
+    without routing losses, the one-batch losses per token."""
+    ep = lockstep[0]["ep"]
+    _same_schedule_per_stage(lockstep, "ep", 2)
+    ref = planned_reference(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), ep["plans"])
+    assert all(r["ep"]["losses"] == ep["losses"] for r in lockstep)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ep["losses"], ref["losses"])), (ep["losses"], ref)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ep["aux"], ref["aux"])), (ep["aux"], ref["aux"])
+    grads = _merge([r["ep"]["grads"] for r in lockstep])
+    dense = {k: v for k, v in ref["grads"].items() if ".experts." not in k}
+    assert set(dense) <= set(grads) and any("gate" in k for k in dense)
+    for k, v in dense.items():  # the router's gradient carries the routing losses' summed statistics
+        torch.testing.assert_close(grads[k], v, rtol=1e-4, atol=1e-6 * float(v.abs().max()), msg=k)
+    assert all(r["micro_batches"] >= 2 for r in ep["records"])  # lockstep over several micro-batches
+    _same_schedule_per_stage(lockstep, "ep_no_losses", 2)
+    one_batch, _ = reference_losses(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3)
+    got = lockstep[0]["ep_no_losses"]["losses"]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, one_batch)), (got, one_batch)
+
+
+def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockstep):
+    """pp 2 x dp 2 with the load-balancing loss: one plan for both replicas' ranks of a stage, replayed in one
+    process (losses, auxiliary losses and every gradient)."""
+    run = lockstep[0]["dp_moe"]
+    _same_schedule_per_stage(lockstep, "dp_moe", 2)
+    cfg = docs(nproc=4, moe=4, ep=1, max_tokens=96)
+    ref = planned_reference(cfg, run["plans"])
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(run["aux"], ref["aux"])), (run["aux"], ref["aux"])
+    _check(lockstep, "dp_moe", ref["losses"], ref["grads"])
+    assert all(r["micro_batches"] >= 2 for r in run["records"])

@@ -169,6 +169,50 @@ def test_bad_lengths_get_clear_errors(lengths, match):
             plan_microbatches(lengths, quad_table(max_len=256), max_len=256)
 
 
+# ---- lockstep ranks (expert shards, or a stage summing routing statistics) ----
+def test_a_lockstep_table_costs_the_busiest_rank_and_refuses_an_empty_one():
+    cost = quad_table(P=2, max_len=256, max_tokens=1024)
+    two = cost.spread_over(2)
+    assert float(two.time(4, 64)) == float(cost.time(2, 64))  # 2 rows on each rank
+    assert float(two.time(5, 64)) == float(cost.time(3, 64))  # the busiest rank holds 3
+    assert math.isinf(two.time(1, 16)) and "each of the 2 ranks" in two.explain_infeasible(1, 16)
+    assert int(two.rows_grid[-1]) == 2 * int(cost.b_grid[-1]) and two.spread_over(2) is two
+
+
+def test_lockstep_dp_equals_brute_force_and_every_run_feeds_every_rank():
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        R = int(rng.integers(2, 4))
+        cost = quad_table(P=2, rng=rng, noise=0.3, max_len=256, max_tokens=1024).spread_over(R)
+        N = int(rng.integers(1, 10))
+        L = np.sort(rng.integers(1, 257, N))[::-1]
+        stages, dp = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        memory = None if trial % 3 == 0 else float(rng.uniform(600, 6000)) * stages
+        try:
+            res = dp_split(L, cost, stages, dp=dp, memory=memory, thin=0.0)
+        except ConfigError:
+            assert math.isinf(brute_force(L, cost, stages, dp, memory))  # brute force finds no split either
+            continue
+        assert res.objective == pytest.approx(brute_force(L, cost, stages, dp, res.memory_limit), rel=1e-12)
+        assert all(b - a >= R for a, b in res.runs), (R, res.runs)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "padding", "packing"])
+def test_a_lockstep_plan_gives_every_rank_rows_of_every_micro_batch(method):
+    cost = quad_table(P=4, max_len=256, max_tokens=2048)
+    L = np.clip(np.random.default_rng(5).lognormal(np.log(40), 0.9, 40), 1, 256).astype(int)
+    plan = plan_microbatches(L, cost, method=method, dp=2, lockstep=2, max_len=256)
+    assert plan.lockstep == 2 and len(plan.replicas) == 2
+    for m in plan.micro_batches:
+        parts = [m.part(r, 2) for r in range(2)]
+        assert all(parts) and sorted(parts[0] + parts[1]) == sorted(m.rows)  # nobody empty, nothing lost
+        assert m.time_s == float(cost.time(-(-m.size // 2), m.seq))  # costed by the busiest rank
+    assert sorted(i for m in plan.micro_batches for i in m.samples) == list(range(40))
+    assert MicroBatchPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ConfigError, match="3 samples cannot give each of the 4 ranks"):
+        plan_microbatches([5, 6, 7], cost, lockstep=4)
+
+
 # ---- data parallelism ----
 def test_karmarkar_karp_balances():
     rng = np.random.default_rng(4)
