@@ -90,14 +90,22 @@ CPU_STARTUP_RETAINED by least squares over every rank of three calibration runs 
 --fit-baseline`: a d 384, 3-layer, 8-expert model, not the validation's, trained as ep 4, dp 4 and pp 2 x dp 2 on
 4 gloo ranks; docs/memory.md)."""
 
+PER_PARAMETER_SCHEMES = ("pruning", "freezing")
+"""Dynamism schemes that edit or stop per-parameter AdamW state, which a pipeline's sharded optimizer does not
+keep per parameter (refused together in moebal/config.py)."""
+
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
                          "pipeline p2p buffers", "replicas (Pro-Prophet)"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
+    "migration": (*_STATE, "whole optimizer state (migration)"),
     "start-up": ("start-up (whole model built)",),
 }
 """The terms each phase adds up."""
+_SHARD_BUCKET_ELEMS = 1 << 22
+"""`shard: optimizer`'s reduce-scatter bucket (moebal/distributed/sharded.py DEFAULT_BUCKET_ELEMS): one send buffer
+of it is in flight beside a pipeline's whole gradients."""
 _SHARD_COST = {"none": 0.0, "optimizer": 0.02, "full": 0.1}
 _RECOMPUTE_COST = {"none": 0.0, "attention": 0.1, "moe": 0.2, "full": 0.33}
 _TERM_SETTING = {
@@ -105,6 +113,7 @@ _TERM_SETTING = {
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
     "logits/loss": "a smaller data.batch_size", "replicas (Pro-Prophet)": "planner.policy=static",
+    "whole optimizer state (migration)": "pipeline.rebalance=off",
 }
 
 
@@ -347,6 +356,11 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
     grads_kept = fsdp / d_dense + whole if lay.shard == "full" else sharded
     t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * biggest
+    if lay.shard == "optimizer" and lay.pp > 1:  # micro-batches accumulate whole gradients; then one bucket out
+        t["gradients"] = 4.0 * held + 4.0 * min(held, _SHARD_BUCKET_ELEMS)
+    # a pipeline's migration gathers a sharded stage's AdamW state whole (moebal/pipeline/migrate.py)
+    moves = lay.pp > 1 and (cfg.pipeline.rebalance != "off" or cfg.pipeline.repack)
+    t["whole optimizer state (migration)"] = 8.0 * held if lay.shard == "optimizer" and moves else 0.0
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
@@ -427,7 +441,7 @@ def _divisors(n: int) -> list[int]:
 
 def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, ...],
                 recomputes: tuple[str, ...], built: bool = False) -> Iterator[MemoryLayout]:
-    """`built`: only combinations this build runs (no sharding with a pipeline)."""
+    """`built`: only combinations this build runs (no `shard: full` with a pipeline)."""
     E = cfg.moe.num_experts
     policies = [base.policy] + (["static"] if base.policy != "static" and E else [])
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
@@ -440,8 +454,10 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard != "none" and pp > 1 and built:
-                        continue  # the built sharding does not compose with the pipeline yet
+                    if shard == "full" and pp > 1 and built:
+                        continue  # FSDP2 does not compose with the pipeline yet
+                    if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
+                        continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
                         for policy in policies if ep > 1 else [base.policy]:
                             yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
