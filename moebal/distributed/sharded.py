@@ -426,6 +426,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.inner.state[leaf] = {"step": step.to(on), "exp_avg": s["exp_avg"].to(leaf.device),
                                   "exp_avg_sq": s["exp_avg_sq"].to(leaf.device)}
 
+    def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
+        """AdamW moment bytes of parameter `p`: this rank's share of them (1/W), or all of them (`whole`: what a
+        migration moves); 0 before the first step or for a parameter it does not hold. For the layer balancer's
+        memory and transfer estimates (moebal/pipeline/observe.py)."""
+        if not self.inner.state or id(p) not in self._of_param:
+            return 0
+        fl = self.flats[self._of_param[id(p)][0]]
+        n = 2 * p.numel() * fl.buf.element_size()
+        return n if whole else n // fl.W
+
     # ---- checkpoints ----
     def _part_state(self, k: int) -> dict[str, torch.Tensor]:
         fl = self.flats[self.buckets[k].flat]

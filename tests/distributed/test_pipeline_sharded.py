@@ -23,7 +23,8 @@ MIGRATE = {"force": ((5, (1, 3)), (14, (2, 2))), "force_mid": ((9, (3, 1)),)}
 """Layer moves at the end of steps 5 and 14, and in step 9 between its backward pass and its optimizer step."""
 
 
-def pipe_cfg(shard: str, ep: int, steps: int = STEPS, dynamism: str = "none", pp: int = 2, **train: Any) -> Config:
+def pipe_cfg(shard: str, ep: int, steps: int = STEPS, dynamism: str = "none", pp: int = 2, schedule: str = "1f1b",
+             **train: Any) -> Config:
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
@@ -31,15 +32,16 @@ def pipe_cfg(shard: str, ep: int, steps: int = STEPS, dynamism: str = "none", pp
         "train": {"steps": steps, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
                   "grad_clip": 0.5, "threads": 1, "progress": "plain", **train},
         "parallel": {"pp": pp, "ep": ep, "nproc": 4, "shard": shard},
-        "pipeline": {"micro_batches": 2}, "dynamism": {"scheme": dynamism}})
+        "pipeline": {"micro_batches": 2, "schedule": schedule}, "dynamism": {"scheme": dynamism}})
 
 
-def _run(shard: str, ep: int, knobs: dict[str, Any], pp: int) -> dict[str, Any]:
+def _run(shard: str, ep: int, knobs: dict[str, Any], pp: int, schedule: str) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from moebal.pipeline.observe import static_bytes, transfer_bytes
     from moebal.pipeline.runner import PipelineRunner
 
-    runner = PipelineRunner(pipe_cfg(shard, ep, pp=pp), **knobs)
+    runner = PipelineRunner(pipe_cfg(shard, ep, pp=pp, schedule=schedule), **knobs)
     out = runner.train(STEPS)
     opt = runner.optimizer
     state = [v for s in opt.state.values() for v in s.values()] if opt is not None else []
@@ -48,7 +50,10 @@ def _run(shard: str, ep: int, knobs: dict[str, Any], pp: int) -> dict[str, Any]:
     res = {"records": out.records, "released": out.released, "sizes": out.final_sizes,
            "optimizer": type(opt).__name__, "state_elems": sum(t.numel() for t in state if t.dim() > 0),
            "params": {} if out.released else runner.full_state(),
-           "param_elems": 0 if out.released else sum(p.numel() for p in runner.stage.parameters())}
+           "param_elems": 0 if out.released else sum(p.numel() for p in runner.stage.parameters()),
+           # the layer balancer's per-rank memory and migration-transfer estimates of the stage
+           "static": 0.0 if out.released else static_bytes(runner.stage, opt),
+           "transfer": 0.0 if out.released else transfer_bytes(runner.stage, opt)}
     dist.barrier()  # released ranks wait here until the survivors have finished
     return res
 
@@ -59,11 +64,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _pairs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    # re-packing keeps two stages at least (embedding and head): 4 stages of one rank each, onto 2
-    cases = {"dp2": (2, 1, MIGRATE), "ep2": (2, 2, MIGRATE), "repack": (4, 1, {"force": ((6, (2, 2)),)})}
+    # re-packing keeps two stages at least (embedding and head): 4 stages of one rank each, onto 2; the expert-
+    # parallel case runs the zero-bubble schedule (weight gradients added outside autograd)
+    cases = {"dp2": (2, 1, MIGRATE, "1f1b"), "ep2": (2, 2, MIGRATE, "zb"),
+             "repack": (4, 1, {"force": ((6, (2, 2)),)}, "1f1b")}
     out: dict[str, Any] = {}
-    for name, (pp, ep, knobs) in cases.items():
-        plain, sharded = _run("none", ep, knobs, pp), _run("optimizer", ep, knobs, pp)
+    for name, (pp, ep, knobs, schedule) in cases.items():
+        plain, sharded = _run("none", ep, knobs, pp, schedule), _run("optimizer", ep, knobs, pp, schedule)
         p, s = plain.pop("params"), sharded.pop("params")
         assert p.keys() == s.keys()
         out[name] = {"none": plain, "optimizer": sharded,
@@ -101,9 +108,13 @@ def test_sharded_pipeline_with_data_parallel_and_migrations_matches_unsharded(pa
     for r in pairs:  # the AdamW moments are split over the stage's 2 ranks: half of the unsharded ones (+ padding)
         got, whole = r["dp2"]["optimizer"]["state_elems"], r["dp2"]["none"]["state_elems"]
         assert whole == 2 * r["dp2"]["none"]["param_elems"] and got <= whole // 2 + 8, (got, whole)
+        # the balancer's estimates: a rank keeps half the moments (4 bytes per parameter less), a move sends all
+        plain, sharded, n = r["dp2"]["none"], r["dp2"]["optimizer"], r["dp2"]["none"]["param_elems"]
+        assert abs(plain["static"] - sharded["static"] - 4 * n) < 0.01 * plain["static"]
+        assert abs(plain["transfer"] - sharded["transfer"]) < 0.01 * plain["transfer"]
 
 
-def test_sharded_pipeline_with_expert_parallel_stages_matches_unsharded(pairs):
+def test_sharded_pipeline_with_expert_parallel_stages_and_zero_bubble_matches_unsharded(pairs):
     _check(pairs, "ep2")
 
 
