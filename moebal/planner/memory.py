@@ -2,12 +2,14 @@
 
 A rank's peak is modelled in phases, each a sum of terms, and the plan is their maximum:
 
-    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync) + start-up leftovers)
+    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync, migration) + start-up leftovers)
     state   = parameters + optimizer state + persistent gradient buffers
     fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
               one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
               + Pro-Prophet replicas
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
+    migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
+              gathered whole (moebal/pipeline/migrate.py)
     start-up = the whole model in fp32, built on every rank before it keeps its share (today's
               initialisation; `init="local"` models rank-local initialisation, which holds its share only)
     start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
@@ -26,7 +28,8 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
   reduce-scattered layer by layer, plus one layer's full-size gradients in flight; under `full` the expert
-  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them).
+  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them); with a
+  pipeline `shard: optimizer` keeps them whole (micro-batches accumulate them) plus one 16 MB bucket in flight.
 - persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
   fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
   `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
