@@ -9,7 +9,7 @@ A rank's peak is modelled in phases, each a sum of terms, and the plan is their 
               + Pro-Prophet replicas
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
     migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
-              gathered whole (moebal/pipeline/migrate.py)
+              gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py)
     start-up = the whole model in fp32, built on every rank before it keeps its share (today's
               initialisation; `init="local"` models rank-local initialisation, which holds its share only)
     start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
@@ -102,7 +102,7 @@ PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
                          "pipeline p2p buffers", "replicas (Pro-Prophet)"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
-    "migration": (*_STATE, "whole optimizer state (migration)"),
+    "migration": (*_STATE, "migration: whole moments + new flats"),
     "start-up": ("start-up (whole model built)",),
 }
 """The terms each phase adds up."""
@@ -116,7 +116,7 @@ _TERM_SETTING = {
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
     "logits/loss": "a smaller data.batch_size", "replicas (Pro-Prophet)": "planner.policy=static",
-    "whole optimizer state (migration)": "pipeline.rebalance=off",
+    "migration: whole moments + new flats": "pipeline.rebalance=off",
 }
 
 
@@ -361,9 +361,10 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * biggest
     if lay.shard == "optimizer" and lay.pp > 1:  # micro-batches accumulate whole gradients; then one bucket out
         t["gradients"] = 4.0 * held + 4.0 * min(held, _SHARD_BUCKET_ELEMS)
-    # a pipeline's migration gathers a sharded stage's AdamW state whole (moebal/pipeline/migrate.py)
+    # a pipeline's migration gathers a sharded stage's AdamW moments whole, and the rebuilt optimizer's new flats
+    # (a copy of the stage's weights) exist beside the old ones until it returns (moebal/pipeline/migrate.py)
     moves = lay.pp > 1 and (cfg.pipeline.rebalance != "off" or cfg.pipeline.repack)
-    t["whole optimizer state (migration)"] = 8.0 * held if lay.shard == "optimizer" and moves else 0.0
+    t["migration: whole moments + new flats"] = 12.0 * held if lay.shard == "optimizer" and moves else 0.0
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0

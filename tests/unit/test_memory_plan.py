@@ -211,7 +211,8 @@ def test_bench_memory_json(tmp_path, monkeypatch):
 
 def test_pipeline_with_sharded_optimizer_state(capsys):
     """pp 2 x dp 2, shard optimizer: moments over the stage's 2 ranks, gradients whole (micro-batches accumulate
-    them) plus one bucket, and a migration phase with the stage's moments whole when layers can move."""
+    them) plus one bucket, and a migration phase (the stage's moments whole, the new flats' copy of its weights)
+    when layers can move."""
     cfg = load(None, [*TINY, "model.n_layers=2", "data.batch_size=8"])
     lay = MemoryLayout(ranks=4, pp=2, micro_batches=2, shard="optimizer")
     plan = plan_memory(cfg, lay, BARE)
@@ -221,12 +222,12 @@ def test_pipeline_with_sharded_optimizer_state(capsys):
     assert plan.stage == none.stage
     assert t["optimizer state"] == 8 * held / 2 and t["parameters"] == 4 * held
     assert t["gradients"] == 4 * held + 4 * held  # whole, plus the bucket in flight (the stage is below 4M)
-    assert t["whole optimizer state (migration)"] == 0  # pipeline.rebalance off, no re-pack: nothing moves
+    assert t["migration: whole moments + new flats"] == 0  # pipeline.rebalance off, no re-pack: nothing moves
     moving = load(None, [*TINY, "model.n_layers=2", "data.batch_size=8", "parallel.pp=2",
                          "pipeline.rebalance=partition"])
     mig = plan_memory(moving, lay, BARE)
-    assert mig.terms["whole optimizer state (migration)"] == 8 * held
-    assert mig.phases["migration"] == 4 * held + 8 * held / 2 + 8 * held
+    assert mig.terms["migration: whole moments + new flats"] == 8 * held + 4 * held
+    assert mig.phases["migration"] == 4 * held + 8 * held / 2 + 12 * held
     assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--ranks", "16", "--pp", "2",
                  "--shard", "optimizer", "--json"]) in (0, 1)
     out = json.loads(capsys.readouterr().out)
