@@ -143,15 +143,21 @@ def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int |
 
 def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
     """6 steps with migrations in one go against 4 steps, a stop, and a resume of the sharded run from its step-4
-    checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards)."""
+    checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards); the same
+    checkpoint resumed unsharded continues the same run too (the format does not say it was sharded)."""
+    import shutil
+
     whole = run_ranks(_leg, 4, str(tmp_path / "whole"), "optimizer", False, None, timeout_s=600)[0]
     run = str(tmp_path / "resumed")
     run_ranks(_leg, 4, run, "optimizer", False, 4, timeout_s=600)
+    shutil.copytree(run, tmp_path / "unsharded")
     resumed = run_ranks(_leg, 4, run, "optimizer", True, None, timeout_s=600)[0]
-    assert [r["step"] for r in resumed] == list(range(1, 7))
-    for a, b in zip(whole, resumed):
+    plain = run_ranks(_leg, 4, str(tmp_path / "unsharded"), "none", True, None, timeout_s=600)[0]
+    assert [r["step"] for r in resumed] == [r["step"] for r in plain] == list(range(1, 7))
+    for a, b, c in zip(whole, resumed, plain):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), a["step"]
+        assert math.isclose(a["loss"], c["loss"], rel_tol=1e-5), (a["step"], a["loss"], c["loss"])
     ref, got = (checkpoint_state(Path(d) / "ckpt-0000006") for d in (tmp_path / "whole", run))
     assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") for k in ref)
     worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
