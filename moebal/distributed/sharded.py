@@ -51,6 +51,7 @@ from torch import nn
 from moebal.config import TrainConfig
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.groups import ParallelDims
+from moebal.sync import to_host
 
 if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader
@@ -379,22 +380,35 @@ class ShardedAdamW(torch.optim.Optimizer):
         moves and the rebuilt optimizer re-shards. Empty before the first step. Peak: the whole state of the
         stage on every rank of it, as unsharded, for the migration's duration."""
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        if not self.inner.state:
+        step = self._agreed_step()
+        if step is None:
             return out
         for fl in self.flats:
             full = {key: torch.zeros_like(fl.buf) for key in ("exp_avg", "exp_avg_sq")}
             for k, leaf in zip(fl.buckets, fl.leaves):
-                b, state = self.buckets[k], self.inner.state[leaf]
+                b, state = self.buckets[k], self.inner.state.get(leaf, {})
                 for key, buf in full.items():
+                    # a part of padding only may have no state (after a resume): it sends zeros
+                    mine = state[key].contiguous() if key in state else torch.zeros_like(leaf)
                     if fl.W > 1:
-                        dist.all_gather_single(buf[b.start:b.start + b.part * fl.W], state[key].contiguous(),
-                                               group=fl.group)
+                        dist.all_gather_single(buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
                     else:
-                        buf[b.start:b.start + b.part].copy_(state[key])
-            step = self.inner.state[fl.leaves[0]]["step"].detach().float().reshape(())
+                        buf[b.start:b.start + b.part].copy_(mine)
             for p, o in zip(fl.params, fl.offsets):
                 out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
         return out
+
+    def _agreed_step(self) -> torch.Tensor | None:
+        """The stage's AdamW step count (every part steps together), the same on every rank of the stage (one
+        small all-reduce over "dp_ep": a rank whose parts are all padding may hold no state); None before the
+        first step."""
+        steps = [s["step"] for s in self.inner.state.values() if "step" in s]
+        v = (steps[0].detach().double().reshape(1) if steps else torch.full((1,), -1.0, dtype=torch.float64))
+        if self._channels["dp_ep"] is not None:
+            v = v.to(self.dims.device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self._channels["dp_ep"])
+        n = float(to_host(v, "sharded state: the step count a migration carries")[0])
+        return None if n < 0 else torch.tensor(n, dtype=torch.float32)
 
     def load_full_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         """Adopt whole per-parameter AdamW state (`full_state`'s, or a migrated layer's): each owned part takes its
