@@ -315,7 +315,8 @@ class ParallelConfig:
     holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
     dense weights too (FSDP2 `fully_shard` over the data-parallel ranks; expert parameters keep the optimizer
-    sharding over their expert-data-parallel ranks, docs/sharding.md). Not with parallel.pp > 1."""
+    sharding over their expert-data-parallel ranks, docs/sharding.md). With parallel.pp > 1: optimizer only (per
+    stage; a migrated layer's state is re-sharded)."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under shard: full, the dtype FSDP2 all-gathers dense weights in for compute (bf16 needs
     train.precision: bf16); master weights and AdamW state stay fp32."""
@@ -971,9 +972,13 @@ def _check_whole(c: Config) -> None:
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
-    _need(par.shard == "none" or par.pp == 1,
-          f"'parallel.shard: {par.shard}' with a pipeline (parallel.pp {par.pp}) is not built: a migrating layer "
-          f"would have to carry its gradient and AdamW shards; use parallel.shard=none or parallel.pp=1")
+    _need(par.shard != "full" or par.pp == 1,
+          f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built: FSDP2's units would have to "
+          f"be re-applied to a stage's new layers after a migration; use parallel.shard=optimizer or parallel.pp=1")
+    _need(par.shard != "optimizer" or par.pp == 1 or c.dynamism.scheme not in ("pruning", "freezing"),
+          f"'parallel.shard: optimizer' with a pipeline and dynamism.scheme={c.dynamism.scheme} is not supported: "
+          f"the scheme zeroes or stops AdamW state per parameter, which the sharded flats do not keep per parameter; "
+          f"use parallel.shard=none")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,

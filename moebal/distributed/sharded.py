@@ -51,6 +51,7 @@ from torch import nn
 from moebal.config import TrainConfig
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.groups import ParallelDims
+from moebal.sync import to_host
 
 if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader
@@ -109,10 +110,14 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, t: TrainConfig, dims: ParallelDims,
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, divisor: float | None = None,
+                 channels: dict[str, Any] | None = None) -> None:
         """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
         moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
-        the owned parts' gradients are always in the parameters' dtype."""
+        the owned parts' gradients are always in the parameters' dtype. `divisor`: what the summed gradients are
+        divided by (None: the stage's rank count, for per-rank mean losses; a pipeline's losses are already
+        normalised by the global label count: 1). `channels`: `make_channels`' communicators to reuse (a
+        pipeline stage rebuilding its optimizer after a migration, when not every rank could create new ones)."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
@@ -122,13 +127,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": t.lr})
         self.reduce_dtype = reduce_dtype
         self.dims = dims
-        self.divisor = float(dims.size("dp_ep"))
+        self.divisor = float(dims.size("dp_ep")) if divisor is None else divisor
         self.flats: list[_Flat] = []
         self.buckets: list[_Bucket] = []
         # channels of our own (collective to create, in this order everywhere): the reduce-scatters are issued
         # from backward hooks, which must never interleave with what the communication scheduler's thread
         # issues on the axis groups
-        self._channels = {axis: dims.new_channel(axis) if dims.size(axis) > 1 else None for axis in ("dp_ep", "dp")}
+        self._channels = channels if channels is not None else self.make_channels(dims)
         order = {id(p): i for i, p in enumerate(p for p in model.parameters() if include is None or include(p))}
         for g in groups:
             for expert in (False, True):
@@ -160,6 +165,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._arrived: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for fl in self.flats for p in fl.params
                        if not is_expert_param(p)]
+
+    @staticmethod
+    def make_channels(dims: ParallelDims) -> dict[str, Any]:
+        """Its own communicators over "dp_ep" and "dp" (None where an axis has one rank). Collective on every
+        rank, in the same order everywhere."""
+        return {axis: dims.new_channel(axis) if dims.size(axis) > 1 else None for axis in ("dp_ep", "dp")}
+
+    @property
+    def channels(self) -> dict[str, Any]:
+        return self._channels
 
     # ---- layout ----
     def _add_flat(self, params: list[nn.Parameter], axis: str, weight_decay: float, late: bool,
@@ -287,6 +302,23 @@ class ShardedAdamW(torch.optim.Optimizer):
         """The summed squares of every owned part's gradient (fp32 scalars)."""
         return [leaf.grad.float().square().sum() for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
 
+    def squares_by(self, slot_of: Callable[[nn.Parameter], int], n: int) -> torch.Tensor:
+        """[n] float64: the summed squares of the owned gradient parts, per slot of the parameter each element
+        belongs to (`slot_of`; padding counts nowhere). Summed over the stage ("dp_ep") each element of the
+        model counts once (collective there): a pipeline's per-slot gradient norms (`PipelineRunner`)."""
+        out = torch.zeros(n, dtype=torch.float64, device=self.dims.device)
+        for f, fl in enumerate(self.flats):
+            for p, o in zip(fl.params, fl.offsets):
+                for j, k, lo, hi in self._runs(f, o, o + p.numel()):
+                    leaf_grad = fl.leaves[fl.buckets.index(k)].grad
+                    if j != fl.index or leaf_grad is None:
+                        continue
+                    a = lo - self.buckets[k].start - j * self.buckets[k].part
+                    out[slot_of(p)] += leaf_grad[a:a + hi - lo].double().square().sum()
+        if self._channels["dp_ep"] is not None:
+            dist.all_reduce(out, group=self._channels["dp_ep"])
+        return out
+
     def scale_grads(self, coef: torch.Tensor) -> None:
         """Every owned part's gradient times `coef` (a scalar tensor)."""
         for fl in self.flats:
@@ -340,6 +372,83 @@ class ShardedAdamW(torch.optim.Optimizer):
         grads = [leaf.grad for fl in self.flats for leaf in fl.leaves if leaf.grad is not None]
         state = [v for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return grads, state
+
+    # ---- migration (moebal/pipeline/migrate.py) ----
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Every parameter's AdamW state whole, as torch's AdamW keeps it (`step`, `exp_avg`, `exp_avg_sq`),
+        all-gathered from the owned parts (collective over each flat's shard group): what a pipeline migration
+        moves and the rebuilt optimizer re-shards. Empty before the first step. Peak: the whole state of the
+        stage on every rank of it, as unsharded, for the migration's duration."""
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        step = self._agreed_step()
+        if step is None:
+            return out
+        for fl in self.flats:
+            full = {key: torch.zeros_like(fl.buf) for key in ("exp_avg", "exp_avg_sq")}
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                b, state = self.buckets[k], self.inner.state.get(leaf, {})
+                for key, buf in full.items():
+                    # a part of padding only may have no state (after a resume): it sends zeros
+                    mine = state[key].contiguous() if key in state else torch.zeros_like(leaf)
+                    if fl.W > 1:
+                        dist.all_gather_single(buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
+                    else:
+                        buf[b.start:b.start + b.part].copy_(mine)
+            for p, o in zip(fl.params, fl.offsets):
+                out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
+        return out
+
+    def _agreed_step(self) -> torch.Tensor | None:
+        """The stage's AdamW step count (every part steps together), the same on every rank of the stage (one
+        small all-reduce over "dp_ep": a rank whose parts are all padding may hold no state); None before the
+        first step."""
+        steps = [s["step"] for s in self.inner.state.values() if "step" in s]
+        v = (steps[0].detach().double().reshape(1) if steps else torch.full((1,), -1.0, dtype=torch.float64))
+        if self._channels["dp_ep"] is not None:
+            v = v.to(self.dims.device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self._channels["dp_ep"])
+        n = float(to_host(v, "sharded state: the step count a migration carries")[0])
+        return None if n < 0 else torch.tensor(n, dtype=torch.float32)
+
+    def load_full_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Adopt whole per-parameter AdamW state (`full_state`'s, or a migrated layer's): each owned part takes its
+        slice of it. Every parameter of the stage steps together, so one step count serves every part; a
+        parameter without state (none before the first step) leaves zeros, AdamW's own start."""
+        if not states:
+            return
+        step = next(iter(states.values()))["step"]
+        for f, fl in enumerate(self.flats):
+            parts = {k: {key: torch.zeros(self.buckets[k].part, dtype=fl.buf.dtype, device=fl.buf.device)
+                         for key in ("exp_avg", "exp_avg_sq")} for k in fl.buckets}
+            for p, o in zip(fl.params, fl.offsets):
+                s = states.get(p)
+                for j, k, lo, hi in self._runs(f, o, o + p.numel()):
+                    if j != fl.index or s is None:
+                        continue
+                    a = lo - self.buckets[k].start - j * self.buckets[k].part
+                    for key, dst in parts[k].items():
+                        dst[a:a + hi - lo] = s[key].reshape(-1)[lo - o:hi - o]
+            for k, part in parts.items():
+                self._adopt(k, {"step": step, **part})
+
+    def _adopt(self, k: int, s: dict[str, torch.Tensor]) -> None:
+        """Bucket k's owned part takes AdamW state `s` (`step` where torch keeps it: on the device when fused)."""
+        fl = self.flats[self.buckets[k].flat]
+        leaf = fl.leaves[fl.buckets.index(k)]
+        step = s["step"].detach().to(torch.float32).reshape(()).clone()  # AdamW counts each part's step in place
+        on = leaf.device if self.inner.defaults.get("fused") else torch.device("cpu")
+        self.inner.state[leaf] = {"step": step.to(on), "exp_avg": s["exp_avg"].to(leaf.device),
+                                  "exp_avg_sq": s["exp_avg_sq"].to(leaf.device)}
+
+    def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
+        """AdamW moment bytes of parameter `p`: this rank's share of them (1/W), or all of them (`whole`: what a
+        migration moves); 0 before the first step or for a parameter it does not hold. For the layer balancer's
+        memory and transfer estimates (moebal/pipeline/observe.py)."""
+        if not self.inner.state or id(p) not in self._of_param:
+            return 0
+        fl = self.flats[self._of_param[id(p)][0]]
+        n = 2 * p.numel() * fl.buf.element_size()
+        return n if whole else n // fl.W
 
     # ---- checkpoints ----
     def _part_state(self, k: int) -> dict[str, torch.Tensor]:
@@ -423,14 +532,8 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket)."""
-        parts = state_dict["sharded_parts"]
-        for k, s in parts.items():
-            fl = self.flats[self.buckets[k].flat]
-            leaf = fl.leaves[fl.buckets.index(k)]
-            step = s["step"].detach().to(torch.float32).reshape(())
-            self.inner.state[leaf] = {"step": step.to(leaf.device) if self.inner.defaults.get("fused") else step,
-                                      "exp_avg": s["exp_avg"].to(leaf.device),
-                                      "exp_avg_sq": s["exp_avg_sq"].to(leaf.device)}
+        for k, s in state_dict["sharded_parts"].items():
+            self._adopt(k, s)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,12 @@ Protocol (every rank of the chain runs it with the same old and new partitions):
      the same list and sends never block, the walk cannot deadlock;
   3. wait for every send, then rebuild the optimizer over the stage's new parameter set and give every
      parameter its old state object (kept layers) or the received one (moved layers).
+Sharded state (`parallel.shard: optimizer`, a `ShardedAdamW`, moebal/distributed/sharded.py): before the walk
+every rank of a stage all-gathers its stage's AdamW state whole per parameter (`full_state`, collective over
+the stage's shard groups), the walk moves it as above, and the rebuilt sharded optimizer (new flats and buckets
+over the new parameter set) takes its owned slices (`load_full_state`); the sender drops the moved layer's
+whole. Gradients of a migration between backward and optimizer step are the parameters' own, not reduced yet,
+and travel as above. Peak: the stage's whole AdamW state on every rank of it, for the migration's duration.
 A partition over the chain may give released ranks zero layers (re-packing): the same walk empties them.
 
 Devices: the header is a CPU tensor (gloo under the device-aware backend: the receiver reads it on the host at
@@ -46,7 +52,7 @@ from moebal.pipeline.stage import PipelineStage, build_layer_skeleton, half_modu
 from moebal.pipeline.units import LAYER, UnitMap
 from moebal.planner.partition import migration_layers
 
-__all__ = ["MigrationReport", "OPT_KEYS", "migrate_layers", "rebuild_optimizer"]
+__all__ = ["MigrationReport", "OPT_KEYS", "WholeState", "migrate_layers", "rebuild_optimizer"]
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state, in transfer order."""
@@ -63,7 +69,20 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
+class WholeState:
+    """A sharded optimizer's state gathered whole per parameter for the walk (what the unsharded path reads
+    from `optimizer.state` and `param_groups`)."""
+
+    def __init__(self, state: dict[nn.Parameter, dict[str, torch.Tensor]], param_groups: list[dict[str, Any]]):
+        self.state = state
+        self.param_groups = param_groups
+
+
+Stateful = torch.optim.Optimizer | WholeState
+"""Where a layer's AdamW state is read from during the walk."""
+
+
+def _layer_tensors(layer: nn.Module, i: int, optimizer: Stateful | None,
                    parts: Sequence[Dynamism]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     params = list(layer.parameters())
     flags, tensors = [], [v for v in layer.state_dict(keep_vars=True).values()]
@@ -83,7 +102,7 @@ def _layer_tensors(layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | 
     return torch.tensor(flags, dtype=torch.int64), tensors
 
 
-def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer: torch.optim.Optimizer | None,
+def _send_layer(chain: PipeChain, dst: int, layer: nn.Module, i: int, optimizer: Stateful | None,
                 parts: Sequence[Dynamism], device: torch.device) -> int:
     header, tensors = _layer_tensors(layer, i, optimizer, parts)
     payload = (torch.cat([_flat(t.to(device)) for t in tensors]) if tensors
@@ -159,6 +178,12 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
 
     t0 = time.perf_counter()
     moves = migration_layers(old, new)
+    walk: Stateful | None = optimizer
+    gather = getattr(optimizer, "full_state", None)
+    if gather is not None:  # sharded state: whole for the walk, re-sharded by the rebuilt optimizer
+        assert optimizer is not None
+        walk = WholeState(gather(), optimizer.param_groups)
+        getattr(optimizer, "close", lambda: None)()  # its gradient hooks go with it
     me = chain.index
     received: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     sent = 0
@@ -169,10 +194,10 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
         i, kind = units.parts[u]
         if src == me:
             if kind == LAYER:
-                sent += _send_layer(chain, chain.ranks[dst], stage.layer(i), i, optimizer, parts, device)
+                sent += _send_layer(chain, chain.ranks[dst], stage.layer(i), i, walk, parts, device)
             else:
                 assert not any(part.layer_state(i) for part in parts), f"split layer {i} has scheme state"
-                sent += _send_layer(chain, chain.ranks[dst], stage.unit_module(u), i, optimizer, (), device)
+                sent += _send_layer(chain, chain.ranks[dst], stage.unit_module(u), i, walk, (), device)
             stage.remove_unit(u)
             if i not in stage.layer_ids:
                 for part in parts:
@@ -188,20 +213,27 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
         stage.check_contiguous()
     if new[me] == 0:
         return None, MigrationReport(moves, sent, time.perf_counter() - t0)
-    new_opt = rebuild_optimizer(stage, optimizer, received, make_optimizer)
+    new_opt = rebuild_optimizer(stage, walk, received, make_optimizer)
     return new_opt, MigrationReport(moves, sent, time.perf_counter() - t0)
 
 
-def rebuild_optimizer(module: nn.Module, old: torch.optim.Optimizer | None,
+def rebuild_optimizer(module: nn.Module, old: Stateful | None,
                       received: dict[nn.Parameter, dict[str, torch.Tensor]],
                       make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None]
                       ) -> torch.optim.Optimizer | None:
     """A fresh optimizer over `module`'s parameters (same construction rule as at start) whose per-parameter
     state is the old optimizer's for parameters that stayed and the received state for those that arrived.
-    Learning rate and hyper-parameters come from the construction rule; the runner sets the lr every step."""
+    Learning rate and hyper-parameters come from the construction rule; the runner sets the lr every step.
+    A sharded optimizer (`load_full_state`) takes its owned slices of the whole states instead."""
     opt = make_optimizer(module)
     if opt is None:
         return None  # nothing left to train here (a frozen stage)
+    adopt = getattr(opt, "load_full_state", None)
+    if adopt is not None:
+        kept = {p: old.state[p] for p in module.parameters() if old is not None and p in old.state}
+        adopt({**kept, **received})
+        _keep_lr(opt, old)
+        return opt
     step_on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
     for group in opt.param_groups:
         for p in group["params"]:
@@ -210,7 +242,11 @@ def rebuild_optimizer(module: nn.Module, old: torch.optim.Optimizer | None,
                                 for k, v in received[p].items()}
             elif old is not None and p in old.state:
                 opt.state[p] = old.state[p]
+    _keep_lr(opt, old)
+    return opt
+
+
+def _keep_lr(opt: torch.optim.Optimizer, old: Stateful | None) -> None:
     if old is not None:
         for g_new, g_old in zip(opt.param_groups, old.param_groups):
             g_new["lr"] = g_old["lr"]
-    return opt

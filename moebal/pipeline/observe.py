@@ -144,10 +144,7 @@ def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     for p in module.parameters():
         n = p.numel() * p.element_size()
         total += n * (2 if p.requires_grad else 1)
-        if optimizer is not None:
-            for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
+        total += _state_bytes(optimizer, p, whole=False)
     for b in module.buffers():
         total += b.numel() * b.element_size()
     return float(total)
@@ -162,11 +159,20 @@ def transfer_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -
     for p in module.parameters():
         if p.grad is not None:
             total += p.grad.numel() * p.grad.element_size()
-        if optimizer is not None:
-            for v in optimizer.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    total += v.numel() * v.element_size()
+        total += _state_bytes(optimizer, p, whole=True)
     return float(total)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer | None, p: torch.Tensor, whole: bool) -> int:
+    """Optimizer-state bytes of parameter `p` on this rank, or (`whole`) all of it: a sharded optimizer
+    (`param_state_bytes`, moebal/distributed/sharded.py) keeps a share and a migration moves it whole."""
+    if optimizer is None:
+        return 0
+    per_param = getattr(optimizer, "param_state_bytes", None)
+    if per_param is not None:
+        return int(per_param(p, whole))
+    return sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
+               if isinstance(v, torch.Tensor))
 
 
 @dataclass

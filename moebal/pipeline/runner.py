@@ -42,6 +42,7 @@ from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.groups import ParallelDims
+from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine
@@ -122,6 +123,9 @@ class PipelineRunner:
             raise ConfigError("dynamism pruning with expert parallelism inside pipeline stages (parallel.ep > 1) is "
                               "not supported: the global magnitude threshold does not count expert shards yet; "
                               "use parallel.ep=1 or another scheme")
+        if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
+            raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
+                              f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
@@ -179,6 +183,9 @@ class PipelineRunner:
                                               self.chain.is_last, self.units).to(self.device)
         del model
         self.experts = StageExperts(self.stage, self.dims, cfg)
+        # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
+        # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
+        self._shard_channels = ShardedAdamW.make_channels(self.dims) if cfg.parallel.shard == "optimizer" else None
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
         if uses_bf16(cfg, self.device):
@@ -218,12 +225,22 @@ class PipelineRunner:
         return max(1, rows // min(self.opts.micro_batches, rows))
 
     def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer | None:
-        """AdamW as the single-process trainer builds it; None when nothing here trains (a frozen stage)."""
+        """AdamW as the single-process trainer builds it, or its sharded form over the stage's ranks
+        (`parallel.shard: optimizer`: dense state over "dp_ep", expert state over "dp"; the losses are normalised
+        by the global label count already, so the reduced gradients are sums: divisor 1); None when nothing here
+        trains (a frozen stage)."""
         from moebal.train.optim import build_optimizer
 
         if not any(p.requires_grad for p in module.parameters()):
             return None
+        if self._shard_channels is not None:
+            return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels)
         return build_optimizer(module, self.cfg.train)
+
+    @property
+    def sharded(self) -> ShardedAdamW | None:
+        """The sharded optimizer (`parallel.shard: optimizer`), None when the state is whole."""
+        return self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
 
     def _ctx(self) -> SchemeContext:
         return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
@@ -396,7 +413,11 @@ class PipelineRunner:
         """Sum gradients over the ranks that hold the same parameters, one bucket per layer and kind (a layer's
         buckets have the same layout wherever it sits, so the sums are the same with or without migrations):
         replicated parameters over every rank of the stage ("dp_ep"), expert shards over their data-parallel
-        copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens)."""
+        copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens). Sharded
+        state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`)."""
+        if self.sharded is not None:
+            self.sharded.reduce()
+            return
         for _, params in self._slot_params().items():
             for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
                 grads = [p.grad for p in params if p.grad is not None and is_expert_param(p) == expert]
@@ -455,7 +476,11 @@ class PipelineRunner:
     def _grad_squares(self, S: int) -> torch.Tensor:
         """[S] float64 on the compute device: squared gradient norms per cost slot, each slot summed parameter
         by parameter in model order (the same bits wherever the slot sits); expert shards' squares summed over
-        the ep group there (NCCL on CUDA)."""
+        the ep group there (NCCL on CUDA). Sharded state: the owned parts' squares per slot, summed over the
+        stage (the same norms up to summation order)."""
+        if self.sharded is not None:
+            slot_of = {id(p): slot for slot, params in self._slot_params().items() for p in params}
+            return self.sharded.squares_by(lambda p: slot_of[id(p)], S)
         rep_S = torch.zeros(S, dtype=torch.float64, device=self.device)
         shard_S = torch.zeros(S, dtype=torch.float64, device=self.device)
         for slot, params in self._slot_params().items():
@@ -482,7 +507,9 @@ class PipelineRunner:
         clip = self.cfg.train.grad_clip
         if clip > 0:
             coef = clip / (norm + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and self.sharded is not None:
+                self.sharded.scale_grads(torch.tensor(coef, dtype=torch.float64))
+            elif coef < 1.0:
                 for p in self.stage.parameters():
                     if p.grad is not None:
                         p.grad.mul_(coef)

@@ -2,12 +2,14 @@
 
 A rank's peak is modelled in phases, each a sum of terms, and the plan is their maximum:
 
-    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync) + start-up leftovers)
+    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync, migration) + start-up leftovers)
     state   = parameters + optimizer state + persistent gradient buffers
     fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
               one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
               + Pro-Prophet replicas
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
+    migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
+              gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py)
     start-up = the whole model in fp32, built on every rank before it keeps its share (today's
               initialisation; `init="local"` models rank-local initialisation, which holds its share only)
     start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
@@ -26,7 +28,8 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
   reduce-scattered layer by layer, plus one layer's full-size gradients in flight; under `full` the expert
-  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them).
+  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them); with a
+  pipeline `shard: optimizer` keeps them whole (micro-batches accumulate them) plus one 16 MB bucket in flight.
 - persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
   fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
   `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
@@ -90,14 +93,22 @@ CPU_STARTUP_RETAINED by least squares over every rank of three calibration runs 
 --fit-baseline`: a d 384, 3-layer, 8-expert model, not the validation's, trained as ep 4, dp 4 and pp 2 x dp 2 on
 4 gloo ranks; docs/memory.md)."""
 
+PER_PARAMETER_SCHEMES = ("pruning", "freezing")
+"""Dynamism schemes that edit or stop per-parameter AdamW state, which a pipeline's sharded optimizer does not
+keep per parameter (refused together in moebal/config.py)."""
+
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
                          "pipeline p2p buffers", "replicas (Pro-Prophet)"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
+    "migration": (*_STATE, "migration: whole moments + new flats"),
     "start-up": ("start-up (whole model built)",),
 }
 """The terms each phase adds up."""
+_SHARD_BUCKET_ELEMS = 1 << 22
+"""`shard: optimizer`'s reduce-scatter bucket (moebal/distributed/sharded.py DEFAULT_BUCKET_ELEMS): one send buffer
+of it is in flight beside a pipeline's whole gradients."""
 _SHARD_COST = {"none": 0.0, "optimizer": 0.02, "full": 0.1}
 _RECOMPUTE_COST = {"none": 0.0, "attention": 0.1, "moe": 0.2, "full": 0.33}
 _TERM_SETTING = {
@@ -105,6 +116,7 @@ _TERM_SETTING = {
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
     "logits/loss": "a smaller data.batch_size", "replicas (Pro-Prophet)": "planner.policy=static",
+    "migration: whole moments + new flats": "pipeline.rebalance=off",
 }
 
 
@@ -351,6 +363,12 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
     grads_kept = fsdp / d_dense + whole if lay.shard == "full" else sharded
     t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * biggest
+    if lay.shard == "optimizer" and lay.pp > 1:  # micro-batches accumulate whole gradients; then one bucket out
+        t["gradients"] = 4.0 * held + 4.0 * min(held, _SHARD_BUCKET_ELEMS)
+    # a pipeline's migration gathers a sharded stage's AdamW moments whole, and the rebuilt optimizer's new flats
+    # (a copy of the stage's weights) exist beside the old ones until it returns (moebal/pipeline/migrate.py)
+    moves = lay.pp > 1 and (cfg.pipeline.rebalance != "off" or cfg.pipeline.repack)
+    t["migration: whole moments + new flats"] = 12.0 * held if lay.shard == "optimizer" and moves else 0.0
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
@@ -432,7 +450,7 @@ def _divisors(n: int) -> list[int]:
 
 def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, ...],
                 recomputes: tuple[str, ...], built: bool = False) -> Iterator[MemoryLayout]:
-    """`built`: only combinations this build runs (no sharding with a pipeline)."""
+    """`built`: only combinations this build runs (no `shard: full` with a pipeline)."""
     E = cfg.moe.num_experts
     policies = [base.policy] + (["static"] if base.policy != "static" and E else [])
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
@@ -445,8 +463,10 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard != "none" and pp > 1 and built:
-                        continue  # the built sharding does not compose with the pipeline yet
+                    if shard == "full" and pp > 1 and built:
+                        continue  # FSDP2 does not compose with the pipeline yet
+                    if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
+                        continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
                         for policy in policies if ep > 1 else [base.policy]:
                             yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,

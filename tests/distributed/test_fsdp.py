@@ -138,7 +138,7 @@ def test_full_sharding_bf16_policy_runs_close_to_fp32(tmp_path):
 def test_full_sharding_refusals_name_the_fix():
     from moebal.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="with a pipeline.*parallel.shard=none or parallel.pp=1"):
+    with pytest.raises(ConfigError, match="with a pipeline.*parallel.shard=optimizer or parallel.pp=1"):
         from_dict({"parallel": {"pp": 2, "shard": "full"}, "model": {"n_layers": 2}})
     with pytest.raises(ConfigError, match="mixed-precision policy: set parallel.shard=full"):
         shard_cfg("optimizer", 2, parallel={"reduce_dtype": "bf16"})

@@ -156,6 +156,8 @@ def test_sharded_adamw_small_buckets_gradients_norm_and_state_roundtrip(tmp_path
 def test_what_is_not_built_is_refused_with_the_fix():
     from moebal.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="with a pipeline.*parallel.shard=none or parallel.pp=1"):
-        from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}})
+    with pytest.raises(ConfigError, match="with a pipeline and dynamism.scheme=pruning.*use parallel.shard=none"):
+        from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
+                   "dynamism": {"scheme": "pruning"}})
+    assert from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}}).parallel.pp == 2
     assert shard_cfg("optimizer", 2).parallel.shard == "optimizer"

@@ -224,3 +224,28 @@ def test_bench_memory_json(tmp_path, monkeypatch):
     saved = [s for s in data["savings"] if s["setting"] == "parallel.shard=optimizer"][0]
     assert saved["predicted_model_state_ratio"] < 1.0
     assert data["meta"]["ranks"] == 4
+
+
+def test_pipeline_with_sharded_optimizer_state(capsys):
+    """pp 2 x dp 2, shard optimizer: moments over the stage's 2 ranks, gradients whole (micro-batches accumulate
+    them) plus one bucket, and a migration phase (the stage's moments whole, the new flats' copy of its weights)
+    when layers can move."""
+    cfg = load(None, [*TINY, "model.n_layers=2", "data.batch_size=8"])
+    lay = MemoryLayout(ranks=4, pp=2, micro_batches=2, shard="optimizer")
+    plan = plan_memory(cfg, lay, BARE)
+    none = plan_memory(cfg, dataclasses.replace(lay, shard="none"), BARE)
+    held = none.terms["optimizer state"] / 8  # the worst stage's parameters (the same stage in both)
+    t = plan.terms
+    assert plan.stage == none.stage
+    assert t["optimizer state"] == 8 * held / 2 and t["parameters"] == 4 * held
+    assert t["gradients"] == 4 * held + 4 * held  # whole, plus the bucket in flight (the stage is below 4M)
+    assert t["migration: whole moments + new flats"] == 0  # pipeline.rebalance off, no re-pack: nothing moves
+    moving = load(None, [*TINY, "model.n_layers=2", "data.batch_size=8", "parallel.pp=2",
+                         "pipeline.rebalance=partition"])
+    mig = plan_memory(moving, lay, BARE)
+    assert mig.terms["migration: whole moments + new flats"] == 8 * held + 4 * held
+    assert mig.phases["migration"] == 4 * held + 8 * held / 2 + 12 * held
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--ranks", "16", "--pp", "2",
+                 "--shard", "optimizer", "--json"]) in (0, 1)
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["pp"] == 2 and out["layout"]["shard"] == "optimizer" and "migration" in out["phases"]
