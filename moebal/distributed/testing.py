@@ -3,6 +3,16 @@
 The function must be importable by reference (a module-level function). Each rank runs it as
 `fn(rank, world_size, *args)`; results come back in rank order. A failing rank makes the whole call raise
 with that rank's traceback; the others are stopped instead of waiting in a collective.
+
+Start-up: every rank is a new process, forked by multiprocessing's forkserver, which imported torch, numpy and
+the moebal modules once (`_preload`), so a call does not pay a torch import per rank (3 s a rank on a 2-core
+machine). Each rank is still a fresh process: nothing a rank does reaches the next call, and what a fork
+would share is reset as the rank starts (the caller's environment, working directory, stdout and stderr rather
+than the forkserver's; numpy's global RNG reseeded as a new process would be). Python's `random` reseeds itself on
+fork; torch's default generator holds its import-time seed, as in a spawned process. Set MOEBAL_RUN_RANKS_START=spawn to
+start every rank as a new interpreter instead (debugging: no state shared with a long-lived server at all).
+Environment variables that torch reads at import time (OMP_NUM_THREADS, ...) are those of the first call:
+the forkserver imported torch then.
 """
 
 from __future__ import annotations
@@ -12,9 +22,11 @@ import os
 import queue
 import random
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +35,43 @@ import torch.multiprocessing as mp
 from moebal.launch.spawn import free_port
 from moebal.planner.plan import ExpertPlacement, default_owners
 
-__all__ = ["kill_rank_when", "random_placements", "rank_pid", "run_ranks"]
+__all__ = ["START_METHOD_ENV", "kill_rank_when", "random_placements", "rank_pid", "run_ranks"]
+
+START_METHOD_ENV = "MOEBAL_RUN_RANKS_START"  # "forkserver" (the default) or "spawn"
+_START_METHODS = ("forkserver", "spawn")
+
+
+class _CallerFd:
+    """One of the caller's file descriptors, handed to a rank as it is now (under pytest, the current test's
+    capture file): a forked rank would otherwise write to the forkserver's, those of the first call."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank starts: DupFd sends the descriptor along (multiprocessing.reduction).
+        return (_adopt_fd, (reduction.DupFd(self.fd), self.fd))
+
+
+def _adopt_fd(dup: Any, target: int) -> int:
+    """In a rank: make `target` (1 or 2) the caller's descriptor that `dup` carries."""
+    fd = int(dup.detach())
+    if fd != target:  # spawn passes it under its own number
+        os.dup2(fd, target)
+        os.close(fd)
+    return target
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
-           threads: int) -> None:
+           threads: int, env: dict[str, str], fds: tuple[Any, ...]) -> None:
+    del fds  # adopted while unpickling (_adopt_fd)
+    # A forked rank starts with the forkserver's environment: the caller's, as it was at the first call.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    if "numpy" in sys.modules:  # a fork copies numpy's global RNG state; a new process draws a fresh seed
+        sys.modules["numpy"].random.seed()
     import torch
     import torch.distributed as dist
 
@@ -47,13 +89,16 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               threads: int = 1) -> list[Any]:
-    """`fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; the list of their return values."""
-    ctx = mp.get_context("spawn")
+    """`fn(rank, world_size, *args)` on `world_size` new gloo ranks; the list of their return values."""
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
+    fds = (_CallerFd(1), _CallerFd(2))
     # Not daemonic: a rank may start processes of its own (background micro-batch planners); the finally
     # below joins or terminates every rank whatever happens.
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads), daemon=False)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads, env, fds),
+                         daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -72,12 +117,63 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 raise RuntimeError(_failures(q, rank, value))
             results[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        # Ranks that reported may still be closing their process group: 5 s in all to exit. After a failure
+        # or a timeout the others are stopped at once (their stacks, if hung, are on stderr already).
+        _stop(procs, grace_s=5.0 if len(results) == world_size else 0.0)
     return [results[r] for r in range(world_size)]
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Join every rank within `grace_s` seconds in all; terminate (SIGTERM) and join those still running."""
+    end = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(end - time.monotonic(), 0.0))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join()
+
+
+def _context() -> Any:
+    """The multiprocessing context that starts the ranks (module docstring: forkserver unless
+    MOEBAL_RUN_RANKS_START=spawn), its forkserver running."""
+    method = os.environ.get(START_METHOD_ENV, "") or "forkserver"
+    if method not in _START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r} is not a start method run_ranks knows; use one of "
+                         f"{', '.join(_START_METHODS)} (or unset it: forkserver)")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        _ensure_forkserver(ctx)
+    return ctx
+
+
+def _ensure_forkserver(ctx: Any) -> None:
+    """Start the forkserver unless it runs, importing `_preload()` with the caller's sys.path (as PYTHONPATH:
+    Python 3.11's forkserver ignores the sys.path it is handed, so a module could resolve to another copy, an
+    editable install's, for one). Preload and path take effect at the start only; later calls reuse the
+    server."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(_preload())
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def _preload() -> list[str]:
+    """What the forkserver imports once for every rank it forks: torch (with torch.distributed), numpy, and the
+    moebal modules the caller has imported (under pytest: every module the collected tests import), plus pytest
+    when the caller runs under it (test modules import it). Importing only: the server runs no torch op, so
+    no thread pool exists to be broken by a fork."""
+    mine = sorted(m for m in sys.modules if m.split(".")[0] in ("moebal", "pytest") and not m.endswith("__main__"))
+    return ["torch", "torch.distributed", "numpy", *mine]
 
 
 def _dump_stacks(procs: list[Any], wait_s: float = 2.0) -> None:
