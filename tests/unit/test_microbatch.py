@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,20 +94,32 @@ def test_analytic_table_grows_superlinearly_in_length():
 
 
 # ---- the DP ----
-def test_dp_equals_brute_force_on_small_instances():
-    rng = np.random.default_rng(0)
-    for trial in range(40):
+def _dp_against_brute_force(rng: np.random.Generator, trials: int, max_stages: int,
+                            memory_per_stage: tuple[float, float], lockstep: bool = False
+                            ) -> list[tuple[int, int, Any]]:
+    """Random small instances (a lockstep group of 2-3 ranks when `lockstep`): the DP's objective equals brute
+    force's, and where the DP finds no split neither does brute force; (ranks, samples, result) of the feasible."""
+    feasible = []
+    for trial in range(trials):
+        R = int(rng.integers(2, 4)) if lockstep else 1
         cost = quad_table(P=2, rng=rng, noise=0.3, max_len=256, max_tokens=1024)
+        cost = cost.spread_over(R) if lockstep else cost
         N = int(rng.integers(1, 10))
         L = np.sort(rng.integers(1, 257, N))[::-1]
-        stages, dp = int(rng.integers(1, 6)), int(rng.integers(1, 3))
-        memory = None if trial % 3 == 0 else float(rng.uniform(300, 3000)) * stages
+        stages, dp = int(rng.integers(1, max_stages)), int(rng.integers(1, 3))
+        memory = None if trial % 3 == 0 else float(rng.uniform(*memory_per_stage)) * stages
         try:
             res = dp_split(L, cost, stages, dp=dp, memory=memory, thin=0.0)
         except ConfigError:
-            assert math.isinf(brute_force(L, cost, stages, dp, memory))  # nothing fits the whole budget
+            assert math.isinf(brute_force(L, cost, stages, dp, memory))  # brute force finds no split either
             continue
         assert res.objective == pytest.approx(brute_force(L, cost, stages, dp, res.memory_limit), rel=1e-12)
+        feasible.append((R, N, res))
+    return feasible
+
+
+def test_dp_equals_brute_force_on_small_instances():
+    for _, N, res in _dp_against_brute_force(np.random.default_rng(0), 40, 6, (300, 3000)):
         assert [a for a, _ in res.runs] == [0] + [b for _, b in res.runs[:-1]] and res.runs[-1][1] == N
 
 
@@ -180,20 +193,7 @@ def test_a_lockstep_table_costs_the_busiest_rank_and_refuses_an_empty_one():
 
 
 def test_lockstep_dp_equals_brute_force_and_every_run_feeds_every_rank():
-    rng = np.random.default_rng(1)
-    for trial in range(30):
-        R = int(rng.integers(2, 4))
-        cost = quad_table(P=2, rng=rng, noise=0.3, max_len=256, max_tokens=1024).spread_over(R)
-        N = int(rng.integers(1, 10))
-        L = np.sort(rng.integers(1, 257, N))[::-1]
-        stages, dp = int(rng.integers(1, 5)), int(rng.integers(1, 3))
-        memory = None if trial % 3 == 0 else float(rng.uniform(600, 6000)) * stages
-        try:
-            res = dp_split(L, cost, stages, dp=dp, memory=memory, thin=0.0)
-        except ConfigError:
-            assert math.isinf(brute_force(L, cost, stages, dp, memory))  # brute force finds no split either
-            continue
-        assert res.objective == pytest.approx(brute_force(L, cost, stages, dp, res.memory_limit), rel=1e-12)
+    for R, _, res in _dp_against_brute_force(np.random.default_rng(1), 30, 5, (600, 6000), lockstep=True):
         assert all(b - a >= R for a, b in res.runs), (R, res.runs)
 
 
