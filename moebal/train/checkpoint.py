@@ -785,10 +785,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: tensor '{key}' {shape} has no row {index}")
         if out is not None and list(out.shape) != shape:
             raise CheckpointError(f"{self.path}: tensor '{key}' has shape {shape}, expected {list(out.shape)}")
-        whole = out if out is not None else torch.empty(shape, dtype=_torch_dtype(entry["dtype"]))
-        for a, b, p in spans:  # row pieces, each read into its rows
-            self._stored(p["file"], p["key"], [b - a, *shape[1:]], whole[a:b])
-        return whole
+        return self.read_rows(key, 0, shape[0], out)
 
     def _stored(self, file: str, key: str, shape: list[int], out: torch.Tensor | None = None,
                 index: int | None = None) -> torch.Tensor:
