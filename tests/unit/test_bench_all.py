@@ -27,14 +27,17 @@ def _strip_json(cmd: str) -> str:
     return re.sub(r"\s--json(\s+\S+)?", "", cmd).strip()
 
 
+def _readme_cells() -> list[list[str]]:
+    """The cells of every row of the README's Results table."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## Results", 1)[1].split("\n## ", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| claim")]
+
+
 def _readme_rows() -> list[tuple[str, str]]:
     """(claim, command) of every row of the README's Results table ("same command" resolved)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## Results", 1)[1].split("\n## ", 1)[0]
     rows, last = [], ""
-    for line in text.splitlines():
-        if not line.startswith("| ") or line.startswith("| claim"):
-            continue
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
+    for cells in _readme_cells():
         cmd = cells[-1].strip("`") if cells[-1] != "same command" else last
         rows.append((cells[0], cmd))
         last = cmd
@@ -50,6 +53,14 @@ def test_dry_run_lists_one_command_per_readme_row(bench_all, capsys) -> None:
     for (claim, cmd), line in zip(readme, lines):
         shown = _strip_json(line.split("    # ")[0].split(None, 1)[1])
         assert shown == _strip_json(cmd), claim
+
+
+def test_every_row_says_what_was_fitted_and_the_readme_says_the_same(bench_all) -> None:
+    cells = _readme_cells()
+    assert all(len(c) == 5 for c in cells), "claim | figure | fitted / predicted | machine | command"
+    for row, readme in zip(bench_all.ROWS, cells, strict=True):
+        assert row.basis and "fitted" in row.basis, row.claim
+        assert readme[2] == row.basis, row.claim
 
 
 def test_quick_uses_the_scripts_own_quick_option(bench_all, capsys) -> None:
@@ -81,7 +92,8 @@ def test_a_run_writes_the_json_and_the_table_and_records_failures(bench_all, tmp
             Run("slow", ("python", str(slow)), timeout_s=1.0),
             Run("gpu", ("python", str(good)), gpu=True),
             Run("other", ("python", str(good))))
-    rows = (Row("good claim", "good", lambda d: bench_all._spread(d["rounds"]) + f" quick={d['quick']}"),
+    rows = (Row("good claim", "good", lambda d: bench_all._spread(d["rounds"]) + f" quick={d['quick']}",
+                "measured; nothing fitted"),
             Row("good claim, missing key", "good", lambda d: d["absent"]),
             Row("bad claim", "bad", lambda d: "never"),
             Row("slow claim", "slow", lambda d: "never"),
@@ -108,6 +120,8 @@ def test_a_run_writes_the_json_and_the_table_and_records_failures(bench_all, tmp
     assert figures["gpu claim"].startswith("skipped (needs a CUDA device")
     assert "not selected" not in figures
     table = out_md.read_text().splitlines()
-    assert table[0] == "| claim | figure | machine | command |"
+    assert table[0] == "| claim | figure | fitted / predicted | machine | command |"
     assert len(table) == 2 + 5
     assert "median 1.300x" in table[2] and report["machine"]["torch"] in table[2]
+    assert "| measured; nothing fitted |" in table[2]
+    assert {r["claim"]: r["basis"] for r in report["rows"]}["good claim"] == "measured; nothing fitted"
