@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,23 @@ def test_shipped_profiles_load_and_cite_sources() -> None:
         p = load_profile(n)
         assert p.source, f"profile {n} must cite its datasheet figures"
         assert p.inter.capacity > 0 and p.intra.capacity > 0
+
+
+PROVENANCE = ("datasheet", "whitepaper", "specification", "assumption", "fitted", "section", "appendix", "thesis",
+              "Gb/s", "PCIe", "GB/s")
+
+
+def test_every_constant_of_a_shipped_profile_says_where_it_comes_from() -> None:
+    """A number in configs/hardware/ carries its provenance on its line: datasheet (or whitepaper,
+    specification, the paper's cluster), a link rate, an assumption, or fitted on named data."""
+    folder = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+    missing = []
+    for path in sorted(folder.glob("*.yaml")):
+        for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            value, _, comment = line.partition("#")
+            if re.fullmatch(r"\s*[a-z_0-9]+:\s*[-+0-9.e]+\s*", value) and not any(w in comment for w in PROVENANCE):
+                missing.append(f"{path.name}:{no}: {line.strip()}")
+    assert not missing, "constants without provenance:\n" + "\n".join(missing)
 
 
 def test_profile_round_trips_through_yaml_dict() -> None:
