@@ -116,12 +116,15 @@ STEP_CASES: list[dict[str, Any]] = [
     _case("pipeline", "dense d256 L4", 4, 256, schedule="gpipe", micro_batches=4),
     _case("pipeline", "dense d384 L6", 4, 256, schedule="gpipe", micro_batches=2),
     _case("pipeline", "dense d512 L2", 4, 256, schedule="1f1b", micro_batches=2),
+    _case("pipeline", "moe d256 L4 E8 k2", 8, 128, schedule="1f1b", micro_batches=4),
+    _case("pipeline", "moe d128 L6 E16 k2", 8, 128, schedule="gpipe", micro_batches=2),
+    _case("pipeline", "moe d384 L2 E4 k1", 4, 256, schedule="1f1b", micro_batches=2),
 ]
-"""The step runs: 21 over 8 model shapes. `ep` and `scheduled` run on 2 gloo ranks (ep 2), `pipeline` on 2
-stages."""
+"""The step runs: 24 over 8 model shapes. `ep` and `scheduled` run on 2 gloo ranks (ep 2), `pipeline` on 2
+stages (dense, and MoE layers inside the stages: each stage holds all experts of its layers, ep 1)."""
 QUICK_STEPS = ("single moe d384 L2 E4 k1 b8x128", "ep moe d256 L2 E4 k2 b4x256 placement=replicated",
                "scheduled moe d256 L2 E4 k2 b4x256 a2a_chunks=2 chunk_mb=1",
-               "pipeline dense d256 L4 b8x128 schedule=1f1b micro_batches=4")
+               "pipeline moe d256 L4 E8 k2 b8x128 schedule=1f1b micro_batches=4")
 
 COLL_CASES: list[dict[str, Any]] = [
     {"name": "all_to_all uneven 2 ranks 3 MB", "kind": "all_to_all", "world": 2, "split_mb": [[0.5, 2.5], [1.5, 0.3]]},
@@ -389,9 +392,11 @@ def coll_fn(case: dict[str, Any], rank: int) -> Callable[[], Any]:
     return (lambda: dist.send(x, 1)) if rank == 0 else (lambda: dist.recv(x, 0))
 
 
-def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[], Any], list[float]]:
+def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[], Any], list[float], np.ndarray | None]:
     """One training step of moebal's pipeline runner (`--pp 2`: this rank's stage), 1F1B or GPipe over
-    `micro_batches`; also the step times the runner itself reports (`step_time_s`, as `moebal train` logs)."""
+    `micro_batches`; also the step times the runner itself reports (`step_time_s`, as `moebal train` logs) and,
+    for an MoE model, the [n_layers, E] token-expert assignments of this stage's MoE layers summed over the
+    micro-batches of the latest step (zeros for the other stage's layers; filled in place after every step)."""
     import dataclasses
 
     from moebal.distributed.groups import ParallelDims
@@ -404,11 +409,30 @@ def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[],
     runner = PipelineRunner(cfg, dims=dims, record_ops=False)
     runner.start()
     reported: list[float] = []
+    counts = _stage_counter(runner.stage, cfg)
 
     def step() -> None:
+        if counts is not None:
+            counts.fill(0.0)
         reported.append(float(runner.train_step()["step_time_s"]))
 
-    return step, reported
+    return step, reported, counts
+
+
+def _stage_counter(stage: Any, cfg: Any) -> np.ndarray | None:
+    """[n_layers, E] counts that forward hooks on the stage's MoE layers sum every forward's routing into (None
+    for a dense model). The hook runs inside the timed step: one `.numpy()` view of a CPU tensor and an
+    E-element add per MoE layer and micro-batch (microseconds; no device to synchronise with here)."""
+    if cfg.moe.num_experts == 0:
+        return None
+    out = np.zeros((cfg.model.n_layers, cfg.moe.num_experts))
+    for i in stage.layer_ids:
+        layer = stage.layer(i)
+        if layer.is_moe:
+            def hook(mod: Any, _a: Any, _o: Any, i: int = i) -> None:
+                out[i] += mod.last_stats.counts_E.numpy()
+            layer.block_sparse_moe.register_forward_hook(hook)
+    return out
 
 
 def _layer_counts(model: Any, cfg: Any) -> np.ndarray | None:
@@ -484,6 +508,7 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
         probes.update(compute_probes(quick))
     fns = {k: fn for k, (_, fn) in probes.items()}
     models, scheds, reported = {}, [], {}
+    stage_counts: dict[str, np.ndarray] = {}
     for case in cases:
         if case["mode"] == "collective":
             fns[case["name"]] = coll_fn(case, rank)
@@ -491,7 +516,9 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
             fns[case["name"]], models[case["name"]], sched = ep_step(case, rank, world)
             scheds.append(sched)
         elif case["mode"] == "pipeline":
-            fns[case["name"]], reported[case["name"]] = pipe_step(case, rank, world)
+            fns[case["name"]], reported[case["name"]], pcounts = pipe_step(case, rank, world)
+            if pcounts is not None:
+                stage_counts[case["name"]] = pcounts
     shapes = _record_shapes(fns, set(probes))
     secs, loads = round_robin(fns, rounds, sync=dist.barrier)
     names = list(secs)
@@ -507,7 +534,8 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
             "loads": {k: v for k, v in loads.items() if k not in probes}, "shapes": shapes,
             "reported": {k: v[1:] for k, v in reported.items()},  # the first call is the untimed warm-up
             "counts": {k: np.asarray(_layer_counts(m, _cfg(next(c for c in cases if c["name"] == k)))).tolist()
-                       for k, m in models.items()}}
+                       for k, m in models.items()},
+            "stage_counts": {k: v.tolist() for k, v in stage_counts.items()}}
 
 
 def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: bool) -> dict[str, Any]:
@@ -516,6 +544,9 @@ def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: boo
     res = run_ranks(_world_worker, world, rounds, cases, quick, timeout_s=1800.0)
     out: dict[str, Any] = res[0]
     out["counts"] = {k: np.stack([np.asarray(r["counts"][k]) for r in res], axis=1) for k in out["counts"]}
+    # pipeline: every MoE layer lives on one stage (the others hold zeros for it); [L, E] summed over stages
+    out["counts"].update({k: np.sum([np.asarray(r["stage_counts"][k]) for r in res], axis=0)
+                          for k in out["stage_counts"]})
     out["shapes"] = (_merge([r["shapes"][0] for r in res]), _merge([r["shapes"][1] for r in res]))
     return out
 
@@ -541,21 +572,26 @@ def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: i
         m = case["micro_batches"]
         spec = SimSpec(layout=Layout(world, pp=world), micro_batches=m, micro_batch_size=b // m, seq_len=T,
                        schedule=case["schedule"], count_exchange=False)
-        return simulate(ModelShape.from_config(cfg), cost, spec, None).iteration_time_s
+        # MoE stages (ep 1): counts [L, E] of the whole step -> [L, 1 group, 1 rank, E]; the simulator spreads
+        # them evenly over the micro-batches
+        c = None if counts is None else counts[:, None, None, :]
+        return simulate(ModelShape.from_config(cfg), cost, spec, c).iteration_time_s
     cfg = _cfg(case)
     if counts is None:
         raise ValueError(f"{case['name']}: no routing counts")
     if mode == "ep":
         # moebal's EP step: blocking Trans before the forward, Agg after the backward, one flat all-reduce of
-        # the non-expert gradients after the backward, Trans/Agg as point-to-point fan-out
+        # the non-expert gradients after the backward, Trans/Agg as point-to-point fan-out; the balancing
+        # statistics all-reduced over the EP ranks in every MoE layer's forward and backward
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, dp_overlap=False,
-                       bucket_bytes=float("inf"), trans_algorithm="fanout")
+                       bucket_bytes=float("inf"), trans_algorithm="fanout", stats_allreduce=True)
     else:
         # Lina: gradient chunks of chunk_mb during the backward, held while an all-to-all is registered;
         # all-to-alls in a2a_chunks token chunks pipelined with the experts
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, moe_schedule="lina",
                        a2a_chunks=case["a2a_chunks"], lina_priority=True, dp_overlap=True,
-                       ar_chunk_bytes=case["chunk_mb"] * float(1 << 20), trans_algorithm="fanout")
+                       ar_chunk_bytes=case["chunk_mb"] * float(1 << 20), trans_algorithm="fanout",
+                       stats_allreduce=True)
     pls = _placements(case.get("placement", "static"), cfg.moe.num_experts, world, cfg.model.n_layers)
     return simulate(ModelShape.from_config(cfg), cost, spec, counts[:, None], [[p] for p in pls]).iteration_time_s
 

@@ -119,6 +119,11 @@ class SimSpec:
     (`moe`, `full`). Under expert parallelism only the rank-local expert GEMMs are rerun, never the
     all-to-alls (moebal/models/recompute.py), so the recomputation is compute on the backward ops only."""
     meta: dict[str, object] = field(default_factory=dict)
+    stats_allreduce: bool = False
+    """All-reduce each MoE layer's balancing statistics over its EP group, as moebal's expert parallelism does
+    (`StatsReducer.sum_grad`: the global balancing loss, 2E + 1 fp32 values): blocking, after the combine in the
+    forward, and its gradient before the layer's backward all-to-alls. Each is a synchronisation of the group's
+    ranks plus one small all-reduce (its cost from the profile's all-reduce latency); False: a local loss."""
 
     def check(self, shape: ModelShape) -> None:
         if self.schedule not in SCHEDULES:
@@ -415,6 +420,8 @@ class _Builder:
         rounds = data.rounds[g]
         prio = self.spec.lina_priority
         scale = self.scale[layer]
+        if self.spec.stats_allreduce and backward:
+            deps = self._stats_allreduce(layer, g, ranks, deps, f"{tag} stats", prio)
         if self.spec.count_exchange and not backward:
             R = len(ranks)
             coll = self._a2a(layer, g, ranks, -1, np.full((R, R), 8.0 * self.shape.num_experts), "counts")
@@ -452,7 +459,20 @@ class _Builder:
             if backward:
                 red = self._broadcasts(layer, g, "ep", [[o] for o in sh], reduce=True)
                 last = [lst + [o] for lst, o in zip(last, red)]
+        if self.spec.stats_allreduce and not backward:
+            last = self._stats_allreduce(layer, g, ranks, last, f"{tag} stats", prio)
         return last
+
+    def _stats_allreduce(self, layer: int, g: int, ranks: np.ndarray, deps: list[list[int]], name: str,
+                         prio: bool) -> list[list[int]]:
+        """The balancing statistics' all-reduce (2E + 1 fp32 values) over an EP group: every member waits."""
+        ck = (layer, g, -2, "stats")
+        coll = self._coll_cache.get(ck)
+        if coll is None:
+            nbytes = 4.0 * (2 * self.shape.num_experts + 1)
+            coll = self._coll_cache[ck] = self.cost.all_reduce(self.topo, ranks.tolist(), nbytes)
+        ops = self.eng.collective(coll, "ep", self.nm(name), "stats", deps=deps, priority=prio)
+        return [[o] for o in ops]
 
     # ---- placement traffic ----
     def _broadcasts(self, layer: int, g: int, stream: str, deps: list[list[int]] | None,
