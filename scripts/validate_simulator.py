@@ -25,7 +25,8 @@ Workloads (runs), each one training step (forward, backward, AdamW) timed per ro
   gradient sync after the backward (scheduler mode off);
 - `scheduled`: the same on Lina's communication scheduler (`scheduler.mode: lina`: gradient all-reduce in
   chunks held back while an all-to-all is queued, all-to-alls in token chunks);
-- `pipeline`: moebal's pipeline runner on 2 stages (`--pp 2`; 1F1B and GPipe);
+- `pipeline`: moebal's pipeline runner on 2 stages (`--pp 2`; 1F1B and GPipe), dense and with MoE layers
+  inside the stages (ep 1: each stage holds all experts of its layers; routing counts replayed);
 - `collective`: gloo collectives with uneven splits (not step times: reported apart).
 
 Figures: every (run, round) sample is compared with the run's prediction; the summary gives the median and
