@@ -44,8 +44,10 @@ def _vs() -> Any:
 SHAPE = {"model": {"dim": 336, "n_layers": 2, "n_heads": 6, "n_kv_heads": 6, "ffn_dim": 720},
          "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 176}}
 """A probe-shaped MoE model (every weight dimension from PROBE_DIMS or an expert count)."""
-CASES = [{"name": f"diag ep {pl}", "mode": "ep", "shape": "diag", **SHAPE, "batch": 2, "seq": 176,
-          "placement": pl} for pl in ("static", "replicated")]
+def cases(batch: int) -> list[dict[str, Any]]:
+    """The EP steps (static and replicated placements) of the probe-shaped model, `batch` sequences of 176."""
+    return [{"name": f"diag ep {pl}", "mode": "ep", "shape": "diag", **SHAPE, "batch": batch, "seq": 176,
+             "placement": pl} for pl in ("static", "replicated")]
 
 
 def _ep_step(case: dict[str, Any], rank: int, world: int, out: list[dict[str, float]]) -> tuple[Any, Any]:
@@ -96,7 +98,7 @@ def _ep_step(case: dict[str, Any], rank: int, world: int, out: list[dict[str, fl
     return step, model
 
 
-def _worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
+def _worker(rank: int, world: int, rounds: int, batch: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -109,10 +111,11 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
     fns = {k: fn for k, (_, fn) in probes.items()}
     phases: dict[str, list[dict[str, float]]] = {}
     models = {}
-    for case in CASES:
+    runs = cases(batch)
+    for case in runs:
         fns[case["name"]], models[case["name"]] = _ep_step(case, rank, world, phases.setdefault(case["name"], []))
     # the same model on one process per rank (both ranks busy, no expert parallelism): its compute alone
-    local = {**CASES[0], "name": "diag local", "mode": "single"}
+    local = {**runs[0], "name": "diag local", "mode": "single"}
     step, _ = vs.model_step(local)
     phases["diag local"] = []
 
@@ -128,7 +131,7 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
     secs, _ = vs.round_robin(fns, rounds, sync=dist.barrier)
     med = {k: statistics.median(v) for k, v in secs.items()}
     coll = [{**meta, "s": med[k]} for k, (meta, _) in probes.items() if k.startswith("coll")]
-    counts = {k: vs._layer_counts(m, vs._cfg(next(c for c in CASES if c["name"] == k))).tolist()
+    counts = {k: vs._layer_counts(m, vs._cfg(next(c for c in runs if c["name"] == k))).tolist()
               for k, m in models.items()}
     return {"compute": cal.compute_records(probes, med), "collective": coll, "phases": phases, "counts": counts}
 
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--batch", type=int, default=2, help="sequences of 176 tokens per rank (default 2)")
     ap.add_argument("--no-stats", action="store_true", help="simulate without the balancing statistics' "
                     "all-reduce (SimSpec.stats_allreduce=False), as the simulator did before it was modelled")
     args = ap.parse_args(argv)
@@ -172,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
 
     vs = _vs()
     t0 = time.perf_counter()
-    res = run_ranks(_worker, 2, args.rounds, timeout_s=1800.0)
+    res = run_ranks(_worker, 2, args.rounds, args.batch, timeout_s=1800.0)
+    runs = cases(args.batch)
     prof = fit_profile({**res[0]["compute"], "collective": res[0]["collective"]}, name="diag-2proc",
                        description="diagnose_sim_ep", source=["scripts/diagnose_sim_ep.py"],
                        calibration={"statistic": "median"})
     cost = CostModel(prof, "fp32")
     out = []
-    for case in CASES:
+    for case in runs:
         n = case["name"]
         counts = np.stack([np.asarray(r["counts"][n]) for r in res], axis=1)  # [L, R, E]
         cfg = vs._cfg(case)
@@ -194,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         print(n)
         print("  measured : " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in meas.items()))
         print("  simulated: " + "  ".join(f"{k} {v * 1e3:7.1f} ms" for k, v in pred.items()))
-    loc = {**CASES[0], "mode": "single"}
+    loc = {**runs[0], "mode": "single"}
     sim1 = simulate(ModelShape.from_config(vs._cfg(loc)), cost,
                     SimSpec(layout=Layout(1), micro_batch_size=loc["batch"], seq_len=loc["seq"], count_exchange=False),
-                    np.asarray(res[0]["counts"][CASES[0]["name"]])[:, None, None, :])
+                    np.asarray(res[0]["counts"][runs[0]["name"]])[:, None, None, :])
     print(f"diag local (one process per rank, same model)\n  measured : step_s "
           f"{_phases(res, 'diag local', args.rounds)['step_s'] * 1e3:7.1f} ms\n  simulated: step_s "
           f"{sim1.iteration_time_s * 1e3:7.1f} ms")

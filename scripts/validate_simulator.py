@@ -66,6 +66,13 @@ PROBE_EXPERTS = [(8, 1360, 336, 720), (16, 2800, 176, 336), (4, 720, 336, 1360)]
 """(experts, rows, dim, ffn) of the expert-kernel probes."""
 PROBE_COLL_BYTES = [40_000, 200_000, 1_000_000, 5_000_000, 13_000_000]
 """Collective probe payloads (bytes per rank); the workloads' are binary multiples or tensor sizes."""
+PROBE_EP: dict[str, Any] = {
+    "name": "probe ep moe d336 E6", "mode": "ep", "shape": "probe", "batch": 2, "seq": 176, "placement": "static",
+    "model": {"dim": 336, "n_layers": 2, "n_heads": 6, "n_kv_heads": 6, "ffn_dim": 720},
+    "moe": {"num_experts": 6, "top_k": 2, "expert_ffn_dim": 176}}
+"""The expert-parallel probe: a static-placement EP step (2 ranks) of a model built from probe dimensions (and
+6 experts, a count no workload uses, so its count exchange and statistics payloads differ too). The
+simulator's shortfall on it, per MoE layer pass, is the fitted `moe_pass_overhead_s`."""
 QUICK_GEMM = [(m, n, k) for m in (80, 1360) for n, k in ((176, 176), (720, 336), (1360, 720))]
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -508,6 +515,11 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
     if world == 2:
         probes.update(compute_probes(quick))
     fns = {k: fn for k, (_, fn) in probes.items()}
+    probe_names = set(probes)
+    ep_probe = None
+    if world == 2:
+        fns[PROBE_EP["name"]], ep_probe, _ = ep_step(PROBE_EP, rank, world)
+        probe_names.add(PROBE_EP["name"])
     models, scheds, reported = {}, [], {}
     stage_counts: dict[str, np.ndarray] = {}
     for case in cases:
@@ -520,7 +532,7 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
             fns[case["name"]], reported[case["name"]], pcounts = pipe_step(case, rank, world)
             if pcounts is not None:
                 stage_counts[case["name"]] = pcounts
-    shapes = _record_shapes(fns, set(probes))
+    shapes = _record_shapes(fns, probe_names)
     secs, loads = round_robin(fns, rounds, sync=dist.barrier)
     names = list(secs)
     t = torch.tensor([secs[n] for n in names], dtype=torch.float64)
@@ -531,8 +543,10 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
     med = {k: statistics.median(v) for k, v in secs.items()}
     coll = [{**meta, "s": med[k]} for k, (meta, _) in probes.items() if k.startswith("coll")]
     return {"collective": coll, "compute": cal.compute_records(probes, med) if world == 2 else {},
-            "samples": {k: v for k, v in secs.items() if k not in probes},
-            "loads": {k: v for k, v in loads.items() if k not in probes}, "shapes": shapes,
+            "samples": {k: v for k, v in secs.items() if k not in probe_names},
+            "loads": {k: v for k, v in loads.items() if k not in probe_names}, "shapes": shapes,
+            "ep_probe": None if ep_probe is None else
+            {"s": med[PROBE_EP["name"]], "counts": _layer_counts(ep_probe, _cfg(PROBE_EP)).tolist()},
             "reported": {k: v[1:] for k, v in reported.items()},  # the first call is the untimed warm-up
             "counts": {k: np.asarray(_layer_counts(m, _cfg(next(c for c in cases if c["name"] == k)))).tolist()
                        for k, m in models.items()},
@@ -549,12 +563,16 @@ def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: boo
     out["counts"].update({k: np.sum([np.asarray(r["stage_counts"][k]) for r in res], axis=0)
                           for k in out["stage_counts"]})
     out["shapes"] = (_merge([r["shapes"][0] for r in res]), _merge([r["shapes"][1] for r in res]))
+    if out["ep_probe"] is not None:  # [L, R, E] counts of the EP probe
+        out["ep_probe"]["counts"] = np.stack([np.asarray(r["ep_probe"]["counts"]) for r in res], axis=1)
     return out
 
 
 # ---- predictions --------------------------------------------------------------------------------------------
-def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: int = 2) -> float:
-    """The simulator's step time (or collective time) for one run."""
+def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: int = 2,
+            ep_overhead_s: float = 0.0) -> float:
+    """The simulator's step time (or collective time) for one run; `ep_overhead_s` is the fitted host time per
+    MoE layer pass of the expert-parallel runs (`SimSpec.moe_pass_overhead_s`)."""
     from moebal.planner.cost import ModelShape
     from moebal.sim.program import Layout, SimSpec
     from moebal.sim.simulate import simulate
@@ -585,14 +603,15 @@ def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: i
         # the non-expert gradients after the backward, Trans/Agg as point-to-point fan-out; the balancing
         # statistics all-reduced over the EP ranks in every MoE layer's forward and backward
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, dp_overlap=False,
-                       bucket_bytes=float("inf"), trans_algorithm="fanout", stats_allreduce=True)
+                       bucket_bytes=float("inf"), trans_algorithm="fanout", stats_allreduce=True,
+                       moe_pass_overhead_s=ep_overhead_s)
     else:
         # Lina: gradient chunks of chunk_mb during the backward, held while an all-to-all is registered;
         # all-to-alls in a2a_chunks token chunks pipelined with the experts
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, moe_schedule="lina",
                        a2a_chunks=case["a2a_chunks"], lina_priority=True, dp_overlap=True,
                        ar_chunk_bytes=case["chunk_mb"] * float(1 << 20), trans_algorithm="fanout",
-                       stats_allreduce=True)
+                       stats_allreduce=True, moe_pass_overhead_s=ep_overhead_s)
     pls = _placements(case.get("placement", "static"), cfg.moe.num_experts, world, cfg.model.n_layers)
     return simulate(ModelShape.from_config(cfg), cost, spec, counts[:, None], [[p] for p in pls]).iteration_time_s
 
@@ -681,6 +700,16 @@ def _fit(single: dict[str, Any], worlds: dict[int, dict[str, Any]]) -> tuple[Any
     return prof1, prof2
 
 
+def fit_ep_overhead(probe: dict[str, Any], cost: Any) -> dict[str, Any]:
+    """`moe_pass_overhead_s` from the EP probe alone: (its measured median step - the simulated step without the
+    term) / its MoE layer passes (forward and backward of each MoE layer), floored at 0."""
+    cfg = _cfg(PROBE_EP)
+    sim_s = predict(PROBE_EP, np.asarray(probe["counts"]), cost)
+    passes = 2 * sum(1 for i in range(cfg.model.n_layers) if cfg.is_moe_layer(i))
+    return {"moe_pass_overhead_s": max(probe["s"] - sim_s, 0.0) / passes, "probe": PROBE_EP["name"],
+            "probe_measured_s": probe["s"], "probe_simulated_s": sim_s, "passes": passes}
+
+
 def validate(rounds: int, quick: bool, only: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(records, extra summary: fitted profiles, disjointness)."""
     from moebal.commands.calibrate import summary
@@ -699,17 +728,20 @@ def validate(rounds: int, quick: bool, only: str | None) -> tuple[list[dict[str,
     disjoint = disjointness(probe, work)
     prof1, prof2 = _fit(single, worlds)
     cost1, cost2 = CostModel(prof1, "fp32"), CostModel(prof2, "fp32")
+    ep_fit = fit_ep_overhead(worlds[2]["ep_probe"], cost2)
     records = []
     for case in cases:
         phase = single if case["mode"] == "single" else worlds[case.get("world", 2)]
         cost, prof = (cost1, prof1) if case["mode"] in ("single", "collective") else (cost2, prof2)
         counts = phase["counts"].get(case["name"])
-        pred = predict(case, None if counts is None else np.asarray(counts), cost)
+        pred = predict(case, None if counts is None else np.asarray(counts), cost,
+                       ep_overhead_s=ep_fit["moe_pass_overhead_s"])
         records.append(_record(case, phase["samples"][case["name"]], phase["loads"][case["name"]], pred,
                                prof.name, phase["reported"].get(case["name"])))
     extra = {"fitted_profiles": {"single_process": summary(prof1, prof1.name),
                                  "two_process": summary(prof2, prof2.name)},
-             "disjointness": disjoint, "probe_dims": list(PROBE_DIMS), "probe_collective_bytes": PROBE_COLL_BYTES}
+             "disjointness": disjoint, "probe_dims": list(PROBE_DIMS), "probe_collective_bytes": PROBE_COLL_BYTES,
+             "ep_overhead_fit": ep_fit}
     return records, extra
 
 

@@ -124,6 +124,11 @@ class SimSpec:
     (`StatsReducer.sum_grad`: the global balancing loss, 2E + 1 fp32 values): blocking, after the combine in the
     forward, and its gradient before the layer's backward all-to-alls. Each is a synchronisation of the group's
     ranks plus one small all-reduce (its cost from the profile's all-reduce latency); False: a local loss."""
+    moe_pass_overhead_s: float = 0.0
+    """Host time on every rank of an EP group (ep > 1) at the start of each MoE layer pass, forward and backward,
+    per micro-batch: the expert-parallel machinery the other terms leave out (dispatch bookkeeping, the issue
+    path of its collectives). A measured constant: `scripts/validate_simulator.py` fits it on probe-shaped EP
+    steps (docs/simulator.md); 0 elsewhere."""
 
     def check(self, shape: ModelShape) -> None:
         if self.schedule not in SCHEDULES:
@@ -141,6 +146,8 @@ class SimSpec:
         if len(stages) != self.layout.pp or sum(stages) != shape.n_layers or min(stages) < 1:
             raise ConfigError(f"stage_layers {list(stages)} must have {self.layout.pp} entries >= 1 summing to "
                               f"{shape.n_layers} layers")
+        if not self.moe_pass_overhead_s >= 0:
+            raise ConfigError(f"moe_pass_overhead_s must be >= 0 seconds; got {self.moe_pass_overhead_s}")
         if self.a2a_padding not in ("none", "capacity"):
             raise ConfigError(f"a2a_padding must be 'none' or 'capacity'; got {self.a2a_padding!r}")
         if self.trans_algorithm not in ("chain", "fanout"):
@@ -420,6 +427,8 @@ class _Builder:
         rounds = data.rounds[g]
         prio = self.spec.lina_priority
         scale = self.scale[layer]
+        if self.spec.moe_pass_overhead_s > 0 and len(ranks) > 1:
+            deps = [[o] for o in self._compute(ranks, self.spec.moe_pass_overhead_s, f"{tag} ep host", deps)]
         if self.spec.stats_allreduce and backward:
             deps = self._stats_allreduce(layer, g, ranks, deps, f"{tag} stats", prio)
         if self.spec.count_exchange and not backward:

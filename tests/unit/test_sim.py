@@ -325,3 +325,19 @@ def test_stats_allreduce_adds_one_small_all_reduce_per_moe_layer_pass() -> None:
     assert stats.iteration_time_s - base.iteration_time_s == pytest.approx(2 * TINY.n_layers * one, rel=1e-9)
     assert stats.comm_s["stats"] == pytest.approx(2 * TINY.n_layers * one, rel=1e-9)
     assert "stats" not in base.comm_s
+
+
+def test_moe_pass_overhead_adds_its_time_once_per_moe_layer_pass_under_ep_only() -> None:
+    cost = CostModel("h100", "bf16")
+    R, T, h = 2, 512, 3e-3
+    spec = SimSpec(layout=Layout(R, ep=R), micro_batch_size=1, seq_len=T, optimizer=False, dp_overlap=False)
+    counts = np.full((TINY.n_layers, 1, R, TINY.num_experts), T * TINY.top_k / TINY.num_experts)
+    base = simulate(TINY, cost, spec, counts).iteration_time_s
+    more = simulate(TINY, cost, dataclasses.replace(spec, moe_pass_overhead_s=h), counts).iteration_time_s
+    assert more - base == pytest.approx(2 * TINY.n_layers * h, rel=1e-9)  # forward and backward of each layer
+    one = SimSpec(layout=Layout(1), micro_batch_size=1, seq_len=T, optimizer=False, count_exchange=False)
+    c1 = counts[:, :, :1]
+    assert simulate(TINY, cost, dataclasses.replace(one, moe_pass_overhead_s=h), c1).iteration_time_s == \
+        simulate(TINY, cost, one, c1).iteration_time_s  # ep 1: no expert-parallel machinery
+    with pytest.raises(ConfigError, match="moe_pass_overhead_s"):
+        simulate(TINY, cost, dataclasses.replace(spec, moe_pass_overhead_s=-1.0), counts)
