@@ -7,7 +7,9 @@ The machine is shared, so the calibration runs inside the validation: calibratio
 layout, elementwise kernels, SDPA, moebal's expert kernel, AdamW, per-kernel overhead, gloo collectives) run
 round-robin with the workloads (each round calls every probe and every workload once, in a rotated order), so
 both see the same background load. The hardware profile is fitted from the probes' medians alone and predicts
-the workloads, which it never saw.
+the workloads, which it never saw. One probe is an expert-parallel step of a probe-shaped model (`PROBE_EP`):
+the simulator's shortfall on it per MoE layer pass is `moe_pass_overhead_s`, used for the `ep` and `scheduled`
+predictions.
 
 Out of sample by construction: every probe dimension (GEMM rows, columns and inner dimension, SDPA sequence
 and head size, expert width) comes from PROBE_DIMS, whose members are 16 mod 32 and at least 48, while every
