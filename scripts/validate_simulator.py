@@ -7,7 +7,9 @@ The machine is shared, so the calibration runs inside the validation: calibratio
 layout, elementwise kernels, SDPA, moebal's expert kernel, AdamW, per-kernel overhead, gloo collectives) run
 round-robin with the workloads (each round calls every probe and every workload once, in a rotated order), so
 both see the same background load. The hardware profile is fitted from the probes' medians alone and predicts
-the workloads, which it never saw.
+the workloads, which it never saw. One probe is an expert-parallel step of a probe-shaped model (`PROBE_EP`):
+the simulator's shortfall on it per MoE layer pass is `moe_pass_overhead_s`, used for the `ep` and `scheduled`
+predictions.
 
 Out of sample by construction: every probe dimension (GEMM rows, columns and inner dimension, SDPA sequence
 and head size, expert width) comes from PROBE_DIMS, whose members are 16 mod 32 and at least 48, while every
@@ -25,7 +27,8 @@ Workloads (runs), each one training step (forward, backward, AdamW) timed per ro
   gradient sync after the backward (scheduler mode off);
 - `scheduled`: the same on Lina's communication scheduler (`scheduler.mode: lina`: gradient all-reduce in
   chunks held back while an all-to-all is queued, all-to-alls in token chunks);
-- `pipeline`: moebal's pipeline runner on 2 stages (`--pp 2`; 1F1B and GPipe);
+- `pipeline`: moebal's pipeline runner on 2 stages (`--pp 2`; 1F1B and GPipe), dense and with MoE layers
+  inside the stages (ep 1: each stage holds all experts of its layers; routing counts replayed);
 - `collective`: gloo collectives with uneven splits (not step times: reported apart).
 
 Figures: every (run, round) sample is compared with the run's prediction; the summary gives the median and
@@ -65,6 +68,13 @@ PROBE_EXPERTS = [(8, 1360, 336, 720), (16, 2800, 176, 336), (4, 720, 336, 1360)]
 """(experts, rows, dim, ffn) of the expert-kernel probes."""
 PROBE_COLL_BYTES = [40_000, 200_000, 1_000_000, 5_000_000, 13_000_000]
 """Collective probe payloads (bytes per rank); the workloads' are binary multiples or tensor sizes."""
+PROBE_EP: dict[str, Any] = {
+    "name": "probe ep moe d336 E6", "mode": "ep", "shape": "probe", "batch": 2, "seq": 176, "placement": "static",
+    "model": {"dim": 336, "n_layers": 2, "n_heads": 6, "n_kv_heads": 6, "ffn_dim": 720},
+    "moe": {"num_experts": 6, "top_k": 2, "expert_ffn_dim": 176}}
+"""The expert-parallel probe: a static-placement EP step (2 ranks) of a model built from probe dimensions (and
+6 experts, a count no workload uses, so its count exchange and statistics payloads differ too). The
+simulator's shortfall on it, per MoE layer pass, is the fitted `moe_pass_overhead_s`."""
 QUICK_GEMM = [(m, n, k) for m in (80, 1360) for n, k in ((176, 176), (720, 336), (1360, 720))]
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -116,12 +126,15 @@ STEP_CASES: list[dict[str, Any]] = [
     _case("pipeline", "dense d256 L4", 4, 256, schedule="gpipe", micro_batches=4),
     _case("pipeline", "dense d384 L6", 4, 256, schedule="gpipe", micro_batches=2),
     _case("pipeline", "dense d512 L2", 4, 256, schedule="1f1b", micro_batches=2),
+    _case("pipeline", "moe d256 L4 E8 k2", 8, 128, schedule="1f1b", micro_batches=4),
+    _case("pipeline", "moe d128 L6 E16 k2", 8, 128, schedule="gpipe", micro_batches=2),
+    _case("pipeline", "moe d384 L2 E4 k1", 4, 256, schedule="1f1b", micro_batches=2),
 ]
-"""The step runs: 21 over 8 model shapes. `ep` and `scheduled` run on 2 gloo ranks (ep 2), `pipeline` on 2
-stages."""
+"""The step runs: 24 over 8 model shapes. `ep` and `scheduled` run on 2 gloo ranks (ep 2), `pipeline` on 2
+stages (dense, and MoE layers inside the stages: each stage holds all experts of its layers, ep 1)."""
 QUICK_STEPS = ("single moe d384 L2 E4 k1 b8x128", "ep moe d256 L2 E4 k2 b4x256 placement=replicated",
                "scheduled moe d256 L2 E4 k2 b4x256 a2a_chunks=2 chunk_mb=1",
-               "pipeline dense d256 L4 b8x128 schedule=1f1b micro_batches=4")
+               "pipeline moe d256 L4 E8 k2 b8x128 schedule=1f1b micro_batches=4")
 
 COLL_CASES: list[dict[str, Any]] = [
     {"name": "all_to_all uneven 2 ranks 3 MB", "kind": "all_to_all", "world": 2, "split_mb": [[0.5, 2.5], [1.5, 0.3]]},
@@ -389,9 +402,11 @@ def coll_fn(case: dict[str, Any], rank: int) -> Callable[[], Any]:
     return (lambda: dist.send(x, 1)) if rank == 0 else (lambda: dist.recv(x, 0))
 
 
-def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[], Any], list[float]]:
+def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[], Any], list[float], np.ndarray | None]:
     """One training step of moebal's pipeline runner (`--pp 2`: this rank's stage), 1F1B or GPipe over
-    `micro_batches`; also the step times the runner itself reports (`step_time_s`, as `moebal train` logs)."""
+    `micro_batches`; also the step times the runner itself reports (`step_time_s`, as `moebal train` logs) and,
+    for an MoE model, the [n_layers, E] token-expert assignments of this stage's MoE layers summed over the
+    micro-batches of the latest step (zeros for the other stage's layers; filled in place after every step)."""
     import dataclasses
 
     from moebal.distributed.groups import ParallelDims
@@ -404,11 +419,30 @@ def pipe_step(case: dict[str, Any], rank: int, world: int) -> tuple[Callable[[],
     runner = PipelineRunner(cfg, dims=dims, record_ops=False)
     runner.start()
     reported: list[float] = []
+    counts = _stage_counter(runner.stage, cfg)
 
     def step() -> None:
+        if counts is not None:
+            counts.fill(0.0)
         reported.append(float(runner.train_step()["step_time_s"]))
 
-    return step, reported
+    return step, reported, counts
+
+
+def _stage_counter(stage: Any, cfg: Any) -> np.ndarray | None:
+    """[n_layers, E] counts that forward hooks on the stage's MoE layers sum every forward's routing into (None
+    for a dense model). The hook runs inside the timed step: one `.numpy()` view of a CPU tensor and an
+    E-element add per MoE layer and micro-batch (microseconds; no device to synchronise with here)."""
+    if cfg.moe.num_experts == 0:
+        return None
+    out = np.zeros((cfg.model.n_layers, cfg.moe.num_experts))
+    for i in stage.layer_ids:
+        layer = stage.layer(i)
+        if layer.is_moe:
+            def hook(mod: Any, _a: Any, _o: Any, i: int = i) -> None:
+                out[i] += mod.last_stats.counts_E.numpy()
+            layer.block_sparse_moe.register_forward_hook(hook)
+    return out
 
 
 def _layer_counts(model: Any, cfg: Any) -> np.ndarray | None:
@@ -483,7 +517,13 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
     if world == 2:
         probes.update(compute_probes(quick))
     fns = {k: fn for k, (_, fn) in probes.items()}
+    probe_names = set(probes)
+    ep_probe = None
+    if world == 2:
+        fns[PROBE_EP["name"]], ep_probe, _ = ep_step(PROBE_EP, rank, world)
+        probe_names.add(PROBE_EP["name"])
     models, scheds, reported = {}, [], {}
+    stage_counts: dict[str, np.ndarray] = {}
     for case in cases:
         if case["mode"] == "collective":
             fns[case["name"]] = coll_fn(case, rank)
@@ -491,8 +531,10 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
             fns[case["name"]], models[case["name"]], sched = ep_step(case, rank, world)
             scheds.append(sched)
         elif case["mode"] == "pipeline":
-            fns[case["name"]], reported[case["name"]] = pipe_step(case, rank, world)
-    shapes = _record_shapes(fns, set(probes))
+            fns[case["name"]], reported[case["name"]], pcounts = pipe_step(case, rank, world)
+            if pcounts is not None:
+                stage_counts[case["name"]] = pcounts
+    shapes = _record_shapes(fns, probe_names)
     secs, loads = round_robin(fns, rounds, sync=dist.barrier)
     names = list(secs)
     t = torch.tensor([secs[n] for n in names], dtype=torch.float64)
@@ -503,11 +545,14 @@ def _world_worker(rank: int, world: int, rounds: int, cases: list[dict[str, Any]
     med = {k: statistics.median(v) for k, v in secs.items()}
     coll = [{**meta, "s": med[k]} for k, (meta, _) in probes.items() if k.startswith("coll")]
     return {"collective": coll, "compute": cal.compute_records(probes, med) if world == 2 else {},
-            "samples": {k: v for k, v in secs.items() if k not in probes},
-            "loads": {k: v for k, v in loads.items() if k not in probes}, "shapes": shapes,
+            "samples": {k: v for k, v in secs.items() if k not in probe_names},
+            "loads": {k: v for k, v in loads.items() if k not in probe_names}, "shapes": shapes,
+            "ep_probe": None if ep_probe is None else
+            {"s": med[PROBE_EP["name"]], "counts": _layer_counts(ep_probe, _cfg(PROBE_EP)).tolist()},
             "reported": {k: v[1:] for k, v in reported.items()},  # the first call is the untimed warm-up
             "counts": {k: np.asarray(_layer_counts(m, _cfg(next(c for c in cases if c["name"] == k)))).tolist()
-                       for k, m in models.items()}}
+                       for k, m in models.items()},
+            "stage_counts": {k: v.tolist() for k, v in stage_counts.items()}}
 
 
 def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: bool) -> dict[str, Any]:
@@ -516,13 +561,20 @@ def phase_world(world: int, cases: list[dict[str, Any]], rounds: int, quick: boo
     res = run_ranks(_world_worker, world, rounds, cases, quick, timeout_s=1800.0)
     out: dict[str, Any] = res[0]
     out["counts"] = {k: np.stack([np.asarray(r["counts"][k]) for r in res], axis=1) for k in out["counts"]}
+    # pipeline: every MoE layer lives on one stage (the others hold zeros for it); [L, E] summed over stages
+    out["counts"].update({k: np.sum([np.asarray(r["stage_counts"][k]) for r in res], axis=0)
+                          for k in out["stage_counts"]})
     out["shapes"] = (_merge([r["shapes"][0] for r in res]), _merge([r["shapes"][1] for r in res]))
+    if out["ep_probe"] is not None:  # [L, R, E] counts of the EP probe
+        out["ep_probe"]["counts"] = np.stack([np.asarray(r["ep_probe"]["counts"]) for r in res], axis=1)
     return out
 
 
 # ---- predictions --------------------------------------------------------------------------------------------
-def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: int = 2) -> float:
-    """The simulator's step time (or collective time) for one run."""
+def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: int = 2,
+            ep_overhead_s: float = 0.0) -> float:
+    """The simulator's step time (or collective time) for one run; `ep_overhead_s` is the fitted host time per
+    MoE layer pass of the expert-parallel runs (`SimSpec.moe_pass_overhead_s`)."""
     from moebal.planner.cost import ModelShape
     from moebal.sim.program import Layout, SimSpec
     from moebal.sim.simulate import simulate
@@ -541,21 +593,27 @@ def predict(case: dict[str, Any], counts: np.ndarray | None, cost: Any, world: i
         m = case["micro_batches"]
         spec = SimSpec(layout=Layout(world, pp=world), micro_batches=m, micro_batch_size=b // m, seq_len=T,
                        schedule=case["schedule"], count_exchange=False)
-        return simulate(ModelShape.from_config(cfg), cost, spec, None).iteration_time_s
+        # MoE stages (ep 1): counts [L, E] of the whole step -> [L, 1 group, 1 rank, E]; the simulator spreads
+        # them evenly over the micro-batches
+        c = None if counts is None else counts[:, None, None, :]
+        return simulate(ModelShape.from_config(cfg), cost, spec, c).iteration_time_s
     cfg = _cfg(case)
     if counts is None:
         raise ValueError(f"{case['name']}: no routing counts")
     if mode == "ep":
         # moebal's EP step: blocking Trans before the forward, Agg after the backward, one flat all-reduce of
-        # the non-expert gradients after the backward, Trans/Agg as point-to-point fan-out
+        # the non-expert gradients after the backward, Trans/Agg as point-to-point fan-out; the balancing
+        # statistics all-reduced over the EP ranks in every MoE layer's forward and backward
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, dp_overlap=False,
-                       bucket_bytes=float("inf"), trans_algorithm="fanout")
+                       bucket_bytes=float("inf"), trans_algorithm="fanout", stats_allreduce=True,
+                       moe_pass_overhead_s=ep_overhead_s)
     else:
         # Lina: gradient chunks of chunk_mb during the backward, held while an all-to-all is registered;
         # all-to-alls in a2a_chunks token chunks pipelined with the experts
         spec = SimSpec(layout=Layout(world, ep=world), micro_batch_size=b, seq_len=T, moe_schedule="lina",
                        a2a_chunks=case["a2a_chunks"], lina_priority=True, dp_overlap=True,
-                       ar_chunk_bytes=case["chunk_mb"] * float(1 << 20), trans_algorithm="fanout")
+                       ar_chunk_bytes=case["chunk_mb"] * float(1 << 20), trans_algorithm="fanout",
+                       stats_allreduce=True, moe_pass_overhead_s=ep_overhead_s)
     pls = _placements(case.get("placement", "static"), cfg.moe.num_experts, world, cfg.model.n_layers)
     return simulate(ModelShape.from_config(cfg), cost, spec, counts[:, None], [[p] for p in pls]).iteration_time_s
 
@@ -644,6 +702,16 @@ def _fit(single: dict[str, Any], worlds: dict[int, dict[str, Any]]) -> tuple[Any
     return prof1, prof2
 
 
+def fit_ep_overhead(probe: dict[str, Any], cost: Any) -> dict[str, Any]:
+    """`moe_pass_overhead_s` from the EP probe alone: (its measured median step - the simulated step without the
+    term) / its MoE layer passes (forward and backward of each MoE layer), floored at 0."""
+    cfg = _cfg(PROBE_EP)
+    sim_s = predict(PROBE_EP, np.asarray(probe["counts"]), cost)
+    passes = 2 * sum(1 for i in range(cfg.model.n_layers) if cfg.is_moe_layer(i))
+    return {"moe_pass_overhead_s": max(probe["s"] - sim_s, 0.0) / passes, "probe": PROBE_EP["name"],
+            "probe_measured_s": probe["s"], "probe_simulated_s": sim_s, "passes": passes}
+
+
 def validate(rounds: int, quick: bool, only: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(records, extra summary: fitted profiles, disjointness)."""
     from moebal.commands.calibrate import summary
@@ -662,17 +730,20 @@ def validate(rounds: int, quick: bool, only: str | None) -> tuple[list[dict[str,
     disjoint = disjointness(probe, work)
     prof1, prof2 = _fit(single, worlds)
     cost1, cost2 = CostModel(prof1, "fp32"), CostModel(prof2, "fp32")
+    ep_fit = fit_ep_overhead(worlds[2]["ep_probe"], cost2)
     records = []
     for case in cases:
         phase = single if case["mode"] == "single" else worlds[case.get("world", 2)]
         cost, prof = (cost1, prof1) if case["mode"] in ("single", "collective") else (cost2, prof2)
         counts = phase["counts"].get(case["name"])
-        pred = predict(case, None if counts is None else np.asarray(counts), cost)
+        pred = predict(case, None if counts is None else np.asarray(counts), cost,
+                       ep_overhead_s=ep_fit["moe_pass_overhead_s"])
         records.append(_record(case, phase["samples"][case["name"]], phase["loads"][case["name"]], pred,
                                prof.name, phase["reported"].get(case["name"])))
     extra = {"fitted_profiles": {"single_process": summary(prof1, prof1.name),
                                  "two_process": summary(prof2, prof2.name)},
-             "disjointness": disjoint, "probe_dims": list(PROBE_DIMS), "probe_collective_bytes": PROBE_COLL_BYTES}
+             "disjointness": disjoint, "probe_dims": list(PROBE_DIMS), "probe_collective_bytes": PROBE_COLL_BYTES,
+             "ep_overhead_fit": ep_fit}
     return records, extra
 
 

@@ -119,6 +119,16 @@ class SimSpec:
     (`moe`, `full`). Under expert parallelism only the rank-local expert GEMMs are rerun, never the
     all-to-alls (moebal/models/recompute.py), so the recomputation is compute on the backward ops only."""
     meta: dict[str, object] = field(default_factory=dict)
+    stats_allreduce: bool = False
+    """All-reduce each MoE layer's balancing statistics over its EP group, as moebal's expert parallelism does
+    (`StatsReducer.sum_grad`: the global balancing loss, 2E + 1 fp32 values): blocking, after the combine in the
+    forward, and its gradient before the layer's backward all-to-alls. Each is a synchronisation of the group's
+    ranks plus one small all-reduce (its cost from the profile's all-reduce latency); False: a local loss."""
+    moe_pass_overhead_s: float = 0.0
+    """Host time on every rank of an EP group (ep > 1) at the start of each MoE layer pass, forward and backward,
+    per micro-batch: the expert-parallel machinery the other terms leave out (dispatch bookkeeping, the issue
+    path of its collectives). A measured constant: `scripts/validate_simulator.py` fits it on probe-shaped EP
+    steps (docs/simulator.md); 0 elsewhere."""
 
     def check(self, shape: ModelShape) -> None:
         if self.schedule not in SCHEDULES:
@@ -136,6 +146,8 @@ class SimSpec:
         if len(stages) != self.layout.pp or sum(stages) != shape.n_layers or min(stages) < 1:
             raise ConfigError(f"stage_layers {list(stages)} must have {self.layout.pp} entries >= 1 summing to "
                               f"{shape.n_layers} layers")
+        if not self.moe_pass_overhead_s >= 0:
+            raise ConfigError(f"moe_pass_overhead_s must be >= 0 seconds; got {self.moe_pass_overhead_s}")
         if self.a2a_padding not in ("none", "capacity"):
             raise ConfigError(f"a2a_padding must be 'none' or 'capacity'; got {self.a2a_padding!r}")
         if self.trans_algorithm not in ("chain", "fanout"):
@@ -415,6 +427,10 @@ class _Builder:
         rounds = data.rounds[g]
         prio = self.spec.lina_priority
         scale = self.scale[layer]
+        if self.spec.moe_pass_overhead_s > 0 and len(ranks) > 1:
+            deps = [[o] for o in self._compute(ranks, self.spec.moe_pass_overhead_s, f"{tag} ep host", deps)]
+        if self.spec.stats_allreduce and backward:
+            deps = self._stats_allreduce(layer, g, ranks, deps, f"{tag} stats", prio)
         if self.spec.count_exchange and not backward:
             R = len(ranks)
             coll = self._a2a(layer, g, ranks, -1, np.full((R, R), 8.0 * self.shape.num_experts), "counts")
@@ -452,7 +468,20 @@ class _Builder:
             if backward:
                 red = self._broadcasts(layer, g, "ep", [[o] for o in sh], reduce=True)
                 last = [lst + [o] for lst, o in zip(last, red)]
+        if self.spec.stats_allreduce and not backward:
+            last = self._stats_allreduce(layer, g, ranks, last, f"{tag} stats", prio)
         return last
+
+    def _stats_allreduce(self, layer: int, g: int, ranks: np.ndarray, deps: list[list[int]], name: str,
+                         prio: bool) -> list[list[int]]:
+        """The balancing statistics' all-reduce (2E + 1 fp32 values) over an EP group: every member waits."""
+        ck = (layer, g, -2, "stats")
+        coll = self._coll_cache.get(ck)
+        if coll is None:
+            nbytes = 4.0 * (2 * self.shape.num_experts + 1)
+            coll = self._coll_cache[ck] = self.cost.all_reduce(self.topo, ranks.tolist(), nbytes)
+        ops = self.eng.collective(coll, "ep", self.nm(name), "stats", deps=deps, priority=prio)
+        return [[o] for o in ops]
 
     # ---- placement traffic ----
     def _broadcasts(self, layer: int, g: int, stream: str, deps: list[list[int]] | None,

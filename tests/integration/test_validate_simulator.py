@@ -145,3 +145,28 @@ def test_pool_summarises_every_record_of_several_runs(tmp_path, capsys):
     assert steps["runs"] == 3 and steps["samples"] == 6  # the collective is reported apart
     assert steps["median_abs_error"] == pytest.approx(np.median([0, 0.2, 0.2, 0, 0, 0.5]))
     assert out["by_mode"]["collective"]["runs"] == 1 and out["load_average_samples"] == [1.0, 2.0]
+
+
+def test_stage_counter_sums_the_routing_of_every_forward_on_the_stage_layers():
+    """The MoE pipeline runs replay counts summed over a step's micro-batches, per global layer index."""
+    import types
+
+    import torch
+
+    from moebal.models.moe import MoELayer
+
+    vs = _module()
+    cfg = vs._cfg(vs.STEP_CASES[0] | {"model": {"dim": 64, "n_layers": 3, "n_heads": 2, "n_kv_heads": 2,
+                                                "ffn_dim": 128},
+                                      "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 64}})
+    moe = MoELayer(64, 64, 4, 2)
+    layers = {1: types.SimpleNamespace(is_moe=False), 2: types.SimpleNamespace(is_moe=True, block_sparse_moe=moe)}
+    stage = types.SimpleNamespace(layer_ids=[1, 2], layer=layers.__getitem__)
+    counts = vs._stage_counter(stage, cfg)
+    seen = np.zeros(4)
+    for seed in (0, 1):  # two micro-batches
+        moe(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)))
+        seen += moe.last_stats.counts_E.numpy()
+    assert counts.shape == (3, 4) and seen.sum() == 2 * 8 * 2
+    np.testing.assert_array_equal(counts[2], seen)
+    assert not counts[:2].any()  # the other layers (dense here, or on the other stage) stay zero

@@ -308,3 +308,36 @@ def test_recompute_under_expert_parallelism_reruns_the_expert_gemms_not_the_all_
     assert moe.iteration_time_s > none.iteration_time_s
     assert moe.bytes_by_link_class == none.bytes_by_link_class  # the same traffic: no all-to-all is rerun
     assert moe.busy_s.sum() > none.busy_s.sum()
+
+
+def test_stats_allreduce_adds_one_small_all_reduce_per_moe_layer_pass() -> None:
+    """Two symmetric ranks (uniform routing), every op on the critical path: the balancing statistics'
+    all-reduce adds exactly its cost-model time once in the forward and once in the backward of each MoE layer."""
+    cost = CostModel("h100", "bf16")
+    R, T = 2, 512
+    spec = SimSpec(layout=Layout(R, ep=R), micro_batch_size=1, seq_len=T, optimizer=False, dp_overlap=False)
+    counts = np.full((TINY.n_layers, 1, R, TINY.num_experts), T * TINY.top_k / TINY.num_experts)
+    base = simulate(TINY, cost, spec, counts)
+    stats = simulate(TINY, cost, dataclasses.replace(spec, stats_allreduce=True), counts)
+    topo = cost.topology(R)
+    one = cost.time_of(cost.all_reduce(topo, range(R), 4.0 * (2 * TINY.num_experts + 1)), topo)
+    assert one > 0
+    assert stats.iteration_time_s - base.iteration_time_s == pytest.approx(2 * TINY.n_layers * one, rel=1e-9)
+    assert stats.comm_s["stats"] == pytest.approx(2 * TINY.n_layers * one, rel=1e-9)
+    assert "stats" not in base.comm_s
+
+
+def test_moe_pass_overhead_adds_its_time_once_per_moe_layer_pass_under_ep_only() -> None:
+    cost = CostModel("h100", "bf16")
+    R, T, h = 2, 512, 3e-3
+    spec = SimSpec(layout=Layout(R, ep=R), micro_batch_size=1, seq_len=T, optimizer=False, dp_overlap=False)
+    counts = np.full((TINY.n_layers, 1, R, TINY.num_experts), T * TINY.top_k / TINY.num_experts)
+    base = simulate(TINY, cost, spec, counts).iteration_time_s
+    more = simulate(TINY, cost, dataclasses.replace(spec, moe_pass_overhead_s=h), counts).iteration_time_s
+    assert more - base == pytest.approx(2 * TINY.n_layers * h, rel=1e-9)  # forward and backward of each layer
+    one = SimSpec(layout=Layout(1), micro_batch_size=1, seq_len=T, optimizer=False, count_exchange=False)
+    c1 = counts[:, :, :1]
+    assert simulate(TINY, cost, dataclasses.replace(one, moe_pass_overhead_s=h), c1).iteration_time_s == \
+        simulate(TINY, cost, one, c1).iteration_time_s  # ep 1: no expert-parallel machinery
+    with pytest.raises(ConfigError, match="moe_pass_overhead_s"):
+        simulate(TINY, cost, dataclasses.replace(spec, moe_pass_overhead_s=-1.0), counts)
