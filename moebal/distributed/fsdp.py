@@ -318,16 +318,20 @@ class StageShardedAdamW(FullyShardedAdamW):
         """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded)."""
         super().__init__(stage, cfg, dims, norm_channel=None)
 
+    leaving: tuple[int, ...] = ()
+    """The layers a migration is about to send away (`migrate_layers` sets it before `full_state`)."""
+
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Replace every layer of the stage by a plain skeleton holding its gathered weights, buffers and
-        gradients, and return the AdamW state of the stage's parameters for the walk: the plain layers' moments
-        whole, the embedding's and head's as they are (sharded). Collective over the stage's ranks (layers in
-        ascending order). Peak: one layer whole beside the stage's shards, its moments whole until the rebuild."""
+        """Replace every layer of the stage about to leave (`leaving`) by a plain skeleton holding its gathered
+        weights, buffers and gradients, and return the AdamW state of the stage's parameters for the walk: the
+        plain layers' moments whole, the other parameters' as they are (sharded: they stay). Collective over the
+        stage's ranks (layers in ascending order). Peak: the leaving layers and their moments whole beside the
+        stage's shards."""
         from moebal.pipeline.stage import build_layer_skeleton
 
         dense = self.dense.state if self.dense is not None else {}
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        for i in self.stage.layer_ids:
+        for i in self.leaving:
             old = self.stage.layer(i)
             new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
             fresh = dict(new.named_parameters())
@@ -345,7 +349,7 @@ class StageShardedAdamW(FullyShardedAdamW):
                     new.get_buffer(n).copy_(b)
             self.stage.model.layers[str(i)] = new
         for p in self.stage.parameters():
-            if isinstance(p, DTensor) and dense.get(p):
+            if isinstance(p, DTensor) and dense.get(p):  # the layers that stay, embedding, norm, head
                 out[p] = dict(dense[p])
         return out
 
