@@ -979,6 +979,9 @@ def _check_whole(c: Config) -> None:
                       (c.pipeline.repack, "pipeline.repack (released ranks cannot leave the stage's FSDP2 mesh): set "
                        "pipeline.repack=false"),
                       (c.pipeline.split_layers, "pipeline.split_layers: set it false"),
+                      (c.pipeline.microbatching != "fixed", f"pipeline.microbatching={c.pipeline.microbatching} (a "
+                       f"stage's ranks may run different micro-batch counts, and FSDP2 gathers per micro-batch): "
+                       f"use fixed"),
                       (c.dynamism.scheme != "none", f"dynamism.scheme={c.dynamism.scheme}: use dynamism.scheme=none")]:
         _need(not (full_pp and bad),
               f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built with {what}, or "

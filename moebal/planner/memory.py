@@ -488,7 +488,8 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
 def _full_pp_refused(cfg: Config) -> bool:
     """Whether moebal/config.py refuses `shard: full` with a pipeline for this config's other settings."""
     p = cfg.pipeline
-    return p.schedule == "zb" or p.repack or p.split_layers or cfg.dynamism.scheme != "none"
+    return (p.schedule == "zb" or p.repack or p.split_layers or p.microbatching != "fixed"
+            or cfg.dynamism.scheme != "none")
 
 
 def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int, int]:

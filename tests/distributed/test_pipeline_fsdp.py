@@ -78,6 +78,18 @@ def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
         pipe_cfg("full", knobs.pop("ep", 1), **knobs)
 
 
+@pytest.mark.parametrize("pipeline, words", [
+    ({"repack": True, "rebalance": "partition"}, "is not built with pipeline.repack"),
+    ({"microbatching": "dynamic"}, "is not built with pipeline.microbatching=dynamic"),
+    ({"split_layers": True}, "is not built with pipeline.split_layers"),
+])
+def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeline, words):
+    from moebal.config import from_dict
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        from_dict({"parallel": {"pp": 2, "shard": "full"}, "pipeline": pipeline, "model": {"n_layers": 2}})
+
+
 def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
     """6 steps with migrations in one go against 4 steps, a stop, and a resume of the fully sharded run from its
     step-4 checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards); the same
