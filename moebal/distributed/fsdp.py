@@ -46,9 +46,11 @@ from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 
 if TYPE_CHECKING:
+    from moebal.pipeline.stage import PipelineStage
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["FullyShardedAdamW", "fully_shard_model", "local_chunk", "shard_rows"]
+__all__ = ["FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model", "fully_shard_stage", "local_chunk",
+           "shard_rows", "stage_mesh"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,7 +102,8 @@ class FullyShardedAdamW(torch.optim.Optimizer):
     expert parameters (module docstring). Its `param_groups` are the model's (the trainer sets the learning
     rate there); the dense state lives in `dense.state`, the expert state on `experts`' parts."""
 
-    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, norm_channel: Any = "new") -> None:
+        """`norm_channel`: the "dp_ep" communicator of the gradient norm; "new" makes one (collective)."""
         from moebal.train.optim import param_groups
 
         t = cfg.train
@@ -117,7 +120,9 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         has_experts = any(is_expert_param(p) for p in model.parameters())
         self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype) \
             if has_experts else None
-        self._norm_channel = dims.new_channel("dp_ep") if dims.size("dp_ep") > 1 else None
+        if isinstance(norm_channel, str):
+            norm_channel = dims.new_channel("dp_ep") if dims.size("dp_ep") > 1 else None
+        self._norm_channel = norm_channel
         self._dense_params = [p for g in dense for p in g["params"]]
 
     # ---- one step ----
@@ -255,6 +260,126 @@ class FullyShardedAdamW(torch.optim.Optimizer):
                     self.dense.state[p] = dict(state_dict["dense"][name])
         if self.experts is not None and state_dict["experts"] is not None:
             self.experts.load_state_dict(state_dict["experts"])
+
+
+# ---- a pipeline stage (`parallel.shard: full` with `parallel.pp` > 1) ----------------------------------------
+
+def stage_mesh(dims: ParallelDims) -> Any:
+    """The device mesh of this stage's "dp_ep" ranks on a channel of its own. Collective on every rank, once per
+    run (rebuilds after a migration reuse it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dims.new_channel("dp_ep"), dims.device.type)
+
+
+def _stage_units(stage: PipelineStage) -> list[nn.Module]:
+    body = stage.model
+    roots = [body.embed_tokens, body.norm, stage.lm_head]
+    return [*body.layers.values(), *(m for m in roots if m is not None)]
+
+
+def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
+    """`fully_shard` each layer of a pipeline stage and its embedding, final norm and LM head over `mesh`, each one
+    FSDP2 unit and its own root (the engine calls these modules, never the stage): weights all-gathered for each
+    micro-batch's forward and again for its backward (`reshard_after_forward`), and reduce-scattered in each
+    micro-batch's backward into the shards' gradients, which accumulate over the micro-batches. The reductions
+    are sums (divide factor 1): the pipeline's losses are normalised by the global label count, as in the
+    unsharded sync. Units sharded already are left as they are; a plain unit's gradients (a migration between
+    backward and optimizer step) become its shards' (no communication)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    par = cfg.parallel
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype])
+    for m in _stage_units(stage):
+        if isinstance(m, FSDPModule):
+            continue
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        assert isinstance(m, FSDPModule)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)
+        for n, p in m.named_parameters():
+            if n in grads and isinstance(p, DTensor):
+                p.grad = local_chunk(grads[n], p)
+
+
+class StageShardedAdamW(FullyShardedAdamW):
+    """`FullyShardedAdamW` of a pipeline stage: shards the stage on construction (`fully_shard_stage`, expert
+    parameters included: expert parallelism is refused inside the stages), and moves layers whole for a
+    migration (moebal/pipeline/migrate.py): `full_state` gathers every layer's weights, gradients and moments and
+    swaps in plain layers, and the optimizer rebuilt after the walk re-shards them (`load_full_state`). The
+    embedding, final norm and head never move and stay sharded, with their state."""
+
+    def __init__(self, stage: PipelineStage, cfg: Config, dims: ParallelDims, mesh: Any) -> None:
+        before = dict(stage.named_parameters())
+        fully_shard_stage(stage, cfg, mesh)
+        self.stage = stage
+        self._was = {id(p): before[n] for n, p in stage.named_parameters()}
+        """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded)."""
+        super().__init__(stage, cfg, dims, norm_channel=None)
+
+    leaving: tuple[int, ...] = ()
+    """The layers a migration is about to send away (`migrate_layers` sets it before `full_state`)."""
+
+    def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Replace every layer of the stage about to leave (`leaving`) by a plain skeleton holding its gathered
+        weights, buffers and gradients, and return the AdamW state of the stage's parameters for the walk: the
+        plain layers' moments whole, the other parameters' as they are (sharded: they stay). Collective over the
+        stage's ranks (layers in ascending order). Peak: the leaving layers and their moments whole beside the
+        stage's shards."""
+        from moebal.pipeline.stage import build_layer_skeleton
+
+        dense = self.dense.state if self.dense is not None else {}
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for i in self.leaving:
+            old = self.stage.layer(i)
+            new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
+            fresh = dict(new.named_parameters())
+            with torch.no_grad():
+                for n, p in old.named_parameters():
+                    q = fresh[n]
+                    q.copy_(_whole(p))
+                    if p.grad is not None:
+                        q.grad = _whole(p.grad)
+                    st = dense.get(p)
+                    if st:
+                        out[q] = {"step": st["step"], "exp_avg": _whole(st["exp_avg"]),
+                                  "exp_avg_sq": _whole(st["exp_avg_sq"])}
+                for n, b in old.named_buffers():
+                    new.get_buffer(n).copy_(b)
+            self.stage.model.layers[str(i)] = new
+        for p in self.stage.parameters():
+            if isinstance(p, DTensor) and dense.get(p):  # the layers that stay, embedding, norm, head
+                out[p] = dict(dense[p])
+        return out
+
+    def load_full_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Adopt the AdamW state of `full_state` (and of layers received in the walk), keyed by the parameters
+        the sharded ones were made from: this rank's chunks of whole moments, sharded ones as they are."""
+        if self.dense is None:
+            return
+        for p in self._dense_params:
+            st = states.get(self._was[id(p)])
+            if not st:
+                continue
+            moments = {k: local_chunk(v, p) if isinstance(p, DTensor) and not isinstance(v, DTensor) else v
+                       for k, v in st.items() if k != "step"}
+            step = st["step"].detach().to(torch.float32).reshape(()).cpu()
+            self.dense.state[p] = {"step": step, **moments}
+
+    def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
+        """AdamW moment bytes of parameter `p` on this rank (its shards), or all of them (`whole`: what a
+        migration moves); 0 before the first step. For the layer balancer's estimates (pipeline/observe.py)."""
+        st = self.dense.state.get(p) if self.dense is not None else None
+        if not st:
+            return 0
+        return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
+                   for k, v in st.items() if k != "step")
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (collective over its mesh), other tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _saved_state(reader: CheckpointReader, name: str, stacked: dict[str, tuple[tuple[int, ...], int]]

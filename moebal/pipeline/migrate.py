@@ -27,6 +27,11 @@ the stage's shard groups), the walk moves it as above, and the rebuilt sharded o
 over the new parameter set) takes its owned slices (`load_full_state`); the sender drops the moved layer's
 whole. Gradients of a migration between backward and optimizer step are the parameters' own, not reduced yet,
 and travel as above. Peak: the stage's whole AdamW state on every rank of it, for the migration's duration.
+Fully sharded state (`parallel.shard: full`, a `StageShardedAdamW`, moebal/distributed/fsdp.py): `full_state`
+gathers the weights, gradients and moments of the layers about to leave (`leaving`) and swaps plain layers in
+for them before the walk, and the rebuilt optimizer `fully_shard`s the layers that arrived (plain skeletons) and
+takes its chunks of their whole moments; the layers that stay, the embedding, norm and head stay sharded with
+their state. Peak: the leaving layers and their moments whole on every rank of the sending stage.
 A partition over the chain may give released ranks zero layers (re-packing): the same walk empties them.
 
 Devices: the header is a CPU tensor (gloo under the device-aware backend: the receiver reads it on the host at
@@ -182,6 +187,9 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
     gather = getattr(optimizer, "full_state", None)
     if gather is not None:  # sharded state: whole for the walk, re-sharded by the rebuilt optimizer
         assert optimizer is not None
+        if hasattr(optimizer, "leaving"):  # fully sharded: only the layers that leave are gathered
+            optimizer.leaving = tuple(sorted({stage.units.parts[u][0] for u, src, _ in moves
+                                              if src == chain.index}))
         walk = WholeState(gather(), optimizer.param_groups)
         getattr(optimizer, "close", lambda: None)()  # its gradient hooks go with it
     me = chain.index
@@ -225,12 +233,13 @@ def rebuild_optimizer(module: nn.Module, old: Stateful | None,
     state is the old optimizer's for parameters that stayed and the received state for those that arrived.
     Learning rate and hyper-parameters come from the construction rule; the runner sets the lr every step.
     A sharded optimizer (`load_full_state`) takes its owned slices of the whole states instead."""
+    held = list(module.parameters())  # before the rebuild: a fully sharded one replaces them by their shards
     opt = make_optimizer(module)
     if opt is None:
         return None  # nothing left to train here (a frozen stage)
     adopt = getattr(opt, "load_full_state", None)
     if adopt is not None:
-        kept = {p: old.state[p] for p in module.parameters() if old is not None and p in old.state}
+        kept = {p: old.state[p] for p in held if old is not None and p in old.state}
         adopt({**kept, **received})
         _keep_lr(opt, old)
         return opt

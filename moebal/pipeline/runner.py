@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.fsdp import StageShardedAdamW, stage_mesh
 from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
@@ -126,6 +128,10 @@ class PipelineRunner:
         if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
             raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
                               f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
+        if cfg.parallel.shard == "full" and (dims.ep > 1 or any(len(z) != dims.pp for _, z in (*force, *force_mid))):
+            raise ConfigError("'parallel.shard: full' with a pipeline is not built with expert parallelism inside the "
+                              "stages or with re-packing onto fewer stages: use parallel.ep=1 and keep every stage, "
+                              "or parallel.shard=optimizer")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
@@ -186,6 +192,8 @@ class PipelineRunner:
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
         self._shard_channels = ShardedAdamW.make_channels(self.dims) if cfg.parallel.shard == "optimizer" else None
+        # fully sharded state (`parallel.shard: full`): the stage's FSDP2 mesh, made once on every rank too
+        self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" else None
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
         if uses_bf16(cfg, self.device):
@@ -235,6 +243,9 @@ class PipelineRunner:
             return None
         if self._shard_channels is not None:
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels)
+        if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
+            assert isinstance(module, PipelineStage)
+            return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh)
         return build_optimizer(module, self.cfg.train)
 
     @property
@@ -418,6 +429,8 @@ class PipelineRunner:
         if self.sharded is not None:
             self.sharded.reduce()
             return
+        if self._fsdp_mesh is not None:
+            return  # FSDP2 summed them into the shards in each micro-batch's backward
         for _, params in self._slot_params().items():
             for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
                 grads = [p.grad for p in params if p.grad is not None and is_expert_param(p) == expert]
@@ -481,6 +494,8 @@ class PipelineRunner:
         if self.sharded is not None:
             slot_of = {id(p): slot for slot, params in self._slot_params().items() for p in params}
             return self.sharded.squares_by(lambda p: slot_of[id(p)], S)
+        if self._fsdp_mesh is not None:
+            return self._shard_squares(S)
         rep_S = torch.zeros(S, dtype=torch.float64, device=self.device)
         shard_S = torch.zeros(S, dtype=torch.float64, device=self.device)
         for slot, params in self._slot_params().items():
@@ -494,6 +509,19 @@ class PipelineRunner:
         if self.experts.sharded:  # each rank holds other experts: their squares add up over the ep group
             rep_S += self.experts.shard_sum(shard_S)
         return rep_S
+
+    def _shard_squares(self, S: int) -> torch.Tensor:
+        """`_grad_squares` under `parallel.shard: full`: the squares of this rank's gradient shards per slot,
+        summed over the stage (the shards partition each gradient; the same norms up to summation order)."""
+        out_S = torch.zeros(S, dtype=torch.float64, device=self.device)
+        for slot, params in self._slot_params().items():
+            for p in params:
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    out_S[slot] += torch.linalg.vector_norm(g.double()) ** 2
+        if self.data_ranks > 1:
+            dist.all_reduce(out_S, group=self.stage_group)
+        return out_S
 
     def _orig_pos(self) -> int:
         return self.dims.ranks_of("pp").index(self.dims.rank)
@@ -660,7 +688,8 @@ class PipelineRunner:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters by full-model name (tests compare them across partitions)."""
-        return {k: v.detach().clone() for k, v in self.stage.state_dict().items()}
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in self.stage.state_dict().items()}
 
 
 def _scheme_names(i: int, key: str, shape: tuple[int, ...],

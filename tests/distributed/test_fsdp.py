@@ -138,8 +138,9 @@ def test_full_sharding_bf16_policy_runs_close_to_fp32(tmp_path):
 def test_full_sharding_refusals_name_the_fix():
     from moebal.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="with a pipeline.*parallel.shard=optimizer or parallel.pp=1"):
-        from_dict({"parallel": {"pp": 2, "shard": "full"}, "model": {"n_layers": 2}})
+    assert from_dict({"parallel": {"pp": 2, "shard": "full"}, "model": {"n_layers": 2}}).parallel.shard == "full"
+    with pytest.raises(ConfigError, match="with a pipeline.*not built with pipeline.schedule=zb.*use 1f1b"):
+        from_dict({"parallel": {"pp": 2, "shard": "full"}, "pipeline": {"schedule": "zb"}, "model": {"n_layers": 2}})
     with pytest.raises(ConfigError, match="mixed-precision policy: set parallel.shard=full"):
         shard_cfg("optimizer", 2, parallel={"reduce_dtype": "bf16"})
     with pytest.raises(ConfigError, match="set train.precision=bf16"):

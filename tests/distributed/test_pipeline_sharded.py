@@ -170,7 +170,6 @@ def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(
 # ---- refusals -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shard, scheme, words", [
-    ("full", "none", "'parallel.shard: full' with a pipeline (parallel.pp 2) is not built"),
     ("optimizer", "pruning", "dynamism.scheme=pruning is not supported"),
     ("optimizer", "freezing", "dynamism.scheme=freezing is not supported"),
 ])

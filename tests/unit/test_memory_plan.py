@@ -249,3 +249,25 @@ def test_pipeline_with_sharded_optimizer_state(capsys):
                  "--shard", "optimizer", "--json"]) in (0, 1)
     out = json.loads(capsys.readouterr().out)
     assert out["layout"]["pp"] == 2 and out["layout"]["shard"] == "optimizer" and "migration" in out["phases"]
+
+
+def test_full_sharding_in_a_pipeline_prices_shards_one_gathered_root_and_the_moved_layers():
+    """`shard: full` with pp 2 x dp 2 (moebal/distributed/fsdp.py fully_shard_stage): each stage's parameters
+    sharded over its 2 ranks (experts too: ep 1), plus the largest FSDP2 root of the stage gathered (the
+    embedding or the head, here); a migration holds the moved layers whole (weights and moments)."""
+    args = [*TINY, "model.n_layers=2", "data.batch_size=4", "parallel.pp=2", "pipeline.rebalance=partition"]
+    lay = MemoryLayout(ranks=4, pp=2, shard="full", micro_batches=2)
+    plan = plan_memory(load(None, args), lay, BARE)
+    layer = 272 + 16 + 192
+    stage = [layer + 2048, layer + 8 + 2048][plan.stage]
+    t = plan.terms
+    assert t["parameters"] == 4 * stage / 2 + 4 * 2048
+    assert t["optimizer state"] == 8 * stage / 2
+    assert t["gradients"] == 4 * stage / 2 + 4 * layer  # the shards + one layer's full gradients in flight
+    assert t["migration: moved layers whole"] == 12 * layer and t["migration: whole moments + new flats"] == 0
+    assert plan.phases["migration"] == t["parameters"] + t["optimizer state"] + 12 * layer
+    off = plan_memory(load(None, args[:-1]), lay, BARE).terms  # pipeline.rebalance off (the default)
+    assert off["migration: moved layers whole"] == 0
+    # against the unsharded pipeline: the state halves, the gathered root is the price
+    plain = plan_memory(load(None, args), dataclasses.replace(lay, shard="none"), BARE).terms
+    assert plain["parameters"] == 4 * stage and plain["optimizer state"] == 8 * stage
