@@ -254,6 +254,9 @@ def _forked_rank(argv: list[str], env: dict[str, str], cwd: str, fds: tuple[Any,
     _name_this_process(rank_name(int(env["RANK"])))
     import torch
 
+    if torch.cuda._is_in_bad_fork():  # the server imports only, so CUDA is not initialized there; say so if it was
+        raise RuntimeError(f"CUDA was initialized in the rank forkserver, so a forked rank cannot use it; set "
+                           f"{RANK_START_ENV}=exec (and report which import initialized it)")
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from moebal import cli
 
