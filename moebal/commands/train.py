@@ -153,8 +153,9 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     all writing to one run directory."""
     # Bad input fails here, once, before any rank starts (the same checks every rank would make).
     from moebal.data import build_data
-    from moebal.launch.spawn import spawn_local
+    from moebal.launch.spawn import spawn_local, start_rank_server
 
+    start_rank_server(nproc)  # its imports (torch, moebal) run while the data is checked
     build_data(cfg)
     if args.resume:
         from moebal.train.checkpoint import find_checkpoints

@@ -26,13 +26,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from moebal.launch.spawn import free_port
+from moebal.launch.forkserver import CallerFd, ensure_forkserver, fresh_process
+from moebal.launch.spawn import free_port, rank_name
 from moebal.planner.plan import ExpertPlacement, default_owners
 
 __all__ = ["START_METHOD_ENV", "kill_rank_when", "random_placements", "rank_pid", "run_ranks"]
@@ -41,37 +41,12 @@ START_METHOD_ENV = "MOEBAL_RUN_RANKS_START"  # "forkserver" (the default) or "sp
 _START_METHODS = ("forkserver", "spawn")
 
 
-class _CallerFd:
-    """One of the caller's file descriptors, handed to a rank as it is now (under pytest, the current test's
-    capture file): a forked rank would otherwise write to the forkserver's, those of the first call."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled while the rank starts: DupFd sends the descriptor along (multiprocessing.reduction).
-        return (_adopt_fd, (reduction.DupFd(self.fd), self.fd))
-
-
-def _adopt_fd(dup: Any, target: int) -> int:
-    """In a rank: make `target` (1 or 2) the caller's descriptor that `dup` carries."""
-    fd = int(dup.detach())
-    if fd != target:  # spawn passes it under its own number
-        os.dup2(fd, target)
-        os.close(fd)
-    return target
-
-
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any,
-           threads: int, env: dict[str, str], fds: tuple[Any, ...]) -> None:
-    del fds  # adopted while unpickling (_adopt_fd)
-    # A forked rank starts with the forkserver's environment: the caller's, as it was at the first call.
-    os.environ.clear()
-    os.environ.update(env)
+           threads: int, env: dict[str, str], cwd: str, fds: tuple[Any, ...]) -> None:
+    del fds  # adopted while unpickling (CallerFd)
+    fresh_process(env, cwd)  # a forked rank starts with the forkserver's environment and working directory
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    if "numpy" in sys.modules:  # a fork copies numpy's global RNG state; a new process draws a fresh seed
-        sys.modules["numpy"].random.seed()
     import torch
     import torch.distributed as dist
 
@@ -94,10 +69,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     q = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    fds = (_CallerFd(1), _CallerFd(2))
+    fds = (CallerFd(1), CallerFd(2))
     # Not daemonic: a rank may start processes of its own (background micro-batch planners); the finally
     # below joins or terminates every rank whatever happens.
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads, env, fds),
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, q, threads, env, os.getcwd(), fds),
                          daemon=False)
              for r in range(world_size)]
     for p in procs:
@@ -144,27 +119,8 @@ def _context() -> Any:
                          f"{', '.join(_START_METHODS)} (or unset it: forkserver)")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        _ensure_forkserver(ctx)
+        ensure_forkserver(ctx, _preload())
     return ctx
-
-
-def _ensure_forkserver(ctx: Any) -> None:
-    """Start the forkserver unless it runs, importing `_preload()` with the caller's sys.path (as PYTHONPATH:
-    Python 3.11's forkserver ignores the sys.path it is handed, so a module could resolve to another copy, an
-    editable install's, for one). Preload and path take effect at the start only; later calls reuse the
-    server."""
-    from multiprocessing import forkserver
-
-    ctx.set_forkserver_preload(_preload())
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 def _preload() -> list[str]:
@@ -204,7 +160,10 @@ def _failures(q: Any, rank: int, value: str, grace_s: float = 5.0) -> str:
 
 def rank_pid(rank: int, marker: str) -> int | None:
     """The process of training rank `rank` in the job whose environment holds `marker` (NAME=value), found in
-    /proc (Linux): it works across network namespaces and launchers, wherever the rank was started."""
+    /proc (Linux): it works across network namespaces and launchers, wherever the rank was started. A rank that
+    `moebal train --nproc N` forked from its forkserver (moebal.launch.spawn) shows the server's environment and
+    command line in /proc, so it is known by the name it gives itself (`rank_name`, /proc/PID/comm); one that
+    was started as a new process (torchrun, MOEBAL_RANK_START=exec), by RANK in its environment."""
     want = {marker.encode(), f"RANK={rank}".encode()}
     found = []
     for entry in Path("/proc").iterdir():
@@ -213,9 +172,12 @@ def rank_pid(rank: int, marker: str) -> int | None:
         try:
             env = set((entry / "environ").read_bytes().split(b"\0"))
             cmd = (entry / "cmdline").read_bytes()
+            comm = (entry / "comm").read_text().strip()
         except OSError:
             continue
-        if want <= env and b"moebal.cli" in cmd and b"torch.distributed.run" not in cmd:
+        started = want <= env and b"moebal.cli" in cmd and b"torch.distributed.run" not in cmd
+        forked = marker.encode() in env and comm == rank_name(rank)
+        if started or forked:
             found.append(int(entry.name))
     return max(found) if found else None  # the newest, should an earlier attempt's process still be exiting
 

@@ -1,19 +1,26 @@
 """Starting and watching processes: the ranks of `moebal train --nproc N`, and the nodes of `moebal launch`.
 
-`spawn_local` runs N ranks on this machine, each a fresh `python -m moebal.cli ...` process with the torchrun
-environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same code path
-runs under plain torchrun. Like torchrun's agent, the launcher hosts the job's c10d store itself (a new one per
-attempt), listening before any rank starts, and the ranks connect to it as clients
-(TORCHELASTIC_USE_AGENT_STORE): see `_rendezvous_store` for the race this closes. When a rank fails it stops the
-others at once instead of letting them hang in a collective, reports which rank failed and, with `max_restarts`,
-starts every rank again (with TORCHELASTIC_RESTART_COUNT set as torchrun would, and `restart_argv`:
-`--auto-resume` makes `moebal train` continue from the run's last checkpoint).
+`spawn_local` runs N ranks on this machine, each running `moebal.cli` with the torchrun environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the same code path runs under plain
+torchrun. Each rank is a new process forked from a forkserver that the launcher starts once and that imported
+torch and the training modules (moebal.launch.forkserver), so N ranks pay one torch import, not N (3-4 s of CPU
+each); the rank takes the launcher's environment and working directory, and names itself `moebal-rankN` (what
+`ps` and /proc/PID/comm show; its /proc environment and command line are the forkserver's). Set
+MOEBAL_RANK_START=exec to start every rank as a fresh `python -m moebal.cli ...` interpreter instead (debugging:
+no state shared with the forkserver at all).
+
+Like torchrun's agent, the launcher hosts the job's c10d store itself (a new one per attempt), listening before any
+rank starts, and the ranks connect to it as clients (TORCHELASTIC_USE_AGENT_STORE): see `_rendezvous_store` for the
+race this closes. When a rank fails it stops the others at once instead of letting them hang in a collective,
+reports which rank failed and, with `max_restarts`, starts every rank again (with TORCHELASTIC_RESTART_COUNT set as
+torchrun would, and `restart_argv`: `--auto-resume` makes `moebal train` continue from the run's last checkpoint).
 Exit code 2 (bad input: config, data, checkpoint) is not restarted, since it would fail the same way.
 
 Stopping: SIGTERM and SIGHUP (what a job scheduler or a closed terminal sends) stop a launcher the way Ctrl-C
 does: it stops its ranks or nodes (SIGTERM, SIGKILL after a grace period), waits for them, and only then
 exits (128 + the signal's number). A rank of `spawn_local` also asks Linux to send it SIGTERM when its
-launcher dies (PR_SET_PDEATHSIG), so that even a SIGKILLed launcher leaves no rank behind.
+launcher dies (PR_SET_PDEATHSIG), so that even a SIGKILLed launcher leaves no rank behind: a forked rank, when its
+forkserver dies, which exits as soon as its launcher is gone.
 
 `run_nodes` runs one local command per node (an ssh, a namespace exec, ...), prefixes every line the node
 prints with its name, and stops every node when one fails. Restarting ranks inside a node is torchrun's job
@@ -30,15 +37,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any, Protocol
 
 from moebal.errors import ConfigError
 
-__all__ = ["Stopped", "die_with_launcher", "free_port", "local_ranks", "run_nodes", "spawn_local"]
+__all__ = ["RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "local_ranks", "rank_name", "run_nodes",
+           "spawn_local", "start_rank_server"]
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
-LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: the launcher it must not outlive
+LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: its parent (launcher or forkserver), not outlived
+RANK_START_ENV = "MOEBAL_RANK_START"  # how spawn_local starts a rank: "forkserver" (the default) or "exec"
+_RANK_STARTS = ("forkserver", "exec")
+# what the forkserver imports for every rank (beside the moebal modules the launcher imported)
+# (not moebal.cli: a rank's multiprocessing runs the launcher's main module, moebal.cli, as __mp_main__, and
+# runpy warns when it was imported already)
+_RANK_PRELOAD = ("torch", "torch.distributed", "numpy", "moebal.commands.train", "moebal.data", "moebal.train.trainer")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -71,7 +85,9 @@ def _stopped_by_signals() -> Iterator[None]:
 
 def die_with_launcher() -> None:
     """In a rank of spawn_local (Linux): have the kernel send this process SIGTERM when its launcher dies, by
-    whatever means, so that no rank keeps training, orphaned, beside a job that reuses its run directory."""
+    whatever means, so that no rank keeps training, orphaned, beside a job that reuses its run directory. A
+    forked rank watches its parent, the forkserver, which exits when the launcher is gone (MOEBAL_LAUNCHER_PID
+    names the parent either way)."""
     pid = os.environ.pop(LAUNCHER_ENV, None)  # popped: processes this rank starts have their own parent
     if pid is None or not sys.platform.startswith("linux"):
         return
@@ -106,24 +122,172 @@ def _how(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
+def rank_name(rank: int) -> str:
+    """The name a forked rank gives itself (/proc/PID/comm, what `ps` shows): at most 15 characters (Linux)."""
+    return f"moebal-rank{rank}"[:15]
+
+
+def _rank_start() -> str:
+    """How spawn_local starts a rank (module docstring): MOEBAL_RANK_START, "forkserver" when unset."""
+    how = os.environ.get(RANK_START_ENV, "") or "forkserver"
+    if how not in _RANK_STARTS:
+        raise ConfigError(f"{RANK_START_ENV}={how!r} is not a way to start ranks; use one of {', '.join(_RANK_STARTS)}"
+                          f" (or unset it: forkserver)")
+    return how
+
+
+def _threads(nproc: int, threads_per_rank: int | None) -> int:
+    return threads_per_rank if threads_per_rank is not None else max(1, (os.cpu_count() or 1) // nproc)
+
+
+def start_rank_server(nproc: int, threads_per_rank: int | None = None) -> Any:
+    """Start the forkserver that spawn_local forks ranks from (unless MOEBAL_RANK_START=exec: None), so that its
+    imports run while the launcher prepares the job; returns its multiprocessing context. Started once per
+    launcher process: later calls return the running one."""
+    if _rank_start() != "forkserver":
+        return None
+    import multiprocessing
+
+    from moebal.launch.forkserver import ensure_forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    mine = sorted(m for m in sys.modules if m.split(".")[0] == "moebal" and m != "moebal.cli")
+    # OMP_NUM_THREADS as a new rank's: OpenMP reads it once, when torch loads it (in the server)
+    ensure_forkserver(ctx, [*_RANK_PRELOAD, *mine], {"OMP_NUM_THREADS": str(_threads(nproc, threads_per_rank))})
+    return ctx
+
+
 def spawn_local(nproc: int, argv: Sequence[str], env: dict[str, str] | None = None,
                 threads_per_rank: int | None = None, poll_s: float = 0.05, max_restarts: int = 0,
                 restart_argv: Sequence[str] = ()) -> int:
-    """Run `python -m moebal.cli *argv` as `nproc` ranks; return 0, or the failing rank's exit code once
-    `max_restarts` restarts of the whole job are used up. Restarts run `*argv, *restart_argv`."""
+    """Run `moebal.cli *argv` as `nproc` ranks; return 0, or the failing rank's exit code once `max_restarts`
+    restarts of the whole job are used up. Restarts run `*argv, *restart_argv`."""
     base = {**os.environ, **(env or {}), LAUNCHER_ENV: str(os.getpid())}
-    if threads_per_rank is None:
-        threads_per_rank = max(1, (os.cpu_count() or 1) // nproc)
+    threads_per_rank = _threads(nproc, threads_per_rank)
     with _stopped_by_signals():
-        return _attempts(nproc, argv, base, threads_per_rank, poll_s, max_restarts, restart_argv)
+        ctx = start_rank_server(nproc, threads_per_rank)
+        start = _exec_rank if ctx is None else _forker(ctx)
+        return _attempts(nproc, argv, base, threads_per_rank, poll_s, max_restarts, restart_argv, start)
+
+
+class _Child(Protocol):
+    """A started rank or node: a subprocess.Popen, or a forked rank (_Forked)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class _Forked:
+    """A rank forked by the forkserver (a multiprocessing.Process), seen through subprocess.Popen's methods."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    def poll(self) -> int | None:
+        code = self.process.exitcode
+        return None if code is None else int(code)
+
+    def send_signal(self, sig: int) -> None:
+        if self.process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+StartRank = Callable[[Sequence[str], dict[str, str]], _Child]
+
+
+def _exec_rank(argv: Sequence[str], env: dict[str, str]) -> _Child:
+    """A rank as a fresh interpreter (MOEBAL_RANK_START=exec)."""
+    return subprocess.Popen([sys.executable, "-m", "moebal.cli", *argv], env=env)
+
+
+def _forker(ctx: Any) -> StartRank:
+    """Start a rank by forking it from the running forkserver of `ctx`."""
+    from moebal.launch.forkserver import CallerFd, forkserver_pid
+
+    def start(argv: Sequence[str], env: dict[str, str]) -> _Child:
+        server = forkserver_pid()
+        if server is None:
+            raise RuntimeError("the rank forkserver is not running")
+        env = {**env, LAUNCHER_ENV: str(server)}  # the rank's parent: the server, which dies with the launcher
+        # Not daemonic: a rank starts processes of its own (background micro-batch planners)
+        p = ctx.Process(target=_forked_rank, args=(list(argv), env, os.getcwd(), (CallerFd(1), CallerFd(2))),
+                        daemon=False, name=rank_name(int(env["RANK"])))
+        p.start()
+        return _Forked(p)
+
+    return start
+
+
+def _forked_rank(argv: list[str], env: dict[str, str], cwd: str, fds: tuple[Any, ...]) -> None:
+    """A forked rank's body: become what `python -m moebal.cli *argv` would be in the launcher's environment, run
+    it, and exit with its code (Python's atexit handlers run, as at a new process's exit)."""
+    import atexit
+    import traceback
+
+    from moebal.launch.forkserver import fresh_process
+
+    del fds  # adopted while unpickling (CallerFd)
+    fresh_process(env, cwd)
+    _name_this_process(rank_name(int(env["RANK"])))
+    import torch
+
+    if torch.cuda._is_in_bad_fork():  # the server imports only, so CUDA is not initialized there; say so if it was
+        raise RuntimeError(f"CUDA was initialized in the rank forkserver, so a forked rank cannot use it; set "
+                           f"{RANK_START_ENV}=exec (and report which import initialized it)")
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    from moebal import cli
+
+    sys.argv = [str(cli.__file__), *argv]
+    try:
+        code = cli.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - what an uncaught exception does in a new process: traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.exit(code)
+
+
+def _name_this_process(name: str) -> None:
+    """Set /proc/PID/comm (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
 
 
 def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per_rank: int, poll_s: float,
-              max_restarts: int, restart_argv: Sequence[str]) -> int:
+              max_restarts: int, restart_argv: Sequence[str], start: StartRank) -> int:
     for attempt in range(max_restarts + 1):
         store = _rendezvous_store(nproc)  # held until this attempt's ranks are gone
         port = store.port
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[_Child] = []
         try:
             for rank in range(nproc):
                 rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
@@ -131,7 +295,7 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
                             "OMP_NUM_THREADS": str(threads_per_rank), "TORCHELASTIC_RESTART_COUNT": str(attempt),
                             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True"}
                 extra = list(restart_argv) if attempt else []
-                procs.append(subprocess.Popen([sys.executable, "-m", "moebal.cli", *argv, *extra], env=rank_env))
+                procs.append(start([*argv, *extra], rank_env))
             failed = _watch(procs, poll_s)
         except BaseException:  # Ctrl-C, SIGTERM (Stopped), ...: no rank outlives the launcher
             _stop_undisturbed(procs)
@@ -168,7 +332,7 @@ def _rendezvous_store(world_size: int) -> Any:
                          timeout=timedelta(seconds=300))
 
 
-def _watch(procs: Sequence[subprocess.Popen[bytes]], poll_s: float) -> tuple[int, int] | None:
+def _watch(procs: Sequence[_Child], poll_s: float) -> tuple[int, int] | None:
     """Wait until every process exited 0 (None) or one failed: (its index, its exit code)."""
     while True:
         codes = [p.poll() for p in procs]
@@ -180,7 +344,7 @@ def _watch(procs: Sequence[subprocess.Popen[bytes]], poll_s: float) -> tuple[int
         time.sleep(poll_s)
 
 
-def _stop_undisturbed(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+def _stop_undisturbed(procs: Sequence[_Child], grace_s: float = 5.0) -> None:
     """`_stop` with SIGINT, SIGTERM and SIGHUP held back until it is done (a second Ctrl-C, or the scheduler's
     next SIGTERM, must not cut it short and leave children running); they are delivered afterwards."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -190,7 +354,7 @@ def _stop_undisturbed(procs: Sequence[subprocess.Popen[bytes]], grace_s: float =
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+def _stop(procs: Sequence[_Child], grace_s: float = 5.0) -> None:
     """SIGTERM every process still running, SIGKILL (its whole process group when it leads one) after
     `grace_s`."""
     for p in procs:
@@ -236,7 +400,7 @@ def run_nodes(nodes: Sequence[tuple[str, Sequence[str]]], grace_s: float = 15.0,
 def _run_nodes(nodes: Sequence[tuple[str, Sequence[str]]], grace_s: float, poll_s: float, out: IO[str],
                err: IO[str]) -> int:
     lock = threading.Lock()
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[_Child] = []
     pumps: list[threading.Thread] = []
     try:
         for name, argv in nodes:

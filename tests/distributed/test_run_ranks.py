@@ -38,7 +38,9 @@ def _pollute(rank: int, world: int) -> None:
     """Changes every piece of process state a later call could inherit, were ranks reused."""
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
-    torch.use_deterministic_algorithms(True)
+    # the flag torch.use_deterministic_algorithms sets, without the 800 modules (torch._inductor, sympy) that
+    # call imports first: 3 s of CPU per rank
+    torch._C._set_deterministic_algorithms(True)
     torch.manual_seed(1234 + rank)
     os.environ["W1_LEAK"] = "yes"
 

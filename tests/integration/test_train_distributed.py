@@ -113,8 +113,20 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+    """The ranks of launcher `pid` in rank order: forked ones (named moebal-rankN) are children of its forkserver,
+    fresh ones (MOEBAL_RANK_START=exec) its own children."""
+    def kids(p: int) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+    def name(p: int) -> str:
+        try:
+            return Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    forked = [g for c in kids(pid) for g in [c, *kids(c)] if name(g).startswith("moebal-rank")]
+    return sorted(forked, key=name) if forked else kids(pid)
 
 
 @pytest.mark.slow
