@@ -458,7 +458,8 @@ ROWS: tuple[Row, ...] = (
         "predicted from datasheet peaks and stated efficiency assumptions (configs/hardware/h100.yaml); "
         "nothing fitted; no 1,024-GPU run to compare"),
     Row("simulator vs measured moebal runs", "validate_simulator", fig_validate,
-        "fitted: the CPU profile, on calibration probes sharing no shape with the runs; predicted: the 21 runs"),
+        "fitted: the CPU profile and the EP per-pass overhead, on calibration probes sharing no shape with the runs; "
+        "predicted: the 24 runs"),
     Row("Pro-Prophet Table V predicted from Table IV", "reproduce_pro_prophet", fig_pro_prophet,
         "fitted: the baseline's all-to-all block sizing, on Table IV only; predicted: Table V"),
     Row("Lina Fig. 4.10 on 2-16 A100s", "reproduce_lina", fig_lina,
