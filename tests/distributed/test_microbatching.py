@@ -47,9 +47,11 @@ def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: in
                      "dynamic": {"costs": "a100", "max_tokens": 192, "workers": 0, **dynamic}}})
 
 
-def _train(cfg: Config, steps: int) -> dict:
+def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None) -> dict:
     """The losses of `steps` steps, the first step's gradients (summed over replicas, before clipping), each
-    step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows)."""
+    step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows); `scheme`:
+    the dynamism scheme the runner applies, with `options`."""
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.planned import PlannedPipelineRunner
 
     class Capture(PlannedPipelineRunner):
@@ -72,7 +74,7 @@ def _train(cfg: Config, steps: int) -> dict:
                              "rows": [plan.micro_batches[g].part(ls.part, plan.lockstep) for g in rep.micro_batches]})
             return super()._run_engine(work, count)
 
-    runner = Capture(cfg)
+    runner = Capture(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
             "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran}
@@ -139,7 +141,10 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         "adaptive": _train(docs(schedules="adaptive", workers=1), 3),   # in a background planning process
         "one_f_one_b": _train(docs(schedules="1f1b"), 3),
         "padding": _train(docs(method="padding"), 3),
-        "moe": _train(docs(moe=4), 2),
+        "moe": _train(docs(moe=4), 4),
+        # the MoE routing cost observed on planned micro-batches, costed for 2 expert shards (ep 1 computes every
+        # row on one rank: a cost that routing never changes)
+        "moe_scheme": _train(docs(moe=4), 4, "moe", {"ep_size": 2}),
     }
 
 
@@ -197,6 +202,18 @@ def test_dynamic_micro_batches_give_the_one_batch_loss_per_token(two):
     got = two[0]["moe"]["losses"]
     assert math.isclose(got[0], moe_ref[0], rel_tol=1e-5)  # first step: the same cross-entropy
     assert all(np.isfinite(got))
+
+
+def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
+    """`--dynamism moe` with planned micro-batches at ep 1 (2 stages, layer balancer off): the scheme observes
+    each MoE layer's routing cost (modelled for 2 expert shards) and changes nothing: the losses of the same run
+    without it, bit for bit."""
+    plain, scheme = two[0]["moe"], two[0]["moe_scheme"]
+    assert len(scheme["losses"]) == 4 and scheme["losses"] == plain["losses"]
+    assert all(r["moe"]["losses"] == r["moe_scheme"]["losses"] for r in two)
+    assert [r["micro_batches"] for r in scheme["records"]] == [r["micro_batches"] for r in plain["records"]]
+    costs = [r["predicted_cost"] for r in scheme["records"]]
+    assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
 
 
 @pytest.fixture(scope="module")
