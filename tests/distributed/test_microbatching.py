@@ -4,6 +4,7 @@ the same samples trained in one batch by one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -160,7 +161,17 @@ def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
             # no routing loss: lockstep for the all-to-alls only
             "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),
             # 2 data-parallel pipelines summing routing losses
-            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3)}
+            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3),
+            # the first run with placement planned ahead of the gate (planner.plan_ahead) inside the stages
+            "ep_ahead": _train(_plan_ahead(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96)), 3)}
+
+
+def _plan_ahead(cfg: Config) -> Config:
+    """`cfg` with Pro-Prophet placement on a fixed hardware profile and each stage's second MoE layer planned
+    during its first from an online path profile built after every step."""
+    planner = dataclasses.replace(cfg.planner, policy="prophet", costs="rtx3090", hysteresis=0.0,
+                                  plan_ahead="path", path_len=1, path_refresh=1, path_window=2)
+    return dataclasses.replace(cfg, planner=planner)
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +280,18 @@ def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(lockstep):
     one_batch, _ = reference_losses(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3)
     got = lockstep[0]["ep_no_losses"]["losses"]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, one_batch)), (got, one_batch)
+
+
+def test_plan_ahead_inside_expert_parallel_stages_runs_on_planned_micro_batches(lockstep):
+    """pp 2 x ep 2, planned micro-batches in lockstep, placement ahead of the gate: the plans and the losses of
+    the same run with static placement (bit for bit until a replica's Agg has changed a gradient's summation
+    order, then to 1e-5); each stage's second MoE layer planned during its first once a profile exists."""
+    ahead, static = lockstep[0]["ep_ahead"], lockstep[0]["ep"]
+    assert [p["micro_batches"] for p in ahead["plans"]] == [p["micro_batches"] for p in static["plans"]]
+    assert ahead["losses"][:2] == static["losses"][:2]  # step 1 runs static placement everywhere: same update
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ahead["losses"], static["losses"]))
+    assert [r["plan_ahead_layers"] for r in ahead["records"]] == [[], [1, 3], [1, 3]]
+    assert all(0 <= r["plan_ahead_path_overlap"] <= 1 for r in ahead["records"][1:])
 
 
 def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockstep):
