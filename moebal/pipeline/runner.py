@@ -361,7 +361,8 @@ class PipelineRunner:
         self._set_lr(lr)
         profiled = self.balancer.profiled(step)
         self.scheme.begin_step(step)
-        self.experts.before_step(self._forward_tokens(work))  # Trans of the placed expert replicas
+        # Trans of the placed expert replicas (plan-ahead scales its first micro-batch's estimate to the step)
+        self.experts.before_step(self._forward_tokens(work) if self.experts.ahead is not None else None)
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
         t_run = time.perf_counter()
