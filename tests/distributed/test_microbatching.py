@@ -77,8 +77,10 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
 
     runner = Capture(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg))
     out = runner.train(steps)
+    ahead = runner.experts.ahead
     return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
-            "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran}
+            "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran,
+            "ahead_scale": None if ahead is None else ahead.scale}
 
 
 def planned_reference(cfg: Config, plans: list[dict]) -> dict:
@@ -292,6 +294,14 @@ def test_plan_ahead_inside_expert_parallel_stages_runs_on_planned_micro_batches(
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ahead["losses"], static["losses"]))
     assert [r["plan_ahead_layers"] for r in ahead["records"]] == [[], [1, 3], [1, 3]]
     assert all(0 <= r["plan_ahead_path_overlap"] <= 1 for r in ahead["records"][1:])
+    # the last step's estimate scaled from its first micro-batch to the rank's rows of every micro-batch
+    for r in lockstep:
+        ls, plan = r["ep_ahead"]["ran"][-1], r["ep_ahead"]["plans"][-1]
+        first = next(j for op, j in ls["stream"] if op == "F")
+        seq = [plan["micro_batches"][g]["seq"] for g in plan["replicas"][ls["replica"]]["micro_batches"]]
+        tokens = [len(rows) * s for rows, s in zip(ls["rows"], seq)]
+        assert r["ep_ahead"]["ahead_scale"] == pytest.approx(sum(tokens) / tokens[first])
+        assert r["ep_ahead"]["ahead_scale"] > 1.0
 
 
 def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockstep):

@@ -80,6 +80,8 @@ def _side_by_side(rank: int, world: int) -> dict:
                 # the next step starts from static's weights and optimizer state
                 runners[n].stage.load_state_dict(base.stage.state_dict())
                 runners[n].optimizer.load_state_dict(base.optimizer.state_dict())
+        ahead = runners["ahead"].experts.ahead
+        out["scale"] = None if ahead is None else ahead.scale
         out["records"] = {n: r.records for n, r in runners.items()}
         out["sizes"] = {n: list(r.sizes) for n, r in runners.items()}
     finally:
@@ -101,6 +103,7 @@ def test_plan_ahead_inside_stages_keeps_the_losses_on_the_same_weights(runs):
         assert r["expert_rel"] < 1e-6, r["expert_rel"]
         assert max(r["dense_rel"].values()) < 1e-6, r["dense_rel"]
         assert all(s == [4, 2] for s in r["sizes"].values()), r["sizes"]
+        assert r["scale"] == 2.0  # 2 equal micro-batches: the first one's estimate counts twice
     recs = runs[0]["records"]
     assert all(len(recs[n]) == STEPS for n in NAMES)
     assert sum(sum(r["replicas"]) for r in recs["prophet"]) > 0
