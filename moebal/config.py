@@ -1141,8 +1141,11 @@ def _check_plan_ahead(c: Config) -> None:
         return
     _need(pl.policy != "static", "'planner.plan_ahead: path' plans replicas; with planner.policy static there is "
           "nothing to plan: set planner.policy to prophet (or plan_ahead off)")
-    _need(c.parallel.pp == 1, "'planner.plan_ahead: path' runs in the expert-parallel trainer (parallel.pp 1); a "
-          "pipeline stage sees only its own layers: set plan_ahead off")
+    par = c.parallel
+    stage_ep = par.ep if par.ep is not None else (par.nproc // par.pp if par.nproc else None)  # null: the stage
+    _need(par.pp == 1 or stage_ep != 1, "'planner.plan_ahead: path' places experts; a pipeline "
+          "(parallel.pp > 1) with parallel.ep 1 has no expert-parallel group to place them in: set parallel.ep > 1 "
+          "(or plan_ahead off)")
     _need(c.dynamism.scheme not in ("mod", "early_exit"),
           f"'planner.plan_ahead: path' follows every token through every MoE layer; dynamism.scheme "
           f"{c.dynamism.scheme} runs layers on token subsets: set plan_ahead off")

@@ -53,6 +53,7 @@ from moebal.balance.feedback import PlanFeedback
 from moebal.config import Config, SchedulerConfig
 from moebal.distributed.expert_parallel import ExpertParallel, StatsReducer
 from moebal.distributed.groups import ParallelDims
+from moebal.distributed.plan_ahead import ACCURACY_KEYS, mean_accuracy
 from moebal.dynamism.scheme import as_decoder
 from moebal.planner.comm_plan import CommCosts, a2a_chunks
 from moebal.planner.perf import MoELayerCosts, placement_loads
@@ -534,10 +535,13 @@ class StageExperts:
                 self.prepare_layer(i, stage.layer(i))
         self.balancer: ExpertBalancer | None = None
         self.step = 0  # steps observed: the feedback's clock
+        self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_stage_ahead`)
+        self.ahead_metrics: dict[int, dict[str, float]] = {}  # per global layer id, of the last observed step
         if self.ep is not None:
             self.balancer = ExpertBalancer(cfg, self.R, _planner_costs(cfg, dims), executor_overlaps=self.ep.overlap)
             for i in self._moe_ids():
                 self.balancer.add_layer(i)
+            self._rebuild_ahead()
 
     @property
     def sharded(self) -> bool:
@@ -554,11 +558,71 @@ class StageExperts:
     def _moe_ids(self) -> list[int]:
         return [i for i in self.stage.layer_ids if self.stage.layer(i).is_moe]
 
+    # ---- plan-ahead inside the stage ----
+    def _rebuild_ahead(self) -> None:
+        """The stage's `PlanAhead` over the MoE layers it holds now (at start-up and after every migration).
+
+        Stage boundary: the paths stop at it. A stage's first `path_len` MoE layers take the previous-iteration
+        placement (as the model's first layers do in the expert-parallel trainer); the tokens' expert ids are not
+        carried across with the activations, which would add a message per micro-batch to the point-to-point
+        protocol (and its planned-micro-batch streams) for the few layers at each boundary.
+        Migration: the path state is rebuilt, not moved: a loaded profile is cut to the new layer range at once;
+        an online profile starts empty (the routing it held was of the old layer range), so the stage falls back
+        to the previous iteration until its next build, `path_refresh` steps later. Placement never changes the
+        maths, so neither choice changes the losses."""
+        assert self.ep is not None and self.balancer is not None
+        ids = self._moe_ids()
+        p = self.cfg.planner
+        if p.plan_ahead == "off":
+            return
+        from moebal.distributed.plan_ahead import PlanAhead
+        from moebal.planner.paths import PathProfile
+
+        profile = None
+        if p.path_profile:
+            lo = sum(self.cfg.is_moe_layer(k) for k in range(ids[0])) if ids else 0
+            profile = PathProfile.load(p.path_profile)
+            n_moe = sum(self.cfg.is_moe_layer(k) for k in range(self.cfg.model.n_layers))
+            if profile.num_layers != n_moe:  # PlanAhead names the fix for the stage's slice; say it for the model
+                raise ValueError(f"planner.path_profile describes {profile.num_layers} MoE layers; the model has "
+                                 f"{n_moe}: build it from this model's routing (`moebal paths RUN_DIR`) or set "
+                                 f"planner.path_profile null (built online)")
+            profile = profile.layers(lo, lo + len(ids))
+        balancer = self.balancer
+
+        def plan(j: int, est_RE: np.ndarray) -> ExpertPlacement:  # stage-local index -> global layer id
+            return balancer.plan_ahead(ids[j], est_RE)
+
+        self.ahead = PlanAhead(len(ids), self.cfg.moe.num_experts, p.path_len, plan, self.dims.device, profile,
+                               refresh=p.path_refresh, window=p.path_window)
+        self.ep.set_plan_ahead(self.ahead)
+
+    def _ahead_observe(self, ids: list[int], counts: dict[int, np.ndarray]) -> None:
+        """After the step, before the planners step: the ahead placements become the ones the step used, the
+        forecast figures of each layer planned ahead are kept (global ids) and the online profile takes the
+        step's routing."""
+        a, b = self.ahead, self.balancer
+        assert a is not None and b is not None
+        for j in a.armed:  # an ahead layer runs static until its plan arrives (always, on a complete forward)
+            b.used[ids[j]] = a.placed.get(j, ExpertPlacement.static(b.E, b.R, b.planners[ids[j]].owner))
+        local = {j: counts[ids[j]] for j in range(len(ids))}
+        previous = {j: b.planners[ids[j]].forecast_RE for j in a.estimates}
+        k = self.cfg.moe.top_k
+        self.ahead_metrics = {ids[j]: m for j, m in a.layer_accuracy(local, previous, min(2 * k, b.E)).items()}
+        a.end_step()
+
     # ---- the step ----
-    def before_step(self) -> None:
-        """Trans: adopt every MoE layer's placement (collective over the ep group)."""
-        if self.ep is not None and self.balancer is not None:
-            self.ep.apply(self.balancer.begin_step(self._moe_ids()))
+    def before_step(self, forward_tokens: list[int] | None = None) -> None:
+        """Trans: adopt every MoE layer's placement (collective over the ep group). `forward_tokens`: this rank's
+        tokens in each forward of the step in run order (micro-batches), which scales a plan-ahead estimate made
+        on the first forward to the step (`PlanAhead.set_step_scale`); None: one forward."""
+        if self.ep is None or self.balancer is None:
+            return
+        if self.ahead is not None:
+            tokens = [t for t in (forward_tokens or []) if t > 0]
+            self.ahead.set_step_scale(sum(tokens) / tokens[0] if tokens else 1.0)
+        placements = self.balancer.begin_step(self._moe_ids())
+        self.ep.apply(placements, plan_ahead=self.balancer.used_arm == "plan")
 
     def after_backward(self) -> None:
         """Agg: replica gradients back to their owners, the replicas dropped (nothing may run on them); then
@@ -574,8 +638,10 @@ class StageExperts:
             for i in ids:
                 self.stage.layer(i).block_sparse_moe.take_stats()  # the step's statistics: nobody plans on them
             return
-        self.balancer.metrics = {}
+        self.balancer.metrics, self.ahead_metrics = {}, {}
         if not ids:  # every rank of the ep group holds the same layers: none of them gathers
+            if self.ahead is not None:
+                self.ahead.end_step()
             return
         # one all-gather of every layer's counts on the compute device, one host read for the planners
         counts_NE = torch.stack([self.stage.layer(i).block_sparse_moe.take_stats().counts_E for i in ids])
@@ -585,14 +651,30 @@ class StageExperts:
         counts_RNE = np.asarray(to_host(torch.stack(gathered), "placement counts"), dtype=np.float64)
         step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), counts_NE.device)
         self.step += 1
-        self.balancer.observe({i: np.ascontiguousarray(counts_RNE[:, n]) for n, i in enumerate(ids)}, self.step,
-                              step_s)
+        counts = {i: np.ascontiguousarray(counts_RNE[:, n]) for n, i in enumerate(ids)}
+        if self.ahead is not None:
+            self._ahead_observe(ids, counts)
+        self.balancer.observe(counts, self.step, step_s)
+
+    def vector_size(self, num_layers: int) -> int:
+        """Length of `step_vector`: 3 figures per layer, 5 more with plan-ahead (0 without sharding)."""
+        if self.ep is None:
+            return 0
+        return (3 + (1 + len(ACCURACY_KEYS) if self.cfg.planner.plan_ahead != "off" else 0)) * num_layers
 
     def step_vector(self, num_layers: int) -> torch.Tensor:
-        """Per layer: replicas used, rank load imbalance before and after placement (0 where not held)."""
-        v = torch.zeros(3 * num_layers, dtype=torch.float64)
+        """Per layer: replicas used, rank load imbalance before and after placement (0 where not held); with
+        plan-ahead then 1 where the layer was planned ahead and its forecast figures (`ACCURACY_KEYS`, NaN
+        where absent), each a block of `num_layers`."""
+        L = num_layers
+        v = torch.zeros(self.vector_size(L), dtype=torch.float64)
         for i, m in self.metrics.items():
-            v[i], v[num_layers + i], v[2 * num_layers + i] = m["replicas"], m["imbalance_before"], m["imbalance_after"]
+            v[i], v[L + i], v[2 * L + i] = m["replicas"], m["imbalance_before"], m["imbalance_after"]
+        if v.numel() > 3 * L:
+            for i, acc in self.ahead_metrics.items():
+                v[3 * L + i] = 1.0
+                for n, key in enumerate(ACCURACY_KEYS):
+                    v[(4 + n) * L + i] = acc.get(key, math.nan)
         return v
 
     def feedback_record(self) -> dict[str, Any]:
@@ -669,9 +751,10 @@ class StageExperts:
             self.balancer.drop_layer(i)
 
     def refresh(self) -> None:
-        """After a migration: the stage's MoE layers changed."""
+        """After a migration: the stage's MoE layers changed (a plan-ahead planner is rebuilt over them)."""
         if self.ep is not None:
             self.ep.refresh()
+            self._rebuild_ahead()
 
     # ---- checkpoints: the run's measured coefficients and each held layer's planner, as JSON ----
     def state_dict(self) -> dict[str, Any]:
@@ -736,8 +819,15 @@ def _scheduler(dims: ParallelDims) -> CommScheduler:
 
 
 def stage_metrics(vec: torch.Tensor, num_layers: int, moe_ids: list[int]) -> dict[str, Any]:
-    """Record fields from the chain-summed `step_vector`s: per MoE layer, in layer order."""
+    """Record fields from the chain-summed `step_vector`s: per MoE layer, in layer order; with plan-ahead the
+    layers planned ahead and the means of their forecast figures, as the expert-parallel trainer records them."""
     L = num_layers
-    return {"replicas": [int(vec[i]) for i in moe_ids],
-            "rank_imbalance_before": [round(float(vec[L + i]), 4) for i in moe_ids],
-            "rank_imbalance_after": [round(float(vec[2 * L + i]), 4) for i in moe_ids]}
+    out: dict[str, Any] = {"replicas": [int(vec[i]) for i in moe_ids],
+                           "rank_imbalance_before": [round(float(vec[L + i]), 4) for i in moe_ids],
+                           "rank_imbalance_after": [round(float(vec[2 * L + i]), 4) for i in moe_ids]}
+    if vec.numel() > 3 * L:
+        ahead = [i for i in moe_ids if vec[3 * L + i] > 0]
+        out["plan_ahead_layers"] = ahead
+        accs = [{k: float(vec[(4 + n) * L + i]) for n, k in enumerate(ACCURACY_KEYS)} for i in ahead]
+        out.update({f"plan_ahead_{k}": round(v, 4) for k, v in mean_accuracy(accs).items()})
+    return out

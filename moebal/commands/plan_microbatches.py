@@ -1,6 +1,6 @@
 """`moebal plan microbatches`: DynaPipe micro-batching of one mini-batch, in one process (a dry run).
 
-    moebal plan microbatches --lengths FILE --stages S [--memory BYTES] [--dp D] [--json]
+    moebal plan microbatches --lengths FILE --stages S [--memory BYTES] [--dp D] [--lockstep N] [--json]
                              [--cost TABLE.json | --config CONFIG --cluster PROFILE] [--method M|all]
     moebal plan microbatches --profile TABLE.json --config CONFIG --stages S [--max-len N] [--max-tokens N]
 
@@ -10,7 +10,10 @@ is its length under the byte tokenizer). Costs: a table measured on this machine
 the pipeline runner too), or the hardware-profile model of `--config` on `--cluster` (default: the
 DynaPipe paper's A100s). Every method runs side by side: DynaPipe's dynamic micro-batching, padding to the
 batch maximum, packing into rows of the maximum length, and token-based micro-batching; each with its
-micro-batch count searched on the cost model, as the paper grid-searches its baselines.
+micro-batch count searched on the cost model, as the paper grid-searches its baselines. `--lockstep N` plans as a
+pipeline stage of N ranks that run every micro-batch together (expert-parallel shards, or every rank of a stage
+whose MoE layers sum routing statistics: `Lockstep.of` in moebal/pipeline/planned.py), each its `MicroBatch.part`
+of the rows: every micro-batch gets at least N rows and is costed at its largest rank's share.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def add_microbatches_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline stages")
     p.add_argument("--memory", type=float, help="activation bytes a stage may hold (default: no limit)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel pipelines (default 1)")
+    p.add_argument("--lockstep", type=int, default=1, help="ranks of each pipeline that run every micro-batch "
+                   "together, each a share of its rows (a stage's expert-parallel ranks; default 1)")
     p.add_argument("--method", default="all", choices=[*METHODS, "all"], help="micro-batching (default: all)")
     p.add_argument("--cost", metavar="TABLE", help="a micro-batch cost table (JSON, e.g. from --profile)")
     p.add_argument("--config", default=None, help="model (preset or YAML) for the hardware-profile cost model "
@@ -140,14 +145,18 @@ def run_microbatches(args: argparse.Namespace) -> int:
         return _profile(args)
     if not args.lengths:
         raise ConfigError("moebal plan microbatches needs --lengths FILE (or --profile TABLE to measure costs)")
+    if args.lockstep < 1:
+        raise ConfigError(f"--lockstep {args.lockstep}: the ranks that run each micro-batch together; give at "
+                          f"least 1 (1: a rank runs its micro-batches alone)")
     lengths = read_lengths(args.lengths, args.text_key)
     cost, max_len = _cost(args)
     methods = list(METHODS) if args.method == "all" else [args.method]
     plans = {m: plan_microbatches(lengths, cost, method=m, dp=args.dp, memory=args.memory, max_len=max_len,
-                                  pad_multiple=args.pad_multiple, thin=args.thin, num_micro=args.micro_batches)
+                                  pad_multiple=args.pad_multiple, thin=args.thin, num_micro=args.micro_batches,
+                                  lockstep=args.lockstep)
              for m in methods}
     report = {"samples": len(lengths), "tokens": int(sum(int(x) for x in lengths)), "stages": args.stages,
-              "dp": args.dp, "memory": args.memory, "max_len": max_len, "cost": cost.source,
+              "dp": args.dp, "lockstep": args.lockstep, "memory": args.memory, "max_len": max_len, "cost": cost.source,
               "plans": {m: _summary(p, plans) for m, p in plans.items()}}
     if args.json:
         report["plans"] = {m: {**report["plans"][m], "plan": p.to_dict()} for m, p in plans.items()}
@@ -169,7 +178,8 @@ def _summary(p: MicroBatchPlan, plans: dict[str, MicroBatchPlan]) -> dict[str, A
 
 def _print(report: dict[str, Any], plans: dict[str, MicroBatchPlan]) -> None:
     print(f"{report['samples']} samples, {report['tokens']} tokens (max {report['max_len']}) on {report['stages']} "
-          f"stages x {report['dp']} data-parallel; costs: {report['cost']}")
+          f"stages x {report['dp']} data-parallel" + (f" x {report['lockstep']} ranks in lockstep"
+                                                      if report["lockstep"] > 1 else "") + f"; costs: {report['cost']}")
     print(f"  {'method':<9}{'micro-batches':>14}{'padding eff':>12}{'Eq1':>11}{'simulated':>11}{'vs padding':>11}"
           f"  schedule     plan")
     for m, r in report["plans"].items():
@@ -187,6 +197,11 @@ def _print(report: dict[str, Any], plans: dict[str, MicroBatchPlan]) -> None:
         cands = ", ".join(f"{n} {_fmt(t)}" for n, t, _ in rep.candidates)
         print(f"  replica {d}: {rep.schedule} ({cands}); micro-batches (rows x length) in order: "
               f"{' '.join(shapes[:24])}{' ...' if len(shapes) > 24 else ''}")
+        if dyn.lockstep > 1:
+            parts = ["/".join(str(len(dyn.micro_batches[j].part(k, dyn.lockstep))) for k in range(dyn.lockstep))
+                     for j in rep.micro_batches]
+            print(f"    rows per lockstep rank ({'/'.join(f'r{k}' for k in range(dyn.lockstep))}): "
+                  f"{' '.join(parts[:24])}{' ...' if len(parts) > 24 else ''}")
 
 
 def _fmt(t: float) -> str:

@@ -32,6 +32,11 @@ Gaps settled (docs/expert-parallel.md, "Placement ahead of the gate"):
   build every layer takes the previous-iteration placement. Ranks rebuild on the same steps, so they agree on the
   ahead layers; their profiles differ (each its own tokens) but the plan is made from every rank's estimate, so
   the placements agree.
+- **Inside pipeline stages** (`StageExperts`, moebal/balance/experts.py): one `PlanAhead` per stage over the MoE
+  layers it holds (indices local to the stage). Paths stop at the stage boundary: a stage's first l MoE layers take
+  the previous-iteration placement. The estimate is made on the step's first micro-batch and scaled to the step
+  (`set_step_scale`), one plan per step. A migration rebuilds the stage's `PlanAhead` (loaded profile: cut to the
+  new layers, `PathProfile.layers`; online profile: empty again).
 - **Placement never changes the maths**: a placement only decides where an expert's rows are computed; the
   losses equal static expert parallelism's and the gradients equal it up to the summation order of Agg
   (tests/distributed/test_plan_ahead.py).
@@ -39,8 +44,9 @@ Gaps settled (docs/expert-parallel.md, "Placement ahead of the gate"):
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -50,10 +56,13 @@ from moebal.planner.paths import PathProfile, build_profile, estimate_accuracy
 from moebal.planner.plan import ExpertPlacement
 from moebal.sync import to_host, upload
 
-__all__ = ["SCALE", "DevicePaths", "PlanAhead"]
+__all__ = ["ACCURACY_KEYS", "SCALE", "DevicePaths", "PlanAhead", "mean_accuracy"]
 
 SCALE = 256
 """Fixed point of the estimate in the count exchange (int64): 1/256 of an assignment."""
+
+ACCURACY_KEYS = ("path_overlap", "path_rel_mae", "prev_overlap", "prev_rel_mae")
+"""The forecast figures of one ahead layer (`PlanAhead.layer_accuracy`), in record order."""
 
 PlanFn = Callable[[int, np.ndarray], ExpertPlacement]
 """(layer, est_RE) -> that layer's placement: the same on every rank for the same matrix."""
@@ -132,6 +141,7 @@ class PlanAhead:
         self.samples: deque[np.ndarray] = deque(maxlen=window)  # [L, T, K] routing of this rank, one per step
         self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device)
         self.steps = 0
+        self.scale = 1.0  # the step's tokens over its first forward's (`set_step_scale`)
         self._issue: IssueFn | None = None
         self.pending: set[int] = set()  # ahead layers not planned yet this step
         self.armed: list[int] = []
@@ -157,6 +167,16 @@ class PlanAhead:
         self.placed, self.estimates, self._top1, self._ids = {}, {}, [], []
         return sorted(self.pending)
 
+    def set_step_scale(self, scale: float) -> None:
+        """The step's forwards carry `scale` times the tokens of its first forward (pipeline micro-batches: the
+        step's rows over the first micro-batch's). The estimate is made on the first forward and multiplied by
+        it, so the plan weighs the step's expert compute, paid on every micro-batch, against Trans and Agg, paid
+        once per step: the counts Pro-Prophet's planner steps on are the step's too. 1 (the default): one
+        forward per step (the expert-parallel trainer)."""
+        if not scale > 0:
+            raise ValueError(f"plan-ahead step scale must be positive; got {scale}")
+        self.scale = float(scale)
+
     def disarm(self) -> None:
         self._issue, self.pending = None, set()
 
@@ -178,7 +198,7 @@ class PlanAhead:
         if i + 1 not in self.pending or self.paths is None:
             return None
         est_E = self.paths.estimate(self._top1, i + 1, self.min_tokens)
-        return (est_E * SCALE).round().to(torch.int64)
+        return (est_E * (self.scale * SCALE)).round().to(torch.int64)
 
     def on_counts(self, i: int, est_RE: list[list[int]]) -> None:
         """Layer i's count exchange brought every rank's fixed-point estimate of layer i+1: plan it, issue Trans."""
@@ -201,24 +221,37 @@ class PlanAhead:
         if self.steps % self.refresh == 0:
             self.paths = DevicePaths(build_profile(list(self.samples), self.E, self.path_len), self.device)
 
-    def accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],
-                 top_n: int) -> dict[str, float]:
-        """This step's forecasts of the ahead layers against the real counts (R x E each): the path estimate the
-        plan ran with and the previous-iteration forecast (Pro-Prophet's), top-n overlap and relative MAE
-        (`estimate_accuracy`), means over the layers; empty when no layer was planned ahead."""
-        rows: dict[str, list[float]] = {"path_overlap": [], "path_rel_mae": [], "prev_overlap": [],
-                                        "prev_rel_mae": []}
+    def layer_accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],
+                       top_n: int) -> dict[int, dict[str, float]]:
+        """Per ahead layer planned this step: its forecasts against the real counts (R x E each), the path
+        estimate the plan ran with ("path_*") and the previous-iteration forecast, Pro-Prophet's ("prev_*", absent
+        without one): top-n overlap and relative MAE (`estimate_accuracy`, which scales a forecast to the real
+        total first, so the step scale does not enter)."""
+        out: dict[int, dict[str, float]] = {}
         for j, est_RE in self.estimates.items():
             actual_E = counts[j].sum(axis=0)
             a = estimate_accuracy(est_RE.sum(axis=0), actual_E, top_n)
-            rows["path_overlap"].append(a["overlap"])
-            rows["path_rel_mae"].append(a["rel_mae"])
+            out[j] = {"path_overlap": a["overlap"], "path_rel_mae": a["rel_mae"]}
             prev = previous.get(j)
             if prev is not None:
                 b = estimate_accuracy(prev.sum(axis=0), actual_E, top_n)
-                rows["prev_overlap"].append(b["overlap"])
-                rows["prev_rel_mae"].append(b["rel_mae"])
-        return {k: float(np.mean(v)) for k, v in rows.items() if v}
+                out[j].update(prev_overlap=b["overlap"], prev_rel_mae=b["rel_mae"])
+        return out
+
+    def accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],
+                 top_n: int) -> dict[str, float]:
+        """`layer_accuracy`'s figures, means over the layers planned ahead; empty when none was."""
+        return mean_accuracy(self.layer_accuracy(counts, previous, top_n).values())
 
     def state(self) -> dict[str, Any]:
         return {"steps": self.steps, "online": self.online, "ahead_layers": self.ahead_layers()}
+
+
+def mean_accuracy(layers: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Means over layers of each of `ACCURACY_KEYS` that some layer has (NaN entries skipped)."""
+    rows: dict[str, list[float]] = {k: [] for k in ACCURACY_KEYS}
+    for acc in layers:
+        for k, v in acc.items():
+            if not math.isnan(v):
+                rows[k].append(v)
+    return {k: float(np.mean(v)) for k, v in rows.items() if v}

@@ -185,6 +185,15 @@ class PlannedPipelineRunner(PipelineRunner):
         plan, samples, count, self._last = self.microbatches.next(self.step + 1, self.lockstep.replica)
         return (plan, samples), count
 
+    def _forward_tokens(self, work: Any) -> list[int]:
+        """This rank's tokens in each of its replica's micro-batches, in the order of the stage's forwards."""
+        plan, _ = work
+        ls = self.lockstep
+        rep = plan.replicas[ls.replica]
+        order = [j for op, j in rep.streams[self.chain.index] if op == "F"]
+        mbs = [plan.micro_batches[rep.micro_batches[j]] for j in order]
+        return [len(m.part(ls.part, plan.lockstep)) * m.seq for m in mbs]
+
     def _run_engine(self, work: Any, count: int) -> IterationResult:
         plan, samples = work
         assert isinstance(self.engine, PlannedEngine)

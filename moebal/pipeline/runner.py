@@ -340,6 +340,13 @@ class PipelineRunner:
         ids, labels, count, sizes = self._batch()
         return (ids, labels, sizes), count
 
+    def _forward_tokens(self, work: Any) -> list[int]:
+        """This rank's tokens in each forward of the step, in run order (the engine's micro-batches)."""
+        ids, _, sizes = work
+        M = min(self.engine.num_micro, ids.shape[0]) if sizes is None else len(sizes)
+        rows = [len(t) for t in torch.tensor_split(torch.arange(ids.shape[0]), M)] if sizes is None else sizes
+        return [r * ids.shape[1] for r in rows]
+
     def _run_engine(self, work: Any, count: int) -> IterationResult:
         ids, labels, sizes = work
         return self.engine.run(ids, labels, count, sizes)
@@ -354,7 +361,8 @@ class PipelineRunner:
         self._set_lr(lr)
         profiled = self.balancer.profiled(step)
         self.scheme.begin_step(step)
-        self.experts.before_step()  # Trans of the placed expert replicas
+        # Trans of the placed expert replicas (plan-ahead scales its first micro-batch's estimate to the step)
+        self.experts.before_step(self._forward_tokens(work) if self.experts.ahead is not None else None)
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
         t_run = time.perf_counter()
@@ -451,7 +459,7 @@ class PipelineRunner:
         L, S, P0 = self.L, self.U + 2, self.P0
         n = S + L + 1 + 4 * P0
         extra = self.scheme.stats_size(L)
-        n_ep = 3 * L if self.experts.sharded else 0
+        n_ep = self.experts.vector_size(L)
         vec = torch.zeros(n + extra + n_ep, dtype=torch.float64)
         if extra:
             vec[n:n + extra] = self.scheme.local_stats()

@@ -113,6 +113,17 @@ class PathProfile:
         est_E: np.ndarray = psi_TE.sum(axis=0)
         return est_E
 
+    def layers(self, lo: int, hi: int) -> PathProfile:
+        """The profile of MoE layers lo .. hi-1 alone (a pipeline stage's): layer lo becomes layer 0, and each
+        layer keeps only the paths that lie inside the range (local layer k: lengths 0 .. min(l, k)), so an
+        estimate never needs a layer held elsewhere."""
+        if not 0 <= lo <= hi <= self.num_layers:
+            raise ValueError(f"layers {lo}..{hi - 1}: the profile describes MoE layers 0..{self.num_layers - 1}")
+        tables = ((),) + tuple(self.tables[lo + k][:min(self.path_len, k) + 1] for k in range(1, hi - lo))
+        if hi == lo:  # a stage without MoE layers
+            tables = ()
+        return PathProfile(num_experts=self.num_experts, top_k=self.top_k, path_len=self.path_len, tables=tables)
+
     # ---- storage: one .npz, only observed paths ----
     def save(self, path: str | Path) -> None:
         arrays: dict[str, np.ndarray] = {"meta": np.array([FORMAT, self.num_experts, self.top_k, self.path_len,

@@ -4,6 +4,7 @@ the same samples trained in one batch by one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -47,9 +48,11 @@ def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: in
                      "dynamic": {"costs": "a100", "max_tokens": 192, "workers": 0, **dynamic}}})
 
 
-def _train(cfg: Config, steps: int) -> dict:
+def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None) -> dict:
     """The losses of `steps` steps, the first step's gradients (summed over replicas, before clipping), each
-    step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows)."""
+    step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows); `scheme`:
+    the dynamism scheme the runner applies, with `options`."""
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.planned import PlannedPipelineRunner
 
     class Capture(PlannedPipelineRunner):
@@ -72,10 +75,12 @@ def _train(cfg: Config, steps: int) -> dict:
                              "rows": [plan.micro_batches[g].part(ls.part, plan.lockstep) for g in rep.micro_batches]})
             return super()._run_engine(work, count)
 
-    runner = Capture(cfg)
+    runner = Capture(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg))
     out = runner.train(steps)
+    ahead = runner.experts.ahead
     return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
-            "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran}
+            "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran,
+            "ahead_scale": None if ahead is None else ahead.scale}
 
 
 def planned_reference(cfg: Config, plans: list[dict]) -> dict:
@@ -139,7 +144,10 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         "adaptive": _train(docs(schedules="adaptive", workers=1), 3),   # in a background planning process
         "one_f_one_b": _train(docs(schedules="1f1b"), 3),
         "padding": _train(docs(method="padding"), 3),
-        "moe": _train(docs(moe=4), 2),
+        "moe": _train(docs(moe=4), 4),
+        # the MoE routing cost observed on planned micro-batches, costed for 2 expert shards (ep 1 computes every
+        # row on one rank: a cost that routing never changes)
+        "moe_scheme": _train(docs(moe=4), 4, "moe", {"ep_size": 2}),
     }
 
 
@@ -155,7 +163,17 @@ def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
             # no routing loss: lockstep for the all-to-alls only
             "ep_no_losses": _train(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3),
             # 2 data-parallel pipelines summing routing losses
-            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3)}
+            "dp_moe": _train(docs(nproc=4, moe=4, ep=1, max_tokens=96), 3),
+            # the first run with placement planned ahead of the gate (planner.plan_ahead) inside the stages
+            "ep_ahead": _train(_plan_ahead(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96)), 3)}
+
+
+def _plan_ahead(cfg: Config) -> Config:
+    """`cfg` with Pro-Prophet placement on a fixed hardware profile and each stage's second MoE layer planned
+    during its first from an online path profile built after every step."""
+    planner = dataclasses.replace(cfg.planner, policy="prophet", costs="rtx3090", hysteresis=0.0,
+                                  plan_ahead="path", path_len=1, path_refresh=1, path_window=2)
+    return dataclasses.replace(cfg, planner=planner)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +215,18 @@ def test_dynamic_micro_batches_give_the_one_batch_loss_per_token(two):
     got = two[0]["moe"]["losses"]
     assert math.isclose(got[0], moe_ref[0], rel_tol=1e-5)  # first step: the same cross-entropy
     assert all(np.isfinite(got))
+
+
+def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
+    """`--dynamism moe` with planned micro-batches at ep 1 (2 stages, layer balancer off): the scheme observes
+    each MoE layer's routing cost (modelled for 2 expert shards) and changes nothing: the losses of the same run
+    without it, bit for bit."""
+    plain, scheme = two[0]["moe"], two[0]["moe_scheme"]
+    assert len(scheme["losses"]) == 4 and scheme["losses"] == plain["losses"]
+    assert all(r["moe"]["losses"] == r["moe_scheme"]["losses"] for r in two)
+    assert [r["micro_batches"] for r in scheme["records"]] == [r["micro_batches"] for r in plain["records"]]
+    costs = [r["predicted_cost"] for r in scheme["records"]]
+    assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +282,26 @@ def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(lockstep):
     one_batch, _ = reference_losses(docs(nproc=4, moe=4, ep=2, aux=0.0, max_tokens=96), 3)
     got = lockstep[0]["ep_no_losses"]["losses"]
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, one_batch)), (got, one_batch)
+
+
+def test_plan_ahead_inside_expert_parallel_stages_runs_on_planned_micro_batches(lockstep):
+    """pp 2 x ep 2, planned micro-batches in lockstep, placement ahead of the gate: the plans and the losses of
+    the same run with static placement (bit for bit until a replica's Agg has changed a gradient's summation
+    order, then to 1e-5); each stage's second MoE layer planned during its first once a profile exists."""
+    ahead, static = lockstep[0]["ep_ahead"], lockstep[0]["ep"]
+    assert [p["micro_batches"] for p in ahead["plans"]] == [p["micro_batches"] for p in static["plans"]]
+    assert ahead["losses"][:2] == static["losses"][:2]  # step 1 runs static placement everywhere: same update
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ahead["losses"], static["losses"]))
+    assert [r["plan_ahead_layers"] for r in ahead["records"]] == [[], [1, 3], [1, 3]]
+    assert all(0 <= r["plan_ahead_path_overlap"] <= 1 for r in ahead["records"][1:])
+    # the last step's estimate scaled from its first micro-batch to the rank's rows of every micro-batch
+    for r in lockstep:
+        ls, plan = r["ep_ahead"]["ran"][-1], r["ep_ahead"]["plans"][-1]
+        first = next(j for op, j in ls["stream"] if op == "F")
+        seq = [plan["micro_batches"][g]["seq"] for g in plan["replicas"][ls["replica"]]["micro_batches"]]
+        tokens = [len(rows) * s for rows, s in zip(ls["rows"], seq)]
+        assert r["ep_ahead"]["ahead_scale"] == pytest.approx(sum(tokens) / tokens[first])
+        assert r["ep_ahead"]["ahead_scale"] > 1.0
 
 
 def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockstep):

@@ -7,6 +7,7 @@ import json
 import numpy as np
 
 from moebal.cli import main
+from moebal.planner.microbatch import MicroBatchPlan
 
 
 def _lengths(tmp_path, n: int = 120, max_len: int = 2048):
@@ -57,6 +58,34 @@ def test_plan_microbatches_length_files_and_errors(capsys, tmp_path):
     bad.write_text('{"txt": "x"}\n')
     assert main(["plan", "microbatches", "--lengths", str(bad), "--stages", "2"]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_plan_microbatches_in_lockstep(capsys, tmp_path):
+    """`--lockstep N`: the plan a stage of N ranks runs together (Lockstep.of in moebal/pipeline/planned.py):
+    every micro-batch has a row for each rank, the ranks' parts cover its rows, the text shows each rank's rows."""
+    path, L = _lengths(tmp_path, n=60)
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "2", "--max-len", "2048",
+                 "--method", "dynamic", "--lockstep", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lockstep"] == 3
+    plan = MicroBatchPlan.from_dict(out["plans"]["dynamic"]["plan"])
+    assert plan.lockstep == 3 and out["plans"]["dynamic"]["deadlock_free"]
+    for mb in plan.micro_batches:
+        parts = [mb.part(k, 3) for k in range(3)]
+        assert all(parts) and sorted(r for p in parts for r in p) == sorted(mb.rows)
+    assert sorted(i for m in plan.micro_batches for r in m.rows for i in r) == list(range(len(L)))
+    # the same batch planned for one rank: the lockstep plan is costed at its busiest rank's third of each
+    # micro-batch, so it predicts a shorter step
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "2", "--max-len", "2048",
+                 "--method", "dynamic", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["plans"]["dynamic"]
+    assert out["plans"]["dynamic"]["predicted_time_s"] < alone["predicted_time_s"]
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "2", "--max-len", "2048",
+                 "--method", "dynamic", "--lockstep", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "x 3 ranks in lockstep" in text and "rows per lockstep rank (r0/r1/r2)" in text
+    assert main(["plan", "microbatches", "--lengths", str(path), "--stages", "2", "--lockstep", "0"]) == 2
+    assert "--lockstep 0" in capsys.readouterr().err
 
 
 def test_plan_microbatches_profile_then_plan(capsys, tmp_path):

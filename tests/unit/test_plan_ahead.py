@@ -133,3 +133,44 @@ def test_config_refusals(tmp_path) -> None:
             from_dict({**base, "planner": {**base["planner"], **bad}})
     with pytest.raises(ConfigError, match="token subsets"):
         from_dict({**base, "dynamism": {"scheme": "mod"}})
+    # inside pipeline stages: with expert parallelism, not without it; token-subset schemes still refused
+    stages = {**base, "parallel": {"pp": 2, "ep": 2, "nproc": 4}}
+    assert from_dict(stages).planner.plan_ahead == "path"
+    with pytest.raises(ConfigError, match="no expert-parallel group"):
+        from_dict({**base, "parallel": {"pp": 2, "ep": 1, "nproc": 2}})
+    for scheme in ("mod", "early_exit"):
+        with pytest.raises(ConfigError, match="token subsets"):
+            from_dict({**stages, "dynamism": {"scheme": scheme}})
+    with pytest.raises(ConfigError, match="policy static"):
+        from_dict({**stages, "planner": {**base["planner"], "policy": "static"}})
+
+
+def test_a_stage_profile_keeps_the_paths_inside_its_layers() -> None:
+    """`PathProfile.layers`: a pipeline stage's slice estimates its layers as the whole profile does wherever
+    the path lies inside the stage, and never reaches a layer before it."""
+    rng = np.random.default_rng(0)
+    samples = [rng.integers(0, 4, size=(5, 64, 2)) for _ in range(3)]
+    whole = build_profile(samples, 4, path_len=2)
+    part = whole.layers(2, 5)
+    assert part.num_layers == 3 and part.tables[0] == ()
+    assert [len(t) for t in part.tables] == [0, 2, 3]  # local layer k: paths of length 0 .. min(l, k)
+    paths_TL = samples[0][:, :, 0].T
+    for k in (2,):  # a full path inside the stage: the same estimate as the whole profile's
+        np.testing.assert_array_equal(part.estimate(paths_TL[:, 2:], k), whole.estimate(paths_TL, 2 + k))
+    assert whole.layers(1, 1).num_layers == 0
+    with pytest.raises(ValueError, match="MoE layers 0..4"):
+        whole.layers(3, 6)
+
+
+def test_the_step_scale_multiplies_the_estimate() -> None:
+    """A pipeline stage plans from its first micro-batch's estimate times the step's tokens over that
+    micro-batch's: the estimate sent is scaled, the plan sees the step's counts."""
+    profile = build_profile([np.array([[[0, 1]] * 4, [[2, 3]] * 4])], 4, path_len=1)
+    ahead = PlanAhead(2, 4, 1, lambda j, est: ExpertPlacement.static(4, 2), torch.device("cpu"), profile)
+    ahead.arm(lambda j, p: None)
+    ahead.set_step_scale(2.5)
+    ids = torch.tensor([[0, 1]] * 4)
+    est = ahead.on_gate(0, ids)
+    assert est is not None and est.tolist() == [0, 0, 10 * SCALE, 10 * SCALE]
+    with pytest.raises(ValueError, match="positive"):
+        ahead.set_step_scale(0.0)
