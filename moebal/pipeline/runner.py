@@ -428,13 +428,16 @@ class PipelineRunner:
         buckets have the same layout wherever it sits, so the sums are the same with or without migrations):
         replicated parameters over every rank of the stage ("dp_ep"), expert shards over their data-parallel
         copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens). Sharded
-        state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`)."""
+        state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`; under
+        `parallel.shard: full` FSDP2 has reduced the dense ones and the expert ones go out here)."""
         if self.sharded is not None:
             self.sharded.reduce()
             return
-        if self._fsdp_mesh is not None:  # FSDP2 summed the dense ones into the shards in each micro-batch's
-            if self.optimizer is not None:  # backward; expert-parallel experts' go out now, after Agg
-                self.optimizer.reduce()  # type: ignore[attr-defined]
+        if self._fsdp_mesh is not None:
+            # FSDP2 summed the dense gradients into the shards in each micro-batch's backward; expert-parallel
+            # experts' are reduce-scattered now, after Agg
+            if isinstance(self.optimizer, StageShardedAdamW):
+                self.optimizer.reduce()
             return
         for _, params in self._slot_params().items():
             for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
