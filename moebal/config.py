@@ -975,14 +975,11 @@ def _check_whole(c: Config) -> None:
     full_pp = par.shard == "full" and par.pp > 1
     for bad, what in [(c.pipeline.schedule == "zb", "pipeline.schedule=zb (its weight gradients are computed outside "
                        "autograd, where FSDP2 does not reduce-scatter them): use 1f1b or gpipe"),
-                      ((par.ep or 1) > 1, f"parallel.ep {par.ep} inside the stages: use parallel.ep=1"),
                       (c.pipeline.repack, "pipeline.repack (released ranks cannot leave the stage's FSDP2 mesh): set "
                        "pipeline.repack=false"),
                       (c.pipeline.split_layers, "pipeline.split_layers: set it false"),
-                      (c.pipeline.microbatching != "fixed", f"pipeline.microbatching={c.pipeline.microbatching} (a "
-                       f"stage's ranks may run different micro-batch counts, and FSDP2 gathers per micro-batch): "
-                       f"use fixed"),
-                      (c.dynamism.scheme != "none", f"dynamism.scheme={c.dynamism.scheme}: use dynamism.scheme=none")]:
+                      (c.dynamism.scheme not in ("none", "moe"), f"dynamism.scheme={c.dynamism.scheme} (it wraps "
+                       f"or edits layers, or per-parameter state): use dynamism.scheme none or moe")]:
         _need(not (full_pp and bad),
               f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built with {what}, or "
               f"parallel.shard=optimizer")

@@ -102,8 +102,11 @@ class FullyShardedAdamW(torch.optim.Optimizer):
     expert parameters (module docstring). Its `param_groups` are the model's (the trainer sets the learning
     rate there); the dense state lives in `dense.state`, the expert state on `experts`' parts."""
 
-    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, norm_channel: Any = "new") -> None:
-        """`norm_channel`: the "dp_ep" communicator of the gradient norm; "new" makes one (collective)."""
+    def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, norm_channel: Any = "new",
+                 expert_divisor: float | None = None, expert_channels: dict[str, Any] | None = None) -> None:
+        """`norm_channel`: the "dp_ep" communicator of the gradient norm; "new" makes one (collective).
+        `expert_divisor`, `expert_channels`: the expert `ShardedAdamW`'s `divisor` and `channels` (a pipeline
+        stage: 1, and communicators made once per run)."""
         from moebal.train.optim import param_groups
 
         t = cfg.train
@@ -118,8 +121,8 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         self.dense = torch.optim.AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True) \
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
-        self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype) \
-            if has_experts else None
+        self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype,
+                                    divisor=expert_divisor, channels=expert_channels) if has_experts else None
         if isinstance(norm_channel, str):
             norm_channel = dims.new_channel("dp_ep") if dims.size("dp_ep") > 1 else None
         self._norm_channel = norm_channel
@@ -284,8 +287,10 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
     micro-batch's forward and again for its backward (`reshard_after_forward`), and reduce-scattered in each
     micro-batch's backward into the shards' gradients, which accumulate over the micro-batches. The reductions
     are sums (divide factor 1): the pipeline's losses are normalised by the global label count, as in the
-    unsharded sync. Units sharded already are left as they are; a plain unit's gradients (a migration between
-    backward and optimizer step) become its shards' (no communication)."""
+    unsharded sync. Expert-parallel experts (`parallel.ep` > 1) are left out (`ignored_params`): plain
+    parameters whose whole gradients accumulate over the micro-batches until Agg, for the expert `ShardedAdamW`.
+    Units sharded already are left as they are; a plain unit's gradients (a migration between backward and
+    optimizer step) become its shards' (no communication)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     par = cfg.parallel
@@ -294,7 +299,8 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
         if isinstance(m, FSDPModule):
             continue
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-        fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        ignored = {p for p in m.parameters() if is_expert_param(p)}  # expert-parallel experts: the ShardedAdamW's
+        fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=True, ignored_params=ignored or None)
         assert isinstance(m, FSDPModule)
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; the factor is 1)
@@ -304,19 +310,22 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
 
 
 class StageShardedAdamW(FullyShardedAdamW):
-    """`FullyShardedAdamW` of a pipeline stage: shards the stage on construction (`fully_shard_stage`, expert
-    parameters included: expert parallelism is refused inside the stages), and moves layers whole for a
-    migration (moebal/pipeline/migrate.py): `full_state` gathers every layer's weights, gradients and moments and
-    swaps in plain layers, and the optimizer rebuilt after the walk re-shards them (`load_full_state`). The
-    embedding, final norm and head never move and stay sharded, with their state."""
+    """`FullyShardedAdamW` of a pipeline stage: shards the stage on construction (`fully_shard_stage`: dense
+    parameters over the stage's ranks; with `parallel.ep` > 1 the expert-parallel experts stay plain, under the
+    expert `ShardedAdamW` over "dp" with divisor 1 on the runner's `expert_channels`), and moves layers whole for
+    a migration (moebal/pipeline/migrate.py): `full_state` gathers the leaving layers' weights, gradients and
+    moments and swaps in plain layers, and the optimizer rebuilt after the walk re-shards them
+    (`load_full_state`). The embedding, final norm and head never move and stay sharded, with their state."""
 
-    def __init__(self, stage: PipelineStage, cfg: Config, dims: ParallelDims, mesh: Any) -> None:
+    def __init__(self, stage: PipelineStage, cfg: Config, dims: ParallelDims, mesh: Any,
+                 expert_channels: dict[str, Any] | None = None) -> None:
         before = dict(stage.named_parameters())
         fully_shard_stage(stage, cfg, mesh)
         self.stage = stage
         self._was = {id(p): before[n] for n, p in stage.named_parameters()}
-        """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded)."""
-        super().__init__(stage, cfg, dims, norm_channel=None)
+        """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded, and
+        for the plain expert-parallel experts)."""
+        super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels)
 
     leaving: tuple[int, ...] = ()
     """The layers a migration is about to send away (`migrate_layers` sets it before `full_state`)."""
@@ -324,38 +333,57 @@ class StageShardedAdamW(FullyShardedAdamW):
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Replace every layer of the stage about to leave (`leaving`) by a plain skeleton holding its gathered
         weights, buffers and gradients, and return the AdamW state of the stage's parameters for the walk: the
-        plain layers' moments whole, the other parameters' as they are (sharded: they stay). Collective over the
-        stage's ranks (layers in ascending order). Peak: the leaving layers and their moments whole beside the
-        stage's shards."""
-        from moebal.pipeline.stage import build_layer_skeleton
-
+        plain layers' moments whole, the other dense parameters' as they are (sharded: they stay), and every
+        expert-parallel expert's whole (`ShardedAdamW.full_state`: the same parameter objects, which the
+        skeletons keep). Collective over the stage's ranks (layers in ascending order, then the experts). Peak:
+        the leaving layers and their moments whole, and the stage's expert moments whole, beside the shards."""
         dense = self.dense.state if self.dense is not None else {}
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for i in self.leaving:
-            old = self.stage.layer(i)
-            new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
-            fresh = dict(new.named_parameters())
-            with torch.no_grad():
-                for n, p in old.named_parameters():
-                    q = fresh[n]
-                    q.copy_(_whole(p))
-                    if p.grad is not None:
-                        q.grad = _whole(p.grad)
-                    st = dense.get(p)
-                    if st:
-                        out[q] = {"step": st["step"], "exp_avg": _whole(st["exp_avg"]),
-                                  "exp_avg_sq": _whole(st["exp_avg_sq"])}
-                for n, b in old.named_buffers():
-                    new.get_buffer(n).copy_(b)
+            new, states = self._plain_layer(i, dense)
+            out.update(states)
             self.stage.model.layers[str(i)] = new
         for p in self.stage.parameters():
             if isinstance(p, DTensor) and dense.get(p):  # the layers that stay, embedding, norm, head
                 out[p] = dict(dense[p])
+        if self.experts is not None:
+            out.update(self.experts.full_state())
         return out
+
+    def _plain_layer(self, i: int, dense: dict[Any, Any]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, Any]]]:
+        """Layer i as a plain skeleton (`build_layer_skeleton`, no RNG): FSDP2's weights and gradients gathered
+        whole (collective), expert-parallel experts the layer's own parameter objects (their state is the expert
+        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole."""
+        from moebal.pipeline.stage import build_layer_skeleton
+
+        old = self.stage.layer(i)
+        new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
+        fresh = dict(new.named_parameters())
+        out: dict[nn.Parameter, dict[str, Any]] = {}
+        with torch.no_grad():
+            for n, p in old.named_parameters():
+                if not isinstance(p, DTensor):  # an expert-parallel shard of the experts: moves as it is
+                    owner, _, leaf = n.rpartition(".")
+                    setattr(new.get_submodule(owner), leaf, p)
+                    continue
+                q = fresh[n]
+                q.copy_(_whole(p))
+                if p.grad is not None:
+                    q.grad = _whole(p.grad)
+                st = dense.get(p)
+                if st:
+                    out[q] = {"step": st["step"], "exp_avg": _whole(st["exp_avg"]),
+                              "exp_avg_sq": _whole(st["exp_avg_sq"])}
+            for n, b in old.named_buffers():
+                new.get_buffer(n).copy_(b)
+        return new, out
 
     def load_full_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         """Adopt the AdamW state of `full_state` (and of layers received in the walk), keyed by the parameters
-        the sharded ones were made from: this rank's chunks of whole moments, sharded ones as they are."""
+        the sharded ones were made from: this rank's chunks of whole moments, sharded ones as they are; the
+        expert-parallel experts' parts of their whole moments (`ShardedAdamW.load_full_state`)."""
+        if self.experts is not None:
+            self.experts.load_full_state({p: st for p, st in states.items() if is_expert_param(p)})
         if self.dense is None:
             return
         for p in self._dense_params:
@@ -368,8 +396,10 @@ class StageShardedAdamW(FullyShardedAdamW):
             self.dense.state[p] = {"step": step, **moments}
 
     def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
-        """AdamW moment bytes of parameter `p` on this rank (its shards), or all of them (`whole`: what a
-        migration moves); 0 before the first step. For the layer balancer's estimates (pipeline/observe.py)."""
+        """AdamW moment bytes of parameter `p` on this rank (its shards or parts), or all of them (`whole`: what
+        a migration moves); 0 before the first step. For the layer balancer's estimates (pipeline/observe.py)."""
+        if is_expert_param(p):
+            return self.experts.param_state_bytes(p, whole) if self.experts is not None else 0
         st = self.dense.state.get(p) if self.dense is not None else None
         if not st:
             return 0

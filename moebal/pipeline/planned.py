@@ -7,7 +7,8 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
      injection order, each as rows of sample indices padded to T tokens; every rank builds the tensors it
      needs from the global batch's samples (ids on the first stage, labels on the last, shapes elsewhere).
      A replica may be run by several lockstep ranks (`Lockstep`: expert shards, whose all-to-alls pair their
-     micro-batches, or every rank of a stage whose MoE layers sum routing statistics at every micro-batch):
+     micro-batches, or every rank of a stage whose MoE layers sum routing statistics at every micro-batch or
+     whose state FSDP2 shards, `parallel.shard: full`):
      they execute the same stream, each on its `MicroBatch.part` of every micro-batch's rows (the plan gives
      each at least one row; token counts differ, the all-to-all takes uneven splits);
   2. the stage executes its instruction stream (`planner/instructions.py`) in order:
@@ -143,10 +144,13 @@ class Lockstep:
     @classmethod
     def of(cls, dims: ParallelDims, cfg: Config) -> Lockstep:
         """Every rank of a stage when the MoE layers sum routing statistics over it at every micro-batch (the
-        load-balancing or z-loss with more than one rank per stage); else each expert-parallel group (its
-        all-to-alls pair the shards' micro-batches); else every rank plans alone (DynaPipe's replicas)."""
+        load-balancing or z-loss with more than one rank per stage), or when FSDP2 shards the stage over its
+        ranks (`parallel.shard: full`: every micro-batch's forward and backward all-gather each unit's weights
+        and reduce-scatter its gradients over the stage, so its ranks run the same micro-batches); else each
+        expert-parallel group (its all-to-alls pair the shards' micro-batches); else every rank plans alone
+        (DynaPipe's replicas)."""
         n = dims.size("dp_ep")
-        if n > 1 and planned_moe_losses(cfg):
+        if n > 1 and (planned_moe_losses(cfg) or cfg.parallel.shard == "full"):
             return cls(replicas=1, ranks=n, replica=0, part=dims.index("dp_ep"))
         return cls(replicas=dims.dp, ranks=dims.ep, replica=dims.index("dp"), part=dims.index("ep"))
 

@@ -128,10 +128,10 @@ class PipelineRunner:
         if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
             raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
                               f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
-        if cfg.parallel.shard == "full" and (dims.ep > 1 or any(len(z) != dims.pp for _, z in (*force, *force_mid))):
-            raise ConfigError("'parallel.shard: full' with a pipeline is not built with expert parallelism inside the "
-                              "stages or with re-packing onto fewer stages: use parallel.ep=1 and keep every stage, "
-                              "or parallel.shard=optimizer")
+        if cfg.parallel.shard == "full" and any(len(z) != dims.pp for _, z in (*force, *force_mid)):
+            raise ConfigError("'parallel.shard: full' with a pipeline is not built with re-packing onto fewer stages "
+                              "(released ranks cannot leave the stage's FSDP2 mesh): keep every stage, or "
+                              "parallel.shard=optimizer")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
@@ -194,6 +194,9 @@ class PipelineRunner:
         self._shard_channels = ShardedAdamW.make_channels(self.dims) if cfg.parallel.shard == "optimizer" else None
         # fully sharded state (`parallel.shard: full`): the stage's FSDP2 mesh, made once on every rank too
         self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" else None
+        # and, with expert parallelism inside the stages, the expert optimizer's communicators (made once too)
+        self._expert_channels = (ShardedAdamW.make_channels(self.dims)
+                                 if self._fsdp_mesh is not None and self.dims.ep > 1 else None)
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
         if uses_bf16(cfg, self.device):
@@ -245,7 +248,7 @@ class PipelineRunner:
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels)
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
-            return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh)
+            return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels)
         return build_optimizer(module, self.cfg.train)
 
     @property
@@ -433,12 +436,17 @@ class PipelineRunner:
         buckets have the same layout wherever it sits, so the sums are the same with or without migrations):
         replicated parameters over every rank of the stage ("dp_ep"), expert shards over their data-parallel
         copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens). Sharded
-        state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`)."""
+        state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`; under
+        `parallel.shard: full` FSDP2 has reduced the dense ones and the expert ones go out here)."""
         if self.sharded is not None:
             self.sharded.reduce()
             return
         if self._fsdp_mesh is not None:
-            return  # FSDP2 summed them into the shards in each micro-batch's backward
+            # FSDP2 summed the dense gradients into the shards in each micro-batch's backward; expert-parallel
+            # experts' are reduce-scattered now, after Agg
+            if isinstance(self.optimizer, StageShardedAdamW):
+                self.optimizer.reduce()
+            return
         for _, params in self._slot_params().items():
             for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
                 grads = [p.grad for p in params if p.grad is not None and is_expert_param(p) == expert]
@@ -529,6 +537,10 @@ class PipelineRunner:
                     out_S[slot] += torch.linalg.vector_norm(g.double()) ** 2
         if self.data_ranks > 1:
             dist.all_reduce(out_S, group=self.stage_group)
+        experts = self.optimizer.experts if isinstance(self.optimizer, StageShardedAdamW) else None
+        if experts is not None:  # expert-parallel experts' owned parts (their full-size gradients are gone)
+            slot_of = {id(p): slot for slot, params in self._slot_params().items() for p in params}
+            out_S += experts.squares_by(lambda p: slot_of[id(p)], S)
         return out_S
 
     def _orig_pos(self) -> int:
@@ -549,6 +561,8 @@ class PipelineRunner:
                 for p in self.stage.parameters():
                     if p.grad is not None:
                         p.grad.mul_(coef)
+                if isinstance(self.optimizer, StageShardedAdamW) and self.optimizer.experts is not None:
+                    self.optimizer.experts.scale_grads(torch.tensor(coef, dtype=torch.float64))
         return norm
 
     def _record(self, step: int, lr: float, count: int, red: dict[str, Any], grad_norm: float, dt: float,

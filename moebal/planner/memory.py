@@ -10,7 +10,8 @@ A rank's peak is modelled in phases, each a sum of terms, and the plan is their 
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
     migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
               gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py); (`shard: full`)
-              the moved layers' weights and moments whole, bounded by the stage's layers
+              the moved layers' weights and moments whole, bounded by the stage's layers (dense parts;
+              with ep > 1 plus every expert's moments gathered whole and the new expert flats)
     start-up = the whole model in fp32, built on every rank before it keeps its share (today's
               initialisation; `init="local"` models rank-local initialisation, which holds its share only)
     start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
@@ -25,8 +26,8 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   are replicated over the expert-data-parallel ranks: only their gradients and moments are sharded), plus the
   weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
-  stage (experts dense there: ep 1) every layer, the embedding and the head is an FSDP2 root of its own, resharded
-  after its forward: the shards plus the largest one of them gathered.
+  stage every layer, the embedding and the head is an FSDP2 root of its own, resharded after its forward: the
+  shards, the expert-parallel experts whole (ep > 1; with ep 1 they are FSDP2's), plus the largest unit gathered.
 - compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
@@ -357,8 +358,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     whole = 0.0 if fsdp_ep1 else expert
     fsdp = dense + expert - whole
     if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
-        gathered = [x.dense + x.expert for x in specs] + [V * D] * (first + last)  # (ep 1: experts are dense)
-        t["parameters"] = 4 * fsdp / d_dense + max(gathered, default=0.0) * a  # one gathered at a time
+        gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
+        t["parameters"] = 4 * (fsdp / d_dense + whole) + max(gathered, default=0.0) * a  # one gathered at a time
     elif lay.shard == "full":  # the shards, the experts held whole, the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
@@ -378,7 +379,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["migration: whole moments + new flats"] = 12.0 * held if lay.shard == "optimizer" and moves else 0.0
     # `full`: the layers that leave a stage are gathered whole (weights and moments) and arrive whole; bounded by
     # the stage's own layers whole beside its shards (moebal/distributed/fsdp.py StageShardedAdamW.full_state)
-    t["migration: moved layers whole"] = (12.0 * sum(x.dense + x.expert for x in specs)
+    t["migration: moved layers whole"] = (12.0 * (sum(x.dense for x in specs) + expert)
                                           if lay.shard == "full" and moves else 0.0)
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
@@ -475,8 +476,8 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard == "full" and pp > 1 and built and (ep > 1 or _full_pp_refused(cfg)):
-                        continue  # refused in moebal/config.py (expert parallelism, zero bubble, ...)
+                    if shard == "full" and pp > 1 and built and _full_pp_refused(cfg):
+                        continue  # refused in moebal/config.py (zero bubble, re-packing, ...)
                     if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
                         continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
@@ -488,8 +489,7 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
 def _full_pp_refused(cfg: Config) -> bool:
     """Whether moebal/config.py refuses `shard: full` with a pipeline for this config's other settings."""
     p = cfg.pipeline
-    return (p.schedule == "zb" or p.repack or p.split_layers or p.microbatching != "fixed"
-            or cfg.dynamism.scheme != "none")
+    return p.schedule == "zb" or p.repack or p.split_layers or cfg.dynamism.scheme not in ("none", "moe")
 
 
 def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int, int]:

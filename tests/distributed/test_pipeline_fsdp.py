@@ -1,7 +1,9 @@
 """Fully sharded model state (`parallel.shard: full`: FSDP2 per layer over each stage's ranks) in a pipeline
-against the unsharded pipeline on 4 gloo ranks (pp 2 x dp 2): losses, gradient norms and parameters within 1e-5
-relative (fp32) over 20 steps with forced migrations (between steps, and between a backward pass and its
-optimizer step: gradients travel); refusals of what is not built."""
+against the unsharded pipeline on 4 gloo ranks: losses, gradient norms and parameters within 1e-5 relative
+(fp32) with forced migrations (between steps, and between a backward pass and its optimizer step: gradients
+travel), for pp 2 x dp 2 (1F1B), pp 2 x ep 2 (expert-parallel experts under the expert optimizer, Pro-Prophet
+replicas, the moe dynamism scheme) and pp 2 x dp 2 with planned micro-batches (every rank of a stage in
+lockstep); refusals of what is not built."""
 
 from __future__ import annotations
 
@@ -68,19 +70,107 @@ def test_fully_sharded_pipeline_with_migrations_matches_unsharded(pairs):
     assert [x["migration"] for x in rec if "migration" in x] == ["forced", "forced-mid", "forced"]
 
 
+COMPOSED_STEPS = 12
+COMPOSED_MIGRATE = {"force": ((4, (1, 3)), (10, (2, 2))), "force_mid": ((7, (3, 1)),)}
+"""Layer moves of the composed cases (12 steps): after steps 4 and 10, and inside step 7."""
+
+
+def _composed_cfg(shard: str, case: str) -> Any:
+    """pp 2 x ep 2 with replicating Pro-Prophet placements and the moe scheme (`ep2`), or pp 2 x dp 2 with planned
+    micro-batches and no MoE routing losses (`planned`: only `shard: full` puts the stage's ranks in lockstep)."""
+    from moebal.config import from_dict
+
+    ep2 = case == "ep2"
+    return from_dict({
+        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop",
+                "aux_loss_coef": 0.01 if ep2 else 0.0},
+        "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
+        "train": {"steps": COMPOSED_STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
+                  "grad_clip": 0.5, "threads": 1, "progress": "plain"},
+        "parallel": {"pp": 2, "ep": 2 if ep2 else 1, "nproc": 4, "shard": shard},
+        # a fixed hardware profile and no hysteresis: the same placements in every run, and they replicate
+        "planner": {"policy": "broadcast_topk" if ep2 else "static", "costs": "rtx3090", "hysteresis": 0.0},
+        "pipeline": {"micro_batches": 2, "schedule": "1f1b",
+                     **({} if ep2 else {"microbatching": "dynamic", "dynamic": {"costs": "a100", "workers": 0}})},
+        "dynamism": {"scheme": "moe" if ep2 else "none"}})
+
+
+def _composed_run(shard: str, case: str) -> dict[str, Any]:
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.pipeline.planned import PlannedPipelineRunner
+    from moebal.pipeline.runner import PipelineRunner
+
+    cfg = _composed_cfg(shard, case)
+    cls = PipelineRunner if case == "ep2" else PlannedPipelineRunner
+    runner = cls(cfg, scheme=build_dynamism(cfg.dynamism.scheme, {}, cfg=cfg), **COMPOSED_MIGRATE)
+    out = runner.train(COMPOSED_STEPS)
+    lock = getattr(runner, "lockstep", None)
+    return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+            "params": runner.full_state(), "lockstep": None if lock is None else (lock.replicas, lock.ranks)}
+
+
+def _composed(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for case in ("ep2", "planned"):
+        plain, full = _composed_run("none", case), _composed_run("full", case)
+        p, s = plain.pop("params"), full.pop("params")
+        assert p.keys() == s.keys()
+        out[case] = {"none": plain, "full": full,
+                     "param_rel": max((_rel(s[k], p[k]) for k in p if p[k].norm() > 0), default=0.0)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def composed() -> list[dict[str, Any]]:
+    return run_ranks(_composed, 4, timeout_s=900)
+
+
+def _check_composed(runs: list[dict[str, Any]], case: str) -> None:
+    for r in runs:
+        plain, full = r[case]["none"], r[case]["full"]
+        assert full["optimizer"] == "StageShardedAdamW" and plain["sizes"] == full["sizes"] == [2, 2]
+        assert [x["step"] for x in full["records"]] == list(range(1, COMPOSED_STEPS + 1))
+        for a, b in zip(plain["records"], full["records"]):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (case, a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (case, a["step"], a["grad_norm"],
+                                                                                 b["grad_norm"])
+            assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+        assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
+        assert r[case]["param_rel"] < 1e-5, (case, r[case]["param_rel"])
+        assert [x["migration"] for x in full["records"] if "migration" in x] == ["forced", "forced-mid", "forced"]
+
+
+def test_fully_sharded_pipeline_with_expert_parallel_stages_and_replicas_matches_unsharded(composed):
+    """pp 2 x ep 2: dense state FSDP2's over the stage's 2 ranks, each rank's expert shard whole under the expert
+    optimizer (over "dp": 1 rank here), Trans and Agg of replicated experts, the moe scheme's cost factors."""
+    _check_composed(composed, "ep2")
+    replicas = [sum(x["replicas"]) for x in composed[0]["ep2"]["full"]["records"]]
+    assert sum(replicas) > 0, replicas  # Trans and Agg of replicated experts ran
+    assert replicas == [sum(x["replicas"]) for x in composed[0]["ep2"]["none"]["records"]]
+    for r in composed:  # the moe scheme's per-layer cost factors, the same from the sharded stages
+        for a, b in zip(r["ep2"]["none"]["records"], r["ep2"]["full"]["records"]):
+            assert len(b["predicted_cost"]) == 4 and b["predicted_cost"] == a["predicted_cost"], a["step"]
+
+
+def test_fully_sharded_pipeline_with_planned_micro_batches_runs_the_stage_in_lockstep(composed):
+    _check_composed(composed, "planned")
+    for r in composed:  # without MoE routing losses only `shard: full` makes the stage's 2 ranks one lockstep
+        assert r["planned"]["full"]["lockstep"] == (1, 2) and r["planned"]["none"]["lockstep"] == (2, 1)
+
+
 @pytest.mark.parametrize("knobs, words", [
     ({"schedule": "zb"}, "is not built with pipeline.schedule=zb"),
     ({"dynamism": "pruning"}, "is not built with dynamism.scheme=pruning"),
-    ({"ep": 2}, "is not built with parallel.ep 2 inside the stages"),
 ])
 def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
-        pipe_cfg("full", knobs.pop("ep", 1), **knobs)
+        pipe_cfg("full", 1, **knobs)
 
 
 @pytest.mark.parametrize("pipeline, words", [
     ({"repack": True, "rebalance": "partition"}, "is not built with pipeline.repack"),
-    ({"microbatching": "dynamic"}, "is not built with pipeline.microbatching=dynamic"),
     ({"split_layers": True}, "is not built with pipeline.split_layers"),
 ])
 def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeline, words):
@@ -121,3 +211,43 @@ def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupte
     writers = {p["file"] for e in pieced.values() for p in e["pieces"]}
     assert pieced and all(len(e["pieces"]) == 2 for e in pieced.values())  # rows written by the 2 owners
     assert len(writers) == 4, writers  # each stage's AdamW state written by its owners, every rank a part
+
+
+def _ep_leg(rank: int, world: int, root: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
+    import json
+    from pathlib import Path
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.pipelined import pipeline_trainer
+
+    cfg = pipe_cfg("full", 2, steps=6, ckpt_every=2, keep_checkpoints=10)
+    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=2).init()
+    trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
+    try:
+        trainer.train(stop_after=stop)
+    finally:
+        trainer.close()
+    metrics = Path(root) / "metrics.jsonl"
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
+
+
+def test_fully_sharded_expert_parallel_pipeline_resumes_like_an_uninterrupted_run(tmp_path):
+    """pp 2 x ep 2 under `full`: 6 steps with migrations in one go against 4 steps, a stop and a resume from the
+    step-4 checkpoint (dense row pieces and the expert optimizer's state, written by their owners, under a
+    migrated partition); losses, gradient norms and the last checkpoint's weights and moments within 1e-5."""
+    from pathlib import Path
+
+    from tests.distributed.shard_parity import checkpoint_state
+
+    whole = run_ranks(_ep_leg, 4, str(tmp_path / "whole"), False, None, timeout_s=600)[0]
+    run = str(tmp_path / "resumed")
+    run_ranks(_ep_leg, 4, run, False, 4, timeout_s=600)
+    resumed = run_ranks(_ep_leg, 4, run, True, None, timeout_s=600)[0]
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for a, b in zip(whole, resumed):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), a["step"]
+    ref, got = (checkpoint_state(Path(d) / "ckpt-0000006") for d in (tmp_path / "whole", run))
+    assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") and "experts" in k for k in ref)
+    worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
+    assert worst < 1e-5, worst

@@ -271,3 +271,19 @@ def test_full_sharding_in_a_pipeline_prices_shards_one_gathered_root_and_the_mov
     # against the unsharded pipeline: the state halves, the gathered root is the price
     plain = plan_memory(load(None, args), dataclasses.replace(lay, shard="none"), BARE).terms
     assert plain["parameters"] == 4 * stage and plain["optimizer state"] == 8 * stage
+
+
+def test_full_sharding_in_an_expert_parallel_pipeline_keeps_the_expert_shards_whole():
+    """`shard: full` with pp 2 x ep 2 (StageShardedAdamW): dense parameters sharded over the stage's 2 ranks,
+    each rank's expert shard (half the experts) whole beside them, its moments over "dp" (1 rank); the largest
+    gathered unit is a root; a migration holds the moved dense layer and the stage's expert state whole."""
+    args = [*TINY, "model.n_layers=2", "data.batch_size=4", "parallel.pp=2", "parallel.ep=2",
+            "pipeline.rebalance=partition"]
+    lay = MemoryLayout(ranks=4, pp=2, ep=2, shard="full", micro_batches=2)
+    plan = plan_memory(load(None, args), lay, BARE)
+    dense_layer, experts = 272 + 16, 192 // 2  # the router is dense; the rank's 1 of 2 experts
+    dense = [dense_layer + 2048, dense_layer + 8 + 2048][plan.stage]
+    t = plan.terms
+    assert t["parameters"] == 4 * (dense / 2 + experts) + 4 * 2048
+    assert t["optimizer state"] == 8 * (dense / 2 + experts)
+    assert t["migration: moved layers whole"] == 12 * (dense_layer + experts)
