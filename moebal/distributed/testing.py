@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from moebal.launch.forkserver import CallerFd, ensure_forkserver, fresh_process
+from moebal.launch.forkserver import RANK_RUNTIME_PRELOAD, CallerFd, ensure_forkserver, fresh_process
 from moebal.launch.spawn import free_port, rank_name
 from moebal.planner.plan import ExpertPlacement, default_owners
 
@@ -124,12 +124,13 @@ def _context() -> Any:
 
 
 def _preload() -> list[str]:
-    """What the forkserver imports once for every rank it forks: torch (with torch.distributed), numpy, and the
-    moebal modules the caller has imported (under pytest: every module the collected tests import), plus pytest
-    when the caller runs under it (test modules import it). Importing only: the server runs no torch op, so
-    no thread pool exists to be broken by a fork."""
+    """What the forkserver imports once for every rank it forks: torch (with torch.distributed), numpy, what a
+    training rank imports lazily (RANK_RUNTIME_PRELOAD: torch._dynamo, matplotlib, ...), and the moebal modules
+    the caller has imported (under pytest: every module the collected tests import), plus pytest when the caller
+    runs under it (test modules import it). Importing only: the server runs no torch op, so no thread pool exists
+    to be broken by a fork."""
     mine = sorted(m for m in sys.modules if m.split(".")[0] in ("moebal", "pytest") and not m.endswith("__main__"))
-    return ["torch", "torch.distributed", "numpy", *mine]
+    return ["torch", "torch.distributed", "numpy", *RANK_RUNTIME_PRELOAD, *mine]
 
 
 def _dump_stacks(procs: list[Any], wait_s: float = 2.0) -> None:

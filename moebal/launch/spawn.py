@@ -148,12 +148,13 @@ def start_rank_server(nproc: int, threads_per_rank: int | None = None) -> Any:
         return None
     import multiprocessing
 
-    from moebal.launch.forkserver import ensure_forkserver
+    from moebal.launch.forkserver import RANK_RUNTIME_PRELOAD, ensure_forkserver
 
     ctx = multiprocessing.get_context("forkserver")
     mine = sorted(m for m in sys.modules if m.split(".")[0] == "moebal" and m != "moebal.cli")
     # OMP_NUM_THREADS as a new rank's: OpenMP reads it once, when torch loads it (in the server)
-    ensure_forkserver(ctx, [*_RANK_PRELOAD, *mine], {"OMP_NUM_THREADS": str(_threads(nproc, threads_per_rank))})
+    threads = {"OMP_NUM_THREADS": str(_threads(nproc, threads_per_rank))}
+    ensure_forkserver(ctx, [*_RANK_PRELOAD, *RANK_RUNTIME_PRELOAD, *mine], threads)
     return ctx
 
 

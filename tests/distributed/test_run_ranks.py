@@ -123,3 +123,18 @@ def test_the_forkserver_imports_with_the_callers_path() -> None:
     assert names[:3] == ["torch", "torch.distributed", "numpy"]
     assert "moebal.distributed.testing" in names and not any(n.endswith("__main__") for n in names)
     assert sys.modules["moebal"].__file__ == moebal.__file__
+
+
+def _loaded(rank: int, world: int, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if n in sys.modules]
+
+
+def test_a_rank_finds_what_training_imports_lazily_already_loaded() -> None:
+    """torch._dynamo (AdamW pulls it in: 3 s of CPU), FSDP2, safetensors, matplotlib: imported once by the
+    forkserver, not by every rank (spawned ranks import them themselves)."""
+    from moebal.launch.forkserver import RANK_RUNTIME_PRELOAD
+
+    if os.environ.get(START_METHOD_ENV, "forkserver") != "forkserver":
+        pytest.skip(f"{START_METHOD_ENV} is set to a start method without a forkserver")
+    out = run_ranks(_loaded, 2, RANK_RUNTIME_PRELOAD)
+    assert out == [list(RANK_RUNTIME_PRELOAD)] * 2

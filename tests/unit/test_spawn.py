@@ -1,7 +1,7 @@
 """`spawn_local`'s rendezvous: the job's store listens before any rank starts (no port race, no TCP self-connect).
 
-The ranks are a stand-in interpreter (`sys.executable` replaced) that records what it finds at start-up and
-exits, so the test needs no torch process group.
+The ranks are a stand-in interpreter (`sys.executable` replaced, ranks exec'd) that records what it finds at
+start-up and exits, so the test needs no torch process group.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def test_every_rank_finds_the_store_listening_when_it_starts(tmp_path, monkeypat
         """), encoding="utf-8")
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
+    # the stand-in runs only as an exec'd rank (a forked rank runs the forkserver's moebal); the store listens
+    # before any rank starts whichever way ranks start (spawn_local opens it first)
+    monkeypatch.setenv("MOEBAL_RANK_START", "exec")
     assert spawn_local(3, ["train"], max_restarts=0) == 0
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert all(s["listening"] and s["agent_store"] == "True" for s in seen), seen
