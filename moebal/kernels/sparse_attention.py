@@ -85,8 +85,22 @@ def block_scores(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int) -> torc
     qm_BGNK = q_BHTK.float().view(B, G, H // G, N, block, K).sum(4).mean(2) / block
     km_BGNK = k_BGTK.float().view(B, G, N, block, K).mean(3)
     s_BGNN = qm_BGNK @ km_BGNK.transpose(-1, -2) / math.sqrt(K)
-    idx = torch.arange(N, device=q_BHTK.device)
-    return s_BGNN.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+    return s_BGNN.masked_fill(_grid_masks(N, q_BHTK.device)[0], float("-inf"))
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_masks(N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, N] bool masks of the block grid, built once per shape and device: key block after the query block
+    (not causal), and the diagonal."""
+    idx = torch.arange(N, device=device)
+    return idx[None, :] > idx[:, None], idx[None, :] == idx[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _keep_masks(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, max count] bool: which of a query block's top blocks it keeps (its first c_n), and the negation."""
+    keep_NS = torch.arange(max(counts), device=device) < torch.tensor(counts, device=device)[:, None]
+    return keep_NS, ~keep_NS
 
 
 @torch.no_grad()
@@ -94,13 +108,12 @@ def select_from_scores(s_BGNN: torch.Tensor, block: int, density: float) -> Bloc
     """Per key/value head and query block, the top key blocks of `block_scores` (the diagonal always kept)."""
     N = s_BGNN.shape[-1]
     counts = kept_counts(N, density)
-    s_BGNN = s_BGNN.masked_fill(torch.eye(N, dtype=torch.bool, device=s_BGNN.device), float("inf"))
+    s_BGNN = s_BGNN.masked_fill(_grid_masks(N, s_BGNN.device)[1], float("inf"))
     top_BGNS = torch.topk(s_BGNN, max(counts), dim=-1, sorted=True).indices  # the diagonal first (score +inf)
     # each query block's first c_n of them, in ascending block order: its others (all before it, causal), then
     # its diagonal block last; the blocks past c_n are pushed to the end (id N) and dropped
-    dev = s_BGNN.device
-    keep_NS = torch.arange(top_BGNS.shape[-1], device=dev) < torch.tensor(counts, device=dev)[:, None]
-    ids_BGNS = top_BGNS.masked_fill(~keep_NS, N).sort(dim=-1).values
+    keep_NS, drop_NS = _keep_masks(tuple(counts), s_BGNN.device)
+    ids_BGNS = top_BGNS.masked_fill(drop_NS, N).sort(dim=-1).values
     B, G = s_BGNN.shape[:2]
     return BlockSelection(ids_BGNS.masked_select(keep_NS).view(B, G, sum(counts)), tuple(counts), block)
 
