@@ -15,13 +15,14 @@ is one batched call), which also makes the kept share of the grid a function of 
 Kernel (`block_sparse_attention`), two paths computing the same attention; `default_path` picks one per device
 and shape:
 - "split" (CPU, torch's CPU flash-attention ops `_scaled_dot_product_flash_attention_for_cpu` and its backward,
-  private aten ops that return and take the log-sum-exp): no mask anywhere. The diagonal blocks of all query
-  blocks run as one causal (`is_causal`) call; the off-diagonal kept blocks are gathered once (one
-  `index_select` each for keys and values, in run order) and query blocks that keep as many blocks (a run) run
-  as one mask-free call, a group's query heads folded into the query length; the two parts are merged by their
-  log-sum-exps. Backward calls the flash backward per part with the merged output and log-sum-exp (see
-  `_SplitBlocks`). An additive mask makes the CPU flash kernel's forward about 1.7x slower per block pair
-  (docs/dynamism.md), hence the split.
+  private aten ops that return and take the log-sum-exp): every call's queries block-major with a group's query
+  heads folded into the query length (one copy). The diagonal blocks of all query blocks run as one call under a
+  small additive causal mask ([(H / G) b, b], the only mask); the off-diagonal kept blocks are gathered once
+  (one `index_select` each for keys and values, in run order) and query blocks that keep as many blocks (a run)
+  run as one mask-free call; the two parts are merged by their log-sum-exps in one pass. Backward calls the
+  flash backward per part with the merged output and log-sum-exp and scatters the gathered blocks' gradients
+  with one `index_add_` (see `_SplitBlocks`). An additive mask over a run's kept blocks makes the CPU flash
+  kernel slower per block pair (docs/dynamism.md), hence the split.
 - "masked" (any device, public `scaled_dot_product_attention` only; CUDA's path): the kept blocks gathered once,
   each run one SDPA call over its c kept blocks, the diagonal block last under an additive lower-triangular
   mask.
@@ -211,8 +212,10 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of every query row, and its backward,
 # which takes the output and the log-sum-exp as inputs. Private ops: absent (None) in a torch without them, and
 # CPU only, so the "split" path is chosen only where they exist (`default_path`).
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# The `.default` overloads: called directly, without the packet's overload resolution on every call.
+_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+_FLASH_BWD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), "default",
+                     None)
 
 PATHS = ("split", "masked")
 
@@ -361,7 +364,8 @@ def _diag_grad(dd_Y1bK: torch.Tensor, B: int, G: int) -> torch.Tensor:
 
 def split_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                           sel: BlockSelection) -> torch.Tensor:
-    """The "split" path (CPU, torch's CPU flash-attention ops; see `_SplitBlocks`): no mask anywhere. Raises
+    """The "split" path (CPU, torch's CPU flash-attention ops; see `_SplitBlocks`): mask-free off-diagonal calls,
+    one diagonal call under a small causal mask. Raises
     where the ops are missing or the tensors are not on a CPU (the "masked" path runs there)."""
     if _FLASH is None or _FLASH_BWD is None or q_BHTK.device.type != "cpu":
         raise RuntimeError(f"the split block-sparse attention path needs torch's CPU flash-attention ops on a CPU "
@@ -380,7 +384,7 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
                            sel: BlockSelection, path: str | None = None) -> torch.Tensor:
     """Causal attention of each query block over its selected key blocks only (differentiable in q, k, v).
 
-    `path`: "split" (mask-free parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
+    `path`: "split" (parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
     mask on the diagonal block, any device); None takes `default_path` for q's device and shape. Both compute the same
     attention (tested against each other and against `dense_block_attention`)."""
     if path is None:

@@ -110,3 +110,18 @@ def test_selection_keeps_diagonal_top_scores_and_counts() -> None:
         others = sorted(range(n), key=lambda j: -float(s[n, j]))[:c - 1]
         assert sorted(kept[:-1]) == sorted(others)
     assert kept_fraction(96, 16, 0.5) == pytest.approx(11 / 21)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_path_in_half_precision(dtype: torch.dtype) -> None:
+    """bf16/fp16 inputs: the split path (its diagonal mask in the inputs' dtype, fp32 log-sum-exps) stays within
+    half-precision rounding of the fp32 dense reference, forward and backward, and returns the inputs' dtype."""
+    qkv = _qkv(2, 4, 2, 128, 16, seed=9)
+    sel = select_blocks(qkv[0], qkv[1], 32, 0.5)
+    g_out = torch.randn(2, 4, 128, 16, generator=torch.Generator().manual_seed(2))
+    low = [t.detach().to(dtype).requires_grad_(True) for t in qkv]
+    got = _out_and_grads(sa.split_block_attention, low, sel, g_out.to(dtype))
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    assert all(t.dtype == dtype for t in got)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05)
