@@ -221,10 +221,10 @@ PATHS = ("split", "masked")
 
 
 SPLIT_MIN_ROWS = 192
-"""The split path's mask-free calls fold a group's query heads into the query length, (H / G) x block rows: from
-192 rows torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the
-split path measure faster than the masked one (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
-group, faster; blocks of 64, 128 rows, slower below density 0.5)."""
+"""The split path's calls fold a group's query heads into the query length, (H / G) x block rows: from 192 rows
+torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the split path
+measure faster than the masked one at every density (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
+group, faster; blocks of 64, 128 rows, even at density 0.5 and slower at 0.25)."""
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
