@@ -243,7 +243,8 @@ def _fold_heads(t_BHTK: torch.Tensor, G: int, b: int) -> torch.Tensor:
     contiguous in this same order (no strided copies of the parts' results)."""
     B, H, T, K = t_BHTK.shape
     N, hg = T // b, H // G
-    return t_BHTK.reshape(B, G, hg, N, b, K).permute(3, 0, 1, 2, 4, 5).reshape(N * B * G, 1, hg * b, K)
+    # contiguous: a no-op after the copy the reshape makes, a copy where it is a view (B = H = 1)
+    return t_BHTK.reshape(B, G, hg, N, b, K).permute(3, 0, 1, 2, 4, 5).reshape(N * B * G, 1, hg * b, K).contiguous()
 
 
 def _unfold_heads(t_Y1LK: torch.Tensor, B: int, G: int, hg: int) -> torch.Tensor:
@@ -371,6 +372,9 @@ def split_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: to
         raise RuntimeError(f"the split block-sparse attention path needs torch's CPU flash-attention ops on a CPU "
                            f"tensor (device {q_BHTK.device}, ops present: {_FLASH is not None}); use "
                            f"path='masked'")
+    # the flash kernel reads rows of K contiguous values at any other strides (the diagonal keys and values are
+    # views of the inputs where B G = 1): a tensor strided along K is copied once
+    k_BGTK, v_BGTK = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_BGTK, v_BGTK))
     B, H, T, K = q_BHTK.shape
     G, b = k_BGTK.shape[1], sel.block
     runs = _runs(sel.counts)
