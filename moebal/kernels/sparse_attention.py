@@ -15,13 +15,14 @@ is one batched call), which also makes the kept share of the grid a function of 
 Kernel (`block_sparse_attention`), two paths computing the same attention; `default_path` picks one per device
 and shape:
 - "split" (CPU, torch's CPU flash-attention ops `_scaled_dot_product_flash_attention_for_cpu` and its backward,
-  private aten ops that return and take the log-sum-exp): no mask anywhere. The diagonal blocks of all query
-  blocks run as one causal (`is_causal`) call; the off-diagonal kept blocks are gathered once (one
-  `index_select` each for keys and values, in run order) and query blocks that keep as many blocks (a run) run
-  as one mask-free call, a group's query heads folded into the query length; the two parts are merged by their
-  log-sum-exps. Backward calls the flash backward per part with the merged output and log-sum-exp (see
-  `_SplitBlocks`). An additive mask makes the CPU flash kernel's forward about 1.7x slower per block pair
-  (docs/dynamism.md), hence the split.
+  private aten ops that return and take the log-sum-exp): every call's queries block-major with a group's query
+  heads folded into the query length (one copy). The diagonal blocks of all query blocks run as one call under a
+  small additive causal mask ([(H / G) b, b], the only mask); the off-diagonal kept blocks are gathered once
+  (one `index_select` each for keys and values, in run order) and query blocks that keep as many blocks (a run)
+  run as one mask-free call; the two parts are merged by their log-sum-exps in one pass. Backward calls the
+  flash backward per part with the merged output and log-sum-exp and scatters the gathered blocks' gradients
+  with one `index_add_` (see `_SplitBlocks`). An additive mask over a run's kept blocks makes the CPU flash
+  kernel slower per block pair (docs/dynamism.md), hence the split.
 - "masked" (any device, public `scaled_dot_product_attention` only; CUDA's path): the kept blocks gathered once,
   each run one SDPA call over its c kept blocks, the diagonal block last under an additive lower-triangular
   mask.
@@ -85,8 +86,22 @@ def block_scores(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int) -> torc
     qm_BGNK = q_BHTK.float().view(B, G, H // G, N, block, K).sum(4).mean(2) / block
     km_BGNK = k_BGTK.float().view(B, G, N, block, K).mean(3)
     s_BGNN = qm_BGNK @ km_BGNK.transpose(-1, -2) / math.sqrt(K)
-    idx = torch.arange(N, device=q_BHTK.device)
-    return s_BGNN.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+    return s_BGNN.masked_fill(_grid_masks(N, q_BHTK.device)[0], float("-inf"))
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_masks(N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, N] bool masks of the block grid, built once per shape and device: key block after the query block
+    (not causal), and the diagonal."""
+    idx = torch.arange(N, device=device)
+    return idx[None, :] > idx[:, None], idx[None, :] == idx[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _keep_masks(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, max count] bool: which of a query block's top blocks it keeps (its first c_n), and the negation."""
+    keep_NS = torch.arange(max(counts), device=device) < torch.tensor(counts, device=device)[:, None]
+    return keep_NS, ~keep_NS
 
 
 @torch.no_grad()
@@ -94,13 +109,12 @@ def select_from_scores(s_BGNN: torch.Tensor, block: int, density: float) -> Bloc
     """Per key/value head and query block, the top key blocks of `block_scores` (the diagonal always kept)."""
     N = s_BGNN.shape[-1]
     counts = kept_counts(N, density)
-    s_BGNN = s_BGNN.masked_fill(torch.eye(N, dtype=torch.bool, device=s_BGNN.device), float("inf"))
+    s_BGNN = s_BGNN.masked_fill(_grid_masks(N, s_BGNN.device)[1], float("inf"))
     top_BGNS = torch.topk(s_BGNN, max(counts), dim=-1, sorted=True).indices  # the diagonal first (score +inf)
     # each query block's first c_n of them, in ascending block order: its others (all before it, causal), then
     # its diagonal block last; the blocks past c_n are pushed to the end (id N) and dropped
-    dev = s_BGNN.device
-    keep_NS = torch.arange(top_BGNS.shape[-1], device=dev) < torch.tensor(counts, device=dev)[:, None]
-    ids_BGNS = top_BGNS.masked_fill(~keep_NS, N).sort(dim=-1).values
+    keep_NS, drop_NS = _keep_masks(tuple(counts), s_BGNN.device)
+    ids_BGNS = top_BGNS.masked_fill(drop_NS, N).sort(dim=-1).values
     B, G = s_BGNN.shape[:2]
     return BlockSelection(ids_BGNS.masked_select(keep_NS).view(B, G, sum(counts)), tuple(counts), block)
 
@@ -198,17 +212,19 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp of every query row, and its backward,
 # which takes the output and the log-sum-exp as inputs. Private ops: absent (None) in a torch without them, and
 # CPU only, so the "split" path is chosen only where they exist (`default_path`).
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# The `.default` overloads: called directly, without the packet's overload resolution on every call.
+_FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None)
+_FLASH_BWD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), "default",
+                     None)
 
 PATHS = ("split", "masked")
 
 
 SPLIT_MIN_ROWS = 192
-"""The split path's mask-free calls fold a group's query heads into the query length, (H / G) x block rows: from
-192 rows torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the
-split path measure faster than the masked one (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
-group, faster; blocks of 64, 128 rows, slower below density 0.5)."""
+"""The split path's calls fold a group's query heads into the query length, (H / G) x block rows: from 192 rows
+torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the split path
+measure faster than the masked one at every density (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
+group, faster; blocks of 64, 128 rows, even at density 0.5 and slower at 0.25)."""
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
@@ -220,40 +236,79 @@ def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
     return "split" if group * block >= SPLIT_MIN_ROWS else "masked"
 
 
-def _diag_kv(t_BGTK: torch.Tensor, H: int, b: int) -> torch.Tensor:
-    """[N B, H, b, K]: each query block's diagonal key (or value) block, block-major, copied once per query head
-    of the group (the flash op has no grouped-query heads)."""
+def _fold_heads(t_BHTK: torch.Tensor, G: int, b: int) -> torch.Tensor:
+    """[N B G, 1, (H / G) b, K]: block-major, a group's query heads folded into the query length (one copy),
+    the layout of every split-path call's queries (and of the output gradient). One head per call entry: the
+    flash op allocates its outputs and gradients as [batch, length, heads, K], so with one head they come back
+    contiguous in this same order (no strided copies of the parts' results)."""
+    B, H, T, K = t_BHTK.shape
+    N, hg = T // b, H // G
+    # contiguous: a no-op after the copy the reshape makes, a copy where it is a view (B = H = 1)
+    return t_BHTK.reshape(B, G, hg, N, b, K).permute(3, 0, 1, 2, 4, 5).reshape(N * B * G, 1, hg * b, K).contiguous()
+
+
+def _unfold_heads(t_Y1LK: torch.Tensor, B: int, G: int, hg: int) -> torch.Tensor:
+    """[B, H, T, K] from the folded block-major layout of `_fold_heads` (one copy)."""
+    Y, _, L, K = t_Y1LK.shape
+    N, b = Y // (B * G), L // hg
+    return t_Y1LK.view(N, B, G, hg, b, K).permute(1, 2, 3, 0, 4, 5).reshape(B, G * hg, N * b, K)
+
+
+def _block_major(t_BGTK: torch.Tensor, b: int) -> torch.Tensor:
+    """[N B G, 1, b, K]: each query block's diagonal key (or value) block, in the order of `_fold_heads`."""
     B, G, T, K = t_BGTK.shape
-    N = T // b
-    t_BGhNbK = t_BGTK.reshape(B, G, 1, N, b, K).expand(B, G, H // G, N, b, K)
-    return t_BGhNbK.permute(3, 0, 1, 2, 4, 5).reshape(N * B, H, b, K)
+    return t_BGTK.reshape(B, G, T // b, b, K).permute(2, 0, 1, 3, 4).reshape(T // b * B * G, 1, b, K)
 
 
-def _off_views(q_NBHbK: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, runs: list[tuple[int, int, int]],
-               G: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per run with off-diagonal blocks (c > 1): (first query block, how many, q, k, v) as views, the group's
-    H / G query heads folded into the query length ([R B, G, (H / G) b, K]): no mask, so a query row's head
-    does not matter, and each gathered key block is read once per group."""
-    N, B, H, b, K = q_NBHbK.shape
-    sizes = [r * (c - 1) * B * G for _, r, c in runs]
+@functools.lru_cache(maxsize=16)
+def _folded_causal_mask(hg: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """[hg b, b] additive mask: the causal triangle of a diagonal block, once per folded query head (cached: a
+    function of the shape alone, built on the CPU, the only device the split path runs on)."""
+    return _diag_mask(1, b, torch.empty(0, dtype=dtype)).repeat(hg, 1)
+
+
+def _off_views(q_Y1LK: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, runs: list[tuple[int, int, int]],
+               BG: int) -> list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per run with off-diagonal blocks (c > 1): (its entries of the folded layout, q, k, v) as views
+    ([R B G, 1, (H / G) b, K] queries, [R B G, 1, (c - 1) b, K] keys and values, `BG` = B G): no mask, so a
+    query row's head does not matter, and each gathered key block is read once per group."""
+    L, K = q_Y1LK.shape[2:]
+    b = k_off.shape[1] // K
+    sizes = [r * (c - 1) * BG for _, r, c in runs]
     out = []
     for (n0, r, c), k_rows, v_rows in zip(runs, torch.split(k_off, sizes), torch.split(v_off, sizes)):
         if c > 1:
-            q_XGLK = q_NBHbK[n0:n0 + r].view(r * B, G, (H // G) * b, K)
-            out.append((n0, r, q_XGLK, k_rows.view(r * B, G, (c - 1) * b, K), v_rows.view(r * B, G, (c - 1) * b, K)))
+            s, kv_shape = slice(n0 * BG, (n0 + r) * BG), (r * BG, 1, (c - 1) * b, K)
+            out.append((s, q_Y1LK[s], k_rows.view(kv_shape), v_rows.view(kv_shape)))
     return out
 
 
-class _SplitBlocks(torch.autograd.Function):
-    """The "split" path: each query block's attention in two parts without a mask tensor, merged by their
-    log-sum-exps.
+def _merge(o_Y1LK: torch.Tensor, lse_Y1L: torch.Tensor, o_off: list[torch.Tensor], lse_off: list[torch.Tensor],
+           y1: int) -> None:
+    """Merge the off-diagonal parts (entries y1 onwards, run after run) into the diagonal part, in place and in
+    one pass (FlashAttention's rescaling): with d = lse_o - lse_d, o = o_d + sigmoid(d) (o_o - o_d) and
+    lse = lse_d + softplus(d) (= logaddexp(lse_d, lse_o))."""
+    o_d, lse_d = o_Y1LK[y1:], lse_Y1L[y1:]
+    assert sum(o.shape[0] for o in o_off) == o_d.shape[0], "the runs with c > 1 are not the last query blocks"
+    d_Y1L = torch.cat(lse_off) - lse_d  # lse: fp32 always
+    o_d.lerp_(torch.cat(o_off), torch.sigmoid(d_Y1L).unsqueeze(-1).to(o_d.dtype))
+    lse_d.add_(F.softplus(d_Y1L))
 
-    1. Diagonal part: every query block against its own key block, causal (`is_causal`), all N blocks in one
-       call ([N B, H, b, K]).
+
+class _SplitBlocks(torch.autograd.Function):
+    """The "split" path: each query block's attention in two parts, merged by their log-sum-exps. Every call's
+    queries are block-major with a group's H / G query heads folded into the query length ([N B G, 1,
+    (H / G) b, K], `_fold_heads`: one copy), so each key block is read once per group and the CPU flash kernel
+    gets (H / G) b rows (64-row query chunks from 192 rows on).
+
+    1. Diagonal part: every query block against its own key block, all N blocks in one call. With folded heads
+       the causal triangle is an additive [(H / G) b, b] mask (the kernel's `is_causal` is top-left aligned,
+       wrong past the first head); measured faster than an unfolded `is_causal` call of b-row queries (the
+       kernel's 32-row chunks), see docs/dynamism.md. With H = G there is nothing to fold: `is_causal`.
     2. Off-diagonal part: per run, the query blocks against their c - 1 gathered earlier key blocks, no mask.
-    3. Merge (FlashAttention's rescaling), in place on the diagonal part's output: with w = e^(lse_o - lse) =
-       sigmoid(lse_o - lse_d), o = o_d + w (o_o - o_d) and lse = logaddexp(lse_d, lse_o). Query blocks with
-       c = 1 have the diagonal part alone.
+    3. Merge (`_merge`), in place on the diagonal part's output, all runs at once. Query blocks with c = 1 have
+       the diagonal part alone (counts never decrease, so the others are the entries from the first run with
+       c > 1 on).
     Backward (as ring attention does): given the FINAL output and log-sum-exp, each part's flash backward gives
     exactly its share of the gradients (its probabilities are exp(s - lse), and D = rowsum(dO o) is the whole
     row's), so dQ is the sum of the parts' and each key block's gradient comes from the part that read it."""
@@ -264,80 +319,62 @@ class _SplitBlocks(torch.autograd.Function):
         assert _FLASH is not None
         B, H, T, K = q_BHTK.shape
         G, N, scale = k_BGTK.shape[1], T // b, 1.0 / math.sqrt(K)
-        q_NBHbK = q_BHTK.reshape(B, H, N, b, K).permute(2, 0, 1, 3, 4).contiguous()
-        kd, vd = _diag_kv(k_BGTK, H, b), _diag_kv(v_BGTK, H, b)
-        o_XHbK, lse_XHb = _FLASH(q_NBHbK.view(N * B, H, b, K), kd, vd, 0.0, True, scale=scale)
-        o_NBHbK, lse_NBHb = o_XHbK.contiguous().view(N, B, H, b, K), lse_XHb.contiguous().view(N, B, H, b)
+        mask = None if H == G else _folded_causal_mask(H // G, b, q_BHTK.dtype)
+        q_Y1LK, kd_Y1bK, vd_Y1bK = _fold_heads(q_BHTK, G, b), _block_major(k_BGTK, b), _block_major(v_BGTK, b)
+        o_Y1LK, lse_Y1L = _FLASH(q_Y1LK, kd_Y1bK, vd_Y1bK, 0.0, mask is None, attn_mask=mask, scale=scale)
         k_off = k_BGTK.reshape(B * G * N, b * K).index_select(0, rows)
         v_off = v_BGTK.reshape(B * G * N, b * K).index_select(0, rows)
-        for n0, r, q_p, k_p, v_p in _off_views(q_NBHbK, k_off, v_off, runs, G):
-            o_p, lse_p = _FLASH(q_p, k_p, v_p, 0.0, False, scale=scale)
-            o_d, lse_d = o_NBHbK[n0:n0 + r].view(o_p.shape), lse_NBHb[n0:n0 + r].view(lse_p.shape)
-            o_d.lerp_(o_p, torch.sigmoid(lse_p - lse_d).unsqueeze(-1).to(o_d.dtype))  # lse: fp32 always
-            torch.logaddexp(lse_d, lse_p, out=lse_d)
-        ctx.save_for_backward(q_NBHbK, kd, vd, k_off, v_off, rows, o_NBHbK, lse_NBHb)
-        ctx.runs, ctx.shape = runs, (B, H, G, T, K, b)
-        o_BHTK: torch.Tensor = o_NBHbK.permute(1, 2, 0, 3, 4).reshape(B, H, T, K)
-        return o_BHTK
+        views = _off_views(q_Y1LK, k_off, v_off, runs, B * G)
+        parts = [_FLASH(q_p, k_p, v_p, 0.0, False, scale=scale) for _, q_p, k_p, v_p in views]
+        if parts:
+            _merge(o_Y1LK, lse_Y1L, [o for o, _ in parts], [lse for _, lse in parts], views[0][0].start)
+        ctx.save_for_backward(q_Y1LK, kd_Y1bK, vd_Y1bK, k_off, v_off, rows, o_Y1LK, lse_Y1L)
+        ctx.runs, ctx.shape, ctx.mask = runs, (B, H, G, b), mask
+        return _unfold_heads(o_Y1LK, B, G, H // G)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do_BHTK: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         assert _FLASH_BWD is not None
-        q_NBHbK, kd, vd, k_off, v_off, rows, o_NBHbK, lse_NBHb = ctx.saved_tensors
-        B, H, G, T, K, b = ctx.shape
-        N, hg, scale = T // b, H // G, 1.0 / math.sqrt(K)
-        do_NBHbK = do_BHTK.reshape(B, H, N, b, K).permute(2, 0, 1, 3, 4).contiguous()
-        X = N * B
-        dq_XHbK, dkd, dvd = _FLASH_BWD(do_NBHbK.view(X, H, b, K), q_NBHbK.view(X, H, b, K), kd, vd,
-                                       o_NBHbK.view(X, H, b, K), lse_NBHb.view(X, H, b), 0.0, True, scale=scale)
-        # written straight into [B, H, T, K] order through a block-major view (no extra copy at the end)
-        dq_BHTK = torch.empty_like(q_NBHbK).view(B, H, T, K)
-        dq_NBGhbK = dq_BHTK.view(B, G, hg, N, b, K).permute(3, 0, 1, 2, 4, 5)
-        dq_NBGhbK.copy_(dq_XHbK.view(N, B, G, hg, b, K))
-        dk_BGTK, dv_BGTK = _diag_grad(dkd, B, G, T, b), _diag_grad(dvd, B, G, T, b)
-        dk_rows, dv_rows = dk_BGTK.view(B * G * N, b * K), dv_BGTK.view(B * G * N, b * K)
-        at = 0
-        for n0, r, q_p, k_p, v_p in _off_views(q_NBHbK, k_off, v_off, ctx.runs, G):
-            L = hg * b
-            dq_p, dk_p, dv_p = _FLASH_BWD(do_NBHbK[n0:n0 + r].view(r * B, G, L, K), q_p, k_p, v_p,
-                                          o_NBHbK[n0:n0 + r].view(r * B, G, L, K),
-                                          lse_NBHb[n0:n0 + r].view(r * B, G, L), 0.0, False, scale=scale)
-            dq_NBGhbK[n0:n0 + r].add_(dq_p.view(r, B, G, hg, b, K))
-            # the gathered blocks' gradients added at their rows (the gather's backward, without a zero tensor)
-            at = _index_add_rows(dk_rows, dv_rows, rows, at, dk_p, dv_p, b * K)
-        return dq_BHTK, dk_BGTK, dv_BGTK, None, None, None
+        q_Y1LK, kd_Y1bK, vd_Y1bK, k_off, v_off, rows, o_Y1LK, lse_Y1L = ctx.saved_tensors
+        B, H, G, b = ctx.shape
+        scale = 1.0 / math.sqrt(q_Y1LK.shape[-1])
+        do_Y1LK = _fold_heads(do_BHTK, G, b)
+        dq_Y1LK, dkd_Y1bK, dvd_Y1bK = _FLASH_BWD(do_Y1LK, q_Y1LK, kd_Y1bK, vd_Y1bK, o_Y1LK, lse_Y1L, 0.0,
+                                                 ctx.mask is None, attn_mask=ctx.mask, scale=scale)
+        dk_parts, dv_parts = [], []
+        for s, q_p, k_p, v_p in _off_views(q_Y1LK, k_off, v_off, ctx.runs, B * G):
+            dq_p, dk_p, dv_p = _FLASH_BWD(do_Y1LK[s], q_p, k_p, v_p, o_Y1LK[s], lse_Y1L[s], 0.0, False,
+                                          scale=scale)
+            dq_Y1LK[s].add_(dq_p)
+            dk_parts.append(dk_p.reshape(-1, k_off.shape[1]))  # contiguous: views, in the gathered order
+            dv_parts.append(dv_p.reshape(-1, v_off.shape[1]))
+        dk_BGTK, dv_BGTK = _diag_grad(dkd_Y1bK, B, G), _diag_grad(dvd_Y1bK, B, G)
+        if dk_parts:  # the gathered blocks' gradients added at their rows (the gather's backward), all runs at once
+            dk_BGTK.view(-1, k_off.shape[1]).index_add_(0, rows, torch.cat(dk_parts))
+            dv_BGTK.view(-1, v_off.shape[1]).index_add_(0, rows, torch.cat(dv_parts))
+        return _unfold_heads(dq_Y1LK, B, G, H // G), dk_BGTK, dv_BGTK, None, None, None
 
 
-def _diag_grad(dd_XHbK: torch.Tensor, B: int, G: int, T: int, b: int) -> torch.Tensor:
-    """[B, G, T, K]: the diagonal part's key (or value) gradient, summed over each group's query heads."""
-    X, H, _, K = dd_XHbK.shape
-    N = X // B
-    d_BGTK = torch.empty(B, G, T, K, dtype=dd_XHbK.dtype, device=dd_XHbK.device)
-    d_NBGbK, dd_NBGhbK = d_BGTK.view(B, G, N, b, K).permute(2, 0, 1, 3, 4), dd_XHbK.view(N, B, G, H // G, b, K)
-    d_NBGbK.copy_(dd_NBGhbK[:, :, :, 0])  # copy and add: a strided sum over the heads is ~3x slower
-    for j in range(1, H // G):
-        d_NBGbK.add_(dd_NBGhbK[:, :, :, j])
-    return d_BGTK
-
-
-def _index_add_rows(dk_rows: torch.Tensor, dv_rows: torch.Tensor, rows: torch.Tensor, at: int, dk_p: torch.Tensor,
-                    dv_p: torch.Tensor, width: int) -> int:
-    """Add one run's gathered-block gradients at their table rows (`rows[at:]`); the next run's offset."""
-    n = dk_p.numel() // width
-    dk_rows.index_add_(0, rows[at:at + n], dk_p.reshape(n, width))
-    dv_rows.index_add_(0, rows[at:at + n], dv_p.reshape(n, width))
-    return at + n
+def _diag_grad(dd_Y1bK: torch.Tensor, B: int, G: int) -> torch.Tensor:
+    """[B, G, T, K]: the diagonal part's key (or value) gradient back in sequence order (one copy)."""
+    Y, _, b, K = dd_Y1bK.shape
+    N = Y // (B * G)
+    return dd_Y1bK.view(N, B, G, b, K).permute(1, 2, 0, 3, 4).reshape(B, G, N * b, K)
 
 
 def split_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
                           sel: BlockSelection) -> torch.Tensor:
-    """The "split" path (CPU, torch's CPU flash-attention ops; see `_SplitBlocks`): no mask anywhere. Raises
+    """The "split" path (CPU, torch's CPU flash-attention ops; see `_SplitBlocks`): mask-free off-diagonal calls,
+    one diagonal call under a small causal mask. Raises
     where the ops are missing or the tensors are not on a CPU (the "masked" path runs there)."""
     if _FLASH is None or _FLASH_BWD is None or q_BHTK.device.type != "cpu":
         raise RuntimeError(f"the split block-sparse attention path needs torch's CPU flash-attention ops on a CPU "
                            f"tensor (device {q_BHTK.device}, ops present: {_FLASH is not None}); use "
                            f"path='masked'")
+    # the flash kernel reads rows of K contiguous values at any other strides (the diagonal keys and values are
+    # views of the inputs where B G = 1): a tensor strided along K is copied once
+    k_BGTK, v_BGTK = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_BGTK, v_BGTK))
     B, H, T, K = q_BHTK.shape
     G, b = k_BGTK.shape[1], sel.block
     runs = _runs(sel.counts)
@@ -351,7 +388,7 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
                            sel: BlockSelection, path: str | None = None) -> torch.Tensor:
     """Causal attention of each query block over its selected key blocks only (differentiable in q, k, v).
 
-    `path`: "split" (mask-free parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
+    `path`: "split" (parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
     mask on the diagonal block, any device); None takes `default_path` for q's device and shape. Both compute the same
     attention (tested against each other and against `dense_block_attention`)."""
     if path is None:

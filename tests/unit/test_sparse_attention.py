@@ -110,3 +110,37 @@ def test_selection_keeps_diagonal_top_scores_and_counts() -> None:
         others = sorted(range(n), key=lambda j: -float(s[n, j]))[:c - 1]
         assert sorted(kept[:-1]) == sorted(others)
     assert kept_fraction(96, 16, 0.5) == pytest.approx(11 / 21)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_path_in_half_precision(dtype: torch.dtype) -> None:
+    """bf16/fp16 inputs: the split path (its diagonal mask in the inputs' dtype, fp32 log-sum-exps) stays within
+    half-precision rounding of the fp32 dense reference, forward and backward, and returns the inputs' dtype."""
+    qkv = _qkv(2, 4, 2, 128, 16, seed=9)
+    sel = select_blocks(qkv[0], qkv[1], 32, 0.5)
+    g_out = torch.randn(2, 4, 128, 16, generator=torch.Generator().manual_seed(2))
+    low = [t.detach().to(dtype).requires_grad_(True) for t in qkv]
+    got = _out_and_grads(sa.split_block_attention, low, sel, g_out.to(dtype))
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    assert all(t.dtype == dtype for t in got)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("v_layout", ["transposed", "strided_along_K"])
+def test_split_path_single_group_views(v_layout: str) -> None:
+    """One row and one key/value head: the split path's diagonal keys and values are views of the inputs (no
+    copy), read at their strides; a value tensor strided along K is copied first. Equal to dense, fwd and bwd."""
+    qkv = _qkv(1, 4, 1, 96, 8, seed=11)
+    g = torch.Generator().manual_seed(12)
+    if v_layout == "transposed":  # [B, T, G, K] projection output seen as [B, G, T, K]
+        v = torch.randn(1, 96, 1, 8, generator=g).transpose(1, 2)
+    else:
+        v = torch.randn(1, 1, 8, 96, generator=g).transpose(2, 3)
+    qkv[2] = v.requires_grad_(True)
+    sel = select_blocks(qkv[0], qkv[1], 32, 0.5)
+    g_out = torch.randn(1, 4, 96, 8, generator=g)
+    got = _out_and_grads(sa.split_block_attention, qkv, sel, g_out)
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
