@@ -38,9 +38,20 @@ __all__ = ["PlanAhead", "plan_json"]
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(cost: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def _init_worker(cost: dict[str, Any], kwargs: dict[str, Any], parent_pid: int) -> None:
     _WORKER["cost"] = MicroBatchCost.from_dict(cost)
     _WORKER["kwargs"] = kwargs
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="moebal-plan-parent-watch", daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
+    """Exit when the rank that started this worker is gone. A rank that dies without shutting its pool down
+    (killed by the launcher after another rank failed, or SIGKILL) sends its idle workers no sentinel, and an
+    idle worker holds both ends of its own call queue, so it would wait forever -- keeping the job's stdout and
+    stderr pipes open, which hangs whatever reads them to EOF (the launcher's caller, a test)."""
+    while os.getppid() == parent_pid:
+        time.sleep(period_s)
+    os._exit(0)
 
 
 def plan_json(lengths: Sequence[int], cost: MicroBatchCost, kwargs: dict[str, Any]) -> str:
@@ -81,7 +92,8 @@ class PlanAhead:
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(self.cost.to_dict(), self.kwargs))
+                                             initializer=_init_worker,
+                                             initargs=(self.cost.to_dict(), self.kwargs, os.getpid()))
 
     def set_cost(self, cost: MicroBatchCost) -> None:
         """Plan the steps submitted from now on with `cost` (the layers moved); plans already submitted finish

@@ -246,6 +246,7 @@ def _forked_rank(argv: list[str], env: dict[str, str], cwd: str, fds: tuple[Any,
     """A forked rank's body: become what `python -m moebal.cli *argv` would be in the launcher's environment, run
     it, and exit with its code (Python's atexit handlers run, as at a new process's exit)."""
     import atexit
+    import threading
     import traceback
 
     from moebal.launch.forkserver import fresh_process
@@ -269,6 +270,11 @@ def _forked_rank(argv: list[str], env: dict[str, str], cwd: str, fds: tuple[Any,
     except BaseException:  # noqa: BLE001 - what an uncaught exception does in a new process: traceback, exit 1
         traceback.print_exc()
         code = 1
+    # The interpreter's own exit order: first threading's shutdown (it joins non-daemon threads and runs the
+    # threading atexits, where a ProcessPoolExecutor tells its workers to stop), then the atexit handlers
+    # (multiprocessing's joins every non-daemon child). The other order joins pool workers that were never told
+    # to stop: the rank hangs at its exit (seen with DynaPipe's planning workers).
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.exit(code)
 

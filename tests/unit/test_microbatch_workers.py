@@ -1,0 +1,44 @@
+"""The planning workers of `PlanAhead` do not outlive the rank that started them."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from test_microbatch import quad_table
+from moebal.balance.microbatch_workers import PlanAhead
+
+ahead = PlanAhead(quad_table(), {}, workers=1)
+ahead.submit(1, [100, 60, 40, 200])
+plan, _ = ahead.get(1)
+assert plan.micro_batches, "the worker planned nothing"
+print(*ahead._pool._processes, flush=True)
+os._exit(0)  # dies as a killed rank does: no pool shutdown, no sentinel to the idle worker
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # exited; its new parent has not reaped it yet
+
+
+def test_an_idle_worker_exits_when_its_rank_dies_without_shutting_the_pool_down(tmp_path: Path) -> None:
+    here = str(Path(__file__).parent)
+    log = tmp_path / "out.txt"
+    with log.open("w") as f:  # a file, not a pipe: an orphaned worker holding a pipe would block run() itself
+        rc = subprocess.run([sys.executable, "-c", CHILD, here], stdout=f, stderr=subprocess.STDOUT, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).returncode
+    assert rc == 0, log.read_text()
+    pids = [int(p) for p in log.read_text().split()]
+    assert len(pids) == 1
+    deadline = time.monotonic() + 20
+    while not _gone(pids[0]):
+        assert time.monotonic() < deadline, f"planning worker {pids[0]} outlived its rank by 20 s"
+        time.sleep(0.1)
