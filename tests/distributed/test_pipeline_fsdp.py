@@ -181,32 +181,11 @@ def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeli
 
 
 def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-    """6 steps with migrations in one go against 4 steps, a stop, and a resume of the fully sharded run from its
-    step-4 checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards); the same
-    checkpoint resumed unsharded continues the same run too (the format does not say it was sharded)."""
-    import json
-    import shutil
-    from pathlib import Path
+    """The resume parity of `test_pipeline_sharded.resume_parity` under `shard: full`; checkpoint rows are written
+    by their owners."""
+    from tests.distributed.test_pipeline_sharded import resume_parity
 
-    from tests.distributed.shard_parity import checkpoint_state
-    from tests.distributed.test_pipeline_sharded import _leg
-
-    whole = run_ranks(_leg, 4, str(tmp_path / "whole"), "full", False, None, timeout_s=600)[0]
-    run = str(tmp_path / "resumed")
-    run_ranks(_leg, 4, run, "full", False, 4, timeout_s=600)
-    shutil.copytree(run, tmp_path / "unsharded")
-    resumed = run_ranks(_leg, 4, run, "full", True, None, timeout_s=600)[0]
-    plain = run_ranks(_leg, 4, str(tmp_path / "unsharded"), "none", True, None, timeout_s=600)[0]
-    assert [r["step"] for r in resumed] == [r["step"] for r in plain] == list(range(1, 7))
-    for a, b, c in zip(whole, resumed, plain):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), a["step"]
-        assert math.isclose(a["loss"], c["loss"], rel_tol=1e-5), (a["step"], a["loss"], c["loss"])
-    ref, got = (checkpoint_state(Path(d) / "ckpt-0000006") for d in (tmp_path / "whole", run))
-    assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") for k in ref)
-    worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
-    assert worst < 1e-5, worst
-    manifest = json.loads((Path(run) / "ckpt-0000006" / "manifest.json").read_text())
+    manifest = resume_parity(tmp_path, "full")
     pieced = {k: e for k, e in manifest["tensors"].items() if k.endswith(":exp_avg") and "pieces" in e}
     writers = {p["file"] for e in pieced.values() for p in e["pieces"]}
     assert pieced and all(len(e["pieces"]) == 2 for e in pieced.values())  # rows written by the 2 owners

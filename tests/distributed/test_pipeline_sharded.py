@@ -141,17 +141,18 @@ def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int |
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
 
 
-def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
-    """6 steps with migrations in one go against 4 steps, a stop, and a resume of the sharded run from its step-4
+def resume_parity(tmp_path: Path, shard: str) -> dict:
+    """6 steps with migrations in one go against 4 steps, a stop, and a resume of the `shard` run from its step-4
     checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards); the same
-    checkpoint resumed unsharded continues the same run too (the format does not say it was sharded)."""
+    checkpoint resumed unsharded continues the same run too (the format does not say it was sharded). Asserts
+    losses, gradient norms and the step-6 state within 1e-5; returns the resumed run's step-6 manifest."""
     import shutil
 
-    whole = run_ranks(_leg, 4, str(tmp_path / "whole"), "optimizer", False, None, timeout_s=600)[0]
+    whole = run_ranks(_leg, 4, str(tmp_path / "whole"), shard, False, None, timeout_s=600)[0]
     run = str(tmp_path / "resumed")
-    run_ranks(_leg, 4, run, "optimizer", False, 4, timeout_s=600)
+    run_ranks(_leg, 4, run, shard, False, 4, timeout_s=600)
     shutil.copytree(run, tmp_path / "unsharded")
-    resumed = run_ranks(_leg, 4, run, "optimizer", True, None, timeout_s=600)[0]
+    resumed = run_ranks(_leg, 4, run, shard, True, None, timeout_s=600)[0]
     plain = run_ranks(_leg, 4, str(tmp_path / "unsharded"), "none", True, None, timeout_s=600)[0]
     assert [r["step"] for r in resumed] == [r["step"] for r in plain] == list(range(1, 7))
     for a, b, c in zip(whole, resumed, plain):
@@ -162,7 +163,12 @@ def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(
     assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") for k in ref)
     worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
     assert worst < 1e-5, worst
-    manifest = json.loads((Path(run) / "ckpt-0000006" / "manifest.json").read_text())
+    return json.loads((Path(run) / "ckpt-0000006" / "manifest.json").read_text())
+
+
+def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
+    """The resume parity of `resume_parity` under `shard: optimizer`."""
+    manifest = resume_parity(tmp_path, "optimizer")
     writers = {e["file"] for k, e in manifest["tensors"].items() if k.endswith(":exp_avg")}
     assert len(writers) == 4, writers  # each stage's AdamW state written by its owners, every rank a part
 
