@@ -16,7 +16,7 @@ import torch
 
 from moebal.distributed.testing import run_ranks
 from moebal.errors import ConfigError
-from tests.distributed.test_pipeline_sharded import MIGRATE, STEPS, _rel, pipe_cfg
+from tests.distributed.test_pipeline_sharded import MIGRATE, STEPS, _rel, pair, pipe_cfg
 
 
 def _run(shard: str) -> dict[str, Any]:
@@ -37,11 +37,7 @@ def _run(shard: str) -> dict[str, Any]:
 
 def _pairs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    plain, full = _run("none"), _run("full")
-    p, s = plain.pop("params"), full.pop("params")
-    assert p.keys() == s.keys()
-    return {"none": plain, "full": full,
-            "param_rel": max((_rel(s[k], p[k]) for k in p if p[k].norm() > 0), default=0.0)}
+    return pair(_run("none"), _run("full"), "full")
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +110,7 @@ def _composed(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for case in ("ep2", "planned"):
-        plain, full = _composed_run("none", case), _composed_run("full", case)
-        p, s = plain.pop("params"), full.pop("params")
-        assert p.keys() == s.keys()
-        out[case] = {"none": plain, "full": full,
-                     "param_rel": max((_rel(s[k], p[k]) for k in p if p[k].norm() > 0), default=0.0)}
+        out[case] = pair(_composed_run("none", case), _composed_run("full", case), "full")
     return out
 
 

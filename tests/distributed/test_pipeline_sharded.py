@@ -62,6 +62,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12))
 
 
+def pair(plain: dict[str, Any], sharded: dict[str, Any], shard: str) -> dict[str, Any]:
+    """An unsharded and a sharded run of one case side by side, their final parameters reduced to the largest
+    relative difference (so only records and scalars travel back from the ranks)."""
+    p, s = plain.pop("params"), sharded.pop("params")
+    assert p.keys() == s.keys()
+    return {"none": plain, shard: sharded, "param_rel": max((_rel(s[k], p[k]) for k in p if p[k].norm() > 0),
+                                                            default=0.0)}
+
+
 def _pairs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     # re-packing keeps two stages at least (embedding and head): 4 stages of one rank each, onto 2; the expert-
@@ -70,11 +79,8 @@ def _pairs(rank: int, world: int) -> dict[str, Any]:
              "repack": (4, 1, {"force": ((6, (2, 2)),)}, "1f1b")}
     out: dict[str, Any] = {}
     for name, (pp, ep, knobs, schedule) in cases.items():
-        plain, sharded = _run("none", ep, knobs, pp, schedule), _run("optimizer", ep, knobs, pp, schedule)
-        p, s = plain.pop("params"), sharded.pop("params")
-        assert p.keys() == s.keys()
-        out[name] = {"none": plain, "optimizer": sharded,
-                     "param_rel": max((_rel(s[k], p[k]) for k in p if p[k].norm() > 0), default=0.0)}
+        out[name] = pair(_run("none", ep, knobs, pp, schedule), _run("optimizer", ep, knobs, pp, schedule),
+                         "optimizer")
     return out
 
 
