@@ -57,30 +57,49 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP reached a launcher; raised like Ctrl-C's KeyboardInterrupt so that the launcher stops
-    its children on the way out. `signum`: the signal."""
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP reached a launcher; a KeyboardInterrupt, so that the launcher stops its
+    children on the way out and `moebal` exits with 128 + `signum`, the signal."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
+# Stop signals noted by `_stopped_by_signals`' handler and not yet acted on (main thread only).
+_pending: list[int] = []
+
+
 @contextlib.contextmanager
 def _stopped_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise Stopped inside the block (the main thread only: Python runs handlers there)."""
+    """Inside the block SIGINT, SIGTERM and SIGHUP stop the launcher: the handler only notes the signal, and the
+    watch loop (`_check_stopped`) raises Stopped at a point where that is safe; the block's exit raises it too
+    when a signal arrived after the last check. Main thread only: Python runs handlers there.
+
+    The handler must not raise by itself: an exception raised between two bytecodes can land inside
+    subprocess.Popen.poll after it took its wait lock and before its try block, leaving the lock held, and the
+    later `wait()` that stops the child then blocks forever (a SIGTERM'd launcher hung that way)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum: int, frame: object) -> None:
-        raise Stopped(signum)
+    def note(signum: int, frame: object) -> None:
+        _pending.append(signum)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, note) for s in _STOP_SIGNALS}
+    _pending.clear()
     try:
         yield
+        _check_stopped()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        _pending.clear()
+
+
+def _check_stopped() -> None:
+    """Raise Stopped for the first stop signal noted since the block began (nothing outside the block)."""
+    if _pending:
+        raise Stopped(_pending[0])
 
 
 def die_with_launcher() -> None:
@@ -292,6 +311,7 @@ def _name_this_process(name: str) -> None:
 def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per_rank: int, poll_s: float,
               max_restarts: int, restart_argv: Sequence[str], start: StartRank) -> int:
     for attempt in range(max_restarts + 1):
+        _check_stopped()  # a signal during the start or the last attempt's stop: no new attempt
         store = _rendezvous_store(nproc)  # held until this attempt's ranks are gone
         port = store.port
         procs: list[_Child] = []
@@ -342,6 +362,7 @@ def _rendezvous_store(world_size: int) -> Any:
 def _watch(procs: Sequence[_Child], poll_s: float) -> tuple[int, int] | None:
     """Wait until every process exited 0 (None) or one failed: (its index, its exit code)."""
     while True:
+        _check_stopped()
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:

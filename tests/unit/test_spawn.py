@@ -1,4 +1,5 @@
-"""`spawn_local`'s rendezvous: the job's store listens before any rank starts (no port race, no TCP self-connect).
+"""`spawn_local`'s rendezvous: the job's store listens before any rank starts (no port race, no TCP self-connect);
+and how a launcher takes a stop signal.
 
 The ranks are a stand-in interpreter (`sys.executable` replaced, ranks exec'd) that records what it finds at
 start-up and exits, so the test needs no torch process group.
@@ -7,10 +8,16 @@ start-up and exits, so the test needs no torch process group.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from moebal.launch import spawn
 from moebal.launch.spawn import spawn_local
 
 
@@ -39,3 +46,27 @@ def test_every_rank_finds_the_store_listening_when_it_starts(tmp_path, monkeypat
     assert len({s["port"] for s in seen}) == 1
     with socket.socket() as s:  # the store went with the job
         assert s.connect_ex(("127.0.0.1", int(seen[0]["port"]))) != 0
+
+
+def test_a_stop_signal_is_acted_on_between_polls_never_inside_one():
+    # the handler only notes the signal: Stopped comes from the watch loop (or the block's end), so it cannot land
+    # inside Popen.poll while that holds its wait lock, and stopping the child afterwards cannot hang
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(spawn.Stopped) as raised, spawn._stopped_by_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            went_on = True  # the handler did not raise here
+            spawn._watch([child], 0.01)
+        assert went_on and raised.value.signum == signal.SIGTERM
+        spawn._stop([child], grace_s=5.0)
+        assert child.returncode == -signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not spawn._pending
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_signal_after_the_last_check_still_stops_the_block():
+    with pytest.raises(spawn.Stopped) as raised, spawn._stopped_by_signals():
+        os.kill(os.getpid(), signal.SIGHUP)
+    assert raised.value.signum == signal.SIGHUP
