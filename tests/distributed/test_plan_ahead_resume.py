@@ -11,10 +11,15 @@ until its first build, `path_refresh` steps after the resume, and place other re
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import shutil
 import time
 from pathlib import Path
+
+import pytest
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
@@ -115,8 +120,15 @@ def _check_exact(out: dict, resumed_from: int, ahead_after: int) -> None:
     assert any(r["replicas"][j] > 0 for r in after for j in r["plan_ahead_layers"])
 
 
-def test_expert_parallel_resume_continues_the_online_profile_exactly(tmp_path):
-    out = run_ranks(_worker, 2, str(tmp_path), "ep", timeout_s=600)[0]
+@pytest.fixture(scope="module")
+def ep_job(tmp_path_factory) -> tuple[Path, dict]:
+    """The 2-rank expert-parallel job (uninterrupted, then resumed): its directory and rank 0's results."""
+    root = tmp_path_factory.mktemp("plan_ahead_ep")
+    return root, run_ranks(_worker, 2, str(root), "ep", timeout_s=600)[0]
+
+
+def test_expert_parallel_resume_continues_the_online_profile_exactly(ep_job):
+    out = ep_job[1]
     _check_exact(out, resumed_from=4, ahead_after=3)
     assert [r["plan_ahead_layers"] for r in out["whole"]][:3] == [[], [], []]  # before the first build
     # plans.jsonl line for line: the placements used (ahead ones included) and planned, with their predictions
@@ -127,3 +139,53 @@ def test_expert_parallel_resume_continues_the_online_profile_exactly(tmp_path):
 def test_resume_inside_pipeline_stages_continues_the_online_profile_exactly(tmp_path):
     out = run_ranks(_worker, 4, str(tmp_path), "pp", timeout_s=600)[0]
     _check_exact(out, resumed_from=3, ahead_after=2)
+
+
+def _on_four(rank: int, world: int, root: str) -> dict | None:
+    """The 2-rank run's step-4 checkpoint resumed on 4 ranks (expert parallelism 4), rank 0's stderr kept."""
+    import torch.distributed as dist
+
+    part = _interrupted(rank, Path(root) / "whole", Path(root) / "four", "ckpt-0000008")
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        _ep_run(_cfg(8, 4, refresh=3, window=4), part, True)
+    dist.barrier()
+    return {"part": _metrics(part), "said": said.getvalue()} if rank == 0 else None
+
+
+def test_under_another_expert_parallel_size_the_online_profile_starts_empty_and_says_why(ep_job):
+    """4 token shards instead of 2: every rank's tokens are another slice of the batch, so no rank continues
+    its saved window; the profile is built again `path_refresh` (3) steps after the resume, the run says why,
+    and the losses are the uninterrupted run's up to summation order."""
+    root, whole = ep_job[0], ep_job[1]["whole"]
+    out = run_ranks(_on_four, 4, str(root), timeout_s=600)[0]
+    part = out["part"]
+    assert [r["step"] for r in part] == list(range(1, 9))
+    assert [r["plan_ahead_layers"] for r in part][4:] == [[], [], [], [1, 2]]
+    assert "starts empty on resume: it was saved with 2 token shards per stage" in out["said"]
+    assert "this run has 4" in out["said"]
+    for a, b in zip(whole, part):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+
+
+def _no_ep(rank: int, world: int, root: str) -> None:
+    _pp_run_dims(_cfg(2, 0, refresh=1, window=1, pp=2), Path(root), ep=1)
+
+
+def _pp_run_dims(cfg: Config, out: Path, ep: int) -> None:
+    import torch.distributed as dist
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.pipeline.runner import pipeline_ep
+    from moebal.train.pipelined import pipeline_trainer
+
+    world = dist.get_world_size()
+    assert pipeline_ep(cfg, world) == ep  # neither parallel.ep nor parallel.nproc: world / pp
+    dims = ParallelDims(world_size=world, rank=dist.get_rank(), pp=2, ep=ep).init()
+    pipeline_trainer(cfg, out, dims=dims).close()
+
+
+def test_stages_without_expert_parallelism_refuse_plan_ahead_at_start_up(tmp_path):
+    """The config check passes (it cannot see the stage's size); the stages refuse, naming the resolved size."""
+    with pytest.raises(RuntimeError, match=r"parallel.ep resolved to 1: 2 ranks over parallel.pp 2 stages"):
+        run_ranks(_no_ep, 2, str(tmp_path), timeout_s=300)
