@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -66,8 +67,9 @@ from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog
 
 if TYPE_CHECKING:
-    from moebal.distributed.plan_ahead import PlanAhead
+    from moebal.distributed.plan_ahead import PlanAhead, SavedWindow
     from moebal.pipeline.stage import PipelineStage
+    from moebal.train.checkpoint import CheckpointReader
     from moebal.train.distributed import RunContext
     from moebal.train.trainer import Trainer
 
@@ -253,6 +255,7 @@ class ExpertParallelHook(Hook):
         self._events: Any = None
         self._t_opt = 0.0
         self.ahead = _plan_ahead(cfg, ep, self.balancer)
+        self._windows: dict[int, SavedWindow] | None = None  # read from a checkpoint, installed on load
         ep.set_plan_ahead(self.ahead)
 
     @property
@@ -433,7 +436,29 @@ class ExpertParallelHook(Hook):
                 "comm_costs": self.comm_costs.to_dict() if self._measure_comm and self.comm_costs else None,
                 "a2a_chunks": self.chunks, "feedback": b.feedback.state_dict()}
 
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        """Plan-ahead's online profile state (the routing window, the refresh counter) of this rank's tokens,
+        by MoE layer (`PlanAhead.window_tensors`); none without plan-ahead or with a loaded profile."""
+        if self.ahead is None:
+            return {}
+        d = self.ep.dims
+        return self.ahead.window_tensors(0, d.index("dp_ep"), d.size("dp_ep"))
+
+    def read_tensors(self, reader: CheckpointReader) -> None:
+        """Read plan-ahead's saved online profile state of this rank's tokens and agree over the job whether
+        every rank can continue it (`_windows_fit`); `load_state_dict` installs it."""
+        a = self.ahead
+        if a is None or not a.online:
+            return
+        d, gather = self.ep.dims, self.ctx.gather
+        saved = _read_windows(reader, d.index("dp_ep"), gather)
+        fits = _windows_fit(a, saved, 0, d.size("dp_ep"), gather, "" if self.ctx.is_main else None)
+        self._windows = saved if fits else None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.ahead is not None and self._windows is not None:
+            self.ahead.load_window(self._windows, 0)
+            self._windows = None
         if not state:
             return
         placements = [ExpertPlacement.from_dict(d) for d in state["placements"]]
@@ -501,6 +526,36 @@ def _plan_ahead(cfg: Config, ep: ExpertParallel, balancer: ExpertBalancer) -> Pl
                      profile, refresh=p.path_refresh, window=p.path_window)
 
 
+def _read_windows(reader: CheckpointReader, shard: int, gather: Callable[[Any], list[Any]]
+                  ) -> dict[int, SavedWindow]:
+    """This rank's saved plan-ahead windows (`read_windows`); a malformed entry on any rank of `gather` is every
+    rank's CheckpointError."""
+    from moebal.distributed.plan_ahead import read_windows
+    from moebal.errors import CheckpointError
+
+    error, saved = None, {}
+    try:
+        saved = read_windows(reader, shard)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return saved
+
+
+def _windows_fit(ahead: PlanAhead, saved: dict[int, SavedWindow], first: int, shards: int,
+                 gather: Callable[[Any], list[Any]], say: str | None) -> bool:
+    """Whether every rank of `gather` can continue its online profile from its saved windows
+    (`PlanAhead.window_misfit`): all or none, since the ranks of an "ep" group must agree on their ahead layers.
+    When not, `say` (a prefix: the rank that reports) writes the first rank's reason."""
+    whys = [w for w in gather(ahead.window_misfit(saved, first, shards)) if w]
+    if whys and say is not None:
+        sys.stderr.write(f"moebal: {say}plan-ahead's online path profile starts empty on resume: {whys[0]}; layers "
+                         f"are planned ahead again after its first build, planner.path_refresh steps from now\n")
+    return not whys
+
+
 # ---- expert parallelism inside pipeline stages ---------------------------------------------------------------
 
 class StageExperts:
@@ -522,6 +577,7 @@ class StageExperts:
     rank's rows; this also holds with ep = 1 and data-parallel replicas."""
 
     def __init__(self, stage: PipelineStage, dims: ParallelDims, cfg: Config) -> None:
+        _check_stage_ep(cfg, dims)
         self.stage, self.dims, self.cfg = stage, dims, cfg
         self.R = dims.ep
         self.data_ranks = dims.size("dp_ep")
@@ -756,6 +812,48 @@ class StageExperts:
             self.ep.refresh()
             self._rebuild_ahead()
 
+    # ---- checkpoints: plan-ahead's online profile, per MoE layer of this rank's tokens (extra tensors) ----
+    def _first_moe(self) -> int:
+        """The ordinal among the model's MoE layers of the stage's first MoE layer."""
+        ids = self._moe_ids()
+        return sum(self.cfg.is_moe_layer(k) for k in range(ids[0])) if ids else 0
+
+    def ahead_tensors(self) -> dict[str, torch.Tensor]:
+        """The online profile's state of the stage's MoE layers and this rank's tokens (`window_tensors`; a
+        chain's ranks see the same tokens in every stage, so each layer's window is named by MoE layer ordinal
+        and token shard, whichever stage held it)."""
+        if self.ahead is None:
+            return {}
+        return self.ahead.window_tensors(self._first_moe(), self.dims.index("dp_ep"), self.data_ranks)
+
+    def read_ahead(self, reader: CheckpointReader) -> dict[int, SavedWindow]:
+        """Every MoE layer's saved online profile state of this rank's token shard (any partition), read and
+        checked; `resume_ahead` installs the stage's once the saved partition is in place."""
+        if self.ahead is None or not self.ahead.online:
+            return {}
+        from moebal.distributed.plan_ahead import read_windows
+
+        return read_windows(reader, self.dims.index("dp_ep"))
+
+    def resume_ahead(self, saved: dict[int, SavedWindow]) -> None:
+        """Continue the stage's online profile from `read_ahead`'s windows when every rank of the stage's "ep"
+        group can (`_windows_fit`: the same token shards, each held layer saved over the same steps); else it
+        starts empty, as after a migration, and the stage's first rank says why."""
+        a = self.ahead
+        if a is None or not a.online:
+            return
+        group = self.dims.group("ep")
+
+        def gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * self.R
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        first = self._first_moe()
+        say = f"stage {self.dims.index('pp')}: " if self.dims.index("dp_ep") == 0 else None
+        if _windows_fit(a, saved, first, self.data_ranks, gather, say):
+            a.load_window(saved, first)
+
     # ---- checkpoints: the run's measured coefficients and each held layer's planner, as JSON ----
     def state_dict(self) -> dict[str, Any]:
         b = self.balancer
@@ -776,6 +874,21 @@ class StageExperts:
             b.load_planner(i, layers.get(i))
         b.feedback.load_state_dict(state.get("feedback") or {})
         self.step = int(state.get("step", 0))
+
+
+def _check_stage_ep(cfg: Config, dims: ParallelDims) -> None:
+    """Refuse plan-ahead in stages without expert parallelism. The config check refuses `parallel.ep: 1`; with
+    neither parallel.ep nor parallel.nproc set it cannot know the stage's size, which comes from the launched
+    ranks (world / pp), so the refusal is made here, where the stage's expert-parallel size is known, instead
+    of letting plan-ahead do nothing."""
+    if cfg.planner.plan_ahead == "off" or cfg.moe.num_experts == 0 or dims.ep > 1:
+        return
+    from moebal.errors import ConfigError
+
+    raise ConfigError(f"'planner.plan_ahead: path' places experts, but this pipeline's stages have no "
+                      f"expert-parallel group (parallel.ep resolved to {dims.ep}: {dims.world_size} ranks over "
+                      f"parallel.pp {dims.pp} stages{'' if cfg.parallel.ep is None else ', as set'}): launch more "
+                      f"ranks per stage and set parallel.ep > 1, or set planner.plan_ahead off")
 
 
 def _all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:

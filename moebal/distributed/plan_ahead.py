@@ -37,6 +37,11 @@ Gaps settled (docs/expert-parallel.md, "Placement ahead of the gate"):
   the previous-iteration placement. The estimate is made on the step's first micro-batch and scaled to the step
   (`set_step_scale`), one plan per step. A migration rebuilds the stage's `PlanAhead` (loaded profile: cut to the
   new layers, `PathProfile.layers`; online profile: empty again).
+- **Resume**: the online profile's state (each MoE layer's routing window of this rank's tokens, the refresh
+  counter, the samples taken since the last build) is checkpointed by MoE layer and token shard
+  (`window_tensors`); the profile in use is rebuilt from its samples on load (`load_window`), so a resumed run
+  plans what the uninterrupted one plans. Under another token-shard count, or when a planned layer's window is
+  missing or was taken over other steps (`window_misfit`), the profile starts empty on every rank.
 - **Placement never changes the maths**: a placement only decides where an expert's rows are computed; the
   losses equal static expert parallelism's and the gradients equal it up to the summation order of Agg
   (tests/distributed/test_plan_ahead.py).
@@ -47,16 +52,20 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from moebal.errors import CheckpointError
 from moebal.planner.paths import PathProfile, build_profile, estimate_accuracy
 from moebal.planner.plan import ExpertPlacement
 from moebal.sync import to_host, upload
 
-__all__ = ["ACCURACY_KEYS", "SCALE", "DevicePaths", "PlanAhead", "mean_accuracy"]
+__all__ = ["ACCURACY_KEYS", "SCALE", "DevicePaths", "PlanAhead", "SavedWindow", "mean_accuracy", "read_windows",
+           "window_name"]
 
 SCALE = 256
 """Fixed point of the estimate in the count exchange (int64): 1/256 of an assignment."""
@@ -137,8 +146,12 @@ class PlanAhead:
                              f"planner.path_len")
         self.L, self.E, self.path_len, self.device = num_layers, num_experts, path_len, device
         self.plan_fn, self.online = plan, profile is None
-        self.refresh, self.min_tokens = refresh, min_tokens
-        self.samples: deque[np.ndarray] = deque(maxlen=window)  # [L, T, K] routing of this rank, one per step
+        self.refresh, self.window, self.min_tokens = refresh, window, min_tokens
+        # [L, T, K] routing of this rank, one per step that routed every layer; a profile is built from the last
+        # `window`, and the (at most refresh - 1) samples taken since are kept beside them, so the profile in use
+        # can be rebuilt from the samples alone (`window_tensors` / `load_window`: resume)
+        self.samples: deque[np.ndarray] = deque(maxlen=window + refresh - 1)
+        self.fresh = 0  # samples taken since the last build
         self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device)
         self.steps = 0
         self.scale = 1.0  # the step's tokens over its first forward's (`set_step_scale`)
@@ -215,11 +228,16 @@ class PlanAhead:
         is rebuilt every `refresh` steps from the last `window`."""
         self.disarm()
         self.steps += 1
-        if not self.online or len(self._ids) != self.L:
+        if not self.online or self.L == 0 or len(self._ids) != self.L:
             return
         self.samples.append(np.asarray(to_host(torch.stack(self._ids), "plan-ahead routing"), dtype=np.int64))
+        self.fresh += 1
         if self.steps % self.refresh == 0:
-            self.paths = DevicePaths(build_profile(list(self.samples), self.E, self.path_len), self.device)
+            self._build(list(self.samples)[-self.window:])
+
+    def _build(self, samples: list[np.ndarray]) -> None:
+        self.paths = DevicePaths(build_profile(samples, self.E, self.path_len), self.device)
+        self.fresh = 0
 
     def layer_accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],
                        top_n: int) -> dict[int, dict[str, float]]:
@@ -245,6 +263,118 @@ class PlanAhead:
 
     def state(self) -> dict[str, Any]:
         return {"steps": self.steps, "online": self.online, "ahead_layers": self.ahead_layers()}
+
+    # ---- checkpoints: the online profile's state, per MoE layer and token shard ----
+    def window_tensors(self, first: int, shard: int, shards: int) -> dict[str, torch.Tensor]:
+        """The online profile's state by checkpoint name (none with a loaded profile): for each MoE layer
+        `first + j` (its ordinal among the model's MoE layers) of this rank's token shard `shard` of `shards` (the
+        rank's place in its stage's data x expert group), `meta` [steps, built, fresh, shards, N, T_1 .. T_N]
+        (int64) and, with N > 0 samples, `ids` [T_1 + .. + T_N, K] (int32): the layer's routing of the samples,
+        oldest first. The profile itself is not saved: `load_window` rebuilds it from the samples."""
+        if not self.online:
+            return {}
+        tokens = [int(s.shape[1]) for s in self.samples]
+        meta_M = torch.tensor([self.steps, int(self.paths is not None), self.fresh, shards, len(tokens), *tokens],
+                              dtype=torch.int64)
+        out: dict[str, torch.Tensor] = {}
+        for j in range(self.L):
+            out[window_name(shard, first + j, "meta")] = meta_M.clone()
+            if tokens:
+                ids_TK = np.concatenate([s[j] for s in self.samples], axis=0).astype(np.int32)
+                out[window_name(shard, first + j, "ids")] = torch.from_numpy(ids_TK)
+        return out
+
+    def window_misfit(self, saved: dict[int, SavedWindow], first: int, shards: int) -> str | None:
+        """Why the saved windows (`read_windows`) cannot continue this planner's online profile (MoE layers
+        `first` ..., token shard of `shards`), or None when they can: every layer has one, saved with as many
+        token shards, over the same steps (one stage's windows: the same counter and samples), of E experts."""
+        if not self.online or self.L == 0:
+            return None
+        missing = [first + j for j in range(self.L) if first + j not in saved]
+        if missing:
+            return f"the checkpoint holds no online path profile of MoE layer {missing[0]} for this rank's tokens"
+        ws = [saved[first + j] for j in range(self.L)]
+        if ws[0].shards != shards:
+            return (f"it was saved with {ws[0].shards} token shards per stage (data x expert-parallel ranks), this "
+                    f"run has {shards}: each rank's tokens are another slice of the batch")
+        if any((w.steps, w.built, w.fresh, w.tokens) != (ws[0].steps, ws[0].built, ws[0].fresh, ws[0].tokens)
+               for w in ws):
+            return "its MoE layers' windows were taken over different steps (a migration restarted one stage's)"
+        if any(w.ids is not None and w.ids.size and int(w.ids.max()) >= self.E for w in ws):
+            return f"it routed to more than the model's {self.E} experts"
+        if len({w.ids.shape[1] for w in ws if w.ids is not None}) > 1:
+            return "its MoE layers' windows hold different numbers of choices per token"
+        return None
+
+    def load_window(self, saved: dict[int, SavedWindow], first: int) -> None:
+        """Continue the online profile from the saved windows (`window_misfit` said they fit): the samples, the
+        refresh counter, and the profile in use rebuilt from the samples it was built from (all but the
+        `fresh` newest, the last `window` of those), so the resumed run plans what the uninterrupted one plans."""
+        if not self.online or self.L == 0:
+            return
+        w0 = saved[first]
+        bounds = np.cumsum([0, *w0.tokens])
+        samples = []
+        for n in range(len(w0.tokens)):
+            layers = [saved[first + j].ids for j in range(self.L)]
+            samples.append(np.stack([np.asarray(ids[bounds[n]:bounds[n + 1]], dtype=np.int64)
+                                     for ids in layers if ids is not None]))
+        self.steps = w0.steps
+        self.paths = None
+        built_from = samples[:len(samples) - w0.fresh][-self.window:]
+        if w0.built and built_from:
+            self._build(built_from)
+        self.samples = deque(samples, maxlen=self.window + self.refresh - 1)
+        self.fresh = w0.fresh
+
+
+@dataclass(frozen=True)
+class SavedWindow:
+    """One MoE layer's saved online-profile state of one token shard (`PlanAhead.window_tensors`)."""
+
+    steps: int
+    built: bool
+    fresh: int
+    shards: int
+    tokens: tuple[int, ...]
+    ids: np.ndarray | None  # [sum(tokens), K] int32
+
+
+class ExtraReader(Protocol):
+    """What `read_windows` needs of a checkpoint (moebal.train.checkpoint.CheckpointReader)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def extra_names(self) -> list[str]: ...
+
+    def read_extra(self, name: str) -> torch.Tensor: ...
+
+
+def window_name(shard: int, layer: int, key: str) -> str:
+    """Checkpoint name of MoE layer `layer`'s online-profile state `key` (meta, ids) of token shard `shard`."""
+    return f"plan_ahead.shard{shard}.moe{layer}.{key}"
+
+
+def read_windows(reader: ExtraReader, shard: int) -> dict[int, SavedWindow]:
+    """Every MoE layer's saved online-profile state of token shard `shard` in checkpoint `reader`, by MoE layer
+    ordinal, read and checked (files verified by the reader): nothing is applied. A malformed entry raises
+    CheckpointError naming it."""
+    prefix, out = f"plan_ahead.shard{shard}.moe", {}
+    for name in reader.extra_names():
+        if not (name.startswith(prefix) and name.endswith(".meta")):
+            continue
+        layer = int(name[len(prefix):-len(".meta")])
+        meta = [int(v) for v in reader.read_extra(name).tolist()]
+        n = meta[4] if len(meta) >= 5 else -1
+        ids = reader.read_extra(window_name(shard, layer, "ids")).numpy() if n > 0 else None
+        if n < 0 or len(meta) != 5 + n or (ids is not None and (ids.ndim != 2 or ids.shape[0] != sum(meta[5:]))):
+            raise CheckpointError(f"{reader.path}: the plan-ahead state '{name}' is malformed (meta {meta[:5]}..., "
+                                  f"ids {None if ids is None else tuple(ids.shape)}); resume with "
+                                  f"planner.plan_ahead off, or from an earlier checkpoint")
+        out[layer] = SavedWindow(steps=meta[0], built=bool(meta[1]), fresh=meta[2], shards=meta[3],
+                                 tokens=tuple(meta[5:]), ids=ids)
+    return out
 
 
 def mean_accuracy(layers: Iterable[dict[str, float]]) -> dict[str, float]:

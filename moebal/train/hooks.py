@@ -7,7 +7,8 @@ Later capabilities plug in here instead of branching inside the trainer or the m
   statistics into global ones (an all-reduce in a distributed run), `after_step` observes them and the
   step's record, plans, applies the plan before the next step and may add fields to the record (it can write
   its own `plans.jsonl` in `trainer.run_dir`);
-- anything stateful saves itself in the checkpoint through `state_dict` / `load_state_dict`.
+- anything stateful saves itself in the checkpoint through `state_dict` / `load_state_dict` (JSON), and tensors
+  through `extra_tensors` / `read_tensors`.
 
 `on_start`, `before_step`, `after_step`, `on_end` and the state run in every mode of the trainer; `after_backward`
 and `reduce_stats` are called by the local step (moebal/train/local.py), whose gradients and routing statistics
@@ -19,7 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from moebal.routing import RoutingStats
+    from moebal.train.checkpoint import CheckpointReader
     from moebal.train.trainer import Trainer
 
 __all__ = ["Hook"]
@@ -59,3 +63,12 @@ class Hook:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors saved in checkpoints beside the weights (`CheckpointReader.read_extra`), by names that no
+        other rank, hook or strategy writes."""
+        return {}
+
+    def read_tensors(self, reader: CheckpointReader) -> None:
+        """On resume, on every rank, before anything is applied: read and check this hook's `extra_tensors`
+        (collectives allowed; a rank's error must be every rank's). `load_state_dict` installs them."""

@@ -13,7 +13,8 @@ data-parallel group its expert shards), so a pipeline checkpoint resumes under a
 none, and a single-stage checkpoint resumes as a pipeline. Per rank it also keeps the runner's state (the
 partition, smoothed costs, link figures, expert planners, the dynamism scheme's job-wide state) and RNG; the
 scheme's per-layer tensors (pruning masks and kernel choices, freezing snapshots) are extra tensors keyed by
-global layer index (`PipelineRunner.scheme_tensors`), so they resume under any partition. Under the same
+global layer index (`PipelineRunner.scheme_tensors`), so they resume under any partition; so is plan-ahead's
+online path profile, by MoE layer and token shard (`StageExperts.ahead_tensors`). Under the same
 layout the resumed run migrates to the saved partition and continues exactly, under another it starts from
 its initial partition. After a re-pack only the ranks still training write, and the layout records the
 active stages and ranks: resumed on the launch layout the job re-packs again at once (the released ranks
@@ -41,6 +42,7 @@ from moebal.train.strategy import StepOutput
 
 if TYPE_CHECKING:
     from moebal.distributed.groups import ParallelDims
+    from moebal.distributed.plan_ahead import SavedWindow
     from moebal.train.checkpoint import CheckpointReader
     from moebal.train.hooks import Hook
     from moebal.train.trainer import Trainer
@@ -102,6 +104,7 @@ class PipelineStep:
         self._plans_written = 0
         self._scheme_layers: dict[int, dict[str, torch.Tensor]] = {}
         self._saved_sizes: list[int] | None = None
+        self._ahead_windows: dict[int, SavedWindow] = {}  # plan-ahead's saved online profiles (`read_state`)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -165,7 +168,8 @@ class PipelineStep:
 
     def extra_tensors(self) -> dict[str, torch.Tensor]:
         d = self.runner.dims
-        return self.runner.scheme_tensors(d.index("dp_ep") == 0, d.index("dp") == 0)
+        return {**self.runner.scheme_tensors(d.index("dp_ep") == 0, d.index("dp") == 0),
+                **self.runner.experts.ahead_tensors()}
 
     def saved_rank(self, state: dict[str, Any]) -> str:
         """The saved rank whose per-rank state (RNG) this rank continues: itself under the launch layout it
@@ -192,6 +196,7 @@ class PipelineStep:
         error = None
         try:
             self._scheme_layers = r.read_scheme_tensors(reader)
+            self._ahead_windows = r.experts.read_ahead(reader)
         except CheckpointError as e:
             error = str(e)
         errors = [e for e in RunContext(r.dims).gather(error) if e]  # every rank is still in the job here
@@ -200,13 +205,16 @@ class PipelineStep:
 
     def apply_state(self, reader: CheckpointReader) -> None:
         """The step, the scheme's tensors, then the saved partition (a re-packed partition over this launch
-        layout releases ranks again)."""
+        layout releases ranks again), then plan-ahead's online profile of the stage's layers."""
         r = self.runner
         r.step = reader.step
         r.load_scheme_tensors(self._scheme_layers)
         self._scheme_layers = {}
         if self._saved_sizes is not None and self._saved_sizes != r.sizes:
             r.resume_partition(self._saved_sizes)
+        if not r.released:  # the stage's plan-ahead windows, over the partition now in place
+            r.experts.resume_ahead(self._ahead_windows)
+        self._ahead_windows = {}
 
     def settle_kernels(self, trainer: Trainer, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
         return None  # stages run the configured expert kernel

@@ -181,6 +181,8 @@ class Trainer:
         s = reader.state
         self.strategy.read_state(reader)
         self.data.train.load_state_dict(s["data"])  # checks the data fits before anything is applied
+        for hook in self.hooks:
+            hook.read_tensors(reader)
         pending.apply()
         self.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
         self.last_val = s.get("last_val")
@@ -203,9 +205,18 @@ class Trainer:
         self.checkpointer.ranks = self.strategy.writing_ranks()  # a released rank is not waited for
         path = self.checkpointer.save(self.step, self.strategy.module, self.strategy.optimizer,
                                       global_state=global_state, rank_state=rank_state, config_yaml=dump(self.cfg),
-                                      layout=self.strategy.layout(), extra=self.strategy.extra_tensors())
+                                      layout=self.strategy.layout(), extra=self._extra_tensors())
         self.checkpoint_times.append({"step": self.step, "blocked_s": self.checkpointer.last_blocked_s})
         return path
+
+    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+        """The strategy's and the hooks' checkpoint tensors beyond weights and optimizer state."""
+        out = self.strategy.extra_tensors()
+        for hook in self.hooks:
+            mine = hook.extra_tensors()
+            assert not out.keys() & mine.keys(), f"hook {hook.name} writes checkpoint tensors others write"
+            out = {**out, **mine}
+        return out
 
     # ---- one step -----------------------------------------------------------------------------------
 

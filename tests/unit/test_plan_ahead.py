@@ -4,12 +4,15 @@ profile fall back to the previous-iteration plan."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from moebal.config import ConfigError, from_dict
-from moebal.distributed.plan_ahead import SCALE, DevicePaths, PlanAhead
+from moebal.distributed.plan_ahead import SCALE, DevicePaths, PlanAhead, read_windows
+from moebal.errors import CheckpointError
 from moebal.planner.paths import build_profile
 from moebal.planner.perf import MoELayerCosts
 from moebal.planner.placement import plan_experts
@@ -174,3 +177,106 @@ def test_the_step_scale_multiplies_the_estimate() -> None:
     assert est is not None and est.tolist() == [0, 0, 10 * SCALE, 10 * SCALE]
     with pytest.raises(ValueError, match="positive"):
         ahead.set_step_scale(0.0)
+
+
+class _Reader:
+    """A checkpoint's extra tensors in memory (what `read_windows` asks of a CheckpointReader)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self.tensors = Path("ckpt-test"), tensors
+
+    def extra_names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def read_extra(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def _steps(ahead: PlanAhead, routing: list[np.ndarray], first: int = 0) -> list[tuple[list[int], list[list[int]]]]:
+    """Run plan-ahead's side of steps on `routing` ([L_model, T, K] per step, this planner's layers from
+    `first`): per step the ahead layers and the estimates it made."""
+    out = []
+    for ids in routing:
+        ahead.arm(lambda j, p: None)
+        ests = []
+        for i in range(ahead.L):
+            est = ahead.on_gate(i, torch.as_tensor(ids[first + i]))
+            if est is not None:
+                ests.append(est.tolist())
+                ahead.on_counts(i, [est.tolist(), est.tolist()])
+        out.append((sorted(ahead.placed), ests))
+        ahead.end_step()
+    return out
+
+
+def _online(layers: int = 3, refresh: int = 3, window: int = 4) -> PlanAhead:
+    return PlanAhead(layers, E, 1, _planner([]), torch.device("cpu"), None, refresh=refresh, window=window)
+
+
+def _random_routing(steps: int, layers: int = 3, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, E, size=(layers, int(rng.integers(6, 12)), 2)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4, 9, 11])
+def test_a_saved_window_continues_the_online_profile_exactly(cut: int) -> None:
+    """Saved after `cut` steps (before the first build, on a build, between builds, with the window already
+    trimmed) and loaded into a fresh planner, the profile plans the following steps as the uninterrupted one:
+    the same ahead layers and estimates, the same samples, counter and builds."""
+    routing = _random_routing(16)
+    whole = _online()
+    _steps(whole, routing[:cut])
+    saved = whole.window_tensors(0, 1, 2)
+    assert sorted(saved) == [f"plan_ahead.shard1.moe{j}.{k}" for j in range(3) for k in ("ids", "meta")]
+    windows = read_windows(_Reader(saved), 1)
+    resumed = _online()
+    assert resumed.window_misfit(windows, 0, 2) is None
+    resumed.load_window(windows, 0)
+    assert (resumed.steps, resumed.fresh, len(resumed.samples)) == (whole.steps, whole.fresh, len(whole.samples))
+    assert (resumed.paths is None) == (whole.paths is None) == (cut < 3)
+    assert _steps(resumed, routing[cut:]) == _steps(whole, routing[cut:])
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.samples, whole.samples))
+
+
+def test_the_windows_are_per_moe_layer_so_a_new_partition_takes_the_layers_it_holds() -> None:
+    """Two stages' windows (layers 0-1 and 2-3, saved over the same steps) continue a stage of layers 1-2 as if
+    it had held them from the start; windows of other token shards, missing layers or other steps do not fit,
+    and say why."""
+    routing = _random_routing(5, layers=4)
+    stages = [_online(2), _online(2)]
+    _steps(stages[0], routing, first=0)
+    _steps(stages[1], routing, first=2)
+    windows = read_windows(_Reader({**stages[0].window_tensors(0, 0, 2), **stages[1].window_tensors(2, 0, 2)}), 0)
+    assert sorted(windows) == [0, 1, 2, 3]
+    middle, reference = _online(2), _online(2)
+    _steps(reference, routing, first=1)
+    assert middle.window_misfit(windows, 1, 2) is None
+    middle.load_window(windows, 1)
+    later = _random_routing(4, layers=4, seed=1)
+    assert _steps(middle, later, first=1) == _steps(reference, later, first=1)
+    assert "token shards" in str(_online(2).window_misfit(windows, 1, 4))  # another dp x ep size
+    assert "no online path profile of MoE layer 4" in str(_online(2).window_misfit(windows, 3, 2))
+    restarted = _online(2)  # a migration restarted this stage's profile after step 3
+    _steps(restarted, routing[3:], first=2)
+    mixed = read_windows(_Reader({**stages[0].window_tensors(0, 0, 2), **restarted.window_tensors(2, 0, 2)}), 0)
+    assert "different steps" in str(_online(2).window_misfit(mixed, 1, 2))
+    bad = stages[0].window_tensors(0, 0, 2)
+    bad["plan_ahead.shard0.moe0.meta"] = bad["plan_ahead.shard0.moe0.meta"][:5]
+    with pytest.raises(CheckpointError, match="malformed"):
+        read_windows(_Reader(bad), 0)
+
+
+def test_a_loaded_profile_saves_nothing() -> None:
+    ahead = PlanAhead(3, E, 2, _planner([]), torch.device("cpu"), build_profile([_routing()], E, path_len=2))
+    assert ahead.window_tensors(0, 0, 1) == {}
+
+
+def test_a_pipeline_stage_without_expert_parallelism_refuses_plan_ahead() -> None:
+    """With neither parallel.ep nor parallel.nproc set the config check cannot see a stage's expert-parallel
+    size; the stage refuses at start-up, naming it, instead of planning nothing."""
+    from moebal.balance.experts import StageExperts
+    from moebal.distributed.groups import ParallelDims
+
+    cfg = from_dict({"moe": {"num_experts": 4}, "planner": {"plan_ahead": "path"}, "parallel": {"pp": 2}})
+    with pytest.raises(ConfigError, match=r"resolved to 1: 2 ranks over parallel.pp 2 stages"):
+        StageExperts(None, ParallelDims(world_size=2, rank=0, pp=2, ep=1), cfg)  # type: ignore[arg-type]
