@@ -337,3 +337,31 @@ def test_full_sharding_in_an_expert_parallel_pipeline_keeps_the_expert_shards_wh
     assert t["parameters"] == 4 * (dense / 2 + experts) + 4 * 2048
     assert t["optimizer state"] == 8 * (dense / 2 + experts)
     assert t["migration: moved layers whole"] == 12 * (dense_layer + experts)
+
+
+def test_trace_rank_memory_names_phases_and_their_peaks():
+    """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
+    resident peak and malloc's figures at that sample."""
+    spec = importlib.util.spec_from_file_location("trace_rank_memory", SCRIPT.parent / "trace_rank_memory.py")
+    assert spec is not None and spec.loader is not None
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+
+    def backward():
+        return trace._phase(sys._getframe())
+
+    def forward_backward():
+        return trace._phase(sys._getframe()), backward()
+
+    assert forward_backward() == ("forward", "backward")  # innermost wins
+    assert trace._phase(None) == "other"
+    mb = 1_000_000
+    rows = [[0.0, 100 * mb, 10 * mb, 0, 1 * mb, 11 * mb, "forward"],
+            [0.1, 300 * mb, 50 * mb, 80 * mb, 5 * mb, 60 * mb, "backward"],
+            [0.2, 200 * mb, 40 * mb, 0, 9 * mb, 60 * mb, "backward"],
+            [0.3, 150 * mb, 20 * mb, 0, 2 * mb, 60 * mb, "forward"]]
+    phases = trace.by_phase({"rows": rows})
+    assert phases["backward"]["peak"] == 300 and phases["backward"]["live"] == 130
+    assert phases["forward"]["peak"] == 150 and phases["forward"]["heap_free"] == 2
+    segs = trace.summarise({"rows": rows})
+    assert [s["phase"] for s in segs] == ["forward", "backward", "forward"] and segs[1]["rss1"] == 200
