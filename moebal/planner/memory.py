@@ -384,10 +384,10 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         t["parameters"] = 4 * (fsdp / d_dense + whole) + (root + 2 * unit) * a
     else:
         t["parameters"], unit = 4.0 * held, 0.0
-    # full: a unit's backward frees its activations only after FSDP2's post-backward has its unsharded gradients
-    # (compute dtype) and copied them into the reduce-scatter's flat input (fp32, parallel.reduce_dtype's default)
-    # while the earlier layers' activations are still held (torch fsdp/_fully_shard/_fsdp_collectives.py
-    # foreach_reduce: the gradients are freed only after the copy-in)
+    # full: FSDP2's post-backward of a unit holds its unsharded gradients (compute dtype) and the reduce-scatter's
+    # flat input they are copied into (fp32, parallel.reduce_dtype's default) at once, while the earlier layers'
+    # activations are still held (torch fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce frees the gradients
+    # only after the copy-in); measured on CPU: docs/memory.md, "Where a fully sharded CPU rank's memory goes"
     t["FSDP2 reduce-scatter buffers"] = (a + 4) * unit if lay.shard == "full" else 0.0
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
