@@ -38,6 +38,7 @@ PHASES = {  # a function on the main thread's stack (qualified name, or plain na
     "Trainer.__init__": "start-up: trainer", "forward_backward": "forward", "backward": "backward",
     "foreach_all_gather": "fsdp all-gather", "foreach_reduce": "fsdp reduce-scatter",
     "after_backward": "after backward (hooks)", "FullyShardedAdamW.reduce": "optimizer: reduce",
+    "ShardedAdamW.reduce": "optimizer: reduce",
     "clip_grad_norm": "optimizer: clip", "step": "optimizer: step", "zero_grad": "optimizer: zero_grad",
     "_routing_step": "routing stats", "Trainer.evaluate": "evaluation", "Trainer.save": "checkpoint save",
     "_train": "train loop (other)", "Trainer.train": "train loop (other)",
