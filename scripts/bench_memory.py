@@ -12,6 +12,7 @@ tokens/s of rank 0's summary), measured where both ran and predicted otherwise.
 
     python scripts/bench_memory.py [--json m.json] [--quick] [--only NAME,...] [--steps N]
     python scripts/bench_memory.py --fit-baseline [--json b.json]   (the CPU runtime constant's own runs)
+    python scripts/bench_memory.py --fit-full-slack [--json f.json] (the CPU slack under parallel.shard=full)
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ CALIBRATION_CASES = [  # another model than the validation layouts': the slack c
     Case("cal_dp4", ("parallel.ep=1", "data.batch_size=16", "data.seq_len=128"), model=tuple(CALIBRATION)),
     Case("cal_pp2_dp2", ("parallel.pp=2", "parallel.ep=1", "pipeline.micro_batches=2", "data.batch_size=16",
                          "data.seq_len=128"), model=tuple(CALIBRATION)),
+]
+
+CALIBRATION_FULL_CASES = [  # the calibration model under `parallel.shard: full`: CPU_FULL_SHARD_SLACK's own data
+    Case("cal_dp4_shard_full", ("parallel.ep=1", "parallel.shard=full", "data.batch_size=16", "data.seq_len=128"),
+         model=tuple(CALIBRATION)),
 ]
 
 
@@ -209,21 +215,45 @@ def run_case(case: Case, steps: int, workdir: Path) -> dict[str, Any]:
         return row
     row.update(measure(case, steps, workdir))
     if row["status"] == "ok" and "peak_bytes" in row["predicted"]:
-        pred = row["predicted"]
-        per_rank = _per_rank_prediction(case, pred)
-        row["predicted_rank_bytes_skew1"] = per_rank
         ep = int(dict(o.split("=", 1) for o in case.overrides).get("parallel.ep", 1))
         pp = int(dict(o.split("=", 1) for o in case.overrides).get("parallel.pp", 1))
         if ep > 1:  # the plan's routing-skew input, observed: the rank that owns the hot experts computes their rows
             skews = rank_skews(row.pop("expert_counts"), ep)
             row["rank_skew"] = [skews[(r % (RANKS // pp)) % ep] for r in range(RANKS)]
-            per_rank = [_per_rank_prediction(case, predict(case, steps, skew=s))[r]
-                        for r, s in enumerate(row["rank_skew"])]
         row.pop("expert_counts", None)
-        row["predicted_rank_bytes"] = per_rank
-        row["error_per_rank"] = [(p - m) / m for p, m in zip(per_rank, row["rss_bytes"])]
-        row["error"] = (max(per_rank) - max(row["rss_bytes"])) / max(row["rss_bytes"])
+        score(case, row, steps)
     return row
+
+
+def score(case: Case, row: dict[str, Any], steps: int) -> None:
+    """The plan's per-rank predictions and errors of a measured row (its `rss_bytes`, and `rank_skew` under
+    expert parallelism), into `row`."""
+    per_rank = _per_rank_prediction(case, row["predicted"])
+    row["predicted_rank_bytes_skew1"] = per_rank
+    if "rank_skew" in row:
+        per_rank = [_per_rank_prediction(case, predict(case, steps, skew=s))[r] for r, s in enumerate(row["rank_skew"])]
+    row["predicted_rank_bytes"] = per_rank
+    row["error_per_rank"] = [(p - m) / m for p, m in zip(per_rank, row["rss_bytes"])]
+    row["error"] = (max(per_rank) - max(row["rss_bytes"])) / max(row["rss_bytes"])
+
+
+def rescore(paths: list[str], steps: int) -> list[dict[str, Any]]:
+    """The rows of earlier runs' JSON (the last file's row wins per layout) scored by the plan as it is now: the
+    measured peaks and routing skews kept, the predictions and errors recomputed (`before_*`: the file's own)."""
+    by_name = {c.name: c for c in CASES}
+    rows: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        for old in json.loads(Path(path).read_text())["rows"]:
+            case = by_name.get(old["name"])
+            if case is None or old.get("status") != "ok":
+                continue
+            row = {k: old[k] for k in ("name", "overrides", "base", "setting", "status", "rss_bytes", "tokens_per_s",
+                                       "wall_s", "rank_skew") if k in old}
+            row.update(source=path, before_error=old.get("error"), before_rank_bytes=old.get("predicted_rank_bytes"))
+            row["predicted"] = predict(case, steps)
+            score(case, row, steps)
+            rows[case.name] = row
+    return [rows[c.name] for c in CASES if c.name in rows]
 
 
 def _per_rank_prediction(case: Case, pred: dict[str, Any]) -> list[float]:
@@ -304,6 +334,35 @@ def fit_slack(steps: int, workdir: Path, runtime: float) -> dict[str, Any]:
     return {"calibration_rows": rows, "allocator_slack": float(slack), "startup_retained": float(retained)}
 
 
+def fit_full_slack(steps: int, workdir: Path) -> dict[str, Any]:
+    """The CPU allocator slack under `parallel.shard: full`, by least squares over every rank of
+    CALIBRATION_FULL_CASES with the fitted runtime and start-up constants: rss - runtime - body = slack * body
+    (body: the rank's largest training phase plus its start-up leftovers)."""
+    from moebal.planner.memory import CPU_RUNTIME_BYTES, CPU_STARTUP_RETAINED
+
+    num = den = 0.0
+    rows = []
+    for case in CALIBRATION_FULL_CASES:
+        m = measure(case, steps, workdir)
+        m.pop("expert_counts", None)
+        rows.append({"name": case.name, **m})
+        if m["status"] != "ok":
+            continue
+        p = predict(case, steps, runtime=False)
+        per = RANKS // len(p["stage_train_bytes"])
+        bodies = []
+        for r, rss in enumerate(m["rss_bytes"]):
+            body = p["stage_train_bytes"][r // per] + CPU_STARTUP_RETAINED * p["stage_freed_bytes"][r // per]
+            num += body * (rss - CPU_RUNTIME_BYTES - body)
+            den += body * body
+            bodies.append(body)
+        rows[-1]["body_bytes"] = bodies
+    out: dict[str, Any] = {"calibration_full_rows": rows}
+    if den:
+        out["full_shard_slack"] = num / den
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the results here")
@@ -311,16 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma list of layout names")
     ap.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
     ap.add_argument("--fit-baseline", action="store_true", help="measure the CPU runtime constant instead")
+    ap.add_argument("--fit-full-slack", action="store_true",
+                    help="measure the CPU allocator slack under parallel.shard=full instead")
+    ap.add_argument("--rescore", nargs="+", metavar="JSON",
+                    help="run nothing: score earlier runs' measured rows with the plan as it is now")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as tmp:
         if args.fit_baseline:
             result: dict[str, Any] = {"baseline": fit_baseline(args.steps, Path(tmp))}
+        elif args.fit_full_slack:
+            result = {"full_slack": fit_full_slack(args.steps, Path(tmp))}
         else:
             cases = [c for c in CASES if (not args.only or c.name in args.only.split(","))
                      and (not args.quick or c.quick or refusal(c, args.steps))]
-            rows = []
-            for c in cases:
+            rows = rescore(args.rescore, args.steps) if args.rescore else []
+            for c in cases if not args.rescore else []:
                 print(f"bench_memory: {c.name} ...", file=sys.stderr, flush=True)
                 rows.append(run_case(c, args.steps, Path(tmp)))
             errs = [abs(r["error"]) for r in rows if "error" in r]
@@ -347,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(result: dict[str, Any]) -> None:
+    if "full_slack" in result:
+        f = result["full_slack"]
+        for r in f["calibration_full_rows"]:
+            print(f"{r['name']:<20} rss {[round(x / 1e6) for x in r.get('rss_bytes', [])]} MB, body "
+                  f"{[round(x / 1e6) for x in r.get('body_bytes', [])]} MB ({r['status']})")
+        if "full_shard_slack" in f:
+            print(f"fitted allocator slack under parallel.shard=full: {f['full_shard_slack']:.3f}")
+        return
     if "baseline" in result:
         b = result["baseline"]
         for r in b["rows"]:

@@ -6,7 +6,7 @@ A rank's peak is modelled in phases, each a sum of terms, and the plan is their 
     state   = parameters + optimizer state + persistent gradient buffers
     fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
               one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
-              + Pro-Prophet replicas
+              + Pro-Prophet replicas + FSDP2 reduce-scatter buffers
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
     migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
               gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py); (`shard: full`)
@@ -28,6 +28,9 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
   stage every layer, the embedding and the head is an FSDP2 root of its own, resharded after its forward: the
   shards, the expert-parallel experts whole (ep > 1; with ep 1 they are FSDP2's), plus the largest unit gathered.
+- FSDP2 reduce-scatter buffers: `shard: full`: a unit's backward pass holds its unsharded gradients (compute
+  dtype) and FSDP2's flat reduce-scatter input (fp32) that they are copied into before they are freed, beside
+  the earlier layers' activations (torch fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`).
 - compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
@@ -55,7 +58,8 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   (`moebal/distributed/expert_parallel.py`: `_trans_ops`, `_local_weights`).
 - runtime: what a process holds before the model (CUDA context, cuBLAS and NCCL workspaces; on a CPU the
   Python interpreter, torch, gloo and the data pipeline), from the hardware profile (`memory_reserved_bytes`).
-- allocator slack: the caching allocator's fragmentation, a share of everything above (`allocator_slack`).
+- allocator slack: the caching allocator's fragmentation, a share of everything above (`allocator_slack`); a
+  CPU host's own share under `shard: full` (CPU_FULL_SHARD_SLACK).
 """
 
 from __future__ import annotations
@@ -96,6 +100,10 @@ CPU_ALLOCATOR_SLACK = 0.216
 CPU_STARTUP_RETAINED by least squares over every rank of three calibration runs (`scripts/bench_memory.py
 --fit-baseline`: a d 384, 3-layer, 8-expert model, not the validation's, trained as ep 4, dp 4 and pp 2 x dp 2 on
 4 gloo ranks; docs/memory.md)."""
+CPU_FULL_SHARD_SLACK = 0.254
+"""A CPU host's allocator slack under `parallel.shard: full` (FSDP2). Fitted by least squares over the 4 ranks of
+one calibration run of the calibration model as dp 4 with `shard: full` (`scripts/bench_memory.py
+--fit-full-slack`; not the validation's model), with the runtime and start-up constants above; docs/memory.md."""
 
 PER_PARAMETER_SCHEMES = ("pruning", "freezing")
 """Dynamism schemes that edit or stop per-parameter AdamW state, which a pipeline's sharded optimizer does not
@@ -104,7 +112,7 @@ keep per parameter (refused together in moebal/config.py)."""
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
-                         "pipeline p2p buffers", "replicas (Pro-Prophet)"),
+                         "pipeline p2p buffers", "replicas (Pro-Prophet)", "FSDP2 reduce-scatter buffers"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
     "migration": (*_STATE, "migration: whole moments + new flats", "migration: moved layers whole"),
     "start-up": ("start-up (whole model built)",),
@@ -137,6 +145,10 @@ class DeviceMemory:
     """Share of what the start-up built and freed that stays resident (a CPU host's malloc keeps freed heap
     pages once the whole model's large frees have raised its mmap threshold; a GPU's caching allocator reuses
     them: 0)."""
+    full_shard_slack: float | None = None
+    """The allocator slack under `shard: full`, where it differs from `slack` (None: the same). A CPU host's
+    malloc keeps more freed heap under FSDP2, which allocates and frees every unit's unsharded weights and
+    gradients in each forward and backward pass between longer-lived tensors (CPU_FULL_SHARD_SLACK)."""
     cuda: bool = False
     """A CUDA device: fp32 grouped-query attention there expands keys and values to every query head before
     SDPA (moebal.models.transformer.expand_kv_heads), so they are saved at H heads, not G."""
@@ -150,7 +162,12 @@ class DeviceMemory:
     def cpu(cls, ram_bytes: float, local_ranks: int) -> DeviceMemory:
         """A CPU host's RAM shared by `local_ranks` ranks, with the fitted CPU constants."""
         return cls(name=f"CPU host RAM / {local_ranks} rank(s)", capacity_bytes=ram_bytes / max(local_ranks, 1),
-                   runtime_bytes=CPU_RUNTIME_BYTES, slack=CPU_ALLOCATOR_SLACK, startup_retained=CPU_STARTUP_RETAINED)
+                   runtime_bytes=CPU_RUNTIME_BYTES, slack=CPU_ALLOCATOR_SLACK, startup_retained=CPU_STARTUP_RETAINED,
+                   full_shard_slack=CPU_FULL_SHARD_SLACK)
+
+    def slack_for(self, shard: str) -> float:
+        """The allocator slack of a layout with this `shard` setting."""
+        return self.full_shard_slack if shard == "full" and self.full_shard_slack is not None else self.slack
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,12 +377,18 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
         t["parameters"] = 4 * (fsdp / d_dense + whole) + max(gathered, default=0.0) * a  # one gathered at a time
+        unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts held whole, the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
         t["parameters"] = 4 * (fsdp / d_dense + whole) + (root + 2 * unit) * a
     else:
-        t["parameters"] = 4.0 * held
+        t["parameters"], unit = 4.0 * held, 0.0
+    # full: FSDP2's post-backward of a unit holds its unsharded gradients (compute dtype) and the reduce-scatter's
+    # flat input they are copied into (fp32, parallel.reduce_dtype's default) at once, while the earlier layers'
+    # activations are still held (torch fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce frees the gradients
+    # only after the copy-in); measured on CPU: docs/memory.md, "Where a fully sharded CPU rank's memory goes"
+    t["FSDP2 reduce-scatter buffers"] = (a + 4) * unit if lay.shard == "full" else 0.0
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
@@ -441,7 +464,7 @@ def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: Device
         freed = max(0.0, phases["start-up"] - terms["parameters"])
         terms["start-up leftovers"] = device.startup_retained * freed
         body = max(phases["start-up"], train + terms["start-up leftovers"])
-        peak = device.runtime_bytes + (1 + device.slack) * body
+        peak = device.runtime_bytes + (1 + device.slack_for(layout.shard)) * body
         peaks.append(peak)
         trains.append(train)
         freeds.append(freed)
@@ -449,8 +472,9 @@ def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: Device
             best = (peak, s, terms, phases)
     assert best is not None
     peak, s, terms, phases = best
-    body = (peak - device.runtime_bytes) / (1 + device.slack)
-    terms = {**terms, "runtime": device.runtime_bytes, "allocator slack": device.slack * body}
+    slack = device.slack_for(layout.shard)
+    body = (peak - device.runtime_bytes) / (1 + slack)
+    terms = {**terms, "runtime": device.runtime_bytes, "allocator slack": slack * body}
     return MemoryPlan(layout=layout, device=device, terms=terms, phases=phases, peak_bytes=peak, stage=s,
                       stage_peaks=tuple(peaks), stage_train=tuple(trains), stage_freed=tuple(freeds))
 

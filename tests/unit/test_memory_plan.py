@@ -72,6 +72,35 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     dp = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full"), BARE).terms
     assert dp["parameters"] == 4 * held / 2 + 4 * ((dense - layer) + 2 * (layer + experts))
     assert dp["optimizer state"] == 8 * held / 2
+    # the backward pass: one unit's unsharded gradients (compute dtype) and its reduce-scatter input (fp32) beside
+    # the activations; a layer with its experts is the largest unit here, the dense layer with ep 2
+    assert dp["FSDP2 reduce-scatter buffers"] == (4 + 4) * (layer + experts)
+    assert full["FSDP2 reduce-scatter buffers"] == (4 + 4) * layer
+    assert opt["FSDP2 reduce-scatter buffers"] == 0 and ep["FSDP2 reduce-scatter buffers"] == 0
+    bf16 = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full", precision="bf16"), BARE).terms
+    assert bf16["FSDP2 reduce-scatter buffers"] == (2 + 4) * (layer + experts)
+    fwd = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full"), BARE).phases["forward/backward"]
+    assert fwd == dp["parameters"] + dp["optimizer state"] + dp["activations"] + dp["logits/loss"] + (
+        dp["FSDP2 reduce-scatter buffers"])
+
+
+def test_full_sharding_slack_is_the_cpu_hosts_own_and_only_there():
+    """A CPU host's malloc keeps more freed heap under FSDP2 (CPU_FULL_SHARD_SLACK): it prices `shard: full` on
+    DeviceMemory.cpu only; other shard settings and a GPU's profile keep their own slack."""
+    from moebal.planner.memory import CPU_ALLOCATOR_SLACK, CPU_FULL_SHARD_SLACK
+
+    cfg = load(None, TINY)
+    cpu = DeviceMemory.cpu(64e9, 4)
+    gpu = DeviceMemory.from_profile(load_profile("h100"))
+    assert gpu.full_shard_slack is None and gpu.slack_for("full") == gpu.slack
+    assert cpu.slack_for("full") == CPU_FULL_SHARD_SLACK and cpu.slack_for("optimizer") == CPU_ALLOCATOR_SLACK
+    for dev in (cpu, gpu):
+        for shard in ("none", "full"):
+            plan = plan_memory(cfg, MemoryLayout(ranks=2, shard=shard), dev)
+            body = max(plan.phases["start-up"], max(v for k, v in plan.phases.items() if k != "start-up")
+                       + plan.terms["start-up leftovers"])
+            assert plan.peak_bytes == pytest.approx(dev.runtime_bytes + (1 + dev.slack_for(shard)) * body)
+            assert plan.terms["allocator slack"] == pytest.approx(dev.slack_for(shard) * body)
 
 
 def test_cuda_fp32_grouped_query_attention_saves_keys_and_values_at_every_query_head():
@@ -226,6 +255,27 @@ def test_bench_memory_json(tmp_path, monkeypatch):
     assert data["meta"]["ranks"] == 4
 
 
+def test_bench_memory_rescores_earlier_runs_with_the_plan_as_it_is(tmp_path):
+    """`--rescore`: nothing runs; an earlier run's measured peaks (and routing skews) are scored by today's plan."""
+    bench = _bench()
+    old = {"rows": [{"name": "dp4_shard_full", "status": "ok", "rss_bytes": [1.4e9, 1.5e9, 1.4e9, 1.4e9],
+                     "tokens_per_s": 10.0, "error": -0.9, "predicted_rank_bytes": [1.0] * 4},
+                    {"name": "ep4", "status": "ok", "rss_bytes": [1.0e9] * 4, "tokens_per_s": 10.0,
+                     "rank_skew": [2.0, 1.0, 1.0, 1.0]},
+                    {"name": "dp4", "status": "failed"}]}
+    src, out = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps(old))
+    assert bench.main(["--rescore", str(src), "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dp4_shard_full", "ep4"}  # a failed row has nothing to score
+    full = rows["dp4_shard_full"]
+    pred = bench.predict(bench.CASES[[c.name for c in bench.CASES].index("dp4_shard_full")], 3)["peak_bytes"]
+    assert full["predicted_rank_bytes"] == [pred] * 4 and full["error"] == pytest.approx((pred - 1.5e9) / 1.5e9)
+    assert full["before_error"] == -0.9 and full["source"] == str(src)
+    ep4 = rows["ep4"]
+    assert ep4["predicted_rank_bytes"][0] > ep4["predicted_rank_bytes"][1]  # rank 0's observed skew of 2
+
+
 def test_pipeline_with_sharded_optimizer_state(capsys):
     """pp 2 x dp 2, shard optimizer: moments over the stage's 2 ranks, gradients whole (micro-batches accumulate
     them) plus one bucket, and a migration phase (the stage's moments whole, the new flats' copy of its weights)
@@ -287,3 +337,31 @@ def test_full_sharding_in_an_expert_parallel_pipeline_keeps_the_expert_shards_wh
     assert t["parameters"] == 4 * (dense / 2 + experts) + 4 * 2048
     assert t["optimizer state"] == 8 * (dense / 2 + experts)
     assert t["migration: moved layers whole"] == 12 * (dense_layer + experts)
+
+
+def test_trace_rank_memory_names_phases_and_their_peaks():
+    """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
+    resident peak and malloc's figures at that sample."""
+    spec = importlib.util.spec_from_file_location("trace_rank_memory", SCRIPT.parent / "trace_rank_memory.py")
+    assert spec is not None and spec.loader is not None
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+
+    def backward():
+        return trace._phase(sys._getframe())
+
+    def forward_backward():
+        return trace._phase(sys._getframe()), backward()
+
+    assert forward_backward() == ("forward", "backward")  # innermost wins
+    assert trace._phase(None) == "other"
+    mb = 1_000_000
+    rows = [[0.0, 100 * mb, 10 * mb, 0, 1 * mb, 11 * mb, "forward"],
+            [0.1, 300 * mb, 50 * mb, 80 * mb, 5 * mb, 60 * mb, "backward"],
+            [0.2, 200 * mb, 40 * mb, 0, 9 * mb, 60 * mb, "backward"],
+            [0.3, 150 * mb, 20 * mb, 0, 2 * mb, 60 * mb, "forward"]]
+    phases = trace.by_phase({"rows": rows})
+    assert phases["backward"]["peak"] == 300 and phases["backward"]["live"] == 130
+    assert phases["forward"]["peak"] == 150 and phases["forward"]["heap_free"] == 2
+    segs = trace.summarise({"rows": rows})
+    assert [s["phase"] for s in segs] == ["forward", "backward", "forward"] and segs[1]["rss1"] == 200
