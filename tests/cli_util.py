@@ -13,8 +13,9 @@ set before: the working directory (the repository root, as the subprocess helper
 and torch, the handlers of the stop signals, warning filters, and the corpus cache (empty before and after, as in a
 new process). A run that leaves a torch.distributed process group or a thread running fails the test, since a new
 process would have taken them with it when it exited (moebal.kernels.workers' expert thread pool excepted: a
-process-wide execution resource, like torch's own thread pools). An exception that escapes `main` is printed to the captured
-stderr with exit code 1, as an uncaught exception in a new process would be; argparse's SystemExit gives its code.
+process-wide execution resource, like torch's own thread pools). An exception that escapes `main` is printed to
+the captured stderr with exit code 1, as an uncaught exception in a new process would be; argparse's SystemExit
+gives its code.
 
 Tests of the process boundary itself (signals, a killed rank, the real exit of a process, `MOEBAL_RANK_START`,
 the launcher's restarts after a rank died, `moebal launch`) keep starting real processes.
