@@ -1,25 +1,28 @@
-"""`moebal train --nproc 4 --pp 4` end to end: rebalancing, a dynamism scheme and re-packing with released ranks."""
+"""`moebal train --nproc 4 --pp 4` end to end: rebalancing, a dynamism scheme and re-packing with released ranks.
+
+Each job runs in the test process (tests/cli_util.py): the launcher forks its ranks from the test process's
+forkserver, as `moebal train --nproc N` does from its own."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
+
+from tests.cli_util import run_cli
 
 
 @pytest.mark.slow
 def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "4", "--steps", "6",
+    cmd = ["train", "--nproc", "4", "--pp", "4", "--steps", "6",
            "--rebalance", "partition", "--dynamism", "early_exit", "--out", str(out),
            "model.dim=32", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
            "pipeline.every=2", "pipeline.repack=true", "pipeline.repack_slack=100",
            "dynamism.early_exit.threshold=0.9", "dynamism.early_exit.first_layer=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 released at step 2" in proc.stderr and "rank 2 released at step 2" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -36,12 +39,12 @@ def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
 @pytest.mark.slow
 def test_train_pipeline_with_expert_parallel_stages(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps", "4",
+    cmd = ["train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps", "4",
            "--rebalance", "partition", "--dynamism", "moe", "--out", str(out), "--json",
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=16", "data.batch_size=8",
            "data.max_bytes=200000", "pipeline.every=2", "planner.policy=broadcast_topk", "planner.costs=rtx3090"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel" in proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -56,13 +59,13 @@ def test_train_pipeline_with_expert_parallel_stages(tmp_path):
 @pytest.mark.slow
 def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "4", "--steps", "5",
+    cmd = ["train", "--nproc", "4", "--pp", "4", "--steps", "5",
            "--microbatching", "dynamic", "--out", str(out),
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "model.max_seq_len=128", "moe.num_experts=0", "data.seq_len=128", "data.batch_size=16",
            "data.max_bytes=300000", "data.samples=documents", "data.units=blocks", "train.precision=fp32",
            "pipeline.dynamic.max_tokens=512", "pipeline.dynamic.lookahead=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dynamic micro-batching" in proc.stderr and "padding efficiency" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -75,14 +78,14 @@ def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
 
 def _planned_ep_job(out, steps: int, *extra: str) -> list[dict]:
     """`moebal train` of 2 stages x 2 expert shards with planned micro-batches; the run's metrics records."""
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps",
+    cmd = ["train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps",
            str(steps), "--microbatching", "dynamic", "--out", str(out), *extra,
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "model.max_seq_len=128", "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=128",
            "data.batch_size=16", "data.max_bytes=300000", "data.samples=documents", "data.units=blocks",
            "train.precision=fp32", "train.ckpt_every=2", "train.eval_every=2", "pipeline.dynamic.max_tokens=512",
            "pipeline.dynamic.lookahead=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel, dynamic micro-batching" in proc.stderr
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -107,12 +110,12 @@ def test_train_pipeline_zero_bubble_from_the_command_line_matches_1f1b(tmp_path)
     losses, w_cpu = {}, {}
     for sched in ("1f1b", "zb"):
         out = tmp_path / sched
-        cmd = [sys.executable, "-m", "moebal.cli", "train", "--nproc", "2", "--pp", "2", "--steps", "3",
+        cmd = ["train", "--nproc", "2", "--pp", "2", "--steps", "3",
                "--rebalance", "partition", "--out", str(out), f"pipeline.schedule={sched}",
                "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
                "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
                "pipeline.every=1", "train.precision=fp32"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = run_cli(*cmd)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[sched] = [r["loss"] for r in records]

@@ -5,9 +5,6 @@ tiny random checkpoint written by `transformers` (or with LLaMA-MoE's names) and
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from moebal.config import CONFIG_DIR
 from moebal.data import build_data
 from moebal.interop.hf import from_hf
 from moebal.interop.hf_config import load
+from tests.cli_util import Ran, run_cli
 from tests.hf_util import (
     read_tensors,
     tiny_mixtral,
@@ -29,15 +27,13 @@ from tests.hf_util import (
     transformers_or_skip,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [f"document {i}: mixtures of experts route each token to a few experts; load balance keeps them busy. "
          f"the quick brown fox jumps over the lazy dog {i % 7} times." for i in range(24)]
 
 
-def moebal(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "moebal.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=ROOT)
+def moebal(*args: str) -> Ran:
+    """`moebal *args` in this process (tests/cli_util.py): no new interpreter importing torch per run."""
+    return run_cli(*args)
 
 
 def _corpus(tmp: Path) -> Path:

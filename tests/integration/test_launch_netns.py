@@ -21,6 +21,7 @@ import yaml
 
 from moebal.distributed.testing import kill_rank_when
 from moebal.launch.netns import NamespacePair, unavailable
+from tests.cli_util import run_cli
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the two-node launch test needs network namespaces: "
@@ -50,8 +51,7 @@ def nodes():
 
 @pytest.mark.slow
 def test_two_namespace_nodes_survive_a_killed_rank_with_one_node_losses(tmp_path, nodes):
-    ref = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--nproc", "4", "--out",
-                          str(tmp_path / "ref"), *_flat(TINY)], capture_output=True, text=True, timeout=600)
+    ref = run_cli("train", "--nproc", "4", "--out", str(tmp_path / "ref"), *_flat(TINY))  # in this process
     assert ref.returncode == 0, ref.stderr[-2000:]
     marker = uuid.uuid4().hex
     cluster = {

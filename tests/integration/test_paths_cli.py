@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from moebal.planner.paths import PathProfile, build_profile
 from moebal.train.routing_log import load_routing
+from tests.cli_util import Ran, run_cli
 from tests.unit.test_train import TINY
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def moebal(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "moebal.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=ROOT)
+def moebal(*args: str) -> Ran:
+    """`moebal *args` in this process (tests/cli_util.py)."""
+    return run_cli(*args)
 
 
 def test_record_routing_then_build_profile(tmp_path: Path) -> None:

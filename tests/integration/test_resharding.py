@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.cli_util import run_cli
 from tests.integration.test_train_distributed import TINY
 
 STEPS = 10
 
 
 def _run(out: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run_cli("train", "--out", str(out), *extra)  # in this process (tests/cli_util.py)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from moebal.distributed.testing import kill_rank_when
+from tests.cli_util import run_cli
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
         "moe.num_experts=4", "moe.expert_ffn_dim=64", "data.seq_len=64", "data.batch_size=4",
@@ -27,9 +28,13 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
 STEPS = 30
 
 
+def _args(out: Path, *extra: str) -> list[str]:
+    return ["train", "--nproc", "2", "--steps", str(STEPS), "--seed", "0", "--out", str(out), *TINY, *extra]
+
+
 def _cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moebal.cli", "train", "--nproc", "2", "--steps", str(STEPS), "--seed", "0",
-            "--out", str(out), *TINY, *extra]
+    """The job as a process of its own: its rank is killed, and its launcher restarts the job."""
+    return [sys.executable, "-m", "moebal.cli", *_args(out, *extra)]
 
 
 LAYOUTS = {"expert-parallel": [], "pipeline": ["--pp", "2", "model.n_layers=4"]}
@@ -42,7 +47,7 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tmp_path, layout):
-    ref = subprocess.run(_cmd(tmp_path / "ref", *LAYOUTS[layout]), capture_output=True, text=True, timeout=600)
+    ref = run_cli(*_args(tmp_path / "ref", *LAYOUTS[layout]))  # in this process (tests/cli_util.py)
     assert ref.returncode == 0, ref.stderr[-2000:]
     marker = f"MOEBAL_TEST_JOB={uuid.uuid4().hex}"
     run = tmp_path / "run"
@@ -71,8 +76,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
 
 def test_bad_input_is_not_restarted(tmp_path):
     # two ranks cannot split a batch of 3: every rank fails with exit code 2, which a restart would repeat
-    bad = subprocess.run(_cmd(tmp_path / "bad", "--max-restarts", "2", "data.batch_size=3"), capture_output=True,
-                         text=True, timeout=600)
+    bad = run_cli(*_args(tmp_path / "bad", "--max-restarts", "2", "data.batch_size=3"))
     assert bad.returncode == 2
     assert "divisible" in bad.stderr and "failed (exit code 2); stopped the other ranks" in bad.stderr
     assert "restarting" not in bad.stderr

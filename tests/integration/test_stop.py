@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from moebal.distributed.testing import rank_pid
+from tests.cli_util import run_cli
 from tests.integration.test_restart import TINY
 
 
@@ -47,8 +48,7 @@ def test_sigterm_stops_the_ranks_and_a_live_run_directory_refuses_a_second_job(t
         _wait_for(lambda: (run / "ckpt-0000004").is_dir(), job)
         pids = [rank_pid(r, f"{name}={value}") for r in (0, 1)]
         assert all(pids), pids
-        second = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(run), "--resume"],
-                                capture_output=True, text=True, timeout=600)
+        second = run_cli("train", "--out", str(run), "--resume")  # in this process (tests/cli_util.py)
         assert second.returncode == 2, second.stderr
         [line] = second.stderr.strip().splitlines()  # one line, naming the live owner
         assert line.startswith(f"moebal train: error: {run} is in use by another job: PID {job.pid} on host "

@@ -1,4 +1,6 @@
-"""`moebal train` end to end, as a user runs it (a subprocess)."""
+"""`moebal train` end to end: the first run as a user runs it (`python -m moebal.cli`, a process of its own), the
+others in the test process (tests/cli_util.py: the same exit code, stdout and stderr, without a new interpreter
+importing torch each time)."""
 
 from __future__ import annotations
 
@@ -7,23 +9,27 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from tests.cli_util import ROOT, Ran, run_cli
 from tests.unit.test_train import TINY
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def moebal(*args: str) -> subprocess.CompletedProcess[str]:
+def moebal_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`moebal train *args` as a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "moebal.cli", "train", *args], capture_output=True, text=True,
                           env=env, timeout=600, cwd=ROOT)
 
 
+def moebal(*args: str) -> Ran:
+    """`moebal train *args` in this process."""
+    return run_cli("train", *args)
+
+
 def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     out = tmp_path / "run"
     tiny = [x for x in TINY if not x.startswith("train.steps=")]  # --steps sets it (both would be refused)
-    r = moebal("--steps", "3", "--out", str(out), *tiny, "train.ckpt_every=2")
+    r = moebal_process("--steps", "3", "--out", str(out), *tiny, "train.ckpt_every=2")
     assert r.returncode == 0, r.stderr
     assert {"config.yaml", "metrics.jsonl", "dashboard.png", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
         {p.name for p in out.iterdir()}

@@ -1,4 +1,6 @@
-"""`moebal train --nproc N` end to end: the same losses as one process, plans written, resume exact."""
+"""`moebal train --nproc N` end to end: the same losses as one process, plans written, resume exact.
+
+Jobs run in the test process (tests/cli_util.py), launcher included; a killed rank's job is a process of its own."""
 
 from __future__ import annotations
 
@@ -13,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_util import Ran, run_cli
+
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
         "moe.num_experts=4", "moe.expert_ffn_dim=64", "data.seq_len=64", "data.batch_size=4",
         "data.max_bytes=400000", "train.precision=fp32", "train.eval_every=4", "train.eval_batches=2",
         "train.warmup_steps=2", "train.ckpt_every=4", "train.threads=1"]
 
 
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--steps", "8", "--seed", "0", "--out", str(out), *TINY,
-           *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def _train(out: Path, *extra: str) -> Ran:
+    """`moebal train` in this process (tests/cli_util.py); its `--nproc N` ranks are forked as a user's are."""
+    return run_cli("train", "--steps", "8", "--seed", "0", "--out", str(out), *TINY, *extra)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -30,9 +33,8 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """One `_train(..., "--nproc", "2")` job the tests below only read (each copies what it changes): one start-up
-    of three processes less per test."""
+def two_rank_run(tmp_path_factory) -> tuple[Path, Ran]:
+    """One `_train(..., "--nproc", "2")` job the tests below only read (each copies what it changes)."""
     out = tmp_path_factory.mktemp("two_rank_run") / "run"
     return out, _train(out, "--nproc", "2")
 
@@ -66,8 +68,7 @@ def test_two_rank_resume_is_exact(tmp_path, two_rank_run):
     shutil.copytree(tmp_path / "full", part)
     shutil.rmtree(part / "ckpt-0000008")
     assert (part / "ckpt-0000004" / "model-r00001.safetensors").is_file()
-    resumed = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(part), "--resume",
-                              "--nproc", "2"], capture_output=True, text=True, timeout=600)
+    resumed = run_cli("train", "--out", str(part), "--resume", "--nproc", "2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = _metrics(tmp_path / "full"), _metrics(part)
     assert [x["step"] for x in b] == list(range(1, 9))
@@ -98,8 +99,7 @@ def test_kernel_auto_gives_one_seed_the_same_losses_in_fresh_runs_and_on_resume(
     part = tmp_path / "part"  # interrupted after its step-4 checkpoint, then resumed
     shutil.copytree(tmp_path / "a", part)
     shutil.rmtree(part / "ckpt-0000008")
-    resumed = subprocess.run([sys.executable, "-m", "moebal.cli", "train", "--out", str(part), "--resume",
-                              "--nproc", "2"], capture_output=True, text=True, timeout=600)
+    resumed = run_cli("train", "--out", str(part), "--resume", "--nproc", "2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [x["loss"] for x in _metrics(tmp_path / "a")] == [y["loss"] for y in _metrics(part)]
     assert json.loads((part / "kernels.json").read_text())["experts"]["source"] == "checkpoint"
@@ -186,9 +186,8 @@ def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(
     assert [r["loss"] for r in _metrics(tmp_path / "packed")] == [r["loss"] for r in _metrics(tmp_path / "fixed")]
     state = json.loads((tmp_path / "packed" / "ckpt-0000008" / "state.json").read_text())
     assert state["layout"]["ep"] == record["ep"]
-    cmd = [sys.executable, "-m", "moebal.cli", "train", "--steps", "10", "--out", str(tmp_path / "packed"),
-           "--resume", "--nproc", "2", *TINY, *extra]
-    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    resumed = run_cli("train", "--steps", "10", "--out", str(tmp_path / "packed"), "--resume", "--nproc", "2", *TINY,
+                      *extra)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "expert packing (Lina)" not in resumed.stderr  # read from packing.json, not measured again
     assert [r["step"] for r in _metrics(tmp_path / "packed")] == list(range(1, 11))
