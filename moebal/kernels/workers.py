@@ -24,12 +24,17 @@ _pool_key: tuple[int, int] = (0, 0)  # (pid, workers)
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
+    """The process's pool, with at least `workers` threads. It only grows (a smaller call uses some of its
+    threads; they start lazily), so a process that varies its worker count holds one pool, not one per count;
+    the pool it outgrows is shut down (its threads exit once their work is done)."""
     global _pool, _pool_key
     with _lock:
-        key = (os.getpid(), workers)
-        if _pool is None or _pool_key != key:
+        pid = os.getpid()
+        if _pool is None or _pool_key[0] != pid or _pool_key[1] < workers:
+            if _pool is not None and _pool_key[0] == pid:
+                _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moebal-expert")
-            _pool_key = key
+            _pool_key = (pid, workers)
         return _pool
 
 

@@ -400,3 +400,27 @@ def test_probe_runs_unaligned_groups_and_catches_wrong_results(padded, monkeypat
 
     monkeypatch.setattr(experts_mod.F, "grouped_mm", broken)
     assert probe("cpu", torch.bfloat16) == "RuntimeError: no kernel for this GPU"
+
+
+def test_the_expert_worker_pool_only_grows_and_shuts_down_what_it_outgrows(monkeypatch):
+    from moebal.kernels import workers
+
+    monkeypatch.setattr(workers, "_pool", None)  # a fresh pool, whatever earlier tests made
+    monkeypatch.setattr(workers, "_pool_key", (0, 0))
+
+    def nothing() -> None:
+        pass
+
+    workers.run_parallel([nothing] * 3)
+    first = workers._executor(2)
+    assert workers._executor(1) is first  # a smaller call reuses the pool
+    workers.run_parallel([nothing] * 4)  # needs 3 workers: a new pool; the one it outgrew is shut down
+    grown = workers._executor(3)
+    assert grown is not first and first._shutdown
+    for _ in range(5):
+        workers.run_parallel([nothing] * 2)
+        workers.run_parallel([nothing] * 4)
+    assert workers._executor(3) is grown and len(grown._threads) <= 3
+    for t in list(first._threads):
+        t.join(timeout=5)
+        assert not t.is_alive()  # the outgrown pool's threads exited
