@@ -128,10 +128,6 @@ class PipelineRunner:
         if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
             raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
                               f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
-        if cfg.parallel.shard == "full" and any(len(z) != dims.pp for _, z in (*force, *force_mid)):
-            raise ConfigError("'parallel.shard: full' with a pipeline is not built with re-packing onto fewer stages "
-                              "(released ranks cannot leave the stage's FSDP2 mesh): keep every stage, or "
-                              "parallel.shard=optimizer")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "

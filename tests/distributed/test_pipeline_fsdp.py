@@ -3,12 +3,15 @@ against the unsharded pipeline on 4 gloo ranks: losses, gradient norms and param
 (fp32) with forced migrations (between steps, and between a backward pass and its optimizer step: gradients
 travel), for pp 2 x dp 2 (1F1B), pp 2 x ep 2 (expert-parallel experts under the expert optimizer, Pro-Prophet
 replicas, the moe dynamism scheme) and pp 2 x dp 2 with planned micro-batches (every rank of a stage in
-lockstep); refusals of what is not built."""
+lockstep); re-packing onto fewer stages (pp 4, and pp 3 x dp 2 on 6 ranks) and a resume after it; refusals of
+what is not built."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -162,7 +165,6 @@ def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
 
 
 @pytest.mark.parametrize("pipeline, words", [
-    ({"repack": True, "rebalance": "partition"}, "is not built with pipeline.repack"),
     ({"split_layers": True}, "is not built with pipeline.split_layers"),
 ])
 def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeline, words):
@@ -222,3 +224,94 @@ def test_fully_sharded_expert_parallel_pipeline_resumes_like_an_uninterrupted_ru
     assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") and "experts" in k for k in ref)
     worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
     assert worst < 1e-5, worst
+
+
+# ---- re-packing onto fewer stages ------------------------------------------------------------------------------
+
+REPACK_STEPS = 8
+
+
+def _repack_run(shard: str, pp: int) -> dict[str, Any]:
+    """A pipeline of `pp` stages re-packed onto 2 after step 3 (the middle stages' layers move to the first and
+    last with their shards and AdamW state; their ranks are released and stop)."""
+    import torch.distributed as dist
+
+    from moebal.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(pipe_cfg(shard, 1, steps=REPACK_STEPS, pp=pp), force=((3, (2, 2)),))
+    out = runner.train(REPACK_STEPS)
+    res = {"records": out.records, "released": out.released, "released_at": out.released_at,
+           "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+           "params": {} if out.released else runner.full_state()}
+    dist.barrier()  # released ranks wait here until the survivors have finished
+    return res
+
+
+def _repack_pair(rank: int, world: int, pp: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return pair(_repack_run("none", pp), _repack_run("full", pp), "full")
+
+
+def _check_repack(runs: list[dict[str, Any]], released: int) -> None:
+    assert sum(r["full"]["released"] for r in runs) == released
+    for r in runs:
+        plain, full = r["none"], r["full"]
+        assert plain["released"] == full["released"] and plain["sizes"] == full["sizes"]
+        if full["released"]:  # stopped after the re-pack's step, holding nothing
+            assert full["released_at"] == 3 and full["optimizer"] == "NoneType" and len(full["records"]) == 3
+            continue
+        assert full["optimizer"] == "StageShardedAdamW" and full["sizes"] == [2, 2]
+        assert [x["step"] for x in full["records"]] == list(range(1, REPACK_STEPS + 1))
+        for a, b in zip(plain["records"], full["records"]):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), a["step"]
+            assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+        assert [x.get("migration") for x in full["records"]][2] == "forced"
+        assert r["param_rel"] < 1e-5, r["param_rel"]
+
+
+def test_fully_sharded_pipeline_repacks_like_unsharded():
+    """pp 4 on 4 ranks (one rank per stage) re-packed onto 2 stages: the released ranks' layers arrive on the
+    first and last stage and are sharded there; losses, gradient norms and parameters as unsharded."""
+    _check_repack(run_ranks(_repack_pair, 4, 4, timeout_s=600), released=2)
+
+
+def test_fully_sharded_pipeline_with_data_parallel_stages_repacks_like_unsharded():
+    """pp 3 x dp 2 on 6 ranks: the released stage's 2-rank FSDP2 mesh gathers its layer whole (the moments too)
+    and both of its ranks stop; the last stage's 2 ranks shard the arriving layer over their own mesh."""
+    _check_repack(run_ranks(_repack_pair, 6, 3, timeout_s=600), released=2)
+
+
+def _repack_leg(rank: int, world: int, root: str, shard: str, resume_from: str | None) -> list[dict[str, Any]] | None:
+    """6 steps of pp 4 on 4 ranks that the layer balancer re-packs onto 2 stages at step 2 (`pipeline.repack`),
+    checkpoints at steps 3 and 6; `resume_from`: a copy of that run's directory as it stood after step 3."""
+    from moebal.config import from_dict, to_dict
+    from tests.distributed.test_pipeline_resume import _interrupted
+    from tests.distributed.test_pipeline_resume import _run as run_trainer
+
+    base = pipe_cfg(shard, 1, steps=6, pp=4, ckpt_every=3, keep_checkpoints=10)
+    cfg = from_dict({**to_dict(base), "pipeline": {"micro_batches": 2, "repack": True, "repack_slack": 100.0,
+                                                      "every": 2}})
+    torch.set_num_threads(1)
+    if resume_from is None:
+        return run_trainer(rank, cfg, Path(root))
+    return run_trainer(rank, cfg, _interrupted(rank, Path(resume_from), Path(root)), resume=True)
+
+
+def test_fully_sharded_pipeline_resumes_after_a_repack(tmp_path):
+    """The layer balancer's re-pack under `shard: full` against `shard: none` (losses within 1e-5), and the full
+    run's step-3 checkpoint (written by the 2 ranks still training) resumed on the launch layout: it re-packs again
+    at once and continues as the uninterrupted run."""
+    plain = run_ranks(_repack_leg, 4, str(tmp_path / "none"), "none", None, timeout_s=600)[0]
+    full = run_ranks(_repack_leg, 4, str(tmp_path / "full"), "full", None, timeout_s=600)[0]
+    resumed = run_ranks(_repack_leg, 4, str(tmp_path / "resumed"), "full", str(tmp_path / "full"),
+                        timeout_s=600)[0]
+    packed = [r for r in full if r.get("released_ranks")]
+    assert len(packed) == 1 and packed[0]["step"] == 2 and set(packed[0]["released_ranks"]) == {1, 2}
+    state = json.loads((tmp_path / "full" / "ckpt-0000003" / "state.json").read_text())
+    assert sorted(state["ranks"]) == ["0", "3"]
+    assert [r["step"] for r in resumed] == [r["step"] for r in full] == list(range(1, 7))
+    for a, b, c in zip(plain, full, resumed):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["loss"] == c["loss"] and b["grad_norm"] == c["grad_norm"], (b["step"], b["loss"], c["loss"])
+    assert [r["sizes"] for r in resumed[3:]] == [r["sizes"] for r in full[3:]]
