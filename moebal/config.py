@@ -975,7 +975,6 @@ def _check_whole(c: Config) -> None:
     full_pp = par.shard == "full" and par.pp > 1
     for bad, what in [(c.pipeline.schedule == "zb", "pipeline.schedule=zb (its weight gradients are computed outside "
                        "autograd, where FSDP2 does not reduce-scatter them): use 1f1b or gpipe"),
-                      (c.pipeline.split_layers, "pipeline.split_layers: set it false"),
                       (c.dynamism.scheme not in ("none", "moe"), f"dynamism.scheme={c.dynamism.scheme} (it wraps "
                        f"or edits layers, or per-parameter state): use dynamism.scheme none or moe")]:
         _need(not (full_pp and bad),

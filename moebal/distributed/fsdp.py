@@ -276,14 +276,23 @@ def stage_mesh(dims: ParallelDims) -> Any:
 
 
 def _stage_units(stage: PipelineStage) -> list[nn.Module]:
+    """The stage's FSDP2 units in run order: each whole layer; each held half-submodule of a split layer
+    (`pipeline.split_layers`: the engine calls `attention_part`/`ffn_part`, which call the norms, attention and
+    MLP, never the layer, so FSDP2's hooks must sit on those); the embedding, final norm and head."""
+    from moebal.pipeline.stage import held_halves
+
     body = stage.model
     roots = [body.embed_tokens, body.norm, stage.lm_head]
-    return [*body.layers.values(), *(m for m in roots if m is not None)]
+    split = set(stage.units.split_layers)
+    layers = [m for i, layer in body.layers.items()
+              for m in (held_halves(layer) if int(i) in split else [layer])]
+    return [*layers, *(m for m in roots if m is not None)]
 
 
 def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
-    """`fully_shard` each layer of a pipeline stage and its embedding, final norm and LM head over `mesh`, each one
-    FSDP2 unit and its own root (the engine calls these modules, never the stage): weights all-gathered for each
+    """`fully_shard` each layer of a pipeline stage (each held half-submodule of a split layer: `_stage_units`) and
+    its embedding, final norm and LM head over `mesh`, each one FSDP2 unit and its own root (the engine calls
+    these modules, never the stage): weights all-gathered for each
     micro-batch's forward and again for its backward (`reshard_after_forward`), and reduce-scattered in each
     micro-batch's backward into the shards' gradients, which accumulate over the micro-batches. The reductions
     are sums (divide factor 1): the pipeline's losses are normalised by the global label count, as in the
@@ -328,7 +337,8 @@ class StageShardedAdamW(FullyShardedAdamW):
         super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels)
 
     leaving: tuple[int, ...] = ()
-    """The layers a migration is about to send away (`migrate_layers` sets it before `full_state`)."""
+    """The layers a migration is about to send away, wholly or a half of (`migrate_layers` sets it before
+    `full_state`)."""
 
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Replace every layer of the stage about to leave (`leaving`) by a plain skeleton holding its gathered
@@ -353,11 +363,13 @@ class StageShardedAdamW(FullyShardedAdamW):
     def _plain_layer(self, i: int, dense: dict[Any, Any]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, Any]]]:
         """Layer i as a plain skeleton (`build_layer_skeleton`, no RNG): FSDP2's weights and gradients gathered
         whole (collective), expert-parallel experts the layer's own parameter objects (their state is the expert
-        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole."""
-        from moebal.pipeline.stage import build_layer_skeleton
+        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole. A split layer keeps
+        the halves it holds (both, when one of them leaves: the other is re-sharded with the rebuild)."""
+        from moebal.pipeline.stage import build_layer_skeleton, same_halves
 
         old = self.stage.layer(i)
         new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
+        same_halves(new, old)
         fresh = dict(new.named_parameters())
         out: dict[nn.Parameter, dict[str, Any]] = {}
         with torch.no_grad():

@@ -164,16 +164,6 @@ def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
         pipe_cfg("full", 1, **knobs)
 
 
-@pytest.mark.parametrize("pipeline, words", [
-    ({"split_layers": True}, "is not built with pipeline.split_layers"),
-])
-def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeline, words):
-    from moebal.config import from_dict
-
-    with pytest.raises(ConfigError, match=re.escape(words)):
-        from_dict({"parallel": {"pp": 2, "shard": "full"}, "pipeline": pipeline, "model": {"n_layers": 2}})
-
-
 def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
     """The resume parity of `test_pipeline_sharded.resume_parity` under `shard: full`; checkpoint rows are written
     by their owners."""
@@ -315,3 +305,54 @@ def test_fully_sharded_pipeline_resumes_after_a_repack(tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
         assert b["loss"] == c["loss"] and b["grad_norm"] == c["grad_norm"], (b["step"], b["loss"], c["loss"])
     assert [r["sizes"] for r in resumed[3:]] == [r["sizes"] for r in full[3:]]
+
+
+# ---- split layers (`pipeline.split_layers`) ------------------------------------------------------------------
+
+SPLIT_STEPS = 7
+SPLIT_MIGRATE = {"force": ((2, (4, 2)), (6, (3, 3))), "force_mid": ((4, (1, 5)),)}
+"""Units 0a 0f 1 2a 2f 3 (layers 1 and 3 MoE, whole): after step 2 layer 2's attention half joins stage 0 (its FFN
+half stays, re-sharded); inside step 4 (gradients travel) 0f, 1 and 2a go to stage 1, where 2a joins the sharded
+2f; after step 6 back to the start."""
+
+
+def _split_run(shard: str) -> dict[str, Any]:
+    from moebal.config import from_dict, to_dict
+    from moebal.pipeline.runner import PipelineRunner
+
+    base = to_dict(pipe_cfg(shard, 1, steps=SPLIT_STEPS))
+    cfg = from_dict({**base, "moe": {**base["moe"], "every": 2},
+                     "pipeline": {**base["pipeline"], "split_layers": True}})
+    runner = PipelineRunner(cfg, **SPLIT_MIGRATE)
+    out = runner.train(SPLIT_STEPS)
+    units = [type(m).__name__ for m in runner.stage.modules() if "FSDP" in type(m).__name__]
+    return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+            "params": runner.full_state(), "fsdp_units": units, "first": runner.chain.is_first}
+
+
+def _split_pair(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return pair(_split_run("none"), _split_run("full"), "full")
+
+
+def test_fully_sharded_pipeline_with_split_layers_matches_unsharded():
+    """pp 2 x dp 2, `pipeline.split_layers` (the dense layers 0 and 2 run as attention and FFN halves, each
+    half's norm, attention and MLP its own FSDP2 unit), forced moves of halves between steps and inside one:
+    losses, gradient norms and parameters within 1e-5 of the unsharded pipeline."""
+    runs = run_ranks(_split_pair, 4, timeout_s=600)
+    for r in runs:
+        plain, full = r["none"], r["full"]
+        assert full["optimizer"] == "StageShardedAdamW" and plain["sizes"] == full["sizes"] == [3, 3]
+        assert [x["step"] for x in full["records"]] == list(range(1, SPLIT_STEPS + 1))
+        for a, b in zip(plain["records"], full["records"]):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a["step"], a["grad_norm"],
+                                                                                 b["grad_norm"])
+            assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+            assert a["stage_layers"] == b["stage_layers"]
+        assert [x["migration"] for x in full["records"] if "migration" in x] == ["forced", "forced-mid", "forced"]
+        assert full["records"][2]["stage_layers"] == [2.5, 1.5]
+        assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
+        assert r["param_rel"] < 1e-5, r["param_rel"]
+        # 0a 0f | 1 | embedding (first stage), 2a 2f | 3 | norm, head (last): a split layer's 4 submodules
+        assert len(full["fsdp_units"]) == (6 if full["first"] else 7) and not plain["fsdp_units"], full["fsdp_units"]
