@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from moebal.pipeline.stage import PipelineStage
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model", "fully_shard_stage", "local_chunk",
-           "shard_rows", "stage_mesh"]
+__all__ = ["DeferredGradReducer", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
+           "fully_shard_stage", "local_chunk", "shard_rows", "stage_mesh"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -417,6 +417,73 @@ class StageShardedAdamW(FullyShardedAdamW):
             return 0
         return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
                    for k, v in st.items() if k != "step")
+
+
+class DeferredGradReducer:
+    """The zero-bubble schedule's W under `parallel.shard: full` (moebal/pipeline/zero_bubble.py): the deferred
+    Linear weight gradients of one micro-batch, computed whole outside autograd after FSDP2's post-backward hook
+    has reduce-scattered the rest and resharded the module, are reduce-scattered here into the shards'
+    gradients, as FSDP2 would have in B(j): summed over the stage's ranks (divide factor 1, as
+    `fully_shard_stage` sets FSDP2's), communicated in `reduce_dtype`, added in the shard's dtype. Peak: one cost
+    slot's whole Linear weight gradients (the engine flushes slot by slot), about what FSDP2 holds unsharded for
+    one unit in B.
+
+    Phases of `flush` (per cost slot of a W op, on every rank of the stage at the same point of the same
+    schedule, the slots in the same order):
+      1. order the kept gradients as the stage's parameters (module order: the same on every rank of the stage,
+         which runs the same layers, as FSDP2's own reduce-scatters need too);
+      2. lay each out as FSDP2 shards it: dim 0 padded to W x ceil(n / W) rows, rank r's chunk in row block r;
+         one [W, total] buffer of every gradient's chunks side by side;
+      3. one reduce-scatter (SUM) over the stage's mesh, synchronous (host-side wait on gloo; on NCCL the
+         compute stream's order);
+      4. each parameter's piece, cut to its shard's rows (`shard_rows`), added to (or made) its DTensor grad."""
+
+    def __init__(self, stage: nn.Module, mesh: Any, reduce_dtype: torch.dtype) -> None:
+        self.stage, self.group, self.size = stage, mesh.get_group(), mesh.size()
+        self.reduce_dtype = reduce_dtype
+        self._kept: dict[int, tuple[DTensor, torch.Tensor]] = {}
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return isinstance(p, DTensor)
+
+    def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        assert isinstance(p, DTensor) and tuple(g.shape) == tuple(p.shape), (type(p), g.shape, p.shape)
+        kept = self._kept.get(id(p))
+        if kept is None:
+            self._kept[id(p)] = (p, g)
+        else:
+            kept[1].add_(g)
+
+    def pending(self) -> int:
+        return len(self._kept)
+
+    def flush(self) -> None:
+        if not self._kept:
+            return
+        order = [self._kept[id(p)][0] for p in self.stage.parameters() if id(p) in self._kept]
+        assert len(order) == len(self._kept), "a deferred gradient of a parameter the stage no longer holds"
+        W = self.size
+        blocks = [self._blocks(self._kept[id(p)][1], W) for p in order]
+        self._kept.clear()
+        send_WN = torch.cat(blocks, dim=1)
+        out_N = send_WN.new_empty(send_WN.shape[1])
+        dist.reduce_scatter_single(out_N, send_WN.reshape(-1), group=self.group)
+        for p, piece in zip(order, out_N.split([b.shape[1] for b in blocks])):
+            _, rows = shard_rows(p)
+            local = piece.view(-1, *p.shape[1:])[:rows].to(p.dtype)
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            else:
+                _local(p.grad).add_(local)
+
+    def _blocks(self, g: torch.Tensor, W: int) -> torch.Tensor:
+        """[W, ceil(n / W) * rest]: row block r of `g` (dim 0 padded with zeros) is rank r's shard."""
+        n = g.shape[0]
+        per = -(-n // W)
+        padded = g.new_zeros((per * W, *g.shape[1:]), dtype=self.reduce_dtype)
+        padded[:n] = g
+        return padded.reshape(W, -1)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
