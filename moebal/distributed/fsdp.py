@@ -309,6 +309,8 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
             continue
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
         ignored = {p for p in m.parameters() if is_expert_param(p)}  # expert-parallel experts: the ShardedAdamW's
+        # reshard_after_forward explicitly (a root's default keeps the gathered weights after its forward): zero
+        # bubble's W finds every unit holding its shards again (`DeferredGradReducer`)
         fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=True, ignored_params=ignored or None)
         assert isinstance(m, FSDPModule)
         m.set_gradient_divide_factor(1.0)
