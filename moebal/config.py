@@ -972,17 +972,10 @@ def _check_whole(c: Config) -> None:
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
-    full_pp = par.shard == "full" and par.pp > 1
-    for bad, what in [(c.pipeline.schedule == "zb", "pipeline.schedule=zb (its weight gradients are computed outside "
-                       "autograd, where FSDP2 does not reduce-scatter them): use 1f1b or gpipe"),
-                      (c.pipeline.repack, "pipeline.repack (released ranks cannot leave the stage's FSDP2 mesh): set "
-                       "pipeline.repack=false"),
-                      (c.pipeline.split_layers, "pipeline.split_layers: set it false"),
-                      (c.dynamism.scheme not in ("none", "moe"), f"dynamism.scheme={c.dynamism.scheme} (it wraps "
-                       f"or edits layers, or per-parameter state): use dynamism.scheme none or moe")]:
-        _need(not (full_pp and bad),
-              f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built with {what}, or "
-              f"parallel.shard=optimizer")
+    _need(par.shard != "full" or par.pp == 1 or c.dynamism.scheme in ("none", "moe"),
+          f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built with dynamism.scheme="
+          f"{c.dynamism.scheme} (it wraps or edits layers, or per-parameter state): use dynamism.scheme none or moe, "
+          f"or parallel.shard=optimizer")
     _need(par.shard != "optimizer" or par.pp == 1 or c.dynamism.scheme not in ("pruning", "freezing"),
           f"'parallel.shard: optimizer' with a pipeline and dynamism.scheme={c.dynamism.scheme} is not supported: "
           f"the scheme zeroes or stops AdamW state per parameter, which the sharded flats do not keep per parameter; "

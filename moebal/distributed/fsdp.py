@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     from moebal.pipeline.stage import PipelineStage
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model", "fully_shard_stage", "local_chunk",
-           "shard_rows", "stage_mesh"]
+__all__ = ["DeferredGradReducer", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
+           "fully_shard_stage", "local_chunk", "shard_rows", "stage_mesh"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -276,14 +276,23 @@ def stage_mesh(dims: ParallelDims) -> Any:
 
 
 def _stage_units(stage: PipelineStage) -> list[nn.Module]:
+    """The stage's FSDP2 units in run order: each whole layer; each held half-submodule of a split layer
+    (`pipeline.split_layers`: the engine calls `attention_part`/`ffn_part`, which call the norms, attention and
+    MLP, never the layer, so FSDP2's hooks must sit on those); the embedding, final norm and head."""
+    from moebal.pipeline.stage import held_halves
+
     body = stage.model
     roots = [body.embed_tokens, body.norm, stage.lm_head]
-    return [*body.layers.values(), *(m for m in roots if m is not None)]
+    split = set(stage.units.split_layers)
+    layers = [m for i, layer in body.layers.items()
+              for m in (held_halves(layer) if int(i) in split else [layer])]
+    return [*layers, *(m for m in roots if m is not None)]
 
 
 def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
-    """`fully_shard` each layer of a pipeline stage and its embedding, final norm and LM head over `mesh`, each one
-    FSDP2 unit and its own root (the engine calls these modules, never the stage): weights all-gathered for each
+    """`fully_shard` each layer of a pipeline stage (each held half-submodule of a split layer: `_stage_units`) and
+    its embedding, final norm and LM head over `mesh`, each one FSDP2 unit and its own root (the engine calls
+    these modules, never the stage): weights all-gathered for each
     micro-batch's forward and again for its backward (`reshard_after_forward`), and reduce-scattered in each
     micro-batch's backward into the shards' gradients, which accumulate over the micro-batches. The reductions
     are sums (divide factor 1): the pipeline's losses are normalised by the global label count, as in the
@@ -300,6 +309,8 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
             continue
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
         ignored = {p for p in m.parameters() if is_expert_param(p)}  # expert-parallel experts: the ShardedAdamW's
+        # reshard_after_forward explicitly (a root's default keeps the gathered weights after its forward): zero
+        # bubble's W finds every unit holding its shards again (`DeferredGradReducer`)
         fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=True, ignored_params=ignored or None)
         assert isinstance(m, FSDPModule)
         m.set_gradient_divide_factor(1.0)
@@ -328,7 +339,8 @@ class StageShardedAdamW(FullyShardedAdamW):
         super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels)
 
     leaving: tuple[int, ...] = ()
-    """The layers a migration is about to send away (`migrate_layers` sets it before `full_state`)."""
+    """The layers a migration is about to send away, wholly or a half of (`migrate_layers` sets it before
+    `full_state`)."""
 
     def full_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Replace every layer of the stage about to leave (`leaving`) by a plain skeleton holding its gathered
@@ -353,11 +365,13 @@ class StageShardedAdamW(FullyShardedAdamW):
     def _plain_layer(self, i: int, dense: dict[Any, Any]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, Any]]]:
         """Layer i as a plain skeleton (`build_layer_skeleton`, no RNG): FSDP2's weights and gradients gathered
         whole (collective), expert-parallel experts the layer's own parameter objects (their state is the expert
-        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole."""
-        from moebal.pipeline.stage import build_layer_skeleton
+        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole. A split layer keeps
+        the halves it holds (both, when one of them leaves: the other is re-sharded with the rebuild)."""
+        from moebal.pipeline.stage import build_layer_skeleton, same_halves
 
         old = self.stage.layer(i)
         new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
+        same_halves(new, old)
         fresh = dict(new.named_parameters())
         out: dict[nn.Parameter, dict[str, Any]] = {}
         with torch.no_grad():
@@ -405,6 +419,73 @@ class StageShardedAdamW(FullyShardedAdamW):
             return 0
         return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
                    for k, v in st.items() if k != "step")
+
+
+class DeferredGradReducer:
+    """The zero-bubble schedule's W under `parallel.shard: full` (moebal/pipeline/zero_bubble.py): the deferred
+    Linear weight gradients of one micro-batch, computed whole outside autograd after FSDP2's post-backward hook
+    has reduce-scattered the rest and resharded the module, are reduce-scattered here into the shards'
+    gradients, as FSDP2 would have in B(j): summed over the stage's ranks (divide factor 1, as
+    `fully_shard_stage` sets FSDP2's), communicated in `reduce_dtype`, added in the shard's dtype. Peak: one cost
+    slot's whole Linear weight gradients (the engine flushes slot by slot), about what FSDP2 holds unsharded for
+    one unit in B.
+
+    Phases of `flush` (per cost slot of a W op, on every rank of the stage at the same point of the same
+    schedule, the slots in the same order):
+      1. order the kept gradients as the stage's parameters (module order: the same on every rank of the stage,
+         which runs the same layers, as FSDP2's own reduce-scatters need too);
+      2. lay each out as FSDP2 shards it: dim 0 padded to W x ceil(n / W) rows, rank r's chunk in row block r;
+         one [W, total] buffer of every gradient's chunks side by side;
+      3. one reduce-scatter (SUM) over the stage's mesh, synchronous (host-side wait on gloo; on NCCL the
+         compute stream's order);
+      4. each parameter's piece, cut to its shard's rows (`shard_rows`), added to (or made) its DTensor grad."""
+
+    def __init__(self, stage: nn.Module, mesh: Any, reduce_dtype: torch.dtype) -> None:
+        self.stage, self.group, self.size = stage, mesh.get_group(), mesh.size()
+        self.reduce_dtype = reduce_dtype
+        self._kept: dict[int, tuple[DTensor, torch.Tensor]] = {}
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return isinstance(p, DTensor)
+
+    def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        assert isinstance(p, DTensor) and tuple(g.shape) == tuple(p.shape), (type(p), g.shape, p.shape)
+        kept = self._kept.get(id(p))
+        if kept is None:
+            self._kept[id(p)] = (p, g)
+        else:
+            kept[1].add_(g)
+
+    def pending(self) -> int:
+        return len(self._kept)
+
+    def flush(self) -> None:
+        if not self._kept:
+            return
+        order = [self._kept[id(p)][0] for p in self.stage.parameters() if id(p) in self._kept]
+        assert len(order) == len(self._kept), "a deferred gradient of a parameter the stage no longer holds"
+        W = self.size
+        blocks = [self._blocks(self._kept[id(p)][1], W) for p in order]
+        self._kept.clear()
+        send_WN = torch.cat(blocks, dim=1)
+        out_N = send_WN.new_empty(send_WN.shape[1])
+        dist.reduce_scatter_single(out_N, send_WN.reshape(-1), group=self.group)
+        for p, piece in zip(order, out_N.split([b.shape[1] for b in blocks])):
+            _, rows = shard_rows(p)
+            local = piece.view(-1, *p.shape[1:])[:rows].to(p.dtype)
+            if p.grad is None:
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            else:
+                _local(p.grad).add_(local)
+
+    def _blocks(self, g: torch.Tensor, W: int) -> torch.Tensor:
+        """[W, ceil(n / W) * rest]: row block r of `g` (dim 0 padded with zeros) is rank r's shard."""
+        n = g.shape[0]
+        per = -(-n // W)
+        padded = g.new_zeros((per * W, *g.shape[1:]), dtype=self.reduce_dtype)
+        padded[:n] = g
+        return padded.reshape(W, -1)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

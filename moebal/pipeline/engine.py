@@ -265,16 +265,22 @@ class PipelineEngine:
         return None
 
     def _weight_grads(self, j: int, result: IterationResult) -> None:
-        """W(j): the deferred Linear weight gradients of micro-batch j, timed per cost slot when profiling."""
+        """W(j): the deferred Linear weight gradients of micro-batch j, timed per cost slot when profiling. With a
+        reducer (fully sharded stages) the closures run slot by slot in descending slot order (stable: a slot's
+        own in backward order, so each parameter's sum is the same) and each slot's whole gradients are
+        reduce-scattered as the slot ends: one slot's whole at a time, in the same order on every rank."""
         t0 = time.perf_counter()
         self._cpu0 = time.thread_time()
         prof = self.profiler
-        for slot, fn in self.wgrad.pop(j):
-            if prof is None:
-                fn()
-            else:
-                c0 = prof.clock()
-                fn()
+        items = self.wgrad.pop(j)
+        if self.wgrad.reducer is not None:
+            items = sorted(items, key=lambda item: -item[0])
+        for k, (slot, fn) in enumerate(items):
+            c0 = prof.clock() if prof is not None else 0.0
+            fn()
+            if k + 1 == len(items) or items[k + 1][0] != slot:
+                self.wgrad.flush()  # a sharded stage: the slot's reduce-scatter (collective over the stage)
+            if prof is not None:
                 prof.add_weight_grad(slot, j, prof.clock() - c0)
         self._op_done(result, "W", j, t0)
 

@@ -42,7 +42,7 @@ from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
-from moebal.distributed.fsdp import StageShardedAdamW, stage_mesh
+from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, StageShardedAdamW, stage_mesh
 from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
@@ -128,10 +128,6 @@ class PipelineRunner:
         if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
             raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
                               f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
-        if cfg.parallel.shard == "full" and any(len(z) != dims.pp for _, z in (*force, *force_mid)):
-            raise ConfigError("'parallel.shard: full' with a pipeline is not built with re-packing onto fewer stages "
-                              "(released ranks cannot leave the stage's FSDP2 mesh): keep every stage, or "
-                              "parallel.shard=optimizer")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
@@ -205,6 +201,9 @@ class PipelineRunner:
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
                                      self.opts.micro_batches, autocast, aux_ranks=self.data_ranks)
         self.engine.dilate = self.opts.dilate
+        if self._fsdp_mesh is not None:  # zero bubble: W's gradients of FSDP2 shards are reduce-scattered by hand
+            self.engine.wgrad.reducer = DeferredGradReducer(self.stage, self._fsdp_mesh,
+                                                            DTYPES[cfg.parallel.reduce_dtype])
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
         ctx.rows = self._micro_rows() * cfg.data.seq_len

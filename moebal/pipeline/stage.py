@@ -30,7 +30,8 @@ from moebal.models.moe import MoELayer
 from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, rotary_for
 from moebal.pipeline.units import ATTN, FFN, LAYER, UnitMap
 
-__all__ = ["PipelineStage", "build_layer_skeleton", "half_modules", "keep_half", "merge_half"]
+__all__ = ["PipelineStage", "build_layer_skeleton", "half_modules", "held_halves", "keep_half", "merge_half",
+           "same_halves"]
 
 _HALF = {ATTN: ("input_layernorm", "self_attn"), FFN: ("post_attention_layernorm", "mlp")}
 """The submodules of each half of a dense decoder layer."""
@@ -220,3 +221,17 @@ def merge_half(into: nn.Module, src: nn.Module, kind: str) -> None:
     """Give `into` the `kind` half of `src` (the same module objects)."""
     for name in _HALF[kind]:
         setattr(into, name, getattr(src, name))
+
+
+def held_halves(layer: nn.Module) -> list[nn.Module]:
+    """The submodules of a split layer's halves that it holds, in run order: what the engine calls
+    (`attention_part`, `ffn_part` call them), never the layer itself."""
+    return [m for kind in (ATTN, FFN) for name in _HALF[kind] if (m := getattr(layer, name)) is not None]
+
+
+def same_halves(layer: nn.Module, like: nn.Module) -> None:
+    """Strip from `layer` the halves' submodules that `like` does not hold (no-op for a whole layer)."""
+    for kind in (ATTN, FFN):
+        for name in _HALF[kind]:
+            if getattr(like, name, None) is None and getattr(layer, name, None) is not None:
+                setattr(layer, name, None)

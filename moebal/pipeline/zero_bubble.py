@@ -16,19 +16,40 @@ flattened input; bias gradient the sum over rows), in the autocast dtype when au
 the parameter's dtype and added to `.grad` in micro-batch order, as autograd's accumulation does. One
 difference is possible: a Linear called twice in one micro-batch gets two additions instead of one of the
 summed gradient (no model here does that). The engine tests compare the losses of "zb" and "1f1b" exactly.
+
+Fully sharded stages (`parallel.shard: full`): FSDP2 swaps a Linear's weight for the all-gathered one for the
+forward and the backward, and reduce-scatters in its post-backward hook only the gradients autograd produced;
+by W(j) the module holds its dim-0 shard again. So a closure adds to the parameter the module holds *when W
+runs*: a plain parameter as above, a shard (`GradReducer.holds`) through the queue's `reducer`, which keeps the
+cost slot's whole weight gradients (cast to the dtype the forward used, as autograd's would be) and, as the
+engine's W(j) finishes each slot (`flush`), reduce-scatters them into the shards' gradients as FSDP2 would have in
+B(j) (moebal/distributed/fsdp.py `DeferredGradReducer`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WeightGradQueue"]
+__all__ = ["GradReducer", "WeightGradQueue"]
+
+
+class GradReducer(Protocol):
+    """Where the whole weight gradients of sharded parameters go during W (module docstring)."""
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether `p` (what the module holds at W) is a shard this reducer reduces into."""
+
+    def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """Keep `g`, the whole gradient of the parameter whose shard is `p`, for the next `flush`."""
+
+    def flush(self) -> None:
+        """Reduce what `add` kept into the shards' gradients (collective over the shard's ranks)."""
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -42,7 +63,8 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                sink: list[tuple[int, Callable[[], None]]], slot: int) -> torch.Tensor:
+                sink: list[tuple[int, Callable[[], None]]], slot: int, queue: WeightGradQueue,
+                module: nn.Linear) -> torch.Tensor:
         dev = x.device.type
         xc, wc, bc = x, weight, bias
         if torch.is_autocast_enabled(dev):  # what autocast would do to F.linear's operands
@@ -53,6 +75,7 @@ class _DeferredLinear(torch.autograd.Function):
             out = F.linear(xc, wc, bc)
         ctx.save_for_backward(xc, wc)
         ctx.params, ctx.x_dtype, ctx.sink, ctx.slot = (weight, bias), x.dtype, sink, slot
+        ctx.queue, ctx.module = queue, module
         return out
 
     @staticmethod
@@ -65,16 +88,18 @@ class _DeferredLinear(torch.autograd.Function):
         # node of the micro-batch (a reference cycle through C++ nodes, which Python's collector cannot break).
         x_NI = xc.detach().reshape(-1, xc.shape[-1])
         weight, bias = ctx.params
+        queue, module = ctx.queue, ctx.module
 
         def weight_grad() -> None:
             with torch.no_grad():
-                _accumulate(weight, g_NO.t().mm(x_NI))
+                queue.accumulate(module, "weight", weight, g_NO.t().mm(x_NI))
                 if bias is not None and bias.requires_grad:
-                    _accumulate(bias, g_NO.sum(0))
+                    queue.accumulate(module, "bias", bias, g_NO.sum(0))
 
         ctx.sink.append((ctx.slot, weight_grad))
-        ctx.sink = ctx.params = None  # the node may outlive this backward (a tensor's grad_fn): hold nothing
-        return gx, None, None, None, None
+        # the node may outlive this backward (a tensor's grad_fn): hold nothing
+        ctx.sink = ctx.params = ctx.queue = ctx.module = None
+        return gx, None, None, None, None, None, None
 
 
 class WeightGradQueue:
@@ -86,6 +111,23 @@ class WeightGradQueue:
         self._sink: list[tuple[int, Callable[[], None]]] | None = None
         self.slot = -1
         """The cost slot whose forward runs now (set by the engine as it walks the stage's layers)."""
+        self.reducer: GradReducer | None = None
+        """Where gradients of sharded parameters go (`parallel.shard: full`; module docstring); None: every
+        gradient is added to the parameter the forward used, as autograd does."""
+
+    def accumulate(self, module: nn.Module, name: str, used: torch.Tensor, g: torch.Tensor) -> None:
+        """Add `g` to `module`'s parameter `name`: the one the forward used (`used`), or the shard the module
+        holds now, through the reducer; cast to `used`'s dtype first, as autograd's gradient would be."""
+        now = getattr(module, name)
+        if self.reducer is not None and self.reducer.holds(now):
+            self.reducer.add(now, g.to(used.dtype))
+        else:
+            _accumulate(used, g)
+
+    def flush(self) -> None:
+        """End of a slot's closures in a W op: the reducer's reductions (no-op without one)."""
+        if self.reducer is not None:
+            self.reducer.flush()
 
     @contextmanager
     def capture(self, j: int) -> Iterator[None]:
@@ -113,7 +155,7 @@ class WeightGradQueue:
         w = module.weight
         if self._sink is None or not torch.is_grad_enabled() or not (w.requires_grad and w.is_leaf):
             return F.linear(x, w, module.bias)
-        out: torch.Tensor = _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot)
+        out: torch.Tensor = _DeferredLinear.apply(x, w, module.bias, self._sink, self.slot, self, module)
         return out
 
     @contextmanager

@@ -501,7 +501,7 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
             for mb in mbs:
                 for shard in shards:
                     if shard == "full" and pp > 1 and built and _full_pp_refused(cfg):
-                        continue  # refused in moebal/config.py (zero bubble, re-packing, ...)
+                        continue  # refused in moebal/config.py (dynamism schemes that edit layers)
                     if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
                         continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
@@ -512,8 +512,7 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
 
 def _full_pp_refused(cfg: Config) -> bool:
     """Whether moebal/config.py refuses `shard: full` with a pipeline for this config's other settings."""
-    p = cfg.pipeline
-    return p.schedule == "zb" or p.repack or p.split_layers or cfg.dynamism.scheme not in ("none", "moe")
+    return cfg.dynamism.scheme not in ("none", "moe")
 
 
 def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int, int]:

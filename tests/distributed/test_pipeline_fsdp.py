@@ -3,12 +3,15 @@ against the unsharded pipeline on 4 gloo ranks: losses, gradient norms and param
 (fp32) with forced migrations (between steps, and between a backward pass and its optimizer step: gradients
 travel), for pp 2 x dp 2 (1F1B), pp 2 x ep 2 (expert-parallel experts under the expert optimizer, Pro-Prophet
 replicas, the moe dynamism scheme) and pp 2 x dp 2 with planned micro-batches (every rank of a stage in
-lockstep); refusals of what is not built."""
+lockstep); re-packing onto fewer stages (pp 4, and pp 3 x dp 2 on 6 ranks) and a resume after it; refusals of
+what is not built."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,23 +156,12 @@ def test_fully_sharded_pipeline_with_planned_micro_batches_runs_the_stage_in_loc
 
 
 @pytest.mark.parametrize("knobs, words", [
-    ({"schedule": "zb"}, "is not built with pipeline.schedule=zb"),
     ({"dynamism": "pruning"}, "is not built with dynamism.scheme=pruning"),
+    ({"dynamism": "freezing"}, "is not built with dynamism.scheme=freezing"),
 ])
 def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         pipe_cfg("full", 1, **knobs)
-
-
-@pytest.mark.parametrize("pipeline, words", [
-    ({"repack": True, "rebalance": "partition"}, "is not built with pipeline.repack"),
-    ({"split_layers": True}, "is not built with pipeline.split_layers"),
-])
-def test_fully_sharded_pipeline_refuses_what_moves_ranks_or_splits_layers(pipeline, words):
-    from moebal.config import from_dict
-
-    with pytest.raises(ConfigError, match=re.escape(words)):
-        from_dict({"parallel": {"pp": 2, "shard": "full"}, "pipeline": pipeline, "model": {"n_layers": 2}})
 
 
 def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):
@@ -222,3 +214,245 @@ def test_fully_sharded_expert_parallel_pipeline_resumes_like_an_uninterrupted_ru
     assert ref.keys() == got.keys() and any(k.endswith(":exp_avg") and "experts" in k for k in ref)
     worst = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
     assert worst < 1e-5, worst
+
+
+# ---- re-packing onto fewer stages ------------------------------------------------------------------------------
+
+REPACK_STEPS = 8
+
+
+def _repack_run(shard: str, pp: int) -> dict[str, Any]:
+    """A pipeline of `pp` stages re-packed onto 2 after step 3 (the middle stages' layers move to the first and
+    last with their shards and AdamW state; their ranks are released and stop)."""
+    import torch.distributed as dist
+
+    from moebal.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(pipe_cfg(shard, 1, steps=REPACK_STEPS, pp=pp), force=((3, (2, 2)),))
+    out = runner.train(REPACK_STEPS)
+    res = {"records": out.records, "released": out.released, "released_at": out.released_at,
+           "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+           "params": {} if out.released else runner.full_state()}
+    dist.barrier()  # released ranks wait here until the survivors have finished
+    return res
+
+
+def _repack_pair(rank: int, world: int, pp: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return pair(_repack_run("none", pp), _repack_run("full", pp), "full")
+
+
+def _check_repack(runs: list[dict[str, Any]], released: int) -> None:
+    assert sum(r["full"]["released"] for r in runs) == released
+    for r in runs:
+        plain, full = r["none"], r["full"]
+        assert plain["released"] == full["released"] and plain["sizes"] == full["sizes"]
+        if full["released"]:  # stopped after the re-pack's step, holding nothing
+            assert full["released_at"] == 3 and full["optimizer"] == "NoneType" and len(full["records"]) == 3
+            continue
+        assert full["optimizer"] == "StageShardedAdamW" and full["sizes"] == [2, 2]
+        assert [x["step"] for x in full["records"]] == list(range(1, REPACK_STEPS + 1))
+        for a, b in zip(plain["records"], full["records"]):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), a["step"]
+            assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+        assert [x.get("migration") for x in full["records"]][2] == "forced"
+        assert r["param_rel"] < 1e-5, r["param_rel"]
+
+
+def test_fully_sharded_pipeline_repacks_like_unsharded():
+    """pp 4 on 4 ranks (one rank per stage) re-packed onto 2 stages: the released ranks' layers arrive on the
+    first and last stage and are sharded there; losses, gradient norms and parameters as unsharded."""
+    _check_repack(run_ranks(_repack_pair, 4, 4, timeout_s=600), released=2)
+
+
+def test_fully_sharded_pipeline_with_data_parallel_stages_repacks_like_unsharded():
+    """pp 3 x dp 2 on 6 ranks: the released stage's 2-rank FSDP2 mesh gathers its layer whole (the moments too)
+    and both of its ranks stop; the last stage's 2 ranks shard the arriving layer over their own mesh."""
+    _check_repack(run_ranks(_repack_pair, 6, 3, timeout_s=600), released=2)
+
+
+def _repack_leg(rank: int, world: int, root: str, shard: str, resume_from: str | None) -> list[dict[str, Any]] | None:
+    """6 steps of pp 4 on 4 ranks that the layer balancer re-packs onto 2 stages at step 2 (`pipeline.repack`),
+    checkpoints at steps 3 and 6; `resume_from`: a copy of that run's directory as it stood after step 3."""
+    from moebal.config import from_dict, to_dict
+    from tests.distributed.test_pipeline_resume import _interrupted
+    from tests.distributed.test_pipeline_resume import _run as run_trainer
+
+    base = pipe_cfg(shard, 1, steps=6, pp=4, ckpt_every=3, keep_checkpoints=10)
+    cfg = from_dict({**to_dict(base), "pipeline": {"micro_batches": 2, "repack": True, "repack_slack": 100.0,
+                                                      "every": 2}})
+    torch.set_num_threads(1)
+    if resume_from is None:
+        return run_trainer(rank, cfg, Path(root))
+    return run_trainer(rank, cfg, _interrupted(rank, Path(resume_from), Path(root)), resume=True)
+
+
+def test_fully_sharded_pipeline_resumes_after_a_repack(tmp_path):
+    """The layer balancer's re-pack under `shard: full` against `shard: none` (losses within 1e-5), and the full
+    run's step-3 checkpoint (written by the 2 ranks still training) resumed on the launch layout: it re-packs again
+    at once and continues as the uninterrupted run."""
+    plain = run_ranks(_repack_leg, 4, str(tmp_path / "none"), "none", None, timeout_s=600)[0]
+    full = run_ranks(_repack_leg, 4, str(tmp_path / "full"), "full", None, timeout_s=600)[0]
+    resumed = run_ranks(_repack_leg, 4, str(tmp_path / "resumed"), "full", str(tmp_path / "full"),
+                        timeout_s=600)[0]
+    packed = [r for r in full if r.get("released_ranks")]
+    assert len(packed) == 1 and packed[0]["step"] == 2 and set(packed[0]["released_ranks"]) == {1, 2}
+    state = json.loads((tmp_path / "full" / "ckpt-0000003" / "state.json").read_text())
+    assert sorted(state["ranks"]) == ["0", "3"]
+    assert [r["step"] for r in resumed] == [r["step"] for r in full] == list(range(1, 7))
+    for a, b, c in zip(plain, full, resumed):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["loss"] == c["loss"] and b["grad_norm"] == c["grad_norm"], (b["step"], b["loss"], c["loss"])
+    assert [r["sizes"] for r in resumed[3:]] == [r["sizes"] for r in full[3:]]
+
+
+# ---- split layers (`pipeline.split_layers`) ------------------------------------------------------------------
+
+SPLIT_STEPS = 7
+SPLIT_MIGRATE = {"force": ((2, (4, 2)), (6, (3, 3))), "force_mid": ((4, (1, 5)),)}
+"""Units 0a 0f 1 2a 2f 3 (layers 1 and 3 MoE, whole): after step 2 layer 2's attention half joins stage 0 (its FFN
+half stays, re-sharded); inside step 4 (gradients travel) 0f, 1 and 2a go to stage 1, where 2a joins the sharded
+2f; after step 6 back to the start."""
+
+
+def _split_run(shard: str) -> dict[str, Any]:
+    from moebal.config import from_dict, to_dict
+    from moebal.pipeline.runner import PipelineRunner
+
+    base = to_dict(pipe_cfg(shard, 1, steps=SPLIT_STEPS))
+    cfg = from_dict({**base, "moe": {**base["moe"], "every": 2},
+                     "pipeline": {**base["pipeline"], "split_layers": True}})
+    runner = PipelineRunner(cfg, **SPLIT_MIGRATE)
+    out = runner.train(SPLIT_STEPS)
+    units = [type(m).__name__ for m in runner.stage.modules() if "FSDP" in type(m).__name__]
+    return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+            "params": runner.full_state(), "fsdp_units": units, "first": runner.chain.is_first}
+
+
+def _split_pair(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return pair(_split_run("none"), _split_run("full"), "full")
+
+
+def test_fully_sharded_pipeline_with_split_layers_matches_unsharded():
+    """pp 2 x dp 2, `pipeline.split_layers` (the dense layers 0 and 2 run as attention and FFN halves, each
+    half's norm, attention and MLP its own FSDP2 unit), forced moves of halves between steps and inside one:
+    losses, gradient norms and parameters within 1e-5 of the unsharded pipeline."""
+    runs = run_ranks(_split_pair, 4, timeout_s=600)
+    for r in runs:
+        plain, full = r["none"], r["full"]
+        assert full["optimizer"] == "StageShardedAdamW" and plain["sizes"] == full["sizes"] == [3, 3]
+        assert [x["step"] for x in full["records"]] == list(range(1, SPLIT_STEPS + 1))
+        for a, b in zip(plain["records"], full["records"]):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a["step"], a["grad_norm"],
+                                                                                 b["grad_norm"])
+            assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+            assert a["stage_layers"] == b["stage_layers"]
+        assert [x["migration"] for x in full["records"] if "migration" in x] == ["forced", "forced-mid", "forced"]
+        assert full["records"][2]["stage_layers"] == [2.5, 1.5]
+        assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
+        assert r["param_rel"] < 1e-5, r["param_rel"]
+        # 0a 0f | 1 | embedding (first stage), 2a 2f | 3 | norm, head (last): a split layer's 4 submodules
+        assert len(full["fsdp_units"]) == (6 if full["first"] else 7) and not plain["fsdp_units"], full["fsdp_units"]
+
+
+# ---- the zero-bubble schedule -----------------------------------------------------------------------------------
+
+ZB_STEPS = 6
+ZB_MIGRATE = {"force": ((2, (1, 3)),), "force_mid": ((4, (3, 1)),)}
+"""A move after step 2 and one inside step 4 (the W ops' reduced gradients travel)."""
+
+
+def _zb_run(shard: str, schedule: str, ep: int) -> dict[str, Any]:
+    from moebal.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(pipe_cfg(shard, ep, steps=ZB_STEPS, schedule=schedule), **ZB_MIGRATE)
+    out = runner.train(ZB_STEPS)
+    return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
+            "params": runner.full_state()}
+
+
+def _zb_cases(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for ep in (1, 2):
+        runs = {"full_zb": _zb_run("full", "zb", ep), "full_1f1b": _zb_run("full", "1f1b", ep),
+                "none_zb": _zb_run("none", "zb", ep)}
+        ref = runs["full_zb"]["params"]
+        out[f"ep{ep}"] = {"rel": {k: max((_rel(ref[n], r["params"][n]) for n in ref if r["params"][n].norm() > 0),
+                                         default=0.0) for k, r in runs.items() if k != "full_zb"},
+                          **{k: {x: v for x, v in r.items() if x != "params"} for k, r in runs.items()}}
+    return out
+
+
+@pytest.fixture(scope="module")
+def zb_cases() -> list[dict[str, Any]]:
+    return run_ranks(_zb_cases, 4, timeout_s=900)
+
+
+@pytest.mark.parametrize("case", ["ep1", "ep2"])
+def test_fully_sharded_pipeline_with_zero_bubble_matches_1f1b_and_unsharded(zb_cases, case):
+    """pp 2 x dp 2 (`ep1`) and pp 2 x ep 2 (`ep2`: the experts outside FSDP2) under the zero-bubble schedule with
+    `shard: full`: the W ops' deferred Linear weight gradients reduce-scattered by hand into the FSDP2 shards
+    (`DeferredGradReducer`), against 1F1B under `full` (FSDP2 reduces them in B) and zero bubble unsharded:
+    losses, gradient norms and parameters within 1e-5 relative, with a migration between steps and one between a
+    backward pass and its optimizer step."""
+    for r in zb_cases:
+        c = r[case]
+        zb, f1, plain = c["full_zb"], c["full_1f1b"], c["none_zb"]
+        assert zb["optimizer"] == f1["optimizer"] == "StageShardedAdamW" and plain["optimizer"] == "AdamW"
+        assert zb["sizes"] == f1["sizes"] == plain["sizes"] == [3, 1]
+        assert [x["step"] for x in zb["records"]] == list(range(1, ZB_STEPS + 1))
+        assert all(x["stage_w_cpu_s"] and min(x["stage_w_cpu_s"]) > 0 for x in zb["records"])  # W ops ran
+        assert not any(any(x["stage_w_cpu_s"]) for x in f1["records"])
+        for ref in (f1, plain):
+            for a, b in zip(ref["records"], zb["records"]):
+                assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (case, a["step"], a["loss"], b["loss"])
+                assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (case, a["step"])
+                assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+        assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
+        assert max(c["rel"].values()) < 1e-5, (case, c["rel"])
+
+
+def _reducer_ranks(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from moebal.distributed.fsdp import DeferredGradReducer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))  # 5 rows over 3 ranks; 2 < 3
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    fully_shard(model, mesh=mesh)
+    reducer = DeferredGradReducer(model, mesh, torch.float32)
+    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert len(params) == 4 and reducer.holds(params[0])
+
+    def grads(r: int, k: int) -> list[torch.Tensor]:  # what rank r's W op k computes, whole
+        gen = torch.Generator().manual_seed(100 * k + r)
+        return [torch.randn(p.shape, generator=gen) for p in params]
+
+    errs = []
+    for k in range(2):  # two W ops: the second adds to the first's shards
+        for p, g in zip(params[::-1], grads(rank, k)[::-1]):  # any order in: the stage's order out
+            reducer.add(p, g)
+        reducer.add(params[0], grads(rank, k)[0])  # a weight used twice in one micro-batch: summed
+        reducer.flush()
+        assert reducer.pending() == 0
+    for i, p in enumerate(params):
+        want = sum(grads(r, k)[i] * (2 if i == 0 else 1) for r in range(world) for k in range(2))
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+        errs.append(float((p.grad.full_tensor() - want).abs().max()))
+    return errs
+
+
+def test_deferred_grad_reducer_sums_whole_gradients_into_fsdp2_shards_of_uneven_rows():
+    """`DeferredGradReducer` on 3 ranks: whole gradients of a 5-row and a 2-row weight (uneven and empty shards)
+    and their biases, two W ops, one weight added twice: each rank's shard gradient, gathered, is the sum over
+    ranks and W ops (to float rounding)."""
+    for errs in run_ranks(_reducer_ranks, 3, timeout_s=120):
+        assert max(errs) < 1e-5, errs
