@@ -1136,6 +1136,9 @@ def _check_plan_ahead(c: Config) -> None:
     _need(par.pp == 1 or stage_ep != 1, "'planner.plan_ahead: path' places experts; a pipeline "
           "(parallel.pp > 1) with parallel.ep 1 has no expert-parallel group to place them in: set parallel.ep > 1 "
           "(or plan_ahead off)")
+    _need(par.pp > 1 or stage_ep != 1, "'planner.plan_ahead: path' places experts over expert-parallel ranks; "
+          f"{'parallel.nproc 1 (one process)' if par.ep is None else 'parallel.ep 1'} has none: launch at least 2 "
+          "ranks with parallel.ep > 1 (or plan_ahead off)")
     _need(c.dynamism.scheme not in ("mod", "early_exit"),
           f"'planner.plan_ahead: path' follows every token through every MoE layer; dynamism.scheme "
           f"{c.dynamism.scheme} runs layers on token subsets: set plan_ahead off")

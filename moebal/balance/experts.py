@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     from moebal.train.distributed import RunContext
     from moebal.train.trainer import Trainer
 
-__all__ = ["ExpertBalancer", "ExpertParallelHook", "StageExperts", "expert_parallel_hook", "stage_metrics"]
+__all__ = ["ExpertBalancer", "ExpertParallelHook", "StageExperts", "expert_parallel_hook", "refuse_idle_plan_ahead",
+           "stage_metrics"]
 
 ReduceMax = Callable[[torch.Tensor], torch.Tensor]
 """An in-place all-reduce (maximum) over the ranks that apply one plan."""
@@ -877,18 +878,34 @@ class StageExperts:
 
 
 def _check_stage_ep(cfg: Config, dims: ParallelDims) -> None:
-    """Refuse plan-ahead in stages without expert parallelism. The config check refuses `parallel.ep: 1`; with
-    neither parallel.ep nor parallel.nproc set it cannot know the stage's size, which comes from the launched
-    ranks (world / pp), so the refusal is made here, where the stage's expert-parallel size is known, instead
-    of letting plan-ahead do nothing."""
-    if cfg.planner.plan_ahead == "off" or cfg.moe.num_experts == 0 or dims.ep > 1:
+    """Refuse plan-ahead in stages without expert parallelism (`refuse_idle_plan_ahead`)."""
+    refuse_idle_plan_ahead(cfg, dims.ep, dims.world_size, dims.pp)
+
+
+def refuse_idle_plan_ahead(cfg: Config, ep: int, world_size: int, pp: int = 1) -> None:
+    """ConfigError when `planner.plan_ahead: path` has no expert-parallel group to place experts in.
+
+    The config check refuses `parallel.ep: 1` and `parallel.nproc: 1`; with neither set it cannot know the
+    expert-parallel size, which comes from the launched ranks (world / pp, or parallel.ep), so the refusal is
+    made where the size is known (the single-process trainer, `setup_parallel`, a pipeline stage) instead of
+    letting plan-ahead plan nothing.
+    """
+    if cfg.planner.plan_ahead == "off" or cfg.moe.num_experts == 0 or ep > 1:
         return
     from moebal.errors import ConfigError
 
-    raise ConfigError(f"'planner.plan_ahead: path' places experts, but this pipeline's stages have no "
-                      f"expert-parallel group (parallel.ep resolved to {dims.ep}: {dims.world_size} ranks over "
-                      f"parallel.pp {dims.pp} stages{'' if cfg.parallel.ep is None else ', as set'}): launch more "
-                      f"ranks per stage and set parallel.ep > 1, or set planner.plan_ahead off")
+    if pp > 1:
+        where = (f"this pipeline's stages have no expert-parallel group (parallel.ep resolved to {ep}: "
+                 f"{world_size} ranks over parallel.pp {pp} stages{'' if cfg.parallel.ep is None else ', as set'})")
+        fix = "launch more ranks per stage and set parallel.ep > 1"
+    elif world_size == 1:
+        where = "this run is one process, which holds every expert"
+        fix = "launch at least 2 ranks (--nproc 2) with parallel.ep > 1"
+    else:
+        where = f"this run's expert-parallel size is {ep} ({world_size} ranks, parallel.ep {cfg.parallel.ep})"
+        fix = "set parallel.ep > 1"
+    raise ConfigError(f"'planner.plan_ahead: path' places experts over expert-parallel ranks, but {where}: "
+                      f"{fix}, or set planner.plan_ahead off")
 
 
 def _all_reduce_max(t: torch.Tensor, group: Any) -> torch.Tensor:

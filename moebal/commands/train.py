@@ -251,6 +251,10 @@ def _build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool) -> Tr
         # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
         ctx, model, parallel = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume))
         hooks = parallel + hooks
+    else:
+        from moebal.balance.experts import refuse_idle_plan_ahead
+
+        refuse_idle_plan_ahead(cfg, 1, 1)
     return Trainer(cfg, out, resume=resume, model=model, hooks=hooks, ctx=ctx, require_checkpoint=not auto)
 
 

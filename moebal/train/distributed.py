@@ -203,6 +203,9 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
                           f"{ep}: set parallel.ep (--ep) to a divisor of it")
     if cfg.moe.num_experts == 0:
         ep = 1
+    from moebal.balance.experts import refuse_idle_plan_ahead
+
+    refuse_idle_plan_ahead(cfg, ep, world)
     dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=60.0 * cfg.parallel.timeout_min)
     refuse_cpu_only(cfg, dims.device.type)
     ctx = RunContext(dims)

@@ -280,3 +280,35 @@ def test_a_pipeline_stage_without_expert_parallelism_refuses_plan_ahead() -> Non
     cfg = from_dict({"moe": {"num_experts": 4}, "planner": {"plan_ahead": "path"}, "parallel": {"pp": 2}})
     with pytest.raises(ConfigError, match=r"resolved to 1: 2 ranks over parallel.pp 2 stages"):
         StageExperts(None, ParallelDims(world_size=2, rank=0, pp=2, ep=1), cfg)  # type: ignore[arg-type]
+
+
+def test_plan_ahead_without_expert_parallel_ranks_is_refused_not_idle() -> None:
+    """One process, or parallel.ep 1, has no expert-parallel group: plan-ahead would plan nothing, so the config
+    check refuses what it can see (parallel.nproc 1, parallel.ep 1) and the start-up check the rest."""
+    from moebal.balance.experts import refuse_idle_plan_ahead
+
+    base = {"moe": {"num_experts": 4}, "planner": {"plan_ahead": "path"}}
+    for par, match in (({"nproc": 1}, "parallel.nproc 1"), ({"nproc": 4, "ep": 1}, "parallel.ep 1")):
+        with pytest.raises(ConfigError, match=match):
+            from_dict({**base, "parallel": par})
+    cfg = from_dict(base)  # nproc and ep unset: known only at start-up
+    with pytest.raises(ConfigError, match=r"one process.*--nproc 2"):
+        refuse_idle_plan_ahead(cfg, ep=1, world_size=1)
+    with pytest.raises(ConfigError, match="expert-parallel size is 1"):
+        refuse_idle_plan_ahead(cfg, ep=1, world_size=2)
+    refuse_idle_plan_ahead(cfg, ep=2, world_size=2)
+    refuse_idle_plan_ahead(from_dict({"moe": {"num_experts": 4}}), ep=1, world_size=1)  # plan-ahead off
+
+
+def test_one_process_training_refuses_plan_ahead(tmp_path) -> None:
+    """`--nproc 1` is refused by the config check; a one-rank torchrun job (RANK set, WORLD_SIZE 1), whose size the
+    config cannot see, by the trainer's start-up check."""
+    from tests.cli_util import run_cli
+
+    model = ("model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "moe.num_experts=4",
+             "planner.plan_ahead=path")
+    r = run_cli("train", "--steps", "1", "--nproc", "1", "--out", str(tmp_path / "a"), *model)
+    assert r.returncode != 0 and "parallel.nproc 1 (one process)" in r.stderr and "plan_ahead off" in r.stderr
+    r = run_cli("train", "--steps", "1", "--out", str(tmp_path / "b"), *model, env={"RANK": "0", "WORLD_SIZE": "1"})
+    assert r.returncode != 0 and "this run is one process" in r.stderr and "plan_ahead off" in r.stderr
+    assert not (tmp_path / "b" / "ckpt").exists()
