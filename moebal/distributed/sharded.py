@@ -68,6 +68,14 @@ __all__ = ["ShardedAdamW", "model_state_bytes"]
 DEFAULT_BUCKET_ELEMS = 1 << 22
 
 
+def native_reduce_scatter(backend: str, device_type: str) -> bool:
+    """Whether a group of `backend` ("gloo", "nccl", or per device as moebal's CUDA groups are: "cpu:gloo,cuda:nccl")
+    reduce-scatters tensors on `device_type` natively, behind a handle that reports completion: NCCL. gloo's
+    reduce-scatter is an all-reduce of a clone whose handle reports completion only once waited for."""
+    by_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {device_type: backend}
+    return by_device.get(device_type) == "nccl"
+
+
 @dataclass
 class _Bucket:
     flat: int
@@ -212,7 +220,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 o += p.numel()
         group = self._channels[axis]
         fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
-                   native=group is not None and dist.get_backend(group) == "nccl")
+                   native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type))
         f = len(self.flats)
         self.flats.append(fl)
         step = max(W, bucket_elems // W * W)

@@ -172,6 +172,14 @@ def test_sharded_adamw_small_buckets_gradients_norm_and_state_roundtrip(tmp_path
         assert all(v < 1e-5 for v in worst.values()), worst
 
 
+def test_native_reduce_scatter_only_where_nccl_serves_the_device():
+    from moebal.distributed.sharded import native_reduce_scatter
+
+    assert native_reduce_scatter("cpu:gloo,cuda:nccl", "cuda")  # moebal's groups on CUDA (groups.backend_for)
+    assert not native_reduce_scatter("cpu:gloo,cuda:nccl", "cpu")
+    assert not native_reduce_scatter("gloo", "cpu") and native_reduce_scatter("nccl", "cuda")
+
+
 def test_what_is_not_built_is_refused_with_the_fix():
     from moebal.errors import ConfigError
 
