@@ -23,7 +23,7 @@ One step (`begin` before the forward pass, `reduce` after the hooks' `after_back
      the collectives in flight and drops the send buffers of those done (no wait). On gloo the reduce-scatter
      is an all-reduce of the send buffer in place, this rank's part kept: gloo's own reduce-scatter all-reduces
      a clone behind a handle that reports completion only once waited for, which kept two copies of every
-     bucket until step 2 (the same sums);
+     bucket until `reduce` (the same sums);
   2. `reduce` (after Agg: expert gradients are final only once replica gradients were added into the owner's)
      treats gradients that never arrived as zero, issues every remaining bucket (the expert ones last), waits
      for all of them                                                       <- wait: every reduce-scatter
