@@ -19,7 +19,11 @@ One step (`begin` before the forward pass, `reduce` after the hooks' `after_back
   1. backward: when every gradient of a dense bucket is final (a post-accumulate-grad hook) the bucket's
      gradients are copied into a send buffer, the parameters' gradients whose last bucket this was are freed,
      and the bucket is reduce-scattered (async) into its owners' parts; buckets go out in one fixed order on
-     every rank (by position, then flat) whatever order the hooks fire in, so the ranks agree;
+     every rank (by position, then flat) whatever order the hooks fire in, so the ranks agree; every hook polls
+     the collectives in flight and drops the send buffers of those done (no wait). On gloo the reduce-scatter
+     is an all-reduce of the send buffer in place, this rank's part kept: gloo's own reduce-scatter all-reduces
+     a clone behind a handle that reports completion only once waited for, which kept two copies of every
+     bucket until `reduce` (the same sums);
   2. `reduce` (after Agg: expert gradients are final only once replica gradients were added into the owner's)
      treats gradients that never arrived as zero, issues every remaining bucket (the expert ones last), waits
      for all of them                                                       <- wait: every reduce-scatter
@@ -30,7 +34,8 @@ One step (`begin` before the forward pass, `reduce` after the hooks' `after_back
      all-gathered into the flat: the updated weights on every rank; the gradient parts are freed.
 Memory per rank: the weights (replicated) + 1/W of the gradients (while a step runs) + 1/W of AdamW's two
 moments; no persistent full-size gradient buffer. The full-size gradients of the backward pass are freed
-bucket by bucket as their buckets go out.
+bucket by bucket as their buckets go out, their send buffers as their collectives complete: about two layers'
+full-size gradients at a time (one layer's waiting for its last gradient, the previous layer's in flight).
 
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
@@ -63,6 +68,14 @@ __all__ = ["ShardedAdamW", "model_state_bytes"]
 DEFAULT_BUCKET_ELEMS = 1 << 22
 
 
+def native_reduce_scatter(backend: str, device_type: str) -> bool:
+    """Whether a group of `backend` ("gloo", "nccl", or per device as moebal's CUDA groups are: "cpu:gloo,cuda:nccl")
+    reduce-scatters tensors on `device_type` natively, behind a handle that reports completion: NCCL. gloo's
+    reduce-scatter is an all-reduce of a clone whose handle reports completion only once waited for."""
+    by_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {device_type: backend}
+    return by_device.get(device_type) == "nccl"
+
+
 @dataclass
 class _Bucket:
     flat: int
@@ -72,6 +85,17 @@ class _Bucket:
     position: int  # of its last parameter in reverse registration order (the issue order)
     late: bool  # expert weights: released only after Agg, in `reduce`
     missing: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A bucket's collective not known to be complete: its handle and the send buffer it reads (all-reduced in
+    place when `out` is None; else reduce-scattered into `out`, this rank's part)."""
+
+    handle: Any
+    send: torch.Tensor
+    bucket: int
+    out: torch.Tensor | None
 
 
 @dataclass
@@ -96,6 +120,7 @@ class _Flat:
     ranks: list[int]  # global ranks of the shard group, in group order
     index: int  # this rank's position in it
     weight_decay: float
+    native: bool = False  # the backend reduce-scatters natively and reports completion (NCCL), else all-reduce
     buckets: list[int] = field(default_factory=list)  # global bucket indices
     leaves: list[torch.Tensor] = field(default_factory=list)  # per bucket: this rank's part (a view of buf)
 
@@ -160,7 +185,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                                        fused=fused or None, foreach=None if fused else True)
         self._active = False
         self._next = 0  # position in `order` of the next bucket to issue
-        self._inflight: list[tuple[Any, torch.Tensor, torch.Tensor, int]] = []  # (handle, send, out, bucket)
+        self._inflight: list[_InFlight] = []
         self._outs: dict[int, torch.Tensor] = {}
         self._arrived: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for fl in self.flats for p in fl.params
@@ -193,7 +218,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.data = buf[o:o + p.numel()].view_as(p)  # the weights live in the flat from now on
                 offsets.append(o)
                 o += p.numel()
-        fl = _Flat(params, offsets, buf, self._channels[axis], ranks, ranks.index(self.dims.rank), weight_decay)
+        group = self._channels[axis]
+        fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
+                   native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type))
         f = len(self.flats)
         self.flats.append(fl)
         step = max(W, bucket_elems // W * W)
@@ -255,12 +282,36 @@ class ShardedAdamW(torch.optim.Optimizer):
             self.buckets[k].missing -= 1
 
     def _issue_ready(self) -> None:
+        self.release_completed()
         while self._next < len(self.order) and self.buckets[self.order[self._next]].missing == 0:
             self._issue(self.order[self._next])
             self._next += 1
-        # send buffers whose reduce-scatter is done are dropped now (no wait: a rank waiting here could hold
-        # up a collective of the backward pass another rank needs first)
-        self._inflight = [x for x in self._inflight if x[0] is not None and not x[0].is_completed()]
+            self.release_completed()
+
+    @property
+    def issued(self) -> int:
+        """Buckets sent since `begin` (dense ones during the backward pass, the rest in `reduce`)."""
+        return self._next
+
+    def release_completed(self) -> int:
+        """Settle the collectives already complete and drop their send buffers; the bytes of send buffers still
+        held. Polled, never waited for: a rank waiting inside the backward pass could hold up a collective of it
+        (an all-to-all) another rank needs first."""
+        pending = []
+        for x in self._inflight:
+            if x.handle.is_completed():
+                self._settle(x)
+            else:
+                pending.append(x)
+        self._inflight = pending
+        return sum(x.send.numel() * x.send.element_size() for x in pending)
+
+    def _settle(self, x: _InFlight) -> None:
+        """A complete collective's result kept as the bucket's part; its send buffer is dropped with `x`."""
+        x.handle.wait()  # complete already (polled) or in `reduce`: raises a failed collective's error here
+        if x.out is None:
+            b, fl = self.buckets[x.bucket], self.flats[self.buckets[x.bucket].flat]
+            self._outs[x.bucket] = x.send[fl.index * b.part:(fl.index + 1) * b.part].clone()
 
     def _issue(self, k: int) -> None:
         b = self.buckets[k]
@@ -276,11 +327,17 @@ class ShardedAdamW(torch.optim.Optimizer):
                 p.grad = None  # its last bucket went out: the full-size gradient is not needed any more
         if fl.W == 1:
             self._outs[k] = send
-            return
-        out = torch.empty(b.part, dtype=send.dtype, device=send.device)
-        handle = dist.reduce_scatter_single(out, send, group=fl.group, async_op=True)
-        self._outs[k] = out
-        self._inflight.append((handle, send, out, k))
+        elif fl.native:
+            out = torch.empty(b.part, dtype=send.dtype, device=send.device)
+            self._inflight.append(_InFlight(dist.reduce_scatter_single(out, send, group=fl.group, async_op=True),
+                                            send, k, out))
+            self._outs[k] = out
+        else:
+            # gloo's reduce-scatter is an all-reduce of a clone of the input whose handle never reports completion
+            # (torch ProcessGroupGloo::reduce_scatter_tensor_coalesced: a LambdaWork): two full-size copies per
+            # bucket held until `reduce` waits. The all-reduce in place gives the same sums, one copy, and a
+            # handle that completes, so the send buffer goes as soon as gloo is done with it.
+            self._inflight.append(_InFlight(dist.all_reduce(send, group=fl.group, async_op=True), send, k, None))
 
     def reduce(self) -> None:
         """After the backward pass and Agg: every remaining bucket out, every part's gradient averaged and set."""
@@ -290,8 +347,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             for p in fl.params:
                 self._mark(p)
         self._issue_ready()
-        for handle, *_ in self._inflight:
-            handle.wait()  # wait: the step's reduce-scatters
+        for x in self._inflight:
+            self._settle(x)  # wait: the step's reduce-scatters
         self._inflight, self._active = [], False
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):

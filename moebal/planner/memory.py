@@ -34,9 +34,11 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
 - compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
   is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
-  reduce-scattered layer by layer, plus one layer's full-size gradients in flight; under `full` the expert
-  gradients are whole until the backward pass and Agg are over (they are reduce-scattered after them); with a
-  pipeline `shard: optimizer` keeps them whole (micro-batches accumulate them) plus one 16 MB bucket in flight.
+  reduce-scattered layer by layer, plus full-size gradients in flight: under `full` one layer's, under
+  `optimizer` two layers' (one layer's gradients waiting for their buckets, the previous layer's send buffers
+  until their collective completes); the expert-parallel experts' gradients are whole until the backward pass
+  and Agg are over (they are reduce-scattered after them); with a pipeline `shard: optimizer` keeps them whole
+  (micro-batches accumulate them) plus one 16 MB bucket in flight.
 - persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
   fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
   `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
@@ -392,8 +394,17 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
-    grads_kept = fsdp / d_dense + whole if lay.shard == "full" else sharded
-    t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * biggest
+    # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
+    # whole until Agg (their buckets go out after it, in `reduce`)
+    grads_kept = fsdp / d_dense + whole
+    # optimizer (moebal/distributed/sharded.py): buckets go out in one order, by the position of their last
+    # gradient, so a layer's full-size gradients wait until its last one has arrived (one layer), while the
+    # previous layer's send buffers are held until their collective reports completion, polled in the hooks
+    # (one more layer when a layer's reduction takes no longer than a layer's backward pass): two layers of the
+    # flats the backward pass sends (the expert-parallel experts' are counted whole above)
+    in_flight = 2 * max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0) \
+        if lay.shard == "optimizer" else biggest
+    t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * in_flight
     if lay.shard == "optimizer" and lay.pp > 1:  # micro-batches accumulate whole gradients; then one bucket out
         t["gradients"] = 4.0 * held + 4.0 * min(held, _SHARD_BUCKET_ELEMS)
     # a pipeline's migration gathers a sharded stage's AdamW moments whole, and the rebuilt optimizer's new flats

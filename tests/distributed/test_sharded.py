@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,7 +65,8 @@ def test_resume_across_shard_sizes_1_2_4_with_expert_parallelism(tmp_path):
 def _direct(rank: int, world: int, root: str) -> dict[str, float]:
     """ShardedAdamW with 64-element buckets (every parameter cut over several buckets and owners) against AdamW
     on all-reduced gradients, 5 steps on ep 2 (dense state over 4 ranks, experts over 2); then its logical state
-    written (`logical_state`) and read back into one with other buckets (`read_logical_state`)."""
+    written (`logical_state`) and read back into one with other buckets (`read_logical_state`). After the first
+    backward pass: the send buffers still held once the collectives report completion (`_sends_released`)."""
     import copy
 
     import torch.distributed as dist
@@ -93,6 +96,8 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
             out = m(x, y)
             (out.loss + out.aux_loss).backward()
             e.sync_gradients()
+        if step == 0:
+            worst["held"] = float(_sends_released(opt))
         opt.reduce()
         # every owned part against the same slice of the reference's averaged gradient
         for fl in opt.flats:
@@ -148,9 +153,31 @@ def _direct(rank: int, world: int, root: str) -> dict[str, float]:
     return worst
 
 
+def _sends_released(opt: Any, timeout_s: float = 20.0) -> int:
+    """After a backward pass: every dense bucket went out during it, and its collective reports completion
+    without a wait (polled), after which no send buffer is held (gloo's own reduce-scatter never reported
+    completion: its send buffers and gloo's clones of them stayed until `reduce`). The bytes still held."""
+    assert opt.issued == sum(not b.late for b in opt.buckets) > 0
+    deadline = time.monotonic() + timeout_s
+    held = opt.release_completed()
+    while held and time.monotonic() < deadline:
+        time.sleep(0.01)
+        held = opt.release_completed()
+    return int(held)
+
+
 def test_sharded_adamw_small_buckets_gradients_norm_and_state_roundtrip(tmp_path):
     for worst in run_ranks(_direct, 4, str(tmp_path), timeout_s=600):
+        assert worst.pop("held") == 0  # send buffers released during the backward pass, no wait
         assert all(v < 1e-5 for v in worst.values()), worst
+
+
+def test_native_reduce_scatter_only_where_nccl_serves_the_device():
+    from moebal.distributed.sharded import native_reduce_scatter
+
+    assert native_reduce_scatter("cpu:gloo,cuda:nccl", "cuda")  # moebal's groups on CUDA (groups.backend_for)
+    assert not native_reduce_scatter("cpu:gloo,cuda:nccl", "cpu")
+    assert not native_reduce_scatter("gloo", "cpu") and native_reduce_scatter("nccl", "cuda")
 
 
 def test_what_is_not_built_is_refused_with_the_fix():

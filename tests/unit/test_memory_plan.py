@@ -56,7 +56,11 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     dense, experts = held - 192, 192
     opt = plan_memory(cfg, MemoryLayout(ranks=2, shard="optimizer"), BARE).terms
     assert opt["optimizer state"] == 8 * held / 2
-    assert opt["gradients"] == 4 * held / 2 + 4 * (272 + 16 + 192)  # the shard + one layer in flight
+    # the shard + one layer's gradients waiting for their buckets + the previous layer's send buffers in flight
+    assert opt["gradients"] == 4 * held / 2 + 2 * 4 * (272 + 16 + 192)
+    # ep 2: this rank's experts' gradients whole (their buckets go out after Agg), two dense layers in flight
+    opt_ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2, shard="optimizer"), BARE).terms
+    assert opt_ep["gradients"] == 4 * (dense / 2 + experts / 2) + 2 * 4 * (272 + 16)
     assert opt["parameters"] == 4 * held  # ZeRO-2: weights replicated
     ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2), BARE).terms
     assert ep["parameters"] == 4 * (dense + experts / 2)
