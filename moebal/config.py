@@ -314,9 +314,10 @@ class ParallelConfig:
     """Sharded model state: none (every rank keeps full fp32 weights, gradients and AdamW state of what it
     holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
-    dense weights too (FSDP2 `fully_shard` over the data-parallel ranks; expert parameters keep the optimizer
-    sharding over their expert-data-parallel ranks, docs/sharding.md). With parallel.pp > 1: optimizer only (per
-    stage; a migrated layer's state is re-sharded)."""
+    weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their
+    expert-data-parallel ranks: gathered a MoE layer at a time; docs/sharding.md). With parallel.pp > 1 per
+    stage (a migrated layer's state is re-sharded), expert weights replicated over their expert-data-parallel
+    ranks there."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under shard: full, the dtype FSDP2 all-gathers dense weights in for compute (bf16 needs
     train.precision: bf16); master weights and AdamW state stay fp32."""

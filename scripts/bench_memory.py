@@ -73,6 +73,8 @@ CASES = [
                                  "data.seq_len=128"), "dp4", "parallel.shard=optimizer"),
     Case("dp4_shard_full", ("parallel.ep=1", "parallel.shard=full", "data.batch_size=16", "data.seq_len=128"),
          "dp4", "parallel.shard=full"),
+    Case("ep2_dp2_shard_full", ("parallel.ep=2", "parallel.shard=full", "data.batch_size=16", "data.seq_len=128"),
+         "ep2_dp2", "parallel.shard=full"),
     Case("ep4_recompute_full", ("parallel.ep=4", "train.recompute=full", "data.batch_size=16", "data.seq_len=256"),
          "ep4_seq256", "train.recompute=full"),
     Case("ep4_recompute_moe", ("parallel.ep=4", "train.recompute=moe", "data.batch_size=16", "data.seq_len=256"),

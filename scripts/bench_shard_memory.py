@@ -6,8 +6,9 @@ For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way e
 value, the trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the tensors' storages
 (each storage once), the bytes of its parameters, gradients, persistent gradient buffers and optimizer state
 (`moebal.distributed.sharded.model_state_bytes`) at four points of every step:
-  forward    inside the last decoder layer's forward, ahead of its MoE/MLP part (under full: the root's and
-             this layer's weights all-gathered beside every shard, FSDP2's sharded storage counted too)
+  forward    inside the last decoder layer's forward, ahead of its expert computation (under full: the root's
+             and this layer's dense weights all-gathered beside every shard, FSDP2's sharded storage counted too;
+             with ep 2 x dp 2 the layer's expert weights gathered beside the parts kept at rest)
   backward   right after the backward pass (a hook ahead of the gradient synchronisation)
   update     just before the optimizer step (the reduced gradients held, moments allocated)
   rest       after the step (between steps: what a run holds all the time)
@@ -73,12 +74,25 @@ class _Probe(Hook):
                              **model_state_bytes(t.model, t.optimizer, bufs, fsdp_shards(t.model))})
 
     def watch_forward(self, model: torch.nn.Module) -> None:
-        """The "forward" sample: ahead of the last decoder layer's MoE/MLP part."""
+        """The "forward" sample: inside the last decoder layer's MoE/MLP part, ahead of its expert computation
+        (under expert parallelism as the dispatcher takes the experts' weights: gathered when sharded at rest)."""
+        from moebal.distributed.expert_parallel import ExpertParallelDispatcher
         from moebal.models.transformer import DecoderLayer
 
         last = [m for m in model.modules() if isinstance(m, DecoderLayer)][-1]
-        last.ffn.register_forward_pre_hook(
-            lambda *_: self.sample("forward", self.trainer.step + 1) if torch.is_grad_enabled() else None)
+        d = getattr(last.ffn, "dispatcher", None)
+        if not isinstance(d, ExpertParallelDispatcher):
+            last.ffn.register_forward_pre_hook(
+                lambda *_: self.sample("forward", self.trainer.step + 1) if torch.is_grad_enabled() else None)
+            return
+        take = d._local_weights
+
+        def local_weights(local: list[int]) -> Any:
+            if torch.is_grad_enabled():
+                self.sample("forward", self.trainer.step + 1)
+            return take(local)
+
+        d._local_weights = local_weights  # type: ignore[method-assign]
 
     def after_backward(self, trainer: Any, step: int) -> None:
         self.sample("backward", step)

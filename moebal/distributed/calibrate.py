@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -62,11 +63,30 @@ def _dilated(fn: Callable[[], None], dilate: float) -> Callable[[], None]:
     return slow
 
 
+@contextmanager
+def _weights_whole(d: ExpertParallelDispatcher) -> Iterator[None]:
+    """The layer's expert weights whole inside: gathered when they are sharded at rest (`parallel.shard: full`;
+    collective over "dp": every rank measures at start-up), freed after."""
+    if d.weights is None:
+        yield
+        return
+    d.weights.gather()
+    try:
+        yield
+    finally:
+        d.weights.release()
+
+
 def measure_layer_costs(d: ExpertParallelDispatcher, tokens: int, repeats: int = 5,
                         dilate: float = 1.0) -> MoELayerCosts:
     """Coefficients for `d`'s layer when each rank routes about `tokens` token-expert assignments per step
     (`dilate` > 1: on an emulated device that many times slower than a core, as the scheduler's), the experts
     computing under autocast to `d.compute_dtype` (the run's precision; None: the parameters' dtype)."""
+    with _weights_whole(d):
+        return _measure_layer(d, tokens, repeats, dilate)
+
+
+def _measure_layer(d: ExpertParallelDispatcher, tokens: int, repeats: int, dilate: float) -> MoELayerCosts:
     ex = d.layer.experts
     dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]
@@ -147,6 +167,12 @@ def measure_comm_costs(d: ExpertParallelDispatcher, dense_group: Any, tokens: in
     (`moebal.distributed.dilate`); it runs under autocast to `d.compute_dtype` (the run's precision), and the
     all-to-all payload is in that dtype.
     """
+    with _weights_whole(d):
+        return _measure_comm(d, dense_group, tokens, layer, repeats, dilate)
+
+
+def _measure_comm(d: ExpertParallelDispatcher, dense_group: Any, tokens: int, layer: MoELayerCosts,
+                  repeats: int, dilate: float) -> CommCosts:
     ex = d.layer.experts
     dev, dtype, autocast = ex.w1.device, ex.w1.dtype, d.compute_dtype
     D = ex.w1.shape[2]

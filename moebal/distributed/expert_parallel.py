@@ -72,6 +72,26 @@ def _sorted_keys(keys_A: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, tor
     return order_A, count_ids(keys_A, num_keys + 1)[:num_keys]
 
 
+class ExpertWeights(Protocol):
+    """Where a layer's owned expert weights live when they are sharded at rest (`parallel.shard: full`,
+    moebal/distributed/fsdp.py `ExpertsAtRest`): gathered before a read, freed after."""
+
+    trans_reads: bool
+    """Whether Trans may read them (a placement policy that replicates): Trans gathers them first."""
+
+    @property
+    def gathered(self) -> bool: ...
+
+    def gather(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def after_forward(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's forward is done: free them (unless its backward comes next), and return `out` made to
+        gather them again when the backward pass reaches it."""
+        ...
+
+
 class ExpertModel(Protocol):
     """What expert parallelism needs of a model: a whole model (`MoebalForCausalLM`) or a pipeline stage."""
 
@@ -107,6 +127,7 @@ class ExpertParallelDispatcher:
         self.placement = ExpertPlacement.static(self.E, self.R)
         self.replicas: dict[int, torch.Tensor] = {}  # expert -> flat [w1 | w3 | w2] buffer (a leaf with grad)
         self.ahead: PlanAhead | None = None  # plans the next layer from this layer's gate (planner.plan_ahead)
+        self.weights: ExpertWeights | None = None  # owned weights sharded at rest (None: held whole)
         self._shard(layer)
 
     # ---- sharding and replicas ----
@@ -133,6 +154,9 @@ class ExpertParallelDispatcher:
     def expert_flat(self, e: int) -> torch.Tensor:
         """An owned expert's parameters as one flat tensor [w1 | w3 | w2] in the wire dtype (what Trans sends)."""
         i, ex = self._local_index(e), self.layer.experts
+        if self.weights is not None and not self.weights.gathered:
+            raise RuntimeError(f"Trans of expert {e} of MoE layer {self.index}: its weights are sharded at rest and "
+                               f"were not gathered (a replicating placement under planner.policy static?)")
         return torch.cat([ex.w1[i].reshape(-1), ex.w3[i].reshape(-1), ex.w2[i].reshape(-1)]).detach().to(
             self.wire_dtype)
 
@@ -184,6 +208,8 @@ class ExpertParallelDispatcher:
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         T, K = routing.indices_TK.shape
         E, R, dev = self.E, self.R, x_TD.device
+        if self.weights is not None:  # sharded at rest: whole for this forward (a no-op when Trans gathered them)
+            self.weights.gather()
         if self.on_start is not None:
             self.on_start()
         if torch.is_autocast_enabled(dev.type):  # rows travel in the compute dtype: half the bytes of fp32
@@ -224,6 +250,8 @@ class ExpertParallelDispatcher:
         self.wait_trans()
         y_ND = expert_exchange(x_ND, self._local_weights(local), xplan, self.layer.experts, self.sched, self.group)
         out_TD = combine(y_ND, plan, routing.weights_TK)
+        if self.weights is not None:  # freed until the backward pass reaches this output (it gathers them again)
+            out_TD = self.weights.after_forward(out_TD)
         if out_TD.requires_grad:
             # Lina's look-ahead: when the backward reaches this combine, a backward all-to-all is imminent
             out_TD.register_hook(self._announce)
@@ -307,7 +335,7 @@ class ExpertParallel:
         self.dispatchers = [self.attach(layer) for layer in self.layers]
         for i, d in enumerate(self.dispatchers):
             d.index = i
-            d.on_start = (lambda i=i: self._trans(i + 1)) if self.overlap else None
+            d.on_start = lambda i=i: self._layer_starts(i)
             d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW)) if self.overlap else None
             d.ahead = getattr(self, "ahead", None)
         self._rebuild_grads(self._chunk_bytes)
@@ -383,7 +411,9 @@ class ExpertParallel:
         if self.sched.mode != "off" and self.grads is not None:
             self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
         for i in range(len(self.dispatchers) if not self.overlap else 1):
-            self._trans(i)
+            # weights sharded at rest are freed again once every layer's Trans has copied what it sends: the
+            # forward gathers each layer in turn (with `overlap` layer 0 stays gathered for its forward)
+            self._trans(i, keep=self.overlap)
         if not self.overlap:
             for d in self.dispatchers:
                 d.wait_trans()
@@ -397,16 +427,38 @@ class ExpertParallel:
                              f"does not match the expert-parallel layout ({d.R} ranks, owners {d.owner})")
         d.placement, d.replicas, d.trans = placement, {}, None
         d.reset_step()
-        self._trans(i)
+        self._trans(i, gather=False)
 
-    def _trans(self, i: int) -> None:
-        """Issue Trans of MoE layer i: owners send each replicated expert to its holders (point-to-point)."""
+    def _layer_starts(self, i: int) -> None:
+        """MoE layer i's forward begins: with `overlap`, Trans of layer i+1. Else, under plan-ahead, layer i+1's
+        expert weights sharded at rest are gathered now on every rank (a prefetch): plan-ahead may issue layer
+        i+1's Trans inside layer i, on the ranks whose step runs the plan arm only (the feedback's arm is agreed
+        over "ep", not over the ranks a gather spans), and that Trans must then find them gathered rather than
+        start a collective some peers would not join."""
+        if self.overlap:
+            self._trans(i + 1)
+        elif self.ahead is not None and i + 1 < len(self.dispatchers):
+            w = self.dispatchers[i + 1].weights
+            if w is not None and w.trans_reads:
+                w.gather()
+
+    def _trans(self, i: int, keep: bool = True, gather: bool = True) -> None:
+        """Issue Trans of MoE layer i: owners send each replicated expert to its holders (point-to-point). Owned
+        weights sharded at rest are gathered first (`gather`), on every rank whatever its placement (the gather
+        is a collective over the ranks holding the same experts, whose placements may differ), and kept for the
+        layer's forward (`keep`) or freed (the sends go from copies). Plan-ahead's Trans does not gather: the
+        layer before prefetched them (`_layer_starts`)."""
         if i >= len(self.dispatchers):
             return
         d = self.dispatchers[i]
+        w = d.weights if d.weights is not None and d.weights.trans_reads else None
+        if w is not None and gather:
+            w.gather()
         ops: list[Any] = []
         for e in d.placement.replicated:
             ops.extend(self._trans_ops(d, e))
+        if w is not None and not keep:
+            w.release()
         # a replica of a frozen layer's expert (the owner's weights take no gradient) takes none either
         trainable = d.layer.experts.w1.requires_grad
         for buf in d.replicas.values():
@@ -422,7 +474,7 @@ class ExpertParallel:
             return [dist.P2POp(dist.isend, flat, d.ep_ranks[h], tag=tag) for h in holders]
         if d.r in holders:
             ex = d.layer.experts
-            numel = ex.w1[0].numel() * 2 + ex.w2[0].numel()
+            numel = _expert_numel(ex.w1, ex.w2)
             buf = torch.empty(numel, dtype=d.wire_dtype, device=ex.w1.device)
             d.replicas[e] = buf
             return [dist.P2POp(dist.irecv, buf, d.ep_ranks[owner], tag=tag)]
@@ -453,7 +505,7 @@ class ExpertParallel:
                 ops.append(dist.P2POp(dist.isend, g.contiguous(), d.ep_ranks[owner], tag=tag))
             elif d.r == owner:
                 ex = d.layer.experts
-                numel = ex.w1[0].numel() * 2 + ex.w2[0].numel()
+                numel = _expert_numel(ex.w1, ex.w2)
                 recv = [(h, torch.empty(numel, dtype=d.wire_dtype, device=ex.w1.device)) for h in holders]
                 ops.extend(dist.P2POp(dist.irecv, t, d.ep_ranks[h], tag=tag) for h, t in recv)
                 inbox.append((d, e, recv))
@@ -500,6 +552,11 @@ class ExpertParallel:
         if self.grads is None:
             raise RuntimeError("ExpertParallel: the gradient buffers are built in __init__ (refresh); none exist")
         return self.grads
+
+
+def _expert_numel(w1: torch.Tensor, w2: torch.Tensor) -> int:
+    """Elements of one expert's [w1 | w3 | w2], from the shapes alone (weights sharded at rest hold no values)."""
+    return 2 * w1.shape[1:].numel() + w2.shape[1:].numel()
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,27 @@ Who shards what:
 - expert parameters (`is_expert_param`: the rows expert parallelism gives a rank) stay out of FSDP2
   (`ignored_params`): their gradients are final only after Pro-Prophet's Agg has added replica gradients into
   the owner's, after the backward pass, when FSDP2 would have reduced them already. `ShardedAdamW` restricted
-  to them reduce-scatters them over "dp" after Agg, steps AdamW on the owned parts and all-gathers the weights;
-  Trans reads the owner's weights as before. Expert weights are therefore replicated over "dp" (ZeRO-2), their
-  gradients and moments sharded.
+  to them reduce-scatters them over "dp" after Agg and steps AdamW on the owned parts. Their weights are sharded
+  at rest too (ZeRO-3, `ExpertsAtRest`): each MoE layer's experts are a unit of flats of their own whose buffers
+  are freed between uses; a rank keeps its 1/W part (W = ranks of "dp"), and the layer's weights are
+  all-gathered over "dp" for its forward (or earlier, when Trans reads them to send replicas), freed at the
+  forward's end, gathered again when the backward pass reaches the layer's output, and freed once their
+  gradients have accumulated. Readers between steps (checkpoints) enter `gathered()`. Within a pipeline, under
+  the pruning or freezing scheme (which read and edit expert weights between steps), and with one rank per
+  expert shard ("dp" of 1) they stay replicated over "dp" (ZeRO-2): the optimizer all-gathers them after each
+  step.
+
+Order (why the expert gathers cannot deadlock): every gather is a blocking all-gather over "dp", the ranks
+holding the same experts, issued at points every rank reaches in the same sequence: in the forward pass at the
+first of (the layer's Trans, issued at step start or, with block overlap, at the start of the layer before it,
+on every rank whatever its placement; under plan-ahead a prefetch at the start of the layer before it, so that
+plan-ahead's Trans, which only the ranks on the plan arm issue, never gathers; the layer's forward), in the
+backward pass when the layer's output gradient arrives,
+before the layer's backward all-to-alls; layers in forward order, then reverse. Release points are local (no
+communication). So every rank issues the same sequence of blocking collectives (expert gathers over "dp",
+token all-to-alls over "ep", FSDP2's over "dp_ep"); the first of them that some rank waits on is reached by
+all its members, since each has completed every earlier one, so no rank waits on a peer that must first enter
+an all-to-all this rank has not reached.
 
 Mixed precision (`parallel.param_dtype`, `parallel.reduce_dtype`): FSDP2's `MixedPrecisionPolicy` keeps the
 sharded fp32 master weights and AdamW moments, all-gathers the weights cast to `param_dtype` for compute, and
@@ -28,11 +46,13 @@ Checkpoints keep their logical names (docs/checkpoints.md) and are written by ea
 rank writes the rows of the dense weights and moments it holds as row pieces of the logical tensors (the
 manifest lists them; readers assemble them), and the rows it holds of a stacked expert tensor (`parallel.ep:
 1`) as whole logical experts with their moments. Loading keeps the rank's dim-0 chunk of each logical tensor,
-so a checkpoint resumes under any shard size, or none.
+so a checkpoint resumes under any shard size, or none. Expert-parallel expert weights sharded at rest are
+gathered for a checkpoint's write and load (`weights_gathered`), and written as before.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +61,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moebal.config import Config
-from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.expert_parallel import ExpertParallelDispatcher, is_expert_param
 from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 
@@ -49,7 +69,7 @@ if TYPE_CHECKING:
     from moebal.pipeline.stage import PipelineStage
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["DeferredGradReducer", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
+__all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
            "fully_shard_stage", "local_chunk", "shard_rows", "stage_mesh"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -97,6 +117,62 @@ def shard_rows(t: DTensor) -> tuple[int, int]:
     return first, rows
 
 
+class _GatherInBackward(torch.autograd.Function):
+    """Identity whose backward gathers a layer's expert weights (sharded at rest) before the layer's backward
+    reads them: placed on the layer's output, so it runs before the backward all-to-alls and expert GEMMs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weights: ExpertsAtRest) -> torch.Tensor:
+        ctx.weights = weights
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.weights.gather()  # wait: all-gather over "dp" (module docstring, "Order")
+        return g, None
+
+
+class ExpertsAtRest:
+    """One MoE layer's owned expert weights sharded at rest (`ExpertParallelDispatcher.weights`): unit `unit` of
+    the expert `ShardedAdamW`. `last`: the model's last MoE layer, whose backward follows its forward with no
+    other layer's in between: kept gathered from its forward into its backward (one all-gather fewer per step),
+    as FSDP2 keeps its root."""
+
+    def __init__(self, optimizer: ShardedAdamW, unit: int, trans_reads: bool, last: bool = False) -> None:
+        self.optimizer, self.unit, self.trans_reads, self.last = optimizer, unit, trans_reads, last
+
+    @property
+    def gathered(self) -> bool:
+        return self.optimizer.unit_gathered(self.unit)
+
+    def gather(self) -> None:
+        self.optimizer.gather_unit(self.unit)
+
+    def release(self) -> None:
+        self.optimizer.release_unit(self.unit)
+
+    def after_forward(self, out: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            self.release()
+            return out
+        if not self.last:
+            self.release()
+        y: torch.Tensor = _GatherInBackward.apply(out, self)  # Function.apply is typed Any
+        return y
+
+
+def experts_at_rest(model: nn.Module, cfg: Config, dims: ParallelDims
+                    ) -> list[tuple[ExpertParallelDispatcher, list[nn.Parameter]]]:
+    """Per MoE layer under expert parallelism, its dispatcher and expert parameters, when `shard: full` keeps
+    them sharded at rest (module docstring: not in a pipeline, not under the pruning or freezing scheme, more
+    than one rank per expert shard); else none."""
+    if cfg.parallel.pp > 1 or dims.size("dp") < 2 or cfg.dynamism.scheme in ("pruning", "freezing"):
+        return []
+    get = getattr(model, "moe_layers", None)
+    layers = [m for m in (get() if get is not None else []) if isinstance(m.dispatcher, ExpertParallelDispatcher)]
+    return [(m.dispatcher, [p for p in m.experts.parameters() if is_expert_param(p)]) for m in layers]
+
+
 class FullyShardedAdamW(torch.optim.Optimizer):
     """AdamW of a `fully_shard_model` model: torch's AdamW on the dense DTensor shards, `ShardedAdamW` on the
     expert parameters (module docstring). Its `param_groups` are the model's (the trainer sets the learning
@@ -121,8 +197,16 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         self.dense = torch.optim.AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True) \
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
+        units = experts_at_rest(model, cfg, dims) if expert_divisor is None else []  # not in a pipeline stage
         self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype,
-                                    divisor=expert_divisor, channels=expert_channels) if has_experts else None
+                                    divisor=expert_divisor, channels=expert_channels,
+                                    at_rest=[ps for _, ps in units]) if has_experts else None
+        trans_reads = cfg.planner.policy != "static"  # only replicating placements send the owner's weights
+        for u, (d, _) in enumerate(units):
+            assert self.experts is not None
+            d.weights = ExpertsAtRest(self.experts, u, trans_reads, last=u == len(units) - 1)
+        self.experts_at_rest = len(units)
+        """MoE layers whose expert weights are sharded at rest (0: replicated over "dp", ZeRO-2)."""
         if isinstance(norm_channel, str):
             norm_channel = dims.new_channel("dp_ep") if dims.size("dp_ep") > 1 else None
         self._norm_channel = norm_channel
@@ -180,6 +264,14 @@ class FullyShardedAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         if self.experts is not None:
             self.experts.close()
+
+    # ---- expert weights at rest ----
+    def gathered(self, write: bool = False) -> AbstractContextManager[Any]:
+        """Every expert weight whole inside (`ShardedAdamW.gathered`; collective over "dp")."""
+        return self.experts.gathered(write) if self.experts is not None else nullcontext()
+
+    def weight_parts(self) -> list[torch.Tensor]:
+        return self.experts.weight_parts() if self.experts is not None else []
 
     # ---- what it holds ----
     def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -37,6 +37,12 @@ moments; no persistent full-size gradient buffer. The full-size gradients of the
 bucket by bucket as their buckets go out, their send buffers as their collectives complete: about two layers'
 full-size gradients at a time (one layer's waiting for its last gradient, the previous layer's in flight).
 
+Weights at rest (`at_rest`, ZeRO-3 for the expert parameters of `parallel.shard: full`, moebal/distributed/fsdp.py
+`ExpertsAtRest`): each unit (an MoE layer's expert parameters) gets flats of its own whose owned parts are
+tensors of their own, the only copy of the weights kept; the flat buffers, which the parameters are views of,
+are freed (`untyped_storage().resize_(0)`) and re-filled by an all-gather of the parts (`gather_unit`) when the
+caller needs the weights; step 4 all-gathers nothing for them.
+
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
 (`logical_state`); loading reads the logical tensors that overlap this rank's parts and keeps the overlap
@@ -45,7 +51,8 @@ is written whole, by the owner of its first element, which receives the other ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +68,7 @@ from moebal.sync import to_host
 if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader
 
-__all__ = ["ShardedAdamW", "model_state_bytes"]
+__all__ = ["ShardedAdamW", "model_state_bytes", "weights_gathered"]
 
 # 16 MB of fp32 per bucket: large enough that a collective's latency is small against its transfer, small
 # enough that the send buffers in flight stay a small part of the gradients
@@ -122,11 +129,24 @@ class _Flat:
     weight_decay: float
     native: bool = False  # the backend reduce-scatters natively and reports completion (NCCL), else all-reduce
     buckets: list[int] = field(default_factory=list)  # global bucket indices
-    leaves: list[torch.Tensor] = field(default_factory=list)  # per bucket: this rank's part (a view of buf)
+    # per bucket: this rank's part (a view of buf; at rest a tensor of its own)
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    unit: int | None = None  # the at-rest unit it belongs to: its leaves are tensors of their own, buf is freed
 
     @property
     def W(self) -> int:
         return len(self.ranks)
+
+
+@dataclass
+class _Unit:
+    """Parameters whose weights are kept sharded between uses (an MoE layer's experts under `parallel.shard:
+    full`): their flats' buffers are freed, and re-filled by an all-gather of the owned parts when needed."""
+
+    flats: list[int]
+    params: list[nn.Parameter]
+    gathered: bool = True
+    arrived: set[int] = field(default_factory=set)  # params whose gradient arrived since the last gather
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -136,13 +156,15 @@ class ShardedAdamW(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, t: TrainConfig, dims: ParallelDims,
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
                  reduce_dtype: torch.dtype | None = None, divisor: float | None = None,
-                 channels: dict[str, Any] | None = None) -> None:
+                 channels: dict[str, Any] | None = None, at_rest: Sequence[Sequence[nn.Parameter]] = ()) -> None:
         """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
         moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
         the owned parts' gradients are always in the parameters' dtype. `divisor`: what the summed gradients are
         divided by (None: the stage's rank count, for per-rank mean losses; a pipeline's losses are already
         normalised by the global label count: 1). `channels`: `make_channels`' communicators to reuse (a
-        pipeline stage rebuilding its optimizer after a migration, when not every rank could create new ones)."""
+        pipeline stage rebuilding its optimizer after a migration, when not every rank could create new ones).
+        `at_rest`: units of expert parameters whose weights it keeps sharded between uses (ZeRO-3; each unit's
+        flats of its own, gathered by `gather_unit`, freed by `release_unit`; "Weights at rest" above)."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
@@ -160,13 +182,18 @@ class ShardedAdamW(torch.optim.Optimizer):
         # issues on the axis groups
         self._channels = channels if channels is not None else self.make_channels(dims)
         order = {id(p): i for i, p in enumerate(p for p in model.parameters() if include is None or include(p))}
+        unit_of = {id(p): u for u, ps in enumerate(at_rest) for p in ps}
+        if any(not is_expert_param(p) for ps in at_rest for p in ps):
+            raise ValueError("ShardedAdamW: at_rest units hold expert parameters only")
+        self.units = [_Unit([], list(ps)) for ps in at_rest]
         for g in groups:
             for expert in (False, True):
                 ps = [p for p in g["params"] if is_expert_param(p) == expert]
-                for dtype in dict.fromkeys(p.dtype for p in ps):
-                    same = sorted((p for p in ps if p.dtype == dtype), key=lambda p: -order[id(p)])
+                for dtype, u in dict.fromkeys((p.dtype, unit_of.get(id(p))) for p in ps):
+                    same = sorted((p for p in ps if p.dtype == dtype and unit_of.get(id(p)) == u),
+                                  key=lambda p: -order[id(p)])
                     self._add_flat(same, "dp" if expert else "dp_ep", g["weight_decay"], expert, order,
-                                   bucket_elems)
+                                   bucket_elems, u)
         # one issue order on every rank: dense buckets by the position their last gradient arrives at, expert
         # buckets (after Agg) last
         self.order = sorted(range(len(self.buckets)),
@@ -190,6 +217,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._arrived: set[int] = set()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for fl in self.flats for p in fl.params
                        if not is_expert_param(p)]
+        self._unit_of = unit_of
+        self._hooks += [p.register_post_accumulate_grad_hook(self._unit_hook) for unit in self.units
+                        for p in unit.params]
+        for u in range(len(self.units)):
+            self.release_unit(u)
 
     @staticmethod
     def make_channels(dims: ParallelDims) -> dict[str, Any]:
@@ -203,7 +235,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     # ---- layout ----
     def _add_flat(self, params: list[nn.Parameter], axis: str, weight_decay: float, late: bool,
-                  order: dict[int, int], bucket_elems: int) -> None:
+                  order: dict[int, int], bucket_elems: int, unit: int | None = None) -> None:
         if not params:
             return
         ranks = self.dims.ranks_of(axis)
@@ -220,8 +252,11 @@ class ShardedAdamW(torch.optim.Optimizer):
                 o += p.numel()
         group = self._channels[axis]
         fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
-                   native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type))
+                   native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type),
+                   unit=unit)
         f = len(self.flats)
+        if unit is not None:
+            self.units[unit].flats.append(f)
         self.flats.append(fl)
         step = max(W, bucket_elems // W * W)
         for start in range(0, N, step):
@@ -231,7 +266,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             fl.buckets.append(len(self.buckets))
             self.buckets.append(_Bucket(f, start, (stop - start) // W, ids, position, late))
             part = buf[start + fl.index * ((stop - start) // W):start + (fl.index + 1) * ((stop - start) // W)]
-            fl.leaves.append(part.detach().requires_grad_(True))
+            # at rest the owned part is the only copy of the weights: a tensor of its own, not a view of buf
+            fl.leaves.append((part.detach().clone() if unit is not None else part.detach()).requires_grad_(True))
 
     def pieces(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> Iterator[
             tuple[int, _Piece]]:
@@ -343,6 +379,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         """After the backward pass and Agg: every remaining bucket out, every part's gradient averaged and set."""
         if not self._active:
             self.begin()
+        for u in range(len(self.units)):  # a layer whose weights took no gradient here (frozen) is still held
+            self.release_unit(u)
         for fl in self.flats:
             for p in fl.params:
                 self._mark(p)
@@ -406,10 +444,84 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = None
-                if fl.W > 1:
+                if fl.W > 1 and fl.unit is None:  # at rest: gathered when next needed (`gather_unit`)
                     b = self.buckets[k]
                     dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], leaf.detach().clone(),
                                            group=fl.group)
+
+    # ---- weights at rest (ZeRO-3 for the `at_rest` units) ----
+    def gather_unit(self, u: int) -> None:
+        """Unit u's weights whole again: its flats' buffers re-allocated (the parameters, views of them, and any
+        tensor autograd saved of them see the same storage) and filled by an all-gather of the owned parts over
+        "dp" (synchronous: the caller reads them next). Nothing when it is gathered already. Collective over the
+        unit's shard group, which must call it at the same point (see FullyShardedAdamW, "Order")."""
+        unit = self.units[u]
+        if unit.gathered:
+            return
+        for f in unit.flats:
+            fl = self.flats[f]
+            fl.buf.untyped_storage().resize_(fl.buf.numel() * fl.buf.element_size())
+            with torch.no_grad():
+                for k, leaf in zip(fl.buckets, fl.leaves):
+                    b = self.buckets[k]
+                    out = fl.buf[b.start:b.start + b.part * fl.W]
+                    if fl.W > 1:
+                        dist.all_gather_single(out, leaf.detach(), group=fl.group)  # wait: synchronous
+                    else:
+                        out.copy_(leaf.detach())
+        unit.gathered, unit.arrived = True, set()
+
+    def release_unit(self, u: int) -> None:
+        """Free unit u's gathered weights (its flats' storage to 0 bytes); the owned parts stay. No communication.
+        The parameters keep their shapes; reading their values before `gather_unit` is an error."""
+        unit = self.units[u]
+        if not unit.gathered:
+            return
+        for f in unit.flats:
+            self.flats[f].buf.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def unit_gathered(self, u: int) -> bool:
+        return self.units[u].gathered
+
+    def _unit_hook(self, p: torch.Tensor) -> None:
+        """Backward: a unit is freed once every trainable parameter of it has its gradient (nothing after reads
+        it: autograd accumulates a parameter's gradient only when every use of it in the graph is done)."""
+        u = self._unit_of[id(p)]
+        unit = self.units[u]
+        if unit.gathered:
+            unit.arrived.add(id(p))
+            if len(unit.arrived) == sum(q.requires_grad for q in unit.params):
+                self.release_unit(u)
+
+    @contextmanager
+    def gathered(self, write: bool = False) -> Iterator[None]:
+        """Every unit gathered inside (a checkpoint's write or load, a caller reading the weights between steps),
+        freed after; `write`: the weights were written inside (a checkpoint load), and the owned parts take them.
+        Collective over "dp" (every rank of a stage enters it at the same point)."""
+        for u in range(len(self.units)):
+            self.gather_unit(u)
+        try:
+            yield
+        finally:
+            for u in range(len(self.units)):
+                if write:
+                    self._take_parts(u)
+                self.release_unit(u)
+
+    @torch.no_grad()
+    def _take_parts(self, u: int) -> None:
+        """Unit u's owned parts copied from its gathered weights (after something wrote the weights)."""
+        for f in self.units[u].flats:
+            fl = self.flats[f]
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                b = self.buckets[k]
+                a = b.start + fl.index * b.part
+                leaf.copy_(fl.buf[a:a + b.part])
+
+    def weight_parts(self) -> list[torch.Tensor]:
+        """The owned parts of the weights at rest (the only copy of them this rank keeps between uses)."""
+        return [leaf for unit in self.units for f in unit.flats for leaf in self.flats[f].leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for fl in self.flats:
@@ -600,6 +712,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def weights_gathered(optimizer: Any, write: bool = False) -> AbstractContextManager[Any]:
+    """`optimizer.gathered(write)` where the optimizer keeps weights sharded at rest (a reader of the weights
+    between steps enters it first: checkpoints, a test's final parameters), else nothing."""
+    gathered = getattr(optimizer, "gathered", None)
+    return gathered(write) if gathered is not None else nullcontext()
+
+
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
     out: dict[int, int] = {}
     for t in tensors:
@@ -616,7 +735,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     each storage counted once, in the first category that holds it): parameters, gradients (the parameters'
     and a sharded optimizer's parts), persistent gradient buffers, optimizer state; and their total.
     `more_params`: weight tensors the module does not list now (FSDP2's shards while a unit is gathered)."""
-    params = _storages([*(_local(p) for p in model.parameters()), *more_params])
+    parts = getattr(optimizer, "weight_parts", None)  # weights sharded at rest: the owned parts
+    params = _storages([*(_local(p) for p in model.parameters()), *more_params, *(parts() if parts else [])])
     grads_t: list[torch.Tensor | None] = [_local(p.grad) if p.grad is not None else None for p in model.parameters()]
     shard_tensors = getattr(optimizer, "shard_tensors", None)
     if shard_tensors is not None:  # ShardedAdamW, FullyShardedAdamW (moebal/distributed/fsdp.py)

@@ -22,8 +22,9 @@ layer's gradients, so the two ends of the backward pass (all activations, no gra
 activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and the code they model:
 
 - parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
-  (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and keeps the experts whole (they
-  are replicated over the expert-data-parallel ranks: only their gradients and moments are sharded), plus the
+  (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and the expert-parallel experts by
+  the expert-data-parallel ranks (sharded at rest: `_expert_weights`, plus one MoE layer's experts gathered,
+  two with a replicating policy's block-overlapped or planned-ahead Trans; whole in a pipeline stage), plus the
   weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
   stage every layer, the embedding and the head is an FSDP2 root of its own, resharded after its forward: the
@@ -380,10 +381,10 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
         t["parameters"] = 4 * (fsdp / d_dense + whole) + max(gathered, default=0.0) * a  # one gathered at a time
         unit = max(gathered, default=0.0)
-    elif lay.shard == "full":  # the shards, the experts held whole, the root unit and two layers gathered
+    elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
-        t["parameters"] = 4 * (fsdp / d_dense + whole) + (root + 2 * unit) * a
+        t["parameters"] = 4 * (fsdp / d_dense + _expert_weights(cfg, lay, specs, whole)) + (root + 2 * unit) * a
     else:
         t["parameters"], unit = 4.0 * held, 0.0
     # full: FSDP2's post-backward of a unit holds its unsharded gradients (compute dtype) and the reduce-scatter's
@@ -452,6 +453,21 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     local = cfg.moe.num_experts // lay.ep if cfg.moe.num_experts else 0
     # per layer: each replica buffer, its gradient and its row of the stacked weights, plus the owned rows stacked
     t["replicas (Pro-Prophet)"] = (n_moe * expert_params * a * (3 * reps + local) if reps else 0.0)
+
+
+def _expert_weights(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: float) -> float:
+    """Expert-parallel expert weight elements a rank holds under `shard: full` without a pipeline: `whole` when
+    they are replicated over the expert-data-parallel ranks (one of them, the pruning or freezing scheme), else
+    sharded at rest (moebal/distributed/fsdp.py `ExpertsAtRest`): the 1/edp parts plus the MoE layers gathered
+    at once, in fp32: one, two when a replicating policy's Trans of the next layer is issued as a layer starts
+    (`scheduler.block_overlap`) or inside it (`planner.plan_ahead`: prefetched as the layer starts). A
+    checkpoint's write gathers every layer, between steps: below the gradient
+    sync phase, which holds the expert gradients whole."""
+    if whole == 0 or lay.edp == 1 or cfg.dynamism.scheme in ("pruning", "freezing"):
+        return whole
+    early = cfg.scheduler.block_overlap or cfg.planner.plan_ahead != "off"
+    layers = 2 if early and lay.policy != "static" else 1
+    return whole / lay.edp + layers * max((x.expert / lay.ep for x in specs), default=0.0)
 
 
 def _total_params(cfg: Config, specs: list[_Layer]) -> int:

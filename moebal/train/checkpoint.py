@@ -362,7 +362,11 @@ class Checkpointer:
         written by one rank only (rank 0 checks)."""
         t0 = time.perf_counter()
         self.wait()
-        snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
+        from moebal.distributed.sharded import weights_gathered
+
+        # expert weights sharded at rest (`parallel.shard: full`) are gathered for the copy (collective), freed
+        with weights_gathered(optimizer):
+            snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
         snap.extra = {k: _cpu_copy(t) for k, t in (extra or {}).items()}
         if self.background:
             self._thread = threading.Thread(target=self._run, args=(snap,), name=f"moebal-ckpt-{step}", daemon=True)

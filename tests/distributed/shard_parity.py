@@ -20,7 +20,10 @@ OPTIMIZER = {"none": "AdamW", "optimizer": "ShardedAdamW", "full": "FullySharded
 
 
 def shard_cfg(shard: str, ep: int | None, policy: str = "static", steps: int = STEPS,
-              parallel: dict[str, Any] | None = None, **train: Any) -> Config:
+              parallel: dict[str, Any] | None = None, sections: dict[str, dict[str, Any]] | None = None,
+              **train: Any) -> Config:
+    """`sections`: more settings by section (`{"scheduler": {...}}`), merged over the ones here."""
+    sections = sections or {}
     return from_dict({
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
@@ -29,7 +32,8 @@ def shard_cfg(shard: str, ep: int | None, policy: str = "static", steps: int = S
                   "ckpt_every": 0, "progress": "plain", "threads": 1, "grad_clip": 0.5, **train},
         "parallel": {"ep": ep, "shard": shard, **(parallel or {})},
         # a fixed hardware profile and no hysteresis: the same plans in every run, and they replicate
-        "planner": {"policy": policy, "costs": "rtx3090", "hysteresis": 0.0}})
+        "planner": {"policy": policy, "costs": "rtx3090", "hysteresis": 0.0, **sections.get("planner", {})},
+        **{k: v for k, v in sections.items() if k != "planner"}})
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def train_run(cfg: Config, out: Path, resume: bool = False, stop: int | None = None) -> dict[str, Any]:
     """One trainer run: its logged rows (rank 0), every parameter whole, the optimizer's class name and the dtypes
     a dense weight had as the forward pass computed with it."""
+    from moebal.distributed.expert_parallel import is_expert_param
+    from moebal.distributed.sharded import weights_gathered
     from moebal.train.distributed import setup_parallel
     from moebal.train.trainer import Trainer
 
@@ -51,11 +57,17 @@ def train_run(cfg: Config, out: Path, resume: bool = False, stop: int | None = N
     q_proj = next(m for n, m in trainer.model.named_modules() if n.endswith("q_proj"))
     q_proj.register_forward_pre_hook(lambda m, _: seen.add(str(m.weight.dtype)))
     trainer.train(stop_after=stop)
-    params = {n: full_tensor(p.detach()).clone() for n, p in trainer.model.state_dict().items()}
+    # expert weights sharded at rest under `full` (ep > 1, dp > 1): the MoE layers whose weights hold no storage
+    # between steps, then everything gathered to be read
+    at_rest = sum(1 for n, p in trainer.model.named_parameters()
+                  if is_expert_param(p) and n.endswith("experts.w1") and not p.untyped_storage().nbytes())
+    assert at_rest == getattr(trainer.optimizer, "experts_at_rest", 0)
+    with weights_gathered(trainer.optimizer):
+        params = {n: full_tensor(p.detach()).clone() for n, p in trainer.model.state_dict().items()}
     trainer.close()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if ctx.is_main else []
     return {"rows": [r for r in rows if "loss" in r], "params": params, "optimizer": type(trainer.optimizer).__name__,
-            "compute": sorted(seen)}
+            "compute": sorted(seen), "at_rest": at_rest}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,7 +82,8 @@ def pair(rank: int, world: int, root: str, ep: int | None, policy: str, shard: s
     p, s = runs["none"]["params"], runs[shard]["params"]
     assert p.keys() == s.keys()
     assert (runs["none"]["optimizer"], runs[shard]["optimizer"]) == (OPTIMIZER["none"], OPTIMIZER[shard])
-    return {"none": runs["none"]["rows"], shard: runs[shard]["rows"], "param_rel": max(rel(s[n], p[n]) for n in p)}
+    return {"none": runs["none"]["rows"], shard: runs[shard]["rows"], "param_rel": max(rel(s[n], p[n]) for n in p),
+            "at_rest": runs[shard]["at_rest"]}
 
 
 def check_parity(out: list[dict[str, Any]], shard: str, steps: int = STEPS) -> None:
@@ -86,10 +99,10 @@ def check_parity(out: list[dict[str, Any]], shard: str, steps: int = STEPS) -> N
 
 
 def leg(rank: int, world: int, root: str, shard: str, ep: int | None, resume: bool, stop: int | None,
-        keep: int | None = None) -> list[dict[str, Any]]:
+        keep: int | None = None, sections: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One leg of a resume chain: a checkpoint every 2 steps (the last `keep` kept, when given)."""
     extra = {"keep_checkpoints": keep} if keep is not None else {}
-    cfg = shard_cfg(shard, ep, steps=RESUME_STEPS, ckpt_every=2, **extra)
+    cfg = shard_cfg(shard, ep, steps=RESUME_STEPS, ckpt_every=2, sections=sections, **extra)
     return list(train_run(cfg, Path(root), resume=resume, stop=stop)["rows"])
 
 

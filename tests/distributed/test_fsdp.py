@@ -15,6 +15,7 @@ from moebal.config import from_dict
 from moebal.distributed.testing import run_ranks
 from tests.distributed.shard_parity import (
     RESUME_STEPS,
+    STEPS,
     check_parity,
     checkpoint_state,
     leg,
@@ -25,22 +26,43 @@ from tests.distributed.shard_parity import (
 )
 
 
-@pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)])
-def test_full_sharding_matches_unsharded_for_20_steps(tmp_path, world, ep):
-    check_parity(run_ranks(pair, world, str(tmp_path), ep, "static", "full", timeout_s=900), "full")
+@pytest.mark.parametrize("world, ep, policy", [(2, 1, "static"), (4, 2, "prophet")])
+def test_full_sharding_matches_unsharded_for_20_steps(tmp_path, world, ep, policy):
+    """[2-1-static]: everything under FSDP2. [4-2-prophet]: ep 2 x dp 2, dense state over 4 ranks, expert
+    gradients and moments over 2, and expert weights sharded at rest over 2 (both MoE layers), with Pro-Prophet
+    replicas (Trans at step start gathers each layer's weights and frees them after copying; Agg adds into the
+    owner's whole gradient before the reduce-scatter)."""
+    out = run_ranks(pair, world, str(tmp_path), ep, policy, "full", timeout_s=900)
+    if policy == "prophet":
+        assert any(sum(r["replicas"]) > 0 for r in out[0]["full"])  # Trans and Agg ran
+        assert all(r["at_rest"] == 2 for r in out)
+    check_parity(out, "full")
 
 
-def test_full_sharding_with_prophet_replicas_matches_unsharded(tmp_path):
-    out = run_ranks(pair, 2, str(tmp_path), 2, "prophet", "full", timeout_s=900)
+AHEAD = {"planner": {"plan_ahead": "path", "path_len": 1, "path_refresh": 1, "path_window": 2}}
+"""Layer 1's placement planned during layer 0 and its Trans issued there: the expert weights at rest prefetched
+as layer 0 starts, kept for layer 1's forward."""
+
+
+def test_full_sharding_with_prophet_replicas_planned_ahead_matches_unsharded(tmp_path):
+    """Pro-Prophet replicas on 4 ranks (ep 2 x dp 2: expert weights at rest) with plan-ahead (`AHEAD`), 20 steps
+    within 1e-5 of the unsharded run with the same settings."""
+    out = run_ranks(pair, 4, str(tmp_path), 2, "prophet", "full", STEPS, {"sections": AHEAD}, timeout_s=900)
     assert any(sum(r["replicas"]) > 0 for r in out[0]["full"])  # Trans and Agg ran
+    assert all(r["at_rest"] == 2 for r in out)
     check_parity(out, "full")
 
 
 def test_full_sharding_with_recompute_matches_unsharded(tmp_path):
-    """`train.recompute: full` under FSDP2 (its backward re-gathers a layer whose forward is replayed): 6 steps on
-    2 ranks (ep 2) within 1e-5 of unsharded with the same recompute."""
-    check_parity(run_ranks(pair, 2, str(tmp_path), 2, "static", "full", 6, {"recompute": "full"}, timeout_s=900),
-                 "full", steps=6)
+    """`train.recompute: full` under FSDP2 (its backward re-gathers a layer whose forward is replayed; the replay
+    gathers the layer's expert weights at rest again) with Pro-Prophet replicas and block overlap (Trans of layer
+    i+1 as layer i starts: it gathers layer i+1's weights, kept for its forward): 6 steps on 4 ranks (ep 2 x dp
+    2) within 1e-5 of unsharded with the same settings."""
+    more = {"recompute": "full", "sections": {"scheduler": {"block_overlap": True}}}
+    out = run_ranks(pair, 4, str(tmp_path), 2, "prophet", "full", 6, more, timeout_s=900)
+    assert any(sum(r["replicas"]) > 0 for r in out[0]["full"])  # Trans and Agg ran
+    assert all(r["at_rest"] == 2 for r in out)
+    check_parity(out, "full", steps=6)
 
 
 # ---- checkpoints: resume across shard sizes ------------------------------------------------------------------
@@ -53,15 +75,17 @@ def writers(manifest: dict[str, Any]) -> set[str]:
 
 def test_resume_full_across_shard_sizes_1_2_4_and_back_to_unsharded(tmp_path):
     """One process for 2 steps, then 2 ranks under full (ep 2: dense state in 2 shards), then 4 ranks under full
-    (ep 2: dense state in 4 shards, experts in 2), then one unsharded process for the last 2 steps, against one
-    uninterrupted process: losses, weights and AdamW moments within 1e-5."""
+    (ep 2: dense state in 4 shards, experts in 2, expert weights at rest: the checkpoint loaded into their parts
+    and the next one written from them gathered; the planner's costs measured at start-up, which computes with
+    them gathered), then one unsharded process for the last 2 steps, against one uninterrupted process: losses,
+    weights and AdamW moments within 1e-5."""
     whole = run_ranks(leg, 1, str(tmp_path / "whole"), "none", None, False, None, 5, timeout_s=600)[0]
     run = str(tmp_path / "resumed")
     run_ranks(leg, 1, run, "none", None, False, 2, 5, timeout_s=600)
     run_ranks(leg, 2, run, "full", 2, True, 4, 5, timeout_s=600)
     mid = json.loads((Path(run) / "ckpt-0000004" / "manifest.json").read_text())
     assert len(writers(mid)) == 2  # both ranks wrote AdamW state
-    run_ranks(leg, 4, run, "full", 2, True, 5, 5, timeout_s=600)
+    run_ranks(leg, 4, run, "full", 2, True, 5, 5, {"planner": {"costs": "measure"}}, timeout_s=600)
     late = json.loads((Path(run) / "ckpt-0000005" / "manifest.json").read_text())
     assert len(writers(late)) >= 2  # expert owners wrote theirs
     run_ranks(leg, 1, run, "none", None, True, None, 5, timeout_s=600)

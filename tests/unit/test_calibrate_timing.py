@@ -95,7 +95,7 @@ def _fake_dispatcher(compute_dtype: torch.dtype | None, E: int = 4, D: int = 16,
         for p in ex.parameters():
             p.normal_(0.0, 0.02)
     return SimpleNamespace(layer=SimpleNamespace(experts=ex), owned=list(range(E)), R=2, r=0, ep_ranks=[0, 1],
-                           group=None, compute_dtype=compute_dtype,
+                           group=None, compute_dtype=compute_dtype, weights=None,
                            expert_flat=lambda e: torch.cat([w[e].reshape(-1) for w in ex.parameters()]))
 
 
