@@ -45,13 +45,18 @@ __all__ = ["EarlyExit", "pack_positions"]
 
 
 def _zero_tie(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
-    """The skipped layer (`skip_layer`) tied to every dense parameter of `layer` with weight 0, so their
-    gradients are zeros: a rank's part in its FSDP2 unit's gradient reduce-scatter when no token of its rows
-    reaches the layer but a peer's do. Run as the layer's forward (`run_as_forward`): the parameters are the
-    gathered weights. Expert-parallel experts are the expert optimizer's, which counts a missing gradient as
-    zeros."""
+    """The skipped layer (`skip_layer`) tied to every dense parameter of `layer` with weight 0 (its Linears run on
+    no rows, the other parameters summed), so their gradients are zeros: a rank's part in its FSDP2 unit's
+    gradient reduce-scatter when no token of its rows reaches the layer but a peer's do. Run as the layer's
+    forward (`run_as_forward`): the parameters are the gathered weights. Expert-parallel experts are the expert
+    optimizer's, which counts a missing gradient as zeros."""
     out_BTD = skip_layer(as_decoder(layer), h_BTD)
-    tie = [p.sum() for p in layer.parameters() if p.requires_grad and not is_expert_param(p)]
+    # each Linear called on no rows: under the zero-bubble schedule its weight gradient is W's deferred one, as on
+    # the peers, which reduce-scatter it in W (moebal/distributed/fsdp.py `DeferredGradReducer`), not in B
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    tie = [m(h_BTD.new_zeros(0, m.in_features)).sum() for m in linears]
+    held = {id(p) for m in linears for p in m.parameters()}
+    tie += [p.sum() for p in layer.parameters() if p.requires_grad and not is_expert_param(p) and id(p) not in held]
     return out_BTD + 0.0 * torch.stack(tie).sum() if tie else out_BTD
 
 

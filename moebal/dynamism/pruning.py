@@ -290,6 +290,8 @@ class GradualPruning(Dynamism):
                 mask_rows_(p, m)
                 mask_moments(ctx.optimizer, p, m)
             self._choose_kernels(i, stage.layer(i), dict(zip((n for n, _ in named), local[i])))
+        if self.kernel == "auto" and ctx.dp > 1:
+            self._agree_kernels(ctx)
         self.level = sparsity
         dens = torch.zeros(3 * self.L, dtype=torch.float64)
         for i in stage.layer_ids:
@@ -298,12 +300,25 @@ class GradualPruning(Dynamism):
             dens[2 * self.L + i] = float(any(self.kernels[i].values()))
         tot = ctx.chain.allreduce_sum(dens)
         self.density = [float(tot[i] / tot[self.L + i]) if tot[self.L + i] > 0 else 1.0 for i in range(self.L)]
-        # the kernel choice is timed, so data-parallel replicas of a stage may choose differently: a layer
-        # counts as CSR when any replica runs it so (the same answer on every rank; it only feeds predictions)
+        # a layer counts as CSR when any of its matrices runs it (the data-parallel copies agreed on each matrix's
+        # kernel above; the MAX keeps every rank's answer the same under `dense` and `csr` too)
         csr = tot[2 * self.L:].clone()
         if ctx.dp > 1:  # a CPU tensor: host bookkeeping over gloo
             dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.dp_group)
         self.csr = [bool(c > 0) for c in csr.tolist()]
+
+    def _agree_kernels(self, ctx: SchemeContext) -> None:
+        """The data-parallel copies of a stage run each matrix on one kernel: CSR where any of them timed it faster
+        (one MAX all-reduce over them, the matrices in layer and parameter order). Under `parallel.shard: full`
+        FSDP2 gathers and reduce-scatters each layer over these ranks, and the zero-bubble schedule defers a dense
+        Linear's weight gradient to W but not the CSR kernel's: every rank of the stage must make the same calls."""
+        order = [(i, n) for i in ctx.stage.layer_ids for n in self.kernels[i]]
+        v = torch.tensor([float(self.kernels[i][n]) for i, n in order], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=ctx.dp_group)  # a CPU tensor: host bookkeeping over gloo
+        for (i, n), c in zip(order, v.tolist()):
+            self.kernels[i][n] = int(c > 0)
+        for i in ctx.stage.layer_ids:
+            self._install(i, ctx.stage.layer(i))
 
     def _choose_kernels(self, i: int, layer: nn.Module, whole: dict[str, torch.Tensor]) -> None:
         """Each prunable Linear's kernel (timed on its whole weight, `whole` by name, under `auto`)."""

@@ -36,12 +36,14 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "mod": {"capacity": 0.125, "every": 2, "first_layer": 1},
     "sparse_attention": {"block": 4, "budget": "random_walk"},
 }
-SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"), "early_exit": ("full",),
+SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"), "early_exit": ("full", "full+zb"),
           "mod": ("optimizer", "full"), "sparse_attention": ("optimizer", "full")}
-"""The sharded runs of each scheme (`optimizer` refuses early_exit: below)."""
+"""The sharded runs of each scheme (`optimizer` refuses early_exit: below; "+zb": the zero-bubble schedule, whose
+W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference)."""
 
 
 def scheme_cfg(shard: str, scheme: str) -> Config:
+    shard, _, schedule = shard.partition("+")
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
@@ -49,7 +51,7 @@ def scheme_cfg(shard: str, scheme: str) -> Config:
         "train": {"steps": STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
                   "grad_clip": 0.5, "threads": 1, "progress": "plain"},
         "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard},
-        "pipeline": {"micro_batches": 2, "schedule": "1f1b"},
+        "pipeline": {"micro_batches": 2, "schedule": schedule or "1f1b"},
         "dynamism": {"scheme": scheme, scheme: SCHEMES[scheme]}})
 
 
@@ -137,11 +139,12 @@ def test_freezing_under_sharded_pipeline_state_matches_unsharded(cells):
 
 def test_early_exit_under_fully_sharded_pipeline_matches_unsharded(cells):
     """Subset and skipped layers run as FSDP2 units' forwards; a rank whose rows no token of a layer reaches
-    while its peers' do joins the unit's reduce-scatter with zero gradients (it happened)."""
+    while its peers' do joins the unit's reduce-scatter with zero gradients (it happened), under 1F1B and under
+    the zero-bubble schedule (its Linears' zero gradients deferred to W like its peers')."""
     rec = _check(cells, "early_exit")
     assert any(0 < x["survival"][2] < 1 for x in rec)  # layer 2 ran on a subset of the tokens
     assert rec[-1]["survival"][3] == 0.0  # every token left before the last layer: skipped on every rank
-    assert sum(r["early_exit"]["full"]["ties"] for r in cells) > 0
+    assert all(sum(r["early_exit"][shard]["ties"] for r in cells) > 0 for shard in SHARDS["early_exit"])
 
 
 def test_mod_under_sharded_pipeline_state_matches_unsharded(cells):
