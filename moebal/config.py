@@ -936,7 +936,6 @@ def _one_line(e: Exception) -> str:
 # validation: every impossible combination says what to change
 
 
-
 def _refuse_sharded_pipeline_schemes(c: Config) -> None:
     """What `parallel.shard: optimizer` does not build with a pipeline's dynamism schemes (docs/sharding.md): its
     flats step every parameter they hold on every step, with a zero gradient where none arrived, while torch's
@@ -953,6 +952,7 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
           f"(dynamism.mod.start {d.mod.start}, capacity {d.mod.capacity}): an idle router gets no gradient, which the "
           f"sharded flats step anyway where torch's AdamW skips it; set dynamism.mod.start=0 and capacity < 1, or "
           f"use parallel.shard=full or none")
+
 
 def _need(ok: bool, message: str) -> None:
     if not ok:

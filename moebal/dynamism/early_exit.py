@@ -108,6 +108,9 @@ class EarlyExit(Dynamism):
     def on_start(self, ctx: SchemeContext) -> None:
         self.stage_sum = ctx.stage_sum
 
+    def idle_parameters(self) -> bool:
+        return True  # a layer every token of a step has left
+
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         active = carry["active"]

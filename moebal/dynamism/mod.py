@@ -87,6 +87,9 @@ class MixtureOfDepths(Dynamism):
                 router = nn.Linear(self.cfg.model.dim, 1, bias=False)
             layer.mod_router = router.to_empty(device=next(layer.parameters()).device)
 
+    def idle_parameters(self) -> bool:
+        return self.start > 0 or self.capacity >= 1.0  # the routers idle while the capacity is 1
+
     def splittable(self, i: int) -> bool:
         """A routed block stays whole (its selection spans both halves); the other layers run plain."""
         return i not in self.routed

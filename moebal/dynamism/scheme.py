@@ -138,6 +138,12 @@ class Dynamism:
         base = Dynamism  # a scheme that overrides none of these runs every layer plain and keeps nothing per layer
         return all(getattr(type(self), m) is getattr(base, m) for m in ("layer_forward", "layer_state", "stats_size"))
 
+    def idle_parameters(self) -> bool:
+        """Whether a step may leave a parameter that trains without a gradient on every rank (a layer every token
+        has left, an idle router). torch's AdamW skips such a parameter; `parallel.shard: optimizer`'s flats would
+        step it, so a pipeline refuses the pair."""
+        return False
+
     def frozen_prefix(self) -> int:
         """Layers [0, n) are frozen (and the embedding with them when n > 0): forward only, no backward."""
         return 0

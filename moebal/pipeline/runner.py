@@ -126,6 +126,10 @@ class PipelineRunner:
             raise ConfigError("dynamism pruning with expert parallelism inside pipeline stages (parallel.ep > 1) is "
                               "not supported: the global magnitude threshold does not count expert shards yet; "
                               "use parallel.ep=1 or another scheme")
+        if cfg.parallel.shard == "optimizer" and self.scheme.idle_parameters():
+            raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {self.scheme.name} "
+                              f"scheme: a step may leave a parameter without a gradient, which the sharded flats "
+                              f"step anyway where torch's AdamW skips it; use parallel.shard=full or none")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "

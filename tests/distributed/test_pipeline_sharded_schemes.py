@@ -170,3 +170,15 @@ def test_sharded_optimizer_pipeline_refusals_name_the_reason(scheme, options, wo
         from_dict(cfg)
     cfg["parallel"]["shard"] = "full"
     assert from_dict(cfg).dynamism.scheme == scheme
+
+
+def test_schemes_say_whether_a_step_may_leave_a_parameter_without_a_gradient():
+    """What the runner refuses under `optimizer` for a scheme built apart from the config."""
+    from moebal.dynamism.scheme import build_dynamism
+
+    cfg = scheme_cfg("full", "mod")
+    idle = {(name, str(opts)): build_dynamism(name, opts, cfg=cfg).idle_parameters() for name, opts in [
+        ("none", {}), ("pruning", {}), ("freezing", {}), ("sparse_attention", {"block": 4}), ("moe", {}),
+        ("early_exit", {}), ("mod", {}), ("mod", {"start": 3}), ("mod", {"capacity": 1.0})]}
+    assert [k for k, v in idle.items() if v] == [("early_exit", "{}"), ("mod", "{'start': 3}"),
+                                                  ("mod", "{'capacity': 1.0}")]
