@@ -317,7 +317,7 @@ class ParallelConfig:
     weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their
     expert-data-parallel ranks: gathered a MoE layer at a time; docs/sharding.md). With parallel.pp > 1 per
     stage (a migrated layer's state is re-sharded), expert weights replicated over their expert-data-parallel
-    ranks there."""
+    ranks there; optimizer refuses dynamism.scheme early_exit, and mod with idle routers."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under shard: full, the dtype FSDP2 all-gathers dense weights in for compute (bf16 needs
     train.precision: bf16); master weights and AdamW state stay fp32."""
@@ -937,6 +937,24 @@ def _one_line(e: Exception) -> str:
 # validation: every impossible combination says what to change
 
 
+def _refuse_sharded_pipeline_schemes(c: Config) -> None:
+    """What `parallel.shard: optimizer` does not build with a pipeline's dynamism schemes (docs/sharding.md): its
+    flats step every parameter they hold on every step, with a zero gradient where none arrived, while torch's
+    AdamW (unsharded, and FSDP2's shards under `full`) skips a parameter without a gradient."""
+    par, d = c.parallel, c.dynamism
+    if par.shard != "optimizer" or par.pp == 1:
+        return
+    _need(d.scheme != "early_exit",
+          "'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=early_exit: a layer every "
+          "token of a step has left gets no gradient, which the sharded flats step anyway (moments and weight "
+          "decay move it) where torch's AdamW skips it; use parallel.shard=full or none")
+    _need(d.scheme != "mod" or (d.mod.start == 0 and d.mod.capacity < 1),
+          f"'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=mod while its routers idle "
+          f"(dynamism.mod.start {d.mod.start}, capacity {d.mod.capacity}): an idle router gets no gradient, which the "
+          f"sharded flats step anyway where torch's AdamW skips it; set dynamism.mod.start=0 and capacity < 1, or "
+          f"use parallel.shard=full or none")
+
+
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -973,14 +991,7 @@ def _check_whole(c: Config) -> None:
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
-    _need(par.shard != "full" or par.pp == 1 or c.dynamism.scheme in ("none", "moe"),
-          f"'parallel.shard: full' with a pipeline (parallel.pp {par.pp}) is not built with dynamism.scheme="
-          f"{c.dynamism.scheme} (it wraps or edits layers, or per-parameter state): use dynamism.scheme none or moe, "
-          f"or parallel.shard=optimizer")
-    _need(par.shard != "optimizer" or par.pp == 1 or c.dynamism.scheme not in ("pruning", "freezing"),
-          f"'parallel.shard: optimizer' with a pipeline and dynamism.scheme={c.dynamism.scheme} is not supported: "
-          f"the scheme zeroes or stops AdamW state per parameter, which the sharded flats do not keep per parameter; "
-          f"use parallel.shard=none")
+    _refuse_sharded_pipeline_schemes(c)
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,

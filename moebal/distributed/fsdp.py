@@ -52,6 +52,7 @@ gathered for a checkpoint's write and load (`weights_gathered`), and written as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +71,8 @@ if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
 __all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
-           "fully_shard_stage", "local_chunk", "shard_rows", "stage_mesh"]
+           "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "shard_rows", "stage_mesh",
+           "unshard_leaving", "whole_tensor"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -173,6 +175,22 @@ def experts_at_rest(model: nn.Module, cfg: Config, dims: ParallelDims
     return [(m.dispatcher, [p for p in m.experts.parameters() if is_expert_param(p)]) for m in layers]
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a DTensor (FSDP2's shard) all-gathered (collective over its mesh: every rank of the stage calls it
+    in the same order), any other tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def mask_rows_(t: torch.Tensor, mask: torch.Tensor) -> None:
+    """`t *= mask` in place, `mask` shaped like the logical tensor: a DTensor (dim-0 shard) multiplies its local
+    rows by the same rows of `mask` (no communication), any other tensor by the whole mask."""
+    if isinstance(t, DTensor):
+        first, rows = shard_rows(t)
+        t.to_local().mul_(mask[first:first + rows].to(t.dtype))
+    else:
+        t.mul_(mask.to(t.dtype))
+
+
 class FullyShardedAdamW(torch.optim.Optimizer):
     """AdamW of a `fully_shard_model` model: torch's AdamW on the dense DTensor shards, `ShardedAdamW` on the
     expert parameters (module docstring). Its `param_groups` are the model's (the trainer sets the learning
@@ -272,6 +290,17 @@ class FullyShardedAdamW(torch.optim.Optimizer):
 
     def weight_parts(self) -> list[torch.Tensor]:
         return self.experts.weight_parts() if self.experts is not None else []
+
+    def mask_state(self, p: torch.Tensor, mask: torch.Tensor) -> None:
+        """Multiply parameter `p`'s AdamW moments by `mask` (shaped like `p`, the same on every rank): the dense
+        moments' local rows, an expert parameter's owned parts (the pruning scheme zeroes pruned entries)."""
+        if is_expert_param(p):
+            if self.experts is not None:
+                self.experts.mask_state(p, mask)
+            return
+        for key, v in (self.dense.state.get(p, {}) if self.dense is not None else {}).items():
+            if key != "step":
+                mask_rows_(v, mask)
 
     # ---- what it holds ----
     def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -421,7 +450,12 @@ class StageShardedAdamW(FullyShardedAdamW):
     (`load_full_state`). The embedding, final norm and head never move and stay sharded, with their state."""
 
     def __init__(self, stage: PipelineStage, cfg: Config, dims: ParallelDims, mesh: Any,
-                 expert_channels: dict[str, Any] | None = None) -> None:
+                 expert_channels: dict[str, Any] | None = None,
+                 prepare_layer: Callable[[int, nn.Module], None] | None = None) -> None:
+        """`prepare_layer`: the dynamism scheme's structural change of a fresh layer skeleton
+        (`Dynamism.prepare_layer`: a router), applied to the plain skeletons a migration gathers leaving layers
+        into."""
+        self.prepare_layer = prepare_layer
         before = dict(stage.named_parameters())
         fully_shard_stage(stage, cfg, mesh)
         self.stage = stage
@@ -444,7 +478,7 @@ class StageShardedAdamW(FullyShardedAdamW):
         dense = self.dense.state if self.dense is not None else {}
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         for i in self.leaving:
-            new, states = self._plain_layer(i, dense)
+            new, states = plain_layer(self.stage, i, self.dims.device, dense, self.prepare_layer)
             out.update(states)
             self.stage.model.layers[str(i)] = new
         for p in self.stage.parameters():
@@ -453,36 +487,6 @@ class StageShardedAdamW(FullyShardedAdamW):
         if self.experts is not None:
             out.update(self.experts.full_state())
         return out
-
-    def _plain_layer(self, i: int, dense: dict[Any, Any]) -> tuple[nn.Module, dict[nn.Parameter, dict[str, Any]]]:
-        """Layer i as a plain skeleton (`build_layer_skeleton`, no RNG): FSDP2's weights and gradients gathered
-        whole (collective), expert-parallel experts the layer's own parameter objects (their state is the expert
-        optimizer's); with the dense AdamW state of the skeleton's parameters, gathered whole. A split layer keeps
-        the halves it holds (both, when one of them leaves: the other is re-sharded with the rebuild)."""
-        from moebal.pipeline.stage import build_layer_skeleton, same_halves
-
-        old = self.stage.layer(i)
-        new = build_layer_skeleton(self.stage.cfg, i, self.dims.device)
-        same_halves(new, old)
-        fresh = dict(new.named_parameters())
-        out: dict[nn.Parameter, dict[str, Any]] = {}
-        with torch.no_grad():
-            for n, p in old.named_parameters():
-                if not isinstance(p, DTensor):  # an expert-parallel shard of the experts: moves as it is
-                    owner, _, leaf = n.rpartition(".")
-                    setattr(new.get_submodule(owner), leaf, p)
-                    continue
-                q = fresh[n]
-                q.copy_(_whole(p))
-                if p.grad is not None:
-                    q.grad = _whole(p.grad)
-                st = dense.get(p)
-                if st:
-                    out[q] = {"step": st["step"], "exp_avg": _whole(st["exp_avg"]),
-                              "exp_avg_sq": _whole(st["exp_avg_sq"])}
-            for n, b in old.named_buffers():
-                new.get_buffer(n).copy_(b)
-        return new, out
 
     def load_full_state(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         """Adopt the AdamW state of `full_state` (and of layers received in the walk), keyed by the parameters
@@ -511,6 +515,52 @@ class StageShardedAdamW(FullyShardedAdamW):
             return 0
         return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
                    for k, v in st.items() if k != "step")
+
+
+def plain_layer(stage: PipelineStage, i: int, device: torch.device, dense: dict[Any, Any],
+                prepare_layer: Callable[[int, nn.Module], None] | None = None
+                ) -> tuple[nn.Module, dict[nn.Parameter, dict[str, Any]]]:
+    """Layer i of `stage` as a plain skeleton (`build_layer_skeleton`, no RNG; the scheme's `prepare_layer` change
+    applied): FSDP2's weights and gradients gathered whole (collective over the stage), expert-parallel experts
+    the layer's own parameter objects (their state is the expert optimizer's); with the AdamW state in `dense`
+    (by sharded parameter) of the skeleton's parameters, gathered whole. A split layer keeps the halves it holds
+    (both, when one of them leaves: the other is re-sharded with the rebuild)."""
+    from moebal.pipeline.stage import build_layer_skeleton, same_halves
+
+    old = stage.layer(i)
+    new = build_layer_skeleton(stage.cfg, i, device)
+    if prepare_layer is not None:
+        prepare_layer(i, new)
+    same_halves(new, old)
+    fresh = dict(new.named_parameters())
+    out: dict[nn.Parameter, dict[str, Any]] = {}
+    with torch.no_grad():
+        for n, p in old.named_parameters():
+            if not isinstance(p, DTensor):  # an expert-parallel shard of the experts: moves as it is
+                owner, _, leaf = n.rpartition(".")
+                setattr(new.get_submodule(owner), leaf, p)
+                continue
+            q = fresh[n]
+            q.copy_(whole_tensor(p))
+            q.requires_grad_(p.requires_grad)
+            if p.grad is not None:
+                q.grad = whole_tensor(p.grad)
+            st = dense.get(p)
+            if st:
+                out[q] = {"step": st["step"], "exp_avg": whole_tensor(st["exp_avg"]),
+                          "exp_avg_sq": whole_tensor(st["exp_avg_sq"])}
+        for n, b in old.named_buffers():
+            new.get_buffer(n).copy_(b)
+    return new, out
+
+
+def unshard_leaving(stage: PipelineStage, leaving: tuple[int, ...],
+                    prepare_layer: Callable[[int, nn.Module], None] | None = None) -> None:
+    """Swap plain skeletons in for the FSDP2-sharded layers of `leaving` on a stage with no optimizer (nothing
+    trains there: a frozen stage), so that a migration sends them whole. Collective over the stage."""
+    for i in leaving:
+        if any(isinstance(p, DTensor) for p in stage.layer(i).parameters()):
+            stage.model.layers[str(i)] = plain_layer(stage, i, next(stage.parameters()).device, {}, prepare_layer)[0]
 
 
 class DeferredGradReducer:
@@ -578,11 +628,6 @@ class DeferredGradReducer:
         padded = g.new_zeros((per * W, *g.shape[1:]), dtype=self.reduce_dtype)
         padded[:n] = g
         return padded.reshape(W, -1)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (collective over its mesh), other tensors as they are."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _saved_state(reader: CheckpointReader, name: str, stacked: dict[str, tuple[tuple[int, ...], int]]

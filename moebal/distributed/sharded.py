@@ -535,6 +535,22 @@ class ShardedAdamW(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
 
+    def mask_state(self, p: torch.Tensor, mask: torch.Tensor) -> None:
+        """Multiply parameter `p`'s AdamW moments by `mask` (shaped like `p`, the same on every rank): the slices of
+        the owned parts that hold `p`'s elements (the pruning scheme zeroes pruned entries); no communication. A
+        parameter it does not hold (frozen) or no state yet (before the first step): nothing."""
+        if id(p) not in self._of_param:
+            return
+        f, i = self._of_param[id(p)]
+        fl, o, m = self.flats[f], self.flats[f].offsets[i], mask.reshape(-1)
+        for j, k, lo, hi in self._runs(f, o, o + p.numel()):
+            state = self._part_state(k)
+            if j != fl.index or not state:
+                continue
+            a = lo - self.buckets[k].start - j * self.buckets[k].part
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key][a:a + hi - lo].mul_(m[lo - o:hi - o].to(state[key].dtype))
+
     # ---- what it holds ----
     def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(gradient parts, AdamW state tensors) held now."""

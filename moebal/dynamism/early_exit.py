@@ -21,17 +21,43 @@ kv the key/value projections' share of the layer's per-token work (`layer_token_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register
+from moebal.distributed.expert_parallel import is_expert_param
+from moebal.dynamism.scheme import (
+    Dynamism,
+    SchemeContext,
+    as_decoder,
+    layer_token_flops,
+    ramp,
+    register,
+    run_as_forward,
+)
 from moebal.errors import ConfigError
 from moebal.models.subset import skip_layer, subset_block
 
 __all__ = ["EarlyExit", "pack_positions"]
+
+
+def _zero_tie(layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
+    """The skipped layer (`skip_layer`) tied to every dense parameter of `layer` with weight 0 (its Linears run on
+    no rows, the other parameters summed), so their gradients are zeros: a rank's part in its FSDP2 unit's
+    gradient reduce-scatter when no token of its rows reaches the layer but a peer's do. Run as the layer's
+    forward (`run_as_forward`): the parameters are the gathered weights. Expert-parallel experts are the expert
+    optimizer's, which counts a missing gradient as zeros."""
+    out_BTD = skip_layer(as_decoder(layer), h_BTD)
+    # each Linear called on no rows: under the zero-bubble schedule its weight gradient is W's deferred one, as on
+    # the peers, which reduce-scatter it in W (moebal/distributed/fsdp.py `DeferredGradReducer`), not in B
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    tie = [m(h_BTD.new_zeros(0, m.in_features)).sum() for m in linears]
+    held = {id(p) for m in linears for p in m.parameters()}
+    tie += [p.sum() for p in layer.parameters() if p.requires_grad and not is_expert_param(p) and id(p) not in held]
+    return out_BTD + 0.0 * torch.stack(tie).sum() if tie else out_BTD
 
 
 def pack_positions(active_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +75,7 @@ def pack_positions(active_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 class EarlyExit(Dynamism):
     name = "early_exit"
     carries = ("active",)
+    lockstep_decisions = True
 
     def __init__(self, cfg: Any, threshold: float = 0.99, first_layer: int | None = None, start: int = 0,
                  ramp_steps: int = 0) -> None:
@@ -63,6 +90,9 @@ class EarlyExit(Dynamism):
         self.kv_share = [f["kv"] / sum(f.values()) for f in flops]
         self.tokens_in = torch.zeros(L + 1, dtype=torch.float64)  # slot L: tokens entering the network
         self.survival = [1.0] * L
+        self.stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Under `parallel.shard: full` (`SchemeContext.stage_sum`): whether a peer of the stage runs a layer
+        that no token of this rank reaches."""
 
     def tau(self, step: int | None = None) -> float:
         return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.threshold)
@@ -75,25 +105,47 @@ class EarlyExit(Dynamism):
         self.tokens_in[self.L] += B * T
         return {"active": torch.ones(B, T, dtype=torch.bool, device=device)}
 
+    def on_start(self, ctx: SchemeContext) -> None:
+        self.stage_sum = ctx.stage_sum
+
+    def idle_parameters(self) -> bool:
+        return True  # a layer every token of a step has left
+
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         active = carry["active"]
         n = int(active.sum())  # host sync: choose the full, subset or skip path
         self.tokens_in[i] += n
+        stage_n = self._stage_tokens(i, n)
         out: torch.Tensor
         if n == active.numel():
             out = layer(h_BTD, cos_TK, sin_TK)
         elif n == 0:
-            return skip_layer(as_decoder(layer), h_BTD)
+            if stage_n:
+                # a peer runs the layer: FSDP2 reduce-scatters its gradients on every rank of the stage, so this
+                # rank joins with zeros (its peers' sum, as the unsharded sum of theirs)
+                return run_as_forward(layer, lambda h, cos, sin: _zero_tie(layer, h), h_BTD, cos_TK, sin_TK)
+            # an MoE block may still join its peers' collectives with no token (`skip_layer`), with its weights
+            return run_as_forward(layer, lambda h, cos, sin: skip_layer(as_decoder(layer), h), h_BTD, cos_TK,
+                                  sin_TK) if as_decoder(layer).is_moe else skip_layer(as_decoder(layer), h_BTD)
         else:
             pos, valid = pack_positions(active)
-            out = subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos, valid, keys="all")
+            out = run_as_forward(layer, lambda h, cos, sin: subset_block(as_decoder(layer), h, cos, sin, pos, valid,
+                                                                         keys="all"), h_BTD, cos_TK, sin_TK)
         tau = self.tau()
         if self.first_layer <= i < self.L - 1 and tau < 1.0:
             with torch.no_grad():
                 conf = F.cosine_similarity(out.float(), h_BTD.float(), dim=-1)
                 carry["active"] = active & ~(conf > tau)
         return out
+
+    def _stage_tokens(self, i: int, n: int) -> int | None:
+        """Layer i's active tokens summed over the stage's ranks under `parallel.shard: full` (`stage_sum`: a host
+        all-reduce, on every rank of the stage for the same layers: those after the first exit layer while exits
+        are on), None where no rank can have lost every token."""
+        if self.stage_sum is None or i <= self.first_layer or self.tau() >= 1.0:
+            return None
+        return int(self.stage_sum(torch.tensor([float(n)], dtype=torch.float64))[0])
 
     # ---- statistics and predictions ----
     def stats_size(self, num_layers: int) -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moebal.distributed.expert_parallel import is_expert_param
+from moebal.distributed.fsdp import whole_tensor
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
 
@@ -47,14 +48,15 @@ def _ordered(layer: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], int]:
 
 def _snapshot(layer: nn.Module) -> dict[str, torch.Tensor]:
     """fp32 copies of the layer's parameters by name (kept per parameter, not as one vector, so that a
-    checkpoint can key an expert shard's rows by logical expert and restore them under another layout)."""
-    return {n: p.detach().float().clone() for n, p in layer.named_parameters()}
+    checkpoint can key an expert shard's rows by logical expert and restore them under another layout), whole:
+    FSDP2's shards gathered (collective over the stage)."""
+    return {n: whole_tensor(p.detach()).float().clone() for n, p in layer.named_parameters()}
 
 
 def _flat(layer: nn.Module, snap: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """The layer's parameters (or their snapshot) as one fp32 vector in `_ordered` order."""
     named, k = _ordered(layer)
-    parts = [(p.detach() if snap is None else snap[n]).reshape(-1).float() for n, p in named]
+    parts = [(whole_tensor(p.detach()) if snap is None else snap[n]).reshape(-1).float() for n, p in named]
     return torch.cat(parts), k
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register
+from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, run_as_forward
 from moebal.errors import ConfigError
 from moebal.models.subset import subset_block
 
@@ -87,6 +87,9 @@ class MixtureOfDepths(Dynamism):
                 router = nn.Linear(self.cfg.model.dim, 1, bias=False)
             layer.mod_router = router.to_empty(device=next(layer.parameters()).device)
 
+    def idle_parameters(self) -> bool:
+        return self.start > 0 or self.capacity >= 1.0  # the routers idle while the capacity is 1
+
     def splittable(self, i: int) -> bool:
         """A routed block stays whole (its selection spans both halves); the other layers run plain."""
         return i not in self.routed
@@ -97,6 +100,11 @@ class MixtureOfDepths(Dynamism):
         if i not in self.routed or c >= 1.0:
             out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
             return out_BTD
+        return run_as_forward(layer, lambda h, cos, sin: self._routed(layer, h, cos, sin, c), h_BTD, cos_TK, sin_TK)
+
+    def _routed(self, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                c: float) -> torch.Tensor:
+        """The routed block at capacity c < 1: the router's top-C tokens of each row run the block."""
         B, T, _ = h_BTD.shape
         C = max(1, round(c * T))
         score_BT = layer.get_submodule("mod_router")(h_BTD).squeeze(-1)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moebal.distributed.fsdp import mask_rows_, whole_tensor
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
 
@@ -228,6 +229,18 @@ def _time_kernels(weight: torch.Tensor, mask: torch.Tensor, rows: int, repeats: 
     return run(lambda a, b: F.linear(a, b)), run(lambda a, b: csr_linear(a, b, st))
 
 
+def mask_moments(optimizer: torch.optim.Optimizer | None, p: torch.Tensor, mask: torch.Tensor) -> None:
+    """Multiply parameter `p`'s AdamW moments by `mask` wherever the optimizer keeps them: a sharded optimizer's
+    parts or shards (its `mask_state`), torch's AdamW's per-parameter state otherwise."""
+    mask_state = getattr(optimizer, "mask_state", None)
+    if mask_state is not None:
+        mask_state(p, mask)
+        return
+    for v in (optimizer.state.get(p, {}) if optimizer is not None else {}).values():
+        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+            v.mul_(mask)
+
+
 @register("pruning")
 class GradualPruning(Dynamism):
     name = "pruning"
@@ -265,18 +278,20 @@ class GradualPruning(Dynamism):
     @torch.no_grad()
     def prune(self, ctx: SchemeContext, sparsity: float) -> None:
         stage = ctx.stage
-        local = {i: [p for _, p in prunable_params(stage.layer(i))] for i in stage.layer_ids}
+        # whole weights: FSDP2's shards gathered (collective over the stage, layers in order; every rank of the
+        # stage then computes the same masks), any other weight as it is
+        local = {i: [whole_tensor(p) for _, p in prunable_params(stage.layer(i))] for i in stage.layer_ids}
         keep = round((1.0 - sparsity) * self.total)
         masks = distributed_keep_masks(local, keep, ctx.chain, self.L)
         for i in stage.layer_ids:
             named = prunable_params(stage.layer(i))
             self.masks[i] = {n: m for (n, _), m in zip(named, masks[i])}
             for (_, p), m in zip(named, masks[i]):
-                p.mul_(m)
-                for v in (ctx.optimizer.state.get(p, {}) if ctx.optimizer is not None else {}).values():
-                    if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                        v.mul_(m)
-            self._choose_kernels(i, stage.layer(i))
+                mask_rows_(p, m)
+                mask_moments(ctx.optimizer, p, m)
+            self._choose_kernels(i, stage.layer(i), dict(zip((n for n, _ in named), local[i])))
+        if self.kernel == "auto" and ctx.dp > 1:
+            self._agree_kernels(ctx)
         self.level = sparsity
         dens = torch.zeros(3 * self.L, dtype=torch.float64)
         for i in stage.layer_ids:
@@ -285,14 +300,28 @@ class GradualPruning(Dynamism):
             dens[2 * self.L + i] = float(any(self.kernels[i].values()))
         tot = ctx.chain.allreduce_sum(dens)
         self.density = [float(tot[i] / tot[self.L + i]) if tot[self.L + i] > 0 else 1.0 for i in range(self.L)]
-        # the kernel choice is timed, so data-parallel replicas of a stage may choose differently: a layer
-        # counts as CSR when any replica runs it so (the same answer on every rank; it only feeds predictions)
+        # a layer counts as CSR when any of its matrices runs it (the data-parallel copies agreed on each matrix's
+        # kernel above; the MAX keeps every rank's answer the same under `dense` and `csr` too)
         csr = tot[2 * self.L:].clone()
         if ctx.dp > 1:  # a CPU tensor: host bookkeeping over gloo
             dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.dp_group)
         self.csr = [bool(c > 0) for c in csr.tolist()]
 
-    def _choose_kernels(self, i: int, layer: nn.Module) -> None:
+    def _agree_kernels(self, ctx: SchemeContext) -> None:
+        """The data-parallel copies of a stage run each matrix on one kernel: CSR where any of them timed it faster
+        (one MAX all-reduce over them, the matrices in layer and parameter order). Under `parallel.shard: full`
+        FSDP2 gathers and reduce-scatters each layer over these ranks, and the zero-bubble schedule defers a dense
+        Linear's weight gradient to W but not the CSR kernel's: every rank of the stage must make the same calls."""
+        order = [(i, n) for i in ctx.stage.layer_ids for n in self.kernels[i]]
+        v = torch.tensor([float(self.kernels[i][n]) for i, n in order], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=ctx.dp_group)  # a CPU tensor: host bookkeeping over gloo
+        for (i, n), c in zip(order, v.tolist()):
+            self.kernels[i][n] = int(c > 0)
+        for i in ctx.stage.layer_ids:
+            self._install(i, ctx.stage.layer(i))
+
+    def _choose_kernels(self, i: int, layer: nn.Module, whole: dict[str, torch.Tensor]) -> None:
+        """Each prunable Linear's kernel (timed on its whole weight, `whole` by name, under `auto`)."""
         modules = dict(layer.named_modules())
         self.kernels[i] = {}
         for n, p in prunable_params(layer):
@@ -302,7 +331,7 @@ class GradualPruning(Dynamism):
                 if self.kernel == "csr":
                     use_csr = 1
                 elif self.kernel == "auto":
-                    dense_s, csr_s = _time_kernels(p, self.masks[i][n], self.rows)
+                    dense_s, csr_s = _time_kernels(whole[n], self.masks[i][n], self.rows)
                     use_csr = int(csr_s < dense_s)
             self.kernels[i][n] = use_csr
         self._install(i, layer)
@@ -318,14 +347,14 @@ class GradualPruning(Dynamism):
         for i in ctx.stage.layer_ids:
             for n, p in prunable_params(ctx.stage.layer(i)):
                 if i in self.masks and p.grad is not None:
-                    p.grad.mul_(self.masks[i][n])
+                    mask_rows_(p.grad, self.masks[i][n])  # under `full` FSDP2's summed shard: its rows
 
     @torch.no_grad()
     def after_optimizer_step(self, ctx: SchemeContext) -> None:
         for i in ctx.stage.layer_ids:
             if i in self.masks:
                 for n, p in prunable_params(ctx.stage.layer(i)):
-                    p.mul_(self.masks[i][n])
+                    mask_rows_(p, self.masks[i][n])
 
     # ---- migration: masks and kernel choices travel with the layer ----
     def layer_state(self, i: int) -> dict[str, torch.Tensor]:

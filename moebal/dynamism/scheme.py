@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moebal.models.transformer import DecoderLayer, MoebalForCausalLM
 
 __all__ = ["SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops", "register",
-           "ramp"]
+           "ramp", "run_as_forward"]
 
 
 class SchemeBody(Protocol):
@@ -87,6 +87,10 @@ class SchemeContext:
     """Expert-parallel size of this stage's MoE layers (1: every expert on each rank)."""
     shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums a per-rank quantity over this rank's expert shards (None: nothing is sharded)."""
+    stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums a per-rank host quantity over the ranks of this stage, for a decision they must take alike because
+    they run each layer in lockstep (`parallel.shard: full`: FSDP2 gathers and reduce-scatters per layer over
+    them); None when they need not agree. Collective: every rank of the stage calls it at the same point."""
 
 
 class Dynamism:
@@ -96,6 +100,9 @@ class Dynamism:
     step = 0
     carries: tuple[str, ...] = ()
     """Names of per-token bool [B, T] tensors that travel forward with the activations between stages."""
+    lockstep_decisions = False
+    """`layer_forward` takes a per-rank decision (which path a layer runs) that the ranks of a stage must take
+    alike under `parallel.shard: full`: the runner then gives it `SchemeContext.stage_sum`."""
     replan_every_step = False
     """Plan a partition after every step from the latest `cost_factors` (not only after profiled steps): for
     schemes whose cost moves every iteration (MoE routing; DynMo fires those every iteration)."""
@@ -130,6 +137,12 @@ class Dynamism:
         engine runs a split layer's halves directly."""
         base = Dynamism  # a scheme that overrides none of these runs every layer plain and keeps nothing per layer
         return all(getattr(type(self), m) is getattr(base, m) for m in ("layer_forward", "layer_state", "stats_size"))
+
+    def idle_parameters(self) -> bool:
+        """Whether a step may leave a parameter that trains without a gradient on every rank (a layer every token
+        has left, an idle router). torch's AdamW skips such a parameter; `parallel.shard: optimizer`'s flats would
+        step it, so a pipeline refuses the pair."""
+        return False
 
     def frozen_prefix(self) -> int:
         """Layers [0, n) are frozen (and the embedding with them when n > 0): forward only, no backward."""
@@ -245,3 +258,21 @@ def as_decoder(layer: nn.Module) -> DecoderLayer:
     """`layer` typed as the DecoderLayer it is: models and stages keep their decoder layers in containers typed
     as plain modules (nn.ModuleList, nn.ModuleDict), and a scheme's hooks receive them from there."""
     return cast("DecoderLayer", layer)
+
+
+def run_as_forward(layer: nn.Module, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """`fn(*args)` computed as `layer`'s forward when `layer` is an FSDP2 unit (`parallel.shard: full`): between
+    forwards its weights are shards, and only a call of the module runs FSDP2's hooks (all-gather the weights,
+    register the backward's re-gather and gradient reduce-scatter, reshard), so a scheme that calls a layer's
+    parts itself (token subsets, a router, a sparse attention core) runs them inside that call. `args` are what
+    the layer's forward takes (FSDP2 registers its post-backward on them). A plain layer: `fn(*args)`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(layer, FSDPModule):
+        return fn(*args)
+    layer.__dict__["forward"] = fn  # an instance attribute shadows the class's forward for this one call
+    try:
+        out: torch.Tensor = layer(*args)
+    finally:
+        layer.__dict__.pop("forward")
+    return out

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register
+from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
 from moebal.errors import ConfigError
 from moebal.kernels.sparse_attention import (
     block_scores,
@@ -154,6 +154,12 @@ class DynamicSparseAttention(Dynamism):
         if self.step <= self.start and not measure:  # not yet active: the plain layer
             out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
             return out_BTD
+        return run_as_forward(layer, lambda h, cos, sin: self._sparse(i, layer, h, cos, sin, measure), h_BTD, cos_TK,
+                              sin_TK)
+
+    def _sparse(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                measure: bool) -> torch.Tensor:
+        """Layer i with its block-sparse attention core (and, under `coverage`, this step's needed density)."""
         block = as_decoder(layer)
         attn = block.self_attn
         if not isinstance(attn, Attention):  # programmer invariant: the constructor refused model.mla

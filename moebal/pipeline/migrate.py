@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from moebal.config import Config
+from moebal.distributed.fsdp import unshard_leaving
 from moebal.dynamism.scheme import Dynamism
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage, build_layer_skeleton, half_modules, keep_half
@@ -185,13 +186,15 @@ def migrate_layers(stage: PipelineStage, chain: PipeChain, old: Sequence[int], n
     moves = migration_layers(old, new)
     walk: Stateful | None = optimizer
     gather = getattr(optimizer, "full_state", None)
+    leaving = tuple(sorted({stage.units.parts[u][0] for u, src, _ in moves if src == chain.index}))
     if gather is not None:  # sharded state: whole for the walk, re-sharded by the rebuilt optimizer
         assert optimizer is not None
         if hasattr(optimizer, "leaving"):  # fully sharded: only the layers that leave are gathered
-            optimizer.leaving = tuple(sorted({stage.units.parts[u][0] for u, src, _ in moves
-                                              if src == chain.index}))
+            optimizer.leaving = leaving
         walk = WholeState(gather(), optimizer.param_groups)
         getattr(optimizer, "close", lambda: None)()  # its gradient hooks go with it
+    elif optimizer is None and stage.cfg.parallel.shard == "full":  # a frozen stage keeps FSDP2's shards
+        unshard_leaving(stage, leaving, scheme.prepare_layer)
     me = chain.index
     received: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     sent = 0

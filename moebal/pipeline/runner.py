@@ -48,6 +48,7 @@ from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine
+from moebal.pipeline.migrate import WholeState, rebuild_optimizer
 from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
@@ -125,9 +126,10 @@ class PipelineRunner:
             raise ConfigError("dynamism pruning with expert parallelism inside pipeline stages (parallel.ep > 1) is "
                               "not supported: the global magnitude threshold does not count expert shards yet; "
                               "use parallel.ep=1 or another scheme")
-        if cfg.parallel.shard == "optimizer" and self.scheme.name in ("pruning", "freezing"):
-            raise ConfigError(f"'parallel.shard: optimizer' with a pipeline and the {self.scheme.name} scheme is not "
-                              f"supported: the scheme edits AdamW state per parameter; use parallel.shard=none")
+        if cfg.parallel.shard == "optimizer" and self.scheme.idle_parameters():
+            raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {self.scheme.name} "
+                              f"scheme: a step may leave a parameter without a gradient, which the sharded flats "
+                              f"step anyway where torch's AdamW skips it; use parallel.shard=full or none")
         self.dims, self.L = dims, cfg.model.n_layers
         if dims.pp > self.L:
             raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
@@ -193,6 +195,9 @@ class PipelineRunner:
         # and, with expert parallelism inside the stages, the expert optimizer's communicators (made once too)
         self._expert_channels = (ShardedAdamW.make_channels(self.dims)
                                  if self._fsdp_mesh is not None and self.dims.ep > 1 else None)
+        # a scheme whose per-layer decisions the stage's ranks must take alike under FSDP2 agrees on its own channel
+        self._lockstep_channel = (self.dims.new_channel("dp_ep") if self._fsdp_mesh is not None
+                                  and self.scheme.lockstep_decisions and self.data_ranks > 1 else None)
         self.optimizer: torch.optim.Optimizer | None = self._make_optimizer(self.stage)
         autocast = None
         if uses_bf16(cfg, self.device):
@@ -247,7 +252,8 @@ class PipelineRunner:
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels)
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
-            return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels)
+            return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
+                                     prepare_layer=self.scheme.prepare_layer)
         return build_optimizer(module, self.cfg.train)
 
     @property
@@ -258,7 +264,30 @@ class PipelineRunner:
     def _ctx(self) -> SchemeContext:
         return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
                              optimizer=self.optimizer, dp_group=self.dp_group, dp=self.dp, ep=self.dims.ep,
-                             shard_sum=self.experts.shard_sum)
+                             shard_sum=self.experts.shard_sum,
+                             stage_sum=self._stage_sum if self._lockstep_channel is not None else None)
+
+    def _stage_sum(self, v: torch.Tensor) -> torch.Tensor:
+        """`v` summed over the ranks of this stage on the scheme's channel (a host tensor: gloo)."""
+        dist.all_reduce(v, group=self._lockstep_channel)
+        return v
+
+    def _follow_trainable(self) -> None:
+        """After the scheme stopped parameters (freezing): a sharded optimizer is rebuilt over the parameters that
+        still train, as a migration rebuilds it (`rebuild_optimizer`; the parameters that stay keep their state).
+        Its flats would otherwise step a frozen parameter with a zero gradient (moments and weight decay move
+        it), where torch's AdamW skips a parameter without a gradient. Collective over the stage (`full_state`);
+        nothing when the optimizer is torch's or the trainable set did not change."""
+        opt = self.optimizer
+        gather = getattr(opt, "full_state", None)
+        if opt is None or gather is None:
+            return
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        if held == {id(p) for p in self.stage.parameters() if p.requires_grad}:
+            return
+        walk = WholeState(gather(), opt.param_groups)
+        getattr(opt, "close", lambda: None)()
+        self.optimizer = rebuild_optimizer(self.stage, walk, {}, self._make_optimizer)
 
     # ---- the loop ----
     def train(self, steps: int) -> RunSummary:
@@ -386,6 +415,8 @@ class PipelineRunner:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheme.after_optimizer_step(self._ctx())
         changed = self.scheme.update(self._ctx())
+        if changed:
+            self._follow_trainable()
         overhead = time.perf_counter()
         events.update(self.balancer.step(step, res, red, measured_factors, profiled))
         overhead = time.perf_counter() - overhead
@@ -706,6 +737,7 @@ class PipelineRunner:
         for i, state in layers.items():
             self.scheme.load_layer_state(i, self.stage.layer(i), state)
         self.scheme.on_resume(ctx)
+        self._follow_trainable()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters by full-model name (tests compare them across partitions)."""

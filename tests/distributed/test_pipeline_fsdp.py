@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from moebal.distributed.testing import run_ranks
-from moebal.errors import ConfigError
 from tests.distributed.test_pipeline_sharded import MIGRATE, STEPS, _rel, pair, pipe_cfg
 
 
@@ -155,13 +153,10 @@ def test_fully_sharded_pipeline_with_planned_micro_batches_runs_the_stage_in_loc
         assert r["planned"]["full"]["lockstep"] == (1, 2) and r["planned"]["none"]["lockstep"] == (2, 1)
 
 
-@pytest.mark.parametrize("knobs, words", [
-    ({"dynamism": "pruning"}, "is not built with dynamism.scheme=pruning"),
-    ({"dynamism": "freezing"}, "is not built with dynamism.scheme=freezing"),
-])
-def test_fully_sharded_pipeline_refusals_name_the_setting(knobs, words):
-    with pytest.raises(ConfigError, match=re.escape(words)):
-        pipe_cfg("full", 1, **knobs)
+@pytest.mark.parametrize("scheme", ["pruning", "freezing", "early_exit", "mod", "sparse_attention"])
+def test_fully_sharded_pipeline_takes_every_dynamism_scheme(scheme):
+    """Nothing is refused (the cells' parity: tests/distributed/test_pipeline_sharded_schemes.py)."""
+    assert pipe_cfg("full", 1, dynamism=scheme).dynamism.scheme == scheme
 
 
 def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(tmp_path):

@@ -183,8 +183,9 @@ def test_native_reduce_scatter_only_where_nccl_serves_the_device():
 def test_what_is_not_built_is_refused_with_the_fix():
     from moebal.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="with a pipeline and dynamism.scheme=pruning.*use parallel.shard=none"):
+    with pytest.raises(ConfigError, match="with a pipeline is not built with dynamism.scheme=early_exit.*use "
+                                          "parallel.shard=full or none"):
         from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
-                   "dynamism": {"scheme": "pruning"}})
+                   "dynamism": {"scheme": "early_exit"}})
     assert from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}}).parallel.pp == 2
     assert shard_cfg("optimizer", 2).parallel.shard == "optimizer"

@@ -1,0 +1,184 @@
+"""The pipeline's dynamism schemes under sharded state (`parallel.shard: optimizer` and `full`) against the
+unsharded pipeline with the same scheme, on 4 gloo ranks (pp 2 x dp 2, 1F1B, clipping active): losses, gradient
+norms and every final parameter within 1e-5 relative, over 5 steps with a forced migration after step 2 and one
+inside step 4 (between its backward pass and its optimizer step: gradients travel). Every cell runs in one spawn;
+each test checks its scheme's cells. What `optimizer` does not build is refused (config, no spawn)."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from moebal.config import Config, from_dict
+from moebal.distributed.testing import run_ranks
+from moebal.errors import ConfigError
+from tests.distributed.test_pipeline_sharded import _rel
+
+STEPS = 5
+MIGRATE = {"force": ((2, (1, 3)),), "force_mid": ((4, (3, 1)),)}
+"""Layer 1 moves to the last stage after step 2; layers 1 and 2 come back inside step 4."""
+
+SCHEMES: dict[str, dict[str, Any]] = {
+    # prunes at steps 2 and 4 (70 %, then 80 % of the prunable weights), the CSR kernel inside FSDP2's units
+    "pruning": {"kernel": "csr", "final_sparsity": 0.8, "start": 0, "every": 2, "steps": 2},
+    # freezes layers 0 and 1 after step 2: the first stage is wholly frozen after the migration, then trains again
+    "freezing": {"threshold": 10.0, "check_every": 2, "max_fraction": 0.5},
+    # some tokens leave after layer 1, all after layer 2: subset and skipped layers, one rank's rows empty
+    "early_exit": {"threshold": 0.9, "first_layer": 1},
+    # routed layers 1 and 3 keep 2 of 16 tokens. Their top-k is discontinuous: a selection whose scores are within
+    # rounding (gaps of 2e-10 seen) flips under the 1e-8 relative differences of sharded arithmetic (FSDP2's
+    # per-micro-batch reduce-scatters, foreach AdamW), and capacities 0.25, 0.5, 0.75 flipped one in these 5 steps
+    # (parameters 3e-4 to 7e-3 apart); 0.125 flips none
+    "mod": {"capacity": 0.125, "every": 2, "first_layer": 1},
+    "sparse_attention": {"block": 4, "budget": "random_walk"},
+}
+SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"), "early_exit": ("full", "full+zb"),
+          "mod": ("optimizer", "full"), "sparse_attention": ("optimizer", "full")}
+"""The sharded runs of each scheme (`optimizer` refuses early_exit: below; "+zb": the zero-bubble schedule, whose
+W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference)."""
+
+
+def scheme_cfg(shard: str, scheme: str) -> Config:
+    shard, _, schedule = shard.partition("+")
+    return from_dict({
+        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
+        "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
+        "train": {"steps": STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
+                  "grad_clip": 0.5, "threads": 1, "progress": "plain"},
+        "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard},
+        "pipeline": {"micro_batches": 2, "schedule": schedule or "1f1b"},
+        "dynamism": {"scheme": scheme, scheme: SCHEMES[scheme]}})
+
+
+def _run(shard: str, scheme: str) -> dict[str, Any]:
+    import moebal.dynamism.early_exit as early_exit
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.pipeline.runner import PipelineRunner
+
+    cfg = scheme_cfg(shard, scheme)
+    ties: list[int] = []
+    tie = early_exit._zero_tie
+
+    def counted(layer: Any, h: torch.Tensor) -> torch.Tensor:  # a rank with no token of a layer its peers run
+        ties.append(1)
+        return tie(layer, h)
+
+    early_exit._zero_tie = counted  # type: ignore[assignment]
+    try:
+        runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, SCHEMES[scheme], cfg=cfg), **MIGRATE)
+        out = runner.train(STEPS)
+    finally:
+        early_exit._zero_tie = tie  # type: ignore[assignment]
+    opt = runner.optimizer
+    return {"records": out.records, "sizes": out.final_sizes, "params": runner.full_state(), "ties": len(ties),
+            "optimizer": type(opt).__name__,
+            # a sharded optimizer rebuilt after a freeze holds only what trains
+            "stale": 0 if opt is None else sum(not p.requires_grad for g in opt.param_groups for p in g["params"])}
+
+
+def _cells(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for scheme, shards in SHARDS.items():
+        plain = _run("none", scheme)
+        ref = plain.pop("params")
+        out[scheme] = {"none": plain}
+        for shard in shards:
+            run = _run(shard, scheme)
+            got = run.pop("params")
+            assert got.keys() == ref.keys()
+            run["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
+            out[scheme][shard] = run
+    return out
+
+
+@pytest.fixture(scope="module")
+def cells() -> list[dict[str, Any]]:
+    return run_ranks(_cells, 4, timeout_s=900)
+
+
+def _check(cells: list[dict[str, Any]], scheme: str) -> list[dict[str, Any]]:
+    """The parity of every sharded run of `scheme`; returns the unsharded records (rank 0)."""
+    for r in cells:
+        plain = r[scheme]["none"]
+        for shard in SHARDS[scheme]:
+            got = r[scheme][shard]
+            assert got["optimizer"] in ("ShardedAdamW", "StageShardedAdamW", "NoneType"), got["optimizer"]
+            assert [x["step"] for x in got["records"]] == list(range(1, STEPS + 1))
+            for a, b in zip(plain["records"], got["records"]):
+                assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (scheme, shard, a["step"], a["loss"],
+                                                                         b["loss"])
+                assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (scheme, shard, a["step"])
+                assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
+            assert got["param_rel"] < 1e-5, (scheme, shard, got["param_rel"])
+            assert got["stale"] == 0, (scheme, shard)
+        assert [x.get("migration") for x in plain["records"] if "migration" in x] == ["forced", "forced-mid"]
+        assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
+    return list(cells[0][scheme]["none"]["records"])
+
+
+def test_pruning_under_sharded_pipeline_state_matches_unsharded(cells):
+    """Masks from the whole weights (FSDP2's gathered), applied to the shards' rows, the summed gradient shards
+    and the moments' parts or rows; the CSR kernel inside FSDP2's units; masks migrate with their layer."""
+    rec = _check(cells, "pruning")
+    assert [x["sparsity_target"] for x in rec] == [0.0, 0.7, 0.7, 0.8, 0.8]
+
+
+def test_freezing_under_sharded_pipeline_state_matches_unsharded(cells):
+    """The sharded optimizers are rebuilt over what still trains; a wholly frozen first stage (no optimizer)
+    sends its FSDP2-sharded layers whole."""
+    rec = _check(cells, "freezing")
+    assert [x["frozen_layers"] for x in rec] == [0, 2, 2, 2, 2]
+    assert {r["freezing"]["full"]["optimizer"] for r in cells} == {"StageShardedAdamW"}
+
+
+def test_early_exit_under_fully_sharded_pipeline_matches_unsharded(cells):
+    """Subset and skipped layers run as FSDP2 units' forwards; a rank whose rows no token of a layer reaches
+    while its peers' do joins the unit's reduce-scatter with zero gradients (it happened), under 1F1B and under
+    the zero-bubble schedule (its Linears' zero gradients deferred to W like its peers')."""
+    rec = _check(cells, "early_exit")
+    assert any(0 < x["survival"][2] < 1 for x in rec)  # layer 2 ran on a subset of the tokens
+    assert rec[-1]["survival"][3] == 0.0  # every token left before the last layer: skipped on every rank
+    assert all(sum(r["early_exit"][shard]["ties"] for r in cells) > 0 for shard in SHARDS["early_exit"])
+
+
+def test_mod_under_sharded_pipeline_state_matches_unsharded(cells):
+    """The routed blocks (router, top-k, token subset) run as FSDP2 units' forwards; the router migrates with its
+    layer (the skeletons a migration gathers into get it too)."""
+    rec = _check(cells, "mod")
+    assert all(x["mod_capacity"] == 0.125 for x in rec)
+
+
+def test_sparse_attention_under_sharded_pipeline_state_matches_unsharded(cells):
+    _check(cells, "sparse_attention")
+
+
+@pytest.mark.parametrize("scheme, options, words", [
+    ("early_exit", {}, "is not built with dynamism.scheme=early_exit: a layer every token of a step has left"),
+    ("mod", {"start": 3}, "dynamism.scheme=mod while its routers idle (dynamism.mod.start 3, capacity 0.125)"),
+    ("mod", {"capacity": 1.0}, "dynamism.scheme=mod while its routers idle (dynamism.mod.start 0, capacity 1.0)"),
+])
+def test_sharded_optimizer_pipeline_refusals_name_the_reason(scheme, options, words):
+    cfg = {"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
+           "dynamism": {"scheme": scheme, scheme: options}}
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        from_dict(cfg)
+    cfg["parallel"]["shard"] = "full"
+    assert from_dict(cfg).dynamism.scheme == scheme
+
+
+def test_schemes_say_whether_a_step_may_leave_a_parameter_without_a_gradient():
+    """What the runner refuses under `optimizer` for a scheme built apart from the config."""
+    from moebal.dynamism.scheme import build_dynamism
+
+    cfg = scheme_cfg("full", "mod")
+    idle = {(name, str(opts)): build_dynamism(name, opts, cfg=cfg).idle_parameters() for name, opts in [
+        ("none", {}), ("pruning", {}), ("freezing", {}), ("sparse_attention", {"block": 4}), ("moe", {}),
+        ("early_exit", {}), ("mod", {}), ("mod", {"start": 3}), ("mod", {"capacity": 1.0})]}
+    assert [k for k, v in idle.items() if v] == [("early_exit", "{}"), ("mod", "{'start': 3}"),
+                                                  ("mod", "{'capacity': 1.0}")]
