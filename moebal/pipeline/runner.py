@@ -477,7 +477,10 @@ class PipelineRunner:
             if isinstance(self.optimizer, StageShardedAdamW):
                 self.optimizer.reduce()
             return
-        for _, params in self._slot_params().items():
+        slots = self._slot_params()
+        if self.scheme.idle_parameters():
+            self._join_peers_grads(slots)
+        for _, params in slots.items():
             for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
                 grads = [p.grad for p in params if p.grad is not None and is_expert_param(p) == expert]
                 if n == 1 or not grads:
@@ -486,6 +489,22 @@ class PipelineRunner:
                 dist.all_reduce(flat, group=group)
                 for g, chunk in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                     g.copy_(chunk.view_as(g))
+
+    def _join_peers_grads(self, slots: dict[int, list[torch.nn.Parameter]]) -> None:
+        """Zero gradients for the parameters this rank has none of while a peer of its group has one: a layer no
+        token of this rank's rows reached (early exit) or an idle router (MoD). Each bucket's all-reduce then has
+        the same members and size on every rank (unmatched, they paired one layer's bucket with another's, or
+        failed on the size), and the sum is the peers' (zeros add nothing). A parameter no rank of the group has
+        a gradient of keeps None, which AdamW skips, as one process does. One small host all-reduce per kind."""
+        for expert, group, n in ((False, self.stage_group, self.data_ranks), (True, self.dp_group, self.dp)):
+            params = [p for ps in slots.values() for p in ps if p.requires_grad and is_expert_param(p) == expert]
+            if n == 1 or not params:
+                continue
+            has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+            dist.all_reduce(has, group=group)  # a CPU tensor: gloo under the device-aware backend
+            for p, k in zip(params, has.tolist()):
+                if k and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         """One vector summed along the chain: gradient squares per cost slot (units, embedding, head), MoE

@@ -42,7 +42,12 @@ SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"), "
 W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference)."""
 
 
-def scheme_cfg(shard: str, scheme: str) -> Config:
+PEERS = {"threshold": 0.97, "first_layer": 1}
+"""Early exit where a rank's rows all leave before a layer its peer's rows still reach (one micro-batch: the
+whole step's rows), for the unsharded pipeline's own gradient sum (`PipelineRunner._join_peers_grads`)."""
+
+
+def scheme_cfg(shard: str, scheme: str, options: dict[str, Any] | None = None, micro_batches: int = 2) -> Config:
     shard, _, schedule = shard.partition("+")
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
@@ -51,16 +56,17 @@ def scheme_cfg(shard: str, scheme: str) -> Config:
         "train": {"steps": STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
                   "grad_clip": 0.5, "threads": 1, "progress": "plain"},
         "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard},
-        "pipeline": {"micro_batches": 2, "schedule": schedule or "1f1b"},
-        "dynamism": {"scheme": scheme, scheme: SCHEMES[scheme]}})
+        "pipeline": {"micro_batches": micro_batches, "schedule": schedule or "1f1b"},
+        "dynamism": {"scheme": scheme, scheme: options or SCHEMES[scheme]}})
 
 
-def _run(shard: str, scheme: str) -> dict[str, Any]:
+def _run(shard: str, scheme: str, options: dict[str, Any] | None = None, micro_batches: int = 2) -> dict[str, Any]:
     import moebal.dynamism.early_exit as early_exit
     from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
 
-    cfg = scheme_cfg(shard, scheme)
+    options = options or SCHEMES[scheme]
+    cfg = scheme_cfg(shard, scheme, options, micro_batches)
     ties: list[int] = []
     tie = early_exit._zero_tie
 
@@ -70,7 +76,7 @@ def _run(shard: str, scheme: str) -> dict[str, Any]:
 
     early_exit._zero_tie = counted  # type: ignore[assignment]
     try:
-        runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, SCHEMES[scheme], cfg=cfg), **MIGRATE)
+        runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, options, cfg=cfg), **MIGRATE)
         out = runner.train(STEPS)
     finally:
         early_exit._zero_tie = tie  # type: ignore[assignment]
@@ -94,6 +100,10 @@ def _cells(rank: int, world: int) -> dict[str, Any]:
             assert got.keys() == ref.keys()
             run["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
             out[scheme][shard] = run
+    plain, full = (_run(shard, "early_exit", PEERS, micro_batches=1) for shard in ("none", "full"))
+    ref, got = plain.pop("params"), full.pop("params")
+    full["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
+    out["peers"] = {"none": plain, "full": full}
     return out
 
 
@@ -103,10 +113,11 @@ def cells() -> list[dict[str, Any]]:
 
 
 def _check(cells: list[dict[str, Any]], scheme: str) -> list[dict[str, Any]]:
-    """The parity of every sharded run of `scheme`; returns the unsharded records (rank 0)."""
+    """The parity of every sharded run of `scheme` ("peers": early exit with PEERS); returns the unsharded records
+    (rank 0)."""
     for r in cells:
         plain = r[scheme]["none"]
-        for shard in SHARDS[scheme]:
+        for shard in SHARDS.get(scheme, ("full",)):
             got = r[scheme][shard]
             assert got["optimizer"] in ("ShardedAdamW", "StageShardedAdamW", "NoneType"), got["optimizer"]
             assert [x["step"] for x in got["records"]] == list(range(1, STEPS + 1))
@@ -145,6 +156,15 @@ def test_early_exit_under_fully_sharded_pipeline_matches_unsharded(cells):
     assert any(0 < x["survival"][2] < 1 for x in rec)  # layer 2 ran on a subset of the tokens
     assert rec[-1]["survival"][3] == 0.0  # every token left before the last layer: skipped on every rank
     assert all(sum(r["early_exit"][shard]["ties"] for r in cells) > 0 for shard in SHARDS["early_exit"])
+
+
+def test_unsharded_pipeline_joins_a_peers_gradient_sum_for_a_layer_its_rows_all_left(cells):
+    """A rank whose rows all left before a layer its data-parallel peer's rows reach has no gradient of it: it joins
+    the stage's sum with zeros (the buckets paired one layer with another, or failed on their sizes, before), and
+    matches the fully sharded run, whose zero ties (`_zero_tie`) show that the case happened."""
+    rec = _check(cells, "peers")
+    assert any(0 < x["survival"][2] < 1 for x in rec)
+    assert sum(r["peers"]["full"]["ties"] for r in cells) > 0
 
 
 def test_mod_under_sharded_pipeline_state_matches_unsharded(cells):
