@@ -51,6 +51,7 @@ is written whole, by the owner of its first element, which receives the other ow
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ from moebal.sync import to_host
 if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader
 
-__all__ = ["ShardedAdamW", "model_state_bytes", "weights_gathered"]
+__all__ = ["ShardedAdamW", "model_state_bytes", "units_gathered", "weights_gathered"]
 
 # 16 MB of fp32 per bucket: large enough that a collective's latency is small against its transfer, small
 # enough that the send buffers in flight stay a small part of the gradients
@@ -279,7 +280,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             for p, o in zip(fl.params, fl.offsets):
                 name = names[id(p)]
                 if name in stacked:
-                    row = p[0].numel()
+                    row = math.prod(p.shape[1:])  # from the shape: weights at rest may be freed (no view)
                     for j, e in enumerate(stacked[name][0]):
                         yield f, _Piece(expert_name(name, e), name, e, tuple(p.shape[1:]), o + j * row,
                                         o + (j + 1) * row)
@@ -509,6 +510,20 @@ class ShardedAdamW(torch.optim.Optimizer):
                     self._take_parts(u)
                 self.release_unit(u)
 
+    def each_unit_gathered(self) -> Iterator[int]:
+        """Unit by unit, each gathered while the caller reads it (yielded), freed before the next is gathered: a
+        checkpoint's copy of the weights at rest holds one MoE layer's experts whole at a time beside the parts,
+        as the forward pass does, not every layer's. A unit gathered before is left gathered. Collective over
+        each unit's shard group (every rank of it iterates to the end, in the same order)."""
+        for u in range(len(self.units)):
+            held = self.units[u].gathered
+            self.gather_unit(u)
+            try:
+                yield u
+            finally:
+                if not held:
+                    self.release_unit(u)
+
     @torch.no_grad()
     def _take_parts(self, u: int) -> None:
         """Unit u's owned parts copied from its gathered weights (after something wrote the weights)."""
@@ -733,6 +748,12 @@ def weights_gathered(optimizer: Any, write: bool = False) -> AbstractContextMana
     between steps enters it first: checkpoints, a test's final parameters), else nothing."""
     gathered = getattr(optimizer, "gathered", None)
     return gathered(write) if gathered is not None else nullcontext()
+
+
+def units_gathered(optimizer: Any) -> Iterator[int]:
+    """`optimizer.each_unit_gathered()` where the optimizer keeps weights sharded at rest, else nothing."""
+    each = getattr(optimizer, "each_unit_gathered", None)
+    return each() if each is not None else iter(())
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:

@@ -186,6 +186,9 @@ class _LocalView:
     """Logical name -> (first row, logical shape) of a shard that holds only some rows."""
     owned: set[str] = field(default_factory=set)
     """Names this rank writes whatever its place in the layout: the rows of its DTensor shards."""
+    at_rest: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
+    """Logical name -> (its tensor, its row of it or None) for weights sharded at rest while they are freed (no
+    view of them can be taken): copied by `_copy_model`, one gathered unit at a time; not in `tensors`."""
 
 
 def _local_view(module: nn.Module) -> _LocalView:
@@ -200,10 +203,11 @@ def _local_view(module: nn.Module) -> _LocalView:
     for name, t in module.state_dict().items():
         local = t.to_local() if isinstance(t, DTensor) else t
         key = (local.data_ptr(), tuple(t.shape), tuple(local.stride()))
-        if t.numel() and key in seen:
-            view.aliases[name] = seen[key]
-            continue
-        seen[key] = name
+        if not _released(local):  # weights at rest while freed have no address to compare (never tied)
+            if t.numel() and key in seen:
+                view.aliases[name] = seen[key]
+                continue
+            seen[key] = name
         if isinstance(t, DTensor):
             _add_shard(view, name, t)
             continue
@@ -214,7 +218,13 @@ def _local_view(module: nn.Module) -> _LocalView:
                                    f"{len(ids)}: set expert_ids to the logical experts of its rows")
             for row, e in enumerate(ids):
                 ln = expert_name(name, e)
-                view.tensors[ln], view.experts[ln] = t[row], (name, e, E)
+                view.experts[ln] = (name, e, E)
+                if _released(t):
+                    view.at_rest[ln] = (t, row)
+                else:
+                    view.tensors[ln] = t[row]
+        elif _released(t):
+            view.at_rest[name] = (t, None)
         else:
             view.tensors[name] = t
     return view
@@ -331,6 +341,31 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+def _released(t: torch.Tensor) -> bool:
+    """A view of weights sharded at rest while they are freed (its storage holds no bytes)."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _copy_model(view: _LocalView, names: list[str], optimizer: torch.optim.Optimizer | None
+                ) -> dict[str, torch.Tensor]:
+    """CPU copies of the tensors `names` of `view`, in that order. Expert weights sharded at rest (`parallel.shard:
+    full`, `view.at_rest`) are gathered one MoE layer at a time (`units_gathered`, collective) and freed before
+    the next: the device holds one layer's experts whole beside the parts, as in the forward pass, not every
+    layer's. The copy is synchronous, so a layer's storage is released only after its tensors are on the host."""
+    from moebal.distributed.sharded import units_gathered
+
+    out = {n: _cpu_copy(view.tensors[n]) for n in names if n in view.tensors}
+    rest = {n: view.at_rest[n] for n in names if n in view.at_rest}
+    for _ in units_gathered(optimizer):
+        for n in [n for n, (t, _) in rest.items() if not _released(t)]:
+            t, row = rest.pop(n)
+            out[n] = _cpu_copy(t if row is None else t[row])
+    if rest:
+        raise RuntimeError(f"checkpoint: {len(rest)} tensors (first '{next(iter(rest))}') are freed weights that "
+                           f"no unit of the optimizer's weights at rest gathered")
+    return {n: out[n] for n in names}
+
+
 class Checkpointer:
     """One rank's side of writing checkpoints (see the module docstring for the protocol).
 
@@ -362,11 +397,7 @@ class Checkpointer:
         written by one rank only (rank 0 checks)."""
         t0 = time.perf_counter()
         self.wait()
-        from moebal.distributed.sharded import weights_gathered
-
-        # expert weights sharded at rest (`parallel.shard: full`) are gathered for the copy (collective), freed
-        with weights_gathered(optimizer):
-            snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
+        snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
         snap.extra = {k: _cpu_copy(t) for k, t in (extra or {}).items()}
         if self.background:
             self._thread = threading.Thread(target=self._run, args=(snap,), name=f"moebal-ckpt-{step}", daemon=True)
@@ -405,7 +436,7 @@ class Checkpointer:
                 return True
             return self.write_experts if name in view.experts else self.write_dense
 
-        model = {n: _cpu_copy(t) for n, t in view.tensors.items() if mine(n)}
+        model = _copy_model(view, [n for n in [*view.tensors, *view.at_rest] if mine(n)], optimizer)
         pieces = {n: v for n, v in view.pieces.items() if n in model}
         sharded = getattr(optimizer, "logical_state", None)
         if sharded is not None:  # sharded state: each logical tensor's owner writes it (a collective)
@@ -1016,6 +1047,9 @@ def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torc
     Raises CheckpointError for a model that does not fit (names, shapes, expert counts) and for a missing,
     truncated or corrupt file (the message then offers the previous good checkpoint)."""
     view = _local_view(module)
+    if view.at_rest:  # the caller gathers weights sharded at rest first (`weights_gathered(optimizer, write=True)`)
+        raise RuntimeError(f"checkpoint load: '{next(iter(view.at_rest))}' is freed (weights sharded at rest): "
+                           f"load inside weights_gathered(optimizer, write=True)")
     problem = _mismatch(reader, view)
     if problem is not None:
         raise CheckpointError(problem)

@@ -427,3 +427,49 @@ def test_row_pieces_that_do_not_tile_the_tensor_fail_the_checkpoint(tmp_path, ro
     with pytest.raises(CheckpointError, match=word):
         _two_writers(tmp_path, rows)
     assert not find_checkpoints(tmp_path)  # nothing published
+
+
+class _AtRest:
+    """Stands in for an optimizer keeping weights sharded at rest: units of tensors whose storages are freed
+    between uses and refilled (with their values) by `each_unit_gathered`, which records how many are whole."""
+
+    def __init__(self, units: list[list[torch.Tensor]]) -> None:
+        self.units = units
+        self.values = [[t.clone() for t in u] for u in units]
+        self.whole: list[int] = []
+        for u in units:
+            for t in u:
+                t.untyped_storage().resize_(0)
+
+    def each_unit_gathered(self):
+        for u, vals in zip(self.units, self.values):
+            for t, v in zip(u, vals):
+                t.untyped_storage().resize_(v.numel() * v.element_size())
+                t.detach().copy_(v)
+            self.whole.append(sum(t.untyped_storage().nbytes() > 0 for un in self.units for t in un))
+            yield
+            for t in u:
+                t.untyped_storage().resize_(0)
+
+
+def test_checkpoint_copies_weights_at_rest_one_unit_at_a_time():
+    """A checkpoint's copy of expert weights sharded at rest gathers one unit (an MoE layer's experts) at a time,
+    copies it to the host and frees it before the next; the other tensors are copied as they are; freed weights
+    of the same shape are not taken for tied ones; a freed tensor no unit gathers is an error, not a bad copy."""
+    from moebal.train.checkpoint import _copy_model, _local_view
+
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.a, m.b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4, 3))
+    m.dense = nn.Parameter(torch.randn(5))
+    want = {"a": m.a.detach().clone(), "b": m.b.detach().clone(), "dense": m.dense.detach().clone()}
+    opt = _AtRest([[m.a], [m.b]])
+    view = _local_view(m)
+    assert view.aliases == {} and set(view.tensors) == {"dense"} and set(view.at_rest) == {"a", "b"}
+    names = ["a", "dense", "b"]
+    got = _copy_model(view, names, opt)  # type: ignore[arg-type]
+    assert list(got) == names and all(torch.equal(got[k], want[k]) for k in want)
+    assert opt.whole == [1, 1]  # never both units whole
+    assert m.a.untyped_storage().nbytes() == 0 and m.b.untyped_storage().nbytes() == 0  # freed again
+    with pytest.raises(RuntimeError, match="freed weights that no unit"):
+        _copy_model(view, names, None)
