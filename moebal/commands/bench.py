@@ -1,7 +1,6 @@
 """`moebal bench TARGET`: micro-benchmarks that write JSON (and a PNG) next to the figures they print.
 
-Targets are registered in TARGETS (name -> module, help). A target's module defines
-`add_<name>_arguments(parser)` and `run_<name>(args) -> int`; it is imported only to build the parser.
+Targets are registered in TARGETS (name -> module, help; moebal/commands/targets.py).
 `layer` (the MoE layer against the dense compute limit) lives here; more targets plug in with one line each.
 
 `layer` times forward + backward of one MoE layer against
@@ -27,16 +26,15 @@ compute, network namespaces) accept `--device cpu` only.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from moebal.commands.targets import add_target_parsers, run_target
 
 TARGETS: dict[str, tuple[str, str]] = {
     "layer": ("moebal.commands.bench", "MoE layer forward+backward against a dense SwiGLU, a per-expert loop, Tutel"),
@@ -48,23 +46,11 @@ SKEW = 1.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(_bench_parser=parser)
-    sub = parser.add_subparsers(dest="target", metavar="TARGET")
-    for name, (module, help_) in TARGETS.items():
-        if importlib.util.find_spec(module) is None:
-            continue
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_bench_target=(module, name))
-        getattr(importlib.import_module(module), f"add_{name}_arguments")(p)
+    add_target_parsers(parser, TARGETS)
 
 
 def run(args: argparse.Namespace) -> int:
-    target = getattr(args, "_bench_target", None)
-    if target is None:
-        args._bench_parser.print_help(sys.stderr)
-        return 2
-    module, name = target
-    return int(getattr(importlib.import_module(module), f"run_{name}")(args) or 0)
+    return run_target(args)
 
 
 # ---- moebal bench layer ----------------------------------------------------------------------------------------

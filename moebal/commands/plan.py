@@ -1,7 +1,6 @@
 """`moebal plan TARGET`: run a planner in one process on recorded or synthetic statistics (a dry run).
 
-Targets are registered in TARGETS (name -> module, help). A target's module defines
-`add_<name>_arguments(parser)` and `run_<name>(args) -> int`; it is imported only to build the parser.
+Targets are registered in TARGETS (name -> module, help; moebal/commands/targets.py).
 `experts` lives in this module; `stages`, `microbatches` and `memory` plug in with one line each.
 
 Shape legend: L = MoE layers, R = ranks in the expert-parallel group, E = experts.
@@ -10,19 +9,17 @@ Shape legend: L = MoE layers, R = ranks in the expert-parallel group, E = expert
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moebal.commands.targets import add_target_parsers, run_target
 from moebal.errors import ConfigError
 
 TARGETS: dict[str, tuple[str, str]] = {
@@ -38,23 +35,11 @@ TARGETS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(_plan_parser=parser)
-    sub = parser.add_subparsers(dest="target", metavar="TARGET")
-    for name, (module, help_) in TARGETS.items():
-        if importlib.util.find_spec(module) is None:
-            continue
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_plan_target=(module, name))
-        getattr(importlib.import_module(module), f"add_{name}_arguments")(p)
+    add_target_parsers(parser, TARGETS)
 
 
 def run(args: argparse.Namespace) -> int:
-    target = getattr(args, "_plan_target", None)
-    if target is None:
-        args._plan_parser.print_help(sys.stderr)
-        return 2
-    module, name = target
-    return int(getattr(importlib.import_module(module), f"run_{name}")(args) or 0)
+    return run_target(args)
 
 
 # ---- moebal plan experts -------------------------------------------------------------------------------------
