@@ -310,9 +310,11 @@ class ParallelConfig:
     """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""
     pp: int = 1
     """Pipeline-parallel stages."""
-    shard: Literal["none", "optimizer", "full"] = "none"
-    """Sharded model state: none (every rank keeps full fp32 weights, gradients and AdamW state of what it
-    holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
+    shard: Literal["none", "optimizer", "full", "auto"] = "none"
+    """Sharded model state: auto (the least sharding the memory plan says fits this job's ranks and devices:
+    none, else optimizer, else full; `moebal train` settles it at start-up and config.yaml keeps the result,
+    moebal/train/memory.py `resolve_shard`); none (every rank keeps full fp32 weights, gradients and AdamW state
+    of what it holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
     weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their
     expert-data-parallel ranks: gathered a MoE layer at a time; docs/sharding.md). With parallel.pp > 1 per
@@ -985,7 +987,7 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
-    _need(par.shard == "full" or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
+    _need(par.shard in ("full", "auto") or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
           f"'parallel.param_dtype: {par.param_dtype}' / 'parallel.reduce_dtype: {par.reduce_dtype}' are FSDP2's "
           f"mixed-precision policy: set parallel.shard=full, or leave both fp32")
     _need(par.param_dtype == "fp32" or t.precision == "bf16",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from moebal.errors import ConfigError
@@ -22,6 +23,7 @@ from moebal.planner.memory import (
     SHARDS,
     DeviceMemory,
     MemoryPlan,
+    choose_shard,
     fit_layout,
     layout_from_config,
     plan_memory,
@@ -39,7 +41,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, help="ranks in the job (with --fit: the most to try; default 4096)")
     p.add_argument("--pp", type=int, help="pipeline stages (default parallel.pp)")
     p.add_argument("--ep", type=int, help="expert-parallel size (default parallel.ep, or every rank of a stage)")
-    p.add_argument("--shard", choices=SHARDS, help="sharded model state (default parallel.shard)")
+    p.add_argument("--shard", choices=(*SHARDS, "auto"), help="sharded model state (default parallel.shard; auto: "
+                   "the least sharding that fits, as `moebal train` settles parallel.shard auto)")
     p.add_argument("--recompute", choices=RECOMPUTES, help="activation recomputation (default train.recompute)")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default pipeline.micro_batches)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe", "zb"), help="pipeline schedule (default pipeline.schedule)")
@@ -91,6 +94,8 @@ def run_memory(args: argparse.Namespace) -> int:
                                "micro_batches": args.micro_batches, "schedule": args.schedule, "policy": args.policy,
                                "precision": args.precision, "init": args.init, "routing_skew": args.skew}
     if args.fit:
+        if (args.shard or cfg.parallel.shard) == "auto":  # the search tries every shard value itself
+            changes["shard"] = "none"
         base = layout_from_config(cfg, 1, **{**changes, "pp": 1, "ep": 1})
         device = device_for(args.cluster, 1)
         plan = fit_layout(cfg, device, base, ranks, per_node=_per_node(args.cluster))
@@ -98,7 +103,14 @@ def run_memory(args: argparse.Namespace) -> int:
             raise ConfigError(f"no layout of {cfg.name} fits on up to {ranks} ranks of {device.name}: raise --ranks, "
                               f"lower data.batch_size or data.seq_len, or use a smaller model")
     else:
-        plan = plan_memory(cfg, layout_from_config(cfg, ranks, **changes), device_for(args.cluster, ranks))
+        device = device_for(args.cluster, ranks)
+        if (args.shard or cfg.parallel.shard) == "auto":
+            precision = args.precision or cfg.train.precision.replace("auto", "bf16")
+            cfg, line = choose_shard(cfg, ranks, device, precision,
+                                     **{k: v for k, v in changes.items() if k != "precision"})
+            changes["shard"] = cfg.parallel.shard
+            print(line, file=sys.stderr)
+        plan = plan_memory(cfg, layout_from_config(cfg, ranks, **changes), device)
     if args.json:
         out = plan.to_dict()
         out["config"] = cfg.name

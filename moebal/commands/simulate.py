@@ -90,7 +90,7 @@ def _memory(cfg: Any, spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The memory plan of the simulated layout (moebal/planner/memory.py): per-rank peak by term, the verdict."""
     from moebal.config import with_overrides
     from moebal.planner.hardware import load_profile
-    from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
+    from moebal.planner.memory import DeviceMemory, choose_shard, layout_from_config, plan_memory
 
     lay, m = spec.layout, spec.micro_batches
     stage_ranks = lay.ranks // lay.pp
@@ -98,10 +98,13 @@ def _memory(cfg: Any, spec: Any, args: argparse.Namespace) -> dict[str, Any]:
     try:
         run = with_overrides(cfg, [f"data.batch_size={rows}", f"data.seq_len={spec.seq_len}"])
         dtype = args.dtype or cfg.train.precision.replace("auto", "bf16")
-        layout = layout_from_config(run, lay.ranks, pp=lay.pp, ep=lay.ep, micro_batches=m if lay.pp > 1 else 1,
-                                    schedule=spec.schedule, policy=args.policy,
-                                    precision="bf16" if dtype in ("bf16", "fp16") else "fp32")
-        plan = plan_memory(run, layout, DeviceMemory.from_profile(load_profile(args.cluster)))
+        precision = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+        device = DeviceMemory.from_profile(load_profile(args.cluster))
+        changes: dict[str, Any] = {"pp": lay.pp, "ep": lay.ep, "micro_batches": m if lay.pp > 1 else 1,
+                                   "schedule": spec.schedule, "policy": args.policy}
+        if run.parallel.shard == "auto":  # as `moebal train` would settle it on these ranks
+            run, _ = choose_shard(run, lay.ranks, device, precision, **changes)
+        plan = plan_memory(run, layout_from_config(run, lay.ranks, precision=precision, **changes), device)
     except ConfigError as e:
         return {"error": str(e)}
     return plan.to_dict()

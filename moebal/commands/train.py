@@ -182,9 +182,14 @@ def run(args: argparse.Namespace) -> int:
     cfg, out = resolve_config(args)
     refuse_cpu_only(cfg, pick_device().type)
     from moebal.train.checkpoint import prune_checkpoints
-    from moebal.train.memory import check_fits_here, check_plan_here
-    from moebal.train.rundir import lock_run_dir
+    from moebal.train.memory import check_fits_here, check_plan_here, resolve_shard_here
+    from moebal.train.rundir import LOCK_ENV, lock_run_dir
 
+    # parallel.shard auto: the memory plan's choice, settled alike by the launcher and every rank (config.yaml
+    # keeps it); said once, by the launcher or a torchrun job's rank 0
+    cfg, line = resolve_shard_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
+    if line and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)):
+        print(f"moebal: {line}", file=sys.stderr, flush=True)
     # an impossible size is one line, before anything is allocated or created
     check_fits_here(cfg, _local_ranks(cfg) if "RANK" not in os.environ else 1)
     # the memory plan: each rank's predicted peak by term (docs/memory.md); --no-memory-check skips it

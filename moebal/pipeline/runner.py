@@ -109,6 +109,9 @@ class PipelineRunner:
         (gradients travel too); `record_ops` keeps one iteration's per-op timeline before and after each adopted
         plan (the Gantt chart); `bandwidth` (bytes/s) costs migrations instead of measuring the chain at start;
         `latency` is the seconds per migrated layer beyond its bytes."""
+        from moebal.train.memory import require_settled_shard
+
+        require_settled_shard(cfg)
         self.cfg, self.opts = cfg, cfg.pipeline
         self.force, self.force_mid = tuple(force), tuple(force_mid)
         self.record_ops, self.latency = record_ops, latency

@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from moebal.planner.hardware import HardwareProfile
 
 __all__ = ["CPU_RUNTIME_BYTES", "DeviceMemory", "MemoryLayout", "MemoryPlan", "RANK_LOCAL_INIT",
-           "SHARDS", "RECOMPUTES", "fit_layout", "plan_memory", "refusal_line"]
+           "SHARDS", "RECOMPUTES", "choose_shard", "fit_layout", "plan_memory", "refusal_line"]
 
 SHARDS = ("none", "optimizer", "full")
 RECOMPUTES = ("none", "moe", "attention", "full")
@@ -623,6 +623,39 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
                 f" ({more.peak_bytes / gb:.1f} GB)")
     hint = _TERM_SETTING.get(name, "a smaller model")
     return f"{head}; no layout fits up to {64 * plan.layout.ranks} ranks: try {hint} or a smaller model"
+
+
+def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
+                 shards: tuple[str, ...] = SHARDS, **changes: Any) -> tuple[Config, str]:
+    """`parallel.shard: auto`: `cfg` with the least sharding this plan says fits a rank on `ranks` ranks of
+    `device` (in the order of `shards`: none, then optimizer, then full, each costing communication the one
+    before does not), among the values the config's own checks accept (a pipeline's scheme may refuse one; a
+    bf16 `parallel.param_dtype` is FSDP2's), and a line saying what was chosen and why. Where none fits: the
+    last accepted one, which the plan's check then refuses with its line; where the plan cannot describe the
+    layout: the first accepted one. `changes`: as `layout_from_config`'s (its shard is ignored)."""
+    changes = {k: v for k, v in changes.items() if k != "shard"}
+    gb = 1e9
+    tried: list[str] = []
+    last: Config | None = None
+    for shard in shards:
+        try:
+            cand = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard))  # type: ignore[arg-type]
+        except ConfigError:  # this config's checks refuse that value
+            continue
+        last = cand
+        try:
+            plan = plan_memory(cand, layout_from_config(cand, ranks, **{**changes, "precision": precision}), device)
+        except ConfigError:
+            return cand, f"parallel.shard auto: {shard} (the memory plan does not describe this layout)"
+        if plan.fits:
+            not_ = f"; {', '.join(tried)} would not" if tried else ""
+            return cand, (f"parallel.shard auto: {shard} (the memory plan: {plan.peak_bytes / gb:.1f} GB per rank of "
+                          f"{device.capacity_bytes / gb:.1f} GB{not_})")
+        tried.append(f"{shard} {plan.peak_bytes / gb:.1f} GB")
+    if last is None:
+        raise ConfigError(f"parallel.shard auto: this config's checks refuse {', '.join(shards)} alike; name one of "
+                          f"them to see why")
+    return last, f"parallel.shard auto: {last.parallel.shard}, though nothing fits ({', '.join(tried)})"
 
 
 def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:

@@ -48,6 +48,9 @@ class LocalStep:
 
     def __init__(self, cfg: Config, model: torch.nn.Module, data: DataBundle, ctx: RunContext,
                  device: torch.device) -> None:
+        from moebal.train.memory import require_settled_shard
+
+        require_settled_shard(cfg)
         ctx.check_batch(cfg.data.batch_size)
         self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
         self.model = model.to(device)

@@ -23,7 +23,8 @@ from moebal.errors import ConfigError
 from moebal.planner.cost import ModelShape
 from moebal.planner.memory import DeviceMemory
 
-__all__ = ["BYTES_PER_PARAM", "check_fits", "check_fits_here", "check_plan", "check_plan_here", "param_count"]
+__all__ = ["BYTES_PER_PARAM", "check_fits", "check_fits_here", "check_plan", "check_plan_here", "param_count",
+           "require_settled_shard", "resolve_shard", "resolve_shard_here"]
 
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 
@@ -100,6 +101,38 @@ def check_plan(cfg: Config, device: torch.device, world_size: int, local_ranks: 
     if not plan.fits:
         raise ConfigError(f"{refusal_line(cfg, plan, built=BUILT)}; to start anyway: "
                           f"--no-memory-check")
+
+
+def resolve_shard(cfg: Config, device: torch.device, world_size: int, local_ranks: int) -> tuple[Config, str | None]:
+    """`cfg` with `parallel.shard: auto` settled for this job's ranks and device (`choose_shard`, the memory
+    plan's rule), and a line saying what was chosen and why (None when the config named a value). A function of
+    the config, the world size and the device's memory only, so every rank and the launcher settle it alike; the
+    run directory's config.yaml keeps the result for a resume."""
+    from moebal.planner.memory import choose_shard
+
+    if cfg.parallel.shard != "auto":
+        return cfg, None
+    precision = "bf16" if cfg.train.precision == "bf16" else "fp32"
+    chosen, line = choose_shard(cfg, world_size, _device_memory(device, local_ranks, cfg.planner.costs), precision,
+                                shards=BUILT[0])
+    return chosen, line
+
+
+def require_settled_shard(cfg: Config) -> None:
+    """ConfigError for `parallel.shard: auto` reaching a trainer unsettled (a library caller's config)."""
+    if cfg.parallel.shard == "auto":
+        raise ConfigError("parallel.shard auto is settled by `moebal train` at start-up from the memory plan: "
+                          "outside it, settle it first (moebal.train.memory.resolve_shard) or name none, optimizer "
+                          "or full")
+
+
+def resolve_shard_here(cfg: Config, local_ranks: int) -> tuple[Config, str | None]:
+    """`resolve_shard` for this process (as `check_fits_here`)."""
+    from moebal.distributed.groups import pick_device
+
+    world = int(os.environ.get("WORLD_SIZE", local_ranks))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return resolve_shard(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)
 
 
 BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none", "optimizer", "full"), ("none", "moe", "attention", "full"))

@@ -372,3 +372,40 @@ def test_trace_rank_memory_names_phases_and_their_peaks():
     assert phases["forward"]["peak"] == 150 and phases["forward"]["heap_free"] == 2
     segs = trace.summarise({"rows": rows})
     assert [s["phase"] for s in segs] == ["forward", "backward", "forward"] and segs[1]["rss1"] == 200
+
+
+def test_shard_auto_takes_the_least_sharding_that_fits():
+    """`parallel.shard: auto` (`choose_shard`): none while it fits, then optimizer, then full; a value the config's
+    checks refuse is skipped; where nothing fits, full (the plan check then refuses it with its line). `moebal
+    train` settles it before any rank builds a model; a trainer handed an unsettled auto refuses it."""
+    from moebal.config import from_dict
+    from moebal.errors import ConfigError
+    from moebal.planner.memory import DeviceMemory, choose_shard, layout_from_config, plan_memory
+    from moebal.train.memory import require_settled_shard
+
+    def dev(capacity: float) -> DeviceMemory:
+        return DeviceMemory(name="d", capacity_bytes=capacity, runtime_bytes=0.0, slack=0.0)
+
+    base = {"model": {"dim": 512, "n_layers": 8, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 8192},
+            "moe": {"num_experts": 4}, "data": {"batch_size": 4}, "parallel": {"shard": "auto", "ep": 1}}
+    cfg = from_dict(base)
+    unlimited = dev(1e15)
+    peak = {s: plan_memory(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=s)),
+                           layout_from_config(cfg, 4, shard=s, precision="fp32"), unlimited).peak_bytes
+            for s in ("none", "optimizer", "full")}
+    assert peak["none"] > peak["optimizer"] > peak["full"]
+    for capacity, want in ((peak["none"] * 1.01, "none"), ((peak["none"] + peak["optimizer"]) / 2, "optimizer"),
+                           ((peak["optimizer"] + peak["full"]) / 2, "full"), (peak["full"] * 0.9, "full")):
+        chosen, line = choose_shard(cfg, 4, dev(capacity), "fp32")
+        assert chosen.parallel.shard == want, (capacity, line)
+        assert line.startswith(f"parallel.shard auto: {want}")
+    assert "nothing fits" in line
+    # a pipeline with early exit refuses `optimizer`: auto goes from none to full
+    pipe = from_dict({**base, "parallel": {"shard": "auto", "pp": 2},
+                      "dynamism": {"scheme": "early_exit"}})
+    big = plan_memory(dataclasses.replace(pipe, parallel=dataclasses.replace(pipe.parallel, shard="none")),
+                      layout_from_config(pipe, 4, shard="none", precision="fp32"), unlimited).peak_bytes
+    chosen, line = choose_shard(pipe, 4, dev(big * 0.99), "fp32")
+    assert chosen.parallel.shard == "full" and "none" in line and "optimizer" not in line
+    with pytest.raises(ConfigError, match="settled by `moebal train`"):
+        require_settled_shard(cfg)
