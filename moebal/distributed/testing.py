@@ -80,14 +80,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results: dict[int, Any] = {}
     try:
         while len(results) < world_size:
-            try:
-                rank, ok, value = q.get(timeout=timeout_s)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                _dump_stacks(procs)
-                raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result within "
-                                   f"{timeout_s:.0f}s (exited without reporting: {dead}); the stacks of those still "
-                                   f"running are on stderr above") from None
+            rank, ok, value = _next_report(q, procs, results, timeout_s)
             if not ok:
                 raise RuntimeError(_failures(q, rank, value))
             results[rank] = value
@@ -96,6 +89,49 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         # or a timeout the others are stopped at once (their stacks, if hung, are on stderr already).
         _stop(procs, grace_s=5.0 if len(results) == world_size else 0.0)
     return [results[r] for r in range(world_size)]
+
+
+def _next_report(q: Any, procs: list[Any], results: dict[int, Any], timeout_s: float) -> tuple[int, bool, Any]:
+    """The next rank's (rank, ok, value), waiting up to `timeout_s` for it. A rank that exits without reporting
+    (killed, a crash in C code, `os._exit`, a function the rank could not unpickle) fails the call within about
+    a second and a half of its exit, not at the timeout; a hang fails at the timeout with every live rank's
+    stacks on stderr."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            report: tuple[int, bool, Any] = q.get(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
+            return report
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+        if dead:
+            try:  # its report may still be on its way through the queue's pipe
+                report = q.get(timeout=_LAST_WORDS_S)
+                return report
+            except queue.Empty:
+                codes = ", ".join(f"rank {r}: {_exit_words(procs[r].exitcode)}" for r in dead)
+                raise RuntimeError(f"ranks {dead} exited without reporting a result ({codes}): a crash below "
+                                   f"Python, a kill, os._exit, or a function the rank could not import by "
+                                   f"reference (a module-level function of an importable module)") from None
+        if time.monotonic() >= deadline:
+            _dump_stacks(procs)
+            raise RuntimeError(f"ranks {sorted(set(range(len(procs))) - set(results))} gave no result within "
+                               f"{timeout_s:.0f}s; the stacks of those still running are on stderr above")
+
+
+_POLL_S = 1.0
+"""How often a wait for reports looks for ranks that exited without one."""
+_LAST_WORDS_S = 0.5
+"""How long an exited rank's report may still take to come out of the queue."""
+
+
+def _exit_words(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,20 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
     text = str(err.value)
     assert "rank 1 failed" in text and "ValueError: rank one's own failure" in text
     assert text.index("rank 1 failed") == text.find("rank ")  # the cause first
+
+
+def _exit_on_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # no report, no traceback: as a crash below Python or a kill
+    time.sleep(60)
+
+
+def test_a_rank_that_exits_without_a_report_fails_the_call_at_once() -> None:
+    """Not at the timeout: the call notices the exited rank within seconds and names its exit code."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] exited without reporting a result \(rank 1: exit code 3\)"):
+        run_ranks(_exit_on_one, 2, timeout_s=120)
+    assert time.monotonic() - t0 < 30
 
 
 def _hang(rank: int, world: int) -> None:
