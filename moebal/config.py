@@ -321,11 +321,12 @@ class ParallelConfig:
     stage (a migrated layer's state is re-sharded), expert weights replicated over their expert-data-parallel
     ranks there; optimizer refuses dynamism.scheme early_exit, and mod with idle routers."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Under shard: full, the dtype FSDP2 all-gathers dense weights in for compute (bf16 needs
-    train.precision: bf16); master weights and AdamW state stay fp32."""
+    """The dtype non-expert-parallel weights are computed in (bf16 needs train.precision: bf16): under shard full
+    FSDP2 all-gathers them in it; under shard optimizer (parallel.pp 1) every rank keeps its replicated weights
+    in it and only its shard of them in fp32. Master weights and AdamW state stay fp32."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Under shard: full, the dtype gradients are reduce-scattered in (dense by FSDP2, expert parts by the sharded
-    optimizer); the optimizer receives fp32 gradients."""
+    """Under shard full or optimizer, the dtype gradients are reduce-scattered in (dense by FSDP2 or the sharded
+    optimizer, expert parts by the sharded optimizer); the optimizer receives fp32 gradients."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -987,9 +988,11 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
-    _need(par.shard in ("full", "auto") or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
-          f"'parallel.param_dtype: {par.param_dtype}' / 'parallel.reduce_dtype: {par.reduce_dtype}' are FSDP2's "
-          f"mixed-precision policy: set parallel.shard=full, or leave both fp32")
+    _need(par.shard in ("full", "auto") or (par.shard == "optimizer" and par.pp == 1)
+          or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
+          f"'parallel.param_dtype: {par.param_dtype}' / 'parallel.reduce_dtype: {par.reduce_dtype}' are the sharded "
+          f"state's mixed-precision policy: set parallel.shard=full (or optimizer without a pipeline), or leave "
+          f"both fp32")
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")

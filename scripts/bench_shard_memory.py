@@ -1,6 +1,7 @@
 """Model-state memory per rank under `parallel.shard` none / optimizer / full, measured on real gloo ranks.
 
-    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--shards none optimizer full] [--json FILE]
+    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--shards none optimizer optimizer_bf16 full]
+        [--json FILE]
 
 For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way expert parallel) and each shard
 value, the trainer runs `--steps` steps on `--ranks` gloo ranks and every rank sums, from the tensors' storages
@@ -37,15 +38,22 @@ LAYOUTS = {"dp": 1, "dp2_x_ep2": 2, "ep4": 4}
 expert has one copy, so no expert-data-parallel ranks to split it over)."""
 
 
+SHARDS = ("none", "optimizer", "optimizer_bf16", "full")
+"""`optimizer_bf16`: `shard: optimizer` with `parallel.param_dtype: bf16` (bf16 weights for compute, fp32 masters
+sharded with the moments) under bf16 autocast; its ratio is against the fp32 `none` run, the accounting of
+ZeRO's mixed-precision baseline (16 bytes a parameter either way: fp32 weights, gradients and two moments)."""
+
+
 def bench_config(shard: str, ep: int | None, steps: int) -> Config:
+    shard, _, dtype = shard.partition("_")
     return from_dict({
         "model": {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 256, "max_seq_len": 64,
                   "vocab_size": 512},
         "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 128, "kernel": "loop"},
         "data": {"seq_len": 32, "batch_size": 8, "max_bytes": 200_000},
-        "train": {"steps": steps, "warmup_steps": 0, "eval_every": 0, "precision": "fp32", "ckpt_every": 0,
+        "train": {"steps": steps, "warmup_steps": 0, "eval_every": 0, "precision": dtype or "fp32", "ckpt_every": 0,
                   "progress": "plain", "threads": 1},
-        "parallel": {"ep": ep, "shard": shard},
+        "parallel": {"ep": ep, "shard": shard, "param_dtype": dtype or "fp32"},
         "planner": {"policy": "static", "costs": "rtx3090"}})
 
 
@@ -154,7 +162,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out[key] = worst
     for layout in LAYOUTS:
         a = out.get(f"{layout}-none")
-        for shard in ("optimizer", "full"):
+        for shard in SHARDS[1:]:
             b = out.get(f"{layout}-{shard}")
             if a and b:
                 out[f"{layout}-ratio-{shard}"] = {k: round(b[k] / a[k], 4) for k in a}
@@ -165,8 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--shards", nargs="+", default=["none", "optimizer", "full"],
-                    choices=["none", "optimizer", "full"])
+    ap.add_argument("--shards", nargs="+", default=list(SHARDS), choices=SHARDS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import tempfile

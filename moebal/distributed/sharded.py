@@ -43,6 +43,17 @@ tensors of their own, the only copy of the weights kept; the flat buffers, which
 are freed (`untyped_storage().resize_(0)`) and re-filled by an all-gather of the parts (`gather_unit`) when the
 caller needs the weights; step 4 all-gathers nothing for them.
 
+Compute copies (`param_dtype`, `parallel.param_dtype: bf16` under `shard: optimizer`, mixed-precision ZeRO-2):
+the flats of non-expert-parallel parameters hold the weights in bf16 (the parameters are bf16 views of them, so
+their gradients arrive in bf16 and are reduce-scattered in `reduce_dtype`, fp32 by default), and the owned parts
+are fp32 tensors of their own, the only fp32 copy: AdamW updates them and step 4 all-gathers them rounded to
+bf16. Per rank and parameter 2 bytes of weights + 4/W of masters + 4/W of gradient parts + 8/W of moments: on 4
+ranks 6 of the 16 bytes of fp32 unsharded state (0.375x), below fp32 ZeRO-2's floor (1.75 / 4 = 0.4375x).
+Expert-parallel experts stay fp32 (as under `full`: Trans and Agg move them and their gradients in their own
+dtype). Checkpoints hold the fp32 masters: `logical_state` writes each such logical tensor's weights whole from
+the owners' parts (`master_names`; no rank writes the rounded copies) and `read_logical_state` reads them back
+into the parts, so a resume continues bit for bit.
+
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
 (`logical_state`); loading reads the logical tensors that overlap this rank's parts and keeps the overlap
@@ -133,10 +144,16 @@ class _Flat:
     # per bucket: this rank's part (a view of buf; at rest a tensor of its own)
     leaves: list[torch.Tensor] = field(default_factory=list)
     unit: int | None = None  # the at-rest unit it belongs to: its leaves are tensors of their own, buf is freed
+    master: bool = False  # buf is a compute-dtype copy; the leaves, tensors of their own, are the fp32 masters
 
     @property
     def W(self) -> int:
         return len(self.ranks)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of the owned parts and their AdamW moments (fp32 masters under compute copies)."""
+        return self.leaves[0].dtype if self.leaves else self.buf.dtype
 
 
 @dataclass
@@ -157,7 +174,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, t: TrainConfig, dims: ParallelDims,
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
                  reduce_dtype: torch.dtype | None = None, divisor: float | None = None,
-                 channels: dict[str, Any] | None = None, at_rest: Sequence[Sequence[nn.Parameter]] = ()) -> None:
+                 channels: dict[str, Any] | None = None, at_rest: Sequence[Sequence[nn.Parameter]] = (),
+                 param_dtype: torch.dtype | None = None) -> None:
         """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
         moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
         the owned parts' gradients are always in the parameters' dtype. `divisor`: what the summed gradients are
@@ -165,7 +183,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         normalised by the global label count: 1). `channels`: `make_channels`' communicators to reuse (a
         pipeline stage rebuilding its optimizer after a migration, when not every rank could create new ones).
         `at_rest`: units of expert parameters whose weights it keeps sharded between uses (ZeRO-3; each unit's
-        flats of its own, gathered by `gather_unit`, freed by `release_unit`; "Weights at rest" above)."""
+        flats of its own, gathered by `gather_unit`, freed by `release_unit`; "Weights at rest" above).
+        `param_dtype`: the dtype the non-expert-parallel weights are kept in for compute (bf16), their fp32
+        values kept as the owned parts only ("Compute copies" above); None: the weights' own dtype."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
@@ -187,6 +207,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if any(not is_expert_param(p) for ps in at_rest for p in ps):
             raise ValueError("ShardedAdamW: at_rest units hold expert parameters only")
         self.units = [_Unit([], list(ps)) for ps in at_rest]
+        self.param_dtype = param_dtype
         for g in groups:
             for expert in (False, True):
                 ps = [p for p in g["params"] if is_expert_param(p) == expert]
@@ -252,9 +273,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 offsets.append(o)
                 o += p.numel()
         group = self._channels[axis]
+        # compute copies: the non-expert-parallel weights in param_dtype (expert-parallel ones stay fp32, as under
+        # `full`: Trans and Agg move them and their gradients in their own dtype)
+        master = (self.param_dtype is not None and self.param_dtype != buf.dtype and unit is None
+                  and not is_expert_param(params[0]))
         fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
                    native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type),
-                   unit=unit)
+                   unit=unit, master=master)
         f = len(self.flats)
         if unit is not None:
             self.units[unit].flats.append(f)
@@ -267,8 +292,16 @@ class ShardedAdamW(torch.optim.Optimizer):
             fl.buckets.append(len(self.buckets))
             self.buckets.append(_Bucket(f, start, (stop - start) // W, ids, position, late))
             part = buf[start + fl.index * ((stop - start) // W):start + (fl.index + 1) * ((stop - start) // W)]
-            # at rest the owned part is the only copy of the weights: a tensor of its own, not a view of buf
-            fl.leaves.append((part.detach().clone() if unit is not None else part.detach()).requires_grad_(True))
+            # at rest the owned part is the only copy of the weights, with compute copies the only fp32 one: a
+            # tensor of its own, not a view of buf
+            own = unit is not None or master
+            fl.leaves.append((part.detach().clone() if own else part.detach()).requires_grad_(True))
+        if master:
+            assert self.param_dtype is not None
+            fl.buf = buf.to(self.param_dtype)
+            with torch.no_grad():
+                for p, o in zip(params, offsets):
+                    p.data = fl.buf[o:o + p.numel()].view_as(p)  # gradients come in param_dtype too
 
     def pieces(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> Iterator[
             tuple[int, _Piece]]:
@@ -445,10 +478,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = None
-                if fl.W > 1 and fl.unit is None:  # at rest: gathered when next needed (`gather_unit`)
-                    b = self.buckets[k]
-                    dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], leaf.detach().clone(),
-                                           group=fl.group)
+                if fl.unit is not None:  # at rest: gathered when next needed (`gather_unit`)
+                    continue
+                b = self.buckets[k]
+                # the part in the flat's dtype (a copy: the part may be a view of the flat it is gathered into)
+                mine = leaf.detach().to(fl.buf.dtype, copy=True)
+                if fl.W > 1:
+                    dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
+                elif fl.master:
+                    fl.buf[b.start:b.start + b.part].copy_(mine)
 
     # ---- weights at rest (ZeRO-3 for the `at_rest` units) ----
     def gather_unit(self, u: int) -> None:
@@ -535,8 +573,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 leaf.copy_(fl.buf[a:a + b.part])
 
     def weight_parts(self) -> list[torch.Tensor]:
-        """The owned parts of the weights at rest (the only copy of them this rank keeps between uses)."""
-        return [leaf for unit in self.units for f in unit.flats for leaf in self.flats[f].leaves]
+        """The owned parts that are tensors of their own: of the weights at rest (the only copy of them this rank
+        keeps between uses) and the fp32 masters of compute copies."""
+        return [leaf for fl in self.flats if fl.unit is not None or fl.master for leaf in fl.leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for fl in self.flats:
@@ -659,56 +698,78 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def logical_state(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The AdamW state this rank writes, by `<logical name>:<key>`: every logical tensor whose first element
-        it owns, whole (the other owners' pieces received point to point). Collective over the shard groups."""
+        """What this rank writes of every logical tensor whose first element it owns, whole (the other owners'
+        pieces received point to point): its AdamW state by `<logical name>:<key>`, and under compute copies its
+        fp32 weights by `<logical name>` (`master_names`; the compute copies are rounded). Collective over the
+        shard groups."""
         out: dict[str, torch.Tensor] = {}
-        if not self.inner.state:
-            return out, {}
-        keys = ("exp_avg", "exp_avg_sq")
+        moments = ("exp_avg", "exp_avg_sq") if self.inner.state else ()
         ops: list[Any] = []
         for f, piece in self.pieces(module, stacked):
             fl = self.flats[f]
+            keys = (*moments, *(("weight",) if fl.master else ()))
+            if not keys:
+                continue
             runs = list(self._runs(f, piece.start, piece.stop))
             writer = runs[0][0]
             mine = fl.index == writer
-            full = {key: torch.empty(piece.stop - piece.start, dtype=fl.buf.dtype, device=fl.buf.device)
+            full = {key: torch.empty(piece.stop - piece.start, dtype=fl.state_dtype, device=fl.buf.device)
                     for key in keys} if mine else {}
             for j, k, lo, hi in runs:
                 b = self.buckets[k]
                 a = lo - b.start - j * b.part
                 z = hi - b.start - j * b.part
                 if j == fl.index:
-                    state = self._part_state(k)
+                    state = self._part_state(k) if moments else {}
+                    src = {key: state[key] for key in moments}
+                    if fl.master:
+                        src["weight"] = fl.leaves[fl.buckets.index(k)].detach()
                     for key in keys:
                         if mine:
-                            full[key][lo - piece.start:hi - piece.start].copy_(state[key][a:z])
+                            full[key][lo - piece.start:hi - piece.start].copy_(src[key][a:z])
                         else:
-                            ops.append(dist.P2POp(dist.isend, state[key][a:z].contiguous(), fl.ranks[writer]))
+                            ops.append(dist.P2POp(dist.isend, src[key][a:z].contiguous(), fl.ranks[writer]))
                 elif mine:
                     ops.extend(dist.P2POp(dist.irecv, full[key][lo - piece.start:hi - piece.start],
                                           fl.ranks[j]) for key in keys)
             if mine:
-                step = self._part_state(runs[0][1])["step"]
-                for key in keys:
+                for key in moments:
                     out[f"{piece.name}:{key}"] = full[key].view(piece.shape)
-                out[f"{piece.name}:step"] = step.detach().clone()
+                if moments:
+                    out[f"{piece.name}:step"] = self._part_state(runs[0][1])["step"].detach().clone()
+                if fl.master:
+                    out[piece.name] = full["weight"].view(piece.shape)
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()  # wait: the pieces of the logical tensors this rank writes
         return out, {}
 
+    def master_names(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> set[str]:
+        """The logical tensors whose weights `logical_state` writes (from the fp32 masters of compute copies):
+        no rank writes them from the module, whose copies are rounded."""
+        return {piece.name for f, piece in self.pieces(module, stacked) if self.flats[f].master}
+
     def read_logical_state(self, reader: CheckpointReader, module: nn.Module,
                            stacked: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, Any]:
-        """The AdamW state of this rank's parts from a checkpoint's logical tensors (of any shard size), for
-        `load_state_dict`. Raises CheckpointError for state that does not fit."""
+        """The AdamW state of this rank's parts from a checkpoint's logical tensors (of any shard size), and under
+        compute copies the fp32 weights of its parts, for `load_state_dict`. Raises CheckpointError for state
+        that does not fit."""
         from moebal.errors import CheckpointError
 
         parts: dict[int, dict[str, torch.Tensor]] = {}
+        masters: dict[int, torch.Tensor] = {}
         for f, piece in self.pieces(module, stacked):
             fl = self.flats[f]
             runs = [r for r in self._runs(f, piece.start, piece.stop) if r[0] == fl.index]
             if not runs:
                 continue
+            if fl.master:  # the checkpoint's fp32 weights (the module's copies of them are rounded)
+                w = reader.read(piece.name).reshape(-1)
+                for _, k, lo, hi in runs:
+                    b = self.buckets[k]
+                    a = lo - b.start - fl.index * b.part
+                    part = masters.setdefault(k, fl.leaves[fl.buckets.index(k)].detach().to("cpu", copy=True))
+                    part[a:a + hi - lo] = w[lo - piece.start:hi - piece.start]
             keys = reader.optimizer_keys(piece.name)
             if not keys:
                 continue  # no state saved: the part starts fresh, as an unsharded optimizer's would
@@ -722,18 +783,27 @@ class ShardedAdamW(torch.optim.Optimizer):
             for _, k, lo, hi in runs:
                 b = self.buckets[k]
                 a = lo - b.start - fl.index * b.part
-                dst = parts.setdefault(k, {key: torch.zeros(b.part, dtype=fl.buf.dtype) for key in
+                dst = parts.setdefault(k, {key: torch.zeros(b.part, dtype=fl.state_dtype) for key in
                                            ("exp_avg", "exp_avg_sq")})
                 for key in ("exp_avg", "exp_avg_sq"):
                     dst[key][a:a + hi - lo] = saved[key].reshape(-1)[lo - piece.start:hi - piece.start]
                 step = saved.get("step")
                 dst["step"] = step if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))
-        return {"sharded_parts": parts}
+        return {"sharded_parts": parts, "master_parts": masters}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket)."""
+        """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket; the fp32 weights of
+        compute copies, whose flats then take them rounded)."""
         for k, s in state_dict["sharded_parts"].items():
             self._adopt(k, s)
+        with torch.no_grad():
+            for k, w in state_dict.get("master_parts", {}).items():
+                b = self.buckets[k]
+                fl = self.flats[b.flat]
+                leaf = fl.leaves[fl.buckets.index(k)]
+                leaf.copy_(w)
+                a = b.start + fl.index * b.part
+                fl.buf[a:a + b.part].copy_(leaf)  # this rank's part; the module load wrote the rest alike
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

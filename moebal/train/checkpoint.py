@@ -436,7 +436,12 @@ class Checkpointer:
                 return True
             return self.write_experts if name in view.experts else self.write_dense
 
-        model = _copy_model(view, [n for n in [*view.tensors, *view.at_rest] if mine(n)], optimizer)
+        # weights kept in a compute dtype (`parallel.param_dtype` under `shard: optimizer`) are written from their
+        # fp32 masters by the optimizer's owners (`logical_state`), not from the module's rounded copies
+        masters = getattr(optimizer, "master_names", None)
+        held = masters(module, view.stacked) if masters is not None else set()
+        model = _copy_model(view, [n for n in [*view.tensors, *view.at_rest] if mine(n) and n not in held],
+                            optimizer)
         pieces = {n: v for n, v in view.pieces.items() if n in model}
         sharded = getattr(optimizer, "logical_state", None)
         if sharded is not None:  # sharded state: each logical tensor's owner writes it (a collective)
@@ -447,7 +452,10 @@ class Checkpointer:
                 if isinstance(v, RowPiece):
                     pieces[k] = (v.first, v.shape)
                     v = v.tensor
-                optim[k] = _cpu_copy(v)
+                if k in held:
+                    model[k] = _cpu_copy(v)
+                else:
+                    optim[k] = _cpu_copy(v)
         else:
             opt, numbers = _optimizer_view(module, optimizer, view.stacked)
             optim = {k: _cpu_copy(t) for k, t in opt.items() if mine(k.rsplit(":", 1)[0])}

@@ -56,10 +56,14 @@ class LocalStep:
         self.model = model.to(device)
         self._sharded: ShardedAdamW | FullyShardedAdamW | None = None
         if cfg.parallel.shard == "optimizer" and ctx.distributed:
+            from moebal.distributed.fsdp import DTYPES
             from moebal.distributed.sharded import ShardedAdamW
 
-            # the hooks leave gradients unsynchronised (setup_parallel): this optimizer reduce-scatters them
-            self._sharded = ShardedAdamW(self.model, cfg.train, ctx.dims)
+            # the hooks leave gradients unsynchronised (setup_parallel): this optimizer reduce-scatters them, in
+            # parallel.reduce_dtype; with parallel.param_dtype bf16 it keeps the weights in bf16, fp32 masters
+            self._sharded = ShardedAdamW(self.model, cfg.train, ctx.dims,
+                                         param_dtype=DTYPES[cfg.parallel.param_dtype],
+                                         reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
         elif cfg.parallel.shard == "full" and ctx.distributed:
             from moebal.distributed.fsdp import FullyShardedAdamW, fully_shard_model
 

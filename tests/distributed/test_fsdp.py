@@ -168,7 +168,7 @@ def test_full_sharding_refusals_name_the_fix():
     assert from_dict({"parallel": {"pp": 2, "shard": "full"}, "dynamism": {"scheme": "mod"},
                       "model": {"n_layers": 2}}).dynamism.scheme == "mod"
     with pytest.raises(ConfigError, match="mixed-precision policy: set parallel.shard=full"):
-        shard_cfg("optimizer", 2, parallel={"reduce_dtype": "bf16"})
+        shard_cfg("none", 2, parallel={"reduce_dtype": "bf16"})
     with pytest.raises(ConfigError, match="set train.precision=bf16"):
         shard_cfg("full", 2, parallel={"param_dtype": "bf16"})
     assert shard_cfg("full", 2, parallel={"reduce_dtype": "bf16"}).parallel.reduce_dtype == "bf16"
