@@ -193,6 +193,9 @@ class MemoryLayout:
     """full: every rank builds the whole model first (today); local: rank-local initialisation."""
     routing_skew: float = 1.0
     """Busiest rank's routed rows / the mean (1: balanced); multiplies the expert activations and buffers."""
+    param_dtype: str = "fp32"
+    """`parallel.param_dtype`: under `shard: optimizer` without a pipeline, bf16 keeps the non-expert-parallel
+    weights in bf16 and their fp32 masters sharded (moebal/distributed/sharded.py, "Compute copies")."""
 
     @property
     def stage_ranks(self) -> int:
@@ -205,8 +208,14 @@ class MemoryLayout:
 
     def describe(self) -> str:
         mb = f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else ""
-        return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard} "
+        weights = " bf16-weights" if self.bf16_copies else ""
+        return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard}{weights} "
                 f"recompute={self.recompute} {self.precision}")
+
+    @property
+    def bf16_copies(self) -> bool:
+        """bf16 compute copies with fp32 masters sharded (`param_dtype`)."""
+        return self.shard == "optimizer" and self.pp == 1 and self.param_dtype == "bf16"
 
     def settings(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -385,6 +394,9 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
         t["parameters"] = 4 * (fsdp / d_dense + _expert_weights(cfg, lay, specs, whole)) + (root + 2 * unit) * a
+    elif lay.bf16_copies:  # bf16 copies of what expert parallelism does not split, their fp32 masters sharded
+        copies = dense + (expert if lay.ep == 1 else 0)
+        t["parameters"], unit = 2.0 * copies + 4.0 * (held - copies) + 4.0 * copies / d_dense, 0.0
     else:
         t["parameters"], unit = 4.0 * held, 0.0
     # full: FSDP2's post-backward of a unit holds its unsharded gradients (compute dtype) and the reduce-scatter's
@@ -394,6 +406,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["FSDP2 reduce-scatter buffers"] = (a + 4) * unit if lay.shard == "full" else 0.0
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
+    if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts
+        t["compute-dtype weight copies"] = 2.0 * (expert if lay.ep > 1 else 0)
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
@@ -668,7 +682,8 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     prec = cfg.train.precision.replace("auto", "bf16")
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
                         micro_batches=cfg.pipeline.micro_batches if pp > 1 else 1, schedule=cfg.pipeline.schedule,
-                        precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full")
+                        precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
+                        param_dtype=cfg.parallel.param_dtype)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}
     lay = dataclasses.replace(base, **rest)
     if lay.pp > 1 and "micro_batches" not in rest:

@@ -62,6 +62,14 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     opt_ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2, shard="optimizer"), BARE).terms
     assert opt_ep["gradients"] == 4 * (dense / 2 + experts / 2) + 2 * 4 * (272 + 16)
     assert opt["parameters"] == 4 * held  # ZeRO-2: weights replicated
+    # bf16 weights (parallel.param_dtype): bf16 copies replicated, fp32 masters sharded; with ep 2 the experts
+    # stay fp32 and whole (autocast still casts them per forward)
+    lo = plan_memory(cfg, MemoryLayout(ranks=2, shard="optimizer", precision="bf16", param_dtype="bf16"), BARE).terms
+    assert lo["parameters"] == 2 * held + 4 * held / 2 and lo["compute-dtype weight copies"] == 0
+    lo_ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2, shard="optimizer", precision="bf16", param_dtype="bf16"),
+                        BARE).terms
+    assert lo_ep["parameters"] == 2 * dense + 4 * experts / 2 + 4 * dense / 2
+    assert lo_ep["compute-dtype weight copies"] == 2 * experts / 2
     ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2), BARE).terms
     assert ep["parameters"] == 4 * (dense + experts / 2)
     assert ep["persistent gradient buffers"] == 4 * (dense + experts / 2)  # GradSync's flat buffer
