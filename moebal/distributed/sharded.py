@@ -478,15 +478,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = None
-                if fl.unit is not None:  # at rest: gathered when next needed (`gather_unit`)
-                    continue
+                if fl.unit is not None or (fl.W == 1 and not fl.master):  # at rest: gathered when next needed
+                    continue  # (`gather_unit`); one rank: the part is a view of the flat, updated in place
                 b = self.buckets[k]
-                # the part in the flat's dtype (a copy: the part may be a view of the flat it is gathered into)
-                mine = leaf.detach().to(fl.buf.dtype, copy=True)
                 if fl.W > 1:
+                    # the part in the flat's dtype (a copy: the part may be a view of the flat gathered into)
+                    mine = leaf.detach().to(fl.buf.dtype, copy=True)
                     dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
-                elif fl.master:
-                    fl.buf[b.start:b.start + b.part].copy_(mine)
+                else:
+                    fl.buf[b.start:b.start + b.part].copy_(leaf.detach())  # the master rounded
 
     # ---- weights at rest (ZeRO-3 for the `at_rest` units) ----
     def gather_unit(self, u: int) -> None:
