@@ -62,14 +62,19 @@ def check_fits(cfg: Config, device: torch.device, world_size: int, local_ranks: 
                           f"or use more ranks")
 
 
-def check_fits_here(cfg: Config, local_ranks: int) -> None:
-    """`check_fits` for this process: a rank (WORLD_SIZE, LOCAL_WORLD_SIZE from its launcher), or the launcher
-    or single process of `moebal train`, which runs `local_ranks` ranks, all on this machine."""
+def _here(local_ranks: int) -> tuple[torch.device, int, int]:
+    """(device, world size, ranks on this machine) of this process: a rank (WORLD_SIZE, LOCAL_WORLD_SIZE from its
+    launcher), or the launcher or single process of `moebal train`, which runs `local_ranks` ranks, all on this
+    machine."""
     from moebal.distributed.groups import pick_device
 
     world = int(os.environ.get("WORLD_SIZE", local_ranks))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    check_fits(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)
+    return pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check_fits_here(cfg: Config, local_ranks: int) -> None:
+    """`check_fits` for this process (`_here`)."""
+    check_fits(cfg, *_here(local_ranks))
 
 
 def _device_memory(device: torch.device, local_ranks: int, costs: str) -> DeviceMemory:
@@ -127,12 +132,8 @@ def require_settled_shard(cfg: Config) -> None:
 
 
 def resolve_shard_here(cfg: Config, local_ranks: int) -> tuple[Config, str | None]:
-    """`resolve_shard` for this process (as `check_fits_here`)."""
-    from moebal.distributed.groups import pick_device
-
-    world = int(os.environ.get("WORLD_SIZE", local_ranks))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return resolve_shard(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)
+    """`resolve_shard` for this process (`_here`)."""
+    return resolve_shard(cfg, *_here(local_ranks))
 
 
 BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none", "optimizer", "full"), ("none", "moe", "attention", "full"))
@@ -140,9 +141,5 @@ BUILT: tuple[tuple[str, ...], tuple[str, ...]] = (("none", "optimizer", "full"),
 
 
 def check_plan_here(cfg: Config, local_ranks: int) -> None:
-    """`check_plan` for this process (as `check_fits_here`)."""
-    from moebal.distributed.groups import pick_device
-
-    world = int(os.environ.get("WORLD_SIZE", local_ranks))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    check_plan(cfg, pick_device(int(os.environ.get("LOCAL_RANK", 0))), world, local)
+    """`check_plan` for this process (`_here`)."""
+    check_plan(cfg, *_here(local_ranks))
