@@ -47,8 +47,8 @@ rank writes the rows of the dense weights and moments it holds as row pieces of 
 manifest lists them; readers assemble them), and the rows it holds of a stacked expert tensor (`parallel.ep:
 1`) as whole logical experts with their moments. Loading keeps the rank's dim-0 chunk of each logical tensor,
 so a checkpoint resumes under any shard size, or none. Expert-parallel expert weights sharded at rest are
-gathered for a checkpoint's write one MoE layer at a time (`units_gathered`), all at once for a load
-(`weights_gathered`: the owned parts then take the loaded weights), and written as before.
+gathered for a checkpoint's write and load one MoE layer at a time (`units_gathered`; a load's owned parts
+then take the loaded weights), and written as before.
 """
 
 from __future__ import annotations
@@ -292,9 +292,9 @@ class FullyShardedAdamW(torch.optim.Optimizer):
     def weight_parts(self) -> list[torch.Tensor]:
         return self.experts.weight_parts() if self.experts is not None else []
 
-    def each_unit_gathered(self) -> Iterator[int]:
+    def each_unit_gathered(self, write: bool = False) -> Iterator[int]:
         """The expert units gathered one at a time (`ShardedAdamW.each_unit_gathered`; collective over "dp")."""
-        return self.experts.each_unit_gathered() if self.experts is not None else iter(())
+        return self.experts.each_unit_gathered(write) if self.experts is not None else iter(())
 
     def mask_state(self, p: torch.Tensor, mask: torch.Tensor) -> None:
         """Multiply parameter `p`'s AdamW moments by `mask` (shaped like `p`, the same on every rank): the dense

@@ -548,16 +548,19 @@ class ShardedAdamW(torch.optim.Optimizer):
                     self._take_parts(u)
                 self.release_unit(u)
 
-    def each_unit_gathered(self) -> Iterator[int]:
+    def each_unit_gathered(self, write: bool = False) -> Iterator[int]:
         """Unit by unit, each gathered while the caller reads it (yielded), freed before the next is gathered: a
-        checkpoint's copy of the weights at rest holds one MoE layer's experts whole at a time beside the parts,
-        as the forward pass does, not every layer's. A unit gathered before is left gathered. Collective over
+        checkpoint's copy or load of the weights at rest holds one MoE layer's experts whole at a time beside the
+        parts, as the forward pass does, not every layer's. `write`: the caller wrote the unit's weights, and
+        the owned parts take them before it is freed. A unit gathered before is left gathered. Collective over
         each unit's shard group (every rank of it iterates to the end, in the same order)."""
         for u in range(len(self.units)):
             held = self.units[u].gathered
             self.gather_unit(u)
             try:
                 yield u
+                if write:
+                    self._take_parts(u)
             finally:
                 if not held:
                     self.release_unit(u)
@@ -820,10 +823,10 @@ def weights_gathered(optimizer: Any, write: bool = False) -> AbstractContextMana
     return gathered(write) if gathered is not None else nullcontext()
 
 
-def units_gathered(optimizer: Any) -> Iterator[int]:
-    """`optimizer.each_unit_gathered()` where the optimizer keeps weights sharded at rest, else nothing."""
+def units_gathered(optimizer: Any, write: bool = False) -> Iterator[int]:
+    """`optimizer.each_unit_gathered(write)` where the optimizer keeps weights sharded at rest, else nothing."""
     each = getattr(optimizer, "each_unit_gathered", None)
-    return each() if each is not None else iter(())
+    return each(write) if each is not None else iter(())
 
 
 def _storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:

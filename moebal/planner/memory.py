@@ -475,8 +475,7 @@ def _expert_weights(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: 
     sharded at rest (moebal/distributed/fsdp.py `ExpertsAtRest`): the 1/edp parts plus the MoE layers gathered
     at once, in fp32: one, two when a replicating policy's Trans of the next layer is issued as a layer starts
     (`scheduler.block_overlap`) or inside it (`planner.plan_ahead`: prefetched as the layer starts). A
-    checkpoint's write gathers one layer at a time; its load (start-up) gathers every layer, below the gradient
-    sync phase, which holds the expert gradients whole."""
+    checkpoint's write and load gather one layer at a time."""
     if whole == 0 or lay.edp == 1 or cfg.dynamism.scheme in ("pruning", "freezing"):
         return whole
     early = cfg.scheduler.block_overlap or cfg.planner.plan_ahead != "off"

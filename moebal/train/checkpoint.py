@@ -1015,11 +1015,24 @@ class PendingLoad:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     optimizer_state: dict[str, Any] | None = None
     needed: list[str] = field(default_factory=list)
+    at_rest: list[tuple[tuple[torch.Tensor, int | None], torch.Tensor]] = field(default_factory=list)
+    """Weights sharded at rest ((tensor, row), source): written one gathered unit at a time, then their owned
+    parts take them (`units_gathered(write=True)`, collective over the units' shard groups)."""
 
     def apply(self) -> None:
+        from moebal.distributed.sharded import units_gathered
+
         with torch.no_grad():
             for dst, src in self.copies:  # a DTensor shard's rows are plain views (`_local_view`)
                 dst.copy_(src)
+            left = list(self.at_rest)
+            for _ in units_gathered(self.optimizer, write=True):
+                for (t, row), src in [x for x in left if not _released(x[0][0])]:
+                    (t if row is None else t[row]).copy_(src)
+                left = [x for x in left if _released(x[0][0])]
+            if left:
+                raise RuntimeError(f"checkpoint load: {len(left)} tensors are freed weights that no unit of the "
+                                   f"optimizer's weights at rest gathered")
         if self.optimizer is not None and self.optimizer_state is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
 
@@ -1033,7 +1046,9 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
         if saved is not None and saved["num_experts"] != E:
             return (f"{reader.path}: '{stk}' has {saved['num_experts']} experts in the checkpoint but {E} in this "
                     f"model (moe.num_experts): {fix}")
-    for name, t in view.tensors.items():
+    shapes = {**{n: tuple(t.shape) for n, t in view.tensors.items()},
+              **{n: tuple(t.shape[1:] if row is not None else t.shape) for n, (t, row) in view.at_rest.items()}}
+    for name, own in shapes.items():
         entry = m["tensors"].get(name)
         if entry is None:
             if name in view.experts:
@@ -1041,7 +1056,7 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
                 return (f"{reader.path} has no expert {e} of '{stk}' (layer tensor '{name}' is missing from the "
                         f"manifest): the checkpoint is incomplete; resume from an older checkpoint")
             return f"{reader.path} holds no tensor '{name}', which this model has: {fix}"
-        shape = view.pieces[name][1] if name in view.pieces else tuple(t.shape)
+        shape = view.pieces[name][1] if name in view.pieces else own
         if list(entry["shape"]) != list(shape):
             return (f"{reader.path}: '{name}' has shape {tuple(entry['shape'])} in the checkpoint but "
                     f"{tuple(shape)} in this model: {fix}")
@@ -1055,19 +1070,18 @@ def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torc
     Raises CheckpointError for a model that does not fit (names, shapes, expert counts) and for a missing,
     truncated or corrupt file (the message then offers the previous good checkpoint)."""
     view = _local_view(module)
-    if view.at_rest:  # the caller gathers weights sharded at rest first (`weights_gathered(optimizer, write=True)`)
-        raise RuntimeError(f"checkpoint load: '{next(iter(view.at_rest))}' is freed (weights sharded at rest): "
-                           f"load inside weights_gathered(optimizer, write=True)")
     problem = _mismatch(reader, view)
     if problem is not None:
         raise CheckpointError(problem)
-    pending = PendingLoad(module, optimizer, needed=sorted(view.tensors))
+    pending = PendingLoad(module, optimizer, needed=sorted([*view.tensors, *view.at_rest]))
     try:
         _ = reader.state  # checked here, so that a bad state.json fails before anything is applied
         for name, dst in view.tensors.items():  # a shard's rows alone
             piece = view.pieces.get(name)
             src = reader.read(name) if piece is None else reader.read_rows(name, piece[0], dst.shape[0])
             pending.copies.append((dst, src))
+        for name, at in view.at_rest.items():  # freed now: written when their unit is gathered (`apply`)
+            pending.at_rest.append((at, reader.read(name)))
         sharded = getattr(optimizer, "read_logical_state", None)
         if sharded is not None:  # sharded state: the parts of the logical tensors this rank owns
             pending.optimizer_state = sharded(reader, module, view.stacked)

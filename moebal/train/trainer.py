@@ -176,18 +176,16 @@ class Trainer:
         """Load under any layout: weights and optimizer state by logical name (experts follow their owner), the
         strategy's state (read and checked before anything is applied), the data position (global), and RNG
         and hook states (`StepStrategy.saved_rank`'s)."""
-        from moebal.distributed.sharded import weights_gathered
-
         gather = self.ctx.gather if self.ctx.distributed else None
-        # expert weights sharded at rest: whole while the checkpoint's are copied in, then the owned parts take them
-        with weights_gathered(self.strategy.optimizer, write=True):
-            pending = load_agreed(reader, self.strategy.module, self.strategy.optimizer, gather)
-            s = reader.state
-            self.strategy.read_state(reader)
-            self.data.train.load_state_dict(s["data"])  # checks the data fits before anything is applied
-            for hook in self.hooks:
-                hook.read_tensors(reader)
-            pending.apply()
+        # expert weights sharded at rest are written one MoE layer at a time in `apply` (gathered, written, taken
+        # by the owned parts, freed)
+        pending = load_agreed(reader, self.strategy.module, self.strategy.optimizer, gather)
+        s = reader.state
+        self.strategy.read_state(reader)
+        self.data.train.load_state_dict(s["data"])  # checks the data fits before anything is applied
+        for hook in self.hooks:
+            hook.read_tensors(reader)
+        pending.apply()
         self.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
         self.last_val = s.get("last_val")
         self.strategy.apply_state(reader)

@@ -441,13 +441,16 @@ class _AtRest:
             for t in u:
                 t.untyped_storage().resize_(0)
 
-    def each_unit_gathered(self):
+    def each_unit_gathered(self, write: bool = False):
         for u, vals in zip(self.units, self.values):
             for t, v in zip(u, vals):
                 t.untyped_storage().resize_(v.numel() * v.element_size())
                 t.detach().copy_(v)
             self.whole.append(sum(t.untyped_storage().nbytes() > 0 for un in self.units for t in un))
             yield
+            if write:  # the owned parts take what was written
+                for t, v in zip(u, vals):
+                    v.copy_(t.detach())
             for t in u:
                 t.untyped_storage().resize_(0)
 
@@ -455,8 +458,9 @@ class _AtRest:
 def test_checkpoint_copies_weights_at_rest_one_unit_at_a_time():
     """A checkpoint's copy of expert weights sharded at rest gathers one unit (an MoE layer's experts) at a time,
     copies it to the host and frees it before the next; the other tensors are copied as they are; freed weights
-    of the same shape are not taken for tied ones; a freed tensor no unit gathers is an error, not a bad copy."""
-    from moebal.train.checkpoint import _copy_model, _local_view
+    of the same shape are not taken for tied ones; a freed tensor no unit gathers is an error, not a bad copy.
+    A load writes them the same way, one unit at a time, and the units' owned parts take the written values."""
+    from moebal.train.checkpoint import PendingLoad, _copy_model, _local_view
 
     torch.manual_seed(0)
     m = nn.Module()
@@ -473,3 +477,11 @@ def test_checkpoint_copies_weights_at_rest_one_unit_at_a_time():
     assert m.a.untyped_storage().nbytes() == 0 and m.b.untyped_storage().nbytes() == 0  # freed again
     with pytest.raises(RuntimeError, match="freed weights that no unit"):
         _copy_model(view, names, None)
+    new = {"a": torch.randn(4, 3), "b": torch.randn(4, 3), "dense": torch.randn(5)}
+    load = PendingLoad(m, None, copies=[(m.dense, new["dense"])],
+                       at_rest=[(view.at_rest[n], new[n]) for n in ("a", "b")])
+    load.optimizer = opt  # type: ignore[assignment]
+    load.apply()
+    assert opt.whole == [1, 1, 1, 1] and m.a.untyped_storage().nbytes() == 0
+    assert torch.equal(opt.values[0][0], new["a"]) and torch.equal(opt.values[1][0], new["b"])
+    assert torch.equal(m.dense.detach(), new["dense"])
