@@ -796,17 +796,13 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket; the fp32 weights of
-        compute copies, whose flats then take them rounded)."""
+        compute copies: the module's load wrote the same values, rounded, into the flats)."""
         for k, s in state_dict["sharded_parts"].items():
             self._adopt(k, s)
         with torch.no_grad():
             for k, w in state_dict.get("master_parts", {}).items():
-                b = self.buckets[k]
-                fl = self.flats[b.flat]
-                leaf = fl.leaves[fl.buckets.index(k)]
-                leaf.copy_(w)
-                a = b.start + fl.index * b.part
-                fl.buf[a:a + b.part].copy_(leaf)  # this rank's part; the module load wrote the rest alike
+                fl = self.flats[self.buckets[k].flat]
+                fl.leaves[fl.buckets.index(k)].copy_(w)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -643,9 +643,9 @@ def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
     """`parallel.shard: auto`: `cfg` with the least sharding this plan says fits a rank on `ranks` ranks of
     `device` (in the order of `shards`: none, then optimizer, then full, each costing communication the one
     before does not), among the values the config's own checks accept (a pipeline's scheme may refuse one; a
-    bf16 `parallel.param_dtype` needs a sharded state), and a line saying what was chosen and why. Where none fits: the
-    last accepted one, which the plan's check then refuses with its line; where the plan cannot describe the
-    layout: the first accepted one. `changes`: as `layout_from_config`'s (its shard is ignored)."""
+    bf16 `parallel.param_dtype` needs a sharded state), and a line saying what was chosen and why. Where none
+    fits: the last accepted one, which the plan's check then refuses with its line; where the plan cannot
+    describe the layout: the first accepted one. `changes`: as `layout_from_config`'s (its shard is ignored)."""
     changes = {k: v for k, v in changes.items() if k != "shard"}
     gb = 1e9
     tried: list[str] = []
