@@ -310,10 +310,11 @@ class ParallelConfig:
     """Expert-parallel size; null: every rank of a pipeline stage. Must divide moe.num_experts."""
     pp: int = 1
     """Pipeline-parallel stages."""
-    shard: Literal["none", "optimizer", "full", "auto"] = "none"
-    """Sharded model state: auto (the least sharding the memory plan says fits this job's ranks and devices:
-    none, else optimizer, else full; `moebal train` settles it at start-up and config.yaml keeps the result,
-    moebal/train/memory.py `resolve_shard`); none (every rank keeps full fp32 weights, gradients and AdamW state
+    shard: Literal["none", "optimizer", "full", "auto"] = "auto"
+    """Sharded model state: auto, the default (the least sharding the memory plan says fits this job's ranks
+    and devices: none, else optimizer, else full; settled at start-up, before anything is built, by `moebal
+    train` and by every entry point of a run, and config.yaml keeps the result: moebal/train/memory.py
+    `settle_shard`); none (every rank keeps full fp32 weights, gradients and AdamW state
     of what it holds); optimizer: gradients and AdamW state partitioned over the data-parallel ranks (dense parameters)
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
     weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their

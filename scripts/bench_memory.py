@@ -127,14 +127,17 @@ def plan_config(case: Case, steps: int) -> Config:
 def predict(case: Case, steps: int, runtime: bool = True, skew: float = 1.0) -> dict[str, Any]:
     """The plan of a case on this machine's CPU (runtime False: the model's bytes alone, no CPU constants), with
     the busiest rank's routed rows `skew` times the mean."""
-    from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
+    from moebal.planner.memory import DeviceMemory, choose_shard, layout_from_config, plan_memory
 
     cfg = plan_config(case, steps)
     given = dict(o.split("=", 1) for o in case.overrides)
-    lay = layout_from_config(cfg, RANKS, shard=given.get("parallel.shard"), recompute=given.get("train.recompute"),
-                             precision="fp32", routing_skew=skew)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     dev = DeviceMemory.cpu(ram, RANKS)
+    kw = {"recompute": given.get("train.recompute"), "routing_skew": skew}
+    shard = given.get("parallel.shard")
+    if shard is None:  # parallel.shard auto, the default: the run settles it as `moebal train` does
+        shard = choose_shard(cfg, RANKS, dev, "fp32", **kw)[0].parallel.shard
+    lay = layout_from_config(cfg, RANKS, shard=shard, precision="fp32", **kw)
     if not runtime:
         dev = DeviceMemory(name=dev.name, capacity_bytes=dev.capacity_bytes, runtime_bytes=0.0, slack=0.0,
                            startup_retained=0.0)

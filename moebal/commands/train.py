@@ -186,16 +186,19 @@ def run(args: argparse.Namespace) -> int:
     from moebal.train.rundir import LOCK_ENV, lock_run_dir
 
     local = _local_ranks(cfg) if "RANK" not in os.environ else 1  # what this process starts here
-    # parallel.shard auto: the memory plan's choice, settled alike by the launcher and every rank (config.yaml
-    # keeps it); said once, by the launcher or a torchrun job's rank 0
-    cfg, line = resolve_shard_here(cfg, local)
-    if line and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)):
-        print(f"moebal: {line}", file=sys.stderr, flush=True)
     # an impossible size is one line, before anything is allocated or created
     check_fits_here(cfg, local)
+    # parallel.shard auto (the default): the memory plan's choice, settled alike by the launcher and every rank
+    # (config.yaml keeps it)
+    cfg, line = resolve_shard_here(cfg, local)
     # the memory plan: each rank's predicted peak by term (docs/memory.md); --no-memory-check skips it
     if not getattr(args, "no_memory_check", False):
         check_plan_here(cfg, local)
+    # a choice to shard is said once (by the launcher or a torchrun job's rank 0), after the plan's check: where
+    # nothing fits its refusal is the one line; none, the run as it would be without sharding, goes unsaid
+    if line and cfg.parallel.shard != "none" and (
+            "RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)):
+        print(f"moebal: {line}", file=sys.stderr, flush=True)
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:

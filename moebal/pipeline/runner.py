@@ -109,9 +109,9 @@ class PipelineRunner:
         (gradients travel too); `record_ops` keeps one iteration's per-op timeline before and after each adopted
         plan (the Gantt chart); `bandwidth` (bytes/s) costs migrations instead of measuring the chain at start;
         `latency` is the seconds per migrated layer beyond its bytes."""
-        from moebal.train.memory import require_settled_shard
+        from moebal.train.memory import settle_shard
 
-        require_settled_shard(cfg)
+        cfg = settle_shard(cfg, device)  # parallel.shard auto: the memory plan's choice, as `moebal train`'s
         self.cfg, self.opts = cfg, cfg.pipeline
         self.force, self.force_mid = tuple(force), tuple(force_mid)
         self.record_ops, self.latency = record_ops, latency

@@ -644,18 +644,18 @@ def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
     `device` (in the order of `shards`: none, then optimizer, then full, each costing communication the one
     before does not), among the values the config's own checks accept (a pipeline's scheme may refuse one; a
     bf16 `parallel.param_dtype` needs a sharded state), and a line saying what was chosen and why. Where none
-    fits: the last accepted one, which the plan's check then refuses with its line; where the plan cannot
+    fits: the one with the smallest planned peak, which the plan's check then refuses with its line (and the
+    settings that would make it fit); where the plan cannot
     describe the layout: the first accepted one. `changes`: as `layout_from_config`'s (its shard is ignored)."""
     changes = {k: v for k, v in changes.items() if k != "shard"}
     gb = 1e9
     tried: list[str] = []
-    last: Config | None = None
+    closest: tuple[float, Config] | None = None
     for shard in shards:
         try:
             cand = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard))  # type: ignore[arg-type]
         except ConfigError:  # this config's checks refuse that value
             continue
-        last = cand
         try:
             plan = plan_memory(cand, layout_from_config(cand, ranks, **{**changes, "precision": precision}), device)
         except ConfigError:
@@ -665,10 +665,13 @@ def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
             return cand, (f"parallel.shard auto: {shard} (the memory plan: {plan.peak_bytes / gb:.1f} GB per rank of "
                           f"{device.capacity_bytes / gb:.1f} GB{not_})")
         tried.append(f"{shard} {plan.peak_bytes / gb:.1f} GB")
-    if last is None:
+        if closest is None or plan.peak_bytes < closest[0]:
+            closest = (plan.peak_bytes, cand)
+    if closest is None:
         raise ConfigError(f"parallel.shard auto: this config's checks refuse {', '.join(shards)} alike; name one of "
                           f"them to see why")
-    return last, f"parallel.shard auto: {last.parallel.shard}, though nothing fits ({', '.join(tried)})"
+    return closest[1], (f"parallel.shard auto: {closest[1].parallel.shard}, the closest to fitting, though nothing "
+                        f"fits ({', '.join(tried)})")
 
 
 def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
@@ -685,6 +688,11 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
                         param_dtype=cfg.parallel.param_dtype)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}
     lay = dataclasses.replace(base, **rest)
+    if lay.shard == "auto":  # one rank has nothing to shard; more are the memory plan's choice to make first
+        if lay.ranks > 1:
+            raise ConfigError("parallel.shard auto describes no layout until it is settled: settle it with "
+                              "choose_shard (moebal/planner/memory.py) or name none, optimizer or full")
+        lay = dataclasses.replace(lay, shard="none")
     if lay.pp > 1 and "micro_batches" not in rest:
         rows = cfg.data.batch_size // max(lay.stage_ranks, 1)
         lay = dataclasses.replace(lay, micro_batches=max(1, min(lay.micro_batches, rows)))

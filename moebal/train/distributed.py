@@ -184,9 +184,9 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     the job, or the hardware profile).
     """
     from moebal.models import build_model
-    from moebal.train.memory import require_settled_shard
+    from moebal.train.memory import settle_shard
 
-    require_settled_shard(cfg)  # "auto" would read as sharded below (no gradient sync)
+    cfg = settle_shard(cfg)  # parallel.shard auto: the memory plan's choice (the trainer settles it alike)
     from moebal.train.trainer import seed_everything
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

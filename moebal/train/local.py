@@ -48,9 +48,9 @@ class LocalStep:
 
     def __init__(self, cfg: Config, model: torch.nn.Module, data: DataBundle, ctx: RunContext,
                  device: torch.device) -> None:
-        from moebal.train.memory import require_settled_shard
+        from moebal.train.memory import settle_shard
 
-        require_settled_shard(cfg)
+        cfg = settle_shard(cfg, device)  # parallel.shard auto: the memory plan's choice, as `moebal train`'s
         ctx.check_batch(cfg.data.batch_size)
         self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
         self.model = model.to(device)

@@ -24,7 +24,7 @@ from moebal.planner.cost import ModelShape
 from moebal.planner.memory import DeviceMemory
 
 __all__ = ["BYTES_PER_PARAM", "check_fits", "check_fits_here", "check_plan", "check_plan_here", "param_count",
-           "require_settled_shard", "resolve_shard", "resolve_shard_here"]
+           "resolve_shard", "resolve_shard_here", "settle_shard"]
 
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 
@@ -123,12 +123,24 @@ def resolve_shard(cfg: Config, device: torch.device, world_size: int, local_rank
     return chosen, line
 
 
-def require_settled_shard(cfg: Config) -> None:
-    """ConfigError for `parallel.shard: auto` reaching a trainer unsettled (a library caller's config)."""
-    if cfg.parallel.shard == "auto":
-        raise ConfigError("parallel.shard auto is settled by `moebal train` at start-up from the memory plan: "
-                          "outside it, settle it first (moebal.train.memory.resolve_shard) or name none, optimizer "
-                          "or full")
+def settle_shard(cfg: Config, device: torch.device | None = None) -> Config:
+    """`cfg` with `parallel.shard: auto` settled as `moebal train` settles it (`resolve_shard`) for this
+    process's job: its world size (the process group's, else WORLD_SIZE, else 1), the ranks on this machine
+    (LOCAL_WORLD_SIZE, else the world) and `device` (else this rank's). The entry points a library caller builds
+    a run from (the trainer, the local step, `setup_parallel`, the pipeline runner) call it first, so a config
+    never reaches the code that reads `parallel.shard` unsettled; on a config that names a value (or one
+    `moebal train` settled) it returns `cfg` itself. Every rank of a job of like devices settles alike (a
+    function of the config, the world size and the devices' memory, no message); a job over unlike devices
+    names the value."""
+    if cfg.parallel.shard != "auto":
+        return cfg
+    import torch.distributed as dist
+
+    here, world, local = _here(1)
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return resolve_shard(cfg, device or here, world, local)[0]
 
 
 def resolve_shard_here(cfg: Config, local_ranks: int) -> tuple[Config, str | None]:

@@ -102,10 +102,14 @@ class Trainer:
                  strategy: StepStrategy | None = None) -> None:
         """Without `strategy`, the local step over `model` (built from the config when None). A given
         `strategy` was built over `data` and the job of `ctx`."""
+        from moebal.train.memory import settle_shard
+
         self.created = t0 = time.perf_counter()
+        self.device = device or default_device()
+        # parallel.shard auto: the memory plan's choice, as `moebal train` (and a given strategy) settled it
+        cfg = settle_shard(cfg, self.device)
         self.cfg, self.run_dir, self.hooks = cfg, Path(run_dir), list(hooks or [])
         self.ctx = ctx or RunContext()
-        self.device = device or default_device()
         set_threads(cfg)
         ckpt = self._find_resume(resume, require_checkpoint)
         self.data = data or build_data(cfg)

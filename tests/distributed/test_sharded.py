@@ -222,6 +222,42 @@ def test_bf16_weights_with_fp32_masters_under_the_sharded_optimizer(tmp_path):
             assert torch.equal(saved[name].to(torch.bfloat16), copy), name
 
 
+def _auto(rank: int, world: int, root: str) -> dict[str, Any]:
+    """`parallel.shard: auto` (the default) in a library caller's run, on devices whose memory the plan says
+    holds `optimizer` and not `none`; then the same run naming `optimizer`."""
+    import dataclasses
+
+    import moebal.train.memory as train_memory
+    from moebal.config import load
+    from moebal.planner.memory import DeviceMemory, layout_from_config, plan_memory
+
+    cfg = shard_cfg("auto", 1, steps=3)
+
+    def device(capacity: float, name: str = "d") -> DeviceMemory:
+        return DeviceMemory(name=name, capacity_bytes=capacity, runtime_bytes=0.0, slack=0.0)
+
+    def peak(shard: str) -> float:
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard))
+        return plan_memory(c, layout_from_config(c, world, precision="fp32"), device(1e15)).peak_bytes
+
+    capacity = (peak("none") + peak("optimizer")) / 2
+    train_memory._device_memory = lambda *_: device(capacity, "small")  # type: ignore[assignment]  # this rank only
+    auto = train_run(cfg, Path(root) / "auto")
+    named = train_run(shard_cfg("optimizer", 1, steps=3), Path(root) / "named")
+    return {"auto": auto["rows"], "named": named["rows"], "optimizer": auto["optimizer"],
+            "saved": load(Path(root) / "auto" / "config.yaml").parallel.shard}
+
+
+def test_shard_auto_is_settled_by_a_library_callers_entry_points(tmp_path):
+    """The default `parallel.shard: auto` reaching `setup_parallel` and the trainer (no `moebal train` to settle
+    it): both settle it alike from the memory plan, here to `optimizer` on devices too small for `none`; the run
+    is the sharded optimizer's, config.yaml keeps the choice, and the losses equal a run that named it."""
+    out = run_ranks(_auto, 2, str(tmp_path), timeout_s=600)[0]
+    assert out["optimizer"] == "ShardedAdamW" and out["saved"] == "optimizer"
+    assert [(r["step"], r["loss"]) for r in out["auto"]] == [(r["step"], r["loss"]) for r in out["named"]]
+    assert len(out["auto"]) == 3
+
+
 def test_what_is_not_built_is_refused_with_the_fix():
     from moebal.errors import ConfigError
 

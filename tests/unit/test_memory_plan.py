@@ -17,6 +17,7 @@ from moebal.planner.hardware import load_profile
 from moebal.planner.memory import (
     DeviceMemory,
     MemoryLayout,
+    choose_shard,
     fit_layout,
     layout_from_config,
     plan_memory,
@@ -169,7 +170,7 @@ def test_impossible_job_is_refused_in_one_line(capsys):
 
 
 def test_refusal_names_a_setting_that_fits():
-    cfg = load("llama-moe-3.5b", ["parallel.pp=1", "parallel.ep=8"])
+    cfg = load("llama-moe-3.5b", ["parallel.pp=1", "parallel.ep=8", "parallel.shard=none"])
     dev = DeviceMemory.from_profile(load_profile("h100"))
     plan = plan_memory(cfg, layout_from_config(cfg, 8, init="local"), dev)
     assert not plan.fits
@@ -199,11 +200,18 @@ def test_fit_returns_a_layout_the_plan_accepts(capsys):
 
 def test_presets_fit_on_their_clusters():
     dev = DeviceMemory.from_profile(load_profile("h100-ndr400"))
-    llama = load("llama-moe-3.5b")  # one 8-GPU node
+    # parallel.shard auto, as the presets leave it: settled as `moebal train` settles it on these GPUs (to none)
+    llama, line = choose_shard(load("llama-moe-3.5b"), 8, dev, "bf16")  # one 8-GPU node
+    assert llama.parallel.shard == "none", line
     assert plan_memory(llama, layout_from_config(llama, 8), dev).fits
-    mixtral = load("mixtral-8x7b")  # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
+    # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
+    mixtral, line = choose_shard(load("mixtral-8x7b"), 16, dev, "bf16")
+    assert mixtral.parallel.shard == "none", line
     assert plan_memory(mixtral, layout_from_config(mixtral, 16), dev).fits
-    assert not plan_memory(mixtral, layout_from_config(mixtral, 16, recompute="none"), dev).fits
+    # without the recompute no sharding fits: auto takes the closest (full), which the start-up check refuses
+    closest, line = choose_shard(mixtral, 16, dev, "bf16", recompute="none")
+    assert closest.parallel.shard == "full" and "nothing fits" in line
+    assert not plan_memory(closest, layout_from_config(closest, 16, recompute="none"), dev).fits
     # without the pipeline full sharding fits 16 GPUs with expert weights sharded at rest over dp 2 (69.5 GB; 81.3
     # GB with them replicated): half of each rank's experts plus one MoE layer's gathered; the expert gradients,
     # whole until Agg, are the largest term
@@ -384,12 +392,13 @@ def test_trace_rank_memory_names_phases_and_their_peaks():
 
 def test_shard_auto_takes_the_least_sharding_that_fits():
     """`parallel.shard: auto` (`choose_shard`): none while it fits, then optimizer, then full; a value the config's
-    checks refuse is skipped; where nothing fits, full (the plan check then refuses it with its line). `moebal
-    train` settles it before any rank builds a model; a trainer handed an unsettled auto refuses it."""
+    checks refuse is skipped; where nothing fits, full (the plan check then refuses it with its line). It is the
+    default; `moebal train` settles it before any rank builds a model, and a library caller's entry point
+    (`settle_shard`) alike; on one rank there is nothing to shard."""
     from moebal.config import from_dict
     from moebal.errors import ConfigError
     from moebal.planner.memory import DeviceMemory, choose_shard, layout_from_config, plan_memory
-    from moebal.train.memory import require_settled_shard
+    from moebal.train.memory import settle_shard
 
     def dev(capacity: float) -> DeviceMemory:
         return DeviceMemory(name="d", capacity_bytes=capacity, runtime_bytes=0.0, slack=0.0)
@@ -415,5 +424,10 @@ def test_shard_auto_takes_the_least_sharding_that_fits():
                       layout_from_config(pipe, 4, shard="none", precision="fp32"), unlimited).peak_bytes
     chosen, line = choose_shard(pipe, 4, dev(big * 0.99), "fp32")
     assert chosen.parallel.shard == "full" and "none" in line and "optimizer" not in line
-    with pytest.raises(ConfigError, match="settled by `moebal train`"):
-        require_settled_shard(cfg)
+    assert from_dict({}).parallel.shard == "auto"
+    named = from_dict({**base, "parallel": {"shard": "optimizer"}})
+    assert settle_shard(named) is named
+    assert settle_shard(cfg).parallel.shard == "none"  # one process: nothing to shard
+    assert layout_from_config(cfg, 1).shard == "none"
+    with pytest.raises(ConfigError, match="settle it with choose_shard"):
+        layout_from_config(cfg, 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -79,7 +80,9 @@ def test_short_run_writes_metrics_checkpoint_dashboard_and_calls_hooks(tmp_path)
     result = trainer.train()
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["ckpt-0000006", "config.yaml", "dashboard.png", "kernels.json", "metrics.jsonl"]
-    assert (tmp_path / "config.yaml").read_text(encoding="utf-8") == dump(cfg)
+    # the run's config: the given one with parallel.shard auto settled (one process: nothing to shard)
+    settled = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard="none"))
+    assert trainer.cfg == settled and (tmp_path / "config.yaml").read_text(encoding="utf-8") == dump(settled)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
     for r in lines:
