@@ -156,9 +156,10 @@ class ExpertBalancer:
         return placements
 
     def step_time(self, reduce_max: ReduceMax, device: torch.device) -> float | None:
-        """Seconds since `begin_step`, the maximum over the group (one small all-reduce); None without feedback
-        (no collective then). Call it after the step's last host sync, so device work is counted."""
-        if not self.feedback.cfg.enabled:
+        """Seconds since `begin_step`, the maximum over the group (one small all-reduce); None where the
+        feedback will not use it (no loop, or no trial running: `PlanFeedback.wants_time`, the same on every
+        rank), and no collective then. Call it after the step's last host sync, so device work is counted."""
+        if not self.feedback.wants_time():
             return None
         t = torch.tensor([time.perf_counter() - self._t0], dtype=torch.float64, device=device)
         return float(to_host(reduce_max(t), "step time")[0])
@@ -177,7 +178,7 @@ class ExpertBalancer:
             planned_s += plan["predicted_time_s"]
             pl.step(c_RE)
         self.predicted_gain = 1.0 - planned_s / static_s if static_s > 0 else 0.0
-        if step_s is not None:
+        if self.feedback.cfg.enabled:
             self._gains = [*self._gains, self.predicted_gain][-2 * self.feedback.cfg.window:]  # a trial's steps
             self.feedback.observe(step, step_s)
 

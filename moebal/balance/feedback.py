@@ -79,10 +79,21 @@ class PlanFeedback:
         """Whether the next step runs the balancer's plan (else its base)."""
         return not self.cfg.enabled or self.arm == "plan"
 
-    def observe(self, step: int, seconds: float) -> None:
-        """The measured time of step `step`, which ran on the arm `use_plan()` gave before it."""
+    def wants_time(self) -> bool:
+        """Whether the coming step's measured time will be used: a step of an interleaved trial, or any step
+        when the windows roll. Outside a trial (the warm-up step, a hold after backing off, a kept plan until its
+        re-check) an interleaved loop needs none, so the balancer spends no collective measuring it."""
+        if not self.cfg.enabled:
+            return False
+        return self.trial >= 0 if self.cfg.interleave and self.auto else True
+
+    def observe(self, step: int, seconds: float | None) -> None:
+        """Step `step` ran on the arm `use_plan()` gave before it, in `seconds` (None where `wants_time()` said
+        it was not needed)."""
         if not self.cfg.enabled:
             return
+        if seconds is None and self.wants_time():
+            raise ValueError(f"PlanFeedback: step {step} is a step of a trial and needs its measured time")
         self.seen += 1
         pairs = self.cfg.interleave and self.auto
         if self.seen == 1:  # warm-up: allocations and first-touch costs belong to no arm
@@ -90,8 +101,9 @@ class PlanFeedback:
                 self._begin_pairs()
             return
         if pairs:
-            self._observe_pairs(step, float(seconds))
+            self._observe_pairs(step, seconds)
             return
+        assert seconds is not None  # wants_time() is always true here
         w = self.times[self.arm]
         w.append(float(seconds))
         del w[:-self.cfg.window]  # a rolling window: a hold keeps the latest base steps for the next trial
@@ -149,9 +161,10 @@ class PlanFeedback:
         self.trial, self.arm, self.until = 0, "base", 0
         self.times = {a: [] for a in ARMS}
 
-    def _observe_pairs(self, step: int, seconds: float) -> None:
+    def _observe_pairs(self, step: int, seconds: float | None) -> None:
         if self.trial >= 0:
-            self.times[self.arm].append(seconds)
+            assert seconds is not None  # wants_time() is true in a trial
+            self.times[self.arm].append(float(seconds))
             self.trial += 1
             if self.trial < 2 * self.cfg.window:
                 self.arm = PAIRS[self.trial % len(PAIRS)]

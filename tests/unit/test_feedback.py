@@ -103,3 +103,27 @@ def test_an_interleaved_trial_of_a_slower_plan_backs_off_and_resumes_exactly():
     b = PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4))
     b.load_state_dict(a.state_dict())
     assert run(a, 30, 1.0, 1.3, start=13) == run(b, 30, 1.0, 1.3, start=13)
+
+
+def test_only_the_steps_a_verdict_reads_are_timed():
+    """`wants_time`: an interleaved loop reads the times of its trials' steps only (the balancer spends no
+    collective measuring the warm-up, a hold or a kept plan's stretch); rolling windows read every step. Giving
+    no time where one is read is an error; giving none elsewhere changes nothing."""
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4, recheck=6))
+    wanted, arms = [], []
+    for step in range(1, 25):
+        wanted.append(fb.wants_time())
+        arms.append(fb.use_plan())
+        fb.observe(step, (0.7 if arms[-1] else 1.0) if wanted[-1] else None)
+    # warm-up, trial (4 steps, kept at step 5), the kept plan until its re-check at step 11, a trial, ...
+    assert wanted[:12] == [False, True, True, True, True, False, False, False, False, False, False, True]
+    assert [e["verdict"] for e in fb.drain()] == ["kept"] * 2
+    # the same arms as a loop given every step's time
+    assert arms == run(PlanFeedback(FeedbackConfig(enabled=True, window=2, hold=4, recheck=6)), 24, 1.0, 0.7)
+    windows = PlanFeedback(FeedbackConfig(enabled=True, interleave=False, window=2))
+    assert all(windows.wants_time() for _ in range(3))
+    assert not PlanFeedback(FeedbackConfig(enabled=False)).wants_time()
+    fb = PlanFeedback(FeedbackConfig(enabled=True, window=2))
+    fb.observe(1, None)  # the warm-up: no time needed
+    with pytest.raises(ValueError, match="needs its measured time"):
+        fb.observe(2, None)
