@@ -477,7 +477,7 @@ ROWS: tuple[Row, ...] = (
         MEASURED_RUN),
     Row("memory plan vs measured peak memory per rank (4 gloo ranks, 80M-parameter MoE)", "memory", fig_memory,
         "fitted: the CPU runtime and slacks (the full-shard slack included), on calibration runs of another model; "
-        "predicted: the 14 layouts"),
+        "predicted: the 15 layouts"),
     Row("sharded optimizer state (`parallel.shard: optimizer`)", "test_sharded", fig_pytest,
         "a test's assertion; the 0.44x is measured, nothing fitted"),
     Row("fully sharded state (`parallel.shard: full`)", "test_fsdp", fig_pytest,
