@@ -44,6 +44,7 @@ def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: in
                  "val_fraction": 0.0},
         "train": {"steps": 3, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32"},
         "parallel": {"pp": pp, "nproc": nproc or pp, "ep": ep},
+        "planner": {"costs": "rtx3090"},  # a fixed profile: runs compared bit for bit plan the same placements
         "pipeline": {"microbatching": method,
                      "dynamic": {"costs": "a100", "max_tokens": 192, "workers": 0, **dynamic}}})
 
