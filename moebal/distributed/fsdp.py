@@ -20,10 +20,11 @@ Who shards what:
   are freed between uses; a rank keeps its 1/W part (W = ranks of "dp"), and the layer's weights are
   all-gathered over "dp" for its forward (or earlier, when Trans reads them to send replicas), freed at the
   forward's end, gathered again when the backward pass reaches the layer's output, and freed once their
-  gradients have accumulated. Readers between steps (checkpoints) enter `gathered()`. Within a pipeline, under
-  the pruning or freezing scheme (which read and edit expert weights between steps), and with one rank per
-  expert shard ("dp" of 1) they stay replicated over "dp" (ZeRO-2): the optimizer all-gathers them after each
-  step.
+  gradients have accumulated. Readers between steps (checkpoints) enter `gathered()`. In a pipeline stage the
+  same holds per micro-batch (each forward gathers and frees, each backward gathers and frees), and a migration
+  gathers every unit of the stage whole before its walk (`StageShardedAdamW.full_state`). Under the pruning or
+  freezing scheme (which read and edit expert weights between steps) and with one rank per expert shard ("dp"
+  of 1) they stay replicated over "dp" (ZeRO-2): the optimizer all-gathers them after each step.
 
 Order (why the expert gathers cannot deadlock): every gather is a blocking all-gather over "dp", the ranks
 holding the same experts, issued at points every rank reaches in the same sequence: in the forward pass at the
@@ -164,12 +165,18 @@ class ExpertsAtRest:
         return y
 
 
+AT_REST_MIN_DP = 2
+"""The fewest ranks per expert shard ("dp") at which `shard: full` keeps expert weights sharded at rest: with one
+the part is the whole and freeing it saves nothing. (Tests lower it to 1 to run the gather-and-free life cycle on
+4 ranks of a pipeline, where 2 stages x 2 expert shards leave one rank per shard.)"""
+
+
 def experts_at_rest(model: nn.Module, cfg: Config, dims: ParallelDims
                     ) -> list[tuple[ExpertParallelDispatcher, list[nn.Parameter]]]:
     """Per MoE layer under expert parallelism, its dispatcher and expert parameters, when `shard: full` keeps
-    them sharded at rest (module docstring: not in a pipeline, not under the pruning or freezing scheme, more
-    than one rank per expert shard); else none."""
-    if cfg.parallel.pp > 1 or dims.size("dp") < 2 or cfg.dynamism.scheme in ("pruning", "freezing"):
+    them sharded at rest (module docstring: not under the pruning or freezing scheme, at least `AT_REST_MIN_DP`
+    ranks per expert shard); else none. `model`: a whole model or a pipeline stage (its MoE layers)."""
+    if dims.size("dp") < AT_REST_MIN_DP or cfg.dynamism.scheme in ("pruning", "freezing"):
         return []
     get = getattr(model, "moe_layers", None)
     layers = [m for m in (get() if get is not None else []) if isinstance(m.dispatcher, ExpertParallelDispatcher)]
@@ -216,14 +223,17 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         self.dense = torch.optim.AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True) \
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
-        units = experts_at_rest(model, cfg, dims) if expert_divisor is None else []  # not in a pipeline stage
+        units = experts_at_rest(model, cfg, dims)
         self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype,
                                     divisor=expert_divisor, channels=expert_channels,
                                     at_rest=[ps for _, ps in units]) if has_experts else None
         trans_reads = cfg.planner.policy != "static"  # only replicating placements send the owner's weights
+        # the last MoE layer's backward follows its forward at once only without a pipeline (in a stage other
+        # micro-batches' forwards come between)
+        last = len(units) - 1 if cfg.parallel.pp == 1 else -1
         for u, (d, _) in enumerate(units):
             assert self.experts is not None
-            d.weights = ExpertsAtRest(self.experts, u, trans_reads, last=u == len(units) - 1)
+            d.weights = ExpertsAtRest(self.experts, u, trans_reads, last=u == last)
         self.experts_at_rest = len(units)
         """MoE layers whose expert weights are sharded at rest (0: replicated over "dp", ZeRO-2)."""
         if isinstance(norm_channel, str):
@@ -482,6 +492,9 @@ class StageShardedAdamW(FullyShardedAdamW):
         the leaving layers and their moments whole, and the stage's expert moments whole, beside the shards."""
         dense = self.dense.state if self.dense is not None else {}
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        if self.experts is not None:  # expert weights at rest whole for the walk (the leaving layers') and for
+            for u in range(len(self.experts.units)):  # the rebuilt optimizer's new flats (the staying ones')
+                self.experts.gather_unit(u)  # collective over "dp", layers in order; this optimizer is discarded
         for i in self.leaving:
             new, states = plain_layer(self.stage, i, self.dims.device, dense, self.prepare_layer)
             out.update(states)

@@ -762,9 +762,13 @@ class PipelineRunner:
         self._follow_trainable()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters by full-model name (tests compare them across partitions)."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in self.stage.state_dict().items()}
+        """This stage's parameters by full-model name (tests compare them across partitions). Collective over the
+        stage under `parallel.shard: full` (FSDP2's shards and expert weights at rest gathered)."""
+        from moebal.distributed.sharded import weights_gathered
+
+        with weights_gathered(self.optimizer):
+            return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                    for k, v in self.stage.state_dict().items()}
 
 
 def _scheme_names(i: int, key: str, shape: tuple[int, ...],

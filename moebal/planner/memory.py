@@ -24,11 +24,12 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
 - parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
   (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and the expert-parallel experts by
   the expert-data-parallel ranks (sharded at rest: `_expert_weights`, plus one MoE layer's experts gathered,
-  two with a replicating policy's block-overlapped or planned-ahead Trans; whole in a pipeline stage), plus the
+  two with a replicating policy's block-overlapped or planned-ahead Trans; in a pipeline stage too), plus the
   weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
   stage every layer, the embedding and the head is an FSDP2 root of its own, resharded after its forward: the
-  shards, the expert-parallel experts whole (ep > 1; with ep 1 they are FSDP2's), plus the largest unit gathered.
+  shards, the expert-parallel experts' parts and gathered layer as above (ep > 1; with ep 1 they are FSDP2's),
+  plus the largest unit gathered.
 - FSDP2 reduce-scatter buffers: `shard: full`: a unit's backward pass holds its unsharded gradients (compute
   dtype) and FSDP2's flat reduce-scatter input (fp32) that they are copied into before they are freed, beside
   the earlier layers' activations (torch fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`).
@@ -388,7 +389,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     fsdp = dense + expert - whole
     if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
-        t["parameters"] = 4 * (fsdp / d_dense + whole) + max(gathered, default=0.0) * a  # one gathered at a time
+        t["parameters"] = (4 * (fsdp / d_dense + _expert_weights(cfg, lay, specs, whole))
+                           + max(gathered, default=0.0) * a)  # one gathered at a time
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
@@ -470,8 +472,8 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
 
 
 def _expert_weights(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: float) -> float:
-    """Expert-parallel expert weight elements a rank holds under `shard: full` without a pipeline: `whole` when
-    they are replicated over the expert-data-parallel ranks (one of them, the pruning or freezing scheme), else
+    """Expert-parallel expert weight elements a rank holds under `shard: full` (a stage's, in a pipeline): `whole`
+    when they are replicated over the expert-data-parallel ranks (one of them, the pruning or freezing scheme), else
     sharded at rest (moebal/distributed/fsdp.py `ExpertsAtRest`): the 1/edp parts plus the MoE layers gathered
     at once, in fp32: one, two when a replicating policy's Trans of the next layer is issued as a layer starts
     (`scheduler.block_overlap`) or inside it (`planner.plan_ahead`: prefetched as the layer starts). A

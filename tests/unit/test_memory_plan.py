@@ -362,6 +362,25 @@ def test_full_sharding_in_an_expert_parallel_pipeline_keeps_the_expert_shards_wh
     assert t["migration: moved layers whole"] == 12 * (dense_layer + experts)
 
 
+def test_full_sharding_in_an_expert_parallel_pipeline_keeps_expert_weights_at_rest_with_two_ranks_per_shard():
+    """pp 2 x ep 2 x dp 2 (8 ranks): dense parameters over the stage's 4 ranks, the expert weights at rest over
+    "dp" (moebal/distributed/fsdp.py `ExpertsAtRest` in a stage): half of the rank's expert shard kept, plus one
+    MoE layer's gathered; with a block-overlapped replicating Trans two layers gathered; pruning keeps them whole."""
+    args = [*TINY, "model.n_layers=2", "data.batch_size=8", "parallel.pp=2", "parallel.ep=2"]
+    lay = MemoryLayout(ranks=8, pp=2, ep=2, shard="full", micro_batches=2)
+    cfg = load(None, args)
+    plan = plan_memory(cfg, lay, BARE)
+    dense_layer, experts = 272 + 16, 192 // 2  # one MoE layer per stage; the rank's 1 of 2 experts
+    dense = [dense_layer + 2048, dense_layer + 8 + 2048][plan.stage]
+    assert plan.terms["parameters"] == 4 * (dense / 4 + experts / 2 + experts) + 4 * 2048
+    assert plan.terms["optimizer state"] == 8 * (dense / 4 + experts / 2)
+    overlap = load(None, [*args, "scheduler.block_overlap=true"])
+    two = plan_memory(overlap, dataclasses.replace(lay, policy="prophet"), BARE).terms["parameters"]
+    assert two == 4 * (dense / 4 + experts / 2 + 2 * experts) + 4 * 2048
+    pruning = load(None, [*args, "dynamism.scheme=pruning"])
+    assert plan_memory(pruning, lay, BARE).terms["parameters"] == 4 * (dense / 4 + experts) + 4 * 2048
+
+
 def test_trace_rank_memory_names_phases_and_their_peaks():
     """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
     resident peak and malloc's figures at that sample."""
