@@ -319,12 +319,13 @@ class ParallelConfig:
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
     weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their
     expert-data-parallel ranks: gathered a MoE layer at a time; docs/sharding.md). With parallel.pp > 1 per
-    stage (a migrated layer's state is re-sharded), expert weights replicated over their expert-data-parallel
-    ranks there; optimizer refuses dynamism.scheme early_exit, and mod with idle routers."""
+    stage (a migrated layer's state is re-sharded); optimizer refuses dynamism.scheme early_exit, and mod with
+    idle routers."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
-    """The dtype non-expert-parallel weights are computed in (bf16 needs train.precision: bf16): under shard full
-    FSDP2 all-gathers them in it; under shard optimizer (parallel.pp 1) every rank keeps its replicated weights
-    in it and only its shard of them in fp32. Master weights and AdamW state stay fp32."""
+    """The dtype weights are computed in (bf16 needs train.precision: bf16): under shard full FSDP2 all-gathers
+    the dense ones in it; under shard optimizer (parallel.pp 1) every rank keeps its replicated weights in it and
+    only its shard of them in fp32. Without a pipeline the expert-parallel weights too where more than one rank
+    holds each expert shard (under full gathered at rest in it). Master weights and AdamW state stay fp32."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under shard full or optimizer, the dtype gradients are reduce-scattered in (dense by FSDP2 or the sharded
     optimizer, expert parts by the sharded optimizer); the optimizer receives fp32 gradients."""

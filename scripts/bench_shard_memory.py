@@ -1,6 +1,6 @@
 """Model-state memory per rank under `parallel.shard` none / optimizer / full, measured on real gloo ranks.
 
-    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--shards none optimizer optimizer_bf16 full]
+    python scripts/bench_shard_memory.py [--ranks 4] [--steps 3] [--shards none optimizer optimizer_bf16 full full_bf16]
         [--json FILE]
 
 For each layout (`LAYOUTS`: data parallel; 2 x 2 data x expert parallel; 4-way expert parallel) and each shard
@@ -38,9 +38,11 @@ LAYOUTS = {"dp": 1, "dp2_x_ep2": 2, "ep4": 4}
 expert has one copy, so no expert-data-parallel ranks to split it over)."""
 
 
-SHARDS = ("none", "optimizer", "optimizer_bf16", "full")
+SHARDS = ("none", "optimizer", "optimizer_bf16", "full", "full_bf16")
 """`optimizer_bf16`: `shard: optimizer` with `parallel.param_dtype: bf16` (bf16 weights for compute, fp32 masters
-sharded with the moments) under bf16 autocast; its ratio is against the fp32 `none` run, the accounting of
+sharded with the moments; the expert-parallel experts' too where two ranks or more hold each expert shard) under
+bf16 autocast; `full_bf16`: `shard: full` with it (FSDP2 gathers the dense weights in bf16; the expert weights at
+rest are gathered in bf16 from fp32 parts). Their ratio is against the fp32 `none` run, the accounting of
 ZeRO's mixed-precision baseline (16 bytes a parameter either way: fp32 weights, gradients and two moments)."""
 
 

@@ -224,9 +224,12 @@ class FullyShardedAdamW(torch.optim.Optimizer):
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
         units = experts_at_rest(model, cfg, dims)
+        # bf16 compute copies of the expert weights (fp32 masters in the parts) without a pipeline only: a stage's
+        # micro-batches would accumulate their gradients in bf16
+        param_dtype = DTYPES[cfg.parallel.param_dtype] if cfg.parallel.pp == 1 else None
         self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype,
                                     divisor=expert_divisor, channels=expert_channels,
-                                    at_rest=[ps for _, ps in units]) if has_experts else None
+                                    at_rest=[ps for _, ps in units], param_dtype=param_dtype) if has_experts else None
         trans_reads = cfg.planner.policy != "static"  # only replicating placements send the owner's weights
         # the last MoE layer's backward follows its forward at once only without a pipeline (in a stage other
         # micro-batches' forwards come between)
@@ -365,6 +368,11 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         if self.experts is not None:
             out.update(self.experts.logical_state(module, stacked)[0])
         return out, {}
+
+    def master_names(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> set[str]:
+        """The expert weights `logical_state` writes from their fp32 masters (bf16 compute copies,
+        `ShardedAdamW.master_names`)."""
+        return self.experts.master_names(module, stacked) if self.experts is not None else set()
 
     def read_logical_state(self, reader: CheckpointReader, module: nn.Module,
                            stacked: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, Any]:

@@ -49,10 +49,13 @@ their gradients arrive in bf16 and are reduce-scattered in `reduce_dtype`, fp32 
 are fp32 tensors of their own, the only fp32 copy: AdamW updates them and step 4 all-gathers them rounded to
 bf16. Per rank and parameter 2 bytes of weights + 4/W of masters + 4/W of gradient parts + 8/W of moments: on 4
 ranks 6 of the 16 bytes of fp32 unsharded state (0.375x), below fp32 ZeRO-2's floor (1.75 / 4 = 0.4375x).
-Expert-parallel experts stay fp32 (as under `full`: Trans and Agg move them and their gradients in their own
-dtype). Checkpoints hold the fp32 masters: `logical_state` writes each such logical tensor's weights whole from
-the owners' parts (`master_names`; no rank writes the rounded copies) and `read_logical_state` reads them back
-into the parts, so a resume continues bit for bit.
+Expert-parallel experts get compute copies too where their shard group ("dp") has more than one rank (with one
+the master would be a whole fp32 copy beside the bf16 one); their gradients then arrive in bf16, Agg adds the
+replicas' (which travel in the compute dtype anyway) into them in bf16, and under `shard: full` their weights
+at rest are all-gathered from the masters rounded to bf16 (`gather_unit`). Checkpoints hold the fp32 masters:
+`logical_state` writes each such logical tensor's weights whole from the owners' parts (`master_names`; no rank
+writes the rounded copies) and `read_logical_state` reads them back into the parts, so a resume continues bit
+for bit.
 
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
@@ -184,7 +187,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         pipeline stage rebuilding its optimizer after a migration, when not every rank could create new ones).
         `at_rest`: units of expert parameters whose weights it keeps sharded between uses (ZeRO-3; each unit's
         flats of its own, gathered by `gather_unit`, freed by `release_unit`; "Weights at rest" above).
-        `param_dtype`: the dtype the non-expert-parallel weights are kept in for compute (bf16), their fp32
+        `param_dtype`: the dtype the weights are kept in for compute (bf16; expert-parallel ones where "dp" has more
+        than one rank), their fp32
         values kept as the owned parts only ("Compute copies" above); None: the weights' own dtype."""
         from moebal.train.optim import param_groups
 
@@ -273,10 +277,11 @@ class ShardedAdamW(torch.optim.Optimizer):
                 offsets.append(o)
                 o += p.numel()
         group = self._channels[axis]
-        # compute copies: the non-expert-parallel weights in param_dtype (expert-parallel ones stay fp32, as under
-        # `full`: Trans and Agg move them and their gradients in their own dtype)
-        master = (self.param_dtype is not None and self.param_dtype != buf.dtype and unit is None
-                  and not is_expert_param(params[0]))
+        # compute copies in param_dtype: the non-expert-parallel weights, and the expert-parallel ones where more
+        # than one rank shares their masters (with one the fp32 master would be a whole copy beside the compute
+        # one: 6 bytes a parameter against 4)
+        master = (self.param_dtype is not None and self.param_dtype != buf.dtype
+                  and (not is_expert_param(params[0]) or W > 1))
         fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
                    native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type),
                    unit=unit, master=master)
@@ -504,8 +509,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 for k, leaf in zip(fl.buckets, fl.leaves):
                     b = self.buckets[k]
                     out = fl.buf[b.start:b.start + b.part * fl.W]
-                    if fl.W > 1:
-                        dist.all_gather_single(out, leaf.detach(), group=fl.group)  # wait: synchronous
+                    if fl.W > 1:  # compute copies: the masters rounded to the compute dtype on the way
+                        mine = leaf.detach().to(fl.buf.dtype) if fl.master else leaf.detach()
+                        dist.all_gather_single(out, mine, group=fl.group)  # wait: synchronous
                     else:
                         out.copy_(leaf.detach())
         unit.gathered, unit.arrived = True, set()

@@ -23,7 +23,7 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
 
 - parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
   (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and the expert-parallel experts by
-  the expert-data-parallel ranks (sharded at rest: `_expert_weights`, plus one MoE layer's experts gathered,
+  the expert-data-parallel ranks (sharded at rest: `_expert_weight_bytes`, plus one MoE layer's experts gathered,
   two with a replicating policy's block-overlapped or planned-ahead Trans; in a pipeline stage too), plus the
   weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
@@ -195,8 +195,10 @@ class MemoryLayout:
     routing_skew: float = 1.0
     """Busiest rank's routed rows / the mean (1: balanced); multiplies the expert activations and buffers."""
     param_dtype: str = "fp32"
-    """`parallel.param_dtype`: under `shard: optimizer` without a pipeline, bf16 keeps the non-expert-parallel
-    weights in bf16 and their fp32 masters sharded (moebal/distributed/sharded.py, "Compute copies")."""
+    """`parallel.param_dtype`: under `shard: optimizer` without a pipeline, bf16 keeps the weights in bf16 and
+    their fp32 masters sharded (moebal/distributed/sharded.py, "Compute copies"; expert-parallel ones where more
+    than one rank holds each expert shard); under `full` without a pipeline the same for the expert-parallel
+    experts (FSDP2 gathers the dense ones in it)."""
 
     @property
     def stage_ranks(self) -> int:
@@ -217,6 +219,13 @@ class MemoryLayout:
     def bf16_copies(self) -> bool:
         """bf16 compute copies with fp32 masters sharded (`param_dtype`)."""
         return self.shard == "optimizer" and self.pp == 1 and self.param_dtype == "bf16"
+
+    @property
+    def bf16_experts(self) -> bool:
+        """Expert-parallel experts kept as bf16 compute copies of fp32 masters split over "dp" (`param_dtype` bf16
+        without a pipeline, more than one rank per expert shard)."""
+        return self.shard in ("optimizer", "full") and self.pp == 1 and self.param_dtype == "bf16" \
+            and self.ep > 1 and self.edp > 1
 
     def settings(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -389,16 +398,19 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     fsdp = dense + expert - whole
     if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
-        t["parameters"] = (4 * (fsdp / d_dense + _expert_weights(cfg, lay, specs, whole))
+        t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
                            + max(gathered, default=0.0) * a)  # one gathered at a time
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
-        t["parameters"] = 4 * (fsdp / d_dense + _expert_weights(cfg, lay, specs, whole)) + (root + 2 * unit) * a
-    elif lay.bf16_copies:  # bf16 copies of what expert parallelism does not split, their fp32 masters sharded
+        t["parameters"] = 4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole) + (root + 2 * unit) * a
+    elif lay.bf16_copies:  # bf16 copies, their fp32 masters sharded (dense over the stage, experts over "dp")
         copies = dense + (expert if lay.ep == 1 else 0)
-        t["parameters"], unit = 2.0 * copies + 4.0 * (held - copies) + 4.0 * copies / d_dense, 0.0
+        copies_e = expert if lay.bf16_experts else 0.0
+        t["parameters"] = (2.0 * (copies + copies_e) + 4.0 * (held - copies - copies_e) + 4.0 * copies / d_dense
+                           + 4.0 * copies_e / d_expert)
+        unit = 0.0
     else:
         t["parameters"], unit = 4.0 * held, 0.0
     # full: FSDP2's post-backward of a unit holds its unsharded gradients (compute dtype) and the reduce-scatter's
@@ -409,7 +421,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts
-        t["compute-dtype weight copies"] = 2.0 * (expert if lay.ep > 1 else 0)
+        t["compute-dtype weight copies"] = 2.0 * (expert if lay.ep > 1 and not lay.bf16_experts else 0)
     t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
@@ -471,18 +483,20 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     t["replicas (Pro-Prophet)"] = (n_moe * expert_params * a * (3 * reps + local) if reps else 0.0)
 
 
-def _expert_weights(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: float) -> float:
-    """Expert-parallel expert weight elements a rank holds under `shard: full` (a stage's, in a pipeline): `whole`
-    when they are replicated over the expert-data-parallel ranks (one of them, the pruning or freezing scheme), else
-    sharded at rest (moebal/distributed/fsdp.py `ExpertsAtRest`): the 1/edp parts plus the MoE layers gathered
-    at once, in fp32: one, two when a replicating policy's Trans of the next layer is issued as a layer starts
-    (`scheduler.block_overlap`) or inside it (`planner.plan_ahead`: prefetched as the layer starts). A
-    checkpoint's write and load gather one layer at a time."""
+def _expert_weight_bytes(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: float) -> float:
+    """Bytes of the `whole` expert-parallel expert weight elements a rank holds under `shard: full` (a stage's, in a
+    pipeline): fp32 and whole when they are replicated over the expert-data-parallel ranks (one of them, the
+    pruning or freezing scheme), else sharded at rest (moebal/distributed/fsdp.py `ExpertsAtRest`): the fp32 1/edp
+    parts plus the MoE layers gathered at once (fp32, or bf16 compute copies: `bf16_experts`): one, two when a
+    replicating policy's Trans of the next layer is issued as a layer starts (`scheduler.block_overlap`) or
+    inside it (`planner.plan_ahead`: prefetched as the layer starts). A checkpoint's write and load gather one
+    layer at a time."""
     if whole == 0 or lay.edp == 1 or cfg.dynamism.scheme in ("pruning", "freezing"):
-        return whole
+        return 4.0 * whole
     early = cfg.scheduler.block_overlap or cfg.planner.plan_ahead != "off"
     layers = 2 if early and lay.policy != "static" else 1
-    return whole / lay.edp + layers * max((x.expert / lay.ep for x in specs), default=0.0)
+    gathered = 2.0 if lay.bf16_experts else 4.0
+    return 4.0 * whole / lay.edp + gathered * layers * max((x.expert / lay.ep for x in specs), default=0.0)
 
 
 def _total_params(cfg: Config, specs: list[_Layer]) -> int:

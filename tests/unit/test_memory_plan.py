@@ -71,6 +71,16 @@ def test_terms_by_hand_sharded_and_expert_parallel():
                         BARE).terms
     assert lo_ep["parameters"] == 2 * dense + 4 * experts / 2 + 4 * dense / 2
     assert lo_ep["compute-dtype weight copies"] == 2 * experts / 2
+    # ep 2 x dp 2: the experts' masters split over their 2 expert-data-parallel ranks, so they get bf16 copies too
+    # and autocast casts nothing; under full their gathered layer is bf16 (one MoE layer: the rank's 1 of 2 experts)
+    bf16 = {"precision": "bf16", "param_dtype": "bf16"}
+    cfg4 = load(None, [*TINY, "data.batch_size=4"])
+    lo_dp = plan_memory(cfg4, MemoryLayout(ranks=4, ep=2, shard="optimizer", **bf16), BARE).terms
+    assert lo_dp["parameters"] == 2 * (dense + experts / 2) + 4 * dense / 4 + 4 * experts / 2 / 2
+    assert lo_dp["compute-dtype weight copies"] == 0
+    full_dp = {k: plan_memory(cfg4, MemoryLayout(ranks=4, ep=2, shard="full", **kw), BARE).terms["parameters"]
+               for k, kw in (("fp32", {"precision": "bf16"}), ("bf16", bf16))}
+    assert full_dp["fp32"] - full_dp["bf16"] == (4 - 2) * experts / 2  # FSDP2 gathers in the autocast dtype anyway
     ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2), BARE).terms
     assert ep["parameters"] == 4 * (dense + experts / 2)
     assert ep["persistent gradient buffers"] == 4 * (dense + experts / 2)  # GradSync's flat buffer
