@@ -205,10 +205,12 @@ class FullyShardedAdamW(torch.optim.Optimizer):
     rate there); the dense state lives in `dense.state`, the expert state on `experts`' parts."""
 
     def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, norm_channel: Any = "new",
-                 expert_divisor: float | None = None, expert_channels: dict[str, Any] | None = None) -> None:
+                 expert_divisor: float | None = None, expert_channels: dict[str, Any] | None = None,
+                 accumulate: bool = False) -> None:
         """`norm_channel`: the "dp_ep" communicator of the gradient norm; "new" makes one (collective).
         `expert_divisor`, `expert_channels`: the expert `ShardedAdamW`'s `divisor` and `channels` (a pipeline
-        stage: 1, and communicators made once per run)."""
+        stage: 1, and communicators made once per run); `accumulate`: a pipeline stage's micro-batches add up
+        the expert gradients before `reduce` (`ShardedAdamW`'s `accumulate`: in fp32 under bf16 weights)."""
         from moebal.train.optim import param_groups
 
         t = cfg.train
@@ -224,12 +226,12 @@ class FullyShardedAdamW(torch.optim.Optimizer):
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
         units = experts_at_rest(model, cfg, dims)
-        # bf16 compute copies of the expert weights (fp32 masters in the parts) without a pipeline only: a stage's
-        # micro-batches would accumulate their gradients in bf16
-        param_dtype = DTYPES[cfg.parallel.param_dtype] if cfg.parallel.pp == 1 else None
+        # bf16 compute copies of the expert weights where "dp" > 1, fp32 masters in the parts (in a pipeline stage
+        # their micro-batches' gradients add up in fp32: `accumulate`)
         self.experts = ShardedAdamW(model, t, dims, include=is_expert_param, reduce_dtype=self.reduce_dtype,
                                     divisor=expert_divisor, channels=expert_channels,
-                                    at_rest=[ps for _, ps in units], param_dtype=param_dtype) if has_experts else None
+                                    at_rest=[ps for _, ps in units], param_dtype=DTYPES[cfg.parallel.param_dtype],
+                                    accumulate=accumulate) if has_experts else None
         trans_reads = cfg.planner.policy != "static"  # only replicating placements send the owner's weights
         # the last MoE layer's backward follows its forward at once only without a pipeline (in a stage other
         # micro-batches' forwards come between)
@@ -485,7 +487,8 @@ class StageShardedAdamW(FullyShardedAdamW):
         self._was = {id(p): before[n] for n, p in stage.named_parameters()}
         """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded, and
         for the plain expert-parallel experts)."""
-        super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels)
+        super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels,
+                         accumulate=True)
 
     leaving: tuple[int, ...] = ()
     """The layers a migration is about to send away, wholly or a half of (`migrate_layers` sets it before

@@ -57,6 +57,14 @@ at rest are all-gathered from the masters rounded to bf16 (`gather_unit`). Check
 writes the rounded copies) and `read_logical_state` reads them back into the parts, so a resume continues bit
 for bit.
 
+Accumulation (`accumulate`, a pipeline stage's expert optimizer under `parallel.shard: full`): gradients add up
+over the micro-batches before `reduce`. A compute copy's gradient of one backward pass arrives in bf16; a hook
+adds it into an fp32 buffer of its flat and drops it (`_acc_hook`), so the sum is taken in fp32, not bf16, and
+`reduce` sends that sum plus whatever arrived after the hooks (Agg's replica gradients). A migration
+(`full_state`) first turns every compute copy back into an fp32 parameter holding the masters whole, with the
+fp32 gradient sum as its gradient (`_masters_whole`): the walk moves those, and the rebuilt optimizer takes its
+masters from them and folds a carried gradient into its own buffer.
+
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
 (`logical_state`); loading reads the logical tensors that overlap this rank's parts and keeps the overlap
@@ -178,7 +186,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
                  reduce_dtype: torch.dtype | None = None, divisor: float | None = None,
                  channels: dict[str, Any] | None = None, at_rest: Sequence[Sequence[nn.Parameter]] = (),
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
         """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
         moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
         the owned parts' gradients are always in the parameters' dtype. `divisor`: what the summed gradients are
@@ -189,7 +197,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         flats of its own, gathered by `gather_unit`, freed by `release_unit`; "Weights at rest" above).
         `param_dtype`: the dtype the weights are kept in for compute (bf16; expert-parallel ones where "dp" has more
         than one rank), their fp32
-        values kept as the owned parts only ("Compute copies" above); None: the weights' own dtype."""
+        values kept as the owned parts only ("Compute copies" above); None: the weights' own dtype.
+        `accumulate`: gradients accumulate over several backward passes before `reduce` (a pipeline stage's
+        micro-batches); the compute copies' gradients then add up in an fp32 buffer per flat, not in bf16
+        ("Accumulation" above)."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
@@ -212,6 +223,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError("ShardedAdamW: at_rest units hold expert parameters only")
         self.units = [_Unit([], list(ps)) for ps in at_rest]
         self.param_dtype = param_dtype
+        self.accumulate = accumulate
+        self._acc: dict[int, torch.Tensor] = {}  # flat -> fp32 sum of its compute copies' gradients (`accumulate`)
         for g in groups:
             for expert in (False, True):
                 ps = [p for p in g["params"] if is_expert_param(p) == expert]
@@ -246,6 +259,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._unit_of = unit_of
         self._hooks += [p.register_post_accumulate_grad_hook(self._unit_hook) for unit in self.units
                         for p in unit.params]
+        if accumulate:  # after the unit hook: a unit is freed once its gradients arrived, whatever holds them
+            self._hooks += [p.register_post_accumulate_grad_hook(self._acc_hook) for fl in self.flats if fl.master
+                            for p in fl.params]
         for u in range(len(self.units)):
             self.release_unit(u)
 
@@ -306,7 +322,13 @@ class ShardedAdamW(torch.optim.Optimizer):
             fl.buf = buf.to(self.param_dtype)
             with torch.no_grad():
                 for p, o in zip(params, offsets):
+                    g, p.grad = p.grad, None  # a gradient carried by a migration (fp32, not reduced yet)
                     p.data = fl.buf[o:o + p.numel()].view_as(p)  # gradients come in param_dtype too
+                    if g is not None and self.accumulate:
+                        acc = self._acc.setdefault(f, torch.zeros(N, dtype=torch.float32, device=buf.device))
+                        acc[o:o + p.numel()] += g.reshape(-1)
+                    elif g is not None:
+                        p.grad = g.to(self.param_dtype)
 
     def pieces(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> Iterator[
             tuple[int, _Piece]]:
@@ -393,10 +415,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         fl = self.flats[b.flat]
         end = b.start + b.part * fl.W
         send = torch.zeros(b.part * fl.W, dtype=self.reduce_dtype or fl.buf.dtype, device=fl.buf.device)
+        acc = self._acc.get(b.flat)
         for i in b.params:
             p, o = fl.params[i], fl.offsets[i]
             lo, hi = max(o, b.start), min(o + p.numel(), end)
-            if p.grad is not None:
+            if acc is not None:  # the micro-batches' sum in fp32, and what arrived since (Agg's replica gradients)
+                send[lo - b.start:hi - b.start].copy_(acc[lo:hi])
+                if p.grad is not None:
+                    send[lo - b.start:hi - b.start] += p.grad.detach().reshape(-1)[lo - o:hi - o]
+            elif p.grad is not None:
                 send[lo - b.start:hi - b.start].copy_(p.grad.detach().reshape(-1)[lo - o:hi - o])
             if self._param_buckets[id(p)][-1] == k:
                 p.grad = None  # its last bucket went out: the full-size gradient is not needed any more
@@ -430,7 +457,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = self._outs[k].to(leaf.dtype).div_(self.divisor)
-        self._outs = {}
+        self._outs, self._acc = {}, {}
 
     def owned_squares(self) -> list[torch.Tensor]:
         """The summed squares of every owned part's gradient (fp32 scalars)."""
@@ -539,6 +566,20 @@ class ShardedAdamW(torch.optim.Optimizer):
             if len(unit.arrived) == sum(q.requires_grad for q in unit.params):
                 self.release_unit(u)
 
+    def _acc_hook(self, p: torch.Tensor) -> None:
+        """`accumulate`: a compute copy's gradient of one backward pass added into its flat's fp32 sum, and
+        dropped (the next backward pass starts it afresh in bf16)."""
+        f, i = self._of_param[id(p)]
+        fl = self.flats[f]
+        if p.grad is None:
+            return
+        acc = self._acc.get(f)
+        if acc is None:
+            acc = self._acc[f] = torch.zeros(fl.buf.numel(), dtype=torch.float32, device=p.grad.device)
+        o = fl.offsets[i]
+        acc[o:o + p.numel()] += p.grad.detach().reshape(-1)
+        p.grad = None
+
     @contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:
         """Every unit gathered inside (a checkpoint's write or load, a caller reading the weights between steps),
@@ -587,6 +628,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         return [leaf for fl in self.flats if fl.unit is not None or fl.master for leaf in fl.leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._acc = {}
         for fl in self.flats:
             for p in fl.params:
                 p.grad = None
@@ -626,13 +668,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Every parameter's AdamW state whole, as torch's AdamW keeps it (`step`, `exp_avg`, `exp_avg_sq`),
         all-gathered from the owned parts (collective over each flat's shard group): what a pipeline migration
         moves and the rebuilt optimizer re-shards. Empty before the first step. Peak: the whole state of the
-        stage on every rank of it, as unsharded, for the migration's duration."""
+        stage on every rank of it, as unsharded, for the migration's duration. Compute copies are turned back into
+        fp32 parameters first (`_masters_whole`): the walk and the rebuilt optimizer see the masters. This
+        optimizer is not used afterwards."""
+        self._masters_whole()
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
         step = self._agreed_step()
         if step is None:
             return out
         for fl in self.flats:
-            full = {key: torch.zeros_like(fl.buf) for key in ("exp_avg", "exp_avg_sq")}
+            full = {key: torch.zeros(fl.buf.numel(), dtype=fl.state_dtype, device=fl.buf.device)  # fp32 moments
+                    for key in ("exp_avg", "exp_avg_sq")}
             for k, leaf in zip(fl.buckets, fl.leaves):
                 b, state = self.buckets[k], self.inner.state.get(leaf, {})
                 for key, buf in full.items():
@@ -645,6 +691,34 @@ class ShardedAdamW(torch.optim.Optimizer):
             for p, o in zip(fl.params, fl.offsets):
                 out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
         return out
+
+    @torch.no_grad()
+    def _masters_whole(self) -> None:
+        """Every compute copy's parameter made fp32 again: its data the masters all-gathered whole (collective
+        over the flat's shard group), its gradient the fp32 sum accumulated so far (`accumulate`) plus what
+        arrived since, or none. A migration then moves the masters, not their bf16 rounding, and the rebuilt
+        optimizer builds its masters from them."""
+        for f, fl in enumerate(self.flats):
+            if not fl.master:
+                continue
+            whole = torch.empty(fl.buf.numel(), dtype=fl.state_dtype, device=fl.leaves[0].device)
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                b = self.buckets[k]
+                if fl.W > 1:
+                    dist.all_gather_single(whole[b.start:b.start + b.part * fl.W], leaf.detach().contiguous(),
+                                           group=fl.group)
+                else:
+                    whole[b.start:b.start + b.part].copy_(leaf.detach())
+            acc = self._acc.get(f)
+            for p, o in zip(fl.params, fl.offsets):
+                g, p.grad = p.grad, None
+                p.data = whole[o:o + p.numel()].view_as(p)
+                if acc is not None or g is not None:
+                    grad = acc[o:o + p.numel()].view_as(p).clone() if acc is not None else torch.zeros_like(p)
+                    if g is not None:
+                        grad += g
+                    p.grad = grad
+        self._acc = {}
 
     def _agreed_step(self) -> torch.Tensor | None:
         """The stage's AdamW step count (every part steps together), the same on every rank of the stage (one
@@ -666,7 +740,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             return
         step = next(iter(states.values()))["step"]
         for f, fl in enumerate(self.flats):
-            parts = {k: {key: torch.zeros(self.buckets[k].part, dtype=fl.buf.dtype, device=fl.buf.device)
+            parts = {k: {key: torch.zeros(self.buckets[k].part, dtype=fl.state_dtype, device=fl.buf.device)
                          for key in ("exp_avg", "exp_avg_sq")} for k in fl.buckets}
             for p, o in zip(fl.params, fl.offsets):
                 s = states.get(p)

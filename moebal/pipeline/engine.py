@@ -82,6 +82,11 @@ class PipelineEngine:
         self.scheme = scheme or Dynamism()
         self.schedule_name, self.num_micro = schedule, num_micro
         self.autocast = autocast or nullcontext
+        self._wire = next(stage.parameters()).dtype
+        """The dtype activations and their gradients cross stages in: the parameters' as built (fp32 masters).
+        Fixed here, on every stage alike: a parameter's dtype read later can be the compute dtype FSDP2 holds a
+        unit in while it is gathered (`parallel.param_dtype: bf16`), and the layers' output dtype depends on the
+        sharding policy, so a stage's sends are cast to it (`_forward_compute`) and every receive allocates it."""
         make_schedule(schedule, chain.size, chain.index, num_micro)  # validates the names and sizes
         self.wgrad = WeightGradQueue()
         self.profiler: LayerProfiler | None = None
@@ -164,7 +169,7 @@ class PipelineEngine:
         return h, carry
 
     def _act_dtype(self) -> torch.dtype:
-        return next(self.stage.parameters()).dtype
+        return self._wire
 
     def _forward(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int, M: int,
                  result: IterationResult) -> _Saved:
@@ -226,7 +231,7 @@ class PipelineEngine:
                     out = st.head_loss_sum(h, labels_BT) / label_count
                 result.loss_sum += float(out.detach())
             else:
-                out = h
+                out = h.to(self._wire)  # what the next stage allocates (a no-op in the usual fp32 stream)
         self._op_done(result, "F", j, t0)
         return _Saved(h_in, out, aux, marks)
 
