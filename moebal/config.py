@@ -953,6 +953,10 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
           "'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=early_exit: a layer every "
           "token of a step has left gets no gradient, which the sharded flats step anyway (moments and weight "
           "decay move it) where torch's AdamW skips it; use parallel.shard=full or none")
+    _need(d.scheme != "pruning" or par.param_dtype == "fp32",
+          "'parallel.shard: optimizer' with a pipeline and 'parallel.param_dtype: bf16' is not built with "
+          "dynamism.scheme=pruning: its masks apply to the parameters' gradients, which the sharded optimizer sums "
+          "over the micro-batches in an fp32 buffer of its own; use parallel.param_dtype=fp32 or parallel.shard=full")
     _need(d.scheme != "mod" or (d.mod.start == 0 and d.mod.capacity < 1),
           f"'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=mod while its routers idle "
           f"(dynamism.mod.start {d.mod.start}, capacity {d.mod.capacity}): an idle router gets no gradient, which the "
@@ -990,11 +994,9 @@ def _check_whole(c: Config) -> None:
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
         _need(fv > 0, f"'{key}' must be positive; got {fv}")
-    _need(par.shard in ("full", "auto") or (par.shard == "optimizer" and par.pp == 1)
-          or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
+    _need(par.shard in ("full", "auto", "optimizer") or (par.param_dtype, par.reduce_dtype) == ("fp32", "fp32"),
           f"'parallel.param_dtype: {par.param_dtype}' / 'parallel.reduce_dtype: {par.reduce_dtype}' are the sharded "
-          f"state's mixed-precision policy: set parallel.shard=full (or optimizer without a pipeline), or leave "
-          f"both fp32")
+          f"state's mixed-precision policy: set parallel.shard=full or optimizer, or leave both fp32")
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")

@@ -57,10 +57,11 @@ at rest are all-gathered from the masters rounded to bf16 (`gather_unit`). Check
 writes the rounded copies) and `read_logical_state` reads them back into the parts, so a resume continues bit
 for bit.
 
-Accumulation (`accumulate`, a pipeline stage's expert optimizer under `parallel.shard: full`): gradients add up
-over the micro-batches before `reduce`. A compute copy's gradient of one backward pass arrives in bf16; a hook
-adds it into an fp32 buffer of its flat and drops it (`_acc_hook`), so the sum is taken in fp32, not bf16, and
-`reduce` sends that sum plus whatever arrived after the hooks (Agg's replica gradients). A migration
+Accumulation (`accumulate`, a pipeline stage's optimizer under `shard: optimizer`, its expert optimizer under
+`full`): gradients add up over the micro-batches before `reduce`. A compute copy's gradient of one backward pass
+arrives in bf16; a hook adds it into an fp32 buffer of its flat and drops it (`_acc_hook`), so the sum is taken
+in fp32, not bf16, and `reduce` sends that sum plus whatever arrived after the hooks (Agg's replica gradients);
+the zero-bubble schedule's W adds its deferred gradients outside autograd, through `holds`/`add`. A migration
 (`full_state`) first turns every compute copy back into an fp32 parameter holding the masters whole, with the
 fp32 gradient sum as its gradient (`_masters_whole`): the walk moves those, and the rebuilt optimizer takes its
 masters from them and folds a carried gradient into its own buffer.
@@ -569,16 +570,29 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _acc_hook(self, p: torch.Tensor) -> None:
         """`accumulate`: a compute copy's gradient of one backward pass added into its flat's fp32 sum, and
         dropped (the next backward pass starts it afresh in bf16)."""
+        if p.grad is not None:
+            self.add(p, p.grad.detach())
+            p.grad = None
+
+    # the zero-bubble schedule's deferred weight gradients (moebal/pipeline/zero_bubble.py `GradReducer`) reach the
+    # compute copies' fp32 sums here: W adds them outside autograd, where no gradient hook fires
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether `p` is a compute copy whose gradients this optimizer sums in fp32 (`accumulate`)."""
+        at = self._of_param.get(id(p))
+        return self.accumulate and at is not None and self.flats[at[0]].master
+
+    def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """`g` (one backward pass's gradient of `p`, in its compute dtype) added into its flat's fp32 sum."""
         f, i = self._of_param[id(p)]
         fl = self.flats[f]
-        if p.grad is None:
-            return
         acc = self._acc.get(f)
         if acc is None:
-            acc = self._acc[f] = torch.zeros(fl.buf.numel(), dtype=torch.float32, device=p.grad.device)
+            acc = self._acc[f] = torch.zeros(fl.buf.numel(), dtype=torch.float32, device=g.device)
         o = fl.offsets[i]
-        acc[o:o + p.numel()] += p.grad.detach().reshape(-1)
-        p.grad = None
+        acc[o:o + p.numel()] += g.reshape(-1)
+
+    def flush(self) -> None:
+        """Nothing to reduce at the end of a W slot: the sums go out in `reduce`."""
 
     @contextmanager
     def gathered(self, write: bool = False) -> Iterator[None]:

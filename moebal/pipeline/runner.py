@@ -212,6 +212,8 @@ class PipelineRunner:
         if self._fsdp_mesh is not None:  # zero bubble: W's gradients of FSDP2 shards are reduce-scattered by hand
             self.engine.wgrad.reducer = DeferredGradReducer(self.stage, self._fsdp_mesh,
                                                             DTYPES[cfg.parallel.reduce_dtype])
+        elif self._shard_channels is not None and cfg.parallel.param_dtype != "fp32":
+            self.engine.wgrad.reducer = _SumsOfCopies(self)  # zero bubble: W's gradients of bf16 copies in fp32
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
         ctx.rows = self._micro_rows() * cfg.data.seq_len
@@ -251,8 +253,11 @@ class PipelineRunner:
 
         if not any(p.requires_grad for p in module.parameters()):
             return None
-        if self._shard_channels is not None:
-            return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels)
+        if self._shard_channels is not None:  # bf16 weights: the micro-batches' gradients summed in fp32
+            par = self.cfg.parallel
+            return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels,
+                                param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
+                                accumulate=True)
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
@@ -769,6 +774,27 @@ class PipelineRunner:
         with weights_gathered(self.optimizer):
             return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                     for k, v in self.stage.state_dict().items()}
+
+
+class _SumsOfCopies:
+    """The zero-bubble schedule's `GradReducer` under `parallel.shard: optimizer` with bf16 weights: W's deferred
+    gradients of the compute copies go into the sharded optimizer's fp32 sums (`ShardedAdamW.holds`/`add`), as
+    B's do through its gradient hook; whichever optimizer the runner holds now (migrations rebuild it)."""
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.runner = runner
+
+    def holds(self, p: torch.Tensor) -> bool:
+        opt = self.runner.optimizer
+        return isinstance(opt, ShardedAdamW) and opt.holds(p)
+
+    def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        opt = self.runner.optimizer
+        assert isinstance(opt, ShardedAdamW)
+        opt.add(p, g)
+
+    def flush(self) -> None:
+        pass
 
 
 def _scheme_names(i: int, key: str, shape: tuple[int, ...],

@@ -195,7 +195,7 @@ class MemoryLayout:
     routing_skew: float = 1.0
     """Busiest rank's routed rows / the mean (1: balanced); multiplies the expert activations and buffers."""
     param_dtype: str = "fp32"
-    """`parallel.param_dtype`: under `shard: optimizer` without a pipeline, bf16 keeps the weights in bf16 and
+    """`parallel.param_dtype`: under `shard: optimizer`, bf16 keeps the weights in bf16 and
     their fp32 masters sharded (moebal/distributed/sharded.py, "Compute copies"; expert-parallel ones where more
     than one rank holds each expert shard); under `full` the same for the expert-parallel experts (FSDP2 gathers
     the dense ones in it)."""
@@ -218,14 +218,13 @@ class MemoryLayout:
     @property
     def bf16_copies(self) -> bool:
         """bf16 compute copies with fp32 masters sharded (`param_dtype`)."""
-        return self.shard == "optimizer" and self.pp == 1 and self.param_dtype == "bf16"
+        return self.shard == "optimizer" and self.param_dtype == "bf16"
 
     @property
     def bf16_experts(self) -> bool:
         """Expert-parallel experts kept as bf16 compute copies of fp32 masters split over "dp" (`param_dtype` bf16,
-        more than one rank per expert shard; `optimizer` takes bf16 weights only without a pipeline)."""
-        return (self.shard == "full" or (self.shard == "optimizer" and self.pp == 1)) \
-            and self.param_dtype == "bf16" and self.ep > 1 and self.edp > 1
+        more than one rank per expert shard)."""
+        return self.shard in ("optimizer", "full") and self.param_dtype == "bf16" and self.ep > 1 and self.edp > 1
 
     def settings(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
