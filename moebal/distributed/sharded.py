@@ -325,11 +325,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                 for p, o in zip(params, offsets):
                     g, p.grad = p.grad, None  # a gradient carried by a migration (fp32, not reduced yet)
                     p.data = fl.buf[o:o + p.numel()].view_as(p)  # gradients come in param_dtype too
-                    if g is not None and self.accumulate:
+                    if g is not None:  # into the flat's fp32 sum, which `reduce` sends
                         acc = self._acc.setdefault(f, torch.zeros(N, dtype=torch.float32, device=buf.device))
                         acc[o:o + p.numel()] += g.reshape(-1)
-                    elif g is not None:
-                        p.grad = g.to(self.param_dtype)
 
     def pieces(self, module: nn.Module, stacked: dict[str, tuple[tuple[int, ...], int]]) -> Iterator[
             tuple[int, _Piece]]:

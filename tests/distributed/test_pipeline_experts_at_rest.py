@@ -3,10 +3,11 @@
 again, a migration gathers the stage's units whole before its walk, a checkpoint gathers one layer at a time.
 
 Parity with the unsharded pipeline (losses, gradient norms and parameters within 1e-5 relative, fp32) needs 2
-stages x 2 expert shards x 2 ranks per shard: 8 gloo ranks, the all-gathers over "dp" real (one spawn, about
-40 s). The resume test runs on 4 ranks, where one rank per expert shard leaves `shard: full` nothing to split, so
-it lowers `fsdp.AT_REST_MIN_DP` to 1 in the ranks: the same life cycle (storage freed between uses, re-gathered,
-parts stepped by AdamW, checkpoints written and read one layer gathered at a time) with copies for gathers."""
+stages x 2 expert shards x 2 ranks per shard: 8 gloo ranks, the all-gathers over "dp" real (one spawn of 6 runs
+with the bf16 ones, about 70 s). The resume test runs on 4 ranks, where one rank per expert shard leaves
+`shard: full` nothing to split, so it lowers `fsdp.AT_REST_MIN_DP` to 1 in the ranks: the same life cycle
+(storage freed between uses, re-gathered, parts stepped by AdamW, checkpoints written and read one layer
+gathered at a time) with copies for gathers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ import torch
 
 from moebal.distributed.testing import run_ranks
 from tests.distributed.test_pipeline_fsdp import COMPOSED_MIGRATE, COMPOSED_STEPS, _composed_cfg
-from tests.distributed.test_pipeline_sharded import MIGRATE, STEPS, _rel, pair, pipe_cfg
+from tests.distributed.test_pipeline_sharded import MIGRATE, _rel, pair, pipe_cfg
+
+STEPS = 15
+"""Steps of the zero-bubble and bf16 runs: MIGRATE's three moves (after steps 5 and 14, inside step 9) and one
+step after the last."""
 
 
 def _at_rest_everywhere() -> None:
@@ -71,14 +76,13 @@ def _pairs(rank: int, world: int) -> dict[str, Any]:
                      _run(_eight(pipe_cfg("full", 2, **zb)), STEPS, MIGRATE), "full")
     # bf16 weights (`parallel.param_dtype`) under bf16 autocast: the experts' compute copies gathered at rest in
     # bf16, their micro-batch gradients summed in fp32, the fp32 masters carried by the migrations
-    out["bf16"] = {"fp32 weights": _run(_bf16(_eight(pipe_cfg("full", 2, precision="bf16")), "fp32"), STEPS, MIGRATE),
-                   "bf16": _run(_bf16(_eight(pipe_cfg("full", 2, precision="bf16")), "bf16"), STEPS, MIGRATE),
+    out["bf16"] = {"bf16": _run(_bf16(_eight(pipe_cfg("full", 2, precision="bf16")), "bf16"), STEPS, MIGRATE),
                    "unmigrated": _run(_bf16(_eight(pipe_cfg("full", 2, precision="bf16")), "bf16"), STEPS, {})}
     out["bf16"]["dtype"] = str(out["bf16"]["bf16"]["params"]["model.layers.0.block_sparse_moe.experts.w1"].dtype
                                if "model.layers.0.block_sparse_moe.experts.w1" in out["bf16"]["bf16"]["params"]
                                else next(v.dtype for k, v in out["bf16"]["bf16"]["params"].items()
                                          if k.endswith("experts.w1")))
-    for run in ("fp32 weights", "bf16", "unmigrated"):
+    for run in ("bf16", "unmigrated"):
         out["bf16"][run].pop("params")
     return out
 
@@ -119,37 +123,25 @@ def test_expert_weights_at_rest_in_a_pipeline_match_the_unsharded_pipeline(pairs
 @pytest.mark.slow
 def test_bf16_expert_weights_in_a_pipeline_keep_fp32_masters_through_migrations(pairs):
     """`parallel.param_dtype: bf16` in the 8-rank pipeline: the expert weights are bf16 copies (gathered at rest
-    from fp32 parts), losses within 2 % of the fp32-weight run under the same autocast, and within 1e-5 of the run
-    without migrations: the moves carry the fp32 masters and the unreduced fp32 gradient sums (a bf16 rounding
-    of either would move the trajectory by far more)."""
+    from fp32 parts), and the losses stay within 1e-5 of the run without migrations: the moves carry the fp32
+    masters and the unreduced fp32 gradient sums (a bf16 rounding of the masters takes the run to NaN). The bf16
+    losses against fp32 weights: test_pipeline_sharded.py, `test_sharded_pipeline_with_bf16_weights_...`."""
     for r in pairs:
         case = r["bf16"]
         assert case["dtype"] == "torch.bfloat16"
         assert case["bf16"]["at_rest"] == 2 and case["bf16"]["freed"] == case["bf16"]["expert_params"]
         moved = [x["migration"] for x in case["bf16"]["records"] if "migration" in x]
         assert moved == ["forced", "forced-mid", "forced"]
-        for a, b, c in zip(case["fp32 weights"]["records"], case["bf16"]["records"], case["unmigrated"]["records"],
-                           strict=True):
-            assert math.isfinite(b["loss"]) and math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a, b)
-            assert math.isclose(b["loss"], c["loss"], rel_tol=1e-5), (b["step"], b["loss"], c["loss"])
+        assert len(case["bf16"]["records"]) == STEPS
+        for b, c in zip(case["bf16"]["records"], case["unmigrated"]["records"], strict=True):
+            assert math.isfinite(b["loss"]) and math.isclose(b["loss"], c["loss"], rel_tol=1e-5), (b, c)
 
 
 def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
-    import json
-
-    from moebal.distributed.groups import ParallelDims
-    from moebal.train.pipelined import pipeline_trainer
+    from tests.distributed.test_pipeline_sharded import _leg as leg
 
     _at_rest_everywhere()
-    cfg = pipe_cfg(shard, 2, steps=6, ckpt_every=2, keep_checkpoints=10)
-    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=2).init()
-    trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
-    try:
-        trainer.train(stop_after=stop)
-    finally:
-        trainer.close()
-    metrics = Path(root) / "metrics.jsonl"
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
+    return leg(rank, world, root, shard, resume, stop, ep=2)
 
 
 def test_expert_weights_at_rest_in_a_pipeline_resume_like_an_uninterrupted_run(tmp_path):

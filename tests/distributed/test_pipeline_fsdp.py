@@ -172,21 +172,9 @@ def test_fully_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupte
 
 
 def _ep_leg(rank: int, world: int, root: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
-    import json
-    from pathlib import Path
+    from tests.distributed.test_pipeline_sharded import _leg
 
-    from moebal.distributed.groups import ParallelDims
-    from moebal.train.pipelined import pipeline_trainer
-
-    cfg = pipe_cfg("full", 2, steps=6, ckpt_every=2, keep_checkpoints=10)
-    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=2).init()
-    trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
-    try:
-        trainer.train(stop_after=stop)
-    finally:
-        trainer.close()
-    metrics = Path(root) / "metrics.jsonl"
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
+    return _leg(rank, world, root, "full", resume, stop, ep=2)
 
 
 def test_fully_sharded_expert_parallel_pipeline_resumes_like_an_uninterrupted_run(tmp_path):

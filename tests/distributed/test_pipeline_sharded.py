@@ -135,12 +135,18 @@ def test_sharded_pipeline_repacks_like_unsharded(pairs):
 
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
-def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
+def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int | None, ep: int = 1,
+         param_dtype: str = "fp32", precision: str = "fp32") -> list[dict[str, Any]]:
+    """One leg of a resume chain on 2 stages (a checkpoint every 2 steps, a migration after step 1 and one inside
+    step 3); rank 0 returns the logged steps."""
+    import dataclasses
+
     from moebal.distributed.groups import ParallelDims
     from moebal.train.pipelined import pipeline_trainer
 
-    cfg = pipe_cfg(shard, 1, steps=6, ckpt_every=2, keep_checkpoints=10)
-    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=1).init()
+    cfg = pipe_cfg(shard, ep, steps=6, ckpt_every=2, keep_checkpoints=10, precision=precision)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=param_dtype))
+    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=ep).init()
     trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
     try:
         trainer.train(stop_after=stop)
@@ -233,21 +239,7 @@ def test_sharded_pipeline_with_bf16_weights_sums_micro_batches_in_fp32_and_migra
 
 
 def _bf16_leg(rank: int, world: int, root: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
-    import dataclasses
-
-    from moebal.distributed.groups import ParallelDims
-    from moebal.train.pipelined import pipeline_trainer
-
-    cfg = pipe_cfg("optimizer", 1, steps=6, ckpt_every=2, keep_checkpoints=10, precision="bf16")
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype="bf16"))
-    dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=1).init()
-    trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
-    try:
-        trainer.train(stop_after=stop)
-    finally:
-        trainer.close()
-    metrics = Path(root) / "metrics.jsonl"
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
+    return _leg(rank, world, root, "optimizer", resume, stop, param_dtype="bf16", precision="bf16")
 
 
 def test_sharded_pipeline_with_bf16_weights_resumes_from_its_fp32_masters(tmp_path):
