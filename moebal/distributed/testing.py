@@ -1,8 +1,9 @@
 """Run a function on several real gloo ranks (for tests and small benchmarks).
 
 The function must be importable by reference (a module-level function). Each rank runs it as
-`fn(rank, world_size, *args)`; results come back in rank order. A failing rank makes the whole call raise
-with that rank's traceback; the others are stopped instead of waiting in a collective.
+`fn(rank, world_size, *args)`; results come back in rank order, pickled by value (tensors copied, not shared
+through memory the rank's exit would release). A failing rank makes the whole call raise with that rank's
+traceback; the others are stopped instead of waiting in a collective.
 
 Start-up: every rank is a new process, forked by multiprocessing's forkserver, which imported torch, numpy and
 the moebal modules once (`_preload`), so a call does not pay a torch import per rank (3 s a rank on a 2-core
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import queue
 import random
 import signal
@@ -54,7 +56,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        q.put((rank, True, fn(rank, world, *args)))
+        # by value: torch's queue would send a tensor as a handle to shared memory that the parent opens after
+        # this process may have exited ("Connection reset by peer" in rebuild_storage_fd)
+        q.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,7 +87,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             rank, ok, value = _next_report(q, procs, results, timeout_s)
             if not ok:
                 raise RuntimeError(_failures(q, rank, value))
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         # Ranks that reported may still be closing their process group: 5 s in all to exit. After a failure
         # or a timeout the others are stopped at once (their stacks, if hung, are on stderr already).
