@@ -511,13 +511,19 @@ class ShardedAdamW(torch.optim.Optimizer):
                 leaf.grad = None
                 if fl.unit is not None or (fl.W == 1 and not fl.master):  # at rest: gathered when next needed
                     continue  # (`gather_unit`); one rank: the part is a view of the flat, updated in place
-                b = self.buckets[k]
-                if fl.W > 1:
-                    # the part in the flat's dtype (a copy: the part may be a view of the flat gathered into)
-                    mine = leaf.detach().to(fl.buf.dtype, copy=True)
-                    dist.all_gather_single(fl.buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
-                else:
-                    fl.buf[b.start:b.start + b.part].copy_(leaf.detach())  # the master rounded
+                # a copy: the part may be a view of the flat gathered into (with compute copies: the master rounded)
+                self._gather_parts(fl, k, leaf, fl.buf, copy=True)
+
+    def _gather_parts(self, fl: _Flat, k: int, part: torch.Tensor, out: torch.Tensor, copy: bool = False) -> None:
+        """Every rank's part of bucket k (this rank's: `part`, in `out`'s dtype on the way) gathered into `out`, a
+        tensor laid out as flat `fl`; with one rank a copy. `copy`: send a copy of `part` (it may be a view of
+        `out`). Collective over the flat's shard group (synchronous)."""
+        b = self.buckets[k]
+        dst = out[b.start:b.start + b.part * fl.W]
+        if fl.W > 1:
+            dist.all_gather_single(dst, part.detach().to(out.dtype, copy=copy).contiguous(), group=fl.group)
+        else:
+            dst.copy_(part.detach())
 
     # ---- weights at rest (ZeRO-3 for the `at_rest` units) ----
     def gather_unit(self, u: int) -> None:
@@ -532,14 +538,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             fl = self.flats[f]
             fl.buf.untyped_storage().resize_(fl.buf.numel() * fl.buf.element_size())
             with torch.no_grad():
-                for k, leaf in zip(fl.buckets, fl.leaves):
-                    b = self.buckets[k]
-                    out = fl.buf[b.start:b.start + b.part * fl.W]
-                    if fl.W > 1:  # compute copies: the masters rounded to the compute dtype on the way
-                        mine = leaf.detach().to(fl.buf.dtype) if fl.master else leaf.detach()
-                        dist.all_gather_single(out, mine, group=fl.group)  # wait: synchronous
-                    else:
-                        out.copy_(leaf.detach())
+                for k, leaf in zip(fl.buckets, fl.leaves):  # compute copies: the masters rounded on the way
+                    self._gather_parts(fl, k, leaf, fl.buf)  # wait: synchronous
         unit.gathered, unit.arrived = True, set()
 
     def release_unit(self, u: int) -> None:
@@ -692,14 +692,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             full = {key: torch.zeros(fl.buf.numel(), dtype=fl.state_dtype, device=fl.buf.device)  # fp32 moments
                     for key in ("exp_avg", "exp_avg_sq")}
             for k, leaf in zip(fl.buckets, fl.leaves):
-                b, state = self.buckets[k], self.inner.state.get(leaf, {})
+                state = self.inner.state.get(leaf, {})
                 for key, buf in full.items():
                     # a part of padding only may have no state (after a resume): it sends zeros
-                    mine = state[key].contiguous() if key in state else torch.zeros_like(leaf)
-                    if fl.W > 1:
-                        dist.all_gather_single(buf[b.start:b.start + b.part * fl.W], mine, group=fl.group)
-                    else:
-                        buf[b.start:b.start + b.part].copy_(mine)
+                    self._gather_parts(fl, k, state[key] if key in state else torch.zeros_like(leaf), buf)
             for p, o in zip(fl.params, fl.offsets):
                 out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
         return out
@@ -715,12 +711,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 continue
             whole = torch.empty(fl.buf.numel(), dtype=fl.state_dtype, device=fl.leaves[0].device)
             for k, leaf in zip(fl.buckets, fl.leaves):
-                b = self.buckets[k]
-                if fl.W > 1:
-                    dist.all_gather_single(whole[b.start:b.start + b.part * fl.W], leaf.detach().contiguous(),
-                                           group=fl.group)
-                else:
-                    whole[b.start:b.start + b.part].copy_(leaf.detach())
+                self._gather_parts(fl, k, leaf, whole)
             acc = self._acc.get(f)
             for p, o in zip(fl.params, fl.offsets):
                 g, p.grad = p.grad, None
