@@ -1,6 +1,7 @@
 """Refresh every README Results row with one command: run each row's benchmark, write one JSON and one table.
 
-    python scripts/bench_all.py --quick|--full [--json FILE] [--table FILE] [--only NAME,...] [--dry-run]
+    python scripts/bench_all.py --quick|--full [--json FILE] [--table FILE] [--only NAME,...] [--resume FILE]
+    [--dry-run]
 
 Every row of the README's Results table names a command; `ROWS` below holds one entry per row (its claim,
 the run behind it, and how its figure is read from that run's JSON). Rows that share a command share one run
@@ -17,8 +18,12 @@ figure, the run) and a markdown table (claim, figure, machine, command), both to
 `--json` / `--table` when given. No figure is written by hand: each comes from a JSON the run produced, and
 where that JSON lacks what a row needs the figure says "n/a (reason)".
 
-`--only NAME,...` picks runs by name (`--dry-run` lists them). Tests and other callers can pass their own
-registry to `main(argv, runs=..., rows=...)`.
+`--only NAME,...` picks runs by name (`--dry-run` lists them). The JSON and the table are rewritten after every
+run (`"complete": false` until the last), so a long `--full` run that is stopped keeps what finished;
+`--resume FILE` reads such a JSON back, keeps its runs that succeeded (in the same mode) and runs the rest.
+Each run records when it started and the host's 1-minute load average at its start and end, so a reader can
+tell a quiet run from a loaded one. Tests and other callers can pass their own registry to
+`main(argv, runs=..., rows=...)`.
 """
 
 from __future__ import annotations
@@ -567,15 +572,15 @@ def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[st
         argv, out = _argv(run, quick, folder)
     except Exception as e:  # noqa: BLE001 - a bad input file fails this run only
         return {**rec, "status": "failed", "message": f"preparing the inputs: {type(e).__name__}: {e}"}
-    rec["argv"] = argv
+    rec.update(argv=argv, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_start=_load())
     t0 = time.perf_counter()
     try:
         p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=run.timeout_s)
     except subprocess.TimeoutExpired as e:
         return {**rec, "status": "failed", "exit_status": None, "wall_s": round(time.perf_counter() - t0, 1),
-                "message": f"timed out after {run.timeout_s:.0f} s",
+                "load_end": _load(), "message": f"timed out after {run.timeout_s:.0f} s",
                 "stderr_tail": _text(e.stderr)[-TAIL_CHARS:]}
-    rec.update(exit_status=p.returncode, wall_s=round(time.perf_counter() - t0, 1),
+    rec.update(exit_status=p.returncode, wall_s=round(time.perf_counter() - t0, 1), load_end=_load(),
                stdout_tail=p.stdout[-TAIL_CHARS:], stderr_tail=p.stderr[-TAIL_CHARS:])
     if run.json == "none":
         rec["result"] = {"pytest_summary": _pytest_summary(p.stdout)}
@@ -588,6 +593,14 @@ def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[st
         last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or [""]
         return {**rec, "status": "failed", "message": f"exit status {p.returncode}: {last[0][:500]}"}
     return {**rec, "status": "ok"}
+
+
+def _load() -> float | None:
+    """The host's 1-minute load average now (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _text(b: bytes | str | None) -> str:
@@ -654,6 +667,8 @@ def parse(argv: Sequence[str] | None, runs: Sequence[Run]) -> argparse.Namespace
     ap.add_argument("--json", type=Path, help="write the runs, their JSON and every row's figure here")
     ap.add_argument("--table", type=Path, help="write the markdown table here")
     ap.add_argument("--only", help="comma list of run names (see --dry-run)")
+    ap.add_argument("--resume", type=Path, metavar="FILE",
+                    help="a JSON an earlier run of the same mode wrote: keep its successful runs, run the rest")
     ap.add_argument("--dry-run", action="store_true", help="print one command per README row and stop")
     args = ap.parse_args(argv)
     names = [r.name for r in runs]
@@ -662,6 +677,35 @@ def parse(argv: Sequence[str] | None, runs: Sequence[Run]) -> argparse.Namespace
     if bad:
         ap.error(f"--only: unknown run(s) {', '.join(bad)}; choose from {', '.join(names)}")
     return args
+
+
+def _resumed(path: Path, mode: str, mach: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The successful runs of an earlier report of this mode on this machine (a clear error otherwise)."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"bench_all: --resume {path}: cannot read it as a bench_all JSON ({e})") from e
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), dict):
+        raise SystemExit(f"bench_all: --resume {path}: not a bench_all JSON (no 'runs'); pass the file --json wrote")
+    if report.get("mode") != mode:
+        raise SystemExit(f"bench_all: --resume {path}: it was a --{report.get('mode')} run; resume it with "
+                         f"--{report.get('mode')}, or start afresh without --resume")
+    theirs = report.get("machine", {})
+    differ = [k for k in ("cpu", "cpus", "torch", "cuda_device") if theirs.get(k) != mach[k]]
+    if differ:
+        raise SystemExit(f"bench_all: --resume {path}: it ran on another machine ({', '.join(differ)} differ: "
+                         f"{[theirs.get(k) for k in differ]} here {[mach[k] for k in differ]}); one report holds "
+                         "one machine's figures, so start afresh without --resume")
+    return {name: rec for name, rec in report["runs"].items() if rec.get("status") == "ok"}
+
+
+def _write(path: Path | None, text: str) -> None:
+    """Write `text` whole or not at all (a stopped run never leaves half a report)."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Sequence[Row] = ROWS,
@@ -681,10 +725,27 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
     mach = machine()
     has_cuda = bool(mach["cuda_device"]) if cuda is None else cuda
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    mode = "quick" if args.quick else "full"
+    kept = _resumed(args.resume, mode, mach) if args.resume else {}
     recs: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
+
+    def report(complete: bool) -> str:
+        shown = [row for row in rows if row.run in recs]
+        text = table(shown, recs, mach)
+        data = {"mode": mode, "complete": complete, "machine": mach, "wall_s": round(time.perf_counter() - t0, 1),
+                "runs": recs, "rows": [{"claim": row.claim, "run": row.run, "figure": figure(row, recs.get(row.run)),
+                                        "basis": row.basis} for row in shown]}
+        _write(args.json, json.dumps(data, indent=1, default=str) + "\n")
+        _write(args.table, text)
+        return text
+
     with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:
         for run in chosen:
+            if run.name in kept:
+                recs[run.name] = {**kept[run.name], "resumed_from": str(args.resume)}
+                print(f"bench_all: {run.name}: kept from {args.resume}", file=sys.stderr, flush=True)
+                continue
             if run.gpu and not has_cuda:
                 recs[run.name] = {"name": run.name, "command": display(run, args.quick), "status": "skipped",
                                   "message": "needs a CUDA device; torch sees none"}
@@ -694,16 +755,8 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
             rec = recs[run.name]
             print(f"bench_all: {run.name}: {rec['status']} {rec.get('wall_s', '')} {rec.get('message', '')}",
                   file=sys.stderr, flush=True)
-    shown = [row for row in rows if row.run in recs]
-    text = table(shown, recs, mach)
-    report = {"mode": "quick" if args.quick else "full", "machine": mach, "wall_s": round(time.perf_counter() - t0, 1),
-              "runs": recs, "rows": [{"claim": row.claim, "run": row.run, "figure": figure(row, recs.get(row.run)),
-                                      "basis": row.basis} for row in shown]}
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-    if args.table:
-        args.table.write_text(text, encoding="utf-8")
+            report(complete=False)
+    print(report(complete=True))
     return 0 if all(r["status"] != "failed" for r in recs.values()) else 1
 
 

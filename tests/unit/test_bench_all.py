@@ -125,3 +125,42 @@ def test_a_run_writes_the_json_and_the_table_and_records_failures(bench_all, tmp
     assert "median 1.300x" in table[2] and report["machine"]["torch"] in table[2]
     assert "| measured; nothing fitted |" in table[2]
     assert {r["claim"]: r["basis"] for r in report["rows"]}["good claim"] == "measured; nothing fitted"
+
+
+def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_all, tmp_path) -> None:
+    counter = tmp_path / "calls.txt"
+    good = tmp_path / "good.py"
+    good.write_text("import json, sys\n"
+                    f"open({str(counter)!r}, 'a').write(sys.argv[1] + '\\n')\n"
+                    "json.dump({'v': 1}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit('bad.py: broke')\n")
+    Run, Row = bench_all.Run, bench_all.Row
+    runs = (Run("a", ("python", str(good), "a")), Run("b", ("python", str(bad))), Run("c", ("python", str(good), "c")))
+    rows = tuple(Row(f"{r.name} claim", r.name, lambda d: str(d["v"]), "measured; nothing fitted") for r in runs)
+    out = tmp_path / "all.json"
+    assert bench_all.main(["--full", "--json", str(out)], runs=runs, rows=rows, cuda=False) == 1
+    first = json.loads(out.read_text())
+    assert first["complete"] is True and first["mode"] == "full"
+    for name in ("a", "c"):
+        rec = first["runs"][name]
+        assert rec["status"] == "ok" and rec["started"] and "load_start" in rec and "load_end" in rec
+    # a report written part-way (as after the first run) says so
+    partial = {**first, "complete": False, "runs": {"a": first["runs"]["a"]}}
+    out.write_text(json.dumps(partial))
+    counter.write_text("")
+    bad.write_text("import json, sys\njson.dump({'v': 2}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    assert bench_all.main(["--full", "--json", str(out), "--resume", str(out)], runs=runs, rows=rows, cuda=False) == 0
+    assert counter.read_text().split() == ["c"]  # "a" kept, "b" (fixed) and "c" run; "b" writes no counter line
+    second = json.loads(out.read_text())
+    assert second["complete"] is True
+    assert second["runs"]["a"]["resumed_from"] == str(out)
+    assert {r["claim"]: r["figure"] for r in second["rows"]} == {"a claim": "1", "b claim": "2", "c claim": "1"}
+    with pytest.raises(SystemExit, match="--full run"):
+        bench_all.main(["--quick", "--resume", str(out)], runs=runs, rows=rows, cuda=False)
+    out.write_text(json.dumps({**second, "machine": {**second["machine"], "cpus": "512"}}))
+    with pytest.raises(SystemExit, match="another machine"):
+        bench_all.main(["--full", "--resume", str(out)], runs=runs, rows=rows, cuda=False)
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a bench_all JSON"):
+        bench_all.main(["--full", "--resume", str(tmp_path / "junk.json")], runs=runs, rows=rows, cuda=False)
