@@ -165,7 +165,7 @@ def _context() -> Any:
 
 def _preload() -> list[str]:
     """What the forkserver imports once for every rank it forks: torch (with torch.distributed), numpy, what a
-    training rank imports lazily (RANK_RUNTIME_PRELOAD: torch._dynamo, matplotlib, ...), and the moebal modules
+    training rank imports lazily (RANK_RUNTIME_PRELOAD: torch._dynamo, FSDP2, ...), and the moebal modules
     the caller has imported (under pytest: every module the collected tests import), plus pytest when the caller
     runs under it (test modules import it). Importing only: the server runs no torch op, so no thread pool exists
     to be broken by a fork."""

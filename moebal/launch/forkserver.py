@@ -19,12 +19,11 @@ from typing import Any
 __all__ = ["RANK_RUNTIME_PRELOAD", "CallerFd", "ensure_forkserver", "forkserver_pid", "fresh_process"]
 
 RANK_RUNTIME_PRELOAD = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "safetensors.torch",
-                        "matplotlib.pyplot", "moebal.train.checkpoint", "moebal.train.dashboard",
-                        "moebal.train.distributed")
+                        "moebal.train.checkpoint", "moebal.train.dashboard", "moebal.train.distributed")
 """What a training rank imports lazily on its way (besides torch and moebal's own modules): torch.optim's AdamW
-imports torch._dynamo (with sympy: 3 s of CPU), FSDP2, checkpoints (safetensors) and the dashboard (matplotlib,
-1-2 s). Imported once in the forkserver, a forked rank finds them loaded. A module that is not installed is
-skipped (multiprocessing's forkserver ignores an ImportError in its preload; matplotlib is optional)."""
+imports torch._dynamo (with sympy: 3 s of CPU), FSDP2, checkpoints (safetensors). Imported once in the
+forkserver, a forked rank finds them loaded. A module that is not installed is skipped (multiprocessing's
+forkserver ignores an ImportError in its preload)."""
 
 
 class CallerFd:

@@ -2,8 +2,8 @@
 
 A timeline is a list of rows (stage, kind, micro-batch, start, end), kind 0 = forward, 1 = backward and 2 =
 deferred weight gradients (the zero-bubble schedule's W), times in seconds from the iteration's first op
-(`PipelineRunner` keeps one before the first adopted plan and one after the latest). matplotlib is imported
-only when drawing.
+(`PipelineRunner` keeps one before the first adopted plan and one after the latest). `write_gantt` writes the run
+directory's SVG; `draw_gantt` draws on a matplotlib axis for the benchmark scripts (matplotlib: the dev extra).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def draw_gantt(ax: Any, rows: Sequence[Row], title: str = "", xmax: float | None
     lane = {s: i for i, s in enumerate(stages)}
     for stage, kind, mb, start, end in rows:
         y = lane[int(stage)]
-        color = ("#9ecae1", "#3182bd", "#fd8d3c")[int(kind)]
+        color = _KIND_COLOUR[int(kind)]
         ax.barh(y, end - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.4)
         if end - start > 0.02 * (xmax or max(r[4] for r in rows)):
             ax.text((start + end) / 2, y, str(int(mb)), ha="center", va="center", fontsize=6,
@@ -51,18 +51,23 @@ def draw_gantt(ax: Any, rows: Sequence[Row], title: str = "", xmax: float | None
 
 
 def write_gantt(before: Sequence[Row], after: Sequence[Row], path: str | Path, title: str = "") -> Path:
-    """Two timelines on a shared time axis, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Two timelines on a shared time axis, as an SVG (`moebal.train.svg`: no plotting library needed)."""
+    from moebal.train.svg import Bars, Figure
 
     panels = [(rows, name) for rows, name in ((before, "before rebalancing"), (after, "after")) if rows]
-    fig, axes = plt.subplots(len(panels) or 1, 1, figsize=(10, 1.2 + 1.1 * max(len(panels), 1) * 2), squeeze=False)
     xmax = max((r[4] for rows, _ in panels for r in rows), default=1.0)
-    for ax, (rows, name) in zip(axes[:, 0], panels):
-        draw_gantt(ax, rows, f"{title} {name}".strip(), xmax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    lanes = max((len({int(r[0]) for r in rows}) for rows, _ in panels), default=1)
+    fig = Figure(cols=1, cell=(900.0, 70.0 + 26.0 * lanes))
+    for rows, name in panels:
+        stages = sorted({int(r[0]) for r in rows})
+        lane = {s: i for i, s in enumerate(stages)}
+        st = timeline_stats(rows)
+        label = f"{title} {name}".strip()
+        fig.add(Bars(f"{label}  (iteration {st['makespan_s'] * 1e3:.0f} ms, bubble {st['bubble_ratio']:.0%})",
+                     [f"stage {s}" for s in stages],
+                     [(lane[int(stage)], start, end, _KIND_COLOUR[int(kind)], str(int(mb)))
+                      for stage, kind, mb, start, end in rows], xlabel="seconds", xmax=xmax))
+    return fig.write(path)
+
+
+_KIND_COLOUR = ("#9ecae1", "#3182bd", "#fd8d3c")  # forward, backward, deferred weight gradients (W)

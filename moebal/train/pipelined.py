@@ -4,7 +4,7 @@
 micro-batching) as the trainer's step strategy (moebal/train/strategy.py); the trainer does the rest, as for
 every mode. The runner's metrics line per step: loss, step time, tokens/s, layers per stage, per-stage busy
 time, bubble ratio, measured and predicted imbalance, migrations, bytes moved, released ranks, the scheme's
-state; `plans.jsonl` gets every stage plan, adopted or not; `pipeline.png` is a Gantt chart of one iteration
+state; `plans.jsonl` gets every stage plan, adopted or not; `pipeline.svg` is a Gantt chart of one iteration
 before the first adopted plan and after the latest.
 
 Checkpoints are the trainer's (`moebal/train/checkpoint.py`): every rank writes the logical tensors of the
@@ -264,7 +264,7 @@ class PipelineStep:
 
         gantt = self.runner.gantt
         if gantt:
-            write_gantt(gantt.get("before", []), gantt.get("after", []), trainer.run_dir / "pipeline.png",
+            write_gantt(gantt.get("before", []), gantt.get("after", []), trainer.run_dir / "pipeline.svg",
                         title=trainer.cfg.dynamism.scheme)
 
     def close(self) -> None:

@@ -336,7 +336,7 @@ class Trainer:
     def _write_dashboard(self) -> None:
         from moebal.train.dashboard import write_dashboard
 
-        write_dashboard(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "dashboard.png",
+        write_dashboard(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "dashboard.svg",
                         entropy=self.data.corpus.unigram_entropy, title=f"{self.cfg.name}: {self.run_dir.name}")
 
     def _result(self, wall: float) -> RunResult:

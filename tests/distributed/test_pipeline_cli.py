@@ -33,7 +33,7 @@ def test_train_pipeline_rebalances_and_releases_ranks(tmp_path):
     assert all(k in records[-1] for k in ("stage_busy_s", "bubble_ratio", "survival", "tokens_per_s"))
     plans = [json.loads(line) for line in (out / "plans.jsonl").read_text().splitlines()]
     assert any(p["balancer"] == "repack" and p["released"] == [1, 2] for p in plans)
-    assert (out / "pipeline.png").stat().st_size > 0 and (out / "dashboard.png").stat().st_size > 0
+    assert (out / "pipeline.svg").stat().st_size > 0 and (out / "dashboard.svg").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -132,4 +132,4 @@ def test_pipeline_time_limit_stops_early_like_a_finished_run_and_resume_finishes
     assert res["finished"] == (4, None)
     lines = _lines(tmp / "limit")
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and "val_loss" in lines[0]
-    assert (tmp / "limit" / "ckpt-0000001").is_dir() and (tmp / "limit" / "dashboard.png").is_file()
+    assert (tmp / "limit" / "ckpt-0000001").is_dir() and (tmp / "limit" / "dashboard.svg").is_file()

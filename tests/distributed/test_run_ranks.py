@@ -145,7 +145,7 @@ def _loaded(rank: int, world: int, names: tuple[str, ...]) -> list[str]:
 
 
 def test_a_rank_finds_what_training_imports_lazily_already_loaded() -> None:
-    """torch._dynamo (AdamW pulls it in: 3 s of CPU), FSDP2, safetensors, matplotlib: imported once by the
+    """torch._dynamo (AdamW pulls it in: 3 s of CPU), FSDP2, safetensors: imported once by the
     forkserver, not by every rank (spawned ranks import them themselves)."""
     from moebal.launch.forkserver import RANK_RUNTIME_PRELOAD
 

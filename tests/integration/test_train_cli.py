@@ -35,7 +35,7 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     # config.yaml; none (nothing sharded, as the run would be without auto) goes unsaid
     assert "parallel.shard auto" not in r.stderr, r.stderr
     assert "  shard: none\n" in (out / "config.yaml").read_text(encoding="utf-8")
-    assert {"config.yaml", "metrics.jsonl", "dashboard.png", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
+    assert {"config.yaml", "metrics.jsonl", "dashboard.svg", "summary.json", "ckpt-0000002", "ckpt-0000003"} <= \
         {p.name for p in out.iterdir()}
     assert "validation" in r.stdout and "unigram entropy" in r.stdout and str(out) in r.stdout
     assert "Traceback" not in r.stderr

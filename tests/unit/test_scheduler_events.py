@@ -78,5 +78,8 @@ def test_chrome_trace_has_a_track_per_kind_and_ranks_aligned():
 def test_dashboard_draws_the_communication_panel(tmp_path):
     recs = [{"step": i, "loss": 5.0 - 0.1 * i, "exposed_comm_s": 0.02, "a2a_s": 0.01, "allreduce_s": 0.005,
              "placement_comm_s": 0.0, "comm_window_s": 0.06} for i in range(1, 6)]
-    out = write_dashboard(recs, tmp_path / "d.png")
-    assert out.stat().st_size > 10_000
+    out = write_dashboard(recs, tmp_path / "d.svg")
+    text = out.read_text()
+    assert "communication (mean over ranks)" in text and "exposed communication" in text
+    # the loss twice (raw and smoothed), then the five communication series
+    assert text.count("<polyline") == 2 + 5

@@ -79,7 +79,7 @@ def test_short_run_writes_metrics_checkpoint_dashboard_and_calls_hooks(tmp_path)
     bias_before = [layer.expert_bias.clone() for layer in trainer.moe_layers()]
     result = trainer.train()
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["ckpt-0000006", "config.yaml", "dashboard.png", "kernels.json", "metrics.jsonl"]
+    assert files == ["ckpt-0000006", "config.yaml", "dashboard.svg", "kernels.json", "metrics.jsonl"]
     # the run's config: the given one with parallel.shard auto settled (one process: nothing to shard)
     settled = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard="none"))
     assert trainer.cfg == settled and (tmp_path / "config.yaml").read_text(encoding="utf-8") == dump(settled)
@@ -97,7 +97,8 @@ def test_short_run_writes_metrics_checkpoint_dashboard_and_calls_hooks(tmp_path)
     assert hook.calls[:3] == ["before1", "backward1", "before2"] and hook.layers_seen == 2
     # the auxiliary-loss-free bias moved (once per step, from the step's counts)
     assert any(not torch.equal(a, layer.expert_bias) for a, layer in zip(bias_before, trainer.moe_layers()))
-    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    svg = (tmp_path / "dashboard.svg").read_text()
+    assert "MoE layer 0: load / mean" in svg and "validation" in svg and "unigram entropy" in svg
 
 
 def test_validation_leaves_the_rng_and_the_model_mode_alone(tmp_path):
@@ -131,6 +132,6 @@ def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path
     result = Trainer(cfg, tmp_path).train()
     assert result.steps == 1 and result.stopped_early and "time_limit_min" in result.stopped_early
     assert result.val_loss is not None
-    assert {"ckpt-0000001", "dashboard.png", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"ckpt-0000001", "dashboard.svg", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
     assert finished.steps == 6 and finished.stopped_early is None

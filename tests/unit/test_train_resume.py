@@ -32,7 +32,7 @@ def test_resume_is_bitwise_identical(tmp_path, case):
     whole = Trainer(cfg, tmp_path / "whole").train()
     first = Trainer(cfg, tmp_path / "split").train(stop_after=4)  # an interruption after step 4
     assert first.steps == 4 and [p.name for p in find_checkpoints(tmp_path / "split")] == ["ckpt-0000004"]
-    assert not (tmp_path / "split" / "dashboard.png").exists()
+    assert not (tmp_path / "split" / "dashboard.svg").exists()
     resumed = Trainer(cfg, tmp_path / "split", resume=True).train()
     assert resumed.steps == 8
     assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")  # every logged value, exactly
