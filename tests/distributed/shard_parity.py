@@ -13,7 +13,7 @@ import torch
 
 from moebal.config import Config, from_dict
 
-STEPS = 20
+STEPS = 10
 RESUME_STEPS = 6
 OPTIMIZER = {"none": "AdamW", "optimizer": "ShardedAdamW", "full": "FullyShardedAdamW"}
 """The optimizer class each `parallel.shard` value builds."""

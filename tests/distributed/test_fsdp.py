@@ -27,7 +27,7 @@ from tests.distributed.shard_parity import (
 
 
 @pytest.mark.parametrize("world, ep, policy", [(2, 1, "static"), (4, 2, "prophet")])
-def test_full_sharding_matches_unsharded_for_20_steps(tmp_path, world, ep, policy):
+def test_full_sharding_matches_unsharded_for_10_steps(tmp_path, world, ep, policy):
     """[2-1-static]: everything under FSDP2. [4-2-prophet]: ep 2 x dp 2, dense state over 4 ranks, expert
     gradients and moments over 2, and expert weights sharded at rest over 2 (both MoE layers), with Pro-Prophet
     replicas (Trans at step start gathers each layer's weights and frees them after copying; Agg adds into the

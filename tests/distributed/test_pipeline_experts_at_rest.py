@@ -20,11 +20,7 @@ import torch
 
 from moebal.distributed.testing import run_ranks
 from tests.distributed.test_pipeline_fsdp import COMPOSED_MIGRATE, COMPOSED_STEPS, _composed_cfg
-from tests.distributed.test_pipeline_sharded import MIGRATE, _rel, pair, pipe_cfg
-
-STEPS = 15
-"""Steps of the zero-bubble and bf16 runs: MIGRATE's three moves (after steps 5 and 14, inside step 9) and one
-step after the last."""
+from tests.distributed.test_pipeline_sharded import MIGRATE, STEPS, _rel, pair, pipe_cfg
 
 
 def _at_rest_everywhere() -> None:
@@ -68,9 +64,9 @@ def _pairs(rank: int, world: int) -> dict[str, Any]:
     out["replicas"] = pair(_run(_eight(_composed_cfg("none", "ep2")), COMPOSED_STEPS, COMPOSED_MIGRATE),
                            _run(_eight(_composed_cfg("full", "ep2")), COMPOSED_STEPS, COMPOSED_MIGRATE), "full")
     # the zero-bubble schedule, per-layer recomputation (the recomputed forward gathers once more). Seed 2: under
-    # seed 0 this trajectory's gradient norm spikes at step 9 (7.1, against 1-2 around it) and there differs by
-    # 1.3e-5 between FSDP2's reductions and the plain ones, with or without weights at rest (the spike's curvature
-    # amplifies rounding; the losses agree to 1e-7); seed 2's largest spread over 20 steps is 1e-6
+    # seed 0 this trajectory's gradient norm spikes at step 9 (7.1, against 1-2 around it) and there differed by
+    # 1.3e-5 between FSDP2's reductions and the plain ones over 20 steps, with or without weights at rest (the
+    # spike's curvature amplifies rounding; the losses agree to 1e-7); seed 2's largest spread over 20 steps is 1e-6
     zb = {"schedule": "zb", "recompute": "full", "seed": 2}
     out["zb"] = pair(_run(_eight(pipe_cfg("none", 2, **zb)), STEPS, MIGRATE),
                      _run(_eight(pipe_cfg("full", 2, **zb)), STEPS, MIGRATE), "full")

@@ -67,9 +67,9 @@ def test_fully_sharded_pipeline_with_migrations_matches_unsharded(pairs):
     assert [x["migration"] for x in rec if "migration" in x] == ["forced", "forced-mid", "forced"]
 
 
-COMPOSED_STEPS = 12
-COMPOSED_MIGRATE = {"force": ((4, (1, 3)), (10, (2, 2))), "force_mid": ((7, (3, 1)),)}
-"""Layer moves of the composed cases (12 steps): after steps 4 and 10, and inside step 7."""
+COMPOSED_STEPS = 8
+COMPOSED_MIGRATE = {"force": ((3, (1, 3)), (6, (2, 2))), "force_mid": ((5, (3, 1)),)}
+"""Layer moves of the composed cases (8 steps): after steps 3 and 6, and inside step 5."""
 
 
 def _composed_cfg(shard: str, case: str) -> Any:

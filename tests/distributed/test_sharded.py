@@ -28,7 +28,7 @@ from tests.distributed.shard_parity import (
 
 
 @pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)])
-def test_sharded_optimizer_matches_unsharded_for_20_steps(tmp_path, world, ep):
+def test_sharded_optimizer_matches_unsharded_for_10_steps(tmp_path, world, ep):
     check_parity(run_ranks(pair, world, str(tmp_path), ep, "static", "optimizer", timeout_s=600), "optimizer")
 
 
