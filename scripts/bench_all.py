@@ -21,8 +21,9 @@ where that JSON lacks what a row needs the figure says "n/a (reason)".
 `--only NAME,...` picks runs by name (`--dry-run` lists them). The JSON and the table are rewritten after every
 run (`"complete": false` until the last), so a long `--full` run that is stopped keeps what finished;
 `--resume FILE` reads such a JSON back, keeps its runs that succeeded (in the same mode) and runs the rest.
-Each run records when it started and the host's 1-minute load average at its start and end, so a reader can
-tell a quiet run from a loaded one. Tests and other callers can pass their own registry to
+Each run records the commit it ran (`git rev-parse HEAD`, "+dirty" with local changes), when it started and the
+host's 1-minute load average at its start and end, so a reader can tell a quiet run from a loaded one and a
+resumed report says which code each figure came from. Tests and other callers can pass their own registry to
 `main(argv, runs=..., rows=...)`.
 """
 
@@ -572,7 +573,7 @@ def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[st
         argv, out = _argv(run, quick, folder)
     except Exception as e:  # noqa: BLE001 - a bad input file fails this run only
         return {**rec, "status": "failed", "message": f"preparing the inputs: {type(e).__name__}: {e}"}
-    rec.update(argv=argv, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_start=_load())
+    rec.update(argv=argv, commit=_commit(), started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_start=_load())
     t0 = time.perf_counter()
     try:
         p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=run.timeout_s)
@@ -593,6 +594,19 @@ def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[st
         last = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or [""]
         return {**rec, "status": "failed", "message": f"exit status {p.returncode}: {last[0][:500]}"}
     return {**rec, "status": "ok"}
+
+
+def _commit() -> str | None:
+    """The repository's HEAD commit (with "+dirty" when tracked files differ from it), None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _load() -> float | None:

@@ -145,6 +145,7 @@ def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_a
     for name in ("a", "c"):
         rec = first["runs"][name]
         assert rec["status"] == "ok" and rec["started"] and "load_start" in rec and "load_end" in rec
+        assert rec["commit"] is None or len(rec["commit"].split("+")[0]) == 40
     # a report written part-way (as after the first run) says so
     partial = {**first, "complete": False, "runs": {"a": first["runs"]["a"]}}
     out.write_text(json.dumps(partial))
