@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moebal.fileio import write_text_whole
+
 ROOT = Path(__file__).resolve().parents[1]
 TAIL_CHARS = 4000  # of a run's stdout / stderr kept in the JSON
 
@@ -713,15 +715,6 @@ def _resumed(path: Path, mode: str, mach: dict[str, str]) -> dict[str, dict[str,
     return {name: rec for name, rec in report["runs"].items() if rec.get("status") == "ok"}
 
 
-def _write(path: Path | None, text: str) -> None:
-    """Write `text` whole or not at all (a stopped run never leaves half a report)."""
-    if path is None:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Sequence[Row] = ROWS,
          cuda: bool | None = None) -> int:
     """Run the registry (`runs`, `rows`: the README's by default); 0 when every selected run succeeded."""
@@ -750,8 +743,10 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
         data = {"mode": mode, "complete": complete, "machine": mach, "wall_s": round(time.perf_counter() - t0, 1),
                 "runs": recs, "rows": [{"claim": row.claim, "run": row.run, "figure": figure(row, recs.get(row.run)),
                                         "basis": row.basis} for row in shown]}
-        _write(args.json, json.dumps(data, indent=1, default=str) + "\n")
-        _write(args.table, text)
+        if args.json:  # whole or not at all: a stopped run never leaves half a report
+            write_text_whole(args.json, json.dumps(data, indent=1, default=str) + "\n")
+        if args.table:
+            write_text_whole(args.table, text)
         return text
 
     with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:

@@ -36,6 +36,7 @@ from moebal.config import Config
 from moebal.distributed.groups import ParallelDims
 from moebal.distributed.probe import probe_link, slowest_over
 from moebal.errors import ConfigError
+from moebal.fileio import write_text_whole
 from moebal.planner.comm_plan import PackingCandidate, lina_packing
 from moebal.sync import to_host
 
@@ -175,7 +176,5 @@ def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.dev
                          f"({cfg.moe.num_experts // ep} experts per rank); {'; '.join(why)}\n")
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-            tmp.replace(path)
+            write_text_whole(path, json.dumps(record, indent=1) + "\n")
     return ep

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
+from moebal.fileio import write_text_whole
 
 __all__ = ["MicroBatchCost", "analytic_table", "default_grid", "load_cost"]
 
@@ -192,10 +193,7 @@ class MicroBatchCost:
                               f"write one with `moebal plan microbatches --profile FILE`") from None
 
     def save(self, path: str | Path) -> None:
-        p = Path(path)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
-        tmp.replace(p)  # atomic: a reader never sees half a table
+        write_text_whole(path, json.dumps(self.to_dict()) + "\n")  # a reader never sees half a table
 
 
 def load_cost(path: str | Path) -> MicroBatchCost:

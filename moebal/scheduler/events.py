@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebal.fileio import write_text_whole
+
 __all__ = ["CRITICAL", "CommEvent", "EventLog", "Span", "StepComm", "check_order", "chrome_trace", "step_record",
            "write_chrome_trace"]
 
@@ -224,11 +226,7 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_chrome_trace(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(chrome_trace(records)), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return write_text_whole(path, json.dumps(chrome_trace(records)))
 
 
 def check_order(record: dict[str, Any], lina: bool = True) -> None:

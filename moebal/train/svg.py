@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TypeVar
 from xml.sax.saxutils import escape
 
+from moebal.fileio import write_text_whole
+
 __all__ = ["Bars", "Figure", "HeatMap", "Lines", "nice_ticks"]
 
 PALETTE = {"tab:blue": "#1f77b4", "tab:orange": "#ff7f0e", "tab:green": "#2ca02c", "tab:red": "#d62728",
@@ -209,11 +211,7 @@ class Figure:
 
     def write(self, path: str | Path) -> Path:
         """Write the SVG whole (a temporary file renamed over `path`)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.svg(), encoding="utf-8")
-        tmp.replace(path)
-        return path
+        return write_text_whole(path, self.svg())
 
 
 class _Axes:
