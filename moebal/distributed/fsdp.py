@@ -299,6 +299,25 @@ class FullyShardedAdamW(torch.optim.Optimizer):
         if self.experts is not None:
             self.experts.close()
 
+    def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
+        """AdamW moment bytes of parameter `p` on this rank (its shards or parts), or all of them (`whole`: what
+        a migration moves); 0 before the first step. For the layer balancer's estimates (pipeline/observe.py)."""
+        if is_expert_param(p):
+            return self.experts.param_state_bytes(p, whole) if self.experts is not None else 0
+        st = self.dense.state.get(p) if self.dense is not None else None
+        if not st:
+            return 0
+        return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
+                   for k, v in st.items() if k != "step")
+
+    def param_weight_bytes(self, p: torch.Tensor) -> int | None:
+        """Bytes of parameter `p`'s weights this rank keeps between steps: a dense parameter's FSDP2 shard, an
+        expert parameter's as the expert optimizer keeps it (`ShardedAdamW.param_weight_bytes`). For the layer
+        balancer's memory estimate (pipeline/observe.py)."""
+        if is_expert_param(p):
+            return self.experts.param_weight_bytes(p) if self.experts is not None else None
+        return _local(p).numel() * p.element_size()
+
     # ---- expert weights at rest ----
     def gathered(self, write: bool = False) -> AbstractContextManager[Any]:
         """Every expert weight whole inside (`ShardedAdamW.gathered`; collective over "dp")."""
@@ -533,17 +552,6 @@ class StageShardedAdamW(FullyShardedAdamW):
                        for k, v in st.items() if k != "step"}
             step = st["step"].detach().to(torch.float32).reshape(()).cpu()
             self.dense.state[p] = {"step": step, **moments}
-
-    def param_state_bytes(self, p: torch.Tensor, whole: bool = False) -> int:
-        """AdamW moment bytes of parameter `p` on this rank (its shards or parts), or all of them (`whole`: what
-        a migration moves); 0 before the first step. For the layer balancer's estimates (pipeline/observe.py)."""
-        if is_expert_param(p):
-            return self.experts.param_state_bytes(p, whole) if self.experts is not None else 0
-        st = self.dense.state.get(p) if self.dense is not None else None
-        if not st:
-            return 0
-        return sum((v.numel() if whole else _local(v).numel()) * v.element_size()
-                   for k, v in st.items() if k != "step")
 
 
 def plain_layer(stage: PipelineStage, i: int, device: torch.device, dense: dict[Any, Any],

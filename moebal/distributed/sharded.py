@@ -772,8 +772,21 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not self.inner.state or id(p) not in self._of_param:
             return 0
         fl = self.flats[self._of_param[id(p)][0]]
-        n = 2 * p.numel() * fl.buf.element_size()
+        n = 2 * p.numel() * fl.state_dtype.itemsize  # the moments' dtype: fp32 masters' under compute copies
         return n if whole else n // fl.W
+
+    def param_weight_bytes(self, p: torch.Tensor) -> int | None:
+        """Bytes of parameter `p`'s weights this rank keeps between steps: the flat's copy (none at rest: freed)
+        and its share of the owned parts where those are tensors of their own (at rest, or fp32 masters beside
+        compute copies); None for a parameter it does not hold. For the layer balancer's memory estimate."""
+        at = self._of_param.get(id(p))
+        if at is None:
+            return None
+        fl = self.flats[at[0]]
+        held = 0 if fl.unit is not None else p.numel() * fl.buf.element_size()
+        if fl.unit is not None or fl.master:
+            held += p.numel() * fl.state_dtype.itemsize // fl.W
+        return held
 
     # ---- checkpoints ----
     def _part_state(self, k: int) -> dict[str, torch.Tensor]:

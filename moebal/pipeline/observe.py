@@ -42,7 +42,8 @@ from torch import nn
 MIN_FACTOR = 1e-3
 """Smallest cost factor a prediction may scale a layer by (a layer never costs nothing: its forward runs)."""
 
-__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "pick_clock", "static_bytes", "transfer_bytes"]
+__all__ = ["CostTracker", "IterationProfile", "LayerProfiler", "held_bytes", "pick_clock", "static_bytes",
+           "transfer_bytes"]
 
 
 def pick_clock(device: torch.device) -> Callable[[], float]:
@@ -138,16 +139,32 @@ class LayerProfiler:
 
 
 def static_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
-    """Parameter + gradient + optimizer-state bytes of a module (gradients counted for trainable parameters
-    whether or not they exist right now: they will at the next backward)."""
-    total = 0
+    """Weight + gradient + optimizer-state + buffer bytes of a module on this rank (`held_bytes`)."""
+    return float(sum(held_bytes(module, optimizer).values()))
+
+
+def held_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """What this rank holds of a module between steps, by kind, as the layer balancer's memory estimate counts
+    it. Weights: as kept at rest, a sharded optimizer saying how (`param_weight_bytes`: FSDP2's shards,
+    expert weights sharded at rest, fp32 masters beside bf16 compute copies), else the local tensor (a DTensor's
+    shard). Gradients: one local tensor per trainable parameter in its dtype, whether or not it exists now (it
+    will in the next backward; at rest expert gradients are whole until their reduce-scatter after the
+    backward). Optimizer state: this rank's share (`_state_bytes`)."""
+    out = {"weights": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    per_param = getattr(optimizer, "param_weight_bytes", None)
     for p in module.parameters():
-        n = p.numel() * p.element_size()
-        total += n * (2 if p.requires_grad else 1)
-        total += _state_bytes(optimizer, p, whole=False)
-    for b in module.buffers():
-        total += b.numel() * b.element_size()
-    return float(total)
+        local = _local_numel(p) * p.element_size()
+        w = per_param(p) if per_param is not None else None
+        out["weights"] += local if w is None else int(w)
+        out["grads"] += local if p.requires_grad else 0
+        out["optimizer"] += _state_bytes(optimizer, p, whole=False)
+    out["buffers"] = sum(_local_numel(b) * b.element_size() for b in module.buffers())
+    return out
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    to_local = getattr(t, "to_local", None)  # a DTensor: its shard on this rank
+    return int(to_local().numel()) if to_local is not None else t.numel()
 
 
 def transfer_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> float:
