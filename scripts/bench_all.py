@@ -78,6 +78,8 @@ class Row:
     run: str
     figure: Callable[[Any], str]
     basis: str = ""  # one line: what was fitted (and on which data) and what the figure predicts or measures
+    target: str = ""  # the issue's target for the figure, shown beside it ("" where the row has none)
+    asserts: str = ""  # a test row: what its tests assert, shown before the pytest summary
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -191,8 +193,7 @@ def fig_pipeline(scheme: str) -> Callable[[Any], str]:
         halves = {k: v for k, v in summary.get("halves_over_layers", {}).items() if f"/{scheme}/" in k}
         if halves:
             text += "; halves / whole layers " + ", ".join(f"{k} {v:.3f}x" for k, v in halves.items())
-        same = summary.get("identical_losses_across_variants")
-        return f"{text}; {_overhead(summary)}; identical losses: {same}"
+        return f"{text}; {_overhead(summary)}; {_identical(summary.get('identical_losses_across_variants'))}"
 
     return figure
 
@@ -217,7 +218,7 @@ def fig_zb(data: Any) -> str:
     summary = _pipeline_summary(data)
     zb = summary["zb_over_1f1b"]
     return ("zb / 1F1B " + ", ".join(f"{k} {v:.3f}x" for k, v in zb.items())
-            + f"; identical losses: {summary.get('identical_losses_across_variants')}")
+            + f"; {_identical(summary.get('identical_losses_across_variants'))}")
 
 
 def fig_microbatching(data: Any) -> str:
@@ -316,7 +317,21 @@ def fig_train(data: Any) -> str:
     """The default run's steps, wall time, throughput, validation loss and load balance."""
     return (f"{data['steps']} steps in {data['wall_seconds']:.0f} s, {data['tokens_per_s']:.0f} tokens/s; "
             f"validation loss {data['val_loss']:.3f} = {data['val_ratio']:.3f}x the unigram entropy; "
-            f"load max/mean {data['load_imbalance']}; stopped early: {data['stopped_early']}")
+            f"rank load max/mean per MoE layer {_floats(data['load_imbalance'])}"
+            + (f"; stopped early: {data['stopped_early']}" if data.get("stopped_early") else ""))
+
+
+def _floats(values: Sequence[float]) -> str:
+    return ", ".join(f"{float(v):.2f}" for v in values) or "none"
+
+
+def _identical(same: Any) -> str:
+    """`identical_losses_across_variants` ({group: bool}) as "identical losses in k of n groups"."""
+    if not isinstance(same, dict) or not same:
+        return f"identical losses: {same}"
+    differ = sorted(k for k, v in same.items() if not v)
+    tail = f" (differ: {', '.join(differ)})" if differ else ""
+    return f"identical losses in {len(same) - len(differ)} of {len(same)} groups{tail}"
 
 
 def fig_gpu_check(data: Any) -> str:
@@ -424,33 +439,36 @@ PIPELINE = "measured, variants in turn (order rotated every step); layer costs m
 
 ROWS: tuple[Row, ...] = (
     Row("default run: validation loss within 5 minutes", "train", fig_train,
-        MEASURED_RUN),
+        MEASURED_RUN, target="0.65x the unigram entropy within 5 minutes"),
     Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume, recompute, memory plan", "gpu_check",
         fig_gpu_check,
-        "measured on the GPU; the memory plan's allocator slack (0.12) is fitted on these 5 layouts: in sample"),
+        "measured on the GPU; the memory plan's allocator slack (0.12) is fitted on these 5 layouts: in sample",
+        target="expert kernel 1.15x / 1.3x dense, balanced / skewed; full recompute 0.35x activations at 1.4x step"),
     Row("MoE layer fwd+bwd vs dense SwiGLU (bf16, 16,384 tokens, d 4096, 8 experts)", "layer_cuda", fig_layer,
-        MEASURED),
+        MEASURED, target="1.15x balanced, 1.3x skewed"),
     Row("MoE layer vs dense SwiGLU on CPU (2048 tokens, d 512)", "layer_cpu", fig_layer,
-        MEASURED),
+        MEASURED, target="1.15x balanced, 1.3x skewed"),
     Row("host syncs of the MoE path", "test_sync_budget", fig_pytest,
-        TEST),
+        TEST, asserts="host syncs per MoE layer counted through moebal.sync: 0 forward, 0 backward; expert "
+        "parallel within its budget (docs/gpu.md)"),
     Row("expert parallelism = one process", "test_expert_parallel", fig_pytest,
-        TEST),
+        TEST, asserts="losses and gradients of 2 and 4 gloo ranks within 1e-5 of the single-process model"),
     Row("Pro-Prophet step time, 2 ranks (busiest expert 4x the mean)", "expert_parallel", fig_expert_parallel,
         "measured, policies rotated each round; the planner's cost model is probed live on the same ranks, "
-        "not fitted to these figures"),
+        "not fitted to these figures", target="prophet+feedback within 3 % of static on balanced routing"),
     Row("planner latency (Pro-Prophet search)", "plan_latency", fig_plan_latency,
         MEASURED),
     Row("Lina scheduling + block overlap on real ranks (emulated devices, `--dilate 3`)", "comm_schedule", fig_comm,
-        "measured on devices emulated 3x slower than a core (compute and link dilated); nothing fitted"),
+        "measured on devices emulated 3x slower than a core (compute and link dilated); nothing fitted",
+        target="all-to-all 1.3x lower, step 1.1x"),
     Row("pipeline rebalancing, early exit (4 stages, dilate 3)", "pipeline_exit_freezing", fig_pipeline("early_exit"),
         PIPELINE),
     Row("pipeline rebalancing, freezing", "pipeline_exit_freezing", fig_pipeline("freezing"),
         PIPELINE),
     Row("pipeline rebalancing, Mixture-of-Depths (layer halves as units)", "pipeline_mod", fig_pipeline("mod"),
-        PIPELINE),
+        PIPELINE, target="1.1x"),
     Row("re-pack onto fewer ranks (early exit leaving 28 % of the work)", "pipeline_repack", fig_repack,
-        PIPELINE),
+        PIPELINE, target="a rank released within 10 % of the unpacked throughput"),
     Row("zero bubble (`pipeline.schedule: zb`) vs 1F1B", "pipeline_zb", fig_zb,
         MEASURED),
     Row("DynaPipe micro-batching, 4 stages, lengths up to 2048", "microbatching", fig_microbatching,
@@ -467,35 +485,45 @@ ROWS: tuple[Row, ...] = (
         "nothing fitted; no 1,024-GPU run to compare"),
     Row("simulator vs measured moebal runs", "validate_simulator", fig_validate,
         "fitted: the CPU profile and the EP per-pass overhead, on calibration probes sharing no shape with the runs; "
-        "predicted: the 24 runs"),
+        "predicted: the 24 runs", target="median 15 %, rank correlation 0.9"),
     Row("Pro-Prophet Table V predicted from Table IV", "reproduce_pro_prophet", fig_pro_prophet,
-        "fitted: the baseline's all-to-all block sizing, on Table IV only; predicted: Table V"),
+        "fitted: the baseline's all-to-all block sizing, on Table IV only; predicted: Table V",
+        target="beat a per-column constant on the held-out rows"),
     Row("Lina Fig. 4.10 on 2-16 A100s", "reproduce_lina", fig_lina,
-        "fitted: four a100 figures, on the thesis's baseline times; predicted: every speed-up"),
+        "fitted: four a100 figures, on the thesis's baseline times; predicted: every speed-up",
+        target="the paper's speed-ups within 25 %"),
     Row("HF logits vs `transformers` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3; LLaMA-MoE v1)", "test_hf",
         fig_pytest,
-        TEST),
+        TEST, asserts="fp32 logits within 1e-4 of `transformers`; HF -> moebal -> HF round trips bit-identical; "
+        "exports load back into `transformers`"),
     Row("streaming conversion of a 3.16 GB Mixtral-shaped checkpoint", "convert", fig_convert,
         MEASURED_RUN),
     Row("checkpoint save, default model, 2 ranks", "checkpoint", fig_checkpoint,
-        MEASURED_RUN),
+        MEASURED_RUN, target="10 % of 100 steps"),
     Row("resume under another layout", "test_resharding", fig_pytest,
-        TEST),
+        TEST, asserts="resumed under another layout (expert-parallel ranks, stages, pipeline to one process): "
+        "losses within 1e-5 of one uninterrupted run, bitwise under the same layout"),
     Row("recovery after a killed rank (target < 1 min)", "restart", fig_restart,
         MEASURED_RUN),
     Row("memory plan vs measured peak memory per rank (4 gloo ranks, 80M-parameter MoE)", "memory", fig_memory,
         "fitted: the CPU runtime and slacks (the full-shard slack included), on calibration runs of another model; "
-        "predicted: the 15 layouts"),
+        "predicted: the 15 layouts", target="median 15 %"),
     Row("sharded optimizer state (`parallel.shard: optimizer`)", "test_sharded", fig_pytest,
-        "a test's assertion; the 0.44x is measured, nothing fitted"),
+        TEST, asserts="20 steps on 2 and 4 ranks (data and expert parallel, Pro-Prophet replicas): losses, "
+        "gradient norms and parameters within 1e-5 of unsharded; resume across shard sizes"),
     Row("fully sharded state (`parallel.shard: full`)", "test_fsdp", fig_pytest,
-        "a test's assertion; the 0.26x is measured, nothing fitted"),
+        TEST, asserts="FSDP2 dense state and sharded expert state, 20 steps on 2 and 4 ranks: within 1e-5 of "
+        "unsharded; resume 1 -> 2 -> 4 shards; the bf16 policy"),
     Row("activation recomputation and rank-local initialisation", "test_recompute", fig_pytest,
-        TEST),
+        TEST, asserts="recomputation bit-identical to none in fp32 (one process, expert parallel with replicas, "
+        "2 stages); a rank's locally built tensors equal the full model's bit for bit"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
-        "a test's assertion; busiest-rank loads counted from the routing, nothing fitted"),
+        TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
+        "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),
     Row("expert placement planned ahead of the gate (`planner.plan_ahead: path`)", "test_plan_ahead", fig_pytest,
-        "a test's assertion; forecast errors measured against the routing that followed, nothing fitted"),
+        TEST, asserts="losses bitwise equal to static and Pro-Prophet placement, gradients equal up to Agg's "
+        "summation order, and plan-ahead placed replicas of its own (forecast accuracy and step time: "
+        "docs/expert-parallel.md)"),
     Row("block-sparse causal attention vs dense SDPA (2,048 tokens, density 0.5)", "sparse_attention",
         fig_sparse_attention,
         "measured; the cost model's two constants were fitted on this layer at 2,048 tokens before the kernel's "
@@ -636,6 +664,10 @@ def figure(row: Row, rec: dict[str, Any] | None) -> str:
     except (KeyError, IndexError, TypeError, ValueError, StopIteration, ZeroDivisionError) as e:
         what = f"the JSON lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         return f"n/a ({what})"
+    if row.asserts:
+        text = f"{row.asserts}: {text}"
+    if row.target:
+        text = f"{text} (target {row.target})"
     return text if rec["status"] == "ok" else f"{text} [run failed: {rec['message']}]"
 
 
@@ -650,7 +682,7 @@ def machine() -> dict[str, str]:
     except OSError:
         pass
     info = {"platform": platform.platform(), "cpu": cpu, "cpus": str(os.cpu_count()), "torch": "not installed",
-            "cuda_device": ""}
+            "cuda_device": "", "isa": _isa()}
     try:
         import torch
 
@@ -660,6 +692,81 @@ def machine() -> dict[str, str]:
     except ImportError:
         pass
     return info
+
+
+def _isa() -> str:
+    """The vector extensions that decide CPU kernel speed here (bf16 units, AVX-512, AVX2), from /proc/cpuinfo."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])
+    except OSError:
+        return ""
+    return " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags)
+
+
+def machine_label(mach: dict[str, str]) -> str:
+    """The README's short name of a report's machine: the GPU's name, else CPU-bf16 (bf16 units), CPU-Xeon (an
+    Intel Xeon without them), CPU-AVX2 (other x86 CPUs) or CPU (no /proc/cpuinfo flags recorded)."""
+    if mach.get("cuda_device"):
+        return str(mach["cuda_device"]).replace("NVIDIA ", "")
+    isa = mach.get("isa", "")
+    if "bf16" in isa:
+        return "CPU-bf16"
+    if "Xeon" in mach.get("cpu", ""):
+        return "CPU-Xeon"
+    return "CPU-AVX2" if "avx2" in isa else "CPU"
+
+
+def render(reports: Sequence[Path], rows: Sequence[Row], readme: Path | None) -> tuple[str, int]:
+    """The table of the rows whose run succeeded in one of `reports` (a later report wins), machines by their
+    short names; with `readme`, those rows' figure and machine cells written into its Results table (the other
+    rows keep theirs). Returns the table and the number of rows filled."""
+    picked: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+    for path in reports:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            runs, mach = data["runs"], data["machine"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SystemExit(f"bench_all: --render {path}: not a bench_all JSON ({type(e).__name__}: {e})") from e
+        picked.update({name: (rec, mach) for name, rec in runs.items() if rec.get("status") == "ok"})
+    lines = ["| claim | figure | fitted / predicted | machine | command |", "|---|---|---|---|---|"]
+    cells: dict[int, tuple[str, str]] = {}
+    for i, row in enumerate(rows):
+        if row.run not in picked:
+            continue
+        rec, mach = picked[row.run]
+        result = rec.get("result")
+        where = "test" if isinstance(result, dict) and "pytest_summary" in result else machine_label(mach)
+        cells[i] = (_cell(figure(row, rec)), where)
+        lines.append("| " + " | ".join([_cell(row.claim), cells[i][0], _cell(row.basis), where,
+                                         f"`{rec['command']}`"]) + " |")
+    if readme is not None:
+        write_text_whole(readme, _splice(readme.read_text(encoding="utf-8"), cells, len(rows)))
+    return "\n".join(lines) + "\n", len(cells)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _splice(text: str, cells: dict[int, tuple[str, str]], n_rows: int) -> str:
+    """README text with the figure and machine cells of its Results table's row i (in `ROWS` order) replaced."""
+    head, sep, rest = text.partition("## Results")
+    if not sep:
+        raise SystemExit("bench_all: --readme: the README has no '## Results' section")
+    section, nxt, tail = rest.partition("\n## ")
+    lines = section.split("\n")
+    at = [k for k, ln in enumerate(lines) if ln.startswith("| ") and not ln.startswith("| claim")]
+    if len(at) != n_rows:
+        raise SystemExit(f"bench_all: --readme: its Results table has {len(at)} rows, the registry {n_rows}; "
+                         "add or remove README rows to match ROWS first")
+    for i, (fig, where) in cells.items():
+        parts = lines[at[i]].strip().strip("|").split(" | ")
+        if len(parts) != 5:
+            raise SystemExit(f"bench_all: --readme: Results row {i + 1} has {len(parts)} cells, not 5")
+        parts[1], parts[3] = fig, where
+        lines[at[i]] = "| " + " | ".join(p.strip() for p in parts) + " |"
+    return head + sep + "\n".join(lines) + nxt + tail
 
 
 def table(rows: Sequence[Row], recs: dict[str, dict[str, Any]], mach: dict[str, str]) -> str:
@@ -686,7 +793,13 @@ def parse(argv: Sequence[str] | None, runs: Sequence[Run]) -> argparse.Namespace
     ap.add_argument("--resume", type=Path, metavar="FILE",
                     help="a JSON an earlier run of the same mode wrote: keep its successful runs, run the rest")
     ap.add_argument("--dry-run", action="store_true", help="print one command per README row and stop")
+    mode.add_argument("--render", type=Path, nargs="+", metavar="REPORT",
+                      help="run nothing: the table of the rows that succeeded in these reports (a later one wins)")
+    ap.add_argument("--readme", action="store_true",
+                    help="with --render: write those rows' figure and machine cells into README.md")
     args = ap.parse_args(argv)
+    if args.readme and not args.render:
+        ap.error("--readme goes with --render REPORT ...")
     names = [r.name for r in runs]
     args.only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     bad = [n for n in args.only or [] if n not in names]
@@ -716,13 +829,21 @@ def _resumed(path: Path, mode: str, mach: dict[str, str]) -> dict[str, dict[str,
 
 
 def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Sequence[Row] = ROWS,
-         cuda: bool | None = None) -> int:
-    """Run the registry (`runs`, `rows`: the README's by default); 0 when every selected run succeeded."""
+         cuda: bool | None = None, readme: Path = ROOT / "README.md") -> int:
+    """Run the registry (`runs`, `rows`: the README's by default); 0 when every selected run succeeded.
+    `readme`: the file `--render --readme` writes."""
     args = parse(argv, runs)
     by_name = {r.name: r for r in runs}
     missing = sorted({row.run for row in rows} - set(by_name))
     if missing:
         raise SystemExit(f"bench_all: rows name runs that the registry lacks: {', '.join(missing)}")
+    if args.render:
+        text, filled = render(args.render, rows, readme if args.readme else None)
+        if args.table:
+            write_text_whole(args.table, text)
+        print(text)
+        print(f"bench_all: {filled} of {len(rows)} rows from {len(args.render)} report(s)", file=sys.stderr)
+        return 0
     chosen = [r for r in runs if args.only is None or r.name in args.only]
     if args.dry_run:
         for row in rows:

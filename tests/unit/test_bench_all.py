@@ -165,3 +165,56 @@ def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_a
     (tmp_path / "junk.json").write_text("[1, 2]")
     with pytest.raises(SystemExit, match="not a bench_all JSON"):
         bench_all.main(["--full", "--resume", str(tmp_path / "junk.json")], runs=runs, rows=rows, cuda=False)
+
+
+def test_render_fills_the_rows_of_successful_runs_from_several_reports_into_the_readme(bench_all, tmp_path) -> None:
+    Run, Row = bench_all.Run, bench_all.Row
+    runs = (Run("a", ("python", "a.py")), Run("b", ("python", "b.py")), Run("t", ("python", "-m", "pytest", "x")),
+            Run("c", ("python", "c.py")))
+    rows = (Row("a claim", "a", lambda d: f"{d['v']:.2f}x", "measured; nothing fitted", target="1.5x"),
+            Row("b claim", "b", lambda d: f"{d['v']}", "measured; nothing fitted"),
+            Row("t claim", "t", bench_all.fig_pytest, "a test's assertion; nothing fitted", asserts="it holds"),
+            Row("c claim", "c", lambda d: "never", "measured; nothing fitted"))
+    bf16 = {"cpu": "AMD EPYC", "cpus": "2", "torch": "2.13.0+cpu", "cuda_device": "", "isa": "avx512_bf16 avx2"}
+    xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpus": "2", "torch": "2.13.0+cpu", "cuda_device": ""}
+
+    def rec(name: str, result: object, status: str = "ok") -> dict[str, object]:
+        return {"name": name, "command": f"python {name}.py", "status": status, "result": result}
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"machine": xeon, "runs": {"a": rec("a", {"v": 1.0}), "b": rec("b", {"v": 7})}}))
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"machine": bf16, "runs": {
+        "a": rec("a", {"v": 1.25}), "t": rec("t", {"pytest_summary": "3 passed in 1.0s"}),
+        "c": {**rec("c", None, "failed"), "message": "broke"}}}))
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Results\n\nIntro.\n\n| claim | figure | fitted / predicted | machine | command |\n"
+                      "|---|---|---|---|---|\n"
+                      + "".join(f"| {r.claim} | old | {r.basis} | old-machine | `cmd` |\n" for r in rows)
+                      + "\n## Next\n\nkept\n")
+    table = tmp_path / "t.md"
+    assert bench_all.main(["--render", str(old), str(new), "--readme", "--table", str(table)], runs=runs,
+                          rows=rows, readme=readme) == 0
+    text = readme.read_text()
+    assert "| a claim | 1.25x (target 1.5x) | measured; nothing fitted | CPU-bf16 | `cmd` |" in text  # later wins
+    assert "| b claim | 7 | measured; nothing fitted | CPU-Xeon | `cmd` |" in text
+    assert "| t claim | it holds: 3 passed in 1.0s | a test's assertion; nothing fitted | test | `cmd` |" in text
+    assert "| c claim | old | measured; nothing fitted | old-machine | `cmd` |" in text  # failed: kept as it was
+    assert text.startswith("# x\n\n## Results\n\nIntro.") and text.endswith("\n## Next\n\nkept\n")
+    assert len(table.read_text().splitlines()) == 2 + 3
+    # a README whose table does not match the registry is refused, nothing written
+    readme.write_text("## Results\n\n| claim | figure | fitted / predicted | machine | command |\n"
+                      "|---|---|---|---|---|\n| only one | x | y | z | `w` |\n")
+    with pytest.raises(SystemExit, match="1 rows, the registry 4"):
+        bench_all.main(["--render", str(new), "--readme"], runs=runs, rows=rows, readme=readme)
+    assert "only one" in readme.read_text()
+    with pytest.raises(SystemExit):
+        bench_all.main(["--full", "--readme"], runs=runs, rows=rows, readme=readme)
+
+
+def test_machine_labels(bench_all) -> None:
+    label = bench_all.machine_label
+    assert label({"cpu": "AMD EPYC", "isa": "avx512_bf16 avx512f avx2", "cuda_device": ""}) == "CPU-bf16"
+    assert label({"cpu": "AMD EPYC", "isa": "avx2", "cuda_device": ""}) == "CPU-AVX2"
+    assert label({"cpu": "Intel(R) Xeon(R) Processor", "cuda_device": ""}) == "CPU-Xeon"  # reports before `isa`
+    assert label({"cpu": "x", "isa": "", "cuda_device": "NVIDIA H200"}) == "H200"
