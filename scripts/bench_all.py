@@ -20,7 +20,8 @@ where that JSON lacks what a row needs the figure says "n/a (reason)".
 
 `--only NAME,...` picks runs by name (`--dry-run` lists them). The JSON and the table are rewritten after every
 run (`"complete": false` until the last), so a long `--full` run that is stopped keeps what finished;
-`--resume FILE` reads such a JSON back, keeps its runs that succeeded (in the same mode) and runs the rest.
+`--resume FILE` reads such a JSON back, keeps its runs that succeeded (in the same mode) and runs the rest (with
+`--only`, the chosen ones of the rest; the kept runs stay in the report either way).
 Each run records the commit it ran (`git rev-parse HEAD`, "+dirty" with local changes), when it started and the
 host's 1-minute load average at its start and end, so a reader can tell a quiet run from a loaded one and a
 resumed report says which code each figure came from. Tests and other callers can pass their own registry to
@@ -876,10 +877,12 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
         return text
 
     with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:
-        for run in chosen:
+        for run in runs:  # a resumed report keeps its successful runs, chosen by --only or not
             if run.name in kept:
                 recs[run.name] = {**kept[run.name], "resumed_from": str(args.resume)}
                 print(f"bench_all: {run.name}: kept from {args.resume}", file=sys.stderr, flush=True)
+                continue
+            if run not in chosen:
                 continue
             if run.gpu and not has_cuda:
                 recs[run.name] = {"name": run.name, "command": display(run, args.quick), "status": "skipped",

@@ -157,6 +157,14 @@ def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_a
     assert second["complete"] is True
     assert second["runs"]["a"]["resumed_from"] == str(out)
     assert {r["claim"]: r["figure"] for r in second["rows"]} == {"a claim": "1", "b claim": "2", "c claim": "1"}
+    # --only with --resume adds the chosen runs to the report and keeps the others it held
+    partial = {**second, "runs": {k: v for k, v in second["runs"].items() if k != "c"}}
+    out.write_text(json.dumps(partial))
+    counter.write_text("")
+    assert bench_all.main(["--full", "--only", "c", "--json", str(out), "--resume", str(out)], runs=runs, rows=rows,
+                          cuda=False) == 0
+    assert counter.read_text().split() == ["c"]
+    assert set(json.loads(out.read_text())["runs"]) == {"a", "b", "c"}
     with pytest.raises(SystemExit, match="--full run"):
         bench_all.main(["--quick", "--resume", str(out)], runs=runs, rows=rows, cuda=False)
     out.write_text(json.dumps({**second, "machine": {**second["machine"], "cpus": "512"}}))
