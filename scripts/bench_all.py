@@ -19,7 +19,8 @@ figure, the run) and a markdown table (claim, figure, machine, command), both to
 where that JSON lacks what a row needs the figure says "n/a (reason)".
 
 `--only NAME,...` picks runs by name (`--dry-run` lists them). The JSON and the table are rewritten after every
-run (`"complete": false` until the last), so a long `--full` run that is stopped keeps what finished;
+run (`"complete": false` until the last, and while any run of the registry is missing from the report: `"missing"`
+lists them), so a long `--full` run that is stopped keeps what finished;
 `--resume FILE` reads such a JSON back, keeps its runs that succeeded (in the same mode) and runs the rest (with
 `--only`, the chosen ones of the rest; the kept runs stay in the report either way).
 Each run records the commit it ran (`git rev-parse HEAD`, "+dirty" with local changes), when it started and the
@@ -869,7 +870,9 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
     def report(complete: bool) -> str:
         shown = [row for row in rows if row.run in recs]
         text = table(shown, recs, mach)
-        data = {"mode": mode, "complete": complete, "machine": mach, "wall_s": round(time.perf_counter() - t0, 1),
+        missing = [r.name for r in runs if r.name not in recs]  # not run by this report (--only, or stopped)
+        data = {"mode": mode, "complete": complete and not missing, "missing": missing, "machine": mach,
+                "wall_s": round(time.perf_counter() - t0, 1),
                 "runs": recs, "rows": [{"claim": row.claim, "run": row.run, "figure": figure(row, recs.get(row.run)),
                                         "basis": row.basis} for row in shown]}
         if args.json:  # whole or not at all: a stopped run never leaves half a report

@@ -165,6 +165,11 @@ def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_a
                           cuda=False) == 0
     assert counter.read_text().split() == ["c"]
     assert set(json.loads(out.read_text())["runs"]) == {"a", "b", "c"}
+    assert json.loads(out.read_text())["complete"] is True
+    assert bench_all.main(["--full", "--only", "a", "--json", str(tmp_path / "a.json")], runs=runs, rows=rows,
+                          cuda=False) == 0
+    only_a = json.loads((tmp_path / "a.json").read_text())
+    assert only_a["complete"] is False and only_a["missing"] == ["b", "c"]  # complete: every run of the registry
     with pytest.raises(SystemExit, match="--full run"):
         bench_all.main(["--quick", "--resume", str(out)], runs=runs, rows=rows, cuda=False)
     out.write_text(json.dumps({**second, "machine": {**second["machine"], "cpus": "512"}}))
