@@ -882,12 +882,13 @@ def main(argv: Sequence[str] | None = None, runs: Sequence[Run] = RUNS, rows: Se
         return text
 
     with tempfile.TemporaryDirectory(prefix="bench-all-") as tmp:
-        for run in runs:  # a resumed report keeps its successful runs, chosen by --only or not
+        # a resumed report keeps its successful runs, chosen by --only or not, in every report written from now on
+        for run in runs:
             if run.name in kept:
                 recs[run.name] = {**kept[run.name], "resumed_from": str(args.resume)}
                 print(f"bench_all: {run.name}: kept from {args.resume}", file=sys.stderr, flush=True)
-                continue
-            if run not in chosen:
+        for run in chosen:
+            if run.name in kept:
                 continue
             if run.gpu and not has_cuda:
                 recs[run.name] = {"name": run.name, "command": display(run, args.quick), "status": "skipped",

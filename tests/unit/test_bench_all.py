@@ -157,13 +157,19 @@ def test_a_stopped_run_keeps_what_finished_and_resume_runs_only_the_rest(bench_a
     assert second["complete"] is True
     assert second["runs"]["a"]["resumed_from"] == str(out)
     assert {r["claim"]: r["figure"] for r in second["rows"]} == {"a claim": "1", "b claim": "2", "c claim": "1"}
-    # --only with --resume adds the chosen runs to the report and keeps the others it held
-    partial = {**second, "runs": {k: v for k, v in second["runs"].items() if k != "c"}}
+    # --only with --resume adds the chosen runs to the report and keeps the others it held, in every report it
+    # writes: the one written after "a" already holds the kept "b" (a run stopped in "c" keeps it)
+    partial = {**second, "runs": {"b": second["runs"]["b"]}}
     out.write_text(json.dumps(partial))
     counter.write_text("")
-    assert bench_all.main(["--full", "--only", "c", "--json", str(out), "--resume", str(out)], runs=runs, rows=rows,
-                          cuda=False) == 0
-    assert counter.read_text().split() == ["c"]
+    good.write_text("import json, shutil, sys\n"
+                    f"if sys.argv[1] == 'c': shutil.copy({str(out)!r}, {str(tmp_path / 'during_c.json')!r})\n"
+                    f"open({str(counter)!r}, 'a').write(sys.argv[1] + '\\n')\n"
+                    "json.dump({'v': 1}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    assert bench_all.main(["--full", "--only", "a,c", "--json", str(out), "--resume", str(out)], runs=runs,
+                          rows=rows, cuda=False) == 0
+    assert counter.read_text().split() == ["a", "c"]
+    assert set(json.loads((tmp_path / "during_c.json").read_text())["runs"]) == {"a", "b"}
     assert set(json.loads(out.read_text())["runs"]) == {"a", "b", "c"}
     assert json.loads(out.read_text())["complete"] is True
     assert bench_all.main(["--full", "--only", "a", "--json", str(tmp_path / "a.json")], runs=runs, rows=rows,
