@@ -82,6 +82,7 @@ class Row:
     basis: str = ""  # one line: what was fitted (and on which data) and what the figure predicts or measures
     target: str = ""  # the target for the figure, shown beside it ("" where the row has none)
     asserts: str = ""  # a test row: what its tests assert, shown before the pytest summary
+    readme: bool = True  # False: `--render --readme` leaves the README cell (it holds more than this run gives)
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -491,7 +492,10 @@ ROWS: tuple[Row, ...] = (
     Row("1,024-rank Mixtral-8x7B iteration, simulated on H100s (`configs/hardware/h100.yaml`)", "simulate",
         fig_simulate,
         "predicted from datasheet peaks and stated efficiency assumptions (configs/hardware/h100.yaml); "
-        "nothing fitted; no 1,024-GPU run to compare"),
+        "nothing fitted; no 1,024-GPU run to compare",
+        # the README cell also gives the Pro-Prophet and h100-ndr400 figures of the same command's variants,
+        # which tests/integration/test_simulate_cli.py checks against the command
+        readme=False),
     Row("simulator vs measured moebal runs", "validate_simulator", fig_validate,
         "fitted: the CPU profile and the EP per-pass overhead, on calibration probes sharing no shape with the runs; "
         "predicted: the 24 runs", target="median 15 %, rank correlation 0.9"),
@@ -746,8 +750,10 @@ def render(reports: Sequence[Path], rows: Sequence[Row], readme: Path | None) ->
         rec, mach = picked[row.run]
         result = rec.get("result")
         where = "test" if isinstance(result, dict) and "pytest_summary" in result else machine_label(mach)
-        cells[i] = (_cell(figure(row, rec)), where)
-        lines.append("| " + " | ".join([_cell(row.claim), cells[i][0], _cell(row.basis), where,
+        fig = _cell(figure(row, rec))
+        if row.readme:
+            cells[i] = (fig, where)
+        lines.append("| " + " | ".join([_cell(row.claim), fig, _cell(row.basis), where,
                                          f"`{rec['command']}`"]) + " |")
     if readme is not None:
         write_text_whole(readme, _splice(readme.read_text(encoding="utf-8"), cells, len(rows)))

@@ -99,9 +99,11 @@ def test_plan_ahead_inside_stages_keeps_the_losses_on_the_same_weights(runs):
     for r in runs:
         assert r["loss_equal"], r
         # Agg adds a replica's partial gradient to the owner's: summation order. Inside stages the non-expert
-        # gradients differ in their last bits too, under Pro-Prophet's placements alone (about 1e-8 relative)
+        # gradients differ in their last bits too, under Pro-Prophet's placements alone (about 1e-8 relative on an
+        # AVX2 Xeon, 4.6e-6 on an AVX-512 EPYC, where the expert GEMMs of other row counts round differently):
+        # the parity tests' 1e-5
         assert r["expert_rel"] < 1e-6, r["expert_rel"]
-        assert max(r["dense_rel"].values()) < 1e-6, r["dense_rel"]
+        assert max(r["dense_rel"].values()) < 1e-5, r["dense_rel"]
         assert all(s == [4, 2] for s in r["sizes"].values()), r["sizes"]
         assert r["scale"] == 2.0  # 2 equal micro-batches: the first one's estimate counts twice
     recs = runs[0]["records"]
