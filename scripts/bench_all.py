@@ -793,7 +793,7 @@ def table(rows: Sequence[Row], recs: dict[str, dict[str, Any]], mach: dict[str, 
         gpu = f" / {mach['cuda_device']}" if mach["cuda_device"] else ""
         cmd = rec["command"] if rec else row.run
         cells = [row.claim, figure(row, rec), row.basis, where + gpu, f"`{cmd}`"]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
