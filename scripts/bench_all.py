@@ -685,17 +685,19 @@ def figure(row: Row, rec: dict[str, Any] | None) -> str:
 
 
 def machine() -> dict[str, str]:
-    """platform, CPU model, torch version and CUDA device of this machine, found now."""
-    cpu = platform.processor() or platform.machine()
+    """platform, CPU model, vector extensions, torch version and CUDA device of this machine, found now."""
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        fields = dict(ln.split(":", 1) for ln in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in ln)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        cpu, flags = fields.get("model name", cpu), fields.get("flags", "").split()
     except OSError:
         pass
+    # the vector extensions that decide CPU kernel speed (bf16 units, AVX-512, AVX2)
+    isa = " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags)
     info = {"platform": platform.platform(), "cpu": cpu, "cpus": str(os.cpu_count()), "torch": "not installed",
-            "cuda_device": "", "isa": _isa()}
+            "cuda_device": "", "isa": isa}
     try:
         import torch
 
@@ -705,16 +707,6 @@ def machine() -> dict[str, str]:
     except ImportError:
         pass
     return info
-
-
-def _isa() -> str:
-    """The vector extensions that decide CPU kernel speed here (bf16 units, AVX-512, AVX2), from /proc/cpuinfo."""
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), [])
-    except OSError:
-        return ""
-    return " ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags)
 
 
 def machine_label(mach: dict[str, str]) -> str:
