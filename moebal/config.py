@@ -607,6 +607,10 @@ class SparseAttentionConfig:
     """Fixed extra time of the sparse path as a share of the dense attention core, for the cost prediction."""
     seed: int = 0
     """Seed of the random walk."""
+    depth_tilt: float = 0.0
+    """Budget random_walk: 0 = every layer walks in [min_density, max_density]; t in (0, 1] = layer i walks in a
+    band of width (1 - t) (max - min) that slides linearly from the top (first layer) to the bottom (last layer):
+    densities correlated with depth (1: a fixed ramp)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -50,7 +50,11 @@ whole-layer partition.
 
     python scripts/bench_pipeline_rebalance.py [--quick] [--json FILE] [--png FILE] [--wait spin|block|dilate|all]
         [--schedule 1f1b|zb|both] [--units layers|halves|both] [--schemes S,...] [--rounds N] [--steps N]
-        [--raw FILE] [--repack-only]
+        [--raw FILE] [--repack-only] [--option SCHEME.KEY=VALUE ...]
+
+`--option` changes one setting of a scheme (e.g. `sparse_attention.depth_tilt=0.75`) for every run of the
+invocation; the report's config carries the settings the runs used and the overrides apart. A figure with an
+override is not the benchmark's default figure and is reported beside it.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
                                    repack=repack, split_layers=variant_units(name) == "halves",
                                    wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         cfg = dataclasses.replace(cfg, pipeline=pipe)
-        options = REPACK if group.get("repack_experiment") else SCHEMES[group["scheme"]]
+        options = REPACK if group.get("repack_experiment") else group.get("options", SCHEMES[group["scheme"]])
         runners[name] = PipelineRunner(cfg, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
         runners[name].start()
     names = list(runners)
@@ -297,7 +301,8 @@ def _mode(wait: str, schedule: str, units: str = "layers") -> str:
 
 def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
                  repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",),
-                 units: tuple[str, ...] = ("layers",)) -> list[dict[str, Any]]:
+                 units: tuple[str, ...] = ("layers",),
+                 options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """One group per (round, wait, scheme); every schedule's and unit setting's variants train interleaved in
     the same group, so they are compared side by side as well as rebalanced and static."""
 
@@ -310,11 +315,33 @@ def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
         for wait in waits:
             for scheme in [] if repack_only else schemes:
                 groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps,
-                               "variants": named(list(BALANCERS))})
+                               "variants": named(list(BALANCERS)), "options": (options or SCHEMES)[scheme]})
             if ("early_exit" in schemes or repack_only) and wait != "block":
                 groups.append({"scheme": "early_exit", "wait": wait, "round": r, "steps": steps,
                                "variants": named(["partition", "partition+repack"]), "repack_experiment": True})
     return groups
+
+
+def parse_options(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`--option SCHEME.KEY=VALUE` items -> {scheme: {key: value}} (VALUE read as YAML: 0.75, true, [1, 2]); a
+    scheme of the benchmark and a key of that scheme's config section, else ValueError naming what is wrong."""
+    import yaml
+
+    from moebal.config import Config
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        lhs, eq, value = item.partition("=")
+        scheme, dot, key = lhs.partition(".")
+        if not (eq and dot and scheme and key):
+            raise ValueError(f"--option {item!r}: expected SCHEME.KEY=VALUE, e.g. sparse_attention.depth_tilt=0.75")
+        if scheme not in SCHEMES:
+            raise ValueError(f"--option {item!r}: unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+        fields = [f.name for f in dataclasses.fields(getattr(Config().dynamism, scheme))]
+        if key not in fields:
+            raise ValueError(f"--option {item!r}: {scheme} has no setting {key!r}; its settings: {', '.join(fields)}")
+        out.setdefault(scheme, {})[key] = yaml.safe_load(value)
+    return out
 
 
 def _paired(rows: list[dict[str, Any]], key: str, better: str = "higher") -> dict[tuple[str, str, str], float]:
@@ -460,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pipeline schedule of every variant (zb: zero bubble); both: each group under each")
     ap.add_argument("--units", choices=("layers", "halves", "both"), default="layers",
                     help="partition units: whole layers, layer halves (pipeline.split_layers), or both side by side")
+    ap.add_argument("--option", action="append", default=[], metavar="SCHEME.KEY=VALUE",
+                    help="change one scheme setting for every run (repeatable), e.g. sparse_attention.depth_tilt=0.75")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)
@@ -467,13 +496,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(schemes) - set(SCHEMES)
     if unknown:
         ap.error(f"unknown schemes {sorted(unknown)}; choose from {', '.join(SCHEMES)}")
+    try:
+        overrides = parse_options(args.option)
+    except ValueError as e:
+        ap.error(str(e))
+    options = {k: {**v, **overrides.get(k, {})} for k, v in SCHEMES.items()}
     rounds = args.rounds
     steps = args.steps or (36 if args.quick else 45)
     settle = min(20 if args.quick else 25, steps // 2)
     waits = list(WAITS) if args.wait == "all" else [args.wait]
     schedules = ("1f1b", "zb") if args.schedule == "both" else (args.schedule,)
     units = ("layers", "halves") if args.units == "both" else (args.units,)
-    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units)
+    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units, options)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
@@ -489,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     same_losses = {k: all(v == ls[0] for v in ls) for k, ls in same_losses.items()}
     report = {"benchmark": "pipeline_rebalance", "records": rows,
               "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
-              "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": SCHEMES,
+              "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": options,
+                         "overrides": overrides,
                          "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
                          "micro_batches": 16, "schedules": list(schedules),
                          "units": list(units), "every": 4, "ema": 0.7, "steps": steps,

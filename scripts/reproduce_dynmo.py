@@ -34,10 +34,12 @@ the better of Diff-by-Time and Part-by-Time over static Megatron-LM, both with t
 - a layer's time is moebal's h100 cost with its causal attention core (the part quadratic in the sequence)
   scaled by the kept share of the block grid at its density (`kept_fraction`, 128-token blocks);
 - densities: DynMo's bounded random walk (its extraction, section 8.1), per layer from U[lo, 1], each step
-  + U[-step, step], clipped to [lo, 1]; the paper gives neither bound nor step (hashed attention sets them) nor
-  the sequence length (which sets the attention core's share of a layer), so they are FITTED: a grid of
-  (sequence, lo, step) candidates, plus DynMo's own cost model (the whole layer scales with the density,
-  c_i = s_i c_i) over (lo, step), is scored on the 24- and 32-layer rows only (FIT_TABLE1;
+  + U[-step, step], clipped to [lo, 1], or with a depth tilt t each layer in its own band sliding from the top
+  (first layer) to the bottom (last: the scheme's `depth_tilt`); the paper gives neither bound nor step
+  (hashed attention sets them), nor whether densities follow depth, nor the sequence length (which sets the
+  attention core's share of a layer), so they are FITTED: a grid of (sequence, lo, step, tilt) candidates,
+  plus DynMo's own cost model (the whole layer scales with the density, c_i = s_i c_i) over (lo, step, tilt),
+  is scored on the 24- and 32-layer rows only (FIT_TABLE1;
   `fit_choice` refuses any other row), and the chosen candidate is scored on the 40-56-layer rows, beside those
   rows predicted by the fitting rows' median (the constant baseline), with the rank correlation;
 - DynMo = the exact min-max partition of the previous iteration's per-layer times (Part by Time) and the
@@ -84,6 +86,9 @@ WALK_STEP = (0.05, 0.2)
 SA_SEQ = (2048, 8192, 32768)
 """Fitted candidates: the walk's lower bound and step, and the sequence length (which sets the attention core's
 share of a layer: about 20 % of the h100 cost model's layer at 2,048 tokens, most of it at 32,768)."""
+WALK_TILT = (0.0, 0.5, 0.75, 0.9)
+"""Fitted too: densities correlated with depth (the scheme's `depth_tilt`; 0 = independent walks). DynMo's gain
+grows with the layers per stage, which independent walks cannot give (a stage averages its layers' walks)."""
 SA_BLOCK = 128
 
 
@@ -103,18 +108,23 @@ def sparse_layer_parts(cost: Any, shape: Any, seq: int, mb: int) -> tuple[np.nda
     return whole, core
 
 
-def walk(n_layers: int, steps: int, lo: float, step: float, seed: int) -> np.ndarray:
-    """[steps + 1, L] densities of DynMo's bounded random walk."""
+def walk(n_layers: int, steps: int, lo: float, step: float, seed: int, tilt: float = 0.0) -> np.ndarray:
+    """[steps + 1, L] densities of DynMo's bounded random walk in [lo, 1]; with `tilt` t each layer walks in its
+    own band of width (1 - t)(1 - lo), sliding linearly from the top (first layer) to the bottom (last): the
+    `depth_tilt` of the sparse_attention scheme (t = 0: the same draws and numbers as without it)."""
     rng = np.random.default_rng(seed)
+    x = np.arange(n_layers) / max(1, n_layers - 1)
+    top = 1.0 - tilt * (1.0 - lo) * x
+    bot = np.minimum(lo + tilt * (1.0 - lo) * (1.0 - x), top)  # equal at tilt 1, up to rounding
     d = np.empty((steps + 1, n_layers))
-    d[0] = rng.uniform(lo, 1.0, n_layers)
+    d[0] = rng.uniform(bot, top, n_layers)
     for k in range(1, steps + 1):
-        d[k] = np.clip(d[k - 1] + rng.uniform(-step, step, n_layers), lo, 1.0)
+        d[k] = np.clip(d[k - 1] + rng.uniform(-step, step, n_layers), bot, top)
     return d
 
 
 def table1_case(layers: int, gpus: int, lo: float, step: float, seq: int, steps: int,
-                whole_layer: bool = False) -> dict[str, float]:
+                whole_layer: bool = False, tilt: float = 0.0) -> dict[str, float]:
     """Mean static / dynamic iteration time over `steps` iterations of one Table 1 cell (`whole_layer`: the
     whole layer's time scales with the kept share, DynMo's c_i = s_i c_i, instead of its attention core)."""
     from moebal.kernels.sparse_attention import kept_fraction
@@ -130,7 +140,7 @@ def table1_case(layers: int, gpus: int, lo: float, step: float, seq: int, steps:
     act = seq * mb * shape.dim * cost.act_bytes
     topo = cost.topology(gpus)
     p2p_s = float(cost.time_of(cost.p2p(topo, 0, 1, act), topo))
-    dens = walk(layers, steps, lo, step, SEED + 1000 * layers + gpus)
+    dens = walk(layers, steps, lo, step, SEED + 1000 * layers + gpus, tilt)
     kept = np.vectorize(lambda d: kept_fraction(seq, SA_BLOCK, float(d)))(dens)
     if whole_layer:  # DynMo's own cost model, c_i = s_i c_i: the whole layer scales with the density
         core = whole
@@ -156,9 +166,11 @@ def reproduce_table1(steps: int) -> dict[str, Any]:
     for seq, whole_layer in [(q, False) for q in SA_SEQ] + [(2048, True)]:
         for lo in WALK_LO:
             for st in WALK_STEP:
-                name = f"{'whole-layer' if whole_layer else 'core'},seq={seq},lo={lo},step={st}"
-                sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer)
-                              for (L, P) in TABLE1}
+                for tilt in WALK_TILT:
+                    name = (f"{'whole-layer' if whole_layer else 'core'},seq={seq},lo={lo},step={st}"
+                            + (f",tilt={tilt}" if tilt else ""))
+                    sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer, tilt)
+                                  for (L, P) in TABLE1}
     cands = {name: {r.id: sim[r.label]["best"] for r in rows} for name, sim in sims.items()}
     result = evaluate(rows, cands, FIT_TABLE1)
     pred = cands[result["fit"]["choice"]]

@@ -20,7 +20,11 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   - `random_walk` (DynMo's benchmark driver, its extraction section 8.1): each layer starts at a density drawn
     uniformly in [min_density, max_density] and moves every step by a uniform step in [-walk_step, walk_step],
     clipped to the bounds. Drawn from a generator seeded by (seed, step): every rank draws the same numbers with
-    no message, and a resume continues the same walk.
+    no message, and a resume continues the same walk. `depth_tilt` t in [0, 1] correlates the densities with
+    depth (DynMo gives no rule; docs/dynamism.md): layer i of L walks in its own band of width (1 - t) (hi - lo),
+    from [lo + t (hi - lo), hi] for the first layer down to [lo, hi - t (hi - lo)] for the last (linear in
+    i / (L - 1)). t = 0 is the walk above (the same draws); t = 1 a fixed ramp from hi to lo. Independent walks
+    average out over the layers of a stage; a tilt leaves each stage its own mean density.
 - When it sets in: layers run dense before `start` (continual training of a dense model, as DynMo runs it).
 - Cost (DynMo: c_i = s_i c_i, the whole layer scaled): only the attention core scales. Layer i's cost relative to
   its dense self is (q_o + kv + ffn + w attn (o + f_i)) / (q_o + kv + ffn + w attn) below density 1 (1 at
@@ -91,7 +95,7 @@ class DynamicSparseAttention(Dynamism):
 
     def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
                  min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
-                 attn_weight: float = 1.6, overhead: float = 0.22, seed: int = 0) -> None:
+                 attn_weight: float = 1.6, overhead: float = 0.22, seed: int = 0, depth_tilt: float = 0.0) -> None:
         m, T = cfg.model, cfg.data.seq_len
         if budget not in ("coverage", "random_walk"):
             raise ConfigError(f"dynamism sparse_attention: budget must be coverage or random_walk; got {budget!r}")
@@ -105,12 +109,20 @@ class DynamicSparseAttention(Dynamism):
             raise ConfigError(f"dynamism sparse_attention: need coverage in (0, 1] (got {coverage}), walk_step >= 0 "
                               f"(got {walk_step}), attn_weight > 0 (got {attn_weight}) and overhead >= 0 "
                               f"(got {overhead})")
+        if not 0 <= depth_tilt <= 1:
+            raise ConfigError(f"dynamism sparse_attention: depth_tilt must be in [0, 1] (0: independent walks, 1: a "
+                              f"fixed ramp by depth); got {depth_tilt}")
         if m.mla is not None or (m.sliding_window is not None and m.sliding_window < T):
             raise ConfigError("dynamism sparse_attention runs grouped-query causal attention over the whole row: "
                               "unset model.mla and model.sliding_window (or use another scheme)")
         self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
         self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
         self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
+        span, x = (max_density - min_density), [i / max(1, self.L - 1) for i in range(self.L)]
+        tops = [max_density - depth_tilt * span * xi for xi in x]
+        self.bands = [(min(min_density + depth_tilt * span * (1.0 - xi), top), top) for xi, top in zip(x, tops)]
+        """Each layer's (lower, upper) bound of the walk: [min_density, max_density] for every layer without a tilt
+        (exactly: the walk's numbers do not depend on the option's existence)."""
         self.flops = [layer_token_flops(cfg, i, T) for i in range(self.L)]
         self.density = [1.0] * self.L
         """The density each layer runs at in the coming step (agreed: every rank computes the same)."""
@@ -125,8 +137,9 @@ class DynamicSparseAttention(Dynamism):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         u = torch.rand(self.L, generator=g, dtype=torch.float64).tolist()
         if step == self.start + 1:
-            return [self.lo + (self.hi - self.lo) * x for x in u]
-        return [min(self.hi, max(self.lo, d + self.walk_step * (2 * x - 1))) for d, x in zip(self.density, u)]
+            return [lo + (hi - lo) * x for (lo, hi), x in zip(self.bands, u)]
+        return [min(hi, max(lo, d + self.walk_step * (2 * x - 1)))
+                for (lo, hi), d, x in zip(self.bands, self.density, u)]
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)

@@ -87,3 +87,17 @@ def test_split_units_are_paired_with_their_own_static_run_and_with_whole_layers(
                                      "static~halves", "partition~halves", "diffusion~halves"]
     assert bench.split_variant("partition@zb~halves") == ("partition", "zb")
     assert bench.variant_units("partition@zb~halves") == "halves" and bench.variant_units("static") == "layers"
+
+
+def test_an_option_reaches_its_scheme_s_groups_and_bad_ones_are_named(bench) -> None:
+    over = bench.parse_options(["sparse_attention.depth_tilt=0.75", "sparse_attention.walk_step=0.2"])
+    assert over == {"sparse_attention": {"depth_tilt": 0.75, "walk_step": 0.2}}
+    options = {k: {**v, **over.get(k, {})} for k, v in bench.SCHEMES.items()}
+    groups = bench.build_groups(["sparse_attention", "mod"], 1, 10, ["dilate"], options=options)
+    sa = [g for g in groups if g["scheme"] == "sparse_attention"]
+    assert sa[0]["options"] == {**bench.SCHEMES["sparse_attention"], "depth_tilt": 0.75, "walk_step": 0.2}
+    assert [g["options"] for g in groups if g["scheme"] == "mod"] == [bench.SCHEMES["mod"]]
+    for bad, why in (("depth_tilt=1", "SCHEME.KEY=VALUE"), ("attention.depth_tilt=1", "unknown scheme"),
+                     ("sparse_attention.tilt=1", "no setting 'tilt'")):
+        with pytest.raises(ValueError, match=why):
+            bench.parse_options([bad])

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from moebal.sim.holdout import PaperRow, column_medians, evaluate, fit_choice, spearman
@@ -152,6 +153,15 @@ def test_dynmo_table1_one_cell_balances_a_moving_walk() -> None:
     flat = dynmo.table1_case(24, 8, 1.0, 0.0, 32768, 3)  # every layer dense all along: nothing to balance
     assert one["best"] == max(one["part"], one["diff"]) and one["best"] > 1.0
     assert flat["best"] == pytest.approx(1.0)
+
+
+def test_dynmo_table1_depth_tilt_leaves_stages_apart() -> None:
+    dynmo = _load("reproduce_dynmo")
+    # 12 layers per stage: independent walks average out, a ramp by depth leaves the first stage the densest
+    flat, tilted = (dynmo.table1_case(24, 2, 0.05, 0.05, 2048, 3, whole_layer=True, tilt=t)["best"] for t in (0.0, 0.9))
+    assert tilted > flat + 0.1
+    d = dynmo.walk(6, 20, 0.1, 0.3, 0, tilt=1.0)
+    assert np.allclose(d, np.linspace(1.0, 0.1, 6))  # tilt 1: a fixed ramp
 
 
 def _dynapipe_cands(dp: ModuleType, rows: list[PaperRow]) -> dict[str, dict[str, float]]:

@@ -54,6 +54,35 @@ def test_random_walk_stays_in_bounds_moves_and_is_seeded() -> None:
     assert len({tuple(d) for d in seen[1:]}) == 6
 
 
+def _walk(opts: dict, steps: int) -> list[list[float]]:
+    s = build_dynamism("sparse_attention", {"budget": "random_walk", "block": 16, "start": 1, **opts},
+                       cfg=cfg(n_layers=5))
+    seen = []
+    for step in range(1, steps + 1):
+        s.begin_step(step)
+        seen.append(list(s.ran))
+        s.update(_Ctx(step))
+    return seen[1:]
+
+
+def test_depth_tilt_gives_each_layer_its_band() -> None:
+    base = {"min_density": 0.1, "max_density": 1.0, "walk_step": 0.3}
+    # no tilt: the walk's numbers exactly as without the option
+    assert _walk({**base, "depth_tilt": 0.0}, 12) == _walk(base, 12)
+    # tilt 0.5: layer i of 5 walks in a band 0.45 wide whose top slides from 1.0 (layer 0) to 0.55 (layer 4)
+    bands = [(0.1 + 0.45 * (1 - i / 4), 1.0 - 0.45 * i / 4) for i in range(5)]
+    seen = _walk({**base, "depth_tilt": 0.5}, 30)
+    for row in seen:
+        assert all(lo - 1e-12 <= d <= hi + 1e-12 for d, (lo, hi) in zip(row, bands))
+    assert len({tuple(r) for r in seen}) == len(seen)  # it still moves
+    means = [sum(r[i] for r in seen) / len(seen) for i in range(5)]
+    assert means[0] > means[2] > means[4]
+    # tilt 1: a fixed ramp from max_density to min_density
+    assert _walk({**base, "depth_tilt": 1.0}, 4) == [pytest.approx([1.0, 0.775, 0.55, 0.325, 0.1])] * 3
+    with pytest.raises(ConfigError, match="depth_tilt"):
+        build_dynamism("sparse_attention", {"budget": "random_walk", "block": 16, "depth_tilt": 1.5}, cfg=cfg())
+
+
 def test_coverage_rule_sets_the_next_density_from_the_chain_sums() -> None:
     s = build_dynamism("sparse_attention", {"budget": "coverage", "block": 16, "min_density": 0.3}, cfg=cfg())
     s.begin_step(1)
