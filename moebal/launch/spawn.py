@@ -360,13 +360,18 @@ def _rendezvous_store(world_size: int) -> Any:
 
 
 def _watch(procs: Sequence[_Child], poll_s: float) -> tuple[int, int] | None:
-    """Wait until every process exited 0 (None) or one failed: (its index, its exit code)."""
+    """Wait until every process exited 0 (None) or one failed: (its index, its exit code).
+
+    Several may be seen failed in one poll: a rank SIGKILLed (by the OOM killer, a scheduler, a test) takes its
+    peers down within milliseconds, each with an error of its own (a closed connection), and the first of
+    them by index is not the cause. The one a signal ended is named (the lowest such index), else the lowest
+    index: a peer's loss never ends a rank by a signal."""
     while True:
         _check_stopped()
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            return failed[0]
+            return min(failed, key=lambda f: (f[1] > 0, f[0]))
         if all(c == 0 for c in codes):
             return None
         time.sleep(poll_s)

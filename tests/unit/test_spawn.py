@@ -70,3 +70,19 @@ def test_a_signal_after_the_last_check_still_stops_the_block():
     with pytest.raises(spawn.Stopped) as raised, spawn._stopped_by_signals():
         os.kill(os.getpid(), signal.SIGHUP)
     assert raised.value.signum == signal.SIGHUP
+
+
+class _Exited:
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_peers_it_took_down():
+    # rank 1 SIGKILLed, rank 0 failed on the closed connection, both seen in one poll: rank 1 is the cause
+    assert spawn._watch([_Exited(1), _Exited(-signal.SIGKILL), _Exited(None)], 0.01) == (1, -signal.SIGKILL)
+    assert spawn._watch([_Exited(1), _Exited(None), _Exited(3)], 0.01) == (0, 1)  # no signal: the lowest index
+    assert spawn._watch([_Exited(0), _Exited(-15), _Exited(-9)], 0.01) == (1, -15)
+    assert spawn._watch([_Exited(0), _Exited(0)], 0.01) is None
