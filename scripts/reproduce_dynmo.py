@@ -112,10 +112,10 @@ def walk(n_layers: int, steps: int, lo: float, step: float, seed: int, tilt: flo
     """[steps + 1, L] densities of DynMo's bounded random walk in [lo, 1]; with `tilt` t each layer walks in its
     own band of width (1 - t)(1 - lo), sliding linearly from the top (first layer) to the bottom (last): the
     `depth_tilt` of the sparse_attention scheme (t = 0: the same draws and numbers as without it)."""
+    from moebal.dynamism.sparse_attention import walk_bands
+
     rng = np.random.default_rng(seed)
-    x = np.arange(n_layers) / max(1, n_layers - 1)
-    top = 1.0 - tilt * (1.0 - lo) * x
-    bot = np.minimum(lo + tilt * (1.0 - lo) * (1.0 - x), top)  # equal at tilt 1, up to rounding
+    bot, top = np.array(walk_bands(n_layers, lo, 1.0, tilt)).T
     d = np.empty((steps + 1, n_layers))
     d[0] = rng.uniform(bot, top, n_layers)
     for k in range(1, steps + 1):

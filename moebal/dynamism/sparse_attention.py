@@ -88,6 +88,19 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     return out_BTD, s_BGNN
 
 
+def walk_bands(n_layers: int, lo: float, hi: float, tilt: float) -> list[tuple[float, float]]:
+    """Each layer's (lower, upper) bound of the random walk under `depth_tilt` `tilt`: [lo, hi] for every layer
+    at tilt 0 (exactly: the walk's numbers do not depend on the option's existence), a band (1 - tilt) (hi - lo)
+    wide sliding linearly from the top (the first layer) to the bottom (the last), one point at tilt 1."""
+    span = hi - lo
+    out = []
+    for i in range(n_layers):
+        x = i / max(1, n_layers - 1)
+        top = hi - tilt * span * x
+        out.append((min(lo + tilt * span * (1.0 - x), top), top))  # equal at tilt 1, up to rounding
+    return out
+
+
 @register("sparse_attention")
 class DynamicSparseAttention(Dynamism):
     name = "sparse_attention"
@@ -118,11 +131,7 @@ class DynamicSparseAttention(Dynamism):
         self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
         self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
         self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
-        span, x = (max_density - min_density), [i / max(1, self.L - 1) for i in range(self.L)]
-        tops = [max_density - depth_tilt * span * xi for xi in x]
-        self.bands = [(min(min_density + depth_tilt * span * (1.0 - xi), top), top) for xi, top in zip(x, tops)]
-        """Each layer's (lower, upper) bound of the walk: [min_density, max_density] for every layer without a tilt
-        (exactly: the walk's numbers do not depend on the option's existence)."""
+        self.bands = walk_bands(self.L, min_density, max_density, depth_tilt)
         self.flops = [layer_token_flops(cfg, i, T) for i in range(self.L)]
         self.density = [1.0] * self.L
         """The density each layer runs at in the coming step (agreed: every rank computes the same)."""
