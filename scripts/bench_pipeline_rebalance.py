@@ -175,7 +175,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
                                    repack=repack, split_layers=variant_units(name) == "halves",
                                    wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         cfg = dataclasses.replace(cfg, pipeline=pipe)
-        options = REPACK if group.get("repack_experiment") else group.get("options", SCHEMES[group["scheme"]])
+        options = REPACK if group.get("repack_experiment") else group["options"]
         runners[name] = PipelineRunner(cfg, scheme=build_dynamism(group["scheme"], options, cfg=cfg))
         runners[name].start()
     names = list(runners)

@@ -49,6 +49,7 @@ the better of Diff-by-Time and Part-by-Time over static Megatron-LM, both with t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -163,14 +164,11 @@ def reproduce_table1(steps: int) -> dict[str, Any]:
     """Every (lo, step) candidate on every cell, the fit on FIT_TABLE1's rows, the held-out scores."""
     rows = table1_rows()
     sims: dict[str, dict[str, dict[str, float]]] = {}
-    for seq, whole_layer in [(q, False) for q in SA_SEQ] + [(2048, True)]:
-        for lo in WALK_LO:
-            for st in WALK_STEP:
-                for tilt in WALK_TILT:
-                    name = (f"{'whole-layer' if whole_layer else 'core'},seq={seq},lo={lo},step={st}"
-                            + (f",tilt={tilt}" if tilt else ""))
-                    sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer, tilt)
-                                  for (L, P) in TABLE1}
+    costs = [(q, False) for q in SA_SEQ] + [(2048, True)]
+    for (seq, whole_layer), lo, st, tilt in itertools.product(costs, WALK_LO, WALK_STEP, WALK_TILT):
+        name = (f"{'whole-layer' if whole_layer else 'core'},seq={seq},lo={lo},step={st}"
+                + (f",tilt={tilt}" if tilt else ""))
+        sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer, tilt) for (L, P) in TABLE1}
     cands = {name: {r.id: sim[r.label]["best"] for r in rows} for name, sim in sims.items()}
     result = evaluate(rows, cands, FIT_TABLE1)
     pred = cands[result["fit"]["choice"]]
