@@ -471,7 +471,8 @@ class PipelineConfig:
     """Starting partition: equal layer counts (Megatron) or equal parameter counts (DeepSpeed)."""
     split_layers: bool = False
     """Let a stage boundary fall between a dense layer's attention and FFN halves (finer partition units for
-    rebalancing; layers the dynamism scheme runs specially, and MoE layers, stay whole). The start stays whole."""
+    rebalancing; MoE layers, and layers the dynamism scheme runs specially beyond their attention, stay whole).
+    The start stays whole."""
     every: int = 10
     """Profile one iteration and plan every N steps."""
     ema: float = 0.5

@@ -302,8 +302,8 @@ class LayerBalancer:
         return lambda sizes: replay(tuple(int(x) for x in sizes))
 
     def factors(self) -> np.ndarray:
-        """The scheme's latest per-layer cost prediction, per unit (a half takes its layer's factor)."""
-        return np.asarray(self.r.units.per_unit(self.r.scheme.cost_factors(self.r.L)))
+        """The scheme's latest cost prediction per unit (`Dynamism.unit_cost_factors`)."""
+        return np.asarray(self.r.scheme.unit_cost_factors(self.r.units))
 
     def costs(self) -> np.ndarray:
         """Smoothed per-unit costs in wall seconds (CPU time x the contention factor kappa), scaled by the

@@ -26,6 +26,7 @@ from moebal.errors import ConfigError
 
 if TYPE_CHECKING:
     from moebal.models.transformer import DecoderLayer, MoebalForCausalLM
+    from moebal.pipeline.units import UnitMap
 
 __all__ = ["SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops", "register",
            "ramp", "run_as_forward"]
@@ -132,11 +133,21 @@ class Dynamism:
         return out_BTD
 
     def splittable(self, i: int) -> bool:
-        """Whether dense layer i may run as two partition units (`pipeline.split_layers`): only when
+        """Whether dense layer i may run as two partition units (`pipeline.split_layers`): when
         `layer_forward(i, ...)` is the plain layer and layer i has no scheme state or statistics, because the
-        engine runs a split layer's halves directly."""
+        engine then runs the layer's halves as `attention_half` (by default the plain half) and the plain FFN
+        half. A scheme that changes only a layer's attention says so here and runs that half in
+        `attention_half` (`sparse_attention`)."""
         base = Dynamism  # a scheme that overrides none of these runs every layer plain and keeps nothing per layer
         return all(getattr(type(self), m) is getattr(base, m) for m in ("layer_forward", "layer_state", "stats_size"))
+
+    def attention_half(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                       sin_TK: torch.Tensor) -> torch.Tensor:
+        """The attention half of split layer i (input norm, attention, residual; `splittable`): the plain half.
+        `layer` holds this half at least (its other half's submodules may be None). The FFN half always runs
+        plain, so `layer_forward(i)` must equal `layer.ffn_part(attention_half(i, ...))` op for op."""
+        out_BTD: torch.Tensor = as_decoder(layer).attention_part(h_BTD, cos_TK, sin_TK)
+        return out_BTD
 
     def idle_parameters(self) -> bool:
         """Whether a step may leave a parameter that trains without a gradient on every rank (a layer every token
@@ -172,6 +183,12 @@ class Dynamism:
     def cost_factors(self, num_layers: int) -> list[float]:
         """Predicted forward+backward time of each layer as a fraction of the same layer without dynamism."""
         return [1.0] * num_layers
+
+    def unit_cost_factors(self, units: UnitMap) -> list[float]:
+        """`cost_factors` per partition unit (`pipeline.split_layers`): each half of a split layer takes its
+        layer's factor, which is exact for the layers a scheme runs plain. A scheme that splits a layer it runs
+        specially (`splittable`) says here what each half costs."""
+        return units.per_unit(self.cost_factors(units.num_layers))
 
     def layer_state(self, i: int) -> dict[str, torch.Tensor]:
         """Tensors of layer i's scheme state that must travel with the layer (same shapes on every rank)."""

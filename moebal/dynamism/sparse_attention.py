@@ -35,6 +35,10 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`, which
   reports the prediction beside the measurement). The density a step runs at is fixed before the step (`update`
   sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
+- Layer halves (`pipeline.split_layers`, not in DynMo): only the attention changes, so every dense layer may split
+  into its attention half (run here, `attention_half`) and its plain FFN half. The planner then sees the
+  attention half's own factor (the formula above without the FFN's multiply-adds) and factor 1 for the FFN half
+  (`unit_cost_factors`): a stage boundary can fall between the part that moves and the part that does not.
 - Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
   DynMo's Figure 3 caption).
 - Precision: once active, every layer runs this path, and under bf16 autocast on a CPU its attention core
@@ -61,6 +65,7 @@ from moebal.kernels.sparse_attention import (
     select_from_scores,
 )
 from moebal.models.transformer import Attention, apply_rotary, grouped_sdpa
+from moebal.pipeline.units import FFN, LAYER, UnitMap
 
 __all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
 
@@ -183,21 +188,43 @@ class DynamicSparseAttention(Dynamism):
                 measure: bool) -> torch.Tensor:
         """Layer i with its block-sparse attention core (and, under `coverage`, this step's needed density)."""
         block = as_decoder(layer)
-        attn = block.self_attn
+        return block.ffn_part(h_BTD + self._attention(i, block.self_attn, block.input_layernorm(h_BTD), cos_TK,
+                                                      sin_TK, measure))
+
+    def _attention(self, i: int, attn: nn.Module, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                   measure: bool) -> torch.Tensor:
+        """Layer i's attention output on its normed input `x_BTD`, with the block-sparse core."""
         if not isinstance(attn, Attention):  # programmer invariant: the constructor refused model.mla
             raise TypeError("sparse_attention needs grouped-query Attention")
         # under CPU autocast the core computes in fp32: torch's bf16 attention kernels on a CPU are 2.3x slower
         # than fp32 (dense, 1,024 tokens) and the sparse path's small calls slower still (the mod scheme's finding)
-        fp32 = h_BTD.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-        a_BTD, s_BGNN = sparse_attention_forward(attn, block.input_layernorm(h_BTD), cos_TK, sin_TK,
-                                                 self.density[i], self.block, fp32_core=fp32)
+        fp32 = x_BTD.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        a_BTD, s_BGNN = sparse_attention_forward(attn, x_BTD, cos_TK, sin_TK, self.density[i], self.block,
+                                                 fp32_core=fp32)
         if measure:
-            self.needed[i] += coverage_density(s_BGNN, self.coverage) * h_BTD.shape[0]
-            self.needed[self.L + i] += h_BTD.shape[0]
-        return block.ffn_part(h_BTD + a_BTD)
+            self.needed[i] += coverage_density(s_BGNN, self.coverage) * x_BTD.shape[0]
+            self.needed[self.L + i] += x_BTD.shape[0]
+        return a_BTD
 
+    # ---- layer halves (`pipeline.split_layers`) ----
     def splittable(self, i: int) -> bool:
-        return False  # the layer's attention runs here, not through the plain halves
+        """Every dense layer: only its attention changes, and it keeps no per-layer state (the densities are
+        job-wide; the coverage sums add up along the chain wherever a layer's attention half runs)."""
+        return True
+
+    def attention_half(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                       sin_TK: torch.Tensor) -> torch.Tensor:
+        """The attention half of split layer i: `layer_forward`'s attention, op for op (the FFN half runs plain).
+        Under `parallel.shard: full` the norm and the attention are FSDP2 units of their own (a split layer's
+        halves' submodules): the norm is called, the sparse core runs as the attention module's forward."""
+        measure = self.budget == "coverage" and self.step >= self.start
+        block = as_decoder(layer)
+        if self.step <= self.start and not measure:  # not yet active: the plain half
+            return block.attention_part(h_BTD, cos_TK, sin_TK)
+        attn = block.self_attn
+        x_BTD = block.input_layernorm(h_BTD)
+        return h_BTD + run_as_forward(attn, lambda x, cos, sin: self._attention(i, attn, x, cos, sin, measure),
+                                      x_BTD, cos_TK, sin_TK)
 
     # ---- statistics along the chain (coverage) ----
     def stats_size(self, num_layers: int) -> int:
@@ -212,14 +239,21 @@ class DynamicSparseAttention(Dynamism):
     # ---- predictions ----
     def cost_factors(self, num_layers: int) -> list[float]:
         """(other + w attn (o + f_i)) / (other + w attn) below density 1, else 1 (module docstring)."""
-        out = []
-        for f, d in zip(self.flops, self.density):
-            if d >= 1.0:
-                out.append(1.0)
-                continue
-            other, attn = f["q_o"] + f["kv"] + f["ffn"], f["attn"] * self.attn_weight
-            out.append((other + attn * (self.overhead + kept_fraction(self.T, self.block, d))) / (other + attn))
-        return out
+        return [self._factor(i, LAYER) for i in range(self.L)]
+
+    def unit_cost_factors(self, units: UnitMap) -> list[float]:
+        """A split layer's attention half scales as the layer's attention (the same formula without the FFN's
+        multiply-adds); its FFN half runs plain (factor 1)."""
+        return [self._factor(i, kind) for i, kind in units.parts]
+
+    def _factor(self, i: int, kind: str) -> float:
+        """Layer i's (LAYER) or its attention half's (ATTN) time at its density relative to dense; FFN: 1."""
+        d, f = self.density[i], self.flops[i]
+        if d >= 1.0 or kind == FFN:
+            return 1.0
+        other = f["q_o"] + f["kv"] + (f["ffn"] if kind == LAYER else 0.0)
+        attn = f["attn"] * self.attn_weight
+        return float((other + attn * (self.overhead + kept_fraction(self.T, self.block, d))) / (other + attn))
 
     def metrics(self) -> dict[str, Any]:
         """The step's densities; the next step's predicted costs (what the balancer planned with)."""

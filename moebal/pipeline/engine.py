@@ -215,8 +215,8 @@ class PipelineEngine:
                 with _maybe(prof, u, st.unit_module(u) if prof is not None else None), _grad(i >= frozen):
                     if kind == LAYER:
                         h = self.scheme.layer_forward(i, layer, h, cos, sin, carry)
-                    elif kind == ATTN:  # half of a split layer: the scheme runs it as the plain layer
-                        h = layer.attention_part(h, cos, sin)
+                    elif kind == ATTN:  # half of a split layer: the scheme runs its attention half
+                        h = self.scheme.attention_half(i, layer, h, cos, sin)
                     else:
                         h = layer.ffn_part(h)
                 if kind == LAYER and layer.is_moe:

@@ -160,7 +160,8 @@ class PipelineRunner:
 
     # ---- construction ----
     def _unit_map(self, cfg: Config) -> UnitMap:
-        """Whole layers, or with `split_layers` every dense layer the scheme runs plain split in two halves."""
+        """Whole layers, or with `split_layers` every dense layer the scheme lets split (`Dynamism.splittable`) in
+        two halves."""
         if not self.opts.split_layers:
             return UnitMap.whole(self.L)
         return UnitMap.build(self.L, [i for i in range(self.L)

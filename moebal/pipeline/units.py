@@ -12,10 +12,12 @@ partition of whole layers leaves max/mean stage load at 1.10; with halves it can
 (docs/pipeline.md, "Partition units").
 
 Which layers split is fixed for the run: a layer is splittable when it is dense (an MoE block stays whole:
-its expert parallelism and placement planner work per layer) and the dynamism scheme says its layer runs
-as the plain layer, with no per-layer scheme state or statistics (`Dynamism.splittable`). Everything the
-planner and the per-slot sums see (costs, memory, migration moves, gradient-norm and data-parallel slots)
-is indexed by unit; what the schemes see stays indexed by layer.
+its expert parallelism and placement planner work per layer) and the dynamism scheme says so
+(`Dynamism.splittable`): its layer runs as the plain layer with no per-layer scheme state or statistics, or
+the scheme changes only the layer's attention and runs that half itself (`Dynamism.attention_half`; dynamic
+sparse attention), the FFN half staying plain. Everything the planner and the per-slot sums see (costs,
+memory, migration moves, gradient-norm and data-parallel slots) is indexed by unit, the scheme's cost
+prediction included (`Dynamism.unit_cost_factors`); what the schemes see stays indexed by layer.
 
 Pure data; `UnitMap.whole(L)` is the identity (one unit per layer), the default.
 """

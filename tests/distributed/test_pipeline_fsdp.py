@@ -299,30 +299,43 @@ half stays, re-sharded); inside step 4 (gradients travel) 0f, 1 and 2a go to sta
 2f; after step 6 back to the start."""
 
 
-def _split_run(shard: str) -> dict[str, Any]:
+SPLIT_SPARSE = {"scheme": "sparse_attention",
+                "sparse_attention": {"block": 4, "budget": "random_walk", "min_density": 0.2, "start": 1}}
+"""Dynamic sparse attention from step 2: the split layers' attention halves run the scheme's sparse core
+(`Dynamism.attention_half`) inside their attention module's FSDP2 unit."""
+
+
+def _split_run(shard: str, dynamism: dict[str, Any] | None = None) -> dict[str, Any]:
+    import dataclasses
+
     from moebal.config import from_dict, to_dict
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
 
     base = to_dict(pipe_cfg(shard, 1, steps=SPLIT_STEPS))
     cfg = from_dict({**base, "moe": {**base["moe"], "every": 2},
-                     "pipeline": {**base["pipeline"], "split_layers": True}})
-    runner = PipelineRunner(cfg, **SPLIT_MIGRATE)
+                     "pipeline": {**base["pipeline"], "split_layers": True}, "dynamism": dynamism or base["dynamism"]})
+    d = cfg.dynamism
+    runner = PipelineRunner(cfg, scheme=build_dynamism(d.scheme, dataclasses.asdict(getattr(d, d.scheme)), cfg=cfg)
+                            if dynamism else None, **SPLIT_MIGRATE)
     out = runner.train(SPLIT_STEPS)
     units = [type(m).__name__ for m in runner.stage.modules() if "FSDP" in type(m).__name__]
     return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
             "params": runner.full_state(), "fsdp_units": units, "first": runner.chain.is_first}
 
 
-def _split_pair(rank: int, world: int) -> dict[str, Any]:
+def _split_pair(rank: int, world: int, dynamism: dict[str, Any] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return pair(_split_run("none"), _split_run("full"), "full")
+    return pair(_split_run("none", dynamism), _split_run("full", dynamism), "full")
 
 
-def test_fully_sharded_pipeline_with_split_layers_matches_unsharded():
+@pytest.mark.parametrize("dynamism", [None, SPLIT_SPARSE], ids=["none", "sparse_attention"])
+def test_fully_sharded_pipeline_with_split_layers_matches_unsharded(dynamism):
     """pp 2 x dp 2, `pipeline.split_layers` (the dense layers 0 and 2 run as attention and FFN halves, each
     half's norm, attention and MLP its own FSDP2 unit), forced moves of halves between steps and inside one:
-    losses, gradient norms and parameters within 1e-5 of the unsharded pipeline."""
-    runs = run_ranks(_split_pair, 4, timeout_s=600)
+    losses, gradient norms and parameters within 1e-5 of the unsharded pipeline; with no scheme and with dynamic
+    sparse attention (whose attention halves run the sparse core)."""
+    runs = run_ranks(_split_pair, 4, dynamism, timeout_s=600)
     for r in runs:
         plain, full = r["none"], r["full"]
         assert full["optimizer"] == "StageShardedAdamW" and plain["sizes"] == full["sizes"] == [3, 3]
@@ -337,6 +350,8 @@ def test_fully_sharded_pipeline_with_split_layers_matches_unsharded():
         assert full["records"][2]["stage_layers"] == [2.5, 1.5]
         assert any(x["grad_norm"] > 0.5 for x in plain["records"])  # the clip acted
         assert r["param_rel"] < 1e-5, r["param_rel"]
+        if dynamism is not None:  # the sparse core ran (below density 1 from step 2)
+            assert all(min(x["attention_density"]) < 1.0 for x in full["records"][1:])
         # 0a 0f | 1 | embedding (first stage), 2a 2f | 3 | norm, head (last): a split layer's 4 submodules
         assert len(full["fsdp_units"]) == (6 if full["first"] else 7) and not plain["fsdp_units"], full["fsdp_units"]
 

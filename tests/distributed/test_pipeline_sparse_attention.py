@@ -9,6 +9,7 @@ layer keeps depends on its own activations and the agreed densities only, never 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def _train(cfg: Config, steps: int, **opts) -> dict:
     runner = PipelineRunner(cfg, scheme=dyn, **knobs)
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "records": out.records,
-            "plan_steps": [p["step"] for p in out.plans]}
+            "plan_steps": [p["step"] for p in out.plans], "unit_factors": runner.balancer.factors().tolist()}
 
 
 def _checkpointed(rank: int, cfg: Config, out: Path, resume: bool = False) -> list[dict] | None:
@@ -80,6 +81,13 @@ def _job(rank: int, world: int, tmp: str) -> dict:
         # only steers where layers go; the losses must not notice)
         out[f"{budget}_planned"] = _train(cfg_for(budget, attn_weight=200.0), 6, rebalance="partition", every=2,
                                           min_gain=0.0, bandwidth=1e15, latency=0.0)
+        # layer halves: 12 units, [6, 6] at the start; (5, 7) puts layer 2's attention half on the first stage and
+        # its FFN half on the second, (9, 3) layer 4's
+        out[f"{budget}_split"] = _train(cfg, 6, split_layers=True)
+        out[f"{budget}_split_forced"] = _train(cfg, 6, split_layers=True, force=((2, (5, 7)), (4, (9, 3))))
+        out[f"{budget}_split_planned"] = _train(cfg_for(budget, attn_weight=200.0), 6, split_layers=True,
+                                                rebalance="partition", every=2, min_gain=0.0, bandwidth=1e15,
+                                                latency=0.0)
     base = Path(tmp)
     ck = cfg_for("random_walk", ckpt_every=3, keep_checkpoints=10)
     out["whole"] = _checkpointed(rank, ck, base / "whole")
@@ -110,6 +118,25 @@ def test_migrated_and_rebalanced_runs_give_the_static_losses(runs, budget):
         assert len({tuple(d) for d in dens[1:]}) == len(dens) - 1  # the walk moves every step
     # every rank predicts every layer alike (each holds other layers)
     assert runs[1][f"{budget}_static"]["records"][-1]["predicted_cost"] == static["records"][-1]["predicted_cost"]
+
+
+@pytest.mark.parametrize("budget", list(OPTIONS))
+def test_layer_halves_run_the_sparse_attention_and_keep_the_losses(runs, budget):
+    """`pipeline.split_layers`: every layer splits (the scheme runs the attention half), a boundary inside a layer
+    changes no loss, and the split run matches whole layers up to the order of the gradient norm's per-slot sums."""
+    r = runs[0]
+    split, static = r[f"{budget}_split"], r[f"{budget}_static"]
+    assert split["sizes"] == [6, 6]  # 12 units: every layer in two halves
+    for a, b in zip(split["losses"], static["losses"]):
+        assert math.isclose(a, b, rel_tol=1e-6), (a, b)
+    assert [x["attention_density"] for x in split["records"]] == [x["attention_density"] for x in static["records"]]
+    forced = r[f"{budget}_split_forced"]
+    assert forced["losses"] == split["losses"] and forced["sizes"] == [9, 3]
+    assert [x["sizes_after"] for x in forced["records"] if x.get("migration")] == [[5, 7], [9, 3]]
+    assert r[f"{budget}_split_planned"]["losses"] == split["losses"]
+    # the units' predictions: an FFN half costs what it costs dense, an attention half moves with its density
+    pred = split["unit_factors"]
+    assert pred[1::2] == [1.0] * 6 and any(c != 1.0 for c in pred[0::2])
 
 
 def test_the_balancer_replans_every_step(runs):

@@ -103,6 +103,43 @@ def test_cost_model_is_the_flops_model_with_the_measured_weights() -> None:
     assert want[2] < want[1] < 1.0 < want[3]  # below density 1 the sparse path's overhead can exceed the saving
 
 
+def test_a_split_layers_halves_add_up_to_the_whole_layers_prediction() -> None:
+    """Attention half x (its dense multiply-adds) + FFN half x (the FFN's) = whole layer x (the layer's)."""
+    from moebal.pipeline.units import UnitMap
+
+    c = cfg(seq=64)
+    s = build_dynamism("sparse_attention", {"block": 16, "attn_weight": 2.0, "overhead": 0.1}, cfg=c)
+    s.density = [1.0, 0.5, 0.25, 0.999]
+    units = UnitMap.build(4, [1, 2, 3])
+    got = s.unit_cost_factors(units)
+    assert len(got) == 7 and got[0] == 1.0 and got[2::2] == [1.0] * 3  # layer 0 whole and dense; the FFN halves
+    f = layer_token_flops(c, 0, 64)
+    half, ffn = f["q_o"] + f["kv"] + 2.0 * f["attn"], f["ffn"]
+    for a, whole in zip(got[1::2], s.cost_factors(4)[1:]):
+        assert a * half + ffn == pytest.approx(whole * (half + ffn))
+    assert got[1] < s.cost_factors(4)[1] < 1.0  # the saving concentrates in the attention half
+    assert s.unit_cost_factors(UnitMap.whole(4)) == s.cost_factors(4)
+
+
+def test_the_attention_half_then_the_plain_ffn_half_is_the_layer() -> None:
+    from moebal.models import build_model
+
+    c = cfg()
+    torch.manual_seed(0)
+    m = build_model(c)
+    s = build_dynamism("sparse_attention", {"block": 16, "budget": "random_walk", "start": 0}, cfg=c)
+    s.begin_step(1)
+    s.density = [0.4] * 4
+    h = torch.randn(2, 64, 32)
+    cos, sin = m.model.rotary(64, torch.float32)
+    layer = m.model.layers[2]
+    whole = s.layer_forward(2, layer, h, cos, sin, {})
+    halves = layer.ffn_part(s.attention_half(2, layer, h, cos, sin))
+    torch.testing.assert_close(halves, whole, rtol=0, atol=0)
+    s.density = [1.0] * 4
+    assert not torch.equal(halves, s.layer_forward(2, layer, h, cos, sin, {}))  # the density mattered
+
+
 @pytest.mark.parametrize("opts,match", [({"block": 48}, "block"), ({"block": 64}, "block"),
                                         ({"budget": "hash"}, "budget"), ({"min_density": 0.0}, "min_density"),
                                         ({"coverage": 1.5}, "coverage")])
