@@ -43,7 +43,7 @@ rebalanced run with the static run of its own schedule, and `zb_over_1f1b` compa
 balancer, same round. All six compute the same losses (checked).
 
 Partition units (`--units`): whole layers (the default), `halves` (`pipeline.split_layers`: a stage boundary
-may fall between a dense layer's attention and FFN halves, for the layers the scheme runs plain), or `both`
+may fall between a dense layer's attention and FFN halves, for the layers the scheme lets split), or `both`
 (each group interleaves the variants under both; figures under halves are reported as mode "<wait>+halves",
 and `halves_over_layers` compares the two, same balancer, same round). Every run starts from the same
 whole-layer partition.
