@@ -37,7 +37,8 @@ the better of Diff-by-Time and Part-by-Time over static Megatron-LM, both with t
   + U[-step, step], clipped to [lo, 1], or with a depth tilt t each layer in its own band sliding from the top
   (first layer) to the bottom (last: the scheme's `depth_tilt`); the paper gives neither bound nor step
   (hashed attention sets them), nor whether densities follow depth, nor the sequence length (which sets the
-  attention core's share of a layer), so they are FITTED: a grid of (sequence, lo, step, tilt) candidates,
+  attention core's share of a layer), so they are FITTED: a grid of (sequence, lo, step, tilt, tilt by relative
+  or absolute depth) candidates,
   plus DynMo's own cost model (the whole layer scales with the density, c_i = s_i c_i) over (lo, step, tilt),
   is scored on the 24- and 32-layer rows only (FIT_TABLE1;
   `fit_choice` refuses any other row), and the chosen candidate is scored on the 40-56-layer rows, beside those
@@ -90,6 +91,11 @@ share of a layer: about 20 % of the h100 cost model's layer at 2,048 tokens, mos
 WALK_TILT = (0.0, 0.5, 0.75, 0.9)
 """Fitted too: densities correlated with depth (the scheme's `depth_tilt`; 0 = independent walks). DynMo's gain
 grows with the layers per stage, which independent walks cannot give (a stage averages its layers' walks)."""
+DEPTH_SCALE: tuple[float | None, ...] = (None, 56.0, 80.0)
+"""Fitted too: whether the tilt follows relative depth (None: the first layer at the top of the range, the last at
+the bottom, at any depth) or absolute depth (layer i at min(1, i / D) of the slide, D layers to the bottom): under
+the latter a deeper model spans more of the range, so its static imbalance, and the balancer's gain, grows with
+depth, as Table 1's does at a fixed GPU count (1.26x at 24 layers to 1.40x at 56 on 8 GPUs)."""
 SA_BLOCK = 128
 
 
@@ -109,14 +115,16 @@ def sparse_layer_parts(cost: Any, shape: Any, seq: int, mb: int) -> tuple[np.nda
     return whole, core
 
 
-def walk(n_layers: int, steps: int, lo: float, step: float, seed: int, tilt: float = 0.0) -> np.ndarray:
+def walk(n_layers: int, steps: int, lo: float, step: float, seed: int, tilt: float = 0.0,
+         depth_scale: float | None = None) -> np.ndarray:
     """[steps + 1, L] densities of DynMo's bounded random walk in [lo, 1]; with `tilt` t each layer walks in its
     own band of width (1 - t)(1 - lo), sliding linearly from the top (first layer) to the bottom (last): the
-    `depth_tilt` of the sparse_attention scheme (t = 0: the same draws and numbers as without it)."""
+    `depth_tilt` of the sparse_attention scheme (t = 0: the same draws and numbers as without it); with
+    `depth_scale` D by absolute depth, layer i at min(1, i / D) of the slide (`walk_bands`)."""
     from moebal.dynamism.sparse_attention import walk_bands
 
     rng = np.random.default_rng(seed)
-    bot, top = np.array(walk_bands(n_layers, lo, 1.0, tilt)).T
+    bot, top = np.array(walk_bands(n_layers, lo, 1.0, tilt, depth_scale)).T
     d = np.empty((steps + 1, n_layers))
     d[0] = rng.uniform(bot, top, n_layers)
     for k in range(1, steps + 1):
@@ -125,7 +133,7 @@ def walk(n_layers: int, steps: int, lo: float, step: float, seed: int, tilt: flo
 
 
 def table1_case(layers: int, gpus: int, lo: float, step: float, seq: int, steps: int,
-                whole_layer: bool = False, tilt: float = 0.0) -> dict[str, float]:
+                whole_layer: bool = False, tilt: float = 0.0, depth_scale: float | None = None) -> dict[str, float]:
     """Mean static / dynamic iteration time over `steps` iterations of one Table 1 cell (`whole_layer`: the
     whole layer's time scales with the kept share, DynMo's c_i = s_i c_i, instead of its attention core)."""
     from moebal.kernels.sparse_attention import kept_fraction
@@ -141,7 +149,7 @@ def table1_case(layers: int, gpus: int, lo: float, step: float, seq: int, steps:
     act = seq * mb * shape.dim * cost.act_bytes
     topo = cost.topology(gpus)
     p2p_s = float(cost.time_of(cost.p2p(topo, 0, 1, act), topo))
-    dens = walk(layers, steps, lo, step, SEED + 1000 * layers + gpus, tilt)
+    dens = walk(layers, steps, lo, step, SEED + 1000 * layers + gpus, tilt, depth_scale)
     kept = np.vectorize(lambda d: kept_fraction(seq, SA_BLOCK, float(d)))(dens)
     if whole_layer:  # DynMo's own cost model, c_i = s_i c_i: the whole layer scales with the density
         core = whole
@@ -165,10 +173,14 @@ def reproduce_table1(steps: int) -> dict[str, Any]:
     rows = table1_rows()
     sims: dict[str, dict[str, dict[str, float]]] = {}
     costs = [(q, False) for q in SA_SEQ] + [(2048, True)]
-    for (seq, whole_layer), lo, st, tilt in itertools.product(costs, WALK_LO, WALK_STEP, WALK_TILT):
+    for (seq, whole_layer), lo, st, tilt, scale in itertools.product(costs, WALK_LO, WALK_STEP, WALK_TILT,
+                                                                    DEPTH_SCALE):
+        if scale is not None and not tilt:
+            continue  # without a tilt every layer walks in [lo, 1]: the scale changes nothing
         name = (f"{'whole-layer' if whole_layer else 'core'},seq={seq},lo={lo},step={st}"
-                + (f",tilt={tilt}" if tilt else ""))
-        sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer, tilt) for (L, P) in TABLE1}
+                + (f",tilt={tilt}" if tilt else "") + (f",depth={scale}" if scale is not None else ""))
+        sims[name] = {f"{L}L/{P}gpu": table1_case(L, P, lo, st, seq, steps, whole_layer, tilt, scale)
+                      for (L, P) in TABLE1}
     cands = {name: {r.id: sim[r.label]["best"] for r in rows} for name, sim in sims.items()}
     result = evaluate(rows, cands, FIT_TABLE1)
     pred = cands[result["fit"]["choice"]]

@@ -93,14 +93,18 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     return out_BTD, s_BGNN
 
 
-def walk_bands(n_layers: int, lo: float, hi: float, tilt: float) -> list[tuple[float, float]]:
+def walk_bands(n_layers: int, lo: float, hi: float, tilt: float,
+               depth_scale: float | None = None) -> list[tuple[float, float]]:
     """Each layer's (lower, upper) bound of the random walk under `depth_tilt` `tilt`: [lo, hi] for every layer
     at tilt 0 (exactly: the walk's numbers do not depend on the option's existence), a band (1 - tilt) (hi - lo)
-    wide sliding linearly from the top (the first layer) to the bottom (the last), one point at tilt 1."""
+    wide sliding linearly from the top (the first layer) to the bottom (the last), one point at tilt 1.
+    `depth_scale` D (the Table 1 simulation's candidates; None: the scheme's rule) slides the band by absolute
+    depth instead: layer i sits at min(1, i / D) of the way down, so a model shallower than D layers spans only
+    the top of the range."""
     span = hi - lo
     out = []
     for i in range(n_layers):
-        x = i / max(1, n_layers - 1)
+        x = i / max(1, n_layers - 1) if depth_scale is None else min(1.0, i / depth_scale)
         top = hi - tilt * span * x
         out.append((min(lo + tilt * span * (1.0 - x), top), top))  # equal at tilt 1, up to rounding
     return out

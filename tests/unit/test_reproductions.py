@@ -162,6 +162,10 @@ def test_dynmo_table1_depth_tilt_leaves_stages_apart() -> None:
     assert tilted > flat + 0.1
     d = dynmo.walk(6, 20, 0.1, 0.3, 0, tilt=1.0)
     assert np.allclose(d, np.linspace(1.0, 0.1, 6))  # tilt 1: a fixed ramp
+    # by absolute depth (D = 10 layers to the bottom): a 6-layer model spans the top half of the ramp, and a
+    # 12-layer model's layers past D sit at the bottom
+    assert np.allclose(dynmo.walk(6, 5, 0.1, 0.3, 0, tilt=1.0, depth_scale=10.0), 1.0 - 0.09 * np.arange(6))
+    assert np.allclose(dynmo.walk(12, 5, 0.1, 0.3, 0, tilt=1.0, depth_scale=10.0)[:, 10:], 0.1)
 
 
 def _dynapipe_cands(dp: ModuleType, rows: list[PaperRow]) -> dict[str, dict[str, float]]:
