@@ -41,6 +41,9 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   (`unit_cost_factors`): a stage boundary can fall between the part that moves and the part that does not.
 - Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
   DynMo's Figure 3 caption).
+- Recomputation: `train.recompute` attention or full is refused (clear error). The scheme runs the attention
+  itself, and under `coverage` its forward adds to the step's statistics, which a replay would count twice; moe
+  (the FFN half) works as for the plain layer.
 - Precision: once active, every layer runs this path, and under bf16 autocast on a CPU its attention core
   (dense at density 1, or sparse) computes in fp32 (measured, 1,024 tokens, 1 thread: the dense core 0.090 s
   in bf16 against 0.039 s in fp32; the sparse one at density 0.5 1.25x the dense bf16 core in bf16, 0.92x in
@@ -134,6 +137,9 @@ class DynamicSparseAttention(Dynamism):
         if not 0 <= depth_tilt <= 1:
             raise ConfigError(f"dynamism sparse_attention: depth_tilt must be in [0, 1] (0: independent walks, 1: a "
                               f"fixed ramp by depth); got {depth_tilt}")
+        if cfg.train.recompute in ("attention", "full"):
+            raise ConfigError(f"dynamism sparse_attention runs each layer's attention itself and does not recompute it "
+                              f"(train.recompute: {cfg.train.recompute}); set train.recompute to none or moe")
         if m.mla is not None or (m.sliding_window is not None and m.sliding_window < T):
             raise ConfigError("dynamism sparse_attention runs grouped-query causal attention over the whole row: "
                               "unset model.mla and model.sliding_window (or use another scheme)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebal.config import from_dict
+from moebal.config import from_dict, to_dict
 from moebal.dynamism.scheme import build_dynamism, layer_token_flops
 from moebal.errors import ConfigError
 from moebal.kernels.sparse_attention import coverage_density, kept_fraction
@@ -146,6 +146,15 @@ def test_the_attention_half_then_the_plain_ffn_half_is_the_layer() -> None:
 def test_bad_options_are_refused(opts, match) -> None:
     with pytest.raises(ConfigError, match=match):
         build_dynamism("sparse_attention", {"block": 16, **opts}, cfg=cfg())
+
+
+@pytest.mark.parametrize("mode", ["attention", "full"])
+def test_recomputing_the_attention_is_refused(mode) -> None:
+    c = from_dict({**to_dict(cfg()), "train": {"recompute": mode}})
+    with pytest.raises(ConfigError, match="train.recompute"):
+        build_dynamism("sparse_attention", {"block": 16}, cfg=c)
+    ok = from_dict({**to_dict(cfg()), "train": {"recompute": "moe"}})
+    assert build_dynamism("sparse_attention", {"block": 16}, cfg=ok).name == "sparse_attention"
 
 
 def test_sliding_window_is_refused() -> None:
