@@ -187,12 +187,18 @@ class DynamicSparseAttention(Dynamism):
     # ---- the layer ----
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
-        measure = self.budget == "coverage" and self.step >= self.start
-        if self.step <= self.start and not measure:  # not yet active: the plain layer
+        active, measure = self._path()
+        if not active:
             out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
             return out_BTD
         return run_as_forward(layer, lambda h, cos, sin: self._sparse(i, layer, h, cos, sin, measure), h_BTD, cos_TK,
                               sin_TK)
+
+    def _path(self) -> tuple[bool, bool]:
+        """(whether this step's layers run the scheme's attention, whether it measures the coverage statistics):
+        the plain layer before `start`, except that `coverage` measures at density 1 from step `start` on."""
+        measure = self.budget == "coverage" and self.step >= self.start
+        return self.step > self.start or measure, measure
 
     def _sparse(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                 measure: bool) -> torch.Tensor:
@@ -227,9 +233,9 @@ class DynamicSparseAttention(Dynamism):
         """The attention half of split layer i: `layer_forward`'s attention, op for op (the FFN half runs plain).
         Under `parallel.shard: full` the norm and the attention are FSDP2 units of their own (a split layer's
         halves' submodules): the norm is called, the sparse core runs as the attention module's forward."""
-        measure = self.budget == "coverage" and self.step >= self.start
+        active, measure = self._path()
         block = as_decoder(layer)
-        if self.step <= self.start and not measure:  # not yet active: the plain half
+        if not active:
             return block.attention_part(h_BTD, cos_TK, sin_TK)
         attn = block.self_attn
         x_BTD = block.input_layernorm(h_BTD)
