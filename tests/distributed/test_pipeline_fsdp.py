@@ -306,18 +306,14 @@ SPLIT_SPARSE = {"scheme": "sparse_attention",
 
 
 def _split_run(shard: str, dynamism: dict[str, Any] | None = None) -> dict[str, Any]:
-    import dataclasses
-
     from moebal.config import from_dict, to_dict
-    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
+    from moebal.train.pipelined import scheme_from_config
 
     base = to_dict(pipe_cfg(shard, 1, steps=SPLIT_STEPS))
     cfg = from_dict({**base, "moe": {**base["moe"], "every": 2},
                      "pipeline": {**base["pipeline"], "split_layers": True}, "dynamism": dynamism or base["dynamism"]})
-    d = cfg.dynamism
-    runner = PipelineRunner(cfg, scheme=build_dynamism(d.scheme, dataclasses.asdict(getattr(d, d.scheme)), cfg=cfg)
-                            if dynamism else None, **SPLIT_MIGRATE)
+    runner = PipelineRunner(cfg, scheme=scheme_from_config(cfg), **SPLIT_MIGRATE)
     out = runner.train(SPLIT_STEPS)
     units = [type(m).__name__ for m in runner.stage.modules() if "FSDP" in type(m).__name__]
     return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(runner.optimizer).__name__,
