@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
           "memory_plan"]
@@ -90,3 +92,50 @@ def test_a_failing_check_is_recorded_and_the_others_still_run(tmp_path, monkeypa
     assert report["checks"]["grouped_gemm"]["status"] == "passed"
     assert "FAILED: env" in capsys.readouterr().out
     assert gc.main(["--only", "nope"]) == 2
+
+
+def _fake_smoke(gc, monkeypatch, launches):
+    """`_run_smoke` replaced by a list of (worker result or None, torchrun exit code, stderr), one per launch."""
+    import subprocess as sp
+
+    calls = []
+
+    def run(ctx, out):
+        res, rc, err = launches[len(calls)]
+        calls.append(rc)
+        return (None if res is None else dict(res)), sp.CompletedProcess([], rc, "", err)
+
+    monkeypatch.setattr(gc, "_run_smoke", run)
+    return calls
+
+
+GOOD = {"ok": True, "allreduce_cpu": True, "a2a_fp32": {"ok": True}, "a2a_bf16": {"ok": True},
+        "sched_allreduce": True, "grad_sync": {"ok": True, "chunks": 13}, "skipped": []}
+
+
+def test_a_failed_smoke_says_what_failed_and_only_a_launcher_exit_is_run_again(tmp_path, monkeypatch):
+    gc = _load_script(monkeypatch)
+    ctx = gc.Ctx(torch.device("cpu"), True, float("inf"), tmp_path)
+    # a wrong result: never run again, the part is named
+    calls = _fake_smoke(gc, monkeypatch, [({**GOOD, "ok": False, "grad_sync": {"ok": False, "chunks": 13}}, 1, "")])
+    res = gc.check_nccl_smoke(ctx)
+    assert calls == [1] and not res["ok"] and res["error"].startswith("wrong results in: grad_sync")
+    # a missing part counts as failed
+    res_missing = {k: v for k, v in GOOD.items() if k != "a2a_bf16"}
+    calls = _fake_smoke(gc, monkeypatch, [(res_missing, 0, "")])
+    res = gc.check_nccl_smoke(ctx)
+    assert calls == [0] and not res["ok"] and "a2a_bf16" in res["error"]
+    # every part passed but torchrun exited 1: run once more; passing then passes, both exits kept
+    calls = _fake_smoke(gc, monkeypatch, [(GOOD, 1, "rendezvous closed"), (GOOD, 0, "")])
+    res = gc.check_nccl_smoke(ctx)
+    assert calls == [1, 0] and res["ok"] and res["launcher_exits"] == [1, 0]
+    assert res["first_launch_stderr_tail"] == "rendezvous closed"
+    # ... and failing twice fails, with the launcher's last stderr line
+    calls = _fake_smoke(gc, monkeypatch, [(GOOD, 1, "a\nb"), (GOOD, 1, "x\nstore closed")])
+    res = gc.check_nccl_smoke(ctx)
+    assert calls == [1, 1] and not res["ok"] and res["launcher_exits"] == [1, 1]
+    assert "torchrun exited 1 after the worker passed" in res["error"] and "store closed" in res["error"]
+    # no result at all
+    calls = _fake_smoke(gc, monkeypatch, [(None, 1, "boom")])
+    res = gc.check_nccl_smoke(ctx)
+    assert calls == [1] and not res["ok"] and "wrote no result (exit 1)" in res["error"]
