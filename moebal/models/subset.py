@@ -14,6 +14,14 @@ angles and the causal order of the full sequence. When every position is selecte
 or routing statistics are shared with other ranks (expert parallelism, summed load-balancing statistics)
 must still join their collectives, with no tokens of its own: the all-to-alls carry the other ranks' tokens
 to the experts held here, and their backward must run too, so the empty output is tied into the graph.
+
+Recomputation (`train.recompute`, moebal/models/recompute.py) follows the decoder layer's own rules on the
+subset: "attention" recomputes the attention region (norms, projections, attention and residual of the
+selected rows; with `keys="all"` the keys and values of every position, the larger part), "moe" the FFN region
+of the selected rows, "full" the whole subset block, keeping its inputs. An MoE block that talks to other ranks
+is never replayed whole: "moe" and "full" then recompute its rank-local expert compute (`recompute_local`) and
+"full" recomputes the attention region. The replays restore the random generators' states, so fp32 losses and
+gradients stay bit-identical to no recomputation (tests/unit/test_recompute.py).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moebal.models.recompute import recompute_call
 from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, grouped_sdpa
 
 __all__ = ["gather_rows", "skip_layer", "subset_block"]
@@ -46,10 +55,60 @@ def subset_block(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
     if not isinstance(attn, Attention):
         raise ValueError(f"subset_block: a token-subset layer (early exit, Mixture-of-Depths) needs grouped-query "
                          f"attention, not {type(attn).__name__}: unset model.mla or the dynamism scheme")
+    if layer.recomputes("full") and layer.ffn_replayable():
+        return recompute_call(lambda h, cos, sin, pos, valid, scale: _subset(layer, h, cos, sin, pos, valid, keys,
+                                                                            scale, regions=False),
+                              layer.moe_block(), h_BTD, cos_TK, sin_TK, pos_BQ, valid_BQ, scale_BQ)
+    return _subset(layer, h_BTD, cos_TK, sin_TK, pos_BQ, valid_BQ, keys, scale_BQ, regions=True)
+
+
+def _subset(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+            pos_BQ: torch.Tensor, valid_BQ: torch.Tensor | None, keys: str, scale_BQ: torch.Tensor | None,
+            regions: bool) -> torch.Tensor:
+    """`subset_block`'s computation. `regions`: recompute the attention region and the FFN region on their own as
+    the layer's `recompute` mode says (the decoder layer's `attention_part` and `ffn_part` rules); false inside a
+    whole-block recomputation, which replays everything."""
+    B, T, D = h_BTD.shape
+    Q = pos_BQ.shape[1]
+    hq_BQD = gather_rows(h_BTD, pos_BQ)
+    if regions and layer.recomputes("attention", "full"):
+        r_BQD = recompute_call(lambda h, hq, cos, sin, pos, valid: _subset_attention(layer, h, hq, cos, sin, pos,
+                                                                                     valid, keys),
+                               None, h_BTD, hq_BQD, cos_TK, sin_TK, pos_BQ, valid_BQ)
+    else:
+        r_BQD = _subset_attention(layer, h_BTD, hq_BQD, cos_TK, sin_TK, pos_BQ, valid_BQ, keys)
+    rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
+    if valid_BQ is None:
+        h_ND, r_ND = hq_BQD.reshape(B * Q, D), r_BQD.reshape(B * Q, D)
+        flat_N = (rows_B1 * T + pos_BQ).reshape(-1)
+        scale_N = scale_BQ.reshape(-1) if scale_BQ is not None else None
+    else:  # the FFN sees valid rows only, packed, so an MoE router never routes padding
+        h_ND, r_ND = hq_BQD[valid_BQ], r_BQD[valid_BQ]
+        flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
+        scale_N = scale_BQ[valid_BQ] if scale_BQ is not None else None
+    if regions and layer.recomputes("moe", "full") and layer.ffn_replayable():
+        out_ND = recompute_call(lambda r: _subset_ffn(layer, r), layer.moe_block(), r_ND)
+    else:  # an MoE block that talks to other ranks recomputes its rank-local experts itself (recompute_local)
+        out_ND = _subset_ffn(layer, r_ND)
+    if scale_N is not None:
+        out_ND = h_ND + scale_N.unsqueeze(-1).to(out_ND.dtype) * (out_ND - h_ND)
+    return h_BTD.reshape(B * T, D).index_copy(0, flat_N, out_ND.to(h_BTD.dtype)).view(B, T, D)
+
+
+def _subset_ffn(layer: DecoderLayer, r_ND: torch.Tensor) -> torch.Tensor:
+    out_ND: torch.Tensor = r_ND + layer.ffn(layer.post_attention_layernorm(r_ND))
+    return out_ND
+
+
+def _subset_attention(layer: DecoderLayer, h_BTD: torch.Tensor, hq_BQD: torch.Tensor, cos_TK: torch.Tensor,
+                      sin_TK: torch.Tensor, pos_BQ: torch.Tensor, valid_BQ: torch.Tensor | None,
+                      keys: str) -> torch.Tensor:
+    """The selected rows `hq_BQD` (h at pos_BQ) after the attention and its residual: [B, Q, D]."""
+    attn = layer.self_attn
+    assert isinstance(attn, Attention)
     B, T, D = h_BTD.shape
     Q = pos_BQ.shape[1]
     H, G, K = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    hq_BQD = gather_rows(h_BTD, pos_BQ)
     xq_BQD = layer.input_layernorm(hq_BQD)
     mask: torch.Tensor | None = None
     if keys == "all":
@@ -74,19 +133,7 @@ def subset_block(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
     else:
         o = grouped_sdpa(q, k, v, attn_mask=mask.unsqueeze(1))
     r_BQD: torch.Tensor = hq_BQD + attn.o_proj(o.transpose(1, 2).reshape(B, Q, H * K))
-    rows_B1 = torch.arange(B, device=h_BTD.device).unsqueeze(1)
-    if valid_BQ is None:
-        h_ND, r_ND = hq_BQD.reshape(B * Q, D), r_BQD.reshape(B * Q, D)
-        flat_N = (rows_B1 * T + pos_BQ).reshape(-1)
-        scale_N = scale_BQ.reshape(-1) if scale_BQ is not None else None
-    else:  # the FFN sees valid rows only, packed, so an MoE router never routes padding
-        h_ND, r_ND = hq_BQD[valid_BQ], r_BQD[valid_BQ]
-        flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
-        scale_N = scale_BQ[valid_BQ] if scale_BQ is not None else None
-    out_ND = r_ND + layer.ffn(layer.post_attention_layernorm(r_ND))
-    if scale_N is not None:
-        out_ND = h_ND + scale_N.unsqueeze(-1).to(out_ND.dtype) * (out_ND - h_ND)
-    return h_BTD.reshape(B * T, D).index_copy(0, flat_N, out_ND.to(h_BTD.dtype)).view(B, T, D)
+    return r_BQD
 
 
 class _Tie(torch.autograd.Function):

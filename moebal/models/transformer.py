@@ -212,19 +212,19 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe if self.is_moe else self.mlp
 
     def forward(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
-        if self._recomputes("full") and self._ffn_replayable():
-            return recompute_call(self._forward, self._moe(), h_BTD, cos_TK, sin_TK)
+        if self.recomputes("full") and self.ffn_replayable():
+            return recompute_call(self._forward, self.moe_block(), h_BTD, cos_TK, sin_TK)
         return self.ffn_part(self.attention_part(h_BTD, cos_TK, sin_TK))
 
     # The two halves run apart when a pipeline splits the layer over two stages (`pipeline.split_layers`).
     def attention_part(self, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
-        if self._recomputes("attention", "full"):
+        if self.recomputes("attention", "full"):
             return recompute_call(self._attention_part, None, h_BTD, cos_TK, sin_TK)
         return self._attention_part(h_BTD, cos_TK, sin_TK)
 
     def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        if self._recomputes("moe", "full") and self._ffn_replayable():
-            return recompute_call(self._ffn_part, self._moe(), h_BTD)
+        if self.recomputes("moe", "full") and self.ffn_replayable():
+            return recompute_call(self._ffn_part, self.moe_block(), h_BTD)
         return self._ffn_part(h_BTD)
 
     # ---- the plain computation (nn.Module.__call__ is typed Any: the annotated locals give the results a type)
@@ -240,16 +240,18 @@ class DecoderLayer(nn.Module):
         return h_BTD + f_BTD
 
     # ---- recomputation ----
-    def _recomputes(self, *modes: str) -> bool:
+    def recomputes(self, *modes: str) -> bool:
+        """Whether this layer's `recompute` mode is one of `modes` and gradients are on (a region to recompute;
+        also read by `moebal.models.subset.subset_block`)."""
         return self.recompute in modes and torch.is_grad_enabled()
 
-    def _moe(self) -> MoELayer | None:
+    def moe_block(self) -> MoELayer | None:
         return self.block_sparse_moe if self.is_moe else None
 
-    def _ffn_replayable(self) -> bool:
+    def ffn_replayable(self) -> bool:
         """Whether the FFN part may run twice: a dense MLP, or a MoE block that talks to no other rank (else it
         recomputes its rank-local compute only, `MoELayer.recompute_local`)."""
-        moe = self._moe()
+        moe = self.moe_block()
         return moe is None or moe.is_local()
 
 

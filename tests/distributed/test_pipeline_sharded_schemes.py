@@ -36,10 +36,12 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "mod": {"capacity": 0.125, "every": 2, "first_layer": 1},
     "sparse_attention": {"block": 4, "budget": "random_walk"},
 }
-SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"), "early_exit": ("full", "full+zb"),
-          "mod": ("optimizer", "full"), "sparse_attention": ("optimizer", "full")}
+SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"),
+          "early_exit": ("full", "full+zb", "full+recompute"), "mod": ("optimizer", "full", "full+recompute"),
+          "sparse_attention": ("optimizer", "full")}
 """The sharded runs of each scheme (`optimizer` refuses early_exit: below; "+zb": the zero-bubble schedule, whose
-W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference)."""
+W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference; "+recompute": `train.recompute:
+full`, whose backward replays the token-subset layers inside their FSDP2 units, against the reference without it)."""
 
 
 PEERS = {"threshold": 0.97, "first_layer": 1}
@@ -56,15 +58,16 @@ MIN_GAP = 1e-6
 
 def scheme_cfg(shard: str, scheme: str, options: dict[str, Any] | None = None, micro_batches: int = 2,
                seed: int = 0) -> Config:
-    shard, _, schedule = shard.partition("+")
+    shard, *extras = shard.split("+")
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
         "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
         "train": {"steps": STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
-                  "grad_clip": 0.5, "threads": 1, "progress": "plain", "seed": seed},
+                  "grad_clip": 0.5, "threads": 1, "progress": "plain", "seed": seed,
+                  "recompute": "full" if "recompute" in extras else "none"},
         "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard},
-        "pipeline": {"micro_batches": micro_batches, "schedule": schedule or "1f1b"},
+        "pipeline": {"micro_batches": micro_batches, "schedule": "zb" if "zb" in extras else "1f1b"},
         "dynamism": {"scheme": scheme, scheme: options or SCHEMES[scheme]}})
 
 

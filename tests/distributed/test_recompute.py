@@ -133,3 +133,45 @@ def test_recompute_in_the_pipeline_is_bitwise_exact():
             for r in results:  # each stage's state (full_state is the stage's own tensors)
                 a, b = r[f"none_{case}"]["state"], r[f"{mode}_{case}"]["state"]
                 assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), (mode, case)
+
+
+SUBSET_SCHEMES = {
+    # tokens leave from layer 1 on: layers 2-3 run token subsets (5 % to 99 % of the tokens over the steps)
+    "early_exit": {"threshold": 0.98, "first_layer": 1, "start": 0, "ramp_steps": 0},
+    # layers 1 and 3 are routed blocks at capacity 0.5
+    "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
+}
+
+
+def _scheme_train(scheme: str, recompute: str) -> dict:
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.pipeline.runner import PipelineRunner
+
+    cfg = _pipe_cfg(recompute)
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
+    runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, SUBSET_SCHEMES[scheme], cfg=cfg))
+    out = runner.train(4)
+    return {"losses": [r["loss"] for r in out.records], "records": out.records,
+            "state": {k: v.numpy() for k, v in runner.full_state().items()}}
+
+
+def _scheme_worker(rank: int, world: int) -> dict:
+    return {f"{s}_{m}": _scheme_train(s, m) for s in SUBSET_SCHEMES for m in MODES}
+
+
+def test_recompute_with_early_exit_and_mod_is_bitwise_exact():
+    """The token-subset layers of early exit and Mixture-of-Depths recompute as the plain layers do
+    (moebal/models/subset.py): every mode gives the losses and parameters of none, bit for bit."""
+    results = run_ranks(_scheme_worker, 2, timeout_s=600.0)
+    for scheme in SUBSET_SCHEMES:
+        ref = results[0][f"{scheme}_none"]
+        for mode in MODES[1:]:
+            got = results[0][f"{scheme}_{mode}"]
+            assert got["losses"] == ref["losses"], (scheme, mode)
+            for r in results:
+                a, b = r[f"{scheme}_none"]["state"], r[f"{scheme}_{mode}"]["state"]
+                assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), (scheme, mode)
+    # the subsets ran: tokens left (early exit) and the routed blocks kept half of them (mod)
+    survival = [s for rec in results[-1]["early_exit_full"]["records"] for s in rec["survival"][2:]]
+    assert sum(0 < s < 1 for s in survival) >= 4, survival
+    assert all(rec["mod_capacity"] == 0.5 for rec in results[-1]["mod_full"]["records"])

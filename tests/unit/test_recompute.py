@@ -97,3 +97,69 @@ def test_recompute_bad_value_is_refused():
         from_dict({"train": {"recompute": "everything"}})
     with pytest.raises(ValueError, match="recompute mode"):
         set_recompute(torch.nn.Linear(2, 2), "some")
+
+
+# ---- token-subset layers (early exit, Mixture-of-Depths: moebal/models/subset.py) ----
+
+def _subset_case(keys: str, moe: bool):
+    """A layer (MoE with router noise and jitter, or dense), its input and a selection: early exit's (every key,
+    a padded selection) or Mixture-of-Depths' (selected keys, the router's scale)."""
+    from moebal.dynamism.early_exit import pack_positions
+
+    cfg = _cfg() if moe else _cfg(num_experts=0)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    layer = model.model.layers[0]
+    h = torch.randn(2, 16, 32, requires_grad=True)
+    cos, sin = model.model.rotary(16, h.dtype)
+    if keys == "all":
+        active = torch.rand(2, 16) > 0.4
+        active[:, 0] = True
+        pos, valid = pack_positions(active)
+        return layer, h, cos, sin, pos, valid, None
+    pos = torch.tensor([[1, 4, 5, 9, 12], [0, 2, 3, 11, 15]])
+    return layer, h, cos, sin, pos, None, torch.rand(2, 5, requires_grad=True)
+
+
+def _subset_step(layer, h, cos, sin, pos, valid, scale, keys):
+    from moebal.models.subset import subset_block
+
+    for t in (h, scale):
+        if t is not None:
+            t.grad = None
+    layer.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    out = subset_block(layer, h, cos, sin, pos, valid, keys=keys, scale_BQ=scale)
+    aux = layer.block_sparse_moe.aux_loss if layer.is_moe else torch.zeros(())
+    (out.square().mean() + aux).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    grads["h"] = h.grad.clone()
+    if scale is not None:
+        grads["scale"] = scale.grad.clone()
+    stats = layer.block_sparse_moe.take_stats().packed() if layer.is_moe else None
+    return out.detach(), aux.detach(), grads, stats
+
+
+@pytest.mark.parametrize("keys", ["all", "subset"])
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_subset_block_recompute_is_bitwise_exact_and_recomputes(keys, moe):
+    """Early exit's and Mixture-of-Depths' layers honour `train.recompute`: bit-identical outputs, gradients and
+    routing statistics, and the regions each mode names start twice (pre-hooks, as above)."""
+    layer, h, cos, sin, pos, valid, scale = _subset_case(keys, moe)
+    calls = {"attn": 0, "ffn": 0}
+    # the subset runs the attention's projections itself (not the attention module): count its query projection
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
+    layer.ffn.register_forward_pre_hook(lambda *a: calls.__setitem__("ffn", calls["ffn"] + 1))
+    set_recompute(layer, "none")
+    ref = _subset_step(layer, h, cos, sin, pos, valid, scale, keys)
+    assert len(ref[2]) > 5
+    expected = {"moe": (0, 1), "attention": (1, 0), "full": (1, 1)}
+    for mode, (attn_again, ffn_again) in expected.items():
+        set_recompute(layer, mode)
+        calls.update(attn=0, ffn=0)
+        got = _subset_step(layer, h, cos, sin, pos, valid, scale, keys)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), mode
+        assert got[2].keys() == ref[2].keys() and all(torch.equal(got[2][n], ref[2][n]) for n in ref[2]), mode
+        if moe:
+            assert torch.equal(got[3], ref[3]), mode  # statistics counted once
+        assert (calls["attn"], calls["ffn"]) == (1 + attn_again, 1 + ffn_again), (mode, calls)
