@@ -143,12 +143,12 @@ SUBSET_SCHEMES = {
 }
 
 
-def _scheme_train(scheme: str, recompute: str) -> dict:
+def _scheme_train(scheme: str, recompute: str, schedule: str = "1f1b") -> dict:
     from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
 
     cfg = _pipe_cfg(recompute)
-    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
+    cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2, schedule=schedule))
     runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, SUBSET_SCHEMES[scheme], cfg=cfg))
     out = runner.train(4)
     return {"losses": [r["loss"] for r in out.records], "records": out.records,
@@ -156,21 +156,23 @@ def _scheme_train(scheme: str, recompute: str) -> dict:
 
 
 def _scheme_worker(rank: int, world: int) -> dict:
-    return {f"{s}_{m}": _scheme_train(s, m) for s in SUBSET_SCHEMES for m in MODES}
+    out = {f"{s}_{m}": _scheme_train(s, m) for s in SUBSET_SCHEMES for m in MODES}
+    # zero bubble: the replayed subsets' Linears run again in B, their weight gradients deferred to W like F's
+    out.update({f"{s}_zb_{m}": _scheme_train(s, m, "zb") for s in SUBSET_SCHEMES for m in ("none", "full")})
+    return out
 
 
 def test_recompute_with_early_exit_and_mod_is_bitwise_exact():
     """The token-subset layers of early exit and Mixture-of-Depths recompute as the plain layers do
     (moebal/models/subset.py): every mode gives the losses and parameters of none, bit for bit."""
     results = run_ranks(_scheme_worker, 2, timeout_s=600.0)
-    for scheme in SUBSET_SCHEMES:
-        ref = results[0][f"{scheme}_none"]
-        for mode in MODES[1:]:
-            got = results[0][f"{scheme}_{mode}"]
-            assert got["losses"] == ref["losses"], (scheme, mode)
-            for r in results:
-                a, b = r[f"{scheme}_none"]["state"], r[f"{scheme}_{mode}"]["state"]
-                assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), (scheme, mode)
+    cases = [(f"{s}_none", f"{s}_{m}") for s in SUBSET_SCHEMES for m in MODES[1:]]
+    cases += [(f"{s}_zb_none", f"{s}_zb_full") for s in SUBSET_SCHEMES]
+    for ref_key, key in cases:
+        assert results[0][key]["losses"] == results[0][ref_key]["losses"], key
+        for r in results:
+            a, b = r[ref_key]["state"], r[key]["state"]
+            assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), key
     # the subsets ran: tokens left (early exit) and the routed blocks kept half of them (mod)
     survival = [s for rec in results[-1]["early_exit_full"]["records"] for s in rec["survival"][2:]]
     assert sum(0 < s < 1 for s in survival) >= 4, survival
