@@ -163,10 +163,16 @@ def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
             last_extra: float = 0.0) -> list[int]:
     """DynMo's diffusion balancer restricted to adjacent-stage boundary moves.
 
-    Each round visits the stages that are above the mean load (status fixed per round, as Algorithm 3) and
-    moves one boundary layer to the lighter adjacent neighbour when that lowers the variance of the stage
-    loads. A move of cost c from load a to load b lowers the variance iff c < a - b, and then both new loads
-    are below a: the maximum never rises and layer order never changes. Stages never become empty.
+    Each round visits the stages that are above the mean load (status fixed per round, as Algorithm 3). A stage
+    gives one boundary layer to its lighter adjacent neighbour when that lowers the variance of the stage loads:
+    a move of cost c from load a to load b lowers it iff 0 < c < a - b, and then both new loads are below a.
+    Where no neighbour is light enough (a layer as heavy as the gap: a smooth gradient of loads stalls the
+    one-hop rule with every stage above the mean), the stage sends a layer down a chain of h adjacent stages
+    instead: every boundary on the chain moves one layer the same way (the stage gives its boundary layer, each
+    stage on the way passes its own boundary layer on, the last one keeps what it receives). A chain is taken
+    when it lowers the sum of squared loads without raising the chain's maximum, shortest first (fewest layers
+    migrate), the largest drop among equal lengths. So the maximum never rises, the variance falls with every
+    move, layer order never changes and stages never become empty. The one-hop move is the chain of length 1.
     """
     c = _check(costs, len(sizes))
     mem = np.zeros(c.size) if memory is None else np.asarray(memory, dtype=np.float64)
@@ -186,25 +192,39 @@ def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
 
 def _move_boundary_layer(c: np.ndarray, mem: np.ndarray, cap: float, sizes: list[int], p: int,
                          first_extra: float, last_extra: float) -> bool:
+    """Move one boundary layer of stage p along the shortest improving chain (see `diffuse`); False if none."""
     if sizes[p] <= 1:
         return False
-    loads = stage_loads(c, sizes, first_extra, last_extra)
-    start = sum(sizes[:p])
-    end = start + sizes[p]
-    options = []  # (gain in sum of squares, neighbour, layer)
-    for q, layer in ((p - 1, start), (p + 1, end - 1)):
-        if 0 <= q < len(sizes):
-            gap = loads[p] - loads[q]
-            q_start = sum(sizes[:q])
-            q_mem = float(mem[q_start:q_start + sizes[q]].sum())
-            if c[layer] < gap and q_mem + mem[layer] <= cap:
-                options.append((2 * c[layer] * (gap - c[layer]), -q, q, layer))
-    if not options:
-        return False
-    _, _, q, _ = max(options)  # the largest variance drop; ties go to the lower neighbour index
-    sizes[p] -= 1
-    sizes[q] += 1
-    return True
+    loads = np.asarray(stage_loads(c, sizes, first_extra, last_extra), dtype=np.float64)
+    P = len(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)  # stage j holds layers [starts[j], starts[j+1])
+    stage_mem = np.array([mem[starts[j]:starts[j + 1]].sum() for j in range(P)])
+    for hops in range(1, P):
+        options = []  # (drop in the sum of squares, direction): the larger drop, then the lower neighbour
+        for d in (-1, 1):
+            if not 0 <= p + hops * d < P:
+                continue
+            path = [p + i * d for i in range(hops + 1)]
+            # the layer each stage on the path sends on: its boundary layer on the chain's side
+            sent = [starts[j + 1] - 1 if d > 0 else starts[j] for j in path[:-1]]
+            out_c = np.array([c[x] for x in sent] + [0.0])
+            in_c = np.array([0.0] + [c[x] for x in sent])
+            out_m = np.array([mem[x] for x in sent] + [0.0])
+            in_m = np.array([0.0] + [mem[x] for x in sent])
+            old = loads[path]
+            new = old - out_c + in_c
+            new_mem = stage_mem[path] - out_m + in_m
+            drop = float((old ** 2).sum() - (new ** 2).sum())
+            fits = all(m <= max(cap, o) for m, o in zip(new_mem[1:], stage_mem[path][1:]))
+            if drop > 1e-12 * max(1.0, float((old ** 2).sum())) and new.max() <= old.max() and fits:
+                options.append((drop, -d))
+        if options:
+            _, neg_d = max(options)
+            d = -neg_d
+            sizes[p] -= 1
+            sizes[p + hops * d] += 1
+            return True
+    return False
 
 
 def imbalance(loads: Floats) -> float:

@@ -98,6 +98,35 @@ def test_diffusion_respects_memory_cap():
     assert diffuse(costs, [2, 2, 2])[2] == 1  # without the cap a layer leaves the heavy stage
 
 
+def test_diffusion_moves_along_a_chain_where_one_hop_stalls():
+    """A smooth gradient of loads: every adjacent gap (0.17) is below every layer's cost (>= 1), so no one-hop
+    move lowers the variance; chains of adjacent moves reach the exact min-max partition."""
+    costs = list(np.linspace(2.0, 1.0, 24))
+    start = [3] * 8
+    loads = stage_loads(costs, start)
+    assert all(loads[p] - loads[p + 1] < min(costs) for p in range(7))  # the one-hop rule has no move
+    sizes = diffuse(costs, start)
+    assert sizes == [2, 2, 3, 3, 3, 3, 4, 4]
+    best = max(stage_loads(costs, partition_by_time(costs, 8)))
+    assert max(stage_loads(costs, sizes)) == pytest.approx(best)
+    assert best < max(loads) / 1.09
+
+
+def test_diffusion_chain_by_hand_prefers_one_hop_and_respects_memory():
+    # loads [4, 2, 2] (costs 2 2 | 1 1 | 1 1): the one hop 4 -> 2 gives [2, 4, 2], no better; the chain 0 -> 1 -> 2
+    # (stage 0 gives layer 1, stage 1 passes its last layer on) gives [2, 3, 3]
+    assert diffuse([2, 2, 1, 1, 1, 1], [2, 2, 2]) == [1, 2, 3]
+    # ... unless the chain's last stage has no memory left for the layer it receives
+    assert diffuse([2, 2, 1, 1, 1, 1], [2, 2, 2], memory=[1.0] * 6, capacity=2.0) == [2, 2, 2]
+    # loads [4, 3, 3] (2 2 | 3 | 1 1 1): the chain passes on the 3 and gives [2, 2, 6]: the maximum would rise
+    assert diffuse([2, 2, 3, 1, 1, 1], [2, 1, 3]) == [2, 1, 3]
+    # loads [4, 3, 2] (2 2 | 1 2 | 1 1): the chain gives [2, 3, 4], the same maximum and sum of squares: no move
+    assert diffuse([2, 2, 1, 2, 1, 1], [2, 2, 2]) == [2, 2, 2]
+    # one hop where it lowers the variance: loads [5, 1, 4] (1 2 2 | 1 | 2 2): stage 0 gives its last layer to
+    # stage 1 ([3, 3, 4]), no chain
+    assert diffuse([1, 2, 2, 1, 2, 2], [3, 1, 2], max_rounds=1) == [2, 2, 2]
+
+
 def test_uniform_and_errors():
     assert partition_uniform(10, 4) == [3, 3, 2, 2]
     with pytest.raises(ConfigError, match="at least one layer"):
