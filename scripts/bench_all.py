@@ -529,7 +529,8 @@ ROWS: tuple[Row, ...] = (
         "unsharded; resume 1 -> 2 -> 4 shards; the bf16 policy"),
     Row("activation recomputation and rank-local initialisation", "test_recompute", fig_pytest,
         TEST, asserts="recomputation bit-identical to none in fp32 (one process, expert parallel with replicas, "
-        "2 stages); a rank's locally built tensors equal the full model's bit for bit"),
+        "2 stages, early exit's and MoD's token subsets); a rank's locally built tensors equal the full model's "
+        "bit for bit"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
         TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
         "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),

@@ -41,9 +41,13 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   (`unit_cost_factors`): a stage boundary can fall between the part that moves and the part that does not.
 - Frequency: the scheme changes every iteration and the balancer re-plans after every step (`replan_every_step`,
   DynMo's Figure 3 caption).
-- Recomputation: `train.recompute` attention or full is refused (clear error). The scheme runs the attention
-  itself, and under `coverage` its forward adds to the step's statistics, which a replay would count twice; moe
-  (the FFN half) works as for the plain layer.
+- Recomputation (`train.recompute`, moebal/models/recompute.py): the scheme runs the attention itself, so it
+  recomputes it itself, with the decoder layer's rules: `attention` replays the attention region (norm,
+  projections, block scores and selection, the sparse core, residual), `full` the whole layer from its input
+  (the attention region and the FFN part in one region when the FFN may run twice, else the attention region,
+  with the MoE block's own rank-local recomputation), `moe` the FFN part. The replay recomputes the same
+  selection (the scores come from the same q and k, the density is the step's), and under `coverage` it does
+  not add to the step's statistics a second time (`_replaying`).
 - Precision: once active, every layer runs this path, and under bf16 autocast on a CPU its attention core
   (dense at density 1, or sparse) computes in fp32 (measured, 1,024 tokens, 1 thread: the dense core 0.090 s
   in bf16 against 0.039 s in fp32; the sparse one at density 0.5 1.25x the dense bf16 core in bf16, 0.92x in
@@ -53,6 +57,7 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,7 +72,8 @@ from moebal.kernels.sparse_attention import (
     kept_fraction,
     select_from_scores,
 )
-from moebal.models.transformer import Attention, apply_rotary, grouped_sdpa
+from moebal.models.recompute import recompute_call
+from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, grouped_sdpa
 from moebal.pipeline.units import FFN, LAYER, UnitMap
 
 __all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
@@ -137,9 +143,6 @@ class DynamicSparseAttention(Dynamism):
         if not 0 <= depth_tilt <= 1:
             raise ConfigError(f"dynamism sparse_attention: depth_tilt must be in [0, 1] (0: independent walks, 1: a "
                               f"fixed ramp by depth); got {depth_tilt}")
-        if cfg.train.recompute in ("attention", "full"):
-            raise ConfigError(f"dynamism sparse_attention runs each layer's attention itself and does not recompute it "
-                              f"(train.recompute: {cfg.train.recompute}); set train.recompute to none or moe")
         if m.mla is not None or (m.sliding_window is not None and m.sliding_window < T):
             raise ConfigError("dynamism sparse_attention runs grouped-query causal attention over the whole row: "
                               "unset model.mla and model.sliding_window (or use another scheme)")
@@ -154,6 +157,8 @@ class DynamicSparseAttention(Dynamism):
         """The densities the current (last begun) step runs at."""
         self.needed = torch.zeros(2 * self.L, dtype=torch.float64)
         """This step's coverage statistics: per layer the summed needed share, then the count of samples."""
+        self._replaying = False
+        """Inside a recomputation's replay (`_replay`): the forward adds nothing to the statistics."""
 
     # ---- the budget ----
     def _walk(self, step: int) -> list[float]:
@@ -202,10 +207,42 @@ class DynamicSparseAttention(Dynamism):
 
     def _sparse(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                 measure: bool) -> torch.Tensor:
-        """Layer i with its block-sparse attention core (and, under `coverage`, this step's needed density)."""
+        """Layer i with its block-sparse attention core (and, under `coverage`, this step's needed density),
+        recomputed as `train.recompute` says (module docstring)."""
         block = as_decoder(layer)
-        return block.ffn_part(h_BTD + self._attention(i, block.self_attn, block.input_layernorm(h_BTD), cos_TK,
-                                                      sin_TK, measure))
+        if block.recomputes("full") and block.ffn_replayable():
+            return recompute_call(lambda h, cos, sin: block.ffn_part(self._attention_region(i, block, h, cos, sin,
+                                                                                            measure), plain=True),
+                                  block.moe_block(), h_BTD, cos_TK, sin_TK, replay=self._replay)
+        return block.ffn_part(self._attention_part(i, block, h_BTD, cos_TK, sin_TK, measure))
+
+    def _attention_part(self, i: int, block: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                        sin_TK: torch.Tensor, measure: bool) -> torch.Tensor:
+        """h + the sparse attention of layer i's normed h, a recomputed region under `attention` and `full`."""
+        if block.recomputes("attention", "full"):
+            return recompute_call(lambda h, cos, sin: self._attention_region(i, block, h, cos, sin, measure), None,
+                                  h_BTD, cos_TK, sin_TK, replay=self._replay)
+        return self._attention_region(i, block, h_BTD, cos_TK, sin_TK, measure)
+
+    def _attention_region(self, i: int, block: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
+                          sin_TK: torch.Tensor, measure: bool) -> torch.Tensor:
+        """h + the sparse attention of layer i's normed h. Under `parallel.shard: full` with split layers the
+        norm and the attention are FSDP2 units of their own: the norm is called, the sparse core runs as the
+        attention module's forward (a no-op wrapper otherwise)."""
+        attn = block.self_attn
+        x_BTD = block.input_layernorm(h_BTD)
+        out_BTD: torch.Tensor = h_BTD + run_as_forward(
+            attn, lambda x, cos, sin: self._attention(i, attn, x, cos, sin, measure), x_BTD, cos_TK, sin_TK)
+        return out_BTD
+
+    @contextlib.contextmanager
+    def _replay(self) -> Iterator[None]:
+        """A recomputation's replay: the same forward again, without adding to the step's statistics."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     def _attention(self, i: int, attn: nn.Module, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
                    measure: bool) -> torch.Tensor:
@@ -217,7 +254,7 @@ class DynamicSparseAttention(Dynamism):
         fp32 = x_BTD.device.type == "cpu" and torch.is_autocast_enabled("cpu")
         a_BTD, s_BGNN = sparse_attention_forward(attn, x_BTD, cos_TK, sin_TK, self.density[i], self.block,
                                                  fp32_core=fp32)
-        if measure:
+        if measure and not self._replaying:
             self.needed[i] += coverage_density(s_BGNN, self.coverage) * x_BTD.shape[0]
             self.needed[self.L + i] += x_BTD.shape[0]
         return a_BTD
@@ -230,17 +267,13 @@ class DynamicSparseAttention(Dynamism):
 
     def attention_half(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                        sin_TK: torch.Tensor) -> torch.Tensor:
-        """The attention half of split layer i: `layer_forward`'s attention, op for op (the FFN half runs plain).
-        Under `parallel.shard: full` the norm and the attention are FSDP2 units of their own (a split layer's
-        halves' submodules): the norm is called, the sparse core runs as the attention module's forward."""
+        """The attention half of split layer i: `layer_forward`'s attention, op for op (the FFN half runs plain),
+        recomputed under `attention` and `full` as the plain layer's attention half is."""
         active, measure = self._path()
         block = as_decoder(layer)
         if not active:
             return block.attention_part(h_BTD, cos_TK, sin_TK)
-        attn = block.self_attn
-        x_BTD = block.input_layernorm(h_BTD)
-        return h_BTD + run_as_forward(attn, lambda x, cos, sin: self._attention(i, attn, x, cos, sin, measure),
-                                      x_BTD, cos_TK, sin_TK)
+        return self._attention_part(i, block, h_BTD, cos_TK, sin_TK, measure)
 
     # ---- statistics along the chain (coverage) ----
     def stats_size(self, num_layers: int) -> int:

@@ -25,7 +25,7 @@ returned expert outputs stay saved, which is what Megatron-style MoE recomputati
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,15 +40,22 @@ __all__ = ["RECOMPUTE_MODES", "recompute_call", "set_recompute"]
 RECOMPUTE_MODES = ("none", "moe", "attention", "full")
 
 
-def recompute_call(fn: Callable[..., torch.Tensor], moe: MoELayer | None, *args: Any) -> torch.Tensor:
+def recompute_call(fn: Callable[..., torch.Tensor], moe: MoELayer | None, *args: Any,
+                   replay: Callable[[], AbstractContextManager[Any]] | None = None) -> torch.Tensor:
     """fn(*args) whose activations are recomputed in the backward pass; the replay (fn's second call) runs
-    inside `moe.replaying()` when the region holds a MoE block."""
+    inside `moe.replaying()` when the region holds a MoE block, and inside `replay()` when given (a dynamism
+    scheme's own bookkeeping that must not happen twice: dynamic sparse attention's coverage statistics)."""
     calls = 0
 
     def run(*a: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        with moe.replaying() if (moe is not None and calls > 1) else nullcontext():
+        with ExitStack() as stack:
+            if calls > 1:
+                if moe is not None:
+                    stack.enter_context(moe.replaying())
+                if replay is not None:
+                    stack.enter_context(replay())
             return fn(*a)
 
     out: torch.Tensor = checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -222,8 +222,10 @@ class DecoderLayer(nn.Module):
             return recompute_call(self._attention_part, None, h_BTD, cos_TK, sin_TK)
         return self._attention_part(h_BTD, cos_TK, sin_TK)
 
-    def ffn_part(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        if self.recomputes("moe", "full") and self.ffn_replayable():
+    def ffn_part(self, h_BTD: torch.Tensor, plain: bool = False) -> torch.Tensor:
+        """`plain`: without this part's own recomputation (called inside a recomputed region that covers it, as
+        a scheme's whole-layer replay does; an MoE block's `recompute_local` still applies)."""
+        if not plain and self.recomputes("moe", "full") and self.ffn_replayable():
             return recompute_call(self._ffn_part, self.moe_block(), h_BTD)
         return self._ffn_part(h_BTD)
 

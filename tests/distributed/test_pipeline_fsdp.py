@@ -305,13 +305,13 @@ SPLIT_SPARSE = {"scheme": "sparse_attention",
 (`Dynamism.attention_half`) inside their attention module's FSDP2 unit."""
 
 
-def _split_run(shard: str, dynamism: dict[str, Any] | None = None) -> dict[str, Any]:
+def _split_run(shard: str, dynamism: dict[str, Any] | None = None, recompute: str = "none") -> dict[str, Any]:
     from moebal.config import from_dict, to_dict
     from moebal.pipeline.runner import PipelineRunner
     from moebal.train.pipelined import scheme_from_config
 
     base = to_dict(pipe_cfg(shard, 1, steps=SPLIT_STEPS))
-    cfg = from_dict({**base, "moe": {**base["moe"], "every": 2},
+    cfg = from_dict({**base, "moe": {**base["moe"], "every": 2}, "train": {**base["train"], "recompute": recompute},
                      "pipeline": {**base["pipeline"], "split_layers": True}, "dynamism": dynamism or base["dynamism"]})
     runner = PipelineRunner(cfg, scheme=scheme_from_config(cfg), **SPLIT_MIGRATE)
     out = runner.train(SPLIT_STEPS)
@@ -320,18 +320,21 @@ def _split_run(shard: str, dynamism: dict[str, Any] | None = None) -> dict[str, 
             "params": runner.full_state(), "fsdp_units": units, "first": runner.chain.is_first}
 
 
-def _split_pair(rank: int, world: int, dynamism: dict[str, Any] | None = None) -> dict[str, Any]:
+def _split_pair(rank: int, world: int, dynamism: dict[str, Any] | None = None,
+                recompute: str = "none") -> dict[str, Any]:
     torch.set_num_threads(1)
-    return pair(_split_run("none", dynamism), _split_run("full", dynamism), "full")
+    return pair(_split_run("none", dynamism), _split_run("full", dynamism, recompute), "full")
 
 
-@pytest.mark.parametrize("dynamism", [None, SPLIT_SPARSE], ids=["none", "sparse_attention"])
-def test_fully_sharded_pipeline_with_split_layers_matches_unsharded(dynamism):
+@pytest.mark.parametrize("dynamism,recompute", [(None, "none"), (SPLIT_SPARSE, "none"), (SPLIT_SPARSE, "full")],
+                         ids=["none", "sparse_attention", "sparse_attention-recompute"])
+def test_fully_sharded_pipeline_with_split_layers_matches_unsharded(dynamism, recompute):
     """pp 2 x dp 2, `pipeline.split_layers` (the dense layers 0 and 2 run as attention and FFN halves, each
     half's norm, attention and MLP its own FSDP2 unit), forced moves of halves between steps and inside one:
     losses, gradient norms and parameters within 1e-5 of the unsharded pipeline; with no scheme and with dynamic
-    sparse attention (whose attention halves run the sparse core)."""
-    runs = run_ranks(_split_pair, 4, dynamism, timeout_s=600)
+    sparse attention (whose attention halves run the sparse core), and with it under `train.recompute: full` in
+    the sharded run only (the attention halves replayed inside their FSDP2 units, against the run without)."""
+    runs = run_ranks(_split_pair, 4, dynamism, recompute, timeout_s=600)
     for r in runs:
         plain, full = r["none"], r["full"]
         assert full["optimizer"] == "StageShardedAdamW" and plain["sizes"] == full["sizes"] == [3, 3]

@@ -38,10 +38,11 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"),
           "early_exit": ("full", "full+zb", "full+recompute"), "mod": ("optimizer", "full", "full+recompute"),
-          "sparse_attention": ("optimizer", "full")}
+          "sparse_attention": ("optimizer", "full", "full+recompute")}
 """The sharded runs of each scheme (`optimizer` refuses early_exit: below; "+zb": the zero-bubble schedule, whose
 W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference; "+recompute": `train.recompute:
-full`, whose backward replays the token-subset layers inside their FSDP2 units, against the reference without it)."""
+full`, whose backward replays the token-subset layers or the sparse attention inside their FSDP2 units, against the
+reference without it)."""
 
 
 PEERS = {"threshold": 0.97, "first_layer": 1}

@@ -88,6 +88,11 @@ def _job(rank: int, world: int, tmp: str) -> dict:
         out[f"{budget}_split_planned"] = _train(cfg_for(budget, attn_weight=200.0), 6, split_layers=True,
                                                 rebalance="partition", every=2, min_gain=0.0, bandwidth=1e15,
                                                 latency=0.0)
+        # recomputation: the scheme replays its own attention (whole layers, and halves cut inside layers)
+        for mode in ("attention", "full"):
+            out[f"{budget}_{mode}"] = _train(cfg_for(budget, recompute=mode), 6, force=((2, (2, 4)),))
+            out[f"{budget}_split_{mode}"] = _train(cfg_for(budget, recompute=mode), 6, split_layers=True,
+                                                   force=((2, (5, 7)),))
     base = Path(tmp)
     ck = cfg_for("random_walk", ckpt_every=3, keep_checkpoints=10)
     out["whole"] = _checkpointed(rank, ck, base / "whole")
@@ -137,6 +142,21 @@ def test_layer_halves_run_the_sparse_attention_and_keep_the_losses(runs, budget)
     # the units' predictions: an FFN half costs what it costs dense, an attention half moves with its density
     pred = split["unit_factors"]
     assert pred[1::2] == [1.0] * 6 and any(c != 1.0 for c in pred[0::2])
+
+
+@pytest.mark.parametrize("budget", list(OPTIONS))
+def test_recomputed_sparse_attention_keeps_the_losses_bit_for_bit(runs, budget):
+    """`train.recompute` attention and full replay the scheme's own attention, on whole layers and on halves cut
+    inside a layer: the losses, densities and predictions of the run without it, bit for bit (that a replay adds
+    nothing to the coverage statistics is checked on the raw sums in tests/unit/test_sparse_attention_scheme.py)."""
+    r = runs[0]
+    for mode in ("attention", "full"):
+        for ref, key in ((f"{budget}_static", f"{budget}_{mode}"), (f"{budget}_split", f"{budget}_split_{mode}")):
+            got, want = r[key], r[ref]
+            assert got["losses"] == want["losses"], key
+            for field in ("attention_density", "predicted_cost"):
+                assert [x[field] for x in got["records"]] == [x[field] for x in want["records"]], (key, field)
+            assert any(x.get("migration") for x in got["records"]), key
 
 
 def test_the_balancer_replans_every_step(runs):

@@ -1,4 +1,5 @@
-"""The sparse_attention scheme on one process: its budget rules, its cost model and its refusals."""
+"""The sparse_attention scheme on one process: its budget rules, its cost model, its recomputation and its
+refusals."""
 
 from __future__ import annotations
 
@@ -148,13 +149,48 @@ def test_bad_options_are_refused(opts, match) -> None:
         build_dynamism("sparse_attention", {"block": 16, **opts}, cfg=cfg())
 
 
-@pytest.mark.parametrize("mode", ["attention", "full"])
-def test_recomputing_the_attention_is_refused(mode) -> None:
-    c = from_dict({**to_dict(cfg()), "train": {"recompute": mode}})
-    with pytest.raises(ConfigError, match="train.recompute"):
-        build_dynamism("sparse_attention", {"block": 16}, cfg=c)
-    ok = from_dict({**to_dict(cfg()), "train": {"recompute": "moe"}})
-    assert build_dynamism("sparse_attention", {"block": 16}, cfg=ok).name == "sparse_attention"
+def _recompute_step(c, mode: str, split: bool) -> tuple:
+    """One forward + backward of layer 1 (an MoE layer with router jitter, or dense) through the scheme (coverage
+    budget, density 0.4) under `train.recompute` `mode`: output, every gradient, the step's coverage statistics
+    and the query projection's forward count (the attention replayed or not)."""
+    from moebal.models import build_model
+    from moebal.models.recompute import set_recompute
+
+    torch.manual_seed(0)
+    m = build_model(c)
+    set_recompute(m, mode)
+    s = build_dynamism("sparse_attention", {"block": 16, "budget": "coverage", "start": 0}, cfg=c)
+    s.begin_step(1)
+    s.density = [0.4] * 4
+    layer = m.model.layers[1]
+    calls = [0]
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    h = torch.randn(2, 64, 32, requires_grad=True)
+    cos, sin = m.model.rotary(64, torch.float32)
+    torch.manual_seed(7)  # router jitter
+    out = (layer.ffn_part(s.attention_half(1, layer, h, cos, sin)) if split
+           else s.layer_forward(1, layer, h, cos, sin, {}))
+    aux = layer.block_sparse_moe.aux_loss if layer.is_moe else torch.zeros(())
+    (out.square().mean() + aux).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), {**grads, "h": h.grad.clone()}, s.local_stats(), calls[0]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "halves"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_recomputation_is_bitwise_exact_and_counts_the_statistics_once(split, moe) -> None:
+    """The scheme runs the attention itself and recomputes it itself: every mode gives the output, gradients and
+    coverage statistics of none, bit for bit, and the attention runs twice where the mode recomputes it."""
+    c = from_dict({**to_dict(cfg()), "moe": {"num_experts": 4 if moe else 0, "top_k": 2, "jitter": 0.1,
+                                             "expert_ffn_dim": 32, "kernel": "loop"}})
+    ref = _recompute_step(c, "none", split)
+    assert ref[3] == 1 and float(ref[2][c.model.n_layers + 1]) == 2.0  # measured once, on 2 rows
+    for mode, attn_runs in (("moe", 1), ("attention", 2), ("full", 2)):
+        got = _recompute_step(c, mode, split)
+        assert torch.equal(got[0], ref[0]), mode
+        assert got[1].keys() == ref[1].keys() and all(torch.equal(got[1][k], ref[1][k]) for k in ref[1]), mode
+        assert torch.equal(got[2], ref[2]), mode  # the replay adds nothing to the statistics
+        assert got[3] == attn_runs, (mode, got[3])
 
 
 def test_sliding_window_is_refused() -> None:
