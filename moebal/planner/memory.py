@@ -332,12 +332,50 @@ def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv:
     return attn, r * 2 * D + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
 
 
-def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str, expand_kv: bool) -> tuple[float, float]:
-    """(kept across the forward pass, full) activation bytes per token of layer i under `recompute`."""
+def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str, expand_kv: bool,
+                sparse: float = 0.0) -> tuple[float, float]:
+    """(kept across the forward pass, full) activation bytes per token of layer i under `recompute`; `sparse`: what
+    a block-sparse attention core keeps beyond the dense one (`sparse_core_extra`), part of the attention region."""
     attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew, expand_kv)
+    attn += sparse
     inp = 4 * cfg.model.dim
     kept = {"none": attn + ffn, "attention": inp + ffn, "moe": attn + inp, "full": inp}[recompute]
     return kept, attn + ffn
+
+
+def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
+    """Bytes per token that dynamic sparse attention's core (`dynamism.scheme: sparse_attention`,
+    moebal/kernels/sparse_attention.py) keeps for the backward pass beyond the dense core's, at its densest sparse
+    step: `max_density`, or just below 1 where that is 1 (the sparse path with every causal block kept), one row
+    per micro-batch (the masked path's masks are per call: more rows share them, so this bounds them from above).
+
+    From the kernel's saved tensors, c_n the kept key blocks of query block n, b the block, K the head dim, ac the
+    core's bytes per element (fp32 under CPU autocast, the run's otherwise); per row:
+    - masked path (CUDA, and CPU below `SPLIT_MIN_ROWS` folded rows): the gathered key and value blocks
+      2 G sum(c_n) b K ac, each run's [b, c b] additive mask (runs with c > 1), the block-major query copy
+      H T K ac; the input keys and values are not kept (the gather's backward needs its indices only);
+    - split path (CPU): the gathered off-diagonal blocks 2 G sum(c_n - 1) b K ac, the block-major diagonal keys
+      and values 2 G T K ac and the folded query copy H T K ac, in place of the input keys and values.
+    Checked against the saved tensors measured on a CPU (tests/unit/test_memory_plan.py); the CUDA kernels' saved
+    sets (efficient attention: q, k, v, output, log-sum-exp, bias) are the CPU SDPA's, which was not measured
+    on a GPU."""
+    if cfg.dynamism.scheme != "sparse_attention":
+        return 0.0
+    from moebal.kernels.sparse_attention import SPLIT_MIN_ROWS, kept_counts
+
+    sa, m = cfg.dynamism.sparse_attention, cfg.model
+    T, b = cfg.data.seq_len, sa.block
+    H, G, K = m.n_heads, m.n_kv_heads, cfg.head_dim
+    N = T // b
+    counts = kept_counts(N, sa.max_density if sa.max_density < 1 else 1.0 - 1e-9)
+    ac = 4 if (not cuda and a == 2) else a
+    q_copy, kv_in = H * T * K * ac, 2 * G * T * K * ac
+    if cuda or (H // G) * b < SPLIT_MIN_ROWS:
+        extra = (2 * G * sum(counts) * b * K * ac + sum(b * c * b * ac for c in set(counts) if c > 1)
+                 + q_copy - kv_in)
+    else:
+        extra = 2 * G * (sum(counts) - N) * b * K * ac + q_copy
+    return extra / T
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------------
@@ -450,21 +488,22 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     if lay.shard == "none" and grad_sync and not persistent:
         transient = 4.0 * (biggest if lay.pp > 1 else held)  # a pipeline's per-layer bucket; DP's flat copy
     t["gradient all-reduce copy"] = transient
-    _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4)
+    _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4, cuda=cuda)
     t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)
                                          if lay.init == "full" else 4.0 * held)
     return t, {phase: sum(t[k] for k in names) for phase, names in PHASE_TERMS.items()}
 
 
 def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, t: dict[str, float], *,
-                 expand_kv: bool) -> None:
+                 expand_kv: bool, cuda: bool = False) -> None:
     """Activation, logits, buffer and replica terms of stage s (added to `t`)."""
     m, D = cfg.model, cfg.model.dim
     rows = cfg.data.batch_size // lay.stage_ranks
     M = lay.micro_batches if lay.pp > 1 else 1
     tok = rows * cfg.data.seq_len / M
     inflight = M if lay.schedule == "gpipe" else min(lay.pp - s, M)
-    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv) for i in layers]
+    sparse = sparse_core_extra(cfg, a, cuda)
+    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv, sparse) for i in layers]
     kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)
     one_layer = max((f for _, f in kept_full), default=0.0)
     t["activations"] = tok * (inflight * kept + one_layer)

@@ -143,6 +143,61 @@ def test_cuda_fp32_grouped_query_attention_saves_keys_and_values_at_every_query_
     assert DeviceMemory.from_profile(load_profile("h100")).cuda
 
 
+def _saved_bytes_per_token(cfg, density: float) -> float:
+    """Bytes the attention of a fresh layer keeps for its backward (distinct storages, saved-tensor hooks), one row,
+    through the sparse-attention scheme's forward at `density` (1: the dense core)."""
+    import torch
+
+    from moebal.dynamism.sparse_attention import sparse_attention_forward
+    from moebal.models import build_model
+
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    T = cfg.data.seq_len
+    x = torch.randn(1, T, cfg.model.dim, requires_grad=True)
+    cos, sin = m.model.rotary(T, torch.float32)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sparse_attention_forward(m.model.layers[0].self_attn, x, cos, sin, density, cfg.dynamism.sparse_attention.block)
+    return sum(seen.values()) / T
+
+
+@pytest.mark.parametrize("block,max_density", [(16, 1.0), (16, 0.5), (128, 1.0), (128, 0.6)],
+                         ids=["masked", "masked-0.5", "split", "split-0.6"])
+def test_sparse_attention_core_extra_is_what_the_kernel_keeps(block, max_density):
+    """`sparse_core_extra` (the plan's term for dynamic sparse attention) against the kernel's saved tensors at the
+    plan's worst density (max_density, or just below 1), on both CPU paths: within 2 % of the measured extra over
+    the dense core; and the plan's activations grow by it per layer."""
+    from moebal.kernels.sparse_attention import default_path
+    from moebal.planner.memory import sparse_core_extra
+
+    seq = 512
+    over = [*TINY, "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "moe.num_experts=0",
+            f"model.max_seq_len={seq}", f"data.seq_len={seq}", "data.batch_size=1", "dynamism.scheme=sparse_attention",
+            f"dynamism.sparse_attention.block={block}", f"dynamism.sparse_attention.max_density={max_density}"]
+    cfg = load(None, over)
+    import torch
+
+    assert default_path(torch.device("cpu"), block, 2) == ("masked" if block == 16 else "split")
+    worst = max_density if max_density < 1 else 1.0 - 1e-9
+    measured = _saved_bytes_per_token(cfg, worst) - _saved_bytes_per_token(cfg, 1.0)
+    predicted = sparse_core_extra(cfg, 4, cuda=False)
+    assert measured > 0 and abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    dense = load(None, [*over[:-3], "dynamism.scheme=none"])
+    grow = (plan_memory(cfg, MemoryLayout(ranks=1), BARE).terms["activations"]
+            - plan_memory(dense, MemoryLayout(ranks=1), BARE).terms["activations"])
+    assert grow == pytest.approx(seq * 2 * predicted)  # kept in flight + the one layer's backward working set
+    # recomputing the attention keeps its input only: the term stays in the rebuilt layer's working set alone
+    rc = dataclasses.replace(MemoryLayout(ranks=1), recompute="attention")
+    grow_rc = (plan_memory(cfg, rc, BARE).terms["activations"] - plan_memory(dense, rc, BARE).terms["activations"])
+    assert grow_rc == pytest.approx(seq * predicted)
+
+
 def test_recompute_keeps_layer_inputs():
     cfg = load(None, TINY)
     none = plan_memory(cfg, MemoryLayout(ranks=1), BARE).terms["activations"]
