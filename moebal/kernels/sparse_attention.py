@@ -45,20 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fraction
+
 __all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
            "coverage_density", "default_path", "dense_block_attention", "kept_counts", "kept_fraction",
            "masked_block_attention", "select_blocks", "select_from_scores", "split_block_attention"]
-
-
-def kept_counts(n_blocks: int, density: float) -> list[int]:
-    """Key blocks kept per query block n: round(density x (n + 1)) within [1, n + 1]."""
-    return [min(n + 1, max(1, round(density * (n + 1)))) for n in range(n_blocks)]
-
-
-def kept_fraction(seq_len: int, block: int, density: float) -> float:
-    """The kept share of the causal block grid at `density` (what the attention core costs relative to dense)."""
-    n = max(1, math.ceil(seq_len / block))
-    return sum(kept_counts(n, density)) / (n * (n + 1) / 2)
 
 
 @dataclass(frozen=True)
@@ -218,13 +209,6 @@ _FLASH_BWD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
                      None)
 
 PATHS = ("split", "masked")
-
-
-SPLIT_MIN_ROWS = 192
-"""The split path's calls fold a group's query heads into the query length, (H / G) x block rows: from 192 rows
-torch's CPU flash kernel works in 64-row query chunks instead of 32-row ones, and only there did the split path
-measure faster than the masked one at every density (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
-group, faster; blocks of 64, 128 rows, even at density 0.5 and slower at 0.25)."""
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:

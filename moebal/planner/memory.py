@@ -361,7 +361,7 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     on a GPU."""
     if cfg.dynamism.scheme != "sparse_attention":
         return 0.0
-    from moebal.kernels.sparse_attention import SPLIT_MIN_ROWS, kept_counts
+    from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts
 
     sa, m = cfg.dynamism.sparse_attention, cfg.model
     T, b = cfg.data.seq_len, sa.block
