@@ -86,18 +86,12 @@ def _subset(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_
         h_ND, r_ND = hq_BQD[valid_BQ], r_BQD[valid_BQ]
         flat_N = (rows_B1 * T + pos_BQ)[valid_BQ]
         scale_N = scale_BQ[valid_BQ] if scale_BQ is not None else None
-    if regions and layer.recomputes("moe", "full") and layer.ffn_replayable():
-        out_ND = recompute_call(lambda r: _subset_ffn(layer, r), layer.moe_block(), r_ND)
-    else:  # an MoE block that talks to other ranks recomputes its rank-local experts itself (recompute_local)
-        out_ND = _subset_ffn(layer, r_ND)
+    # the layer's own FFN part on the selected rows: recomputed as its mode says (an MoE block that talks to other
+    # ranks recomputes its rank-local experts itself), plain inside a whole-block recomputation
+    out_ND = layer.ffn_part(r_ND, plain=not regions)
     if scale_N is not None:
         out_ND = h_ND + scale_N.unsqueeze(-1).to(out_ND.dtype) * (out_ND - h_ND)
     return h_BTD.reshape(B * T, D).index_copy(0, flat_N, out_ND.to(h_BTD.dtype)).view(B, T, D)
-
-
-def _subset_ffn(layer: DecoderLayer, r_ND: torch.Tensor) -> torch.Tensor:
-    out_ND: torch.Tensor = r_ND + layer.ffn(layer.post_attention_layernorm(r_ND))
-    return out_ND
 
 
 def _subset_attention(layer: DecoderLayer, h_BTD: torch.Tensor, hq_BQD: torch.Tensor, cos_TK: torch.Tensor,
