@@ -25,7 +25,7 @@ and shape:
   kernel slower per block pair (docs/dynamism.md), hence the split.
 - "masked" (any device, public `scaled_dot_product_attention` only; CUDA's path): the kept blocks gathered once,
   each run one SDPA call over its c kept blocks, the diagonal block last under an additive lower-triangular
-  mask.
+  mask; every run's mask is a view of one [b, c_max b] tensor per call (O(T b) kept for the backward).
 Work: M / (N (N + 1) / 2) of the dense causal attention core, plus O(T K) for the gathers, the pooling and the
 scores (N^2 K), so on a CPU its time follows the kept share (measured in docs/dynamism.md;
 `scripts/bench_sparse_attention.py`).
@@ -127,13 +127,23 @@ def coverage_density(s_BGNN: torch.Tensor, coverage: float) -> float:
     return float(need_BGN.sum(-1).double().mean()) / (N * (N + 1) / 2)
 
 
-def _diag_mask(c: int, block: int, like: torch.Tensor) -> torch.Tensor:
-    """[b, c b] additive mask in `like`'s dtype: 0 on the c - 1 other blocks, the diagonal block (last) causal
-    (-inf above its diagonal). Additive, not bool: SDPA would convert a bool mask on every call."""
-    m = torch.zeros(block, c * block, dtype=like.dtype, device=like.device)
+def _diag_masks(c_max: int, block: int, like: torch.Tensor) -> torch.Tensor:
+    """[b, c_max b] additive mask in `like`'s dtype: 0 on the first c_max - 1 blocks, the last (the diagonal
+    block) causal (-inf above its diagonal). Additive, not bool: SDPA would convert a bool mask on every call.
+    A run that keeps c blocks takes the view of its last c b columns (`_diag_mask_view`), so every run of a call
+    shares this one storage: the masks autograd keeps for the backward are O(T b) per call, not one [b, c b]
+    tensor per run (O(T^2) over the runs)."""
+    m = torch.zeros(block, c_max * block, dtype=like.dtype, device=like.device)
     upper = torch.ones(block, block, dtype=torch.bool, device=like.device).triu(1)
-    m[:, (c - 1) * block:].masked_fill_(upper, float("-inf"))
+    m[:, (c_max - 1) * block:].masked_fill_(upper, float("-inf"))
     return m
+
+
+def _diag_mask_view(masks: torch.Tensor, c: int, block: int) -> torch.Tensor:
+    """The [b, c b] mask of a run that keeps c blocks: a view of `_diag_masks`'s last c b columns (row stride
+    c_max b, the last dimension contiguous: the layout SDPA's kernels take without a copy where b is a multiple
+    of their alignment; any other layout they copy, with the same values)."""
+    return masks[:, masks.shape[1] - c * block:]
 
 
 def _runs(counts: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -187,6 +197,8 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
     v_all = v_BGTK.reshape(B * G * N, b * K).index_select(0, rows)
     sizes = [r * c * B * G for _, r, c in runs]
     q_NBHbK = q_BHTK.view(B, H, N, b, K).permute(2, 0, 1, 3, 4).contiguous()
+    c_max = max(c for _, _, c in runs)
+    masks = _diag_masks(c_max, b, q_BHTK) if c_max > 1 else None
     outs = []
     for (n0, r, c), k_rows, v_rows in zip(runs, torch.split(k_all, sizes), torch.split(v_all, sizes)):
         q_XHbK = q_NBHbK[n0:n0 + r].view(r * B, H, b, K)
@@ -194,7 +206,8 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
         if c == 1:  # the diagonal block alone: plain causal
             outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, is_causal=True, enable_gqa=gqa))
         else:
-            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=_diag_mask(c, b, q_BHTK),
+            assert masks is not None
+            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=_diag_mask_view(masks, c, b),
                                                        enable_gqa=gqa))
     o_NBHbK = torch.cat(outs).view(N, B, H, b, K)
     return o_NBHbK.permute(1, 2, 0, 3, 4).reshape(B, H, T, K)
@@ -248,7 +261,7 @@ def _block_major(t_BGTK: torch.Tensor, b: int) -> torch.Tensor:
 def _folded_causal_mask(hg: int, b: int, dtype: torch.dtype) -> torch.Tensor:
     """[hg b, b] additive mask: the causal triangle of a diagonal block, once per folded query head (cached: a
     function of the shape alone, built on the CPU, the only device the split path runs on)."""
-    return _diag_mask(1, b, torch.empty(0, dtype=dtype)).repeat(hg, 1)
+    return _diag_masks(1, b, torch.empty(0, dtype=dtype)).repeat(hg, 1)
 
 
 def _off_views(q_Y1LK: torch.Tensor, k_off: torch.Tensor, v_off: torch.Tensor, runs: list[tuple[int, int, int]],
