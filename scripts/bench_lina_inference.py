@@ -17,7 +17,10 @@ Per rank count, `--rounds` rounds each run every policy over the same `--batches
 order rotated per round; a forward's MoE time is the sum over MoE layers of the slowest rank's time in the layer
 (planning, both all-to-alls, the experts; the gate is outside and the same for every policy). Reported: every
 round's median per policy, the median over rounds, static / lina, and the same over the layers Lina schedules
-(1 .. L-1; layer 0 has no path and runs static under every policy).
+(1 .. L-1; layer 0 has no path and runs static under every policy). Beside them, what the layer time is made of:
+the slowest rank's expert compute per layer (summed over layers 1 .. L-1, per policy), and the two collectives a
+layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two all-to-alls of a
+rank's rows), which no placement shrinks.
 
 Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--json OUT]
 """
@@ -92,22 +95,50 @@ def _fit_skew(model: Any, batches: list[torch.Tensor], target: float, perms: lis
     return (lo + hi) / 2
 
 
+def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps: int) -> dict[str, float]:
+    """Median seconds of the two collectives an MoE layer makes under every policy, with nothing else to wait for:
+    the all-gather of `fields` doubles per rank (counts, estimate, tokens) and an all-to-all of `rows` rows of
+    `dim` fp32 values per rank in equal splits (each layer makes two)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    mine = torch.zeros(fields, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    x, out = torch.randn(rows, dim), torch.empty(rows, dim)
+    times: dict[str, list[float]] = {"all_gather_s": [], "all_to_all_s": []}
+    for i in range(reps + 5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather(every, mine)
+        t1 = time.perf_counter()
+        dist.all_to_all_single(out, x)
+        t2 = time.perf_counter()
+        if i >= 5:
+            times["all_gather_s"].append(t1 - t0)
+            times["all_to_all_s"].append(t2 - t1)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     L = len(results[0]["rounds"][0]["static"]["forwards"][0])
     for p in POLICIES:
-        per_round, per_round_sched = [], []
+        per_round, per_round_sched, per_round_ex = [], [], []
         for rnd in range(rounds):
             fw = [r["rounds"][rnd][p]["forwards"] for r in results]
             layer_max = [[max(rank[f][j]["seconds"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
             per_round.append(statistics.median(sum(x) for x in layer_max))
             per_round_sched.append(statistics.median(sum(x[1:]) for x in layer_max))
+            ex_max = [[max(rank[f][j]["experts_s"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
+            per_round_ex.append(statistics.median(sum(x[1:]) for x in ex_max))
         f0 = results[0]["rounds"][0][p]["forwards"]
         loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd[1:]]
                  for fwd in f0]
         hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
         out[p] = {"moe_s_rounds": per_round, "moe_s": statistics.median(per_round),
                   "moe_s_layers_1_on_rounds": per_round_sched, "moe_s_layers_1_on": statistics.median(per_round_sched),
+                  "experts_s_layers_1_on_rounds": per_round_ex,
+                  "experts_s_layers_1_on": statistics.median(per_round_ex),
                   "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
                   "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
                   "estimate_top2k_equal": statistics.mean(hits) if hits else None,
@@ -116,6 +147,8 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     for p in POLICIES[1:]:
         out[f"static_over_{p}"] = out["static"]["moe_s"] / out[p]["moe_s"]
         out[f"static_over_{p}_layers_1_on"] = out["static"]["moe_s_layers_1_on"] / out[p]["moe_s_layers_1_on"]
+        out[f"static_over_{p}_experts_layers_1_on"] = (out["static"]["experts_s_layers_1_on"]
+                                                        / out[p]["experts_s_layers_1_on"])
     return out
 
 
@@ -161,6 +194,10 @@ def main() -> int:
         job = ServeJob(model=model, batches=batches, policies=order, profile=profile)
         results = run_ranks(serve_worker, R, pack(job), timeout_s=1800)
         summ = _summary(results, args.rounds)
+        tokens = args.rows * batches[0].shape[1]
+        floor = run_ranks(_floor_worker, R, 2 * E + 1, tokens, cfg.model.dim, 100, timeout_s=600)
+        summ["comm_floor"] = {k: max(f[k] for f in floor) for k in floor[0]}
+        summ["comm_floor"]["per_layer_s"] = summ["comm_floor"]["all_gather_s"] + 2 * summ["comm_floor"]["all_to_all_s"]
         summ["skew_timed_batches"] = _skew(_routing(model, batches), E)
         summ["policy_order_per_round"] = order
         res["by_ranks"][str(R)] = summ
@@ -169,7 +206,11 @@ def main() -> int:
               f"static/lina {summ['static_over_lina']:.2f} "
               f"(layers 1..L-1: {summ['static_over_lina_layers_1_on']:.2f}); "
               f"skew {statistics.mean(summ['skew_timed_batches']):.2f}; outputs equal static: "
-              f"{all(summ[p]['equal_static'] for p in POLICIES)}", flush=True)
+              f"{all(summ[p]['equal_static'] for p in POLICIES)}; layers 1..L-1: experts (slowest rank) static "
+              f"{summ['static']['experts_s_layers_1_on'] * 1e3:.1f} ms, lina "
+              f"{summ['lina']['experts_s_layers_1_on'] * 1e3:.1f} ms "
+              f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); collectives alone "
+              f"{summ['comm_floor']['per_layer_s'] * 1e3:.2f} ms per layer", flush=True)
     res["wall_s"] = time.perf_counter() - t0
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

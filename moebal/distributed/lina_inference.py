@@ -33,7 +33,6 @@ M rows received.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +65,7 @@ class LayerRecord:
 
     layer: int
     seconds: float  # from the dispatcher's entry to its exit (planning, both exchanges, experts)
+    experts_s: float  # of which this rank's own expert compute (no waiting: the rest is exchanges and planning)
     replanned: bool  # phase 2 re-planned from the real counts
     rank_rows: list[int]  # rows each rank computed
     estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
@@ -140,8 +140,9 @@ class LinaDispatcher:
         rmap, replanned, hit = self._this_layer_map(counts_RE)
         self._plan_next(all_RX[:, E:2 * E].sum(axis=0), float(all_RX[:, -1].sum()))
         rows_SRE = split_rows(counts_RE, rmap)
-        out_TD = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
-        o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, replanned=replanned,
+        out_TD, experts_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
+        o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
+                                     replanned=replanned,
                                      rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
                                      replicas=sum(len(h) for h in rmap.holders) - E))
         return out_TD
@@ -183,7 +184,8 @@ class LinaDispatcher:
 
     # ---- 4-5: the token exchange ----
     def _exchange(self, x_TD: torch.Tensor, routing: Routing, experts_A: torch.Tensor, active_A: torch.Tensor | None,
-                  rows_SRE: np.ndarray) -> torch.Tensor:
+                  rows_SRE: np.ndarray) -> tuple[torch.Tensor, float]:
+        """(the layer's output, seconds of this rank's expert compute)."""
         E, R, r = self.E, self.o.R, self.o.r
         T, K = routing.indices_TK.shape
         dev = x_TD.device
@@ -196,7 +198,10 @@ class LinaDispatcher:
         assign_N = by_expert[order]  # assignments in (holder, expert) order
         x_ND = x_TD.index_select(0, torch.div(assign_N, K, rounding_mode="floor"))
         recv_SE = rows_SRE[:, r, :]
-        y_MD = self._experts(self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1)), recv_SE)
+        x_MD = self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1))
+        t0 = time.perf_counter()  # on a GPU this times the launches only (no sync is added for a figure)
+        y_MD = self._experts(x_MD, recv_SE)
+        experts_s = time.perf_counter() - t0
         y_ND = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
         y_AD = x_TD.new_zeros(T * K, x_TD.shape[1])
         y_AD[assign_N] = y_ND.to(y_AD.dtype)
@@ -204,7 +209,7 @@ class LinaDispatcher:
         if active_A is not None:
             w_TK = w_TK * active_A.view(T, K)
         out_TD: torch.Tensor = (y_AD.view(T, K, -1) * w_TK.unsqueeze(-1)).sum(dim=1)
-        return out_TD
+        return out_TD, experts_s
 
     def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> torch.Tensor:
         out = x_ND.new_empty(int(recv_R.sum()), x_ND.shape[1])
@@ -231,12 +236,3 @@ class LinaDispatcher:
             h = F.silu(x @ ex.w1[e].to(x.dtype).T) * (x @ ex.w3[e].to(x.dtype).T)
             y_MD[rows] = (h @ ex.w2[e].to(x.dtype).T)[:n]
         return y_MD
-
-
-def summarize(records: Iterable[LayerRecord]) -> dict[str, Any]:
-    """Per-forward figures of one rank: MoE time, replans, estimate hits."""
-    recs = list(records)
-    hits = [r.estimate_hit for r in recs if r.estimate_hit is not None]
-    return {"moe_s": sum(r.seconds for r in recs), "replans": sum(r.replanned for r in recs),
-            "hits": sum(hits), "estimated": len(hits),
-            "rank_rows": [r.rank_rows for r in recs]}
