@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
     from moebal.routing import Routing
 
-__all__ = ["POLICIES", "LayerRecord", "LinaInference"]
+__all__ = ["CPU_BLOCK_ROWS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "expert_rows"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
 # An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
@@ -57,6 +57,15 @@ POLICIES = ("static", "lina", "phase1", "oracle")
 # agree), so a group under MIN_ROWS rows is padded with zero rows: a row's output then does not depend on
 # where it is computed, and every policy gives the static run's logits bit for bit.
 MIN_ROWS = 64
+# On a CPU an expert's rows run in blocks of CPU_BLOCK_ROWS rows. A whole group's [rows, F] intermediates are
+# fresh allocations above glibc's mmap threshold whose pages fault in on every call, which doubled the cost per
+# row of a large group (measured with torch 2.13, one thread, D 64, F 1,024: about 12 us per row from 256 rows up,
+# 5-7 us at 112 rows, 5.3-5.7 us at every size with the buffers allocated once or in blocks of 128), so the
+# rank that held one large expert was the slowest whatever FFD's balance of rows. In blocks the cost per row is
+# the same at every group size, which is what FFD's balance of rows assumes. (moebal leaves glibc's settings
+# alone: docs/memory.md.) A block is never under MIN_ROWS rows (padded), so the bits do not change. On a GPU
+# the group runs whole (one GEMM per projection).
+CPU_BLOCK_ROWS = 128
 
 
 @dataclass
@@ -218,21 +227,28 @@ class LinaDispatcher:
         return out
 
     def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray) -> torch.Tensor:
-        """The received rows (blocks in (source, expert) order) through their experts, one expert at a time."""
-        ex = self.layer.experts
-        y_MD = torch.empty_like(x_MD)
-        starts = np.concatenate([[0], np.cumsum(recv_SE.reshape(-1))]).reshape(-1)
-        S, E = recv_SE.shape
-        for e in range(E):
-            idx = [torch.arange(int(starts[s * E + e]), int(starts[s * E + e + 1])) for s in range(S)
-                   if recv_SE[s, e]]
-            if not idx:
-                continue
-            rows = torch.cat(idx).to(x_MD.device)
+        block = CPU_BLOCK_ROWS if x_MD.device.type == "cpu" else 0  # see CPU_BLOCK_ROWS
+        return expert_rows(self.layer.experts, x_MD, recv_SE, block)
+
+
+def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: int = 0) -> torch.Tensor:
+    """The received rows (blocks in (source, expert) order, `recv_SE` rows per block) through their experts' SwiGLU
+    (`experts.w1`, `w3`: [E, F, D], `w2`: [E, D, F]), one expert at a time; `block` > 0 runs an expert's rows
+    in blocks of that many (CPU_BLOCK_ROWS), 0 in one GEMM per projection. Every GEMM has at least MIN_ROWS rows
+    (zero rows pad a smaller one), so a row's output does not depend on its group or block."""
+    y_MD = torch.empty_like(x_MD)
+    starts = np.concatenate([[0], np.cumsum(recv_SE.reshape(-1))]).reshape(-1)
+    S, E = recv_SE.shape
+    for e in range(E):
+        idx = [torch.arange(int(starts[s * E + e]), int(starts[s * E + e + 1])) for s in range(S) if recv_SE[s, e]]
+        if not idx:
+            continue
+        group = torch.cat(idx).to(x_MD.device)
+        for rows in group.split(block) if block else (group,):
             x = x_MD.index_select(0, rows)
             n = x.shape[0]
             if n < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
                 x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-            h = F.silu(x @ ex.w1[e].to(x.dtype).T) * (x @ ex.w3[e].to(x.dtype).T)
-            y_MD[rows] = (h @ ex.w2[e].to(x.dtype).T)[:n]
-        return y_MD
+            h = F.silu(x @ experts.w1[e].to(x.dtype).T) * (x @ experts.w3[e].to(x.dtype).T)
+            y_MD[rows] = (h @ experts.w2[e].to(x.dtype).T)[:n]
+    return y_MD
