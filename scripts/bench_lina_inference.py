@@ -20,7 +20,8 @@ round's median per policy, the median over rounds, static / lina, and the same o
 (1 .. L-1; layer 0 has no path and runs static under every policy). Beside them, what the layer time is made of:
 the slowest rank's expert compute per layer (summed over layers 1 .. L-1, per policy), and the two collectives a
 layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two all-to-alls of a
-rank's rows), which no placement shrinks.
+rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole groups against
+the CPU's blocks (`expert_us_per_row`).
 
 Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--json OUT]
 """
@@ -41,6 +42,7 @@ import torch
 
 from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
 from moebal.data import build_data, eval_batches
+from moebal.distributed.lina_inference import CPU_BLOCK_ROWS, expert_rows
 from moebal.distributed.testing import run_ranks
 from moebal.planner.paths import build_profile
 
@@ -93,6 +95,32 @@ def _fit_skew(model: Any, batches: list[torch.Tensor], target: float, perms: lis
             hi = mid
     _set_bias(model, (lo + hi) / 2, perms)
     return (lo + hi) / 2
+
+
+def _row_costs(layer: Any, dim: int, sizes: tuple[int, ...] = (64, 128, 256, 512, 1024), repeats: int = 15
+               ) -> dict[str, dict[str, float]]:
+    """Microseconds per row of one expert's rows through `expert_rows` (one thread, median of `repeats`), by group
+    size, in one GEMM per projection (`whole`) and in blocks of CPU_BLOCK_ROWS (`blocks`, the CPU default): what
+    a rank's expert time is made of, and whether it is proportional to the rows FFD balances."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, float]] = {"whole": {}, "blocks": {}}
+    try:
+        for n in sizes:
+            recv = np.zeros((1, layer.num_experts), dtype=np.int64)
+            recv[0, 0] = n
+            x = torch.randn(n, dim)
+            for name, block in (("whole", 0), ("blocks", CPU_BLOCK_ROWS)):
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        expert_rows(layer.experts, x, recv, block)
+                    times.append(time.perf_counter() - t0)
+                out[name][str(n)] = statistics.median(times) / n * 1e6
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps: int) -> dict[str, float]:
@@ -181,12 +209,16 @@ def main() -> int:
     pad_diff = float((before - after).abs().max())
     assert pad_diff < 1e-4, f"padding changed the logits by {pad_diff}"
     profile = build_profile(_routing(model, prof_batches), E, args.path_len)
+    row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
     res: dict[str, Any] = {
         "run_dir": str(Path(args.run_dir).resolve()),
         "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
         "bias_strength": s, "padding_max_logit_diff": pad_diff, "num_experts": E,
-        "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1, "by_ranks": {}}
+        "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
+        "expert_us_per_row": row_costs, "by_ranks": {}}
+    print("expert cost per row (us, one thread), by group size: " + "; ".join(
+        f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
     for R in args.ranks:
         val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, R * args.rows, args.batches)
         batches = [b.ids_BT for b in val if b.ids_BT.shape[0] == R * args.rows][:args.batches]
