@@ -18,10 +18,10 @@ order rotated per round; a forward's MoE time is the sum over MoE layers of the 
 (planning, both all-to-alls, the experts; the gate is outside and the same for every policy). Reported: every
 round's median per policy, the median over rounds, static / lina, and the same over the layers Lina schedules
 (1 .. L-1; layer 0 has no path and runs static under every policy). Beside them, what the layer time is made of:
-the slowest rank's expert compute per layer (summed over layers 1 .. L-1, per policy), and the two collectives a
-layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two all-to-alls of a
-rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole groups against
-the CPU's blocks (`expert_us_per_row`).
+the slowest rank's expert compute and planning per layer (summed over layers 1 .. L-1, per policy), the two
+collectives a layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two
+all-to-alls of a rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
+groups against the CPU's blocks (`expert_us_per_row`).
 
 Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--json OUT]
 """
@@ -151,7 +151,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     L = len(results[0]["rounds"][0]["static"]["forwards"][0])
     for p in POLICIES:
-        per_round, per_round_sched, per_round_ex = [], [], []
+        per_round, per_round_sched, per_round_ex, per_round_plan = [], [], [], []
         for rnd in range(rounds):
             fw = [r["rounds"][rnd][p]["forwards"] for r in results]
             layer_max = [[max(rank[f][j]["seconds"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
@@ -159,6 +159,8 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
             per_round_sched.append(statistics.median(sum(x[1:]) for x in layer_max))
             ex_max = [[max(rank[f][j]["experts_s"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
             per_round_ex.append(statistics.median(sum(x[1:]) for x in ex_max))
+            plan_max = [[max(rank[f][j]["plan_s"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
+            per_round_plan.append(statistics.median(sum(x[1:]) for x in plan_max))
         f0 = results[0]["rounds"][0][p]["forwards"]
         loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd[1:]]
                  for fwd in f0]
@@ -167,6 +169,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
                   "moe_s_layers_1_on_rounds": per_round_sched, "moe_s_layers_1_on": statistics.median(per_round_sched),
                   "experts_s_layers_1_on_rounds": per_round_ex,
                   "experts_s_layers_1_on": statistics.median(per_round_ex),
+                  "plan_s_layers_1_on": statistics.median(per_round_plan),
                   "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
                   "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
                   "estimate_top2k_equal": statistics.mean(hits) if hits else None,
@@ -241,7 +244,10 @@ def main() -> int:
               f"{all(summ[p]['equal_static'] for p in POLICIES)}; layers 1..L-1: experts (slowest rank) static "
               f"{summ['static']['experts_s_layers_1_on'] * 1e3:.1f} ms, lina "
               f"{summ['lina']['experts_s_layers_1_on'] * 1e3:.1f} ms "
-              f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); collectives alone "
+              f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); planning (slowest rank) static "
+              f"{summ['static']['plan_s_layers_1_on'] * 1e3:.1f} ms, "
+              f"lina {summ['lina']['plan_s_layers_1_on'] * 1e3:.1f} ms; "
+              f"collectives alone "
               f"{summ['comm_floor']['per_layer_s'] * 1e3:.2f} ms per layer", flush=True)
     res["wall_s"] = time.perf_counter() - t0
     if args.json:

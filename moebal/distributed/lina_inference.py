@@ -75,6 +75,7 @@ class LayerRecord:
     layer: int
     seconds: float  # from the dispatcher's entry to its exit (planning, both exchanges, experts)
     experts_s: float  # of which this rank's own expert compute (no waiting: the rest is exchanges and planning)
+    plan_s: float  # of which the path estimate, the mappings (FFD) and the row split, between gate and all-to-all
     replanned: bool  # phase 2 re-planned from the real counts
     rank_rows: list[int]  # rows each rank computed
     estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
@@ -137,7 +138,9 @@ class LinaDispatcher:
         # 1. paths, local counts, the estimate of the next layer
         o.state.paths.append(routing.indices_TK[:, 0].cpu().numpy().astype(np.int64))  # host sync on a GPU
         counts_E = torch.bincount(experts_A if active_A is None else experts_A[active_A], minlength=E)
+        t_est = time.perf_counter()
         est_E = self._estimate_next()
+        plan_s = time.perf_counter() - t_est
         # 2. one all-gather: counts, next layer's estimate, tokens (the layer's one host sync)
         mine = torch.cat([counts_E.double().cpu(), torch.as_tensor(est_E, dtype=torch.float64),
                           torch.tensor([float(T)], dtype=torch.float64)])
@@ -146,12 +149,14 @@ class LinaDispatcher:
         all_RX = torch.stack(every).numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
+        t_plan = time.perf_counter()
         rmap, replanned, hit = self._this_layer_map(counts_RE)
         self._plan_next(all_RX[:, E:2 * E].sum(axis=0), float(all_RX[:, -1].sum()))
         rows_SRE = split_rows(counts_RE, rmap)
+        plan_s += time.perf_counter() - t_plan
         out_TD, experts_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
         o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
-                                     replanned=replanned,
+                                     plan_s=plan_s, replanned=replanned,
                                      rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
                                      replicas=sum(len(h) for h in rmap.holders) - E))
         return out_TD
