@@ -25,7 +25,8 @@ and shape:
   kernel slower per block pair (docs/dynamism.md), hence the split.
 - "masked" (any device, public `scaled_dot_product_attention` only; CUDA's path): the kept blocks gathered once,
   each run one SDPA call over its c kept blocks, the diagonal block last under an additive lower-triangular
-  mask; every run's mask is a view of one [b, c_max b] tensor per call (O(T b) kept for the backward).
+  mask; every run's mask is a view of one [b, c_max b] tensor per call (O(T b) kept for the backward) where
+  the views stay 16-byte aligned (`shares_masks`), else one mask per run.
 Work: M / (N (N + 1) / 2) of the dense causal attention core, plus O(T K) for the gathers, the pooling and the
 scores (N^2 K), so on a CPU its time follows the kept share (measured in docs/dynamism.md;
 `scripts/bench_sparse_attention.py`).
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fraction
+from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fraction, shares_masks
 
 __all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
            "coverage_density", "default_path", "dense_block_attention", "kept_counts", "kept_fraction",
@@ -141,8 +142,7 @@ def _diag_masks(c_max: int, block: int, like: torch.Tensor) -> torch.Tensor:
 
 def _diag_mask_view(masks: torch.Tensor, c: int, block: int) -> torch.Tensor:
     """The [b, c b] mask of a run that keeps c blocks: a view of `_diag_masks`'s last c b columns (row stride
-    c_max b, the last dimension contiguous: the layout SDPA's kernels take without a copy where b is a multiple
-    of their alignment; any other layout they copy, with the same values)."""
+    c_max b, the last dimension contiguous)."""
     return masks[:, masks.shape[1] - c * block:]
 
 
@@ -198,7 +198,7 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
     sizes = [r * c * B * G for _, r, c in runs]
     q_NBHbK = q_BHTK.view(B, H, N, b, K).permute(2, 0, 1, 3, 4).contiguous()
     c_max = max(c for _, _, c in runs)
-    masks = _diag_masks(c_max, b, q_BHTK) if c_max > 1 else None
+    masks = _diag_masks(c_max, b, q_BHTK) if c_max > 1 and shares_masks(b, q_BHTK.element_size()) else None
     outs = []
     for (n0, r, c), k_rows, v_rows in zip(runs, torch.split(k_all, sizes), torch.split(v_all, sizes)):
         q_XHbK = q_NBHbK[n0:n0 + r].view(r * B, H, b, K)
@@ -206,9 +206,8 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
         if c == 1:  # the diagonal block alone: plain causal
             outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, is_causal=True, enable_gqa=gqa))
         else:
-            assert masks is not None
-            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=_diag_mask_view(masks, c, b),
-                                                       enable_gqa=gqa))
+            mask = _diag_mask_view(masks, c, b) if masks is not None else _diag_masks(c, b, q_BHTK)
+            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=mask, enable_gqa=gqa))
     o_NBHbK = torch.cat(outs).view(N, B, H, b, K)
     return o_NBHbK.permute(1, 2, 0, 3, 4).reshape(B, H, T, K)
 

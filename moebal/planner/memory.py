@@ -352,9 +352,9 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     From the kernel's saved tensors, c_n the kept key blocks of query block n, b the block, K the head dim, ac the
     core's bytes per element (fp32 under CPU autocast, the run's otherwise); per row:
     - masked path (CUDA, and CPU below `SPLIT_MIN_ROWS` folded rows): the gathered key and value blocks
-      2 G sum(c_n) b K ac, the call's one [b, max(c_n) b] additive mask (every run's mask a view of it), the
-      block-major query copy H T K ac; the input keys and values are not kept (the gather's backward needs its
-      indices only);
+      2 G sum(c_n) b K ac, the call's one [b, max(c_n) b] additive mask (every run's mask a view of it; where
+      b ac is not a multiple of 16 bytes, a [b, c b] mask per run), the block-major query copy H T K ac; the
+      input keys and values are not kept (the gather's backward needs its indices only);
     - split path (CPU): the gathered off-diagonal blocks 2 G sum(c_n - 1) b K ac, the block-major diagonal keys
       and values 2 G T K ac and the folded query copy H T K ac, in place of the input keys and values.
     Checked against the saved tensors measured on a CPU (tests/unit/test_memory_plan.py); the CUDA kernels' saved
@@ -362,7 +362,7 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     on a GPU."""
     if cfg.dynamism.scheme != "sparse_attention":
         return 0.0
-    from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts
+    from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks
 
     sa, m = cfg.dynamism.sparse_attention, cfg.model
     T, b = cfg.data.seq_len, sa.block
@@ -372,7 +372,13 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     ac = 4 if (not cuda and a == 2) else a
     q_copy, kv_in = H * T * K * ac, 2 * G * T * K * ac
     if cuda or (H // G) * b < SPLIT_MIN_ROWS:
-        extra = (2 * G * sum(counts) * b * K * ac + (b * max(counts) * b * ac if max(counts) > 1 else 0)
+        if max(counts) == 1:
+            masks = 0
+        elif shares_masks(b, ac):  # one mask per call, every run's a view of it
+            masks = b * max(counts) * b * ac
+        else:  # a mask per run
+            masks = sum(b * c * b * ac for c in set(counts) if c > 1)
+        extra = (2 * G * sum(counts) * b * K * ac + masks
                  + q_copy - kv_in)
     else:
         extra = 2 * G * (sum(counts) - N) * b * K * ac + q_copy

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SPLIT_MIN_ROWS", "kept_counts", "kept_fraction"]
+__all__ = ["SPLIT_MIN_ROWS", "kept_counts", "kept_fraction", "shares_masks"]
 
 
 def kept_counts(n_blocks: int, density: float) -> list[int]:
@@ -22,6 +22,15 @@ def kept_fraction(seq_len: int, block: int, density: float) -> float:
     """The kept share of the causal block grid at `density` (what the attention core costs relative to dense)."""
     n = max(1, math.ceil(seq_len / block))
     return sum(kept_counts(n, density)) / (n * (n + 1) / 2)
+
+
+def shares_masks(block: int, element_size: int) -> bool:
+    """Whether the kernel's masked path lets its runs share one mask storage (each run's [b, c b] mask a view of
+    one [b, c_max b] tensor): where a block's row of mask values fills whole 16-byte words, so that every view
+    starts on a 16-byte boundary and its row stride is a multiple of 16 bytes. CUDA's memory-efficient attention
+    needs both of a bias (it pads a bias whose strides are not aligned, and refuses a misaligned start). Other
+    blocks (not a multiple of 8 in bf16, of 4 in fp32) get a contiguous mask per run."""
+    return (block * element_size) % 16 == 0
 
 
 SPLIT_MIN_ROWS = 192

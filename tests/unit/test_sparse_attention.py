@@ -46,6 +46,42 @@ def test_parity_with_dense_under_same_mask(path: str, density: float, heads: tup
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block,shared", [(16, True), (6, False)], ids=["aligned-views", "unaligned-per-run"])
+def test_masked_path_masks_are_aligned_views_of_one_tensor_or_one_per_run(
+        monkeypatch: pytest.MonkeyPatch, block: int, shared: bool) -> None:
+    """The masks the masked path hands to SDPA: with blocks whose mask row fills whole 16-byte words (fp32:
+    a multiple of 4), views of one tensor per call, each starting on a 16-byte boundary with a row stride of
+    whole 16-byte words (what CUDA's efficient attention takes without a copy); otherwise a contiguous mask per
+    run. Either way the attention equals the dense reference under the same block mask."""
+    assert sa.shares_masks(block, 4) is shared
+    masks: list[torch.Tensor] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        if isinstance(kw.get("attn_mask"), torch.Tensor):
+            masks.append(kw["attn_mask"])  # type: ignore[arg-type]
+        return sdpa(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sa.F, "scaled_dot_product_attention", spy)
+    T = 16 * block
+    qkv = _qkv(1, 4, 2, T, 8)
+    sel = select_blocks(qkv[0], qkv[1], block, 0.9)
+    g_out = torch.randn(1, 4, T, 8, generator=torch.Generator().manual_seed(1))
+    got = _out_and_grads(lambda *a: sa.masked_block_attention(*a), qkv, sel, g_out)
+    assert len(masks) >= 2  # several runs keep more than the diagonal block
+    storages = {m.untyped_storage().data_ptr() for m in masks}
+    if shared:
+        assert len(storages) == 1
+        for m in masks:
+            assert m.stride(1) == 1 and (m.stride(0) * 4) % 16 == 0 and m.data_ptr() % 16 == 0
+    else:
+        assert len(storages) == len(masks) and all(m.is_contiguous() and m.storage_offset() == 0 for m in masks)
+    monkeypatch.setattr(sa.F, "scaled_dot_product_attention", sdpa)
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("density", [0.75, 0.5, 0.1])
 def test_split_path_matches_masked_fallback(density: float) -> None:
     """The CPU split path (mask-free parts merged by log-sum-exp) and the masked path CUDA runs agree, forward
