@@ -150,26 +150,27 @@ def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps:
 def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     L = len(results[0]["rounds"][0]["static"]["forwards"][0])
-    for p in POLICIES:
-        per_round, per_round_sched, per_round_ex, per_round_plan = [], [], [], []
+
+    def per_round(p: str, key: str, first: int) -> list[float]:
+        """Per round: the median over forwards of the sum over layers first .. L-1 of the slowest rank's `key`."""
+        medians = []
         for rnd in range(rounds):
             fw = [r["rounds"][rnd][p]["forwards"] for r in results]
-            layer_max = [[max(rank[f][j]["seconds"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
-            per_round.append(statistics.median(sum(x) for x in layer_max))
-            per_round_sched.append(statistics.median(sum(x[1:]) for x in layer_max))
-            ex_max = [[max(rank[f][j]["experts_s"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
-            per_round_ex.append(statistics.median(sum(x[1:]) for x in ex_max))
-            plan_max = [[max(rank[f][j]["plan_s"] for rank in fw) for j in range(L)] for f in range(len(fw[0]))]
-            per_round_plan.append(statistics.median(sum(x[1:]) for x in plan_max))
+            medians.append(statistics.median(sum(max(rank[f][j][key] for rank in fw) for j in range(first, L))
+                                             for f in range(len(fw[0]))))
+        return medians
+
+    for p in POLICIES:
+        moe_all, moe_sched = per_round(p, "seconds", 0), per_round(p, "seconds", 1)
+        experts, plan = per_round(p, "experts_s", 1), per_round(p, "plan_s", 1)
         f0 = results[0]["rounds"][0][p]["forwards"]
         loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd[1:]]
                  for fwd in f0]
         hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
-        out[p] = {"moe_s_rounds": per_round, "moe_s": statistics.median(per_round),
-                  "moe_s_layers_1_on_rounds": per_round_sched, "moe_s_layers_1_on": statistics.median(per_round_sched),
-                  "experts_s_layers_1_on_rounds": per_round_ex,
-                  "experts_s_layers_1_on": statistics.median(per_round_ex),
-                  "plan_s_layers_1_on": statistics.median(per_round_plan),
+        out[p] = {"moe_s_rounds": moe_all, "moe_s": statistics.median(moe_all),
+                  "moe_s_layers_1_on_rounds": moe_sched, "moe_s_layers_1_on": statistics.median(moe_sched),
+                  "experts_s_layers_1_on_rounds": experts, "experts_s_layers_1_on": statistics.median(experts),
+                  "plan_s_layers_1_on": statistics.median(plan),
                   "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
                   "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
                   "estimate_top2k_equal": statistics.mean(hits) if hits else None,
