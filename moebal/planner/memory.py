@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moebal.errors import ConfigError
+from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks
 
 if TYPE_CHECKING:
     from moebal.config import Config
@@ -362,8 +363,6 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     on a GPU."""
     if cfg.dynamism.scheme != "sparse_attention":
         return 0.0
-    from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks
-
     sa, m = cfg.dynamism.sparse_attention, cfg.model
     T, b = cfg.data.seq_len, sa.block
     H, G, K = m.n_heads, m.n_kv_heads, cfg.head_dim
@@ -378,8 +377,7 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
             masks = b * max(counts) * b * ac
         else:  # a mask per run
             masks = sum(b * c * b * ac for c in set(counts) if c > 1)
-        extra = (2 * G * sum(counts) * b * K * ac + masks
-                 + q_copy - kv_in)
+        extra = 2 * G * sum(counts) * b * K * ac + masks + q_copy - kv_in
     else:
         extra = 2 * G * (sum(counts) - N) * b * K * ac + q_copy
     return extra / T
