@@ -22,6 +22,7 @@ Shape legend: E experts, R ranks, S source ranks.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -59,9 +60,9 @@ class ReplicaMap:
 
     @classmethod
     def static(cls, num_experts: int, num_ranks: int) -> ReplicaMap:
-        """Plain expert parallelism: each expert on its owner (contiguous blocks), no replica."""
-        owner = default_owners(num_experts, num_ranks)
-        return cls(num_ranks=num_ranks, holders=tuple((o,) for o in owner), shares=tuple((1.0,) for _ in owner))
+        """Plain expert parallelism: each expert on its owner (contiguous blocks), no replica. One object per
+        shape (a map is immutable), built once: inference asks for it at every static layer."""
+        return _static_map(num_experts, num_ranks)
 
     @property
     def num_experts(self) -> int:
@@ -77,6 +78,12 @@ class ReplicaMap:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _static_map(num_experts: int, num_ranks: int) -> ReplicaMap:
+    owner = default_owners(num_experts, num_ranks)
+    return ReplicaMap(num_ranks=num_ranks, holders=tuple((o,) for o in owner), shares=tuple((1.0,) for _ in owner))
 
 
 def devices_from_load(load_E: Sequence[float], num_ranks: int, assignments: float) -> list[float]:
@@ -160,6 +167,9 @@ def split_rows(counts_SE: np.ndarray, rmap: ReplicaMap) -> np.ndarray:
     out = np.zeros((S, rmap.num_ranks, E), dtype=np.int64)
     for e in range(E):
         hs = rmap.holders[e]
+        if len(hs) == 1:  # one holder takes every source's rows
+            out[:, hs[0], e] = counts[:, e]
+            continue
         target = dict(zip(hs, _apportion(int(counts[:, e].sum()), rmap.shares[e])))
         left = counts[:, e].copy()
         for h in hs:

@@ -31,6 +31,7 @@ import numpy as np
 __all__ = ["PathProfile", "PathTable", "build_profile", "estimate_accuracy", "previous_estimate", "top_set"]
 
 FORMAT = 1
+_DENSE_CODES = 1 << 20  # E^m at most this: a path table keeps a code -> row array (8 MB at most) for its lookups
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,26 @@ class PathTable:
     counts_PE: np.ndarray
     tokens_P: np.ndarray
     index: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False, repr=False)
+    cache: dict[object, np.ndarray] = field(default_factory=dict, compare=False, repr=False)  # see psi, rows
 
     def __post_init__(self) -> None:
         if not self.index:
             self.index.update({tuple(int(v) for v in k): i for i, k in enumerate(self.keys_Pm)})
 
+    def psi(self, truncate: int | None = None) -> np.ndarray:
+        """psi_PE: each path's distribution of the next layer's assignments (sums to k; `truncate`: its k largest
+        entries), computed once per table and truncation."""
+        key = ("psi", truncate)
+        if key not in self.cache:
+            psi_PE = self.counts_PE / np.maximum(self.tokens_P, 1)[:, None]
+            self.cache[key] = psi_PE if truncate is None else _keep_top(psi_PE, truncate)
+        return self.cache[key]
+
     def rows(self, keys_Tm: np.ndarray, num_experts: int) -> np.ndarray:
         """The row of each key (-1: not observed). Keys are coded as base-E numbers, oldest layer most
-        significant, so the table's sorted keys (np.unique's order) are sorted codes and one searchsorted finds
-        them all; paths too long for int64 codes fall back to a dictionary lookup per distinct key."""
+        significant: up to _DENSE_CODES codes one array maps every code to its row, else the table's sorted keys
+        (np.unique's order) are sorted codes and one searchsorted finds them all; paths too long for int64 codes
+        fall back to a dictionary lookup per distinct key."""
         m = keys_Tm.shape[1]
         if num_experts ** max(m, 1) >= 2 ** 62:
             uniq, inv = np.unique(keys_Tm, axis=0, return_inverse=True)
@@ -58,8 +70,17 @@ class PathTable:
             out: np.ndarray = rows[inv.reshape(-1)]
             return out
         weights = num_experts ** np.arange(m - 1, -1, -1, dtype=np.int64)
-        codes_P = self.keys_Pm.astype(np.int64) @ weights
         codes_T = keys_Tm.astype(np.int64) @ weights
+        if num_experts ** m <= _DENSE_CODES:  # one lookup per token in a table of every code
+            if ("lut", num_experts) not in self.cache:
+                lut = np.full(num_experts ** m, -1, dtype=np.int64)
+                lut[self.keys_Pm.astype(np.int64) @ weights] = np.arange(len(self.keys_Pm))
+                self.cache[("lut", num_experts)] = lut
+            found: np.ndarray = self.cache[("lut", num_experts)][codes_T]
+            return found
+        if ("codes", num_experts) not in self.cache:
+            self.cache[("codes", num_experts)] = self.keys_Pm.astype(np.int64) @ weights
+        codes_P = self.cache[("codes", num_experts)]
         pos = np.minimum(np.searchsorted(codes_P, codes_T), max(len(codes_P) - 1, 0))
         hit = (codes_P[pos] == codes_T) if len(codes_P) else np.zeros(len(codes_T), dtype=bool)
         return np.where(hit, pos, -1)
@@ -84,34 +105,49 @@ class PathProfile:
     def distributions(self, paths_TL: np.ndarray, layer: int, min_tokens: int = 1) -> np.ndarray:
         """psi_TE: each token's distribution of `layer`'s assignments (expected assignments per token, sums to
         k), from its path (top-1 experts of every layer before `layer`, [T, >= layer]) with back-off."""
-        E, T = self.num_experts, paths_TL.shape[0]
-        if not 1 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer}: the profile estimates layers 1..{self.num_layers - 1}")
-        tables = self.tables[layer]
-        psi_TE = np.zeros((T, E))
-        todo = np.ones(T, dtype=bool)
-        for m in range(len(tables) - 1, -1, -1):  # longest path first, then shorter suffixes
-            if not todo.any():
-                break
-            tab = tables[m]
-            idx = np.flatnonzero(todo)
-            rows_T = tab.rows(paths_TL[idx, layer - m:layer], E)
-            ok = rows_T >= 0
-            ok[ok] = tab.tokens_P[rows_T[ok]] >= (min_tokens if m > 0 else 1)
-            hit = idx[ok]
-            psi_TE[hit] = tab.counts_PE[rows_T[ok]] / tab.tokens_P[rows_T[ok], None]
-            todo[hit] = False
+        psi_TE = np.zeros((paths_TL.shape[0], self.num_experts))
+        for tab, hit, rows in self._backed_off(paths_TL, layer, min_tokens):
+            psi_TE[hit] = tab.psi()[rows]
         return psi_TE
 
     def estimate(self, paths_TL: np.ndarray, layer: int, truncate: int | None = None,
                  min_tokens: int = 1) -> np.ndarray:
         """est_E: the batch's expected assignments to each expert of `layer` (Lina's sum over tokens of
-        P_{j(t)}(e)); `truncate=k` keeps only each token's k most likely experts (the thesis's top-k of Psi)."""
-        psi_TE = self.distributions(paths_TL, layer, min_tokens)
-        if truncate is not None:
-            psi_TE = _keep_top(psi_TE, truncate)
-        est_E: np.ndarray = psi_TE.sum(axis=0)
+        P_{j(t)}(e)); `truncate=k` keeps only each token's k most likely experts (the thesis's top-k of Psi).
+
+        Tokens of one path share its distribution, so the sum over tokens is a sum over the paths seen, each
+        weighted by its tokens: one bincount per path length and a [P] x [P, E] product, not a [T, E] gather
+        (the estimate runs between the gate and the all-to-all of every scheduled layer)."""
+        est_E = np.zeros(self.num_experts)
+        for tab, _, rows in self._backed_off(paths_TL, layer, min_tokens):
+            psi_PE = tab.psi(truncate)
+            est_E += np.bincount(rows, minlength=psi_PE.shape[0]).astype(np.float64) @ psi_PE
         return est_E
+
+    def _backed_off(self, paths_TL: np.ndarray, layer: int, min_tokens: int
+                    ) -> list[tuple[PathTable, np.ndarray, np.ndarray]]:
+        """Per path length, longest first: (table, the tokens it answers, their rows in it). A token goes to
+        the longest suffix of its path seen at least `min_tokens` times (the marginal, m = 0: at least once)."""
+        E = self.num_experts
+        if not 1 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer}: the profile estimates layers 1..{self.num_layers - 1}")
+        tables = self.tables[layer]
+        todo = np.ones(paths_TL.shape[0], dtype=bool)
+        out: list[tuple[PathTable, np.ndarray, np.ndarray]] = []
+        for m in range(len(tables) - 1, -1, -1):  # longest path first, then shorter suffixes
+            if not todo.any():
+                break
+            tab = tables[m]
+            if out:
+                idx = np.flatnonzero(todo)
+                rows_T = tab.rows(paths_TL[idx, layer - m:layer], E)
+            else:  # every token is still to do
+                idx, rows_T = np.arange(len(todo)), tab.rows(paths_TL[:, layer - m:layer], E)
+            ok = rows_T >= 0
+            ok[ok] = tab.tokens_P[rows_T[ok]] >= (min_tokens if m > 0 else 1)
+            out.append((tab, idx[ok], rows_T[ok]))
+            todo[idx[ok]] = False
+        return out
 
     def layers(self, lo: int, hi: int) -> PathProfile:
         """The profile of MoE layers lo .. hi-1 alone (a pipeline stage's): layer lo becomes layer 0, and each

@@ -67,6 +67,7 @@ def test_overflow_goes_to_least_loaded_rank() -> None:
 def test_static_map_and_validation() -> None:
     m = ReplicaMap.static(8, 4)
     assert [m.local_experts(r) for r in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert ReplicaMap.static(8, 4) is m and ReplicaMap.static(8, 2) is not m  # built once per shape
     with pytest.raises(ValueError, match="sum to 1"):
         ReplicaMap(num_ranks=2, holders=((0, 1),), shares=((0.5, 0.4),))
     with pytest.raises(ValueError, match="finite"):

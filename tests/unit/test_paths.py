@@ -89,3 +89,39 @@ def test_row_lookup_by_codes_and_by_dictionary_agree() -> None:
     keys = np.array([[0, 1], [1, 1], [2, 1], [1, 0]])
     assert tab.rows(keys, 4).tolist() == [0, 1, -1, -1]
     assert tab.rows(keys, 2 ** 40).tolist() == [0, 1, -1, -1]  # codes would overflow: dictionary lookup
+
+
+def test_estimate_is_the_sum_of_the_tokens_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate sums per path (tokens x the path's distribution); it must equal the per-token sum, with
+    back-off, min_tokens and truncation, whichever lookup the tables use (dense code array or sorted codes)."""
+    import moebal.planner.paths as paths_mod
+
+    rng = np.random.default_rng(3)
+    E, L, K = 6, 5, 2
+    samples = [np.argsort(rng.random((L, 40, E)), axis=2)[:, :, :K] for _ in range(3)]  # [L, T, K], distinct
+    paths_TL = rng.integers(0, E, size=(200, L))  # many paths unseen: every back-off length is used
+    reference = build_profile(samples, E, path_len=3)
+
+    def per_token(paths: np.ndarray, layer: int, min_tokens: int) -> np.ndarray:
+        """Each token's distribution by dictionary lookup, one token at a time (the definition)."""
+        out = np.zeros((len(paths), E))
+        for t, path in enumerate(paths):
+            for m in range(len(reference.tables[layer]) - 1, -1, -1):
+                tab = reference.tables[layer][m]
+                row = tab.index.get(tuple(int(v) for v in path[layer - m:layer]), -1)
+                if row >= 0 and tab.tokens_P[row] >= (min_tokens if m else 1):
+                    out[t] = tab.counts_PE[row] / tab.tokens_P[row]
+                    break
+        return out
+    for dense_codes in (1 << 20, 0):  # the code -> row array, then sorted codes and searchsorted
+        monkeypatch.setattr(paths_mod, "_DENSE_CODES", dense_codes)
+        prof = build_profile(samples, E, path_len=3)  # nothing cached from the other lookup
+        for layer in range(1, L):
+            for min_tokens in (1, 3):
+                psi_TE = per_token(paths_TL[:, :layer], layer, min_tokens)
+                np.testing.assert_array_equal(prof.distributions(paths_TL[:, :layer], layer, min_tokens), psi_TE)
+                np.testing.assert_allclose(prof.estimate(paths_TL[:, :layer], layer, min_tokens=min_tokens),
+                                           psi_TE.sum(axis=0), rtol=1e-12)
+                np.testing.assert_allclose(prof.estimate(paths_TL[:, :layer], layer, 1, min_tokens),
+                                           paths_mod._keep_top(psi_TE, 1).sum(axis=0), rtol=1e-12)
+        assert any(("lut", E) in t.cache for t in prof.tables[3]) == bool(dense_codes)
