@@ -123,6 +123,39 @@ def _row_costs(layer: Any, dim: int, sizes: tuple[int, ...] = (64, 128, 256, 512
     return out
 
 
+def _planning_costs(profile: Any, sample: np.ndarray, ranks: list[int], tokens: int, repeats: int = 50
+                    ) -> dict[str, float]:
+    """Milliseconds (median of `repeats`, one thread) of the planning steps of the last MoE layer on `tokens` of
+    one routing sample ([L, T, K]): the path estimate, and FFD plus the row split per rank count."""
+    from moebal.planner.ffd import devices_from_load, ffd_allocate, split_rows
+
+    def med(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        L = sample.shape[0]
+        paths_TL = np.ascontiguousarray(sample[:L - 1, :tokens, 0].T)
+        est_E = profile.estimate(paths_TL, L - 1)
+        out = {"estimate_ms": med(lambda: profile.estimate(paths_TL, L - 1)), "tokens": float(paths_TL.shape[0])}
+        counts_E = np.bincount(sample[L - 1, :tokens].reshape(-1), minlength=len(est_E))
+
+        def plan(R: int) -> None:  # every rank with this sample's counts
+            split_rows(np.tile(counts_E, (R, 1)), ffd_allocate(devices_from_load(est_E.tolist(), R, est_E.sum()), R))
+
+        for R in ranks:
+            out[f"ffd_and_split_{R}_ranks_ms"] = med(lambda R=R: plan(R))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps: int) -> dict[str, float]:
     """Median seconds of the two collectives an MoE layer makes under every policy, with nothing else to wait for:
     the all-gather of `fields` doubles per rank (counts, estimate, tokens) and an all-to-all of `rows` rows of
@@ -214,15 +247,18 @@ def main() -> int:
     assert pad_diff < 1e-4, f"padding changed the logits by {pad_diff}"
     profile = build_profile(_routing(model, prof_batches), E, args.path_len)
     row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
+    planning = _planning_costs(profile, _routing(model, prof_batches[:1])[0], args.ranks, args.rows * cfg.data.seq_len)
     res: dict[str, Any] = {
         "run_dir": str(Path(args.run_dir).resolve()),
         "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
         "bias_strength": s, "padding_max_logit_diff": pad_diff, "num_experts": E,
         "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
-        "expert_us_per_row": row_costs, "by_ranks": {}}
+        "expert_us_per_row": row_costs, "planning_ms": planning, "by_ranks": {}}
     print("expert cost per row (us, one thread), by group size: " + "; ".join(
         f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
+    print("planning alone (ms, one thread, last layer): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in planning.items()
+                                                                     if k.endswith("_ms")))
     for R in args.ranks:
         val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, R * args.rows, args.batches)
         batches = [b.ids_BT for b in val if b.ids_BT.shape[0] == R * args.rows][:args.batches]
