@@ -107,20 +107,24 @@ class DevicePaths:
         tabs = self.tables[layer]
         dev = top1_TL[0].device
         T = top1_TL[0].shape[0]
-        psi_TE = torch.zeros(T, self.E, dtype=torch.float64, device=dev)
+        # Tokens of one path share its distribution: per path length, count the tokens each path answers
+        # (scatter_add_, sized by the table: no host sync, where bincount would read the largest index) and take
+        # the [P] x [P, E] product, instead of gathering a [T, E] distribution per token.
+        est_E = torch.zeros(self.E, dtype=torch.float64, device=dev)
         todo_T = torch.ones(T, dtype=torch.bool, device=dev)
         for m in range(len(tabs) - 1, -1, -1):  # longest path first
             codes_P, psi_PE, tokens_P, w_m = tabs[m]
             if m == 0:  # the layer's marginal: every token left
                 marginal_E = psi_PE[0] if psi_PE.shape[0] == 1 else psi_PE.sum(0)
-                psi_TE = torch.where(todo_T[:, None], marginal_E, psi_TE)
+                est_E += todo_T.sum().to(torch.float64) * marginal_E
                 break
             codes_T = torch.stack(top1_TL[layer - m:layer], dim=1) @ w_m
             pos_T = torch.searchsorted(codes_P, codes_T).clamp(max=codes_P.shape[0] - 1)
             hit_T = todo_T & (codes_P[pos_T] == codes_T) & (tokens_P[pos_T] >= min_tokens)
-            psi_TE = torch.where(hit_T[:, None], psi_PE[pos_T], psi_TE)
+            per_path_P = torch.zeros(codes_P.shape[0], dtype=torch.float64, device=dev)
+            est_E += per_path_P.scatter_add_(0, pos_T, hit_T.to(torch.float64)) @ psi_PE
             todo_T = todo_T & ~hit_T
-        return psi_TE.sum(dim=0)
+        return est_E
 
 
 class PlanAhead:
