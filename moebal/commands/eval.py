@@ -3,7 +3,8 @@ under Lina's inference scheduling or plain expert parallelism (moebal/distribute
 
 Example: moebal eval runs/default-2026... --nproc 2 --policy all --top-k 1
 (`--policy all` runs static, lina, phase1 and oracle on the same batches, checks that their logits equal the
-static run's bit for bit, and reports each one's MoE-layer time, the slowest rank's, per forward.)
+static run's bit for bit, and reports each one's MoE-layer time, the slowest rank's, per forward; a single
+policy runs after static on the same batches, for the same check.)
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run directory with a checkpoint (moebal train --out RUN_DIR)")
     p.add_argument("--nproc", type=int, default=2, help="expert-parallel gloo ranks on this machine (default 2)")
     p.add_argument("--policy", default="all", choices=("static", "lina", "phase1", "oracle", "all"),
-                   help="static expert parallelism, Lina (phases 1 and 2), phase 1 only, FFD on the real counts; "
-                        "all: each of them on the same batches (default)")
+                   help="static expert parallelism, Lina (phases 1 and 2), phase 1 only, FFD on the real counts "
+                        "(each after static, whose logits it must equal); all: each of them on the same batches "
+                        "(default)")
     p.add_argument("--profile", default=None, help="path profile (default RUN_DIR/paths.npz; build it with "
                    "`moebal paths RUN_DIR`)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token at inference (default: the model's)")
@@ -150,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.batches < 1:
         raise ConfigError(f"--nproc and --batches must be >= 1; got {args.nproc}, {args.batches}")
     cfg, model = load_run_model(run_dir, args.top_k)
-    policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else [args.policy]
+    # static runs first under every policy: its logits are the reference the others must equal bit for bit
+    policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(
+        ["static", args.policy]))
     profile = None
     if {"lina", "phase1"} & set(policies):
         path = Path(args.profile) if args.profile else run_dir / "paths.npz"

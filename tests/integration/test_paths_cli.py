@@ -47,6 +47,12 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert all(res[p]["equal_static"] for p in ("lina", "phase1", "oracle")), res
     assert len({res[p]["val_loss"] for p in ("static", "lina", "phase1", "oracle")}) == 1
+    # one policy runs after static, so its check is made (it once printed "equal static: False" with no static run)
+    r = moebal("eval", str(out), "--nproc", "2", "--profile", str(tmp_path / "p.npz"), "--batches", "1",
+               "--top-k", "1", "--policy", "lina")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.strip().splitlines()] == ["static", "lina"], r.stdout
+    assert "logits equal static: True" in r.stdout, r.stdout
 
 
 def test_paths_errors_are_clear(tmp_path: Path) -> None:
