@@ -51,6 +51,14 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     assert json.loads(r2.stdout.strip().splitlines()[-1])["steps"] == 5
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+    # resuming a run that has reached its steps trains nothing and says so; its record stays as it was
+    before = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "config.yaml")}
+    for steps_arg in ("5", "4"):
+        r3 = moebal("--out", str(out), "--resume", "--steps", steps_arg)
+        assert r3.returncode == 0, r3.stderr
+        assert f"is at step 5 and train.steps is {steps_arg}: nothing to train" in r3.stderr, r3.stderr
+        assert "nan" not in r3.stdout + r3.stderr
+        assert {name: (out / name).read_bytes() for name in before} == before
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):
