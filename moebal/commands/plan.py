@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 # ---- moebal plan experts -------------------------------------------------------------------------------------
 def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--counts", metavar="FILE", help="R x E token counts (source rank x expert): .json list of "
-                   "lists (or L x R x E, or {'counts_RE': ...}), .npy, or a .jsonl log (last line by default)")
+                   "lists (or L x R x E, or {'counts_RE': ...}), .npy, or a .jsonl log such as a run's "
+                   "plans.jsonl (last line by default)")
     p.add_argument("--policy", default="all", choices=["prophet", "fastermoe", "static", "broadcast_topk", "all"],
                    help="placement policy to run (default: all, side by side); fastermoe = FasterMoE's shadowing "
                         "policy (its decision, costed with Pro-Prophet's model), not FasterMoE's system")
@@ -258,6 +259,9 @@ def _counts_field(data: Any, path: Path) -> Any:
     for key in ("counts_RE", "counts_LRE", "counts"):
         if key in data:
             return data[key]
+    if "expert_counts" in data:  # a run's metrics.jsonl: its counts are summed over the source ranks
+        raise ConfigError(f"--counts {path}: this is a run's metrics log, whose expert_counts are summed over the "
+                          f"ranks; give the run's plans.jsonl (per-rank counts of every layer, one record per plan)")
     raise ConfigError(f"--counts {path}: a JSON object needs a 'counts_RE', 'counts' or 'layers' field; "
                       f"found {sorted(data)}")
 

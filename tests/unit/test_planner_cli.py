@@ -77,6 +77,7 @@ def test_bench_flag_reports_latency(capsys):
     ("[[1, 2], [3]]", "rectangular"),
     ("{not json", "cannot parse"),
     ('{"foo": 1}', "'counts_RE', 'counts' or 'layers'"),
+    ('{"step": 5, "expert_counts": [[3, 1]]}', "give the run's plans.jsonl"),  # a metrics.jsonl record
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, content, match):
     f = tmp_path / "bad.json"
