@@ -31,7 +31,9 @@ import numpy as np
 __all__ = ["PathProfile", "PathTable", "build_profile", "estimate_accuracy", "previous_estimate", "top_set"]
 
 FORMAT = 1
-_DENSE_CODES = 1 << 20  # E^m at most this: a path table keeps a code -> row array (8 MB at most) for its lookups
+# E^m at most this: a path table keeps a code -> row array for its lookups (int32, 1 MB at most per table: 64
+# experts with paths of 3 layers fit; a larger space uses the sorted codes)
+_DENSE_CODES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,8 @@ class PathTable:
         codes_T = keys_Tm.astype(np.int64) @ weights
         if num_experts ** m <= _DENSE_CODES:  # one lookup per token in a table of every code
             if ("lut", num_experts) not in self.cache:
-                lut = np.full(num_experts ** m, -1, dtype=np.int64)
-                lut[self.keys_Pm.astype(np.int64) @ weights] = np.arange(len(self.keys_Pm))
+                lut = np.full(num_experts ** m, -1, dtype=np.int32)
+                lut[self.keys_Pm.astype(np.int64) @ weights] = np.arange(len(self.keys_Pm), dtype=np.int32)
                 self.cache[("lut", num_experts)] = lut
             found: np.ndarray = self.cache[("lut", num_experts)][codes_T]
             return found

@@ -113,7 +113,7 @@ def test_estimate_is_the_sum_of_the_tokens_distributions(monkeypatch: pytest.Mon
                     out[t] = tab.counts_PE[row] / tab.tokens_P[row]
                     break
         return out
-    for dense_codes in (1 << 20, 0):  # the code -> row array, then sorted codes and searchsorted
+    for dense_codes in (1 << 18, 0):  # the code -> row array, then sorted codes and searchsorted
         monkeypatch.setattr(paths_mod, "_DENSE_CODES", dense_codes)
         prof = build_profile(samples, E, path_len=3)  # nothing cached from the other lookup
         for layer in range(1, L):
