@@ -44,6 +44,8 @@ from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
 from moebal.data import build_data, eval_batches
 from moebal.distributed.lina_inference import CPU_BLOCK_ROWS, expert_rows
 from moebal.distributed.testing import run_ranks
+from moebal.kernels.bench import time_fn
+from moebal.planner.ffd import devices_from_load, ffd_allocate, split_rows
 from moebal.planner.paths import build_profile
 
 POLICIES = ["static", "lina", "phase1", "oracle"]
@@ -127,30 +129,21 @@ def _planning_costs(profile: Any, sample: np.ndarray, ranks: list[int], tokens: 
                     ) -> dict[str, float]:
     """Milliseconds (median of `repeats`, one thread) of the planning steps of the last MoE layer on `tokens` of
     one routing sample ([L, T, K]): the path estimate, and FFD plus the row split per rank count."""
-    from moebal.planner.ffd import devices_from_load, ffd_allocate, split_rows
+    L = sample.shape[0]
+    paths_TL = np.ascontiguousarray(sample[:L - 1, :tokens, 0].T)
+    est_E = profile.estimate(paths_TL, L - 1)
+    counts_E = np.bincount(sample[L - 1, :tokens].reshape(-1), minlength=len(est_E))
 
-    def med(fn: Any) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+    def plan(R: int) -> None:  # every rank with this sample's counts
+        split_rows(np.tile(counts_E, (R, 1)), ffd_allocate(devices_from_load(est_E.tolist(), R, est_E.sum()), R))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        L = sample.shape[0]
-        paths_TL = np.ascontiguousarray(sample[:L - 1, :tokens, 0].T)
-        est_E = profile.estimate(paths_TL, L - 1)
-        out = {"estimate_ms": med(lambda: profile.estimate(paths_TL, L - 1)), "tokens": float(paths_TL.shape[0])}
-        counts_E = np.bincount(sample[L - 1, :tokens].reshape(-1), minlength=len(est_E))
-
-        def plan(R: int) -> None:  # every rank with this sample's counts
-            split_rows(np.tile(counts_E, (R, 1)), ffd_allocate(devices_from_load(est_E.tolist(), R, est_E.sum()), R))
-
+        out = {"estimate_ms": 1e3 * time_fn(lambda: profile.estimate(paths_TL, L - 1), repeats=repeats).median,
+               "tokens": float(paths_TL.shape[0])}
         for R in ranks:
-            out[f"ffd_and_split_{R}_ranks_ms"] = med(lambda R=R: plan(R))
+            out[f"ffd_and_split_{R}_ranks_ms"] = 1e3 * time_fn(lambda R=R: plan(R), repeats=repeats).median
     finally:
         torch.set_num_threads(threads)
     return out
@@ -245,9 +238,10 @@ def main() -> int:
         after = model(ref_batch).logits
     pad_diff = float((before - after).abs().max())
     assert pad_diff < 1e-4, f"padding changed the logits by {pad_diff}"
-    profile = build_profile(_routing(model, prof_batches), E, args.path_len)
+    prof_routing = _routing(model, prof_batches)
+    profile = build_profile(prof_routing, E, args.path_len)
     row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
-    planning = _planning_costs(profile, _routing(model, prof_batches[:1])[0], args.ranks, args.rows * cfg.data.seq_len)
+    planning = _planning_costs(profile, prof_routing[0], args.ranks, args.rows * cfg.data.seq_len)
     res: dict[str, Any] = {
         "run_dir": str(Path(args.run_dir).resolve()),
         "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
