@@ -151,13 +151,23 @@ def run_microbatches(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths, args.text_key)
     cost, max_len = _cost(args)
     methods = list(METHODS) if args.method == "all" else [args.method]
-    plans = {m: plan_microbatches(lengths, cost, method=m, dp=args.dp, memory=args.memory, max_len=max_len,
-                                  pad_multiple=args.pad_multiple, thin=args.thin, num_micro=args.micro_batches,
-                                  lockstep=args.lockstep)
-             for m in methods}
+    plans: dict[str, MicroBatchPlan] = {}
+    infeasible: dict[str, str] = {}  # with every method side by side, one that cannot plan this input is reported
+    for m in methods:
+        try:
+            plans[m] = plan_microbatches(lengths, cost, method=m, dp=args.dp, memory=args.memory, max_len=max_len,
+                                         pad_multiple=args.pad_multiple, thin=args.thin,
+                                         num_micro=args.micro_batches, lockstep=args.lockstep)
+        except ConfigError as e:
+            if len(methods) == 1:
+                raise
+            infeasible[m] = str(e)
+    if not plans:
+        raise ConfigError("no method can plan these lengths: " + "; ".join(f"{m}: {why}" for m, why in
+                                                                             infeasible.items()))
     report = {"samples": len(lengths), "tokens": int(sum(int(x) for x in lengths)), "stages": args.stages,
               "dp": args.dp, "lockstep": args.lockstep, "memory": args.memory, "max_len": max_len, "cost": cost.source,
-              "plans": {m: _summary(p, plans) for m, p in plans.items()}}
+              "plans": {m: _summary(p, plans) for m, p in plans.items()}, "infeasible": infeasible}
     if args.json:
         report["plans"] = {m: {**report["plans"][m], "plan": p.to_dict()} for m, p in plans.items()}
         print(json.dumps(report, indent=1))
@@ -187,6 +197,8 @@ def _print(report: dict[str, Any], plans: dict[str, MicroBatchPlan]) -> None:
         print(f"  {m:<9}{r['micro_batches']:>14}{r['padding_efficiency']:>12.3f}{_fmt(r['objective_s']):>11}"
               f"{_fmt(r['predicted_time_s']):>11}{sp:>11}  {','.join(sorted(set(r['schedules']))):<12} "
               f"{r['plan_s'] * 1e3:.0f} ms{'' if r['deadlock_free'] else '  DEADLOCK'}")
+    for m, why in report["infeasible"].items():
+        print(f"  {m:<9}infeasible: {why}")
     dyn = plans.get("dynamic")
     if dyn is None:
         return

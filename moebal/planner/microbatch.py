@@ -434,10 +434,12 @@ def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: 
     """Baselines' micro-batch count, searched on the cost model (the paper grid-searches the baseline's
     micro-batch size and reports its best): the count with the least Eq1 that fits the memory limit."""
     best: tuple[float, list[MicroBatch]] | None = None
+    why = ""  # the last count's reason to fail, for the error
     for m in counts:
         try:
             mbs = make(m)
-        except ConfigError:
+        except ConfigError as e:
+            why = f": {m} micro-batches: {e}"
             continue
         if memory is not None and max(x.memory for x in mbs) > memory / stages:
             continue
@@ -445,7 +447,7 @@ def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: 
         if best is None or obj < best[0]:
             best = (obj, mbs)
     if best is None:
-        raise ConfigError("no micro-batch count of the baseline fits the cost table and the memory budget")
+        raise ConfigError(f"no micro-batch count of the baseline fits the cost table and the memory budget{why}")
     return best[1]
 
 

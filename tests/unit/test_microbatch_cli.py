@@ -88,6 +88,23 @@ def test_plan_microbatches_in_lockstep(capsys, tmp_path):
     assert "--lockstep 0" in capsys.readouterr().err
 
 
+def test_a_method_that_cannot_plan_the_input_is_reported_beside_the_others(capsys, tmp_path):
+    """10 short samples pack into one row, which cannot give 2 lockstep ranks a row each: packing is infeasible,
+    and `--method all` reports it with the reason and still plans the others; alone, it is the error."""
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([12, 300, 45, 800, 33, 120, 7, 512, 64, 200]))
+    args = ["plan", "microbatches", "--lengths", str(path), "--stages", "4", "--lockstep", "2"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["plans"]) == {"dynamic", "padding", "tokens"}
+    assert "1 rows cannot give each of the 2 ranks" in out["infeasible"]["packing"]
+    assert main(args) == 0
+    assert "packing  infeasible: no micro-batch count" in capsys.readouterr().out
+    assert main([*args, "--method", "packing"]) == 2
+    err = capsys.readouterr().err
+    assert "no micro-batch count of the baseline fits" in err and "1 micro-batches: a micro-batch of 1 rows" in err
+
+
 def test_plan_microbatches_profile_then_plan(capsys, tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text("model: {dim: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 64, max_seq_len: 64}\n"
