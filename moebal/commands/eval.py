@@ -122,6 +122,9 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any]:
     if not (run_dir / "config.yaml").exists():
         raise ConfigError(f"{run_dir}: no config.yaml: give a run directory of `moebal train`")
     ckpts = find_checkpoints(run_dir)
+    if not ckpts and (run_dir / "hf_config.json").is_file():  # written by `moebal convert hf-to-moebal`
+        raise ConfigError(f"{run_dir}: a converted weights directory, not a training run: start a run from it "
+                          f"with hf.init_from={run_dir} (docs/hf-interop.md) and evaluate that run's directory")
     if not ckpts:
         raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
     cfg = load(run_dir / "config.yaml")

@@ -62,3 +62,16 @@ def test_paths_errors_are_clear(tmp_path: Path) -> None:
     assert r.returncode == 2 and "record_routing_every" in r.stderr
     r = moebal("eval", str(tmp_path))
     assert r.returncode == 2 and "config.yaml" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_names_a_converted_weights_directory(tmp_path: Path) -> None:
+    """`moebal eval` reads a training run; a `moebal convert hf-to-moebal` output (config.yaml beside
+    hf_config.json, no checkpoint) gets the way to start a run from it instead of "no checkpoint"."""
+    from moebal.config import Config, dump
+
+    dump(Config(), tmp_path / "config.yaml")
+    (tmp_path / "hf_config.json").write_text("{}", encoding="utf-8")
+    r = moebal("eval", str(tmp_path), "--nproc", "2", "--policy", "static")
+    assert r.returncode == 2, r.stderr
+    assert "a converted weights directory, not a training run" in r.stderr and "hf.init_from=" in r.stderr
+    assert "Traceback" not in r.stderr
