@@ -278,7 +278,7 @@ def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, w
                      f"{' on rank 0' if trainer.ctx.distributed else ''}, {trainer.strategy.describe()}, "
                      f"{cfg.train.steps} steps, {cfg.train.precision}, run directory {out}{resumed}\n")
         stream.flush()
-    if trainer.step >= cfg.train.steps:  # a resumed run that has nothing left: say so, keep its summary
+    if trainer.finished:  # a resumed run that has nothing left: say so, keep its summary
         if main:
             stream.write(f"moebal train: {out} is at step {trainer.step} and train.steps is {cfg.train.steps}: "
                          f"nothing to train; give a larger --steps to continue the run\n")

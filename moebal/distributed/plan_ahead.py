@@ -96,8 +96,7 @@ class DevicePaths:
             for m, t in enumerate(tabs):
                 weights = E ** np.arange(m - 1, -1, -1, dtype=np.int64)
                 codes_P = t.keys_Pm.astype(np.int64) @ weights if m else np.zeros(len(t.tokens_P), dtype=np.int64)
-                psi_PE = t.counts_PE / np.maximum(t.tokens_P, 1)[:, None]
-                layer.append((upload(codes_P, device, torch.int64), upload(psi_PE, device, torch.float64),
+                layer.append((upload(codes_P, device, torch.int64), upload(t.psi(), device, torch.float64),
                               upload(t.tokens_P, device, torch.int64), upload(weights, device, torch.int64)))
             self.tables.append(layer)
 

@@ -140,11 +140,8 @@ class PathProfile:
             if not todo.any():
                 break
             tab = tables[m]
-            if out:
-                idx = np.flatnonzero(todo)
-                rows_T = tab.rows(paths_TL[idx, layer - m:layer], E)
-            else:  # every token is still to do
-                idx, rows_T = np.arange(len(todo)), tab.rows(paths_TL[:, layer - m:layer], E)
+            idx = np.flatnonzero(todo)
+            rows_T = tab.rows(paths_TL[idx, layer - m:layer], E)
             ok = rows_T >= 0
             ok[ok] = tab.tokens_P[rows_T[ok]] >= (min_tokens if m > 0 else 1)
             out.append((tab, idx[ok], rows_T[ok]))

@@ -126,7 +126,7 @@ class Trainer:
             self._restore(ckpt)
         # the run's one expert kernel: the config's, the checkpoint's, or auto's rule; rank 0's on every rank
         self.kernels = self.strategy.settle_kernels(self, ckpt.state.get("kernels") if ckpt is not None else None)
-        if self.ctx.is_main and self.step < cfg.train.steps:  # a resumed run with nothing left keeps its record
+        if self.ctx.is_main and not self.finished:  # a resumed run with nothing left keeps its record
             dump(cfg, self.run_dir / "config.yaml")
             if self.kernels is not None:
                 (self.run_dir / "kernels.json").write_text(json.dumps({"experts": self.kernels}, indent=1) + "\n",
@@ -152,6 +152,11 @@ class Trainer:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.strategy.optimizer
+
+    @property
+    def finished(self) -> bool:
+        """The run has reached train.steps (a resumed run with nothing left to train)."""
+        return self.step >= self.cfg.train.steps
 
     def moe_layers(self) -> list[torch.nn.Module]:
         get = getattr(self.model, "moe_layers", None)
