@@ -317,7 +317,8 @@ class LayerBalancer:
         if self.opts.rebalance == "partition":
             try:
                 return list(partition_by_time(costs, self.r.chain.size, memory=mem, capacity=cap,
-                                              first_memory=first_mem, last_memory=last_mem, **kw))
+                                              first_memory=first_mem, last_memory=last_mem,
+                                              current=sizes if len(sizes) == self.r.chain.size else None, **kw))
             except ConfigError:
                 return list(sizes)  # nothing fits the caps: keep the current partition
         return list(diffuse(costs, sizes, memory=mem, capacity=cap, first_extra=kw["first_extra"],

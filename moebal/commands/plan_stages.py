@@ -82,7 +82,8 @@ def run_stages(args: argparse.Namespace) -> int:
     current = [int(v) for v in _numbers(args.current, "--from")] if args.current else partition_uniform(len(costs), P)
     plans = {
         "uniform": partition_uniform(len(costs), P),
-        "partition": partition_by_time(costs, P, memory=memory, capacity=args.capacity, **kw),
+        "partition": partition_by_time(costs, P, memory=memory, capacity=args.capacity,
+                                       current=current if len(current) == P else None, **kw),
         "diffusion": diffuse(costs, current, memory=memory, capacity=args.capacity, **kw),
     }
     if args.repack:

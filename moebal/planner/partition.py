@@ -75,13 +75,17 @@ def stage_loads(costs: Floats, sizes: Sequence[int], first_extra: float = 0.0,
 
 def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = None,
                       capacity: float | Floats | None = None, first_extra: float = 0.0,
-                      last_extra: float = 0.0, first_memory: float = 0.0, last_memory: float = 0.0) -> list[int]:
+                      last_extra: float = 0.0, first_memory: float = 0.0, last_memory: float = 0.0,
+                      current: Sequence[int] | None = None) -> list[int]:
     """The exact min-max contiguous partition (no empty stage), under per-stage memory caps.
 
     `memory[l]` is layer l's bytes on a stage (parameters, gradients, optimizer state, activations in
     flight); `capacity` is one cap for every stage or one per stage; `first_memory`/`last_memory` are the
-    pinned embedding/head bytes. Among optimal partitions the one with the earliest boundaries is returned,
-    so every rank computes the same answer from the same inputs.
+    pinned embedding/head bytes. The min-max partition is rarely unique (any layer off the slowest stage can
+    often sit on either side of a boundary). With `current` (the partition in use), the optimal partition that
+    moves the fewest layers from it is returned, so a tie never proposes a migration that buys nothing;
+    remaining ties, and every tie without `current`, go to the earliest boundaries, so every rank computes
+    the same answer from the same inputs.
 
     Dynamic programming over (stage, prefix) with numpy rows: O(P * L^2) arithmetic, exact (no epsilon of
     the bisection-plus-probe scheme, which DynPipe's extraction found can also leave a stage empty).
@@ -118,6 +122,31 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
         raise ConfigError(f"no partition of {L} layers into {num_stages} stages fits the memory caps "
                           f"{_caps(capacity, P).tolist()} (total layer memory {pre_m[-1]:.4g}): raise the cap, use "
                           f"more stages, or reduce per-layer memory")
+    if current is None:
+        return _backtrack(arg, P, L)
+    stage_loads(c, current)  # validates `current` against these layers
+    if len(current) != P:
+        raise ConfigError(f"the current partition {list(current)} has {len(current)} stages, not {P}")
+    # second pass, exact: among partitions whose every stage load is at most the optimum (a few ulps of slack
+    # for the prefix sums), the fewest layers off their current stage; moves add up stage by stage
+    bound = best[P - 1, L] * (1 + 1e-12) + 1e-12
+    owner = np.repeat(np.arange(P), current)
+    off_pre = np.concatenate([np.zeros((P, 1)), np.cumsum(owner[None, :] != np.arange(P)[:, None], axis=1)], axis=1)
+    moves = np.full((P, L + 1), np.inf)
+    for i in range(1, L + 1):
+        fits = (pre_c[i] + first_extra + (last_extra if P == 1 else 0.0) <= bound
+                and pre_m[i] + first_memory + (last_memory if P == 1 else 0.0) <= caps[0])
+        if fits:
+            moves[0, i] = off_pre[0, i]
+    for p in range(1, P):
+        extra = last_extra if p == P - 1 else 0.0
+        extra_m = last_memory if p == P - 1 else 0.0
+        for i in range(p + 1, L + 1):
+            k = np.arange(p, i)
+            ok = ((pre_c[i] - pre_c[k] + extra <= bound) & (pre_m[i] - pre_m[k] + extra_m <= caps[p]))
+            cand = np.where(ok, moves[p - 1, k] + off_pre[p, i] - off_pre[p, k], np.inf)
+            j = int(np.argmin(cand))
+            moves[p, i], arg[p, i] = cand[j], k[j]
     return _backtrack(arg, P, L)
 
 

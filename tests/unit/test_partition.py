@@ -68,6 +68,50 @@ def test_partition_with_memory_caps_is_optimal_or_says_infeasible(costs, data):
     assert max(stage_loads(costs, sizes)) == pytest.approx(ref, abs=1e-9)
 
 
+def _random_partition(data, L, P):
+    cuts = sorted(data.draw(st.lists(st.integers(1, L - 1), min_size=P - 1, max_size=P - 1, unique=True))) \
+        if P > 1 else []
+    bounds = (0, *cuts, L)
+    return [bounds[i + 1] - bounds[i] for i in range(P)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(costs=st.lists(st.integers(0, 3), min_size=1, max_size=9), data=st.data())
+def test_partition_from_current_moves_the_fewest_layers_among_the_optimal(costs, data):
+    # small integer costs make many partitions optimal: the one returned must move the fewest layers from the
+    # current partition of every optimal one (brute force), under the same extras and memory caps
+    L = len(costs)
+    P = data.draw(st.integers(1, L))
+    current = _random_partition(data, L, P)
+    first, last = data.draw(st.sampled_from([0.0, 2.0])), data.draw(st.sampled_from([0.0, 1.0]))
+    memory = data.draw(st.lists(st.integers(1, 3), min_size=L, max_size=L))
+    cap = data.draw(st.sampled_from([np.inf, 6.0]))
+    ref = _brute(costs, P, memory, cap, first, last)
+    if ref is None:
+        return
+    sizes = partition_by_time(costs, P, memory=memory, capacity=cap, first_extra=first, last_extra=last,
+                              current=current)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    assert all(sum(memory[bounds[i]:bounds[i + 1]]) <= cap for i in range(P))
+    assert max(stage_loads(costs, sizes, first, last)) == pytest.approx(ref, abs=1e-9)
+    fewest = min(len(migration_layers(current, s)) for s in
+                 ([c[i + 1] - c[i] for i in range(P)] for c in ((0, *cuts, L) for cuts in
+                                                                itertools.combinations(range(1, L), P - 1)))
+                 if max(stage_loads(costs, s, first, last)) <= ref + 1e-9
+                 and all(sum(memory[b:e]) <= cap for b, e in zip(np.cumsum([0, *s[:-1]]), np.cumsum(s))))
+    assert len(migration_layers(current, sizes)) == fewest
+
+
+def test_partition_keeps_the_current_one_when_it_is_already_optimal():
+    # the README's `moebal plan stages` example: the uniform split already has the optimal maximum (2)
+    costs = [1, 1, 1, 1, 0.5, 0.5, 0.2, 0.2]
+    assert partition_by_time(costs, 4) == [1, 1, 2, 4]  # no current partition: earliest boundaries
+    assert partition_by_time(costs, 4, current=[2, 2, 2, 2]) == [2, 2, 2, 2]
+    assert partition_by_time(costs, 4, current=[1, 1, 3, 3]) == [1, 1, 2, 4]  # one layer moves
+    with pytest.raises(ConfigError, match="3 stages, not 4"):
+        partition_by_time(costs, 4, current=[2, 3, 3])
+
+
 def test_partition_worked_example_early_exit_profile():
     # 12 layers of 1.0 then 0.9^k: the extraction's example; optimum max 5.0 with boundaries [0,5,10,15,24]
     costs = [1.0] * 12 + [0.9 ** k for k in range(1, 13)]

@@ -26,6 +26,17 @@ def test_plan_stages_json(capsys, tmp_path):
     assert "partition" in capsys.readouterr().out
 
 
+def test_plan_stages_keeps_an_optimal_current_partition(capsys):
+    # the README's example: uniform already reaches the optimal maximum, so the partitioner moves nothing
+    assert main(["plan", "stages", "--costs", "1,1,1,1,0.5,0.5,0.2,0.2", "--stages", "4", "--json"]) == 0
+    plans = {p["balancer"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert plans["partition"]["sizes"] == [2, 2, 2, 2] and plans["partition"]["moves_from_current"] == 0
+    assert main(["plan", "stages", "--costs", "1,1,1,1,0.5,0.5,0.2,0.2", "--stages", "4", "--from", "1,1,3,3",
+                 "--json"]) == 0
+    plans = {p["balancer"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert plans["partition"]["sizes"] == [1, 1, 2, 4] and plans["partition"]["moves_from_current"] == 1
+
+
 def test_plan_stages_errors(capsys):
     assert main(["plan", "stages", "--costs", "1,2", "--stages", "3"]) == 2
     assert "at least one layer" in capsys.readouterr().err
