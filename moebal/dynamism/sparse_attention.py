@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moebal.config import sparse_block_advice, sparse_block_fits
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
 from moebal.errors import ConfigError
 from moebal.kernels.sparse_attention import (
@@ -133,9 +134,8 @@ class DynamicSparseAttention(Dynamism):
         if not 0 < min_density <= max_density <= 1:
             raise ConfigError(f"dynamism sparse_attention: need 0 < min_density ({min_density}) <= max_density "
                               f"({max_density}) <= 1")
-        if block < 1 or T % block or T // block < 2:
-            raise ConfigError(f"dynamism sparse_attention: block ({block}) must divide data.seq_len ({T}) into at "
-                              f"least 2 blocks; choose a block such as {max(1, T // 16)}")
+        if not sparse_block_fits(T, block):
+            raise ConfigError(sparse_block_advice(T, block))
         if not 0 < coverage <= 1 or walk_step < 0 or attn_weight <= 0 or overhead < 0:
             raise ConfigError(f"dynamism sparse_attention: need coverage in (0, 1] (got {coverage}), walk_step >= 0 "
                               f"(got {walk_step}), attn_weight > 0 (got {attn_weight}) and overhead >= 0 "

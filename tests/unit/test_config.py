@@ -81,12 +81,28 @@ def test_unknown_section_suggests_closest():
         (["parallel.timeout_min=0"], "'parallel.timeout_min' must be positive"),
         (["parallel.timeout_min=.inf"], "'parallel.timeout_min' must be a finite number"),
         (["parallel.nproc=0"], "'parallel.nproc' must be at least 1"),
+        (["train.out_dir=2024"], "YAML reads it as a number: quote it, '2024'"),
+        (["planner.costs=true"], "YAML reads it as true/false: quote it, 'true'"),
+        (["scheduler.mode=on"], "must be one of off, ddp, lina"),
+        (["dynamism.scheme=sparse_attention", "data.seq_len=48"],
+         "block (64) must divide data.seq_len (48) into at least 2 blocks: set dynamism.sparse_attention.block=16"),
+        (["dynamism.scheme=sparse_attention", "data.seq_len=64"], "dynamism.sparse_attention.block=32"),
     ],
 )
 def test_impossible_values_say_what_to_change(overrides, fragment):
     with pytest.raises(ConfigError) as e:
         C.with_overrides(C.Config(), overrides)
     assert fragment in str(e.value)
+
+
+def test_unquoted_off_is_the_choice_not_a_bool(tmp_path):
+    # YAML 1.1 reads off/no as false: every choice list that has "off" takes it, from an override or a file
+    c = C.load(None, ["scheduler.mode=off", "planner.plan_ahead=no", "scheduler.expert_packing=off"])
+    assert (c.scheduler.mode, c.planner.plan_ahead, c.scheduler.expert_packing) == ("off", "off", "off")
+    p = tmp_path / "run.yaml"
+    p.write_text("parallel:\n  pp: 2\npipeline:\n  rebalance: off\n")
+    assert C.load(p).pipeline.rebalance == "off"
+    assert C.load(None, ["dynamism.scheme=sparse_attention", "data.seq_len=128"]).data.seq_len == 128
 
 
 def test_bad_override_syntax():
