@@ -870,6 +870,9 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(f"{source}: '{key}' keys must be strings; got {_show(k)}")
+            if v is None and ":" in k:  # `{a.txt:0.5}`: YAML needs a space after a mapping's colon
+                raise ConfigError(f"{source}: '{key}' entry {k!r} has no value: write a space after the colon, "
+                                  f"e.g. {{{k.replace(':', ': ', 1)}}}")
             out[k] = _coerce(item, v, source, f"{key}.{k}")
         return out
     if origin in (typing.Union, types.UnionType):

@@ -84,6 +84,7 @@ def test_unknown_section_suggests_closest():
         (["train.out_dir=2024"], "YAML reads it as a number: quote it, '2024'"),
         (["planner.costs=true"], "YAML reads it as true/false: quote it, 'true'"),
         (["scheduler.mode=on"], "must be one of off, ddp, lina"),
+        (["data.mixture={a.txt:1.0,stdlib:2.0}"], "write a space after the colon, e.g. {a.txt: 1.0}"),
         (["dynamism.scheme=sparse_attention", "data.seq_len=48"],
          "block (64) must divide data.seq_len (48) into at least 2 blocks: set dynamism.sparse_attention.block=16"),
         (["dynamism.scheme=sparse_attention", "data.seq_len=64"], "dynamism.sparse_attention.block=32"),
