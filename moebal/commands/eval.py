@@ -152,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
     from moebal.planner.paths import PathProfile
 
     run_dir = Path(args.run_dir)
-    if args.nproc < 1 or args.batches < 1:
-        raise ConfigError(f"--nproc and --batches must be >= 1; got {args.nproc}, {args.batches}")
+    if args.nproc < 1 or args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
+        raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
+                          f"{args.batch_size}")
     cfg, model = load_run_model(run_dir, args.top_k)
     # static runs first under every policy: its logits are the reference the others must equal bit for bit
     policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(

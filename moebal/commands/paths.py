@@ -37,7 +37,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     used = samples[:max(1, int(round(len(samples) * args.share)))]
+    if args.num_experts is not None and args.num_experts < 1:
+        raise ConfigError(f"--num-experts must be >= 1; got {args.num_experts}")
     E = args.num_experts or _num_experts(run_dir)
+    top = max(int(s.max()) for s in used) + 1
+    if top > E:
+        raise ConfigError(f"{run_dir}/routing holds expert ids up to {top - 1}, more than {E} experts per layer: "
+                          f"pass --num-experts {top} or more, or leave it out to read the run's config.yaml")
     prof = build_profile(used, E, args.path_len)
     out = Path(args.out) if args.out else run_dir / "paths.npz"
     prof.save(out)
