@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["write_text_whole"]
+from moebal.errors import ConfigError
+
+__all__ = ["output_path", "write_text_whole"]
+
+
+def output_path(path: str | Path, flag: str) -> Path:
+    """A command's output file, its folder made if missing (as `--json` and `moebal calibrate --out` do); a
+    ConfigError naming the flag when the folder cannot be made (a file in the way, no permission)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror}): give a writable path") from None
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: give a file path")
+    return path
 
 
 def write_text_whole(path: str | Path, text: str) -> Path:

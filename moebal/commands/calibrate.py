@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from moebal.fileio import output_path
     from moebal.kernels.bench import environment
     from moebal.planner.hardware import dump_profile
     from moebal.planner.hardware_fit import fit_profile
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         for w in worlds:
             records["collective"] += measure_collectives(w, sizes, repeats)
     if args.records:
-        Path(args.records).write_text(json.dumps(records, indent=1), encoding="utf-8")
+        output_path(args.records, "--records").write_text(json.dumps(records, indent=1), encoding="utf-8")
     env = environment()
     meta = {**env, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
             "worlds": worlds, "sizes": sizes, "measure_s": round(time.perf_counter() - t0, 1)}

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from moebal.errors import ConfigError
+from moebal.fileio import output_path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{run_dir}/routing holds expert ids up to {top - 1}, more than {E} experts per layer: "
                           f"pass --num-experts {top} or more, or leave it out to read the run's config.yaml")
     prof = build_profile(used, E, args.path_len)
-    out = Path(args.out) if args.out else run_dir / "paths.npz"
+    out = output_path(args.out, "--out") if args.out else run_dir / "paths.npz"
     prof.save(out)
     paths = [sum(t.keys_Pm.shape[0] for t in tabs[-1:]) for tabs in prof.tables[1:]]
     print(json.dumps({"profile": str(out), "samples": len(used), "layers": prof.num_layers, "top_k": prof.top_k,

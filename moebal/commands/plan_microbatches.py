@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
+from moebal.fileio import output_path
 from moebal.planner.instructions import check_plan
 from moebal.planner.microbatch import METHODS, MicroBatchPlan, plan_microbatches
 from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
@@ -234,7 +235,7 @@ def _profile(args: argparse.Namespace) -> int:
         table = profile_table(cfg, args.stages, max_len=max_len, max_tokens=args.max_tokens or 8 * max_len)
     finally:
         torch.set_num_threads(threads)
-    table.save(args.profile)
+    table.save(output_path(args.profile, "--profile"))
     print(f"wrote {args.profile}: {table.stages} stages, b in {table.b_grid.tolist()}, s in {table.s_grid.tolist()} "
           f"({table.source})")
     return 0

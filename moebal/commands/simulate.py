@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
+from moebal.fileio import output_path
 
 DEFAULT_ZIPF = 1.0
 
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         n = args.trace_ranks or spec.layout.ranks
         assert res.engine is not None
-        out["trace_events"] = write_chrome_trace(res.engine, args.trace, range(min(n, spec.layout.ranks)))
+        out["trace_events"] = write_chrome_trace(res.engine, output_path(args.trace, "--trace"),
+                                                 range(min(n, spec.layout.ranks)))
         out["trace"] = args.trace
     if args.json:
         json.dump(out, sys.stdout, indent=1)
@@ -119,7 +121,8 @@ def _stages(shape: Any, spec: Any) -> tuple[int, ...]:
 def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     from moebal.sim.program import Layout, SimSpec
 
-    for name, given in (("--ranks", args.ranks), ("--pp", args.pp), ("--ep", args.ep)):
+    for name, given in (("--ranks", args.ranks), ("--pp", args.pp), ("--ep", args.ep),
+                        ("--micro-batches", args.micro_batches), ("--seq-len", args.seq_len)):
         if given is not None and given < 1:  # 0 is falsy: it would silently fall back to the default below
             raise ConfigError(f"{name} must be >= 1; got {given}")
     pp = args.pp or cfg.parallel.pp
@@ -153,6 +156,9 @@ def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarra
     if args.step < 1:
         raise ConfigError(f"--step must be >= 1 (placements plan on the previous step); got {args.step}")
     if args.routing == "synthetic":
+        if args.zipf < 0 or args.drift < 0:
+            raise ConfigError(f"--zipf (the popularity skew, 0 uniform) and --drift (the popularity logits' "
+                              f"random-walk step) must be >= 0; got {args.zipf}, {args.drift}")
         src = SyntheticRouting(num_layers=shape.n_layers, num_experts=shape.num_experts, top_k=shape.top_k,
                                zipf_s=args.zipf, drift=args.drift, seed=args.seed)
         return src.counts(args.step, lay.groups, lay.ep, tokens), src.counts(args.step - 1, lay.groups, lay.ep,

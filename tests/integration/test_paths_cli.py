@@ -54,6 +54,8 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
     assert [line.split()[0] for line in r.stdout.strip().splitlines()] == ["static", "lina"], r.stdout
     assert "logits equal static: True" in r.stdout, r.stdout
     # a too-small --num-experts (the routing holds ids up to 3) and a bad --batch-size: errors, not tracebacks
+    r = moebal("paths", str(out), "-o", str(tmp_path), "--path-len", "2")
+    assert r.returncode == 2 and "is a folder: give a file path" in r.stderr, r.stderr
     r = moebal("paths", str(out), "-o", str(tmp_path / "p2.npz"), "--num-experts", "2")
     assert r.returncode == 2 and "--num-experts 4 or more" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = moebal("eval", str(out), "--batch-size", "-2", "--policy", "static")

@@ -19,7 +19,7 @@ def _json(capsys, argv: list[str]) -> dict:
 
 
 def test_simulate_mixtral_json_and_trace(capsys, tmp_path) -> None:
-    trace = tmp_path / "trace.json"
+    trace = tmp_path / "new folder" / "trace.json"  # a missing folder is made
     out = _json(capsys, ["simulate", "mixtral-8x7b", "--cluster", "h100-ndr400", "--ranks", "16", "--json",
                          "--trace", str(trace)])
     assert out["iteration_time_s"] > 0 and out["meta"]["ep"] == 8 and out["meta"]["dp"] == 8
@@ -65,6 +65,10 @@ def test_human_output(capsys) -> None:
     (["--routing", "/nonexistent/routing.jsonl"], "cannot read it"),
     (["--ranks", "0"], "--ranks must be >= 1; got 0"),
     (["--ep", "0"], "--ep must be >= 1; got 0"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 1; got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1; got 0"),
+    (["--zipf", "-1"], "must be >= 0; got -1.0"),
+    (["--trace", "/proc/no/such/t.json"], "--trace /proc/no/such/t.json: cannot make its folder"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2
