@@ -17,3 +17,7 @@ class DataError(MoebalError, ValueError):
 
 class CheckpointError(MoebalError, ValueError):
     """A checkpoint is missing, corrupt or does not match the model."""
+
+
+class TrainingError(MoebalError, RuntimeError):
+    """Training cannot go on as configured (the loss or the gradient norm stopped being finite)."""

@@ -18,6 +18,7 @@ this rank's own under the same layout, rank 0's otherwise; `StepStrategy.saved_r
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -30,8 +31,10 @@ import torch
 
 from moebal.config import Config, dump
 from moebal.data import DataBundle, build_data
+from moebal.errors import TrainingError
 from moebal.train.checkpoint import (
     CheckpointReader,
+    find_checkpoints,
     load_agreed,
     open_for_resume,
     restore_rng,
@@ -305,9 +308,12 @@ class Trainer:
                 if self._due(t.eval_every, self.step) or timed_out:
                     self.last_val = record["val_loss"] = self.evaluate()
                 self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
+                diverged = not all(math.isfinite(record.get(k) or 0.0) for k in ("loss", "grad_norm"))
                 if log is not None and (self.step % t.log_every == 0 or "val_loss" in record
-                                        or self.step == t.steps):
+                                        or self.step == t.steps or diverged):
                     log.write(record)
+                if diverged:  # every rank holds the same reduced loss and norm: all stop at this step
+                    raise self._diverged(record)
                 if main:
                     self._write_plans()
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
@@ -337,6 +343,22 @@ class Trainer:
         elif timed_out and self.step < t.steps:
             result.stopped_early = f"train.time_limit_min={t.time_limit_min} reached after step {self.step}/{t.steps}"
         return result
+
+    def _diverged(self, record: dict[str, Any]) -> TrainingError:
+        """The error of a step whose loss or gradient norm is not finite. Its optimizer step has already applied
+        the non-finite gradients, so nothing of this state is saved: the checkpoints written so far (each at a
+        step checked finite) are left as they are, and the message names the newest and how to go on."""
+        self.checkpointer.wait_quietly()  # a save in flight (train.ckpt_async) completes and is listed
+        found = find_checkpoints(self.run_dir)
+        t = self.cfg.train
+        where = (f"the newest checkpoint, {found[-1]}, is untouched: continue from it with `moebal train --out "
+                 f"{self.run_dir} --resume` and a change below as an override" if found else
+                 "no checkpoint was written before it: start again with a change below")
+        return TrainingError(
+            f"step {self.step}: the loss is {record.get('loss')} and the gradient norm {record.get('grad_norm')}: "
+            f"training diverged and stopped without saving this state; {where} (train.lr lower than {t.lr}, "
+            f"train.grad_clip {'above 0' if t.grad_clip <= 0 else f'below {t.grad_clip}'}, train.warmup_steps "
+            f"longer than {t.warmup_steps})")
 
     def _write_dashboard(self) -> None:
         from moebal.train.dashboard import write_dashboard

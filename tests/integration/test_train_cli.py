@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,3 +110,22 @@ def test_an_unwritable_run_directory_and_an_impossible_size_are_one_line(tmp_pat
         assert r.returncode == 2 and expect in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "big").exists()  # refused before anything was created
+
+
+def test_a_diverged_run_stops_at_its_first_non_finite_step_and_keeps_its_checkpoints(tmp_path):
+    """An absurd learning rate without clipping: the first step whose loss or gradient norm is not finite ends
+    the run with one line naming the newest checkpoint (written at a finite step, untouched) and the settings to
+    change; the metrics keep the bad step for diagnosis, and no checkpoint of the diverged state is written."""
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.ckpt_every=", "train.warmup_steps="))]
+    r = moebal("--out", str(out), *tiny, "train.steps=30", "train.lr=1000", "train.grad_clip=0",
+               "train.warmup_steps=0", "train.ckpt_every=1", "train.keep_checkpoints=2", "parallel.nproc=1")
+    assert r.returncode == 2, r.stderr
+    assert "training diverged" in r.stderr and "train.grad_clip above 0" in r.stderr, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    bad = records[-1]
+    assert not all(map(math.isfinite, (bad["loss"], bad["grad_norm"]))), bad
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in records[:-1])
+    ckpts = sorted(p.name for p in out.glob("ckpt-*"))
+    assert ckpts == [f"ckpt-{bad['step'] - 2:07d}", f"ckpt-{bad['step'] - 1:07d}"], ckpts
+    assert f"the newest checkpoint, {out / ckpts[-1]}, is untouched" in r.stderr, r.stderr
