@@ -128,6 +128,9 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any]:
     if not ckpts:
         raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
     cfg = load(run_dir / "config.yaml")
+    if cfg.dynamism.scheme == "mod":
+        raise ConfigError(f"{run_dir} trained with Mixture-of-Depths (dynamism.scheme: mod): its routers send tokens "
+                          f"around blocks, which the served model does not do; moebal eval serves models without it")
     model = build_model(cfg, "cpu", load_weights=False)
     apply_checkpoint(read_checkpoint(ckpts[-1]), model, None)
     if top_k is not None:

@@ -1032,6 +1032,9 @@ def check_exportable(cfg: Config, arch: str) -> None:
     if moe.num_experts == 0:
         raise ConfigError("moe.num_experts is 0: a dense model is not exported as an MoE checkpoint")
     problems = _check_deepseek_exportable(cfg, arch) if arch in _DEEPSEEK else _deepseek_only(cfg)
+    if cfg.dynamism.scheme == "mod":  # early exit and sparse attention export the weights: see docs/hf-interop.md
+        problems.append("Mixture-of-Depths (dynamism.scheme: mod) sends tokens around blocks by trained routers "
+                        "that also scale the block outputs, which no HF layout has: the export would drop them")
     if moe.adaptive_threshold is not None:
         problems.append("adaptive top-k gating (moe.adaptive_threshold) routes some tokens to fewer than top_k "
                         "experts, which no HF layout does")
