@@ -1040,9 +1040,6 @@ def _check_whole(c: Config) -> None:
         _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
     _check_moe(c)
     _check_mla(m)
-    if c.dynamism.scheme == "sparse_attention":
-        _need(sparse_block_fits(d.seq_len, c.dynamism.sparse_attention.block),
-              sparse_block_advice(d.seq_len, c.dynamism.sparse_attention.block))
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
           f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
           f"projections; with model.mla (multi-head latent attention) use another scheme")
@@ -1083,19 +1080,6 @@ def _seq_len_advice(c: Config) -> str:
         return (f"{head}, the longest sequence of hf.init_from's checkpoint (max_position_embeddings): lower "
                 f"data.seq_len to at most {m.max_seq_len}")
     return f"{head}: lower one or raise the other"
-
-
-def sparse_block_fits(seq_len: int, block: int) -> bool:
-    """Whether dynamic sparse attention's `block` cuts a row of `seq_len` tokens into at least 2 whole blocks."""
-    return block >= 1 and seq_len % block == 0 and seq_len // block >= 2
-
-
-def sparse_block_advice(seq_len: int, block: int) -> str:
-    fit = 64  # the default block, halved until it cuts the row into at least 2 whole blocks
-    while fit > 1 and not sparse_block_fits(seq_len, fit):
-        fit //= 2
-    return (f"dynamism sparse_attention: block ({block}) must divide data.seq_len ({seq_len}) into at least 2 "
-            f"blocks: set dynamism.sparse_attention.block={fit}, or a longer data.seq_len")
 
 
 def _check_moe(c: Config) -> None:

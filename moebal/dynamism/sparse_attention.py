@@ -63,7 +63,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from moebal.config import sparse_block_advice, sparse_block_fits
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
 from moebal.errors import ConfigError
 from moebal.kernels.sparse_attention import (
@@ -76,6 +75,7 @@ from moebal.kernels.sparse_attention import (
 from moebal.models.recompute import recompute_call
 from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, grouped_sdpa
 from moebal.pipeline.units import FFN, LAYER, UnitMap
+from moebal.planner.sparse_blocks import sparse_block_advice, sparse_block_fits
 
 __all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
 

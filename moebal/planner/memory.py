@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moebal.errors import ConfigError
-from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks
+from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks, sparse_block_fits
 
 if TYPE_CHECKING:
     from moebal.config import Config
@@ -365,6 +365,8 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
         return 0.0
     sa, m = cfg.dynamism.sparse_attention, cfg.model
     T, b = cfg.data.seq_len, sa.block
+    if not sparse_block_fits(T, b):
+        return 0.0  # no sparse core: the scheme refuses this block when it is built (sparse_block_advice)
     H, G, K = m.n_heads, m.n_kv_heads, cfg.head_dim
     N = T // b
     counts = kept_counts(N, sa.max_density if sa.max_density < 1 else 1.0 - 1e-9)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SPLIT_MIN_ROWS", "kept_counts", "kept_fraction", "shares_masks"]
+__all__ = ["SPLIT_MIN_ROWS", "kept_counts", "kept_fraction", "shares_masks", "sparse_block_advice", "sparse_block_fits"]
 
 
 def kept_counts(n_blocks: int, density: float) -> list[int]:
@@ -39,3 +39,16 @@ rows torch's CPU flash kernel works in 64-row query chunks instead of 32-row one
 measure faster than the masked one at every density (docs/dynamism.md: blocks of 128 and 256 with 2 query heads per
 group, faster; blocks of 64, 128 rows, even at density 0.5 and slower at 0.25). Below it a CPU runs the masked
 path (`moebal.kernels.sparse_attention.default_path`)."""
+
+
+def sparse_block_fits(seq_len: int, block: int) -> bool:
+    """Whether dynamic sparse attention's `block` cuts a row of `seq_len` tokens into at least 2 whole blocks."""
+    return block >= 1 and seq_len % block == 0 and seq_len // block >= 2
+
+
+def sparse_block_advice(seq_len: int, block: int) -> str:
+    fit = 64  # the default block, halved until it cuts the row into at least 2 whole blocks
+    while fit > 1 and not sparse_block_fits(seq_len, fit):
+        fit //= 2
+    return (f"dynamism sparse_attention: block ({block}) must divide data.seq_len ({seq_len}) into at least 2 "
+            f"blocks: set dynamism.sparse_attention.block={fit}, or a longer data.seq_len")

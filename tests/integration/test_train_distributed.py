@@ -112,6 +112,19 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     assert "divisible" in bad.stderr and "failed" in bad.stderr
 
 
+def test_divergence_stops_every_rank_at_the_same_step(tmp_path):
+    # the reduced loss and gradient norm are the same on both ranks: both stop at the first non-finite step (no
+    # rank waits in a collective for the other), the job exits 2 without a restart, and no checkpoint is written
+    out = tmp_path / "div"
+    r = run_cli("train", "--steps", "30", "--seed", "0", "--out", str(out), *TINY, "--nproc", "2", "train.lr=1000",
+                "train.grad_clip=0", "train.warmup_steps=0", "train.ckpt_every=0", "--max-restarts", "1")
+    assert r.returncode == 2, r.stderr
+    assert "training diverged" in r.stderr and "restarting" not in r.stderr, r.stderr
+    last = _metrics(out)[-1]
+    assert f"step {last['step']}:" in r.stderr and last["step"] < 30, r.stderr
+    assert not list(out.glob("ckpt-*"))
+
+
 def _children(pid: int) -> list[int]:
     """The ranks of launcher `pid` in rank order: forked ones (named moebal-rankN) are children of its forkserver,
     fresh ones (MOEBAL_RANK_START=exec) its own children."""

@@ -13,6 +13,7 @@ import pytest
 
 from moebal.cli import main
 from moebal.config import load
+from moebal.errors import ConfigError
 from moebal.planner.hardware import load_profile
 from moebal.planner.memory import (
     DeviceMemory,
@@ -197,6 +198,18 @@ def test_sparse_attention_core_extra_is_what_the_kernel_keeps(block, max_density
     rc = dataclasses.replace(MemoryLayout(ranks=1), recompute="attention")
     grow_rc = (plan_memory(cfg, rc, BARE).terms["activations"] - plan_memory(dense, rc, BARE).terms["activations"])
     assert grow_rc == pytest.approx(seq * predicted)
+
+
+def test_sparse_attention_block_longer_than_half_the_row_plans_no_core_and_the_scheme_refuses_it():
+    # the plan runs before the scheme is built (`moebal train` picks parallel.shard from it): a block that does not
+    # cut the row into 2 blocks once crashed it (`max()` of no blocks); it plans nothing and the scheme names a fit
+    from moebal.dynamism.sparse_attention import DynamicSparseAttention
+    from moebal.planner.memory import sparse_core_extra
+
+    cfg = load(None, [*TINY, "model.max_seq_len=32", "data.seq_len=32", "dynamism.scheme=sparse_attention"])
+    assert cfg.dynamism.sparse_attention.block == 64 and sparse_core_extra(cfg, 4, cuda=False) == 0.0
+    with pytest.raises(ConfigError, match="set dynamism.sparse_attention.block=16"):
+        DynamicSparseAttention(cfg, block=64)
 
 
 def test_recompute_keeps_layer_inputs():
