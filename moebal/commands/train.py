@@ -104,6 +104,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
                                                                                    else None)
     if config is None and resuming and out is not None and (out / "config.yaml").is_file():
         config = str(out / "config.yaml")
+    elif config is None and args.resume_from and (Path(args.resume_from) / "config.yaml").is_file():
+        # a checkpoint continued into another run directory (a branch): the config it was written with
+        config = str(Path(args.resume_from) / "config.yaml")
     cfg = load(config, overrides)
     # auto precision is settled here, once, and config.yaml keeps the result (moebal/train/precision.py)
     cfg = resolve_precision(cfg, pick_device())

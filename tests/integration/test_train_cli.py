@@ -60,6 +60,14 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
         assert f"is at step 5 and train.steps is {steps_arg}: nothing to train" in r3.stderr, r3.stderr
         assert "nan" not in r3.stdout + r3.stderr
         assert {name: (out / name).read_bytes() for name in before} == before
+    # --resume-from a checkpoint into a new directory (a branch) without CONFIG takes the checkpoint's config:
+    # the branch's step 5 is the run's step 5 (it once took the default config and failed on the shapes)
+    branch = tmp_path / "branch"
+    r4 = moebal("--resume-from", str(out / "ckpt-0000004"), "--out", str(branch), "--steps", "5")
+    assert r4.returncode == 0, r4.stderr
+    loss = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [json.loads(x)["loss"] for x in (branch / "metrics.jsonl").read_text(encoding="utf-8").splitlines()] \
+        == loss[4:]
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):
