@@ -164,6 +164,9 @@ def run_microbatches(args: argparse.Namespace) -> int:
                 raise
             infeasible[m] = str(e)
     if not plans:
+        reasons = set(infeasible.values())
+        if len(reasons) == 1:  # the lengths themselves (an empty or over-long sample): one reason, said once
+            raise ConfigError(f"no method can plan these lengths: {reasons.pop()}")
         raise ConfigError("no method can plan these lengths: " + "; ".join(f"{m}: {why}" for m, why in
                                                                              infeasible.items()))
     report = {"samples": len(lengths), "tokens": int(sum(int(x) for x in lengths)), "stages": args.stages,

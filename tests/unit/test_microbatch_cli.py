@@ -45,7 +45,8 @@ def test_plan_microbatches_length_files_and_errors(capsys, tmp_path):
     txt = tmp_path / "lengths.txt"
     txt.write_text("12\n0\n7\n")
     assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
-    assert "sample 1 has length 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("sample 1 has length 0") == 1, err  # every method's reason is the same: said once
     txt.write_text("12\n9000\n")
     assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
     assert "longer than the model's maximum 8192" in capsys.readouterr().err
