@@ -87,8 +87,8 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
     remaining ties, and every tie without `current`, go to the earliest boundaries, so every rank computes
     the same answer from the same inputs.
 
-    Dynamic programming over (stage, prefix) with numpy rows: O(P * L^2) arithmetic, exact (no epsilon of
-    the bisection-plus-probe scheme, which DynPipe's extraction found can also leave a stage empty).
+    Dynamic programming over (stage, prefix) (`_contiguous_min`), exact: no epsilon of the bisection-plus-probe
+    scheme, which DynPipe's extraction found can also leave a stage empty.
     """
     c = _check(costs, num_stages)
     L, P = c.size, num_stages
@@ -100,25 +100,21 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
     caps = _caps(capacity, P) * (1 + 1e-12) + 1e-12
     pre_c = np.concatenate([[0.0], np.cumsum(c)])
     pre_m = np.concatenate([[0.0], np.cumsum(mem)])
-    # best[p][i]: min over partitions of layers [0, i) into p+1 non-empty stages of the max stage load
-    best = np.full((P, L + 1), np.inf)
-    arg = np.zeros((P, L + 1), dtype=np.int64)
-    for i in range(1, L + 1):
-        load = pre_c[i] + first_extra + (last_extra if P == 1 else 0.0)
-        mem0 = pre_m[i] + first_memory + (last_memory if P == 1 else 0.0)
-        if mem0 <= caps[0]:
-            best[0, i] = load
-    for p in range(1, P):
-        extra = last_extra if p == P - 1 else 0.0
-        extra_m = last_memory if p == P - 1 else 0.0
-        for i in range(p + 1, L + 1):
-            k = np.arange(p, i)  # previous stages cover [0, k); this stage covers [k, i)
-            seg = pre_c[i] - pre_c[k] + extra
-            ok = (pre_m[i] - pre_m[k] + extra_m) <= caps[p]
-            cand = np.where(ok, np.maximum(best[p - 1, k], seg), np.inf)
-            j = int(np.argmin(cand))  # argmin takes the first minimum: the earliest boundary
-            best[p, i], arg[p, i] = cand[j], k[j]
-    if not np.isfinite(best[P - 1, L]):
+
+    ends, starts = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]  # stage p covers layers [k, i): [i, k]
+
+    def stage(p: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stage p's load over [k, i) for every (i, k), and whether that span is a stage that fits its cap."""
+        load = pre_c[ends] - pre_c[starts] + (first_extra if p == 0 else 0.0) + (last_extra if p == P - 1 else 0.0)
+        used = pre_m[ends] - pre_m[starts] + (first_memory if p == 0 else 0.0) + (last_memory if p == P - 1 else 0.0)
+        return load, (starts < ends) & (used <= caps[p])
+
+    def max_load(p: int) -> np.ndarray:
+        load, ok = stage(p)
+        return np.where(ok, load, np.inf)
+
+    top, arg = _contiguous_min(P, L, max_load, np.maximum, -np.inf)
+    if not np.isfinite(top):
         raise ConfigError(f"no partition of {L} layers into {num_stages} stages fits the memory caps "
                           f"{_caps(capacity, P).tolist()} (total layer memory {pre_m[-1]:.4g}): raise the cap, use "
                           f"more stages, or reduce per-layer memory")
@@ -129,25 +125,32 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
         raise ConfigError(f"the current partition {list(current)} has {len(current)} stages, not {P}")
     # second pass, exact: among partitions whose every stage load is at most the optimum (a few ulps of slack
     # for the prefix sums), the fewest layers off their current stage; moves add up stage by stage
-    bound = best[P - 1, L] * (1 + 1e-12) + 1e-12
+    bound = top * (1 + 1e-12) + 1e-12
     owner = np.repeat(np.arange(P), current)
     off_pre = np.concatenate([np.zeros((P, 1)), np.cumsum(owner[None, :] != np.arange(P)[:, None], axis=1)], axis=1)
-    moves = np.full((P, L + 1), np.inf)
-    for i in range(1, L + 1):
-        fits = (pre_c[i] + first_extra + (last_extra if P == 1 else 0.0) <= bound
-                and pre_m[i] + first_memory + (last_memory if P == 1 else 0.0) <= caps[0])
-        if fits:
-            moves[0, i] = off_pre[0, i]
-    for p in range(1, P):
-        extra = last_extra if p == P - 1 else 0.0
-        extra_m = last_memory if p == P - 1 else 0.0
-        for i in range(p + 1, L + 1):
-            k = np.arange(p, i)
-            ok = ((pre_c[i] - pre_c[k] + extra <= bound) & (pre_m[i] - pre_m[k] + extra_m <= caps[p]))
-            cand = np.where(ok, moves[p - 1, k] + off_pre[p, i] - off_pre[p, k], np.inf)
-            j = int(np.argmin(cand))
-            moves[p, i], arg[p, i] = cand[j], k[j]
-    return _backtrack(arg, P, L)
+
+    def moves(p: int) -> np.ndarray:
+        load, ok = stage(p)
+        return np.where(ok & (load <= bound), off_pre[p][ends] - off_pre[p][starts], np.inf)
+
+    return _backtrack(_contiguous_min(P, L, moves, np.add, 0.0)[1], P, L)
+
+
+def _contiguous_min(P: int, L: int, value: Callable[[int], np.ndarray],
+                    fold: Callable[[np.ndarray, np.ndarray], np.ndarray], start: float) -> tuple[float, np.ndarray]:
+    """Dynamic programming over (stage, prefix): the least `fold` of stage values over partitions of layers
+    [0, L) into P non-empty contiguous stages. `value(p)[i, k]` is stage p over layers [k, i) (inf: not a
+    stage); `start` is the fold's identity. Returns (the optimum, the argmin starts for `_backtrack`); among
+    equal optima the earliest boundaries (argmin takes the first minimum). O(P * L^2) arithmetic, one numpy
+    [L + 1, L + 1] table per stage."""
+    best = np.full((P + 1, L + 1), np.inf)
+    best[0, 0] = start
+    arg = np.zeros((P + 1, L + 1), dtype=np.int64)
+    for p in range(P):
+        cand = fold(best[p][None, :], value(p))  # [i, k]: earlier stages cover [0, k), this one [k, i)
+        arg[p + 1] = np.argmin(cand, axis=1)
+        best[p + 1] = np.take_along_axis(cand, arg[p + 1][:, None], axis=1)[:, 0]
+    return float(best[P, L]), arg[1:]
 
 
 def _caps(capacity: float | Floats | None, P: int) -> np.ndarray:
