@@ -149,8 +149,8 @@ def run_layer(args: argparse.Namespace) -> int:
     from moebal.kernels.bench import environment
 
     base = QUICK if args.quick else LayerShape()
-    shape = LayerShape(tokens=args.tokens or base.tokens, dim=args.dim or base.dim, ffn=args.ffn or base.ffn,
-                       experts=args.experts or base.experts, top_k=args.top_k or base.top_k)
+    given = {k: getattr(args, k) for k in ("tokens", "dim", "ffn", "experts", "top_k")}
+    shape = LayerShape(**{k: base.__dict__[k] if v is None else v for k, v in given.items()})  # 0 is refused below
     if min(shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k) < 1 or shape.top_k > shape.experts:
         raise ConfigError(f"bench layer: sizes must be >= 1 and top_k <= experts; got {shape}")
     if args.threads < 1:

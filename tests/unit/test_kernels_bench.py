@@ -31,3 +31,8 @@ def test_bench_layer_writes_json_and_png(tmp_path: Path) -> None:
 def test_bench_layer_rejects_bad_lists(capsys) -> None:
     assert main(["bench", "layer", "--dtypes", "fp16"]) == 2
     assert "fp32, bf16" in capsys.readouterr().err
+    # a size of 0 is refused, not taken as "the default" (it once ran the default shape)
+    assert main(["bench", "layer", "--quick", "--experts", "0"]) == 2
+    assert "experts=0" in capsys.readouterr().err
+    assert main(["bench", "layer", "--device", "tpu"]) == 2
+    assert "expected cuda, cuda:N or cpu" in capsys.readouterr().err
