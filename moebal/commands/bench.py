@@ -153,8 +153,8 @@ def run_layer(args: argparse.Namespace) -> int:
     shape = LayerShape(**{k: base.__dict__[k] if v is None else v for k, v in given.items()})  # 0 is refused below
     if min(shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k) < 1 or shape.top_k > shape.experts:
         raise ConfigError(f"bench layer: sizes must be >= 1 and top_k <= experts; got {shape}")
-    if args.threads < 1:
-        raise ConfigError(f"bench layer: --threads must be >= 1; got {args.threads}")
+    if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
+        raise ConfigError(f"bench layer: --threads and --repeats must be >= 1; got {args.threads}, {args.repeats}")
     dtypes = _choices(args.dtypes, DTYPES, "--dtypes")
     routings = _choices(args.routings, ROUTINGS, "--routings")
     args.device = bench_device(args.device)

@@ -142,6 +142,9 @@ def _cost(args: argparse.Namespace) -> tuple[MicroBatchCost, int]:
 
 
 def run_microbatches(args: argparse.Namespace) -> int:
+    for flag, v in (("--max-len", args.max_len), ("--max-tokens", args.max_tokens)):
+        if v is not None and v < 1:  # 0 would fall back to the default
+            raise ConfigError(f"{flag} must be >= 1 (or left out for the default); got {v}")
     if args.profile:
         return _profile(args)
     if not args.lengths:

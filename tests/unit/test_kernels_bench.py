@@ -36,3 +36,5 @@ def test_bench_layer_rejects_bad_lists(capsys) -> None:
     assert "experts=0" in capsys.readouterr().err
     assert main(["bench", "layer", "--device", "tpu"]) == 2
     assert "expected cuda, cuda:N or cpu" in capsys.readouterr().err
+    assert main(["bench", "layer", "--quick", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err

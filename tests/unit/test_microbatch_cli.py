@@ -47,6 +47,8 @@ def test_plan_microbatches_length_files_and_errors(capsys, tmp_path):
     assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("sample 1 has length 0") == 1, err  # every method's reason is the same: said once
+    assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2", "--max-len", "0"]) == 2
+    assert "--max-len must be >= 1" in capsys.readouterr().err
     txt.write_text("12\n9000\n")
     assert main(["plan", "microbatches", "--lengths", str(txt), "--stages", "2"]) == 2
     assert "longer than the model's maximum 8192" in capsys.readouterr().err
