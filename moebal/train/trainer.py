@@ -352,7 +352,8 @@ class Trainer:
         found = find_checkpoints(self.run_dir)
         t = self.cfg.train
         where = (f"the newest checkpoint, {found[-1]}, is untouched: continue from it with `moebal train --out "
-                 f"{self.run_dir} --resume` and a change below as an override" if found else
+                 f"{self.run_dir} --resume` (or from an earlier one with --resume-from, if the loss had already "
+                 f"gone bad there) and a change below as an override" if found else
                  "no checkpoint was written before it: start again with a change below")
         return TrainingError(
             f"step {self.step}: the loss is {record.get('loss')} and the gradient norm {record.get('grad_norm')}: "
