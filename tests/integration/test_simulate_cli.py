@@ -105,5 +105,10 @@ def test_the_readme_row_of_the_1024_rank_simulation_is_what_its_command_prints(c
     command = re.search(r"`moebal (simulate [^`]+)`", row).group(1).split()
     assert command == ["simulate", "mixtral-8x7b", "--cluster", "h100", "--ranks", "1024"]
     assert round(_json(capsys, [*command, "--json"])["iteration_time_s"], 1) == static
-    assert round(_json(capsys, [*command, "--policy", "prophet", "--json"])["iteration_time_s"], 1) == prophet
+    with_prophet = _json(capsys, [*command, "--policy", "prophet", "--json"])
+    assert round(with_prophet["iteration_time_s"], 1) == prophet
+    # the row says Pro-Prophet's replicas do not fit this layout, with the memory plan's figure
+    memory = with_prophet["memory"]
+    gb, of = (int(x) for x in re.search(r"do not fit this layout: (\d+) GB per rank of (\d+)", row).groups())
+    assert not memory["fits"] and round(memory["peak_bytes"] / 1e9) == gb and memory["capacity_bytes"] / 1e9 == of
 
