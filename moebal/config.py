@@ -379,6 +379,9 @@ class PlannerConfig:
     """Cost plans with Pro-Prophet's eq. 8 (Trans/Agg hidden under compute) instead of eq. 6."""
     costs: str = "measure"
     """Performance-model coefficients: 'measure' (on the running job at start-up) or a hardware profile."""
+    max_replicas: int | None = None
+    """The most replicas (experts it does not own) a rank receives per MoE layer under a replicating policy; the
+    memory plan bounds the replica term by it. null: no cap (up to every expert the rank does not own)."""
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     """Closed loop: measure the step time under the plan and under static placement (the maximum over the
     expert-parallel group) and run static placement while the plan does not pay (docs/expert-parallel.md)."""
@@ -1051,6 +1054,8 @@ def _check_whole(c: Config) -> None:
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
     _need(c.planner.hysteresis >= 0, f"'planner.hysteresis' must be >= 0; got {c.planner.hysteresis}")
+    _need(c.planner.max_replicas is None or c.planner.max_replicas >= 0,
+          f"'planner.max_replicas' must be >= 0 or null (no cap); got {c.planner.max_replicas}")
     _check_plan_ahead(c)
 
     _check_pipeline(c.pipeline)

@@ -94,6 +94,7 @@ class ExpertBalancer:
         self.measured = p.costs == "measure"  # the figures belong to this run: checkpoints keep them
         self.costs, self._measure = costs, measure
         self.overlap = (p.overlap or executor_overlaps) and p.policy == "prophet"
+        self.max_replicas = p.max_replicas
         self.planners: dict[int, ExpertPlanner] = {}
         self.feedback = PlanFeedback(p.feedback)
         self.used: dict[int, ExpertPlacement] = {}  # what the step running now applies
@@ -116,6 +117,8 @@ class ExpertBalancer:
 
     def new_planner(self) -> ExpertPlanner:
         extra: dict[str, Any] = {"overlap": True} if self.overlap else {}
+        if self.max_replicas is not None:
+            extra["max_replicas"] = self.max_replicas
         return ExpertPlanner(self.E, self.R, self.policy, self.costs, every=self.every, ema=self.ema,
                              hysteresis=self.hysteresis, **extra)
 

@@ -61,6 +61,8 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-zero", action="store_true", help="prophet: also send replicas to ranks with no tokens")
     p.add_argument("--overlap", action="store_true", help="cost with eq. 8 (Trans/Agg hidden under compute)")
     p.add_argument("--k", type=int, default=2, help="broadcast_topk: how many hottest experts (default 2)")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="the most replicas a rank receives per layer (planner.max_replicas; default: no cap)")
     p.add_argument("--config", metavar="CONFIG", help="dry run for a model (preset name or YAML, e.g. "
                    "mixtral-8x7b): costs from --cluster, counts synthetic unless --counts is given")
     p.add_argument("--cluster", default="h100", help="hardware profile for --config (name or path; default h100)")
@@ -121,7 +123,7 @@ def _dry_run(args: argparse.Namespace) -> tuple[Any, list[np.ndarray]]:
 
 
 def _policy_options(policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"overlap": args.overlap}
+    opts: dict[str, Any] = {"overlap": args.overlap, "max_replicas": args.max_replicas}
     if policy == "prophet":
         ns = _parse_ints(args.n, "--n")
         opts.update(alpha=args.alpha, n=ns[0] if len(ns) == 1 else ns, exclude_zero=not args.keep_zero)

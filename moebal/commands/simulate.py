@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     spec = _spec(cfg, shape, args)
     counts, predicted = _routing(args, shape, spec)
     opts: dict[str, Any] = {"overlap": True} if args.policy == "prophet" else {}
+    if cfg.planner.max_replicas is not None:
+        opts["max_replicas"] = cfg.planner.max_replicas
     stages = spec.stage_layers or _stages(shape, spec)
     placements = None
     if predicted is not None:

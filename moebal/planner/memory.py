@@ -57,7 +57,8 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
 - all-to-all buffers: one MoE layer's dispatched rows sent and received (forward or backward), in compute dtype.
 - pipeline p2p buffers: one micro-batch's boundary activations and gradients, sent and received.
 - Pro-Prophet replicas: per MoE layer, the replicas a rank may hold (static: 0; broadcast_topk: k; prophet and
-  fastermoe: every expert it does not own, the search's own limit: it selects at most every expert once), each
+  fastermoe: every expert it does not own, the search's own limit: it selects at most every expert once; at
+  most `planner.max_replicas`, the planner's cap), each
   with its gradient and its row of the per-step stacked weights, in the compute dtype
   (`moebal/distributed/expert_parallel.py`: `_trans_ops`, `_local_weights`).
 - runtime: what a process holds before the model (CUDA context, cuBLAS and NCCL workspaces; on a CPU the
@@ -132,7 +133,8 @@ _TERM_SETTING = {
     "optimizer state": "parallel.shard=optimizer", "gradients": "parallel.shard=optimizer",
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
-    "logits/loss": "a smaller data.batch_size", "replicas (Pro-Prophet)": "planner.policy=static",
+    "logits/loss": "a smaller data.batch_size",
+    "replicas (Pro-Prophet)": "planner.max_replicas=1 (or planner.policy=static)",
     "migration: whole moments + new flats": "pipeline.rebalance=off",
     "migration: moved layers whole": "pipeline.rebalance=off",
 }
@@ -411,12 +413,15 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
 
 
 def _replicas(cfg: Config, lay: MemoryLayout) -> int:
-    """Most replicas one rank may hold per MoE layer under the placement policy (the planner's own limit)."""
+    """Most replicas one rank may hold per MoE layer under the placement policy (the planner's own limit), at
+    most `planner.max_replicas`."""
     E = cfg.moe.num_experts
     if lay.ep == 1 or E == 0 or lay.policy == "static":
         return 0
     others = E - E // lay.ep
-    return min(2, others) if lay.policy == "broadcast_topk" else others
+    bound = min(2, others) if lay.policy == "broadcast_topk" else others
+    cap = cfg.planner.max_replicas
+    return bound if cap is None else min(bound, cap)
 
 
 def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range, cuda: bool

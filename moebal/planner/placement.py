@@ -25,6 +25,11 @@ Settled gaps and bugs of the paper (arXiv 2411.10003) and of its released code (
 - More than one expert per rank: the heaviest rank (lowest id on ties) offers its not-yet-replicated
   expert that takes the most tokens off it (then lowest id); when it has none left the search stops (the
   paper's `Used` rule, per expert instead of per device).
+- Memory (the extraction's gap 14: the paper does not bound the number of replicas): `max_replicas` caps the
+  replicas one rank receives per layer, under every replicating policy. Pro-Prophet sends a selected expert
+  only to the included ranks still below the cap (its token deltas then computed for those ranks); an expert
+  no rank can take is passed over. FasterMoE's shadows and broadcast_topk's experts go, in their priority
+  order, to each rank until it holds the cap. None: no cap (every expert a rank does not own, at most).
 """
 
 from __future__ import annotations
@@ -62,10 +67,10 @@ DEFAULT_COSTS: MoELayerCosts = PAPER_COSTS
 """Used when no costs are given: the authors' RTX 3090 + 100 Gb/s IB constants for MoE-GPT-M (fp32)."""
 
 _OPTIONS: dict[str, dict[str, Any]] = {
-    "prophet": {"alpha": 0.0, "n": 0, "exclude_zero": True, "overlap": False},
-    "fastermoe": {"overlap": False, "fastermoe_costs": None},
-    "static": {"overlap": False},
-    "broadcast_topk": {"k": 2, "overlap": False},
+    "prophet": {"alpha": 0.0, "n": 0, "exclude_zero": True, "overlap": False, "max_replicas": None},
+    "fastermoe": {"overlap": False, "fastermoe_costs": None, "max_replicas": None},
+    "static": {"overlap": False, "max_replicas": None},
+    "broadcast_topk": {"k": 2, "overlap": False, "max_replicas": None},
 }
 
 
@@ -123,9 +128,15 @@ def plan_experts(counts_RE: Any, policy: str = "prophet", cost: MoELayerCosts | 
 
     Options: prophet: alpha (eq. 7, default 0), n (int, or a sequence searched for the best), exclude_zero,
     overlap (eq. 8 instead of eq. 6); fastermoe: overlap, fastermoe_costs (a FasterMoECosts; default from
-    `cost`); broadcast_topk: k (default 2), overlap; static: overlap.
+    `cost`); broadcast_topk: k (default 2), overlap; static: overlap. Every policy: max_replicas (the most
+    replicas a rank receives; None: no cap).
     """
     opts = _options(policy, options)
+    given = opts["max_replicas"]
+    if given is not None and not (isinstance(given, (int, np.integer)) and not isinstance(given, bool) and given >= 0):
+        raise ConfigError(f"max_replicas = {given!r} must be an integer >= 0 (replicas a rank receives per layer) "
+                          f"or None")
+    cap = None if given is None else int(given)
     costs = DEFAULT_COSTS if cost is None else cost
     c_RE, owner_E = check_counts(counts_RE, owner, costs)
     R, E = c_RE.shape
@@ -133,35 +144,45 @@ def plan_experts(counts_RE: Any, policy: str = "prophet", cost: MoELayerCosts | 
     if policy == "prophet":
         held_RE, meta = _plan_prophet(c_RE, owner_E, costs, opts)
     elif policy == "fastermoe":
-        held_RE, meta = _plan_fastermoe(c_RE, owner_E, costs, opts["fastermoe_costs"])
+        held_RE, meta = _plan_fastermoe(c_RE, owner_E, costs, opts["fastermoe_costs"], cap)
     elif policy == "broadcast_topk":
         k = opts["k"]
         if not (isinstance(k, (int, np.integer)) and k >= 0):
             raise ConfigError(f"broadcast_topk: k = {k!r} must be an integer >= 0")
-        hot_E = np.zeros(E, dtype=bool)
-        hot_E[np.lexsort((np.arange(E), -c_RE.sum(axis=0)))[:k]] = True  # ties: lower expert id
-        held_RE = _broadcast(hot_E, owner_E, R)
+        hot = np.lexsort((np.arange(E), -c_RE.sum(axis=0)))[:k]  # ties: lower expert id
+        held_RE = _broadcast(hot, owner_E, R, cap)
     else:
-        held_RE = _broadcast(np.zeros(E, dtype=bool), owner_E, R)
+        held_RE = _broadcast(np.zeros(0, dtype=np.int64), owner_E, R, cap)
     t = evaluate_held(c_RE, held_RE, owner_E, costs, overlap=bool(opts["overlap"])).total_s
     return ExpertPlacement(num_ranks=R, owner=tuple(owner_E.tolist()), replicas=replicas_from_held(held_RE, owner_E),
                            policy=policy, predicted_time=t, meta=meta)
 
 
-def _broadcast(selected_E: np.ndarray, owner_E: np.ndarray, R: int) -> np.ndarray:
-    """held_RE with each selected expert on every rank (FasterMoE shadowing, top-k broadcast)."""
-    held_RE = np.repeat(selected_E[None, :], R, axis=0)
-    held_RE[owner_E, np.arange(owner_E.shape[0])] = True
+def _broadcast(selected: np.ndarray, owner_E: np.ndarray, R: int, cap: int | None = None) -> np.ndarray:
+    """held_RE with each selected expert (ids in priority order) on every rank (FasterMoE shadowing, top-k
+    broadcast); with `cap`, a rank receives the first `cap` of them it does not own."""
+    E = owner_E.shape[0]
+    held_RE = np.zeros((R, E), dtype=bool)
+    held_RE[:, selected] = True
+    held_RE[owner_E, np.arange(E)] = True
+    if cap is not None:
+        received_RS = held_RE[:, selected] & (owner_E[selected][None, :] != np.arange(R)[:, None])
+        over_RS = np.cumsum(received_RS, axis=1) > cap  # past the cap in priority order
+        held_RE[:, selected] &= ~(received_RS & over_RS)
     return held_RE
 
 
 def _plan_fastermoe(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts,
-                    fc: FasterMoECosts | None) -> tuple[np.ndarray, dict[str, Any]]:
+                    fc: FasterMoECosts | None, cap: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     if fc is None:
         _, recv_R = ep_loads(c_RE, owner_E)
         fc = FasterMoECosts.from_layer_costs(costs, float(recv_R.max()) * costs.token_bytes)
-    shadow_E, latency = fastermoe_shadow(fastermoe_expert_loads(c_RE), fc)
-    return _broadcast(shadow_E, owner_E, c_RE.shape[0]), {"fastermoe_latency_s": latency}
+    loads_E = fastermoe_expert_loads(c_RE)
+    shadow_E, latency = fastermoe_shadow(loads_E, fc)
+    E = shadow_E.shape[0]
+    order = [int(e) for e in np.lexsort((np.arange(E), -np.asarray(loads_E, dtype=np.float64))) if shadow_E[e]]
+    return _broadcast(np.asarray(order, dtype=np.int64), owner_E, c_RE.shape[0], cap), \
+        {"fastermoe_latency_s": latency}
 
 
 def _plan_prophet(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts,
@@ -176,7 +197,9 @@ def _plan_prophet(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts,
     best: tuple[float, np.ndarray, dict[str, Any]] | None = None
     for n in ns:  # ties keep the first listed n
         t, held_RE, info = prophet_search(c_RE, owner_E, costs, alpha=float(alpha), n=int(n),
-                                          exclude_zero=bool(opts["exclude_zero"]), overlap=bool(opts["overlap"]))
+                                          exclude_zero=bool(opts["exclude_zero"]), overlap=bool(opts["overlap"]),
+                                          max_replicas=None if opts["max_replicas"] is None
+                                          else int(opts["max_replicas"]))
         if best is None or t < best[0]:
             best = (t, held_RE, {**info, "n": int(n)})
     assert best is not None
@@ -198,12 +221,13 @@ def _receivers(c_RE: np.ndarray, owner_E: np.ndarray, n: int, exclude_zero: bool
 
 
 def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, *, alpha: float = 0.0,
-                   n: int = 0, exclude_zero: bool = True,
-                   overlap: bool = False) -> tuple[float, np.ndarray, dict[str, Any]]:
+                   n: int = 0, exclude_zero: bool = True, overlap: bool = False,
+                   max_replicas: int | None = None) -> tuple[float, np.ndarray, dict[str, Any]]:
     """Algorithm 1 (locality greedy search) on validated inputs: (best time, held_RE of the plan, info).
 
     Selecting expert e moves every included rank's tokens for e off the owner, independently of the other
-    selections, so each step is an O(R) update of H and R by precomputed per-expert deltas.
+    selections, so each step is an O(R) update of H and R by precomputed per-expert deltas. With
+    `max_replicas`, e goes only to the included ranks still below the cap, and its deltas are those ranks'.
     """
     R, E = c_RE.shape
     H_R, recv_R = ep_loads(c_RE, owner_E)
@@ -222,24 +246,41 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
     i = int(H_R.argmax())  # heaviest rank, lowest id on ties
     base = best = layer_time(costs, float(recv_R.max()), float(H_R[i]), 0, R, overlap)
     chosen: list[int] = []
+    sent: list[np.ndarray] = []  # with a cap: the ranks each chosen expert goes to
+    taken_R = np.zeros(R, dtype=np.int64)  # replicas each rank has received
     best_len, holders = 0, 0
     while threshold <= 0 or float(H_R[i] - H_R.min()) >= threshold:  # eq. 7: run while imbalanced
         if next_cand[i] >= bounds[i + 1]:
             break  # its experts are all replicated already: the paper's `Used` rule
         e = cands[next_cand[i]]
         next_cand[i] += 1
+        if max_replicas is None:
+            dH_R, moved, holders_e = dH_ER[e], moved_E[e], holders_E[e]
+        else:
+            to_R = include_RE[:, e] & (taken_R < max_replicas)
+            if not to_R.any():
+                continue  # every rank that would take it is full: passed over
+            taken_R += to_R
+            sent.append(to_R)
+            dH_R = c_RE[:, e] * to_R
+            moved, holders_e = float(dH_R.sum()), int(to_R.sum()) + 1
         chosen.append(e)
-        H_R += dH_ER[e]
-        H_R[i] -= moved_E[e]
-        recv_R[i] -= moved_E[e]
-        holders += holders_E[e]
+        H_R += dH_R
+        H_R[i] -= moved
+        recv_R[i] -= moved
+        holders += holders_e
         i = int(H_R.argmax())
         t = layer_time(costs, float(recv_R.max()), float(H_R[i]), holders, R, overlap)
         if t < best:  # the paper's cnt = s: keep the best prefix, not a count of improvements
             best, best_len = t, len(chosen)
-    selected_E = np.zeros(E, dtype=bool)
-    selected_E[chosen[:best_len]] = True
-    held_RE = include_RE & selected_E[None, :]
+    if max_replicas is None:
+        selected_E = np.zeros(E, dtype=bool)
+        selected_E[chosen[:best_len]] = True
+        held_RE = include_RE & selected_E[None, :]
+    else:
+        held_RE = np.zeros((R, E), dtype=bool)
+        for e, to_R in zip(chosen[:best_len], sent[:best_len]):
+            held_RE[:, e] = to_R
     held_RE[owner_E, np.arange(E)] = True
     return best, held_RE, {"steps": len(chosen), "selected": best_len, "static_time_s": base}
 

@@ -73,6 +73,16 @@ def test_plans_are_costed_with_overlap_when_the_executor_or_the_config_says_so(p
     assert bool(b.add_layer(0).options.get("overlap", False)) is costed
 
 
+def test_planner_max_replicas_reaches_every_layer_planner():
+    # 4 experts on 2 ranks, expert 0 hot: uncapped, Pro-Prophet sends it to rank 1; with 0 it plans no replica
+    for cap, replicas in ((None, 1), (0, 0)):
+        cfg = from_dict({"moe": {"num_experts": E, "top_k": 2},
+                         "planner": {"policy": "prophet", "hysteresis": 0.0, "max_replicas": cap}})
+        b = ExpertBalancer(cfg, R, None, executor_overlaps=False)
+        assert b.add_layer(0).options.get("max_replicas") == cap
+        assert b.planners[0].step(SKEWED_RE).num_replicas == replicas
+
+
 def test_planner_state_round_trips():
     a = _balancer(enabled=False)
     _step(a, 1, {})

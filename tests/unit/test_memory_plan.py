@@ -460,6 +460,21 @@ def test_full_sharding_in_an_expert_parallel_pipeline_keeps_expert_weights_at_re
     assert plan_memory(pruning, lay, BARE).terms["parameters"] == 4 * (dense / 4 + experts) + 4 * 2048
 
 
+def test_the_replica_term_follows_the_policy_bound_and_planner_max_replicas():
+    # 8 experts on ep 4: a rank owns 2 and may receive the other 6 under prophet; max_replicas caps it
+    args = [*TINY, "moe.num_experts=8", "data.batch_size=4", "parallel.ep=4"]
+    lay = MemoryLayout(ranks=4, ep=4, policy="prophet")
+
+    def term(*extra: str) -> float:
+        return plan_memory(load(None, [*args, *extra]), lay, BARE).terms["replicas (Pro-Prophet)"]
+
+    per = term() / (3 * 6 + 2)  # per layer: each replica, its gradient and its stacked row, plus the owned rows
+    assert per > 0
+    assert term("planner.max_replicas=1") == per * (3 * 1 + 2)
+    assert term("planner.max_replicas=99") == term()
+    assert term("planner.max_replicas=0") == 0.0
+
+
 def test_trace_rank_memory_names_phases_and_their_peaks():
     """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
     resident peak and malloc's figures at that sample."""

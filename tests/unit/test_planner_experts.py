@@ -90,10 +90,16 @@ def test_fig6_no_replica_where_there_are_no_tokens():
 
 
 # ---- a plain reference of Algorithm 1 --------------------------------------------------------------------------
-def _reference(c, owner, costs, alpha, n, exclude_zero, overlap):
-    """Algorithm 1 written plainly: loads recomputed from scratch for every prefix."""
+def _reference(c, owner, costs, alpha, n, exclude_zero, overlap, max_replicas=None):
+    """Algorithm 1 written plainly: loads recomputed from scratch for every prefix. With `max_replicas`, a
+    selected expert goes to its receivers still below the cap, and one none of them can take is passed over."""
     c = np.asarray(c, dtype=float)
     R, E = c.shape
+    sent: dict[int, tuple[int, ...]] = {}
+    taken = [0] * R
+
+    def capped(e):
+        return tuple(r for r in receivers(e) if max_replicas is None or taken[r] < max_replicas)
 
     def receivers(e):
         others = sorted((r for r in range(R) if r != owner[e]), key=lambda r: (c[r, e], r))
@@ -101,7 +107,7 @@ def _reference(c, owner, costs, alpha, n, exclude_zero, overlap):
         return tuple(r for r in range(R) if r != owner[e] and r not in excluded)
 
     def plan(sel):
-        reps = tuple(receivers(e) if e in sel else () for e in range(E))
+        reps = tuple(sent[e] if e in sel else () for e in range(E))
         return ExpertPlacement(num_ranks=R, owner=tuple(owner), replicas=reps)
 
     def loads(sel):
@@ -118,10 +124,14 @@ def _reference(c, owner, costs, alpha, n, exclude_zero, overlap):
         if alpha > 0 and max(H) - min(H) < alpha * c.sum() / R:
             break
         i = H.index(max(H))
-        cands = [e for e in range(E) if owner[e] == i and e not in sel and receivers(e)]
+        cands = [e for e in range(E) if owner[e] == i and e not in sel and capped(e)]
         if not cands:
             break
-        sel.append(max(cands, key=lambda e: (sum(c[r, e] for r in receivers(e)), -e)))
+        e = max(cands, key=lambda e: (sum(c[r, e] for r in receivers(e)), -e))
+        sent[e] = capped(e)
+        for r in sent[e]:
+            taken[r] += 1
+        sel.append(e)
         t = evaluate(c, plan(sel), costs, overlap).total_s
         if t < best:
             best, best_sel = t, list(sel)
@@ -140,7 +150,8 @@ def problems(draw):
                                 nonmoe_fwd_s=draw(st.sampled_from([0, 30])),
                                 nonmoe_bwd_s=draw(st.sampled_from([0, 60])))
     opts = {"alpha": draw(st.sampled_from([0.0, 0.2, 1.0, 3.0])), "n": draw(st.integers(0, 2)),
-            "exclude_zero": draw(st.booleans()), "overlap": draw(st.booleans())}
+            "exclude_zero": draw(st.booleans()), "overlap": draw(st.booleans()),
+            "max_replicas": draw(st.sampled_from([None, None, 0, 1, 2]))}
     return c, owner, costs, opts
 
 
@@ -155,7 +166,14 @@ def test_matches_reference_and_never_worse_than_no_replication(problem):
     assert p.replicas == ref_plan.replicas
     assert p.predicted_time == pytest.approx(ref_time, rel=1e-12)
     assert p.meta["steps"] == ref_steps <= E  # at most E greedy steps
+    cap = opts["max_replicas"]
+    for policy in ("prophet", "fastermoe", "broadcast_topk"):  # no rank receives more than the cap
+        q = p if policy == "prophet" else plan_experts(c, policy, costs, owner, max_replicas=cap)
+        received = [sum(d in q.replicas[e] for e in range(E)) for d in range(R)]
+        assert cap is None or max(received) <= cap, (policy, received)
     static = plan_experts(c, "static", costs, owner, overlap=opts["overlap"])
+    if cap == 0:
+        assert p.replicas == static.replicas
     assert p.predicted_time <= static.predicted_time
     assert p.predicted_time == evaluate(np.asarray(c), p, costs, opts["overlap"]).total_s
     assert plan_experts(c, "prophet", costs, owner, **opts) == p  # same input, same plan
@@ -242,6 +260,10 @@ def test_broadcast_topk_and_static():
     assert ties.replicated == (0,)
     s = plan_experts(M2, "static", UNIT)
     assert s.num_replicas == 0 and s.predicted_time == 1020 and s.policy == "static"
+    # max_replicas 1: each rank receives the hottest of the two it does not own (rank 0 owns E0: it gets E1)
+    assert plan_experts(M2, "broadcast_topk", UNIT, k=2, max_replicas=1).replicas == ((1, 2, 3), (0,), (), ())
+    with pytest.raises(ConfigError, match="max_replicas = -1 must be an integer >= 0"):
+        plan_experts(M2, "prophet", UNIT, max_replicas=-1)
 
 
 # ---- the training-loop helper ------------------------------------------------------------------------------------
