@@ -31,10 +31,10 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from moebal.commands.targets import add_target_parsers, run_target
+from moebal.fileio import output_path
 
 TARGETS: dict[str, tuple[str, str]] = {
     "layer": ("moebal.commands.bench", "MoE layer forward+backward against a dense SwiGLU, a per-expert loop, Tutel"),
@@ -170,8 +170,7 @@ def run_layer(args: argparse.Namespace) -> int:
               "threads": args.threads, "repeats": repeats, "warmup": warmup, "records": records}
     _print_table(records)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        output_path(args.json, "--json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if args.png:
         _plot(records, shape, args.threads, args.png)
     return 0
@@ -503,6 +502,5 @@ def _plot(records: list[dict[str, Any]], shape: LayerShape, threads: int, path: 
                  f"{shape.experts} experts, top-{shape.top_k}, dropless, {threads} threads", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(output_path(path, "--png"), dpi=120)
     plt.close(fig)
