@@ -77,10 +77,17 @@ class MoELayerCosts:
     """T_BNEC of eq. 8: seconds of the non-MoE backward compute of the same block (hides Agg)."""
     backward_factor: float = 2.0
     """Expert backward compute / forward compute (eq. 3 uses 2)."""
+    overlap_share: float = 1.0
+    """Share of the layer's step compute (FEC + FNEC, BEC + BNEC) that eq. 8 lets Trans and Agg hide under: 1
+    when the step is one pass; 1 / M with M micro-batches, where Trans overlaps the block's compute in the
+    first micro-batch's forward only and Agg the last one's backward (the gradients are complete only then),
+    while the A2A and expert compute the plan saves add up over all M."""
     num_ranks: int | None = None
     """D, ranks in the expert-parallel group; None takes it from the count matrix, else it must match."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.overlap_share, numbers.Real) and 0 < float(self.overlap_share) <= 1):
+            raise ConfigError(f"MoELayerCosts.overlap_share = {self.overlap_share!r}: must be in (0, 1]")
         for name in ("token_bytes", "expert_param_bytes", "expert_grad_bytes", "nonmoe_fwd_s", "nonmoe_bwd_s",
                      "backward_factor"):
             v = getattr(self, name)
@@ -211,8 +218,9 @@ def layer_time(costs: MoELayerCosts, max_recv_tokens: float, max_compute_tokens:
     trans = t_trans(costs, holders, num_ranks)
     agg = t_agg(costs, holders, num_ranks)
     if overlap:
-        trans = max(0.0, trans - fec - costs.nonmoe_fwd_s)
-        agg = max(0.0, agg - bec - costs.nonmoe_bwd_s)
+        share = costs.overlap_share
+        trans = max(0.0, trans - share * (fec + costs.nonmoe_fwd_s))
+        agg = max(0.0, agg - share * (bec + costs.nonmoe_bwd_s))
     return 4.0 * t_a2a(costs, max_recv_tokens) + fec + bec + trans + agg
 
 

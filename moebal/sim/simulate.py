@@ -5,6 +5,7 @@ Shape legend: L = layers, G = EP groups of a stage, R = ranks of one EP group, E
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -95,8 +96,10 @@ def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSp
             continue
         s = int(np.searchsorted(first, layer, side="right") - 1)
         if s not in costs_by_stage:
-            costs_by_stage[s] = cost.moe_layer_costs(shape, lay.ep_groups(s)[0].tolist(), tokens, spec.seq_len,
-                                                     num_ranks=lay.ranks)
+            layer_costs = cost.moe_layer_costs(shape, lay.ep_groups(s)[0].tolist(), tokens, spec.seq_len,
+                                               num_ranks=lay.ranks)
+            # the program issues Trans in the first micro-batch's forward and Agg in the last one's backward
+            costs_by_stage[s] = dataclasses.replace(layer_costs, overlap_share=1.0 / spec.micro_batches)
         out.append([plan_experts(predicted[layer, g], policy, costs_by_stage[s], owner=static.owner, **options)
                     for g in range(lay.groups)])
     return out

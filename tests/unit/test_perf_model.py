@@ -61,6 +61,11 @@ def test_eq8_hides_transfers_under_compute():
     # Partly hidden: holders 40 -> Trans = Agg = 500; exposed 500 - 10 - 30 = 460 and 500 - 20 - 60 = 420.
     assert layer_time(c, 0, 10, 40, 4, overlap=True) == pytest.approx(30 + 460 + 420)
     assert layer_time(c, 0, 10, 40, 4, overlap=False) == pytest.approx(30 + 500 + 500)
+    # 4 micro-batches (overlap_share 1/4): Trans hides under a quarter of FEC + FNEC, Agg of BEC + BNEC
+    quarter = dataclasses.replace(c, overlap_share=0.25)
+    assert layer_time(quarter, 0, 10, 40, 4, overlap=True) == pytest.approx(30 + (500 - 10) + (500 - 20))
+    with pytest.raises(ConfigError, match="overlap_share"):
+        dataclasses.replace(c, overlap_share=0.0)
 
 
 def test_piecewise_and_callable_a2a_bandwidth():

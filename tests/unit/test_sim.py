@@ -152,6 +152,30 @@ def test_placement_with_replicas_sends_fewer_tokens() -> None:
     assert b.bytes_by_link_class["nic_in"] != a.bytes_by_link_class["nic_in"]
 
 
+def test_placements_price_the_overlap_window_of_one_micro_batch(monkeypatch) -> None:
+    # the program issues Trans in micro-batch 0's forward and Agg in the last one's backward: eq. 8 may hide them
+    # under one micro-batch's compute, not the step's (it once used the step's: 8x the window at M = 8)
+    import moebal.planner.placement as placement
+    from moebal.sim.simulate import plan_placements
+
+    seen: list[float] = []
+    real = placement.plan_experts
+
+    def spy(counts, policy, cost, owner=None, **opts):
+        seen.append(cost.overlap_share)
+        return real(counts, policy, cost, owner, **opts)
+
+    monkeypatch.setattr(placement, "plan_experts", spy)
+    cm = CostModel("h100", "bf16")
+    for m in (1, 4):
+        spec = SimSpec(layout=Layout(16, pp=2, ep=8), micro_batches=m, micro_batch_size=1, seq_len=512)
+        predicted = SyntheticRouting(num_layers=4, num_experts=8, top_k=2, zipf_s=1.5).counts(
+            0, spec.layout.groups, 8, m * 512)
+        plan_placements("prophet", cm, TINY, spec, predicted, [2, 2], overlap=True)
+        assert seen and set(seen) == {1.0 / m}
+        seen.clear()
+
+
 def test_bad_layouts_are_clear() -> None:
     with pytest.raises(ConfigError, match="multiple of parallel.pp"):
         Layout(10, pp=4)
