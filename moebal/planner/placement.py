@@ -136,7 +136,7 @@ def plan_experts(counts_RE: Any, policy: str = "prophet", cost: MoELayerCosts | 
     if given is not None and not (isinstance(given, (int, np.integer)) and not isinstance(given, bool) and given >= 0):
         raise ConfigError(f"max_replicas = {given!r} must be an integer >= 0 (replicas a rank receives per layer) "
                           f"or None")
-    cap = None if given is None else int(given)
+    cap = opts["max_replicas"] = None if given is None else int(given)
     costs = DEFAULT_COSTS if cost is None else cost
     c_RE, owner_E = check_counts(counts_RE, owner, costs)
     R, E = c_RE.shape
@@ -198,8 +198,7 @@ def _plan_prophet(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts,
     for n in ns:  # ties keep the first listed n
         t, held_RE, info = prophet_search(c_RE, owner_E, costs, alpha=float(alpha), n=int(n),
                                           exclude_zero=bool(opts["exclude_zero"]), overlap=bool(opts["overlap"]),
-                                          max_replicas=None if opts["max_replicas"] is None
-                                          else int(opts["max_replicas"]))
+                                          max_replicas=opts["max_replicas"])
         if best is None or t < best[0]:
             best = (t, held_RE, {**info, "n": int(n)})
     assert best is not None
