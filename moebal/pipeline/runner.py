@@ -126,9 +126,11 @@ class PipelineRunner:
             raise ConfigError(f"parallel.ep = {dims.ep} needs MoE layers whose moe.num_experts "
                               f"({cfg.moe.num_experts}) it divides: choose a divisor of it, or ep=1")
         if dims.ep > 1 and self.scheme.name == "pruning":
-            raise ConfigError("dynamism pruning with expert parallelism inside pipeline stages (parallel.ep > 1) is "
-                              "not supported: the global magnitude threshold does not count expert shards yet; "
-                              "use parallel.ep=1 or another scheme")
+            ep = (f"parallel.ep = {dims.ep}" if cfg.parallel.ep is not None else
+                  f"parallel.ep null: the stage's {dims.ep} ranks")
+            raise ConfigError(f"dynamism pruning with expert parallelism inside pipeline stages ({ep}) is not "
+                              f"supported: the global magnitude threshold does not count expert shards yet; use "
+                              f"parallel.ep=1 or another scheme")
         if cfg.parallel.shard == "optimizer" and self.scheme.idle_parameters():
             raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {self.scheme.name} "
                               f"scheme: a step may leave a parameter without a gradient, which the sharded flats "
