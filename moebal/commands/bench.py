@@ -26,6 +26,7 @@ compute, network namespaces) accept `--device cpu` only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -150,7 +151,7 @@ def run_layer(args: argparse.Namespace) -> int:
 
     base = QUICK if args.quick else LayerShape()
     given = {k: getattr(args, k) for k in ("tokens", "dim", "ffn", "experts", "top_k")}
-    shape = LayerShape(**{k: base.__dict__[k] if v is None else v for k, v in given.items()})  # 0 is refused below
+    shape = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})  # 0 is refused below
     if min(shape.tokens, shape.dim, shape.ffn, shape.experts, shape.top_k) < 1 or shape.top_k > shape.experts:
         raise ConfigError(f"bench layer: sizes must be >= 1 and top_k <= experts; got {shape}")
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):

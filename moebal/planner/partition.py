@@ -15,6 +15,7 @@ gets fewer layers instead of being overloaded (the by-Param failure DynPipe repo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -103,6 +104,7 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
 
     ends, starts = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]  # stage p covers layers [k, i): [i, k]
 
+    @functools.cache  # the second pass reads the same tables as the first
     def stage(p: int) -> tuple[np.ndarray, np.ndarray]:
         """Stage p's load over [k, i) for every (i, k), and whether that span is a stage that fits its cap."""
         load = pre_c[ends] - pre_c[starts] + (first_extra if p == 0 else 0.0) + (last_extra if p == P - 1 else 0.0)
