@@ -290,6 +290,13 @@ class TrainConfig:
     part is recomputed in the backward pass; attention: its attention part; full: the whole layer (only its
     input is kept). Exact in fp32: the same loss and gradients as none. A MoE block that exchanges tokens with
     other ranks recomputes its rank-local compute only (expert GEMMs, shared expert; docs/training.md)."""
+    grad_accum: int = 1
+    """Gradient accumulation without a pipeline: each rank's rows of the global batch run as this many equal
+    micro-batches (forward and backward each), their gradients add up, and the step synchronises, clips and
+    updates once. The same global batch and learning-rate schedule at 1/grad_accum of the activation memory.
+    The loss is weighted by each micro-batch's share of the rank's tokens, the auxiliary losses are the mean of
+    the micro-batches' (computed per forward, as a data-parallel rank computes its own); capacity applies per
+    micro-batch. A pipeline accumulates over pipeline.micro_batches instead (docs/training.md)."""
     record_routing_every: int = 0
     """Every N steps write the step's routing (each token's top-k experts in every MoE layer, last micro-batch,
     this rank's tokens on rank 0) to `routing/step_NNNNNN.npz` in the run directory, the input of Lina's path
@@ -1047,6 +1054,7 @@ def _check_whole(c: Config) -> None:
           f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
           f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)
+    _check_grad_accum(c)
     _need(t.record_routing_every == 0 or (par.pp == 1 and c.moe.num_experts > 0),
           "'train.record_routing_every' records every MoE layer of the model in one process: it needs an MoE "
           "model (moe.num_experts > 0) and no pipeline (parallel.pp 1); set it to 0")
@@ -1248,6 +1256,19 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     _need(s.dilate >= 1.0, f"'scheduler.dilate' must be >= 1 (1: off); got {s.dilate}")
 
 
+def _check_grad_accum(c: Config) -> None:
+    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly, no block overlap."""
+    A, par = c.train.grad_accum, c.parallel
+    if A == 1:
+        return
+    _need(par.pp == 1, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline (parallel.pp "
+          f"{par.pp}) accumulates over its micro-batches: set train.grad_accum 1 and raise pipeline.micro_batches")
+    _need(c.data.batch_size % A == 0, f"data.batch_size ({c.data.batch_size}) does not split into "
+          f"train.grad_accum={A} micro-batches: use a batch size that is a multiple of {A} (times the ranks)")
+    _need(not c.scheduler.block_overlap, f"'scheduler.block_overlap' overlaps one forward's Trans and one "
+          f"backward's Agg; with train.grad_accum {A} the step has {A}: set scheduler.block_overlap false")
+
+
 def _check_train(t: TrainConfig) -> None:
     _need(t.steps >= 1, f"'train.steps' must be at least 1; got {t.steps}")
     _need(t.warmup_steps >= 0, f"'train.warmup_steps' must be >= 0; got {t.warmup_steps}")
@@ -1266,6 +1287,7 @@ def _check_train(t: TrainConfig) -> None:
           f"'train.time_limit_min' must be positive or null; got {t.time_limit_min}")
     _need(t.record_routing_every >= 0,
           f"'train.record_routing_every' must be >= 0 (0: never); got {t.record_routing_every}")
+    _need(t.grad_accum >= 1, f"'train.grad_accum' (micro-batches per step) must be at least 1; got {t.grad_accum}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,6 +81,8 @@ CASES = [
          "ep4_seq256", "train.recompute=moe"),
     Case("ep4_recompute_attention", ("parallel.ep=4", "train.recompute=attention", "data.batch_size=16",
                                      "data.seq_len=256"), "ep4_seq256", "train.recompute=attention"),
+    Case("ep4_grad_accum4", ("parallel.ep=4", "train.grad_accum=4", "data.batch_size=16", "data.seq_len=256"),
+         "ep4_seq256", "train.grad_accum=4"),
 ]
 BASELINE_CASES = [
     Case("tiny_ep4", ("parallel.ep=4", "data.batch_size=16", "data.seq_len=64"), model=tuple(TINY)),

@@ -262,6 +262,14 @@ class ExpertParallelHook(Hook):
         self.ahead = _plan_ahead(cfg, ep, self.balancer)
         self._windows: dict[int, SavedWindow] | None = None  # read from a checkpoint, installed on load
         ep.set_plan_ahead(self.ahead)
+        # train.grad_accum: the step's counts arrive over this many equal forwards, each exchanging 1/A of them;
+        # the planner plans on the step's (compute is paid on every forward, Trans and Agg once per step), the
+        # token chunks of one exchange on one forward's; gradients that go out during the backward pass are
+        # armed for the last micro-batch only (`before_last_micro_batch`)
+        self.micro_batches = cfg.train.grad_accum
+        ep.defer_gradient_sync = self.micro_batches > 1
+        if self.ahead is not None:
+            self.ahead.set_step_scale(float(self.micro_batches))
 
     @property
     def name(self) -> str:
@@ -281,7 +289,7 @@ class ExpertParallelHook(Hook):
             return self.sc.a2a_chunks
         if self.comm_costs is None:
             return 1
-        H_R, recv_R = placement_loads(counts_RE, placement)
+        H_R, recv_R = placement_loads(counts_RE / self.micro_batches, placement)  # one forward's exchange
         return a2a_chunks(self.comm_costs, float(recv_R.max()) * self.token_bytes, float(H_R.max()))[0]
 
     def on_start(self, trainer: Trainer) -> None:
@@ -291,7 +299,8 @@ class ExpertParallelHook(Hook):
             self.comm_costs = self._measure_comm(self.costs)  # collective as well
         if self.comm_costs is not None:
             R = self._uniform.shape[0]  # one exchange under balanced routing: the rows that leave the rank
-            a2a_s = self._uniform.sum(axis=1).max() * (R - 1) / R * self.token_bytes / self.comm_costs.a2a_bandwidth
+            a2a_s = (self._uniform.sum(axis=1).max() / self.micro_batches * (R - 1) / R * self.token_bytes
+                     / self.comm_costs.a2a_bandwidth)
             grads = self.ep.grads
             if grads is not None:  # none under sharded state: the optimizer reduce-scatters
                 self.ep.set_chunk_bytes(chunk_bytes(self.sc, self.comm_costs, grads.reduced_bytes, a2a_s))
@@ -314,6 +323,9 @@ class ExpertParallelHook(Hook):
             d.a2a_chunks = c
         placements = self.balancer.begin_step(self.ids)
         self.ep.apply(placements, plan_ahead=self.balancer.used_arm == "plan")
+
+    def before_last_micro_batch(self, trainer: Trainer, step: int) -> None:
+        self.ep.arm_gradient_sync()
 
     def after_backward(self, trainer: Trainer, step: int) -> None:
         self.ep.aggregate()  # Agg, before the optimizer step

@@ -68,7 +68,8 @@ def check_training(c: ClusterConfig, source: str) -> Config:
         if cfg.moe.num_experts and cfg.moe.num_experts % ep:
             raise ConfigError(f"moe.num_experts ({cfg.moe.num_experts}) is not divisible by the expert-parallel "
                               f"size {ep} of {world} ranks: set train.overrides parallel.ep to a divisor of it")
-        RunContext(ParallelDims(world_size=world, rank=0, ep=ep, pp=pp)).check_batch(cfg.data.batch_size)
+        RunContext(ParallelDims(world_size=world, rank=0, ep=ep, pp=pp)).check_batch(cfg.data.batch_size,
+                                                                                 cfg.train.grad_accum)
     except ConfigError as e:
         raise ConfigError(f"{source}: train: {e}") from None
     return cfg

@@ -44,7 +44,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", choices=(*SHARDS, "auto"), help="sharded model state (default parallel.shard; auto: "
                    "the least sharding that fits, as `moebal train` settles parallel.shard auto)")
     p.add_argument("--recompute", choices=RECOMPUTES, help="activation recomputation (default train.recompute)")
-    p.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default pipeline.micro_batches)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per step: a pipeline's (default "
+                   "pipeline.micro_batches), without one gradient accumulation's (default train.grad_accum)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe", "zb"), help="pipeline schedule (default pipeline.schedule)")
     p.add_argument("--policy", choices=("static", "prophet", "fastermoe", "broadcast_topk"),
                    help="expert placement policy, which bounds the replicas (default planner.policy)")

@@ -159,6 +159,12 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     from moebal.launch.spawn import spawn_local, start_rank_server
 
     start_rank_server(nproc)  # its imports (torch, moebal) run while the data is checked
+    if nproc % cfg.parallel.pp == 0:  # (otherwise the ranks' own check names the split)
+        from moebal.distributed.groups import ParallelDims
+        from moebal.train.distributed import RunContext
+
+        RunContext(ParallelDims(world_size=nproc, rank=0, ep=1, pp=cfg.parallel.pp)).check_batch(
+            cfg.data.batch_size, cfg.train.grad_accum)
     build_data(cfg)
     if args.resume:
         from moebal.train.checkpoint import find_checkpoints

@@ -408,8 +408,8 @@ class ExpertParallel:
             d.placement, d.replicas, d.trans = plc, {}, None
             d.reset_step()
         self._agg = []
-        if self.sched.mode != "off" and self.grads is not None:
-            self.grads.begin_step()  # arm the hooks: chunks go out during the backward pass
+        if not self.defer_gradient_sync:
+            self.arm_gradient_sync()
         for i in range(len(self.dispatchers) if not self.overlap else 1):
             # weights sharded at rest are freed again once every layer's Trans has copied what it sends: the
             # forward gathers each layer in turn (with `overlap` layer 0 stays gathered for its forward)
@@ -417,6 +417,16 @@ class ExpertParallel:
         if not self.overlap:
             for d in self.dispatchers:
                 d.wait_trans()
+
+    defer_gradient_sync = False
+    """Arm the gradient hooks in `arm_gradient_sync` (called before the step's last micro-batch under
+    `train.grad_accum`), not in `apply`: a hook reads `.grad` when one backward pass has finished it, which is
+    the micro-batches' sum only in the last one."""
+
+    def arm_gradient_sync(self) -> None:
+        """With a scheduler, arm the gradient hooks: chunks go out during the (next) backward pass."""
+        if self.sched.mode != "off" and self.grads is not None and not self.grads.active:
+            self.grads.begin_step()
 
     def place_ahead(self, i: int, placement: ExpertPlacement) -> None:
         """Adopt layer i's placement planned ahead (inside the forward of layer i-1) and issue its Trans, which

@@ -133,7 +133,7 @@ _TERM_SETTING = {
     "optimizer state": "parallel.shard=optimizer", "gradients": "parallel.shard=optimizer",
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
-    "logits/loss": "a smaller data.batch_size",
+    "logits/loss": "a smaller data.batch_size (or train.grad_accum above 8)",
     "replicas (Pro-Prophet)": "planner.max_replicas=1 (or planner.policy=static)",
     "migration: whole moments + new flats": "pipeline.rebalance=off",
     "migration: moved layers whole": "pipeline.rebalance=off",
@@ -187,7 +187,7 @@ class MemoryLayout:
     shard: str = "none"
     recompute: str = "none"
     micro_batches: int = 1
-    """Micro-batches per iteration of a pipeline (pp > 1); 1 without one (the trainer does not accumulate)."""
+    """Micro-batches per iteration: a pipeline's (pp > 1), else `train.grad_accum` (gradient accumulation)."""
     schedule: str = "1f1b"
     precision: str = "fp32"
     """fp32, or bf16 (autocast over fp32 master weights)."""
@@ -213,7 +213,8 @@ class MemoryLayout:
         return self.stage_ranks // self.ep
 
     def describe(self) -> str:
-        mb = f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else ""
+        mb = (f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else
+              f" accum={self.micro_batches}" if self.micro_batches > 1 else "")
         weights = " bf16-weights" if self.bf16_copies else ""
         return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard}{weights} "
                 f"recompute={self.recompute} {self.precision}")
@@ -408,8 +409,9 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
     need(cfg.data.batch_size % lay.stage_ranks == 0,
          f"data.batch_size ({cfg.data.batch_size}) is not divisible by the {lay.stage_ranks} ranks of a stage")
     rows = cfg.data.batch_size // lay.stage_ranks
-    need(lay.pp == 1 or lay.micro_batches <= rows,
-         f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}")
+    need(lay.micro_batches <= rows and (lay.pp > 1 or rows % lay.micro_batches == 0),
+         f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}"
+         + ("" if lay.pp > 1 else ", a divisor of it"))
 
 
 def _replicas(cfg: Config, lay: MemoryLayout) -> int:
@@ -483,7 +485,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     in_flight = 2 * max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0) \
         if lay.shard == "optimizer" else biggest
     t["gradients"] = 4.0 * held if lay.shard == "none" else 4 * grads_kept + 4 * in_flight
-    if lay.shard == "optimizer" and lay.pp > 1:  # micro-batches accumulate whole gradients; then one bucket out
+    if lay.shard == "optimizer" and lay.micro_batches > 1:  # micro-batches accumulate whole gradients; then one
+        # bucket out
         t["gradients"] = 4.0 * held + 4.0 * min(held, _SHARD_BUCKET_ELEMS)
     # a pipeline's migration gathers a sharded stage's AdamW moments whole, and the rebuilt optimizer's new flats
     # (a copy of the stage's weights) exist beside the old ones until it returns (moebal/pipeline/migrate.py)
@@ -511,9 +514,9 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     """Activation, logits, buffer and replica terms of stage s (added to `t`)."""
     m, D = cfg.model, cfg.model.dim
     rows = cfg.data.batch_size // lay.stage_ranks
-    M = lay.micro_batches if lay.pp > 1 else 1
+    M = lay.micro_batches  # a pipeline's, or gradient accumulation's (one micro-batch's activations at a time)
     tok = rows * cfg.data.seq_len / M
-    inflight = M if lay.schedule == "gpipe" else min(lay.pp - s, M)
+    inflight = 1 if lay.pp == 1 else M if lay.schedule == "gpipe" else min(lay.pp - s, M)
     sparse = sparse_core_extra(cfg, a, cuda)
     kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv, sparse) for i in layers]
     kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)
@@ -602,7 +605,8 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
             continue
         rows = cfg.data.batch_size // stage
         eps = [e for e in _divisors(stage) if E and E % e == 0] if E else [1]
-        mbs = [1] if pp == 1 else sorted({mb for mb in (pp, 2 * pp, 4 * pp, rows) if mb <= rows and rows % mb == 0})
+        mbs = sorted({mb for mb in ((1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp, rows))
+                      if mb <= rows and rows % mb == 0})
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
@@ -630,7 +634,11 @@ def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int
     an MoE decoder); sharding adds communication (optimizer 0.02: reduce-scatter plus all-gather moves what
     the all-reduce moved; full 0.1: the weights are gathered again for the backward pass); a 1F1B pipeline
     idles (pp - 1) / (M + pp - 1) of the step (GPipe's bubble is the same share); giving up the configured
-    placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing)."""
+    placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing). Micro-batches
+    themselves are not priced, a pipeline's or gradient accumulation's (`train.grad_accum`, pp 1): the same
+    FLOPs in smaller products, whose per-pass fixed costs (launches, the all-to-alls' latency) this estimate
+    leaves out alike for both; among equal scores the fewest stages, then the fewest micro-batches win, so
+    accumulation is preferred to a pipeline that fits only by its micro-batches."""
     score = (_RECOMPUTE_COST[lay.recompute] + _SHARD_COST[lay.shard]
              + ((lay.pp - 1) / (lay.micro_batches + lay.pp - 1) if lay.pp > 1 else 0.0)
              + (0.1 if lay.policy != policy else 0.0))
@@ -674,6 +682,8 @@ def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
 def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
             "micro_batches": "pipeline.micro_batches", "policy": "planner.policy"}
+    if new.pp == 1:
+        keys["micro_batches"] = "train.grad_accum"
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
     return " ".join(out)
 
@@ -749,7 +759,8 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     ep = changes.get("ep") or par.ep or (math.gcd(E, ranks // max(pp, 1)) if E else 1)
     prec = cfg.train.precision.replace("auto", "bf16")
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
-                        micro_batches=cfg.pipeline.micro_batches if pp > 1 else 1, schedule=cfg.pipeline.schedule,
+                        micro_batches=cfg.pipeline.micro_batches if pp > 1 else cfg.train.grad_accum,
+                        schedule=cfg.pipeline.schedule,
                         precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
                         param_dtype=cfg.parallel.param_dtype)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}

@@ -66,10 +66,14 @@ class RunContext:
         """Ranks that split one global batch between them (every rank of a pipeline stage)."""
         return self.dims.size("dp_ep")
 
-    def check_batch(self, batch_size: int) -> None:
-        if batch_size % self.data_ranks:
-            raise ConfigError(f"data.batch_size ({batch_size}) is not divisible by the {self.data_ranks} ranks that "
-                              f"share a batch: choose a batch size that is a multiple of {self.data_ranks}")
+    def check_batch(self, batch_size: int, micro_batches: int = 1) -> None:
+        """Every rank gets as many rows, which split into `micro_batches` equal ones (`train.grad_accum`)."""
+        n = self.data_ranks * micro_batches
+        if batch_size % n:
+            split = (f"the {self.data_ranks} ranks that share a batch" if micro_batches == 1 else
+                     f"{self.data_ranks} ranks x train.grad_accum={micro_batches} micro-batches")
+            raise ConfigError(f"data.batch_size ({batch_size}) is not divisible by {split}: choose a batch size "
+                              f"that is a multiple of {n}")
 
     def shard(self, batch: Batch) -> tuple[Batch, float]:
         """My rows of the global batch, and the factor that makes my mean-per-token loss a share of the global

@@ -43,6 +43,10 @@ class Hook:
     def before_step(self, trainer: Trainer, step: int) -> None:
         """Before step `step` (1-based) reads its batch: apply a plan decided after the previous step."""
 
+    def before_last_micro_batch(self, trainer: Trainer, step: int) -> None:
+        """With `train.grad_accum` > 1, before the forward of the step's last micro-batch: arm what sends
+        gradients during the backward pass (they are final sums only in the last one)."""
+
     def after_backward(self, trainer: Trainer, step: int) -> None:
         """Gradients exist and are not yet clipped: synchronise or aggregate them here."""
 

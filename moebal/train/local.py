@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from moebal.config import Config
@@ -51,8 +52,9 @@ class LocalStep:
         from moebal.train.memory import settle_shard
 
         cfg = settle_shard(cfg, device)  # parallel.shard auto: the memory plan's choice, as `moebal train`'s
-        ctx.check_batch(cfg.data.batch_size)
+        ctx.check_batch(cfg.data.batch_size, cfg.train.grad_accum)
         self.cfg, self.data, self.ctx, self.device = cfg, data, ctx, device
+        self.micro_batches = cfg.train.grad_accum
         self.model = model.to(device)
         self._sharded: ShardedAdamW | FullyShardedAdamW | None = None
         if cfg.parallel.shard == "optimizer" and ctx.distributed:
@@ -63,19 +65,24 @@ class LocalStep:
             # parallel.reduce_dtype; with parallel.param_dtype bf16 it keeps the weights in bf16, fp32 masters
             self._sharded = ShardedAdamW(self.model, cfg.train, ctx.dims,
                                          param_dtype=DTYPES[cfg.parallel.param_dtype],
-                                         reduce_dtype=DTYPES[cfg.parallel.reduce_dtype])
+                                         reduce_dtype=DTYPES[cfg.parallel.reduce_dtype], accumulate=self.accumulates)
         elif cfg.parallel.shard == "full" and ctx.distributed:
             from moebal.distributed.fsdp import FullyShardedAdamW, fully_shard_model
 
             # dense weights, gradients and moments split by FSDP2 (which reduce-scatters their gradients in
             # the backward pass), expert ones by the sharded optimizer, after Agg
             fully_shard_model(self.model, cfg, ctx.dims)
-            self._sharded = FullyShardedAdamW(self.model, cfg, ctx.dims)
+            self._sharded = FullyShardedAdamW(self.model, cfg, ctx.dims, accumulate=self.accumulates)
         self._optimizer = self._sharded or build_optimizer(self.model, cfg.train)
 
     @property
     def module(self) -> torch.nn.Module:
         return self.model
+
+    @property
+    def accumulates(self) -> bool:
+        """The step runs several micro-batches (`train.grad_accum` > 1)."""
+        return self.micro_batches > 1
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -117,17 +124,68 @@ class LocalStep:
                 layer.update_bias(s.routed_E)
         return stats
 
-    def _record_complexity(self, global_batch: Batch, batch: Batch) -> None:
-        """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
-        table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py)."""
+    def _curriculum(self) -> PackedSampler | DocumentSampler | None:
+        """The sampler, when it orders epochs by complexity (`data.order: complexity`); else None."""
         sampler = self.data.train
         # a mixture of sources has no curriculum (build_data gives one to a single source only)
         if not isinstance(sampler, (PackedSampler, DocumentSampler)) or sampler.curriculum is None:
+            return None
+        return sampler
+
+    def _record_complexity(self, global_batch: Batch, batch: Batch, local: np.ndarray | None = None) -> None:
+        """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
+        table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py).
+        `local`: this rank's rows measured per micro-batch (None: from the step's one forward)."""
+        sampler = self._curriculum()
+        if sampler is None:
             return
-        local = row_complexity(self.moe_layers(), batch.labels_BT)
+        assert sampler.curriculum is not None
+        if local is None:
+            local = row_complexity(self.moe_layers(), batch.labels_BT)
         C_BL = self.ctx.global_rows(local, global_batch.ids_BT.shape[0])
         tokens = (global_batch.labels_BT != -100).sum(dim=1).tolist()
         sampler.curriculum.record(sampler.last_ids, C_BL, tokens, at=sampler.position)
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        """This rank's rows as `train.grad_accum` equal micro-batches, in row order."""
+        if not self.accumulates:
+            return [batch]
+        rows = batch.ids_BT.shape[0] // self.micro_batches
+        out = []
+        for j in range(self.micro_batches):
+            ids, labels = batch.ids_BT[j * rows:(j + 1) * rows], batch.labels_BT[j * rows:(j + 1) * rows]
+            out.append(Batch(ids, labels, int((labels != -100).sum())))
+        return out
+
+    def _accumulate(self, trainer: Trainer, step: int, batch: Batch, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+        """Forward and backward of every micro-batch, gradients accumulating: micro-batch j's mean-per-token loss
+        weighted by its share of the rank's tokens (so the sum is the rank's mean, as one forward would give),
+        the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). Hooks'
+        `before_last_micro_batch` arms what sends gradients during the backward pass, so it reads final sums.
+        Every rank runs every micro-batch, one with no label tokens too: the MoE layers' exchanges need
+        every rank's forward. Returns the rank's loss, the mean auxiliary loss and the per-micro-batch row
+        complexities (`data.order: complexity`)."""
+        parts = self._micro_batches(batch)
+        count, total = len(parts), max(batch.n_tokens, 1)
+        loss = aux = torch.zeros((), device=self.device)
+        rows: list[np.ndarray] = []
+        complexity = self._curriculum() is not None
+        for j, part in enumerate(parts):
+            if count > 1 and j == count - 1:
+                for hook in trainer.hooks:
+                    hook.before_last_micro_batch(trainer, step)
+            share = part.n_tokens / total
+            with self.autocast():
+                out = self.model(part.ids_BT, part.labels_BT)
+            # a micro-batch without label tokens has a non-finite mean; its weight is 0 and it adds no gradient
+            part_loss = out.loss if part.n_tokens else out.loss.nan_to_num(0.0, 0.0, 0.0)
+            (part_loss * (scale * share) + out.aux_loss / count).backward()
+            loss = loss + part_loss.detach().float() * share
+            aux = aux + out.aux_loss.detach().float() / count
+            if complexity:
+                rows.append(row_complexity(self.moe_layers(), part.labels_BT))
+        return loss, aux, rows
 
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         global_batch = self.data.train.next_batch()
@@ -137,10 +195,16 @@ class LocalStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        if self._sharded is not None:
-            self._sharded.begin()  # gradient buckets go out during the backward pass
-        loss, aux = self.forward_backward(batch, scale)
-        self._record_complexity(global_batch, batch)
+        if self._sharded is not None and not self.accumulates:
+            # gradient buckets go out during the backward pass; accumulated ones all in `reduce`, after the last
+            self._sharded.begin()
+        if self.accumulates:
+            loss, aux, rows = self._accumulate(trainer, step, batch, scale)
+            if rows:
+                self._record_complexity(global_batch, batch, np.concatenate(rows))
+        else:
+            loss, aux = self.forward_backward(batch, scale)
+            self._record_complexity(global_batch, batch)
         for hook in trainer.hooks:
             hook.after_backward(trainer, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

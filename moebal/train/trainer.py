@@ -139,7 +139,7 @@ class Trainer:
     def _local(self, model: torch.nn.Module | None, load_weights: bool) -> StepStrategy:
         from moebal.train.local import LocalStep
 
-        self.ctx.check_batch(self.cfg.data.batch_size)
+        self.ctx.check_batch(self.cfg.data.batch_size, self.cfg.train.grad_accum)
         seed_everything(self.cfg.train.seed)
         if model is None:
             from moebal.models import build_model

@@ -106,10 +106,15 @@ def test_kernel_auto_gives_one_seed_the_same_losses_in_fresh_runs_and_on_resume(
 
 
 def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
-    # a batch that two ranks cannot split evenly fails on every rank before training; the launcher reports it
+    # a batch that two ranks cannot split evenly is refused by the launcher, before any rank starts
     bad = _train(tmp_path / "bad", "--nproc", "2", "data.batch_size=3")
-    assert bad.returncode != 0
-    assert "divisible" in bad.stderr and "failed" in bad.stderr
+    assert bad.returncode == 2
+    assert "divisible by the 2 ranks" in bad.stderr and "failed" not in bad.stderr, bad.stderr
+    # a refusal that only a rank's own setup makes (its stage's expert-parallel ranks) fails on the ranks; the
+    # launcher reports it and stops the others
+    late = _train(tmp_path / "late", "--nproc", "4", "--pp", "2", "--dynamism", "pruning")
+    assert late.returncode != 0
+    assert "dynamism pruning with expert parallelism" in late.stderr and "failed" in late.stderr, late.stderr
 
 
 def test_divergence_stops_every_rank_at_the_same_step(tmp_path):

@@ -180,3 +180,25 @@ def test_parallel_defaults_nproc_per_device_and_a_30_minute_group_timeout():
     assert par.nproc is None  # resolved at launch: one rank per visible GPU, 2 on a CPU (moebal.launch.spawn)
     assert par.timeout_min == 30.0
     assert C.with_overrides(C.Config(), ["parallel.nproc=3"]).parallel.nproc == 3
+
+
+def test_grad_accum_is_refused_where_it_cannot_run_with_the_fix_named():
+    assert C.load(None, ["train.grad_accum=2"]).train.grad_accum == 2
+    with pytest.raises(ConfigError, match="'train.grad_accum' .* must be at least 1; got 0"):
+        C.load(None, ["train.grad_accum=0"])
+    with pytest.raises(ConfigError, match="raise pipeline.micro_batches"):
+        C.load(None, ["train.grad_accum=2", "parallel.pp=2", "parallel.nproc=2"])
+    with pytest.raises(ConfigError, match=r"data.batch_size \(16\) does not split into train.grad_accum=3"):
+        C.load(None, ["train.grad_accum=3"])
+    with pytest.raises(ConfigError, match="set scheduler.block_overlap false"):
+        C.load(None, ["train.grad_accum=2", "scheduler.block_overlap=true"])
+
+
+def test_the_rank_split_of_accumulated_rows_names_the_multiple():
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.distributed import RunContext
+
+    ctx = RunContext(ParallelDims(world_size=2, rank=0, ep=1, pp=1))
+    ctx.check_batch(8, 4)
+    with pytest.raises(ConfigError, match=r"2 ranks x train.grad_accum=4 micro-batches: .* a multiple of 8"):
+        ctx.check_batch(12, 4)

@@ -258,7 +258,7 @@ def test_refusal_names_a_setting_that_fits():
     fix = line.split("fits with ")[1].split(" (")[0]
     changes = dict(kv.split("=") for kv in fix.split())
     keys = {"parallel.shard": "shard", "train.recompute": "recompute", "parallel.pp": "pp", "parallel.ep": "ep",
-            "pipeline.micro_batches": "micro_batches", "planner.policy": "policy"}
+            "pipeline.micro_batches": "micro_batches", "train.grad_accum": "micro_batches", "planner.policy": "policy"}
     fixed = dataclasses.replace(plan.layout, **{keys[k]: (int(v) if v.isdigit() else v) for k, v in changes.items()})
     assert plan_memory(cfg, fixed, dev).fits
 
@@ -544,3 +544,20 @@ def test_shard_auto_takes_the_least_sharding_that_fits():
     assert layout_from_config(cfg, 1).shard == "none"
     with pytest.raises(ConfigError, match="settle it with choose_shard"):
         layout_from_config(cfg, 4)
+
+
+def test_gradient_accumulation_holds_one_micro_batch_and_is_the_fix_for_activations():
+    cfg = load(None, [*TINY, "data.batch_size=8", "data.seq_len=64", "model.max_seq_len=64"])
+    one = plan_memory(cfg, MemoryLayout(ranks=1), BARE)
+    two = plan_memory(cfg, MemoryLayout(ranks=1, micro_batches=2), BARE)
+    for term in ("activations", "logits/loss"):
+        assert two.terms[term] == one.terms[term] / 2
+    assert two.terms["gradients"] == one.terms["gradients"]
+    assert "accum=2" in two.layout.describe()
+    assert layout_from_config(load(None, [*TINY, "data.batch_size=8", "train.grad_accum=4"]), 1).micro_batches == 4
+    small = DeviceMemory(name="small", capacity_bytes=(one.peak_bytes + two.peak_bytes) / 2, runtime_bytes=0.0,
+                         slack=0.0)
+    line = refusal_line(cfg, plan_memory(cfg, MemoryLayout(ranks=1), small))
+    assert "fits with train.grad_accum=2 " in line, line
+    with pytest.raises(Exception, match="3 micro-batches of 8 rows per rank: use at most 8, a divisor of it"):
+        plan_memory(cfg, MemoryLayout(ranks=1, micro_batches=3), BARE)
