@@ -496,7 +496,8 @@ def expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, ct
     """The trainer's hook with its planner and scheduler coefficients: from a hardware profile now, or measured
     on the job when training starts (`planner.costs: measure`) unless a resumed checkpoint holds the run's
     measurement."""
-    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    # one forward's tokens per rank (train.grad_accum splits the step's into micro-batches)
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep") // cfg.train.grad_accum
     if cfg.planner.costs == "measure":
         from moebal.distributed.calibrate import measure_comm_costs, measure_layer_costs
 
@@ -525,9 +526,15 @@ def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]
     """The hardware profile `planner.costs` names and its coefficients for one MoE layer of this layout."""
     from moebal.planner.cost import CostModel, ModelShape
 
-    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep")
+    # the expert GEMMs run on one forward's rows (train.grad_accum: a micro-batch's); the layer's other work is
+    # paid on every forward of the step
+    A = cfg.train.grad_accum
+    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep") // A
     cost = CostModel(cfg.planner.costs)
-    return cost, cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens, cfg.data.seq_len)
+    c = cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens, cfg.data.seq_len)
+    if A > 1:
+        c = dataclasses.replace(c, nonmoe_fwd_s=c.nonmoe_fwd_s * A, nonmoe_bwd_s=c.nonmoe_bwd_s * A)
+    return cost, c
 
 
 def _plan_ahead(cfg: Config, ep: ExpertParallel, balancer: ExpertBalancer) -> PlanAhead | None:

@@ -105,14 +105,6 @@ class LocalStep:
         get = getattr(self.model, "moe_layers", None)
         return list(get()) if get is not None else []
 
-    def forward_backward(self, batch: Batch, loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss and auxiliary loss of one batch, gradients accumulated. `loss_scale` weights this rank's
-        mean-per-token loss by its share of the global batch's tokens."""
-        with self.autocast():
-            out = self.model(batch.ids_BT, batch.labels_BT)
-        (out.loss * loss_scale + out.aux_loss).backward()
-        return out.loss.detach(), out.aux_loss.detach()
-
     def _routing_step(self, trainer: Trainer) -> list[RoutingStats]:
         """The step's one point for routing statistics: take, reduce (hooks), bias update."""
         layers = self.moe_layers()
@@ -132,22 +124,18 @@ class LocalStep:
             return None
         return sampler
 
-    def _record_complexity(self, global_batch: Batch, batch: Batch, local: np.ndarray | None = None) -> None:
+    def _record_complexity(self, global_batch: Batch, local: np.ndarray) -> None:
         """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
         table on every rank: the rows are gathered), which orders the next epoch (moebal/data/curriculum.py).
-        `local`: this rank's rows measured per micro-batch (None: from the step's one forward)."""
+        `local`: this rank's rows, measured after each micro-batch's forward."""
         sampler = self._curriculum()
-        if sampler is None:
-            return
-        assert sampler.curriculum is not None
-        if local is None:
-            local = row_complexity(self.moe_layers(), batch.labels_BT)
+        assert sampler is not None and sampler.curriculum is not None
         C_BL = self.ctx.global_rows(local, global_batch.ids_BT.shape[0])
         tokens = (global_batch.labels_BT != -100).sum(dim=1).tolist()
         sampler.curriculum.record(sampler.last_ids, C_BL, tokens, at=sampler.position)
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        """This rank's rows as `train.grad_accum` equal micro-batches, in row order."""
+        """This rank's rows (host tensors) as `train.grad_accum` equal micro-batches, in row order."""
         if not self.accumulates:
             return [batch]
         rows = batch.ids_BT.shape[0] // self.micro_batches
@@ -157,16 +145,17 @@ class LocalStep:
             out.append(Batch(ids, labels, int((labels != -100).sum())))
         return out
 
-    def _accumulate(self, trainer: Trainer, step: int, batch: Batch, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
-        """Forward and backward of every micro-batch, gradients accumulating: micro-batch j's mean-per-token loss
-        weighted by its share of the rank's tokens (so the sum is the rank's mean, as one forward would give),
-        the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). Hooks'
+    def forward_backward(self, trainer: Trainer, step: int, batch: Batch, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+        """Forward and backward of this rank's rows, in `train.grad_accum` micro-batches (one without it),
+        gradients accumulating: micro-batch j's mean-per-token loss weighted by its share of the rank's tokens
+        (the sum is the rank's mean, as one forward gives) times `scale` (the rank's share of the global batch's
+        tokens), the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). Hooks'
         `before_last_micro_batch` arms what sends gradients during the backward pass, so it reads final sums.
-        Every rank runs every micro-batch, one with no label tokens too: the MoE layers' exchanges need
-        every rank's forward. Returns the rank's loss, the mean auxiliary loss and the per-micro-batch row
-        complexities (`data.order: complexity`)."""
-        parts = self._micro_batches(batch)
+        Every rank runs every micro-batch, one with no label tokens too (its weight is 0): the MoE layers'
+        exchanges need every rank's forward. Returns the rank's loss, the mean auxiliary loss and the
+        per-micro-batch row complexities (`data.order: complexity`; none without it)."""
+        parts = [part.to(self.device) for part in self._micro_batches(batch)]  # split on the host: no device sync
         count, total = len(parts), max(batch.n_tokens, 1)
         loss = aux = torch.zeros((), device=self.device)
         rows: list[np.ndarray] = []
@@ -190,7 +179,6 @@ class LocalStep:
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         global_batch = self.data.train.next_batch()
         batch, scale = self.ctx.shard(global_batch)
-        batch = batch.to(self.device)
         lr = lr_at(step - 1, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -198,13 +186,9 @@ class LocalStep:
         if self._sharded is not None and not self.accumulates:
             # gradient buckets go out during the backward pass; accumulated ones all in `reduce`, after the last
             self._sharded.begin()
-        if self.accumulates:
-            loss, aux, rows = self._accumulate(trainer, step, batch, scale)
-            if rows:
-                self._record_complexity(global_batch, batch, np.concatenate(rows))
-        else:
-            loss, aux = self.forward_backward(batch, scale)
-            self._record_complexity(global_batch, batch)
+        loss, aux, rows = self.forward_backward(trainer, step, batch, scale)
+        if rows:
+            self._record_complexity(global_batch, np.concatenate(rows))
         for hook in trainer.hooks:
             hook.after_backward(trainer, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

@@ -208,3 +208,18 @@ def test_model_shape_counts_each_presets_attention_and_the_memory_bound_holds(pr
     total = model.num_parameters()
     assert param_count(cfg) <= total
     assert param_count(cfg) >= 0.97 * total  # only shared experts and their gates are left out
+
+
+def test_the_trainers_profile_costs_price_one_micro_batch_of_expert_rows_and_every_forward_of_the_rest() -> None:
+    from moebal.balance.experts import _profile_costs
+    from moebal.config import load
+    from moebal.distributed.groups import ParallelDims
+
+    dims = ParallelDims(world_size=2, rank=0, ep=2, pp=1)
+    base = ["planner.costs=a100", "data.batch_size=16", "data.seq_len=128"]
+    _, one = _profile_costs(load(None, base), dims)
+    _, four = _profile_costs(load(None, [*base, "train.grad_accum=4"]), dims)
+    _, small = _profile_costs(load(None, ["planner.costs=a100", "data.batch_size=4", "data.seq_len=128"]), dims)
+    assert four.expert_tokens_per_s == small.expert_tokens_per_s != one.expert_tokens_per_s
+    assert four.nonmoe_fwd_s == pytest.approx(4 * small.nonmoe_fwd_s)
+    assert four.nonmoe_bwd_s == pytest.approx(4 * small.nonmoe_bwd_s)

@@ -135,3 +135,27 @@ def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path
     assert {"ckpt-0000001", "dashboard.svg", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
     assert finished.steps == 6 and finished.stopped_early is None
+
+
+def test_accumulated_micro_batches_weigh_by_tokens_and_one_without_labels_adds_nothing(tmp_path):
+    """4 rows, the last two without a label: 2 micro-batches give the one-pass loss (the empty one weighs 0, its
+    mean-over-nothing is not a NaN in the loss or the gradients) and the same gradients within 1e-6 (no
+    balancing loss: its per-forward form is another loss)."""
+    from moebal.data import Batch
+
+    grads, losses = [], []
+    for A in (1, 2):
+        trainer = Trainer(tiny(f"train.grad_accum={A}", "data.batch_size=4", "moe.aux_loss_coef=0"),
+                          tmp_path / f"a{A}")
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (4, 16), generator=g)
+        labels = ids.roll(-1, dims=1)
+        labels[2:] = -100
+        labels[1, :5] = -100  # the micro-batches' token counts differ: 16 + 11 and 0
+        batch = Batch(ids, labels, int((labels != -100).sum()))
+        loss, aux, _ = trainer.strategy.forward_backward(trainer, 1, batch, 1.0)
+        losses.append(float(loss))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
+    assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert torch.isfinite(grads[1]).all() and grads[0].shape == grads[1].shape
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-6
