@@ -1313,3 +1313,23 @@ def with_overrides(c: Config, overrides: typing.Sequence[str]) -> Config:
     for item in overrides:
         _apply_override(data, item)
     return from_dict(data, source="<overrides>")
+
+
+def absolute_inputs(c: Config) -> Config:
+    """`c` with the input paths that exist relative to the working directory made absolute: data.source,
+    data.tokenizer, data.mixture's sources, hf.init_from and planner.path_profile. `moebal train` applies it
+    before the run's config.yaml is written, so a resume (`--resume`, a restart, `--resume-from` into another
+    run) finds its inputs from any working directory. A path that does not exist is left as given, for the data
+    loader's error to name it; names that are not paths ('stdlib', 'byte') are left alone."""
+
+    def fix(p: str | None, names: tuple[str, ...] = ()) -> str | None:
+        if p is None or p in names or Path(p).expanduser().is_absolute() or not Path(p).expanduser().exists():
+            return p
+        return str(Path(p).expanduser().resolve())
+
+    d = c.data
+    mixture = {str(fix(k)): w for k, w in d.mixture.items()} if d.mixture else d.mixture
+    data = dataclasses.replace(d, source=str(fix(d.source, ("stdlib",))), tokenizer=str(fix(d.tokenizer, ("byte",))),
+                               mixture=mixture)
+    return dataclasses.replace(c, data=data, hf=dataclasses.replace(c.hf, init_from=fix(c.hf.init_from)),
+                               planner=dataclasses.replace(c.planner, path_profile=fix(c.planner.path_profile)))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moebal.config import Config, refuse_cpu_only
+from moebal.config import Config, absolute_inputs, refuse_cpu_only
 from moebal.distributed.groups import pick_device
 from moebal.errors import ConfigError
 from moebal.interop.hf_config import load
@@ -107,7 +107,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
     elif config is None and args.resume_from and (Path(args.resume_from) / "config.yaml").is_file():
         # a checkpoint continued into another run directory (a branch): the config it was written with
         config = str(Path(args.resume_from) / "config.yaml")
-    cfg = load(config, overrides)
+    # input paths made absolute before config.yaml keeps them: a resume finds them from any working directory
+    cfg = absolute_inputs(load(config, overrides))
     # auto precision is settled here, once, and config.yaml keeps the result (moebal/train/precision.py)
     cfg = resolve_precision(cfg, pick_device())
     if out is None:

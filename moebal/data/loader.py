@@ -13,6 +13,7 @@ which the model's loss ignores.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -182,6 +183,13 @@ class DocumentSampler(_Sampler):
         return self.split.tokens_N[s:e]
 
 
+def _files(names: Any) -> list[str] | None:
+    """Mixture source names as resolved paths ('stdlib' as it is); None for a state without a list."""
+    if not isinstance(names, list):
+        return None
+    return [n if n == "stdlib" else str(Path(n).expanduser().resolve()) for n in map(str, names)]
+
+
 class MixtureSampler:
     """Samples drawn from several sources with weights: for each sample of batch n, the source is drawn from
     `numpy.random.default_rng([seed, 104729, n])` (a pure function of the batch index), then that source's own
@@ -210,7 +218,9 @@ class MixtureSampler:
                 "weights": list(self.weights), "parts": [s.state_dict() for s in self.samplers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind") != "MixtureSampler" or state.get("sources") != self.names \
+        """Sources compare as the files they name (a run started with relative paths, resumed with the absolute
+        ones `moebal train` now writes into config.yaml, is the same mixture)."""
+        if state.get("kind") != "MixtureSampler" or _files(state.get("sources")) != _files(self.names) \
                 or state.get("weights") != self.weights:
             raise DataError(f"the checkpoint's data loader ({state.get('kind')}, sources {state.get('sources')}, "
                             f"weights {state.get('weights')}) is not this run's mixture ({self.names}, "

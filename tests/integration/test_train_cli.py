@@ -137,3 +137,29 @@ def test_a_diverged_run_stops_at_its_first_non_finite_step_and_keeps_its_checkpo
     ckpts = sorted(p.name for p in out.glob("ckpt-*"))
     assert ckpts == [f"ckpt-{bad['step'] - 2:07d}", f"ckpt-{bad['step'] - 1:07d}"], ckpts
     assert f"the newest checkpoint, {out / ckpts[-1]}, is untouched" in r.stderr, r.stderr
+
+
+def test_a_run_started_with_relative_data_paths_resumes_from_another_directory(tmp_path):
+    """config.yaml keeps the input paths absolute (moebal.config.absolute_inputs), so `--resume` from another
+    working directory finds the data; a path that does not exist is left for the loader to name."""
+    import yaml
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}\n" for i in range(400))
+    (work / "data" / "a.txt").write_text(text)
+    (work / "data" / "b.txt").write_text(text.upper())
+    for k, source in enumerate(("data.source=data/a.txt", "data.mixture={data/a.txt: 1, data/b.txt: 2}")):
+        run = tmp_path / f"run{k}"
+        first = run_cli("train", "--out", str(run), *TINY, source, "train.steps=3", "train.ckpt_every=2",
+                        "data.val_fraction=0", "train.eval_every=0", cwd=work)
+        assert first.returncode == 0, first.stderr[-2000:]
+        data = yaml.safe_load((run / "config.yaml").read_text())["data"]
+        names = list(data["mixture"]) if data["mixture"] else [data["source"]]
+        assert all(os.path.isabs(n) and n.startswith(str(work)) for n in names), names
+        resumed = run_cli("train", "--steps", "5", "--out", str(run), "--resume", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4, 5], steps
+    missing = run_cli("train", "--out", str(tmp_path / "x"), *TINY, "data.source=nothere.txt", cwd=work)
+    assert missing.returncode != 0 and "work/nothere.txt' does not exist" in missing.stderr, missing.stderr
