@@ -730,14 +730,15 @@ def load_data(path: str | Path | None = None, overrides: typing.Sequence[str] = 
     """The plain data of a config file (a path or a preset name; None: the defaults) with `a.b=value` overrides
     applied, and the name of its source (for messages)."""
     data: dict[str, Any] = {}
-    source = "<defaults>"
+    source = "the defaults"
     if path is not None:
         p = resolve_path(path)
         source = str(p)
         data = _read_yaml(p)
     for item in overrides:
         _apply_override(data, item)
-    return data, source
+    # a refusal may come from either: the message says both were read
+    return data, f"{source} + overrides" if overrides else source
 
 
 def resolve_path(path: str | Path) -> Path:
