@@ -21,27 +21,30 @@ NO_AUX = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", 
 """The balancing loss is each forward's (a product of the micro-batch's means, not of the step's), so a step of
 micro-batches optimises another loss than one pass: without it the gradients are the same sum."""
 
-VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    # name: (parallel.shard, planner.policy, more sections)
-    "static": ("none", "static", {}),
-    "prophet, lina scheduler": ("none", "prophet", {"scheduler": {"mode": "lina", "chunk_mb": 0.002}}),
-    "prophet, plan-ahead": ("none", "prophet", {"planner": {"plan_ahead": "path", "path_len": 1, "path_refresh": 2,
-                                                         "path_window": 4}}),
-    "prophet, shard optimizer": ("optimizer", "prophet", {}),
-    "prophet, shard full": ("full", "prophet", {}),
+VARIANTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
+    # name: (ranks, parallel.shard, planner.policy, more sections); ep 2 (4 ranks: 2 copies of each expert shard)
+    "static": (2, "none", "static", {}),
+    "prophet, lina scheduler": (2, "none", "prophet", {"scheduler": {"mode": "lina", "chunk_mb": 0.002}}),
+    "prophet, plan-ahead": (2, "none", "prophet", {"planner": {"plan_ahead": "path", "path_len": 1,
+                                                            "path_refresh": 2, "path_window": 4}}),
+    "prophet, shard optimizer": (2, "optimizer", "prophet", {}),
+    "prophet, shard full": (2, "full", "prophet", {}),
+    "4 ranks, shard optimizer": (4, "optimizer", "prophet", {}),
+    "4 ranks, shard full (experts at rest)": (4, "full", "prophet", {}),
 }
 
 
 def _accumulating_pair(rank: int, world: int, root: str, name: str) -> dict[str, Any]:
-    """On 2 expert-parallel ranks: one pass over each rank's 4 rows, then 2 micro-batches of 2 rows each."""
-    shard, policy, sections = VARIANTS[name]
+    """Expert parallelism over 2 ranks (on 4: two copies): one pass over each rank's rows, then 2 micro-batches."""
+    _, shard, policy, sections = VARIANTS[name]
     runs = {}
     for A in (1, 2):
         cfg = shard_cfg(shard, 2, policy, STEPS, sections={**sections, "moe": NO_AUX}, grad_accum=A)
         runs[A] = train_run(cfg, Path(root) / f"accum{A}")
     p, q = runs[1]["params"], runs[2]["params"]
     assert p.keys() == q.keys()
-    return {"one": runs[1]["rows"], "accum": runs[2]["rows"], "param_rel": max(rel(q[n], p[n]) for n in p)}
+    return {"one": runs[1]["rows"], "accum": runs[2]["rows"], "param_rel": max(rel(q[n], p[n]) for n in p),
+            "at_rest": runs[2]["at_rest"]}
 
 
 def _close(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-5) -> None:
@@ -53,12 +56,14 @@ def _close(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-5) 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_two_micro_batches_train_as_one_pass_under_expert_parallelism(tmp_path, name):
-    out = run_ranks(_accumulating_pair, 2, str(tmp_path), name, timeout_s=600)
+    out = run_ranks(_accumulating_pair, VARIANTS[name][0], str(tmp_path), name, timeout_s=600)
     one, accum = out[0]["one"], out[0]["accum"]
     _close(one, accum)
     assert max(r["param_rel"] for r in out) < 1e-5, [r["param_rel"] for r in out]
     assert any(r["grad_norm"] > 0.5 for r in one)  # the clip acted
-    if VARIANTS[name][1] == "prophet":
+    if "at rest" in name:
+        assert out[0]["at_rest"] == 2  # both MoE layers' experts sharded between uses (ZeRO-3)
+    if VARIANTS[name][2] == "prophet":
         assert sum(sum(r["replicas"]) for r in accum) > 0  # Trans and Agg ran
     if "plan-ahead" in name:
         assert any(r.get("plan_ahead_layers") for r in accum)  # layers were planned ahead of their gate
