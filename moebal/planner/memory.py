@@ -680,11 +680,16 @@ def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
 
 
 def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
+    """The overrides that turn `old` into `new`. Micro-batches are a pipeline's (pipeline.micro_batches) or, without
+    one, gradient accumulation's (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed)."""
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
-            "micro_batches": "pipeline.micro_batches", "policy": "planner.policy"}
-    if new.pp == 1:
-        keys["micro_batches"] = "train.grad_accum"
+            "policy": "planner.policy"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
+    accum = (old.micro_batches if old.pp == 1 else 1, new.micro_batches if new.pp == 1 else 1)
+    if new.pp > 1 and (old.pp == 1 or new.micro_batches != old.micro_batches):
+        out.append(f"pipeline.micro_batches={new.micro_batches}")
+    if accum[0] != accum[1]:
+        out.append(f"train.grad_accum={accum[1]}")
     return " ".join(out)
 
 

@@ -561,3 +561,13 @@ def test_gradient_accumulation_holds_one_micro_batch_and_is_the_fix_for_activati
     assert "fits with train.grad_accum=2 " in line, line
     with pytest.raises(Exception, match="3 micro-batches of 8 rows per rank: use at most 8, a divisor of it"):
         plan_memory(cfg, MemoryLayout(ranks=1, micro_batches=3), BARE)
+
+
+def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settings():
+    from moebal.planner.memory import _changes
+
+    accum, pipe = MemoryLayout(ranks=4, micro_batches=2), MemoryLayout(ranks=4, pp=2, micro_batches=4)
+    assert _changes(accum, pipe) == "parallel.pp=2 pipeline.micro_batches=4 train.grad_accum=1"
+    assert _changes(pipe, accum) == "parallel.pp=1 train.grad_accum=2"
+    assert _changes(MemoryLayout(ranks=4), accum) == "train.grad_accum=2"
+    assert _changes(pipe, dataclasses.replace(pipe, micro_batches=8)) == "pipeline.micro_batches=8"
