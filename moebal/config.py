@@ -1258,7 +1258,7 @@ def _check_scheduler(s: SchedulerConfig) -> None:
 
 
 def _check_grad_accum(c: Config) -> None:
-    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly, no block overlap."""
+    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly."""
     A, par = c.train.grad_accum, c.parallel
     if A == 1:
         return
@@ -1266,8 +1266,6 @@ def _check_grad_accum(c: Config) -> None:
           f"{par.pp}) accumulates over its micro-batches: set train.grad_accum 1 and raise pipeline.micro_batches")
     _need(c.data.batch_size % A == 0, f"data.batch_size ({c.data.batch_size}) does not split into "
           f"train.grad_accum={A} micro-batches: use a batch size that is a multiple of {A} (times the ranks)")
-    _need(not c.scheduler.block_overlap, f"'scheduler.block_overlap' overlaps one forward's Trans and one "
-          f"backward's Agg; with train.grad_accum {A} the step has {A}: set scheduler.block_overlap false")
 
 
 def _check_train(t: TrainConfig) -> None:

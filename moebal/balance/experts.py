@@ -87,12 +87,15 @@ class ExpertBalancer:
     `costs` None: measured by `measure` on the first `ensure_costs` (a collective over the group)."""
 
     def __init__(self, cfg: Config, num_ranks: int, costs: MoELayerCosts | None, *, executor_overlaps: bool,
-                 measure: Callable[[], MoELayerCosts] | None = None) -> None:
+                 measure: Callable[[], MoELayerCosts] | None = None, overlap_share: float = 1.0) -> None:
+        """`overlap_share`: the share of the step's compute that Trans and Agg can hide under with overlap (eq. 8):
+        1 / A when the step runs A forwards (`train.grad_accum`) and Trans overlaps the first, Agg the last."""
         p = cfg.planner
+        self.overlap_share = overlap_share
         self.policy, self.every, self.ema, self.hysteresis = p.policy, p.every, p.ema, p.hysteresis
         self.E, self.R = cfg.moe.num_experts, num_ranks
         self.measured = p.costs == "measure"  # the figures belong to this run: checkpoints keep them
-        self.costs, self._measure = costs, measure
+        self.costs, self._measure = self._windowed(costs), measure
         self.overlap = (p.overlap or executor_overlaps) and p.policy == "prophet"
         self.max_replicas = p.max_replicas
         self.planners: dict[int, ExpertPlanner] = {}
@@ -110,10 +113,17 @@ class ExpertBalancer:
             assert self._measure is not None, "ExpertBalancer needs costs or a way to measure them"
             self.set_costs(self._measure())
 
+    def _windowed(self, costs: MoELayerCosts | None) -> MoELayerCosts | None:
+        if costs is None or self.overlap_share == costs.overlap_share:
+            return costs
+        return dataclasses.replace(costs, overlap_share=self.overlap_share)
+
     def set_costs(self, costs: MoELayerCosts) -> None:
-        self.costs = costs
+        windowed = self._windowed(costs)
+        assert windowed is not None
+        self.costs = windowed
         for pl in self.planners.values():
-            pl.cost = costs
+            pl.cost = windowed
 
     def new_planner(self) -> ExpertPlanner:
         extra: dict[str, Any] = {"overlap": True} if self.overlap else {}
@@ -246,7 +256,8 @@ class ExpertParallelHook(Hook):
         self.comm_costs, self._measure_comm = comm_costs, measure_comm
         self.sched, self.sc = ep.sched, cfg.scheduler
         R = ep.dims.size("ep")
-        self.balancer = ExpertBalancer(cfg, R, costs, executor_overlaps=ep.overlap, measure=measure)
+        self.balancer = ExpertBalancer(cfg, R, costs, executor_overlaps=ep.overlap, measure=measure,
+                                       overlap_share=1.0 / cfg.train.grad_accum)
         self.ids = list(range(len(ep.layers)))
         for i in self.ids:
             self.balancer.add_layer(i)

@@ -305,6 +305,7 @@ class ExpertParallel:
         self.layers: list[MoELayer] = []
         self.dispatchers: list[ExpertParallelDispatcher] = []
         self._agg: list[tuple[list[Handle], list[_Inbox]]] = []
+        self._chained: set[int] = set()
         self._chunk_bytes = chunk_bytes
         self._channels = self._grad_channels()
         self.grads: GradSync | None = None
@@ -336,7 +337,7 @@ class ExpertParallel:
         for i, d in enumerate(self.dispatchers):
             d.index = i
             d.on_start = lambda i=i: self._layer_starts(i)
-            d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW)) if self.overlap else None
+            d.on_grads = None  # Agg's hook under `overlap`: set for the backward passes that issue it (`apply`)
             d.ahead = getattr(self, "ahead", None)
         self._rebuild_grads(self._chunk_bytes)
 
@@ -408,6 +409,8 @@ class ExpertParallel:
             d.placement, d.replicas, d.trans = plc, {}, None
             d.reset_step()
         self._agg = []
+        self._chained = set()  # layers whose Trans the overlap chain issued this step
+        self._agg_during_backward(False)
         if not self.defer_gradient_sync:
             self.arm_gradient_sync()
         for i in range(len(self.dispatchers) if not self.overlap else 1):
@@ -424,9 +427,16 @@ class ExpertParallel:
     the micro-batches' sum only in the last one."""
 
     def arm_gradient_sync(self) -> None:
-        """With a scheduler, arm the gradient hooks: chunks go out during the (next) backward pass."""
+        """Arm what sends gradients during the (next) backward pass: with a scheduler the gradient hooks (chunks go
+        out as gradients complete), with `overlap` Agg's hooks (each layer's replica gradients go out when its
+        expert backward is done; under deferral with the earlier micro-batches' sum added, `_agg_issue`)."""
         if self.sched.mode != "off" and self.grads is not None and not self.grads.active:
             self.grads.begin_step()
+        self._agg_during_backward(self.overlap)
+
+    def _agg_during_backward(self, on: bool) -> None:
+        for i, d in enumerate(self.dispatchers):
+            d.on_grads = (lambda dW, i=i: self._agg_issue(i, dW, earlier=self.defer_gradient_sync)) if on else None
 
     def place_ahead(self, i: int, placement: ExpertPlacement) -> None:
         """Adopt layer i's placement planned ahead (inside the forward of layer i-1) and issue its Trans, which
@@ -446,7 +456,9 @@ class ExpertParallel:
         over "ep", not over the ranks a gather spans), and that Trans must then find them gathered rather than
         start a collective some peers would not join."""
         if self.overlap:
-            self._trans(i + 1)
+            if i + 1 not in self._chained:  # once per step: a later forward (micro-batch) finds the replicas held
+                self._chained.add(i + 1)
+                self._trans(i + 1)
         elif self.ahead is not None and i + 1 < len(self.dispatchers):
             w = self.dispatchers[i + 1].weights
             if w is not None and w.trans_reads:
@@ -500,9 +512,11 @@ class ExpertParallel:
             d.placement, d.replicas, d.trans = ExpertPlacement.static(d.E, d.R), {}, None
             d.reset_step()
 
-    def _agg_issue(self, i: int, grads: dict[int, torch.Tensor]) -> None:
+    def _agg_issue(self, i: int, grads: dict[int, torch.Tensor], earlier: bool = False) -> None:
         """Issue Agg of MoE layer i: holders send replica gradients (flat [w1 | w3 | w2]) to the owner, which
-        posts one receive per holder. `grads` maps each replicated expert held here to its gradient."""
+        posts one receive per holder. `grads` maps each replicated expert held here to its gradient; `earlier`
+        (the last micro-batch's backward under accumulation, inside it): add what the earlier micro-batches'
+        backward passes left in the replica's `.grad` (this pass's reaches it only after this hook)."""
         d = self.dispatchers[i]
         tag = 2 + 2 * d.index
         ops: list[Any] = []
@@ -512,6 +526,9 @@ class ExpertParallel:
             if d.r in holders:
                 g = grads.get(e)
                 g = g.to(d.wire_dtype) if g is not None else torch.zeros_like(d.replicas[e])
+                before = d.replicas[e].grad if earlier else None
+                if before is not None:
+                    g = g + before.reshape(-1).to(d.wire_dtype)
                 ops.append(dist.P2POp(dist.isend, g.contiguous(), d.ep_ranks[owner], tag=tag))
             elif d.r == owner:
                 ex = d.layer.experts

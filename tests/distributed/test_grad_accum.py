@@ -29,7 +29,9 @@ VARIANTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
                                                             "path_refresh": 2, "path_window": 4}}),
     "prophet, shard optimizer": (2, "optimizer", "prophet", {}),
     "prophet, shard full": (2, "full", "prophet", {}),
+    "prophet, block overlap": (2, "none", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard optimizer": (4, "optimizer", "prophet", {}),
+    "4 ranks, shard full, block overlap": (4, "full", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard full (experts at rest)": (4, "full", "prophet", {}),
 }
 

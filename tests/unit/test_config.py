@@ -190,8 +190,6 @@ def test_grad_accum_is_refused_where_it_cannot_run_with_the_fix_named():
         C.load(None, ["train.grad_accum=2", "parallel.pp=2", "parallel.nproc=2"])
     with pytest.raises(ConfigError, match=r"data.batch_size \(16\) does not split into train.grad_accum=3"):
         C.load(None, ["train.grad_accum=3"])
-    with pytest.raises(ConfigError, match="set scheduler.block_overlap false"):
-        C.load(None, ["train.grad_accum=2", "scheduler.block_overlap=true"])
 
 
 def test_the_rank_split_of_accumulated_rows_names_the_multiple():

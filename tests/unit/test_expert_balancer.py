@@ -94,3 +94,17 @@ def test_planner_state_round_trips():
     _step(a, 2, {})
     _step(b, 2, {})
     assert all(np.array_equal(a.planners[i].forecast_RE, b.planners[i].forecast_RE) for i in (0, 1))
+
+
+def test_the_overlap_window_of_an_accumulating_step_is_one_forward_for_given_measured_and_loaded_costs():
+    from moebal.planner.perf import MoELayerCosts
+
+    costs = MoELayerCosts(token_bytes=256, expert_param_bytes=1e6, expert_grad_bytes=1e6, expert_tokens_per_s=1e5,
+                          a2a_bandwidth=1e9, trans_bandwidth=1e9, agg_bandwidth=1e9, num_ranks=R)
+    cfg = from_dict({"moe": {"num_experts": E, "top_k": 2}, "planner": {"policy": "prophet"}})
+    b = ExpertBalancer(cfg, R, costs, executor_overlaps=True, overlap_share=0.25)
+    b.add_layer(0)
+    assert b.costs is not None and b.costs.overlap_share == 0.25 and b.planners[0].cost.overlap_share == 0.25
+    b.set_costs(costs)  # measured (or loaded from a checkpoint) later: the same window
+    assert b.costs.overlap_share == 0.25 and b.planners[0].cost.overlap_share == 0.25
+    assert ExpertBalancer(cfg, R, costs, executor_overlaps=True).costs is costs  # one forward: as given
