@@ -31,6 +31,8 @@ recorded as that check's failure with the traceback's last lines, and the next c
    card's capacity: measured peak = (used - reserved after the run: the CUDA context and libraries) + the
    allocator's peak reserved bytes; also the measured runtime and slack against the assumed 2.0 GB and 5 %, and
    the simulator's one-rank step time on the h100 profile against the measured median step (balanced routing).
+9. grad_accum: `train.grad_accum` 1, 2 and 4 through the trainer's step code on the device: fp32 loss and every
+   gradient within 1e-5 of one pass (no balancing loss), then the bf16 activation peak and pass time per count.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -875,6 +877,129 @@ def check_recompute(ctx: Ctx) -> dict[str, Any]:
     return _round(res)
 
 
+# ---- 9. grad_accum --------------------------------------------------------------------------------------------
+
+ACCUM_COUNTS = (1, 2, 4)
+
+
+def _accum_trainers(ctx: Ctx, shape: dict[str, int], aux: float) -> dict[int, Any]:
+    """One `Trainer` per `train.grad_accum` count, each on the device from seed 0 (the same weights). A trainer sets
+    torch's threads (`train.threads`); the caller restores them."""
+    from moebal.config import with_overrides
+    from moebal.train import Trainer
+
+    out = {}
+    for A in ACCUM_COUNTS:
+        cfg = with_overrides(_recompute_config(shape, "none"), [
+            f"train.grad_accum={A}", f"data.batch_size={shape['B']}", "data.max_bytes=200000", "train.threads=2",
+            f"moe.aux_loss_coef={aux}", "train.progress=plain", "train.precision=fp32"])
+        torch.manual_seed(0)  # built on the host and moved (the trainer's own path), so every count's weights agree
+        out[A] = Trainer(cfg, ctx.workdir / "accum" / f"a{A}", device=ctx.device)
+    return out
+
+
+def _accum_pass(trainer: Any, batch: Any, bf16: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The local strategy's forward and backward of one batch (its micro-batches); the loss and the gradients."""
+    trainer.model.zero_grad(set_to_none=True)
+    with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss, _, _ = trainer.strategy.forward_backward(trainer, 1, batch, 1.0)
+    return loss.detach().clone(), [p.grad.detach().clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+def check_grad_accum(ctx: Ctx) -> dict[str, Any]:
+    """`train.grad_accum` 1, 2 and 4 through the trainer's own step code (`LocalStep.forward_backward`) on the
+    device: in fp32 without the balancing loss (whose per-micro-batch form is another loss) the loss and every
+    gradient against A = 1 within 1e-5 relative (summation order only), then in bf16 autocast the activation
+    peak (the allocator's peak over the pass minus what was allocated before it) and the pass time (CUDA
+    events), counts rotated per round, every round kept."""
+    full = ctx.cuda and not ctx.quick
+    shape = ({"D": 1024, "L": 2, "H": 16, "E": 8, "T": 2048, "B": 8} if full
+             else {"D": 64, "L": 2, "H": 4, "E": 4, "T": 64, "B": 4})
+    rounds, passes = (3, 3) if full else (1, 1)
+    threads = torch.get_num_threads()
+    try:
+        return _grad_accum(ctx, shape, rounds, passes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _grad_accum(ctx: Ctx, shape: dict[str, int], rounds: int, passes: int) -> dict[str, Any]:
+    from moebal.data import Batch
+
+    trainers = _accum_trainers(ctx, shape, aux=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (shape["B"], shape["T"]), generator=g)
+    batch = Batch(ids, ids.roll(-1, dims=1), ids.numel())  # host tensors: the strategy moves each micro-batch
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(ctx.cuda, warn_only=True)
+    try:
+        got = {A: _accum_pass(t, batch, bf16=False) for A, t in trainers.items()}
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=True)
+    ref_loss, ref_grads = got[1]
+    exact = {}
+    for A, (loss, grads) in got.items():
+        same = len(grads) == len(ref_grads)
+        worst = max((float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads, ref_grads)),
+                    default=0.0) if same else None
+        exact[A] = {"loss_rel": abs(float(loss - ref_loss)) / max(abs(float(ref_loss)), 1e-30),
+                    "grad_rel_norm_max": worst}
+    bf16 = ctx.cuda and torch.cuda.is_bf16_supported()
+    rows: list[dict[str, Any]] = []
+    counts = list(trainers)
+    for r in range(rounds):
+        for A in counts[r % len(counts):] + counts[:r % len(counts)]:
+            times, peak = [], None
+            _accum_pass(trainers[A], batch, bf16)  # gradients allocated, kernels warm
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)
+                base = torch.cuda.memory_allocated(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            for _ in range(passes):
+                if ctx.cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    _accum_pass(trainers[A], batch, bf16)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    _accum_pass(trainers[A], batch, bf16)
+                    times.append(time.perf_counter() - t0)
+            if ctx.cuda:
+                peak = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
+            rows.append({"round": r, "grad_accum": A, "pass_s": statistics.median(times), "passes_s": times,
+                         "act_peak_mb": peak})
+    for t in trainers.values():
+        t.close()
+    del trainers
+    summary: dict[int, dict[str, Any]] = {}
+    for A in ACCUM_COUNTS:
+        mine = [row for row in rows if row["grad_accum"] == A]
+        summary[A] = {"pass_s": statistics.median(row["pass_s"] for row in mine),
+                      "act_peak_mb": statistics.median(row["act_peak_mb"] for row in mine) if ctx.cuda else None}
+    for A in ACCUM_COUNTS:
+        summary[A]["time_ratio"] = summary[A]["pass_s"] / summary[1]["pass_s"]
+        if ctx.cuda:
+            summary[A]["act_ratio"] = summary[A]["act_peak_mb"] / summary[1]["act_peak_mb"]
+    ok = all(e["grad_rel_norm_max"] is not None and e["grad_rel_norm_max"] < 1e-5 and e["loss_rel"] < 1e-5
+             for e in exact.values())
+    res: dict[str, Any] = {"ok": ok, "shape": shape, "rounds_x_passes": [rounds, passes],
+                           "dtype": "bf16 autocast" if bf16 else "fp32", "exact_fp32": exact,
+                           "summary_by_count": summary, "rounds": rows, "skipped": []}
+    if not ok:
+        res["error"] = f"accumulated gradients differ from one pass by more than 1e-5: {exact}"
+    if not ctx.cuda:
+        res["skipped"].append("activation peak: skipped: the allocator's peak is CUDA's (scripts/bench_memory.py "
+                              "measures resident memory on a CPU)")
+    four = summary[4]
+    act = f" act {four['act_ratio']:.2f}x," if ctx.cuda else ""
+    res["summary"] = (f"fp32 within {max(e['grad_rel_norm_max'] or 0.0 for e in exact.values()):.1e} of one pass; "
+                      f"grad_accum=4:{act} time {four['time_ratio']:.2f}x of 1 ({res['dtype']})")
+    return _round(res)
+
+
 # ---- 8. memory_plan ---------------------------------------------------------------------------------------------
 
 # `moebal train` on one device, then the CUDA allocator's figures, written where MOEBAL_GPU_STATS says.
@@ -1001,6 +1126,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "expert_kernel_vs_dense": check_expert_vs_dense,
     "recompute": check_recompute,
     "memory_plan": check_memory_plan,
+    "grad_accum": check_grad_accum,
 }
 
 

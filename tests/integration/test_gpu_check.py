@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
-          "memory_plan"]
+          "memory_plan", "grad_accum"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
