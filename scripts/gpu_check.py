@@ -790,24 +790,18 @@ def _recompute_exact(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor) -> dic
     return rows
 
 
-def _recompute_cost(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor, rounds: int, steps: int,
-                    bf16: bool) -> dict[str, Any]:
-    """Activation peak (the allocator's peak over a step minus what was allocated before it: weights and kept
-    gradients) and step time (CUDA events; wall clock on a CPU, where the peak is not measured here) of each
-    mode, modes rotated per round, every round kept."""
-    def step(model: Any, x: torch.Tensor) -> None:
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = model(x, x)
-            loss = out.loss + out.aux_loss
-        loss.backward()
-        model.zero_grad(set_to_none=False)
-
-    for model in models.values():  # gradients allocated and kept, kernels warmed
-        step(model, ids)
-    names = list(models)
+def _rotated_costs(ctx: Ctx, runs: dict[Any, Callable[[], None]], rounds: int, steps: int, key: str
+                   ) -> list[dict[str, Any]]:
+    """Activation peak (the allocator's peak over the steps minus what was allocated before them: weights and kept
+    gradients) and step time (CUDA events; wall clock on a CPU, where the peak is not measured) of each run, after
+    one warm-up step of every run (gradients allocated and kept, kernels warmed), runs rotated per round, every
+    round kept: one row per round and run, the run's name under `key`."""
+    for run in runs.values():
+        run()
+    names = list(runs)
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
-        for mode in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             times, peak = [], None
             if ctx.cuda:
                 torch.cuda.synchronize(ctx.device)
@@ -817,19 +811,33 @@ def _recompute_cost(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor, rounds:
                 if ctx.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    step(models[mode], ids)
+                    runs[name]()
                     end.record()
                     end.synchronize()
                     times.append(start.elapsed_time(end) / 1e3)
                 else:
                     t0 = time.perf_counter()
-                    step(models[mode], ids)
+                    runs[name]()
                     times.append(time.perf_counter() - t0)
             if ctx.cuda:
                 peak = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
-            rows.append({"round": r, "mode": mode, "step_s": statistics.median(times), "steps_s": times,
+            rows.append({"round": r, key: name, "step_s": statistics.median(times), "steps_s": times,
                          "act_peak_mb": peak})
-    return {"rounds": rows}
+    return rows
+
+
+def _recompute_cost(ctx: Ctx, models: dict[str, Any], ids: torch.Tensor, rounds: int, steps: int,
+                    bf16: bool) -> dict[str, Any]:
+    """Activation peak and step time of each mode (`_rotated_costs`)."""
+    def step(model: Any) -> None:
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = model(ids, ids)
+            loss = out.loss + out.aux_loss
+        loss.backward()
+        model.zero_grad(set_to_none=False)
+
+    runs: dict[Any, Callable[[], None]] = {mode: (lambda m=m: step(m)) for mode, m in models.items()}
+    return {"rounds": _rotated_costs(ctx, runs, rounds, steps, "mode")}
 
 
 def check_recompute(ctx: Ctx) -> dict[str, Any]:
@@ -945,39 +953,19 @@ def _grad_accum(ctx: Ctx, shape: dict[str, int], rounds: int, passes: int) -> di
         exact[A] = {"loss_rel": abs(float(loss - ref_loss)) / max(abs(float(ref_loss)), 1e-30),
                     "grad_rel_norm_max": worst}
     bf16 = ctx.cuda and torch.cuda.is_bf16_supported()
-    rows: list[dict[str, Any]] = []
-    counts = list(trainers)
-    for r in range(rounds):
-        for A in counts[r % len(counts):] + counts[:r % len(counts)]:
-            times, peak = [], None
-            _accum_pass(trainers[A], batch, bf16)  # gradients allocated, kernels warm
-            if ctx.cuda:
-                torch.cuda.synchronize(ctx.device)
-                base = torch.cuda.memory_allocated(ctx.device)
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            for _ in range(passes):
-                if ctx.cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    _accum_pass(trainers[A], batch, bf16)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
-                else:
-                    t0 = time.perf_counter()
-                    _accum_pass(trainers[A], batch, bf16)
-                    times.append(time.perf_counter() - t0)
-            if ctx.cuda:
-                peak = (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
-            rows.append({"round": r, "grad_accum": A, "pass_s": statistics.median(times), "passes_s": times,
-                         "act_peak_mb": peak})
+
+    def one_pass(trainer: Any) -> None:
+        _accum_pass(trainer, batch, bf16)
+
+    runs: dict[Any, Callable[[], None]] = {A: (lambda t=t: one_pass(t)) for A, t in trainers.items()}
+    rows = _rotated_costs(ctx, runs, rounds, passes, "grad_accum")
     for t in trainers.values():
         t.close()
     del trainers
     summary: dict[int, dict[str, Any]] = {}
     for A in ACCUM_COUNTS:
         mine = [row for row in rows if row["grad_accum"] == A]
-        summary[A] = {"pass_s": statistics.median(row["pass_s"] for row in mine),
+        summary[A] = {"pass_s": statistics.median(row["step_s"] for row in mine),
                       "act_peak_mb": statistics.median(row["act_peak_mb"] for row in mine) if ctx.cuda else None}
     for A in ACCUM_COUNTS:
         summary[A]["time_ratio"] = summary[A]["pass_s"] / summary[1]["pass_s"]
