@@ -250,6 +250,13 @@ def test_training_config_is_checked_before_anything_starts(tmp_path, capsys):
     path = _write(tmp_path / "c.yaml", {**base, "train": {"overrides": {"parallel.ep": 1, "data.batch_size": 16}}})
     assert main(["launch", str(path), "--dry-run"]) == 2
     assert "data.batch_size (16) is not divisible by the 3 ranks" in capsys.readouterr().err
+    accum = {"parallel.ep": 1, "data.batch_size": 12, "train.grad_accum": 2}  # 3 ranks x 2 micro-batches: 6 | 12
+    path = _write(tmp_path / "c.yaml", {**base, "train": {"overrides": accum}})
+    assert main(["launch", str(path), "--dry-run"]) == 0
+    path = _write(tmp_path / "c.yaml", {**base, "train": {"overrides": {**accum, "train.grad_accum": 3}}})
+    assert main(["launch", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "3 ranks x train.grad_accum=3 micro-batches: choose a batch size that is a multiple of 9" in err
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
