@@ -150,8 +150,10 @@ class LocalStep:
         """Forward and backward of this rank's rows, in `train.grad_accum` micro-batches (one without it),
         gradients accumulating: micro-batch j's mean-per-token loss weighted by its share of the rank's tokens
         (the sum is the rank's mean, as one forward gives) times `scale` (the rank's share of the global batch's
-        tokens), the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). Hooks'
-        `before_last_micro_batch` arms what sends gradients during the backward pass, so it reads final sums.
+        tokens), the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). What
+        sends gradients during the backward pass is armed for the last one only, when they are final sums: a
+        sharded optimizer's buckets (`begin`; accumulating, it adds the earlier passes' fp32 sums of bf16
+        compute copies) and hooks' `before_last_micro_batch`.
         Every rank runs every micro-batch, one with no label tokens too (its weight is 0): the MoE layers'
         exchanges need every rank's forward. Returns the rank's loss, the mean auxiliary loss and the
         per-micro-batch row complexities (`data.order: complexity`; none without it)."""
@@ -161,9 +163,12 @@ class LocalStep:
         rows: list[np.ndarray] = []
         complexity = self._curriculum() is not None
         for j, part in enumerate(parts):
-            if count > 1 and j == count - 1:
-                for hook in trainer.hooks:
-                    hook.before_last_micro_batch(trainer, step)
+            if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's are sums
+                if self._sharded is not None:
+                    self._sharded.begin()  # its buckets go out as their gradients complete
+                if count > 1:
+                    for hook in trainer.hooks:
+                        hook.before_last_micro_batch(trainer, step)
             share = part.n_tokens / total
             with self.autocast():
                 out = self.model(part.ids_BT, part.labels_BT)
@@ -183,9 +188,6 @@ class LocalStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        if self._sharded is not None and not self.accumulates:
-            # gradient buckets go out during the backward pass; accumulated ones all in `reduce`, after the last
-            self._sharded.begin()
         loss, aux, rows = self.forward_backward(trainer, step, batch, scale)
         if rows:
             self._record_complexity(global_batch, np.concatenate(rows))

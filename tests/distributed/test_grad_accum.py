@@ -31,6 +31,8 @@ VARIANTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
     "prophet, shard full": (2, "full", "prophet", {}),
     "prophet, block overlap": (2, "none", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard optimizer": (4, "optimizer", "prophet", {}),
+    "4 ranks, shard optimizer, bf16 weights": (4, "optimizer", "prophet", {"parallel": {"param_dtype": "bf16"},
+                                                                           "train": {"precision": "bf16"}}),
     "4 ranks, shard full, block overlap": (4, "full", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard full (experts at rest)": (4, "full", "prophet", {}),
 }
@@ -40,8 +42,10 @@ def _accumulating_pair(rank: int, world: int, root: str, name: str) -> dict[str,
     """Expert parallelism over 2 ranks (on 4: two copies): one pass over each rank's rows, then 2 micro-batches."""
     _, shard, policy, sections = VARIANTS[name]
     runs = {}
+    extra = {k: v for k, v in sections.items() if k not in ("parallel", "train")}
     for A in (1, 2):
-        cfg = shard_cfg(shard, 2, policy, STEPS, sections={**sections, "moe": NO_AUX}, grad_accum=A)
+        cfg = shard_cfg(shard, 2, policy, STEPS, parallel=sections.get("parallel"), sections={**extra, "moe": NO_AUX},
+                        **{**sections.get("train", {}), "grad_accum": A})
         runs[A] = train_run(cfg, Path(root) / f"accum{A}")
     p, q = runs[1]["params"], runs[2]["params"]
     assert p.keys() == q.keys()
@@ -60,8 +64,11 @@ def _close(a: list[dict[str, Any]], b: list[dict[str, Any]], tol: float = 1e-5) 
 def test_two_micro_batches_train_as_one_pass_under_expert_parallelism(tmp_path, name):
     out = run_ranks(_accumulating_pair, VARIANTS[name][0], str(tmp_path), name, timeout_s=600)
     one, accum = out[0]["one"], out[0]["accum"]
-    _close(one, accum)
-    assert max(r["param_rel"] for r in out) < 1e-5, [r["param_rel"] for r in out]
+    # bf16 weights: each pass's gradients arrive rounded to bf16 (one pass: the sum is rounded once); a pass left
+    # out or counted twice would be off by far more
+    tol, param_tol = (2e-3, 5e-2) if "bf16" in name else (1e-5, 1e-5)
+    _close(one, accum, tol)
+    assert max(r["param_rel"] for r in out) < param_tol, [r["param_rel"] for r in out]
     assert any(r["grad_norm"] > 0.5 for r in one)  # the clip acted
     if "at rest" in name:
         assert out[0]["at_rest"] == 2  # both MoE layers' experts sharded between uses (ZeRO-3)
