@@ -166,6 +166,11 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
 
         RunContext(ParallelDims(world_size=nproc, rank=0, ep=1, pp=cfg.parallel.pp)).check_batch(
             cfg.data.batch_size, cfg.train.grad_accum)
+        if cfg.parallel.pp > 1:  # what each stage's runner would refuse, said once
+            from moebal.pipeline.runner import pipeline_ep, refuse_layout
+            from moebal.train.pipelined import scheme_from_config
+
+            refuse_layout(cfg, pipeline_ep(cfg, nproc), scheme_from_config(cfg))
     build_data(cfg)
     if args.resume:
         from moebal.train.checkpoint import find_checkpoints

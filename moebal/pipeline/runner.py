@@ -95,6 +95,26 @@ def pipeline_ep(cfg: Config, world_size: int) -> int:
     return max(1, world_size // max(cfg.parallel.pp, 1))
 
 
+def refuse_layout(cfg: Config, ep: int, scheme: Dynamism) -> None:
+    """The refusals of a pipeline layout that need no process group: every rank's runner makes them, and
+    `moebal train --nproc N` before it starts any rank (`ep`: `pipeline_ep` of the job)."""
+    E, L, pp = cfg.moe.num_experts, cfg.model.n_layers, cfg.parallel.pp
+    if ep > 1 and (E == 0 or E % ep):
+        raise ConfigError(f"parallel.ep = {ep} needs MoE layers whose moe.num_experts ({E}) it divides: choose a "
+                          f"divisor of it, or ep=1")
+    if ep > 1 and scheme.name == "pruning":
+        shards = f"parallel.ep = {ep}" if cfg.parallel.ep is not None else f"parallel.ep null: the stage's {ep} ranks"
+        raise ConfigError(f"dynamism pruning with expert parallelism inside pipeline stages ({shards}) is not "
+                          f"supported: the global magnitude threshold does not count expert shards yet; use "
+                          f"parallel.ep=1 or another scheme")
+    if cfg.parallel.shard == "optimizer" and scheme.idle_parameters():
+        raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {scheme.name} scheme: "
+                          f"a step may leave a parameter without a gradient, which the sharded flats step anyway "
+                          f"where torch's AdamW skips it; use parallel.shard=full or none")
+    if pp > L:
+        raise ConfigError(f"{pp} pipeline stages for {L} layers: every stage needs a layer; use at most {L} stages")
+
+
 class PipelineRunner:
     """Builds this rank's stage from the model; `train_step` trains one step, `evaluate` validates."""
 
@@ -122,23 +142,8 @@ class PipelineRunner:
             dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
                                 ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init(
                 60.0 * cfg.parallel.timeout_min)
-        if dims.ep > 1 and (cfg.moe.num_experts == 0 or cfg.moe.num_experts % dims.ep):
-            raise ConfigError(f"parallel.ep = {dims.ep} needs MoE layers whose moe.num_experts "
-                              f"({cfg.moe.num_experts}) it divides: choose a divisor of it, or ep=1")
-        if dims.ep > 1 and self.scheme.name == "pruning":
-            ep = (f"parallel.ep = {dims.ep}" if cfg.parallel.ep is not None else
-                  f"parallel.ep null: the stage's {dims.ep} ranks")
-            raise ConfigError(f"dynamism pruning with expert parallelism inside pipeline stages ({ep}) is not "
-                              f"supported: the global magnitude threshold does not count expert shards yet; use "
-                              f"parallel.ep=1 or another scheme")
-        if cfg.parallel.shard == "optimizer" and self.scheme.idle_parameters():
-            raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {self.scheme.name} "
-                              f"scheme: a step may leave a parameter without a gradient, which the sharded flats "
-                              f"step anyway where torch's AdamW skips it; use parallel.shard=full or none")
+        refuse_layout(cfg, dims.ep, self.scheme)
         self.dims, self.L = dims, cfg.model.n_layers
-        if dims.pp > self.L:
-            raise ConfigError(f"{dims.pp} pipeline stages for {self.L} layers: every stage needs a layer; "
-                              f"use at most {self.L} stages")
         self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, self.opts.wait, groups=dims.pipe_groups())
         self.P0 = self.chain.size
         self.dp_group, self.dp = dims.group("dp"), dims.dp

@@ -75,10 +75,15 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_losses(tm
 
 
 def test_bad_input_is_not_restarted(tmp_path):
-    # pruning with expert-parallel pipeline stages is refused by each rank's own set-up with exit code 2, which a
-    # restart would repeat (a batch the ranks cannot split is refused by the launcher before any rank starts)
-    bad = run_cli("train", "--nproc", "4", "--pp", "2", "--dynamism", "pruning", "--steps", "4", "--out",
-                  str(tmp_path / "bad"), *TINY, "--max-restarts", "2")
+    # a corrupt checkpoint shard is refused by each rank as it loads, with exit code 2, which a restart would
+    # repeat (bad input the launcher can see, such as a batch the ranks cannot split, never reaches a rank)
+    run = tmp_path / "bad"
+    assert run_cli("train", "--nproc", "2", "--steps", "4", "--seed", "0", "--out", str(run), *TINY).returncode == 0
+    shard = next((run / "ckpt-0000004").glob("optim-*.safetensors"))  # TINY checkpoints every 4 steps
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    bad = run_cli("train", "--nproc", "2", "--steps", "6", "--out", str(run), "--resume", "--max-restarts", "2")
     assert bad.returncode == 2
-    assert "dynamism pruning" in bad.stderr and "failed (exit code 2); stopped the other ranks" in bad.stderr
+    assert "is corrupt" in bad.stderr and "failed (exit code 2); stopped the other ranks" in bad.stderr, bad.stderr
     assert "restarting" not in bad.stderr

@@ -110,11 +110,21 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     bad = _train(tmp_path / "bad", "--nproc", "2", "data.batch_size=3")
     assert bad.returncode == 2
     assert "divisible by the 2 ranks" in bad.stderr and "failed" not in bad.stderr, bad.stderr
-    # a refusal that only a rank's own setup makes (its stage's expert-parallel ranks) fails on the ranks; the
-    # launcher reports it and stops the others
-    late = _train(tmp_path / "late", "--nproc", "4", "--pp", "2", "--dynamism", "pruning")
-    assert late.returncode != 0
-    assert "dynamism pruning with expert parallelism" in late.stderr and "failed" in late.stderr, late.stderr
+    # so is a stage layout its runner would refuse (pruning with the stage's ranks expert-parallel)
+    layout = _train(tmp_path / "layout", "--nproc", "4", "--pp", "2", "--dynamism", "pruning")
+    assert layout.returncode == 2
+    assert "dynamism pruning with expert parallelism" in layout.stderr and "failed" not in layout.stderr
+    # what only a rank finds (a corrupt checkpoint shard, read when it loads) fails on the ranks: the launcher
+    # reports the rank and stops the others
+    run = tmp_path / "run"
+    assert _train(run, "--nproc", "2", "train.ckpt_every=4").returncode == 0
+    shard = next((run / "ckpt-0000008").glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    late = run_cli("train", "--steps", "10", "--out", str(run), "--resume", "--nproc", "2")
+    assert late.returncode == 2
+    assert "is corrupt" in late.stderr and "failed (exit code 2); stopped the other ranks" in late.stderr, late.stderr
 
 
 def test_divergence_stops_every_rank_at_the_same_step(tmp_path):
