@@ -90,7 +90,8 @@ class LocalStep:
 
     def describe(self) -> str:
         d = self.ctx.dims
-        return f"{d.world_size} ranks (ep {d.ep})" if self.ctx.distributed else "one process"
+        where = f"{d.world_size} ranks (ep {d.ep})" if self.ctx.distributed else "one process"
+        return where + (f", {self.micro_batches} micro-batches per step" if self.accumulates else "")
 
     def start(self, trainer: Trainer) -> None:
         """Nothing to measure: the hooks' `on_start` does the expert-parallel calibration."""

@@ -156,6 +156,7 @@ def test_accumulated_micro_batches_weigh_by_tokens_and_one_without_labels_adds_n
         loss, aux, _ = trainer.strategy.forward_backward(trainer, 1, batch, 1.0)
         losses.append(float(loss))
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
+    assert trainer.strategy.describe() == "one process, 2 micro-batches per step"
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-6)
     assert torch.isfinite(grads[1]).all() and grads[0].shape == grads[1].shape
     assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-6
