@@ -507,8 +507,7 @@ def expert_parallel_hook(cfg: Config, ep: ExpertParallel, dims: ParallelDims, ct
     """The trainer's hook with its planner and scheduler coefficients: from a hardware profile now, or measured
     on the job when training starts (`planner.costs: measure`) unless a resumed checkpoint holds the run's
     measurement."""
-    # one forward's tokens per rank (train.grad_accum splits the step's into micro-batches)
-    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep") // cfg.train.grad_accum
+    tokens = _forward_tokens(cfg, dims)
     if cfg.planner.costs == "measure":
         from moebal.distributed.calibrate import measure_comm_costs, measure_layer_costs
 
@@ -533,6 +532,11 @@ def chunk_bytes(sc: SchedulerConfig, comm_costs: CommCosts, total_bytes: float, 
     return sc.chunk_mb * 1e6 if sc.chunk_mb else ar_chunk_bytes(comm_costs, total_bytes=total_bytes, a2a_s=a2a_s)
 
 
+def _forward_tokens(cfg: Config, dims: ParallelDims) -> int:
+    """Tokens of one forward per rank: the rank's rows of the batch, in `train.grad_accum` micro-batches."""
+    return cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep") // cfg.train.grad_accum
+
+
 def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]:
     """The hardware profile `planner.costs` names and its coefficients for one MoE layer of this layout."""
     from moebal.planner.cost import CostModel, ModelShape
@@ -540,9 +544,9 @@ def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]
     # the expert GEMMs run on one forward's rows (train.grad_accum: a micro-batch's); the layer's other work is
     # paid on every forward of the step
     A = cfg.train.grad_accum
-    tokens = cfg.data.batch_size * cfg.data.seq_len // dims.size("dp_ep") // A
     cost = CostModel(cfg.planner.costs)
-    c = cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), tokens, cfg.data.seq_len)
+    c = cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), _forward_tokens(cfg, dims),
+                             cfg.data.seq_len)
     if A > 1:
         c = dataclasses.replace(c, nonmoe_fwd_s=c.nonmoe_fwd_s * A, nonmoe_bwd_s=c.nonmoe_bwd_s * A)
     return cost, c

@@ -40,6 +40,13 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         return Batch(self.ids_BT.to(device), self.labels_BT.to(device), self.n_tokens)
 
+    def part(self, i: int, n: int) -> Batch:
+        """Rows i/n .. (i+1)/n of the batch (n divides its rows) with their own label count: a rank's share
+        (`RunContext.shard`), a micro-batch (`train.grad_accum`)."""
+        rows = self.ids_BT.shape[0] // n
+        labels = self.labels_BT[i * rows:(i + 1) * rows]
+        return Batch(self.ids_BT[i * rows:(i + 1) * rows], labels, int((labels != IGNORE).sum()))
+
 
 def _batch_from_rows(rows: list[np.ndarray]) -> Batch:
     """Right-pad rows of (len + 1) tokens; inputs are row[:-1], labels row[1:], padding labelled -100."""

@@ -80,14 +80,9 @@ class RunContext:
         mean-per-token loss once gradients are averaged over ranks (1.0 when every rank has as many tokens)."""
         if not self.distributed:
             return batch, 1.0
-        from moebal.data import Batch
-
-        n, i = self.data_ranks, self.dims.index("dp_ep")
-        rows = batch.ids_BT.shape[0] // n
-        ids, labels = batch.ids_BT[i * rows:(i + 1) * rows], batch.labels_BT[i * rows:(i + 1) * rows]
-        mine = int((labels != -100).sum())
-        scale = mine * n / max(batch.n_tokens, 1)
-        return Batch(ids, labels, mine), scale
+        n = self.data_ranks
+        mine = batch.part(self.dims.index("dp_ep"), n)
+        return mine, mine.n_tokens * n / max(batch.n_tokens, 1)
 
     def global_rows(self, local_RX: np.ndarray, batch_rows: int) -> np.ndarray:
         """[batch_rows, X]: every rank's per-row values of its shard (`shard`'s rows) in global row order. Exact:

@@ -139,12 +139,7 @@ class LocalStep:
         """This rank's rows (host tensors) as `train.grad_accum` equal micro-batches, in row order."""
         if not self.accumulates:
             return [batch]
-        rows = batch.ids_BT.shape[0] // self.micro_batches
-        out = []
-        for j in range(self.micro_batches):
-            ids, labels = batch.ids_BT[j * rows:(j + 1) * rows], batch.labels_BT[j * rows:(j + 1) * rows]
-            out.append(Batch(ids, labels, int((labels != -100).sum())))
-        return out
+        return [batch.part(j, self.micro_batches) for j in range(self.micro_batches)]
 
     def forward_backward(self, trainer: Trainer, step: int, batch: Batch, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
