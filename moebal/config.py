@@ -36,6 +36,7 @@ __all__ = [
     "PipelineConfig",
     "PlannerConfig",
     "SchedulerConfig",
+    "SpikeConfig",
     "TrainConfig",
     "apply_override",
     "build_schema",
@@ -241,6 +242,27 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class SpikeConfig:
+    """What a step whose loss or gradient norm is not finite, or whose loss spikes, does to the run
+    (moebal/train/spikes.py, docs/training.md "Loss spikes")."""
+
+    action: Literal["stop", "rollback"] = "stop"
+    """stop: end the run at that step (exit code 2), its checkpoints untouched. rollback: go back to the run's
+    newest checkpoint, skip the data batches trained since it (and `skip_extra` more), and go on (PaLM's
+    recovery), at most `max_rollbacks` times; every rollback is a line of `rollbacks.jsonl` in the run
+    directory, which a resume from that checkpoint honours."""
+    factor: float = 0.0
+    """A step whose loss is above this many times the median loss of the previous `window` steps is a spike;
+    0 (the default): only a non-finite loss or gradient norm is."""
+    window: int = 20
+    """Steps of loss history the spike test compares with (no spike is called before that many steps)."""
+    skip_extra: int = 0
+    """Batches skipped beyond those trained since the checkpoint (PaLM skipped some after the spike too)."""
+    max_rollbacks: int = 3
+    """Rollbacks a run may make; the next bad step stops it as `action: stop` would."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     """The optimisation loop, logging and checkpoints."""
 
@@ -297,6 +319,8 @@ class TrainConfig:
     The loss is weighted by each micro-batch's share of the rank's tokens, the auxiliary losses are the mean of
     the micro-batches' (computed per forward, as a data-parallel rank computes its own); capacity applies per
     micro-batch. A pipeline accumulates over pipeline.micro_batches instead (docs/training.md)."""
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    """Non-finite steps and loss spikes: stop, or roll back and skip the batches (moebal/train/spikes.py)."""
     record_routing_every: int = 0
     """Every N steps write the step's routing (each token's top-k experts in every MoE layer, last micro-batch,
     this rank's tokens on rank 0) to `routing/step_NNNNNN.npz` in the run directory, the input of Lina's path
@@ -1287,6 +1311,12 @@ def _check_train(t: TrainConfig) -> None:
     _need(t.record_routing_every >= 0,
           f"'train.record_routing_every' must be >= 0 (0: never); got {t.record_routing_every}")
     _need(t.grad_accum >= 1, f"'train.grad_accum' (micro-batches per step) must be at least 1; got {t.grad_accum}")
+    sp = t.spike
+    _need(sp.factor == 0 or sp.factor > 1, f"'train.spike.factor' must be above 1 (a loss that many times the "
+          f"recent median is a spike) or 0 (only non-finite steps); got {sp.factor}")
+    _need(sp.window >= 1, f"'train.spike.window' (steps of loss history) must be at least 1; got {sp.window}")
+    for key, iv in [("train.spike.skip_extra", sp.skip_extra), ("train.spike.max_rollbacks", sp.max_rollbacks)]:
+        _need(iv >= 0, f"'{key}' must be >= 0; got {iv}")
 
 
 # --------------------------------------------------------------------------------------------

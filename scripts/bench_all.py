@@ -424,6 +424,8 @@ RUNS: tuple[Run, ...] = (
     Run("checkpoint", ("python", "scripts/bench_checkpoint.py")),
     Run("test_resharding", ("python", "-m", "pytest", "tests/integration/test_resharding.py",
                             "tests/distributed/test_pipeline_resume.py"), json="none"),
+    Run("test_rollback", ("python", "-m", "pytest", "tests/unit/test_spikes.py",
+                          "tests/distributed/test_rollback.py"), json="none"),
     Run("restart", ("python", "scripts/bench_restart.py")),
     Run("memory", ("python", "scripts/bench_memory.py"), ("python", "scripts/bench_memory.py", "--quick"),
         timeout_s=7200),
@@ -516,6 +518,10 @@ ROWS: tuple[Row, ...] = (
     Row("resume under another layout", "test_resharding", fig_pytest,
         TEST, asserts="resumed under another layout (expert-parallel ranks, stages, pipeline to one process): "
         "losses within 1e-5 of one uninterrupted run, bitwise under the same layout"),
+    Row("rollback after a loss spike (`train.spike.action: rollback`)", "test_rollback", fig_pytest,
+        TEST, asserts="a real spike (weights x30) rolls back to the newest checkpoint and skips the batches since "
+        "it: losses bitwise those of the checkpoint resumed past the same batches, in one process, under expert "
+        "parallelism with Pro-Prophet replicas and in a 2-stage pipeline"),
     Row("recovery after a killed rank (target < 1 min)", "restart", fig_restart,
         MEASURED_RUN),
     Row("memory plan vs measured peak memory per rank (4 gloo ranks, 80M-parameter MoE)", "memory", fig_memory,

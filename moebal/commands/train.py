@@ -22,9 +22,10 @@ from moebal.interop.hf_config import load
 from moebal.train.precision import resolve_precision
 
 if TYPE_CHECKING:
+    from moebal.distributed.groups import ParallelDims
     from moebal.train import Trainer
 
-__all__ = ["add_arguments", "run", "summary_lines"]
+__all__ = ["add_arguments", "build_trainer", "run", "summary_lines"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,8 @@ def summary_lines(r: object, extra: list[str] | None = None) -> list[str]:
         lines.append(f"  expert load max/mean per MoE layer (last 10% of steps): {per}; "
                      f"dropped assignments {r.dropped}")
     lines += extra or []
+    if r.rollbacks:
+        lines.append(f"  rollbacks after bad steps: {r.rollbacks} (rollbacks.jsonl)")
     if r.stopped_early:
         lines.append(f"  stopped early: {r.stopped_early}; `--resume` finishes the run")
     lines.append(f"  run directory: {r.run_dir}")
@@ -241,18 +244,22 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
     nproc = _local_ranks(cfg) if "RANK" not in os.environ else 1
     if nproc > 1:
         return _spawn(args, cfg, out, nproc)
-    trainer = _build_trainer(cfg, out, args.resume_from or bool(args.resume) or auto, auto)
+    from moebal.train.spikes import train_with_rollbacks
+
+    trainer = build_trainer(cfg, out, args.resume_from or bool(args.resume) or auto, auto)
+    dims = trainer.ctx.dims if trainer.ctx.distributed else None
     try:
-        return _train(trainer, cfg, out, args, wall0)
+        return train_with_rollbacks(trainer, lambda ckpt, d: build_trainer(cfg, out, str(ckpt), False, d),
+                                    lambda t: _train(t, cfg, out, args, wall0))
     finally:
-        trainer.close()
-        if trainer.ctx.distributed:
-            trainer.ctx.dims.close()  # local for gloo: a released rank leaves without waiting for the others
+        if dims is not None:
+            dims.close()  # local for gloo: a released rank leaves without waiting for the others
 
 
-def _build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool) -> Trainer:
+def build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool, dims: ParallelDims | None = None) -> Trainer:
     """One trainer for every mode: a pipeline stage (parallel.pp > 1), data x expert parallelism (a torchrun
-    job), or one process. --auto-resume (`auto`) may find no checkpoint and start over."""
+    job), or one process. --auto-resume (`auto`) may find no checkpoint and start over. `dims`: the process
+    groups of the job, when it has joined them already (a rollback)."""
     from moebal.train import Hook, Trainer
 
     hooks: list[Hook] = []
@@ -267,13 +274,14 @@ def _build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool) -> Tr
     if cfg.parallel.pp > 1:
         from moebal.train.pipelined import pipeline_trainer
 
-        return pipeline_trainer(cfg, out, resume=resume, require_checkpoint=not auto, hooks=hooks)
+        return pipeline_trainer(cfg, out, resume=resume, require_checkpoint=not auto, hooks=hooks, dims=dims)
     ctx, model = None, None
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         from moebal.train.distributed import setup_parallel
 
         # --auto-resume may find no checkpoint and start over: then the run needs its initial weights
-        ctx, model, parallel = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume))
+        ctx, model, parallel = setup_parallel(cfg, load_weights=not resume or auto, run_dir=out, resume=bool(resume),
+                                              dims=dims)
         hooks = parallel + hooks
     else:
         from moebal.balance.experts import refuse_idle_plan_ahead
@@ -311,7 +319,8 @@ def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, w
                "tokens": result.tokens, "tokens_per_s": result.tokens_per_s, "wall_seconds": result.wall_seconds,
                "train_seconds": result.train_seconds, "setup_seconds": result.setup_seconds,
                "load_imbalance": result.load_imbalance, "dropped": result.dropped,
-               "stopped_early": result.stopped_early, "run_dir": str(result.run_dir),
+               "stopped_early": result.stopped_early, "rollbacks": result.rollbacks,
+               "run_dir": str(result.run_dir),
                **trainer.strategy.summary(trainer)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(summary) if args.json else "\n".join(summary_lines(result,

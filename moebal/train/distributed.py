@@ -169,8 +169,10 @@ class RunContext:
 
 
 def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None = None,
-                   resume: bool = False) -> tuple[RunContext, torch.nn.Module, list[Hook]]:
-    """Join the job described by the torchrun environment and build this rank's model and hooks.
+                   resume: bool = False, dims: ParallelDims | None = None) -> tuple[RunContext, torch.nn.Module,
+                                                                                   list[Hook]]:
+    """Join the job described by the torchrun environment (or take the process groups `dims` of a job already
+    joined: a rollback builds the trainer again) and build this rank's model and hooks.
 
     With `scheduler.expert_packing: lina` the expert-parallel size is chosen first (measured on the job, or
     read from `run_dir`'s packing.json when the run `resume`s; moebal/balance/packing.py).
@@ -193,8 +195,8 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     if pp != 1:
         raise ConfigError("parallel.pp > 1 runs the pipeline engine (moebal.pipeline); this entry point builds "
                           "data and expert parallelism only")
-    ep = cfg.parallel.ep or world
-    if cfg.scheduler.expert_packing != "off" and world > 1 and cfg.moe.num_experts:
+    ep = dims.ep if dims is not None else cfg.parallel.ep or world
+    if dims is None and cfg.scheduler.expert_packing != "off" and world > 1 and cfg.moe.num_experts:
         from moebal.balance.packing import choose_expert_parallel
 
         rank, _, local = env_world()
@@ -208,7 +210,8 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
     from moebal.balance.experts import refuse_idle_plan_ahead
 
     refuse_idle_plan_ahead(cfg, ep, world)
-    dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=60.0 * cfg.parallel.timeout_min)
+    if dims is None:
+        dims = ParallelDims.from_env(ep=ep, pp=pp).init(timeout_s=60.0 * cfg.parallel.timeout_min)
     refuse_cpu_only(cfg, dims.device.type)
     ctx = RunContext(dims)
     seed_everything(cfg.train.seed)

@@ -5,7 +5,9 @@ batch, set the learning rate, forward + backward, synchronise, clip, AdamW step:
 or data x expert parallelism, `PipelineStep` for this rank's pipeline stage; moebal/train/strategy.py), hooks'
 `after_step` (observe -> plan -> apply), then, the same in every mode: validation when due (or when the time
 limit ends the run), a metrics line, new plans into `plans.jsonl`, the progress display, a checkpoint when due.
-A rank that a pipeline re-pack released leaves the loop at once and writes nothing more.
+A rank that a pipeline re-pack released leaves the loop at once and writes nothing more. A bad step (a loss or
+gradient norm that is not finite, or a loss spike: `train.spike`) stops the run, or rolls it back to its newest
+checkpoint past the batches around the spike (moebal/train/spikes.py).
 
 Exact resume: the checkpoint holds weights, AdamW state, the data sampler's position, every RNG state, hook
 states, the strategy's state (a pipeline's partition, costs and scheme) and the run's expert kernel (settled
@@ -18,7 +20,6 @@ this rank's own under the same layout, rank 0's otherwise; `StepStrategy.saved_r
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -39,11 +40,13 @@ from moebal.train.checkpoint import (
     open_for_resume,
     restore_rng,
     rng_state,
+    step_of,
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog, read_metrics
 from moebal.train.progress import Progress
+from moebal.train.spikes import Rollback, append_rollback, bad_step, read_rollbacks, rollback_for
 from moebal.train.strategy import StepStrategy
 
 __all__ = ["RunResult", "Trainer", "default_device", "default_threads"]
@@ -84,6 +87,8 @@ class RunResult:
     """Why the run ended before train.steps (the time limit); None when it ran to the end."""
     released_at: int | None = None
     """The step after which a pipeline re-pack released this rank (it trained no further); None otherwise."""
+    rollbacks: int = 0
+    """Rollbacks the run has made (`train.spike.action: rollback`; the lines of its rollbacks.jsonl)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,6 +120,11 @@ class Trainer:
         self.ctx = ctx or RunContext()
         set_threads(cfg)
         ckpt = self._find_resume(resume, require_checkpoint)
+        # read after `_find_resume`'s collective: rank 0 writes a rollback's line before it gets there again
+        self.rollbacks = read_rollbacks(self.run_dir)
+        self.loss_history: list[float] = []
+        """The last `train.spike.window` good steps' losses (the spike test's reference; checkpointed)."""
+        self._resumed_at: int | None = None
         self.data = data or build_data(cfg)
         if strategy is None:
             strategy = self._local(model, load_weights=ckpt is None)
@@ -195,11 +205,18 @@ class Trainer:
         s = reader.state
         self.strategy.read_state(reader)
         self.data.train.load_state_dict(s["data"])  # checks the data fits before anything is applied
+        rollback = rollback_for(self.rollbacks, reader.step)
+        if rollback is not None:  # the run went back to this checkpoint: its skipped batches stay skipped
+            self.data.train.load_state_dict(rollback["data"])
+            for _ in range(int(rollback["skip_extra"])):
+                self.data.train.next_samples()
         for hook in self.hooks:
             hook.read_tensors(reader)
         pending.apply()
         self.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
         self.last_val = s.get("last_val")
+        self.loss_history = [float(x) for x in s.get("loss_history", [])]
+        self._resumed_at = reader.step
         self.strategy.apply_state(reader)
         mine = s["ranks"][self.strategy.saved_rank(s)]
         for hook in self.hooks:
@@ -213,7 +230,8 @@ class Trainer:
         """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
         `keep_checkpoints` are kept."""
         global_state = {"data": self.strategy.data_state(), "tokens": self.tokens,
-                        "train_seconds": self.train_seconds, "last_val": self.last_val, "kernels": self.kernels}
+                        "train_seconds": self.train_seconds, "last_val": self.last_val, "kernels": self.kernels,
+                        "loss_history": self.loss_history}
         rank_state = {"rng": rng_state(), "hooks": {h.name: h.state_dict() for h in self.hooks},
                       **self.strategy.rank_state()}
         self.checkpointer.ranks = self.strategy.writing_ranks()  # a released rank is not waited for
@@ -308,12 +326,15 @@ class Trainer:
                 if self._due(t.eval_every, self.step) or timed_out:
                     self.last_val = record["val_loss"] = self.evaluate()
                 self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
-                diverged = not all(math.isfinite(record.get(k) or 0.0) for k in ("loss", "grad_norm"))
+                # every rank holds the same reduced loss and norm, so every rank calls the same step bad
+                bad = bad_step(record.get("loss"), record.get("grad_norm"), self.loss_history, t.spike)
                 if log is not None and (self.step % t.log_every == 0 or "val_loss" in record
-                                        or self.step == t.steps or diverged):
+                                        or self.step == t.steps or bad):
                     log.write(record)
-                if diverged:  # every rank holds the same reduced loss and norm: all stop at this step
-                    raise self._diverged(record)
+                if bad:
+                    raise self._bad_step(record, *bad)
+                if record.get("loss") is not None:
+                    self.loss_history = (self.loss_history + [float(record["loss"])])[-t.spike.window:]
                 if main:
                     self._write_plans()
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
@@ -344,22 +365,60 @@ class Trainer:
             result.stopped_early = f"train.time_limit_min={t.time_limit_min} reached after step {self.step}/{t.steps}"
         return result
 
-    def _diverged(self, record: dict[str, Any]) -> TrainingError:
-        """The error of a step whose loss or gradient norm is not finite. Its optimizer step has already applied
-        the non-finite gradients, so nothing of this state is saved: the checkpoints written so far (each at a
-        step checked finite) are left as they are, and the message names the newest and how to go on."""
+    def _bad_step(self, record: dict[str, Any], kind: str, why: str) -> TrainingError:
+        """What a bad step raises: a `Rollback` to the newest checkpoint (`train.spike.action: rollback`, while
+        rollbacks are left), else the error that stops the run. Either way its optimizer step has already
+        applied the step's gradients, so nothing of this state is saved, and the checkpoints written so far
+        (each at a step checked good) are left as they are."""
         self.checkpointer.wait_quietly()  # a save in flight (train.ckpt_async) completes and is listed
+        sp = self.cfg.train.spike
+        if sp.action == "stop":
+            return self._stop(record, kind, why, "")
+        if len(self.rollbacks) >= sp.max_rollbacks:
+            return self._stop(record, kind, why, f"the run has made its train.spike.max_rollbacks "
+                                                 f"({sp.max_rollbacks}) rollbacks")
+        if len(self.strategy.writing_ranks()) < self.ctx.dims.world_size:
+            return self._stop(record, kind, why, "a re-pack released ranks, which a rollback cannot bring back")
+        # the newest checkpoint every rank sees (an async save's last rename may still be on its way)
+        found = find_checkpoints(self.run_dir)
+        resume_step = min(self.ctx.gather(step_of(found[-1]) if found else -1))
+        if resume_step < 0:
+            return self._stop(record, kind, why, "there is no checkpoint to roll back to")
+        return self._rollback(record, why, resume_step)
+
+    def _rollback(self, record: dict[str, Any], why: str, resume_step: int) -> Rollback:
+        """Record the rollback to checkpoint `resume_step` (rank 0, on disk before any rank reloads) and say it."""
+        sp = self.cfg.train.spike
+        skipped = self.step - resume_step + sp.skip_extra
+        previous = rollback_for(self.rollbacks, resume_step) if self._resumed_at == resume_step else None
+        if previous is not None:  # a second rollback to the same checkpoint skips the first one's batches too
+            skipped += int(previous["skipped_batches"])
+        entry = {"step": self.step, "reason": why, "loss": record.get("loss"), "grad_norm": record.get("grad_norm"),
+                 "resume_step": resume_step, "skipped_batches": skipped, "skip_extra": sp.skip_extra,
+                 "data": self.strategy.data_state(), "time": record.get("time")}
+        if self.ctx.is_main:
+            append_rollback(self.run_dir, entry)
+        path = self.run_dir / f"ckpt-{resume_step:07d}"
+        batches = f"{skipped} batch{'es' if skipped != 1 else ''}"
+        return Rollback(f"step {self.step}: {why}: rolled back to {path} (rollback {len(self.rollbacks) + 1} of at "
+                        f"most {sp.max_rollbacks}), skipping {batches}", entry, path)
+
+    def _stop(self, record: dict[str, Any], kind: str, why: str, no_rollback: str) -> TrainingError:
+        """The error of a bad step that ends the run (`no_rollback`: why a rollback was not made); the message
+        names the newest checkpoint and what to change."""
         found = find_checkpoints(self.run_dir)
         t = self.cfg.train
         where = (f"the newest checkpoint, {found[-1]}, is untouched: continue from it with `moebal train --out "
                  f"{self.run_dir} --resume` (or from an earlier one with --resume-from, if the loss had already "
                  f"gone bad there) and a change below as an override" if found else
                  "no checkpoint was written before it: start again with a change below")
-        return TrainingError(
-            f"step {self.step}: the loss is {record.get('loss')} and the gradient norm {record.get('grad_norm')}: "
-            f"training diverged and stopped without saving this state; {where} (train.lr lower than {t.lr}, "
-            f"train.grad_clip {'above 0' if t.grad_clip <= 0 else f'below {t.grad_clip}'}, train.warmup_steps "
-            f"longer than {t.warmup_steps})")
+        clip = "above 0" if t.grad_clip <= 0 else f"below {t.grad_clip}"
+        changes = f"train.lr lower than {t.lr}, train.grad_clip {clip}, train.warmup_steps longer than {t.warmup_steps}"
+        if t.spike.action == "stop":
+            changes += ", or train.spike.action=rollback to skip the batches around it"
+        what = "training diverged" if kind == "diverged" else "the loss spiked"
+        return TrainingError(f"step {self.step}: {why}: {what} and stopped without saving this state"
+                             f"{f' ({no_rollback})' if no_rollback else ''}; {where} ({changes})")
 
     def _write_dashboard(self) -> None:
         from moebal.train.dashboard import write_dashboard
@@ -375,7 +434,8 @@ class Trainer:
                          train_loss=float(np.mean([r["loss"] for r in recent])), val_loss=self.last_val,
                          unigram_entropy=self.data.corpus.unigram_entropy, tokens=self.tokens,
                          train_seconds=self.train_seconds, wall_seconds=wall, setup_seconds=self.setup_seconds,
-                         load_imbalance=imbalance, dropped=sum(sum(r.get("dropped", [])) for r in recent))
+                         load_imbalance=imbalance, dropped=sum(sum(r.get("dropped", [])) for r in recent),
+                         rollbacks=len(self.rollbacks))
 
 
 def set_threads(cfg: Config) -> None:

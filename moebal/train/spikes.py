@@ -1,0 +1,138 @@
+"""Bad steps: a loss or gradient norm that is not finite, or a loss spike, and what the run does about them.
+
+`train.spike.action: stop` ends the run at the bad step (its checkpoints untouched). `rollback` is PaLM's
+recovery (Chowdhery et al. 2022, section 5.1: restart from a checkpoint before the spike and skip the data
+batches around it): the trainer goes back to the run's newest checkpoint and skips the batches trained since
+it, plus `skip_extra` more. Each rollback is one line of `rollbacks.jsonl` in the run directory, written by
+rank 0 before any rank reloads:
+
+    {"step": 57, "reason": "...", "loss": 9.1, "grad_norm": 3.2, "median": 4.0, "resume_step": 50,
+     "skipped_batches": 7, "skip_extra": 0, "data": {...}}
+
+`data` is the data loader's position after the bad step (the strategy's `data_state`, which counts batches a
+pipeline has read ahead as unread) and `skip_extra` the batches to draw past it. A resume from checkpoint
+`resume_step` (the in-process reload after the rollback, or any later restart from that checkpoint before
+the run has written a newer one) takes the newest such line's position instead of the checkpoint's, so a
+crash after a rollback does not train the skipped batches again. A checkpoint written after the rollback
+holds the skipped position itself.
+
+A spike is a finite loss above `factor` times the median of the previous `window` steps' losses (the losses
+every rank already holds, reduced, so every rank calls the same step bad at no extra cost). The history is part
+of the checkpoint, so a resumed run calls the same steps bad as the uninterrupted one. A bad step's loss does
+not enter the history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from moebal.config import SpikeConfig
+from moebal.errors import CheckpointError, TrainingError
+
+if TYPE_CHECKING:
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.trainer import Trainer
+
+T = TypeVar("T")
+
+__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "rollback_for",
+           "train_with_rollbacks"]
+
+ROLLBACKS = "rollbacks.jsonl"
+
+
+class Rollback(TrainingError):
+    """The run went back to a checkpoint: build the trainer again from `record["resume_step"]` (what `moebal
+    train` does) to continue past the skipped batches."""
+
+    def __init__(self, message: str, record: dict[str, Any], checkpoint: Path) -> None:
+        super().__init__(message)
+        self.record, self.checkpoint = record, checkpoint
+
+
+def bad_step(loss: float | None, grad_norm: float | None, history: list[float],
+             spike: SpikeConfig) -> tuple[str, str] | None:
+    """Whether a step is bad: ("diverged", why) for a loss or gradient norm that is not finite, ("spiked", why)
+    for a loss above `spike.factor` times the median of the last `spike.window` losses of `history`, else
+    None."""
+    if not all(math.isfinite(x) for x in (loss or 0.0, grad_norm or 0.0)):
+        return "diverged", f"the loss is {loss} and the gradient norm {grad_norm}"
+    if spike.factor and loss is not None and len(history) >= spike.window:
+        median = statistics.median(history[-spike.window:])
+        if loss > spike.factor * median:
+            return "spiked", (f"the loss {loss:.4g} is {loss / median:.2f}x the median {median:.4g} of the "
+                              f"previous {spike.window} steps (train.spike.factor {spike.factor})")
+    return None
+
+
+def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's rollback records, oldest first ([] when it has none)."""
+    path = Path(run_dir) / ROLLBACKS
+    if not path.is_file():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            int(rec["resume_step"]), int(rec["skip_extra"]), dict(rec["data"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path} line {n} is not a rollback record ({e}): the run's skipped batches "
+                                  f"cannot be known; restore the file, or delete the line to train them "
+                                  f"again") from None
+        out.append(rec)
+    return out
+
+
+def rollback_for(records: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """The newest rollback to checkpoint `step`: its data position replaces the checkpoint's on resume."""
+    mine = [r for r in records if int(r["resume_step"]) == step]
+    return mine[-1] if mine else None
+
+
+def append_rollback(run_dir: str | Path, record: dict[str, Any]) -> None:
+    """Add one record to the run's `rollbacks.jsonl`, on disk before this returns (a crash right after the
+    rollback must still skip the batches)."""
+    path = Path(run_dir) / ROLLBACKS
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def train_with_rollbacks(trainer: Trainer, rebuild: Callable[[Path, ParallelDims | None], Trainer],
+                         run: Callable[[Trainer], T]) -> T:
+    """`run(trainer)`; after a `Rollback` (raised on every rank at the same step) the trainer is released and
+    `rebuild(checkpoint, dims)` builds the next one from the checkpoint over the same process groups (`dims`,
+    None in one process), as often as the run rolls back. The last trainer is released on the way out; the
+    process groups stay with the caller."""
+    try:
+        while True:
+            try:
+                return run(trainer)
+            except Rollback as e:
+                if trainer.ctx.is_main:
+                    sys.stderr.write(f"moebal train: {e}\n")
+                    sys.stderr.flush()
+                started, dims = trainer.created, trainer.ctx.dims if trainer.ctx.distributed else None
+                _release(trainer)
+                trainer = rebuild(e.checkpoint, dims)
+                trainer.created = started  # train.time_limit_min counts from start-up
+    finally:
+        _release(trainer)
+
+
+def _release(trainer: Trainer) -> None:
+    """The trainer's strategy and communication scheduler (not the process groups)."""
+    trainer.close()
+    if trainer.ctx.comm is not None:
+        trainer.ctx.comm.close()
+        trainer.ctx.comm = None

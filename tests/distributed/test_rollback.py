@@ -1,0 +1,65 @@
+"""A loss spike under expert parallelism (Pro-Prophet's replicas) and in a 2-stage pipeline: the job rolls back to its
+newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what `moebal train` runs),
+skips the batches since it, and trains on bit for bit as the checkpoint resumed past those batches would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moebal.distributed.testing import run_ranks
+from tests.distributed.shard_parity import shard_cfg
+from tests.unit.test_spikes import Blow
+
+SPIKE = {"spike": {"action": "rollback", "factor": 3.0, "window": 3, "skip_extra": 1}, "ckpt_every": 3,
+         "keep_checkpoints": 5}
+LAYOUTS = {"ep 2, prophet": ({"ep": 2}, "prophet"), "pp 2": ({"pp": 2, "ep": 1}, "static")}
+
+
+def _rolled_back(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
+    from moebal.commands.train import build_trainer
+    from moebal.train.spikes import read_rollbacks, train_with_rollbacks
+
+    parallel, policy = LAYOUTS[layout]
+    cfg = shard_cfg("none", parallel["ep"], policy, 8, parallel=parallel, **SPIKE)
+    run, ref = Path(root) / "run", Path(root) / "ref"
+    first = build_trainer(cfg, run, False, False)
+    first.hooks.append(Blow(at=5))
+    dims = first.ctx.dims
+    rebuilt: list[Any] = []
+
+    def rebuild(ckpt: Path, d: Any) -> Any:
+        assert d is dims  # the same process groups
+        rebuilt.append(build_trainer(cfg, run, str(ckpt), False, d))
+        return rebuilt[-1]
+
+    result = train_with_rollbacks(first, rebuild, lambda t: t.train())
+    assert result.rollbacks == 1 and len(rebuilt) == 1
+    # the reference: the checkpoint resumed in another directory, steps 4 and 5's batches and one more dropped
+    other = build_trainer(cfg, ref, str(run / "ckpt-0000003"), False, dims)
+    for _ in range(3):
+        other.data.train.next_samples()
+    train_with_rollbacks(other, rebuild, lambda t: t.train())
+    if not first.ctx.is_main:
+        return {}
+
+    def losses(d: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"run": losses(run), "ref": losses(ref), "rollbacks": read_rollbacks(run),
+            "replicas": [sum(r.get("replicas", [0])) for r in rows]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_rollback_trains_on_as_the_checkpoint_resumed_past_the_skipped_batches(tmp_path, layout):
+    out = run_ranks(_rolled_back, 2, str(tmp_path), layout, timeout_s=300)[0]
+    (rec,) = out["rollbacks"]
+    assert rec["step"] == 5 and rec["resume_step"] == 3 and rec["skipped_batches"] == 3
+    assert sorted(out["run"]) == list(range(1, 9))
+    assert all(out["run"][s] == out["ref"][s] for s in range(4, 9)), (out["run"], out["ref"])
+    if "prophet" in layout:
+        assert sum(out["replicas"]) > 0  # Pro-Prophet replicated experts across the rollback

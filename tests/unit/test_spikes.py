@@ -1,0 +1,120 @@
+"""Bad steps (moebal/train/spikes.py): the spike test, and a rollback that skips the batches since the checkpoint
+and trains on bit for bit as a resume from that checkpoint past those batches would."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moebal.config import SpikeConfig
+from moebal.errors import CheckpointError, ConfigError, TrainingError
+from moebal.train import Hook, Trainer
+from moebal.train.spikes import ROLLBACKS, Rollback, bad_step, read_rollbacks, rollback_for
+from tests.unit.test_train import tiny
+
+SPIKE = ["train.spike.factor=3", "train.spike.window=3", "train.ckpt_every=3", "train.keep_checkpoints=5",
+         "train.steps=8", "train.eval_every=0"]
+
+
+class Blow(Hook):
+    """Scales every weight by 30 before step `at`: a real loss spike at that step."""
+
+    name = "blow"
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def before_step(self, trainer, step):
+        if step == self.at:
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(30.0)
+
+
+def losses(run) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_bad_step_calls_non_finite_steps_and_spikes_against_the_median_of_the_window():
+    sp = SpikeConfig(factor=2.0, window=3)
+    assert bad_step(float("nan"), 1.0, [], sp)[0] == "diverged"
+    assert bad_step(1.0, float("inf"), [], SpikeConfig())[0] == "diverged"
+    assert bad_step(9.0, 1.0, [1.0, 1.0], sp) is None  # not yet a full window
+    assert bad_step(4.0, 1.0, [0.1, 1.0, 2.0, 2.5], sp) is None  # the median of the last 3 is 2: 2.0x, not above
+    kind, why = bad_step(4.0, 1.0, [0.1, 1.0, 2.0, 1.9], sp)  # ... and 1.9 here: 2.1x
+    assert kind == "spiked" and "2.11x the median 1.9 of the previous 3 steps" in why
+    assert bad_step(1e9, 1.0, [1.0] * 5, SpikeConfig()) is None  # factor 0: only non-finite steps are bad
+    with pytest.raises(ConfigError, match="train.spike.factor"):
+        tiny("train.spike.factor=0.5")
+    with pytest.raises(ConfigError, match="train.spike.window"):
+        tiny("train.spike.window=0")
+
+
+def test_a_spike_stops_the_run_without_saving_its_state(tmp_path):
+    trainer = Trainer(tiny(*SPIKE), tmp_path, hooks=[Blow(at=5)])
+    with pytest.raises(TrainingError, match="step 5: the loss .* the loss spiked and stopped") as e:
+        trainer.train()
+    assert not isinstance(e.value, Rollback) and "train.spike.action=rollback" in str(e.value)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000003"] and max(losses(tmp_path)) == 5
+    assert not (tmp_path / ROLLBACKS).exists()
+
+
+def test_a_rollback_skips_the_batches_since_the_checkpoint_and_trains_on_as_a_resume_past_them(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.spike.skip_extra=1")
+    first = Trainer(cfg, run, hooks=[Blow(at=5)])
+    with pytest.raises(Rollback) as e:
+        first.train()
+    first.close()
+    assert e.value.checkpoint == run / "ckpt-0000003" and "rolled back to" in str(e.value)
+    (rec,) = read_rollbacks(run)
+    assert rec["step"] == 5 and rec["resume_step"] == 3 and rec["skipped_batches"] == 3 and rec["skip_extra"] == 1
+    assert rec["loss"] > 3 * sorted(losses(run)[s] for s in (2, 3, 4))[1]
+    # the loss history went into the checkpoint: the resumed trainer can call a spike at its first step
+    again = Trainer(cfg, run, resume=str(e.value.checkpoint))
+    assert len(again.loss_history) == 3 and again.loss_history == [losses(run)[s] for s in (1, 2, 3)]
+    result = again.train()
+    assert result.steps == 8 and result.rollbacks == 1
+    got = losses(run)
+    assert sorted(got) == list(range(1, 9))  # the rolled-back steps' lines went with the rollback
+    # reference: the checkpoint resumed elsewhere, three batches drawn and dropped by hand (steps 4 and 5, and
+    # one more), then trained: the same losses bit for bit
+    ref = Trainer(cfg, tmp_path / "ref", resume=str(run / "ckpt-0000003"))
+    for _ in range(3):
+        ref.data.train.next_samples()
+    ref.train()
+    want = losses(tmp_path / "ref")
+    assert all(got[s] == want[s] for s in range(4, 9)), (got, want)
+    # a restart from the same checkpoint (a crash after the rollback) skips the same batches
+    crash = Trainer(cfg, run, resume=str(run / "ckpt-0000003"))
+    crash.train()
+    assert losses(run) == got
+    # and without the skip the run would have trained other batches
+    plain = Trainer(tiny(*SPIKE), tmp_path / "plain", resume=str(run / "ckpt-0000003"))
+    plain.train()
+    assert losses(tmp_path / "plain")[4] != got[4]
+
+
+def test_rollbacks_stop_at_their_maximum_and_a_second_one_to_the_same_checkpoint_skips_the_first_ones_too(tmp_path):
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.spike.max_rollbacks=2", "train.ckpt_every=4")
+    first = Trainer(cfg, tmp_path, hooks=[Blow(at=5)])
+    with pytest.raises(Rollback):
+        first.train()
+    second = Trainer(cfg, tmp_path, resume=str(tmp_path / "ckpt-0000004"), hooks=[Blow(at=6)])
+    with pytest.raises(Rollback) as e:
+        second.train()
+    assert e.value.record["skipped_batches"] == 1 + 2  # step 5's batch, then steps 5 and 6 after it
+    third = Trainer(cfg, tmp_path, resume=str(tmp_path / "ckpt-0000004"), hooks=[Blow(at=5)])
+    with pytest.raises(TrainingError, match=r"made its train.spike.max_rollbacks \(2\) rollbacks") as stop:
+        third.train()
+    assert not isinstance(stop.value, Rollback)
+    assert [r["step"] for r in read_rollbacks(tmp_path)] == [5, 6]
+    assert rollback_for(read_rollbacks(tmp_path), 4)["step"] == 6 and rollback_for(read_rollbacks(tmp_path), 3) is None
+
+
+def test_a_damaged_rollback_record_is_refused_with_the_fix(tmp_path):
+    (tmp_path / ROLLBACKS).write_text('{"step": 5}\n')
+    with pytest.raises(CheckpointError, match="line 1 is not a rollback record .* delete the line"):
+        read_rollbacks(tmp_path)
