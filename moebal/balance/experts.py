@@ -30,9 +30,10 @@ in the checkpoints: a resumed run plans from the same numbers, hence the same pl
 one (a re-measurement would differ and change replicas, so the summation order, so the last bits of the loss).
 
 Overlap: plans are costed with Trans/Agg hidden under compute (Pro-Prophet's eq. 8 instead of eq. 6) when
-`planner.overlap` is set or when the executor does overlap them (`ExpertParallel.overlap`: the trainer's
-`scheduler.block_overlap`; pipeline stages never overlap). One rule for both adapters: the executor is asked
-what it does, so a plan is never costed for an overlap that does not happen, nor the other way round.
+`planner.overlap` is set or when the executor does overlap them (`ExpertParallel.overlap`:
+`scheduler.block_overlap`, in the expert-parallel trainer and in pipeline stages alike; the window is one
+micro-batch's compute). One rule for both adapters: the executor is asked what it does, so a plan is never
+costed for an overlap that does not happen, nor the other way round.
 """
 
 from __future__ import annotations
@@ -623,8 +624,12 @@ class StageExperts:
         from moebal.train.precision import autocast_dtype
 
         dtype = autocast_dtype(cfg, dims.device)  # replicas travel in the compute dtype
-        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype)
-                                          if self.R > 1 else None)
+        overlap = cfg.scheduler.block_overlap
+        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype,
+                                                         overlap=overlap) if self.R > 1 else None)
+        if self.ep is not None and overlap:
+            # Agg's hooks go with the forward whose backward is the stage's last (`last_pass`), not with Trans
+            self.ep.defer_gradient_sync = True
         if self.ep is None:
             for i in stage.layer_ids:
                 self.prepare_layer(i, stage.layer(i))
@@ -633,7 +638,11 @@ class StageExperts:
         self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_stage_ahead`)
         self.ahead_metrics: dict[int, dict[str, float]] = {}  # per global layer id, of the last observed step
         if self.ep is not None:
-            self.balancer = ExpertBalancer(cfg, self.R, _planner_costs(cfg, dims), executor_overlaps=self.ep.overlap)
+            # eq. 8's window: Trans hides under the first micro-batch's forward, Agg under the last one's backward,
+            # one micro-batch's compute of the step's (as under train.grad_accum); planned micro-batching varies
+            # the count per step and is priced at pipeline.micro_batches
+            self.balancer = ExpertBalancer(cfg, self.R, _planner_costs(cfg, dims), executor_overlaps=self.ep.overlap,
+                                           overlap_share=1.0 / cfg.pipeline.micro_batches)
             for i in self._moe_ids():
                 self.balancer.add_layer(i)
             self._rebuild_ahead()
@@ -719,9 +728,17 @@ class StageExperts:
         placements = self.balancer.begin_step(self._moe_ids())
         self.ep.apply(placements, plan_ahead=self.balancer.used_arm == "plan")
 
+    def last_pass(self, on: bool) -> None:
+        """The engine's `last_pass` (moebal/pipeline/engine.py): with `scheduler.block_overlap`, Agg's hooks are
+        armed for the forward whose backward is the stage's last of the step, so each MoE layer's replica
+        gradients (that backward's plus the earlier passes' sum) leave inside it."""
+        if self.ep is not None and self.ep.overlap:
+            self.ep.arm_agg(on)
+
     def after_backward(self) -> None:
         """Agg: replica gradients back to their owners, the replicas dropped (nothing may run on them); then
-        observe the step's counts and plan the next step's placements (collective over the ep group)."""
+        observe the step's counts and plan the next step's placements (collective over the ep group). With the
+        block overlap Agg went out during the last backward and is waited for here."""
         if self.ep is not None:
             self.ep.aggregate()
             self.ep.release()

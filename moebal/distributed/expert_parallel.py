@@ -305,6 +305,7 @@ class ExpertParallel:
         self.layers: list[MoELayer] = []
         self.dispatchers: list[ExpertParallelDispatcher] = []
         self._agg: list[tuple[list[Handle], list[_Inbox]]] = []
+        self._agg_issued: set[int] = set()  # layers whose Agg went out this step
         self._chained: set[int] = set()
         self._chunk_bytes = chunk_bytes
         self._channels = self._grad_channels()
@@ -408,7 +409,7 @@ class ExpertParallel:
                                  f"expert-parallel layout ({d.R} ranks, owners {d.owner})")
             d.placement, d.replicas, d.trans = plc, {}, None
             d.reset_step()
-        self._agg = []
+        self._agg, self._agg_issued = [], set()
         self._chained = set()  # layers whose Trans the overlap chain issued this step
         self._agg_during_backward(False)
         if not self.defer_gradient_sync:
@@ -433,6 +434,12 @@ class ExpertParallel:
         if self.sched.mode != "off" and self.grads is not None and not self.grads.active:
             self.grads.begin_step()
         self._agg_during_backward(self.overlap)
+
+    def arm_agg(self, on: bool) -> None:
+        """Arm (or disarm) Agg's in-backward hooks for the forwards that follow, with the earlier passes' sum
+        added (`defer_gradient_sync`): a pipeline stage arms them for the forward of its last backward's
+        micro-batch only (the hooks are captured per forward), without a gradient scheduler of its own."""
+        self._agg_during_backward(on and self.overlap)
 
     def _agg_during_backward(self, on: bool) -> None:
         for i, d in enumerate(self.dispatchers):
@@ -518,6 +525,7 @@ class ExpertParallel:
         (the last micro-batch's backward under accumulation, inside it): add what the earlier micro-batches'
         backward passes left in the replica's `.grad` (this pass's reaches it only after this hook)."""
         d = self.dispatchers[i]
+        self._agg_issued.add(i)
         tag = 2 + 2 * d.index
         ops: list[Any] = []
         inbox: list[_Inbox] = []
@@ -541,9 +549,12 @@ class ExpertParallel:
 
     def aggregate(self) -> None:
         """Agg: sum replica gradients into the owners' gradients (fixed rank order); call after backward. With
-        `overlap` the transfers were issued during the backward pass and are only waited for here."""
-        if not self.overlap:
-            for i, d in enumerate(self.dispatchers):
+        `overlap` the transfers were issued during the backward pass and are only waited for here, except a
+        layer's whose last backward pass did not reach its experts (a pipeline stage whose last micro-batch
+        skipped the layer, or a stage that differentiates nothing): that one goes now, from `.grad`. Every rank
+        of the "ep" group runs the same layers in the same passes, so they agree on which."""
+        for i, d in enumerate(self.dispatchers):
+            if i not in self._agg_issued:
                 self._agg_issue(i, {e: buf.grad for e, buf in d.replicas.items() if buf.grad is not None})
         for handles, inbox in self._agg:
             for h in handles:

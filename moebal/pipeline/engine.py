@@ -29,6 +29,7 @@ are the runner's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ from moebal.pipeline.units import ATTN, LAYER
 from moebal.pipeline.zero_bubble import WeightGradQueue
 from moebal.planner.schedule import make_schedule
 
-__all__ = ["IterationResult", "PipelineEngine"]
+__all__ = ["IterationResult", "PipelineEngine", "last_backward"]
 
 
 @dataclass
@@ -93,6 +94,14 @@ class PipelineEngine:
         self.record_ops = False
         self.dilate = 1.0
         """> 1: emulate devices this many times slower than a core (`pipeline.dilate`)."""
+        self.last_pass: Callable[[bool], None] | None = None
+        """Called with True just before the forward of the micro-batch whose backward is this stage's last of the
+        step, with False just after it. Pro-Prophet's block overlap arms Agg's hooks for that forward (a forward
+        captures them for its own backward), so each MoE layer's replica gradients leave inside the step's last
+        backward, with what the earlier backward passes left in `.grad` (`ExpertParallel.arm_gradient_sync`).
+        Every schedule runs a micro-batch's backward after its forward, so the last backward comes after every
+        other one's."""
+        self._last_backward: int | None = None  # the micro-batch of that backward while a step runs
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
     def _input_needs_grad(self) -> bool:
@@ -123,6 +132,7 @@ class PipelineEngine:
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
         self._cpu0 = 0.0
         ops = make_schedule(self.schedule_name, self.chain.size, self.chain.index, M)
+        self._last_backward = last_backward(ops)
         split = any(kind == "W" for kind, _ in ops)
         self.wgrad.clear()
         with self.wgrad.installed(self.stage) if split else nullcontext():
@@ -138,6 +148,7 @@ class PipelineEngine:
                     self._weight_grads(j, result)
         assert self.wgrad.pending() == 0, "a deferred weight gradient was never run"
         self.chain.flush()
+        self._last_backward = None
         return result
 
     @torch.no_grad()
@@ -190,6 +201,18 @@ class PipelineEngine:
                          carry: dict[str, torch.Tensor]) -> _Saved:
         """F(j) on this stage from its input (ids on the first stage, the received h_in elsewhere); the MoE
         auxiliary losses enter the backward weighted by aux_w. Sends nothing."""
+        last = self.last_pass if j == self._last_backward else None
+        if last is None:
+            return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
+        last(True)
+        try:
+            return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
+        finally:
+            last(False)
+
+    def _forward_pass(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
+                      aux_w: float, result: IterationResult, h_in: torch.Tensor | None,
+                      carry: dict[str, torch.Tensor]) -> _Saved:
         st, prof = self.stage, self.profiler
         if h_in is not None:
             h_in.requires_grad_(self._input_needs_grad())
@@ -309,6 +332,12 @@ class PipelineEngine:
             result.w_cpu_s += cpu
         if self.record_ops:
             result.ops.append((kind, j, t0, t1))
+
+
+def last_backward(ops: Iterable[tuple[str, int]]) -> int | None:
+    """The micro-batch of a stage's last backward (B) op in a schedule or instruction stream; None: no backward."""
+    bs = [j for kind, j in ops if kind == "B"]
+    return bs[-1] if bs else None
 
 
 def _grad(enabled: bool) -> Any:

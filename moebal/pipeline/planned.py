@@ -48,7 +48,7 @@ from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
 from moebal.config import REFUSE_PLANNED_REPACK, Config, planned_moe_losses
 from moebal.distributed.groups import ParallelDims
 from moebal.errors import ConfigError
-from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved
+from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last_backward
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
@@ -100,6 +100,7 @@ class PlannedEngine(PipelineEngine):
         grad_in: dict[int, torch.Tensor] = {}
         recvs: dict[tuple[str, int], Any] = {}
         sends: dict[tuple[str, int], Any] = {}
+        self._last_backward = last_backward(rep.streams[chain.index])
         for op, j in rep.streams[chain.index]:
             mb = mbs[j]
             if op == "recv_act":
@@ -127,6 +128,7 @@ class PlannedEngine(PipelineEngine):
             else:
                 raise ConfigError(f"unknown plan instruction {op!r}")
         assert not (recvs or sends or saved), "the instruction stream left transfers or activations behind"
+        self._last_backward = None
         return result
 
 

@@ -412,6 +412,7 @@ class PipelineRunner:
         self.experts.before_step(self._forward_tokens(work) if self.experts.ahead is not None else None)
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
+        self.engine.last_pass = self.experts.last_pass  # block overlap: Agg inside the last backward
         t_run = time.perf_counter()
         res = self._run_engine(work, count)
         t_run = time.perf_counter() - t_run
