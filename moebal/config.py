@@ -271,9 +271,16 @@ class TrainConfig:
     lr: float = 2e-3
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a share of the peak (cosine decay)."""
+    """Final learning rate as a share of the peak (the decay's floor)."""
     warmup_steps: int = 30
     """Linear warm-up steps."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """The learning rate after the warm-up: cosine or linear decay to lr * min_lr_ratio at the last step;
+    wsd (warm-up, stable, decay): lr until the last `decay_fraction` of the steps after the warm-up, which
+    descend linearly to lr * min_lr_ratio, so extending `--steps` of a run still in its stable phase changes
+    no step already trained; constant: lr to the end (moebal/train/optim.py `lr_at`)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps after the warm-up that decay (at least one step)."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases or router bias)."""
     beta1: float = 0.9
@@ -1296,6 +1303,8 @@ def _check_train(t: TrainConfig) -> None:
     _need(t.steps >= 1, f"'train.steps' must be at least 1; got {t.steps}")
     _need(t.warmup_steps >= 0, f"'train.warmup_steps' must be >= 0; got {t.warmup_steps}")
     _need(0.0 <= t.min_lr_ratio <= 1.0, f"'train.min_lr_ratio' must be in [0, 1]; got {t.min_lr_ratio}")
+    _need(0.0 < t.decay_fraction <= 1.0, f"'train.decay_fraction' (the share of the steps a wsd schedule decays "
+          f"over) must be in (0, 1]; got {t.decay_fraction}")
     _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, f"AdamW betas must be in [0, 1); got {t.beta1}, {t.beta2}")
     for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
         _need(v >= 0, f"'{key}' must be >= 0; got {v}")

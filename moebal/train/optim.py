@@ -37,11 +37,21 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up from lr / warmup to lr, then a
-    cosine decay to lr * min_lr_ratio at the last step."""
+    """Learning rate for optimizer step `step` (0-based): linear warm-up from lr / warmup to lr, then
+    `t.schedule`: cosine or linear decay to lr * min_lr_ratio at the last step; wsd: lr until the last
+    `decay_fraction` of the steps after the warm-up (at least one), which descend linearly to the floor, the
+    last step at it; constant: lr."""
     if t.warmup_steps and step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
+    floor = t.lr * t.min_lr_ratio
+    if t.schedule == "constant":
+        return t.lr
+    if t.schedule == "wsd":
+        decay = max(1, round(t.decay_fraction * (t.steps - t.warmup_steps)))
+        start = t.steps - decay  # the first step below lr
+        return t.lr if step < start else t.lr + (floor - t.lr) * min((step - start + 1) / decay, 1.0)
     span = max(t.steps - t.warmup_steps - 1, 1)
     progress = min(max(step - t.warmup_steps, 0) / span, 1.0)
-    floor = t.lr * t.min_lr_ratio
+    if t.schedule == "linear":
+        return t.lr + (floor - t.lr) * progress
     return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

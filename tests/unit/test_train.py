@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moebal.config import CONFIG_DIR, Config, TrainConfig, dump, with_overrides
+from moebal.config import CONFIG_DIR, Config, ConfigError, TrainConfig, dump, with_overrides
 from moebal.train import Hook, Trainer, lr_at
 from moebal.train.optim import build_optimizer, param_groups
 from moebal.train.progress import Progress
@@ -39,6 +39,24 @@ def test_schedule_warms_up_then_decays_by_cosine_to_the_floor():
     mid = 10 + (99 - 10) / 2
     assert lr_at(int(mid), t) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 89)))
     assert lr_at(0, TrainConfig(steps=5, lr=2.0, warmup_steps=0, min_lr_ratio=0.5)) == 2.0
+
+
+def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_stable_steps():
+    lin = TrainConfig(steps=11, lr=1.0, warmup_steps=1, min_lr_ratio=0.1, schedule="linear")
+    assert [round(lr_at(s, lin), 6) for s in (0, 1, 6, 10, 12)] == [1.0, 1.0, 0.5, 0.1, 0.1]
+    assert all(lr_at(s, TrainConfig(steps=10, lr=0.5, warmup_steps=2, schedule="constant")) == 0.5
+               for s in range(2, 15))
+    wsd = TrainConfig(steps=12, lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.3)
+    lrs = [lr_at(s, wsd) for s in range(12)]  # 10 steps after the warm-up: the last 3 decay
+    assert lrs[:2] == [0.5, 1.0] and lrs[2:9] == [1.0] * 7
+    assert lrs[9:] == pytest.approx([0.7, 0.4, 0.1])
+    longer = dataclasses.replace(wsd, steps=40)
+    assert [lr_at(s, longer) for s in range(9)] == lrs[:9]  # the stable steps trained so far are unchanged
+    assert lr_at(0, TrainConfig(steps=3, warmup_steps=0, schedule="wsd", decay_fraction=0.01)) == 2e-3  # >= 1 step
+    assert lr_at(2, TrainConfig(steps=3, warmup_steps=0, schedule="wsd", decay_fraction=0.01, lr=1.0,
+                                min_lr_ratio=0.0)) == 0.0
+    with pytest.raises(ConfigError, match="train.decay_fraction"):
+        tiny("train.decay_fraction=0")
 
 
 def test_no_weight_decay_on_norms_biases_and_vectors():
