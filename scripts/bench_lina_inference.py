@@ -23,7 +23,11 @@ collectives a layer makes timed alone on the same ranks (`comm_floor`: one all-g
 all-to-alls of a rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
 groups against the CPU's blocks (`expert_us_per_row`).
 
-Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--json OUT]
+`--dilate 1 3` adds, per rank count, a run on devices emulated 3x slower than a core (moebal/distributed/dilate.py:
+every span of compute between meeting points lasts 3x its CPU time, so 4 ranks on 2 cores are not time-sliced
+against each other), beside the CPU's own run (factor 1, the default), under `by_ranks_dilated`.
+
+Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--dilate 1 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -221,6 +225,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
     ap.add_argument("--path-len", type=int, default=3)
+    ap.add_argument("--dilate", type=float, nargs="+", default=[1.0],
+                    help="emulated devices this many times slower than a core, one run per factor beside each other "
+                         "(1: the CPU as it is, the default; moebal/distributed/dilate.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -253,12 +260,12 @@ def main() -> int:
         f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
     print("planning alone (ms, one thread, last layer): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in planning.items()
                                                                      if k.endswith("_ms")))
-    for R in args.ranks:
+    for R, dilate in ((R, d) for R in args.ranks for d in args.dilate):
         val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, R * args.rows, args.batches)
         batches = [b.ids_BT for b in val if b.ids_BT.shape[0] == R * args.rows][:args.batches]
         order = [POLICIES[i % 4:] + POLICIES[:i % 4] for i in range(args.rounds)]
-        job = ServeJob(model=model, batches=batches, policies=order, profile=profile)
-        results = run_ranks(serve_worker, R, pack(job), timeout_s=1800)
+        job = ServeJob(model=model, batches=batches, policies=order, profile=profile, dilate=dilate)
+        results = run_ranks(serve_worker, R, pack(job), timeout_s=3600)
         summ = _summary(results, args.rounds)
         tokens = args.rows * batches[0].shape[1]
         floor = run_ranks(_floor_worker, R, 2 * E + 1, tokens, cfg.model.dim, 100, timeout_s=600)
@@ -266,8 +273,13 @@ def main() -> int:
         summ["comm_floor"]["per_layer_s"] = summ["comm_floor"]["all_gather_s"] + 2 * summ["comm_floor"]["all_to_all_s"]
         summ["skew_timed_batches"] = _skew(_routing(model, batches), E)
         summ["policy_order_per_round"] = order
-        res["by_ranks"][str(R)] = summ
-        print(f"{R} ranks: static {summ['static']['moe_s'] * 1e3:.1f} ms, lina {summ['lina']['moe_s'] * 1e3:.1f} ms, "
+        if dilate == 1.0:
+            res["by_ranks"][str(R)] = summ
+        else:  # emulated devices: beside the CPU's own figure, never instead of it
+            res.setdefault("by_ranks_dilated", {}).setdefault(f"{dilate:g}", {})[str(R)] = summ
+        where = "" if dilate == 1.0 else f" (devices {dilate:g}x slower than a core)"
+        print(f"{R} ranks{where}: static {summ['static']['moe_s'] * 1e3:.1f} ms, "
+              f"lina {summ['lina']['moe_s'] * 1e3:.1f} ms, "
               f"phase1 {summ['phase1']['moe_s'] * 1e3:.1f} ms, oracle {summ['oracle']['moe_s'] * 1e3:.1f} ms; "
               f"static/lina {summ['static_over_lina']:.2f} "
               f"(layers 1..L-1: {summ['static_over_lina_layers_1_on']:.2f}); "

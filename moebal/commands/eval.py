@@ -47,6 +47,7 @@ class ServeJob:
     profile: Any = None
     labels: list[Any] = field(default_factory=list)  # next-token labels per batch (optional: the loss)
     threads: int = 1
+    dilate: float = 1.0  # > 1: emulated devices this many times slower than a core (CPU benchmarks only)
 
 
 def pack(job: ServeJob) -> bytes:
@@ -80,7 +81,7 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
         rnd: dict[str, Any] = {}
         for policy in order:
             sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1")
-                                  else None)
+                                  else None, dilate=job.dilate)
             fwd, equal, diff, loss, n = [], True, 0.0, 0.0, 0
             for b, ids in enumerate(job.batches):
                 per = ids.shape[0] // world

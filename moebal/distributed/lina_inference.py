@@ -22,6 +22,12 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
      on the rows it received for it (experts one after another, as Lina does);
   5. all-to-all back, rows restored to the token order, combined with the gate weights.
 
+Emulated devices (`dilate` > 1, CPU benchmarks only: moebal/distributed/dilate.py): every span of compute between
+two points where a rank meets the others (each layer's start and end, the all-gather, both all-to-alls) lasts
+`dilate` x its CPU time, as on devices that much slower than a core; with more ranks than cores this keeps the OS
+from time-slicing the ranks' compute against each other. The host's planning is dilated with the rest (a GPU
+system plans on its CPU at full speed): a cost that only Lina's and the oracle's planning pays.
+
 Policies: "static" (plain expert parallelism: contiguous blocks of experts per rank, the same code path),
 "lina" (phases 1 and 2), "phase1" (phase 1 only, the thesis's ablation), "oracle" (FFD on the real counts at
 every layer: what phase 2 would do every time). Layer 0 has no path before it: static under every policy.
@@ -41,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moebal.distributed.dilate import DeviceClock
 from moebal.planner.ffd import MAX_PER_RANK, ReplicaMap, devices_from_load, ffd_allocate, split_rows
 from moebal.planner.paths import PathProfile, top_set
 
@@ -96,7 +103,8 @@ class LinaInference:
     `LinaDispatcher` over `group`. Call `begin()` before each forward; `records` then holds its layers."""
 
     def __init__(self, model: Any, group: Any, policy: str = "lina", profile: PathProfile | None = None, *,
-                 max_per_rank: int = MAX_PER_RANK, truncate: int | None = None, min_tokens: int = 1) -> None:
+                 max_per_rank: int = MAX_PER_RANK, truncate: int | None = None, min_tokens: int = 1,
+                 dilate: float = 1.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if policy in ("lina", "phase1") and profile is None:
@@ -111,6 +119,9 @@ class LinaInference:
         self.group, self.policy, self.profile = group, policy, profile
         self.max_per_rank, self.truncate, self.min_tokens = max_per_rank, truncate, min_tokens
         self.R, self.r = dist.get_world_size(group), dist.get_rank(group)
+        if dilate > 1.0 and next(model.parameters()).device.type != "cpu":
+            raise ValueError("dilate emulates slower devices on a CPU host; on a GPU the device is real (use 1)")
+        self.clock = DeviceClock(dilate)
         self.state = _ForwardState()
         self.records: list[LayerRecord] = []
         for i, layer in enumerate(self.layers):
@@ -119,6 +130,7 @@ class LinaInference:
     def begin(self) -> None:
         """Start a forward: forget the previous batch's paths, plans and records."""
         self.state, self.records = _ForwardState(), []
+        self.clock.mark()
 
 
 class LinaDispatcher:
@@ -130,8 +142,9 @@ class LinaDispatcher:
 
     @torch.no_grad()
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        t0 = time.perf_counter()
         o, E, R = self.o, self.E, self.o.R
+        o.clock.settle()  # the work before the layer (attention, the gate) ends here on an emulated device
+        t0 = time.perf_counter()
         T, K = routing.indices_TK.shape
         experts_A = routing.indices_TK.reshape(-1)
         active_A = routing.active_TK.reshape(-1) if routing.active_TK is not None else None
@@ -145,7 +158,9 @@ class LinaDispatcher:
         mine = torch.cat([counts_E.double().cpu(), torch.as_tensor(est_E, dtype=torch.float64),
                           torch.tensor([float(T)], dtype=torch.float64)])
         every = [torch.empty_like(mine) for _ in range(R)]
+        o.clock.settle()
         dist.all_gather(every, mine, group=o.group)
+        o.clock.mark()  # a wait is not the device's compute
         all_RX = torch.stack(every).numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
@@ -155,6 +170,7 @@ class LinaDispatcher:
         rows_SRE = split_rows(counts_RE, rmap)
         plan_s += time.perf_counter() - t_plan
         out_TD, experts_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
+        o.clock.settle()  # the combine
         o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
                                      plan_s=plan_s, replanned=replanned,
                                      rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
@@ -215,6 +231,7 @@ class LinaDispatcher:
         x_MD = self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1))
         t0 = time.perf_counter()  # on a GPU this times the launches only (no sync is added for a figure)
         y_MD = self._experts(x_MD, recv_SE)
+        self.o.clock.settle()  # (emulated devices: the experts' time as the device's)
         experts_s = time.perf_counter() - t0
         y_ND = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
         y_AD = x_TD.new_zeros(T * K, x_TD.shape[1])
@@ -227,8 +244,10 @@ class LinaDispatcher:
 
     def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> torch.Tensor:
         out = x_ND.new_empty(int(recv_R.sum()), x_ND.shape[1])
-        dist.all_to_all_single(out, x_ND.contiguous(), [int(v) for v in recv_R], [int(v) for v in send_R],
-                               group=self.o.group)
+        x_ND = x_ND.contiguous()
+        self.o.clock.settle()
+        dist.all_to_all_single(out, x_ND, [int(v) for v in recv_R], [int(v) for v in send_R], group=self.o.group)
+        self.o.clock.mark()
         return out
 
     def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray) -> torch.Tensor:
