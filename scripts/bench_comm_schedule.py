@@ -46,8 +46,9 @@ buckets are in flight during the next MoE block's backward all-to-alls; `balance
 (an MoE layer in every block, 1 Gbit/s), where they barely meet. --set key=value overrides a model key.
 
 Start-up in the namespaces: gloo's connection set-up there now and then aborts a rank before any step runs
-(see `_run_namespaces`); such an attempt is retried in fresh namespaces (at most STARTUP_ATTEMPTS), the reason
-printed and kept in every record (`startup_failures_retried`); a failure after start-up stops the run.
+(see `moebal.launch.netns.run_shaped`); such an attempt is retried in fresh namespaces (at most
+STARTUP_ATTEMPTS), the reason printed and kept in every record (`startup_failures_retried`); a failure after
+start-up stops the run.
 
 Without --no-sim the script also runs the simulated comparison on Lina's cluster (scripts/reproduce_lina.py:
 16 A100, 100 Gb/s InfiniBand) and appends its records (kind "simulated").
@@ -60,11 +61,8 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -199,8 +197,9 @@ def _worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]
         a2a_s = rows * token_bytes * (R - 1) / R / comm.a2a_bandwidth  # one exchange, balanced routing
         s.ep.set_chunk_bytes(spec["bucket_mb"] * 1e6 if s.mode == "unscheduled"
                              else ar_chunk_bytes(comm, total_bytes=total, a2a_s=a2a_s))
-    if spec.get("ready_dir"):  # start-up (process groups, channels, measurements) done: see run_world
-        (Path(spec["ready_dir"]) / f"ready{rank}").touch()
+    from moebal.launch.netns import mark_started
+
+    mark_started(spec, rank)  # start-up (process groups, channels, measurements) done: see run_world
     n = dims.size("dp_ep")
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     load = [os.getloadavg()[0]]
@@ -318,95 +317,17 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 STARTUP_ATTEMPTS = 3
 
 
-class StartupError(RuntimeError):
-    """A rank died before every rank had finished start-up (nothing was measured yet)."""
-
-
 def run_world(world: int, spec: dict[str, Any], link_mbit: float) -> tuple[list[dict[str, Any]], str, list[str]]:
     """The records of one world size, the network used (a shaped namespace link, or loopback), and the
-    start-up failures that were retried (see `_run_namespaces`)."""
-    from moebal.launch.netns import unavailable
+    start-up failures that were retried (`moebal.launch.netns.run_shaped`)."""
+    from moebal.launch.netns import run_shaped, unavailable
 
     why = unavailable() if link_mbit > 0 else "loopback requested"
     if why is not None:
         return run_ranks(_worker, world, spec, timeout_s=3600)[0], f"loopback ({why})", []
-    retried = []
-    for attempt in range(1, STARTUP_ATTEMPTS + 1):
-        try:
-            recs = _run_namespaces(world, spec, link_mbit, port=29571 + attempt)
-            return recs, f"{link_mbit:g} Mbit/s veth between two network namespaces", retried
-        except StartupError as e:
-            if attempt == STARTUP_ATTEMPTS:
-                raise
-            retried.append(str(e))
-            print(f"{world} ranks: start-up failed (attempt {attempt} of {STARTUP_ATTEMPTS}), retrying in fresh "
-                  f"namespaces: {e}", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
-
-
-def _run_namespaces(world: int, spec: dict[str, Any], link_mbit: float, port: int) -> list[dict[str, Any]]:
-    """One attempt over a fresh namespace pair. gloo's connection set-up in the namespaces now and then
-    aborts a rank (std::terminate: "terminate called without an active exception", after c10d's harmless
-    warning that reverse DNS of a peer address fails: the namespaces have no resolver) before any step ran;
-    a rank that dies before every rank reported start-up done raises StartupError (the caller retries: nothing
-    was measured), a failure after it is a real error."""
-    from moebal.launch.netns import NamespacePair
-
-    with NamespacePair(tag=f"cs{os.getpid()}", subnet=93) as pair, tempfile.TemporaryDirectory() as tmp:
-        for ns in pair.names:  # each direction of the veth limited to the link rate
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", pair.ifname, "root", "tbf",
-                            "rate", f"{link_mbit:g}mbit", "burst", "256kb", "latency", "100ms"], check=True)
-        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps({**spec, "ready_dir": tmp}))
-        procs = []
-        for r in range(world):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r // 2),
-                   "MASTER_ADDR": pair.addrs[0], "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": pair.ifname}
-            cmd = ["ip", "netns", "exec", pair.names[r % 2], sys.executable, __file__, "--rank-worker",
-                   str(spec_path), str(out)]
-            with open(Path(tmp) / f"err{r}", "w") as err:  # a file, not a pipe: nobody reads while ranks run
-                procs.append(subprocess.Popen(cmd, env=env, stderr=err))
-        started = lambda: all((Path(tmp) / f"ready{r}").exists() for r in range(world))  # noqa: E731
-        deadline = time.monotonic() + 3600
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if not started() and any(p.returncode for p in procs):
-                break  # a rank died in start-up: the others would wait for it until their timeout
-            time.sleep(0.5)
-        early = not started()
-        errors, own = [], []
-        for r, proc in enumerate(procs):
-            killed = proc.poll() is None
-            if killed:
-                proc.kill()
-            proc.wait()
-            if proc.returncode:
-                text = (Path(tmp) / f"err{r}").read_text(errors="replace")[-6000:]
-                errors.append(f"rank {r} exited with {proc.returncode}:\n{text}")
-                if not killed:
-                    own.append(errors[-1])
-        if errors and early:  # every rank that died by itself, with its last line (the cause is usually there)
-            raise StartupError("; ".join(" ".join(dict.fromkeys([lines[0], lines[-1]])) for lines in
-                                         ([x for x in e.splitlines() if x.strip()] for e in own or errors)))
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return json.loads(out.read_text())
-
-
-def _rank_worker(spec_path: str, out: str) -> int:
-    """One rank of a namespace run (environment from run_world)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        res = _worker(rank, world, json.loads(Path(spec_path).read_text()))
-        if rank == 0:
-            Path(out).write_text(json.dumps(res))
-    except BaseException:  # noqa: BLE001 - reported to the parent through stderr and the exit code
-        traceback.print_exc()
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    recs, retried = run_shaped(__file__, world, spec, link_mbit, tag=f"cs{os.getpid()}", subnet=93, port=29571,
+                               attempts=STARTUP_ATTEMPTS)
+    return recs, f"{link_mbit:g} Mbit/s veth between two network namespaces", retried
 
 
 def simulated() -> list[dict[str, Any]]:
@@ -441,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)
     if args.rank_worker:
-        return _rank_worker(*args.rank_worker)
+        from moebal.launch.netns import rank_worker
+
+        return rank_worker(*args.rank_worker, _worker)
     preset = PRESETS[args.preset]
     cfg = bench_config(args.preset)
     if args.set:

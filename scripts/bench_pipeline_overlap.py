@@ -1,6 +1,7 @@
 """Pro-Prophet's block overlap inside pipeline stages: step time with and without it, on real gloo ranks.
 
-    python scripts/bench_pipeline_overlap.py [--rounds 3] [--steps 24] [--settle 4] [--dilate 3] [--json FILE]
+    python scripts/bench_pipeline_overlap.py [--rounds 3] [--steps 24] [--settle 4] [--dilate 3] [--link-mbit 1000]
+                                             [--json FILE]
 
 One job of 4 gloo ranks (2 stages x 2 expert shards, 1 thread each) trains one MoE model twice, side by side in
 the same processes, one step of each variant in turn (the order alternates every step, so the load of a shared
@@ -22,6 +23,13 @@ devices 3x slower than a core: 4 ranks then ask 2 cores for at most 4/3 of them,
 threads) find a core free, as a NIC would. Without dilation (`--dilate 1`) 4 ranks time-slice 2 cores and an
 overlapped transfer competes with the compute it hides under.
 
+The network (`--link-mbit`, default 1,000): the ranks run on two "nodes", Linux network namespaces joined by a
+veth pair shaped to that rate in each direction (moebal/launch/netns.py, as scripts/bench_comm_schedule.py
+does; needs root and iproute2), rank r on node r % 2. A stage's two ranks sit on different nodes, so its
+all-to-alls, Trans and Agg cross the link, while the pipeline's messages between stages stay inside a node. The
+rate is chosen so that a step's Trans and Agg (about 21 MB each way per stage) cost a share of the step
+comparable to its compute; `--link-mbit 0` (or no root) runs over loopback.
+
 Reported per round: each variant's median step time over the steps after `--settle`, off / on, the replicas
 per step; and the median of the rounds' ratios. JSON out with every round and step.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,6 +52,7 @@ import torch
 
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
+from moebal.launch.netns import mark_started, rank_worker, run_shaped, unavailable
 
 VARIANTS = ("off", "on")
 
@@ -90,6 +100,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         for r in runners.values():
             _skew(r, spec["skew"])
             r.start()
+        mark_started(spec, rank)
         records: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         for step in range(cfg.train.steps):
             order = VARIANTS if (step + rnd) % 2 == 0 else VARIANTS[::-1]
@@ -103,6 +114,16 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _all_ranks(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """`worker` on every rank, every rank's result gathered to all (rank 0 writes them: `rank_worker`)."""
+    import torch.distributed as dist
+
+    mine = worker(rank, world, spec)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -110,12 +131,24 @@ def main() -> int:
     ap.add_argument("--settle", type=int, default=4, help="first steps left out of the medians")
     ap.add_argument("--dilate", type=float, default=3.0)
     ap.add_argument("--skew", type=float, default=1.0, help="strength s of the selection bias -s log(1 + e)")
+    ap.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="rate of the link between the two nodes' namespaces (0: loopback, no namespaces)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rank-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rank_worker:
+        return rank_worker(*args.rank_worker, _all_ranks)
     t0 = time.perf_counter()
     cfg = bench_cfg(args.dilate, args.steps)
     spec = {"config": to_dict(cfg), "rounds": args.rounds, "skew": args.skew}
-    results = run_ranks(worker, 4, spec, timeout_s=7200)
+    why = unavailable() if args.link_mbit > 0 else "loopback requested"
+    if why is None:
+        results, retried = run_shaped(__file__, 4, spec, args.link_mbit, tag=f"po{os.getpid()}", subnet=94,
+                                      port=29671)
+        network = f"{args.link_mbit:g} Mbit/s veth between two network namespaces"
+    else:
+        results, retried, network = run_ranks(worker, 4, spec, timeout_s=7200), [], f"loopback ({why})"
+    print(f"network: {network}", flush=True)
     rank0 = results[0]["rounds"]
     rounds = []
     for rnd, recs in enumerate(rank0):
@@ -136,6 +169,7 @@ def main() -> int:
     print(f"off / on per round {', '.join(f'{x:.3f}' for x in ratios)}; median {summary['off_over_on_median']:.3f}")
     if args.json:
         res = {"machine": f"{platform.machine()}, torch {torch.__version__}, gloo, 4 ranks x 1 thread",
+               "network": network, "startup_failures_retried": retried,
                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "config": spec["config"], "rounds": rounds, "summary": summary,
                "wall_s": time.perf_counter() - t0}

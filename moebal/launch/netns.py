@@ -12,14 +12,22 @@ Needs root and iproute2; `unavailable()` says why not when they are missing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["NamespacePair", "sweep_stale", "unavailable"]
+__all__ = ["NamespacePair", "StartupError", "mark_started", "rank_worker", "run_shaped", "sweep_stale", "unavailable"]
 
 IFNAME = "mb0"  # the veth's name inside both namespaces
 
@@ -105,3 +113,100 @@ class NamespacePair:
             _ip("netns", "del", ns, check=False)
         for ns in self.names:  # a veth end left in the root namespace by a failed set-up
             _ip("link", "del", f"{ns}x"[-15:], check=False)
+
+
+class StartupError(RuntimeError):
+    """A rank died before every rank had finished start-up (nothing was measured yet)."""
+
+
+def mark_started(spec: dict[str, Any], rank: int) -> None:
+    """A rank of `run_shaped` says its start-up (process groups, channels, measurements) is done."""
+    if spec.get("ready_dir"):
+        (Path(spec["ready_dir"]) / f"ready{rank}").touch()
+
+
+def run_shaped(script: str | Path, world: int, spec: dict[str, Any], link_mbit: float, *, tag: str, subnet: int,
+               port: int, attempts: int = 3) -> tuple[Any, list[str]]:
+    """Run `python SCRIPT --rank-worker SPEC OUT` as `world` gloo ranks on two "nodes" (rank r in namespace r % 2)
+    whose veth is shaped to `link_mbit` in each direction (a token-bucket qdisc), and return (rank 0's result,
+    the start-up failures retried). SCRIPT's `--rank-worker` calls `rank_worker`, and its worker calls
+    `mark_started(spec, rank)` once set up.
+
+    gloo's connection set-up in the namespaces now and then aborts a rank (std::terminate: "terminate called
+    without an active exception", after c10d's harmless warning that reverse DNS of a peer address fails: the
+    namespaces have no resolver) before any step ran; a rank that dies before every rank said it started
+    raises StartupError, retried in fresh namespaces up to `attempts` times (nothing was measured); a failure
+    after it is a real error."""
+    retried: list[str] = []
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run_once(script, world, spec, link_mbit, tag, subnet, port + attempt), retried
+        except StartupError as e:
+            if attempt == attempts:
+                raise
+            retried.append(str(e))
+            print(f"{world} ranks: start-up failed (attempt {attempt} of {attempts}), retrying in fresh "
+                  f"namespaces: {e}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_once(script: str | Path, world: int, spec: dict[str, Any], link_mbit: float, tag: str, subnet: int,
+              port: int) -> Any:
+    with NamespacePair(tag=tag, subnet=subnet) as pair, tempfile.TemporaryDirectory() as tmp:
+        for ns in pair.names:  # each direction of the veth limited to the link rate
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", pair.ifname, "root", "tbf",
+                            "rate", f"{link_mbit:g}mbit", "burst", "256kb", "latency", "100ms"], check=True)
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps({**spec, "ready_dir": tmp}))
+        procs = []
+        for r in range(world):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r // 2),
+                   "MASTER_ADDR": pair.addrs[0], "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": pair.ifname}
+            cmd = ["ip", "netns", "exec", pair.names[r % 2], sys.executable, str(script), "--rank-worker",
+                   str(spec_path), str(out)]
+            with open(Path(tmp) / f"err{r}", "w") as err:  # a file, not a pipe: nobody reads while ranks run
+                procs.append(subprocess.Popen(cmd, env=env, stderr=err))
+        started = lambda: all((Path(tmp) / f"ready{r}").exists() for r in range(world))  # noqa: E731
+        deadline = time.monotonic() + 3600
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if not started() and any(p.returncode for p in procs):
+                break  # a rank died in start-up: the others would wait for it until their timeout
+            time.sleep(0.5)
+        early = not started()
+        errors, own = [], []
+        for r, proc in enumerate(procs):
+            killed = proc.poll() is None
+            if killed:
+                proc.kill()
+            proc.wait()
+            if proc.returncode:
+                text = (Path(tmp) / f"err{r}").read_text(errors="replace")[-6000:]
+                errors.append(f"rank {r} exited with {proc.returncode}:\n{text}")
+                if not killed:
+                    own.append(errors[-1])
+        if errors and early:  # every rank that died by itself, with its last line (the cause is usually there)
+            raise StartupError("; ".join(" ".join(dict.fromkeys([lines[0], lines[-1]])) for lines in
+                                         ([x for x in e.splitlines() if x.strip()] for e in own or errors)))
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return json.loads(out.read_text())
+
+
+def rank_worker(spec_path: str, out: str, worker: Callable[[int, int, dict[str, Any]], Any]) -> int:
+    """One rank of `run_shaped` (environment from it): join the gloo job, run `worker(rank, world, spec)`, rank 0
+    writes its result as JSON to `out`; the exit code says whether it went well (the traceback on stderr)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        res = worker(rank, world, json.loads(Path(spec_path).read_text()))
+        if rank == 0:
+            Path(out).write_text(json.dumps(res))
+    except BaseException:  # noqa: BLE001 - reported to the parent through stderr and the exit code
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
