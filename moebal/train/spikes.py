@@ -114,6 +114,7 @@ def train_with_rollbacks(trainer: Trainer, rebuild: Callable[[Path, ParallelDims
     `rebuild(checkpoint, dims)` builds the next one from the checkpoint over the same process groups (`dims`,
     None in one process), as often as the run rolls back. The last trainer is released on the way out; the
     process groups stay with the caller."""
+    live = True  # `trainer` holds resources (false while a rebuild is on its way)
     try:
         while True:
             try:
@@ -124,10 +125,13 @@ def train_with_rollbacks(trainer: Trainer, rebuild: Callable[[Path, ParallelDims
                     sys.stderr.flush()
                 started, dims = trainer.created, trainer.ctx.dims if trainer.ctx.distributed else None
                 _release(trainer)
+                live = False
                 trainer = rebuild(e.checkpoint, dims)
+                live = True
                 trainer.created = started  # train.time_limit_min counts from start-up
     finally:
-        _release(trainer)
+        if live:
+            _release(trainer)
 
 
 def _release(trainer: Trainer) -> None:
