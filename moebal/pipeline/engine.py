@@ -98,9 +98,9 @@ class PipelineEngine:
         """Called with True just before the forward of the micro-batch whose backward is this stage's last of the
         step, with False just after it. Pro-Prophet's block overlap arms Agg's hooks for that forward (a forward
         captures them for its own backward), so each MoE layer's replica gradients leave inside the step's last
-        backward, with what the earlier backward passes left in `.grad` (`ExpertParallel.arm_gradient_sync`).
-        Every schedule runs a micro-batch's backward after its forward, so the last backward comes after every
-        other one's."""
+        backward, with what the earlier backward passes left in `.grad` (`StageExperts.last_pass`,
+        `ExpertParallel.arm_agg`). Every micro-batch's backward follows its forward, so the last backward follows
+        every forward and every other backward."""
         self._last_backward: int | None = None  # the micro-batch of that backward while a step runs
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
