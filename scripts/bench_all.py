@@ -166,6 +166,14 @@ def fig_comm(data: Any) -> str:
     return " | ".join(parts) + " lower than unscheduled (medians over steps)"
 
 
+def fig_pipeline_overlap(data: Any) -> str:
+    """Block overlap off over on in pipeline stages: every round and the median."""
+    summary = _pipeline_summary(data)
+    rounds = ", ".join(f"{x:.3f}x" for x in summary["off_over_on_rounds"])
+    return (f"step time without / with the overlap {rounds} (median {summary['off_over_on_median']:.3f}x); "
+            f"losses equal: {summary['losses_equal']}")
+
+
 def _pipeline_summary(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict) or "summary" not in data:
         raise ValueError("the JSON has no summary")
@@ -397,6 +405,8 @@ RUNS: tuple[Run, ...] = (
     Run("expert_parallel", ("python", "scripts/bench_expert_parallel.py"),
         ("python", "scripts/bench_expert_parallel.py", "--quick")),
     Run("plan_latency", ("moebal", "plan", "experts", "--bench"), json="stdout"),
+    Run("pipeline_overlap", ("python", "scripts/bench_pipeline_overlap.py"),
+        ("python", "scripts/bench_pipeline_overlap.py", "--rounds", "1", "--steps", "6", "--settle", "2")),
     Run("comm_schedule", ("python", "scripts/bench_comm_schedule.py", "--dilate", "3"),
         ("python", "scripts/bench_comm_schedule.py", "--dilate", "3", "--quick")),
     Run("pipeline_exit_freezing", (*PIPE, "--schemes", "early_exit,freezing", "--units", "halves"),
@@ -470,6 +480,9 @@ ROWS: tuple[Row, ...] = (
     Row("Lina scheduling + block overlap on real ranks (emulated devices, `--dilate 3`)", "comm_schedule", fig_comm,
         "measured on devices emulated 3x slower than a core (compute and link dilated); nothing fitted",
         target="all-to-all 1.3x lower, step 1.1x"),
+    Row("block overlap inside pipeline stages (2 stages x 2 expert shards, emulated devices, 1 Gbit/s link)",
+        "pipeline_overlap", fig_pipeline_overlap,
+        "measured side by side in one job on devices emulated 3x slower than a core; nothing fitted"),
     Row("pipeline rebalancing, early exit (4 stages, dilate 3)", "pipeline_exit_freezing", fig_pipeline("early_exit"),
         PIPELINE),
     Row("pipeline rebalancing, freezing", "pipeline_exit_freezing", fig_pipeline("freezing"),
