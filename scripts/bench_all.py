@@ -406,7 +406,7 @@ RUNS: tuple[Run, ...] = (
         ("python", "scripts/bench_expert_parallel.py", "--quick")),
     Run("plan_latency", ("moebal", "plan", "experts", "--bench"), json="stdout"),
     Run("pipeline_overlap", ("python", "scripts/bench_pipeline_overlap.py"),
-        ("python", "scripts/bench_pipeline_overlap.py", "--rounds", "1", "--steps", "6", "--settle", "2")),
+        ("python", "scripts/bench_pipeline_overlap.py", "--quick")),
     Run("comm_schedule", ("python", "scripts/bench_comm_schedule.py", "--dilate", "3"),
         ("python", "scripts/bench_comm_schedule.py", "--dilate", "3", "--quick")),
     Run("pipeline_exit_freezing", (*PIPE, "--schemes", "early_exit,freezing", "--units", "halves"),

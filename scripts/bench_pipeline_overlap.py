@@ -1,6 +1,6 @@
 """Pro-Prophet's block overlap inside pipeline stages: step time with and without it, on real gloo ranks.
 
-    python scripts/bench_pipeline_overlap.py [--rounds 3] [--steps 24] [--settle 4] [--dilate 3] [--link-mbit 1000]
+    python scripts/bench_pipeline_overlap.py [--quick] [--rounds 3] [--steps 24] [--settle 4] [--dilate 3] [--link-mbit 1000]
                                              [--json FILE]
 
 One job of 4 gloo ranks (2 stages x 2 expert shards, 1 thread each) trains one MoE model twice, side by side in
@@ -126,6 +126,7 @@ def _all_ranks(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, An
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round of 6 steps (2 settling)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--settle", type=int, default=4, help="first steps left out of the medians")
@@ -138,6 +139,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.rank_worker:
         return rank_worker(*args.rank_worker, _all_ranks)
+    if args.quick:
+        args.rounds, args.steps, args.settle = 1, 6, 2
     t0 = time.perf_counter()
     cfg = bench_cfg(args.dilate, args.steps)
     spec = {"config": to_dict(cfg), "rounds": args.rounds, "skew": args.skew}
