@@ -1,7 +1,7 @@
 """Pro-Prophet's block overlap inside pipeline stages: step time with and without it, on real gloo ranks.
 
-    python scripts/bench_pipeline_overlap.py [--quick] [--rounds 3] [--steps 24] [--settle 4] [--dilate 3] [--link-mbit 1000]
-                                             [--json FILE]
+    python scripts/bench_pipeline_overlap.py [--quick] [--rounds 3] [--steps 24] [--settle 4] [--dilate 3]
+                                             [--link-mbit 1000] [--json FILE]
 
 One job of 4 gloo ranks (2 stages x 2 expert shards, 1 thread each) trains one MoE model twice, side by side in
 the same processes, one step of each variant in turn (the order alternates every step, so the load of a shared
