@@ -248,7 +248,7 @@ class SpikeConfig:
 
     action: Literal["stop", "rollback"] = "stop"
     """stop: end the run at that step (exit code 2), its checkpoints untouched. rollback: go back to the run's
-    newest checkpoint, skip the data batches trained since it (and `skip_extra` more), and go on (PaLM's
+    newest checkpoint (`back`), skip the data batches trained since it (and `skip_extra` more), and go on (PaLM's
     recovery), at most `max_rollbacks` times; every rollback is a line of `rollbacks.jsonl` in the run
     directory, which a resume from that checkpoint honours."""
     factor: float = 0.0
@@ -256,6 +256,10 @@ class SpikeConfig:
     0 (the default): only a non-finite loss or gradient norm is."""
     window: int = 20
     """Steps of loss history the spike test compares with (no spike is called before that many steps)."""
+    back: int = 0
+    """Roll back to the newest checkpoint at least this many steps before the bad step (PaLM went about 100 steps
+    back, before the spike began to build); the oldest one kept when none is that old (`train.keep_checkpoints`
+    sets how far back there are any). 0: the newest."""
     skip_extra: int = 0
     """Batches skipped beyond those trained since the checkpoint (PaLM skipped some after the spike too)."""
     max_rollbacks: int = 3
@@ -1324,7 +1328,8 @@ def _check_train(t: TrainConfig) -> None:
     _need(sp.factor == 0 or sp.factor > 1, f"'train.spike.factor' must be above 1 (a loss that many times the "
           f"recent median is a spike) or 0 (only non-finite steps); got {sp.factor}")
     _need(sp.window >= 1, f"'train.spike.window' (steps of loss history) must be at least 1; got {sp.window}")
-    for key, iv in [("train.spike.skip_extra", sp.skip_extra), ("train.spike.max_rollbacks", sp.max_rollbacks)]:
+    for key, iv in [("train.spike.back", sp.back), ("train.spike.skip_extra", sp.skip_extra),
+                    ("train.spike.max_rollbacks", sp.max_rollbacks)]:
         _need(iv >= 0, f"'{key}' must be >= 0; got {iv}")
 
 

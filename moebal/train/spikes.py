@@ -2,12 +2,12 @@
 
 `train.spike.action: stop` ends the run at the bad step (its checkpoints untouched). `rollback` is PaLM's
 recovery (Chowdhery et al. 2022, section 5.1: restart from a checkpoint before the spike and skip the data
-batches around it): the trainer goes back to the run's newest checkpoint and skips the batches trained since
-it, plus `skip_extra` more. Each rollback is one line of `rollbacks.jsonl` in the run directory, written by
-rank 0 before any rank reloads:
+batches around it): the trainer goes back to the run's newest checkpoint (or the newest at least `back` steps
+before the bad step) and skips the batches trained since it, plus `skip_extra` more. Each rollback is one line
+of `rollbacks.jsonl` in the run directory, written by rank 0 before any rank reloads:
 
-    {"step": 57, "reason": "...", "loss": 9.1, "grad_norm": 3.2, "median": 4.0, "resume_step": 50,
-     "skipped_batches": 7, "skip_extra": 0, "data": {...}}
+    {"step": 57, "reason": "...", "loss": 9.1, "grad_norm": 3.2, "resume_step": 50, "skipped_batches": 7,
+     "skip_extra": 0, "data": {...}, "time": 1796262000.0}
 
 `data` is the data loader's position after the bad step (the strategy's `data_state`, which counts batches a
 pipeline has read ahead as unread) and `skip_extra` the batches to draw past it. A resume from checkpoint

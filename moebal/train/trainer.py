@@ -6,7 +6,7 @@ or data x expert parallelism, `PipelineStep` for this rank's pipeline stage; moe
 `after_step` (observe -> plan -> apply), then, the same in every mode: validation when due (or when the time
 limit ends the run), a metrics line, new plans into `plans.jsonl`, the progress display, a checkpoint when due.
 A rank that a pipeline re-pack released leaves the loop at once and writes nothing more. A bad step (a loss or
-gradient norm that is not finite, or a loss spike: `train.spike`) stops the run, or rolls it back to its newest
+gradient norm that is not finite, or a loss spike: `train.spike`) stops the run, or rolls it back to a
 checkpoint past the batches around the spike (moebal/train/spikes.py).
 
 Exact resume: the checkpoint holds weights, AdamW state, the data sampler's position, every RNG state, hook
@@ -366,7 +366,7 @@ class Trainer:
         return result
 
     def _bad_step(self, record: dict[str, Any], kind: str, why: str) -> TrainingError:
-        """What a bad step raises: a `Rollback` to the newest checkpoint (`train.spike.action: rollback`, while
+        """What a bad step raises: a `Rollback` to a checkpoint (`train.spike.action: rollback`, while
         rollbacks are left), else the error that stops the run. Either way its optimizer step has already
         applied the step's gradients, so nothing of this state is saved, and the checkpoints written so far
         (each at a step checked good) are left as they are."""
@@ -379,9 +379,12 @@ class Trainer:
                                                  f"({sp.max_rollbacks}) rollbacks")
         if len(self.strategy.writing_ranks()) < self.ctx.dims.world_size:
             return self._stop(record, kind, why, "a re-pack released ranks, which a rollback cannot bring back")
-        # the newest checkpoint every rank sees (an async save's last rename may still be on its way)
-        found = find_checkpoints(self.run_dir)
-        resume_step = min(self.ctx.gather(step_of(found[-1]) if found else -1))
+        # the newest checkpoint at least `back` steps old (else the oldest kept) that every rank sees (an async
+        # save's last rename may still be on its way)
+        kept = [step_of(p) for p in find_checkpoints(self.run_dir)]
+        old_enough = [s for s in kept if s <= self.step - sp.back]
+        mine = max(old_enough) if old_enough else min(kept, default=-1)
+        resume_step = min(self.ctx.gather(mine))
         if resume_step < 0:
             return self._stop(record, kind, why, "there is no checkpoint to roll back to")
         return self._rollback(record, why, resume_step)

@@ -97,6 +97,30 @@ def test_a_rollback_skips_the_batches_since_the_checkpoint_and_trains_on_as_a_re
     assert losses(tmp_path / "plain")[4] != got[4]
 
 
+def test_a_rollback_goes_back_at_least_train_spike_back_steps_to_an_older_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.ckpt_every=1", "train.spike.back=2",
+               "train.keep_checkpoints=10")
+    first = Trainer(cfg, run, hooks=[Blow(at=5)])
+    with pytest.raises(Rollback) as e:
+        first.train()
+    first.close()
+    assert e.value.checkpoint == run / "ckpt-0000003" and e.value.record["skipped_batches"] == 2  # not ckpt 4
+    Trainer(cfg, run, resume=str(e.value.checkpoint)).train()
+    ref = Trainer(cfg, tmp_path / "ref", resume=str(run / "ckpt-0000003"))
+    for _ in range(2):
+        ref.data.train.next_samples()
+    ref.train()
+    got, want = losses(run), losses(tmp_path / "ref")
+    assert all(got[s] == want[s] for s in range(4, 9)), (got, want)
+    # none kept that old: the oldest kept one
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.ckpt_every=1", "train.spike.back=50",
+               "train.keep_checkpoints=2")
+    with pytest.raises(Rollback) as e:
+        Trainer(cfg, tmp_path / "few", hooks=[Blow(at=5)]).train()
+    assert e.value.checkpoint == tmp_path / "few" / "ckpt-0000003"
+
+
 def test_rollbacks_stop_at_their_maximum_and_a_second_one_to_the_same_checkpoint_skips_the_first_ones_too(tmp_path):
     cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.spike.max_rollbacks=2", "train.ckpt_every=4")
     first = Trainer(cfg, tmp_path, hooks=[Blow(at=5)])
