@@ -112,7 +112,9 @@ def train_with_rollbacks(trainer: Trainer, rebuild: Callable[[Path, ParallelDims
                          run: Callable[[Trainer], T]) -> T:
     """`run(trainer)`; after a `Rollback` (raised on every rank at the same step) the trainer is released and
     `rebuild(checkpoint, dims)` builds the next one from the checkpoint over the same process groups (`dims`,
-    None in one process), as often as the run rolls back. The last trainer is released on the way out; the
+    None in one process), as often as the run rolls back. The last trainer is closed on the way out, its
+    communication scheduler left to the process's exit as before rollbacks existed (closing it after a failed
+    collective, a peer rank killed, aborted a rank now and then: `tests/integration/test_launch_netns.py`); the
     process groups stay with the caller."""
     live = True  # `trainer` holds resources (false while a rebuild is on its way)
     try:
@@ -130,12 +132,13 @@ def train_with_rollbacks(trainer: Trainer, rebuild: Callable[[Path, ParallelDims
                 live = True
                 trainer.created = started  # train.time_limit_min counts from start-up
     finally:
-        if live:
-            _release(trainer)
+        if live:  # the way out, maybe after a failed collective: as a run without rollbacks leaves, the
+            trainer.close()  # communication scheduler's thread is left to the process's exit
 
 
 def _release(trainer: Trainer) -> None:
-    """The trainer's strategy and communication scheduler (not the process groups)."""
+    """Between a rollback and the rebuild (every rank healthy, nothing in flight): the trainer's strategy and its
+    communication scheduler (not the process groups)."""
     trainer.close()
     if trainer.ctx.comm is not None:
         trainer.ctx.comm.close()
