@@ -202,13 +202,13 @@ class PipelineEngine:
         """F(j) on this stage from its input (ids on the first stage, the received h_in elsewhere); the MoE
         auxiliary losses enter the backward weighted by aux_w. Sends nothing."""
         last = self.last_pass if j == self._last_backward else None
-        if last is None:
-            return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
-        last(True)
+        if last is not None:
+            last(True)
         try:
             return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
         finally:
-            last(False)
+            if last is not None:
+                last(False)
 
     def _forward_pass(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
                       aux_w: float, result: IterationResult, h_in: torch.Tensor | None,
