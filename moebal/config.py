@@ -371,6 +371,15 @@ class ParallelConfig:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Under shard full or optimizer, the dtype gradients are reduce-scattered in (dense by FSDP2 or the sharded
     optimizer, expert parts by the sharded optimizer); the optimizer receives fp32 gradients."""
+    accumulate: Literal["sharded", "whole"] = "sharded"
+    """Under shard full with several micro-batches per step (train.grad_accum > 1, or a pipeline's), where the
+    dense gradients add up over them:
+    sharded, the default (FSDP2 reduce-scatters each micro-batch's gradients into the shards in its backward pass:
+    A reduce-scatters per step, one unit's whole gradients held at a time); whole (they add up whole, in
+    reduce_dtype, and are reduce-scattered once, in the last micro-batch's backward: 1 / A of the traffic, at the
+    cost of every dense gradient held whole between the micro-batches; docs/sharding.md). Other settings already
+    send once per step (none, optimizer: whole gradients; the expert-parallel experts: after Agg). With a pipeline
+    (parallel.pp > 1) the same over pipeline.micro_batches in each stage (not with dynamism.scheme early_exit)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -1293,8 +1302,16 @@ def _check_scheduler(s: SchedulerConfig) -> None:
 
 
 def _check_grad_accum(c: Config) -> None:
-    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly."""
+    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly; whole-gradient
+    accumulation only where it is built."""
     A, par = c.train.grad_accum, c.parallel
+    _need(par.accumulate in ("sharded", "whole"),
+          f"'parallel.accumulate' must be sharded or whole; got {par.accumulate!r}")
+    _need(par.accumulate == "sharded" or par.pp == 1 or c.dynamism.scheme != "early_exit"
+          or par.shard not in ("full", "auto"),
+          "'parallel.accumulate: whole' in a fully sharded pipeline is not built with dynamism.scheme=early_exit: "
+          "a layer that the step's last micro-batch skips would keep the earlier ones' gradient sums unsent; set "
+          "parallel.accumulate=sharded")
     if A == 1:
         return
     _need(par.pp == 1, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline (parallel.pp "

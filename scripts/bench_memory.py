@@ -83,6 +83,11 @@ CASES = [
                                      "data.seq_len=256"), "ep4_seq256", "train.recompute=attention"),
     Case("ep4_grad_accum4", ("parallel.ep=4", "train.grad_accum=4", "data.batch_size=16", "data.seq_len=256"),
          "ep4_seq256", "train.grad_accum=4"),
+    Case("dp4_shard_full_accum4", ("parallel.ep=1", "parallel.shard=full", "train.grad_accum=4", "data.batch_size=16",
+                                   "data.seq_len=128"), "dp4_shard_full", "train.grad_accum=4"),
+    Case("dp4_shard_full_accum4_whole", ("parallel.ep=1", "parallel.shard=full", "train.grad_accum=4",
+                                         "parallel.accumulate=whole", "data.batch_size=16", "data.seq_len=128"),
+         "dp4_shard_full_accum4", "parallel.accumulate=whole"),
 ]
 BASELINE_CASES = [
     Case("tiny_ep4", ("parallel.ep=4", "data.batch_size=16", "data.seq_len=64"), model=tuple(TINY)),
@@ -232,6 +237,22 @@ def run_case(case: Case, steps: int, workdir: Path) -> dict[str, Any]:
     return row
 
 
+def run_rounds(cases: list[Case], steps: int, workdir: Path, rounds: int) -> list[dict[str, Any]]:
+    """Every case `rounds` times, round k starting at case k (rotated): the first round's rows, each with every
+    round's throughput, peaks and wall time under `rounds` when there is more than one."""
+    runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in cases}
+    for k in range(rounds):
+        for c in cases[k % len(cases):] + cases[:k % len(cases)] if cases else []:
+            print(f"bench_memory: {c.name} (round {k + 1} of {rounds}) ...", file=sys.stderr, flush=True)
+            runs[c.name].append(run_case(c, steps, workdir / f"round{k}"))
+    rows = [runs[c.name][0] for c in cases]
+    if rounds > 1:
+        for row in rows:
+            row["rounds"] = [{k: r.get(k) for k in ("status", "tokens_per_s", "rss_bytes", "wall_s")}
+                             for r in runs[row["name"]]]
+    return rows
+
+
 def score(case: Case, row: dict[str, Any], steps: int) -> None:
     """The plan's per-rank predictions and errors of a measured row (its `rss_bytes`, and `rank_skew` under
     expert parallelism), into `row`."""
@@ -291,6 +312,11 @@ def savings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m0, m1 = max(base["rss_bytes"]), max(r["rss_bytes"])
             rec.update(measured_saved_bytes=m0 - m1, measured_ratio=m1 / m0,
                        throughput_cost=base["tokens_per_s"] / r["tokens_per_s"])
+            if "rounds" in r and "rounds" in base:  # paired by round: both ran in it, one after the other
+                costs = [b["tokens_per_s"] / x["tokens_per_s"] for b, x in zip(base["rounds"], r["rounds"])
+                         if b["status"] == x["status"] == "ok"]
+                rec.update(throughput_cost_rounds=costs,
+                           throughput_cost=statistics.median(costs) if costs else rec["throughput_cost"])
         else:
             rec["measured"] = "skipped: " + ("this layout" if r.get("status") != "ok" else "its base") + " did not run"
         out.append(rec)
@@ -376,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one layout (ep4) and the refused ones")
     ap.add_argument("--only", help="comma list of layout names")
     ap.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every layout, the order rotated each round; peaks and errors are the first "
+                         "round's, throughput costs the median of the rounds' side-by-side ratios (default 1)")
     ap.add_argument("--fit-baseline", action="store_true", help="measure the CPU runtime constant instead")
     ap.add_argument("--fit-full-slack", action="store_true",
                     help="measure the CPU allocator slack under parallel.shard=full instead")
@@ -392,9 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for c in CASES if (not args.only or c.name in args.only.split(","))
                      and (not args.quick or c.quick or refusal(c, args.steps))]
             rows = rescore(args.rescore, args.steps) if args.rescore else []
-            for c in cases if not args.rescore else []:
-                print(f"bench_memory: {c.name} ...", file=sys.stderr, flush=True)
-                rows.append(run_case(c, args.steps, Path(tmp)))
+            if not args.rescore:
+                rows = run_rounds(cases, args.steps, Path(tmp), args.rounds)
             errs = [abs(r["error"]) for r in rows if "error" in r]
             ranks = [abs(e) for r in rows for e in r.get("error_per_rank", [])]
             result = {"rows": rows, "savings": savings(rows),
@@ -455,6 +483,8 @@ def _print(result: dict[str, Any]) -> None:
     for s in result["savings"]:
         meas = (f"measured {s['measured_ratio']:.2f}x peak, throughput cost {s['throughput_cost']:.2f}x"
                 if "measured_ratio" in s else s.get("measured", ""))
+        if s.get("throughput_cost_rounds"):
+            meas += " (rounds " + ", ".join(f"{c:.2f}x" for c in s["throughput_cost_rounds"]) + ")"
         print(f"  {s['setting']:<26} vs {s['base']:<12} predicted {s.get('predicted_ratio', float('nan')):.2f}x peak "
               f"(model state {s.get('predicted_model_state_ratio', float('nan')):.2f}x, activations "
               f"{s.get('predicted_activation_ratio', float('nan')):.2f}x); {meas}")

@@ -73,8 +73,8 @@ if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
 __all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
-           "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "shard_rows", "stage_mesh",
-           "unshard_leaving", "whole_tensor"]
+           "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "set_stage_gradient_sync", "shard_rows",
+           "stage_mesh", "unshard_leaving", "whole_tensor"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -483,6 +483,16 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
         for n, p in m.named_parameters():
             if n in grads and isinstance(p, DTensor):
                 p.grad = local_chunk(grads[n], p)
+
+
+def set_stage_gradient_sync(stage: PipelineStage, on: bool) -> None:
+    """FSDP2's gradient sync of every unit of a fully sharded stage (`parallel.accumulate: whole`: off for the
+    step's backward passes but its last, `PipelineEngine.gradient_sync`). Local: no communication."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in _stage_units(stage):
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(on)
 
 
 class StageShardedAdamW(FullyShardedAdamW):

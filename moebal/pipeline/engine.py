@@ -29,8 +29,8 @@ are the runner's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,13 @@ class PipelineEngine:
         `ExpertParallel.arm_agg`). Every micro-batch's backward follows its forward, so the last backward follows
         every forward and every other backward."""
         self._last_backward: int | None = None  # the micro-batch of that backward while a step runs
+        self.gradient_sync: Callable[[bool], None] | None = None
+        """`parallel.accumulate: whole` in a fully sharded stage: switches FSDP2's gradient sync of the stage's
+        units (`set_stage_gradient_sync`). Off while a step runs but for its last backward, switched on as that
+        backward starts (`_backward_compute`), so each unit's gradients add up whole over the micro-batches and
+        that backward reduce-scatters the sums once; zero bubble's W ops keep their deferred weight gradients
+        for the step's last W (`_weight_grads`). On again when the step ends, whatever happened."""
+        self._last_weight: int | None = None  # the micro-batch of the stage's last W op while a step runs
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
     def _input_needs_grad(self) -> bool:
@@ -133,9 +140,10 @@ class PipelineEngine:
         self._cpu0 = 0.0
         ops = make_schedule(self.schedule_name, self.chain.size, self.chain.index, M)
         self._last_backward = last_backward(ops)
-        split = any(kind == "W" for kind, _ in ops)
+        self._last_weight = last_backward(ops, "W")
+        split = self._last_weight is not None
         self.wgrad.clear()
-        with self.wgrad.installed(self.stage) if split else nullcontext():
+        with self.wgrad.installed(self.stage) if split else nullcontext(), self.accumulating():
             for kind, j in ops:
                 if kind == "F":
                     with self.wgrad.capture(j) if split else nullcontext():
@@ -148,8 +156,21 @@ class PipelineEngine:
                     self._weight_grads(j, result)
         assert self.wgrad.pending() == 0, "a deferred weight gradient was never run"
         self.chain.flush()
-        self._last_backward = None
+        self._last_backward = self._last_weight = None
         return result
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """A step's backward passes under `gradient_sync`: off for all but the last, on again on the way out."""
+        sync = self.gradient_sync
+        if sync is None:
+            yield
+            return
+        sync(False)
+        try:
+            yield
+        finally:
+            sync(True)
 
     @torch.no_grad()
     def evaluate(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, micro_rows: list[int]) -> float:
@@ -273,6 +294,8 @@ class PipelineEngine:
                           result: IterationResult) -> torch.Tensor | None:
         """B(j) on this stage from the output gradient (None on the last stage: from its loss); returns the
         gradient of the stage's input when the previous stage needs it. Sends nothing."""
+        if self.gradient_sync is not None and j == self._last_backward:
+            self.gradient_sync(True)  # the step's last backward reduce-scatters the whole sums
         t0 = time.perf_counter()
         self._cpu0 = time.thread_time()
         clock = self.profiler.clock if self.profiler is not None else time.perf_counter
@@ -306,8 +329,11 @@ class PipelineEngine:
         for k, (slot, fn) in enumerate(items):
             c0 = prof.clock() if prof is not None else 0.0
             fn()
-            if k + 1 == len(items) or items[k + 1][0] != slot:
-                self.wgrad.flush()  # a sharded stage: the slot's reduce-scatter (collective over the stage)
+            if (k + 1 == len(items) or items[k + 1][0] != slot) and (self.gradient_sync is None
+                                                                      or j == self._last_weight):
+                # a sharded stage: the slot's reduce-scatter (collective over the stage); under whole sums the
+                # last W's first one sends every slot's sums of the earlier W ops too
+                self.wgrad.flush()
             if prof is not None:
                 prof.add_weight_grad(slot, j, prof.clock() - c0)
         self._op_done(result, "W", j, t0)
@@ -334,9 +360,10 @@ class PipelineEngine:
             result.ops.append((kind, j, t0, t1))
 
 
-def last_backward(ops: Iterable[tuple[str, int]]) -> int | None:
-    """The micro-batch of a stage's last backward (B) op in a schedule or instruction stream; None: no backward."""
-    bs = [j for kind, j in ops if kind == "B"]
+def last_backward(ops: Iterable[tuple[str, int]], kind: str = "B") -> int | None:
+    """The micro-batch of a stage's last backward (B) op in a schedule or instruction stream, or of its last op of
+    another `kind` (W: weight gradients); None: none."""
+    bs = [j for k, j in ops if k == kind]
     return bs[-1] if bs else None
 
 

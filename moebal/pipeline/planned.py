@@ -101,32 +101,33 @@ class PlannedEngine(PipelineEngine):
         recvs: dict[tuple[str, int], Any] = {}
         sends: dict[tuple[str, int], Any] = {}
         self._last_backward = last_backward(rep.streams[chain.index])
-        for op, j in rep.streams[chain.index]:
-            mb = mbs[j]
-            if op == "recv_act":
-                inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
-                recvs[("act", j)] = chain.post_recv(inputs[j], chain.prev)
-            elif op == "recv_grad":
-                grads[j] = torch.empty_like(saved[j].out)
-                recvs[("grad", j)] = chain.post_recv(grads[j], chain.next)
-            elif op in ("wait_act", "wait_grad"):
-                chain.wait_recv(recvs.pop((op[5:], j)))
-            elif op == "F":
-                ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
-                saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
-                                                 inputs.pop(j, None), {})
-            elif op == "B":
-                g = self._backward_compute(j, saved.pop(j), grads.pop(j, None), result)
-                if g is not None:
-                    grad_in[j] = g
-            elif op == "send_act":
-                sends[("act", j)] = chain.post_send(saved[j].out, chain.next)
-            elif op == "send_grad":
-                sends[("grad", j)] = chain.post_send(grad_in.pop(j), chain.prev)
-            elif op.startswith("wait_send_"):
-                chain.wait_send(sends.pop((op[len("wait_send_"):], j)))
-            else:
-                raise ConfigError(f"unknown plan instruction {op!r}")
+        with self.accumulating():  # parallel.accumulate whole: FSDP2's sync for the last backward only
+            for op, j in rep.streams[chain.index]:
+                mb = mbs[j]
+                if op == "recv_act":
+                    inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
+                    recvs[("act", j)] = chain.post_recv(inputs[j], chain.prev)
+                elif op == "recv_grad":
+                    grads[j] = torch.empty_like(saved[j].out)
+                    recvs[("grad", j)] = chain.post_recv(grads[j], chain.next)
+                elif op in ("wait_act", "wait_grad"):
+                    chain.wait_recv(recvs.pop((op[5:], j)))
+                elif op == "F":
+                    ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
+                    saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
+                                                     inputs.pop(j, None), {})
+                elif op == "B":
+                    g = self._backward_compute(j, saved.pop(j), grads.pop(j, None), result)
+                    if g is not None:
+                        grad_in[j] = g
+                elif op == "send_act":
+                    sends[("act", j)] = chain.post_send(saved[j].out, chain.next)
+                elif op == "send_grad":
+                    sends[("grad", j)] = chain.post_send(grad_in.pop(j), chain.prev)
+                elif op.startswith("wait_send_"):
+                    chain.wait_send(sends.pop((op[len("wait_send_"):], j)))
+                else:
+                    raise ConfigError(f"unknown plan instruction {op!r}")
         assert not (recvs or sends or saved), "the instruction stream left transfers or activations behind"
         self._last_backward = None
         return result

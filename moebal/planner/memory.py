@@ -6,7 +6,8 @@ A rank's peak is modelled in phases, each a sum of terms, and the plan is their 
     state   = parameters + optimizer state + persistent gradient buffers
     fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
               one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
-              + Pro-Prophet replicas + FSDP2 reduce-scatter buffers
+              + Pro-Prophet replicas + FSDP2 reduce-scatter buffers (+ its whole gradient sums under
+              `parallel.accumulate: whole`)
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
     migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
               gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py); (`shard: full`)
@@ -118,7 +119,8 @@ keep per parameter (refused together in moebal/config.py)."""
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
-                         "pipeline p2p buffers", "replicas (Pro-Prophet)", "FSDP2 reduce-scatter buffers"),
+                         "pipeline p2p buffers", "replicas (Pro-Prophet)", "FSDP2 reduce-scatter buffers",
+                         "whole gradient sums (FSDP2)"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
     "migration": (*_STATE, "migration: whole moments + new flats", "migration: moved layers whole"),
     "start-up": ("start-up (whole model built)",),
@@ -134,6 +136,7 @@ _TERM_SETTING = {
     "persistent gradient buffers": "parallel.shard=optimizer", "parameters": "parallel.shard=full",
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
     "logits/loss": "a smaller data.batch_size (or train.grad_accum above 8)",
+    "whole gradient sums (FSDP2)": "parallel.accumulate=sharded",
     "replicas (Pro-Prophet)": "planner.max_replicas=1 (or planner.policy=static)",
     "migration: whole moments + new flats": "pipeline.rebalance=off",
     "migration: moved layers whole": "pipeline.rebalance=off",
@@ -188,6 +191,9 @@ class MemoryLayout:
     recompute: str = "none"
     micro_batches: int = 1
     """Micro-batches per iteration: a pipeline's (pp > 1), else `train.grad_accum` (gradient accumulation)."""
+    accumulate: str = "sharded"
+    """`parallel.accumulate`: whole (with `shard: full` and micro-batches, a pipeline's or accumulation's) holds
+    every FSDP2 gradient of the stage whole between the micro-batches."""
     schedule: str = "1f1b"
     precision: str = "fp32"
     """fp32, or bf16 (autocast over fp32 master weights)."""
@@ -216,6 +222,8 @@ class MemoryLayout:
         mb = (f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else
               f" accum={self.micro_batches}" if self.micro_batches > 1 else "")
         weights = " bf16-weights" if self.bf16_copies else ""
+        if self.shard == "full" and self.micro_batches > 1 and self.accumulate == "whole":
+            mb += " whole-sums"
         return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard}{weights} "
                 f"recompute={self.recompute} {self.precision}")
 
@@ -469,6 +477,12 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # activations are still held (torch fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce frees the gradients
     # only after the copy-in); measured on CPU: docs/memory.md, "Where a fully sharded CPU rank's memory goes"
     t["FSDP2 reduce-scatter buffers"] = (a + 4) * unit if lay.shard == "full" else 0.0
+    # parallel.accumulate whole: FSDP2 adds each unit's gradients up whole, in reduce_dtype, from the first
+    # micro-batch's backward to the last one's reduce-scatter, beside the later micro-batches' activations
+    # (torch fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`)
+    r = 2 if cfg.parallel.reduce_dtype == "bf16" else 4
+    t["whole gradient sums (FSDP2)"] = (r * fsdp if lay.shard == "full" and lay.micro_batches > 1
+                                        and lay.accumulate == "whole" else 0.0)
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts
@@ -765,7 +779,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     prec = cfg.train.precision.replace("auto", "bf16")
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
                         micro_batches=cfg.pipeline.micro_batches if pp > 1 else cfg.train.grad_accum,
-                        schedule=cfg.pipeline.schedule,
+                        accumulate=cfg.parallel.accumulate, schedule=cfg.pipeline.schedule,
                         precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
                         param_dtype=cfg.parallel.param_dtype)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}

@@ -13,7 +13,8 @@ The trainer calls the hooks' `before_step` and `after_step` (observe -> plan -> 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,9 @@ class LocalStep:
         self.micro_batches = cfg.train.grad_accum
         self.model = model.to(device)
         self._sharded: ShardedAdamW | FullyShardedAdamW | None = None
+        self._whole_root: Any = None
+        """`parallel.accumulate: whole`: the FSDP2 root whose dense gradients add up whole over a step's
+        micro-batches and are reduce-scattered in the last one's backward (`set_requires_gradient_sync`)."""
         if cfg.parallel.shard == "optimizer" and ctx.distributed:
             from moebal.distributed.fsdp import DTYPES
             from moebal.distributed.sharded import ShardedAdamW
@@ -73,6 +77,8 @@ class LocalStep:
             # the backward pass), expert ones by the sharded optimizer, after Agg
             fully_shard_model(self.model, cfg, ctx.dims)
             self._sharded = FullyShardedAdamW(self.model, cfg, ctx.dims, accumulate=self.accumulates)
+            if self.accumulates and cfg.parallel.accumulate == "whole":
+                self._whole_root = self.model  # an FSDPModule now (fully_shard changes the class in place)
         self._optimizer = self._sharded or build_optimizer(self.model, cfg.train)
 
     @property
@@ -149,7 +155,8 @@ class LocalStep:
         tokens), the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). What
         sends gradients during the backward pass is armed for the last one only, when they are final sums: a
         sharded optimizer's buckets (`begin`; accumulating, it adds the earlier passes' fp32 sums of bf16
-        compute copies) and hooks' `before_last_micro_batch`.
+        compute copies), FSDP2's reduce-scatters under `parallel.accumulate: whole` (until then its dense
+        gradients add up whole) and hooks' `before_last_micro_batch`.
         Every rank runs every micro-batch, one with no label tokens too (its weight is 0): the MoE layers'
         exchanges need every rank's forward. Returns the rank's loss, the mean auxiliary loss and the
         per-micro-batch row complexities (`data.order: complexity`; none without it)."""
@@ -158,24 +165,46 @@ class LocalStep:
         loss = aux = torch.zeros((), device=self.device)
         rows: list[np.ndarray] = []
         complexity = self._curriculum() is not None
-        for j, part in enumerate(parts):
-            if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's are sums
-                if self._sharded is not None:
-                    self._sharded.begin()  # its buckets go out as their gradients complete
-                if count > 1:
-                    for hook in trainer.hooks:
-                        hook.before_last_micro_batch(trainer, step)
-            share = part.n_tokens / total
-            with self.autocast():
-                out = self.model(part.ids_BT, part.labels_BT)
-            # a micro-batch without label tokens has a non-finite mean; its weight is 0 and it adds no gradient
-            part_loss = out.loss if part.n_tokens else out.loss.nan_to_num(0.0, 0.0, 0.0)
-            (part_loss * (scale * share) + out.aux_loss / count).backward()
-            loss = loss + part_loss.detach().float() * share
-            aux = aux + out.aux_loss.detach().float() / count
-            if complexity:
-                rows.append(row_complexity(self.moe_layers(), part.labels_BT))
+        with self._whole_dense_sums():
+            for j, part in enumerate(parts):
+                if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's
+                    self._arm_last_pass(trainer, step, count)  # are the step's sums
+                share = part.n_tokens / total
+                with self.autocast():
+                    out = self.model(part.ids_BT, part.labels_BT)
+                # a micro-batch without label tokens has a non-finite mean; its weight is 0 and it adds no
+                # gradient
+                part_loss = out.loss if part.n_tokens else out.loss.nan_to_num(0.0, 0.0, 0.0)
+                (part_loss * (scale * share) + out.aux_loss / count).backward()
+                loss = loss + part_loss.detach().float() * share
+                aux = aux + out.aux_loss.detach().float() / count
+                if complexity:
+                    rows.append(row_complexity(self.moe_layers(), part.labels_BT))
         return loss, aux, rows
+
+    def _arm_last_pass(self, trainer: Trainer, step: int, count: int) -> None:
+        """Before the forward of the step's last micro-batch: what sends gradients during its backward pass."""
+        if self._sharded is not None:
+            self._sharded.begin()  # its buckets go out as their gradients complete
+        if self._whole_root is not None:
+            self._whole_root.set_requires_gradient_sync(True)  # FSDP2: the whole sums out in this backward
+        if count > 1:
+            for hook in trainer.hooks:
+                hook.before_last_micro_batch(trainer, step)
+
+    @contextmanager
+    def _whole_dense_sums(self) -> Iterator[None]:
+        """`parallel.accumulate: whole`: FSDP2's backward passes keep the dense gradients whole (the last one's
+        reduce-scatters the sums, `_arm_last_pass`); sync is on again on the way out, whatever happened."""
+        root = self._whole_root
+        if root is None:
+            yield
+            return
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
 
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         global_batch = self.data.train.next_batch()

@@ -35,6 +35,9 @@ VARIANTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
                                                                            "train": {"precision": "bf16"}}),
     "4 ranks, shard full, block overlap": (4, "full", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard full (experts at rest)": (4, "full", "prophet", {}),
+    "prophet, shard full, whole sums": (2, "full", "prophet", {"parallel": {"accumulate": "whole"}}),
+    "4 ranks, shard full, whole sums, block overlap": (4, "full", "prophet", {"parallel": {"accumulate": "whole"},
+                                                                             "scheduler": {"block_overlap": True}}),
 }
 
 
@@ -76,6 +79,46 @@ def test_two_micro_batches_train_as_one_pass_under_expert_parallelism(tmp_path, 
         assert sum(sum(r["replicas"]) for r in accum) > 0  # Trans and Agg ran
     if "plan-ahead" in name:
         assert any(r.get("plan_ahead_layers") for r in accum)  # layers were planned ahead of their gate
+
+
+def _sharded_against_whole(rank: int, world: int, root: str, A: int) -> dict[str, Any]:
+    """`shard: full` in A micro-batches, FSDP2 reduce-scattering each one's dense gradients, then adding them up
+    whole and reduce-scattering once; every reduce-scatter counted (FSDP2's and the expert optimizer's)."""
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+    inner = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+
+    runs, counts = {}, {}
+    dist.reduce_scatter_single = counted  # FSDP2 and moebal's sharded optimizers look it up on the module
+    try:
+        for how in ("sharded", "whole"):
+            calls["n"] = 0
+            cfg = shard_cfg("full", 2, "prophet", STEPS, parallel={"accumulate": how}, sections={"moe": NO_AUX},
+                            grad_accum=A)
+            runs[how], counts[how] = train_run(cfg, Path(root) / how), calls["n"]
+    finally:
+        dist.reduce_scatter_single = inner
+    p, q = runs["sharded"]["params"], runs["whole"]["params"]
+    return {"sharded": runs["sharded"]["rows"], "whole": runs["whole"]["rows"], "counts": counts,
+            "param_rel": max(rel(q[n], p[n]) for n in p)}
+
+
+def test_whole_sums_reduce_scatter_once_per_step_and_train_as_per_micro_batch_sums(tmp_path):
+    """`parallel.accumulate: whole` against the default under `shard: full`, 4 micro-batches: the same training
+    (a sum of sums in another order: within 1e-6), and FSDP2's reduce-scatters (one per unit: 2 layers and the
+    root) once per step instead of once per micro-batch."""
+    A = 4
+    out = run_ranks(_sharded_against_whole, 2, str(tmp_path), A, timeout_s=600)
+    _close(out[0]["sharded"], out[0]["whole"], tol=1e-6)
+    assert max(r["param_rel"] for r in out) < 1e-6, [r["param_rel"] for r in out]
+    units = 3
+    for r in out:
+        assert r["counts"]["sharded"] - r["counts"]["whole"] == STEPS * units * (A - 1), r["counts"]
 
 
 def _data_parallel(rank: int, world: int, root: str) -> list[dict[str, Any]]:

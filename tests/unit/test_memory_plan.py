@@ -357,6 +357,30 @@ def test_bench_memory_json(tmp_path, monkeypatch):
     assert data["meta"]["ranks"] == 4
 
 
+def test_bench_memory_rounds_rotate_the_layouts_and_pair_their_throughputs(tmp_path, monkeypatch):
+    bench = _bench()
+    order: list[str] = []
+    speed = {"dp4_shard_full_accum4": [100.0, 90.0, 80.0], "dp4_shard_full_accum4_whole": [125.0, 100.0, 120.0]}
+
+    def measure(case, steps, workdir):
+        order.append(case.name)
+        tps = speed[case.name][sum(n == case.name for n in order) - 1]
+        return {"status": "ok", "rss_bytes": [1.0e9] * 4, "tokens_per_s": tps, "wall_s": 0.0, "expert_counts": []}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "m.json"
+    assert bench.main(["--only", "dp4_shard_full_accum4,dp4_shard_full_accum4_whole", "--rounds", "3", "--json",
+                       str(out)]) == 0
+    a, w = "dp4_shard_full_accum4", "dp4_shard_full_accum4_whole"
+    assert order == [a, w, w, a, a, w]  # round k starts at layout k
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert [r["tokens_per_s"] for r in rows[w]["rounds"]] == [125.0, 100.0, 120.0]
+    saved = [s for s in data["savings"] if s["layout"] == w][0]
+    assert saved["throughput_cost_rounds"] == pytest.approx([0.8, 0.9, 80 / 120])
+    assert saved["throughput_cost"] == pytest.approx(0.8)  # the median of the paired ratios
+
+
 def test_bench_memory_rescores_earlier_runs_with_the_plan_as_it_is(tmp_path):
     """`--rescore`: nothing runs; an earlier run's measured peaks (and routing skews) are scored by today's plan."""
     bench = _bench()
@@ -563,6 +587,35 @@ def test_gradient_accumulation_holds_one_micro_batch_and_is_the_fix_for_activati
         plan_memory(cfg, MemoryLayout(ranks=1, micro_batches=3), BARE)
 
 
+def test_whole_gradient_sums_hold_every_fsdp2_gradient_beside_the_activations():
+    """`parallel.accumulate: whole` under `shard: full` with micro-batches: FSDP2's gradients whole, in
+    reduce_dtype, in the forward/backward phase (a pipeline stage: its own); nothing without micro-batches or
+    without `full`."""
+    cfg = load(None, [*TINY, "data.batch_size=8"])
+    whole = MemoryLayout(ranks=2, ep=1, shard="full", micro_batches=4, accumulate="whole")
+    sharded = dataclasses.replace(whole, accumulate="sharded")
+    held = 272 + 16 + 192 + 2 * 2048 + 8  # test_terms_by_hand_one_rank's
+    dense, experts = held - 192, 192
+    a, b = plan_memory(cfg, whole, BARE), plan_memory(cfg, sharded, BARE)
+    term = "whole gradient sums (FSDP2)"
+    assert a.terms[term] == 4 * (dense + experts) and b.terms[term] == 0  # ep 1: FSDP2 holds the experts too
+    assert a.phases["forward/backward"] - b.phases["forward/backward"] == a.terms[term]
+    assert a.phases["gradient sync"] == b.phases["gradient sync"]
+    assert "whole-sums" in whole.describe() and "whole-sums" not in sharded.describe()
+    ep = plan_memory(cfg, dataclasses.replace(whole, ep=2), BARE).terms[term]
+    assert ep == 4 * dense  # the expert-parallel experts are not FSDP2's
+    low = plan_memory(load(None, [*TINY, "data.batch_size=8", "parallel.reduce_dtype=bf16"]), whole, BARE)
+    assert low.terms[term] == 2 * (dense + experts)
+    for other in (dataclasses.replace(whole, micro_batches=1), dataclasses.replace(whole, shard="optimizer")):
+        assert plan_memory(cfg, other, BARE).terms[term] == 0
+    two = load(None, [*TINY, "data.batch_size=8", "model.n_layers=2"])  # a pipeline: each stage's own units
+    staged = plan_memory(two, MemoryLayout(ranks=4, pp=2, shard="full", micro_batches=4, accumulate="whole"), BARE)
+    one_stage = plan_memory(two, MemoryLayout(ranks=2, shard="full", micro_batches=4, accumulate="whole"), BARE)
+    assert 0 < staged.terms[term] < one_stage.terms[term]
+    assert layout_from_config(load(None, [*TINY, "data.batch_size=8", "train.grad_accum=4",
+                                          "parallel.accumulate=whole", "parallel.shard=full"]), 2).accumulate == "whole"
+
+
 def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settings():
     from moebal.planner.memory import _changes
 
@@ -571,3 +624,4 @@ def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settin
     assert _changes(pipe, accum) == "parallel.pp=1 train.grad_accum=2"
     assert _changes(MemoryLayout(ranks=4), accum) == "train.grad_accum=2"
     assert _changes(pipe, dataclasses.replace(pipe, micro_batches=8)) == "pipeline.micro_batches=8"
+
