@@ -199,8 +199,8 @@ def test_whole_gradient_sums_are_refused_with_early_exit_in_a_fully_sharded_pipe
     exit_ = [*pipe, "dynamism.scheme=early_exit"]
     assert C.load(None, [*exit_, "parallel.shard=none"]).parallel.accumulate == "whole"  # whole gradients anyway
     for shard in ("full", "auto"):
-        with pytest.raises(ConfigError, match="'parallel.accumulate: whole' in a fully sharded pipeline is not "
-                                              "built with dynamism.scheme=early_exit: .* set parallel.accumulate=sharded"):
+        with pytest.raises(ConfigError, match="'parallel.accumulate: whole' in a fully sharded pipeline is not built "
+                                              "with dynamism.scheme=early_exit: .* set parallel.accumulate=sharded"):
             C.load(None, [*exit_, f"parallel.shard={shard}"])
     with pytest.raises(ConfigError, match="accumulate"):
         C.load(None, ["parallel.accumulate=later"])
