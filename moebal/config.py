@@ -1311,7 +1311,8 @@ def _check_grad_accum(c: Config) -> None:
           or par.shard not in ("full", "auto"),
           "'parallel.accumulate: whole' in a fully sharded pipeline is not built with dynamism.scheme=early_exit: "
           "a layer that the step's last micro-batch skips would keep the earlier ones' gradient sums unsent; set "
-          "parallel.accumulate=sharded")
+          "parallel.accumulate=sharded" + (" (or parallel.shard none or optimizer: auto may settle on full)"
+                                           if par.shard == "auto" else ""))
     if A == 1:
         return
     _need(par.pp == 1, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline (parallel.pp "
