@@ -380,6 +380,13 @@ class ParallelConfig:
     cost of every dense gradient held whole between the micro-batches; docs/sharding.md). Other settings already
     send once per step (none, optimizer: whole gradients; the expert-parallel experts: after Agg). With a pipeline
     (parallel.pp > 1) the same over pipeline.micro_batches in each stage (not with dynamism.scheme early_exit)."""
+    reshard: Literal["micro_batch", "step"] = "micro_batch"
+    """Under shard full with several micro-batches per step, when FSDP2 frees a unit's gathered dense weights:
+    micro_batch, the default (after each micro-batch's forward and again after its backward pass: two
+    all-gathers per unit and micro-batch, one unit whole at a time); step (gathered by the step's first forward
+    and kept until its last backward pass: one all-gather per unit and step, at the cost of every dense weight
+    whole in param_dtype through the step; docs/sharding.md). Not with pipeline.schedule zb (its W ops need the
+    shards back between the backward passes)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -1307,6 +1314,13 @@ def _check_grad_accum(c: Config) -> None:
     A, par = c.train.grad_accum, c.parallel
     _need(par.accumulate in ("sharded", "whole"),
           f"'parallel.accumulate' must be sharded or whole; got {par.accumulate!r}")
+    _need(par.reshard in ("micro_batch", "step"),
+          f"'parallel.reshard' must be micro_batch or step; got {par.reshard!r}")
+    _need(par.reshard == "micro_batch" or par.pp == 1 or c.pipeline.schedule != "zb"
+          or par.shard not in ("full", "auto"),
+          "'parallel.reshard: step' keeps a fully sharded stage's weights gathered through the step, and "
+          "pipeline.schedule zb's W ops need the shards back between the backward passes; set "
+          "parallel.reshard=micro_batch or pipeline.schedule 1f1b or gpipe")
     _need(par.accumulate == "sharded" or par.pp == 1 or c.dynamism.scheme != "early_exit"
           or par.shard not in ("full", "auto"),
           "'parallel.accumulate: whole' in a fully sharded pipeline is not built with dynamism.scheme=early_exit: "

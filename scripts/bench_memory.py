@@ -88,6 +88,10 @@ CASES = [
     Case("dp4_shard_full_accum4_whole", ("parallel.ep=1", "parallel.shard=full", "train.grad_accum=4",
                                          "parallel.accumulate=whole", "data.batch_size=16", "data.seq_len=128"),
          "dp4_shard_full_accum4", "parallel.accumulate=whole"),
+    Case("dp4_shard_full_accum4_whole_step", ("parallel.ep=1", "parallel.shard=full", "train.grad_accum=4",
+                                              "parallel.accumulate=whole", "parallel.reshard=step",
+                                              "data.batch_size=16", "data.seq_len=128"),
+         "dp4_shard_full_accum4_whole", "parallel.reshard=step"),
 ]
 BASELINE_CASES = [
     Case("tiny_ep4", ("parallel.ep=4", "data.batch_size=16", "data.seq_len=64"), model=tuple(TINY)),

@@ -55,7 +55,7 @@ then take the loaded weights), and written as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,8 +73,8 @@ if TYPE_CHECKING:
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
 __all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
-           "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "set_stage_gradient_sync", "shard_rows",
-           "stage_mesh", "unshard_leaving", "whole_tensor"]
+           "StepHold", "fsdp_units", "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "shard_rows",
+           "stage_mesh", "stage_units", "unshard_leaving", "whole_tensor"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -485,14 +485,77 @@ def fully_shard_stage(stage: PipelineStage, cfg: Config, mesh: Any) -> None:
                 p.grad = local_chunk(grads[n], p)
 
 
-def set_stage_gradient_sync(stage: PipelineStage, on: bool) -> None:
-    """FSDP2's gradient sync of every unit of a fully sharded stage (`parallel.accumulate: whole`: off for the
-    step's backward passes but its last, `PipelineEngine.gradient_sync`). Local: no communication."""
+class StepHold:
+    """What FSDP2 holds whole through a training step of several micro-batches (`train.grad_accum`, a pipeline
+    stage's), by `parallel.accumulate` and `parallel.reshard`:
+    - whole gradient sums (`accumulate: whole`): gradient sync off for every backward pass but the step's last,
+      so each unit's gradients add up whole (in reduce_dtype) and that pass reduce-scatters the sums once;
+    - weights kept gathered (`reshard: step`): no reshard after a forward or a backward pass until the step's
+      last backward, so each unit is all-gathered once per step instead of once per forward and once per
+      backward pass of every micro-batch.
+    `begin` before the step's first forward, `last_backward` before its last backward pass (before that
+    micro-batch's forward is as good: the switches are read when a pass ends), `end` after the step, whatever
+    happened: sync on, the construction-time resharding back, every unit resharded (a unit that the last backward
+    did not reach too). All local: FSDP2 reads these flags in its hooks; no communication here."""
+
+    def __init__(self, units: Callable[[], list[Any]], whole_sums: bool, keep_gathered: bool,
+                 after_forward: Callable[[Any], bool]) -> None:
+        """`units`: the FSDP2 modules now (a pipeline stage's change with migrations); `after_forward`: whether a
+        unit reshards after its forward by construction (FSDP2's root of a whole model does not)."""
+        self.units, self.whole_sums, self.keep_gathered = units, whole_sums, keep_gathered
+        self.after_forward = after_forward
+
+    @classmethod
+    def of(cls, cfg: Config, units: Callable[[], list[Any]], after_forward: Callable[[Any], bool]) -> StepHold | None:
+        """The hold `cfg` asks for under `parallel.shard: full`; None when it holds nothing across micro-batches."""
+        par = cfg.parallel
+        whole, keep = par.accumulate == "whole", par.reshard == "step"
+        return cls(units, whole, keep, after_forward) if whole or keep else None
+
+    def begin(self) -> None:
+        for m in self.units():
+            if self.whole_sums:
+                m.set_requires_gradient_sync(False, recurse=False)
+            if self.keep_gathered:
+                m.set_reshard_after_forward(False, recurse=False)
+                m.set_reshard_after_backward(False, recurse=False)
+
+    def last_backward(self) -> None:
+        for m in self.units():
+            m.set_requires_gradient_sync(True, recurse=False)  # the whole sums out in this pass
+            m.set_reshard_after_backward(True, recurse=False)  # and the weights freed after it
+
+    def end(self) -> None:
+        for m in self.units():
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+            if self.keep_gathered:
+                if self.after_forward(m):
+                    m.set_reshard_after_forward(True, recurse=False)
+                m.reshard()  # a unit that the last backward did not reach (or a step cut short) too
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """`begin`, then `end` on the way out whatever happened."""
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+
+def fsdp_units(module: nn.Module) -> list[Any]:
+    """The FSDP2 modules in `module` (itself included), in module order."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in _stage_units(stage):
-        if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(on)
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def stage_units(stage: PipelineStage) -> list[Any]:
+    """A fully sharded stage's FSDP2 units, each its own root (`fully_shard_stage`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in _stage_units(stage) if isinstance(m, FSDPModule)]
 
 
 class StageShardedAdamW(FullyShardedAdamW):

@@ -29,10 +29,10 @@ are the runner's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import ATTN, LAYER
 from moebal.pipeline.zero_bubble import WeightGradQueue
 from moebal.planner.schedule import make_schedule
+
+if TYPE_CHECKING:
+    from moebal.distributed.fsdp import StepHold
 
 __all__ = ["IterationResult", "PipelineEngine", "last_backward"]
 
@@ -102,12 +105,13 @@ class PipelineEngine:
         `ExpertParallel.arm_agg`). Every micro-batch's backward follows its forward, so the last backward follows
         every forward and every other backward."""
         self._last_backward: int | None = None  # the micro-batch of that backward while a step runs
-        self.gradient_sync: Callable[[bool], None] | None = None
-        """`parallel.accumulate: whole` in a fully sharded stage: switches FSDP2's gradient sync of the stage's
-        units (`set_stage_gradient_sync`). Off while a step runs but for its last backward, switched on as that
-        backward starts (`_backward_compute`), so each unit's gradients add up whole over the micro-batches and
-        that backward reduce-scatters the sums once; zero bubble's W ops keep their deferred weight gradients
-        for the step's last W (`_weight_grads`). On again when the step ends, whatever happened."""
+        self.step_hold: StepHold | None = None
+        """A fully sharded stage's `parallel.accumulate: whole` and `parallel.reshard: step` (moebal/distributed/
+        fsdp.py `StepHold`): begun as a step's schedule starts, switched for the last backward as that backward
+        starts (`_backward_compute`), so each unit's gradients add up whole over the micro-batches and that
+        backward reduce-scatters the sums once (and its weights, kept gathered since the step's first forward,
+        are freed after it); ended when the schedule ends, whatever happened. Under whole sums zero bubble's W
+        ops keep their deferred weight gradients for the step's last W (`_weight_grads`)."""
         self._last_weight: int | None = None  # the micro-batch of the stage's last W op while a step runs
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
@@ -143,7 +147,7 @@ class PipelineEngine:
         self._last_weight = last_backward(ops, "W")
         split = self._last_weight is not None
         self.wgrad.clear()
-        with self.wgrad.installed(self.stage) if split else nullcontext(), self.accumulating():
+        with self.wgrad.installed(self.stage) if split else nullcontext(), self.holding():
             for kind, j in ops:
                 if kind == "F":
                     with self.wgrad.capture(j) if split else nullcontext():
@@ -159,18 +163,9 @@ class PipelineEngine:
         self._last_backward = self._last_weight = None
         return result
 
-    @contextmanager
-    def accumulating(self) -> Iterator[None]:
-        """A step's backward passes under `gradient_sync`: off for all but the last, on again on the way out."""
-        sync = self.gradient_sync
-        if sync is None:
-            yield
-            return
-        sync(False)
-        try:
-            yield
-        finally:
-            sync(True)
+    def holding(self) -> AbstractContextManager[Any]:
+        """A step's passes under `step_hold`, ended on the way out."""
+        return self.step_hold.step() if self.step_hold is not None else nullcontext()
 
     @torch.no_grad()
     def evaluate(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, micro_rows: list[int]) -> float:
@@ -294,8 +289,8 @@ class PipelineEngine:
                           result: IterationResult) -> torch.Tensor | None:
         """B(j) on this stage from the output gradient (None on the last stage: from its loss); returns the
         gradient of the stage's input when the previous stage needs it. Sends nothing."""
-        if self.gradient_sync is not None and j == self._last_backward:
-            self.gradient_sync(True)  # the step's last backward reduce-scatters the whole sums
+        if self.step_hold is not None and j == self._last_backward:
+            self.step_hold.last_backward()  # the step's last backward reduce-scatters the whole sums
         t0 = time.perf_counter()
         self._cpu0 = time.thread_time()
         clock = self.profiler.clock if self.profiler is not None else time.perf_counter
@@ -329,8 +324,8 @@ class PipelineEngine:
         for k, (slot, fn) in enumerate(items):
             c0 = prof.clock() if prof is not None else 0.0
             fn()
-            if (k + 1 == len(items) or items[k + 1][0] != slot) and (self.gradient_sync is None
-                                                                      or j == self._last_weight):
+            if (k + 1 == len(items) or items[k + 1][0] != slot) and (
+                    self.step_hold is None or not self.step_hold.whole_sums or j == self._last_weight):
                 # a sharded stage: the slot's reduce-scatter (collective over the stage); under whole sums the
                 # last W's first one sends every slot's sums of the earlier W ops too
                 self.wgrad.flush()

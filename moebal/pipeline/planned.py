@@ -101,7 +101,7 @@ class PlannedEngine(PipelineEngine):
         recvs: dict[tuple[str, int], Any] = {}
         sends: dict[tuple[str, int], Any] = {}
         self._last_backward = last_backward(rep.streams[chain.index])
-        with self.accumulating():  # parallel.accumulate whole: FSDP2's sync for the last backward only
+        with self.holding():  # parallel.accumulate whole, parallel.reshard step (a fully sharded stage)
             for op, j in rep.streams[chain.index]:
                 mb = mbs[j]
                 if op == "recv_act":

@@ -43,7 +43,7 @@ from moebal.balance.experts import StageExperts, stage_metrics
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
-from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, StageShardedAdamW, set_stage_gradient_sync, stage_mesh
+from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, StageShardedAdamW, StepHold, stage_mesh, stage_units
 from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
@@ -414,8 +414,8 @@ class PipelineRunner:
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
         self.engine.last_pass = self.experts.last_pass  # block overlap: Agg inside the last backward
-        if self._fsdp_mesh is not None and self.cfg.parallel.accumulate == "whole":
-            self.engine.gradient_sync = partial(set_stage_gradient_sync, self.stage)  # one reduce-scatter per step
+        if self._fsdp_mesh is not None:  # whole sums, weights kept gathered: once per step each
+            self.engine.step_hold = StepHold.of(self.cfg, partial(stage_units, self.stage), lambda m: True)
         t_run = time.perf_counter()
         res = self._run_engine(work, count)
         t_run = time.perf_counter() - t_run

@@ -194,6 +194,8 @@ class MemoryLayout:
     accumulate: str = "sharded"
     """`parallel.accumulate`: whole (with `shard: full` and micro-batches, a pipeline's or accumulation's) holds
     every FSDP2 gradient of the stage whole between the micro-batches."""
+    reshard: str = "micro_batch"
+    """`parallel.reshard`: step (with `shard: full`) keeps every FSDP2 unit's weights gathered through the step."""
     schedule: str = "1f1b"
     precision: str = "fp32"
     """fp32, or bf16 (autocast over fp32 master weights)."""
@@ -224,6 +226,8 @@ class MemoryLayout:
         weights = " bf16-weights" if self.bf16_copies else ""
         if self.shard == "full" and self.micro_batches > 1 and self.accumulate == "whole":
             mb += " whole-sums"
+        if self.shard == "full" and self.reshard == "step":
+            mb += " gathered-per-step"
         return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard}{weights} "
                 f"recompute={self.recompute} {self.precision}")
 
@@ -457,13 +461,16 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     fsdp = dense + expert - whole
     if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
-        t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
-                           + max(gathered, default=0.0) * a)  # one gathered at a time
+        held_whole = sum(gathered) if lay.reshard == "step" else max(gathered, default=0.0)  # or one at a time
+        t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * a)
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
         unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
-        t["parameters"] = 4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole) + (root + 2 * unit) * a
+        gathered_layers = (sum(x.dense + (x.expert if fsdp_ep1 else 0) for x in specs) if lay.reshard == "step"
+                           else 2 * unit)  # every layer's weights, or two layers' at a time
+        t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
+                           + (root + gathered_layers) * a)
     elif lay.bf16_copies:  # bf16 copies, their fp32 masters sharded (dense over the stage, experts over "dp")
         copies = dense + (expert if lay.ep == 1 else 0)
         copies_e = expert if lay.bf16_experts else 0.0
@@ -779,7 +786,8 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     prec = cfg.train.precision.replace("auto", "bf16")
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
                         micro_batches=cfg.pipeline.micro_batches if pp > 1 else cfg.train.grad_accum,
-                        accumulate=cfg.parallel.accumulate, schedule=cfg.pipeline.schedule,
+                        accumulate=cfg.parallel.accumulate, reshard=cfg.parallel.reshard,
+                        schedule=cfg.pipeline.schedule,
                         precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
                         param_dtype=cfg.parallel.param_dtype)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}

@@ -13,8 +13,8 @@ The trainer calls the hooks' `before_step` and `after_step` (observe -> plan -> 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from moebal.train.precision import uses_bf16
 from moebal.train.strategy import StepOutput
 
 if TYPE_CHECKING:
-    from moebal.distributed.fsdp import FullyShardedAdamW
+    from moebal.distributed.fsdp import FullyShardedAdamW, StepHold
     from moebal.distributed.sharded import ShardedAdamW
     from moebal.models.moe import MoELayer
     from moebal.train.checkpoint import CheckpointReader
@@ -58,9 +58,9 @@ class LocalStep:
         self.micro_batches = cfg.train.grad_accum
         self.model = model.to(device)
         self._sharded: ShardedAdamW | FullyShardedAdamW | None = None
-        self._whole_root: Any = None
-        """`parallel.accumulate: whole`: the FSDP2 root whose dense gradients add up whole over a step's
-        micro-batches and are reduce-scattered in the last one's backward (`set_requires_gradient_sync`)."""
+        self._hold: StepHold | None = None
+        """`parallel.accumulate: whole` and `parallel.reshard: step` under `shard: full` with micro-batches: what
+        FSDP2 holds whole through the step (moebal/distributed/fsdp.py `StepHold`)."""
         if cfg.parallel.shard == "optimizer" and ctx.distributed:
             from moebal.distributed.fsdp import DTYPES
             from moebal.distributed.sharded import ShardedAdamW
@@ -71,14 +71,14 @@ class LocalStep:
                                          param_dtype=DTYPES[cfg.parallel.param_dtype],
                                          reduce_dtype=DTYPES[cfg.parallel.reduce_dtype], accumulate=self.accumulates)
         elif cfg.parallel.shard == "full" and ctx.distributed:
-            from moebal.distributed.fsdp import FullyShardedAdamW, fully_shard_model
+            from moebal.distributed.fsdp import FullyShardedAdamW, StepHold, fsdp_units, fully_shard_model
 
             # dense weights, gradients and moments split by FSDP2 (which reduce-scatters their gradients in
             # the backward pass), expert ones by the sharded optimizer, after Agg
             fully_shard_model(self.model, cfg, ctx.dims)
             self._sharded = FullyShardedAdamW(self.model, cfg, ctx.dims, accumulate=self.accumulates)
-            if self.accumulates and cfg.parallel.accumulate == "whole":
-                self._whole_root = self.model  # an FSDPModule now (fully_shard changes the class in place)
+            # the root (the model) keeps its weights after its forward by construction
+            self._hold = StepHold.of(cfg, partial(fsdp_units, self.model), lambda m: m is not self.model)
         self._optimizer = self._sharded or build_optimizer(self.model, cfg.train)
 
     @property
@@ -156,7 +156,8 @@ class LocalStep:
         sends gradients during the backward pass is armed for the last one only, when they are final sums: a
         sharded optimizer's buckets (`begin`; accumulating, it adds the earlier passes' fp32 sums of bf16
         compute copies), FSDP2's reduce-scatters under `parallel.accumulate: whole` (until then its dense
-        gradients add up whole) and hooks' `before_last_micro_batch`.
+        gradients add up whole; `StepHold`, which also keeps the weights gathered under `parallel.reshard: step`)
+        and hooks' `before_last_micro_batch`.
         Every rank runs every micro-batch, one with no label tokens too (its weight is 0): the MoE layers'
         exchanges need every rank's forward. Returns the rank's loss, the mean auxiliary loss and the
         per-micro-batch row complexities (`data.order: complexity`; none without it)."""
@@ -165,7 +166,7 @@ class LocalStep:
         loss = aux = torch.zeros((), device=self.device)
         rows: list[np.ndarray] = []
         complexity = self._curriculum() is not None
-        with self._whole_dense_sums():
+        with self._hold.step() if self._hold is not None else nullcontext():
             for j, part in enumerate(parts):
                 if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's
                     self._arm_last_pass(trainer, step, count)  # are the step's sums
@@ -186,25 +187,11 @@ class LocalStep:
         """Before the forward of the step's last micro-batch: what sends gradients during its backward pass."""
         if self._sharded is not None:
             self._sharded.begin()  # its buckets go out as their gradients complete
-        if self._whole_root is not None:
-            self._whole_root.set_requires_gradient_sync(True)  # FSDP2: the whole sums out in this backward
+        if self._hold is not None:
+            self._hold.last_backward()  # FSDP2: the whole sums out in this backward, the weights freed after it
         if count > 1:
             for hook in trainer.hooks:
                 hook.before_last_micro_batch(trainer, step)
-
-    @contextmanager
-    def _whole_dense_sums(self) -> Iterator[None]:
-        """`parallel.accumulate: whole`: FSDP2's backward passes keep the dense gradients whole (the last one's
-        reduce-scatters the sums, `_arm_last_pass`); sync is on again on the way out, whatever happened."""
-        root = self._whole_root
-        if root is None:
-            yield
-            return
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
 
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         global_batch = self.data.train.next_batch()

@@ -36,8 +36,9 @@ VARIANTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
     "4 ranks, shard full, block overlap": (4, "full", "prophet", {"scheduler": {"block_overlap": True}}),
     "4 ranks, shard full (experts at rest)": (4, "full", "prophet", {}),
     "prophet, shard full, whole sums": (2, "full", "prophet", {"parallel": {"accumulate": "whole"}}),
-    "4 ranks, shard full, whole sums, block overlap": (4, "full", "prophet", {"parallel": {"accumulate": "whole"},
-                                                                             "scheduler": {"block_overlap": True}}),
+    "4 ranks, shard full, whole sums, weights per step, block overlap, experts at rest": (
+        4, "full", "prophet", {"parallel": {"accumulate": "whole", "reshard": "step"},
+                               "scheduler": {"block_overlap": True}}),
 }
 
 
@@ -81,48 +82,70 @@ def test_two_micro_batches_train_as_one_pass_under_expert_parallelism(tmp_path, 
         assert any(r.get("plan_ahead_layers") for r in accum)  # layers were planned ahead of their gate
 
 
-def _sharded_against_whole(rank: int, world: int, root: str, A: int, dtype: str) -> dict[str, Any]:
-    """`shard: full` in A micro-batches, FSDP2 reduce-scattering each one's dense gradients, then adding them up
-    whole and reduce-scattering once; every reduce-scatter counted (FSDP2's and the expert optimizer's). `dtype`
-    bf16: bf16 weights (FSDP2 upcasts each pass's bf16 gradients into its fp32 whole sums)."""
+HOLDS: dict[str, tuple[str, dict[str, str]]] = {
+    # name: (weights' dtype, parallel settings against the default's)
+    "whole sums": ("fp32", {"accumulate": "whole"}),
+    "whole sums, bf16 weights": ("bf16", {"accumulate": "whole"}),
+    "weights gathered per step": ("fp32", {"reshard": "step"}),
+    "whole sums, weights gathered per step": ("fp32", {"accumulate": "whole", "reshard": "step"}),
+}
+
+
+def _against_default(rank: int, world: int, root: str, A: int, name: str) -> dict[str, Any]:
+    """`shard: full` in A micro-batches under the default (FSDP2 gathers each unit's weights for every forward and
+    backward pass and reduce-scatters each pass's dense gradients) and under `HOLDS[name]`; every reduce-scatter
+    and all-gather counted (FSDP2's and the expert optimizer's). bf16 weights: FSDP2 upcasts each pass's bf16
+    gradients into its fp32 whole sums."""
     import torch.distributed as dist
 
-    calls = {"n": 0}
-    inner = dist.reduce_scatter_single
+    dtype, held = HOLDS[name]
+    counts: dict[str, dict[str, int]] = {}
+    inner = {op: getattr(dist, op) for op in ("reduce_scatter_single", "all_gather_single")}
+    current: dict[str, int] = {}
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return inner(*args, **kwargs)
+    def counting(op: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            current[op] += 1
+            return inner[op](*args, **kwargs)
+        return counted
 
-    runs, counts = {}, {}
-    dist.reduce_scatter_single = counted  # FSDP2 and moebal's sharded optimizers look it up on the module
+    runs = {}
+    for op in inner:  # FSDP2 and moebal's sharded optimizers look them up on the module
+        setattr(dist, op, counting(op))
     try:
-        for how in ("sharded", "whole"):
-            calls["n"] = 0
-            cfg = shard_cfg("full", 2, "prophet", STEPS, parallel={"accumulate": how, "param_dtype": dtype},
+        for how, parallel in (("default", {}), ("held", held)):
+            current.update(dict.fromkeys(inner, 0))
+            cfg = shard_cfg("full", 2, "prophet", STEPS, parallel={**parallel, "param_dtype": dtype},
                             sections={"moe": NO_AUX}, grad_accum=A, precision=dtype)
-            runs[how], counts[how] = train_run(cfg, Path(root) / how), calls["n"]
+            runs[how], counts[how] = train_run(cfg, Path(root) / how), dict(current)
     finally:
-        dist.reduce_scatter_single = inner
-    p, q = runs["sharded"]["params"], runs["whole"]["params"]
-    return {"sharded": runs["sharded"]["rows"], "whole": runs["whole"]["rows"], "counts": counts,
+        for op, fn in inner.items():
+            setattr(dist, op, fn)
+    p, q = runs["default"]["params"], runs["held"]["params"]
+    return {"default": runs["default"]["rows"], "held": runs["held"]["rows"], "counts": counts,
             "param_rel": max(rel(q[n], p[n]) for n in p)}
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_whole_sums_reduce_scatter_once_per_step_and_train_as_per_micro_batch_sums(tmp_path, dtype):
-    """`parallel.accumulate: whole` against the default under `shard: full`, 4 micro-batches: the same training
-    (a sum of sums in another order: within 1e-6; with bf16 weights, whose compute rounds the small differences
-    of the summation order step after step, 1e-3), and FSDP2's reduce-scatters (one per unit: 2 layers and the
-    root) once per step instead of once per micro-batch."""
-    A = 4
-    out = run_ranks(_sharded_against_whole, 2, str(tmp_path), A, dtype, timeout_s=600)
-    tol = 1e-6 if dtype == "fp32" else 1e-3
-    _close(out[0]["sharded"], out[0]["whole"], tol=tol)
+@pytest.mark.parametrize("name", list(HOLDS))
+def test_what_fsdp2_holds_through_a_step_changes_its_traffic_not_the_training(tmp_path, name):
+    """`parallel.accumulate: whole` and `parallel.reshard: step` against the default under `shard: full`, 4
+    micro-batches: the same training (a sum of sums in another order: within 1e-6; with bf16 weights, whose
+    compute rounds the small differences of the summation order step after step, 1e-3), and FSDP2's collectives
+    per step: whole sums reduce-scatter each unit (2 layers and the root) once instead of once per micro-batch;
+    kept weights all-gather each unit once instead of each layer per forward and backward pass and the root
+    (which keeps its weights from its forward to its backward) per forward."""
+    A, layers, units = 4, 2, 3
+    out = run_ranks(_against_default, 2, str(tmp_path), A, name, timeout_s=600)
+    tol = 1e-3 if "bf16" in name else 1e-6
+    _close(out[0]["default"], out[0]["held"], tol=tol)
     assert max(r["param_rel"] for r in out) < tol, [r["param_rel"] for r in out]
-    units = 3
+    held = HOLDS[name][1]
     for r in out:
-        assert r["counts"]["sharded"] - r["counts"]["whole"] == STEPS * units * (A - 1), r["counts"]
+        c = r["counts"]
+        saved_rs = c["default"]["reduce_scatter_single"] - c["held"]["reduce_scatter_single"]
+        saved_ag = c["default"]["all_gather_single"] - c["held"]["all_gather_single"]
+        assert saved_rs == (STEPS * units * (A - 1) if held.get("accumulate") == "whole" else 0), c
+        assert saved_ag == (STEPS * (2 * A * layers + A - units) if held.get("reshard") == "step" else 0), c
 
 
 def _data_parallel(rank: int, world: int, root: str) -> list[dict[str, Any]]:

@@ -206,6 +206,17 @@ def test_whole_gradient_sums_are_refused_with_early_exit_in_a_fully_sharded_pipe
         C.load(None, ["parallel.accumulate=later"])
 
 
+def test_weights_gathered_per_step_are_refused_with_zero_bubble_stages_with_the_fix_named():
+    assert C.load(None, ["parallel.reshard=step", "parallel.shard=full"]).parallel.reshard == "step"
+    zb = ["parallel.reshard=step", "parallel.pp=2", "parallel.nproc=2", "pipeline.schedule=zb"]
+    assert C.load(None, [*zb, "parallel.shard=optimizer"]).parallel.reshard == "step"  # FSDP2's setting only
+    with pytest.raises(ConfigError, match="'parallel.reshard: step' keeps a fully sharded stage's weights gathered "
+                                          "through the step, .* set parallel.reshard=micro_batch"):
+        C.load(None, [*zb, "parallel.shard=full"])
+    with pytest.raises(ConfigError, match="reshard"):
+        C.load(None, ["parallel.reshard=never"])
+
+
 def test_the_rank_split_of_accumulated_rows_names_the_multiple():
     from moebal.distributed.groups import ParallelDims
     from moebal.train.distributed import RunContext

@@ -616,6 +616,24 @@ def test_whole_gradient_sums_hold_every_fsdp2_gradient_beside_the_activations():
                                           "parallel.accumulate=whole", "parallel.shard=full"]), 2).accumulate == "whole"
 
 
+def test_weights_gathered_per_step_hold_every_fsdp2_unit_whole():
+    """`parallel.reshard: step` under `shard: full`: every unit's weights gathered at once (compute dtype) where the
+    default holds the root and two layers (a pipeline stage: one unit); nothing changes elsewhere."""
+    cfg = load(None, [*TINY, "data.batch_size=8", "model.n_layers=3"])
+    layer = 272 + 16 + 192  # ep 1: FSDP2 holds a layer's experts too
+    each = plan_memory(cfg, MemoryLayout(ranks=2, shard="full"), BARE).terms
+    step = plan_memory(cfg, MemoryLayout(ranks=2, shard="full", reshard="step"), BARE).terms
+    assert step["parameters"] - each["parameters"] == 4 * (3 * layer - 2 * layer)
+    assert {k: v for k, v in step.items() if k != "parameters"} == {k: v for k, v in each.items() if k != "parameters"}
+    assert "gathered-per-step" in MemoryLayout(ranks=2, shard="full", reshard="step").describe()
+    staged = {r: plan_memory(cfg, MemoryLayout(ranks=4, pp=2, shard="full", micro_batches=2, reshard=r), BARE)
+              for r in ("micro_batch", "step")}
+    assert staged["step"].terms["parameters"] > staged["micro_batch"].terms["parameters"]
+    opt = {r: plan_memory(cfg, MemoryLayout(ranks=2, shard="optimizer", reshard=r), BARE).terms for r in
+           ("micro_batch", "step")}
+    assert opt["step"] == opt["micro_batch"]
+
+
 def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settings():
     from moebal.planner.memory import _changes
 
