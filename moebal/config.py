@@ -1107,6 +1107,7 @@ def _check_whole(c: Config) -> None:
           f"projections; with model.mla (multi-head latent attention) use another scheme")
     _check_train(t)
     _check_grad_accum(c)
+    _check_step_hold(par, c)
     _need(t.record_routing_every == 0 or (par.pp == 1 and c.moe.num_experts > 0),
           "'train.record_routing_every' records every MoE layer of the model in one process: it needs an MoE "
           "model (moe.num_experts > 0) and no pipeline (parallel.pp 1); set it to 0")
@@ -1308,10 +1309,8 @@ def _check_scheduler(s: SchedulerConfig) -> None:
     _need(s.dilate >= 1.0, f"'scheduler.dilate' must be >= 1 (1: off); got {s.dilate}")
 
 
-def _check_grad_accum(c: Config) -> None:
-    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly; whole-gradient
-    accumulation only where it is built."""
-    A, par = c.train.grad_accum, c.parallel
+def _check_step_hold(par: ParallelConfig, c: Config) -> None:
+    """What FSDP2 may hold through a step (`parallel.accumulate`, `parallel.reshard`): only where it is built."""
     _need(par.accumulate in ("sharded", "whole"),
           f"'parallel.accumulate' must be sharded or whole; got {par.accumulate!r}")
     _need(par.reshard in ("micro_batch", "step"),
@@ -1327,6 +1326,11 @@ def _check_grad_accum(c: Config) -> None:
           "a layer that the step's last micro-batch skips would keep the earlier ones' gradient sums unsent; set "
           "parallel.accumulate=sharded" + (" (or parallel.shard none or optimizer: auto may settle on full)"
                                            if par.shard == "auto" else ""))
+
+
+def _check_grad_accum(c: Config) -> None:
+    """`train.grad_accum` > 1: the trainer without a pipeline, rows that split evenly."""
+    A, par = c.train.grad_accum, c.parallel
     if A == 1:
         return
     _need(par.pp == 1, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline (parallel.pp "

@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     from moebal.pipeline.stage import PipelineStage
     from moebal.train.checkpoint import CheckpointReader, RowPiece
 
-__all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "fully_shard_model",
-           "StepHold", "fsdp_units", "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "shard_rows",
+__all__ = ["DeferredGradReducer", "ExpertsAtRest", "FullyShardedAdamW", "StageShardedAdamW", "StepHold", "fsdp_units",
+           "fully_shard_model", "fully_shard_stage", "local_chunk", "mask_rows_", "plain_layer", "shard_rows",
            "stage_mesh", "stage_units", "unshard_leaving", "whole_tensor"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
