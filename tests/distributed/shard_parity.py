@@ -1,11 +1,14 @@
 """The harness both sharding parity tests share (`test_sharded.py`: `parallel.shard: optimizer`, `test_fsdp.py`:
 `full`): one tiny MoE config, a trainer run that returns its logged rows and full parameters, both runs of a
-pair on the same ranks, the 1e-5 checks, checkpoint legs for resume across shard sizes."""
+pair on the same ranks, the 1e-5 checks, checkpoint legs for resume across shard sizes; a counter of the
+collectives FSDP2 and the sharded optimizers issue."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,32 @@ import torch
 from moebal.config import Config, from_dict
 
 STEPS = 10
+COUNTED = ("reduce_scatter_single", "all_gather_single")
+"""The collectives `counting_collectives` counts: FSDP2's, the zero-bubble reducer's and the sharded optimizers'."""
+
+
+@contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """Count the calls of `COUNTED` inside (FSDP2 and moebal's sharded optimizers look them up on the
+    `torch.distributed` module): yields the counts by name, restores the functions on the way out."""
+    import torch.distributed as dist
+
+    inner = {op: getattr(dist, op) for op in COUNTED}
+    counts = dict.fromkeys(COUNTED, 0)
+
+    def counting(op: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[op] += 1
+            return inner[op](*args, **kwargs)
+        return counted
+
+    for op in COUNTED:
+        setattr(dist, op, counting(op))
+    try:
+        yield counts
+    finally:
+        for op, fn in inner.items():
+            setattr(dist, op, fn)
 RESUME_STEPS = 6
 OPTIMIZER = {"none": "AdamW", "optimizer": "ShardedAdamW", "full": "FullyShardedAdamW"}
 """The optimizer class each `parallel.shard` value builds."""

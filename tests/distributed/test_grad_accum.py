@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moebal.distributed.testing import run_ranks
-from tests.distributed.shard_parity import rel, shard_cfg, train_run
+from tests.distributed.shard_parity import counting_collectives, rel, shard_cfg, train_run
 
 STEPS = 8
 NO_AUX = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.0}
@@ -96,31 +96,14 @@ def _against_default(rank: int, world: int, root: str, A: int, name: str) -> dic
     backward pass and reduce-scatters each pass's dense gradients) and under `HOLDS[name]`; every reduce-scatter
     and all-gather counted (FSDP2's and the expert optimizer's). bf16 weights: FSDP2 upcasts each pass's bf16
     gradients into its fp32 whole sums."""
-    import torch.distributed as dist
-
     dtype, held = HOLDS[name]
-    counts: dict[str, dict[str, int]] = {}
-    inner = {op: getattr(dist, op) for op in ("reduce_scatter_single", "all_gather_single")}
-    current: dict[str, int] = {}
-
-    def counting(op: str) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            current[op] += 1
-            return inner[op](*args, **kwargs)
-        return counted
-
-    runs = {}
-    for op in inner:  # FSDP2 and moebal's sharded optimizers look them up on the module
-        setattr(dist, op, counting(op))
-    try:
-        for how, parallel in (("default", {}), ("held", held)):
-            current.update(dict.fromkeys(inner, 0))
-            cfg = shard_cfg("full", 2, "prophet", STEPS, parallel={**parallel, "param_dtype": dtype},
-                            sections={"moe": NO_AUX}, grad_accum=A, precision=dtype)
-            runs[how], counts[how] = train_run(cfg, Path(root) / how), dict(current)
-    finally:
-        for op, fn in inner.items():
-            setattr(dist, op, fn)
+    runs, counts = {}, {}
+    for how, parallel in (("default", {}), ("held", held)):
+        cfg = shard_cfg("full", 2, "prophet", STEPS, parallel={**parallel, "param_dtype": dtype},
+                        sections={"moe": NO_AUX}, grad_accum=A, precision=dtype)
+        with counting_collectives() as calls:
+            runs[how] = train_run(cfg, Path(root) / how)
+        counts[how] = dict(calls)
     p, q = runs["default"]["params"], runs["held"]["params"]
     return {"default": runs["default"]["rows"], "held": runs["held"]["rows"], "counts": counts,
             "param_rel": max(rel(q[n], p[n]) for n in p)}

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moebal.distributed.testing import run_ranks
+from tests.distributed.shard_parity import counting_collectives
 from tests.distributed.test_pipeline_sharded import _rel
 
 STEPS = 6
@@ -60,8 +61,6 @@ def _cfg(case: dict[str, Any], hold: dict[str, str]) -> Any:
 
 
 def _run(case: dict[str, Any], hold: dict[str, str]) -> dict[str, Any]:
-    import torch.distributed as dist
-
     from moebal.distributed.fsdp import stage_units
     from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.planned import PlannedPipelineRunner
@@ -69,25 +68,11 @@ def _run(case: dict[str, Any], hold: dict[str, str]) -> dict[str, Any]:
 
     cfg = _cfg(case, hold)
     cls = PlannedPipelineRunner if case.get("planned") else PipelineRunner
-    inner = {op: getattr(dist, op) for op in ("reduce_scatter_single", "all_gather_single")}
-    calls = dict.fromkeys(inner, 0)
-
-    def counting(op: str) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            calls[op] += 1
-            return inner[op](*args, **kwargs)
-        return counted
-
-    for op in inner:  # FSDP2, the W ops' reducer and the expert optimizer look them up on the module
-        setattr(dist, op, counting(op))
-    try:
+    with counting_collectives() as calls:
         runner = cls(cfg, scheme=build_dynamism(cfg.dynamism.scheme, {}, cfg=cfg),
                      **(MIGRATE if case["migrate"] else {}))
         out = runner.train(STEPS)
-    finally:
-        for op, fn in inner.items():
-            setattr(dist, op, fn)
-    return {"records": out.records, "sizes": out.final_sizes, "params": runner.full_state(), "calls": calls,
+    return {"records": out.records, "sizes": out.final_sizes, "params": runner.full_state(), "calls": dict(calls),
             "units": len(stage_units(runner.stage))}
 
 
@@ -95,9 +80,9 @@ def _pairs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out = {}
     for name, case in CASES.items():
-        sharded, whole = _run(case, {}), _run(case, case["hold"])
-        p, q = sharded.pop("params"), whole.pop("params")
-        out[name] = {"sharded": sharded, "whole": whole,
+        default, held = _run(case, {}), _run(case, case["hold"])
+        p, q = default.pop("params"), held.pop("params")
+        out[name] = {"default": default, "held": held,
                      "param_rel": max((_rel(p[n], q[n]) for n in p if p[n].norm() > 0), default=0.0)}
     return out
 
@@ -111,24 +96,24 @@ def pairs() -> list[dict[str, Any]]:
 def test_what_fsdp2_holds_through_a_step_in_pipeline_stages_changes_its_traffic_not_the_training(pairs, name):
     for r in pairs:
         c = r[name]
-        sharded, whole = c["sharded"], c["whole"]
-        assert [x["step"] for x in whole["records"]] == list(range(1, STEPS + 1))
-        for a, b in zip(sharded["records"], whole["records"]):
+        default, held = c["default"], c["held"]
+        assert [x["step"] for x in held["records"]] == list(range(1, STEPS + 1))
+        for a, b in zip(default["records"], held["records"]):
             assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (name, a["step"], a["loss"], b["loss"])
             assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-6), (name, a["step"])
             assert a.get("migration") == b.get("migration") and a["sizes"] == b["sizes"]
-        assert any(x["grad_norm"] > 0.5 for x in sharded["records"])  # the clip acted
+        assert any(x["grad_norm"] > 0.5 for x in default["records"])  # the clip acted
         assert c["param_rel"] < 1e-6, (name, c["param_rel"])
         hold = CASES[name]["hold"]
-        saved = {op: sharded["calls"][op] - whole["calls"][op] for op in sharded["calls"]}
+        saved = {op: default["calls"][op] - held["calls"][op] for op in default["calls"]}
         assert saved["reduce_scatter_single"] > 0 if "accumulate" in hold else saved["reduce_scatter_single"] == 0
         assert saved["all_gather_single"] > 0 if "reshard" in hold else saved["all_gather_single"] == 0
         if CASES[name]["migrate"]:
-            assert [x["migration"] for x in whole["records"] if "migration" in x] == ["forced", "forced-mid"]
+            assert [x["migration"] for x in held["records"] if "migration" in x] == ["forced", "forced-mid"]
         elif "accumulate" in hold:  # one reduce-scatter per unit and step instead of one per unit and micro-batch
-            assert saved["reduce_scatter_single"] == STEPS * (M - 1) * whole["units"], (name, saved)
+            assert saved["reduce_scatter_single"] == STEPS * (M - 1) * held["units"], (name, saved)
         else:  # one all-gather per unit and step instead of one per forward and one per backward pass
-            assert saved["all_gather_single"] == STEPS * (2 * M - 1) * whole["units"], (name, saved)
+            assert saved["all_gather_single"] == STEPS * (2 * M - 1) * held["units"], (name, saved)
 
 
 def _hold_of_a_unit_without_backward(rank: int, world: int) -> dict[str, bool]:
