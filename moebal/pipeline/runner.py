@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +203,10 @@ class PipelineRunner:
         self._shard_channels = ShardedAdamW.make_channels(self.dims) if cfg.parallel.shard == "optimizer" else None
         # fully sharded state (`parallel.shard: full`): the stage's FSDP2 mesh, made once on every rank too
         self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" else None
+        # and what FSDP2 holds through a step there (parallel.accumulate whole, parallel.reshard step): the stage's
+        # units as they are when a step runs (migrations change them), each built to reshard after its forward
+        self._step_hold = (StepHold.of(cfg, lambda: stage_units(self.stage), lambda m: True)
+                           if self._fsdp_mesh is not None else None)
         # and, with expert parallelism inside the stages, the expert optimizer's communicators (made once too)
         self._expert_channels = (ShardedAdamW.make_channels(self.dims)
                                  if self._fsdp_mesh is not None and self.dims.ep > 1 else None)
@@ -414,8 +417,7 @@ class PipelineRunner:
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
         self.engine.last_pass = self.experts.last_pass  # block overlap: Agg inside the last backward
-        if self._fsdp_mesh is not None:  # whole sums, weights kept gathered: once per step each
-            self.engine.step_hold = StepHold.of(self.cfg, partial(stage_units, self.stage), lambda m: True)
+        self.engine.step_hold = self._step_hold  # whole sums, weights kept gathered: once per step each
         t_run = time.perf_counter()
         res = self._run_engine(work, count)
         t_run = time.perf_counter() - t_run

@@ -466,9 +466,9 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
-        unit = max((x.dense + (x.expert if fsdp_ep1 else 0) for x in specs), default=0.0)
-        gathered_layers = (sum(x.dense + (x.expert if fsdp_ep1 else 0) for x in specs) if lay.reshard == "step"
-                           else 2 * unit)  # every layer's weights, or two layers' at a time
+        layer_units = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs]
+        unit = max(layer_units, default=0.0)
+        gathered_layers = sum(layer_units) if lay.reshard == "step" else 2 * unit  # every layer, or two at a time
         t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
                            + (root + gathered_layers) * a)
     elif lay.bf16_copies:  # bf16 copies, their fp32 masters sharded (dense over the stage, experts over "dp")
