@@ -201,6 +201,9 @@ class MemoryLayout:
     """fp32, or bf16 (autocast over fp32 master weights)."""
     policy: str = "static"
     """Expert placement policy: how many replicas a rank may hold."""
+    max_replicas: int | None = None
+    """A cap on the replicas a rank receives per MoE layer, below the config's `planner.max_replicas` (what --fit
+    proposes instead of giving up the policy); None: the config's cap alone."""
     init: str = "full"
     """full: every rank builds the whole model first (today); local: rank-local initialisation."""
     routing_skew: float = 1.0
@@ -228,6 +231,8 @@ class MemoryLayout:
             mb += " whole-sums"
         if self.shard == "full" and self.reshard == "step":
             mb += " gathered-per-step"
+        if self.max_replicas is not None and self.policy != "static":
+            mb += f" max_replicas={self.max_replicas}"
         return (f"{self.ranks} ranks pp={self.pp} ep={self.ep} dp={self.edp}{mb} shard={self.shard}{weights} "
                 f"recompute={self.recompute} {self.precision}")
 
@@ -426,9 +431,9 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
          + ("" if lay.pp > 1 else ", a divisor of it"))
 
 
-def _replicas(cfg: Config, lay: MemoryLayout) -> int:
+def _replica_bound(cfg: Config, lay: MemoryLayout) -> int:
     """Most replicas one rank may hold per MoE layer under the placement policy (the planner's own limit), at
-    most `planner.max_replicas`."""
+    most `planner.max_replicas`, before the layout's own cap."""
     E = cfg.moe.num_experts
     if lay.ep == 1 or E == 0 or lay.policy == "static":
         return 0
@@ -436,6 +441,12 @@ def _replicas(cfg: Config, lay: MemoryLayout) -> int:
     bound = min(2, others) if lay.policy == "broadcast_topk" else others
     cap = cfg.planner.max_replicas
     return bound if cap is None else min(bound, cap)
+
+
+def _replicas(cfg: Config, lay: MemoryLayout) -> int:
+    """`_replica_bound` under the layout's cap (`MemoryLayout.max_replicas`)."""
+    bound = _replica_bound(cfg, lay)
+    return bound if lay.max_replicas is None else min(bound, lay.max_replicas)
 
 
 def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range, cuda: bool
@@ -619,7 +630,6 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
     """`built`: only combinations this build runs (`shard: full` with a pipeline only as moebal/config.py
     allows it)."""
     E = cfg.moe.num_experts
-    policies = [base.policy] + (["static"] if base.policy != "static" and E else [])
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
         stage = ranks // pp
         if cfg.data.batch_size % stage:
@@ -636,9 +646,23 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
                     if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
                         continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
-                        for policy in policies if ep > 1 else [base.policy]:
-                            yield dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
-                                                      micro_batches=mb, policy=policy)
+                        lay = dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
+                                                  micro_batches=mb)
+                        yield from _placements(cfg, lay)
+
+
+def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
+    """`lay` under its placement policy, then (ep > 1, a replicating policy) under each cap on the replicas per rank
+    and MoE layer (`planner.max_replicas`: powers of two below the policy's bound), then under static placement."""
+    yield lay
+    bound = _replicas(cfg, lay)
+    if lay.ep == 1 or lay.policy == "static" or not cfg.moe.num_experts:
+        return
+    cap = 1
+    while cap < bound:
+        yield dataclasses.replace(lay, max_replicas=cap)
+        cap *= 2
+    yield dataclasses.replace(lay, policy="static", max_replicas=None)
 
 
 def _full_pp_refused(cfg: Config) -> bool:
@@ -655,14 +679,18 @@ def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int
     an MoE decoder); sharding adds communication (optimizer 0.02: reduce-scatter plus all-gather moves what
     the all-reduce moved; full 0.1: the weights are gathered again for the backward pass); a 1F1B pipeline
     idles (pp - 1) / (M + pp - 1) of the step (GPipe's bubble is the same share); giving up the configured
-    placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing). Micro-batches
-    themselves are not priced, a pipeline's or gradient accumulation's (`train.grad_accum`, pp 1): the same
-    FLOPs in smaller products, whose per-pass fixed costs (launches, the all-to-alls' latency) this estimate
-    leaves out alike for both; among equal scores the fewest stages, then the fewest micro-batches win, so
-    accumulation is preferred to a pipeline that fits only by its micro-batches."""
+    placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing), capping its
+    replicas at c per rank and MoE layer (below the configured cap) 0.02 / c: the hottest experts' first replicas
+    carry most of the gain (the simulated 1,024-rank Mixtral-8x7B step is 8.8 s at one replica per rank and layer
+    and 9.1 s uncapped, docs/simulator.md), so a cap costs at most what optimizer sharding does, and fewer
+    replicas more than more. Micro-batches themselves are not priced, a pipeline's or gradient accumulation's
+    (`train.grad_accum`, pp 1): the same FLOPs in smaller products, whose per-pass fixed costs (launches, the
+    all-to-alls' latency) this estimate leaves out alike for both; among equal scores the fewest stages, then the
+    fewest micro-batches win, so accumulation is preferred to a pipeline that fits only by its micro-batches."""
     score = (_RECOMPUTE_COST[lay.recompute] + _SHARD_COST[lay.shard]
              + ((lay.pp - 1) / (lay.micro_batches + lay.pp - 1) if lay.pp > 1 else 0.0)
-             + (0.1 if lay.policy != policy else 0.0))
+             + (0.1 if lay.policy != policy else 0.0)
+             + (0.02 / max(lay.max_replicas, 1) if lay.max_replicas is not None and lay.policy != "static" else 0.0))
     return (round(score, 6), lay.pp, -lay.ep, lay.micro_batches)
 
 
@@ -706,6 +734,8 @@ def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
             "policy": "planner.policy"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
+    if new.max_replicas is not None and new.policy != "static" and new.max_replicas != old.max_replicas:
+        out.append(f"planner.max_replicas={new.max_replicas}")
     accum = (old.micro_batches if old.pp == 1 else 1, new.micro_batches if new.pp == 1 else 1)
     if new.pp > 1 and (old.pp == 1 or new.micro_batches != old.micro_batches):
         out.append(f"pipeline.micro_batches={new.micro_batches}")

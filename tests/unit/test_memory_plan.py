@@ -21,6 +21,7 @@ from moebal.planner.memory import (
     choose_shard,
     fit_layout,
     layout_from_config,
+    overhead,
     plan_memory,
     refusal_line,
 )
@@ -258,7 +259,8 @@ def test_refusal_names_a_setting_that_fits():
     fix = line.split("fits with ")[1].split(" (")[0]
     changes = dict(kv.split("=") for kv in fix.split())
     keys = {"parallel.shard": "shard", "train.recompute": "recompute", "parallel.pp": "pp", "parallel.ep": "ep",
-            "pipeline.micro_batches": "micro_batches", "train.grad_accum": "micro_batches", "planner.policy": "policy"}
+            "pipeline.micro_batches": "micro_batches", "train.grad_accum": "micro_batches", "planner.policy": "policy",
+            "planner.max_replicas": "max_replicas"}
     fixed = dataclasses.replace(plan.layout, **{keys[k]: (int(v) if v.isdigit() else v) for k, v in changes.items()})
     assert plan_memory(cfg, fixed, dev).fits
 
@@ -497,6 +499,36 @@ def test_the_replica_term_follows_the_policy_bound_and_planner_max_replicas():
     assert term("planner.max_replicas=1") == per * (3 * 1 + 2)
     assert term("planner.max_replicas=99") == term()
     assert term("planner.max_replicas=0") == 0.0
+
+
+def test_fit_caps_the_replicas_before_it_gives_up_the_placement_policy():
+    # 16 experts on ep 8, one layer (no pipeline to spread them): under prophet a rank may receive the 14 experts it
+    # does not own per MoE layer; on a device between the plans of 2 and 4 replicas the fix is a cap of 2, on the
+    # same layout and policy (not static placement, not recomputation)
+    cfg = load(None, [*TINY, "moe.num_experts=16", "moe.expert_ffn_dim=4096", "model.dim=64", "data.batch_size=8",
+                      "parallel.ep=8", "planner.policy=prophet"])
+    lay = layout_from_config(cfg, 8, shard="none", init="local")
+
+    def peak(cap: int | None) -> float:
+        return plan_memory(cfg, dataclasses.replace(lay, max_replicas=cap), BARE).peak_bytes
+
+    assert peak(None) > peak(4) > peak(2) > peak(1)
+    dev = dataclasses.replace(BARE, capacity_bytes=(peak(2) + peak(4)) / 2)
+    plan = plan_memory(cfg, lay, dev)
+    assert not plan.fits and plan.largest_term[0] == "replicas (Pro-Prophet)"
+    line = refusal_line(cfg, plan)
+    assert line.split("fits with ")[1].split(" (")[0] == "planner.max_replicas=2", line
+    # the config's planner.max_replicas and the layout's cap are one bound: the smaller holds
+    capped = load(None, [*TINY, "moe.num_experts=16", "moe.expert_ffn_dim=4096", "model.dim=64",
+                         "data.batch_size=8", "parallel.ep=8", "planner.policy=prophet", "planner.max_replicas=2"])
+    assert plan_memory(capped, lay, dev).terms == plan_memory(cfg, dataclasses.replace(lay, max_replicas=2), dev).terms
+    assert plan_memory(capped, dataclasses.replace(lay, max_replicas=4), dev).fits
+    assert "max_replicas=2" in dataclasses.replace(lay, max_replicas=2).describe()
+    # the order: a larger cap costs less than a smaller one, and any cap less than static placement
+    static = dataclasses.replace(lay, policy="static")
+    assert (overhead(dataclasses.replace(lay, max_replicas=4), "prophet")
+            < overhead(dataclasses.replace(lay, max_replicas=1), "prophet") < overhead(static, "prophet"))
+    assert "max_replicas" not in static.describe()
 
 
 def test_trace_rank_memory_names_phases_and_their_peaks():
