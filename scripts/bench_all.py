@@ -166,6 +166,24 @@ def fig_comm(data: Any) -> str:
     return " | ".join(parts) + " lower than unscheduled (medians over steps)"
 
 
+def fig_lina_inference(data: Any) -> str:
+    """Static over Lina: the MoE layer's time per width and rank count, the CPU as it is and emulated devices."""
+    if not isinstance(data, dict) or not data.get("by_width"):
+        raise ValueError("the JSON has no by_width")
+    parts, equal = [], True
+    for width, rec in sorted(data["by_width"].items(), key=lambda kv: int(kv[0])):
+        dilated = [(f"emulated {d}x", by) for d, by in rec.get("by_ranks_dilated", {}).items()]
+        for device, by in [("CPU", rec["by_ranks"]), *dilated]:
+            for ranks, summ in sorted(by.items(), key=lambda kv: int(kv[0])):
+                experts = summ["static_over_lina_experts_layers_1_on"]
+                parts.append(f"width {int(width):,}, {ranks} ranks, {device}: {summ['static_over_lina']:.2f}x "
+                             f"(oracle {summ['static_over_oracle']:.2f}x; experts {experts:.2f}x)")
+                equal = equal and all(summ[p]["equal_static"] for p in ("lina", "phase1", "oracle"))
+    rounds = data["settings"]["rounds"]
+    return ("static / Lina MoE time: " + "; ".join(parts) + f" (medians over {rounds} round{'s' * (rounds != 1)}, "
+            f"policies rotated); every policy's outputs equal static's: {equal}")
+
+
 def fig_pipeline_overlap(data: Any) -> str:
     """Block overlap off over on in pipeline stages: every round and the median."""
     summary = _pipeline_summary(data)
@@ -443,6 +461,9 @@ RUNS: tuple[Run, ...] = (
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
+    Run("lina_inference", ("python", "scripts/bench_lina_inference.py", "--ranks", "4", "--rounds", "10",
+                           "--profile-batches", "8", "--dilate", "1", "3", "--width", "1024", "4096"),
+        ("python", "scripts/bench_lina_inference.py", "--quick")),
     Run("test_fsdp", ("python", "-m", "pytest", "tests/distributed/test_fsdp.py"), json="none"),
     Run("test_plan_ahead", ("python", "-m", "pytest", "tests/distributed/test_plan_ahead.py"), json="none"),
     Run("reproduce_dynapipe", ("python", "scripts/reproduce_dynapipe.py"),
@@ -553,6 +574,10 @@ ROWS: tuple[Row, ...] = (
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
         TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
         "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),
+    Row("Lina inference scheduling: MoE layer time against static expert parallelism (busiest expert 4x the mean, "
+        "top-1)", "lina_inference", fig_lina_inference,
+        "measured, policies rotated each round; width 1,024 is the benchmark's default, 4,096 a tuned setting beside "
+        "it; nothing fitted", target="1.3x lower at the busiest expert 4x the mean"),
     Row("expert placement planned ahead of the gate (`planner.plan_ahead: path`)", "test_plan_ahead", fig_pytest,
         TEST, asserts="losses bitwise equal to static and Pro-Prophet placement, gradients equal up to Agg's "
         "summation order, and plan-ahead placed replicas of its own (forecast accuracy and step time: "
@@ -730,11 +755,14 @@ def machine() -> dict[str, str]:
 
 
 def machine_label(mach: dict[str, str]) -> str:
-    """The README's short name of a report's machine: the GPU's name, else CPU-bf16 (bf16 units), CPU-Xeon (an
-    Intel Xeon without them), CPU-AVX2 (other x86 CPUs) or CPU (no /proc/cpuinfo flags recorded)."""
+    """The README's short name of a report's machine: the GPU's name, else CPU-AMX (AMX bf16 tiles), CPU-bf16
+    (AVX-512 bf16 units), CPU-Xeon (an Intel Xeon without them), CPU-AVX2 (other x86 CPUs) or CPU (no
+    /proc/cpuinfo flags recorded)."""
     if mach.get("cuda_device"):
         return str(mach["cuda_device"]).replace("NVIDIA ", "")
     isa = mach.get("isa", "")
+    if "amx_bf16" in isa:
+        return "CPU-AMX"
     if "bf16" in isa:
         return "CPU-bf16"
     if "Xeon" in mach.get("cpu", ""):

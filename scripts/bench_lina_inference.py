@@ -27,7 +27,15 @@ groups against the CPU's blocks (`expert_us_per_row`).
 every span of compute between meeting points lasts 3x its CPU time, so 4 ranks on 2 cores are not time-sliced
 against each other), beside the CPU's own run (factor 1, the default), under `by_ranks_dilated`.
 
-Usage: python scripts/bench_lina_inference.py RUN_DIR [--ranks 2 4] [--dilate 1 3] [--json OUT]
+`--width 1024 4096` serves the same model at each width in turn, narrowest first (each padding continues the
+last, so the narrower expert is the wider one's first rows), one record per width under `by_width`: the wider
+experts' compute weighs more against the collectives, whose bytes do not grow with the width.
+
+Without RUN_DIR the script first trains the served model it documents (`SERVED`, about 100 s on 2 cores) into a
+temporary directory. `--quick`: 2 ranks, one round of 2 batches, a model trained for 60 steps (a smoke run).
+
+Usage: python scripts/bench_lina_inference.py [RUN_DIR] [--ranks 2 4] [--dilate 1 3] [--width 1024 4096]
+           [--quick] [--json OUT]
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +63,22 @@ from moebal.planner.ffd import devices_from_load, ffd_allocate, split_rows
 from moebal.planner.paths import build_profile
 
 POLICIES = ["static", "lina", "phase1", "oracle"]
+SERVED = ("model.n_layers=6", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+          "moe.expert_ffn_dim=128", "data.seq_len=64", "data.batch_size=16", "train.steps=300",
+          "train.record_routing_every=5", "train.time_limit_min=null")
+"""The served model's `moebal train` overrides (the default run otherwise: 2 expert-parallel ranks)."""
+
+
+def train_served(out: Path, steps: int | None = None) -> Path:
+    """Train the served model (`SERVED`, `steps` instead of its 300 when given) into `out`; returns `out`."""
+    overrides = [o for o in SERVED if not (steps and o.startswith("train.steps="))]
+    overrides += [f"train.steps={steps}"] if steps else []
+    cmd = [sys.executable, "-c", "import sys; from moebal.cli import main; sys.exit(main())", "train",
+           "--out", str(out), *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"training the served model failed ({' '.join(cmd[3:])}):\n{done.stderr[-2000:]}")
+    return out
 
 
 def _pad_experts(model: Any, width: int, seed: int = 0) -> None:
@@ -214,52 +240,11 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--skew", type=float, default=4.0, help="busiest expert / mean load to fit (0: the model's own)")
-    ap.add_argument("--width", type=int, default=1024, help="expert hidden width after padding")
-    ap.add_argument("--rows", type=int, default=8, help="sequences per rank per forward")
-    ap.add_argument("--batches", type=int, default=4, help="timed forwards per policy per round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
-    ap.add_argument("--path-len", type=int, default=3)
-    ap.add_argument("--dilate", type=float, nargs="+", default=[1.0],
-                    help="emulated devices this many times slower than a core, one run per factor beside each other "
-                         "(1: the CPU as it is, the default; moebal/distributed/dilate.py)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    cfg, model = load_run_model(Path(args.run_dir), top_k=1)
+def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, prof_batches: list[torch.Tensor],
+               profile: Any) -> dict[str, Any]:
+    """Every (rank count, dilation) run of the model at its current width: `by_ranks` and `by_ranks_dilated`."""
     E = cfg.moe.num_experts
-    data = build_data(cfg, seed=1234)
-    prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]
-    rng = np.random.default_rng(0)
-    perms = [rng.permutation(E) for _ in model.moe_layers()]
-    s = _fit_skew(model, prof_batches[:4], args.skew, perms, E) if args.skew > 0 else 0.0
-    ref_batch = prof_batches[0][:2]
-    with torch.no_grad():
-        before = model(ref_batch).logits
-        _pad_experts(model, args.width)
-        after = model(ref_batch).logits
-    pad_diff = float((before - after).abs().max())
-    assert pad_diff < 1e-4, f"padding changed the logits by {pad_diff}"
-    prof_routing = _routing(model, prof_batches)
-    profile = build_profile(prof_routing, E, args.path_len)
-    row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
-    planning = _planning_costs(profile, prof_routing[0], args.ranks, args.rows * cfg.data.seq_len)
-    res: dict[str, Any] = {
-        "run_dir": str(Path(args.run_dir).resolve()),
-        "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
-        "bias_strength": s, "padding_max_logit_diff": pad_diff, "num_experts": E,
-        "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
-        "expert_us_per_row": row_costs, "planning_ms": planning, "by_ranks": {}}
-    print("expert cost per row (us, one thread), by group size: " + "; ".join(
-        f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
-    print("planning alone (ms, one thread, last layer): " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in planning.items()
-                                                                     if k.endswith("_ms")))
+    out: dict[str, Any] = {"by_ranks": {}}
     for R, dilate in ((R, d) for R in args.ranks for d in args.dilate):
         val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, R * args.rows, args.batches)
         batches = [b.ids_BT for b in val if b.ids_BT.shape[0] == R * args.rows][:args.batches]
@@ -274,11 +259,11 @@ def main() -> int:
         summ["skew_timed_batches"] = _skew(_routing(model, batches), E)
         summ["policy_order_per_round"] = order
         if dilate == 1.0:
-            res["by_ranks"][str(R)] = summ
+            out["by_ranks"][str(R)] = summ
         else:  # emulated devices: beside the CPU's own figure, never instead of it
-            res.setdefault("by_ranks_dilated", {}).setdefault(f"{dilate:g}", {})[str(R)] = summ
+            out.setdefault("by_ranks_dilated", {}).setdefault(f"{dilate:g}", {})[str(R)] = summ
         where = "" if dilate == 1.0 else f" (devices {dilate:g}x slower than a core)"
-        print(f"{R} ranks{where}: static {summ['static']['moe_s'] * 1e3:.1f} ms, "
+        print(f"width {model_width(model)}, {R} ranks{where}: static {summ['static']['moe_s'] * 1e3:.1f} ms, "
               f"lina {summ['lina']['moe_s'] * 1e3:.1f} ms, "
               f"phase1 {summ['phase1']['moe_s'] * 1e3:.1f} ms, oracle {summ['oracle']['moe_s'] * 1e3:.1f} ms; "
               f"static/lina {summ['static_over_lina']:.2f} "
@@ -292,11 +277,89 @@ def main() -> int:
               f"lina {summ['lina']['plan_s_layers_1_on'] * 1e3:.1f} ms; "
               f"collectives alone "
               f"{summ['comm_floor']['per_layer_s'] * 1e3:.2f} ms per layer", flush=True)
+    return out
+
+
+def model_width(model: Any) -> int:
+    """The experts' hidden width (after padding)."""
+    return int(next(iter(model.moe_layers())).experts.w1.shape[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", nargs="?", help="a `moebal train` run to serve (default: train `SERVED` first)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (default 2 4; quick: 2)")
+    ap.add_argument("--skew", type=float, default=4.0, help="busiest expert / mean load to fit (0: the model's own)")
+    ap.add_argument("--width", type=int, nargs="+", default=[1024],
+                    help="expert hidden widths after padding, each a run of its own (narrowest first)")
+    ap.add_argument("--rows", type=int, default=8, help="sequences per rank per forward")
+    ap.add_argument("--batches", type=int, default=None, help="timed forwards per policy per round (default 4)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds, policies rotated (default 3; quick: 1)")
+    ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
+    ap.add_argument("--path-len", type=int, default=3)
+    ap.add_argument("--dilate", type=float, nargs="+", default=[1.0],
+                    help="emulated devices this many times slower than a core, one run per factor beside each other "
+                         "(1: the CPU as it is, the default; moebal/distributed/dilate.py)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 ranks, 1 round of 2 batches, 60 steps")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.ranks = args.ranks or ([2] if args.quick else [2, 4])
+    args.batches = args.batches or (2 if args.quick else 4)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.width = sorted(set(args.width))
+    for name in ("ranks", "width", "dilate"):
+        if min(getattr(args, name)) <= 0:
+            ap.error(f"--{name} takes positive values; got {getattr(args, name)}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lina-served-") as tmp:
+        run_dir = Path(args.run_dir) if args.run_dir else train_served(Path(tmp) / "run", 60 if args.quick else None)
+        res = _measure(args, run_dir)
+    res["served_model"] = (str(Path(args.run_dir).resolve()) if args.run_dir else
+                           "moebal train " + " ".join(SERVED) + (" (train.steps=60: --quick)" if args.quick else ""))
     res["wall_s"] = time.perf_counter() - t0
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """The whole benchmark on the served model of `run_dir` (module docstring)."""
+    cfg, model = load_run_model(run_dir, top_k=1)
+    E = cfg.moe.num_experts
+    data = build_data(cfg, seed=1234)
+    prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]
+    rng = np.random.default_rng(0)
+    perms = [rng.permutation(E) for _ in model.moe_layers()]
+    s = _fit_skew(model, prof_batches[:4], args.skew, perms, E) if args.skew > 0 else 0.0
+    ref_batch = prof_batches[0][:2]
+    with torch.no_grad():
+        before = model(ref_batch).logits
+    res: dict[str, Any] = {
+        "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
+        "bias_strength": s, "num_experts": E, "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
+        "by_width": {}}
+    if args.width[0] < model_width(model):
+        raise SystemExit(f"--width {args.width[0]} is below the served experts' trained width {model_width(model)}: "
+                         f"give widths of at least {model_width(model)}")
+    for width in args.width:
+        with torch.no_grad():
+            _pad_experts(model, width)
+            pad_diff = float((before - model(ref_batch).logits).abs().max())
+        assert pad_diff < 1e-4, f"padding to {width} changed the logits by {pad_diff}"
+        prof_routing = _routing(model, prof_batches)
+        profile = build_profile(prof_routing, E, args.path_len)
+        if "planning_ms" not in res:
+            res["planning_ms"] = _planning_costs(profile, prof_routing[0], args.ranks, args.rows * cfg.data.seq_len)
+            print("planning alone (ms, one thread, last layer): " + ", ".join(
+                f"{k[:-3]} {v:.3f}" for k, v in res["planning_ms"].items() if k.endswith("_ms")))
+        row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
+        print(f"width {width}: expert cost per row (us, one thread), by group size: " + "; ".join(
+            f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
+        res["by_width"][str(width)] = {"padding_max_logit_diff": pad_diff, "expert_us_per_row": row_costs,
+                                       **_run_width(model, cfg, data, args, prof_batches, profile)}
+    return res
 
 
 if __name__ == "__main__":

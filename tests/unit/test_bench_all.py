@@ -48,7 +48,7 @@ def test_dry_run_lists_one_command_per_readme_row(bench_all, capsys) -> None:
     assert bench_all.main(["--full", "--dry-run"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
     readme = _readme_rows()
-    assert len(readme) == 37
+    assert len(readme) == 38
     assert len(lines) == len(readme)
     for (claim, cmd), line in zip(readme, lines):
         shown = _strip_json(line.split("    # ")[0].split(None, 1)[1])
@@ -235,5 +235,28 @@ def test_machine_labels(bench_all) -> None:
     label = bench_all.machine_label
     assert label({"cpu": "AMD EPYC", "isa": "avx512_bf16 avx512f avx2", "cuda_device": ""}) == "CPU-bf16"
     assert label({"cpu": "AMD EPYC", "isa": "avx2", "cuda_device": ""}) == "CPU-AVX2"
+    assert label({"cpu": "Intel(R) Xeon(R) Platinum", "isa": "amx_bf16 avx512_bf16 avx512f avx2",
+                  "cuda_device": ""}) == "CPU-AMX"
     assert label({"cpu": "Intel(R) Xeon(R) Processor", "cuda_device": ""}) == "CPU-Xeon"  # reports before `isa`
     assert label({"cpu": "x", "isa": "", "cuda_device": "NVIDIA H200"}) == "H200"
+
+
+def test_lina_inference_figure_names_every_width_device_and_rank_count(bench_all) -> None:
+    def summ(lina: float, equal: bool = True) -> dict:
+        return {"static_over_lina": lina, "static_over_oracle": lina + 0.05,
+                "static_over_lina_experts_layers_1_on": 1.7,
+                **{p: {"equal_static": equal} for p in ("lina", "phase1", "oracle")}}
+
+    data = {"settings": {"rounds": 10}, "by_width": {
+        "4096": {"by_ranks": {"4": summ(1.09)}, "by_ranks_dilated": {"3": {"4": summ(1.41)}}},
+        "1024": {"by_ranks": {"4": summ(1.0)}, "by_ranks_dilated": {"3": {"4": summ(1.12)}}}}}
+    fig = bench_all.fig_lina_inference(data)
+    assert re.findall(r"width [\d,]+, \d+ ranks, [^:]+", fig) == [
+        "width 1,024, 4 ranks, CPU", "width 1,024, 4 ranks, emulated 3x",
+        "width 4,096, 4 ranks, CPU", "width 4,096, 4 ranks, emulated 3x"]
+    assert "emulated 3x: 1.41x (oracle 1.46x; experts 1.70x)" in fig and "over 10 rounds" in fig
+    assert fig.endswith("equal static's: True")
+    data["by_width"]["1024"]["by_ranks"]["4"] = summ(1.0, equal=False)
+    assert bench_all.fig_lina_inference(data).endswith("equal static's: False")
+    with pytest.raises(ValueError, match="by_width"):
+        bench_all.fig_lina_inference({"by_ranks": {}})
