@@ -280,6 +280,12 @@ def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, prof_b
     return out
 
 
+def _check_width(width: int, trained: int) -> None:
+    if width < trained:
+        raise SystemExit(f"--width {width} is below the served experts' trained width {trained}: give widths of at "
+                         f"least {trained}")
+
+
 def model_width(model: Any) -> int:
     """The experts' hidden width (after padding)."""
     return int(next(iter(model.moe_layers())).experts.w1.shape[1])
@@ -301,6 +307,8 @@ def main() -> int:
                     help="emulated devices this many times slower than a core, one run per factor beside each other "
                          "(1: the CPU as it is, the default; moebal/distributed/dilate.py)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 ranks, 1 round of 2 batches, 60 steps")
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="steps of the served model's training without RUN_DIR (default 300; quick: 60)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.ranks = args.ranks or ([2] if args.quick else [2, 4])
@@ -310,12 +318,15 @@ def main() -> int:
     for name in ("ranks", "width", "dilate"):
         if min(getattr(args, name)) <= 0:
             ap.error(f"--{name} takes positive values; got {getattr(args, name)}")
+    if not args.run_dir:  # before training: the served model's width is known
+        _check_width(args.width[0], int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lina-served-") as tmp:
-        run_dir = Path(args.run_dir) if args.run_dir else train_served(Path(tmp) / "run", 60 if args.quick else None)
+        steps = args.train_steps or (60 if args.quick else None)
+        run_dir = Path(args.run_dir) if args.run_dir else train_served(Path(tmp) / "run", steps)
         res = _measure(args, run_dir)
     res["served_model"] = (str(Path(args.run_dir).resolve()) if args.run_dir else
-                           "moebal train " + " ".join(SERVED) + (" (train.steps=60: --quick)" if args.quick else ""))
+                           "moebal train " + " ".join(SERVED) + (f" (train.steps={steps})" if steps else ""))
     res["wall_s"] = time.perf_counter() - t0
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -340,9 +351,7 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
         "bias_strength": s, "num_experts": E, "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
         "by_width": {}}
-    if args.width[0] < model_width(model):
-        raise SystemExit(f"--width {args.width[0]} is below the served experts' trained width {model_width(model)}: "
-                         f"give widths of at least {model_width(model)}")
+    _check_width(args.width[0], model_width(model))
     for width in args.width:
         with torch.no_grad():
             _pad_experts(model, width)

@@ -1,0 +1,32 @@
+"""The Lina inference benchmark trains its served model, serves it at two widths and reports what it names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_lina_inference.py"
+
+
+def test_quick_run_at_two_widths_reports_each_and_outputs_equal(tmp_path) -> None:
+    out = tmp_path / "l.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--train-steps", "8", "--profile-batches", "2",
+                           "--width", "256", "128", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["settings"]["width"] == [128, 256] and "train.steps=8" in rep["served_model"]
+    assert list(rep["by_width"]) == ["128", "256"]  # narrowest first: each padding continues the last
+    for rec in rep["by_width"].values():
+        assert rec["padding_max_logit_diff"] < 1e-4
+        (summ,) = rec["by_ranks"].values()
+        assert all(summ[p]["equal_static"] for p in ("lina", "phase1", "oracle"))
+        assert summ["static_over_lina"] > 0 and len(summ["policy_order_per_round"]) == 1
+    # the wider experts cost more per row (the point of padding)
+    rows = {w: rec["expert_us_per_row"]["blocks"]["1024"] for w, rec in rep["by_width"].items()}
+    assert rows["256"] > rows["128"]
+    # a width below the trained one is refused with the fix
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--width", "64"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "below the served experts' trained width 128" in bad.stderr
