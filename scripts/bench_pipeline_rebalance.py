@@ -127,6 +127,8 @@ REPACK = {"threshold": 0.97, "first_layer": 4, "start": 4, "ramp_steps": 8}
 # multiply-adds is T / (T + 1.5 x 1,024)), so densities would move little time; at 1,024 it is about half a dense
 # layer's measured time (docs/dynamism.md).
 SEQ_LEN = {"mod": 512, "sparse_attention": 1024}
+MICRO_BATCHES = 16
+"""Micro-batches per step (`--micro-batches`), one row each: the batch is this many rows."""
 
 
 def bench_config(steps: int, scheme: str) -> Config:
@@ -137,7 +139,7 @@ def bench_config(steps: int, scheme: str) -> Config:
         "name": f"bench-pipeline-{scheme}",
         "model": {"dim": 128, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": seq},
         "moe": moe,
-        "data": {"seq_len": seq, "batch_size": 16, "max_bytes": 2_000_000},
+        "data": {"seq_len": seq, "batch_size": MICRO_BATCHES, "max_bytes": 2_000_000},
         "train": {"steps": steps, "warmup_steps": 5, "lr": 3e-3, "seed": 0},
         "parallel": {"pp": 4, "nproc": 4}})
 
@@ -168,10 +170,12 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     runners, load0 = {}, os.getloadavg()[0]
     for name in group["variants"]:
         cfg = bench_config(group["steps"], group["scheme"])
+        m = group.get("micro_batches", MICRO_BATCHES)  # one row per micro-batch
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=m))
         base, sched = split_variant(name)
         bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
-        pipe = dataclasses.replace(cfg.pipeline, schedule=sched, micro_batches=16, rebalance=bal, every=4, ema=0.7,
+        pipe = dataclasses.replace(cfg.pipeline, schedule=sched, micro_batches=m, rebalance=bal, every=4, ema=0.7,
                                    repack=repack, split_layers=variant_units(name) == "halves",
                                    wait="block" if dilated else group["wait"], dilate=DILATE if dilated else 1.0)
         cfg = dataclasses.replace(cfg, pipeline=pipe)
@@ -487,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="pipeline schedule of every variant (zb: zero bubble); both: each group under each")
     ap.add_argument("--units", choices=("layers", "halves", "both"), default="layers",
                     help="partition units: whole layers, layer halves (pipeline.split_layers), or both side by side")
+    ap.add_argument("--micro-batches", type=int, default=MICRO_BATCHES,
+                    help=f"micro-batches per step, one row each (default {MICRO_BATCHES}: the batch of 16 rows)")
     ap.add_argument("--option", action="append", default=[], metavar="SCHEME.KEY=VALUE",
                     help="change one scheme setting for every run (repeatable), e.g. sparse_attention.depth_tilt=0.75")
     add_device_argument(ap, cpu_only=CPU_ONLY)
@@ -507,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     waits = list(WAITS) if args.wait == "all" else [args.wait]
     schedules = ("1f1b", "zb") if args.schedule == "both" else (args.schedule,)
     units = ("layers", "halves") if args.units == "both" else (args.units,)
+    if args.micro_batches < 1:
+        ap.error(f"--micro-batches must be >= 1; got {args.micro_batches}")
     groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units, options)
+    for g in groups:
+        g["micro_batches"] = args.micro_batches
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
@@ -526,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": options,
                          "overrides": overrides,
                          "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
-                         "micro_batches": 16, "schedules": list(schedules),
+                         "micro_batches": args.micro_batches, "schedules": list(schedules),
                          "units": list(units), "every": 4, "ema": 0.7, "steps": steps,
                          "settle": settle, "rounds": rounds, "ranks": 4, "threads_per_rank": 1, "dilate": DILATE},
               "env": {**environment(), "git": _git(), "wall_s": round(time.time() - t0, 1)}}
