@@ -431,22 +431,15 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
          + ("" if lay.pp > 1 else ", a divisor of it"))
 
 
-def _replica_bound(cfg: Config, lay: MemoryLayout) -> int:
+def _replicas(cfg: Config, lay: MemoryLayout) -> int:
     """Most replicas one rank may hold per MoE layer under the placement policy (the planner's own limit), at
-    most `planner.max_replicas`, before the layout's own cap."""
+    most `planner.max_replicas` and the layout's own cap (`MemoryLayout.max_replicas`)."""
     E = cfg.moe.num_experts
     if lay.ep == 1 or E == 0 or lay.policy == "static":
         return 0
     others = E - E // lay.ep
     bound = min(2, others) if lay.policy == "broadcast_topk" else others
-    cap = cfg.planner.max_replicas
-    return bound if cap is None else min(bound, cap)
-
-
-def _replicas(cfg: Config, lay: MemoryLayout) -> int:
-    """`_replica_bound` under the layout's cap (`MemoryLayout.max_replicas`)."""
-    bound = _replica_bound(cfg, lay)
-    return bound if lay.max_replicas is None else min(bound, lay.max_replicas)
+    return min([bound, *(c for c in (cfg.planner.max_replicas, lay.max_replicas) if c is not None)])
 
 
 def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int, layers: range, cuda: bool
@@ -655,10 +648,9 @@ def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
     """`lay` under its placement policy, then (ep > 1, a replicating policy) under each cap on the replicas per rank
     and MoE layer (`planner.max_replicas`: powers of two below the policy's bound), then under static placement."""
     yield lay
-    bound = _replicas(cfg, lay)
     if lay.ep == 1 or lay.policy == "static" or not cfg.moe.num_experts:
         return
-    cap = 1
+    bound, cap = _replicas(cfg, lay), 1
     while cap < bound:
         yield dataclasses.replace(lay, max_replicas=cap)
         cap *= 2
