@@ -240,8 +240,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     return out
 
 
-def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, prof_batches: list[torch.Tensor],
-               profile: Any) -> dict[str, Any]:
+def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, profile: Any) -> dict[str, Any]:
     """Every (rank count, dilation) run of the model at its current width: `by_ranks` and `by_ranks_dilated`."""
     E = cfg.moe.num_experts
     out: dict[str, Any] = {"by_ranks": {}}
@@ -311,13 +310,15 @@ def main() -> int:
                     help="steps of the served model's training without RUN_DIR (default 300; quick: 60)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    args.ranks = args.ranks or ([2] if args.quick else [2, 4])
-    args.batches = args.batches or (2 if args.quick else 4)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    defaults = {"ranks": [2], "batches": 2, "rounds": 1} if args.quick else {"ranks": [2, 4], "batches": 4, "rounds": 3}
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.width = sorted(set(args.width))
-    for name in ("ranks", "width", "dilate"):
-        if min(getattr(args, name)) <= 0:
-            ap.error(f"--{name} takes positive values; got {getattr(args, name)}")
+    for name in ("ranks", "width", "dilate", "batches", "rounds", "train_steps"):
+        v = getattr(args, name)
+        if v is not None and min(v if isinstance(v, list) else [v]) <= 0:
+            ap.error(f"--{name.replace('_', '-')} takes positive values; got {v}")
     if not args.run_dir:  # before training: the served model's width is known
         _check_width(args.width[0], int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
     t0 = time.perf_counter()
@@ -367,7 +368,7 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         print(f"width {width}: expert cost per row (us, one thread), by group size: " + "; ".join(
             f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
         res["by_width"][str(width)] = {"padding_max_logit_diff": pad_diff, "expert_us_per_row": row_costs,
-                                       **_run_width(model, cfg, data, args, prof_batches, profile)}
+                                       **_run_width(model, cfg, data, args, profile)}
     return res
 
 

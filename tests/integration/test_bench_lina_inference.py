@@ -30,3 +30,6 @@ def test_quick_run_at_two_widths_reports_each_and_outputs_equal(tmp_path) -> Non
     bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--width", "64"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "below the served experts' trained width 128" in bad.stderr
+    zero = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rounds", "0"], capture_output=True, text=True,
+                          timeout=600)
+    assert zero.returncode == 2 and "--rounds takes positive values; got 0" in zero.stderr
