@@ -131,7 +131,7 @@ MICRO_BATCHES = 16
 """Micro-batches per step (`--micro-batches`), one row each: the batch is this many rows."""
 
 
-def bench_config(steps: int, scheme: str) -> Config:
+def bench_config(steps: int, scheme: str, micro_batches: int = MICRO_BATCHES) -> Config:
     moe = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 192, "adaptive_threshold": 0.1, "kernel": "loop"} \
         if scheme == "moe" else {"num_experts": 0}
     seq = SEQ_LEN.get(scheme, 256)
@@ -139,7 +139,7 @@ def bench_config(steps: int, scheme: str) -> Config:
         "name": f"bench-pipeline-{scheme}",
         "model": {"dim": 128, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": seq},
         "moe": moe,
-        "data": {"seq_len": seq, "batch_size": MICRO_BATCHES, "max_bytes": 2_000_000},
+        "data": {"seq_len": seq, "batch_size": micro_batches, "max_bytes": 2_000_000},
         "train": {"steps": steps, "warmup_steps": 5, "lr": 3e-3, "seed": 0},
         "parallel": {"pp": 4, "nproc": 4}})
 
@@ -169,9 +169,8 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
 
     runners, load0 = {}, os.getloadavg()[0]
     for name in group["variants"]:
-        cfg = bench_config(group["steps"], group["scheme"])
-        m = group.get("micro_batches", MICRO_BATCHES)  # one row per micro-batch
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=m))
+        m = group["micro_batches"]  # one row each
+        cfg = bench_config(group["steps"], group["scheme"], m)
         base, sched = split_variant(name)
         bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
@@ -306,7 +305,8 @@ def _mode(wait: str, schedule: str, units: str = "layers") -> str:
 def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
                  repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",),
                  units: tuple[str, ...] = ("layers",),
-                 options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                 options: dict[str, dict[str, Any]] | None = None,
+                 micro_batches: int = MICRO_BATCHES) -> list[dict[str, Any]]:
     """One group per (round, wait, scheme); every schedule's and unit setting's variants train interleaved in
     the same group, so they are compared side by side as well as rebalanced and static."""
 
@@ -319,10 +319,12 @@ def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
         for wait in waits:
             for scheme in [] if repack_only else schemes:
                 groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps,
-                               "variants": named(list(BALANCERS)), "options": (options or SCHEMES)[scheme]})
+                               "micro_batches": micro_batches, "variants": named(list(BALANCERS)),
+                               "options": (options or SCHEMES)[scheme]})
             if ("early_exit" in schemes or repack_only) and wait != "block":
                 groups.append({"scheme": "early_exit", "wait": wait, "round": r, "steps": steps,
-                               "variants": named(["partition", "partition+repack"]), "repack_experiment": True})
+                               "micro_batches": micro_batches, "variants": named(["partition", "partition+repack"]),
+                               "repack_experiment": True})
     return groups
 
 
@@ -515,9 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     units = ("layers", "halves") if args.units == "both" else (args.units,)
     if args.micro_batches < 1:
         ap.error(f"--micro-batches must be >= 1; got {args.micro_batches}")
-    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units, options)
-    for g in groups:
-        g["micro_batches"] = args.micro_batches
+    groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units, options,
+                          args.micro_batches)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
