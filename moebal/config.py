@@ -258,8 +258,10 @@ class SpikeConfig:
     """Steps of loss history the spike test compares with (no spike is called before that many steps)."""
     back: int = 0
     """Roll back to the newest checkpoint at least this many steps before the bad step (PaLM went about 100 steps
-    back, before the spike began to build); the oldest one kept when none is that old (`train.keep_checkpoints`
-    sets how far back there are any). 0: the newest."""
+    back, before the spike began to build): pruning keeps one that old beside the newest `train.keep_checkpoints`
+    (two more at most; a rollback lands between `back` and about 2 `back` plus two checkpoint intervals back),
+    and the oldest while none is that old yet. The checkpoints after the one gone back to move to
+    `rolled-back/<n>/` in the run directory, out of a restart's reach. 0: the newest."""
     skip_extra: int = 0
     """Batches skipped beyond those trained since the checkpoint (PaLM skipped some after the spike too)."""
     max_rollbacks: int = 3
@@ -307,7 +309,8 @@ class TrainConfig:
     ckpt_every: int = 200
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2
-    """How many checkpoints to keep (the newest; an older one is deleted only once a newer one is complete)."""
+    """How many checkpoints to keep (the newest; an older one is deleted only once a newer one is complete). With
+    `spike.action: rollback` and `spike.back` N, up to two more, so that one at least N steps old is kept."""
     ckpt_async: bool = False
     """Write checkpoints in a background thread: training waits only while tensors are copied to CPU memory."""
     threads: int | None = None

@@ -372,15 +372,18 @@ class Checkpointer:
     `save` copies what this rank writes to CPU memory, then writes it, inline or, with `background=True`,
     in a thread while training goes on; the next `save` (and `wait`/`close`) first waits for the previous one
     and re-raises its error. Rank 0 completes each checkpoint once every rank in `ranks` published its part,
-    then keeps the newest `keep`. `session` names this job's temporary directories (the same on every rank)."""
+    then keeps the newest `keep` (and with `reach`, one at least that many steps old). `session` names this job's
+    temporary directories (the same on every rank)."""
 
     def __init__(self, run_dir: str | Path, *, rank: int = 0, ranks: list[int] | range | None = None,
                  write_dense: bool = True, write_experts: bool = True, keep: int = 2, background: bool = False,
-                 session: str = "0", timeout_s: float = 600.0) -> None:
+                 session: str = "0", timeout_s: float = 600.0, reach: int = 0) -> None:
         self.run_dir, self.rank = Path(run_dir), rank
         self.ranks = list(ranks) if ranks is not None else [0]
         self.write_dense, self.write_experts = write_dense, write_experts
         self.keep, self.background, self.session, self.timeout_s = keep, background, session, timeout_s
+        self.reach = reach
+        """Steps back that a kept checkpoint must reach (`reach_anchors`; 0: only the newest `keep`)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_blocked_s = 0.0
@@ -530,7 +533,7 @@ class Checkpointer:
         _fsync_dir(self.run_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        prune_checkpoints(self.run_dir, self.keep, session=self.session)
+        prune_checkpoints(self.run_dir, self.keep, session=self.session, reach=self.reach)
 
     def _await_notes(self, tmp: Path, step: int) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.timeout_s
@@ -657,12 +660,15 @@ def find_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int, session: str | None = None) -> None:
-    """Delete all but the newest `keep` checkpoints, and temporary directories of other sessions (crashed
-    saves; this session's own may still be in flight)."""
+def prune_checkpoints(run_dir: str | Path, keep: int, session: str | None = None, reach: int = 0) -> None:
+    """Delete all but the newest `keep` checkpoints (and those `reach` keeps), and temporary directories of other
+    sessions (crashed saves; this session's own may still be in flight)."""
     run_dir = Path(run_dir)
-    for p in find_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+    found = find_checkpoints(run_dir)
+    kept = set(found[-keep:]) | reach_anchors(found, reach)
+    for p in found:
+        if p not in kept:
+            shutil.rmtree(p, ignore_errors=True)
     for p in run_dir.iterdir():
         m = TMP_RE.match(p.name)
         if not (p.is_dir() and m and m.group(2) != session):
@@ -672,6 +678,43 @@ def prune_checkpoints(run_dir: str | Path, keep: int, session: str | None = None
             os.replace(p, final)  # a crash between the two renames of a re-save: the old copy is the checkpoint
         else:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def reach_anchors(found: list[Path], reach: int) -> set[Path]:
+    """The checkpoints kept beyond the newest ones so that one at least `reach` steps old is always there (a
+    rollback's `train.spike.back`), two at most. With the newest checkpoint in window W of `reach` steps (its
+    step // reach): the newest one in window W - 1, and the newest one before it (early in the run, while there
+    is none before it, the oldest checkpoint). The second is at least `reach` steps older than the newest
+    checkpoint, so older than any later step by as much; and when the newest checkpoint moves into window W + 1,
+    the two new ones are among those kept now (the newest of window W was the newest checkpoint; the newest
+    before window W is the kept one of window W - 1, or the older one), so pruning never loses the guarantee. A
+    rollback lands between `reach` and about 2 `reach` plus two checkpoint intervals back. `found` oldest first
+    (`find_checkpoints`)."""
+    if reach <= 0 or not found:
+        return set()
+    steps = [step_of(p) for p in found]
+    window = steps[-1] // reach
+    before = [p for p, s in zip(found, steps) if s < (window - 1) * reach] or found[:1]
+    previous = [p for p, s in zip(found, steps) if (window - 1) * reach <= s < window * reach]
+    return {ps[-1] for ps in (before, previous) if ps}
+
+
+def retire_checkpoints(run_dir: str | Path, after: int, into: str | Path) -> list[str]:
+    """Move every checkpoint of the run newer than step `after` into `into` (a folder under the run directory,
+    made here), out of reach of a resume and of pruning; their paths relative to the run directory. A rollback to
+    checkpoint `after` does this: what was trained after it is the abandoned line of the run, which a restart must
+    not resume (moebal/train/spikes.py)."""
+    run_dir = Path(run_dir)
+    newer = [p for p in find_checkpoints(run_dir) if step_of(p) > after]
+    if not newer:
+        return []
+    target = run_dir / into
+    target.mkdir(parents=True, exist_ok=True)
+    for p in newer:
+        os.replace(p, target / p.name)
+    _fsync_dir(target)
+    _fsync_dir(run_dir)
+    return [str((target / p.name).relative_to(run_dir)) for p in newer]
 
 
 def step_of(path: Path) -> int:

@@ -158,14 +158,14 @@ class RunContext:
         d = self.dims
         return {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
 
-    def checkpointer(self, run_dir: Path, keep: int, background: bool) -> Checkpointer:
+    def checkpointer(self, run_dir: Path, keep: int, background: bool, reach: int = 0) -> Checkpointer:
         """This rank's checkpoint writer. Every logical tensor is written once: dense ones by the first rank
         of the stage's data x expert group, experts by the first rank of their data-parallel group.
         Collective (the ranks agree on a session name for their temporary directories)."""
         session = self.gather(f"{int(time.time())}-{os.getpid()}")[0]
         return Checkpointer(run_dir, rank=self.dims.rank, ranks=range(self.dims.world_size),
                             write_dense=self.dims.index("dp_ep") == 0, write_experts=self.dims.index("dp") == 0,
-                            keep=keep, background=background, session=session)
+                            keep=keep, background=background, session=session, reach=reach)
 
 
 def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None = None,

@@ -39,6 +39,7 @@ from moebal.train.checkpoint import (
     load_agreed,
     open_for_resume,
     restore_rng,
+    retire_checkpoints,
     rng_state,
     step_of,
 )
@@ -133,7 +134,9 @@ class Trainer:
         self.last_val: float | None = None
         self._recent: list[dict[str, Any]] = []
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpointer = self.ctx.checkpointer(self.run_dir, cfg.train.keep_checkpoints, cfg.train.ckpt_async)
+        sp = cfg.train.spike
+        self.checkpointer = self.ctx.checkpointer(self.run_dir, cfg.train.keep_checkpoints, cfg.train.ckpt_async,
+                                                  reach=sp.back if sp.action == "rollback" else 0)
         self.checkpoint_times: list[dict[str, float]] = []
         if ckpt is not None:
             self._restore(ckpt)
@@ -399,12 +402,19 @@ class Trainer:
         entry = {"step": self.step, "reason": why, "loss": record.get("loss"), "grad_norm": record.get("grad_norm"),
                  "resume_step": resume_step, "skipped_batches": skipped, "skip_extra": sp.skip_extra,
                  "data": self.strategy.data_state(), "time": record.get("time")}
+        retired: list[str] = []
         if self.ctx.is_main:
-            append_rollback(self.run_dir, entry)
+            # the checkpoints after the one gone back to (train.spike.back) hold the abandoned line of the run: out
+            # of a restart's reach before the record is written (a crash between the two retrains the spike's
+            # batches from the right checkpoint; the other order would resume the abandoned line)
+            retired = retire_checkpoints(self.run_dir, resume_step, f"rolled-back/{len(self.rollbacks) + 1}")
+            append_rollback(self.run_dir, {**entry, "retired": retired})
         path = self.run_dir / f"ckpt-{resume_step:07d}"
         batches = f"{skipped} batch{'es' if skipped != 1 else ''}"
+        moved = (f"; the {len(retired)} checkpoint{'s' if len(retired) != 1 else ''} after it moved to "
+                 f"{self.run_dir / Path(retired[0]).parent}" if retired else "")
         return Rollback(f"step {self.step}: {why}: rolled back to {path} (rollback {len(self.rollbacks) + 1} of at "
-                        f"most {sp.max_rollbacks}), skipping {batches}", entry, path)
+                        f"most {sp.max_rollbacks}), skipping {batches}{moved}", entry, path)
 
     def _stop(self, record: dict[str, Any], kind: str, why: str, no_rollback: str) -> TrainingError:
         """The error of a bad step that ends the run (`no_rollback`: why a rollback was not made); the message

@@ -27,8 +27,10 @@ from moebal.train.checkpoint import (
     latest_good_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    reach_anchors,
     read_checkpoint,
     restore_rng,
+    retire_checkpoints,
     rng_state,
     save_checkpoint,
 )
@@ -131,6 +133,38 @@ def test_write_is_atomic_a_crash_before_the_rename_leaves_no_checkpoint(tmp_path
     assert latest_good_checkpoint(tmp_path) == good
     prune_checkpoints(tmp_path, keep=2, session="another")
     assert [p.name for p in tmp_path.iterdir()] == [good.name]
+
+
+@pytest.mark.parametrize("every,reach,keep", [(10, 100, 2), (10, 100, 1), (30, 100, 2), (7, 20, 3), (50, 20, 1)])
+def test_pruning_with_a_reach_always_keeps_a_checkpoint_that_far_back(tmp_path, every, reach, keep):
+    """Checkpoints every `every` steps, pruned after each save as a run prunes them: for every bad step before the
+    next save, a checkpoint at least `reach` steps older is kept once one was ever written, at most about 2 reach
+    plus two intervals back, and never more than `keep` + 2 are on disk."""
+    written: list[int] = []
+    for step in range(every, 40 * max(every, reach), every):
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+        written.append(step)
+        prune_checkpoints(tmp_path, keep, reach=reach)
+        kept = [int(p.name[5:]) for p in find_checkpoints(tmp_path)]
+        assert kept[-keep:] == written[-keep:] and len(kept) <= keep + 2, (step, kept)
+        for bad in range(step, step + every):
+            old_enough = [s for s in kept if s <= bad - reach]
+            if any(s <= bad - reach for s in written):
+                assert old_enough and bad - max(old_enough) <= 2 * reach + 2 * every, (bad, kept)
+    assert reach_anchors([], reach) == set() and reach_anchors(find_checkpoints(tmp_path), 0) == set()
+
+
+def test_retired_checkpoints_leave_the_run_for_a_folder_of_their_own(tmp_path):
+    for step in (3, 4, 5):
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+        (tmp_path / f"ckpt-{step:07d}" / "state.json").write_text(str(step))
+    assert retire_checkpoints(tmp_path, 5, "rolled-back/1") == []
+    moved = retire_checkpoints(tmp_path, 3, "rolled-back/1")
+    assert moved == ["rolled-back/1/ckpt-0000004", "rolled-back/1/ckpt-0000005"]
+    assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003"]
+    assert (tmp_path / moved[1] / "state.json").read_text() == "5"
+    prune_checkpoints(tmp_path, keep=1)  # pruning does not reach into the folder
+    assert (tmp_path / moved[0]).is_dir()
 
 
 def test_the_newest_k_are_kept_and_the_previous_survives_a_failed_save(tmp_path, monkeypatch):

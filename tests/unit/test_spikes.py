@@ -106,19 +106,35 @@ def test_a_rollback_goes_back_at_least_train_spike_back_steps_to_an_older_checkp
         first.train()
     first.close()
     assert e.value.checkpoint == run / "ckpt-0000003" and e.value.record["skipped_batches"] == 2  # not ckpt 4
-    Trainer(cfg, run, resume=str(e.value.checkpoint)).train()
+    # ckpt 4 holds the abandoned line of the run: moved aside, so a restart (a crash right after the rollback,
+    # --resume) takes ckpt 3 and its skipped batches, not ckpt 4 and the spike's batches again
+    assert "the 1 checkpoint after it moved to" in str(e.value)
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002", "ckpt-0000003"]
+    assert (run / "rolled-back" / "1" / "ckpt-0000004" / "state.json").is_file()
+    assert read_rollbacks(run)[0]["retired"] == ["rolled-back/1/ckpt-0000004"]
+    restart = Trainer(cfg, run, resume=True)
+    assert restart.step == 3
+    restart.train()
     ref = Trainer(cfg, tmp_path / "ref", resume=str(run / "ckpt-0000003"))
     for _ in range(2):
         ref.data.train.next_samples()
     ref.train()
     got, want = losses(run), losses(tmp_path / "ref")
     assert all(got[s] == want[s] for s in range(4, 9)), (got, want)
-    # none kept that old: the oldest kept one
+    # none that old: the oldest, which pruning keeps beside the newest two while none is `back` steps older
     cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.ckpt_every=1", "train.spike.back=50",
                "train.keep_checkpoints=2")
     with pytest.raises(Rollback) as e:
         Trainer(cfg, tmp_path / "few", hooks=[Blow(at=5)]).train()
-    assert e.value.checkpoint == tmp_path / "few" / "ckpt-0000003"
+    assert e.value.checkpoint == tmp_path / "few" / "ckpt-0000001"
+    retired = read_rollbacks(tmp_path / "few")[0]["retired"]
+    assert retired == ["rolled-back/1/ckpt-0000003", "rolled-back/1/ckpt-0000004"]
+    # one checkpoint kept, but `back` reachable: pruning keeps one that old (ckpt 3 of 1-5) for the spike at step 6
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.ckpt_every=1", "train.spike.back=2",
+               "train.keep_checkpoints=1")
+    with pytest.raises(Rollback) as e:
+        Trainer(cfg, tmp_path / "one", hooks=[Blow(at=6)]).train()
+    assert e.value.checkpoint == tmp_path / "one" / "ckpt-0000003" and e.value.record["skipped_batches"] == 3
 
 
 def test_rollbacks_stop_at_their_maximum_and_a_second_one_to_the_same_checkpoint_skips_the_first_ones_too(tmp_path):
