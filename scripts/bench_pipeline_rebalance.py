@@ -131,10 +131,11 @@ MICRO_BATCHES = 16
 """Micro-batches per step (`--micro-batches`), one row each: the batch is this many rows."""
 
 
-def bench_config(steps: int, scheme: str, micro_batches: int = MICRO_BATCHES) -> Config:
+def bench_config(steps: int, scheme: str, micro_batches: int = MICRO_BATCHES, seq_len: int | None = None) -> Config:
+    """The benchmark's model and run for `scheme`; `seq_len` replaces the scheme's row length (`SEQ_LEN`)."""
     moe = {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 192, "adaptive_threshold": 0.1, "kernel": "loop"} \
         if scheme == "moe" else {"num_experts": 0}
-    seq = SEQ_LEN.get(scheme, 256)
+    seq = seq_len or SEQ_LEN.get(scheme, 256)
     return from_dict({
         "name": f"bench-pipeline-{scheme}",
         "model": {"dim": 128, "n_layers": 24, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384, "max_seq_len": seq},
@@ -170,7 +171,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
     runners, load0 = {}, os.getloadavg()[0]
     for name in group["variants"]:
         m = group["micro_batches"]  # one row each
-        cfg = bench_config(group["steps"], group["scheme"], m)
+        cfg = bench_config(group["steps"], group["scheme"], m, group.get("seq_len"))
         base, sched = split_variant(name)
         bal, repack = VARIANTS[base]
         dilated = group["wait"] == "dilate"
@@ -306,7 +307,7 @@ def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
                  repack_only: bool = False, schedules: tuple[str, ...] = ("1f1b",),
                  units: tuple[str, ...] = ("layers",),
                  options: dict[str, dict[str, Any]] | None = None,
-                 micro_batches: int = MICRO_BATCHES) -> list[dict[str, Any]]:
+                 micro_batches: int = MICRO_BATCHES, seq_len: int | None = None) -> list[dict[str, Any]]:
     """One group per (round, wait, scheme); every schedule's and unit setting's variants train interleaved in
     the same group, so they are compared side by side as well as rebalanced and static."""
 
@@ -319,11 +320,12 @@ def build_groups(schemes: list[str], rounds: int, steps: int, waits: list[str],
         for wait in waits:
             for scheme in [] if repack_only else schemes:
                 groups.append({"scheme": scheme, "wait": wait, "round": r, "steps": steps,
-                               "micro_batches": micro_batches, "variants": named(list(BALANCERS)),
+                               "micro_batches": micro_batches, "seq_len": seq_len, "variants": named(list(BALANCERS)),
                                "options": (options or SCHEMES)[scheme]})
             if ("early_exit" in schemes or repack_only) and wait != "block":
                 groups.append({"scheme": "early_exit", "wait": wait, "round": r, "steps": steps,
-                               "micro_batches": micro_batches, "variants": named(["partition", "partition+repack"]),
+                               "micro_batches": micro_batches, "seq_len": seq_len,
+                               "variants": named(["partition", "partition+repack"]),
                                "repack_experiment": True})
     return groups
 
@@ -495,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="partition units: whole layers, layer halves (pipeline.split_layers), or both side by side")
     ap.add_argument("--micro-batches", type=int, default=MICRO_BATCHES,
                     help=f"micro-batches per step, one row each (default {MICRO_BATCHES}: the batch of 16 rows)")
+    ap.add_argument("--seq-len", type=int, metavar="T",
+                    help="tokens per row for every scheme run (default: 1,024 for sparse attention, 512 for MoD, 256)")
     ap.add_argument("--option", action="append", default=[], metavar="SCHEME.KEY=VALUE",
                     help="change one scheme setting for every run (repeatable), e.g. sparse_attention.depth_tilt=0.75")
     add_device_argument(ap, cpu_only=CPU_ONLY)
@@ -517,8 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     units = ("layers", "halves") if args.units == "both" else (args.units,)
     if args.micro_batches < 1:
         ap.error(f"--micro-batches must be >= 1; got {args.micro_batches}")
+    if args.seq_len is not None and args.seq_len < 16:
+        ap.error(f"--seq-len must be at least 16 tokens; got {args.seq_len}")
     groups = build_groups(schemes, rounds, steps, waits, args.repack_only, schedules, units, options,
-                          args.micro_batches)
+                          args.micro_batches, args.seq_len)
     print(f"{len(groups)} groups of interleaved runs, {steps} steps each (throughput over steps {settle + 1}..{steps})",
           file=sys.stderr)
     t0 = time.time()
@@ -536,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
               "summary": {**verdicts(rows), "identical_losses_across_variants": same_losses},
               "config": {"model": to_dict(bench_config(steps, "early_exit").model), "schemes": options,
                          "overrides": overrides,
-                         "repack_experiment_early_exit": REPACK, "seq_len": {k: SEQ_LEN.get(k, 256) for k in SCHEMES},
+                         "repack_experiment_early_exit": REPACK,
+                         "seq_len": {k: args.seq_len or SEQ_LEN.get(k, 256) for k in SCHEMES},
                          "micro_batches": args.micro_batches, "schedules": list(schedules),
                          "units": list(units), "every": 4, "ema": 0.7, "steps": steps,
                          "settle": settle, "rounds": rounds, "ranks": 4, "threads_per_rank": 1, "dilate": DILATE},

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,7 +196,24 @@ class Trainer:
         if resume is not False and reader is None and self.ctx.is_main:  # starting over: the failed attempt's
             for name in ("metrics.jsonl", "plans.jsonl"):  # lines go
                 MetricsLog.truncate_after(self.run_dir / name, 0)
+        if (reader is not None and self.ctx.is_main and reader.step < self.cfg.train.steps
+                and reader.path.parent.resolve() == self.run_dir.resolve()):
+            self._set_aside_newer(reader.step)
         return reader
+
+    def _set_aside_newer(self, step: int) -> None:
+        """Resuming the run from one of its older checkpoints (--resume-from): the newer ones hold a line of the run
+        this one replaces, which a later --resume (a crash, a launcher's restart) would otherwise continue. They
+        move to `superseded/<n>/` in the run directory, kept (a rollback's own move, to `rolled-back/<n>/`, comes
+        before its rebuild, so none is left newer then)."""
+        root = self.run_dir / "superseded"
+        n = 1 + sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 1
+        moved = retire_checkpoints(self.run_dir, step, f"superseded/{n}")
+        if moved:
+            sys.stderr.write(f"moebal train: resuming {self.run_dir} from step {step}: its {len(moved)} newer "
+                             f"checkpoint{'s' if len(moved) != 1 else ''} moved to {root / str(n)} (a later --resume "
+                             f"would have continued them)\n")
+            sys.stderr.flush()
 
     def _restore(self, reader: CheckpointReader) -> None:
         """Load under any layout: weights and optimizer state by logical name (experts follow their owner), the

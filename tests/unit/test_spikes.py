@@ -158,3 +158,25 @@ def test_a_damaged_rollback_record_is_refused_with_the_fix(tmp_path):
     (tmp_path / ROLLBACKS).write_text('{"step": 5}\n')
     with pytest.raises(CheckpointError, match="line 1 is not a rollback record .* delete the line"):
         read_rollbacks(tmp_path)
+
+
+def test_resuming_a_run_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path, capsys):
+    """--resume-from an older checkpoint of the run: the newer ones would be what a later --resume continues (a
+    crash before the run re-saves those steps), so they move to superseded/<n>/."""
+    run = tmp_path / "run"
+    cfg = tiny(*SPIKE, "train.ckpt_every=2", "train.steps=6")
+    Trainer(cfg, run).train()
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000002", "ckpt-0000004", "ckpt-0000006"]
+    Trainer(cfg, tmp_path / "other", resume=str(run / "ckpt-0000002"))  # another run's directory: left alone
+    assert len(list(run.glob("ckpt-*"))) == 3 and not (run / "superseded").exists()
+    Trainer(cfg, run, resume=str(run / "ckpt-0000006"))  # nothing left to train: nothing moves
+    assert len(list(run.glob("ckpt-*"))) == 3
+    Trainer(cfg, run, resume=str(run / "ckpt-0000002"))
+    assert "its 2 newer checkpoints moved to" in capsys.readouterr().err
+    assert [p.name for p in run.glob("ckpt-*")] == ["ckpt-0000002"]
+    assert sorted(p.name for p in (run / "superseded" / "1").iterdir()) == ["ckpt-0000004", "ckpt-0000006"]
+    crashed = Trainer(cfg, run, resume=True)
+    assert crashed.step == 2
+    crashed.train()
+    Trainer(cfg, run, resume=str(run / "ckpt-0000004"))  # a second time: a folder of its own
+    assert [p.name for p in (run / "superseded" / "2").iterdir()] == ["ckpt-0000006"]
