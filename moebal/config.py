@@ -254,8 +254,13 @@ class SpikeConfig:
     factor: float = 0.0
     """A step whose loss is above this many times the median loss of the previous `window` steps is a spike;
     0 (the default): only a non-finite loss or gradient norm is."""
+    grad_factor: float = 0.0
+    """A step whose gradient norm (the whole model's, before clipping) is above this many times the median norm
+    of the previous `window` steps is a spike too; 0 (the default): the norm counts only when it is not finite.
+    A gradient spike often comes a few steps before the loss's (the update it clips still moves the weights)."""
     window: int = 20
-    """Steps of loss history the spike test compares with (no spike is called before that many steps)."""
+    """Steps of loss (and gradient norm) history the spike tests compare with (no spike is called before that many
+    steps)."""
     back: int = 0
     """Roll back to the newest checkpoint at least this many steps before the bad step (PaLM went about 100 steps
     back, before the spike began to build): pruning keeps one that old beside the newest `train.keep_checkpoints`
@@ -1366,6 +1371,8 @@ def _check_train(t: TrainConfig) -> None:
     sp = t.spike
     _need(sp.factor == 0 or sp.factor > 1, f"'train.spike.factor' must be above 1 (a loss that many times the "
           f"recent median is a spike) or 0 (only non-finite steps); got {sp.factor}")
+    _need(sp.grad_factor == 0 or sp.grad_factor > 1, f"'train.spike.grad_factor' must be above 1 (a gradient norm "
+          f"that many times the recent median is a spike) or 0 (off); got {sp.grad_factor}")
     _need(sp.window >= 1, f"'train.spike.window' (steps of loss history) must be at least 1; got {sp.window}")
     for key, iv in [("train.spike.back", sp.back), ("train.spike.skip_extra", sp.skip_extra),
                     ("train.spike.max_rollbacks", sp.max_rollbacks)]:

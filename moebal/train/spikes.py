@@ -16,10 +16,11 @@ the run has written a newer one) takes the newest such line's position instead o
 crash after a rollback does not train the skipped batches again. A checkpoint written after the rollback
 holds the skipped position itself.
 
-A spike is a finite loss above `factor` times the median of the previous `window` steps' losses (the losses
-every rank already holds, reduced, so every rank calls the same step bad at no extra cost). The history is part
-of the checkpoint, so a resumed run calls the same steps bad as the uninterrupted one. A bad step's loss does
-not enter the history.
+A spike is a finite loss above `factor` times the median of the previous `window` steps' losses, or (with
+`grad_factor`) a gradient norm, before clipping, above `grad_factor` times the median of their norms (figures
+every rank already holds, reduced, so every rank calls the same step bad at no extra cost). The histories are
+part of the checkpoint, so a resumed run calls the same steps bad as the uninterrupted one. A bad step's figures
+do not enter them.
 """
 
 from __future__ import annotations
@@ -58,17 +59,20 @@ class Rollback(TrainingError):
 
 
 def bad_step(loss: float | None, grad_norm: float | None, history: list[float],
-             spike: SpikeConfig) -> tuple[str, str] | None:
+             spike: SpikeConfig, norms: list[float] | None = None) -> tuple[str, str] | None:
     """Whether a step is bad: ("diverged", why) for a loss or gradient norm that is not finite, ("spiked", why)
-    for a loss above `spike.factor` times the median of the last `spike.window` losses of `history`, else
+    for a loss above `spike.factor` times the median of the last `spike.window` losses of `history`, or a
+    gradient norm above `spike.grad_factor` times the median of the last `spike.window` norms of `norms`, else
     None."""
     if not all(math.isfinite(x) for x in (loss or 0.0, grad_norm or 0.0)):
         return "diverged", f"the loss is {loss} and the gradient norm {grad_norm}"
-    if spike.factor and loss is not None and len(history) >= spike.window:
-        median = statistics.median(history[-spike.window:])
-        if loss > spike.factor * median:
-            return "spiked", (f"the loss {loss:.4g} is {loss / median:.2f}x the median {median:.4g} of the "
-                              f"previous {spike.window} steps (train.spike.factor {spike.factor})")
+    for what, value, factor, key, past in (("loss", loss, spike.factor, "factor", history),
+                                           ("gradient norm", grad_norm, spike.grad_factor, "grad_factor", norms)):
+        if factor and value is not None and past is not None and len(past) >= spike.window:
+            median = statistics.median(past[-spike.window:])
+            if value > factor * median:
+                return "spiked", (f"the {what} {value:.4g} is {value / median:.2f}x the median {median:.4g} of the "
+                                  f"previous {spike.window} steps (train.spike.{key} {factor})")
     return None
 
 

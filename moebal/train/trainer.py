@@ -126,6 +126,8 @@ class Trainer:
         self.rollbacks = read_rollbacks(self.run_dir)
         self.loss_history: list[float] = []
         """The last `train.spike.window` good steps' losses (the spike test's reference; checkpointed)."""
+        self.norm_history: list[float] = []
+        """... and their gradient norms before clipping (`train.spike.grad_factor`'s reference; checkpointed)."""
         self._resumed_at: int | None = None
         self.data = data or build_data(cfg)
         if strategy is None:
@@ -237,6 +239,7 @@ class Trainer:
         self.step, self.tokens, self.train_seconds = reader.step, int(s["tokens"]), float(s["train_seconds"])
         self.last_val = s.get("last_val")
         self.loss_history = [float(x) for x in s.get("loss_history", [])]
+        self.norm_history = [float(x) for x in s.get("grad_norm_history", [])]  # (none in older checkpoints)
         self._resumed_at = reader.step
         self.strategy.apply_state(reader)
         mine = s["ranks"][self.strategy.saved_rank(s)]
@@ -252,7 +255,7 @@ class Trainer:
         `keep_checkpoints` are kept."""
         global_state = {"data": self.strategy.data_state(), "tokens": self.tokens,
                         "train_seconds": self.train_seconds, "last_val": self.last_val, "kernels": self.kernels,
-                        "loss_history": self.loss_history}
+                        "loss_history": self.loss_history, "grad_norm_history": self.norm_history}
         rank_state = {"rng": rng_state(), "hooks": {h.name: h.state_dict() for h in self.hooks},
                       **self.strategy.rank_state()}
         self.checkpointer.ranks = self.strategy.writing_ranks()  # a released rank is not waited for
@@ -348,7 +351,8 @@ class Trainer:
                     self.last_val = record["val_loss"] = self.evaluate()
                 self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
                 # every rank holds the same reduced loss and norm, so every rank calls the same step bad
-                bad = bad_step(record.get("loss"), record.get("grad_norm"), self.loss_history, t.spike)
+                bad = bad_step(record.get("loss"), record.get("grad_norm"), self.loss_history, t.spike,
+                               self.norm_history)
                 if log is not None and (self.step % t.log_every == 0 or "val_loss" in record
                                         or self.step == t.steps or bad):
                     log.write(record)
@@ -356,6 +360,8 @@ class Trainer:
                     raise self._bad_step(record, *bad)
                 if record.get("loss") is not None:
                     self.loss_history = (self.loss_history + [float(record["loss"])])[-t.spike.window:]
+                if record.get("grad_norm") is not None:
+                    self.norm_history = (self.norm_history + [float(record["grad_norm"])])[-t.spike.window:]
                 if main:
                     self._write_plans()
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))

@@ -46,10 +46,31 @@ def test_bad_step_calls_non_finite_steps_and_spikes_against_the_median_of_the_wi
     kind, why = bad_step(4.0, 1.0, [0.1, 1.0, 2.0, 1.9], sp)  # ... and 1.9 here: 2.1x
     assert kind == "spiked" and "2.11x the median 1.9 of the previous 3 steps" in why
     assert bad_step(1e9, 1.0, [1.0] * 5, SpikeConfig()) is None  # factor 0: only non-finite steps are bad
+    g = SpikeConfig(grad_factor=3.0, window=3)
+    assert bad_step(1.0, 9.0, [1.0] * 3, g, [1.0, 4.0, 5.0]) is None  # the median of the norms is 4: 2.25x
+    kind, why = bad_step(1.0, 9.0, [1.0] * 3, g, [0.1, 2.0, 2.5, 3.0])  # ... 2.5 here: 3.6x
+    assert kind == "spiked" and why == ("the gradient norm 9 is 3.60x the median 2.5 of the previous 3 steps "
+                                        "(train.spike.grad_factor 3.0)")
+    assert bad_step(1.0, 9.0, [1.0] * 3, g, [1.0, 1.0]) is None and bad_step(1.0, 9.0, [1.0] * 3, g) is None
+    assert bad_step(1.0, 1e9, [1.0] * 3, sp, [1.0] * 3) is None  # grad_factor 0: the loss test alone
+    with pytest.raises(ConfigError, match="train.spike.grad_factor"):
+        tiny("train.spike.grad_factor=1")
     with pytest.raises(ConfigError, match="train.spike.factor"):
         tiny("train.spike.factor=0.5")
     with pytest.raises(ConfigError, match="train.spike.window"):
         tiny("train.spike.window=0")
+
+
+def test_a_gradient_norm_spike_is_called_from_the_checkpointed_norms(tmp_path):
+    cfg = tiny(*SPIKE, "train.spike.factor=0", "train.spike.grad_factor=3")
+    with pytest.raises(TrainingError, match=r"step 5: the gradient norm .*x the median .* "
+                                            r"\(train.spike.grad_factor 3.0\): the loss spiked and stopped"):
+        Trainer(cfg, tmp_path / "run", hooks=[Blow(at=5)]).train()
+    norms = {r["step"]: r["grad_norm"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()
+                                                      .splitlines())}
+    again = Trainer(cfg, tmp_path / "run", resume=True)
+    assert again.step == 3 and again.norm_history == [norms[s] for s in (1, 2, 3)]
+    assert norms[5] > 3 * sorted(norms[s] for s in (2, 3, 4))[1]
 
 
 def test_a_spike_stops_the_run_without_saving_its_state(tmp_path):
