@@ -130,6 +130,8 @@ _SHARD_BUCKET_ELEMS = 1 << 22
 """`shard: optimizer`'s reduce-scatter bucket (moebal/distributed/sharded.py DEFAULT_BUCKET_ELEMS): one send buffer
 of it is in flight beside a pipeline's whole gradients."""
 _SHARD_COST = {"none": 0.0, "optimizer": 0.02, "full": 0.1}
+_HOLD_COST = 0.05
+"""What --fit prices giving up one of FSDP2's holds at (`overhead`)."""
 _RECOMPUTE_COST = {"none": 0.0, "attention": 0.1, "moe": 0.2, "full": 0.33}
 _TERM_SETTING = {
     "optimizer state": "parallel.shard=optimizer", "gradients": "parallel.shard=optimizer",
@@ -641,7 +643,25 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
                     for rc in recomputes:
                         lay = dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
                                                   micro_batches=mb)
-                        yield from _placements(cfg, lay)
+                        for held in _holds(lay):
+                            yield from _placements(cfg, held)
+
+
+def _holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
+    """`lay`, then (`shard: full`) without each of FSDP2's holds it has, and without both: whole gradient sums
+    (`parallel.accumulate: whole`, with micro-batches) and weights gathered through the step (`parallel.reshard:
+    step`)."""
+    yield lay
+    if lay.shard != "full":
+        return
+    whole = lay.micro_batches > 1 and lay.accumulate == "whole"
+    step = lay.reshard == "step"
+    if whole:
+        yield dataclasses.replace(lay, accumulate="sharded")
+    if step:
+        yield dataclasses.replace(lay, reshard="micro_batch")
+    if whole and step:
+        yield dataclasses.replace(lay, accumulate="sharded", reshard="micro_batch")
 
 
 def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
@@ -662,7 +682,8 @@ def _full_pp_refused(cfg: Config) -> bool:
     return cfg.dynamism.scheme not in ("none", "moe")
 
 
-def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int, int]:
+def overhead(lay: MemoryLayout, policy: str = "static", holds: tuple[str, str] = ("sharded", "micro_batch")
+             ) -> tuple[float, int, int, int]:
     """The order --fit prefers among layouts of one rank count: the least estimated throughput overhead, then
     the fewest stages, the largest expert-parallel size (fewest experts per rank), the fewest micro-batches.
 
@@ -675,14 +696,23 @@ def overhead(lay: MemoryLayout, policy: str = "static") -> tuple[float, int, int
     replicas at c per rank and MoE layer (below the configured cap) 0.02 / c: the hottest experts' first replicas
     carry most of the gain (the simulated 1,024-rank Mixtral-8x7B step is 8.8 s at one replica per rank and layer
     and 9.1 s uncapped, docs/simulator.md), so a cap costs at most what optimizer sharding does, and fewer
-    replicas more than more. Micro-batches themselves are not priced, a pipeline's or gradient accumulation's
+    replicas more than more; giving up one of FSDP2's holds the configuration asks for (`holds`: its
+    `parallel.accumulate` and `parallel.reshard`) 0.05: the collectives a hold saves are those of the default
+    `full` layout, which `full`'s 0.1 already prices (its re-gathered weights), so a hold is worth part of it,
+    taken as half; dropping one is preferred to recomputation and to a pipeline (the default FSDP2 behaviour
+    costs no FLOPs), a replica cap to dropping one (the measured gains of the holds are CPU ones, docs/memory.md:
+    1.3x and 2.3x throughput on 4 gloo ranks time-slicing 2 cores; none is measured on GPUs, where FSDP2 overlaps
+    its collectives). Micro-batches themselves are not priced, a pipeline's or gradient accumulation's
     (`train.grad_accum`, pp 1): the same FLOPs in smaller products, whose per-pass fixed costs (launches, the
     all-to-alls' latency) this estimate leaves out alike for both; among equal scores the fewest stages, then the
     fewest micro-batches win, so accumulation is preferred to a pipeline that fits only by its micro-batches."""
     score = (_RECOMPUTE_COST[lay.recompute] + _SHARD_COST[lay.shard]
              + ((lay.pp - 1) / (lay.micro_batches + lay.pp - 1) if lay.pp > 1 else 0.0)
              + (0.1 if lay.policy != policy else 0.0)
-             + (0.02 / max(lay.max_replicas, 1) if lay.max_replicas is not None and lay.policy != "static" else 0.0))
+             + (0.02 / max(lay.max_replicas, 1) if lay.max_replicas is not None and lay.policy != "static" else 0.0)
+             + _HOLD_COST * (lay.shard == "full" and lay.micro_batches > 1 and holds[0] == "whole"
+                             and lay.accumulate != "whole")
+             + _HOLD_COST * (lay.shard == "full" and holds[1] == "step" and lay.reshard != "step"))
     return (round(score, 6), lay.pp, -lay.ep, lay.micro_batches)
 
 
@@ -706,7 +736,7 @@ def fit_layout(cfg: Config, device: DeviceMemory, base: MemoryLayout, max_ranks:
         fitting = [p for lay in _candidates(cfg, ranks, base, shards, recomputes, built)
                    if (p := _plan(cfg, specs, lay, device)).fits]
         if fitting:
-            return min(fitting, key=lambda p: (overhead(p.layout, base.policy), p.peak_bytes))
+            return min(fitting, key=lambda p: (overhead(p.layout, base.policy, _held(base)), p.peak_bytes))
     return None
 
 
@@ -717,14 +747,19 @@ def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
     specs = _layers(cfg)
     fitting = [p for lay in _candidates(cfg, plan.layout.ranks, plan.layout, shards, recomputes, built)
                if (p := _plan(cfg, specs, lay, plan.device)).fits]
-    return min(fitting, key=lambda p: (overhead(p.layout, plan.layout.policy), p.peak_bytes)) if fitting else None
+    return min(fitting, key=lambda p: (overhead(p.layout, plan.layout.policy, _held(plan.layout)), p.peak_bytes)
+               ) if fitting else None
+
+
+def _held(lay: MemoryLayout) -> tuple[str, str]:
+    return lay.accumulate, lay.reshard
 
 
 def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
     """The overrides that turn `old` into `new`. Micro-batches are a pipeline's (pipeline.micro_batches) or, without
     one, gradient accumulation's (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed)."""
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
-            "policy": "planner.policy"}
+            "policy": "planner.policy", "accumulate": "parallel.accumulate", "reshard": "parallel.reshard"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
     if new.max_replicas is not None and new.policy != "static" and new.max_replicas != old.max_replicas:
         out.append(f"planner.max_replicas={new.max_replicas}")

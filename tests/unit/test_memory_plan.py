@@ -531,6 +531,45 @@ def test_fit_caps_the_replicas_before_it_gives_up_the_placement_policy():
     assert "max_replicas" not in static.describe()
 
 
+def test_fit_gives_up_fsdp2_holds_before_it_recomputes_or_adds_a_pipeline():
+    """A dense model fully sharded on 8 ranks with both FSDP2 holds (whole gradient sums over 4 micro-batches,
+    weights gathered through the step): on a device that fits the layout without whole sums the fix is
+    `parallel.accumulate=sharded` alone (priced 0.05: before, a pipeline or `moe` recomputation); on one that
+    needs both gone, both; a hold the configuration does not ask for is never proposed."""
+    from moebal.planner.memory import _changes, _holds, fix_for
+
+    cfg = load(None, [*TINY, "data.batch_size=32", "train.grad_accum=4", "parallel.shard=full", "model.n_layers=3",
+                      "parallel.accumulate=whole", "parallel.reshard=step", "model.dim=64", "model.ffn_dim=1024",
+                      "moe.num_experts=0", "data.seq_len=64", "model.max_seq_len=64"])
+    lay = layout_from_config(cfg, 8, shard="full", init="local")
+    assert (lay.accumulate, lay.reshard) == ("whole", "step")
+    peak = {(a, r): plan_memory(cfg, dataclasses.replace(lay, accumulate=a, reshard=r), BARE).peak_bytes
+            for a in ("whole", "sharded") for r in ("step", "micro_batch")}
+    order = [("whole", "step"), ("whole", "micro_batch"), ("sharded", "step"), ("sharded", "micro_batch")]
+    assert [peak[k] for k in order] == sorted(peak.values(), reverse=True)
+
+    def fix(low: tuple[str, str], high: tuple[str, str]) -> str:
+        dev = dataclasses.replace(BARE, capacity_bytes=(peak[low] + peak[high]) / 2)
+        plan = plan_memory(cfg, lay, dev)
+        assert not plan.fits
+        found = fix_for(cfg, plan, shards=("full",))
+        assert found is not None
+        return _changes(lay, found.layout)
+
+    assert fix(("sharded", "step"), ("whole", "micro_batch")) == "parallel.accumulate=sharded"
+    assert fix(("sharded", "micro_batch"), ("sharded", "step")) == (
+        "parallel.accumulate=sharded parallel.reshard=micro_batch")
+    # the price: a replica cap < one hold < recomputation; a hold the base does not hold costs nothing
+    held = ("whole", "step")
+    dropped = dataclasses.replace(lay, accumulate="sharded")
+    assert overhead(lay, "static", held)[0] + 0.05 == pytest.approx(overhead(dropped, "static", held)[0])
+    assert overhead(dropped, "static", held) < overhead(dataclasses.replace(lay, recompute="attention"), "static", held)
+    assert overhead(dropped, "static") == overhead(lay, "static")
+    plain = dataclasses.replace(lay, accumulate="sharded", reshard="micro_batch")
+    assert {(x.accumulate, x.reshard) for x in _holds(plain)} == {("sharded", "micro_batch")}
+    assert len(list(_holds(lay))) == 4 and len(list(_holds(dataclasses.replace(lay, shard="optimizer")))) == 1
+
+
 def test_trace_rank_memory_names_phases_and_their_peaks():
     """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
     resident peak and malloc's figures at that sample."""
