@@ -86,6 +86,12 @@ def test_split_units_are_paired_with_their_own_static_run_and_with_whole_layers(
     assert groups[0]["variants"] == ["static", "partition", "diffusion",
                                      "static~halves", "partition~halves", "diffusion~halves"]
     assert bench.split_variant("partition@zb~halves") == ("partition", "zb")
+    # --seq-len: every group's rows, in the config each rank builds (the scheme's own length without it)
+    long = bench.build_groups(["sparse_attention", "mod"], 1, 10, ["dilate"], seq_len=2048)
+    assert {g["seq_len"] for g in long} == {2048}
+    cfg = bench.bench_config(10, "sparse_attention", 4, long[0]["seq_len"])
+    assert cfg.data.seq_len == cfg.model.max_seq_len == 2048 and cfg.data.batch_size == 4
+    assert bench.bench_config(10, "mod").data.seq_len == bench.SEQ_LEN["mod"]
     assert bench.variant_units("partition@zb~halves") == "halves" and bench.variant_units("static") == "layers"
 
 
