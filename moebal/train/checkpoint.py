@@ -699,17 +699,19 @@ def reach_anchors(found: list[Path], reach: int) -> set[Path]:
     return {ps[-1] for ps in (before, previous) if ps}
 
 
-def retire_checkpoints(run_dir: str | Path, after: int, into: str | Path) -> list[str]:
-    """Move every checkpoint of the run newer than step `after` into `into` (a folder under the run directory,
-    made here), out of reach of a resume and of pruning; their paths relative to the run directory. A rollback to
-    checkpoint `after` does this: what was trained after it is the abandoned line of the run, which a restart must
-    not resume (moebal/train/spikes.py)."""
+def retire_checkpoints(run_dir: str | Path, after: int, into: str) -> list[str]:
+    """Move every checkpoint of the run newer than step `after` into `<into>/<n>/` under the run directory (n: 1,
+    2, ... the next number free there), out of reach of a resume and of pruning; their paths relative to the run
+    directory ([] and no folder when there are none). A rollback to checkpoint `after` does this, and a resume from
+    it: what was trained after it is a line of the run that a restart must not continue (moebal/train/spikes.py)."""
     run_dir = Path(run_dir)
     newer = [p for p in find_checkpoints(run_dir) if step_of(p) > after]
     if not newer:
         return []
-    target = run_dir / into
-    target.mkdir(parents=True, exist_ok=True)
+    root = run_dir / into
+    n = 1 + sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 1
+    target = root / str(n)
+    target.mkdir(parents=True)
     for p in newer:
         os.replace(p, target / p.name)
     _fsync_dir(target)

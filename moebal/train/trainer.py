@@ -208,13 +208,12 @@ class Trainer:
         this one replaces, which a later --resume (a crash, a launcher's restart) would otherwise continue. They
         move to `superseded/<n>/` in the run directory, kept (a rollback's own move, to `rolled-back/<n>/`, comes
         before its rebuild, so none is left newer then)."""
-        root = self.run_dir / "superseded"
-        n = 1 + sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 1
-        moved = retire_checkpoints(self.run_dir, step, f"superseded/{n}")
+        moved = retire_checkpoints(self.run_dir, step, "superseded")
         if moved:
+            where = self.run_dir / Path(moved[0]).parent
             sys.stderr.write(f"moebal train: resuming {self.run_dir} from step {step}: its {len(moved)} newer "
-                             f"checkpoint{'s' if len(moved) != 1 else ''} moved to {root / str(n)} (a later --resume "
-                             f"would have continued them)\n")
+                             f"checkpoint{'s' if len(moved) != 1 else ''} moved to {where} (a later --resume would "
+                             f"have continued them)\n")
             sys.stderr.flush()
 
     def _restore(self, reader: CheckpointReader) -> None:
@@ -431,7 +430,7 @@ class Trainer:
             # the checkpoints after the one gone back to (train.spike.back) hold the abandoned line of the run: out
             # of a restart's reach before the record is written (a crash between the two retrains the spike's
             # batches from the right checkpoint; the other order would resume the abandoned line)
-            retired = retire_checkpoints(self.run_dir, resume_step, f"rolled-back/{len(self.rollbacks) + 1}")
+            retired = retire_checkpoints(self.run_dir, resume_step, "rolled-back")
             append_rollback(self.run_dir, {**entry, "retired": retired})
         path = self.run_dir / f"ckpt-{resume_step:07d}"
         batches = f"{skipped} batch{'es' if skipped != 1 else ''}"

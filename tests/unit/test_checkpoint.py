@@ -158,8 +158,8 @@ def test_retired_checkpoints_leave_the_run_for_a_folder_of_their_own(tmp_path):
     for step in (3, 4, 5):
         (tmp_path / f"ckpt-{step:07d}").mkdir()
         (tmp_path / f"ckpt-{step:07d}" / "state.json").write_text(str(step))
-    assert retire_checkpoints(tmp_path, 5, "rolled-back/1") == []
-    moved = retire_checkpoints(tmp_path, 3, "rolled-back/1")
+    assert retire_checkpoints(tmp_path, 5, "rolled-back") == [] and not (tmp_path / "rolled-back").exists()
+    moved = retire_checkpoints(tmp_path, 3, "rolled-back")
     assert moved == ["rolled-back/1/ckpt-0000004", "rolled-back/1/ckpt-0000005"]
     assert [p.name for p in find_checkpoints(tmp_path)] == ["ckpt-0000003"]
     assert (tmp_path / moved[1] / "state.json").read_text() == "5"
