@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from moebal.config import SpikeConfig
-from moebal.errors import CheckpointError, TrainingError
+from moebal.errors import CheckpointError, DataError, TrainingError
 
 if TYPE_CHECKING:
     from moebal.distributed.groups import ParallelDims
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "rollback_for",
-           "train_with_rollbacks"]
+__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "replay_spikes",
+           "rollback_for", "train_with_rollbacks"]
 
 ROLLBACKS = "rollbacks.jsonl"
 
@@ -74,6 +74,33 @@ def bad_step(loss: float | None, grad_norm: float | None, history: list[float],
                 return "spiked", (f"the {what} {value:.4g} is {value / median:.2f}x the median {median:.4g} of the "
                                   f"previous {spike.window} steps (train.spike.{key} {factor})")
     return None
+
+
+def replay_spikes(records: list[dict[str, Any]], spike: SpikeConfig) -> list[tuple[int, str, str]]:
+    """The steps of a run's metrics lines (`metrics.jsonl`, oldest first) that `spike`'s tests call bad, as
+    (step, kind, why): the trainer's own test (`bad_step`) over the same histories, a bad step's figures kept out
+    of them, as if the run had gone on past every bad step as it did (choosing `train.spike.factor` and
+    `grad_factor` on a finished run: `scripts/spike_replay.py`). Every step must have its line
+    (`train.log_every=1`, the default); a `DataError` names the first gap."""
+    steps = [int(r["step"]) for r in records]
+    for a, b in zip(steps, steps[1:]):
+        if b != a + 1:
+            raise DataError(f"the metrics lines go from step {a} to step {b}: a replay needs every step's line "
+                            f"(train.log_every=1, the default)")
+    loss_hist: list[float] = []
+    norm_hist: list[float] = []
+    out = []
+    for r in records:
+        loss, norm = r.get("loss"), r.get("grad_norm")
+        bad = bad_step(loss, norm, loss_hist, spike, norm_hist)
+        if bad is not None:
+            out.append((int(r["step"]), *bad))
+            continue
+        if loss is not None:
+            loss_hist = (loss_hist + [float(loss)])[-spike.window:]
+        if norm is not None:
+            norm_hist = (norm_hist + [float(norm)])[-spike.window:]
+    return out
 
 
 def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:

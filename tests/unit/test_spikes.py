@@ -3,17 +3,20 @@ and trains on bit for bit as a resume from that checkpoint past those batches wo
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from moebal.config import SpikeConfig
-from moebal.errors import CheckpointError, ConfigError, TrainingError
+from moebal.errors import CheckpointError, ConfigError, DataError, TrainingError
 from moebal.train import Hook, Trainer
-from moebal.train.spikes import ROLLBACKS, Rollback, bad_step, read_rollbacks, rollback_for
+from moebal.train.spikes import ROLLBACKS, Rollback, bad_step, read_rollbacks, replay_spikes, rollback_for
 from tests.unit.test_train import tiny
 
+ROOT = Path(__file__).resolve().parents[2]
 SPIKE = ["train.spike.factor=3", "train.spike.window=3", "train.ckpt_every=3", "train.keep_checkpoints=5",
          "train.steps=8", "train.eval_every=0"]
 
@@ -71,6 +74,40 @@ def test_a_gradient_norm_spike_is_called_from_the_checkpointed_norms(tmp_path):
     again = Trainer(cfg, tmp_path / "run", resume=True)
     assert again.step == 3 and again.norm_history == [norms[s] for s in (1, 2, 3)]
     assert norms[5] > 3 * sorted(norms[s] for s in (2, 3, 4))[1]
+
+
+def test_a_replay_keeps_bad_steps_out_of_the_histories_and_needs_every_steps_line():
+    recs = [{"step": i + 1, "loss": v, "grad_norm": g}
+            for i, (v, g) in enumerate([(1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (10.0, 1.0), (10.0, 9.0), (1.0, 1.0),
+                                        (float("nan"), 1.0)])]
+    bad = replay_spikes(recs, SpikeConfig(factor=2.0, window=3))
+    # step 5 is still 10x the median of steps 1-3: step 4's figures never entered the history
+    assert [(s, k) for s, k, _ in bad] == [(4, "spiked"), (5, "spiked"), (7, "diverged")]
+    assert [(s, k) for s, k, _ in replay_spikes(recs, SpikeConfig(grad_factor=3.0, window=3))] == [
+        (5, "spiked"), (7, "diverged")]
+    with pytest.raises(DataError, match=r"from step 2 to step 4: .*train.log_every=1"):
+        replay_spikes([recs[0], recs[1], recs[3]], SpikeConfig(factor=2.0, window=3))
+
+
+def test_a_replay_of_a_runs_metrics_calls_the_step_the_trainer_stopped_at(tmp_path):
+    cfg = tiny(*SPIKE, "train.spike.factor=0", "train.spike.grad_factor=3")
+    with pytest.raises(TrainingError) as stopped:
+        Trainer(cfg, tmp_path / "run", hooks=[Blow(at=5)]).train()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    [(step, kind, why)] = replay_spikes(records, cfg.train.spike)
+    assert (step, kind) == (5, "spiked") and why in str(stopped.value)
+    # the loss test at the same window calls the same step, the script lists both
+    assert [s for s, _, _ in replay_spikes(records, SpikeConfig(factor=3.0, window=3))] == [5]
+    spec = importlib.util.spec_from_file_location("spike_replay", ROOT / "scripts" / "spike_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    assert mod.main([str(tmp_path / "run"), "--factor", "3", "--grad-factor", "3", "--window", "3",
+                     "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["runs"][0]
+    assert [(x["test"], [b["step"] for b in x["bad"]]) for x in res["settings"]] == [("loss", [5]),
+                                                                                     ("grad_norm", [5])]
+    assert mod.main([str(tmp_path / "nothing")]) == 2
 
 
 def test_a_spike_stops_the_run_without_saving_its_state(tmp_path):
