@@ -567,9 +567,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _git() -> str:
+    """The checkout's commit whatever directory the script runs from ("" outside a git checkout)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=False).stdout.strip()
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         return ""
 
