@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "replay_spikes",
-           "rollback_for", "train_with_rollbacks"]
+__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "remember",
+           "replay_spikes", "rollback_for", "train_with_rollbacks"]
 
 ROLLBACKS = "rollbacks.jsonl"
 
@@ -96,11 +96,14 @@ def replay_spikes(records: list[dict[str, Any]], spike: SpikeConfig) -> list[tup
         if bad is not None:
             out.append((int(r["step"]), *bad))
             continue
-        if loss is not None:
-            loss_hist = (loss_hist + [float(loss)])[-spike.window:]
-        if norm is not None:
-            norm_hist = (norm_hist + [float(norm)])[-spike.window:]
+        loss_hist, norm_hist = remember(loss_hist, loss, spike.window), remember(norm_hist, norm, spike.window)
     return out
+
+
+def remember(history: list[float], value: float | None, window: int) -> list[float]:
+    """A spike test's history after a good step: its last `window` figures with `value` (when the step has one)
+    added; the trainer's rule and a replay's."""
+    return history if value is None else (history + [float(value)])[-window:]
 
 
 def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:

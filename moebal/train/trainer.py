@@ -48,7 +48,7 @@ from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog, read_metrics
 from moebal.train.progress import Progress
-from moebal.train.spikes import Rollback, append_rollback, bad_step, read_rollbacks, rollback_for
+from moebal.train.spikes import Rollback, append_rollback, bad_step, read_rollbacks, remember, rollback_for
 from moebal.train.strategy import StepStrategy
 
 __all__ = ["RunResult", "Trainer", "default_device", "default_threads"]
@@ -357,10 +357,8 @@ class Trainer:
                     log.write(record)
                 if bad:
                     raise self._bad_step(record, *bad)
-                if record.get("loss") is not None:
-                    self.loss_history = (self.loss_history + [float(record["loss"])])[-t.spike.window:]
-                if record.get("grad_norm") is not None:
-                    self.norm_history = (self.norm_history + [float(record["grad_norm"])])[-t.spike.window:]
+                self.loss_history = remember(self.loss_history, record.get("loss"), t.spike.window)
+                self.norm_history = remember(self.norm_history, record.get("grad_norm"), t.spike.window)
                 if main:
                     self._write_plans()
                 progress.update(self.step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
