@@ -76,6 +76,7 @@ class PlanAhead:
         self.cost = cost
         self._pending: dict[int, Future[str] | list[int]] = {}
         self._pool: ProcessPoolExecutor | None = None
+        self._retiring: list[threading.Thread] = []  # old pools' shutdowns, joined by close()
         self._out: queue.Queue[tuple[int, Future[str] | list[int]] | None] = queue.Queue()
         self._local: dict[int, str] = {}
         self._lock = threading.Condition()
@@ -102,7 +103,12 @@ class PlanAhead:
             return
         self.cost = cost
         if self._pool is not None:
-            self._pool.shutdown(wait=False)  # queued plans still run; the publisher waits on their futures
+            # queued plans still run (the publisher waits on their futures); a thread waits for the old workers
+            # to exit, and close() joins it (see close)
+            retire = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True},
+                                      name="moebal-plan-pool-retire", daemon=True)
+            retire.start()
+            self._retiring.append(retire)
             self._start_pool()
 
     @classmethod
@@ -185,10 +191,17 @@ class PlanAhead:
         return MicroBatchPlan.from_dict(json.loads(text)), wait
 
     def close(self) -> None:
+        """Stop publishing and planning: queued plans are cancelled, and every pool's workers and manager thread
+        have exited when this returns. A pool left winding down at the interpreter's exit races CPython 3.11's
+        exit hook (`concurrent.futures.process._python_exit` writes to the wakeup pipe that the pool's manager
+        thread is closing without a common lock): EBADF, and a rank that trained to the end exits 1."""
         if self._publisher is not None:
             self._out.put(None)
             self._publisher.join(timeout=5)
             self._publisher = None
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for retire in self._retiring:
+            retire.join()
+        self._retiring = []

@@ -42,3 +42,23 @@ def test_an_idle_worker_exits_when_its_rank_dies_without_shutting_the_pool_down(
     while not _gone(pids[0]):
         assert time.monotonic() < deadline, f"planning worker {pids[0]} outlived its rank by 20 s"
         time.sleep(0.1)
+
+
+def test_close_waits_for_every_pool_so_none_is_winding_down_at_the_interpreters_exit() -> None:
+    # a pool still shutting down when the process exits can make CPython 3.11's exit hook write to a pipe its
+    # manager thread is closing (EBADF: a rank that trained to the end exited 1)
+    import threading
+    from concurrent.futures import process
+
+    from moebal.balance.microbatch_workers import PlanAhead
+    from tests.unit.test_microbatch import quad_table
+
+    ahead = PlanAhead(quad_table(), {}, workers=1)
+    ahead.submit(1, [100, 60, 40, 200])
+    ahead.get(1)
+    ahead.set_cost(quad_table())  # the first pool retires while the second one plans
+    ahead.submit(2, [100, 60, 40, 200])
+    assert ahead.get(2)[0].micro_batches
+    ahead.close()
+    managers = [t for t in threading.enumerate() if isinstance(t, process._ExecutorManagerThread)]
+    assert managers == []
