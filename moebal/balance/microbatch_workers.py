@@ -108,7 +108,7 @@ class PlanAhead:
             retire = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True},
                                       name="moebal-plan-pool-retire", daemon=True)
             retire.start()
-            self._retiring.append(retire)
+            self._retiring = [t for t in self._retiring if t.is_alive()] + [retire]  # a long run migrates often
             self._start_pool()
 
     @classmethod
