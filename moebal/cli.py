@@ -66,6 +66,7 @@ def _bound_the_process() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a process of its own (not a test calling main() in its process)
+        faulthandler.enable(all_threads=True)  # a crash below Python prints every thread's stack to stderr
         _bound_the_process()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv[0] if argv else None)

@@ -10,6 +10,7 @@ server's state, not the caller's: `fresh_process` resets what a new process woul
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -79,7 +80,10 @@ def forkserver_pid() -> int | None:
 def fresh_process(env: Mapping[str, str], cwd: str) -> None:
     """In a forked rank: take the caller's environment and working directory instead of the server's, and reseed
     numpy's global RNG (a fork copies its state; a new process draws a fresh seed). Python's `random` reseeds
-    itself on fork; torch's default generator holds its import-time seed, as in a new process."""
+    itself on fork; torch's default generator holds its import-time seed, as in a new process. A crash below
+    Python (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) prints every thread's Python stack to stderr, the caller's:
+    without it a rank that crashes in C code leaves only its exit code."""
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -153,3 +153,21 @@ def test_a_rank_finds_what_training_imports_lazily_already_loaded() -> None:
         pytest.skip(f"{START_METHOD_ENV} is set to a start method without a forkserver")
     out = run_ranks(_loaded, 2, RANK_RUNTIME_PRELOAD)
     assert out == [list(RANK_RUNTIME_PRELOAD)] * 2
+
+
+def _crash_on_one(rank: int, world: int) -> None:
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # as a crash in C code: no Python exception, no report
+    time.sleep(60)
+
+
+def test_a_rank_that_crashes_below_python_prints_its_stack(capfd: pytest.CaptureFixture[str]) -> None:
+    """A forked rank has faulthandler on: its Python stacks reach the caller's stderr, and the call names the
+    signal, so a crash in C code leaves more than an exit code."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] exited without reporting a result \(rank 1: killed by "
+                                           r"SIGSEGV\)"):
+        run_ranks(_crash_on_one, 2, timeout_s=120)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "_crash_on_one" in err
