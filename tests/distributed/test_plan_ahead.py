@@ -1,9 +1,12 @@
 """Plan-ahead on real gloo ranks: static expert parallelism, Pro-Prophet (previous iteration) and plan-ahead
 (layer i+1 planned during layer i from the online path profile) run every step on the same weights; the losses
-must be bitwise equal, the gradients equal up to Agg's summation order, and plan-ahead must really have planned
+must be bitwise equal, the gradients equal up to Agg's summation order (through the trainer, where those gradients
+update the weights: the losses bitwise at step 1, then within 1e-6), and plan-ahead must really have planned
 (replicas, placements of its own)."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -162,7 +165,13 @@ def test_the_trainer_plans_ahead_with_the_losses_of_static_placement(tmp_path):
     out = run_ranks(_train_worker, 2, str(tmp_path), timeout_s=300)[0]
     static, prophet = out["static"], out["prophet"]
     for ahead in (out["ahead"], out["overlap"]):  # the latter with Pro-Prophet's block-wise Trans/Agg overlap
-        assert [r["loss"] for r in ahead] == [r["loss"] for r in static] == [r["loss"] for r in prophet]
+        # Step 1 runs the same weights: bit for bit. Then a replica's Agg has added its partial gradient to the
+        # owner's, another summation order than static's one GEMM over all rows, and the losses' last bits may
+        # move with the CPU's kernels (5e-8 relative at step 6 on one CPU, none on others): within 1e-6.
+        got, ref, pro = ([r["loss"] for r in run] for run in (ahead, static, prophet))
+        assert got[0] == ref[0] == pro[0]
+        assert all(math.isclose(a, b, rel_tol=1e-6) and math.isclose(c, b, rel_tol=1e-6)
+                   for a, b, c in zip(got, ref, pro)), (got, ref, pro)
         # online profile (l = 1, rebuilt every 2 steps): steps 1-2 fall back to the previous iteration, then
         # layers 1 and 2 are planned during the layer before them, with the accuracy the plans ran with
         assert [r["plan_ahead_layers"] for r in ahead] == [[], [], [1, 2], [1, 2], [1, 2], [1, 2]]
