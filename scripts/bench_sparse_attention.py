@@ -12,6 +12,9 @@ time at density 0.5.
 `--layer`: the same for a whole decoder layer of the pipeline benchmark's model (dim 128, 4 heads, 2 key/value
 heads, FFN 384) run through the scheme (`DynamicSparseAttention.layer_forward`), each density's measured time
 over the dense layer's beside the scheme's prediction (`cost_factors`): the cost model against measured times.
+Beside them the scheme's two constants (`attn_weight`, `overhead`) fitted to these rows by least squares
+(`moebal.planner.sparse_blocks.fit_cost_constants`) and the factors they give: in sample, the values to set for a
+run on this machine and shape (`dynamism.sparse_attention.attn_weight=W dynamism.sparse_attention.overhead=O`).
 
     python scripts/bench_sparse_attention.py [--seq 2048] [--block 128] [--repeats 7] [--layer] [--json FILE]
 """
@@ -69,12 +72,14 @@ def measure(seq: int, block: int, repeats: int, heads: int = 4, kv_heads: int = 
     return rows, {"wall_s": wall, "cpu_s": cpu}
 
 
-def measure_layer(seq: int, block: int, repeats: int) -> list[dict[str, Any]]:
-    """Measured fwd+bwd CPU time of one decoder layer at each density over the dense layer's, and the scheme's
-    predicted factor."""
+def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Measured fwd+bwd CPU time of one decoder layer at each density over the dense layer's, the scheme's
+    predicted factor, and (`fitted`) the factor with its two constants fitted to these rows
+    (`fit_cost_constants`); the fitted constants and the fit's largest error beside."""
     from moebal.config import from_dict
-    from moebal.dynamism.scheme import build_dynamism
+    from moebal.dynamism.scheme import build_dynamism, layer_token_flops
     from moebal.models import build_model
+    from moebal.planner.sparse_blocks import fit_cost_constants
 
     cfg = from_dict({"model": {"dim": 128, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 384,
                                "max_seq_len": seq},
@@ -95,12 +100,22 @@ def measure_layer(seq: int, block: int, repeats: int) -> list[dict[str, Any]]:
         return run
 
     t = time_interleaved({d: at(d) for d in DENSITIES}, warmup=2, repeats=repeats)
+    measured = {d: t[d].cpu_median / t[1.0].cpu_median for d in DENSITIES}
     rows = []
     for d in DENSITIES:
         scheme.density = [d]
-        rows.append({"density": d, "measured": round(t[d].cpu_median / t[1.0].cpu_median, 3),
+        rows.append({"density": d, "measured": round(measured[d], 3),
                      "predicted": round(scheme.cost_factors(1)[0], 3), "layer_cpu_s": t[d].cpu_median})
-    return rows
+    f = layer_token_flops(cfg, 0, seq)
+    w, o = fit_cost_constants([(kept_fraction(seq, block, d), measured[d]) for d in DENSITIES if d < 1.0],
+                              f["q_o"] + f["kv"] + f["ffn"], f["attn"])
+    scheme.attn_weight, scheme.overhead = w, o
+    for r in rows:
+        scheme.density = [r["density"]]
+        r["fitted"] = round(scheme.cost_factors(1)[0], 3)
+    fit = {"attn_weight": round(w, 3), "overhead": round(o, 3),
+           "max_abs_error": round(max(abs(r["fitted"] - measured[r["density"]]) for r in rows), 3)}
+    return rows, fit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         other = "".join(f" ({p} path {r[f'ratio_cpu_{p}']:.3f})" for p in PATHS if f"ratio_cpu_{p}" in r)
         print(f"density {r['density']:<5} kept {r['kept_fraction']:<6} sparse/dense cpu {r['ratio_cpu']:.3f} "
               f"wall {r['ratio_wall']:.3f} [{r['path']}]{other}", file=sys.stderr)
-    layer = measure_layer(args.seq, args.block, args.repeats) if args.layer else []
+    layer, fit = measure_layer(args.seq, args.block, args.repeats) if args.layer else ([], {})
     for r in layer:
-        print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f}",
-              file=sys.stderr)
+        print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f} "
+              f"fitted {r['fitted']:.3f}", file=sys.stderr)
+    if fit:
+        print(f"constants fitted to these rows (in sample; largest error {fit['max_abs_error']:.3f}): "
+              f"dynamism.sparse_attention.attn_weight={fit['attn_weight']} "
+              f"dynamism.sparse_attention.overhead={fit['overhead']}", file=sys.stderr)
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average (1, 5, 15 min) before {load['before']} after {load['after']}", file=sys.stderr)
-    report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer, "samples": samples, "load": load,
+    report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer, "layer_fit": fit, "samples": samples,
+              "load": load,
               "target": {"sparse/dense at density 0.5 <= 0.6": {"measured": at_half, "met": at_half <= 0.6}},
               "config": {"seq": args.seq, "block": args.block, "repeats": args.repeats, "heads": 4, "kv_heads": 2,
                          "head_dim": 32, "threads": 1},

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SPLIT_MIN_ROWS", "kept_counts", "kept_fraction", "shares_masks", "sparse_block_advice", "sparse_block_fits"]
+__all__ = ["SPLIT_MIN_ROWS", "fit_cost_constants", "kept_counts", "kept_fraction", "shares_masks",
+           "sparse_block_advice", "sparse_block_fits"]
 
 
 def kept_counts(n_blocks: int, density: float) -> list[int]:
@@ -22,6 +23,35 @@ def kept_fraction(seq_len: int, block: int, density: float) -> float:
     """The kept share of the causal block grid at `density` (what the attention core costs relative to dense)."""
     n = max(1, math.ceil(seq_len / block))
     return sum(kept_counts(n, density)) / (n * (n + 1) / 2)
+
+
+def fit_cost_constants(points: list[tuple[float, float]], other: float, attn: float) -> tuple[float, float]:
+    """The sparse_attention scheme's two cost constants (w = `attn_weight`, o = `overhead`) fitted to a layer's
+    measured times: `points` are (kept share f, measured time over the dense layer's m) below density 1, `other`
+    and `attn` the layer's multiply-adds outside and inside the attention core (`layer_token_flops`).
+
+    The scheme predicts m = (other + w attn (o + f)) / (other + w attn). With a = w attn / other this is
+    m - 1 = a o + a (f - m): a line in x = f - m with slope a and intercept a o, fitted by least squares;
+    w = a other / attn, o = intercept / a. o may not be negative (the scheme refuses it: a sparse path cheaper
+    than the dense one at equal kept share is a kernel difference the model does not have), so a negative intercept
+    is refitted through the origin (o = 0, a = sum(x y) / sum(x^2), the least-squares fit on that boundary).
+    Refuses fewer than two distinct x, or a slope <= 0 (a layer whose time does not fall with the kept share has
+    no attention weight to fit)."""
+    xs = [f - m for f, m in points]
+    ys = [m - 1.0 for _, m in points]
+    n = len(points)
+    if n < 2 or max(xs) - min(xs) < 1e-9:
+        raise ValueError(f"fitting the cost constants needs at least two densities below 1 with different "
+                         f"kept share minus measured factor; got {points}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    c = my - a * mx
+    if a > 0 and c < 0:
+        a, c = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+    if a <= 0:
+        raise ValueError(f"the measured times do not fall with the kept share (slope {a:.3g} <= 0): no attention "
+                         f"weight fits them; points {points}")
+    return a * other / attn, c / a
 
 
 def shares_masks(block: int, element_size: int) -> bool:

@@ -104,6 +104,37 @@ def test_cost_model_is_the_flops_model_with_the_measured_weights() -> None:
     assert want[2] < want[1] < 1.0 < want[3]  # below density 1 the sparse path's overhead can exceed the saving
 
 
+def _scheme_points(c, w: float, o: float, densities=(0.75, 0.5, 0.25, 0.1)) -> list[tuple[float, float]]:
+    """(kept share, the scheme's factor) of layer 0 at each density, under constants w and o."""
+    s = build_dynamism("sparse_attention", {"block": 32, "attn_weight": w, "overhead": o}, cfg=c)
+    out = []
+    for d in densities:
+        s.density = [d] * 4
+        out.append((kept_fraction(256, 32, d), s.cost_factors(4)[0]))
+    return out
+
+
+def test_fitted_constants_reproduce_the_schemes_own_factors() -> None:
+    """`fit_cost_constants` inverts the scheme's cost model: factors the scheme predicts under (w, o) give back
+    (w, o); with o below 0, which the scheme refuses, it fits o = 0 and the least-squares slope through 0."""
+    from moebal.planner.sparse_blocks import fit_cost_constants
+
+    c = cfg(seq=256)
+    f = layer_token_flops(c, 0, 256)
+    other, attn = f["q_o"] + f["kv"] + f["ffn"], f["attn"]
+    for w, o in ((1.6, 0.22), (3.0, 0.0), (0.5, 0.6)):
+        assert fit_cost_constants(_scheme_points(c, w, o), other, attn) == pytest.approx((w, o), abs=1e-9)
+    # a sparse path cheaper than the dense one at equal kept share (o = -0.1) is outside the model: o = 0
+    pts = [(k, m - 0.02) for k, m in _scheme_points(c, 1.6, 0.0)]
+    w, o = fit_cost_constants(pts, other, attn)
+    xs, ys = [k - m for k, m in pts], [m - 1 for _, m in pts]
+    assert o == 0.0 and w == pytest.approx(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs) * other / attn)
+    with pytest.raises(ValueError, match="at least two densities"):
+        fit_cost_constants(pts[:1], other, attn)
+    with pytest.raises(ValueError, match="do not fall with the kept share"):
+        fit_cost_constants([(0.75, 0.7), (0.25, 0.9)], other, attn)  # cheaper where more blocks are kept
+
+
 def test_a_split_layers_halves_add_up_to_the_whole_layers_prediction() -> None:
     """Attention half x (its dense multiply-adds) + FFN half x (the FFN's) = whole layer x (the layer's)."""
     from moebal.pipeline.units import UnitMap
