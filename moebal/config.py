@@ -672,10 +672,14 @@ class SparseAttentionConfig:
     """Largest per-step change of a layer's density (budget random_walk)."""
     start: int = 0
     """Layers run dense up to this step."""
+    costs: Literal["measure", "given"] = "measure"
+    """The cost prediction's two constants: measure = fit them on the job at start-up (every rank times its device,
+    one agreed fit; the given values stay when the times cannot be fitted), given = attn_weight and overhead as set."""
     attn_weight: float = 1.6
-    """Time per multiply-add of the attention core relative to the GEMMs, for the cost prediction."""
+    """Time per multiply-add of the attention core relative to the GEMMs, for the cost prediction (costs: given)."""
     overhead: float = 0.22
-    """Fixed extra time of the sparse path as a share of the dense attention core, for the cost prediction."""
+    """Fixed extra time of the sparse path as a share of the dense attention core, for the cost prediction (costs:
+    given)."""
     seed: int = 0
     """Seed of the random walk."""
     depth_tilt: float = 0.0

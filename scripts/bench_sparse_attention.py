@@ -15,6 +15,9 @@ over the dense layer's beside the scheme's prediction (`cost_factors`): the cost
 Beside them the scheme's two constants (`attn_weight`, `overhead`) fitted to these rows by least squares
 (`moebal.planner.sparse_blocks.fit_cost_constants`) and the factors they give: in sample, the values to set for a
 run on this machine and shape (`dynamism.sparse_attention.attn_weight=W dynamism.sparse_attention.overhead=O`).
+And held out: the constants a run fits at start-up (`costs: measure`, the default: the attention module alone,
+timed by `measure_attention_factors` at the layer's shape, one row, its own timing after the layer's) and the
+factors they give for the whole layer (`startup`), scored against the layer's measured rows.
 
     python scripts/bench_sparse_attention.py [--seq 2048] [--block 128] [--repeats 7] [--layer] [--json FILE]
 """
@@ -78,6 +81,7 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
     (`fit_cost_constants`); the fitted constants and the fit's largest error beside."""
     from moebal.config import from_dict
     from moebal.dynamism.scheme import build_dynamism, layer_token_flops
+    from moebal.dynamism.sparse_attention import COST_DENSITIES, measure_attention_factors
     from moebal.models import build_model
     from moebal.planner.sparse_blocks import fit_cost_constants
 
@@ -89,7 +93,7 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
     layer = model.model.layers[0]
     cos, sin = model.model.rotary(seq, torch.float32)
     h = torch.randn(1, seq, 128, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
-    scheme = build_dynamism("sparse_attention", {"budget": "random_walk", "block": block}, cfg=cfg)
+    scheme = build_dynamism("sparse_attention", {"budget": "random_walk", "block": block, "costs": "given"}, cfg=cfg)
     scheme.begin_step(scheme.start + 1)  # active (before its start the scheme runs the plain layer)
 
     def at(d: float) -> Any:
@@ -113,8 +117,24 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
     for r in rows:
         scheme.density = [r["density"]]
         r["fitted"] = round(scheme.cost_factors(1)[0], 3)
-    fit = {"attn_weight": round(w, 3), "overhead": round(o, 3),
-           "max_abs_error": round(max(abs(r["fitted"] - measured[r["density"]]) for r in rows), 3)}
+    fit: dict[str, Any] = {"attn_weight": round(w, 3), "overhead": round(o, 3),
+                           "max_abs_error": round(max(abs(r["fitted"] - measured[r["density"]]) for r in rows), 3)}
+    # the start-up fit of `costs: measure` (held out: another measurement, of the attention module alone)
+    factors = measure_attention_factors(cfg, block, seq, torch.device("cpu"), repeats=repeats)
+    try:
+        w, o = fit_cost_constants([(kept_fraction(seq, block, d), m) for d, m in zip(COST_DENSITIES, factors)],
+                                  f["q_o"] + f["kv"], f["attn"])
+    except ValueError as e:
+        fit["startup"] = {"factors": [round(m, 3) for m in factors], "error": str(e)}
+        return rows, fit
+    scheme.attn_weight, scheme.overhead = w, o
+    for r in rows:
+        scheme.density = [r["density"]]
+        r["startup"] = round(scheme.cost_factors(1)[0], 3)
+    fit["startup"] = {"attn_weight": round(w, 3), "overhead": round(o, 3),
+                      "factors": [round(m, 3) for m in factors],
+                      "max_abs_error": round(max(abs(r["startup"] - measured[r["density"]]) for r in rows), 3),
+                      "given_max_abs_error": round(max(abs(r["predicted"] - measured[r["density"]]) for r in rows), 3)}
     return rows, fit
 
 
@@ -138,12 +158,18 @@ def main(argv: list[str] | None = None) -> int:
               f"wall {r['ratio_wall']:.3f} [{r['path']}]{other}", file=sys.stderr)
     layer, fit = measure_layer(args.seq, args.block, args.repeats) if args.layer else ([], {})
     for r in layer:
+        startup = f" start-up fit {r['startup']:.3f}" if "startup" in r else ""
         print(f"layer at density {r['density']:<5} measured {r['measured']:.3f} predicted {r['predicted']:.3f} "
-              f"fitted {r['fitted']:.3f}", file=sys.stderr)
+              f"fitted {r['fitted']:.3f}{startup}", file=sys.stderr)
     if fit:
         print(f"constants fitted to these rows (in sample; largest error {fit['max_abs_error']:.3f}): "
               f"dynamism.sparse_attention.attn_weight={fit['attn_weight']} "
               f"dynamism.sparse_attention.overhead={fit['overhead']}", file=sys.stderr)
+        up = fit["startup"]
+        print("start-up fit (costs: measure; held out): " + (
+            f"attn_weight {up['attn_weight']} overhead {up['overhead']}, largest error {up['max_abs_error']:.3f} "
+            f"(given constants: {up['given_max_abs_error']:.3f})" if "error" not in up else f"not fitted: "
+            f"{up['error']}"), file=sys.stderr)
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average (1, 5, 15 min) before {load['before']} after {load['after']}", file=sys.stderr)
     report = {"benchmark": "sparse_attention", "rows": rows, "layer": layer, "layer_fit": fit, "samples": samples,

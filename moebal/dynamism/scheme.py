@@ -80,6 +80,8 @@ class SchemeContext:
     optimizer: torch.optim.Optimizer | None = None
     rows: int | None = None
     """Token rows of one micro-batch on this rank (what kernels are timed at); set when a scheme starts."""
+    device: torch.device | None = None
+    """The device this rank computes on (what kernels are timed on); set when a scheme starts."""
     dp: int = 1
     """Data-parallel copies of this stage."""
     dp_group: dist.ProcessGroup | None = None

@@ -31,10 +31,19 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
   density 1: the plain layer), f_i the kept share of the causal block grid (`kept_fraction`: a function of the
   density alone), from `layer_token_flops` at the run's sequence. w (`attn_weight`, 1.6) is the time per
   multiply-add of the dense attention core relative to the GEMMs, o (`overhead`, 0.22) the sparse path's fixed
-  extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core: both fitted to a dim-128
-  layer's measured fwd+bwd time at 2,048 tokens on this CPU (`scripts/bench_sparse_attention.py --layer`, which
-  reports the prediction beside the measurement). The density a step runs at is fixed before the step (`update`
-  sets the next step's), so the planner's prediction for the coming step is exact in its inputs.
+  extra (scores, selection, gathers, smaller kernel calls) as a share of the dense core. Both belong to the device
+  and the shape more than to the model (`scripts/bench_sparse_attention.py --layer`: a CPU with AVX2 only fits w
+  1.6-2.1, o 0). `costs: measure` (the default) therefore fits them on the job at start-up
+  (`measure_attention_factors`): every rank times its device's fwd+bwd of one attention module of the model's
+  shape at the run's micro-batch rows, dense and at densities 0.75 / 0.5 / 0.25 / 0.1 (interleaved, medians; CPU
+  time on a CPU, synchronised wall time on a GPU), the factors are averaged over every rank of the job and
+  fitted once (`fit_cost_constants`), so every rank plans with the same bits. The module is built under a forked
+  RNG: measuring draws nothing from the run's random streams, so the losses do not depend on it. A fit that
+  fails (times that do not fall with the kept share: a tiny shape, where fixed costs dominate) keeps the given
+  constants and says so. `costs: given` uses `attn_weight` and `overhead` as set (the defaults were fitted to a
+  dim-128 layer at 2,048 tokens on an Intel Xeon CPU). The constants in use are in the checkpoint: a resumed run
+  plans with them, wherever it resumes. The density a step runs at is fixed before the step (`update` sets the
+  next step's), so the planner's prediction for the coming step is exact in its inputs.
 - Layer halves (`pipeline.split_layers`, not in DynMo): only the attention changes, so every dense layer may split
   into its attention half (run here, `attention_half`) and its plain FFN half. The planner then sees the
   attention half's own factor (the formula above without the FFN's multiply-adds) and factor 1 for the FFN half
@@ -57,14 +66,17 @@ blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, set
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
 from moebal.errors import ConfigError
+from moebal.kernels.bench import time_interleaved
 from moebal.kernels.sparse_attention import (
     block_scores,
     block_sparse_attention,
@@ -73,11 +85,15 @@ from moebal.kernels.sparse_attention import (
     select_from_scores,
 )
 from moebal.models.recompute import recompute_call
-from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, grouped_sdpa
+from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, attention_for, grouped_sdpa, rotary_for
 from moebal.pipeline.units import FFN, LAYER, UnitMap
-from moebal.planner.sparse_blocks import sparse_block_advice, sparse_block_fits
+from moebal.planner.sparse_blocks import fit_cost_constants, sparse_block_advice, sparse_block_fits
+from moebal.train.precision import autocast_dtype
 
-__all__ = ["DynamicSparseAttention", "sparse_attention_forward"]
+__all__ = ["COST_DENSITIES", "DynamicSparseAttention", "measure_attention_factors", "sparse_attention_forward"]
+
+COST_DENSITIES = (0.75, 0.5, 0.25, 0.1)
+"""The densities `costs: measure` times beside the dense core (the kept share spans 0.13-0.75 at 2,048 tokens)."""
 
 
 def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
@@ -101,6 +117,43 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     o_BHTK = o_BHTK.to(dtype)
     out_BTD: torch.Tensor = attn.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
     return out_BTD, s_BGNN
+
+
+def measure_attention_factors(cfg: Any, block: int, rows: int, device: torch.device, repeats: int = 5,
+                              densities: tuple[float, ...] = COST_DENSITIES) -> list[float]:
+    """Fwd+bwd time of one attention module of `cfg`'s shape (projections, block selection, the core) on `rows`
+    tokens in rows of data.seq_len, at each of `densities` over its time dense (the causal SDPA core the layer
+    runs at density 1), under the run's autocast on `device`: interleaved rounds, medians of `repeats`; process
+    CPU time on a CPU (robust to other ranks sharing the cores), synchronised wall time on a GPU. The module and
+    its input are drawn under a forked RNG (the run's random streams are untouched)."""
+    T, D = cfg.data.seq_len, cfg.model.dim
+    B = max(1, rows // T)
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        torch.manual_seed(0)
+        attn = attention_for(cfg).to(device)
+        if not isinstance(attn, Attention):  # programmer invariant: the scheme's constructor refused model.mla
+            raise TypeError("sparse_attention needs grouped-query Attention")
+        x_BTD = torch.randn(B, T, D, device=device).requires_grad_(True)
+    cos_TK, sin_TK = (t.to(device) for t in rotary_for(cfg)(T, torch.float32))
+    dtype = autocast_dtype(cfg, device)
+    fp32 = device.type == "cpu" and dtype is not None  # as `_attention` runs it under CPU autocast
+
+    def at(d: float) -> Any:
+        def run() -> None:
+            attn.zero_grad(set_to_none=True)
+            x_BTD.grad = None
+            out_BTD, _ = sparse_attention_forward(attn, x_BTD, cos_TK, sin_TK, d, block, fp32_core=fp32)
+            out_BTD.float().sum().backward()
+        return run
+
+    t = time_interleaved({str(d): at(d) for d in (1.0, *densities)}, warmup=1, repeats=repeats, device=device,
+                         autocast=dtype)
+
+    def secs(d: float) -> float:
+        return t[str(d)].cpu_median if device.type == "cpu" else t[str(d)].median
+
+    return [secs(d) / secs(1.0) for d in densities]
 
 
 def walk_bands(n_layers: int, lo: float, hi: float, tilt: float,
@@ -127,7 +180,9 @@ class DynamicSparseAttention(Dynamism):
 
     def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
                  min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
-                 attn_weight: float = 1.6, overhead: float = 0.22, seed: int = 0, depth_tilt: float = 0.0) -> None:
+                 attn_weight: float = 1.6, overhead: float = 0.22, seed: int = 0, depth_tilt: float = 0.0,
+                 costs: str = "measure") -> None:
+        super().__init__(cfg)
         m, T = cfg.model, cfg.data.seq_len
         if budget not in ("coverage", "random_walk"):
             raise ConfigError(f"dynamism sparse_attention: budget must be coverage or random_walk; got {budget!r}")
@@ -140,6 +195,9 @@ class DynamicSparseAttention(Dynamism):
             raise ConfigError(f"dynamism sparse_attention: need coverage in (0, 1] (got {coverage}), walk_step >= 0 "
                               f"(got {walk_step}), attn_weight > 0 (got {attn_weight}) and overhead >= 0 "
                               f"(got {overhead})")
+        if costs not in ("measure", "given"):
+            raise ConfigError(f"dynamism sparse_attention: costs must be measure (fit attn_weight and overhead on the "
+                              f"job at start-up) or given (use them as set); got {costs!r}")
         if not 0 <= depth_tilt <= 1:
             raise ConfigError(f"dynamism sparse_attention: depth_tilt must be in [0, 1] (0: independent walks, 1: a "
                               f"fixed ramp by depth); got {depth_tilt}")
@@ -149,6 +207,10 @@ class DynamicSparseAttention(Dynamism):
         self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
         self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
         self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
+        self.costs = costs
+        self.cost_source = "given"
+        """Where `attn_weight` and `overhead` come from: given, measured (on this job, or the checkpoint's job), or
+        given because the measurement could not be fitted (with why)."""
         self.bands = walk_bands(self.L, min_density, max_density, depth_tilt)
         self.flops = [layer_token_flops(cfg, i, T) for i in range(self.L)]
         self.density = [1.0] * self.L
@@ -159,6 +221,40 @@ class DynamicSparseAttention(Dynamism):
         """This step's coverage statistics: per layer the summed needed share, then the count of samples."""
         self._replaying = False
         """Inside a recomputation's replay (`_replay`): the forward adds nothing to the statistics."""
+
+    # ---- the cost constants ----
+    def on_start(self, ctx: SchemeContext) -> None:
+        if self.costs == "measure" and self.cost_source == "given" and ctx.device is not None and ctx.rows:
+            self.measure_costs(ctx)
+
+    def measure_costs(self, ctx: SchemeContext, factors: list[float] | None = None) -> None:
+        """Fit `attn_weight` and `overhead` to this device (module docstring). Collective: every rank of the job
+        calls it at the same point (its stage's data-parallel copies and expert shards, then the chain).
+        `factors`: this rank's measured factors at COST_DENSITIES (None: `measure_attention_factors` times them)."""
+        assert ctx.device is not None and ctx.rows is not None
+        mine = factors if factors is not None else measure_attention_factors(self.cfg, self.block, ctx.rows,
+                                                                            ctx.device)
+        vec = torch.tensor([*mine, 1.0], dtype=torch.float64)
+        if ctx.shard_sum is not None:  # a host tensor over gloo, like the profiles (`LayerBalancer.observe`)
+            vec = ctx.shard_sum(vec)
+        if ctx.dp > 1:
+            dist.all_reduce(vec, group=ctx.dp_group)
+        tot = ctx.chain.allreduce_sum(vec)  # the same bits on every rank
+        mean = (tot[:-1] / tot[-1]).tolist()
+        f = layer_token_flops(self.cfg, 0, self.T)
+        points = [(kept_fraction(self.T, self.block, d), m) for d, m in zip(COST_DENSITIES, mean)]
+        try:
+            w, o = fit_cost_constants(points, f["q_o"] + f["kv"], f["attn"])
+        except ValueError as e:
+            self.cost_source = f"given (the measurement was not fitted: {e})"
+        else:
+            self.attn_weight, self.overhead, self.cost_source = w, o, "measured"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            got = ", ".join(f"{d}: {m:.3f}" for d, m in zip(COST_DENSITIES, mean))
+            sys.stderr.write(f"moebal: sparse attention cost constants {self.cost_source}: attn_weight "
+                             f"{self.attn_weight:.3f}, overhead {self.overhead:.3f} (attention fwd+bwd over dense, "
+                             f"by density: {got})\n")
+            sys.stderr.flush()
 
     # ---- the budget ----
     def _walk(self, step: int) -> list[float]:
@@ -307,11 +403,16 @@ class DynamicSparseAttention(Dynamism):
     def metrics(self) -> dict[str, Any]:
         """The step's densities; the next step's predicted costs (what the balancer planned with)."""
         return {"attention_density": [round(d, 4) for d in self.ran],
-                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
+                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)],
+                "attention_cost_constants": [round(self.attn_weight, 4), round(self.overhead, 4)]}
 
-    # ---- checkpoints: the coming step's densities (the walk continues from them) ----
+    # ---- checkpoints: the coming step's densities (the walk continues from them), the cost constants ----
     def state_dict(self) -> dict[str, Any]:
-        return {"density": list(self.density)}
+        return {"density": list(self.density), "attn_weight": self.attn_weight, "overhead": self.overhead,
+                "cost_source": self.cost_source}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.density = [float(d) for d in state.get("density", [1.0] * self.L)]
+        if self.costs == "measure" and state.get("cost_source") == "measured":  # the job's own fit, kept
+            self.attn_weight, self.overhead = float(state["attn_weight"]), float(state["overhead"])
+            self.cost_source = "measured"

@@ -228,7 +228,7 @@ class PipelineRunner:
             self.engine.wgrad.reducer = _SumsOfCopies(self)  # zero bubble: W's gradients of bf16 copies in fp32
         self.clock = pick_clock(self.device)
         ctx = self._ctx()
-        ctx.rows = self._micro_rows() * cfg.data.seq_len
+        ctx.rows, ctx.device = self._micro_rows() * cfg.data.seq_len, self.device
         self.scheme.on_start(ctx)
 
     def _materialise(self, cfg: Config, model: MoebalForCausalLM, program: InitProgram,
@@ -772,7 +772,7 @@ class PipelineRunner:
         its effect; a scheme that starts afresh (the checkpoint had another) starts from the loaded weights."""
         ctx = self._ctx()
         if not self._scheme_resumed:
-            ctx.rows = self._micro_rows() * self.cfg.data.seq_len
+            ctx.rows, ctx.device = self._micro_rows() * self.cfg.data.seq_len, self.device
             self.scheme.on_start(ctx)
             return
         for i, state in layers.items():

@@ -24,7 +24,7 @@ OPTIONS = {
 }
 
 
-def cfg_for(budget: str, steps: int = 6, attn_weight: float = 1.0, **train) -> Config:
+def cfg_for(budget: str, steps: int = 6, attn_weight: float = 1.0, costs: str = "given", **train) -> Config:
     return from_dict({
         "model": {"dim": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 0},
@@ -32,7 +32,8 @@ def cfg_for(budget: str, steps: int = 6, attn_weight: float = 1.0, **train) -> C
         "train": {"steps": steps, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32", "threads": 1,
                   **train},
         "parallel": {"pp": 2, "nproc": 2},
-        "dynamism": {"scheme": "sparse_attention", "sparse_attention": {**OPTIONS[budget], "attn_weight": attn_weight}},
+        "dynamism": {"scheme": "sparse_attention", "sparse_attention": {**OPTIONS[budget], "attn_weight": attn_weight,
+                                                                  "costs": costs}},
         "pipeline": {"micro_batches": 2}})
 
 
@@ -49,6 +50,13 @@ def _train(cfg: Config, steps: int, **opts) -> dict:
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "records": out.records,
             "plan_steps": [p["step"] for p in out.plans], "unit_factors": runner.balancer.factors().tolist()}
+
+
+def _timed_as(factors: list[float]):
+    """Stand in for the start-up timing of `costs: measure`: every call 'measures' `factors`."""
+    import moebal.dynamism.sparse_attention as sa
+
+    sa.measure_attention_factors = lambda *args, **kwargs: list(factors)
 
 
 def _checkpointed(rank: int, cfg: Config, out: Path, resume: bool = False) -> list[dict] | None:
@@ -93,15 +101,30 @@ def _job(rank: int, world: int, tmp: str) -> dict:
             out[f"{budget}_{mode}"] = _train(cfg_for(budget, recompute=mode), 6, force=((2, (2, 4)),))
             out[f"{budget}_split_{mode}"] = _train(cfg_for(budget, recompute=mode), 6, split_layers=True,
                                                    force=((2, (5, 7)),))
+    # costs: measure, timed for real (a tiny shape: fitted or not, every rank must end with the same constants)
+    out["measured_real"] = _train(cfg_for("coverage", costs="measure"), 2)
+    # ... and with each rank 'timing' its own factors: the job fits their mean, once
+    import moebal.dynamism.sparse_attention as sa
+
+    timing = sa.measure_attention_factors
+    _timed_as(MEASURED[rank])
+    out["measured"] = _train(cfg_for("random_walk", costs="measure"), 6)
     base = Path(tmp)
-    ck = cfg_for("random_walk", ckpt_every=3, keep_checkpoints=10)
+    ck = cfg_for("random_walk", costs="measure", ckpt_every=3, keep_checkpoints=10)
     out["whole"] = _checkpointed(rank, ck, base / "whole")
     if rank == 0:
         shutil.copytree(base / "whole", base / "resumed")
         shutil.rmtree(base / "resumed" / "ckpt-0000006")
     dist.barrier()
+    _timed_as(MEASURED_ON_RESUME)  # the resumed job measures other constants; it must plan with the checkpoint's
     out["resumed"] = _checkpointed(rank, ck, base / "resumed", resume=True)
+    sa.measure_attention_factors = timing
     return out
+
+
+# attention fwd+bwd over dense at densities 0.75 / 0.5 / 0.25 / 0.1, as each rank 'measures' it (`_timed_as`)
+MEASURED = ([0.9, 0.8, 0.65, 0.6], [0.95, 0.78, 0.7, 0.62])
+MEASURED_ON_RESUME = [1.2, 1.1, 1.0, 0.95]
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +196,28 @@ def test_resume_continues_the_walk_exactly(runs):
     resumed = [r for r in got if "loss" in r]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in steps]
     assert [r["attention_density"] for r in resumed] == [r["attention_density"] for r in steps]
+    # the cost constants measured by the first job, not the resumed job's own measurement: the same predictions
+    assert [r["attention_cost_constants"] for r in resumed] == [r["attention_cost_constants"] for r in steps]
+    assert [r["predicted_cost"] for r in resumed] == [r["predicted_cost"] for r in steps]
+
+
+def test_measured_cost_constants_are_one_fit_of_every_ranks_times(runs):
+    """`costs: measure`: the ranks time different factors; each fits the job's mean, so both plan alike, and the
+    losses are the run's with the given constants (the constants only steer the plans)."""
+    from moebal.dynamism.scheme import layer_token_flops
+    from moebal.dynamism.sparse_attention import COST_DENSITIES
+    from moebal.planner.sparse_blocks import fit_cost_constants, kept_fraction
+
+    c = cfg_for("random_walk")
+    f = layer_token_flops(c, 0, 32)
+    mean = [(a + b) / 2 for a, b in zip(*MEASURED)]
+    w, o = fit_cost_constants([(kept_fraction(32, 4, d), m) for d, m in zip(COST_DENSITIES, mean)],
+                              f["q_o"] + f["kv"], f["attn"])
+    got = [r["measured"]["records"] for r in runs]
+    assert got[0][-1]["attention_cost_constants"] == [round(w, 4), round(o, 4)]
+    assert [x["predicted_cost"] for x in got[0]] == [x["predicted_cost"] for x in got[1]]
+    assert runs[0]["measured"]["losses"] == runs[0]["random_walk_static"]["losses"]
+    assert got[0][-1]["predicted_cost"] != runs[0]["random_walk_static"]["records"][-1]["predicted_cost"]
+    real = [r["measured_real"]["records"][-1]["attention_cost_constants"] for r in runs]
+    assert real[0] == real[1]
+    assert runs[0]["measured_real"]["losses"] == runs[0]["coverage_static"]["losses"][:2]

@@ -135,6 +135,79 @@ def test_fitted_constants_reproduce_the_schemes_own_factors() -> None:
         fit_cost_constants([(0.75, 0.7), (0.25, 0.9)], other, attn)  # cheaper where more blocks are kept
 
 
+class _Chain:
+    """A chain of one stage: the sum over it is the vector itself."""
+
+    def allreduce_sum(self, vec: torch.Tensor) -> torch.Tensor:
+        return vec.clone()
+
+
+def _attention_factors(c, block: int, w: float, o: float) -> list[float]:
+    """What `measure_attention_factors` would time if the device ran the attention module exactly as the scheme's
+    model says under (w, o): (q_o + kv + w attn (o + f)) / (q_o + kv + w attn) at COST_DENSITIES."""
+    from moebal.dynamism.sparse_attention import COST_DENSITIES
+
+    T = c.data.seq_len
+    f = layer_token_flops(c, 0, T)
+    other, attn = f["q_o"] + f["kv"], w * f["attn"]
+    return [(other + attn * (o + kept_fraction(T, block, d))) / (other + attn) for d in COST_DENSITIES]
+
+
+def test_measured_costs_fit_the_constants_and_travel_in_the_checkpoint(capsys) -> None:
+    """`costs: measure`: the factors timed at start-up are fitted to (w, o) (here factors the model itself gives
+    under w 2.5, o 0.05 come back exactly), the prediction then uses them, the metrics and the checkpoint carry
+    them, and a run resumed from it plans with them (not with its own measurement); `costs: given` keeps its own."""
+    from moebal.dynamism.scheme import SchemeContext
+
+    c = cfg(seq=256)
+    s = build_dynamism("sparse_attention", {"block": 32, "costs": "measure"}, cfg=c)
+    assert (s.attn_weight, s.overhead, s.cost_source) == (1.6, 0.22, "given")
+    ctx = SchemeContext(step=0, stage=None, chain=_Chain(), num_layers=4, rows=256, device=torch.device("cpu"))
+    s.measure_costs(ctx, factors=_attention_factors(c, 32, 2.5, 0.05))
+    assert (s.attn_weight, s.overhead) == pytest.approx((2.5, 0.05), abs=1e-9) and s.cost_source == "measured"
+    assert "cost constants measured: attn_weight 2.500, overhead 0.050" in capsys.readouterr().err
+    s.density = [0.5] * 4
+    assert s.metrics()["attention_cost_constants"] == [2.5, 0.05]
+    same = build_dynamism("sparse_attention", {"block": 32, "attn_weight": 2.5, "overhead": 0.05}, cfg=c)
+    same.density = [0.5] * 4
+    assert s.cost_factors(4) == pytest.approx(same.cost_factors(4), abs=1e-12)
+    state = s.state_dict()
+    resumed = build_dynamism("sparse_attention", {"block": 32, "costs": "measure"}, cfg=c)
+    resumed.measure_costs(ctx, factors=_attention_factors(c, 32, 1.0, 0.3))  # its own start-up measurement
+    resumed.load_state_dict(state)
+    assert (resumed.attn_weight, resumed.overhead, resumed.cost_source) == (s.attn_weight, s.overhead, "measured")
+    given = build_dynamism("sparse_attention", {"block": 32, "costs": "given", "attn_weight": 3.0}, cfg=c)
+    given.load_state_dict(state)
+    assert (given.attn_weight, given.overhead, given.cost_source) == (3.0, 0.22, "given")
+
+
+def test_a_measurement_that_cannot_be_fitted_keeps_the_given_constants(capsys) -> None:
+    from moebal.dynamism.scheme import SchemeContext
+
+    c = cfg(seq=256)
+    s = build_dynamism("sparse_attention", {"block": 32, "attn_weight": 1.2, "overhead": 0.3}, cfg=c)
+    ctx = SchemeContext(step=0, stage=None, chain=_Chain(), num_layers=4, rows=256, device=torch.device("cpu"))
+    s.measure_costs(ctx, factors=[1.1, 1.2, 1.3, 1.4])  # dearer the fewer blocks it keeps: no weight fits
+    assert (s.attn_weight, s.overhead) == (1.2, 0.3)
+    assert s.cost_source.startswith("given (the measurement was not fitted: the measured times do not fall")
+    assert "cost constants given (the measurement was not fitted" in capsys.readouterr().err
+    assert s.state_dict()["cost_source"] == s.cost_source
+    with pytest.raises(ConfigError, match="costs must be measure .* or given"):
+        build_dynamism("sparse_attention", {"block": 32, "costs": "fitted"}, cfg=c)
+
+
+def test_measuring_the_attention_times_this_device_and_draws_no_random_numbers() -> None:
+    """The real timing (a small CPU shape): four factors, the run's RNG state untouched (the losses of a run
+    do not depend on whether it measured)."""
+    from moebal.dynamism.sparse_attention import COST_DENSITIES, measure_attention_factors
+
+    c = cfg(seq=256)
+    before = torch.random.get_rng_state()
+    got = measure_attention_factors(c, 32, 512, torch.device("cpu"), repeats=2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert len(got) == len(COST_DENSITIES) and all(0.0 < m < 10.0 for m in got)
+
+
 def test_a_split_layers_halves_add_up_to_the_whole_layers_prediction() -> None:
     """Attention half x (its dense multiply-adds) + FFN half x (the FFN's) = whole layer x (the layer's)."""
     from moebal.pipeline.units import UnitMap
