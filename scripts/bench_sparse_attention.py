@@ -81,7 +81,7 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
     (`fit_cost_constants`); the fitted constants and the fit's largest error beside."""
     from moebal.config import from_dict
     from moebal.dynamism.scheme import build_dynamism, layer_token_flops
-    from moebal.dynamism.sparse_attention import COST_DENSITIES, measure_attention_factors
+    from moebal.dynamism.sparse_attention import fit_attention_factors, measure_attention_factors
     from moebal.models import build_model
     from moebal.planner.sparse_blocks import fit_cost_constants
 
@@ -122,8 +122,7 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
     # the start-up fit of `costs: measure` (held out: another measurement, of the attention module alone)
     factors = measure_attention_factors(cfg, block, seq, torch.device("cpu"), repeats=repeats)
     try:
-        w, o = fit_cost_constants([(kept_fraction(seq, block, d), m) for d, m in zip(COST_DENSITIES, factors)],
-                                  f["q_o"] + f["kv"], f["attn"])
+        w, o = fit_attention_factors(cfg, block, factors)
     except ValueError as e:
         fit["startup"] = {"factors": [round(m, 3) for m in factors], "error": str(e)}
         return rows, fit

@@ -90,7 +90,8 @@ from moebal.pipeline.units import FFN, LAYER, UnitMap
 from moebal.planner.sparse_blocks import fit_cost_constants, sparse_block_advice, sparse_block_fits
 from moebal.train.precision import autocast_dtype
 
-__all__ = ["COST_DENSITIES", "DynamicSparseAttention", "measure_attention_factors", "sparse_attention_forward"]
+__all__ = ["COST_DENSITIES", "DynamicSparseAttention", "fit_attention_factors", "measure_attention_factors",
+           "sparse_attention_forward"]
 
 COST_DENSITIES = (0.75, 0.5, 0.25, 0.1)
 """The densities `costs: measure` times beside the dense core (the kept share spans 0.13-0.75 at 2,048 tokens)."""
@@ -154,6 +155,16 @@ def measure_attention_factors(cfg: Any, block: int, rows: int, device: torch.dev
         return t[str(d)].cpu_median if device.type == "cpu" else t[str(d)].median
 
     return [secs(d) / secs(1.0) for d in densities]
+
+
+def fit_attention_factors(cfg: Any, block: int, factors: list[float]) -> tuple[float, float]:
+    """(attn_weight, overhead) fitted to an attention module's measured factors at COST_DENSITIES
+    (`measure_attention_factors`): the scheme's cost model without the FFN, so the GEMMs outside the core are the
+    query, key, value and output projections. Raises ValueError where `fit_cost_constants` does."""
+    T = cfg.data.seq_len
+    f = layer_token_flops(cfg, 0, T)
+    return fit_cost_constants([(kept_fraction(T, block, d), m) for d, m in zip(COST_DENSITIES, factors)],
+                              f["q_o"] + f["kv"], f["attn"])
 
 
 def walk_bands(n_layers: int, lo: float, hi: float, tilt: float,
@@ -241,10 +252,8 @@ class DynamicSparseAttention(Dynamism):
             dist.all_reduce(vec, group=ctx.dp_group)
         tot = ctx.chain.allreduce_sum(vec)  # the same bits on every rank
         mean = (tot[:-1] / tot[-1]).tolist()
-        f = layer_token_flops(self.cfg, 0, self.T)
-        points = [(kept_fraction(self.T, self.block, d), m) for d, m in zip(COST_DENSITIES, mean)]
         try:
-            w, o = fit_cost_constants(points, f["q_o"] + f["kv"], f["attn"])
+            w, o = fit_attention_factors(self.cfg, self.block, mean)
         except ValueError as e:
             self.cost_source = f"given (the measurement was not fitted: {e})"
         else:
