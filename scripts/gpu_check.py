@@ -33,6 +33,11 @@ recorded as that check's failure with the traceback's last lines, and the next c
    the simulator's one-rank step time on the h100 profile against the measured median step (balanced routing).
 9. grad_accum: `train.grad_accum` 1, 2 and 4 through the trainer's step code on the device: fp32 loss and every
    gradient within 1e-5 of one pass (no balancing loss), then the bf16 activation peak and pass time per count.
+10. sparse_attention: the block-sparse attention kernel on its default path for the device against dense attention
+   under the same block mask (output, dq, dk, dv; bf16 against fp32 on CUDA) at densities 0.5 and 0.25, its
+   fwd+bwd time (block selection included) over the dense causal SDPA call at densities 0.75-0.1 (CUDA events;
+   4,096 tokens, 16 query / 4 key-value heads of 64, blocks of 128), and the sparse_attention scheme's start-up fit
+   of its cost constants (`costs: measure`) on the device.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -1103,6 +1108,91 @@ def check_memory_plan(ctx: Ctx) -> dict[str, Any]:
     return _round(res)
 
 
+# ---- 10. sparse_attention --------------------------------------------------------------------------------------
+
+SPARSE_DENSITIES = (0.75, 0.5, 0.25, 0.1)
+
+
+def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
+    """The block-sparse attention kernel on the device: parity with dense attention under the same block mask
+    (output and dq, dk, dv) at densities 0.5 and 0.25, its fwd+bwd time (selection included) over the dense causal
+    SDPA call at each density, and the sparse_attention scheme's start-up fit (`costs: measure`) on the device."""
+    from moebal.config import from_dict
+    from moebal.dynamism.sparse_attention import fit_attention_factors, measure_attention_factors
+    from moebal.kernels.bench import time_interleaved
+    from moebal.kernels.sparse_attention import (
+        block_sparse_attention,
+        default_path,
+        dense_block_attention,
+        select_blocks,
+    )
+
+    full = ctx.cuda and not ctx.quick
+    B, H, G, T, K, block = (2, 16, 4, 4096, 64, 128) if full else (1, 4, 2, 256, 32, 32)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    ref_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float64
+    tol = TOL["bf16" if dtype == torch.bfloat16 else "fp32"]
+    path = default_path(ctx.device, block, H // G)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, K, device=ctx.device).to(dtype).requires_grad_(True)
+    k = torch.randn(B, G, T, K, device=ctx.device).to(dtype).requires_grad_(True)
+    v = torch.randn(B, G, T, K, device=ctx.device).to(dtype).requires_grad_(True)
+    g = torch.randn(B, H, T, K, device=ctx.device).to(dtype)
+    parity: dict[str, Any] = {}
+    ok = True
+    for d in (0.5, 0.25):
+        sel = select_blocks(q, k, block, d)
+        y = block_sparse_attention(q, k, v, sel)
+        got = [y, *torch.autograd.grad(y, [q, k, v], g)]
+        leaves = [t.detach().to(ref_dtype).requires_grad_(True) for t in (q, k, v)]
+        y_ref = dense_block_attention(*leaves, sel)
+        want = [y_ref, *torch.autograd.grad(y_ref, leaves, g.to(ref_dtype))]
+        parity[str(d)] = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
+        ok &= all(_within(e, tol) for e in parity[str(d)].values())
+
+    def dense() -> None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(y, [q, k, v], g)
+
+    def sparse(d: float) -> Callable[[], None]:
+        def run() -> None:
+            y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d))
+            torch.autograd.grad(y, [q, k, v], g)
+        return run
+
+    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}}
+    if ctx.cuda:
+        times = _time_events(fns, warmup=3, repeats=10 if full else 5)
+    else:
+        times = time_interleaved(fns, warmup=1, repeats=3, device=ctx.device)
+    x_dense = {d: times[d].median / times["dense"].median for d in fns if d != "dense"}
+    # the scheme's start-up fit of its two cost constants on this device, at a model of these heads
+    cfg = from_dict({"model": {"dim": H * K, "n_layers": 2, "n_heads": H, "n_kv_heads": G, "ffn_dim": 3 * H * K,
+                               "max_seq_len": T},
+                     "moe": {"num_experts": 0}, "data": {"seq_len": T, "batch_size": B},
+                     "train": {"precision": "bf16" if ctx.cuda else "fp32"}})
+    factors = measure_attention_factors(cfg, block, B * T, ctx.device, repeats=5 if full else 2)
+    fit: dict[str, Any] = {"factors": dict(zip(map(str, SPARSE_DENSITIES), factors))}
+    try:
+        fit["attn_weight"], fit["overhead"] = fit_attention_factors(cfg, block, factors)
+    except ValueError as e:
+        fit["not_fitted"] = str(e)
+    res: dict[str, Any] = {"ok": ok, "shape": {"B": B, "H": H, "G": G, "T": T, "K": K, "block": block},
+                           "dtype": str(dtype).replace("torch.", ""), "path": path, "tolerance": tol,
+                           "parity": _round(parity), "timing": "cuda events" if ctx.cuda else "wall clock",
+                           "times_s": {n: t.to_dict() for n, t in times.items()}, "x_dense": x_dense,
+                           "startup_fit": fit, "skipped": []}
+    if not full:
+        res["skipped"].append("full shape: skipped: 4,096 tokens, 16 heads of 64, blocks of 128 run on CUDA "
+                              "without --quick")
+    worst = max(e["rel_norm"] for p in parity.values() for e in p.values())
+    constants = (f"w {fit['attn_weight']:.2f}, o {fit['overhead']:.2f}" if "attn_weight" in fit
+                 else "not fitted")
+    res["summary"] = (f"{path} path, worst rel-norm error {worst:.2e} (tol {tol['rel_norm']:g}); x dense at "
+                      f"density 0.5 {x_dense['0.5']:.2f}, 0.25 {x_dense['0.25']:.2f}; start-up fit {constants}")
+    return _round(res)
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -1115,6 +1205,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "recompute": check_recompute,
     "memory_plan": check_memory_plan,
     "grad_accum": check_grad_accum,
+    "sparse_attention": check_sparse_attention,
 }
 
 
