@@ -110,31 +110,33 @@ def measure_layer(seq: int, block: int, repeats: int) -> tuple[list[dict[str, An
         scheme.density = [d]
         rows.append({"density": d, "measured": round(measured[d], 3),
                      "predicted": round(scheme.cost_factors(1)[0], 3), "layer_cpu_s": t[d].cpu_median})
+    def scored(w: float, o: float, key: str) -> dict[str, Any]:
+        """Each row's factor under constants (w, o) as `key`; the constants and the largest error."""
+        scheme.attn_weight, scheme.overhead = w, o
+        for r in rows:
+            scheme.density = [r["density"]]
+            r[key] = round(scheme.cost_factors(1)[0], 3)
+        return {"attn_weight": round(w, 3), "overhead": round(o, 3), "max_abs_error": _worst(rows, key, measured)}
+
     f = layer_token_flops(cfg, 0, seq)
-    w, o = fit_cost_constants([(kept_fraction(seq, block, d), measured[d]) for d in DENSITIES if d < 1.0],
-                              f["q_o"] + f["kv"] + f["ffn"], f["attn"])
-    scheme.attn_weight, scheme.overhead = w, o
-    for r in rows:
-        scheme.density = [r["density"]]
-        r["fitted"] = round(scheme.cost_factors(1)[0], 3)
-    fit: dict[str, Any] = {"attn_weight": round(w, 3), "overhead": round(o, 3),
-                           "max_abs_error": round(max(abs(r["fitted"] - measured[r["density"]]) for r in rows), 3)}
+    fit: dict[str, Any] = scored(*fit_cost_constants(
+        [(kept_fraction(seq, block, d), measured[d]) for d in DENSITIES if d < 1.0],
+        f["q_o"] + f["kv"] + f["ffn"], f["attn"]), "fitted")
     # the start-up fit of `costs: measure` (held out: another measurement, of the attention module alone)
     factors = measure_attention_factors(cfg, block, seq, torch.device("cpu"), repeats=repeats)
     try:
-        w, o = fit_attention_factors(cfg, block, factors)
+        startup = scored(*fit_attention_factors(cfg, block, factors), "startup")
     except ValueError as e:
         fit["startup"] = {"factors": [round(m, 3) for m in factors], "error": str(e)}
         return rows, fit
-    scheme.attn_weight, scheme.overhead = w, o
-    for r in rows:
-        scheme.density = [r["density"]]
-        r["startup"] = round(scheme.cost_factors(1)[0], 3)
-    fit["startup"] = {"attn_weight": round(w, 3), "overhead": round(o, 3),
-                      "factors": [round(m, 3) for m in factors],
-                      "max_abs_error": round(max(abs(r["startup"] - measured[r["density"]]) for r in rows), 3),
-                      "given_max_abs_error": round(max(abs(r["predicted"] - measured[r["density"]]) for r in rows), 3)}
+    fit["startup"] = {**startup, "factors": [round(m, 3) for m in factors],
+                      "given_max_abs_error": _worst(rows, "predicted", measured)}
     return rows, fit
+
+
+def _worst(rows: list[dict[str, Any]], key: str, measured: dict[float, float]) -> float:
+    """The largest |rows' `key` - the measured factor at its density|."""
+    return round(max(abs(r[key] - measured[r["density"]]) for r in rows), 3)
 
 
 def main(argv: list[str] | None = None) -> int:
