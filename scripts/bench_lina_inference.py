@@ -16,8 +16,10 @@ training data); the timed batches come from the validation split.
 Per rank count, `--rounds` rounds each run every policy over the same `--batches` batches, the policies in an
 order rotated per round; a forward's MoE time is the sum over MoE layers of the slowest rank's time in the layer
 (planning, both all-to-alls, the experts; the gate is outside and the same for every policy). Reported: every
-round's median per policy, the median over rounds, static / lina, and the same over the layers Lina schedules
-(1 .. L-1; layer 0 has no path and runs static under every policy). Beside them, what the layer time is made of:
+round's median per policy, the median over rounds, static / lina, and the same over the layers with a path before
+them (1 .. L-1, `*_layers_1_on`; layer 0 is planned from the profile's marginal of layer 0, so every layer is
+scheduled, and this figure compares with records made when layer 0 ran static under every policy). Beside them,
+what the layer time is made of:
 the slowest rank's expert compute and planning per layer (summed over layers 1 .. L-1, per policy), the two
 collectives a layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two
 all-to-alls of a rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
@@ -220,7 +222,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         moe_all, moe_sched = per_round(p, "seconds", 0), per_round(p, "seconds", 1)
         experts, plan = per_round(p, "experts_s", 1), per_round(p, "plan_s", 1)
         f0 = results[0]["rounds"][0][p]["forwards"]
-        loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd[1:]]
+        loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd]
                  for fwd in f0]
         hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
         out[p] = {"moe_s_rounds": moe_all, "moe_s": statistics.median(moe_all),

@@ -15,7 +15,8 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
      mapping back on the second; here every rank receives every rank's counts and estimate in the one small
      exchange the layer needs anyway for its split sizes, and computes the same deterministic plan, so no
      mapping travels, as in moebal's expert planner: docs/expert-parallel.md, "Plan agreement");
-  3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1; when the top-2k experts of
+  3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1 (layer 0's: when the scheduler
+     was built, see below); when the top-2k experts of
      its estimate and of the real counts differ (as sets), re-plan from the real counts (FFD);
      phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer;
   4. rows sorted by (holder, expert), all-to-all with uneven splits; each rank runs the SwiGLU of each expert
@@ -28,9 +29,15 @@ two points where a rank meets the others (each layer's start and end, the all-ga
 from time-slicing the ranks' compute against each other. The host's planning is dilated with the rest (a GPU
 system plans on its CPU at full speed): a cost that only Lina's and the oracle's planning pays.
 
+Layer 0 has no path before it. Lina starts scheduling at its first full path (layer l); moebal estimates layers
+1 .. l-1 from the shorter paths they have (moebal/planner/paths.py, gap B2's back-off) and layer 0 from its
+marginal, the profile's popularity of layer 0 (the empty path): one distribution for every token of every batch,
+so layer 0's phase-1 mapping is planned once, when the scheduler is built, and phase 2 checks it against the real
+counts as at any layer. (A format-1 profile has no layer 0: that layer then runs static under lina and phase1.)
+
 Policies: "static" (plain expert parallelism: contiguous blocks of experts per rank, the same code path),
 "lina" (phases 1 and 2), "phase1" (phase 1 only, the thesis's ablation), "oracle" (FFD on the real counts at
-every layer: what phase 2 would do every time). Layer 0 has no path before it: static under every policy.
+every layer, layer 0 included: what phase 2 would do every time).
 
 Shape legend: T local tokens, K = top_k, E experts, R ranks, D model dim, A = T*K assignments, N rows sent,
 M rows received.
@@ -122,14 +129,29 @@ class LinaInference:
         if dilate > 1.0 and next(model.parameters()).device.type != "cpu":
             raise ValueError("dilate emulates slower devices on a CPU host; on a GPU the device is real (use 1)")
         self.clock = DeviceClock(dilate)
-        self.state = _ForwardState()
         self.records: list[LayerRecord] = []
-        for i, layer in enumerate(self.layers):
-            layer.set_dispatcher(LinaDispatcher(self, layer, i))
+        self.dispatchers = [LinaDispatcher(self, layer, i) for i, layer in enumerate(self.layers)]
+        for layer, d in zip(self.layers, self.dispatchers):
+            layer.set_dispatcher(d)
+        self.first_est, self.first_map = self._first_layer_plan()
+        self.state = self._fresh_state()
+
+    def _first_layer_plan(self) -> tuple[np.ndarray | None, ReplicaMap | None]:
+        """Layer 0's phase 1 (see the module docstring): its estimate for one token, the profiled popularity of
+        layer 0, and the mapping FFD makes of it (Eq. 4.1 does not depend on the token count). None without
+        one (static, oracle, no profile, or a format-1 profile)."""
+        p = self.profile
+        if self.policy not in ("lina", "phase1") or p is None or not self.layers or not p.estimates(0):
+            return None, None
+        est_E = p.estimate(np.zeros((1, 0), dtype=np.int64), 0, truncate=self.truncate, min_tokens=self.min_tokens)
+        return est_E, self.dispatchers[0].ffd(est_E, float(self.layers[0].top_k))
+
+    def _fresh_state(self) -> _ForwardState:
+        return _ForwardState(next_map=self.first_map, next_est=self.first_est)
 
     def begin(self) -> None:
-        """Start a forward: forget the previous batch's paths, plans and records."""
-        self.state, self.records = _ForwardState(), []
+        """Start a forward: forget the previous batch's paths, plans and records (layer 0's plan is kept)."""
+        self.state, self.records = self._fresh_state(), []
         self.clock.mark()
 
 
@@ -188,10 +210,10 @@ class LinaDispatcher:
         """(mapping for this layer, re-planned by phase 2, estimate's top-2k equal to the real one's)."""
         o, E, R = self.o, self.E, self.o.R
         actual_E = counts_RE.sum(axis=0)
-        if o.policy == "static" or self.index == 0:
+        if o.policy == "static":
             return ReplicaMap.static(E, R), False, None
         if o.policy == "oracle":
-            return self._ffd(actual_E, float(actual_E.sum())), True, None
+            return self.ffd(actual_E, float(actual_E.sum())), True, None
         planned, est = o.state.next_map, o.state.next_est
         if planned is None or est is None:
             return ReplicaMap.static(E, R), False, None
@@ -199,7 +221,7 @@ class LinaDispatcher:
         hit = top_set(est, n) == top_set(actual_E, n)
         if hit or o.policy == "phase1":
             return planned, False, hit
-        return self._ffd(actual_E, float(actual_E.sum())), True, hit
+        return self.ffd(actual_E, float(actual_E.sum())), True, hit
 
     def _plan_next(self, est_E: np.ndarray, tokens: float) -> None:
         o = self.o
@@ -207,9 +229,10 @@ class LinaDispatcher:
         if o.policy in ("lina", "phase1") and self.index + 1 < len(o.layers):
             nxt = o.layers[self.index + 1]
             o.state.next_est = est_E
-            o.state.next_map = self._ffd(est_E, tokens * nxt.top_k)
+            o.state.next_map = self.ffd(est_E, tokens * nxt.top_k)
 
-    def _ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
+    def ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
+        """The layer's mapping from expected (or real) loads: Eq. 4.1, then first-fit-decreasing."""
         return ffd_allocate(devices_from_load(load_E.tolist(), self.o.R, assignments), self.o.R, self.o.max_per_rank)
 
     # ---- 4-5: the token exchange ----

@@ -10,7 +10,9 @@ How moebal settles the thesis's gaps (docs/expert-parallel.md, "Lina's sample pa
   layer, under top-1 and top-k routing alike; the distribution of layer j counts *every* assignment (all k
   choices), so Psi_path(e) is the expected number of a path's tokens' assignments to e per token (sums to k).
 - **Path window** (gap B3): the l layers before j (j-l .. j-1), so with l = 3 the first layer with a full path is
-  the 4th (index 3), as the thesis's "scheduling starts at the 4th layer" says.
+  the 4th (index 3), as the thesis's "scheduling starts at the 4th layer" says. Layer 0 has no path before it:
+  the profile keeps its marginal alone (the empty path), so its estimate is the profiled popularity of layer 0,
+  the same distribution for every token of every batch.
 - **Unseen paths** (gap B2): back off to the longest suffix of the path (the most recent layers) seen at least
   `min_tokens` times in the profile, down to the layer's marginal distribution (the empty path), which exists
   for every profiled layer. Layers 1 .. l-1 therefore get estimates from shorter paths.
@@ -30,7 +32,7 @@ import numpy as np
 
 __all__ = ["PathProfile", "PathTable", "build_profile", "estimate_accuracy", "previous_estimate", "top_set"]
 
-FORMAT = 1
+FORMAT = 2  # 2: layer 0's marginal is stored (format 1 had no table for layer 0; still read, without it)
 # E^m at most this: a path table keeps a code -> row array for its lookups (int32, 1 MB at most per table: 64
 # experts with paths of 3 layers fit; a larger space uses the sorted codes)
 _DENSE_CODES = 1 << 18
@@ -90,10 +92,10 @@ class PathTable:
 
 @dataclass(frozen=True)
 class PathProfile:
-    """Per MoE layer j >= 1 and path length m = 0 .. min(l, j): the observed paths and their next-expert counts.
+    """Per MoE layer j and path length m = 0 .. min(l, j): the observed paths and their next-expert counts.
 
     tables[j][m] describes layer j given the top-1 experts of layers j-m .. j-1 (m = 0: the layer's marginal);
-    tables[0] is empty (layer 0 has no path before it)."""
+    tables[0] holds layer 0's marginal alone (empty in a profile read from a format-1 file)."""
 
     num_experts: int
     top_k: int
@@ -103,6 +105,10 @@ class PathProfile:
     @property
     def num_layers(self) -> int:
         return len(self.tables)
+
+    def estimates(self, layer: int) -> bool:
+        """Whether the profile can estimate `layer` (every profiled layer can, but layer 0 of a format-1 file)."""
+        return 0 <= layer < self.num_layers and bool(self.tables[layer])
 
     def distributions(self, paths_TL: np.ndarray, layer: int, min_tokens: int = 1) -> np.ndarray:
         """psi_TE: each token's distribution of `layer`'s assignments (expected assignments per token, sums to
@@ -131,8 +137,11 @@ class PathProfile:
         """Per path length, longest first: (table, the tokens it answers, their rows in it). A token goes to
         the longest suffix of its path seen at least `min_tokens` times (the marginal, m = 0: at least once)."""
         E = self.num_experts
-        if not 1 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer}: the profile estimates layers 1..{self.num_layers - 1}")
+        if not self.estimates(layer):
+            first = 0 if self.estimates(0) else 1
+            raise ValueError(f"layer {layer}: the profile estimates layers {first}..{self.num_layers - 1}"
+                             + ("" if first == 0 else " (a format-1 file has no layer 0: rebuild it with "
+                                                      "`moebal paths RUN_DIR -o FILE` to estimate layer 0)"))
         tables = self.tables[layer]
         todo = np.ones(paths_TL.shape[0], dtype=bool)
         out: list[tuple[PathTable, np.ndarray, np.ndarray]] = []
@@ -149,14 +158,12 @@ class PathProfile:
         return out
 
     def layers(self, lo: int, hi: int) -> PathProfile:
-        """The profile of MoE layers lo .. hi-1 alone (a pipeline stage's): layer lo becomes layer 0, and each
-        layer keeps only the paths that lie inside the range (local layer k: lengths 0 .. min(l, k)), so an
-        estimate never needs a layer held elsewhere."""
+        """The profile of MoE layers lo .. hi-1 alone (a pipeline stage's): layer lo becomes layer 0 (its marginal
+        alone), and each layer keeps only the paths that lie inside the range (local layer k: lengths
+        0 .. min(l, k)), so an estimate never needs a layer held elsewhere."""
         if not 0 <= lo <= hi <= self.num_layers:
             raise ValueError(f"layers {lo}..{hi - 1}: the profile describes MoE layers 0..{self.num_layers - 1}")
-        tables = ((),) + tuple(self.tables[lo + k][:min(self.path_len, k) + 1] for k in range(1, hi - lo))
-        if hi == lo:  # a stage without MoE layers
-            tables = ()
+        tables = tuple(self.tables[lo + k][:min(self.path_len, k) + 1] for k in range(hi - lo))
         return PathProfile(num_experts=self.num_experts, top_k=self.top_k, path_len=self.path_len, tables=tables)
 
     # ---- storage: one .npz, only observed paths ----
@@ -178,12 +185,19 @@ class PathProfile:
         except (OSError, KeyError, ValueError) as e:
             raise ValueError(f"{path}: not a path profile ({e}); build one with `moebal paths RUN_DIR -o FILE`") \
                 from e
-        if fmt != FORMAT:
-            raise ValueError(f"{path}: path profile format {fmt}, this moebal reads {FORMAT}: rebuild it")
-        tables = tuple(tuple(PathTable(z[f"L{j}_m{m}_keys"].astype(np.int64), z[f"L{j}_m{m}_counts"].astype(np.int64),
-                                       z[f"L{j}_m{m}_tokens"].astype(np.int64))
-                             for m in range(min(l_, j) + 1 if j else 0))
-                       for j in range(L))
+        if fmt not in (1, FORMAT):
+            raise ValueError(f"{path}: path profile format {fmt}, this moebal reads 1 and {FORMAT}: rebuild it with "
+                             f"`moebal paths RUN_DIR -o FILE`")
+        lengths = [min(l_, j) + 1 if j or fmt >= 2 else 0 for j in range(L)]  # format 1: no table for layer 0
+        try:
+            tables = tuple(tuple(PathTable(z[f"L{j}_m{m}_keys"].astype(np.int64),
+                                           z[f"L{j}_m{m}_counts"].astype(np.int64),
+                                           z[f"L{j}_m{m}_tokens"].astype(np.int64))
+                                 for m in range(lengths[j]))
+                           for j in range(L))
+        except KeyError as e:
+            raise ValueError(f"{path}: path profile incomplete ({e}); rebuild it with `moebal paths RUN_DIR -o FILE`") \
+                from e
         return cls(num_experts=E, top_k=K, path_len=l_, tables=tables)
 
 
@@ -210,8 +224,8 @@ def build_profile(samples: Sequence[np.ndarray], num_experts: int, path_len: int
     if ids_LTK.min() < 0 or ids_LTK.max() >= num_experts:
         raise ValueError(f"build_profile: expert ids outside 0..{num_experts - 1}")
     top1_TL = ids_LTK[:, :, 0].T
-    tables = [()] + [tuple(_table(top1_TL, ids_LTK[j], j, m, num_experts) for m in range(min(path_len, j) + 1))
-                     for j in range(1, L)]
+    tables = [tuple(_table(top1_TL, ids_LTK[j], j, m, num_experts) for m in range(min(path_len, j) + 1))
+              for j in range(L)]
     return PathProfile(num_experts=num_experts, top_k=K, path_len=path_len, tables=tuple(tables))
 
 

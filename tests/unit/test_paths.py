@@ -62,6 +62,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert (back.num_experts, back.top_k, back.path_len, back.num_layers) == (4, 1, 3, 3)
     paths = np.array([[0, 1], [1, 1], [3, 1]])
     np.testing.assert_allclose(back.estimate(paths, 2), prof.estimate(paths, 2))
+    np.testing.assert_allclose(back.estimate(paths[:, :0], 0), prof.estimate(paths[:, :0], 0))  # layer 0 too
     with pytest.raises(ValueError, match="not a path profile"):
         PathProfile.load(tmp_path / "missing.npz")
 
@@ -71,8 +72,45 @@ def test_bad_input() -> None:
         build_profile([_sample()], num_experts=2)
     with pytest.raises(ValueError, match="path_len"):
         build_profile([_sample()], num_experts=4, path_len=0)
-    with pytest.raises(ValueError, match="layers 1..2"):
+    with pytest.raises(ValueError, match="layers 0..2"):
         build_profile([_sample()], num_experts=4).distributions(np.zeros((1, 3), dtype=np.int64), layer=3)
+
+
+def test_layer_0_is_estimated_from_its_marginal() -> None:
+    """Layer 0 has no path before it: every token gets the layer's profiled popularity (here 3 of 6 tokens took
+    expert 0 and 3 expert 1)."""
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    assert prof.estimates(0) and len(prof.tables[0]) == 1
+    no_path = np.zeros((5, 0), dtype=np.int64)
+    np.testing.assert_allclose(prof.distributions(no_path, layer=0), [[0.5, 0.5, 0, 0]] * 5)
+    np.testing.assert_allclose(prof.estimate(no_path, 0), [2.5, 2.5, 0, 0])
+    np.testing.assert_allclose(prof.estimate(no_path, 0, truncate=1), [2.5, 0, 0, 0])  # ties: lower expert id
+    # a stage's profile: its first layer keeps its marginal alone
+    part = prof.layers(1, 3)
+    assert [len(t) for t in part.tables] == [1, 2]
+    np.testing.assert_allclose(part.estimate(np.zeros((2, 0), dtype=np.int64), 0), [0, 2, 0, 0])
+
+
+def test_format_1_files_load_without_layer_0(tmp_path: Path) -> None:
+    """A profile written before layer 0's marginal was stored (format 1) still loads; it estimates layers 1 on,
+    and asking it for layer 0 names the fix."""
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    prof.save(tmp_path / "p2.npz")
+    with np.load(tmp_path / "p2.npz") as z:
+        arrays = {k: z[k] for k in z.files if not k.startswith("L0_")}
+    arrays["meta"] = arrays["meta"].copy()
+    arrays["meta"][0] = 1
+    np.savez_compressed(tmp_path / "p1.npz", **arrays)
+    old = PathProfile.load(tmp_path / "p1.npz")
+    assert not old.estimates(0) and old.estimates(1)
+    paths = np.array([[0, 1], [1, 1]])
+    np.testing.assert_allclose(old.estimate(paths, 2), prof.estimate(paths, 2))
+    with pytest.raises(ValueError, match="rebuild it with `moebal paths"):
+        old.estimate(np.zeros((1, 0), dtype=np.int64), 0)
+    arrays["meta"][0] = 9
+    np.savez_compressed(tmp_path / "p9.npz", **arrays)
+    with pytest.raises(ValueError, match="format 9"):
+        PathProfile.load(tmp_path / "p9.npz")
 
 
 def test_accuracy_metrics() -> None:

@@ -155,8 +155,8 @@ def test_a_stage_profile_keeps_the_paths_inside_its_layers() -> None:
     samples = [rng.integers(0, 4, size=(5, 64, 2)) for _ in range(3)]
     whole = build_profile(samples, 4, path_len=2)
     part = whole.layers(2, 5)
-    assert part.num_layers == 3 and part.tables[0] == ()
-    assert [len(t) for t in part.tables] == [0, 2, 3]  # local layer k: paths of length 0 .. min(l, k)
+    assert part.num_layers == 3 and len(part.tables[0]) == 1  # the stage's first layer: its marginal alone
+    assert [len(t) for t in part.tables] == [1, 2, 3]  # local layer k: paths of length 0 .. min(l, k)
     paths_TL = samples[0][:, :, 0].T
     for k in (2,):  # a full path inside the stage: the same estimate as the whole profile's
         np.testing.assert_array_equal(part.estimate(paths_TL[:, 2:], k), whole.estimate(paths_TL, 2 + k))
