@@ -20,7 +20,8 @@ round's median per policy, the median over rounds, static / lina, and the same o
 them (1 .. L-1, `*_layers_1_on`; layer 0 is planned from the profile's marginal of layer 0, so every layer is
 scheduled, and this figure compares with records made when layer 0 ran static under every policy). Beside them,
 what the layer time is made of:
-the slowest rank's expert compute and planning per layer (summed over layers 1 .. L-1, per policy), the two
+the slowest rank's expert compute, planning and time inside the collectives, waits included (`exchange_s`), per
+layer (summed over layers 1 .. L-1, per policy), the two
 collectives a layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two
 all-to-alls of a rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
 groups against the CPU's blocks (`expert_us_per_row`).
@@ -221,6 +222,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     for p in POLICIES:
         moe_all, moe_sched = per_round(p, "seconds", 0), per_round(p, "seconds", 1)
         experts, plan = per_round(p, "experts_s", 1), per_round(p, "plan_s", 1)
+        exchange = per_round(p, "exchange_s", 1)
         f0 = results[0]["rounds"][0][p]["forwards"]
         loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd]
                  for fwd in f0]
@@ -229,6 +231,7 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
                   "moe_s_layers_1_on_rounds": moe_sched, "moe_s_layers_1_on": statistics.median(moe_sched),
                   "experts_s_layers_1_on_rounds": experts, "experts_s_layers_1_on": statistics.median(experts),
                   "plan_s_layers_1_on": statistics.median(plan),
+                  "exchange_s_layers_1_on": statistics.median(exchange),
                   "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
                   "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
                   "estimate_top2k_equal": statistics.mean(hits) if hits else None,
@@ -275,7 +278,9 @@ def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, profil
               f"{summ['lina']['experts_s_layers_1_on'] * 1e3:.1f} ms "
               f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); planning (slowest rank) static "
               f"{summ['static']['plan_s_layers_1_on'] * 1e3:.1f} ms, "
-              f"lina {summ['lina']['plan_s_layers_1_on'] * 1e3:.1f} ms; "
+              f"lina {summ['lina']['plan_s_layers_1_on'] * 1e3:.1f} ms; in the collectives (slowest rank, waits "
+              f"included) static {summ['static']['exchange_s_layers_1_on'] * 1e3:.1f} ms, "
+              f"lina {summ['lina']['exchange_s_layers_1_on'] * 1e3:.1f} ms; "
               f"collectives alone "
               f"{summ['comm_floor']['per_layer_s'] * 1e3:.2f} ms per layer", flush=True)
     return out

@@ -90,6 +90,7 @@ class LayerRecord:
     seconds: float  # from the dispatcher's entry to its exit (planning, both exchanges, experts)
     experts_s: float  # of which this rank's own expert compute (no waiting: the rest is exchanges and planning)
     plan_s: float  # of which the path estimate, the mappings (FFD) and the row split, between gate and all-to-all
+    exchange_s: float  # of which inside the three collectives (the all-gather, both all-to-alls), waiting included
     replanned: bool  # phase 2 re-planned from the real counts
     rank_rows: list[int]  # rows each rank computed
     estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
@@ -161,6 +162,7 @@ class LinaDispatcher:
     def __init__(self, owner: LinaInference, layer: MoELayer, index: int) -> None:
         self.o, self.layer, self.index = owner, layer, index
         self.E, self.K = layer.num_experts, layer.top_k
+        self.exchange_s = 0.0  # the current forward's time inside this layer's collectives (LayerRecord.exchange_s)
 
     @torch.no_grad()
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -181,7 +183,9 @@ class LinaDispatcher:
                           torch.tensor([float(T)], dtype=torch.float64)])
         every = [torch.empty_like(mine) for _ in range(R)]
         o.clock.settle()
+        t_gather = time.perf_counter()
         dist.all_gather(every, mine, group=o.group)
+        self.exchange_s = time.perf_counter() - t_gather
         o.clock.mark()  # a wait is not the device's compute
         all_RX = torch.stack(every).numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
@@ -194,7 +198,7 @@ class LinaDispatcher:
         out_TD, experts_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
         o.clock.settle()  # the combine
         o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
-                                     plan_s=plan_s, replanned=replanned,
+                                     plan_s=plan_s, exchange_s=self.exchange_s, replanned=replanned,
                                      rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
                                      replicas=sum(len(h) for h in rmap.holders) - E))
         return out_TD
@@ -269,7 +273,9 @@ class LinaDispatcher:
         out = x_ND.new_empty(int(recv_R.sum()), x_ND.shape[1])
         x_ND = x_ND.contiguous()
         self.o.clock.settle()
+        t0 = time.perf_counter()
         dist.all_to_all_single(out, x_ND, [int(v) for v in recv_R], [int(v) for v in send_R], group=self.o.group)
+        self.exchange_s += time.perf_counter() - t0
         self.o.clock.mark()
         return out
 

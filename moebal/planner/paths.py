@@ -175,7 +175,13 @@ class PathProfile:
                 arrays[f"L{j}_m{m}_keys"] = t.keys_Pm.astype(np.int16)
                 arrays[f"L{j}_m{m}_counts"] = t.counts_PE.astype(np.int32)
                 arrays[f"L{j}_m{m}_tokens"] = t.tokens_P.astype(np.int32)
-        np.savez_compressed(Path(path), **arrays)  # type: ignore[arg-type]  # numpy's stub wants a positional
+        # whole or not at all: a temporary file beside `path`, renamed over it; written through a handle, so numpy
+        # does not append ".npz" to a name without it (the file is exactly `path`)
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]  # numpy's stub wants a positional
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> PathProfile:

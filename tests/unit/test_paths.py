@@ -65,6 +65,9 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     np.testing.assert_allclose(back.estimate(paths[:, :0], 0), prof.estimate(paths[:, :0], 0))  # layer 0 too
     with pytest.raises(ValueError, match="not a path profile"):
         PathProfile.load(tmp_path / "missing.npz")
+    prof.save(tmp_path / "profile")  # a name without .npz is kept as given
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["p.npz", "profile"]
+    assert PathProfile.load(tmp_path / "profile").num_layers == 3
 
 
 def test_bad_input() -> None:
