@@ -19,11 +19,10 @@ order rotated per round; a forward's MoE time is the sum over MoE layers of the 
 round's median per policy, the median over rounds, static / lina, and the same over the layers with a path before
 them (1 .. L-1, `*_layers_1_on`; layer 0 is planned from the profile's marginal of layer 0, so every layer is
 scheduled, and this figure compares with records made when layer 0 ran static under every policy). Beside them,
-what the layer time is made of:
-the slowest rank's expert compute, planning and time inside the collectives, waits included (`exchange_s`), per
-layer (summed over layers 1 .. L-1, per policy), the two
-collectives a layer makes timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two
-all-to-alls of a rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
+what the layer time is made of: the slowest rank's expert compute, planning and time inside the collectives,
+waits included (`exchange_s`), per layer (summed over layers 1 .. L-1, per policy); the two collectives a layer
+makes, timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two all-to-alls of a rank's
+rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
 groups against the CPU's blocks (`expert_us_per_row`).
 
 `--dilate 1 3` adds, per rank count, a run on devices emulated 3x slower than a core (moebal/distributed/dilate.py:
