@@ -1,13 +1,15 @@
 """How well Lina's sample-path estimate forecasts a batch's expert loads, against Pro-Prophet's previous-batch one.
 
 A training run records its routing (train.record_routing_every=N); the profile is built on the first part of
-the samples (`--share`, step order) and both forecasts are scored on the later samples, per MoE layer j >= 1:
+the samples (`--share`, step order) and both forecasts are scored on the later samples, per MoE layer j:
   path:      the sum over the batch's tokens of their paths' distributions of layer j (moebal/planner/paths.py),
-             whole distributions, and Lina's top-k truncation ("path-topk");
+             whole distributions, and Lina's top-k truncation ("path-topk"); layer 0 has no path before it, so
+             there every token gets the layer's profiled marginal (the same for every path length);
   previous:  the previous batch's counts of layer j (the previous recorded sample, N steps earlier; within a
              sample cut into smaller batches, the previous cut), scaled to the batch's token count.
 Scores (moebal.planner.paths.estimate_accuracy): overlap of the top-2k experts (share), how often the top-2k sets
-are equal (Lina's "accurate"), mean absolute error of the counts (and as a share of the mean count).
+are equal (Lina's "accurate"), mean absolute error of the counts (and as a share of the mean count). "all" is the
+mean over layers 1 .. L-1 (the layers with a path before them); every layer, layer 0 included, is under "layers".
 
 Usage: python scripts/eval_path_estimate.py RUN_DIR [--json OUT] [--share 0.6] [--skip 0.3] [--batch 512 64]
 """
@@ -49,7 +51,7 @@ def _score(prof: dict[int, PathProfile], batches: list[np.ndarray], E: int) -> S
         ids, prev = batches[b], batches[b - 1]
         L, T, _ = ids.shape
         top1_TL = ids[:, :, 0].T
-        for j in range(1, L):
+        for j in range(L):
             actual = np.bincount(ids[j].reshape(-1), minlength=E)
             fc: dict[str, np.ndarray] = {
                 "previous": previous_estimate(np.bincount(prev[j].reshape(-1), minlength=E), prev.shape[1], T)}
@@ -65,7 +67,7 @@ def _summary(scores: Scores) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, per_layer in scores.items():
         layers = {str(j): {m: float(np.mean([s[m] for s in v])) for m in METRICS} for j, v in per_layer.items()}
-        every = [s for v in per_layer.values() for s in v]
+        every = [s for j, v in per_layer.items() if j >= 1 for s in v]
         out[name] = {"all": {m: float(np.mean([s[m] for s in every])) for m in METRICS}, "layers": layers,
                      "n": len(every)}
     return out
@@ -92,7 +94,7 @@ def main() -> int:
         sys.exit(f"--skip {args.skip} leaves no samples to profile before --share {args.share}")
     prof = {l_: build_profile(samples[first:cut], E, l_) for l_ in args.path_len}
     res: dict[str, Any] = {
-        "run_dir": str(Path(args.run_dir).resolve()), "samples": len(samples), "profiled": [first, cut],
+        "run_dir": "RUN_DIR", "samples": len(samples), "profiled": [first, cut],
         "scored": len(samples) - cut,
         "shape_LTK": list(samples[0].shape), "num_experts": E, "top_n": 2 * samples[0].shape[2],
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
@@ -107,8 +109,10 @@ def main() -> int:
         print(f"batch {b} tokens, held-out ({res['scored']} samples after {cut}):")
         for name, v in table.items():
             a = v["all"]
+            z = v["layers"]["0"]
             print(f"  {name:16s} top-{res['top_n']} overlap {a['overlap']:.3f}  equal {a['equal']:.3f}  "
-                  f"MAE {a['mae']:.2f} ({a['rel_mae']:.3f} of mean)")
+                  f"MAE {a['mae']:.2f} ({a['rel_mae']:.3f} of mean); layer 0: overlap {z['overlap']:.3f}  "
+                  f"equal {z['equal']:.3f}  MAE {z['rel_mae']:.3f} of mean")
     return 0
 
 

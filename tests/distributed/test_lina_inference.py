@@ -60,7 +60,11 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
         recs[policy] = list(sched.records)
         slept += sched.clock.slept_s if "emulated" in policy else 0.0
     static = out["static"]
-    return {"vs_ref": (static - ref).abs().max().item(),
+    truncated = LinaInference(model, dist.group.WORLD, "lina", prof, truncate=1)  # layer 0's marginal stays whole
+    whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)  # type: ignore[attr-defined]
+    # (under top-k, k >= 2, the marginal has k experts or more, so a truncation to 1 would differ)
+    first_whole = bool(np.array_equal(truncated.first_est, whole)) and (top_k == 1 or (whole > 0).sum() > 1)
+    return {"first_whole": first_whole, "vs_ref": (static - ref).abs().max().item(),
             "vs_static": {p: (o - static).abs().max().item() for p, o in out.items()},
             "equal": {p: bool(torch.equal(o, static)) for p, o in out.items()},
             "replicas": {p: sum(r.replicas for r in rs) for p, rs in recs.items()},
@@ -80,6 +84,7 @@ def test_policies_give_the_static_outputs(world: int, top_k: int) -> None:
         assert r["replans"]["static"] == 0 and r["replans"]["phase1"] == 0
         assert r["slept"] > 0  # emulated devices: compute spans stretched, outputs unchanged (in "equal" above)
         # layer 0 has no path: lina plans it from the profile's marginal, the oracle from its real counts
+        assert r["first_whole"]
         assert r["layer0"]["lina"][0] > 0 and r["layer0"]["oracle"][0] > 0, r["layer0"]
         assert r["layer0"]["lina"][1] is not None and r["layer0"]["static"] == (0, None, r["layer0"]["static"][2])
     # the oracle's rank loads are flatter than static placement's on the skewed layers
