@@ -332,7 +332,8 @@ def main() -> int:
         steps = args.train_steps or (60 if args.quick else None)
         run_dir = Path(args.run_dir) if args.run_dir else train_served(Path(tmp) / "run", steps)
         res = _measure(args, run_dir)
-    res["served_model"] = (str(Path(args.run_dir).resolve()) if args.run_dir else
+    # a given run is named by its folder's name only: a record does not carry the machine's paths
+    res["served_model"] = (f"RUN_DIR ({Path(args.run_dir).name}, given on the command line)" if args.run_dir else
                            "moebal train " + " ".join(SERVED) + (f" (train.steps={steps})" if steps else ""))
     res["wall_s"] = time.perf_counter() - t0
     if args.json:
