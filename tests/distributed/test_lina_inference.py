@@ -64,7 +64,10 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
     whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)  # type: ignore[attr-defined]
     # (under top-k, k >= 2, the marginal has k experts or more, so a truncation to 1 would differ)
     first_whole = bool(np.array_equal(truncated.first_est, whole)) and (top_k == 1 or (whole > 0).sum() > 1)
-    return {"first_whole": first_whole, "vs_ref": (static - ref).abs().max().item(),
+    # a layer's parts (experts, planning, time inside the collectives) are disjoint spans of its time
+    parts_ok = all(r.exchange_s > 0 and r.experts_s + r.plan_s + r.exchange_s <= r.seconds
+                   for rs in recs.values() for r in rs)
+    return {"parts_ok": parts_ok, "first_whole": first_whole, "vs_ref": (static - ref).abs().max().item(),
             "vs_static": {p: (o - static).abs().max().item() for p, o in out.items()},
             "equal": {p: bool(torch.equal(o, static)) for p, o in out.items()},
             "replicas": {p: sum(r.replicas for r in rs) for p, rs in recs.items()},
@@ -84,7 +87,7 @@ def test_policies_give_the_static_outputs(world: int, top_k: int) -> None:
         assert r["replans"]["static"] == 0 and r["replans"]["phase1"] == 0
         assert r["slept"] > 0  # emulated devices: compute spans stretched, outputs unchanged (in "equal" above)
         # layer 0 has no path: lina plans it from the profile's marginal, the oracle from its real counts
-        assert r["first_whole"]
+        assert r["first_whole"] and r["parts_ok"]
         assert r["layer0"]["lina"][0] > 0 and r["layer0"]["oracle"][0] > 0, r["layer0"]
         assert r["layer0"]["lina"][1] is not None and r["layer0"]["static"] == (0, None, r["layer0"]["static"][2])
     # the oracle's rank loads are flatter than static placement's on the skewed layers
