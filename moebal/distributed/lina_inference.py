@@ -167,7 +167,6 @@ class LinaDispatcher:
     def __init__(self, owner: LinaInference, layer: MoELayer, index: int) -> None:
         self.o, self.layer, self.index = owner, layer, index
         self.E, self.K = layer.num_experts, layer.top_k
-        self.exchange_s = 0.0  # the current forward's time inside this layer's collectives (LayerRecord.exchange_s)
 
     @torch.no_grad()
     def forward(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -190,7 +189,7 @@ class LinaDispatcher:
         o.clock.settle()
         t_gather = time.perf_counter()
         dist.all_gather(every, mine, group=o.group)
-        self.exchange_s = time.perf_counter() - t_gather
+        gather_s = time.perf_counter() - t_gather
         o.clock.mark()  # a wait is not the device's compute
         all_RX = torch.stack(every).numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
@@ -200,10 +199,10 @@ class LinaDispatcher:
         self._plan_next(all_RX[:, E:2 * E].sum(axis=0), float(all_RX[:, -1].sum()))
         rows_SRE = split_rows(counts_RE, rmap)
         plan_s += time.perf_counter() - t_plan
-        out_TD, experts_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
+        out_TD, experts_s, a2a_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
         o.clock.settle()  # the combine
         o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
-                                     plan_s=plan_s, exchange_s=self.exchange_s, replanned=replanned,
+                                     plan_s=plan_s, exchange_s=gather_s + a2a_s, replanned=replanned,
                                      rank_rows=rows_SRE.sum(axis=(0, 2)).tolist(), estimate_hit=hit,
                                      replicas=sum(len(h) for h in rmap.holders) - E))
         return out_TD
@@ -246,8 +245,8 @@ class LinaDispatcher:
 
     # ---- 4-5: the token exchange ----
     def _exchange(self, x_TD: torch.Tensor, routing: Routing, experts_A: torch.Tensor, active_A: torch.Tensor | None,
-                  rows_SRE: np.ndarray) -> tuple[torch.Tensor, float]:
-        """(the layer's output, seconds of this rank's expert compute)."""
+                  rows_SRE: np.ndarray) -> tuple[torch.Tensor, float, float]:
+        """(the layer's output, seconds of this rank's expert compute, seconds inside the two all-to-alls)."""
         E, R, r = self.E, self.o.R, self.o.r
         T, K = routing.indices_TK.shape
         dev = x_TD.device
@@ -260,29 +259,30 @@ class LinaDispatcher:
         assign_N = by_expert[order]  # assignments in (holder, expert) order
         x_ND = x_TD.index_select(0, torch.div(assign_N, K, rounding_mode="floor"))
         recv_SE = rows_SRE[:, r, :]
-        x_MD = self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1))
+        x_MD, dispatch_s = self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1))
         t0 = time.perf_counter()  # on a GPU this times the launches only (no sync is added for a figure)
         y_MD = self._experts(x_MD, recv_SE)
         self.o.clock.settle()  # (emulated devices: the experts' time as the device's)
         experts_s = time.perf_counter() - t0
-        y_ND = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
+        y_ND, combine_s = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
         y_AD = x_TD.new_zeros(T * K, x_TD.shape[1])
         y_AD[assign_N] = y_ND.to(y_AD.dtype)
         w_TK = routing.weights_TK.to(y_AD.dtype)
         if active_A is not None:
             w_TK = w_TK * active_A.view(T, K)
         out_TD: torch.Tensor = (y_AD.view(T, K, -1) * w_TK.unsqueeze(-1)).sum(dim=1)
-        return out_TD, experts_s
+        return out_TD, experts_s, dispatch_s + combine_s
 
-    def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> torch.Tensor:
+    def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> tuple[torch.Tensor, float]:
+        """(the rows received, seconds inside the collective, waiting included)."""
         out = x_ND.new_empty(int(recv_R.sum()), x_ND.shape[1])
         x_ND = x_ND.contiguous()
         self.o.clock.settle()
         t0 = time.perf_counter()
         dist.all_to_all_single(out, x_ND, [int(v) for v in recv_R], [int(v) for v in send_R], group=self.o.group)
-        self.exchange_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         self.o.clock.mark()
-        return out
+        return out, seconds
 
     def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray) -> torch.Tensor:
         block = CPU_BLOCK_ROWS if x_MD.device.type == "cpu" else 0  # see CPU_BLOCK_ROWS
