@@ -12,7 +12,7 @@ from moebal.config import from_dict
 from moebal.distributed.lina_inference import LinaInference
 from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
-from moebal.planner.paths import build_profile
+from moebal.planner.paths import PathProfile, build_profile
 
 E, L = 8, 4
 
@@ -35,7 +35,7 @@ def _ids(rows: int) -> torch.Tensor:
     return torch.randint(0, 256, (rows, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _profile(model: torch.nn.Module) -> object:
+def _profile(model: torch.nn.Module) -> PathProfile:
     with torch.no_grad():
         model(torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(2)))
     ids = np.stack([layer.last_routing.indices_TK.numpy() for layer in model.moe_layers()])
@@ -61,7 +61,7 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
         slept += sched.clock.slept_s if "emulated" in policy else 0.0
     static = out["static"]
     truncated = LinaInference(model, dist.group.WORLD, "lina", prof, truncate=1)  # layer 0's marginal stays whole
-    whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)  # type: ignore[attr-defined]
+    whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)
     # (under top-k, k >= 2, the marginal has k experts or more, so a truncation to 1 would differ)
     first_whole = bool(np.array_equal(truncated.first_est, whole)) and (top_k == 1 or (whole > 0).sum() > 1)
     # a layer's parts (experts, planning, time inside the collectives) are disjoint spans of its time
