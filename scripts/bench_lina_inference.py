@@ -21,7 +21,7 @@ them (1 .. L-1, `*_layers_1_on`; layer 0 is planned from the profile's marginal 
 scheduled, and this figure compares with records made when layer 0 ran static under every policy). Beside them,
 what the layer time is made of: the slowest rank's expert compute, planning and time inside the collectives,
 waits included (`exchange_s`), per layer (summed over layers 1 .. L-1, per policy); the two collectives a layer
-makes, timed alone on the same ranks (`comm_floor`: one all-gather of the counts and two all-to-alls of a rank's
+makes, timed alone on the same ranks (`comm_floor`: the count exchange and two all-to-alls of a rank's
 rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
 groups against the CPU's blocks (`expert_us_per_row`).
 
@@ -183,25 +183,32 @@ def _planning_costs(profile: Any, sample: np.ndarray, ranks: list[int], tokens: 
 
 def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps: int) -> dict[str, float]:
     """Median seconds of the two collectives an MoE layer makes under every policy, with nothing else to wait for:
-    the all-gather of `fields` doubles per rank (counts, estimate, tokens) and an all-to-all of `rows` rows of
-    `dim` fp32 values per rank in equal splits (each layer makes two)."""
+    the count exchange of `fields` doubles per rank (counts, estimate, tokens: one all-to-all of the row
+    repeated, as the dispatcher makes it) and an all-to-all of `rows` rows of `dim` fp32 values per rank in equal
+    splits (each layer makes two). Beside them, the same count exchange as gloo's all-gather (`all_gather_s`),
+    the primitive the dispatcher does not use (docs/expert-parallel.md)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     mine = torch.zeros(fields, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(world)]
+    every, every_list = torch.empty(world, fields, dtype=torch.float64), [torch.empty_like(mine) for _ in range(world)]
     x, out = torch.randn(rows, dim), torch.empty(rows, dim)
-    times: dict[str, list[float]] = {"all_gather_s": [], "all_to_all_s": []}
+    times: dict[str, list[float]] = {"counts_s": [], "all_to_all_s": [], "all_gather_s": []}
     for i in range(reps + 5):
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_gather(every, mine)
+        dist.all_to_all_single(every, mine.repeat(world))
         t1 = time.perf_counter()
         dist.all_to_all_single(out, x)
         t2 = time.perf_counter()
+        dist.barrier()
+        t3 = time.perf_counter()
+        dist.all_gather(every_list, mine)
+        t4 = time.perf_counter()
         if i >= 5:
-            times["all_gather_s"].append(t1 - t0)
+            times["counts_s"].append(t1 - t0)
             times["all_to_all_s"].append(t2 - t1)
+            times["all_gather_s"].append(t4 - t3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -258,7 +265,7 @@ def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, profil
         tokens = args.rows * batches[0].shape[1]
         floor = run_ranks(_floor_worker, R, 2 * E + 1, tokens, cfg.model.dim, 100, timeout_s=600)
         summ["comm_floor"] = {k: max(f[k] for f in floor) for k in floor[0]}
-        summ["comm_floor"]["per_layer_s"] = summ["comm_floor"]["all_gather_s"] + 2 * summ["comm_floor"]["all_to_all_s"]
+        summ["comm_floor"]["per_layer_s"] = summ["comm_floor"]["counts_s"] + 2 * summ["comm_floor"]["all_to_all_s"]
         summ["skew_timed_batches"] = _skew(_routing(model, batches), E)
         summ["policy_order_per_round"] = order
         if dilate == 1.0:

@@ -10,7 +10,8 @@ the real counts into rows per (source, holder).
 One MoE layer i on rank r (`LinaDispatcher.forward`):
   1. the gate has run (MoELayer.route); append each token's first choice to its path; count this rank's
      assignments per expert; estimate layer i+1's loads from the paths (`PathProfile.estimate`);
-  2. one all-gather of [counts_E | estimate of layer i+1 | tokens] over the group      <- host sync: splits
+  2. one count exchange of [counts_E | estimate of layer i+1 | tokens] over the group <- host sync: splits
+     (an all-gather, made as one all-to-all: every rank sends its row to every rank)
      (the piggy-back: Lina adds the estimate to the layer's first all-to-all for device 0 and sends the new
      mapping back on the second; here every rank receives every rank's counts and estimate in the one small
      exchange the layer needs anyway for its split sizes, and computes the same deterministic plan, so no
@@ -24,7 +25,7 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
   5. all-to-all back, rows restored to the token order, combined with the gate weights.
 
 Emulated devices (`dilate` > 1, CPU benchmarks only: moebal/distributed/dilate.py): every span of compute between
-two points where a rank meets the others (each layer's start and end, the all-gather, both all-to-alls) lasts
+two points where a rank meets the others (each layer's start and end, the count exchange, both all-to-alls) lasts
 `dilate` x its CPU time, as on devices that much slower than a core; with more ranks than cores this keeps the OS
 from time-slicing the ranks' compute against each other. The host's planning is dilated with the rest (a GPU
 system plans on its CPU at full speed): a cost that only Lina's and the oracle's planning pays.
@@ -77,8 +78,9 @@ MIN_ROWS = 64
 # 5-7 us at 112 rows, 5.3-5.7 us at every size with the buffers allocated once or in blocks of 128), so the
 # rank that held one large expert was the slowest whatever FFD's balance of rows. In blocks the cost per row is
 # the same at every group size, which is what FFD's balance of rows assumes. (moebal leaves glibc's settings
-# alone: docs/memory.md.) A block is never under MIN_ROWS rows (padded), so the bits do not change. On a GPU
-# the group runs whole (one GEMM per projection).
+# alone: docs/memory.md.) A group of n >= CPU_BLOCK_ROWS rows runs in n // CPU_BLOCK_ROWS near-equal parts, so
+# no part is padded (a 60-row tail padded to MIN_ROWS was 4 % more rows on a 430-row group) and the bits do not
+# change. On a GPU the group runs whole (one GEMM per projection).
 CPU_BLOCK_ROWS = 128
 
 
@@ -90,7 +92,7 @@ class LayerRecord:
     seconds: float  # from the dispatcher's entry to its exit (planning, both exchanges, experts)
     experts_s: float  # of which this rank's own expert compute (no waiting: the rest is exchanges and planning)
     plan_s: float  # of which the path estimate, the mappings (FFD) and the row split, between gate and all-to-all
-    exchange_s: float  # of which inside the three collectives (the all-gather, both all-to-alls), waiting included
+    exchange_s: float  # of which inside the three collectives (the count exchange, both all-to-alls), waiting included
     replanned: bool  # phase 2 re-planned from the real counts
     rank_rows: list[int]  # rows each rank computed
     estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
@@ -182,16 +184,18 @@ class LinaDispatcher:
         t_est = time.perf_counter()
         est_E = self._estimate_next()
         plan_s = time.perf_counter() - t_est
-        # 2. one all-gather: counts, next layer's estimate, tokens (the layer's one host sync)
+        # 2. the count exchange: counts, next layer's estimate, tokens to every rank (the layer's one host sync)
         mine = torch.cat([counts_E.double().cpu(), torch.as_tensor(est_E, dtype=torch.float64),
                           torch.tensor([float(T)], dtype=torch.float64)])
-        every = [torch.empty_like(mine) for _ in range(R)]
+        every = torch.empty(R, mine.numel(), dtype=torch.float64)
         o.clock.settle()
         t_gather = time.perf_counter()
-        dist.all_gather(every, mine, group=o.group)
+        # an all-gather made as one all-to-all (every rank sends its row to every rank): one round of direct
+        # exchanges, where gloo's all-gather is a ring of R - 1 dependent steps (docs/expert-parallel.md)
+        dist.all_to_all_single(every, mine.repeat(R), group=o.group)
         gather_s = time.perf_counter() - t_gather
         o.clock.mark()  # a wait is not the device's compute
-        all_RX = torch.stack(every).numpy()
+        all_RX = every.numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
         t_plan = time.perf_counter()
@@ -291,22 +295,35 @@ class LinaDispatcher:
 
 def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: int = 0) -> torch.Tensor:
     """The received rows (blocks in (source, expert) order, `recv_SE` rows per block) through their experts' SwiGLU
-    (`experts.w1`, `w3`: [E, F, D], `w2`: [E, D, F]), one expert at a time; `block` > 0 runs an expert's rows
-    in blocks of that many (CPU_BLOCK_ROWS), 0 in one GEMM per projection. Every GEMM has at least MIN_ROWS rows
-    (zero rows pad a smaller one), so a row's output does not depend on its group or block."""
-    y_MD = torch.empty_like(x_MD)
-    starts = np.concatenate([[0], np.cumsum(recv_SE.reshape(-1))]).reshape(-1)
+    (`experts.w1`, `w3`: [E, F, D], `w2`: [E, D, F]), one expert at a time.
+
+    The rows are gathered once into expert-major order (each expert's rows contiguous, sources in order) and the
+    outputs scattered back once, so an expert's GEMMs read and write slices, whatever the number of sources.
+    `block` > 0 (CPU_BLOCK_ROWS) runs a group of n >= `block` rows in n // `block` near-equal parts (each
+    `block` to 2 x `block` - 1 rows: no short tail to pad); 0 runs it in one GEMM per projection. A group under
+    MIN_ROWS rows is padded with zero rows to MIN_ROWS (see MIN_ROWS), so a row's output does not depend on its
+    group or block."""
+    if block and block < MIN_ROWS:
+        raise ValueError(f"expert_rows: block ({block}) must be 0 (whole groups) or at least MIN_ROWS ({MIN_ROWS})")
     S, E = recv_SE.shape
+    per_E = recv_SE.sum(axis=0)
+    expert_M = np.repeat(np.tile(np.arange(E), S), recv_SE.reshape(-1))
+    order_M = torch.as_tensor(np.argsort(expert_M, kind="stable")).to(x_MD.device)  # expert-major, sources kept
+    x_sorted = x_MD.index_select(0, order_M)
+    y_sorted = torch.empty_like(x_sorted)
+    start = 0
     for e in range(E):
-        idx = [torch.arange(int(starts[s * E + e]), int(starts[s * E + e + 1])) for s in range(S) if recv_SE[s, e]]
-        if not idx:
+        n = int(per_E[e])
+        if not n:
             continue
-        group = torch.cat(idx).to(x_MD.device)
-        for rows in group.split(block) if block else (group,):
-            x = x_MD.index_select(0, rows)
-            n = x.shape[0]
-            if n < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
-                x = torch.cat([x, x.new_zeros(MIN_ROWS - n, x.shape[1])])
-            h = F.silu(x @ experts.w1[e].to(x.dtype).T) * (x @ experts.w3[e].to(x.dtype).T)
-            y_MD[rows] = (h @ experts.w2[e].to(x.dtype).T)[:n]
-    return y_MD
+        w1, w3, w2 = (w[e].to(x_MD.dtype) for w in (experts.w1, experts.w3, experts.w2))
+        parts = max(1, n // block) if block else 1
+        cuts = [start + i * n // parts for i in range(parts + 1)]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            x = x_sorted[lo:hi]
+            if hi - lo < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
+                x = torch.cat([x, x.new_zeros(MIN_ROWS - (hi - lo), x.shape[1])])
+            h = F.silu(x @ w1.T) * (x @ w3.T)
+            y_sorted[lo:hi] = (h @ w2.T)[:hi - lo]
+        start += n
+    return y_sorted.new_empty(y_sorted.shape).index_copy_(0, order_M, y_sorted)
