@@ -20,10 +20,13 @@ round's median per policy, the median over rounds, static / lina, and the same o
 them (1 .. L-1, `*_layers_1_on`; layer 0 is planned from the profile's marginal of layer 0, so every layer is
 scheduled, and this figure compares with records made when layer 0 ran static under every policy). Beside them,
 what the layer time is made of: the slowest rank's expert compute, planning and time inside the collectives,
-waits included (`exchange_s`), per layer (summed over layers 1 .. L-1, per policy); the two collectives a layer
-makes, timed alone on the same ranks (`comm_floor`: the count exchange and two all-to-alls of a rank's
-rows), which no placement shrinks; and the expert loop's cost per row by group size, whole
-groups against the CPU's blocks (`expert_us_per_row`).
+waits included (`exchange_s`), per layer (summed over layers 1 .. L-1, per policy); how evenly a layer's work
+falls on the ranks, as rows (`rank_load_max_over_mean`, the busiest rank's rows over the mean, every layer) and
+as measured expert time (`experts_s_max_over_mean_layers_1_on`, the same of each rank's expert compute, layers
+1 .. L-1: above the rows' figure by the per-group cost and by the host's noise in each rank's compute); the two
+collectives a layer makes, timed alone on the same ranks (`comm_floor`: the count exchange and two all-to-alls of a
+rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole groups against
+the CPU's blocks (`expert_us_per_row`).
 
 `--dilate 1 3` adds, per rank count, a run on devices emulated 3x slower than a core (moebal/distributed/dilate.py:
 every span of compute between meeting points lasts 3x its CPU time, so 4 ranks on 2 cores are not time-sliced
@@ -233,12 +236,16 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd]
                  for fwd in f0]
         hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
+        spread = [max(t) / max(statistics.mean(t), 1e-12)  # one layer's expert time over the ranks: max / mean
+                  for rnd in range(rounds) for f in range(len(f0)) for j in range(1, L)
+                  for t in [[r["rounds"][rnd][p]["forwards"][f][j]["experts_s"] for r in results]]]
         out[p] = {"moe_s_rounds": moe_all, "moe_s": statistics.median(moe_all),
                   "moe_s_layers_1_on_rounds": moe_sched, "moe_s_layers_1_on": statistics.median(moe_sched),
                   "experts_s_layers_1_on_rounds": experts, "experts_s_layers_1_on": statistics.median(experts),
                   "plan_s_layers_1_on": statistics.median(plan),
                   "exchange_s_layers_1_on": statistics.median(exchange),
                   "rank_load_max_over_mean": statistics.mean(x for fwd in loads for x in fwd),
+                  "experts_s_max_over_mean_layers_1_on": statistics.mean(spread),
                   "replans_per_forward": statistics.mean(sum(rec["replanned"] for rec in fwd) for fwd in f0),
                   "estimate_top2k_equal": statistics.mean(hits) if hits else None,
                   "equal_static": all(r["rounds"][i][p]["equal_static"] is not False
@@ -282,7 +289,11 @@ def _run_width(model: Any, cfg: Any, data: Any, args: argparse.Namespace, profil
               f"{all(summ[p]['equal_static'] for p in POLICIES)}; layers 1..L-1: experts (slowest rank) static "
               f"{summ['static']['experts_s_layers_1_on'] * 1e3:.1f} ms, lina "
               f"{summ['lina']['experts_s_layers_1_on'] * 1e3:.1f} ms "
-              f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); planning (slowest rank) static "
+              f"({summ['static_over_lina_experts_layers_1_on']:.2f}x); a layer's rows max/mean over the ranks: "
+              f"static {summ['static']['rank_load_max_over_mean']:.2f}, "
+              f"lina {summ['lina']['rank_load_max_over_mean']:.2f}"
+              f"; its expert time max/mean: static {summ['static']['experts_s_max_over_mean_layers_1_on']:.2f}, lina "
+              f"{summ['lina']['experts_s_max_over_mean_layers_1_on']:.2f}; planning (slowest rank) static "
               f"{summ['static']['plan_s_layers_1_on'] * 1e3:.1f} ms, "
               f"lina {summ['lina']['plan_s_layers_1_on'] * 1e3:.1f} ms; in the collectives (slowest rank, waits "
               f"included) static {summ['static']['exchange_s_layers_1_on'] * 1e3:.1f} ms, "

@@ -23,6 +23,10 @@ def test_quick_run_at_two_widths_reports_each_and_outputs_equal(tmp_path) -> Non
         (summ,) = rec["by_ranks"].values()
         assert all(summ[p]["equal_static"] for p in ("lina", "phase1", "oracle"))
         assert summ["static_over_lina"] > 0 and len(summ["policy_order_per_round"]) == 1
+        for p in ("static", "lina"):  # a max over the ranks is at least their mean
+            assert summ[p]["experts_s_max_over_mean_layers_1_on"] >= 1.0 and summ[p]["rank_load_max_over_mean"] >= 1.0
+        floor = summ["comm_floor"]
+        assert floor["per_layer_s"] == floor["counts_s"] + 2 * floor["all_to_all_s"] and floor["all_gather_s"] > 0
     # the wider experts cost more per row (the point of padding)
     rows = {w: rec["expert_us_per_row"]["blocks"]["1024"] for w, rec in rep["by_width"].items()}
     assert rows["256"] > rows["128"]
