@@ -26,7 +26,10 @@ as measured expert time (`experts_s_max_over_mean_layers_1_on`, the same of each
 1 .. L-1: above the rows' figure by the per-group cost and by the host's noise in each rank's compute); the two
 collectives a layer makes, timed alone on the same ranks (`comm_floor`: the count exchange and two all-to-alls of a
 rank's rows), which no placement shrinks; and the expert loop's cost per row by group size, whole groups against
-the CPU's blocks (`expert_us_per_row`).
+the CPU's blocks (`expert_us_per_row`); and how much a rank's CPU time for the same rows varies on this host,
+alone and with every rank computing at once at the emulation's duty cycle (`expert_cpu_spread`: the 10th, 50th and
+90th percentiles of the expert loop on a balanced rank's rows), which a balanced placement pays and static's hot
+rank, computing alone, does not.
 
 `--dilate 1 3` adds, per rank count, a run on devices emulated 3x slower than a core (moebal/distributed/dilate.py:
 every span of compute between meeting points lasts 3x its CPU time, so 4 ranks on 2 cores are not time-sliced
@@ -54,6 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -157,6 +161,45 @@ def _row_costs(layer: Any, dim: int, sizes: tuple[int, ...] = (64, 128, 256, 512
                 out[name][str(n)] = statistics.median(times) / n * 1e6
     finally:
         torch.set_num_threads(threads)
+    return out
+
+
+def _spread_worker(rank: int, world: int, shape: tuple[int, int, int], rows: int, dilate: float, seconds: float
+                   ) -> dict[str, float]:
+    """CPU-time percentiles (ms) of the expert loop on `rows` rows of two experts ([E, D, F] `shape`, random
+    weights), repeated for `seconds` at an emulated device's duty cycle (each run followed by a sleep to `dilate`
+    x its CPU time, as DeviceClock does), on this rank while the other ranks do the same."""
+    torch.set_num_threads(1)
+    E, D, Fw = shape
+    g = torch.Generator().manual_seed(rank)
+    ex = SimpleNamespace(w1=torch.randn(E, Fw, D, generator=g), w3=torch.randn(E, Fw, D, generator=g),
+                         w2=torch.randn(E, D, Fw, generator=g))
+    recv = np.zeros((1, E), dtype=np.int64)
+    recv[0, :2] = rows - rows // 5, rows // 5  # a balanced rank's share: most of one expert, part of another
+    x = torch.randn(rows, D, generator=g)
+    cpu: list[float] = []
+    end = time.perf_counter() + seconds
+    with torch.no_grad():
+        while time.perf_counter() < end:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            expert_rows(ex, x, recv, CPU_BLOCK_ROWS)
+            cpu.append(time.thread_time() - c0)
+            rest = dilate * cpu[-1] - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+    p10, p50, p90 = np.percentile(np.array(cpu) * 1e3, [10, 50, 90])
+    return {"p10_ms": float(p10), "p50_ms": float(p50), "p90_ms": float(p90), "runs": float(len(cpu))}
+
+
+def _cpu_spread(shape: tuple[int, int, int], rows: int, ranks: list[int], dilate: float, seconds: float = 6.0
+                ) -> dict[str, Any]:
+    """How much a rank's expert time varies for the same rows on this host: `_spread_worker` on one rank alone,
+    then on each rank count at once (every rank's percentiles). A layer waits for the slowest rank, so under a
+    balanced placement this spread, not the rows, sets the layer's expert time; a device's kernels vary far less."""
+    out: dict[str, Any] = {"rows": rows, "dilate": dilate,
+                           "alone": run_ranks(_spread_worker, 1, shape, rows, dilate, seconds)[0]}
+    for R in ranks:
+        out[f"{R}_at_once"] = run_ranks(_spread_worker, R, shape, rows, dilate, seconds, timeout_s=600)
     return out
 
 
@@ -392,8 +435,15 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
         print(f"width {width}: expert cost per row (us, one thread), by group size: " + "; ".join(
             f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
+        layer = next(iter(model.moe_layers()))
+        spread = _cpu_spread(tuple(layer.experts.w1.shape[i] for i in (0, 2, 1)), args.rows * cfg.data.seq_len,
+                             args.ranks, max(args.dilate), 2.0 if args.quick else 6.0)
+        print(f"width {width}: expert loop CPU time on {spread['rows']} rows (ms, p10/p50/p90), at a duty cycle of "
+              f"1/{spread['dilate']:g}: alone " + "/".join(f"{v:.2f}" for v in list(spread["alone"].values())[:3])
+              + "".join(f"; {R} ranks at once " + ", ".join("/".join(f"{v:.2f}" for v in list(r.values())[:3])
+                                                           for r in spread[f"{R}_at_once"]) for R in args.ranks))
         res["by_width"][str(width)] = {"padding_max_logit_diff": pad_diff, "expert_us_per_row": row_costs,
-                                       **_run_width(model, cfg, data, args, profile)}
+                                       "expert_cpu_spread": spread, **_run_width(model, cfg, data, args, profile)}
     return res
 
 

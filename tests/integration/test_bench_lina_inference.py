@@ -27,6 +27,9 @@ def test_quick_run_at_two_widths_reports_each_and_outputs_equal(tmp_path) -> Non
             assert summ[p]["experts_s_max_over_mean_layers_1_on"] >= 1.0 and summ[p]["rank_load_max_over_mean"] >= 1.0
         floor = summ["comm_floor"]
         assert floor["per_layer_s"] == floor["counts_s"] + 2 * floor["all_to_all_s"] and floor["all_gather_s"] > 0
+        spread = rec["expert_cpu_spread"]
+        for pct in [spread["alone"], *spread["2_at_once"]]:  # one rank alone, then both ranks at once
+            assert 0 < pct["p10_ms"] <= pct["p50_ms"] <= pct["p90_ms"] and pct["runs"] >= 1
     # the wider experts cost more per row (the point of padding)
     rows = {w: rec["expert_us_per_row"]["blocks"]["1024"] for w, rec in rep["by_width"].items()}
     assert rows["256"] > rows["128"]
