@@ -185,17 +185,19 @@ class LinaDispatcher:
         est_E = self._estimate_next()
         plan_s = time.perf_counter() - t_est
         # 2. the count exchange: counts, next layer's estimate, tokens to every rank (the layer's one host sync)
-        mine = torch.cat([counts_E.double().cpu(), torch.as_tensor(est_E, dtype=torch.float64),
-                          torch.tensor([float(T)], dtype=torch.float64)])
-        every = torch.empty(R, mine.numel(), dtype=torch.float64)
+        # (on the rows' device: NCCL exchanges device tensors; gloo's are the CPU's)
+        dev = x_TD.device
+        mine = torch.cat([counts_E.double(), torch.as_tensor(est_E, dtype=torch.float64, device=dev),
+                          torch.tensor([float(T)], dtype=torch.float64, device=dev)])
+        every = mine.new_empty(R, mine.numel())
         o.clock.settle()
         t_gather = time.perf_counter()
         # an all-gather made as one all-to-all (every rank sends its row to every rank): one round of direct
         # exchanges, where gloo's all-gather is a ring of R - 1 dependent steps (docs/expert-parallel.md)
         dist.all_to_all_single(every, mine.repeat(R), group=o.group)
+        all_RX = every.cpu().numpy()  # the host sync: split sizes and plans are host figures
         gather_s = time.perf_counter() - t_gather
         o.clock.mark()  # a wait is not the device's compute
-        all_RX = every.numpy()
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
         t_plan = time.perf_counter()
