@@ -65,6 +65,7 @@ import torch
 
 from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
 from moebal.data import build_data, eval_batches
+from moebal.distributed.dilate import settle
 from moebal.distributed.lina_inference import CPU_BLOCK_ROWS, expert_rows
 from moebal.distributed.testing import run_ranks
 from moebal.kernels.bench import time_fn
@@ -184,9 +185,7 @@ def _spread_worker(rank: int, world: int, shape: tuple[int, int, int], rows: int
             t0, c0 = time.perf_counter(), time.thread_time()
             expert_rows(ex, x, recv, CPU_BLOCK_ROWS)
             cpu.append(time.thread_time() - c0)
-            rest = dilate * cpu[-1] - (time.perf_counter() - t0)
-            if rest > 0:
-                time.sleep(rest)
+            settle(dilate, cpu[-1], t0)
     p10, p50, p90 = np.percentile(np.array(cpu) * 1e3, [10, 50, 90])
     return {"p10_ms": float(p10), "p50_ms": float(p50), "p90_ms": float(p90), "runs": float(len(cpu))}
 
@@ -258,6 +257,11 @@ def _floor_worker(rank: int, world: int, fields: int, rows: int, dim: int, reps:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _max_over_mean(per_rank: list[float]) -> float:
+    """The busiest rank's figure over the ranks' mean (1: even)."""
+    return max(per_rank) / max(statistics.mean(per_rank), 1e-12)
+
+
 def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     L = len(results[0]["rounds"][0]["static"]["forwards"][0])
@@ -276,12 +280,10 @@ def _summary(results: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         experts, plan = per_round(p, "experts_s", 1), per_round(p, "plan_s", 1)
         exchange = per_round(p, "exchange_s", 1)
         f0 = results[0]["rounds"][0][p]["forwards"]
-        loads = [[max(rec["rank_rows"]) / max(statistics.mean(rec["rank_rows"]), 1e-9) for rec in fwd]
-                 for fwd in f0]
+        loads = [[_max_over_mean(rec["rank_rows"]) for rec in fwd] for fwd in f0]
         hits = [rec["estimate_hit"] for fwd in f0 for rec in fwd if rec["estimate_hit"] is not None]
-        spread = [max(t) / max(statistics.mean(t), 1e-12)  # one layer's expert time over the ranks: max / mean
-                  for rnd in range(rounds) for f in range(len(f0)) for j in range(1, L)
-                  for t in [[r["rounds"][rnd][p]["forwards"][f][j]["experts_s"] for r in results]]]
+        spread = [_max_over_mean([r["rounds"][rnd][p]["forwards"][f][j]["experts_s"] for r in results])
+                  for rnd in range(rounds) for f in range(len(f0)) for j in range(1, L)]
         out[p] = {"moe_s_rounds": moe_all, "moe_s": statistics.median(moe_all),
                   "moe_s_layers_1_on_rounds": moe_sched, "moe_s_layers_1_on": statistics.median(moe_sched),
                   "experts_s_layers_1_on_rounds": experts, "experts_s_layers_1_on": statistics.median(experts),
@@ -432,16 +434,16 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             res["planning_ms"] = _planning_costs(profile, prof_routing[0], args.ranks, args.rows * cfg.data.seq_len)
             print("planning alone (ms, one thread, last layer): " + ", ".join(
                 f"{k[:-3]} {v:.3f}" for k, v in res["planning_ms"].items() if k.endswith("_ms")))
-        row_costs = _row_costs(next(iter(model.moe_layers())), cfg.model.dim)
+        layer = next(iter(model.moe_layers()))
+        row_costs = _row_costs(layer, cfg.model.dim)
         print(f"width {width}: expert cost per row (us, one thread), by group size: " + "; ".join(
             f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
-        layer = next(iter(model.moe_layers()))
         spread = _cpu_spread(tuple(layer.experts.w1.shape[i] for i in (0, 2, 1)), args.rows * cfg.data.seq_len,
                              args.ranks, max(args.dilate), 2.0 if args.quick else 6.0)
+        pcts = lambda r: "/".join(f"{r[k]:.2f}" for k in ("p10_ms", "p50_ms", "p90_ms"))  # noqa: E731
         print(f"width {width}: expert loop CPU time on {spread['rows']} rows (ms, p10/p50/p90), at a duty cycle of "
-              f"1/{spread['dilate']:g}: alone " + "/".join(f"{v:.2f}" for v in list(spread["alone"].values())[:3])
-              + "".join(f"; {R} ranks at once " + ", ".join("/".join(f"{v:.2f}" for v in list(r.values())[:3])
-                                                           for r in spread[f"{R}_at_once"]) for R in args.ranks))
+              f"1/{spread['dilate']:g}: alone {pcts(spread['alone'])}"
+              + "".join(f"; {R} ranks at once " + ", ".join(map(pcts, spread[f"{R}_at_once"])) for R in args.ranks))
         res["by_width"][str(width)] = {"padding_max_logit_diff": pad_diff, "expert_us_per_row": row_costs,
                                        "expert_cpu_spread": spread, **_run_width(model, cfg, data, args, profile)}
     return res
