@@ -190,6 +190,11 @@ def _spread_worker(rank: int, world: int, shape: tuple[int, int, int], rows: int
     return {"p10_ms": float(p10), "p50_ms": float(p50), "p90_ms": float(p90), "runs": float(len(cpu))}
 
 
+def _percentiles(pct: dict[str, float]) -> str:
+    """"p10/p50/p90" of one `_spread_worker` result, in ms."""
+    return "/".join(f"{pct[k]:.2f}" for k in ("p10_ms", "p50_ms", "p90_ms"))
+
+
 def _cpu_spread(shape: tuple[int, int, int], rows: int, ranks: list[int], dilate: float, seconds: float = 6.0
                 ) -> dict[str, Any]:
     """How much a rank's expert time varies for the same rows on this host: `_spread_worker` on one rank alone,
@@ -440,10 +445,10 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
         spread = _cpu_spread(tuple(layer.experts.w1.shape[i] for i in (0, 2, 1)), args.rows * cfg.data.seq_len,
                              args.ranks, max(args.dilate), 2.0 if args.quick else 6.0)
-        pcts = lambda r: "/".join(f"{r[k]:.2f}" for k in ("p10_ms", "p50_ms", "p90_ms"))  # noqa: E731
         print(f"width {width}: expert loop CPU time on {spread['rows']} rows (ms, p10/p50/p90), at a duty cycle of "
-              f"1/{spread['dilate']:g}: alone {pcts(spread['alone'])}"
-              + "".join(f"; {R} ranks at once " + ", ".join(map(pcts, spread[f"{R}_at_once"])) for R in args.ranks))
+              f"1/{spread['dilate']:g}: alone {_percentiles(spread['alone'])}"
+              + "".join(f"; {R} ranks at once " + ", ".join(map(_percentiles, spread[f"{R}_at_once"]))
+                        for R in args.ranks))
         res["by_width"][str(width)] = {"padding_max_logit_diff": pad_diff, "expert_us_per_row": row_costs,
                                        "expert_cpu_spread": spread, **_run_width(model, cfg, data, args, profile)}
     return res

@@ -328,4 +328,4 @@ def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: in
             h = F.silu(x @ w1.T) * (x @ w3.T)
             y_sorted[lo:hi] = (h @ w2.T)[:hi - lo]
         start += n
-    return y_sorted.new_empty(y_sorted.shape).index_copy_(0, order_M, y_sorted)
+    return torch.empty_like(y_sorted).index_copy_(0, order_M, y_sorted)
