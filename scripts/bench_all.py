@@ -510,7 +510,8 @@ ROWS: tuple[Row, ...] = (
         PIPELINE),
     Row("pipeline rebalancing, Mixture-of-Depths (layer halves as units)", "pipeline_mod", fig_pipeline("mod"),
         PIPELINE, target="1.1x"),
-    Row("pipeline rebalancing, dynamic sparse attention (per-layer block densities a bounded random walk)",
+    Row("pipeline rebalancing, dynamic sparse attention (per-layer block densities a bounded random walk that "
+        "follows depth)",
         "pipeline_sparse_attention", fig_pipeline("sparse_attention"),
         PIPELINE, target="1.15x"),
     Row("re-pack onto fewer ranks (early exit leaving 28 % of the work)", "pipeline_repack", fig_repack,
