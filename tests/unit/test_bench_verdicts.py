@@ -107,3 +107,32 @@ def test_an_option_reaches_its_scheme_s_groups_and_bad_ones_are_named(bench) -> 
                      ("sparse_attention.tilt=1", "no setting 'tilt'")):
         with pytest.raises(ValueError, match=why):
             bench.parse_options([bad])
+
+
+def test_the_unit_ceiling_costs_the_start_and_the_best_partition_from_the_last_profile(bench) -> None:
+    # costs falling with depth, 8 layers on 2 stages: the uniform start [4, 4] has stages 26 and 11 (max/mean
+    # 26 / 18.5); the exact min-max partition is [3, 5] with 21 and 16, so the ceiling is 26 / 21
+    costs = [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 2.0]
+
+    def plan(step: int, sizes: list[int], frm: list[int], c: list[float], bal: str = "partition") -> dict:
+        return {"step": step, "sizes": sizes, "balancer": bal,
+                "meta": {"from": frm, "costs": c, "first_extra": 0.0, "last_extra": 0.0}}
+
+    plans = [plan(4, [4, 4], [4, 4], [1.0] * 8), plan(8, [3, 5], [4, 4], costs),
+             plan(12, [3, 5], [3, 5], costs), plan(12, [8], [3, 5], costs, bal="repack")]
+    c = bench.unit_ceiling(plans)
+    assert c["step"] == 12 and c["start_sizes"] == [4, 4] and c["best_sizes"] == [3, 5]
+    assert c["start_max_over_mean"] == round(26 / 18.5, 4) and c["best_max_over_mean"] == round(21 / 18.5, 4)
+    assert c["ceiling"] == round(26 / 21, 4)
+    # a pinned head as heavy as the first stage's surplus: the uniform start is already the best
+    head = [plan(4, [4, 4], [4, 4], costs)]
+    head[0]["meta"]["last_extra"] = 15.0
+    h = bench.unit_ceiling(head)
+    assert h["best_sizes"] == [4, 4] and h["ceiling"] == 1.0
+    assert bench.unit_ceiling([]) is None and bench.unit_ceiling(plans[-1:]) is None  # static; re-pack only
+    # the verdict carries the median ceiling of the mode's rebalanced runs beside the measured speed-up
+    rows = [_row("sparse_attention", "static", 0, 1000.0, unit_ceiling=None),
+            _row("sparse_attention", "partition", 0, 1060.0, unit_ceiling={"ceiling": 1.08}),
+            _row("sparse_attention", "diffusion", 0, 1050.0, unit_ceiling={"ceiling": 1.09})]
+    target = bench.verdicts(rows)["targets"]["dilate: sparse_attention: best rebalanced / static >= 1.15"]
+    assert target == {"measured": 1.06, "met": False, "unit_ceiling": 1.085}
