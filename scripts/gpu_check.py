@@ -1113,6 +1113,63 @@ def check_memory_plan(ctx: Ctx) -> dict[str, Any]:
 SPARSE_DENSITIES = (0.75, 0.5, 0.25, 0.1)
 
 
+FORM_DENSITIES = (0.5, 0.25)
+
+
+def _act_peak_mb(ctx: Ctx, fn: Callable[[], None]) -> float:
+    """The allocator's peak over one call of `fn` minus what was allocated before it, in MiB (CUDA only)."""
+    torch.cuda.synchronize(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    fn()
+    torch.cuda.synchronize(ctx.device)
+    return (torch.cuda.max_memory_allocated(ctx.device) - base) / 2**20
+
+
+def _sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> dict[str, dict[str, str]]:
+    """Which SDPA backends take each call form of the sparse kernel and of dense attention, forward and backward,
+    each forced alone (`sdpa_kernel`): "ok" or the error's first line. A masked call is one run of 4 query
+    blocks over 8 kept key blocks (an additive [b, 8 b] mask), grouped (`enable_gqa`) or with keys and values
+    expanded to every query head; the dense calls are the whole sequence, causal or under a [T, T] mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, T, K = q.shape
+    G, b = k.shape[1], block
+    c = min(8, T // b)
+    qr = q.detach()[:, :, :b].repeat(4, 1, 1, 1).requires_grad_(True)
+    kr, vr = (t.detach()[:, :, :c * b].repeat(4, 1, 1, 1).requires_grad_(True) for t in (k, v))
+    kx, vx = (t.detach().repeat_interleave(H // G, dim=1).requires_grad_(True) for t in (kr, vr))
+    m = torch.zeros(b, c * b, dtype=q.dtype, device=q.device)
+    m[:, (c - 1) * b:].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
+    full_m = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill_(
+        torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        "masked run, grouped": lambda: F.scaled_dot_product_attention(qr, kr, vr, attn_mask=m, enable_gqa=G != H),
+        "masked run, expanded": lambda: F.scaled_dot_product_attention(qr, kx, vx, attn_mask=m),
+        "dense causal, grouped": lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                                        enable_gqa=G != H),
+        "dense [T, T] mask, grouped": lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=full_m,
+                                                                             enable_gqa=G != H),
+    }
+    out: dict[str, dict[str, str]] = {}
+    for name, call in calls.items():
+        out[name] = {}
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                        SDPBackend.MATH):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with sdpa_kernel([backend]):
+                        call().float().sum().backward()
+                    out[name][backend.name] = "ok"
+                except RuntimeError as e:
+                    # torch gives each refused kernel's reasons as warnings before the error
+                    why = [str(w.message).strip().splitlines()[0][:160] for w in caught]
+                    out[name][backend.name] = " | ".join(why[:4] or [str(e).strip().splitlines()[0][:200]])
+    return out
+
+
 def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     """The block-sparse attention kernel on the device: parity with dense attention under the same block mask
     (output and dq, dk, dv) at densities 0.5 and 0.25, its fwd+bwd time (selection included) over the dense causal
@@ -1124,6 +1181,7 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
         block_sparse_attention,
         default_path,
         dense_block_attention,
+        masked_block_attention,
         select_blocks,
     )
 
@@ -1160,12 +1218,25 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
             torch.autograd.grad(y, [q, k, v], g)
         return run
 
-    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}}
+    def form(d: float, expand: bool) -> Callable[[], None]:
+        sel = select_blocks(q, k, block, d)
+
+        def run() -> None:
+            y = masked_block_attention(q, k, v, sel, expand_kv=expand)
+            torch.autograd.grad(y, [q, k, v], g)
+        return run
+
+    # the masked path's two forms of grouped-query attention (selection outside the timed call), beside the
+    # default path and dense in the same rotation
+    forms = {f"{n}:{d}": form(d, n == "expanded") for d in FORM_DENSITIES for n in ("grouped", "expanded")}
+    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms}
     if ctx.cuda:
         times = _time_events(fns, warmup=3, repeats=10 if full else 5)
     else:
         times = time_interleaved(fns, warmup=1, repeats=3, device=ctx.device)
     x_dense = {d: times[d].median / times["dense"].median for d in fns if d != "dense"}
+    peaks = {n: _act_peak_mb(ctx, fn) for n, fn in {"dense": dense, **forms}.items()} if ctx.cuda else {}
+    backends = _sdpa_backends(q, k, v, block)
     # the scheme's start-up fit of its two cost constants on this device, at a model of these heads
     cfg = from_dict({"model": {"dim": H * K, "n_layers": 2, "n_heads": H, "n_kv_heads": G, "ffn_dim": 3 * H * K,
                                "max_seq_len": T},
@@ -1181,15 +1252,18 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
                            "dtype": str(dtype).replace("torch.", ""), "path": path, "tolerance": tol,
                            "parity": _round(parity), "timing": "cuda events" if ctx.cuda else "wall clock",
                            "times_s": {n: t.to_dict() for n, t in times.items()}, "x_dense": x_dense,
-                           "startup_fit": fit, "skipped": []}
+                           "act_peak_mb": peaks, "sdpa_backends": backends, "startup_fit": fit, "skipped": []}
     if not full:
         res["skipped"].append("full shape: skipped: 4,096 tokens, 16 heads of 64, blocks of 128 run on CUDA "
                               "without --quick")
+    if not ctx.cuda:
+        res["skipped"].append("activation peak: skipped: the allocator's peak is CUDA's")
     worst = max(e["rel_norm"] for p in parity.values() for e in p.values())
     constants = (f"w {fit['attn_weight']:.2f}, o {fit['overhead']:.2f}" if "attn_weight" in fit
                  else "not fitted")
     res["summary"] = (f"{path} path, worst rel-norm error {worst:.2e} (tol {tol['rel_norm']:g}); x dense at "
-                      f"density 0.5 {x_dense['0.5']:.2f}, 0.25 {x_dense['0.25']:.2f}; start-up fit {constants}")
+                      f"density 0.5 {x_dense['0.5']:.2f}, 0.25 {x_dense['0.25']:.2f} (masked grouped / expanded "
+                      f"{x_dense['grouped:0.5']:.2f} / {x_dense['expanded:0.5']:.2f}); start-up fit {constants}")
     return _round(res)
 
 

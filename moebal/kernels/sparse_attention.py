@@ -182,12 +182,18 @@ def _run_rows(sel: BlockSelection, B: int, G: int, N: int, diagonal: bool = True
 
 
 def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
-                           sel: BlockSelection) -> torch.Tensor:
+                           sel: BlockSelection, expand_kv: bool = False) -> torch.Tensor:
     """The "masked" path (any device, public SDPA only): query blocks that keep as many key blocks (a run: R
     consecutive query blocks) run as one `scaled_dot_product_attention` call, stacked along the batch
     dimension, over their kept blocks with the diagonal block last under an additive lower-triangular mask.
     Queries are laid out block-major once ([N B, H, b, K]: one copy), and the key and value blocks are gathered
-    in each run's order, so every run's tensors are views, with no copy per run."""
+    in each run's order, so every run's tensors are views, with no copy per run.
+
+    `expand_kv`: under grouped-query attention, the masked calls (runs keeping more than one block) get their
+    gathered keys and values repeated to every query head instead of `enable_gqa` (one copy of the kept blocks
+    per run). On CUDA, flash attention takes no mask and the memory-efficient kernel no `enable_gqa`, so a masked
+    grouped call can only fall back; expanded, the memory-efficient kernel takes it (`scripts/gpu_check.py`
+    times both forms). The results are the same either way (tested)."""
     B, H, T, K = q_BHTK.shape
     G, b = k_BGTK.shape[1], sel.block
     N, gqa = T // b, G != H
@@ -207,7 +213,10 @@ def masked_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
             outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, is_causal=True, enable_gqa=gqa))
         else:
             mask = _diag_mask_view(masks, c, b) if masks is not None else _diag_masks(c, b, q_BHTK)
-            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=mask, enable_gqa=gqa))
+            if gqa and expand_kv:
+                k_XGSK, v_XGSK = (t.repeat_interleave(H // G, dim=1) for t in (k_XGSK, v_XGSK))
+            outs.append(F.scaled_dot_product_attention(q_XHbK, k_XGSK, v_XGSK, attn_mask=mask,
+                                                       enable_gqa=gqa and not expand_kv))
     o_NBHbK = torch.cat(outs).view(N, B, H, b, K)
     return o_NBHbK.permute(1, 2, 0, 3, 4).reshape(B, H, T, K)
 

@@ -97,6 +97,20 @@ def test_split_path_matches_masked_fallback(density: float) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (2, 2)])
+def test_masked_path_with_expanded_keys_and_values_equals_grouped(heads: tuple[int, int]) -> None:
+    """`expand_kv` (keys and values repeated to every query head in the masked calls, instead of `enable_gqa`)
+    gives the grouped form's output and gradients; without groups it changes nothing."""
+    H, G = heads
+    qkv = _qkv(2, H, G, 192, 8, seed=3)
+    sel = select_blocks(qkv[0], qkv[1], 32, 0.6)
+    g_out = torch.randn(2, H, 192, 8, generator=torch.Generator().manual_seed(4))
+    grouped = _out_and_grads(sa.masked_block_attention, qkv, sel, g_out)
+    expanded = _out_and_grads(lambda *a: sa.masked_block_attention(*a, expand_kv=True), qkv, sel, g_out)
+    for a, b in zip(expanded, grouped):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_path_choice_and_its_errors() -> None:
     assert default_path(torch.device("cpu"), 128, 2) == "split"  # torch 2.13 has the CPU flash ops
     assert default_path(torch.device("cpu"), 64, 2) == "masked"  # 128 folded rows: the kernel's 32-row chunks
