@@ -56,7 +56,12 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     sa = checks["sparse_attention"]
     assert set(sa["parity"]) == {"0.5", "0.25"}
     assert all(set(p) == {"y", "dq", "dk", "dv"} for p in sa["parity"].values())
-    assert set(sa["x_dense"]) == {"0.75", "0.5", "0.25", "0.1"} == set(sa["startup_fit"]["factors"])
+    densities = {"0.75", "0.5", "0.25", "0.1"}
+    assert densities == set(sa["startup_fit"]["factors"])
+    assert set(sa["x_dense"]) == densities | {f"{f}:{d}" for f in ("grouped", "expanded") for d in ("0.5", "0.25")}
+    assert set(sa["sdpa_backends"]) == {"masked run, grouped", "masked run, expanded", "dense causal, grouped",
+                                        "dense [T, T] mask, grouped"}
+    assert all(b["MATH"] == "ok" for b in sa["sdpa_backends"].values())  # the math kernel takes every form
     assert any(s.startswith("sparse_attention: full shape: skipped") for s in skipped)
     rc = checks["recompute"]
     assert set(rc["exact_fp32"]) == {"none_again", "none", "moe", "attention", "full"}
