@@ -1208,13 +1208,37 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
         parity[str(d)] = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
         ok &= all(_within(e, tol) for e in parity[str(d)].values())
 
+    # the flex path (FlexAttention compiled by Triton; no CPU backward): parity as above, and the first call's
+    # wall time (its compilation)
+    flex: dict[str, Any] = {}
+    if ctx.cuda:
+        try:
+            t0 = time.perf_counter()
+            sel = select_blocks(q, k, block, 0.5)
+            torch.autograd.grad(block_sparse_attention(q, k, v, sel, path="flex"), [q, k, v], g)
+            torch.cuda.synchronize(ctx.device)
+            flex["first_call_s"] = time.perf_counter() - t0
+            flex["parity"] = {}
+            for d in (0.5, 0.25):
+                sel = select_blocks(q, k, block, d)
+                y = block_sparse_attention(q, k, v, sel, path="flex")
+                got = [y, *torch.autograd.grad(y, [q, k, v], g)]
+                leaves = [t.detach().to(ref_dtype).requires_grad_(True) for t in (q, k, v)]
+                y_ref = dense_block_attention(*leaves, sel)
+                want = [y_ref, *torch.autograd.grad(y_ref, leaves, g.to(ref_dtype))]
+                flex["parity"][str(d)] = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
+                ok &= all(_within(e, tol) for e in flex["parity"][str(d)].values())
+        except Exception as e:  # noqa: BLE001 - recorded: the check fails, the rest of it still runs
+            flex["error"] = f"{type(e).__name__}: {e}"[:1000]
+            ok = False
+
     def dense() -> None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         torch.autograd.grad(y, [q, k, v], g)
 
-    def sparse(d: float) -> Callable[[], None]:
+    def sparse(d: float, on: str | None = None) -> Callable[[], None]:
         def run() -> None:
-            y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d))
+            y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=on)
             torch.autograd.grad(y, [q, k, v], g)
         return run
 
@@ -1229,13 +1253,18 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     # the masked path's two forms of grouped-query attention (selection outside the timed call), beside the
     # default path and dense in the same rotation
     forms = {f"{n}:{d}": form(d, n == "expanded") for d in FORM_DENSITIES for n in ("grouped", "expanded")}
-    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms}
+    flexed = {f"flex:{d}": sparse(d, "flex") for d in SPARSE_DENSITIES} if ctx.cuda and "error" not in flex else {}
+    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms, **flexed}
     if ctx.cuda:
         times = _time_events(fns, warmup=3, repeats=10 if full else 5)
     else:
         times = time_interleaved(fns, warmup=1, repeats=3, device=ctx.device)
     x_dense = {d: times[d].median / times["dense"].median for d in fns if d != "dense"}
-    peaks = {n: _act_peak_mb(ctx, fn) for n, fn in {"dense": dense, **forms}.items()} if ctx.cuda else {}
+    if flexed:  # graphs compiled so far: one fwd/bwd pair per shape means no recompiles as the densities moved
+        from torch._dynamo.utils import counters
+        flex["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
+    peaks = ({n: _act_peak_mb(ctx, fn) for n, fn in {"dense": dense, **forms, **flexed}.items()} if ctx.cuda
+             else {})
     backends = _sdpa_backends(q, k, v, block)
     # the scheme's start-up fit of its two cost constants on this device, at a model of these heads
     cfg = from_dict({"model": {"dim": H * K, "n_layers": 2, "n_heads": H, "n_kv_heads": G, "ffn_dim": 3 * H * K,
@@ -1252,18 +1281,24 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
                            "dtype": str(dtype).replace("torch.", ""), "path": path, "tolerance": tol,
                            "parity": _round(parity), "timing": "cuda events" if ctx.cuda else "wall clock",
                            "times_s": {n: t.to_dict() for n, t in times.items()}, "x_dense": x_dense,
-                           "act_peak_mb": peaks, "sdpa_backends": backends, "startup_fit": fit, "skipped": []}
+                           "act_peak_mb": peaks, "sdpa_backends": backends, "flex": flex, "startup_fit": fit,
+                           "skipped": []}
     if not full:
         res["skipped"].append("full shape: skipped: 4,096 tokens, 16 heads of 64, blocks of 128 run on CUDA "
                               "without --quick")
     if not ctx.cuda:
         res["skipped"].append("activation peak: skipped: the allocator's peak is CUDA's")
+        res["skipped"].append("flex path: skipped: FlexAttention has no backward on a CPU (its forward is tested "
+                              "in tests/unit/test_sparse_attention.py)")
     worst = max(e["rel_norm"] for p in parity.values() for e in p.values())
     constants = (f"w {fit['attn_weight']:.2f}, o {fit['overhead']:.2f}" if "attn_weight" in fit
                  else "not fitted")
     res["summary"] = (f"{path} path, worst rel-norm error {worst:.2e} (tol {tol['rel_norm']:g}); x dense at "
                       f"density 0.5 {x_dense['0.5']:.2f}, 0.25 {x_dense['0.25']:.2f} (masked grouped / expanded "
-                      f"{x_dense['grouped:0.5']:.2f} / {x_dense['expanded:0.5']:.2f}); start-up fit {constants}")
+                      f"{x_dense['grouped:0.5']:.2f} / {x_dense['expanded:0.5']:.2f}"
+                      + (f", flex {x_dense['flex:0.5']:.2f}" if "flex:0.5" in x_dense else "")
+                      + (f", flex FAILED: {flex['error'][:80]}" if "error" in flex else "")
+                      + f"); start-up fit {constants}")
     return _round(res)
 
 

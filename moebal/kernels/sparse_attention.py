@@ -49,8 +49,8 @@ from torch.autograd.function import once_differentiable
 from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fraction, shares_masks
 
 __all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
-           "coverage_density", "default_path", "dense_block_attention", "kept_counts", "kept_fraction",
-           "masked_block_attention", "select_blocks", "select_from_scores", "split_block_attention"]
+           "coverage_density", "default_path", "dense_block_attention", "flex_block_attention", "kept_counts",
+           "kept_fraction", "masked_block_attention", "select_blocks", "select_from_scores", "split_block_attention"]
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,70 @@ _FLASH = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 _FLASH_BWD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), "default",
                      None)
 
-PATHS = ("split", "masked")
+PATHS = ("split", "masked", "flex")
+
+
+@functools.lru_cache(maxsize=64)
+def _flex_layout(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The parts of a flex block mask that depend on the counts alone (cached, like `_run_order`): positions in a
+    flattened [N, N] table and in the [M] index of every kept off-diagonal block (`dst`, `src`), each kept block's
+    query block (`rows_M`), the off-diagonal count per query block (`full_N`, int32) and the diagonal table
+    (`diag_NN`: query block n's one partial block is n)."""
+    N = len(counts)
+    dst: list[int] = []
+    src: list[int] = []
+    off = 0
+    for n, c in enumerate(counts):
+        dst += range(n * N, n * N + c - 1)
+        src += range(off, off + c - 1)
+        off += c
+    diag_NN = torch.zeros(N, N, dtype=torch.int32)
+    diag_NN[:, 0] = torch.arange(N, dtype=torch.int32)
+    rows_M = torch.repeat_interleave(torch.arange(N), torch.tensor(counts))
+    return tuple(t.to(device) for t in (torch.tensor(dst, dtype=torch.long), torch.tensor(src, dtype=torch.long),
+                                        rows_M, torch.tensor(counts, dtype=torch.int32) - 1, diag_NN))
+
+
+@functools.cache
+def _flex_attention(device_type: str) -> Any:
+    """torch's FlexAttention, compiled (Triton) on CUDA; eager elsewhere (an unfused reference that supports no
+    backward on a CPU: the CPU tests check its forward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def flex_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,
+                         sel: BlockSelection) -> torch.Tensor:
+    """The "flex" path: torch's FlexAttention under a block mask built from the selection. Each query block's
+    kept off-diagonal blocks are full blocks (no per-element mask) and its diagonal block the one partial block,
+    so the fused kernel visits exactly the kept blocks. The mask function also reads the selection (kept block
+    and causal), which makes the eager, unfused form (it ignores the block table) compute the same attention;
+    the compiled kernel evaluates it on the diagonal blocks only. A group's query heads share its selection
+    (head h reads group h // (H / G)). The block tables are built on the device from the selection (no host
+    read); one compilation per shape and dtype, reused as the densities move."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, H, T, _ = q_BHTK.shape
+    G, b, dev = k_BGTK.shape[1], sel.block, q_BHTK.device
+    N, hg = T // b, H // k_BGTK.shape[1]
+    dst, src, rows_M, full_N, diag_NN = _flex_layout(sel.counts, dev)
+    index_BGM = sel.index_BGM
+    full_BGX = torch.zeros(B, G, N * N, dtype=torch.int32, device=dev)
+    full_BGX[:, :, dst] = index_BGM[:, :, src].to(torch.int32)
+    keep_BGX = torch.zeros(B, G, N * N, dtype=torch.bool, device=dev)
+    keep_BGX.scatter_(2, rows_M * N + index_BGM, True)
+    keep_BGNN = keep_BGX.view(B, G, N, N)
+
+    def kept(b_: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (q_idx >= kv_idx) & keep_BGNN[b_, h // hg, q_idx // b, kv_idx // b]
+
+    mask = BlockMask.from_kv_blocks(
+        torch.ones(B, H, N, dtype=torch.int32, device=dev), diag_NN.expand(B, H, N, N).contiguous(),
+        full_N.expand(B, H, N).contiguous(), full_BGX.view(B, G, N, N).repeat_interleave(hg, dim=1),
+        BLOCK_SIZE=b, mask_mod=kept, seq_lengths=(T, T))
+    o_BHTK: torch.Tensor = _flex_attention(dev.type)(q_BHTK, k_BGTK, v_BGTK, block_mask=mask, enable_gqa=hg > 1)
+    return o_BHTK
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
@@ -402,6 +465,8 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
         return split_block_attention(q_BHTK, k_BGTK, v_BGTK, sel)
     if path == "masked":
         return masked_block_attention(q_BHTK, k_BGTK, v_BGTK, sel)
+    if path == "flex":
+        return flex_block_attention(q_BHTK, k_BGTK, v_BGTK, sel)
     raise ValueError(f"block_sparse_attention: path must be one of {PATHS} or None; got {path!r}")
 
 
