@@ -35,7 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from moebal.kernels.bench import environment, sample_interleaved, summarise, time_interleaved
-from moebal.kernels.sparse_attention import PATHS, block_sparse_attention, default_path, kept_fraction, select_blocks
+from moebal.kernels.sparse_attention import (
+    PATHS,
+    block_sparse_attention,
+    default_path,
+    kept_fraction,
+    select_blocks,
+    trainable_paths,
+)
 
 DENSITIES = (1.0, 0.75, 0.5, 0.25, 0.1)
 
@@ -57,7 +64,7 @@ def measure(seq: int, block: int, repeats: int, heads: int = 4, kv_heads: int = 
             block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=path).sum().backward()
         return run
 
-    paths = [default] + [p for p in PATHS if p != default]
+    paths = [default] + [p for p in trainable_paths(q.device) if p != default]
     fns = {"dense": dense, **{f"{p}@{d}": sparse(d, p) for d in DENSITIES for p in paths}}
     wall, cpu = sample_interleaved(fns, warmup=2, repeats=repeats)
     t = {name: summarise(wall[name], cpu[name]) for name in fns}

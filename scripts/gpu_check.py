@@ -1170,6 +1170,75 @@ def _sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
     return out
 
 
+SPARSE_LENGTHS = (8192, 16384, 32768)
+
+
+def _sparse_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, block: int,
+                  density: float) -> dict[str, Any]:
+    """Where the flex path's time goes (CUDA events, round-robin): the block selection alone, the selection and
+    the block mask, the compiled kernel's forward and backward under a prebuilt mask, and all three, beside dense
+    causal SDPA."""
+    from moebal.kernels.sparse_attention import flex_block_attention, flex_block_mask, select_blocks
+
+    H, T = q.shape[1], q.shape[2]
+    sel = select_blocks(q, k, block, density)
+    mask = flex_block_mask(sel, H, T)
+
+    def kernel() -> None:
+        from moebal.kernels.sparse_attention import _flex_attention
+
+        y = _flex_attention("cuda")(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != H)
+        torch.autograd.grad(y, [q, k, v], g)
+
+    def whole() -> None:
+        y = flex_block_attention(q, k, v, select_blocks(q, k, block, density))
+        torch.autograd.grad(y, [q, k, v], g)
+
+    fns: dict[str, Callable[[], Any]] = {
+        "dense": lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                            enable_gqa=True), [q, k, v], g),
+        "select": lambda: select_blocks(q, k, block, density),
+        "select+mask": lambda: flex_block_mask(select_blocks(q, k, block, density), H, T),
+        "kernel": kernel, "whole": whole}
+    times = _time_events(fns, warmup=3, repeats=10)
+    return {"density": density, "median_s": {n: t.median for n, t in times.items()},
+            "x_dense": {n: times[n].median / times["dense"].median for n in fns if n != "dense"}}
+
+
+def _sparse_lengths(ctx: Ctx, H: int, G: int, K: int, block: int) -> dict[str, Any]:
+    """Longer rows (B = 1), bf16: dense causal SDPA against the flex path at densities 0.5, 0.25, 0.1 and the
+    masked path at 0.25, selection included (CUDA events, round-robin, the first warm-up call compiles)."""
+    from moebal.kernels.sparse_attention import block_sparse_attention, select_blocks
+
+    out: dict[str, Any] = {}
+    for T in SPARSE_LENGTHS:
+        if ctx.left() < 60:
+            out[str(T)] = {"skipped": "the check's budget"}
+            continue
+        torch.manual_seed(1)
+        q, g = (torch.randn(1, H, T, K, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
+        q.requires_grad_(True)
+        k, v = (torch.randn(1, G, T, K, device=ctx.device, dtype=torch.bfloat16).requires_grad_(True)
+                for _ in range(2))
+
+        def at(d: float, path: str) -> Callable[[], None]:
+            def run() -> None:
+                y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=path)
+                torch.autograd.grad(y, [q, k, v], g)
+            return run
+
+        fns: dict[str, Callable[[], Any]] = {
+            "dense": lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                enable_gqa=True), [q, k, v], g),
+            **{f"flex:{d}": at(d, "flex") for d in (0.5, 0.25, 0.1)}, "masked:0.25": at(0.25, "masked")}
+        times = _time_events(fns, warmup=2, repeats=5)
+        out[str(T)] = {"median_s": {n: t.median for n, t in times.items()},
+                       "x_dense": {n: times[n].median / times["dense"].median for n in fns if n != "dense"}}
+        del q, k, v, g
+        _free(ctx)
+    return out
+
+
 def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     """The block-sparse attention kernel on the device: parity with dense attention under the same block mask
     (output and dq, dk, dv) at densities 0.5 and 0.25, its fwd+bwd time (selection included) over the dense causal
@@ -1263,6 +1332,8 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     if flexed:  # graphs compiled so far: one fwd/bwd pair per shape means no recompiles as the densities moved
         from torch._dynamo.utils import counters
         flex["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
+        flex["parts"] = _sparse_parts(q, k, v, g, block, 0.5)
+        flex["lengths"] = _sparse_lengths(ctx, H, G, K, block) if full else {}
     peaks = ({n: _act_peak_mb(ctx, fn) for n, fn in {"dense": dense, **forms, **flexed}.items()} if ctx.cuda
              else {})
     backends = _sdpa_backends(q, k, v, block)

@@ -49,8 +49,9 @@ from torch.autograd.function import once_differentiable
 from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fraction, shares_masks
 
 __all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
-           "coverage_density", "default_path", "dense_block_attention", "flex_block_attention", "kept_counts",
-           "kept_fraction", "masked_block_attention", "select_blocks", "select_from_scores", "split_block_attention"]
+           "coverage_density", "default_path", "dense_block_attention", "flex_block_attention", "flex_block_mask",
+           "kept_counts", "kept_fraction", "masked_block_attention", "select_blocks", "select_from_scores",
+           "split_block_attention", "trainable_paths"]
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,20 @@ def flex_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: tor
     the compiled kernel evaluates it on the diagonal blocks only. A group's query heads share its selection
     (head h reads group h // (H / G)). The block tables are built on the device from the selection (no host
     read); one compilation per shape and dtype, reused as the densities move."""
+    H, G = q_BHTK.shape[1], k_BGTK.shape[1]
+    mask = flex_block_mask(sel, H, q_BHTK.shape[2])
+    o_BHTK: torch.Tensor = _flex_attention(q_BHTK.device.type)(q_BHTK, k_BGTK, v_BGTK, block_mask=mask,
+                                                               enable_gqa=H != G)
+    return o_BHTK
+
+
+def flex_block_mask(sel: BlockSelection, H: int, T: int) -> Any:
+    """The FlexAttention `BlockMask` of a selection for H query heads over sequences of T (`flex_block_attention`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    B, H, T, _ = q_BHTK.shape
-    G, b, dev = k_BGTK.shape[1], sel.block, q_BHTK.device
-    N, hg = T // b, H // k_BGTK.shape[1]
+    B, G, _ = sel.index_BGM.shape
+    b, dev = sel.block, sel.index_BGM.device
+    N, hg = T // b, H // G
     dst, src, rows_M, full_N, diag_NN = _flex_layout(sel.counts, dev)
     index_BGM = sel.index_BGM
     full_BGX = torch.zeros(B, G, N * N, dtype=torch.int32, device=dev)
@@ -287,12 +297,17 @@ def flex_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: tor
     def kept(b_: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (q_idx >= kv_idx) & keep_BGNN[b_, h // hg, q_idx // b, kv_idx // b]
 
-    mask = BlockMask.from_kv_blocks(
+    return BlockMask.from_kv_blocks(
         torch.ones(B, H, N, dtype=torch.int32, device=dev), diag_NN.expand(B, H, N, N).contiguous(),
         full_N.expand(B, H, N).contiguous(), full_BGX.view(B, G, N, N).repeat_interleave(hg, dim=1),
         BLOCK_SIZE=b, mask_mod=kept, seq_lengths=(T, T))
-    o_BHTK: torch.Tensor = _flex_attention(dev.type)(q_BHTK, k_BGTK, v_BGTK, block_mask=mask, enable_gqa=hg > 1)
-    return o_BHTK
+
+
+def trainable_paths(device: torch.device) -> tuple[str, ...]:
+    """The paths that run forward and backward on `device`: "split" on a CPU with torch's CPU flash ops,
+    "masked" anywhere, "flex" on CUDA (FlexAttention has no CPU backward)."""
+    split = device.type == "cpu" and _FLASH is not None and _FLASH_BWD is not None
+    return tuple(p for p in PATHS if (p != "split" or split) and (p != "flex" or device.type == "cuda"))
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:

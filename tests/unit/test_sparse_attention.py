@@ -32,7 +32,7 @@ def _out_and_grads(fn: Callable[..., torch.Tensor], qkv: list[torch.Tensor], sel
     return [out, *torch.autograd.grad(out, qkv, g_out)]
 
 
-@pytest.mark.parametrize("path", [p for p in PATHS if p != "flex"])
+@pytest.mark.parametrize("path", sa.trainable_paths(torch.device("cpu")))
 @pytest.mark.parametrize("density", [1.0, 0.6, 0.5, 0.25, 0.05])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
 def test_parity_with_dense_under_same_mask(path: str, density: float, heads: tuple[int, int]) -> None:
@@ -162,6 +162,8 @@ def test_path_choice_and_its_errors() -> None:
     assert default_path(torch.device("cpu"), 128, 2) == "split"  # torch 2.13 has the CPU flash ops
     assert default_path(torch.device("cpu"), 64, 2) == "masked"  # 128 folded rows: the kernel's 32-row chunks
     assert default_path(torch.device("cuda"), 128, 2) == "masked"
+    assert sa.trainable_paths(torch.device("cpu")) == ("split", "masked")
+    assert sa.trainable_paths(torch.device("cuda")) == ("masked", "flex")
     qkv = _qkv(1, 2, 2, 32, 4)
     sel = select_blocks(qkv[0], qkv[1], 16, 0.5)
     with pytest.raises(ValueError, match="path must be one of"):
