@@ -1208,35 +1208,34 @@ def _sparse_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def _sparse_lengths(ctx: Ctx, H: int, G: int, K: int, block: int) -> dict[str, Any]:
     """Longer rows (B = 1), bf16: dense causal SDPA against the flex path at densities 0.5, 0.25, 0.1 and the
     masked path at 0.25, selection included (CUDA events, round-robin, the first warm-up call compiles)."""
-    from moebal.kernels.sparse_attention import block_sparse_attention, select_blocks
-
     out: dict[str, Any] = {}
     for T in SPARSE_LENGTHS:
-        if ctx.left() < 60:
-            out[str(T)] = {"skipped": "the check's budget"}
-            continue
-        torch.manual_seed(1)
-        q, g = (torch.randn(1, H, T, K, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
-        q.requires_grad_(True)
-        k, v = (torch.randn(1, G, T, K, device=ctx.device, dtype=torch.bfloat16).requires_grad_(True)
-                for _ in range(2))
-
-        def at(d: float, path: str) -> Callable[[], None]:
-            def run() -> None:
-                y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=path)
-                torch.autograd.grad(y, [q, k, v], g)
-            return run
-
-        fns: dict[str, Callable[[], Any]] = {
-            "dense": lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                enable_gqa=True), [q, k, v], g),
-            **{f"flex:{d}": at(d, "flex") for d in (0.5, 0.25, 0.1)}, "masked:0.25": at(0.25, "masked")}
-        times = _time_events(fns, warmup=2, repeats=5)
-        out[str(T)] = {"median_s": {n: t.median for n, t in times.items()},
-                       "x_dense": {n: times[n].median / times["dense"].median for n in fns if n != "dense"}}
-        del q, k, v, g
+        out[str(T)] = _sparse_length(ctx, T, H, G, K, block) if ctx.left() >= 60 else {"skipped": "budget"}
         _free(ctx)
     return out
+
+
+def _sparse_length(ctx: Ctx, T: int, H: int, G: int, K: int, block: int) -> dict[str, Any]:
+    from moebal.kernels.sparse_attention import block_sparse_attention, select_blocks
+
+    torch.manual_seed(1)
+    q = torch.randn(1, H, T, K, device=ctx.device, dtype=torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(1, G, T, K, device=ctx.device, dtype=torch.bfloat16).requires_grad_(True) for _ in range(2))
+    g = torch.randn(1, H, T, K, device=ctx.device, dtype=torch.bfloat16)
+
+    def at(d: float, path: str) -> Callable[[], None]:
+        def run() -> None:
+            y = block_sparse_attention(q, k, v, select_blocks(q, k, block, d), path=path)
+            torch.autograd.grad(y, [q, k, v], g)
+        return run
+
+    fns: dict[str, Callable[[], Any]] = {
+        "dense": lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                            enable_gqa=True), [q, k, v], g),
+        **{f"flex:{d}": at(d, "flex") for d in (0.5, 0.25, 0.1)}, "masked:0.25": at(0.25, "masked")}
+    times = _time_events(fns, warmup=2, repeats=5)
+    return {"median_s": {n: t.median for n, t in times.items()},
+            "x_dense": {n: times[n].median / times["dense"].median for n in fns if n != "dense"}}
 
 
 def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
