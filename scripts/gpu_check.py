@@ -1251,6 +1251,7 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
         dense_block_attention,
         masked_block_attention,
         select_blocks,
+        trainable_paths,
     )
 
     full = ctx.cuda and not ctx.quick
@@ -1264,41 +1265,36 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     k = torch.randn(B, G, T, K, device=ctx.device).to(dtype).requires_grad_(True)
     v = torch.randn(B, G, T, K, device=ctx.device).to(dtype).requires_grad_(True)
     g = torch.randn(B, H, T, K, device=ctx.device).to(dtype)
+    # every path that trains on this device (CUDA: flex, the default, and masked; a CPU: split and masked):
+    # parity with dense attention under the same mask at two densities, and the first call's wall time (flex
+    # compiles there); a path that raises is recorded and fails the check, the rest still runs
     parity: dict[str, Any] = {}
+    paths: dict[str, dict[str, Any]] = {}
     ok = True
-    for d in (0.5, 0.25):
-        sel = select_blocks(q, k, block, d)
-        y = block_sparse_attention(q, k, v, sel)
-        got = [y, *torch.autograd.grad(y, [q, k, v], g)]
-        leaves = [t.detach().to(ref_dtype).requires_grad_(True) for t in (q, k, v)]
-        y_ref = dense_block_attention(*leaves, sel)
-        want = [y_ref, *torch.autograd.grad(y_ref, leaves, g.to(ref_dtype))]
-        parity[str(d)] = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
-        ok &= all(_within(e, tol) for e in parity[str(d)].values())
-
-    # the flex path (FlexAttention compiled by Triton; no CPU backward): parity as above, and the first call's
-    # wall time (its compilation)
-    flex: dict[str, Any] = {}
-    if ctx.cuda:
+    for p in trainable_paths(ctx.device):
+        paths[p] = {"parity": {}}
         try:
             t0 = time.perf_counter()
-            sel = select_blocks(q, k, block, 0.5)
-            torch.autograd.grad(block_sparse_attention(q, k, v, sel, path="flex"), [q, k, v], g)
-            torch.cuda.synchronize(ctx.device)
-            flex["first_call_s"] = time.perf_counter() - t0
-            flex["parity"] = {}
+            torch.autograd.grad(block_sparse_attention(q, k, v, select_blocks(q, k, block, 0.5), path=p),
+                                [q, k, v], g)
+            if ctx.cuda:
+                torch.cuda.synchronize(ctx.device)
+            paths[p]["first_call_s"] = time.perf_counter() - t0
             for d in (0.5, 0.25):
                 sel = select_blocks(q, k, block, d)
-                y = block_sparse_attention(q, k, v, sel, path="flex")
+                y = block_sparse_attention(q, k, v, sel, path=p)
                 got = [y, *torch.autograd.grad(y, [q, k, v], g)]
                 leaves = [t.detach().to(ref_dtype).requires_grad_(True) for t in (q, k, v)]
                 y_ref = dense_block_attention(*leaves, sel)
                 want = [y_ref, *torch.autograd.grad(y_ref, leaves, g.to(ref_dtype))]
-                flex["parity"][str(d)] = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
-                ok &= all(_within(e, tol) for e in flex["parity"][str(d)].values())
+                errs = {n: _errs(a, b) for n, a, b in zip(("y", "dq", "dk", "dv"), got, want)}
+                paths[p]["parity"][str(d)] = errs
+                ok &= all(_within(e, tol) for e in errs.values())
         except Exception as e:  # noqa: BLE001 - recorded: the check fails, the rest of it still runs
-            flex["error"] = f"{type(e).__name__}: {e}"[:1000]
+            paths[p]["error"] = f"{type(e).__name__}: {e}"[:1000]
             ok = False
+    parity = paths[path]["parity"]
+    flex = paths.get("flex", {})
 
     def dense() -> None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -1321,20 +1317,23 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     # the masked path's two forms of grouped-query attention (selection outside the timed call), beside the
     # default path and dense in the same rotation
     forms = {f"{n}:{d}": form(d, n == "expanded") for d in FORM_DENSITIES for n in ("grouped", "expanded")}
-    flexed = {f"flex:{d}": sparse(d, "flex") for d in SPARSE_DENSITIES} if ctx.cuda and "error" not in flex else {}
+    # the device's other trainable paths beside the default (CUDA: "masked" beside "flex"), selection included
+    others = [p for p in paths if p != path and "error" not in paths[p]]
+    flexed = {f"{p}:{d}": sparse(d, p) for p in others for d in SPARSE_DENSITIES}
     fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms, **flexed}
     if ctx.cuda:
         times = _time_events(fns, warmup=3, repeats=10 if full else 5)
     else:
         times = time_interleaved(fns, warmup=1, repeats=3, device=ctx.device)
     x_dense = {d: times[d].median / times["dense"].median for d in fns if d != "dense"}
-    if flexed:  # graphs compiled so far: one fwd/bwd pair per shape means no recompiles as the densities moved
+    if ctx.cuda and "flex" in others + [path] and "error" not in flex:
+        # graphs compiled so far: one forward/backward pair per shape means no recompiles as the densities moved
         from torch._dynamo.utils import counters
         flex["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
         flex["parts"] = _sparse_parts(q, k, v, g, block, 0.5)
         flex["lengths"] = _sparse_lengths(ctx, H, G, K, block) if full else {}
-    peaks = ({n: _act_peak_mb(ctx, fn) for n, fn in {"dense": dense, **forms, **flexed}.items()} if ctx.cuda
-             else {})
+    at_half = {"dense": dense, path: sparse(0.5), **{f"{p}:0.5": sparse(0.5, p) for p in others}, **forms}
+    peaks = {n: _act_peak_mb(ctx, fn) for n, fn in at_half.items()} if ctx.cuda else {}
     backends = _sdpa_backends(q, k, v, block)
     # the scheme's start-up fit of its two cost constants on this device, at a model of these heads
     cfg = from_dict({"model": {"dim": H * K, "n_layers": 2, "n_heads": H, "n_kv_heads": G, "ffn_dim": 3 * H * K,
@@ -1351,7 +1350,7 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
                            "dtype": str(dtype).replace("torch.", ""), "path": path, "tolerance": tol,
                            "parity": _round(parity), "timing": "cuda events" if ctx.cuda else "wall clock",
                            "times_s": {n: t.to_dict() for n, t in times.items()}, "x_dense": x_dense,
-                           "act_peak_mb": peaks, "sdpa_backends": backends, "flex": flex, "startup_fit": fit,
+                           "act_peak_mb": peaks, "sdpa_backends": backends, "paths": paths, "startup_fit": fit,
                            "skipped": []}
     if not full:
         res["skipped"].append("full shape: skipped: 4,096 tokens, 16 heads of 64, blocks of 128 run on CUDA "
@@ -1366,8 +1365,8 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     res["summary"] = (f"{path} path, worst rel-norm error {worst:.2e} (tol {tol['rel_norm']:g}); x dense at "
                       f"density 0.5 {x_dense['0.5']:.2f}, 0.25 {x_dense['0.25']:.2f} (masked grouped / expanded "
                       f"{x_dense['grouped:0.5']:.2f} / {x_dense['expanded:0.5']:.2f}"
-                      + (f", flex {x_dense['flex:0.5']:.2f}" if "flex:0.5" in x_dense else "")
-                      + (f", flex FAILED: {flex['error'][:80]}" if "error" in flex else "")
+                      + "".join(f", {p} {x_dense[f'{p}:0.5']:.2f}" for p in others)
+                      + "".join(f", {p} FAILED: {r['error'][:80]}" for p, r in paths.items() if "error" in r)
                       + f"); start-up fit {constants}")
     return _round(res)
 

@@ -92,9 +92,11 @@ def _grid_masks(N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
 
 @functools.lru_cache(maxsize=64)
 def _keep_masks(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, max count] bool: which of a query block's top blocks it keeps (its first c_n), and the negation."""
-    keep_NS = torch.arange(max(counts), device=device) < torch.tensor(counts, device=device)[:, None]
-    return keep_NS, ~keep_NS
+    """[N, max count] bool: which of a query block's top blocks it drops (past its first c_n), and the flat
+    positions of the kept ones ([M], row-major). Built on the host and moved once per counts: a `masked_select` by
+    the keep mask would read its output size back from a GPU at every call."""
+    keep_NS = torch.arange(max(counts)) < torch.tensor(counts)[:, None]
+    return (~keep_NS).to(device), keep_NS.flatten().nonzero().squeeze(1).to(device)
 
 
 @torch.no_grad()
@@ -106,10 +108,9 @@ def select_from_scores(s_BGNN: torch.Tensor, block: int, density: float) -> Bloc
     top_BGNS = torch.topk(s_BGNN, max(counts), dim=-1, sorted=True).indices  # the diagonal first (score +inf)
     # each query block's first c_n of them, in ascending block order: its others (all before it, causal), then
     # its diagonal block last; the blocks past c_n are pushed to the end (id N) and dropped
-    keep_NS, drop_NS = _keep_masks(tuple(counts), s_BGNN.device)
+    drop_NS, kept_M = _keep_masks(tuple(counts), s_BGNN.device)
     ids_BGNS = top_BGNS.masked_fill(drop_NS, N).sort(dim=-1).values
-    B, G = s_BGNN.shape[:2]
-    return BlockSelection(ids_BGNS.masked_select(keep_NS).view(B, G, sum(counts)), tuple(counts), block)
+    return BlockSelection(ids_BGNS.flatten(2).index_select(2, kept_M), tuple(counts), block)
 
 
 def select_blocks(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int, density: float) -> BlockSelection:
@@ -233,27 +234,6 @@ _FLASH_BWD = getattr(getattr(torch.ops.aten, "_scaled_dot_product_flash_attentio
 PATHS = ("split", "masked", "flex")
 
 
-@functools.lru_cache(maxsize=64)
-def _flex_layout(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The parts of a flex block mask that depend on the counts alone (cached, like `_run_order`): positions in a
-    flattened [N, N] table and in the [M] index of every kept off-diagonal block (`dst`, `src`), each kept block's
-    query block (`rows_M`), the off-diagonal count per query block (`full_N`, int32) and the diagonal table
-    (`diag_NN`: query block n's one partial block is n)."""
-    N = len(counts)
-    dst: list[int] = []
-    src: list[int] = []
-    off = 0
-    for n, c in enumerate(counts):
-        dst += range(n * N, n * N + c - 1)
-        src += range(off, off + c - 1)
-        off += c
-    diag_NN = torch.zeros(N, N, dtype=torch.int32)
-    diag_NN[:, 0] = torch.arange(N, dtype=torch.int32)
-    rows_M = torch.repeat_interleave(torch.arange(N), torch.tensor(counts))
-    return tuple(t.to(device) for t in (torch.tensor(dst, dtype=torch.long), torch.tensor(src, dtype=torch.long),
-                                        rows_M, torch.tensor(counts, dtype=torch.int32) - 1, diag_NN))
-
-
 @functools.cache
 def _flex_attention(device_type: str) -> Any:
     """torch's FlexAttention, compiled (Triton) on CUDA; eager elsewhere (an unfused reference that supports no
@@ -280,27 +260,52 @@ def flex_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: tor
 
 
 def flex_block_mask(sel: BlockSelection, H: int, T: int) -> Any:
-    """The FlexAttention `BlockMask` of a selection for H query heads over sequences of T (`flex_block_attention`)."""
+    """The FlexAttention `BlockMask` of a selection for H query heads over sequences of T (`flex_block_attention`).
+
+    All four block tables are built here from one [B, G, N, N] grid of kept blocks, on the device in a fixed
+    number of small operations (no host read): per query block, its diagonal block (the partial one) and its
+    kept off-diagonal blocks in ascending order (full); per key block, the same transposed, which the backward
+    kernels walk. (`BlockMask.from_kv_blocks` would derive the second pair itself, through batched vmaps that
+    cost more than the attention at 4,096 tokens on an H200, docs/gpu.md.) A group's query heads share its
+    tables (head h reads group h // (H / G))."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, G, _ = sel.index_BGM.shape
     b, dev = sel.block, sel.index_BGM.device
     N, hg = T // b, H // G
-    dst, src, rows_M, full_N, diag_NN = _flex_layout(sel.counts, dev)
-    index_BGM = sel.index_BGM
-    full_BGX = torch.zeros(B, G, N * N, dtype=torch.int32, device=dev)
-    full_BGX[:, :, dst] = index_BGM[:, :, src].to(torch.int32)
+    rows_M, diag_NN = _flex_layout(sel.counts, dev)
     keep_BGX = torch.zeros(B, G, N * N, dtype=torch.bool, device=dev)
-    keep_BGX.scatter_(2, rows_M * N + index_BGM, True)
+    keep_BGX.scatter_(2, rows_M * N + sel.index_BGM, True)
     keep_BGNN = keep_BGX.view(B, G, N, N)
+    off_BGNN = (keep_BGNN & ~_grid_masks(N, dev)[1]).to(torch.int32)
+
+    def ordered(dense_BGNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, how many blocks and which (ascending, the rest after them), at every query head."""
+        idx = torch.argsort(dense_BGNN, dim=-1, descending=True, stable=True).to(torch.int32)
+        num = dense_BGNN.sum(-1, dtype=torch.int32)
+        return num.repeat_interleave(hg, dim=1), idx.repeat_interleave(hg, dim=1)
 
     def kept(b_: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (q_idx >= kv_idx) & keep_BGNN[b_, h // hg, q_idx // b, kv_idx // b]
 
-    return BlockMask.from_kv_blocks(
-        torch.ones(B, H, N, dtype=torch.int32, device=dev), diag_NN.expand(B, H, N, N).contiguous(),
-        full_N.expand(B, H, N).contiguous(), full_BGX.view(B, G, N, N).repeat_interleave(hg, dim=1),
-        BLOCK_SIZE=b, mask_mod=kept, seq_lengths=(T, T))
+    ones_BHN = torch.ones(B, H, N, dtype=torch.int32, device=dev)
+    diag_BHNN = diag_NN.expand(B, H, N, N).contiguous()
+    full_kv_num, full_kv_idx = ordered(off_BGNN)
+    full_q_num, full_q_idx = ordered(off_BGNN.transpose(-1, -2))
+    return BlockMask(seq_lengths=(T, T), kv_num_blocks=ones_BHN, kv_indices=diag_BHNN, full_kv_num_blocks=full_kv_num,
+                     full_kv_indices=full_kv_idx, q_num_blocks=ones_BHN, q_indices=diag_BHNN,
+                     full_q_num_blocks=full_q_num, full_q_indices=full_q_idx, BLOCK_SIZE=(b, b), mask_mod=kept)
+
+
+@functools.lru_cache(maxsize=64)
+def _flex_layout(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a flex block mask takes from the counts alone (cached, like `_run_order`): each kept block's query
+    block (`rows_M`, [M]) and the diagonal table (`diag_NN`, int32: block n's one partial block is n, first)."""
+    N = len(counts)
+    diag_NN = torch.zeros(N, N, dtype=torch.int32)
+    diag_NN[:, 0] = torch.arange(N, dtype=torch.int32)
+    rows_M = torch.repeat_interleave(torch.arange(N), torch.tensor(counts))
+    return rows_M.to(device), diag_NN.to(device)
 
 
 def trainable_paths(device: torch.device) -> tuple[str, ...]:
@@ -311,9 +316,11 @@ def trainable_paths(device: torch.device) -> tuple[str, ...]:
 
 
 def default_path(device: torch.device, block: int = 128, group: int = 2) -> str:
-    """"split" on a CPU whose torch has the CPU flash-attention ops, where a group's folded query rows (`group`
-    = H / G query heads per key/value head, times `block`) reach `SPLIT_MIN_ROWS`; "masked" anywhere else (CUDA
-    included: the private CPU ops do not run there, and its public SDPA kernels are the tested path)."""
+    """"flex" on CUDA (FlexAttention; measured faster than "masked" and in less memory on an H200, docs/gpu.md).
+    On a CPU "split" where torch has the CPU flash-attention ops and a group's folded query rows (`group` = H / G
+    query heads per key/value head, times `block`) reach `SPLIT_MIN_ROWS`; "masked" anywhere else."""
+    if device.type == "cuda":
+        return "flex"
     if device.type != "cpu" or _FLASH is None or _FLASH_BWD is None:
         return "masked"
     return "split" if group * block >= SPLIT_MIN_ROWS else "masked"

@@ -58,7 +58,8 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert all(set(p) == {"y", "dq", "dk", "dv"} for p in sa["parity"].values())
     densities = {"0.75", "0.5", "0.25", "0.1"}
     assert densities == set(sa["startup_fit"]["factors"])
-    assert set(sa["x_dense"]) == densities | {f"{f}:{d}" for f in ("grouped", "expanded") for d in ("0.5", "0.25")}
+    forms = {f"{f}:{d}" for f in ("grouped", "expanded") for d in ("0.5", "0.25")}
+    assert set(sa["x_dense"]) == densities | forms | {f"split:{d}" for d in densities}  # the CPU's other path
     assert set(sa["sdpa_backends"]) == {"masked run, grouped", "masked run, expanded", "dense causal, grouped",
                                         "dense [T, T] mask, grouped"}
     assert all(b["MATH"] == "ok" for b in sa["sdpa_backends"].values())  # the math kernel takes every form

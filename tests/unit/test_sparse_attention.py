@@ -60,25 +60,15 @@ def test_flex_path_forward_equals_dense_under_same_mask(density: float, heads: t
     torch.testing.assert_close(got, dense_block_attention(q, k, v, sel), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_path_block_tables_hold_exactly_the_selection() -> None:
     """The block mask's tables: per (row, head, query block) one partial block, the diagonal, and the kept
-    off-diagonal blocks as full blocks; a group's query heads share their group's tables."""
+    off-diagonal blocks as full blocks, ascending; a group's query heads share their group's tables; the key-block
+    side (what the backward walks) is what torch derives from the query-block side."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    made: list[BlockMask] = []
-    real = BlockMask.from_kv_blocks
-
-    def spy(*a: object, **kw: object) -> BlockMask:
-        made.append(real(*a, **kw))  # type: ignore[arg-type]
-        return made[-1]
-
-    q, k, v = (t.detach() for t in _qkv(2, 4, 2, 128, 8, seed=9))
+    q, k, _ = (t.detach() for t in _qkv(2, 4, 2, 128, 8, seed=9))
     sel = select_blocks(q, k, 16, 0.4)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(BlockMask, "from_kv_blocks", spy)
-        sa.flex_block_attention(q, k, v, sel)
-    (mask,) = made
+    mask = sa.flex_block_mask(sel, 4, 128)
     N = 8
     assert mask.kv_num_blocks.tolist() == [[[1] * N] * 4] * 2
     assert mask.kv_indices[..., 0].tolist() == [[list(range(N))] * 4] * 2
@@ -91,6 +81,14 @@ def test_flex_path_block_tables_hold_exactly_the_selection() -> None:
                 assert want[-1] == n  # the diagonal last
                 assert mask.full_kv_indices[b, h, n, :c - 1].tolist() == want[:-1]
                 off += c
+    ref = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                   mask.full_kv_indices, BLOCK_SIZE=16)
+    for num, idx in (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        got_n, want_n = getattr(mask, num), getattr(ref, num)
+        assert got_n.equal(want_n)
+        for row in zip(*[t.reshape(-1, N).tolist() for t in (getattr(mask, idx), getattr(ref, idx))],
+                       got_n.reshape(-1).tolist()):
+            assert row[0][:row[2]] == row[1][:row[2]]
 
 
 @pytest.mark.parametrize("block,shared", [(16, True), (6, False)], ids=["aligned-views", "unaligned-per-run"])
@@ -161,7 +159,8 @@ def test_masked_path_with_expanded_keys_and_values_equals_grouped(heads: tuple[i
 def test_path_choice_and_its_errors() -> None:
     assert default_path(torch.device("cpu"), 128, 2) == "split"  # torch 2.13 has the CPU flash ops
     assert default_path(torch.device("cpu"), 64, 2) == "masked"  # 128 folded rows: the kernel's 32-row chunks
-    assert default_path(torch.device("cuda"), 128, 2) == "masked"
+    assert default_path(torch.device("cuda"), 128, 2) == "flex"
+    assert default_path(torch.device("meta"), 128, 2) == "masked"
     assert sa.trainable_paths(torch.device("cpu")) == ("split", "masked")
     assert sa.trainable_paths(torch.device("cuda")) == ("masked", "flex")
     qkv = _qkv(1, 2, 2, 32, 4)
