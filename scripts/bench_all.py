@@ -480,9 +480,10 @@ PIPELINE = "measured, variants in turn (order rotated every step); layer costs m
 ROWS: tuple[Row, ...] = (
     Row("default run: validation loss within 5 minutes", "train", fig_train,
         MEASURED_RUN, target="0.65x the unigram entropy within 5 minutes"),
-    Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume, recompute, memory plan", "gpu_check",
-        fig_gpu_check,
-        "measured on the GPU; the memory plan's allocator slack (0.12) is fitted on these 5 layouts: in sample",
+    Row("GPU check: NCCL smoke, kernel parity, host syncs, bitwise resume, recompute, memory plan, gradient "
+        "accumulation, sparse attention", "gpu_check", fig_gpu_check,
+        "measured on the GPU; the memory plan's allocator slack (0.12) is fitted on an earlier run of the same 5 "
+        "layouts",
         target="expert kernel 1.15x / 1.3x dense, balanced / skewed; full recompute 0.35x activations at 1.4x step"),
     Row("MoE layer fwd+bwd vs dense SwiGLU (bf16, 16,384 tokens, d 4096, 8 experts)", "layer_cuda", fig_layer,
         MEASURED, target="1.15x balanced, 1.3x skewed"),

@@ -33,11 +33,13 @@ recorded as that check's failure with the traceback's last lines, and the next c
    the simulator's one-rank step time on the h100 profile against the measured median step (balanced routing).
 9. grad_accum: `train.grad_accum` 1, 2 and 4 through the trainer's step code on the device: fp32 loss and every
    gradient within 1e-5 of one pass (no balancing loss), then the bf16 activation peak and pass time per count.
-10. sparse_attention: the block-sparse attention kernel on its default path for the device against dense attention
-   under the same block mask (output, dq, dk, dv; bf16 against fp32 on CUDA) at densities 0.5 and 0.25, its
-   fwd+bwd time (block selection included) over the dense causal SDPA call at densities 0.75-0.1 (CUDA events;
-   4,096 tokens, 16 query / 4 key-value heads of 64, blocks of 128), and the sparse_attention scheme's start-up fit
-   of its cost constants (`costs: measure`) on the device.
+10. sparse_attention: the block-sparse attention kernel on every path that trains on the device (CUDA: flex, the
+   default, and masked) against dense attention under the same block mask (output, dq, dk, dv; bf16 against fp32
+   on CUDA) at densities 0.5 and 0.25; fwd+bwd time (block selection included) over the dense causal SDPA call at
+   densities 0.75-0.1 (CUDA events; 4,096 tokens, 16 query / 4 key-value heads of 64, blocks of 128), the masked
+   path's grouped and expanded forms, activation peaks, which SDPA backends take each call form, the flex path's
+   parts (selection, block mask, kernel) and rows of 8,192-32,768 tokens, and the sparse_attention scheme's
+   start-up fit of its cost constants (`costs: measure`) on the device.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.

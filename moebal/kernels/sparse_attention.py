@@ -12,7 +12,7 @@ token itself, so no row is empty). Every head keeps the same count per query blo
 is one batched call), which also makes the kept share of the grid a function of the density and T alone
 (`kept_fraction`): the cost a planner predicts is exact, whatever the data.
 
-Kernel (`block_sparse_attention`), two paths computing the same attention; `default_path` picks one per device
+Kernel (`block_sparse_attention`), three paths computing the same attention; `default_path` picks one per device
 and shape:
 - "split" (CPU, torch's CPU flash-attention ops `_scaled_dot_product_flash_attention_for_cpu` and its backward,
   private aten ops that return and take the log-sum-exp): every call's queries block-major with a group's query
@@ -26,7 +26,13 @@ and shape:
 - "masked" (any device, public `scaled_dot_product_attention` only; CUDA's path): the kept blocks gathered once,
   each run one SDPA call over its c kept blocks, the diagonal block last under an additive lower-triangular
   mask; every run's mask is a view of one [b, c_max b] tensor per call (O(T b) kept for the backward) where
-  the views stay 16-byte aligned (`shares_masks`), else one mask per run.
+  the views stay 16-byte aligned (`shares_masks`), else one mask per run. Under grouped-query attention the
+  masked calls pass `enable_gqa` (CUDA takes them with cuDNN's kernel; `expand_kv` repeats keys and values per
+  query head instead, which measured slower and in twice the memory on an H200, docs/gpu.md).
+- "flex" (CUDA's default): torch's FlexAttention, compiled, under a `BlockMask` built from the selection (the
+  kept off-diagonal blocks full, the diagonal partial), so the fused kernel visits only the kept blocks. On an
+  H200 it beat "masked" at every measured shape, in a fifth of its memory; it beats dense attention from rows
+  of about 16,384 tokens (docs/gpu.md). No CPU backward: not used on a CPU.
 Work: M / (N (N + 1) / 2) of the dense causal attention core, plus O(T K) for the gathers, the pooling and the
 scores (N^2 K), so on a CPU its time follows the kept share (measured in docs/dynamism.md;
 `scripts/bench_sparse_attention.py`).
