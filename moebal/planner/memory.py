@@ -374,15 +374,19 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
 
     From the kernel's saved tensors, c_n the kept key blocks of query block n, b the block, K the head dim, ac the
     core's bytes per element (fp32 under CPU autocast, the run's otherwise); per row:
-    - masked path (CUDA, and CPU below `SPLIT_MIN_ROWS` folded rows): the gathered key and value blocks
+    - flex path (CUDA): FlexAttention keeps what a fused dense core keeps (q, k, v, output, log-sum-exp) and the
+      block mask: three [H, N, N] int32 tables (the diagonal one serves both directions), three [H, N] counts and
+      the [G, N, N] bool grid of kept blocks.
+      Measured on an H200 at 4,096 tokens x 2 rows, 16 / 4 heads of 64, density 0.5: activation peak over a
+      forward and backward 41 MB against 105 MB for the dense flash call (docs/gpu.md), so nothing beyond the
+      dense core's is planned but the tables;
+    - masked path (CPU below `SPLIT_MIN_ROWS` folded rows): the gathered key and value blocks
       2 G sum(c_n) b K ac, the call's one [b, max(c_n) b] additive mask (every run's mask a view of it; where
       b ac is not a multiple of 16 bytes, a [b, c b] mask per run), the block-major query copy H T K ac; the
       input keys and values are not kept (the gather's backward needs its indices only);
     - split path (CPU): the gathered off-diagonal blocks 2 G sum(c_n - 1) b K ac, the block-major diagonal keys
       and values 2 G T K ac and the folded query copy H T K ac, in place of the input keys and values.
-    Checked against the saved tensors measured on a CPU (tests/unit/test_memory_plan.py); the CUDA kernels' saved
-    sets (efficient attention: q, k, v, output, log-sum-exp, bias) are the CPU SDPA's, which was not measured
-    on a GPU."""
+    Checked against the saved tensors measured on a CPU (tests/unit/test_memory_plan.py)."""
     if cfg.dynamism.scheme != "sparse_attention":
         return 0.0
     sa, m = cfg.dynamism.sparse_attention, cfg.model
@@ -394,7 +398,9 @@ def sparse_core_extra(cfg: Config, a: int, cuda: bool) -> float:
     counts = kept_counts(N, sa.max_density if sa.max_density < 1 else 1.0 - 1e-9)
     ac = 4 if (not cuda and a == 2) else a
     q_copy, kv_in = H * T * K * ac, 2 * G * T * K * ac
-    if cuda or (H // G) * b < SPLIT_MIN_ROWS:
+    if cuda:
+        return (3 * 4 * H * N * N + 3 * 4 * H * N + G * N * N) / T
+    if (H // G) * b < SPLIT_MIN_ROWS:
         if max(counts) == 1:
             masks = 0
         elif shares_masks(b, ac):  # one mask per call, every run's a view of it

@@ -201,6 +201,29 @@ def test_sparse_attention_core_extra_is_what_the_kernel_keeps(block, max_density
     assert grow_rc == pytest.approx(seq * predicted)
 
 
+def test_sparse_attention_core_extra_on_cuda_is_the_flex_block_mask():
+    """On CUDA the flex path keeps a fused core's tensors and the block mask: the plan's term is exactly the block
+    mask's tables per token, as many bytes as `flex_block_mask` builds for one row (measured on a CPU tensor)."""
+    import torch
+
+    from moebal.kernels.sparse_attention import flex_block_mask, select_blocks
+    from moebal.planner.memory import sparse_core_extra
+
+    T, b, H, G = 512, 64, 4, 2
+    cfg = load(None, [*TINY, "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "moe.num_experts=0",
+                      f"model.max_seq_len={T}", f"data.seq_len={T}", "dynamism.scheme=sparse_attention",
+                      f"dynamism.sparse_attention.block={b}"])
+    q, k = torch.randn(1, H, T, 16), torch.randn(1, G, T, 16)
+    mask = flex_block_mask(select_blocks(q, k, b, 0.5), H, T)
+    tables = {t.data_ptr(): t for t in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                        mask.full_kv_indices, mask.q_num_blocks, mask.q_indices,
+                                        mask.full_q_num_blocks, mask.full_q_indices)}  # shared ones once
+    N = T // b
+    want = sum(t.numel() * t.element_size() for t in tables.values()) + G * N * N  # and the bool grid
+    assert sparse_core_extra(cfg, 2, cuda=True) * T == want
+    assert sparse_core_extra(cfg, 2, cuda=True) < 0.05 * sparse_core_extra(cfg, 2, cuda=False)
+
+
 def test_sparse_attention_block_longer_than_half_the_row_plans_no_core_and_the_scheme_refuses_it():
     # the plan runs before the scheme is built (`moebal train` picks parallel.shard from it): a block that does not
     # cut the row into 2 blocks once crashed it (`max()` of no blocks); it plans nothing and the scheme names a fit
