@@ -243,7 +243,10 @@ PATHS = ("split", "masked", "flex")
 @functools.cache
 def _flex_attention(device_type: str) -> Any:
     """torch's FlexAttention, compiled (Triton) on CUDA; eager elsewhere (an unfused reference that supports no
-    backward on a CPU: the CPU tests check its forward)."""
+    backward on a CPU: the CPU tests check its forward). Compiled with static shapes: each new (rows, length,
+    dtype) compiles once (13.5 s for the first on an H200, forward and backward); past dynamo's recompile limit
+    (8 shapes by default) torch runs the eager form instead, the same attention unfused. A run's shapes are
+    fixed (`data.seq_len` and the micro-batch rows), so it compiles once or twice (training, validation)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention

@@ -142,17 +142,21 @@ def test_a_diverged_run_stops_at_its_first_non_finite_step_and_keeps_its_checkpo
 def test_rollbacks_go_back_to_the_newest_checkpoint_until_their_maximum_then_stop(tmp_path):
     """`train.spike.action=rollback`: each bad step goes back to the newest checkpoint in the same process (the
     start-up line again, resumed there), skipping the batches since it; at train.spike.max_rollbacks the next
-    bad step stops the run as `stop` would, naming the rollbacks made."""
+    bad step stops the run as `stop` would, naming the rollbacks made. The first update at learning rate 1000
+    wrecks the weights, so every later step is bad from the first checkpoint on: called a spike at once (3x the
+    previous step's loss), it does not wait for the loss or the gradient to overflow, which depends on the
+    kernels' rounding (with non-finite steps alone, a run once collapsed to the uniform loss and went bad only
+    steps later, after newer checkpoints)."""
     out = tmp_path / "run"
     tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.ckpt_every=", "train.warmup_steps="))]
     r = moebal("--out", str(out), *tiny, "train.steps=30", "train.lr=1000", "train.grad_clip=0",
                "train.warmup_steps=0", "train.ckpt_every=1", "parallel.nproc=1", "train.spike.action=rollback",
-               "train.spike.max_rollbacks=2")
+               "train.spike.max_rollbacks=2", "train.spike.factor=3", "train.spike.window=1")
     assert r.returncode == 2, r.stderr
     rolled = [line for line in r.stderr.splitlines() if "rolled back to" in line]
     assert len(rolled) == 2 and "(rollback 2 of at most 2), skipping 2 batches" in rolled[1], r.stderr
     assert r.stderr.count("resumed at step") == 2, r.stderr
-    assert "training diverged and stopped without saving this state (the run has made its " \
+    assert "the loss spiked and stopped without saving this state (the run has made its " \
            "train.spike.max_rollbacks (2) rollbacks)" in r.stderr, r.stderr
     records = [json.loads(line) for line in (out / "rollbacks.jsonl").read_text().splitlines()]
     assert [x["skipped_batches"] for x in records] == [1, 2] and records[0]["resume_step"] == records[1]["resume_step"]
