@@ -1241,9 +1241,11 @@ def _sparse_length(ctx: Ctx, T: int, H: int, G: int, K: int, block: int) -> dict
 
 
 def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
-    """The block-sparse attention kernel on the device: parity with dense attention under the same block mask
-    (output and dq, dk, dv) at densities 0.5 and 0.25, its fwd+bwd time (selection included) over the dense causal
-    SDPA call at each density, and the sparse_attention scheme's start-up fit (`costs: measure`) on the device."""
+    """The block-sparse attention kernel on the device: parity of every path that trains there with dense
+    attention under the same block mask (output and dq, dk, dv) at densities 0.5 and 0.25; fwd+bwd time
+    (selection included) of each path over the dense causal SDPA call at each density, and of the masked path's
+    grouped and expanded forms; activation peaks and the SDPA backends of each call form (CUDA); the flex path's
+    parts and longer rows (CUDA); and the sparse_attention scheme's start-up fit (`costs: measure`)."""
     from moebal.config import from_dict
     from moebal.dynamism.sparse_attention import fit_attention_factors, measure_attention_factors
     from moebal.kernels.bench import time_interleaved
@@ -1321,8 +1323,8 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     forms = {f"{n}:{d}": form(d, n == "expanded") for d in FORM_DENSITIES for n in ("grouped", "expanded")}
     # the device's other trainable paths beside the default (CUDA: "masked" beside "flex"), selection included
     others = [p for p in paths if p != path and "error" not in paths[p]]
-    flexed = {f"{p}:{d}": sparse(d, p) for p in others for d in SPARSE_DENSITIES}
-    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms, **flexed}
+    other_fns = {f"{p}:{d}": sparse(d, p) for p in others for d in SPARSE_DENSITIES}
+    fns = {"dense": dense, **{str(d): sparse(d) for d in SPARSE_DENSITIES}, **forms, **other_fns}
     if ctx.cuda:
         times = _time_events(fns, warmup=3, repeats=10 if full else 5)
     else:

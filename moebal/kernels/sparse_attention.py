@@ -301,9 +301,14 @@ def flex_block_mask(sel: BlockSelection, H: int, T: int) -> Any:
     diag_BHNN = diag_NN.expand(B, H, N, N).contiguous()
     full_kv_num, full_kv_idx = ordered(off_BGNN)
     full_q_num, full_q_idx = ordered(off_BGNN.transpose(-1, -2))
-    return BlockMask(seq_lengths=(T, T), kv_num_blocks=ones_BHN, kv_indices=diag_BHNN, full_kv_num_blocks=full_kv_num,
-                     full_kv_indices=full_kv_idx, q_num_blocks=ones_BHN, q_indices=diag_BHNN,
-                     full_q_num_blocks=full_q_num, full_q_indices=full_q_idx, BLOCK_SIZE=(b, b), mask_mod=kept)
+    try:
+        return BlockMask(seq_lengths=(T, T), kv_num_blocks=ones_BHN, kv_indices=diag_BHNN,
+                         full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx, q_num_blocks=ones_BHN,
+                         q_indices=diag_BHNN, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+                         BLOCK_SIZE=(b, b), mask_mod=kept)
+    except TypeError:  # a torch whose BlockMask takes other arguments (checked on 2.11 and 2.13): torch derives
+        # the key-block tables itself, the same tables at a higher cost
+        return BlockMask.from_kv_blocks(ones_BHN, diag_BHNN, full_kv_num, full_kv_idx, BLOCK_SIZE=b, mask_mod=kept)
 
 
 @functools.lru_cache(maxsize=64)

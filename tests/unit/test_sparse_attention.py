@@ -91,6 +91,43 @@ def test_flex_path_block_tables_hold_exactly_the_selection() -> None:
             assert row[0][:row[2]] == row[1][:row[2]]
 
 
+def test_flex_block_mask_falls_back_to_torchs_derivation_where_blockmask_takes_other_arguments(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose `BlockMask` constructor refuses the arguments the fast build passes: the mask comes from
+    `BlockMask.from_kv_blocks` instead, with the same query-block tables and the same key-block tables."""
+    from torch.nn.attention import flex_attention as fa
+
+    class Older(fa.BlockMask):
+        inside = False
+
+        def __init__(self, *a: object, **kw: object) -> None:
+            if not Older.inside:
+                raise TypeError("__init__() got an unexpected keyword argument 'seq_lengths'")
+            super().__init__(*a, **kw)  # type: ignore[arg-type]
+
+        @classmethod
+        def from_kv_blocks(cls, *a: object, **kw: object) -> fa.BlockMask:  # type: ignore[override]
+            Older.inside = True
+            try:
+                return super().from_kv_blocks(*a, **kw)  # type: ignore[arg-type]
+            finally:
+                Older.inside = False
+
+    q, k, _ = (t.detach() for t in _qkv(1, 4, 2, 128, 8, seed=4))
+    sel = select_blocks(q, k, 16, 0.5)
+    fast = sa.flex_block_mask(sel, 4, 128)
+    monkeypatch.setattr(fa, "BlockMask", Older)
+    slow = sa.flex_block_mask(sel, 4, 128)
+    assert isinstance(slow, Older) and not isinstance(fast, Older)
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        n = getattr(fast, num)
+        assert n.equal(getattr(slow, num)), num
+        for a, b, c in zip(getattr(fast, idx).reshape(-1, 8).tolist(), getattr(slow, idx).reshape(-1, 8).tolist(),
+                           n.reshape(-1).tolist()):
+            assert a[:c] == b[:c], idx
+
+
 @pytest.mark.parametrize("block,shared", [(16, True), (6, False)], ids=["aligned-views", "unaligned-per-run"])
 def test_masked_path_masks_are_aligned_views_of_one_tensor_or_one_per_run(
         monkeypatch: pytest.MonkeyPatch, block: int, shared: bool) -> None:
