@@ -56,8 +56,8 @@ from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, kept_fract
 
 __all__ = ["PATHS", "SPLIT_MIN_ROWS", "BlockSelection", "block_mask", "block_scores", "block_sparse_attention",
            "coverage_density", "default_path", "dense_block_attention", "flex_block_attention", "flex_block_mask",
-           "kept_counts", "kept_fraction", "masked_block_attention", "select_blocks", "select_from_scores",
-           "split_block_attention", "trainable_paths"]
+           "kept_counts", "kept_fraction", "kept_grid", "masked_block_attention", "select_blocks",
+           "select_from_scores", "split_block_attention", "trainable_paths"]
 
 
 @dataclass(frozen=True)
@@ -282,10 +282,8 @@ def flex_block_mask(sel: BlockSelection, H: int, T: int) -> Any:
     B, G, _ = sel.index_BGM.shape
     b, dev = sel.block, sel.index_BGM.device
     N, hg = T // b, H // G
-    rows_M, diag_NN = _flex_layout(sel.counts, dev)
-    keep_BGX = torch.zeros(B, G, N * N, dtype=torch.bool, device=dev)
-    keep_BGX.scatter_(2, rows_M * N + sel.index_BGM, True)
-    keep_BGNN = keep_BGX.view(B, G, N, N)
+    diag_NN = _flex_layout(sel.counts, dev)[1]
+    keep_BGNN = kept_grid(sel)
     off_BGNN = (keep_BGNN & ~_grid_masks(N, dev)[1]).to(torch.int32)
 
     def ordered(dense_BGNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,8 +311,9 @@ def flex_block_mask(sel: BlockSelection, H: int, T: int) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _flex_layout(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a flex block mask takes from the counts alone (cached, like `_run_order`): each kept block's query
-    block (`rows_M`, [M]) and the diagonal table (`diag_NN`, int32: block n's one partial block is n, first)."""
+    """What `kept_grid` and a flex block mask take from the counts alone (cached, like `_run_order`): each kept
+    block's query block (`rows_M`, [M]) and the diagonal table (`diag_NN`, int32: block n's one partial block is
+    n, first)."""
     N = len(counts)
     diag_NN = torch.zeros(N, N, dtype=torch.int32)
     diag_NN[:, 0] = torch.arange(N, dtype=torch.int32)
@@ -506,15 +505,20 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
     raise ValueError(f"block_sparse_attention: path must be one of {PATHS} or None; got {path!r}")
 
 
+def kept_grid(sel: BlockSelection) -> torch.Tensor:
+    """[B, G, N, N] bool: which (query block, key block) pairs the selection keeps, built on the device."""
+    B, G, _ = sel.index_BGM.shape
+    N, dev = len(sel.counts), sel.index_BGM.device
+    rows_M = _flex_layout(sel.counts, dev)[0]
+    keep_BGX = torch.zeros(B, G, N * N, dtype=torch.bool, device=dev)
+    keep_BGX.scatter_(2, rows_M * N + sel.index_BGM, True)
+    return keep_BGX.view(B, G, N, N)
+
+
 def block_mask(sel: BlockSelection, T: int) -> torch.Tensor:
     """[B, G, T, T] bool: the token-level mask the selection means (kept blocks, causal inside the diagonal)."""
-    B, G, _ = sel.index_BGM.shape
-    b, N, dev = sel.block, T // sel.block, sel.index_BGM.device
-    keep_BGNN = torch.zeros(B, G, N, N, dtype=torch.bool, device=dev)
-    rows_M = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(sel.counts, device=dev))
-    bi, gi = torch.arange(B, device=dev)[:, None, None], torch.arange(G, device=dev)[None, :, None]
-    keep_BGNN[bi, gi, rows_M[None, None, :], sel.index_BGM] = True
-    m_BGTT = keep_BGNN.repeat_interleave(b, dim=2).repeat_interleave(b, dim=3)
+    b, dev = sel.block, sel.index_BGM.device
+    m_BGTT = kept_grid(sel).repeat_interleave(b, dim=2).repeat_interleave(b, dim=3)
     return m_BGTT & torch.ones(T, T, dtype=torch.bool, device=dev).tril()
 
 
