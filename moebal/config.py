@@ -767,6 +767,14 @@ class Config:
         return (self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i >= self.moe.first_dense
                 and i not in self.moe.dense_layers)
 
+    @property
+    def pipelined(self) -> bool:
+        """The run trains on the pipeline engine (moebal.pipeline): parallel.pp > 1, or a dynamism scheme, which
+        runs there only (with parallel.pp 1 as a one-stage pipeline: its micro-batches, `pipeline.micro_batches`,
+        are the accumulation, and the trainer without a pipeline's own options, `train.grad_accum` among them, do
+        not apply; docs/dynamism.md)."""
+        return self.parallel.pp > 1 or self.dynamism.scheme != "none"
+
 
 # --------------------------------------------------------------------------------------------
 # loading
@@ -1036,7 +1044,7 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
     flats step every parameter they hold on every step, with a zero gradient where none arrived, while torch's
     AdamW (unsharded, and FSDP2's shards under `full`) skips a parameter without a gradient."""
     par, d = c.parallel, c.dynamism
-    if par.shard != "optimizer" or par.pp == 1:
+    if par.shard != "optimizer" or not c.pipelined:
         return
     _need(d.scheme != "early_exit",
           "'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=early_exit: a layer every "
@@ -1112,7 +1120,8 @@ def _check_whole(c: Config) -> None:
               "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
               "it needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold set (e.g. 0.1)")
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
-        _need(par.pp == 1, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1)")
+        _need(not c.pipelined, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1, "
+              f"no dynamism scheme; got parallel.pp {par.pp}, dynamism.scheme {c.dynamism.scheme})")
     _check_moe(c)
     _check_mla(m)
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
@@ -1121,9 +1130,10 @@ def _check_whole(c: Config) -> None:
     _check_train(t)
     _check_grad_accum(c)
     _check_step_hold(par, c)
-    _need(t.record_routing_every == 0 or (par.pp == 1 and c.moe.num_experts > 0),
+    _need(t.record_routing_every == 0 or (not c.pipelined and c.moe.num_experts > 0),
           "'train.record_routing_every' records every MoE layer of the model in one process: it needs an MoE "
-          "model (moe.num_experts > 0) and no pipeline (parallel.pp 1); set it to 0")
+          "model (moe.num_experts > 0) and no pipeline (parallel.pp 1 and no dynamism scheme, which runs on the "
+          "pipeline engine); set it to 0")
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
@@ -1145,9 +1155,9 @@ def _check_whole(c: Config) -> None:
               f"or moe")
     _check_scheduler(c.scheduler)
     if c.scheduler.expert_packing != "off":
-        _need(par.pp == 1 and c.moe.num_experts > 0,
+        _need(not c.pipelined and c.moe.num_experts > 0,
               "'scheduler.expert_packing: lina' chooses the expert-parallel size of an MoE model in the expert- and "
-              "data-parallel trainer (parallel.pp 1, moe.num_experts > 0)")
+              "data-parallel trainer (parallel.pp 1, no dynamism scheme, moe.num_experts > 0)")
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 
@@ -1247,10 +1257,10 @@ def _check_plan_ahead(c: Config) -> None:
           "nothing to plan: set planner.policy to prophet (or plan_ahead off)")
     par = c.parallel
     stage_ep = par.ep if par.ep is not None else (par.nproc // par.pp if par.nproc else None)  # null: the stage
-    _need(par.pp == 1 or stage_ep != 1, "'planner.plan_ahead: path' places experts; a pipeline "
-          "(parallel.pp > 1) with parallel.ep 1 has no expert-parallel group to place them in: set parallel.ep > 1 "
-          "(or plan_ahead off)")
-    _need(par.pp > 1 or stage_ep != 1, "'planner.plan_ahead: path' places experts over expert-parallel ranks; "
+    _need(not c.pipelined or stage_ep != 1, "'planner.plan_ahead: path' places experts; a pipeline "
+          "(parallel.pp > 1, or a dynamism scheme's one stage) with parallel.ep 1 has no expert-parallel group to "
+          "place them in: set parallel.ep > 1 (or plan_ahead off)")
+    _need(c.pipelined or stage_ep != 1, "'planner.plan_ahead: path' places experts over expert-parallel ranks; "
           f"{'parallel.nproc 1 (one process)' if par.ep is None else 'parallel.ep 1'} has none: launch at least 2 "
           "ranks with parallel.ep > 1 (or plan_ahead off)")
     _need(c.dynamism.scheme not in ("mod", "early_exit"),
@@ -1328,12 +1338,12 @@ def _check_step_hold(par: ParallelConfig, c: Config) -> None:
           f"'parallel.accumulate' must be sharded or whole; got {par.accumulate!r}")
     _need(par.reshard in ("micro_batch", "step"),
           f"'parallel.reshard' must be micro_batch or step; got {par.reshard!r}")
-    _need(par.reshard == "micro_batch" or par.pp == 1 or c.pipeline.schedule != "zb"
+    _need(par.reshard == "micro_batch" or not c.pipelined or c.pipeline.schedule != "zb"
           or par.shard not in ("full", "auto"),
           "'parallel.reshard: step' keeps a fully sharded stage's weights gathered through the step, and "
           "pipeline.schedule zb's W ops need the shards back between the backward passes; set "
           "parallel.reshard=micro_batch or pipeline.schedule 1f1b or gpipe")
-    _need(par.accumulate == "sharded" or par.pp == 1 or c.dynamism.scheme != "early_exit"
+    _need(par.accumulate == "sharded" or not c.pipelined or c.dynamism.scheme != "early_exit"
           or par.shard not in ("full", "auto"),
           "'parallel.accumulate: whole' in a fully sharded pipeline is not built with dynamism.scheme=early_exit: "
           "a layer that the step's last micro-batch skips would keep the earlier ones' gradient sums unsent; set "
@@ -1346,8 +1356,10 @@ def _check_grad_accum(c: Config) -> None:
     A, par = c.train.grad_accum, c.parallel
     if A == 1:
         return
-    _need(par.pp == 1, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline (parallel.pp "
-          f"{par.pp}) accumulates over its micro-batches: set train.grad_accum 1 and raise pipeline.micro_batches")
+    where = (f"parallel.pp {par.pp}" if par.pp > 1 else
+             f"dynamism.scheme {c.dynamism.scheme} runs as a one-stage pipeline")
+    _need(not c.pipelined, f"'train.grad_accum' ({A}) accumulates without a pipeline; a pipeline ({where}) "
+          f"accumulates over its micro-batches: set train.grad_accum 1 and raise pipeline.micro_batches")
     _need(c.data.batch_size % A == 0, f"data.batch_size ({c.data.batch_size}) does not split into "
           f"train.grad_accum={A} micro-batches: use a batch size that is a multiple of {A} (times the ranks)")
 

@@ -169,7 +169,7 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
 
         RunContext(ParallelDims(world_size=nproc, rank=0, ep=1, pp=cfg.parallel.pp)).check_batch(
             cfg.data.batch_size, cfg.train.grad_accum)
-        if cfg.parallel.pp > 1:  # what each stage's runner would refuse, said once
+        if cfg.pipelined:  # what each stage's runner would refuse, said once
             from moebal.pipeline.runner import pipeline_ep, refuse_layout
             from moebal.train.pipelined import scheme_from_config
 
@@ -231,12 +231,6 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
     auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
     if not (args.resume or args.resume_from or auto) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
-    if cfg.dynamism.scheme != "none" and cfg.parallel.pp <= 1:
-        # the single-stage trainer has no dynamism schemes: it would train (or resume) without the frozen layers
-        # or masks, silently
-        raise ConfigError(f"dynamism.scheme={cfg.dynamism.scheme} runs in pipeline runs only (parallel.pp >= 2): "
-                          f"use --pp 2 or more, or dynamism.scheme=none to train without it (a pruned model's "
-                          f"weights may then grow back)")
     if cfg.hf.export_to:
         from moebal.train.export import check_export
 
@@ -257,9 +251,10 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
 
 
 def build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool, dims: ParallelDims | None = None) -> Trainer:
-    """One trainer for every mode: a pipeline stage (parallel.pp > 1), data x expert parallelism (a torchrun
-    job), or one process. --auto-resume (`auto`) may find no checkpoint and start over. `dims`: the process
-    groups of the job, when it has joined them already (a rollback)."""
+    """One trainer for every mode: a pipeline stage (parallel.pp > 1, or the one stage of a dynamism scheme's run:
+    `Config.pipelined`), data x expert parallelism (a torchrun job), or one process. --auto-resume (`auto`) may
+    find no checkpoint and start over. `dims`: the process groups of the job, when it has joined them already (a
+    rollback)."""
     from moebal.train import Hook, Trainer
 
     hooks: list[Hook] = []
@@ -271,7 +266,7 @@ def build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool, dims: 
         from moebal.train.routing_log import RoutingRecorder
 
         hooks.append(RoutingRecorder(cfg.train.record_routing_every))
-    if cfg.parallel.pp > 1:
+    if cfg.pipelined:
         from moebal.train.pipelined import pipeline_trainer
 
         return pipeline_trainer(cfg, out, resume=resume, require_checkpoint=not auto, hooks=hooks, dims=dims)

@@ -434,9 +434,10 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
     need(cfg.data.batch_size % lay.stage_ranks == 0,
          f"data.batch_size ({cfg.data.batch_size}) is not divisible by the {lay.stage_ranks} ranks of a stage")
     rows = cfg.data.batch_size // lay.stage_ranks
-    need(lay.micro_batches <= rows and (lay.pp > 1 or rows % lay.micro_batches == 0),
+    cut = lay.pp > 1 or cfg.pipelined  # a pipeline's micro-batches may differ by a row; accumulation's may not
+    need(lay.micro_batches <= rows and (cut or rows % lay.micro_batches == 0),
          f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}"
-         + ("" if lay.pp > 1 else ", a divisor of it"))
+         + ("" if cut else ", a divisor of it"))
 
 
 def _replicas(cfg: Config, lay: MemoryLayout) -> int:
@@ -631,6 +632,7 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
     """`built`: only combinations this build runs (`shard: full` with a pipeline only as moebal/config.py
     allows it)."""
     E = cfg.moe.num_experts
+    staged = cfg.dynamism.scheme != "none"  # a dynamism scheme runs on the pipeline engine, one stage at pp 1
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
         stage = ranks // pp
         if cfg.data.batch_size % stage:
@@ -642,9 +644,10 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard == "full" and pp > 1 and built and _full_pp_refused(cfg):
+                    if shard == "full" and (pp > 1 or staged) and built and _full_pp_refused(cfg):
                         continue  # refused in moebal/config.py (dynamism schemes that edit layers)
-                    if shard == "optimizer" and pp > 1 and built and cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
+                    if shard == "optimizer" and (pp > 1 or staged) and built and \
+                            cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
                         continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
                         lay = dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
@@ -761,16 +764,18 @@ def _held(lay: MemoryLayout) -> tuple[str, str]:
     return lay.accumulate, lay.reshard
 
 
-def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
+def _changes(old: MemoryLayout, new: MemoryLayout, staged: bool = False) -> str:
     """The overrides that turn `old` into `new`. Micro-batches are a pipeline's (pipeline.micro_batches) or, without
-    one, gradient accumulation's (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed)."""
+    one, gradient accumulation's (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed).
+    `staged`: the config runs a dynamism scheme, so a one-stage layout is a pipeline too (`Config.pipelined`)."""
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
             "policy": "planner.policy", "accumulate": "parallel.accumulate", "reshard": "parallel.reshard"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
     if new.max_replicas is not None and new.policy != "static" and new.max_replicas != old.max_replicas:
         out.append(f"planner.max_replicas={new.max_replicas}")
-    accum = (old.micro_batches if old.pp == 1 else 1, new.micro_batches if new.pp == 1 else 1)
-    if new.pp > 1 and (old.pp == 1 or new.micro_batches != old.micro_batches):
+    piped = (old.pp > 1 or staged, new.pp > 1 or staged)
+    accum = (1 if piped[0] else old.micro_batches, 1 if piped[1] else new.micro_batches)
+    if piped[1] and (not piped[0] or new.micro_batches != old.micro_batches):
         out.append(f"pipeline.micro_batches={new.micro_batches}")
     if accum[0] != accum[1]:
         out.append(f"train.grad_accum={accum[1]}")
@@ -787,17 +792,19 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
             f"{plan.device.capacity_bytes / gb:.1f} GB ({plan.device.name}; {plan.layout.describe()}); largest term: "
             f"{name} {size / gb:.1f} GB")
     shards, recomputes = built or (SHARDS, RECOMPUTES)
+    staged = cfg.dynamism.scheme != "none"
     if plan.layout.init == "full" and plan.device.runtime_bytes + plan.phases["start-up"] > plan.device.capacity_bytes:
         return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
                 f"model before keeping its share, so no layout fits with a whole-model start-up: use rank-local "
                 f"initialisation (what `moebal train` does; `moebal plan memory --init local` plans with it)")
     fix = fix_for(cfg, plan, shards, recomputes, built is not None)
     if fix is not None:
-        return f"{head}; fits with {_changes(plan.layout, fix.layout)} ({fix.peak_bytes / gb:.1f} GB)"
+        return f"{head}; fits with {_changes(plan.layout, fix.layout, staged)} ({fix.peak_bytes / gb:.1f} GB)"
     more = fit_layout(cfg, plan.device, plan.layout, max_ranks=max(plan.layout.ranks, 1) * 64, shards=shards,
                       recomputes=recomputes, built=built is not None)
     if more is not None:
-        return (f"{head}; fits on {more.layout.ranks} ranks with {_changes(plan.layout, more.layout) or 'this layout'}"
+        return (f"{head}; fits on {more.layout.ranks} ranks with "
+                f"{_changes(plan.layout, more.layout, staged) or 'this layout'}"
                 f" ({more.peak_bytes / gb:.1f} GB)")
     hint = _TERM_SETTING.get(name, "a smaller model")
     return f"{head}; no layout fits up to {64 * plan.layout.ranks} ranks: try {hint} or a smaller model"
@@ -847,8 +854,9 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     E = cfg.moe.num_experts
     ep = changes.get("ep") or par.ep or (math.gcd(E, ranks // max(pp, 1)) if E else 1)
     prec = cfg.train.precision.replace("auto", "bf16")
+    staged = pp > 1 or cfg.dynamism.scheme != "none"  # the pipeline engine (one stage at pp 1: Config.pipelined)
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
-                        micro_batches=cfg.pipeline.micro_batches if pp > 1 else cfg.train.grad_accum,
+                        micro_batches=cfg.pipeline.micro_batches if staged else cfg.train.grad_accum,
                         accumulate=cfg.parallel.accumulate, reshard=cfg.parallel.reshard,
                         schedule=cfg.pipeline.schedule,
                         precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
@@ -860,7 +868,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
             raise ConfigError("parallel.shard auto describes no layout until it is settled: settle it with "
                               "choose_shard (moebal/planner/memory.py) or name none, optimizer or full")
         lay = dataclasses.replace(lay, shard="none")
-    if lay.pp > 1 and "micro_batches" not in rest:
+    if (lay.pp > 1 or staged) and "micro_batches" not in rest:
         rows = cfg.data.batch_size // max(lay.stage_ranks, 1)
         lay = dataclasses.replace(lay, micro_batches=max(1, min(lay.micro_batches, rows)))
     return lay

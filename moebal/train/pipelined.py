@@ -1,4 +1,5 @@
-"""The pipeline step: this rank's stage of a `--pp P` run, trained by the pipeline runner.
+"""The pipeline step: this rank's stage of a `--pp P` run (or the one stage of a dynamism scheme's run at
+`--pp 1`: `Config.pipelined`), trained by the pipeline runner.
 
 `PipelineStep` wraps `PipelineRunner` (fixed micro-batches) or `PlannedPipelineRunner` (planned
 micro-batching) as the trainer's step strategy (moebal/train/strategy.py); the trainer does the rest, as for

@@ -8,7 +8,8 @@ holds:
 
   `LocalStep`     (moebal/train/local.py) one process, or data x expert parallelism; hooks add gradient sync
                   and expert balancing;
-  `PipelineStep`  (moebal/train/pipelined.py) this rank's pipeline stage, run by `PipelineRunner` or
+  `PipelineStep`  (moebal/train/pipelined.py) this rank's pipeline stage (with a dynamism scheme at parallel.pp
+                  1, the one stage: `Config.pipelined`), run by `PipelineRunner` or
                   `PlannedPipelineRunner` (layer rebalancing, re-packing, dynamism schemes, planned
                   micro-batches, expert parallelism inside stages).
 

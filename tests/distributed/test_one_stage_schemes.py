@@ -1,0 +1,118 @@
+"""Dynamism schemes without a pipeline: `parallel.pp 1` with a scheme trains on the pipeline engine as one stage
+(`Config.pipelined`; docs/dynamism.md, "Without a pipeline").
+
+One stage is one more partition of the layers, and no scheme decision, loss sum or gradient norm depends on the
+partition (migrations keep the losses bit for bit: tests/distributed/test_pipeline.py), so a one-stage run's
+losses are a two-stage run's bit for bit. Without a scheme a one-stage step is the single-process loop over the
+same micro-batches (`reference_losses`); with two data-parallel copies of the one stage the losses stay within
+rounding of one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from moebal.config import load
+from moebal.distributed.testing import run_ranks
+from moebal.errors import ConfigError
+from moebal.planner.memory import layout_from_config
+from tests.cli_util import run_cli
+from tests.distributed.test_pipeline import SCHEMES, _train, reference_losses, tiny
+
+SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
+ALL = {**SCHEMES, "sparse_attention": SPARSE}
+
+
+def _scheme_runs(pp: int, nproc: int, names: tuple[str, ...] = tuple(ALL)) -> dict[str, dict]:
+    return {name: _train(tiny(n_layers=6, pp=pp, moe=4 if name == "moe" else 0, nproc=nproc), 6, name, ALL[name],
+                         micro_batches=2) for name in names}
+
+
+def _one_rank(rank: int, world: int) -> dict:
+    return {"schemes": _scheme_runs(1, 1), "plain": _train(tiny(pp=1), 4, micro_batches=2)}
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    return {"two_stages": _scheme_runs(2, 2),
+            "data_parallel": _scheme_runs(1, 2, ("sparse_attention", "freezing", "early_exit")),
+            "expert_parallel": _scheme_runs(1, 2, ("moe",))}  # a MoE model: the stage's 2 ranks are expert shards
+
+
+@pytest.fixture(scope="module")
+def one() -> dict:
+    return run_ranks(_one_rank, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def two() -> list[dict]:
+    return run_ranks(_two_ranks, 2)
+
+
+def test_one_stage_without_a_scheme_is_the_single_process_step(one):
+    ref, _ = reference_losses(tiny(pp=1), 4, micro=2)
+    got = one["plain"]["losses"]
+    assert all(math.isclose(a, b, rel_tol=2e-6) for a, b in zip(got, ref, strict=True)), (got, ref)
+    assert one["plain"]["sizes"] == [4]
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_every_scheme_on_one_stage_gives_the_two_stage_losses_bit_for_bit(one, two, name):
+    got = one["schemes"][name]
+    assert got["sizes"] == [6] and len(got["losses"]) == 6
+    assert got["losses"] == two[0]["two_stages"][name]["losses"], name
+
+
+def test_the_scheme_acts_on_one_stage(one):
+    runs = one["schemes"]
+    dens = [r["attention_density"] for r in runs["sparse_attention"]["records"]]
+    assert dens[0] == [1.0] * 6 and all(min(d) < 1.0 for d in dens[1:])  # dense until `start`, then the walk
+    assert max(r["frozen_layers"] for r in runs["freezing"]["records"]) > 0
+    assert runs["pruning"]["records"][-1]["sparsity_target"] > 0
+    assert min(min(r["survival"]) for r in runs["early_exit"]["records"]) < 1.0
+
+
+@pytest.mark.parametrize("layout,name", [("data_parallel", "sparse_attention"), ("data_parallel", "freezing"),
+                                         ("data_parallel", "early_exit"), ("expert_parallel", "moe")])
+def test_one_stage_on_two_ranks_matches_one_process(one, two, layout, name):
+    got = [r[layout][name]["losses"] for r in two]
+    assert got[0] == got[1]  # both ranks report the same loss
+    ref = one["schemes"][name]["losses"]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got[0], ref, strict=True)), (got[0], ref)
+
+
+def test_a_one_stage_run_refuses_what_only_the_trainer_without_a_pipeline_runs():
+    scheme = ["dynamism.scheme=sparse_attention"]
+    assert load(overrides=scheme).pipelined and not load().pipelined
+    with pytest.raises(ConfigError, match=r"one-stage pipeline\) accumulates over its micro-batches"):
+        load(overrides=[*scheme, "train.grad_accum=2"])
+    with pytest.raises(ConfigError, match="no dynamism scheme"):
+        load(overrides=[*scheme, "train.record_routing_every=5"])
+
+
+def test_the_memory_plan_counts_a_one_stage_pipeline_s_micro_batches():
+    cfg = load(overrides=["dynamism.scheme=freezing", "parallel.pp=1", "pipeline.micro_batches=4",
+                          "data.batch_size=6"])
+    lay = layout_from_config(cfg, 1, shard="none")
+    assert lay.pp == 1 and lay.micro_batches == 4  # 6 rows in 4 micro-batches of 1-2 rows, as the engine cuts them
+    assert layout_from_config(load(), 1, shard="none").micro_batches == 1  # train.grad_accum without a scheme
+
+
+@pytest.mark.slow
+def test_train_with_a_scheme_and_no_pipeline_from_the_command_line(tmp_path):
+    out = tmp_path / "run"
+    base = ["train", "--dynamism", "sparse_attention", "--out", str(out),
+            "parallel.nproc=1", "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=64", "moe.num_experts=0", "data.seq_len=16", "data.batch_size=4", "data.max_bytes=200000",
+            "train.ckpt_every=2", "pipeline.micro_batches=2", *(f"dynamism.sparse_attention.{k}={v}"
+                                                                for k, v in SPARSE.items())]
+    proc = run_cli(*base, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1-stage pipeline x 1 data-parallel x 1 expert-parallel" in proc.stderr
+    proc = run_cli(*base, "--steps", "4", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in records)
