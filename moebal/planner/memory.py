@@ -112,10 +112,6 @@ CPU_FULL_SHARD_SLACK = 0.254
 one calibration run of the calibration model as dp 4 with `shard: full` (`scripts/bench_memory.py
 --fit-full-slack`; not the validation's model), with the runtime and start-up constants above; docs/memory.md."""
 
-PER_PARAMETER_SCHEMES = ("pruning", "freezing")
-"""Dynamism schemes that edit or stop per-parameter AdamW state, which a pipeline's sharded optimizer does not
-keep per parameter (refused together in moebal/config.py)."""
-
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
@@ -629,10 +625,8 @@ def _divisors(n: int) -> list[int]:
 
 def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, ...],
                 recomputes: tuple[str, ...], built: bool = False) -> Iterator[MemoryLayout]:
-    """`built`: only combinations this build runs (`shard: full` with a pipeline only as moebal/config.py
-    allows it)."""
+    """`built`: only combinations this build runs (those moebal/config.py takes: `_refused`)."""
     E = cfg.moe.num_experts
-    staged = cfg.dynamism.scheme != "none"  # a dynamism scheme runs on the pipeline engine, one stage at pp 1
     for pp in [p for p in _divisors(ranks) if p <= cfg.model.n_layers]:
         stage = ranks // pp
         if cfg.data.batch_size % stage:
@@ -644,16 +638,11 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
         for ep in eps:
             for mb in mbs:
                 for shard in shards:
-                    if shard == "full" and (pp > 1 or staged) and built and _full_pp_refused(cfg):
-                        continue  # refused in moebal/config.py (dynamism schemes that edit layers)
-                    if shard == "optimizer" and (pp > 1 or staged) and built and \
-                            cfg.dynamism.scheme in PER_PARAMETER_SCHEMES:
-                        continue  # refused in moebal/config.py: the scheme edits per-parameter AdamW state
                     for rc in recomputes:
                         lay = dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
                                                   micro_batches=mb)
                         for held in _holds(lay):
-                            yield from _placements(cfg, held)
+                            yield from (p for p in _placements(cfg, held) if not (built and _refused(cfg, p)))
 
 
 def _holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
@@ -686,9 +675,26 @@ def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
     yield dataclasses.replace(lay, policy="static", max_replicas=None)
 
 
-def _full_pp_refused(cfg: Config) -> bool:
-    """Whether moebal/config.py refuses `shard: full` with a pipeline for this config's other settings."""
-    return cfg.dynamism.scheme not in ("none", "moe")
+def _refused(cfg: Config, lay: MemoryLayout) -> bool:
+    """Whether moebal/config.py refuses `lay` (its stages, expert-parallel size, sharding, FSDP2 holds,
+    recomputation, micro-batches and placement, as `_changes` names them) with this config's other settings: the
+    config's own checks decide, so a proposed fix is one a run takes (a scheme's refusals under a sharded optimizer,
+    layer rebalancing at one stage, options of the trainer without a pipeline)."""
+    piped = lay.pp > 1 or cfg.dynamism.scheme != "none"
+    held: dict[str, Any] = {"shard": lay.shard, "accumulate": lay.accumulate, "reshard": lay.reshard}
+    par = dataclasses.replace(cfg.parallel, pp=lay.pp, ep=lay.ep, nproc=lay.ranks, **held)
+    rc: dict[str, Any] = {"recompute": lay.recompute}
+    train = dataclasses.replace(cfg.train, grad_accum=1 if piped else lay.micro_batches, **rc)
+    pipe = dataclasses.replace(cfg.pipeline, micro_batches=lay.micro_batches) if piped else cfg.pipeline
+    placed: dict[str, Any] = {"policy": lay.policy}
+    if lay.max_replicas is not None:
+        placed["max_replicas"] = lay.max_replicas
+    try:
+        dataclasses.replace(cfg, parallel=par, train=train, pipeline=pipe,
+                            planner=dataclasses.replace(cfg.planner, **placed))
+    except ConfigError:
+        return True
+    return False
 
 
 def overhead(lay: MemoryLayout, policy: str = "static", holds: tuple[str, str] = ("sharded", "micro_batch")

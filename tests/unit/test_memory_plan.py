@@ -737,3 +737,21 @@ def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settin
     assert _changes(MemoryLayout(ranks=4), accum) == "train.grad_accum=2"
     assert _changes(pipe, dataclasses.replace(pipe, micro_batches=8)) == "pipeline.micro_batches=8"
 
+
+
+def test_the_fit_search_proposes_what_the_config_takes():
+    """`built` layouts are those moebal/config.py accepts: a pipeline's sharded optimizer is refused with early exit
+    and taken with freezing, full sharding with any scheme, one stage without layer rebalancing."""
+    from moebal.planner.memory import MemoryLayout, _refused
+
+    dense = ["moe.num_experts=0", "data.batch_size=8"]
+    for scheme, shard, refused in (("early_exit", "optimizer", True), ("freezing", "optimizer", False),
+                                   ("pruning", "full", False), ("sparse_attention", "full", False)):
+        cfg = load(overrides=[*dense, f"dynamism.scheme={scheme}"])
+        for pp in (1, 2):  # a scheme at pp 1 is a one-stage pipeline, refused alike
+            lay = MemoryLayout(ranks=4, pp=pp, shard=shard, micro_batches=2)
+            assert _refused(cfg, lay) is refused, (scheme, shard, pp)
+    rebalanced = load(overrides=[*dense, "parallel.pp=2", "pipeline.rebalance=partition"])
+    assert _refused(rebalanced, MemoryLayout(ranks=4, pp=1)) and not _refused(rebalanced, MemoryLayout(ranks=4, pp=2))
+    accum = load(overrides=[*dense, "train.grad_accum=2"])  # a pipeline proposed for it sets grad_accum back to 1
+    assert not _refused(accum, MemoryLayout(ranks=4, pp=2, micro_batches=4))
