@@ -40,6 +40,9 @@ recorded as that check's failure with the traceback's last lines, and the next c
    path's grouped and expanded forms, activation peaks, which SDPA backends take each call form, the flex path's
    parts (selection, block mask, kernel) and rows of 8,192-32,768 tokens, and the sparse_attention scheme's
    start-up fit of its cost constants (`costs: measure`) on the device.
+11. sparse_attention_train: `moebal train --dynamism sparse_attention` on the device as a one-stage pipeline, the
+   random walk's densities (0.1-0.5) against the same run held at density 1, rows of 16,384 tokens: finite
+   losses, the densities applied, each run's median step time.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -55,6 +58,7 @@ import datetime
 import gc
 import json
 import linecache
+import math
 import os
 import platform
 import shutil
@@ -593,11 +597,12 @@ DETERMINISTIC_CLI = ("import sys, torch; torch.use_deterministic_algorithms(True
                      "from moebal.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
-def _train(ctx: Ctx, out: Path, steps: int, overrides: list[str], resume: bool) -> dict[str, Any]:
+def _train(ctx: Ctx, out: Path, steps: int, overrides: list[str], resume: bool,
+           deterministic: bool = True) -> dict[str, Any]:
     args = ["train", "--nproc", "1", "--steps", str(steps), "--out", str(out), "--json"]
     args += ["--resume"] if resume else overrides
     env = _env()
-    if ctx.cuda:
+    if ctx.cuda and deterministic:
         cmd = [sys.executable, "-c", DETERMINISTIC_CLI, *args]
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # what deterministic cuBLAS needs
     else:
@@ -1375,6 +1380,62 @@ def check_sparse_attention(ctx: Ctx) -> dict[str, Any]:
     return _round(res)
 
 
+# ---- 11. sparse_attention_train --------------------------------------------------------------------------------
+
+SPARSE_WALK = ["dynamism.scheme=sparse_attention", "dynamism.sparse_attention.budget=random_walk",
+               "dynamism.sparse_attention.start=2", "dynamism.sparse_attention.walk_step=0.1",
+               "dynamism.sparse_attention.costs=given"]
+"""The scheme as the check trains it: the random walk from step 3 (layers dense before), the given cost constants
+(check 10 times the start-up fit)."""
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def check_sparse_attention_train(ctx: Ctx) -> dict[str, Any]:
+    """`moebal train --dynamism sparse_attention` on one device (a one-stage pipeline, docs/dynamism.md): the
+    random walk's densities in [0.1, 0.5] against the same run held at density 1 (the same trainer, micro-batches
+    and attention module, the dense causal core), one after the other: finite losses, densities below 1 from the
+    first active step, each run's median step time after its first active steps (FlexAttention compiles at the
+    first sparse step). Default model, rows of 16,384 tokens, blocks of 128 (where check 10 measured the kernel
+    below dense on an H200); on a CPU the tiny model."""
+    steps = 6 if ctx.quick else 24
+    shape = (TINY + ["dynamism.sparse_attention.block=8"] if ctx.quick else
+             GPU_TRAIN + ["data.seq_len=16384", "model.max_seq_len=16384", "data.batch_size=1",
+                          "dynamism.sparse_attention.block=128"])
+    common = shape + COMMON_TRAIN + SPARSE_WALK + ["pipeline.micro_batches=1"]
+    base = ctx.workdir / "sparse_train"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    runs: dict[str, Any] = {}
+    for name, bounds in (("sparse", ("0.1", "0.5")), ("dense", ("1", "1"))):
+        out = base / name
+        summary = _train(ctx, out, steps, common + [f"dynamism.sparse_attention.min_density={bounds[0]}",
+                                                   f"dynamism.sparse_attention.max_density={bounds[1]}"],
+                         resume=False, deterministic=False)
+        recs = _records(out)
+        settled = [r["step_time_s"] for r in recs if r["step"] > min(steps - 2, 4)]
+        runs[name] = {"losses": [r["loss"] for r in recs], "densities": [r["attention_density"] for r in recs],
+                      "median_step_s": statistics.median(settled), "first_step_s": recs[0]["step_time_s"],
+                      "tokens_per_s": summary.get("tokens_per_s"), "wall_s": summary["wall_s"]}
+    sparse, dense = runs["sparse"], runs["dense"]
+    active = sparse["densities"][2:]
+    finite = all(math.isfinite(v) for r in runs.values() for v in r["losses"])
+    walked = bool(active) and all(min(d) >= 0.1 and max(d) <= 0.5 for d in active)
+    held = all(d == [1.0] * len(d) for d in dense["densities"])
+    ratio = sparse["median_step_s"] / dense["median_step_s"]
+    res: dict[str, Any] = {"ok": finite and walked and held, "steps": steps, "overrides": common,
+                           "runs": runs, "sparse_over_dense_step": ratio}
+    if not res["ok"]:
+        res["error"] = (f"losses finite {finite}, densities in [0.1, 0.5] after step 2 {walked}, dense run held "
+                        f"at 1 {held}")
+    res["summary"] = (f"losses finite {finite}, walk {'in' if walked else 'NOT in'} [0.1, 0.5]; median step "
+                      f"sparse {sparse['median_step_s'] * 1e3:.0f} ms, dense {dense['median_step_s'] * 1e3:.0f} ms "
+                      f"({ratio:.2f}x)")
+    return _round(res)
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -1388,6 +1449,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "memory_plan": check_memory_plan,
     "grad_accum": check_grad_accum,
     "sparse_attention": check_sparse_attention,
+    "sparse_attention_train": check_sparse_attention_train,
 }
 
 

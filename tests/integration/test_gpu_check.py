@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
-          "memory_plan", "grad_accum", "sparse_attention"]
+          "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
@@ -64,6 +64,9 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
                                         "dense [T, T] mask, grouped"}
     assert all(b["MATH"] == "ok" for b in sa["sdpa_backends"].values())  # the math kernel takes every form
     assert any(s.startswith("sparse_attention: full shape: skipped") for s in skipped)
+    st = checks["sparse_attention_train"]  # the scheme trained on one stage: dense steps, then the walk
+    assert st["runs"]["sparse"]["densities"][0] == [1.0, 1.0] and max(st["runs"]["sparse"]["densities"][-1]) <= 0.5
+    assert st["runs"]["sparse"]["losses"] != st["runs"]["dense"]["losses"] and st["sparse_over_dense_step"] > 0
     rc = checks["recompute"]
     assert set(rc["exact_fp32"]) == {"none_again", "none", "moe", "attention", "full"}
     assert all(r["bitwise"] for r in rc["exact_fp32"].values())
