@@ -617,9 +617,13 @@ def _train(ctx: Ctx, out: Path, steps: int, overrides: list[str], resume: bool,
     return summary
 
 
+def _records(run: Path) -> list[dict[str, Any]]:
+    """A run's metrics lines."""
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
 def _losses(run: Path) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+    return {r["step"]: r["loss"] for r in _records(run) if "loss" in r}
 
 
 def check_train_resume(ctx: Ctx) -> dict[str, Any]:
@@ -1387,10 +1391,6 @@ SPARSE_WALK = ["dynamism.scheme=sparse_attention", "dynamism.sparse_attention.bu
                "dynamism.sparse_attention.costs=given"]
 """The scheme as the check trains it: the random walk from step 3 (layers dense before), the given cost constants
 (check 10 times the start-up fit)."""
-
-
-def _records(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
 
 
 def check_sparse_attention_train(ctx: Ctx) -> dict[str, Any]:

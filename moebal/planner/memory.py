@@ -430,7 +430,7 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
     need(cfg.data.batch_size % lay.stage_ranks == 0,
          f"data.batch_size ({cfg.data.batch_size}) is not divisible by the {lay.stage_ranks} ranks of a stage")
     rows = cfg.data.batch_size // lay.stage_ranks
-    cut = lay.pp > 1 or cfg.pipelined  # a pipeline's micro-batches may differ by a row; accumulation's may not
+    cut = _pipelined(cfg, lay.pp)  # a pipeline's micro-batches may differ by a row; accumulation's may not
     need(lay.micro_batches <= rows and (cut or rows % lay.micro_batches == 0),
          f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}"
          + ("" if cut else ", a divisor of it"))
@@ -675,12 +675,18 @@ def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
     yield dataclasses.replace(lay, policy="static", max_replicas=None)
 
 
+def _pipelined(cfg: Config, pp: int) -> bool:
+    """Whether a layout of `pp` stages trains on the pipeline engine under `cfg` (`Config.pipelined` at that pp:
+    several stages, or a dynamism scheme's one stage), so its micro-batches are `pipeline.micro_batches`."""
+    return pp > 1 or cfg.dynamism.scheme != "none"
+
+
 def _refused(cfg: Config, lay: MemoryLayout) -> bool:
     """Whether moebal/config.py refuses `lay` (its stages, expert-parallel size, sharding, FSDP2 holds,
     recomputation, micro-batches and placement, as `_changes` names them) with this config's other settings: the
     config's own checks decide, so a proposed fix is one a run takes (a scheme's refusals under a sharded optimizer,
     layer rebalancing at one stage, options of the trainer without a pipeline)."""
-    piped = lay.pp > 1 or cfg.dynamism.scheme != "none"
+    piped = _pipelined(cfg, lay.pp)
     held: dict[str, Any] = {"shard": lay.shard, "accumulate": lay.accumulate, "reshard": lay.reshard}
     par = dataclasses.replace(cfg.parallel, pp=lay.pp, ep=lay.ep, nproc=lay.ranks, **held)
     rc: dict[str, Any] = {"recompute": lay.recompute}
@@ -798,7 +804,7 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
             f"{plan.device.capacity_bytes / gb:.1f} GB ({plan.device.name}; {plan.layout.describe()}); largest term: "
             f"{name} {size / gb:.1f} GB")
     shards, recomputes = built or (SHARDS, RECOMPUTES)
-    staged = cfg.dynamism.scheme != "none"
+    staged = _pipelined(cfg, 1)
     if plan.layout.init == "full" and plan.device.runtime_bytes + plan.phases["start-up"] > plan.device.capacity_bytes:
         return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
                 f"model before keeping its share, so no layout fits with a whole-model start-up: use rank-local "
@@ -860,7 +866,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     E = cfg.moe.num_experts
     ep = changes.get("ep") or par.ep or (math.gcd(E, ranks // max(pp, 1)) if E else 1)
     prec = cfg.train.precision.replace("auto", "bf16")
-    staged = pp > 1 or cfg.dynamism.scheme != "none"  # the pipeline engine (one stage at pp 1: Config.pipelined)
+    staged = _pipelined(cfg, pp)
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
                         micro_batches=cfg.pipeline.micro_batches if staged else cfg.train.grad_accum,
                         accumulate=cfg.parallel.accumulate, reshard=cfg.parallel.reshard,
@@ -874,7 +880,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
             raise ConfigError("parallel.shard auto describes no layout until it is settled: settle it with "
                               "choose_shard (moebal/planner/memory.py) or name none, optimizer or full")
         lay = dataclasses.replace(lay, shard="none")
-    if (lay.pp > 1 or staged) and "micro_batches" not in rest:
+    if staged and "micro_batches" not in rest:
         rows = cfg.data.batch_size // max(lay.stage_ranks, 1)
         lay = dataclasses.replace(lay, micro_batches=max(1, min(lay.micro_batches, rows)))
     return lay
