@@ -188,7 +188,9 @@ class MemoryLayout:
     shard: str = "none"
     recompute: str = "none"
     micro_batches: int = 1
-    """Micro-batches per iteration: a pipeline's (pp > 1), else `train.grad_accum` (gradient accumulation)."""
+    """Micro-batches per iteration: a pipeline's (`pipelined`), else `train.grad_accum` (gradient accumulation)."""
+    scheme: str = "none"
+    """`dynamism.scheme`: with a scheme, one stage trains on the pipeline engine too (`Config.pipelined`)."""
     accumulate: str = "sharded"
     """`parallel.accumulate`: whole (with `shard: full` and micro-batches, a pipeline's or accumulation's) holds
     every FSDP2 gradient of the stage whole between the micro-batches."""
@@ -221,8 +223,13 @@ class MemoryLayout:
         """Expert-data-parallel ranks: copies of one expert shard in a stage."""
         return self.stage_ranks // self.ep
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the layout trains on the pipeline engine (several stages, or a dynamism scheme's one stage)."""
+        return self.pp > 1 or self.scheme != "none"
+
     def describe(self) -> str:
-        mb = (f" M={self.micro_batches} {self.schedule}" if self.pp > 1 else
+        mb = (f" M={self.micro_batches} {self.schedule}" if self.pipelined else
               f" accum={self.micro_batches}" if self.micro_batches > 1 else "")
         weights = " bf16-weights" if self.bf16_copies else ""
         if self.shard == "full" and self.micro_batches > 1 and self.accumulate == "whole":
@@ -430,7 +437,7 @@ def _check_layout(cfg: Config, lay: MemoryLayout) -> None:
     need(cfg.data.batch_size % lay.stage_ranks == 0,
          f"data.batch_size ({cfg.data.batch_size}) is not divisible by the {lay.stage_ranks} ranks of a stage")
     rows = cfg.data.batch_size // lay.stage_ranks
-    cut = _pipelined(cfg, lay.pp)  # a pipeline's micro-batches may differ by a row; accumulation's may not
+    cut = lay.pipelined  # a pipeline's micro-batches may differ by a row; accumulation's may not
     need(lay.micro_batches <= rows and (cut or rows % lay.micro_batches == 0),
          f"{lay.micro_batches} micro-batches of {rows} rows per rank: use at most {rows}"
          + ("" if cut else ", a divisor of it"))
@@ -594,6 +601,7 @@ def plan_memory(cfg: Config, layout: MemoryLayout, device: DeviceMemory) -> Memo
 
 
 def _plan(cfg: Config, specs: list[_Layer], layout: MemoryLayout, device: DeviceMemory) -> MemoryPlan:
+    layout = dataclasses.replace(layout, scheme=cfg.dynamism.scheme)  # the config's scheme, whoever built the layout
     _check_layout(cfg, layout)
     best: tuple[float, int, dict[str, float], dict[str, float]] | None = None
     peaks, trains, freeds = [], [], []
@@ -776,16 +784,16 @@ def _held(lay: MemoryLayout) -> tuple[str, str]:
     return lay.accumulate, lay.reshard
 
 
-def _changes(old: MemoryLayout, new: MemoryLayout, staged: bool = False) -> str:
-    """The overrides that turn `old` into `new`. Micro-batches are a pipeline's (pipeline.micro_batches) or, without
-    one, gradient accumulation's (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed).
-    `staged`: the config runs a dynamism scheme, so a one-stage layout is a pipeline too (`Config.pipelined`)."""
+def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
+    """The overrides that turn `old` into `new`. Micro-batches are a pipeline's (pipeline.micro_batches, under a
+    dynamism scheme at one stage too: `MemoryLayout.pipelined`) or, without one, gradient accumulation's
+    (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed)."""
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
             "policy": "planner.policy", "accumulate": "parallel.accumulate", "reshard": "parallel.reshard"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
     if new.max_replicas is not None and new.policy != "static" and new.max_replicas != old.max_replicas:
         out.append(f"planner.max_replicas={new.max_replicas}")
-    piped = (old.pp > 1 or staged, new.pp > 1 or staged)
+    piped = (old.pipelined, new.pipelined)
     accum = (1 if piped[0] else old.micro_batches, 1 if piped[1] else new.micro_batches)
     if piped[1] and (not piped[0] or new.micro_batches != old.micro_batches):
         out.append(f"pipeline.micro_batches={new.micro_batches}")
@@ -804,19 +812,18 @@ def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tu
             f"{plan.device.capacity_bytes / gb:.1f} GB ({plan.device.name}; {plan.layout.describe()}); largest term: "
             f"{name} {size / gb:.1f} GB")
     shards, recomputes = built or (SHARDS, RECOMPUTES)
-    staged = _pipelined(cfg, 1)
     if plan.layout.init == "full" and plan.device.runtime_bytes + plan.phases["start-up"] > plan.device.capacity_bytes:
         return (f"{head}; the start-up alone needs {plan.phases['start-up'] / gb:.1f} GB: every rank builds the whole "
                 f"model before keeping its share, so no layout fits with a whole-model start-up: use rank-local "
                 f"initialisation (what `moebal train` does; `moebal plan memory --init local` plans with it)")
     fix = fix_for(cfg, plan, shards, recomputes, built is not None)
     if fix is not None:
-        return f"{head}; fits with {_changes(plan.layout, fix.layout, staged)} ({fix.peak_bytes / gb:.1f} GB)"
+        return f"{head}; fits with {_changes(plan.layout, fix.layout)} ({fix.peak_bytes / gb:.1f} GB)"
     more = fit_layout(cfg, plan.device, plan.layout, max_ranks=max(plan.layout.ranks, 1) * 64, shards=shards,
                       recomputes=recomputes, built=built is not None)
     if more is not None:
         return (f"{head}; fits on {more.layout.ranks} ranks with "
-                f"{_changes(plan.layout, more.layout, staged) or 'this layout'}"
+                f"{_changes(plan.layout, more.layout) or 'this layout'}"
                 f" ({more.peak_bytes / gb:.1f} GB)")
     hint = _TERM_SETTING.get(name, "a smaller model")
     return f"{head}; no layout fits up to {64 * plan.layout.ranks} ranks: try {hint} or a smaller model"
@@ -872,7 +879,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
                         accumulate=cfg.parallel.accumulate, reshard=cfg.parallel.reshard,
                         schedule=cfg.pipeline.schedule,
                         precision=prec, policy=cfg.planner.policy, init="local" if RANK_LOCAL_INIT else "full",
-                        param_dtype=cfg.parallel.param_dtype)
+                        param_dtype=cfg.parallel.param_dtype, scheme=cfg.dynamism.scheme)
     rest = {k: v for k, v in changes.items() if v is not None and k not in ("pp", "ep")}
     lay = dataclasses.replace(base, **rest)
     if lay.shard == "auto":  # one rank has nothing to shard; more are the memory plan's choice to make first

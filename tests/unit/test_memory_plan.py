@@ -755,3 +755,15 @@ def test_the_fit_search_proposes_what_the_config_takes():
     assert _refused(rebalanced, MemoryLayout(ranks=4, pp=1)) and not _refused(rebalanced, MemoryLayout(ranks=4, pp=2))
     accum = load(overrides=[*dense, "train.grad_accum=2"])  # a pipeline proposed for it sets grad_accum back to 1
     assert not _refused(accum, MemoryLayout(ranks=4, pp=2, micro_batches=4))
+
+
+def test_a_one_stage_pipeline_describes_its_micro_batches_as_a_pipeline_s():
+    """A dynamism scheme at parallel.pp 1 trains on the pipeline engine: its layout says M= and the schedule, not
+    accum=, whoever built the layout (the plan takes the scheme from the config)."""
+    cfg = load(None, ["dynamism.scheme=freezing", "pipeline.micro_batches=2", "data.batch_size=4"])
+    lay = layout_from_config(cfg, 1)
+    assert lay.pipelined and "M=2 1f1b" in lay.describe() and "accum" not in lay.describe()
+    by_hand = plan_memory(cfg, MemoryLayout(ranks=1, micro_batches=2), DeviceMemory.cpu(24e9, 1))
+    assert by_hand.layout.pipelined and "M=2" in by_hand.layout.describe()
+    plain = load(None, ["train.grad_accum=2", "data.batch_size=4"])
+    assert "accum=2" in layout_from_config(plain, 1).describe()
