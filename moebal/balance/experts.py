@@ -62,10 +62,11 @@ from moebal.planner.perf import MoELayerCosts, placement_loads
 from moebal.planner.placement import ExpertPlanner, placement_metrics, plan_experts
 from moebal.planner.plan import ExpertPlacement
 from moebal.routing import RoutingStats
+from moebal.routing.stats import packed_numbers
 from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
 from moebal.sync import to_host
 from moebal.train.hooks import Hook
-from moebal.train.metrics import MetricsLog
+from moebal.train.metrics import MetricsLog, routing_record
 
 if TYPE_CHECKING:
     from moebal.distributed.plan_ahead import PlanAhead, SavedWindow
@@ -610,8 +611,10 @@ class StageExperts:
 
     Per step, on every rank of a stage (called by the runner):
       1. `before_step`: adopt each MoE layer's placement (the feedback's arm) and run Trans (collective, "ep")
-      2. `after_backward`: Agg, drop the replicas, all-gather each MoE layer's step counts into an R x E matrix
-         (one collective over "ep" on the compute device, one host read), step the planners, feed the step time.
+      2. `after_backward`: Agg, drop the replicas; take each MoE layer's step statistics and all-gather them over
+         the stage ("dp_ep", one collective on the compute device): their sum steps the selection bias and goes
+         to the step's record, the "ep" group's rows are the planners' R x E counts (one host read); step the
+         planners, feed the step time.
     Routing statistics for the load-balancing loss are summed over the stage's ranks ("dp_ep": a differentiable
     all-reduce, `StatsReducer`), so each micro-batch's auxiliary loss is that of the micro-batch formed by every
     rank's rows; this also holds with ep = 1 and data-parallel replicas."""
@@ -637,6 +640,7 @@ class StageExperts:
         self.step = 0  # steps observed: the feedback's clock
         self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_stage_ahead`)
         self.ahead_metrics: dict[int, dict[str, float]] = {}  # per global layer id, of the last observed step
+        self.routing: dict[int, torch.Tensor] = {}  # per global layer id: the step's stage-summed statistics
         if self.ep is not None:
             # eq. 8's window: Trans hides under the first micro-batch's forward, Agg under the last one's backward,
             # one micro-batch's compute of the step's (as under train.grad_accum); planned micro-batching varies
@@ -744,24 +748,65 @@ class StageExperts:
             self.ep.release()
         self._observe_and_plan()
 
+    def _take_routing(self, ids: list[int]) -> torch.Tensor | None:
+        """Take the step's routing statistics of the MoE layers held here (`MoELayer.take_stats`) from every rank
+        of the stage: [W, N, X], each layer's `RoutingStats.packed` on each of the stage's W ("dp_ep") ranks (one
+        all-gather on the compute device when W > 1; None without MoE layers). Their sum over the stage, the
+        statistics of the step's rows on every rank, steps each layer's auxiliary-loss-free selection bias
+        (`MoELayer.update_bias`, once per optimizer step, as the trainer without a pipeline does in
+        `LocalStep._routing_step`) and is kept in `routing` (by global layer id) for the step's record. Every
+        rank of a stage holds the same layers, so none of them gathers when it holds no MoE layer."""
+        self.routing = {}
+        if not ids:
+            return None
+        packed_NX = torch.stack([self.stage.layer(i).block_sparse_moe.take_stats().packed() for i in ids])
+        if self.data_ranks > 1:
+            gathered = [torch.empty_like(packed_NX) for _ in range(self.data_ranks)]
+            dist.all_gather(gathered, packed_NX, group=self.dims.group("dp_ep"))
+            all_WNX = torch.stack(gathered)
+        else:
+            all_WNX = packed_NX[None]
+        summed_NX = all_WNX.sum(dim=0)
+        E = self.cfg.moe.num_experts
+        for n, i in enumerate(ids):
+            moe = self.stage.layer(i).block_sparse_moe
+            if moe.expert_bias is not None:
+                moe.update_bias(summed_NX[n, E:2 * E])  # the gate's choices before capacity drops
+            self.routing[i] = summed_NX[n]
+        return all_WNX
+
+    def routing_vector(self, num_layers: int) -> torch.Tensor:
+        """[num_layers x X] float64 on the host: the step's stage-summed routing statistics (`routing`) of the
+        layers held here, zeros elsewhere (summed along the chain, every layer comes from the stage that ran it;
+        one host read); empty for a model without MoE layers."""
+        X = 2 * self.cfg.moe.num_experts + self.cfg.moe.top_k + 1
+        if not self.cfg.moe.num_experts:
+            return torch.zeros(0, dtype=torch.float64)
+        v = torch.zeros(num_layers, X, dtype=torch.float64)
+        if self.routing:
+            ids = list(self.routing)
+            v[ids] = torch.as_tensor(to_host(torch.stack([self.routing[i] for i in ids]), "routing statistics"),
+                                     dtype=torch.float64)
+        return v.reshape(-1)
+
     def _observe_and_plan(self) -> None:
         ids = self._moe_ids()
+        all_WNX = self._take_routing(ids)
         if self.ep is None or self.balancer is None:
-            for i in ids:
-                self.stage.layer(i).block_sparse_moe.take_stats()  # the step's statistics: nobody plans on them
-            return
+            return  # no planner: the statistics went to the selection bias and the record only
         self.balancer.metrics, self.ahead_metrics = {}, {}
-        if not ids:  # every rank of the ep group holds the same layers: none of them gathers
+        if all_WNX is None:  # every rank of the ep group holds the same layers: none of them gathers
             if self.ahead is not None:
                 self.ahead.end_step()
             return
-        # one all-gather of every layer's counts on the compute device, one host read for the planners
-        counts_NE = torch.stack([self.stage.layer(i).block_sparse_moe.take_stats().counts_E for i in ids])
-        gathered = [torch.empty_like(counts_NE) for _ in range(self.R)]
+        # the planners' R x E counts: the expert-parallel group's rows of the stage's gathered statistics (one host
+        # read)
+        members = self.dims.ranks_of("dp_ep")
+        rows = [members.index(r) for r in self.dims.ranks_of("ep")]
+        E = self.cfg.moe.num_experts
+        counts_RNE = np.asarray(to_host(all_WNX[rows, :, :E], "placement counts"), dtype=np.float64)
         group = self.dims.group("ep")
-        dist.all_gather(gathered, counts_NE, group=group)
-        counts_RNE = np.asarray(to_host(torch.stack(gathered), "placement counts"), dtype=np.float64)
-        step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), counts_NE.device)
+        step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), all_WNX.device)
         self.step += 1
         counts = {i: np.ascontiguousarray(counts_RNE[:, n]) for n, i in enumerate(ids)}
         if self.ahead is not None:
@@ -1001,6 +1046,15 @@ def _scheduler(dims: ParallelDims) -> CommScheduler:
     """A scheduler without a thread (collectives issued and waited for in place) whose completion matches the
     device: on CUDA a host-side completion would call an NCCL collective done when it is only enqueued."""
     return CommScheduler("off", rank=dims.rank, device=dims.device)
+
+
+def stage_routing(vec: torch.Tensor, num_layers: int, moe_ids: list[int], num_experts: int) -> dict[str, Any]:
+    """Record fields from the chain-summed `routing_vector`s: the routing summary of every MoE layer, in layer
+    order, as the trainer without a pipeline records it (`routing_record`: loads, drops, expert counts)."""
+    if not moe_ids:
+        return {}
+    rows = vec.reshape(num_layers, -1)
+    return routing_record([packed_numbers([round(float(x)) for x in rows[i]], num_experts) for i in moe_ids])
 
 
 def stage_metrics(vec: torch.Tensor, num_layers: int, moe_ids: list[int]) -> dict[str, Any]:

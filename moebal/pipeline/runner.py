@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from moebal.balance.experts import StageExperts, stage_metrics
+from moebal.balance.experts import StageExperts, stage_metrics, stage_routing
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.expert_parallel import is_expert_param
@@ -530,7 +530,8 @@ class PipelineRunner:
 
     def _reduce(self, res: IterationResult, t_run: float) -> dict[str, Any]:
         """One vector summed along the chain: gradient squares per cost slot (units, embedding, head), MoE
-        auxiliary losses per layer, the loss, per-stage times, scheme statistics, expert metrics.
+        auxiliary losses per layer, the loss, per-stage times, scheme statistics, expert metrics, each MoE
+        layer's routing statistics (summed over its stage already: `StageExperts.routing_vector`).
 
         Host bookkeeping (times and losses are host floats already): a CPU vector, so its collectives and the
         chain's messages go to gloo under the device-aware backend. Only the gradient squares are computed on
@@ -539,11 +540,13 @@ class PipelineRunner:
         n = S + L + 1 + 4 * P0
         extra = self.scheme.stats_size(L)
         n_ep = self.experts.vector_size(L)
-        vec = torch.zeros(n + extra + n_ep, dtype=torch.float64)
+        routing = self.experts.routing_vector(L)  # stage sums already: the chain adds each layer's stage
+        vec = torch.zeros(n + extra + n_ep + routing.numel(), dtype=torch.float64)
         if extra:
             vec[n:n + extra] = self.scheme.local_stats()
         if n_ep:
-            vec[n + extra:] = self.experts.step_vector(L)
+            vec[n + extra:n + extra + n_ep] = self.experts.step_vector(L)
+        vec[n + extra + n_ep:] = routing
         vec[:S] = torch.tensor(to_host(self._grad_squares(S), "gradient norms"), dtype=torch.float64)
         for i, a in res.aux_by_layer.items():
             vec[S + i] = a
@@ -568,9 +571,11 @@ class PipelineRunner:
         red = {"sq": out[:S], "aux": out[S:S + L], "loss": float(out[S + L]),
                "busy": out[t:t + P0].tolist(), "run": out[t + P0:t + 2 * P0].tolist(),
                "busy_cpu": out[t + 2 * P0:t + 3 * P0].tolist(), "w_cpu": out[t + 3 * P0:n].tolist()}
+        moe_ids = [i for i in range(L) if self.cfg.is_moe_layer(i)]
         if n_ep:
-            red["experts"] = {**stage_metrics(out[n + extra:], L, [i for i in range(L) if self.cfg.is_moe_layer(i)]),
+            red["experts"] = {**stage_metrics(out[n + extra:n + extra + n_ep], L, moe_ids),
                               **self.experts.feedback_record()}
+        red["routing"] = stage_routing(out[n + extra + n_ep:], L, moe_ids, self.cfg.moe.num_experts)
         return red
 
     def _grad_squares(self, S: int) -> torch.Tensor:
@@ -654,7 +659,8 @@ class PipelineRunner:
             "busy_imbalance": round(imbalance(busy), 4) if busy else 1.0,
             "cpu_imbalance": round(imbalance(busy_cpu), 4) if busy_cpu and sum(busy_cpu) > 0 else 1.0,
             "overhead_s": round(overhead, 6),
-            "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics(), **red.get("experts", {})}
+            "profiled": profiled, "dynamism_event": changed, **self.scheme.metrics(), **red.get("experts", {}),
+            **red["routing"]}
         if self.units.split_layers:  # sizes count units; a layer's half counts 0.5 here
             rec["stage_layers"] = self.units.stage_layers(self.sizes)
         rec.update(self.balancer.record_fields())

@@ -475,7 +475,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     fsdp_ep1 = lay.ep == 1
     whole = 0.0 if fsdp_ep1 else expert
     fsdp = dense + expert - whole
-    if lay.shard == "full" and lay.pp > 1:  # in a stage every layer, the embedding and the head are FSDP2 roots
+    if lay.shard == "full" and lay.pipelined:  # in a stage every layer, the embedding and the head are FSDP2 roots
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
         held_whole = sum(gathered) if lay.reshard == "step" else max(gathered, default=0.0)  # or one at a time
         t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * a)
@@ -534,11 +534,11 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["migration: moved layers whole"] = (12.0 * (sum(x.dense for x in specs) + expert)
                                           if lay.shard == "full" and moves else 0.0)
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
-    persistent = lay.shard == "none" and lay.pp == 1 and lay.ep > 1 and cfg.moe.num_experts > 0
+    persistent = lay.shard == "none" and not lay.pipelined and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
     transient = 0.0
     if lay.shard == "none" and grad_sync and not persistent:
-        transient = 4.0 * (biggest if lay.pp > 1 else held)  # a pipeline's per-layer bucket; DP's flat copy
+        transient = 4.0 * (biggest if lay.pipelined else held)  # a pipeline's per-layer bucket; DP's flat copy
     t["gradient all-reduce copy"] = transient
     _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4, cuda=cuda)
     t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)
@@ -553,7 +553,7 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     rows = cfg.data.batch_size // lay.stage_ranks
     M = lay.micro_batches  # a pipeline's, or gradient accumulation's (one micro-batch's activations at a time)
     tok = rows * cfg.data.seq_len / M
-    inflight = 1 if lay.pp == 1 else M if lay.schedule == "gpipe" else min(lay.pp - s, M)
+    inflight = 1 if not lay.pipelined else M if lay.schedule == "gpipe" else min(lay.pp - s, M)
     sparse = sparse_core_extra(cfg, a, cuda)
     kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv, sparse) for i in layers]
     kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)

@@ -106,12 +106,13 @@ def read_all(stats: list[RoutingStats]) -> list[dict[str, Any]]:
     flat = to_host(torch.cat([s.packed() for s in stats]), "routing statistics")
     out, at = [], 0
     for s, n in zip(stats, sizes):
-        out.append(_as_numbers(flat[at:at + n], s.counts_E.numel()))
+        out.append(packed_numbers(flat[at:at + n], s.counts_E.numel()))
         at += n
     return out
 
 
-def _as_numbers(v: list[int], E: int) -> dict[str, Any]:
+def packed_numbers(v: list[int], E: int) -> dict[str, Any]:
+    """One layer's statistics as plain numbers from its `RoutingStats.packed` values (host ints, E experts)."""
     counts, routed, used, tokens = v[:E], v[E:2 * E], v[2 * E:-1], v[-1]
     mean = sum(counts) / max(len(counts), 1)
     return {

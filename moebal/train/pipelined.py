@@ -5,8 +5,9 @@
 micro-batching) as the trainer's step strategy (moebal/train/strategy.py); the trainer does the rest, as for
 every mode. The runner's metrics line per step: loss, step time, tokens/s, layers per stage, per-stage busy
 time, bubble ratio, measured and predicted imbalance, migrations, bytes moved, released ranks, the scheme's
-state; `plans.jsonl` gets every stage plan, adopted or not; `pipeline.svg` is a Gantt chart of one iteration
-before the first adopted plan and after the latest.
+state, each MoE layer's routing summary (as the trainer without a pipeline records it); `plans.jsonl` gets
+every stage plan, adopted or not; `pipeline.svg` is a Gantt chart of one iteration before the first adopted plan
+and after the latest.
 
 Checkpoints are the trainer's (`moebal/train/checkpoint.py`): every rank writes the logical tensors of the
 layers it holds (the first rank of each stage's data x expert group the dense ones, the first of each

@@ -26,19 +26,22 @@ def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: in
         "parallel": {"pp": pp, "nproc": nproc or pp}})
 
 
-def reference_losses(cfg: Config, steps: int, micro: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_losses(cfg: Config, steps: int, micro: int = 1, counts: list | None = None
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain single-process loop: forward and backward of the batch (of its `micro` micro-batches in turn,
     accumulating: each micro-batch's mean loss weighted by its share of the labels, its auxiliary loss by
-    1 / micro), clip, AdamW."""
+    1 / micro), clip, AdamW, then each MoE layer's selection bias stepped on the step's gate assignments (as the
+    trainer does). `counts`: a list that receives each step's expert counts per MoE layer."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two OpenMP threads on a loaded 2-core machine run tiny GEMMs 100x slower
     try:
-        return _reference(cfg, steps, micro)
+        return _reference(cfg, steps, micro, counts)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(cfg: Config, steps: int, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(cfg: Config, steps: int, micro: int, counts: list | None
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
     from moebal.data import build_data
     from moebal.models import build_model
     from moebal.train.optim import build_optimizer, lr_at
@@ -67,6 +70,12 @@ def _reference(cfg: Config, steps: int, micro: int) -> tuple[list[float], dict[s
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad()
+        stats = [layer.take_stats() for layer in model.moe_layers()]
+        for layer, st in zip(model.moe_layers(), stats):
+            if layer.expert_bias is not None:
+                layer.update_bias(st.routed_E)
+        if counts is not None:
+            counts.append([st.counts_E.tolist() for st in stats])
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
