@@ -42,10 +42,11 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   until their collective completes); the expert-parallel experts' gradients are whole until the backward pass
   and Agg are over (they are reduce-scattered after them); with a pipeline `shard: optimizer` keeps them whole
   (micro-batches accumulate them) plus one 16 MB bucket in flight.
-- persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism) keeps one flat
-  fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
-  `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline sums one layer's
-  bucket at a time (`moebal/pipeline/runner.py`). With sharding the reduce-scatter output is the shard itself.
+- persistent gradient buffers: `moebal/scheduler/grads.py` (`GradSync`, expert parallelism without a pipeline)
+  keeps one flat fp32 buffer of every gradient across steps; plain data parallelism (`moebal/distributed/autograd.py`
+  `sum_gradients`) concatenates the gradients into one flat copy at the sync; a pipeline (a dynamism scheme's one
+  stage too: `MemoryLayout.pipelined`) sums one layer's bucket at a time (`moebal/pipeline/runner.py`). With
+  sharding the reduce-scatter output is the shard itself.
 - optimizer state: AdamW's exp_avg and exp_avg_sq in fp32 (`moebal/train/optim.py`), divided by the shard
   degree under `shard: optimizer|full`.
 - activations: per decoder layer and token, the tensors autograd saves (RMSNorm input and output, q/k after

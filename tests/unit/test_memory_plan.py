@@ -767,3 +767,21 @@ def test_a_one_stage_pipeline_describes_its_micro_batches_as_a_pipeline_s():
     assert by_hand.layout.pipelined and "M=2" in by_hand.layout.describe()
     plain = load(None, ["train.grad_accum=2", "data.batch_size=4"])
     assert "accum=2" in layout_from_config(plain, 1).describe()
+
+
+def test_a_one_stage_pipeline_is_planned_as_the_pipeline_engine_runs_it():
+    """A scheme's one stage trains on the pipeline engine: a layer's gradient bucket at a time instead of the
+    expert-parallel trainer's persistent flat buffer (measured: docs/memory.md, `ep4_one_stage_moe`), and under
+    GPipe every micro-batch's activations in flight."""
+    over = ["moe.num_experts=4", "data.batch_size=8", "pipeline.micro_batches=4", "train.precision=fp32"]
+    staged = load(None, [*over, "dynamism.scheme=moe"])
+    accum = load(None, [*over, "train.grad_accum=4"])
+    dev = DeviceMemory.cpu(24e9, 2)
+    one = plan_memory(staged, layout_from_config(staged, 2, shard="none", ep=2), dev)
+    acc = plan_memory(accum, layout_from_config(accum, 2, shard="none", ep=2), dev)
+    assert acc.terms["persistent gradient buffers"] > 0 and one.terms["persistent gradient buffers"] == 0
+    assert 0 < one.terms["gradient all-reduce copy"] < acc.terms["persistent gradient buffers"]
+    assert one.terms["activations"] == acc.terms["activations"]  # 1F1B at one stage: one micro-batch in flight
+    gpipe = dataclasses.replace(staged, pipeline=dataclasses.replace(staged.pipeline, schedule="gpipe"))
+    g = plan_memory(gpipe, layout_from_config(gpipe, 2, shard="none", ep=2), dev)
+    assert g.terms["activations"] > 3 * one.terms["activations"]
