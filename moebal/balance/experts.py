@@ -612,8 +612,8 @@ class StageExperts:
     Per step, on every rank of a stage (called by the runner):
       1. `before_step`: adopt each MoE layer's placement (the feedback's arm) and run Trans (collective, "ep")
       2. `after_backward`: Agg, drop the replicas; take each MoE layer's step statistics and all-gather them over
-         the stage ("dp_ep", one collective on the compute device): their sum steps the selection bias and goes
-         to the step's record, the "ep" group's rows are the planners' R x E counts (one host read); step the
+         the stage ("dp_ep", one collective on the compute device, one host read): their sum steps the selection
+         bias and goes to the step's record, the "ep" group's rows are the planners' R x E counts; step the
          planners, feed the step time.
     Routing statistics for the load-balancing loss are summed over the stage's ranks ("dp_ep": a differentiable
     all-reduce, `StatsReducer`), so each micro-batch's auxiliary loss is that of the micro-batch formed by every
@@ -640,7 +640,7 @@ class StageExperts:
         self.step = 0  # steps observed: the feedback's clock
         self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_stage_ahead`)
         self.ahead_metrics: dict[int, dict[str, float]] = {}  # per global layer id, of the last observed step
-        self.routing: dict[int, torch.Tensor] = {}  # per global layer id: the step's stage-summed statistics
+        self.routing: dict[int, np.ndarray] = {}  # per global layer id: the step's stage-summed statistics
         if self.ep is not None:
             # eq. 8's window: Trans hides under the first micro-batch's forward, Agg under the last one's backward,
             # one micro-batch's compute of the step's (as under train.grad_accum); planned micro-batching varies
@@ -748,14 +748,15 @@ class StageExperts:
             self.ep.release()
         self._observe_and_plan()
 
-    def _take_routing(self, ids: list[int]) -> torch.Tensor | None:
+    def _take_routing(self, ids: list[int]) -> np.ndarray | None:
         """Take the step's routing statistics of the MoE layers held here (`MoELayer.take_stats`) from every rank
-        of the stage: [W, N, X], each layer's `RoutingStats.packed` on each of the stage's W ("dp_ep") ranks (one
-        all-gather on the compute device when W > 1; None without MoE layers). Their sum over the stage, the
-        statistics of the step's rows on every rank, steps each layer's auxiliary-loss-free selection bias
-        (`MoELayer.update_bias`, once per optimizer step, as the trainer without a pipeline does in
-        `LocalStep._routing_step`) and is kept in `routing` (by global layer id) for the step's record. Every
-        rank of a stage holds the same layers, so none of them gathers when it holds no MoE layer."""
+        of the stage: [W, N, X] int64 on the host, each layer's `RoutingStats.packed` on each of the stage's W
+        ("dp_ep") ranks (one all-gather on the compute device when W > 1, one host read; None without MoE
+        layers). Their sum over the stage, the statistics of the step's rows on every rank, steps each layer's
+        auxiliary-loss-free selection bias on the device (`MoELayer.update_bias`, once per optimizer step, as the
+        trainer without a pipeline does in `LocalStep._routing_step`) and is kept in `routing` (by global layer
+        id) for the step's record. Every rank of a stage holds the same layers, so none of them gathers when it
+        holds no MoE layer."""
         self.routing = {}
         if not ids:
             return None
@@ -766,47 +767,43 @@ class StageExperts:
             all_WNX = torch.stack(gathered)
         else:
             all_WNX = packed_NX[None]
-        summed_NX = all_WNX.sum(dim=0)
         E = self.cfg.moe.num_experts
+        summed_NX = all_WNX.sum(dim=0)
         for n, i in enumerate(ids):
             moe = self.stage.layer(i).block_sparse_moe
             if moe.expert_bias is not None:
                 moe.update_bias(summed_NX[n, E:2 * E])  # the gate's choices before capacity drops
-            self.routing[i] = summed_NX[n]
-        return all_WNX
+        host_WNX = np.asarray(to_host(all_WNX, "routing statistics"), dtype=np.int64)
+        self.routing = {i: host_WNX[:, n].sum(axis=0) for n, i in enumerate(ids)}
+        return host_WNX
 
     def routing_vector(self, num_layers: int) -> torch.Tensor:
-        """[num_layers x X] float64 on the host: the step's stage-summed routing statistics (`routing`) of the
-        layers held here, zeros elsewhere (summed along the chain, every layer comes from the stage that ran it;
-        one host read); empty for a model without MoE layers."""
-        X = 2 * self.cfg.moe.num_experts + self.cfg.moe.top_k + 1
+        """[num_layers x X] float64: the step's stage-summed routing statistics (`routing`) of the layers held
+        here, zeros elsewhere (summed along the chain, every layer comes from the stage that ran it); empty for a
+        model without MoE layers."""
         if not self.cfg.moe.num_experts:
             return torch.zeros(0, dtype=torch.float64)
-        v = torch.zeros(num_layers, X, dtype=torch.float64)
-        if self.routing:
-            ids = list(self.routing)
-            v[ids] = torch.as_tensor(to_host(torch.stack([self.routing[i] for i in ids]), "routing statistics"),
-                                     dtype=torch.float64)
+        v = torch.zeros(num_layers, 2 * self.cfg.moe.num_experts + self.cfg.moe.top_k + 1, dtype=torch.float64)
+        for i, row in self.routing.items():
+            v[i] = torch.from_numpy(row.astype(np.float64))
         return v.reshape(-1)
 
     def _observe_and_plan(self) -> None:
         ids = self._moe_ids()
-        all_WNX = self._take_routing(ids)
+        host_WNX = self._take_routing(ids)
         if self.ep is None or self.balancer is None:
             return  # no planner: the statistics went to the selection bias and the record only
         self.balancer.metrics, self.ahead_metrics = {}, {}
-        if all_WNX is None:  # every rank of the ep group holds the same layers: none of them gathers
+        if host_WNX is None:  # every rank of the ep group holds the same layers: none of them gathers
             if self.ahead is not None:
                 self.ahead.end_step()
             return
-        # the planners' R x E counts: the expert-parallel group's rows of the stage's gathered statistics (one host
-        # read)
+        # the planners' R x E counts: the expert-parallel group's rows of the stage's gathered statistics
         members = self.dims.ranks_of("dp_ep")
         rows = [members.index(r) for r in self.dims.ranks_of("ep")]
-        E = self.cfg.moe.num_experts
-        counts_RNE = np.asarray(to_host(all_WNX[rows, :, :E], "placement counts"), dtype=np.float64)
+        counts_RNE = host_WNX[rows, :, :self.cfg.moe.num_experts].astype(np.float64)
         group = self.dims.group("ep")
-        step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), all_WNX.device)
+        step_s = self.balancer.step_time(lambda t: _all_reduce_max(t, group), self.dims.device)
         self.step += 1
         counts = {i: np.ascontiguousarray(counts_RNE[:, n]) for n, i in enumerate(ids)}
         if self.ahead is not None:
