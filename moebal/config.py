@@ -724,6 +724,12 @@ class HFConfig:
     """Largest safetensors file of an export, in GB (above it the weights are sharded with an index)."""
 
 
+
+def pipelined(pp: int, scheme: str) -> bool:
+    """Whether `pp` stages under dynamism scheme `scheme` train on the pipeline engine: several stages, or a
+    scheme's one stage (`Config.pipelined`; the memory plan's layouts ask the same)."""
+    return pp > 1 or scheme != "none"
+
 @dataclass(kw_only=True, frozen=True)
 class Config:
     """A whole moebal run."""
@@ -773,7 +779,7 @@ class Config:
         runs there only (with parallel.pp 1 as a one-stage pipeline: its micro-batches, `pipeline.micro_batches`,
         are the accumulation, and the trainer without a pipeline's own options, `train.grad_accum` among them, do
         not apply; docs/dynamism.md)."""
-        return self.parallel.pp > 1 or self.dynamism.scheme != "none"
+        return pipelined(self.parallel.pp, self.dynamism.scheme)
 
 
 # --------------------------------------------------------------------------------------------

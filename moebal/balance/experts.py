@@ -768,10 +768,11 @@ class StageExperts:
         else:
             all_WNX = packed_NX[None]
         E = self.cfg.moe.num_experts
-        summed_NX = all_WNX.sum(dim=0)
-        for n, i in enumerate(ids):
-            moe = self.stage.layer(i).block_sparse_moe
-            if moe.expert_bias is not None:
+        biased = [(n, moe) for n, i in enumerate(ids)
+                  if (moe := self.stage.layer(i).block_sparse_moe).expert_bias is not None]
+        if biased:
+            summed_NX = all_WNX.sum(dim=0)
+            for n, moe in biased:
                 moe.update_bias(summed_NX[n, E:2 * E])  # the gate's choices before capacity drops
         host_WNX = np.asarray(to_host(all_WNX, "routing statistics"), dtype=np.int64)
         self.routing = {i: host_WNX[:, n].sum(axis=0) for n, i in enumerate(ids)}

@@ -77,6 +77,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from moebal.config import pipelined
 from moebal.errors import ConfigError
 from moebal.planner.sparse_blocks import SPLIT_MIN_ROWS, kept_counts, shares_masks, sparse_block_fits
 
@@ -227,7 +228,7 @@ class MemoryLayout:
     @property
     def pipelined(self) -> bool:
         """Whether the layout trains on the pipeline engine (several stages, or a dynamism scheme's one stage)."""
-        return self.pp > 1 or self.scheme != "none"
+        return pipelined(self.pp, self.scheme)
 
     def describe(self) -> str:
         mb = (f" M={self.micro_batches} {self.schedule}" if self.pipelined else
@@ -684,18 +685,12 @@ def _placements(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
     yield dataclasses.replace(lay, policy="static", max_replicas=None)
 
 
-def _pipelined(cfg: Config, pp: int) -> bool:
-    """Whether a layout of `pp` stages trains on the pipeline engine under `cfg` (`Config.pipelined` at that pp:
-    several stages, or a dynamism scheme's one stage), so its micro-batches are `pipeline.micro_batches`."""
-    return pp > 1 or cfg.dynamism.scheme != "none"
-
-
 def _refused(cfg: Config, lay: MemoryLayout) -> bool:
     """Whether moebal/config.py refuses `lay` (its stages, expert-parallel size, sharding, FSDP2 holds,
     recomputation, micro-batches and placement, as `_changes` names them) with this config's other settings: the
     config's own checks decide, so a proposed fix is one a run takes (a scheme's refusals under a sharded optimizer,
     layer rebalancing at one stage, options of the trainer without a pipeline)."""
-    piped = _pipelined(cfg, lay.pp)
+    piped = pipelined(lay.pp, cfg.dynamism.scheme)
     held: dict[str, Any] = {"shard": lay.shard, "accumulate": lay.accumulate, "reshard": lay.reshard}
     par = dataclasses.replace(cfg.parallel, pp=lay.pp, ep=lay.ep, nproc=lay.ranks, **held)
     rc: dict[str, Any] = {"recompute": lay.recompute}
@@ -874,7 +869,7 @@ def layout_from_config(cfg: Config, ranks: int, **changes: Any) -> MemoryLayout:
     E = cfg.moe.num_experts
     ep = changes.get("ep") or par.ep or (math.gcd(E, ranks // max(pp, 1)) if E else 1)
     prec = cfg.train.precision.replace("auto", "bf16")
-    staged = _pipelined(cfg, pp)
+    staged = pipelined(pp, cfg.dynamism.scheme)
     base = MemoryLayout(ranks=ranks, pp=pp, ep=ep if E else 1, shard=par.shard, recompute=cfg.train.recompute,
                         micro_batches=cfg.pipeline.micro_batches if staged else cfg.train.grad_accum,
                         accumulate=cfg.parallel.accumulate, reshard=cfg.parallel.reshard,
