@@ -724,11 +724,11 @@ class HFConfig:
     """Largest safetensors file of an export, in GB (above it the weights are sharded with an index)."""
 
 
-
 def pipelined(pp: int, scheme: str) -> bool:
     """Whether `pp` stages under dynamism scheme `scheme` train on the pipeline engine: several stages, or a
     scheme's one stage (`Config.pipelined`; the memory plan's layouts ask the same)."""
     return pp > 1 or scheme != "none"
+
 
 @dataclass(kw_only=True, frozen=True)
 class Config:

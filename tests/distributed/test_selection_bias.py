@@ -52,13 +52,18 @@ def bias_rule(counts_steps: list, rate: float) -> list[np.ndarray]:
     return biases
 
 
+def assert_bias_rule(biases: dict[str, np.ndarray], counts_steps: list, rate: float, what: str) -> None:
+    """The final biases by name (`model.layers.<i>....expert_bias`) equal `bias_rule` on the logged counts."""
+    names = sorted(biases, key=lambda n: int(n.split(".")[2]))
+    for name, want in zip(names, bias_rule(counts_steps, rate), strict=True):
+        np.testing.assert_array_equal(biases[name], want, err_msg=f"{what} {name}")
+
+
 @pytest.mark.parametrize("layout", ["one", "expert_parallel", "data_parallel"])
 def test_the_selection_bias_steps_on_the_counts_summed_over_the_ranks(runs, layout):
     got = runs[layout]
     assert len(got["bias"]) == 2 and all(np.abs(b).max() > 0 for b in got["bias"].values())  # it moved
-    names = sorted(got["bias"], key=lambda n: int(n.split(".")[2]))  # model.layers.<i>....
-    for name, want in zip(names, bias_rule(got["counts"], MOE["bias_update_rate"]), strict=True):
-        np.testing.assert_array_equal(got["bias"][name], want, err_msg=f"{layout} {name}")
+    assert_bias_rule(got["bias"], got["counts"], MOE["bias_update_rate"], layout)
 
 
 def test_expert_parallel_routes_and_biases_as_one_process(runs):
