@@ -1136,10 +1136,18 @@ def _check_whole(c: Config) -> None:
     _check_train(t)
     _check_grad_accum(c)
     _check_step_hold(par, c)
-    _need(t.record_routing_every == 0 or (not c.pipelined and c.moe.num_experts > 0),
-          "'train.record_routing_every' records every MoE layer of the model in one process: it needs an MoE "
-          "model (moe.num_experts > 0) and no pipeline (parallel.pp 1 and no dynamism scheme, which runs on the "
-          "pipeline engine); set it to 0")
+    if t.record_routing_every:
+        _need(c.moe.num_experts > 0, "'train.record_routing_every' records the routing of the MoE layers: it "
+              "needs an MoE model (moe.num_experts > 0); set it to 0")
+        # a pipeline gathers the stages' layers for the same tokens: every layer must route the whole micro-batch,
+        # and the last forward of every stage must be the same micro-batch (the fixed schedules' order)
+        _need(c.dynamism.scheme not in ("mod", "early_exit"),
+              f"'train.record_routing_every' records every MoE layer's routing of the same tokens; "
+              f"'dynamism.scheme: {c.dynamism.scheme}' routes a subset of the tokens in some layers; set it to 0")
+        _need(not c.pipelined or c.pipeline.microbatching == "fixed",
+              f"'train.record_routing_every' in a pipeline records the last of fixed micro-batches; planned "
+              f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) pads rows and orders micro-batches "
+              f"per stage: set pipeline.microbatching fixed, or record_routing_every 0")
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")

@@ -240,6 +240,29 @@ class PipeChain:
         self.flush()
         return out
 
+    def gather_1d(self, vec: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every member's 1-D tensor (lengths may differ), in chain order, on the first member; None on the
+        others. P - 1 length messages and P - 1 data messages (`allgather_1d` sends P x (P - 1)): for larger
+        host payloads only one member needs, such as a routing sample. CPU tensors only, like `allreduce_sum`."""
+        assert vec.device.type == "cpu", "gather_1d sends before it receives: CPU tensors (gloo) only"
+        vec = vec.detach().contiguous()
+        first = self.ranks[0]
+        if self.rank != first:
+            self.send(torch.tensor([vec.numel()], dtype=torch.int64), first)
+            if vec.numel():
+                self.send(vec, first)
+            self.flush()
+            return None
+        out = []
+        for r in self.ranks:
+            if r == self.rank:
+                out.append(vec)
+                continue
+            n = int(self.recv(torch.zeros(1, dtype=torch.int64), r)[0])
+            buf = torch.empty(n, dtype=vec.dtype)
+            out.append(self.recv(buf, r) if n else buf)
+        return out
+
     def _one_hot(self, value: float) -> torch.Tensor:
         v = torch.zeros(self.size, dtype=torch.float64)  # a host value: gloo
         v[self.index] = value

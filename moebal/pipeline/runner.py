@@ -160,6 +160,7 @@ class PipelineRunner:
         self._build(cfg)
         self.records: list[dict[str, Any]] = []
         self.released_at: int | None = None
+        self._routing_sample: torch.Tensor | None = None  # `gather_routing`: rank 0's, until taken
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._scheme_resumed = False
         self.balancer = LayerBalancer(self, cfg.pipeline.feedback, bandwidth=bandwidth)
@@ -430,6 +431,7 @@ class PipelineRunner:
                 events.update(self.balancer.apply(list(sizes), "forced-mid", step, lr=lr))
         self._sync_grads()
         red = self._reduce(res, t_run)
+        self._gather_routing(step)  # before the balancer: a migration must not take a layer's routing along
         measured_factors = self.balancer.factors()  # what this iteration ran at
         grad_norm = self._clip(red["sq"])
         if self.optimizer is not None:
@@ -446,6 +448,35 @@ class PipelineRunner:
                               changed, events)
         self.records.append(record)
         return record
+
+    def _gather_routing(self, step: int) -> None:
+        """On a recording step (`train.record_routing_every`), the routing of the step's last micro-batch on the
+        first data rank's tokens, as the trainer without a pipeline records it: each stage of that rank's chain
+        sends its MoE layers' top-k expert ids to the first stage, which keeps them in model order until
+        `take_routing_sample`. Every stage's last forward is the last micro-batch under 1F1B, GPipe and
+        zero-bubble schedules (a recompute's replay leaves `last_routing` alone), so every layer's rows are the
+        same tokens.
+        Payload: 3 + L_s x T x K integers per stage, P - 1 messages, on recording steps only."""
+        every = self.cfg.train.record_routing_every
+        if not every or step % every or self.data_index != 0:
+            return
+        ids = [r.indices_TK for r in (layer.last_routing for layer in self.stage.moe_layers()) if r is not None]
+        if ids:
+            ids_LTK = torch.stack(ids)
+            mine = torch.tensor([*ids_LTK.shape, *to_host(ids_LTK.reshape(-1), "routing sample")], dtype=torch.int64)
+        else:  # a stage without MoE layers
+            mine = torch.zeros(3, dtype=torch.int64)
+        parts = self.chain.gather_1d(mine)
+        if parts is None:
+            return
+        layers = [p[3:].view(*p[:3].tolist()) for p in parts if p[0] > 0]
+        self._routing_sample = torch.cat(layers) if layers else None
+
+    def take_routing_sample(self) -> torch.Tensor | None:
+        """The last recording step's routing sample (int64 [L, T, K], every MoE layer in model order) on the chain's
+        first stage of the first data rank, then None until the next recording step; None elsewhere."""
+        sample, self._routing_sample = self._routing_sample, None
+        return sample
 
     # ---- validation ----
     @torch.no_grad()

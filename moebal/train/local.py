@@ -221,6 +221,12 @@ class LocalStep:
         record.update(routing_record(read_routing(stats)))
         return StepOutput(record, global_batch.n_tokens, stats)
 
+    def routing_sample(self, trainer: Trainer, step: int) -> torch.Tensor | None:
+        if not self.ctx.is_main:
+            return None
+        ids = [r.indices_TK for r in (getattr(m, "last_routing", None) for m in trainer.moe_layers()) if r is not None]
+        return torch.stack(ids) if ids else None
+
     # ---- validation and agreement ----
     @torch.no_grad()
     def evaluate(self, trainer: Trainer) -> tuple[float, float]:

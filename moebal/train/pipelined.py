@@ -136,6 +136,10 @@ class PipelineStep:
         record = self.runner.train_step()
         return StepOutput(record, int(record["tokens"]))
 
+    def routing_sample(self, trainer: Trainer, step: int) -> torch.Tensor | None:
+        # gathered along the chain inside the step, before a migration could move a layer away
+        return self.runner.take_routing_sample() if trainer.ctx.is_main else None
+
     # ---- validation and agreement ----
     def evaluate(self, trainer: Trainer) -> tuple[float, float]:
         return self.runner.evaluate(trainer.data.val)

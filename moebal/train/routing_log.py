@@ -1,9 +1,12 @@
 """Routing samples of a training run: the input of Lina's path profile (moebal/planner/paths.py).
 
 `RoutingRecorder` (a trainer hook, on with `train.record_routing_every: N`) writes, every N steps, the routing of
-the step's last micro-batch: every MoE layer's top-k expert ids of each of this rank's tokens, on rank 0 only,
-to `<run dir>/routing/step_NNNNNN.npz` (one int16 array `ids_LTK`, L MoE layers in model order, T tokens, K =
-top_k, the gate's order: column 0 is the first choice). `load_routing(run_dir)` reads them back in step order.
+the step's last micro-batch: every MoE layer's top-k expert ids of each of rank 0's tokens (its data shard),
+on rank 0 only, to `<run dir>/routing/step_NNNNNN.npz` (one int16 array `ids_LTK`, L MoE layers in model order,
+T tokens, K = top_k, the gate's order: column 0 is the first choice). `load_routing(run_dir)` reads them back in
+step order. The step strategy provides the sample (`StepStrategy.routing_sample`): the model's layers on one process or
+under data x expert parallelism; in a pipeline each stage's layers, gathered along rank 0's chain inside the
+step before any migration (`PipelineRunner._gather_routing`).
 
 Shape legend: L MoE layers, T tokens, K = top_k.
 """
@@ -36,21 +39,15 @@ class RoutingRecorder(Hook):
         self.every = every
 
     def after_step(self, trainer: Trainer, step: int, stats: list[RoutingStats], record: dict[str, Any]) -> None:
-        if step % self.every or not trainer.ctx.is_main:
+        if step % self.every:
             return
-        import torch
-
-        ids: list[torch.Tensor] = []
-        for layer in trainer.moe_layers():
-            routing = getattr(layer, "last_routing", None)
-            if routing is not None:
-                ids.append(routing.indices_TK)
-        if not ids:
+        ids_LTK = trainer.strategy.routing_sample(trainer, step)  # main rank only (a pipeline's: gathered)
+        if ids_LTK is None:
             return
-        ids_LTK = np.asarray(to_host(torch.stack(ids), "routing sample"), dtype=np.int16)
+        sample = np.asarray(to_host(ids_LTK, "routing sample"), dtype=np.int16)
         out = Path(trainer.run_dir) / ROUTING_DIR
         out.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(out / f"step_{step:06d}.npz", ids_LTK=ids_LTK)
+        np.savez_compressed(out / f"step_{step:06d}.npz", ids_LTK=sample)
 
 
 def routing_files(run_dir: str | Path) -> list[Path]:

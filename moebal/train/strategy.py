@@ -76,6 +76,12 @@ class StepStrategy(Protocol):
         """Read the step's batch, set the learning rate, forward, backward, synchronise, clip, step."""
         ...
 
+    def routing_sample(self, trainer: Trainer, step: int) -> torch.Tensor | None:
+        """On the main rank, after a step that records its routing (`train.record_routing_every`): every MoE
+        layer's top-k expert ids of the step's last micro-batch on the first data rank's tokens, int64 [L, T, K]
+        in model order; None on the other ranks. Local (no collective): a pipeline gathers it inside the step."""
+        ...
+
     def evaluate(self, trainer: Trainer) -> tuple[float, float]:
         """Forward-only summed token loss and label count over `trainer.data.val`, the same on every rank
         still training (the trainer keeps the RNG state around it)."""

@@ -26,21 +26,22 @@ def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: in
         "parallel": {"pp": pp, "nproc": nproc or pp}})
 
 
-def reference_losses(cfg: Config, steps: int, micro: int = 1, counts: list | None = None
-                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_losses(cfg: Config, steps: int, micro: int = 1, counts: list | None = None,
+                     routing: list | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain single-process loop: forward and backward of the batch (of its `micro` micro-batches in turn,
     accumulating: each micro-batch's mean loss weighted by its share of the labels, its auxiliary loss by
     1 / micro), clip, AdamW, then each MoE layer's selection bias stepped on the step's gate assignments (as the
-    trainer does). `counts`: a list that receives each step's expert counts per MoE layer."""
+    trainer does). `counts`: a list that receives each step's expert counts per MoE layer; `routing`: one that
+    receives each step's last micro-batch's top-k expert ids, [L, T, K] (what `train.record_routing_every` records)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two OpenMP threads on a loaded 2-core machine run tiny GEMMs 100x slower
     try:
-        return _reference(cfg, steps, micro, counts)
+        return _reference(cfg, steps, micro, counts, routing)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(cfg: Config, steps: int, micro: int, counts: list | None
+def _reference(cfg: Config, steps: int, micro: int, counts: list | None, routing: list | None
                ) -> tuple[list[float], dict[str, torch.Tensor]]:
     from moebal.data import build_data
     from moebal.models import build_model
@@ -76,6 +77,8 @@ def _reference(cfg: Config, steps: int, micro: int, counts: list | None
                 layer.update_bias(st.routed_E)
         if counts is not None:
             counts.append([st.counts_E.tolist() for st in stats])
+        if routing is not None:
+            routing.append(torch.stack([layer.last_routing.indices_TK for layer in model.moe_layers()]).numpy())
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 

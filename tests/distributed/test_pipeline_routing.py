@@ -5,17 +5,23 @@ every step's record carries the routing summary of the trainer without a pipelin
 Reference: the single-process loop over the same micro-batches with the same bias rule
 (`tests/distributed/test_pipeline.py` `reference_losses`). Expert counts are integers, so they, and the biases
 that follow from them, must equal the reference's exactly; the losses agree within rounding.
+
+A pipeline run's routing samples (`train.record_routing_every`, the input of Lina's path profile) are the
+stages' layers gathered along rank 0's chain: they must equal the reference's last micro-batch's expert ids
+exactly, also on the step a migration moves layers and on the step a re-pack releases a stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moebal.distributed.testing import run_ranks
+from moebal.train.routing_log import load_routing
 from tests.distributed.test_pipeline import _train, reference_losses, tiny
 from tests.distributed.test_selection_bias import assert_bias_rule
 
@@ -56,9 +62,64 @@ def runs() -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     counts: list = []
-    losses, state = reference_losses(_biased(1, 1), STEPS, micro=2, counts=counts)
-    return {"losses": losses, "counts": counts,
+    routing: list = []
+    losses, state = reference_losses(_biased(1, 1), STEPS, micro=2, counts=counts, routing=routing)
+    return {"losses": losses, "counts": counts, "routing": routing,
             "bias": {k: v.numpy() for k, v in state.items() if k.endswith("expert_bias")}}
+
+
+def _recorded(rank: int, cfg, out: Path, force: tuple = ()) -> list[np.ndarray] | None:
+    """A pipeline run through the trainer with the routing recorder on every step; rank 0 reads the samples."""
+    import torch.distributed as dist
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.pipeline.runner import pipeline_ep
+    from moebal.train.pipelined import pipeline_trainer
+    from moebal.train.routing_log import RoutingRecorder
+
+    # train.steps stays the reference's (the learning-rate schedule depends on it); the run trains one step more
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, record_routing_every=1, ckpt_every=0,
+                                                             time_limit_min=None),
+                              pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world, rank=rank, pp=cfg.parallel.pp, ep=pipeline_ep(cfg, world)).init()
+    trainer = pipeline_trainer(cfg, out, dims=dims, hooks=[RoutingRecorder(1)], force=force)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    dist.barrier()  # a released rank waits here for the survivor
+    return load_routing(out) if rank == 0 else None
+
+
+def _three_stages(rank: int, world: int, tmp: str) -> list[np.ndarray] | None:
+    # layers 0-1 | 2 | 3, then 0 | 1 | 2-3 after step 2 (a migration), then 0-1 | 2-3 on two ranks after step 3
+    # (a re-pack releases the last rank)
+    return _recorded(rank, _biased(3, 3), Path(tmp), force=((2, (1, 1, 2)), (3, (2, 2))))
+
+
+def _expert_shards(rank: int, world: int, tmp: str) -> list[np.ndarray] | None:
+    cfg = _biased(1, 2, ep=2)  # one stage (the moe scheme's) of two expert shards
+    return _recorded(rank, dataclasses.replace(cfg, dynamism=dataclasses.replace(cfg.dynamism, scheme="moe")),
+                     Path(tmp))
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> dict:
+    return {"three_stages": run_ranks(_three_stages, 3, str(tmp_path_factory.mktemp("pp3")), timeout_s=300)[0],
+            "expert_shards": run_ranks(_expert_shards, 2, str(tmp_path_factory.mktemp("ep2")), timeout_s=300)[0]}
+
+
+def test_a_pipeline_records_the_routing_of_every_stage_s_layers(recorded, reference):
+    samples = recorded["three_stages"]
+    assert len(samples) == STEPS + 1  # every step recorded
+    for step, (got, ref) in enumerate(zip(samples[:STEPS], reference["routing"], strict=True), start=1):
+        assert ref.shape == (4, 4 * 16, 2)  # 4 MoE layers, the last micro-batch's 4 rows of 16 tokens, top-2
+        np.testing.assert_array_equal(got, ref, err_msg=f"step {step}")  # migration after 2, re-pack after 3
+    # two expert shards of one stage split each micro-batch's rows: rank 0 records its half, as without a pipeline
+    shards = recorded["expert_shards"][:STEPS]
+    for step, (got, ref) in enumerate(zip(shards, reference["routing"], strict=True), start=1):
+        np.testing.assert_array_equal(got, ref[:, :2 * 16], err_msg=f"step {step}")
 
 
 @pytest.mark.parametrize("layout", ["two_stages", "expert_parallel", "data_parallel"])
