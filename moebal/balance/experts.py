@@ -628,7 +628,7 @@ class StageExperts:
 
         dtype = autocast_dtype(cfg, dims.device)  # replicas travel in the compute dtype
         overlap = cfg.scheduler.block_overlap
-        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims), compute_dtype=dtype,
+        self.ep: ExpertParallel | None = (ExpertParallel(stage, dims, _scheduler(dims, cfg), compute_dtype=dtype,
                                                          overlap=overlap) if self.R > 1 else None)
         if self.ep is not None and overlap:
             # Agg's hooks go with the forward whose backward is the stage's last (`last_pass`), not with Trans
@@ -1029,7 +1029,7 @@ def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
         for p in scratch.parameters():
             p.zero_()
     # timed in the run's precision: the dispatcher's compute dtype (its autocast)
-    dispatcher = ExpertParallelDispatcher(scratch, dims, _scheduler(dims),
+    dispatcher = ExpertParallelDispatcher(scratch, dims, _scheduler(dims, cfg),
                                           compute_dtype=autocast_dtype(cfg, dims.device))
     measured = measure_layer_costs(dispatcher, tokens * cfg.moe.top_k)
     rates = torch.tensor([measured.expert_tokens_per_s, measured.a2a_bw(0), measured.trans_bandwidth,
@@ -1040,10 +1040,12 @@ def _planner_costs(cfg: Config, dims: ParallelDims) -> MoELayerCosts:
                                agg_bandwidth=agg)
 
 
-def _scheduler(dims: ParallelDims) -> CommScheduler:
-    """A scheduler without a thread (collectives issued and waited for in place) whose completion matches the
-    device: on CUDA a host-side completion would call an NCCL collective done when it is only enqueued."""
-    return CommScheduler("off", rank=dims.rank, device=dims.device)
+def _scheduler(dims: ParallelDims, cfg: Config) -> CommScheduler:
+    """A pipeline stage's scheduler: without a thread (collectives issued and waited for in place) whose
+    completion matches the device (on CUDA a host-side completion would call an NCCL collective done when it is
+    only enqueued), failing a collective after `scheduler.timeout_s` as the trainer without a pipeline does.
+    The gradient-sync modes do not apply: the stage sums its gradients after the step's backward passes."""
+    return CommScheduler("off", rank=dims.rank, device=dims.device, timeout_s=cfg.scheduler.timeout_s)
 
 
 def stage_routing(vec: torch.Tensor, num_layers: int, moe_ids: list[int], num_experts: int) -> dict[str, Any]:

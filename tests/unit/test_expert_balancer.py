@@ -108,3 +108,20 @@ def test_the_overlap_window_of_an_accumulating_step_is_one_forward_for_given_mea
     b.set_costs(costs)  # measured (or loaded from a checkpoint) later: the same window
     assert b.costs.overlap_share == 0.25 and b.planners[0].cost.overlap_share == 0.25
     assert ExpertBalancer(cfg, R, costs, executor_overlaps=True).costs is costs  # one forward: as given
+
+
+def test_a_pipeline_stage_s_collectives_fail_after_the_configured_timeout():
+    """A stage's in-place scheduler takes `scheduler.timeout_s` (it had the scheduler's 120 s default whatever the
+    config said); the gradient-sync mode stays `off` (a stage sums its gradients after its backward passes)."""
+    import types
+
+    import torch
+
+    from moebal.balance.experts import _scheduler
+
+    dims = types.SimpleNamespace(rank=0, device=torch.device("cpu"))
+    sched = _scheduler(dims, from_dict({"scheduler": {"timeout_s": 900.0, "mode": "lina"}}))
+    try:
+        assert sched.timeout_s == 900.0 and sched.mode == "off"
+    finally:
+        sched.close()
