@@ -40,6 +40,7 @@ from moebal.dynamism.scheme import (
 )
 from moebal.errors import ConfigError
 from moebal.models.subset import skip_layer, subset_block
+from moebal.sync import to_host
 
 __all__ = ["EarlyExit", "pack_positions"]
 
@@ -64,7 +65,7 @@ def pack_positions(active_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(pos_BQ, valid_BQ): the active positions of each row, ascending, padded to the longest row with 0."""
     B, T = active_BT.shape
     counts = active_BT.sum(dim=1)
-    Q = int(counts.max())  # host sync: the padded width
+    Q = int(to_host(counts.max(), "early exit: padded width"))  # the gathered rows' shape
     # a stable sort of (not active) puts active positions first, in ascending order
     order = torch.sort((~active_BT).to(torch.int8), dim=1, stable=True).indices[:, :Q]
     valid = torch.arange(Q, device=active_BT.device).unsqueeze(0) < counts.unsqueeze(1)
@@ -114,7 +115,7 @@ class EarlyExit(Dynamism):
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         active = carry["active"]
-        n = int(active.sum())  # host sync: choose the full, subset or skip path
+        n = int(to_host(active.sum(), "early exit: active tokens"))  # choose the full, subset or skip path
         self.tokens_in[i] += n
         stage_n = self._stage_tokens(i, n)
         out: torch.Tensor

@@ -27,6 +27,7 @@ from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register
 from moebal.errors import ConfigError
+from moebal.sync import to_host
 
 __all__ = ["MoERoutingCost", "routing_cost_factor"]
 
@@ -58,6 +59,9 @@ class MoERoutingCost(Dynamism):
         self.ranks = ep_size
         self.flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(self.L)]
         self.counts = torch.zeros(self.L, max(self.E, 1) + 1, dtype=torch.float64)  # per layer: E counts, tokens
+        self._device_counts: torch.Tensor | None = None
+        """The step's counts as the forwards add them, on the compute device: read to the host once per step
+        (`local_stats`), not once per layer and micro-batch inside the schedule."""
         self.factors = [1.0] * self.L
 
     def on_start(self, ctx: SchemeContext) -> None:
@@ -67,6 +71,7 @@ class MoERoutingCost(Dynamism):
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
         self.counts.zero_()
+        self._device_counts = None
 
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -75,14 +80,19 @@ class MoERoutingCost(Dynamism):
         if block.is_moe:
             s = block.block_sparse_moe.last_stats
             assert s is not None  # set by the forward just run
-            self.counts[i, :self.E] += s.counts_E.double().cpu()
-            self.counts[i, self.E] += float(s.tokens)
+            if self._device_counts is None:
+                self._device_counts = torch.zeros(self.counts.shape, dtype=torch.float64, device=s.counts_E.device)
+            self._device_counts[i, :self.E] += s.counts_E.double()
+            self._device_counts[i, self.E] += s.tokens.double()
         return out
 
     def stats_size(self, num_layers: int) -> int:
         return self.counts.numel()
 
     def local_stats(self) -> torch.Tensor:
+        if self._device_counts is not None:  # integers in float64: the same sums in any order
+            self.counts = torch.tensor(to_host(self._device_counts, "moe scheme: expert counts"), dtype=torch.float64)
+            self._device_counts = None
         return self.counts.reshape(-1).clone()
 
     def set_global_stats(self, vec: torch.Tensor) -> None:

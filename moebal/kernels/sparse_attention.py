@@ -101,8 +101,10 @@ def _keep_masks(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Te
     """[N, max count] bool: which of a query block's top blocks it drops (past its first c_n), and the flat
     positions of the kept ones ([M], row-major). Built on the host and moved once per counts: a `masked_select` by
     the keep mask would read its output size back from a GPU at every call."""
-    keep_NS = torch.arange(max(counts)) < torch.tensor(counts)[:, None]
-    return (~keep_NS).to(device), keep_NS.flatten().nonzero().squeeze(1).to(device)
+    S = max(counts)
+    keep_NS = torch.arange(S) < torch.tensor(counts)[:, None]
+    flat = [n * S + j for n, c in enumerate(counts) for j in range(c)]  # host numbers: no tensor read back
+    return (~keep_NS).to(device), torch.tensor(flat, dtype=torch.int64).to(device)
 
 
 @torch.no_grad()

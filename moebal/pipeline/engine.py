@@ -43,6 +43,7 @@ from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import ATTN, LAYER
 from moebal.pipeline.zero_bubble import WeightGradQueue
 from moebal.planner.schedule import make_schedule
+from moebal.sync import to_host
 
 if TYPE_CHECKING:
     from moebal.distributed.fsdp import StepHold
@@ -52,12 +53,16 @@ __all__ = ["IterationResult", "PipelineEngine", "last_backward"]
 
 @dataclass
 class IterationResult:
-    """What one stage reports about one iteration (numbers are local to the stage)."""
+    """What one stage reports about one iteration (numbers are local to the stage).
+
+    The loss and auxiliary losses add up on the device as the micro-batches run (float64: the same additions in
+    the same order as host floats, so the same bits) and are read to the host once, by `settle`: a host read per
+    micro-batch and MoE layer would stall a GPU's queue inside the schedule."""
 
     loss_sum: float
-    """Last stage: sum over micro-batches of (token CE sum / batch label count); 0 elsewhere."""
+    """Last stage: sum over micro-batches of (token CE sum / batch label count); 0 elsewhere (after `settle`)."""
     aux_by_layer: dict[int, float]
-    """Each of this stage's MoE layers' auxiliary loss, averaged over micro-batches."""
+    """Each of this stage's MoE layers' auxiliary loss, averaged over micro-batches (after `settle`)."""
     busy_s: float
     """Wall time of this stage's compute (forward and backward ops, waits excluded)."""
     busy_cpu_s: float = 0.0
@@ -66,6 +71,35 @@ class IterationResult:
     """The part of `busy_cpu_s` spent in W ops (deferred weight gradients; zero-bubble schedule only)."""
     ops: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(kind, micro-batch, start, end) per op, perf_counter clock (shared by local processes)."""
+    loss_dev: torch.Tensor | None = None
+    aux_dev: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The device sums behind `loss_sum` and `aux_by_layer` until `settle`."""
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        v = loss.detach().double()
+        self.loss_dev = v if self.loss_dev is None else self.loss_dev + v
+
+    def add_aux(self, i: int, aux: torch.Tensor, weight: float) -> None:
+        v = aux.detach().double() * weight
+        self.aux_dev[i] = v if i not in self.aux_dev else self.aux_dev[i] + v
+
+    def settle(self, extra: torch.Tensor | None = None) -> list[float]:
+        """Read the device sums into `loss_sum` and `aux_by_layer`, with `extra` (a 1-D float64 tensor on the
+        same device, e.g. the step's gradient squares) in the same host read; returns `extra`'s values."""
+        ids, loss = sorted(self.aux_dev), self.loss_dev
+        parts = [self.aux_dev[i].reshape(1) for i in ids] + ([loss.reshape(1)] if loss is not None else [])
+        n = len(parts)
+        if extra is not None:
+            parts.append(extra.reshape(-1).double())
+        if not parts:
+            return []
+        vals: list[float] = to_host(torch.cat(parts), "pipeline step sums")
+        for i, v in zip(ids, vals):
+            self.aux_by_layer[i] = self.aux_by_layer.get(i, 0.0) + v
+        if loss is not None:
+            self.loss_sum += vals[len(ids)]
+        self.loss_dev, self.aux_dev = None, {}
+        return vals[n:]
 
 
 @dataclass
@@ -182,6 +216,7 @@ class PipelineEngine:
         finally:
             self.profiler, self.record_ops = profiler, record_ops
         self.chain.flush()
+        result.settle()
         return result.loss_sum
 
     def _receive_input(self, ids_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -260,7 +295,7 @@ class PipelineEngine:
                         h = layer.ffn_part(h)
                 if kind == LAYER and layer.is_moe:
                     a = layer.block_sparse_moe.aux_loss
-                    result.aux_by_layer[i] = result.aux_by_layer.get(i, 0.0) + float(a.detach()) * aux_w
+                    result.add_aux(i, a, aux_w)  # on the device: no host read inside the schedule
                     if a.requires_grad:
                         aux.append(a.float() * aux_w / self.aux_ranks)
             if self.chain.is_last:
@@ -268,7 +303,7 @@ class PipelineEngine:
                 self.wgrad.slot = st.num_layers_slot() + 1
                 with _maybe(prof, st.num_layers_slot() + 1, None):
                     out = st.head_loss_sum(h, labels_BT) / label_count
-                result.loss_sum += float(out.detach())
+                result.add_loss(out)
             else:
                 out = h.to(self._wire)  # what the next stage allocates (a no-op in the usual fp32 stream)
         self._op_done(result, "F", j, t0)

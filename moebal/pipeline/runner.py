@@ -578,7 +578,8 @@ class PipelineRunner:
         if n_ep:
             vec[n + extra:n + extra + n_ep] = self.experts.step_vector(L)
         vec[n + extra + n_ep:] = routing
-        vec[:S] = torch.tensor(to_host(self._grad_squares(S), "gradient norms"), dtype=torch.float64)
+        # one host read: the gradient squares with the engine's loss and auxiliary-loss sums
+        vec[:S] = torch.tensor(res.settle(self._grad_squares(S)), dtype=torch.float64)
         for i, a in res.aux_by_layer.items():
             vec[S + i] = a
         t = S + L + 1  # the per-stage times
