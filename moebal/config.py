@@ -1126,8 +1126,15 @@ def _check_whole(c: Config) -> None:
               "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
               "it needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold set (e.g. 0.1)")
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
-        _need(not c.pipelined, "'data.order: complexity' runs in the expert- and data-parallel trainer (parallel.pp 1, "
-              f"no dynamism scheme; got parallel.pp {par.pp}, dynamism.scheme {c.dynamism.scheme})")
+        # a pipeline measures every row in every MoE layer: each layer must route the whole micro-batch, and the
+        # rows must be the batch's fixed micro-batch-major split
+        _need(c.dynamism.scheme not in ("mod", "early_exit"),
+              f"'data.order: complexity' measures every row in every MoE layer; 'dynamism.scheme: "
+              f"{c.dynamism.scheme}' routes a subset of the tokens in some layers: use data.order shuffle")
+        _need(not c.pipelined or c.pipeline.microbatching == "fixed",
+              f"'data.order: complexity' in a pipeline measures the rows of fixed micro-batches; planned "
+              f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) regroups the samples: set "
+              f"pipeline.microbatching fixed")
     _check_moe(c)
     _check_mla(m)
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = ["METRICS", "Curriculum", "complexity_order", "row_complexity"]
 
@@ -69,9 +70,10 @@ def complexity_order(ids: np.ndarray, C_NL: np.ndarray, tokens_N: np.ndarray, fa
     return np.concatenate([ordered, fallback[~seen[fallback]]])
 
 
-def row_complexity(layers: list[Any], labels_BT: Any) -> np.ndarray:
-    """[B, L]: per row of the last forward, the share of its real tokens (label not -100) that took two or more
-    experts in each MoE layer (their `last_routing`)."""
+def row_complexity(layers: list[Any], labels_BT: torch.Tensor) -> torch.Tensor:
+    """[B, L] float64 on the routing's device: per row of the last forward, the share of its real tokens (label not
+    -100) that took two or more experts in each MoE layer (their `last_routing`). No host read: the trainer reads
+    a step's rows once."""
     valid = labels_BT != -100
     B, T = valid.shape
     n = valid.sum(dim=1).clamp_min(1).double()
@@ -79,11 +81,11 @@ def row_complexity(layers: list[Any], labels_BT: Any) -> np.ndarray:
     for layer in layers:
         taken = layer.last_routing.taken_TK
         if taken is None:  # every token took all top_k experts
-            multi = valid if layer.top_k > 1 else valid & False
+            multi = valid if layer.top_k > 1 else torch.zeros_like(valid)
         else:
             multi = (taken.sum(dim=-1) > 1).view(B, T) & valid
-        out.append((multi.sum(dim=1).double() / n).cpu().numpy())
-    return np.stack(out, axis=1) if out else np.zeros((B, 0))
+        out.append(multi.sum(dim=1).double() / n)
+    return torch.stack(out, dim=1) if out else torch.zeros((B, 0), dtype=torch.float64, device=labels_BT.device)
 
 
 class Curriculum:

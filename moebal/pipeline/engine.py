@@ -147,6 +147,9 @@ class PipelineEngine:
         are freed after it); ended when the schedule ends, whatever happened. Under whole sums zero bubble's W
         ops keep their deferred weight gradients for the step's last W (`_weight_grads`)."""
         self._last_weight: int | None = None  # the micro-batch of the stage's last W op while a step runs
+        self.on_forward: Callable[[int, torch.Tensor], None] | None = None
+        """Called after the stage's layers ran micro-batch j of a training step, with j and the micro-batch's
+        labels (the runner measures the curriculum's row complexities from the layers' `last_routing`)."""
 
     # ---- boundaries of the frozen prefix (layers [0, n) frozen) ----
     def _input_needs_grad(self) -> bool:
@@ -298,6 +301,8 @@ class PipelineEngine:
                     result.add_aux(i, a, aux_w)  # on the device: no host read inside the schedule
                     if a.requires_grad:
                         aux.append(a.float() * aux_w / self.aux_ranks)
+            if self.on_forward is not None:
+                self.on_forward(j, labels_BT)  # the stage's layers have run micro-batch j (their `last_routing`)
             if self.chain.is_last:
                 _mark(h, prof, marks, st.num_layers_slot() + 1)
                 self.wgrad.slot = st.num_layers_slot() + 1

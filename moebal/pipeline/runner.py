@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from moebal.balance.experts import StageExperts, stage_metrics, stage_routing
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
+from moebal.data.curriculum import row_complexity
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, StageShardedAdamW, StepHold, stage_mesh, stage_units
 from moebal.distributed.groups import ParallelDims
@@ -161,6 +162,9 @@ class PipelineRunner:
         self.records: list[dict[str, Any]] = []
         self.released_at: int | None = None
         self._routing_sample: torch.Tensor | None = None  # `gather_routing`: rank 0's, until taken
+        self._complexity: dict[int, torch.Tensor] = {}  # data.order complexity: per forward, [rows, stage MoE layers]
+        self._row_tokens: list[int] = []
+        self._row_index = torch.zeros(0, dtype=torch.int64)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._scheme_resumed = False
         self.balancer = LayerBalancer(self, cfg.pipeline.feedback, bandwidth=bandwidth)
@@ -354,7 +358,12 @@ class PipelineRunner:
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
         """The next training batch, split as `_rows` splits it."""
-        return self._rows(self.data.train.next_batch())
+        batch = self.data.train.next_batch()
+        out = self._rows(batch)
+        if self._curriculum() is not None:  # what the step's curriculum rows are recorded against
+            self._row_tokens = (batch.labels_BT != -100).sum(dim=1).tolist()
+            self._row_index = torch.cat(self._row_split(batch.ids_BT.shape[0]))
+        return out
 
     def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
         """This rank's rows of the global batch, the batch's label count and this rank's rows per micro-batch.
@@ -371,11 +380,15 @@ class PipelineRunner:
         if ids.shape[0] < n:
             raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
                               f"stage (data-parallel x expert-parallel): every rank needs a row")
-        M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
-        mine = [torch.tensor_split(rows, n)[self.data_index]
-                for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
+        mine = self._row_split(ids.shape[0])
         index = torch.cat(mine)
         return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine]
+
+    def _row_split(self, rows: int) -> list[torch.Tensor]:
+        """This rank's global row indices in each micro-batch of a batch of `rows` rows (`_rows`)."""
+        n = self.data_ranks
+        M = max(1, min(self._num_micro(), rows // n))  # every rank gets a row of every micro-batch
+        return [torch.tensor_split(part, n)[self.data_index] for part in torch.tensor_split(torch.arange(rows), M)]
 
     def _num_micro(self) -> int:
         return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))
@@ -420,7 +433,11 @@ class PipelineRunner:
         self.engine.last_pass = self.experts.last_pass  # block overlap: Agg inside the last backward
         self.engine.step_hold = self._step_hold  # whole sums, weights kept gathered: once per step each
         t_run = time.perf_counter()
-        res = self._run_engine(work, count)
+        self.engine.on_forward = self._measure_rows if self._curriculum() is not None else None
+        try:
+            res = self._run_engine(work, count)
+        finally:
+            self.engine.on_forward = None
         t_run = time.perf_counter() - t_run
         self.step = step
         self.experts.after_backward()  # Agg of replica gradients; observe routing, plan the next placements
@@ -432,6 +449,7 @@ class PipelineRunner:
         self._sync_grads()
         red = self._reduce(res, t_run)
         self._gather_routing(step)  # before the balancer: a migration must not take a layer's routing along
+        self._record_complexity()
         measured_factors = self.balancer.factors()  # what this iteration ran at
         grad_norm = self._clip(red["sq"])
         if self.optimizer is not None:
@@ -471,6 +489,38 @@ class PipelineRunner:
             return
         layers = [p[3:].view(*p[:3].tolist()) for p in parts if p[0] > 0]
         self._routing_sample = torch.cat(layers) if layers else None
+
+    def _curriculum(self) -> Any:
+        """The training sampler when it orders epochs by complexity (`data.order: complexity`); else None."""
+        sampler = self.data.train
+        return sampler if getattr(sampler, "curriculum", None) is not None else None
+
+    def _measure_rows(self, j: int, labels_BT: torch.Tensor) -> None:
+        """After F(j): each of this rank's rows' share of two-expert tokens in the stage's MoE layers (on the
+        device; read once per step by `_record_complexity`)."""
+        self._complexity[j] = row_complexity(self.stage.moe_layers(), labels_BT)
+
+    def _record_complexity(self) -> None:
+        """`data.order: complexity` (Adaptive Gating's curriculum): the step's per-row two-expert shares of every
+        MoE layer into the sampler's table, the same on every rank. Each rank writes its rows (global row order)
+        and its stage's layers (model order among the MoE layers) into a zero [B, MoE layers] host matrix; the
+        sum over the stage's ranks and along the chain fills it exactly (each entry has one writer), as
+        `RunContext.global_rows` does without a pipeline. One host read per step on a stage with MoE layers."""
+        sampler = self._curriculum()
+        if sampler is None:
+            return
+        moe_ids = [i for i in range(self.L) if self.cfg.is_moe_layer(i)]
+        cols = [moe_ids.index(i) for i in self.stage.layer_ids if self.stage.layer(i).is_moe]
+        full = torch.zeros(len(self._row_tokens), len(moe_ids), dtype=torch.float64)
+        if cols and self._complexity:
+            local = torch.cat([self._complexity[j] for j in sorted(self._complexity)])
+            vals = torch.tensor(to_host(local, "curriculum rows"), dtype=torch.float64).reshape(local.shape)
+            full[self._row_index[:, None], torch.tensor(cols)[None, :]] = vals
+        self._complexity.clear()
+        if self.data_ranks > 1:
+            dist.all_reduce(full, group=self.stage_group)  # a CPU tensor: gloo under the device-aware backend
+        full = self.chain.allreduce_sum(full.reshape(-1)).reshape(full.shape)
+        sampler.curriculum.record(sampler.last_ids, full.numpy(), self._row_tokens, at=sampler.position)
 
     def take_routing_sample(self) -> torch.Tensor | None:
         """The last recording step's routing sample (int64 [L, T, K], every MoE layer in model order) on the chain's

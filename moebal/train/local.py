@@ -148,7 +148,7 @@ class LocalStep:
         return [batch.part(j, self.micro_batches) for j in range(self.micro_batches)]
 
     def forward_backward(self, trainer: Trainer, step: int, batch: Batch, scale: float
-                         ) -> tuple[torch.Tensor, torch.Tensor, list[np.ndarray]]:
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Forward and backward of this rank's rows, in `train.grad_accum` micro-batches (one without it),
         gradients accumulating: micro-batch j's mean-per-token loss weighted by its share of the rank's tokens
         (the sum is the rank's mean, as one forward gives) times `scale` (the rank's share of the global batch's
@@ -164,7 +164,7 @@ class LocalStep:
         parts = [part.to(self.device) for part in self._micro_batches(batch)]  # split on the host: no device sync
         count, total = len(parts), max(batch.n_tokens, 1)
         loss = aux = torch.zeros((), device=self.device)
-        rows: list[np.ndarray] = []
+        rows: list[torch.Tensor] = []
         complexity = self._curriculum() is not None
         with self._hold.step() if self._hold is not None else nullcontext():
             for j, part in enumerate(parts):
@@ -201,8 +201,9 @@ class LocalStep:
             group["lr"] = lr
         self.model.train()
         loss, aux, rows = self.forward_backward(trainer, step, batch, scale)
-        if rows:
-            self._record_complexity(global_batch, np.concatenate(rows))
+        if rows:  # one host read for the step's rows
+            local = np.asarray(to_host(torch.cat(rows), "curriculum rows"), dtype=np.float64)
+            self._record_complexity(global_batch, local.reshape(sum(len(r) for r in rows), rows[0].shape[1]))
         for hook in trainer.hooks:
             hook.after_backward(trainer, step)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

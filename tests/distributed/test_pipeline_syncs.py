@@ -18,8 +18,10 @@ from moebal.distributed.testing import run_ranks
 from tests.distributed.test_one_stage_schemes import ALL
 from tests.distributed.test_pipeline import pipeline_cfg, tiny
 
-MOE = ("none", "moe")
-"""Schemes run on an MoE model here (the others on a dense one, as the scheme tests run them)."""
+CURRICULUM = "curriculum"
+"""No scheme, `data.order: complexity` under adaptive gating (each forward measures its rows on the device)."""
+MOE = ("none", "moe", CURRICULUM)
+"""Runs on an MoE model here (the other schemes on a dense one, as the scheme tests run them)."""
 
 
 def _audited(rank: int, world: int) -> dict:
@@ -28,11 +30,15 @@ def _audited(rank: int, world: int) -> dict:
     from moebal.sync import audit
 
     out = {}
-    for name in ("none", *ALL):
+    for name in ("none", *ALL, CURRICULUM):
         cfg = tiny(n_layers=6, pp=2, moe=4 if name in MOE else 0)
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel="grouped_mm"))
+        if name == CURRICULUM:
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, adaptive_threshold=0.02),
+                                      data=dataclasses.replace(cfg.data, order="complexity"))
+        scheme = "none" if name == CURRICULUM else name
         runner = PipelineRunner(pipeline_cfg(cfg, {"micro_batches": 2}),
-                                scheme=build_dynamism(name, ALL.get(name, {}), cfg=cfg))
+                                scheme=build_dynamism(scheme, ALL.get(scheme, {}), cfg=cfg))
         try:
             for _ in range(3):  # past the schemes' start steps (early exit, sparse attention, pruning)
                 runner.train_step()
@@ -55,7 +61,7 @@ def audits() -> list[dict]:
     return run_ranks(_audited, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("scheme", ["none", *ALL])
+@pytest.mark.parametrize("scheme", ["none", *ALL, CURRICULUM])
 def test_the_pipeline_engine_reads_nothing_back_inside_the_schedule(audits, scheme):
     for rank, a in enumerate(audits):
         got = a[scheme]
@@ -71,4 +77,6 @@ def test_the_pipeline_engine_reads_nothing_back_inside_the_schedule(audits, sche
             expected["routing statistics"] = 1
         if scheme == "moe":
             expected["moe scheme: expert counts"] = 1
+        if scheme == CURRICULUM:
+            expected["curriculum rows"] = 1
         assert step == expected, (rank, got["step"])

@@ -198,6 +198,30 @@ def test_complexity_order_on_two_ranks_matches_one_process(tmp_path):
     assert len(data[0]["curriculum"]["entries"]) >= 16
 
 
+def test_complexity_order_in_a_pipeline_matches_one_process(tmp_path):
+    """The curriculum in a 2-stage pipeline, alone and with two data-parallel copies of each stage (each rank
+    measures its rows in its stage's MoE layer after each forward; the table is summed over the stage's ranks and
+    along the chain): the same table in the checkpoint as one process over the same two micro-batches
+    (`train.grad_accum=2`), past the first epoch, and the same losses within 1e-5."""
+    extra = ["moe.adaptive_threshold=0.02", "data.order=complexity", "data.max_bytes=1500", "data.val_fraction=0",
+             "train.eval_every=0", "train.ckpt_every=8"]
+    runs = {"one": ("--nproc", "1", "train.grad_accum=2"),
+            "pp2": ("--nproc", "2", "--pp", "2", "pipeline.micro_batches=2"),
+            "pp2_dp2": ("--nproc", "4", "--pp", "2", "parallel.ep=1", "pipeline.micro_batches=2")}
+    for name, layout in runs.items():
+        ran = _train(tmp_path / name, *layout, *extra)
+        assert ran.returncode == 0, (name, ran.stderr[-2000:])
+    ref = _metrics(tmp_path / "one")
+    data = {name: json.loads((tmp_path / name / "ckpt-0000008" / "state.json").read_text())["data"] for name in runs}
+    assert data["one"]["epoch"] >= 1 and len(data["one"]["curriculum"]["entries"]) >= 16  # past the first epoch
+    for name in ("pp2", "pp2_dp2"):
+        got = _metrics(tmp_path / name)
+        assert len(got) == len(ref) == 8
+        for x, y in zip(ref, got):
+            assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], (name, x["step"], x["loss"], y["loss"])
+        assert data[name] == data["one"], name  # one table, equal: the next epoch's order follows from it
+
+
 def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path):
     """scheduler.expert_packing lina (from the a100 profile: deterministic) picks the expert-parallel size before
     sharding, writes packing.json, trains exactly as a run with that size set by hand, and a resume keeps it."""

@@ -124,5 +124,8 @@ def test_the_trainer_orders_the_second_epoch_by_the_first_and_resumes_bit_for_bi
 def test_bad_settings_are_refused():
     with pytest.raises(ConfigError, match="needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold"):
         tiny("data.order=complexity")
-    with pytest.raises(ConfigError, match="parallel.pp 1"):
-        with_overrides(tiny(*CUR), ["parallel.pp=2", "parallel.nproc=2"])
+    assert with_overrides(tiny(*CUR), ["parallel.pp=2", "parallel.nproc=2"]).pipelined  # a pipeline records too
+    with pytest.raises(ConfigError, match="set pipeline.microbatching fixed"):
+        with_overrides(tiny(*CUR), ["parallel.pp=2", "parallel.nproc=2", "pipeline.microbatching=dynamic"])
+    with pytest.raises(ConfigError, match="routes a subset of the tokens"):
+        with_overrides(tiny(*CUR), ["dynamism.scheme=early_exit"])
