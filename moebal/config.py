@@ -1126,15 +1126,7 @@ def _check_whole(c: Config) -> None:
               "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
               "it needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold set (e.g. 0.1)")
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
-        # a pipeline measures every row in every MoE layer: each layer must route the whole micro-batch, and the
-        # rows must be the batch's fixed micro-batch-major split
-        _need(c.dynamism.scheme not in ("mod", "early_exit"),
-              f"'data.order: complexity' measures every row in every MoE layer; 'dynamism.scheme: "
-              f"{c.dynamism.scheme}' routes a subset of the tokens in some layers: use data.order shuffle")
-        _need(not c.pipelined or c.pipeline.microbatching == "fixed",
-              f"'data.order: complexity' in a pipeline measures the rows of fixed micro-batches; planned "
-              f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) regroups the samples: set "
-              f"pipeline.microbatching fixed")
+        _check_whole_routing(c, "'data.order: complexity'", "use data.order shuffle")
     _check_moe(c)
     _check_mla(m)
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
@@ -1146,15 +1138,7 @@ def _check_whole(c: Config) -> None:
     if t.record_routing_every:
         _need(c.moe.num_experts > 0, "'train.record_routing_every' records the routing of the MoE layers: it "
               "needs an MoE model (moe.num_experts > 0); set it to 0")
-        # a pipeline gathers the stages' layers for the same tokens: every layer must route the whole micro-batch,
-        # and the last forward of every stage must be the same micro-batch (the fixed schedules' order)
-        _need(c.dynamism.scheme not in ("mod", "early_exit"),
-              f"'train.record_routing_every' records every MoE layer's routing of the same tokens; "
-              f"'dynamism.scheme: {c.dynamism.scheme}' routes a subset of the tokens in some layers; set it to 0")
-        _need(not c.pipelined or c.pipeline.microbatching == "fixed",
-              f"'train.record_routing_every' in a pipeline records the last of fixed micro-batches; planned "
-              f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) pads rows and orders micro-batches "
-              f"per stage: set pipeline.microbatching fixed, or record_routing_every 0")
+        _check_whole_routing(c, "'train.record_routing_every'", "set it to 0")
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
@@ -1340,6 +1324,19 @@ def refuse_cpu_only(c: Config, device_type: str) -> None:
                                   (f"scheduler.dilate: {c.scheduler.dilate:g}", c.scheduler.dilate != 1.0)) if set_]
     _need(not on, f"{', '.join(on)}: CPU benchmark mode(s) emulating devices on a shared CPU, refused on "
                   f"{device_type}; use pipeline.wait: block and dilate 1 (the defaults)")
+
+
+def _check_whole_routing(c: Config, option: str, off: str) -> None:
+    """`option` reads every MoE layer's routing of the same rows (the routing samples, the curriculum's row
+    complexities): every layer must route the whole micro-batch, and in a pipeline, where each stage reads its own
+    layers, the micro-batches must be the fixed ones (the same rows, in the same order, on every stage)."""
+    _need(c.dynamism.scheme not in ("mod", "early_exit"),
+          f"{option} reads every MoE layer's routing of the same tokens; 'dynamism.scheme: {c.dynamism.scheme}' "
+          f"routes a subset of the tokens in some layers: {off}")
+    _need(not c.pipelined or c.pipeline.microbatching == "fixed",
+          f"{option} in a pipeline reads each stage's layers on the same fixed micro-batches; planned "
+          f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) pads rows and regroups samples per "
+          f"plan: set pipeline.microbatching fixed, or {off}")
 
 
 def _check_scheduler(s: SchedulerConfig) -> None:

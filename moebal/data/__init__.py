@@ -9,6 +9,7 @@ from moebal.data.loader import (
     PackedSampler,
     build_data,
     eval_batches,
+    ordering_sampler,
 )
 from moebal.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -27,5 +28,6 @@ __all__ = [
     "eval_batches",
     "load_corpus",
     "load_tokenizer",
+    "ordering_sampler",
     "unigram_entropy",
 ]

@@ -24,7 +24,8 @@ from moebal.data.corpus import Corpus, Split, load_corpus, merge_corpora
 from moebal.data.curriculum import Curriculum
 from moebal.errors import DataError
 
-__all__ = ["Batch", "DataBundle", "DocumentSampler", "MixtureSampler", "PackedSampler", "build_data", "eval_batches"]
+__all__ = ["Batch", "DataBundle", "DocumentSampler", "MixtureSampler", "PackedSampler", "build_data", "eval_batches",
+           "ordering_sampler"]
 
 IGNORE = -100
 
@@ -235,6 +236,15 @@ class MixtureSampler:
         for sampler, part in zip(self.samplers, state["parts"]):
             sampler.load_state_dict(part)
         self.batches = int(state["batches"])
+
+
+def ordering_sampler(sampler: Any) -> PackedSampler | DocumentSampler | None:
+    """`sampler` when it orders epochs by complexity (`data.order: complexity`), else None: where a trainer records
+    each step's row complexities. A mixture of sources has no curriculum (build_data gives one to a single
+    source only)."""
+    if isinstance(sampler, (PackedSampler, DocumentSampler)) and sampler.curriculum is not None:
+        return sampler
+    return None
 
 
 def eval_batches(split: Split, mode: str, seq_len: int, batch_size: int, n_batches: int) -> list[Batch]:

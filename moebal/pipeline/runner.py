@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from moebal.balance.experts import StageExperts, stage_metrics, stage_routing
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
+from moebal.data import DocumentSampler, PackedSampler, ordering_sampler
 from moebal.data.curriculum import row_complexity
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, StageShardedAdamW, StepHold, stage_mesh, stage_units
@@ -490,10 +491,9 @@ class PipelineRunner:
         layers = [p[3:].view(*p[:3].tolist()) for p in parts if p[0] > 0]
         self._routing_sample = torch.cat(layers) if layers else None
 
-    def _curriculum(self) -> Any:
+    def _curriculum(self) -> PackedSampler | DocumentSampler | None:
         """The training sampler when it orders epochs by complexity (`data.order: complexity`); else None."""
-        sampler = self.data.train
-        return sampler if getattr(sampler, "curriculum", None) is not None else None
+        return ordering_sampler(self.data.train)
 
     def _measure_rows(self, j: int, labels_BT: torch.Tensor) -> None:
         """After F(j): each of this rank's rows' share of two-expert tokens in the stage's MoE layers (on the
@@ -507,7 +507,7 @@ class PipelineRunner:
         sum over the stage's ranks and along the chain fills it exactly (each entry has one writer), as
         `RunContext.global_rows` does without a pipeline. One host read per step on a stage with MoE layers."""
         sampler = self._curriculum()
-        if sampler is None:
+        if sampler is None or sampler.curriculum is None:
             return
         moe_ids = [i for i in range(self.L) if self.cfg.is_moe_layer(i)]
         cols = [moe_ids.index(i) for i in self.stage.layer_ids if self.stage.layer(i).is_moe]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from moebal.config import Config
-from moebal.data import Batch, DataBundle, DocumentSampler, PackedSampler
+from moebal.data import Batch, DataBundle, DocumentSampler, PackedSampler, ordering_sampler
 from moebal.data.curriculum import row_complexity
 from moebal.routing import RoutingStats
 from moebal.sync import to_host
@@ -125,11 +125,7 @@ class LocalStep:
 
     def _curriculum(self) -> PackedSampler | DocumentSampler | None:
         """The sampler, when it orders epochs by complexity (`data.order: complexity`); else None."""
-        sampler = self.data.train
-        # a mixture of sources has no curriculum (build_data gives one to a single source only)
-        if not isinstance(sampler, (PackedSampler, DocumentSampler)) or sampler.curriculum is None:
-            return None
-        return sampler
+        return ordering_sampler(self.data.train)
 
     def _record_complexity(self, global_batch: Batch, local: np.ndarray) -> None:
         """`data.order: complexity`: the batch's per-sample two-expert token shares into the curriculum (the same
