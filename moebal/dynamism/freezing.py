@@ -31,6 +31,7 @@ from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import whole_tensor
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
+from moebal.sync import to_host
 
 __all__ = ["FORWARD_SHARE", "LayerFreezing"]
 
@@ -89,14 +90,18 @@ class LayerFreezing(Dynamism):
         L = self.L
         vec = torch.zeros(3 * L, dtype=torch.float64)  # per layer: |W_now - W_then|^2, |W_then|^2, held here
         shard = torch.zeros(2 * L, dtype=torch.float64)  # the same two sums over this rank's expert shards
-        for i in ctx.stage.layer_ids:
+        ids, sums = list(ctx.stage.layer_ids), []
+        for i in ids:
             layer = ctx.stage.layer(i)
             now, k = _flat(layer)
             then = _flat(layer, self.snapshots[i])[0]
             diff, ref = (now - then).double().square(), then.double().square()
-            vec[i], vec[L + i], vec[2 * L + i] = diff[:k].sum(), ref[:k].sum(), 1.0
-            shard[i], shard[L + i] = diff[k:].sum(), ref[k:].sum()
+            sums.append(torch.stack([diff[:k].sum(), ref[:k].sum(), diff[k:].sum(), ref[k:].sum()]))
             self.snapshots[i] = _snapshot(layer)
+        # the layers' sums on the device, read once (a read per layer would wait for the device each time)
+        for i, (d, r, d_shard, r_shard) in zip(ids, to_host(torch.stack(sums), "freezing: plasticity") if ids else []):
+            vec[i], vec[L + i], vec[2 * L + i] = d, r, 1.0
+            shard[i], shard[L + i] = d_shard, r_shard
         vec[:2 * L] += ctx.shard_sum(shard) if ctx.shard_sum is not None else shard
         tot = ctx.chain.allreduce_sum(vec)
         self.plasticity = [math.sqrt(float(tot[i]) / max(float(tot[L + i]), 1e-24)) if tot[2 * L + i] > 0 else None

@@ -1,7 +1,8 @@
 """Host reads of a pipeline step (docs/gpu.md): inside the schedule the engine reads nothing back from the device,
 whatever the dynamism scheme, except what a scheme's dynamic shapes need (early exit's token counts), each
 through `moebal.sync.to_host` with its reason; the step's bookkeeping reads the device once for the routing
-statistics and once for the loss, auxiliary losses and gradient squares together.
+statistics and once for the loss, auxiliary losses and gradient squares together (and once more for what a
+scheme or the curriculum reads on that step).
 
 On a CPU the audit sees every Python-level read of a tensor (device or host alike); the engine's own host numbers
 are therefore kept out of tensors, so an unaccounted read here is one a GPU would pay for. 2 gloo stages, the
@@ -79,4 +80,6 @@ def test_the_pipeline_engine_reads_nothing_back_inside_the_schedule(audits, sche
             expected["moe scheme: expert counts"] = 1
         if scheme == CURRICULUM:
             expected["curriculum rows"] = 1
+        if scheme == "freezing":  # the audited step 4 is a check (every 2 steps): every layer's sums in one read
+            expected["freezing: plasticity"] = 1
         assert step == expected, (rank, got["step"])
