@@ -1154,10 +1154,17 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
-        _need(c.dynamism.scheme in ("none", "moe"),
+        # schemes that change only what a layer computes run on planned micro-batches; early exit and MoD carry
+        # per-token state across stages and freezing stops gradients at a boundary, which a plan made ahead fixes
+        _need(c.dynamism.scheme in ("none", "moe", "pruning", "sparse_attention"),
               f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state and "
-              f"frozen layers change what crosses stages, which a plan made ahead fixes; use dynamism.scheme none "
-              f"or moe")
+              f"frozen layers change what crosses stages, which a plan made ahead fixes; use dynamism.scheme none, "
+              f"moe, pruning or sparse_attention")
+        block = c.dynamism.sparse_attention.block
+        _need(c.dynamism.scheme != "sparse_attention" or c.pipeline.dynamic.pad_multiple % block == 0,
+              f"{mb} pads each micro-batch to a multiple of pipeline.dynamic.pad_multiple "
+              f"({c.pipeline.dynamic.pad_multiple}), and dynamic sparse attention needs whole blocks of "
+              f"dynamism.sparse_attention.block ({block}): set pipeline.dynamic.pad_multiple to a multiple of {block}")
     _check_scheduler(c.scheduler)
     if c.scheduler.expert_packing != "off":
         _need(not c.pipelined and c.moe.num_experts > 0,

@@ -31,6 +31,10 @@ def write_samples(path: str, n: int = 400, seed: int = 0) -> str:
 
 SAMPLES: dict[str, str] = {}
 
+PRUNING = {"start": 2, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "dense"}
+SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
+"""Blocks of 4 tokens: whole blocks in every micro-batch, which pads to a multiple of 8 (`pad_multiple`)."""
+
 
 def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: int = 0, ep: int | None = None,
          aux: float = 0.01, z: float = 0.0, **dynamic: object) -> Config:
@@ -49,10 +53,10 @@ def docs(pp: int = 2, nproc: int | None = None, method: str = "dynamic", moe: in
                      "dynamic": {"costs": "a100", "max_tokens": 192, "workers": 0, **dynamic}}})
 
 
-def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None) -> dict:
+def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **knobs: object) -> dict:
     """The losses of `steps` steps, the first step's gradients (summed over replicas, before clipping), each
     step's plan and what this rank ran of it (its replica, part, stage, instruction stream and rows); `scheme`:
-    the dynamism scheme the runner applies, with `options`."""
+    the dynamism scheme the runner applies, with `options`; `knobs`: the runner's (`force`: forced partitions)."""
     from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.planned import PlannedPipelineRunner
 
@@ -76,7 +80,7 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
                              "rows": [plan.micro_batches[g].part(ls.part, plan.lockstep) for g in rep.micro_batches]})
             return super()._run_engine(work, count)
 
-    runner = Capture(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg))
+    runner = Capture(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg), **knobs)
     out = runner.train(steps)
     ahead = runner.experts.ahead
     return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
@@ -149,6 +153,11 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         # the MoE routing cost observed on planned micro-batches, costed for 2 expert shards (ep 1 computes every
         # row on one rank: a cost that routing never changes)
         "moe_scheme": _train(docs(moe=4), 4, "moe", {"ep_size": 2}),
+        # schemes that change only what a layer computes: pruning from step 4 (masked dense kernel: bitwise
+        # reproducible), sparse attention from step 2; each also with layers 0 | 1-3 forced after step 2
+        **{name: _train(docs(), 6, scheme, options, force=force)
+           for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE))
+           for name, force in ((scheme, ()), (f"{scheme}_forced", ((2, (1, 3)),)))},
     }
 
 
@@ -228,6 +237,25 @@ def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
     assert [r["micro_batches"] for r in scheme["records"]] == [r["micro_batches"] for r in plain["records"]]
     costs = [r["predicted_cost"] for r in scheme["records"]]
     assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
+
+
+@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention"])
+def test_schemes_that_change_only_a_layer_s_compute_run_on_planned_micro_batches(two, scheme):
+    """Pruning and dynamic sparse attention on planned micro-batches (2 stages, 6 steps): the losses of the same
+    planned run without the scheme until the scheme starts, every rank reports the same, the scheme acts (layer
+    densities below 1), and a forced migration after step 2 keeps the losses to 1e-6 (after a migration the
+    micro-batch planner re-costs its plans on the new partition and may split the same samples otherwise, as in
+    the other planned rebalancing cells)."""
+    run, plain = two[0][scheme], two[0]["dynamic"]["losses"]
+    assert len(run["losses"]) == 6 and all(r[scheme]["losses"] == run["losses"] for r in two)
+    same = {"pruning": 3, "sparse_attention": 1}[scheme]  # pruning's first step is 4, sparse attention's 2
+    assert run["losses"][:same] == plain[:same]
+    density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
+    assert min(density[-1]) < 1.0, density[-1]
+    forced = two[0][f"{scheme}_forced"]
+    assert forced["records"][-1]["sizes"] == [1, 3]
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(forced["losses"], run["losses"], strict=True)), (
+        forced["losses"], run["losses"])
 
 
 @pytest.fixture(scope="module")
