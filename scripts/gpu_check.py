@@ -43,6 +43,10 @@ recorded as that check's failure with the traceback's last lines, and the next c
 11. sparse_attention_train: `moebal train --dynamism sparse_attention` on the device as a one-stage pipeline, the
    random walk's densities (0.1-0.5) against the same run held at density 1, rows of 16,384 tokens: finite
    losses, the densities applied, each run's median step time.
+12. pipeline_syncs: a one-stage pipeline (the `moe` and `sparse_attention` schemes, grouped_mm experts) in this
+   process: host syncs of one step's schedule (the engine's F and B ops: budget 0 with the `moe` scheme on
+   one device; sparse attention's are reported) and of the whole step, CUDA sync debug mode and
+   `moebal.sync.audit` (`tests/distributed/test_pipeline_syncs.py` counts the Python-level reads on CPU).
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -1436,6 +1440,68 @@ def check_sparse_attention_train(ctx: Ctx) -> dict[str, Any]:
     return _round(res)
 
 
+# ---- 12. pipeline_syncs ---------------------------------------------------------------------------------------
+
+PIPE_SCHEMES = {"moe": {}, "sparse_attention": {"budget": "random_walk", "min_density": 0.2, "max_density": 0.6,
+                                                "walk_step": 0.2, "start": 1, "costs": "given"}}
+
+
+def check_pipeline_syncs(ctx: Ctx) -> dict[str, Any]:
+    """Host syncs inside a pipeline step on this device (docs/gpu.md, "The MoE path: host syncs"): a one-stage
+    pipeline in this process (no process group), per scheme 3 steps (compilation, warm-up), then one step's
+    schedule and one whole step inside `_count_syncs`. The schedule's budget is 0 with the `moe` scheme and
+    grouped_mm experts on one device (CUDA sync debug mode on a GPU, `moebal.sync.audit`'s Python-level reads on
+    a CPU); sparse attention's schedule and both whole steps are reported."""
+    from moebal.config import load
+    from moebal.distributed.groups import ParallelDims
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.pipeline.runner import PipelineRunner
+
+    shape = TINY if ctx.quick else GPU_TRAIN + ["data.seq_len=2048", "model.max_seq_len=2048", "data.batch_size=4"]
+    schemes: dict[str, Any] = {}
+    for name, options in PIPE_SCHEMES.items():
+        if name == "sparse_attention":
+            options = {**options, "block": 8 if ctx.quick else 128}
+        cfg = load(overrides=[*shape, "moe.kernel=grouped_mm", "pipeline.micro_batches=2", "train.eval_every=0",
+                              f"dynamism.scheme={name}"])
+        dims = ParallelDims(world_size=1, rank=0, pp=1, ep=1, device=ctx.device).init()
+        runner = PipelineRunner(cfg, scheme=build_dynamism(name, options, cfg=cfg), dims=dims, device=ctx.device)
+        try:
+            for _ in range(3):
+                runner.train_step()
+            work, count = runner._next_input()
+            runner.step += 1
+            runner.scheme.begin_step(runner.step)
+            engine: dict[str, Any] = {}
+            with _count_syncs(ctx.device, engine):
+                runner._run_engine(work, count)
+            whole: dict[str, Any] = {}
+            with _count_syncs(ctx.device, whole):
+                runner.train_step()
+        finally:
+            runner.close()
+        schemes[name] = {"engine": engine, "step": whole}
+
+    def syncs(part: dict[str, Any], every_read: bool) -> int:
+        """CUDA: the synchronising calls. CPU: the audit's `to_host` reads, and with `every_read` its other
+        Python-level reads too (the step's bookkeeping reads host tensors, which are not syncs on a GPU)."""
+        if ctx.cuda:
+            return int(part["cuda_syncs"])
+        return sum(part.get("audit_counted", {}).values()) + (len(part.get("audit_unaccounted", [])) if every_read
+                                                               else 0)
+
+    table = {n: {"engine": syncs(v["engine"], True), "step": syncs(v["step"], False)} for n, v in schemes.items()}
+    res: dict[str, Any] = {"schemes": schemes, "syncs": table, "skipped": [],
+                           "budget": "0 host syncs in the moe scheme's schedule (F and B ops) on one device",
+                           "ok": table["moe"]["engine"] == 0}
+    if not ctx.cuda:
+        res["skipped"].append("cuda sync debug mode: skipped: needs CUDA (CPU counts are moebal.sync.audit's)")
+    res["summary"] = (f"schedule syncs moe {table['moe']['engine']} (budget 0), sparse_attention "
+                      f"{table['sparse_attention']['engine']}; whole step moe {table['moe']['step']}, "
+                      f"sparse_attention {table['sparse_attention']['step']}")
+    return res
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -1450,6 +1516,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "grad_accum": check_grad_accum,
     "sparse_attention": check_sparse_attention,
     "sparse_attention_train": check_sparse_attention_train,
+    "pipeline_syncs": check_pipeline_syncs,
 }
 
 

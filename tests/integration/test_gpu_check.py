@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
-          "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train"]
+          "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train", "pipeline_syncs"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
@@ -53,6 +53,8 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert tr["resume_bitwise"] and tr["loss_last_quarter"] < tr["loss_first_quarter"] and tr["tokens_per_s"] > 0
     bench = checks["expert_kernel_vs_dense"]
     assert bench["tflops"]["dense"] > 0 and set(bench["x_dense"]) == {"balanced", "skewed_4x"}
+    ps = checks["pipeline_syncs"]  # the schedule reads nothing; the step reads the routing and step sums (+ moe's)
+    assert ps["syncs"] == {"moe": {"engine": 0, "step": 3}, "sparse_attention": {"engine": 0, "step": 2}}, ps["syncs"]
     sa = checks["sparse_attention"]
     assert set(sa["parity"]) == {"0.5", "0.25"}
     assert all(set(p) == {"y", "dq", "dk", "dv"} for p in sa["parity"].values())
