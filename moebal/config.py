@@ -1154,12 +1154,13 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
-        # schemes that change only what a layer computes run on planned micro-batches; early exit and MoD carry
-        # per-token state across stages and freezing stops gradients at a boundary, which a plan made ahead fixes
-        _need(c.dynamism.scheme in ("none", "moe", "pruning", "sparse_attention"),
-              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state and "
-              f"frozen layers change what crosses stages, which a plan made ahead fixes; use dynamism.scheme none, "
-              f"moe, pruning or sparse_attention")
+        # schemes that change what a layer computes run on planned micro-batches, and freezing (its frozen prefix
+        # skips the gradient messages at a boundary on both sides); early exit and MoD carry per-token state
+        # across stages, which the plan's instruction streams do not carry
+        _need(c.dynamism.scheme in ("none", "moe", "pruning", "sparse_attention", "freezing"),
+              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state "
+              f"crosses stages beside the activations, which a plan's instruction streams do not carry; use "
+              f"dynamism.scheme none, moe, pruning, sparse_attention or freezing")
         block = c.dynamism.sparse_attention.block
         _need(c.dynamism.scheme != "sparse_attention" or c.pipeline.dynamic.pad_multiple % block == 0,
               f"{mb} pads each micro-batch to a multiple of pipeline.dynamic.pad_multiple "

@@ -101,6 +101,11 @@ class PlannedEngine(PipelineEngine):
         recvs: dict[tuple[str, int], Any] = {}
         sends: dict[tuple[str, int], Any] = {}
         self._last_backward = last_backward(rep.streams[chain.index])
+        # a frozen prefix (`dynamism.scheme: freezing`) stops gradients at a boundary: a stage whose output needs
+        # none skips its B ops and gradient receives, and its successor, whose input then needs none, skips its
+        # gradient sends. Both sides read the same `frozen_prefix()`, so they agree without a message, as under
+        # the fixed schedules (`PipelineEngine._backward`); the plan's other instructions run as planned.
+        backward = self._output_needs_grad()
         with self.holding():  # parallel.accumulate whole, parallel.reshard step (a fully sharded stage)
             for op, j in rep.streams[chain.index]:
                 mb = mbs[j]
@@ -108,24 +113,29 @@ class PlannedEngine(PipelineEngine):
                     inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
                     recvs[("act", j)] = chain.post_recv(inputs[j], chain.prev)
                 elif op == "recv_grad":
-                    grads[j] = torch.empty_like(saved[j].out)
-                    recvs[("grad", j)] = chain.post_recv(grads[j], chain.next)
+                    if backward:
+                        grads[j] = torch.empty_like(saved[j].out)
+                        recvs[("grad", j)] = chain.post_recv(grads[j], chain.next)
                 elif op in ("wait_act", "wait_grad"):
-                    chain.wait_recv(recvs.pop((op[5:], j)))
+                    if (op[5:], j) in recvs:
+                        chain.wait_recv(recvs.pop((op[5:], j)))
                 elif op == "F":
                     ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
                     saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
                                                      inputs.pop(j, None), {})
                 elif op == "B":
-                    g = self._backward_compute(j, saved.pop(j), grads.pop(j, None), result)
+                    s = saved.pop(j)
+                    g = self._backward_compute(j, s, grads.pop(j, None), result) if backward else None
                     if g is not None:
                         grad_in[j] = g
                 elif op == "send_act":
                     sends[("act", j)] = chain.post_send(saved[j].out, chain.next)
                 elif op == "send_grad":
-                    sends[("grad", j)] = chain.post_send(grad_in.pop(j), chain.prev)
+                    if j in grad_in:
+                        sends[("grad", j)] = chain.post_send(grad_in.pop(j), chain.prev)
                 elif op.startswith("wait_send_"):
-                    chain.wait_send(sends.pop((op[len("wait_send_"):], j)))
+                    if (op[len("wait_send_"):], j) in sends:
+                        chain.wait_send(sends.pop((op[len("wait_send_"):], j)))
                 else:
                     raise ConfigError(f"unknown plan instruction {op!r}")
         assert not (recvs or sends or saved), "the instruction stream left transfers or activations behind"

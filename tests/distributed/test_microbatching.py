@@ -32,6 +32,8 @@ def write_samples(path: str, n: int = 400, seed: int = 0) -> str:
 SAMPLES: dict[str, str] = {}
 
 PRUNING = {"start": 2, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "dense"}
+FREEZING = {"threshold": 10.0, "check_every": 2, "max_fraction": 0.5, "start": 2}
+"""Every layer's plasticity is below 10: the first two layers (stage 0's) freeze at step 2's check."""
 SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
 """Blocks of 4 tokens: whole blocks in every micro-batch, which pads to a multiple of 8 (`pad_multiple`)."""
 
@@ -156,7 +158,7 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         # schemes that change only what a layer computes: pruning from step 4 (masked dense kernel: bitwise
         # reproducible), sparse attention from step 2; each also with layers 0 | 1-3 forced after step 2
         **{name: _train(docs(), 6, scheme, options, force=force)
-           for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE))
+           for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE), ("freezing", FREEZING))
            for name, force in ((scheme, ()), (f"{scheme}_forced", ((2, (1, 3)),)))},
     }
 
@@ -239,19 +241,22 @@ def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
     assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
 
 
-@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention"])
-def test_schemes_that_change_only_a_layer_s_compute_run_on_planned_micro_batches(two, scheme):
-    """Pruning and dynamic sparse attention on planned micro-batches (2 stages, 6 steps): the losses of the same
-    planned run without the scheme until the scheme starts, every rank reports the same, the scheme acts (layer
-    densities below 1), and a forced migration after step 2 keeps the losses to 1e-6 (after a migration the
-    micro-batch planner re-costs its plans on the new partition and may split the same samples otherwise, as in
-    the other planned rebalancing cells)."""
+@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention", "freezing"])
+def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
+    """Pruning, dynamic sparse attention and freezing on planned micro-batches (2 stages, 6 steps): the losses of
+    the same planned run without the scheme until the scheme acts, every rank reports the same, the scheme acts
+    (layer densities below 1; stage 0 frozen whole, so no gradient crosses the boundary), and a forced migration
+    after step 2 keeps the losses to 1e-6 (after a migration the micro-batch planner re-costs its plans on the
+    new partition and may split the same samples otherwise, as in the other planned rebalancing cells)."""
     run, plain = two[0][scheme], two[0]["dynamic"]["losses"]
     assert len(run["losses"]) == 6 and all(r[scheme]["losses"] == run["losses"] for r in two)
-    same = {"pruning": 3, "sparse_attention": 1}[scheme]  # pruning's first step is 4, sparse attention's 2
+    same = {"pruning": 3, "sparse_attention": 1, "freezing": 3}[scheme]  # the steps before the scheme changes one
     assert run["losses"][:same] == plain[:same]
-    density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
-    assert min(density[-1]) < 1.0, density[-1]
+    if scheme == "freezing":
+        assert run["records"][-1]["frozen_layers"] == 2, run["records"][-1]  # layers 0-1: all of stage 0
+    else:
+        density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
+        assert min(density[-1]) < 1.0, density[-1]
     forced = two[0][f"{scheme}_forced"]
     assert forced["records"][-1]["sizes"] == [1, 3]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(forced["losses"], run["losses"], strict=True)), (
