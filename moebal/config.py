@@ -1154,13 +1154,13 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
-        # schemes that change what a layer computes run on planned micro-batches, and freezing (its frozen prefix
-        # skips the gradient messages at a boundary on both sides); early exit and MoD carry per-token state
-        # across stages, which the plan's instruction streams do not carry
-        _need(c.dynamism.scheme in ("none", "moe", "pruning", "sparse_attention", "freezing"),
-              f"{mb} with dynamism.scheme={c.dynamism.scheme} is not supported: the scheme's per-token state "
-              f"crosses stages beside the activations, which a plan's instruction streams do not carry; use "
-              f"dynamism.scheme none, moe, pruning, sparse_attention or freezing")
+        # every scheme but MoD runs on planned micro-batches (freezing's frozen prefix skips the gradient messages
+        # at a boundary on both sides; early exit's active mask travels with the activations); MoD's router keeps a
+        # share of each row, padding included, so a padded row would give real tokens' places to padding
+        _need(c.dynamism.scheme != "mod",
+              f"{mb} with dynamism.scheme=mod is not supported: Mixture-of-Depths keeps a share of each row's "
+              f"tokens, and in a padded micro-batch padding would take real tokens' places; use "
+              f"pipeline.microbatching fixed with mod")
         block = c.dynamism.sparse_attention.block
         _need(c.dynamism.scheme != "sparse_attention" or c.pipeline.dynamic.pad_multiple % block == 0,
               f"{mb} pads each micro-batch to a multiple of pipeline.dynamic.pad_multiple "

@@ -98,8 +98,10 @@ class PlannedEngine(PipelineEngine):
         grads: dict[int, torch.Tensor] = {}
         saved: dict[int, _Saved] = {}
         grad_in: dict[int, torch.Tensor] = {}
-        recvs: dict[tuple[str, int], Any] = {}
-        sends: dict[tuple[str, int], Any] = {}
+        recvs: dict[tuple[str, int], list[Any]] = {}
+        sends: dict[tuple[str, int], list[Any]] = {}
+        carries: dict[int, dict[str, torch.Tensor]] = {}  # a scheme's per-token state (early exit's active mask)
+        names = self.scheme.carries
         self._last_backward = last_backward(rep.streams[chain.index])
         # a frozen prefix (`dynamism.scheme: freezing`) stops gradients at a boundary: a stage whose output needs
         # none skips its B ops and gradient receives, and its successor, whose input then needs none, skips its
@@ -109,33 +111,39 @@ class PlannedEngine(PipelineEngine):
         with self.holding():  # parallel.accumulate whole, parallel.reshard step (a fully sharded stage)
             for op, j in rep.streams[chain.index]:
                 mb = mbs[j]
-                if op == "recv_act":
+                if op == "recv_act":  # the activation, then each carry (uint8), in the order the sender posts them
                     inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
-                    recvs[("act", j)] = chain.post_recv(inputs[j], chain.prev)
+                    carries[j] = {n: torch.empty(len(rows[j]), mb.seq, dtype=torch.uint8, device=device)
+                                  for n in names}
+                    recvs[("act", j)] = [chain.post_recv(t, chain.prev) for t in (inputs[j], *carries[j].values())]
                 elif op == "recv_grad":
                     if backward:
                         grads[j] = torch.empty_like(saved[j].out)
-                        recvs[("grad", j)] = chain.post_recv(grads[j], chain.next)
+                        recvs[("grad", j)] = [chain.post_recv(grads[j], chain.next)]
                 elif op in ("wait_act", "wait_grad"):
-                    if (op[5:], j) in recvs:
-                        chain.wait_recv(recvs.pop((op[5:], j)))
+                    for handle in recvs.pop((op[5:], j), []):
+                        chain.wait_recv(handle)
                 elif op == "F":
                     ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
+                    carry = ({n: t.bool() for n, t in carries.pop(j).items()} if j in carries else
+                             self.scheme.init_carry(ids.shape[0], ids.shape[1], device))
                     saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
-                                                     inputs.pop(j, None), {})
+                                                     inputs.pop(j, None), carry)
+                    carries[j] = carry  # as the stage's layers left it: what the next stage receives
                 elif op == "B":
                     s = saved.pop(j)
                     g = self._backward_compute(j, s, grads.pop(j, None), result) if backward else None
                     if g is not None:
                         grad_in[j] = g
                 elif op == "send_act":
-                    sends[("act", j)] = chain.post_send(saved[j].out, chain.next)
+                    out = [saved[j].out, *(carries[j][n].to(torch.uint8) for n in names)]
+                    sends[("act", j)] = [chain.post_send(t, chain.next) for t in out]
                 elif op == "send_grad":
                     if j in grad_in:
-                        sends[("grad", j)] = chain.post_send(grad_in.pop(j), chain.prev)
+                        sends[("grad", j)] = [chain.post_send(grad_in.pop(j), chain.prev)]
                 elif op.startswith("wait_send_"):
-                    if (op[len("wait_send_"):], j) in sends:
-                        chain.wait_send(sends.pop((op[len("wait_send_"):], j)))
+                    for handle in sends.pop((op[len("wait_send_"):], j), []):
+                        chain.wait_send(handle)
                 else:
                     raise ConfigError(f"unknown plan instruction {op!r}")
         assert not (recvs or sends or saved), "the instruction stream left transfers or activations behind"

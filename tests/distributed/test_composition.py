@@ -257,7 +257,7 @@ def test_the_remaining_refusals_are_one_line_each():
     base = {"model": {"n_layers": 4}, "moe": {"num_experts": 0}, "parallel": {"pp": 2, "nproc": 4},
             "pipeline": {"microbatching": "dynamic"}}
     for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True}}, "re-packing is not supported"),
-                         ({"dynamism": {"scheme": "early_exit"}}, "dynamism.scheme=early_exit is not supported"),
+                         ({"dynamism": {"scheme": "mod"}}, "dynamism.scheme=mod is not supported"),
                          ({"parallel": {"pp": 1, "nproc": 1}, "pipeline": {"rebalance": "partition"}},
                           "parallel.pp 1 has one stage")):
         with pytest.raises(ConfigError, match=match) as e:

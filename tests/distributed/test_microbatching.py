@@ -34,6 +34,8 @@ SAMPLES: dict[str, str] = {}
 PRUNING = {"start": 2, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "dense"}
 FREEZING = {"threshold": 10.0, "check_every": 2, "max_fraction": 0.5, "start": 2}
 """Every layer's plasticity is below 10: the first two layers (stage 0's) freeze at step 2's check."""
+EARLY_EXIT = {"threshold": 0.9, "first_layer": 1, "start": 2, "ramp_steps": 1}
+"""Most tokens leave after layer 1 from step 2: the active mask crosses the stage boundary with the activations."""
 SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
 """Blocks of 4 tokens: whole blocks in every micro-batch, which pads to a multiple of 8 (`pad_multiple`)."""
 
@@ -158,7 +160,8 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         # schemes that change only what a layer computes: pruning from step 4 (masked dense kernel: bitwise
         # reproducible), sparse attention from step 2; each also with layers 0 | 1-3 forced after step 2
         **{name: _train(docs(), 6, scheme, options, force=force)
-           for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE), ("freezing", FREEZING))
+           for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE), ("freezing", FREEZING),
+                                   ("early_exit", EARLY_EXIT))
            for name, force in ((scheme, ()), (f"{scheme}_forced", ((2, (1, 3)),)))},
     }
 
@@ -241,19 +244,23 @@ def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
     assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
 
 
-@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention", "freezing"])
+@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention", "freezing", "early_exit"])
 def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
-    """Pruning, dynamic sparse attention and freezing on planned micro-batches (2 stages, 6 steps): the losses of
-    the same planned run without the scheme until the scheme acts, every rank reports the same, the scheme acts
-    (layer densities below 1; stage 0 frozen whole, so no gradient crosses the boundary), and a forced migration
+    """Pruning, dynamic sparse attention, freezing and early exit on planned micro-batches (2 stages, 6 steps): the
+    losses of the same planned run without the scheme until the scheme acts, every rank reports the same, the
+    scheme acts (layer densities below 1; stage 0 frozen whole, so no gradient crosses the boundary; tokens left
+    before the last layers, their mask carried across the boundary), and a forced migration
     after step 2 keeps the losses to 1e-6 (after a migration the micro-batch planner re-costs its plans on the
     new partition and may split the same samples otherwise, as in the other planned rebalancing cells)."""
     run, plain = two[0][scheme], two[0]["dynamic"]["losses"]
     assert len(run["losses"]) == 6 and all(r[scheme]["losses"] == run["losses"] for r in two)
-    same = {"pruning": 3, "sparse_attention": 1, "freezing": 3}[scheme]  # the steps before the scheme changes one
+    same = {"pruning": 3, "sparse_attention": 1, "freezing": 3, "early_exit": 1}[scheme]  # steps before it acts
     assert run["losses"][:same] == plain[:same]
     if scheme == "freezing":
         assert run["records"][-1]["frozen_layers"] == 2, run["records"][-1]  # layers 0-1: all of stage 0
+    elif scheme == "early_exit":
+        survival = run["records"][-1]["survival"]
+        assert survival[3] < 0.5, survival  # most tokens left before stage 1's last layer
     else:
         density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
         assert min(density[-1]) < 1.0, density[-1]
