@@ -129,14 +129,16 @@ class PlannedEngine(PipelineEngine):
                              self.scheme.init_carry(ids.shape[0], ids.shape[1], device))
                     saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
                                                      inputs.pop(j, None), carry)
-                    carries[j] = carry  # as the stage's layers left it: what the next stage receives
+                    if not chain.is_last:
+                        carries[j] = carry  # as the stage's layers left it: what the next stage receives
                 elif op == "B":
                     s = saved.pop(j)
                     g = self._backward_compute(j, s, grads.pop(j, None), result) if backward else None
                     if g is not None:
                         grad_in[j] = g
                 elif op == "send_act":
-                    out = [saved[j].out, *(carries[j][n].to(torch.uint8) for n in names)]
+                    carry = carries.pop(j)  # the sends keep their uint8 copies until waited for
+                    out = [saved[j].out, *(carry[n].to(torch.uint8) for n in names)]
                     sends[("act", j)] = [chain.post_send(t, chain.next) for t in out]
                 elif op == "send_grad":
                     if j in grad_in:

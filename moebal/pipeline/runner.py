@@ -165,7 +165,7 @@ class PipelineRunner:
         self._routing_sample: torch.Tensor | None = None  # `gather_routing`: rank 0's, until taken
         self._complexity: dict[int, torch.Tensor] = {}  # data.order complexity: per forward, [rows, stage MoE layers]
         self._row_tokens: list[int] = []
-        self._row_index = torch.zeros(0, dtype=torch.int64)
+        self._row_index = self._last_index = torch.zeros(0, dtype=torch.int64)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._scheme_resumed = False
         self.balancer = LayerBalancer(self, cfg.pipeline.feedback, bandwidth=bandwidth)
@@ -363,7 +363,7 @@ class PipelineRunner:
         out = self._rows(batch)
         if self._curriculum() is not None:  # what the step's curriculum rows are recorded against
             self._row_tokens = (batch.labels_BT != -100).sum(dim=1).tolist()
-            self._row_index = torch.cat(self._row_split(batch.ids_BT.shape[0]))
+            self._row_index = self._last_index
         return out
 
     def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
@@ -381,15 +381,11 @@ class PipelineRunner:
         if ids.shape[0] < n:
             raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
                               f"stage (data-parallel x expert-parallel): every rank needs a row")
-        mine = self._row_split(ids.shape[0])
-        index = torch.cat(mine)
+        M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
+        mine = [torch.tensor_split(rows, n)[self.data_index]
+                for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
+        self._last_index = index = torch.cat(mine)  # global row of each of this rank's rows (the curriculum's)
         return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine]
-
-    def _row_split(self, rows: int) -> list[torch.Tensor]:
-        """This rank's global row indices in each micro-batch of a batch of `rows` rows (`_rows`)."""
-        n = self.data_ranks
-        M = max(1, min(self._num_micro(), rows // n))  # every rank gets a row of every micro-batch
-        return [torch.tensor_split(part, n)[self.data_index] for part in torch.tensor_split(torch.arange(rows), M)]
 
     def _num_micro(self) -> int:
         return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))
