@@ -1154,13 +1154,9 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
-        # every scheme but MoD runs on planned micro-batches (freezing's frozen prefix skips the gradient messages
-        # at a boundary on both sides; early exit's active mask travels with the activations); MoD's router keeps a
-        # share of each row, padding included, so a padded row would give real tokens' places to padding
-        _need(c.dynamism.scheme != "mod",
-              f"{mb} with dynamism.scheme=mod is not supported: Mixture-of-Depths keeps a share of each row's "
-              f"tokens, and in a padded micro-batch padding would take real tokens' places; use "
-              f"pipeline.microbatching fixed with mod")
+        # every scheme runs on planned micro-batches: freezing's frozen prefix skips the gradient messages at a
+        # boundary on both sides, early exit's active mask travels with the activations, and MoD and early exit
+        # know each padded row's real tokens (`dynamism.scheme.ROW_TOKENS`)
         block = c.dynamism.sparse_attention.block
         _need(c.dynamism.scheme != "sparse_attention" or c.pipeline.dynamic.pad_multiple % block == 0,
               f"{mb} pads each micro-batch to a multiple of pipeline.dynamic.pad_multiple "

@@ -11,7 +11,8 @@ named points only, each through `to_host(t, why)`:
   kernel reads its per-expert row counts (one; free on a CPU);
 - per step: the routing statistics, read once by the trainer.
 
-Host data goes to the device with `upload` (pinned memory, non-blocking on CUDA: no sync), and per-expert
+A tensor already on the host is read with `host_values` (no sync, not counted). Host data goes to the device
+with `upload` (pinned memory, non-blocking on CUDA: no sync), and per-expert
 counts are made with `count_ids` (a scatter-add; `torch.bincount` on CUDA reads the input's maximum back).
 
 `SyncAudit` counts the syncs of a block of code: the ones made through `to_host`, by reason, and every other
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SyncAudit", "count_ids", "to_host", "upload"]
+__all__ = ["SyncAudit", "count_ids", "host_values", "to_host", "upload"]
 
 _audits: list[SyncAudit] = []
 _lock = threading.Lock()
@@ -45,6 +46,18 @@ def to_host(t: torch.Tensor, why: str) -> Any:
     """`t.tolist()`: one intentional host sync, counted under `why` by any active `SyncAudit`."""
     for a in _audits:
         a._count(why)
+    _inside.active = True
+    try:
+        return t.tolist()
+    finally:
+        _inside.active = False
+
+
+def host_values(t: torch.Tensor) -> Any:
+    """`t.tolist()` of a tensor already on the host: no device is involved, so it is no sync and no audit counts
+    it. A device tensor is refused (read it with `to_host`, which names the sync)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_values reads host tensors; this one is on {t.device}: use to_host(t, why)")
     _inside.active = True
     try:
         return t.tolist()

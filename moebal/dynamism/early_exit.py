@@ -15,6 +15,10 @@ Settled: exits are allowed after layers first_layer .. L - 2 (the last layer alw
 gradually (1.0, i.e. nobody exits, until `start`, then linear to `threshold` over `ramp` steps), so the
 dynamism builds up while training runs. The active mask travels forward with the activations.
 
+On a padded micro-batch (planned micro-batching, the carry's `ROW_TOKENS`) padding runs and exits like a token,
+(causal attention keeps it from every real position), but the survival statistics count real tokens only: the
+cost prediction is a property of the data, not of how a plan padded it.
+
 Cost prediction for layer i: kv + (1 - kv) x s_i, with s_i the share of tokens still active at layer i and
 kv the key/value projections' share of the layer's per-token work (`layer_token_flops`).
 """
@@ -35,12 +39,14 @@ from moebal.dynamism.scheme import (
     as_decoder,
     layer_token_flops,
     ramp,
+    real_positions,
     register,
+    row_tokens,
     run_as_forward,
 )
 from moebal.errors import ConfigError
 from moebal.models.subset import skip_layer, subset_block
-from moebal.sync import to_host
+from moebal.sync import host_values, to_host
 
 __all__ = ["EarlyExit", "pack_positions"]
 
@@ -102,8 +108,9 @@ class EarlyExit(Dynamism):
         super().begin_step(step)
         self.tokens_in.zero_()
 
-    def init_carry(self, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
-        self.tokens_in[self.L] += B * T
+    def init_carry(self, B: int, T: int, device: torch.device,
+                   n_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        self.tokens_in[self.L] += B * T if n_B is None else sum(host_values(n_B))
         return {"active": torch.ones(B, T, dtype=torch.bool, device=device)}
 
     def on_start(self, ctx: SchemeContext) -> None:
@@ -115,8 +122,14 @@ class EarlyExit(Dynamism):
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
                       sin_TK: torch.Tensor, carry: dict[str, torch.Tensor]) -> torch.Tensor:
         active = carry["active"]
-        n = int(to_host(active.sum(), "early exit: active tokens"))  # choose the full, subset or skip path
-        self.tokens_in[i] += n
+        n_B = row_tokens(carry)
+        if n_B is None:
+            n = int(to_host(active.sum(), "early exit: active tokens"))  # choose the full, subset or skip path
+            self.tokens_in[i] += n
+        else:  # padding runs like a token but is not counted in the survival statistics
+            real = active & real_positions(n_B, active.shape[1], active.device)
+            n, n_real = to_host(torch.stack([active.sum(), real.sum()]), "early exit: active tokens")
+            self.tokens_in[i] += n_real
         stage_n = self._stage_tokens(i, n)
         out: torch.Tensor
         if n == active.numel():

@@ -11,6 +11,9 @@ h + sigmoid(score) x (block(h) - h): the router weight puts the router on the gr
 by the raw score; the sigmoid keeps the scale bounded). Selection is expert-choice top-k over the sequence,
 as in training in the paper; its causal predictor for sampling is not needed to train and is not built.
 
+A padded row (planned micro-batching: the carry's `ROW_TOKENS`) keeps the share of its real tokens, chosen among
+them; padding fills the slots the longest row needs beyond it (`padded_selection`).
+
 Which layers route: every `every`-th from `first_layer` (Raposo route every other block). The capacity
 sets in from 1.0 (a dense model: the plain layer runs and the router is idle) at `start`, linearly to
 `capacity` over `ramp_steps`: continual training of a dense model into an MoD one, as DynMo runs it.
@@ -35,14 +38,43 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, run_as_forward
+from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, row_tokens, run_as_forward
 from moebal.errors import ConfigError
 from moebal.models.subset import subset_block
+from moebal.sync import host_values, upload
 
 if TYPE_CHECKING:
     from moebal.models.transformer import MoebalForCausalLM
 
-__all__ = ["MixtureOfDepths"]
+__all__ = ["MixtureOfDepths", "padded_selection"]
+
+
+def padded_selection(score_BT: torch.Tensor, c: float, n_B: torch.Tensor) -> torch.Tensor:
+    """pos_BQ, ascending per row: the routed positions of right-padded rows holding n_B (host int64) real tokens.
+
+    Row b keeps its C_b = max(1, round(c x n_b)) real tokens of highest score: the share of the row's real tokens,
+    what the row would keep unpadded, so padding never takes a real token's place. Every row has Q = max C_b
+    slots (one shape, the cheap all-valid path of `subset_block`, no host sync): a row with C_b < Q fills the
+    rest with its first padding positions, which come after all its real ones, so causal attention keeps them
+    from every real token and their outputs are never read (label -100). There are always enough: a rounding
+    moves a value by at most 1/2, so the integer Q - C_b is at most c x (n_max - n_b) + 1, below
+    n_max - n_b + 1 for c < 1: Q - C_b <= n_max - n_b <= T - n_b (the clamp to 1 only shrinks it).
+    """
+    B, T = score_BT.shape
+    n = host_values(n_B)  # the plan's numbers
+    keep = [max(1, round(c * k)) for k in n]
+    Q = max(keep)
+    assert all(Q - k <= T - m for k, m in zip(keep, n)), "MoD: a padded row has too few padding slots"
+    dev = score_BT.device
+    n_B1, keep_B1 = upload(n, dev).unsqueeze(1), upload(keep, dev).unsqueeze(1)
+    pos_BT = torch.arange(T, device=dev).expand(B, T)
+    real_BT = pos_BT < n_B1
+    # each real token's rank by score within its row (padding ranks last; a stable sort breaks ties by position)
+    order_BT = torch.sort(score_BT.masked_fill(~real_BT, float("-inf")), dim=1, descending=True, stable=True).indices
+    rank_BT = torch.empty_like(order_BT).scatter_(1, order_BT, pos_BT)
+    chosen_BT = (real_BT & (rank_BT < keep_B1)) | (~real_BT & (pos_BT - n_B1 < Q - keep_B1))
+    # a stable sort of (not chosen) puts the Q chosen positions first, ascending
+    return torch.sort((~chosen_BT).to(torch.int8), dim=1, stable=True).indices[:, :Q]
 
 
 @register("mod")
@@ -100,15 +132,22 @@ class MixtureOfDepths(Dynamism):
         if i not in self.routed or c >= 1.0:
             out_BTD: torch.Tensor = layer(h_BTD, cos_TK, sin_TK)
             return out_BTD
-        return run_as_forward(layer, lambda h, cos, sin: self._routed(layer, h, cos, sin, c), h_BTD, cos_TK, sin_TK)
+        n_B = row_tokens(carry)
+        return run_as_forward(layer, lambda h, cos, sin: self._routed(layer, h, cos, sin, c, n_B), h_BTD, cos_TK,
+                              sin_TK)
 
     def _routed(self, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                c: float) -> torch.Tensor:
-        """The routed block at capacity c < 1: the router's top-C tokens of each row run the block."""
+                c: float, n_B: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed block at capacity c < 1: the router's top-C tokens of each row run the block (of a padded
+        row's real tokens, `n_B`: see `padded_selection`)."""
         B, T, _ = h_BTD.shape
-        C = max(1, round(c * T))
         score_BT = layer.get_submodule("mod_router")(h_BTD).squeeze(-1)
-        pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
+        if n_B is None:
+            C = max(1, round(c * T))
+            pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
+        else:
+            pos_BC = padded_selection(score_BT, c, n_B)
+            C = pos_BC.shape[1]
         weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
         if self._fp32_subset(h_BTD.device, C, T):
             with torch.autocast(h_BTD.device.type, enabled=False):

@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from moebal.errors import ConfigError
+from moebal.sync import upload
 
 if TYPE_CHECKING:
     from moebal.models.transformer import DecoderLayer, MoebalForCausalLM
     from moebal.pipeline.units import UnitMap
 
-__all__ = ["SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops", "register",
-           "ramp", "run_as_forward"]
+__all__ = ["ROW_TOKENS", "SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops",
+           "ramp", "real_positions", "register", "row_tokens", "run_as_forward"]
 
 
 class SchemeBody(Protocol):
@@ -96,13 +97,32 @@ class SchemeContext:
     them); None when they need not agree. Collective: every rank of the stage calls it at the same point."""
 
 
+ROW_TOKENS = "row_tokens"
+"""Carry key of a padded micro-batch (planned micro-batching, `pipeline/planned.py`): the real tokens of each
+row, a host int64 [B]; each row holds its real tokens first and padding after (right padding, label -100, which
+causal attention keeps from every real position). Absent when every position is real. The planned engine sets it
+on every stage from the plan, which every rank holds, so it never travels between stages."""
+
+
+def row_tokens(carry: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The real tokens of each row (host int64 [B]), None when every position of the micro-batch is real."""
+    return carry.get(ROW_TOKENS)
+
+
+def real_positions(n_B: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+    """bool [B, T]: True at the real positions of rows holding `n_B` (host) real tokens each, then padding. No
+    host sync: the counts go up to the device (`upload`)."""
+    return torch.arange(T, device=device) < upload(n_B, device).unsqueeze(1)
+
+
 class Dynamism:
     """The static model: every layer costs what it costs, nothing changes."""
 
     name = "none"
     step = 0
     carries: tuple[str, ...] = ()
-    """Names of per-token bool [B, T] tensors that travel forward with the activations between stages."""
+    """Names of per-token bool [B, T] tensors that travel forward with the activations between stages. A carry
+    may also hold `ROW_TOKENS`, which the engine sets on every stage and never sends (see `row_tokens`)."""
     lockstep_decisions = False
     """`layer_forward` takes a per-rank decision (which path a layer runs) that the ranks of a stage must take
     alike under `parallel.shard: full`: the runner then gives it `SchemeContext.stage_sum`."""
@@ -126,7 +146,10 @@ class Dynamism:
     def prepare_layer(self, i: int, layer: nn.Module) -> None:
         """The same structural change on a freshly built skeleton of layer i (a migration receiver)."""
 
-    def init_carry(self, B: int, T: int, device: torch.device) -> dict[str, torch.Tensor]:
+    def init_carry(self, B: int, T: int, device: torch.device,
+                   n_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The carries of a micro-batch entering the first stage; `n_B`: its rows' real tokens, as `ROW_TOKENS`
+        (None: no padding)."""
         return {}
 
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,

@@ -24,6 +24,8 @@ Loss normalisation: per token. The last stage adds each micro-batch's summed tok
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
 Padding positions carry label -100 and, right-padded under causal attention, never affect a real position.
+A dynamism scheme gets each padded row's real tokens in its carry (`ROW_TOKENS`, from the plan on every stage,
+never sent): Mixture-of-Depths keeps the share of a row's real tokens, early exit counts only those.
 MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens (the whole
 micro-batch's, all lockstep parts: its loss comes from their summed statistics, and each of the stage's n ranks
 adds 1/n of it).
@@ -47,13 +49,14 @@ import torch
 from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
 from moebal.config import REFUSE_PLANNED_REPACK, Config, planned_moe_losses
 from moebal.distributed.groups import ParallelDims
+from moebal.dynamism.scheme import ROW_TOKENS
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last_backward
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
 
-__all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors"]
+__all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "padded_rows"]
 
 IGNORE = -100
 
@@ -76,6 +79,12 @@ def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch,
             pos += n
         assert pos <= mb.seq, "a row is longer than its micro-batch's padded length"  # a plan bug
     return torch.from_numpy(ids), torch.from_numpy(labels)
+
+
+def padded_rows(samples: list[np.ndarray], mb: MicroBatch, rows: tuple[tuple[int, ...], ...]) -> torch.Tensor | None:
+    """The real tokens of each of `rows` (host int64 [B], the schemes' `ROW_TOKENS`), None when no row is padded."""
+    n = [sum(len(samples[i]) - 1 for i in row) for row in rows]
+    return None if min(n) == mb.seq else torch.tensor(n, dtype=torch.int64)
 
 
 class PlannedEngine(PipelineEngine):
@@ -125,12 +134,15 @@ class PlannedEngine(PipelineEngine):
                         chain.wait_recv(handle)
                 elif op == "F":
                     ids, labels = (t.to(device) for t in micro_batch_tensors(samples, mb, rows[j]))
+                    n_B = padded_rows(samples, mb, rows[j])
                     carry = ({n: t.bool() for n, t in carries.pop(j).items()} if j in carries else
-                             self.scheme.init_carry(ids.shape[0], ids.shape[1], device))
+                             self.scheme.init_carry(ids.shape[0], ids.shape[1], device, n_B))
+                    if n_B is not None:  # every stage knows it from the plan: never sent
+                        carry[ROW_TOKENS] = n_B
                     saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
                                                      inputs.pop(j, None), carry)
-                    if not chain.is_last:
-                        carries[j] = carry  # as the stage's layers left it: what the next stage receives
+                    if not chain.is_last:  # as the stage's layers left them: what the next stage receives
+                        carries[j] = {n: carry[n] for n in names}
                 elif op == "B":
                     s = saved.pop(j)
                     g = self._backward_compute(j, s, grads.pop(j, None), result) if backward else None

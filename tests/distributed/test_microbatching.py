@@ -36,6 +36,8 @@ FREEZING = {"threshold": 10.0, "check_every": 2, "max_fraction": 0.5, "start": 2
 """Every layer's plasticity is below 10: the first two layers (stage 0's) freeze at step 2's check."""
 EARLY_EXIT = {"threshold": 0.9, "first_layer": 1, "start": 2, "ramp_steps": 1}
 """Most tokens leave after layer 1 from step 2: the active mask crosses the stage boundary with the activations."""
+MOD = {"capacity": 0.5, "every": 2, "first_layer": 1, "start": 2}
+"""Layers 1 and 3 route half of each row's real tokens from step 2."""
 SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
 """Blocks of 4 tokens: whole blocks in every micro-batch, which pads to a multiple of 8 (`pad_multiple`)."""
 
@@ -161,8 +163,10 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         # reproducible), sparse attention from step 2; each also with layers 0 | 1-3 forced after step 2
         **{name: _train(docs(), 6, scheme, options, force=force)
            for scheme, options in (("pruning", PRUNING), ("sparse_attention", SPARSE), ("freezing", FREEZING),
-                                   ("early_exit", EARLY_EXIT))
+                                   ("early_exit", EARLY_EXIT), ("mod", MOD))
            for name, force in ((scheme, ()), (f"{scheme}_forced", ((2, (1, 3)),)))},
+        # MoD on micro-batches padded otherwise: each row keeps the share of its real tokens
+        "mod_padding": _train(docs(method="padding"), 6, "mod", MOD),
     }
 
 
@@ -248,23 +252,26 @@ def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
     assert all(len(c) == 4 for c in costs) and max(max(c) for c in costs) > 1.0  # routing imbalance is seen
 
 
-@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention", "freezing", "early_exit"])
+@pytest.mark.parametrize("scheme", ["pruning", "sparse_attention", "freezing", "early_exit", "mod"])
 def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
-    """Pruning, dynamic sparse attention, freezing and early exit on planned micro-batches (2 stages, 6 steps): the
-    losses of the same planned run without the scheme until the scheme acts, every rank reports the same, the
-    scheme acts (layer densities below 1; stage 0 frozen whole, so no gradient crosses the boundary; tokens left
-    before the last layers, their mask carried across the boundary), and a forced migration
-    after step 2 keeps the losses to 1e-6 (after a migration the micro-batch planner re-costs its plans on the
-    new partition and may split the same samples otherwise, as in the other planned rebalancing cells)."""
+    """Every scheme on planned micro-batches (2 stages, 6 steps): the losses of the same planned run without the
+    scheme until the scheme acts, every rank reports the same, the scheme acts (layer densities below 1; stage 0
+    frozen whole, so no gradient crosses the boundary; tokens left before the last layers, their mask carried
+    across the boundary, counted without padding; MoD's capacity below 1), and a forced migration after step 2
+    keeps the losses to 1e-6 (after a migration the micro-batch planner re-costs its plans on the new partition
+    and may split the same samples otherwise, as in the other planned rebalancing cells)."""
     run, plain = two[0][scheme], two[0]["dynamic"]["losses"]
     assert len(run["losses"]) == 6 and all(r[scheme]["losses"] == run["losses"] for r in two)
-    same = {"pruning": 3, "sparse_attention": 1, "freezing": 3, "early_exit": 1}[scheme]  # steps before it acts
-    assert run["losses"][:same] == plain[:same]
+    same = {"pruning": 3, "sparse_attention": 1, "freezing": 3, "early_exit": 1, "mod": 1}[scheme]
+    assert run["losses"][:same] == plain[:same]  # the steps before the scheme acts
     if scheme == "freezing":
         assert run["records"][-1]["frozen_layers"] == 2, run["records"][-1]  # layers 0-1: all of stage 0
     elif scheme == "early_exit":
         survival = run["records"][-1]["survival"]
         assert survival[3] < 0.5, survival  # most tokens left before stage 1's last layer
+        assert survival[0] == 1.0, survival  # every token that enters the network runs the first layer
+    elif scheme == "mod":
+        assert [r["mod_capacity"] for r in run["records"]] == [1.0] + [0.5] * 5
     else:
         density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
         assert min(density[-1]) < 1.0, density[-1]
@@ -272,6 +279,18 @@ def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
     assert forced["records"][-1]["sizes"] == [1, 3]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(forced["losses"], run["losses"], strict=True)), (
         forced["losses"], run["losses"])
+
+
+def test_mixture_of_depths_keeps_the_share_of_each_samples_tokens_however_it_is_padded(two):
+    """MoD on micro-batches padded two ways (the dynamic plan's and padding to the batch maximum): a padded row
+    keeps half of its real tokens, chosen among them, so each sample's result, and the loss per token, is that of
+    the other padding (to 1e-5: other shapes sum in another order). Were padding counted, it would take real
+    tokens' places and the loss would depend on the plan."""
+    dynamic, padding = two[0]["mod"], two[0]["mod_padding"]
+    computed = [[r["computed_tokens"] for r in run["records"]] for run in (dynamic, padding)]
+    assert all(a < b for a, b in zip(*computed)), computed  # the same samples, padded otherwise
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(dynamic["losses"], padding["losses"], strict=True)), (
+        dynamic["losses"], padding["losses"])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from moebal.dynamism.pruning import (
     global_magnitude_masks,
     zhu_gupta_schedule,
 )
-from moebal.dynamism.scheme import SchemeContext, build_dynamism, layer_token_flops, ramp
+from moebal.dynamism.scheme import ROW_TOKENS, SchemeContext, build_dynamism, layer_token_flops, ramp
 from moebal.errors import ConfigError
 from moebal.models import build_model
 from moebal.models.subset import subset_block
@@ -146,6 +146,70 @@ def test_early_exit_layer_step_skips_exited_tokens():
         h = ee.layer_forward(i, model.model.layers[i], h, cos, sin, carry)
     assert ee.tokens_in.tolist() == [16.0, 16.0, 0.0, 0.0, 16.0]
     assert not carry["active"].any()
+
+
+def test_early_exit_counts_the_real_tokens_of_padded_rows():
+    """On a padded micro-batch (`ROW_TOKENS`, rows of 8 and 5 real tokens in 8 positions) padding runs and exits
+    like a token, but the survival statistics count real tokens only, with the same single named read per layer."""
+    from moebal.sync import audit
+
+    cfg = small(4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ee = build_dynamism("early_exit", {"threshold": -1.0, "first_layer": 1}, cfg=cfg)  # everyone exits at 1
+    ee.begin_step(1)
+    h = torch.randn(2, 8, 32)
+    cos, sin = model.model.rotary(8, h.dtype)
+    n_B = torch.tensor([8, 5])
+    carry = {**ee.init_carry(2, 8, h.device, n_B), ROW_TOKENS: n_B}
+    with audit() as a:
+        for i in range(4):
+            h = ee.layer_forward(i, model.model.layers[i], h, cos, sin, carry)
+    assert ee.tokens_in.tolist() == [13.0, 13.0, 0.0, 0.0, 13.0]
+    assert not carry["active"].any()  # padding exited too
+    assert dict(a.counted) == {"early exit: active tokens": 4} and not a.unaccounted
+    ee.set_global_stats(ee.local_stats())
+    assert ee.survival == [1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("capacity", [0.25, 0.5, 0.75])
+def test_mod_keeps_the_share_of_each_padded_rows_real_tokens(capacity):
+    """A padded micro-batch under MoD: each row keeps round(c x its real tokens) of its real tokens, those the
+    router scores highest, and its real positions come out as the row run alone, unpadded (fp32, 1e-5);
+    padding fills the slots the longest row needs and never takes a real token's place."""
+    from moebal.dynamism.mod import padded_selection
+    from moebal.sync import audit
+
+    cfg = small(4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    mod = build_dynamism("mod", {"capacity": capacity, "every": 2, "first_layer": 1}, cfg=cfg)
+    mod.prepare_model(model)
+    mod.begin_step(1)
+    layer = model.model.layers[1]
+    n = [12, 7, 3, 1]
+    h = torch.randn(4, 12, 32)
+    cos, sin = model.model.rotary(12, h.dtype)
+    n_B = torch.tensor(n)
+    score = layer.mod_router(h).squeeze(-1)
+    pos = padded_selection(score, capacity, n_B)
+    keep = [max(1, round(capacity * k)) for k in n]
+    assert pos.shape == (4, max(keep))
+    for b, k in enumerate(n):
+        real = [p for p in pos[b].tolist() if p < k]
+        assert real == sorted(real) and len(real) == keep[b]
+        assert set(real) == set(torch.topk(score[b, :k], keep[b]).indices.tolist())
+        assert pos[b].tolist() == real + list(range(k, k + max(keep) - keep[b]))  # then the first padding
+    with audit() as a:
+        out = mod.layer_forward(1, layer, h, cos, sin, {ROW_TOKENS: n_B})
+    assert a.syncs == 0, a  # the plan's numbers are host values; the selection stays on the device
+    for b, k in enumerate(n):
+        alone = mod.layer_forward(1, layer, h[b:b + 1, :k], *model.model.rotary(k, h.dtype), {})
+        torch.testing.assert_close(out[b:b + 1, :k], alone, rtol=1e-5, atol=1e-5)
+    # every row full: the selection of the unpadded micro-batch
+    full = torch.full((4,), 12)
+    assert torch.equal(mod.layer_forward(1, layer, h, cos, sin, {ROW_TOKENS: full}),
+                       mod.layer_forward(1, layer, h, cos, sin, {}))
 
 
 def test_mod_cost_capacity_and_plain_layer_at_full_capacity():
