@@ -11,10 +11,13 @@ Prunable: each layer's attention projections (q, k, v, o) and FFN matrices (dens
 experts' stacked w1/w2/w3 and shared experts); never norms, routers, the embedding or the head (DynMo's
 code prunes the four linear weights per block; the embedding and head must stay dense or they dominate).
 
-Global top-k over stages (DynMo Algorithm 2, collective-free): each stage takes its local top-k magnitudes,
-every stage receives all of them along the chain and computes the k-th largest, the global threshold; ties
-at the threshold are kept in model order (layer, parameter, flat index), using per-layer tie counts summed
-along the chain, so the kept set equals the single-process `global_magnitude_masks` exactly.
+Global top-k over stages and expert shards (DynMo Algorithm 2's goal, by sums instead of its gather of every
+stage's local top-k, which would send (1 - sparsity) of the weights to every rank): the global threshold is the
+exact k-th largest magnitude, found by a radix select whose histograms are summed over the expert shards and
+along the chain (`_kth_largest`); ties at the threshold are kept in model order (layer, parameter, flat index,
+an expert matrix's rows being its shards' blocks in order) from tie counts per layer, parameter and shard, so
+the kept set equals the single-process `global_magnitude_masks` exactly. A stage's expert shards hold the same
+dense matrices: shard 0 counts them, and every shard derives the same mask.
 
 Masks are applied to weights at each pruning step and after every optimizer step, to gradients after every
 backward, and pruned entries of the AdamW moments are zeroed. Kernel: masked dense (the same GEMM as before:
@@ -36,7 +39,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +48,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import mask_rows_, whole_tensor
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
+from moebal.sync import count_ids
 
 if TYPE_CHECKING:
     from moebal.models.transformer import MoebalForCausalLM
 
-__all__ = ["CSRStructure", "GradualPruning", "csr_linear", "global_magnitude_masks", "prunable_params",
+__all__ = ["CSRStructure", "ExpertShards", "GradualPruning", "csr_linear", "global_magnitude_masks", "prunable_params",
            "zhu_gupta_schedule"]
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
@@ -64,6 +69,21 @@ _PRUNABLE_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj
 def prunable_params(layer: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The layer's prunable matrices in `named_parameters` order (the tie-breaking order)."""
     return [(n, p) for n, p in layer.named_parameters() if n.endswith(_PRUNABLE_SUFFIXES) and "mod_router" not in n]
+
+
+def _logical_numel(layer: nn.Module) -> int:
+    """Entries of the layer's prunable matrices in the whole model: an expert-stacked matrix counts every expert
+    of the layer, also where this rank built only its shard's rows (a stage's own layers under expert
+    parallelism are materialised that way; the others are still whole, on the meta device)."""
+    from moebal.train.checkpoint import stacked_experts
+
+    stacked = stacked_experts(layer)
+    n = 0
+    for name, p in prunable_params(layer):
+        # rows of one expert each, E of them in the whole layer (`expert_ids` may already name a shard's experts
+        # on a layer still whole on the meta device: the rows held are what counts)
+        n += p.numel() // p.shape[0] * stacked[name][1] if name in stacked else p.numel()
+    return n
 
 
 def zhu_gupta_schedule(final: float, initial: float = 0.0, start: int = 0, every: int = 1,
@@ -92,37 +112,99 @@ def global_magnitude_masks(layers: list[list[torch.Tensor]], keep: int) -> list[
     return out
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """This rank's place among its stage's expert shards (`parallel.ep` > 1 inside pipeline stages), for the
+    global top-k: the shards hold the same dense matrices and each its block of experts' rows."""
+
+    index: int
+    """This rank's shard: it holds experts [index x E / count, (index + 1) x E / count) of every MoE layer."""
+    count: int
+    width: int
+    """Prunable matrices per layer, the model's most (every rank lays its tie counts out alike)."""
+    stacked: Mapping[int, Sequence[bool]]
+    """Per layer held here: which of its prunable matrices are expert shards (the rest are dense)."""
+    sum: Callable[[torch.Tensor], torch.Tensor]
+    """Sum of a host vector over the shards (every shard gets the same bits)."""
+
+
+def _kth_largest(mags: Sequence[torch.Tensor], k: int, total: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The k-th largest of every rank's `mags` (non-negative float32), exactly: a radix select on the bit
+    patterns (for non-negative floats the order of the int32 patterns is the order of the values), 8 bits a
+    round, each round one 256-bin histogram of the entries that share the prefix found so far, summed over the
+    ranks by `total`. 4 rounds of 256 numbers, whatever the model's size (gathering every stage's local top-k
+    instead would send (1 - sparsity) of the weights to every rank)."""
+    prefix = known = 0
+    for shift in (24, 16, 8, 0):
+        hist = torch.zeros(256, dtype=torch.int64)
+        for m in mags:
+            bits = m.view(torch.int32)
+            match = (bits & known) == prefix
+            hist += count_ids((bits >> shift) & 255, 256, match).cpu()
+        hist = total(hist.double())
+        above = 0.0
+        for digit in range(255, -1, -1):  # the bin holding the k-th largest, counting from the top
+            if above + float(hist[digit]) >= k:
+                break
+            above += float(hist[digit])
+        k -= int(above)
+        prefix |= digit << shift
+        known = (known | 255 << shift) & 0x7FFFFFFF  # the sign bit is 0 in every pattern: int32-safe
+    return float(torch.tensor([prefix], dtype=torch.int32).view(torch.float32))
+
+
 def distributed_keep_masks(local: Mapping[int, Sequence[torch.Tensor]], keep: int, chain: Any,
-                           num_layers: int) -> dict[int, list[torch.Tensor]]:
-    """The same kept set as `global_magnitude_masks` over every stage's layers, computed along the chain."""
-    mags = {i: torch.cat([w.detach().abs().reshape(-1).float() for w in ws]) for i, ws in sorted(local.items())}
-    allm = torch.cat(list(mags.values())) if mags else torch.zeros(0)
-    k_local = min(keep, allm.numel())
-    top = torch.topk(allm, k_local, sorted=False).values if k_local else torch.zeros(0)
-    # on the host (gloo): the chain's all-gather sends to every member before it receives, an order NCCL does
-    # not promise to complete; a pruning event is rare, and its threshold is read on the host anyway
-    union = torch.cat(chain.allgather_1d(top.cpu()))
-    if keep <= 0 or keep > union.numel():
-        thr = torch.tensor(-1.0) if keep > 0 else torch.tensor(float("inf"))
+                           num_layers: int, shards: ExpertShards | None = None) -> dict[int, list[torch.Tensor]]:
+    """The same kept set as `global_magnitude_masks` over every stage's layers (and every expert shard's rows),
+    computed with sums along the chain (and over the shards): the threshold by `_kth_largest`, then the ties at
+    it kept in model order (layer, matrix, flat index, where an expert matrix's rows are its shards' blocks in
+    order) from tie counts per (layer, matrix, shard). A dense matrix is counted on shard 0 only: every shard
+    holds the same one and derives the same mask."""
+    S, W = (shards.count, shards.width) if shards is not None else (1, 1)
+    me = shards.index if shards is not None else 0
+    mags = {i: [w.detach().abs().reshape(-1).float() for w in ws] for i, ws in sorted(local.items())}
+
+    def total(v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = chain.allreduce_sum(shards.sum(v) if shards is not None else v)
+        return out
+
+    def slot(i: int, j: int) -> tuple[int, bool]:
+        """(tie-count slot of layer i's matrix j here, whether this rank counts it)."""
+        if shards is None:  # one slot per layer: its matrices in order are its model order
+            return i, True
+        expert = bool(shards.stacked[i][j])
+        return (i * W + j) * S + (me if expert else 0), expert or me == 0
+
+    counted = [m for i, ms in mags.items() for j, m in enumerate(ms) if slot(i, j)[1]]
+    n = int(total(torch.tensor([float(sum(m.numel() for m in counted))], dtype=torch.float64))[0])
+    if keep <= 0 or keep > n:
+        thr = float("inf") if keep <= 0 else -1.0
     else:
-        thr = torch.topk(union, keep).values.min()
-    counts = torch.zeros(2 * num_layers, dtype=torch.float64)
-    for i, m in mags.items():
-        counts[i], counts[num_layers + i] = float((m > thr).sum()), float((m == thr).sum())
-    tot = chain.allreduce_sum(counts)
+        thr = _kth_largest(counted, keep, total)
+    counts = torch.zeros(num_layers + num_layers * W * S, dtype=torch.float64)
+    for i, ms in mags.items():
+        for j, m in enumerate(ms):
+            at, mine = slot(i, j)
+            if mine:
+                counts[i] += float((m > thr).sum())
+                counts[num_layers + at] += float((m == thr).sum())
+    tot = total(counts)
     need = keep - int(tot[:num_layers].sum())
+    quota = []
+    for c in tot[num_layers:].tolist():  # the slots in model order
+        quota.append(max(0, min(int(c), need)))
+        need -= quota[-1]
     out: dict[int, list[torch.Tensor]] = {}
-    for i in range(num_layers):
-        quota = max(0, min(int(tot[num_layers + i]), need))
-        need -= quota
-        if i not in mags:
-            continue
-        m = mags[i]
-        mask = m > thr
-        if quota:
-            mask[torch.nonzero(m == thr).squeeze(1)[:quota]] = True
-        sizes = [w.numel() for w in local[i]]
-        out[i] = [c.view(w.shape) for c, w in zip(torch.split(mask, sizes), local[i])]
+    for i, ms in mags.items():
+        out[i] = []
+        for j, m in enumerate(ms):
+            at, _ = slot(i, j)
+            mask = m > thr
+            if quota[at]:
+                ties = torch.nonzero(m == thr).squeeze(1)[:quota[at]]
+                mask[ties] = True
+                quota[at] -= ties.numel()  # the slot's later matrices take the rest (one slot per layer)
+            out[i].append(mask.view(local[i][j].shape))
     return out
 
 
@@ -254,6 +336,7 @@ class GradualPruning(Dynamism):
         self.rows = max(1, cfg.data.batch_size) * cfg.data.seq_len  # refined by the runner (micro-batch rows)
         self.level = 0.0
         self.total = 0
+        self.width = 0
         self.masks: dict[int, dict[str, torch.Tensor]] = {}
         self.kernels: dict[int, dict[str, int]] = {}
         self.density: list[float] = [1.0] * self.L
@@ -262,7 +345,8 @@ class GradualPruning(Dynamism):
         every layer's cost alike, whichever layers it holds)."""
 
     def prepare_model(self, model: MoebalForCausalLM) -> None:
-        self.total = sum(p.numel() for layer in model.model.layers for _, p in prunable_params(layer))
+        self.total = sum(_logical_numel(layer) for layer in model.model.layers)
+        self.width = max(len(prunable_params(layer)) for layer in model.model.layers)
 
     def on_start(self, ctx: SchemeContext) -> None:
         if ctx.rows is not None:  # a micro-batch's token rows: what kernels are timed at
@@ -282,7 +366,8 @@ class GradualPruning(Dynamism):
         # stage then computes the same masks), any other weight as it is
         local = {i: [whole_tensor(p) for _, p in prunable_params(stage.layer(i))] for i in stage.layer_ids}
         keep = round((1.0 - sparsity) * self.total)
-        masks = distributed_keep_masks(local, keep, ctx.chain, self.L)
+        shards = self._shards(ctx)
+        masks = distributed_keep_masks(local, keep, ctx.chain, self.L, shards)
         for i in stage.layer_ids:
             named = prunable_params(stage.layer(i))
             self.masks[i] = {n: m for (n, _), m in zip(named, masks[i])}
@@ -290,14 +375,19 @@ class GradualPruning(Dynamism):
                 mask_rows_(p, m)
                 mask_moments(ctx.optimizer, p, m)
             self._choose_kernels(i, stage.layer(i), dict(zip((n for n, _ in named), local[i])))
-        if self.kernel == "auto" and ctx.dp > 1:
+        if self.kernel == "auto" and (ctx.dp > 1 or shards is not None):
             self._agree_kernels(ctx)
         self.level = sparsity
         dens = torch.zeros(3 * self.L, dtype=torch.float64)
         for i in stage.layer_ids:
-            dens[i] = float(sum(int(m.sum()) for m in self.masks[i].values()))
-            dens[self.L + i] = float(sum(m.numel() for m in self.masks[i].values()))
-            dens[2 * self.L + i] = float(any(self.kernels[i].values()))
+            # every matrix once over the stage: a dense one on shard 0, an expert one on every shard (its rows)
+            held = [m for j, m in enumerate(self.masks[i].values())
+                    if shards is None or shards.index == 0 or shards.stacked[i][j]]
+            dens[i] = float(sum(int(m.sum()) for m in held))
+            dens[self.L + i] = float(sum(m.numel() for m in held))
+            dens[2 * self.L + i] = float(any(self.kernels[i].values()))  # agreed over the stage: a flag
+        if shards is not None:
+            dens[:2 * self.L] = shards.sum(dens[:2 * self.L].clone())
         tot = ctx.chain.allreduce_sum(dens)
         self.density = [float(tot[i] / tot[self.L + i]) if tot[self.L + i] > 0 else 1.0 for i in range(self.L)]
         # a layer counts as CSR when any of its matrices runs it (the data-parallel copies agreed on each matrix's
@@ -307,14 +397,27 @@ class GradualPruning(Dynamism):
             dist.all_reduce(csr, op=dist.ReduceOp.MAX, group=ctx.dp_group)
         self.csr = [bool(c > 0) for c in csr.tolist()]
 
+    def _shards(self, ctx: SchemeContext) -> ExpertShards | None:
+        """This rank's place among the stage's expert shards (None: the stage's experts are not sharded)."""
+        if ctx.ep <= 1:
+            return None
+        assert ctx.shard_sum is not None, "expert shards without their sum"
+        stacked = {i: [is_expert_param(p) for _, p in prunable_params(ctx.stage.layer(i))]
+                   for i in ctx.stage.layer_ids}
+        return ExpertShards(index=ctx.ep_index, count=ctx.ep, width=self.width, stacked=stacked, sum=ctx.shard_sum)
+
     def _agree_kernels(self, ctx: SchemeContext) -> None:
-        """The data-parallel copies of a stage run each matrix on one kernel: CSR where any of them timed it faster
-        (one MAX all-reduce over them, the matrices in layer and parameter order). Under `parallel.shard: full`
-        FSDP2 gathers and reduce-scatters each layer over these ranks, and the zero-bubble schedule defers a dense
+        """The ranks of a stage run each matrix on one kernel: CSR where any of them timed it faster (a MAX
+        all-reduce over the data-parallel copies, the matrices in layer and parameter order, then a sum of the
+        flags over the expert shards, which hold the same dense matrices). Under `parallel.shard: full` FSDP2
+        gathers and reduce-scatters each layer over these ranks, and the zero-bubble schedule defers a dense
         Linear's weight gradient to W but not the CSR kernel's: every rank of the stage must make the same calls."""
         order = [(i, n) for i in ctx.stage.layer_ids for n in self.kernels[i]]
         v = torch.tensor([float(self.kernels[i][n]) for i, n in order], dtype=torch.float64)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=ctx.dp_group)  # a CPU tensor: host bookkeeping over gloo
+        if ctx.dp > 1:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=ctx.dp_group)  # a CPU tensor: host bookkeeping (gloo)
+        if ctx.ep > 1 and ctx.shard_sum is not None:
+            v = ctx.shard_sum(v)
         for (i, n), c in zip(order, v.tolist()):
             self.kernels[i][n] = int(c > 0)
         for i in ctx.stage.layer_ids:

@@ -89,6 +89,8 @@ class SchemeContext:
     """The process group of those copies (None: the default group)."""
     ep: int = 1
     """Expert-parallel size of this stage's MoE layers (1: every expert on each rank)."""
+    ep_index: int = 0
+    """This rank's expert shard among those `ep` (it holds the shard's block of experts)."""
     shard_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums a per-rank quantity over this rank's expert shards (None: nothing is sharded)."""
     stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -104,11 +104,6 @@ def refuse_layout(cfg: Config, ep: int, scheme: Dynamism) -> None:
     if ep > 1 and (E == 0 or E % ep):
         raise ConfigError(f"parallel.ep = {ep} needs MoE layers whose moe.num_experts ({E}) it divides: choose a "
                           f"divisor of it, or ep=1")
-    if ep > 1 and scheme.name == "pruning":
-        shards = f"parallel.ep = {ep}" if cfg.parallel.ep is not None else f"parallel.ep null: the stage's {ep} ranks"
-        raise ConfigError(f"dynamism pruning with expert parallelism inside pipeline stages ({shards}) is not "
-                          f"supported: the global magnitude threshold does not count expert shards yet; use "
-                          f"parallel.ep=1 or another scheme")
     if cfg.parallel.shard == "optimizer" and scheme.idle_parameters():
         raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {scheme.name} scheme: "
                           f"a step may leave a parameter without a gradient, which the sharded flats step anyway "
@@ -290,6 +285,7 @@ class PipelineRunner:
     def _ctx(self) -> SchemeContext:
         return SchemeContext(step=self.step, stage=self.stage, chain=self.chain, num_layers=self.L,
                              optimizer=self.optimizer, dp_group=self.dp_group, dp=self.dp, ep=self.dims.ep,
+                             ep_index=self.dims.index("ep"),
                              shard_sum=self.experts.shard_sum,
                              stage_sum=self._stage_sum if self._lockstep_channel is not None else None)
 

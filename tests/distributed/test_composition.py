@@ -101,7 +101,7 @@ def _four_ranks(rank: int, world: int) -> dict:
             "ep_partition": lambda: _feedback_run(4, False, cfg=ep),
             "ep_moe_static": lambda: _feedback_run(6, None, "moe", cfg=ep),
             "ep_moe_reverted": lambda: _feedback_run(6, True, "moe", cfg=ep, window=2, hold=8)}
-    for scheme in ("early_exit", "mod", "freezing"):
+    for scheme in ("early_exit", "mod", "freezing", "pruning"):
         runs[f"ep_{scheme}_static"] = functools.partial(_feedback_run, 4, None, scheme, ep)
         runs[f"ep_{scheme}_partition"] = functools.partial(_feedback_run, 4, False, scheme, ep)
     for scheme in ("moe", "mod", "freezing", "pruning"):
@@ -217,7 +217,7 @@ def planned_ep(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def test_expert_parallel_stages_under_the_layer_balancer_keep_the_losses(four):
-    for scheme in ("none", "early_exit", "mod", "freezing"):
+    for scheme in ("none", "early_exit", "mod", "freezing", "pruning"):
         prefix = "ep" if scheme == "none" else f"ep_{scheme}"
         kept = four[0][f"{prefix}_partition"]
         assert kept["losses"] == four[0][f"{prefix}_static"]["losses"] and kept["sizes"] == [1, 3], scheme

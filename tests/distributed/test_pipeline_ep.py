@@ -36,11 +36,31 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
     from moebal.pipeline.runner import PipelineRunner
 
     dyn = build_dynamism(scheme, options or {}, cfg=cfg)
+    if scheme == "pruning":
+        dyn = _recording(dyn)
     runner = PipelineRunner(pipeline_cfg(cfg, opts), scheme=dyn, **runner_knobs(opts))
     out = runner.train(steps)
     return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "records": out.records,
-            "plans": out.plans,
+            "plans": out.plans, "pruned": getattr(dyn, "seen", None),
             "state": {k: v.numpy() for k, v in runner.full_state().items()}}
+
+
+def _recording(scheme):
+    """The pruning scheme, recording at each pruning step what each of its layers' prunable matrices held on this
+    rank before it (this shard's rows of an expert matrix) and the masks it chose."""
+    from moebal.dynamism.pruning import GradualPruning, prunable_params
+
+    class Recording(GradualPruning):
+        def prune(self, ctx, sparsity):
+            layers = {i: prunable_params(ctx.stage.layer(i)) for i in ctx.stage.layer_ids}
+            before = {i: {n: p.detach().numpy().copy() for n, p in ps} for i, ps in layers.items()}
+            super().prune(ctx, sparsity)
+            self.seen.append({"keep": round((1.0 - sparsity) * self.total), "shard": ctx.ep_index, "before": before,
+                              "masks": {i: {n: m.numpy().copy() for n, m in self.masks[i].items()} for i in layers}})
+
+    scheme.__class__ = Recording
+    scheme.seen = []
+    return scheme
 
 
 SCHEMES = {
@@ -48,6 +68,8 @@ SCHEMES = {
     "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
     "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
     "moe": {},
+    # the global top-k counts each expert shard's rows once and every dense matrix once per stage
+    "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "auto"},
 }
 
 
@@ -105,12 +127,45 @@ def _skip_one_side(rank: int, world: int) -> dict:
     return {"grad": worst, "same_out": bool(torch.equal(out, h)) if dims.index("ep") == 0 else True}
 
 
+def _coarse_layer(i: int) -> list[torch.Tensor]:
+    """Layer i's prunable matrices: dense, expert-stacked (4 experts), dense; coarse values, many ties."""
+    g = torch.Generator().manual_seed(i)
+    return [torch.randint(-3, 4, (3, 4), generator=g).float(), torch.randint(-3, 4, (4, 2, 3), generator=g).float(),
+            torch.randint(-3, 4, (5,), generator=g).float()]
+
+
+def _sharded_topk(rank: int, world: int) -> dict:
+    """`distributed_keep_masks` over 2 stages (layers 0-1 | 2-4) x 2 expert shards (rank = 2 x stage + shard),
+    each shard holding 2 of the 4 experts' rows."""
+    import torch.distributed as dist
+
+    from moebal.dynamism.pruning import ExpertShards, distributed_keep_masks
+    from moebal.pipeline.p2p import PipeChain
+
+    stage, shard = divmod(rank, 2)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+
+    def shard_sum(v: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(v, group=groups[stage])
+        return v
+
+    chain = PipeChain([shard, 2 + shard], rank)
+    mine = {i: [m[2 * shard:2 * shard + 2] if m.dim() == 3 else m for m in _coarse_layer(i)]
+            for i in range(5) if (i < 2) == (stage == 0)}
+    shards = ExpertShards(index=shard, count=2, width=3, stacked={i: [False, True, False] for i in mine},
+                          sum=shard_sum)
+    return {keep: {i: [m.numpy() for m in ms] for i, ms in distributed_keep_masks(mine, keep, chain, 5,
+                                                                                   shards).items()}
+            for keep in (0, 9, 70, 131, 205)}
+
+
 def _four_ranks(rank: int, world: int) -> dict:
     static, prophet = moe_cfg(), moe_cfg(policy="broadcast_topk")
     six = moe_cfg(n_layers=6, policy="broadcast_topk")
     moves = ((1, (4, 2)), (2, (1, 5)), (4, (5, 1)))
     out = {
         "skip": _skip_one_side(rank, world),
+        "topk": _sharded_topk(rank, world),
         "static": _train(static, 4, micro_batches=2),
         "placed": _train(prophet, 4, micro_batches=2),
         "six": _train(six, 5, micro_batches=2),
@@ -185,6 +240,64 @@ def test_every_scheme_under_expert_parallelism_migrates_and_keeps_the_losses(fou
     assert four[0]["freezing_forced"]["records"][-1]["frozen_layers"] >= 1
     assert min(four[0]["mod_forced"]["records"][-1]["predicted_cost"]) < 1.0
     assert max(four[0]["moe_forced"]["records"][-1]["predicted_cost"]) > 1.0  # routing imbalance is seen
+
+
+def test_the_global_top_k_over_expert_shards_equals_the_single_process_one_with_its_ties(four):
+    from moebal.dynamism.pruning import global_magnitude_masks
+
+    layers = [_coarse_layer(i) for i in range(5)]
+    for keep in (0, 9, 70, 131, 205):  # 205 of 205: all
+        ref = global_magnitude_masks(layers, keep)
+        for i in range(5):
+            held = [r["topk"][keep][i] for r in four if i in r["topk"][keep]]
+            assert len(held) == 2  # both shards of the stage
+            got = [torch.from_numpy(held[0][0]), torch.cat([torch.from_numpy(h[1]) for h in held]),
+                   torch.from_numpy(held[0][2])]
+            assert all((h[j] == held[0][j]).all() for h in held for j in (0, 2))  # dense masks alike
+            for g, r in zip(got, ref[i]):
+                assert torch.equal(g, r), (keep, i)
+
+
+def test_pruning_over_expert_shards_keeps_the_single_process_top_k(four):
+    """pp 2 x ep 2 pruning: at each pruning step the kept set over every stage and expert shard is the single
+    process's global top-k of the whole model's matrices (ties in model order), every rank predicts the same
+    layer costs, and the pruned weights stay zero."""
+    from moebal.dynamism.pruning import global_magnitude_masks
+
+    events = [r["pruning_static"]["pruned"] for r in four]
+    assert [len(e) for e in events] == [2, 2, 2, 2]  # steps 2 and 4
+    for k in range(2):
+        seen = [e[k] for e in events]
+        keep = seen[0]["keep"]
+        layers = sorted({i for s in seen for i in s["before"]})
+        full, kept = [], []
+        for i in layers:
+            held = sorted((s for s in seen if i in s["before"]), key=lambda s: s["shard"])
+            assert [s["shard"] for s in held] == [0, 1]
+            names = list(held[0]["before"][i])
+            for field, out in (("before", full), ("masks", kept)):
+                # an expert matrix is its shards' rows in order; every shard holds the same dense matrix and mask
+                out.append([torch.cat([torch.from_numpy(s[field][i][n]) for s in held]) if ".experts.w" in n
+                            else torch.from_numpy(held[0][field][i][n]) for n in names])
+            for n in names:
+                if ".experts.w" not in n:
+                    assert all((s["masks"][i][n] == held[0]["masks"][i][n]).all() for s in held), (i, n)
+        ref = global_magnitude_masks(full, keep)
+        assert sum(int(m.sum()) for ms in kept for m in ms) == keep
+        for i, (got, want) in enumerate(zip(kept, ref)):
+            for g, w in zip(got, want):
+                assert torch.equal(g.bool(), w), (k, layers[i])
+    preds = [r["pruning_static"]["records"][-1]["predicted_cost"] for r in four]
+    assert all(p == preds[0] for p in preds)
+    density = four[0]["pruning_static"]["records"][-1]["layer_density"]
+    assert all(abs(d - 0.2) < 0.1 for d in density), density  # the global 80 % spread over the layers
+    from moebal.dynamism.pruning import _PRUNABLE_SUFFIXES
+
+    state = _merge([r["pruning_static"]["state"] for r in four])
+    prunable = [v for k, v in state.items() if k.endswith(_PRUNABLE_SUFFIXES)]
+    # the target counts the whole model's matrices, every expert, though a rank builds only its shard's rows
+    assert events[0][-1]["keep"] == round((1.0 - 0.8) * sum(v.numel() for v in prunable))
+    assert sum(int((v != 0).sum()) for v in prunable) == events[0][-1]["keep"]  # after 1 more optimizer step
 
 
 def test_an_expert_parallel_rank_without_tokens_joins_its_peers(four):

@@ -97,6 +97,11 @@ def _four(rank: int, world: int, tmp: str) -> dict:
                     _interrupted(rank, whole, base / scheme / "2x2"))
     # expert-parallel: 2 stages x 2 expert shards; the snapshots of expert rows go by logical expert
     out["freezing_ep_whole"] = _run(rank, cfg_for(2, 4, "freezing", moe=4), base / "freezing_ep" / "whole")
+    # ... and the masks of expert rows
+    whole = base / "pruning_ep" / "whole"
+    out["pruning_ep_whole"] = _run(rank, cfg_for(2, 4, "pruning", moe=4), whole)
+    _resume(rank, out, "pruning_ep_same", cfg_for(2, 4, "pruning", moe=4),
+            _interrupted(rank, whole, base / "pruning_ep" / "same"))
     repack = {"repack": True, "repack_slack": 100.0, "every": 2}  # re-packs onto 2 of the 4 ranks at step 2
     whole = base / "repack" / "whole"
     out["repack_whole"] = _run(rank, cfg_for(4, 4, **repack), whole)
@@ -115,6 +120,8 @@ def _two(rank: int, world: int, tmp: str) -> dict:
     # ... resumed without expert parallelism (each stage holds all 4 experts)
     _resume(rank, out, "freezing_ep_two", cfg_for(2, 2, "freezing", moe=4), _interrupted(
         rank, base / "freezing_ep" / "whole", base / "freezing_ep" / "two"))
+    _resume(rank, out, "pruning_ep_two", cfg_for(2, 2, "pruning", moe=4), _interrupted(
+        rank, base / "pruning_ep" / "whole", base / "pruning_ep" / "two"))
     for scheme in ("early_exit", "mod", "moe"):
         whole = base / scheme / "whole"
         out[f"{scheme}_whole"] = _run(rank, cfg_for(2, 2, scheme), whole)
@@ -142,7 +149,7 @@ def test_every_resumed_run_trained_its_own_steps(runs):
     lines after the step-3 checkpoint must be the resumed run's own, written after it started, and the
     checkpoint's earlier lines kept."""
     resumed = [k.removesuffix("_started") for k in runs if k.endswith("_started")]
-    assert len(resumed) == 12, resumed
+    assert len(resumed) == 14, resumed
     for key in resumed:
         lines, started = runs[key], runs[f"{key}_started"]
         assert [r["step"] for r in lines] == list(range(1, 7)), key
@@ -226,6 +233,27 @@ def test_freezing_snapshots_of_expert_shards_resume_under_another_expert_paralle
     # 6 logged decimals); later checks measure the diverging trajectories' own snapshots
     assert got[3]["plasticity"] == whole[3]["plasticity"]
 
+
+
+def test_pruning_masks_of_expert_shards_resume_under_the_same_and_another_expert_parallel_size(runs):
+    """2 stages x 2 expert shards: the masks of expert rows go by logical expert (each rank writes its rows) and
+    resume exactly on the same layout; on 2 ranks (each stage every expert) the restored masks hold, and the
+    step-4 pruning after the resume keeps the share of every layer (expert rows and gradients sum in another
+    order there: losses to 1e-6)."""
+    whole = runs["pruning_ep_whole"]
+    assert whole[2]["sparsity_target"] > 0 and whole[5]["sparsity_target"] > whole[2]["sparsity_target"]
+    same, two = runs["pruning_ep_same"], runs["pruning_ep_two"]
+    assert _losses(same) == _losses(whole)
+    assert [r["layer_density"] for r in same] == [r["layer_density"] for r in whole]
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(_losses(two), _losses(whole))), (_losses(two), _losses(whole))
+    assert two[2]["layer_density"] == whole[2]["layer_density"]  # the restored masks
+    # the step-4 pruning, the first after the resume, on weights that differ in the last bits: a near tie may flip
+    assert all(abs(a - b) <= 1e-3 for a, b in zip(two[3]["layer_density"], whole[3]["layer_density"]))
+    ckpt = Path(runs["tmp"]) / "pruning_ep" / "whole" / "ckpt-0000003"
+    extra = json.loads((ckpt / "manifest.json").read_text())["extra"]
+    rows = [n for n in extra if ".mask:block_sparse_moe.experts." in n and n.endswith(".w1")]
+    assert len(rows) == 4 * 4 and "dynamism.layers.3.mask:block_sparse_moe.experts.3.w1" in rows
+    assert {extra[n]["file"] for n in rows} == {f"extra-r{r:05d}.safetensors" for r in range(4)}
 
 
 def test_a_checkpoint_with_layer_halves_on_two_stages_resumes_exactly(runs):

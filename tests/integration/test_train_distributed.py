@@ -110,10 +110,11 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     bad = _train(tmp_path / "bad", "--nproc", "2", "data.batch_size=3")
     assert bad.returncode == 2
     assert "divisible by the 2 ranks" in bad.stderr and "failed" not in bad.stderr, bad.stderr
-    # so is a stage layout its runner would refuse (pruning with the stage's ranks expert-parallel)
-    layout = _train(tmp_path / "layout", "--nproc", "4", "--pp", "2", "--dynamism", "pruning")
+    # so is a stage layout its runner would refuse (a stage's 2 expert shards cannot split 3 experts)
+    layout = _train(tmp_path / "layout", "--nproc", "4", "--pp", "2", "moe.num_experts=3")
     assert layout.returncode == 2
-    assert "dynamism pruning with expert parallelism" in layout.stderr and "failed" not in layout.stderr
+    assert "parallel.ep = 2 needs MoE layers whose moe.num_experts (3)" in layout.stderr, layout.stderr
+    assert "failed" not in layout.stderr
     # what only a rank finds (a corrupt checkpoint shard, read when it loads) fails on the ranks: the launcher
     # reports the rank and stops the others
     run = tmp_path / "run"
