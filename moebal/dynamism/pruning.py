@@ -135,13 +135,14 @@ def _kth_largest(mags: Sequence[torch.Tensor], k: int, total: Callable[[torch.Te
     ranks by `total`. 4 rounds of 256 numbers, whatever the model's size (gathering every stage's local top-k
     instead would send (1 - sparsity) of the weights to every rank)."""
     prefix = known = 0
+    device = mags[0].device if mags else torch.device("cpu")
     for shift in (24, 16, 8, 0):
-        hist = torch.zeros(256, dtype=torch.int64)
+        hist = torch.zeros(256, dtype=torch.int64, device=device)
         for m in mags:
             bits = m.view(torch.int32)
             match = (bits & known) == prefix
-            hist += count_ids((bits >> shift) & 255, 256, match).cpu()
-        hist = total(hist.double())
+            hist += count_ids((bits >> shift) & 255, 256, match)
+        hist = total(hist.cpu().double())  # one device read a round: pruning steps are rare
         above = 0.0
         for digit in range(255, -1, -1):  # the bin holding the k-th largest, counting from the top
             if above + float(hist[digit]) >= k:
@@ -182,12 +183,16 @@ def distributed_keep_masks(local: Mapping[int, Sequence[torch.Tensor]], keep: in
     else:
         thr = _kth_largest(counted, keep, total)
     counts = torch.zeros(num_layers + num_layers * W * S, dtype=torch.float64)
+    where: list[int] = []  # each count's entry in `counts`, read from the device together
+    found: list[torch.Tensor] = []
     for i, ms in mags.items():
         for j, m in enumerate(ms):
             at, mine = slot(i, j)
             if mine:
-                counts[i] += float((m > thr).sum())
-                counts[num_layers + at] += float((m == thr).sum())
+                where += [i, num_layers + at]
+                found += [(m > thr).sum(), (m == thr).sum()]
+    if found:
+        counts.index_add_(0, torch.tensor(where), torch.stack(found).cpu().double())
     tot = total(counts)
     need = keep - int(tot[:num_layers].sum())
     quota = []
