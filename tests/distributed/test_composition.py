@@ -257,15 +257,18 @@ def test_the_remaining_refusals_are_one_line_each():
     base = {"model": {"n_layers": 4}, "moe": {"num_experts": 0}, "parallel": {"pp": 2, "nproc": 4},
             "pipeline": {"microbatching": "dynamic"}}
     for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True}}, "re-packing is not supported"),
-                         ({"dynamism": {"scheme": "mod"}}, "dynamism.scheme=mod is not supported"),
                          ({"parallel": {"pp": 1, "nproc": 1}, "pipeline": {"rebalance": "partition"}},
                           "parallel.pp 1 has one stage")):
         with pytest.raises(ConfigError, match=match) as e:
             from_dict(_merge(base, extra))
         assert "\n" not in str(e.value).strip()
     # planned micro-batches with expert shards inside stages, and with routing losses on data-parallel
-    # pipelines, run in lockstep (tests/distributed/test_microbatching.py): accepted
+    # pipelines, run in lockstep, and every dynamism scheme runs on them (tests/distributed/test_microbatching.py):
+    # accepted
     for extra in ({"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4}},
+                  {"dynamism": {"scheme": "mod"}},
+                  {"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4},
+                   "dynamism": {"scheme": "pruning"}},
                   {"moe": {"num_experts": 4}},  # ep null: 4 / 2
                   {"parallel": {"pp": 2, "nproc": 4, "ep": 1}, "moe": {"num_experts": 4, "z_loss_coef": 1e-3}},
                   {"parallel": {"pp": 2, "nproc": 4, "ep": 2}, "moe": {"num_experts": 4},
