@@ -211,6 +211,7 @@ class PlannedPipelineRunner(PipelineRunner):
                               f"{ls.ranks}: pass planner_kwargs(cfg, {ls.replicas}, {ls.ranks})")
         self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)
         self._last: dict[str, Any] = {}
+        self._ran: tuple[MicroBatchPlan, list[np.ndarray]] | None = None  # the step's plan and samples
 
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume)."""
@@ -236,7 +237,23 @@ class PlannedPipelineRunner(PipelineRunner):
     def _run_engine(self, work: Any, count: int) -> IterationResult:
         plan, samples = work
         assert isinstance(self.engine, PlannedEngine)
+        self._ran = work
         return self.engine.run_plan(plan, self.lockstep.replica, self.lockstep.part, samples, count, self.device)
+
+    def _routed_tokens(self) -> torch.Tensor | bool | None:
+        """The real tokens (host bool [B x T]) of the micro-batch every stage forwarded last in this rank's
+        replica, as its MoE layers' `last_routing` lays them out (None: no padding); False when the stages'
+        last forwards differ (no sample then: every rank reads the same plan, so all skip it)."""
+        assert self._ran is not None, "a routing sample before the step ran"
+        plan, samples = self._ran
+        ls = self.lockstep
+        rep = plan.replicas[ls.replica]
+        last = {[j for op, j in stream if op == "F"][-1] for stream in rep.streams}
+        if len(last) != 1:
+            return False
+        mb = plan.micro_batches[rep.micro_batches[last.pop()]]
+        n_B = padded_rows(samples, mb, mb.part(ls.part, plan.lockstep))
+        return None if n_B is None else (torch.arange(mb.seq) < n_B[:, None]).reshape(-1)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -471,10 +471,16 @@ class PipelineRunner:
         every = self.cfg.train.record_routing_every
         if not every or step % every or self.data_index != 0:
             return
+        tokens = self._routed_tokens()
+        if tokens is False:  # no micro-batch whose routing every stage holds (the same decision on every stage)
+            return
         ids = [r.indices_TK for r in (layer.last_routing for layer in self.stage.moe_layers()) if r is not None]
         if ids:
             ids_LTK = torch.stack(ids)
-            mine = torch.tensor([*ids_LTK.shape, *to_host(ids_LTK.reshape(-1), "routing sample")], dtype=torch.int64)
+            host = torch.tensor(to_host(ids_LTK.reshape(-1), "routing sample"), dtype=torch.int64).view(ids_LTK.shape)
+            if tokens is not None:
+                host = host[:, tokens]
+            mine = torch.cat([torch.tensor(host.shape, dtype=torch.int64), host.reshape(-1)])
         else:  # a stage without MoE layers
             mine = torch.zeros(3, dtype=torch.int64)
         parts = self.chain.gather_1d(mine)
@@ -482,6 +488,11 @@ class PipelineRunner:
             return
         layers = [p[3:].view(*p[:3].tolist()) for p in parts if p[0] > 0]
         self._routing_sample = torch.cat(layers) if layers else None
+
+    def _routed_tokens(self) -> torch.Tensor | bool | None:
+        """Which tokens of the last forward's routing a sample records: None, all of them (the fixed
+        micro-batches: every position is a token); the planned runner's real tokens, or False for none."""
+        return None
 
     def _curriculum(self) -> PackedSampler | DocumentSampler | None:
         """The training sampler when it orders epochs by complexity (`data.order: complexity`); else None."""

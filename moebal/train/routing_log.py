@@ -6,7 +6,8 @@ on rank 0 only, to `<run dir>/routing/step_NNNNNN.npz` (one int16 array `ids_LTK
 T tokens, K = top_k, the gate's order: column 0 is the first choice). `load_routing(run_dir)` reads them back in
 step order. The step strategy provides the sample (`StepStrategy.routing_sample`): the model's layers on one
 process or under data x expert parallelism; in a pipeline each stage's layers, gathered along rank 0's chain
-inside the step before any migration (`PipelineRunner._gather_routing`).
+inside the step before any migration (`PipelineRunner._gather_routing`; on planned micro-batches the real tokens
+of the micro-batch every stage forwards last, so T varies from sample to sample).
 
 Shape legend: L MoE layers, T tokens, K = top_k.
 """

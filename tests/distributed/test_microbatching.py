@@ -70,6 +70,13 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
         grads: dict = {}
         plans: list = []
         ran: list = []
+        routing: list = []
+
+        def _gather_routing(self, step: int) -> None:
+            super()._gather_routing(step)
+            sample = self.take_routing_sample()
+            if sample is not None:
+                self.routing.append(sample.numpy())
 
         def _sync_grads(self) -> None:
             super()._sync_grads()
@@ -91,13 +98,16 @@ def _train(cfg: Config, steps: int, scheme: str = "none", options: dict | None =
     ahead = runner.experts.ahead
     return {"losses": [r["loss"] for r in out.records], "aux": [r["aux_loss"] for r in out.records],
             "records": out.records, "grads": runner.grads, "plans": runner.plans, "ran": runner.ran,
+            "routing": runner.routing,
             "ahead_scale": None if ahead is None else ahead.scale}
 
 
 def planned_reference(cfg: Config, plans: list[dict]) -> dict:
     """One process replays a planned run: per step, every micro-batch of the plan in turn (all its rows, every
     replica's), its summed token cross-entropy over the batch's label count plus its auxiliary loss weighted by
-    its share of the batch's tokens; clip, AdamW. The losses, auxiliary losses and first step's gradients."""
+    its share of the batch's tokens; clip, AdamW. The losses, auxiliary losses and first step's gradients, and
+    per step the top-k expert ids [MoE layers, tokens, K] of the real tokens of replica 0's micro-batch that every
+    stage forwards last (what `train.record_routing_every` records)."""
     from moebal.data import build_data
     from moebal.models import build_model
     from moebal.pipeline.planned import micro_batch_tensors
@@ -109,9 +119,11 @@ def planned_reference(cfg: Config, plans: list[dict]) -> dict:
     seed_everything(cfg.train.seed)
     model = build_model(cfg)
     opt = build_optimizer(model, cfg.train)
-    out: dict = {"losses": [], "aux": [], "grads": {}}
+    out: dict = {"losses": [], "aux": [], "grads": {}, "routing": []}
     for s, raw in enumerate(plans):
         plan = MicroBatchPlan.from_dict(raw)
+        rep = plan.replicas[0]
+        last = rep.micro_batches[[j for op, j in rep.streams[0] if op == "F"][-1]]
         samples = data.train.next_samples()
         count = sum(len(x) - 1 for x in samples)
         for g in opt.param_groups:
@@ -124,6 +136,9 @@ def planned_reference(cfg: Config, plans: list[dict]) -> dict:
             weighted = res.aux_loss * mb.tokens / count
             (part + weighted).backward()
             loss, aux = loss + part.item(), aux + weighted.item()
+            if mb is plan.micro_batches[last] and cfg.moe.num_experts:
+                ids = torch.stack([layer.last_routing.indices_TK for layer in model.moe_layers()])
+                out["routing"].append(ids[:, (labels != -100).reshape(-1)].numpy())
         out["losses"].append(loss)
         out["aux"].append(aux)
         if s == 0:
@@ -155,7 +170,7 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         "adaptive": _train(docs(schedules="adaptive", workers=1), 3),   # in a background planning process
         "one_f_one_b": _train(docs(schedules="1f1b"), 3),
         "padding": _train(docs(method="padding"), 3),
-        "moe": _train(docs(moe=4), 4),
+        "moe": _train(_recording(docs(moe=4)), 4),  # a routing sample every step
         # the MoE routing cost observed on planned micro-batches, costed for 2 expert shards (ep 1 computes every
         # row on one rank: a cost that routing never changes)
         "moe_scheme": _train(docs(moe=4), 4, "moe", {"ep_size": 2}),
@@ -189,6 +204,11 @@ def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
             # on expert-parallel stages in lockstep
             **{f"ep_{scheme}": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 4, scheme, options)
                for scheme, options in (("early_exit", EARLY_EXIT), ("freezing", FREEZING))}}
+
+
+def _recording(cfg: Config) -> Config:
+    """`cfg` recording a routing sample every step (`train.record_routing_every`)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, record_routing_every=1))
 
 
 def _plan_ahead(cfg: Config) -> Config:
@@ -238,6 +258,28 @@ def test_dynamic_micro_batches_give_the_one_batch_loss_per_token(two):
     got = two[0]["moe"]["losses"]
     assert math.isclose(got[0], moe_ref[0], rel_tol=1e-5)  # first step: the same cross-entropy
     assert all(np.isfinite(got))
+
+
+def test_routing_samples_of_planned_micro_batches_are_the_real_tokens_of_the_last_one(two):
+    """`train.record_routing_every` on planned micro-batches (2 stages): each step's sample is every MoE layer's
+    expert ids of the real tokens (no padding) of the micro-batch both stages forward last, gathered along the
+    chain: equal to the one-process replay of the same plans."""
+    from moebal.planner.microbatch import MicroBatchPlan
+
+    run = two[0]["moe"]
+    ref = planned_reference(docs(moe=4), run["plans"])
+    assert len(run["routing"]) == len(ref["routing"]) == 4
+    padded = 0
+    for step, (got, want, raw) in enumerate(zip(run["routing"], ref["routing"], run["plans"], strict=True), 1):
+        assert got.shape[0] == 4 and got.shape[2] == 2, got.shape  # 4 MoE layers in model order, top-2
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        plan = MicroBatchPlan.from_dict(raw)
+        rep = plan.replicas[0]
+        last = plan.micro_batches[rep.micro_batches[[j for op, j in rep.streams[1] if op == "F"][-1]]]
+        assert got.shape[1] == last.tokens <= len(last.rows) * last.seq
+        padded += last.tokens < len(last.rows) * last.seq
+    assert padded  # some of the last micro-batches were padded: their padding is not in the sample
+    assert two[1]["moe"]["routing"] == []  # recorded on the chain's first stage of the first data rank
 
 
 def test_the_moe_scheme_on_planned_micro_batches_keeps_the_losses(two):
