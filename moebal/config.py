@@ -1126,7 +1126,7 @@ def _check_whole(c: Config) -> None:
               "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
               "it needs an MoE model with moe.top_k >= 2 and moe.adaptive_threshold set (e.g. 0.1)")
         _need(not d.mixture, "'data.order: complexity' with a data.mixture is not supported: use one data.source")
-        _check_whole_routing(c, "'data.order: complexity'", "use data.order shuffle", planned=False)
+        _check_whole_routing(c, "'data.order: complexity'", "use data.order shuffle")
     _check_moe(c)
     _check_mla(m)
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
@@ -1138,7 +1138,7 @@ def _check_whole(c: Config) -> None:
     if t.record_routing_every:
         _need(c.moe.num_experts > 0, "'train.record_routing_every' records the routing of the MoE layers: it "
               "needs an MoE model (moe.num_experts > 0); set it to 0")
-        _check_whole_routing(c, "'train.record_routing_every'", "set it to 0", planned=True)
+        _check_whole_routing(c, "'train.record_routing_every'", "set it to 0")
     _need(c.planner.every >= 1, f"'planner.every' must be at least 1; got {c.planner.every}")
     _need(c.planner.ema is None or 0.0 <= c.planner.ema < 1.0,
           f"'planner.ema' is a weight in [0, 1) (or null); got {c.planner.ema}")
@@ -1330,19 +1330,13 @@ def refuse_cpu_only(c: Config, device_type: str) -> None:
                   f"{device_type}; use pipeline.wait: block and dilate 1 (the defaults)")
 
 
-def _check_whole_routing(c: Config, option: str, off: str, planned: bool) -> None:
-    """`option` reads every MoE layer's routing of the same rows (the routing samples, the curriculum's row
-    complexities): every layer must route the whole micro-batch. `planned`: whether it also reads planned
-    micro-batches (the routing samples: the real tokens of the micro-batch every stage forwards last); else, in a
-    pipeline, where each stage reads its own layers, the micro-batches must be the fixed ones (the curriculum's
-    rows are the batch's, in the same order on every stage)."""
+def _check_whole_routing(c: Config, option: str, off: str) -> None:
+    """`option` reads every MoE layer's routing of the same tokens (the routing samples, the curriculum's sample
+    complexities): every layer must route the whole micro-batch. Planned micro-batches are read by their real
+    tokens (each stage knows them from the plan)."""
     _need(c.dynamism.scheme not in ("mod", "early_exit"),
           f"{option} reads every MoE layer's routing of the same tokens; 'dynamism.scheme: {c.dynamism.scheme}' "
           f"routes a subset of the tokens in some layers: {off}")
-    _need(planned or not c.pipelined or c.pipeline.microbatching == "fixed",
-          f"{option} in a pipeline reads each stage's layers on the same fixed micro-batches; planned "
-          f"micro-batching (pipeline.microbatching {c.pipeline.microbatching}) pads rows and regroups samples per "
-          f"plan: set pipeline.microbatching fixed, or {off}")
 
 
 def _check_scheduler(s: SchedulerConfig) -> None:

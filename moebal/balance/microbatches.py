@@ -26,6 +26,7 @@ import torch
 
 from moebal.balance.microbatch_workers import PlanAhead
 from moebal.config import Config
+from moebal.data import ordering_sampler
 from moebal.errors import ConfigError
 from moebal.planner.microbatch import MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
@@ -61,9 +62,16 @@ class MicrobatchPlanner:
         self.cost = cost if cost is not None else self.cost_table()
         n_workers = cfg.pipeline.dynamic.workers if workers is None else workers
         self.ahead = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
-        self._batches: collections.deque[tuple[int, list[np.ndarray]]] = collections.deque()
+        self._batches: collections.deque[tuple[int, list[np.ndarray], list[int], int]] = collections.deque()
         self._read = 0
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
+        self.batch_ids: list[int] = []
+        """The sample ids of the last batch `next` gave, and the sampler position after it (`batch_at`): what
+        Adaptive Gating's curriculum records that step's complexities against."""
+        self.batch_at = 0
+        self.sampler = ordering_sampler(runner.data.train)
+        if self.sampler is not None:  # batches are drawn `lookahead` steps before they train (see `_fill`)
+            self.sampler.set_curriculum_lag((self.lookahead + 1) * cfg.data.batch_size)
 
     # ---- costs ----
     def cost_table(self) -> MicroBatchCost:
@@ -103,8 +111,14 @@ class MicrobatchPlanner:
 
     # ---- the plans ----
     def data_state(self) -> dict[str, Any]:
-        """The data position of the next step to train (batches read ahead are read again on resume)."""
-        return dict(self._positions[0]) if self._positions else self.r.data.train.state_dict()
+        """The data position of the next step to train (batches read ahead are read again on resume), with the
+        curriculum's table as it is now (every trained step's entries)."""
+        if not self._positions:
+            return self.r.data.train.state_dict()
+        state = dict(self._positions[0])
+        if self.sampler is not None:
+            state["curriculum"] = self.sampler.curriculum.state_dict()  # type: ignore[union-attr]
+        return state
 
     def _fill(self, step: int) -> None:
         """Read batches up to step + lookahead; the planning rank submits their lengths. The first batch read
@@ -115,14 +129,15 @@ class MicrobatchPlanner:
             self._read += 1
             self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)
             samples = self.r.data.train.next_samples()
-            self._batches.append((self._read, samples))
+            at = self.sampler.position if self.sampler is not None else 0
+            self._batches.append((self._read, samples, list(getattr(self.r.data.train, "last_ids", [])), at))
             self.ahead.submit(self._read, [len(x) - 1 for x in samples])
 
     def next(self, step: int, replica: int) -> tuple[MicroBatchPlan, list[np.ndarray], int, dict[str, Any]]:
         """The plan of `step`, its samples, their label count, and the step record's planning figures
         (`replica`: the data-parallel replica whose schedule is reported)."""
         self._fill(step)
-        s, samples = self._batches.popleft()
+        s, samples, self.batch_ids, self.batch_at = self._batches.popleft()
         self._positions.popleft()
         assert s == step, "batches read ahead are out of step"
         plan, wait = self.ahead.get(step)

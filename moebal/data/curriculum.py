@@ -24,7 +24,9 @@ Gaps of the thesis, settled here:
   by the norm of their vector, smallest first (the distance to it). A sample with a zero vector against a
   non-zero anchor has similarity 0.
 - Samples not seen in the last epoch (a run that resumed, the last samples of an epoch whose batch reached
-  into the next one before it was recorded) use the newest vector they have; samples never seen keep the
+  into the next one before it was recorded, and under planned micro-batching the last `lookahead + 1` batches
+  of an epoch: their reader orders the next epoch before they train, and leaves them out of the order at any
+  resume alike, `_Sampler.curriculum_lag`) use the newest vector they have; samples never seen keep the
   shuffled order, after the ordered ones.
 - Ties keep the shuffled order (a stable sort), so the order is a pure function of the table and the seed.
 """
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["METRICS", "Curriculum", "complexity_order", "row_complexity"]
+__all__ = ["METRICS", "Curriculum", "complexity_order", "row_complexity", "sample_complexity"]
 
 
 METRICS = ("distance", "cosine")
@@ -88,6 +90,24 @@ def row_complexity(layers: list[Any], labels_BT: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, dim=1) if out else torch.zeros((B, 0), dtype=torch.float64, device=labels_BT.device)
 
 
+def sample_complexity(layers: list[Any], seg_BT: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, L] float64 on the routing's device: `row_complexity` per sample of the last forward, for rows that hold
+    several (packed) or are padded: `seg_BT` names each position's sample, 0 .. n - 1, or -1 for padding."""
+    valid = seg_BT >= 0
+    idx = seg_BT.clamp_min(0).reshape(-1)
+    zeros = torch.zeros(n, dtype=torch.float64, device=seg_BT.device)
+    count = zeros.scatter_add(0, idx, valid.reshape(-1).double()).clamp_min(1)
+    out = []
+    for layer in layers:
+        taken = layer.last_routing.taken_TK
+        if taken is None:  # every token took all top_k experts
+            multi = valid if layer.top_k > 1 else torch.zeros_like(valid)
+        else:
+            multi = (taken.sum(dim=-1) > 1).view(valid.shape) & valid
+        out.append(zeros.scatter_add(0, idx, multi.reshape(-1).double()) / count)
+    return torch.stack(out, dim=1) if out else torch.zeros((n, 0), dtype=torch.float64, device=seg_BT.device)
+
+
 class Curriculum:
     """Complexity vectors of the samples seen, and the order they give an epoch.
 
@@ -95,17 +115,21 @@ class Curriculum:
     an epoch starting at position P is ordered from the newest entry of each sample recorded at or before P.
     The batch that crosses into a new epoch is recorded after the new epoch's order was taken, so its entries
     must not count for that order, also when a run resumes from a checkpoint taken later in the epoch (the
-    table is in the checkpoint; the order is not). Two entries per sample are kept for that reason."""
+    table is in the checkpoint; the order is not). Two entries per sample are kept for that reason, and one more
+    per epoch a reader's lag (`_Sampler.curriculum_lag`) reaches back: the entries recorded after the one an
+    order uses."""
 
     def __init__(self, metric: str = "distance") -> None:
         self.metric = metric
         self.table: dict[int, list[tuple[int, list[float], int]]] = {}
+        self.keep = 2
+        """Entries kept per sample (the newest)."""
 
     def record(self, ids: list[int], C_BL: np.ndarray, tokens_B: list[int], at: int) -> None:
         for i, c, n in zip(ids, C_BL, tokens_B):
             entries = self.table.setdefault(int(i), [])
             entries.append((int(at), [float(x) for x in c], int(n)))
-            del entries[:-2]
+            del entries[:-self.keep]
 
     def order(self, fallback: np.ndarray, upto: int) -> np.ndarray:
         """`fallback` reordered from the entries recorded at or before position `upto`."""

@@ -76,9 +76,20 @@ class _Sampler:
         packed blocks keep the first epoch's offset so a sample is the same text in every epoch."""
         self.last_ids: list[int] = []
         """Sample ids (within the epoch's sample space) of the rows of the last `next_samples()`."""
+        self.curriculum_lag = 0
+        """Samples before an epoch's start whose complexities its order leaves out: a reader that draws batches
+        ahead of training (planned micro-batching's lookahead) orders an epoch before its last batches were
+        measured, and leaves them out so that the order does not depend on when it was taken (`Curriculum`)."""
 
     def _num_samples(self) -> int:
         raise NotImplementedError
+
+    def set_curriculum_lag(self, samples: int) -> None:
+        """Order each epoch without the complexities of its last `samples` samples before it (`curriculum_lag`),
+        keeping enough entries per sample for that."""
+        assert self.curriculum is not None, "a curriculum lag without a curriculum"
+        self.curriculum_lag = samples
+        self.curriculum.keep = 2 + -(-samples // self._num_samples())
 
     def _sample(self, i: int, offset: int) -> np.ndarray:
         raise NotImplementedError
@@ -91,7 +102,8 @@ class _Sampler:
             if self.curriculum is not None:
                 self._offset = int(np.random.default_rng([self.seed, 0]).integers(self.seq_len))
                 if epoch > 0:
-                    self._order = self.curriculum.order(self._order, upto=epoch * self._num_samples())
+                    self._order = self.curriculum.order(self._order,
+                                                        upto=epoch * self._num_samples() - self.curriculum_lag)
             self._order_epoch = epoch
 
     @property

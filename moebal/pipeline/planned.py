@@ -48,6 +48,7 @@ import torch
 
 from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
 from moebal.config import REFUSE_PLANNED_REPACK, Config, planned_moe_losses
+from moebal.data.curriculum import sample_complexity
 from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import ROW_TOKENS
 from moebal.errors import ConfigError
@@ -55,6 +56,7 @@ from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
+from moebal.sync import upload
 
 __all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "padded_rows"]
 
@@ -212,6 +214,7 @@ class PlannedPipelineRunner(PipelineRunner):
         self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)
         self._last: dict[str, Any] = {}
         self._ran: tuple[MicroBatchPlan, list[np.ndarray]] | None = None  # the step's plan and samples
+        self._slots: dict[int, list[int]] = {}  # data.order complexity: per forward, the batch's samples measured
 
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume)."""
@@ -239,6 +242,35 @@ class PlannedPipelineRunner(PipelineRunner):
         assert isinstance(self.engine, PlannedEngine)
         self._ran = work
         return self.engine.run_plan(plan, self.lockstep.replica, self.lockstep.part, samples, count, self.device)
+
+    def _measure_rows(self, j: int, labels_BT: torch.Tensor) -> None:
+        """After F(j): each sample of this rank's rows of micro-batch j, its share of two-expert tokens in the
+        stage's MoE layers (a packed row holds several samples, a padded one padding: per sample, real tokens)."""
+        assert self._ran is not None
+        plan, samples = self._ran
+        ls = self.lockstep
+        mb = plan.micro_batches[plan.replicas[ls.replica].micro_batches[j]]
+        rows = mb.part(ls.part, plan.lockstep)
+        seg = np.full((len(rows), mb.seq), -1, dtype=np.int64)
+        slots: list[int] = []
+        for r, row in enumerate(rows):
+            pos = 0
+            for i in row:
+                n = len(samples[i]) - 1
+                seg[r, pos:pos + n] = len(slots)
+                slots.append(i)
+                pos += n
+        self._complexity[j] = sample_complexity(self.stage.moe_layers(), upload(seg, self.device), len(slots))
+        self._slots[j] = slots
+
+    def _complexity_rows(self, sampler: Any) -> tuple[torch.Tensor, list[int], list[int], int]:
+        """The batch's samples: each measured sample's position in the batch, every sample's tokens, the ids and
+        position the micro-batch planner read the batch with (`batch_ids`, `batch_at`)."""
+        assert self._ran is not None
+        index = torch.tensor([i for j in sorted(self._slots) for i in self._slots[j]], dtype=torch.int64)
+        self._slots.clear()
+        mb = self.microbatches
+        return index, [len(x) - 1 for x in self._ran[1]], mb.batch_ids, mb.batch_at
 
     def _routed_tokens(self) -> torch.Tensor | bool | None:
         """The real tokens (host bool [B x T]) of the micro-batch every stage forwarded last in this rank's

@@ -512,18 +512,26 @@ class PipelineRunner:
         sampler = self._curriculum()
         if sampler is None or sampler.curriculum is None:
             return
+        index, tokens, ids, at = self._complexity_rows(sampler)
         moe_ids = [i for i in range(self.L) if self.cfg.is_moe_layer(i)]
         cols = [moe_ids.index(i) for i in self.stage.layer_ids if self.stage.layer(i).is_moe]
-        full = torch.zeros(len(self._row_tokens), len(moe_ids), dtype=torch.float64)
+        full = torch.zeros(len(tokens), len(moe_ids), dtype=torch.float64)
         if cols and self._complexity:
             local = torch.cat([self._complexity[j] for j in sorted(self._complexity)])
             vals = torch.tensor(to_host(local, "curriculum rows"), dtype=torch.float64).reshape(local.shape)
-            full[self._row_index[:, None], torch.tensor(cols)[None, :]] = vals
+            full[index[:, None], torch.tensor(cols)[None, :]] = vals
         self._complexity.clear()
         if self.data_ranks > 1:
             dist.all_reduce(full, group=self.stage_group)  # a CPU tensor: gloo under the device-aware backend
         full = self.chain.allreduce_sum(full.reshape(-1)).reshape(full.shape)
-        sampler.curriculum.record(sampler.last_ids, full.numpy(), self._row_tokens, at=sampler.position)
+        sampler.curriculum.record(ids, full.numpy(), tokens, at=at)
+
+    def _complexity_rows(self, sampler: PackedSampler | DocumentSampler) -> tuple[torch.Tensor, list[int], list[int],
+                                                                                    int]:
+        """What the step's measured rows are recorded against: the batch row of each (in the order of the
+        micro-batches measured, `_complexity`'s), the tokens of every batch row, their sample ids, and the
+        sampler position after the batch."""
+        return self._row_index, self._row_tokens, sampler.last_ids, sampler.position
 
     def take_routing_sample(self) -> torch.Tensor | None:
         """The last recording step's routing sample (int64 [L, T, K], every MoE layer in model order) on the chain's

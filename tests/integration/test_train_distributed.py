@@ -223,6 +223,37 @@ def test_complexity_order_in_a_pipeline_matches_one_process(tmp_path):
         assert data[name] == data["one"], name  # one table, equal: the next epoch's order follows from it
 
 
+def test_complexity_order_on_planned_micro_batches_records_the_samples_and_resumes_exactly(tmp_path):
+    """The curriculum on a 2-stage pipeline with planned micro-batches: through the first epoch the same losses
+    (1e-5) and the same table entries as one process on the same batches (no load-balancing loss: a plan groups
+    the samples into micro-batches of its own, and that loss is not linear in them); the planner draws batches 2 steps
+    ahead, so the second epoch is ordered without the last 3 batches' entries (`curriculum_lag`), which makes the
+    order independent of when it was taken: a run resumed from its step-4 checkpoint (taken after the uninterrupted
+    run ordered the next epoch, before its resume reads it again) trains the uninterrupted run's losses."""
+    extra = ["moe.adaptive_threshold=0.02", "moe.aux_loss_coef=0", "data.order=complexity", "data.max_bytes=1500",
+             "data.val_fraction=0", "train.eval_every=0", "train.ckpt_every=4", "train.keep_checkpoints=4"]
+    planned = ("--nproc", "2", "--pp", "2", "pipeline.microbatching=dynamic", "pipeline.dynamic.costs=a100")
+    for name, layout in (("one", ("--nproc", "1", "train.grad_accum=2")), ("planned", planned)):
+        ran = _train(tmp_path / name, *layout, *extra)
+        assert ran.returncode == 0, (name, ran.stderr[-2000:])
+    ref, got = _metrics(tmp_path / "one"), _metrics(tmp_path / "planned")
+    state = json.loads((tmp_path / "planned" / "ckpt-0000008" / "state.json").read_text())["data"]
+    assert state["epoch"] >= 1  # past the first epoch
+    first = state["samples"] // 4  # the steps whose batches lie inside the first epoch
+    for x, y in zip(ref[:first], got[:first], strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], (x["step"], x["loss"], y["loss"])
+    one = json.loads((tmp_path / "one" / "ckpt-0000004" / "state.json").read_text())["data"]
+    mine = json.loads((tmp_path / "planned" / "ckpt-0000004" / "state.json").read_text())["data"]
+    assert mine["curriculum"] == one["curriculum"] and len(mine["curriculum"]["entries"]) == 16  # 4 steps x 4
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "planned", part)
+    shutil.rmtree(part / "ckpt-0000008")
+    resumed = run_cli("train", "--out", str(part), "--resume", "--nproc", "2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["loss"] for r in _metrics(part)] == [r["loss"] for r in got]
+    assert json.loads((part / "ckpt-0000008" / "state.json").read_text())["data"] == state
+
+
 def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path):
     """scheduler.expert_packing lina (from the a100 profile: deterministic) picks the expert-parallel size before
     sharding, writes packing.json, trains exactly as a run with that size set by hand, and a resume keeps it."""
