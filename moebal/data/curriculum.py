@@ -78,16 +78,8 @@ def row_complexity(layers: list[Any], labels_BT: torch.Tensor) -> torch.Tensor:
     a step's rows once."""
     valid = labels_BT != -100
     B, T = valid.shape
-    n = valid.sum(dim=1).clamp_min(1).double()
-    out = []
-    for layer in layers:
-        taken = layer.last_routing.taken_TK
-        if taken is None:  # every token took all top_k experts
-            multi = valid if layer.top_k > 1 else torch.zeros_like(valid)
-        else:
-            multi = (taken.sum(dim=-1) > 1).view(B, T) & valid
-        out.append(multi.sum(dim=1).double() / n)
-    return torch.stack(out, dim=1) if out else torch.zeros((B, 0), dtype=torch.float64, device=labels_BT.device)
+    rows_BT = torch.arange(B, device=labels_BT.device).unsqueeze(1).expand(B, T)
+    return sample_complexity(layers, torch.where(valid, rows_BT, -1), B)  # each row one sample
 
 
 def sample_complexity(layers: list[Any], seg_BT: torch.Tensor, n: int) -> torch.Tensor:

@@ -133,14 +133,19 @@ def test_early_exit_cost_and_threshold_by_hand():
     assert ee.cost_factors(4) == pytest.approx([1.0, 1.0, kv + (1 - kv) * 0.5, kv + (1 - kv) * 0.25])
 
 
-def test_early_exit_layer_step_skips_exited_tokens():
+def _everyone_exits_at_1():
+    """A 4-layer model, early exit from which every token leaves after layer 1, and 2 rows of 8 positions."""
     cfg = small(4)
     torch.manual_seed(0)
     model = build_model(cfg)
-    ee = build_dynamism("early_exit", {"threshold": -1.0, "first_layer": 1}, cfg=cfg)  # everyone exits at 1
+    ee = build_dynamism("early_exit", {"threshold": -1.0, "first_layer": 1}, cfg=cfg)
     ee.begin_step(1)
     h = torch.randn(2, 8, 32)
-    cos, sin = model.model.rotary(8, h.dtype)
+    return model, ee, h, *model.model.rotary(8, h.dtype)
+
+
+def test_early_exit_layer_step_skips_exited_tokens():
+    model, ee, h, cos, sin = _everyone_exits_at_1()
     carry = ee.init_carry(2, 8, h.device)
     for i in range(4):
         h = ee.layer_forward(i, model.model.layers[i], h, cos, sin, carry)
@@ -153,13 +158,7 @@ def test_early_exit_counts_the_real_tokens_of_padded_rows():
     like a token, but the survival statistics count real tokens only, with the same single named read per layer."""
     from moebal.sync import audit
 
-    cfg = small(4)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    ee = build_dynamism("early_exit", {"threshold": -1.0, "first_layer": 1}, cfg=cfg)  # everyone exits at 1
-    ee.begin_step(1)
-    h = torch.randn(2, 8, 32)
-    cos, sin = model.model.rotary(8, h.dtype)
+    model, ee, h, cos, sin = _everyone_exits_at_1()
     n_B = torch.tensor([8, 5])
     carry = {**ee.init_carry(2, 8, h.device, n_B), ROW_TOKENS: n_B}
     with audit() as a:
