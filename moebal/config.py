@@ -1164,9 +1164,9 @@ def _check_whole(c: Config) -> None:
               f"dynamism.sparse_attention.block ({block}): set pipeline.dynamic.pad_multiple to a multiple of {block}")
     _check_scheduler(c.scheduler)
     if c.scheduler.expert_packing != "off":
-        _need(not c.pipelined and c.moe.num_experts > 0,
-              "'scheduler.expert_packing: lina' chooses the expert-parallel size of an MoE model in the expert- and "
-              "data-parallel trainer (parallel.pp 1, no dynamism scheme, moe.num_experts > 0)")
+        _need(c.moe.num_experts > 0,
+              "'scheduler.expert_packing: lina' chooses the expert-parallel size of an MoE model: set "
+              "moe.num_experts > 0, or scheduler.expert_packing off")
     _need(par.pp <= m.n_layers,
           f"'parallel.pp' ({par.pp}) is larger than 'model.n_layers' ({m.n_layers}): a stage needs a layer")
 

@@ -19,6 +19,9 @@ Settled here, where the thesis is silent or where moebal differs:
   parallelism in moebal (`parallel.ep` < ranks), which the gradient sync and checkpoints already handle.
 - No offload: the thesis moves unused experts to host memory when packing runs out of device memory; here
   the packed layout must fit.
+- In a pipeline the decision is each stage's (its ranks hold its MoE layers): the candidates halve the stage's
+  expert-parallel size, every stage measures its own groups at once, and an exchange carries one rank's share of
+  a micro-batch (`exchange_tokens`); the chosen size becomes the run's `parallel.ep` (`pipeline_trainer`).
 - The decision and its measurements go to the run's `packing.json`; a resumed run reads it instead of
   measuring again, so it keeps its layout (and its losses, bit for bit).
 """
@@ -56,13 +59,22 @@ def candidate_layouts(num_experts: int, world: int, ep0: int) -> list[int]:
     return out
 
 
+def exchange_tokens(cfg: Config, ranks: int) -> int:
+    """Tokens of one rank in one MoE layer's exchange: its share of the batch without a pipeline, of a micro-batch
+    in one (`ranks`: the ranks that split the rows, a pipeline stage's; planned micro-batching's sizes vary, and
+    `pipeline.micro_batches` stands for them)."""
+    tokens = cfg.data.batch_size * cfg.data.seq_len // ranks
+    return max(1, tokens // cfg.pipeline.micro_batches) if cfg.pipelined else tokens
+
+
 def _profiled(cfg: Config, world: int, eps: list[int]) -> list[PackingCandidate]:
-    """The candidates from the hardware profile's cost model (no measurement, the same on every rank)."""
+    """The candidates from the hardware profile's cost model (no measurement, the same on every rank); `world`:
+    the ranks that hold the experts of a layer (a pipeline stage's)."""
     from moebal.planner.comm_plan import comm_costs_from_profile
     from moebal.planner.cost import CostModel, ModelShape
 
     cost, shape = CostModel(cfg.planner.costs), ModelShape.from_config(cfg)
-    tokens = cfg.data.batch_size * cfg.data.seq_len // world
+    tokens = exchange_tokens(cfg, world)
     rows = tokens * cfg.moe.top_k
     out = []
     for ep in eps:
@@ -83,14 +95,16 @@ def _candidate(ep: int, world: int, E: int, rows: int, token_bytes: float, exper
 
 
 def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: list[int], pg_timeout_s: float,
-              dilate: float) -> list[PackingCandidate]:
-    """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups, timed on
-    the device (synchronised) in the run's precision (its autocast; the exchange's rows in that dtype)."""
+              dilate: float, pp: int = 1) -> list[PackingCandidate]:
+    """The candidates measured on the job: per layout, a scratch MoE layer sharded over its groups (inside each
+    of the `pp` pipeline stages, which all measure at once), timed on the device (synchronised) in the run's
+    precision (its autocast; the exchange's rows in that dtype)."""
     from moebal.models.moe import MoELayer
     from moebal.train.precision import autocast_dtype
 
     E, D = cfg.moe.num_experts, cfg.model.dim
-    tokens = cfg.data.batch_size * cfg.data.seq_len // world
+    ranks = world // pp
+    tokens = exchange_tokens(cfg, ranks)
     rows = tokens * cfg.moe.top_k
     autocast = autocast_dtype(cfg, device)
     gen = torch.Generator(device=device).manual_seed(2)  # private: the run's RNG streams stay where they are
@@ -103,7 +117,7 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
     expert_bytes = sum(p[0].numel() * p.element_size() for p in (ex.w1, ex.w3, ex.w2))
     times = []
     for ep in eps:
-        dims = ParallelDims(world_size=world, rank=rank, ep=ep, device=device).init(pg_timeout_s)
+        dims = ParallelDims(world_size=world, rank=rank, ep=ep, pp=pp, device=device).init(pg_timeout_s)
         times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
     # the all-reduce's latency and bandwidth over the whole job
     link = probe_link(lambda buf: dist.all_reduce(buf), device, agree=slowest_over())
@@ -115,7 +129,7 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
     for k, ep in enumerate(eps):
         t_ffn, t_a2a = vals[2 * k], vals[2 * k + 1]
         bw = rows * token_bytes * (ep - 1) / ep / t_a2a if ep > 1 and t_a2a > 0 else 1.0
-        out.append(_candidate(ep, world, E, rows, token_bytes, expert_bytes, t_ffn, bw, link.latency_s,
+        out.append(_candidate(ep, ranks, E, rows, token_bytes, expert_bytes, t_ffn, bw, link.latency_s,
                               link.bandwidth))
     return out
 
@@ -146,10 +160,13 @@ def _layout_times(ex: SwiGLUExperts, dims: ParallelDims, ep: int, rows: int, gen
 
 def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.device, ep0: int,
                            run_dir: Path | None = None, resume: bool = False) -> int:
-    """The expert-parallel size of the run under `scheduler.expert_packing` (ep0 when off). Collective on every
-    rank when it measures. Writes (rank 0) or, on resume, reads the run directory's packing.json."""
+    """The expert-parallel size of the run under `scheduler.expert_packing` (ep0 when off): of the trainer's
+    ranks, or in a pipeline (`parallel.pp` stages, or a dynamism scheme's one stage) of each stage's, which hold
+    its MoE layers. Collective on every rank when it measures. Writes (rank 0) or, on resume, reads the run
+    directory's packing.json."""
     sc = cfg.scheduler
-    if sc.expert_packing == "off" or not cfg.moe.num_experts or world == 1:
+    pp = cfg.parallel.pp if cfg.pipelined else 1
+    if sc.expert_packing == "off" or not cfg.moe.num_experts or world // pp == 1:
         return ep0
     path = run_dir / PACKING_FILE if run_dir is not None else None
     if resume and path is not None and path.is_file():
@@ -160,11 +177,11 @@ def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.dev
             raise ConfigError(f"{path} is damaged ({e}): delete it to measure the packing again, or resume "
                               f"with parallel.ep set to the run's expert-parallel size") from None
         return ep
-    eps = candidate_layouts(cfg.moe.num_experts, world, ep0)
+    eps = candidate_layouts(cfg.moe.num_experts, world // pp, ep0)
     if cfg.planner.costs == "measure":
-        cands = _measured(cfg, world, rank, device, eps, 60.0 * cfg.parallel.timeout_min, sc.dilate)
+        cands = _measured(cfg, world, rank, device, eps, 60.0 * cfg.parallel.timeout_min, sc.dilate, pp)
     else:
-        cands = _profiled(cfg, world, eps)
+        cands = _profiled(cfg, world // pp, eps)
     ep, why = lina_packing(cands)
     record: dict[str, Any] = {"ep": ep, "start_ep": ep0, "experts_per_rank": cfg.moe.num_experts // ep,
                               "source": cfg.planner.costs, "decisions": why,

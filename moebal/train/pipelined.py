@@ -75,15 +75,25 @@ def pipeline_trainer(cfg: Config, run_dir: str | Path, *, resume: bool | str | P
                      **knobs: Any) -> Trainer:
     """The trainer of this rank's pipeline stage (torchrun environment). `dims`: the process groups of a job
     already set up (tests run several pipelines in one job), else the job's, joined here; `Trainer.close`
-    releases the runner, the caller the process groups (`trainer.ctx.dims.close()`)."""
+    releases the runner, the caller the process groups (`trainer.ctx.dims.close()`).
+
+    With `scheduler.expert_packing: lina` the stages' expert-parallel size is chosen first (measured on the job,
+    or read from `run_dir`'s packing.json when the run resumes; moebal/balance/packing.py) and becomes the run's
+    `parallel.ep`."""
     from moebal.data import build_data
-    from moebal.distributed.groups import ParallelDims, env_world
+    from moebal.distributed.groups import ParallelDims, env_world, pick_device
     from moebal.pipeline.runner import pipeline_ep
     from moebal.train.trainer import Trainer, set_threads
 
     set_threads(cfg)
     if dims is None:
-        _, world, _ = env_world()
+        rank, world, local = env_world()
+        if cfg.scheduler.expert_packing != "off" and cfg.moe.num_experts:
+            from moebal.balance.packing import choose_expert_parallel
+
+            ep0 = min(pipeline_ep(cfg, world), cfg.moe.num_experts)
+            ep = choose_expert_parallel(cfg, world, rank, pick_device(local), ep0, Path(run_dir), bool(resume))
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
         dims = ParallelDims.from_env(ep=pipeline_ep(cfg, world), pp=cfg.parallel.pp).init(
             60.0 * cfg.parallel.timeout_min)
     data = build_data(cfg)

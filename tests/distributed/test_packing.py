@@ -21,6 +21,24 @@ def _measure(rank: int, world: int) -> list[dict]:
     return [vars(c) for c in cands]
 
 
+def _measure_stages(rank: int, world: int) -> list[dict]:
+    cfg = tiny("moe.num_experts=4", "scheduler.expert_packing=lina", "parallel.pp=2", "parallel.nproc=4")
+    cands = packing._measured(cfg, world, rank, torch.device("cpu"), [2, 1], 60.0, 1.0, pp=2)
+    return [vars(c) for c in cands]
+
+
+def test_measured_candidates_of_pipeline_stages_count_a_stage_s_ranks():
+    """2 stages x 2 ranks: the layouts are those of a stage's 2 ranks (both stages measure at once), and the
+    rows of one exchange are a micro-batch's share of one rank of the stage."""
+    got = run_ranks(_measure_stages, 4)
+    assert all(g == got[0] for g in got)
+    assert [c["ep"] for c in got[0]] == [2, 1]
+    assert got[0][0]["t_a2a"] > 0 and got[0][1]["t_a2a"] == 0.0
+    assert got[0][0]["t_expert_sync"] == 0.0 and got[0][1]["t_expert_sync"] > 0  # 2 copies in a stage, not 4
+    cfg = tiny("moe.num_experts=4", "parallel.pp=2", "parallel.nproc=4", "pipeline.micro_batches=2")
+    assert packing.exchange_tokens(cfg, 2) == cfg.data.batch_size * cfg.data.seq_len // 2 // 2
+
+
 def test_measured_candidates_are_the_same_on_every_rank():
     a, b = run_ranks(_measure, 2)
     assert a == b  # every rank decides from the slowest rank's figures

@@ -254,23 +254,25 @@ def test_complexity_order_on_planned_micro_batches_records_the_samples_and_resum
     assert json.loads((part / "ckpt-0000008" / "state.json").read_text())["data"] == state
 
 
-def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path):
+@pytest.mark.parametrize("layout", [("--nproc", "2"), ("--nproc", "4", "--pp", "2")], ids=["dp", "pp2"])
+def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path, layout):
     """scheduler.expert_packing lina (from the a100 profile: deterministic) picks the expert-parallel size before
-    sharding, writes packing.json, trains exactly as a run with that size set by hand, and a resume keeps it."""
+    sharding (in a pipeline: of each stage's 2 ranks), writes packing.json, trains exactly as a run with that size
+    set by hand, and a resume keeps it."""
     extra = ["moe.num_experts=4", "scheduler.expert_packing=lina", "planner.costs=a100"]
-    packed = _train(tmp_path / "packed", "--nproc", "2", *extra)
+    packed = _train(tmp_path / "packed", *layout, *extra)
     assert packed.returncode == 0, packed.stderr[-2000:]
     record = json.loads((tmp_path / "packed" / "packing.json").read_text())
     assert record["start_ep"] == 2 and record["ep"] in (1, 2) and record["decisions"]
     assert [c["ep"] for c in record["candidates"]] == [2, 1]
     assert "expert packing (Lina)" in packed.stderr
-    fixed = _train(tmp_path / "fixed", "--nproc", "2", "moe.num_experts=4", "planner.costs=a100",
+    fixed = _train(tmp_path / "fixed", *layout, "moe.num_experts=4", "planner.costs=a100",
                    f"parallel.ep={record['ep']}")
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert [r["loss"] for r in _metrics(tmp_path / "packed")] == [r["loss"] for r in _metrics(tmp_path / "fixed")]
     state = json.loads((tmp_path / "packed" / "ckpt-0000008" / "state.json").read_text())
     assert state["layout"]["ep"] == record["ep"]
-    resumed = run_cli("train", "--steps", "10", "--out", str(tmp_path / "packed"), "--resume", "--nproc", "2", *TINY,
+    resumed = run_cli("train", "--steps", "10", "--out", str(tmp_path / "packed"), "--resume", *layout, *TINY,
                       *extra)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "expert packing (Lina)" not in resumed.stderr  # read from packing.json, not measured again
