@@ -47,6 +47,10 @@ recorded as that check's failure with the traceback's last lines, and the next c
    process: host syncs of one step's schedule (the engine's F and B ops: budget 0 with the `moe` scheme on
    one device; sparse attention's are reported) and of the whole step, CUDA sync debug mode and
    `moebal.sync.audit` (`tests/distributed/test_pipeline_syncs.py` counts the Python-level reads on CPU).
+13. padded_schemes: MoD and early exit on padded rows (planned micro-batching's `ROW_TOKENS`) on the device
+   against the CPU (MoD's selection equal, its output within fp32 tolerance, no host sync; early exit's survival
+   counts equal, one named read per layer), and pruning's global top-k (the radix select) on the device against
+   the single-process top-k, bit for bit.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -1503,6 +1507,104 @@ def check_pipeline_syncs(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+# ---- 13. padded_schemes ----------------------------------------------------------------------------------------
+
+def _padded_model(ctx: Ctx) -> tuple[Any, Any, list[int], int]:
+    """(config, fp32 model on the CPU with MoD routers, real tokens per row, padded length) of the padded checks."""
+    from moebal.config import load
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.models import build_model
+
+    dim, T = (64, 32) if ctx.quick else (512, 1024)
+    cfg = load(overrides=[f"model.dim={dim}", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+                          f"model.ffn_dim={2 * dim}", f"model.max_seq_len={T}", "moe.num_experts=0",
+                          f"data.seq_len={T}", "train.precision=fp32"])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1}, cfg=cfg).prepare_model(model)
+    return cfg, model, [T, T - 1, T // 2 + 3, 1, T // 3], T
+
+
+def check_padded_schemes(ctx: Ctx) -> dict[str, Any]:
+    """The schemes on padded micro-batches and pruning's global top-k on the device (docs/dynamism.md):
+    - MoD on rows of 5 lengths (`ROW_TOKENS`): the routed layer's output on the device against the CPU (fp32),
+      the selection (`padded_selection`) equal, and its host syncs (budget 0: the plan's numbers are host values);
+    - early exit on the same rows: the survival counts (real tokens only) equal to the CPU's, one named read per
+      layer (the one the path choice needs);
+    - pruning's `distributed_keep_masks` (one rank: the radix select on the device's bit patterns, histograms,
+      ties in model order) against `global_magnitude_masks` on the CPU, bit for bit, on coarse values with many
+      ties and on random ones."""
+    import copy
+
+    from moebal.dynamism.mod import padded_selection
+    from moebal.dynamism.pruning import distributed_keep_masks, global_magnitude_masks
+    from moebal.dynamism.scheme import ROW_TOKENS, build_dynamism
+    from moebal.pipeline.p2p import PipeChain
+
+    dev = ctx.device
+    cfg, model, n, T = _padded_model(ctx)
+    n_B = torch.tensor(n, dtype=torch.int64)
+    on_dev = copy.deepcopy(model).to(dev)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(len(n), T, cfg.model.dim, generator=g)
+    res: dict[str, Any] = {"skipped": [], "rows": n}
+    # MoD
+    mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1}, cfg=cfg)
+    mod.begin_step(1)
+    outs = []
+    for m, x in ((model, h), (on_dev, h.to(dev))):
+        cos, sin = m.model.rotary(T, x.dtype)
+        layer = m.model.layers[1]
+        rec: dict[str, Any] = {}
+        with torch.no_grad(), _count_syncs(x.device, rec):
+            sel = padded_selection(layer.mod_router(x).squeeze(-1), 0.25, n_B)
+            out = mod.layer_forward(1, layer, x, cos, sin, {ROW_TOKENS: n_B})
+        outs.append((sel.cpu(), out.cpu(), rec))
+    same_sel = bool(torch.equal(outs[0][0], outs[1][0]))
+    real = torch.arange(T)[None, :] < n_B[:, None]
+    errs = _errs(outs[1][1][real], outs[0][1][real])
+    mod_syncs = outs[1][2]["cuda_syncs"] if ctx.cuda else outs[1][2].get("audit_syncs")
+    res["mod"] = {"same_selection": same_sel, "errors": _round(errs), "syncs": outs[1][2]}
+    # early exit
+    counts, reads = [], []
+    for m, x in ((model, h), (on_dev, h.to(dev))):
+        ee = build_dynamism("early_exit", {"threshold": 0.9, "first_layer": 1}, cfg=cfg)
+        ee.begin_step(1)
+        cos, sin = m.model.rotary(T, x.dtype)
+        carry = {**ee.init_carry(len(n), T, x.device, n_B), ROW_TOKENS: n_B}
+        rec = {}
+        with torch.no_grad(), _count_syncs(x.device, rec):
+            for i, layer in enumerate(m.model.layers):
+                x = ee.layer_forward(i, layer, x, cos, sin, carry)
+        counts.append(ee.tokens_in.tolist())
+        reads.append(rec.get("audit_counted", {}))
+    res["early_exit"] = {"tokens_in_cpu": counts[0], "tokens_in_device": counts[1], "reads": reads[1]}
+    ee_ok = counts[0] == counts[1] and counts[1][-1] == sum(n) and reads[1] == {"early exit: active tokens": 4}
+    # pruning's global top-k
+    gp = torch.Generator().manual_seed(2)
+    sizes = [(32, 16), (4, 8, 6), (16,)] if ctx.quick else [(512, 256), (8, 256, 128), (256,)]
+    top: dict[str, Any] = {}
+    for kind in ("coarse", "random"):
+        layers = [[(torch.randint(-3, 4, s, generator=gp).float() if kind == "coarse" else torch.randn(s, generator=gp))
+                   for s in sizes] for _ in range(3)]
+        total = sum(w.numel() for ws in layers for w in ws)
+        for keep in (0, total // 10, total // 2, total):
+            got = distributed_keep_masks({i: [w.to(dev) for w in ws] for i, ws in enumerate(layers)}, keep,
+                                         PipeChain([0], 0), 3)
+            want = global_magnitude_masks(layers, keep)
+            top[f"{kind} keep {keep}"] = all(torch.equal(got[i][j].cpu(), want[i][j]) for i in range(3)
+                                             for j in range(len(sizes)))
+    res["prune_top_k"] = top
+    res["ok"] = same_sel and _within(errs, TOL["fp32"]) and (not ctx.cuda or mod_syncs == 0) and ee_ok and all(
+        top.values())
+    if not ctx.cuda:
+        res["skipped"].append("the device against the CPU: skipped: needs CUDA (both sides ran on the CPU)")
+    res["summary"] = (f"MoD padded selection {'equal' if same_sel else 'DIFFERS'}, output rel {errs['rel_norm']:.1e}, "
+                      f"syncs {mod_syncs}; early exit counts {'equal' if counts[0] == counts[1] else 'DIFFER'}; "
+                      f"pruning top-k {sum(top.values())}/{len(top)} bit for bit")
+    return res
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -1518,6 +1620,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "sparse_attention": check_sparse_attention,
     "sparse_attention_train": check_sparse_attention_train,
     "pipeline_syncs": check_pipeline_syncs,
+    "padded_schemes": check_padded_schemes,
 }
 
 

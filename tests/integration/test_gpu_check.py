@@ -13,7 +13,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
-          "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train", "pipeline_syncs"]
+          "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train", "pipeline_syncs",
+          "padded_schemes"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
@@ -55,6 +56,10 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert bench["tflops"]["dense"] > 0 and set(bench["x_dense"]) == {"balanced", "skewed_4x"}
     ps = checks["pipeline_syncs"]  # the schedule reads nothing; the step reads the routing and step sums (+ moe's)
     assert ps["syncs"] == {"moe": {"engine": 0, "step": 3}, "sparse_attention": {"engine": 0, "step": 2}}, ps["syncs"]
+    pad = checks["padded_schemes"]  # MoD and early exit on padded rows, pruning's radix select: against references
+    assert pad["mod"]["same_selection"] and pad["mod"]["syncs"]["audit_syncs"] == 0
+    assert pad["early_exit"]["tokens_in_device"][-1] == sum(pad["rows"])  # real tokens entering the network
+    assert len(pad["prune_top_k"]) == 8 and all(pad["prune_top_k"].values())
     sa = checks["sparse_attention"]
     assert set(sa["parity"]) == {"0.5", "0.25"}
     assert all(set(p) == {"y", "dq", "dk", "dv"} for p in sa["parity"].values())
