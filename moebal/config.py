@@ -1075,8 +1075,10 @@ def _need(ok: bool, message: str) -> None:
 REFUSE_REBALANCE_PP1 = ("pipeline.rebalance and pipeline.repack move layers between pipeline stages, and parallel.pp "
                         "1 has one stage: set parallel.pp >= 2, or pipeline.rebalance=off and pipeline.repack=false")
 REFUSE_PLANNED_REPACK = ("planned micro-batching (pipeline.microbatching dynamic, padding or packing) with "
-                         "re-packing is not supported: the plans made ahead name the stages they run on, and a "
-                         "re-pack removes stages; set pipeline.repack=false")
+                         "re-packing and a micro-batch cost table file (pipeline.dynamic.costs *.json) is not "
+                         "supported: a re-pack plans the micro-batches again for fewer stages, and the file's table "
+                         "describes the launch's stages; set pipeline.dynamic.costs measure or a hardware profile, "
+                         "or pipeline.repack=false")
 
 
 def planned_moe_losses(c: Config) -> bool:
@@ -1153,7 +1155,7 @@ def _check_whole(c: Config) -> None:
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
-        _need(not c.pipeline.repack, REFUSE_PLANNED_REPACK)
+        _need(not c.pipeline.repack or not c.pipeline.dynamic.costs.endswith(".json"), REFUSE_PLANNED_REPACK)
         # every scheme runs on planned micro-batches: freezing's frozen prefix skips the gradient messages at a
         # boundary on both sides, early exit's active mask travels with the activations, and MoD and early exit
         # know each padded row's real tokens (`dynamism.scheme.ROW_TOKENS`)

@@ -8,10 +8,14 @@ paper). Here, on one job:
      spawned processes (`concurrent.futures.ProcessPoolExecutor`; the planner imports no torch, so a worker
      starts in a fraction of a second and the cost table is sent to it once, at start);
   2. a publisher thread on rank 0 takes the finished plans *in iteration order* and writes each as JSON to a
-     `torch.distributed.TCPStore` hosted by rank 0 (key `mbplan/<step>`);
-  3. at step s every rank reads `mbplan/<s>` (a blocking get: the only place training can wait on planning);
-     rank 0 deletes the key of step s - 2, which every rank has read (the pipeline's reductions order the
-     steps).
+     `torch.distributed.TCPStore` hosted by rank 0 (key `mbplan/<generation>/<step>`);
+  3. at step s every rank reads `mbplan/<generation>/<s>` (a blocking get: the only place training can wait on
+     planning); rank 0 deletes the key of step s - 2, which every rank has read (the pipeline's reductions order
+     the steps).
+A re-pack changes the number of stages, and the plans made ahead (an instruction stream per stage) no longer
+fit: every rank still training calls `replan` at the same point of the same step, which starts a new
+generation, and the planning rank plans the steps read ahead again on the new cost table. A plan of the old
+generation that finishes later is published under its own generation's key, which no rank reads.
 `workers = 0` plans inline on rank 0 when the step asks for its plan (all of the planning is exposed; for
 tests and comparison). A failed plan is published as an error, so no rank hangs: every rank raises it.
 The time each rank waits in `get` is the exposed planning time it reports (`plan_wait_s`).
@@ -74,11 +78,13 @@ class PlanAhead:
         self.kwargs, self.workers, self.is_planner = dict(kwargs), workers, is_planner
         self.store, self.timeout_s = store, timeout_s
         self.cost = cost
+        self.generation = 0
+        """Bumped by `replan` on every rank alike: the plans of a generation are keyed apart."""
         self._pending: dict[int, Future[str] | list[int]] = {}
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: list[threading.Thread] = []  # old pools' shutdowns, joined by close()
-        self._out: queue.Queue[tuple[int, Future[str] | list[int]] | None] = queue.Queue()
-        self._local: dict[int, str] = {}
+        self._out: queue.Queue[tuple[int, int, Future[str] | list[int]] | None] = queue.Queue()
+        self._local: dict[tuple[int, int], str] = {}
         self._lock = threading.Condition()
         self._publisher: threading.Thread | None = None
         if is_planner:
@@ -133,6 +139,18 @@ class PlanAhead:
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=600))
         return cls(cost, kwargs, workers=workers, store=store, is_planner=rank == 0)
 
+    def replan(self, cost: MicroBatchCost, steps: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """A new generation (every rank, at the same point): the planning rank plans `steps` (each a step and its
+        sample lengths, in increasing order: the batches read ahead) again with `cost`; their old plans, and
+        any still being made, are never read."""
+        self.generation += 1
+        if not self.is_planner:
+            return
+        self._pending.clear()
+        self.set_cost(cost)
+        for step, lengths in steps:
+            self.submit(step, lengths)
+
     # ---- rank 0: submit and publish ----
     def submit(self, step: int, lengths: Sequence[int]) -> None:
         """Queue the plan of `step` (planner rank only; steps in increasing order)."""
@@ -141,28 +159,28 @@ class PlanAhead:
         lengths = [int(x) for x in lengths]
         job: Future[str] | list[int] = self._pool.submit(_worker_plan, lengths) if self._pool else lengths
         self._pending[step] = job
-        self._out.put((step, job))
+        self._out.put((self.generation, step, job))
 
     def _publish(self) -> None:
         while True:
             item = self._out.get()
             if item is None:
                 return
-            step, job = item
+            gen, step, job = item
             if isinstance(job, list):  # inline planning: done when the step asks (see get)
                 continue
             try:
                 text = job.result()
             except Exception as e:  # noqa: BLE001 - a dead worker must not hang the other ranks
                 text = f"ERROR:planning worker failed: {e.__class__.__name__}: {e}"
-            self._put(step, text)
+            self._put(gen, step, text)
 
-    def _put(self, step: int, text: str) -> None:
+    def _put(self, gen: int, step: int, text: str) -> None:
         with self._lock:
-            self._local[step] = text
+            self._local[(gen, step)] = text
             self._lock.notify_all()
         if self.store is not None:
-            self.store.set(f"mbplan/{step}", text)
+            self.store.set(f"mbplan/{gen}/{step}", text)
 
     # ---- every rank ----
     def get(self, step: int) -> tuple[MicroBatchPlan, float]:
@@ -172,18 +190,21 @@ class PlanAhead:
             job = self._pending.pop(step, None)
             if job is None:
                 raise RuntimeError(f"no plan was submitted for step {step}")  # programmer error
+            key = (self.generation, step)
             if isinstance(job, list):
                 if self.cost is None:  # programmer error: the runner sets the cost model before planning
                     raise RuntimeError(f"no micro-batch cost model to plan step {step} with: call set_cost first")
-                self._put(step, plan_json(job, self.cost, self.kwargs))
+                self._put(*key, plan_json(job, self.cost, self.kwargs))
             with self._lock:
-                if not self._lock.wait_for(lambda: step in self._local, timeout=self.timeout_s):
+                if not self._lock.wait_for(lambda: key in self._local, timeout=self.timeout_s):
                     raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")
-                text = self._local.pop(step)
+                text = self._local.pop(key)
+                for old in [k for k in self._local if k[0] < self.generation]:  # published after a replan
+                    del self._local[old]
             if self.store is not None and step >= 3:
-                self.store.delete_key(f"mbplan/{step - 2}")
+                self.store.delete_key(f"mbplan/{self.generation}/{step - 2}")
         else:
-            raw = self.store.get(f"mbplan/{step}")
+            raw = self.store.get(f"mbplan/{self.generation}/{step}")
             text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         wait = time.perf_counter() - t0
         if text.startswith("ERROR:"):

@@ -103,11 +103,21 @@ class MicrobatchPlanner:
 
     def after_migration(self) -> None:
         """The layers moved: cost the steps not yet submitted on the new partition (every rank; a measured
-        table profiles the new stages, a collective along the chain)."""
+        table profiles the new stages, a collective along the chain). After a re-pack (fewer stages) the plans
+        made ahead name stages that are gone: every rank still training starts a new generation of plans and
+        the planning rank plans the batches read ahead again (`PlanAhead.replan`)."""
+        repacked = self.cost.stages != self.r.chain.size
+        if repacked and (self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json")):
+            raise ConfigError(f"a re-pack onto {self.r.chain.size} stages with a micro-batch cost table of "
+                              f"{self.cost.stages} stages ({self.r.cfg.pipeline.dynamic.costs}): use "
+                              f"pipeline.dynamic.costs measure or a hardware profile, or pipeline.repack false")
         if self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json"):
             return
         self.cost = self.cost_table()
-        self.ahead.set_cost(self.cost)
+        if repacked:
+            self.ahead.replan(self.cost, [(s, [len(x) - 1 for x in samples]) for s, samples, _, _ in self._batches])
+        else:
+            self.ahead.set_cost(self.cost)
 
     # ---- the plans ----
     def data_state(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
-from moebal.config import REFUSE_PLANNED_REPACK, Config, planned_moe_losses
+from moebal.config import Config, planned_moe_losses
 from moebal.data.curriculum import sample_complexity
 from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import ROW_TOKENS
@@ -199,8 +199,6 @@ class PlannedPipelineRunner(PipelineRunner):
     def __init__(self, cfg: Config, *, cost: MicroBatchCost | None = None, kwargs: dict[str, Any] | None = None,
                  workers: int | None = None, **kw: Any) -> None:
         super().__init__(cfg, **kw)
-        if cfg.pipeline.repack:
-            raise ConfigError(REFUSE_PLANNED_REPACK)
         self.lockstep = Lockstep.of(self.dims, cfg)
         # aux_ranks: a stage's ranks that sum routing statistics run in lockstep, each adding 1/n of the loss
         self.engine = PlannedEngine(self.stage, self.chain, self.scheme, "1f1b", 1, self.engine.autocast,
@@ -221,7 +219,8 @@ class PlannedPipelineRunner(PipelineRunner):
         return self.microbatches.data_state()
 
     def after_migration(self) -> None:
-        self.microbatches.after_migration()
+        if not self.released:  # a released rank has left the chain (and plans nothing)
+            self.microbatches.after_migration()
 
     # ---- the step ----
     def _next_input(self) -> tuple[Any, int]:

@@ -256,7 +256,8 @@ def test_the_remaining_refusals_are_one_line_each():
 
     base = {"model": {"n_layers": 4}, "moe": {"num_experts": 0}, "parallel": {"pp": 2, "nproc": 4},
             "pipeline": {"microbatching": "dynamic"}}
-    for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True}}, "re-packing is not supported"),
+    for extra, match in (({"pipeline": {"microbatching": "dynamic", "repack": True, "dynamic": {"costs": "t.json"}}},
+                          "re-packing and a micro-batch cost table file"),
                          ({"parallel": {"pp": 1, "nproc": 1}, "pipeline": {"rebalance": "partition"}},
                           "parallel.pp 1 has one stage")):
         with pytest.raises(ConfigError, match=match) as e:

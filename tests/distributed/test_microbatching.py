@@ -186,8 +186,14 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
 
 
 def _four_ranks(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
+
     SAMPLES["path"] = path
-    return {"dp": _train(docs(nproc=4), 3)}  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
+    out = {"dp": _train(docs(nproc=4), 3)}  # 2 stages x 2 data-parallel pipelines, Karmarkar-Karp
+    # 4 stages of one layer, re-packed onto 2 after step 2 (ranks 1 and 2 released), plans drawn 2 steps ahead
+    out["repack"] = _train(docs(pp=4, nproc=4, workers=1), 5, force=((2, (2, 2)),))
+    dist.barrier()  # the released ranks wait here for the others
+    return out
 
 
 def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
@@ -352,6 +358,20 @@ def test_dynamic_micro_batches_with_data_parallel_pipelines(four):
     recs = results[0]["dp"]["records"]
     assert all(r["micro_batches"] >= 2 for r in recs)
     assert [r["dp"]["ran"][0]["replica"] for r in results] == [0, 1, 0, 1]  # each replica plans its own
+
+
+def test_a_re_pack_plans_the_micro_batches_drawn_ahead_again_for_the_stages_left(four):
+    """4 stages re-packed onto 2 after step 2: the plans made ahead for 4 stages are made again for 2 (a new
+    generation of plans, in the background workers), the released ranks stop, and the losses per token are those of
+    the samples in one batch (1e-5), before and after the re-pack."""
+    ref, _ = reference_losses(docs(pp=4, nproc=4), 5)
+    runs = [r["repack"] for r in four]
+    assert [len(r["losses"]) for r in runs] == [5, 2, 2, 5]  # ranks 1 and 2 released after step 2
+    assert runs[0]["losses"] == runs[3]["losses"]
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(runs[0]["losses"], ref, strict=True)), (
+        runs[0]["losses"], ref)
+    assert [len(p["replicas"][0]["streams"]) for p in runs[0]["plans"]] == [4, 4, 2, 2, 2]
+    assert runs[0]["records"][1]["released_ranks"] == [1, 2]
 
 
 def _same_schedule_per_stage(results: list[dict], case: str, ranks: int) -> None:

@@ -62,3 +62,25 @@ def test_close_waits_for_every_pool_so_none_is_winding_down_at_the_interpreters_
     ahead.close()
     managers = [t for t in threading.enumerate() if isinstance(t, process._ExecutorManagerThread)]
     assert managers == []
+
+
+def test_a_replan_plans_the_submitted_steps_again_on_the_new_table_and_drops_the_old_generation():
+    """After a re-pack (4 stages -> 2) the steps already submitted are planned again for 2 stages; the old
+    generation's plans, finished or not, are never returned (inline planning and one background worker)."""
+    from moebal.balance.microbatch_workers import PlanAhead
+    from tests.unit.test_microbatch import quad_table
+
+    for workers in (0, 1):
+        ahead = PlanAhead(quad_table(P=4), {}, workers=workers)
+        try:
+            for step in (1, 2, 3):
+                ahead.submit(step, [100, 60, 40, 200])
+            assert ahead.get(1)[0].stages == 4
+            ahead.replan(quad_table(P=2), [(2, [100, 60, 40, 200]), (3, [30, 30])])
+            assert ahead.generation == 1
+            two, three = ahead.get(2)[0], ahead.get(3)[0]
+            assert (two.stages, three.stages) == (2, 2)
+            assert sorted(len(r) for mb in three.micro_batches for r in mb.rows) == [1, 1]  # the new lengths
+            assert all(len(r.streams) == 2 for r in two.replicas)
+        finally:
+            ahead.close()
