@@ -209,7 +209,8 @@ def _lockstep_ranks(rank: int, world: int, path: str) -> dict:
             # the schemes whose state crosses the boundary (early exit's mask) or stops gradients at it (freezing),
             # on expert-parallel stages in lockstep
             **{f"ep_{scheme}": _train(docs(nproc=4, moe=4, ep=2, z=1e-3, max_tokens=96), 4, scheme, options)
-               for scheme, options in (("early_exit", EARLY_EXIT), ("freezing", FREEZING))}}
+               for scheme, options in (("early_exit", EARLY_EXIT), ("freezing", FREEZING), ("pruning", PRUNING),
+                                       ("sparse_attention", SPARSE), ("mod", MOD))}}
 
 
 def _recording(cfg: Config) -> Config:
@@ -410,17 +411,23 @@ def test_expert_parallel_stages_run_planned_micro_batches_in_lockstep(lockstep):
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, one_batch)), (got, one_batch)
 
 
-@pytest.mark.parametrize("scheme", ["early_exit", "freezing"])
-def test_boundary_schemes_run_on_expert_parallel_stages_in_lockstep(lockstep, scheme):
-    """Early exit and freezing on planned micro-batches over 2 stages x 2 expert shards (lockstep): every rank
-    reports the same losses, those of the run without the scheme until it acts, and the scheme acts (tokens gone
-    before the last layers with their mask carried across the boundary; stage 0 frozen whole)."""
+@pytest.mark.parametrize("scheme", ["early_exit", "freezing", "pruning", "sparse_attention", "mod"])
+def test_schemes_run_on_expert_parallel_stages_in_lockstep(lockstep, scheme):
+    """Every scheme on planned micro-batches over 2 stages x 2 expert shards (lockstep): every rank reports the
+    same losses, those of the run without the scheme until it acts, and the scheme acts (tokens gone before the
+    last layers with their mask carried across the boundary; stage 0 frozen whole; the global top-k over the
+    expert shards; densities below 1; MoD's capacity below 1 on padded rows)."""
     run, plain = lockstep[0][f"ep_{scheme}"], lockstep[0]["ep"]["losses"]
     assert len(run["losses"]) == 4 and all(r[f"ep_{scheme}"]["losses"] == run["losses"] for r in lockstep)
-    same = {"early_exit": 1, "freezing": 3}[scheme]
+    same = {"early_exit": 1, "freezing": 3, "pruning": 3, "sparse_attention": 1, "mod": 1}[scheme]
     assert run["losses"][:same] == plain[:same]
     last = run["records"][-1]
-    assert last["survival"][3] < 0.5 if scheme == "early_exit" else last["frozen_layers"] == 2, last
+    if scheme in ("early_exit", "freezing"):
+        assert last["survival"][3] < 0.5 if scheme == "early_exit" else last["frozen_layers"] == 2, last
+    elif scheme == "mod":
+        assert last["mod_capacity"] == 0.5, last
+    else:
+        assert min(last.get("layer_density") or last["attention_density"]) < 1.0, last
 
 
 def test_plan_ahead_inside_expert_parallel_stages_runs_on_planned_micro_batches(lockstep):
