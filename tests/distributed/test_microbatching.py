@@ -349,7 +349,7 @@ def four(corpus: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def lockstep(corpus: str) -> list[dict]:
-    return run_ranks(_lockstep_ranks, 4, corpus, timeout_s=300)  # 3 short runs: a loaded host needs the time
+    return run_ranks(_lockstep_ranks, 4, corpus, timeout_s=600)  # 9 short runs: a loaded host needs the time
 
 
 def test_dynamic_micro_batches_with_data_parallel_pipelines(four):
