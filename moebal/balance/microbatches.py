@@ -139,8 +139,9 @@ class MicrobatchPlanner:
             self._read += 1
             self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)
             samples = self.r.data.train.next_samples()
-            at = self.sampler.position if self.sampler is not None else 0
-            self._batches.append((self._read, samples, list(getattr(self.r.data.train, "last_ids", [])), at))
+            # the curriculum records each step's complexities against the batch's ids and position
+            ids, at = (list(self.sampler.last_ids), self.sampler.position) if self.sampler is not None else ([], 0)
+            self._batches.append((self._read, samples, ids, at))
             self.ahead.submit(self._read, [len(x) - 1 for x in samples])
 
     def next(self, step: int, replica: int) -> tuple[MicroBatchPlan, list[np.ndarray], int, dict[str, Any]]:
