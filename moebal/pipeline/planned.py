@@ -40,6 +40,7 @@ and the micro-batch planner re-costs the following plans on the new partition.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from moebal.balance.microbatches import MicrobatchPlanner, planner_kwargs
 from moebal.config import Config, planned_moe_losses
 from moebal.data.curriculum import sample_complexity
 from moebal.distributed.groups import ParallelDims
-from moebal.dynamism.scheme import ROW_TOKENS
+from moebal.dynamism.scheme import ROW_TOKENS, real_positions
 from moebal.errors import ConfigError
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last_backward
 from moebal.pipeline.runner import PipelineRunner
@@ -58,9 +59,22 @@ from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
 from moebal.sync import upload
 
-__all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "padded_rows"]
+__all__ = ["Lockstep", "PlannedEngine", "PlannedPipelineRunner", "micro_batch_tensors", "padded_rows", "spans"]
 
 IGNORE = -100
+
+
+def spans(samples: list[np.ndarray], mb: MicroBatch,
+          rows: tuple[tuple[int, ...], ...]) -> Iterator[tuple[int, int, int, int]]:
+    """(row, first position, tokens, sample) of every sample in `rows` of micro-batch `mb`, in order: each row is
+    its samples' tokens concatenated (one sample per row unless packed), then padding to `mb.seq`."""
+    for r, row in enumerate(rows):
+        pos = 0
+        for i in row:
+            n = len(samples[i]) - 1
+            yield r, pos, n, i
+            pos += n
+        assert pos <= mb.seq, "a row is longer than its micro-batch's padded length"  # a plan bug
 
 
 def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch,
@@ -71,21 +85,17 @@ def micro_batch_tensors(samples: list[np.ndarray], mb: MicroBatch,
     rows = mb.rows if rows is None else rows
     ids = np.zeros((len(rows), mb.seq), dtype=np.int64)
     labels = np.full((len(rows), mb.seq), IGNORE, dtype=np.int64)
-    for r, row in enumerate(rows):
-        pos = 0
-        for i in row:
-            x = samples[i]
-            n = len(x) - 1
-            ids[r, pos:pos + n] = x[:-1]
-            labels[r, pos:pos + n] = x[1:]
-            pos += n
-        assert pos <= mb.seq, "a row is longer than its micro-batch's padded length"  # a plan bug
+    for r, pos, n, i in spans(samples, mb, rows):
+        ids[r, pos:pos + n] = samples[i][:-1]
+        labels[r, pos:pos + n] = samples[i][1:]
     return torch.from_numpy(ids), torch.from_numpy(labels)
 
 
 def padded_rows(samples: list[np.ndarray], mb: MicroBatch, rows: tuple[tuple[int, ...], ...]) -> torch.Tensor | None:
     """The real tokens of each of `rows` (host int64 [B], the schemes' `ROW_TOKENS`), None when no row is padded."""
-    n = [sum(len(samples[i]) - 1 for i in row) for row in rows]
+    n = [0] * len(rows)
+    for r, _, tokens, _ in spans(samples, mb, rows):
+        n[r] += tokens
     return None if min(n) == mb.seq else torch.tensor(n, dtype=torch.int64)
 
 
@@ -212,7 +222,6 @@ class PlannedPipelineRunner(PipelineRunner):
         self.microbatches = MicrobatchPlanner(self, cost=cost, kwargs=kwargs, workers=workers)
         self._last: dict[str, Any] = {}
         self._ran: tuple[MicroBatchPlan, list[np.ndarray]] | None = None  # the step's plan and samples
-        self._slots: dict[int, list[int]] = {}  # data.order complexity: per forward, the batch's samples measured
 
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume)."""
@@ -242,34 +251,34 @@ class PlannedPipelineRunner(PipelineRunner):
         self._ran = work
         return self.engine.run_plan(plan, self.lockstep.replica, self.lockstep.part, samples, count, self.device)
 
+    def _my_rows(self, j: int) -> tuple[MicroBatch, tuple[tuple[int, ...], ...]]:
+        """Micro-batch j of this rank's replica (local index) and this rank's part of its rows."""
+        assert self._ran is not None, "the step's plan before the step ran"
+        plan, ls = self._ran[0], self.lockstep
+        mb = plan.micro_batches[plan.replicas[ls.replica].micro_batches[j]]
+        return mb, mb.part(ls.part, plan.lockstep)
+
     def _measure_rows(self, j: int, labels_BT: torch.Tensor) -> None:
         """After F(j): each sample of this rank's rows of micro-batch j, its share of two-expert tokens in the
         stage's MoE layers (a packed row holds several samples, a padded one padding: per sample, real tokens)."""
         assert self._ran is not None
-        plan, samples = self._ran
-        ls = self.lockstep
-        mb = plan.micro_batches[plan.replicas[ls.replica].micro_batches[j]]
-        rows = mb.part(ls.part, plan.lockstep)
+        mb, rows = self._my_rows(j)
         seg = np.full((len(rows), mb.seq), -1, dtype=np.int64)
-        slots: list[int] = []
-        for r, row in enumerate(rows):
-            pos = 0
-            for i in row:
-                n = len(samples[i]) - 1
-                seg[r, pos:pos + n] = len(slots)
-                slots.append(i)
-                pos += n
+        slots = list(spans(self._ran[1], mb, rows))
+        for k, (r, pos, n, _) in enumerate(slots):
+            seg[r, pos:pos + n] = k
         self._complexity[j] = sample_complexity(self.stage.moe_layers(), upload(seg, self.device), len(slots))
-        self._slots[j] = slots
 
     def _complexity_rows(self, sampler: Any) -> tuple[torch.Tensor, list[int], list[int], int]:
-        """The batch's samples: each measured sample's position in the batch, every sample's tokens, the ids and
-        position the micro-batch planner read the batch with (`batch_ids`, `batch_at`)."""
+        """The batch's samples: each measured sample's position in the batch (the micro-batches measured in order,
+        `_measure_rows`'), every sample's tokens, the ids and position the micro-batch planner read the batch with
+        (`batch_ids`, `batch_at`)."""
         assert self._ran is not None
-        index = torch.tensor([i for j in sorted(self._slots) for i in self._slots[j]], dtype=torch.int64)
-        self._slots.clear()
+        samples = self._ran[1]
+        index = torch.tensor([i for j in sorted(self._complexity) for *_, i in spans(samples, *self._my_rows(j))],
+                             dtype=torch.int64)
         mb = self.microbatches
-        return index, [len(x) - 1 for x in self._ran[1]], mb.batch_ids, mb.batch_at
+        return index, [len(x) - 1 for x in samples], mb.batch_ids, mb.batch_at
 
     def _routed_tokens(self) -> torch.Tensor | bool | None:
         """The real tokens (host bool [B x T]) of the micro-batch every stage forwarded last in this rank's
@@ -277,14 +286,12 @@ class PlannedPipelineRunner(PipelineRunner):
         last forwards differ (no sample then: every rank reads the same plan, so all skip it)."""
         assert self._ran is not None, "a routing sample before the step ran"
         plan, samples = self._ran
-        ls = self.lockstep
-        rep = plan.replicas[ls.replica]
-        last = {[j for op, j in stream if op == "F"][-1] for stream in rep.streams}
+        last = {[j for op, j in stream if op == "F"][-1] for stream in plan.replicas[self.lockstep.replica].streams}
         if len(last) != 1:
             return False
-        mb = plan.micro_batches[rep.micro_batches[last.pop()]]
-        n_B = padded_rows(samples, mb, mb.part(ls.part, plan.lockstep))
-        return None if n_B is None else (torch.arange(mb.seq) < n_B[:, None]).reshape(-1)
+        mb, rows = self._my_rows(last.pop())
+        n_B = padded_rows(samples, mb, rows)
+        return None if n_B is None else real_positions(n_B, mb.seq, torch.device("cpu")).reshape(-1)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
