@@ -80,6 +80,9 @@ class _Sampler:
         """Samples before an epoch's start whose complexities its order leaves out: a reader that draws batches
         ahead of training (planned micro-batching's lookahead) orders an epoch before its last batches were
         measured, and leaves them out so that the order does not depend on when it was taken (`Curriculum`)."""
+        self._lags: dict[int, int] = {}
+        """The lag an epoch was ordered with, for the epoch a checkpoint restores (a resume under another lag
+        orders the rest of that epoch as it began: every sample once; the new lag from the next epoch on)."""
 
     def _num_samples(self) -> int:
         raise NotImplementedError
@@ -102,8 +105,9 @@ class _Sampler:
             if self.curriculum is not None:
                 self._offset = int(np.random.default_rng([self.seed, 0]).integers(self.seq_len))
                 if epoch > 0:
+                    self._lags = {epoch: self._lags.get(epoch, self.curriculum_lag)}  # the current epoch's only
                     self._order = self.curriculum.order(self._order,
-                                                        upto=epoch * self._num_samples() - self.curriculum_lag)
+                                                        upto=epoch * self._num_samples() - self._lags[epoch])
             self._order_epoch = epoch
 
     @property
@@ -138,6 +142,7 @@ class _Sampler:
                  "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
         if self.curriculum is not None:
             state["curriculum"] = self.curriculum.state_dict()
+            state["curriculum_lag"] = self._lags.get(self.epoch, self.curriculum_lag)  # the lag of this epoch
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -151,9 +156,10 @@ class _Sampler:
                             f"but this run's is {'complexity' if self.curriculum is not None else 'shuffle'}: "
                             f"resume with the run's data.order")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self._order_epoch = -1  # the order is recomputed for the restored epoch
+        self._order_epoch = -1  # the order is recomputed for the restored epoch, with the lag it began with
         if self.curriculum is not None:
             self.curriculum.load_state_dict(state["curriculum"])
+            self._lags = {self.epoch: int(state.get("curriculum_lag", 0))}
 
 
 class PackedSampler(_Sampler):

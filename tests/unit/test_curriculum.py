@@ -171,3 +171,33 @@ def test_bad_settings_are_refused():
     assert with_overrides(tiny(*CUR), ["parallel.pp=2", "parallel.nproc=2", "pipeline.microbatching=dynamic"])
     with pytest.raises(ConfigError, match="routes a subset of the tokens"):
         with_overrides(tiny(*CUR), ["dynamism.scheme=early_exit"])
+
+
+def test_a_resume_under_another_lag_orders_the_rest_of_the_epoch_as_it_began():
+    """A checkpoint mid-epoch resumed by a reader with another lag (planned micro-batching switched on or off, or
+    another lookahead): the restored epoch keeps the order it began with, so every sample comes once in it; the
+    new lag orders the next epoch."""
+    from moebal.data import build_data
+
+    cfg = with_overrides(tiny(*CUR), ["data.batch_size=4"])
+
+    def sampler(lag: int):
+        s = build_data(cfg).train
+        s.set_curriculum_lag(lag)
+        return s
+
+    whole = sampler(8)
+    N = whole.state_dict()["samples"]
+    for i in range(N):  # one entry per sample, the last 8 within the lag
+        whole.curriculum.record([i], np.array([[float((7 * i) % N)]]), [8], at=i + 1)
+    while whole.epoch == 0:
+        whole.next_sample()
+    first = [whole.next_sample() for _ in range(3)]
+    state = whole.state_dict()
+    assert state["curriculum_lag"] == 8
+    rest = [tuple(whole.next_sample()) for _ in range(N - 3)]
+    resumed = sampler(0)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [tuple(resumed.next_sample()) for _ in range(N - 3)] == rest  # as it began, not re-ordered with lag 0
+    assert len(first) == 3 and resumed.epoch == 2
+    assert resumed.state_dict()["curriculum_lag"] == 0  # the next epoch under the new lag
