@@ -68,8 +68,9 @@ SCHEMES = {
     "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
     "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
     "moe": {},
-    # the global top-k counts each expert shard's rows once and every dense matrix once per stage
-    "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "auto"},
+    # the global top-k counts each expert shard's rows once and every dense matrix once per stage; the CSR kernel
+    # (`auto` picks kernels by a timing race: runs then differ in the last bits, docs/dynamism.md)
+    "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "csr"},
 }
 
 
