@@ -242,9 +242,13 @@ def test_complexity_order_on_planned_micro_batches_records_the_samples_and_resum
     first = state["samples"] // 4  # the steps whose batches lie inside the first epoch
     for x, y in zip(ref[:first], got[:first], strict=True):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], (x["step"], x["loss"], y["loss"])
-    one = json.loads((tmp_path / "one" / "ckpt-0000004" / "state.json").read_text())["data"]
-    mine = json.loads((tmp_path / "planned" / "ckpt-0000004" / "state.json").read_text())["data"]
-    assert mine["curriculum"] == one["curriculum"] and len(mine["curriculum"]["entries"]) == 16  # 4 steps x 4
+    one = json.loads((tmp_path / "one" / "ckpt-0000004" / "state.json").read_text())["data"]["curriculum"]["entries"]
+    mine = json.loads((tmp_path / "planned" / "ckpt-0000004" / "state.json").read_text())["data"]["curriculum"]
+    assert len(mine["entries"]) == len(one) == 16  # 4 steps x 4 samples: the same samples, positions and tokens
+    assert [(e[0], e[1], e[3]) for e in mine["entries"]] == [(e[0], e[1], e[3]) for e in one]
+    # the shares of two-expert tokens: the plan's micro-batch shapes sum in another order than one process's, so a
+    # token near adaptive gating's threshold may take the other count (1/64 of a 64-token sample)
+    assert all(abs(a - b) <= 2 / 64 for x, y in zip(mine["entries"], one) for a, b in zip(x[2], y[2]))
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "planned", part)
     shutil.rmtree(part / "ckpt-0000008")
