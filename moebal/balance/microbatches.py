@@ -107,11 +107,12 @@ class MicrobatchPlanner:
         made ahead name stages that are gone: every rank still training starts a new generation of plans and
         the planning rank plans the batches read ahead again (`PlanAhead.replan`)."""
         repacked = self.cost.stages != self.r.chain.size
-        if repacked and (self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json")):
+        fixed = self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json")  # not rebuilt here
+        if repacked and fixed:
             raise ConfigError(f"a re-pack onto {self.r.chain.size} stages with a micro-batch cost table of "
                               f"{self.cost.stages} stages ({self.r.cfg.pipeline.dynamic.costs}): use "
                               f"pipeline.dynamic.costs measure or a hardware profile, or pipeline.repack false")
-        if self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json"):
+        if fixed:
             return
         self.cost = self.cost_table()
         if repacked:
@@ -126,7 +127,7 @@ class MicrobatchPlanner:
         if not self._positions:
             return self.r.data.train.state_dict()
         state = dict(self._positions[0])
-        if self.sampler is not None:
+        if self.sampler is not None:  # the positions leave the table out (`_fill`): it is taken now
             state["curriculum"] = self.sampler.curriculum.state_dict()  # type: ignore[union-attr]
         return state
 
@@ -137,7 +138,9 @@ class MicrobatchPlanner:
             self._read = max(self._read, step - 1)
         while self._read < step + self.lookahead:
             self._read += 1
-            self._positions.append(self.r.data.train.state_dict())  # where batch _read starts (checkpoints)
+            # where batch _read starts (checkpoints); a curriculum's table is taken when a checkpoint asks
+            self._positions.append(self.sampler.state_dict(table=False) if self.sampler is not None
+                                   else self.r.data.train.state_dict())
             samples = self.r.data.train.next_samples()
             # the curriculum records each step's complexities against the batch's ids and position
             ids, at = (list(self.sampler.last_ids), self.sampler.position) if self.sampler is not None else ([], 0)

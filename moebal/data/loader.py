@@ -137,11 +137,13 @@ class _Sampler:
     def next_batch(self) -> Batch:
         return _batch_from_rows(self.next_samples())
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, table: bool = True) -> dict[str, Any]:
+        """The position (and the curriculum's lag and, with `table`, its table): what a resume restores."""
         state = {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
                  "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
         if self.curriculum is not None:
-            state["curriculum"] = self.curriculum.state_dict()
+            if table:
+                state["curriculum"] = self.curriculum.state_dict()
             state["curriculum_lag"] = self._lags.get(self.epoch, self.curriculum_lag)  # the lag of this epoch
         return state
 
