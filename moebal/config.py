@@ -370,8 +370,7 @@ class ParallelConfig:
     and the expert-data-parallel ranks (expert parameters), weights replicated (ZeRO-2; docs/sharding.md); full:
     weights too (dense ones by FSDP2 `fully_shard` over the data-parallel ranks, expert ones over their
     expert-data-parallel ranks: gathered a MoE layer at a time; docs/sharding.md). With parallel.pp > 1 per
-    stage (a migrated layer's state is re-sharded); optimizer refuses dynamism.scheme early_exit, and mod with
-    idle routers."""
+    stage (a migrated layer's state is re-sharded)."""
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     """The dtype weights are computed in (bf16 needs train.precision: bf16): under shard full FSDP2 all-gathers
     the dense ones in it; under shard optimizer (parallel.pp 1) every rank keeps its replicated weights in it and
@@ -1046,25 +1045,14 @@ def _one_line(e: Exception) -> str:
 
 
 def _refuse_sharded_pipeline_schemes(c: Config) -> None:
-    """What `parallel.shard: optimizer` does not build with a pipeline's dynamism schemes (docs/sharding.md): its
-    flats step every parameter they hold on every step, with a zero gradient where none arrived, while torch's
-    AdamW (unsharded, and FSDP2's shards under `full`) skips a parameter without a gradient."""
+    """What `parallel.shard: optimizer` does not build with a pipeline's dynamism schemes (docs/sharding.md)."""
     par, d = c.parallel, c.dynamism
     if par.shard != "optimizer" or not c.pipelined:
         return
-    _need(d.scheme != "early_exit",
-          "'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=early_exit: a layer every "
-          "token of a step has left gets no gradient, which the sharded flats step anyway (moments and weight "
-          "decay move it) where torch's AdamW skips it; use parallel.shard=full or none")
     _need(d.scheme != "pruning" or par.param_dtype == "fp32",
           "'parallel.shard: optimizer' with a pipeline and 'parallel.param_dtype: bf16' is not built with "
           "dynamism.scheme=pruning: its masks apply to the parameters' gradients, which the sharded optimizer sums "
           "over the micro-batches in an fp32 buffer of its own; use parallel.param_dtype=fp32 or parallel.shard=full")
-    _need(d.scheme != "mod" or (d.mod.start == 0 and d.mod.capacity < 1),
-          f"'parallel.shard: optimizer' with a pipeline is not built with dynamism.scheme=mod while its routers idle "
-          f"(dynamism.mod.start {d.mod.start}, capacity {d.mod.capacity}): an idle router gets no gradient, which the "
-          f"sharded flats step anyway where torch's AdamW skips it; set dynamism.mod.start=0 and capacity < 1, or "
-          f"use parallel.shard=full or none")
 
 
 def _need(ok: bool, message: str) -> None:

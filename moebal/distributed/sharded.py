@@ -66,6 +66,19 @@ the zero-bubble schedule's W adds its deferred gradients outside autograd, throu
 fp32 gradient sum as its gradient (`_masters_whole`): the walk moves those, and the rebuilt optimizer takes its
 masters from them and folds a carried gradient into its own buffer.
 
+Parameters without a gradient (`skips`, a pipeline whose dynamism scheme may leave one: early exit's layers that
+every token of a step has left, MoD's routers before they start; `Dynamism.idle_parameters`): torch's AdamW
+skips a parameter whose gradient is None, and keeps a step count per parameter for its bias correction. One
+state per owned part has one count for every parameter in it, and its fused step would update a parameter
+without a gradient anyway (its moments decay, weight decay shrinks it). So each parameter keeps its own count
+(`_steps`, the same on every rank of its shard group), `reduce` agrees which parameters had a gradient on some rank
+of the group (a gradient sent as zeros where a peer had one, the unsharded pipeline's rule; one small host
+all-reduce per shard axis: `_agree_stepped`), and `step` updates the owned parts slice by slice in the arithmetic
+of torch's AdamW (`_step_each`: neighbouring parameters that step with one count are one slice, and a flat's
+slices go to torch's fused kernel in one call, each with its count: the unsharded fused AdamW's bits). The
+counts travel with a migration (`full_state`, `load_full_state`) and a checkpoint (`<name>:step` per logical
+tensor, as unsharded), so a resume, sharded or not, continues each parameter's bias correction.
+
 Checkpoints keep the format of unsharded ones (moebal/train/checkpoint.py): every logical tensor's AdamW state
 is written whole, by the owner of its first element, which receives the other owners' pieces point to point
 (`logical_state`); loading reads the logical tensors that overlap this rank's parts and keeps the overlap
@@ -74,6 +87,7 @@ is written whole, by the owner of its first element, which receives the other ow
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -151,6 +165,7 @@ class _Flat:
     ranks: list[int]  # global ranks of the shard group, in group order
     index: int  # this rank's position in it
     weight_decay: float
+    axis: str = "dp_ep"  # the shard axis ("dp_ep" dense, "dp" experts)
     native: bool = False  # the backend reduce-scatters natively and reports completion (NCCL), else all-reduce
     buckets: list[int] = field(default_factory=list)  # global bucket indices
     # per bucket: this rank's part (a view of buf; at rest a tensor of its own)
@@ -187,7 +202,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                  bucket_elems: int = DEFAULT_BUCKET_ELEMS, include: Callable[[torch.Tensor], bool] | None = None,
                  reduce_dtype: torch.dtype | None = None, divisor: float | None = None,
                  channels: dict[str, Any] | None = None, at_rest: Sequence[Sequence[nn.Parameter]] = (),
-                 param_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
+                 param_dtype: torch.dtype | None = None, accumulate: bool = False, skips: bool = False) -> None:
         """`include`: which parameters it shards (None: all; `parallel.shard: full` gives it the expert ones,
         moebal/distributed/fsdp.py); `reduce_dtype`: the dtype gradients are reduce-scattered in (None: theirs);
         the owned parts' gradients are always in the parameters' dtype. `divisor`: what the summed gradients are
@@ -201,7 +216,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         values kept as the owned parts only ("Compute copies" above); None: the weights' own dtype.
         `accumulate`: gradients accumulate over several backward passes before `reduce` (a pipeline stage's
         micro-batches); the compute copies' gradients then add up in an fp32 buffer per flat, not in bf16
-        ("Accumulation" above)."""
+        ("Accumulation" above). `skips`: a step may leave a parameter without a gradient on every rank (a
+        pipeline's early exit or idle routers): each parameter keeps its own step count and one without a gradient
+        is not stepped, as torch's AdamW skips it ("Parameters without a gradient" above)."""
         from moebal.train.optim import param_groups
 
         groups = param_groups(model, t.weight_decay)
@@ -226,6 +243,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.param_dtype = param_dtype
         self.accumulate = accumulate
         self._acc: dict[int, torch.Tensor] = {}  # flat -> fp32 sum of its compute copies' gradients (`accumulate`)
+        self.skips = skips
+        self._got: set[int] = set()  # `skips`: the parameters that had a gradient on this rank this step
+        self._stepped: list[list[bool]] | None = None  # `skips`: per flat and parameter, what `step` updates
         for g in groups:
             for expert in (False, True):
                 ps = [p for p in g["params"] if is_expert_param(p) == expert]
@@ -238,6 +258,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # buckets (after Agg) last
         self.order = sorted(range(len(self.buckets)),
                             key=lambda k: (self.buckets[k].late, self.buckets[k].position, k))
+        self._steps = [[0] * len(fl.params) for fl in self.flats]  # `skips`: each parameter's AdamW step count
         self._of_param: dict[int, tuple[int, int]] = {id(p): (f, i) for f, fl in enumerate(self.flats)
                                                       for i, p in enumerate(fl.params)}
         self._param_buckets: dict[int, list[int]] = {}
@@ -299,7 +320,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # one: 6 bytes a parameter against 4)
         master = (self.param_dtype is not None and self.param_dtype != buf.dtype
                   and (not is_expert_param(params[0]) or W > 1))
-        fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay,
+        fl = _Flat(params, offsets, buf, group, ranks, ranks.index(self.dims.rank), weight_decay, axis,
                    native=group is not None and native_reduce_scatter(str(dist.get_backend(group)), buf.device.type),
                    unit=unit, master=master)
         f = len(self.flats)
@@ -326,6 +347,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     g, p.grad = p.grad, None  # a gradient carried by a migration (fp32, not reduced yet)
                     p.data = fl.buf[o:o + p.numel()].view_as(p)  # gradients come in param_dtype too
                     if g is not None:  # into the flat's fp32 sum, which `reduce` sends
+                        self._got.add(id(p))
                         acc = self._acc.setdefault(f, torch.zeros(N, dtype=torch.float32, device=buf.device))
                         acc[o:o + p.numel()] += g.reshape(-1)
 
@@ -418,6 +440,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         for i in b.params:
             p, o = fl.params[i], fl.offsets[i]
             lo, hi = max(o, b.start), min(o + p.numel(), end)
+            if p.grad is not None:
+                self._got.add(id(p))
             if acc is not None:  # the micro-batches' sum in fp32, and what arrived since (Agg's replica gradients)
                 send[lo - b.start:hi - b.start].copy_(acc[lo:hi])
                 if p.grad is not None:
@@ -457,6 +481,24 @@ class ShardedAdamW(torch.optim.Optimizer):
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = self._outs[k].to(leaf.dtype).div_(self.divisor)
         self._outs, self._acc = {}, {}
+        if self.skips:
+            self._agree_stepped()
+
+    def _agree_stepped(self) -> None:
+        """`skips`: which parameters `step` updates: those with a gradient on some rank of their shard group. The
+        unsharded pipeline's rule (`PipelineRunner._join_peers_grads`): where a peer has a gradient the sum is its,
+        where no rank has one the gradient stays None, which torch's AdamW skips. One small host all-reduce per
+        shard axis (a CPU tensor: gloo under the device-aware backend)."""
+        flags = [torch.tensor([id(p) in self._got for p in fl.params], dtype=torch.int32) for fl in self.flats]
+        for axis in ("dp_ep", "dp"):
+            fs = [f for f, fl in enumerate(self.flats) if fl.axis == axis]
+            if self._channels[axis] is None or not fs:
+                continue
+            v = torch.cat([flags[f] for f in fs])
+            dist.all_reduce(v, group=self._channels[axis])
+            for f, part in zip(fs, v.split([len(flags[f]) for f in fs])):
+                flags[f] = part
+        self._stepped = [[bool(x) for x in v.tolist()] for v in flags]
 
     def owned_squares(self) -> list[torch.Tensor]:
         """The summed squares of every owned part's gradient (fp32 scalars)."""
@@ -505,7 +547,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         lr = self.param_groups[0]["lr"]
         for g in self.inner.param_groups:
             g["lr"] = lr
-        self.inner.step()
+        if self.skips:
+            self._step_each(lr)
+        else:
+            self.inner.step()
         for fl in self.flats:
             for k, leaf in zip(fl.buckets, fl.leaves):
                 leaf.grad = None
@@ -513,6 +558,66 @@ class ShardedAdamW(torch.optim.Optimizer):
                     continue  # (`gather_unit`); one rank: the part is a view of the flat, updated in place
                 # a copy: the part may be a view of the flat gathered into (with compute copies: the master rounded)
                 self._gather_parts(fl, k, leaf, fl.buf, copy=True)
+        self._got, self._stepped = set(), None
+
+    def _step_each(self, lr: float) -> None:
+        """`skips`: AdamW on the owned parts parameter by parameter: a parameter `reduce` found without a gradient on
+        every rank of its group keeps its weights, moments and step count; the others step with their own count.
+        Neighbouring parameters of one part that step with the same count update as one slice (every one of them,
+        in a step that leaves none out). The slices of a flat go to torch's fused AdamW kernel in one call, each
+        with its count (as the unsharded fused AdamW: the same bits); without it (a foreach optimizer), torch's
+        single-tensor arithmetic slice by slice."""
+        beta1, beta2 = self.inner.defaults["betas"]
+        eps = self.inner.defaults["eps"]
+        fused = bool(self.inner.defaults.get("fused"))
+        for f, fl in enumerate(self.flats):
+            stepped = self._stepped[f] if self._stepped is not None else [True] * len(fl.params)
+            steps = self._steps[f]
+            for i, on in enumerate(stepped):
+                steps[i] += on
+            # the flat's slices: weights, gradients, moments, and each slice's count (a 0-d tensor on the part's
+            # device, where the fused kernel reads it; `torch.full` fills it without a host sync)
+            ws: list[torch.Tensor] = []
+            gs: list[torch.Tensor] = []
+            ms: list[torch.Tensor] = []
+            vs: list[torch.Tensor] = []
+            counts: list[torch.Tensor] = []
+            ns: list[int] = []  # the counts on the host
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                if leaf.grad is None:
+                    continue
+                state = self.inner.state[leaf]
+                if not state:  # AdamW's own start: zero moments
+                    state.update(exp_avg=torch.zeros_like(leaf), exp_avg_sq=torch.zeros_like(leaf))
+                b = self.buckets[k]
+                first = b.start + fl.index * b.part
+                runs: list[list[int]] = []  # [lo, hi, step] in part offsets
+                for i in b.params:
+                    lo = max(fl.offsets[i], first) - first
+                    hi = min(fl.offsets[i] + fl.params[i].numel(), first + b.part) - first
+                    if lo >= hi or not stepped[i]:
+                        continue
+                    if runs and runs[-1][1] == lo and runs[-1][2] == steps[i]:
+                        runs[-1][1] = hi
+                    else:
+                        runs.append([lo, hi, steps[i]])
+                for lo, hi, n in runs:
+                    ws.append(leaf.detach()[lo:hi])
+                    gs.append(leaf.grad[lo:hi])
+                    ms.append(state["exp_avg"][lo:hi])
+                    vs.append(state["exp_avg_sq"][lo:hi])
+                    counts.append(torch.full((), float(n), device=leaf.device))
+                    ns.append(n)
+                # the part's count (what a resume without `skips` takes): its most-stepped parameter's
+                state["step"] = torch.tensor(float(max((steps[i] for i in b.params), default=0)))
+            if not counts:
+                continue
+            if fused:  # torch's own kernel, as the unsharded AdamW runs it: the same bits
+                torch._fused_adamw_(ws, gs, ms, vs, [], counts, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+                                    weight_decay=float(fl.weight_decay), eps=float(eps), amsgrad=False, maximize=False)
+            else:
+                for w, g, m, v, n in zip(ws, gs, ms, vs, ns):
+                    _adamw(w, g, m, v, lr, fl.weight_decay, beta1, beta2, eps, n)
 
     def _gather_parts(self, fl: _Flat, k: int, part: torch.Tensor, out: torch.Tensor, copy: bool = False) -> None:
         """Every rank's part of bucket k (this rank's: `part`, in `out`'s dtype on the way) gathered into `out`, a
@@ -581,6 +686,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def add(self, p: torch.Tensor, g: torch.Tensor) -> None:
         """`g` (one backward pass's gradient of `p`, in its compute dtype) added into its flat's fp32 sum."""
+        self._got.add(id(p))
         f, i = self._of_param[id(p)]
         fl = self.flats[f]
         acc = self._acc.get(f)
@@ -640,7 +746,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         return [leaf for fl in self.flats if fl.unit is not None or fl.master for leaf in fl.leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._acc = {}
+        self._acc, self._got = {}, set()
         for fl in self.flats:
             for p in fl.params:
                 p.grad = None
@@ -685,6 +791,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         optimizer is not used afterwards."""
         self._masters_whole()
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        if self.skips:
+            return self._full_state_each()
         step = self._agreed_step()
         if step is None:
             return out
@@ -698,6 +806,40 @@ class ShardedAdamW(torch.optim.Optimizer):
                     self._gather_parts(fl, k, state[key] if key in state else torch.zeros_like(leaf), buf)
             for p, o in zip(fl.params, fl.offsets):
                 out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
+        return out
+
+    def _agreed_steps(self) -> list[list[int]]:
+        """`skips`: every parameter's step count, the same on every rank of its shard group (a count read from a
+        checkpoint is right on the ranks that own a slice of the parameter; one small all-reduce per axis)."""
+        steps = [list(x) for x in self._steps]
+        for axis in ("dp_ep", "dp"):
+            fs = [f for f, fl in enumerate(self.flats) if fl.axis == axis]
+            if self._channels[axis] is None or not fs:
+                continue
+            v = torch.tensor([n for f in fs for n in steps[f]], dtype=torch.int64)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self._channels[axis])
+            for f, part in zip(fs, v.split([len(steps[f]) for f in fs])):
+                steps[f] = part.tolist()
+        return steps
+
+    def _full_state_each(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """`full_state` with a step count per parameter: a parameter never stepped has no state, as in torch's
+        AdamW; a flat none of whose parameters stepped sends nothing (its group agrees on that)."""
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        self._steps = self._agreed_steps()
+        for fl, steps in zip(self.flats, self._steps):
+            if not any(steps):
+                continue
+            full = {key: torch.zeros(fl.buf.numel(), dtype=fl.state_dtype, device=fl.buf.device)
+                    for key in ("exp_avg", "exp_avg_sq")}
+            for k, leaf in zip(fl.buckets, fl.leaves):
+                state = self.inner.state.get(leaf, {})
+                for key, buf in full.items():
+                    self._gather_parts(fl, k, state[key] if key in state else torch.zeros_like(leaf), buf)
+            for p, o, n in zip(fl.params, fl.offsets, steps):
+                if n:
+                    out[p] = {"step": torch.tensor(float(n)),
+                              **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
         return out
 
     @torch.no_grad()
@@ -742,6 +884,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not states:
             return
         step = next(iter(states.values()))["step"]
+        if self.skips:  # each parameter's own count; the parts' (unused by `_step_each`) their largest
+            self._steps = [[int(states[p]["step"]) if p in states else 0 for p in fl.params] for fl in self.flats]
+            step = torch.tensor(float(max(n for steps in self._steps for n in steps)))
         for f, fl in enumerate(self.flats):
             parts = {k: {key: torch.zeros(self.buckets[k].part, dtype=fl.state_dtype, device=fl.buf.device)
                          for key in ("exp_avg", "exp_avg_sq")} for k in fl.buckets}
@@ -789,6 +934,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         return held
 
     # ---- checkpoints ----
+    def _param_at(self, f: int, offset: int) -> int:
+        """The index in flat f of the parameter holding flat offset `offset`."""
+        return bisect.bisect_right(self.flats[f].offsets, offset) - 1
+
     def _part_state(self, k: int) -> dict[str, torch.Tensor]:
         fl = self.flats[self.buckets[k].flat]
         leaf = fl.leaves[fl.buckets.index(k)]
@@ -834,7 +983,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             if mine:
                 for key in moments:
                     out[f"{piece.name}:{key}"] = full[key].view(piece.shape)
-                if moments:
+                if moments and self.skips:
+                    out[f"{piece.name}:step"] = torch.tensor(float(self._steps[f][self._param_at(f, piece.start)]))
+                elif moments:
                     out[f"{piece.name}:step"] = self._part_state(runs[0][1])["step"].detach().clone()
                 if fl.master:
                     out[piece.name] = full["weight"].view(piece.shape)
@@ -857,6 +1008,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
         parts: dict[int, dict[str, torch.Tensor]] = {}
         masters: dict[int, torch.Tensor] = {}
+        steps: dict[tuple[int, int], int] = {}  # (flat, parameter) -> its step count (`skips`)
         for f, piece in self.pieces(module, stacked):
             fl = self.flats[f]
             runs = [r for r in self._runs(f, piece.start, piece.stop) if r[0] == fl.index]
@@ -888,17 +1040,30 @@ class ShardedAdamW(torch.optim.Optimizer):
                     dst[key][a:a + hi - lo] = saved[key].reshape(-1)[lo - piece.start:hi - piece.start]
                 step = saved.get("step")
                 dst["step"] = step if isinstance(step, torch.Tensor) else torch.tensor(float(step or 0))
-        return {"sharded_parts": parts, "master_parts": masters}
+                steps[f, self._param_at(f, piece.start)] = int(dst["step"])
+        return {"sharded_parts": parts, "master_parts": masters, "param_steps": steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Adopt `read_logical_state`'s parts (the inner AdamW's state of each owned bucket; the fp32 weights of
         compute copies: the module's load wrote the same values, rounded, into the flats)."""
         for k, s in state_dict["sharded_parts"].items():
             self._adopt(k, s)
+        for (f, i), n in state_dict.get("param_steps", {}).items():
+            self._steps[f][i] = n
         with torch.no_grad():
             for k, w in state_dict.get("master_parts", {}).items():
                 fl = self.flats[self.buckets[k].flat]
                 fl.leaves[fl.buckets.index(k)].copy_(w)
+
+
+def _adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, weight_decay: float,
+           beta1: float, beta2: float, eps: float, step: int) -> None:
+    """One AdamW update of `p` in place (torch's single-tensor AdamW, step `step` >= 1, no amsgrad)."""
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

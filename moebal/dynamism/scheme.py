@@ -178,8 +178,9 @@ class Dynamism:
 
     def idle_parameters(self) -> bool:
         """Whether a step may leave a parameter that trains without a gradient on every rank (a layer every token
-        has left, an idle router). torch's AdamW skips such a parameter; `parallel.shard: optimizer`'s flats would
-        step it, so a pipeline refuses the pair."""
+        has left, an idle router). torch's AdamW skips such a parameter; a pipeline's `parallel.shard: optimizer`
+        then keeps a step count per parameter and skips it too (`ShardedAdamW(skips=True)`), and the unsharded
+        pipeline first exchanges which parameters have a gradient (`PipelineRunner._join_peers_grads`)."""
         return False
 
     def frozen_prefix(self) -> int:

@@ -104,10 +104,6 @@ def refuse_layout(cfg: Config, ep: int, scheme: Dynamism) -> None:
     if ep > 1 and (E == 0 or E % ep):
         raise ConfigError(f"parallel.ep = {ep} needs MoE layers whose moe.num_experts ({E}) it divides: choose a "
                           f"divisor of it, or ep=1")
-    if cfg.parallel.shard == "optimizer" and scheme.idle_parameters():
-        raise ConfigError(f"'parallel.shard: optimizer' with a pipeline is not built with this {scheme.name} scheme: "
-                          f"a step may leave a parameter without a gradient, which the sharded flats step anyway "
-                          f"where torch's AdamW skips it; use parallel.shard=full or none")
     if pp > L:
         raise ConfigError(f"{pp} pipeline stages for {L} layers: every stage needs a layer; use at most {L} stages")
 
@@ -260,8 +256,9 @@ class PipelineRunner:
     def _make_optimizer(self, module: torch.nn.Module) -> torch.optim.Optimizer | None:
         """AdamW as the single-process trainer builds it, or its sharded form over the stage's ranks
         (`parallel.shard: optimizer`: dense state over "dp_ep", expert state over "dp"; the losses are normalised
-        by the global label count already, so the reduced gradients are sums: divisor 1); None when nothing here
-        trains (a frozen stage)."""
+        by the global label count already, so the reduced gradients are sums: divisor 1; a scheme that may leave a
+        parameter without a gradient gives it a step count per parameter, `skips`); None when nothing here trains
+        (a frozen stage)."""
         from moebal.train.optim import build_optimizer
 
         if not any(p.requires_grad for p in module.parameters()):
@@ -270,7 +267,7 @@ class PipelineRunner:
             par = self.cfg.parallel
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels,
                                 param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
-                                accumulate=True)
+                                accumulate=True, skips=self.scheme.idle_parameters())
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,

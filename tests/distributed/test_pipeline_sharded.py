@@ -15,7 +15,6 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
-from moebal.errors import ConfigError
 from tests.distributed.shard_parity import checkpoint_state
 
 STEPS = 10
@@ -25,7 +24,7 @@ steps follow the last move, so carried moments (and masters) are used by several
 
 
 def pipe_cfg(shard: str, ep: int, steps: int = STEPS, dynamism: str = "none", pp: int = 2, schedule: str = "1f1b",
-             **train: Any) -> Config:
+             options: dict[str, Any] | None = None, **train: Any) -> Config:
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
@@ -33,7 +32,8 @@ def pipe_cfg(shard: str, ep: int, steps: int = STEPS, dynamism: str = "none", pp
         "train": {"steps": steps, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
                   "grad_clip": 0.5, "threads": 1, "progress": "plain", **train},
         "parallel": {"pp": pp, "ep": ep, "nproc": 4, "shard": shard},
-        "pipeline": {"micro_batches": 2, "schedule": schedule}, "dynamism": {"scheme": dynamism},
+        "pipeline": {"micro_batches": 2, "schedule": schedule},
+        "dynamism": {"scheme": dynamism, **({dynamism: options} if options else {})},
         # a fixed hardware profile: both runs of a pair plan the same placements from the same counts (measured
         # coefficients differ between runs, and so would the replicas and the order gradients are summed in)
         "planner": {"costs": "rtx3090"}})
@@ -137,7 +137,8 @@ def test_sharded_pipeline_repacks_like_unsharded(pairs):
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 
 def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int | None, ep: int = 1,
-         param_dtype: str = "fp32", precision: str = "fp32") -> list[dict[str, Any]]:
+         param_dtype: str = "fp32", precision: str = "fp32", dynamism: str = "none",
+         options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One leg of a resume chain on 2 stages (a checkpoint every 2 steps, a migration after step 1 and one inside
     step 3); rank 0 returns the logged steps."""
     import dataclasses
@@ -145,7 +146,8 @@ def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int |
     from moebal.distributed.groups import ParallelDims
     from moebal.train.pipelined import pipeline_trainer
 
-    cfg = pipe_cfg(shard, ep, steps=6, ckpt_every=2, keep_checkpoints=10, precision=precision)
+    cfg = pipe_cfg(shard, ep, steps=6, ckpt_every=2, keep_checkpoints=10, precision=precision, dynamism=dynamism,
+                   options=options)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=param_dtype))
     dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=ep).init()
     trainer = pipeline_trainer(cfg, root, resume=resume, dims=dims, force=((1, (1, 3)),), force_mid=((3, (3, 1)),))
@@ -157,19 +159,23 @@ def _leg(rank: int, world: int, root: str, shard: str, resume: bool, stop: int |
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
 
 
-def resume_parity(tmp_path: Path, shard: str) -> dict:
+def resume_parity(tmp_path: Path, shard: str, dynamism: str = "none", options: dict[str, Any] | None = None) -> dict:
     """6 steps with migrations in one go against 4 steps, a stop, and a resume of the `shard` run from its step-4
     checkpoint (taken under a migrated partition: the resumed run migrates to it and re-shards); the same
     checkpoint resumed unsharded continues the same run too (the format does not say it was sharded). Asserts
-    losses, gradient norms and the step-6 state within 1e-5; returns the resumed run's step-6 manifest."""
+    losses, gradient norms and the step-6 state within 1e-5; returns the resumed run's step-6 manifest. `dynamism`
+    and its `options`: every leg's scheme."""
     import shutil
 
-    whole = run_ranks(_leg, 4, str(tmp_path / "whole"), shard, False, None, timeout_s=600)[0]
+    def leg(root: str, shard: str, resume: bool, stop: int | None) -> list[dict[str, Any]]:
+        return run_ranks(_leg, 4, root, shard, resume, stop, 1, "fp32", "fp32", dynamism, options, timeout_s=600)[0]
+
+    whole = leg(str(tmp_path / "whole"), shard, False, None)
     run = str(tmp_path / "resumed")
-    run_ranks(_leg, 4, run, shard, False, 4, timeout_s=600)
+    leg(run, shard, False, 4)
     shutil.copytree(run, tmp_path / "unsharded")
-    resumed = run_ranks(_leg, 4, run, shard, True, None, timeout_s=600)[0]
-    plain = run_ranks(_leg, 4, str(tmp_path / "unsharded"), "none", True, None, timeout_s=600)[0]
+    resumed = leg(run, shard, True, None)
+    plain = leg(str(tmp_path / "unsharded"), "none", True, None)
     assert [r["step"] for r in resumed] == [r["step"] for r in plain] == list(range(1, 7))
     for a, b, c in zip(whole, resumed, plain):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
@@ -189,16 +195,24 @@ def test_sharded_pipeline_resumes_from_its_checkpoint_like_an_uninterrupted_run(
     assert len(writers) == 4, writers  # each stage's AdamW state written by its owners, every rank a part
 
 
-# ---- refusals ----------------------------------------------------------------------------------------------------
+EXIT = {"threshold": 0.9, "first_layer": 1}
+"""Early exit whose tokens leave after layer 1 (all of them in the first steps): the attention of the later layers
+has no gradient on any rank, and its step counts fall behind the other layers'."""
 
-def test_sharded_pipeline_refusals_name_the_setting():
-    """What `shard: optimizer` does not build with a pipeline's schemes (the cells it builds, and their refusals'
-    one lines, are tests/distributed/test_pipeline_sharded_schemes.py's)."""
-    import re
 
-    with pytest.raises(ConfigError, match=re.escape("is not built with dynamism.scheme=early_exit")):
-        pipe_cfg("optimizer", 1, dynamism="early_exit")
-    assert pipe_cfg("optimizer", 1, dynamism="pruning").dynamism.scheme == "pruning"
+def test_sharded_pipeline_resumes_each_parameters_step_count_under_early_exit(tmp_path):
+    """A step count per parameter (`ShardedAdamW(skips=True)`) survives the checkpoint: the resumed run and the same
+    checkpoint resumed unsharded (torch's AdamW, which keeps a count per parameter) continue the uninterrupted run."""
+    from moebal.train.checkpoint import read_checkpoint
+
+    resume_parity(tmp_path, "optimizer", dynamism="early_exit", options=EXIT)
+    with read_checkpoint(tmp_path / "resumed" / "ckpt-0000004") as reader:
+        steps = {ln: float(reader.optimizer_state(ln)["step"]) for ln in reader.names() if reader.optimizer_keys(ln)}
+    # every token leaves before layers 2 and 3 in steps 1-3 (the first tokens reach layer 2 in step 4): their
+    # attention has no gradient there; the MoE block joins with zero rows (a gradient of zeros) and steps every time
+    attention = "model.layers.{}.self_attn.q_proj.weight"
+    assert [steps[attention.format(i)] for i in range(4)] == [4, 4, 1, 0], steps
+    assert steps["model.layers.3.block_sparse_moe.gate.weight"] == 4
 
 
 # ---- bf16 weights (`parallel.param_dtype: bf16`) ----------------------------------------------------------------

@@ -2,12 +2,11 @@
 unsharded pipeline with the same scheme, on 4 gloo ranks (pp 2 x dp 2, 1F1B, clipping active): losses, gradient
 norms and every final parameter within 1e-5 relative, over 5 steps with a forced migration after step 2 and one
 inside step 4 (between its backward pass and its optimizer step: gradients travel). Every cell runs in one spawn;
-each test checks its scheme's cells. What `optimizer` does not build is refused (config, no spawn)."""
+each test checks its scheme's cells."""
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
-from moebal.errors import ConfigError
 from tests.distributed.test_pipeline_sharded import _rel
 
 STEPS = 5
@@ -37,9 +35,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "sparse_attention": {"block": 4, "budget": "random_walk"},
 }
 SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"),
-          "early_exit": ("full", "full+zb", "full+recompute"), "mod": ("optimizer", "full", "full+recompute"),
-          "sparse_attention": ("optimizer", "full", "full+recompute")}
-"""The sharded runs of each scheme (`optimizer` refuses early_exit: below; "+zb": the zero-bubble schedule, whose
+          "early_exit": ("optimizer", "full", "full+zb", "full+recompute"),
+          "mod": ("optimizer", "full", "full+recompute"), "sparse_attention": ("optimizer", "full", "full+recompute"),
+          "peers": ("optimizer", "full"), "mod_idle": ("optimizer", "full")}
+"""The sharded runs of each scheme and case (below: "peers", "mod_idle"; "+zb": the zero-bubble schedule, whose
 W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference; "+recompute": `train.recompute:
 full`, whose backward replays the token-subset layers or the sparse attention inside their FSDP2 units, against the
 reference without it)."""
@@ -53,6 +52,11 @@ PEERS_SEED = 4
 sharded run's logits 4.5e-8 from the unsharded run's, and on an AVX-512 CPU its top-2 flipped at step 5 (layer 0's
 router and experts 2.3e-4 apart after the step). Seed 4: a rank's rows all leave before layer 2 five times, and
 no top-2 gap is under 3.5e-6, 70x the logits' differences."""
+IDLE_MOD = {**SCHEMES["mod"], "start": 3}
+"""MoD whose routers idle until step 3: they have no gradient in steps 1-2, which torch's AdamW skips (their step
+count starts at step 3) and the sharded optimizer's flats must skip too (`ShardedAdamW(skips=True)`)."""
+CASES = {"peers": ("early_exit", PEERS, 1, PEERS_SEED), "mod_idle": ("mod", IDLE_MOD, 2, 0)}
+"""Cells beyond each scheme's own settings: (scheme, options, micro-batches, seed)."""
 MIN_GAP = 1e-6
 """Smallest gap between a token's k-th and (k+1)-th gate scores that sharded rounding cannot flip."""
 
@@ -116,20 +120,17 @@ def _run(shard: str, scheme: str, options: dict[str, Any] | None = None, micro_b
 def _cells(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for scheme, shards in SHARDS.items():
-        plain = _run("none", scheme)
+    for cell, shards in SHARDS.items():
+        scheme, options, micro_batches, seed = CASES.get(cell, (cell, None, 2, 0))
+        plain = _run("none", scheme, options, micro_batches, seed)
         ref = plain.pop("params")
-        out[scheme] = {"none": plain}
+        out[cell] = {"none": plain}
         for shard in shards:
-            run = _run(shard, scheme)
+            run = _run(shard, scheme, options, micro_batches, seed)
             got = run.pop("params")
             assert got.keys() == ref.keys()
             run["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
-            out[scheme][shard] = run
-    plain, full = (_run(shard, "early_exit", PEERS, micro_batches=1, seed=PEERS_SEED) for shard in ("none", "full"))
-    ref, got = plain.pop("params"), full.pop("params")
-    full["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
-    out["peers"] = {"none": plain, "full": full}
+            out[cell][shard] = run
     return out
 
 
@@ -139,15 +140,14 @@ def cells() -> list[dict[str, Any]]:
 
 
 def _check(cells: list[dict[str, Any]], scheme: str) -> list[dict[str, Any]]:
-    """The parity of every sharded run of `scheme` ("peers": early exit with PEERS); returns the unsharded records
-    (rank 0)."""
+    """The parity of every sharded run of `scheme` (or of a CASES cell); returns the unsharded records (rank 0)."""
     # a token whose k-th and (k+1)-th gate scores are within rounding on any rank may route differently under
     # sharded arithmetic: a discontinuity of the model, not a parity bug; this says so instead of a parity miss
     gap = min(run["min_gap"] for r in cells for run in r[scheme].values())
     assert gap > MIN_GAP, (scheme, f"a top-k near-tie ({gap:.1e}): choose another seed")
     for r in cells:
         plain = r[scheme]["none"]
-        for shard in SHARDS.get(scheme, ("full",)):
+        for shard in SHARDS[scheme]:
             got = r[scheme][shard]
             assert got["optimizer"] in ("ShardedAdamW", "StageShardedAdamW", "NoneType"), got["optimizer"]
             assert [x["step"] for x in got["records"]] == list(range(1, STEPS + 1))
@@ -179,20 +179,24 @@ def test_freezing_under_sharded_pipeline_state_matches_unsharded(cells):
     assert {r["freezing"]["full"]["optimizer"] for r in cells} == {"StageShardedAdamW"}
 
 
-def test_early_exit_under_fully_sharded_pipeline_matches_unsharded(cells):
+def test_early_exit_under_sharded_pipeline_state_matches_unsharded(cells):
     """Subset and skipped layers run as FSDP2 units' forwards; a rank whose rows no token of a layer reaches
     while its peers' do joins the unit's reduce-scatter with zero gradients (it happened), under 1F1B and under
-    the zero-bubble schedule (its Linears' zero gradients deferred to W like its peers')."""
+    the zero-bubble schedule (its Linears' zero gradients deferred to W like its peers'). Under `optimizer` the
+    last layer, which every rank skips, keeps its weights, moments and step count in that step, as torch's AdamW
+    skips a parameter without a gradient (its flats stepped it before: parameters 4e-3 apart)."""
     rec = _check(cells, "early_exit")
     assert any(0 < x["survival"][2] < 1 for x in rec)  # layer 2 ran on a subset of the tokens
     assert rec[-1]["survival"][3] == 0.0  # every token left before the last layer: skipped on every rank
-    assert all(sum(r["early_exit"][shard]["ties"] for r in cells) > 0 for shard in SHARDS["early_exit"])
+    assert all(sum(r["early_exit"][shard]["ties"] for r in cells) > 0
+               for shard in SHARDS["early_exit"] if shard.startswith("full"))
 
 
 def test_unsharded_pipeline_joins_a_peers_gradient_sum_for_a_layer_its_rows_all_left(cells):
     """A rank whose rows all left before a layer its data-parallel peer's rows reach has no gradient of it: it joins
     the stage's sum with zeros (the buckets paired one layer with another, or failed on their sizes, before), and
-    matches the fully sharded run, whose zero ties (`_zero_tie`) show that the case happened."""
+    matches the fully sharded run, whose zero ties (`_zero_tie`) show that the case happened, and the sharded
+    optimizer's, which steps such a layer (a peer had a gradient) and skips one no rank's rows reach."""
     rec = _check(cells, "peers")
     assert any(0 < x["survival"][2] < 1 for x in rec)
     assert sum(r["peers"]["full"]["ties"] for r in cells) > 0
@@ -205,26 +209,26 @@ def test_mod_under_sharded_pipeline_state_matches_unsharded(cells):
     assert all(x["mod_capacity"] == 0.125 for x in rec)
 
 
+def test_mod_with_idle_routers_under_sharded_pipeline_state_matches_unsharded(cells):
+    """The routers have no gradient until MoD starts at step 3 (torch's AdamW skips them; their first step count
+    is 1 at step 3, their layers' 3): both sharded optimizers match, the routers' later steps included."""
+    rec = _check(cells, "mod_idle")
+    assert [x["mod_capacity"] for x in rec] == [1.0, 1.0, 0.125, 0.125, 0.125]
+
+
 def test_sparse_attention_under_sharded_pipeline_state_matches_unsharded(cells):
     _check(cells, "sparse_attention")
 
 
-@pytest.mark.parametrize("scheme, options, words", [
-    ("early_exit", {}, "is not built with dynamism.scheme=early_exit: a layer every token of a step has left"),
-    ("mod", {"start": 3}, "dynamism.scheme=mod while its routers idle (dynamism.mod.start 3, capacity 0.125)"),
-    ("mod", {"capacity": 1.0}, "dynamism.scheme=mod while its routers idle (dynamism.mod.start 0, capacity 1.0)"),
-])
-def test_sharded_optimizer_pipeline_refusals_name_the_reason(scheme, options, words):
+@pytest.mark.parametrize("scheme, options", [("early_exit", {}), ("mod", {"start": 3}), ("mod", {"capacity": 1.0})])
+def test_sharded_optimizer_takes_the_schemes_that_leave_parameters_without_a_gradient(scheme, options):
     cfg = {"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
            "dynamism": {"scheme": scheme, scheme: options}}
-    with pytest.raises(ConfigError, match=re.escape(words)):
-        from_dict(cfg)
-    cfg["parallel"]["shard"] = "full"
     assert from_dict(cfg).dynamism.scheme == scheme
 
 
 def test_schemes_say_whether_a_step_may_leave_a_parameter_without_a_gradient():
-    """What the runner refuses under `optimizer` for a scheme built apart from the config."""
+    """The schemes that give a pipeline's sharded optimizer a step count per parameter (`skips`)."""
     from moebal.dynamism.scheme import build_dynamism
 
     cfg = scheme_cfg("full", "mod")

@@ -173,6 +173,73 @@ def test_sharded_adamw_small_buckets_gradients_norm_and_state_roundtrip(tmp_path
         assert all(v < 1e-5 for v in worst.values()), worst
 
 
+def _skips(rank: int, world: int, fused: bool) -> dict[str, Any]:
+    """`ShardedAdamW(skips=True)` over 2 ranks (buckets of 40 elements: parameters cut between owners) against
+    torch's AdamW on the averaged gradients, None where no rank has one. Step 2: `c` has no gradient on any rank,
+    `b` only on rank 0 (rank 1 sends zeros); step 3: `b` on neither. `fused` False: the single-tensor arithmetic
+    (a foreach optimizer's path), against torch's own."""
+    from torch import nn
+
+    from moebal.config import TrainConfig
+    from moebal.distributed.groups import ParallelDims
+    from moebal.distributed.sharded import ShardedAdamW
+
+    dims = ParallelDims(world_size=world, rank=rank, ep=1).init()
+    t = TrainConfig(lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(6, 5), "b": nn.Linear(5, 4), "c": nn.Linear(4, 3)})
+    ref = nn.ModuleDict({k: nn.Linear(m.in_features, m.out_features) for k, m in model.items()})
+    ref.load_state_dict(model.state_dict())
+    opt = ShardedAdamW(model, t, dims, bucket_elems=40, skips=True)
+    opt.inner.defaults["fused"] = fused
+    decay = [p for n, p in ref.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in ref.named_parameters() if p.dim() < 2]
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=1e-2, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused or None,
+                                foreach=None if fused else False)
+    uses = {1: {0: "abc", 1: "abc"}, 2: {0: "ab", 1: "a"}, 3: {0: "a", 1: "ac"}, 4: {0: "abc", 1: "abc"}}
+    worst = 0.0
+    for step, by_rank in uses.items():
+        opt.begin()
+        grads: dict[str, list[torch.Tensor]] = {}
+        for r, names in by_rank.items():
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 * step + r))
+            for m in (model, ref):
+                h, loss = m["a"](x), 0.0
+                if "b" in names:
+                    loss = loss + m["b"](h).square().sum()
+                if "c" in names:
+                    loss = loss + m["c"](h[:, :4]).sum()
+                if m is model and r == rank:
+                    (loss + h.sum()).backward()
+                elif m is ref:
+                    ref.zero_grad(set_to_none=True)
+                    (loss + h.sum()).backward()
+                    for n, p in ref.named_parameters():
+                        if p.grad is not None:
+                            grads.setdefault(n, []).append(p.grad.clone())
+        for n, p in ref.named_parameters():  # the mean over the ranks, a missing gradient as zeros; None if none
+            p.grad = torch.stack(grads[n]).sum(0) / world if n in grads else None
+        opt.reduce()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        worst = max(worst, max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())))
+    steps = {n: int(ref_opt.state[p]["step"]) for n, p in ref.named_parameters()}
+    mine = {n: opt._agreed_steps()[f][i] for n, p in model.named_parameters() for f, i in [opt._of_param[id(p)]]}
+    return {"worst": worst, "steps": steps, "mine": mine}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sharded_adamw_skips_a_parameter_no_rank_has_a_gradient_of(fused):
+    out = run_ranks(_skips, 2, fused)
+    for r in out:
+        assert r["steps"] == r["mine"] == {"a.weight": 4, "a.bias": 4, "b.weight": 3, "b.bias": 3, "c.weight": 3,
+                                           "c.bias": 3}
+        # the fused kernel is torch's own: the same bits; the single-tensor arithmetic to rounding
+        assert r["worst"] <= (0.0 if fused else 1e-6), r["worst"]
+
+
 def test_native_reduce_scatter_only_where_nccl_serves_the_device():
     from moebal.distributed.sharded import native_reduce_scatter
 
@@ -263,10 +330,9 @@ def test_shard_auto_is_settled_by_a_library_callers_entry_points(tmp_path):
 def test_what_is_not_built_is_refused_with_the_fix():
     from moebal.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="with a pipeline is not built with dynamism.scheme=early_exit.*use "
-                                          "parallel.shard=full or none"):
-        from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
-                   "dynamism": {"scheme": "early_exit"}})
+    # early exit in a pipeline: each parameter's own step count (tests/distributed/test_pipeline_sharded_schemes.py)
+    assert from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2},
+                      "dynamism": {"scheme": "early_exit"}}).dynamism.scheme == "early_exit"
     assert from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}}).parallel.pp == 2
     assert shard_cfg("optimizer", 2).parallel.shard == "optimizer"
     # bf16 weights in a pipeline: built, except with pruning (its masks act on gradients the optimizer sums apart)

@@ -648,13 +648,12 @@ def test_shard_auto_takes_the_least_sharding_that_fits():
         assert chosen.parallel.shard == want, (capacity, line)
         assert line.startswith(f"parallel.shard auto: {want}")
     assert "nothing fits" in line
-    # a pipeline with early exit refuses `optimizer`: auto goes from none to full
-    pipe = from_dict({**base, "parallel": {"shard": "auto", "pp": 2},
-                      "dynamism": {"scheme": "early_exit"}})
-    big = plan_memory(dataclasses.replace(pipe, parallel=dataclasses.replace(pipe.parallel, shard="none")),
-                      layout_from_config(pipe, 4, shard="none", precision="fp32"), unlimited).peak_bytes
-    chosen, line = choose_shard(pipe, 4, dev(big * 0.99), "fp32")
-    assert chosen.parallel.shard == "full" and "none" in line and "optimizer" not in line
+    # a pipeline with pruning and bf16 weights refuses `optimizer` (and bf16 weights need a sharded state, so not
+    # `none`): auto takes full where anything would fit
+    pipe = from_dict({**base, "parallel": {"shard": "auto", "pp": 2, "param_dtype": "bf16"},
+                      "train": {"precision": "bf16"}, "dynamism": {"scheme": "pruning"}})
+    chosen, line = choose_shard(pipe, 4, unlimited, "bf16")
+    assert chosen.parallel.shard == "full" and "optimizer" not in line
     assert from_dict({}).parallel.shard == "auto"
     named = from_dict({**base, "parallel": {"shard": "optimizer"}})
     assert settle_shard(named) is named
@@ -740,17 +739,21 @@ def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settin
 
 
 def test_the_fit_search_proposes_what_the_config_takes():
-    """`built` layouts are those moebal/config.py accepts: a pipeline's sharded optimizer is refused with early exit
-    and taken with freezing, full sharding with any scheme, one stage without layer rebalancing."""
+    """`built` layouts are those moebal/config.py accepts: a pipeline's sharded optimizer is taken with every
+    scheme (refused with pruning and bf16 weights), full sharding with any scheme, one stage without layer
+    rebalancing."""
     from moebal.planner.memory import MemoryLayout, _refused
 
     dense = ["moe.num_experts=0", "data.batch_size=8"]
-    for scheme, shard, refused in (("early_exit", "optimizer", True), ("freezing", "optimizer", False),
+    for scheme, shard, refused in (("early_exit", "optimizer", False), ("freezing", "optimizer", False),
                                    ("pruning", "full", False), ("sparse_attention", "full", False)):
         cfg = load(overrides=[*dense, f"dynamism.scheme={scheme}"])
         for pp in (1, 2):  # a scheme at pp 1 is a one-stage pipeline, refused alike
             lay = MemoryLayout(ranks=4, pp=pp, shard=shard, micro_batches=2)
             assert _refused(cfg, lay) is refused, (scheme, shard, pp)
+    pruned = load(overrides=[*dense, "dynamism.scheme=pruning", "train.precision=bf16", "parallel.param_dtype=bf16"])
+    assert _refused(pruned, MemoryLayout(ranks=4, pp=2, shard="optimizer", micro_batches=2))
+    assert not _refused(pruned, MemoryLayout(ranks=4, pp=2, shard="full", micro_batches=2))
     rebalanced = load(overrides=[*dense, "parallel.pp=2", "pipeline.rebalance=partition"])
     assert _refused(rebalanced, MemoryLayout(ranks=4, pp=1)) and not _refused(rebalanced, MemoryLayout(ranks=4, pp=2))
     accum = load(overrides=[*dense, "train.grad_accum=2"])  # a pipeline proposed for it sets grad_accum back to 1
