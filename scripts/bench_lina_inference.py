@@ -40,7 +40,8 @@ last, so the narrower expert is the wider one's first rows), one record per widt
 experts' compute weighs more against the collectives, whose bytes do not grow with the width.
 
 Without RUN_DIR the script first trains the served model it documents (`SERVED`, about 100 s on 2 cores) into a
-temporary directory. `--quick`: 2 ranks, one round of 2 batches, a model trained for 60 steps (a smoke run).
+temporary directory. `--quick`: 2 ranks, one round of 2 batches, a model trained for 60 steps, the CPU spread
+measured for 0.3 s instead of 6 s (a smoke run).
 
 Usage: python scripts/bench_lina_inference.py [RUN_DIR] [--ranks 2 4] [--dilate 1 3] [--width 1024 4096]
            [--quick] [--json OUT]
@@ -444,7 +445,7 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         print(f"width {width}: expert cost per row (us, one thread), by group size: " + "; ".join(
             f"{name} " + ", ".join(f"{n}: {v:.1f}" for n, v in costs.items()) for name, costs in row_costs.items()))
         spread = _cpu_spread(tuple(layer.experts.w1.shape[i] for i in (0, 2, 1)), args.rows * cfg.data.seq_len,
-                             args.ranks, max(args.dilate), 2.0 if args.quick else 6.0)
+                             args.ranks, max(args.dilate), 0.3 if args.quick else 6.0)
         print(f"width {width}: expert loop CPU time on {spread['rows']} rows (ms, p10/p50/p90), at a duty cycle of "
               f"1/{spread['dilate']:g}: alone {_percentiles(spread['alone'])}"
               + "".join(f"; {R} ranks at once " + ", ".join(map(_percentiles, spread[f"{R}_at_once"]))
