@@ -58,16 +58,21 @@ def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
     os._exit(0)
 
 
-def plan_json(lengths: Sequence[int], cost: MicroBatchCost, kwargs: dict[str, Any]) -> str:
-    """One plan as JSON, or 'ERROR:<message>' (published so every rank raises it)."""
+Scale = list[float] | None
+"""Per-stage factors on the cost table's times for one plan (a dynamism scheme's prediction: `stage_scale`)."""
+
+
+def plan_json(lengths: Sequence[int], cost: MicroBatchCost, kwargs: dict[str, Any], scale: Scale = None) -> str:
+    """One plan as JSON, or 'ERROR:<message>' (published so every rank raises it); the table's times scaled by
+    `scale` first."""
     try:
-        return plan_microbatches(lengths, cost, **kwargs).to_json()
+        return plan_microbatches(lengths, cost.scaled(scale), **kwargs).to_json()
     except ConfigError as e:
         return f"ERROR:{e}"
 
 
-def _worker_plan(lengths: list[int]) -> str:
-    return plan_json(lengths, _WORKER["cost"], _WORKER["kwargs"])
+def _worker_plan(lengths: list[int], scale: Scale) -> str:
+    return plan_json(lengths, _WORKER["cost"], _WORKER["kwargs"], scale)
 
 
 class PlanAhead:
@@ -80,10 +85,10 @@ class PlanAhead:
         self.cost = cost
         self.generation = 0
         """Bumped by `replan` on every rank alike: the plans of a generation are keyed apart."""
-        self._pending: dict[int, Future[str] | list[int]] = {}
+        self._pending: dict[int, Future[str] | tuple[list[int], Scale]] = {}
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: list[threading.Thread] = []  # old pools' shutdowns, joined by close()
-        self._out: queue.Queue[tuple[int, int, Future[str] | list[int]] | None] = queue.Queue()
+        self._out: queue.Queue[tuple[int, int, Future[str] | tuple[list[int], Scale]] | None] = queue.Queue()
         self._local: dict[tuple[int, int], str] = {}
         self._lock = threading.Condition()
         self._publisher: threading.Thread | None = None
@@ -139,25 +144,27 @@ class PlanAhead:
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timedelta(seconds=600))
         return cls(cost, kwargs, workers=workers, store=store, is_planner=rank == 0)
 
-    def replan(self, cost: MicroBatchCost, steps: Sequence[tuple[int, Sequence[int]]]) -> None:
+    def replan(self, cost: MicroBatchCost, steps: Sequence[tuple[int, Sequence[int]]], scale: Scale = None) -> None:
         """A new generation (every rank, at the same point): the planning rank plans `steps` (each a step and its
-        sample lengths, in increasing order: the batches read ahead) again with `cost`; their old plans, and
-        any still being made, are never read."""
+        sample lengths, in increasing order: the batches read ahead) again with `cost` (times `scale`); their old
+        plans, and any still being made, are never read."""
         self.generation += 1
         if not self.is_planner:
             return
         self._pending.clear()
         self.set_cost(cost)
         for step, lengths in steps:
-            self.submit(step, lengths)
+            self.submit(step, lengths, scale)
 
     # ---- rank 0: submit and publish ----
-    def submit(self, step: int, lengths: Sequence[int]) -> None:
-        """Queue the plan of `step` (planner rank only; steps in increasing order)."""
+    def submit(self, step: int, lengths: Sequence[int], scale: Scale = None) -> None:
+        """Queue the plan of `step` (planner rank only; steps in increasing order), costed on the table's times
+        times `scale` (per stage; None: as they are)."""
         if not self.is_planner:
             return
         lengths = [int(x) for x in lengths]
-        job: Future[str] | list[int] = self._pool.submit(_worker_plan, lengths) if self._pool else lengths
+        job: Future[str] | tuple[list[int], Scale] = (self._pool.submit(_worker_plan, lengths, scale) if self._pool
+                                                      else (lengths, scale))
         self._pending[step] = job
         self._out.put((self.generation, step, job))
 
@@ -167,7 +174,7 @@ class PlanAhead:
             if item is None:
                 return
             gen, step, job = item
-            if isinstance(job, list):  # inline planning: done when the step asks (see get)
+            if isinstance(job, tuple):  # inline planning: done when the step asks (see get)
                 continue
             try:
                 text = job.result()
@@ -191,10 +198,10 @@ class PlanAhead:
             if job is None:
                 raise RuntimeError(f"no plan was submitted for step {step}")  # programmer error
             key = (self.generation, step)
-            if isinstance(job, list):
+            if isinstance(job, tuple):
                 if self.cost is None:  # programmer error: the runner sets the cost model before planning
                     raise RuntimeError(f"no micro-batch cost model to plan step {step} with: call set_cost first")
-                self._put(*key, plan_json(job, self.cost, self.kwargs))
+                self._put(*key, plan_json(job[0], self.cost, self.kwargs, job[1]))
             with self._lock:
                 if not self._lock.wait_for(lambda: key in self._local, timeout=self.timeout_s):
                     raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")

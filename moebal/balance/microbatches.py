@@ -14,6 +14,14 @@ measured table by profiling the new stages again, collective along the chain) an
 not yet submitted with it; plans already made stay valid (a plan names micro-batches and an instruction order
 per stage position, not layers), only costed on the old partition. A `.json` table describes the partition it
 was made for and is kept.
+
+A dynamism scheme changes what its layers cost (pruned or sparse layers, frozen ones without a backward,
+tokens that exited or skip a block): each batch is planned on the table's times scaled per stage by the
+scheme's latest prediction (`scheme_scale`: the layer balancer's smoothed unit costs without dynamism times
+`Dynamism.unit_cost_factors`, `planner/microbatch_cost.py` `stage_scale`), taken when the batch is read ahead.
+The activation bytes stay the table's (an upper bound: the schemes save no more than the dense layers). A
+checkpoint keeps the scales of the batches read ahead (`plan_scales`), so a resumed run plans them as the
+uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from moebal.config import Config
 from moebal.data import ordering_sampler
 from moebal.errors import ConfigError
 from moebal.planner.microbatch import MicroBatchPlan
-from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
+from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost, stage_scale
 from moebal.train.precision import compute_precision
 
 if TYPE_CHECKING:
@@ -62,7 +70,10 @@ class MicrobatchPlanner:
         self.cost = cost if cost is not None else self.cost_table()
         n_workers = cfg.pipeline.dynamic.workers if workers is None else workers
         self.ahead = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
-        self._batches: collections.deque[tuple[int, list[np.ndarray], list[int], int]] = collections.deque()
+        # (step, samples, sample ids, sampler position, the scheme's stage scale it is planned with)
+        self._batches: collections.deque[tuple[int, list[np.ndarray], list[int], int, list[float] | None]] = \
+            collections.deque()
+        self._restored: dict[int, list[float] | None] = {}  # a checkpoint's scales of the batches it read ahead
         self._read = 0
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self.batch_ids: list[int] = []
@@ -115,10 +126,37 @@ class MicrobatchPlanner:
         if fixed:
             return
         self.cost = self.cost_table()
-        if repacked:
-            self.ahead.replan(self.cost, [(s, [len(x) - 1 for x in samples]) for s, samples, _, _ in self._batches])
+        if repacked:  # the batches read ahead, planned again for the stages left, with their scale
+            scale = self.scheme_scale()
+            self._batches = collections.deque((s, samples, ids, at, scale)
+                                              for s, samples, ids, at, _ in self._batches)
+            self.ahead.replan(self.cost, [(s, [len(x) - 1 for x in samples]) for s, samples, *_ in self._batches],
+                              scale)
         else:
             self.ahead.set_cost(self.cost)
+
+    def scheme_scale(self) -> list[float] | None:
+        """Each stage's predicted time under the dynamism scheme over its time without (`stage_scale` of the
+        layer balancer's smoothed unit costs, equal ones before the first profile, and the scheme's latest
+        factors); None when the scheme predicts no change. Every rank computes the same (the balancer's costs and
+        the scheme's state are the job's)."""
+        r = self.r
+        factors = np.asarray(r.scheme.unit_cost_factors(r.units), dtype=np.float64)
+        tracker = r.balancer.tracker
+        costs = tracker.layer_costs() if tracker.ready else np.ones(len(factors))
+        extras = (tracker.first_extra, tracker.last_extra) if tracker.ready else (0.0, 0.0)
+        sizes = [x for x in r.sizes if x > 0]  # after a re-pack the released ranks hold nothing
+        if len(sizes) != self.cost.stages:
+            return None
+        return stage_scale(costs, factors, sizes, *extras)
+
+    def plan_scales(self) -> dict[str, list[float] | None]:
+        """The scales the batches read ahead are planned with, by step (what a checkpoint keeps)."""
+        return {str(s): scale for s, _, _, _, scale in self._batches}
+
+    def restore_scales(self, scales: dict[str, list[float] | None]) -> None:
+        """A checkpoint's `plan_scales`: the batches it had read ahead are planned with them again."""
+        self._restored = {int(s): v for s, v in scales.items()}
 
     # ---- the plans ----
     def data_state(self) -> dict[str, Any]:
@@ -136,6 +174,9 @@ class MicrobatchPlanner:
         is `step`'s: a resumed run's data position is that of its first step."""
         if not self._batches:
             self._read = max(self._read, step - 1)
+        scale: list[float] | None = None
+        if self._read < step + self.lookahead:
+            scale = self.scheme_scale()
         while self._read < step + self.lookahead:
             self._read += 1
             # where batch _read starts (checkpoints); a curriculum's table is taken when a checkpoint asks
@@ -144,14 +185,15 @@ class MicrobatchPlanner:
             samples = self.r.data.train.next_samples()
             # the curriculum records each step's complexities against the batch's ids and position
             ids, at = (list(self.sampler.last_ids), self.sampler.position) if self.sampler is not None else ([], 0)
-            self._batches.append((self._read, samples, ids, at))
-            self.ahead.submit(self._read, [len(x) - 1 for x in samples])
+            mine = self._restored.pop(self._read) if self._read in self._restored else scale
+            self._batches.append((self._read, samples, ids, at, mine))
+            self.ahead.submit(self._read, [len(x) - 1 for x in samples], mine)
 
     def next(self, step: int, replica: int) -> tuple[MicroBatchPlan, list[np.ndarray], int, dict[str, Any]]:
         """The plan of `step`, its samples, their label count, and the step record's planning figures
         (`replica`: the data-parallel replica whose schedule is reported)."""
         self._fill(step)
-        s, samples, self.batch_ids, self.batch_at = self._batches.popleft()
+        s, samples, self.batch_ids, self.batch_at, scale = self._batches.popleft()
         self._positions.popleft()
         assert s == step, "batches read ahead are out of step"
         plan, wait = self.ahead.get(step)
@@ -159,7 +201,8 @@ class MicrobatchPlanner:
         info = {"plan_wait_s": round(wait, 6), "micro_batches": len(plan.micro_batches),
                 "padding_efficiency": round(plan.padding_efficiency, 4),
                 "computed_tokens": plan.computed_tokens, "schedule": plan.replicas[replica].schedule,
-                "predicted_time_s": round(plan.predicted_time_s, 6), "plan_s": round(plan.meta["plan_s"], 6)}
+                "predicted_time_s": round(plan.predicted_time_s, 6), "plan_s": round(plan.meta["plan_s"], 6),
+                "plan_scale": scale}
         return plan, samples, count, info
 
     def close(self) -> None:

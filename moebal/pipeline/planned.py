@@ -231,6 +231,16 @@ class PlannedPipelineRunner(PipelineRunner):
         if not self.released:  # a released rank has left the chain (and plans nothing)
             self.microbatches.after_migration()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The runner's state, and the scheme's stage scales of the batches read ahead (`MicrobatchPlanner`)."""
+        return {**super().state_dict(), "plan_scales": self.microbatches.plan_scales()}
+
+    def load_state_dict(self, ranks: dict[str, dict[str, Any]], same_stages: bool = False) -> list[int] | None:
+        sizes = super().load_state_dict(ranks, same_stages)
+        first = ranks.get("0") or next(iter(ranks.values()), {})
+        self.microbatches.restore_scales(first.get("plan_scales", {}))
+        return sizes
+
     # ---- the step ----
     def _next_input(self) -> tuple[Any, int]:
         plan, samples, count, self._last = self.microbatches.next(self.step + 1, self.lockstep.replica)

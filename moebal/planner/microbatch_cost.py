@@ -41,7 +41,7 @@ import numpy as np
 from moebal.errors import ConfigError
 from moebal.fileio import write_text_whole
 
-__all__ = ["MicroBatchCost", "analytic_table", "default_grid", "load_cost"]
+__all__ = ["MicroBatchCost", "analytic_table", "default_grid", "load_cost", "stage_scale"]
 
 
 def default_grid(max_len: int, max_tokens: int, min_len: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -101,6 +101,19 @@ class MicroBatchCost:
     def spread_over(self, ranks: int) -> MicroBatchCost:
         """This table for micro-batches whose rows `ranks` lockstep ranks split (module docstring)."""
         return self if ranks == self.spread else replace(self, spread=int(ranks))
+
+    def scaled(self, scale: Any) -> MicroBatchCost:
+        """This table with stage p's forward and backward times times scale[p] (a dynamism scheme's prediction,
+        `stage_scale`); the activation bytes as they are. None, or every factor 1: this table."""
+        if scale is None:
+            return self
+        f = np.asarray(scale, dtype=np.float64)
+        if f.shape != (self.stages,) or not np.all(np.isfinite(f)) or np.any(f <= 0):
+            raise ConfigError(f"cost table: a stage scale needs {self.stages} positive factors; got {list(scale)}")
+        if np.all(f == 1.0):
+            return self
+        return replace(self, fwd_PBS=self.fwd_PBS * f[:, None, None], bwd_PBS=self.bwd_PBS * f[:, None, None],
+                       meta={**self.meta, "scheme_scale": f.tolist()})
 
     def max_rows(self, s: int) -> int:
         """The largest profiled micro-batch row count at length s (0 if none)."""
@@ -206,6 +219,33 @@ def load_cost(path: str | Path) -> MicroBatchCost:
     if not isinstance(data, dict):
         raise ConfigError(f"cost table {path}: expected a JSON object")
     return MicroBatchCost.from_dict(data, where=f"cost table {path}")
+
+
+def stage_scale(unit_costs: Any, factors: Any, sizes: Any, first_extra: float = 0.0, last_extra: float = 0.0,
+                digits: int = 4) -> list[float] | None:
+    """Each stage's predicted time under a dynamism scheme over its time without: the stage's units' costs without
+    dynamism (`unit_costs`, the layer balancer's smoothed ones; equal where none were measured) times the scheme's
+    latest factors (`Dynamism.unit_cost_factors`), with the embedding (`first_extra`, on the first stage) and the
+    head and loss (`last_extra`, on the last) as they are. Rounded to `digits` decimals; None when every stage's is
+    1 (nothing to scale).
+
+    A stage's table is its cost without dynamism (profiled, or the hardware profile's); this factor scales its
+    times as a whole, which is exact when every micro-batch shape changes the same way (pruning, sparse attention
+    and freezing change what a layer computes per token; early exit and MoD the share of tokens that run it)."""
+    c = np.asarray(unit_costs, dtype=np.float64)
+    f = np.asarray(factors, dtype=np.float64)
+    edges = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+    if c.shape != f.shape or edges[-1] != len(c):
+        raise ConfigError(f"stage scale: {len(c)} unit costs, {len(f)} factors and stage sizes {list(sizes)} "
+                          f"(summing to {int(edges[-1])}) must agree")
+    out = []
+    for p in range(len(edges) - 1):
+        extra = (first_extra if p == 0 else 0.0) + (last_extra if p == len(edges) - 2 else 0.0)
+        units = slice(int(edges[p]), int(edges[p + 1]))
+        base = float(c[units].sum()) + extra
+        ratio = (float((c[units] * f[units]).sum()) + extra) / base if base > 0 else 1.0
+        out.append(max(round(ratio, digits), 10.0 ** -digits))
+    return None if all(x == 1.0 for x in out) else out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -308,7 +309,10 @@ def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
     frozen whole, so no gradient crosses the boundary; tokens left before the last layers, their mask carried
     across the boundary, counted without padding; MoD's capacity below 1), and a forced migration after step 2
     keeps the losses to 1e-6 (after a migration the micro-batch planner re-costs its plans on the new partition
-    and may split the same samples otherwise, as in the other planned rebalancing cells)."""
+    and may split the same samples otherwise, as in the other planned rebalancing cells). Once the scheme acts,
+    the plans are costed on its stage scales (`plan_scale`): a frozen stage's third (no backward), the exits'
+    cheaper last stage, MoD's routed half, the sparse layers'; the masked dense kernel of pruning costs what the
+    dense layer did (no scale)."""
     run, plain = two[0][scheme], two[0]["dynamic"]["losses"]
     assert len(run["losses"]) == 6 and all(r[scheme]["losses"] == run["losses"] for r in two)
     same = {"pruning": 3, "sparse_attention": 1, "freezing": 3, "early_exit": 1, "mod": 1}[scheme]
@@ -324,6 +328,15 @@ def test_dynamism_schemes_run_on_planned_micro_batches(two, scheme):
     else:
         density = [r.get("layer_density") or r.get("attention_density") for r in run["records"]]
         assert min(density[-1]) < 1.0, density[-1]
+    scale = run["records"][-1]["plan_scale"]
+    if scheme == "pruning":
+        assert scale is None
+    elif scheme == "freezing":
+        assert scale[0] < 0.4 and scale[1] == 1.0, scale
+    elif scheme == "early_exit":
+        assert scale[1] < 0.5 < scale[0], scale
+    else:
+        assert all(0 < x < 1 for x in scale), scale
     forced = two[0][f"{scheme}_forced"]
     assert forced["records"][-1]["sizes"] == [1, 3]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(forced["losses"], run["losses"], strict=True)), (
@@ -460,3 +473,43 @@ def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockste
     assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(run["aux"], ref["aux"])), (run["aux"], ref["aux"])
     _check(lockstep, "dp_moe", ref["losses"], ref["grads"])
     assert all(r["micro_batches"] >= 2 for r in run["records"])
+
+
+def _scheme_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None) -> list[dict]:
+    """One leg of a resume chain: 2 stages, planned micro-batches, sparse attention's random walk (its
+    densities, and so the plans' stage scales, move every step), a checkpoint every 2 steps; rank 0 returns the
+    metrics records."""
+    import dataclasses
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.pipelined import pipeline_trainer
+
+    SAMPLES["path"] = path
+    cfg = docs()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10),
+                              dynamism=from_dict({"dynamism": {"scheme": "sparse_attention",
+                                                               "sparse_attention": SPARSE}}).dynamism)
+    trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
+    try:
+        trainer.train(stop_after=stop)
+    finally:
+        trainer.close()
+    lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r] if rank == 0 else []
+
+
+def test_the_plans_follow_the_schemes_costs_and_a_resume_plans_the_batches_read_ahead_as_before(corpus, tmp_path):
+    """Each batch is planned on the table's times scaled per stage by the scheme's prediction when it was read
+    ahead (`plan_scale`, moving with the random walk). A checkpoint keeps the scales of the batches it had read
+    ahead: resumed after step 4, steps 5 and 6 have the uninterrupted run's scales, plans and losses (with the
+    resumed state's scale instead, step 5's differed)."""
+    whole = run_ranks(_scheme_leg, 2, corpus, str(tmp_path / "whole"), False, None)[0]
+    run_ranks(_scheme_leg, 2, corpus, str(tmp_path / "cut"), False, 4)
+    resumed = run_ranks(_scheme_leg, 2, corpus, str(tmp_path / "cut"), True, None)[0]
+    assert [r["step"] for r in whole] == list(range(1, 7)) and [r["step"] for r in resumed] == list(range(1, 7))
+    scales = [r["plan_scale"] for r in whole]
+    assert scales[0] is None and all(len(s) == 2 for s in scales[3:]) and len({str(s) for s in scales}) >= 4
+    for a, b in zip(whole[4:], resumed[4:]):
+        assert (a["plan_scale"], a["micro_batches"], a["predicted_time_s"]) == \
+            (b["plan_scale"], b["micro_batches"], b["predicted_time_s"])
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])

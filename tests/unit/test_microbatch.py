@@ -306,3 +306,30 @@ def test_an_unordered_plan_fails_the_checker():
     i, j = swapped[0].index(("send_act", 0)), swapped[0].index(("send_act", 1))
     swapped[0][i], swapped[0][j] = swapped[0][j], swapped[0][i]
     assert not check_plan(swapped)  # sends posted out of the receivers' order
+
+
+def test_stage_scale_weighs_each_stages_units_by_their_cost_and_leaves_the_embedding_and_head_alone():
+    from moebal.errors import ConfigError
+    from moebal.planner.microbatch_cost import stage_scale
+
+    # units of cost 1, 3 | 2, 2 at factors 0.5, 1 | 0.25, 1; embedding 4 on stage 0, head 6 on stage 1
+    assert stage_scale([1, 3, 2, 2], [0.5, 1.0, 0.25, 1.0], [2, 2], 4.0, 6.0) == [7.5 / 8, 8.5 / 10]
+    assert stage_scale([1, 3, 2, 2], [0.5, 1.0, 0.25, 1.0], [2, 2]) == [0.875, 0.625]
+    assert stage_scale([1, 1, 1], [1.0, 1.0, 1.0], [1, 2]) is None  # nothing to scale
+    assert stage_scale([1, 1], [1e-9, 1.0], [1, 1]) == [1e-4, 1.0]  # never 0: a table's times stay positive
+    with pytest.raises(ConfigError, match="must agree"):
+        stage_scale([1, 1, 1], [1.0, 1.0], [1, 2])
+
+
+def test_a_scaled_table_scales_each_stages_times_and_keeps_its_memory():
+    from moebal.errors import ConfigError
+
+    t = quad_table(P=2)
+    s = t.scaled([0.5, 2.0])
+    f, b = t.stage_times(4, 64)
+    fs, bs = s.stage_times(4, 64)
+    assert np.allclose(fs, f * np.array([0.5, 2.0])) and np.allclose(bs, b * np.array([0.5, 2.0]))
+    assert np.array_equal(s.stage_memory(4, 64), t.stage_memory(4, 64)) and s.meta["scheme_scale"] == [0.5, 2.0]
+    assert t.scaled(None) is t and t.scaled([1.0, 1.0]) is t
+    with pytest.raises(ConfigError, match="needs 2 positive factors"):
+        t.scaled([1.0, 0.0])

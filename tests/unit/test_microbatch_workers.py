@@ -84,3 +84,26 @@ def test_a_replan_plans_the_submitted_steps_again_on_the_new_table_and_drops_the
             assert all(len(r.streams) == 2 for r in two.replicas)
         finally:
             ahead.close()
+
+
+def test_a_plan_is_costed_on_the_table_scaled_by_the_schemes_stage_factors():
+    """`submit(..., scale)` plans on `cost.scaled(scale)`, inline and in a worker: the same plan as planning on the
+    scaled table directly; the bottleneck stage's scale sets the plan's predicted time."""
+    from moebal.balance.microbatch_workers import PlanAhead
+    from moebal.planner.microbatch import plan_microbatches
+    from tests.unit.test_microbatch import quad_table
+
+    lengths, scale = [100, 60, 40, 200, 30, 30, 120], [1.0, 2.5, 1.0, 0.5]
+    want = plan_microbatches(lengths, quad_table().scaled(scale))
+    plain = plan_microbatches(lengths, quad_table())
+    assert want.predicted_time_s > plain.predicted_time_s  # stage 1 now 2.5x: the pipeline's pace
+    for workers in (0, 1):
+        ahead = PlanAhead(quad_table(), {}, workers=workers)
+        try:
+            ahead.submit(1, lengths, scale)
+            ahead.submit(2, lengths)
+            got, unscaled = ahead.get(1)[0], ahead.get(2)[0]
+        finally:
+            ahead.close()
+        assert got.micro_batches == want.micro_batches and got.predicted_time_s == want.predicted_time_s
+        assert unscaled.predicted_time_s == plain.predicted_time_s
