@@ -388,6 +388,33 @@ def test_a_re_pack_plans_the_micro_batches_drawn_ahead_again_for_the_stages_left
     assert runs[0]["records"][1]["released_ranks"] == [1, 2]
 
 
+def _repack_ep_ranks(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
+
+    SAMPLES["path"] = path
+    # 3 stages x 2 expert shards in lockstep, re-packed onto 2 stages after step 2 (the middle stage's ranks
+    # released), plans drawn 2 steps ahead in a background worker
+    out = _train(docs(pp=3, nproc=6, moe=4, ep=2, z=1e-3, max_tokens=96, workers=1), 5, force=((2, (2, 2)),))
+    dist.barrier()  # the released ranks wait here for the others
+    return out
+
+
+def test_a_re_pack_of_expert_parallel_stages_plans_the_lockstep_micro_batches_again(corpus):
+    """The re-pack above with expert shards inside the stages: the plans made ahead for 3 stages are made again for
+    2, still one plan per stage's 2 ranks in lockstep; the ranks still training report the same losses, those of
+    the plans replayed in one process (1e-5)."""
+    runs = run_ranks(_repack_ep_ranks, 6, corpus, timeout_s=600)
+    assert [len(r["losses"]) for r in runs] == [5, 5, 2, 2, 5, 5]  # ranks 2 and 3 released after step 2
+    live = [r for r in runs if len(r["losses"]) == 5]
+    assert all(r["losses"] == live[0]["losses"] and r["records"][-1]["sizes"] == [2, 2] for r in live)
+    plans = live[0]["plans"]
+    assert [len(p["replicas"][0]["streams"]) for p in plans] == [3, 3, 2, 2, 2]
+    assert all(p["lockstep"] == 2 for p in plans) and all(r["plans"] == plans for r in live)
+    ref = planned_reference(docs(pp=3, nproc=6, moe=4, ep=2, z=1e-3, max_tokens=96), plans)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(live[0]["losses"], ref["losses"], strict=True)), (
+        live[0]["losses"], ref["losses"])
+
+
 def _same_schedule_per_stage(results: list[dict], case: str, ranks: int) -> None:
     """The ranks of a stage run the same instruction stream, each its own rows, together every planned row."""
     for step in range(len(results[0][case]["plans"])):
