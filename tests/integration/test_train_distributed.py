@@ -258,11 +258,13 @@ def test_complexity_order_on_planned_micro_batches_records_the_samples_and_resum
     assert json.loads((part / "ckpt-0000008" / "state.json").read_text())["data"] == state
 
 
-@pytest.mark.parametrize("layout", [("--nproc", "2"), ("--nproc", "4", "--pp", "2")], ids=["dp", "pp2"])
+@pytest.mark.parametrize("layout", [("--nproc", "2"), ("--nproc", "4", "--pp", "2"),
+                                    ("--nproc", "4", "--pp", "2", "--microbatching", "dynamic")],
+                         ids=["dp", "pp2", "pp2-planned"])
 def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(tmp_path, layout):
     """scheduler.expert_packing lina (from the a100 profile: deterministic) picks the expert-parallel size before
-    sharding (in a pipeline: of each stage's 2 ranks), writes packing.json, trains exactly as a run with that size
-    set by hand, and a resume keeps it."""
+    sharding (in a pipeline: of each stage's 2 ranks; with planned micro-batches, whose lockstep ranks follow it),
+    writes packing.json, trains exactly as a run with that size set by hand, and a resume keeps it."""
     extra = ["moe.num_experts=4", "scheduler.expert_packing=lina", "planner.costs=a100"]
     packed = _train(tmp_path / "packed", *layout, *extra)
     assert packed.returncode == 0, packed.stderr[-2000:]
@@ -270,6 +272,8 @@ def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(
     assert record["start_ep"] == 2 and record["ep"] in (1, 2) and record["decisions"]
     assert [c["ep"] for c in record["candidates"]] == [2, 1]
     assert "expert packing (Lina)" in packed.stderr
+    if "--microbatching" in layout:  # the planned engine ran, its plans for the chosen size's lockstep ranks
+        assert all(r["micro_batches"] >= 1 and "plan_wait_s" in r for r in _metrics(tmp_path / "packed"))
     fixed = _train(tmp_path / "fixed", *layout, "moe.num_experts=4", "planner.costs=a100",
                    f"parallel.ep={record['ep']}")
     assert fixed.returncode == 0, fixed.stderr[-2000:]
