@@ -387,7 +387,7 @@ class ParallelConfig:
     reduce_dtype, and are reduce-scattered once, in the last micro-batch's backward: 1 / A of the traffic, at the
     cost of every dense gradient held whole between the micro-batches; docs/sharding.md). Other settings already
     send once per step (none, optimizer: whole gradients; the expert-parallel experts: after Agg). With a pipeline
-    (parallel.pp > 1) the same over pipeline.micro_batches in each stage (not with dynamism.scheme early_exit)."""
+    (parallel.pp > 1) the same over pipeline.micro_batches in each stage."""
     reshard: Literal["micro_batch", "step"] = "micro_batch"
     """Under shard full with several micro-batches per step, when FSDP2 frees a unit's gathered dense weights:
     micro_batch, the default (after each micro-batch's forward and again after its backward pass: two
@@ -1351,12 +1351,6 @@ def _check_step_hold(par: ParallelConfig, c: Config) -> None:
           "'parallel.reshard: step' keeps a fully sharded stage's weights gathered through the step, and "
           "pipeline.schedule zb's W ops need the shards back between the backward passes; set "
           "parallel.reshard=micro_batch or pipeline.schedule 1f1b or gpipe")
-    _need(par.accumulate == "sharded" or not c.pipelined or c.dynamism.scheme != "early_exit"
-          or par.shard not in ("full", "auto"),
-          "'parallel.accumulate: whole' in a fully sharded pipeline is not built with dynamism.scheme=early_exit: "
-          "a layer that the step's last micro-batch skips would keep the earlier ones' gradient sums unsent; set "
-          "parallel.accumulate=sharded" + (" (or parallel.shard none or optimizer: auto may settle on full)"
-                                           if par.shard == "auto" else ""))
 
 
 def _check_grad_accum(c: Config) -> None:

@@ -100,6 +100,9 @@ class EarlyExit(Dynamism):
         self.stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Under `parallel.shard: full` (`SchemeContext.stage_sum`): whether a peer of the stage runs a layer
         that no token of this rank reaches."""
+        self.whole_sums = False  # `SchemeContext.whole_sums`
+        self._ran: set[int] = set()
+        self._last = False  # the forward of the micro-batch whose backward is the stage's last (`last_pass`)
 
     def tau(self, step: int | None = None) -> float:
         return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.threshold)
@@ -107,6 +110,10 @@ class EarlyExit(Dynamism):
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
         self.tokens_in.zero_()
+        self._ran = set()  # layers a rank of the stage ran in this step's micro-batches so far
+
+    def last_pass(self, on: bool) -> None:
+        self._last = on
 
     def init_carry(self, B: int, T: int, device: torch.device,
                    n_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -115,6 +122,7 @@ class EarlyExit(Dynamism):
 
     def on_start(self, ctx: SchemeContext) -> None:
         self.stage_sum = ctx.stage_sum
+        self.whole_sums = ctx.whole_sums
 
     def idle_parameters(self) -> bool:
         return True  # a layer every token of a step has left
@@ -131,13 +139,18 @@ class EarlyExit(Dynamism):
             n, n_real = to_host(torch.stack([active.sum(), real.sum()]), "early exit: active tokens")
             self.tokens_in[i] += n_real
         stage_n = self._stage_tokens(i, n)
+        if stage_n:
+            self._ran.add(i)
         out: torch.Tensor
         if n == active.numel():
             out = layer(h_BTD, cos_TK, sin_TK)
         elif n == 0:
-            if stage_n:
+            if stage_n or (self.whole_sums and self._last and i in self._ran):
                 # a peer runs the layer: FSDP2 reduce-scatters its gradients on every rank of the stage, so this
-                # rank joins with zeros (its peers' sum, as the unsharded sum of theirs)
+                # rank joins with zeros (its peers' sum, as the unsharded sum of theirs). Under whole sums the
+                # step's last backward pass reduce-scatters the layer's sums of the earlier micro-batches: when no
+                # rank runs the layer in that micro-batch, every rank joins with zeros, so the sums go out (a
+                # layer no micro-batch of the step ran keeps no gradient, which AdamW skips, as unsharded)
                 return run_as_forward(layer, lambda h, cos, sin: _zero_tie(layer, h), h_BTD, cos_TK, sin_TK)
             # an MoE block may still join its peers' collectives with no token (`skip_layer`), with its weights
             return run_as_forward(layer, lambda h, cos, sin: skip_layer(as_decoder(layer), h), h_BTD, cos_TK,

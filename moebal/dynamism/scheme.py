@@ -97,6 +97,9 @@ class SchemeContext:
     """Sums a per-rank host quantity over the ranks of this stage, for a decision they must take alike because
     they run each layer in lockstep (`parallel.shard: full`: FSDP2 gathers and reduce-scatters per layer over
     them); None when they need not agree. Collective: every rank of the stage calls it at the same point."""
+    whole_sums: bool = False
+    """FSDP2 adds a step's gradients up whole and reduce-scatters them in the step's last backward pass only
+    (`parallel.accumulate: whole`): a layer that pass does not reach keeps its sums unsent (`Dynamism.last_pass`)."""
 
 
 ROW_TOKENS = "row_tokens"
@@ -175,6 +178,10 @@ class Dynamism:
         plain, so `layer_forward(i)` must equal `layer.ffn_part(attention_half(i, ...))` op for op."""
         out_BTD: torch.Tensor = as_decoder(layer).attention_part(h_BTD, cos_TK, sin_TK)
         return out_BTD
+
+    def last_pass(self, on: bool) -> None:
+        """The engine's `last_pass`: `on` while the forward of the micro-batch whose backward is the stage's last
+        runs (its backward reduce-scatters FSDP2's whole sums, `SchemeContext.whole_sums`)."""
 
     def idle_parameters(self) -> bool:
         """Whether a step may leave a parameter that trains without a gradient on every rank (a layer every token

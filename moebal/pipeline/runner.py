@@ -284,7 +284,14 @@ class PipelineRunner:
                              optimizer=self.optimizer, dp_group=self.dp_group, dp=self.dp, ep=self.dims.ep,
                              ep_index=self.dims.index("ep"),
                              shard_sum=self.experts.shard_sum,
-                             stage_sum=self._stage_sum if self._lockstep_channel is not None else None)
+                             stage_sum=self._stage_sum if self._lockstep_channel is not None else None,
+                             whole_sums=self._step_hold is not None and self._step_hold.whole_sums)
+
+    def _last_pass(self, on: bool) -> None:
+        """The engine's `last_pass`: Agg's hooks inside the last backward (block overlap), and the scheme's
+        (`Dynamism.last_pass`: FSDP2's whole sums go out in that backward)."""
+        self.experts.last_pass(on)
+        self.scheme.last_pass(on)
 
     def _stage_sum(self, v: torch.Tensor) -> torch.Tensor:
         """`v` summed over the ranks of this stage on the scheme's channel (a host tensor: gloo)."""
@@ -420,7 +427,7 @@ class PipelineRunner:
         self.experts.before_step(self._forward_tokens(work) if self.experts.ahead is not None else None)
         self.engine.profiler = self.balancer.profiler() if profiled else None
         self.engine.record_ops = self.record_ops
-        self.engine.last_pass = self.experts.last_pass  # block overlap: Agg inside the last backward
+        self.engine.last_pass = self._last_pass
         self.engine.step_hold = self._step_hold  # whole sums, weights kept gathered: once per step each
         t_run = time.perf_counter()
         self.engine.on_forward = self._measure_rows if self._curriculum() is not None else None

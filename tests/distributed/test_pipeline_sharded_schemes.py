@@ -36,9 +36,11 @@ SCHEMES: dict[str, dict[str, Any]] = {
 }
 SHARDS = {"pruning": ("optimizer", "full"), "freezing": ("optimizer", "full"),
           "early_exit": ("optimizer", "full", "full+zb", "full+recompute"),
+          "exit_whole": ("full+whole", "full+whole+zb"),
           "mod": ("optimizer", "full", "full+recompute"), "sparse_attention": ("optimizer", "full", "full+recompute"),
           "peers": ("optimizer", "full"), "mod_idle": ("optimizer", "full")}
-"""The sharded runs of each scheme and case (below: "peers", "mod_idle"; "+zb": the zero-bubble schedule, whose
+"""The sharded runs of each scheme and case (below: "peers", "mod_idle", "exit_whole"; "+whole": `parallel.accumulate:
+whole`; "+zb": the zero-bubble schedule, whose
 W reduce-scatters the deferred Linear weight gradients, against the 1F1B reference; "+recompute": `train.recompute:
 full`, whose backward replays the token-subset layers or the sparse attention inside their FSDP2 units, against the
 reference without it)."""
@@ -55,8 +57,10 @@ no top-2 gap is under 3.5e-6, 70x the logits' differences."""
 IDLE_MOD = {**SCHEMES["mod"], "start": 3}
 """MoD whose routers idle until step 3: they have no gradient in steps 1-2, which torch's AdamW skips (their step
 count starts at step 3) and the sharded optimizer's flats must skip too (`ShardedAdamW(skips=True)`)."""
-CASES = {"peers": ("early_exit", PEERS, 1, PEERS_SEED), "mod_idle": ("mod", IDLE_MOD, 2, 0)}
-"""Cells beyond each scheme's own settings: (scheme, options, micro-batches, seed)."""
+CASES = {"peers": ("early_exit", PEERS, 1, PEERS_SEED, ""), "mod_idle": ("mod", IDLE_MOD, 2, 0, ""),
+         "exit_whole": ("early_exit", {"threshold": 0.97, "first_layer": 1}, 2, 0, "+dense")}
+"""Cells beyond each scheme's own settings: (scheme, options, micro-batches, seed, what every run of the cell, the
+unsharded one too, adds to its setting: "+dense", no MoE layer)."""
 MIN_GAP = 1e-6
 """Smallest gap between a token's k-th and (k+1)-th gate scores that sharded rounding cannot flip."""
 
@@ -66,12 +70,14 @@ def scheme_cfg(shard: str, scheme: str, options: dict[str, Any] | None = None, m
     shard, *extras = shard.split("+")
     return from_dict({
         "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop", "aux_loss_coef": 0.01},
+        "moe": {"num_experts": 0 if "dense" in extras else 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop",
+                "aux_loss_coef": 0.01},
         "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
         "train": {"steps": STEPS, "warmup_steps": 2, "lr": 3e-3, "eval_every": 0, "precision": "fp32",
                   "grad_clip": 0.5, "threads": 1, "progress": "plain", "seed": seed,
                   "recompute": "full" if "recompute" in extras else "none"},
-        "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard},
+        "parallel": {"pp": 2, "ep": 1, "nproc": 4, "shard": shard,
+                     "accumulate": "whole" if "whole" in extras else "sharded"},
         "pipeline": {"micro_batches": micro_batches, "schedule": "zb" if "zb" in extras else "1f1b"},
         "dynamism": {"scheme": scheme, scheme: options or SCHEMES[scheme]}})
 
@@ -121,12 +127,12 @@ def _cells(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for cell, shards in SHARDS.items():
-        scheme, options, micro_batches, seed = CASES.get(cell, (cell, None, 2, 0))
-        plain = _run("none", scheme, options, micro_batches, seed)
+        scheme, options, micro_batches, seed, extra = CASES.get(cell, (cell, None, 2, 0, ""))
+        plain = _run("none" + extra, scheme, options, micro_batches, seed)
         ref = plain.pop("params")
         out[cell] = {"none": plain}
         for shard in shards:
-            run = _run(shard, scheme, options, micro_batches, seed)
+            run = _run(shard + extra, scheme, options, micro_batches, seed)
             got = run.pop("params")
             assert got.keys() == ref.keys()
             run["param_rel"] = max(_rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0)
@@ -200,6 +206,17 @@ def test_unsharded_pipeline_joins_a_peers_gradient_sum_for_a_layer_its_rows_all_
     rec = _check(cells, "peers")
     assert any(0 < x["survival"][2] < 1 for x in rec)
     assert sum(r["peers"]["full"]["ties"] for r in cells) > 0
+
+
+def test_early_exit_with_whole_gradient_sums_sends_the_sums_of_a_layer_the_last_micro_batch_skips(cells):
+    """`parallel.accumulate: whole`, a dense model, threshold 0.97: in step 2 layer 3 runs in the first micro-batch
+    and on no rank in the second, whose backward is the step's last and alone reduce-scatters FSDP2's whole sums;
+    every rank then joins that backward with zeros (`EarlyExit.last_pass`), and the sums go out; under 1F1B and zero
+    bubble (whose last W op sends them). Without it the layer's gradients stayed unsent (the gradient norm of step 2
+    1.8e-4 apart). (An MoE layer's skip path runs its unit's forward anyway, so its sums go out either way.)"""
+    rec = _check(cells, "exit_whole")
+    assert 0 < rec[1]["survival"][3] < 1
+    assert all(sum(r["exit_whole"][shard]["ties"] for r in cells) > 0 for shard in SHARDS["exit_whole"])
 
 
 def test_mod_under_sharded_pipeline_state_matches_unsharded(cells):
