@@ -158,6 +158,12 @@ class MicrobatchPlanner:
         """A checkpoint's `plan_scales`: the batches it had read ahead are planned with them again."""
         self._restored = {int(s): v for s, v in scales.items()}
 
+    def _scale_of(self, step: int, current: list[float] | None) -> list[float] | None:
+        """The scale batch `step` is planned with: the checkpoint's (`restore_scales`) when it has one for this
+        many stages (a run resumed on another layout plans with its own), else `current`."""
+        saved = self._restored.pop(step, current)
+        return saved if saved is None or len(saved) == self.cost.stages else current
+
     # ---- the plans ----
     def data_state(self) -> dict[str, Any]:
         """The data position of the next step to train (batches read ahead are read again on resume), with the
@@ -185,7 +191,7 @@ class MicrobatchPlanner:
             samples = self.r.data.train.next_samples()
             # the curriculum records each step's complexities against the batch's ids and position
             ids, at = (list(self.sampler.last_ids), self.sampler.position) if self.sampler is not None else ([], 0)
-            mine = self._restored.pop(self._read) if self._read in self._restored else scale
+            mine = self._scale_of(self._read, scale)
             self._batches.append((self._read, samples, ids, at, mine))
             self.ahead.submit(self._read, [len(x) - 1 for x in samples], mine)
 

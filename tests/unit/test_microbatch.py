@@ -333,3 +333,16 @@ def test_a_scaled_table_scales_each_stages_times_and_keeps_its_memory():
     assert t.scaled(None) is t and t.scaled([1.0, 1.0]) is t
     with pytest.raises(ConfigError, match="needs 2 positive factors"):
         t.scaled([1.0, 0.0])
+
+
+def test_a_checkpoints_plan_scale_is_taken_only_for_as_many_stages():
+    """A resumed run plans a batch read ahead with the checkpoint's scale of it (`MicrobatchPlanner._scale_of`),
+    unless the checkpoint had another number of stages (resumed on another layout): then with its own."""
+    from moebal.balance.microbatches import MicrobatchPlanner
+
+    planner = MicrobatchPlanner.__new__(MicrobatchPlanner)  # the two attributes the choice reads
+    planner.cost = quad_table(P=2)
+    planner.restore_scales({"5": [0.5, 0.9], "6": [0.5, 0.9, 1.0], "7": None})
+    current = [0.8, 0.8]
+    assert [planner._scale_of(s, current) for s in (5, 6, 7, 8)] == [[0.5, 0.9], current, None, current]
+    assert planner._scale_of(5, current) == current  # taken once
