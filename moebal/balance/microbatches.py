@@ -27,7 +27,7 @@ uninterrupted one did.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +56,22 @@ def planner_kwargs(cfg: Config, dp: int, lockstep: int = 1) -> dict[str, Any]:
             "schedules": tuple(x.strip() for x in p.dynamic.schedules.split(",") if x.strip())}
 
 
+class _ReadAhead(NamedTuple):
+    """A batch read ahead of training: its step, samples, the curriculum's sample ids and sampler position after
+    it, and the dynamism scheme's stage scale it is planned with."""
+
+    step: int
+    samples: list[np.ndarray]
+    ids: list[int]
+    at: int
+    scale: list[float] | None
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each sample's (input, label) pairs: what the planner plans."""
+        return [len(x) - 1 for x in self.samples]
+
+
 class MicrobatchPlanner:
     """The plans of the next steps for one rank of a pipeline (module docstring)."""
 
@@ -70,9 +86,7 @@ class MicrobatchPlanner:
         self.cost = cost if cost is not None else self.cost_table()
         n_workers = cfg.pipeline.dynamic.workers if workers is None else workers
         self.ahead = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
-        # (step, samples, sample ids, sampler position, the scheme's stage scale it is planned with)
-        self._batches: collections.deque[tuple[int, list[np.ndarray], list[int], int, list[float] | None]] = \
-            collections.deque()
+        self._batches: collections.deque[_ReadAhead] = collections.deque()
         self._restored: dict[int, list[float] | None] = {}  # a checkpoint's scales of the batches it read ahead
         self._read = 0
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
@@ -128,10 +142,8 @@ class MicrobatchPlanner:
         self.cost = self.cost_table()
         if repacked:  # the batches read ahead, planned again for the stages left, with their scale
             scale = self.scheme_scale()
-            self._batches = collections.deque((s, samples, ids, at, scale)
-                                              for s, samples, ids, at, _ in self._batches)
-            self.ahead.replan(self.cost, [(s, [len(x) - 1 for x in samples]) for s, samples, *_ in self._batches],
-                              scale)
+            self._batches = collections.deque(b._replace(scale=scale) for b in self._batches)
+            self.ahead.replan(self.cost, [(b.step, b.lengths) for b in self._batches], scale)
         else:
             self.ahead.set_cost(self.cost)
 
@@ -152,7 +164,7 @@ class MicrobatchPlanner:
 
     def plan_scales(self) -> dict[str, list[float] | None]:
         """The scales the batches read ahead are planned with, by step (what a checkpoint keeps)."""
-        return {str(s): scale for s, _, _, _, scale in self._batches}
+        return {str(b.step): b.scale for b in self._batches}
 
     def restore_scales(self, scales: dict[str, list[float] | None]) -> None:
         """A checkpoint's `plan_scales`: the batches it had read ahead are planned with them again."""
@@ -192,24 +204,26 @@ class MicrobatchPlanner:
             # the curriculum records each step's complexities against the batch's ids and position
             ids, at = (list(self.sampler.last_ids), self.sampler.position) if self.sampler is not None else ([], 0)
             mine = self._scale_of(self._read, scale)
-            self._batches.append((self._read, samples, ids, at, mine))
-            self.ahead.submit(self._read, [len(x) - 1 for x in samples], mine)
+            batch = _ReadAhead(self._read, samples, ids, at, mine)
+            self._batches.append(batch)
+            self.ahead.submit(batch.step, batch.lengths, mine)
 
     def next(self, step: int, replica: int) -> tuple[MicroBatchPlan, list[np.ndarray], int, dict[str, Any]]:
         """The plan of `step`, its samples, their label count, and the step record's planning figures
         (`replica`: the data-parallel replica whose schedule is reported)."""
         self._fill(step)
-        s, samples, self.batch_ids, self.batch_at, scale = self._batches.popleft()
+        batch = self._batches.popleft()
+        self.batch_ids, self.batch_at = batch.ids, batch.at
         self._positions.popleft()
-        assert s == step, "batches read ahead are out of step"
+        assert batch.step == step, "batches read ahead are out of step"
         plan, wait = self.ahead.get(step)
-        count = sum(len(x) - 1 for x in samples)
+        count = sum(batch.lengths)
         info = {"plan_wait_s": round(wait, 6), "micro_batches": len(plan.micro_batches),
                 "padding_efficiency": round(plan.padding_efficiency, 4),
                 "computed_tokens": plan.computed_tokens, "schedule": plan.replicas[replica].schedule,
                 "predicted_time_s": round(plan.predicted_time_s, 6), "plan_s": round(plan.meta["plan_s"], 6),
-                "plan_scale": scale}
-        return plan, samples, count, info
+                "plan_scale": batch.scale}
+        return plan, batch.samples, count, info
 
     def close(self) -> None:
         self.ahead.close()

@@ -487,18 +487,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _agree_stepped(self) -> None:
         """`skips`: which parameters `step` updates: those with a gradient on some rank of their shard group. The
         unsharded pipeline's rule (`PipelineRunner._join_peers_grads`): where a peer has a gradient the sum is its,
-        where no rank has one the gradient stays None, which torch's AdamW skips. One small host all-reduce per
-        shard axis (a CPU tensor: gloo under the device-aware backend)."""
+        where no rank has one the gradient stays None, which torch's AdamW skips (`_over_axes`)."""
         flags = [torch.tensor([id(p) in self._got for p in fl.params], dtype=torch.int32) for fl in self.flats]
-        for axis in ("dp_ep", "dp"):
-            fs = [f for f, fl in enumerate(self.flats) if fl.axis == axis]
-            if self._channels[axis] is None or not fs:
-                continue
-            v = torch.cat([flags[f] for f in fs])
-            dist.all_reduce(v, group=self._channels[axis])
-            for f, part in zip(fs, v.split([len(flags[f]) for f in fs])):
-                flags[f] = part
-        self._stepped = [[bool(x) for x in v.tolist()] for v in flags]
+        self._stepped = [[bool(x) for x in v.tolist()] for v in self._over_axes(flags)]
 
     def owned_squares(self) -> list[torch.Tensor]:
         """The summed squares of every owned part's gradient (fp32 scalars)."""
@@ -791,12 +782,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         optimizer is not used afterwards."""
         self._masters_whole()
         out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        if self.skips:
-            return self._full_state_each()
-        step = self._agreed_step()
-        if step is None:
-            return out
-        for fl in self.flats:
+        if self.skips:  # each parameter's own count; one never stepped has no state, as in torch's AdamW
+            self._steps = self._agreed_steps()
+            counts = self._steps
+        else:  # every part steps together
+            step = self._agreed_step()
+            if step is None:
+                return out
+            counts = [[int(step)] * len(fl.params) for fl in self.flats]
+        for fl, steps in zip(self.flats, counts):
+            if not any(steps):  # none of the flat's parameters stepped (its shard group agrees): nothing to send
+                continue
             full = {key: torch.zeros(fl.buf.numel(), dtype=fl.state_dtype, device=fl.buf.device)  # fp32 moments
                     for key in ("exp_avg", "exp_avg_sq")}
             for k, leaf in zip(fl.buckets, fl.leaves):
@@ -804,42 +800,30 @@ class ShardedAdamW(torch.optim.Optimizer):
                 for key, buf in full.items():
                     # a part of padding only may have no state (after a resume): it sends zeros
                     self._gather_parts(fl, k, state[key] if key in state else torch.zeros_like(leaf), buf)
-            for p, o in zip(fl.params, fl.offsets):
-                out[p] = {"step": step.clone(), **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
-        return out
-
-    def _agreed_steps(self) -> list[list[int]]:
-        """`skips`: every parameter's step count, the same on every rank of its shard group (a count read from a
-        checkpoint is right on the ranks that own a slice of the parameter; one small all-reduce per axis)."""
-        steps = [list(x) for x in self._steps]
-        for axis in ("dp_ep", "dp"):
-            fs = [f for f, fl in enumerate(self.flats) if fl.axis == axis]
-            if self._channels[axis] is None or not fs:
-                continue
-            v = torch.tensor([n for f in fs for n in steps[f]], dtype=torch.int64)
-            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self._channels[axis])
-            for f, part in zip(fs, v.split([len(steps[f]) for f in fs])):
-                steps[f] = part.tolist()
-        return steps
-
-    def _full_state_each(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """`full_state` with a step count per parameter: a parameter never stepped has no state, as in torch's
-        AdamW; a flat none of whose parameters stepped sends nothing (its group agrees on that)."""
-        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        self._steps = self._agreed_steps()
-        for fl, steps in zip(self.flats, self._steps):
-            if not any(steps):
-                continue
-            full = {key: torch.zeros(fl.buf.numel(), dtype=fl.state_dtype, device=fl.buf.device)
-                    for key in ("exp_avg", "exp_avg_sq")}
-            for k, leaf in zip(fl.buckets, fl.leaves):
-                state = self.inner.state.get(leaf, {})
-                for key, buf in full.items():
-                    self._gather_parts(fl, k, state[key] if key in state else torch.zeros_like(leaf), buf)
             for p, o, n in zip(fl.params, fl.offsets, steps):
                 if n:
                     out[p] = {"step": torch.tensor(float(n)),
                               **{key: buf[o:o + p.numel()].view_as(p) for key, buf in full.items()}}
+        return out
+
+    def _agreed_steps(self) -> list[list[int]]:
+        """`skips`: every parameter's step count, the same on every rank of its shard group (a count read from a
+        checkpoint is right on the ranks that own a slice of the parameter): the largest over the group."""
+        return [v.tolist() for v in self._over_axes([torch.tensor(x, dtype=torch.int64) for x in self._steps],
+                                                     dist.ReduceOp.MAX)]
+
+    def _over_axes(self, per_flat: list[torch.Tensor], op: Any = dist.ReduceOp.SUM) -> list[torch.Tensor]:
+        """One host vector per flat (a value per parameter) all-reduced over the flat's shard group: the flats of
+        an axis in one small all-reduce on its channel (a CPU tensor: gloo under the device-aware backend)."""
+        out = list(per_flat)
+        for axis in ("dp_ep", "dp"):
+            fs = [f for f, fl in enumerate(self.flats) if fl.axis == axis]
+            if self._channels[axis] is None or not fs:
+                continue
+            v = torch.cat([out[f] for f in fs])
+            dist.all_reduce(v, op=op, group=self._channels[axis])
+            for f, part in zip(fs, v.split([len(out[f]) for f in fs])):
+                out[f] = part
         return out
 
     @torch.no_grad()
