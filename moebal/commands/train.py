@@ -173,7 +173,8 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
             from moebal.pipeline.runner import pipeline_ep, refuse_layout
             from moebal.train.pipelined import scheme_from_config
 
-            refuse_layout(cfg, pipeline_ep(cfg, nproc), scheme_from_config(cfg))
+            scheme_from_config(cfg)  # the scheme's own checks of its settings, before any rank starts
+            refuse_layout(cfg, pipeline_ep(cfg, nproc))
     build_data(cfg)
     if args.resume:
         from moebal.train.checkpoint import find_checkpoints

@@ -237,7 +237,7 @@ class PlannedPipelineRunner(PipelineRunner):
 
     def load_state_dict(self, ranks: dict[str, dict[str, Any]], same_stages: bool = False) -> list[int] | None:
         sizes = super().load_state_dict(ranks, same_stages)
-        first = ranks.get("0") or next(iter(ranks.values()), {})
+        first = self.job_state(ranks)
         if first.get("scheme_name") == self.scheme.name:  # another scheme's scales do not describe this one's costs
             self.microbatches.restore_scales(first.get("plan_scales", {}))
         return sizes

@@ -97,7 +97,7 @@ def pipeline_ep(cfg: Config, world_size: int) -> int:
     return max(1, world_size // max(cfg.parallel.pp, 1))
 
 
-def refuse_layout(cfg: Config, ep: int, scheme: Dynamism) -> None:
+def refuse_layout(cfg: Config, ep: int) -> None:
     """The refusals of a pipeline layout that need no process group: every rank's runner makes them, and
     `moebal train --nproc N` before it starts any rank (`ep`: `pipeline_ep` of the job)."""
     E, L, pp = cfg.moe.num_experts, cfg.model.n_layers, cfg.parallel.pp
@@ -135,7 +135,7 @@ class PipelineRunner:
             dims = ParallelDims(world_size=dist.get_world_size(), rank=dist.get_rank(), pp=cfg.parallel.pp,
                                 ep=pipeline_ep(cfg, dist.get_world_size()), device=self.device).init(
                 60.0 * cfg.parallel.timeout_min)
-        refuse_layout(cfg, dims.ep, self.scheme)
+        refuse_layout(cfg, dims.ep)
         self.dims, self.L = dims, cfg.model.n_layers
         self.chain = PipeChain(dims.ranks_of("pp"), dims.rank, self.opts.wait, groups=dims.pipe_groups())
         self.P0 = self.chain.size
@@ -784,6 +784,11 @@ class PipelineRunner:
                 "scheme_name": self.scheme.name, "scheme": self.scheme.state_dict(),
                 "experts": self.experts.state_dict()}
 
+    @staticmethod
+    def job_state(ranks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The saved state that is the job's (rank 0's, else any saved rank's): costs, scheme, plan scales."""
+        return ranks.get("0") or next(iter(ranks.values()), {})
+
     def load_state_dict(self, ranks: dict[str, dict[str, Any]], same_stages: bool = False) -> list[int] | None:
         """Restore from every saved rank's `state_dict` (any layout: what does not carry over is rebuilt) and
         return the saved partition when it fits this chain (the caller migrates to it once the weights are
@@ -796,7 +801,7 @@ class PipelineRunner:
         self._scheme_resumed = False
         if not ranks:
             return None
-        first = ranks.get("0") or next(iter(ranks.values()))
+        first = self.job_state(ranks)
         if "tracker" not in first:
             return None  # written by the single-stage trainer: nothing of a pipeline to restore
         self.balancer.load_state_dict(first)
