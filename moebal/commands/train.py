@@ -163,18 +163,22 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     from moebal.launch.spawn import spawn_local, start_rank_server
 
     start_rank_server(nproc)  # its imports (torch, moebal) run while the data is checked
-    if nproc % cfg.parallel.pp == 0:  # (otherwise the ranks' own check names the split)
-        from moebal.distributed.groups import ParallelDims
-        from moebal.train.distributed import RunContext
+    from moebal.distributed.groups import ParallelDims
+    from moebal.pipeline.runner import pipeline_ep, refuse_layout
+    from moebal.train.distributed import RunContext
 
-        RunContext(ParallelDims(world_size=nproc, rank=0, ep=1, pp=cfg.parallel.pp)).check_batch(
-            cfg.data.batch_size, cfg.train.grad_accum)
-        if cfg.pipelined:  # what each stage's runner would refuse, said once
-            from moebal.pipeline.runner import pipeline_ep, refuse_layout
-            from moebal.train.pipelined import scheme_from_config
+    # the split of the ranks into ep x pp, as every rank will make it (expert packing measures its ep on the
+    # ranks: then only the stages are checked here)
+    ep = pipeline_ep(cfg, nproc) if cfg.pipelined else 1 if not cfg.moe.num_experts else cfg.parallel.ep or nproc
+    if cfg.scheduler.expert_packing != "off":
+        ep = 1
+    RunContext(ParallelDims(world_size=nproc, rank=0, ep=ep, pp=cfg.parallel.pp)).check_batch(
+        cfg.data.batch_size, cfg.train.grad_accum)
+    if cfg.pipelined:  # what each stage's runner would refuse, said once
+        from moebal.train.pipelined import scheme_from_config
 
-            scheme_from_config(cfg)  # the scheme's own checks of its settings, before any rank starts
-            refuse_layout(cfg, pipeline_ep(cfg, nproc))
+        scheme_from_config(cfg)  # the scheme's own checks of its settings, before any rank starts
+        refuse_layout(cfg, pipeline_ep(cfg, nproc))
     build_data(cfg)
     if args.resume:
         from moebal.train.checkpoint import find_checkpoints

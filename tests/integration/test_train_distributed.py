@@ -115,6 +115,12 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     assert layout.returncode == 2
     assert "parallel.ep = 2 needs MoE layers whose moe.num_experts (3)" in layout.stderr, layout.stderr
     assert "failed" not in layout.stderr
+    # and ranks that do not split into ep x pp, named as such (not as a batch the wrong split cannot divide)
+    splits = (("ep3", ("--nproc", "3", "--ep", "2"), "world size 3 is not divisible by ep (2)"),
+              ("pp3", ("--nproc", "2", "--pp", "3", "model.n_layers=3"), "world size 2 is not divisible by ep (1)"))
+    for name, extra, said in splits:
+        split = _train(tmp_path / name, *extra)
+        assert split.returncode == 2 and said in split.stderr and "failed" not in split.stderr, split.stderr
     # what only a rank finds (a corrupt checkpoint shard, read when it loads) fails on the ranks: the launcher
     # reports the rank and stops the others
     run = tmp_path / "run"
