@@ -198,8 +198,10 @@ class PipelineRunner:
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
         self._shard_channels = ShardedAdamW.make_channels(self.dims) if cfg.parallel.shard == "optimizer" else None
-        # fully sharded state (`parallel.shard: full`): the stage's FSDP2 mesh, made once on every rank too
-        self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" else None
+        # fully sharded state (`parallel.shard: full`): the stage's FSDP2 mesh, made once on every rank too; a
+        # single process (a scheme's one-stage pipeline) has nothing to shard over and trains as the trainer
+        # without a pipeline does there, unsharded
+        self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" and self.dims.distributed else None
         # and what FSDP2 holds through a step there (parallel.accumulate whole, parallel.reshard step): the stage's
         # units as they are when a step runs (migrations change them), each built to reshard after its forward
         self._step_hold = (StepHold.of(cfg, lambda: stage_units(self.stage), lambda m: True)

@@ -10,6 +10,7 @@ rounding of one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -31,8 +32,19 @@ def _scheme_runs(pp: int, nproc: int, names: tuple[str, ...] = tuple(ALL)) -> di
                          micro_batches=2) for name in names}
 
 
+def _sharded_runs(shard: str) -> dict[str, dict]:
+    """One process under `parallel.shard` (nothing to shard over: it must train as unsharded)."""
+    out = {}
+    for name in ("freezing", "moe"):
+        cfg = tiny(n_layers=6, pp=1, moe=4 if name == "moe" else 0, nproc=1)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard))
+        out[name] = _train(cfg, 6, name, ALL[name], micro_batches=2)
+    return out
+
+
 def _one_rank(rank: int, world: int) -> dict:
-    return {"schemes": _scheme_runs(1, 1), "plain": _train(tiny(pp=1), 4, micro_batches=2)}
+    return {"schemes": _scheme_runs(1, 1), "plain": _train(tiny(pp=1), 4, micro_batches=2),
+            "sharded": {shard: _sharded_runs(shard) for shard in ("optimizer", "full")}}
 
 
 def _two_ranks(rank: int, world: int) -> dict:
@@ -63,6 +75,14 @@ def test_every_scheme_on_one_stage_gives_the_two_stage_losses_bit_for_bit(one, t
     got = one["schemes"][name]
     assert got["sizes"] == [6] and len(got["losses"]) == 6
     assert got["losses"] == two[0]["two_stages"][name]["losses"], name
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_one_process_under_a_shard_setting_trains_as_unsharded(one, shard):
+    # `parallel.shard: full` on one process built FSDP2 over no process group and failed at start-up
+    for name, run in one["sharded"][shard].items():
+        ref = one["schemes"][name]["losses"]
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(run["losses"], ref, strict=True)), (name, shard)
 
 
 def test_the_scheme_acts_on_one_stage(one):
