@@ -186,6 +186,10 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
         if not find_checkpoints(out):
             raise ConfigError(f"nothing to resume in {out}: it holds no checkpoint "
                               f"(run without --resume to start, or point --out at the run)")
+    if args.resume_from:  # its manifest, as every rank will open it (the tensors' checksums are the ranks' to check)
+        from moebal.train.checkpoint import open_for_resume
+
+        open_for_resume(out, args.resume_from)
     argv = ["train", *args._argv]
     if args.out is None:
         argv += ["--out", str(out)]

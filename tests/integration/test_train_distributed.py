@@ -132,6 +132,11 @@ def test_rank_failure_stops_the_job_with_a_clear_error(tmp_path):
     late = run_cli("train", "--steps", "10", "--out", str(run), "--resume", "--nproc", "2")
     assert late.returncode == 2
     assert "is corrupt" in late.stderr and "failed (exit code 2); stopped the other ranks" in late.stderr, late.stderr
+    # a --resume-from that names no checkpoint is the launcher's to refuse, before any rank starts
+    gone = run_cli("train", "--steps", "10", "--out", str(run), "--resume-from", str(run / "ckpt-0000003"),
+                   "--nproc", "2")
+    assert gone.returncode == 2 and "is not a checkpoint directory" in gone.stderr, gone.stderr
+    assert "failed" not in gone.stderr, gone.stderr
 
 
 def test_divergence_stops_every_rank_at_the_same_step(tmp_path):
