@@ -168,10 +168,13 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     from moebal.train.distributed import RunContext
 
     # the split of the ranks into ep x pp, as every rank will make it (expert packing measures its ep on the
-    # ranks: then only the stages are checked here)
-    ep = pipeline_ep(cfg, nproc) if cfg.pipelined else 1 if not cfg.moe.num_experts else cfg.parallel.ep or nproc
-    if cfg.scheduler.expert_packing != "off":
+    # ranks: then only the stages are checked here; a dense model's ep is refused below, or is 1 without a pipeline)
+    if cfg.scheduler.expert_packing != "off" or not cfg.moe.num_experts:
         ep = 1
+    elif cfg.pipelined:
+        ep = pipeline_ep(cfg, nproc)
+    else:
+        ep = cfg.parallel.ep or nproc
     RunContext(ParallelDims(world_size=nproc, rank=0, ep=ep, pp=cfg.parallel.pp)).check_batch(
         cfg.data.batch_size, cfg.train.grad_accum)
     if cfg.pipelined:  # what each stage's runner would refuse, said once
