@@ -1,0 +1,212 @@
+"""Random compositions of `moebal train` options on a tiny model: each must train, or be refused in one line.
+
+Every feature has its own tests; this script checks the ones nobody wrote, the combinations. Each case draws
+one value per option (`OPTIONS`: processes, stages, expert parallelism, sharding, dynamism scheme, rebalancing,
+micro-batching, schedule, recomputation, precision, accumulation, placement policy, communication scheduling,
+plan-ahead, expert packing, selection bias, top-k, capacity, kernel, routing records, bf16 weights), then
+`sample` sets aside the pairs the config check refuses by design (`pipeline.rebalance` without stages, ...), so
+that most cases reach the ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
+  ok        exit 0;
+  refused   exit 2 with one `moebal train: error:` line and no traceback, said before any rank started;
+  BUG       anything else: a traceback, another exit code, a hang past `--timeout`, or a refusal that only a
+            rank made (the launcher reports "rank R failed"): its stderr is kept beside the report.
+With `--resume`, an ok case also trains 2 steps and resumes to 3 from that run's step-2 checkpoint: the
+losses must equal the uninterrupted run's bit for bit (`BUG-resume` otherwise). With `--eval`, an ok MoE case
+runs `moebal eval --policy static` on its checkpoint (`BUG-eval` when that neither runs nor refuses in a line).
+
+The expert planner's costs come from a fixed hardware profile (`planner.costs=rtx3090`): measured ones differ
+between two fresh runs, and so would their replicas and the last bits of their losses.
+
+    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--json OUT] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TINY = ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
+        "moe.expert_ffn_dim=32", "data.seq_len=32", "data.batch_size=8", "data.max_bytes=100000",
+        "train.eval_every=0", "train.threads=1", "train.warmup_steps=1", "train.ckpt_every=2",
+        "planner.costs=rtx3090", "dynamism.sparse_attention.block=16"]
+"""A tiny model, a checkpoint every 2 steps, the expert planner on a fixed profile (module docstring)."""
+
+OPTIONS: dict[str, list[Any]] = {
+    "nproc": [1, 2, 4],
+    "parallel.pp": [1, 2],
+    "parallel.ep": [None, 1, 2],
+    "moe.num_experts": [0, 4],
+    "parallel.shard": ["none", "optimizer", "full", "auto"],
+    "dynamism.scheme": ["none", "early_exit", "freezing", "mod", "pruning", "sparse_attention", "moe"],
+    "pipeline.rebalance": ["off", "partition", "diffusion"],
+    "pipeline.every": [1],
+    "pipeline.microbatching": ["fixed", "fixed", "dynamic", "padding", "packing"],
+    "pipeline.schedule": ["1f1b", "gpipe", "zb"],
+    "pipeline.split_layers": [False, False, True],
+    "train.recompute": ["none", "none", "full", "attention"],
+    "train.precision": ["fp32", "bf16"],
+    "train.grad_accum": [1, 1, 2],
+    "train.record_routing_every": [0, 0, 1],
+    "planner.policy": ["static", "prophet", "fastermoe"],
+    "planner.plan_ahead": ["off", "off", "path"],
+    "scheduler.mode": ["off", "lina"],
+    "scheduler.block_overlap": [False, True],
+    "scheduler.expert_packing": ["off", "off", "lina"],
+    "parallel.accumulate": ["sharded", "whole"],
+    "parallel.reshard": ["micro_batch", "step"],
+    "parallel.param_dtype": ["fp32", "fp32", "bf16"],
+    "moe.bias_update_rate": [0.0, 0.0, 0.01],
+    "moe.top_k": [1, 2, 2],
+    "moe.capacity_factor": [None, None, 1.25],
+    "moe.kernel": ["auto", "loop", "grouped_mm"],
+}
+"""Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
+
+
+def sample(rng: random.Random) -> dict[str, Any]:
+    """One case: a value per option, then the pairs the config check refuses by design set aside."""
+    c = {k: rng.choice(v) for k, v in OPTIONS.items()}
+    if c["nproc"] == 1:
+        c["parallel.pp"] = 1
+    if c["parallel.pp"] == 1:
+        c["pipeline.rebalance"], c["pipeline.microbatching"] = "off", "fixed"
+    if c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
+        c["train.grad_accum"] = 1  # a pipeline, or a scheme's one stage, accumulates over its micro-batches
+    if c["pipeline.microbatching"] != "fixed":
+        c["pipeline.split_layers"] = False
+        if c["pipeline.schedule"] == "zb":
+            c["pipeline.schedule"] = "1f1b"
+    if c["parallel.ep"] == 2 and (c["nproc"] // c["parallel.pp"]) % 2:
+        c["parallel.ep"] = None
+    if c["parallel.ep"] == 2 or c["dynamism.scheme"] == "moe":
+        c["moe.num_experts"] = 4
+    if c["parallel.param_dtype"] == "bf16":
+        c["train.precision"] = "bf16"
+        if c["parallel.shard"] in ("none", "auto"):
+            c["parallel.shard"] = "optimizer"
+    if c["parallel.reshard"] == "step" and c["pipeline.schedule"] == "zb":
+        c["parallel.reshard"] = "micro_batch"
+    if c["dynamism.scheme"] in ("early_exit", "mod"):
+        c["train.record_routing_every"] = 0
+    if not c["moe.num_experts"]:
+        c["parallel.ep"] = None if c["parallel.ep"] == 2 else c["parallel.ep"]
+        c.update({"planner.policy": "static", "planner.plan_ahead": "off", "scheduler.expert_packing": "off",
+                  "moe.bias_update_rate": 0.0, "train.record_routing_every": 0})
+    if c["planner.policy"] == "static" or c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
+        c["planner.plan_ahead"] = "off"  # it plans replicas, in the trainer without a pipeline
+    return c
+
+
+def train_argv(case: dict[str, Any], out: Path, steps: int) -> list[str]:
+    argv = [sys.executable, "-m", "moebal.cli", "train", "--steps", str(steps), "--out", str(out),
+            "--nproc", str(case["nproc"]), *TINY]
+    for key, value in case.items():
+        if key != "nproc":
+            text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            argv.append(f"{key}={text}")
+    return argv
+
+
+def run(argv: list[str], timeout: float) -> tuple[int | str, str]:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stderr
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return "timeout", err
+
+
+def verdict(rc: int | str, err: str, command: str) -> str:
+    if rc == 0:
+        return "ok"
+    one_line = any(line.startswith(f"moebal {command}: error:") for line in err.splitlines())
+    if rc == 2 and one_line and "Traceback" not in err and "failed (exit code" not in err:
+        return "refused"
+    return "BUG"
+
+
+def losses(out: Path) -> dict[int, float]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = root / f"case{i}"
+    t0 = time.perf_counter()
+    rc, err = run(train_argv(case, out, 3), args.timeout)
+    row: dict[str, Any] = {"case": i, "options": case, "rc": rc, "verdict": verdict(rc, err, "train"),
+                           "line": next((x for x in err.splitlines() if "error:" in x), "")[:300]}
+    bad = {"train": err} if row["verdict"] == "BUG" else {}
+    if row["verdict"] == "ok" and args.resume:
+        half = root / f"case{i}-resumed"
+        rc1, err1 = run(train_argv(case, half, 2), args.timeout)
+        rc2, err2 = run(train_argv(case, half, 3) + ["--resume"], args.timeout)
+        whole, resumed = losses(out), losses(half)
+        row["resume"] = {"rc": [rc1, rc2], "bitwise": bool(whole) and whole == resumed}
+        if not row["resume"]["bitwise"]:
+            row["verdict"] = "BUG-resume"
+            bad["resume"] = f"{err1}\n----- resumed -----\n{err2}\nlosses {whole} against {resumed}"
+    if row["verdict"] == "ok" and args.eval and case["moe.num_experts"]:
+        rc3, err3 = run([sys.executable, "-m", "moebal.cli", "eval", str(out), "--nproc", "2", "--policy", "static",
+                         "--batches", "1", "--batch-size", "2"], args.timeout)
+        row["eval"] = {"rc": rc3, "verdict": verdict(rc3, err3, "eval")}
+        if row["eval"]["verdict"] == "BUG":
+            row["verdict"] = "BUG-eval"
+            bad["eval"] = err3
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    for what, text in bad.items():
+        keep = Path(args.keep or root)
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / f"case{i}.{what}.stderr").write_text(text)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=40, help="cases to draw (default 40)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    ap.add_argument("--resume", action="store_true", help="also resume each ok case from its step-2 checkpoint")
+    ap.add_argument("--eval", action="store_true", help="also run moebal eval on each ok MoE case")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
+    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--keep", help="directory for the stderr of each BUG (default: the runs' temporary directory, "
+                                   "kept when a case fails)")
+    args = ap.parse_args(argv)
+    if args.cases < 1:
+        ap.error(f"--cases must be at least 1; got {args.cases}")
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="moebal-compose-"))
+    rows = []
+    for i in range(args.cases):
+        rows.append(check_case(i, sample(rng), root, args))
+        r = rows[-1]
+        print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {r['line'][:110]}", file=sys.stderr, flush=True)
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval")}
+    failed = sum(v for k, v in counts.items() if k.startswith("BUG"))
+    print(f"{args.cases} cases (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in counts.items()),
+          file=sys.stderr)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
+                       "counts": counts, "rows": rows}, f, indent=1)
+    if failed and not args.keep:
+        print(f"the failing cases' stderr is in {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
