@@ -142,7 +142,9 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     m = args.micro_batches or (1 if pp == 1 else 4 * pp)
     lina: dict[str, Any] = (dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2)
                             if args.lina else {})
-    moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina.pop("moe_schedule", "serial")
+    # FasterMoE's policy keeps its own MoE schedule; --lina's priority and chunking still apply to it
+    lina_schedule = lina.pop("moe_schedule", "serial")
+    moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina_schedule
     return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
                    trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute, **lina)

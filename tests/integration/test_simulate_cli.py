@@ -43,6 +43,15 @@ def test_pipeline_and_lina_options(capsys) -> None:
     assert 0 < out["bubble_ratio"] < 1
 
 
+def test_lina_with_the_fastermoe_policy_keeps_its_schedule(capsys) -> None:
+    # --lina with --policy fastermoe handed SimSpec the MoE schedule twice (a TypeError)
+    argv = ["simulate", "llama-moe-3.5b", "--cluster", "a100", "--ranks", "8", "--policy", "fastermoe",
+            "--seq-len", "1024", "--json"]
+    plain, lina = _json(capsys, argv), _json(capsys, [*argv, "--lina"])
+    assert plain["meta"]["moe_schedule"] == lina["meta"]["moe_schedule"] == "fastermoe"
+    assert lina["iteration_time_s"] != plain["iteration_time_s"]  # Lina's priority and chunking took part
+
+
 def test_replayed_routing_log(capsys, tmp_path) -> None:
     rng = np.random.default_rng(0)
     log = tmp_path / "routing.jsonl"
