@@ -91,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout's reader left (`moebal plan ... | head`): stop as a killed writer would
+        if argv is None or sys.argv[1:] == argv:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 128 + signal.SIGPIPE
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise

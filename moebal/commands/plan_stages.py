@@ -46,9 +46,16 @@ def add_stages_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a comma list longer than a file name may be (ENAMETOOLONG) names no file
+        return False
+
+
 def _numbers(text: str, flag: str) -> list[float]:
     path = Path(text)
-    if path.suffix in (".json", ".jsonl") or path.is_file():
+    if path.suffix in (".json", ".jsonl") or _is_file(path):
         try:
             text_ = path.read_text()
             if path.suffix == ".jsonl":  # a run's plans.jsonl: the last plan's costs
@@ -78,12 +85,20 @@ def run_stages(args: argparse.Namespace) -> int:
     if args.capacity is not None and memory is None:
         raise ConfigError("--capacity needs --memory (per-layer bytes)")
     P, M = args.stages, args.micro_batches
+    for flag, value, least in (("--micro-batches", M, 1), ("--first-extra", args.first_extra, 0),
+                               ("--last-extra", args.last_extra, 0), ("--comm", args.comm, 0),
+                               ("--slack", args.slack, 0)):
+        if not value >= least:  # NaN too
+            raise ConfigError(f"{flag} must be at least {least}; got {value}")
     kw = {"first_extra": args.first_extra, "last_extra": args.last_extra}
     current = [int(v) for v in _numbers(args.current, "--from")] if args.current else partition_uniform(len(costs), P)
+    if len(current) != P or sum(current) != len(costs) or min(current) < 1:
+        raise ConfigError(f"--from {args.current}: give {P} layer counts (one per stage, each at least 1) that add up "
+                          f"to the {len(costs)} layers of --costs")
     plans = {
         "uniform": partition_uniform(len(costs), P),
         "partition": partition_by_time(costs, P, memory=memory, capacity=args.capacity,
-                                       current=current if len(current) == P else None, **kw),
+                                       current=current, **kw),
         "diffusion": diffuse(costs, current, memory=memory, capacity=args.capacity, **kw),
     }
     if args.repack:
@@ -98,14 +113,14 @@ def run_stages(args: argparse.Namespace) -> int:
         report.append({"balancer": name, "sizes": sizes, "loads": [round(x, 6) for x in loads],
                        "max_load": max(loads), "imbalance": round(imbalance(loads), 4), "iteration_time": t,
                        "speedup_vs_uniform": round(base / t, 4) if t > 0 else None,
-                       "moves_from_current": len(migration_layers(current, sizes)) if len(sizes) == len(current)
-                       else None})
+                       "moves_from_current": len(migration_layers(current, sizes)) if len(sizes) == P else None})
     if args.json:
         print(json.dumps({"layers": len(costs), "stages": P, "micro_batches": M, "plans": report}, indent=1))
         return 0
     print(f"{len(costs)} layers on {P} stages, {M} micro-batches (iteration time = (M-1) max + sum + transfers)")
     print(f"  {'balancer':<10}{'sizes':<28}{'max load':>10}{'max/mean':>10}{'iteration':>12}{'vs uniform':>11}")
     for r in report:
+        speedup = "-" if r["speedup_vs_uniform"] is None else f"{r['speedup_vs_uniform']:.3f}x"  # no work at all
         print(f"  {r['balancer']:<10}{','.join(map(str, r['sizes'])):<28}{r['max_load']:>10.4g}{r['imbalance']:>10.3f}"
-              f"{r['iteration_time']:>12.4g}{r['speedup_vs_uniform']:>10.3f}x")
+              f"{r['iteration_time']:>12.4g}{speedup:>11}")
     return 0

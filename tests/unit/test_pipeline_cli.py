@@ -46,3 +46,34 @@ def test_plan_stages_errors(capsys):
     assert "expected numbers" in capsys.readouterr().err
     assert main(["plan", "stages", "--costs", "1,2", "--stages", "1", "--capacity", "3"]) == 2
     assert "--memory" in capsys.readouterr().err
+    # a --from that is not a partition of the layers over the stages (it was planned from as given)
+    assert main(["plan", "stages", "--costs", "1,2,3", "--stages", "2", "--from", "3"]) == 2
+    assert "give 2 layer counts" in capsys.readouterr().err
+    for flag, value in (("--micro-batches", "0"), ("--slack", "-0.1"), ("--first-extra", "-1"), ("--comm", "nan")):
+        assert main(["plan", "stages", "--costs", "1,2", "--stages", "2", flag, value]) == 2
+        assert f"{flag} must be at least" in capsys.readouterr().err
+
+
+def test_plan_stages_takes_long_lists_and_layers_without_cost(capsys):
+    costs = ",".join(["1.25"] * 300)  # longer than a file name may be: it was taken for a path and failed
+    assert main(["plan", "stages", "--costs", costs, "--stages", "4", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans[0]["sizes"] == [75, 75, 75, 75]
+    assert main(["plan", "stages", "--costs", "0,0,0", "--stages", "3"]) == 0  # no work: no speed-up to print
+    assert "-" in capsys.readouterr().out
+
+
+def test_a_closed_stdout_ends_the_command_quietly(monkeypatch):
+    # `moebal plan ... | head`: the reader left before the output was written; no traceback, the shell's 141
+    import signal
+    import sys
+
+    class Gone:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    assert main(["plan", "stages", "--costs", "1,2,3,4", "--stages", "2", "--json"]) == 128 + signal.SIGPIPE
