@@ -87,6 +87,10 @@ class MixtureOfDepths(Dynamism):
         if subset_precision not in ("auto", "autocast", "fp32"):
             raise ConfigError(f"dynamism mod: subset_precision must be auto, autocast or fp32; "
                               f"got {subset_precision!r}")
+        if subset_precision == "fp32" and getattr(getattr(cfg, "parallel", None), "param_dtype", "fp32") != "fp32":
+            raise ConfigError("dynamism mod: subset_precision fp32 computes the routed block in fp32, and "
+                              f"parallel.param_dtype {cfg.parallel.param_dtype} keeps the weights in that dtype: set "
+                              "dynamism.mod.subset_precision to auto or autocast, or parallel.param_dtype to fp32")
         self.subset_precision = subset_precision
         if not 0 < capacity <= 1:
             raise ConfigError(f"dynamism mod: capacity is the share of tokens a routed block keeps, in (0, 1]; "
@@ -149,16 +153,19 @@ class MixtureOfDepths(Dynamism):
             pos_BC = padded_selection(score_BT, c, n_B)
             C = pos_BC.shape[1]
         weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
-        if self._fp32_subset(h_BTD.device, C, T):
+        if self._fp32_subset(layer, h_BTD.device, C, T):
             with torch.autocast(h_BTD.device.type, enabled=False):
                 return subset_block(as_decoder(layer), h_BTD.float(), cos_TK.float(), sin_TK.float(), pos_BC, None,
                                     keys="subset", scale_BQ=weight_BC.float()).to(h_BTD.dtype)
         return subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset",
                             scale_BQ=weight_BC)
 
-    def _fp32_subset(self, device: torch.device, kept: int, T: int) -> bool:
-        """Whether the routed block leaves the run's autocast for fp32 (see the module docstring)."""
+    def _fp32_subset(self, layer: nn.Module, device: torch.device, kept: int, T: int) -> bool:
+        """Whether the routed block leaves the run's autocast for fp32 (see the module docstring). Never with bf16
+        weights (`parallel.param_dtype: bf16`): outside autocast they would meet fp32 activations."""
         if not torch.is_autocast_enabled(device.type) or self.subset_precision == "autocast":
+            return False
+        if layer.get_parameter("self_attn.q_proj.weight").dtype != torch.float32:
             return False
         return self.subset_precision == "fp32" or (device.type == "cpu" and 2 * kept <= T)
 

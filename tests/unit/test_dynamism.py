@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -301,9 +303,9 @@ def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens()
         mod.begin_step(1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[precision] = mod.layer_forward(1, layer, h, cos, sin, {})
-            assert mod._fp32_subset(h.device, 2, 8) == (precision == "auto")
-            assert not mod._fp32_subset(h.device, 6, 8)  # keeps most of the row: the run's precision
-        assert not mod._fp32_subset(h.device, 2, 8)  # no autocast: nothing to leave
+            assert mod._fp32_subset(layer, h.device, 2, 8) == (precision == "auto")
+            assert not mod._fp32_subset(layer, h.device, 6, 8)  # keeps most of the row: the run's precision
+        assert not mod._fp32_subset(layer, h.device, 2, 8)  # no autocast: nothing to leave
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the same selection, the block computed in fp32 by hand
         score = layer.mod_router(h).squeeze(-1)
     pos = torch.topk(score, 2, dim=1).indices.sort(dim=1).values
@@ -312,3 +314,29 @@ def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens()
     assert torch.equal(outs["auto"], ref)
     assert not torch.equal(outs["autocast"], ref)  # bf16 inside
     torch.testing.assert_close(outs["autocast"], ref, rtol=0.05, atol=0.05)
+
+
+def test_mod_routed_block_with_bf16_weights_stays_under_autocast():
+    # parallel.param_dtype bf16: the layer's weights are bf16 copies; leaving autocast for fp32 met them with fp32
+    # activations (F.linear: "expected m1 and m2 to have the same dtype")
+    cfg = small(4)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    h = torch.randn(2, 8, 32)
+    cos, sin = model.model.rotary(8, h.dtype)
+    mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1}, cfg=cfg)
+    mod.prepare_model(model)
+    mod.begin_step(1)
+    layer = model.model.layers[1]
+    ref = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref["fp32 weights"] = mod.layer_forward(1, layer, h, cos, sin, {})
+        layer.to(torch.bfloat16)
+        assert not mod._fp32_subset(layer, h.device, 2, 8)
+        out = mod.layer_forward(1, layer, h, cos, sin, {})
+    assert out.dtype == h.dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref["fp32 weights"], rtol=0.05, atol=0.05)
+    bf16 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype="bf16"),
+                               train=dataclasses.replace(cfg.train, precision="bf16"))
+    with pytest.raises(ConfigError, match="subset_precision fp32"):
+        build_dynamism("mod", {"subset_precision": "fp32"}, cfg=bf16)
