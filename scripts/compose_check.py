@@ -14,8 +14,11 @@ With `--resume`, an ok case also trains 2 steps and resumes to 3 from that run's
 losses must equal the uninterrupted run's bit for bit (`BUG-resume` otherwise). With `--eval`, an ok MoE case
 runs `moebal eval --policy static` on its checkpoint (`BUG-eval` when that neither runs nor refuses in a line).
 
-The expert planner's costs come from a fixed hardware profile (`planner.costs=rtx3090`): measured ones differ
-between two fresh runs, and so would their replicas and the last bits of their losses.
+Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
+profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
+differ between two fresh runs, and so would their replicas, micro-batch splits and the last bits of their
+losses (a resume reuses its run's measured figures; here the resumed run is compared with another run). The
+layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
     python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--json OUT] [--keep DIR]
 """
@@ -37,8 +40,9 @@ from typing import Any
 TINY = ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
         "moe.expert_ffn_dim=32", "data.seq_len=32", "data.batch_size=8", "data.max_bytes=100000",
         "train.eval_every=0", "train.threads=1", "train.warmup_steps=1", "train.ckpt_every=2",
-        "planner.costs=rtx3090", "dynamism.sparse_attention.block=16"]
-"""A tiny model, a checkpoint every 2 steps, the expert planner on a fixed profile (module docstring)."""
+        "planner.costs=rtx3090", "pipeline.dynamic.costs=rtx3090", "dynamism.sparse_attention.costs=given",
+        "dynamism.sparse_attention.block=16"]
+"""A tiny model, a checkpoint every 2 steps, every planner's costs fixed (module docstring)."""
 
 OPTIONS: dict[str, list[Any]] = {
     "nproc": [1, 2, 4],

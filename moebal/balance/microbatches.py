@@ -88,6 +88,7 @@ class MicrobatchPlanner:
         self.ahead = PlanAhead.for_job(self.cost, self.kwargs, n_workers)
         self._batches: collections.deque[_ReadAhead] = collections.deque()
         self._restored: dict[int, list[float] | None] = {}  # a checkpoint's scales of the batches it read ahead
+        self._restored_cost: dict[str, Any] | None = None  # a checkpoint's measured table (`restore_cost`)
         self._read = 0
         self._positions: collections.deque[dict[str, Any]] = collections.deque()
         self.batch_ids: list[int] = []
@@ -139,7 +140,7 @@ class MicrobatchPlanner:
                               f"pipeline.dynamic.costs measure or a hardware profile, or pipeline.repack false")
         if fixed:
             return
-        self.cost = self.cost_table()
+        self.cost = self._take_restored_cost() or self.cost_table()
         if repacked:  # the batches read ahead, planned again for the stages left, with their scale
             scale = self.scheme_scale()
             self._batches = collections.deque(b._replace(scale=scale) for b in self._batches)
@@ -170,6 +171,30 @@ class MicrobatchPlanner:
         """A checkpoint's `plan_scales`: the batches it had read ahead are planned with them again."""
         self._restored = {int(s): v for s, v in scales.items()}
 
+    def cost_state(self) -> dict[str, Any] | None:
+        """The measured table (what a checkpoint keeps); None when it is not measured: a file or a hardware
+        profile gives the same table again. A resumed run plans with the saved table instead of its own
+        measurement, so the batches it plans are split as the uninterrupted run split them (a measurement of
+        the same stages differs in its last digits, and a plan can follow them)."""
+        if self._given_cost or self.r.cfg.pipeline.dynamic.costs != "measure":
+            return None
+        return self.cost.to_dict()
+
+    def restore_cost(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's `cost_state`: taken once, by the first plan or the resume's migration, when it was
+        measured on the partition then in place with this run's grid (the job's state: every rank decides
+        alike, so no rank measures alone)."""
+        self._restored_cost = state
+
+    def _take_restored_cost(self) -> MicroBatchCost | None:
+        state, self._restored_cost = self._restored_cost, None
+        if not state:
+            return None
+        table = MicroBatchCost.from_dict(state, where="the checkpoint's micro-batch cost table")
+        same = (table.meta.get("sizes") == list(self.r.sizes) and table.stages == self.cost.stages
+                and np.array_equal(table.b_grid, self.cost.b_grid) and np.array_equal(table.s_grid, self.cost.s_grid))
+        return table if same else None
+
     def _scale_of(self, step: int, current: list[float] | None) -> list[float] | None:
         """The scale batch `step` is planned with: the checkpoint's (`restore_scales`) when it has one for this
         many stages (a run resumed on another layout plans with its own), else `current`."""
@@ -190,6 +215,11 @@ class MicrobatchPlanner:
     def _fill(self, step: int) -> None:
         """Read batches up to step + lookahead; the planning rank submits their lengths. The first batch read
         is `step`'s: a resumed run's data position is that of its first step."""
+        if self._restored_cost is not None:  # a resume without a migration: the partition is the saved one
+            restored = self._take_restored_cost()
+            if restored is not None:
+                self.cost = restored
+                self.ahead.set_cost(restored)
         if not self._batches:
             self._read = max(self._read, step - 1)
         scale: list[float] | None = None

@@ -232,14 +232,17 @@ class PlannedPipelineRunner(PipelineRunner):
             self.microbatches.after_migration()
 
     def state_dict(self) -> dict[str, Any]:
-        """The runner's state, and the scheme's stage scales of the batches read ahead (`MicrobatchPlanner`)."""
-        return {**super().state_dict(), "plan_scales": self.microbatches.plan_scales()}
+        """The runner's state, the scheme's stage scales of the batches read ahead and a measured cost table
+        (`MicrobatchPlanner`)."""
+        return {**super().state_dict(), "plan_scales": self.microbatches.plan_scales(),
+                "plan_cost": self.microbatches.cost_state()}
 
     def load_state_dict(self, ranks: dict[str, dict[str, Any]], same_stages: bool = False) -> list[int] | None:
         sizes = super().load_state_dict(ranks, same_stages)
         first = self.job_state(ranks)
         if first.get("scheme_name") == self.scheme.name:  # another scheme's scales do not describe this one's costs
             self.microbatches.restore_scales(first.get("plan_scales", {}))
+        self.microbatches.restore_cost(first.get("plan_cost"))
         return sizes
 
     # ---- the step ----

@@ -540,3 +540,41 @@ def test_the_plans_follow_the_schemes_costs_and_a_resume_plans_the_batches_read_
         assert (a["plan_scale"], a["micro_batches"], a["predicted_time_s"]) == \
             (b["plan_scale"], b["micro_batches"], b["predicted_time_s"])
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])
+
+
+def _measured_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None,
+                  force: tuple = ()) -> dict:
+    """One leg of a resume chain with a measured cost table (`pipeline.dynamic.costs: measure`), a checkpoint
+    every 2 steps, and a migration after step `force` when given; rank 0 returns the records and the table the
+    planner holds at the end."""
+    import dataclasses
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.pipelined import pipeline_trainer
+
+    SAMPLES["path"] = path
+    cfg = docs(costs="measure")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10))
+    trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
+    runner = trainer.strategy.runner  # type: ignore[attr-defined]
+    runner.force = list(force)
+    try:
+        trainer.train(stop_after=stop)
+        table = runner.microbatches.cost.to_dict()
+    finally:
+        trainer.close()
+    lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
+    return {"records": [r for r in map(json.loads, lines) if "loss" in r], "table": table} if rank == 0 else {}
+
+
+@pytest.mark.parametrize("force", [(), ((3, (1, 3)),)], ids=["same-partition", "migrated"])
+def test_a_resume_plans_with_the_measured_table_of_its_checkpoint(corpus, tmp_path, force):
+    """A measured table is the checkpoint's: resumed after step 4, the planner holds the table the interrupted
+    run measured (bit for bit; its own measurement at start-up would differ in the last digits), on the partition
+    it was measured on: the launch's, or the one a migration after step 3 moved to (the resume migrates there
+    and takes the saved table instead of measuring again)."""
+    cut = run_ranks(_measured_leg, 2, corpus, str(tmp_path / "cut"), False, 4, force)[0]
+    resumed = run_ranks(_measured_leg, 2, corpus, str(tmp_path / "cut"), True, None, force)[0]
+    assert resumed["table"] == cut["table"] and cut["table"]["source"] == "measured at start-up"
+    assert cut["table"]["meta"]["sizes"] == ([1, 3] if force else [2, 2])
+    assert [r["step"] for r in resumed["records"]] == list(range(1, 7))
