@@ -157,6 +157,26 @@ def _dp(run_t: np.ndarray, ok: np.ndarray, tmax: np.ndarray) -> tuple[np.ndarray
     return f, arg
 
 
+def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, run_t: np.ndarray,
+                        ok: np.ndarray) -> list[tuple[int, int]]:
+    """`runs` with its longest run halved until there are `dp` (one per data-parallel replica) or no run can
+    be halved into two of at least R samples (R: the lockstep ranks, a row each) that fit the table. The DP's
+    Eq1 counts a replica's share of the runs, so one run for two replicas is its "optimum" on a small batch."""
+    runs = list(runs)
+    while len(runs) < dp:
+        cands = [(b - a, j) for j, (a, b) in enumerate(runs) if b - a >= 2 * R]
+        if not cands:
+            break
+        _, j = max(cands)
+        a, b = runs[j]
+        m = a + (b - a) // 2
+        if not (ok[a, m - a - 1] and ok[m, b - m - 1] and np.isfinite(run_t[a, m - a - 1])
+                and np.isfinite(run_t[m, b - m - 1])):
+            break
+        runs[j:j + 1] = [(a, m), (m, b)]
+    return runs
+
+
 def _backtrack(arg: np.ndarray, N: int) -> list[tuple[int, int]]:
     runs = []
     n = N
@@ -208,16 +228,19 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
                 cands = cands[(stages - 1) * cands <= ub + (stages - 1) * delta * (1 + 1e-12) + 1e-300]
         longest = int(np.max(np.where(ok & (run_t <= cands.max()), np.arange(1, run_t.shape[1] + 1)[None, :], 0)))
         f, arg = _dp(run_t[:, :max(longest, 1)], ok[:, :max(longest, 1)], cands)
-        best: tuple[float, list[tuple[int, int]]] | None = None
+        best: tuple[bool, float, list[tuple[int, int]]] | None = None
         for c in np.flatnonzero(np.isfinite(f[:, N])):
             runs = _backtrack(arg[c], N)
+            if len(runs) < dp:  # every data-parallel replica needs a micro-batch: split the longest runs
+                runs = _split_for_replicas(runs, dp, R, run_t, ok)
             times = [float(run_t[i, n - i - 1]) for i, n in runs]
             obj = iteration_objective(times, stages, dp)
-            if best is None or obj < best[0] - 1e-15 * abs(obj):
-                best = (obj, runs)
+            short = len(runs) < dp  # a split that leaves a replica idle loses to any that feeds them all
+            if best is None or (short, obj) < (best[0], best[1] - 1e-15 * abs(best[1])):
+                best = (short, obj, runs)
         if best is None:
             continue
-        obj, runs = best
+        _, obj, runs = best
         return SplitResult(runs=tuple(runs), times=tuple(float(run_t[i, n - i - 1]) for i, n in runs), objective=obj,
                            candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
                            memory_limit=limit, memory_mode=mode)

@@ -123,6 +123,22 @@ def test_dp_equals_brute_force_on_small_instances():
         assert [a for a, _ in res.runs] == [0] + [b for _, b in res.runs[:-1]] and res.runs[-1][1] == N
 
 
+def test_every_data_parallel_replica_gets_a_micro_batch():
+    # equal short samples: one micro-batch of all of them minimises Eq1 (its time counts 1/dp), which left a
+    # replica nothing to run (a dp 2 pipeline failed at its first plan); the split is halved until each has one
+    cost = quad_table(P=2, max_len=64, max_tokens=1024, alpha=1.0)
+    L = np.full(8, 31)
+    assert len(dp_split(L, cost, 2, dp=1).runs) == 1
+    for dp in (2, 4):
+        plan = plan_microbatches(L, cost, method="dynamic", dp=dp)
+        assert len(plan.replicas) == dp and all(len(r.micro_batches) == 1 for r in plan.replicas)
+        assert sorted(i for m in plan.micro_batches for r in m.rows for i in r) == list(range(8))
+    lock = plan_microbatches(L, cost, method="dynamic", dp=2, lockstep=2)  # halves keep a row per lockstep rank
+    assert all(m.size >= 2 for m in lock.micro_batches) and len(lock.micro_batches) >= 2
+    with pytest.raises(ConfigError, match="cannot feed 4 data-parallel pipelines"):
+        plan_microbatches(L[:3], cost, method="dynamic", dp=4)
+
+
 def test_thinning_loses_at_most_its_bound():
     rng = np.random.default_rng(1)
     for _ in range(12):
