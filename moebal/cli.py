@@ -7,6 +7,7 @@ command runs, so `moebal --help` stays fast and optional dependencies stay optio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import faulthandler
 import importlib
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moebal.errors import MoebalError
 
@@ -88,8 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MoebalError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank sees the same bad input; one reports it
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
+        elif os.environ.get("MOEBAL_RANK_ERRORS"):  # a local launcher says it should this rank fail alone
+            with contextlib.suppress(OSError):
+                Path(os.environ["MOEBAL_RANK_ERRORS"], f"rank-{rank}").write_text(
+                    f"moebal {args.command}: error (rank {rank}): {e}\n", encoding="utf-8")
         return 2
     except BrokenPipeError:  # stdout's reader left (`moebal plan ... | head`): stop as a killed writer would
         if argv is None or sys.argv[1:] == argv:

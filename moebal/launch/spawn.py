@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import IO, Any, Protocol
 
 from moebal.errors import ConfigError
@@ -47,6 +50,10 @@ __all__ = ["RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "local
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
 LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: its parent (launcher or forkserver), not outlived
+ERRORS_ENV = "MOEBAL_RANK_ERRORS"
+"""In a rank of spawn_local: a directory where a rank other than 0 leaves its one-line error (moebal.cli prints
+only rank 0's, which every rank's shared bad input gives alike), for the launcher to say when that rank failed
+alone."""
 RANK_START_ENV = "MOEBAL_RANK_START"  # how spawn_local starts a rank: "forkserver" (the default) or "exec"
 _RANK_STARTS = ("forkserver", "exec")
 # what the forkserver imports for every rank (beside the moebal modules the launcher imported)
@@ -315,9 +322,11 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
         store = _rendezvous_store(nproc)  # held until this attempt's ranks are gone
         port = store.port
         procs: list[_Child] = []
+        errors = tempfile.mkdtemp(prefix="moebal-rank-errors-")
         try:
             for rank in range(nproc):
-                rank_env = {**base, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                rank_env = {**base, ERRORS_ENV: errors, "RANK": str(rank), "WORLD_SIZE": str(nproc),
+                            "LOCAL_RANK": str(rank),
                             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                             "OMP_NUM_THREADS": str(threads_per_rank), "TORCHELASTIC_RESTART_COUNT": str(attempt),
                             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -326,11 +335,14 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
             failed = _watch(procs, poll_s)
         except BaseException:  # Ctrl-C, SIGTERM (Stopped), ...: no rank outlives the launcher
             _stop_undisturbed(procs)
+            shutil.rmtree(errors, ignore_errors=True)
             raise
         if failed is None:
+            shutil.rmtree(errors, ignore_errors=True)
             return 0
         rank, code = failed
         _stop(procs)
+        _say_rank_error(errors, rank, code, procs[0].poll())
         if attempt < max_restarts and code != BAD_INPUT:
             print(f"moebal: rank {rank} failed ({_how(code)}); restarting every rank from the last checkpoint "
                   f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
@@ -339,6 +351,19 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
         print(f"moebal: rank {rank} failed ({_how(code)}); stopped the other ranks{left}", file=sys.stderr)
         return code if code > 0 else 1
     raise AssertionError("unreachable")
+
+
+def _say_rank_error(errors: str, rank: int, code: int, rank0_code: int | None) -> None:
+    """Print the one-line error a failed rank other than 0 left (`ERRORS_ENV`), unless rank 0 failed on bad
+    input too (then it printed the job's error itself); remove the directory."""
+    try:
+        if rank != 0 and code == BAD_INPUT and rank0_code != BAD_INPUT:
+            with contextlib.suppress(OSError):
+                line = Path(errors, f"rank-{rank}").read_text(encoding="utf-8").strip()
+                if line:
+                    print(line, file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
 
 
 def _rendezvous_store(world_size: int) -> Any:

@@ -86,3 +86,26 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_peers_it_took_down():
     assert spawn._watch([_Exited(1), _Exited(None), _Exited(3)], 0.01) == (0, 1)  # no signal: the lowest index
     assert spawn._watch([_Exited(0), _Exited(-15), _Exited(-9)], 0.01) == (1, -15)
     assert spawn._watch([_Exited(0), _Exited(0)], 0.01) is None
+
+
+def test_a_rank_other_than_0_that_fails_alone_is_heard(tmp_path, monkeypatch, capsys):
+    # moebal.cli prints bad input on rank 0 only (every rank's shared error, said once); an error only another
+    # rank met (a plan only its replica could not run) was an exit code and nothing else
+    from moebal.cli import main
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv(spawn.ERRORS_ENV, str(tmp_path))
+    assert main(["plan", "stages", "--costs", "1,x", "--stages", "1"]) == 2
+    assert capsys.readouterr().err == ""  # not on the rank's own stderr: the launcher says it
+    line = (tmp_path / "rank-3").read_text()
+    assert line.startswith("moebal plan: error (rank 3): --costs: expected numbers"), line
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "rank-3").write_text(line)
+    spawn._say_rank_error(str(kept), 3, spawn.BAD_INPUT, -signal.SIGTERM)  # rank 0 was stopped: rank 3's error
+    assert capsys.readouterr().err.strip() == line.strip() and not kept.exists()
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "rank-3").write_text(line)
+    spawn._say_rank_error(str(again), 3, spawn.BAD_INPUT, spawn.BAD_INPUT)  # rank 0 printed the job's error
+    assert capsys.readouterr().err == "" and not again.exists()
