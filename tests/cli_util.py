@@ -24,6 +24,7 @@ the launcher's restarts after a rank died, `moebal launch`) keep starting real p
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import random
@@ -36,6 +37,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -54,6 +56,17 @@ class Ran:
     returncode: int
     stdout: str
     stderr: str
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module, registered in sys.modules under `name` (a dataclass looks its module up
+    there while the class is built)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: Path | str = ROOT) -> Ran:

@@ -5,7 +5,6 @@ grid, and the Spearman rank correlation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,16 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cli_util import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_simulator.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("validate_simulator", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["validate_simulator"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("validate_simulator")
 
 
 @pytest.mark.slow

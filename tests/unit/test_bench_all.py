@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_util import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_all.py"
 
 
 @pytest.fixture(scope="module")
 def bench_all():
-    spec = importlib.util.spec_from_file_location("bench_all", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_all"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_all")
 
 
 def _strip_json(cmd: str) -> str:

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from moebal.config import load
 from moebal.errors import ConfigError
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compose_check.py"
+from tests.cli_util import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("compose_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compose_check")
 
 
 def test_every_draw_names_real_options_and_most_pass_the_config_check(script, tmp_path):

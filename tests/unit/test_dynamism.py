@@ -288,19 +288,24 @@ def test_build_dynamism_errors():
         build_dynamism("pruning", {"kernel": "sputnik"}, cfg=cfg)
 
 
-def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens():
+def _mod_on_a_small_model(**options: str) -> tuple:
+    """MoD at capacity 0.25 on layer 1 of a 4-layer model (step 1), and a batch of 2 rows of 8 tokens:
+    (mod, model, layer 1, h, cos, sin)."""
     cfg = small(4)
     torch.manual_seed(0)
     model = build_model(cfg)
     h = torch.randn(2, 8, 32)
     cos, sin = model.model.rotary(8, h.dtype)
-    layer = model.model.layers[1]
+    mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1, **options}, cfg=cfg)
+    mod.prepare_model(model)
+    mod.begin_step(1)
+    return mod, model, model.model.layers[1], h, cos, sin
+
+
+def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens():
     outs = {}
     for precision in ("auto", "autocast"):
-        mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1, "subset_precision": precision},
-                             cfg=cfg)
-        mod.prepare_model(model)
-        mod.begin_step(1)
+        mod, _, layer, h, cos, sin = _mod_on_a_small_model(subset_precision=precision)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[precision] = mod.layer_forward(1, layer, h, cos, sin, {})
             assert mod._fp32_subset(layer, h.device, 2, 8) == (precision == "auto")
@@ -319,15 +324,8 @@ def test_mod_routed_block_leaves_bf16_autocast_on_cpu_when_it_keeps_few_tokens()
 def test_mod_routed_block_with_bf16_weights_stays_under_autocast():
     # parallel.param_dtype bf16: the layer's weights are bf16 copies; leaving autocast for fp32 met them with fp32
     # activations (F.linear: "expected m1 and m2 to have the same dtype")
-    cfg = small(4)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    h = torch.randn(2, 8, 32)
-    cos, sin = model.model.rotary(8, h.dtype)
-    mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1}, cfg=cfg)
-    mod.prepare_model(model)
-    mod.begin_step(1)
-    layer = model.model.layers[1]
+    mod, _, layer, h, cos, sin = _mod_on_a_small_model()
+    cfg = mod.cfg
     ref = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref["fp32 weights"] = mod.layer_forward(1, layer, h, cos, sin, {})

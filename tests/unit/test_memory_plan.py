@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,12 +23,12 @@ from moebal.planner.memory import (
     plan_memory,
     refusal_line,
 )
+from tests.cli_util import load_script
 
 TINY = ["model.vocab_size=256", "model.dim=8", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
         "model.ffn_dim=16", "moe.num_experts=2", "moe.top_k=1", "moe.expert_ffn_dim=4", "data.batch_size=2",
         "data.seq_len=4", "model.max_seq_len=8", "train.precision=fp32"]
 BARE = DeviceMemory(name="bare", capacity_bytes=1e12, runtime_bytes=0.0, slack=0.0)
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_memory.py"
 
 
 def test_terms_by_hand_one_rank():
@@ -347,12 +345,7 @@ def test_train_refuses_at_start_up_and_can_be_overridden(tmp_path, capsys):
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_memory"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_memory")
 
 
 def test_bench_memory_json(tmp_path, monkeypatch):
@@ -596,10 +589,7 @@ def test_fit_gives_up_fsdp2_holds_before_it_recomputes_or_adds_a_pipeline():
 def test_trace_rank_memory_names_phases_and_their_peaks():
     """scripts/trace_rank_memory.py: the innermost known function on the stack names the phase; per phase the
     resident peak and malloc's figures at that sample."""
-    spec = importlib.util.spec_from_file_location("trace_rank_memory", SCRIPT.parent / "trace_rank_memory.py")
-    assert spec is not None and spec.loader is not None
-    trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trace)
+    trace = load_script("trace_rank_memory")
 
     def backward():
         return trace._phase(sys._getframe())
@@ -735,7 +725,6 @@ def test_a_proposed_change_between_accumulation_and_a_pipeline_names_both_settin
     assert _changes(pipe, accum) == "parallel.pp=1 train.grad_accum=2"
     assert _changes(MemoryLayout(ranks=4), accum) == "train.grad_accum=2"
     assert _changes(pipe, dataclasses.replace(pipe, micro_batches=8)) == "pipeline.micro_batches=8"
-
 
 
 def test_the_fit_search_proposes_what_the_config_takes():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from pathlib import Path
 from types import ModuleType
@@ -12,16 +11,11 @@ import numpy as np
 import pytest
 
 from moebal.sim.holdout import PaperRow, column_medians, evaluate, fit_choice, spearman
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.cli_util import load_script
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def _rows() -> list[PaperRow]:

@@ -3,7 +3,6 @@ and trains on bit for bit as a resume from that checkpoint past those batches wo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from moebal.config import SpikeConfig
 from moebal.errors import CheckpointError, ConfigError, DataError, TrainingError
 from moebal.train import Hook, Trainer
 from moebal.train.spikes import ROLLBACKS, Rollback, bad_step, read_rollbacks, replay_spikes, rollback_for
+from tests.cli_util import load_script
 from tests.unit.test_train import tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,9 +98,7 @@ def test_a_replay_of_a_runs_metrics_calls_the_step_the_trainer_stopped_at(tmp_pa
     assert (step, kind) == (5, "spiked") and why in str(stopped.value)
     # the loss test at the same window calls the same step, the script lists both
     assert [s for s, _, _ in replay_spikes(records, SpikeConfig(factor=3.0, window=3))] == [5]
-    spec = importlib.util.spec_from_file_location("spike_replay", ROOT / "scripts" / "spike_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("spike_replay")
     out = tmp_path / "r.json"
     assert mod.main([str(tmp_path / "run"), "--factor", "3", "--grad-factor", "3", "--window", "3",
                      "--json", str(out)]) == 0
