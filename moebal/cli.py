@@ -90,12 +90,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MoebalError as e:
+        from moebal.launch.spawn import ERRORS_ENV
+
         rank = os.environ.get("RANK", "0")
         if rank == "0":  # every rank sees the same bad input; one reports it
             print(f"moebal {args.command}: error: {e}", file=sys.stderr)
-        elif os.environ.get("MOEBAL_RANK_ERRORS"):  # a local launcher says it should this rank fail alone
+        elif os.environ.get(ERRORS_ENV):  # a local launcher says it should this rank fail alone
             with contextlib.suppress(OSError):
-                Path(os.environ["MOEBAL_RANK_ERRORS"], f"rank-{rank}").write_text(
+                Path(os.environ[ERRORS_ENV], f"rank-{rank}").write_text(
                     f"moebal {args.command}: error (rank {rank}): {e}\n", encoding="utf-8")
         return 2
     except BrokenPipeError:  # stdout's reader left (`moebal plan ... | head`): stop as a killed writer would
