@@ -103,8 +103,8 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     the coverage rule). Density 1 runs the dense causal core. `fp32_core`: the attention core (dense or sparse)
     computes in fp32 outside autocast, the projections keep the run's precision."""
     B, T, _ = x_BTD.shape
-    q_BHTK = apply_rotary(attn._project(x_BTD, attn.q_proj, attn.n_heads, "q_norm"), cos_TK, sin_TK)
-    k_BGTK = apply_rotary(attn._project(x_BTD, attn.k_proj, attn.n_kv_heads, "k_norm"), cos_TK, sin_TK)
+    q_BHTK = apply_rotary(attn.project(x_BTD, attn.q_proj, attn.n_heads, "q_norm"), cos_TK, sin_TK)
+    k_BGTK = apply_rotary(attn.project(x_BTD, attn.k_proj, attn.n_kv_heads, "k_norm"), cos_TK, sin_TK)
     v_BGTK = attn.v_proj(x_BTD).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
     s_BGNN = block_scores(q_BHTK, k_BGTK, block)
     dtype = q_BHTK.dtype

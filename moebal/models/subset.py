@@ -104,21 +104,28 @@ def _subset_attention(layer: DecoderLayer, h_BTD: torch.Tensor, hq_BQD: torch.Te
     Q = pos_BQ.shape[1]
     H, G, K = attn.n_heads, attn.n_kv_heads, attn.head_dim
     xq_BQD = layer.input_layernorm(hq_BQD)
-    mask: torch.Tensor | None = None
     if keys == "all":
         xk = layer.input_layernorm(h_BTD)
         posk = torch.arange(T, device=h_BTD.device).expand(B, T)
-        mask = posk[:, None, :] <= pos_BQ[:, :, None]
-        if valid_BQ is not None:
-            mask = mask | ~valid_BQ[:, :, None]  # padding queries see every key: no all-masked row, no NaN
     else:
         xk, posk = xq_BQD, pos_BQ
+    # the layer's own attention on the subset: its q/k norms (`Attention.project`) and its sliding window, which
+    # counts the full sequence's positions (under keys="subset" too: Mixture-of-Depths' shorter sequence keeps
+    # each token's position, for the window as for the rotary angles)
+    window = attn.sliding_window if attn.sliding_window is not None and attn.sliding_window < T else None
+    mask: torch.Tensor | None = None
+    if keys == "all" or valid_BQ is not None or window is not None:
+        diff_BQT = pos_BQ[:, :, None] - posk[:, None, :]
+        mask = diff_BQT >= 0
+        if window is not None:
+            mask = mask & (diff_BQT < window)
         if valid_BQ is not None:
-            mask = (posk[:, None, :] <= pos_BQ[:, :, None]) & valid_BQ[:, None, :]
-            mask = mask | ~valid_BQ[:, :, None]
+            if keys != "all":
+                mask = mask & valid_BQ[:, None, :]
+            mask = mask | ~valid_BQ[:, :, None]  # padding queries see every key: no all-masked row, no NaN
     Tk = xk.shape[1]
-    q = attn.q_proj(xq_BQD).view(B, Q, H, K).transpose(1, 2)
-    k = attn.k_proj(xk).view(B, Tk, G, K).transpose(1, 2)
+    q = attn.project(xq_BQD, attn.q_proj, H, "q_norm")
+    k = attn.project(xk, attn.k_proj, G, "k_norm")
     v = attn.v_proj(xk).view(B, Tk, G, K).transpose(1, 2)
     q = apply_rotary(q, cos_TK[pos_BQ].unsqueeze(1), sin_TK[pos_BQ].unsqueeze(1))
     k = apply_rotary(k, cos_TK[posk].unsqueeze(1), sin_TK[posk].unsqueeze(1))

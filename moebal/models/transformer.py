@@ -134,7 +134,9 @@ class Attention(nn.Module):
         elif qk_norm != "none":
             raise ValueError(f"Attention: qk_norm must be none, head or full; got {qk_norm!r}")
 
-    def _project(self, x_BTD: torch.Tensor, proj: nn.Linear, heads: int, norm: str) -> torch.Tensor:
+    def project(self, x_BTD: torch.Tensor, proj: nn.Linear, heads: int, norm: str) -> torch.Tensor:
+        """Queries (`q_proj`, "q_norm") or keys (`k_proj`, "k_norm") by head, with their q/k norm: [B, heads, T,
+        K], before the rotary embedding. Also `moebal.models.subset`'s, on a subset of the positions."""
         B, T, _ = x_BTD.shape
         y: torch.Tensor = proj(x_BTD)
         if self.qk_norm == "full":
@@ -146,8 +148,8 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BHTK = self._project(x_BTD, self.q_proj, self.n_heads, "q_norm")
-        k_BGTK = self._project(x_BTD, self.k_proj, self.n_kv_heads, "k_norm")
+        q_BHTK = self.project(x_BTD, self.q_proj, self.n_heads, "q_norm")
+        k_BGTK = self.project(x_BTD, self.k_proj, self.n_kv_heads, "k_norm")
         v_BGTK = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTK = apply_rotary(q_BHTK, cos_TK, sin_TK)
         k_BGTK = apply_rotary(k_BGTK, cos_TK, sin_TK)
