@@ -455,8 +455,11 @@ def _counts(n: int, cost: MicroBatchCost) -> list[int]:
 
 def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: float | None) -> list[MicroBatch]:
     """Baselines' micro-batch count, searched on the cost model (the paper grid-searches the baseline's
-    micro-batch size and reports its best): the count with the least Eq1 that fits the memory limit."""
-    best: tuple[float, list[MicroBatch]] | None = None
+    micro-batch size and reports its best): the count with the least Eq1 that fits the memory limit, among the
+    counts that give each of the dp replicas a micro-batch where one does (Eq1 counts a replica's 1/dp share, so
+    on a small batch one micro-batch for all replicas is its "optimum", and a replica would have nothing to run;
+    `_split_for_replicas` is the dynamic method's counterpart)."""
+    best: tuple[bool, float, list[MicroBatch]] | None = None
     why = ""  # the last count's reason to fail, for the error
     for m in counts:
         try:
@@ -466,12 +469,12 @@ def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: 
             continue
         if memory is not None and max(x.memory for x in mbs) > memory / stages:
             continue
-        obj = iteration_objective([x.time_s for x in mbs], stages, dp)
-        if best is None or obj < best[0]:
-            best = (obj, mbs)
+        key = (len(mbs) < dp, iteration_objective([x.time_s for x in mbs], stages, dp))
+        if best is None or key < best[:2]:
+            best = (*key, mbs)
     if best is None:
         raise ConfigError(f"no micro-batch count of the baseline fits the cost table and the memory budget{why}")
-    return best[1]
+    return best[2]
 
 
 def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: str = "dynamic", dp: int = 1,

@@ -137,6 +137,15 @@ def test_every_data_parallel_replica_gets_a_micro_batch():
     assert all(m.size >= 2 for m in lock.micro_batches) and len(lock.micro_batches) >= 2
     with pytest.raises(ConfigError, match="cannot feed 4 data-parallel pipelines"):
         plan_microbatches(L[:3], cost, method="dynamic", dp=4)
+    # the baselines' count search had the same blind spot: its least Eq1 was one micro-batch for every replica
+    for method in ("padding", "packing", "tokens"):
+        assert len(plan_microbatches(L, cost, method=method, dp=1).micro_batches) == 1, method
+        for dp in (2, 4):
+            plan = plan_microbatches(L, cost, method=method, dp=dp)
+            assert len(plan.replicas) == dp and all(r.micro_batches for r in plan.replicas), (method, dp)
+            assert sorted(i for m in plan.micro_batches for r in m.rows for i in r) == list(range(8)), method
+        with pytest.raises(ConfigError, match="cannot feed 4 data-parallel pipelines"):
+            plan_microbatches(L[:3], cost, method=method, dp=4)
 
 
 def test_thinning_loses_at_most_its_bound():
