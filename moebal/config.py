@@ -1075,6 +1075,11 @@ def planned_moe_losses(c: Config) -> bool:
     return c.moe.num_experts > 0 and (c.moe.aux_loss_coef > 0 or c.moe.z_loss_coef > 0)
 
 
+REFUSE_TIED_PIPELINE = ("'model.tie_embeddings: true' is not built with pipeline stages (parallel.pp > 1): the "
+                        "embedding lives on the first stage and the LM head on the last, and one tied tensor would "
+                        "need its gradient summed across the two: set model.tie_embeddings=false, or parallel.pp=1")
+
+
 def _check_whole(c: Config) -> None:
     m, moe, d, t, par = c.model, c.moe, c.data, c.train, c.parallel
     for key, v in [("model.vocab_size", m.vocab_size), ("model.dim", m.dim), ("model.n_layers", m.n_layers),
@@ -1139,6 +1144,7 @@ def _check_whole(c: Config) -> None:
 
     _check_pipeline(c.pipeline)
     _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
+    _need(par.pp == 1 or not m.tie_embeddings, REFUSE_TIED_PIPELINE)
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"

@@ -75,11 +75,10 @@ class PipelineStage(nn.Module):
         modules, no copy; a layer held by one half loses the other half's submodules (the model is a
         throw-away copy per rank)."""
         if model.config.model.tie_embeddings and not (first and last):
+            from moebal.config import REFUSE_TIED_PIPELINE
             from moebal.errors import ConfigError
 
-            raise ConfigError("pipeline parallelism needs model.tie_embeddings=false: the embedding lives on the "
-                              "first stage and the LM head on the last, and a tied copy would need its gradient "
-                              "summed across the two stages, which moebal does not do")
+            raise ConfigError(REFUSE_TIED_PIPELINE)  # the config check says it first; a stage built by hand here
         units = units or UnitMap.whole(model.config.model.n_layers)
         held = list(range(start, end))
         layers = {}

@@ -214,6 +214,14 @@ def test_weights_gathered_per_step_are_refused_with_zero_bubble_stages_with_the_
         C.load(None, ["parallel.reshard=never"])
 
 
+def test_tied_embeddings_are_refused_with_pipeline_stages_before_any_rank_starts():
+    # the stage refused it too, but only after a rank had built its share of the model (a traceback per rank)
+    assert C.load(None, ["model.tie_embeddings=true", "dynamism.scheme=early_exit"]).model.tie_embeddings
+    with pytest.raises(ConfigError, match="'model.tie_embeddings: true' is not built with pipeline stages .* set "
+                                          "model.tie_embeddings=false, or parallel.pp=1"):
+        C.load(None, ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=2"])
+
+
 def test_the_rank_split_of_accumulated_rows_names_the_multiple():
     from moebal.distributed.groups import ParallelDims
     from moebal.train.distributed import RunContext
