@@ -10,7 +10,7 @@ from torch import nn
 
 from moebal.config import TrainConfig
 
-__all__ = ["build_optimizer", "lr_at", "param_groups"]
+__all__ = ["build_optimizer", "lr_at", "param_groups", "schedule_change"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -55,3 +55,22 @@ def lr_at(step: int, t: TrainConfig) -> float:
     if t.schedule == "linear":
         return t.lr + (floor - t.lr) * progress
     return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+SCHEDULE_KEYS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "schedule", "decay_fraction")
+"""The settings `lr_at` reads: `train.steps` is the schedule's horizon as well as the run's length."""
+
+
+def schedule_change(was: TrainConfig, now: TrainConfig, step: int) -> str | None:
+    """A line when a resume after `step` optimizer steps under schedule `now` does not continue the curve the
+    checkpoint's run (`was`) trained on: the two disagree at the last step done. Extending a cosine or linear
+    run moves its decay under the steps already taken, and a wsd run extended after its decay began jumps back
+    up to lr; a constant schedule, or a wsd one extended in its stable phase (tests/unit/test_train.py), goes on
+    as it was and says nothing."""
+    changed = [f"train.{k} {getattr(was, k)} -> {getattr(now, k)}" for k in SCHEDULE_KEYS
+               if getattr(was, k) != getattr(now, k)]
+    if not changed or step < 1 or lr_at(step - 1, was) == lr_at(step - 1, now):
+        return None
+    return (f"the learning-rate schedule differs from the checkpoint's run ({', '.join(changed)}): step {step} "
+            f"trained at lr {lr_at(step - 1, was):.3g}, where this schedule has {lr_at(step - 1, now):.3g}, and "
+            f"step {step + 1} runs at {lr_at(step, now):.3g}")

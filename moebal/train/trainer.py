@@ -129,6 +129,8 @@ class Trainer:
         self.norm_history: list[float] = []
         """... and their gradient norms before clipping (`train.spike.grad_factor`'s reference; checkpointed)."""
         self._resumed_at: int | None = None
+        self.resume_note: str | None = None
+        """A resume under another learning-rate schedule than the checkpoint's run (`optim.schedule_change`)."""
         self.data = data or build_data(cfg)
         if strategy is None:
             strategy = self._local(model, load_weights=ckpt is None)
@@ -248,6 +250,7 @@ class Trainer:
         if self.ctx.is_main:  # one writer: another rank rewriting the file could drop rank 0's new lines
             for name in ("metrics.jsonl", "plans.jsonl"):
                 MetricsLog.truncate_after(self.run_dir / name, reader.step)
+            self.resume_note = _schedule_note(reader.path, self.cfg, reader.step)
 
     def save(self) -> Path:
         """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
@@ -476,3 +479,19 @@ def set_threads(cfg: Config) -> None:
     """torch's intra-op threads: `train.threads`, or this machine's cores divided among its ranks."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc or 1))  # ranks on this machine (torchrun)
     torch.set_num_threads(cfg.train.threads or default_threads(local))
+
+
+def _schedule_note(ckpt: Path, cfg: Config, step: int) -> str | None:
+    """`optim.schedule_change` against the schedule in the checkpoint's own config.yaml (None without one)."""
+    import dataclasses
+
+    from moebal.config import load_data
+    from moebal.errors import ConfigError
+    from moebal.train.optim import SCHEDULE_KEYS, schedule_change
+
+    try:
+        train = load_data(ckpt / "config.yaml")[0].get("train") or {}
+        was = dataclasses.replace(cfg.train, **{k: train[k] for k in SCHEDULE_KEYS if k in train})
+    except (OSError, ConfigError, TypeError):
+        return None
+    return schedule_change(was, cfg.train, step)

@@ -59,6 +59,36 @@ def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_sta
         tiny("train.decay_fraction=0")
 
 
+def test_a_resume_says_when_its_schedule_does_not_continue_the_checkpoint_s_curve():
+    from moebal.train.optim import schedule_change
+
+    wsd = TrainConfig(steps=12, lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.3)
+    longer = dataclasses.replace(wsd, steps=40)
+    assert schedule_change(wsd, wsd, 10) is None
+    assert schedule_change(wsd, longer, 5) is None  # extended in its stable phase: the curve goes on
+    line = schedule_change(wsd, longer, 11)  # after two decay steps: back up to lr
+    assert line == ("the learning-rate schedule differs from the checkpoint's run (train.steps 12 -> 40): step 11 "
+                    "trained at lr 0.4, where this schedule has 1, and step 12 runs at 1")
+    cos = TrainConfig(steps=100, lr=1.0, warmup_steps=10)
+    assert "train.steps 100 -> 200" in schedule_change(cos, dataclasses.replace(cos, steps=200), 50)
+    assert "train.lr 1.0 -> 0.5" in schedule_change(cos, dataclasses.replace(cos, lr=0.5), 50)
+    const = TrainConfig(steps=10, lr=0.5, warmup_steps=2, schedule="constant")
+    assert schedule_change(const, dataclasses.replace(const, steps=30), 10) is None
+
+
+def test_resuming_an_ended_wsd_run_with_more_steps_says_its_lr_jumps(tmp_path, capsys):
+    from moebal.cli import main
+
+    run = ["train", "--nproc", "1", "--out", str(tmp_path), *TINY, "train.eval_every=0", "train.ckpt_every=1",
+           "train.schedule=wsd", "train.warmup_steps=1", "train.steps=3"]
+    assert main(run) == 0
+    capsys.readouterr()
+    assert main(["train", "--nproc", "1", "--out", str(tmp_path), "--resume", "--steps", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "the learning-rate schedule differs from the checkpoint's run (train.steps 3 -> 5): step 3 trained at " \
+           "lr 0.0002, where this schedule has 0.002, and step 4 runs at 0.002" in err, err
+
+
 def test_no_weight_decay_on_norms_biases_and_vectors():
     from moebal.models import build_model
 
