@@ -1045,9 +1045,18 @@ def _one_line(e: Exception) -> str:
 
 
 def _refuse_sharded_pipeline_schemes(c: Config) -> None:
-    """What `parallel.shard: optimizer` does not build with a pipeline's dynamism schemes (docs/sharding.md)."""
+    """What the sharded states do not build in a pipeline (a dynamism scheme's one stage included;
+    docs/sharding.md)."""
     par, d = c.parallel, c.dynamism
-    if par.shard != "optimizer" or not c.pipelined:
+    if not c.pipelined:
+        return
+    # FSDP2 shards a stage's embedding and LM head as units of their own: a tied weight would become two
+    # shards, trained apart (the trainer without a pipeline shards them under one root and keeps them one)
+    _need(par.shard != "full" or not c.model.tie_embeddings,
+          "'parallel.shard: full' in a pipeline (a dynamism scheme runs one) is not built with "
+          "'model.tie_embeddings: true': the stage shards its embedding and its LM head apart, and the tied weight "
+          "would become two; use parallel.shard=optimizer (or none), or model.tie_embeddings=false")
+    if par.shard != "optimizer":
         return
     _need(d.scheme != "pruning" or par.param_dtype == "fp32",
           "'parallel.shard: optimizer' with a pipeline and 'parallel.param_dtype: bf16' is not built with "

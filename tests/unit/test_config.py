@@ -220,6 +220,12 @@ def test_tied_embeddings_are_refused_with_pipeline_stages_before_any_rank_starts
     with pytest.raises(ConfigError, match="'model.tie_embeddings: true' is not built with pipeline stages .* set "
                                           "model.tie_embeddings=false, or parallel.pp=1"):
         C.load(None, ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=2"])
+    # a scheme's one stage holds both, but FSDP2 would shard them apart (each rank failed building its optimizer)
+    scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
+    assert C.load(None, [*scheme, "parallel.shard=optimizer"]).parallel.shard == "optimizer"
+    with pytest.raises(ConfigError, match="'parallel.shard: full' in a pipeline .* 'model.tie_embeddings: true'"):
+        C.load(None, [*scheme, "parallel.shard=full"])
+    assert C.load(None, ["model.tie_embeddings=true", "parallel.shard=full"]).parallel.shard == "full"
 
 
 def test_the_rank_split_of_accumulated_rows_names_the_multiple():
