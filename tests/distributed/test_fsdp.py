@@ -39,6 +39,16 @@ def test_full_sharding_matches_unsharded_for_10_steps(tmp_path, world, ep, polic
     check_parity(out, "full")
 
 
+def test_full_sharding_keeps_tied_embeddings_one_weight(tmp_path):
+    """`model.tie_embeddings` under FSDP2 without a pipeline: the embedding and the head are sharded under the
+    model's root, so the tied weight stays one (a pipeline stage shards them apart, which the config check
+    refuses): 6 steps on 2 ranks within 1e-5 of unsharded, the head's weight included."""
+    tied = {"model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32,
+                      "tie_embeddings": True}}
+    out = run_ranks(pair, 2, str(tmp_path), 1, "static", "full", 6, {"sections": tied}, timeout_s=600)
+    check_parity(out, "full", steps=6)
+
+
 AHEAD = {"planner": {"plan_ahead": "path", "path_len": 1, "path_refresh": 1, "path_window": 2}}
 """Layer 1's placement planned during layer 0 and its Trans issued there: the expert weights at rest prefetched
 as layer 0 starts, kept for layer 1's forward."""
