@@ -3,15 +3,22 @@
 Every feature has its own tests; this script checks the ones nobody wrote, the combinations. Each case draws
 one value per option (`OPTIONS`: processes, stages, expert parallelism, sharding, dynamism scheme, rebalancing,
 micro-batching, schedule, recomputation, precision, accumulation, placement policy, communication scheduling,
-plan-ahead, expert packing, selection bias, top-k, capacity, kernel, routing records, bf16 weights), then
-`sample` sets aside the pairs the config check refuses by design (`pipeline.rebalance` without stages, ...), so
-that most cases reach the ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
+plan-ahead, expert packing, selection bias, top-k, capacity, kernel, routing records, bf16 weights; and around
+them the model's and router's variants (q/k norms, a sliding window, tied embeddings, gates, an MLP router, a
+dense first layer, a shared expert, drop policy, jitter, z-loss, the adaptive gate), the data (documents, the
+complexity order), the learning-rate schedule, asynchronous checkpoints, clipping, bf16 gradient sums,
+re-packing, the initial partition, spin waits, the placement feedback, overlap and replica caps, chunked and
+in-flight all-to-alls, pruning's kernels and sparse attention's budgets), then `sample` sets aside the pairs
+the config check refuses by design (`pipeline.rebalance` without stages, ...), so that most cases reach the
+ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
   ok        exit 0;
   refused   exit 2 with one `moebal train: error:` line and no traceback, said before any rank started;
   BUG       anything else: a traceback, another exit code, a hang past `--timeout`, or a refusal that only a
             rank made (the launcher reports "rank R failed"): its stderr is kept beside the report.
-With `--resume`, an ok case also trains 2 steps and resumes to 3 from that run's step-2 checkpoint: the
-losses must equal the uninterrupted run's bit for bit (`BUG-resume` otherwise). With `--eval`, an ok MoE case
+With `--resume`, an ok case is also resumed from its step-2 checkpoint (`--resume-from`, into another
+directory): step 3's loss must equal the uninterrupted run's bit for bit (`BUG-resume` otherwise). (A run of
+2 steps extended to 3 is another run: `train.steps` is the learning-rate schedule's horizon, and a wsd
+schedule decays its last step.) With `--eval`, an ok MoE case
 runs `moebal eval --policy static` on its checkpoint (`BUG-eval` when that neither runs nor refuses in a line).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
@@ -72,6 +79,34 @@ OPTIONS: dict[str, list[Any]] = {
     "moe.top_k": [1, 2, 2],
     "moe.capacity_factor": [None, None, 1.25],
     "moe.kernel": ["auto", "loop", "grouped_mm"],
+    # the model's and the router's variants, the data, the schedule and the planners' own switches
+    "model.qk_norm": ["none", "none", "head", "full"],
+    "model.sliding_window": [None, None, 16],
+    "model.tie_embeddings": [False, False, True],
+    "moe.gate": ["softmax_topk", "softmax_topk", "topk_softmax", "sigmoid_topk"],
+    "moe.router": ["linear", "linear", "mlp_tanh"],
+    "moe.first_dense": [0, 0, 1],
+    "moe.shared_experts": [0, 0, 1],
+    "moe.drop_policy": ["probs", "position"],
+    "moe.jitter": [0.0, 0.0, 0.01],
+    "moe.z_loss_coef": [0.0, 0.0, 0.001],
+    "data.samples": ["packed", "packed", "documents"],
+    "moe.adaptive_threshold": [None, None, 0.1],
+    "data.order": ["shuffle", "shuffle", "complexity"],
+    "train.schedule": ["cosine", "linear", "wsd", "constant"],
+    "train.ckpt_async": [False, False, True],
+    "train.grad_clip": [1.0, 1.0, 0.0],
+    "parallel.reduce_dtype": ["fp32", "fp32", "bf16"],
+    "pipeline.repack": [False, False, True],
+    "pipeline.initial": ["uniform", "params"],
+    "pipeline.wait": ["block", "block", "spin"],
+    "planner.feedback.enabled": [False, False, True],
+    "planner.overlap": [False, False, True],
+    "planner.max_replicas": [None, None, 1],
+    "scheduler.a2a_chunks": [None, None, 2],
+    "scheduler.inflight": [1, 1, 2],
+    "dynamism.pruning.kernel": ["auto", "dense", "csr"],
+    "dynamism.sparse_attention.budget": ["coverage", "random_walk"],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
@@ -82,7 +117,9 @@ def sample(rng: random.Random) -> dict[str, Any]:
     if c["nproc"] == 1:
         c["parallel.pp"] = 1
     if c["parallel.pp"] == 1:
-        c["pipeline.rebalance"], c["pipeline.microbatching"] = "off", "fixed"
+        c["pipeline.rebalance"], c["pipeline.microbatching"], c["pipeline.repack"] = "off", "fixed", False
+    else:
+        c["model.tie_embeddings"] = False  # one tensor on two stages
     if c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
         c["train.grad_accum"] = 1  # a pipeline, or a scheme's one stage, accumulates over its micro-batches
     if c["pipeline.microbatching"] != "fixed":
@@ -105,6 +142,18 @@ def sample(rng: random.Random) -> dict[str, Any]:
         c["parallel.ep"] = None if c["parallel.ep"] == 2 else c["parallel.ep"]
         c.update({"planner.policy": "static", "planner.plan_ahead": "off", "scheduler.expert_packing": "off",
                   "moe.bias_update_rate": 0.0, "train.record_routing_every": 0})
+    if c["parallel.shard"] == "none":
+        c["parallel.reduce_dtype"] = "fp32"  # the sharded state's mixed-precision policy
+    if c["parallel.shard"] == "full" and c["dynamism.scheme"] != "none":
+        c["model.tie_embeddings"] = False  # a stage shards its embedding and head apart
+    if not c["moe.num_experts"] or c["moe.top_k"] < 2:
+        c["moe.adaptive_threshold"] = None
+    if c["moe.adaptive_threshold"] is None:
+        c["data.order"] = "shuffle"  # it orders by how many tokens the adaptive gate sends to two experts
+    if c["dynamism.scheme"] == "sparse_attention":
+        c["model.sliding_window"] = None  # it runs causal attention over the whole row
+        if c["pipeline.microbatching"] != "fixed":
+            c["pipeline.dynamic.pad_multiple"] = 16  # whole blocks of dynamism.sparse_attention.block
     if c["planner.policy"] == "static" or c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
         c["planner.plan_ahead"] = "off"  # it plans replicas, in the trainer without a pipeline
     return c
@@ -153,14 +202,14 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
                            "line": next((x for x in err.splitlines() if "error:" in x), "")[:300]}
     bad = {"train": err} if row["verdict"] == "BUG" else {}
     if row["verdict"] == "ok" and args.resume:
+        # the same run (train.steps 3: the learning-rate schedule's horizon) resumed from its step-2 checkpoint
         half = root / f"case{i}-resumed"
-        rc1, err1 = run(train_argv(case, half, 2), args.timeout)
-        rc2, err2 = run(train_argv(case, half, 3) + ["--resume"], args.timeout)
+        rc2, err2 = run(train_argv(case, half, 3) + ["--resume-from", str(out / "ckpt-0000002")], args.timeout)
         whole, resumed = losses(out), losses(half)
-        row["resume"] = {"rc": [rc1, rc2], "bitwise": bool(whole) and whole == resumed}
+        row["resume"] = {"rc": rc2, "bitwise": 3 in resumed and all(whole.get(k) == v for k, v in resumed.items())}
         if not row["resume"]["bitwise"]:
             row["verdict"] = "BUG-resume"
-            bad["resume"] = f"{err1}\n----- resumed -----\n{err2}\nlosses {whole} against {resumed}"
+            bad["resume"] = f"{err2}\nlosses {whole} against {resumed}"
     if row["verdict"] == "ok" and args.eval and case["moe.num_experts"]:
         rc3, err3 = run([sys.executable, "-m", "moebal.cli", "eval", str(out), "--nproc", "2", "--policy", "static",
                          "--batches", "1", "--batch-size", "2"], args.timeout)
