@@ -209,8 +209,9 @@ def _print(report: dict[str, Any], plans: dict[str, MicroBatchPlan]) -> None:
     dyn = plans.get("dynamic")
     if dyn is None:
         return
-    print(f"dynamic: {dyn.meta['candidates']} of {dyn.meta['candidates_exact']} time limits tried (thin "
-          f"{dyn.meta['thin']}), memory limit per micro-batch: {dyn.meta['memory_mode']}")
+    print(f"dynamic: {dyn.meta.get('candidates_evaluated', 0)} of {dyn.meta['candidates']} time limits evaluated "
+          f"({dyn.meta['candidates_exact']} before thinning {dyn.meta['thin']}), memory limit per micro-batch: "
+          f"{dyn.meta['memory_mode']}")
     for d, rep in enumerate(dyn.replicas):
         shapes = [f"{dyn.micro_batches[j].size}x{dyn.micro_batches[j].seq}" for j in rep.micro_batches]
         cands = ", ".join(f"{n} {_fmt(t)}" for n, t, _ in rep.candidates)

@@ -29,6 +29,8 @@ Gaps of the paper, settled (docs/microbatching.md has the long form):
     optimum (the longest sample is in the first run). Each window of width delta is represented by its
     *upper* end and partitions are scored by their actual maximum, so the thinned plan is at most
     (P - 1) delta = thin * LB <= thin * OPT worse than the exact one (tested against the unthinned DP);
+  * the DP runs at the limits a bound lets hold the optimum (`_search`), not at every one: a batch of
+    thousands of samples leaves thousands of limits, each a DP over the batch;
   * memory: the DP limits each micro-batch to memory / P (1F1B keeps up to P micro-batches in flight on
     the first stage); when even that cannot hold the longest sample, it retries with the whole budget (one
     micro-batch must fit) and leaves the rest to the memory-aware adaptive schedule (the reference's
@@ -106,6 +108,8 @@ class SplitResult:
     delta: float
     memory_limit: float | None
     memory_mode: str
+    evaluated: int = 0
+    """Candidates whose DP ran (`_search`: the others' bounds could not beat the best)."""
 
 
 def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int) -> tuple[np.ndarray, np.ndarray]:
@@ -114,9 +118,11 @@ def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int) -> 
     N = len(L_desc)
     K = int(min(N, cost.rows_grid[-1]))
     k = np.arange(1, K + 1)
-    s = _pad(L_desc, pad_multiple)
-    run_t = cost.time(k[None, :], s[:, None])
-    mem = cost.memory(k[None, :], s[:, None])
+    # a run's cost is a function of its rows and its padded length, of which a batch has few distinct values (at
+    # most max_len / pad_multiple): the table is interpolated once per length and its rows repeated
+    s, row = np.unique(_pad(L_desc, pad_multiple), return_inverse=True)
+    run_t = cost.time(k[None, :], s[:, None])[row]
+    mem = cost.memory(k[None, :], s[:, None])[row]
     beyond = (np.arange(N)[:, None] + k[None, :]) > N
     run_t[beyond] = np.inf
     mem[beyond] = np.inf
@@ -145,16 +151,71 @@ def _dp(run_t: np.ndarray, ok: np.ndarray, tmax: np.ndarray) -> tuple[np.ndarray
     f = np.full((C, N + 1), np.inf)
     f[:, 0] = 0.0
     arg = np.zeros((C, N + 1), dtype=np.int64)
+    top = float(tmax.max()) if C else -np.inf
     for n in range(1, N + 1):
         k = np.arange(1, min(K, n) + 1)
         i = n - k                                    # run [i, n) of k samples
         t = run_t[i, k - 1]
-        allowed = ok[i, k - 1][None, :] & (t[None, :] <= tmax[:, None])
+        # only the runs some candidate allows (the others are inf in every row: the same minima and argmins
+        # along the rows' finite entries, which are all a backtrack follows)
+        keep = np.flatnonzero(ok[i, k - 1] & (t <= top))
+        if keep.size == 0:
+            continue
+        i, t = i[keep], t[keep]
+        allowed = t[None, :] <= tmax[:, None]
         val = np.where(allowed, f[:, i] + t[None, :], np.inf)
         best = val.argmin(axis=1)
         f[:, n] = val[np.arange(C), best]
         arg[:, n] = i[best]
     return f, arg
+
+
+SEARCH_GRID = 64
+"""Candidate limits the search (`_search`) evaluates per round; fewer candidates than twice this are all
+evaluated at once."""
+
+
+def _search(run_t: np.ndarray, ok: np.ndarray, cands: np.ndarray, stages: int,
+            dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The DP (`_dp`) at the candidate limits that can hold the optimum, found by bounds: (the indices of the
+    candidates evaluated, ascending; f[:, N] at them; their argmin rows).
+
+    h(c) = (P - 1) c + f_c / D, with f_c the least sum of run times under limit c, is at least the Eq1 of the
+    split found at c (its maximum is at most c), and the smallest h over the candidates is at most the smallest
+    Eq1 of any split their DP finds (a split's Eq1 is h at its own maximum's window, up to the thinning). f is
+    non-increasing in c, so a candidate c between two evaluated ones has h(c) >= (P - 1) c + f_next / D with
+    f_next the sum at the next evaluated candidate above it; candidates whose bound exceeds the least h found
+    are never evaluated. The rest are, SEARCH_GRID more per round, until none is left: the least h is then
+    the one over every candidate, so the plan's Eq1 is within the thinning bound of the optimum as before (and
+    exactly optimal with thin 0), while large batches evaluate a few hundred of their thousands of limits."""
+    C, N = cands.size, run_t.shape[0]
+    f_N = np.full(C, np.nan)
+    args: dict[int, np.ndarray] = {}
+
+    def evaluate(idx: np.ndarray) -> None:
+        f, arg = _dp(run_t, ok, cands[idx])
+        f_N[idx] = f[:, N]
+        for j, row in zip(idx.tolist(), arg):
+            args[j] = row
+
+    if C <= 2 * SEARCH_GRID:
+        evaluate(np.arange(C))
+    else:
+        evaluate(np.unique(np.linspace(0, C - 1, SEARCH_GRID + 1).round().astype(np.int64)))
+        while True:
+            done = np.flatnonzero(~np.isnan(f_N))
+            h = (stages - 1) * cands[done] + f_N[done] / dp
+            best = float(np.min(h)) if np.isfinite(h).any() else np.inf
+            # each candidate's bound from the next evaluated one above it (the largest is always evaluated)
+            nxt = done[np.searchsorted(done, np.arange(C), side="left").clip(max=done.size - 1)]
+            bound = (stages - 1) * cands + f_N[nxt] / dp
+            todo = np.flatnonzero(np.isnan(f_N) & (bound <= best * (1 + 1e-12)))
+            if todo.size == 0:
+                break
+            evaluate(todo[np.unique(np.linspace(0, todo.size - 1, min(SEARCH_GRID, todo.size)).round()
+                                    .astype(np.int64))])
+    done = np.flatnonzero(~np.isnan(f_N))
+    return done, f_N[done], np.stack([args[j] for j in done.tolist()])
 
 
 def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, run_t: np.ndarray,
@@ -175,6 +236,26 @@ def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, run_t: np.
             break
         runs[j:j + 1] = [(a, m), (m, b)]
     return runs
+
+
+def _pick(idx: np.ndarray, f_N: np.ndarray, arg: np.ndarray, N: int, dp: int, R: int, stages: int,
+          run_t: np.ndarray, ok: np.ndarray) -> tuple[bool, float, list[tuple[int, int]], int] | None:
+    """The best of the candidates' splits by their actual Eq1, in ascending order of the limit (the first of
+    equal ones); (whether a split was repaired for the replicas, its Eq1, its runs, the candidates read), or
+    None when no candidate has a split. `f_N` may be `_dp`'s whole table (its last column is read)."""
+    f_N = f_N[:, N] if f_N.ndim == 2 else f_N
+    best: tuple[bool, float, list[tuple[int, int]]] | None = None
+    repaired = False
+    for c in np.flatnonzero(np.isfinite(f_N)):
+        runs = _backtrack(arg[c], N)
+        if len(runs) < dp:  # every data-parallel replica needs a micro-batch: split the longest runs
+            runs, repaired = _split_for_replicas(runs, dp, R, run_t, ok), True
+        times = [float(run_t[i, n - i - 1]) for i, n in runs]
+        obj = iteration_objective(times, stages, dp)
+        short = len(runs) < dp  # a split that leaves a replica idle loses to any that feeds them all
+        if best is None or (short, obj) < (best[0], best[1] - 1e-15 * abs(best[1])):
+            best = (short, obj, runs)
+    return None if best is None else (repaired, best[1], best[2], int(idx.size))
 
 
 def _backtrack(arg: np.ndarray, N: int) -> list[tuple[int, int]]:
@@ -227,23 +308,17 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
             if stages > 1:
                 cands = cands[(stages - 1) * cands <= ub + (stages - 1) * delta * (1 + 1e-12) + 1e-300]
         longest = int(np.max(np.where(ok & (run_t <= cands.max()), np.arange(1, run_t.shape[1] + 1)[None, :], 0)))
-        f, arg = _dp(run_t[:, :max(longest, 1)], ok[:, :max(longest, 1)], cands)
-        best: tuple[bool, float, list[tuple[int, int]]] | None = None
-        for c in np.flatnonzero(np.isfinite(f[:, N])):
-            runs = _backtrack(arg[c], N)
-            if len(runs) < dp:  # every data-parallel replica needs a micro-batch: split the longest runs
-                runs = _split_for_replicas(runs, dp, R, run_t, ok)
-            times = [float(run_t[i, n - i - 1]) for i, n in runs]
-            obj = iteration_objective(times, stages, dp)
-            short = len(runs) < dp  # a split that leaves a replica idle loses to any that feeds them all
-            if best is None or (short, obj) < (best[0], best[1] - 1e-15 * abs(best[1])):
-                best = (short, obj, runs)
-        if best is None:
+        width = max(longest, 1)
+        picked = _pick(*_search(run_t[:, :width], ok[:, :width], cands, stages, dp), N, dp, R, stages, run_t, ok)
+        if picked is not None and picked[0]:  # a repaired split: the bounds speak of the DP's own splits
+            picked = _pick(np.arange(cands.size), *_dp(run_t[:, :width], ok[:, :width], cands), N, dp, R, stages,
+                           run_t, ok)
+        if picked is None:
             continue
-        _, obj, runs = best
+        _, obj, runs, evaluated = picked
         return SplitResult(runs=tuple(runs), times=tuple(float(run_t[i, n - i - 1]) for i, n in runs), objective=obj,
                            candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
-                           memory_limit=limit, memory_mode=mode)
+                           memory_limit=limit, memory_mode=mode, evaluated=evaluated)
     if memory is None:  # every sample fits, yet no split into runs of R to K rows exists
         raise ConfigError(f"{N} samples cannot be split into micro-batches of {R} to {run_t.shape[1]} rows (each of "
                           f"the {R} ranks that run micro-batches in lockstep takes at most {int(cost.b_grid[-1])} "
@@ -510,7 +585,8 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
         split = dp_split(L[order], cost, P, dp=dp, memory=memory, thin=thin, pad_multiple=pad_multiple)
         mbs = [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
                for a, b in split.runs]
-        meta.update(candidates=split.candidates, candidates_exact=split.candidates_exact, delta_s=split.delta,
+        meta.update(candidates=split.candidates, candidates_exact=split.candidates_exact,
+                    candidates_evaluated=split.evaluated, delta_s=split.delta,
                     memory_mode=split.memory_mode, memory_limit=split.memory_limit, thin=thin)
     elif method == "padding":
         seq = int(_pad(L.max(), pad_multiple))

@@ -162,6 +162,29 @@ def test_thinning_loses_at_most_its_bound():
     assert dp_split(L, cost, 4, thin=0.2).candidates < exact.candidates_exact  # it does thin
 
 
+@pytest.mark.parametrize("thin", [0.0, 0.01])
+def test_the_bounded_search_keeps_the_plan_of_every_candidate_limit(monkeypatch, thin):
+    # `_search` runs the DP at the limits whose bound can beat the best found: against the DP at every limit,
+    # the same optimum with thin 0, and within the thinning bound (P - 1) delta with thinning
+    import moebal.planner.microbatch as mb
+
+    rng = np.random.default_rng(3)
+    for trial in range(4):
+        cost = quad_table(P=4, rng=rng, noise=0.1, max_len=512, max_tokens=8192)
+        L = np.sort(np.clip(rng.lognormal(np.log(80), 1.0, 160), 1, 512).astype(int))[::-1]
+        dp = 1 + trial % 2
+        fast = dp_split(L, cost, 4, dp=dp, thin=thin)
+        monkeypatch.setattr(mb, "SEARCH_GRID", 10 ** 9)  # every candidate in one round: the plain DP
+        full = dp_split(L, cost, 4, dp=dp, thin=thin)
+        monkeypatch.undo()
+        assert full.evaluated == full.candidates > 2 * mb.SEARCH_GRID
+        assert fast.evaluated < full.candidates / 2, (fast.evaluated, full.candidates)
+        if thin == 0.0:
+            assert fast.objective == pytest.approx(full.objective, rel=1e-12)
+        else:
+            assert fast.objective <= full.objective + 3 * fast.delta * (1 + 1e-9)
+
+
 def test_memory_limits_are_respected_and_escalate():
     cost = quad_table(P=4, max_len=256, max_tokens=2048)
     rng = np.random.default_rng(2)
