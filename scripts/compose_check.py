@@ -8,7 +8,8 @@ them the model's and router's variants (q/k norms, a sliding window, tied embedd
 dense first layer, a shared expert, drop policy, jitter, z-loss, the adaptive gate), the data (documents, the
 complexity order), the learning-rate schedule, asynchronous checkpoints, clipping, bf16 gradient sums,
 re-packing, the initial partition, spin waits, the placement feedback, overlap and replica caps, chunked and
-in-flight all-to-alls, pruning's kernels and sparse attention's budgets), then `sample` sets aside the pairs
+in-flight all-to-alls, pruning's kernels and sparse attention's budgets; and a continuation of a Mixtral-layout
+HF checkpoint, `hf.init_from`, which `hf_base` writes once per draw), then `sample` sets aside the pairs
 the config check refuses by design (`pipeline.rebalance` without stages, ...), so that most cases reach the
 ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
   ok        exit 0;
@@ -107,8 +108,32 @@ OPTIONS: dict[str, list[Any]] = {
     "scheduler.inflight": [1, 1, 2],
     "dynamism.pruning.kernel": ["auto", "dense", "csr"],
     "dynamism.sparse_attention.budget": ["coverage", "random_walk"],
+    # a continuation of a Mixtral-layout checkpoint (`hf_base`): the model's shape comes from its config.json
+    "hf.init_from": [None, None, None, "base"],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
+
+HF_SHAPE: dict[str, Any] = {"model.qk_norm": "none", "model.sliding_window": None, "model.tie_embeddings": False,
+                            "moe.num_experts": 4, "moe.top_k": 2, "moe.gate": "softmax_topk", "moe.router": "linear",
+                            "moe.first_dense": 0, "moe.shared_experts": 0}
+"""The shape of the checkpoint `hf_base` writes (TINY's model with 4 experts, top-2: Mixtral's layout)."""
+
+
+def hf_base(root: Path, timeout: float) -> Path:
+    """A Mixtral-layout HF checkpoint of TINY's model (one trained step, `moebal convert moebal-to-hf`), made once
+    per draw for the cases that continue it (`hf.init_from`)."""
+    hf = root / "hf-base"
+    if not hf.is_dir():
+        run_dir = root / "hf-base-run"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        argv = [sys.executable, "-m", "moebal.cli", "train", "--steps", "1", "--out", str(run_dir), "--nproc", "1",
+                *TINY, "moe.num_experts=4", "train.ckpt_every=1"]
+        for cmd in (argv, [sys.executable, "-m", "moebal.cli", "convert", "moebal-to-hf", "--arch", "mixtral",
+                           str(run_dir / "ckpt-0000001"), str(hf)]):
+            rc, err = run(cmd, timeout)
+            if rc != 0:
+                raise RuntimeError(f"the HF base checkpoint could not be made ({' '.join(cmd[2:4])}):\n{err}")
+    return hf
 
 
 def sample(rng: random.Random) -> dict[str, Any]:
@@ -148,20 +173,25 @@ def sample(rng: random.Random) -> dict[str, Any]:
         c["model.tie_embeddings"] = False  # a stage shards its embedding and head apart
     if not c["moe.num_experts"] or c["moe.top_k"] < 2:
         c["moe.adaptive_threshold"] = None
-    if c["moe.adaptive_threshold"] is None:
-        c["data.order"] = "shuffle"  # it orders by how many tokens the adaptive gate sends to two experts
+    if c["moe.adaptive_threshold"] is None or c["dynamism.scheme"] in ("early_exit", "mod"):
+        c["data.order"] = "shuffle"  # it orders by how many of every token the adaptive gate sends to two experts
     if c["dynamism.scheme"] == "sparse_attention":
         c["model.sliding_window"] = None  # it runs causal attention over the whole row
         if c["pipeline.microbatching"] != "fixed":
             c["pipeline.dynamic.pad_multiple"] = 16  # whole blocks of dynamism.sparse_attention.block
+    if c["hf.init_from"]:  # the checkpoint's shape: a setting that disagrees with its config.json is refused
+        c.update(HF_SHAPE)
     if c["planner.policy"] == "static" or c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
         c["planner.plan_ahead"] = "off"  # it plans replicas, in the trainer without a pipeline
     return c
 
 
 def train_argv(case: dict[str, Any], out: Path, steps: int) -> list[str]:
+    # a continuation reads the model's shape from the checkpoint (Mixtral's one FFN width stands for both)
+    tiny = [x for x in TINY if not x.startswith(("model.", "moe.expert_ffn_dim"))] if case.get("hf.init_from") \
+        else TINY
     argv = [sys.executable, "-m", "moebal.cli", "train", "--steps", str(steps), "--out", str(out),
-            "--nproc", str(case["nproc"]), *TINY]
+            "--nproc", str(case["nproc"]), *tiny]
     for key, value in case.items():
         if key != "nproc":
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
@@ -196,6 +226,8 @@ def losses(out: Path) -> dict[int, float]:
 
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = root / f"case{i}"
+    if case.get("hf.init_from"):
+        case = {**case, "hf.init_from": str(hf_base(root, args.timeout))}
     t0 = time.perf_counter()
     rc, err = run(train_argv(case, out, 3), args.timeout)
     row: dict[str, Any] = {"case": i, "options": case, "rc": rc, "verdict": verdict(rc, err, "train"),

@@ -20,6 +20,7 @@ def test_every_draw_names_real_options_and_most_pass_the_config_check(script, tm
     rng, accepted = random.Random(0), 0
     for _ in range(200):
         case = script.sample(rng)
+        case["hf.init_from"] = None  # the draw's own checkpoint (`hf_base`), made when a case runs; its shape is TINY's
         argv = script.train_argv(case, tmp_path / "x", 3)
         overrides = argv[argv.index("--nproc") + 2:]  # TINY and the case's options
         overrides.append(f"parallel.nproc={case['nproc']}")
