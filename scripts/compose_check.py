@@ -20,7 +20,9 @@ With `--resume`, an ok case is also resumed from its step-2 checkpoint (`--resum
 directory): step 3's loss must equal the uninterrupted run's bit for bit (`BUG-resume` otherwise). (A run of
 2 steps extended to 3 is another run: `train.steps` is the learning-rate schedule's horizon, and a wsd
 schedule decays its last step.) With `--eval`, an ok MoE case
-runs `moebal eval --policy static` on its checkpoint (`BUG-eval` when that neither runs nor refuses in a line).
+runs `moebal eval` on its checkpoint on 2 or 4 expert-parallel ranks, at the model's top-k or top-1: static
+expert parallelism, or, when the case recorded its routing, `moebal paths` and then every policy (static, Lina,
+phase 1, oracle: each must give static's logits) (`BUG-eval` when that neither runs nor refuses in a line).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -110,6 +112,9 @@ OPTIONS: dict[str, list[Any]] = {
     "dynamism.sparse_attention.budget": ["coverage", "random_walk"],
     # a continuation of a Mixtral-layout checkpoint (`hf_base`): the model's shape comes from its config.json
     "hf.init_from": [None, None, None, "base"],
+    # `moebal eval` of the checkpoint (`--eval`): its expert-parallel ranks, and top-1 instead of the model's k
+    "eval.nproc": [2, 4],
+    "eval.top_k1": [False, True],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
@@ -193,7 +198,7 @@ def train_argv(case: dict[str, Any], out: Path, steps: int) -> list[str]:
     argv = [sys.executable, "-m", "moebal.cli", "train", "--steps", str(steps), "--out", str(out),
             "--nproc", str(case["nproc"]), *tiny]
     for key, value in case.items():
-        if key != "nproc":
+        if key != "nproc" and not key.startswith("eval."):
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             argv.append(f"{key}={text}")
     return argv
@@ -243,9 +248,18 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
             row["verdict"] = "BUG-resume"
             bad["resume"] = f"{err2}\nlosses {whole} against {resumed}"
     if row["verdict"] == "ok" and args.eval and case["moe.num_experts"]:
-        rc3, err3 = run([sys.executable, "-m", "moebal.cli", "eval", str(out), "--nproc", "2", "--policy", "static",
-                         "--batches", "1", "--batch-size", "2"], args.timeout)
-        row["eval"] = {"rc": rc3, "verdict": verdict(rc3, err3, "eval")}
+        # with recorded routing, Lina's path profile (`moebal paths`) and every policy, whose logits must equal
+        # static expert parallelism's; else static alone
+        lina = case["train.record_routing_every"] > 0
+        rc3, err3, command = 0, "", "eval"
+        if lina:
+            rc3, err3 = run([sys.executable, "-m", "moebal.cli", "paths", str(out)], args.timeout)
+            command = "paths" if rc3 else command
+        if rc3 == 0:
+            rc3, err3 = run([sys.executable, "-m", "moebal.cli", "eval", str(out), "--nproc", str(case["eval.nproc"]),
+                             "--policy", "all" if lina else "static", "--batches", "1", "--batch-size", "4",
+                             *(["--top-k", "1"] if case["eval.top_k1"] else [])], args.timeout)
+        row["eval"] = {"rc": rc3, "policy": "all" if lina else "static", "verdict": verdict(rc3, err3, command)}
         if row["eval"]["verdict"] == "BUG":
             row["verdict"] = "BUG-eval"
             bad["eval"] = err3
