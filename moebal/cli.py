@@ -66,6 +66,24 @@ def _bound_the_process() -> None:
         faulthandler.dump_traceback_later(float(limit) + (0 if "RANK" in os.environ else 30), exit=True)
 
 
+TORCHRUN_ERROR_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun (`moebal launch`, or by hand), the error line in the rank's error file, in the format of
+    torch's `ErrorHandler`: torchrun's failure summary then shows it as the failed rank's root cause instead
+    of "error_file: <N/A>", also for a rank other than 0, whose line no stderr carries."""
+    path = os.environ.get(TORCHRUN_ERROR_ENV)
+    if not path:
+        return
+    import json
+    import time
+
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}), encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a process of its own (not a test calling main() in its process)
         faulthandler.enable(all_threads=True)  # a crash below Python prints every thread's stack to stderr
@@ -93,12 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from moebal.launch.spawn import ERRORS_ENV
 
         rank = os.environ.get("RANK", "0")
+        line = f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e}"
         if rank == "0":  # every rank sees the same bad input; one reports it
-            print(f"moebal {args.command}: error: {e}", file=sys.stderr)
+            print(line, file=sys.stderr)
         elif os.environ.get(ERRORS_ENV):  # a local launcher says it should this rank fail alone
             with contextlib.suppress(OSError):
-                Path(os.environ[ERRORS_ENV], f"rank-{rank}").write_text(
-                    f"moebal {args.command}: error (rank {rank}): {e}\n", encoding="utf-8")
+                Path(os.environ[ERRORS_ENV], f"rank-{rank}").write_text(line + "\n", encoding="utf-8")
+        _tell_torchrun(line)
         return 2
     except BrokenPipeError:  # stdout's reader left (`moebal plan ... | head`): stop as a killed writer would
         if argv is None or sys.argv[1:] == argv:

@@ -109,3 +109,20 @@ def test_a_rank_other_than_0_that_fails_alone_is_heard(tmp_path, monkeypatch, ca
     (again / "rank-3").write_text(line)
     spawn._say_rank_error(str(again), 3, spawn.BAD_INPUT, spawn.BAD_INPUT)  # rank 0 printed the job's error
     assert capsys.readouterr().err == "" and not again.exists()
+
+
+def test_under_torchrun_a_rank_s_error_is_its_error_file(tmp_path, monkeypatch, capsys):
+    # torchrun reads a failed rank's TORCHELASTIC_ERROR_FILE into its failure summary; without one it says
+    # "error_file: <N/A>", and a rank other than 0 had no line anywhere
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from moebal.cli import TORCHRUN_ERROR_ENV, main
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv(TORCHRUN_ERROR_ENV, str(tmp_path / "error.json"))
+    assert main(["plan", "stages", "--costs", "1,x", "--stages", "1"]) == 2
+    assert capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=2, pid=1, exitcode=2, error_file=str(tmp_path / "error.json"))
+    line = failure.message["extraInfo"]["py_callstack"]
+    assert line.startswith("moebal plan: error (rank 2): --costs: expected numbers"), line
+    assert failure.timestamp > 0
