@@ -242,8 +242,7 @@ def _pick(idx: np.ndarray, f_N: np.ndarray, arg: np.ndarray, N: int, dp: int, R:
           run_t: np.ndarray, ok: np.ndarray) -> tuple[bool, float, list[tuple[int, int]], int] | None:
     """The best of the candidates' splits by their actual Eq1, in ascending order of the limit (the first of
     equal ones); (whether a split was repaired for the replicas, its Eq1, its runs, the candidates read), or
-    None when no candidate has a split. `f_N` may be `_dp`'s whole table (its last column is read)."""
-    f_N = f_N[:, N] if f_N.ndim == 2 else f_N
+    None when no candidate has a split."""
     best: tuple[bool, float, list[tuple[int, int]]] | None = None
     repaired = False
     for c in np.flatnonzero(np.isfinite(f_N)):
@@ -310,9 +309,10 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
         longest = int(np.max(np.where(ok & (run_t <= cands.max()), np.arange(1, run_t.shape[1] + 1)[None, :], 0)))
         width = max(longest, 1)
         picked = _pick(*_search(run_t[:, :width], ok[:, :width], cands, stages, dp), N, dp, R, stages, run_t, ok)
-        if picked is not None and picked[0]:  # a repaired split: the bounds speak of the DP's own splits
-            picked = _pick(np.arange(cands.size), *_dp(run_t[:, :width], ok[:, :width], cands), N, dp, R, stages,
-                           run_t, ok)
+        if picked is not None and picked[0] and picked[3] < cands.size:  # a repaired split: the bounds speak of
+            # the DP's own splits, so every limit is evaluated
+            f, arg = _dp(run_t[:, :width], ok[:, :width], cands)
+            picked = _pick(np.arange(cands.size), f[:, N], arg, N, dp, R, stages, run_t, ok)
         if picked is None:
             continue
         _, obj, runs, evaluated = picked
