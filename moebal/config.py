@@ -121,7 +121,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the input embedding with the LM head."""
+    """Share the input embedding with the LM head (with pipeline stages the last stage's head holds a copy that
+    follows the first stage's embedding, trained unsharded: docs/pipeline.md)."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection. With model.mla:
     on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's `attention_bias`)."""
@@ -1051,8 +1052,9 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
     if not c.pipelined:
         return
     # FSDP2 shards a stage's embedding and LM head as units of their own: a tied weight would become two
-    # shards, trained apart (the trainer without a pipeline shards them under one root and keeps them one)
-    _need(par.shard != "full" or not c.model.tie_embeddings,
+    # shards, trained apart (the trainer without a pipeline shards them under one root and keeps them one); with
+    # several stages `_check_whole` refuses every sharded state with them
+    _need(par.shard != "full" or not c.model.tie_embeddings or par.pp > 1,
           "'parallel.shard: full' in a pipeline (a dynamism scheme runs one) is not built with "
           "'model.tie_embeddings: true': the stage shards its embedding and its LM head apart, and the tied weight "
           "would become two; use parallel.shard=optimizer (or none), or model.tie_embeddings=false")
@@ -1084,9 +1086,6 @@ def planned_moe_losses(c: Config) -> bool:
     return c.moe.num_experts > 0 and (c.moe.aux_loss_coef > 0 or c.moe.z_loss_coef > 0)
 
 
-REFUSE_TIED_PIPELINE = ("'model.tie_embeddings: true' is not built with pipeline stages (parallel.pp > 1): the "
-                        "embedding lives on the first stage and the LM head on the last, and one tied tensor would "
-                        "need its gradient summed across the two: set model.tie_embeddings=false, or parallel.pp=1")
 
 
 def _check_whole(c: Config) -> None:
@@ -1153,7 +1152,13 @@ def _check_whole(c: Config) -> None:
 
     _check_pipeline(c.pipeline)
     _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
-    _need(par.pp == 1 or not m.tie_embeddings, REFUSE_TIED_PIPELINE)
+    # tied embeddings across stages: the last stage's head copies the first stage's embedding and sends its
+    # gradient there before the data-parallel sum (moebal/pipeline/tied.py); a sharded state reduce-scatters the
+    # embedding's gradient during the backward pass, before the head's could join it
+    _need(par.pp == 1 or not m.tie_embeddings or par.shard in ("none", "auto"),
+          f"'model.tie_embeddings: true' with pipeline stages (parallel.pp > 1) trains unsharded: the head's "
+          f"gradient joins the embedding's on the first stage after the backward pass, when 'parallel.shard: "
+          f"{par.shard}' has reduce-scattered it already; set parallel.shard=none, or model.tie_embeddings=false")
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"

@@ -148,8 +148,6 @@ def sample(rng: random.Random) -> dict[str, Any]:
         c["parallel.pp"] = 1
     if c["parallel.pp"] == 1:
         c["pipeline.rebalance"], c["pipeline.microbatching"], c["pipeline.repack"] = "off", "fixed", False
-    else:
-        c["model.tie_embeddings"] = False  # one tensor on two stages
     if c["parallel.pp"] > 1 or c["dynamism.scheme"] != "none":
         c["train.grad_accum"] = 1  # a pipeline, or a scheme's one stage, accumulates over its micro-batches
     if c["pipeline.microbatching"] != "fixed":
@@ -176,6 +174,8 @@ def sample(rng: random.Random) -> dict[str, Any]:
         c["parallel.reduce_dtype"] = "fp32"  # the sharded state's mixed-precision policy
     if c["parallel.shard"] == "full" and c["dynamism.scheme"] != "none":
         c["model.tie_embeddings"] = False  # a stage shards its embedding and head apart
+    if c["parallel.pp"] > 1 and c["parallel.shard"] in ("optimizer", "full"):
+        c["model.tie_embeddings"] = False  # the head's gradient joins the embedding's after the backward pass
     if not c["moe.num_experts"] or c["moe.top_k"] < 2:
         c["moe.adaptive_threshold"] = None
     if c["moe.adaptive_threshold"] is None or c["dynamism.scheme"] in ("early_exit", "mod"):

@@ -124,6 +124,10 @@ class LayerFreezing(Dynamism):
         if stage.model.embed_tokens is not None:
             stage.model.embed_tokens.weight.requires_grad_(False)
             stage.model.embed_tokens.weight.grad = None
+        tied = stage.tied_head  # the head's weight is the embedding's (a copy on a pipeline's last stage)
+        if tied is not None:
+            tied.requires_grad_(False)
+            tied.grad = None
         self.frozen = n
 
     def prepare_layer(self, i: int, layer: nn.Module) -> None:

@@ -59,6 +59,11 @@ class SchemeStage(Protocol):
         """Decoder layer i (held here)."""
         ...
 
+    @property
+    def tied_head(self) -> torch.Tensor | None:
+        """The LM head's weight on the last stage when it is the embedding's (`model.tie_embeddings`), else None."""
+        ...
+
 
 class SchemeChain(Protocol):
     """The pipeline chain a scheme agrees through (`moebal.pipeline.p2p.PipeChain`)."""

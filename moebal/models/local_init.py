@@ -137,9 +137,9 @@ def build_local(cfg: Config, holding: Holding) -> MoebalForCausalLM:
 
 def materialise(model: MoebalForCausalLM, program: InitProgram, holding: Holding) -> None:
     """Give the held tensors of the meta-built `model` their values by replaying `program` (module docstring)."""
-    if model.config.model.tie_embeddings and holding.embed != holding.head:
-        raise ValueError("with model.tie_embeddings the embedding and the LM head are one tensor: hold both or "
-                         "neither")
+    if model.config.model.tie_embeddings and holding.head and not holding.embed:
+        raise ValueError("with model.tie_embeddings the LM head's weight is the embedding's tensor: a holding of "
+                         "the head holds the embedding too (a pipeline's last stage makes its copy from it)")
     named = _tensors(model)
     held = allocate_held(model, holding)
     scratch = _Scratch([c for c in program.calls if not _whole(held.get(named.get(c.target, "")))])

@@ -54,6 +54,7 @@ from moebal.pipeline.migrate import WholeState, rebuild_optimizer
 from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
+from moebal.pipeline.tied import TiedEmbedding
 from moebal.pipeline.units import UnitMap
 from moebal.planner.partition import imbalance, partition_by_params, partition_uniform
 from moebal.sync import to_host
@@ -194,6 +195,9 @@ class PipelineRunner:
         self.stage = PipelineStage.from_model(model, start, start + self.sizes[p], self.chain.is_first,
                                               self.chain.is_last, self.units).to(self.device)
         del model
+        # model.tie_embeddings across stages: the first stage's embedding is the weight, the last stage's head a
+        # copy that follows it (`tied.py`)
+        self.tied = TiedEmbedding.of(self.stage, self.chain)
         self.experts = StageExperts(self.stage, self.dims, cfg)
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
@@ -242,7 +246,8 @@ class PipelineRunner:
         if self.dims.ep > 1:
             owners = default_owners(cfg.moe.num_experts, self.dims.ep)
             experts = tuple(e for e, o in enumerate(owners) if o == self.dims.index("ep"))
-        holding = Holding(layers=frozenset(self.units.layers_of(units)), embed=self.chain.is_first,
+        tied_head = cfg.model.tie_embeddings and self.chain.is_last  # its weight is the embedding's tensor
+        holding = Holding(layers=frozenset(self.units.layers_of(units)), embed=self.chain.is_first or tied_head,
                           head=self.chain.is_last, experts=experts)
         if cfg.hf.init_from:
             from moebal.interop.hf import from_hf
@@ -265,6 +270,8 @@ class PipelineRunner:
 
         if not any(p.requires_grad for p in module.parameters()):
             return None
+        assert self.tied is None or (self._shard_channels is None and self._fsdp_mesh is None), \
+            "tied embeddings across stages train unsharded (moebal.config refuses the sharded states)"
         if self._shard_channels is not None:  # bf16 weights: the micro-batches' gradients summed in fp32
             par = self.cfg.parallel
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels,
@@ -274,7 +281,8 @@ class PipelineRunner:
             assert isinstance(module, PipelineStage)
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
                                      prepare_layer=self.scheme.prepare_layer)
-        return build_optimizer(module, self.cfg.train)
+        skip = [self.tied.copy] if self.tied is not None and self.tied.copy is not None else []
+        return build_optimizer(module, self.cfg.train, skip=skip)  # a tied head's copy follows the embedding
 
     @property
     def sharded(self) -> ShardedAdamW | None:
@@ -454,6 +462,8 @@ class PipelineRunner:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.tied is not None:
+            self.tied.share_weight()  # before a scheme may freeze the embedding (`Freezing`)
         self.scheme.after_optimizer_step(self._ctx())
         changed = self.scheme.update(self._ctx())
         if changed:
@@ -579,7 +589,11 @@ class PipelineRunner:
 
     # ---- gradients ----
     def _slot_params(self) -> dict[int, list[torch.nn.Parameter]]:
-        return {slot: [p for p in m.parameters()] for slot, m in sorted(self.stage.slot_modules().items())}
+        """The parameters of each cost slot held here, in model order; a tied head's copy is left out (its
+        gradient is the embedding's, summed and counted there: `tied.py`)."""
+        copy = self.tied.copy if self.tied is not None else None
+        return {slot: [p for p in m.parameters() if p is not copy]
+                for slot, m in sorted(self.stage.slot_modules().items())}
 
     def _sync_grads(self) -> None:
         """Sum gradients over the ranks that hold the same parameters, one bucket per layer and kind (a layer's
@@ -587,7 +601,10 @@ class PipelineRunner:
         replicated parameters over every rank of the stage ("dp_ep"), expert shards over their data-parallel
         copies ("dp"; the expert-parallel all-to-all's backward already summed the shard's tokens). Sharded
         state: reduce-scattered into the owned parts instead, over the same ranks (`ShardedAdamW.reduce`; under
-        `parallel.shard: full` FSDP2 has reduced the dense ones and the expert ones go out here)."""
+        `parallel.shard: full` FSDP2 has reduced the dense ones and the expert ones go out here). Tied embeddings
+        across stages: the head's gradient joins the embedding's first (`TiedEmbedding.sum_grads`)."""
+        if self.tied is not None:
+            self.tied.sum_grads()
         if self.sharded is not None:
             self.sharded.reduce()
             return

@@ -6,7 +6,8 @@ Parameter names are the full model's (`model.layers.5.self_attn.q_proj.weight`, 
 `lm_head.weight`): layers sit in a ModuleDict keyed by their global index, so a stage's state dict is a slice
 of the model's, a checkpoint loads under any partition, and a migrated layer keeps its name. The embedding
 is pinned to the first stage and the final norm and LM head to the last (DynMo's repository pins them too;
-their cost counts toward those stages in the planner).
+their cost counts toward those stages in the planner). With `model.tie_embeddings` the last stage's head holds
+a copy of the embedding that follows it (`tied.py`).
 
 Layers are always held and run in ascending global index: migration inserts a received layer at its place
 in that order, never appends it (the DynMo prototype appends, which reorders the network).
@@ -74,11 +75,6 @@ class PipelineStage(nn.Module):
         """Slice units [start, end) (layers, under the default whole-layer units) out of a full model: shared
         modules, no copy; a layer held by one half loses the other half's submodules (the model is a
         throw-away copy per rank)."""
-        if model.config.model.tie_embeddings and not (first and last):
-            from moebal.config import REFUSE_TIED_PIPELINE
-            from moebal.errors import ConfigError
-
-            raise ConfigError(REFUSE_TIED_PIPELINE)  # the config check says it first; a stage built by hand here
         units = units or UnitMap.whole(model.config.model.n_layers)
         held = list(range(start, end))
         layers = {}
@@ -172,6 +168,12 @@ class PipelineStage(nn.Module):
             assert self.lm_head is not None  # the last stage holds both
             out[U + 1] = nn.ModuleList([self.model.norm, self.lm_head])
         return out
+
+    @property
+    def tied_head(self) -> torch.Tensor | None:
+        """The LM head's weight when it is the embedding's (`model.tie_embeddings`; on a stage without the
+        embedding, the copy that follows it: `tied.py`), else None."""
+        return self.lm_head.weight if self.lm_head is not None and self.cfg.model.tie_embeddings else None
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers held here, in layer order."""

@@ -466,7 +466,10 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first else V * D))
                                                                      if last else 0)
     expert = sum(x.expert for x in specs) // lay.ep
-    matmul = sum(x.matmul for x in specs) + (V * D if last and not m.tie_embeddings else 0)
+    # tied embeddings across stages: the last stage's head is a copy of the embedding (weights and gradients),
+    # which the first stage's optimizer steps (moebal/pipeline/tied.py)
+    tied_copy = V * D if m.tie_embeddings and last and not first else 0
+    matmul = sum(x.matmul for x in specs) + (V * D if last and not (m.tie_embeddings and first) else 0)
     held = dense + expert
     d_dense, d_expert = lay.stage_ranks, lay.edp
     sharded = dense / d_dense + expert / d_expert
@@ -512,7 +515,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts
         t["compute-dtype weight copies"] = 2.0 * (expert if lay.ep > 1 and not lay.bf16_experts else 0)
-    t["optimizer state"] = 8.0 * (held if lay.shard == "none" else sharded)
+    t["optimizer state"] = 8.0 * (held - tied_copy if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
     grads_kept = fsdp / d_dense + whole

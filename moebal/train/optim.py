@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,23 +14,26 @@ from moebal.config import TrainConfig
 __all__ = ["build_optimizer", "lr_at", "param_groups", "schedule_change"]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(model: nn.Module, weight_decay: float, skip: Sequence[torch.Tensor] = ()) -> list[dict[str, Any]]:
     """Weight decay only on parameters with two or more dimensions (linear, embedding and stacked expert
     matrices); norms, biases and any 1-D parameter (a router bias, say) are not decayed, since shrinking them
-    towards zero has no regularising meaning (RMSNorm gains should sit near one)."""
+    towards zero has no regularising meaning (RMSNorm gains should sit near one). `skip`: parameters another
+    rank steps (a pipeline's tied head copy, moebal/pipeline/tied.py)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    skipped = {id(p) for p in skip}
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in skipped:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, t: TrainConfig, skip: Sequence[torch.Tensor] = ()) -> torch.optim.AdamW:
     """AdamW; the fused kernel where torch has one (CPU and CUDA float parameters): on this 2-core CPU it
-    steps a 13M-parameter model in ~9 ms against ~350 ms for the multi-tensor (foreach) version."""
-    groups = param_groups(model, t.weight_decay)
+    steps a 13M-parameter model in ~9 ms against ~350 ms for the multi-tensor (foreach) version. `skip`: as
+    `param_groups`'."""
+    groups = param_groups(model, t.weight_decay, skip)
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,

@@ -7,15 +7,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
 
 
-def _cfg(pp: int = 1, nproc: int = 2, ep: int | None = None) -> Config:
+def _cfg(pp: int = 1, nproc: int = 2, ep: int | None = None, tie: bool = False) -> Config:
     return from_dict({
-        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32},
+        "model": {"dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32,
+                  "tie_embeddings": tie},
         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "kernel": "loop"},
         "data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000},
         "train": {"steps": 1, "warmup_steps": 0, "eval_every": 0, "precision": "fp32", "seed": 11},
@@ -59,12 +61,13 @@ def test_expert_parallel_ranks_initialise_their_own_experts_only():
     assert counts[0] == counts[1] > 10
 
 
-def _stage_worker(rank: int, world: int, hf_dir: str | None) -> list[int]:
+def _stage_worker(rank: int, world: int, hf_dir: str | None, tie: bool = False) -> list[int]:
+    """Tied embeddings (`tie`): the last stage's head copy equals the reference's head, the embedding."""
     from moebal.pipeline.runner import PipelineRunner
 
     out = []
     for pp, ep in ((2, 1), (2, 2)) if world == 4 else ((2, 1),):
-        cfg = _cfg(pp=pp, nproc=world, ep=ep)
+        cfg = _cfg(pp=pp, nproc=world, ep=ep, tie=tie)
         if hf_dir is not None:
             cfg = dataclasses.replace(cfg, hf=dataclasses.replace(cfg.hf, init_from=hf_dir))
         runner = PipelineRunner(cfg)
@@ -88,10 +91,15 @@ def test_pipeline_stages_initialise_their_own_layers_only():
     assert all(n > 5 for r in run_ranks(_stage_worker, 4, None, timeout_s=600.0) for n in r)
 
 
-def test_pipeline_stages_read_their_own_tensors_from_hf_init_from(tmp_path: Path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_pipeline_stages_read_their_own_tensors_from_hf_init_from(tmp_path: Path, tie: bool):
     from moebal.interop.hf import to_hf
     from moebal.models import build_model
 
     torch.manual_seed(5)
-    to_hf(build_model(_cfg()), tmp_path / "ckpt", arch="mixtral")
-    assert all(n > 5 for r in run_ranks(_stage_worker, 2, str(tmp_path / "ckpt"), timeout_s=600.0) for n in r)
+    to_hf(build_model(_cfg(tie=tie)), tmp_path / "ckpt", arch="mixtral")
+    assert all(n > 5 for r in run_ranks(_stage_worker, 2, str(tmp_path / "ckpt"), tie, timeout_s=600.0) for n in r)
+
+
+def test_tied_pipeline_stages_initialise_the_head_copy_as_the_embedding():
+    assert all(n > 5 for r in run_ranks(_stage_worker, 2, None, True, timeout_s=600.0) for n in r)

@@ -214,12 +214,18 @@ def test_weights_gathered_per_step_are_refused_with_zero_bubble_stages_with_the_
         C.load(None, ["parallel.reshard=never"])
 
 
-def test_tied_embeddings_are_refused_with_pipeline_stages_before_any_rank_starts():
-    # the stage refused it too, but only after a rank had built its share of the model (a traceback per rank)
+def test_tied_embeddings_with_pipeline_stages_train_unsharded():
+    # the head's gradient joins the embedding's after the backward pass (moebal/pipeline/tied.py), when a sharded
+    # state has reduce-scattered it already: refused before any rank starts, and passed by under auto
     assert C.load(None, ["model.tie_embeddings=true", "dynamism.scheme=early_exit"]).model.tie_embeddings
-    with pytest.raises(ConfigError, match="'model.tie_embeddings: true' is not built with pipeline stages .* set "
-                                          "model.tie_embeddings=false, or parallel.pp=1"):
-        C.load(None, ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=2"])
+    stages = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=4"]
+    assert C.load(None, stages).parallel.shard == "auto"
+    assert C.load(None, [*stages, "parallel.shard=none"]).model.tie_embeddings
+    for shard in ("optimizer", "full"):
+        with pytest.raises(ConfigError, match=f"'model.tie_embeddings: true' with pipeline stages .* trains "
+                                              f"unsharded: .* 'parallel.shard: {shard}' .* set parallel.shard=none, "
+                                              f"or model.tie_embeddings=false"):
+            C.load(None, [*stages, f"parallel.shard={shard}"])
     # a scheme's one stage holds both, but FSDP2 would shard them apart (each rank failed building its optimizer)
     scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
     assert C.load(None, [*scheme, "parallel.shard=optimizer"]).parallel.shard == "optimizer"

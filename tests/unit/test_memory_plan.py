@@ -51,6 +51,23 @@ def test_terms_by_hand_one_rank():
     assert plan.peak_bytes == max(plan.phases.values())
 
 
+def test_a_tied_pipeline_s_last_stage_holds_the_head_copy_without_its_optimizer_state():
+    # moebal/pipeline/tied.py: the last stage's head is a copy of the first stage's embedding (weights and
+    # gradients), which only the first stage's AdamW steps
+    from moebal.planner.memory import _layers, _stage_terms
+
+    two = [*TINY, "model.n_layers=2", "parallel.pp=2", "parallel.nproc=2", "parallel.shard=none"]
+    untied, tied = load(None, two), load(None, [*two, "model.tie_embeddings=true"])
+    lay = MemoryLayout(ranks=2, pp=2)
+    first, last = ([_stage_terms(c, _layers(c), lay, s, range(s, s + 1), False)[0] for c in (untied, tied)]
+                   for s in (0, 1))
+    keys = ("parameters", "gradients", "optimizer state")
+    assert all(first[0][k] == first[1][k] for k in keys)
+    head = 256 * 8  # V x D
+    assert last[0]["parameters"] == last[1]["parameters"] and last[0]["gradients"] == last[1]["gradients"]
+    assert last[0]["optimizer state"] - last[1]["optimizer state"] == 8 * head
+
+
 def test_terms_by_hand_sharded_and_expert_parallel():
     cfg = load(None, TINY)
     held = 272 + 16 + 192 + 2 * 2048 + 8

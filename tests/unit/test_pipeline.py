@@ -294,8 +294,11 @@ def test_stage_slices_the_model_with_its_parameter_names():
     first.add_layer(2, layer)
     assert first.layer_ids == [0, 1, 2] and last.layer_ids == [3]
     first.check_contiguous()
-    with pytest.raises(ConfigError, match="tie_embeddings"):
-        PipelineStage.from_model(build_model(small(2, tie_embeddings=True)), 0, 1, first=True, last=False)
+    # tied embeddings: the last stage's head holds the embedding's tensor (a copy on its own rank: tied.py)
+    tied = build_model(small(2, tie_embeddings=True))
+    head = PipelineStage.from_model(tied, 1, 2, first=False, last=True)
+    assert head.tied_head is tied.model.embed_tokens.weight and head.model.embed_tokens is None
+    assert PipelineStage.from_model(tied, 0, 1, first=True, last=False).tied_head is None
 
 
 def test_layer_skeleton_draws_no_random_numbers():
