@@ -30,12 +30,14 @@ differ between two fresh runs, and so would their replicas, micro-batch splits a
 losses (a resume reuses its run's measured figures; here the resumed run is compared with another run). The
 layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
-    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--json OUT] [--keep DIR]
+    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--fix OPTION=VALUE ...]
+                                    [--json OUT] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import random
@@ -46,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 TINY = ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
         "moe.expert_ffn_dim=32", "data.seq_len=32", "data.batch_size=8", "data.max_bytes=100000",
@@ -141,9 +145,12 @@ def hf_base(root: Path, timeout: float) -> Path:
     return hf
 
 
-def sample(rng: random.Random) -> dict[str, Any]:
-    """One case: a value per option, then the pairs the config check refuses by design set aside."""
+def sample(rng: random.Random, fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One case: a value per option (`fixed` overrides some after the draw, so the other options are the seed's
+    draw all the same), then the pairs the config check refuses by design set aside (which may undo a fixed
+    value: the report's options say what each case ran)."""
     c = {k: rng.choice(v) for k, v in OPTIONS.items()}
+    c.update(fixed or {})
     if c["nproc"] == 1:
         c["parallel.pp"] = 1
     if c["parallel.pp"] == 1:
@@ -176,6 +183,8 @@ def sample(rng: random.Random) -> dict[str, Any]:
         c["model.tie_embeddings"] = False  # a stage shards its embedding and head apart
     if c["parallel.pp"] > 1 and c["parallel.shard"] in ("optimizer", "full"):
         c["model.tie_embeddings"] = False  # the head's gradient joins the embedding's after the backward pass
+    elif c["parallel.pp"] > 1 and c["model.tie_embeddings"]:
+        c["parallel.reduce_dtype"] = "fp32"  # auto settles on none, whose gradients are summed in fp32
     if not c["moe.num_experts"] or c["moe.top_k"] < 2:
         c["moe.adaptive_threshold"] = None
     if c["moe.adaptive_threshold"] is None or c["dynamism.scheme"] in ("early_exit", "mod"):
@@ -271,6 +280,25 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
     return row
 
 
+def parse_fixed(items: list[str], error: Any) -> dict[str, Any]:
+    """`--fix OPTION=VALUE` items as options (values read as YAML scalars: true, 2, null, bf16); `error` is called
+    with a line naming what is wrong (an unknown option, or a value the draw never takes)."""
+    fixed: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in OPTIONS:
+            close = difflib.get_close_matches(key, OPTIONS, n=1)
+            error(f"--fix {item}: expected OPTION=VALUE with an option of the draw"
+                  + (f"; did you mean {close[0]}?" if close else f" ({', '.join(sorted(OPTIONS))})"))
+            continue
+        value = yaml.safe_load(raw)
+        if value not in OPTIONS[key]:
+            error(f"--fix {item}: {key} is drawn from {OPTIONS[key]}")
+            continue
+        fixed[key] = value
+    return fixed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=40, help="cases to draw (default 40)")
@@ -278,17 +306,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="also resume each ok case from its step-2 checkpoint")
     ap.add_argument("--eval", action="store_true", help="also run moebal eval on each ok MoE case")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
+    ap.add_argument("--fix", action="append", default=[], metavar="OPTION=VALUE",
+                    help="give an option one value in every case (a YAML scalar; repeatable), to aim a draw at a "
+                         "feature: --fix model.tie_embeddings=true")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--keep", help="directory for the stderr of each BUG (default: the runs' temporary directory, "
                                    "kept when a case fails)")
     args = ap.parse_args(argv)
     if args.cases < 1:
         ap.error(f"--cases must be at least 1; got {args.cases}")
+    fixed = parse_fixed(args.fix, ap.error)
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="moebal-compose-"))
     rows = []
     for i in range(args.cases):
-        rows.append(check_case(i, sample(rng), root, args))
+        rows.append(check_case(i, sample(rng, fixed), root, args))
         r = rows[-1]
         print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {r['line'][:110]}", file=sys.stderr, flush=True)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval")}
@@ -297,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
+            json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval, "fixed": fixed,
                        "counts": counts, "rows": rows}, f, indent=1)
     if failed and not args.keep:
         print(f"the failing cases' stderr is in {root}", file=sys.stderr)

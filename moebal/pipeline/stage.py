@@ -170,6 +170,14 @@ class PipelineStage(nn.Module):
         return out
 
     @property
+    def checkpoint_links(self) -> dict[str, str]:
+        """Names a checkpoint keeps as another's (`moebal.train.checkpoint`): a last stage's tied head copy is
+        kept as the first stage's embedding, one tensor, as the single-process tied model keeps it."""
+        if self.cfg.model.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    @property
     def tied_head(self) -> torch.Tensor | None:
         """The LM head's weight when it is the embedding's (`model.tie_embeddings`; on a stage without the
         embedding, the copy that follows it: `tied.py`), else None."""

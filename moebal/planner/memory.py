@@ -840,11 +840,13 @@ def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
     changes = {k: v for k, v in changes.items() if k != "shard"}
     gb = 1e9
     tried: list[str] = []
+    refused: list[str] = []
     closest: tuple[float, Config] | None = None
     for shard in shards:
         try:
             cand = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard))  # type: ignore[arg-type]
-        except ConfigError:  # this config's checks refuse that value
+        except ConfigError as e:  # this config's checks refuse that value
+            refused.append(f"{shard}: {e}")
             continue
         try:
             plan = plan_memory(cand, layout_from_config(cand, ranks, **{**changes, "precision": precision}), device)
@@ -858,8 +860,7 @@ def choose_shard(cfg: Config, ranks: int, device: DeviceMemory, precision: str,
         if closest is None or plan.peak_bytes < closest[0]:
             closest = (plan.peak_bytes, cand)
     if closest is None:
-        raise ConfigError(f"parallel.shard auto: this config's checks refuse {', '.join(shards)} alike; name one of "
-                          f"them to see why")
+        raise ConfigError(f"parallel.shard auto: this config's checks refuse every value ({'; '.join(refused)})")
     return closest[1], (f"parallel.shard auto: {closest[1].parallel.shard}, the closest to fitting, though nothing "
                         f"fits ({', '.join(tried)})")
 

@@ -189,6 +189,9 @@ class _LocalView:
     at_rest: dict[str, tuple[torch.Tensor, int | None]] = field(default_factory=dict)
     """Logical name -> (its tensor, its row of it or None) for weights sharded at rest while they are freed (no
     view of them can be taken): copied by `_copy_model`, one gathered unit at a time; not in `tensors`."""
+    linked: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors whose values another rank keeps under another name (the module's `checkpoint_links`: a pipeline's
+    tied head copy, kept as the first stage's embedding): written as aliases (`aliases`), loaded from them."""
 
 
 def _local_view(module: nn.Module) -> _LocalView:
@@ -200,7 +203,11 @@ def _local_view(module: nn.Module) -> _LocalView:
     stacked = _stacked(module)
     view = _LocalView({}, {}, {}, stacked)
     seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    links: dict[str, str] = getattr(module, "checkpoint_links", {})
     for name, t in module.state_dict().items():
+        if name in links:  # the checkpoint keeps it as the tensor another rank writes, as one process's tie does
+            view.aliases[name], view.linked[name] = links[name], t
+            continue
         local = t.to_local() if isinstance(t, DTensor) else t
         key = (local.data_ptr(), tuple(t.shape), tuple(local.stride()))
         if not _released(local):  # weights at rest while freed have no address to compare (never tied)
@@ -1105,6 +1112,14 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
         if list(entry["shape"]) != list(shape):
             return (f"{reader.path}: '{name}' has shape {tuple(entry['shape'])} in the checkpoint but "
                     f"{tuple(shape)} in this model: {fix}")
+    for name, t in view.linked.items():
+        kept = m["aliases"].get(name)
+        if kept != view.aliases[name]:
+            return (f"{reader.path} does not keep '{name}' as '{view.aliases[name]}' (this model ties them, the "
+                    f"checkpoint's did not): {fix}")
+        entry = m["tensors"].get(kept)
+        if entry is None or list(entry["shape"]) != list(t.shape):
+            return f"{reader.path}: '{kept}' (which '{name}' is tied to) is missing or not {tuple(t.shape)}: {fix}"
     return None
 
 
@@ -1127,6 +1142,8 @@ def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torc
             pending.copies.append((dst, src))
         for name, at in view.at_rest.items():  # freed now: written when their unit is gathered (`apply`)
             pending.at_rest.append((at, reader.read(name)))
+        for name, dst in view.linked.items():  # through the alias: the tensor it is tied to
+            pending.copies.append((dst, reader.read(name)))
         sharded = getattr(optimizer, "read_logical_state", None)
         if sharded is not None:  # sharded state: the parts of the logical tensors this rank owns
             pending.optimizer_state = sharded(reader, module, view.stacked)

@@ -84,3 +84,13 @@ def test_resume_under_other_pipeline_and_expert_parallel_sizes_keeps_the_losses(
     _legs(tmp_path, ["--nproc", "2", "--pp", "2"],
           [(["--nproc", "2", "--pp", "2"], True), (["--nproc", "4", "--pp", "4"], False),
            (["--nproc", "4", "--pp", "2"], False), (["--nproc", "1", "--pp", "1"], False)], *pp)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_resume_under_other_stage_counts(tmp_path):
+    """Tied embeddings (moebal/pipeline/tied.py): 2 stages -> 1 process -> 4 stages -> 2 stages. The checkpoint
+    holds the embedding's moments once (the first stage's) and both names, as the single-process model's."""
+    tied = ["model.n_layers=4", "pipeline.micro_batches=2", "model.tie_embeddings=true", "parallel.shard=none"]
+    _legs(tmp_path, ["--nproc", "2", "--pp", "2"],
+          [(["--nproc", "1", "--pp", "1"], False), (["--nproc", "4", "--pp", "4"], False),
+           (["--nproc", "2", "--pp", "2"], False)], *tied)

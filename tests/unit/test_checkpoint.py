@@ -95,6 +95,30 @@ def test_round_trip_restores_weights_optimizer_and_state(tmp_path, tie):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_a_tied_pipeline_stage_s_head_copy_is_kept_as_the_embedding(tmp_path):
+    """A last pipeline stage's tied head copy (moebal/pipeline/tied.py) is written as an alias of the first
+    stage's embedding, as one process's tie is, and loaded through it; an untied checkpoint is refused."""
+    from moebal.pipeline.stage import PipelineStage
+
+    model, _ = _trained("model.tie_embeddings=true")
+    path = _save(tmp_path / "one", 1, model, None)  # one process: the embedding, and the head as its alias
+    fresh, _ = _trained("model.tie_embeddings=true", seed=1)
+    last = PipelineStage.from_model(fresh, 1, 2, first=False, last=True)
+    assert last.checkpoint_links == {"lm_head.weight": "model.embed_tokens.weight"}
+    written = _save(tmp_path / "last", 1, last, None)
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert manifest["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in manifest["tensors"] and "model.embed_tokens.weight" not in manifest["tensors"]
+    from moebal.train.checkpoint import load_checkpoint
+
+    load_checkpoint(read_checkpoint(path), last, None).apply()
+    assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
+    untied, _ = _trained()
+    with pytest.raises(CheckpointError, match="does not keep 'lm_head.weight' as 'model.embed_tokens.weight' "
+                                              r"\(this model ties them, the checkpoint's did not\)"):
+        load_checkpoint(read_checkpoint(_save(tmp_path / "untied", 1, untied, None)), last, None)
+
+
 def test_experts_are_stored_by_logical_id_and_read_back_stacked(tmp_path):
     model, opt = _trained()
     path = _save(tmp_path, 1, model, opt)

@@ -32,6 +32,22 @@ def test_every_draw_names_real_options_and_most_pass_the_config_check(script, tm
     assert accepted >= 150, accepted  # sample() sets aside the pairs the config check refuses
 
 
+def test_fixed_options_hold_where_the_config_allows_and_the_rest_is_the_seed_s_draw(script):
+    free = script.sample(random.Random(3))
+    fixed = script.parse_fixed(["model.tie_embeddings=true", "parallel.pp=2", "nproc=4"], pytest.fail)
+    assert fixed == {"model.tie_embeddings": True, "parallel.pp": 2, "nproc": 4}
+    case = script.sample(random.Random(3), fixed)
+    assert case["nproc"] == 4 and case["parallel.pp"] == 2
+    assert case["model.tie_embeddings"] == (case["parallel.shard"] not in ("optimizer", "full"))  # set aside there
+    assert case["moe.gate"] == free["moe.gate"] and case["moe.top_k"] == free["moe.top_k"]
+    errors = []
+    script.parse_fixed(["model.tie_embedings=true", "parallel.pp=3", "nproc"], errors.append)
+    assert errors[0].startswith("--fix model.tie_embedings=true: expected OPTION=VALUE with an option of the draw; "
+                                "did you mean model.tie_embeddings?")
+    assert errors[1] == "--fix parallel.pp=3: parallel.pp is drawn from [1, 2]"
+    assert errors[2].startswith("--fix nproc: expected OPTION=VALUE")
+
+
 def test_verdicts(script):
     assert script.verdict(0, "", "train") == "ok"
     assert script.verdict(2, "moebal train: error: a clear line\n", "train") == "refused"

@@ -226,6 +226,18 @@ def test_tied_embeddings_with_pipeline_stages_train_unsharded():
                                               f"unsharded: .* 'parallel.shard: {shard}' .* set parallel.shard=none, "
                                               f"or model.tie_embeddings=false"):
             C.load(None, [*stages, f"parallel.shard={shard}"])
+    # auto settles on none; where the config's checks refuse that too, its line gives every value's reason
+    import torch
+
+    from moebal.train.memory import resolve_shard
+
+    assert resolve_shard(C.load(None, stages), torch.device("cpu"), 4, 4)[0].parallel.shard == "none"
+    bf16 = C.load(None, [*stages, "parallel.reduce_dtype=bf16", "train.precision=bf16"])
+    with pytest.raises(ConfigError, match=r"parallel.shard auto: this config's checks refuse every value \(none: "
+                                          r"'parallel.param_dtype: fp32' / 'parallel.reduce_dtype: bf16' .*; "
+                                          r"optimizer: 'model.tie_embeddings: true' with pipeline stages .*; "
+                                          r"full: .*\)"):
+        resolve_shard(bf16, torch.device("cpu"), 4, 4)
     # a scheme's one stage holds both, but FSDP2 would shard them apart (each rank failed building its optimizer)
     scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
     assert C.load(None, [*scheme, "parallel.shard=optimizer"]).parallel.shard == "optimizer"
