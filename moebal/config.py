@@ -122,7 +122,7 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding with the LM head (with pipeline stages the last stage's head holds a copy that
-    follows the first stage's embedding, trained unsharded: docs/pipeline.md)."""
+    follows the first stage's embedding; not with parallel.shard full there: docs/pipeline.md)."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection. With model.mla:
     on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's `attention_bias`)."""
@@ -1153,12 +1153,13 @@ def _check_whole(c: Config) -> None:
     _check_pipeline(c.pipeline)
     _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
     # tied embeddings across stages: the last stage's head copies the first stage's embedding and sends its
-    # gradient there before the data-parallel sum (moebal/pipeline/tied.py); a sharded state reduce-scatters the
-    # embedding's gradient during the backward pass, before the head's could join it
-    _need(par.pp == 1 or not m.tie_embeddings or par.shard in ("none", "auto"),
-          f"'model.tie_embeddings: true' with pipeline stages (parallel.pp > 1) trains unsharded: the head's "
-          f"gradient joins the embedding's on the first stage after the backward pass, when 'parallel.shard: "
-          f"{par.shard}' has reduce-scattered it already; set parallel.shard=none, or model.tie_embeddings=false")
+    # gradient there before the data-parallel sum or the sharded optimizer's reduce-scatter (moebal/pipeline/
+    # tied.py); FSDP2 reduce-scatters the embedding's gradient in each micro-batch's backward pass, before the
+    # head's could join it
+    _need(par.pp == 1 or not m.tie_embeddings or par.shard != "full",
+          "'model.tie_embeddings: true' with pipeline stages (parallel.pp > 1) is not built with 'parallel.shard: "
+          "full': the head's gradient joins the embedding's on the first stage after the backward pass, when FSDP2 "
+          "has reduce-scattered it already; set parallel.shard=optimizer (or none), or model.tie_embeddings=false")
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"

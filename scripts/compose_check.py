@@ -181,10 +181,8 @@ def sample(rng: random.Random, fixed: dict[str, Any] | None = None) -> dict[str,
         c["parallel.reduce_dtype"] = "fp32"  # the sharded state's mixed-precision policy
     if c["parallel.shard"] == "full" and c["dynamism.scheme"] != "none":
         c["model.tie_embeddings"] = False  # a stage shards its embedding and head apart
-    if c["parallel.pp"] > 1 and c["parallel.shard"] in ("optimizer", "full"):
-        c["model.tie_embeddings"] = False  # the head's gradient joins the embedding's after the backward pass
-    elif c["parallel.pp"] > 1 and c["model.tie_embeddings"]:
-        c["parallel.reduce_dtype"] = "fp32"  # auto settles on none, whose gradients are summed in fp32
+    if c["parallel.pp"] > 1 and c["parallel.shard"] == "full":
+        c["model.tie_embeddings"] = False  # FSDP2 reduce-scatters the embedding's gradient in the backward pass
     if not c["moe.num_experts"] or c["moe.top_k"] < 2:
         c["moe.adaptive_threshold"] = None
     if c["moe.adaptive_threshold"] is None or c["dynamism.scheme"] in ("early_exit", "mod"):

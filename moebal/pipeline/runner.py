@@ -197,7 +197,7 @@ class PipelineRunner:
         del model
         # model.tie_embeddings across stages: the first stage's embedding is the weight, the last stage's head a
         # copy that follows it (`tied.py`)
-        self.tied = TiedEmbedding.of(self.stage, self.chain)
+        self.tied = TiedEmbedding.of(self.stage, self.chain, self._wire_dtype(cfg))
         self.experts = StageExperts(self.stage, self.dims, cfg)
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
@@ -270,19 +270,26 @@ class PipelineRunner:
 
         if not any(p.requires_grad for p in module.parameters()):
             return None
-        assert self.tied is None or (self._shard_channels is None and self._fsdp_mesh is None), \
-            "tied embeddings across stages train unsharded (moebal.config refuses the sharded states)"
+        assert self.tied is None or self._fsdp_mesh is None, "moebal.config refuses tied stages under shard full"
+        copy = self.tied.copy if self.tied is not None else None  # a tied head's copy follows the embedding
         if self._shard_channels is not None:  # bf16 weights: the micro-batches' gradients summed in fp32
             par = self.cfg.parallel
             return ShardedAdamW(module, self.cfg.train, self.dims, divisor=1.0, channels=self._shard_channels,
                                 param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
-                                accumulate=True, skips=self.scheme.idle_parameters())
+                                accumulate=True, skips=self.scheme.idle_parameters(),
+                                include=None if copy is None else (lambda p: p is not copy))
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
                                      prepare_layer=self.scheme.prepare_layer)
-        skip = [self.tied.copy] if self.tied is not None and self.tied.copy is not None else []
-        return build_optimizer(module, self.cfg.train, skip=skip)  # a tied head's copy follows the embedding
+        return build_optimizer(module, self.cfg.train, skip=[copy] if copy is not None else [])
+
+    @staticmethod
+    def _wire_dtype(cfg: Config) -> torch.dtype | None:
+        """The dtype a tied embedding's weight travels in to its head copy: the sharded optimizer's compute copies'
+        under `parallel.param_dtype` (the embedding is one), else the weight's own (None)."""
+        par = cfg.parallel
+        return DTYPES[par.param_dtype] if par.shard == "optimizer" and par.param_dtype != "fp32" else None
 
     @property
     def sharded(self) -> ShardedAdamW | None:
@@ -319,7 +326,8 @@ class PipelineRunner:
         if opt is None or gather is None:
             return
         held = {id(p) for g in opt.param_groups for p in g["params"]}
-        if held == {id(p) for p in self.stage.parameters() if p.requires_grad}:
+        copy = self.tied.copy if self.tied is not None else None  # never the optimizer's (`tied.py`)
+        if held == {id(p) for p in self.stage.parameters() if p.requires_grad and p is not copy}:
             return
         walk = WholeState(gather(), opt.param_groups)
         getattr(opt, "close", lambda: None)()
@@ -604,7 +612,7 @@ class PipelineRunner:
         `parallel.shard: full` FSDP2 has reduced the dense ones and the expert ones go out here). Tied embeddings
         across stages: the head's gradient joins the embedding's first (`TiedEmbedding.sum_grads`)."""
         if self.tied is not None:
-            self.tied.sum_grads()
+            self.tied.sum_grads(self.sharded)
         if self.sharded is not None:
             self.sharded.reduce()
             return

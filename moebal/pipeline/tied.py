@@ -20,15 +20,22 @@ Two messages of the embedding's size per step, each way once, on the pipeline's 
 (Megatron-LM instead all-reduces the gradient between the two stages and steps both copies, trusting that two
 AdamW steps of equal inputs stay equal; sending the stepped weight keeps one source whatever the optimizer does).
 A scheme that stops the embedding's training (freezing) stops the copy's with it (`Freezing`), and both ends
-see it alike: the frozen flag is the scheme's global decision. The sharded states (`parallel.shard` optimizer
-or full) are not built with it: their reduce-scatters of the embedding leave during the backward pass, before
-the head's gradient could arrive (`moebal.config` refuses the combination).
+see it alike: the frozen flag is the scheme's global decision.
+
+Under the sharded optimizer (`parallel.shard: optimizer`) a pipeline stage reduce-scatters its gradients after
+the backward pass (`ShardedAdamW.reduce`), so the head's gradient joins the embedding's before that too: into
+the embedding's gradient, or with bf16 compute copies (`parallel.param_dtype: bf16`) into the fp32 sum the
+optimizer keeps for it (`ShardedAdamW.add`). The copy is no flat's: it stays fp32 and its gradient sums over the
+micro-batches in fp32, and it takes the stepped compute copy's values (bf16 on the wire, exact in fp32), which
+autocast casts back to the same bf16 for the head. Under `parallel.shard: full` FSDP2 reduce-scatters each
+micro-batch's gradients in its backward pass, before the head's could join them: `moebal.config` refuses it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moebal.distributed.sharded import ShardedAdamW
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 
@@ -39,25 +46,29 @@ class TiedEmbedding:
     """The first stage's end (`weight`: the embedding) or the last stage's (`copy`: the LM head's weight) of one
     pipeline's tied embedding; `of` gives None where the stage holds both (one stage) or neither."""
 
-    def __init__(self, chain: PipeChain, weight: torch.Tensor | None, copy: torch.Tensor | None) -> None:
+    def __init__(self, chain: PipeChain, weight: torch.Tensor | None, copy: torch.Tensor | None,
+                 wire: torch.dtype | None = None) -> None:
+        """`wire`: the dtype the stepped weight travels in (the sharded optimizer's compute copies'), None: the
+        weight's own."""
         assert (weight is None) != (copy is None)
-        self.chain, self.weight, self.copy = chain, weight, copy
+        self.chain, self.weight, self.copy, self.wire = chain, weight, copy, wire
 
     @classmethod
-    def of(cls, stage: PipelineStage, chain: PipeChain) -> TiedEmbedding | None:
+    def of(cls, stage: PipelineStage, chain: PipeChain, wire: torch.dtype | None = None) -> TiedEmbedding | None:
         if not stage.cfg.model.tie_embeddings or stage.first == stage.last:
             return None
         if stage.first:
             assert stage.model.embed_tokens is not None
-            return cls(chain, stage.model.embed_tokens.weight, None)
+            return cls(chain, stage.model.embed_tokens.weight, None, wire)
         assert stage.lm_head is not None
-        return cls(chain, None, stage.lm_head.weight)
+        return cls(chain, None, stage.lm_head.weight, wire)
 
     def _peer(self) -> int:
         return self.chain.ranks[-1] if self.weight is not None else self.chain.ranks[0]
 
-    def sum_grads(self) -> None:
-        """Step 1: the copy's gradient added to the embedding's (before the data-parallel sum)."""
+    def sum_grads(self, sharded: ShardedAdamW | None = None) -> None:
+        """Step 1: the copy's gradient added to the embedding's (before the data-parallel sum, or before
+        `sharded`'s reduce-scatter: into its fp32 sum where it keeps the embedding as a compute copy)."""
         if self.copy is not None:
             if self.copy.requires_grad:
                 g = self.copy.grad if self.copy.grad is not None else torch.zeros_like(self.copy)
@@ -67,8 +78,10 @@ class TiedEmbedding:
         assert self.weight is not None
         if not self.weight.requires_grad:
             return
-        head = self.chain.recv(torch.empty_like(self.weight), self._peer())
-        if self.weight.grad is None:
+        head = self.chain.recv(torch.empty(self.weight.shape, device=self.weight.device), self._peer())  # fp32
+        if sharded is not None and sharded.holds(self.weight):
+            sharded.add(self.weight, head)
+        elif self.weight.grad is None:
             self.weight.grad = head
         else:
             self.weight.grad.add_(head)
@@ -80,5 +93,10 @@ class TiedEmbedding:
                 self.chain.send(self.weight.detach(), self._peer())
             return
         assert self.copy is not None
-        if self.copy.requires_grad:
+        if not self.copy.requires_grad:
+            return
+        if self.wire is None or self.wire == self.copy.dtype:
             self.chain.recv(self.copy.detach(), self._peer())  # in place: the same storage
+        else:
+            with torch.no_grad():
+                self.copy.copy_(self.chain.recv(torch.empty_like(self.copy, dtype=self.wire), self._peer()))

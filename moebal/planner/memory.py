@@ -466,13 +466,14 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first else V * D))
                                                                      if last else 0)
     expert = sum(x.expert for x in specs) // lay.ep
-    # tied embeddings across stages: the last stage's head is a copy of the embedding (weights and gradients),
-    # which the first stage's optimizer steps (moebal/pipeline/tied.py)
+    # tied embeddings across stages: the last stage's head is a copy of the embedding, fp32 weights and a whole
+    # fp32 gradient, which the first stage's optimizer steps: no moments, no master, no shard (moebal/pipeline/
+    # tied.py)
     tied_copy = V * D if m.tie_embeddings and last and not first else 0
     matmul = sum(x.matmul for x in specs) + (V * D if last and not (m.tie_embeddings and first) else 0)
     held = dense + expert
     d_dense, d_expert = lay.stage_ranks, lay.edp
-    sharded = dense / d_dense + expert / d_expert
+    sharded = (dense - tied_copy) / d_dense + expert / d_expert
     biggest = max((x.dense + x.expert / lay.ep for x in specs), default=0.0)
     t: dict[str, float] = {}
     # full: FSDP2 shards what expert parallelism does not split (with ep 1 the experts too); expert-parallel
@@ -493,7 +494,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
                            + (root + gathered_layers) * a)
     elif lay.bf16_copies:  # bf16 copies, their fp32 masters sharded (dense over the stage, experts over "dp")
-        copies = dense + (expert if lay.ep == 1 else 0)
+        copies = dense - tied_copy + (expert if lay.ep == 1 else 0)
         copies_e = expert if lay.bf16_experts else 0.0
         t["parameters"] = (2.0 * (copies + copies_e) + 4.0 * (held - copies - copies_e) + 4.0 * copies / d_dense
                            + 4.0 * copies_e / d_expert)
@@ -513,12 +514,12 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
                                         and lay.accumulate == "whole" else 0.0)
     bf16_held = a == 2 and lay.shard != "full"
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
-    if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts
-        t["compute-dtype weight copies"] = 2.0 * (expert if lay.ep > 1 and not lay.bf16_experts else 0)
+    if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts (and a tied head copy)
+        t["compute-dtype weight copies"] = 2.0 * ((expert if lay.ep > 1 and not lay.bf16_experts else 0) + tied_copy)
     t["optimizer state"] = 8.0 * (held - tied_copy if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
-    grads_kept = fsdp / d_dense + whole
+    grads_kept = (fsdp - tied_copy) / d_dense + whole + tied_copy
     # optimizer (moebal/distributed/sharded.py): buckets go out in one order, by the position of their last
     # gradient, so a layer's full-size gradients wait until its last one has arrived (one layer), while the
     # previous layer's send buffers are held until their collective reports completion, polled in the hooks
@@ -533,7 +534,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # a pipeline's migration gathers a sharded stage's AdamW moments whole, and the rebuilt optimizer's new flats
     # (a copy of the stage's weights) exist beside the old ones until it returns (moebal/pipeline/migrate.py)
     moves = lay.pp > 1 and (cfg.pipeline.rebalance != "off" or cfg.pipeline.repack)
-    t["migration: whole moments + new flats"] = 12.0 * held if lay.shard == "optimizer" and moves else 0.0
+    t["migration: whole moments + new flats"] = 12.0 * (held - tied_copy) if lay.shard == "optimizer" and moves else 0.0
     # `full`: the layers that leave a stage are gathered whole (weights and moments) and arrive whole; bounded by
     # the stage's own layers whole beside its shards (moebal/distributed/fsdp.py StageShardedAdamW.full_state)
     t["migration: moved layers whole"] = (12.0 * (sum(x.dense for x in specs) + expert)

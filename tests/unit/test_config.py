@@ -214,30 +214,30 @@ def test_weights_gathered_per_step_are_refused_with_zero_bubble_stages_with_the_
         C.load(None, ["parallel.reshard=never"])
 
 
-def test_tied_embeddings_with_pipeline_stages_train_unsharded():
-    # the head's gradient joins the embedding's after the backward pass (moebal/pipeline/tied.py), when a sharded
-    # state has reduce-scattered it already: refused before any rank starts, and passed by under auto
+def test_tied_embeddings_with_pipeline_stages_are_refused_under_full_sharding_only():
+    # the head's gradient joins the embedding's after the backward pass (moebal/pipeline/tied.py), when FSDP2 has
+    # reduce-scattered it already: refused before any rank starts, and passed by under auto
     assert C.load(None, ["model.tie_embeddings=true", "dynamism.scheme=early_exit"]).model.tie_embeddings
     stages = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=4"]
     assert C.load(None, stages).parallel.shard == "auto"
-    assert C.load(None, [*stages, "parallel.shard=none"]).model.tie_embeddings
-    for shard in ("optimizer", "full"):
-        with pytest.raises(ConfigError, match=f"'model.tie_embeddings: true' with pipeline stages .* trains "
-                                              f"unsharded: .* 'parallel.shard: {shard}' .* set parallel.shard=none, "
-                                              f"or model.tie_embeddings=false"):
-            C.load(None, [*stages, f"parallel.shard={shard}"])
-    # auto settles on none; where the config's checks refuse that too, its line gives every value's reason
+    for shard in ("none", "optimizer"):
+        assert C.load(None, [*stages, f"parallel.shard={shard}"]).model.tie_embeddings
+    with pytest.raises(ConfigError, match="'model.tie_embeddings: true' with pipeline stages .* is not built with "
+                                          "'parallel.shard: full': .* set parallel.shard=optimizer \\(or none\\), "
+                                          "or model.tie_embeddings=false"):
+        C.load(None, [*stages, "parallel.shard=full"])
+    # where the config's checks refuse every value, auto's line gives each one's reason
     import torch
 
     from moebal.train.memory import resolve_shard
 
     assert resolve_shard(C.load(None, stages), torch.device("cpu"), 4, 4)[0].parallel.shard == "none"
-    bf16 = C.load(None, [*stages, "parallel.reduce_dtype=bf16", "train.precision=bf16"])
+    lone = ["parallel.reduce_dtype=bf16", "train.precision=bf16", "dynamism.scheme=pruning", "parallel.nproc=2",
+            "parallel.param_dtype=bf16", "model.tie_embeddings=true"]  # a scheme's one stage
     with pytest.raises(ConfigError, match=r"parallel.shard auto: this config's checks refuse every value \(none: "
-                                          r"'parallel.param_dtype: fp32' / 'parallel.reduce_dtype: bf16' .*; "
-                                          r"optimizer: 'model.tie_embeddings: true' with pipeline stages .*; "
-                                          r"full: .*\)"):
-        resolve_shard(bf16, torch.device("cpu"), 4, 4)
+                                          r"'parallel.param_dtype: bf16' / 'parallel.reduce_dtype: bf16' .*; "
+                                          r"optimizer: .* dynamism.scheme=pruning.*; full: .*tie_embeddings.*\)"):
+        resolve_shard(C.load(None, lone), torch.device("cpu"), 2, 2)
     # a scheme's one stage holds both, but FSDP2 would shard them apart (each rank failed building its optimizer)
     scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
     assert C.load(None, [*scheme, "parallel.shard=optimizer"]).parallel.shard == "optimizer"

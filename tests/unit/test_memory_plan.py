@@ -66,6 +66,17 @@ def test_a_tied_pipeline_s_last_stage_holds_the_head_copy_without_its_optimizer_
     head = 256 * 8  # V x D
     assert last[0]["parameters"] == last[1]["parameters"] and last[0]["gradients"] == last[1]["gradients"]
     assert last[0]["optimizer state"] - last[1]["optimizer state"] == 8 * head
+    # the sharded optimizer with bf16 compute copies: the copy is no flat's (fp32 weights, a whole fp32 gradient,
+    # no master, no moments), and autocast casts it for the head
+    zero = [*two, "parallel.nproc=4", "parallel.shard=optimizer", "parallel.param_dtype=bf16", "train.precision=bf16"]
+    untied, tied = load(None, zero), load(None, [*zero, "model.tie_embeddings=true"])
+    lay = layout_from_config(tied, 4)
+    assert lay.bf16_copies and lay.stage_ranks == 2
+    u, t = (_stage_terms(c, _layers(c), lay, 1, range(1, 2), False)[0] for c in (untied, tied))
+    # the head: untied, a bf16 copy (2 bytes) with a sharded fp32 master (4 / 2); tied, 4 bytes whole
+    assert t["parameters"] - u["parameters"] == 4 * head - (2 * head + 4 * head / 2)
+    assert u["optimizer state"] - t["optimizer state"] == 8 * head / 2
+    assert t["compute-dtype weight copies"] - u["compute-dtype weight copies"] == 2 * head
 
 
 def test_terms_by_hand_sharded_and_expert_parallel():
