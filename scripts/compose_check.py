@@ -8,10 +8,10 @@ them the model's and router's variants (q/k norms, a sliding window, tied embedd
 dense first layer, a shared expert, drop policy, jitter, z-loss, the adaptive gate), the data (documents, the
 complexity order), the learning-rate schedule, asynchronous checkpoints, clipping, bf16 gradient sums,
 re-packing, the initial partition, spin waits, the placement feedback, overlap and replica caps, chunked and
-in-flight all-to-alls, pruning's kernels and sparse attention's budgets; and a continuation of a Mixtral-layout
-HF checkpoint, `hf.init_from`, which `hf_base` writes once per draw), then `sample` sets aside the pairs
-the config check refuses by design (`pipeline.rebalance` without stages, ...), so that most cases reach the
-ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
+in-flight all-to-alls, pruning's kernels and sparse attention's budgets, a stage's memory cap; and a
+continuation of a Mixtral-layout HF checkpoint, `hf.init_from`, which `hf_base` writes once per draw), then
+`sample` sets aside the pairs the config check refuses by design (`pipeline.rebalance` without stages, ...), so
+that most cases reach the ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
   ok        exit 0;
   refused   exit 2 with one `moebal train: error:` line and no traceback, said before any rank started;
   BUG       anything else: a traceback, another exit code, a hang past `--timeout`, or a refusal that only a
@@ -119,6 +119,9 @@ OPTIONS: dict[str, list[Any]] = {
     # `moebal eval` of the checkpoint (`--eval`): its expert-parallel ranks, and top-1 instead of the model's k
     "eval.nproc": [2, 4],
     "eval.top_k1": [False, True],
+    # a stage's memory cap on the layer planner: 4e5 bytes binds on the tiny model (a layer holds 1.5e5 to 2.5e5 of
+    # weights, gradients and moments, the embedding 1.3e5), 2e6 does not
+    "pipeline.memory_cap": [None, None, 4e5, 2e6],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
