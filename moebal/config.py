@@ -1053,7 +1053,7 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
         return
     # FSDP2 shards a stage's embedding and LM head as units of their own: a tied weight would become two
     # shards, trained apart (the trainer without a pipeline shards them under one root and keeps them one); with
-    # several stages `_check_whole` refuses every sharded state with them
+    # several stages `_check_whole` refuses it in a line of its own
     _need(par.shard != "full" or not c.model.tie_embeddings or par.pp > 1,
           "'parallel.shard: full' in a pipeline (a dynamism scheme runs one) is not built with "
           "'model.tie_embeddings: true': the stage shards its embedding and its LM head apart, and the tied weight "
@@ -1084,8 +1084,6 @@ def planned_moe_losses(c: Config) -> bool:
     """Whether the model's MoE layers sum routing statistics over a stage's ranks (for the load-balancing or
     the z-loss) at every micro-batch: planned micro-batches then run every rank of a stage in lockstep."""
     return c.moe.num_experts > 0 and (c.moe.aux_loss_coef > 0 or c.moe.z_loss_coef > 0)
-
-
 
 
 def _check_whole(c: Config) -> None:

@@ -13,8 +13,9 @@ gradient-norm slot counts it. The last stage holds a copy for its head, made fro
   2. clipping counts the tied gradient once: in the embedding's slot (the runner leaves the copy out of the
      head's slot);
   3. after the optimizer step, the first stage sends the stepped weight to the last, which takes it as its
-     copy: one weight, bit for bit, before every forward pass and in every checkpoint (both names are written,
-     as the single-process model's state dict has both).
+     copy: one weight, bit for bit, before every forward pass. A checkpoint keeps it once, as one process does:
+     the last stage writes `lm_head.weight` as an alias of the embedding and loads its copy through it
+     (`PipelineStage.checkpoint_links`).
 
 Two messages of the embedding's size per step, each way once, on the pipeline's own point-to-point channels
 (Megatron-LM instead all-reduces the gradient between the two stages and steps both copies, trusting that two
