@@ -413,7 +413,7 @@ def main() -> int:
 
 def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """The whole benchmark on the served model of `run_dir` (module docstring)."""
-    cfg, model = load_run_model(run_dir, top_k=1)
+    cfg, model, _ = load_run_model(run_dir, top_k=1)
     E = cfg.moe.num_experts
     data = build_data(cfg, seed=1234)
     prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]

@@ -114,8 +114,10 @@ def moe_times(results: list[dict[str, Any]], rnd: int, policy: str) -> list[floa
             for f in range(len(per_rank[0]))]
 
 
-def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any]:
-    """(config, model) of a run's newest checkpoint, served with `top_k` experts per token (None: trained)."""
+def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, float | None]:
+    """(config, model, MoD capacity) of a run's newest checkpoint, served with `top_k` experts per token (None:
+    trained). A Mixture-of-Depths run's routed layers run their routers' top tokens, at the capacity of the
+    checkpoint's step (`MixtureOfDepths.serve`; the capacity is None for a run without MoD)."""
     from moebal.config import load
     from moebal.models import build_model
     from moebal.train.checkpoint import apply_checkpoint, find_checkpoints, read_checkpoint
@@ -129,14 +131,22 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any]:
     if not ckpts:
         raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
     cfg = load(run_dir / "config.yaml")
-    if cfg.dynamism.scheme == "mod":
-        raise ConfigError(f"{run_dir} trained with Mixture-of-Depths (dynamism.scheme: mod): its routers send tokens "
-                          f"around blocks, which the served model does not do; moebal eval serves models without it")
     model = build_model(cfg, "cpu", load_weights=False)
-    apply_checkpoint(read_checkpoint(ckpts[-1]), model, None)
+    mod = None
+    if cfg.dynamism.scheme == "mod":
+        from moebal.dynamism.mod import MixtureOfDepths
+        from moebal.train.pipelined import scheme_from_config
+
+        scheme = scheme_from_config(cfg)
+        assert isinstance(scheme, MixtureOfDepths)
+        mod = scheme
+        mod.prepare_model(model)  # the routers, which the checkpoint holds
+    reader = read_checkpoint(ckpts[-1])
+    apply_checkpoint(reader, model, None)
+    capacity = mod.serve(model, reader.step) if mod is not None else None
     if top_k is not None:
         set_top_k(model, top_k)
-    return cfg, model.eval()
+    return cfg, model.eval(), capacity
 
 
 def set_top_k(model: Any, k: int) -> None:
@@ -159,10 +169,14 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
-    cfg, model = load_run_model(run_dir, args.top_k)
+    cfg, model, capacity = load_run_model(run_dir, args.top_k)
     # static runs first under every policy: its logits are the reference the others must equal bit for bit
     policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(
         ["static", args.policy]))
+    if capacity is not None and {"lina", "phase1"} & set(policies):
+        raise ConfigError(f"{run_dir} trained with Mixture-of-Depths: its routed layers skip tokens, so a token has "
+                          f"no path over the layers for Lina to estimate from (and its training could not record "
+                          f"one); use --policy static or oracle")
     profile = None
     if {"lina", "phase1"} & set(policies):
         path = Path(args.profile) if args.profile else run_dir / "paths.npz"
@@ -186,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(val),
-                               "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__}
+                               "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__,
+                               "mod_capacity": capacity}
     for p in policies:
         rs = [r["rounds"][0][p] for r in results]
         times = moe_times(results, 0, p)
@@ -197,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
+        if capacity is not None:
+            print(f"Mixture-of-Depths: the routed layers run their routers' top {capacity:g} of each row's tokens")
         for p in policies:
             s = summary[p]
             eq = "" if s["equal_static"] is None else f", logits equal static: {s['equal_static']}"

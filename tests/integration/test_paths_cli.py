@@ -82,3 +82,39 @@ def test_eval_names_a_converted_weights_directory(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr
     assert "a converted weights directory, not a training run" in r.stderr and "hf.init_from=" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_eval_serves_a_mixture_of_depths_run_as_its_training_validated_it(tmp_path: Path) -> None:
+    """A MoD run's routed layer runs its router's top tokens when served (`MixtureOfDepths.serve`): `moebal eval`
+    on 2 expert-parallel ranks gives the trainer's own validation loss of the same checkpoint and batches (its
+    one-stage pipeline's forward), oracle placement equals static bit for bit, and Lina, which plans from
+    token paths that skipped layers break, is refused in a line."""
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
+    r = moebal("train", "--out", str(out), *tiny, "train.steps=3", "train.eval_every=3", "train.ckpt_every=3",
+               "parallel.nproc=1", "dynamism.scheme=mod", "dynamism.mod.capacity=0.5")
+    assert r.returncode == 0, r.stderr
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert trained[-1]["mod_capacity"] == 0.5
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "oracle", "--batches", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["mod_capacity"] == 0.5 and res["oracle"]["equal_static"], res
+    assert abs(res["static"]["val_loss"] - trained[-1]["val_loss"]) <= 1e-5 * trained[-1]["val_loss"], \
+        (res["static"]["val_loss"], trained[-1]["val_loss"])
+    # served without its routers' selection (every token through every layer) the loss is another one
+    from moebal.commands.eval import load_run_model
+    from moebal.data import build_data, eval_batches
+
+    cfg, model, capacity = load_run_model(out)
+    assert capacity == 0.5
+    batches = eval_batches(build_data(cfg).corpus.val, cfg.data.samples, cfg.data.seq_len, cfg.data.batch_size, 2)
+    plain = type(model.model.layers[1]).forward  # the class's forward: the whole layer, every token
+    model.model.layers[1].forward = plain.__get__(model.model.layers[1])
+    import torch
+
+    with torch.no_grad():
+        losses = [model(b.ids_BT, b.labels_BT).loss.item() for b in batches]
+    assert abs(sum(losses) / len(losses) - trained[-1]["val_loss"]) > 1e-3
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "lina")
+    assert r.returncode == 2 and "trained with Mixture-of-Depths" in r.stderr and "Traceback" not in r.stderr, r.stderr
