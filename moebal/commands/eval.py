@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
+SERVED_WHOLE = {
+    "early_exit": "without exits: every token runs every layer (the run's own validation takes its exits)",
+    "sparse_attention": "with dense attention (the run trained and validated with per-layer block-sparse attention)",
+}
+"""Schemes whose runs `moebal eval` serves as the whole model, unlike their training's validation: the line it says."""
+
+
 @dataclass
 class ServeJob:
     """What every rank of an inference job needs (pickled to the spawned ranks)."""
@@ -201,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from e
     summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(val),
                                "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__,
-                               "mod_capacity": capacity}
+                               "mod_capacity": capacity, "served_whole": SERVED_WHOLE.get(cfg.dynamism.scheme)}
     for p in policies:
         rs = [r["rounds"][0][p] for r in results]
         times = moe_times(results, 0, p)
@@ -214,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if capacity is not None:
             print(f"Mixture-of-Depths: the routed layers run their routers' top {capacity:g} of each row's tokens")
+        if cfg.dynamism.scheme in SERVED_WHOLE:
+            print(f"{cfg.dynamism.scheme}: served {SERVED_WHOLE[cfg.dynamism.scheme]}")
         for p in policies:
             s = summary[p]
             eq = "" if s["equal_static"] is None else f", logits equal static: {s['equal_static']}"

@@ -118,3 +118,16 @@ def test_eval_serves_a_mixture_of_depths_run_as_its_training_validated_it(tmp_pa
     assert abs(sum(losses) / len(losses) - trained[-1]["val_loss"]) > 1e-3
     r = moebal("eval", str(out), "--nproc", "2", "--policy", "lina")
     assert r.returncode == 2 and "trained with Mixture-of-Depths" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_eval_says_when_it_serves_a_scheme_s_run_whole(tmp_path: Path) -> None:
+    """An early-exit run is served without its exits: `moebal eval` says so (text and JSON)."""
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
+    r = moebal("train", "--out", str(out), *tiny, "train.steps=2", "train.ckpt_every=2", "parallel.nproc=1",
+               "dynamism.scheme=early_exit")
+    assert r.returncode == 0, r.stderr
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "static", "--batches", "1")
+    assert r.returncode == 0 and "early_exit: served without exits: every token runs every layer" in r.stdout, r
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "static", "--batches", "1", "--json")
+    assert json.loads(r.stdout.strip().splitlines()[-1])["served_whole"].startswith("without exits"), r.stdout
