@@ -281,6 +281,8 @@ class _Builder:
         self.grad_ready: dict[int, list[int]] = {}
         self.trans_ops: dict[tuple[int, int], list[int]] = {}
         self.agg_ops: dict[int, list[int]] = {}  # global rank -> its Agg ops (the optimizer waits for them)
+        self.tie_recv: dict[int, int] = {}  # first-stage rank -> its receive of the tied head's gradient
+        self.opt_ops: dict[int, int] = {}  # global rank -> its optimizer op
 
     def nm(self, text: str) -> str:
         return self._names.setdefault(text, text)
@@ -292,8 +294,13 @@ class _Builder:
                     self._prepare_moe(s, int(l_))
             self._emit_stage(s)
         self._wire_pipeline()
+        tied = self.shape.tie_embeddings and self.lay.pp > 1
+        if tied:
+            self._tie_gradients()
         for s in range(self.lay.pp):
             self._emit_grad_sync(s)
+        if tied and self.spec.optimizer:
+            self._tie_weights()
         return self.eng
 
     def _prepare_moe(self, s: int, layer: int) -> None:
@@ -555,6 +562,26 @@ class _Builder:
                                           self.nm(f"B{j} send"), "p2p", deps=[[self.last_op[(s + 1, "B", j)][i]], []])
                     eng.add_dep(self.first_op[(s, "B", j)][i], back[1])
 
+    # tied embeddings across stages (moebal/pipeline/tied.py): each pipeline's last stage sends its head copy's
+    # gradient (fp32) to its first stage, whose data-parallel sum of the embedding waits for it; after the first
+    # stage's optimizer step the stepped weight (fp32) goes back, and the last stage's step ends with its receipt
+    def _tie_bytes(self) -> float:
+        return float(self.shape.vocab_size * self.shape.dim * 4)
+
+    def _tie_gradients(self) -> None:
+        eng, cost, topo, lay = self.eng, self.cost, self.topo, self.lay
+        for a, b in zip(lay.stage_ranks(0), lay.stage_ranks(lay.pp - 1)):
+            done = eng.last_op(int(b), "compute")  # the stage's last backward (or zero bubble's last W) op
+            ops = eng.collective(cost.p2p(topo, int(b), int(a), self._tie_bytes()), ["pp_bwd_out", "pp_bwd_in"],
+                                 self.nm("tie grad send"), "p2p", deps=[[done], []])
+            self.tie_recv[int(a)] = ops[1]
+
+    def _tie_weights(self) -> None:
+        eng, cost, topo, lay = self.eng, self.cost, self.topo, self.lay
+        for a, b in zip(lay.stage_ranks(0), lay.stage_ranks(lay.pp - 1)):
+            eng.collective(cost.p2p(topo, int(a), int(b), self._tie_bytes()), ["pp_fwd_out", "pp_fwd_in"],
+                           self.nm("tie weight send"), "p2p", deps=[[self.opt_ops[int(a)]], []])
+
     def _grad_items(self, s: int) -> list[tuple[int, float, float]]:
         """(layer, non-expert grad bytes, expert grad bytes per rank) in the order grads become ready."""
         sh, gb = self.shape, self.spec.grad_bytes
@@ -614,6 +641,8 @@ class _Builder:
                     deps = [[self.grad_ready[layer][pos[int(r)]]] for r in grp]
                 else:
                     deps = [[last_bwd[int(r)]] for r in grp]
+                if layer == 0 and stream == "dp":  # the embedding's bucket: with the tied head's gradient added
+                    deps = [d + ([self.tie_recv[int(r)]] if int(r) in self.tie_recv else []) for d, r in zip(deps, grp)]
                 eng.collective(cost.all_reduce(topo, grp, b), stream, self.nm(f"{stream} allreduce{k}"), "allreduce",
                                deps=deps, gated=spec.lina_priority)
 
@@ -629,6 +658,7 @@ class _Builder:
         for r in lay.stage_ranks(s):
             deps = [eng.last_op(int(r), st) for st in ("dp", "edp", "aux", "ep", "compute")]
             deps += self.agg_ops.get(int(r), [])
-            eng.compute(int(r), "compute", self.cost.optimizer_s(params, tensors), self.nm("optimizer"), "optimizer",
-                        deps)
+            deps += [self.tie_recv[int(r)]] if int(r) in self.tie_recv else []
+            self.opt_ops[int(r)] = eng.compute(int(r), "compute", self.cost.optimizer_s(params, tensors),
+                                               self.nm("optimizer"), "optimizer", deps)
         del sh

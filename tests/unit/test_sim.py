@@ -365,3 +365,40 @@ def test_moe_pass_overhead_adds_its_time_once_per_moe_layer_pass_under_ep_only()
         simulate(TINY, cost, one, c1).iteration_time_s  # ep 1: no expert-parallel machinery
     with pytest.raises(ConfigError, match="moe_pass_overhead_s"):
         simulate(TINY, cost, dataclasses.replace(spec, moe_pass_overhead_s=-1.0), counts)
+
+
+def test_tied_embeddings_across_stages_send_the_head_gradient_and_the_stepped_weight() -> None:
+    """moebal/pipeline/tied.py in the simulator: per pipeline, the last stage's head-copy gradient goes to the
+    first stage before the embedding's data-parallel sum and optimizer, and the stepped weight comes back after
+    the first stage's optimizer; both V x D x 4 bytes. An untied model sends neither."""
+    from moebal.sim.program import build_program
+
+    cm = CostModel("h100", "bf16")
+    spec = SimSpec(layout=Layout(8, pp=2, ep=2), micro_batches=2, micro_batch_size=1, seq_len=256)
+    counts = SyntheticRouting(num_layers=TINY.n_layers, num_experts=8, top_k=2, zipf_s=1.0).counts(
+        1, spec.layout.groups, 2, 512)
+    runs = {}
+    for tie in (False, True):
+        shape = dataclasses.replace(TINY, tie_embeddings=tie)
+        runs[tie] = build_program(cm, shape, spec, counts, None, cm.topology(8)).run()
+    plain, tied = runs[False], runs[True]
+    assert not any(n.startswith("tie ") for n in plain.op_name)
+    name = np.array(tied.op_name)
+    ranks = tied.op_rank
+    first, last = spec.layout.stage_ranks(0), spec.layout.stage_ranks(1)
+    want = cm.p2p(cm.topology(8), int(last[0]), int(first[0]), TINY.vocab_size * TINY.dim * 4.0)
+    eng = Engine(cm.topology(8))
+    eng.collective(want, ["out", "in"], "alone", "p2p")
+    alone = eng.run().makespan
+    assert alone > 0
+    for kind in ("grad", "weight"):
+        ops = np.flatnonzero(name == f"tie {kind} send")
+        assert len(ops) == 2 * len(first)  # a send and a receive per pipeline
+    for a, b in zip(first, last):
+        recv = [i for i in np.flatnonzero(name == "tie grad send") if ranks[i] == a][0]
+        opt = [i for i in np.flatnonzero(name == "optimizer") if ranks[i] == a][0]
+        assert tied.op_end[recv] <= tied.op_start[opt]
+        back = [i for i in np.flatnonzero(name == "tie weight send") if ranks[i] == b][0]
+        assert tied.op_start[back] >= tied.op_end[opt]
+        assert tied.op_end[back] - tied.op_start[back] >= alone * (1 - 1e-9)  # the V x D x 4 bytes, or slower
+    assert tied.makespan > plain.makespan
