@@ -470,7 +470,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # fp32 gradient, which the first stage's optimizer steps: no moments, no master, no shard (moebal/pipeline/
     # tied.py)
     tied_copy = V * D if m.tie_embeddings and last and not first else 0
-    matmul = sum(x.matmul for x in specs) + (V * D if last and not (m.tie_embeddings and first) else 0)
+    # the LM head's weight is a matmul's whether tied or not: autocast keeps its bf16 cast for the backward
+    matmul = sum(x.matmul for x in specs) + (V * D if last else 0)
     held = dense + expert
     d_dense, d_expert = lay.stage_ranks, lay.edp
     sharded = (dense - tied_copy) / d_dense + expert / d_expert
