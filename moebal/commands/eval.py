@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from moebal.errors import ConfigError
 
@@ -126,8 +126,10 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, f
     trained). A Mixture-of-Depths run's routed layers run their routers' top tokens, at the capacity of the
     checkpoint's step (`MixtureOfDepths.serve`; the capacity is None for a run without MoD)."""
     from moebal.config import load
+    from moebal.dynamism.mod import MixtureOfDepths
     from moebal.models import build_model
     from moebal.train.checkpoint import apply_checkpoint, find_checkpoints, read_checkpoint
+    from moebal.train.pipelined import scheme_from_config
 
     if not (run_dir / "config.yaml").exists():
         raise ConfigError(f"{run_dir}: no config.yaml: give a run directory of `moebal train`")
@@ -139,14 +141,9 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, f
         raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
     cfg = load(run_dir / "config.yaml")
     model = build_model(cfg, "cpu", load_weights=False)
-    mod = None
+    mod: MixtureOfDepths | None = None
     if cfg.dynamism.scheme == "mod":
-        from moebal.dynamism.mod import MixtureOfDepths
-        from moebal.train.pipelined import scheme_from_config
-
-        scheme = scheme_from_config(cfg)
-        assert isinstance(scheme, MixtureOfDepths)
-        mod = scheme
+        mod = cast(MixtureOfDepths, scheme_from_config(cfg))
         mod.prepare_model(model)  # the routers, which the checkpoint holds
     reader = read_checkpoint(ckpts[-1])
     apply_checkpoint(reader, model, None)
