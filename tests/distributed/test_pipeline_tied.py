@@ -191,21 +191,16 @@ def test_tied_stages_with_data_parallel_replicas_match_the_single_process_model(
     assert all(math.isclose(a, b, rel_tol=2e-6) for a, b in zip(got, ref)), (got, ref)
     for r in four:
         assert r["dp_forced"]["sizes"] == [1, 3]
-    states = [r["dp"]["state"] for r in four]
-    embeds = [s["model.embed_tokens.weight"] for s in states if "model.embed_tokens.weight" in s]
-    heads = [s["lm_head.weight"] for s in states if "lm_head.weight" in s]
-    assert len(embeds) == len(heads) == 2  # each pipeline's first and last stage: one tensor everywhere
-    assert all((h == embeds[0]).all() for h in [*embeds, *heads])
+    _one_per_pipeline([r["dp"]["state"] for r in four])
 
 
-def _tied_pair(states: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each pipeline's embedding (first stage) and head copy (last stage), checked to be one tensor on every
-    replica; (embedding, head) of the first pipeline."""
+def _one_per_pipeline(states: list[dict]) -> None:
+    """Each pipeline's embedding (first stage) and head copy (last stage), 2 pipelines of 2 stages: one tensor on
+    every replica."""
     embeds = [s["model.embed_tokens.weight"] for s in states if "model.embed_tokens.weight" in s]
     heads = [s["lm_head.weight"] for s in states if "lm_head.weight" in s]
     assert len(embeds) == len(heads) == 2
     assert all((torch.as_tensor(h) == torch.as_tensor(embeds[0])).all() for h in [*embeds, *heads])
-    return torch.as_tensor(embeds[0]), torch.as_tensor(heads[0])
 
 
 def test_tied_stages_under_the_sharded_optimizer_match_unsharded(four):
@@ -218,10 +213,10 @@ def test_tied_stages_under_the_sharded_optimizer_match_unsharded(four):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and math.isclose(a["grad_norm"], b["grad_norm"],
                                                                                  rel_tol=1e-5), (a, b)
     assert [r.get("migration") for r in zero] == [None, "forced", "forced-mid", None]
-    _tied_pair([r["zero"]["state"] for r in four])
+    _one_per_pipeline([r["zero"]["state"] for r in four])
     for a, b, c in zip(four[0]["bf16"]["records"], four[0]["zero_bf16"]["records"],
                        four[0]["zero_bf16_migrated"]["records"], strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=0.02) and math.isclose(b["loss"], c["loss"], rel_tol=1e-5)
-    _tied_pair([r["zero_bf16"]["state"] for r in four])  # the head copy: the bf16 copy's values exactly, in fp32
+    _one_per_pipeline([r["zero_bf16"]["state"] for r in four])  # the head copy: the bf16 copy's values exactly, in fp32
     dtypes = {k: v for r in four for k, v in r["zero_bf16"]["dtypes"].items()}
     assert dtypes["model.embed_tokens.weight"] == "torch.bfloat16" and dtypes["lm_head.weight"] == "torch.float32"
