@@ -6,7 +6,6 @@ forkserver, as `moebal train --nproc N` does from its own."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -77,14 +76,16 @@ def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
 
 
 def _planned_ep_job(out, steps: int, *extra: str) -> list[dict]:
-    """`moebal train` of 2 stages x 2 expert shards with planned micro-batches; the run's metrics records."""
+    """`moebal train` of 2 stages x 2 expert shards with micro-batches planned on the a100 table (one measured at
+    start-up differs between two runs, and the plans with it) under a 1e6-byte activation budget, which splits
+    each step into 8; the run's metrics records."""
     cmd = ["train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps",
            str(steps), "--microbatching", "dynamic", "--out", str(out), *extra,
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "model.max_seq_len=128", "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=128",
            "data.batch_size=16", "data.max_bytes=300000", "data.samples=documents", "data.units=blocks",
            "train.precision=fp32", "train.ckpt_every=2", "train.eval_every=2", "pipeline.dynamic.max_tokens=512",
-           "pipeline.dynamic.lookahead=2"]
+           "pipeline.dynamic.lookahead=2", "pipeline.dynamic.costs=a100", "pipeline.dynamic.memory=1e6"]
     proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel, dynamic micro-batching" in proc.stderr
@@ -99,10 +100,8 @@ def test_planned_micro_batches_on_expert_parallel_stages_resume(tmp_path):
     _planned_ep_job(tmp_path / "cut", 2)
     resumed = _planned_ep_job(tmp_path / "cut", 4, "--resume")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and all(r["micro_batches"] >= 2 for r in resumed)
-    # equal to 1e-6, as the 6-rank cells of docs/training.md's matrix: on a loaded host a step's reported loss
-    # was seen to differ in the 8th digit between two identical runs (the next step's agreed bit for bit)
-    assert all(math.isclose(a["loss"], b["loss"], rel_tol=1e-6) for a, b in zip(resumed, whole)), \
-        ([r["loss"] for r in resumed], [r["loss"] for r in whole])
+    assert [r["micro_batches"] for r in resumed] == [r["micro_batches"] for r in whole]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
 
 
 @pytest.mark.slow
