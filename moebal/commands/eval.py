@@ -16,7 +16,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from moebal.errors import ConfigError
 
@@ -37,11 +37,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
-SERVED_WHOLE = {
-    "early_exit": "without exits: every token runs every layer (the run's own validation takes its exits)",
-    "sparse_attention": "with dense attention (the run trained and validated with per-layer block-sparse attention)",
-}
-"""Schemes whose runs `moebal eval` serves as the whole model, unlike their training's validation: the line it says."""
+SUBSET_SCHEMES = ("mod", "early_exit")
+"""Schemes whose layers run a subset of the tokens: a token's path over the layers breaks where it skips or leaves,
+and Lina estimates from paths (their runs cannot record routing either: `train.record_routing_every`)."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a dynamism scheme's run is served (`Dynamism.serve`)."""
+
+    scheme: str
+    step: int
+    """The checkpoint's step: the model runs as the run's validation after it."""
+    line: str
+    """How the model runs, in a line."""
+    mod_capacity: float | None = None
+    """A Mixture-of-Depths run's capacity at the checkpoint's step."""
 
 
 @dataclass
@@ -121,13 +132,15 @@ def moe_times(results: list[dict[str, Any]], rnd: int, policy: str) -> list[floa
             for f in range(len(per_rank[0]))]
 
 
-def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, float | None]:
-    """(config, model, MoD capacity) of a run's newest checkpoint, served with `top_k` experts per token (None:
-    trained). A Mixture-of-Depths run's routed layers run their routers' top tokens, at the capacity of the
-    checkpoint's step (`MixtureOfDepths.serve`; the capacity is None for a run without MoD)."""
+def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, Served | None]:
+    """(config, model, how its scheme serves it) of a run's newest checkpoint, served with `top_k` experts per token
+    (None: trained). A run whose dynamism scheme changes its outputs (Mixture-of-Depths, early exit, sparse
+    attention) is served as its training validated after the checkpoint's step: the scheme's job-wide state is
+    the checkpoint's, and every layer runs through the scheme (`Dynamism.serve`). None: the plain model."""
     from moebal.config import load
     from moebal.dynamism.mod import MixtureOfDepths
     from moebal.models import build_model
+    from moebal.pipeline.runner import PipelineRunner
     from moebal.train.checkpoint import apply_checkpoint, find_checkpoints, read_checkpoint
     from moebal.train.pipelined import scheme_from_config
 
@@ -141,16 +154,23 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, f
         raise ConfigError(f"{run_dir}: no checkpoint: train with train.ckpt_every or let the run finish")
     cfg = load(run_dir / "config.yaml")
     model = build_model(cfg, "cpu", load_weights=False)
-    mod: MixtureOfDepths | None = None
-    if cfg.dynamism.scheme == "mod":
-        mod = cast(MixtureOfDepths, scheme_from_config(cfg))
-        mod.prepare_model(model)  # the routers, which the checkpoint holds
+    scheme = scheme_from_config(cfg)
+    scheme.prepare_model(model)  # structural changes the checkpoint holds (Mixture-of-Depths' routers)
     reader = read_checkpoint(ckpts[-1])
     apply_checkpoint(reader, model, None)
-    capacity = mod.serve(model, reader.step) if mod is not None else None
+    served = None
+    if scheme.changes_outputs:
+        ranks = {k: v["pipeline"] for k, v in reader.state.get("ranks", {}).items() if "pipeline" in v}
+        job = PipelineRunner.job_state(ranks)
+        if job.get("scheme_name") == scheme.name:
+            scheme.load_state_dict(job["scheme"])
+        line = scheme.serve(model, reader.step)
+        assert line is not None  # a scheme that changes outputs serves through itself
+        served = Served(scheme.name, reader.step, line, scheme.current_capacity() if isinstance(scheme, MixtureOfDepths)
+                        else None)
     if top_k is not None:
         set_top_k(model, top_k)
-    return cfg, model.eval(), capacity
+    return cfg, model.eval(), served
 
 
 def set_top_k(model: Any, k: int) -> None:
@@ -173,13 +193,14 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1 or args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
-    cfg, model, capacity = load_run_model(run_dir, args.top_k)
+    cfg, model, served = load_run_model(run_dir, args.top_k)
     # static runs first under every policy: its logits are the reference the others must equal bit for bit
     policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(
         ["static", args.policy]))
-    if capacity is not None and {"lina", "phase1"} & set(policies):
-        raise ConfigError(f"{run_dir} trained with Mixture-of-Depths: its routed layers skip tokens, so a token has "
-                          f"no path over the layers for Lina to estimate from (and its training could not record "
+    if cfg.dynamism.scheme in SUBSET_SCHEMES and {"lina", "phase1"} & set(policies):
+        what = "its routed layers skip tokens" if cfg.dynamism.scheme == "mod" else "its tokens leave early"
+        raise ConfigError(f"{run_dir} trained with dynamism scheme {cfg.dynamism.scheme}: {what}, so a token has no "
+                          f"path over the layers for Lina to estimate from (and its training could not record "
                           f"one); use --policy static or oracle")
     profile = None
     if {"lina", "phase1"} & set(policies):
@@ -205,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from e
     summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(val),
                                "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__,
-                               "mod_capacity": capacity, "served_whole": SERVED_WHOLE.get(cfg.dynamism.scheme)}
+                               "served": dataclasses.asdict(served) if served else None}
     for p in policies:
         rs = [r["rounds"][0][p] for r in results]
         times = moe_times(results, 0, p)
@@ -216,10 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        if capacity is not None:
-            print(f"Mixture-of-Depths: the routed layers run their routers' top {capacity:g} of each row's tokens")
-        if cfg.dynamism.scheme in SERVED_WHOLE:
-            print(f"{cfg.dynamism.scheme}: served {SERVED_WHOLE[cfg.dynamism.scheme]}")
+        if served is not None:
+            print(f"served as the run validated after step {served.step}: {served.line}")
         for p in policies:
             s = summary[p]
             eq = "" if s["equal_static"] is None else f", logits equal static: {s['equal_static']}"

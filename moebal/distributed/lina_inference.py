@@ -276,7 +276,9 @@ class LinaDispatcher:
         w_TK = routing.weights_TK.to(y_AD.dtype)
         if active_A is not None:
             w_TK = w_TK * active_A.view(T, K)
-        out_TD: torch.Tensor = (y_AD.view(T, K, -1) * w_TK.unsqueeze(-1)).sum(dim=1)
+        # (T, K, D), not (T, K, -1): a rank may have no token (every one of its tokens left early) and still
+        # take its part in both all-to-alls
+        out_TD: torch.Tensor = (y_AD.view(T, K, x_TD.shape[1]) * w_TK.unsqueeze(-1)).sum(dim=1)
         return out_TD, experts_s, dispatch_s + combine_s
 
     def _all_to_all(self, x_ND: torch.Tensor, send_R: np.ndarray, recv_R: np.ndarray) -> tuple[torch.Tensor, float]:

@@ -83,6 +83,7 @@ class EarlyExit(Dynamism):
     name = "early_exit"
     carries = ("active",)
     lockstep_decisions = True
+    changes_outputs = True
 
     def __init__(self, cfg: Any, threshold: float = 0.99, first_layer: int | None = None, start: int = 0,
                  ramp_steps: int = 0) -> None:
@@ -106,6 +107,13 @@ class EarlyExit(Dynamism):
 
     def tau(self, step: int | None = None) -> float:
         return ramp(self.step if step is None else step, self.start, self.ramp_steps, 1.0, self.threshold)
+
+    def served_as(self) -> str:
+        tau = self.tau()
+        if tau >= 1.0:
+            return f"early exit before its start: every token runs every layer (threshold 1 at step {self.step})"
+        return (f"early exit: a token leaves after layers {self.first_layer}..{self.L - 2} once the cosine "
+                f"similarity of its hidden state across the layer exceeds {tau:.4g}")
 
     def begin_step(self, step: int) -> None:
         super().begin_step(step)

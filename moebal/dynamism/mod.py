@@ -33,7 +33,6 @@ and under the run's autocast elsewhere. "autocast" keeps the run's precision, "f
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,6 +80,7 @@ def padded_selection(score_BT: torch.Tensor, c: float, n_B: torch.Tensor) -> tor
 @register("mod")
 class MixtureOfDepths(Dynamism):
     name = "mod"
+    changes_outputs = True
 
     def __init__(self, cfg: Any, capacity: float = 0.125, every: int = 2, first_layer: int = 1, start: int = 0,
                  ramp_steps: int = 0, seed: int = 0, subset_precision: str = "auto") -> None:
@@ -161,19 +161,12 @@ class MixtureOfDepths(Dynamism):
         return subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset",
                             scale_BQ=weight_BC)
 
-    def serve(self, model: MoebalForCausalLM, step: int) -> float:
-        """Serve the full `model` (its routers added by `prepare_model`, its weights loaded) as the run computed
-        its validation after step `step`: each routed layer's forward runs its router's top-C tokens of every row
-        (`_routed`, the capacity at that step; the selection spans the row, as in training). For `moebal eval`,
-        whose ranks receive the model pickled: the forward is a `functools.partial` of a module function, not a
-        closure. Returns the capacity (1: every layer runs plain, nothing is changed)."""
-        self.begin_step(step)
+    def served_as(self) -> str:
         c = self.current_capacity()
-        if c < 1.0:
-            for i in sorted(self.routed):
-                layer = model.model.layers[i]
-                layer.forward = functools.partial(_served_forward, self, layer, c)  # shadows the class's forward
-        return c
+        if c >= 1.0:
+            return "Mixture-of-Depths at capacity 1: every layer runs every token"
+        return (f"Mixture-of-Depths: the routed layers run their routers' top {c:g} of each row's tokens (the "
+                f"selection spans the row, as in training: teacher-forced)")
 
     def _fp32_subset(self, layer: nn.Module, device: torch.device, kept: int, T: int) -> bool:
         """Whether the routed block leaves the run's autocast for fp32 (see the module docstring). Never with bf16
@@ -197,9 +190,3 @@ class MixtureOfDepths(Dynamism):
     def metrics(self) -> dict[str, Any]:
         return {"mod_capacity": round(self.current_capacity(), 6),
                 "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
-
-
-def _served_forward(scheme: MixtureOfDepths, layer: nn.Module, c: float, h_BTD: torch.Tensor, cos_TK: torch.Tensor,
-                    sin_TK: torch.Tensor) -> torch.Tensor:
-    """A served routed layer's forward (`MixtureOfDepths.serve`)."""
-    return scheme._routed(layer, h_BTD, cos_TK, sin_TK, c)

@@ -14,6 +14,7 @@ so every rank takes the same decision from the same bits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -26,11 +27,11 @@ from moebal.errors import ConfigError
 from moebal.sync import upload
 
 if TYPE_CHECKING:
-    from moebal.models.transformer import DecoderLayer, MoebalForCausalLM
+    from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, MoebalModel
     from moebal.pipeline.units import UnitMap
 
 __all__ = ["ROW_TOKENS", "SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops",
-           "ramp", "real_positions", "register", "row_tokens", "run_as_forward"]
+           "ramp", "real_positions", "register", "row_tokens", "run_as_forward", "served_forward"]
 
 
 class SchemeBody(Protocol):
@@ -119,6 +120,18 @@ def row_tokens(carry: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return carry.get(ROW_TOKENS)
 
 
+def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor) -> torch.Tensor:
+    """A served model body's forward (`Dynamism.serve`): the embedding, every decoder layer through the scheme's
+    `layer_forward` with a carry begun per batch (the engine's forward of a one-stage pipeline), the final norm."""
+    h_BTD = body.embed_tokens(ids_BT)
+    cos_TK, sin_TK = body.rotary(ids_BT.shape[1], h_BTD.dtype)
+    carry = scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device)
+    for i, layer in enumerate(body.layers):
+        h_BTD = scheme.layer_forward(i, layer, h_BTD, cos_TK, sin_TK, carry)
+    out_BTD: torch.Tensor = body.norm(h_BTD)
+    return out_BTD
+
+
 def real_positions(n_B: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
     """bool [B, T]: True at the real positions of rows holding `n_B` (host) real tokens each, then padding. No
     host sync: the counts go up to the device (`upload`)."""
@@ -139,9 +152,30 @@ class Dynamism:
     replan_every_step = False
     """Plan a partition after every step from the latest `cost_factors` (not only after profiled steps): for
     schemes whose cost moves every iteration (MoE routing; DynMo fires those every iteration)."""
+    changes_outputs = False
+    """`layer_forward` computes something other than the plain layer (tokens that leave or skip a block, a sparse
+    attention core): a served model runs its forward through the scheme (`serve`)."""
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = cfg
+
+    def serve(self, model: MoebalForCausalLM, step: int) -> str | None:
+        """Serve the full `model` (built, `prepare_model` applied, weights and this scheme's job-wide `state_dict`
+        loaded) as the run computed its validation after step `step`: when the scheme changes outputs, the decoder
+        stack's forward becomes `served_forward` (every layer through `layer_forward`, the carry travelling as
+        between stages), a `functools.partial` of a module function, so a model pickled to spawned ranks keeps it.
+        Only the step is set (a scheme's own `begin_step` may draw the next densities: the loaded state already
+        holds what the validation ran). Returns a line saying how the model is served (None: plainly)."""
+        if not self.changes_outputs:
+            return None
+        Dynamism.begin_step(self, step)
+        # an instance attribute: it shadows the class's forward
+        model.model.forward = functools.partial(served_forward, self, model.model)  # type: ignore[method-assign]
+        return self.served_as()
+
+    def served_as(self) -> str:
+        """How `serve` runs the model, in a line (for `moebal eval`)."""
+        return f"through dynamism scheme {self.name}"
 
     def on_start(self, ctx: SchemeContext) -> None:
         """The stage exists and its optimizer too (take first snapshots here)."""

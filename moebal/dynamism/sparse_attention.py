@@ -188,6 +188,7 @@ def walk_bands(n_layers: int, lo: float, hi: float, tilt: float,
 class DynamicSparseAttention(Dynamism):
     name = "sparse_attention"
     replan_every_step = True
+    changes_outputs = True
 
     def __init__(self, cfg: Any, budget: str = "coverage", block: int = 64, coverage: float = 0.9,
                  min_density: float = 0.1, max_density: float = 1.0, walk_step: float = 0.1, start: int = 0,
@@ -293,6 +294,12 @@ class DynamicSparseAttention(Dynamism):
             self.density = [min(self.hi, max(self.lo, float(self.needed[i] / self.needed[self.L + i])))
                             if self.needed[self.L + i] > 0 else d for i, d in enumerate(self.density)]
         return True
+
+    def served_as(self) -> str:
+        if not self._path()[0]:
+            return f"sparse attention before its start: dense attention (step {self.step})"
+        return (f"block-sparse attention ({self.block}-token blocks) at the densities of the run's validation: "
+                f"{', '.join(f'{d:.3f}' for d in self.density)}")
 
     # ---- the layer ----
     def layer_forward(self, i: int, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor,

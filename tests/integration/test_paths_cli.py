@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from moebal.planner.paths import PathProfile, build_profile
 from moebal.train.routing_log import load_routing
@@ -84,50 +85,60 @@ def test_eval_names_a_converted_weights_directory(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_eval_serves_a_mixture_of_depths_run_as_its_training_validated_it(tmp_path: Path) -> None:
-    """A MoD run's routed layer runs its router's top tokens when served (`MixtureOfDepths.serve`): `moebal eval`
-    on 2 expert-parallel ranks gives the trainer's own validation loss of the same checkpoint and batches (its
-    one-stage pipeline's forward), oracle placement equals static bit for bit, and Lina, which plans from
-    token paths that skipped layers break, is refused in a line."""
+SERVED = {  # per scheme, settings under which its validation differs from the plain model's
+    "mod": ["dynamism.mod.capacity=0.5"],
+    "early_exit": ["model.n_layers=4", "dynamism.early_exit.threshold=0.9"],
+    "sparse_attention": ["dynamism.sparse_attention.block=8", "dynamism.sparse_attention.budget=random_walk",
+                         "dynamism.sparse_attention.min_density=0.2", "dynamism.sparse_attention.max_density=0.5",
+                         "dynamism.sparse_attention.costs=given"],
+}
+
+
+def _plain_val_loss(model, batches) -> float:
+    """The mean loss of `batches` through `model`'s plain forward (the class's, not a scheme's served one)."""
+    import torch
+
+    model.model.__dict__.pop("forward")
+    with torch.no_grad():
+        return sum(model(b.ids_BT, b.labels_BT).loss.item() for b in batches) / len(batches)
+
+
+@pytest.mark.parametrize("scheme", list(SERVED))
+def test_eval_serves_a_scheme_s_run_as_its_training_validated_it(tmp_path: Path, scheme: str) -> None:
+    """A run whose scheme changes its outputs (Mixture-of-Depths' routed layers, early exits, block-sparse attention)
+    is served through the scheme at the checkpoint's step and state (`Dynamism.serve`): `moebal eval` on 2
+    expert-parallel ranks gives the trainer's own validation loss of the same checkpoint and batches (its one-stage
+    pipeline's forward), says how it served the model, oracle placement equals static bit for bit, the plain model
+    gives another loss, and Lina, which plans from token paths that skipped or exited tokens break, is refused in a
+    line for the two schemes whose layers run a subset of the tokens."""
     out = tmp_path / "run"
     tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
     r = moebal("train", "--out", str(out), *tiny, "train.steps=3", "train.eval_every=3", "train.ckpt_every=3",
-               "parallel.nproc=1", "dynamism.scheme=mod", "dynamism.mod.capacity=0.5")
+               "parallel.nproc=1", f"dynamism.scheme={scheme}", *SERVED[scheme])
     assert r.returncode == 0, r.stderr
-    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert trained[-1]["mod_capacity"] == 0.5
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     r = moebal("eval", str(out), "--nproc", "2", "--policy", "oracle", "--batches", "2", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["mod_capacity"] == 0.5 and res["oracle"]["equal_static"], res
-    assert abs(res["static"]["val_loss"] - trained[-1]["val_loss"]) <= 1e-5 * trained[-1]["val_loss"], \
-        (res["static"]["val_loss"], trained[-1]["val_loss"])
-    # served without its routers' selection (every token through every layer) the loss is another one
+    assert res["served"]["scheme"] == scheme and res["served"]["step"] == 3 and res["oracle"]["equal_static"], res
+    assert abs(res["static"]["val_loss"] - trained["val_loss"]) <= 1e-5 * trained["val_loss"], \
+        (res["static"]["val_loss"], trained["val_loss"])
+    if scheme == "mod":
+        assert trained["mod_capacity"] == res["served"]["mod_capacity"] == 0.5
+    elif scheme == "early_exit":
+        assert min(trained["survival"]) < 1 and "exceeds 0.9" in res["served"]["line"], (trained, res)
+    else:  # the densities the validation ran at: the next step's, which the checkpoint holds
+        assert max(trained["attention_density"]) <= 0.5 and "block-sparse attention" in res["served"]["line"]
     from moebal.commands.eval import load_run_model
     from moebal.data import build_data, eval_batches
 
-    cfg, model, capacity = load_run_model(out)
-    assert capacity == 0.5
+    cfg, model, served = load_run_model(out)
+    assert served is not None and served.line == res["served"]["line"]
     batches = eval_batches(build_data(cfg).corpus.val, cfg.data.samples, cfg.data.seq_len, cfg.data.batch_size, 2)
-    plain = type(model.model.layers[1]).forward  # the class's forward: the whole layer, every token
-    model.model.layers[1].forward = plain.__get__(model.model.layers[1])
-    import torch
-
-    with torch.no_grad():
-        losses = [model(b.ids_BT, b.labels_BT).loss.item() for b in batches]
-    assert abs(sum(losses) / len(losses) - trained[-1]["val_loss"]) > 1e-3
-    r = moebal("eval", str(out), "--nproc", "2", "--policy", "lina")
-    assert r.returncode == 2 and "trained with Mixture-of-Depths" in r.stderr and "Traceback" not in r.stderr, r.stderr
-
-
-def test_eval_says_when_it_serves_a_scheme_s_run_whole(tmp_path: Path) -> None:
-    """An early-exit run is served without its exits: `moebal eval` says so (text and JSON)."""
-    out = tmp_path / "run"
-    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
-    r = moebal("train", "--out", str(out), *tiny, "train.steps=2", "train.ckpt_every=2", "parallel.nproc=1",
-               "dynamism.scheme=early_exit")
-    assert r.returncode == 0, r.stderr
+    assert abs(_plain_val_loss(model, batches) - trained["val_loss"]) > 1e-4
     r = moebal("eval", str(out), "--nproc", "2", "--policy", "static", "--batches", "1")
-    assert r.returncode == 0 and "early_exit: served without exits: every token runs every layer" in r.stdout, r
-    r = moebal("eval", str(out), "--nproc", "2", "--policy", "static", "--batches", "1", "--json")
-    assert json.loads(r.stdout.strip().splitlines()[-1])["served_whole"].startswith("without exits"), r.stdout
+    assert r.returncode == 0 and "served as the run validated after step 3: " in r.stdout, r.stdout
+    if scheme != "sparse_attention":
+        r = moebal("eval", str(out), "--nproc", "2", "--policy", "lina")
+        assert r.returncode == 2 and f"trained with dynamism scheme {scheme}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
