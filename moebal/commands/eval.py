@@ -117,7 +117,7 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
                     lab = job.labels[b][rank * per:(rank + 1) * per]
                     loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
                                             reduction="sum").item()
-                    n += lab.numel()
+                    n += int((lab != -100).sum())  # labelled tokens: a documents batch pads with -100
             rnd[policy] = {"forwards": fwd, "equal_static": equal if static_logits else None,
                            "max_diff_static": diff, "loss": loss,
                            "tokens": n}

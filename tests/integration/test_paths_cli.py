@@ -142,3 +142,21 @@ def test_eval_serves_a_scheme_s_run_as_its_training_validated_it(tmp_path: Path,
         r = moebal("eval", str(out), "--nproc", "2", "--policy", "lina")
         assert r.returncode == 2 and f"trained with dynamism scheme {scheme}" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_eval_loss_of_padded_documents_counts_the_labelled_tokens(tmp_path: Path) -> None:
+    """`data.samples: documents` pads each batch's rows with label -100: `moebal eval`'s validation loss is the mean
+    over the labelled tokens, the trainer's own validation loss of the same checkpoint and batches (it once divided
+    by every position, padding included)."""
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
+    r = moebal("train", "--out", str(out), *tiny, "train.steps=2", "train.eval_every=2", "train.ckpt_every=2",
+               "parallel.nproc=1", "data.samples=documents")
+    assert r.returncode == 0, r.stderr
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "static", "--batches", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["served"] is None
+    assert abs(res["static"]["val_loss"] - trained["val_loss"]) <= 1e-5 * trained["val_loss"], \
+        (res["static"]["val_loss"], trained["val_loss"])
