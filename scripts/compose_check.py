@@ -22,7 +22,10 @@ directory): step 3's loss must equal the uninterrupted run's bit for bit (`BUG-r
 schedule decays its last step.) With `--eval`, an ok MoE case
 runs `moebal eval` on its checkpoint on 2 or 4 expert-parallel ranks, at the model's top-k or top-1: static
 expert parallelism, or, when the case recorded its routing, `moebal paths` and then every policy (static, Lina,
-phase 1, oracle: each must give static's logits) (`BUG-eval` when that neither runs nor refuses in a line).
+phase 1, oracle: each must give static's logits) (`BUG-eval` when that neither runs nor refuses in a line, or
+when a policy's logits differ from static's). The runs validate one batch after step 3; in fp32, at the model's
+top-k and without a capacity limit, the served static loss of that batch must equal the run's own validation to
+1e-5 (`served_like_validation`; `BUG-eval` otherwise): the served model is the trained one, scheme included.
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -53,10 +56,11 @@ import yaml
 
 TINY = ["model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
         "moe.expert_ffn_dim=32", "data.seq_len=32", "data.batch_size=8", "data.max_bytes=100000",
-        "train.eval_every=0", "train.threads=1", "train.warmup_steps=1", "train.ckpt_every=2",
+        "train.eval_every=3", "train.eval_batches=1", "train.threads=1", "train.warmup_steps=1", "train.ckpt_every=2",
         "planner.costs=rtx3090", "pipeline.dynamic.costs=rtx3090", "dynamism.sparse_attention.costs=given",
         "dynamism.sparse_attention.block=16"]
-"""A tiny model, a checkpoint every 2 steps, every planner's costs fixed (module docstring)."""
+"""A tiny model, a checkpoint every 2 steps, a validation batch after step 3, every planner's costs fixed (module
+docstring)."""
 
 OPTIONS: dict[str, list[Any]] = {
     "nproc": [1, 2, 4],
@@ -214,9 +218,12 @@ def train_argv(case: dict[str, Any], out: Path, steps: int) -> list[str]:
     return argv
 
 
-def run(argv: list[str], timeout: float) -> tuple[int | str, str]:
+def run(argv: list[str], timeout: float, stdout: list[str] | None = None) -> tuple[int | str, str]:
+    """(exit code or "timeout", stderr); the command's stdout appended to `stdout` when given."""
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if stdout is not None:
+            stdout.append(p.stdout)
         return p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
@@ -230,6 +237,21 @@ def verdict(rc: int | str, err: str, command: str) -> str:
     if rc == 2 and one_line and "Traceback" not in err and "failed (exit code" not in err:
         return "refused"
     return "BUG"
+
+
+def served_like_validation(case: dict[str, Any]) -> bool:
+    """Whether `moebal eval`'s static loss of the case's step-3 checkpoint must equal the run's own validation after
+    step 3 (the same batch: `train.eval_batches` 1 of `data.batch_size` 8, and `--batch-size 8`): in fp32, at the
+    model's top-k, without a capacity limit (which drops tokens per group of the trainer's own layout)."""
+    return (case["train.precision"] == "fp32" and not case["eval.top_k1"] and case["moe.capacity_factor"] is None)
+
+
+def val_loss(out: Path, step: int) -> float | None:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    return next((r["val_loss"] for r in map(json.loads, path.read_text().splitlines())
+                 if r.get("step") == step and "val_loss" in r), None)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -265,11 +287,22 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
         if lina:
             rc3, err3 = run([sys.executable, "-m", "moebal.cli", "paths", str(out)], args.timeout)
             command = "paths" if rc3 else command
+        printed: list[str] = []
         if rc3 == 0:
             rc3, err3 = run([sys.executable, "-m", "moebal.cli", "eval", str(out), "--nproc", str(case["eval.nproc"]),
-                             "--policy", "all" if lina else "static", "--batches", "1", "--batch-size", "4",
-                             *(["--top-k", "1"] if case["eval.top_k1"] else [])], args.timeout)
+                             "--policy", "all" if lina else "static", "--batches", "1", "--batch-size", "8", "--json",
+                             *(["--top-k", "1"] if case["eval.top_k1"] else [])], args.timeout, printed)
         row["eval"] = {"rc": rc3, "policy": "all" if lina else "static", "verdict": verdict(rc3, err3, command)}
+        if row["eval"]["verdict"] == "ok" and command == "eval":
+            res = json.loads(printed[0].strip().splitlines()[-1])
+            unequal = [p for p in res if isinstance(res[p], dict) and res[p].get("equal_static") is False]
+            trained, served = val_loss(out, 3), res["static"]["val_loss"]
+            row["eval"]["val_loss"] = [trained, served]
+            if unequal:
+                row["eval"]["verdict"], err3 = "BUG", f"logits unequal to static under {unequal}\n{printed[0]}"
+            elif served_like_validation(case) and (trained is None or abs(served - trained) > 1e-5 * trained):
+                row["eval"]["verdict"] = "BUG"
+                err3 = f"served static val loss {served} against the run's validation after step 3: {trained}"
         if row["eval"]["verdict"] == "BUG":
             row["verdict"] = "BUG-eval"
             bad["eval"] = err3
