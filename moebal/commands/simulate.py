@@ -147,7 +147,9 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina_schedule
     return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
-                   trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute, **lina)
+                   trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute,
+                   # bf16 weights are the sharded optimizer's compute copies (a tied pipeline refuses `full`)
+                   tie_weight_bytes=2 if cfg.parallel.param_dtype == "bf16" else 4, **lina)
 
 
 def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarray | None, np.ndarray | None]:

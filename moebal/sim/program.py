@@ -102,6 +102,10 @@ class SimSpec:
     """Lina: all-reduce each gradient in chunks of this size instead of fused buckets."""
     grad_bytes: int = 4
     """Bytes per gradient element on the wire (fp32 main gradients)."""
+    tie_weight_bytes: int = 4
+    """Bytes per element of a tied embedding's stepped weight on its way to the last stage's head copy (with
+    stages): 2 where the sharded optimizer keeps bf16 compute copies (`parallel.param_dtype: bf16`), which is what
+    travels (moebal/pipeline/tied.py); the head copy's gradient travels in fp32 (`grad_bytes` does not apply)."""
     stage_layers: tuple[int, ...] | None = None
     layer_scale: tuple[float, ...] | None = None
     """Multiplier on each layer's compute (dynamism schemes: pruning, MoD, early exit)."""
@@ -564,9 +568,10 @@ class _Builder:
 
     # tied embeddings across stages (moebal/pipeline/tied.py): each pipeline's last stage sends its head copy's
     # gradient (fp32) to its first stage, whose data-parallel sum of the embedding waits for it; after the first
-    # stage's optimizer step the stepped weight (fp32) goes back, and the last stage's step ends with its receipt
-    def _tie_bytes(self) -> float:
-        return float(self.shape.vocab_size * self.shape.dim * 4)
+    # stage's optimizer step the stepped weight (fp32, or bf16 compute copies: `tie_weight_bytes`) goes back, and
+    # the last stage's step ends with its receipt
+    def _tie_bytes(self, element: int = 4) -> float:
+        return float(self.shape.vocab_size * self.shape.dim * element)
 
     def _tie_gradients(self) -> None:
         eng, cost, topo, lay = self.eng, self.cost, self.topo, self.lay
@@ -579,7 +584,8 @@ class _Builder:
     def _tie_weights(self) -> None:
         eng, cost, topo, lay = self.eng, self.cost, self.topo, self.lay
         for a, b in zip(lay.stage_ranks(0), lay.stage_ranks(lay.pp - 1)):
-            eng.collective(cost.p2p(topo, int(a), int(b), self._tie_bytes()), ["pp_fwd_out", "pp_fwd_in"],
+            eng.collective(cost.p2p(topo, int(a), int(b), self._tie_bytes(self.spec.tie_weight_bytes)),
+                           ["pp_fwd_out", "pp_fwd_in"],
                            self.nm("tie weight send"), "p2p", deps=[[self.opt_ops[int(a)]], []])
 
     def _grad_items(self, s: int) -> list[tuple[int, float, float]]:

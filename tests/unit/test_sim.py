@@ -370,7 +370,8 @@ def test_moe_pass_overhead_adds_its_time_once_per_moe_layer_pass_under_ep_only()
 def test_tied_embeddings_across_stages_send_the_head_gradient_and_the_stepped_weight() -> None:
     """moebal/pipeline/tied.py in the simulator: per pipeline, the last stage's head-copy gradient goes to the
     first stage before the embedding's data-parallel sum and optimizer, and the stepped weight comes back after
-    the first stage's optimizer; both V x D x 4 bytes. An untied model sends neither."""
+    the first stage's optimizer; both V x D x 4 bytes (the weight 2 with bf16 compute copies). An untied model
+    sends neither."""
     from moebal.sim.program import build_program
 
     cm = CostModel("h100", "bf16")
@@ -402,3 +403,13 @@ def test_tied_embeddings_across_stages_send_the_head_gradient_and_the_stepped_we
         assert tied.op_start[back] >= tied.op_end[opt]
         assert tied.op_end[back] - tied.op_start[back] >= alone * (1 - 1e-9)  # the V x D x 4 bytes, or slower
     assert tied.makespan > plain.makespan
+    # bf16 compute copies (`tie_weight_bytes` 2): the weight's message carries half the bytes, the gradient's the same
+    half = build_program(cm, dataclasses.replace(TINY, tie_embeddings=True),
+                         dataclasses.replace(spec, tie_weight_bytes=2), counts, None, cm.topology(8)).run()
+
+    def seconds(run, kind):
+        ops = [i for i in np.flatnonzero(np.array(run.op_name) == f"tie {kind} send") if run.op_rank[i] == last[0]]
+        return run.op_end[ops[0]] - run.op_start[ops[0]]
+
+    assert seconds(half, "weight") < seconds(tied, "weight")
+    assert seconds(half, "grad") == pytest.approx(seconds(tied, "grad"))
