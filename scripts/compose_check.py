@@ -23,9 +23,10 @@ schedule decays its last step.) With `--eval`, an ok MoE case
 runs `moebal eval` on its checkpoint on 2 or 4 expert-parallel ranks, at the model's top-k or top-1: static
 expert parallelism, or, when the case recorded its routing, `moebal paths` and then every policy (static, Lina,
 phase 1, oracle: each must give static's logits) (`BUG-eval` when that neither runs nor refuses in a line, or
-when a policy's logits differ from static's). The runs validate one batch after step 3; in fp32, at the model's
-top-k and without a capacity limit, the served static loss of that batch must equal the run's own validation to
-1e-5 (`served_like_validation`; `BUG-eval` otherwise): the served model is the trained one, scheme included.
+when a policy's logits differ from static's). The runs validate one batch after step 3; at the model's top-k and
+without a capacity limit, the served static loss of that batch must equal the run's own validation, to 1e-5 in
+fp32 and 5e-3 after bf16 training (`served_tolerance`; `BUG-eval` otherwise): the served model is the trained one,
+scheme included.
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -239,11 +240,16 @@ def verdict(rc: int | str, err: str, command: str) -> str:
     return "BUG"
 
 
-def served_like_validation(case: dict[str, Any]) -> bool:
-    """Whether `moebal eval`'s static loss of the case's step-3 checkpoint must equal the run's own validation after
-    step 3 (the same batch: `train.eval_batches` 1 of `data.batch_size` 8, and `--batch-size 8`): in fp32, at the
-    model's top-k, without a capacity limit (which drops tokens per group of the trainer's own layout)."""
-    return (case["train.precision"] == "fp32" and not case["eval.top_k1"] and case["moe.capacity_factor"] is None)
+def served_tolerance(case: dict[str, Any]) -> float | None:
+    """How close (relative) `moebal eval`'s static loss of the case's step-3 checkpoint must come to the run's own
+    validation after step 3 (the same batch: `train.eval_batches` 1 of `data.batch_size` 8, and `--batch-size 8`):
+    1e-5 in fp32; 5e-3 after bf16 training, which validated under bf16 autocast where `moebal eval` serves the fp32
+    weights in fp32 (1e-4 apart in the draws; a model served without its scheme, or a loss over the wrong token
+    count, is further off). None, no check: served at top-1 instead of the model's k, or under a capacity limit
+    (which drops tokens per group of the trainer's own layout)."""
+    if case["eval.top_k1"] or case["moe.capacity_factor"] is not None:
+        return None
+    return 1e-5 if case["train.precision"] == "fp32" else 5e-3
 
 
 def val_loss(out: Path, step: int) -> float | None:
@@ -300,9 +306,11 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
             row["eval"]["val_loss"] = [trained, served]
             if unequal:
                 row["eval"]["verdict"], err3 = "BUG", f"logits unequal to static under {unequal}\n{printed[0]}"
-            elif served_like_validation(case) and (trained is None or abs(served - trained) > 1e-5 * trained):
+            elif (tol := served_tolerance(case)) is not None and (trained is None or
+                                                                   abs(served - trained) > tol * trained):
                 row["eval"]["verdict"] = "BUG"
-                err3 = f"served static val loss {served} against the run's validation after step 3: {trained}"
+                err3 = (f"served static val loss {served} against the run's validation after step 3: {trained} "
+                        f"(tolerance {tol:g})")
         if row["eval"]["verdict"] == "BUG":
             row["verdict"] = "BUG-eval"
             bad["eval"] = err3
