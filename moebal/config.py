@@ -1150,14 +1150,6 @@ def _check_whole(c: Config) -> None:
 
     _check_pipeline(c.pipeline)
     _need(par.pp > 1 or (c.pipeline.rebalance == "off" and not c.pipeline.repack), REFUSE_REBALANCE_PP1)
-    # tied embeddings across stages: the last stage's head copies the first stage's embedding and sends its
-    # gradient there before the data-parallel sum or the sharded optimizer's reduce-scatter (moebal/pipeline/
-    # tied.py); FSDP2 reduce-scatters the embedding's gradient in each micro-batch's backward pass, before the
-    # head's could join it
-    _need(par.pp == 1 or not m.tie_embeddings or par.shard != "full",
-          "'model.tie_embeddings: true' with pipeline stages (parallel.pp > 1) is not built with 'parallel.shard: "
-          "full': the head's gradient joins the embedding's on the first stage after the backward pass, when FSDP2 "
-          "has reduce-scattered it already; set parallel.shard=optimizer (or none), or model.tie_embeddings=false")
     _need(c.hf.shard_gb > 0, f"'hf.shard_gb' must be positive; got {c.hf.shard_gb}")
     if c.pipeline.microbatching != "fixed":
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"

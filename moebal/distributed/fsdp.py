@@ -54,7 +54,7 @@ then take the loaded weights), and written as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -206,15 +206,16 @@ class FullyShardedAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: Config, dims: ParallelDims, norm_channel: Any = "new",
                  expert_divisor: float | None = None, expert_channels: dict[str, Any] | None = None,
-                 accumulate: bool = False) -> None:
+                 accumulate: bool = False, skip: Sequence[torch.Tensor] = ()) -> None:
         """`norm_channel`: the "dp_ep" communicator of the gradient norm; "new" makes one (collective).
         `expert_divisor`, `expert_channels`: the expert `ShardedAdamW`'s `divisor` and `channels` (a pipeline
         stage: 1, and communicators made once per run); `accumulate`: a pipeline stage's micro-batches add up
-        the expert gradients before `reduce` (`ShardedAdamW`'s `accumulate`: in fp32 under bf16 weights)."""
+        the expert gradients before `reduce` (`ShardedAdamW`'s `accumulate`: in fp32 under bf16 weights);
+        `skip`: parameters another rank steps (a pipeline's tied head copy)."""
         from moebal.train.optim import param_groups
 
         t = cfg.train
-        groups = param_groups(model, t.weight_decay)
+        groups = param_groups(model, t.weight_decay, skip)
         super().__init__(groups, {"lr": t.lr})
         self.dims = dims
         self.reduce_dtype = DTYPES[cfg.parallel.reduce_dtype]
@@ -447,7 +448,10 @@ def _stage_units(stage: PipelineStage) -> list[nn.Module]:
     from moebal.pipeline.stage import held_halves
 
     body = stage.model
-    roots = [body.embed_tokens, body.norm, stage.lm_head]
+    # a last stage's tied head copy is no unit: whole on every rank, it follows the first stage's embedding
+    # (moebal/pipeline/tied.py)
+    head = None if stage.checkpoint_links else stage.lm_head
+    roots = [body.embed_tokens, body.norm, head]
     split = set(stage.units.split_layers)
     layers = [m for i, layer in body.layers.items()
               for m in (held_halves(layer) if int(i) in split else [layer])]
@@ -568,10 +572,11 @@ class StageShardedAdamW(FullyShardedAdamW):
 
     def __init__(self, stage: PipelineStage, cfg: Config, dims: ParallelDims, mesh: Any,
                  expert_channels: dict[str, Any] | None = None,
-                 prepare_layer: Callable[[int, nn.Module], None] | None = None) -> None:
+                 prepare_layer: Callable[[int, nn.Module], None] | None = None,
+                 skip: Sequence[torch.Tensor] = ()) -> None:
         """`prepare_layer`: the dynamism scheme's structural change of a fresh layer skeleton
         (`Dynamism.prepare_layer`: a router), applied to the plain skeletons a migration gathers leaving layers
-        into."""
+        into; `skip`: parameters another rank steps (a tied head copy, which `fully_shard_stage` leaves whole)."""
         self.prepare_layer = prepare_layer
         before = dict(stage.named_parameters())
         fully_shard_stage(stage, cfg, mesh)
@@ -580,7 +585,7 @@ class StageShardedAdamW(FullyShardedAdamW):
         """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded, and
         for the plain expert-parallel experts)."""
         super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels,
-                         accumulate=True)
+                         accumulate=True, skip=skip)
 
     leaving: tuple[int, ...] = ()
     """The layers a migration is about to send away, wholly or a half of (`migrate_layers` sets it before

@@ -206,6 +206,8 @@ class PipelineRunner:
         # single process (a scheme's one-stage pipeline) has nothing to shard over and trains as the trainer
         # without a pipeline does there, unsharded
         self._fsdp_mesh = stage_mesh(self.dims) if cfg.parallel.shard == "full" and self.dims.distributed else None
+        if self.tied is not None and self._fsdp_mesh is not None:  # the head's gradient into the embedding's shards
+            self.tied.shard(self.stage, self._fsdp_mesh, DTYPES[cfg.parallel.reduce_dtype])
         # and what FSDP2 holds through a step there (parallel.accumulate whole, parallel.reshard step): the stage's
         # units as they are when a step runs (migrations change them), each built to reshard after its forward
         self._step_hold = (StepHold.of(cfg, lambda: stage_units(self.stage), lambda m: True)
@@ -270,7 +272,6 @@ class PipelineRunner:
 
         if not any(p.requires_grad for p in module.parameters()):
             return None
-        assert self.tied is None or self._fsdp_mesh is None, "moebal.config refuses tied stages under shard full"
         copy = self.tied.copy if self.tied is not None else None  # a tied head's copy follows the embedding
         if self._shard_channels is not None:  # bf16 weights: the micro-batches' gradients summed in fp32
             par = self.cfg.parallel
@@ -281,7 +282,7 @@ class PipelineRunner:
         if self._fsdp_mesh is not None:  # `parallel.shard: full`: shards the stage's layers (again) first
             assert isinstance(module, PipelineStage)
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
-                                     prepare_layer=self.scheme.prepare_layer)
+                                     prepare_layer=self.scheme.prepare_layer, skip=[copy] if copy is not None else [])
         return build_optimizer(module, self.cfg.train, skip=[copy] if copy is not None else [])
 
     @staticmethod

@@ -28,14 +28,28 @@ the backward pass (`ShardedAdamW.reduce`), so the head's gradient joins the embe
 the embedding's gradient, or with bf16 compute copies (`parallel.param_dtype: bf16`) into the fp32 sum the
 optimizer keeps for it (`ShardedAdamW.add`). The copy is no flat's: it stays fp32 and its gradient sums over the
 micro-batches in fp32, and it takes the stepped compute copy's values (bf16 on the wire, exact in fp32), which
-autocast casts back to the same bf16 for the head. Under `parallel.shard: full` FSDP2 reduce-scatters each
-micro-batch's gradients in its backward pass, before the head's could join them: `moebal.config` refuses it.
+autocast casts back to the same bf16 for the head.
+
+Under `parallel.shard: full` the first stage's embedding is an FSDP2 unit whose gradient FSDP2 reduce-scatters
+in the backward pass (each micro-batch's, or the step's whole sum under `parallel.accumulate: whole`), before the
+head's could join it. So the head's gradient is reduce-scattered by hand after the backward pass
+(`DeferredGradReducer`, as FSDP2 lays the shards out, summed over the stage's ranks in `parallel.reduce_dtype`)
+and added to the embedding's shards: the same sum, `embedding + head` per shard, in another order than the
+unsharded runner's (within rounding). After the optimizer step the first stage gathers the stepped shards whole
+(a collective over the stage) and sends them as in step 3. The copy is no FSDP2 unit: the last stage keeps it
+whole (fp32 weight and gradient, V x D each, on every rank of the stage: the memory plan counts them), and
+autocast casts it for the head as FSDP2 casts its units (`parallel.param_dtype`).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from moebal.distributed.fsdp import DeferredGradReducer, whole_tensor
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
@@ -47,12 +61,16 @@ class TiedEmbedding:
     """The first stage's end (`weight`: the embedding) or the last stage's (`copy`: the LM head's weight) of one
     pipeline's tied embedding; `of` gives None where the stage holds both (one stage) or neither."""
 
-    def __init__(self, chain: PipeChain, weight: torch.Tensor | None, copy: torch.Tensor | None,
+    def __init__(self, chain: PipeChain, embed: nn.Embedding | None, copy: torch.Tensor | None,
                  wire: torch.dtype | None = None) -> None:
-        """`wire`: the dtype the stepped weight travels in (the sharded optimizer's compute copies'), None: the
-        weight's own."""
-        assert (weight is None) != (copy is None)
-        self.chain, self.weight, self.copy, self.wire = chain, weight, copy, wire
+        """`embed`: the first stage's embedding module (its weight is read when used: FSDP2 replaces it by its
+        sharded form); `wire`: the dtype the stepped weight travels in (the sharded optimizer's compute copies'),
+        None: the weight's own."""
+        assert (embed is None) != (copy is None)
+        self.chain, self.embed, self.copy, self.wire = chain, embed, copy, wire
+        self.reducer: DeferredGradReducer | None = None
+        """Under `parallel.shard: full`, on the first stage: reduce-scatters the head's gradient into the
+        embedding's shards (`shard`)."""
 
     @classmethod
     def of(cls, stage: PipelineStage, chain: PipeChain, wire: torch.dtype | None = None) -> TiedEmbedding | None:
@@ -60,38 +78,59 @@ class TiedEmbedding:
             return None
         if stage.first:
             assert stage.model.embed_tokens is not None
-            return cls(chain, stage.model.embed_tokens.weight, None, wire)
+            return cls(chain, stage.model.embed_tokens, None, wire)
         assert stage.lm_head is not None
         return cls(chain, None, stage.lm_head.weight, wire)
 
+    def shard(self, stage: PipelineStage, mesh: Any, reduce_dtype: torch.dtype) -> None:
+        """`parallel.shard: full`: the first stage's embedding is an FSDP2 unit over the stage's ranks (`mesh`), so
+        the head's whole gradient is reduce-scattered into its shards (summed over the stage's ranks in
+        `reduce_dtype`, as FSDP2 sums the embedding's own) and the stepped weight is gathered whole before it
+        leaves; the last stage's copy is no unit (`moebal.distributed.fsdp._stage_units`): whole on every rank."""
+        if self.embed is not None:
+            self.reducer = DeferredGradReducer(stage, mesh, reduce_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        """The embedding's weight on the first stage (a DTensor of shards under `parallel.shard: full`), else None."""
+        return self.embed.weight if self.embed is not None else None
+
     def _peer(self) -> int:
-        return self.chain.ranks[-1] if self.weight is not None else self.chain.ranks[0]
+        return self.chain.ranks[-1] if self.embed is not None else self.chain.ranks[0]
 
     def sum_grads(self, sharded: ShardedAdamW | None = None) -> None:
         """Step 1: the copy's gradient added to the embedding's (before the data-parallel sum, or before
-        `sharded`'s reduce-scatter: into its fp32 sum where it keeps the embedding as a compute copy)."""
+        `sharded`'s reduce-scatter: into its fp32 sum where it keeps the embedding as a compute copy; under
+        `parallel.shard: full` after FSDP2's reduce-scatter of the embedding's own, into its shards)."""
         if self.copy is not None:
             if self.copy.requires_grad:
                 g = self.copy.grad if self.copy.grad is not None else torch.zeros_like(self.copy)
                 self.chain.send(g, self._peer())  # the chain keeps it alive until the send completes
                 self.copy.grad = None
             return
-        assert self.weight is not None
-        if not self.weight.requires_grad:
+        weight = self.weight
+        assert weight is not None
+        if not weight.requires_grad:
             return
-        head = self.chain.recv(torch.empty(self.weight.shape, device=self.weight.device), self._peer())  # fp32
-        if sharded is not None and sharded.holds(self.weight):
-            sharded.add(self.weight, head)
-        elif self.weight.grad is None:
-            self.weight.grad = head
+        head = self.chain.recv(torch.empty(weight.shape, device=weight.device), self._peer())  # fp32
+        if self.reducer is not None:  # collective over the stage: every rank of it sums its pipeline's head
+            self.reducer.add(weight, head)
+            self.reducer.flush()
+        elif sharded is not None and sharded.holds(weight):
+            sharded.add(weight, head)
+        elif weight.grad is None:
+            weight.grad = head
         else:
-            self.weight.grad.add_(head)
+            weight.grad.add_(head)
 
     def share_weight(self) -> None:
-        """Step 3: the stepped weight to the copy (after the optimizer step)."""
-        if self.weight is not None:
-            if self.weight.requires_grad:
-                self.chain.send(self.weight.detach(), self._peer())
+        """Step 3: the stepped weight to the copy (after the optimizer step; under `parallel.shard: full` gathered
+        whole first, a collective over the first stage)."""
+        weight = self.weight
+        if weight is not None:
+            if weight.requires_grad:
+                whole = whole_tensor(weight) if isinstance(weight, DTensor) else weight.detach()
+                self.chain.send(whole, self._peer())
             return
         assert self.copy is not None
         if not self.copy.requires_grad:

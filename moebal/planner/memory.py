@@ -483,9 +483,12 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     whole = 0.0 if fsdp_ep1 else expert
     fsdp = dense + expert - whole
     if lay.shard == "full" and lay.pipelined:  # in a stage every layer, the embedding and the head are FSDP2 roots
-        gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + last)
+        # (a tied head copy is none: whole fp32 on every rank of the last stage)
+        gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + (last and
+                                                                                          not tied_copy))
         held_whole = sum(gathered) if lay.reshard == "step" else max(gathered, default=0.0)  # or one at a time
-        t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * a)
+        t["parameters"] = (4 * (fsdp - tied_copy) / d_dense + 4 * tied_copy
+                           + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * a)
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
@@ -517,6 +520,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts (and a tied head copy)
         t["compute-dtype weight copies"] = 2.0 * ((expert if lay.ep > 1 and not lay.bf16_experts else 0) + tied_copy)
+    if a == 2 and lay.shard == "full":  # FSDP2 casts its units; autocast casts a tied head copy, which is none
+        t["compute-dtype weight copies"] = 2.0 * tied_copy
     t["optimizer state"] = 8.0 * (held - tied_copy if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)

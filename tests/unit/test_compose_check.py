@@ -38,7 +38,11 @@ def test_fixed_options_hold_where_the_config_allows_and_the_rest_is_the_seed_s_d
     assert fixed == {"model.tie_embeddings": True, "parallel.pp": 2, "nproc": 4}
     case = script.sample(random.Random(3), fixed)
     assert case["nproc"] == 4 and case["parallel.pp"] == 2
-    assert case["model.tie_embeddings"] == (case["parallel.shard"] not in ("optimizer", "full"))  # set aside there
+    assert case["hf.init_from"] and not case["model.tie_embeddings"]  # a continuation takes the checkpoint's shape
+    # tied stages are built under every sharding: the fixed value holds in 20 draws but for continuations
+    cases = [script.sample(random.Random(3 + k), fixed) for k in range(20)]
+    assert all(c["model.tie_embeddings"] for c in cases if not c["hf.init_from"])
+    assert {c["parallel.shard"] for c in cases if not c["hf.init_from"]} == {"none", "optimizer", "full", "auto"}
     assert case["moe.gate"] == free["moe.gate"] and case["moe.top_k"] == free["moe.top_k"]
     errors = []
     script.parse_fixed(["model.tie_embedings=true", "parallel.pp=3", "nproc"], errors.append)

@@ -77,6 +77,17 @@ def test_a_tied_pipeline_s_last_stage_holds_the_head_copy_without_its_optimizer_
     assert t["parameters"] - u["parameters"] == 4 * head - (2 * head + 4 * head / 2)
     assert u["optimizer state"] - t["optimizer state"] == 8 * head / 2
     assert t["compute-dtype weight copies"] - u["compute-dtype weight copies"] == 2 * head
+    # full sharding: the copy is no FSDP2 unit (whole fp32 weight and gradient, no moments, none gathered; autocast
+    # casts it), where the untied head is an fp32 shard (4 / 2) gathered in bf16 for its forward (2)
+    full = [*two, "parallel.nproc=4", "parallel.shard=full", "parallel.param_dtype=bf16", "train.precision=bf16",
+            "parallel.reshard=step"]
+    untied, tied = load(None, full), load(None, [*full, "model.tie_embeddings=true"])
+    lay = layout_from_config(tied, 4)
+    assert lay.shard == "full" and lay.stage_ranks == 2
+    u, t = (_stage_terms(c, _layers(c), lay, 1, range(1, 2), False)[0] for c in (untied, tied))
+    assert t["parameters"] - u["parameters"] == 4 * head - (4 * head / 2 + 2 * head)
+    assert u["optimizer state"] - t["optimizer state"] == 8 * head / 2
+    assert t["compute-dtype weight copies"] - u["compute-dtype weight copies"] == 2 * head
     # one stage under bf16 autocast: the head's cast of the tied weight counts as the untied head's does
     one = [*TINY, "train.precision=bf16"]
     lay = MemoryLayout(ranks=1, precision="bf16")
