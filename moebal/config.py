@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+SUBSET_SCHEMES = ("mod", "early_exit")
+"""Dynamism schemes whose layers run a subset of the tokens (a token skips a block, or leaves the network): a
+token's path over the MoE layers breaks there, so what follows every token through them (routing records, Lina's
+path estimates) cannot run with them."""
 T = TypeVar("T")
 
 
@@ -1273,7 +1277,7 @@ def _check_plan_ahead(c: Config) -> None:
     _need(c.pipelined or stage_ep != 1, "'planner.plan_ahead: path' places experts over expert-parallel ranks; "
           f"{'parallel.nproc 1 (one process)' if par.ep is None else 'parallel.ep 1'} has none: launch at least 2 "
           "ranks with parallel.ep > 1 (or plan_ahead off)")
-    _need(c.dynamism.scheme not in ("mod", "early_exit"),
+    _need(c.dynamism.scheme not in SUBSET_SCHEMES,
           f"'planner.plan_ahead: path' follows every token through every MoE layer; dynamism.scheme "
           f"{c.dynamism.scheme} runs layers on token subsets: set plan_ahead off")
     _need(pl.path_profile is None or Path(pl.path_profile).is_file(),
@@ -1335,7 +1339,7 @@ def _check_whole_routing(c: Config, option: str, off: str) -> None:
     """`option` reads every MoE layer's routing of the same tokens (the routing samples, the curriculum's sample
     complexities): every layer must route the whole micro-batch. Planned micro-batches are read by their real
     tokens (each stage knows them from the plan)."""
-    _need(c.dynamism.scheme not in ("mod", "early_exit"),
+    _need(c.dynamism.scheme not in SUBSET_SCHEMES,
           f"{option} reads every MoE layer's routing of the same tokens; 'dynamism.scheme: {c.dynamism.scheme}' "
           f"routes a subset of the tokens in some layers: {off}")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebal.config import SUBSET_SCHEMES
 from moebal.errors import ConfigError
 
 
@@ -35,11 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch over all ranks "
                    "(default: data.batch_size)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-
-
-SUBSET_SCHEMES = ("mod", "early_exit")
-"""Schemes whose layers run a subset of the tokens: a token's path over the layers breaks where it skips or leaves,
-and Lina estimates from paths (their runs cannot record routing either: `train.record_routing_every`)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     # static runs first under every policy: its logits are the reference the others must equal bit for bit
     policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(
         ["static", args.policy]))
-    if cfg.dynamism.scheme in SUBSET_SCHEMES and {"lina", "phase1"} & set(policies):
+    if cfg.dynamism.scheme in SUBSET_SCHEMES and {"lina", "phase1"} & set(policies):  # (moebal.config's)
         what = "its routed layers skip tokens" if cfg.dynamism.scheme == "mod" else "its tokens leave early"
         raise ConfigError(f"{run_dir} trained with dynamism scheme {cfg.dynamism.scheme}: {what}, so a token has no "
                           f"path over the layers for Lina to estimate from (and its training could not record "

@@ -450,7 +450,7 @@ def _stage_units(stage: PipelineStage) -> list[nn.Module]:
     body = stage.model
     # a last stage's tied head copy is no unit: whole on every rank, it follows the first stage's embedding
     # (moebal/pipeline/tied.py)
-    head = None if stage.checkpoint_links else stage.lm_head
+    head = None if stage.holds_tied_copy else stage.lm_head
     roots = [body.embed_tokens, body.norm, head]
     split = set(stage.units.split_layers)
     layers = [m for i, layer in body.layers.items()

@@ -54,7 +54,7 @@ from moebal.pipeline.migrate import WholeState, rebuild_optimizer
 from moebal.pipeline.observe import pick_clock
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
-from moebal.pipeline.tied import TiedEmbedding
+from moebal.pipeline.tied import TiedEmbedding, wire_dtype
 from moebal.pipeline.units import UnitMap
 from moebal.planner.partition import imbalance, partition_by_params, partition_uniform
 from moebal.sync import to_host
@@ -197,7 +197,7 @@ class PipelineRunner:
         del model
         # model.tie_embeddings across stages: the first stage's embedding is the weight, the last stage's head a
         # copy that follows it (`tied.py`)
-        self.tied = TiedEmbedding.of(self.stage, self.chain, self._wire_dtype(cfg))
+        self.tied = TiedEmbedding.of(self.stage, self.chain, wire_dtype(cfg))
         self.experts = StageExperts(self.stage, self.dims, cfg)
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
@@ -284,13 +284,6 @@ class PipelineRunner:
             return StageShardedAdamW(module, self.cfg, self.dims, self._fsdp_mesh, self._expert_channels,
                                      prepare_layer=self.scheme.prepare_layer, skip=[copy] if copy is not None else [])
         return build_optimizer(module, self.cfg.train, skip=[copy] if copy is not None else [])
-
-    @staticmethod
-    def _wire_dtype(cfg: Config) -> torch.dtype | None:
-        """The dtype a tied embedding's weight travels in to its head copy: the sharded optimizer's compute copies'
-        under `parallel.param_dtype` (the embedding is one), else the weight's own (None)."""
-        par = cfg.parallel
-        return DTYPES[par.param_dtype] if par.shard == "optimizer" and par.param_dtype != "fp32" else None
 
     @property
     def sharded(self) -> ShardedAdamW | None:

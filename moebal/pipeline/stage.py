@@ -170,12 +170,16 @@ class PipelineStage(nn.Module):
         return out
 
     @property
+    def holds_tied_copy(self) -> bool:
+        """Whether the LM head's weight is a copy of another stage's embedding (`model.tie_embeddings` on a last
+        stage without the embedding: `tied.py`)."""
+        return self.cfg.model.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is None
+
+    @property
     def checkpoint_links(self) -> dict[str, str]:
         """Names a checkpoint keeps as another's (`moebal.train.checkpoint`): a last stage's tied head copy is
         kept as the first stage's embedding, one tensor, as the single-process tied model keeps it."""
-        if self.cfg.model.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
-            return {"lm_head.weight": "model.embed_tokens.weight"}
-        return {}
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.holds_tied_copy else {}
 
     @property
     def tied_head(self) -> torch.Tensor | None:

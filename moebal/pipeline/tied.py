@@ -49,12 +49,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moebal.distributed.fsdp import DeferredGradReducer, whole_tensor
+from moebal.config import Config
+from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, whole_tensor
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
 
-__all__ = ["TiedEmbedding"]
+__all__ = ["TiedEmbedding", "wire_dtype"]
+
+
+def wire_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype a tied embedding's stepped weight travels in to its head copy: the sharded optimizer's compute
+    copies' under `parallel.param_dtype` (the embedding is one), else the weight's own (None: fp32; under `full`
+    the gathered fp32 shards)."""
+    par = cfg.parallel
+    return DTYPES[par.param_dtype] if par.shard == "optimizer" and par.param_dtype != "fp32" else None
 
 
 class TiedEmbedding:
