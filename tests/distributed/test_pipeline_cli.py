@@ -76,16 +76,18 @@ def test_train_pipeline_with_dynamic_micro_batching(tmp_path):
 
 
 def _planned_ep_job(out, steps: int, *extra: str) -> list[dict]:
-    """`moebal train` of 2 stages x 2 expert shards with micro-batches planned on the a100 table (one measured at
-    start-up differs between two runs, and the plans with it) under a 1e6-byte activation budget, which splits
-    each step into 8; the run's metrics records."""
+    """`moebal train` of 2 stages x 2 expert shards with micro-batches planned on the a100 table under a 1e6-byte
+    activation budget, which splits each step into 8, and Pro-Prophet's placements planned on it too (tables
+    measured at start-up differ between two runs, and so would the plans and replicas, and the order the losses
+    and gradients sum in); the run's metrics records."""
     cmd = ["train", "--nproc", "4", "--pp", "2", "--ep", "2", "--steps",
            str(steps), "--microbatching", "dynamic", "--out", str(out), *extra,
            "model.dim=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=64",
            "model.max_seq_len=128", "moe.num_experts=4", "moe.expert_ffn_dim=32", "data.seq_len=128",
            "data.batch_size=16", "data.max_bytes=300000", "data.samples=documents", "data.units=blocks",
            "train.precision=fp32", "train.ckpt_every=2", "train.eval_every=2", "pipeline.dynamic.max_tokens=512",
-           "pipeline.dynamic.lookahead=2", "pipeline.dynamic.costs=a100", "pipeline.dynamic.memory=1e6"]
+           "pipeline.dynamic.lookahead=2", "pipeline.dynamic.costs=a100", "pipeline.dynamic.memory=1e6",
+           "planner.costs=a100"]
     proc = run_cli(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2-stage pipeline x 1 data-parallel x 2 expert-parallel, dynamic micro-batching" in proc.stderr
