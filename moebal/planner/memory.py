@@ -119,7 +119,7 @@ PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
                          "pipeline p2p buffers", "replicas (Pro-Prophet)", "FSDP2 reduce-scatter buffers",
                          "whole gradient sums (FSDP2)"),
-    "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy"),
+    "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy", "tied head gradient (full)"),
     "migration": (*_STATE, "migration: whole moments + new flats", "migration: moved layers whole"),
     "start-up": ("start-up (whole model built)",),
 }
@@ -552,6 +552,13 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     if lay.shard == "none" and grad_sync and not persistent:
         transient = 4.0 * (biggest if lay.pipelined else held)  # a pipeline's per-layer bucket; DP's flat copy
     t["gradient all-reduce copy"] = transient
+    # tied embeddings across stages under `full`: after the backward pass the first stage receives the head's
+    # whole fp32 gradient and reduce-scatters it into the embedding's shards through a zero-padded copy and the
+    # concatenated send buffer, both in reduce_dtype (moebal/pipeline/tied.py sum_grads, DeferredGradReducer);
+    # after the step it gathers the stepped weight whole (fp32, the all-gather's padded output): 4 + 2r >= 8
+    # bytes per element bounds both
+    tied_full = m.tie_embeddings and first and not last and lay.shard == "full" and lay.pipelined
+    t["tied head gradient (full)"] = (4 + 2 * r) * V * D if tied_full else 0.0
     _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4, cuda=cuda)
     t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)
                                          if lay.init == "full" else 4.0 * held)

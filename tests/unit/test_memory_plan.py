@@ -88,6 +88,12 @@ def test_a_tied_pipeline_s_last_stage_holds_the_head_copy_without_its_optimizer_
     assert t["parameters"] - u["parameters"] == 4 * head - (4 * head / 2 + 2 * head)
     assert u["optimizer state"] - t["optimizer state"] == 8 * head / 2
     assert t["compute-dtype weight copies"] - u["compute-dtype weight copies"] == 2 * head
+    # the first stage sums the head's gradient into its shards after the backward pass: the whole fp32 gradient,
+    # its padded copy and the send buffer (reduce_dtype, fp32 by default), in the gradient sync phase
+    u0, t0 = (_stage_terms(c, _layers(c), lay, 0, range(0, 1), False) for c in (untied, tied))
+    assert u0[0]["tied head gradient (full)"] == 0 and t["tied head gradient (full)"] == 0
+    assert t0[0]["tied head gradient (full)"] == (4 + 2 * 4) * head
+    assert t0[1]["gradient sync"] - u0[1]["gradient sync"] >= (4 + 2 * 4) * head
     # one stage under bf16 autocast: the head's cast of the tied weight counts as the untied head's does
     one = [*TINY, "train.precision=bf16"]
     lay = MemoryLayout(ranks=1, precision="bf16")
