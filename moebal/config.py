@@ -125,8 +125,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
-    """Share the input embedding with the LM head (with pipeline stages the last stage's head holds a copy that
-    follows the first stage's embedding; not with parallel.shard full there: docs/pipeline.md)."""
+    """Share the input embedding with the LM head (with pipeline stages, or on a scheme's one stage under
+    parallel.shard full, the head holds a copy that follows the embedding: docs/pipeline.md)."""
     attention_bias: bool = False
     """Biases on the query, key and value projections (Qwen2-MoE); none on the output projection. With model.mla:
     on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's `attention_bias`)."""
@@ -1055,13 +1055,6 @@ def _refuse_sharded_pipeline_schemes(c: Config) -> None:
     par, d = c.parallel, c.dynamism
     if not c.pipelined:
         return
-    # FSDP2 shards a stage's embedding and LM head as units of their own: a tied weight would become two
-    # shards, trained apart (the trainer without a pipeline shards them under one root and keeps them one); with
-    # several stages `_check_whole` refuses it in a line of its own
-    _need(par.shard != "full" or not c.model.tie_embeddings or par.pp > 1,
-          "'parallel.shard: full' in a pipeline (a dynamism scheme runs one) is not built with "
-          "'model.tie_embeddings: true': the stage shards its embedding and its LM head apart, and the tied weight "
-          "would become two; use parallel.shard=optimizer (or none), or model.tie_embeddings=false")
     if par.shard != "optimizer":
         return
     _need(d.scheme != "pruning" or par.param_dtype == "fp32",

@@ -187,10 +187,6 @@ def sample(rng: random.Random, fixed: dict[str, Any] | None = None) -> dict[str,
                   "moe.bias_update_rate": 0.0, "train.record_routing_every": 0})
     if c["parallel.shard"] == "none":
         c["parallel.reduce_dtype"] = "fp32"  # the sharded state's mixed-precision policy
-    if c["parallel.shard"] == "full" and c["parallel.pp"] == 1 and c["dynamism.scheme"] != "none":
-        # a scheme's one stage shards its embedding and head apart (with stages the head's copy follows the
-        # embedding: moebal/pipeline/tied.py)
-        c["model.tie_embeddings"] = False
     if not c["moe.num_experts"] or c["moe.top_k"] < 2:
         c["moe.adaptive_threshold"] = None
     if c["moe.adaptive_threshold"] is None or c["dynamism.scheme"] in ("early_exit", "mod"):

@@ -196,8 +196,9 @@ class PipelineRunner:
                                               self.chain.is_last, self.units).to(self.device)
         del model
         # model.tie_embeddings across stages: the first stage's embedding is the weight, the last stage's head a
-        # copy that follows it (`tied.py`)
-        self.tied = TiedEmbedding.of(self.stage, self.chain, wire_dtype(cfg))
+        # copy that follows it; on one fully sharded stage the head a copy too (`tied.py`)
+        untie = cfg.parallel.shard == "full" and self.dims.distributed
+        self.tied = TiedEmbedding.of(self.stage, self.chain, wire_dtype(cfg), untie=untie)
         self.experts = StageExperts(self.stage, self.dims, cfg)
         # sharded AdamW state (`parallel.shard: optimizer`): its communicators are made once, here, on every rank
         # (a rebuild after a migration reuses them: released ranks could not join a new group's creation)
@@ -591,11 +592,16 @@ class PipelineRunner:
 
     # ---- gradients ----
     def _slot_params(self) -> dict[int, list[torch.nn.Parameter]]:
-        """The parameters of each cost slot held here, in model order; a tied head's copy is left out (its
-        gradient is the embedding's, summed and counted there: `tied.py`)."""
-        copy = self.tied.copy if self.tied is not None else None
-        return {slot: [p for p in m.parameters() if p is not copy]
-                for slot, m in sorted(self.stage.slot_modules().items())}
+        """The parameters of each cost slot held here, in model order, each once: a tied weight in the
+        embedding's slot only, where a one-stage pipeline holds it as the embedding and the head (its slots are
+        U and U + 1), and a tied head's copy not at all (its gradient is the embedding's, summed and counted
+        there: `tied.py`). Summing or squaring a parameter in two slots would count its gradient twice."""
+        seen = set() if self.tied is None or self.tied.copy is None else {id(self.tied.copy)}
+        out: dict[int, list[torch.nn.Parameter]] = {}
+        for slot, m in sorted(self.stage.slot_modules().items()):
+            out[slot] = [p for p in m.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in out[slot])
+        return out
 
     def _sync_grads(self) -> None:
         """Sum gradients over the ranks that hold the same parameters, one bucket per layer and kind (a layer's

@@ -171,9 +171,11 @@ class PipelineStage(nn.Module):
 
     @property
     def holds_tied_copy(self) -> bool:
-        """Whether the LM head's weight is a copy of another stage's embedding (`model.tie_embeddings` on a last
-        stage without the embedding: `tied.py`)."""
-        return self.cfg.model.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is None
+        """Whether the LM head's weight is a copy of the embedding (`model.tie_embeddings` on a last stage without
+        the embedding, or on a fully sharded one-stage pipeline: `tied.py`)."""
+        embed = self.model.embed_tokens
+        return (self.cfg.model.tie_embeddings and self.lm_head is not None
+                and (embed is None or self.lm_head.weight is not embed.weight))
 
     @property
     def checkpoint_links(self) -> dict[str, str]:

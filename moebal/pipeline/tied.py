@@ -39,6 +39,13 @@ unsharded runner's (within rounding). After the optimizer step the first stage g
 (a collective over the stage) and sends them as in step 3. The copy is no FSDP2 unit: the last stage keeps it
 whole (fp32 weight and gradient, V x D each, on every rank of the stage: the memory plan counts them), and
 autocast casts it for the head as FSDP2 casts its units (`parallel.param_dtype`).
+
+A dynamism scheme's one-stage pipeline under `parallel.shard: full` (over the stage's data-parallel ranks) holds
+both ends, but FSDP2 shards its embedding and its head as units of their own, so one tensor would become two
+shards trained apart. There the head takes a copy of its own too (`untie`, before the stage is sharded), and the
+same three steps run without messages: the copy's gradient is reduce-scattered into the embedding's shards after
+the backward pass, and the gathered stepped weight is copied into it after the step. A checkpoint keeps it as
+the embedding's alias, as for a last stage.
 """
 
 from __future__ import annotations
@@ -68,23 +75,34 @@ def wire_dtype(cfg: Config) -> torch.dtype | None:
 
 class TiedEmbedding:
     """The first stage's end (`weight`: the embedding) or the last stage's (`copy`: the LM head's weight) of one
-    pipeline's tied embedding; `of` gives None where the stage holds both (one stage) or neither."""
+    pipeline's tied embedding, or both on a fully sharded one-stage pipeline; `of` gives None where the stage
+    holds neither, or both as one tensor (one stage, unsharded)."""
 
     def __init__(self, chain: PipeChain, embed: nn.Embedding | None, copy: torch.Tensor | None,
                  wire: torch.dtype | None = None) -> None:
         """`embed`: the first stage's embedding module (its weight is read when used: FSDP2 replaces it by its
         sharded form); `wire`: the dtype the stepped weight travels in (the sharded optimizer's compute copies'),
         None: the weight's own."""
-        assert (embed is None) != (copy is None)
+        assert embed is not None or copy is not None
         self.chain, self.embed, self.copy, self.wire = chain, embed, copy, wire
         self.reducer: DeferredGradReducer | None = None
         """Under `parallel.shard: full`, on the first stage: reduce-scatters the head's gradient into the
         embedding's shards (`shard`)."""
 
     @classmethod
-    def of(cls, stage: PipelineStage, chain: PipeChain, wire: torch.dtype | None = None) -> TiedEmbedding | None:
-        if not stage.cfg.model.tie_embeddings or stage.first == stage.last:
+    def of(cls, stage: PipelineStage, chain: PipeChain, wire: torch.dtype | None = None, untie: bool = False
+           ) -> TiedEmbedding | None:
+        """`untie`: a one-stage pipeline that will shard its embedding and head apart (`parallel.shard: full`) gives
+        its head a copy of the embedding (before FSDP2 sees the stage)."""
+        if not stage.cfg.model.tie_embeddings or not (stage.first or stage.last):
             return None
+        if stage.first and stage.last:
+            assert stage.model.embed_tokens is not None and stage.lm_head is not None
+            if not untie:
+                return None
+            weight = stage.model.embed_tokens.weight
+            stage.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+            return cls(chain, stage.model.embed_tokens, stage.lm_head.weight, wire)
         if stage.first:
             assert stage.model.embed_tokens is not None
             return cls(chain, stage.model.embed_tokens, None, wire)
@@ -111,7 +129,8 @@ class TiedEmbedding:
         """Step 1: the copy's gradient added to the embedding's (before the data-parallel sum, or before
         `sharded`'s reduce-scatter: into its fp32 sum where it keeps the embedding as a compute copy; under
         `parallel.shard: full` after FSDP2's reduce-scatter of the embedding's own, into its shards)."""
-        if self.copy is not None:
+        if self.embed is None:
+            assert self.copy is not None
             if self.copy.requires_grad:
                 g = self.copy.grad if self.copy.grad is not None else torch.zeros_like(self.copy)
                 self.chain.send(g, self._peer())  # the chain keeps it alive until the send completes
@@ -121,7 +140,11 @@ class TiedEmbedding:
         assert weight is not None
         if not weight.requires_grad:
             return
-        head = self.chain.recv(torch.empty(weight.shape, device=weight.device), self._peer())  # fp32
+        if self.copy is not None:  # one stage: the copy's own gradient (its micro-batches' sum, fp32)
+            head = self.copy.grad if self.copy.grad is not None else torch.zeros_like(self.copy)
+            self.copy.grad = None
+        else:
+            head = self.chain.recv(torch.empty(weight.shape, device=weight.device), self._peer())  # fp32
         if self.reducer is not None:  # collective over the stage: every rank of it sums its pipeline's head
             self.reducer.add(weight, head)
             self.reducer.flush()
@@ -139,7 +162,11 @@ class TiedEmbedding:
         if weight is not None:
             if weight.requires_grad:
                 whole = whole_tensor(weight) if isinstance(weight, DTensor) else weight.detach()
-                self.chain.send(whole, self._peer())
+                if self.copy is None:
+                    self.chain.send(whole, self._peer())
+                else:  # one stage: the copy is here
+                    with torch.no_grad():
+                        self.copy.copy_(whole)
             return
         assert self.copy is not None
         if not self.copy.requires_grad:

@@ -463,13 +463,15 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     m, D, V = cfg.model, cfg.model.dim, cfg.model.vocab_size
     specs = [all_specs[i] for i in layers]
     first, last = s == 0, s == lay.pp - 1
-    dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first else V * D))
+    # tied embeddings across stages: the last stage's head is a copy of the embedding, fp32 weights and a whole
+    # fp32 gradient, which the first stage's optimizer steps: no moments, no master, no shard; a fully sharded
+    # one-stage pipeline's head too (FSDP2 shards its embedding and head apart: moebal/pipeline/tied.py)
+    one_stage_copy = first and lay.shard == "full" and lay.pipelined and lay.ranks > 1
+    tied_copy = V * D if m.tie_embeddings and last and (not first or one_stage_copy) else 0
+    dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first
+                                                                          and not tied_copy else V * D))
                                                                      if last else 0)
     expert = sum(x.expert for x in specs) // lay.ep
-    # tied embeddings across stages: the last stage's head is a copy of the embedding, fp32 weights and a whole
-    # fp32 gradient, which the first stage's optimizer steps: no moments, no master, no shard (moebal/pipeline/
-    # tied.py)
-    tied_copy = V * D if m.tie_embeddings and last and not first else 0
     # the LM head's weight is a matmul's whether tied or not: autocast keeps its bf16 cast for the backward
     matmul = sum(x.matmul for x in specs) + (V * D if last else 0)
     held = dense + expert
@@ -557,7 +559,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # concatenated send buffer, both in reduce_dtype (moebal/pipeline/tied.py sum_grads, DeferredGradReducer);
     # after the step it gathers the stepped weight whole (fp32, the all-gather's padded output): 4 + 2r >= 8
     # bytes per element bounds both
-    tied_full = m.tie_embeddings and first and not last and lay.shard == "full" and lay.pipelined
+    tied_full = m.tie_embeddings and first and (not last or tied_copy > 0) and lay.shard == "full" and lay.pipelined
     t["tied head gradient (full)"] = (4 + 2 * r) * V * D if tied_full else 0.0
     _activations(cfg, lay, s, layers, a, t, expand_kv=cuda and a == 4, cuda=cuda)
     t["start-up (whole model built)"] = (4.0 * _total_params(cfg, all_specs) + 4.0 * expert * (lay.ep > 1)

@@ -6,6 +6,8 @@ counted once: the clip limit is set low so that every step clips). Bitwise betwe
 migrations, gradients in flight included), between the 1F1B and zero-bubble schedules, through freezing (which
 stops the embedding and its copy together) and through a checkpoint resumed on the same layout. With
 data-parallel replicas, each pipeline's last stage sends its replica's head gradient to its own first stage.
+A scheme's one-stage pipeline under `parallel.shard: full` gives its head a copy of its own, which trains as the
+unsharded one-stage run's tied weight.
 """
 
 from __future__ import annotations
@@ -34,27 +36,35 @@ def tied(n_layers: int = 4, pp: int = 2, nproc: int | None = None, shard: str = 
 
 
 FREEZE = {"threshold": 10.0, "check_every": 2, "max_fraction": 0.5}  # freezes (the embedding with it) at step 2
+SPARSE = {"budget": "random_walk", "block": 4, "min_density": 0.05, "walk_step": 0.5, "start": 1, "costs": "given"}
+"""Dynamic sparse attention: trains every weight, the densities moving from step 1."""
 
 
-def _resumed(rank: int, tmp: str) -> dict:
-    """A 6-step tied run with a checkpoint after step 3, and the same run resumed from it."""
+def _resumed(rank: int, tmp: str, one_stage_full: bool = False) -> dict:
+    """A 6-step tied run with a checkpoint after step 3, and the same run resumed from it: two stages, or one
+    fully sharded stage over both ranks under a scheme."""
     import torch.distributed as dist
 
     from moebal.distributed.groups import ParallelDims
     from moebal.train.pipelined import pipeline_trainer
 
-    cfg = tied()
+    pp = 1 if one_stage_full else 2
+    cfg = tied(pp=pp, nproc=2, shard="full" if one_stage_full else "none")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=3, keep_checkpoints=10,
                                                              threads=1),
                               pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
-    base, out = Path(tmp), {}
+    if one_stage_full:
+        cfg = dataclasses.replace(cfg, dynamism=dataclasses.replace(
+            cfg.dynamism, scheme="sparse_attention",
+            sparse_attention=dataclasses.replace(cfg.dynamism.sparse_attention, **SPARSE)))
+    base, out = Path(tmp) / ("one_stage" if one_stage_full else "two_stages"), {}
     for key, resume in (("whole", False), ("resumed", True)):
         if resume:
             if rank == 0:
                 shutil.copytree(base / "whole", base / "resumed")
                 shutil.rmtree(base / "resumed" / "ckpt-0000006")
             dist.barrier()
-        dims = ParallelDims(world_size=2, rank=rank, pp=2, ep=1).init()
+        dims = ParallelDims(world_size=2, rank=rank, pp=pp, ep=1).init()
         trainer = pipeline_trainer(cfg, base / key, resume=resume, dims=dims)
         try:
             trainer.train()
@@ -77,12 +87,19 @@ def _two(rank: int, world: int, tmp: str) -> dict:
         "freezing_forced": _train(six, 6, "freezing", FREEZE, micro_batches=2, force=((1, (4, 2)),)),
         "freezing_short": _train(six, 3, "freezing", FREEZE, micro_batches=2),
         "resume": _resumed(rank, tmp),
+        # a scheme's one stage over both ranks (data parallel): unsharded, its head the embedding's tensor, and
+        # under `full`, its head a copy of its own
+        "one_stage": {shard: {name: _train(tied(n_layers=6, pp=1, nproc=2, shard=shard), 6, name, opts,
+                                           micro_batches=2)
+                              for name, opts in (("freezing", FREEZE), ("sparse_attention", SPARSE))}
+                      for shard in ("none", "full")},
+        "one_stage_resume": _resumed(rank, tmp, one_stage_full=True),
     }
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> list[dict]:
-    return run_ranks(_two, 2, str(tmp_path_factory.mktemp("tied")), timeout_s=300)
+    return run_ranks(_two, 2, str(tmp_path_factory.mktemp("tied")), timeout_s=480)
 
 
 MIGRATE = {"force": ((2, (1, 3)),), "force_mid": ((3, (3, 1)),)}  # one move between steps, one inside step 3
@@ -191,6 +208,32 @@ def test_freezing_stops_the_embedding_and_its_head_copy_together(two):
 
 def test_a_tied_pipeline_checkpoint_resumes_bitwise(two):
     runs = two[0]["resume"]
+    assert len(runs["whole"]) == 6 and runs["resumed"] == runs["whole"]
+
+
+def test_a_scheme_s_one_stage_under_full_sharding_trains_the_tied_weight_as_unsharded(two):
+    """The one-stage pipeline shards its embedding and head as units of their own under `full`: the head takes a
+    copy whose gradient is reduce-scattered into the embedding's shards and which takes the stepped weight back.
+    Within 1e-5 of the unsharded one-stage run (losses, clipped gradient norms, every weight), the copy equal to the
+    embedding; freezing stops both; a checkpoint resumes bit for bit. The unsharded one stage counts its tied
+    gradient once too (it sits in the embedding's and the head's slot): its first clipped norm is the single-process
+    model's (it was summed over the ranks twice and squared twice before)."""
+    want_norm = _first_norm(tied(n_layers=6, pp=1, nproc=1))
+    for name in ("freezing", "sparse_attention"):
+        plain, full = (two[0]["one_stage"][shard][name] for shard in ("none", "full"))
+        assert math.isclose(plain["records"][0]["grad_norm"], want_norm, rel_tol=1e-5), (name, want_norm)
+        assert [r["one_stage"]["full"][name]["losses"] for r in two] == [full["losses"]] * 2
+        for a, b in zip(plain["records"], full["records"], strict=True):
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5) and \
+                math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (name, a, b)
+        want = _one([plain["state"]])
+        got = {k: torch.as_tensor(v) for k, v in full["state"].items()}
+        assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"]) and set(got) == set(want)
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    frozen = two[0]["one_stage"]["full"]["freezing"]["records"]
+    assert frozen[-1]["frozen_layers"] >= 1
+    runs = two[0]["one_stage_resume"]
     assert len(runs["whole"]) == 6 and runs["resumed"] == runs["whole"]
 
 

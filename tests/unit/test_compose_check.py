@@ -43,6 +43,11 @@ def test_fixed_options_hold_where_the_config_allows_and_the_rest_is_the_seed_s_d
     cases = [script.sample(random.Random(3 + k), fixed) for k in range(20)]
     assert all(c["model.tie_embeddings"] for c in cases if not c["hf.init_from"])
     assert {c["parallel.shard"] for c in cases if not c["hf.init_from"]} == {"none", "optimizer", "full", "auto"}
+    # and on a scheme's one fully sharded stage (its head a copy of its own)
+    one = script.parse_fixed(["model.tie_embeddings=true", "parallel.pp=1", "parallel.shard=full",
+                              "dynamism.scheme=freezing"], pytest.fail)
+    cases = [script.sample(random.Random(3 + k), one) for k in range(10)]
+    assert all(c["model.tie_embeddings"] and c["parallel.shard"] == "full" for c in cases if not c["hf.init_from"])
     assert case["moe.gate"] == free["moe.gate"] and case["moe.top_k"] == free["moe.top_k"]
     errors = []
     script.parse_fixed(["model.tie_embedings=true", "parallel.pp=3", "nproc"], errors.append)

@@ -214,36 +214,32 @@ def test_weights_gathered_per_step_are_refused_with_zero_bubble_stages_with_the_
         C.load(None, ["parallel.reshard=never"])
 
 
-def test_tied_embeddings_under_full_sharding_are_refused_on_a_one_stage_pipeline_only():
-    # with stages the head's copy follows the first stage's embedding under every sharding (moebal/pipeline/
-    # tied.py); a scheme's one stage under full would shard the embedding and the head as two FSDP2 units
+def test_tied_embeddings_are_built_under_every_sharding_with_or_without_stages():
+    # with stages the head's copy follows the first stage's embedding under every sharding; a scheme's one stage
+    # under full gives its head a copy too, since FSDP2 shards the embedding and the head as two units
+    # (moebal/pipeline/tied.py)
     assert C.load(None, ["model.tie_embeddings=true", "dynamism.scheme=early_exit"]).model.tie_embeddings
     stages = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.nproc=4"]
+    scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
     assert C.load(None, stages).parallel.shard == "auto"
     for shard in ("none", "optimizer", "full"):
-        assert C.load(None, [*stages, f"parallel.shard={shard}"]).model.tie_embeddings
-    with pytest.raises(ConfigError, match="'parallel.shard: full' in a pipeline \\(a dynamism scheme runs one\\) is "
-                                          "not built with 'model.tie_embeddings: true'"):
-        C.load(None, ["model.tie_embeddings=true", "dynamism.scheme=early_exit", "parallel.nproc=2",
-                      "parallel.shard=full"])
-    # where the config's checks refuse every value, auto's line gives each one's reason
+        for layout in (stages, scheme, ["model.tie_embeddings=true"]):
+            assert C.load(None, [*layout, f"parallel.shard={shard}"]).parallel.shard == shard
+    # where the config's checks refuse every value auto may take, auto's line gives each one's reason
     import torch
 
-    from moebal.train.memory import resolve_shard
+    from moebal.planner.memory import choose_shard
+    from moebal.train.memory import _device_memory, resolve_shard
 
     assert resolve_shard(C.load(None, stages), torch.device("cpu"), 4, 4)[0].parallel.shard == "none"
     lone = ["parallel.reduce_dtype=bf16", "train.precision=bf16", "dynamism.scheme=pruning", "parallel.nproc=2",
             "parallel.param_dtype=bf16", "model.tie_embeddings=true"]  # a scheme's one stage
+    assert resolve_shard(C.load(None, lone), torch.device("cpu"), 2, 2)[0].parallel.shard == "full"
     with pytest.raises(ConfigError, match=r"parallel.shard auto: this config's checks refuse every value \(none: "
                                           r"'parallel.param_dtype: bf16' / 'parallel.reduce_dtype: bf16' .*; "
-                                          r"optimizer: .* dynamism.scheme=pruning.*; full: .*tie_embeddings.*\)"):
-        resolve_shard(C.load(None, lone), torch.device("cpu"), 2, 2)
-    # a scheme's one stage holds both, but FSDP2 would shard them apart (each rank failed building its optimizer)
-    scheme = ["model.tie_embeddings=true", "dynamism.scheme=freezing", "parallel.nproc=2"]
-    assert C.load(None, [*scheme, "parallel.shard=optimizer"]).parallel.shard == "optimizer"
-    with pytest.raises(ConfigError, match="'parallel.shard: full' in a pipeline .* 'model.tie_embeddings: true'"):
-        C.load(None, [*scheme, "parallel.shard=full"])
-    assert C.load(None, ["model.tie_embeddings=true", "parallel.shard=full"]).parallel.shard == "full"
+                                          r"optimizer: .* dynamism.scheme=pruning.*\)"):
+        choose_shard(C.load(None, lone), 2, _device_memory(torch.device("cpu"), 2, "measure"), "bf16",
+                     shards=("none", "optimizer"))
 
 
 def test_the_rank_split_of_accumulated_rows_names_the_multiple():

@@ -94,6 +94,22 @@ def test_a_tied_pipeline_s_last_stage_holds_the_head_copy_without_its_optimizer_
     assert u0[0]["tied head gradient (full)"] == 0 and t["tied head gradient (full)"] == 0
     assert t0[0]["tied head gradient (full)"] == (4 + 2 * 4) * head
     assert t0[1]["gradient sync"] - u0[1]["gradient sync"] >= (4 + 2 * 4) * head
+    # a scheme's one fully sharded stage gives its head a copy of its own: the untied head's sizes, but the head
+    # whole (fp32, no moments) instead of an FSDP2 unit's shard, and the gradient sum's transients
+    one = [*TINY, "model.n_layers=2", "dynamism.scheme=freezing", "parallel.nproc=2", "parallel.shard=full"]
+    untied, tied = load(None, one), load(None, [*one, "model.tie_embeddings=true"])
+    lay = layout_from_config(tied, 2)
+    assert lay.pipelined and lay.pp == 1 and lay.stage_ranks == 2
+    u, t = (_stage_terms(c, _layers(c), lay, 0, range(0, 2), False)[0] for c in (untied, tied))
+    # (the largest unit gathered is the embedding either way)
+    assert t["parameters"] - u["parameters"] == 4 * head - 4 * head / 2
+    assert u["optimizer state"] - t["optimizer state"] == 8 * head / 2
+    assert t["tied head gradient (full)"] == (4 + 2 * 4) * head and u["tied head gradient (full)"] == 0
+    # unsharded, the one stage holds one tensor: the untied head's parameters less the head
+    none = [*one[:-1], "parallel.shard=none"]
+    u, t = (plan_memory(load(None, [*none, *x]), layout_from_config(load(None, [*none, *x]), 2), BARE).terms
+            for x in ([], ["model.tie_embeddings=true"]))
+    assert u["parameters"] - t["parameters"] == 4 * head and t["tied head gradient (full)"] == 0
     # one stage under bf16 autocast: the head's cast of the tied weight counts as the untied head's does
     one = [*TINY, "train.precision=bf16"]
     lay = MemoryLayout(ranks=1, precision="bf16")
