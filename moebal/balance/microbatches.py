@@ -10,10 +10,10 @@
   3. the plan of step s: every rank takes it (the only wait on planning, reported as `plan_wait_s`) with the
      step's samples; `pipeline/planned.py` executes it on the engine.
 After the layer balancer migrates layers (`after_migration`) the table is rebuilt for the new partition (a
-measured table by profiling the new stages again, collective along the chain) and the workers plan the steps
-not yet submitted with it; plans already made stay valid (a plan names micro-batches and an instruction order
-per stage position, not layers), only costed on the old partition. A `.json` table describes the partition it
-was made for and is kept.
+measured table by profiling the new stages again, collective along the chain) and the batches already read
+ahead are planned again with it (a new generation of plans): each batch is planned on the partition that runs
+it, so planning ahead in workers splits the batches as planning inline does, and a resume plans them as the
+uninterrupted run did. A `.json` table describes the partition it was made for and is kept.
 
 A dynamism scheme changes what its layers cost (pruned or sparse layers, frozen ones without a backward,
 tokens that exited or skip a block): each batch is planned on the table's times scaled per stage by the
@@ -128,25 +128,26 @@ class MicrobatchPlanner:
                               compute_precision(r.cfg.train.precision, r.device))
 
     def after_migration(self) -> None:
-        """The layers moved: cost the steps not yet submitted on the new partition (every rank; a measured
-        table profiles the new stages, a collective along the chain). After a re-pack (fewer stages) the plans
-        made ahead name stages that are gone: every rank still training starts a new generation of plans and
-        the planning rank plans the batches read ahead again (`PlanAhead.replan`)."""
+        """The layers moved: the table is rebuilt for the new partition (every rank; a measured table profiles
+        the new stages, a collective along the chain), and every rank still training starts a new generation
+        of plans, in which the planning rank plans the batches read ahead again, on the new table and with the
+        scheme's scale of the new partition (`PlanAhead.replan`). So every batch is planned on the partition
+        that runs it, whether the workers plan ahead or the step plans inline (`workers: 0`), and a run resumed
+        from a checkpoint taken after the migration plans the batches it reads again as the uninterrupted run
+        planned them (its checkpoint keeps their scales). After a re-pack the old plans also name stages that
+        are gone. The replanned batches' plans may be exposed (the step after a migration waits for them)."""
         repacked = self.cost.stages != self.r.chain.size
         fixed = self._given_cost or self.r.cfg.pipeline.dynamic.costs.endswith(".json")  # not rebuilt here
         if repacked and fixed:
             raise ConfigError(f"a re-pack onto {self.r.chain.size} stages with a micro-batch cost table of "
                               f"{self.cost.stages} stages ({self.r.cfg.pipeline.dynamic.costs}): use "
                               f"pipeline.dynamic.costs measure or a hardware profile, or pipeline.repack false")
-        if fixed:
-            return
-        self.cost = self._take_restored_cost() or self.cost_table()
-        if repacked:  # the batches read ahead, planned again for the stages left, with their scale
-            scale = self.scheme_scale()
-            self._batches = collections.deque(b._replace(scale=scale) for b in self._batches)
-            self.ahead.replan(self.cost, [(b.step, b.lengths) for b in self._batches], scale)
-        else:
-            self.ahead.set_cost(self.cost)
+        if not fixed:
+            self.cost = self._take_restored_cost() or self.cost_table()
+        # the batches read ahead, planned again on the new partition (a fixed table too: the scale moved)
+        scale = self.scheme_scale()
+        self._batches = collections.deque(b._replace(scale=scale) for b in self._batches)
+        self.ahead.replan(self.cost, [(b.step, b.lengths) for b in self._batches], scale)
 
     def scheme_scale(self) -> list[float] | None:
         """Each stage's predicted time under the dynamism scheme over its time without (`stage_scale` of the

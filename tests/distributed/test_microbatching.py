@@ -578,3 +578,47 @@ def test_a_resume_plans_with_the_measured_table_of_its_checkpoint(corpus, tmp_pa
     assert resumed["table"] == cut["table"] and cut["table"]["source"] == "measured at start-up"
     assert cut["table"]["meta"]["sizes"] == ([1, 3] if force else [2, 2])
     assert [r["step"] for r in resumed["records"]] == list(range(1, 7))
+
+
+def _migrated_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None,
+                  workers: int, migrate: bool = True) -> list[dict]:
+    """One leg of a resume chain on the analytic a100 table (rebuilt for each partition), planned in `workers`
+    background processes (0: inline), a migration after step 3, a checkpoint every 2 steps; rank 0 returns the
+    metrics records."""
+    import dataclasses
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.pipelined import pipeline_trainer
+
+    SAMPLES["path"] = path
+    cfg = docs(workers=workers)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10))
+    trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
+    trainer.strategy.runner.force = [(3, (1, 3))] if migrate else []  # type: ignore[attr-defined]
+    try:
+        trainer.train(stop_after=stop)
+    finally:
+        trainer.close()
+    lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r] if rank == 0 else []
+
+
+def test_batches_read_ahead_are_planned_on_the_partition_that_runs_them(corpus, tmp_path):
+    """A migration after step 3 plans the batches already read ahead (steps 4 and 5, lookahead 2) again on the
+    new partition's table: planned in background workers they split as planned inline when the step asks (the
+    table then in force), and a run resumed after step 4 plans steps 5 and 6 as the uninterrupted run did, bit
+    for bit. Before, the workers kept the old partition's plans of steps 4 and 5 (step 4's predicted time was
+    the old table's) and the resumed run planned step 5 on the new table."""
+    def plans(records: list[dict]) -> list[tuple]:
+        return [(r["step"], r["micro_batches"], r["predicted_time_s"], r["loss"]) for r in records]
+
+    inline = run_ranks(_migrated_leg, 2, corpus, str(tmp_path / "inline"), False, None, 0)[0]
+    whole = run_ranks(_migrated_leg, 2, corpus, str(tmp_path / "whole"), False, None, 1)[0]
+    run_ranks(_migrated_leg, 2, corpus, str(tmp_path / "cut"), False, 4, 1)
+    resumed = run_ranks(_migrated_leg, 2, corpus, str(tmp_path / "cut"), True, None, 1)[0]
+    assert [r.get("migration") for r in whole][2] == "forced"
+    assert plans(whole) == plans(inline)
+    assert plans(resumed) == plans(whole)
+    # the new table prices the same batches otherwise: planned on the old one, step 4 was predicted otherwise
+    unmoved = run_ranks(_migrated_leg, 2, corpus, str(tmp_path / "unmoved"), False, 4, 1, False)[0]
+    assert plans(unmoved)[:3] == plans(whole)[:3] and plans(unmoved)[3][2] != plans(whole)[3][2]
