@@ -90,6 +90,8 @@ class PlanAhead:
         self._retiring: list[threading.Thread] = []  # old pools' shutdowns, joined by close()
         self._out: queue.Queue[tuple[int, int, Future[str] | tuple[list[int], Scale]] | None] = queue.Queue()
         self._local: dict[tuple[int, int], str] = {}
+        self._stored: set[tuple[int, int]] = set()
+        """(generation, step) of the plans in the store (planning rank): a replan deletes the old generation's."""
         self._lock = threading.Condition()
         self._publisher: threading.Thread | None = None
         if is_planner:
@@ -148,9 +150,17 @@ class PlanAhead:
         """A new generation (every rank, at the same point): the planning rank plans `steps` (each a step and its
         sample lengths, in increasing order: the batches read ahead) again with `cost` (times `scale`); their old
         plans, and any still being made, are never read."""
-        self.generation += 1
         if not self.is_planner:
+            self.generation += 1
             return
+        with self._lock:  # a plan of the old generation finishing from now on is dropped (`_put`)
+            self.generation += 1
+            old = sorted(self._stored)
+            self._stored.clear()
+            self._local.clear()  # the old generation's plans made ahead
+        if self.store is not None:  # every rank has read the plans of the steps it trained: the rest is unread
+            for gen, step in old:
+                self.store.delete_key(f"mbplan/{gen}/{step}")
         self._pending.clear()
         self.set_cost(cost)
         for step, lengths in steps:
@@ -183,11 +193,17 @@ class PlanAhead:
             self._put(gen, step, text)
 
     def _put(self, gen: int, step: int, text: str) -> None:
+        """Publish the plan of `step` in generation `gen`; one of an older generation than the current (it
+        finished after a replan) is dropped: no rank reads it, and a store key nobody deletes would stay for the
+        job's life (a migration replans, and a long job migrates often)."""
         with self._lock:
+            if gen < self.generation:
+                return
             self._local[(gen, step)] = text
+            if self.store is not None:
+                self._stored.add((gen, step))
+                self.store.set(f"mbplan/{gen}/{step}", text)
             self._lock.notify_all()
-        if self.store is not None:
-            self.store.set(f"mbplan/{gen}/{step}", text)
 
     # ---- every rank ----
     def get(self, step: int) -> tuple[MicroBatchPlan, float]:
@@ -206,10 +222,12 @@ class PlanAhead:
                 if not self._lock.wait_for(lambda: key in self._local, timeout=self.timeout_s):
                     raise RuntimeError(f"the plan of step {step} took longer than {self.timeout_s:.0f} s")
                 text = self._local.pop(key)
-                for old in [k for k in self._local if k[0] < self.generation]:  # published after a replan
-                    del self._local[old]
             if self.store is not None and step >= 3:
-                self.store.delete_key(f"mbplan/{self.generation}/{step - 2}")
+                with self._lock:
+                    gone = (self.generation, step - 2) in self._stored
+                    self._stored.discard((self.generation, step - 2))
+                if gone:
+                    self.store.delete_key(f"mbplan/{self.generation}/{step - 2}")
         else:
             raw = self.store.get(f"mbplan/{self.generation}/{step}")
             text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)

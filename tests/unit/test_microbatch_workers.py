@@ -71,7 +71,8 @@ def test_a_replan_plans_the_submitted_steps_again_on_the_new_table_and_drops_the
     from tests.unit.test_microbatch import quad_table
 
     for workers in (0, 1):
-        ahead = PlanAhead(quad_table(P=4), {}, workers=workers)
+        store = _Store()
+        ahead = PlanAhead(quad_table(P=4), {}, workers=workers, store=store)
         try:
             for step in (1, 2, 3):
                 ahead.submit(step, [100, 60, 40, 200])
@@ -82,8 +83,30 @@ def test_a_replan_plans_the_submitted_steps_again_on_the_new_table_and_drops_the
             assert (two.stages, three.stages) == (2, 2)
             assert sorted(len(r) for mb in three.micro_batches for r in mb.rows) == [1, 1]  # the new lengths
             assert all(len(r.streams) == 2 for r in two.replicas)
+            # the store holds the new generation's plans only: the old one's, made before the replan or finishing
+            # after it, are deleted or never stored (a long job migrates, and replans, often)
+            time.sleep(0.5)  # a worker's plan of the old generation may still be on its way to the publisher
+            assert {k.split("/")[1] for k in store.keys} == {"1"}, store.keys
+            ahead.submit(4, [10, 20])
+            ahead.submit(5, [10, 20])
+            ahead.get(4)
+            ahead.get(5)  # step s deletes step s - 2's: every rank has read it
+            assert sorted(store.keys) == ["mbplan/1/4", "mbplan/1/5"], store.keys
         finally:
             ahead.close()
+
+
+class _Store:
+    """The part of a TCPStore `PlanAhead` uses."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value
+
+    def delete_key(self, key: str) -> bool:
+        return self.keys.pop(key, None) is not None
 
 
 def test_a_plan_is_costed_on_the_table_scaled_by_the_schemes_stage_factors():
