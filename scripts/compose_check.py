@@ -8,7 +8,8 @@ them the model's and router's variants (q/k norms, a sliding window, tied embedd
 dense first layer, a shared expert, drop policy, jitter, z-loss, the adaptive gate), the data (documents, the
 complexity order), the learning-rate schedule, asynchronous checkpoints, clipping, bf16 gradient sums,
 re-packing, the initial partition, spin waits, the placement feedback, overlap and replica caps, chunked and
-in-flight all-to-alls, pruning's kernels and sparse attention's budgets, a stage's memory cap; and a
+in-flight all-to-alls, pruning's kernels and sparse attention's budgets, a stage's memory cap, the micro-batch
+planner's workers and lookahead; and a
 continuation of a Mixtral-layout HF checkpoint, `hf.init_from`, which `hf_base` writes once per draw), then
 `sample` sets aside the pairs the config check refuses by design (`pipeline.rebalance` without stages, ...), so
 that most cases reach the ranks. Every case runs `moebal train --nproc N --steps 3` in a fresh directory and is
@@ -127,6 +128,10 @@ OPTIONS: dict[str, list[Any]] = {
     # a stage's memory cap on the layer planner: 4e5 bytes binds on the tiny model (a layer holds 1.5e5 to 2.5e5 of
     # weights, gradients and moments, the embedding 1.3e5), 2e6 does not
     "pipeline.memory_cap": [None, None, 4e5, 2e6],
+    # planned micro-batches: planned in a background worker (the default) or inline when the step asks, and how
+    # many steps ahead the batches are read (a migration or a resume plans the batches read ahead again)
+    "pipeline.dynamic.workers": [1, 1, 0],
+    "pipeline.dynamic.lookahead": [2, 1, 3],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
