@@ -6,7 +6,8 @@ paper). Here, on one job:
   1. every rank reads the same global batches (the samplers are deterministic), `lookahead` iterations
      ahead of the one training; global rank 0 submits each batch's sample lengths to a pool of `workers`
      spawned processes (`concurrent.futures.ProcessPoolExecutor`; the planner imports no torch, so a worker
-     starts in a fraction of a second and the cost table is sent to it once, at start);
+     starts in a fraction of a second and the cost table is sent to it once, at start; a later table comes
+     with the jobs planned on it, so a migration keeps the workers);
   2. a publisher thread on rank 0 takes the finished plans *in iteration order* and writes each as JSON to a
      `torch.distributed.TCPStore` hosted by rank 0 (key `mbplan/<generation>/<step>`);
   3. at step s every rank reads `mbplan/<generation>/<s>` (a blocking get: the only place training can wait on
@@ -43,7 +44,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(cost: dict[str, Any], kwargs: dict[str, Any], parent_pid: int) -> None:
-    _WORKER["cost"] = MicroBatchCost.from_dict(cost)
+    _WORKER["costs"] = {0: MicroBatchCost.from_dict(cost)}
     _WORKER["kwargs"] = kwargs
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="moebal-plan-parent-watch", daemon=True).start()
 
@@ -71,8 +72,17 @@ def plan_json(lengths: Sequence[int], cost: MicroBatchCost, kwargs: dict[str, An
         return f"ERROR:{e}"
 
 
-def _worker_plan(lengths: list[int], scale: Scale) -> str:
-    return plan_json(lengths, _WORKER["cost"], _WORKER["kwargs"], scale)
+def _worker_plan(lengths: list[int], scale: Scale, version: int = 0, cost: dict[str, Any] | None = None) -> str:
+    """One plan in a worker, on table `version`: the pool's first (sent once, at start) or a later one, which
+    comes with the jobs planned on it (`cost`) and is kept for the next ones (two versions at most)."""
+    costs: dict[int, MicroBatchCost] = _WORKER["costs"]
+    table = costs.get(version)
+    if table is None:
+        assert cost is not None, f"table version {version} came without its table"
+        table = costs[version] = MicroBatchCost.from_dict(cost)
+        for old in sorted(costs)[:-2]:
+            del costs[old]
+    return plan_json(lengths, table, _WORKER["kwargs"], scale)
 
 
 class PlanAhead:
@@ -83,11 +93,12 @@ class PlanAhead:
         self.kwargs, self.workers, self.is_planner = dict(kwargs), workers, is_planner
         self.store, self.timeout_s = store, timeout_s
         self.cost = cost
+        self._version = 0  # the table's version: the pool's first is 0
+        self._sent: dict[str, Any] | None = None  # a later version's table, sent with its jobs
         self.generation = 0
         """Bumped by `replan` on every rank alike: the plans of a generation are keyed apart."""
         self._pending: dict[int, Future[str] | tuple[list[int], Scale]] = {}
         self._pool: ProcessPoolExecutor | None = None
-        self._retiring: list[threading.Thread] = []  # old pools' shutdowns, joined by close()
         self._out: queue.Queue[tuple[int, int, Future[str] | tuple[list[int], Scale]] | None] = queue.Queue()
         self._local: dict[tuple[int, int], str] = {}
         self._stored: set[tuple[int, int]] = set()
@@ -111,18 +122,14 @@ class PlanAhead:
 
     def set_cost(self, cost: MicroBatchCost) -> None:
         """Plan the steps submitted from now on with `cost` (the layers moved); plans already submitted finish
-        on the old table in the old workers, which then exit."""
+        on the table they were submitted with. The workers stay: each job of a new table carries it (a few KB;
+        a worker keeps the latest two), where starting a new pool would make the step after a migration wait
+        for a spawned interpreter."""
         if not self.is_planner:
             return
         self.cost = cost
-        if self._pool is not None:
-            # queued plans still run (the publisher waits on their futures); a thread waits for the old workers
-            # to exit, and close() joins it (see close)
-            retire = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True},
-                                      name="moebal-plan-pool-retire", daemon=True)
-            retire.start()
-            self._retiring = [t for t in self._retiring if t.is_alive()] + [retire]  # a long run migrates often
-            self._start_pool()
+        self._version += 1
+        self._sent = cost.to_dict()
 
     @classmethod
     def for_job(cls, cost: MicroBatchCost | None, kwargs: dict[str, Any], workers: int) -> PlanAhead:
@@ -173,8 +180,9 @@ class PlanAhead:
         if not self.is_planner:
             return
         lengths = [int(x) for x in lengths]
-        job: Future[str] | tuple[list[int], Scale] = (self._pool.submit(_worker_plan, lengths, scale) if self._pool
-                                                      else (lengths, scale))
+        job: Future[str] | tuple[list[int], Scale] = (
+            self._pool.submit(_worker_plan, lengths, scale, self._version, self._sent) if self._pool
+            else (lengths, scale))
         self._pending[step] = job
         self._out.put((self.generation, step, job))
 
@@ -237,7 +245,7 @@ class PlanAhead:
         return MicroBatchPlan.from_dict(json.loads(text)), wait
 
     def close(self) -> None:
-        """Stop publishing and planning: queued plans are cancelled, and every pool's workers and manager thread
+        """Stop publishing and planning: queued plans are cancelled, and the pool's workers and manager thread
         have exited when this returns. A pool left winding down at the interpreter's exit races CPython 3.11's
         exit hook (`concurrent.futures.process._python_exit` writes to the wakeup pipe that the pool's manager
         thread is closing without a common lock): EBADF, and a rank that trained to the end exits 1."""
@@ -248,6 +256,3 @@ class PlanAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        for retire in self._retiring:
-            retire.join()
-        self._retiring = []

@@ -44,7 +44,7 @@ def test_an_idle_worker_exits_when_its_rank_dies_without_shutting_the_pool_down(
         time.sleep(0.1)
 
 
-def test_close_waits_for_every_pool_so_none_is_winding_down_at_the_interpreters_exit() -> None:
+def test_a_new_table_keeps_the_workers_and_close_leaves_no_pool_winding_down() -> None:
     # a pool still shutting down when the process exits can make CPython 3.11's exit hook write to a pipe its
     # manager thread is closing (EBADF: a rank that trained to the end exited 1)
     import threading
@@ -56,9 +56,10 @@ def test_close_waits_for_every_pool_so_none_is_winding_down_at_the_interpreters_
     ahead = PlanAhead(quad_table(), {}, workers=1)
     ahead.submit(1, [100, 60, 40, 200])
     ahead.get(1)
-    ahead.set_cost(quad_table())  # the first pool retires while the second one plans
+    workers = set(ahead._pool._processes)
+    ahead.set_cost(quad_table(P=2))  # the same workers plan on the new table: no pool is started anew
     ahead.submit(2, [100, 60, 40, 200])
-    assert ahead.get(2)[0].micro_batches
+    assert ahead.get(2)[0].stages == 2 and set(ahead._pool._processes) == workers
     ahead.close()
     managers = [t for t in threading.enumerate() if isinstance(t, process._ExecutorManagerThread)]
     assert managers == []
