@@ -94,6 +94,11 @@ def _two(rank: int, world: int, tmp: str) -> dict:
                               for name, opts in (("freezing", FREEZE), ("sparse_attention", SPARSE))}
                       for shard in ("none", "full")},
         "one_stage_resume": _resumed(rank, tmp, one_stage_full=True),
+        # bf16 autocast, unsharded and under full with bf16 compute copies (the copy stays fp32: autocast casts it)
+        "one_stage_bf16": {shard: _train_bf16(tied(n_layers=6, pp=1, nproc=2, shard=shard, precision="bf16",
+                                                   param_dtype="bf16" if shard == "full" else "fp32"),
+                                              4, scheme="sparse_attention", options=SPARSE)
+                           for shard in ("none", "full")},
     }
 
 
@@ -127,12 +132,13 @@ def _whole(cfg: Config) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, accumulate="whole"))
 
 
-def _train_bf16(cfg: Config, steps: int, **knobs: tuple) -> dict:
+def _train_bf16(cfg: Config, steps: int, scheme: str = "none", options: dict | None = None, **knobs: tuple) -> dict:
     """`_train` for bf16 weights (numpy has no bf16): the state as fp32 values, with each tensor's dtype."""
+    from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
 
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
-    runner = PipelineRunner(cfg, **knobs)
+    runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg), **knobs)
     out = runner.train(steps)
     state = runner.full_state()
     return {"records": out.records, "state": {k: v.float().numpy() for k, v in state.items()},
@@ -231,6 +237,12 @@ def test_a_scheme_s_one_stage_under_full_sharding_trains_the_tied_weight_as_unsh
         assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"]) and set(got) == set(want)
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    plain, full = (two[0]["one_stage_bf16"][shard] for shard in ("none", "full"))
+    for a, b in zip(plain["records"], full["records"], strict=True):  # bf16 compute copies: within 2 %
+        assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a, b)
+    got = {k: torch.as_tensor(v) for k, v in full["state"].items()}
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    assert full["dtypes"]["lm_head.weight"] == "torch.float32"
     frozen = two[0]["one_stage"]["full"]["freezing"]["records"]
     assert frozen[-1]["frozen_layers"] >= 1
     runs = two[0]["one_stage_resume"]
