@@ -232,10 +232,8 @@ class PlanAhead:
                 text = self._local.pop(key)
             if self.store is not None and step >= 3:
                 with self._lock:
-                    gone = (self.generation, step - 2) in self._stored
                     self._stored.discard((self.generation, step - 2))
-                if gone:
-                    self.store.delete_key(f"mbplan/{self.generation}/{step - 2}")
+                self.store.delete_key(f"mbplan/{self.generation}/{step - 2}")
         else:
             raw = self.store.get(f"mbplan/{self.generation}/{step}")
             text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)

@@ -468,9 +468,9 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # one-stage pipeline's head too (FSDP2 shards its embedding and head apart: moebal/pipeline/tied.py)
     one_stage_copy = first and lay.shard == "full" and lay.pipelined and lay.ranks > 1
     tied_copy = V * D if m.tie_embeddings and last and (not first or one_stage_copy) else 0
-    dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if m.tie_embeddings and first
-                                                                          and not tied_copy else V * D))
-                                                                     if last else 0)
+    shared_head = m.tie_embeddings and first and not tied_copy  # the head's weight is the embedding's tensor
+    dense = sum(x.dense for x in specs) + (V * D if first else 0) + ((D + (0 if shared_head else V * D)) if last
+                                                                     else 0)
     expert = sum(x.expert for x in specs) // lay.ep
     # the LM head's weight is a matmul's whether tied or not: autocast keeps its bf16 cast for the backward
     matmul = sum(x.matmul for x in specs) + (V * D if last else 0)

@@ -502,27 +502,34 @@ def test_data_parallel_pipelines_with_moe_routing_losses_run_in_lockstep(lockste
     assert all(r["micro_batches"] >= 2 for r in run["records"])
 
 
-def _scheme_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None) -> list[dict]:
-    """One leg of a resume chain: 2 stages, planned micro-batches, sparse attention's random walk (its
-    densities, and so the plans' stage scales, move every step), a checkpoint every 2 steps; rank 0 returns the
-    metrics records."""
-    import dataclasses
-
+def _resume_leg(cfg: Config, rank: int, world: int, root: str, resume: bool, stop: int | None,
+                force: tuple = ()) -> dict:
+    """One leg of a resume chain on 2 stages: `cfg` for 6 steps with a checkpoint every 2 (resumed from the
+    latest with `resume`, stopped after step `stop`), migrated as `force` says; rank 0 returns the metrics
+    records and the micro-batch cost table the planner holds at the end."""
     from moebal.distributed.groups import ParallelDims
     from moebal.train.pipelined import pipeline_trainer
 
-    SAMPLES["path"] = path
-    cfg = docs()
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10),
-                              dynamism=from_dict({"dynamism": {"scheme": "sparse_attention",
-                                                               "sparse_attention": SPARSE}}).dynamism)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10))
     trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
+    runner = trainer.strategy.runner  # type: ignore[attr-defined]
+    runner.force = list(force)
     try:
         trainer.train(stop_after=stop)
+        table = runner.microbatches.cost.to_dict()
     finally:
         trainer.close()
     lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r] if rank == 0 else []
+    return {"records": [r for r in map(json.loads, lines) if "loss" in r], "table": table} if rank == 0 else {}
+
+
+def _scheme_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None) -> list[dict]:
+    """`_resume_leg` with sparse attention's random walk (its densities, and so the plans' stage scales, move
+    every step); the records."""
+    SAMPLES["path"] = path
+    cfg = dataclasses.replace(docs(), dynamism=from_dict({"dynamism": {"scheme": "sparse_attention",
+                                                                       "sparse_attention": SPARSE}}).dynamism)
+    return _resume_leg(cfg, rank, world, root, resume, stop).get("records", [])
 
 
 def test_the_plans_follow_the_schemes_costs_and_a_resume_plans_the_batches_read_ahead_as_before(corpus, tmp_path):
@@ -544,27 +551,10 @@ def test_the_plans_follow_the_schemes_costs_and_a_resume_plans_the_batches_read_
 
 def _measured_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None,
                   force: tuple = ()) -> dict:
-    """One leg of a resume chain with a measured cost table (`pipeline.dynamic.costs: measure`), a checkpoint
-    every 2 steps, and a migration after step `force` when given; rank 0 returns the records and the table the
-    planner holds at the end."""
-    import dataclasses
-
-    from moebal.distributed.groups import ParallelDims
-    from moebal.train.pipelined import pipeline_trainer
-
+    """`_resume_leg` with a measured cost table (`pipeline.dynamic.costs: measure`) and a migration after step
+    `force` when given."""
     SAMPLES["path"] = path
-    cfg = docs(costs="measure")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10))
-    trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
-    runner = trainer.strategy.runner  # type: ignore[attr-defined]
-    runner.force = list(force)
-    try:
-        trainer.train(stop_after=stop)
-        table = runner.microbatches.cost.to_dict()
-    finally:
-        trainer.close()
-    lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
-    return {"records": [r for r in map(json.loads, lines) if "loss" in r], "table": table} if rank == 0 else {}
+    return _resume_leg(docs(costs="measure"), rank, world, root, resume, stop, force)
 
 
 @pytest.mark.parametrize("force", [(), ((3, (1, 3)),)], ids=["same-partition", "migrated"])
@@ -582,25 +572,11 @@ def test_a_resume_plans_with_the_measured_table_of_its_checkpoint(corpus, tmp_pa
 
 def _migrated_leg(rank: int, world: int, path: str, root: str, resume: bool, stop: int | None,
                   workers: int, migrate: bool = True) -> list[dict]:
-    """One leg of a resume chain on the analytic a100 table (rebuilt for each partition), planned in `workers`
-    background processes (0: inline), a migration after step 3, a checkpoint every 2 steps; rank 0 returns the
-    metrics records."""
-    import dataclasses
-
-    from moebal.distributed.groups import ParallelDims
-    from moebal.train.pipelined import pipeline_trainer
-
+    """`_resume_leg` on the analytic a100 table (rebuilt for each partition), planned in `workers` background
+    processes (0: inline), with a migration after step 3 (`migrate`); the records."""
     SAMPLES["path"] = path
-    cfg = docs(workers=workers)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=6, ckpt_every=2, keep_checkpoints=10))
-    trainer = pipeline_trainer(cfg, root, resume=resume, dims=ParallelDims(world_size=world, rank=rank, pp=2).init())
-    trainer.strategy.runner.force = [(3, (1, 3))] if migrate else []  # type: ignore[attr-defined]
-    try:
-        trainer.train(stop_after=stop)
-    finally:
-        trainer.close()
-    lines = (Path(root) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r] if rank == 0 else []
+    force = ((3, (1, 3)),) if migrate else ()
+    return _resume_leg(docs(workers=workers), rank, world, root, resume, stop, force).get("records", [])
 
 
 def test_batches_read_ahead_are_planned_on_the_partition_that_runs_them(corpus, tmp_path):
