@@ -16,6 +16,16 @@ model an expert-parallel deployment from a run without one). Counts are summed o
 and along the pipeline, so every rank predicts the same. Non-MoE layers have factor 1. Iteration k's
 routing predicts iteration k + 1 (the planner acts after the step, and the runner rescales each layer's
 measured cost by this prediction between profiles: `runner.py`).
+
+Under a replicating placement policy (Pro-Prophet's replicas of hot experts, `planner.policy` other than
+static) the busiest rank computes fewer rows than its owned experts' (the contiguous-owner formula above is then
+an upper bound): the runner hands the scheme each MoE layer's imbalance under the placement the step ran
+(`observe_placement`: the busiest rank's computed rows over the mean, the largest over the data-parallel
+replicas), and the layer's rows are that imbalance times the step's assignments,
+
+    rows_i = imbalance_i x sum_E counts.
+
+The step's own placement (planned from the step before) predicts the next one's, as its counts do.
 """
 
 from __future__ import annotations
@@ -33,12 +43,15 @@ __all__ = ["MoERoutingCost", "routing_cost_factor"]
 
 
 def routing_cost_factor(flops: dict[str, float], counts_E: list[float], tokens: float, top_k: int,
-                        ranks: int = 1) -> float:
+                        ranks: int = 1, imbalance: float | None = None) -> float:
     """Predicted cost of an MoE layer relative to a perfectly balanced, drop-free top-k routing, with its
-    experts spread over `ranks` ranks in contiguous blocks."""
+    experts spread over `ranks` ranks in contiguous blocks, or with its busiest rank computing `imbalance` times
+    the mean rank's rows (a measured placement's)."""
     if tokens <= 0:
         return 1.0
-    if ranks > 1:
+    if imbalance is not None:
+        rows = imbalance * sum(counts_E)
+    elif ranks > 1:
         per = len(counts_E) // ranks
         rows = ranks * max(sum(counts_E[r * per:(r + 1) * per]) for r in range(ranks))
     else:
@@ -51,6 +64,7 @@ def routing_cost_factor(flops: dict[str, float], counts_E: list[float], tokens: 
 class MoERoutingCost(Dynamism):
     name = "moe"
     replan_every_step = True
+    uses_placement = True
 
     def __init__(self, cfg: Any, ep_size: int = 1) -> None:
         self.cfg, self.L, self.E, self.K = cfg, cfg.model.n_layers, cfg.moe.num_experts, cfg.moe.top_k
@@ -63,6 +77,8 @@ class MoERoutingCost(Dynamism):
         """The step's counts as the forwards add them, on the compute device: read to the host once per step
         (`local_stats`), not once per layer and micro-batch inside the schedule."""
         self.factors = [1.0] * self.L
+        self._global: torch.Tensor | None = None
+        """The step's chain-summed counts (`set_global_stats`), which `observe_placement` prices again."""
 
     def on_start(self, ctx: SchemeContext) -> None:
         if ctx.ep > 1:
@@ -96,10 +112,21 @@ class MoERoutingCost(Dynamism):
         return self.counts.reshape(-1).clone()
 
     def set_global_stats(self, vec: torch.Tensor) -> None:
-        c = vec.reshape(self.counts.shape)
+        self._global = vec.reshape(self.counts.shape)
+        self._price(None)
+
+    def observe_placement(self, imbalance: list[float]) -> None:
+        self._price(imbalance)
+
+    def _price(self, imbalance: list[float] | None) -> None:
+        """The factors of the step's counts: under contiguous owners, or under the measured imbalance of each
+        MoE layer (where it has one: a layer no stage reported keeps the owners' formula)."""
+        c = self._global
+        assert c is not None
         self.factors = [routing_cost_factor(self.flops[i], c[i, :self.E].tolist(), float(c[i, self.E]), self.K,
-                                            self.ranks) if self.cfg.is_moe_layer(i) else 1.0
-                        for i in range(self.L)]
+                                            self.ranks,
+                                            imbalance[i] if imbalance is not None and imbalance[i] > 0 else None)
+                        if self.cfg.is_moe_layer(i) else 1.0 for i in range(self.L)]
 
     def cost_factors(self, num_layers: int) -> list[float]:
         return list(self.factors)

@@ -152,6 +152,8 @@ class Dynamism:
     replan_every_step = False
     """Plan a partition after every step from the latest `cost_factors` (not only after profiled steps): for
     schemes whose cost moves every iteration (MoE routing; DynMo fires those every iteration)."""
+    uses_placement = False
+    """Takes each MoE layer's rank imbalance under the expert placement the step ran (`observe_placement`)."""
     changes_outputs = False
     """`layer_forward` computes something other than the plain layer (tokens that leave or skip a block, a sparse
     attention core): a served model runs its forward through the scheme (`serve`)."""
@@ -253,6 +255,12 @@ class Dynamism:
 
     def set_global_stats(self, vec: torch.Tensor) -> None:
         """The chain-summed statistics of the step (the same on every rank)."""
+
+    def observe_placement(self, imbalance: list[float]) -> None:
+        """Per layer, the busiest expert-parallel rank's computed rows over the mean under the expert placement
+        the step ran (Pro-Prophet's replicas; 0 for a layer without experts), the largest over the data-parallel
+        replicas, the same on every rank; called after `set_global_stats` where a replicating placement policy
+        runs inside expert-parallel stages."""
 
     def cost_factors(self, num_layers: int) -> list[float]:
         """Predicted forward+backward time of each layer as a fraction of the same layer without dynamism."""

@@ -692,6 +692,13 @@ class PipelineRunner:
         out = self.chain.allreduce_sum(vec)
         if extra:
             self.scheme.set_global_stats(out[n:n + extra])
+        if n_ep and self.scheme.uses_placement and self.cfg.planner.policy != "static":
+            # each MoE layer's busiest rank over the mean under the placement the step ran (`step_vector`'s third
+            # block: one replica's, a chain's), the largest over the data-parallel replicas
+            placed = out[n + extra + 2 * L:n + extra + 3 * L].clone()
+            if self.dp > 1:
+                dist.all_reduce(placed, op=dist.ReduceOp.MAX, group=self.dp_group)
+            self.scheme.observe_placement(placed.tolist())
         red = {"sq": out[:S], "aux": out[S:S + L], "loss": float(out[S + L]),
                "busy": out[t:t + P0].tolist(), "run": out[t + P0:t + 2 * P0].tolist(),
                "busy_cpu": out[t + 2 * P0:t + 3 * P0].tolist(), "w_cpu": out[t + 3 * P0:n].tolist()}

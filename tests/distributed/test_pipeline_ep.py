@@ -318,3 +318,24 @@ def test_rebalancing_with_the_moe_routing_cost_plans_every_step_and_keeps_the_lo
     kappa = run["plans"][0]["meta"]["kappa"] / run["plans"][1]["meta"]["kappa"]
     for i in range(6):
         assert math.isclose(p3[i] * f2[i] * kappa, p2[i] * f3[i], rel_tol=1e-3), (i, p2, p3, f2, f3)
+
+
+def test_the_moe_routing_cost_prices_the_placement_the_step_ran(four):
+    """Under a replicating policy (broadcast_topk here) the moe scheme prices each MoE layer at its busiest rank's
+    rows under the placement the step ran (`observe_placement`), not under the experts' owners: without capacity
+    drops the factor is (other + ffn x imbalance) / (other + ffn), with the record's `rank_imbalance_after`."""
+    from moebal.dynamism.scheme import layer_token_flops
+
+    cfg = moe_cfg(n_layers=6, policy="broadcast_topk")
+    run = four[0]["moe_static"]
+    moe_ids = [i for i in range(6) if cfg.is_moe_layer(i)]
+    replicas_helped = 0
+    for r in run["records"]:
+        for n, i in enumerate(moe_ids):
+            f = layer_token_flops(cfg, i, cfg.data.seq_len)
+            other = f["q_o"] + f["kv"] + f["attn"]
+            after, before = r["rank_imbalance_after"][n], r["rank_imbalance_before"][n]
+            want = (other + f["ffn"] * after) / (other + f["ffn"])
+            assert math.isclose(r["predicted_cost"][i], want, rel_tol=1e-3), (r["step"], i, r["predicted_cost"], want)
+            replicas_helped += after < before - 1e-3
+    assert replicas_helped >= 2  # the placement's imbalance is not the owners' in this run

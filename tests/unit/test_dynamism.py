@@ -272,6 +272,10 @@ def test_moe_routing_cost_factor_by_hand():
     # over 2 ranks of 2 experts: the first rank computes 120 rows, as if 240 in all
     assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, ranks=2) == pytest.approx((20 + 96) / 100)
     assert routing_cost_factor(f, [60, 20, 40, 60], 100, 2, ranks=2) == pytest.approx((20 + 80) / 100)
+    # a placement whose busiest rank computes 1.1x the mean (replicas took part of the first rank's 120 rows):
+    # 180 assignments x 1.1, whatever the owners
+    assert routing_cost_factor(f, [60, 60, 40, 20], 100, 2, ranks=2, imbalance=1.1) == \
+        pytest.approx((20 + 80 * 198 / 200) / 100)
 
 
 def test_build_dynamism_errors():
