@@ -1057,13 +1057,20 @@ def stage_routing(vec: torch.Tensor, num_layers: int, moe_ids: list[int], num_ex
     return routing_record([packed_numbers([round(float(x)) for x in rows[i]], num_experts) for i in moe_ids])
 
 
+def placed_imbalance(vec: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """From the chain-summed `step_vector`s: each layer's rank load imbalance under the placement the step ran
+    (busiest rank's computed rows over the mean; 0 for a layer without experts)."""
+    return vec[2 * num_layers:3 * num_layers]
+
+
 def stage_metrics(vec: torch.Tensor, num_layers: int, moe_ids: list[int]) -> dict[str, Any]:
     """Record fields from the chain-summed `step_vector`s: per MoE layer, in layer order; with plan-ahead the
     layers planned ahead and the means of their forecast figures, as the expert-parallel trainer records them."""
     L = num_layers
+    after = placed_imbalance(vec, L)
     out: dict[str, Any] = {"replicas": [int(vec[i]) for i in moe_ids],
                            "rank_imbalance_before": [round(float(vec[L + i]), 4) for i in moe_ids],
-                           "rank_imbalance_after": [round(float(vec[2 * L + i]), 4) for i in moe_ids]}
+                           "rank_imbalance_after": [round(float(after[i]), 4) for i in moe_ids]}
     if vec.numel() > 3 * L:
         ahead = [i for i in moe_ids if vec[3 * L + i] > 0]
         out["plan_ahead_layers"] = ahead

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from moebal.balance.experts import StageExperts, stage_metrics, stage_routing
+from moebal.balance.experts import StageExperts, placed_imbalance, stage_metrics, stage_routing
 from moebal.balance.layers import LayerBalancer, expand_repack
 from moebal.config import Config, refuse_cpu_only
 from moebal.data import DocumentSampler, PackedSampler, ordering_sampler
@@ -693,9 +693,9 @@ class PipelineRunner:
         if extra:
             self.scheme.set_global_stats(out[n:n + extra])
         if n_ep and self.scheme.uses_placement and self.cfg.planner.policy != "static":
-            # each MoE layer's busiest rank over the mean under the placement the step ran (`step_vector`'s third
-            # block: one replica's, a chain's), the largest over the data-parallel replicas
-            placed = out[n + extra + 2 * L:n + extra + 3 * L].clone()
+            # each MoE layer's busiest rank over the mean under the placement the step ran (a chain's: one
+            # replica's), the largest over the data-parallel replicas
+            placed = placed_imbalance(out[n + extra:n + extra + n_ep], L).clone()
             if self.dp > 1:
                 dist.all_reduce(placed, op=dist.ReduceOp.MAX, group=self.dp_group)
             self.scheme.observe_placement(placed.tolist())
