@@ -47,6 +47,7 @@ __all__ = [
     "read_yaml",
     "refuse_cpu_only",
     "resolve_path",
+    "tied_wire",
     "to_dict",
 ]
 
@@ -732,6 +733,14 @@ def pipelined(pp: int, scheme: str) -> bool:
     """Whether `pp` stages under dynamism scheme `scheme` train on the pipeline engine: several stages, or a
     scheme's one stage (`Config.pipelined`; the memory plan's layouts ask the same)."""
     return pp > 1 or scheme != "none"
+
+
+def tied_wire(par: ParallelConfig) -> str:
+    """The precision ("fp32" or "bf16") in which a pipeline's tied embedding's stepped weight travels to the last
+    stage's head copy: the sharded optimizer's compute copies' (`parallel.param_dtype`; the embedding is one of
+    them), else fp32 (the weight itself; under `full` the gathered fp32 shards). Pure, so that `moebal simulate`
+    prices the message without importing torch (`moebal.pipeline.tied.wire_dtype` is its torch dtype)."""
+    return par.param_dtype if par.shard == "optimizer" else "fp32"
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -121,7 +121,7 @@ def _stages(shape: Any, spec: Any) -> tuple[int, ...]:
 
 
 def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
-    from moebal.pipeline.tied import wire_dtype
+    from moebal.config import tied_wire
     from moebal.sim.program import Layout, SimSpec
 
     for name, given in (("--ranks", args.ranks), ("--pp", args.pp), ("--ep", args.ep),
@@ -149,7 +149,7 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
                    trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute,
-                   tie_weight_bytes=2 if wire_dtype(cfg) is not None else 4, **lina)  # bf16 compute copies
+                   tie_weight_bytes=2 if tied_wire(cfg.parallel) == "bf16" else 4, **lina)  # bf16 compute copies
 
 
 def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarray | None, np.ndarray | None]:

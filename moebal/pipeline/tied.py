@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moebal.config import Config
+from moebal.config import Config, tied_wire
 from moebal.distributed.fsdp import DTYPES, DeferredGradReducer, whole_tensor
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.pipeline.p2p import PipeChain
@@ -69,8 +69,8 @@ def wire_dtype(cfg: Config) -> torch.dtype | None:
     """The dtype a tied embedding's stepped weight travels in to its head copy: the sharded optimizer's compute
     copies' under `parallel.param_dtype` (the embedding is one), else the weight's own (None: fp32; under `full`
     the gathered fp32 shards)."""
-    par = cfg.parallel
-    return DTYPES[par.param_dtype] if par.shard == "optimizer" and par.param_dtype != "fp32" else None
+    name = tied_wire(cfg.parallel)
+    return None if name == "fp32" else DTYPES[name]
 
 
 class TiedEmbedding:

@@ -571,13 +571,17 @@ class CostModel:
         param_bytes = shape.expert_params * self.act_bytes
         bcast = self.time_of(self.broadcast(topo, ranks[0], ranks, param_bytes), topo) if R > 1 else 1.0
 
+        known: dict[float, float] = {}
+
         def a2a_bw(nbytes: float) -> float:
             if nbytes <= 0 or R <= 1:
                 return math.inf
-            per_pair = nbytes / (R - 1)
-            mat = np.full((R, R), per_pair)
-            np.fill_diagonal(mat, 0.0)
-            return nbytes / self.time_of(self.all_to_all(topo, ranks, mat), topo)
+            if nbytes not in known:  # a placement search asks for the same sizes many times (once routed: kept)
+                per_pair = nbytes / (R - 1)
+                mat = np.full((R, R), per_pair)
+                np.fill_diagonal(mat, 0.0)
+                known[nbytes] = nbytes / self.time_of(self.all_to_all(topo, ranks, mat), topo)
+            return known[nbytes]
 
         batch = max(1, tokens_per_rank // seq)
         fwd = self.attention_s(shape, batch, seq) + self.router_s(shape, tokens_per_rank)

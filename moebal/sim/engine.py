@@ -19,17 +19,20 @@ Ranks are simulated individually; nothing here knows about models or parallel la
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from moebal.planner.cost import Collective, Topology
+from moebal.planner.cost import Collective, Phase, Topology
 
 __all__ = ["Engine", "EngineResult", "SimulationError"]
 
 _COMPUTE, _LATENCY, _FLOW, _START = 0, 1, 2, 3
 _MAX_STREAMS = 64
+_WIDE = 64
+"""Links from which a flow's rate is computed in numpy rather than in a Python loop."""
 
 
 class SimulationError(RuntimeError):
@@ -212,17 +215,18 @@ class _Run:
         # settled at once (no heap round trip); collectives still start in time order through the heap.
         self.eager = not g.gated and not g.announce
         self.work: list[tuple[int, float]] = []
-        # flows
+        # flows: per-link state in Python lists (a flow touches a few dozen links; numpy's per-call overhead on
+        # arrays that small was most of a flow's cost)
         L = g.topo.num_links
-        self.n_L = np.zeros(L, dtype=np.float64)
+        self.n_L = [0] * L
         self.on_link: list[set[int]] = [set() for _ in range(L)]
-        self.f_links: dict[int, np.ndarray] = {}
-        self.f_demand: dict[int, np.ndarray] = {}
+        self.link_bytes = [0.0] * L
+        self.f_of: dict[int, _PhaseFlow] = {}
         self.f_prog: dict[int, float] = {}
         self.f_rate: dict[int, float] = {}
         self.f_t: dict[int, float] = {}
         self.f_ver: dict[int, int] = {}
-        self.link_bytes = np.zeros(L)
+        self._phase_flows: dict[int, _PhaseFlow | None] = {}
 
     def push(self, t: float, kind: int, obj: int, ver: int = 0) -> None:
         self.seq += 1
@@ -234,9 +238,9 @@ class _Run:
             if self.ndeps[op] == 0:
                 self.ready(op, 0.0)
         self.settle()
-        heap = self.heap
+        heap, work, pop = self.heap, self.work, heapq.heappop
         while heap:
-            t, _, kind, obj, ver = heapq.heappop(heap)
+            t, _, kind, obj, ver = pop(heap)
             if kind == _COMPUTE:
                 self.done(obj, t)
             elif kind == _LATENCY:
@@ -245,13 +249,15 @@ class _Run:
                 self.start_phase(obj, t)
             elif self.f_ver.get(obj) == ver:
                 self.end_flow(obj, t)
-            self.settle()
+            if work:
+                self.settle()
         end = np.asarray(self.end)
         if np.isnan(end).any():
             self.deadlock(end)
         return EngineResult(op_rank=np.asarray(g.rank), op_stream=np.asarray(g.stream), op_start=np.asarray(self.start),
                             op_end=end, op_ready=np.asarray(self.ready_t), op_is_comm=np.asarray(g.coll) >= 0,
-                            op_name=g.name, op_cat=g.cat, streams=list(g.streams), link_bytes=self.link_bytes,
+                            op_name=g.name, op_cat=g.cat, streams=list(g.streams),
+                            link_bytes=np.asarray(self.link_bytes, dtype=np.float64),
                             num_ranks=g.topo.num_ranks)
 
     def deadlock(self, end: np.ndarray) -> None:
@@ -324,13 +330,17 @@ class _Run:
                         self.arrive(h, t)
                     else:
                         self.held[r].append(h)
-        ndeps, at = self.ndeps, self.dep_t
+        ndeps, at, coll = self.ndeps, self.dep_t, g.coll
         for d in g.dependents[op]:
             ndeps[d] -= 1
             if t > at[d]:
                 at[d] = t
-            if ndeps[d] == 0:
-                self.ready(d, at[d])  # the latest dependency (eager ends come out of time order)
+            if ndeps[d] == 0:  # ready at its latest dependency's end (eager ends come out of time order)
+                if self.eager and coll[d] < 0:  # `ready` of an eager compute op, inline (most ops are these)
+                    td = self.ready_t[d] = self.start[d] = at[d]
+                    self.work.append((d, td + g.dur[d]))
+                else:
+                    self.ready(d, at[d])
 
     # ---- collectives and flows ----
     def start_phase(self, c: int, t: float) -> None:
@@ -346,53 +356,99 @@ class _Run:
         else:
             self.start_flow(c, t)
 
-    def start_flow(self, c: int, t: float) -> None:
-        ph = self.g.c_phases[c].phases[self.phase[c]]
+    def flow_of(self, ph: Phase) -> _PhaseFlow | None:
+        """A phase's links that carry bytes, with what a flow over them needs (None: no bytes to move). Phases
+        are shared by the micro-batches that repeat a collective, so each is prepared once."""
+        key = id(ph)  # the phase lives as long as the engine's graph, so its id stays its own
+        if key in self._phase_flows:
+            return self._phase_flows[key]
         keep = ph.nbytes > 0
         links = ph.links[keep]
-        if links.size == 0:
+        fl = None
+        if links.size:
+            if np.unique(links).size != links.size:
+                raise ValueError("a collective phase lists a link twice; its bytes must be summed per link")
+            demand = ph.nbytes[keep] / ph.efficiency
+            cap = np.asarray(self.g.cap_L, dtype=np.float64)[links]
+            fl = _PhaseFlow(links=links.tolist(), nbytes=ph.nbytes[keep].tolist(), demand=demand.tolist(),
+                            cap=cap.tolist(), solo_rate=float(np.min(cap / demand)), cap_a=cap, demand_a=demand,
+                            counts=operator.itemgetter(*links.tolist()) if links.size >= _WIDE else None)
+        self._phase_flows[key] = fl
+        return fl
+
+    def start_flow(self, c: int, t: float) -> None:
+        fl = self.flow_of(self.g.c_phases[c].phases[self.phase[c]])
+        if fl is None:
             self.phase[c] += 1
             self.start_phase(c, t)
             return
-        self.link_bytes[links] += ph.nbytes[keep]
-        self.f_links[c] = links
-        self.f_demand[c] = ph.nbytes[keep] / ph.efficiency
+        n_L, on_link, link_bytes = self.n_L, self.on_link, self.link_bytes
+        affected: set[int] = set()
+        for link, nbytes in zip(fl.links, fl.nbytes):
+            link_bytes[link] += nbytes
+            n_L[link] += 1
+            s = on_link[link]
+            if s:
+                affected |= s
+            s.add(c)
+        self.f_of[c] = fl
         self.f_prog[c] = 0.0
         self.f_t[c] = t
         self.f_rate[c] = 0.0
         self.f_ver[c] = 0
-        self.n_L[links] += 1
-        affected: set[int] = set()
-        for link in links.tolist():
-            s = self.on_link[link]
-            if s:
-                affected |= s
-            s.add(c)
+        if not affected:  # alone on every link it uses: its rate is the phase's own, known in advance
+            self.f_rate[c] = fl.solo_rate
+            self.f_ver[c] = 1
+            self.push(t + 1.0 / fl.solo_rate, _FLOW, c, 1)
+            return
         affected.add(c)
         self.rerate(affected, t)
 
     def end_flow(self, c: int, t: float) -> None:
-        links = self.f_links.pop(c)
-        for d in (self.f_demand, self.f_prog, self.f_rate, self.f_t, self.f_ver):
+        fl = self.f_of.pop(c)
+        for d in (self.f_prog, self.f_rate, self.f_t, self.f_ver):
             d.pop(c)
-        self.n_L[links] -= 1
+        n_L, on_link = self.n_L, self.on_link
         affected: set[int] = set()
-        for link in links.tolist():
-            s = self.on_link[link]
+        for link in fl.links:
+            n_L[link] -= 1
+            s = on_link[link]
             s.discard(c)
             if s:
                 affected |= s
-        self.rerate(affected, t)
+        if affected:
+            self.rerate(affected, t)
         self.phase[c] += 1
         self.start_phase(c, t)
 
     def rerate(self, flows: set[int], t: float) -> None:
-        cap, n_L = self.g.cap_L, self.n_L
+        """Each flow's rate: the min over its links of capacity / (flows on the link x its demand there)."""
+        n_L = self.n_L
         for f in flows:
-            links = self.f_links[f]
+            fl = self.f_of[f]
             prog = self.f_prog[f] + self.f_rate[f] * (t - self.f_t[f])
-            rate = float(np.min(cap[links] / (n_L[links] * self.f_demand[f])))
+            if fl.counts is None:
+                rate = min(cap / (n_L[link] * demand) for link, cap, demand in zip(fl.links, fl.cap, fl.demand))
+            else:  # a wide collective (a data-parallel all-reduce crosses every node): the same figure in numpy
+                n = np.fromiter(fl.counts(n_L), dtype=np.float64, count=len(fl.links))
+                rate = float(np.min(fl.cap_a / (n * fl.demand_a)))
             self.f_prog[f], self.f_t[f], self.f_rate[f] = prog, t, rate
             self.f_ver[f] += 1
             remaining = max(0.0, 1.0 - prog)
             self.push(t + remaining / rate, _FLOW, f, self.f_ver[f])
+
+
+@dataclass(frozen=True)
+class _PhaseFlow:
+    """A collective phase as a flow: its links (those carrying bytes, each once), the bytes and demand (bytes /
+    efficiency) per link, each link's capacity, and its rate when no other flow shares its links."""
+
+    links: list[int]
+    nbytes: list[float]
+    demand: list[float]
+    cap: list[float]
+    solo_rate: float
+    cap_a: np.ndarray
+    demand_a: np.ndarray
+    counts: Callable[[list[int]], tuple[int, ...]] | None
+    """For a phase of at least `_WIDE` links: the flow counts of its links, read from the engine's list at once."""

@@ -68,3 +68,21 @@ def test_reading_a_config_imports_neither_torch_nor_interop(name: str) -> None:
             "assert not bad, bad\n")
     out = _run(code)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--pp", "2", "--ep", "2", "--ranks", "8", "--json"],
+    ["simulate", "mixtral-8x7b", "--cluster", "h100", "--ranks", "16", "--pp", "2", "--policy", "prophet", "--lina",
+     "model.tie_embeddings=true", "parallel.shard=optimizer", "parallel.param_dtype=bf16", "--json"],
+    ["plan", "stages", "--costs", "1,1,0.5,0.5", "--stages", "2", "--json"],
+    ["plan", "memory", "mixtral-8x7b", "--cluster", "h100-ndr400", "--ranks", "16"],
+])
+def test_the_planning_commands_run_without_torch(argv: list[str]) -> None:
+    # they plan and predict GPU jobs on any machine: importing torch (about 3 s, and a CUDA build's libraries)
+    # for one setting's precision once made every `moebal simulate` 4 s slower
+    code = ("import contextlib, io, sys\nfrom moebal.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main({argv!r})\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+            "assert rc == 0 and not bad, (rc, bad[:5])\n")
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
