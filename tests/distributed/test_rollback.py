@@ -1,6 +1,8 @@
-"""A loss spike under expert parallelism (Pro-Prophet's replicas) and in a 2-stage pipeline: the job rolls back to its
-newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what `moebal train` runs),
-skips the batches since it, and trains on bit for bit as the checkpoint resumed past those batches would."""
+"""A loss spike under expert parallelism (Pro-Prophet's replicas), in a 2-stage pipeline, with FSDP2's sharded state,
+on pipeline stages of expert shards and on planned micro-batches (their background planner keeps running): the job
+rolls back to its newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what
+`moebal train` runs), skips the batches since it, and trains on bit for bit as the checkpoint resumed past those
+batches would."""
 
 from __future__ import annotations
 
@@ -16,15 +18,24 @@ from tests.unit.test_spikes import Blow
 
 SPIKE = {"spike": {"action": "rollback", "factor": 3.0, "window": 3, "skip_extra": 1}, "ckpt_every": 3,
          "keep_checkpoints": 5}
-LAYOUTS = {"ep 2, prophet": ({"ep": 2}, "prophet"), "pp 2": ({"pp": 2, "ep": 1}, "static")}
+# name: (ranks, parallel.shard, parallel, planner.policy, more sections)
+LAYOUTS: dict[str, tuple[int, str, dict[str, Any], str, dict[str, dict[str, Any]]]] = {
+    "ep 2, prophet": (2, "none", {"ep": 2}, "prophet", {}),
+    "pp 2": (2, "none", {"pp": 2, "ep": 1}, "static", {}),
+    "full, dp 2": (2, "full", {"ep": 1}, "static", {}),
+    "pp 2 x ep 2, prophet": (4, "none", {"pp": 2, "ep": 2}, "prophet", {}),
+    # a fixed micro-batch cost table: the rolled-back run and the reference each start a planner of their own
+    "pp 2, planned micro-batches": (2, "none", {"pp": 2, "ep": 1}, "static",
+                                    {"pipeline": {"microbatching": "dynamic", "dynamic": {"costs": "a100"}}}),
+}
 
 
 def _rolled_back(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     from moebal.commands.train import build_trainer
     from moebal.train.spikes import read_rollbacks, train_with_rollbacks
 
-    parallel, policy = LAYOUTS[layout]
-    cfg = shard_cfg("none", parallel["ep"], policy, 8, parallel=parallel, **SPIKE)
+    _, shard, parallel, policy, sections = LAYOUTS[layout]
+    cfg = shard_cfg(shard, parallel["ep"], policy, 8, parallel=parallel, sections=sections, **SPIKE)
     run, ref = Path(root) / "run", Path(root) / "ref"
     first = build_trainer(cfg, run, False, False)
     first.hooks.append(Blow(at=5))
@@ -56,7 +67,7 @@ def _rolled_back(rank: int, world: int, root: str, layout: str) -> dict[str, Any
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_rollback_trains_on_as_the_checkpoint_resumed_past_the_skipped_batches(tmp_path, layout):
-    out = run_ranks(_rolled_back, 2, str(tmp_path), layout, timeout_s=300)[0]
+    out = run_ranks(_rolled_back, LAYOUTS[layout][0], str(tmp_path), layout, timeout_s=300)[0]
     (rec,) = out["rollbacks"]
     assert rec["step"] == 5 and rec["resume_step"] == 3 and rec["skipped_batches"] == 3
     assert sorted(out["run"]) == list(range(1, 9))
