@@ -32,7 +32,8 @@ __all__ = ["Engine", "EngineResult", "SimulationError"]
 _COMPUTE, _LATENCY, _FLOW, _START = 0, 1, 2, 3
 _MAX_STREAMS = 64
 _WIDE = 64
-"""Links from which a flow's rate is computed in numpy rather than in a Python loop."""
+"""Links from which a flow's rate is computed in numpy rather than in a Python loop: where the two cost the same
+(one rate over 32 / 64 / 128 links: 8 / 15 / 28 us in the loop, 13.5 / 15.7 / 21 us in numpy, on a 2-vCPU EPYC)."""
 
 
 class SimulationError(RuntimeError):
