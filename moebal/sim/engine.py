@@ -372,8 +372,8 @@ class _Run:
             demand = ph.nbytes[keep] / ph.efficiency
             cap = np.asarray(self.g.cap_L, dtype=np.float64)[links]
             fl = _PhaseFlow(links=links.tolist(), nbytes=ph.nbytes[keep].tolist(), demand=demand.tolist(),
-                            cap=cap.tolist(), solo_rate=float(np.min(cap / demand)), cap_a=cap, demand_a=demand,
-                            counts=operator.itemgetter(*links.tolist()) if links.size >= _WIDE else None)
+                            cap=cap.tolist(), solo_rate=float(np.min(cap / demand)),
+                            wide=(operator.itemgetter(*links.tolist()), cap, demand) if links.size >= _WIDE else None)
         self._phase_flows[key] = fl
         return fl
 
@@ -428,11 +428,12 @@ class _Run:
         for f in flows:
             fl = self.f_of[f]
             prog = self.f_prog[f] + self.f_rate[f] * (t - self.f_t[f])
-            if fl.counts is None:
+            if fl.wide is None:
                 rate = min(cap / (n_L[link] * demand) for link, cap, demand in zip(fl.links, fl.cap, fl.demand))
             else:  # a wide collective (a data-parallel all-reduce crosses every node): the same figure in numpy
-                n = np.fromiter(fl.counts(n_L), dtype=np.float64, count=len(fl.links))
-                rate = float(np.min(fl.cap_a / (n * fl.demand_a)))
+                counts, cap_a, demand_a = fl.wide
+                n = np.fromiter(counts(n_L), dtype=np.float64, count=len(fl.links))
+                rate = float(np.min(cap_a / (n * demand_a)))
             self.f_prog[f], self.f_t[f], self.f_rate[f] = prog, t, rate
             self.f_ver[f] += 1
             remaining = max(0.0, 1.0 - prog)
@@ -449,7 +450,6 @@ class _PhaseFlow:
     demand: list[float]
     cap: list[float]
     solo_rate: float
-    cap_a: np.ndarray
-    demand_a: np.ndarray
-    counts: Callable[[list[int]], tuple[int, ...]] | None
-    """For a phase of at least `_WIDE` links: the flow counts of its links, read from the engine's list at once."""
+    wide: tuple[Callable[[list[int]], tuple[int, ...]], np.ndarray, np.ndarray] | None
+    """For a phase of at least `_WIDE` links: what reads its links' flow counts from the engine's list at once,
+    and its capacities and demands as arrays."""
