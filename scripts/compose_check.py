@@ -27,7 +27,11 @@ phase 1, oracle: each must give static's logits) (`BUG-eval` when that neither r
 when a policy's logits differ from static's). The runs validate one batch after step 3; at the model's top-k and
 without a capacity limit, the served static loss of that batch must equal the run's own validation, to 1e-5 in
 fp32 and 5e-3 after bf16 training (`served_tolerance`; `BUG-eval` otherwise): the served model is the trained one,
-scheme included.
+scheme included. With `--spike`, an ok case also trains 7 steps under `train.spike.action=rollback` with a real
+spike injected before step 5 (`MOEBAL_INJECT_SPIKE=5`: every weight x30): the run must roll back to its step-4
+checkpoint in its own processes and train on, and its steps 5 to 7 must equal, bit for bit, those of the step-4
+checkpoint resumed in a new job and directory that holds the rollback's record (so it skips the same batches)
+(`BUG-spike` otherwise; a run that re-packed its stages onto fewer ranks stops at the spike by design, `refused`).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -35,7 +39,7 @@ differ between two fresh runs, and so would their replicas, micro-batch splits a
 losses (a resume reuses its run's measured figures; here the resumed run is compared with another run). The
 layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
-    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--fix OPTION=VALUE ...]
+    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--fix OPTION=VALUE ...]
                                     [--json OUT] [--keep DIR]
 """
 
@@ -220,10 +224,13 @@ def train_argv(case: dict[str, Any], out: Path, steps: int) -> list[str]:
     return argv
 
 
-def run(argv: list[str], timeout: float, stdout: list[str] | None = None) -> tuple[int | str, str]:
-    """(exit code or "timeout", stderr); the command's stdout appended to `stdout` when given."""
+def run(argv: list[str], timeout: float, stdout: list[str] | None = None,
+        env: dict[str, str] | None = None) -> tuple[int | str, str]:
+    """(exit code or "timeout", stderr); the command's stdout appended to `stdout` when given; `env` added to this
+    process's environment for the command."""
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                           env=None if env is None else {**os.environ, **env})
         if stdout is not None:
             stdout.append(p.stdout)
         return p.returncode, p.stderr
@@ -266,6 +273,38 @@ def losses(out: Path) -> dict[int, float]:
     if not path.is_file():
         return {}
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+SPIKE = ["train.spike.action=rollback", "train.spike.factor=3", "train.spike.window=3", "train.spike.skip_extra=1",
+         "train.keep_checkpoints=5"]
+"""`--spike`'s run: a bad step rolls back (its loss above 3x the median of the 3 steps before), and every
+checkpoint of 7 steps is kept (2, 4 and 6), so the step-4 one is there for the reference."""
+SPIKE_STEP = 5
+
+
+def spike_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tuple[dict[str, Any], str]:
+    """(`--spike`'s row, the stderr to keep when it is a bug): 7 steps with a spike injected before step 5, then
+    the step-4 checkpoint resumed elsewhere with the run's rollback record (module docstring)."""
+    out, ref = root / f"case{i}-spike", root / f"case{i}-spike-ref"
+    rc, err = run(train_argv(case, out, 7) + SPIKE, timeout, env={"MOEBAL_INJECT_SPIKE": str(SPIKE_STEP)})
+    records = [json.loads(x) for x in (out / "rollbacks.jsonl").read_text().splitlines()] \
+        if (out / "rollbacks.jsonl").is_file() else []
+    row: dict[str, Any] = {"rc": rc, "rollbacks": [(r["step"], r["resume_step"]) for r in records]}
+    if rc == 2 and "a re-pack released ranks" in err:
+        row["verdict"] = "refused"  # a rollback cannot bring released ranks back: the run stops at the spike
+        return row, ""
+    if rc != 0 or row["rollbacks"] != [(SPIKE_STEP, SPIKE_STEP - 1)]:
+        row["verdict"] = "BUG"
+        return row, f"{err}\nrollbacks {row['rollbacks']}, expected one from step {SPIKE_STEP} to {SPIKE_STEP - 1}"
+    ref.mkdir(parents=True)
+    shutil.copy(out / "rollbacks.jsonl", ref / "rollbacks.jsonl")  # the resume skips the batches the run skipped
+    rc2, err2 = run(train_argv(case, ref, 7) + SPIKE + ["--resume-from", str(out / f"ckpt-{SPIKE_STEP - 1:07d}")],
+                    timeout)
+    rolled, resumed = losses(out), losses(ref)
+    row["bitwise"] = rc2 == 0 and sorted(resumed) == list(range(SPIKE_STEP, 8)) and \
+        all(rolled.get(k) == v for k, v in resumed.items())
+    row["verdict"] = "ok" if row["bitwise"] else "BUG"
+    return row, "" if row["bitwise"] else f"{err2}\nlosses {rolled} against {resumed}"
 
 
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -315,6 +354,11 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
         if row["eval"]["verdict"] == "BUG":
             row["verdict"] = "BUG-eval"
             bad["eval"] = err3
+    if row["verdict"] == "ok" and args.spike:
+        row["spike"], err4 = spike_check(i, case, root, args.timeout)
+        if row["spike"]["verdict"] == "BUG":
+            row["verdict"] = "BUG-spike"
+            bad["spike"] = err4
     row["seconds"] = round(time.perf_counter() - t0, 1)
     for what, text in bad.items():
         keep = Path(args.keep or root)
@@ -348,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     ap.add_argument("--resume", action="store_true", help="also resume each ok case from its step-2 checkpoint")
     ap.add_argument("--eval", action="store_true", help="also run moebal eval on each ok MoE case")
+    ap.add_argument("--spike", action="store_true",
+                    help="also train each ok case 7 steps with a spike before step 5 that must roll back bit for bit")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
     ap.add_argument("--fix", action="append", default=[], metavar="OPTION=VALUE",
                     help="give an option one value in every case (a YAML scalar; repeatable), to aim a draw at a "
@@ -366,14 +412,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(check_case(i, sample(rng, fixed), root, args))
         r = rows[-1]
         print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {r['line'][:110]}", file=sys.stderr, flush=True)
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval")}
+    counts = {v: sum(r["verdict"] == v for r in rows)
+              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike")}
     failed = sum(v for k, v in counts.items() if k.startswith("BUG"))
     print(f"{args.cases} cases (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in counts.items()),
           file=sys.stderr)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval, "fixed": fixed,
-                       "counts": counts, "rows": rows}, f, indent=1)
+            json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
+                       "spike": args.spike, "fixed": fixed, "counts": counts, "rows": rows}, f, indent=1)
     if failed and not args.keep:
         print(f"the failing cases' stderr is in {root}", file=sys.stderr)
     else:

@@ -211,6 +211,9 @@ def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     cfg, out = resolve_config(args)
     refuse_cpu_only(cfg, pick_device().type)
+    from moebal.train.spikes import injected_spike
+
+    injected_spike()  # a bad MOEBAL_INJECT_SPIKE is one line, before any rank starts
     from moebal.train.checkpoint import prune_checkpoints
     from moebal.train.memory import check_fits_here, check_plan_here, resolve_shard_here
     from moebal.train.rundir import LOCK_ENV, lock_run_dir
@@ -268,8 +271,12 @@ def build_trainer(cfg: Config, out: Path, resume: bool | str, auto: bool, dims: 
     find no checkpoint and start over. `dims`: the process groups of the job, when it has joined them already (a
     rollback)."""
     from moebal.train import Hook, Trainer
+    from moebal.train.spikes import injected_spike
 
     hooks: list[Hook] = []
+    spike = injected_spike()  # MOEBAL_INJECT_SPIKE: a real spike to test the recovery on (docs/training.md)
+    if spike is not None:
+        hooks.append(spike)
     if cfg.hf.export_to:
         from moebal.train.export import ExportHook
 

@@ -16,6 +16,10 @@ the run has written a newer one) takes the newest such line's position instead o
 crash after a rollback does not train the skipped batches again. A checkpoint written after the rollback
 holds the skipped position itself.
 
+`MOEBAL_INJECT_SPIKE=STEP[:SCALE]` makes a real spike to test the recovery on (`InjectedSpike`): every weight
+of every rank's model is scaled by SCALE (30) before step STEP, unless the run directory already records a
+rollback from that step (so the rolled-back run, and any restart after it, train on without it).
+
 A spike is a finite loss above `factor` times the median of the previous `window` steps' losses, or (with
 `grad_factor`) a gradient norm, before clipping, above `grad_factor` times the median of their norms (figures
 every rank already holds, reduced, so every rank calls the same step bad at no extra cost). The histories are
@@ -35,7 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from moebal.config import SpikeConfig
-from moebal.errors import CheckpointError, DataError, TrainingError
+from moebal.errors import CheckpointError, ConfigError, DataError, TrainingError
+from moebal.train.hooks import Hook
 
 if TYPE_CHECKING:
     from moebal.distributed.groups import ParallelDims
@@ -43,10 +48,51 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["ROLLBACKS", "Rollback", "append_rollback", "bad_step", "read_rollbacks", "remember",
-           "replay_spikes", "rollback_for", "train_with_rollbacks"]
+__all__ = ["INJECT_ENV", "ROLLBACKS", "InjectedSpike", "Rollback", "append_rollback", "bad_step", "injected_spike",
+           "read_rollbacks", "remember", "replay_spikes", "rollback_for", "train_with_rollbacks"]
 
 ROLLBACKS = "rollbacks.jsonl"
+INJECT_ENV = "MOEBAL_INJECT_SPIKE"
+
+
+class InjectedSpike(Hook):
+    """A real loss spike (a fault injected to test the recovery, `MOEBAL_INJECT_SPIKE=STEP[:SCALE]`): every weight
+    of the rank's model scaled by `scale` before step `step`, on every rank alike. Not again once the run
+    directory records a rollback from that step: the rolled-back run trains on, and so does a restart or a resume
+    after it, as a transient fault would leave them. Its state is the run directory's, so the hook adds nothing to
+    a checkpoint, and a run resumed without it (a reference) loads the same checkpoint."""
+
+    name = "injected_spike"
+
+    def __init__(self, step: int, scale: float = 30.0) -> None:
+        self.step, self.scale = step, scale
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        if step != self.step or any(int(r.get("step", -1)) == step for r in trainer.rollbacks):
+            return
+        import torch
+
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(self.scale)
+
+
+def injected_spike(environ: dict[str, str] | None = None) -> InjectedSpike | None:
+    """The spike `MOEBAL_INJECT_SPIKE` asks for (None when it is unset or empty); a `ConfigError` names a value
+    that is not STEP or STEP:SCALE (a step of at least 1, a finite scale above 1)."""
+    raw = (os.environ if environ is None else environ).get(INJECT_ENV, "").strip()
+    if not raw:
+        return None
+    step_text, _, scale_text = raw.partition(":")
+    try:
+        step, scale = int(step_text), float(scale_text) if scale_text else 30.0
+    except ValueError:
+        step, scale = 0, 0.0
+    if step < 1 or not (math.isfinite(scale) and scale > 1):
+        raise ConfigError(f"{INJECT_ENV}={raw!r}: expected STEP or STEP:SCALE, a step of at least 1 and a scale "
+                          f"above 1 (every weight is multiplied by it before that step), e.g. {INJECT_ENV}=5 or "
+                          f"{INJECT_ENV}=5:30; unset it to train without the fault")
+    return InjectedSpike(step, scale)
 
 
 class Rollback(TrainingError):

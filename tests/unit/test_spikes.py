@@ -12,9 +12,20 @@ import torch
 from moebal.config import SpikeConfig
 from moebal.errors import CheckpointError, ConfigError, DataError, TrainingError
 from moebal.train import Hook, Trainer
-from moebal.train.spikes import ROLLBACKS, Rollback, bad_step, read_rollbacks, replay_spikes, rollback_for
-from tests.cli_util import load_script
-from tests.unit.test_train import tiny
+from moebal.train.spikes import (
+    INJECT_ENV,
+    ROLLBACKS,
+    InjectedSpike,
+    Rollback,
+    bad_step,
+    injected_spike,
+    read_rollbacks,
+    replay_spikes,
+    rollback_for,
+    train_with_rollbacks,
+)
+from tests.cli_util import load_script, run_cli
+from tests.unit.test_train import TINY, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 SPIKE = ["train.spike.factor=3", "train.spike.window=3", "train.ckpt_every=3", "train.keep_checkpoints=5",
@@ -236,3 +247,51 @@ def test_resuming_a_run_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_p
     crashed.train()
     Trainer(cfg, run, resume=str(run / "ckpt-0000004"))  # a second time: a folder of its own
     assert [p.name for p in (run / "superseded" / "2").iterdir()] == ["ckpt-0000006"]
+
+
+def test_the_injected_spike_is_read_from_the_environment_and_a_bad_value_is_one_line_with_the_fix():
+    assert injected_spike({}) is None and injected_spike({INJECT_ENV: " "}) is None
+    spike = injected_spike({INJECT_ENV: "5"})
+    assert (spike.step, spike.scale) == (5, 30.0)
+    spike = injected_spike({INJECT_ENV: "7:4.5"})
+    assert (spike.step, spike.scale) == (7, 4.5)
+    for bad in ("x", "0", "-2", "5:1", "5:0.5", "5:nan", "5:inf", "5:x", "5.5"):
+        with pytest.raises(ConfigError, match=f"{INJECT_ENV}='{bad}': expected STEP or STEP:SCALE"):
+            injected_spike({INJECT_ENV: bad})
+
+
+def test_an_injected_spike_rolls_back_once_and_a_resume_with_the_record_trains_the_same_steps(tmp_path):
+    """The hook is a real spike at its step, not again once the run directory records a rollback from it: the
+    rebuilt trainer (it has the hook too, as `moebal train` builds every trainer) trains on. A resume of the
+    checkpoint in another directory that holds the run's `rollbacks.jsonl` skips the same batches: the same
+    losses bit for bit (what `scripts/compose_check.py --spike` compares across processes)."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    cfg = tiny(*SPIKE, "train.spike.action=rollback", "train.spike.skip_extra=1")
+    result = train_with_rollbacks(Trainer(cfg, run, hooks=[InjectedSpike(5)]),
+                                  lambda ckpt, d: Trainer(cfg, run, resume=str(ckpt), hooks=[InjectedSpike(5)]),
+                                  lambda t: t.train())
+    assert result.steps == 8 and result.rollbacks == 1
+    (rec,) = read_rollbacks(run)
+    assert rec["step"] == 5 and rec["resume_step"] == 3 and rec["loss"] > 3 * losses(run)[4]
+    ref.mkdir()
+    (ref / ROLLBACKS).write_text((run / ROLLBACKS).read_text())
+    Trainer(cfg, ref, resume=str(run / "ckpt-0000003")).train()
+    got, want = losses(run), losses(ref)
+    assert sorted(want) == list(range(4, 9)) and all(got[s] == want[s] for s in want), (got, want)
+    # a crash after the rollback: the restart from the same checkpoint, with the hook, trains the same steps
+    Trainer(cfg, run, resume=str(run / "ckpt-0000003"), hooks=[InjectedSpike(5)]).train()
+    assert losses(run) == got
+
+
+def test_moebal_train_injects_the_spike_from_the_environment_and_refuses_a_bad_value(tmp_path):
+    common = ["train", "--nproc", "1", *TINY, *SPIKE, "train.spike.action=rollback"]
+    ran = run_cli(*common, "--out", str(tmp_path / "run"), env={INJECT_ENV: "5"})
+    assert ran.returncode == 0, ran.stderr
+    assert "step 5: the loss" in ran.stderr and "rolled back to" in ran.stderr
+    assert [r["step"] for r in read_rollbacks(tmp_path / "run")] == [5]
+    bad = run_cli(*common, "--out", str(tmp_path / "bad"), env={INJECT_ENV: "five"})
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"moebal train: error: {INJECT_ENV}='five': expected STEP or STEP:SCALE, a step of at least 1 and a scale "
+        f"above 1 (every weight is multiplied by it before that step), e.g. {INJECT_ENV}=5 or {INJECT_ENV}=5:30; "
+        f"unset it to train without the fault"]
+    assert not (tmp_path / "bad").exists()
