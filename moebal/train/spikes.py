@@ -60,7 +60,8 @@ class InjectedSpike(Hook):
     of the rank's model scaled by `scale` before step `step`, on every rank alike. Not again once the run
     directory records a rollback from that step: the rolled-back run trains on, and so does a restart or a resume
     after it, as a transient fault would leave them. Its state is the run directory's, so the hook adds nothing to
-    a checkpoint, and a run resumed without it (a reference) loads the same checkpoint."""
+    a checkpoint, and a run resumed without it (a reference) loads the same checkpoint. Weights sharded at rest
+    are gathered for the write, as a checkpoint load writes them."""
 
     name = "injected_spike"
 
@@ -72,7 +73,11 @@ class InjectedSpike(Hook):
             return
         import torch
 
-        with torch.no_grad():
+        from moebal.distributed.sharded import weights_gathered
+
+        # expert weights sharded at rest (`shard: full`, docs/sharding.md) are freed between steps: gathered for
+        # the write, and their owned parts take the scaled values (collective over "dp", every rank here alike)
+        with torch.no_grad(), weights_gathered(trainer.optimizer, write=True):
             for p in trainer.model.parameters():
                 p.mul_(self.scale)
 

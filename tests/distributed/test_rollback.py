@@ -1,6 +1,6 @@
-"""A loss spike under expert parallelism (Pro-Prophet's replicas), in a 2-stage pipeline, with FSDP2's sharded state,
-on pipeline stages of expert shards and on planned micro-batches (their background planner keeps running): the job
-rolls back to its newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what
+"""A loss spike (`InjectedSpike`: every weight x30) under expert parallelism (Pro-Prophet's replicas), in a 2-stage
+pipeline, with FSDP2's sharded state and expert weights sharded at rest, on pipeline stages of expert shards and on
+planned micro-batches (their background planner keeps running): the job rolls back to its newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what
 `moebal train` runs), skips the batches since it, and trains on bit for bit as the checkpoint resumed past those
 batches would."""
 
@@ -14,7 +14,6 @@ import pytest
 
 from moebal.distributed.testing import run_ranks
 from tests.distributed.shard_parity import shard_cfg
-from tests.unit.test_spikes import Blow
 
 SPIKE = {"spike": {"action": "rollback", "factor": 3.0, "window": 3, "skip_extra": 1}, "ckpt_every": 3,
          "keep_checkpoints": 5}
@@ -24,6 +23,8 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any], str, dict[str, dict[str, Any]
     "pp 2": (2, "none", {"pp": 2, "ep": 1}, "static", {}),
     "full, dp 2": (2, "full", {"ep": 1}, "static", {}),
     "pp 2 x ep 2, prophet": (4, "none", {"pp": 2, "ep": 2}, "prophet", {}),
+    # ep 2 x dp 2: the expert weights sharded at rest, freed between steps (the spike gathers them to write them)
+    "full, ep 2 x dp 2": (4, "full", {"ep": 2}, "static", {}),
     # a fixed micro-batch cost table: the rolled-back run and the reference each start a planner of their own
     "pp 2, planned micro-batches": (2, "none", {"pp": 2, "ep": 1}, "static",
                                     {"pipeline": {"microbatching": "dynamic", "dynamic": {"costs": "a100"}}}),
@@ -32,13 +33,13 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any], str, dict[str, dict[str, Any]
 
 def _rolled_back(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
     from moebal.commands.train import build_trainer
-    from moebal.train.spikes import read_rollbacks, train_with_rollbacks
+    from moebal.train.spikes import InjectedSpike, read_rollbacks, train_with_rollbacks
 
     _, shard, parallel, policy, sections = LAYOUTS[layout]
     cfg = shard_cfg(shard, parallel["ep"], policy, 8, parallel=parallel, sections=sections, **SPIKE)
     run, ref = Path(root) / "run", Path(root) / "ref"
     first = build_trainer(cfg, run, False, False)
-    first.hooks.append(Blow(at=5))
+    first.hooks.append(InjectedSpike(5))  # what MOEBAL_INJECT_SPIKE=5 adds to `moebal train`'s trainers
     dims = first.ctx.dims
     rebuilt: list[Any] = []
 
