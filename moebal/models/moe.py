@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
 from moebal.kernels.expert_ffn import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
+from moebal.models import noise
 from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
@@ -190,6 +191,8 @@ class MoELayer(nn.Module):
                              norm_topk=norm_topk, n_group=n_group, topk_group=topk_group, group_score=group_score)
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.router, self.jitter, self.init_std, self.router_noise = router, jitter, init_std, router_noise
+        self.noise_index = 0
+        """The layer's model-wide index, which keys its router noise (the decoder layer sets it)."""
         self.router_fp32 = router_fp32
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
         self.gate = nn.Linear(dim, num_experts, bias=False)
@@ -249,11 +252,15 @@ class MoELayer(nn.Module):
 
     def router_logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Router logits [T, E] in the input's dtype (fp32 with `router_fp32`). While training: Switch jitter on
-        the router input, and noisy top-k gating on the logits (noise scale from the unjittered input)."""
+        the router input, and noisy top-k gating on the logits (noise scale from the unjittered input), drawn
+        under the trainer's key for this layer (`noise_index`; moebal/models/noise.py), else from the global
+        generator."""
         x_in = x_TD
+        g = noise.generator(x_TD.device, self.noise_index) \
+            if self.training and (self.jitter > 0 or self.router_noise is not None) else None
         if self.training and self.jitter > 0:
-            noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-            x_TD = x_TD * noise
+            jitter = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter, generator=g)
+            x_TD = x_TD * jitter
         if self.router_fp32:
             # transformers' DeepSeek routers: fp32 input times an fp32 weight, whatever the model's dtype or autocast
             with torch.autocast(x_TD.device.type, enabled=False):
@@ -264,7 +271,8 @@ class MoELayer(nn.Module):
             logits_TE = self.gate_out(torch.tanh(logits_TE))
         if self.training and self.router_noise is not None:
             std_TE = torch.nn.functional.softplus(self.gate_noise(x_in)) + self.router_noise
-            logits_TE = logits_TE + torch.randn_like(logits_TE) * std_TE
+            draw = torch.empty_like(logits_TE).normal_(generator=g)
+            logits_TE = logits_TE + draw * std_TE
         return logits_TE
 
     def route(self, x_TD: torch.Tensor) -> Routing:

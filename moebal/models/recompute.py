@@ -7,7 +7,8 @@ layer, keeping only its input. A region is recomputed only while gradients are o
 layers run plain).
 
 Exactness: the recomputation runs the same operations on the same inputs, with the random generators'
-states of the forward restored (`preserve_rng_state`: router jitter and noise draw the same numbers), so fp32
+states of the forward restored (`preserve_rng_state`) and the router noise's key of the forward
+(moebal/models/noise.py: router jitter and noise draw the same numbers), so fp32
 losses and gradients are bit-identical to "none". What must not happen twice is the MoE block's bookkeeping:
 the replay of a recomputed region (the second call of the region's function) runs its MoE block inside
 `MoELayer.replaying()`, which recomputes the routing, statistics and auxiliary loss (the backward needs their
@@ -32,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moebal.models import noise
+
 if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
 
@@ -46,12 +49,14 @@ def recompute_call(fn: Callable[..., torch.Tensor], moe: MoELayer | None, *args:
     inside `moe.replaying()` when the region holds a MoE block, and inside `replay()` when given (a dynamism
     scheme's own bookkeeping that must not happen twice: dynamic sparse attention's coverage statistics)."""
     calls = 0
+    key = noise.current_key()  # the replay draws router noise under its forward's key, not the one set then
 
     def run(*a: Any) -> torch.Tensor:
         nonlocal calls
         calls += 1
         with ExitStack() as stack:
             if calls > 1:
+                stack.enter_context(noise.keyed(key))
                 if moe is not None:
                     stack.enter_context(moe.replaying())
                 if replay is not None:

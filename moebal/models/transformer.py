@@ -206,6 +206,7 @@ class DecoderLayer(nn.Module):
             from moebal.models.moe import MoELayer
 
             self.block_sparse_moe = MoELayer.from_config(cfg)
+            self.block_sparse_moe.noise_index = index  # its router noise, wherever the layer lives
         else:
             self.mlp = MLP(m.dim, m.ffn_dim)
 

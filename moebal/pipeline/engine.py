@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebal.dynamism.scheme import Dynamism
+from moebal.models import noise
 from moebal.pipeline.observe import LayerProfiler
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
@@ -259,7 +260,8 @@ class PipelineEngine:
         if last is not None:
             last(True)
         try:
-            return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
+            with noise.micro_batch_key(j):  # router noise keyed by micro-batch (moebal/models/noise.py)
+                return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
         finally:
             if last is not None:
                 last(False)

@@ -49,6 +49,7 @@ from moebal.distributed.groups import ParallelDims
 from moebal.distributed.sharded import ShardedAdamW
 from moebal.dynamism.scheme import Dynamism, SchemeContext
 from moebal.errors import ConfigError
+from moebal.models import noise
 from moebal.pipeline.engine import IterationResult, PipelineEngine
 from moebal.pipeline.migrate import WholeState, rebuild_optimizer
 from moebal.pipeline.observe import pick_clock
@@ -335,7 +336,8 @@ class PipelineRunner:
         self.start()
         try:
             while self.step < steps and not self.released:
-                self.train_step()
+                with noise.step_key(self.cfg.train.seed, self.step + 1):  # as the trainer keys router noise
+                    self.train_step()
             return self.summary()
         finally:
             self.close()

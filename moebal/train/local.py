@@ -24,6 +24,7 @@ import torch
 from moebal.config import Config
 from moebal.data import Batch, DataBundle, DocumentSampler, PackedSampler, ordering_sampler
 from moebal.data.curriculum import row_complexity
+from moebal.models import noise
 from moebal.routing import RoutingStats
 from moebal.sync import to_host
 from moebal.train.distributed import RunContext
@@ -167,7 +168,7 @@ class LocalStep:
                 if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's
                     self._arm_last_pass(trainer, step, count)  # are the step's sums
                 share = part.n_tokens / total
-                with self.autocast():
+                with self.autocast(), noise.micro_batch_key(j):
                     out = self.model(part.ids_BT, part.labels_BT)
                 # a micro-batch without label tokens has a non-finite mean; its weight is 0 and it adds no
                 # gradient

@@ -34,6 +34,7 @@ import torch
 from moebal.config import Config, dump
 from moebal.data import DataBundle, build_data
 from moebal.errors import TrainingError
+from moebal.models import noise
 from moebal.train.checkpoint import (
     CheckpointReader,
     find_checkpoints,
@@ -284,7 +285,8 @@ class Trainer:
         for hook in self.hooks:
             hook.before_step(self, step)
         t0 = time.perf_counter()
-        out = self.strategy.train_step(self, step)
+        with noise.step_key(self.cfg.train.seed, step):  # router noise keyed by step (moebal/models/noise.py)
+            out = self.strategy.train_step(self, step)
         dt = time.perf_counter() - t0
         self.step, self.tokens, self.train_seconds = step, self.tokens + out.tokens, self.train_seconds + dt
         record = out.record

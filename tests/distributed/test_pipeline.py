@@ -142,6 +142,11 @@ def _global_topk(rank: int, world: int) -> dict:
     return out
 
 
+def _noisy(world: int, recompute: str) -> Config:
+    cfg = tiny(n_layers=6, pp=world, moe=4, recompute=recompute)
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, jitter=0.05, router_noise=0.01))
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(1234 + rank)  # a different global RNG state per rank must not matter
     cfg = tiny(pp=world)
@@ -153,6 +158,11 @@ def _two_ranks(rank: int, world: int) -> dict:
         "moe_m1": _train(tiny(pp=world, moe=4), 3, micro_batches=1),
         "static": _train(six, 5, micro_batches=4),
         "forced": _train(six, 5, micro_batches=4, force=((1, (4, 2)), (2, (1, 5)), (3, (2, 4)))),
+        # router jitter and noisy gating: a layer's draws are keyed by (seed, step, micro-batch, layer), not by
+        # the rank's stream, so a migration and a recomputation's replay draw what the static run drew
+        "noisy": _train(_noisy(world, "none"), 5, micro_batches=2),
+        "noisy_forced_recompute": _train(_noisy(world, "full"), 5, micro_batches=2, force=((2, (2, 4)), (3, (5, 1)))),
+        "quiet": _train(tiny(n_layers=6, pp=world, moe=4), 5, micro_batches=2),
         "mid": _train(six, 5, micro_batches=4, force_mid=((2, (5, 1)),), force=((3, (3, 3)),)),
         **{f"{name}_{case}": _train(tiny(n_layers=6, pp=world, moe=4 if name == "moe" else 0), 6, name,
                                     micro_batches=2, force=force)
@@ -245,6 +255,16 @@ def test_forced_migrations_give_exactly_the_static_losses_and_parameters(two):
     assert rec[0]["layers_moved"] == 1 and rec[0]["sizes_after"] == [4, 2]
     assert rec[1]["layers_moved"] == 3 and rec[1]["bytes_moved"] > 0
     assert rec[2]["layers_moved"] == 1
+
+
+def test_router_noise_is_the_same_after_migrations_and_in_recomputation(two):
+    """Router jitter and noisy top-k gating draw per (seed, step, micro-batch, layer) (moebal/models/noise.py):
+    layers moved between the stages, recomputed in the backward pass, give the static run's losses bit for bit.
+    Drawn from each rank's global generator, the moved layers drew other numbers (the losses differed)."""
+    noisy, moved = two[0]["noisy"], two[0]["noisy_forced_recompute"]
+    assert moved["sizes"] == [5, 1]
+    assert moved["losses"] == noisy["losses"]  # bit-identical, not close
+    assert noisy["losses"] != two[0]["quiet"]["losses"]  # the noise is on
 
 
 def test_zero_bubble_schedule_gives_exactly_the_losses_of_1f1b(two):

@@ -1,8 +1,8 @@
 """A loss spike (`InjectedSpike`: every weight x30) under expert parallelism (Pro-Prophet's replicas), in a 2-stage
 pipeline, with FSDP2's sharded state and expert weights sharded at rest, on pipeline stages of expert shards and on
-planned micro-batches (their background planner keeps running): the job rolls back to its newest checkpoint in the same processes and process groups (`train_with_rollbacks`, what
-`moebal train` runs), skips the batches since it, and trains on bit for bit as the checkpoint resumed past those
-batches would."""
+planned micro-batches (their background planner keeps running): the job rolls back to its newest checkpoint in the
+same processes and process groups (`train_with_rollbacks`, what `moebal train` runs), skips the batches since it,
+and trains on bit for bit as the checkpoint resumed past those batches would."""
 
 from __future__ import annotations
 
