@@ -557,8 +557,8 @@ ROWS: tuple[Row, ...] = (
     Row("rollback after a loss spike (`train.spike.action: rollback`)", "test_rollback", fig_pytest,
         TEST, asserts="a real spike (weights x30) rolls back to the newest checkpoint and skips the batches since "
         "it: losses bitwise those of the checkpoint resumed past the same batches, in one process, under expert "
-        "parallelism with Pro-Prophet replicas, in a 2-stage pipeline, with FSDP2 state, on 2 stages x 2 expert "
-        "shards and on planned micro-batches"),
+        "parallelism with Pro-Prophet replicas, in a 2-stage pipeline, with FSDP2 state, with expert weights "
+        "sharded at rest, on 2 stages x 2 expert shards and on planned micro-batches"),
     Row("recovery after a killed rank (target < 1 min)", "restart", fig_restart,
         MEASURED_RUN),
     Row("memory plan vs measured peak memory per rank (4 gloo ranks, 80M-parameter MoE)", "memory", fig_memory,
