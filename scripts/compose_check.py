@@ -32,6 +32,11 @@ spike injected before step 5 (`MOEBAL_INJECT_SPIKE=5`: every weight x30): the ru
 checkpoint in its own processes and train on, and its steps 5 to 7 must equal, bit for bit, those of the step-4
 checkpoint resumed in a new job and directory that holds the rollback's record (so it skips the same batches)
 (`BUG-spike` otherwise; a run that re-packed its stages onto fewer ranks stops at the spike by design, `refused`).
+With `--kill`, an ok case of several processes also trains 7 steps under `--max-restarts 1` while one of its ranks
+(drawn per case) is SIGKILLed as soon as the step-4 checkpoint is complete: the launcher must restart every rank
+from the newest complete checkpoint, the 7 steps' losses and validations must equal, bit for bit, those of the same
+7 steps uninterrupted, and no process of the job may outlive it (a rank, the forkserver, a micro-batch planner)
+(`BUG-kill` otherwise; a run that ends before the rank could be killed is `unkilled`, no verdict).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -39,8 +44,8 @@ differ between two fresh runs, and so would their replicas, micro-batch splits a
 losses (a resume reuses its run's measured figures; here the resumed run is compared with another run). The
 layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
-    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--fix OPTION=VALUE ...]
-                                    [--json OUT] [--keep DIR]
+    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--kill]
+                                    [--fix OPTION=VALUE ...] [--json OUT] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +313,79 @@ def spike_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tup
     return row, "" if row["bitwise"] else f"{err2}\nlosses {rolled} against {resumed}"
 
 
+KILL_AFTER = 4
+"""`--kill`'s rank dies as soon as this step's checkpoint is complete (its directory renamed into place)."""
+MARKER = "MOEBAL_COMPOSE_JOB"
+"""The environment variable that marks a `--kill` job's processes (each job its own value)."""
+
+
+def job_processes(marker: str) -> list[int]:
+    """The live processes whose environment holds `marker` (NAME=value): every process a launcher started with it
+    (forked ranks show the forkserver's environment, which holds it too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def kill_verdict(killed: bool, rc: int | str, restarted: bool, bitwise: bool, left_behind: int) -> str:
+    """`--kill`'s verdict: ok when the killed job restarted, exited 0 with the uninterrupted run's losses and left no
+    process behind; `unkilled` (nothing tested) when it ended before the kill and is otherwise fine; else BUG."""
+    if not killed:
+        return "unkilled" if rc == 0 and bitwise and not left_behind else "BUG"
+    return "ok" if rc == 0 and restarted and bitwise and not left_behind else "BUG"
+
+
+def kill_check(i: int, case: dict[str, Any], root: Path, timeout: float, seed: int) -> tuple[dict[str, Any], str]:
+    """(`--kill`'s row, the stderr to keep when it is a bug): 7 steps uninterrupted, then 7 steps in which one
+    rank is SIGKILLed once the step-4 checkpoint is complete and the launcher restarts the job (module
+    docstring)."""
+    from moebal.distributed.testing import kill_rank_when
+
+    rank = random.Random(seed * 100_003 + i).randrange(case["nproc"])
+    ref, out = root / f"case{i}-kill-ref", root / f"case{i}-kill"
+    row: dict[str, Any] = {"rank": rank}
+    rc, err = run(train_argv(case, ref, 7), timeout)
+    if rc != 0:
+        row.update(verdict="BUG", rc=rc)
+        return row, f"the uninterrupted 7 steps failed:\n{err}"
+    marker = f"{MARKER}={uuid.uuid4().hex}"
+    out.mkdir(parents=True)
+    log = out.parent / f"case{i}-kill.stderr"
+    with open(log, "w") as err_file:
+        proc = subprocess.Popen(train_argv(case, out, 7) + ["--max-restarts", "1"], stdout=subprocess.DEVNULL,
+                                stderr=err_file, env={**os.environ, MARKER: marker.partition("=")[2]})
+        try:
+            kill_rank_when(lambda: (out / f"ckpt-{KILL_AFTER:07d}").is_dir(), rank=rank, marker=marker,
+                           timeout_s=timeout, alive=lambda: proc.poll() is None)
+            row["killed"] = True
+        except TimeoutError:
+            row["killed"] = False
+        try:
+            row["rc"] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            row["rc"] = "timeout"
+    err = log.read_text()
+    time.sleep(1.0)  # the launcher has returned: what it started has had time to exit
+    row["left_behind"] = len(job_processes(marker))
+    for pid in job_processes(marker):
+        os.kill(pid, 9)
+    a, b = losses(ref), losses(out)
+    va, vb = ({s: val_loss(o, s) for s in (3, 6)} for o in (ref, out))
+    row["bitwise"] = sorted(b) == list(range(1, 8)) and a == b and va == vb
+    restarted = "restarting every rank from the last checkpoint (restart 1 of 1)" in err
+    row["verdict"] = kill_verdict(row["killed"], row["rc"], restarted, row["bitwise"], row["left_behind"])
+    return row, "" if row["verdict"] != "BUG" else (f"{err}\nrank {rank} killed: {row['killed']}, restarted: "
+                                                    f"{restarted}, processes left behind: {row['left_behind']}\n"
+                                                    f"losses {a} {va} against {b} {vb}")
+
+
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = root / f"case{i}"
     if case.get("hf.init_from"):
@@ -359,6 +438,11 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
         if row["spike"]["verdict"] == "BUG":
             row["verdict"] = "BUG-spike"
             bad["spike"] = err4
+    if row["verdict"] == "ok" and args.kill and case["nproc"] > 1:  # one process has no launcher to restart it
+        row["kill"], err5 = kill_check(i, case, root, args.timeout, args.seed)
+        if row["kill"]["verdict"] == "BUG":
+            row["verdict"] = "BUG-kill"
+            bad["kill"] = err5
     row["seconds"] = round(time.perf_counter() - t0, 1)
     for what, text in bad.items():
         keep = Path(args.keep or root)
@@ -394,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", action="store_true", help="also run moebal eval on each ok MoE case")
     ap.add_argument("--spike", action="store_true",
                     help="also train each ok case 7 steps with a spike before step 5 that must roll back bit for bit")
+    ap.add_argument("--kill", action="store_true",
+                    help="also train each ok case of several processes 7 steps with a rank SIGKILLed after the "
+                         "step-4 checkpoint, restarted by the launcher: the losses must equal an uninterrupted run's")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
     ap.add_argument("--fix", action="append", default=[], metavar="OPTION=VALUE",
                     help="give an option one value in every case (a YAML scalar; repeatable), to aim a draw at a "
@@ -411,16 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.cases):
         rows.append(check_case(i, sample(rng, fixed), root, args))
         r = rows[-1]
-        print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {r['line'][:110]}", file=sys.stderr, flush=True)
+        kill = f"kill {r['kill']['verdict']}  " if "kill" in r else ""
+        print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {kill}{r['line'][:100]}", file=sys.stderr,
+              flush=True)
     counts = {v: sum(r["verdict"] == v for r in rows)
-              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike")}
+              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike", "BUG-kill")}
     failed = sum(v for k, v in counts.items() if k.startswith("BUG"))
     print(f"{args.cases} cases (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in counts.items()),
           file=sys.stderr)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
-                       "spike": args.spike, "fixed": fixed, "counts": counts, "rows": rows}, f, indent=1)
+                       "spike": args.spike, "kill": args.kill, "fixed": fixed, "counts": counts, "rows": rows}, f,
+                      indent=1)
     if failed and not args.keep:
         print(f"the failing cases' stderr is in {root}", file=sys.stderr)
     else:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -71,3 +75,28 @@ def test_the_served_loss_is_checked_where_serving_is_the_validation_s_computatio
     assert script.served_tolerance({**case, "train.precision": "bf16"}) == 5e-3  # validated under bf16 autocast
     assert script.served_tolerance({**case, "eval.top_k1": True}) is None  # another model than the trained top-k
     assert script.served_tolerance({**case, "moe.capacity_factor": 1.25}) is None  # drops per the trainer's groups
+
+
+def test_the_kill_verdict_asks_for_a_restart_the_same_losses_and_no_process_left(script):
+    assert script.kill_verdict(True, 0, True, True, 0) == "ok"
+    assert script.kill_verdict(True, 0, False, True, 0) == "BUG"  # exit 0 without a restart: the kill missed a rank
+    assert script.kill_verdict(True, 0, True, False, 0) == "BUG"  # other losses than the uninterrupted run's
+    assert script.kill_verdict(True, 0, True, True, 1) == "BUG"  # a process of the job outlived it
+    assert script.kill_verdict(True, 1, True, True, 0) == "BUG"
+    assert script.kill_verdict(False, 0, False, True, 0) == "unkilled"  # the run ended first: nothing tested
+    assert script.kill_verdict(False, "timeout", False, False, 0) == "BUG"
+
+
+def test_a_job_s_processes_are_found_by_its_marker(script):
+    marker = f"{script.MARKER}=test{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, script.MARKER: marker.partition("=")[2]})
+    try:
+        deadline = time.monotonic() + 10
+        while proc.pid not in script.job_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert script.job_processes(marker) == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert script.job_processes(marker) == []
