@@ -1058,20 +1058,6 @@ def _one_line(e: Exception) -> str:
 # validation: every impossible combination says what to change
 
 
-def _refuse_sharded_pipeline_schemes(c: Config) -> None:
-    """What the sharded states do not build in a pipeline (a dynamism scheme's one stage included;
-    docs/sharding.md)."""
-    par, d = c.parallel, c.dynamism
-    if not c.pipelined:
-        return
-    if par.shard != "optimizer":
-        return
-    _need(d.scheme != "pruning" or par.param_dtype == "fp32",
-          "'parallel.shard: optimizer' with a pipeline and 'parallel.param_dtype: bf16' is not built with "
-          "dynamism.scheme=pruning: its masks apply to the parameters' gradients, which the sharded optimizer sums "
-          "over the micro-batches in an fp32 buffer of its own; use parallel.param_dtype=fp32 or parallel.shard=full")
-
-
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -1110,7 +1096,6 @@ def _check_whole(c: Config) -> None:
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
-    _refuse_sharded_pipeline_schemes(c)
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,

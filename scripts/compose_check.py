@@ -51,6 +51,7 @@ layer balancer still plans on measured times: its migrations keep the losses bit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -315,6 +316,8 @@ def spike_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tup
 
 KILL_AFTER = 4
 """`--kill`'s rank dies as soon as this step's checkpoint is complete (its directory renamed into place)."""
+LEFT_BEHIND_S = 10.0
+"""How long a `--kill` job's processes may outlive its launcher before they count as left behind."""
 MARKER = "MOEBAL_COMPOSE_JOB"
 """The environment variable that marks a `--kill` job's processes (each job its own value)."""
 
@@ -331,6 +334,19 @@ def job_processes(marker: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def describe_process(pid: int) -> str:
+    """PID, its name and command line, and its parent, as /proc has them (what a process left behind was)."""
+    proc = Path("/proc") / str(pid)
+    try:
+        comm = (proc / "comm").read_text().strip()
+        cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        parent = next(line.split()[1] for line in (proc / "status").read_text().splitlines()
+                      if line.startswith("PPid:"))
+    except (OSError, StopIteration):
+        return f"{pid} (gone)"
+    return f"{pid} {comm!r} parent {parent}: {cmd[:200]}"
 
 
 def kill_verdict(killed: bool, rc: int | str, restarted: bool, bitwise: bool, left_behind: int) -> str:
@@ -372,17 +388,23 @@ def kill_check(i: int, case: dict[str, Any], root: Path, timeout: float, seed: i
             proc.kill()
             row["rc"] = "timeout"
     err = log.read_text()
-    time.sleep(1.0)  # the launcher has returned: what it started has had time to exit
-    row["left_behind"] = len(job_processes(marker))
-    for pid in job_processes(marker):
-        os.kill(pid, 9)
+    # the launcher has returned: what it started may take a moment to exit on a busy machine, not 10 s
+    deadline = time.monotonic() + LEFT_BEHIND_S
+    while (left := job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    row["left_behind"] = len(left)
+    if left:
+        row["left"] = [describe_process(pid) for pid in left]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
     a, b = losses(ref), losses(out)
     va, vb = ({s: val_loss(o, s) for s in (3, 6)} for o in (ref, out))
     row["bitwise"] = sorted(b) == list(range(1, 8)) and a == b and va == vb
     restarted = "restarting every rank from the last checkpoint (restart 1 of 1)" in err
     row["verdict"] = kill_verdict(row["killed"], row["rc"], restarted, row["bitwise"], row["left_behind"])
     return row, "" if row["verdict"] != "BUG" else (f"{err}\nrank {rank} killed: {row['killed']}, restarted: "
-                                                    f"{restarted}, processes left behind: {row['left_behind']}\n"
+                                                    f"{restarted}, processes left behind: {row.get('left', [])}\n"
                                                     f"losses {a} {va} against {b} {vb}")
 
 

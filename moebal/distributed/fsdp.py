@@ -342,6 +342,11 @@ class FullyShardedAdamW(torch.optim.Optimizer):
             if key != "step":
                 mask_rows_(v, mask)
 
+    def mask_grad(self, p: torch.Tensor, mask: torch.Tensor) -> bool:
+        """An expert parameter's fp32 gradient sum masked where the expert optimizer sums its bf16 compute copies'
+        gradients (`ShardedAdamW.mask_grad`); False otherwise (the gradient is the parameter's `.grad`)."""
+        return self.experts is not None and is_expert_param(p) and self.experts.mask_grad(p, mask)
+
     # ---- what it holds ----
     def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(gradient shards and parts, AdamW state tensors) held now (local tensors)."""

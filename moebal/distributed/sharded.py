@@ -751,19 +751,39 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def mask_state(self, p: torch.Tensor, mask: torch.Tensor) -> None:
         """Multiply parameter `p`'s AdamW moments by `mask` (shaped like `p`, the same on every rank): the slices of
-        the owned parts that hold `p`'s elements (the pruning scheme zeroes pruned entries); no communication. A
-        parameter it does not hold (frozen) or no state yet (before the first step): nothing."""
+        the owned parts that hold `p`'s elements (the pruning scheme zeroes pruned entries); no communication.
+        Where `p` is a compute copy, its fp32 masters' slices too: the next step's copies are made from them. A
+        parameter it does not hold (frozen): nothing; no moments yet (before the first step): the masters only."""
         if id(p) not in self._of_param:
             return
         f, i = self._of_param[id(p)]
         fl, o, m = self.flats[f], self.flats[f].offsets[i], mask.reshape(-1)
         for j, k, lo, hi in self._runs(f, o, o + p.numel()):
-            state = self._part_state(k)
-            if j != fl.index or not state:
+            if j != fl.index:
                 continue
             a = lo - self.buckets[k].start - j * self.buckets[k].part
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key][a:a + hi - lo].mul_(m[lo - o:hi - o].to(state[key].dtype))
+            state = self._part_state(k)
+            held = [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
+            if fl.master:
+                held.append(fl.leaves[fl.buckets.index(k)].data)
+            for t in held:
+                t[a:a + hi - lo].mul_(m[lo - o:hi - o].to(t.dtype))
+
+    def mask_grad(self, p: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Multiply the fp32 sum of compute copy `p`'s gradients (`accumulate`) by `mask` (shaped like `p`, the same
+        on every rank), and what `reduce` adds to it from `p.grad` (Agg's replica gradients, which arrive after the
+        backward pass), before `reduce`; no communication. False when `p` is not a compute copy summed here (its
+        gradient is its own `.grad`); True otherwise."""
+        if not self.holds(p):
+            return False
+        f, i = self._of_param[id(p)]
+        acc = self._acc.get(f)
+        if acc is not None:
+            o = self.flats[f].offsets[i]
+            acc[o:o + p.numel()].mul_(mask.reshape(-1).to(acc.dtype))
+        if p.grad is not None:
+            p.grad.mul_(mask.to(p.grad.dtype))
+        return True
 
     # ---- what it holds ----
     def shard_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

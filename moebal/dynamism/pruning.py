@@ -452,9 +452,16 @@ class GradualPruning(Dynamism):
                 _install_csr(mod, self.masks[i][n] if self.kernels.get(i, {}).get(n) else None)
 
     def after_backward(self, ctx: SchemeContext) -> None:
+        mask_grad = getattr(ctx.optimizer, "mask_grad", None)
         for i in ctx.stage.layer_ids:
             for n, p in prunable_params(ctx.stage.layer(i)):
-                if i in self.masks and p.grad is not None:
+                if i not in self.masks:
+                    continue
+                # bf16 compute copies under the sharded optimizer: their micro-batches' gradients are summed in
+                # its fp32 buffers, not in `.grad`
+                if mask_grad is not None and mask_grad(p, self.masks[i][n]):
+                    continue
+                if p.grad is not None:
                     mask_rows_(p.grad, self.masks[i][n])  # under `full` FSDP2's summed shard: its rows
 
     @torch.no_grad()

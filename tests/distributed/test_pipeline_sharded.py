@@ -326,3 +326,61 @@ def test_bf16_weights_keep_a_parameter_without_a_gradient_as_it_was():
     assert skipped > 0  # some parameter went without a gradient in some step
     a, b = out[0]["fp32"]["losses"], out[0]["bf16"]["losses"]
     assert all(math.isfinite(y) and math.isclose(x, y, rel_tol=0.02) for x, y in zip(a, b, strict=True)), (a, b)
+
+
+PRUNE = {"kernel": "dense", "final_sparsity": 0.8, "start": 1, "every": 2, "steps": 2}
+"""Prunes at steps 3 and 5 (to 70 %, then 80 % of the prunable weights); the masked dense kernel (CPU sparse
+kernels have no bf16 path)."""
+PRUNED_LAYOUTS = {"optimizer, pp 2": ("optimizer", 2, 1), "full, one stage, ep 2": ("full", 1, 2)}
+"""(shard, pp, ep): the sharded optimizer's compute copies in two stages with migrations; FSDP2's expert optimizer
+on one stage of 4 ranks, whose 2 ranks per expert shard make the experts bf16 copies of fp32 masters."""
+
+
+def _pruned_leg(rank: int, world: int, root: str, layout: str, param_dtype: str) -> list[dict[str, Any]]:
+    import dataclasses
+
+    from moebal.distributed.groups import ParallelDims
+    from moebal.train.pipelined import pipeline_trainer
+
+    shard, pp, ep = PRUNED_LAYOUTS[layout]
+    cfg = pipe_cfg(shard, ep, steps=6, pp=pp, ckpt_every=6, precision="bf16", dynamism="pruning", options=PRUNE)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=param_dtype))
+    dims = ParallelDims(world_size=world, rank=rank, pp=pp, ep=ep).init()
+    force = {"force": ((1, (1, 3)),), "force_mid": ((3, (3, 1)),)} if pp > 1 else {}
+    trainer = pipeline_trainer(cfg, root, dims=dims, **force)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    metrics = Path(root) / "metrics.jsonl"
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r] if rank == 0 else []
+
+
+@pytest.mark.parametrize("layout", list(PRUNED_LAYOUTS))
+def test_pruning_with_bf16_weights_masks_the_fp32_gradient_sums_and_masters(tmp_path, layout):
+    """Pruning where the weights are bf16 compute copies of fp32 masters (`parallel.param_dtype: bf16`): the masks
+    reach the fp32 sums of the micro-batches' gradients (`ShardedAdamW.mask_grad`) before they are reduced and
+    clipped, and the masters and moments at each pruning step (`mask_state`). 6 steps within 2 % of the fp32-weight
+    run under the same autocast (losses and clipped gradient norms), and the checkpoint's masters hold the
+    pruned fraction of zeros, their moments zero there."""
+    from moebal.dynamism.pruning import _PRUNABLE_SUFFIXES
+
+    runs = {dtype: run_ranks(_pruned_leg, 4, str(tmp_path / dtype), layout, dtype, timeout_s=600)[0]
+            for dtype in ("fp32", "bf16")}
+    assert [r["sparsity_target"] for r in runs["bf16"]] == [0.0, 0.0, 0.7, 0.7, 0.8, 0.8]
+    for a, b in zip(runs["fp32"], runs["bf16"], strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (layout, a["step"], a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=0.02), (layout, a["step"], a["grad_norm"],
+                                                                             b["grad_norm"])
+    saved = checkpoint_state(tmp_path / "bf16" / "ckpt-0000006")
+    pruned = {k: v for k, v in saved.items() if k.endswith(_PRUNABLE_SUFFIXES)}
+    zeros, total = sum(int((v == 0).sum()) for v in pruned.values()), sum(v.numel() for v in pruned.values())
+    assert all(v.dtype == torch.float32 for v in pruned.values())  # the masters
+    assert abs(zeros / total - 0.8) < 1e-3, zeros / total
+    for k, v in pruned.items():
+        # an expert-stacked matrix [E, ...] keeps its moments per expert (`experts.E.w1`)
+        head, stacked, w = k.rpartition(".experts.")
+        rows = [(f"{head}.experts.{e}.{w}", v[e]) for e in range(v.shape[0])] if stacked else [(k, v)]
+        for name, weight in rows:
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert not saved[f"{name}:{moment}"][weight == 0].any(), (name, moment)
