@@ -37,6 +37,10 @@ With `--kill`, an ok case of several processes also trains 7 steps under `--max-
 from the newest complete checkpoint, the 7 steps' losses and validations must equal, bit for bit, those of the same
 7 steps uninterrupted, and no process of the job may outlive it (a rank, the forkserver, a micro-batch planner)
 (`BUG-kill` otherwise; a run that ends before the rank could be killed is `unkilled`, no verdict).
+With `--launch`, an ok case of several processes also runs as a two-node job of `moebal launch` on this machine
+(two torchrun agents meeting through a c10d rendezvous on the loopback, half the ranks each, every rank a new
+interpreter): its 3 steps' losses and validation must equal the `--nproc` run's bit for bit, and no process of
+the job may outlive it (`BUG-launch` otherwise).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -44,7 +48,7 @@ differ between two fresh runs, and so would their replicas, micro-batch splits a
 losses (a resume reuses its run's measured figures; here the resumed run is compared with another run). The
 layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
-    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--kill]
+    python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--kill] [--launch]
                                     [--fix OPTION=VALUE ...] [--json OUT] [--keep DIR]
 """
 
@@ -342,6 +346,19 @@ def job_processes(marker: str) -> list[int]:
     return found
 
 
+def wait_for_exit(marker: str) -> list[str]:
+    """After a job's launcher returned: the job's processes still alive `LEFT_BEHIND_S` later (what it started may
+    take a moment to exit on a busy machine), described, then killed."""
+    deadline = time.monotonic() + LEFT_BEHIND_S
+    while (left := job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = [describe_process(pid) for pid in left]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    return described
+
+
 def describe_process(pid: int) -> str:
     """PID, its name and command line, and its parent, as /proc has them (what a process left behind was)."""
     proc = Path("/proc") / str(pid)
@@ -394,16 +411,10 @@ def kill_check(i: int, case: dict[str, Any], root: Path, timeout: float, seed: i
             proc.kill()
             row["rc"] = "timeout"
     err = log.read_text()
-    # the launcher has returned: what it started may take a moment to exit on a busy machine, not 10 s
-    deadline = time.monotonic() + LEFT_BEHIND_S
-    while (left := job_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = wait_for_exit(marker)
     row["left_behind"] = len(left)
     if left:
-        row["left"] = [describe_process(pid) for pid in left]
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 9)
+        row["left"] = left
     a, b = losses(ref), losses(out)
     va, vb = ({s: val_loss(o, s) for s in (3, 6)} for o in (ref, out))
     row["bitwise"] = sorted(b) == list(range(1, 8)) and a == b and va == vb
@@ -412,6 +423,43 @@ def kill_check(i: int, case: dict[str, Any], root: Path, timeout: float, seed: i
     return row, "" if row["verdict"] != "BUG" else (f"{err}\nrank {rank} killed: {row['killed']}, restarted: "
                                                     f"{restarted}, processes left behind: {row.get('left', [])}\n"
                                                     f"losses {a} {va} against {b} {vb}")
+
+
+def cluster_file(case: dict[str, Any], out: Path, port: int, marker: str) -> dict[str, Any]:
+    """`--launch`'s cluster file: two nodes on this machine (`sh -c`, no ssh), half of the case's ranks each, the
+    case's options and TINY as the training overrides, 3 steps."""
+    argv = train_argv(case, out, 3)
+    overrides: dict[str, Any] = {"train.steps": 3}
+    for item in argv[argv.index("--nproc") + 2:]:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    half = case["nproc"] // 2
+    return {"name": "compose",
+            "nodes": [{"host": f"node{k}", "addr": "127.0.0.1", "slots": half} for k in range(2)],
+            "rendezvous": {"port": port, "join_timeout_s": 120},
+            "env": {MARKER: marker.partition("=")[2]},
+            "ssh": {"command": "sh -c {command}", "stop_grace_s": 5},
+            "train": {"overrides": overrides, "out": str(out)}}
+
+
+def launch_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tuple[dict[str, Any], str]:
+    """(`--launch`'s row, the stderr to keep when it is a bug): the case as a two-node `moebal launch` job against
+    its own `--nproc` run (module docstring)."""
+    from moebal.launch.spawn import free_port
+
+    out, marker = root / f"case{i}-launch", f"{MARKER}={uuid.uuid4().hex}"
+    spec = root / f"case{i}-cluster.yaml"
+    spec.write_text(yaml.safe_dump(cluster_file(case, out, free_port(), marker)), encoding="utf-8")
+    rc, err = run([sys.executable, "-m", "moebal.cli", "launch", str(spec)], timeout)
+    left = wait_for_exit(marker)
+    a, b = losses(root / f"case{i}"), losses(out)
+    row: dict[str, Any] = {"rc": rc, "left_behind": len(left),
+                           "bitwise": sorted(b) == [1, 2, 3] and a == b and
+                           val_loss(root / f"case{i}", 3) == val_loss(out, 3)}
+    if left:
+        row["left"] = left
+    row["verdict"] = "ok" if rc == 0 and row["bitwise"] and not left else "BUG"
+    return row, "" if row["verdict"] == "ok" else f"{err}\nprocesses left behind: {left}\nlosses {a} against {b}"
 
 
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -471,6 +519,11 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
         if row["kill"]["verdict"] == "BUG":
             row["verdict"] = "BUG-kill"
             bad["kill"] = err5
+    if row["verdict"] == "ok" and args.launch and case["nproc"] > 1:
+        row["launch"], err6 = launch_check(i, case, root, args.timeout)
+        if row["launch"]["verdict"] == "BUG":
+            row["verdict"] = "BUG-launch"
+            bad["launch"] = err6
     row["seconds"] = round(time.perf_counter() - t0, 1)
     for what, text in bad.items():
         keep = Path(args.keep or root)
@@ -509,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", action="store_true",
                     help="also train each ok case of several processes 7 steps with a rank SIGKILLed after the "
                          "step-4 checkpoint, restarted by the launcher: the losses must equal an uninterrupted run's")
+    ap.add_argument("--launch", action="store_true",
+                    help="also run each ok case of several processes as a two-node moebal launch job on this machine: "
+                         "the losses must equal the --nproc run's")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
     ap.add_argument("--fix", action="append", default=[], metavar="OPTION=VALUE",
                     help="give an option one value in every case (a YAML scalar; repeatable), to aim a draw at a "
@@ -526,18 +582,20 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.cases):
         rows.append(check_case(i, sample(rng, fixed), root, args))
         r = rows[-1]
-        kill = f"kill {r['kill']['verdict']}  " if "kill" in r else ""
+        kill = "".join(f"{leg} {r[leg]['verdict']}  " for leg in ("kill", "launch") if leg in r)
         print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {kill}{r['line'][:100]}", file=sys.stderr,
               flush=True)
     counts = {v: sum(r["verdict"] == v for r in rows)
-              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike", "BUG-kill")}
+              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike", "BUG-kill",
+                        "BUG-launch")}
     failed = sum(v for k, v in counts.items() if k.startswith("BUG"))
     print(f"{args.cases} cases (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in counts.items()),
           file=sys.stderr)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
-                       "spike": args.spike, "kill": args.kill, "fixed": fixed, "counts": counts, "rows": rows}, f,
+                       "spike": args.spike, "kill": args.kill,
+                       "launch": args.launch, "fixed": fixed, "counts": counts, "rows": rows}, f,
                       indent=1)
     if failed and not args.keep:
         print(f"the failing cases' stderr is in {root}", file=sys.stderr)

@@ -100,3 +100,20 @@ def test_a_job_s_processes_are_found_by_its_marker(script):
         proc.kill()
         proc.wait()
     assert script.job_processes(marker) == []
+
+
+def test_the_launch_leg_s_cluster_file_splits_the_case_s_ranks_over_two_local_nodes(script, tmp_path):
+    import yaml
+
+    from moebal.launch.cluster import flatten_overrides, load_cluster
+
+    case = script.sample(random.Random(5), {"nproc": 4, "parallel.pp": 2})
+    case["hf.init_from"] = None
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(script.cluster_file(case, tmp_path / "run", 29999, f"{script.MARKER}=x")))
+    c = load_cluster(spec)  # the launcher's own checks of the file
+    assert [n.slots for n in c.nodes] == [2, 2] and c.endpoint == "127.0.0.1:29999"
+    assert c.ssh.command == "sh -c {command}" and c.env == {script.MARKER: "x"}
+    overrides = flatten_overrides(c.train.overrides)
+    assert overrides["train.steps"] == 3 and overrides["parallel.pp"] == 2 and overrides["model.dim"] == 32
+    assert overrides["dynamism.scheme"] == case["dynamism.scheme"]  # the case's options, typed as YAML reads them
