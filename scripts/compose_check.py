@@ -327,9 +327,9 @@ def spike_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tup
 KILL_AFTER = 4
 """`--kill`'s rank dies as soon as this step's checkpoint is complete (its directory renamed into place)."""
 LEFT_BEHIND_S = 10.0
-"""How long a `--kill` job's processes may outlive its launcher before they count as left behind."""
+"""How long the processes of a `--kill` or `--launch` job may outlive its launcher before they count as left behind."""
 MARKER = "MOEBAL_COMPOSE_JOB"
-"""The environment variable that marks a `--kill` job's processes (each job its own value)."""
+"""The environment variable that marks the processes of a `--kill` or `--launch` job (each job its own value)."""
 
 
 def job_processes(marker: str) -> list[int]:
