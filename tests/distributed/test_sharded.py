@@ -346,12 +346,13 @@ def test_what_is_not_built_is_refused_with_the_fix():
                       "dynamism": {"scheme": "early_exit"}}).dynamism.scheme == "early_exit"
     assert from_dict({"parallel": {"pp": 2, "shard": "optimizer"}, "model": {"n_layers": 2}}).parallel.pp == 2
     assert shard_cfg("optimizer", 2).parallel.shard == "optimizer"
-    # bf16 weights in a pipeline: built, except with pruning (its masks act on gradients the optimizer sums apart)
+    # bf16 weights in a pipeline: built, with pruning too (its masks reach the fp32 gradient sums and masters,
+    # tests/distributed/test_pipeline_sharded.py)
     assert shard_cfg("optimizer", 1, precision="bf16", parallel={"pp": 2, "param_dtype": "bf16"},
                      sections={"model": {"n_layers": 2}}).parallel.param_dtype == "bf16"
-    with pytest.raises(ConfigError, match="not built with dynamism.scheme=pruning.*parallel.param_dtype=fp32"):
-        shard_cfg("optimizer", 1, precision="bf16", parallel={"pp": 2, "param_dtype": "bf16"},
-                  sections={"model": {"n_layers": 2}, "dynamism": {"scheme": "pruning"}})
+    pruned = shard_cfg("optimizer", 1, precision="bf16", parallel={"pp": 2, "param_dtype": "bf16"},
+                       sections={"model": {"n_layers": 2}, "dynamism": {"scheme": "pruning"}})
+    assert pruned.dynamism.scheme == "pruning"
     with pytest.raises(ConfigError, match="mixed-precision policy: set parallel.shard=full or optimizer"):
         shard_cfg("none", 1, parallel={"pp": 2, "reduce_dtype": "bf16"}, sections={"model": {"n_layers": 2}})
 
