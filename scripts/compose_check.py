@@ -411,17 +411,14 @@ def kill_check(i: int, case: dict[str, Any], root: Path, timeout: float, seed: i
             proc.kill()
             row["rc"] = "timeout"
     err = log.read_text()
-    left = wait_for_exit(marker)
-    row["left_behind"] = len(left)
-    if left:
-        row["left"] = left
+    row["left"] = wait_for_exit(marker)
     a, b = losses(ref), losses(out)
     va, vb = ({s: val_loss(o, s) for s in (3, 6)} for o in (ref, out))
     row["bitwise"] = sorted(b) == list(range(1, 8)) and a == b and va == vb
     restarted = "restarting every rank from the last checkpoint (restart 1 of 1)" in err
-    row["verdict"] = kill_verdict(row["killed"], row["rc"], restarted, row["bitwise"], row["left_behind"])
+    row["verdict"] = kill_verdict(row["killed"], row["rc"], restarted, row["bitwise"], len(row["left"]))
     return row, "" if row["verdict"] != "BUG" else (f"{err}\nrank {rank} killed: {row['killed']}, restarted: "
-                                                    f"{restarted}, processes left behind: {row.get('left', [])}\n"
+                                                    f"{restarted}, processes left behind: {row['left']}\n"
                                                     f"losses {a} {va} against {b} {vb}")
 
 
@@ -453,11 +450,9 @@ def launch_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tu
     rc, err = run([sys.executable, "-m", "moebal.cli", "launch", str(spec)], timeout)
     left = wait_for_exit(marker)
     a, b = losses(root / f"case{i}"), losses(out)
-    row: dict[str, Any] = {"rc": rc, "left_behind": len(left),
+    row: dict[str, Any] = {"rc": rc, "left": left,
                            "bitwise": sorted(b) == [1, 2, 3] and a == b and
                            val_loss(root / f"case{i}", 3) == val_loss(out, 3)}
-    if left:
-        row["left"] = left
     row["verdict"] = "ok" if rc == 0 and row["bitwise"] and not left else "BUG"
     return row, "" if row["verdict"] == "ok" else f"{err}\nprocesses left behind: {left}\nlosses {a} against {b}"
 
