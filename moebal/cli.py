@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("moebal.commands.convert", "convert checkpoints between HF and moebal"),
     "launch": ("moebal.commands.launch", "launch a multi-node job described in YAML"),
     "paths": ("moebal.commands.paths", "build Lina's sample-path profile from a run's recorded routing"),
+    "generate": ("moebal.commands.generate", "text from a run's checkpoint or a HF checkpoint, with a KV cache"),
     "eval": ("moebal.commands.eval", "a run's model forward with expert parallelism under Lina's inference scheduling"),
 }
 

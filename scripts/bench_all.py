@@ -460,6 +460,8 @@ RUNS: tuple[Run, ...] = (
     Run("test_sharded", ("python", "-m", "pytest", "tests/distributed/test_sharded.py"), json="none"),
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
+    Run("test_generate", ("python", "-m", "pytest", "tests/unit/test_generate.py",
+                          "tests/integration/test_generate_cli.py"), json="none"),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
     Run("lina_inference", ("python", "scripts/bench_lina_inference.py", "--ranks", "4", "--rounds", "10",
                            "--profile-batches", "8", "--dilate", "1", "3", "--width", "1024", "4096"),
@@ -574,6 +576,10 @@ ROWS: tuple[Row, ...] = (
         TEST, asserts="recomputation bit-identical to none in fp32 (one process, expert parallel with replicas, "
         "2 stages, early exit's and MoD's token subsets); a rank's locally built tensors equal the full model's "
         "bit for bit"),
+    Row("text generation (`moebal generate`): the KV-cached decoder", "test_generate", fig_pytest,
+        TEST, asserts="cached logits within 1e-5 of the full forward (grouped-query and latent attention, a "
+        "sliding window, q/k norms, tied embeddings); greedy tokens equal transformers' `generate` on Mixtral, "
+        "Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a scheme's run served through the scheme"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
         TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
         "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),

@@ -123,6 +123,12 @@ class MLAttention(nn.Module):
         return rotate_interleaved(x, cos_TR, sin_TR) if self.interleave else apply_rotary(x, cos_TR, sin_TR)
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.qkv(x_BTD, cos_TR, sin_TR), None)
+
+    def qkv(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor,
+            sin_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys [B, H, T, N + R] (the rotary key shared by every head), values [B, H, T, V]; as the
+        grouped-query `Attention.qkv` (the KV-cached decoder keeps these keys and values, not the latent)."""
         B, T, _ = x_BTD.shape
         H, N, R, V = self.n_heads, self.nope, self.rope, self.v_dim
         q_BTX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
@@ -134,6 +140,13 @@ class MLAttention(nn.Module):
         k_rot_B1TR = self._rotate(k_rot_BTR.view(B, 1, T, R), cos_TR, sin_TR)
         q_BHTK = torch.cat([q_nope_BHTN, q_rot_BHTR], dim=-1)
         k_BHTK = torch.cat([k_nope_BHTN, k_rot_B1TR.expand(B, H, T, R)], dim=-1)  # one rotary key for every head
-        o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True, scale=self.softmax_scale)
-        out_BTD: torch.Tensor = self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, H * V))
+        return q_BHTK, k_BHTK, v_BHTV
+
+    def attend(self, q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Tensor,
+               mask_TS: torch.Tensor | None) -> torch.Tensor:
+        """As `Attention.attend`: over S keys under `mask_TS`, or causal (None)."""
+        B, H, T, _ = q_BHTK.shape
+        o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask_TS, is_causal=mask_TS is None,
+                                                scale=self.softmax_scale)
+        out_BTD: torch.Tensor = self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, H * self.v_dim))
         return out_BTD

@@ -147,19 +147,33 @@ class Attention(nn.Module):
         return y_BTHK.transpose(1, 2)
 
     def forward(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor) -> torch.Tensor:
+        T = x_BTD.shape[1]
+        q_BHTK, k_BGTK, v_BGTK = self.qkv(x_BTD, cos_TK, sin_TK)
+        if self.sliding_window is not None and self.sliding_window < T:
+            # Within the window the mask is plain causal; only longer sequences need the explicit mask (and lose
+            # the is_causal fast path).
+            return self.attend(q_BHTK, k_BGTK, v_BGTK, window_mask(T, self.sliding_window, x_BTD.device))
+        return self.attend(q_BHTK, k_BGTK, v_BGTK, None)
+
+    def qkv(self, x_BTD: torch.Tensor, cos_TK: torch.Tensor,
+            sin_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, H, T, K], keys and values [B, G, T, K] of `x_BTD`, the rotary tables those of its positions
+        (also the KV-cached decoder's, moebal/models/generate.py)."""
         B, T, _ = x_BTD.shape
         q_BHTK = self.project(x_BTD, self.q_proj, self.n_heads, "q_norm")
         k_BGTK = self.project(x_BTD, self.k_proj, self.n_kv_heads, "k_norm")
         v_BGTK = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTK = apply_rotary(q_BHTK, cos_TK, sin_TK)
-        k_BGTK = apply_rotary(k_BGTK, cos_TK, sin_TK)
-        if self.sliding_window is not None and self.sliding_window < T:
-            # Within the window the mask is plain causal; only longer sequences need the explicit mask (and lose
-            # the is_causal fast path).
-            mask_TT = window_mask(T, self.sliding_window, x_BTD.device)
-            o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, attn_mask=mask_TT)
+        return apply_rotary(q_BHTK, cos_TK, sin_TK), apply_rotary(k_BGTK, cos_TK, sin_TK), v_BGTK
+
+    def attend(self, q_BHTK: torch.Tensor, k_BGSK: torch.Tensor, v_BGSK: torch.Tensor,
+               mask_TS: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of attention over S keys: `mask_TS` (True: may attend), or None for causal
+        attention over as many keys as queries."""
+        B, _, T, _ = q_BHTK.shape
+        if mask_TS is None:
+            o_BHTK = grouped_sdpa(q_BHTK, k_BGSK, v_BGSK, is_causal=True)
         else:
-            o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
+            o_BHTK = grouped_sdpa(q_BHTK, k_BGSK, v_BGSK, attn_mask=mask_TS)
         out_BTD: torch.Tensor = self.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return out_BTD
 

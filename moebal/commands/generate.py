@@ -1,0 +1,171 @@
+"""`moebal generate`: text from a trained run's newest checkpoint, or from a HF (or converted) checkpoint directory,
+with a KV cache (moebal/models/generate.py).
+
+Example: moebal generate runs/default-2026... --prompt "def main(" --max-new-tokens 64
+         moebal generate hf/Mixtral-8x7B-v0.1 --prompt "The capital of France is" --device cuda --dtype bf16
+(greedy by default; `--temperature 0.8 --top-p 0.95 --seed 1` samples, the same text for the same seed.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moebal.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a run directory of `moebal train` (its newest checkpoint), or a HF checkpoint "
+                   "directory (config.json) or one `moebal convert hf-to-moebal` wrote")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", action="append", help="a prompt (repeat for several, each generated in turn)")
+    what.add_argument("--prompt-ids", action="append",
+                      help="a prompt as comma-separated token ids (no tokenizer needed; repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
+    p.add_argument("--stop-id", type=int, action="append", default=None,
+                   help="end a generation at this token id (repeatable; default: the checkpoint's eos_token_id "
+                        "where its HF config names one, else none; -1: none)")
+    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: the run's data.tokenizer, "
+                   "or the checkpoint directory's tokenizer.json)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="run the whole prefix's forward for every new token instead of the KV cache (a reference)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights and compute (default fp32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def eos_ids(hf_dir: Path | None) -> list[int]:
+    """The `eos_token_id` (an id or a list) of a HF checkpoint directory: its generation_config.json's, as
+    transformers' `generate` takes it, else its config.json's (hf_config.json in a converted directory); none
+    where they name none."""
+    if hf_dir is None:
+        return []
+    for name in ("generation_config.json", "config.json", "hf_config.json"):
+        f = hf_dir / name
+        if f.is_file():
+            try:
+                eos = json.loads(f.read_text()).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                return []
+            ids = eos if isinstance(eos, list) else [eos]
+            return [int(i) for i in ids if isinstance(i, int)]
+    return []
+
+
+@dataclass
+class Source:
+    """What `moebal generate` serves."""
+
+    cfg: Any
+    model: Any
+    served: Any
+    """How a dynamism scheme serves the run (moebal.commands.eval.Served), None for the plain model."""
+    hf_dir: Path | None
+    """The HF directory the eos id comes from."""
+    special_tokens: bool
+    """Encode prompts with the tokenizer's special tokens: a run's data.add_special_tokens (prompts as its samples
+    were); for a checkpoint directory, yes (a LLaMA tokenizer's BOS, as transformers' tokenizers encode)."""
+
+
+def load_source(source: Path) -> Source:
+    """A run directory's newest checkpoint, or a checkpoint directory's weights."""
+    from moebal.commands.eval import load_run_model
+    from moebal.interop.hf import config_from_hf, from_hf
+
+    if not source.is_dir():
+        raise ConfigError(f"{source}: not a directory: give a run directory of `moebal train` or a checkpoint "
+                          f"directory (HF, or one `moebal convert hf-to-moebal` wrote)")
+    if (source / "config.yaml").is_file() and not (source / "hf_config.json").is_file():
+        cfg, model, served = load_run_model(source)
+        init = Path(cfg.hf.init_from) if cfg.hf.init_from else None
+        return Source(cfg, model, served, init if init is not None and init.is_dir() else None,
+                      cfg.data.add_special_tokens)
+    if not ((source / "config.json").is_file() or (source / "hf_config.json").is_file()):
+        raise ConfigError(f"{source}: neither a run directory (config.yaml) nor a checkpoint directory "
+                          f"(config.json, or hf_config.json from `moebal convert`)")
+    try:
+        cfg = config_from_hf(source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return Source(cfg, from_hf(source, cfg=cfg).eval(), None, source, True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from moebal.data import load_tokenizer
+    from moebal.models.generate import Sampling, generate
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError(f"--device {args.device!r} is not a device: cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: this machine has no CUDA device torch can use; use --device cpu")
+    source = Path(args.source)
+    src = load_source(source)
+    cfg, model, served = src.cfg, src.model, src.served
+    # the new tokens are shown as text wherever a tokenizer is at hand, also for --prompt-ids
+    spec = args.tokenizer or cfg.data.tokenizer
+    tok = load_tokenizer(spec, src.special_tokens) if spec == "byte" or Path(spec).is_file() else None
+    if tok is None and args.prompt is not None:
+        raise ConfigError(f"no tokenizer for text prompts: {spec} does not exist; give --tokenizer (a "
+                          f"tokenizer.json) or the prompt as --prompt-ids")
+    if tok is not None and tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens and the model {cfg.model.vocab_size}: give "
+                          f"the model's own tokenizer (--tokenizer)")
+    if args.prompt is not None:
+        assert tok is not None  # refused above
+        prompts = [[int(i) for i in tok.encode(t.encode())] for t in args.prompt]
+    else:
+        prompts = [_ids(s, cfg.model.vocab_size) for s in args.prompt_ids]
+    stops = args.stop_id if args.stop_id is not None else eos_ids(src.hf_dir)
+    model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    cache = served is None and not args.no_cache
+    if served is not None and not args.json:
+        print(f"served as the run validated after step {served.step}: {served.line}; no KV cache (the whole "
+              f"prefix runs for every new token)")
+    for ids in prompts:
+        try:
+            g = generate(model, ids, args.max_new_tokens, sampling, cache=cache, stop_ids=stops)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        text = tok.decode(np.asarray(g.tokens)) if tok is not None else None
+        if args.json:
+            print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
+                              "prefill_s": round(g.prefill_s, 6), "decode_tokens_per_s": round(g.tokens_per_s, 3),
+                              "cache": cache, "served": served.line if served is not None else None,
+                              "sampling": dataclasses.asdict(sampling)}))
+        else:
+            shown = repr(tok.decode(np.asarray(g.prompt)) + text) if tok is not None and text is not None else \
+                f"{g.prompt} -> {g.tokens}"
+            print(f"{shown}\n  [{len(g.tokens)} tokens, stop: {g.stop}, first token {g.prefill_s * 1e3:.0f} ms, "
+                  f"{g.tokens_per_s:.1f} tokens/s after it{'' if cache else ', no KV cache'}]")
+    return 0
+
+
+def _ids(text: str, vocab: int) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text!r}: give comma-separated integers, e.g. 1,17,42") from None
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if not ids or bad:
+        raise ConfigError(f"--prompt-ids {text!r}: " + (f"ids {bad} are outside the vocabulary 0..{vocab - 1}"
+                                                       if bad else "no ids"))
+    return ids

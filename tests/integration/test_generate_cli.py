@@ -1,0 +1,133 @@
+"""`moebal generate`: text from a training run's checkpoint, a HF checkpoint directory and a converted one; a
+scheme's run served through the scheme; bad input named in a line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moebal.models.generate import generate
+from tests.cli_util import Ran, run_cli
+from tests.hf_util import tiny_mixtral, tiny_tokenizer
+from tests.unit.test_train import TINY
+
+BASE = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
+
+
+def moebal(*args: str) -> Ran:
+    """`moebal *args` in this process (tests/cli_util.py)."""
+    return run_cli(*args)
+
+
+def _json(r: Ran) -> list[dict[str, Any]]:
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.strip().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "run"
+    r = moebal("train", "--out", str(out), *BASE, "train.steps=3", "train.ckpt_every=3", "train.eval_every=3",
+               "parallel.nproc=1")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_a_run_s_checkpoint_generates_the_same_tokens_with_and_without_the_cache(run_dir: Path) -> None:
+    """Greedy, two prompts: the KV-cached tokens equal the whole-prefix forward's, the text is the byte tokenizer's
+    decoding of them; a seed repeats a sampled generation; the line output shows the prompt and the new text."""
+    cached = _json(moebal("generate", str(run_dir), "--prompt", "def ", "--prompt", "import", "--max-new-tokens",
+                          "12", "--json"))
+    plain = _json(moebal("generate", str(run_dir), "--prompt", "def ", "--prompt", "import", "--max-new-tokens",
+                         "12", "--json", "--no-cache"))
+    assert [c["tokens"] for c in cached] == [p["tokens"] for p in plain]
+    assert [c["cache"] for c in cached] == [True, True] and [p["cache"] for p in plain] == [False, False]
+    assert cached[0]["prompt_ids"] == list(b"def ") and cached[1]["prompt_ids"] == list(b"import")
+    assert all(len(c["tokens"]) == 12 and c["stop"] == "length" and c["served"] is None for c in cached)
+    assert cached[0]["text"] == bytes(cached[0]["tokens"]).decode("utf-8", errors="replace")
+    sample = ["generate", str(run_dir), "--prompt-ids", "100,101", "--temperature", "0.9", "--top-k", "50",
+              "--top-p", "0.95", "--seed", "7", "--max-new-tokens", "10", "--json"]
+    first, again = _json(moebal(*sample)), _json(moebal(*sample))
+    assert first[0]["tokens"] == again[0]["tokens"] and first[0]["sampling"]["temperature"] == 0.9
+    r = moebal("generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "4")
+    assert r.returncode == 0 and r.stdout.startswith("'def ") and "[4 tokens, stop: length" in r.stdout, r.stdout
+
+
+def test_a_hf_checkpoint_and_its_conversion_generate_transformers_tokens(tmp_path: Path) -> None:
+    """A tiny Mixtral written by transformers with its tokenizer.json: `moebal generate` on the directory and on
+    its `moebal convert hf-to-moebal` copy gives transformers' greedy tokens for the encoded prompt, and stops at the
+    eos_token_id of generation_config.json as transformers does (set to the third greedy token here)."""
+    src = tmp_path / "src"
+    ref = tiny_mixtral(src, max_position_embeddings=64)
+    tiny_tokenizer(src, ["the cat sat on the mat " * 20, "a dog ran in the park " * 20])
+    r = moebal("generate", str(src), "--prompt", "the cat", "--max-new-tokens", "16", "--json", "--stop-id", "-1")
+    got = _json(r)[0]
+    with torch.no_grad():
+        ids = torch.tensor([got["prompt_ids"]])
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(got["prompt_ids"]):].tolist()
+    assert got["prompt_ids"][0] == 0 and got["tokens"] == want  # <s> first: the tokenizer's post-processor
+    assert (src / "generation_config.json").is_file()  # transformers' generate reads its eos_token_id there
+    for name in ("generation_config.json", "config.json"):
+        config = json.loads((src / name).read_text())
+        config["eos_token_id"] = want[2]
+        (src / name).write_text(json.dumps(config))
+    assert moebal("convert", "hf-to-moebal", str(src), str(tmp_path / "mb")).returncode == 0
+    for d in (src, tmp_path / "mb"):
+        got = _json(moebal("generate", str(d), "--prompt", "the cat", "--max-new-tokens", "16", "--json"))[0]
+        assert got["tokens"] == want[:want.index(want[2]) + 1] and got["stop"] == "stop_token", (d, got)
+    (src / "tokenizer.json").unlink()
+    r = moebal("generate", str(src), "--prompt", "the cat")
+    assert r.returncode == 2 and "no tokenizer for text prompts" in r.stderr and "--prompt-ids" in r.stderr
+    assert _json(moebal("generate", str(src), "--prompt-ids", "0,5,9", "--max-new-tokens", "3", "--json"))[0][
+        "text"] is None
+
+
+def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: Path) -> None:
+    """Early exit changes the model's outputs: `moebal generate` serves the run as its validation ran after the
+    checkpoint's step, with the whole prefix's forward per new token, and says so; the KV-cached decoder refuses
+    such a model instead of computing the plain one."""
+    from moebal.commands.eval import load_run_model
+
+    out = tmp_path / "run"
+    r = moebal("train", "--out", str(out), *BASE, "train.steps=3", "train.ckpt_every=3", "train.eval_every=3",
+               "parallel.nproc=1", "dynamism.scheme=early_exit", "model.n_layers=4",
+               "dynamism.early_exit.threshold=0.9")
+    assert r.returncode == 0, r.stderr
+    got = _json(moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "6", "--json"))[0]
+    assert got["cache"] is False and "exceeds 0.9" in got["served"] and len(got["tokens"]) == 6, got
+    r = moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")
+    assert r.returncode == 0 and "served as the run validated after step 3" in r.stdout, r.stdout
+    _, model, served = load_run_model(out)
+    assert served is not None
+    assert generate(model, list(b"def "), 6, cache=False).tokens == got["tokens"]
+    with pytest.raises(ValueError, match="no KV-cached form"):
+        generate(model, list(b"def "), 6)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number"),
+    (["--prompt", "x", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "x", "--max-new-tokens", "70"], "exceed the model's max_seq_len (64)"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,300"], "ids [300] are outside the vocabulary 0..255"),
+    (["--prompt", "x", "--device", "cuda"], "no CUDA device"),
+    (["--prompt", "x", "--tokenizer", "nope.json"], "no tokenizer for text prompts: nope.json does not exist"),
+])
+def test_bad_input_is_named_in_a_line(run_dir: Path, args: list[str], words: str) -> None:
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = moebal("generate", str(run_dir), *args)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_directory_that_is_neither_a_run_nor_a_checkpoint_is_named(tmp_path: Path) -> None:
+    r = moebal("generate", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2 and "not a directory" in r.stderr
+    r = moebal("generate", str(tmp_path), "--prompt", "x")
+    assert r.returncode == 2 and "neither a run directory" in r.stderr and "Traceback" not in r.stderr
