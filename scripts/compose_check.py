@@ -41,6 +41,12 @@ With `--launch`, an ok case of several processes also runs as a two-node job of 
 (two torchrun agents meeting through a c10d rendezvous on the loopback, half the ranks each, every rank a new
 interpreter): its 3 steps' losses and validation must equal the `--nproc` run's bit for bit, and no process of
 the job may outlive it (`BUG-launch` otherwise).
+With `--generate`, an ok case's step-3 checkpoint also generates 8 greedy tokens after a 12-token prompt (`moebal
+generate`), which must run or refuse in one line; then, in this process, the model loaded as the command loads it
+decodes the prompt and those tokens with its KV cache: every position's logits within 1e-4 (of the largest logit)
+of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it
+(`BUG-generate` otherwise). A run served through its dynamism scheme has no cached form: only the command is
+checked.
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -49,7 +55,7 @@ losses (a resume reuses its run's measured figures; here the resumed run is comp
 layer balancer still plans on measured times: its migrations keep the losses bit for bit.
 
     python scripts/compose_check.py [--cases 40] [--seed 0] [--resume] [--eval] [--spike] [--kill] [--launch]
-                                    [--fix OPTION=VALUE ...] [--json OUT] [--keep DIR]
+                                    [--generate] [--fix OPTION=VALUE ...] [--json OUT] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -457,6 +463,57 @@ def launch_check(i: int, case: dict[str, Any], root: Path, timeout: float) -> tu
     return row, "" if row["verdict"] == "ok" else f"{err}\nprocesses left behind: {left}\nlosses {a} against {b}"
 
 
+GEN_PROMPT = list(range(40, 52))
+"""`--generate`'s prompt: 12 byte ids (a byte-tokenizer run's "()*+,-./0123"; ids of the HF base's vocabulary)."""
+GEN_NEW = 8
+GEN_TOL = 1e-4
+
+
+def generate_check(out: Path, timeout: float) -> tuple[dict[str, Any], str]:
+    """(`--generate`'s row, the stderr to keep when it is a bug): `moebal generate` of the run in `out`, then its
+    KV-cached decoder against the model's forward (module docstring)."""
+    printed: list[str] = []
+    rc, err = run([sys.executable, "-m", "moebal.cli", "generate", str(out), "--prompt-ids",
+                   ",".join(map(str, GEN_PROMPT)), "--max-new-tokens", str(GEN_NEW), "--stop-id", "-1", "--json"],
+                  timeout, printed)
+    row: dict[str, Any] = {"rc": rc, "verdict": verdict(rc, err, "generate")}
+    if row["verdict"] != "ok":
+        return row, err if row["verdict"] == "BUG" else ""
+    got = json.loads(printed[0].strip().splitlines()[-1])
+    row["cache"] = got["cache"]
+    if got["cache"]:
+        row["logits_diff"], row["argmax_gap"] = cached_against_full(out, GEN_PROMPT, got["tokens"])
+        if not (row["logits_diff"] <= GEN_TOL and row["argmax_gap"] <= GEN_TOL):
+            row["verdict"] = "BUG"
+            return row, (f"{printed[0]}\ncached logits {row['logits_diff']:.3g} of the largest away from the "
+                         f"forward's; a generated token {row['argmax_gap']:.3g} below the forward's most likely")
+    return row, ""
+
+
+def cached_against_full(out: Path, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
+    """(the largest difference between the KV-cached decoder's logits and the forward's over `prompt` + `tokens`,
+    the largest margin by which a generated token falls short of the forward's most likely one at its position),
+    both relative to the largest logit; the model of the run in `out` loaded as `moebal generate` loads it."""
+    import torch
+
+    from moebal.commands.generate import load_source
+    from moebal.models.generate import KVCache, cached_forward, dropless
+
+    model = load_source(out).model
+    ids = torch.tensor([prompt + tokens])
+    n, total = len(prompt), ids.shape[1]
+    cache = KVCache.empty(len(model.model.layers), total)
+    with torch.no_grad(), dropless(model):
+        full = model(ids).logits[0].float()
+        parts = [cached_forward(model, ids[:, :n], cache)]
+        parts += [cached_forward(model, ids[:, t:t + 1], cache) for t in range(n, total)]
+    cached = torch.cat(parts, dim=1)[0].float()
+    scale = float(full.abs().max())
+    at = full[n - 1:n - 1 + len(tokens)]  # the logits each generated token was chosen from
+    gap = at.max(-1).values - at[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return float((cached - full).abs().max()) / scale, float(gap.max()) / scale
+
+
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = root / f"case{i}"
     if case.get("hf.init_from"):
@@ -504,6 +561,11 @@ def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespac
         if row["eval"]["verdict"] == "BUG":
             row["verdict"] = "BUG-eval"
             bad["eval"] = err3
+    if row["verdict"] == "ok" and args.generate:
+        row["generate"], err7 = generate_check(out, args.timeout)
+        if row["generate"]["verdict"] == "BUG":
+            row["verdict"] = "BUG-generate"
+            bad["generate"] = err7
     if row["verdict"] == "ok" and args.spike:
         row["spike"], err4 = spike_check(i, case, root, args.timeout)
         if row["spike"]["verdict"] == "BUG":
@@ -560,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch", action="store_true",
                     help="also run each ok case of several processes as a two-node moebal launch job on this machine: "
                          "the losses must equal the --nproc run's")
+    ap.add_argument("--generate", action="store_true",
+                    help="also generate from each ok case's checkpoint: the KV-cached decoder must give the forward's "
+                         "logits")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per command (default 300)")
     ap.add_argument("--fix", action="append", default=[], metavar="OPTION=VALUE",
                     help="give an option one value in every case (a YAML scalar; repeatable), to aim a draw at a "
@@ -581,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"case {i:>3} {r['verdict']:<10} {r['seconds']:>6.1f} s  {kill}{r['line'][:100]}", file=sys.stderr,
               flush=True)
     counts = {v: sum(r["verdict"] == v for r in rows)
-              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-spike", "BUG-kill",
+              for v in ("ok", "refused", "BUG", "BUG-resume", "BUG-eval", "BUG-generate", "BUG-spike", "BUG-kill",
                         "BUG-launch")}
     failed = sum(v for k, v in counts.items() if k.startswith("BUG"))
     print(f"{args.cases} cases (seed {args.seed}): " + ", ".join(f"{k} {v}" for k, v in counts.items()),
@@ -589,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"seed": args.seed, "cases": args.cases, "resume": args.resume, "eval": args.eval,
-                       "spike": args.spike, "kill": args.kill,
+                       "generate": args.generate, "spike": args.spike, "kill": args.kill,
                        "launch": args.launch, "fixed": fixed, "counts": counts, "rows": rows}, f,
                       indent=1)
     if failed and not args.keep:

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
@@ -106,6 +107,14 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     q_BHTK = apply_rotary(attn.project(x_BTD, attn.q_proj, attn.n_heads, "q_norm"), cos_TK, sin_TK)
     k_BGTK = apply_rotary(attn.project(x_BTD, attn.k_proj, attn.n_kv_heads, "k_norm"), cos_TK, sin_TK)
     v_BGTK = attn.v_proj(x_BTD).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    pad = -T % block
+    if pad:
+        # A prefix being generated (`moebal generate`; training and validation rows hold whole blocks): zero rows
+        # complete the last block. They come after every real query, so causal attention never reads them, and the
+        # last block's pooled query and key become its real rows' sums over the block: the key blocks that query
+        # block ranks keep the order its real rows' means give them (one positive factor), and its own block, the
+        # diagonal, is kept anyway. The padded rows' outputs are dropped below.
+        q_BHTK, k_BGTK, v_BGTK = (F.pad(t, (0, 0, 0, pad)) for t in (q_BHTK, k_BGTK, v_BGTK))
     s_BGNN = block_scores(q_BHTK, k_BGTK, block)
     dtype = q_BHTK.dtype
     with torch.autocast(x_BTD.device.type, enabled=False) if fp32_core else contextlib.nullcontext():
@@ -115,7 +124,7 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
             o_BHTK = grouped_sdpa(q_BHTK, k_BGTK, v_BGTK, is_causal=True)
         else:
             o_BHTK = block_sparse_attention(q_BHTK, k_BGTK, v_BGTK, select_from_scores(s_BGNN, block, density))
-    o_BHTK = o_BHTK.to(dtype)
+    o_BHTK = o_BHTK[:, :, :T].to(dtype)
     out_BTD: torch.Tensor = attn.o_proj(o_BHTK.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
     return out_BTD, s_BGNN
 

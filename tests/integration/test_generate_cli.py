@@ -13,6 +13,7 @@ import torch
 from moebal.models.generate import generate
 from tests.cli_util import Ran, run_cli
 from tests.hf_util import tiny_mixtral, tiny_tokenizer
+from tests.integration.test_paths_cli import SERVED
 from tests.unit.test_train import TINY
 
 BASE = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every="))]
@@ -87,23 +88,24 @@ def test_a_hf_checkpoint_and_its_conversion_generate_transformers_tokens(tmp_pat
         "text"] is None
 
 
-def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: Path) -> None:
-    """Early exit changes the model's outputs: `moebal generate` serves the run as its validation ran after the
-    checkpoint's step, with the whole prefix's forward per new token, and says so; the KV-cached decoder refuses
-    such a model instead of computing the plain one."""
+@pytest.mark.parametrize("scheme", list(SERVED))
+def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: Path, scheme: str) -> None:
+    """Mixture-of-Depths, early exit and sparse attention change the model's outputs: `moebal generate` serves the
+    run as its validation ran after the checkpoint's step, with the whole prefix's forward per new token, and says
+    so; prefixes end inside an attention block (4 to 9 tokens, blocks of 8), which the sparse core once refused;
+    the KV-cached decoder refuses such a model instead of computing the plain one."""
     from moebal.commands.eval import load_run_model
 
     out = tmp_path / "run"
     r = moebal("train", "--out", str(out), *BASE, "train.steps=3", "train.ckpt_every=3", "train.eval_every=3",
-               "parallel.nproc=1", "dynamism.scheme=early_exit", "model.n_layers=4",
-               "dynamism.early_exit.threshold=0.9")
+               "parallel.nproc=1", f"dynamism.scheme={scheme}", *SERVED[scheme])
     assert r.returncode == 0, r.stderr
     got = _json(moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "6", "--json"))[0]
-    assert got["cache"] is False and "exceeds 0.9" in got["served"] and len(got["tokens"]) == 6, got
+    assert got["cache"] is False and len(got["tokens"]) == 6, got
+    _, model, served = load_run_model(out)
+    assert served is not None and got["served"] == served.line
     r = moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")
     assert r.returncode == 0 and "served as the run validated after step 3" in r.stdout, r.stdout
-    _, model, served = load_run_model(out)
-    assert served is not None
     assert generate(model, list(b"def "), 6, cache=False).tokens == got["tokens"]
     with pytest.raises(ValueError, match="no KV-cached form"):
         generate(model, list(b"def "), 6)

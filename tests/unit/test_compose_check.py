@@ -117,3 +117,24 @@ def test_the_launch_leg_s_cluster_file_splits_the_case_s_ranks_over_two_local_no
     overrides = flatten_overrides(c.train.overrides)
     assert overrides["train.steps"] == 3 and overrides["parallel.pp"] == 2 and overrides["model.dim"] == 32
     assert overrides["dynamism.scheme"] == case["dynamism.scheme"]  # the case's options, typed as YAML reads them
+
+
+def test_the_generate_leg_compares_the_cached_decoder_with_the_forward(script, tmp_path, monkeypatch):
+    """`--generate` on a tiny run: `moebal generate` runs, and the KV-cached decoder's logits match the forward's
+    (ok); a decoder whose logits drift by 1e-2 is a bug."""
+    from tests.cli_util import run_cli
+    from tests.unit.test_train import TINY
+
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.ckpt_every="))]
+    assert run_cli("train", "--out", str(out), *tiny, "train.steps=2", "train.ckpt_every=2",
+                   "parallel.nproc=1").returncode == 0
+    row, err = script.generate_check(out, 120.0)
+    assert row["verdict"] == "ok" and row["cache"] and row["logits_diff"] < 1e-5 and row["argmax_gap"] == 0, (row, err)
+
+    import moebal.models.generate as gen
+
+    real = gen.cached_forward
+    monkeypatch.setattr(gen, "cached_forward", lambda *a: real(*a) + 1e-2)
+    row, err = script.generate_check(out, 120.0)
+    assert row["verdict"] == "BUG" and "of the largest away from the forward's" in err, row

@@ -3,6 +3,8 @@ refusals."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -315,3 +317,35 @@ def test_the_layer_at_density_one_is_the_plain_layer() -> None:
     layer = m.model.layers[1]
     torch.testing.assert_close(s.layer_forward(1, layer, h, cos, sin, {}), layer(h, cos, sin), rtol=0, atol=0)
     assert s.needed[s.L + 1] == 2  # the coverage statistics counted the two rows
+
+
+@pytest.mark.parametrize("T", [5, 16, 37, 48])
+def test_a_prefix_of_any_length_keeps_its_real_rows_selection(T: int) -> None:
+    """`moebal generate` runs a sparse-attention run on prefixes of every length; training rows hold whole blocks.
+    On a prefix that ends inside a block, each query block keeps the key blocks its real rows' mean-pooled scores
+    rank highest (the last block's mean over its real rows only), and the output is dense attention under that
+    selection's mask, to 1e-5; on whole blocks the same reference holds."""
+    from moebal.dynamism.sparse_attention import sparse_attention_forward
+    from moebal.kernels.sparse_attention import dense_block_attention, select_from_scores
+    from moebal.models.transformer import Attention, Rotary, apply_rotary
+
+    torch.manual_seed(0)
+    block, density = 8, 0.4
+    attn = Attention(32, 4, 2, 8)
+    x = torch.randn(2, T, 32)
+    cos, sin = Rotary(8, 64, 500.0)(T, torch.float32)
+    with torch.no_grad():
+        got, _ = sparse_attention_forward(attn, x, cos, sin, density, block)
+        q = apply_rotary(attn.project(x, attn.q_proj, 4, "q_norm"), cos, sin)
+        k = apply_rotary(attn.project(x, attn.k_proj, 2, "k_norm"), cos, sin)
+        v = attn.v_proj(x).view(2, T, 2, 8).transpose(1, 2)
+        N = -(-T // block)
+        qm = torch.stack([q[:, :, n * block:(n + 1) * block].mean(2) for n in range(N)], 2)  # [B, H, N, K]
+        qm = qm.view(2, 2, 2, N, 8).mean(2)  # a group's heads averaged
+        km = torch.stack([k[:, :, n * block:(n + 1) * block].mean(2) for n in range(N)], 2)
+        s = (qm @ km.transpose(-1, -2) / 8 ** 0.5).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -math.inf)
+        sel = select_from_scores(s, block, density)
+        pad = N * block - T
+        ref = dense_block_attention(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v)), sel)[:, :, :T]
+        want = attn.o_proj(ref.transpose(1, 2).reshape(2, T, 32))
+    assert (got - want).abs().max().item() < 1e-5
