@@ -579,7 +579,8 @@ ROWS: tuple[Row, ...] = (
     Row("text generation (`moebal generate`): the KV-cached decoder", "test_generate", fig_pytest,
         TEST, asserts="cached logits within 1e-5 of the full forward (grouped-query and latent attention, a "
         "sliding window, q/k norms, tied embeddings); greedy tokens equal transformers' `generate` on Mixtral, "
-        "Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a scheme's run served through the scheme"),
+        "Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a scheme's run served through the scheme "
+        "(early exit KV-cached with its exits)"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
         TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
         "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),

@@ -45,8 +45,8 @@ With `--generate`, an ok case's step-3 checkpoint also generates 8 greedy tokens
 generate`), which must run or refuse in one line; then, in this process, the model loaded as the command loads it
 decodes the prompt and those tokens with its KV cache: every position's logits within 1e-4 (of the largest logit)
 of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it
-(`BUG-generate` otherwise). A run served through its dynamism scheme has no cached form: only the command is
-checked.
+(`BUG-generate` otherwise; early exit's cached decoder with its exits against the served forward). A run served
+through Mixture-of-Depths or sparse attention has no cached form: only the command is checked.
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones

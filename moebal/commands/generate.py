@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import load_tokenizer
-    from moebal.models.generate import Sampling, generate
+    from moebal.models.generate import Sampling, cached_form, generate
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
@@ -136,10 +136,14 @@ def run(args: argparse.Namespace) -> int:
         prompts = [_ids(s, cfg.model.vocab_size) for s in args.prompt_ids]
     stops = args.stop_id if args.stop_id is not None else eos_ids(src.hf_dir)
     model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    cache = served is None and not args.no_cache
+    try:
+        cached_form(model)
+        cache = not args.no_cache
+    except ValueError:  # a scheme whose tokens' paths depend on later tokens (moebal/models/generate.py)
+        cache = False
     if served is not None and not args.json:
-        print(f"served as the run validated after step {served.step}: {served.line}; no KV cache (the whole "
-              f"prefix runs for every new token)")
+        how = "KV-cached, exits included" if cache else "no KV cache (the whole prefix runs for every new token)"
+        print(f"served as the run validated after step {served.step}: {served.line}; {how}")
     for ids in prompts:
         try:
             g = generate(model, ids, args.max_new_tokens, sampling, cache=cache, stop_ids=stops)

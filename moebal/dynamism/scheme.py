@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from moebal.pipeline.units import UnitMap
 
 __all__ = ["ROW_TOKENS", "SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops",
-           "ramp", "real_positions", "register", "row_tokens", "run_as_forward", "served_forward"]
+           "ramp", "real_positions", "register", "row_tokens", "run_as_forward", "served_forward", "served_scheme"]
 
 
 class SchemeBody(Protocol):
@@ -130,6 +130,16 @@ def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor) ->
         h_BTD = scheme.layer_forward(i, layer, h_BTD, cos_TK, sin_TK, carry)
     out_BTD: torch.Tensor = body.norm(h_BTD)
     return out_BTD
+
+
+def served_scheme(body: MoebalModel) -> Dynamism | None:
+    """The scheme a model body is served through (`Dynamism.serve` made its forward `served_forward`), None for a
+    plain body."""
+    fwd = vars(body).get("forward")
+    if isinstance(fwd, functools.partial) and fwd.func is served_forward:
+        scheme: Dynamism = fwd.args[0]
+        return scheme
+    return None
 
 
 def real_positions(n_B: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:

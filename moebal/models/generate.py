@@ -4,8 +4,11 @@ The KV-cached decoder runs the model's own modules (embedding, each layer's norm
 or MoE block, final norm, head) over the new positions only, attending over the keys and values the earlier
 positions left in the cache (`KVCache`); it computes the same function as the model's forward over the whole
 sequence, so its logits match the full forward's to rounding (tests/unit/test_generate.py). A model served
-through a dynamism scheme (`Dynamism.serve`: Mixture-of-Depths, early exit, sparse attention) has no cached
-form: its forward over the whole prefix runs once per new token (`cache=False`), as `moebal eval` runs it.
+through early exit (`Dynamism.serve`) decodes with its exits: a token that leaves after a layer keeps its state
+and gives later layers only its keys and values, as the scheme's forward computes it (CALM's state propagation),
+and its compute stops there. A model served through Mixture-of-Depths or sparse attention has no cached form (a
+token's path depends on later tokens in the training forward): its forward over the whole prefix runs once per
+new token (`cache=False`), as `moebal eval` runs it.
 
 MoE layers route every token (dropless) while generating: a capacity factor is a training-time limit on the
 tokens of one batch, and one decoded token per forward would make it a different limit from the prompt's.
@@ -26,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from moebal.models.mla import MLAttention
     from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM
 
-__all__ = ["Generation", "KVCache", "Sampling", "cached_forward", "dropless", "filter_logits", "generate",
-           "next_tokens", "query_mask"]
+__all__ = ["ExitRule", "Generation", "KVCache", "Sampling", "cached_form", "cached_forward", "dropless",
+           "filter_logits", "generate", "next_tokens", "query_mask"]
 
 
 @dataclass(frozen=True)
@@ -106,27 +110,65 @@ def query_mask(start: int, new: int, window: int | None, device: torch.device) -
     return mask_TS
 
 
+@dataclass(frozen=True)
+class ExitRule:
+    """Early exit as a served run computes it (moebal/dynamism/early_exit.py): after each of layers first ..
+    last - 1 a token whose hidden state's cosine similarity across the layer exceeds `threshold` leaves; later
+    layers compute only its keys and values (from its frozen state, context for the tokens that go on)."""
+
+    first: int
+    last: int
+    threshold: float
+
+
+def cached_form(model: MoebalForCausalLM) -> ExitRule | None:
+    """How the KV-cached decoder runs `model`: None for the plain model, the exit rule of a model served through
+    early exit; a model served through another scheme has no cached form (ValueError)."""
+    from moebal.dynamism.early_exit import EarlyExit
+    from moebal.dynamism.scheme import served_scheme
+
+    scheme = served_scheme(model.model)
+    if scheme is None:
+        return None
+    if isinstance(scheme, EarlyExit):
+        return ExitRule(scheme.first_layer, scheme.L - 1, scheme.tau())
+    raise ValueError(f"this model is served through dynamism scheme {scheme.name} (Dynamism.serve), which has no "
+                     f"KV-cached form: generate with cache=False")
+
+
 def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                  cache: KVCache) -> torch.Tensor:
+                  cache: KVCache, active_BT: torch.Tensor | None) -> torch.Tensor:
+    """The layer over the new positions; with `active_BT` (early exit) the positions that left keep their state
+    and give only their keys and values."""
     attn = cast("Attention | MLAttention", layer.self_attn)
     q, k, v = attn.qkv(layer.input_layernorm(h_BTD), cos_TK, sin_TK)
     k, v = cache.extend(layer.index, k, v)
+    if active_BT is not None and not bool(active_BT.any()):  # (a host read per layer, as the scheme's own forward)
+        return h_BTD
     window = getattr(attn, "sliding_window", None)
     a_BTD: torch.Tensor = attn.attend(q, k, v, query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device))
-    return layer._ffn_part(h_BTD + a_BTD)
+    out_BTD = layer._ffn_part(h_BTD + a_BTD)
+    return out_BTD if active_BT is None else torch.where(active_BT.unsqueeze(-1), out_BTD, h_BTD)
 
 
 @torch.no_grad()
 def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [B, T, V] of the T new positions `ids_BT`, which follow the `cache.length` positions the cache
-    holds; the cache then holds them too."""
+    holds; the cache then holds them too. A model served through early exit decodes with its exits
+    (`cached_form`)."""
+    rule = cached_form(model)
     body = model.model
     start, T = cache.length, ids_BT.shape[1]
     h_BTD = body.embed_tokens(ids_BT)
     cos_TK, sin_TK = body.rotary(start + T, h_BTD.dtype)
     cos_TK, sin_TK = cos_TK[start:], sin_TK[start:]
-    for layer in body.layers:
-        h_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache)
+    active_BT = torch.ones(ids_BT.shape, dtype=torch.bool, device=ids_BT.device) if rule is not None else None
+    for i, layer in enumerate(body.layers):
+        out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT)
+        if rule is not None and active_BT is not None and rule.first <= i < rule.last and rule.threshold < 1.0:
+            conf_BT = F.cosine_similarity(out_BTD.float(), h_BTD.float(), dim=-1)
+            active_BT = active_BT & ~(conf_BT > rule.threshold)
+        h_BTD = out_BTD
     cache.length += T
     logits_BTV: torch.Tensor = model.lm_head(body.norm(h_BTD))
     return logits_BTV
@@ -201,9 +243,8 @@ def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: in
     if len(prompt) + max_new_tokens > limit:
         raise ValueError(f"the prompt's {len(prompt)} tokens and {max_new_tokens} new ones exceed the model's "
                          f"max_seq_len ({limit}): shorten the prompt or lower max_new_tokens")
-    if cache and "forward" in vars(model.model):
-        raise ValueError("this model is served through a dynamism scheme (Dynamism.serve), which has no KV-cached "
-                         "form: generate with cache=False")
+    if cache:
+        cached_form(model)  # refuses a served model without a cached form before anything runs
     model.eval()
     device = model.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(sampling.seed) if not sampling.greedy else None

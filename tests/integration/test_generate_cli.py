@@ -91,9 +91,10 @@ def test_a_hf_checkpoint_and_its_conversion_generate_transformers_tokens(tmp_pat
 @pytest.mark.parametrize("scheme", list(SERVED))
 def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: Path, scheme: str) -> None:
     """Mixture-of-Depths, early exit and sparse attention change the model's outputs: `moebal generate` serves the
-    run as its validation ran after the checkpoint's step, with the whole prefix's forward per new token, and says
-    so; prefixes end inside an attention block (4 to 9 tokens, blocks of 8), which the sparse core once refused;
-    the KV-cached decoder refuses such a model instead of computing the plain one."""
+    run as its validation ran after the checkpoint's step and says so. Early exit decodes with the KV cache, its
+    exits included, to the tokens of the whole prefix's forward per new token; the other two run that forward (on
+    prefixes that end inside an attention block: 4 to 9 tokens, blocks of 8, which the sparse core once refused),
+    and the KV-cached decoder refuses them instead of computing the plain model."""
     from moebal.commands.eval import load_run_model
 
     out = tmp_path / "run"
@@ -101,14 +102,17 @@ def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: P
                "parallel.nproc=1", f"dynamism.scheme={scheme}", *SERVED[scheme])
     assert r.returncode == 0, r.stderr
     got = _json(moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "6", "--json"))[0]
-    assert got["cache"] is False and len(got["tokens"]) == 6, got
+    assert got["cache"] is (scheme == "early_exit") and len(got["tokens"]) == 6, got
     _, model, served = load_run_model(out)
     assert served is not None and got["served"] == served.line
     r = moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")
     assert r.returncode == 0 and "served as the run validated after step 3" in r.stdout, r.stdout
     assert generate(model, list(b"def "), 6, cache=False).tokens == got["tokens"]
-    with pytest.raises(ValueError, match="no KV-cached form"):
-        generate(model, list(b"def "), 6)
+    if scheme == "early_exit":
+        assert "KV-cached, exits included" in r.stdout
+    else:
+        with pytest.raises(ValueError, match="no KV-cached form"):
+            generate(model, list(b"def "), 6)
 
 
 @pytest.mark.parametrize("args, words", [

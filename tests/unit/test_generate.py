@@ -170,3 +170,41 @@ def test_bf16_generation_runs_in_bf16() -> None:
     model = _model("moe-window5").to(torch.bfloat16)
     g = generate(model, [1, 2, 3], 6)
     assert len(g.tokens) == 6 and all(0 <= t < 256 for t in g.tokens) and not math.isnan(g.prefill_s)
+
+
+def _early_exit_model(threshold: float) -> Any:
+    """A model served through early exit (exits after layers 1..3 of 5) at `threshold`, untrained."""
+    from moebal.train.pipelined import scheme_from_config
+
+    cfg = from_dict({"model": dict(vocab_size=256, dim=32, n_layers=5, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                                   max_seq_len=40),
+                     "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 24}, "data": {"seq_len": 40},
+                     "dynamism": {"scheme": "early_exit", "early_exit": {"threshold": threshold, "first_layer": 1}}})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    scheme = scheme_from_config(cfg)
+    scheme.prepare_model(model)
+    assert scheme.serve(model, 100) is not None
+    return model
+
+
+def test_early_exit_decodes_with_its_exits_as_the_served_forward() -> None:
+    """At a threshold about half the tokens pass after layer 1 (cosine similarities 0.987-0.997 here), the served
+    forward differs from the plain model's; the KV-cached decoder (prompt of 7, then one by one) gives the served
+    forward's logits to 1e-5, and greedy generation with and without the cache the same tokens. Without the exits
+    the cached decoder would give the plain model's logits."""
+    model = _early_exit_model(0.996)
+    ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(2))
+    cache = KVCache.empty(5, 23)
+    with torch.no_grad():
+        served = model(ids).logits
+        parts = [cached_forward(model, ids[:, :7], cache)]
+        parts += [cached_forward(model, ids[:, t:t + 1], cache) for t in range(7, 23)]
+        plain_forward = vars(model.model).pop("forward")
+        plain = model(ids).logits
+        model.model.forward = plain_forward
+    got = torch.cat(parts, dim=1)
+    assert (served - plain).abs().max().item() > 100 * (got - served).abs().max().item()
+    assert (got - served).abs().max().item() < 1e-5 * served.abs().max().item() + 1e-6
+    prompt = ids[0, :5].tolist()
+    assert generate(model, prompt, 12).tokens == generate(model, prompt, 12, cache=False).tokens
