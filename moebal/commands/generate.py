@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "where its HF config names one, else none; -1: none)")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: the run's data.tokenizer, "
                    "or the checkpoint directory's tokenizer.json)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts decoded together (default 8; each row computes and draws as it would alone)")
     p.add_argument("--no-cache", action="store_true",
                    help="run the whole prefix's forward for every new token instead of the KV cache (a reference)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
@@ -103,10 +106,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import load_tokenizer
-    from moebal.models.generate import Sampling, cached_form, generate
+    from moebal.models.generate import Sampling, cached_form
 
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise ConfigError(f"--max-new-tokens and --batch-size must be >= 1; got {args.max_new_tokens}, "
+                          f"{args.batch_size}")
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
@@ -144,11 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if served is not None and not args.json:
         how = "KV-cached, exits included" if cache else "no KV cache (the whole prefix runs for every new token)"
         print(f"served as the run validated after step {served.step}: {served.line}; {how}")
-    for ids in prompts:
-        try:
-            g = generate(model, ids, args.max_new_tokens, sampling, cache=cache, stop_ids=stops)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    for g in _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling, cache, stops):
         text = tok.decode(np.asarray(g.tokens)) if tok is not None else None
         if args.json:
             print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
@@ -161,6 +161,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"{shown}\n  [{len(g.tokens)} tokens, stop: {g.stop}, first token {g.prefill_s * 1e3:.0f} ms, "
                   f"{g.tokens_per_s:.1f} tokens/s after it{'' if cache else ', no KV cache'}]")
     return 0
+
+
+def _generations(model: Any, prompts: list[list[int]], batch: int, new: int, sampling: Any, cache: bool,
+                 stops: list[int]) -> Iterator[Any]:
+    """Each prompt's generation, `batch` prompts at a time (moebal.models.generate.generate_many)."""
+    from moebal.models.generate import generate_many
+
+    for i in range(0, len(prompts), batch):
+        try:
+            yield from generate_many(model, prompts[i:i + batch], new, sampling, cache=cache, stop_ids=stops)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _ids(text: str, vocab: int) -> list[int]:

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from moebal.models.mla import MLAttention
-    from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM
+    from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM, MoebalModel
 
 __all__ = ["ExitRule", "Generation", "KVCache", "Sampling", "cached_form", "cached_forward", "dropless",
-           "filter_logits", "generate", "next_tokens", "query_mask"]
+           "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
 
 
 @dataclass(frozen=True)
@@ -96,18 +96,27 @@ class KVCache:
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
 
-def query_mask(start: int, new: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def query_mask(start: int, new: int, window: int | None, device: torch.device,
+               pad_B: torch.Tensor | None = None) -> torch.Tensor | None:
     """bool [new, start + new]: True where the query at position start + i may attend key j (j <= start + i, and
     within the sliding window: start + i - j < window). None where plain causal attention is the same (no earlier
-    positions, no window cutting in): the model's own fast path."""
-    if start == 0 and (window is None or window >= new):
+    positions, no window cutting in, no padding): the model's own fast path.
+
+    With `pad_B` (a batch of prompts, row b left-padded by pad_B[b] columns): [B, 1, new, start + new], the
+    padding columns masked as keys; a padding query sees only itself (an output never read, kept finite)."""
+    if pad_B is None and start == 0 and (window is None or window >= new):
         return None
-    q_T = torch.arange(start, start + new, device=device)[:, None]
-    k_S = torch.arange(start + new, device=device)[None, :]
-    mask_TS = k_S <= q_T
+    q_T1 = torch.arange(start, start + new, device=device)[:, None]
+    k_1S = torch.arange(start + new, device=device)[None, :]
+    mask_TS = k_1S <= q_T1
     if window is not None:
-        mask_TS &= q_T - k_S < window
-    return mask_TS
+        mask_TS &= q_T1 - k_1S < window
+    if pad_B is None:
+        return mask_TS
+    real_B1S = (k_1S >= pad_B[:, None])[:, None, :]
+    padding_query_BT1 = (q_T1 < pad_B[:, None, None])
+    mask_BTS = (mask_TS & real_B1S) | (padding_query_BT1 & (q_T1 == k_1S))
+    return mask_BTS.unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ def cached_form(model: MoebalForCausalLM) -> ExitRule | None:
 
 
 def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                  cache: KVCache, active_BT: torch.Tensor | None) -> torch.Tensor:
+                  cache: KVCache, active_BT: torch.Tensor | None, pad_B: torch.Tensor | None) -> torch.Tensor:
     """The layer over the new positions; with `active_BT` (early exit) the positions that left keep their state
     and give only their keys and values."""
     attn = cast("Attention | MLAttention", layer.self_attn)
@@ -146,25 +155,38 @@ def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor
     if active_BT is not None and not bool(active_BT.any()):  # (a host read per layer, as the scheme's own forward)
         return h_BTD
     window = getattr(attn, "sliding_window", None)
-    a_BTD: torch.Tensor = attn.attend(q, k, v, query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device))
+    mask = query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device, pad_B)
+    a_BTD: torch.Tensor = attn.attend(q, k, v, mask)
     out_BTD = layer._ffn_part(h_BTD + a_BTD)
     return out_BTD if active_BT is None else torch.where(active_BT.unsqueeze(-1), out_BTD, h_BTD)
 
 
+def _rotary_at(body: MoebalModel, start: int, T: int, dtype: torch.dtype,
+               pad_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of columns start .. start + T - 1: [T, K], or [B, 1, T, K] at each row's own positions
+    (column - pad_B[b]; a padding column takes position 0)."""
+    cos_TK, sin_TK = body.rotary(start + T, dtype)
+    if pad_B is None:
+        return cos_TK[start:], sin_TK[start:]
+    pos_BT = (torch.arange(start, start + T, device=pad_B.device)[None, :] - pad_B[:, None]).clamp(min=0)
+    return cos_TK[pos_BT].unsqueeze(1), sin_TK[pos_BT].unsqueeze(1)
+
+
 @torch.no_grad()
-def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits [B, T, V] of the T new positions `ids_BT`, which follow the `cache.length` positions the cache
-    holds; the cache then holds them too. A model served through early exit decodes with its exits
-    (`cached_form`)."""
+def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCache,
+                   pad_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, T, V] of the T new columns `ids_BT`, which follow the `cache.length` columns the cache holds;
+    the cache then holds them too. `pad_B`: row b's first pad_B[b] columns are left padding (prompts of
+    different lengths in one batch: each row's positions start after its padding, and no row attends to
+    padding). A model served through early exit decodes with its exits (`cached_form`)."""
     rule = cached_form(model)
     body = model.model
     start, T = cache.length, ids_BT.shape[1]
     h_BTD = body.embed_tokens(ids_BT)
-    cos_TK, sin_TK = body.rotary(start + T, h_BTD.dtype)
-    cos_TK, sin_TK = cos_TK[start:], sin_TK[start:]
+    cos_TK, sin_TK = _rotary_at(body, start, T, h_BTD.dtype, pad_B)
     active_BT = torch.ones(ids_BT.shape, dtype=torch.bool, device=ids_BT.device) if rule is not None else None
     for i, layer in enumerate(body.layers):
-        out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT)
+        out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT, pad_B)
         if rule is not None and active_BT is not None and rule.first <= i < rule.last and rule.threshold < 1.0:
             conf_BT = F.cosine_similarity(out_BTD.float(), h_BTD.float(), dim=-1)
             active_BT = active_BT & ~(conf_BT > rule.threshold)
@@ -188,12 +210,17 @@ def filter_logits(logits_BV: torch.Tensor, s: Sampling) -> torch.Tensor:
     return x
 
 
-def next_tokens(logits_BV: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """int64 [B]: each row's next token under `s` (`generator`: the draw's, on the logits' device)."""
+def next_tokens(logits_BV: torch.Tensor, s: Sampling,
+                generators: torch.Generator | Sequence[torch.Generator] | None) -> torch.Tensor:
+    """int64 [B]: each row's next token under `s`; `generators` (on the logits' device) draws: one for every row,
+    or one per row (a row's draw then depends on its own logits and generator only)."""
     if s.greedy:
         return logits_BV.argmax(-1)
     probs_BV = filter_logits(logits_BV, s).softmax(-1)
-    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.multinomial(probs_BV, 1, generator=generators).squeeze(-1)
+    return torch.cat([torch.multinomial(probs_BV[b:b + 1], 1, generator=g) for b, g in enumerate(generators)]
+                     ).squeeze(-1)
 
 
 @contextmanager
@@ -231,43 +258,69 @@ class Generation:
 
 def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
              *, cache: bool = True, stop_ids: Sequence[int] = ()) -> Generation:
-    """Up to `max_new_tokens` tokens after `prompt` (token ids), ending early at a token of `stop_ids`.
+    """Up to `max_new_tokens` tokens after `prompt` (token ids), ending early at a token of `stop_ids`
+    (`generate_many` of one prompt)."""
+    return generate_many(model, [prompt], max_new_tokens, sampling, cache=cache, stop_ids=stop_ids)[0]
 
-    `cache`: the KV-cached decoder (module docstring); False runs the model's whole forward over the prefix for
-    every new token (a model served through a dynamism scheme, or a reference). The model is put in eval mode."""
-    if not prompt:
-        raise ValueError("the prompt has no tokens: give at least one")
+
+def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  sampling: Sampling = Sampling(), *, cache: bool = True,
+                  stop_ids: Sequence[int] = ()) -> list[Generation]:
+    """Each prompt's generation: up to `max_new_tokens` tokens, ending early at a token of `stop_ids`.
+
+    `cache`: the KV-cached decoder (module docstring), every prompt in one batch, left-padded to the longest; each
+    row computes what it would alone (its own positions, no attention to padding, dropless MoE), and draws from
+    its own generator seeded with `sampling.seed`, so a prompt's text does not depend on the others beside it.
+    False: the model's whole forward over the prefix for every new token, one prompt after the other (a model
+    served through a scheme without a cached form, or a reference). The model is put in eval mode; the rows of a
+    batch share its timings."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("a prompt has no tokens: give at least one")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    limit = model.model.rotary.cos_TK.shape[0]
-    if len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"the prompt's {len(prompt)} tokens and {max_new_tokens} new ones exceed the model's "
+    limit, longest = model.model.rotary.cos_TK.shape[0], max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"the prompt's {longest} tokens and {max_new_tokens} new ones exceed the model's "
                          f"max_seq_len ({limit}): shorten the prompt or lower max_new_tokens")
     if cache:
         cached_form(model)  # refuses a served model without a cached form before anything runs
     model.eval()
-    device = model.lm_head.weight.device
-    gen = torch.Generator(device=device).manual_seed(sampling.seed) if not sampling.greedy else None
-    out = Generation(prompt=list(prompt))
-    ids_1T = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    kv = KVCache.empty(len(model.model.layers), len(prompt) + max_new_tokens)
-    stops = set(stop_ids)
     with torch.no_grad(), dropless(model):
-        t0 = time.perf_counter()
-        step_ids = ids_1T
-        while True:
-            logits_1V = (cached_forward(model, step_ids, kv) if cache else model(ids_1T).logits)[:, -1]
-            tok = int(next_tokens(logits_1V, sampling, gen).item())  # the host decides whether to stop
-            if not out.tokens:
-                out.prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-            out.tokens.append(tok)
-            if tok in stops:
-                out.stop = "stop_token"
-                break
-            if len(out.tokens) == max_new_tokens:
-                break
-            step_ids = torch.tensor([[tok]], dtype=torch.long, device=device)
-            ids_1T = torch.cat([ids_1T, step_ids], dim=1)
-        out.decode_s = time.perf_counter() - t0
-    return out
+        if not cache:
+            return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), cache=False)[0] for p in prompts]
+        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), cache=True)
+
+
+def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
+            stops: set[int], cache: bool) -> list[Generation]:
+    """`generate_many`'s loop over one batch (a single prompt when not `cache`)."""
+    device = model.lm_head.weight.device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    gens = None if sampling.greedy else [torch.Generator(device=device).manual_seed(sampling.seed) for _ in prompts]
+    outs = [Generation(prompt=list(p)) for p in prompts]
+    pad = [P - len(p) for p in prompts]
+    ids_BT = torch.tensor([[0] * k + list(p) for k, p in zip(pad, prompts)], dtype=torch.long, device=device)
+    pad_B = torch.tensor(pad, device=device) if any(pad) else None
+    kv = KVCache.empty(len(model.model.layers), P + max_new_tokens)
+    done = [False] * B
+    t0 = time.perf_counter()
+    step_BT = ids_BT
+    for n in range(max_new_tokens):
+        logits_BV = (cached_forward(model, step_BT, kv, pad_B) if cache else model(ids_BT).logits)[:, -1]
+        toks = next_tokens(logits_BV, sampling, gens).tolist()  # the host decides whether to stop
+        if n == 0:
+            for g in outs:
+                g.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        for b, tok in enumerate(toks):
+            if not done[b]:
+                outs[b].tokens.append(tok)
+                if tok in stops:
+                    done[b], outs[b].stop = True, "stop_token"
+        if all(done):
+            break
+        step_BT = torch.tensor([[t] for t in toks], dtype=torch.long, device=device)
+        ids_BT = torch.cat([ids_BT, step_BT], dim=1)
+    for g in outs:
+        g.decode_s = time.perf_counter() - t0
+    return outs

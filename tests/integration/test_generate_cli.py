@@ -46,6 +46,9 @@ def test_a_run_s_checkpoint_generates_the_same_tokens_with_and_without_the_cache
     plain = _json(moebal("generate", str(run_dir), "--prompt", "def ", "--prompt", "import", "--max-new-tokens",
                          "12", "--json", "--no-cache"))
     assert [c["tokens"] for c in cached] == [p["tokens"] for p in plain]
+    one = _json(moebal("generate", str(run_dir), "--prompt", "def ", "--prompt", "import", "--max-new-tokens",
+                       "12", "--json", "--batch-size", "1"))
+    assert [c["tokens"] for c in cached] == [o["tokens"] for o in one]  # batched (left-padded) as alone
     assert [c["cache"] for c in cached] == [True, True] and [p["cache"] for p in plain] == [False, False]
     assert cached[0]["prompt_ids"] == list(b"def ") and cached[1]["prompt_ids"] == list(b"import")
     assert all(len(c["tokens"]) == 12 and c["stop"] == "length" and c["served"] is None for c in cached)
@@ -118,7 +121,8 @@ def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: P
 @pytest.mark.parametrize("args, words", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number"),
     (["--prompt", "x", "--top-p", "1.5"], "top-p must be in (0, 1]"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens and --batch-size must be >= 1; got 0, 8"),
+    (["--prompt", "x", "--batch-size", "0"], "--max-new-tokens and --batch-size must be >= 1; got 64, 0"),
     (["--prompt", "x", "--max-new-tokens", "70"], "exceed the model's max_seq_len (64)"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,300"], "ids [300] are outside the vocabulary 0..255"),

@@ -20,6 +20,7 @@ from moebal.models.generate import (
     dropless,
     filter_logits,
     generate,
+    generate_many,
     next_tokens,
     query_mask,
 )
@@ -208,3 +209,34 @@ def test_early_exit_decodes_with_its_exits_as_the_served_forward() -> None:
     assert (got - served).abs().max().item() < 1e-5 * served.abs().max().item() + 1e-6
     prompt = ids[0, :5].tolist()
     assert generate(model, prompt, 12).tokens == generate(model, prompt, 12, cache=False).tokens
+
+
+@pytest.mark.parametrize("case", ["dense", "moe-window5", "mla-yarn", "early-exit"])
+def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(case: str) -> None:
+    """Prompts of 3, 9 and 5 tokens in one left-padded batch: the prompt forward's logits at each row's real
+    positions equal the row's own to 1e-5 (no row attends to padding; it fails when padding is a key), and greedy
+    and seeded sampled tokens equal each prompt's alone (each row draws from its own generator)."""
+    model = _early_exit_model(0.996) if case == "early-exit" else _model(case)
+    prompts = [[5, 17, 33], list(range(40, 49)), [7, 8, 9, 10, 11]]
+    pad = torch.tensor([6, 0, 4])
+    batch = torch.tensor([[0] * int(k) + p for k, p in zip(pad, prompts)])
+    with torch.no_grad():
+        together = cached_forward(model, batch, KVCache.empty(len(model.model.layers), 9), pad)
+        for b, p in enumerate(prompts):
+            alone = cached_forward(model, torch.tensor([p]), KVCache.empty(len(model.model.layers), 9))
+            assert (together[b, int(pad[b]):] - alone[0]).abs().max().item() < 1e-5 * alone.abs().max().item() + 1e-6
+    assert [g.tokens for g in generate_many(model, prompts, 10)] == [generate(model, p, 10).tokens for p in prompts]
+    s = Sampling(temperature=1.0, top_p=0.9, seed=3)
+    assert [g.tokens for g in generate_many(model, prompts, 10, s)] == \
+        [generate(model, p, 10, s).tokens for p in prompts]
+
+
+def test_rows_that_stop_keep_their_tokens_while_the_others_go_on() -> None:
+    model = _model("dense")
+    prompts = [[1, 2, 3], [4, 5]]
+    first = [generate(model, p, 8).tokens for p in prompts]
+    out = generate_many(model, prompts, 8, stop_ids=[first[0][1]])
+    assert out[0].tokens == first[0][:first[0].index(first[0][1]) + 1] and out[0].stop == "stop_token"
+    stop = first[0][1]
+    want = first[1][:first[1].index(stop) + 1] if stop in first[1] else first[1]
+    assert out[1].tokens == want
