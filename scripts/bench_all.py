@@ -396,6 +396,17 @@ def fig_sparse_attention(data: Any) -> str:
     return f"{t['measured']:.2f}x dense at density 0.5 (target 0.6x: {'met' if t['met'] else 'missed'}){tail}"
 
 
+def fig_generate(data: Any) -> str:
+    """Decode throughput with the KV cache over the whole-prefix forward, and a batch over one prompt at a time."""
+    med, eq = data["median_tokens_per_s"], data["equal"]
+    st = data["settings"]
+    return (f"KV cache {med['cache']:.0f} against {med['no_cache']:.0f} tokens/s over the whole prefix "
+            f"(**{data['cache_over_no_cache']:.2f}x**; {st['prompt_len']}-token prompt, {st['new']} new); "
+            f"{len(st['prompts'])} prompts in one batch {med['batch']:.0f} against {med['one_by_one']:.0f} tokens/s "
+            f"one at a time (**{data['batch_over_one_by_one']:.2f}x**); the same tokens both ways: "
+            f"{eq['cache_no_cache'] and eq['batch_one_by_one']}")
+
+
 def fig_pytest(data: Any) -> str:
     """The pytest summary line of a test row."""
     line = data.get("pytest_summary")
@@ -462,6 +473,7 @@ RUNS: tuple[Run, ...] = (
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_generate", ("python", "-m", "pytest", "tests/unit/test_generate.py",
                           "tests/integration/test_generate_cli.py"), json="none"),
+    Run("generate", ("python", "scripts/bench_generate.py"), ("python", "scripts/bench_generate.py", "--quick")),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
     Run("lina_inference", ("python", "scripts/bench_lina_inference.py", "--ranks", "4", "--rounds", "10",
                            "--profile-batches", "8", "--dilate", "1", "3", "--width", "1024", "4096"),
@@ -581,6 +593,8 @@ ROWS: tuple[Row, ...] = (
         "sliding window, q/k norms, tied embeddings); greedy tokens equal transformers' `generate` on Mixtral, "
         "Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a scheme's run served through the scheme "
         "(early exit KV-cached with its exits)"),
+    Row("text generation: decode throughput (default model, fp32, greedy)", "generate", fig_generate,
+        "measured, modes rotated each round in one process; nothing fitted"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
         TEST, asserts="every policy's outputs equal plain expert parallelism's and the single-process model's; "
         "skewed routing gets replicas (MoE layer timings: docs/expert-parallel.md)"),

@@ -43,7 +43,7 @@ def test_dry_run_lists_one_command_per_readme_row(bench_all, capsys) -> None:
     assert bench_all.main(["--full", "--dry-run"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
     readme = _readme_rows()
-    assert len(readme) == 39
+    assert len(readme) == 40
     assert len(lines) == len(readme)
     for (claim, cmd), line in zip(readme, lines):
         shown = _strip_json(line.split("    # ")[0].split(None, 1)[1])
