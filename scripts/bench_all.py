@@ -52,6 +52,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TAIL_CHARS = 4000  # of a run's stdout / stderr kept in the JSON
 
 
+def _tail(text: str) -> str:
+    """The end of a run's output as the report keeps it: the repository's own path written `<repo>` (pytest prints
+    its rootdir), so a report committed to docs/bench-runs/ names no machine's folders."""
+    return text.replace(str(ROOT), "<repo>")[-TAIL_CHARS:]
+
+
 @dataclass(frozen=True)
 class Run:
     """One command behind one or more README rows.
@@ -692,9 +698,9 @@ def execute(run: Run, quick: bool, folder: Path, env: dict[str, str]) -> dict[st
     except subprocess.TimeoutExpired as e:
         return {**rec, "status": "failed", "exit_status": None, "wall_s": round(time.perf_counter() - t0, 1),
                 "load_end": _load(), "message": f"timed out after {run.timeout_s:.0f} s",
-                "stderr_tail": _text(e.stderr)[-TAIL_CHARS:]}
+                "stderr_tail": _tail(_text(e.stderr))}
     rec.update(exit_status=p.returncode, wall_s=round(time.perf_counter() - t0, 1), load_end=_load(),
-               stdout_tail=p.stdout[-TAIL_CHARS:], stderr_tail=p.stderr[-TAIL_CHARS:])
+               stdout_tail=_tail(p.stdout), stderr_tail=_tail(p.stderr))
     if run.json == "none":
         rec["result"] = {"pytest_summary": _pytest_summary(p.stdout)}
     else:
