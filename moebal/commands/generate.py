@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a run directory of `moebal train` (its newest checkpoint), or a HF checkpoint "
                    "directory (config.json) or one `moebal convert hf-to-moebal` wrote")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", action="append", help="a prompt (repeat for several, each generated in turn)")
+    what.add_argument("--prompt", action="append", help="a prompt (repeat for several: see --batch-size)")
     what.add_argument("--prompt-ids", action="append",
                       help="a prompt as comma-separated token ids (no tokenizer needed; repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most (default 64)")

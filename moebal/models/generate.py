@@ -15,7 +15,8 @@ tokens of one batch, and one decoded token per forward would make it a different
 
 Sampling (`Sampling`): greedy at temperature 0; otherwise the logits divided by the temperature, then the top-k
 filter, then the top-p (nucleus) filter (the smallest set of most likely tokens whose probability reaches p,
-the most likely token always kept), then one draw from a seeded generator, so a seed gives the same text.
+the most likely token always kept), then one draw from the prompt's own generator seeded with the seed, so a seed
+gives a prompt the same text whatever prompts share its batch (`generate_many`).
 """
 
 from __future__ import annotations
@@ -204,8 +205,8 @@ def filter_logits(logits_BV: torch.Tensor, s: Sampling) -> torch.Tensor:
         x = x.masked_fill(x < kth_B1, -math.inf)
     if s.top_p < 1:
         sorted_BV, order_BV = torch.sort(x, dim=-1, descending=True)
-        mass_BV = sorted_BV.softmax(-1).cumsum(-1)
-        drop_BV = mass_BV - sorted_BV.softmax(-1) >= s.top_p  # the mass before a token already reaches p
+        p_BV = sorted_BV.softmax(-1)
+        drop_BV = p_BV.cumsum(-1) - p_BV >= s.top_p  # the mass before a token already reaches p
         x = x.masked_fill(torch.zeros_like(drop_BV).scatter(-1, order_BV, drop_BV), -math.inf)
     return x
 
