@@ -44,8 +44,9 @@ the job may outlive it (`BUG-launch` otherwise).
 With `--generate`, an ok case's step-3 checkpoint also generates 8 greedy tokens after a 12-token prompt (`moebal
 generate`), which must run or refuse in one line; then, in this process, the model loaded as the command loads it
 decodes the prompt and those tokens with its KV cache: every position's logits within 1e-4 (of the largest logit)
-of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it
-(`BUG-generate` otherwise; early exit's cached decoder with its exits against the served forward). A run served
+of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it;
+and that sequence and its first 7 tokens as one left-padded batch, each row's logits within 1e-4 of the sequence's
+own (`BUG-generate` otherwise; early exit's cached decoder with its exits against the served forward). A run served
 through Mixture-of-Depths or sparse attention has no cached form: only the command is checked.
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
@@ -482,24 +483,28 @@ def generate_check(out: Path, timeout: float) -> tuple[dict[str, Any], str]:
     got = json.loads(printed[0].strip().splitlines()[-1])
     row["cache"] = got["cache"]
     if got["cache"]:
-        row["logits_diff"], row["argmax_gap"] = cached_against_full(out, GEN_PROMPT, got["tokens"])
-        if not (row["logits_diff"] <= GEN_TOL and row["argmax_gap"] <= GEN_TOL):
+        from moebal.commands.generate import load_source
+
+        model = load_source(out).model
+        row["logits_diff"], row["argmax_gap"] = cached_against_full(model, GEN_PROMPT, got["tokens"])
+        seq = GEN_PROMPT + got["tokens"]
+        row["batch_diff"] = batch_against_alone(model, [seq, seq[:7]])
+        if not (row["logits_diff"] <= GEN_TOL and row["argmax_gap"] <= GEN_TOL and row["batch_diff"] <= GEN_TOL):
             row["verdict"] = "BUG"
             return row, (f"{printed[0]}\ncached logits {row['logits_diff']:.3g} of the largest away from the "
-                         f"forward's; a generated token {row['argmax_gap']:.3g} below the forward's most likely")
+                         f"forward's; a generated token {row['argmax_gap']:.3g} below the forward's most likely; "
+                         f"a batch's rows {row['batch_diff']:.3g} away from the same sequences alone")
     return row, ""
 
 
-def cached_against_full(out: Path, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
+def cached_against_full(model: Any, prompt: list[int], tokens: list[int]) -> tuple[float, float]:
     """(the largest difference between the KV-cached decoder's logits and the forward's over `prompt` + `tokens`,
     the largest margin by which a generated token falls short of the forward's most likely one at its position),
-    both relative to the largest logit; the model of the run in `out` loaded as `moebal generate` loads it."""
+    both relative to the largest logit; `model` loaded as `moebal generate` loads it."""
     import torch
 
-    from moebal.commands.generate import load_source
     from moebal.models.generate import KVCache, cached_forward, dropless
 
-    model = load_source(out).model
     ids = torch.tensor([prompt + tokens])
     n, total = len(prompt), ids.shape[1]
     cache = KVCache.empty(len(model.model.layers), total)
@@ -512,6 +517,23 @@ def cached_against_full(out: Path, prompt: list[int], tokens: list[int]) -> tupl
     at = full[n - 1:n - 1 + len(tokens)]  # the logits each generated token was chosen from
     gap = at.max(-1).values - at[torch.arange(len(tokens)), torch.tensor(tokens)]
     return float((cached - full).abs().max()) / scale, float(gap.max()) / scale
+
+
+def batch_against_alone(model: Any, seqs: list[list[int]]) -> float:
+    """The largest difference, relative to the largest logit, between the KV-cached logits of `seqs` as one
+    left-padded batch (`moebal generate`'s batches) and of each sequence alone, at its real positions."""
+    import torch
+
+    from moebal.models.generate import KVCache, cached_forward, dropless
+
+    longest, layers = max(map(len, seqs)), len(model.model.layers)
+    pad = torch.tensor([longest - len(q) for q in seqs])
+    ids = torch.tensor([[0] * int(k) + q for k, q in zip(pad, seqs)])
+    with torch.no_grad(), dropless(model):
+        batch = cached_forward(model, ids, KVCache.empty(layers, longest), pad).float()
+        alone = [cached_forward(model, torch.tensor([q]), KVCache.empty(layers, len(q)))[0].float() for q in seqs]
+    scale = max(float(a.abs().max()) for a in alone)
+    return max(float((batch[b, int(pad[b]):] - a).abs().max()) for b, a in enumerate(alone)) / scale
 
 
 def check_case(i: int, case: dict[str, Any], root: Path, args: argparse.Namespace) -> dict[str, Any]:

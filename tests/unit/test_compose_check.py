@@ -120,8 +120,9 @@ def test_the_launch_leg_s_cluster_file_splits_the_case_s_ranks_over_two_local_no
 
 
 def test_the_generate_leg_compares_the_cached_decoder_with_the_forward(script, tmp_path, monkeypatch):
-    """`--generate` on a tiny run: `moebal generate` runs, and the KV-cached decoder's logits match the forward's
-    (ok); a decoder whose logits drift by 1e-2 is a bug."""
+    """`--generate` on a tiny run: `moebal generate` runs, the KV-cached decoder's logits match the forward's and a
+    batch's rows the sequences alone (ok); a decoder whose logits drift by 1e-2 is a bug, and so is a batch whose
+    padding is a key."""
     from tests.cli_util import run_cli
     from tests.unit.test_train import TINY
 
@@ -131,10 +132,17 @@ def test_the_generate_leg_compares_the_cached_decoder_with_the_forward(script, t
                    "parallel.nproc=1").returncode == 0
     row, err = script.generate_check(out, 120.0)
     assert row["verdict"] == "ok" and row["cache"] and row["logits_diff"] < 1e-5 and row["argmax_gap"] == 0, (row, err)
+    assert row["batch_diff"] < 1e-5, row
 
     import moebal.models.generate as gen
 
     real = gen.cached_forward
-    monkeypatch.setattr(gen, "cached_forward", lambda *a: real(*a) + 1e-2)
-    row, err = script.generate_check(out, 120.0)
+    with monkeypatch.context() as m:
+        m.setattr(gen, "cached_forward", lambda *a: real(*a) + 1e-2)
+        row, err = script.generate_check(out, 120.0)
     assert row["verdict"] == "BUG" and "of the largest away from the forward's" in err, row
+    mask = gen.query_mask
+    monkeypatch.setattr(gen, "query_mask", lambda start, new, window, device, pad_B=None: mask(start, new, window,
+                                                                                                device))
+    row, err = script.generate_check(out, 120.0)
+    assert row["verdict"] == "BUG" and row["batch_diff"] > 1e-3 and row["logits_diff"] < 1e-5, row
