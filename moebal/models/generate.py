@@ -321,7 +321,8 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
         if all(done):
             break
         step_BT = torch.tensor([[t] for t in toks], dtype=torch.long, device=device)
-        ids_BT = torch.cat([ids_BT, step_BT], dim=1)
+        if not cache:  # the whole-prefix forward reads the sequence; the cached decoder only the new column
+            ids_BT = torch.cat([ids_BT, step_BT], dim=1)
     for g in outs:
         g.decode_s = time.perf_counter() - t0
     return outs
