@@ -403,14 +403,20 @@ def fig_sparse_attention(data: Any) -> str:
 
 
 def fig_generate(data: Any) -> str:
-    """Decode throughput with the KV cache over the whole-prefix forward, and a batch over one prompt at a time."""
+    """Decode throughput with the KV cache over the whole-prefix forward, a batch over one prompt at a time, and
+    multi-head latent attention's latent cache over its per-head one (bytes and speed)."""
     med, eq = data["median_tokens_per_s"], data["equal"]
     st = data["settings"]
+    mla = data.get("mla_cache_bytes_per_position")
+    latent = "" if mla is None else (
+        f"; MLA's latent cache {mla['mla_per_head'] / mla['mla_latent']:.0f}x fewer bytes per position than its "
+        f"per-head keys and values ({mla['mla_latent']:,} against {mla['mla_per_head']:,}) at "
+        f"{data['mla_latent_over_per_head']:.2f}x their tokens/s")
     return (f"KV cache {med['cache']:.0f} against {med['no_cache']:.0f} tokens/s over the whole prefix "
             f"(**{data['cache_over_no_cache']:.2f}x**; {st['prompt_len']}-token prompt, {st['new']} new); "
             f"{len(st['prompts'])} prompts in one batch {med['batch']:.0f} against {med['one_by_one']:.0f} tokens/s "
-            f"one at a time (**{data['batch_over_one_by_one']:.2f}x**); the same tokens both ways: "
-            f"{eq['cache_no_cache'] and eq['batch_one_by_one']}")
+            f"one at a time (**{data['batch_over_one_by_one']:.2f}x**){latent}; the same tokens both ways: "
+            f"{all(eq.values())}")
 
 
 def fig_pytest(data: Any) -> str:
@@ -595,10 +601,10 @@ ROWS: tuple[Row, ...] = (
         "2 stages, early exit's and MoD's token subsets); a rank's locally built tensors equal the full model's "
         "bit for bit"),
     Row("text generation (`moebal generate`): the KV-cached decoder", "test_generate", fig_pytest,
-        TEST, asserts="cached logits within 1e-5 of the full forward (grouped-query and latent attention, a "
-        "sliding window, q/k norms, tied embeddings); greedy tokens equal transformers' `generate` on Mixtral, "
-        "Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a scheme's run served through the scheme "
-        "(early exit KV-cached with its exits)"),
+        TEST, asserts="cached logits within 1e-5 of the full forward (grouped-query attention, latent attention "
+        "with its latent or per-head cache, a sliding window, q/k norms, tied embeddings); greedy tokens equal "
+        "transformers' `generate` on Mixtral, Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a "
+        "scheme's run served through the scheme (early exit KV-cached with its exits)"),
     Row("text generation: decode throughput (default model, fp32, greedy)", "generate", fig_generate,
         "measured, modes rotated each round in one process; nothing fitted"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,

@@ -1,19 +1,26 @@
 """Text generation's decode throughput: the KV cache against the whole-prefix forward, and a batch of prompts
-against the same prompts one at a time (moebal/models/generate.py, docs/generate.md).
+against the same prompts one at a time, and multi-head latent attention's latent cache against its per-head keys
+and values (moebal/models/generate.py, docs/generate.md).
 
 The model is the default run's (`moebal train` with no config: 4 layers, d 256, 8 experts top-2), initialised
 from seed 0 (decode speed does not depend on the weights; `--run DIR` serves a run's checkpoint instead), fp32 on
-the CPU. Four modes, each round running every one once in a rotated order, all in this process:
+the CPU. The two MLA modes serve the same model with multi-head latent attention in place of its grouped-query
+attention (DeepSeek-V3's layout scaled down: 8 heads, latent C 64, rotary R 16, N and V 32: a per-head cache of
+8 x (32 + 16 + 32) = 640 numbers per position and layer against C + R = 80 for the latent), seed 0. Six modes,
+each round running every one once in a rotated order, all in this process:
 
   cache         one prompt, the KV-cached decoder
   no_cache      the same prompt, the model's forward over the whole prefix per new token
   batch         `--prompts` prompts of different lengths decoded as one batch
   one_by_one    the same prompts, each alone with the cache
+  mla_latent    the single prompt on the MLA model, its latent cached (the default)
+  mla_per_head  the same, its per-head keys and values cached (KVCache(latent=False))
 
 A mode's figure is its new tokens after the first over its decoding time (the first token's forward, the
 prompt's, is reported apart), summed over its prompts; medians over the rounds, every round in the JSON. The
-ratios (cache / no_cache, batch / one_by_one) are of the medians. Greedy decoding, so each pair must give the
-same tokens (`equal`); the run fails when they do not.
+ratios (cache / no_cache, batch / one_by_one, mla_latent / mla_per_head) are of the medians; the MLA pair's cache
+bytes per position are reported beside them. Greedy decoding, so each pair must give the same tokens (`equal`);
+the run fails when they do not.
 
     python scripts/bench_generate.py [--prompt-len 64] [--new 128] [--prompts 8] [--rounds 3] [--quick]
                                      [--run DIR] [--json FILE]
@@ -35,7 +42,7 @@ import torch
 from moebal.kernels.bench import environment
 from moebal.models.generate import Generation, generate_many
 
-MODES = ("cache", "no_cache", "batch", "one_by_one")
+MODES = ("cache", "no_cache", "batch", "one_by_one", "mla_latent", "mla_per_head")
 
 TEXT = (b"def main(argv):\n    parser = argparse.ArgumentParser(description=__doc__)\n"
         b"    parser.add_argument('--out', default=None)\n    args = parser.parse_args(argv)\n"
@@ -63,7 +70,21 @@ def load_model(run: str | None) -> Any:
     return load_source(Path(run)).model
 
 
-def measure(model: Any, mode: str, single: list[int], many: list[list[int]], new: int) -> list[Generation]:
+def mla_model() -> Any:
+    """The default model with multi-head latent attention (the module docstring's shape), seed 0."""
+    from moebal.config import from_dict
+    from moebal.models import build_model
+
+    torch.manual_seed(0)
+    mla = {"q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
+    return build_model(from_dict({"model": {"mla": mla, "n_kv_heads": 8}})).eval()
+
+
+def measure(models: dict[str, Any], mode: str, single: list[int], many: list[list[int]],
+            new: int) -> list[Generation]:
+    model = models["mla" if mode.startswith("mla") else "main"]
+    if mode.startswith("mla"):
+        return generate_many(model, [single], new, latent=mode == "mla_latent")
     if mode == "cache":
         return generate_many(model, [single], new)
     if mode == "no_cache":
@@ -97,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.new = 2, 24
     if min(args.prompt_len, args.new, args.prompts, args.rounds) < 1:
         ap.error("--prompt-len, --new, --prompts and --rounds must be >= 1")
-    model = load_model(args.run)
+    models = {"main": load_model(args.run), "mla": mla_model()}
+    model = models["main"]
     single, many = prompts(args.prompt_len, args.prompts)
-    measure(model, "cache", single[:8], many[:2], 4)  # warm-up: first calls allocate and pick kernels
+    for mode in ("cache", "mla_latent", "mla_per_head"):  # warm-up: first calls allocate and pick kernels
+        measure(models, mode, single[:8], many[:2], 4)
+    cache_bytes: dict[str, int] = {}
     rounds: list[dict[str, Any]] = []
     tokens: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
@@ -107,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"order": list(order)}
         for mode in order:
             t0 = time.perf_counter()
-            gens = measure(model, mode, single, many, args.new)
+            gens = measure(models, mode, single, many, args.new)
             tps, first = rate(gens, mode)
             row[mode] = {"tokens_per_s": round(tps, 2), "first_token_s": round(first, 5),
                          "wall_s": round(time.perf_counter() - t0, 3)}
             tokens[mode] = [g.tokens for g in gens]
+            cache_bytes[mode] = gens[0].cache_bytes
         rounds.append(row)
         print(f"round {r + 1}: " + ", ".join(f"{m} {row[m]['tokens_per_s']:.1f}" for m in MODES) + " tokens/s",
               file=sys.stderr)
@@ -119,16 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "settings": {"prompt_len": args.prompt_len, "new": args.new, "prompts": [len(p) for p in many],
                      "rounds": args.rounds, "run": args.run, "model_parameters": model.num_parameters(),
+                     "mla_model_parameters": models["mla"].num_parameters(),
                      "dtype": "fp32", "quick": args.quick},
         "environment": environment(), "load_avg": list(os.getloadavg()), "rounds": rounds,
         "median_tokens_per_s": med,
         "cache_over_no_cache": round(med["cache"] / med["no_cache"], 3),
         "batch_over_one_by_one": round(med["batch"] / med["one_by_one"], 3),
+        "mla_latent_over_per_head": round(med["mla_latent"] / med["mla_per_head"], 3),
+        "mla_cache_bytes_per_position": {m: cache_bytes[m] for m in ("mla_latent", "mla_per_head")},
         "equal": {"cache_no_cache": tokens["cache"] == tokens["no_cache"],
-                  "batch_one_by_one": tokens["batch"] == tokens["one_by_one"]},
+                  "batch_one_by_one": tokens["batch"] == tokens["one_by_one"],
+                  "mla_latent_per_head": tokens["mla_latent"] == tokens["mla_per_head"]},
     }
     print(json.dumps({k: report[k] for k in ("median_tokens_per_s", "cache_over_no_cache", "batch_over_one_by_one",
-                                             "equal")}), file=sys.stderr)
+                                             "mla_latent_over_per_head", "mla_cache_bytes_per_position", "equal")}),
+          file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1), encoding="utf-8")
     return 0 if all(report["equal"].values()) else 1

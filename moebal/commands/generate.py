@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
                               "prefill_s": round(g.prefill_s, 6), "decode_tokens_per_s": round(g.tokens_per_s, 3),
-                              "cache": cache, "served": served.line if served is not None else None,
+                              "cache": cache, "cache_bytes_per_position": g.cache_bytes,
+                              "served": served.line if served is not None else None,
                               "sampling": dataclasses.asdict(sampling)}))
         else:
             shown = repr(tok.decode(np.asarray(g.prompt)) + text) if tok is not None and text is not None else \

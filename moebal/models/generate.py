@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
+from moebal.models.mla import MLAttention
+
 if TYPE_CHECKING:
-    from moebal.models.mla import MLAttention
     from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM, MoebalModel
 
 __all__ = ["ExitRule", "Generation", "KVCache", "Sampling", "cached_form", "cached_forward", "dropless",
@@ -69,32 +70,43 @@ class Sampling:
 class KVCache:
     """Per decoder layer, the keys and values of every position decoded so far, in buffers of `capacity` positions
     ([B, heads, capacity, head_dim], allocated at a layer's first keys): a new position is written in place, not
-    appended by a copy of the whole cache."""
+    appended by a copy of the whole cache.
+
+    A multi-head latent attention layer caches one entry per position when `latent` (the default): its normed
+    latent and rotary key ([B, 1, capacity, C + R], no value buffer; `MLAttention.latent_qkv`), and attention
+    runs through the latent; with `latent` False it caches the per-head keys and values of its training form."""
 
     capacity: int
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
     length: int = 0
     """Positions held (the next new position's index)."""
+    latent: bool = True
 
     @classmethod
-    def empty(cls, n_layers: int, capacity: int) -> KVCache:
-        return cls(capacity, [None] * n_layers, [None] * n_layers)
+    def empty(cls, n_layers: int, capacity: int, latent: bool = True) -> KVCache:
+        return cls(capacity, [None] * n_layers, [None] * n_layers, latent=latent)
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new positions' keys and values of `layer` after the `length` held; every position's, old and
-        new (views of the buffers)."""
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the new positions' keys and values (None: a latent entry, keys only) of `layer` after the
+        `length` held; every position's, old and new (views of the buffers)."""
         end = self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"the KV cache holds {self.capacity} positions; {end} asked for")
         buf_k, buf_v = self.keys[layer], self.values[layer]
-        if buf_k is None or buf_v is None:
-            buf_k = k.new_empty(*k.shape[:2], self.capacity, k.shape[3])
-            buf_v = v.new_empty(*v.shape[:2], self.capacity, v.shape[3])
-            self.keys[layer], self.values[layer] = buf_k, buf_v
+        if buf_k is None:
+            buf_k = self.keys[layer] = k.new_empty(*k.shape[:2], self.capacity, k.shape[3])
         buf_k[:, :, self.length:end] = k
+        if v is None:
+            return buf_k[:, :, :end], None
+        if buf_v is None:
+            buf_v = self.values[layer] = v.new_empty(*v.shape[:2], self.capacity, v.shape[3])
         buf_v[:, :, self.length:end] = v
         return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def position_bytes(self) -> int:
+        """Bytes the buffers hold per position (every layer's, summed over the batch's rows)."""
+        return sum(b.numel() * b.element_size() for b in (*self.keys, *self.values) if b is not None) // self.capacity
 
 
 def query_mask(start: int, new: int, window: int | None, device: torch.device,
@@ -151,13 +163,24 @@ def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor
     """The layer over the new positions; with `active_BT` (early exit) the positions that left keep their state
     and give only their keys and values."""
     attn = cast("Attention | MLAttention", layer.self_attn)
-    q, k, v = attn.qkv(layer.input_layernorm(h_BTD), cos_TK, sin_TK)
-    k, v = cache.extend(layer.index, k, v)
+    x_BTD = layer.input_layernorm(h_BTD)
+    latent = attn if isinstance(attn, MLAttention) and cache.latent else None  # caches its latent (KVCache)
+    v: torch.Tensor | None
+    if latent is not None:
+        q, k = latent.latent_qkv(x_BTD, cos_TK, sin_TK)
+        k, v = cache.extend(layer.index, k, None)
+    else:
+        q, k, v = attn.qkv(x_BTD, cos_TK, sin_TK)
+        k, v = cache.extend(layer.index, k, v)
     if active_BT is not None and not bool(active_BT.any()):  # (a host read per layer, as the scheme's own forward)
         return h_BTD
     window = getattr(attn, "sliding_window", None)
     mask = query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device, pad_B)
-    a_BTD: torch.Tensor = attn.attend(q, k, v, mask)
+    if latent is not None:
+        a_BTD = latent.attend_latent(q, k, mask)
+    else:
+        assert v is not None  # extend returns the values it was given
+        a_BTD = attn.attend(q, k, v, mask)
     out_BTD = layer._ffn_part(h_BTD + a_BTD)
     return out_BTD if active_BT is None else torch.where(active_BT.unsqueeze(-1), out_BTD, h_BTD)
 
@@ -250,6 +273,8 @@ class Generation:
     """Seconds to the first new token (the prompt's forward)."""
     decode_s: float = 0.0
     """Seconds of the forwards after the first new token."""
+    cache_bytes: int = 0
+    """Bytes the KV cache holds per position of this prompt (every layer's; 0 without the cache)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -258,22 +283,24 @@ class Generation:
 
 
 def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-             *, cache: bool = True, stop_ids: Sequence[int] = ()) -> Generation:
+             *, cache: bool = True, stop_ids: Sequence[int] = (), latent: bool = True) -> Generation:
     """Up to `max_new_tokens` tokens after `prompt` (token ids), ending early at a token of `stop_ids`
     (`generate_many` of one prompt)."""
-    return generate_many(model, [prompt], max_new_tokens, sampling, cache=cache, stop_ids=stop_ids)[0]
+    return generate_many(model, [prompt], max_new_tokens, sampling, cache=cache, stop_ids=stop_ids,
+                         latent=latent)[0]
 
 
 def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  sampling: Sampling = Sampling(), *, cache: bool = True,
-                  stop_ids: Sequence[int] = ()) -> list[Generation]:
+                  sampling: Sampling = Sampling(), *, cache: bool = True, stop_ids: Sequence[int] = (),
+                  latent: bool = True) -> list[Generation]:
     """Each prompt's generation: up to `max_new_tokens` tokens, ending early at a token of `stop_ids`.
 
     `cache`: the KV-cached decoder (module docstring), every prompt in one batch, left-padded to the longest; each
     row computes what it would alone (its own positions, no attention to padding, dropless MoE), and draws from
     its own generator seeded with `sampling.seed`, so a prompt's text does not depend on the others beside it.
-    False: the model's whole forward over the prefix for every new token, one prompt after the other (a model
-    served through a scheme without a cached form, or a reference). The model is put in eval mode; the rows of a
+    Multi-head latent attention layers cache their latent (`latent`; KVCache's docstring). False: the model's
+    whole forward over the prefix for every new token, one prompt after the other (a model served through a
+    scheme without a cached form, or a reference). The model is put in eval mode; the rows of a
     batch share its timings."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("a prompt has no tokens: give at least one")
@@ -289,11 +316,11 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     with torch.no_grad(), dropless(model):
         if not cache:
             return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), cache=False)[0] for p in prompts]
-        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), cache=True)
+        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), cache=True, latent=latent)
 
 
 def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-            stops: set[int], cache: bool) -> list[Generation]:
+            stops: set[int], cache: bool, latent: bool = True) -> list[Generation]:
     """`generate_many`'s loop over one batch (a single prompt when not `cache`)."""
     device = model.lm_head.weight.device
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -302,7 +329,7 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
     pad = [P - len(p) for p in prompts]
     ids_BT = torch.tensor([[0] * k + list(p) for k, p in zip(pad, prompts)], dtype=torch.long, device=device)
     pad_B = torch.tensor(pad, device=device) if any(pad) else None
-    kv = KVCache.empty(len(model.model.layers), P + max_new_tokens)
+    kv = KVCache.empty(len(model.model.layers), P + max_new_tokens, latent)
     done = [False] * B
     t0 = time.perf_counter()
     step_BT = ids_BT
@@ -325,4 +352,5 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
             ids_BT = torch.cat([ids_BT, step_BT], dim=1)
     for g in outs:
         g.decode_s = time.perf_counter() - t0
+        g.cache_bytes = kv.position_bytes() // B if cache else 0
     return outs

@@ -5,8 +5,13 @@ DeepSeek-V2-Lite); keys and values are expanded per head from one shared latent 
 rotary part of the key (`qk_rope_head_dim` wide) is one vector shared by every head ("decoupled RoPE", V2
 eq. 14-19). Parameter names follow transformers' DeepseekV3Attention, so checkpoints map one to one:
 `q_proj` or `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`.
-This computes attention on the expanded keys and values (the training form); the absorbed, latent-cached
-form is an inference optimisation with the same maths.
+`forward` computes attention on the expanded keys and values (the training form). The KV-cached decoder
+(moebal/models/generate.py) uses the absorbed form (`latent_qkv`, `attend_latent`; DeepSeek-V2 section 2.1.2's
+"absorb W^UK into W^Q and W^UV into W^O"): the normed latent and the rotary key, C + R numbers per position
+and layer, are cached instead of H * (N + R + V), and attention runs in the latent space:
+  q . k_nope = q_nope^T W_UK c = (W_UK^T q_nope) . c,   sum_s p_s v_s = W_UV (sum_s p_s c_s),
+with W_UK and W_UV each head's rows of `kv_b_proj` (no bias). The same function, summed in another order: the
+two forms agree to rounding (tests/unit/test_generate.py).
 
 Shape legend: B batch, T sequence, D model dim, H heads, Q q_lora_rank, C kv_lora_rank, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim.
@@ -128,19 +133,58 @@ class MLAttention(nn.Module):
     def qkv(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor,
             sin_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries and keys [B, H, T, N + R] (the rotary key shared by every head), values [B, H, T, V]; as the
-        grouped-query `Attention.qkv` (the KV-cached decoder keeps these keys and values, not the latent)."""
+        grouped-query `Attention.qkv` (the training form; `latent_qkv` is the cached decoder's)."""
         B, T, _ = x_BTD.shape
         H, N, R, V = self.n_heads, self.nope, self.rope, self.v_dim
-        q_BTX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
-        q_nope_BHTN, q_rot_BHTR = q_BTX.view(B, T, H, N + R).transpose(1, 2).split([N, R], dim=-1)
-        c_BTC, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, R], dim=-1)
-        kv_BHTX = self.kv_b_proj(self.kv_a_layernorm(c_BTC)).view(B, T, H, N + V).transpose(1, 2)
+        q_nope_BHTN, q_rot_BHTR, c_BTC, k_rot_B1TR = self._projections(x_BTD, cos_TR, sin_TR)
+        kv_BHTX = self.kv_b_proj(c_BTC).view(B, T, H, N + V).transpose(1, 2)
         k_nope_BHTN, v_BHTV = kv_BHTX.split([N, V], dim=-1)
-        q_rot_BHTR = self._rotate(q_rot_BHTR, cos_TR, sin_TR)
-        k_rot_B1TR = self._rotate(k_rot_BTR.view(B, 1, T, R), cos_TR, sin_TR)
         q_BHTK = torch.cat([q_nope_BHTN, q_rot_BHTR], dim=-1)
         k_BHTK = torch.cat([k_nope_BHTN, k_rot_B1TR.expand(B, H, T, R)], dim=-1)  # one rotary key for every head
         return q_BHTK, k_BHTK, v_BHTV
+
+    def _projections(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope [B, H, T, N], rotated q_rot [B, H, T, R], the normed latent [B, T, C], the rotated rotary key
+        [B, 1, T, R]): what both forms share."""
+        B, T, _ = x_BTD.shape
+        H, N, R = self.n_heads, self.nope, self.rope
+        q_BTX = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora else self.q_proj(x_BTD)
+        q_nope_BHTN, q_rot_BHTR = q_BTX.view(B, T, H, N + R).transpose(1, 2).split([N, R], dim=-1)
+        c_BTC, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, R], dim=-1)
+        return (q_nope_BHTN, self._rotate(q_rot_BHTR, cos_TR, sin_TR), self.kv_a_layernorm(c_BTC),
+                self._rotate(k_rot_BTR.view(B, 1, T, R), cos_TR, sin_TR))
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, N, C], W_UV [H, V, C]): each head's rows of `kv_b_proj` (views)."""
+        w_HXC = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
+        return w_HXC[:, :self.nope], w_HXC[:, self.nope:]
+
+    def latent_qkv(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor,
+                   sin_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed form (module docstring): queries [B, H, T, C + R] (W_UK^T q_nope, then the rotated q_rot)
+        and the cached entry [B, 1, T, C + R] (the normed latent, then the rotated rotary key), one for every
+        head."""
+        q_nope_BHTN, q_rot_BHTR, c_BTC, k_rot_B1TR = self._projections(x_BTD, cos_TR, sin_TR)
+        w_uk_HNC, _ = self._up_weights()
+        q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", q_nope_BHTN, w_uk_HNC)
+        return torch.cat([q_lat_BHTC, q_rot_BHTR], dim=-1), torch.cat([c_BTC.unsqueeze(1), k_rot_B1TR], dim=-1)
+
+    def attend_latent(self, q_BHTX: torch.Tensor, kv_B1SX: torch.Tensor, mask_TS: torch.Tensor | None) -> torch.Tensor:
+        """Attention of `latent_qkv`'s queries over S cached entries under `mask_TS` (bool, True: attend; None:
+        causal over the T last positions), through the latent: softmax in fp32, p @ c, then W_UV and `o_proj`.
+        The shared entry broadcasts over the heads in the products: no per-head copy is made."""
+        B, H, T, _ = q_BHTX.shape
+        S = kv_B1SX.shape[2]
+        c_B1SC = kv_B1SX[..., :self.kv_rank]
+        s_BHTS = torch.matmul(q_BHTX, kv_B1SX.transpose(-1, -2)).float() * self.softmax_scale
+        if mask_TS is None:
+            mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BHTX.device).tril(S - T)
+        p_BHTS = s_BHTS.masked_fill(~mask_TS, -math.inf).softmax(dim=-1).to(q_BHTX.dtype)
+        _, w_uv_HVC = self._up_weights()
+        o_BHTV = torch.einsum("bhtc,hvc->bhtv", torch.matmul(p_BHTS, c_B1SC), w_uv_HVC)
+        out_BTD: torch.Tensor = self.o_proj(o_BHTV.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        return out_BTD
 
     def attend(self, q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Tensor,
                mask_TS: torch.Tensor | None) -> torch.Tensor:

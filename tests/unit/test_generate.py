@@ -82,6 +82,30 @@ def test_the_cached_decoder_gives_the_full_forward_s_logits(case: str) -> None:
         assert all(layer.spec.capacity_factor == 1.0 for layer in model.moe_layers())
 
 
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "per-head"])
+def test_latent_attention_caches_its_latent_and_gives_the_per_head_forms_logits(latent: bool) -> None:
+    """Multi-head latent attention's cached decoder in both forms: the latent (the absorbed form, C + R numbers
+    per position and layer) and the per-head keys and values (H * (N + R + V)); each gives the full forward's
+    logits to 1e-5 over a left-padded batch, and they give each other's tokens."""
+    model = _model("mla-yarn")  # H 4, C 20, R 4, N 8, V 6, 3 layers
+    ids = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(4))
+    cache = KVCache.empty(3, 16, latent=latent)
+    with torch.no_grad():
+        full = model(ids).logits
+        parts = [cached_forward(model, ids[:, :6], cache)]
+        parts += [cached_forward(model, ids[:, t:t + 1], cache) for t in range(6, 15)]
+    got = torch.cat(parts, dim=1)
+    assert (got - full).abs().max().item() < 1e-5 * full.abs().max().item() + 1e-6
+    per_position = 3 * 2 * 4 * ((20 + 4) if latent else 4 * (8 + 4 + 6))  # layers x rows x fp32 bytes x numbers
+    assert cache.position_bytes() == per_position
+    assert all((v is None) == latent for v in cache.values)
+    # a padded batch: the shorter prompt's row is its own generation in both forms
+    prompts = [ids[0, :9].tolist(), ids[1, :4].tolist()]
+    both = generate_many(model, prompts, 8, latent=latent)
+    assert [g.tokens for g in both] == [generate(model, p, 8, latent=not latent).tokens for p in prompts]
+    assert both[1].cache_bytes == per_position // 2
+
+
 def test_the_query_mask_covers_the_cache_and_the_window_and_the_cache_its_capacity() -> None:
     assert query_mask(0, 4, None, torch.device("cpu")) is None  # the model's own causal fast path
     assert query_mask(0, 4, 4, torch.device("cpu")) is None
