@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ from moebal.models.mla import MLAttention
 if TYPE_CHECKING:
     from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM, MoebalModel
 
-__all__ = ["ExitRule", "Generation", "KVCache", "Sampling", "cached_form", "cached_forward", "dropless",
+__all__ = ["ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward", "dropless",
            "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
 
 
@@ -260,6 +260,18 @@ def dropless(model: MoebalForCausalLM) -> Iterator[None]:
             layer.spec = spec
 
 
+class Lockstep(Protocol):
+    """Ranks that decode together (expert parallelism: moebal/distributed/ep_generate.py): every rank runs the
+    same forwards, since each MoE layer's all-to-alls need every rank, so a rank whose rows have all stopped goes
+    on with them until every rank's have."""
+
+    def before_forward(self) -> None:
+        """Called before each forward."""
+
+    def all_done(self, done_here: bool) -> bool:
+        """Whether every rank's rows have stopped, given whether this rank's have (a collective)."""
+
+
 @dataclass
 class Generation:
     """One prompt's generation."""
@@ -292,7 +304,7 @@ def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: in
 
 def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   sampling: Sampling = Sampling(), *, cache: bool = True, stop_ids: Sequence[int] = (),
-                  latent: bool = True) -> list[Generation]:
+                  latent: bool = True, lockstep: Lockstep | None = None) -> list[Generation]:
     """Each prompt's generation: up to `max_new_tokens` tokens, ending early at a token of `stop_ids`.
 
     `cache`: the KV-cached decoder (module docstring), every prompt in one batch, left-padded to the longest; each
@@ -300,8 +312,9 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     its own generator seeded with `sampling.seed`, so a prompt's text does not depend on the others beside it.
     Multi-head latent attention layers cache their latent (`latent`; KVCache's docstring). False: the model's
     whole forward over the prefix for every new token, one prompt after the other (a model served through a
-    scheme without a cached form, or a reference). The model is put in eval mode; the rows of a
-    batch share its timings."""
+    scheme without a cached form, or a reference). `lockstep`: this rank decodes beside others (`Lockstep`); each
+    rank must pass as many prompts and the same `max_new_tokens` and `cache`. The model is put in eval mode; the
+    rows of a batch share its timings."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("a prompt has no tokens: give at least one")
     if max_new_tokens < 1:
@@ -315,12 +328,13 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     model.eval()
     with torch.no_grad(), dropless(model):
         if not cache:
-            return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), cache=False)[0] for p in prompts]
-        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), cache=True, latent=latent)
+            return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), False, latent, lockstep)[0]
+                    for p in prompts]
+        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), True, latent, lockstep)
 
 
 def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-            stops: set[int], cache: bool, latent: bool = True) -> list[Generation]:
+            stops: set[int], cache: bool, latent: bool, lockstep: Lockstep | None) -> list[Generation]:
     """`generate_many`'s loop over one batch (a single prompt when not `cache`)."""
     device = model.lm_head.weight.device
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -334,6 +348,8 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
     t0 = time.perf_counter()
     step_BT = ids_BT
     for n in range(max_new_tokens):
+        if lockstep is not None:
+            lockstep.before_forward()
         logits_BV = (cached_forward(model, step_BT, kv, pad_B) if cache else model(ids_BT).logits)[:, -1]
         toks = next_tokens(logits_BV, sampling, gens).tolist()  # the host decides whether to stop
         if n == 0:
@@ -345,7 +361,7 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
                 outs[b].tokens.append(tok)
                 if tok in stops:
                     done[b], outs[b].stop = True, "stop_token"
-        if all(done):
+        if all(done) if lockstep is None else lockstep.all_done(all(done)):
             break
         step_BT = torch.tensor([[t] for t in toks], dtype=torch.long, device=device)
         if not cache:  # the whole-prefix forward reads the sequence; the cached decoder only the new column
