@@ -178,36 +178,42 @@ def set_top_k(model: Any, k: int) -> None:
         layer.top_k = k
 
 
+def policies_and_profile(policy: str, profile_arg: str | None, source: Path, scheme: str) -> tuple[list[str], Any]:
+    """(the policies to run, static first: its outputs are the reference the others must equal bit for bit; the
+    path profile Lina's policies plan from, None for the others), for `--policy` and `--profile` (default
+    SOURCE/paths.npz) of a model trained with dynamism scheme `scheme`."""
+    from moebal.planner.paths import PathProfile
+
+    policies = ["static", "lina", "phase1", "oracle"] if policy == "all" else list(dict.fromkeys(["static", policy]))
+    if scheme in SUBSET_SCHEMES and {"lina", "phase1"} & set(policies):  # (moebal.config's)
+        what = "its routed layers skip tokens" if scheme == "mod" else "its tokens leave early"
+        raise ConfigError(f"{source} trained with dynamism scheme {scheme}: {what}, so a token has no path over the "
+                          f"layers for Lina to estimate from (and its training could not record one); use --policy "
+                          f"static or oracle")
+    if not {"lina", "phase1"} & set(policies):
+        return policies, None
+    path = Path(profile_arg) if profile_arg else source / "paths.npz"
+    if not path.exists():
+        raise ConfigError(f"{path}: no path profile: build one with `moebal paths {source}` (record the routing "
+                          f"with train.record_routing_every=N), or use --policy static")
+    try:
+        return policies, PathProfile.load(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import build_data, eval_batches
     from moebal.distributed.testing import run_ranks
-    from moebal.planner.paths import PathProfile
 
     run_dir = Path(args.run_dir)
     if args.nproc < 1 or args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
     cfg, model, served = load_run_model(run_dir, args.top_k)
-    # static runs first under every policy: its logits are the reference the others must equal bit for bit
-    policies = ["static", "lina", "phase1", "oracle"] if args.policy == "all" else list(dict.fromkeys(
-        ["static", args.policy]))
-    if cfg.dynamism.scheme in SUBSET_SCHEMES and {"lina", "phase1"} & set(policies):  # (moebal.config's)
-        what = "its routed layers skip tokens" if cfg.dynamism.scheme == "mod" else "its tokens leave early"
-        raise ConfigError(f"{run_dir} trained with dynamism scheme {cfg.dynamism.scheme}: {what}, so a token has no "
-                          f"path over the layers for Lina to estimate from (and its training could not record "
-                          f"one); use --policy static or oracle")
-    profile = None
-    if {"lina", "phase1"} & set(policies):
-        path = Path(args.profile) if args.profile else run_dir / "paths.npz"
-        if not path.exists():
-            raise ConfigError(f"{path}: no path profile: build one with `moebal paths {run_dir}` (record the "
-                              f"routing with train.record_routing_every=N), or use --policy static")
-        try:
-            profile = PathProfile.load(path)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+    policies, profile = policies_and_profile(args.policy, args.profile, run_dir, cfg.dynamism.scheme)
     bs = args.batch_size or cfg.data.batch_size
     if bs % args.nproc:
         raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")

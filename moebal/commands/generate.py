@@ -3,7 +3,9 @@ with a KV cache (moebal/models/generate.py).
 
 Example: moebal generate runs/default-2026... --prompt "def main(" --max-new-tokens 64
          moebal generate hf/Mixtral-8x7B-v0.1 --prompt "The capital of France is" --device cuda --dtype bf16
-(greedy by default; `--temperature 0.8 --top-p 0.95 --seed 1` samples, the same text for the same seed.)
+         moebal generate runs/default-2026... --prompt "def " --prompt "import" --nproc 2 --policy lina
+(greedy by default; `--temperature 0.8 --top-p 0.95 --seed 1` samples, the same text for the same seed;
+`--nproc N` decodes with expert parallelism on N local gloo ranks: moebal/distributed/ep_generate.py.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts decoded together (default 8; each row computes and draws as it would alone)")
     p.add_argument("--no-cache", action="store_true",
                    help="run the whole prefix's forward for every new token instead of the KV cache (a reference)")
+    p.add_argument("--nproc", type=int, default=1, help="expert-parallel gloo ranks on this machine, each decoding "
+                   "its share of every batch (default 1: one process)")
+    p.add_argument("--policy", default="static", choices=("static", "lina", "phase1", "oracle", "all"),
+                   help="with --nproc > 1, how each MoE layer's tokens find their experts (as `moebal eval`): static "
+                        "expert parallelism (default), Lina (phases 1 and 2), phase 1 only, FFD on the real counts; "
+                        "a policy other than static runs after static, whose tokens it must equal; all: each")
+    p.add_argument("--profile", default=None, help="path profile for lina and phase1 (default SOURCE/paths.npz; "
+                   "`moebal paths RUN_DIR`)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights and compute (default fp32)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -108,9 +118,12 @@ def run(args: argparse.Namespace) -> int:
     from moebal.data import load_tokenizer
     from moebal.models.generate import Sampling, cached_form
 
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        raise ConfigError(f"--max-new-tokens and --batch-size must be >= 1; got {args.max_new_tokens}, "
-                          f"{args.batch_size}")
+    if args.max_new_tokens < 1 or args.batch_size < 1 or args.nproc < 1:
+        raise ConfigError(f"--max-new-tokens, --batch-size and --nproc must be >= 1; got {args.max_new_tokens}, "
+                          f"{args.batch_size}, {args.nproc}")
+    if args.nproc > 1 and args.device != "cpu":
+        raise ConfigError(f"--nproc {args.nproc} decodes on local gloo ranks on the CPU; drop --device "
+                          f"{args.device} (or generate on one process: --nproc 1)")
     try:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
@@ -148,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
     if served is not None and not args.json:
         how = "KV-cached, exits included" if cache else "no KV cache (the whole prefix runs for every new token)"
         print(f"served as the run validated after step {served.step}: {served.line}; {how}")
-    for g in _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling, cache, stops):
+    ep = _expert_parallel(args, src, model, prompts, sampling, cache, stops) if args.nproc > 1 else None
+    gens = ep[-1] if ep is not None else _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling,
+                                                        cache, stops)
+    for g in gens:
         text = tok.decode(np.asarray(g.tokens)) if tok is not None else None
         if args.json:
             print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
@@ -161,7 +177,37 @@ def run(args: argparse.Namespace) -> int:
                 f"{g.prompt} -> {g.tokens}"
             print(f"{shown}\n  [{len(g.tokens)} tokens, stop: {g.stop}, first token {g.prefill_s * 1e3:.0f} ms, "
                   f"{g.tokens_per_s:.1f} tokens/s after it{'' if cache else ', no KV cache'}]")
+    if ep is not None:
+        summary = ep[0]
+        if args.json:
+            print(json.dumps({"expert_parallel": summary}))
+        else:
+            for p, s in summary["policies"].items():
+                eq = "" if s["tokens_equal_static"] is None else f", tokens equal static: {s['tokens_equal_static']}"
+                print(f"{p:7s} MoE layers {s['moe_s_median'] * 1e3:.1f} ms per forward (slowest rank, median) on "
+                      f"{args.nproc} ranks{eq}")
     return 0
+
+
+def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts: list[list[int]], sampling: Any,
+                     cache: bool, stops: list[int]) -> tuple[dict[str, Any], list[Any]]:
+    """(the policies' summary, the last policy's generations) of an expert-parallel run on `--nproc` ranks."""
+    from moebal.commands.eval import policies_and_profile
+    from moebal.distributed.ep_generate import expert_parallel_generate
+
+    policies, profile = policies_and_profile(args.policy, args.profile, Path(args.source), src.cfg.dynamism.scheme)
+    try:
+        res = expert_parallel_generate(model, prompts, args.nproc, args.max_new_tokens, sampling,
+                                       batch_size=args.batch_size, stop_ids=stops, cache=cache, policies=policies,
+                                       profile=profile)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    static = [g.tokens for g in res["static"].generations]
+    summary = {"nproc": args.nproc, "policies": {
+        p: {"moe_s_median": r.moe_s_median, "forwards": len(r.moe_s), "replans": r.replans, "replicas": r.replicas,
+            "tokens_equal_static": None if p == "static" else [g.tokens for g in r.generations] == static}
+        for p, r in res.items()}}
+    return summary, res[policies[-1]].generations
 
 
 def _generations(model: Any, prompts: list[list[int]], batch: int, new: int, sampling: Any, cache: bool,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moebal.distributed.lina_inference import LinaInference
-from moebal.models.generate import Generation, Sampling, generate_many
+from moebal.models.generate import Generation, Sampling, check_prompts, generate_many
 
 __all__ = ["GenerateJob", "PolicyResult", "expert_parallel_generate", "generate_worker", "share"]
 
@@ -126,16 +126,25 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
 
 
 def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, max_new_tokens: int,
-                             sampling: Sampling = Sampling(), *, batch_size: int = 8, stop_ids: list[int] | None = None,
-                             cache: bool = True, policies: list[str] | None = None, profile: Any = None,
-                             timeout_s: float = 1800.0) -> dict[str, PolicyResult]:
+                             sampling: Sampling | None = None, *, batch_size: int = 8,
+                             stop_ids: list[int] | None = None, cache: bool = True, policies: list[str] | None = None,
+                             profile: Any = None, timeout_s: float = 1800.0) -> dict[str, PolicyResult]:
     """Each policy's generations of `prompts` on `nproc` gloo ranks (module docstring), policies in the order
     given (default: static)."""
     from moebal.distributed.testing import run_ranks
 
     if nproc < 1 or batch_size < 1:
         raise ValueError(f"nproc and batch_size must be >= 1; got {nproc}, {batch_size}")
-    job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling, list(stop_ids or []),
+    check_prompts(model, prompts, max_new_tokens, cache)
+    layers = list(model.moe_layers())
+    if not layers:
+        raise ValueError("the model has no MoE layer: expert parallelism has nothing to spread (generate on one "
+                         "process)")
+    if layers[0].num_experts % nproc:
+        raise ValueError(f"{layers[0].num_experts} experts cannot be spread evenly over {nproc} ranks: choose a "
+                         f"number of ranks that divides them")
+    job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling or Sampling(),
+                      list(stop_ids or []),
                       cache, list(policies or ["static"]), profile)
     buf = io.BytesIO()
     torch.save(job, buf)

@@ -37,8 +37,8 @@ from moebal.models.mla import MLAttention
 if TYPE_CHECKING:
     from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM, MoebalModel
 
-__all__ = ["ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward", "dropless",
-           "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
+__all__ = ["ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward",
+           "check_prompts", "dropless", "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
 
 
 @dataclass(frozen=True)
@@ -294,6 +294,21 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
 
 
+def check_prompts(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  cache: bool) -> None:
+    """ValueError naming what `generate_many` cannot do with these arguments, before anything runs."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("a prompt has no tokens: give at least one")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+    limit, longest = model.model.rotary.cos_TK.shape[0], max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"the prompt's {longest} tokens and {max_new_tokens} new ones exceed the model's "
+                         f"max_seq_len ({limit}): shorten the prompt or lower max_new_tokens")
+    if cache:
+        cached_form(model)  # refuses a served model without a cached form
+
+
 def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling(),
              *, cache: bool = True, stop_ids: Sequence[int] = (), latent: bool = True) -> Generation:
     """Up to `max_new_tokens` tokens after `prompt` (token ids), ending early at a token of `stop_ids`
@@ -315,16 +330,7 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     scheme without a cached form, or a reference). `lockstep`: this rank decodes beside others (`Lockstep`); each
     rank must pass as many prompts and the same `max_new_tokens` and `cache`. The model is put in eval mode; the
     rows of a batch share its timings."""
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("a prompt has no tokens: give at least one")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    limit, longest = model.model.rotary.cos_TK.shape[0], max(len(p) for p in prompts)
-    if longest + max_new_tokens > limit:
-        raise ValueError(f"the prompt's {longest} tokens and {max_new_tokens} new ones exceed the model's "
-                         f"max_seq_len ({limit}): shorten the prompt or lower max_new_tokens")
-    if cache:
-        cached_form(model)  # refuses a served model without a cached form before anything runs
+    check_prompts(model, prompts, max_new_tokens, cache)
     model.eval()
     with torch.no_grad(), dropless(model):
         if not cache:

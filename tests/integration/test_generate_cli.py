@@ -33,9 +33,38 @@ def _json(r: Ran) -> list[dict[str, Any]]:
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gen") / "run"
     r = moebal("train", "--out", str(out), *BASE, "train.steps=3", "train.ckpt_every=3", "train.eval_every=3",
-               "parallel.nproc=1")
+               "train.record_routing_every=3", "parallel.nproc=1")
     assert r.returncode == 0, r.stderr
     return out
+
+
+def test_expert_parallel_generation_gives_every_policy_the_one_process_tokens(run_dir: Path) -> None:
+    """`--nproc 2 --policy all`: 3 prompts decoded on 2 gloo ranks (batches of 2: the third prompt beside a dummy)
+    under static expert parallelism, Lina (from the run's path profile at its default place), phase 1 and the
+    oracle give the tokens of one process; the summary says so per policy. Bad combinations are named."""
+    r = moebal("paths", str(run_dir), "-o", str(run_dir / "paths.npz"), "--path-len", "2")
+    assert r.returncode == 0, r.stderr
+    prompts = ["--prompt-ids", "100,101,32", "--prompt-ids", "105,109,112,111,114,116", "--prompt-ids", "35"]
+    one = _json(moebal("generate", str(run_dir), *prompts, "--max-new-tokens", "10", "--json"))
+    ep = _json(moebal("generate", str(run_dir), *prompts, "--max-new-tokens", "10", "--json", "--nproc", "2",
+                      "--policy", "all", "--batch-size", "2"))
+    assert [g["tokens"] for g in ep[:-1]] == [g["tokens"] for g in one] and len(one) == 3
+    summary = ep[-1]["expert_parallel"]
+    assert summary["nproc"] == 2 and list(summary["policies"]) == ["static", "lina", "phase1", "oracle"]
+    assert all(s["tokens_equal_static"] for p, s in summary["policies"].items() if p != "static")
+    assert all(s["forwards"] == 20 and s["moe_s_median"] > 0 for s in summary["policies"].values())  # 2 batches
+    text = moebal("generate", str(run_dir), *prompts[:2], "--max-new-tokens", "4", "--nproc", "2", "--policy",
+                  "oracle")
+    assert text.returncode == 0, text.stderr
+    assert [line.split()[0] for line in text.stdout.splitlines()[-2:]] == ["static", "oracle"], text.stdout
+    assert "tokens equal static: True" in text.stdout
+    for extra, said in ((["--nproc", "3"], "4 experts cannot be spread evenly over 3 ranks"),
+                        (["--nproc", "2", "--device", "cuda"], "decodes on local gloo ranks on the CPU"),
+                        (["--nproc", "2", "--policy", "lina", "--profile", str(run_dir / "none.npz")],
+                         "no path profile: build one with `moebal paths"),
+                        (["--nproc", "0"], "--nproc must be >= 1")):
+        r = moebal("generate", str(run_dir), *prompts[:2], "--max-new-tokens", "4", *extra)
+        assert r.returncode == 2 and said in r.stderr, (extra, r.stderr)
 
 
 def test_a_run_s_checkpoint_generates_the_same_tokens_with_and_without_the_cache(run_dir: Path) -> None:
@@ -121,8 +150,8 @@ def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: P
 @pytest.mark.parametrize("args, words", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number"),
     (["--prompt", "x", "--top-p", "1.5"], "top-p must be in (0, 1]"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens and --batch-size must be >= 1; got 0, 8"),
-    (["--prompt", "x", "--batch-size", "0"], "--max-new-tokens and --batch-size must be >= 1; got 64, 0"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "must be >= 1; got 0, 8, 1"),
+    (["--prompt", "x", "--batch-size", "0"], "must be >= 1; got 64, 0, 1"),
     (["--prompt", "x", "--max-new-tokens", "70"], "exceed the model's max_seq_len (64)"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,300"], "ids [300] are outside the vocabulary 0..255"),
