@@ -47,7 +47,12 @@ decodes the prompt and those tokens with its KV cache: every position's logits w
 of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it;
 and that sequence and its first 7 tokens as one left-padded batch, each row's logits within 1e-4 of the sequence's
 own (`BUG-generate` otherwise; early exit's cached decoder with its exits against the served forward). A run served
-through Mixture-of-Depths or sparse attention has no cached form: only the command is checked.
+through Mixture-of-Depths or sparse attention has no cached form: only the command is checked. A model whose
+experts split over 2 ranks then generates the prompt and its first 5 tokens with expert parallelism (`moebal
+generate --nproc 2 --policy oracle --batch-size 2`: one prompt a rank, static first): the oracle's tokens must
+equal static's, and each of the prompt's tokens must be the forward's most likely one, or within 1e-4 of it (a
+token can differ from one process's only at such a near tie: the dispatcher computes an expert's rows in padded
+groups, the local layer in one).
 
 Every cost a plan depends on is fixed: the expert planner's and the micro-batch planner's come from a hardware
 profile (`planner.costs`, `pipeline.dynamic.costs`), sparse attention's constants are given. Measured ones
@@ -481,7 +486,7 @@ def generate_check(out: Path, timeout: float) -> tuple[dict[str, Any], str]:
     if row["verdict"] != "ok":
         return row, err if row["verdict"] == "BUG" else ""
     got = json.loads(printed[0].strip().splitlines()[-1])
-    row["cache"] = got["cache"]
+    row["cache"], row["tokens"] = got["cache"], got["tokens"]
     if got["cache"]:
         from moebal.commands.generate import load_source
 
@@ -494,6 +499,44 @@ def generate_check(out: Path, timeout: float) -> tuple[dict[str, Any], str]:
             return row, (f"{printed[0]}\ncached logits {row['logits_diff']:.3g} of the largest away from the "
                          f"forward's; a generated token {row['argmax_gap']:.3g} below the forward's most likely; "
                          f"a batch's rows {row['batch_diff']:.3g} away from the same sequences alone")
+    return expert_parallel_check(out, timeout, row)
+
+
+def expert_parallel_check(out: Path, timeout: float, row: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """`generate_check`'s expert-parallel part (module docstring): `row` with `ep` added, and the stderr to keep when
+    it is a bug. A model without MoE layers, or with experts that 2 ranks cannot share, skips it."""
+    from moebal.commands.generate import load_source
+
+    model = load_source(out).model
+    layers = list(model.moe_layers())
+    if not layers or layers[0].num_experts % 2:
+        return row, ""
+    printed: list[str] = []
+    rc, err = run([sys.executable, "-m", "moebal.cli", "generate", str(out), "--prompt-ids",
+                   ",".join(map(str, GEN_PROMPT)), "--prompt-ids", ",".join(map(str, GEN_PROMPT[:5])),
+                   "--max-new-tokens", str(GEN_NEW), "--stop-id", "-1", "--json", "--nproc", "2", "--policy", "oracle",
+                   "--batch-size", "2"], timeout, printed)
+    ep: dict[str, Any] = {"rc": rc, "verdict": verdict(rc, err, "generate")}
+    row["ep"] = ep
+    if ep["verdict"] != "ok":
+        if ep["verdict"] == "BUG":
+            row["verdict"] = "BUG"
+        return row, err if ep["verdict"] == "BUG" else ""
+    lines = [json.loads(line) for line in printed[0].strip().splitlines()]
+    tokens, summary = lines[0]["tokens"], lines[-1]["expert_parallel"]["policies"]
+    ep["equal_static"] = summary["oracle"]["tokens_equal_static"]
+    ep["equal_one_process"] = tokens == row.get("tokens")
+    import torch
+
+    from moebal.models.generate import dropless
+
+    with torch.no_grad(), dropless(model):  # the served forward (a scheme's run has no cached form to compare)
+        full = model.eval()(torch.tensor([GEN_PROMPT + tokens])).logits[0].float()
+    ep["argmax_gap"] = argmax_gap(full, len(GEN_PROMPT), tokens)
+    if not (ep["equal_static"] and ep["argmax_gap"] <= GEN_TOL):
+        row["verdict"] = "BUG"
+        return row, (f"{printed[0]}\nexpert-parallel generation: oracle tokens equal static's: {ep['equal_static']}; "
+                     f"a token {ep['argmax_gap']:.3g} below the forward's most likely")
     return row, ""
 
 
@@ -513,10 +556,17 @@ def cached_against_full(model: Any, prompt: list[int], tokens: list[int]) -> tup
         parts = [cached_forward(model, ids[:, :n], cache)]
         parts += [cached_forward(model, ids[:, t:t + 1], cache) for t in range(n, total)]
     cached = torch.cat(parts, dim=1)[0].float()
-    scale = float(full.abs().max())
+    return float((cached - full).abs().max()) / float(full.abs().max()), argmax_gap(full, n, tokens)
+
+
+def argmax_gap(full: Any, n: int, tokens: list[int]) -> float:
+    """The largest margin by which a token generated after an `n`-token prompt falls short of the most likely one
+    of the forward's logits `full` [positions, V] at its position, relative to the largest logit."""
+    import torch
+
     at = full[n - 1:n - 1 + len(tokens)]  # the logits each generated token was chosen from
     gap = at.max(-1).values - at[torch.arange(len(tokens)), torch.tensor(tokens)]
-    return float((cached - full).abs().max()) / scale, float(gap.max()) / scale
+    return float(gap.max()) / float(full.abs().max())
 
 
 def batch_against_alone(model: Any, seqs: list[list[int]]) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -133,6 +134,23 @@ def test_the_generate_leg_compares_the_cached_decoder_with_the_forward(script, t
     row, err = script.generate_check(out, 120.0)
     assert row["verdict"] == "ok" and row["cache"] and row["logits_diff"] < 1e-5 and row["argmax_gap"] == 0, (row, err)
     assert row["batch_diff"] < 1e-5, row
+    # expert parallelism on 2 ranks (4 experts): the oracle's tokens equal static's and one process's
+    assert row["ep"]["verdict"] == "ok" and row["ep"]["equal_static"] and row["ep"]["equal_one_process"], row
+    assert row["ep"]["argmax_gap"] <= 1e-4, row
+    real_run = script.run
+
+    def wrong_tokens(argv, timeout, stdout=None, env=None):  # the expert-parallel run's first token off by one
+        rc, err = real_run(argv, timeout, stdout, env)
+        if "--nproc" in argv and stdout:
+            lines = [json.loads(line) for line in stdout[-1].strip().splitlines()]
+            lines[0]["tokens"][0] = (lines[0]["tokens"][0] + 1) % 256
+            stdout[-1] = "\n".join(json.dumps(x) for x in lines)
+        return rc, err
+
+    with monkeypatch.context() as m:
+        m.setattr(script, "run", wrong_tokens)
+        row, err = script.generate_check(out, 120.0)
+    assert row["verdict"] == "BUG" and "expert-parallel generation" in err and row["ep"]["argmax_gap"] > 1e-4, row
 
     import moebal.models.generate as gen
 
