@@ -149,8 +149,8 @@ def test_the_generate_leg_compares_the_cached_decoder_with_the_forward(script, t
 
     with monkeypatch.context() as m:
         m.setattr(script, "run", wrong_tokens)
-        row, err = script.generate_check(out, 120.0)
-    assert row["verdict"] == "BUG" and "expert-parallel generation" in err and row["ep"]["argmax_gap"] > 1e-4, row
+        bad, err = script.expert_parallel_check(out, 120.0, {**row, "ep": None})
+    assert bad["verdict"] == "BUG" and "expert-parallel generation" in err and bad["ep"]["argmax_gap"] > 1e-4, bad
 
     import moebal.models.generate as gen
 
