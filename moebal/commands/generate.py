@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: the run's data.tokenizer, "
                    "or the checkpoint directory's tokenizer.json)")
     p.add_argument("--batch-size", type=int, default=8,
-                   help="prompts decoded together (default 8; each row computes and draws as it would alone)")
+                   help="prompts decoded together, over all ranks with --nproc (default 8; each row computes and "
+                        "draws as it would alone)")
     p.add_argument("--no-cache", action="store_true",
                    help="run the whole prefix's forward for every new token instead of the KV cache (a reference)")
     p.add_argument("--nproc", type=int, default=1, help="expert-parallel gloo ranks on this machine, each decoding "
