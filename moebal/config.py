@@ -615,6 +615,10 @@ class MoDConfig:
     subset_precision: Literal["auto", "autocast", "fp32"] = "auto"
     """Precision of a routed block under bf16 autocast: auto = fp32 on a CPU when it keeps at most half the
     tokens (small bf16 kernels are slower there), the run's autocast otherwise."""
+    predictor: int = 0
+    """Hidden width of each routed layer's causal predictor (0: none), a small MLP trained beside the run on
+    whether a token is in its layer's top-capacity share, from the token's own state (detached: training's
+    losses are unchanged). With one, `moebal generate` routes each token by its predictor (causal, KV-cached)."""
 
 
 @dataclass(kw_only=True, frozen=True)

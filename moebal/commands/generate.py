@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import load_tokenizer
-    from moebal.models.generate import Sampling, cached_form
+    from moebal.models.generate import DepthRule, ExitRule, Sampling, cached_form, causal_routing
 
     if args.max_new_tokens < 1 or args.batch_size < 1 or args.nproc < 1:
         raise ConfigError(f"--max-new-tokens, --batch-size and --nproc must be >= 1; got {args.max_new_tokens}, "
@@ -154,14 +154,24 @@ def run(args: argparse.Namespace) -> int:
         prompts = [_ids(s, cfg.model.vocab_size) for s in args.prompt_ids]
     stops = args.stop_id if args.stop_id is not None else eos_ids(src.hf_dir)
     model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    form: Any = None
     try:
-        cached_form(model)
+        form = cached_form(model)
         cache = not args.no_cache
     except ValueError:  # a scheme whose tokens' paths depend on later tokens (moebal/models/generate.py)
         cache = False
+    line = served.line if served is not None else None
+    if isinstance(form, DepthRule):  # Mixture-of-Depths generates through its causal predictors, cached or not
+        from moebal.dynamism.scheme import served_scheme
+
+        scheme = served_scheme(model.model)
+        assert scheme is not None  # a DepthRule comes from a served scheme
+        with causal_routing(model):
+            line = scheme.served_as()
     if served is not None and not args.json:
-        how = "KV-cached, exits included" if cache else "no KV cache (the whole prefix runs for every new token)"
-        print(f"served as the run validated after step {served.step}: {served.line}; {how}")
+        how = ("no KV cache (the whole prefix runs for every new token)" if not cache else
+               "KV-cached, exits included" if isinstance(form, ExitRule) else "KV-cached")
+        print(f"served as the run validated after step {served.step}: {line}; {how}")
     ep = _expert_parallel(args, src, model, prompts, sampling, cache, stops) if args.nproc > 1 else None
     gens = ep[-1] if ep is not None else _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling,
                                                         cache, stops)
@@ -171,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
                               "prefill_s": round(g.prefill_s, 6), "decode_tokens_per_s": round(g.tokens_per_s, 3),
                               "cache": cache, "cache_bytes_per_position": g.cache_bytes,
-                              "served": served.line if served is not None else None,
+                              "served": line,
                               "sampling": dataclasses.asdict(sampling)}))
         else:
             shown = repr(tok.decode(np.asarray(g.prompt)) + text) if tok is not None and text is not None else \

@@ -9,7 +9,21 @@ highest router scores run the whole block (attention among the selected tokens o
 causal order, and the FFN); the others pass through unchanged. A selected token's output is
 h + sigmoid(score) x (block(h) - h): the router weight puts the router on the gradient path (Raposo multiply
 by the raw score; the sigmoid keeps the scale bounded). Selection is expert-choice top-k over the sequence,
-as in training in the paper; its causal predictor for sampling is not needed to train and is not built.
+as in training in the paper.
+
+The causal predictor (`predictor` > 0: its hidden width). Top-k over the row needs the row's later tokens, which
+sampling does not have. Raposo et al. (section 3.5) train "a small auxiliary MLP predictor (akin to a second
+router) that receives the same inputs as the router (with a stop gradient)" and predicts whether the token is
+among the top-k; DynMo gives every MoD block one "so that routing is causal" (its Appendix F.7). Here each routed
+layer gets `layer.mod_predictor`, Linear(D, P), SiLU, Linear(P, 1), attached like the router (it trains,
+migrates and checkpoints with the layer; drawn from the scheme's generator after every router, so the routers'
+initial weights do not depend on it). At each routed forward in training it reads the detached input and its
+binary cross-entropy against the selection (1 for the tokens the row keeps; a padded row's real tokens only) joins
+the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters only, so the
+run's losses, gradients and every other parameter are those of a run without it, bit for bit (tested). The
+reported loss is the language model's; `metrics()` gives each routed layer's last predictor accuracy. Training
+keeps routing by top-k (the paper's and DynMo's rule): the predictor is what generation routes by
+(`causal_routing`), a token running the block where its predictor's logit is positive.
 
 A padded row (planned micro-batching: the carry's `ROW_TOKENS`) keeps the share of its real tokens, chosen among
 them; padding fills the slots the longest row needs beyond it (`padded_selection`).
@@ -36,6 +50,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, row_tokens, run_as_forward
@@ -46,7 +61,33 @@ from moebal.sync import host_values, upload
 if TYPE_CHECKING:
     from moebal.models.transformer import MoebalForCausalLM
 
-__all__ = ["MixtureOfDepths", "padded_selection"]
+__all__ = ["MixtureOfDepths", "padded_selection", "predictor_targets"]
+
+
+class _AuxGrad(torch.autograd.Function):
+    """h unchanged; `loss` (a scalar) receives gradient 1 in the backward that reaches h: an auxiliary loss
+    trained by the stage's own backward, wherever the layer runs (a pipeline stage, recomputation)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_meta = (loss.dtype, loss.device)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype, device = ctx.loss_meta
+        return g, torch.ones((), dtype=dtype, device=device)
+
+
+def predictor_targets(pos_BC: torch.Tensor, T: int, n_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target_BT: 1.0 at the routed positions, the real-token mask_BT the predictor's loss counts): a padded
+    row's padding slots are neither targets nor counted."""
+    B = pos_BC.shape[0]
+    target_BT = torch.zeros(B, T, device=pos_BC.device).scatter_(1, pos_BC, 1.0)
+    if n_B is None:
+        return target_BT, torch.ones(B, T, dtype=torch.bool, device=pos_BC.device)
+    real_BT = torch.arange(T, device=pos_BC.device)[None, :] < upload(host_values(n_B), pos_BC.device)[:, None]
+    return target_BT * real_BT, real_BT
 
 
 def padded_selection(score_BT: torch.Tensor, c: float, n_B: torch.Tensor) -> torch.Tensor:
@@ -83,7 +124,7 @@ class MixtureOfDepths(Dynamism):
     changes_outputs = True
 
     def __init__(self, cfg: Any, capacity: float = 0.125, every: int = 2, first_layer: int = 1, start: int = 0,
-                 ramp_steps: int = 0, seed: int = 0, subset_precision: str = "auto") -> None:
+                 ramp_steps: int = 0, seed: int = 0, subset_precision: str = "auto", predictor: int = 0) -> None:
         L = cfg.model.n_layers
         if subset_precision not in ("auto", "autocast", "fp32"):
             raise ConfigError(f"dynamism mod: subset_precision must be auto, autocast or fp32; "
@@ -93,6 +134,12 @@ class MixtureOfDepths(Dynamism):
                               f"parallel.param_dtype {cfg.parallel.param_dtype} keeps the weights in that dtype: set "
                               "dynamism.mod.subset_precision to auto or autocast, or parallel.param_dtype to fp32")
         self.subset_precision = subset_precision
+        if predictor < 0:
+            raise ConfigError(f"dynamism mod: predictor is the causal predictor's hidden width (0: none); got "
+                              f"{predictor}")
+        self.predictor = int(predictor)
+        self.causal = False  # route by the predictors (`causal_routing`), not by top-k over the row
+        self.accuracy: dict[int, torch.Tensor] = {}  # routed layer -> its predictor's last accuracy (device scalar)
         if not 0 < capacity <= 1:
             raise ConfigError(f"dynamism mod: capacity is the share of tokens a routed block keeps, in (0, 1]; "
                               f"got {capacity}")
@@ -109,20 +156,37 @@ class MixtureOfDepths(Dynamism):
 
     def prepare_model(self, model: MoebalForCausalLM) -> None:
         g = torch.Generator().manual_seed(self.seed)
+        std = self.cfg.model.init_std
         for i in sorted(self.routed):
             layer = model.model.layers[i]
             with torch.device("meta"):  # nn.Linear's own init would draw from the global generator
                 router = nn.Linear(self.cfg.model.dim, 1, bias=False)
             router = router.to_empty(device="cpu")
             with torch.no_grad():
-                router.weight.copy_(torch.randn(router.weight.shape, generator=g) * self.cfg.model.init_std)
+                router.weight.copy_(torch.randn(router.weight.shape, generator=g) * std)
             layer.mod_router = router.to(next(layer.parameters()).device)
+        for i in sorted(self.routed) if self.predictor else ():  # after every router: theirs stay as without
+            layer = model.model.layers[i]
+            predictor = self._predictor("cpu")
+            with torch.no_grad():
+                for p in predictor.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.zeros(p.shape))
+            layer.mod_predictor = predictor.to(next(layer.parameters()).device)
 
     def prepare_layer(self, i: int, layer: nn.Module) -> None:
         if i in self.routed:
+            device = next(layer.parameters()).device
             with torch.device("meta"):
                 router = nn.Linear(self.cfg.model.dim, 1, bias=False)
-            layer.mod_router = router.to_empty(device=next(layer.parameters()).device)
+            layer.mod_router = router.to_empty(device=device)
+            if self.predictor:
+                layer.mod_predictor = self._predictor(device)
+
+    def _predictor(self, device: torch.device | str) -> nn.Module:
+        """An uninitialised predictor (module docstring) on `device`."""
+        with torch.device("meta"):
+            mlp = nn.Sequential(nn.Linear(self.cfg.model.dim, self.predictor), nn.SiLU(), nn.Linear(self.predictor, 1))
+        return mlp.to_empty(device=device)
 
     def idle_parameters(self) -> bool:
         return self.start > 0 or self.capacity >= 1.0  # the routers idle while the capacity is 1
@@ -147,6 +211,8 @@ class MixtureOfDepths(Dynamism):
         row's real tokens, `n_B`: see `padded_selection`)."""
         B, T, _ = h_BTD.shape
         score_BT = layer.get_submodule("mod_router")(h_BTD).squeeze(-1)
+        if self.causal:
+            return self._causal(layer, h_BTD, cos_TK, sin_TK, score_BT)
         if n_B is None:
             C = max(1, round(c * T))
             pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
@@ -156,15 +222,55 @@ class MixtureOfDepths(Dynamism):
         weight_BC = torch.sigmoid(score_BT.gather(1, pos_BC))
         if self._fp32_subset(layer, h_BTD.device, C, T):
             with torch.autocast(h_BTD.device.type, enabled=False):
-                return subset_block(as_decoder(layer), h_BTD.float(), cos_TK.float(), sin_TK.float(), pos_BC, None,
-                                    keys="subset", scale_BQ=weight_BC.float()).to(h_BTD.dtype)
-        return subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset",
-                            scale_BQ=weight_BC)
+                out_BTD = subset_block(as_decoder(layer), h_BTD.float(), cos_TK.float(), sin_TK.float(), pos_BC,
+                                       None, keys="subset", scale_BQ=weight_BC.float()).to(h_BTD.dtype)
+        else:
+            out_BTD = subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BC, None, keys="subset",
+                                   scale_BQ=weight_BC)
+        if self.predictor and torch.is_grad_enabled():
+            out_BTD = self._train_predictor(layer, h_BTD, out_BTD, pos_BC, n_B)
+        return out_BTD
+
+    def _train_predictor(self, layer: nn.Module, h_BTD: torch.Tensor, out_BTD: torch.Tensor, pos_BC: torch.Tensor,
+                         n_B: torch.Tensor | None) -> torch.Tensor:
+        """`out_BTD` carrying the predictor's loss into the backward (module docstring)."""
+        logit_BT = layer.get_submodule("mod_predictor")(h_BTD.detach()).squeeze(-1).float()
+        target_BT, real_BT = predictor_targets(pos_BC, h_BTD.shape[1], n_B)
+        loss = F.binary_cross_entropy_with_logits(logit_BT[real_BT], target_BT[real_BT])
+        with torch.no_grad():
+            self.accuracy[as_decoder(layer).index] = ((logit_BT > 0) == (target_BT > 0))[real_BT].float().mean()
+        tied: torch.Tensor = _AuxGrad.apply(out_BTD, loss)  # Function.apply is typed Any
+        return tied
+
+    def _causal(self, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                score_BT: torch.Tensor) -> torch.Tensor:
+        """The routed block under `causal_routing`: the tokens whose predictor's logit is positive run it, each
+        row its own count (padded slots invalid), at their router weights."""
+        run_BT = self.predicts(layer, h_BTD)
+        Q = int(run_BT.sum(dim=1).max())  # (a host read: the rows' widths)
+        if Q == 0:
+            return h_BTD
+        # the running positions first, ascending (a stable sort of "does not run"), then the rest as padding
+        pos_BQ = torch.sort((~run_BT).to(torch.int8), dim=1, stable=True).indices[:, :Q]
+        valid_BQ = run_BT.gather(1, pos_BQ)
+        weight_BQ = torch.sigmoid(score_BT.gather(1, pos_BQ))
+        return subset_block(as_decoder(layer), h_BTD, cos_TK, sin_TK, pos_BQ, valid_BQ, keys="subset",
+                            scale_BQ=weight_BQ)
+
+    def predicts(self, layer: nn.Module, h_BTD: torch.Tensor) -> torch.Tensor:
+        """bool [B, T]: the tokens routed layer `layer`'s predictor sends through the block."""
+        if not self.predictor:
+            raise ValueError("this Mixture-of-Depths run has no causal predictor (dynamism.mod.predictor 0)")
+        logit_BT: torch.Tensor = layer.get_submodule("mod_predictor")(h_BTD).squeeze(-1)
+        return logit_BT > 0
 
     def served_as(self) -> str:
         c = self.current_capacity()
         if c >= 1.0:
             return "Mixture-of-Depths at capacity 1: every layer runs every token"
+        if self.causal:
+            return ("Mixture-of-Depths: the routed layers run the tokens their causal predictors pick (at "
+                    f"capacity {c:g} in training)")
         return (f"Mixture-of-Depths: the routed layers run their routers' top {c:g} of each row's tokens (the "
                 f"selection spans the row, as in training: teacher-forced)")
 
@@ -188,5 +294,8 @@ class MixtureOfDepths(Dynamism):
         return out
 
     def metrics(self) -> dict[str, Any]:
-        return {"mod_capacity": round(self.current_capacity(), 6),
-                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
+        out: dict[str, Any] = {"mod_capacity": round(self.current_capacity(), 6),
+                               "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
+        if self.accuracy:  # this stage's routed layers, at their last training forward (one host read a step)
+            out["predictor_accuracy"] = {i: round(float(a), 4) for i, a in sorted(self.accuracy.items())}
+        return out

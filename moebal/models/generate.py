@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from moebal.models.mla import MLAttention
 
 if TYPE_CHECKING:
+    from moebal.dynamism.mod import MixtureOfDepths
     from moebal.models.transformer import Attention, DecoderLayer, MoebalForCausalLM, MoebalModel
 
-__all__ = ["ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward",
+__all__ = ["DepthRule", "ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward",
            "check_prompts", "dropless", "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
 
 
@@ -82,6 +83,9 @@ class KVCache:
     length: int = 0
     """Positions held (the next new position's index)."""
     latent: bool = True
+    ran: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per Mixture-of-Depths routed layer, bool [B, capacity]: the positions that ran the layer, whose keys are
+    the only ones its attention sees (`DepthRule`)."""
 
     @classmethod
     def empty(cls, n_layers: int, capacity: int, latent: bool = True) -> KVCache:
@@ -143,10 +147,29 @@ class ExitRule:
     threshold: float
 
 
-def cached_form(model: MoebalForCausalLM) -> ExitRule | None:
+@dataclass(frozen=True)
+class DepthRule:
+    """Mixture-of-Depths routed by its causal predictors (moebal/dynamism/mod.py, `causal_routing`): at each layer
+    of `routed` a token runs the block where its predictor's logit is positive, its output h + sigmoid(router
+    score) x (layer(h) - h), its attention over the earlier tokens that ran the layer; the others pass through."""
+
+    routed: frozenset[int]
+
+
+def _mod_with_predictor(model: MoebalForCausalLM) -> MixtureOfDepths | None:
+    from moebal.dynamism.mod import MixtureOfDepths
+    from moebal.dynamism.scheme import served_scheme
+
+    scheme = served_scheme(model.model)
+    return scheme if isinstance(scheme, MixtureOfDepths) and scheme.predictor else None
+
+
+def cached_form(model: MoebalForCausalLM) -> ExitRule | DepthRule | None:
     """How the KV-cached decoder runs `model`: None for the plain model, the exit rule of a model served through
-    early exit; a model served through another scheme has no cached form (ValueError)."""
+    early exit, the routed layers of Mixture-of-Depths with causal predictors (at capacity 1 none routes); a
+    model served through another scheme has no cached form (ValueError)."""
     from moebal.dynamism.early_exit import EarlyExit
+    from moebal.dynamism.mod import MixtureOfDepths
     from moebal.dynamism.scheme import served_scheme
 
     scheme = served_scheme(model.model)
@@ -154,8 +177,27 @@ def cached_form(model: MoebalForCausalLM) -> ExitRule | None:
         return None
     if isinstance(scheme, EarlyExit):
         return ExitRule(scheme.first_layer, scheme.L - 1, scheme.tau())
+    if isinstance(scheme, MixtureOfDepths) and scheme.predictor:
+        return DepthRule(frozenset(scheme.routed) if scheme.current_capacity() < 1.0 else frozenset())
+    more = (" (a Mixture-of-Depths run trained with dynamism.mod.predictor > 0 has one)"
+            if isinstance(scheme, MixtureOfDepths) else "")
     raise ValueError(f"this model is served through dynamism scheme {scheme.name} (Dynamism.serve), which has no "
-                     f"KV-cached form: generate with cache=False")
+                     f"KV-cached form{more}: generate with cache=False")
+
+
+@contextmanager
+def causal_routing(model: MoebalForCausalLM) -> Iterator[None]:
+    """A model served through Mixture-of-Depths with causal predictors routes each token by its predictor while
+    inside (the module docstring); no change for any other model; restored after."""
+    scheme = _mod_with_predictor(model)
+    if scheme is None:
+        yield
+        return
+    saved, scheme.causal = scheme.causal, True
+    try:
+        yield
+    finally:
+        scheme.causal = saved
 
 
 def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
@@ -185,6 +227,39 @@ def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor
     return out_BTD if active_BT is None else torch.where(active_BT.unsqueeze(-1), out_BTD, h_BTD)
 
 
+def _routed_cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
+                         cache: KVCache, pad_B: torch.Tensor | None) -> torch.Tensor:
+    """A Mixture-of-Depths routed layer over the new positions (`DepthRule`): the keys and values of every new
+    position are cached, and `cache.ran` marks those that ran the layer, the only keys its attention sees (the
+    token-subset block's `keys="subset"`: a shorter sequence at the original positions and window). A position
+    that does not run keeps its state."""
+    attn = cast("Attention", layer.self_attn)
+    B, T, _ = h_BTD.shape
+    run_BT = layer.get_submodule("mod_predictor")(h_BTD).squeeze(-1) > 0
+    score_BT = layer.get_submodule("mod_router")(h_BTD).squeeze(-1)
+    q, k, v = attn.qkv(layer.input_layernorm(h_BTD), cos_TK, sin_TK)
+    start = cache.length
+    k, v_all = cache.extend(layer.index, k, v)
+    assert v_all is not None  # extend returns the values it was given
+    ran = cache.ran.get(layer.index)
+    if ran is None:
+        ran = cache.ran[layer.index] = torch.zeros(B, cache.capacity, dtype=torch.bool, device=h_BTD.device)
+    ran[:, start:start + T] = run_BT
+    if not bool(run_BT.any()):  # (a host read per routed layer, as the served forward's widths)
+        return h_BTD
+    S = start + T
+    base = query_mask(start, T, getattr(attn, "sliding_window", None), h_BTD.device, pad_B)
+    if base is None:
+        base = torch.ones(T, S, dtype=torch.bool, device=h_BTD.device).tril(start)
+    base_B1TS = base.expand(B, 1, T, S)
+    # a running query sees the earlier keys that ran; one that does not run keeps its plain row (never read,
+    # kept finite)
+    mask_B1TS = torch.where(run_BT[:, None, :, None], base_B1TS & ran[:, None, None, :S], base_B1TS)
+    out_BTD = layer._ffn_part(h_BTD + attn.attend(q, k, v_all, mask_B1TS))
+    scale_BT1 = torch.sigmoid(score_BT).unsqueeze(-1).to(out_BTD.dtype)
+    return torch.where(run_BT.unsqueeze(-1), h_BTD + scale_BT1 * (out_BTD - h_BTD), h_BTD)
+
+
 def _rotary_at(body: MoebalModel, start: int, T: int, dtype: torch.dtype,
                pad_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables of columns start .. start + T - 1: [T, K], or [B, 1, T, K] at each row's own positions
@@ -204,16 +279,21 @@ def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCach
     different lengths in one batch: each row's positions start after its padding, and no row attends to
     padding). A model served through early exit decodes with its exits (`cached_form`)."""
     rule = cached_form(model)
+    exits = rule if isinstance(rule, ExitRule) else None
+    routed = rule.routed if isinstance(rule, DepthRule) else frozenset()
     body = model.model
     start, T = cache.length, ids_BT.shape[1]
     h_BTD = body.embed_tokens(ids_BT)
     cos_TK, sin_TK = _rotary_at(body, start, T, h_BTD.dtype, pad_B)
-    active_BT = torch.ones(ids_BT.shape, dtype=torch.bool, device=ids_BT.device) if rule is not None else None
+    active_BT = torch.ones(ids_BT.shape, dtype=torch.bool, device=ids_BT.device) if exits is not None else None
     for i, layer in enumerate(body.layers):
-        out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT, pad_B)
-        if rule is not None and active_BT is not None and rule.first <= i < rule.last and rule.threshold < 1.0:
+        if i in routed:
+            out_BTD = _routed_cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, pad_B)
+        else:
+            out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT, pad_B)
+        if exits is not None and active_BT is not None and exits.first <= i < exits.last and exits.threshold < 1.0:
             conf_BT = F.cosine_similarity(out_BTD.float(), h_BTD.float(), dim=-1)
-            active_BT = active_BT & ~(conf_BT > rule.threshold)
+            active_BT = active_BT & ~(conf_BT > exits.threshold)
         h_BTD = out_BTD
     cache.length += T
     logits_BTV: torch.Tensor = model.lm_head(body.norm(h_BTD))
@@ -332,7 +412,7 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     rows of a batch share its timings."""
     check_prompts(model, prompts, max_new_tokens, cache)
     model.eval()
-    with torch.no_grad(), dropless(model):
+    with torch.no_grad(), dropless(model), causal_routing(model):
         if not cache:
             return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), False, latent, lockstep)[0]
                     for p in prompts]

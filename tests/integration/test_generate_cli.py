@@ -147,6 +147,27 @@ def test_a_scheme_s_run_is_served_through_the_scheme_without_a_cache(tmp_path: P
             generate(model, list(b"def "), 6)
 
 
+def test_a_mixture_of_depths_run_with_predictors_generates_through_them_with_the_cache(tmp_path: Path) -> None:
+    """`dynamism.mod.predictor=16`: the run trains its predictors (their accuracy in the metrics), and `moebal
+    generate` routes each token by them, KV-cached, to the tokens of the whole prefix's forward under the same
+    routing, and says so."""
+    out = tmp_path / "run"
+    r = moebal("train", "--out", str(out), *BASE, "train.steps=3", "train.ckpt_every=3", "train.eval_every=3",
+               "parallel.nproc=1", "dynamism.scheme=mod", *SERVED["mod"], "dynamism.mod.predictor=16")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [x["predictor_accuracy"] for x in records if "predictor_accuracy" in x]
+    assert len(accuracy) == 3 and all(0 <= a <= 1 for x in accuracy for a in x.values()), records[-1]
+    prompts = ["--prompt", "def ", "--prompt", "import os", "--max-new-tokens", "8", "--json"]
+    cached, plain = _json(moebal("generate", str(out), *prompts)), _json(moebal("generate", str(out), *prompts,
+                                                                                 "--no-cache"))
+    assert [g["cache"] for g in cached] == [True, True] and [g["tokens"] for g in cached] == [g["tokens"] for g in
+                                                                                            plain]
+    assert "causal predictors" in cached[0]["served"], cached[0]
+    r = moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")
+    assert r.returncode == 0 and "causal predictors" in r.stdout and "; KV-cached" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("args, words", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number"),
     (["--prompt", "x", "--top-p", "1.5"], "top-p must be in (0, 1]"),
