@@ -42,9 +42,22 @@ def _sharded_runs(shard: str) -> dict[str, dict]:
     return out
 
 
+def _predictor_runs() -> dict[str, dict]:
+    """MoD with and without its causal predictors, gradient clipping off and on (module test below)."""
+    out = {}
+    for clip in (0.0, 1.0):
+        cfg = tiny(n_layers=6, pp=1, nproc=1)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=clip))
+        for width in (0, 8):
+            out[f"clip {clip}, predictor {width}"] = _train(cfg, 4, "mod", {**ALL["mod"], "predictor": width},
+                                                             micro_batches=2)
+    return out
+
+
 def _one_rank(rank: int, world: int) -> dict:
     return {"schemes": _scheme_runs(1, 1), "plain": _train(tiny(pp=1), 4, micro_batches=2),
-            "sharded": {shard: _sharded_runs(shard) for shard in ("optimizer", "full")}}
+            "sharded": {shard: _sharded_runs(shard) for shard in ("optimizer", "full")},
+            "predictor": _predictor_runs()}
 
 
 def _two_ranks(rank: int, world: int) -> dict:
@@ -83,6 +96,18 @@ def test_one_process_under_a_shard_setting_trains_as_unsharded(one, shard):
     for name, run in one["sharded"][shard].items():
         ref = one["schemes"][name]["losses"]
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(run["losses"], ref, strict=True)), (name, shard)
+
+
+def test_mod_s_predictors_train_beside_the_run_and_change_it_only_through_the_clipped_norm(one):
+    """The predictors' gradients reach only their own parameters, so without gradient clipping a run with them
+    has the losses of one without, bit for bit; with clipping their gradient joins the global norm
+    (`train.grad_clip`), which scales every step's update, so the runs part after the first step (docs)."""
+    runs = one["predictor"]
+    assert runs["clip 0.0, predictor 8"]["losses"] == runs["clip 0.0, predictor 0"]["losses"]
+    clipped = runs["clip 1.0, predictor 8"]["losses"], runs["clip 1.0, predictor 0"]["losses"]
+    assert clipped[0][0] == clipped[1][0] and clipped[0] != clipped[1]
+    assert "predictor_accuracy" in runs["clip 0.0, predictor 8"]["records"][-1]
+    assert "predictor_accuracy" not in runs["clip 0.0, predictor 0"]["records"][-1]
 
 
 def test_the_scheme_acts_on_one_stage(one):

@@ -85,7 +85,7 @@ def _reference(cfg: Config, steps: int, micro: int, counts: list | None, routing
 
 SCHEMES = {
     "early_exit": {"threshold": 0.995, "first_layer": 1, "start": 1, "ramp_steps": 2},
-    "mod": {"capacity": 0.5, "every": 2, "first_layer": 1},
+    "mod": {"capacity": 0.5, "every": 2, "first_layer": 1, "predictor": 8},  # with its causal predictors
     "freezing": {"threshold": 0.5, "check_every": 2, "max_fraction": 0.5},
     "pruning": {"start": 0, "every": 2, "steps": 2, "final_sparsity": 0.8, "kernel": "csr"},
     "moe": {},
@@ -311,6 +311,9 @@ def test_every_scheme_migrates_its_state_and_keeps_the_losses(two):
     assert results[0]["pruning_forced"]["records"][-1]["sparsity_target"] == 0.8
     mod = _merge([r["mod_forced"]["state"] for r in results])
     assert "model.layers.1.mod_router.weight" in mod and "model.layers.0.mod_router.weight" not in mod
+    # the causal predictors migrate and train with their layers (compared with the static run above)
+    assert "model.layers.1.mod_predictor.2.weight" in mod and "model.layers.0.mod_predictor.2.weight" not in mod
+    assert all(0 <= a <= 1 for a in results[1]["mod_forced"]["records"][-1]["predictor_accuracy"].values())
 
 
 def test_planned_rebalancing_gives_exactly_the_losses_of_rebalance_off(two):
