@@ -19,8 +19,9 @@ layer gets `layer.mod_predictor`, Linear(D, P), SiLU, Linear(P, 1), attached lik
 migrates and checkpoints with the layer; drawn from the scheme's generator after every router, so the routers'
 initial weights do not depend on it). At each routed forward in training it reads the detached input and its
 binary cross-entropy against the selection (1 for the tokens the row keeps; a padded row's real tokens only) joins
-the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters only, so the
-run's losses, gradients and every other parameter are those of a run without it, bit for bit (tested). The
+the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters only, so every
+other gradient is that of a run without it, bit for bit, and so are the losses without gradient clipping; with
+clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both ways). The
 reported loss is the language model's; `metrics()` gives each routed layer's last predictor accuracy. Training
 keeps routing by top-k (the paper's and DynMo's rule): the predictor is what generation routes by
 (`causal_routing`), a token running the block where its predictor's logit is positive.
