@@ -47,7 +47,9 @@ decodes the prompt and those tokens with its KV cache: every position's logits w
 of the model's forward over them all, and each generated token the forward's most likely one, or within 1e-4 of it;
 and that sequence and its first 7 tokens as one left-padded batch, each row's logits within 1e-4 of the sequence's
 own (`BUG-generate` otherwise; early exit's cached decoder with its exits against the served forward). A run served
-through Mixture-of-Depths or sparse attention has no cached form: only the command is checked. A model whose
+through sparse attention, or Mixture-of-Depths without causal predictors, has no cached form: only the command
+is checked (with predictors, `dynamism.mod.predictor`, the cached decoder is checked against the forward routed by
+them). A model whose
 experts split over 2 ranks then generates the prompt and its first 5 tokens with expert parallelism (`moebal
 generate --nproc 2 --policy oracle --batch-size 2`: one prompt a rank, static first): the oracle's tokens must
 equal static's, and each of the prompt's tokens must be the forward's most likely one, or within 1e-4 of it (a
@@ -165,6 +167,8 @@ OPTIONS: dict[str, list[Any]] = {
     # many steps ahead the batches are read (a migration or a resume plans the batches read ahead again)
     "pipeline.dynamic.workers": [1, 1, 0],
     "pipeline.dynamic.lookahead": [2, 1, 3],
+    # MoD's causal predictors: with them its runs generate KV-cached (last: the earlier options keep their draws)
+    "dynamism.mod.predictor": [0, 16],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
@@ -528,9 +532,10 @@ def expert_parallel_check(out: Path, timeout: float, row: dict[str, Any]) -> tup
     ep["equal_one_process"] = tokens == row.get("tokens")
     import torch
 
-    from moebal.models.generate import dropless
+    from moebal.models.generate import causal_routing, dropless
 
-    with torch.no_grad(), dropless(model):  # the served forward (a scheme's run has no cached form to compare)
+    # the served forward as generation runs it (a scheme's run may have no cached form to compare)
+    with torch.no_grad(), dropless(model), causal_routing(model):
         full = model.eval()(torch.tensor([GEN_PROMPT + tokens])).logits[0].float()
     ep["argmax_gap"] = argmax_gap(full, len(GEN_PROMPT), tokens)
     if not (ep["equal_static"] and ep["argmax_gap"] <= GEN_TOL):
@@ -546,12 +551,12 @@ def cached_against_full(model: Any, prompt: list[int], tokens: list[int]) -> tup
     both relative to the largest logit; `model` loaded as `moebal generate` loads it."""
     import torch
 
-    from moebal.models.generate import KVCache, cached_forward, dropless
+    from moebal.models.generate import KVCache, cached_forward, causal_routing, dropless
 
     ids = torch.tensor([prompt + tokens])
     n, total = len(prompt), ids.shape[1]
     cache = KVCache.empty(len(model.model.layers), total)
-    with torch.no_grad(), dropless(model):
+    with torch.no_grad(), dropless(model), causal_routing(model):  # (MoD with predictors: routed by them)
         full = model(ids).logits[0].float()
         parts = [cached_forward(model, ids[:, :n], cache)]
         parts += [cached_forward(model, ids[:, t:t + 1], cache) for t in range(n, total)]

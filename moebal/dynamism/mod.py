@@ -56,7 +56,7 @@ from torch import nn
 
 from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, row_tokens, run_as_forward
 from moebal.errors import ConfigError
-from moebal.models.subset import subset_block
+from moebal.models.subset import skip_layer, subset_block
 from moebal.sync import host_values, upload
 
 if TYPE_CHECKING:
@@ -249,8 +249,8 @@ class MixtureOfDepths(Dynamism):
         row its own count (padded slots invalid), at their router weights."""
         run_BT = self.predicts(layer, h_BTD)
         Q = int(run_BT.sum(dim=1).max())  # (a host read: the rows' widths)
-        if Q == 0:
-            return h_BTD
+        if Q == 0:  # an expert-parallel MoE layer still joins the other ranks' exchanges
+            return skip_layer(as_decoder(layer), h_BTD)
         # the running positions first, ascending (a stable sort of "does not run"), then the rest as padding
         pos_BQ = torch.sort((~run_BT).to(torch.int8), dim=1, stable=True).indices[:, :Q]
         valid_BQ = run_BT.gather(1, pos_BQ)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from moebal.models.mla import MLAttention
+from moebal.models.subset import skip_layer
 
 if TYPE_CHECKING:
     from moebal.dynamism.mod import MixtureOfDepths
@@ -215,7 +216,7 @@ def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor
         q, k, v = attn.qkv(x_BTD, cos_TK, sin_TK)
         k, v = cache.extend(layer.index, k, v)
     if active_BT is not None and not bool(active_BT.any()):  # (a host read per layer, as the scheme's own forward)
-        return h_BTD
+        return skip_layer(layer, h_BTD)  # an expert-parallel MoE layer still joins the other ranks' exchanges
     window = getattr(attn, "sliding_window", None)
     mask = query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device, pad_B)
     if latent is not None:
@@ -246,7 +247,7 @@ def _routed_cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch
         ran = cache.ran[layer.index] = torch.zeros(B, cache.capacity, dtype=torch.bool, device=h_BTD.device)
     ran[:, start:start + T] = run_BT
     if not bool(run_BT.any()):  # (a host read per routed layer, as the served forward's widths)
-        return h_BTD
+        return skip_layer(layer, h_BTD)  # as in `_cached_layer`
     S = start + T
     base = query_mask(start, T, getattr(attn, "sliding_window", None), h_BTD.device, pad_B)
     if base is None:

@@ -56,3 +56,21 @@ def test_sampled_and_whole_prefix_generation_on_two_ranks_equal_one_process() ->
 def test_a_model_whose_experts_the_ranks_cannot_share_is_refused_before_any_rank_starts() -> None:
     with pytest.raises(ValueError, match="8 experts cannot be spread evenly over 3 ranks"):
         expert_parallel_generate(_model(1), PROMPTS, 3, 4)
+
+
+def test_a_rank_whose_tokens_all_skip_a_layer_still_joins_its_exchanges() -> None:
+    """One prompt a rank, KV-cached, through schemes where a decoded token may skip a layer: early exit (about half
+    the tokens leave after layer 1 at this threshold) and Mixture-of-Depths routed by its causal predictors (about
+    half run each routed layer), the latter also by the whole prefix's forward. A rank whose only token skips an
+    MoE layer must still take its part in the layer's exchanges, with no rows, or the other rank waits there; the
+    tokens equal one process's."""
+    from tests.unit.test_generate import _early_exit_model
+    from tests.unit.test_mod_predictor import _served
+
+    prompts = [[5, 17, 200, 3, 9, 44], [130, 131, 12, 90, 7, 61]]
+    runs = ((_early_exit_model(0.996), prompts, True), (_served(experts=4), prompts, True),
+            (_served(experts=4), [[5], [131]], False))  # one-token prompts: a whole prefix can skip a layer
+    for model, these, cache in runs:
+        want = [g.tokens for g in generate_many(model, these, 8, cache=cache)]
+        got = expert_parallel_generate(model, these, 2, 8, batch_size=2, cache=cache, timeout_s=60)["static"]
+        assert [g.tokens for g in got.generations] == want, cache
