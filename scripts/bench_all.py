@@ -484,7 +484,8 @@ RUNS: tuple[Run, ...] = (
     Run("test_recompute", ("python", "-m", "pytest", "tests/unit/test_recompute.py",
                            "tests/distributed/test_recompute.py", "tests/unit/test_local_init.py"), json="none"),
     Run("test_generate", ("python", "-m", "pytest", "tests/unit/test_generate.py",
-                          "tests/integration/test_generate_cli.py", "tests/distributed/test_ep_generate.py"),
+                          "tests/integration/test_generate_cli.py", "tests/distributed/test_ep_generate.py",
+                          "tests/unit/test_mod_predictor.py"),
         json="none"),
     Run("generate", ("python", "scripts/bench_generate.py"), ("python", "scripts/bench_generate.py", "--quick")),
     Run("test_lina_inference", ("python", "-m", "pytest", "tests/distributed/test_lina_inference.py"), json="none"),
@@ -605,8 +606,9 @@ ROWS: tuple[Row, ...] = (
         TEST, asserts="cached logits within 1e-5 of the full forward (grouped-query attention, latent attention "
         "with its latent or per-head cache, a sliding window, q/k norms, tied embeddings); greedy tokens equal "
         "transformers' `generate` on Mixtral, Qwen2-MoE and DeepSeek-V3 checkpoints and on Mixtral's conversion; a "
-        "scheme's run served through the scheme (early exit KV-cached with its exits); expert-parallel decoding on 2 "
-        "gloo ranks gives one process's tokens under every Lina policy"),
+        "scheme's run served through the scheme (early exit KV-cached with its exits, Mixture-of-Depths through its "
+        "causal predictors); expert-parallel decoding on 2 gloo ranks gives one process's tokens under every Lina "
+        "policy"),
     Row("text generation: decode throughput (default model, fp32, greedy)", "generate", fig_generate,
         "measured, modes rotated each round in one process; nothing fitted"),
     Row("Lina inference scheduling (`moebal eval --policy lina`)", "test_lina_inference", fig_pytest,
