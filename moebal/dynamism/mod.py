@@ -22,9 +22,11 @@ binary cross-entropy against the selection (1 for the tokens the row keeps; a pa
 the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters only, so every
 other gradient is that of a run without it, bit for bit, and so are the losses without gradient clipping; with
 clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both ways). The
-reported loss is the language model's; `metrics()` gives each routed layer's last predictor accuracy. Training
-keeps routing by top-k (the paper's and DynMo's rule): the predictor is what generation routes by
-(`causal_routing`), a token running the block where its predictor's logit is positive.
+reported loss is the language model's; `metrics()` gives each routed layer's predictor accuracy, recall (of the
+kept tokens, the share it picks) and precision (of those it picks, the share kept) at its last training forward:
+at capacity c, predicting "skip" for every token is 1 - c accurate with recall 0. Training keeps routing by top-k
+(Raposo's rule; DynMo does not say): the predictor is what generation routes by (`causal_routing`), a token
+running the block where its predictor's logit is positive.
 
 A padded row (planned micro-batching: the carry's `ROW_TOKENS`) keeps the share of its real tokens, chosen among
 them; padding fills the slots the longest row needs beyond it (`padded_selection`).
@@ -140,7 +142,7 @@ class MixtureOfDepths(Dynamism):
                               f"{predictor}")
         self.predictor = int(predictor)
         self.causal = False  # route by the predictors (`causal_routing`), not by top-k over the row
-        self.accuracy: dict[int, torch.Tensor] = {}  # routed layer -> its predictor's last accuracy (device scalar)
+        self.accuracy: dict[int, torch.Tensor] = {}  # routed layer -> its predictor's last accuracy, recall, precision
         if not 0 < capacity <= 1:
             raise ConfigError(f"dynamism mod: capacity is the share of tokens a routed block keeps, in (0, 1]; "
                               f"got {capacity}")
@@ -239,7 +241,11 @@ class MixtureOfDepths(Dynamism):
         target_BT, real_BT = predictor_targets(pos_BC, h_BTD.shape[1], n_B)
         loss = F.binary_cross_entropy_with_logits(logit_BT[real_BT], target_BT[real_BT])
         with torch.no_grad():
-            self.accuracy[as_decoder(layer).index] = ((logit_BT > 0) == (target_BT > 0))[real_BT].float().mean()
+            said_BT, kept_BT = (logit_BT > 0) & real_BT, (target_BT > 0) & real_BT
+            self.accuracy[as_decoder(layer).index] = torch.stack([
+                (said_BT == kept_BT)[real_BT].float().mean(),  # accuracy over the real tokens
+                (said_BT & kept_BT).sum() / kept_BT.sum().clamp(min=1),  # recall: of the kept, predicted
+                (said_BT & kept_BT).sum() / said_BT.sum().clamp(min=1)])  # precision: of the predicted, kept
         tied: torch.Tensor = _AuxGrad.apply(out_BTD, loss)  # Function.apply is typed Any
         return tied
 
@@ -298,5 +304,7 @@ class MixtureOfDepths(Dynamism):
         out: dict[str, Any] = {"mod_capacity": round(self.current_capacity(), 6),
                                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
         if self.accuracy:  # this stage's routed layers, at their last training forward (one host read a step)
-            out["predictor_accuracy"] = {i: round(float(a), 4) for i, a in sorted(self.accuracy.items())}
+            figures = {i: [round(x, 4) for x in a.tolist()] for i, a in sorted(self.accuracy.items())}
+            for k, name in enumerate(("accuracy", "recall", "precision")):
+                out[f"predictor_{name}"] = {i: f[k] for i, f in figures.items()}
         return out
