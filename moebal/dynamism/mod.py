@@ -18,15 +18,16 @@ among the top-k; DynMo gives every MoD block one "so that routing is causal" (it
 layer gets `layer.mod_predictor`, Linear(D, P), SiLU, Linear(P, 1), attached like the router (it trains,
 migrates and checkpoints with the layer; drawn from the scheme's generator after every router, so the routers'
 initial weights do not depend on it). At each routed forward in training it reads the detached input and its
-binary cross-entropy against the selection (1 for the tokens the row keeps; a padded row's real tokens only) joins
-the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters only, so every
-other gradient is that of a run without it, bit for bit, and so are the losses without gradient clipping; with
-clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both ways). The
-reported loss is the language model's; `metrics()` gives each routed layer's predictor accuracy, recall (of the
-kept tokens, the share it picks) and precision (of those it picks, the share kept) at its last training forward:
-at capacity c, predicting "skip" for every token is 1 - c accurate with recall 0. Training keeps routing by top-k
-(Raposo's rule; DynMo does not say): the predictor is what generation routes by (`causal_routing`), a token
-running the block where its predictor's logit is positive.
+binary cross-entropy against the selection (1 for the tokens the row keeps; a padded row's real tokens only), the
+kept tokens weighted by (1 - c) / c with c the batch's kept share so that both classes weigh the same (unweighted,
+the predictors of a default run fell to "skip" for every token within 9 steps at capacity 0.125: accuracy 1 - c,
+recall 0), joins the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters
+only, so every other gradient is that of a run without it, bit for bit, and so are the losses without gradient
+clipping; with clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both
+ways). The reported loss is the language model's; `metrics()` gives each routed layer's predictor accuracy,
+recall (of the kept tokens, the share it picks) and precision (of those it picks, the share kept) at its last
+training forward. Training keeps routing by top-k (Raposo's rule; DynMo does not say): the predictor is what
+generation routes by (`causal_routing`), a token running the block where its predictor's logit is positive.
 
 A padded row (planned micro-batching: the carry's `ROW_TOKENS`) keeps the share of its real tokens, chosen among
 them; padding fills the slots the longest row needs beyond it (`padded_selection`).
@@ -239,7 +240,9 @@ class MixtureOfDepths(Dynamism):
         """`out_BTD` carrying the predictor's loss into the backward (module docstring)."""
         logit_BT = layer.get_submodule("mod_predictor")(h_BTD.detach()).squeeze(-1).float()
         target_BT, real_BT = predictor_targets(pos_BC, h_BTD.shape[1], n_B)
-        loss = F.binary_cross_entropy_with_logits(logit_BT[real_BT], target_BT[real_BT])
+        kept = target_BT[real_BT]
+        share = kept.mean().clamp(1e-6, 1 - 1e-6)  # the capacity, as this batch's rows kept it
+        loss = F.binary_cross_entropy_with_logits(logit_BT[real_BT], kept, pos_weight=(1 - share) / share)
         with torch.no_grad():
             said_BT, kept_BT = (logit_BT > 0) & real_BT, (target_BT > 0) & real_BT
             self.accuracy[as_decoder(layer).index] = torch.stack([
