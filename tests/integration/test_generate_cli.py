@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moebal.models.generate import generate
-from tests.cli_util import Ran, run_cli
+from tests.cli_util import Ran, load_script, run_cli
 from tests.hf_util import tiny_mixtral, tiny_tokenizer
 from tests.integration.test_paths_cli import SERVED
 from tests.unit.test_train import TINY
@@ -166,6 +166,12 @@ def test_a_mixture_of_depths_run_with_predictors_generates_through_them_with_the
     assert "causal predictors" in cached[0]["served"], cached[0]
     r = moebal("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")
     assert r.returncode == 0 and "causal predictors" in r.stdout and "; KV-cached" in r.stdout, r.stdout
+    # scripts/mod_predictor_check.py: validation losses under both routings, each routed layer's share of tokens
+    check = load_script("mod_predictor_check")
+    assert check.main([str(out), "--batches", "2", "--json", str(tmp_path / "c.json")]) == 0
+    figures = json.loads((tmp_path / "c.json").read_text())
+    assert figures["step"] == 3 and figures["capacity"] == 0.5 and set(figures["run_share"]) == {"1"}
+    assert 0 <= figures["run_share"]["1"] <= 1 and figures["val_loss_causal"] > 0 and figures["val_loss_top_k"] > 0
 
 
 @pytest.mark.parametrize("args, words", [
