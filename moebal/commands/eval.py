@@ -123,9 +123,9 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
 
 def moe_times(results: list[dict[str, Any]], rnd: int, policy: str) -> list[float]:
     """Per forward: the MoE layers' time, each layer the slowest rank's, summed over the layers."""
-    per_rank = [r["rounds"][rnd][policy]["forwards"] for r in results]
-    return [sum(max(rank[f][j]["seconds"] for rank in per_rank) for j in range(len(per_rank[0][f])))
-            for f in range(len(per_rank[0]))]
+    from moebal.distributed.lina_inference import slowest_rank_times
+
+    return slowest_rank_times([r["rounds"][rnd][policy]["forwards"] for r in results])
 
 
 def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, Served | None]:

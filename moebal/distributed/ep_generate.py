@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.distributed.lina_inference import LinaInference
+from moebal.distributed.lina_inference import LinaInference, slowest_rank_times
 from moebal.models.generate import Generation, Sampling, check_prompts, generate_many
 
 __all__ = ["GenerateJob", "PolicyResult", "expert_parallel_generate", "generate_worker", "share"]
@@ -154,10 +154,8 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
         per_rank = [r[policy] for r in results]
         gens = dict(g for r in per_rank for g in r["generations"])
         forwards = [r["forwards"] for r in per_rank]
-        moe_s = [sum(max(rank[f][j]["seconds"] for rank in forwards) for j in range(len(forwards[0][f])))
-                 for f in range(len(forwards[0]))]
         first = forwards[0]
-        report[policy] = PolicyResult([gens[i] for i in range(len(prompts))], moe_s,
+        report[policy] = PolicyResult([gens[i] for i in range(len(prompts))], slowest_rank_times(forwards),
                                       sum(x["replanned"] for f in first for x in f),
                                       sum(x["replicas"] for f in first for x in f))
     return report

@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
     from moebal.routing import Routing
 
-__all__ = ["CPU_BLOCK_ROWS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "expert_rows"]
+__all__ = ["CPU_BLOCK_ROWS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "expert_rows",
+           "slowest_rank_times"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
 # An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
@@ -97,6 +98,13 @@ class LayerRecord:
     rank_rows: list[int]  # rows each rank computed
     estimate_hit: bool | None  # top-2k sets of the estimate and the real counts equal (None: no estimate)
     replicas: int  # extra holders beyond one per expert in the layer's mapping
+
+
+def slowest_rank_times(per_rank: list[list[list[dict[str, Any]]]]) -> list[float]:
+    """Per forward, the MoE layers' time: each layer the slowest rank's, summed over the layers. `per_rank`: each
+    rank's forwards, each a list of its layers' `LayerRecord`s as dicts (every rank runs the same forwards)."""
+    return [sum(max(rank[f][j]["seconds"] for rank in per_rank) for j in range(len(per_rank[0][f])))
+            for f in range(len(per_rank[0]))]
 
 
 @dataclass
