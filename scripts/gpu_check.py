@@ -51,6 +51,10 @@ recorded as that check's failure with the traceback's last lines, and the next c
    against the CPU (MoD's selection equal, its output within fp32 tolerance, no host sync; early exit's survival
    counts equal, one named read per layer), and pruning's global top-k (the radix select) on the device against
    the single-process top-k, bit for bit.
+14. generate: the KV-cached decoder on the device for grouped-query MoE attention with a window, MLA (latent and
+   per-head caches) and MoD routed by its causal predictors: fp32 logits against the model's forward and against
+   the CPU's, MLA's two caches against each other in bf16, one decode step's host syncs, and decode tokens/s of
+   the default model with the cache and by the whole prefix.
 
 On CPU the CUDA-only parts are skipped, each with "skipped: why" in its check's `skipped` list; everything
 else runs at small shapes. The exit code is 1 when any check failed, 2 on bad arguments.
@@ -1605,6 +1609,116 @@ def check_padded_schemes(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+def _generate_models(ctx: Ctx) -> dict[str, Any]:
+    """The generate check's fp32 models on the CPU: grouped-query MoE with a window, MLA with YaRN, and MoD with
+    causal predictors (MoE, served after a step at capacity 0.25)."""
+    from moebal.config import from_dict
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.models import build_model
+
+    dim = 64 if ctx.quick else 512
+    base: dict[str, Any] = {"model": {"vocab_size": 256, "dim": dim, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2,
+                                      "ffn_dim": 2 * dim, "max_seq_len": 64, "sliding_window": 12},
+                            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": dim}, "data": {"seq_len": 64}}
+    mla = {"q_lora_rank": dim // 2, "kv_lora_rank": dim // 2, "qk_nope_head_dim": dim // 8,
+           "qk_rope_head_dim": dim // 16, "v_head_dim": dim // 8}
+    shapes = {"gqa_window": base,
+              "mla": {**base, "model": {**base["model"], "n_kv_heads": 8, "sliding_window": None, "mla": mla,
+                                        "rope_scaling": {"factor": 4.0, "original_max_seq_len": 16}}},
+              "mod_predictor": {**base, "model": {**base["model"], "sliding_window": None}}}
+    out = {}
+    for name, data in shapes.items():
+        cfg = from_dict(data)
+        torch.manual_seed(0)
+        model = build_model(cfg).eval()
+        if name == "mod_predictor":
+            mod = build_dynamism("mod", {"capacity": 0.25, "every": 2, "first_layer": 1, "predictor": 16}, cfg=cfg)
+            mod.prepare_model(model)
+            mod.serve(model, 9)
+        out[name] = model
+    return out
+
+
+def check_generate(ctx: Ctx) -> dict[str, Any]:
+    """The KV-cached decoder on the device (moebal/models/generate.py, docs/generate.md): a 9-token prompt, then 15
+    positions decoded one by one, for grouped-query MoE attention with a sliding window, multi-head latent
+    attention (its latent cache and its per-head one) and Mixture-of-Depths routed by its causal predictors:
+    - fp32 logits within fp32 tolerance of the model's forward over the 24 positions on the device (under the
+      same routing), and of the CPU's cached logits (CUDA);
+    - bf16: MLA's latent cache against its per-head one, within bf16 tolerance;
+    - host syncs of one cached decode step of the grouped-query model (reported);
+    - decode tokens/s of the default model with the cache and by the whole prefix (CUDA events; on CUDA only)."""
+    import copy
+
+    from moebal.models.generate import KVCache, cached_forward, causal_routing, dropless, generate_many
+
+    dev = ctx.device
+    res: dict[str, Any] = {"skipped": []}
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    worst: dict[str, float] = {}
+
+    def decode(model: Any, x: torch.Tensor, latent: bool = True) -> torch.Tensor:
+        cache = KVCache.empty(len(model.model.layers), x.shape[1], latent=latent)
+        with torch.no_grad(), dropless(model), causal_routing(model):
+            parts = [cached_forward(model, x[:, :9], cache)] + [cached_forward(model, x[:, t:t + 1], cache)
+                                                                for t in range(9, x.shape[1])]
+        return torch.cat(parts, dim=1).float().cpu()
+
+    ok = True
+    for name, cpu_model in _generate_models(ctx).items():
+        model = copy.deepcopy(cpu_model).to(dev)
+        x = ids.to(dev)
+        with torch.no_grad(), dropless(model), causal_routing(model):
+            full = model(x).logits.float().cpu()
+        forms = (True, False) if name == "mla" else (True,)
+        for latent in forms:
+            key = name + ("" if name != "mla" else " latent" if latent else " per-head")
+            got = decode(model, x, latent)
+            e = _errs(got, full)
+            res[key] = {"vs_forward": _round(e)}
+            ok = ok and _within(e, TOL["fp32"])
+            worst[key] = e["rel_max"]
+            if ctx.cuda:
+                e_cpu = _errs(got, decode(cpu_model, ids, latent))
+                res[key]["vs_cpu"] = _round(e_cpu)
+                ok = ok and _within(e_cpu, TOL["fp32"])
+        if name == "mla":
+            half = copy.deepcopy(cpu_model).to(device=dev, dtype=torch.bfloat16)
+            e_bf16 = _errs(decode(half, x, True), decode(half, x, False))
+            res["mla bf16 latent vs per-head"] = _round(e_bf16)
+            ok = ok and _within(e_bf16, TOL["bf16"])
+        if name == "gqa_window":
+            cache = KVCache.empty(4, 24)
+            rec: dict[str, Any] = {}
+            with torch.no_grad(), dropless(model):
+                cached_forward(model, x[:, :9], cache)
+                with _count_syncs(dev, rec):
+                    cached_forward(model, x[:, 9:10], cache)
+            res["decode_step_syncs"] = rec
+    if ctx.cuda:
+        from moebal.config import Config
+        from moebal.models import build_model
+
+        torch.manual_seed(0)
+        model = build_model(Config()).eval().to(dev)
+        prompt = ids[0, :16].tolist()
+        rates = {}
+        for how, cache in (("cache", True), ("no_cache", False)):
+            generate_many(model, [prompt], 8, cache=cache)  # warm-up
+            torch.cuda.synchronize(dev)
+            g = generate_many(model, [prompt], 64, cache=cache)[0]
+            rates[how] = round(g.tokens_per_s, 1)
+        res["default_model_tokens_per_s"] = rates
+    else:
+        res["skipped"].append("the device against the CPU and decode tokens/s: skipped: needs CUDA")
+    res["ok"] = ok
+    res["summary"] = ("cached logits against the forward, largest rel error: "
+                      + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+                      + (f"; tokens/s cache {res['default_model_tokens_per_s']['cache']}, whole prefix "
+                         f"{res['default_model_tokens_per_s']['no_cache']}" if ctx.cuda else ""))
+    return res
+
+
 # ---- the runner ------------------------------------------------------------------------------------------------
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
@@ -1621,6 +1735,7 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "sparse_attention_train": check_sparse_attention_train,
     "pipeline_syncs": check_pipeline_syncs,
     "padded_schemes": check_padded_schemes,
+    "generate": check_generate,
 }
 
 

@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["env", "nccl_smoke", "grouped_gemm", "moe_layer", "train_resume", "expert_kernel_vs_dense", "recompute",
           "memory_plan", "grad_accum", "sparse_attention", "sparse_attention_train", "pipeline_syncs",
-          "padded_schemes"]
+          "padded_schemes", "generate"]
 
 
 def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp_path):
@@ -38,6 +38,10 @@ def test_gpu_check_quick_on_cpu_runs_every_check_and_lists_the_skipped_parts(tmp
     assert any(s.startswith("moe_layer: cuda sync debug mode: skipped") for s in skipped)
     assert any(s.startswith("expert_kernel_vs_dense: targets: skipped") for s in skipped)
     checks = report["checks"]
+    gen = checks["generate"]  # the KV-cached decoder against the forward: GQA + window, MLA's two caches, MoD
+    assert all(gen[k]["vs_forward"]["rel_max"] < 1e-4 for k in ("gqa_window", "mla latent", "mla per-head",
+                                                                 "mod_predictor")), gen
+    assert gen["mla bf16 latent vs per-head"]["rel_norm"] < 1e-2 and "vs_cpu" not in gen["gqa_window"]
     smoke = checks["nccl_smoke"]
     assert smoke["allreduce_cpu"] and smoke["a2a_fp32"]["ok"] and smoke["a2a_bf16"]["ok"]
     assert smoke["sched_allreduce"] and smoke["grad_sync"]["ok"] and smoke["grad_sync"]["chunks"] > 1
