@@ -133,17 +133,16 @@ class PlanAhead:
 
     @classmethod
     def for_job(cls, cost: MicroBatchCost | None, kwargs: dict[str, Any], workers: int) -> PlanAhead:
-        """Collective over the default process group: rank 0 hosts the store on a free port, tells the others."""
+        """Collective over the default process group: rank 0 hosts the store on a port the kernel picks (bound at
+        once, so no other job can take it first), tells the others."""
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
         host: list[tuple[str, int] | None] = [None]
         store = None
         if rank == 0:
-            from moebal.launch.spawn import free_port
-
             addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            store = dist.TCPStore(addr, free_port(), world, is_master=True, timeout=timedelta(seconds=600),
+            store = dist.TCPStore(addr, 0, world, is_master=True, timeout=timedelta(seconds=600),
                                   wait_for_workers=False)
             host = [(addr, store.port)]
         dist.broadcast_object_list(host, src=0)

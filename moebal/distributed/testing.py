@@ -34,7 +34,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from moebal.launch.forkserver import RANK_RUNTIME_PRELOAD, CallerFd, ensure_forkserver, fresh_process
-from moebal.launch.spawn import free_port, rank_name
+from moebal.launch.spawn import rank_name, rendezvous_store
 from moebal.planner.plan import ExpertPlacement, default_owners
 
 __all__ = ["START_METHOD_ENV", "kill_rank_when", "random_placements", "rank_pid", "run_ranks"]
@@ -47,8 +47,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
            threads: int, env: dict[str, str], cwd: str, fds: tuple[Any, ...]) -> None:
     del fds  # adopted while unpickling (CallerFd)
     fresh_process(env, cwd)  # a forked rank starts with the forkserver's environment and working directory
+    # the caller hosts the store (`run_ranks`); rank 0 connects to it as a client, as under the launcher
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     import torch
     import torch.distributed as dist
 
@@ -71,7 +72,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """`fn(rank, world_size, *args)` on `world_size` new gloo ranks; the list of their return values."""
     ctx = _context()
     q = ctx.Queue()
-    port = free_port()
+    # The rendezvous store listens before any rank starts, on a port of its own choosing: a port that was free
+    # a moment ago (and that rank 0 would bind once it has started) races with other jobs on the machine, a
+    # parallel test worker's included (`rendezvous_store` in moebal/launch/spawn.py says how it fails). It is
+    # held until the call returns.
+    store = rendezvous_store(world_size)
+    port = store.port
     env = dict(os.environ)
     fds = (CallerFd(1), CallerFd(2))
     # Not daemonic: a rank may start processes of its own (background micro-batch planners); the finally

@@ -10,7 +10,7 @@ MOEBAL_RANK_START=exec to start every rank as a fresh `python -m moebal.cli ...`
 no state shared with the forkserver at all).
 
 Like torchrun's agent, the launcher hosts the job's c10d store itself (a new one per attempt), listening before any
-rank starts, and the ranks connect to it as clients (TORCHELASTIC_USE_AGENT_STORE): see `_rendezvous_store` for the
+rank starts, and the ranks connect to it as clients (TORCHELASTIC_USE_AGENT_STORE): see `rendezvous_store` for the
 race this closes. When a rank fails it stops the others at once instead of letting them hang in a collective,
 reports which rank failed and, with `max_restarts`, starts every rank again (with TORCHELASTIC_RESTART_COUNT set as
 torchrun would, and `restart_argv`: `--auto-resume` makes `moebal train` continue from the run's last checkpoint).
@@ -45,8 +45,8 @@ from typing import IO, Any, Protocol
 
 from moebal.errors import ConfigError
 
-__all__ = ["RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "local_ranks", "rank_name", "run_nodes",
-           "spawn_local", "start_rank_server"]
+__all__ = ["RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "local_ranks", "rank_name",
+           "rendezvous_store", "run_nodes", "spawn_local", "start_rank_server"]
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
 LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: its parent (launcher or forkserver), not outlived
@@ -319,7 +319,7 @@ def _attempts(nproc: int, argv: Sequence[str], base: dict[str, str], threads_per
               max_restarts: int, restart_argv: Sequence[str], start: StartRank) -> int:
     for attempt in range(max_restarts + 1):
         _check_stopped()  # a signal during the start or the last attempt's stop: no new attempt
-        store = _rendezvous_store(nproc)  # held until this attempt's ranks are gone
+        store = rendezvous_store(nproc)  # held until this attempt's ranks are gone
         port = store.port
         procs: list[_Child] = []
         errors = tempfile.mkdtemp(prefix="moebal-rank-errors-")
@@ -366,8 +366,9 @@ def _say_rank_error(errors: str, rank: int, code: int, rank0_code: int | None) -
         shutil.rmtree(errors, ignore_errors=True)
 
 
-def _rendezvous_store(world_size: int) -> Any:
-    """A c10d TCPStore for one attempt of the job, listening on a port of its own choosing before any rank starts.
+def rendezvous_store(world_size: int) -> Any:
+    """A c10d TCPStore for one attempt of a job (the launcher's, `run_ranks`'s), listening on a port of its own
+    choosing before any rank starts; the ranks connect as clients (TORCHELASTIC_USE_AGENT_STORE).
 
     Handing the ranks a port that was free a moment ago (`free_port`) and letting rank 0 bind it races under
     load: until rank 0, still importing torch, listens, the other ranks retry their connects, and the kernel may
