@@ -59,6 +59,24 @@ def test_ranks_see_the_callers_state_now_not_the_forkservers(tmp_path: Path,
     assert all(o["threads"] == 2 for o in out)
 
 
+def test_the_ranks_meet_on_a_port_the_call_holds_not_one_found_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port found free and bound by rank 0 later can be taken in between by another job on the machine (a second
+    test worker's ranks: EADDRINUSE in rank 0). Here every port `free_port` hands out is taken already; the call
+    hosts its store on a port of its own and runs."""
+    import socket
+
+    import moebal.distributed.testing as testing
+    import moebal.launch.spawn as spawn
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(spawn, "free_port", lambda: port)
+        monkeypatch.setattr(testing, "free_port", lambda: port, raising=False)
+        assert [r["sum"] for r in run_ranks(_state, 2, "HOME", timeout_s=60.0)] == [3.0, 3.0]
+
+
 def test_no_state_leaks_from_one_call_into_the_next() -> None:
     fresh = run_ranks(_state, 2, "W1_KEY")
     run_ranks(_pollute, 2)
