@@ -67,6 +67,9 @@ class PolicyResult:
     """Layers phase 2 re-planned (rank 0's count: every rank plans the same)."""
     replicas: int = 0
     """Expert replicas over every layer and forward (rank 0's mappings)."""
+    rows: list[int] = field(default_factory=list)
+    """Per forward, the rows the first MoE layer computed over every rank (tokens x k): a prompt's forward has
+    its prompt's tokens, a decode step one a row."""
 
     @property
     def moe_s_median(self) -> float:
@@ -157,5 +160,6 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
         first = forwards[0]
         report[policy] = PolicyResult([gens[i] for i in range(len(prompts))], slowest_rank_times(forwards),
                                       sum(x["replanned"] for f in first for x in f),
-                                      sum(x["replicas"] for f in first for x in f))
+                                      sum(x["replicas"] for f in first for x in f),
+                                      [sum(f[0]["rank_rows"]) for f in first])
     return report

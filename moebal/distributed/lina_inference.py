@@ -19,7 +19,9 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
   3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1 (layer 0's: when the scheduler
      was built, see below); when the top-2k experts of
      its estimate and of the real counts differ (as sets), re-plan from the real counts (FFD);
-     phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer;
+     phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer; an expert gets no
+     more holders than it fills groups of `min_rows` rows (MIN_ROWS: a smaller group is padded to it, so a replica
+     of a small expert would add work and take none off; `devices_from_load`);
   4. rows sorted by (holder, expert), all-to-all with uneven splits; each rank runs the SwiGLU of each expert
      on the rows it received for it (experts one after another, as Lina does);
   5. all-to-all back, rows restored to the token order, combined with the gate weights.
@@ -33,8 +35,10 @@ system plans on its CPU at full speed): a cost that only Lina's and the oracle's
 Layer 0 has no path before it. Lina starts scheduling at its first full path (layer l); moebal estimates layers
 1 .. l-1 from the shorter paths they have (moebal/planner/paths.py, gap B2's back-off) and layer 0 from its
 marginal, the profile's popularity of layer 0 (the empty path): one distribution for every token of every batch,
-so layer 0's phase-1 mapping is planned once, when the scheduler is built, and phase 2 checks it against the real
-counts as at any layer. (A format-1 profile has no layer 0: that layer then runs static under lina and phase1.)
+scaled to the batch's tokens at layer 0 (the count exchange carries them; with `min_rows` 0 the mapping does not
+depend on them, Eq. 4.1 being a ratio, and is the one planned when the scheduler is built), and phase 2 checks it
+against the real counts as at any layer. (A format-1 profile has no layer 0: that layer then runs static under
+lina and phase1.)
 
 Policies: "static" (plain expert parallelism: contiguous blocks of experts per rank, the same code path),
 "lina" (phases 1 and 2), "phase1" (phase 1 only, the thesis's ablation), "oracle" (FFD on the real counts at
@@ -122,7 +126,7 @@ class LinaInference:
 
     def __init__(self, model: Any, group: Any, policy: str = "lina", profile: PathProfile | None = None, *,
                  max_per_rank: int = MAX_PER_RANK, truncate: int | None = None, min_tokens: int = 1,
-                 dilate: float = 1.0) -> None:
+                 dilate: float = 1.0, min_rows: int = MIN_ROWS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if policy in ("lina", "phase1") and profile is None:
@@ -136,6 +140,7 @@ class LinaInference:
                              f"{self.layers[0].num_experts}: build the profile from this model's routing")
         self.group, self.policy, self.profile = group, policy, profile
         self.max_per_rank, self.truncate, self.min_tokens = max_per_rank, truncate, min_tokens
+        self.min_rows = min_rows  # a holder's least share of an expert's rows (`devices_from_load`; 0: none)
         self.R, self.r = dist.get_world_size(group), dist.get_rank(group)
         if dilate > 1.0 and next(model.parameters()).device.type != "cpu":
             raise ValueError("dilate emulates slower devices on a CPU host; on a GPU the device is real (use 1)")
@@ -209,8 +214,9 @@ class LinaDispatcher:
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
         t_plan = time.perf_counter()
-        rmap, replanned, hit = self._this_layer_map(counts_RE)
-        self._plan_next(all_RX[:, E:2 * E].sum(axis=0), float(all_RX[:, -1].sum()))
+        tokens = float(all_RX[:, -1].sum())
+        rmap, replanned, hit = self._this_layer_map(counts_RE, tokens)
+        self._plan_next(all_RX[:, E:2 * E].sum(axis=0), tokens)
         rows_SRE = split_rows(counts_RE, rmap)
         plan_s += time.perf_counter() - t_plan
         out_TD, experts_s, a2a_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
@@ -228,8 +234,9 @@ class LinaDispatcher:
         paths_TL = np.stack(o.state.paths, axis=1)
         return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens)
 
-    def _this_layer_map(self, counts_RE: np.ndarray) -> tuple[ReplicaMap, bool, bool | None]:
-        """(mapping for this layer, re-planned by phase 2, estimate's top-2k equal to the real one's)."""
+    def _this_layer_map(self, counts_RE: np.ndarray, tokens: float) -> tuple[ReplicaMap, bool, bool | None]:
+        """(mapping for this layer, re-planned by phase 2, estimate's top-2k equal to the real one's); `tokens`:
+        the batch's, over every rank."""
         o, E, R = self.o, self.E, self.o.R
         actual_E = counts_RE.sum(axis=0)
         if o.policy == "static":
@@ -239,6 +246,8 @@ class LinaDispatcher:
         planned, est = o.state.next_map, o.state.next_est
         if planned is None or est is None:
             return ReplicaMap.static(E, R), False, None
+        if self.index == 0 and o.min_rows > 0:  # layer 0's estimate is one token's: scaled to the batch, whose
+            planned = self.ffd(est * tokens, tokens * self.K)  # size decides which experts fill `min_rows`
         n = min(2 * self.K, E)
         hit = top_set(est, n) == top_set(actual_E, n)
         if hit or o.policy == "phase1":
@@ -255,7 +264,8 @@ class LinaDispatcher:
 
     def ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
         """The layer's mapping from expected (or real) loads: Eq. 4.1, then first-fit-decreasing."""
-        return ffd_allocate(devices_from_load(load_E.tolist(), self.o.R, assignments), self.o.R, self.o.max_per_rank)
+        n_E = devices_from_load(load_E.tolist(), self.o.R, assignments, min_rows=self.o.min_rows)
+        return ffd_allocate(n_E, self.o.R, self.o.max_per_rank)
 
     # ---- 4-5: the token exchange ----
     def _exchange(self, x_TD: torch.Tensor, routing: Routing, experts_A: torch.Tensor, active_A: torch.Tensor | None,

@@ -14,6 +14,9 @@ How moebal settles the thesis's gaps (docs/expert-parallel.md, "Lina's inference
   rank with the fewest experts, then the lowest load (the thesis says "a random device": a deterministic choice
   lets every rank compute the same plan without a broadcast). When E > max_per_rank x N the cap cannot hold
   and is raised to ceil(E / N).
+- **A holder's least share** (moebal's; the thesis assumes an expert's cost linear in its tokens): with
+  `min_rows` (the dispatcher's MIN_ROWS, the size it pads a group to), n_e is capped at
+  max(1, floor(load_e / min_rows)), so no replica takes fewer rows than a padded group costs anyway.
 - **Token quotas** (gap B7): an expert's holders take its tokens in proportion to the sizes of their pieces;
   `split_rows` turns that into rows per (source rank, holder), each holder first taking its own rank's rows.
 
@@ -86,11 +89,21 @@ def _static_map(num_experts: int, num_ranks: int) -> ReplicaMap:
     return ReplicaMap(num_ranks=num_ranks, holders=tuple((o,) for o in owner), shares=tuple((1.0,) for _ in owner))
 
 
-def devices_from_load(load_E: Sequence[float], num_ranks: int, assignments: float) -> list[float]:
-    """Eq. 4.1: n_e = N x load_e / assignments (the batch's tokens x k: each rank's fair share is 1)."""
+def devices_from_load(load_E: Sequence[float], num_ranks: int, assignments: float,
+                      min_rows: float = 0.0) -> list[float]:
+    """Eq. 4.1: n_e = N x load_e / assignments (the batch's tokens x k: each rank's fair share is 1).
+
+    `min_rows` > 0: no holder of an expert takes fewer than `min_rows` of its rows, so n_e is at most
+    max(1, floor(load_e / min_rows)). The dispatcher pads a group of fewer rows to MIN_ROWS
+    (moebal/distributed/lina_inference.py), so a smaller piece costs as much as `min_rows` rows: a replica of an
+    expert with few rows adds a padded group and takes no work off its owner (a decode step, one token a
+    sequence, is such a batch for every expert)."""
     if assignments <= 0:
         return [0.0] * len(load_E)
-    return [num_ranks * float(x) / assignments for x in load_E]
+    n_E = [num_ranks * float(x) / assignments for x in load_E]
+    if min_rows > 0:
+        n_E = [min(n, float(max(1, math.floor(float(x) / min_rows)))) for n, x in zip(n_E, load_E)]
+    return n_E
 
 
 def ffd_allocate(n_E: Sequence[float], num_ranks: int, max_per_rank: int = MAX_PER_RANK) -> ReplicaMap:

@@ -38,6 +38,11 @@ def test_every_policy_generates_the_single_process_tokens_on_two_ranks() -> None
         assert [g.stop for g in res.generations] == [g.stop for g in want], policy
         assert [g.prompt for g in res.generations] == PROMPTS
         assert len(res.moe_s) > 0 and all(t > 0 for t in res.moe_s)
+        # per forward, the first MoE layer's rows over both ranks (top-2): each batch's prompts' forward (4 + 1,
+        # 7 + 2, 3 + the dummy's 1 tokens), then its decode steps at one token a rank
+        prompts = [i for i, rows in enumerate(res.rows) if rows != 2 * 2]
+        assert [res.rows[i] for i in prompts] == [2 * 5, 2 * 9, 2 * 4] and prompts[0] == 0, (policy, res.rows)
+        assert len(res.rows) == len(res.moe_s)
     assert got["static"].replans == 0 and got["oracle"].replans == 4 * len(got["oracle"].moe_s)  # 4 MoE layers
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moebal.config import from_dict
-from moebal.distributed.lina_inference import LinaInference
+from moebal.distributed.lina_inference import MIN_ROWS, LinaInference
 from moebal.distributed.testing import run_ranks
 from moebal.models import build_model
 from moebal.planner.paths import PathProfile, build_profile
@@ -50,17 +50,22 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
     prof = _profile(model)
     out, recs = {}, {}
     slept = 0.0
-    for policy in ("static", "lina", "phase1", "oracle", "lina on emulated devices"):
+    # min_rows 0: the thesis's allocation, replicas at any size (these batches are 64 tokens in all); "... at
+    # min_rows": the default, where no holder takes fewer than MIN_ROWS of an expert's rows
+    for policy in ("static", "lina", "phase1", "oracle", "lina on emulated devices", "lina at min_rows",
+                   "oracle at min_rows"):
         name = policy.split()[0]
         sched = LinaInference(model, dist.group.WORLD, name, prof if name in ("lina", "phase1") else None,
-                              dilate=2.0 if "emulated" in policy else 1.0)
+                              dilate=2.0 if "emulated" in policy else 1.0,
+                              min_rows=MIN_ROWS if "min_rows" in policy else 0)
         sched.begin()
         with torch.no_grad():
             out[policy] = model(ids[2 * rank:2 * rank + 2]).logits
         recs[policy] = list(sched.records)
         slept += sched.clock.slept_s if "emulated" in policy else 0.0
     static = out["static"]
-    truncated = LinaInference(model, dist.group.WORLD, "lina", prof, truncate=1)  # layer 0's marginal stays whole
+    # layer 0's marginal stays whole
+    truncated = LinaInference(model, dist.group.WORLD, "lina", prof, truncate=1, min_rows=0)
     whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)
     # (under top-k, k >= 2, the marginal has k experts or more, so a truncation to 1 would differ)
     first_whole = bool(np.array_equal(truncated.first_est, whole)) and (top_k == 1 or (whole > 0).sum() > 1)
@@ -84,6 +89,11 @@ def test_policies_give_the_static_outputs(world: int, top_k: int) -> None:
         assert r["vs_ref"] < 1e-5, r  # plain expert parallelism = the single-process model
         assert all(r["equal"].values()), r  # scheduling only moves work: bit for bit the static outputs
         assert r["replicas"]["oracle"] > 0 and r["replicas"]["lina"] > 0, r  # skewed: replicas were made
+        # ... but none of an expert under MIN_ROWS rows a holder: 2 ranks' 64 top-1 tokens have no expert that
+        # fills two; 4 ranks' 256 top-2 assignments may
+        at_min = (r["replicas"]["lina at min_rows"], r["replicas"]["oracle at min_rows"])
+        assert at_min == (0, 0) if world == 2 else at_min[0] <= r["replicas"]["lina"], r
+        assert at_min[1] <= r["replicas"]["oracle"], r
         assert r["replans"]["static"] == 0 and r["replans"]["phase1"] == 0
         assert r["slept"] > 0  # emulated devices: compute spans stretched, outputs unchanged (in "equal" above)
         # layer 0 has no path: lina plans it from the profile's marginal, the oracle from its real counts

@@ -23,6 +23,18 @@ def test_eq_4_1_devices_from_load() -> None:
     assert devices_from_load([1, 1], 4, 0) == [0.0, 0.0]
 
 
+def test_no_holder_takes_fewer_than_min_rows_of_an_expert() -> None:
+    # the same shares at 100 rows: with min_rows 64 expert 0's 50 rows stay on one device (two holders of 25 rows
+    # would each compute a padded group of 64); at 200 rows (100 for expert 0) still one; at 400, two
+    assert devices_from_load([50, 25, 15, 10], 4, 100, min_rows=64) == [1.0, 1.0, 0.6, 0.4]
+    assert devices_from_load([100, 50, 30, 20], 4, 200, min_rows=64) == [1.0, 1.0, 0.6, 0.4]
+    assert devices_from_load([200, 100, 60, 40], 4, 400, min_rows=64) == [2.0, 1.0, 0.6, 0.4]
+    # an expert of 6 ranks' worth of work gets what its rows fill: floor(300 / 64) = 4; 100 rows fill one
+    assert devices_from_load([300, 100], 8, 400, min_rows=64) == [4.0, 1.0]
+    # the decode step's shape: 16 tokens, one hot expert of 10 rows: no replica, and none a holder of 0 rows
+    assert devices_from_load([10, 4, 2, 0], 2, 16, min_rows=64) == [1.0, 0.5, 0.25, 0.0]
+
+
 def test_popular_expert_gets_whole_devices_and_small_ones_are_packed() -> None:
     # n = [2, 1, 0.6, 0.4] on 4 devices: expert 0 on two devices (replicas), expert 1 alone, 2 and 3 share one
     m = ffd_allocate([2.0, 1.0, 0.6, 0.4], 4)

@@ -1,0 +1,32 @@
+"""scripts/bench_lina_decode.py: a round times each policy's prompts' forward apart from its decode steps, and the
+summary keeps every round, compares with static and catches a policy whose tokens differ."""
+
+from __future__ import annotations
+
+import copy
+
+from tests.cli_util import load_script
+from tests.distributed.test_lina_inference import _model, _profile
+
+PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 9], [44, 12, 12, 90], [130, 131, 7, 7]]
+
+
+def test_a_round_splits_the_prompts_forward_from_the_decode_steps_and_the_summary_compares_with_static() -> None:
+    script = load_script("bench_lina_decode")
+    model = _model(2)
+    order = ["lina", "phase1", "oracle", "static"]  # static need not run first
+    one = script.decode_round(model, PROMPTS, 2, 4, order, _profile(model))
+    assert set(one) == set(order)
+    for policy, r in one.items():
+        # 4 new tokens: the prompts' forward gives the first, 3 decode steps the rest
+        assert r["decode_steps"] == 3 and r["decode_moe_s"] > 0 and r["prompt_moe_s"] > 0, policy
+        assert r["tokens"] == one["static"]["tokens"] and all(len(t) == 4 for t in r["tokens"]), policy
+    two = copy.deepcopy(one)
+    two["static"]["decode_moe_s"] *= 2  # a second round: static twice as slow while decoding
+    summ = script.summarise([one, two])
+    assert summ["static"]["decode_moe_s"] == [one["static"]["decode_moe_s"], two["static"]["decode_moe_s"]]
+    assert summ["static"]["static_over_this_decode"] == 1.0 and all(summ[p]["equal_static"] for p in order)
+    assert summ["lina"]["static_over_this_decode"] == (1.5 * one["static"]["decode_moe_s"]
+                                                       / one["lina"]["decode_moe_s"])
+    two["oracle"]["tokens"][0][0] += 1
+    assert not script.summarise([one, two])["oracle"]["equal_static"]
