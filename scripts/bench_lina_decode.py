@@ -16,7 +16,12 @@ Reported per policy: each round's median over the decode steps (and the prompts'
 over rounds, and static's over each policy's; whether its tokens equal static's (they must: the run fails
 otherwise).
 
-Usage: python scripts/bench_lina_decode.py [RUN_DIR] [--ranks 2] [--width 1024] [--quick] [--json OUT]
+`--min-rows 64 0` runs each round twice, the default and the thesis's allocation (replicas at any size;
+docs/expert-parallel.md, "A holder's least share"), in an order rotated per round: one record per value under
+`by_min_rows`.
+
+Usage: python scripts/bench_lina_decode.py [RUN_DIR] [--ranks 2] [--width 1024] [--min-rows 64 0] [--quick]
+           [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from moebal.commands.eval import load_run_model
 from moebal.data import build_data, eval_batches
 from moebal.distributed.ep_generate import expert_parallel_generate
+from moebal.distributed.lina_inference import MIN_ROWS
 from moebal.models.generate import Sampling
 from moebal.planner.paths import build_profile
 
@@ -47,11 +53,11 @@ POLICIES, SERVED = whole.POLICIES, whole.SERVED
 
 
 def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: int, order: list[str],
-                 profile: Any) -> dict[str, Any]:
+                 profile: Any, min_rows: int = MIN_ROWS) -> dict[str, Any]:
     """One generation of `prompts` under each policy of `order` (in that order): per policy, the MoE time of
     the prompts' forward and the decode steps' median, and its tokens."""
     res = expert_parallel_generate(model, prompts, ranks, new_tokens, Sampling(), batch_size=len(prompts),
-                                   policies=order, profile=profile, timeout_s=3600)
+                                   policies=order, profile=profile, timeout_s=3600, min_rows=min_rows)
     step_rows = len(prompts) * next(iter(model.moe_layers())).top_k  # a decode step: one token a prompt
     out: dict[str, Any] = {}
     for policy, r in res.items():
@@ -91,6 +97,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds, policies rotated (default 3; quick: 1)")
     ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
     ap.add_argument("--path-len", type=int, default=3)
+    ap.add_argument("--min-rows", type=int, nargs="+", default=[MIN_ROWS],
+                    help=f"a holder's least share of an expert's rows, each a run per round, rotated (default "
+                         f"{MIN_ROWS}, the dispatcher's padded group; 0: the thesis's allocation, replicas at any "
+                         f"size)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round of 4 new tokens, 60 training steps")
     ap.add_argument("--train-steps", type=int, default=None,
                     help="steps of the served model's training without RUN_DIR (default 300; quick: 60)")
@@ -104,6 +114,8 @@ def main() -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} takes a positive value; got {v}")
+    if min(args.min_rows) < 0 or len(set(args.min_rows)) < len(args.min_rows):
+        ap.error(f"--min-rows takes distinct values of 0 (the thesis's allocation) or more; got {args.min_rows}")
     if not args.run_dir:
         whole._check_width(args.width, int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
     t0 = time.perf_counter()
@@ -148,26 +160,32 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     if len(prompts) < n:
         raise SystemExit(f"the validation split gave {len(prompts)} sequences; {n} prompts are needed")
     orders = [POLICIES[i % 4:] + POLICIES[:i % 4] for i in range(args.rounds)]
-    rounds = []
+    settings = args.min_rows
+    rounds: dict[int, list[dict[str, Any]]] = {m: [] for m in settings}
     for i, order in enumerate(orders):
-        rounds.append(decode_round(model, prompts, args.ranks, args.new_tokens, order, profile))
-        print(f"round {i + 1} ({', '.join(order)}): decode step MoE time (ms) " + ", ".join(
-            f"{p} {rounds[-1][p]['decode_moe_s'] * 1e3:.2f}" for p in POLICIES) + "; prompts' forward " + ", ".join(
-            f"{p} {rounds[-1][p]['prompt_moe_s'] * 1e3:.1f}" for p in POLICIES), flush=True)
-    summ = summarise(rounds)
-    if not all(summ[p]["equal_static"] for p in POLICIES):
-        raise SystemExit("a policy's tokens differ from static's: " + ", ".join(
-            p for p in POLICIES if not summ[p]["equal_static"]))
-    print("medians over rounds, static / policy: decode " + ", ".join(
-        f"{p} {summ[p]['static_over_this_decode']:.2f}" for p in POLICIES[1:]) + "; prompts' forward " + ", ".join(
-        f"{p} {summ[p]['static_over_this_prompt']:.2f}" for p in POLICIES[1:]) + "; tokens equal static: True")
+        for m in settings[i % len(settings):] + settings[:i % len(settings)]:  # the settings rotated too
+            rounds[m].append(decode_round(model, prompts, args.ranks, args.new_tokens, order, profile, m))
+            print(f"round {i + 1}, min_rows {m} ({', '.join(order)}): decode step MoE time (ms) " + ", ".join(
+                f"{p} {rounds[m][-1][p]['decode_moe_s'] * 1e3:.2f}" for p in POLICIES) + "; prompts' forward "
+                + ", ".join(f"{p} {rounds[m][-1][p]['prompt_moe_s'] * 1e3:.1f}" for p in POLICIES), flush=True)
+    by_min_rows = {}
+    for m in settings:
+        summ = summarise(rounds[m])
+        if not all(summ[p]["equal_static"] for p in POLICIES):
+            raise SystemExit(f"min_rows {m}: a policy's tokens differ from static's: " + ", ".join(
+                p for p in POLICIES if not summ[p]["equal_static"]))
+        print(f"min_rows {m}, medians over rounds, static / policy: decode " + ", ".join(
+            f"{p} {summ[p]['static_over_this_decode']:.2f}" for p in POLICIES[1:]) + "; prompts' forward "
+            + ", ".join(f"{p} {summ[p]['static_over_this_prompt']:.2f}" for p in POLICIES[1:])
+            + "; replicas " + ", ".join(f"{p} {statistics.median(summ[p]['replicas']):g}" for p in POLICIES[1:])
+            + "; tokens equal static: True")
+        by_min_rows[str(m)] = summ
     return {"machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
             "bias_strength": s, "num_experts": E, "moe_layers": sum(1 for _ in model.moe_layers()), "top_k": 1,
             "padding_max_logit_diff": pad_diff,
             "skew_profile_batches": whole._skew(whole._routing(model, prof_batches[:4]), E),
-            "policy_order_per_round": orders, "policies": summ}
-
+            "policy_order_per_round": orders, "by_min_rows": by_min_rows}
 
 if __name__ == "__main__":
     sys.exit(main())

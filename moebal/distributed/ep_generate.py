@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.distributed.lina_inference import LinaInference, slowest_rank_times
+from moebal.distributed.lina_inference import MIN_ROWS, LinaInference, slowest_rank_times
 from moebal.models.generate import Generation, Sampling, check_prompts, generate_many
 
 __all__ = ["GenerateJob", "PolicyResult", "expert_parallel_generate", "generate_worker", "share"]
@@ -53,6 +53,7 @@ class GenerateJob:
     policies: list[str]  # in the order they run
     profile: Any = None
     threads: int = 1
+    min_rows: int = MIN_ROWS  # `LinaInference`'s: a holder's least share of an expert's rows
 
 
 @dataclass
@@ -113,7 +114,8 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
     model = job.model.eval()
     out: dict[str, Any] = {}
     for policy in job.policies:
-        sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1") else None)
+        sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1") else None,
+                              min_rows=job.min_rows)
         lock = _Lockstep(sched)
         mine: list[tuple[int, Generation]] = []
         for start in range(0, len(job.prompts), job.batch_size):
@@ -131,9 +133,10 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
 def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, max_new_tokens: int,
                              sampling: Sampling | None = None, *, batch_size: int = 8,
                              stop_ids: list[int] | None = None, cache: bool = True, policies: list[str] | None = None,
-                             profile: Any = None, timeout_s: float = 1800.0) -> dict[str, PolicyResult]:
+                             profile: Any = None, timeout_s: float = 1800.0,
+                             min_rows: int = MIN_ROWS) -> dict[str, PolicyResult]:
     """Each policy's generations of `prompts` on `nproc` gloo ranks (module docstring), policies in the order
-    given (default: static)."""
+    given (default: static); `min_rows`: `LinaInference`'s (0: the thesis's allocation)."""
     from moebal.distributed.testing import run_ranks
 
     if nproc < 1 or batch_size < 1:
@@ -148,7 +151,7 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
                          f"number of ranks that divides them")
     job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling or Sampling(),
                       list(stop_ids or []),
-                      cache, list(policies or ["static"]), profile)
+                      cache, list(policies or ["static"]), profile, min_rows=min_rows)
     buf = io.BytesIO()
     torch.save(job, buf)
     results = run_ranks(generate_worker, nproc, buf.getvalue(), timeout_s=timeout_s)

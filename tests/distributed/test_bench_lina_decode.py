@@ -30,3 +30,10 @@ def test_a_round_splits_the_prompts_forward_from_the_decode_steps_and_the_summar
                                                        / one["lina"]["decode_moe_s"])
     two["oracle"]["tokens"][0][0] += 1
     assert not script.summarise([one, two])["oracle"]["equal_static"]
+    # top-1 (on 2 ranks a top-2 expert is never more than one rank's worth, so never replicated): no expert of
+    # these batches (16 rows in a prompts' forward, 4 a step) fills two groups of MIN_ROWS, so no replicas at the
+    # default; the thesis's allocation (min_rows 0) replicates the skewed layers' hot experts
+    top1 = _model(1)
+    for min_rows, replicated in ((64, False), (0, True)):
+        r = script.decode_round(top1, PROMPTS, 2, 4, ["static", "oracle"], None, min_rows=min_rows)
+        assert (r["oracle"]["replicas"] > 0) == replicated and r["oracle"]["tokens"] == r["static"]["tokens"], r
