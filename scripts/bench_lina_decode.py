@@ -27,12 +27,9 @@ Usage: python scripts/bench_lina_decode.py [RUN_DIR] [--ranks 2] [--width 1024] 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -118,19 +115,7 @@ def main() -> int:
         ap.error(f"--min-rows takes distinct values of 0 (the thesis's allocation) or more; got {args.min_rows}")
     if not args.run_dir:
         whole._check_width(args.width, int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lina-decode-") as tmp:
-        steps = args.train_steps or (60 if args.quick else None)
-        run_dir = Path(args.run_dir) if args.run_dir else whole.train_served(Path(tmp) / "run", steps)
-        res = measure(args, run_dir)
-    res["served_model"] = (f"RUN_DIR ({Path(args.run_dir).name}, given on the command line)" if args.run_dir else
-                           "moebal train " + " ".join(SERVED) + (f" (train.steps={steps})" if steps else ""))
-    res["wall_s"] = time.perf_counter() - t0
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
-    return 0
-
+    return whole.serve_and_record(args, measure)
 
 def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """The whole benchmark on the served model of `run_dir` (module docstring)."""

@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -396,11 +397,18 @@ def main() -> int:
             ap.error(f"--{name.replace('_', '-')} takes positive values; got {v}")
     if not args.run_dir:  # before training: the served model's width is known
         _check_width(args.width[0], int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
+    return serve_and_record(args, _measure)
+
+
+def serve_and_record(args: argparse.Namespace, measure: Callable[[argparse.Namespace, Path], dict[str, Any]]) -> int:
+    """`measure(args, run_dir)` on `args.run_dir`, or on the served model trained first into a temporary directory
+    (`SERVED`; `args.train_steps` steps, 60 with `args.quick`); its record, with the served model and the wall
+    time, written to `args.json` (this benchmark's and scripts/bench_lina_decode.py's)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lina-served-") as tmp:
         steps = args.train_steps or (60 if args.quick else None)
         run_dir = Path(args.run_dir) if args.run_dir else train_served(Path(tmp) / "run", steps)
-        res = _measure(args, run_dir)
+        res = measure(args, run_dir)
     # a given run is named by its folder's name only: a record does not carry the machine's paths
     res["served_model"] = (f"RUN_DIR ({Path(args.run_dir).name}, given on the command line)" if args.run_dir else
                            "moebal train " + " ".join(SERVED) + (f" (train.steps={steps})" if steps else ""))
