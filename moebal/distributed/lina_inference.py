@@ -16,8 +16,8 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
      mapping back on the second; here every rank receives every rank's counts and estimate in the one small
      exchange the layer needs anyway for its split sizes, and computes the same deterministic plan, so no
      mapping travels, as in moebal's expert planner: docs/expert-parallel.md, "Plan agreement");
-  3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1 (layer 0's: when the scheduler
-     was built, see below); when the top-2k experts of
+  3. phase 2: the mapping for layer i is the one phase 1 planned during layer i-1 (layer 0's: from the profile's
+     marginal, see below); when the top-2k experts of
      its estimate and of the real counts differ (as sets), re-plan from the real counts (FFD);
      phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer; an expert gets no
      more holders than it fills groups of `min_rows` rows (MIN_ROWS: a smaller group is padded to it, so a replica
