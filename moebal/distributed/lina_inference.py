@@ -35,9 +35,9 @@ system plans on its CPU at full speed): a cost that only Lina's and the oracle's
 Layer 0 has no path before it. Lina starts scheduling at its first full path (layer l); moebal estimates layers
 1 .. l-1 from the shorter paths they have (moebal/planner/paths.py, gap B2's back-off) and layer 0 from its
 marginal, the profile's popularity of layer 0 (the empty path): one distribution for every token of every batch,
-scaled to the batch's tokens at layer 0 (the count exchange carries them; with `min_rows` 0 the mapping does not
-depend on them, Eq. 4.1 being a ratio, and is the one planned when the scheduler is built), and phase 2 checks it
-against the real counts as at any layer. (A format-1 profile has no layer 0: that layer then runs static under
+scaled to the batch's tokens and mapped at layer 0 (the count exchange carries them; with `min_rows` 0 the
+mapping does not depend on them, Eq. 4.1 being a ratio), and phase 2 checks it against the real counts as at any
+layer. (A format-1 profile has no layer 0: that layer then runs static under
 lina and phase1.)
 
 Policies: "static" (plain expert parallelism: contiguous blocks of experts per rank, the same code path),
@@ -149,13 +149,13 @@ class LinaInference:
         self.dispatchers = [LinaDispatcher(self, layer, i) for i, layer in enumerate(self.layers)]
         for layer, d in zip(self.layers, self.dispatchers):
             layer.set_dispatcher(d)
-        self.first_est, self.first_map = self._first_layer_plan()
+        self.first_est = self._first_layer_estimate()
         self.state = self._fresh_state()
 
-    def _first_layer_plan(self) -> tuple[np.ndarray | None, ReplicaMap | None]:
-        """Layer 0's phase 1 (see the module docstring): its estimate for one token, the profiled popularity of
-        layer 0, and the mapping FFD makes of it (Eq. 4.1 does not depend on the token count). None without
-        one (static, oracle, no profile, or a format-1 profile).
+    def _first_layer_estimate(self) -> np.ndarray | None:
+        """Layer 0's phase-1 estimate (see the module docstring) for one token: the profiled popularity of layer 0,
+        mapped at layer 0 once the batch's tokens are known (`_this_layer_map`). None without one (static,
+        oracle, no profile, or a format-1 profile).
 
         The marginal is never truncated to its top k (`truncate`, the thesis's rule for a path's distribution):
         every token of layer 0 has the same one, so the truncation would put the whole layer on k experts (held
@@ -163,12 +163,11 @@ class LinaInference:
         whole)."""
         p = self.profile
         if self.policy not in ("lina", "phase1") or p is None or not self.layers or not p.estimates(0):
-            return None, None
-        est_E = p.estimate(np.zeros((1, 0), dtype=np.int64), 0)
-        return est_E, self.dispatchers[0].ffd(est_E, float(self.layers[0].top_k))
+            return None
+        return p.estimate(np.zeros((1, 0), dtype=np.int64), 0)
 
     def _fresh_state(self) -> _ForwardState:
-        return _ForwardState(next_map=self.first_map, next_est=self.first_est)
+        return _ForwardState(next_est=self.first_est)
 
     def begin(self) -> None:
         """Start a forward: forget the previous batch's paths, plans and records (layer 0's plan is kept)."""
@@ -244,10 +243,10 @@ class LinaDispatcher:
         if o.policy == "oracle":
             return self.ffd(actual_E, float(actual_E.sum())), True, None
         planned, est = o.state.next_map, o.state.next_est
-        if planned is None or est is None:
+        if est is None:
             return ReplicaMap.static(E, R), False, None
-        if self.index == 0 and o.min_rows > 0:  # layer 0's estimate is one token's: scaled to the batch, whose
-            planned = self.ffd(est * tokens, tokens * self.K)  # size decides which experts fill `min_rows`
+        if planned is None:  # layer 0: its estimate is one token's, scaled to the batch (`min_rows` counts rows)
+            planned = self.ffd(est * tokens, tokens * self.K)
         n = min(2 * self.K, E)
         hit = top_set(est, n) == top_set(actual_E, n)
         if hit or o.policy == "phase1":
