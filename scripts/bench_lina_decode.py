@@ -9,8 +9,9 @@ the same served model as that benchmark (`SERVED`, top-1, the same skew and expe
 runs.
 
 Per round, one generation of the same prompts under every policy on `--ranks` gloo ranks, the policies in an
-order rotated per round (`--rounds`, default 3): `--prompts-per-rank` prompts of `--prompt-len` validation tokens
-a rank, `--new-tokens` new tokens each, greedy, KV-cached. A forward's MoE time is the sum over the MoE layers
+order rotated per round (`--rounds`, default 6: a round's figures move by 10-20 % with the host):
+`--prompts-per-rank` prompts of `--prompt-len` validation tokens a rank, `--new-tokens` new tokens each, greedy,
+KV-cached. A forward's MoE time is the sum over the MoE layers
 of the slowest rank's time in the layer (planning, the count exchange, both all-to-alls, the experts).
 Reported per policy: each round's median over the decode steps (and the prompts' forward, apart), the median
 over rounds, and static's over each policy's; whether its tokens equal static's (they must: the run fails
@@ -91,7 +92,7 @@ def main() -> int:
     ap.add_argument("--prompts-per-rank", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per prompt (default 32; quick: 4)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds, policies rotated (default 3; quick: 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds, policies rotated (default 6; quick: 1)")
     ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
     ap.add_argument("--path-len", type=int, default=3)
     ap.add_argument("--min-rows", type=int, nargs="+", default=[MIN_ROWS],
@@ -103,7 +104,7 @@ def main() -> int:
                     help="steps of the served model's training without RUN_DIR (default 300; quick: 60)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    for name, default, quick in (("new_tokens", 32, 4), ("rounds", 3, 1)):
+    for name, default, quick in (("new_tokens", 32, 4), ("rounds", 6, 1)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
     for name in ("ranks", "width", "prompts_per_rank", "prompt_len", "new_tokens", "rounds", "profile_batches",

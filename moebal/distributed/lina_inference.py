@@ -21,7 +21,10 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
      its estimate and of the real counts differ (as sets), re-plan from the real counts (FFD);
      phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer; an expert gets no
      more holders than it fills groups of `min_rows` rows (MIN_ROWS: a smaller group is padded to it, so a replica
-     of a small expert would add work and take none off; `devices_from_load`);
+     of a small expert would add work and take none off; `devices_from_load`); a layer whose assignments over
+     every rank fill no such group (a decode step of a few sequences) runs the static blocks unplanned, and
+     from layer 1 on (the batch's tokens known from layer 0's exchange) its estimate is not computed
+     (`_unsplittable`);
   4. rows sorted by (holder, expert), all-to-all with uneven splits; each rank runs the SwiGLU of each expert
      on the rows it received for it (experts one after another, as Lina does);
   5. all-to-all back, rows restored to the token order, combined with the gate weights.
@@ -118,6 +121,7 @@ class _ForwardState:
     paths: list[np.ndarray] = field(default_factory=list)  # [T] first choices of each layer so far
     next_map: ReplicaMap | None = None
     next_est: np.ndarray | None = None  # summed estimate of the next layer over every rank
+    tokens: float | None = None  # the batch's tokens over every rank, known from layer 0's count exchange on
 
 
 class LinaInference:
@@ -213,7 +217,7 @@ class LinaDispatcher:
         counts_RE = all_RX[:, :E].round().astype(np.int64)
         # 3. phase 2 for this layer, phase 1 for the next
         t_plan = time.perf_counter()
-        tokens = float(all_RX[:, -1].sum())
+        tokens = o.state.tokens = float(all_RX[:, -1].sum())
         rmap, replanned, hit = self._this_layer_map(counts_RE, tokens)
         self._plan_next(all_RX[:, E:2 * E].sum(axis=0), tokens)
         rows_SRE = split_rows(counts_RE, rmap)
@@ -230,6 +234,8 @@ class LinaDispatcher:
         o, nxt = self.o, self.index + 1
         if o.policy not in ("lina", "phase1") or o.profile is None or nxt >= len(o.layers):
             return np.zeros(self.E)
+        if o.state.tokens is not None and self._unsplittable(o.state.tokens, o.layers[nxt].top_k):
+            return np.zeros(self.E)  # the next layer runs static whatever the estimate (`_plan_next`)
         paths_TL = np.stack(o.state.paths, axis=1)
         return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens)
 
@@ -238,7 +244,7 @@ class LinaDispatcher:
         the batch's, over every rank."""
         o, E, R = self.o, self.E, self.o.R
         actual_E = counts_RE.sum(axis=0)
-        if o.policy == "static":
+        if o.policy == "static" or self._unsplittable(tokens, self.K):
             return ReplicaMap.static(E, R), False, None
         if o.policy == "oracle":
             return self.ffd(actual_E, float(actual_E.sum())), True, None
@@ -258,8 +264,19 @@ class LinaDispatcher:
         o.state.next_est, o.state.next_map = None, None
         if o.policy in ("lina", "phase1") and self.index + 1 < len(o.layers):
             nxt = o.layers[self.index + 1]
+            if self._unsplittable(tokens, nxt.top_k):
+                return  # no estimate: the next layer runs static (`_this_layer_map`)
             o.state.next_est = est_E
             o.state.next_map = self.ffd(est_E, tokens * nxt.top_k)
+
+    def _unsplittable(self, tokens: float, top_k: int) -> bool:
+        """A layer whose assignments over every rank (`tokens` x `top_k`) fill no group of `min_rows` rows: no
+        expert can have a replica (`devices_from_load` gives it one holder) and every group is padded to the same
+        size (MIN_ROWS), so a group costs the same on any rank whatever its rows. Balancing rows then buys nothing;
+        the static blocks (E / R experts a rank) run without planning (no path estimate, no FFD), as under
+        'static'. A decode step of a few sequences is such a layer. Every rank decides alike: `tokens` is the
+        count exchange's."""
+        return self.o.min_rows > 0 and tokens * top_k < self.o.min_rows
 
     def ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
         """The layer's mapping from expected (or real) loads: Eq. 4.1, then first-fit-decreasing."""

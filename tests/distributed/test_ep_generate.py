@@ -24,7 +24,9 @@ def test_every_policy_generates_the_single_process_tokens_on_two_ranks() -> None
     to one hot expert per layer. The third prompt (rank 0 in the second batch) reaches a stop token its neighbour
     does not: rank 0 has nothing left to decode while rank 1 goes on, so rank 0 must go on with it (without the
     lockstep it leaves the forwards rank 1 waits in); every row ends where it ends alone. (8 experts on
-    2 ranks fill both, at most 4 experts a rank: the mappings move experts between the ranks, without replicas.)"""
+    2 ranks fill both, at most 4 experts a rank: the mappings move experts between the ranks, without replicas.
+    The policies plan at `min_rows` 0: at the default no forward here fills a MIN_ROWS group, and every policy
+    would run the static blocks, tests/distributed/test_lina_inference.py.)"""
     model = _model(2)
     alone = generate_many(model, PROMPTS, 8)
     stop = alone[2].tokens[3]  # the third prompt's fourth token
@@ -32,7 +34,7 @@ def test_every_policy_generates_the_single_process_tokens_on_two_ranks() -> None
     assert want[2].stop == "stop_token" and want[3].stop == "length" and len(want[2].tokens) < 8
     got = expert_parallel_generate(model, PROMPTS, 2, 8, batch_size=2, stop_ids=[stop],
                                    policies=["static", "lina", "phase1", "oracle"], profile=_profile(model),
-                                   timeout_s=60)
+                                   timeout_s=60, min_rows=0)
     for policy, res in got.items():
         assert [g.tokens for g in res.generations] == [g.tokens for g in want], policy
         assert [g.stop for g in res.generations] == [g.stop for g in want], policy

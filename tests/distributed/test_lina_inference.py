@@ -64,6 +64,7 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
         recs[policy] = list(sched.records)
         slept += sched.clock.slept_s if "emulated" in policy else 0.0
     static = out["static"]
+    small = _small_batch(rank, model, prof, ids[2 * rank:2 * rank + 1, :4])
     # layer 0's marginal stays whole
     truncated = LinaInference(model, dist.group.WORLD, "lina", prof, truncate=1, min_rows=0)
     whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)
@@ -79,7 +80,34 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
             "replans": {p: sum(r.replanned for r in rs) for p, rs in recs.items()},
             "layer0": {p: (rs[0].replicas, rs[0].estimate_hit, rs[0].rank_rows) for p, rs in recs.items()},
             "static_rows": [r.rank_rows for r in recs["static"]], "oracle_rows": [r.rank_rows for r in recs["oracle"]],
-            "slept": slept}
+            "slept": slept, "small": small}
+
+
+def _small_batch(rank: int, model: torch.nn.Module, prof: PathProfile, ids: torch.Tensor) -> dict[str, object]:
+    """A batch whose assignments over every rank fill no MIN_ROWS group (4 tokens a rank, as a decode step of
+    4 sequences: 8 or 32 assignments here) under each policy at the default least share: its outputs, its
+    layers' records and the layers the path estimate was asked for."""
+    asked: list[int] = []
+    estimate = PathProfile.estimate
+
+    def counted(self: PathProfile, paths: np.ndarray, layer: int, **kw: object) -> np.ndarray:
+        asked.append(layer)
+        return estimate(self, paths, layer, **kw)  # type: ignore[arg-type]
+
+    out, recs, layers_asked = {}, {}, {}
+    for policy in ("static", "lina", "phase1", "oracle"):
+        sched = LinaInference(model, dist.group.WORLD, policy, prof if policy in ("lina", "phase1") else None)
+        PathProfile.estimate = counted  # type: ignore[method-assign]
+        try:
+            sched.begin()
+            with torch.no_grad():
+                out[policy] = model(ids).logits
+        finally:
+            PathProfile.estimate = estimate  # type: ignore[method-assign]
+        recs[policy] = [(r.replicas, r.replanned, r.estimate_hit, r.rank_rows) for r in sched.records]
+        layers_asked[policy], asked[:] = list(asked), []
+    return {"equal": all(torch.equal(o, out["static"]) for o in out.values()), "records": recs,
+            "asked": layers_asked}
 
 
 @pytest.mark.parametrize("world,top_k", [(2, 1), (4, 2)])
@@ -100,6 +128,14 @@ def test_policies_give_the_static_outputs(world: int, top_k: int) -> None:
         assert r["first_whole"] and r["parts_ok"]
         assert r["layer0"]["lina"][0] > 0 and r["layer0"]["oracle"][0] > 0, r["layer0"]
         assert r["layer0"]["lina"][1] is not None and r["layer0"]["static"] == (0, None, r["layer0"]["static"][2])
+        # a batch too small to fill a MIN_ROWS group runs static's blocks unplanned under every policy: no
+        # replica, no re-plan, no estimate compared; the estimate is asked for once (during layer 0, for layer 1,
+        # before the batch's size over every rank is known), then never
+        small = r["small"]
+        assert small["equal"], small
+        assert all(recs == small["records"]["static"] for recs in small["records"].values()), small
+        assert all(rec[:3] == (0, False, None) for rec in small["records"]["lina"]), small
+        assert small["asked"] == {"static": [], "lina": [1], "phase1": [1], "oracle": []}, small
     # the oracle's rank loads are flatter than static placement's on the skewed layers
     worst = lambda rows: max(max(x) / (sum(x) / len(x)) for x in rows)  # noqa: E731
     assert worst(res[0]["oracle_rows"]) < worst(res[0]["static_rows"])
