@@ -34,11 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from moebal.commands.eval import load_run_model
-from moebal.data import build_data, eval_batches
+from moebal.data import eval_batches
 from moebal.distributed.ep_generate import expert_parallel_generate
 from moebal.distributed.lina_inference import MIN_ROWS
 from moebal.models.generate import Sampling
@@ -118,27 +116,19 @@ def main() -> int:
         whole._check_width(args.width, int(dict(o.split("=") for o in SERVED)["moe.expert_ffn_dim"]))
     return whole.serve_and_record(args, measure)
 
+
 def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """The whole benchmark on the served model of `run_dir` (module docstring)."""
-    cfg, model, _ = load_run_model(run_dir, top_k=1)
+    served = whole.skewed_model(run_dir, args.skew, args.profile_batches)
+    cfg, model, data, prof_batches, s = served.cfg, served.model, served.data, served.prof_batches, served.bias_strength
     E = cfg.moe.num_experts
     if E % args.ranks:
         raise SystemExit(f"--ranks {args.ranks} does not divide the served model's {E} experts")
     if args.prompt_len > cfg.data.seq_len:
         raise SystemExit(f"--prompt-len {args.prompt_len} is longer than the served model's sequences "
                          f"({cfg.data.seq_len})")
-    data = build_data(cfg, seed=1234)
-    prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]
-    rng = np.random.default_rng(0)
-    perms = [rng.permutation(E) for _ in model.moe_layers()]
-    s = whole._fit_skew(model, prof_batches[:4], args.skew, perms, E) if args.skew > 0 else 0.0
     whole._check_width(args.width, whole.model_width(model))
-    ref = prof_batches[0][:2]
-    with torch.no_grad():
-        before = model(ref).logits
-        whole._pad_experts(model, args.width)
-        pad_diff = float((before - model(ref).logits).abs().max())
-    assert pad_diff < 1e-4, f"padding to {args.width} changed the logits by {pad_diff}"
+    pad_diff = served.pad(args.width)
     profile = build_profile(whole._routing(model, prof_batches), E, args.path_len)
     n = args.ranks * args.prompts_per_rank
     val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, n, 1)

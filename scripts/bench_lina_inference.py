@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -66,6 +67,7 @@ import numpy as np
 import torch
 
 from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
+from moebal.config import Config
 from moebal.data import build_data, eval_batches
 from moebal.distributed.dilate import settle
 from moebal.distributed.lina_inference import CPU_BLOCK_ROWS, expert_rows
@@ -419,18 +421,48 @@ def serve_and_record(args: argparse.Namespace, measure: Callable[[argparse.Names
     return 0
 
 
-def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
-    """The whole benchmark on the served model of `run_dir` (module docstring)."""
+@dataclass
+class Skewed:
+    """The served model of a run under top-1, its MoE layers skewed (`skewed_model`)."""
+
+    cfg: Config
+    model: Any
+    data: Any  # `build_data(cfg, seed=1234)`: the profile's training batches, the validation split's sequences
+    prof_batches: list[torch.Tensor]  # the training batches the path profile is built on, the skew fitted on 4
+    bias_strength: float  # s of the selection bias (0.0: the model's own routing)
+    logits: torch.Tensor  # the skewed model's logits on `prof_batches[0][:2]`, before any padding
+
+    def pad(self, width: int) -> float:
+        """Pad the experts to `width` (`_pad_experts`, the trained function kept); the largest change of the
+        logits on the reference rows, which must stay under 1e-4."""
+        with torch.no_grad():
+            _pad_experts(self.model, width)
+            diff = float((self.logits - self.model(self.prof_batches[0][:2]).logits).abs().max())
+        assert diff < 1e-4, f"padding to {width} changed the logits by {diff}"
+        return diff
+
+
+def skewed_model(run_dir: Path, skew: float, profile_batches: int) -> Skewed:
+    """The served model of `run_dir` under top-1, each MoE layer skewed to its own hot experts (`_fit_skew`: the
+    busiest expert `skew` x the mean load; 0: the model's own routing), as this benchmark and
+    scripts/bench_lina_decode.py serve it."""
     cfg, model, _ = load_run_model(run_dir, top_k=1)
     E = cfg.moe.num_experts
     data = build_data(cfg, seed=1234)
-    prof_batches = [data.train.next_batch().ids_BT for _ in range(args.profile_batches)]
+    prof_batches = [data.train.next_batch().ids_BT for _ in range(profile_batches)]
     rng = np.random.default_rng(0)
     perms = [rng.permutation(E) for _ in model.moe_layers()]
-    s = _fit_skew(model, prof_batches[:4], args.skew, perms, E) if args.skew > 0 else 0.0
-    ref_batch = prof_batches[0][:2]
+    s = _fit_skew(model, prof_batches[:4], skew, perms, E) if skew > 0 else 0.0
     with torch.no_grad():
-        before = model(ref_batch).logits
+        logits = model(prof_batches[0][:2]).logits
+    return Skewed(cfg, model, data, prof_batches, s, logits)
+
+
+def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """The whole benchmark on the served model of `run_dir` (module docstring)."""
+    served = skewed_model(run_dir, args.skew, args.profile_batches)
+    cfg, model, data, prof_batches, s = served.cfg, served.model, served.data, served.prof_batches, served.bias_strength
+    E = cfg.moe.num_experts
     res: dict[str, Any] = {
         "machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},
@@ -438,10 +470,7 @@ def _measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "by_width": {}}
     _check_width(args.width[0], model_width(model))
     for width in args.width:
-        with torch.no_grad():
-            _pad_experts(model, width)
-            pad_diff = float((before - model(ref_batch).logits).abs().max())
-        assert pad_diff < 1e-4, f"padding to {width} changed the logits by {pad_diff}"
+        pad_diff = served.pad(width)
         prof_routing = _routing(model, prof_batches)
         profile = build_profile(prof_routing, E, args.path_len)
         if "planning_ms" not in res:
