@@ -22,9 +22,9 @@ One MoE layer i on rank r (`LinaDispatcher.forward`):
      phase 1 for layer i+1: FFD on the summed estimate (Eq. 4.1), kept for the next layer; an expert gets no
      more holders than it fills groups of `min_rows` rows (MIN_ROWS: a smaller group is padded to it, so a replica
      of a small expert would add work and take none off; `devices_from_load`); a layer whose assignments over
-     every rank fill no such group (a decode step of a few sequences) runs the static blocks unplanned, and
-     from layer 1 on (the batch's tokens known from layer 0's exchange) its estimate is not computed
-     (`_unsplittable`);
+     every rank fill no such group (a decode step of a few sequences) runs the static blocks unplanned and
+     unpadded, and from layer 1 on (the batch's tokens known from layer 0's exchange) its estimate is not
+     computed (`_unsplittable`);
   4. rows sorted by (holder, expert), all-to-all with uneven splits; each rank runs the SwiGLU of each expert
      on the rows it received for it (experts one after another, as Lina does);
   5. all-to-all back, rows restored to the token order, combined with the gate weights.
@@ -218,11 +218,13 @@ class LinaDispatcher:
         # 3. phase 2 for this layer, phase 1 for the next
         t_plan = time.perf_counter()
         tokens = o.state.tokens = float(all_RX[:, -1].sum())
-        rmap, replanned, hit = self._this_layer_map(counts_RE, tokens)
+        small = self._unsplittable(tokens, self.K)
+        rmap, replanned, hit = self._this_layer_map(counts_RE, tokens, small)
         self._plan_next(all_RX[:, E:2 * E].sum(axis=0), tokens)
         rows_SRE = split_rows(counts_RE, rmap)
         plan_s += time.perf_counter() - t_plan
-        out_TD, experts_s, a2a_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE)
+        # an unsplittable layer's groups are the same under every policy: no padding is needed for equal bits
+        out_TD, experts_s, a2a_s = self._exchange(x_TD, routing, experts_A, active_A, rows_SRE, pad=not small)
         o.clock.settle()  # the combine
         o.records.append(LayerRecord(layer=self.index, seconds=time.perf_counter() - t0, experts_s=experts_s,
                                      plan_s=plan_s, exchange_s=gather_s + a2a_s, replanned=replanned,
@@ -239,12 +241,13 @@ class LinaDispatcher:
         paths_TL = np.stack(o.state.paths, axis=1)
         return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens)
 
-    def _this_layer_map(self, counts_RE: np.ndarray, tokens: float) -> tuple[ReplicaMap, bool, bool | None]:
+    def _this_layer_map(self, counts_RE: np.ndarray, tokens: float,
+                        small: bool) -> tuple[ReplicaMap, bool, bool | None]:
         """(mapping for this layer, re-planned by phase 2, estimate's top-2k equal to the real one's); `tokens`:
-        the batch's, over every rank."""
+        the batch's, over every rank; `small`: the layer is `_unsplittable`."""
         o, E, R = self.o, self.E, self.o.R
         actual_E = counts_RE.sum(axis=0)
-        if o.policy == "static" or self._unsplittable(tokens, self.K):
+        if o.policy == "static" or small:
             return ReplicaMap.static(E, R), False, None
         if o.policy == "oracle":
             return self.ffd(actual_E, float(actual_E.sum())), True, None
@@ -274,8 +277,9 @@ class LinaDispatcher:
         expert can have a replica (`devices_from_load` gives it one holder) and every group is padded to the same
         size (MIN_ROWS), so a group costs the same on any rank whatever its rows. Balancing rows then buys nothing;
         the static blocks (E / R experts a rank) run without planning (no path estimate, no FFD), as under
-        'static'. A decode step of a few sequences is such a layer. Every rank decides alike: `tokens` is the
-        count exchange's."""
+        'static'. Every policy then computes the same groups on the same ranks, so they need no padding to give
+        the same bits, and run unpadded (`expert_rows(pad=False)`). A decode step of a few sequences is such a
+        layer. Every rank and every policy decides alike: `tokens` is the count exchange's."""
         return self.o.min_rows > 0 and tokens * top_k < self.o.min_rows
 
     def ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
@@ -285,8 +289,9 @@ class LinaDispatcher:
 
     # ---- 4-5: the token exchange ----
     def _exchange(self, x_TD: torch.Tensor, routing: Routing, experts_A: torch.Tensor, active_A: torch.Tensor | None,
-                  rows_SRE: np.ndarray) -> tuple[torch.Tensor, float, float]:
-        """(the layer's output, seconds of this rank's expert compute, seconds inside the two all-to-alls)."""
+                  rows_SRE: np.ndarray, pad: bool = True) -> tuple[torch.Tensor, float, float]:
+        """(the layer's output, seconds of this rank's expert compute, seconds inside the two all-to-alls); `pad`:
+        `expert_rows`'s."""
         E, R, r = self.E, self.o.R, self.o.r
         T, K = routing.indices_TK.shape
         dev = x_TD.device
@@ -301,7 +306,7 @@ class LinaDispatcher:
         recv_SE = rows_SRE[:, r, :]
         x_MD, dispatch_s = self._all_to_all(x_ND, rows_SRE[r].sum(axis=1), recv_SE.sum(axis=1))
         t0 = time.perf_counter()  # on a GPU this times the launches only (no sync is added for a figure)
-        y_MD = self._experts(x_MD, recv_SE)
+        y_MD = self._experts(x_MD, recv_SE, pad)
         self.o.clock.settle()  # (emulated devices: the experts' time as the device's)
         experts_s = time.perf_counter() - t0
         y_ND, combine_s = self._all_to_all(y_MD, recv_SE.sum(axis=1), rows_SRE[r].sum(axis=1))
@@ -326,12 +331,13 @@ class LinaDispatcher:
         self.o.clock.mark()
         return out, seconds
 
-    def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray) -> torch.Tensor:
+    def _experts(self, x_MD: torch.Tensor, recv_SE: np.ndarray, pad: bool) -> torch.Tensor:
         block = CPU_BLOCK_ROWS if x_MD.device.type == "cpu" else 0  # see CPU_BLOCK_ROWS
-        return expert_rows(self.layer.experts, x_MD, recv_SE, block)
+        return expert_rows(self.layer.experts, x_MD, recv_SE, block, pad)
 
 
-def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: int = 0) -> torch.Tensor:
+def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: int = 0,
+                pad: bool = True) -> torch.Tensor:
     """The received rows (blocks in (source, expert) order, `recv_SE` rows per block) through their experts' SwiGLU
     (`experts.w1`, `w3`: [E, F, D], `w2`: [E, D, F]), one expert at a time.
 
@@ -340,7 +346,8 @@ def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: in
     `block` > 0 (CPU_BLOCK_ROWS) runs a group of n >= `block` rows in n // `block` near-equal parts (each
     `block` to 2 x `block` - 1 rows: no short tail to pad); 0 runs it in one GEMM per projection. A group under
     MIN_ROWS rows is padded with zero rows to MIN_ROWS (see MIN_ROWS), so a row's output does not depend on its
-    group or block."""
+    group or block. `pad` False computes such a group as it is, a few times faster (a 64-row GEMM for 1-16 rows),
+    its bits then depending on its size: for a layer whose groups every policy computes alike (`_unsplittable`)."""
     if block and block < MIN_ROWS:
         raise ValueError(f"expert_rows: block ({block}) must be 0 (whole groups) or at least MIN_ROWS ({MIN_ROWS})")
     S, E = recv_SE.shape
@@ -359,7 +366,7 @@ def expert_rows(experts: Any, x_MD: torch.Tensor, recv_SE: np.ndarray, block: in
         cuts = [start + i * n // parts for i in range(parts + 1)]
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             x = x_sorted[lo:hi]
-            if hi - lo < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
+            if pad and hi - lo < MIN_ROWS:  # see MIN_ROWS: the same GEMM kernel for every group size
                 x = torch.cat([x, x.new_zeros(MIN_ROWS - (hi - lo), x.shape[1])])
             h = F.silu(x @ w1.T) * (x @ w3.T)
             y_sorted[lo:hi] = (h @ w2.T)[:hi - lo]

@@ -1,6 +1,7 @@
 """The expert loop of Lina's inference scheduling (`expert_rows`): running an expert's rows in blocks (the CPU
 default, CPU_BLOCK_ROWS) gives the same bits as one GEMM per projection, whatever the group sizes, so the
-blocks change the time of a large group and nothing else; a block under MIN_ROWS is refused."""
+blocks change the time of a large group and nothing else; a block under MIN_ROWS is refused; a small group is
+padded to MIN_ROWS rows unless told not to."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def test_a_block_under_min_rows_is_refused() -> None:
     ex = _experts(2, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="MIN_ROWS"):
         expert_rows(ex, torch.zeros(4, 8), np.array([[2, 2]]), block=MIN_ROWS - 1)
+
+
+def _swiglu(x: torch.Tensor, ex: SimpleNamespace, e: int) -> torch.Tensor:
+    return (F.silu(x @ ex.w1[e].T) * (x @ ex.w3[e].T)) @ ex.w2[e].T
+
+
+def test_a_small_group_is_one_min_rows_gemm_padded_and_its_own_size_unpadded() -> None:
+    """`pad` (the default) computes a group under MIN_ROWS as the first rows of a MIN_ROWS-row product; `pad=False`
+    (a layer every policy computes alike: `LinaDispatcher._unsplittable`) as a product of its own rows. Both bit for
+    bit; a group of MIN_ROWS rows or more is the same either way."""
+    recv_SE = np.array([[1, 3, 0, 40], [2, 0, 7, 30]])  # groups of 3, 3, 7 and 70 rows
+    ex = _experts(4, 16, 48, torch.float32)
+    x = torch.randn(int(recv_SE.sum()), 16, generator=torch.Generator().manual_seed(2))
+    padded, unpadded = expert_rows(ex, x, recv_SE), expert_rows(ex, x, recv_SE, pad=False)
+    expert_of_row = np.repeat(np.tile(np.arange(4), 2), recv_SE.reshape(-1))
+    for e in range(4):
+        rows = torch.as_tensor(np.flatnonzero(expert_of_row == e))
+        xe, n = x[rows], len(rows)
+        if n < MIN_ROWS:
+            assert torch.equal(padded[rows], _swiglu(torch.cat([xe, xe.new_zeros(MIN_ROWS - n, 16)]), ex, e)[:n])
+            assert torch.equal(unpadded[rows], _swiglu(xe, ex, e))
+        else:
+            assert torch.equal(padded[rows], unpadded[rows]) and torch.equal(unpadded[rows], _swiglu(xe, ex, e))
