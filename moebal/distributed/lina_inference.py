@@ -274,12 +274,12 @@ class LinaDispatcher:
 
     def _unsplittable(self, tokens: float, top_k: int) -> bool:
         """A layer whose assignments over every rank (`tokens` x `top_k`) fill no group of `min_rows` rows: no
-        expert can have a replica (`devices_from_load` gives it one holder) and every group is padded to the same
-        size (MIN_ROWS), so a group costs the same on any rank whatever its rows. Balancing rows then buys nothing;
-        the static blocks (E / R experts a rank) run without planning (no path estimate, no FFD), as under
-        'static'. Every policy then computes the same groups on the same ranks, so they need no padding to give
-        the same bits, and run unpadded (`expert_rows(pad=False)`). A decode step of a few sequences is such a
-        layer. Every rank and every policy decides alike: `tokens` is the count exchange's."""
+        expert can have a replica (`devices_from_load` gives it one holder), and padded to MIN_ROWS every group
+        would cost the same on any rank whatever its rows, so a balance of rows buys nothing. The static blocks
+        (E / R experts a rank) run without planning (no path estimate, no FFD), as under 'static'; every policy
+        then computes the same groups on the same ranks, so they need no padding to give the same bits and run
+        unpadded (`expert_rows(pad=False)`), a few times faster. A decode step of a few sequences is such a layer.
+        Every rank and every policy decides alike: `tokens` is the count exchange's."""
         return self.o.min_rows > 0 and tokens * top_k < self.o.min_rows
 
     def ffd(self, load_E: np.ndarray, assignments: float) -> ReplicaMap:
