@@ -46,12 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_lina_inference as whole  # noqa: E402  (the whole-batch benchmark: its served model, skew and padding)
 
 POLICIES, SERVED = whole.POLICIES, whole.SERVED
+PARTS = ("experts_s", "plan_s", "exchange_s")  # of a decode step's MoE time, the slowest rank's in each layer
 
 
 def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: int, order: list[str],
                  profile: Any, min_rows: int = MIN_ROWS) -> dict[str, Any]:
     """One generation of `prompts` under each policy of `order` (in that order): per policy, the MoE time of
-    the prompts' forward and the decode steps' median, and its tokens."""
+    the prompts' forward and the decode steps' median, the decode steps' median of each part of it (the slowest
+    rank's experts, planning and exchanges: `slowest_rank_parts`), and its tokens."""
     res = expert_parallel_generate(model, prompts, ranks, new_tokens, Sampling(), batch_size=len(prompts),
                                    policies=order, profile=profile, timeout_s=3600, min_rows=min_rows)
     step_rows = len(prompts) * next(iter(model.moe_layers())).top_k  # a decode step: one token a prompt
@@ -59,8 +61,10 @@ def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: i
     for policy, r in res.items():
         decode = [s for s, rows in zip(r.moe_s, r.rows) if rows <= step_rows]
         prompt = [s for s, rows in zip(r.moe_s, r.rows) if rows > step_rows]
+        steps = [parts for parts, rows in zip(r.parts, r.rows) if rows <= step_rows]
         out[policy] = {"decode_moe_s": statistics.median(decode), "prompt_moe_s": statistics.median(prompt),
                        "decode_steps": len(decode), "replicas": r.replicas, "replans": r.replans,
+                       "decode_parts_s": {k: statistics.median(p[k] for p in steps) for k in PARTS},
                        "tokens": [g.tokens for g in r.generations]}
     return out
 
@@ -73,6 +77,8 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         summ[policy] = {k: [p[k] for p in per] for k in ("decode_moe_s", "prompt_moe_s", "replicas", "replans")}
         summ[policy]["decode_moe_s_median"] = statistics.median(summ[policy]["decode_moe_s"])
         summ[policy]["prompt_moe_s_median"] = statistics.median(summ[policy]["prompt_moe_s"])
+        summ[policy]["decode_parts_s_median"] = {k: statistics.median(p["decode_parts_s"][k] for p in per)
+                                                 for k in PARTS}
         summ[policy]["equal_static"] = all(r[policy]["tokens"] == r["static"]["tokens"] for r in rounds)
     for policy in POLICIES:
         for part in ("decode", "prompt"):
@@ -155,6 +161,10 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             + ", ".join(f"{p} {summ[p]['static_over_this_prompt']:.2f}" for p in POLICIES[1:])
             + "; replicas " + ", ".join(f"{p} {statistics.median(summ[p]['replicas']):g}" for p in POLICIES[1:])
             + "; tokens equal static: True")
+        print(f"min_rows {m}, a decode step's MoE time (ms, medians over rounds; the slowest rank's parts): "
+              + "; ".join(
+            f"{p} " + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in summ[p]["decode_parts_s_median"].items())
+            for p in POLICIES))
         by_min_rows[str(m)] = summ
     return {"machine": f"{platform.machine()}, torch {torch.__version__}, gloo",
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")},

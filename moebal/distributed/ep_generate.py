@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moebal.distributed.lina_inference import MIN_ROWS, LinaInference, slowest_rank_times
+from moebal.distributed.lina_inference import MIN_ROWS, LinaInference, slowest_rank_parts
 from moebal.models.generate import Generation, Sampling, check_prompts, generate_many
 
 __all__ = ["GenerateJob", "PolicyResult", "expert_parallel_generate", "generate_worker", "share"]
@@ -62,8 +62,10 @@ class PolicyResult:
 
     generations: list[Generation]
     """In the prompts' order."""
-    moe_s: list[float] = field(default_factory=list)
-    """Per forward: the MoE layers' time, each layer the slowest rank's, summed over the layers."""
+    parts: list[dict[str, float]] = field(default_factory=list)
+    """Per forward: the MoE layers' time, each layer the slowest rank's, summed over the layers (`seconds`), and
+    that rank's experts, planning and exchanges in it (`experts_s`, `plan_s`, `exchange_s`):
+    `slowest_rank_parts`."""
     replans: int = 0
     """Layers phase 2 re-planned (rank 0's count: every rank plans the same)."""
     replicas: int = 0
@@ -71,6 +73,11 @@ class PolicyResult:
     rows: list[int] = field(default_factory=list)
     """Per forward, the rows the first MoE layer computed over every rank (tokens x k): a prompt's forward has
     its prompt's tokens, a decode step one a row."""
+
+    @property
+    def moe_s(self) -> list[float]:
+        """Per forward: the MoE layers' time, each layer the slowest rank's, summed over the layers."""
+        return [p["seconds"] for p in self.parts]
 
     @property
     def moe_s_median(self) -> float:
@@ -161,7 +168,7 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
         gens = dict(g for r in per_rank for g in r["generations"])
         forwards = [r["forwards"] for r in per_rank]
         first = forwards[0]
-        report[policy] = PolicyResult([gens[i] for i in range(len(prompts))], slowest_rank_times(forwards),
+        report[policy] = PolicyResult([gens[i] for i in range(len(prompts))], slowest_rank_parts(forwards),
                                       sum(x["replanned"] for f in first for x in f),
                                       sum(x["replicas"] for f in first for x in f),
                                       [sum(f[0]["rank_rows"]) for f in first])

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from moebal.routing import Routing
 
 __all__ = ["CPU_BLOCK_ROWS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "expert_rows",
-           "slowest_rank_times"]
+           "slowest_rank_parts", "slowest_rank_times"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
 # An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
@@ -110,8 +110,22 @@ class LayerRecord:
 def slowest_rank_times(per_rank: list[list[list[dict[str, Any]]]]) -> list[float]:
     """Per forward, the MoE layers' time: each layer the slowest rank's, summed over the layers. `per_rank`: each
     rank's forwards, each a list of its layers' `LayerRecord`s as dicts (every rank runs the same forwards)."""
-    return [sum(max(rank[f][j]["seconds"] for rank in per_rank) for j in range(len(per_rank[0][f])))
-            for f in range(len(per_rank[0]))]
+    return [parts["seconds"] for parts in slowest_rank_parts(per_rank)]
+
+
+_PARTS = ("seconds", "experts_s", "plan_s", "exchange_s")
+
+
+def slowest_rank_parts(per_rank: list[list[list[dict[str, Any]]]]) -> list[dict[str, float]]:
+    """Per forward, `slowest_rank_times`'s sum and what it is made of: for each of `_PARTS`, the sum over the layers
+    of that part of the layer's slowest rank (its `LayerRecord`; the exchanges include its waits, the rest of a
+    layer is index work and the combine)."""
+    out = []
+    for f in range(len(per_rank[0])):
+        slowest = [max((rank[f][j] for rank in per_rank), key=lambda rec: rec["seconds"])
+                   for j in range(len(per_rank[0][f]))]
+        out.append({k: sum(rec[k] for rec in slowest) for k in _PARTS})
+    return out
 
 
 @dataclass

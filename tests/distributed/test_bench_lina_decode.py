@@ -21,11 +21,14 @@ def test_a_round_splits_the_prompts_forward_from_the_decode_steps_and_the_summar
         # 4 new tokens: the prompts' forward gives the first, 3 decode steps the rest
         assert r["decode_steps"] == 3 and r["decode_moe_s"] > 0 and r["prompt_moe_s"] > 0, policy
         assert r["tokens"] == one["static"]["tokens"] and all(len(t) == 4 for t in r["tokens"]), policy
+        parts = r["decode_parts_s"]  # the slowest rank's experts, planning and exchanges: each took time
+        assert set(parts) == set(script.PARTS) and parts["experts_s"] > 0 and parts["exchange_s"] > 0, parts
     two = copy.deepcopy(one)
     two["static"]["decode_moe_s"] *= 2  # a second round: static twice as slow while decoding
     summ = script.summarise([one, two])
     assert summ["static"]["decode_moe_s"] == [one["static"]["decode_moe_s"], two["static"]["decode_moe_s"]]
     assert summ["static"]["static_over_this_decode"] == 1.0 and all(summ[p]["equal_static"] for p in order)
+    assert summ["lina"]["decode_parts_s_median"] == one["lina"]["decode_parts_s"]  # two equal rounds: their median
     assert summ["lina"]["static_over_this_decode"] == (1.5 * one["static"]["decode_moe_s"]
                                                        / one["lina"]["decode_moe_s"])
     two["oracle"]["tokens"][0][0] += 1

@@ -40,6 +40,8 @@ def test_every_policy_generates_the_single_process_tokens_on_two_ranks() -> None
         assert [g.stop for g in res.generations] == [g.stop for g in want], policy
         assert [g.prompt for g in res.generations] == PROMPTS
         assert len(res.moe_s) > 0 and all(t > 0 for t in res.moe_s)
+        # the slowest rank's parts of each forward are disjoint spans of its MoE time
+        assert all(0 < p["experts_s"] + p["plan_s"] + p["exchange_s"] <= p["seconds"] for p in res.parts)
         # per forward, the first MoE layer's rows over both ranks (top-2): each batch's prompts' forward (4 + 1,
         # 7 + 2, 3 + the dummy's 1 tokens), then its decode steps at one token a rank
         prompts = [i for i, rows in enumerate(res.rows) if rows != 2 * 2]
