@@ -38,7 +38,7 @@ import torch
 
 from moebal.data import eval_batches
 from moebal.distributed.ep_generate import expert_parallel_generate
-from moebal.distributed.lina_inference import MIN_ROWS
+from moebal.distributed.lina_inference import LAYER_PARTS, MIN_ROWS
 from moebal.models.generate import Sampling
 from moebal.planner.paths import build_profile
 
@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_lina_inference as whole  # noqa: E402  (the whole-batch benchmark: its served model, skew and padding)
 
 POLICIES, SERVED = whole.POLICIES, whole.SERVED
-PARTS = ("experts_s", "plan_s", "exchange_s")  # of a decode step's MoE time, the slowest rank's in each layer
 
 
 def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: int, order: list[str],
@@ -64,7 +63,7 @@ def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: i
         steps = [parts for parts, rows in zip(r.parts, r.rows) if rows <= step_rows]
         out[policy] = {"decode_moe_s": statistics.median(decode), "prompt_moe_s": statistics.median(prompt),
                        "decode_steps": len(decode), "replicas": r.replicas, "replans": r.replans,
-                       "decode_parts_s": {k: statistics.median(p[k] for p in steps) for k in PARTS},
+                       "decode_parts_s": {k: statistics.median(p[k] for p in steps) for k in LAYER_PARTS},
                        "tokens": [g.tokens for g in r.generations]}
     return out
 
@@ -78,7 +77,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         summ[policy]["decode_moe_s_median"] = statistics.median(summ[policy]["decode_moe_s"])
         summ[policy]["prompt_moe_s_median"] = statistics.median(summ[policy]["prompt_moe_s"])
         summ[policy]["decode_parts_s_median"] = {k: statistics.median(p["decode_parts_s"][k] for p in per)
-                                                 for k in PARTS}
+                                                 for k in LAYER_PARTS}
         summ[policy]["equal_static"] = all(r[policy]["tokens"] == r["static"]["tokens"] for r in rounds)
     for policy in POLICIES:
         for part in ("decode", "prompt"):

@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
     from moebal.routing import Routing
 
-__all__ = ["CPU_BLOCK_ROWS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "expert_rows",
-           "slowest_rank_parts", "slowest_rank_times"]
+__all__ = ["CPU_BLOCK_ROWS", "LAYER_PARTS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference",
+           "expert_rows", "slowest_rank_parts", "slowest_rank_times"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
 # An expert's rows are computed in one GEMM whose size depends on the mapping (how many rows this rank takes).
@@ -113,18 +113,18 @@ def slowest_rank_times(per_rank: list[list[list[dict[str, Any]]]]) -> list[float
     return [parts["seconds"] for parts in slowest_rank_parts(per_rank)]
 
 
-_PARTS = ("seconds", "experts_s", "plan_s", "exchange_s")
+LAYER_PARTS = ("experts_s", "plan_s", "exchange_s")  # the parts of a `LayerRecord`'s seconds (disjoint spans)
 
 
 def slowest_rank_parts(per_rank: list[list[list[dict[str, Any]]]]) -> list[dict[str, float]]:
-    """Per forward, `slowest_rank_times`'s sum and what it is made of: for each of `_PARTS`, the sum over the layers
-    of that part of the layer's slowest rank (its `LayerRecord`; the exchanges include its waits, the rest of a
-    layer is index work and the combine)."""
+    """Per forward, `slowest_rank_times`'s sum (`seconds`) and what it is made of: for each of LAYER_PARTS, the sum
+    over the layers of that part of the layer's slowest rank (its `LayerRecord`; the exchanges include its waits,
+    the rest of a layer is index work and the combine)."""
     out = []
     for f in range(len(per_rank[0])):
         slowest = [max((rank[f][j] for rank in per_rank), key=lambda rec: rec["seconds"])
                    for j in range(len(per_rank[0][f]))]
-        out.append({k: sum(rec[k] for rec in slowest) for k in _PARTS})
+        out.append({k: sum(rec[k] for rec in slowest) for k in ("seconds", *LAYER_PARTS)})
     return out
 
 

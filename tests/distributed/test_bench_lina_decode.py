@@ -22,7 +22,7 @@ def test_a_round_splits_the_prompts_forward_from_the_decode_steps_and_the_summar
         assert r["decode_steps"] == 3 and r["decode_moe_s"] > 0 and r["prompt_moe_s"] > 0, policy
         assert r["tokens"] == one["static"]["tokens"] and all(len(t) == 4 for t in r["tokens"]), policy
         parts = r["decode_parts_s"]  # the slowest rank's experts, planning and exchanges: each took time
-        assert set(parts) == set(script.PARTS) and parts["experts_s"] > 0 and parts["exchange_s"] > 0, parts
+        assert set(parts) == set(script.LAYER_PARTS) and parts["experts_s"] > 0 and parts["exchange_s"] > 0, parts
     two = copy.deepcopy(one)
     two["static"]["decode_moe_s"] *= 2  # a second round: static twice as slow while decoding
     summ = script.summarise([one, two])
