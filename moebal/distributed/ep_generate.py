@@ -11,10 +11,13 @@ Prompts: a global batch of `batch_size` prompts is cut into contiguous shares, r
 as long as the longest (ceil(batch / N)): a rank with fewer prompts fills its share with a one-token dummy prompt
 whose tokens are dropped. Every rank then runs the same forwards (`generate_many`'s `Lockstep`): a rank whose rows
 have all stopped goes on with them until every rank's have (one all-reduce of a flag per new token), since each
-MoE layer's exchanges need every rank. A row's text does not depend on its rank or on the rows beside it: its
-positions, masks and sampling generator are its own (`generate_many`), and the experts' rows are computed in
-groups padded to `MIN_ROWS`, so every policy gives the static run's logits bit for bit (the module
-`lina_inference`'s MIN_ROWS); the tests compare the tokens with the single-process decoder's as well.
+MoE layer's exchanges need every rank. A row's positions, masks and sampling generator are its own
+(`generate_many`), and every policy gives the static run's logits bit for bit: a layer of at least `min_rows`
+assignments over every rank computes the experts' rows in groups padded to `MIN_ROWS`, so a row's logits do not
+depend on its rank or its neighbours either; one of fewer (a decode step of a few sequences) runs the same static
+blocks under every policy, unpadded, its bits then depending on its groups' sizes as one process's do (the module
+`lina_inference`'s MIN_ROWS and `LinaDispatcher._unsplittable`). The tests compare the tokens with the
+single-process decoder's as well.
 
 Forward only, on CPU gloo ranks (a NCCL run would put each rank's model on its own device and exchange device
 tensors; the dispatcher already does, the flag's all-reduce below would too, but `run_ranks` starts gloo ranks).

@@ -30,9 +30,12 @@ def test_quick_run_at_two_widths_reports_each_and_outputs_equal(tmp_path) -> Non
         spread = rec["expert_cpu_spread"]
         for pct in [spread["alone"], *spread["2_at_once"]]:  # one rank alone, then both ranks at once
             assert 0 < pct["p10_ms"] <= pct["p50_ms"] <= pct["p90_ms"] and pct["runs"] >= 1
-    # the wider experts cost more per row (the point of padding)
-    rows = {w: rec["expert_us_per_row"]["blocks"]["1024"] for w, rec in rep["by_width"].items()}
-    assert rows["256"] > rows["128"]
+    # each width reports its experts' cost per row at every group size, whole and in blocks (measured: which
+    # width costs more is the benchmark's figure, not something a test on a shared machine may time)
+    for rec in rep["by_width"].values():
+        costs = rec["expert_us_per_row"]
+        assert set(costs) == {"whole", "blocks"}
+        assert all(list(c) == ["64", "128", "256", "512", "1024"] and min(c.values()) > 0 for c in costs.values())
     # a width below the trained one is refused with the fix
     bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--width", "64"],
                          capture_output=True, text=True, timeout=600)
