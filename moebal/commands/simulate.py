@@ -136,6 +136,10 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
         if shape.num_experts and (E % ep or (args.ranks and (args.ranks // pp) % ep)):
             raise ConfigError(f"parallel.ep is null and {args.ranks} ranks / {pp} stages do not split "
                               f"{E} experts evenly: give --ep (a divisor of {E})")
+    if shape.num_experts and shape.num_experts % ep:
+        source = "--ep" if args.ep else "parallel.ep"
+        raise ConfigError(f"{source} {ep} does not divide the model's {shape.num_experts} experts: choose one of "
+                          f"{[d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]}")
     ranks = args.ranks or pp * ep
     for name, v in (("--ranks", ranks), ("--pp", pp), ("--ep", ep), ("--micro-batch-size", args.micro_batch_size)):
         if v < 1:

@@ -70,6 +70,7 @@ def test_human_output(capsys) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--cluster", "h10"], "did you mean 'h100'"),
     (["--ranks", "12", "--ep", "8"], "must divide the data-parallel size"),
+    (["--ranks", "6", "--ep", "3"], "--ep 3 does not divide the model's 8 experts: choose one of [1, 2, 4, 8]"),
     (["moe.top_kk=1"], "did you mean 'moe.top_k'"),
     (["--routing", "/nonexistent/routing.jsonl"], "cannot read it"),
     (["--ranks", "0"], "--ranks must be >= 1; got 0"),
