@@ -38,7 +38,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. data.batch_size=64")
     p.add_argument("--cluster", default="h100", help="hardware profile (name or YAML path), or 'cpu' for this "
                    "machine's RAM (default h100)")
-    p.add_argument("--ranks", type=int, help="ranks in the job (with --fit: the most to try; default 4096)")
+    p.add_argument("--ranks", type=int, help="ranks in the job (default: parallel.nproc, at least pp x ep; with "
+                   "--fit: the most to try, default 4096)")
     p.add_argument("--pp", type=int, help="pipeline stages (default parallel.pp)")
     p.add_argument("--ep", type=int, help="expert-parallel size (default parallel.ep, or every rank of a stage)")
     p.add_argument("--shard", choices=(*SHARDS, "auto"), help="sharded model state (default parallel.shard; auto: "
@@ -90,7 +91,9 @@ def run_memory(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
     cfg = load(args.config, list(args.overrides))
-    ranks = args.ranks or (4096 if args.fit else max(cfg.parallel.nproc or 1, cfg.parallel.pp))
+    # the default holds the layout's own stages and expert-parallel group (a preset of ep 8 on one rank is no job)
+    least = (args.pp or cfg.parallel.pp) * (args.ep or cfg.parallel.ep or 1)
+    ranks = args.ranks or (4096 if args.fit else max(cfg.parallel.nproc or 1, least))
     changes: dict[str, Any] = {"pp": args.pp, "ep": args.ep, "shard": args.shard, "recompute": args.recompute,
                                "micro_batches": args.micro_batches, "schedule": args.schedule, "policy": args.policy,
                                "precision": args.precision, "init": args.init, "routing_skew": args.skew}

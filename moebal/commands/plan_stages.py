@@ -85,7 +85,7 @@ def run_stages(args: argparse.Namespace) -> int:
     if args.capacity is not None and memory is None:
         raise ConfigError("--capacity needs --memory (per-layer bytes)")
     P, M = args.stages, args.micro_batches
-    for flag, value, least in (("--micro-batches", M, 1), ("--first-extra", args.first_extra, 0),
+    for flag, value, least in (("--stages", P, 1), ("--micro-batches", M, 1), ("--first-extra", args.first_extra, 0),
                                ("--last-extra", args.last_extra, 0), ("--comm", args.comm, 0),
                                ("--slack", args.slack, 0)):
         if not value >= least:  # NaN too

@@ -336,6 +336,14 @@ def test_impossible_job_is_refused_in_one_line(capsys):
     assert "peak per rank" in out[-2] and "does NOT fit" in out[-2]
 
 
+def test_without_ranks_the_plan_holds_the_configs_stages_and_expert_parallel_group(capsys):
+    # the preset is pp 2 x ep 8 with one process: its own layout needs 16 ranks, not one
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["ranks"] == 16
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--pp", "1", "--ep", "4", "--json"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["layout"]["ranks"] == 4
+
+
 def test_refusal_names_a_setting_that_fits():
     cfg = load("llama-moe-3.5b", ["parallel.pp=1", "parallel.ep=8", "parallel.shard=none"])
     dev = DeviceMemory.from_profile(load_profile("h100"))

@@ -52,6 +52,9 @@ def test_plan_stages_errors(capsys):
     for flag, value in (("--micro-batches", "0"), ("--slack", "-0.1"), ("--first-extra", "-1"), ("--comm", "nan")):
         assert main(["plan", "stages", "--costs", "1,2", "--stages", "2", flag, value]) == 2
         assert f"{flag} must be at least" in capsys.readouterr().err
+    # no stages at all, with a --from: the count is what is wrong, not the partition
+    assert main(["plan", "stages", "--costs", "1,2", "--stages", "0", "--from", "1,1"]) == 2
+    assert "--stages must be at least 1; got 0" in capsys.readouterr().err
 
 
 def test_plan_stages_takes_long_lists_and_layers_without_cost(capsys):
