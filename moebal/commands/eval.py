@@ -23,7 +23,8 @@ from moebal.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run directory with a checkpoint (moebal train --out RUN_DIR)")
+    p.add_argument("run_dir", help="a run directory with a checkpoint (moebal train --out RUN_DIR): its newest; or "
+                   "one of its checkpoints (RUN_DIR/ckpt-NNNNNNN)")
     p.add_argument("--nproc", type=int, default=2, help="expert-parallel gloo ranks on this machine (default 2)")
     p.add_argument("--policy", default="all", choices=("static", "lina", "phase1", "oracle", "all"),
                    help="static expert parallelism, Lina (phases 1 and 2), phase 1 only, FFD on the real counts "
@@ -128,11 +129,20 @@ def moe_times(results: list[dict[str, Any]], rnd: int, policy: str) -> list[floa
     return slowest_rank_times([r["rounds"][rnd][policy]["forwards"] for r in results])
 
 
+def run_of(source: Path) -> Path:
+    """The run directory of `source`: itself, or the run that holds it when it is one of a run's checkpoints
+    (RUN_DIR/ckpt-NNNNNNN), where a run's other files (its path profile) are."""
+    from moebal.train.checkpoint import NAME_RE
+
+    return source.parent if NAME_RE.match(source.name) and (source / "manifest.json").is_file() else source
+
+
 def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, Served | None]:
-    """(config, model, how its scheme serves it) of a run's newest checkpoint, served with `top_k` experts per token
-    (None: trained). A run whose dynamism scheme changes its outputs (Mixture-of-Depths, early exit, sparse
-    attention) is served as its training validated after the checkpoint's step: the scheme's job-wide state is
-    the checkpoint's, and every layer runs through the scheme (`Dynamism.serve`). None: the plain model."""
+    """(config, model, how its scheme serves it) of a run's newest checkpoint, or of the checkpoint `run_dir` names
+    when it is one of a run's (RUN_DIR/ckpt-NNNNNNN: `run_of`), served with `top_k` experts per token (None:
+    trained). A run whose dynamism scheme changes its outputs (Mixture-of-Depths, early exit, sparse attention)
+    is served as its training validated after the checkpoint's step: the scheme's job-wide state is the
+    checkpoint's, and every layer runs through the scheme (`Dynamism.serve`). None: the plain model."""
     from moebal.config import load
     from moebal.dynamism.mod import MixtureOfDepths
     from moebal.models import build_model
@@ -141,8 +151,10 @@ def load_run_model(run_dir: Path, top_k: int | None = None) -> tuple[Any, Any, S
     from moebal.train.pipelined import scheme_from_config
 
     if not (run_dir / "config.yaml").exists():
-        raise ConfigError(f"{run_dir}: no config.yaml: give a run directory of `moebal train`")
-    ckpts = find_checkpoints(run_dir)
+        raise ConfigError(f"{run_dir}: no config.yaml: give a run directory of `moebal train` or one of its "
+                          f"checkpoints")
+    # one checkpoint of a run: its own config (the one it trained with; a resumed run may have changed the run's)
+    ckpts = [run_dir] if run_of(run_dir) != run_dir else find_checkpoints(run_dir)
     if not ckpts and (run_dir / "hf_config.json").is_file():  # written by `moebal convert hf-to-moebal`
         raise ConfigError(f"{run_dir}: a converted weights directory, not a training run: start a run from it "
                           f"with hf.init_from={run_dir} (docs/hf-interop.md) and evaluate that run's directory")
@@ -213,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
     cfg, model, served = load_run_model(run_dir, args.top_k)
-    policies, profile = policies_and_profile(args.policy, args.profile, run_dir, cfg.dynamism.scheme)
+    policies, profile = policies_and_profile(args.policy, args.profile, run_of(run_dir), cfg.dynamism.scheme)
     bs = args.batch_size or cfg.data.batch_size
     if bs % args.nproc:
         raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")

@@ -1,5 +1,5 @@
-"""`moebal generate`: text from a trained run's newest checkpoint, or from a HF (or converted) checkpoint directory,
-with a KV cache (moebal/models/generate.py).
+"""`moebal generate`: text from a trained run's newest checkpoint (or one of its checkpoints, RUN_DIR/ckpt-NNNNNNN),
+or from a HF (or converted) checkpoint directory, with a KV cache (moebal/models/generate.py).
 
 Example: moebal generate runs/default-2026... --prompt "def main(" --max-new-tokens 64
          moebal generate hf/Mixtral-8x7B-v0.1 --prompt "The capital of France is" --device cuda --dtype bf16
@@ -22,8 +22,9 @@ from moebal.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="a run directory of `moebal train` (its newest checkpoint), or a HF checkpoint "
-                   "directory (config.json) or one `moebal convert hf-to-moebal` wrote")
+    p.add_argument("source", help="a run directory of `moebal train` (its newest checkpoint) or one of its "
+                   "checkpoints (RUN_DIR/ckpt-NNNNNNN), or a HF checkpoint directory (config.json) or one `moebal "
+                   "convert hf-to-moebal` wrote")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", action="append", help="a prompt (repeat for several: see --batch-size)")
     what.add_argument("--prompt-ids", action="append",
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --nproc > 1, how each MoE layer's tokens find their experts (as `moebal eval`): static "
                         "expert parallelism (default), Lina (phases 1 and 2), phase 1 only, FFD on the real counts; "
                         "a policy other than static runs after static, whose tokens it must equal; all: each")
-    p.add_argument("--profile", default=None, help="path profile for lina and phase1 (default SOURCE/paths.npz; "
+    p.add_argument("--profile", default=None, help="path profile for lina and phase1 (default RUN_DIR/paths.npz; "
                    "`moebal paths RUN_DIR`)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights and compute (default fp32)")
@@ -90,7 +91,8 @@ class Source:
 
 
 def load_source(source: Path) -> Source:
-    """A run directory's newest checkpoint, or a checkpoint directory's weights."""
+    """A run directory's newest checkpoint, one of a run's checkpoints, or a HF (or converted) checkpoint
+    directory's weights."""
     from moebal.commands.eval import load_run_model
     from moebal.interop.hf import config_from_hf, from_hf
 
@@ -203,10 +205,11 @@ def run(args: argparse.Namespace) -> int:
 def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts: list[list[int]], sampling: Any,
                      cache: bool, stops: list[int]) -> tuple[dict[str, Any], list[Any]]:
     """(the policies' summary, the last policy's generations) of an expert-parallel run on `--nproc` ranks."""
-    from moebal.commands.eval import policies_and_profile
+    from moebal.commands.eval import policies_and_profile, run_of
     from moebal.distributed.ep_generate import expert_parallel_generate
 
-    policies, profile = policies_and_profile(args.policy, args.profile, Path(args.source), src.cfg.dynamism.scheme)
+    policies, profile = policies_and_profile(args.policy, args.profile, run_of(Path(args.source)),
+                                             src.cfg.dynamism.scheme)
     try:
         res = expert_parallel_generate(model, prompts, args.nproc, args.max_new_tokens, sampling,
                                        batch_size=args.batch_size, stop_ids=stops, cache=cache, policies=policies,

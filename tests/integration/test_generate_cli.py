@@ -4,6 +4,7 @@ scheme's run served through the scheme; bad input named in a line."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,32 @@ def test_a_directory_that_is_neither_a_run_nor_a_checkpoint_is_named(tmp_path: P
     assert r.returncode == 2 and "not a directory" in r.stderr
     r = moebal("generate", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and "neither a run directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_one_checkpoint_of_a_run_is_served_as_the_run_holding_only_it(tmp_path: Path) -> None:
+    """`moebal generate RUN_DIR/ckpt-N` and `moebal eval RUN_DIR/ckpt-N` serve that checkpoint, not the run's newest:
+    its weights are those of a copy of the run that holds only it; Lina's path profile defaults to the run's."""
+    from moebal.commands.eval import load_run_model
+    from moebal.train.checkpoint import find_checkpoints
+
+    out = tmp_path / "run"
+    r = moebal("train", "--out", str(out), *BASE, "train.steps=2", "train.ckpt_every=1", "train.eval_every=2",
+               "train.record_routing_every=1", "parallel.nproc=1")
+    assert r.returncode == 0, r.stderr
+    first, second = find_checkpoints(out)
+    only = tmp_path / "only-first"
+    shutil.copytree(out, only, ignore=shutil.ignore_patterns(second.name))
+    weights = {name: load_run_model(path)[1].state_dict() for name, path in
+               (("first", first), ("only", only), ("newest", out))}
+    assert all(torch.equal(v, weights["only"][k]) for k, v in weights["first"].items())
+    assert not all(torch.equal(v, weights["newest"][k]) for k, v in weights["first"].items())
+    assert moebal("paths", str(out)).returncode == 0  # RUN_DIR/paths.npz: the profile a checkpoint's Lina reads
+    prompts = ["--prompt-ids", "100,101,32", "--prompt-ids", "35", "--max-new-tokens", "6", "--json"]
+    alone = _json(moebal("generate", str(only), *prompts))
+    ep = _json(moebal("generate", str(first), *prompts, "--nproc", "2", "--policy", "lina"))
+    assert [g["tokens"] for g in ep[:-1]] == [g["tokens"] for g in alone]
+    assert ep[-1]["expert_parallel"]["policies"]["lina"]["tokens_equal_static"]
+    r = moebal("eval", str(first), "--policy", "lina", "--batches", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["run_dir"] == str(first) and summary["lina"]["equal_static"]
