@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
+
+from moebal.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
@@ -67,6 +70,13 @@ def _moebal_to_hf(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    if args.shard_gb is not None and not (math.isfinite(args.shard_gb) and args.shard_gb > 0):
+        raise ConfigError(f"--shard-gb must be a positive number of GB (the largest safetensors file); got "
+                          f"{args.shard_gb}")
+    try:  # DST is written beside itself, then renamed into place: its folder must exist
+        Path(args.dst).absolute().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"DST {args.dst}: cannot make its folder ({e.strerror}): give a writable path") from None
     if args.direction == "hf-to-moebal":
         from moebal.interop.hf import hf_to_moebal
 

@@ -254,6 +254,14 @@ def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, cap
     assert main(["convert", "hf-to-moebal", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "is not a directory" in err and len(err.strip().splitlines()) == 1
+    # a DST whose folder cannot be made, and a shard size that is no size, are named before anything is read
+    (tmp_path / "a-file").write_text("")
+    for args, said in (([str(tmp_path / "a-file" / "hf")], "cannot make its folder"),
+                       ([str(tmp_path / "hf2"), "--shard-gb", "0"], "--shard-gb must be a positive number of GB")):
+        assert main(["convert", "moebal-to-hf", str(mb), *args]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "hf2").exists()
     (mb / "model.safetensors").write_bytes((mb / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         from_hf(mb)
