@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from moebal.errors import ConfigError
+
 GEMM_SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((128, 128), (512, 256), (256, 768),
                                                                           (1024, 1024), (2048, 512))]
 QUICK_GEMM = [(m, n, k) for m in (16, 256, 2048) for n, k in ((256, 256), (1024, 512))]
@@ -53,16 +55,18 @@ def run(args: argparse.Namespace) -> int:
     from moebal.planner.hardware import dump_profile
     from moebal.planner.hardware_fit import fit_profile
 
+    if args.threads < 1 or args.repeats < 1:
+        raise ConfigError(f"--threads and --repeats must be >= 1; got {args.threads}, {args.repeats}")
+    worlds = _counts(args.worlds, "--worlds", least=2, what="gloo group sizes (a collective needs two ranks)")
+    sizes = _counts(args.sizes, "--sizes", least=1, what="payload bytes per rank")
+    output_path(args.out, "--out")  # a folder that cannot be made is named before minutes of measuring
+    records = _read_records(Path(args.from_records)) if args.from_records else None
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
-    worlds = [int(w) for w in args.worlds.split(",")]
-    sizes = [int(s) for s in args.sizes.split(",")]
     if args.quick:
         worlds, sizes = worlds[:2], sorted({sizes[0], sizes[-1]})
     t0 = time.perf_counter()
-    if args.from_records:
-        records = json.loads(Path(args.from_records).read_text(encoding="utf-8"))
-    else:
+    if records is None:
         records = measure_compute(repeats, args.quick)
         records["collective"] = []
         for w in worlds:
@@ -72,13 +76,44 @@ def run(args: argparse.Namespace) -> int:
     env = environment()
     meta = {**env, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
             "worlds": worlds, "sizes": sizes, "measure_s": round(time.perf_counter() - t0, 1)}
-    prof = fit_profile(records, name=args.name, description="this machine, calibrated (CPU processes on gloo)",
-                       source=[_source(meta)], calibration=meta)
+    try:
+        prof = fit_profile(records, name=args.name, description="this machine, calibrated (CPU processes on gloo)",
+                           source=[_source(meta)], calibration=meta)
+    except (KeyError, TypeError, ValueError) as e:
+        if not args.from_records:
+            raise  # measured here: a bug, not bad input
+        raise ConfigError(f"--from-records {args.from_records}: its timings do not fit a profile ({type(e).__name__}: "
+                          f"{e}): give a file `moebal calibrate --records` wrote") from None
     dump_profile(prof, args.out, header="Written by `moebal calibrate`; re-run it to refresh. Figures are fitted "
                  "to\nmicro-benchmarks of this machine, not datasheet values.")
     json.dump(summary(prof, args.out), sys.stdout, indent=1)
     sys.stdout.write("\n")
     return 0
+
+
+def _counts(text: str, flag: str, least: int, what: str) -> list[int]:
+    """A comma list of integers of at least `least`; a ConfigError naming `flag` otherwise."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        raise ConfigError(f"{flag}: expected a comma list of {what}, each at least {least}; got {text!r}")
+    return values
+
+
+def _read_records(path: Path) -> dict[str, Any]:
+    """Timings `--records` wrote: a JSON object with at least the GEMM and memory probes the fit needs."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--from-records {path}: cannot read it ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--from-records {path}: not valid JSON ({e})") from None
+    if not (isinstance(records, dict) and records.get("gemm") and records.get("memory")):
+        raise ConfigError(f"--from-records {path}: not the timings `moebal calibrate --records` writes (a JSON "
+                          f"object with 'gemm' and 'memory' records)")
+    return records
 
 
 def _source(meta: dict[str, Any]) -> str:

@@ -107,6 +107,23 @@ def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_pat
     assert out["meta"]["profile"] == "local" and out["iteration_time_s"] > 0
 
 
+def test_calibrate_names_bad_input_before_it_measures(capsys, tmp_path) -> None:
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "a-file").write_text("")
+    for argv, said in ((["--worlds", "1,x"], "--worlds: expected a comma list of gloo group sizes"),
+                       (["--sizes", "-5"], "--sizes: expected a comma list of payload bytes per rank"),
+                       (["--repeats", "0"], "--threads and --repeats must be >= 1"),
+                       (["--out", str(tmp_path / "a-file" / "p.yaml")], "cannot make its folder"),
+                       (["--from-records", str(tmp_path / "none.json")], "cannot read it"),
+                       (["--from-records", str(tmp_path / "bad.json")], "not valid JSON"),
+                       (["--from-records", str(tmp_path / "list.json")], "not the timings `moebal calibrate")):
+        assert main(["calibrate", "--quick", "--out", str(tmp_path / "p.yaml"), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "p.yaml").exists()
+
+
 def test_the_readme_row_of_the_1024_rank_simulation_is_what_its_command_prints(capsys) -> None:
     # the row names its command; the figures must be that command's (they once came from another --cluster)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
