@@ -156,6 +156,8 @@ def run_layer(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench layer: sizes must be >= 1 and top_k <= experts; got {shape}")
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         raise ConfigError(f"bench layer: --threads and --repeats must be >= 1; got {args.threads}, {args.repeats}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ConfigError(f"bench layer: --warmup must be >= 0 (untimed calls first); got {args.warmup}")
     dtypes = _choices(args.dtypes, DTYPES, "--dtypes")
     routings = _choices(args.routings, ROUTINGS, "--routings")
     args.device = bench_device(args.device)

@@ -38,3 +38,5 @@ def test_bench_layer_rejects_bad_lists(capsys) -> None:
     assert "expected cuda, cuda:N or cpu" in capsys.readouterr().err
     assert main(["bench", "layer", "--quick", "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "layer", "--quick", "--warmup", "-1"]) == 2  # it once ran without a warm-up
+    assert "--warmup must be >= 0" in capsys.readouterr().err
