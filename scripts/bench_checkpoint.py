@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.distributed.testing import run_ranks
 
 CPU_ONLY = "it times 2 gloo ranks of the default job on this machine's cores"
@@ -107,8 +107,8 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds; each saves once in each mode")
-    ap.add_argument("--steps", type=int, default=12, help="training steps after each save")
+    ap.add_argument("--rounds", type=at_least(1), default=3, help="rounds; each saves once in each mode")
+    ap.add_argument("--steps", type=at_least(1), default=12, help="training steps after each save")
     ap.add_argument("--json", help="write the results here")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args()

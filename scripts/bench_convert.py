@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 
 CPU_ONLY = "it measures the host memory of checkpoint conversion"
 """Why `--device` accepts cpu only here."""
@@ -199,7 +199,7 @@ def _plot(out: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (4: a 3.1 GB checkpoint)")
+    ap.add_argument("--layers", type=at_least(1), default=4, help="decoder layers (4: a 3.1 GB checkpoint)")
     ap.add_argument("--workdir", help="where to write the checkpoints (default: a temporary directory)")
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--child", nargs=3, metavar=("OP", "SRC", "DST"), help=argparse.SUPPRESS)

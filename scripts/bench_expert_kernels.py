@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.kernels import environment, make_plan, swiglu_experts, time_interleaved
 from moebal.kernels.expert_ffn import KERNELS, grouped_mm_supports
 
@@ -54,13 +54,13 @@ def case(rows: int, dim: int, ffn: int, experts: int, dtype: torch.dtype, repeat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=512)
-    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--dim", type=at_least(1), default=256)
+    p.add_argument("--ffn", type=at_least(1), default=512)
+    p.add_argument("--experts", type=at_least(1), default=4)
     p.add_argument("--rows", default="256,512,1024,2048,4096,8192")
     p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument("--repeats", type=at_least(1), default=7)
+    p.add_argument("--threads", type=at_least(1), default=None, help="intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="FILE")
     add_device_argument(p)
     a = p.parse_args(argv)

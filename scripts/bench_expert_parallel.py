@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from moebal.balance.experts import ExpertBalancer
 from moebal.commands import third_party as tp
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.calibrate import describe, measure_layer_costs
 from moebal.distributed.expert_parallel import ExpertParallel
@@ -588,8 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                     "planner's first step has no history and runs static placement)")
     ap.add_argument("--methods", nargs="+", choices=(*POLICIES, FEEDBACK, AHEAD),
                     help="moebal methods to run (default: all; static is needed for the ratios)")
-    ap.add_argument("--path-len", type=int, default=1, help="plan-ahead's path length l (layers >= l are planned "
-                    "ahead; the benchmark model has 2 MoE layers, so 1 is the only length that plans one)")
+    ap.add_argument("--path-len", type=at_least(1), default=1, help="plan-ahead's path length l (layers >= l are "
+                    "planned ahead; the benchmark model has 2 MoE layers, so 1 is the only length that plans one)")
     ap.add_argument("--path-settle", type=int, default=10, help="untimed plan-ahead steps per routing before the "
                     "rounds, so the online profile exists (rebuilt every 5 steps from the last 20)")
     ap.add_argument("--load", type=int, default=0, metavar="N",

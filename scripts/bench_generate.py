@@ -66,8 +66,12 @@ def load_model(run: str | None) -> Any:
         torch.manual_seed(0)
         return build_model(Config()).eval()
     from moebal.commands.generate import load_source
+    from moebal.errors import ConfigError
 
-    return load_source(Path(run)).model
+    try:
+        return load_source(Path(run)).model
+    except ConfigError as e:
+        raise SystemExit(f"error: --run {e}") from None
 
 
 def mla_model() -> Any:

@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moebal.commands.bench import at_least
 from moebal.commands.eval import ServeJob, load_run_model, pack, serve_worker
 from moebal.config import Config
 from moebal.data import build_data, eval_batches
@@ -379,7 +380,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=None, help="timed forwards per policy per round (default 4)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds, policies rotated (default 3; quick: 1)")
     ap.add_argument("--profile-batches", type=int, default=16, help="training batches the path profile is built on")
-    ap.add_argument("--path-len", type=int, default=3)
+    ap.add_argument("--path-len", type=at_least(1), default=3)
     ap.add_argument("--dilate", type=float, nargs="+", default=[1.0],
                     help="emulated devices this many times slower than a core, one run per factor beside each other "
                          "(1: the CPU as it is, the default; moebal/distributed/dilate.py)")
@@ -393,7 +394,7 @@ def main() -> int:
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.width = sorted(set(args.width))
-    for name in ("ranks", "width", "dilate", "batches", "rounds", "train_steps"):
+    for name in ("ranks", "width", "dilate", "batches", "rounds", "train_steps", "profile_batches"):
         v = getattr(args, name)
         if v is not None and min(v if isinstance(v, list) else [v]) <= 0:
             ap.error(f"--{name.replace('_', '-')} takes positive values; got {v}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moebal.commands.bench import at_least
 from moebal.config import Config
 from moebal.errors import ConfigError
 
@@ -408,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="one layout (ep4) and the refused ones")
     ap.add_argument("--only", help="comma list of layout names")
-    ap.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--steps", type=at_least(1), default=3, help="training steps per run (default 3)")
+    ap.add_argument("--rounds", type=at_least(1), default=1,
                     help="runs of every layout, the order rotated each round; peaks and errors are the first "
                          "round's, throughput costs the median of the rounds' side-by-side ratios (default 1)")
     ap.add_argument("--fit-baseline", action="store_true", help="measure the CPU runtime constant instead")
@@ -418,6 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescore", nargs="+", metavar="JSON",
                     help="run nothing: score earlier runs' measured rows with the plan as it is now")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.only.split(",")) - {c.name for c in CASES}) if args.only else []
+    if unknown:
+        ap.error(f"--only: no layout named {', '.join(unknown)}; layouts: {', '.join(c.name for c in CASES)}")
+    for path in args.rescore or []:
+        try:
+            json.loads(Path(path).read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--rescore {path}: not a JSON file of this benchmark's rows ({type(e).__name__}: {e})")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as tmp:
         if args.fit_baseline:

@@ -68,6 +68,20 @@ class LayerShape:
 QUICK = LayerShape(tokens=256, dim=128, ffn=256, experts=8, top_k=2)
 
 
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse `type` for a count: an integer of at least `least`; argparse names the option and the value
+    otherwise (`argument --rounds: must be >= 1; got 0`), before a benchmark starts."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value: 'x'"
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}; got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def add_device_argument(p: argparse.ArgumentParser, cpu_only: str | None = None) -> None:
     """`--device`: cuda or cpu (default: cuda when visible). `cpu_only`: why this benchmark runs on a CPU only
     (then the default is cpu and any other device is refused)."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+
+import pytest
 
 from moebal.cli import main
 
@@ -40,3 +43,18 @@ def test_bench_layer_rejects_bad_lists(capsys) -> None:
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert main(["bench", "layer", "--quick", "--warmup", "-1"]) == 2  # it once ran without a warm-up
     assert "--warmup must be >= 0" in capsys.readouterr().err
+
+
+def test_a_count_option_below_its_least_is_named_by_argparse(capsys) -> None:
+    from moebal.commands.bench import at_least
+
+    ap = argparse.ArgumentParser(prog="bench_x")
+    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--load", type=at_least(0), default=0)
+    assert ap.parse_args(["--rounds", "2", "--load", "0"]).rounds == 2
+    for argv, said in ((["--rounds", "0"], "argument --rounds: must be >= 1; got 0"),
+                       (["--load", "-1"], "argument --load: must be >= 0; got -1"),
+                       (["--rounds", "x"], "argument --rounds: invalid int value: 'x'")):
+        with pytest.raises(SystemExit) as exit_:
+            ap.parse_args(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
