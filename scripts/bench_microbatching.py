@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
 from moebal.kernels.bench import environment
@@ -275,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the list of records here")
     ap.add_argument("--png", help="figure (default: next to --json, else bench-microbatching.png)")
     ap.add_argument("--wait", default="block", choices=["block", "spin"], help="pipeline receive waits")
-    ap.add_argument("--steps", type=int, help="measured steps per method (after warm-up)")
+    ap.add_argument("--steps", type=at_least(1), help="measured steps per method (after warm-up)")
     ap.add_argument("--lengths", help="maximum lengths, comma list (default 512,2048; quick: 1024)")
-    ap.add_argument("--batch", type=int, default=32, help="samples per global batch (default 32)")
-    ap.add_argument("--workers", type=int, default=1, help="background planning processes")
+    ap.add_argument("--batch", type=at_least(1), default=32, help="samples per global batch (default 32)")
+    ap.add_argument("--workers", type=at_least(0), default=1, help="background planning processes")
     ap.add_argument("--no-real", action="store_true", help="only the simulated GPT setting")
     ap.add_argument("--replot", metavar="JSON", help="redraw the figure from a records file and stop")
     add_device_argument(ap, cpu_only=CPU_ONLY)
@@ -286,10 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     script_device(args.device, cpu_only=CPU_ONLY)
     if args.replot:
         png = Path(args.png) if args.png else Path(args.replot).with_suffix(".png")
-        write_png(json.loads(Path(args.replot).read_text(encoding="utf-8")), png)
+        try:
+            drawn = json.loads(Path(args.replot).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            ap.error(f"--replot {args.replot}: cannot read its records ({type(e).__name__}: {e})")
+        write_png(drawn, png)
         print(f"wrote {png}", file=sys.stderr)
         return 0
-    lens = [int(x) for x in (args.lengths or ("1024" if args.quick else "512,2048")).split(",")]
+    try:
+        lens = [int(x) for x in (args.lengths or ("1024" if args.quick else "512,2048")).split(",")]
+    except ValueError:
+        lens = []
+    if not lens or min(lens) < 1:
+        ap.error(f"--lengths: expected a comma list of positive maximum lengths; got {args.lengths!r}")
     steps = args.steps or (6 if args.quick else 12)
     warmup = 2
     records: list[dict[str, Any]] = []
