@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moebal.commands.bench import at_least
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
 from moebal.launch.netns import mark_started, rank_worker, run_shaped, unavailable
@@ -127,9 +128,9 @@ def _all_ranks(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one round of 6 steps (2 settling)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--settle", type=int, default=4, help="first steps left out of the medians")
+    ap.add_argument("--rounds", type=at_least(1), default=3)
+    ap.add_argument("--steps", type=at_least(1), default=24)
+    ap.add_argument("--settle", type=at_least(0), default=4, help="first steps left out of the medians")
     ap.add_argument("--dilate", type=float, default=3.0)
     ap.add_argument("--skew", type=float, default=1.0, help="strength s of the selection bias -s log(1 + e)")
     ap.add_argument("--link-mbit", type=float, default=1000.0,
@@ -141,6 +142,10 @@ def main() -> int:
         return rank_worker(*args.rank_worker, _all_ranks)
     if args.quick:
         args.rounds, args.steps, args.settle = 1, 6, 2
+    if args.steps <= args.settle:
+        ap.error(f"--steps ({args.steps}) must exceed --settle ({args.settle}): medians are of the steps after it")
+    if not args.dilate >= 1:
+        ap.error(f"--dilate must be >= 1 (1: off); got {args.dilate}")
     t0 = time.perf_counter()
     cfg = bench_cfg(args.dilate, args.steps)
     spec = {"config": to_dict(cfg), "rounds": args.rounds, "skew": args.skew}

@@ -74,7 +74,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
 from moebal.kernels.bench import environment
@@ -522,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write the chart here (default: next to --json)")
     ap.add_argument("--wait", choices=[*WAITS, "all"], default="spin")
     ap.add_argument("--schemes", help="comma-separated subset of " + ",".join(SCHEMES))
-    ap.add_argument("--rounds", type=int, default=1, help="repeat every group this many times (default 1)")
-    ap.add_argument("--steps", type=int, help="steps per run (default 45, quick 36)")
+    ap.add_argument("--rounds", type=at_least(1), default=1, help="repeat every group this many times (default 1)")
+    ap.add_argument("--steps", type=at_least(1), help="steps per run (default 45, quick 36)")
     ap.add_argument("--raw", type=Path, help="also write every run's per-step records and plans here")
     ap.add_argument("--repack-only", action="store_true", help="run only the re-pack experiment")
     ap.add_argument("--schedule", choices=("1f1b", "zb", "both"), default="1f1b",
