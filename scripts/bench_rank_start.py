@@ -53,6 +53,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1, help="training steps per job")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    for name in ("rounds", "repeats", "steps", "worlds"):  # (no moebal import here: the jobs' start is measured)
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            ap.error(f"--{name} must be >= 1; got {value}")
     load_before = os.getloadavg()
     times: dict[str, list[list[float]]] = {f"{s}/{w}": [] for s in STARTS for w in args.worlds}
     for r in range(args.rounds):

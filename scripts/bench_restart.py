@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.distributed.testing import kill_rank_when
 from moebal.launch.netns import NamespacePair, unavailable
 
@@ -175,7 +175,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setting", action="append", choices=SETTINGS, help="repeatable; default: all that can run")
-    ap.add_argument("--repeats", type=int, default=3, help="killed runs per setting (interleaved)")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="killed runs per setting (interleaved)")
     ap.add_argument("--json", type=Path, help="write the records here")
     ap.add_argument("--png", type=Path, help="write the recovery chart here (default: next to --json)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
