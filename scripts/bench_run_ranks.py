@@ -52,6 +52,10 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    for name in ('rounds', 'repeats', 'worlds'):
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            ap.error(f"--{name} must be >= 1; got {value}")
     load_before = os.getloadavg()
     first = {f"forkserver_first_call_{args.worlds[0]}_ranks_s": _call("forkserver", args.worlds[0])}
     times: dict[str, list[list[float]]] = {f"{m}/{w}": [] for m in METHODS for w in args.worlds}

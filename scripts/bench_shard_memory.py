@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--shards", nargs="+", default=list(SHARDS), choices=SHARDS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    for name in ('ranks', 'steps'):
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < 1:
+            ap.error(f"--{name} must be >= 1; got {value}")
     import tempfile
 
     runs: dict[str, list[dict[str, Any]]] = {}
