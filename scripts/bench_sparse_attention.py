@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moebal.commands.bench import at_least
 from moebal.kernels.bench import environment, sample_interleaved, summarise, time_interleaved
 from moebal.kernels.sparse_attention import (
     PATHS,
@@ -148,9 +149,9 @@ def _worst(rows: list[dict[str, Any]], key: str, measured: dict[float, float]) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--block", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seq", type=at_least(1), default=2048)
+    ap.add_argument("--block", type=at_least(1), default=128)
+    ap.add_argument("--repeats", type=at_least(1), default=7)
     ap.add_argument("--layer", action="store_true", help="also time a whole layer against the cost model")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

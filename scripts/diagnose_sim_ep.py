@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stats", action="store_true", help="simulate without the balancing statistics' "
                     "all-reduce (SimSpec.stats_allreduce=False), as the simulator did before it was modelled")
     args = ap.parse_args(argv)
+    for name in ('rounds', 'batch'):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     from moebal.distributed.testing import run_ranks
     from moebal.planner.cost import CostModel, ModelShape
     from moebal.planner.hardware_fit import fit_profile

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moebal.commands.bench import at_least
 from moebal.planner.paths import PathProfile, build_profile, estimate_accuracy, previous_estimate
 from moebal.train.routing_log import load_routing
 
@@ -79,9 +80,9 @@ def main() -> int:
     ap.add_argument("--share", type=float, default=0.6, help="samples (step order) that build the profile")
     ap.add_argument("--skip", type=float, default=0.0, help="leave out this first share of the samples (Lina "
                     "profiles once the balancing loss is stable)")
-    ap.add_argument("--batch", type=int, nargs="+", default=[512, 64], help="tokens per scored batch")
-    ap.add_argument("--path-len", type=int, nargs="+", default=[1, 2, 3], help="path lengths l to compare")
-    ap.add_argument("--num-experts", type=int, default=None)
+    ap.add_argument("--batch", type=at_least(1), nargs="+", default=[512, 64], help="tokens per scored batch")
+    ap.add_argument("--path-len", type=at_least(1), nargs="+", default=[1, 2, 3], help="path lengths l to compare")
+    ap.add_argument("--num-experts", type=at_least(1), default=None)
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     samples = load_routing(args.run_dir)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import at_least
 from moebal.commands.plan_microbatches import _paper_gpt
 from moebal.planner.adaptive_schedule import one_f_one_b, simulate
 from moebal.planner.microbatch import MicroBatchPlan, plan_microbatches
@@ -85,8 +86,8 @@ def evaluate(scenarios: dict[str, list[float]], batches: int, max_len: int, seed
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=8, help="batches per scenario (default 8)")
-    ap.add_argument("--max-len", type=int, default=2048, help="longest sample (default 2048)")
+    ap.add_argument("--batches", type=at_least(1), default=8, help="batches per scenario (default 8)")
+    ap.add_argument("--max-len", type=at_least(1), default=2048, help="longest sample (default 2048)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the report here")

@@ -77,6 +77,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for name in ('dim', 'layers', 'seq', 'batch', 'experts', 'steps', 'rounds', 'threads'):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if args.child:
         child(args)
         return

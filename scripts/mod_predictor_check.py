@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=8, help="validation batches (default 8)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
+    for name in ('batches',):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     out = check(Path(args.run_dir), args.batches)
     print(json.dumps(out), file=sys.stderr)
     if args.json:

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.sim.holdout import PaperRow, fit_choice, judge, leave_one_out_medians, score, spearman
 
 CPU_ONLY = "a simulation: nothing runs on a device"
@@ -238,7 +238,7 @@ def print_report(res: Mapping[str, Any], variants: Sequence[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, metavar="FILE")
-    ap.add_argument("--batches", type=int, default=2, help="global batches simulated per point")
+    ap.add_argument("--batches", type=at_least(1), default=2, help="global batches simulated per point")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="one batch, maximum lengths 512 and 8192 only")
     add_device_argument(ap, cpu_only=CPU_ONLY)

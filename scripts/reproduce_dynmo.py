@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.sim.holdout import PaperRow, evaluate, judge, leave_one_out_medians, score
 
 PP, DP, M = 16, 8, 64
@@ -385,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=at_least(1), default=4)
     ap.add_argument("--table1", action="store_true", help="also reproduce Table 1 (dynamic sparse attention)")
-    ap.add_argument("--table1-steps", type=int, default=8, help="iterations simulated per Table 1 cell")
+    ap.add_argument("--table1-steps", type=at_least(1), default=8, help="iterations simulated per Table 1 cell")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)

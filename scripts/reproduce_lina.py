@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.sim.holdout import PaperRow, judge, leave_one_out_medians, score
 
 CPU_ONLY = "a simulation: nothing runs on a device"
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=at_least(1), default=2)
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from moebal.commands.bench import add_device_argument, script_device
+from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.sim.holdout import PaperRow, evaluate, score, spearman
 
 CPU_ONLY = "a simulation: nothing runs on a device"
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--png", default=None, metavar="FILE")
-    ap.add_argument("--steps", type=int, default=4, help="simulated iterations per row (times are averaged)")
+    ap.add_argument("--steps", type=at_least(1), default=4, help="simulated iterations per row (times are averaged)")
     add_device_argument(ap, cpu_only=CPU_ONLY)
     args = ap.parse_args(argv)
     script_device(args.device, cpu_only=CPU_ONLY)

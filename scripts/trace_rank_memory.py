@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", action="append", default=[], help="K=V for the ranks' environment")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    for name in ('steps',):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     env = dict(e.split("=", 1) for e in args.env)
     with tempfile.TemporaryDirectory(prefix="trace_rank_memory-") as tmp:
         res = run(args.layout, args.steps, args.interval_ms / 1e3, env, Path(tmp))
