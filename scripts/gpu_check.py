@@ -1787,7 +1787,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", metavar="DIR", help="scratch directory (default: a fresh temporary one)")
     p.add_argument("--worker", choices=["smoke"], help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be positive (seconds the checks may start within); got {args.budget_s}")
+    return args
 
 
 def _report(args: argparse.Namespace, argv: list[str] | None, dev: torch.device, t0: float,
