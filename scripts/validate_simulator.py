@@ -763,7 +763,15 @@ def summarise(records: list[dict[str, Any]], rounds: int, loads: list[float], wa
 
 def pool(paths: list[str]) -> int:
     """Print the error statistics over the records of several runs' --json files together."""
-    records = [r for p in paths for r in json.loads(Path(p).read_text(encoding="utf-8"))]
+    records = []
+    for path in paths:
+        try:
+            rows = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --pool {path}: cannot read its records ({type(e).__name__}: {e})") from None
+        if not (isinstance(rows, list) and all(isinstance(r, dict) and "mode" in r for r in rows)):
+            raise SystemExit(f"error: --pool {path}: not a list of this script's records (write them with --json)")
+        records += rows
     steps = [r for r in records if r["mode"] in STEP_MODES]
     loads = [s["load_average"] for r in records for s in r["samples"]]
     print(json.dumps({"files": len(paths), "steps": error_stats(steps),

@@ -142,6 +142,12 @@ def test_pool_summarises_every_record_of_several_runs(tmp_path, capsys):
     assert steps["runs"] == 3 and steps["samples"] == 6  # the collective is reported apart
     assert steps["median_abs_error"] == pytest.approx(np.median([0, 0.2, 0.2, 0, 0, 0.5]))
     assert out["by_mode"]["collective"]["runs"] == 1 and out["load_average_samples"] == [1.0, 2.0]
+    # a file that cannot be read, or is no list of records, is named (it was a traceback)
+    (tmp_path / "other.json").write_text('{"rows": []}', encoding="utf-8")
+    for path, said in ((tmp_path / "none.json", "cannot read its records"),
+                       (tmp_path / "other.json", "not a list of this script's records")):
+        with pytest.raises(SystemExit, match=said):
+            vs.main(["--pool", str(paths[0]), str(path)])
 
 
 def test_stage_counter_sums_the_routing_of_every_forward_on_the_stage_layers():
