@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebal.commands.bench import at_least
+
 STARTS = ("exec", "forkserver")
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
         "model.max_seq_len=64", "moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=64", "data.seq_len=32",
@@ -47,16 +49,12 @@ def _job(start: str, world: int, steps: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1, help="jobs per start, world size and round")
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="ranks per job")
-    ap.add_argument("--steps", type=int, default=1, help="training steps per job")
+    ap.add_argument("--rounds", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=1, help="jobs per start, world size and round")
+    ap.add_argument("--worlds", type=at_least(1), nargs="+", default=[2, 4], help="ranks per job")
+    ap.add_argument("--steps", type=at_least(1), default=1, help="training steps per job")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    for name in ("rounds", "repeats", "steps", "worlds"):  # (no moebal import here: the jobs' start is measured)
-        value = getattr(args, name)
-        if min(value if isinstance(value, list) else [value]) < 1:
-            ap.error(f"--{name} must be >= 1; got {value}")
     load_before = os.getloadavg()
     times: dict[str, list[list[float]]] = {f"{s}/{w}": [] for s in STARTS for w in args.worlds}
     for r in range(args.rounds):

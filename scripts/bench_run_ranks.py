@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from moebal.commands.bench import at_least
 from moebal.distributed.testing import START_METHOD_ENV, run_ranks
 
 METHODS = ("spawn", "forkserver")
@@ -47,15 +48,11 @@ def _call(method: str, world: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="calls per method, world size and round")
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes")
+    ap.add_argument("--rounds", type=at_least(1), default=2)
+    ap.add_argument("--repeats", type=at_least(1), default=2, help="calls per method, world size and round")
+    ap.add_argument("--worlds", type=at_least(1), nargs="+", default=[2, 4], help="world sizes")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    for name in ('rounds', 'repeats', 'worlds'):
-        value = getattr(args, name)
-        if min(value if isinstance(value, list) else [value]) < 1:
-            ap.error(f"--{name} must be >= 1; got {value}")
     load_before = os.getloadavg()
     first = {f"forkserver_first_call_{args.worlds[0]}_ranks_s": _call("forkserver", args.worlds[0])}
     times: dict[str, list[list[float]]] = {f"{m}/{w}": [] for m in METHODS for w in args.worlds}

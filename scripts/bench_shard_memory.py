@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moebal.commands.bench import at_least
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
 from moebal.train.hooks import Hook
@@ -173,15 +174,11 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ranks", type=at_least(1), default=4)
+    ap.add_argument("--steps", type=at_least(1), default=3)
     ap.add_argument("--shards", nargs="+", default=list(SHARDS), choices=SHARDS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    for name in ('ranks', 'steps'):
-        value = getattr(args, name)
-        if min(value if isinstance(value, list) else [value]) < 1:
-            ap.error(f"--{name} must be >= 1; got {value}")
     import tempfile
 
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import at_least
+
 _HERE = Path(__file__).resolve().parent
 
 
@@ -162,15 +164,12 @@ def _phases(res: list[dict[str, Any]], name: str, rounds: int) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=at_least(1), default=5)
     ap.add_argument("--json", default=None, metavar="FILE")
-    ap.add_argument("--batch", type=int, default=2, help="sequences of 176 tokens per rank (default 2)")
+    ap.add_argument("--batch", type=at_least(1), default=2, help="sequences of 176 tokens per rank (default 2)")
     ap.add_argument("--no-stats", action="store_true", help="simulate without the balancing statistics' "
                     "all-reduce (SimSpec.stats_allreduce=False), as the simulator did before it was modelled")
     args = ap.parse_args(argv)
-    for name in ('rounds', 'batch'):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     from moebal.distributed.testing import run_ranks
     from moebal.planner.cost import CostModel, ModelShape
     from moebal.planner.hardware_fit import fit_profile

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import Any
 
+from moebal.commands.bench import at_least
+
 MODES = ("none", "moe", "attention", "full")
 
 
@@ -66,20 +68,17 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dim", type=at_least(1), default=512)
+    p.add_argument("--layers", type=at_least(1), default=8)
+    p.add_argument("--seq", type=at_least(1), default=512)
+    p.add_argument("--batch", type=at_least(1), default=8)
+    p.add_argument("--experts", type=at_least(1), default=8)
+    p.add_argument("--steps", type=at_least(1), default=2)
+    p.add_argument("--rounds", type=at_least(1), default=2)
+    p.add_argument("--threads", type=at_least(1), default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ('dim', 'layers', 'seq', 'batch', 'experts', 'steps', 'rounds', 'threads'):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if args.child:
         child(args)
         return

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moebal.commands.bench import at_least
+
 
 def check(run_dir: Path, batches: int) -> dict[str, Any]:
     from moebal.commands.eval import load_run_model
@@ -61,12 +63,9 @@ def check(run_dir: Path, batches: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--batches", type=int, default=8, help="validation batches (default 8)")
+    ap.add_argument("--batches", type=at_least(1), default=8, help="validation batches (default 8)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
-    for name in ('batches',):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     out = check(Path(args.run_dir), args.batches)
     print(json.dumps(out), file=sys.stderr)
     if args.json:

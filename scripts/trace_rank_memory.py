@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moebal.commands.bench import at_least
+
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 
@@ -196,14 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         return _rank_main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("layout", help="a bench_memory.py layout name (dp4_shard_full, dp4, ...)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=at_least(1), default=3)
     ap.add_argument("--interval-ms", type=float, default=5.0)
     ap.add_argument("--env", action="append", default=[], help="K=V for the ranks' environment")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
-    for name in ('steps',):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     env = dict(e.split("=", 1) for e in args.env)
     with tempfile.TemporaryDirectory(prefix="trace_rank_memory-") as tmp:
         res = run(args.layout, args.steps, args.interval_ms / 1e3, env, Path(tmp))
