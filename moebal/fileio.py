@@ -6,17 +6,24 @@ from pathlib import Path
 
 from moebal.errors import ConfigError
 
-__all__ = ["output_path", "write_text_whole"]
+__all__ = ["make_folder_of", "output_path", "write_text_whole"]
+
+
+def make_folder_of(path: str | Path, flag: str) -> Path:
+    """`path` with its folder made if missing; a ConfigError naming the flag when the folder cannot be made (a
+    file in the way, no permission). `path` itself may be a file or a directory still to be written."""
+    path = Path(path)
+    try:
+        path.absolute().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror}): give a writable path") from None
+    return path
 
 
 def output_path(path: str | Path, flag: str) -> Path:
     """A command's output file, its folder made if missing (as `--json` and `moebal calibrate --out` do); a
-    ConfigError naming the flag when the folder cannot be made (a file in the way, no permission)."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot make its folder ({e.strerror}): give a writable path") from None
+    ConfigError naming the flag when the folder cannot be made (`make_folder_of`) or the path is a folder."""
+    path = make_folder_of(path, flag)
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file path")
     return path

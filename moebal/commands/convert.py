@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from moebal.errors import ConfigError
+from moebal.fileio import make_folder_of
 
 __all__ = ["add_arguments", "run"]
 
@@ -73,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shard_gb is not None and not (math.isfinite(args.shard_gb) and args.shard_gb > 0):
         raise ConfigError(f"--shard-gb must be a positive number of GB (the largest safetensors file); got "
                           f"{args.shard_gb}")
-    try:  # DST is written beside itself, then renamed into place: its folder must exist
-        Path(args.dst).absolute().parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"DST {args.dst}: cannot make its folder ({e.strerror}): give a writable path") from None
+    make_folder_of(args.dst, "DST")  # DST is written beside itself, then renamed into place: its folder must exist
     if args.direction == "hf-to-moebal":
         from moebal.interop.hf import hf_to_moebal
 
