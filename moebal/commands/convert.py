@@ -74,13 +74,24 @@ def run(args: argparse.Namespace) -> int:
     if args.shard_gb is not None and not (math.isfinite(args.shard_gb) and args.shard_gb > 0):
         raise ConfigError(f"--shard-gb must be a positive number of GB (the largest safetensors file); got "
                           f"{args.shard_gb}")
-    make_folder_of(args.dst, "DST")  # DST is written beside itself, then renamed into place: its folder must exist
-    if args.direction == "hf-to-moebal":
-        from moebal.interop.hf import hf_to_moebal
+    # DST is written beside itself, then renamed into place: its folder must exist. Folders made here are taken
+    # away again when the conversion fails (a SRC that is not a checkpoint leaves nothing behind).
+    made = [d for d in Path(args.dst).absolute().parents if not d.exists()]
+    make_folder_of(args.dst, "DST")
+    try:
+        if args.direction == "hf-to-moebal":
+            from moebal.interop.hf import hf_to_moebal
 
-        out = hf_to_moebal(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
-    else:
-        out = _moebal_to_hf(args)
+            out = hf_to_moebal(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+        else:
+            out = _moebal_to_hf(args)
+    except BaseException:
+        for d in made:  # deepest first; one that is not empty (something else wrote there) stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
     summary = {"direction": args.direction, "src": str(args.src), "dst": str(out), "files": len(files),

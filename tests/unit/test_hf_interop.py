@@ -251,9 +251,10 @@ def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, cap
     capsys.readouterr()
     assert main(["convert", "moebal-to-hf", str(mb), str(tmp_path / "hf")]) == 2
     assert "already exists: choose a new directory or pass --overwrite" in capsys.readouterr().err
-    assert main(["convert", "hf-to-moebal", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+    assert main(["convert", "hf-to-moebal", str(tmp_path / "nope"), str(tmp_path / "new" / "er" / "x")]) == 2
     err = capsys.readouterr().err
     assert "is not a directory" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()  # the folders made for DST are taken away again
     # a DST whose folder cannot be made, and a shard size that is no size, are named before anything is read
     (tmp_path / "a-file").write_text("")
     for args, said in (([str(tmp_path / "a-file" / "hf")], "cannot make its folder"),
