@@ -479,7 +479,7 @@ class DynamicMicroBatchConfig:
     """Per-stage micro-batch costs: 'measure' (profile each stage at start-up), a cost table JSON path, or a
     hardware profile name (analytic model)."""
     max_tokens: int | None = None
-    """Largest micro-batch (tokens) the cost table covers; null: the global batch's tokens."""
+    """Largest micro-batch (tokens) the cost table covers; null: 4 x data.seq_len."""
     memory: float | None = None
     """Activation bytes a stage may hold; null: no limit."""
     thin: float = 0.01
@@ -1150,6 +1150,14 @@ def _check_whole(c: Config) -> None:
         mb = f"pipeline.microbatching={c.pipeline.microbatching}"
         _need(par.pp > 1, f"{mb} plans the micro-batches of a pipeline: set parallel.pp > 1 (or microbatching fixed)")
         _need(not c.pipeline.repack or not c.pipeline.dynamic.costs.endswith(".json"), REFUSE_PLANNED_REPACK)
+        from moebal.planner.microbatch_cost import MIN_GRID_LEN
+
+        cap = c.pipeline.dynamic.max_tokens
+        tokens = f"{cap}" if cap is not None else f"null: 4 x data.seq_len = {4 * c.data.seq_len}"
+        _need((cap or 4 * c.data.seq_len) >= max(c.data.seq_len, MIN_GRID_LEN),
+              f"{mb} plans from a cost table of micro-batches of up to pipeline.dynamic.max_tokens tokens ({tokens}), "
+              f"which must hold one row of data.seq_len ({c.data.seq_len}) and of the table's smallest length "
+              f"({MIN_GRID_LEN}): set pipeline.dynamic.max_tokens to at least {max(c.data.seq_len, MIN_GRID_LEN)}")
         # every scheme runs on planned micro-batches: freezing's frozen prefix skips the gradient messages at a
         # boundary on both sides, early exit's active mask travels with the activations, and MoD and early exit
         # know each padded row's real tokens (`dynamism.scheme.ROW_TOKENS`)

@@ -46,6 +46,7 @@ import numpy as np
 from moebal.commands.bench import add_device_argument, at_least, script_device
 from moebal.config import Config, from_dict, to_dict
 from moebal.distributed.testing import run_ranks
+from moebal.errors import ConfigError
 from moebal.kernels.bench import environment
 
 CPU_ONLY = "it times 4 gloo ranks of one thread each on this machine's cores"
@@ -299,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         lens = []
     if not lens or min(lens) < 1:
         ap.error(f"--lengths: expected a comma list of positive maximum lengths; got {args.lengths!r}")
+    for max_len in lens:  # every run's config, checked before anything is profiled or started
+        for method in METHODS:
+            try:
+                bench_config(max_len, args.batch, method, "costs.json", args.wait, args.workers)
+            except ConfigError as e:
+                ap.error(f"the {method} run at maximum length {max_len} (--lengths, --batch, --workers): {e}")
     steps = args.steps or (6 if args.quick else 12)
     warmup = 2
     records: list[dict[str, Any]] = []

@@ -41,13 +41,19 @@ import numpy as np
 from moebal.errors import ConfigError
 from moebal.fileio import write_text_whole
 
-__all__ = ["MicroBatchCost", "analytic_table", "default_grid", "load_cost", "stage_scale"]
+__all__ = ["MIN_GRID_LEN", "MicroBatchCost", "analytic_table", "default_grid", "load_cost", "stage_scale"]
+
+MIN_GRID_LEN = 16
+"""The cost grid's smallest padded length: a shorter micro-batch costs what one of this length does."""
 
 
-def default_grid(max_len: int, max_tokens: int, min_len: int = 16) -> tuple[np.ndarray, np.ndarray]:
+def default_grid(max_len: int, max_tokens: int, min_len: int = MIN_GRID_LEN) -> tuple[np.ndarray, np.ndarray]:
     """Powers of two: s from min_len up to (and including) max_len, b from 1 while b x s <= max_tokens."""
     if max_len < 1 or max_tokens < max_len:
         raise ConfigError(f"cost grid: max_len ({max_len}) must be >= 1 and max_tokens ({max_tokens}) >= max_len")
+    if max_tokens < min_len:  # not even one row of the smallest length fits: every shape would be infeasible
+        raise ConfigError(f"cost grid: max_tokens ({max_tokens}) must be at least the grid's smallest length "
+                          f"({min_len}), or no shape fits the table")
     s = [min_len]
     while s[-1] < max_len:
         s.append(min(2 * s[-1], max_len))

@@ -85,6 +85,12 @@ def test_unknown_section_suggests_closest():
         (["planner.costs=true"], "YAML reads it as true/false: quote it, 'true'"),
         (["scheduler.mode=on"], "must be one of off, ddp, lina"),
         (["data.mixture={a.txt:1.0,stdlib:2.0}"], "write a space after the colon, e.g. {a.txt: 1.0}"),
+        # planned micro-batching's cost table must hold a row of data.seq_len, and of its smallest length
+        (["parallel.pp=2", "pipeline.microbatching=dynamic", "pipeline.dynamic.max_tokens=100"],
+         "set pipeline.dynamic.max_tokens to at least 128"),
+        (["parallel.pp=2", "pipeline.microbatching=padding", "data.seq_len=2"],
+         "(null: 4 x data.seq_len = 8), which must hold one row of data.seq_len (2) and of the table's smallest "
+         "length (16): set pipeline.dynamic.max_tokens to at least 16"),
     ],
 )
 def test_impossible_values_say_what_to_change(overrides, fragment):
