@@ -249,7 +249,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
     if cfg.hf.export_to:
         from moebal.train.export import check_export
 
-        check_export(cfg)  # before training, not after it
+        check_export(cfg, out)  # before training, not after it
     nproc = _local_ranks(cfg) if "RANK" not in os.environ else 1
     if nproc > 1:
         return _spawn(args, cfg, out, nproc)

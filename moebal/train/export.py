@@ -113,13 +113,14 @@ def export_target(cfg: Config, run_dir: Path) -> Path:
     return target if target.is_absolute() else run_dir / target
 
 
-def check_export(cfg: Config) -> None:
+def check_export(cfg: Config, run_dir: Path) -> None:
     """Fail before training, not after it, when `hf.export_to` cannot be written."""
     from moebal.errors import ConfigError
     from moebal.interop.hf import check_exportable, choose_arch
 
     base, _ = _base_of(cfg)
-    if cfg.hf.init_from and Path(cfg.hf.export_to or "").resolve() == Path(cfg.hf.init_from).resolve():
+    # the target as the export will write it: a relative hf.export_to is inside the run directory
+    if cfg.hf.init_from and export_target(cfg, run_dir).resolve() == Path(cfg.hf.init_from).resolve():
         raise ConfigError("hf.export_to is the directory of hf.init_from: export somewhere else so the original "
                           "checkpoint is kept")
     from moebal.interop.hf import fields_of
@@ -149,7 +150,7 @@ class ExportHook(Hook):
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         self.target = export_target(cfg, run_dir)
         self.written: Path | None = None
-        check_export(cfg)
+        check_export(cfg, run_dir)
 
     @property
     def name(self) -> str:

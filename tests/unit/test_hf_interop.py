@@ -15,7 +15,7 @@ from moebal.errors import CheckpointError, ConfigError
 from moebal.interop.hf import config_from_hf, from_hf, to_hf
 from moebal.interop.hf_config import load
 from moebal.interop.tensor_io import read_header
-from tests.hf_util import logits, read_tensors, tiny_mixtral, tiny_qwen2_moe, transformers_or_skip
+from tests.hf_util import logits, read_tensors, tiny_mixtral, tiny_qwen2_moe, tiny_tokenizer, transformers_or_skip
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +213,28 @@ def test_export_refuses_what_the_layout_cannot_express(mixtral_dir, tmp_path):
     to_hf(from_hf(path), tmp_path / "c")
     with pytest.raises(CheckpointError, match="already exists"):
         to_hf(from_hf(path), tmp_path / "c")
+
+
+def test_the_export_check_compares_the_target_the_export_writes_with_init_from(mixtral_dir, tmp_path, monkeypatch):
+    """A relative hf.export_to is inside the run directory (`export_target`): it is refused only where it is
+    hf.init_from's own directory, whatever the working directory."""
+    from moebal.train.export import check_export
+
+    path, _ = mixtral_dir
+    monkeypatch.chdir(path.parent)
+    (tmp_path / "tok").mkdir()
+    tok = tiny_tokenizer(tmp_path / "tok", ["def f(x):\n    return x + 1\n"])
+
+    def cfg(export_to):
+        return load(None, [f"hf.init_from={path}", "data.seq_len=32", f"data.tokenizer={tok}",
+                           f"hf.export_to={export_to}"])
+
+    here = cfg(path.name)  # relative: RUN/<hf.init_from's folder name>
+    check_export(here, tmp_path / "run")  # the export goes to tmp_path/run/<name>, not over hf.init_from
+    with pytest.raises(ConfigError, match="hf.export_to is the directory of hf.init_from"):
+        check_export(here, path.parent)  # a run directory beside it: the export would overwrite the original
+    with pytest.raises(ConfigError, match="hf.export_to is the directory of hf.init_from"):
+        check_export(cfg(path), tmp_path / "run")
 
 
 def test_export_refuses_mixture_of_depths_and_keeps_the_schemes_that_only_skip_work():
