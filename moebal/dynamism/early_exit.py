@@ -89,8 +89,10 @@ class EarlyExit(Dynamism):
                  ramp_steps: int = 0) -> None:
         L = cfg.model.n_layers
         self.first_layer = max(1, L // 4) if first_layer is None else int(first_layer)
-        if not 0 <= self.first_layer < L:
-            raise ConfigError(f"dynamism early_exit: first_layer must be in [0, {L - 1}]; got {first_layer}")
+        if not 0 <= self.first_layer <= L - 2:  # exits follow layers first_layer .. L - 2: none would be possible
+            said = f"{first_layer}" if first_layer is not None else f"null, max(1, n_layers // 4) = {self.first_layer}"
+            raise ConfigError(f"dynamism early_exit: first_layer must be in [0, {L - 2}] (the last of the "
+                              f"{L} layers always runs); got {said}" + ("" if L >= 2 else ": use at least 2 layers"))
         if not -1.0 <= threshold <= 1.0:
             raise ConfigError(f"dynamism early_exit: threshold is a cosine similarity in [-1, 1]; got {threshold}")
         self.L, self.threshold, self.start, self.ramp_steps = L, float(threshold), int(start), int(ramp_steps)

@@ -288,6 +288,13 @@ def test_build_dynamism_errors():
         build_dynamism("mod", {"capacity": 0.0}, cfg=cfg)
     with pytest.raises(ConfigError, match="first_layer"):
         build_dynamism("early_exit", {"first_layer": 4}, cfg=cfg)
+    # exits follow layers first_layer .. L - 2: after the last but one layer, or on 2 layers by default, none could
+    with pytest.raises(ConfigError, match=r"first_layer must be in \[0, 2\] \(the last of the 4 layers always runs\); "
+                                          "got 3"):
+        build_dynamism("early_exit", {"first_layer": 3}, cfg=cfg)
+    with pytest.raises(ConfigError, match=r"in \[0, 0\] .*; got null, max\(1, n_layers // 4\) = 1"):
+        build_dynamism("early_exit", {}, cfg=small(2))
+    assert build_dynamism("early_exit", {"first_layer": 0}, cfg=small(2)).first_layer == 0
     with pytest.raises(ConfigError, match="kernel"):
         build_dynamism("pruning", {"kernel": "sputnik"}, cfg=cfg)
 
