@@ -138,7 +138,8 @@ class ModelConfig:
     """Each token attends to itself and the sliding_window - 1 tokens before it (Mixtral's `sliding_window`);
     null: full causal attention."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation of linear and embedding weights."""
+    """Standard deviation of the normal initialisation of linear and embedding weights; residual output projections
+    (attention's o_proj, the MLP's and experts' down projections) take init_std / sqrt(2 * n_layers) (GPT-2)."""
     rope_scaling: RopeScalingConfig | None = None
     """YaRN rotary scaling (DeepSeek-V2/V3); null: plain RoPE. Implemented for multi-head latent attention."""
     mla: MLAConfig | None = None
@@ -235,13 +236,14 @@ class DataConfig:
     mixture: dict[str, float] | None = None
     """Sources and sampling weights, e.g. {stdlib: 0.8, chat.jsonl: 0.2}; replaces data.source when set."""
     val_fraction: float = 0.05
-    """Share of documents held out for validation (chosen by a hash of the document's path)."""
+    """Share of documents held out for validation (chosen by a hash of the document's path; where the hash leaves
+    one side empty, the last share of every document's tokens, docs/data.md)."""
     max_bytes: int | None = None
     """Read at most this many bytes of the corpus; null reads everything."""
     order: Literal["shuffle", "complexity"] = "shuffle"
     """Sample order of an epoch: shuffled, or Adaptive Gating's curriculum (from the second epoch on, samples by
-    the cosine similarity of their per-layer two-expert token shares to the sample with the fewest two-expert
-    tokens; needs moe.adaptive_threshold; moebal/data/curriculum.py)."""
+    the similarity (`order_metric`) of their per-layer two-expert token shares to the sample with the fewest
+    two-expert tokens; needs moe.adaptive_threshold; moebal/data/curriculum.py)."""
     order_metric: Literal["distance", "cosine"] = "distance"
     """Similarity of `order: complexity`: Euclidean distance to the anchor, nearest first, or the thesis's cosine
     (which ignores how many tokens take two experts; see moebal/data/curriculum.py)."""
@@ -350,7 +352,8 @@ class TrainConfig:
     record_routing_every: int = 0
     """Every N steps write the step's routing (each token's top-k experts in every MoE layer, last micro-batch,
     this rank's tokens on rank 0) to `routing/step_NNNNNN.npz` in the run directory, the input of Lina's path
-    profile (`moebal paths`); 0: never. Not in pipeline runs (a stage sees only its own layers)."""
+    profile (`moebal paths`); 0: never. In a pipeline the stages' routing is gathered along rank 0's chain
+    (moebal/train/routing_log.py)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -504,7 +507,7 @@ class SchedulerConfig:
     chunk_mb: float | None = None
     """Gradient all-reduce chunk in MB (lina); null: from the measured or profiled all-reduce latency."""
     bucket_mb: float = 25.0
-    """Bucket size in MB of the ddp mode (PyTorch DDP's default)."""
+    """Bucket size of the ddp mode in MB (10^6 bytes; PyTorch DDP's default figure, which it reads in MiB)."""
     inflight: int = 1
     """Gradient chunks in flight at once (lina)."""
     lookahead: bool = True
@@ -534,7 +537,8 @@ class SchedulerConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class PipelineConfig:
-    """Pipeline stages (parallel.pp > 1): schedule, micro-batches and per-iteration layer rebalancing."""
+    """Pipeline stages (parallel.pp > 1, or a dynamism scheme's one stage): schedule, micro-batches and
+    per-iteration layer rebalancing."""
 
     schedule: Literal["1f1b", "gpipe", "zb"] = "1f1b"
     """Pipeline schedule: 1f1b, gpipe, or zb (zero bubble: weight gradients deferred into the bubbles)."""
@@ -591,7 +595,8 @@ class EarlyExitConfig:
     threshold: float = 0.99
     """Cosine similarity above which a token exits."""
     first_layer: int | None = None
-    """First layer after which tokens may exit; null: n_layers / 4."""
+    """First layer after which tokens may exit, at most n_layers - 2 (the last layer always runs); null:
+    max(1, n_layers // 4)."""
     start: int = 0
     """Step at which the threshold starts to fall from 1 (nobody exits)."""
     ramp_steps: int = 0
@@ -722,8 +727,8 @@ class HFConfig:
     """Start from a Hugging Face checkpoint and export back to one (docs/hf-interop.md)."""
 
     init_from: str | None = None
-    """HF checkpoint directory (Mixtral, LLaMA-MoE v1, Qwen2-MoE): model.* and moe.* shape fields come from
-    its config.json and its weights replace the random initialisation."""
+    """HF checkpoint directory (Mixtral, LLaMA-MoE v1, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3): model.* and
+    moe.* shape fields come from its config.json and its weights replace the random initialisation."""
     export_to: str | None = None
     """At the end of training, write the final weights here as a HF checkpoint (a relative path is inside
     the run directory); null: no export."""
@@ -768,7 +773,8 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Communication scheduling (used when parallel.ep > 1)."""
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    """Pipeline schedule and layer rebalancing (used when parallel.pp > 1)."""
+    """Pipeline schedule and layer rebalancing (used when the run is pipelined: parallel.pp > 1, or a dynamism
+    scheme's one-stage pipeline)."""
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)
     """Dynamic-model scheme (pruning, freezing, early exit, Mixture-of-Depths, MoE routing cost)."""
     hf: HFConfig = field(default_factory=HFConfig)
@@ -1193,6 +1199,9 @@ def _check_moe(c: Config) -> None:
           f"'moe.top_k' ({moe.top_k}) is larger than 'moe.num_experts' ({moe.num_experts}): lower top_k")
     _need(moe.expert_ffn_dim is None or moe.expert_ffn_dim >= 1,
           f"'moe.expert_ffn_dim' must be at least 1 or null; got {moe.expert_ffn_dim}")
+    _need(moe.shared_ffn_dim is None or moe.shared_ffn_dim >= 1,
+          f"'moe.shared_ffn_dim' must be at least 1, or null for shared_experts x expert_ffn_dim; got "
+          f"{moe.shared_ffn_dim}")
     _need(par.ep is None or moe.num_experts % par.ep == 0,
           f"'moe.num_experts' ({moe.num_experts}) is not divisible by 'parallel.ep' ({par.ep}): "
           f"choose ep among {[k for k in range(1, moe.num_experts + 1) if moe.num_experts % k == 0]}")
@@ -1203,6 +1212,8 @@ def _check_moe(c: Config) -> None:
     _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
     _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
           "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
+    _need(moe.jitter < 1.0, f"'moe.jitter' scales the router's input by a factor in [1 - jitter, 1 + jitter]: it must "
+                            f"be below 1; got {moe.jitter}")
     _need(moe.norm_topk or moe.gate != "topk_softmax",
           "'moe.norm_topk: false' keeps the chosen experts' own scores, which 'moe.gate: topk_softmax' never computes: "
           "set moe.gate=softmax_topk (or sigmoid_topk)")
@@ -1218,6 +1229,10 @@ def _check_moe(c: Config) -> None:
           f"'moe.every' ({moe.every}) is larger than 'model.n_layers' ({c.model.n_layers}): no layer would be MoE")
     bad = [i for i in moe.dense_layers if not 0 <= i < c.model.n_layers]
     _need(not bad, f"'moe.dense_layers' names layers {bad} outside 0..{c.model.n_layers - 1}: remove them")
+    _need(any(c.is_moe_layer(i) for i in range(c.model.n_layers)),
+          f"moe.every ({moe.every}), moe.first_dense ({moe.first_dense}) and moe.dense_layers "
+          f"({list(moe.dense_layers)}) leave none of the {c.model.n_layers} layers MoE: keep at least one, or set "
+          "moe.num_experts=0 for a dense model")
 
 
 def _check_mla(m: ModelConfig) -> None:
@@ -1233,7 +1248,7 @@ def _check_mla(m: ModelConfig) -> None:
           "multi-head latent attention has no q/k norm option and no sliding window: set model.qk_norm=none and "
           "model.sliding_window=null, or remove model.mla")
     for key, v in (("kv_lora_rank", a.kv_lora_rank), ("qk_nope_head_dim", a.qk_nope_head_dim),
-                   ("v_head_dim", a.v_head_dim), ("q_lora_rank", a.q_lora_rank or 1)):
+                   ("v_head_dim", a.v_head_dim), ("q_lora_rank", 1 if a.q_lora_rank is None else a.q_lora_rank)):
         _need(v >= 1, f"'model.mla.{key}' must be at least 1; got {v}")
     _need(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0,
           f"'model.mla.qk_rope_head_dim' must be an even number >= 2 (rotary pairs); got {a.qk_rope_head_dim}")

@@ -85,6 +85,13 @@ def test_unknown_section_suggests_closest():
         (["planner.costs=true"], "YAML reads it as true/false: quote it, 'true'"),
         (["scheduler.mode=on"], "must be one of off, ddp, lina"),
         (["data.mixture={a.txt:1.0,stdlib:2.0}"], "write a space after the colon, e.g. {a.txt: 1.0}"),
+        (["moe.jitter=1.5"], "'moe.jitter' scales the router's input by a factor in [1 - jitter, 1 + jitter]"),
+        (["moe.shared_experts=1", "moe.shared_ffn_dim=-4"], "'moe.shared_ffn_dim' must be at least 1, or null"),
+        (["moe.shared_experts=1", "moe.shared_ffn_dim=0"], "'moe.shared_ffn_dim' must be at least 1, or null"),
+        (["model.n_layers=4", "moe.every=3", "moe.first_dense=3"], "leave none of the 4 layers MoE"),
+        (["model.n_layers=4", "moe.dense_layers=[0,1,2,3]"], "keep at least one, or set moe.num_experts=0"),
+        (["model.mla={kv_lora_rank: 8, q_lora_rank: 0}", "model.qk_norm=none"],
+         "'model.mla.q_lora_rank' must be at least 1; got 0"),
         # planned micro-batching's cost table must hold a row of data.seq_len, and of its smallest length
         (["parallel.pp=2", "pipeline.microbatching=dynamic", "pipeline.dynamic.max_tokens=100"],
          "set pipeline.dynamic.max_tokens to at least 128"),
