@@ -707,8 +707,9 @@ def reach_anchors(found: list[Path], reach: int) -> set[Path]:
 
 
 def retire_checkpoints(run_dir: str | Path, after: int, into: str) -> list[str]:
-    """Move every checkpoint of the run newer than step `after` into `<into>/<n>/` under the run directory (n: 1,
-    2, ... the next number free there), out of reach of a resume and of pruning; their paths relative to the run
+    """Move every checkpoint of the run newer than step `after` into `<into>/<n>/` under the run directory (n: one
+    more than the largest number there, 1 first: later retirements sort after earlier ones even when a user has
+    deleted some), out of reach of a resume and of pruning; their paths relative to the run
     directory ([] and no folder when there are none). A rollback to checkpoint `after` does this, and a resume from
     it: what was trained after it is a line of the run that a restart must not continue (moebal/train/spikes.py)."""
     run_dir = Path(run_dir)
@@ -716,7 +717,7 @@ def retire_checkpoints(run_dir: str | Path, after: int, into: str) -> list[str]:
     if not newer:
         return []
     root = run_dir / into
-    n = 1 + sum(1 for p in root.iterdir() if p.is_dir()) if root.is_dir() else 1
+    n = 1 + max((int(p.name) for p in root.iterdir() if p.name.isdigit()), default=0) if root.is_dir() else 1
     target = root / str(n)
     target.mkdir(parents=True)
     for p in newer:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import threading
 from pathlib import Path
 
@@ -189,6 +190,13 @@ def test_retired_checkpoints_leave_the_run_for_a_folder_of_their_own(tmp_path):
     assert (tmp_path / moved[1] / "state.json").read_text() == "5"
     prune_checkpoints(tmp_path, keep=1)  # pruning does not reach into the folder
     assert (tmp_path / moved[0]).is_dir()
+    # later retirements number after the largest folder there, even where a user deleted an earlier one
+    for step, folder in ((4, "2"), (5, "3")):
+        (tmp_path / f"ckpt-{step:07d}").mkdir()
+        assert retire_checkpoints(tmp_path, 3, "rolled-back") == [f"rolled-back/{folder}/ckpt-{step:07d}"]
+        if folder == "2":
+            shutil.rmtree(tmp_path / "rolled-back" / "1")
+    assert sorted(p.name for p in (tmp_path / "rolled-back").iterdir()) == ["2", "3"]
 
 
 def test_the_newest_k_are_kept_and_the_previous_survives_a_failed_save(tmp_path, monkeypatch):
