@@ -36,7 +36,9 @@ def add_stages_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline stages")
     p.add_argument("--memory", help="per-layer bytes: a comma list or a JSON file (with --capacity)")
     p.add_argument("--capacity", type=float, help="bytes a stage may hold")
-    p.add_argument("--from", dest="current", help="current layers per stage, comma list (default: uniform)")
+    p.add_argument("--from", dest="current",
+                   help="current layers per stage: a comma list or a JSON file (a plans.jsonl line: its from) "
+                        "(default: uniform)")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per iteration (default 8)")
     p.add_argument("--first-extra", type=float, default=0.0, help="embedding cost, pinned to the first stage")
     p.add_argument("--last-extra", type=float, default=0.0, help="head cost, pinned to the last stage")
@@ -53,7 +55,9 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _numbers(text: str, flag: str) -> list[float]:
+def _numbers(text: str, flag: str, key: str) -> list[float]:
+    """A comma list, a JSON list, or the list `key` of a JSON object (or of its `meta`, as a plans.jsonl line
+    holds it: the last line of a .jsonl file)."""
     path = Path(text)
     if path.suffix in (".json", ".jsonl") or _is_file(path):
         try:
@@ -67,9 +71,9 @@ def _numbers(text: str, flag: str) -> list[float]:
             raise ConfigError(f"{flag} {text}: not valid JSON ({e})") from None
         if isinstance(data, dict):
             data = data.get("meta", data)
-            data = data.get("costs", data.get("memory"))
+            data = data.get(key)
         if not isinstance(data, list):
-            raise ConfigError(f"{flag} {text}: expected a list of numbers or an object with 'costs'")
+            raise ConfigError(f"{flag} {text}: expected a list of numbers or an object with {key!r}")
         values = data
     else:
         values = [v for v in text.split(",") if v.strip()]
@@ -80,8 +84,8 @@ def _numbers(text: str, flag: str) -> list[float]:
 
 
 def run_stages(args: argparse.Namespace) -> int:
-    costs = _numbers(args.costs, "--costs")
-    memory = _numbers(args.memory, "--memory") if args.memory else None
+    costs = _numbers(args.costs, "--costs", "costs")
+    memory = _numbers(args.memory, "--memory", "memory") if args.memory else None
     if args.capacity is not None and memory is None:
         raise ConfigError("--capacity needs --memory (per-layer bytes)")
     P, M = args.stages, args.micro_batches
@@ -91,7 +95,8 @@ def run_stages(args: argparse.Namespace) -> int:
         if not value >= least:  # NaN too
             raise ConfigError(f"{flag} must be at least {least}; got {value}")
     kw = {"first_extra": args.first_extra, "last_extra": args.last_extra}
-    current = [int(v) for v in _numbers(args.current, "--from")] if args.current else partition_uniform(len(costs), P)
+    current = ([int(v) for v in _numbers(args.current, "--from", "from")] if args.current
+               else partition_uniform(len(costs), P))
     if len(current) != P or sum(current) != len(costs) or min(current) < 1:
         raise ConfigError(f"--from {args.current}: give {P} layer counts (one per stage, each at least 1) that add up "
                           f"to the {len(costs)} layers of --costs")

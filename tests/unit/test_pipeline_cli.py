@@ -24,6 +24,15 @@ def test_plan_stages_json(capsys, tmp_path):
     costs.write_text(json.dumps({"meta": {"costs": [1, 1, 1, 4]}}))  # a plans.jsonl record's shape
     assert main(["plan", "stages", "--costs", str(costs), "--stages", "2"]) == 0
     assert "partition" in capsys.readouterr().out
+    # one file with both lists: --costs reads its costs, --memory its memory (not the costs again)
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"costs": [1, 1, 1, 1], "memory": [100, 100, 100, 900]}))
+    assert main(["plan", "stages", "--costs", str(both), "--memory", str(both), "--capacity", "500",
+                 "--stages", "2"]) == 2
+    assert "memory caps" in capsys.readouterr().err
+    assert main(["plan", "stages", "--costs", str(both), "--memory", str(both), "--capacity", "1000",
+                 "--stages", "2", "--from", str(costs)]) == 2  # the record holds no 'from'
+    assert "--from " in (err := capsys.readouterr().err) and "an object with 'from'" in err
 
 
 def test_plan_stages_keeps_an_optimal_current_partition(capsys):
