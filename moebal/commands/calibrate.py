@@ -34,7 +34,8 @@ Probe = tuple[dict[str, Any], Callable[[], Any]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="configs/hardware/local.yaml", help="profile to write (YAML)")
+    p.add_argument("--out", default=None, help="profile to write (YAML; default: NAME.yaml in the hardware profiles' "
+                   "folder, configs/hardware/ of the installed package, where `--cluster NAME` finds it)")
     p.add_argument("--name", default="local", help="profile name")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of the measured process")
     p.add_argument("--worlds", default="2,3,4", help="gloo group sizes to measure collectives at")
@@ -50,43 +51,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moebal.fileio import output_path
+    from moebal.fileio import output_path, write_text_whole
     from moebal.kernels.bench import environment
-    from moebal.planner.hardware import dump_profile
+    from moebal.planner.hardware import PROFILE_DIR, dump_profile
     from moebal.planner.hardware_fit import fit_profile
 
     if args.threads < 1 or args.repeats < 1:
         raise ConfigError(f"--threads and --repeats must be >= 1; got {args.threads}, {args.repeats}")
     worlds = _counts(args.worlds, "--worlds", least=2, what="gloo group sizes (a collective needs two ranks)")
     sizes = _counts(args.sizes, "--sizes", least=1, what="payload bytes per rank")
-    output_path(args.out, "--out")  # a folder that cannot be made is named before minutes of measuring
-    records = _read_records(Path(args.from_records)) if args.from_records else None
+    out = args.out or str(PROFILE_DIR / f"{args.name}.yaml")
+    for flag, path in (("--out", out), ("--records", args.records)):  # named before minutes of measuring
+        if path:
+            output_path(path, flag)
+    records: dict[str, Any] | None = _read_records(Path(args.from_records)) if args.from_records else None
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
     if args.quick:
         worlds, sizes = worlds[:2], sorted({sizes[0], sizes[-1]})
     t0 = time.perf_counter()
     if records is None:
-        records = measure_compute(repeats, args.quick)
-        records["collective"] = []
-        for w in worlds:
-            records["collective"] += measure_collectives(w, sizes, repeats)
+        compute = measure_compute(repeats, args.quick)
+        collective = [r for w in worlds for r in measure_collectives(w, sizes, repeats)]
+        # where and how the timings were taken travels with them: a refit names that machine, not its own
+        meta = {**environment(), "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "repeats": repeats, "worlds": worlds, "sizes": sizes, "measure_s": round(time.perf_counter() - t0, 1)}
+        records = {**compute, "collective": collective, "meta": meta}
     if args.records:
-        output_path(args.records, "--records").write_text(json.dumps(records, indent=1), encoding="utf-8")
-    env = environment()
-    meta = {**env, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
-            "worlds": worlds, "sizes": sizes, "measure_s": round(time.perf_counter() - t0, 1)}
+        write_text_whole(args.records, json.dumps(records, indent=1))
+    taken = records.get("meta")
+    if not isinstance(taken, dict) or not all(k in taken for k in _SOURCE_KEYS):  # records of an older calibrate
+        taken = {"recorded": f"refit from {args.from_records}; the machine and settings it was measured with are not "
+                             "recorded"}
+    what = "this machine" if args.from_records is None else f"the machine of {args.from_records}"
     try:
-        prof = fit_profile(records, name=args.name, description="this machine, calibrated (CPU processes on gloo)",
-                           source=[_source(meta)], calibration=meta)
+        prof = fit_profile(records, name=args.name, description=f"{what}, calibrated (CPU processes on gloo)",
+                           source=[_source(taken, args.from_records)], calibration=taken)
     except (KeyError, TypeError, ValueError) as e:
         if not args.from_records:
             raise  # measured here: a bug, not bad input
         raise ConfigError(f"--from-records {args.from_records}: its timings do not fit a profile ({type(e).__name__}: "
                           f"{e}): give a file `moebal calibrate --records` wrote") from None
-    dump_profile(prof, args.out, header="Written by `moebal calibrate`; re-run it to refresh. Figures are fitted "
+    dump_profile(prof, out, header="Written by `moebal calibrate`; re-run it to refresh. Figures are fitted "
                  "to\nmicro-benchmarks of this machine, not datasheet values.")
-    json.dump(summary(prof, args.out), sys.stdout, indent=1)
+    json.dump(summary(prof, out), sys.stdout, indent=1)
     sys.stdout.write("\n")
     return 0
 
@@ -116,9 +124,15 @@ def _read_records(path: Path) -> dict[str, Any]:
     return records
 
 
-def _source(meta: dict[str, Any]) -> str:
-    return (f"measured by `moebal calibrate` on {meta['cpu']} ({meta['logical_cores']} cores, {meta['threads']} "
-            f"thread(s) per process, torch {meta['torch']}, {meta['date']}): medians of {meta['repeats']} rounds")
+_SOURCE_KEYS = ("cpu", "logical_cores", "threads", "torch", "date", "repeats")
+
+
+def _source(meta: dict[str, Any], refit_from: str | None) -> str:
+    if "recorded" in meta:
+        return str(meta["recorded"])
+    how = (f"measured by `moebal calibrate` on {meta['cpu']} ({meta['logical_cores']} cores, {meta['threads']} "
+           f"thread(s) per process, torch {meta['torch']}, {meta['date']}): medians of {meta['repeats']} rounds")
+    return how if refit_from is None else f"{how}; refit from {refit_from}"
 
 
 def summary(prof: Any, path: str) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> No
     assert message in capsys.readouterr().err
 
 
-def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_path) -> None:
+def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_path, monkeypatch) -> None:
     """`moebal calibrate --from-records` (the fit without the minutes of measuring) writes a profile that
     `moebal simulate --cluster PATH` accepts."""
     rng = np.random.default_rng(0)
@@ -105,6 +105,22 @@ def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_pat
     out = _json(capsys, ["simulate", "--cluster", str(prof_path), "--ranks", "2", "--ep", "2", "--dtype", "fp32",
                          "--json"])
     assert out["meta"]["profile"] == "local" and out["iteration_time_s"] > 0
+    from moebal.planner import hardware
+    from moebal.planner.hardware import load_profile
+
+    # records without their machine (an older calibrate's) say so; records with it name it, not this machine
+    assert "the machine and settings it was measured with are not recorded" in load_profile(prof_path).source[0]
+    taken = {"cpu": "Some CPU 9000", "logical_cores": 64, "threads": 4, "torch": "2.9.0", "date": "2026-01-02",
+             "repeats": 5, "memory_bytes": 3e10}
+    rec_path.write_text(json.dumps({**records, "meta": taken}))
+    # without --out the profile goes where `--cluster NAME` looks for it
+    monkeypatch.setattr(hardware, "PROFILE_DIR", tmp_path / "profiles")
+    assert main(["calibrate", "--from-records", str(rec_path), "--name", "there"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "profiles" / "there.yaml").is_file()
+    there = load_profile("there")
+    assert there.source[0].startswith("measured by `moebal calibrate` on Some CPU 9000 (64 cores, 4 thread(s)")
+    assert there.source[0].endswith(f"refit from {rec_path}") and there.memory_bytes == 3e10
 
 
 def test_calibrate_names_bad_input_before_it_measures(capsys, tmp_path) -> None:
@@ -115,6 +131,7 @@ def test_calibrate_names_bad_input_before_it_measures(capsys, tmp_path) -> None:
                        (["--sizes", "-5"], "--sizes: expected a comma list of payload bytes per rank"),
                        (["--repeats", "0"], "--threads and --repeats must be >= 1"),
                        (["--out", str(tmp_path / "a-file" / "p.yaml")], "cannot make its folder"),
+                       (["--records", str(tmp_path / "a-file" / "r.json")], "--records"),
                        (["--from-records", str(tmp_path / "none.json")], "cannot read it"),
                        (["--from-records", str(tmp_path / "bad.json")], "not valid JSON"),
                        (["--from-records", str(tmp_path / "list.json")], "not the timings `moebal calibrate")):
