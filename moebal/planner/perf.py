@@ -308,8 +308,9 @@ def evaluate_held(counts_RE: np.ndarray, held_RE: np.ndarray, owner_E: np.ndarra
     max_h, max_r = float(H_R.max()), float(recv_R.max())
     fec, trans, agg = t_fec(costs, max_h), t_trans(costs, holders, R), t_agg(costs, holders, R)
     bec = costs.backward_factor * fec
-    ex_trans = max(0.0, trans - fec - costs.nonmoe_fwd_s) if overlap else trans
-    ex_agg = max(0.0, agg - bec - costs.nonmoe_bwd_s) if overlap else agg
+    share = costs.overlap_share  # as `layer_time`, which the planners' searches minimise
+    ex_trans = max(0.0, trans - share * (fec + costs.nonmoe_fwd_s)) if overlap else trans
+    ex_agg = max(0.0, agg - share * (bec + costs.nonmoe_bwd_s)) if overlap else agg
     a2a = t_a2a(costs, max_r)
     return LayerTime(a2a_s=a2a, fec_s=fec, bec_s=bec, trans_s=trans, agg_s=agg, exposed_trans_s=ex_trans,
                      exposed_agg_s=ex_agg, total_s=4 * a2a + fec + bec + ex_trans + ex_agg,

@@ -129,6 +129,12 @@ def test_eq6_on_the_extraction_toy_matrix():
     H_R, recv_R = placement_loads(M1, excl)
     assert H_R.tolist() == [60, 70, 70, 40] and recv_R.tolist() == [20, 30, 30, 30]
     assert evaluate(M1, excl, UNIT).total_s == 405
+    # eq. 8 with 4 micro-batches: the reference hides Trans and Agg under the same quarter of the compute as the
+    # searches' `layer_time` (FEC 70, BEC 140, FNEC 30, BNEC 60: exposed 50 - 25 = 25 and 50 - 50 = 0)
+    quarter = dataclasses.replace(UNIT, nonmoe_fwd_s=30, nonmoe_bwd_s=60, overlap_share=0.25)
+    lt = evaluate(M1, bcast, quarter, overlap=True)
+    assert (lt.exposed_trans_s, lt.exposed_agg_s, lt.total_s) == (25, 0, 4 * 30 + 3 * 70 + 25)
+    assert lt.total_s == pytest.approx(layer_time(quarter, 30, 70, lt.holders, 4, overlap=True))
 
 
 def test_loads_with_several_experts_per_rank():
