@@ -65,7 +65,7 @@ def device_for(cluster: str, ranks: int) -> DeviceMemory:
         return DeviceMemory.cpu(host_ram_bytes(), ranks)
     from moebal.planner.hardware import load_profile
 
-    return DeviceMemory.from_profile(load_profile(cluster))
+    return DeviceMemory.from_profile(load_profile(cluster), ranks)
 
 
 def host_ram_bytes() -> float:

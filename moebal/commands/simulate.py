@@ -103,7 +103,7 @@ def _memory(cfg: Any, spec: Any, args: argparse.Namespace) -> dict[str, Any]:
         run = with_overrides(cfg, [f"data.batch_size={rows}", f"data.seq_len={spec.seq_len}"])
         dtype = args.dtype or cfg.train.precision.replace("auto", "bf16")
         precision = "bf16" if dtype in ("bf16", "fp16") else "fp32"
-        device = DeviceMemory.from_profile(load_profile(args.cluster))
+        device = DeviceMemory.from_profile(load_profile(args.cluster), lay.ranks)
         changes: dict[str, Any] = {"pp": lay.pp, "ep": lay.ep, "micro_batches": m if lay.pp > 1 else 1,
                                    "schedule": spec.schedule, "policy": args.policy}
         if run.parallel.shard == "auto":  # as `moebal train` would settle it on these ranks

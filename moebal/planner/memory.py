@@ -164,7 +164,13 @@ class DeviceMemory:
     SDPA (moebal.models.transformer.expand_kv_heads), so they are saved at H heads, not G."""
 
     @classmethod
-    def from_profile(cls, p: HardwareProfile) -> DeviceMemory:
+    def from_profile(cls, p: HardwareProfile, ranks: int = 1) -> DeviceMemory:
+        """One rank's device of profile `p` in a job of `ranks` ranks. A GPU profile's device is a GPU. A CPU
+        profile's (`moebal calibrate` writes one) is a process: the node's ranks share its RAM (`memory_bytes`),
+        with the fitted CPU constants, as `cpu`."""
+        if p.device == "cpu":
+            host = cls.cpu(p.memory_bytes, min(max(ranks, 1), p.gpus_per_node))
+            return dataclasses.replace(host, name=f"{p.name} (cpu): {host.name}")
         return cls(name=f"{p.name} ({p.device or 'device'})", capacity_bytes=p.memory_bytes,
                    runtime_bytes=p.memory_reserved_bytes, slack=p.allocator_slack, cuda=True)
 

@@ -378,9 +378,13 @@ class _Builder:
         if s == 0:
             prev = [[o] for o in self._compute(ranks, cost.embed_s(sh, self.tokens), f"F{j} embed", None)]
             first = [p[0] for p in prev]
+        # what the previous layer's block waited for: its end is that block's start, when Pro-Prophet's scheduler
+        # issues this layer's Trans (None before the stage's first layer: at the iteration's start)
+        block_start: list[list[int]] | None = None
         for layer in range(lo, hi):
             if sh.is_moe(layer) and j == 0:
-                self._trans(s, layer, prev)
+                self._trans(s, layer, block_start if self.spec.trans_overlap else prev)
+            block_start = prev
             ops = self._compute(ranks, self._attn_s(layer), f"F{j} L{layer} attn", prev)
             first = first or ops
             prev = [[o] for o in ops]
@@ -521,7 +525,9 @@ class _Builder:
         return int(np.searchsorted(self.first_layer, layer, side="right") - 1)
 
     def _trans(self, s: int, layer: int, prev: list[list[int]] | None) -> None:
-        """Pro-Prophet's Trans: issued when the block before the layer starts (hidden under its compute)."""
+        """Pro-Prophet's Trans, after `prev` (per rank of the stage): with its block-wise scheduler
+        (`trans_overlap`) when the block before the layer starts, on the aux stream, hidden under that block's
+        compute; without it when the block before has ended, on the ep stream, in the layer's critical path."""
         if self.spec.moe_schedule == "fastermoe":
             return  # FasterMoE broadcasts inside the layer (see _group_pass)
         data = self.moe[layer]
@@ -529,7 +535,7 @@ class _Builder:
             if not data.replicated[g]:
                 continue
             base = g * self.lay.ep
-            gdeps = prev[base:base + self.lay.ep] if (prev and not self.spec.trans_overlap) else None
+            gdeps = prev[base:base + self.lay.ep] if prev else None
             ops = self._broadcasts(layer, g, "aux" if self.spec.trans_overlap else "ep", gdeps)
             for r, o in zip(self.lay.ep_groups(s)[g], ops):
                 if o >= 0:

@@ -207,6 +207,13 @@ def test_cuda_fp32_grouped_query_attention_saves_keys_and_values_at_every_query_
     assert (plan_memory(mha, MemoryLayout(ranks=1), BARE).terms["activations"]
             == plan_memory(mha, MemoryLayout(ranks=1), cuda).terms["activations"])
     assert DeviceMemory.from_profile(load_profile("h100")).cuda
+    # a calibrated CPU profile's device is a process sharing the host's RAM with the node's other ranks, at the
+    # fitted CPU constants, not a CUDA device (keys and values at G heads)
+    calibrated = dataclasses.replace(load_profile("h100"), device="cpu", memory_bytes=64e9, gpus_per_node=64)
+    four = DeviceMemory.from_profile(calibrated, 4)
+    host = DeviceMemory.cpu(64e9, 4)
+    assert not four.cuda and dataclasses.replace(four, name=host.name) == host
+    assert DeviceMemory.from_profile(calibrated, 128).capacity_bytes == 1e9  # 64 ranks a node share it
 
 
 def _saved_bytes_per_token(cfg, density: float) -> float:
