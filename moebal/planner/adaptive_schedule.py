@@ -21,7 +21,7 @@ micro-batch j. Micro-batches are injected into the first stage in an *order* (a 
   inputs arrive (no lockstep).
 * `simulate`: event-driven replay of per-stage orders on per-(stage, micro-batch) times: an op starts when
   its stage is free and its input has arrived (+ a transfer time). It gives the makespan and the timeline
-  the communication plan is derived from (`commplan.py`), and the stored-activation peak of every stage.
+  the communication plan is derived from (`instructions.py`), and the stored-activation peak of every stage.
 * `choose_schedule`: simulate both schedules over a few injection orders (micro-batches clustered by
   duration into 3-4 groups; every permutation of the groups, plus the planner's order) and keep the
   shortest simulated makespan whose memory peaks fit (the reference implementation's rule). 1F1B is always

@@ -7,7 +7,7 @@ a per-message latency) says so. Load one by short name (`h100`, `a100`, `rtx3090
 
 Units: FLOP/s, bytes/s per direction, seconds, bytes. A link's usable capacity is `bandwidth * efficiency`.
 
-Topology (used by `Topology.route`): rank r sits on node r // gpus_per_node. Inside a node, traffic crosses the
+Topology (used by `Topology.route_bytes`): rank r sits on node r // gpus_per_node. Inside a node, traffic crosses the
 sender's and receiver's fabric ports (`intra`: an NVSwitch port or the GPU's PCIe link), or a dedicated
 NVLink bridge when the two GPUs are a bridged pair (`pair`). Across nodes it crosses the sender's and
 receiver's NICs (`inter`, `nics_per_node` per node, GPUs spread evenly over them); on a PCIe fabric the GPU's
@@ -160,7 +160,8 @@ class HardwareProfile:
     nics_per_node: int = 1
     """Network interfaces per node; GPUs are spread over them evenly."""
     collectives: dict[str, CollectiveSpec] = field(default_factory=dict)
-    """Per-collective corrections by name (all_to_all, all_reduce, broadcast, reduce, all_gather, p2p)."""
+    """Per-collective corrections by name (all_to_all, all_reduce, broadcast, reduce, all_gather, reduce_scatter,
+    p2p)."""
     calibration: dict[str, Any] = field(default_factory=dict)
     """Free-form facts of how a calibrated profile was measured (host, versions, fit residuals)."""
     memory_reserved_bytes: float = 0.0

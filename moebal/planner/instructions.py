@@ -27,8 +27,8 @@ messages by (peer, tag) and buffers small sends, so a CPU run can hide an orderi
 this checker is what proves the order (seed §7.5).
 
 `naive_plan` is the unordered scheme the paper warns about: send right after the producing op and wait for
-it, receive right before the consuming op. It deadlocks on every pipeline of 2+ stages and 2+ micro-batches
-(tested).
+it, receive right before the consuming op. It deadlocks on 1F1B and adaptive orders of 2+ stages and 2+
+micro-batches (tested); GPipe's order, all forwards before any backward, happens to complete.
 """
 
 from __future__ import annotations

@@ -825,8 +825,8 @@ def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
 
 def refusal_line(cfg: Config, plan: MemoryPlan, built: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> str:
     """One line: the predicted peak against the capacity, the largest term, and a setting that fits (the least
-    overhead on the same ranks, else the fewest ranks `fit_layout` finds up to 64 nodes). `built`: the shard
-    and recompute values this build runs (the rest are only planned)."""
+    overhead on the same ranks, else the fewest ranks `fit_layout` finds up to 64 times the layout's ranks).
+    `built`: the shard and recompute values this build runs (the rest are only planned)."""
     gb = 1e9
     name, size = plan.largest_term
     head = (f"will not fit: {plan.peak_bytes / gb:.1f} GB per rank predicted against "

@@ -5,7 +5,7 @@ Shape legend: N = samples of the mini-batch, K = most rows a micro-batch may hav
 limits, P = stages (c in the paper), D = data-parallel replicas, M = micro-batches.
 
 Pure: lengths and a `MicroBatchCost` in, a frozen `MicroBatchPlan` out (JSON-serialisable, replayable); no
-torch, so planning runs in background worker processes (`planahead.py`).
+torch, so planning runs in background worker processes (moebal/balance/microbatch_workers.py).
 
 The steps (DynaPipe §4-§7):
   1. check the lengths (an empty sample or one longer than the model's maximum is an error naming it);
@@ -16,9 +16,9 @@ The steps (DynaPipe §4-§7):
      Eq1 with its *actual* maximum, (P - 1) max_M t(M) + sum_M t(M) / D, and the best kept;
   4. data parallelism: the micro-batches are spread over the D replicas by Karmarkar-Karp (largest
      differencing) on their times;
-  5. per replica: injection order and schedule chosen by simulation (`dynschedule.choose_schedule`), then
-     the communication plan from the simulated timeline (`commplan.build_comm_plan`), proved deadlock-free by
-     `commplan.check_plan` before the plan is returned.
+  5. per replica: injection order and schedule chosen by simulation (`adaptive_schedule.choose_schedule`),
+     then the communication plan from the simulated timeline (`instructions.build_comm_plan`), proved
+     deadlock-free by `instructions.check_plan` before the plan is returned.
 
 Gaps of the paper, settled (docs/microbatching.md has the long form):
   * Eq2's index range is 0 <= i <= n - 1 (the paper's 1 <= i misses one micro-batch holding the prefix);
