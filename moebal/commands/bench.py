@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moebal.commands.targets import add_target_parsers, run_target
-from moebal.fileio import output_path
+from moebal.fileio import output_path, write_text_whole
 
 TARGETS: dict[str, tuple[str, str]] = {
     "layer": ("moebal.commands.bench", "MoE layer forward+backward against a dense SwiGLU, a per-expert loop, Tutel"),
@@ -174,6 +174,15 @@ def run_layer(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench layer: --warmup must be >= 0 (untimed calls first); got {args.warmup}")
     dtypes = _choices(args.dtypes, DTYPES, "--dtypes")
     routings = _choices(args.routings, ROUTINGS, "--routings")
+    for flag, path in (("--json", args.json), ("--png", args.png)):  # named before the minutes of timing
+        if path:
+            output_path(path, flag)
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--png draws with matplotlib, which is not installed: pip install matplotlib (or the "
+                              "'dev' extra), or leave out --png") from None
     args.device = bench_device(args.device)
     repeats = args.repeats or (3 if args.quick else 9)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -187,7 +196,7 @@ def run_layer(args: argparse.Namespace) -> int:
               "threads": args.threads, "repeats": repeats, "warmup": warmup, "records": records}
     _print_table(records)
     if args.json:
-        output_path(args.json, "--json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_text_whole(args.json, json.dumps(result, indent=2) + "\n")
     if args.png:
         _plot(records, shape, args.threads, args.png)
     return 0

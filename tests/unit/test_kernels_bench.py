@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,22 @@ def test_bench_layer_rejects_bad_lists(capsys) -> None:
     assert "--repeats must be >= 1" in capsys.readouterr().err
     assert main(["bench", "layer", "--quick", "--warmup", "-1"]) == 2  # it once ran without a warm-up
     assert "--warmup must be >= 0" in capsys.readouterr().err
+
+
+def test_bench_layer_names_an_output_it_cannot_write_before_it_times(capsys, tmp_path, monkeypatch) -> None:
+    import moebal.commands.bench as bench
+
+    def never(*a, **k):
+        raise AssertionError("timed before its outputs were checked")
+
+    monkeypatch.setattr(bench, "_bench_case", never)
+    (tmp_path / "a-file").write_text("")
+    for flag in ("--json", "--png"):
+        assert main(["bench", "layer", "--quick", flag, str(tmp_path / "a-file" / "out")]) == 2
+        assert f"{flag} {tmp_path / 'a-file' / 'out'}: cannot make its folder" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: importing it raises ImportError
+    assert main(["bench", "layer", "--quick", "--png", str(tmp_path / "b.png")]) == 2
+    assert "--png draws with matplotlib, which is not installed" in capsys.readouterr().err
 
 
 def test_a_count_option_below_its_least_is_named_by_argparse(capsys) -> None:
