@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the disk, not a bug: one line from each rank that met it (checkpoints say more: CheckpointError)
         rank = os.environ.get("RANK", "0")
         print(f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e.strerror}"
-              f"{f': {e.filename}' if e.filename else ''}; free space and continue with --resume", file=sys.stderr)
+              f"{f': {e.filename}' if e.filename else ''}; free space and "
+              f"{'continue with --resume' if args.command in ('train', 'launch') else 'run it again'}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or a launcher's SIGTERM/SIGHUP (moebal.launch.spawn.Stopped)
         signum = getattr(e, "signum", 2)

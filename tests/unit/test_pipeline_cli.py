@@ -89,3 +89,19 @@ def test_a_closed_stdout_ends_the_command_quietly(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", Gone())
     assert main(["plan", "stages", "--costs", "1,2,3,4", "--stages", "2", "--json"]) == 128 + signal.SIGPIPE
+
+
+def test_a_full_disk_under_a_command_without_resume_says_to_run_it_again(capsys, monkeypatch):
+    """The disk-full line offers --resume only to the commands that have it (train, launch)."""
+    import errno
+    import os
+
+    import moebal.commands.plan_stages as plan_stages
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/out.json")
+
+    monkeypatch.setattr(plan_stages, "run_stages", full)
+    assert main(["plan", "stages", "--costs", "1,2", "--stages", "1"]) == 2
+    assert capsys.readouterr().err.strip() == ("moebal plan: error: No space left on device: /data/out.json; free "
+                                               "space and run it again")
