@@ -88,6 +88,9 @@ def run_experts(args: argparse.Namespace) -> int:
     if args.counts:
         layers = _load_counts(Path(args.counts), args.layer, args.line)
     elif synthetic is not None:
+        if args.layer is not None and not 0 <= args.layer < len(synthetic):
+            raise ConfigError(f"--layer {args.layer} outside 0..{len(synthetic) - 1}: the dry run of {args.config} "
+                              f"has {len(synthetic)} MoE layers")
         layers = [(i, c) for i, c in enumerate(synthetic) if args.layer is None or i == args.layer]
     else:
         raise ConfigError("moebal plan experts needs --counts FILE, --config CONFIG (a dry run) or --bench")

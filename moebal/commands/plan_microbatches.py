@@ -44,7 +44,7 @@ def add_microbatches_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="all", choices=[*METHODS, "all"], help="micro-batching (default: all)")
     p.add_argument("--cost", metavar="TABLE", help="a micro-batch cost table (JSON, e.g. from --profile)")
     p.add_argument("--config", default=None, help="model (preset or YAML) for the hardware-profile cost model "
-                   "or --profile (default: the DynaPipe paper's 3.35B GPT)")
+                   "(default: the DynaPipe paper's 3.35B GPT) or --profile (default: moebal's default config)")
     p.add_argument("--cluster", default="a100", help="hardware profile for the cost model (default a100)")
     p.add_argument("--dtype", default="bf16", help="cost-model dtype (default bf16)")
     p.add_argument("--max-len", type=int, help="longest allowed sample (default: the model's max_seq_len, "

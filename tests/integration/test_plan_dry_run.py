@@ -20,3 +20,6 @@ def test_mixtral_dry_run_plans_every_policy(capsys):
 def test_dry_run_rejects_ranks_that_do_not_divide_the_experts(capsys):
     assert main(["plan", "experts", "--config", "mixtral-8x7b", "--ranks", "3"]) == 2
     assert "must divide the 8 experts" in capsys.readouterr().err
+    # a layer the dry run does not have is named (it printed nothing and exited 0)
+    assert main(["plan", "experts", "--config", "mixtral-8x7b", "--layer", "99"]) == 2
+    assert "--layer 99 outside 0..31: the dry run of mixtral-8x7b has 32 MoE layers" in capsys.readouterr().err
