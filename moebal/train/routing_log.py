@@ -14,6 +14,8 @@ Shape legend: L MoE layers, T tokens, K = top_k.
 
 from __future__ import annotations
 
+import os
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +50,11 @@ class RoutingRecorder(Hook):
         sample = np.asarray(to_host(ids_LTK, "routing sample"), dtype=np.int16)
         out = Path(trainer.run_dir) / ROUTING_DIR
         out.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(out / f"step_{step:06d}.npz", ids_LTK=sample)
+        # whole or not at all: written beside its name (hidden from `routing_files`), then renamed into place
+        tmp = out / f".step_{step:06d}.npz.tmp"
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, ids_LTK=sample)
+        os.replace(tmp, out / f"step_{step:06d}.npz")
 
 
 def routing_files(run_dir: str | Path) -> list[Path]:
@@ -61,5 +67,18 @@ def routing_files(run_dir: str | Path) -> list[Path]:
 
 
 def load_routing(run_dir: str | Path) -> list[np.ndarray]:
-    """Every routing sample of a run as an int64 [L, T, K] array, in step order."""
-    return [np.load(f)["ids_LTK"].astype(np.int64) for f in routing_files(run_dir)]
+    """Every routing sample of a run as an int64 [L, T, K] array, in step order (a file that is not one raises
+    ValueError naming it)."""
+    samples = []
+    for f in routing_files(run_dir):
+        try:
+            with np.load(f) as data:
+                ids = np.asarray(data["ids_LTK"])
+        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{f} is not a routing sample ({type(e).__name__}: {e}): delete it, or record the "
+                             "routing again") from None
+        if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{f} is not a routing sample (ids_LTK of shape {ids.shape}, {ids.dtype}; expected "
+                             "integer expert ids, layers x tokens x top_k): delete it, or record the routing again")
+        samples.append(ids.astype(np.int64))
+    return samples

@@ -70,6 +70,17 @@ def test_paths_errors_are_clear(tmp_path: Path) -> None:
     assert r.returncode == 2 and "record_routing_every" in r.stderr
     r = moebal("eval", str(tmp_path))
     assert r.returncode == 2 and "config.yaml" in r.stderr and "Traceback" not in r.stderr
+    # a sample cut short (a run killed while writing it, before samples were written whole) or of another shape
+    (tmp_path / "routing").mkdir()
+    import numpy as np
+
+    np.savez_compressed(tmp_path / "routing" / "step_000002.npz", ids_LTK=np.zeros((2, 3), dtype=np.int16))
+    (tmp_path / "routing" / "step_000001.npz").write_bytes(b"PK\x03\x04 cut short")
+    for step, said in ((1, "BadZipFile"), (2, "of shape (2, 3)")):
+        r = moebal("paths", str(tmp_path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"step_00000{step}.npz is not a routing sample (" in r.stderr and said in r.stderr, r.stderr
+        (tmp_path / "routing" / f"step_00000{step}.npz").unlink()
 
 
 def test_eval_names_a_converted_weights_directory(tmp_path: Path) -> None:
