@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from moebal.errors import ConfigError
+from moebal.fileio import write_text_whole
 
 __all__ = [
     "Config",
@@ -1437,10 +1438,11 @@ def to_dict(c: Any) -> dict[str, Any]:
 
 
 def dump(c: Config, path: str | Path | None = None) -> str:
-    """YAML text of a config; written to `path` when given."""
+    """YAML text of a config; written whole to `path` when given (beside it, then renamed over it: a run's
+    config.yaml is what `--resume` starts from)."""
     text: str = yaml.safe_dump(to_dict(c), sort_keys=False, default_flow_style=False)
     if path is not None:
-        Path(path).write_text(text, encoding="utf-8")
+        write_text_whole(path, text)
     return text
 
 

@@ -34,6 +34,7 @@ import torch
 from moebal.config import Config, dump
 from moebal.data import DataBundle, build_data
 from moebal.errors import TrainingError
+from moebal.fileio import write_text_whole
 from moebal.models import noise
 from moebal.train.checkpoint import (
     CheckpointReader,
@@ -151,8 +152,7 @@ class Trainer:
         if self.ctx.is_main and not self.finished:  # a resumed run with nothing left keeps its record
             dump(cfg, self.run_dir / "config.yaml")
             if self.kernels is not None:
-                (self.run_dir / "kernels.json").write_text(json.dumps({"experts": self.kernels}, indent=1) + "\n",
-                                                           encoding="utf-8")
+                write_text_whole(self.run_dir / "kernels.json", json.dumps({"experts": self.kernels}, indent=1) + "\n")
         self.setup_seconds = time.perf_counter() - t0
 
     def _local(self, model: torch.nn.Module | None, load_weights: bool) -> StepStrategy:
