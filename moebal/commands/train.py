@@ -196,8 +196,6 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
     argv = ["train", *args._argv]
     if args.out is None:
         argv += ["--out", str(out)]
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
     # restarted ranks continue from the newest complete checkpoint (or start over before the first one)
     restart = [] if args.resume or args.auto_resume else ["--auto-resume"]
     from moebal.train.rundir import LOCK_ENV, LOCK_NAME
@@ -251,6 +249,11 @@ def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) 
 
         check_export(cfg, out)  # before training, not after it
     nproc = _local_ranks(cfg) if "RANK" not in os.environ else 1
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0; got {args.max_restarts}")
+    if args.max_restarts and nproc == 1 and "RANK" not in os.environ:  # a rank of a job is started with it
+        raise ConfigError(f"--max-restarts {args.max_restarts} restarts the ranks of a --nproc N job (N > 1), and "
+                          "this run is one process: leave it out, or continue a failed run with --resume")
     if nproc > 1:
         return _spawn(args, cfg, out, nproc)
     from moebal.train.spikes import train_with_rollbacks

@@ -79,6 +79,10 @@ def test_cli_errors_are_one_clear_line(tmp_path):
         (["--steps", "2"], "--steps and the override train.steps=1 both set train.steps: give one of them"),
         (["--out", str(tmp_path / "a"), "--resume", "--resume-from", str(tmp_path / "a" / "ckpt-0000001")],
          "--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) conflict"),
+        # restarts need a launcher of several ranks (one process ignored them)
+        (["--out", str(tmp_path / "r1"), "--nproc", "1", "--max-restarts", "2"],
+         "--max-restarts 2 restarts the ranks of a --nproc N job (N > 1), and this run is one process"),
+        (["--out", str(tmp_path / "r2"), "--nproc", "1", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
     ]
     for args, expect in cases:
         r = moebal(*args, "train.steps=1")
