@@ -470,7 +470,7 @@ class CostModel:
         others = np.asarray([x for x in ranks if x != root], dtype=np.int64)
         if others.size == 0 or nbytes <= 0:
             return Collective(kind, (root,), ())
-        others = others[np.lexsort((others, topo.node_R[others] != topo.node_R[root], topo.node_R[others]))]
+        others = others[_chain_order(topo, root, others)]
         chain = np.concatenate([[root], others])
         src, dst = (chain[:-1], chain[1:]) if kind == "broadcast" else (chain[1:], chain[:-1])
         lat = len(others) * self._lat(kind, topo, chain)
@@ -490,8 +490,7 @@ class CostModel:
             if algorithm == "fanout":
                 a, b = np.full(others.size, root), others
             else:
-                others = others[np.lexsort((others, topo.node_R[others] != topo.node_R[root],
-                                            topo.node_R[others]))]
+                others = others[_chain_order(topo, root, others)]
                 chain = np.concatenate([[root], others])
                 a, b = chain[:-1], chain[1:]
             steps = max(steps, int(others.size))
@@ -593,3 +592,12 @@ class CostModel:
                              agg_bandwidth=param_bytes / bcast, nonmoe_fwd_s=fwd,
                              nonmoe_bwd_s=bwd, backward_factor=float(backward),
                              num_ranks=R)
+
+
+def _chain_order(topo: Topology, root: int, others: np.ndarray) -> np.ndarray:
+    """The order of a broadcast chain's members after `root`: the root's node-mates first, then node by node
+    (lowest node id first), ranks ascending within a node, so the chain leaves each node once. np.lexsort sorts by
+    its last key first."""
+    node = topo.node_R[others]
+    return np.lexsort((others, node, node != topo.node_R[root]))
+

@@ -9,7 +9,7 @@ dp ranks, expert gradients over the dp / ep ranks that hold the same experts. Co
 so an EP group of 8 on an 8-GPU node exchanges tokens over NVLink.
 
 Per micro-batch and MoE layer, forward (backward mirrors it with the backward GEMM shapes, dgrad + wgrad):
-1. compute: norm + attention + router + permute (merged with the previous layer's combine);
+1. compute: norm + attention + router + permute (with the layer's own combine, counted here);
 2. dispatch all-to-all (ep stream) of the byte matrix the placement implies;
 3. compute: the experts this rank holds, on the rows it computes;
 4. combine all-to-all (the transposed matrix).
@@ -321,8 +321,9 @@ class _Builder:
 
     # ---- compute times ----
     def _attn_s(self, layer: int, backward: bool = False) -> float:
-        """Attention and everything of the layer that is not expert work (router, or the dense MLP); the
-        forward includes the previous combine, the backward leaves the combine to its own op."""
+        """Attention and everything of the layer that is not expert work (router, or the dense MLP); an MoE
+        layer's forward also counts its own combine (the weighted sum after the combine all-to-all: the same
+        total, placed before the exchanges), the backward leaves the combine to its own op."""
         sh, sp, cost = self.shape, self.spec, self.cost
         t = cost.attention_s(sh, sp.micro_batch_size, sp.seq_len, backward)
         if sh.is_moe(layer):

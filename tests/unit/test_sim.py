@@ -290,6 +290,18 @@ def test_fanout_loads_the_root_and_chains_do_not() -> None:
     ref = cm.grouped([cm.broadcast(topo, 0, [0, 1, 2], 1e6), cm.broadcast(topo, 3, [3, 1], 1e6)], "broadcast")
     assert np.array_equal(many.phases[0].links, ref.phases[0].links)
     assert np.allclose(many.phases[0].nbytes, ref.phases[0].nbytes) and many.ranks == ref.ranks
+    # a chain leaves each node once: the root's node-mates first, whatever the root's node id (4 GPUs a node
+    # on h100 here: 17 and 18 on node 4, 1 and 2 on node 0, 9 and 10 on node 2)
+    cm = CostModel("h100", "bf16")
+    topo = cm.topology(32)
+    assert topo.node_R[[1, 9, 17]].tolist() == [0, 2, 4]
+    chain = cm.broadcast(topo, 17, [1, 2, 9, 10, 17, 18], 1e6)
+    assert chain.ranks == (17, 18, 1, 2, 9, 10)
+    many = cm.broadcast_many(topo, [(17, [1, 2, 9, 10, 17, 18])], 1e6)
+    assert np.array_equal(many.phases[0].links, chain.phases[0].links)
+    lo, hi = next((a, b) for a, b, label in topo.link_classes() if label == "nic_out")
+    links, nbytes = chain.phases[0].links, chain.phases[0].nbytes
+    assert nbytes[(links >= lo) & (links < hi)].sum() == pytest.approx(2e6)  # two node crossings, not three
 
 
 def test_eager_compute_settling_matches_a_fully_event_driven_run() -> None:
@@ -307,6 +319,34 @@ def test_eager_compute_settling_matches_a_fully_event_driven_run() -> None:
         run.eager = eager
         runs.append(run.go())
     assert np.allclose(runs[0].op_end, runs[1].op_end) and np.allclose(runs[0].op_start, runs[1].op_start)
+
+
+def test_block_wise_trans_of_a_layer_starts_with_the_layer_before() -> None:
+    """Pro-Prophet's scheduler issues layer l's Trans when layer l - 1 starts (not all of them at the iteration's
+    start), on the aux stream; without it Trans waits for the layer before to end, on the ep stream."""
+    from moebal.sim.program import build_program
+
+    cm = CostModel("h100", "bf16")
+    counts = SyntheticRouting(num_layers=TINY.n_layers, num_experts=8, top_k=2, zipf_s=1.2).counts(1, 1, 4, 1024)
+    rep = ExpertPlacement(num_ranks=4, owner=(0, 0, 1, 1, 2, 2, 3, 3), replicas=((1, 2), (), (), (), (), (), (), ()))
+    for overlap in (True, False):
+        spec = SimSpec(layout=Layout(4, ep=4), micro_batches=2, seq_len=256, trans_overlap=overlap)
+        res = build_program(cm, TINY, spec, counts, [[rep]] * TINY.n_layers, cm.topology(4)).run()
+
+        def at(name: str, rank: int, what: np.ndarray, res=res) -> float:
+            return float(what[next(i for i, n in enumerate(res.op_name) if n == name and res.op_rank[i] == rank)])
+
+        for rank in (1, 2):  # the holders of expert 0's replicas
+            for layer in range(1, TINY.n_layers):
+                trans = at(f"L{layer} trans", rank, res.op_start)
+                if overlap:  # issued when the block before starts (queued behind earlier Trans on the aux stream)
+                    before = at(f"F0 L{layer - 1} attn", rank, res.op_start)
+                    assert before - 1e-12 <= trans < at(f"F0 L{layer} attn", rank, res.op_start), (rank, layer)
+                    if layer >= 2:
+                        assert trans == pytest.approx(before)
+                else:  # after the block before, on the ep stream ahead of the layer's exchanges
+                    assert trans >= at(f"F0 L{layer - 1} a2a0'", rank, res.op_end) - 1e-12
+                    assert at(f"F0 L{layer} counts", rank, res.op_start) >= at(f"L{layer} trans", rank, res.op_end)
 
 
 def test_recompute_adds_the_rerun_forward_to_the_backward_on_one_rank() -> None:
