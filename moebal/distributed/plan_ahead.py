@@ -117,7 +117,8 @@ class DevicePaths:
                 marginal_E = psi_PE[0] if psi_PE.shape[0] == 1 else psi_PE.sum(0)
                 est_E += todo_T.sum().to(torch.float64) * marginal_E
                 break
-            codes_T = torch.stack(top1_TL[layer - m:layer], dim=1) @ w_m
+            # a product and a sum, not `@`: CUDA has no integer matmul (int64 addmv is CPU-only)
+            codes_T = (torch.stack(top1_TL[layer - m:layer], dim=1) * w_m).sum(dim=1)
             pos_T = torch.searchsorted(codes_P, codes_T).clamp(max=codes_P.shape[0] - 1)
             hit_T = todo_T & (codes_P[pos_T] == codes_T) & (tokens_P[pos_T] >= min_tokens)
             per_path_P = torch.zeros(codes_P.shape[0], dtype=torch.float64, device=dev)

@@ -45,6 +45,18 @@ def test_device_estimate_equals_the_profile() -> None:
     for min_tokens in (3, 100):
         np.testing.assert_allclose(dev.estimate(top1, 3, min_tokens).numpy(),
                                    prof.estimate(batch[:, :, 0].T, 3, min_tokens=min_tokens), rtol=1e-12)
+    # no integer matrix product on the device path: CUDA has none (int64 addmv is CPU-only)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoIntegerMatmul(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.bmm,
+                                       torch.ops.aten.addmm, torch.ops.aten.dot):
+                assert not any(isinstance(a, torch.Tensor) and not a.is_floating_point() for a in args), func
+            return func(*args, **(kwargs or {}))
+
+    with NoIntegerMatmul():
+        np.testing.assert_allclose(dev.estimate(top1, 3).numpy(), prof.estimate(batch[:, :, 0].T, 3), rtol=1e-12)
 
 
 def _costs() -> MoELayerCosts:
