@@ -67,6 +67,7 @@ from moebal.scheduler import CommScheduler, step_record, write_chrome_trace
 from moebal.sync import to_host
 from moebal.train.hooks import Hook
 from moebal.train.metrics import MetricsLog, routing_record
+from moebal.train.precision import uses_bf16
 
 if TYPE_CHECKING:
     from moebal.distributed.plan_ahead import PlanAhead, SavedWindow
@@ -265,7 +266,8 @@ class ExpertParallelHook(Hook):
             self.balancer.add_layer(i)
         tokens = cfg.data.batch_size * cfg.data.seq_len // ep.dims.size("dp_ep") * cfg.moe.top_k
         self._uniform = np.full((R, cfg.moe.num_experts), tokens / cfg.moe.num_experts)
-        self.token_bytes = cfg.model.dim * 4  # rows travel in the residual stream's dtype (fp32)
+        # rows travel in the compute dtype: bf16 under autocast (ExpertParallel.forward casts them), else fp32
+        self.token_bytes = cfg.model.dim * (2 if uses_bf16(cfg, ep.dims.device) else 4)
         self.chunks: list[int] | None = None  # token chunks per layer for the next step (None: not planned yet)
         self._counts_RE: list[np.ndarray] = []
         self._step_s: float | None = None
