@@ -84,16 +84,19 @@ class DevicePaths:
     [P], each path's distribution of layer j's assignments [P, E] and its token count [P]. `estimate` gives what
     `PathProfile.estimate` gives (up to float summation order) without leaving the device."""
 
-    def __init__(self, profile: PathProfile, device: torch.device) -> None:
+    def __init__(self, profile: PathProfile, device: torch.device, path_len: int | None = None) -> None:
+        """`path_len`: the longest path used (planner.path_len), at most the profile's; None: the profile's. A
+        profile of longer paths is cut to it, so a loaded profile estimates as one built online at that length."""
         E = profile.num_experts
-        if E ** max(profile.path_len, 1) >= 2 ** 62:
-            raise ValueError(f"planner.path_len {profile.path_len} with {E} experts: paths do not fit an int64 code "
+        used = profile.path_len if path_len is None else min(path_len, profile.path_len)
+        if E ** max(used, 1) >= 2 ** 62:
+            raise ValueError(f"planner.path_len {used} with {E} experts: paths do not fit an int64 code "
                              f"(E^l < 2^62); use a shorter planner.path_len")
-        self.E, self.path_len, self.num_layers = E, profile.path_len, profile.num_layers
+        self.E, self.path_len, self.num_layers = E, used, profile.num_layers
         self.tables: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = [[]]
         for tabs in profile.tables[1:]:
             layer = []
-            for m, t in enumerate(tabs):
+            for m, t in enumerate(tabs[:used + 1]):
                 weights = E ** np.arange(m - 1, -1, -1, dtype=np.int64)
                 codes_P = t.keys_Pm.astype(np.int64) @ weights if m else np.zeros(len(t.tokens_P), dtype=np.int64)
                 layer.append((upload(codes_P, device, torch.int64), upload(t.psi(), device, torch.float64),
@@ -156,7 +159,7 @@ class PlanAhead:
         # can be rebuilt from the samples alone (`window_tensors` / `load_window`: resume)
         self.samples: deque[np.ndarray] = deque(maxlen=window + refresh - 1)
         self.fresh = 0  # samples taken since the last build
-        self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device)
+        self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device, path_len)
         self.steps = 0
         self.scale = 1.0  # the step's tokens over its first forward's (`set_step_scale`)
         self._issue: IssueFn | None = None

@@ -45,6 +45,12 @@ def test_device_estimate_equals_the_profile() -> None:
     for min_tokens in (3, 100):
         np.testing.assert_allclose(dev.estimate(top1, 3, min_tokens).numpy(),
                                    prof.estimate(batch[:, :, 0].T, 3, min_tokens=min_tokens), rtol=1e-12)
+    # a profile of longer paths is cut to the planner's path length: it estimates as one built at that length
+    longer = DevicePaths(build_profile([ids], num_experts=E, path_len=4), torch.device("cpu"), path_len=2)
+    assert longer.path_len == 2 and max(len(t) for t in longer.tables) == 3
+    for layer in (1, 2, 3):
+        np.testing.assert_allclose(longer.estimate(top1, layer).numpy(), dev.estimate(top1, layer).numpy(),
+                                   rtol=1e-12, atol=1e-12)
     # no integer matrix product on the device path: CUDA has none (int64 addmv is CPU-only)
     from torch.utils._python_dispatch import TorchDispatchMode
 
