@@ -123,7 +123,9 @@ class LayerBalancer:
         if profiled:  # first: a revert below changes the slots this rank owns
             self.observe(res, factors)
         events = self._check(step, red)
-        events.update(self.plan_and_apply(step, res, plan=not events))  # no new plan on a step that reverted
+        # no new plan on a step that judged a trial: a revert has just moved layers back, and a kept partition has
+        # just been confirmed against its own measured time (the next plan point plans from it)
+        events.update(self.plan_and_apply(step, res, plan=not events))
         if self._want_after_gantt and not events.get("adopted"):
             self.keep_gantt("after", res)
             self._want_after_gantt = False
