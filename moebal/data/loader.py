@@ -42,11 +42,13 @@ class Batch:
         return Batch(self.ids_BT.to(device), self.labels_BT.to(device), self.n_tokens)
 
     def part(self, i: int, n: int) -> Batch:
-        """Rows i/n .. (i+1)/n of the batch (n divides its rows) with their own label count: a rank's share
-        (`RunContext.shard`), a micro-batch (`train.grad_accum`)."""
-        rows = self.ids_BT.shape[0] // n
-        labels = self.labels_BT[i * rows:(i + 1) * rows]
-        return Batch(self.ids_BT[i * rows:(i + 1) * rows], labels, int((labels != IGNORE).sum()))
+        """Rows i B/n .. (i+1) B/n (rounded down) of the batch's B rows with their own label count: a rank's share
+        (`RunContext.shard`), a micro-batch (`train.grad_accum`). Training batches divide evenly (the config
+        check); a validation set smaller than one batch may leave a part fewer rows, or none."""
+        B = self.ids_BT.shape[0]
+        lo, hi = i * B // n, (i + 1) * B // n
+        labels = self.labels_BT[lo:hi]
+        return Batch(self.ids_BT[lo:hi], labels, int((labels != IGNORE).sum()))
 
 
 def _batch_from_rows(rows: list[np.ndarray]) -> Batch:
@@ -268,7 +270,9 @@ def ordering_sampler(sampler: Any) -> PackedSampler | DocumentSampler | None:
 
 
 def eval_batches(split: Split, mode: str, seq_len: int, batch_size: int, n_batches: int) -> list[Batch]:
-    """A fixed validation set: up to n_batches * batch_size samples spread evenly over the split."""
+    """A fixed validation set: up to n_batches * batch_size samples spread evenly over the split, in whole
+    batches of batch_size rows (the ranks split them as they split a training batch); a split of fewer samples
+    than one batch gives one batch of all of them."""
     if split.n_tokens < 2:
         return []
     if mode == "packed":
@@ -278,6 +282,7 @@ def eval_batches(split: Split, mode: str, seq_len: int, batch_size: int, n_batch
     else:
         spans = _document_spans(split, seq_len)
     take = min(len(spans), n_batches * batch_size)
+    take = take // batch_size * batch_size or take  # whole batches: a short last one would leave ranks rowless
     pick = np.unique(np.linspace(0, len(spans) - 1, take).round().astype(np.int64))
     rows = [split.tokens_N[s:e] for s, e in spans[pick]]
     return [_batch_from_rows(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]

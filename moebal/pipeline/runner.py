@@ -393,9 +393,11 @@ class PipelineRunner:
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
         n = self.data_ranks
-        if ids.shape[0] < n:
-            raise ConfigError(f"data.batch_size ({ids.shape[0]}) is smaller than the {n} ranks of a pipeline "
-                              f"stage (data-parallel x expert-parallel): every rank needs a row")
+        if ids.shape[0] < n:  # training batches are checked with the config; a validation set may be this small
+            raise ConfigError(f"a batch of {ids.shape[0]} rows (data.batch_size {self.cfg.data.batch_size}; a "
+                              f"validation set smaller than one batch) is split over the {n} ranks of a pipeline "
+                              "stage (data-parallel x expert-parallel), and every rank needs a row: hold out more "
+                              "(data.val_fraction, data.max_bytes) or set data.val_fraction 0")
         M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
         mine = [torch.tensor_split(rows, n)[self.data_index]
                 for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]

@@ -235,7 +235,7 @@ class LocalStep:
                 b = self.ctx.shard(batch)[0].to(self.device)
                 with self.autocast():
                     out = self.model(b.ids_BT, b.labels_BT)
-                total += out.loss.item() * b.n_tokens
+                total += out.loss.item() * b.n_tokens if b.n_tokens else 0.0  # no labels: a mean of nothing
                 n += b.n_tokens
         finally:
             self.model.train()

@@ -262,6 +262,22 @@ def test_eval_batches_are_fixed_and_spread_over_the_split(tmp_path):
     assert bytes(first.tolist()) == c.val.tokens_N[:32].tobytes()
     assert bytes(last.tolist()) in c.val.tokens_N[-3 * 32 :].tobytes()
     assert eval_batches(c.val, "documents", 32, 4, 2)[0].labels_BT.shape[0] == 4
+    # whole batches only: a short last one would leave some of the ranks that split it without a row (NaN, or
+    # a pipeline's refusal mid-run); a split smaller than one batch gives one batch of all of it
+    n_spans = (c.val.n_tokens - 1) // 32
+    assert n_spans % 3 and n_spans > 3, n_spans  # the case: a partial last batch of 3 if every span were taken
+    whole = eval_batches(c.val, "packed", 32, 3, 1000)
+    assert len(whole) == n_spans // 3 and {x.ids_BT.shape[0] for x in whole} == {3}
+    assert [x.ids_BT.shape[0] for x in eval_batches(c.val, "packed", 32, n_spans + 5, 2)] == [n_spans]
+    whole = eval_batches(c.val, "packed", 32, 4, 2)
+    # a batch's parts cover every row (rows i B/n .. (i+1) B/n), evenly where n divides B
+    batch = whole[0]
+    assert [batch.part(i, 2).ids_BT.shape[0] for i in range(2)] == [2, 2]
+    three = [batch.part(i, 3) for i in range(3)]
+    assert [x.ids_BT.shape[0] for x in three] == [1, 1, 2]
+    assert torch.equal(torch.cat([x.ids_BT for x in three]), batch.ids_BT)
+    assert sum(x.n_tokens for x in three) == batch.n_tokens
+    assert batch.part(0, 5).ids_BT.shape[0] == 0 and batch.part(0, 5).n_tokens == 0
 
 
 def test_too_little_data_for_one_block_is_a_clear_error(tmp_path):
