@@ -213,6 +213,7 @@ class PlannedPipelineRunner(PipelineRunner):
         # aux_ranks: a stage's ranks that sum routing statistics run in lockstep, each adding 1/n of the loss
         self.engine = PlannedEngine(self.stage, self.chain, self.scheme, "1f1b", 1, self.engine.autocast,
                                     aux_ranks=self.data_ranks)
+        self.engine.dilate = self.opts.dilate  # as the engine it replaces (no zero bubble here: no W reducer)
         ls = self.lockstep
         kwargs = kwargs or planner_kwargs(cfg, ls.replicas, ls.ranks)
         if kwargs.get("dp", 1) != ls.replicas or kwargs.get("lockstep", 1) != ls.ranks:

@@ -64,7 +64,7 @@ def _planned_run(steps: int, rebalance: str = "off", moe: int = 0, cfg: Config |
     runner = PlannedPipelineRunner(pipeline_cfg(cfg, opts), **runner_knobs(opts),
                                    scheme=build_dynamism(scheme, SCHEMES.get(scheme, {}), cfg=cfg))
     out = runner.train(steps)
-    return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes,
+    return {"losses": [r["loss"] for r in out.records], "sizes": out.final_sizes, "dilate": runner.engine.dilate,
             "migrations": [(r["step"], r["migration"]) for r in out.records if "migration" in r]}
 
 
@@ -86,7 +86,7 @@ def _two_ranks(rank: int, world: int, path: str) -> dict:
         "open_loop": _feedback_run(8, True, enabled=False),
         **{f"{scheme}_{case}": _feedback_run(6, slower, scheme)
            for scheme in ("moe", "freezing", "pruning") for case, slower in (("static", None), ("partition", False))},
-        "planned_static": _planned_run(4),
+        "planned_static": _planned_run(4, dilate=1.25),  # an emulated slower device: the same losses
         "planned_rebalance": _planned_run(4, "partition", bandwidth=1e15, latency=0.0, force=((2, (1, 3)),)),
         "planned_moe_static": _planned_run(4, moe=4),
         "planned_moe_rebalance": _planned_run(4, "diffusion", moe=4, bandwidth=1e15, latency=0.0,
@@ -173,6 +173,8 @@ def test_planned_micro_batches_compose_with_layer_rebalancing(two):
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(run["losses"], static["losses"])), \
         (run["losses"], static["losses"])
     assert run["losses"][:2] == static["losses"][:2]  # before the move: bit for bit
+    # pipeline.dilate reaches the planned engine (it once stayed on the engine the planned one replaced)
+    assert static["dilate"] == 1.25 and run["dilate"] == 1.0
 
 
 def test_every_scheme_s_partition_under_the_closed_loop_keeps_the_losses(two):
