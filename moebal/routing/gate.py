@@ -180,7 +180,10 @@ def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None =
     taken_TK = None
     weights_TK = p_TK
     if spec.adaptive_threshold is not None and spec.top_k > 1:
-        taken_TK = adaptive_take(p_TK, spec.adaptive_threshold)
+        # the rule compares normalised probabilities; with norm_topk off (softmax_topk: Qwen2-MoE's) the combine
+        # weights are the raw ones, so the gaps are taken on them renormalised
+        normalised = p_TK if spec.norm_topk else p_TK / p_TK.sum(dim=-1, keepdim=True)
+        taken_TK = adaptive_take(normalised, spec.adaptive_threshold)
         # Renormalise over the taken experts (Mixtral convention, and what makes T=0 equal a top-1 gate and
         # T=1 a top-k gate); the paper's Eq. 5.3 uses raw probabilities, which matches neither.
         masked_TK = p_TK * taken_TK

@@ -61,6 +61,16 @@ def test_adaptive_take_by_hand() -> None:
     assert adaptive_take(p_TK, 1.0).all()
 
 
+def test_adaptive_gating_takes_the_same_experts_whether_or_not_the_weights_are_normalised() -> None:
+    """The rule's gaps are between normalised probabilities: softmax_topk without norm_topk (Qwen2-MoE's raw
+    weights) takes the experts it takes with norm_topk, only the combine weights differ."""
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    a, b = (route(logits, GateSpec(num_experts=8, top_k=2, adaptive_threshold=0.065, norm_topk=n))
+            for n in (True, False))
+    assert torch.equal(a.indices_TK, b.indices_TK) and torch.equal(a.active_TK, b.active_TK)
+    assert 0 < int(a.active_TK[:, 1].sum()) < 64  # the threshold splits the tokens
+
+
 @settings(max_examples=30, deadline=None)
 @given(T=st.integers(1, 30), E=st.integers(2, 8), data=st.data())
 def test_adaptive_share_grows_with_threshold(T: int, E: int, data: st.DataObject) -> None:
