@@ -140,7 +140,8 @@ class ModelConfig:
     null: full causal attention."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of linear and embedding weights; residual output projections
-    (attention's o_proj, the MLP's and experts' down projections) take init_std / sqrt(2 * n_layers) (GPT-2)."""
+    (attention's o_proj, a dense MLP's down_proj, the routed experts' w2; not the shared expert's) take init_std /
+    sqrt(2 * n_layers) (GPT-2)."""
     rope_scaling: RopeScalingConfig | None = None
     """YaRN rotary scaling (DeepSeek-V2/V3); null: plain RoPE. Implemented for multi-head latent attention."""
     mla: MLAConfig | None = None

@@ -318,7 +318,10 @@ class MoebalForCausalLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)
-        (GPT-2) so the residual stream's variance does not grow with depth."""
+        (GPT-2) so the residual stream's variance does not grow with depth: attention's o_proj, a dense MLP's
+        down_proj and the routed experts' w2. The MoE layer's other weights, its shared expert's down projection
+        included, keep its own Normal(0, init_std) (`MoELayer.reset_parameters`; rank-local initialisation
+        rebuilds exactly this)."""
         std = self.config.model.init_std
         out_std = std / math.sqrt(2 * self.config.model.n_layers)
         for name, p in self.named_parameters():
