@@ -314,14 +314,18 @@ class Dynamism:
 def layer_token_flops(cfg: Any, i: int, seq_len: int) -> dict[str, float]:
     """Multiply-adds per token of decoder layer i, by part: "q_o" (query and output projections), "kv"
     (key/value projections), "attn" (scores and weighted sum, a causal sequence of `seq_len`: T/2 keys on
-    average), "ffn" (dense SwiGLU, or the top_k experts' SwiGLU plus the router). The schemes' cost
-    predictions are ratios of these sums, so the unit does not matter."""
+    average), "ffn" (dense SwiGLU, or the top_k experts' SwiGLU plus the router and the shared expert's SwiGLU, its
+    width as `MoELayer.from_config` sets it). The schemes' cost predictions are ratios of these sums, so the unit
+    does not matter."""
     m, hd = cfg.model, cfg.head_dim
     q_o = 2.0 * m.dim * m.n_heads * hd
     kv = 2.0 * m.dim * m.n_kv_heads * hd
     attn = 2.0 * (seq_len / 2.0) * m.n_heads * hd
     if cfg.is_moe_layer(i):
         ffn = cfg.moe.top_k * 3.0 * m.dim * cfg.expert_ffn_dim + m.dim * cfg.moe.num_experts
+        moe = cfg.moe
+        shared = (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
+        ffn += 3.0 * m.dim * shared + (m.dim if moe.shared_gate and shared else 0.0)
     else:
         ffn = 3.0 * m.dim * m.ffn_dim
     return {"q_o": q_o, "kv": kv, "attn": attn, "ffn": ffn}
