@@ -303,6 +303,9 @@ class MixtureOfDepths(Dynamism):
                 out.append(((f["q_o"] + f["kv"] + f["ffn"]) * c + f["attn"] * c * c) / sum(f.values()))
         return out
 
+    def drop_layer(self, i: int) -> None:
+        self.accuracy.pop(i, None)  # a layer that migrated away: its predictor's figures are its new stage's
+
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mod_capacity": round(self.current_capacity(), 6),
                                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}

@@ -123,6 +123,12 @@ def test_layer_token_flops_by_hand():
     assert f == {"q_o": 2 * 32 * 32, "kv": 2 * 32 * 16, "attn": 2 * 8 * 32, "ffn": 3 * 32 * 64}
     moe = layer_token_flops(small(2, experts=4), 0, 16)
     assert moe["ffn"] == 2 * 3 * 32 * 16 + 32 * 4
+    # a shared expert (as wide as shared_experts x expert_ffn_dim, or shared_ffn_dim) and its gate count too
+    shared = dataclasses.replace(small(2, experts=4), moe=dataclasses.replace(small(2, experts=4).moe,
+                                                                             shared_experts=2, shared_gate=True))
+    assert layer_token_flops(shared, 0, 16)["ffn"] == moe["ffn"] + 3 * 32 * (2 * 16) + 32
+    wide = dataclasses.replace(shared, moe=dataclasses.replace(shared.moe, shared_ffn_dim=40, shared_gate=False))
+    assert layer_token_flops(wide, 0, 16)["ffn"] == moe["ffn"] + 3 * 32 * 40
 
 
 def test_early_exit_cost_and_threshold_by_hand():
@@ -349,3 +355,12 @@ def test_mod_routed_block_with_bf16_weights_stays_under_autocast():
                                train=dataclasses.replace(cfg.train, precision="bf16"))
     with pytest.raises(ConfigError, match="subset_precision fp32"):
         build_dynamism("mod", {"subset_precision": "fp32"}, cfg=bf16)
+
+
+def test_mixture_of_depths_forgets_a_layer_that_left_the_stage():
+    """Its predictor figures (accuracy, recall, precision) are reported by the stage that holds the layer."""
+    mod = build_dynamism("mod", {"capacity": 0.5, "every": 2, "first_layer": 1, "predictor": 8}, cfg=small(4))
+    mod.accuracy = {1: torch.tensor([0.9, 0.8, 0.7]), 3: torch.tensor([0.6, 0.5, 0.4])}
+    assert set(mod.metrics()["predictor_accuracy"]) == {1, 3}
+    mod.drop_layer(3)
+    assert mod.metrics()["predictor_accuracy"] == {1: 0.9}
