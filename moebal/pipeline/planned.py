@@ -23,7 +23,10 @@ One iteration on stage p of data-parallel replica d (`PlannedEngine.run_plan`):
 Loss normalisation: per token. The last stage adds each micro-batch's summed token cross-entropy divided by
 the *global* batch's label count, so the micro-batch losses sum to the mean loss per token of the whole
 batch: the same loss and the same gradients as the samples in one batch, whatever the split (tested).
-Padding positions carry label -100 and, right-padded under causal attention, never affect a real position.
+Padding positions carry label -100 and, right-padded under causal attention, never reach a real position's
+attention. They are routed like real tokens, though: under a capacity factor they take expert capacity, and they
+count in the MoE auxiliary losses and the routing statistics (dropless routing leaves the real tokens' outputs
+alone; the same holds for document-mode padding anywhere).
 A dynamism scheme gets each padded row's real tokens in its carry (`ROW_TOKENS`, from the plan on every stage,
 never sent): Mixture-of-Depths keeps the share of a row's real tokens, early exit counts only those.
 MoE auxiliary losses are weighted by each micro-batch's share of the batch's real tokens (the whole
