@@ -386,9 +386,11 @@ class PipelineRunner:
 
         Micro-batch-major split: the global batch is cut into the M micro-batches first, and the ranks of a stage
         (data-parallel replicas x expert shards) split each micro-batch's rows. So global micro-batch j holds the
-        same rows under every data-parallel size, and what is not linear in the tokens (the load-balancing loss
-        from a micro-batch's summed routing statistics) is the same too: a resume under another layout keeps
-        the maths. (Splitting the batch by rank first would group rows into micro-batches by layout.)
+        same rows under every data-parallel size that gives each rank a row of every micro-batch
+        (pipeline.micro_batches <= data.batch_size / ranks; beyond that the count is capped at that quotient,
+        which depends on the layout), and what is not linear in the tokens (the load-balancing loss from a
+        micro-batch's summed routing statistics) is the same too: a resume under another such layout keeps the
+        maths. (Splitting the batch by rank first would group rows into micro-batches by layout.)
         """
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
