@@ -113,11 +113,12 @@ class ExchangePlan:
     (`train.recompute`: moebal/models/recompute.py)."""
 
     def __post_init__(self) -> None:
+        # The chunk count is the planner's, the same on every rank of the group: each chunk is one all-to-all that
+        # every rank issues, so no rank may fall back to fewer on its own (a rank with few rows sends empty
+        # chunks; one that issued fewer collectives than its peers would pair them wrongly and hang).
         c = max(1, int(self.chunks))
         send_R = [sum(r) for r in self.send_counts]
         recv_R = [sum(r) for r in self.recv_counts]
-        if c > 1 and max(max(send_R, default=0), max(recv_R, default=0)) < c:
-            c = 1  # fewer rows than chunks on every link: chunking would only add latency
         self.chunks = c
         send_parts = [split_sizes(n, c) for n in send_R]
         recv_parts = [split_sizes(n, c) for n in recv_R]

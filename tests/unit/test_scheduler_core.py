@@ -156,3 +156,18 @@ def test_forecast_lets_a_chunk_go_that_finishes_before_the_next_all_to_all():
         assert chunk.finished < a2a.queued and sched.held_s == 0.0
     finally:
         sched.close()
+
+
+def test_every_rank_of_an_exchange_issues_the_planned_chunk_count():
+    """Each chunk is one all-to-all of the whole group: a rank with fewer rows than chunks on every link sends
+    empty chunks rather than falling back to fewer collectives than its peers (which would pair them wrongly)."""
+    from moebal.scheduler.exchange import ExchangePlan
+
+    # 2 ranks, 2 experts (one each), 2 chunks: rank 0 sends itself 5 rows and rank 1 one; rank 1 one row each way
+    plans = [ExchangePlan(send_counts=[[5, 0], [0, 1]], recv_counts=[[5, 0], [1, 0]], local=[0], chunks=2,
+                          device=torch.device("cpu")),
+             ExchangePlan(send_counts=[[1, 0], [0, 1]], recv_counts=[[0, 1], [0, 1]], local=[1], chunks=2,
+                          device=torch.device("cpu"))]
+    assert [p.chunks for p in plans] == [2, 2] and [len(p.parts) for p in plans] == [2, 2]
+    # the rows still add up: every row goes out once over the chunks
+    assert [sum(sum(c.send) for c in p.parts) for p in plans] == [6, 2]
