@@ -69,7 +69,8 @@ class NodeConfig:
     """What the ssh template puts in {host}: an ssh destination (`user@gpu-07`), a network namespace, ...
     Slurm: optional; when every node names one, the job asks for exactly these (--nodelist)."""
     addr: str | None = None
-    """Address the other nodes reach this node at (torchrun --local-addr); null: the host's own name."""
+    """Address the other nodes reach this node at (torchrun --local-addr); null: the host's own name (of an ssh
+    destination `user@gpu-07`, gpu-07)."""
     slots: int = 1
     """Ranks on this node (torchrun --nproc-per-node): one per GPU, or per group of cores on a CPU node."""
     env: dict[str, str | int | float] = field(default_factory=dict)
@@ -187,6 +188,8 @@ class ClusterConfig:
         first = self.nodes[0]
         host = first.addr or first.host
         assert host is not None  # _check: ssh nodes always name a host
+        if first.addr is None:  # an ssh destination (`user@gpu-07`): the address is the host part
+            host = host.rpartition("@")[2]
         return f"{_bracket(host)}:{self.rendezvous.port}"
 
 

@@ -342,3 +342,14 @@ def test_slurm_srun_leaves_cpus_to_slurm_when_unset(tmp_path):
     out = str(c.train.out)
     script = sbatch_script(c, train_argv(c, out), out)
     assert "--cpus-per-task" not in script
+
+
+def test_the_default_rendezvous_address_is_the_first_hosts_name_without_its_ssh_user(tmp_path):
+    data = _cluster(tmp_path)
+    data["nodes"] = [{"host": "alice@gpu-07", "slots": 2}, {"host": "alice@gpu-08", "slots": 2}]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_cluster(path).endpoint == "gpu-07:29999"  # torchrun cannot resolve alice@gpu-07
+    data["nodes"][0]["addr"] = "10.1.2.3"
+    path.write_text(yaml.safe_dump(data))
+    assert load_cluster(path).endpoint == "10.1.2.3:29999"
