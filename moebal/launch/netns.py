@@ -168,8 +168,11 @@ def _run_once(script: str | Path, world: int, spec: dict[str, Any], link_mbit: f
                 procs.append(subprocess.Popen(cmd, env=env, stderr=err))
         started = lambda: all((Path(tmp) / f"ready{r}").exists() for r in range(world))  # noqa: E731
         deadline = time.monotonic() + 3600
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if not started() and any(p.returncode for p in procs):
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]  # every rank's, each turn (`any` would stop at the first live one)
+            if all(c is not None for c in codes):
+                break
+            if not started() and any(codes):
                 break  # a rank died in start-up: the others would wait for it until their timeout
             time.sleep(0.5)
         early = not started()
