@@ -1243,8 +1243,9 @@ def to_hf(model: MoebalForCausalLM, path: str | Path, *, arch: str | None = None
     and its tokenizer. `keep_origin=False` writes config.json from the model's config alone."""
     cfg = model.config
     origin = (getattr(model, "hf_origin", None) or hf_origin(cfg.hf.init_from)) if keep_origin else None
-    if origin is not None and base is None and copy_from is None:
-        base, copy_from = origin.base, origin.path
+    if origin is not None:  # each that is not given: the origin's
+        base = origin.base if base is None else base
+        copy_from = origin.path if copy_from is None else copy_from
     params = dict(model.state_dict())
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in DTYPE_NAMES:

@@ -237,6 +237,22 @@ def test_the_export_check_compares_the_target_the_export_writes_with_init_from(m
         check_export(cfg(path), tmp_path / "run")
 
 
+def test_an_export_takes_base_and_copy_from_each_from_the_origin_when_not_given(mixtral_dir, tmp_path):
+    """`base` (the config.json whose keys are kept) and `copy_from` (tokenizer, generation files) default one by
+    one: giving one of them keeps the origin's other (it once took the origin only when both were missing)."""
+    path, _ = mixtral_dir
+    model = from_hf(path)
+    original = json.loads((path / "config.json").read_text())
+    to_hf(model, tmp_path / "a", base={**original, "note": "mine"})
+    assert (tmp_path / "a" / "generation_config.json").is_file()  # copied from the origin
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["note"] == "mine"
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "generation_config.json").write_text('{"max_length": 7}')
+    to_hf(model, tmp_path / "b", copy_from=tmp_path / "files")
+    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"max_length": 7}
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == original  # the origin's config.json
+
+
 def test_export_refuses_mixture_of_depths_and_keeps_the_schemes_that_only_skip_work():
     from moebal.config import Config, with_overrides
     from moebal.interop.hf import check_exportable
