@@ -1320,6 +1320,7 @@ def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str |
         for ln in (ln for ln in links if ln.zeros is None):
             parts.setdefault(ln.ours, []).append(ln)
         reader = ScratchReader(source).prime()
+        info, keep = source.info(), _KEEP_FP32.get(arch)
         entries = []
         for name, group in parts.items():
             group.sort(key=lambda ln: -1 if ln.index is None else ln.index)
@@ -1327,7 +1328,9 @@ def hf_to_moebal(src: str | Path, dst: str | Path, *, dtype: torch.dtype | str |
             def produce(group: list[Link] = group) -> Iterable[torch.Tensor]:
                 return (read_link(reader, ln) for ln in group)
 
-            entries.append(OutTensor(name, out_dtype, shapes[name], produce))
+            # what transformers keeps in fp32 in a bf16 checkpoint (DeepSeek's router) stays fp32, as `to_hf` writes it
+            fp32 = keep is not None and all(keep.search(ln.hf) and info[ln.hf].dtype == torch.float32 for ln in group)
+            entries.append(OutTensor(name, torch.float32 if fp32 else out_dtype, shapes[name], produce))
         if final.exists() and not overwrite:
             raise CheckpointError(f"{final} already exists: choose a new directory or pass --overwrite")
         final.parent.mkdir(parents=True, exist_ok=True)

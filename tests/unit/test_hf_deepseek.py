@@ -150,6 +150,14 @@ def test_bf16_round_trip_keeps_the_fp32_router_bit_identical(version, tmp_path):
     a, b = read_tensors(tmp_path / "b"), read_tensors(to_hf(ours, tmp_path / "c"))
     assert {k: v.dtype for k, v in a.items()} == {k: v.dtype for k, v in b.items()}
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # through a moebal weights directory (`moebal convert` both ways): the router stays fp32 there too
+    from moebal.interop.hf import hf_to_moebal
+
+    hf_to_moebal(tmp_path / "b", tmp_path / "mb")
+    assert from_hf(tmp_path / "mb", dtype="auto").model.layers[1].block_sparse_moe.gate.weight.dtype == torch.float32
+    c = read_tensors(to_hf(from_hf(tmp_path / "mb", dtype="auto"), tmp_path / "d"))
+    assert {k: v.dtype for k, v in a.items()} == {k: v.dtype for k, v in c.items()}
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_router_fp32_ignores_autocast():
