@@ -177,20 +177,22 @@ def _rope_theta(hf: dict[str, Any], default: float, where: str) -> float:
 
 
 def _common(hf: dict[str, Any], where: str, *, rope: float, eps: float, kv_default: int | None,
-            max_pos: int, vocab: int) -> dict[str, Any]:
-    """The decoder fields every supported architecture shares (LLaMA's names)."""
+            max_pos: int, vocab: int, shape: tuple[int, int, int] = (4096, 32, 32)) -> dict[str, Any]:
+    """The decoder fields every supported architecture shares (LLaMA's names). Keys the config.json leaves out
+    take the architecture's transformers defaults: `shape` is (hidden_size, num_hidden_layers,
+    num_attention_heads)."""
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{where}: hidden_act '{act}' is not supported: moebal's MLPs and experts are SwiGLU "
                               f"(silu)")
-    dim = _get(hf, "hidden_size", 4096, where)
-    heads = _get(hf, "num_attention_heads", 32, where)
+    dim = _get(hf, "hidden_size", shape[0], where)
+    heads = _get(hf, "num_attention_heads", shape[2], where)
     kv = _get(hf, "num_key_value_heads", kv_default or heads, where)
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim == dim // heads and dim % heads == 0:
         head_dim = None  # the default: keep the config's null
     return {"vocab_size": _get(hf, "vocab_size", vocab, where), "dim": dim,
-            "n_layers": _get(hf, "num_hidden_layers", 32, where), "n_heads": heads, "n_kv_heads": kv,
+            "n_layers": _get(hf, "num_hidden_layers", shape[1], where), "n_heads": heads, "n_kv_heads": kv,
             "head_dim": head_dim, "max_seq_len": _get(hf, "max_position_embeddings", max_pos, where),
             "rope_theta": _rope_theta(hf, rope, where), "norm_eps": _get(hf, "rms_norm_eps", eps, where, float),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qk_norm": "none", "sliding_window": None}
@@ -279,16 +281,18 @@ def _num_experts(hf: dict[str, Any], where: str, default: int) -> int:
     return E
 
 
-def _routed_moe(hf: dict[str, Any], where: str, n_layers: int, E: int, ffn: int) -> dict[str, Any]:
-    """The MoE fields Qwen2-MoE, Qwen3-MoE and OLMoE share: softmax, top-k, optionally renormalised."""
-    return {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", 8, where), "expert_ffn_dim": ffn,
+def _routed_moe(hf: dict[str, Any], where: str, n_layers: int, E: int, ffn: int, top_k: int = 8) -> dict[str, Any]:
+    """The MoE fields Qwen2-MoE, Qwen3-MoE and OLMoE share: softmax, top-k, optionally renormalised (`top_k`: the
+    architecture's default num_experts_per_tok)."""
+    return {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", top_k, where), "expert_ffn_dim": ffn,
             "every": _get(hf, "decoder_sparse_step", 1, where), "dense_layers": _dense_layers(hf, where, n_layers),
             "shared_experts": 0, "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
             "gate": "softmax_topk", "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0}
 
 
 def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
-    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=16, max_pos=32768, vocab=151936)
+    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=16, max_pos=32768, vocab=151936,
+                    shape=(2048, 24, 16))
     _no_sliding_window(hf, where)
     shared = _get(hf, "shared_expert_intermediate_size", 5632, where)
     if shared < 0:
@@ -296,7 +300,7 @@ def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
     model["ffn_dim"] = _get(hf, "intermediate_size", 5632, where)
     model["attention_bias"] = bool(hf.get("qkv_bias", True))
     moe = _routed_moe(hf, where, model["n_layers"], _num_experts(hf, where, 60),
-                      _get(hf, "moe_intermediate_size", 1408, where))
+                      _get(hf, "moe_intermediate_size", 1408, where), top_k=4)
     if shared:  # size 0: the checkpoint's shared expert has empty weights (no shared expert)
         moe.update(shared_experts=1, shared_ffn_dim=shared, shared_gate=True)
     defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float)}}
@@ -306,7 +310,8 @@ def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
 def _qwen3_moe(hf: dict[str, Any], where: str) -> HFFields:
     # Qwen3MoeConfig's defaults; the architecture is Qwen2-MoE's without shared expert and biases, plus an
     # RMSNorm over each query and key head before rotary.
-    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=4, max_pos=32768, vocab=151936)
+    model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=4, max_pos=32768, vocab=151936,
+                    shape=(2048, 24, 32))
     _no_sliding_window(hf, where)
     if hf.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias is true; biases on q, k, v and o are not supported "
@@ -320,7 +325,8 @@ def _qwen3_moe(hf: dict[str, Any], where: str) -> HFFields:
 
 def _olmoe(hf: dict[str, Any], where: str) -> HFFields:
     # OlmoeConfig's defaults; every layer is MoE, q and k are normalised over the whole projection.
-    model = _common(hf, where, rope=10000.0, eps=1e-5, kv_default=None, max_pos=4096, vocab=50304)
+    model = _common(hf, where, rope=10000.0, eps=1e-5, kv_default=None, max_pos=4096, vocab=50304,
+                    shape=(2048, 16, 16))
     for key in ("attention_bias", "clip_qkv"):
         if hf.get(key):
             raise CheckpointError(f"{where}: {key} is {hf[key]!r}; moebal maps OLMoE without it (the released "
@@ -566,7 +572,7 @@ def _deepseek_model(hf: dict[str, Any], where: str, v3: bool) -> dict[str, Any]:
     plain = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters", "head_dim")}
     plain["rope_theta"] = theta
     model = _common(plain, where, rope=10000.0, eps=1e-6, kv_default=None, max_pos=4096 if v3 else 2048,
-                    vocab=129280 if v3 else 102400)
+                    vocab=129280 if v3 else 102400, shape=(7168, 61, 128) if v3 else (4096, 32, 32))
     q_rank = hf.get("q_lora_rank", 1536)
     if q_rank is not None and (not isinstance(q_rank, int) or isinstance(q_rank, bool)):
         raise CheckpointError(f"{where}: 'q_lora_rank' must be an integer or null; got {q_rank!r}")

@@ -315,3 +315,21 @@ def test_an_expert_parallel_rank_reads_only_its_experts(mixtral_dir):
             assert torch.equal(getattr(b.experts, n), getattr(a.experts, n)[2:4])
         assert torch.equal(a.gate.weight, b.gate.weight)
     assert torch.equal(part.lm_head.weight, full.lm_head.weight)
+
+
+@pytest.mark.parametrize("arch, model_type, hf_class", [
+    ("MixtralForCausalLM", "mixtral", "MixtralConfig"), ("Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeConfig"),
+    ("Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeConfig"), ("OlmoeForCausalLM", "olmoe", "OlmoeConfig"),
+    ("DeepseekV2ForCausalLM", "deepseek_v2", "DeepseekV2Config"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3", "DeepseekV3Config")])
+def test_keys_a_config_leaves_out_mean_what_they_mean_to_transformers(tmp_path, arch, model_type, hf_class):
+    transformers = transformers_or_skip()
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type}))
+    ours, theirs = config_from_hf(tmp_path), getattr(transformers, hf_class)()
+    experts = getattr(theirs, "num_local_experts", None) or getattr(theirs, "num_experts", None) or \
+        theirs.n_routed_experts
+    assert (ours.model.dim, ours.model.n_layers, ours.model.n_heads, ours.model.n_kv_heads, ours.moe.num_experts) \
+        == (theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, theirs.num_key_value_heads,
+            experts)
+    if theirs.num_experts_per_tok is not None:  # DeepseekV2Config leaves it None: moebal reads 6, V2's release
+        assert ours.moe.top_k == theirs.num_experts_per_tok
