@@ -493,9 +493,10 @@ def block_sparse_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: t
                            sel: BlockSelection, path: str | None = None) -> torch.Tensor:
     """Causal attention of each query block over its selected key blocks only (differentiable in q, k, v).
 
-    `path`: "split" (parts merged by log-sum-exp, CPU only) or "masked" (public SDPA with an additive
-    mask on the diagonal block, any device); None takes `default_path` for q's device and shape. Both compute the same
-    attention (tested against each other and against `dense_block_attention`)."""
+    `path`: "split" (parts merged by log-sum-exp, CPU only), "masked" (public SDPA with an additive mask on the
+    diagonal block, any device) or "flex" (flex attention's block mask, CUDA's default); None takes `default_path`
+    for q's device and shape. All compute the same attention (tested against each other and against
+    `dense_block_attention`; flex where a CUDA device runs it: scripts/gpu_check.py)."""
     if path is None:
         path = default_path(q_BHTK.device, sel.block, q_BHTK.shape[1] // k_BGTK.shape[1])
     if path == "split":

@@ -85,7 +85,8 @@ def _as_list(works: Works) -> list[Any]:
 
 # ---- how completion is observed ------------------------------------------------------------------------------
 class Completion:
-    """Calls `callback(error_or_None)` once every work of an issued operation has finished."""
+    """Calls `callback(error_or_None)` once every work of an issued operation has finished, or at the first one
+    that fails (with its error; the others may still be running: fail fast)."""
 
     device_type = "cpu"
     """The device whose collectives this strategy observes (`CommScheduler` refuses another pairing)."""
