@@ -206,7 +206,7 @@ def _run_group(rank: int, group: dict[str, Any]) -> list[dict[str, Any]] | None:
         base, sched = split_variant(name)
         out.append({"scheme": group["scheme"], "wait": group["wait"], "schedule": sched,
                     "units": variant_units(name),
-                    "round": group["round"], "variant": name,
+                    "round": group["round"], "variant": name, "micro_batches": group["micro_batches"],
                     "repack_experiment": bool(group.get("repack_experiment")),
                     "balancer": VARIANTS[base][0].replace("off", "static"), "repack": VARIANTS[base][1],
                     "records": s.records, "plans": s.plans, "gantt": s.gantt, "wall_s": wall,
@@ -279,9 +279,10 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
     # from what 4 ranks sharing 2 vCPUs do (concurrent compute slows every rank's compute down, idle-stage
     # spinning does not)
     n_st = min(len(r["stage_cpu_s"]) for r in win)
-    cpu_loads = [statistics.median(r["stage_cpu_s"][i] for r in win) / 16 for i in range(n_st)]
+    m = run.get("micro_batches", MICRO_BATCHES)  # the run's (records before it was kept: the default, 16)
+    cpu_loads = [statistics.median(r["stage_cpu_s"][i] for r in win) / m for i in range(n_st)]
     # zero bubble: each stage's W share of its (nominal 2/3) backward, as measured
-    w_loads = [statistics.median(r.get("stage_w_cpu_s", [0.0] * n_st)[i] for r in win) / 16 for i in range(n_st)]
+    w_loads = [statistics.median(r.get("stage_w_cpu_s", [0.0] * n_st)[i] for r in win) / m for i in range(n_st)]
     w_share = [min(w / (2 * c / 3), 1.0) if c > 0 else 0.0 for w, c in zip(w_loads, cpu_loads)]
     released = sorted({x for r in recs for x in r.get("released_ranks", [])})
     last = recs[-1]
@@ -311,7 +312,7 @@ def summarise_run(run: dict[str, Any], settle: int) -> dict[str, Any]:
         "predicted_imbalance": statistics.median(predicted) if predicted else None,
         "stage_busy_s_median": per_stage["stage_busy_s"], "stage_cpu_s_median": per_stage["stage_cpu_s"],
         "pipeline_s_median": statistics.median(r["pipeline_s"] for r in win),
-        "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], 16,
+        "cpu_model_iteration_s": replay_time([x / 3 for x in cpu_loads], [2 * x / 3 for x in cpu_loads], m,
                                              schedule=run["schedule"], w_share=w_share),
         "w_share_of_backward": [round(x, 4) for x in w_share],
         "stage_cpu_s": last["stage_cpu_s"], "final_sizes": last["sizes"], "stages_at_end": last["stages"],

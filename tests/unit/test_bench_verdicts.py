@@ -130,3 +130,19 @@ def test_the_unit_ceiling_costs_the_start_and_the_best_partition_from_the_last_p
             _row("sparse_attention", "diffusion", 0, 1050.0, unit_ceiling={"ceiling": 1.09})]
     target = bench.verdicts(rows)["targets"]["dilate: sparse_attention: best rebalanced / static >= 1.15"]
     assert target == {"measured": 1.06, "met": False, "unit_ceiling": 1.085}
+
+
+def test_the_dedicated_device_estimate_replays_the_runs_own_micro_batch_count(bench):
+    """Uniform stages of 0.8 s CPU time a step, 1F1B over 4 stages: (M + 3) micro-batch slots of 0.8 / M s each
+    (it once divided by 16 and replayed 16 whatever `--micro-batches` said)."""
+    def rec(step: int) -> dict:
+        return {"step": step, "step_time_s": 1.0, "stage_cpu_s": [0.8] * 4, "stage_busy_s": [0.9] * 4, "tokens": 100,
+                "stages": 4, "overhead_s": 0.0, "bubble_ratio": 0.1, "cpu_imbalance": 1.0, "busy_imbalance": 1.0,
+                "pipeline_s": 1.0, "sizes": [6] * 4, "profiled": False, "layers_moved": 0, "loss": 1.0}
+
+    run = {"scheme": "none", "balancer": "static", "repack": False, "wait": "spin", "schedule": "1f1b", "round": 0,
+           "variant": "static", "repack_experiment": False, "plans": [], "load_before": 1.0, "load_after": 1.0,
+           "wall_s": 1.0, "gantt": {}, "records": [rec(s) for s in range(1, 9)]}
+    for m in (16, 8):
+        out = bench.summarise_run({**run, "micro_batches": m}, 2)
+        assert out["cpu_model_iteration_s"] == pytest.approx((m + 3) * 0.8 / m)
