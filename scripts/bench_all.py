@@ -7,8 +7,10 @@ Every row of the README's Results table names a command; `ROWS` below holds one 
 the run behind it, and how its figure is read from that run's JSON). Rows that share a command share one run
 (`RUNS`). Each run is its own subprocess from the repository root, with `--json` into a temporary folder (or
 `--json` to stdout for the `moebal` subcommands that print their JSON), and a per-run timeout. `--full` runs
-each command as the README names it; `--quick` adds the script's own `--quick` where it has one (and drops
-the README's options that would override it); a command without a quick form runs as in `--full`. A run that
+each command as the README names it; `--quick` runs each run's quick form (`Run.quick`: mostly the script's own
+`--quick`, without the README's options that would override it; bench_sparse_attention, which has none, at
+`--seq 512 --repeats 3`, a figure that is then not the README's 2,048-token claim); a command without a quick
+form runs as in `--full`. A run that
 fails or times out is recorded as failed with its message and the others go on. Test rows (`pytest`) run the
 tests; their figure is the pytest summary line. GPU-only runs are skipped with the reason when torch sees no
 CUDA device.

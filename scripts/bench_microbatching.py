@@ -54,6 +54,9 @@ CPU_ONLY = "it times 4 gloo ranks of one thread each on this machine's cores"
 
 METHODS = ("padding", "packing", "dynamic")
 PAPER_GPT_SPEEDUP = 3.25
+LOSS_RTOL = 1e-6
+"""Dynamic and padding train the same samples with the same per-token loss: their losses may differ only by the
+order of the sums (measured 2e-8 to 4e-8 relative, docs/microbatching.md); a larger difference fails the run."""
 
 
 def bench_config(max_len: int, batch: int, method: str, costs: str, wait: str, workers: int) -> Config:
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(abs(a - b) / abs(b) for a, b in zip(dyn["losses"], pad["losses"]))
             for r in rows:
                 r["dynamic_vs_padding_loss_rel_diff"] = worst
+                r["dynamic_vs_padding_losses_equal"] = worst <= LOSS_RTOL
             records += rows
             print(f"max {max_len}: {warmup + steps} interleaved steps of each method in {rows[0]['wall_s']:.0f} s",
                   file=sys.stderr)
@@ -361,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                                            else Path("bench-microbatching.png"))
     write_png(records, png)
     print(f"wrote {args.json or '(no json)'} and {png}", file=sys.stderr)
+    unequal = sorted({r["max_len"] for r in records if r.get("dynamic_vs_padding_losses_equal") is False})
+    if unequal:
+        print(f"bench_microbatching: FAILED: dynamic and padding losses differ by more than {LOSS_RTOL:g} "
+              f"(relative) at maximum length {unequal}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,7 +29,8 @@ recorded as that check's failure with the traceback's last lines, and the next c
 8. memory_plan: `moebal train --nproc 1` for a few steps at 5 layouts (precision, recompute, sequence length)
    against `moebal.planner.memory.plan_memory` with the h100 profile's runtime and slack assumptions at this
    card's capacity: measured peak = (used - reserved after the run: the CUDA context and libraries) + the
-   allocator's peak reserved bytes; also the measured runtime and slack against the assumed 2.0 GB and 5 %, and
+   allocator's peak reserved bytes; also the measured runtime and slack against the profile's (2.0 GB assumed;
+   slack 0.12, fitted on earlier runs of these same 5 layouts, so the peak error is in sample), and
    the simulator's one-rank step time on the h100 profile against the measured median step (balanced routing).
 9. grad_accum: `train.grad_accum` 1, 2 and 4 through the trainer's step code on the device: fp32 loss and every
    gradient within 1e-5 of one pass (no balancing loss), then the bf16 activation peak and pass time per count.
@@ -1119,6 +1120,9 @@ def check_memory_plan(ctx: Ctx) -> dict[str, Any]:
                               "validates the plan against resident memory on a CPU)")
         res["summary"] = f"plan and run of {len(rows)} layout(s); measurement CUDA-only"
         return _round(res)
+    from moebal.planner.hardware import load_profile
+
+    prof = load_profile("h100")  # the assumptions `_mem_predict` planned with
     errs = [r["error"]["peak"] for r in rows.values()]
     res["median_abs_peak_error"] = statistics.median(abs(e) for e in errs)
     res["measured_runtime_bytes"] = statistics.median(r["measured"]["runtime_bytes"] for r in rows.values())
@@ -1126,8 +1130,9 @@ def check_memory_plan(ctx: Ctx) -> dict[str, Any]:
     res["step_time_errors_h100_profile"] = [r["error"].get("step_time_h100_profile") for r in rows.values()]
     res["summary"] = (f"{len(rows)} layouts: peak error median {res['median_abs_peak_error']:.1%} "
                       f"(per layout {', '.join(f'{e:+.0%}' for e in errs)}); runtime "
-                      f"{res['measured_runtime_bytes'] / 1e9:.2f} GB (assumed 2.0), slack "
-                      f"{res['measured_slack']:.1%} (assumed 5%)")
+                      f"{res['measured_runtime_bytes'] / 1e9:.2f} GB (profile {prof.memory_reserved_bytes / 1e9:.1f}), "
+                      f"slack {res['measured_slack']:.1%} (profile {prof.allocator_slack:.0%}, fitted on these "
+                      "layouts: in sample)")
     return _round(res)
 
 
@@ -1647,7 +1652,8 @@ def check_generate(ctx: Ctx) -> dict[str, Any]:
       same routing), and of the CPU's cached logits (CUDA);
     - bf16: MLA's latent cache against its per-head one, within bf16 tolerance;
     - host syncs of one cached decode step of the grouped-query model (reported);
-    - decode tokens/s of the default model with the cache and by the whole prefix (CUDA events; on CUDA only)."""
+    - decode tokens/s of the default model with the cache and by the whole prefix (wall clock of one run each,
+      cache first; on CUDA only)."""
     import copy
 
     from moebal.models.generate import KVCache, cached_forward, causal_routing, dropless, generate_many
