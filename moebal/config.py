@@ -794,6 +794,19 @@ class Config:
     def expert_ffn_dim(self) -> int:
         return self.moe.expert_ffn_dim or self.model.ffn_dim
 
+    @property
+    def shared_expert_ffn_dim(self) -> int:
+        """Width of an MoE layer's shared expert block: moe.shared_ffn_dim, else shared_experts x expert_ffn_dim;
+        0 without shared experts."""
+        moe = self.moe
+        return (moe.shared_ffn_dim or moe.shared_experts * self.expert_ffn_dim) if moe.shared_experts else 0
+
+    @property
+    def microbatch_max_tokens(self) -> int:
+        """The largest micro-batch (tokens) planned micro-batching's cost table covers: pipeline.dynamic.max_tokens,
+        else 4 x data.seq_len."""
+        return self.pipeline.dynamic.max_tokens or 4 * self.data.seq_len
+
     def is_moe_layer(self, i: int) -> bool:
         return (self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0 and i >= self.moe.first_dense
                 and i not in self.moe.dense_layers)
@@ -1161,8 +1174,8 @@ def _check_whole(c: Config) -> None:
         from moebal.planner.microbatch_cost import MIN_GRID_LEN
 
         cap = c.pipeline.dynamic.max_tokens
-        tokens = f"{cap}" if cap is not None else f"null: 4 x data.seq_len = {4 * c.data.seq_len}"
-        _need((cap or 4 * c.data.seq_len) >= max(c.data.seq_len, MIN_GRID_LEN),
+        tokens = f"{cap}" if cap is not None else f"null: 4 x data.seq_len = {c.microbatch_max_tokens}"
+        _need(c.microbatch_max_tokens >= max(c.data.seq_len, MIN_GRID_LEN),
               f"{mb} plans from a cost table of micro-batches of up to pipeline.dynamic.max_tokens tokens ({tokens}), "
               f"which must hold one row of data.seq_len ({c.data.seq_len}) and of the table's smallest length "
               f"({MIN_GRID_LEN}): set pipeline.dynamic.max_tokens to at least {max(c.data.seq_len, MIN_GRID_LEN)}")

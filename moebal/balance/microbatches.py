@@ -104,7 +104,7 @@ class MicrobatchPlanner:
         """'measure': every rank profiles its own stage, gathered along the chain; a path; a hardware profile."""
         r = self.r
         dyn, d = r.cfg.pipeline.dynamic, r.cfg.data
-        max_tokens = dyn.max_tokens or 4 * d.seq_len
+        max_tokens = r.cfg.microbatch_max_tokens
         b_grid, s_grid = default_grid(d.seq_len, max_tokens)
         if dyn.costs == "measure":
             from moebal.pipeline.microbatch_profile import profile_stage

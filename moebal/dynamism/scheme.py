@@ -323,9 +323,8 @@ def layer_token_flops(cfg: Any, i: int, seq_len: int) -> dict[str, float]:
     attn = 2.0 * (seq_len / 2.0) * m.n_heads * hd
     if cfg.is_moe_layer(i):
         ffn = cfg.moe.top_k * 3.0 * m.dim * cfg.expert_ffn_dim + m.dim * cfg.moe.num_experts
-        moe = cfg.moe
-        shared = (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
-        ffn += 3.0 * m.dim * shared + (m.dim if moe.shared_gate and shared else 0.0)
+        shared = cfg.shared_expert_ffn_dim
+        ffn += 3.0 * m.dim * shared + (m.dim if cfg.moe.shared_gate and shared else 0.0)
     else:
         ffn = 3.0 * m.dim * m.ffn_dim
     return {"q_o": q_o, "kv": kv, "attn": attn, "ffn": ffn}

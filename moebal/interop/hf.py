@@ -1111,8 +1111,7 @@ def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
 
 def _shared_width(cfg: Config) -> int:
     """Width of the (one) HF shared expert: 0 when the model has none."""
-    moe = cfg.moe
-    return (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
+    return cfg.shared_expert_ffn_dim
 
 
 def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -224,9 +224,7 @@ class MoELayer(nn.Module):
     def from_config(cls, cfg: Config) -> MoELayer:
         """The block `cfg.moe` describes, at `cfg.model.dim`, experts `cfg.expert_ffn_dim` wide."""
         moe = cfg.moe
-        shared = 0
-        if moe.shared_experts > 0:
-            shared = moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim
+        shared = cfg.shared_expert_ffn_dim
         layer = cls(cfg.model.dim, cfg.expert_ffn_dim, moe.num_experts, moe.top_k, moe.capacity_factor,
                    drop_policy=moe.drop_policy, gate=moe.gate, router=moe.router,
                    adaptive_threshold=moe.adaptive_threshold, jitter=moe.jitter, score_scale=moe.score_scale,

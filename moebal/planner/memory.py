@@ -326,7 +326,7 @@ def _layer(cfg: Config, s: Any, i: int) -> _Layer:
     attn = s.attn_params
     if not cfg.is_moe_layer(i):
         return _Layer(attn + s.dense_mlp_params, 0, attn - 2 * D + s.dense_mlp_params, False)
-    shared_f = (moe.shared_ffn_dim or moe.shared_experts * cfg.expert_ffn_dim) if moe.shared_experts else 0
+    shared_f = cfg.shared_expert_ffn_dim
     extra = 3 * D * shared_f + (D if moe.shared_gate else 0) + (D * moe.num_experts if moe.router_noise is not None
                                                                  else 0)
     dense = attn + s.router_params + extra
@@ -362,7 +362,7 @@ def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv:
         return attn, r * 2 * D + ffn_cast + a * 4 * m.ffn_dim
     moe, F = cfg.moe, cfg.expert_ffn_dim
     routed = moe.top_k * skew * (a * (2 * D + 4 * F) + 3 * 8)  # rows: x, h1, h3, silu, product, output; indices
-    shared_f = (moe.shared_ffn_dim or moe.shared_experts * F) if moe.shared_experts else 0
+    shared_f = cfg.shared_expert_ffn_dim
     return attn, r * 2 * D + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
 
 
