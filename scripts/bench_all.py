@@ -217,7 +217,10 @@ def _overhead(summary: dict[str, Any]) -> str:
 
 
 def fig_pipeline(scheme: str) -> Callable[[Any], str]:
-    """The best rebalanced / static throughput for `scheme` (median and spread of the per-round ratios)."""
+    """Every balancer's rebalanced / static throughput for `scheme` (median and spread of the per-round ratios).
+
+    All balancers the run measured are listed, in the run's order: reporting only the better one would pick a
+    variant after seeing the rounds."""
 
     def figure(data: Any) -> str:
         summary = _pipeline_summary(data)
@@ -225,8 +228,7 @@ def fig_pipeline(scheme: str) -> Callable[[Any], str]:
         keys = [k for k in per_round if k.split("/")[1:2] == [scheme] and not k.startswith("block")]
         if not keys:
             raise ValueError(f"no speedup_per_round entry for {scheme}")
-        best = max(keys, key=lambda k: statistics.median(per_round[k]))
-        text = f"{best}: {_spread(per_round[best])} static throughput"
+        text = "; ".join(f"{k}: {_spread(per_round[k])}" for k in keys) + " static throughput"
         halves = {k: v for k, v in summary.get("halves_over_layers", {}).items() if f"/{scheme}/" in k}
         if halves:
             text += "; halves / whole layers " + ", ".join(f"{k} {v:.3f}x" for k, v in halves.items())

@@ -255,3 +255,14 @@ def test_lina_inference_figure_names_every_width_device_and_rank_count(bench_all
     assert bench_all.fig_lina_inference(data).endswith("equal static's: False")
     with pytest.raises(ValueError, match="by_width"):
         bench_all.fig_lina_inference({"by_ranks": {}})
+
+
+def test_pipeline_figure_lists_every_balancer_not_the_best_one(bench_all) -> None:
+    summary = {"speedup_per_round": {"dilate/mod/partition": [1.05, 1.1, 1.2], "dilate/mod/diffusion": [1.3],
+                                     "dilate/freezing/partition": [1.4]},
+               "targets": {"rebalancing overhead <= 5%": {"measured": 0.01, "median": 0.005}},
+               "identical_losses_across_variants": {"g0": True}}
+    fig = bench_all.fig_pipeline("mod")({"summary": summary})
+    assert fig.startswith("dilate/mod/partition: median 1.100x (min 1.050x, max 1.200x, 3 rounds); "
+                          "dilate/mod/diffusion: 1.300x (1 round) static throughput")
+    assert "freezing" not in fig
