@@ -89,6 +89,7 @@ from moebal.models.recompute import recompute_call
 from moebal.models.transformer import Attention, DecoderLayer, apply_rotary, attention_for, grouped_sdpa, rotary_for
 from moebal.pipeline.units import FFN, LAYER, UnitMap
 from moebal.planner.sparse_blocks import fit_cost_constants, sparse_block_advice, sparse_block_fits
+from moebal.sync import to_host
 from moebal.train.precision import autocast_dtype
 
 __all__ = ["COST_DENSITIES", "DynamicSparseAttention", "fit_attention_factors", "measure_attention_factors",
@@ -239,7 +240,10 @@ class DynamicSparseAttention(Dynamism):
         self.ran = list(self.density)
         """The densities the current (last begun) step runs at."""
         self.needed = torch.zeros(2 * self.L, dtype=torch.float64)
-        """This step's coverage statistics: per layer the summed needed share, then the count of samples."""
+        """This step's coverage statistics (host): per layer the summed needed share, then the count of samples."""
+        self._needed_dev: torch.Tensor | None = None
+        """The step's needed shares as measured, on the device (per layer), until `_settle` adds them to `needed`
+        in one counted host read: measuring inside the schedule reads nothing back."""
         self._replaying = False
         """Inside a recomputation's replay (`_replay`): the forward adds nothing to the statistics."""
 
@@ -288,6 +292,7 @@ class DynamicSparseAttention(Dynamism):
     def begin_step(self, step: int) -> None:
         super().begin_step(step)
         self.needed.zero_()
+        self._needed_dev = None
         if step == self.start + 1 and self.budget == "random_walk":  # the walk's first active step
             self.density = self._walk(step)
         self.ran = list(self.density)
@@ -300,6 +305,7 @@ class DynamicSparseAttention(Dynamism):
         if self.budget == "random_walk":
             self.density = self._walk(nxt)
         else:
+            self._settle()  # without a chain (nothing summed the statistics) the shares are still on the device
             self.density = [min(self.hi, max(self.lo, float(self.needed[i] / self.needed[self.L + i])))
                             if self.needed[self.L + i] > 0 else d for i, d in enumerate(self.density)]
         return True
@@ -376,9 +382,19 @@ class DynamicSparseAttention(Dynamism):
         a_BTD, s_BGNN = sparse_attention_forward(attn, x_BTD, cos_TK, sin_TK, self.density[i], self.block,
                                                  fp32_core=fp32)
         if measure and not self._replaying:
-            self.needed[i] += coverage_density(s_BGNN, self.coverage) * x_BTD.shape[0]
-            self.needed[self.L + i] += x_BTD.shape[0]
+            share = coverage_density(s_BGNN, self.coverage) * x_BTD.shape[0]
+            if self._needed_dev is None:
+                self._needed_dev = torch.zeros(self.L, dtype=torch.float64, device=share.device)
+            self._needed_dev[i] += share
+            self.needed[self.L + i] += x_BTD.shape[0]  # a host count: no device value
         return a_BTD
+
+    def _settle(self) -> None:
+        """Add the step's device-side shares to `needed`: one host read per step (`moebal.sync.to_host`)."""
+        if self._needed_dev is not None:
+            self.needed[:self.L] += torch.tensor(to_host(self._needed_dev, "sparse attention: coverage"),
+                                                 dtype=torch.float64)
+            self._needed_dev = None
 
     # ---- layer halves (`pipeline.split_layers`) ----
     def splittable(self, i: int) -> bool:
@@ -401,6 +417,7 @@ class DynamicSparseAttention(Dynamism):
         return 2 * self.L if self.budget == "coverage" else 0
 
     def local_stats(self) -> torch.Tensor:
+        self._settle()
         return self.needed.clone()
 
     def set_global_stats(self, vec: torch.Tensor) -> None:

@@ -128,14 +128,15 @@ def select_blocks(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int, densit
 
 
 @torch.no_grad()
-def coverage_density(s_BGNN: torch.Tensor, coverage: float) -> float:
+def coverage_density(s_BGNN: torch.Tensor, coverage: float) -> torch.Tensor:
     """The share of the causal block grid needed so that, per head and query block, the highest-scoring key
-    blocks cover `coverage` of the softmax mass of the block scores (mean over rows and heads)."""
+    blocks cover `coverage` of the softmax mass of the block scores (mean over rows and heads): a float64
+    scalar on the scores' device, so that measuring reads nothing back (the scheme reads a step's sums once)."""
     N = s_BGNN.shape[-1]
     p_BGNN = torch.softmax(s_BGNN.double(), dim=-1).sort(dim=-1, descending=True).values
     short_BGNN = p_BGNN.cumsum(-1) < coverage - 1e-12  # blocks before the mass is reached
     need_BGN = (short_BGNN.sum(-1) + 1).clamp(max=torch.arange(1, N + 1, device=s_BGNN.device))
-    return float(need_BGN.sum(-1).double().mean()) / (N * (N + 1) / 2)
+    return need_BGN.sum(-1).double().mean() / (N * (N + 1) / 2)
 
 
 def _diag_masks(c_max: int, block: int, like: torch.Tensor) -> torch.Tensor:

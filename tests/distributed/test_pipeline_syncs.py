@@ -21,8 +21,12 @@ from tests.distributed.test_pipeline import pipeline_cfg, tiny
 
 CURRICULUM = "curriculum"
 """No scheme, `data.order: complexity` under adaptive gating (each forward measures its rows on the device)."""
+COVERAGE = "sparse_attention coverage"
+"""Sparse attention under its default budget, `coverage`: every attention layer measures on the device, and the
+step reads the sums once (the random walk of `ALL` measures nothing)."""
 MOE = ("none", "moe", CURRICULUM)
 """Runs on an MoE model here (the other schemes on a dense one, as the scheme tests run them)."""
+OPTIONS = {**ALL, COVERAGE: {**ALL["sparse_attention"], "budget": "coverage"}}
 
 
 def _audited(rank: int, world: int) -> dict:
@@ -31,15 +35,15 @@ def _audited(rank: int, world: int) -> dict:
     from moebal.sync import audit
 
     out = {}
-    for name in ("none", *ALL, CURRICULUM):
+    for name in ("none", *OPTIONS, CURRICULUM):
         cfg = tiny(n_layers=6, pp=2, moe=4 if name in MOE else 0)
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel="grouped_mm"))
         if name == CURRICULUM:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, adaptive_threshold=0.02),
                                       data=dataclasses.replace(cfg.data, order="complexity"))
-        scheme = "none" if name == CURRICULUM else name
+        scheme = {CURRICULUM: "none", COVERAGE: "sparse_attention"}.get(name, name)
         runner = PipelineRunner(pipeline_cfg(cfg, {"micro_batches": 2}),
-                                scheme=build_dynamism(scheme, ALL.get(scheme, {}), cfg=cfg))
+                                scheme=build_dynamism(scheme, OPTIONS.get(name, {}), cfg=cfg))
         try:
             for _ in range(3):  # past the schemes' start steps (early exit, sparse attention, pruning)
                 runner.train_step()
@@ -62,7 +66,7 @@ def audits() -> list[dict]:
     return run_ranks(_audited, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("scheme", ["none", *ALL, CURRICULUM])
+@pytest.mark.parametrize("scheme", ["none", *OPTIONS, CURRICULUM])
 def test_the_pipeline_engine_reads_nothing_back_inside_the_schedule(audits, scheme):
     for rank, a in enumerate(audits):
         got = a[scheme]
@@ -80,6 +84,8 @@ def test_the_pipeline_engine_reads_nothing_back_inside_the_schedule(audits, sche
             expected["moe scheme: expert counts"] = 1
         if scheme == CURRICULUM:
             expected["curriculum rows"] = 1
+        if scheme == COVERAGE:  # every layer's measured shares in one read
+            expected["sparse attention: coverage"] = 1
         if scheme == "freezing":  # the audited step 4 is a check (every 2 steps): every layer's sums in one read
             expected["freezing: plasticity"] = 1
         assert step == expected, (rank, got["step"])

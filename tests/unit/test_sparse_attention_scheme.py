@@ -30,9 +30,9 @@ def test_coverage_density_on_hand_made_scores() -> None:
     # 3 query blocks; block 1 puts all mass on one key block, block 2 spreads it evenly over three
     s = torch.tensor([[0.0, inf, inf], [10.0, -10.0, inf], [0.0, 0.0, 0.0]]).view(1, 1, 3, 3)
     # coverage 0.9: needs 1, 1, 3 blocks of 1 + 2 + 3 = 6
-    assert coverage_density(s, 0.9) == pytest.approx(5 / 6)
+    assert float(coverage_density(s, 0.9)) == pytest.approx(5 / 6)
     # coverage 0.5: 1, 1, 2
-    assert coverage_density(s, 0.5) == pytest.approx(4 / 6)
+    assert float(coverage_density(s, 0.5)) == pytest.approx(4 / 6)
 
 
 def test_random_walk_stays_in_bounds_moves_and_is_seeded() -> None:
