@@ -119,8 +119,9 @@ def rng_state() -> dict[str, Any]:
         "numpy": [np_state[0], np_state[1].tolist(), *(x.item() if hasattr(x, "item") else x for x in np_state[2:])],
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
     }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    if torch.cuda.is_available():  # this rank's device only: every rank sees every GPU of its node, and a
+        # resume may see fewer (another --nproc, CUDA_VISIBLE_DEVICES), where a list of all of them cannot load
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -130,8 +131,11 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if isinstance(cuda[0], list):  # older checkpoints: the state of every device the saving rank saw
+            cuda = cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+        torch.cuda.set_rng_state(torch.tensor(cuda, dtype=torch.uint8))  # the current device: the rank's own
 
 
 # ---------------------------------------------------------------------------------------------

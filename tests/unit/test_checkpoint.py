@@ -96,6 +96,27 @@ def test_round_trip_restores_weights_optimizer_and_state(tmp_path, tie):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_the_cuda_rng_is_the_rank_s_own_device_and_older_all_device_states_load_on_fewer_devices(monkeypatch):
+    """A rank saves its own device's generator and restores it onto its current device, so a resume that sees
+    fewer GPUs (another --nproc, CUDA_VISIBLE_DEVICES) loads. A CPU stands in for CUDA's generator calls."""
+    gens = {d: torch.Generator().manual_seed(d) for d in range(2)}
+    current = {"device": 1}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gens[current["device"]].get_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": gens[current["device"]].set_state(state))
+    saved = rng_state()
+    assert saved["cuda"] == gens[1].get_state().tolist()
+    want = torch.rand(3, generator=gens[1])
+    current["device"] = 0  # resumed on a node that shows this rank one device
+    restore_rng(saved)
+    assert torch.equal(torch.rand(3, generator=gens[0]), want)
+    older = {**saved, "cuda": [gens[1].get_state().tolist()] * 8}  # every device of an 8-GPU node
+    restore_rng(older)
+    assert torch.equal(torch.rand(3, generator=gens[0]), torch.rand(3, generator=gens[1]))
+
+
 def test_a_tied_pipeline_stage_s_head_copy_is_kept_as_the_embedding(tmp_path):
     """A last pipeline stage's tied head copy (moebal/pipeline/tied.py) is written as an alias of the first
     stage's embedding, as one process's tie is, and loaded through it; an untied checkpoint is refused."""
