@@ -52,6 +52,7 @@ from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import mask_rows_, whole_tensor
 from moebal.dynamism.scheme import Dynamism, SchemeContext, register
 from moebal.errors import ConfigError
+from moebal.kernels.bench import time_fn
 from moebal.sync import count_ids
 
 if TYPE_CHECKING:
@@ -296,7 +297,8 @@ def _install_csr(module: nn.Module, mask: torch.Tensor | None) -> None:
 
 
 def _time_kernels(weight: torch.Tensor, mask: torch.Tensor, rows: int, repeats: int = 3) -> tuple[float, float]:
-    """Median forward+backward seconds of (masked dense, CSR) for this matrix at `rows` input rows."""
+    """Median forward+backward seconds of (masked dense, CSR) for this matrix at `rows` input rows: CPU time of
+    the calling thread on a CPU (the machine may be shared), wall time between syncs on a GPU."""
     w = (weight.detach() * mask).requires_grad_(True)
     # a private generator: how many matrices a rank times depends on the partition, and drawing from the global
     # generator would make a migration change later random draws (router jitter, say)
@@ -307,6 +309,10 @@ def _time_kernels(weight: torch.Tensor, mask: torch.Tensor, rows: int, repeats: 
     def run(fn: Any) -> float:
         times = []
         with torch.enable_grad():  # pruning steps run under no_grad
+            if weight.device.type != "cpu":  # asynchronous kernels, and the backward runs on autograd's device
+                # thread: the calling thread's CPU time would be launch cost only. Wall time between device syncs
+                return time_fn(lambda: fn(x, w).sum().backward(), warmup=1, repeats=repeats,
+                               device=weight.device).median
             for _ in range(repeats + 1):
                 t0 = time.thread_time()  # CPU time: the machine may be shared, the choice must not be noise
                 fn(x, w).sum().backward()
@@ -359,7 +365,7 @@ class GradualPruning(Dynamism):
 
     def update(self, ctx: SchemeContext) -> bool:
         due = [s for t, s in self.schedule if t == ctx.step]
-        if not due:
+        if not due or due[0] <= 0.0:  # `final_sparsity: 0` (a control run): every weight kept, nothing to mask
             return False
         self.prune(ctx, due[0])
         return True
@@ -473,7 +479,9 @@ class GradualPruning(Dynamism):
 
     # ---- migration: masks and kernel choices travel with the layer ----
     def layer_state(self, i: int) -> dict[str, torch.Tensor]:
-        if i not in self.masks:
+        # the receiver sizes its buffers by `layer_state_spec`, which only knows the job-wide level: send masks on
+        # the same condition (every rank reaches each pruning step, so a level above 0 means every layer has them)
+        if self.level == 0.0 or i not in self.masks:
             return {}
         out = {f"mask:{n}": m.to(torch.uint8) for n, m in self.masks[i].items()}
         out["kernels"] = torch.tensor([self.kernels[i][n] for n in self.masks[i]], dtype=torch.int64)

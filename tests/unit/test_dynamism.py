@@ -114,6 +114,26 @@ def test_pruning_step_masks_globally_and_times_kernels_on_one_stage():
     x = torch.randn(1, 8, 32)
     cos, sin = model.model.rotary(8, x.dtype)
     stage.layer(0)(x, cos, sin).sum().backward()  # whichever kernel: it runs and differentiates
+    # a migration's receiver sizes its buffers from the spec: it must name what the sender packs
+    sent = pr.layer_state(0)
+    spec = pr.layer_state_spec(0, stage.layer(0))
+    assert sent and {k: (tuple(v.shape), v.dtype) for k, v in sent.items()} == spec
+
+
+def test_pruning_to_sparsity_zero_masks_nothing_and_migrates_nothing():
+    """`final_sparsity: 0` (a control run): no pruning step masks or times anything, and a migrated layer carries
+    no masks, as its receiver expects (masks sent against an empty spec broke every migration)."""
+    cfg = small(2)
+    model = build_model(cfg)
+    pr = build_dynamism("pruning", {"final_sparsity": 0.0, "start": 0, "every": 1, "steps": 2, "kernel": "auto"},
+                        cfg=cfg)
+    pr.prepare_model(model)
+    stage = PipelineStage.from_model(model, 0, 2, first=True, last=True)
+    for step in (1, 2):
+        assert pr.update(SchemeContext(step=step, stage=stage, chain=PipeChain([0], 0), num_layers=2,
+                                       rows=64)) is False
+    assert pr.masks == {} and pr.level == 0.0
+    assert pr.layer_state(0) == {} == pr.layer_state_spec(0, stage.layer(0))
 
 
 # ---- cost accounting -------------------------------------------------------------------------------------------
