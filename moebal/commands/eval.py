@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import build_data, eval_batches
+    from moebal.distributed.ep_generate import check_expert_parallel
     from moebal.distributed.testing import run_ranks
 
     run_dir = Path(args.run_dir)
@@ -225,20 +226,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
     cfg, model, served = load_run_model(run_dir, args.top_k)
+    try:
+        check_expert_parallel(model, args.nproc, "its validation loss is in the run's metrics.jsonl")
+    except ValueError as e:
+        raise ConfigError(f"{run_dir}: {e}") from None
     policies, profile = policies_and_profile(args.policy, args.profile, run_of(run_dir), cfg.dynamism.scheme)
     bs = args.batch_size or cfg.data.batch_size
     if bs % args.nproc:
         raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")
     data = build_data(cfg)
     val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, bs, args.batches)
-    val = [b for b in val if b.ids_BT.shape[0] == bs] or val[:1]
-    job = ServeJob(model=model, batches=[b.ids_BT for b in val], labels=[b.labels_BT for b in val],
+    pairs = [(b.ids_BT, b.labels_BT) for b in val if b.ids_BT.shape[0] == bs]
+    if not pairs:  # a validation split shorter than one batch: as many of its rows as split evenly over the ranks
+        rows = val[0].ids_BT.shape[0] // args.nproc * args.nproc
+        if rows == 0:
+            raise ConfigError(f"{run_dir}: the validation split holds {val[0].ids_BT.shape[0]} rows, fewer than "
+                              f"--nproc {args.nproc}: use fewer ranks")
+        pairs = [(val[0].ids_BT[:rows], val[0].labels_BT[:rows])]
+    job = ServeJob(model=model, batches=[ids for ids, _ in pairs], labels=[labels for _, labels in pairs],
                    policies=[policies], profile=profile)
     try:
         results = run_ranks(serve_worker, args.nproc, pack(job), timeout_s=1800)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(val),
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(pairs),
                                "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__,
                                "served": dataclasses.asdict(served) if served else None}
     for p in policies:

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path-len", type=int, default=3, help="l: the layers of a token's path (default 3)")
     p.add_argument("--share", type=float, default=1.0,
                    help="use the first SHARE of the samples in step order (keep the rest for held-out checks)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="profile the first K choices of each recorded token (default: all the run recorded): the k "
+                        "the model will be served at (`moebal eval/generate --top-k`)")
     p.add_argument("--num-experts", type=int, default=None,
                    help="experts per layer (default: moe.num_experts of RUN_DIR/config.yaml)")
 
@@ -45,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if top > E:
         raise ConfigError(f"{run_dir}/routing holds expert ids up to {top - 1}, more than {E} experts per layer: "
                           f"pass --num-experts {top} or more, or leave it out to read the run's config.yaml")
+    recorded = int(used[0].shape[2])
+    if args.top_k is not None:
+        if not 1 <= args.top_k <= recorded:
+            raise ConfigError(f"--top-k must be in 1..{recorded} (the run recorded {recorded} choices per token); "
+                              f"got {args.top_k}")
+        used = [s[:, :, :args.top_k] for s in used]  # column 0 is the first choice (`build_profile`)
     prof = build_profile(used, E, args.path_len)
     out = output_path(args.out, "--out") if args.out else run_dir / "paths.npz"
     prof.save(out)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 from moebal.distributed.lina_inference import MIN_ROWS, LinaInference, slowest_rank_parts
 from moebal.models.generate import Generation, Sampling, check_prompts, generate_many
 
-__all__ = ["GenerateJob", "PolicyResult", "expert_parallel_generate", "generate_worker", "share"]
+__all__ = ["GenerateJob", "PolicyResult", "check_expert_parallel", "expert_parallel_generate", "generate_worker",
+           "share"]
 
 DUMMY_PROMPT = [0]  # fills a rank's share; its tokens are dropped
 
@@ -140,6 +141,17 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
     return out
 
 
+def check_expert_parallel(model: Any, nproc: int, instead: str) -> None:
+    """Refuse, before any rank starts, a model that `nproc` expert-parallel ranks cannot serve; `instead`: what
+    to do with a model without MoE layers."""
+    layers = list(model.moe_layers())
+    if not layers:
+        raise ValueError(f"the model has no MoE layer: expert parallelism has nothing to spread ({instead})")
+    if layers[0].num_experts % nproc:
+        raise ValueError(f"{layers[0].num_experts} experts cannot be spread evenly over {nproc} ranks: choose a "
+                         f"number of ranks that divides them")
+
+
 def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, max_new_tokens: int,
                              sampling: Sampling | None = None, *, batch_size: int = 8,
                              stop_ids: list[int] | None = None, cache: bool = True, policies: list[str] | None = None,
@@ -152,13 +164,7 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
     if nproc < 1 or batch_size < 1:
         raise ValueError(f"nproc and batch_size must be >= 1; got {nproc}, {batch_size}")
     check_prompts(model, prompts, max_new_tokens, cache)
-    layers = list(model.moe_layers())
-    if not layers:
-        raise ValueError("the model has no MoE layer: expert parallelism has nothing to spread (generate on one "
-                         "process)")
-    if layers[0].num_experts % nproc:
-        raise ValueError(f"{layers[0].num_experts} experts cannot be spread evenly over {nproc} ranks: choose a "
-                         f"number of ranks that divides them")
+    check_expert_parallel(model, nproc, "generate on one process")
     job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling or Sampling(),
                       list(stop_ids or []),
                       cache, list(policies or ["static"]), profile, min_rows=min_rows)

@@ -157,6 +157,10 @@ class LinaInference:
                              f"experts; the model has {len(self.layers)} MoE layers of "
                              f"{self.layers[0].num_experts}: build the profile from this model's routing")
         self.group, self.policy, self.profile = group, policy, profile
+        self.profile_scale = 1.0 if profile is None else self.layers[0].top_k / profile.top_k
+        """Served top_k / the profile's: a profile's distributions sum to the k it was recorded at, so a top-2
+        training run's profile serving top-1 would plan from twice the assignments. The scale keeps Eq. 4.1's
+        totals right; the shape stays the profiled k's (`moebal paths --top-k K` builds the served k's own)."""
         self.max_per_rank, self.truncate, self.min_tokens = max_per_rank, truncate, min_tokens
         self.min_rows = min_rows  # a holder's least share of an expert's rows (`devices_from_load`; 0: none)
         self.R, self.r = dist.get_world_size(group), dist.get_rank(group)
@@ -182,7 +186,7 @@ class LinaInference:
         p = self.profile
         if self.policy not in ("lina", "phase1") or p is None or not self.layers or not p.estimates(0):
             return None
-        return p.estimate(np.zeros((1, 0), dtype=np.int64), 0)
+        return p.estimate(np.zeros((1, 0), dtype=np.int64), 0) * self.profile_scale
 
     def _fresh_state(self) -> _ForwardState:
         return _ForwardState(next_est=self.first_est)
@@ -253,7 +257,7 @@ class LinaDispatcher:
         if o.state.tokens is not None and self._unsplittable(o.state.tokens, o.layers[nxt].top_k):
             return np.zeros(self.E)  # the next layer runs static whatever the estimate (`_plan_next`)
         paths_TL = np.stack(o.state.paths, axis=1)
-        return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens)
+        return o.profile.estimate(paths_TL, nxt, truncate=o.truncate, min_tokens=o.min_tokens) * o.profile_scale
 
     def _this_layer_map(self, counts_RE: np.ndarray, tokens: float,
                         small: bool) -> tuple[ReplicaMap, bool, bool | None]:

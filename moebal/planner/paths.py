@@ -24,6 +24,8 @@ Shape legend: L MoE layers, T tokens, K = top_k, E experts, P profiled paths, m 
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ import numpy as np
 
 __all__ = ["PathProfile", "PathTable", "build_profile", "estimate_accuracy", "previous_estimate", "top_set"]
 
+_UNREADABLE = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+"""What reading a truncated, empty or foreign .npz raises (numpy opens members lazily)."""
 FORMAT = 2  # 2: layer 0's marginal is stored (format 1 had no table for layer 0; still read, without it)
 # E^m at most this: a path table keeps a code -> row array for its lookups (int32, 1 MB at most per table: 64
 # experts with paths of 3 layers fit; a larger space uses the sorted codes)
@@ -188,7 +192,7 @@ class PathProfile:
         try:
             z = np.load(Path(path))
             fmt, E, K, l_, L = (int(v) for v in z["meta"])
-        except (OSError, KeyError, ValueError) as e:
+        except (*_UNREADABLE, KeyError) as e:
             raise ValueError(f"{path}: not a path profile ({e}); build one with `moebal paths RUN_DIR -o FILE`") \
                 from e
         if fmt not in (1, FORMAT):
@@ -201,9 +205,9 @@ class PathProfile:
                                            z[f"L{j}_m{m}_tokens"].astype(np.int64))
                                  for m in range(lengths[j]))
                            for j in range(L))
-        except KeyError as e:
-            raise ValueError(f"{path}: path profile incomplete ({e}); rebuild it with `moebal paths RUN_DIR -o FILE`") \
-                from e
+        except (*_UNREADABLE, KeyError) as e:
+            raise ValueError(f"{path}: path profile incomplete or damaged ({e}); rebuild it with `moebal paths "
+                             f"RUN_DIR -o FILE`") from e
         return cls(num_experts=E, top_k=K, path_len=l_, tables=tables)
 
 

@@ -72,6 +72,11 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
     whole = prof.estimate(np.zeros((1, 0), dtype=np.int64), 0)
     # (under top-k, k >= 2, the marginal has k experts or more, so a truncation to 1 would differ)
     first_whole = bool(np.array_equal(truncated.first_est, whole)) and (top_k == 1 or (whole > 0).sum() > 1)
+    # a profile recorded at top-2 serving top-1: its estimates are scaled to the served assignments (one a token)
+    two = build_profile([np.random.default_rng(3).permuted(np.tile(np.arange(E), (L, 16, 1)), axis=2)[:, :, :2]],
+                        E, path_len=3)
+    scaled = LinaInference(model, dist.group.WORLD, "lina", two, min_rows=0)
+    one_token = float(scaled.first_est.sum()) if top_k == 1 else None
     # a layer's parts (experts, planning, time inside the collectives) are disjoint spans of its time
     parts_ok = all(r.exchange_s > 0 and r.experts_s + r.plan_s + r.exchange_s <= r.seconds
                    for rs in recs.values() for r in rs)
@@ -82,7 +87,7 @@ def _check(rank: int, world: int, top_k: int) -> dict[str, object]:
             "replans": {p: sum(r.replanned for r in rs) for p, rs in recs.items()},
             "layer0": {p: (rs[0].replicas, rs[0].estimate_hit, rs[0].rank_rows) for p, rs in recs.items()},
             "static_rows": [r.rank_rows for r in recs["static"]], "oracle_rows": [r.rank_rows for r in recs["oracle"]],
-            "slept": slept, "small": small}
+            "slept": slept, "small": small, "one_token": one_token}
 
 
 def _small_batch(model: torch.nn.Module, prof: PathProfile, ids: torch.Tensor,
@@ -128,6 +133,7 @@ def test_policies_give_the_static_outputs(world: int, top_k: int) -> None:
         assert at_min[1] <= r["replicas"]["oracle"], r
         assert r["replans"]["static"] == 0 and r["replans"]["phase1"] == 0
         assert r["slept"] > 0  # emulated devices: compute spans stretched, outputs unchanged (in "equal" above)
+        assert top_k != 1 or r["one_token"] == pytest.approx(1.0), r  # not 2: the profile's k
         # layer 0 has no path: lina plans it from the profile's marginal, the oracle from its real counts
         assert r["first_whole"] and r["parts_ok"]
         assert r["layer0"]["lina"][0] > 0 and r["layer0"]["oracle"][0] > 0, r["layer0"]

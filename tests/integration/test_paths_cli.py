@@ -54,6 +54,20 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert [line.split()[0] for line in r.stdout.strip().splitlines()] == ["static", "lina"], r.stdout
     assert "logits equal static: True" in r.stdout, r.stdout
+    # the served k's own profile: the first choice of every recorded token
+    r = moebal("paths", str(out), "-o", str(tmp_path / "p1.npz"), "--top-k", "1")
+    assert r.returncode == 0 and json.loads(r.stdout)["top_k"] == 1, r.stderr
+    np.testing.assert_array_equal(PathProfile.load(tmp_path / "p1.npz").estimate(top1_TL, 1),
+                                  build_profile([s[:, :, :1] for s in samples], 4, 3).estimate(top1_TL, 1))
+    r = moebal("paths", str(out), "-o", str(tmp_path / "p3.npz"), "--top-k", "3")
+    assert r.returncode == 2 and "--top-k must be in 1..2" in r.stderr, r.stderr
+    # refused before any rank starts: experts that 3 ranks cannot share; an empty profile file
+    r = moebal("eval", str(out), "--nproc", "3", "--policy", "static")
+    assert r.returncode == 2 and "4 experts cannot be spread evenly over 3 ranks" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "rank 0 failed" not in r.stderr, r.stderr
+    (tmp_path / "empty.npz").write_bytes(b"")
+    r = moebal("eval", str(out), "--nproc", "2", "--profile", str(tmp_path / "empty.npz"), "--policy", "lina")
+    assert r.returncode == 2 and "not a path profile" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # a too-small --num-experts (the routing holds ids up to 3) and a bad --batch-size: errors, not tracebacks
     r = moebal("paths", str(out), "-o", str(tmp_path), "--path-len", "2")
     assert r.returncode == 2 and "is a folder: give a file path" in r.stderr, r.stderr
