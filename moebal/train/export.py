@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moebal.config import Config, from_dict
-from moebal.errors import CheckpointError
+from moebal.errors import CheckpointError, TrainingError
 from moebal.interop.tensor_io import TensorInfo
 from moebal.train.hooks import Hook
 
@@ -158,6 +158,14 @@ class ExportHook(Hook):
 
     def on_end(self, trainer: Any) -> None:
         trainer.barrier()  # every training rank's final shard is written before rank 0 reads them
+        failed: Exception | None = None
         if trainer.ctx.is_main:
-            self.written = export_final(trainer.cfg, trainer.run_dir)
-        trainer.barrier()
+            try:
+                self.written = export_final(trainer.cfg, trainer.run_dir)
+            except Exception as e:  # told to every rank below, then raised here: no rank waits on rank 0
+                failed = e
+        if trainer.strategy.agree_any(failed is not None):  # a collective over every rank still training
+            if failed is not None:
+                raise failed
+            raise TrainingError(f"hf.export_to: rank 0 could not export the final checkpoint to {self.target} "
+                                f"(its error says why); the checkpoint itself is written")

@@ -333,3 +333,34 @@ def test_keys_a_config_leaves_out_mean_what_they_mean_to_transformers(tmp_path, 
             experts)
     if theirs.num_experts_per_tok is not None:  # DeepseekV2Config leaves it None: moebal reads 6, V2's release
         assert ours.moe.top_k == theirs.num_experts_per_tok
+
+
+def test_a_failed_export_is_raised_on_every_rank_not_waited_on(monkeypatch):
+    """`ExportHook.on_end`: rank 0's export error is agreed over the ranks, so rank 0 raises it and the others
+    raise that it failed, where they once waited in a barrier for rank 0 (a fake trainer stands in for each)."""
+    import types
+
+    from moebal.errors import TrainingError
+    from moebal.train import export as export_mod
+
+    def boom(cfg, run_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "export_final", boom)
+    hook = export_mod.ExportHook.__new__(export_mod.ExportHook)
+    hook.target, hook.written = Path("/nowhere/hf"), None
+    agreed: list[bool] = []
+
+    def trainer(main: bool, others_failed: bool):
+        def agree_any(flag: bool) -> bool:
+            agreed.append(flag)
+            return flag or others_failed
+        return types.SimpleNamespace(barrier=lambda: None, ctx=types.SimpleNamespace(is_main=main), cfg=None,
+                                     run_dir=None, strategy=types.SimpleNamespace(agree_any=agree_any))
+
+    with pytest.raises(OSError, match="No space left"):
+        hook.on_end(trainer(main=True, others_failed=False))
+    with pytest.raises(TrainingError, match="rank 0 could not export"):
+        hook.on_end(trainer(main=False, others_failed=True))
+    hook.on_end(trainer(main=False, others_failed=False))  # nobody failed: no error
+    assert agreed == [True, False, False]
