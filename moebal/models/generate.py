@@ -302,8 +302,10 @@ def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCach
 
 
 def filter_logits(logits_BV: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """fp32 logits / temperature with the tokens outside top-k and top-p at -inf (sampling only)."""
-    x = logits_BV.float() / s.temperature
+    """(fp32 logits - their row's max) / temperature with the tokens outside top-k and top-p at -inf (sampling
+    only). The shift leaves the softmax as it is and keeps a tiny temperature from overflowing to inf - inf."""
+    x = logits_BV.float()
+    x = (x - x.amax(-1, keepdim=True)) / s.temperature
     if 0 < s.top_k < x.shape[-1]:
         kth_B1 = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth_B1, -math.inf)
