@@ -1,15 +1,19 @@
 """Lina's inference scheduling while decoding: the MoE layers' time per forward of `moebal generate --nproc R`.
 
 `scripts/bench_lina_inference.py` times whole batches (every token of 8 sequences a rank in one forward). A
-KV-cached decode step sends each MoE layer one token a sequence, so a rank's experts see a few rows each, and
-the expert loop computes a group padded to `MIN_ROWS` (64) rows (moebal/distributed/lina_inference.py): an
-expert's cost hardly depends on how many rows it receives. This script measures what the policies do there, on
+KV-cached decode step sends each MoE layer one token a sequence, so a rank's experts see a few rows each. Under
+the default least share (`--min-rows 64`, `MIN_ROWS`) such a layer's assignments fill no group of 64 rows, so
+every policy runs it on the static blocks, unplanned and unpadded (`LinaDispatcher._unsplittable`,
+moebal/distributed/lina_inference.py); under the thesis's allocation (`--min-rows 0`) the policies plan it and
+the expert loop pads each group to `MIN_ROWS` rows, where an expert's cost hardly depends on how many rows it
+receives. This script measures what the policies do there, on
 the same served model as that benchmark (`SERVED`, top-1, the same skew and expert padding), through
 `expert_parallel_generate` (moebal/distributed/ep_generate.py), the code `moebal generate --nproc R --policy P`
 runs.
 
 Per round, one generation of the same prompts under every policy on `--ranks` gloo ranks, the policies in an
-order rotated per round (`--rounds`, default 6: a round's figures move by 10-20 % with the host):
+order rotated per round (`--rounds`, default 6: a round's figures move by 10-20 % with the host), after one
+untimed generation of the round's first batch (`warmup`: the fresh ranks' first forwards weigh on no policy):
 `--prompts-per-rank` prompts of `--prompt-len` validation tokens a rank, `--new-tokens` new tokens each, greedy,
 KV-cached. A forward's MoE time is the sum over the MoE layers
 of the slowest rank's time in the layer (planning, the count exchange, both all-to-alls, the experts).
@@ -54,7 +58,8 @@ def decode_round(model: Any, prompts: list[list[int]], ranks: int, new_tokens: i
     the prompts' forward and the decode steps' median, the decode steps' median of each part of it (the slowest
     rank's experts, planning and exchanges: `slowest_rank_parts`), and its tokens."""
     res = expert_parallel_generate(model, prompts, ranks, new_tokens, Sampling(), batch_size=len(prompts),
-                                   policies=order, profile=profile, timeout_s=3600, min_rows=min_rows)
+                                   policies=order, profile=profile, timeout_s=3600, min_rows=min_rows,
+                                   warmup=True)
     step_rows = len(prompts) * next(iter(model.moe_layers())).top_k  # a decode step: one token a prompt
     out: dict[str, Any] = {}
     for policy, r in res.items():
@@ -115,6 +120,9 @@ def main() -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} takes a positive value; got {v}")
+    for name in ("new_tokens", "prompt_len"):  # a decode step to time; a prompt's forward apart from the steps'
+        if getattr(args, name) < 2:
+            ap.error(f"--{name.replace('_', '-')} must be at least 2; got {getattr(args, name)}")
     if min(args.min_rows) < 0 or len(set(args.min_rows)) < len(args.min_rows):
         ap.error(f"--min-rows takes distinct values of 0 (the thesis's allocation) or more; got {args.min_rows}")
     if not args.run_dir:

@@ -93,6 +93,9 @@ def main() -> int:
     first = int(round(len(samples) * args.skip))
     if first >= cut:
         sys.exit(f"--skip {args.skip} leaves no samples to profile before --share {args.share}")
+    tokens = samples[0].shape[1]
+    if max(args.batch) > tokens:  # a batch is cut from one sample (the previous batch forecasts the next)
+        sys.exit(f"--batch {max(args.batch)} is more than a routing sample's {tokens} tokens: give at most {tokens}")
     prof = {l_: build_profile(samples[first:cut], E, l_) for l_ in args.path_len}
     res: dict[str, Any] = {
         "run_dir": "RUN_DIR", "samples": len(samples), "profiled": [first, cut],

@@ -58,6 +58,9 @@ class GenerateJob:
     profile: Any = None
     threads: int = 1
     min_rows: int = MIN_ROWS  # `LinaInference`'s: a holder's least share of an expert's rows
+    warmup: bool = False
+    """Run the first batch once under the first policy before the policies, untimed and dropped: the ranks' first
+    forwards (allocations, first calls) then weigh on no policy's timings (benchmarks)."""
 
 
 @dataclass
@@ -123,13 +126,13 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
     job: GenerateJob = torch.load(io.BytesIO(packed), weights_only=False)
     torch.set_num_threads(job.threads)
     model = job.model.eval()
-    out: dict[str, Any] = {}
-    for policy in job.policies:
+
+    def run(policy: str, batches: int) -> dict[str, Any]:
         sched = LinaInference(model, dist.group.WORLD, policy, job.profile if policy in ("lina", "phase1") else None,
                               min_rows=job.min_rows)
         lock = _Lockstep(sched)
         mine: list[tuple[int, Generation]] = []
-        for start in range(0, len(job.prompts), job.batch_size):
+        for start in range(0, len(job.prompts), job.batch_size)[:batches]:
             n = min(job.batch_size, len(job.prompts) - start)
             idx, per = share(n, world, rank)
             prompts = [job.prompts[start + i] for i in idx] + [DUMMY_PROMPT] * (per - len(idx))
@@ -137,8 +140,11 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
                                  stop_ids=job.stop_ids, lockstep=lock)
             mine += [(start + i, g) for i, g in zip(idx, gens)]
         lock.flush()
-        out[policy] = {"generations": mine, "forwards": lock.forwards}
-    return out
+        return {"generations": mine, "forwards": lock.forwards}
+
+    if job.warmup:
+        run(job.policies[0], 1)
+    return {policy: run(policy, len(job.prompts)) for policy in job.policies}
 
 
 def check_expert_parallel(model: Any, nproc: int, instead: str) -> None:
@@ -156,9 +162,10 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
                              sampling: Sampling | None = None, *, batch_size: int = 8,
                              stop_ids: list[int] | None = None, cache: bool = True, policies: list[str] | None = None,
                              profile: Any = None, timeout_s: float = 1800.0,
-                             min_rows: int = MIN_ROWS) -> dict[str, PolicyResult]:
+                             min_rows: int = MIN_ROWS, warmup: bool = False) -> dict[str, PolicyResult]:
     """Each policy's generations of `prompts` on `nproc` gloo ranks (module docstring), policies in the order
-    given (default: static); `min_rows`: `LinaInference`'s (0: the thesis's allocation)."""
+    given (default: static); `min_rows`: `LinaInference`'s (0: the thesis's allocation); `warmup`:
+    `GenerateJob`'s."""
     from moebal.distributed.testing import run_ranks
 
     if nproc < 1 or batch_size < 1:
@@ -167,7 +174,7 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
     check_expert_parallel(model, nproc, "generate on one process")
     job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling or Sampling(),
                       list(stop_ids or []),
-                      cache, list(policies or ["static"]), profile, min_rows=min_rows)
+                      cache, list(policies or ["static"]), profile, min_rows=min_rows, warmup=warmup)
     buf = io.BytesIO()
     torch.save(job, buf)
     results = run_ranks(generate_worker, nproc, buf.getvalue(), timeout_s=timeout_s)
