@@ -49,9 +49,10 @@ def test_a_forced_backing_off_keeps_the_losses_of_static_placement(tmp_path):
     out = run_ranks(_worker, 2, str(tmp_path))[0]
     static, open_loop, backed, timed = (out[k] for k in ("static", "open", "backed_off", "timed"))
     assert [r["step"] for r in backed] == list(range(1, STEPS + 1))
-    for name, run in (("open", open_loop), ("backed_off", backed), ("timed", timed)):  # replica-parity tolerance
+    # replica parity: Agg changes only a gradient sum's order (a 1 % error in it moves the losses by ~1e-6)
+    for name, run in (("open", open_loop), ("backed_off", backed), ("timed", timed)):
         for a, b in zip(static, run):
-            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (name, a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (name, a["step"], a["loss"], b["loss"])
     # warm-up, a trial of one pair (base, plan), 2 steps held, a new trial, held again
     arms = [r["placement_arm"] for r in backed]
     assert arms == ["base", "base", "plan", "base", "base", "base", "plan", "base"], arms

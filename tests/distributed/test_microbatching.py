@@ -473,11 +473,13 @@ def test_schemes_run_on_expert_parallel_stages_in_lockstep(lockstep, scheme):
 def test_plan_ahead_inside_expert_parallel_stages_runs_on_planned_micro_batches(lockstep):
     """pp 2 x ep 2, planned micro-batches in lockstep, placement ahead of the gate: the plans and the losses of
     the same run with static placement (bit for bit until a replica's Agg has changed a gradient's summation
-    order, then to 1e-5); each stage's second MoE layer planned during its first once a profile exists."""
+    order, then to 1e-7: a skipped Agg moves them by 2e-6); each stage's second MoE layer planned during its
+    first once a profile exists, and replicas placed (so Trans and Agg ran)."""
     ahead, static = lockstep[0]["ep_ahead"], lockstep[0]["ep"]
     assert [p["micro_batches"] for p in ahead["plans"]] == [p["micro_batches"] for p in static["plans"]]
     assert ahead["losses"][:2] == static["losses"][:2]  # step 1 runs static placement everywhere: same update
-    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ahead["losses"], static["losses"]))
+    assert all(math.isclose(a, b, rel_tol=1e-7) for a, b in zip(ahead["losses"], static["losses"]))
+    assert sum(sum(r["replicas"]) for r in ahead["records"]) > 0, [r["replicas"] for r in ahead["records"]]
     assert [r["plan_ahead_layers"] for r in ahead["records"]] == [[], [1, 3], [1, 3]]
     assert all(0 <= r["plan_ahead_path_overlap"] <= 1 for r in ahead["records"][1:])
     # the last step's estimate scaled from its first micro-batch to the rank's rows of every micro-batch
