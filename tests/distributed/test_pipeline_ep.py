@@ -175,8 +175,9 @@ def _four_ranks(rank: int, world: int) -> dict:
     for name, options in SCHEMES.items():
         out[f"{name}_static"] = _train(six, 5, name, options, micro_batches=2)
         out[f"{name}_forced"] = _train(six, 5, name, options, micro_batches=2, force=moves)
+    # a forced lopsided partition after step 1 (layer 0 alone on the first stage) that the planner must undo
     out["moe_partition"] = _train(six, 5, "moe", micro_batches=2, rebalance="partition", every=2, min_gain=0.0,
-                                  bandwidth=1e15, latency=0.0)
+                                  bandwidth=1e15, latency=0.0, force=((1, (1, 5)),))
     return out
 
 
@@ -310,6 +311,7 @@ def test_an_expert_parallel_rank_without_tokens_joins_its_peers(four):
 def test_rebalancing_with_the_moe_routing_cost_plans_every_step_and_keeps_the_losses(four):
     run, off = four[0]["moe_partition"], four[0]["moe_static"]
     assert run["losses"] == off["losses"]
+    assert any(r.get("migration") == "partition" for r in run["records"])  # the planner undid the forced cut
     steps = [p["step"] for p in run["plans"]]
     assert steps == [2, 3, 4, 5], steps  # profiled at 2 and 4, planned after every step from the first profile
     # between profiles the costs follow the routing: step 3's plan is step 2's profile x step 3's prediction

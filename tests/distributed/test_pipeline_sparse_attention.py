@@ -86,16 +86,17 @@ def _job(rank: int, world: int, tmp: str) -> dict:
         out[f"{budget}_static"] = _train(cfg, 6)
         out[f"{budget}_forced"] = _train(cfg, 6, force=((2, (2, 4)), (4, (5, 1))))
         # free migrations, no minimum gain, an attention core weighted 200x in the predictions (the prediction
-        # only steers where layers go; the losses must not notice)
+        # only steers where layers go; the losses must not notice); a forced lopsided partition after step 1
+        # (layer 0 alone on the first stage) that the planner must undo
         out[f"{budget}_planned"] = _train(cfg_for(budget, attn_weight=200.0), 6, rebalance="partition", every=2,
-                                          min_gain=0.0, bandwidth=1e15, latency=0.0)
+                                          min_gain=0.0, bandwidth=1e15, latency=0.0, force=((1, (1, 5)),))
         # layer halves: 12 units, [6, 6] at the start; (5, 7) puts layer 2's attention half on the first stage and
         # its FFN half on the second, (9, 3) layer 4's
         out[f"{budget}_split"] = _train(cfg, 6, split_layers=True)
         out[f"{budget}_split_forced"] = _train(cfg, 6, split_layers=True, force=((2, (5, 7)), (4, (9, 3))))
         out[f"{budget}_split_planned"] = _train(cfg_for(budget, attn_weight=200.0), 6, split_layers=True,
                                                 rebalance="partition", every=2, min_gain=0.0, bandwidth=1e15,
-                                                latency=0.0)
+                                                latency=0.0, force=((1, (2, 10)),))
         # recomputation: the scheme replays its own attention (whole layers, and halves cut inside layers)
         for mode in ("attention", "full"):
             out[f"{budget}_{mode}"] = _train(cfg_for(budget, recompute=mode), 6, force=((2, (2, 4)),))
@@ -138,7 +139,9 @@ def test_migrated_and_rebalanced_runs_give_the_static_losses(runs, budget):
     static = r[f"{budget}_static"]
     assert r[f"{budget}_forced"]["losses"] == static["losses"]
     assert r[f"{budget}_forced"]["sizes"] == [5, 1]
-    assert r[f"{budget}_planned"]["losses"] == static["losses"]
+    planned = r[f"{budget}_planned"]
+    assert planned["losses"] == static["losses"]
+    assert any(x.get("migration") == "partition" for x in planned["records"])  # the planner undid the forced cut
     dens = [rec["attention_density"] for rec in static["records"]]
     assert all(d == 1.0 for d in dens[0])  # dense until `start`
     assert any(d < 1.0 for d in dens[-1])
@@ -161,7 +164,9 @@ def test_layer_halves_run_the_sparse_attention_and_keep_the_losses(runs, budget)
     forced = r[f"{budget}_split_forced"]
     assert forced["losses"] == split["losses"] and forced["sizes"] == [9, 3]
     assert [x["sizes_after"] for x in forced["records"] if x.get("migration")] == [[5, 7], [9, 3]]
-    assert r[f"{budget}_split_planned"]["losses"] == split["losses"]
+    planned = r[f"{budget}_split_planned"]
+    assert planned["losses"] == split["losses"]
+    assert any(x.get("migration") == "partition" for x in planned["records"])  # the planner moved halves
     # the units' predictions: an FFN half costs what it costs dense, an attention half moves with its density
     pred = split["unit_factors"]
     assert pred[1::2] == [1.0] * 6 and any(c != 1.0 for c in pred[0::2])
@@ -186,8 +191,8 @@ def test_the_balancer_replans_every_step(runs):
     run = runs[0]["random_walk_planned"]
     # profiled at step 2 (every 2), then a plan after every step, profiled or not
     assert run["plan_steps"][:4] == [2, 3, 4, 5]
-    # (on this tiny model the planner keeps the even split; the forced runs check that migrations keep the
-    # losses, and the 4-stage benchmark shows the planner's migrations)
+    # (the run starts from a forced lopsided partition after step 1: the planner's migrations undo it, and
+    # test_migrated_and_rebalanced_runs_give_the_static_losses checks that they keep the losses)
 
 
 def test_resume_continues_the_walk_exactly(runs):

@@ -35,7 +35,8 @@ def _two_ranks(rank: int, world: int) -> dict:
         "split_zb": _train(six, 5, micro_batches=4, split_layers=True, schedule="zb", force=cut),
         "mod": _train(six, 6, "mod", MOD, micro_batches=2, split_layers=True),
         "mod_forced": _train(six, 6, "mod", MOD, micro_batches=2, split_layers=True, force=mod_cut),
-        "mod_planned": _train(six, 6, "mod", MOD, micro_batches=2, split_layers=True, **plan),
+        # a forced lopsided partition (layer 0's halves alone on the first stage) that the planner must undo
+        "mod_planned": _train(six, 6, "mod", MOD, micro_batches=2, split_layers=True, force=((1, (2, 7)),), **plan),
         "m2": _train(six, 6, micro_batches=2, split_layers=True),
         # a forced lopsided partition (layer 0 alone on the first stage) that the planner must undo
         "m2_planned": _train(six, 6, micro_batches=2, split_layers=True, force=((1, (2, 10)),), **plan),
@@ -85,6 +86,7 @@ def test_mixture_of_depths_keeps_routed_blocks_whole_and_its_losses(two):
     assert mod["sizes"] == [5, 4]  # 0a 0f 1 2a 2f | 3 4a 4f 5
     assert two[0]["mod_forced"]["losses"] == mod["losses"]
     assert two[0]["mod_planned"]["losses"] == mod["losses"]
+    assert any(r.get("migration") == "partition" for r in two[0]["mod_planned"]["records"])  # the planner moved
     assert two[0]["mod_forced"]["sizes"] == [6, 3]
 
 
