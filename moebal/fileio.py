@@ -1,12 +1,15 @@
-"""Writing a small text file whole or not at all: a reader (or a run stopped mid-write) never sees half of it."""
+"""Writing a small text file whole or not at all: a reader (or a run stopped mid-write) never sees half of it;
+the paths a command writes checked before it writes."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from moebal.errors import ConfigError
 
-__all__ = ["make_folder_of", "output_path", "write_text_whole"]
+__all__ = ["make_folder_of", "output_path", "refuse_replacing", "write_text_whole"]
 
 
 def make_folder_of(path: str | Path, flag: str) -> Path:
@@ -29,10 +32,28 @@ def output_path(path: str | Path, flag: str) -> Path:
     return path
 
 
+def refuse_replacing(dst: str | Path, flag: str, keep: Mapping[str, str | Path | None]) -> None:
+    """A ConfigError when the directory `dst` (which a writer replaces whole) is, or contains, one of `keep`
+    (name -> path; None skipped): replacing it would delete what must be kept, whatever --overwrite says."""
+    target = Path(dst).resolve()
+    for name, path in keep.items():
+        if path is None:
+            continue
+        kept = Path(path).resolve()
+        if kept == target or kept.is_relative_to(target):
+            where = "is" if kept == target else "contains"
+            raise ConfigError(f"{flag} {dst} {where} {name} ({path}): writing it replaces the whole directory, "
+                              f"which would delete {name}; give a new directory")
+
+
 def write_text_whole(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file beside it, renamed over `path` (atomic on POSIX)."""
+    """Write `text` to `path` through a temporary file beside it, flushed to disk and renamed over `path`
+    (atomic on POSIX; a crash leaves the old file or the new one, never an empty one)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
     return path

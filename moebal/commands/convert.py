@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from moebal.errors import ConfigError
-from moebal.fileio import make_folder_of
+from moebal.fileio import make_folder_of, refuse_replacing
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.shard_gb}")
     # DST is written beside itself, then renamed into place: its folder must exist. Folders made here are taken
     # away again when the conversion fails (a SRC that is not a checkpoint leaves nothing behind).
+    refuse_replacing(args.dst, "DST", {"SRC": args.src})
     made = [d for d in Path(args.dst).absolute().parents if not d.exists()]
     make_folder_of(args.dst, "DST")
     try:

@@ -22,6 +22,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.errors import CheckpointError, TrainingError
+from moebal.fileio import refuse_replacing
 from moebal.interop.tensor_io import TensorInfo
 from moebal.train.hooks import Hook
 
@@ -120,9 +121,15 @@ def check_export(cfg: Config, run_dir: Path) -> None:
 
     base, _ = _base_of(cfg)
     # the target as the export will write it: a relative hf.export_to is inside the run directory
-    if cfg.hf.init_from and export_target(cfg, run_dir).resolve() == Path(cfg.hf.init_from).resolve():
+    target = export_target(cfg, run_dir)
+    if cfg.hf.init_from and target.resolve() == Path(cfg.hf.init_from).resolve():
         raise ConfigError("hf.export_to is the directory of hf.init_from: export somewhere else so the original "
                           "checkpoint is kept")
+    # the export replaces its directory whole: never one holding the run (its checkpoints) or the origin
+    refuse_replacing(target, "hf.export_to", {"the run directory": run_dir, "hf.init_from": cfg.hf.init_from})
+    if target.is_file() or (target.is_dir() and any(target.iterdir()) and not (target / "config.json").is_file()):
+        raise ConfigError(f"hf.export_to {target} holds files that are not a HF checkpoint (an earlier export): the "
+                          f"export would replace them; give a new or empty directory")
     from moebal.interop.hf import fields_of
 
     arch = fields_of(base, "hf.init_from").arch if base else choose_arch(cfg)

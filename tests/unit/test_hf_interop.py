@@ -235,6 +235,19 @@ def test_the_export_check_compares_the_target_the_export_writes_with_init_from(m
         check_export(here, path.parent)  # a run directory beside it: the export would overwrite the original
     with pytest.raises(ConfigError, match="hf.export_to is the directory of hf.init_from"):
         check_export(cfg(path), tmp_path / "run")
+    # the export replaces its directory whole: not the run's (".", it once deleted every checkpoint), not one
+    # holding the run or hf.init_from, not a folder of other files; an earlier export is replaced
+    run = tmp_path / "runs" / "run"
+    for target, said in ((".", "is the run directory"), ("..", "contains the run directory")):
+        with pytest.raises(ConfigError, match=said):
+            check_export(cfg(target), run)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me", encoding="utf-8")
+    with pytest.raises(ConfigError, match="holds files that are not a HF checkpoint"):
+        check_export(cfg(tmp_path / "other"), run)
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "config.json").write_text("{}", encoding="utf-8")
+    check_export(cfg(tmp_path / "earlier"), run)
 
 
 def test_an_export_takes_base_and_copy_from_each_from_the_origin_when_not_given(mixtral_dir, tmp_path):
@@ -289,6 +302,10 @@ def test_convert_cli_both_ways_and_moebal_dir_as_init(mixtral_dir, tmp_path, cap
     capsys.readouterr()
     assert main(["convert", "moebal-to-hf", str(mb), str(tmp_path / "hf")]) == 2
     assert "already exists: choose a new directory or pass --overwrite" in capsys.readouterr().err
+    for dst in (mb, tmp_path):  # over its own SRC, or a folder holding it: refused even with --overwrite
+        assert main(["convert", "moebal-to-hf", str(mb), str(dst), "--overwrite"]) == 2
+        assert "which would delete SRC" in capsys.readouterr().err
+    assert (mb / "model.safetensors").is_file()
     assert main(["convert", "hf-to-moebal", str(tmp_path / "nope"), str(tmp_path / "new" / "er" / "x")]) == 2
     err = capsys.readouterr().err
     assert "is not a directory" in err and len(err.strip().splitlines()) == 1
