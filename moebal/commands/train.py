@@ -241,9 +241,18 @@ def run(args: argparse.Namespace) -> int:
 def _run_locked(args: argparse.Namespace, cfg: Config, out: Path, wall0: float) -> int:
     # --auto-resume (restarted ranks: torchrun --max-restarts, or --nproc with --max-restarts) continues the run
     # from its newest complete checkpoint, or starts it over when there is none yet
+    from moebal.train.checkpoint import find_checkpoints
+
+    if args.auto_resume and args.resume_from and find_checkpoints(out):
+        args.resume_from = None  # a restarted job begun from --resume-from: continue from its own newest checkpoint
     auto = bool(args.auto_resume) and not (args.resume or args.resume_from)
     if not (args.resume or args.resume_from or auto) and (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    if (args.resume_from and not args.auto_resume and Path(args.resume_from).resolve().parent != out.resolve()
+            and ((out / "metrics.jsonl").exists() or find_checkpoints(out))):
+        raise ConfigError(f"{out} already holds a run, and --resume-from {args.resume_from} is a checkpoint of "
+                          f"another run: continuing it here would replace this run's checkpoints and metrics; "
+                          f"choose a new --out for it")
     if cfg.hf.export_to:
         from moebal.train.export import check_export
 

@@ -756,14 +756,27 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                               + (" (a format-1 checkpoint: resume it with the moebal version that wrote it)"
                                  if fmt == 1 else ""))
     try:
-        for key in ("files", "tensors", "stacked", "aliases", "experts"):
+        for key in ("files", "tensors", "stacked", "aliases", "experts", "optimizer_numbers"):
             if not isinstance(manifest[key], dict):
                 raise TypeError(key)
-        int(manifest["step"])
+        step = int(manifest["step"])
+        # the entries the reader indexes: a manifest that parses but lacks one is as corrupt as one that does not
+        for rec in manifest["files"].values():
+            if not (isinstance(rec["bytes"], int) and isinstance(rec["sha256"], str)):
+                raise TypeError("files")
+        for stk, index in manifest["experts"].values():
+            if not (isinstance(stk, str) and isinstance(index, int)):
+                raise TypeError("experts")
+        for rec in manifest["stacked"].values():
+            if not (isinstance(rec["num_experts"], int) and isinstance(rec["shape"], list)):
+                raise TypeError("stacked")
         files = [*manifest["files"], *(f for k in ("tensors", "extra") for e in manifest.get(k, {}).values()
                                        for f in _entry_files(e))]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__})") from None
+        raise CheckpointError(f"{manifest_path} is corrupt ({e.__class__.__name__}: {e})") from None
+    if NAME_RE.match(path.name) and step_of(path) != step:  # a checkpoint of another step under this name
+        raise CheckpointError(f"{manifest_path} is corrupt: it is step {step}'s, in the folder of step "
+                              f"{step_of(path)}")
     for name in files:
         _check_inside(path, name)
     return dict(manifest)

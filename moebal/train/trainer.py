@@ -147,6 +147,9 @@ class Trainer:
         self.checkpoint_times: list[dict[str, float]] = []
         if ckpt is not None:
             self._restore(ckpt)
+            if (self.ctx.is_main and ckpt.step < cfg.train.steps
+                    and ckpt.path.parent.resolve() == self.run_dir.resolve()):
+                self._set_aside_newer(ckpt.step)  # only once it loaded: a failed resume keeps every checkpoint
         # the run's one expert kernel: the config's, the checkpoint's, or auto's rule; rank 0's on every rank
         self.kernels = self.strategy.settle_kernels(self, ckpt.state.get("kernels") if ckpt is not None else None)
         if self.ctx.is_main and not self.finished:  # a resumed run with nothing left keeps its record
@@ -201,9 +204,6 @@ class Trainer:
         if resume is not False and reader is None and self.ctx.is_main:  # starting over: the failed attempt's
             for name in ("metrics.jsonl", "plans.jsonl"):  # lines go
                 MetricsLog.truncate_after(self.run_dir / name, 0)
-        if (reader is not None and self.ctx.is_main and reader.step < self.cfg.train.steps
-                and reader.path.parent.resolve() == self.run_dir.resolve()):
-            self._set_aside_newer(reader.step)
         return reader
 
     def _set_aside_newer(self, step: int) -> None:

@@ -68,6 +68,14 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     loss = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [json.loads(x)["loss"] for x in (branch / "metrics.jsonl").read_text(encoding="utf-8").splitlines()] \
         == loss[4:]
+    # ... but not into a directory holding another run: its checkpoints and metrics would be replaced
+    def files() -> dict[str, bytes]:  # the run's files (the lock records the job that holds the directory)
+        return {p.name: p.read_bytes() for p in branch.rglob("*") if p.is_file() and p.name != "moebal.lock"}
+
+    kept = files()
+    r5 = moebal("--resume-from", str(out / "ckpt-0000004"), "--out", str(branch), "--steps", "6")
+    assert r5.returncode == 2 and "is a checkpoint of another run" in r5.stderr, r5.stderr
+    assert files() == kept
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):

@@ -238,6 +238,11 @@ def test_resuming_a_run_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_p
     assert len(list(run.glob("ckpt-*"))) == 3 and not (run / "superseded").exists()
     Trainer(cfg, run, resume=str(run / "ckpt-0000006"))  # nothing left to train: nothing moves
     assert len(list(run.glob("ckpt-*"))) == 3
+    # a resume that fails (a model the checkpoint does not fit) moves nothing: the run still resumes as it was
+    with pytest.raises(CheckpointError):
+        Trainer(tiny(*SPIKE, "train.ckpt_every=2", "train.steps=6", "model.dim=32"), run,
+                resume=str(run / "ckpt-0000002"))
+    assert len(list(run.glob("ckpt-*"))) == 3 and not (run / "superseded").exists()
     Trainer(cfg, run, resume=str(run / "ckpt-0000002"))
     assert "its 2 newer checkpoints moved to" in capsys.readouterr().err
     assert [p.name for p in run.glob("ckpt-*")] == ["ckpt-0000002"]
