@@ -1109,8 +1109,8 @@ def _check_whole(c: Config) -> None:
                    ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.max_seq_len", m.max_seq_len), ("data.seq_len", d.seq_len),
                    ("data.batch_size", d.batch_size), ("moe.top_k", moe.top_k), ("moe.every", moe.every),
-                   ("parallel.nproc", 1 if par.nproc is None else par.nproc), ("parallel.ep", par.ep or 1),
-                   ("parallel.pp", par.pp)]:
+                   ("parallel.nproc", 1 if par.nproc is None else par.nproc),
+                   ("parallel.ep", 1 if par.ep is None else par.ep), ("parallel.pp", par.pp)]:
         _need(v >= 1, f"'{key}' must be at least 1; got {v}")
     for key, fv in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.init_std", m.init_std), ("train.lr", t.lr), ("parallel.timeout_min", par.timeout_min)]:
@@ -1419,12 +1419,12 @@ def _check_train(t: TrainConfig) -> None:
     _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, f"AdamW betas must be in [0, 1); got {t.beta1}, {t.beta2}")
     for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
         _need(v >= 0, f"'{key}' must be >= 0; got {v}")
-    for key, iv in [("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every),
-                    ("train.eval_batches", t.eval_batches), ("train.log_every", t.log_every),
+    for key, iv in [("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every)]:
+        _need(iv >= 0, f"'{key}' must be >= 0 (0: never); got {iv}")
+    for key, iv in [("train.eval_batches", t.eval_batches), ("train.log_every", t.log_every),
                     ("train.keep_checkpoints", t.keep_checkpoints)]:
-        _need(iv >= 0, f"'{key}' must be >= 0; got {iv}")
-    _need(t.eval_batches >= 1 and t.log_every >= 1 and t.keep_checkpoints >= 1,
-          "'train.eval_batches', 'train.log_every' and 'train.keep_checkpoints' must be at least 1")
+        _need(iv >= 1, f"'{key}' must be at least 1; got {iv}")
+    _need(0 <= t.seed < 2 ** 32, f"'train.seed' must be in 0 .. 2**32 - 1 (numpy's seed range); got {t.seed}")
     _need(t.threads is None or t.threads >= 1, f"'train.threads' must be at least 1 or null; got {t.threads}")
     _need(t.time_limit_min is None or t.time_limit_min > 0,
           f"'train.time_limit_min' must be positive or null; got {t.time_limit_min}")

@@ -124,7 +124,11 @@ def _jsonl_records(path: Path, name: str, data: bytes, text_key: str) -> Iterato
         if not isinstance(text, str):
             raise DataError(f"{path}:{lineno}: field '{text_key}' is {type(text).__name__}, not a string")
         if text:
-            yield f"{name}:{lineno}", text.encode("utf-8")
+            try:
+                encoded: bytes | None = text.encode("utf-8")
+            except UnicodeEncodeError:  # JSON's \ud800-style escapes can name a lone surrogate, which is no text
+                encoded = None
+            yield f"{name}:{lineno}", encoded
 
 
 def iter_documents(source: str, text_key: str = "text") -> Iterator[tuple[str, bytes | None]]:

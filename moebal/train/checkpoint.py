@@ -564,9 +564,17 @@ class Checkpointer:
             time.sleep(0.02)
 
 
+def _os_error_of(e: BaseException) -> BaseException:
+    """safetensors' writer reports the operating system's error as its own (`SafetensorError: ... No space left on
+    device (os error 28)`): the OSError it stands for, so that a full disk reads the same from every file."""
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(m.group(1)), os.strerror(int(m.group(1)))) if m else e
+
+
 def _as_input_error(e: BaseException, step: int, run_dir: Path) -> BaseException:
     """An operating-system error of the write (a full disk, a quota, a read-only or vanished run directory) is
     the user's to fix, so it becomes one line (CheckpointError); anything else is a bug and stays itself."""
+    e = _os_error_of(e)
     if not isinstance(e, OSError) or e.errno is None:
         return e
     return CheckpointError(f"cannot write checkpoint {step} into {run_dir}: {e.strerror or e}"

@@ -244,6 +244,17 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
     assert str(e.value).startswith(f"cannot write checkpoint 2 into {tmp_path}: No space left on device (")
     assert f"continue with `moebal train --out {tmp_path} --resume`" in str(e.value) and "\n" not in str(e.value)
     assert find_checkpoints(tmp_path) == [good]
+    # the disk full while a shard is written: safetensors' own error type, the same line
+    from safetensors import SafetensorError
+
+    def shard_full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.undo()
+    monkeypatch.setattr("safetensors.torch.save_file", shard_full)
+    with pytest.raises(CheckpointError, match="^cannot write checkpoint 3 into .*: No space left on device;"):
+        _save(tmp_path, 3, model, opt)
+    assert find_checkpoints(tmp_path) == [good]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])

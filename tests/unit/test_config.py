@@ -81,6 +81,10 @@ def test_unknown_section_suggests_closest():
         (["parallel.timeout_min=0"], "'parallel.timeout_min' must be positive"),
         (["parallel.timeout_min=.inf"], "'parallel.timeout_min' must be a finite number"),
         (["parallel.nproc=0"], "'parallel.nproc' must be at least 1"),
+        (["parallel.ep=0"], "'parallel.ep' must be at least 1; got 0"),  # (once a division by zero)
+        (["train.keep_checkpoints=0"], "'train.keep_checkpoints' must be at least 1; got 0"),
+        (["train.seed=-1"], "'train.seed' must be in 0 .. 2**32 - 1"),
+        (["train.seed=4294967296"], "'train.seed' must be in 0 .. 2**32 - 1"),
         (["train.out_dir=2024"], "YAML reads it as a number: quote it, '2024'"),
         (["planner.costs=true"], "YAML reads it as true/false: quote it, 'true'"),
         (["scheduler.mode=on"], "must be one of off, ddp, lina"),

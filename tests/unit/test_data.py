@@ -109,10 +109,11 @@ def test_undecodable_documents_are_skipped_and_counted_in_txt_and_jsonl_alike(tm
     # one rule (docs/data.md): a .txt file or a .jsonl line that is not UTF-8 is skipped, counted and named
     _write_docs(tmp_path, 12)
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00 not utf-8 \x80")
-    (tmp_path / "mixed.jsonl").write_bytes(b'{"text": "fine text here"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "mixed.jsonl").write_bytes(b'{"text": "fine text here"}\n{"text": "caf\xe9"}\n'
+                                           b'{"text": "a lone surrogate \\udc80 escaped"}\n')
     c = load_corpus(str(tmp_path), val_fraction=0.2)
-    assert c.n_skipped == 2
-    assert "skipped 2 document(s) not valid UTF-8, the first bad.txt" in capsys.readouterr().err
+    assert c.n_skipped == 3
+    assert "skipped 3 document(s) not valid UTF-8, the first bad.txt" in capsys.readouterr().err
     only_bad = tmp_path / "onlybad"
     only_bad.mkdir()
     (only_bad / "b.jsonl").write_bytes(b'{"text": "\xff\xff"}\n')
