@@ -12,6 +12,7 @@ which the model's loss ignores.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class _Sampler:
         self.curriculum: Curriculum | None = None
         """`data.order: complexity`: epochs after the first are ordered by it (moebal/data/curriculum.py), and
         packed blocks keep the first epoch's offset so a sample is the same text in every epoch."""
+        self._crc: int | None = None
         self.last_ids: list[int] = []
         """Sample ids (within the epoch's sample space) of the rows of the last `next_samples()`."""
         self.curriculum_lag = 0
@@ -142,12 +144,22 @@ class _Sampler:
     def state_dict(self, table: bool = True) -> dict[str, Any]:
         """The position (and the curriculum's lag and, with `table`, its table): what a resume restores."""
         state = {"kind": type(self).__name__, "epoch": self.epoch, "index": self.index, "seed": self.seed,
-                 "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples()}
+                 "seq_len": self.seq_len, "batch_size": self.batch_size, "samples": self._num_samples(),
+                 "tokens": self._fingerprint()}
         if self.curriculum is not None:
             if table:
                 state["curriculum"] = self.curriculum.state_dict()
             state["curriculum_lag"] = self._lags.get(self.epoch, self.curriculum_lag)  # the lag of this epoch
         return state
+
+    def _fingerprint(self) -> int:
+        """CRC-32 of the split's length and of up to 2**20 of its tokens, evenly spaced (computed once): another
+        tokenizer (or data) with the same sample count gives other tokens, which a resume must not train on."""
+        if self._crc is None:
+            tokens = self.split.tokens_N
+            picked = tokens[::max(1, len(tokens) >> 20)].astype(np.int64)
+            self._crc = zlib.crc32(picked.tobytes(), zlib.crc32(np.int64(len(tokens)).tobytes()))
+        return int(self._crc)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
@@ -155,6 +167,10 @@ class _Sampler:
             if state.get(key) != mine[key]:
                 raise DataError(f"the checkpoint's data loader has {key}={state.get(key)!r} but this run has "
                                 f"{mine[key]!r}: resume with the same data and config")
+        if "tokens" in state and state["tokens"] != mine["tokens"]:  # (checkpoints before the field: not checked)
+            raise DataError("the checkpoint's training data are other tokens than this run's (the same samples, "
+                            "another data.tokenizer or data.source): resume with the data and tokenizer the run "
+                            "was trained with")
         if (self.curriculum is not None) != ("curriculum" in state):
             raise DataError(f"the checkpoint's data order is {'complexity' if 'curriculum' in state else 'shuffle'} "
                             f"but this run's is {'complexity' if self.curriculum is not None else 'shuffle'}: "

@@ -224,6 +224,13 @@ def test_sampler_state_resumes_exactly_across_epochs(tmp_path):
         assert not torch.equal(other.next_batch().ids_BT, ref[0].ids_BT)
         with pytest.raises(DataError, match="seed"):
             other.load_state_dict(state)
+        # the same samples of other tokens (a tokenizer of the same size with its ids permuted): refused
+        permuted = type(c.train)(tokens_N=(255 - c.train.tokens_N).astype(c.train.tokens_N.dtype),
+                                 offsets_M=c.train.offsets_M)
+        with pytest.raises(DataError, match="other tokens than this run's"):
+            cls(permuted, seq_len=16, batch_size=8, seed=3).load_state_dict(state)
+        older = {k: v for k, v in state.items() if k != "tokens"}  # a checkpoint from before the field
+        cls(c.train, seq_len=16, batch_size=8, seed=3).load_state_dict(older)
 
 
 def test_document_samples_keep_natural_length_with_padding_labelled_ignore(tmp_path):
