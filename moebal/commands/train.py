@@ -103,11 +103,20 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:
         raise ConfigError("--auto-resume needs --out DIR, the run directory to continue or start")
     out = Path(args.resume_from).parent if args.resume_from and not args.out else (Path(args.out) if args.out
                                                                                    else None)
-    if config is None and resuming and out is not None and (out / "config.yaml").is_file():
+    def written(f: Path) -> bool:  # (an empty file is a write a crash cut short: not the run's config)
+        return f.is_file() and f.stat().st_size > 0
+
+    if config is None and resuming and out is not None and written(out / "config.yaml"):
         config = str(out / "config.yaml")
-    elif config is None and args.resume_from and (Path(args.resume_from) / "config.yaml").is_file():
+    elif config is None and args.resume_from and written(Path(args.resume_from) / "config.yaml"):
         # a checkpoint continued into another run directory (a branch): the config it was written with
         config = str(Path(args.resume_from) / "config.yaml")
+    elif config is None and args.resume and out is not None:
+        from moebal.train.checkpoint import find_checkpoints
+
+        newest = find_checkpoints(out)[-1:]  # the run's config.yaml lost: the one its newest checkpoint keeps
+        if newest and written(newest[0] / "config.yaml"):
+            config = str(newest[0] / "config.yaml")
     # input paths made absolute before config.yaml keeps them: a resume finds them from any working directory
     cfg = absolute_inputs(load(config, overrides))
     # auto precision is settled here, once, and config.yaml keeps the result (moebal/train/precision.py)

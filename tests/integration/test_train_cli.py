@@ -76,6 +76,11 @@ def test_cli_runs_writes_the_run_directory_and_resumes(tmp_path):
     r5 = moebal("--resume-from", str(out / "ckpt-0000004"), "--out", str(branch), "--steps", "6")
     assert r5.returncode == 2 and "is a checkpoint of another run" in r5.stderr, r5.stderr
     assert files() == kept
+    # the run's config.yaml lost (empty: a write a crash cut short): --resume takes its newest checkpoint's, not
+    # the defaults (whose model the checkpoint does not fit)
+    (out / "config.yaml").write_text("", encoding="utf-8")
+    r6 = moebal("--out", str(out), "--resume", "--steps", "5")
+    assert r6.returncode == 0 and "is at step 5 and train.steps is 5: nothing to train" in r6.stderr, r6.stderr
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):
