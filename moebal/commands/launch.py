@@ -96,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs the run directory: pass --out DIR or set train.out in the cluster file")
     if not args.resume and not args.dry_run and (_local(c, out) / "metrics.jsonl").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    from moebal.train.checkpoint import find_checkpoints
+
+    if args.resume and not args.dry_run and _local(c, out).is_dir() and not find_checkpoints(_local(c, out)):
+        # (a run directory this machine cannot see is the nodes' to check)
+        raise ConfigError(f"nothing to resume in {out}: it holds no checkpoint (run without --resume to start, "
+                          f"or point --out at the run)")
     train = train_argv(c, out, resume=args.resume)
     ranks = "+".join(str(n.slots) for n in c.nodes)
     header = (f"moebal launch: {c.name}, {len(c.nodes)} nodes ({ranks} = {c.world_size} ranks), "

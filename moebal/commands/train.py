@@ -199,9 +199,22 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
             raise ConfigError(f"nothing to resume in {out}: it holds no checkpoint "
                               f"(run without --resume to start, or point --out at the run)")
     if args.resume_from:  # its manifest, as every rank will open it (the tensors' checksums are the ranks' to check)
-        from moebal.train.checkpoint import open_for_resume
+        from moebal.train.checkpoint import (
+            find_checkpoints,
+            open_for_resume,
+            step_of,
+            supersede_newer,
+            verify_checkpoint,
+        )
 
-        open_for_resume(out, args.resume_from)
+        reader = open_for_resume(out, args.resume_from)
+        assert reader is not None  # (a path: required)
+        newer = [p for p in find_checkpoints(out) if step_of(p) > reader.step]
+        if newer and reader.path.parent.resolve() == out.resolve() and reader.step < cfg.train.steps:
+            # set aside here, before any rank starts: a restart of ranks that died before rank 0 got to it would
+            # continue the newer line; verified whole first, so that a damaged checkpoint moves nothing
+            verify_checkpoint(reader.path)
+            supersede_newer(out, reader.step)
     argv = ["train", *args._argv]
     if args.out is None:
         argv += ["--out", str(out)]

@@ -332,6 +332,10 @@ def _check_ssh(c: ClusterConfig) -> None:
     dup = sorted({x for x in names if names.count(x) > 1})
     _need(not dup, f"'nodes': host {dup[0] if dup else ''!r} is listed twice; give each node once with its "
                    f"slots")
+    addrs = [n.addr for n in c.nodes if n.addr]  # what each node's ranks publish: one machine each
+    dup = sorted({x for x in addrs if addrs.count(x) > 1})
+    _need(not dup, f"'nodes': addr {dup[0] if dup else ''!r} is given to two nodes; each node's addr is the "
+                   f"address of its own machine")
     _need(c.ssh.stop_grace_s >= 0, f"'ssh.stop_grace_s' must be >= 0; got {c.ssh.stop_grace_s}")
 
 
@@ -440,7 +444,7 @@ def torchrun_argv(c: ClusterConfig, i: int, train: list[str], out: str) -> list[
     node = c.nodes[i]
     conf = [f"join_timeout={int(math.ceil(c.rendezvous.join_timeout_s))}"]
     endpoint_host = c.endpoint.rpartition(":")[0].strip("[]")
-    own = [n.addr or n.host for n in c.nodes]
+    own = [n.addr or (n.host or "").rpartition("@")[2] for n in c.nodes]  # as `endpoint` names them: no user@
     if endpoint_host in own:
         # say which node hosts the store: torch guesses it from the hostname, which fails where several
         # nodes share one (network namespaces, containers) or where the hostname resolves to loopback

@@ -61,6 +61,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -97,6 +98,7 @@ __all__ = [
     "restore_rng",
     "rng_state",
     "save_checkpoint",
+    "supersede_newer",
     "verify_checkpoint",
 ]
 
@@ -716,6 +718,20 @@ def reach_anchors(found: list[Path], reach: int) -> set[Path]:
     before = [p for p, s in zip(found, steps) if s < (window - 1) * reach] or found[:1]
     previous = [p for p, s in zip(found, steps) if (window - 1) * reach <= s < window * reach]
     return {ps[-1] for ps in (before, previous) if ps}
+
+
+def supersede_newer(run_dir: str | Path, step: int) -> None:
+    """Resuming a run from one of its older checkpoints (--resume-from): the newer ones hold a line of the run this
+    one replaces, which a later --resume (a crash, a launcher's restart) would otherwise continue. They move to
+    `superseded/<n>/` in the run directory, kept, and a line says so."""
+    run_dir = Path(run_dir)
+    moved = retire_checkpoints(run_dir, step, "superseded")
+    if moved:
+        where = run_dir / Path(moved[0]).parent
+        sys.stderr.write(f"moebal train: resuming {run_dir} from step {step}: its {len(moved)} newer "
+                         f"checkpoint{'s' if len(moved) != 1 else ''} moved to {where} (a later --resume would "
+                         f"have continued them)\n")
+        sys.stderr.flush()
 
 
 def retire_checkpoints(run_dir: str | Path, after: int, into: str) -> list[str]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from moebal.train.checkpoint import (
     retire_checkpoints,
     rng_state,
     step_of,
+    supersede_newer,
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
@@ -149,7 +149,7 @@ class Trainer:
             self._restore(ckpt)
             if (self.ctx.is_main and ckpt.step < cfg.train.steps
                     and ckpt.path.parent.resolve() == self.run_dir.resolve()):
-                self._set_aside_newer(ckpt.step)  # only once it loaded: a failed resume keeps every checkpoint
+                supersede_newer(self.run_dir, ckpt.step)  # once it loaded: a failed resume keeps every checkpoint
         # the run's one expert kernel: the config's, the checkpoint's, or auto's rule; rank 0's on every rank
         self.kernels = self.strategy.settle_kernels(self, ckpt.state.get("kernels") if ckpt is not None else None)
         if self.ctx.is_main and not self.finished:  # a resumed run with nothing left keeps its record
@@ -205,19 +205,6 @@ class Trainer:
             for name in ("metrics.jsonl", "plans.jsonl"):  # lines go
                 MetricsLog.truncate_after(self.run_dir / name, 0)
         return reader
-
-    def _set_aside_newer(self, step: int) -> None:
-        """Resuming the run from one of its older checkpoints (--resume-from): the newer ones hold a line of the run
-        this one replaces, which a later --resume (a crash, a launcher's restart) would otherwise continue. They
-        move to `superseded/<n>/` in the run directory, kept (a rollback's own move, to `rolled-back/<n>/`, comes
-        before its rebuild, so none is left newer then)."""
-        moved = retire_checkpoints(self.run_dir, step, "superseded")
-        if moved:
-            where = self.run_dir / Path(moved[0]).parent
-            sys.stderr.write(f"moebal train: resuming {self.run_dir} from step {step}: its {len(moved)} newer "
-                             f"checkpoint{'s' if len(moved) != 1 else ''} moved to {where} (a later --resume would "
-                             f"have continued them)\n")
-            sys.stderr.flush()
 
     def _restore(self, reader: CheckpointReader) -> None:
         """Load under any layout: weights and optimizer state by logical name (experts follow their owner), the

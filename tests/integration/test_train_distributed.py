@@ -83,6 +83,13 @@ def test_two_rank_resume_is_exact(tmp_path, two_rank_run):
     # measured (saved in the checkpoint), not from a new measurement that would differ and move replicas
     full_plans = (tmp_path / "full" / "plans.jsonl").read_text().splitlines()
     assert (part / "plans.jsonl").read_text().splitlines() == full_plans
+    # --resume-from the run's older checkpoint: the launcher sets the newer one aside before any rank starts (a
+    # restart of ranks that died before rank 0 moved it would have continued it), and the losses are the same
+    again = run_cli("train", "--out", str(part), "--resume-from", str(part / "ckpt-0000004"), "--nproc", "2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "its 1 newer checkpoint moved to" in again.stderr
+    assert [p.name for p in (part / "superseded" / "1").iterdir()] == ["ckpt-0000008"]
+    assert [x["loss"] for x in _metrics(part)] == [x["loss"] for x in a]
 
 
 # 1,024 rows per rank and layer in bf16: sizes at which the former per-size timing of the expert kernels chose

@@ -97,6 +97,25 @@ def test_example_cluster_file_loads_and_dry_runs(capsys):
                               "--out", "runs/moe-2x8", "--auto-resume"]
 
 
+def test_the_store_host_is_named_when_hosts_carry_an_ssh_user(tmp_path):
+    """`user@host` nodes without addr: the rendezvous endpoint strips the user, and so does the store's host test,
+    so that node 0 is told it hosts the store (torch would guess it from the hostname)."""
+    data = {"nodes": [{"host": "alice@gpu-01", "slots": 2}, {"host": "alice@gpu-02", "slots": 2}]}
+    c = load_cluster(_write(tmp_path / "c.yaml", data))
+    assert c.endpoint == "gpu-01:29500"
+    confs = [next(w for w in shlex.split(cmd.remote) if w.startswith("--rdzv-conf="))
+             for cmd in node_commands(c, train_argv(c, "runs/x"), "runs/x")]
+    assert ["is_host=1" in w for w in confs] == [True, False], confs
+
+
+def test_launch_resume_without_a_checkpoint_is_refused_before_any_node_starts(tmp_path, capsys):
+    data = _cluster(tmp_path, train={"out": str(tmp_path / "run")})
+    (tmp_path / "run").mkdir()
+    assert main(["launch", str(_write(tmp_path / "c.yaml", data)), "--resume"]) == 2
+    assert "nothing to resume in" in capsys.readouterr().err
+    assert not list((tmp_path / "rec").iterdir())  # no node's command ran
+
+
 def test_hostile_values_arrive_intact_through_a_shell(tmp_path, capsys):
     """The per-node commands, run for real through `sh -c`: every value reaches the program as one argument."""
     path = _write(tmp_path / "c.yaml", _cluster(tmp_path))
@@ -216,6 +235,8 @@ def test_a_placeholder_inside_quotes_of_a_template_word_is_refused(tmp_path, tem
     ({"nodes": [{"host": "a b", "slots": 1}]}, "one word"),
     ({"nodes": [{"host": "a", "slots": 0}]}, "'nodes[0].slots' must be at least 1"),
     ({"nodes": [{"host": "a"}, {"host": "a"}]}, "listed twice"),
+    ({"nodes": [{"host": "a", "addr": "10.0.0.1"}, {"host": "b", "addr": "10.0.0.1"}]},
+     "addr '10.0.0.1' is given to two nodes"),
     ({"nodes": [{"host": "a", "slots": "two"}]}, "'nodes[0].slots' must be an integer"),
     ({"env": {"BAD-NAME": "1"}}, "not an environment variable name"),
     ({"env": ["A=1"]}, "'env' must be a mapping"),
