@@ -24,6 +24,7 @@ field, unknown keys named with the closest valid key, every impossible value exp
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -332,11 +333,20 @@ def _check_ssh(c: ClusterConfig) -> None:
     dup = sorted({x for x in names if names.count(x) > 1})
     _need(not dup, f"'nodes': host {dup[0] if dup else ''!r} is listed twice; give each node once with its "
                    f"slots")
-    addrs = [n.addr for n in c.nodes if n.addr]  # what each node's ranks publish: one machine each
+    # what each node's ranks publish: one machine each (a loopback address may repeat: nodes of one machine, a
+    # local test of the launcher)
+    addrs = [n.addr for n in c.nodes if n.addr and not _loopback(n.addr)]
     dup = sorted({x for x in addrs if addrs.count(x) > 1})
     _need(not dup, f"'nodes': addr {dup[0] if dup else ''!r} is given to two nodes; each node's addr is the "
                    f"address of its own machine")
     _need(c.ssh.stop_grace_s >= 0, f"'ssh.stop_grace_s' must be >= 0; got {c.ssh.stop_grace_s}")
+
+
+def _loopback(addr: str) -> bool:
+    try:
+        return addr == "localhost" or ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_slurm(c: ClusterConfig) -> None:
