@@ -39,6 +39,7 @@ import yaml
 
 from moebal.config import apply_override, build_schema, read_yaml
 from moebal.errors import ConfigError
+from moebal.launch.spawn import JOB_START_ENV
 
 __all__ = [
     "ClusterConfig",
@@ -470,8 +471,9 @@ def torchrun_argv(c: ClusterConfig, i: int, train: list[str], out: str) -> list[
 
 def remote_command(c: ClusterConfig, i: int, train: list[str], out: str) -> str:
     """Node i's command as one shell string; every word from the cluster file is quoted."""
-    words = ["exec", "env", *(f"{k}={v}" for k, v in node_env(c, i).items()), *torchrun_argv(c, i, train, out)]
-    cmd = shlex.join(words)
+    words = [*(f"{k}={v}" for k, v in node_env(c, i).items()), *torchrun_argv(c, i, train, out)]
+    # the job's start on the node's clock, once for all of torchrun's attempts: train.time_limit_min counts from it
+    cmd = f"exec env {JOB_START_ENV}=$(date +%s) {shlex.join(words)}"
     workdir = c.workdir or os.getcwd()
     return f"cd {shlex.quote(workdir)} && {cmd}"
 
@@ -507,6 +509,7 @@ def sbatch_script(c: ClusterConfig, train: list[str], out: str) -> str:
     lines += [f"#SBATCH {opt}" for opt in s.options]
     lines += ["set -euo pipefail", f"cd {shlex.quote(c.workdir or os.getcwd())}"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in node_env(c, None).items()]
+    lines.append(f"export {JOB_START_ENV}=$(date +%s)")  # train.time_limit_min counts from the job's start
     if c.rendezvous.endpoint is None:  # the store runs on the job's first node
         # sed, not head: head would leave scontrol writing into a closed pipe, failing the script (pipefail)
         lines.append('head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)')

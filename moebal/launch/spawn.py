@@ -30,6 +30,7 @@ there; a node whose torchrun exits non-zero has run out of restarts (or lost its
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -45,8 +46,9 @@ from typing import IO, Any, Protocol
 
 from moebal.errors import ConfigError
 
-__all__ = ["RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "local_ranks", "rank_name",
-           "rendezvous_store", "run_nodes", "spawn_local", "start_rank_server"]
+__all__ = ["JOB_START_ENV", "RANK_START_ENV", "Stopped", "die_with_launcher", "free_port", "job_age_s",
+           "job_start_env", "local_ranks", "rank_name", "rendezvous_store", "run_nodes", "spawn_local",
+           "start_rank_server"]
 
 BAD_INPUT = 2  # the exit code of a MoebalError (moebal.cli)
 LAUNCHER_ENV = "MOEBAL_LAUNCHER_PID"  # in a rank of spawn_local: its parent (launcher or forkserver), not outlived
@@ -54,6 +56,10 @@ ERRORS_ENV = "MOEBAL_RANK_ERRORS"
 """In a rank of spawn_local: a directory where a rank other than 0 leaves its one-line error (moebal.cli prints
 only rank 0's, which every rank's shared bad input gives alike), for the launcher to say when that rank failed
 alone."""
+JOB_START_ENV = "MOEBAL_JOB_START"
+"""The job's start (Unix time in seconds), which a launcher gives every rank of every attempt (`moebal train
+--nproc N`, `moebal launch`, its Slurm script): `train.time_limit_min` counts from it, so that a restart after a
+failure does not start the limit again (`job_age_s`)."""
 RANK_START_ENV = "MOEBAL_RANK_START"  # how spawn_local starts a rank: "forkserver" (the default) or "exec"
 _RANK_STARTS = ("forkserver", "exec")
 # what the forkserver imports for every rank (beside the moebal modules the launcher imported)
@@ -125,6 +131,27 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def job_start_env() -> dict[str, str]:
+    """`JOB_START_ENV` for the ranks of a job that starts now."""
+    return {JOB_START_ENV: f"{time.time():.3f}"}
+
+
+def job_age_s() -> float:
+    """In a rank of a launched job (RANK set): seconds since the job's start, `JOB_START_ENV`; 0 outside one or
+    where the launcher set none (plain torchrun). A start ahead of this node's clock counts as now."""
+    raw = os.environ.get(JOB_START_ENV, "")
+    if "RANK" not in os.environ or not raw:  # a one-process run ignores a value left in the user's shell
+        return 0.0
+    try:
+        start = float(raw)
+    except ValueError:
+        start = math.nan
+    if not math.isfinite(start):
+        raise ConfigError(f"{JOB_START_ENV}={raw!r} is not a Unix time in seconds; moebal's launchers set it for "
+                          f"their ranks: unset it")
+    return max(0.0, time.time() - start)
+
+
 def local_ranks(nproc: int | None, gpus: int) -> int:
     """Ranks `moebal train` runs on this machine: `parallel.nproc`, or when null one per visible GPU (`gpus` > 0:
     a CUDA run), 2 on a CPU. On CUDA more ranks than GPUs is a ConfigError (NCCL needs a GPU per rank)."""
@@ -189,7 +216,7 @@ def spawn_local(nproc: int, argv: Sequence[str], env: dict[str, str] | None = No
                 restart_argv: Sequence[str] = ()) -> int:
     """Run `moebal.cli *argv` as `nproc` ranks; return 0, or the failing rank's exit code once `max_restarts`
     restarts of the whole job are used up. Restarts run `*argv, *restart_argv`."""
-    base = {**os.environ, **(env or {}), LAUNCHER_ENV: str(os.getpid())}
+    base = {**os.environ, **job_start_env(), **(env or {}), LAUNCHER_ENV: str(os.getpid())}
     threads_per_rank = _threads(nproc, threads_per_rank)
     with _stopped_by_signals():
         ctx = start_rank_server(nproc, threads_per_rank)

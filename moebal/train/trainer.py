@@ -114,9 +114,13 @@ class Trainer:
                  strategy: StepStrategy | None = None) -> None:
         """Without `strategy`, the local step over `model` (built from the config when None). A given
         `strategy` was built over `data` and the job of `ctx`."""
+        from moebal.launch.spawn import job_age_s
         from moebal.train.memory import settle_shard
 
-        self.created = t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        self.created = t0 - job_age_s()
+        """When the job started (perf_counter's clock): a restart's ranks count `train.time_limit_min` from the
+        first attempt's start, which their launcher passes them."""
         self.device = device or default_device()
         # parallel.shard auto: the memory plan's choice, as `moebal train` (and a given strategy) settled it
         cfg = settle_shard(cfg, self.device)
@@ -305,7 +309,8 @@ class Trainer:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def out_of_time(self) -> bool:
-        """`train.time_limit_min` has passed since start-up (on any rank: every rank stops at the same step)."""
+        """`train.time_limit_min` has passed since the job's start (on any rank: every rank stops at the same
+        step); a restarted job's ranks count from its first attempt's start."""
         limit = self.cfg.train.time_limit_min
         if limit is None:
             return False

@@ -131,6 +131,7 @@ def test_hostile_values_arrive_intact_through_a_shell(tmp_path, capsys):
                                                        "train.lr=0.001", "pipeline.rebalance='off'", "--out", out]
         assert f"--local-addr=127.0.0.{i + 1}" in argv and "--nproc-per-node=2" in argv
         assert env["EVIL"] == HOSTILE and env["FAKE_NODE"] == n and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert abs(float(env["MOEBAL_JOB_START"]) - time.time()) < 120  # the node's clock at its start
         assert got[n]["cwd"] == c.workdir
     captured = capsys.readouterr()
     assert "[n1] hello from n1" in captured.out and "[n2] hello from n2" in captured.out
@@ -337,6 +338,7 @@ def test_slurm_script_runs_torchrun_on_every_node_with_intact_values(tmp_path, c
                                                    "train.lr=0.001", "pipeline.rebalance='off'", "--out", out,
                                                    "--auto-resume"]
     assert rec["env"]["EVIL"] == HOSTILE and rec["cwd"] == c.workdir
+    assert abs(float(rec["env"]["MOEBAL_JOB_START"]) - time.time()) < 120  # exported once, for every attempt
 
 
 def test_slurm_submission_writes_the_script_and_calls_sbatch(tmp_path, capsys):

@@ -14,9 +14,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+from moebal.errors import ConfigError
 from moebal.launch import spawn
 from moebal.launch.spawn import spawn_local
 
@@ -46,6 +48,44 @@ def test_every_rank_finds_the_store_listening_when_it_starts(tmp_path, monkeypat
     assert len({s["port"] for s in seen}) == 1
     with socket.socket() as s:  # the store went with the job
         assert s.connect_ex(("127.0.0.1", int(seen[0]["port"]))) != 0
+
+
+def test_every_attempt_of_a_job_gets_the_job_s_start(tmp_path, monkeypatch):
+    """A restart's ranks are given the first attempt's start, so `train.time_limit_min` is not started again."""
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, sys
+        with open(os.path.join({str(tmp_path)!r}, "starts"), "a") as f:
+            f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + " " + os.environ["MOEBAL_JOB_START"] + "\\n")
+        sys.exit(1 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)  # the first attempt fails
+        """), encoding="utf-8")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setenv("MOEBAL_RANK_START", "exec")
+    monkeypatch.setenv(spawn.JOB_START_ENV, "12.5")  # a value left in the launcher's shell is not the job's
+    before = time.time()
+    assert spawn_local(2, ["train"], max_restarts=1) == 0
+    lines = (tmp_path / "starts").read_text().split()
+    attempts, starts = lines[0::2], {float(x) for x in lines[1::2]}
+    assert sorted(attempts) == ["0", "0", "1", "1"] and len(starts) == 1
+    assert before - 0.01 <= starts.pop() <= time.time()
+
+
+def test_a_rank_s_job_age_counts_from_the_launcher_s_start(monkeypatch):
+    monkeypatch.setenv(spawn.JOB_START_ENV, str(time.time() - 120.0))
+    monkeypatch.delenv("RANK", raising=False)
+    assert spawn.job_age_s() == 0.0  # one process: a value left in the shell is ignored
+    monkeypatch.setenv("RANK", "1")
+    assert 119.0 < spawn.job_age_s() < 180.0
+    monkeypatch.setenv(spawn.JOB_START_ENV, str(time.time() + 60.0))  # a node clock behind the launcher's
+    assert spawn.job_age_s() == 0.0
+    monkeypatch.delenv(spawn.JOB_START_ENV)  # a plain torchrun: the rank's own start-up
+    assert spawn.job_age_s() == 0.0
+    for bad in ("soon", "nan", "inf"):
+        monkeypatch.setenv(spawn.JOB_START_ENV, bad)
+        with pytest.raises(ConfigError, match="MOEBAL_JOB_START=.* is not a Unix time in seconds"):
+            spawn.job_age_s()
 
 
 def test_a_stop_signal_is_acted_on_between_polls_never_inside_one():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -183,6 +184,16 @@ def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path
     assert {"ckpt-0000001", "dashboard.svg", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
     assert finished.steps == 6 and finished.stopped_early is None
+
+
+def test_a_restarted_rank_counts_the_time_limit_from_the_job_s_start(tmp_path, monkeypatch):
+    """A rank whose launcher started the job 2 minutes ago (a restart) has used that time of a 1-minute limit."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MOEBAL_JOB_START", str(time.time() - 120.0))
+    result = Trainer(tiny("train.time_limit_min=1"), tmp_path).train()
+    assert result.steps == 1 and result.stopped_early and "time_limit_min=1" in result.stopped_early
+    monkeypatch.setenv("MOEBAL_JOB_START", str(time.time()))  # a fresh job: the limit is far off
+    assert Trainer(tiny("train.time_limit_min=1"), tmp_path / "fresh").train().stopped_early is None
 
 
 def test_accumulated_micro_batches_weigh_by_tokens_and_one_without_labels_adds_nothing(tmp_path):
