@@ -118,7 +118,10 @@ def _measured(cfg: Config, world: int, rank: int, device: torch.device, eps: lis
     times = []
     for ep in eps:
         dims = ParallelDims(world_size=world, rank=rank, ep=ep, pp=pp, device=device).init(pg_timeout_s)
-        times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
+        try:
+            times += _layout_times(ex, dims, ep, rows, gen, autocast, dilate)
+        finally:
+            dims.release()  # the candidate's groups: the run builds its own for the layout it picks
     # the all-reduce's latency and bandwidth over the whole job
     link = probe_link(lambda buf: dist.all_reduce(buf), device, agree=slowest_over())
     flat = torch.tensor(times, dtype=torch.float64, device=device)

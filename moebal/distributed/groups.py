@@ -317,6 +317,21 @@ class ParallelDims:
             raise KeyError(f"unknown parallel axis {axis!r}; axes: {', '.join(AXES)}")
         return self._groups.get(axis) if self.distributed else None
 
+    def release(self) -> None:
+        """Destroy the axis groups `init` built, keeping the default group (which the job's other `ParallelDims`
+        share): for a layout that was measured and dropped (`scheduler.expert_packing`), whose NCCL
+        communicators would otherwise hold their buffers for the whole run. Every rank calls it at the same
+        point, after the groups' last collective has finished; each rank shuts its own groups down in axis order,
+        as `init` built them (NCCL's abort was collective in some versions, so no rank may be left waiting)."""
+        if not self.distributed:
+            return
+        own = [self._groups[axis] for axis in ("ep", "dp", "dp_ep", "pp") if axis in self._groups]
+        for g in [*own, *(self._pipe or ())]:
+            if g is not dist.group.WORLD:
+                dist.destroy_process_group(g)
+        self._groups.clear()
+        self._pipe = None
+
     def close(self) -> None:
         self._channels.clear()
         if self.distributed and dist.is_initialized():

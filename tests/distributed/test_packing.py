@@ -16,8 +16,13 @@ from tests.unit.test_train import tiny
 
 
 def _measure(rank: int, world: int) -> list[dict]:
+    from torch.distributed.distributed_c10d import _world
+
     cfg = tiny("moe.num_experts=4", "scheduler.expert_packing=lina")
+    groups = len(_world.pg_map)
     cands = packing._measured(cfg, world, rank, torch.device("cpu"), [2, 1], 60.0, 1.0)
+    # the candidates' process groups are gone (NCCL communicators would hold device memory for the whole run)
+    assert len(_world.pg_map) == groups, (groups, len(_world.pg_map))
     return [vars(c) for c in cands]
 
 
