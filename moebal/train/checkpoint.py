@@ -348,6 +348,9 @@ class _Snapshot:
     layout: dict[str, Any]
     pieces: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     """Model or optimizer key -> (first row, logical shape) of the row pieces among them."""
+    ranks: list[int] = field(default_factory=list)
+    """The ranks whose parts make this checkpoint, as `Checkpointer.ranks` said when it was taken: a later change
+    (a released rank) must not change what a save still in flight waits for."""
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -415,6 +418,7 @@ class Checkpointer:
         self.wait()
         snap = self._snapshot(step, module, optimizer, global_state, rank_state, config_yaml, layout or {})
         snap.extra = {k: _cpu_copy(t) for k, t in (extra or {}).items()}
+        snap.ranks = list(self.ranks)
         if self.background:
             self._thread = threading.Thread(target=self._run, args=(snap,), name=f"moebal-ckpt-{step}", daemon=True)
             self._thread.start()
@@ -524,7 +528,7 @@ class Checkpointer:
 
     def _complete(self, tmp: Path, snap: _Snapshot) -> None:
         """Rank 0: gather the ranks' notes, write state, config and manifest, publish by rename, prune."""
-        notes = self._await_notes(tmp, snap.step)
+        notes = self._await_notes(tmp, snap.step, snap.ranks)
         manifest = _merge_notes(notes, tmp)
         state = {"format": FORMAT, "step": snap.step, **snap.global_state, "layout": snap.layout,
                  "ranks": {str(n["rank"]): n["state"] for n in notes}}
@@ -532,7 +536,7 @@ class Checkpointer:
         _fsync_write(tmp / "config.yaml", snap.config_yaml.encode("utf-8"))
         for name in STATE_FILES:
             manifest["files"][name] = _file_record(tmp / name)
-        for r in self.ranks:
+        for r in snap.ranks:
             (tmp / f"rank-{r:05d}.json").unlink()
         _fsync_write(tmp / "manifest.json", json.dumps({"format": FORMAT, "step": snap.step, **manifest},
                                                        indent=1).encode("utf-8"))
@@ -548,17 +552,17 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         prune_checkpoints(self.run_dir, self.keep, session=self.session, reach=self.reach)
 
-    def _await_notes(self, tmp: Path, step: int) -> list[dict[str, Any]]:
+    def _await_notes(self, tmp: Path, step: int, ranks: list[int]) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.timeout_s
         while True:
-            for r in self.ranks:
+            for r in ranks:
                 err = tmp / f"rank-{r:05d}.error"
                 if err.is_file():
                     msg = json.loads(err.read_text(encoding="utf-8"))["error"]
                     raise CheckpointError(f"rank {r} could not write its part of checkpoint {step}: {msg}")
-            missing = [r for r in self.ranks if not (tmp / f"rank-{r:05d}.json").is_file()]
+            missing = [r for r in ranks if not (tmp / f"rank-{r:05d}.json").is_file()]
             if not missing:
-                return [json.loads((tmp / f"rank-{r:05d}.json").read_text(encoding="utf-8")) for r in self.ranks]
+                return [json.loads((tmp / f"rank-{r:05d}.json").read_text(encoding="utf-8")) for r in ranks]
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint {step}: ranks {missing} did not write their part within "
                                       f"{self.timeout_s:.0f} s into {tmp} (every rank must see the run directory: "

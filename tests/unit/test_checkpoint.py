@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -439,6 +440,24 @@ def test_ranks_write_their_experts_and_one_process_reads_the_whole(tmp_path, bac
     assert torch.equal(ex.w2, model.model.layers[1].block_sparse_moe.experts.w2[3:4])
     assert torch.equal(four_opt.state[ex.w2]["exp_avg_sq"], opt.state[
         model.model.layers[1].block_sparse_moe.experts.w2]["exp_avg_sq"][3:4])
+
+
+def test_a_save_in_flight_waits_for_the_ranks_of_its_own_step(tmp_path):
+    """With background saves, the trainer sets the next save's ranks (a released rank left out) while the previous
+    save may still wait for its ranks: that save still waits for all of them and publishes every part."""
+    model, opt = _trained()
+    parts = [_shard(model, opt, r, 2) for r in range(2)]
+    writers = [Checkpointer(tmp_path, rank=r, ranks=[0, 1], write_dense=r == 0, background=r == 0, session="s",
+                            timeout_s=30) for r in range(2)]
+    writers[0].save(5, parts[0][0], parts[0][1], global_state={"data": {}}, rank_state={"rank": 0}, config_yaml="")
+    writers[0].ranks = [0]  # rank 1 released for the next save, while the save of step 5 waits for its part
+    time.sleep(0.2)
+    writers[1].save(5, parts[1][0], parts[1][1], global_state={"data": {}}, rank_state={"rank": 1}, config_yaml="")
+    writers[0].wait()
+    path = tmp_path / "ckpt-0000005"
+    assert read_checkpoint(path).state["ranks"] == {"0": {"rank": 0}, "1": {"rank": 1}}
+    assert {"model-r00001.safetensors", "optim-r00001.safetensors"} <= {p.name for p in path.iterdir()}
+    assert not list(tmp_path.glob(".ckpt-*")) and not list(path.glob("rank-*.json"))
 
 
 def test_a_rank_that_fails_to_write_fails_the_checkpoint_and_keeps_the_previous(tmp_path):
