@@ -28,7 +28,8 @@ def test_speedup_is_the_median_of_per_round_ratios(bench) -> None:
     assert v["speedup_per_round"]["dilate/freezing/partition"] == [1.2, 1.333, 1.2]
     assert v["speedup"]["dilate/freezing/partition"] == 1.2
     assert v["cpu_model_speedup"]["dilate/freezing/partition"] == 1.2
-    assert v["targets"]["dilate: freezing: best rebalanced / static >= 1.3"] == {"measured": 1.2, "met": False}
+    assert v["targets"]["dilate: freezing: partition / static >= 1.3"] == {"measured": 1.2, "met": False}
+    assert not [k for k in v["targets"] if "diffusion" in k or "best" in k]  # only the balancers that ran
 
 
 def test_repack_verdict_needs_a_released_rank(bench) -> None:
@@ -49,7 +50,7 @@ def test_each_schedule_is_paired_with_its_own_static_run(bench) -> None:
             _row("mod", "static", 0, 1050.0, mode="dilate+zb"), _row("mod", "partition", 0, 1218.0, mode="dilate+zb")]
     v = bench.verdicts(rows)
     assert v["speedup"] == {"dilate/mod/partition": 1.1, "dilate+zb/mod/partition": 1.16}
-    assert v["targets"]["dilate+zb: mod: best rebalanced / static >= 1.1"]["met"]
+    assert v["targets"]["dilate+zb: mod: partition / static >= 1.1"]["met"]
     assert bench._mode("dilate", "1f1b") == "dilate" and bench._mode("spin", "zb") == "spin+zb"
     groups = bench.build_groups(["mod"], 1, 10, ["dilate"], schedules=("1f1b", "zb"))
     assert [g["variants"] for g in groups] == [["static", "partition", "diffusion",
@@ -73,7 +74,7 @@ def test_split_units_are_paired_with_their_own_static_run_and_with_whole_layers(
             _row("mod", "partition", 0, 1161.5, mode="dilate+halves", units="halves")]
     v = bench.verdicts(rows)
     assert v["speedup"] == {"dilate/mod/partition": 1.08, "dilate+halves/mod/partition": 1.15}
-    assert v["targets"]["dilate+halves: mod: best rebalanced / static >= 1.1"]["met"]
+    assert v["targets"]["dilate+halves: mod: partition / static >= 1.1"]["met"]
     assert v["halves_over_layers"] == {"dilate/mod/static": 1.01, "dilate/mod/partition": 1.075}
     assert bench._mode("dilate", "zb", "halves") == "dilate+zb+halves"
     groups = bench.build_groups(["mod"], 1, 10, ["dilate"], units=("layers", "halves"))
@@ -128,8 +129,11 @@ def test_the_unit_ceiling_costs_the_start_and_the_best_partition_from_the_last_p
     rows = [_row("sparse_attention", "static", 0, 1000.0, unit_ceiling=None),
             _row("sparse_attention", "partition", 0, 1060.0, unit_ceiling={"ceiling": 1.08}),
             _row("sparse_attention", "diffusion", 0, 1050.0, unit_ceiling={"ceiling": 1.09})]
-    target = bench.verdicts(rows)["targets"]["dilate: sparse_attention: best rebalanced / static >= 1.15"]
-    assert target == {"measured": 1.06, "met": False, "unit_ceiling": 1.085}
+    targets = bench.verdicts(rows)["targets"]  # each balancer's own verdict, not the better one after the run
+    assert targets["dilate: sparse_attention: partition / static >= 1.15"] == {"measured": 1.06, "met": False,
+                                                                              "unit_ceiling": 1.08}
+    assert targets["dilate: sparse_attention: diffusion / static >= 1.15"] == {"measured": 1.05, "met": False,
+                                                                              "unit_ceiling": 1.09}
 
 
 def test_the_dedicated_device_estimate_replays_the_runs_own_micro_batch_count(bench):
