@@ -4,6 +4,7 @@ all-reduce) and, per MoE layer, each expert's share of the routed load over step
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,50 @@ import numpy as np
 
 from moebal.train.svg import Figure, HeatMap, Lines
 
-__all__ = ["write_dashboard"]
+__all__ = ["HEATMAP_STEPS", "read_dashboard_records", "write_dashboard"]
+
+HEATMAP_STEPS = 256
+"""The most steps an expert-load heat map draws, evenly spaced over the run: one cell per step, expert and MoE
+layer would make a 100k-step run's chart gigabytes."""
+DASHBOARD_KEYS = ("step", "loss", "val_loss", "expert_counts", "rank_imbalance_before", "rank_imbalance_after",
+                  "comm_window_s", "exposed_comm_s", "a2a_s", "allreduce_s", "placement_comm_s")
+"""What the chart reads of a metrics record."""
+
+
+def _every_other(records: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
+    """Every k-th record (the first kept), k the smallest power of 2 that leaves at most `most`."""
+    stride = 1
+    while len(records) > most * stride:
+        stride *= 2
+    return records[::stride]
+
+
+def read_dashboard_records(path: Path) -> list[dict[str, Any]]:
+    """The chart's part of a metrics.jsonl, line by line: each record's `DASHBOARD_KEYS`, and per-layer expert
+    counts on at most `HEATMAP_STEPS` evenly spaced records (every 2^j-th, j growing with the run), so that a long
+    run's counts are never all in memory. A torn line is skipped."""
+    out: list[dict[str, Any]] = []
+    counted: list[dict[str, Any]] = []  # the records still holding counts: every `stride`-th counted record
+    stride, seen = 1, 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                full = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            r = {k: full[k] for k in DASHBOARD_KEYS if k in full}
+            if r.get("expert_counts"):
+                if seen % stride == 0:
+                    counted.append(r)
+                else:
+                    del r["expert_counts"]
+                seen += 1
+                if len(counted) > 2 * HEATMAP_STEPS:  # keep every other: the stride doubles
+                    for dropped in counted[1::2]:
+                        del dropped["expert_counts"]
+                    counted, stride = counted[::2], 2 * stride
+            out.append(r)
+    return out
 
 
 def _smooth(y: np.ndarray, span: int) -> np.ndarray:
@@ -31,7 +75,7 @@ def write_dashboard(records: list[dict[str, Any]], path: Path, entropy: float | 
     """Chart a run's metrics records as an SVG at `path` (written whole: a temporary file renamed)."""
     train = [r for r in records if "loss" in r]
     val = [r for r in records if r.get("val_loss") is not None]
-    counts = [r for r in train if r.get("expert_counts")]
+    counts = _every_other([r for r in train if r.get("expert_counts")], HEATMAP_STEPS)
     n_layers = len(counts[-1]["expert_counts"]) if counts else 0
     placed = [r for r in train if r.get("rank_imbalance_before")]
     comm = [r for r in train if r.get("exposed_comm_s") is not None]

@@ -311,7 +311,7 @@ def placement_summary(metrics: Path, cfg: Config) -> dict[str, float | str] | No
     (mean over MoE layers), replicas per step, planner time and the step time."""
     keys = ("rank_imbalance_before", "rank_imbalance_after", "replicas", "plan_ms", "step_time_s")
     # the expert-parallel trainer's lines only (a run resumed from a pipeline checkpoint also has the pipeline's)
-    rows = [r for r in read_metrics(metrics) if all(k in r for k in keys)] if metrics.is_file() else []
+    rows = [r for r in read_metrics(metrics, keys) if all(k in r for k in keys)] if metrics.is_file() else []
     if not rows:
         return None
     rows = rows[-max(1, len(rows) // 10):]

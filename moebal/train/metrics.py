@@ -56,25 +56,38 @@ class MetricsLog:
 
     @staticmethod
     def truncate_after(path: Path, step: int) -> None:
-        """Drop lines of steps after `step` (a resumed run re-logs them), rewriting the file atomically."""
+        """Drop lines of steps after `step` (a resumed run re-logs them), rewriting the file atomically. Line by
+        line: a long run's lines (per-layer expert counts, placements) are never all in memory at once."""
         if not path.is_file():
             return
-        keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
         tmp = path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in keep)
+        with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as f:
+            for line in src:
+                record = _record(line)
+                if record is not None and record.get("step", 0) <= step:
+                    f.write(line if line.endswith("\n") else line + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl; a torn last line (a crash mid-write) is ignored."""
+def _record(line: str) -> dict[str, Any] | None:
+    """One line's record; None for a torn line (a crash mid-write)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_metrics(path: Path, keys: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a torn last line (a crash mid-write) is ignored. With `keys`, each record
+    keeps only those of its keys (a reader's part of lines that can be large)."""
+    wanted = None if keys is None else frozenset(keys)
     records = []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+            record = _record(line)
+            if record is not None:
+                records.append(record if wanted is None else {k: v for k, v in record.items() if k in wanted})
     return records

@@ -57,9 +57,15 @@ class RoutingRecorder(Hook):
         os.replace(tmp, out / f"step_{step:06d}.npz")
 
 
+def _step_of(path: Path) -> tuple[int, str]:
+    digits = path.name.removeprefix("step_").removesuffix(".npz")
+    return (int(digits), path.name) if digits.isdigit() else (-1, path.name)
+
+
 def routing_files(run_dir: str | Path) -> list[Path]:
     """The run's routing samples in step order (raises naming the fix when there are none)."""
-    files = sorted((Path(run_dir) / ROUTING_DIR).glob("step_*.npz"))
+    # by step number: the names' zero padding ends at step 999,999, after which they no longer sort as text
+    files = sorted((Path(run_dir) / ROUTING_DIR).glob("step_*.npz"), key=_step_of)
     if not files:
         raise ValueError(f"no routing samples in {Path(run_dir) / ROUTING_DIR}: train with "
                          f"train.record_routing_every=N (e.g. 10) to record them")

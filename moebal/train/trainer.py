@@ -19,6 +19,7 @@ this rank's own under the same layout, rank 0's otherwise; `StepStrategy.saved_r
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -48,12 +49,15 @@ from moebal.train.checkpoint import (
 )
 from moebal.train.distributed import RunContext
 from moebal.train.hooks import Hook
-from moebal.train.metrics import MetricsLog, read_metrics
+from moebal.train.metrics import MetricsLog
 from moebal.train.progress import Progress
 from moebal.train.spikes import Rollback, append_rollback, bad_step, read_rollbacks, remember, rollback_for
 from moebal.train.strategy import StepStrategy
 
 __all__ = ["RunResult", "Trainer", "default_device", "default_threads"]
+
+RECENT_KEYS = ("loss", "load_imbalance", "dropped")
+"""What the run's result reads of its last steps' records (`Trainer._result`)."""
 
 
 def default_threads(processes: int = 1) -> int:
@@ -143,7 +147,9 @@ class Trainer:
         self.strategy: StepStrategy = strategy
         self.step, self.tokens, self.train_seconds = 0, 0, 0.0
         self.last_val: float | None = None
-        self._recent: list[dict[str, Any]] = []
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(1, cfg.train.steps // 10))
+        """The last tenth of the run's steps, each only what the result reads (`RECENT_KEYS`): a full record
+        carries per-layer expert counts, which at hundreds of experts and layers would add up on every rank."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         sp = cfg.train.spike
         self.checkpointer = self.ctx.checkpointer(self.run_dir, cfg.train.keep_checkpoints, cfg.train.ckpt_async,
@@ -345,7 +351,7 @@ class Trainer:
                 timed_out = self.out_of_time()
                 if self._due(t.eval_every, self.step) or timed_out:
                     self.last_val = record["val_loss"] = self.evaluate()
-                self._recent = (self._recent + [record])[-max(1, t.steps // 10):]
+                self._recent.append({k: record[k] for k in RECENT_KEYS if k in record})
                 # every rank holds the same reduced loss and norm, so every rank calls the same step bad
                 bad = bad_step(record.get("loss"), record.get("grad_norm"), self.loss_history, t.spike,
                                self.norm_history)
@@ -452,13 +458,13 @@ class Trainer:
                              f"{f' ({no_rollback})' if no_rollback else ''}; {where} ({changes})")
 
     def _write_dashboard(self) -> None:
-        from moebal.train.dashboard import write_dashboard
+        from moebal.train.dashboard import read_dashboard_records, write_dashboard
 
-        write_dashboard(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "dashboard.svg",
+        write_dashboard(read_dashboard_records(self.run_dir / "metrics.jsonl"), self.run_dir / "dashboard.svg",
                         entropy=self.data.corpus.unigram_entropy, title=f"{self.cfg.name}: {self.run_dir.name}")
 
     def _result(self, wall: float) -> RunResult:
-        recent = self._recent or [{"loss": float("nan")}]
+        recent = list(self._recent) or [{"loss": float("nan")}]
         imbalance = [float(np.mean(col)) for col in zip(*(r["load_imbalance"] for r in recent
                                                            if "load_imbalance" in r))]
         return RunResult(run_dir=self.run_dir, steps=self.step,
