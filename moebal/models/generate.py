@@ -202,9 +202,11 @@ def causal_routing(model: MoebalForCausalLM) -> Iterator[None]:
 
 
 def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                  cache: KVCache, active_BT: torch.Tensor | None, pad_B: torch.Tensor | None) -> torch.Tensor:
+                  cache: KVCache, active_BT: torch.Tensor | None, pad_B: torch.Tensor | None,
+                  masks: dict[int | None, torch.Tensor | None]) -> torch.Tensor:
     """The layer over the new positions; with `active_BT` (early exit) the positions that left keep their state
-    and give only their keys and values."""
+    and give only their keys and values. `masks`: the forward's attention masks by sliding window, made by the
+    first layer that needs one (they depend on the cache's length, the new columns and the padding only)."""
     attn = cast("Attention | MLAttention", layer.self_attn)
     x_BTD = layer.input_layernorm(h_BTD)
     latent = attn if isinstance(attn, MLAttention) and cache.latent else None  # caches its latent (KVCache)
@@ -218,7 +220,9 @@ def _cached_layer(layer: DecoderLayer, h_BTD: torch.Tensor, cos_TK: torch.Tensor
     if active_BT is not None and not bool(active_BT.any()):  # (a host read per layer, as the scheme's own forward)
         return skip_layer(layer, h_BTD)  # an expert-parallel MoE layer still joins the other ranks' exchanges
     window = getattr(attn, "sliding_window", None)
-    mask = query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device, pad_B)
+    if window not in masks:
+        masks[window] = query_mask(cache.length, h_BTD.shape[1], window, h_BTD.device, pad_B)
+    mask = masks[window]
     if latent is not None:
         a_BTD = latent.attend_latent(q, k, mask)
     else:
@@ -287,11 +291,13 @@ def cached_forward(model: MoebalForCausalLM, ids_BT: torch.Tensor, cache: KVCach
     h_BTD = body.embed_tokens(ids_BT)
     cos_TK, sin_TK = _rotary_at(body, start, T, h_BTD.dtype, pad_B)
     active_BT = torch.ones(ids_BT.shape, dtype=torch.bool, device=ids_BT.device) if exits is not None else None
+    masks: dict[int | None, torch.Tensor | None] = {}
     for i, layer in enumerate(body.layers):
         if i in routed:
             out_BTD = _routed_cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, pad_B)
         else:
-            out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT, pad_B)
+            out_BTD = _cached_layer(cast("DecoderLayer", layer), h_BTD, cos_TK, sin_TK, cache, active_BT, pad_B,
+                                    masks)
         if exits is not None and active_BT is not None and exits.first <= i < exits.last and exits.threshold < 1.0:
             conf_BT = F.cosine_similarity(out_BTD.float(), h_BTD.float(), dim=-1)
             active_BT = active_BT & ~(conf_BT > exits.threshold)
@@ -332,15 +338,17 @@ def next_tokens(logits_BV: torch.Tensor, s: Sampling,
 
 @contextmanager
 def dropless(model: MoebalForCausalLM) -> Iterator[None]:
-    """Every MoE layer of `model` routes every token while inside (module docstring); restored after."""
-    saved = [(layer, layer.spec) for layer in model.moe_layers()]
+    """Every MoE layer of `model` routes every token while inside (module docstring), and records no routing
+    statistics or balancing loss (`MoELayer.records`: generation reads neither); restored after."""
+    saved = [(layer, layer.spec, layer.records) for layer in model.moe_layers()]
     try:
-        for layer, spec in saved:
+        for layer, spec, _ in saved:
             layer.spec = dataclasses.replace(spec, capacity_factor=None)
+            layer.records = False
         yield
     finally:
-        for layer, spec in saved:
-            layer.spec = spec
+        for layer, spec, records in saved:
+            layer.spec, layer.records = spec, records
 
 
 class Lockstep(Protocol):

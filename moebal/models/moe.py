@@ -218,6 +218,10 @@ class MoELayer(nn.Module):
         # recomputes its rank-local compute in the backward pass, and whether a replay is running now
         self.recompute_local = False
         self._replay = False
+        self.records = True
+        """Whether a forward records its routing statistics, balancing loss and `last_routing` (`_record`).
+        Generation turns it off (`moebal.models.generate.dropless`): nothing reads them there, and they cost
+        6-10 % of a decode step."""
         self.reset_parameters()
 
     @classmethod
@@ -306,6 +310,8 @@ class MoELayer(nn.Module):
     # ---- losses and statistics --------------------------------------------------------------------------
 
     def _record(self, r: Routing) -> None:
+        if not self.records:
+            return
         stats = RoutingStats.from_routing(r)
         aux = self._losses(r, stats)  # in a replay too: the backward unpacks its saved tensors
         if self._replay:

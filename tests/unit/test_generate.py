@@ -168,6 +168,24 @@ def test_generation_stops_at_a_stop_token_and_refuses_what_it_cannot_do() -> Non
         Sampling(temperature=-1.0)
 
 
+def test_generation_records_no_routing_statistics_and_restores_the_layers() -> None:
+    """Inside `dropless` (generation) MoE layers skip their training bookkeeping (statistics, balancing loss),
+    and leave it on again after; the tokens are those of a model whose layers record."""
+    model = _model("moe-window5")
+    layers = list(model.moe_layers())
+    model(torch.tensor([[1, 2, 3]]))  # a forward outside generation records
+    before = [layer.last_stats for layer in layers]
+    assert all(s is not None for s in before)
+    got = generate(model, [1, 2, 3, 4], 10)
+    assert [layer.last_stats for layer in layers] == before and all(layer.records for layer in layers)
+    with dropless(model):
+        assert not any(layer.records for layer in layers)
+        for layer in layers:
+            layer.records = True  # a model that records while it generates: the same tokens
+        again = generate(model, [1, 2, 3, 4], 10)
+    assert again.tokens == got.tokens
+
+
 def _hf_greedy(ref: Any, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt])  # the mask given: transformers would take pad id 0 in a prompt for padding
