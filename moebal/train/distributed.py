@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moebal.config import Config, refuse_cpu_only
 from moebal.distributed.autograd import sum_gradients
-from moebal.distributed.expert_parallel import ExpertParallel, is_expert_param
+from moebal.distributed.expert_parallel import ExpertParallel, StatsReducer, is_expert_param
 from moebal.distributed.groups import ParallelDims, env_world, pick_device
 from moebal.errors import ConfigError
 from moebal.routing import RoutingStats
@@ -249,6 +249,11 @@ def setup_parallel(cfg: Config, load_weights: bool = True, run_dir: Path | None 
         hooks.append(expert_parallel_hook(cfg, expert_parallel, dims, ctx))
     elif dims.distributed:
         hooks.append(DataParallelHook(dims, sync_gradients=cfg.parallel.shard == "none"))
+        # experts replicated on every rank: the balancing and z losses still come from the statistics of the
+        # global batch, as under expert parallelism and in a pipeline's stages, not a mean of each rank's
+        reducer = StatsReducer(dims.group("dp_ep"))
+        for moe in model.moe_layers():
+            moe.set_stats_reducer(reducer)
     return ctx, model, hooks
 
 

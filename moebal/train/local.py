@@ -149,7 +149,7 @@ class LocalStep:
         """Forward and backward of this rank's rows, in `train.grad_accum` micro-batches (one without it),
         gradients accumulating: micro-batch j's mean-per-token loss weighted by its share of the rank's tokens
         (the sum is the rank's mean, as one forward gives) times `scale` (the rank's share of the global batch's
-        tokens), the auxiliary losses by 1 / count (each forward's own, as each data-parallel rank's is). What
+        tokens), the auxiliary losses by 1 / count (each forward's own, global over the ranks of that forward). What
         sends gradients during the backward pass is armed for the last one only, when they are final sums: a
         sharded optimizer's buckets (`begin`; accumulating, it adds the earlier passes' fp32 sums of bf16
         compute copies), FSDP2's reduce-scatters under `parallel.accumulate: whole` (until then its dense

@@ -131,20 +131,30 @@ def test_what_fsdp2_holds_through_a_step_changes_its_traffic_not_the_training(tm
         assert saved_ag == (STEPS * (2 * A * layers + A - units) if held.get("reshard") == "step" else 0), c
 
 
-def _data_parallel(rank: int, world: int, root: str) -> list[dict[str, Any]]:
-    out = train_run(shard_cfg("none", 1, steps=STEPS), Path(root))
+# documents cut at seq_len: rows of different lengths, so the ranks' halves hold different token counts (a mean
+# of the ranks' means, or of their balancing losses, differs from the global batch's)
+UNEVEN = {"data": {"seq_len": 16, "batch_size": 8, "max_bytes": 200_000, "samples": "documents", "units": "blocks"},
+          "moe": {**NO_AUX, "aux_loss_coef": 0.1, "z_loss_coef": 0.01}}
+
+
+def _data_parallel(rank: int, world: int, root: str, ep: int) -> list[dict[str, Any]]:
+    out = train_run(shard_cfg("none", ep, steps=STEPS, sections=UNEVEN), Path(root))
     torch.save(out["params"], Path(root) / f"params{rank}.pt")
     return list(out["rows"])
 
 
-def test_one_process_accumulating_equals_data_parallel_ranks_with_the_balancing_loss(tmp_path):
-    """One process in 2 micro-batches against 2 data-parallel ranks, each holding one of them: each forward's
-    balancing loss, capacity and rows are the same, so the runs agree with the balancing loss on."""
-    ref = run_ranks(_data_parallel, 2, str(tmp_path / "dp"), timeout_s=600)[0]
-    one = train_run(shard_cfg("none", None, steps=STEPS, grad_accum=2), tmp_path / "one")
+@pytest.mark.parametrize("ep", [1, 2])
+def test_ranks_equal_one_process_over_the_global_batch_with_uneven_tokens_and_the_balancing_loss(tmp_path, ep):
+    """2 ranks (experts replicated, or split over them) against one process over the whole batch in one pass,
+    on documents (the ranks hold different token counts): the loss is token-weighted over the ranks and the
+    balancing and z losses come from the global batch's statistics (summed over the ranks), so the runs agree."""
+    ref = run_ranks(_data_parallel, 2, str(tmp_path / "dp"), ep, timeout_s=600)[0]
+    one = train_run(shard_cfg("none", None, steps=STEPS, sections=UNEVEN), tmp_path / "one")
     _close(ref, one["rows"], tol=1e-6)
     assert all(r["aux_loss"] > 0 for r in one["rows"])
-    params = torch.load(tmp_path / "dp" / "params0.pt")
+    parts = [torch.load(tmp_path / "dp" / f"params{r}.pt") for r in range(2)]
+    # under expert parallelism each rank holds half of every stacked expert tensor: the two halves, in rank order
+    params = {n: p if p.shape == one["params"][n].shape else torch.cat([p, parts[1][n]]) for n, p in parts[0].items()}
     assert max(rel(one["params"][n], params[n]) for n in params) < 1e-5
 
 
