@@ -726,7 +726,12 @@ class StageExperts:
         """Trans: adopt every MoE layer's placement (collective over the ep group). `forward_tokens`: this rank's
         tokens in each forward of the step in run order (micro-batches), which scales a plan-ahead estimate made
         on the first forward to the step (`PlanAhead.set_step_scale`); None: one forward."""
-        if self.ep is None or self.balancer is None:
+        if self.ep is None:
+            return
+        # the stage's communication log holds one step's events (nothing reads them across steps), as the
+        # expert-parallel hook's does: without a `begin` each step's would add up for the whole run
+        self.ep.sched.log.begin(self.step + 1)
+        if self.balancer is None:
             return
         if self.ahead is not None:
             tokens = [t for t in (forward_tokens or []) if t > 0]

@@ -106,6 +106,50 @@ def pipeline_trainer(cfg: Config, run_dir: str | Path, *, resume: bool | str | P
         raise
 
 
+@dataclasses.dataclass
+class _Totals:
+    """What `PipelineStep.summary` reads of the run's step records, kept as running sums: the records themselves
+    (each carries per-layer expert counts and loads) are not kept through a run."""
+
+    lookahead: int
+    """Planned micro-batching's first plans that also wait for the workers: left out of the exposed planning."""
+    steps: int = 0
+    migrations: int = 0
+    layers_moved: int = 0
+    bytes_moved: int = 0
+    released: set[int] = dataclasses.field(default_factory=set)
+    bubble_last: float | None = None
+    planned: bool = False
+    tokens: int = 0
+    computed_tokens: int = 0
+    micro_batches: int = 0
+    schedules: dict[str, int] = dataclasses.field(default_factory=dict)
+    wait_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    """Planning waits: [every step, steps after `lookahead`]."""
+    step_s: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    """Step times: [every step, steps after `lookahead`]."""
+
+    def add(self, rec: dict[str, Any]) -> None:
+        if rec.get("migration"):
+            self.migrations += 1
+            self.layers_moved += rec["layers_moved"]
+            self.bytes_moved += rec["bytes_moved"]
+        self.released.update(rec.get("released_ranks", []))
+        self.bubble_last = rec["bubble_ratio"]
+        if self.steps == 0:
+            self.planned = "padding_efficiency" in rec
+        if self.planned:
+            self.tokens += rec["tokens"]
+            self.computed_tokens += rec["computed_tokens"]
+            self.micro_batches += rec["micro_batches"]
+            self.schedules[rec["schedule"]] = self.schedules.get(rec["schedule"], 0) + 1
+            steady = self.steps >= self.lookahead
+            for i in (0, 1) if steady else (0,):
+                self.wait_s[i] += rec["plan_wait_s"]
+                self.step_s[i] += rec["step_time_s"]
+        self.steps += 1
+
+
 class PipelineStep:
     """`StepStrategy` of this rank's pipeline stage (module docstring)."""
 
@@ -113,7 +157,7 @@ class PipelineStep:
         self.runner = runner
         d = runner.dims
         self._layout = {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "ep": d.ep}
-        self._plans_written = 0
+        self._totals = _Totals(runner.cfg.pipeline.dynamic.lookahead)
         self._scheme_layers: dict[int, dict[str, torch.Tensor]] = {}
         self._saved_sizes: list[int] | None = None
         self._ahead_windows: dict[int, SavedWindow] = {}  # plan-ahead's saved online profiles (`read_state`)
@@ -144,6 +188,12 @@ class PipelineStep:
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:
         assert step == self.runner.step + 1, "the trainer and the pipeline runner count steps alike"
         record = self.runner.train_step()
+        # a trainer's run keeps sums of the records and of no plan (rank 0 writes them out as they come,
+        # `new_plans`), so that neither grows with the run on any rank
+        self._totals.add(record)
+        self.runner.records.clear()
+        if not trainer.ctx.is_main:
+            self.runner.plans.clear()
         return StepOutput(record, int(record["tokens"]))
 
     def routing_sample(self, trainer: Trainer, step: int) -> torch.Tensor | None:
@@ -237,31 +287,27 @@ class PipelineStep:
 
     # ---- the end ----
     def new_plans(self) -> list[dict[str, Any]]:
-        plans = self.runner.plans[self._plans_written:]
-        self._plans_written = len(self.runner.plans)
+        plans = list(self.runner.plans)
+        self.runner.plans.clear()
         return plans
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         """The pipeline's fields of `summary.json`: partition, migrations, released ranks, the last bubble
         ratio, and with planned micro-batching its padding efficiency, micro-batch counts and schedules."""
-        r, cfg = self.runner, trainer.cfg
-        recs = r.records
-        moves = [x for x in recs if x.get("migration")]
+        r, t = self.runner, self._totals
         out: dict[str, Any] = {
-            "final_sizes": r.sizes, "stages": len(r.sizes), "migrations": len(moves),
-            "layers_moved": sum(x["layers_moved"] for x in moves), "bytes_moved": sum(x["bytes_moved"] for x in moves),
-            "released_ranks": sorted({x for rec in recs for x in rec.get("released_ranks", [])}),
-            "bubble_ratio_last": recs[-1]["bubble_ratio"] if recs else None}
-        if recs and "padding_efficiency" in recs[0]:
-            steady = recs[cfg.pipeline.dynamic.lookahead:] or recs  # the first plans also wait for the workers
+            "final_sizes": r.sizes, "stages": len(r.sizes), "migrations": t.migrations,
+            "layers_moved": t.layers_moved, "bytes_moved": t.bytes_moved, "released_ranks": sorted(t.released),
+            "bubble_ratio_last": t.bubble_last}
+        if t.steps and t.planned:
+            steady = 1 if t.steps > t.lookahead else 0  # the first plans also wait for the workers
             out.update({
-                "microbatching": cfg.pipeline.microbatching,
-                "padding_efficiency": sum(x["tokens"] for x in recs) / max(sum(x["computed_tokens"] for x in recs), 1),
-                "micro_batches_mean": sum(x["micro_batches"] for x in recs) / len(recs),
-                "schedules": {k: sum(x["schedule"] == k for x in recs) for k in sorted({x["schedule"] for x in recs})},
-                "planning_exposed_s": sum(x["plan_wait_s"] for x in steady),
-                "planning_exposed_share": sum(x["plan_wait_s"] for x in steady) / max(
-                    sum(x["step_time_s"] for x in steady), 1e-9)})
+                "microbatching": trainer.cfg.pipeline.microbatching,
+                "padding_efficiency": t.tokens / max(t.computed_tokens, 1),
+                "micro_batches_mean": t.micro_batches / t.steps,
+                "schedules": dict(sorted(t.schedules.items())),
+                "planning_exposed_s": t.wait_s[steady],
+                "planning_exposed_share": t.wait_s[steady] / max(t.step_s[steady], 1e-9)})
         return out
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:

@@ -154,7 +154,6 @@ class Trainer:
         sp = cfg.train.spike
         self.checkpointer = self.ctx.checkpointer(self.run_dir, cfg.train.keep_checkpoints, cfg.train.ckpt_async,
                                                   reach=sp.back if sp.action == "rollback" else 0)
-        self.checkpoint_times: list[dict[str, float]] = []
         if ckpt is not None:
             self._restore(ckpt)
             if (self.ctx.is_main and ckpt.step < cfg.train.steps
@@ -262,7 +261,6 @@ class Trainer:
         path = self.checkpointer.save(self.step, self.strategy.module, self.strategy.optimizer,
                                       global_state=global_state, rank_state=rank_state, config_yaml=dump(self.cfg),
                                       layout=self.strategy.layout(), extra=self._extra_tensors())
-        self.checkpoint_times.append({"step": self.step, "blocked_s": self.checkpointer.last_blocked_s})
         return path
 
     def _extra_tensors(self) -> dict[str, torch.Tensor]:
