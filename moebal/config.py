@@ -321,7 +321,7 @@ class TrainConfig:
     eval_batches: int = 8
     """Batches per validation."""
     log_every: int = 1
-    """Write a metrics line every N steps."""
+    """Write a metrics line every N steps (and the expert planner's plans.jsonl and comm/ lines)."""
     ckpt_every: int = 200
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2

@@ -235,6 +235,14 @@ class ExpertBalancer:
 
 # ---- expert parallelism alone: the trainer's hook -------------------------------------------------------------
 
+def _logs(trainer: Trainer, step: int) -> bool:
+    """Whether the step's lines go to plans.jsonl and comm/rankN.jsonl: every `train.log_every` steps and the last,
+    as metrics lines (each holds every layer's per-rank counts, or the step's collectives: megabytes a step at
+    hundreds of experts and ranks)."""
+    t = trainer.cfg.train
+    return step % t.log_every == 0 or step == t.steps
+
+
 class ExpertParallelHook(Hook):
     """The `ExpertBalancer` of the trainer's expert-parallel layers, with the step's communication plan.
 
@@ -393,7 +401,7 @@ class ExpertParallelHook(Hook):
         record["predicted_gain"] = round(b.predicted_gain, 4)
         decisions = self._record_feedback(record, arm)
         self._record_comm(trainer, step, record)
-        if self._log is not None:
+        if self._log is not None and (_logs(trainer, step) or decisions):  # a verdict is never left out
             line: dict[str, Any] = {
                 "step": step, "counts": [c.astype(int).tolist() for c in self._counts_RE],
                 "used": [p.to_dict() for p in used], "next": [p.current.to_dict() for p in self.planners],
@@ -442,7 +450,7 @@ class ExpertParallelHook(Hook):
                           vals):
             record[key] = round(v / n, 6)
         record["comm_window_s"] = round(comm.step_s, 6)  # from Trans to the step's bookkeeping, this rank
-        if self._events is not None:
+        if self._events is not None and _logs(trainer, step):
             self._events.write(json.dumps(line, separators=(",", ":")) + "\n")
             self._events.flush()
         if step == self.sc.trace_step:
