@@ -67,6 +67,37 @@ def test_tied_embeddings_share_storage():
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def test_a_sliding_window_s_mask_is_one_saved_tensor_for_every_layer_and_the_same_attention(monkeypatch):
+    """Layers within a window shorter than the sequence attend through one cached additive mask: the backward
+    saves that one [T, T] tensor for every layer, not a conversion per layer, and the outputs and gradients equal
+    those of the boolean mask SDPA converts itself, bit for bit."""
+    import moebal.models.transformer as tr
+
+    torch.manual_seed(0)
+    layers = [tr.Attention(32, 4, 2, 8, sliding_window=5) for _ in range(3)]
+    cos, sin = tr.Rotary(8, 16, 10000.0)(12, torch.float32)
+    x = torch.randn(2, 12, 32)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        saved: list[torch.Tensor] = []
+        xi = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            h = xi
+            for layer in layers:
+                h = h + layer(h, cos, sin)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        h.square().sum().backward()
+        masks = [t for t in saved if t.shape == (12, 12)]
+        return h.detach(), [xi.grad, *(p.grad for la in layers for p in la.parameters())], masks
+
+    out, grads, masks = run()
+    assert len(masks) == 3 and len({m.untyped_storage().data_ptr() for m in masks}) == 1  # one tensor, 3 layers
+    monkeypatch.setattr(tr, "window_bias", lambda T, w, device, dtype: tr.window_mask(T, w, device))
+    out_b, grads_b, _ = run()
+    assert torch.equal(out, out_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b))
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_grouped_query_attention_with_keys_and_values_expanded_equals_enable_gqa(monkeypatch, window):
     """The CUDA fp32 path (keys and values repeated to every query head, no `enable_gqa`) computes what the
