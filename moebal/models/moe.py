@@ -331,6 +331,8 @@ class MoELayer(nn.Module):
                 counts_E = stats.routed_E
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
             return aux + self._global_losses(r, counts_E, self.stats_reducer)
+        if r.probs_TE.shape[0] == 0:  # no token: no balancing or z loss (a mean over nothing is NaN), as skip_layer
+            return aux
         if counts_E is not None:
             aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
         if self.z_loss_coef > 0:
