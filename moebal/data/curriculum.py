@@ -107,15 +107,17 @@ class Curriculum:
     an epoch starting at position P is ordered from the newest entry of each sample recorded at or before P.
     The batch that crosses into a new epoch is recorded after the new epoch's order was taken, so its entries
     must not count for that order, also when a run resumes from a checkpoint taken later in the epoch (the
-    table is in the checkpoint; the order is not). Two entries per sample are kept for that reason, and one more
-    per epoch a reader's lag (`_Sampler.curriculum_lag`) reaches back: the entries recorded after the one an
-    order uses."""
+    table is in the checkpoint; the order is not). So a sample keeps the entry an order uses and those recorded
+    after it until that order can be taken again: the crossing batch's (a sample of the epoch's last batch, drawn
+    again in the new epoch before a checkpoint, has two entries newer than the order's, so two kept would lose the
+    one the order used and a resume would order the epoch otherwise), the epoch's own, and one more per epoch a
+    reader's lag (`_Sampler.curriculum_lag`) reaches back (`_Sampler.curriculum_keep`)."""
 
     def __init__(self, metric: str = "distance") -> None:
         self.metric = metric
         self.table: dict[int, list[tuple[int, list[float], int]]] = {}
-        self.keep = 2
-        """Entries kept per sample (the newest)."""
+        self.keep = 3
+        """Entries kept per sample (the newest); the loader sets it for its batch size and lag."""
 
     def record(self, ids: list[int], C_BL: np.ndarray, tokens_B: list[int], at: int) -> None:
         for i, c, n in zip(ids, C_BL, tokens_B):

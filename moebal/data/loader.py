@@ -96,7 +96,13 @@ class _Sampler:
         keeping enough entries per sample for that."""
         assert self.curriculum is not None, "a curriculum lag without a curriculum"
         self.curriculum_lag = samples
-        self.curriculum.keep = 2 + -(-samples // self._num_samples())
+        self.curriculum.keep = self.curriculum_keep(samples)
+
+    def curriculum_keep(self, lag: int) -> int:
+        """Entries per sample the curriculum keeps (`Curriculum.keep`): the one an epoch's order uses, and those
+        recorded after it before the order can be taken again on resume: the batch that crosses into the epoch
+        (up to batch_size - 1 samples of the epoch before), the epoch's own draw, and what the lag reaches back."""
+        return 2 + -(-(lag + self.batch_size - 1) // self._num_samples())
 
     def _sample(self, i: int, offset: int) -> np.ndarray:
         raise NotImplementedError
@@ -337,5 +343,6 @@ def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
         train = cls(corpus.train, d.seq_len, d.batch_size, seed)
         if d.order == "complexity":
             train.curriculum = Curriculum(d.order_metric)
+            train.curriculum.keep = train.curriculum_keep(0)
     val = eval_batches(corpus.val, d.samples, d.seq_len, d.batch_size, cfg.train.eval_batches)
     return DataBundle(corpus=corpus, train=train, val=val)

@@ -201,3 +201,19 @@ def test_a_resume_under_another_lag_orders_the_rest_of_the_epoch_as_it_began():
     assert [tuple(resumed.next_sample()) for _ in range(N - 3)] == rest  # as it began, not re-ordered with lag 0
     assert len(first) == 3 and resumed.epoch == 2
     assert resumed.state_dict()["curriculum_lag"] == 0  # the next epoch under the new lag
+
+
+def test_a_resume_inside_the_third_epoch_reads_the_uninterrupted_batches(tmp_path):
+    """A sample of the batch that crosses into epoch 2, drawn again in epoch 2 before the checkpoint, has two
+    entries newer than the one epoch 2's order used: with only two kept, the resume ordered epoch 2 without it
+    (the sample counted as unseen) and every later batch of the epoch differed."""
+    cfg = tiny(*CUR, "train.steps=30")
+    whole = Trainer(cfg, tmp_path / "whole")
+    assert whole.data.train._num_samples() == 77  # epoch 2 starts in step 20's batch (positions 152-159)
+    whole.train()
+    Trainer(cfg, tmp_path / "split").train(stop_after=26)
+    Trainer(cfg, tmp_path / "split", resume=True).train()
+    rows = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows] == [(r["step"], r["loss"], r["grad_norm"])
+                                                                      for r in ref]
