@@ -320,9 +320,22 @@ class DataBundle:
     val: list[Batch]
 
 
+def _refuse_overlap(sources: list[str]) -> None:
+    """A mixture's sources must not share files: each source splits its own documents, so a file in two sources
+    could be validation text in one and training text in the other."""
+    paths = [(s, Path(s).expanduser().resolve()) for s in sources if Path(s).expanduser().exists()]
+    for i, (a, pa) in enumerate(paths):
+        for b, pb in paths[i + 1:]:
+            if pa == pb or pa in pb.parents or pb in pa.parents:
+                raise DataError(f"data.mixture: sources {a!r} and {b!r} share files ({pb if pa in pb.parents else pa}"
+                                f" is in both), which could put one file's text in one source's validation split and "
+                                f"the other's training split: give each file to one source")
+
+
 def build_data(cfg: Config, seed: int | None = None) -> DataBundle:
     d = cfg.data
     sources = list(d.mixture) if d.mixture else [d.source]
+    _refuse_overlap(sources)
     corpora = [load_corpus(src, d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
                            max_bytes=d.max_bytes, add_special_tokens=d.add_special_tokens,
                            units=d.units) for src in sources]

@@ -346,3 +346,9 @@ def test_mixture_draws_by_weight_and_resumes(tmp_path):
         other.train.load_state_dict(state)
     batch = build_data(cfg).train.next_batch()  # padded like any document batch
     assert batch.ids_BT.shape[0] == 16 and int((batch.labels_BT != -100).sum()) == batch.n_tokens
+    # sources that share a file: each splits its own documents, so the file's text could be validation in one
+    # and training in the other
+    for shared in ({str(tmp_path): 1.0, str(a): 1.0}, {str(a): 1.0, f"{tmp_path}/../{tmp_path.name}/a.jsonl": 1.0}):
+        with pytest.raises(DataError, match="data.mixture: sources .* share files"):
+            build_data(from_dict({"data": {"mixture": shared, "samples": "documents", "seq_len": 32,
+                                           "batch_size": 16}}))
