@@ -4,12 +4,12 @@ all-reduce) and, per MoE layer, each expert's share of the routed load over step
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moebal.train.metrics import metric_lines
 from moebal.train.svg import Figure, HeatMap, Lines
 
 __all__ = ["HEATMAP_STEPS", "read_dashboard_records", "write_dashboard"]
@@ -37,24 +37,19 @@ def read_dashboard_records(path: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     counted: list[dict[str, Any]] = []  # the records still holding counts: every `stride`-th counted record
     stride, seen = 1, 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                full = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            r = {k: full[k] for k in DASHBOARD_KEYS if k in full}
-            if r.get("expert_counts"):
-                if seen % stride == 0:
-                    counted.append(r)
-                else:
-                    del r["expert_counts"]
-                seen += 1
-                if len(counted) > 2 * HEATMAP_STEPS:  # keep every other: the stride doubles
-                    for dropped in counted[1::2]:
-                        del dropped["expert_counts"]
-                    counted, stride = counted[::2], 2 * stride
-            out.append(r)
+    for _, full in metric_lines(path):
+        r = {k: full[k] for k in DASHBOARD_KEYS if k in full}
+        if r.get("expert_counts"):
+            if seen % stride == 0:
+                counted.append(r)
+            else:
+                del r["expert_counts"]
+            seen += 1
+            if len(counted) > 2 * HEATMAP_STEPS:  # keep every other: the stride doubles
+                for dropped in counted[1::2]:
+                    del dropped["expert_counts"]
+                counted, stride = counted[::2], 2 * stride
+        out.append(r)
     return out
 
 

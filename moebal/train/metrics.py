@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from moebal.routing import RoutingStats
 from moebal.routing.stats import read_all
 
-__all__ = ["MetricsLog", "read_metrics", "read_routing", "routing_record"]
+__all__ = ["MetricsLog", "metric_lines", "read_metrics", "read_routing", "routing_record"]
 
 
 def read_routing(stats: Iterable[RoutingStats]) -> list[dict[str, Any]]:
@@ -61,33 +61,30 @@ class MetricsLog:
         if not path.is_file():
             return
         tmp = path.with_suffix(".jsonl.tmp")
-        with open(path, encoding="utf-8") as src, open(tmp, "w", encoding="utf-8") as f:
-            for line in src:
-                record = _record(line)
-                if record is not None and record.get("step", 0) <= step:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line, record in metric_lines(path):
+                if record.get("step", 0) <= step:
                     f.write(line if line.endswith("\n") else line + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
 
-def _record(line: str) -> dict[str, Any] | None:
-    """One line's record; None for a torn line (a crash mid-write)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
+def metric_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each line of a .jsonl log with its record, one at a time (a long run's lines are never all in memory); a
+    torn line (a crash mid-write) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield line, record
 
 
 def read_metrics(path: Path, keys: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl; a torn last line (a crash mid-write) is ignored. With `keys`, each record
     keeps only those of its keys (a reader's part of lines that can be large)."""
     wanted = None if keys is None else frozenset(keys)
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            record = _record(line)
-            if record is not None:
-                records.append(record if wanted is None else {k: v for k, v in record.items() if k in wanted})
-    return records
+    return [r if wanted is None else {k: v for k, v in r.items() if k in wanted} for _, r in metric_lines(path)]
