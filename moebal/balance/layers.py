@@ -324,7 +324,7 @@ class LayerBalancer:
             except ConfigError:
                 return list(sizes)  # nothing fits the caps: keep the current partition
         return list(diffuse(costs, sizes, memory=mem, capacity=cap, first_extra=kw["first_extra"],
-                            last_extra=kw["last_extra"]))
+                            last_extra=kw["last_extra"], first_memory=first_mem, last_memory=last_mem))
 
     def propose(self, step: int) -> StagePartition | None:
         """The planner's partition and whether to adopt it (gain over migration cost, hysteresis, the

@@ -194,8 +194,10 @@ def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
 
 def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
             capacity: float | None = None, max_rounds: int = 5, first_extra: float = 0.0,
-            last_extra: float = 0.0) -> list[int]:
-    """DynMo's diffusion balancer restricted to adjacent-stage boundary moves.
+            last_extra: float = 0.0, first_memory: float = 0.0, last_memory: float = 0.0) -> list[int]:
+    """DynMo's diffusion balancer restricted to adjacent-stage boundary moves, under the memory cap `capacity`
+    (`memory[l]` a layer's bytes, `first_memory`/`last_memory` the pinned embedding/head bytes, as
+    `partition_by_time`'s): a move never puts a stage over the cap (or further over it).
 
     Each round visits the stages that are above the mean load (status fixed per round, as Algorithm 3). A stage
     gives one boundary layer to its lighter adjacent neighbour when that lowers the variance of the stage loads:
@@ -218,14 +220,15 @@ def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
         mean = sum(loads) / len(loads)
         moved = False
         for p in [q for q, load in enumerate(loads) if load > mean]:
-            moved |= _move_boundary_layer(c, mem, cap, sizes, p, first_extra, last_extra)
+            moved |= _move_boundary_layer(c, mem, cap, sizes, p, first_extra, last_extra, first_memory,
+                                          last_memory)
         if not moved:
             break
     return sizes
 
 
 def _move_boundary_layer(c: np.ndarray, mem: np.ndarray, cap: float, sizes: list[int], p: int,
-                         first_extra: float, last_extra: float) -> bool:
+                         first_extra: float, last_extra: float, first_memory: float, last_memory: float) -> bool:
     """Move one boundary layer of stage p along the shortest improving chain (see `diffuse`); False if none."""
     if sizes[p] <= 1:
         return False
@@ -233,6 +236,8 @@ def _move_boundary_layer(c: np.ndarray, mem: np.ndarray, cap: float, sizes: list
     P = len(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)  # stage j holds layers [starts[j], starts[j+1])
     stage_mem = np.array([mem[starts[j]:starts[j + 1]].sum() for j in range(P)])
+    stage_mem[0] += first_memory
+    stage_mem[-1] += last_memory
     for hops in range(1, P):
         options = []  # (drop in the sum of squares, direction): the larger drop, then the lower neighbour
         for d in (-1, 1):
@@ -286,8 +291,10 @@ def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, 
 def iteration_time(loads: Floats, num_micro_batches: int, comm_s: float = 0.0) -> float:
     """Iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of all stages
     (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward, gradient
-    back). Exact for GPipe, an upper bound for 1F1B (`schedule.simulate` replays either). Loads are
-    per-micro-batch forward+backward seconds; `comm_s` is one boundary transfer."""
+    back). Without transfers: exact for GPipe, an upper bound for 1F1B. With them 1F1B can take longer, since it
+    exposes a transfer on every micro-batch (2 stages, 4 micro-batches, forward 1, backward 2, transfer 1: 17
+    here, 19 replayed); `schedule.simulate` replays either. Loads are per-micro-batch forward+backward seconds;
+    `comm_s` is one boundary transfer."""
     return (num_micro_batches - 1) * max(loads) + sum(loads) + 2 * (len(loads) - 1) * comm_s
 
 

@@ -142,6 +142,17 @@ def test_diffusion_respects_memory_cap():
     assert diffuse(costs, [2, 2, 2])[2] == 1  # without the cap a layer leaves the heavy stage
 
 
+def test_diffusion_counts_the_pinned_embedding_and_head_against_the_cap():
+    # stage 0 holds the embedding (1 unit of memory) beside its layers: a third layer would put it at 4 > 3,
+    # which the exact partitioner refuses too
+    costs, mem = [1.0, 1.0, 1.0, 3.0], [1.0] * 4
+    assert diffuse(costs, [2, 2], memory=mem, capacity=3.0, first_memory=1.0) == [2, 2]
+    assert partition_by_time(costs, 2, memory=mem, capacity=3.0, first_memory=1.0) == [2, 2]
+    assert diffuse(costs, [2, 2], memory=mem, capacity=3.0) == [3, 1]  # without it the move fits
+    # the head on the last stage: the layers move the other way only while the head fits beside them
+    assert diffuse([3.0, 1.0, 1.0, 1.0], [2, 2], memory=mem, capacity=3.0, last_memory=1.0) == [2, 2]
+
+
 def test_diffusion_moves_along_a_chain_where_one_hop_stalls():
     """A smooth gradient of loads: every adjacent gap (0.17) is below every layer's cost (>= 1), so no one-hop
     move lowers the variance; chains of adjacent moves reach the exact min-max partition."""
