@@ -556,7 +556,7 @@ def _profile_costs(cfg: Config, dims: ParallelDims) -> tuple[Any, MoELayerCosts]
     # the expert GEMMs run on one forward's rows (train.grad_accum: a micro-batch's); the layer's other work is
     # paid on every forward of the step
     A = cfg.train.grad_accum
-    cost = CostModel(cfg.planner.costs)
+    cost = CostModel(cfg.planner.costs, "bf16" if uses_bf16(cfg, dims.device) else "fp32")  # the bytes the run sends
     c = cost.moe_layer_costs(ModelShape.from_config(cfg), dims.ranks_of("ep"), _forward_tokens(cfg, dims),
                              cfg.data.seq_len)
     if A > 1:

@@ -67,13 +67,16 @@ def exchange_tokens(cfg: Config, ranks: int) -> int:
     return max(1, tokens // cfg.pipeline.micro_batches) if cfg.pipelined else tokens
 
 
-def _profiled(cfg: Config, world: int, eps: list[int]) -> list[PackingCandidate]:
+def _profiled(cfg: Config, world: int, eps: list[int], device: torch.device) -> list[PackingCandidate]:
     """The candidates from the hardware profile's cost model (no measurement, the same on every rank); `world`:
-    the ranks that hold the experts of a layer (a pipeline stage's)."""
+    the ranks that hold the experts of a layer (a pipeline stage's); `device`: the one whose precision sets the
+    bytes on the wire."""
     from moebal.planner.comm_plan import comm_costs_from_profile
     from moebal.planner.cost import CostModel, ModelShape
+    from moebal.train.precision import uses_bf16
 
-    cost, shape = CostModel(cfg.planner.costs), ModelShape.from_config(cfg)
+    cost = CostModel(cfg.planner.costs, "bf16" if uses_bf16(cfg, device) else "fp32")
+    shape = ModelShape.from_config(cfg)
     tokens = exchange_tokens(cfg, world)
     rows = tokens * cfg.moe.top_k
     out = []
@@ -184,7 +187,7 @@ def choose_expert_parallel(cfg: Config, world: int, rank: int, device: torch.dev
     if cfg.planner.costs == "measure":
         cands = _measured(cfg, world, rank, device, eps, 60.0 * cfg.parallel.timeout_min, sc.dilate, pp)
     else:
-        cands = _profiled(cfg, world // pp, eps)
+        cands = _profiled(cfg, world // pp, eps, device)
     ep, why = lina_packing(cands)
     record: dict[str, Any] = {"ep": ep, "start_ep": ep0, "experts_per_rank": cfg.moe.num_experts // ep,
                               "source": cfg.planner.costs, "decisions": why,

@@ -117,8 +117,11 @@ def _dry_run(args: argparse.Namespace) -> tuple[Any, list[np.ndarray]]:
     if R < 1 or E % R:
         raise ConfigError(f"--ranks {R} must divide the {E} experts of {args.config}")
     shape = ModelShape.from_config(cfg)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    costs = CostModel(args.cluster).moe_layer_costs(shape, list(range(R)), tokens, cfg.data.seq_len)
+    # each rank routes its share of the global batch (data.batch_size sequences over the R ranks), in the dtype
+    # the run would send (train.precision; auto: bf16, as on a GPU)
+    tokens = max(1, cfg.data.batch_size * cfg.data.seq_len // R)
+    cost = CostModel(args.cluster, cfg.train.precision.replace("auto", "bf16"))
+    costs = cost.moe_layer_costs(shape, list(range(R)), tokens, cfg.data.seq_len)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.model.n_layers))
     routing = SyntheticRouting(num_layers=moe_layers, num_experts=E, top_k=cfg.moe.top_k, zipf_s=args.zipf,
                                seed=args.seed)

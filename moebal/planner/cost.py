@@ -220,35 +220,40 @@ class Topology:
 
     def route_bytes(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Aggregate bytes per link for transfers src[i] -> dst[i] of nbytes[i] (vectorised routing)."""
-        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         b = np.asarray(nbytes, np.float64)
-        keep = (src != dst) & (b > 0)
-        src, dst, b = src[keep], dst[keep], b[keep]
+        keep = b > 0
+        idx, links = self.route(np.asarray(src, np.int64)[keep], np.asarray(dst, np.int64)[keep])
+        if links.size == 0:
+            return links, np.zeros(0)
+        per_L = np.bincount(links, weights=b[keep][idx], minlength=self.num_links)
+        used = np.flatnonzero(per_L)
+        return used, per_L[used]
+
+    def route(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The links of transfers src[i] -> dst[i]: (i, link) pairs, one per link a transfer crosses (a rank's
+        transfer to itself crosses none)."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        idx = np.flatnonzero(src != dst)
+        src, dst = src[idx], dst[idx]
         same = self.node_R[src] == self.node_R[dst]
-        parts_l, parts_b = [], []
+        parts_i, parts_l = [], []
         if self.pair0 >= 0:
             bridged = same & ((src ^ 1) == dst) & ((src // 2) == (dst // 2))
+            parts_i.append(idx[bridged])
             parts_l.append(self.pair0 + src[bridged])
-            parts_b.append(b[bridged])
             switched = same & ~bridged
         else:
             switched = same
         uses_port = switched | (~same if self.profile.fabric == "pcie" else np.zeros_like(same))
+        parts_i += [idx[uses_port], idx[uses_port]]
         parts_l += [self.gpu_out0 + src[uses_port], self.gpu_in0 + dst[uses_port]]
-        parts_b += [b[uses_port], b[uses_port]]
         if self.backplane0 >= 0:
+            parts_i.append(idx[switched])
             parts_l.append(self.backplane0 + self.node_R[src[switched]])
-            parts_b.append(b[switched])
         cross = ~same
+        parts_i += [idx[cross], idx[cross]]
         parts_l += [self.nic_out0 + self.nic_R[src[cross]], self.nic_in0 + self.nic_R[dst[cross]]]
-        parts_b += [b[cross], b[cross]]
-        links = np.concatenate(parts_l) if parts_l else np.zeros(0, np.int64)
-        vals = np.concatenate(parts_b) if parts_b else np.zeros(0)
-        if links.size == 0:
-            return links, vals
-        per_L = np.bincount(links, weights=vals, minlength=self.num_links)
-        used = np.flatnonzero(per_L)
-        return used, per_L[used]
+        return np.concatenate(parts_i), np.concatenate(parts_l)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -554,16 +559,24 @@ class CostModel:
         """perf.MoELayerCosts for one MoE layer of `shape` on the expert-parallel group `ep_ranks`.
 
         token_bytes/param sizes from the shape; t from the expert MLP at the average rows per local expert; the
-        A2A bandwidth is a callable whose value at b bytes is b / (time of a uniform all-to-all in which each
-        rank receives b bytes); Trans/Agg bandwidth = expert bytes / chain broadcast time over the group; the
-        non-MoE forward/backward are this layer's attention + router times; backward_factor is the experts'
-        backward / forward time in this model (2 when GEMM efficiency does not depend on the layout).
+        group's links (`a2a_links`), with which the planner prices every exchange as `all_to_all` does here,
+        skewed ones included; the A2A bandwidth (eq. 1, for the callers that want one figure) is a callable whose
+        value at b bytes is b / (time of a uniform all-to-all in which each rank receives b bytes); Trans/Agg
+        bandwidth = expert bytes / chain broadcast time over the group; the non-MoE forward/backward are this
+        layer's attention + router times; backward_factor is the experts' backward / forward time in this model
+        (2 when GEMM efficiency does not depend on the layout).
         """
-        from moebal.planner.perf import MoELayerCosts
+        from moebal.planner.perf import A2ALinks, MoELayerCosts
 
         ranks = list(ep_ranks)
         R = len(ranks)
         topo = self.topology(num_ranks or (max(ranks) + 1))
+        r = np.asarray(ranks, dtype=np.int64)
+        pair_P, link_P = topo.route(np.repeat(r, R), np.tile(r, R))  # as all_to_all routes an exchange
+        used, link_P = np.unique(link_P, return_inverse=True)
+        links = A2ALinks(num_ranks=R, pair_P=pair_P, link_P=link_P.astype(np.int64),
+                         capacity_L=topo.capacity_L[used] * self.profile.collective("all_to_all").efficiency_for(R),
+                         latency_s=(R - 1) * self._lat("all_to_all", topo, r) if R > 1 else 0.0)
         E = shape.num_experts
         rows = max(1.0, tokens_per_rank * shape.top_k / max(1, E // R))
         t_tok = self.experts_s(shape, [rows]) / rows
@@ -591,7 +604,7 @@ class CostModel:
                              a2a_bandwidth=a2a_bw, trans_bandwidth=param_bytes / bcast,
                              agg_bandwidth=param_bytes / bcast, nonmoe_fwd_s=fwd,
                              nonmoe_bwd_s=bwd, backward_factor=float(backward),
-                             num_ranks=R)
+                             num_ranks=R, a2a_links=links)
 
 
 def _chain_order(topo: Topology, root: int, others: np.ndarray) -> np.ndarray:

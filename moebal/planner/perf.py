@@ -20,6 +20,13 @@ Generalisations (the paper has E = D, one expert per rank, and one n for every s
 - Each selected expert e may exclude its own number n_e of ranks. Eq. 4's s * (D - n) becomes the sum over
   selected experts of (D - n_e) = 1 + |replicas_e|, called `holders` here; with one n for all experts it is
   exactly the paper's s * (D - n).
+- Eq. 1 prices every exchange from the busiest receiver's bytes at one bandwidth, measured on a uniform
+  exchange. Where the NIC is shared by a node's GPUs, a uniform exchange loads it with all of them and a skewed
+  one with the hot rank's traffic only, so eq. 1 overprices skew up to the GPUs per node (`a100`, 8 ranks,
+  every token to one expert: 12.0 ms against 3.05 ms). Costs built from a hardware profile therefore carry the
+  group's links (`A2ALinks`): an exchange takes its latency plus the busiest link's bytes / capacity, as the
+  simulator's all-to-all, with the dispatch's and the combine's (reversed) traffic priced apart. Costs without
+  links (the paper's constants, measured ones) keep eq. 1.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -36,9 +43,10 @@ from moebal.errors import ConfigError
 from moebal.planner.plan import ExpertPlacement
 
 __all__ = [
-    "Bandwidth", "MoELayerCosts", "PAPER_COSTS", "LayerTime", "FasterMoECosts",
+    "A2ALinks", "A2ALoads", "Bandwidth", "MoELayerCosts", "PAPER_COSTS", "LayerTime", "FasterMoECosts",
     "t_a2a", "t_fec", "t_bec", "t_trans", "t_agg", "layer_time",
-    "ep_loads", "held_mask", "replicas_from_held", "held_loads", "placement_loads", "evaluate", "evaluate_held",
+    "a2a_loads", "ep_loads", "held_mask", "replicas_from_held", "held_loads", "placement_loads", "evaluate",
+    "evaluate_held",
     "fastermoe_expert_loads", "fastermoe_shadow",
 ]
 
@@ -47,6 +55,79 @@ Bandwidth = float | tuple[tuple[float, float], ...] | Callable[[float], float]
 receives, or a callable bytes -> bytes/s (which can fold in a latency: b -> b / (lat + b / bw))."""
 
 _GBIT = 1e9 / 8  # bytes/s in one Gbit/s
+
+
+@dataclass(frozen=True, eq=False)
+class A2ALinks:
+    """The links an expert-parallel group's all-to-all crosses, to price any exchange as the simulator does.
+
+    Incidence lists: transfer src -> dst (indices 0..R-1 in the group; pair = src * R + dst) crosses link
+    `link_P[k]` for every k with `pair_P[k]` = pair. An exchange of bytes_RR takes `latency_s` plus the busiest
+    link's bytes / `capacity_L` (bytes/s, the collective's efficiency folded in): `CostModel.all_to_all` and
+    `time_of`, for one collective alone on the links."""
+
+    num_ranks: int
+    pair_P: np.ndarray
+    link_P: np.ndarray
+    capacity_L: np.ndarray
+    latency_s: float
+    by_dst: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...] = field(init=False, repr=False)
+    """Per rank i, the transfers to it: (source, position in `links`, links), for `A2ALoads.move`."""
+    by_src: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...] = field(init=False, repr=False)
+    """Per rank i, the transfers from it: (destination, position in `links`, links)."""
+
+    def __post_init__(self) -> None:  # built once per group, not per plan
+        R = self.num_ranks
+        src_P, dst_P = self.pair_P // R, self.pair_P % R
+        for name, key, other in (("by_dst", dst_P, src_P), ("by_src", src_P, dst_P)):
+            order = np.argsort(key, kind="stable")
+            ptr = np.searchsorted(key[order], np.arange(R + 1))
+            per_rank = []
+            for i in range(R):
+                sel = order[ptr[i]:ptr[i + 1]]
+                links, pos = np.unique(self.link_P[sel], return_inverse=True)
+                per_rank.append((other[sel], pos.astype(np.int64), links))
+            object.__setattr__(self, name, tuple(per_rank))
+
+    def seconds(self, bytes_RR: np.ndarray) -> float:
+        """One exchange: bytes_RR[src, dst] bytes from src to dst."""
+        load_L = np.bincount(self.link_P, weights=np.asarray(bytes_RR, np.float64).ravel()[self.pair_P],
+                             minlength=self.capacity_L.shape[0])
+        return self.latency_s + _busiest(load_L, self.capacity_L)
+
+
+def _busiest(load_L: np.ndarray, capacity_L: np.ndarray) -> float:
+    return float((load_L / capacity_L).max()) if capacity_L.size else 0.0
+
+
+class A2ALoads:
+    """The link loads of a layer's dispatch (tokens to their experts' owners) and combine (back), updated as a
+    placement search moves tokens off an owner: `move(i, tokens_R)` drops tokens_R[r] of rank r's tokens bound
+    for rank i from both exchanges in O(R) (the exchanges' incidences are kept by destination and by source)."""
+
+    def __init__(self, links: A2ALinks, tokens_RR: np.ndarray, token_bytes: float) -> None:
+        L = links.capacity_L.shape[0]
+        self.links, self.token_bytes = links, float(token_bytes)
+        self._inv_cap = 1.0 / links.capacity_L
+        b_RR = np.asarray(tokens_RR, np.float64) * self.token_bytes
+        b_P = b_RR.ravel()[links.pair_P]
+        self.dispatch_L = np.bincount(links.link_P, weights=b_P, minlength=L)
+        self.combine_L = np.bincount(links.link_P, weights=b_RR.T.ravel()[links.pair_P], minlength=L)
+
+    def move(self, i: int, tokens_R: np.ndarray) -> None:
+        """tokens_R[r] of rank r's tokens no longer go to rank i (they stay on r): dispatch r -> i and combine
+        i -> r carry that much less."""
+        b_R = np.asarray(tokens_R, np.float64) * self.token_bytes
+        for load_L, (peer, pos, links) in ((self.dispatch_L, self.links.by_dst[i]),
+                                           (self.combine_L, self.links.by_src[i])):
+            load_L[links] -= np.bincount(pos, weights=b_R[peer], minlength=links.size)
+
+    def seconds(self) -> float:
+        """The layer's four exchanges: dispatch and combine in the forward, their reverses in the backward."""
+        if not self._inv_cap.size:
+            return 4 * self.links.latency_s
+        busiest = float((self.dispatch_L * self._inv_cap).max() + (self.combine_L * self._inv_cap).max())
+        return 2.0 * (2 * self.links.latency_s + busiest)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +165,8 @@ class MoELayerCosts:
     while the A2A and expert compute the plan saves add up over all M."""
     num_ranks: int | None = None
     """D, ranks in the expert-parallel group; None takes it from the count matrix, else it must match."""
+    a2a_links: A2ALinks | None = None
+    """The group's links (costs from a hardware profile): exchanges priced per link instead of by eq. 1."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.overlap_share, numbers.Real) and 0 < float(self.overlap_share) <= 1):
@@ -99,6 +182,9 @@ class MoELayerCosts:
                 raise ConfigError(f"MoELayerCosts.{name} = {v!r}: must be a rate > 0 (per second)")
         if self.num_ranks is not None and self.num_ranks < 1:
             raise ConfigError(f"MoELayerCosts.num_ranks = {self.num_ranks}: must be >= 1 or None")
+        if self.a2a_links is not None and self.a2a_links.num_ranks != self.num_ranks:
+            raise ConfigError(f"MoELayerCosts.a2a_links are of {self.a2a_links.num_ranks} ranks; num_ranks is "
+                              f"{self.num_ranks}")
         object.__setattr__(self, "a2a_bandwidth", _normalise_bandwidth(self.a2a_bandwidth))
 
     def a2a_bw(self, nbytes: float) -> float:
@@ -132,8 +218,9 @@ class MoELayerCosts:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (a piecewise table becomes a list of [up_to_bytes, bytes_per_s] pairs)."""
-        if callable(self.a2a_bandwidth):
-            raise ConfigError("MoELayerCosts with a callable a2a_bandwidth cannot be serialised: use a table")
+        if callable(self.a2a_bandwidth) or self.a2a_links is not None:
+            raise ConfigError("MoELayerCosts from a hardware profile (a callable a2a_bandwidth, the group's links) "
+                              "cannot be serialised: give the profile, or a table of bandwidths")
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         if isinstance(self.a2a_bandwidth, tuple):
             d["a2a_bandwidth"] = [[(up if math.isfinite(up) else None), bw] for up, bw in self.a2a_bandwidth]
@@ -211,8 +298,9 @@ def t_agg(costs: MoELayerCosts, holders: float, num_ranks: int) -> float:
 
 
 def layer_time(costs: MoELayerCosts, max_recv_tokens: float, max_compute_tokens: float, holders: float,
-               num_ranks: int, overlap: bool = False) -> float:
-    """Eq. 6 (overlap=False) or eq. 8 (Trans hidden under FEC + FNEC, Agg under BEC + BNEC)."""
+               num_ranks: int, overlap: bool = False, a2a4_s: float | None = None) -> float:
+    """Eq. 6 (overlap=False) or eq. 8 (Trans hidden under FEC + FNEC, Agg under BEC + BNEC); `a2a4_s`: the four
+    exchanges' seconds priced per link (`A2ALoads.seconds`) instead of eq. 1's 4 T_A2A."""
     fec = t_fec(costs, max_compute_tokens)
     bec = costs.backward_factor * fec
     trans = t_trans(costs, holders, num_ranks)
@@ -221,7 +309,7 @@ def layer_time(costs: MoELayerCosts, max_recv_tokens: float, max_compute_tokens:
         share = costs.overlap_share
         trans = max(0.0, trans - share * (fec + costs.nonmoe_fwd_s))
         agg = max(0.0, agg - share * (bec + costs.nonmoe_bwd_s))
-    return 4.0 * t_a2a(costs, max_recv_tokens) + fec + bec + trans + agg
+    return (4.0 * t_a2a(costs, max_recv_tokens) if a2a4_s is None else a2a4_s) + fec + bec + trans + agg
 
 
 # ---- loads under a placement -----------------------------------------------------------------------------
@@ -272,6 +360,16 @@ def placement_loads(counts_RE: np.ndarray, placement: ExpertPlacement) -> tuple[
     return held_loads(counts_RE, held_mask(placement), np.asarray(placement.owner))
 
 
+def a2a_loads(counts_RE: np.ndarray, held_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts) -> A2ALoads:
+    """The link loads of the layer's exchanges when held_RE says who holds what (costs with `a2a_links`)."""
+    assert costs.a2a_links is not None
+    R, E = counts_RE.shape
+    remote_RE = counts_RE.astype(np.float64, copy=False) * ~held_RE  # tokens that travel to the owner
+    to_RE = np.arange(R)[:, None] * R + owner_E[None, :]  # tokens_RR[r, owner_E[e]] sums remote_RE[r, e]
+    tokens_RR = np.bincount(to_RE.ravel(), weights=remote_RE.ravel(), minlength=R * R).reshape(R, R)
+    return A2ALoads(costs.a2a_links, tokens_RR, costs.token_bytes)
+
+
 @dataclass(frozen=True)
 class LayerTime:
     """Eq. 1-8 terms for one layer under one placement (seconds; tokens are token-expert assignments)."""
@@ -311,7 +409,10 @@ def evaluate_held(counts_RE: np.ndarray, held_RE: np.ndarray, owner_E: np.ndarra
     share = costs.overlap_share  # as `layer_time`, which the planners' searches minimise
     ex_trans = max(0.0, trans - share * (fec + costs.nonmoe_fwd_s)) if overlap else trans
     ex_agg = max(0.0, agg - share * (bec + costs.nonmoe_bwd_s)) if overlap else agg
-    a2a = t_a2a(costs, max_r)
+    if costs.a2a_links is None:
+        a2a = t_a2a(costs, max_r)
+    else:
+        a2a = a2a_loads(counts_RE, held_RE, owner_E, costs).seconds() / 4  # the four exchanges' mean
     return LayerTime(a2a_s=a2a, fec_s=fec, bec_s=bec, trans_s=trans, agg_s=agg, exposed_trans_s=ex_trans,
                      exposed_agg_s=ex_agg, total_s=4 * a2a + fec + bec + ex_trans + ex_agg,
                      max_recv_tokens=max_r, max_compute_tokens=max_h, holders=holders)

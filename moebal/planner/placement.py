@@ -47,6 +47,7 @@ from moebal.planner.perf import (
     PAPER_COSTS,
     FasterMoECosts,
     MoELayerCosts,
+    a2a_loads,
     ep_loads,
     evaluate,
     evaluate_held,
@@ -243,7 +244,11 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
     next_cand = bounds[:-1]
     threshold = alpha * float(c_RE.sum()) / R  # eq. 7 on the mean rank load
     i = int(H_R.argmax())  # heaviest rank, lowest id on ties
-    base = best = layer_time(costs, float(recv_R.max()), float(H_R[i]), 0, R, overlap)
+    # with the group's links, the exchanges' link loads follow each selection (perf.A2ALoads); else eq. 1
+    links = None if costs.a2a_links is None else a2a_loads(c_RE, owner_E[None, :] == np.arange(R)[:, None],
+                                                          owner_E, costs)
+    base = best = layer_time(costs, float(recv_R.max()), float(H_R[i]), 0, R, overlap,
+                             None if links is None else links.seconds())
     chosen: list[int] = []
     sent: list[np.ndarray] = []  # with a cap: the ranks each chosen expert goes to
     taken_R = np.zeros(R, dtype=np.int64)  # replicas each rank has received
@@ -267,9 +272,12 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
         H_R += dH_R
         H_R[i] -= moved
         recv_R[i] -= moved
+        if links is not None:
+            links.move(i, dH_R)
         holders += holders_e
         i = int(H_R.argmax())
-        t = layer_time(costs, float(recv_R.max()), float(H_R[i]), holders, R, overlap)
+        t = layer_time(costs, float(recv_R.max()), float(H_R[i]), holders, R, overlap,
+                       None if links is None else links.seconds())
         if t < best:  # the paper's cnt = s: keep the best prefix, not a count of improvements
             best, best_len = t, len(chosen)
     if max_replicas is None:

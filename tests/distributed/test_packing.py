@@ -55,7 +55,7 @@ def test_measured_candidates_are_the_same_on_every_rank():
 
 def test_a_decision_is_written_and_a_resume_reads_it(tmp_path, monkeypatch):
     cfg = tiny("moe.num_experts=4", "scheduler.expert_packing=lina", "planner.costs=a100")
-    monkeypatch.setattr(packing, "_profiled", lambda cfg, world, eps: [
+    monkeypatch.setattr(packing, "_profiled", lambda cfg, world, eps, device: [
         PackingCandidate(2, 1e-4, 9e-4, 0.0), PackingCandidate(1, 1e-4, 0.0, 2e-4)])
     assert packing.choose_expert_parallel(cfg, 2, 0, torch.device("cpu"), 2, tmp_path) == 1
     record = json.loads((tmp_path / "packing.json").read_text())

@@ -15,6 +15,9 @@ def test_mixtral_dry_run_plans_every_policy(capsys):
     assert set(by) >= {"prophet", "fastermoe", "static"}
     assert report["num_ranks"] == 8 and report["num_experts"] == 8
     assert by["prophet"]["predicted_time_s"] <= by["static"]["predicted_time_s"]
+    # the 8 ranks split the global batch (16 sequences of 4,096 tokens, top-2), not each route all of it
+    assert report["tokens"] == 16 * 4096 * 2
+    assert by["static"]["load_mean"] == 16 * 4096 * 2 / 8
 
 
 def test_dry_run_rejects_ranks_that_do_not_divide_the_experts(capsys):

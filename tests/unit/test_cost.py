@@ -223,3 +223,18 @@ def test_the_trainers_profile_costs_price_one_micro_batch_of_expert_rows_and_eve
     assert four.expert_tokens_per_s == small.expert_tokens_per_s != one.expert_tokens_per_s
     assert four.nonmoe_fwd_s == pytest.approx(4 * small.nonmoe_fwd_s)
     assert four.nonmoe_bwd_s == pytest.approx(4 * small.nonmoe_bwd_s)
+
+
+def test_the_trainers_profile_costs_send_the_bytes_of_the_runs_precision() -> None:
+    """An fp32 run sends 4-byte tokens and experts: the planner must not price them as bf16 ones."""
+    from moebal.balance.experts import _profile_costs
+    from moebal.config import load
+    from moebal.distributed.groups import ParallelDims
+
+    dims = ParallelDims(world_size=2, rank=0, ep=2, pp=1)
+    base = ["planner.costs=a100", "data.batch_size=16", "data.seq_len=128"]
+    _, fp32 = _profile_costs(load(None, [*base, "train.precision=fp32"]), dims)
+    _, bf16 = _profile_costs(load(None, [*base, "train.precision=bf16"]), dims)
+    dim = load(None, base).model.dim
+    assert (fp32.token_bytes, bf16.token_bytes) == (4 * dim, 2 * dim)
+    assert fp32.expert_param_bytes == 2 * bf16.expert_param_bytes

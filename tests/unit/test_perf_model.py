@@ -20,6 +20,7 @@ from moebal.planner.perf import (
     MoELayerCosts,
     ep_loads,
     evaluate,
+    evaluate_held,
     fastermoe_expert_loads,
     fastermoe_shadow,
     held_mask,
@@ -208,3 +209,85 @@ def test_fastermoe_costs_constructors():
     assert lc.t_feat == pytest.approx(4096 / 12.5e9)
     assert lc.t_model == pytest.approx(PAPER_COSTS.expert_param_bytes / PAPER_COSTS.trans_bandwidth)
     assert math.isclose(lc.latency(10, 2), 10 * (3 * lc.t_comp + 4 * lc.t_feat) + 2 * lc.t_model)
+
+
+@pytest.mark.parametrize("profile", ["a100", "h100", "rtx3090-nvlink"])
+def test_link_priced_exchanges_equal_the_simulators_all_to_all(profile):
+    """Costs from a profile price any exchange as `CostModel.all_to_all` (the simulator's), skew included: the
+    dispatch's traffic and the combine's reverse one, each latency plus the busiest link."""
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.planner.perf import a2a_loads
+
+    cost = CostModel(profile, "bf16")
+    R, E = 8, 16
+    shape = ModelShape(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=64, ffn_dim=512, vocab_size=100,
+                       num_experts=E, top_k=2, expert_ffn_dim=512)
+    costs = cost.moe_layer_costs(shape, list(range(R)), 1024, 1024)
+    topo = cost.topology(R)
+    rng = np.random.default_rng(0)
+    owner = np.arange(E) // 2
+    for skew in (0.0, 1.0, 3.0):
+        p = np.full(E, 1 / E) if skew == 0 else _zipf(E, skew, rng)
+        c_RE = np.stack([rng.multinomial(2048, p) for _ in range(R)]).astype(float)
+        held = np.zeros((R, E), bool)
+        held[owner, np.arange(E)] = True
+        held[rng.integers(0, R, 6), rng.integers(0, E, 6)] = True  # a few replicas
+        send = np.zeros((R, R))
+        for e in range(E):
+            send[:, owner[e]] += c_RE[:, e] * ~held[:, e]
+        b = send * costs.token_bytes
+        want = 2 * (cost.time_of(cost.all_to_all(topo, range(R), b), topo)
+                    + cost.time_of(cost.all_to_all(topo, range(R), b.T), topo))
+        assert a2a_loads(c_RE, held, owner, costs).seconds() == pytest.approx(want, rel=1e-12)
+        assert evaluate_held(c_RE, held, owner, costs).a2a_s == pytest.approx(want / 4, rel=1e-12)
+    nothing = a2a_loads(np.zeros((R, E)), held, owner, costs).seconds()  # an empty exchange pays its latencies
+    assert nothing == pytest.approx(4 * cost.time_of(cost.all_to_all(topo, range(R), np.zeros((R, R))), topo))
+    assert nothing > 0
+
+
+def _zipf(E, s, rng):
+    p = rng.permutation(1 / np.arange(1, E + 1) ** s)
+    return p / p.sum()
+
+
+def test_the_search_moves_link_loads_as_a_fresh_count_would():
+    """prophet_search updates the exchanges' link loads per selection; the plan it returns costs what it said."""
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.planner.placement import plan_experts, prophet_search
+
+    cost = CostModel("a100", "bf16")
+    R, E = 8, 8
+    shape = ModelShape(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, head_dim=128, ffn_dim=4096, vocab_size=100,
+                       num_experts=E, top_k=2, expert_ffn_dim=2048)
+    costs = cost.moe_layer_costs(shape, list(range(R)), 16384, 4096)
+    rng = np.random.default_rng(1)
+    p = _zipf(E, 2.0, rng)
+    c_RE = np.stack([rng.multinomial(2 * 16384, p) for _ in range(R)]).astype(float)
+    for cap in (None, 1):
+        best, held, info = prophet_search(c_RE, np.arange(E), costs, max_replicas=cap)
+        assert info["selected"] > 0 and best < info["static_time_s"]
+        assert evaluate_held(c_RE, held, np.arange(E), costs).total_s == pytest.approx(best, rel=1e-12)
+        pl = plan_experts(c_RE, "prophet", costs, max_replicas=cap)
+        assert pl.predicted_time == pytest.approx(best, rel=1e-12)
+
+
+def test_moving_tokens_off_an_owner_updates_both_exchanges_link_loads():
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.planner.perf import A2ALoads
+
+    R = 8
+    shape = ModelShape(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=64, ffn_dim=512, vocab_size=100,
+                       num_experts=R, top_k=2, expert_ffn_dim=512)
+    costs = CostModel("a100", "bf16").moe_layer_costs(shape, list(range(R)), 1024, 1024)
+    rng = np.random.default_rng(2)
+    t_RR = rng.integers(0, 500, (R, R)).astype(float)
+    np.fill_diagonal(t_RR, 0)
+    loads = A2ALoads(costs.a2a_links, t_RR, costs.token_bytes)
+    for i in (0, 5):
+        moved = np.minimum(t_RR[:, i], rng.integers(0, 300, R))
+        loads.move(i, moved)
+        t_RR[:, i] -= moved
+    fresh = A2ALoads(costs.a2a_links, t_RR, costs.token_bytes)
+    np.testing.assert_allclose(loads.dispatch_L, fresh.dispatch_L, rtol=1e-12, atol=1e-6)
+    np.testing.assert_allclose(loads.combine_L, fresh.combine_L, rtol=1e-12, atol=1e-6)
+    assert not np.allclose(fresh.dispatch_L, fresh.combine_L)  # the reverse traffic loads other links
