@@ -22,12 +22,17 @@ times. Settled here, not in the paper: the paper's ZB-H1 is a hand-made pattern 
 solver and optimizer-step rollback; the greedy rule gives ZB-H1's memory bound with no solver.
 
 `simulate` replays per-stage schedules on given per-micro-batch times (the same rule, no communication
-cost unless given) and is what the planner's predicted iteration time and the Gantt charts of a plan use.
+cost unless given) and is what the planner's predicted iteration time and the Gantt charts of a plan use. A
+given transfer time is spent as the simulator spends it (`moebal.sim.pipeline`, on the same engine rules as
+`moebal.sim.program`): queued behind the previous transfer of its boundary and direction, and sharing a stage's
+port with the transfer going the other way through it, so the replay equals the simulator for any transfer
+size (`tests/unit/test_replay_against_simulator.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -166,49 +171,157 @@ def simulate(name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float = 
     """(makespan, ops) of one iteration; `fwd[p]`/`bwd[p]` are stage p's per-micro-batch times (a number, or
     one per micro-batch). A backward time of 0 means the stage has nothing to differentiate (frozen). Under a
     schedule with W ops, stage p's B takes (1 - w_share[p]) of its backward time and W the rest (one number
-    for every stage, or one per stage)."""
+    for every stage, or one per stage).
+
+    Each stage-to-stage transfer (an activation forward, a gradient back) takes `comm_s` on its own and is
+    queued as the simulator (`moebal.sim.pipeline`, `moebal.sim.program`) queues it: the transfers of one
+    boundary and direction run one at a time in micro-batch order (one stream per direction), and transfers
+    that overlap on a stage's outgoing port (its forward send and its backward send) or on its incoming port
+    (the activation from upstream and the gradient from downstream) share it equally (processor sharing: each
+    moves at 1 / n of its speed while n share a port, its speed the slowest of its two ports'). `ops` are the
+    compute ops only, in the order they end."""
     P = len(fwd)
     if len(bwd) != P:
         raise ConfigError(f"fwd has {P} stages but bwd has {len(bwd)}")
     shares = [float(w_share)] * P if isinstance(w_share, (int, float)) else [float(x) for x in w_share]
     if len(shares) != P or not all(0.0 <= x <= 1.0 for x in shares):
         raise ConfigError(f"w_share must be one number in [0, 1] or one per stage ({P}); got {w_share!r}")
+    if not comm_s >= 0:
+        raise ConfigError(f"comm_s must be >= 0 seconds; got {comm_s!r}")
+    return _Replay(name, fwd, bwd, num_micro, float(comm_s), shares).run()
 
-    def at(x: Sequence[float] | float, j: int) -> float:
-        return float(x) if isinstance(x, (int, float)) else float(x[j])
 
-    scheds = [make_schedule(name, P, p, num_micro) for p in range(P)]
-    has_w = [any(kind == "W" for kind, _ in sched) for sched in scheds]
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * P, [0.0] * P
-    out: list[TimedOp] = []
-    while any(pos[p] < len(scheds[p]) for p in range(P)):
-        progressed = False
-        for p in range(P):
-            if pos[p] >= len(scheds[p]):
-                continue
-            kind, j = scheds[p][pos[p]]
-            dep = ("F", p - 1, j) if kind == "F" else ("B", p + 1, j)
-            if kind == "W":
-                start = free[p]
-                end = start + at(bwd[p], j) * shares[p]
-                done[(kind, p, j)] = free[p] = end
-                out.append(TimedOp(p, kind, j, start, end))
-                pos[p] += 1
-                progressed = True
-                continue
-            if (kind == "F" and p == 0) or (kind == "B" and p == P - 1):
-                ready = done[("F", p, j)] if kind == "B" else 0.0
-            elif dep in done:
-                ready = done[dep] + comm_s
-            else:
-                continue
-            start = max(free[p], ready)
-            split = shares[p] if has_w[p] else 0.0
-            end = start + (at(fwd[p], j) if kind == "F" else at(bwd[p], j) * (1.0 - split))
-            done[(kind, p, j)] = free[p] = end
-            out.append(TimedOp(p, kind, j, start, end))
-            pos[p] += 1
-            progressed = True
-        assert progressed, "schedule deadlocked"  # programmer invariant: every schedule here is acyclic
-    return max(free), out
+class _Replay:
+    """The event replay behind `simulate`: compute ops in each stage's schedule order, transfers as flows."""
+
+    def __init__(self, name: str, fwd: Times, bwd: Times, num_micro: int, comm_s: float,
+                 shares: list[float]) -> None:
+        self.P, self.fwd, self.bwd, self.comm_s, self.shares = len(fwd), fwd, bwd, comm_s, shares
+        self.scheds = [make_schedule(name, self.P, p, num_micro) for p in range(self.P)]
+        self.has_w = [any(kind == "W" for kind, _ in sched) for sched in self.scheds]
+        self.pos, self.busy = [0] * self.P, [False] * self.P
+        self.arrived: set[tuple[str, int, int]] = set()  # (kind, stage, micro-batch) whose input is there
+        self.heap: list[tuple[float, int, int, int]] = []  # (time, seq, what: -1 - stage | flow id, version)
+        self.seq = 0
+        self.out: list[TimedOp] = []
+        self.running: list[tuple[str, int, float]] = [("", 0, 0.0)] * self.P  # (kind, micro-batch, start)
+        # transfers: one queue per (sender, direction +1 / -1), flows on ports
+        self.queue: dict[tuple[int, int], list[int]] = {}
+        self.sending: set[tuple[int, int]] = set()
+        self.flows: dict[int, _Flow] = {}
+        self.on_out: list[set[int]] = [set() for _ in range(self.P)]
+        self.on_in: list[set[int]] = [set() for _ in range(self.P)]
+        self.next_id = 0
+
+    def dur(self, p: int, kind: str, j: int) -> float:
+        def at(x: Sequence[float] | float) -> float:
+            return float(x) if isinstance(x, (int, float)) else float(x[j])
+
+        if kind == "F":
+            return at(self.fwd[p])
+        share = self.shares[p] if self.has_w[p] else 0.0  # W ops exist only where the schedule has them
+        return at(self.bwd[p]) * (share if kind == "W" else 1.0 - share)
+
+    def push(self, t: float, what: int, ver: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, what, ver))
+
+    def run(self) -> tuple[float, list[TimedOp]]:
+        for p in range(self.P):
+            self.try_start(p, 0.0)
+        while self.heap:
+            t, _, what, ver = heapq.heappop(self.heap)
+            if what < 0:
+                self.compute_done(-1 - what, t)
+            elif what in self.flows and self.flows[what].version == ver:
+                self.flow_done(what, t)
+        # programmer invariant: every schedule here is acyclic
+        assert all(self.pos[p] == len(self.scheds[p]) for p in range(self.P)), "schedule deadlocked"
+        return max((o.end for o in self.out), default=0.0), self.out
+
+    def try_start(self, p: int, t: float) -> None:
+        if self.busy[p] or self.pos[p] >= len(self.scheds[p]):
+            return
+        kind, j = self.scheds[p][self.pos[p]]
+        # F waits for the activation from upstream, B for the gradient from downstream; the last stage's B
+        # follows its own F (earlier in its order), W its own B
+        needs = (kind == "F" and p > 0) or (kind == "B" and p < self.P - 1)
+        if needs and (kind, p, j) not in self.arrived:
+            return
+        self.busy[p] = True
+        self.running[p] = (kind, j, t)
+        self.push(t + self.dur(p, kind, j), -1 - p)
+
+    def compute_done(self, p: int, t: float) -> None:
+        kind, j, start = self.running[p]
+        self.out.append(TimedOp(p, kind, j, start, t))
+        self.busy[p] = False
+        self.pos[p] += 1
+        d = 1 if kind == "F" else -1
+        if kind != "W" and 0 <= p + d < self.P:
+            if self.comm_s == 0.0:
+                self.arrive(p + d, kind, j, t)
+            else:  # a stage's sends of one kind leave in micro-batch order in every schedule here: the order
+                # the simulator issues each stream's transfers in
+                self.queue.setdefault((p, d), []).append(j)
+                self.try_send(p, d, t)
+        self.try_start(p, t)
+
+    def arrive(self, q: int, kind: str, j: int, t: float) -> None:
+        self.arrived.add((kind, q, j))
+        self.try_start(q, t)
+
+    # ---- transfers ----
+    def try_send(self, p: int, d: int, t: float) -> None:
+        """Start the next transfer of (stage p, direction d) when none of that stream is in flight."""
+        q = self.queue.get((p, d))
+        if not q or (p, d) in self.sending:
+            return
+        self.sending.add((p, d))
+        f = self.next_id
+        self.next_id += 1
+        self.flows[f] = fl = _Flow(p, d, q.pop(0), self.comm_s, since=t)
+        touched = self.on_out[p] | self.on_in[p + d]
+        self.on_out[p].add(f)
+        self.on_in[p + d].add(f)
+        if not touched:  # alone on both ports: its own time, as a pure delay
+            fl.version = 1
+            self.push(t + self.comm_s, f, 1)
+            return
+        self.rerate(touched | {f}, t)
+
+    def flow_done(self, f: int, t: float) -> None:
+        fl = self.flows.pop(f)
+        p, q = fl.sender, fl.sender + fl.direction
+        self.on_out[p].discard(f)
+        self.on_in[q].discard(f)
+        touched = self.on_out[p] | self.on_in[q]
+        if touched:
+            self.rerate(touched, t)
+        self.sending.discard((p, fl.direction))
+        self.try_send(p, fl.direction, t)
+        self.arrive(q, "F" if fl.direction == 1 else "B", fl.micro_batch, t)
+
+    def rerate(self, flows: set[int], t: float) -> None:
+        """Each flow's speed: 1 / the number of flows on the busier of its two ports (the engine's rate rule)."""
+        for f in flows:
+            fl = self.flows[f]
+            fl.left -= fl.speed * (t - fl.since)
+            fl.speed = 1.0 / max(len(self.on_out[fl.sender]), len(self.on_in[fl.sender + fl.direction]))
+            fl.since = t
+            fl.version += 1
+            self.push(t + max(0.0, fl.left) / fl.speed, f, fl.version)
+
+
+@dataclass
+class _Flow:
+    """One transfer in flight: `left` seconds of it at full speed, moving at `speed` since `since`; an end event
+    counts only while it carries the current `version` (a rerate pushes a new one)."""
+
+    sender: int
+    direction: int
+    micro_batch: int
+    left: float
+    speed: float = 1.0
+    since: float = 0.0
+    version: int = 0

@@ -583,7 +583,8 @@ class _Builder:
     def _tie_gradients(self) -> None:
         eng, cost, topo, lay = self.eng, self.cost, self.topo, self.lay
         for a, b in zip(lay.stage_ranks(0), lay.stage_ranks(lay.pp - 1)):
-            done = eng.last_op(int(b), "compute")  # the stage's last backward (or zero bubble's last W) op
+            # the stage's last backward op: GPipe and 1F1B end with B (the simulator has no zero bubble, no W)
+            done = eng.last_op(int(b), "compute")
             ops = eng.collective(cost.p2p(topo, int(b), int(a), self._tie_bytes()), ["pp_bwd_out", "pp_bwd_in"],
                                  self.nm("tie grad send"), "p2p", deps=[[done], []])
             self.tie_recv[int(a)] = ops[1]
