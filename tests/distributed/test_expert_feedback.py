@@ -20,7 +20,7 @@ def _cfg(policy: str, feedback: dict[str, object]) -> Config:
         "train": {"steps": STEPS, "warmup_steps": 0, "lr": 1e-2, "eval_every": 0, "precision": "fp32",
                   "ckpt_every": 0, "progress": "plain", "threads": 1},
         # a fixed hardware profile and no hysteresis: the plans are the same in every run, and replicate
-        "planner": {"policy": policy, "costs": "rtx3090", "hysteresis": 0.0, "feedback": feedback}})
+        "planner": {"policy": policy, "costs": "h100", "hysteresis": 0.0, "feedback": feedback}})
 
 
 def _train(cfg: Config, out: Path, slow_plan: bool) -> list[dict]:
