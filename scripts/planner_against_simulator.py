@@ -8,7 +8,7 @@ expert planner's closed forms and the simulator disagree"). Pure functions only:
    is the simulator's fastest.
 
     python scripts/planner_against_simulator.py [--profiles a100,h100,rtx3090] [--ranks 8]
-        [--zipf 0.5,1.0,2.0] [--seed 0] [--json OUT]
+        [--zipf 0.5,1.0,2.0] [--seed 0] [--trans fanout|chain] [--json OUT]
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ def _to_expert_0(R: int) -> np.ndarray:
     return c_RE
 
 
-def prefixes(profile: str, R: int, zipf: float, seed: int) -> dict[str, object]:
-    """Each prefix of the greedy replication sequence: (planner ms, simulator ms), and the two choices."""
+def prefixes(profile: str, R: int, zipf: float, seed: int, trans: str = "fanout") -> dict[str, object]:
+    """Each prefix of the greedy replication sequence: (planner ms, simulator ms), and the two choices; Trans and
+    Agg sent by `trans` in both."""
     cost, shape = CostModel(profile, "bf16"), shape_for(R)
-    costs = cost.moe_layer_costs(shape, list(range(R)), TOKENS, TOKENS, num_ranks=R)
+    costs = cost.moe_layer_costs(shape, list(range(R)), TOKENS, TOKENS, num_ranks=R, trans_algorithm=trans)
     spec = SimSpec(layout=Layout(R, 1, R), seq_len=TOKENS, trans_overlap=False, optimizer=False, grad_bytes=2,
-                   trans_algorithm="chain", count_exchange=False, dp_overlap=False)
+                   trans_algorithm=trans, count_exchange=False, dp_overlap=False)
     rng = np.random.default_rng(seed)
     owner = np.arange(R)
     pop = 1 / np.arange(1, R + 1) ** zipf
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=at_least(2), default=8)
     ap.add_argument("--zipf", default="0.5,1.0,2.0")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trans", choices=("fanout", "chain"), default="fanout",
+                    help="how Trans/Agg go, in the planner and the simulator alike (default: moebal's fan-out)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--zipf takes comma-separated numbers; got {args.zipf!r}")
     report = {p: {"all_to_all": all_to_all(p, args.ranks),
-                  "prefixes": [prefixes(p, args.ranks, z, args.seed) for z in zipfs]}
+                  "prefixes": [prefixes(p, args.ranks, z, args.seed, args.trans) for z in zipfs]}
               for p in args.profiles.split(",")}
     for p, r in report.items():
         a = r["all_to_all"]

@@ -22,7 +22,8 @@ Settings, all from the paper (arXiv 2411.10003, section VI and Table III) or its
   (moebal.sim.holdout). Dispatch/compute/combine in series;
 - FasterMoE = its shadowing policy (moebal's re-implementation, per-expert loads summed over sources) with its
   group-wise smart schedule (groups of 4) and exact-count exchanges (FastMoE); Pro-Prophet = moebal's planner
-  (eq. 8, planning iteration j+1 on iteration j's counts) with the block-wise Trans/Agg schedule. All three
+  on the paper's own model (eq. 1-8, not moebal's per-link pricing; planning iteration j+1 on iteration j's
+  counts) with the block-wise Trans/Agg schedule. All three
   all-reduce the non-expert gradients after the backward pass (DeepSpeed's engine and Megatron's local DDP of
   that era do not overlap it).
 Each row is the ratio of mean simulated iteration times over `--steps` iterations.
@@ -109,7 +110,8 @@ def simulate_row(table: str, top_k: int, model: str, steps: int, zipf_s: float) 
         for name, spec in specs.items():
             opts = {"overlap": True} if name == "prophet" else {}
             policy = "static" if name.startswith("static") else name
-            pls = plan_placements(policy, cost, shape, spec, predicted, [shape.n_layers], **opts)
+            # Pro-Prophet plans with its own model (eq. 1-8), not moebal's per-link pricing
+            pls = plan_placements(policy, cost, shape, spec, predicted, [shape.n_layers], per_link=False, **opts)
             res = simulate(shape, cost, spec, counts, pls, keep_engine=False)
             times[name].append(res.iteration_time_s)
             replicas[name].append(res.placements_summary["replicas"])

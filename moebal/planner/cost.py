@@ -31,7 +31,7 @@ from moebal.planner.hardware import DTYPE_BYTES, HardwareProfile, load_profile
 
 if TYPE_CHECKING:
     from moebal.config import Config
-    from moebal.planner.perf import MoELayerCosts
+    from moebal.planner.perf import GroupLinks, MoELayerCosts
 
 __all__ = ["Collective", "CostModel", "ModelShape", "Phase", "Topology"]
 
@@ -554,34 +554,61 @@ class CostModel:
         return t
 
     # ---- Pro-Prophet / FasterMoE coefficients ----
+    def group_links(self, topo: Topology, ranks: Sequence[int], trans_algorithm: str = "fanout") -> GroupLinks:
+        """The links of a group's transfers with this profile's latencies and efficiencies, for the expert
+        planner to price its exchanges (`all_to_all`) and Trans/Agg (`broadcast_many` with `trans_algorithm`)
+        as this model does."""
+        from moebal.planner.perf import TRANS_ALGORITHMS, GroupLinks
+
+        if trans_algorithm not in TRANS_ALGORITHMS:
+            raise ConfigError(f"trans algorithm {trans_algorithm!r}: one of {', '.join(TRANS_ALGORITHMS)}")
+        r = np.asarray(ranks, dtype=np.int64)
+        R = r.size
+        pair_P, link_P = topo.route(np.repeat(r, R), np.tile(r, R))  # as all_to_all routes an exchange
+        used, link_P = np.unique(link_P, return_inverse=True)
+        p = self.profile
+
+        def per_world(kind: str) -> tuple[np.ndarray, np.ndarray]:
+            """[R + 1, 2] latency (within a node, across nodes) and [R + 1] efficiency by ranks taking part."""
+            c = p.collective(kind)
+            lat = np.array([[p.intra.latency_s, p.inter.latency_s] if c.latency_for(n) is None
+                             else [c.latency_for(n)] * 2 for n in range(R + 1)], dtype=np.float64)
+            return lat, np.array([c.efficiency_for(max(n, 1)) for n in range(R + 1)], dtype=np.float64)
+
+        trans_kind, agg_kind = ("p2p", "p2p") if trans_algorithm == "fanout" else ("broadcast", "reduce")
+        t_lat, t_eff = per_world(trans_kind)
+        a_lat, a_eff = per_world(agg_kind)
+        return GroupLinks(num_ranks=R, ranks=r, node_R=topo.node_R[r], pair_P=pair_P,
+                          link_P=link_P.astype(np.int64), capacity_L=topo.capacity_L[used],
+                          a2a_latency_s=(R - 1) * self._lat("all_to_all", topo, r) if R > 1 else 0.0,
+                          a2a_efficiency=p.collective("all_to_all").efficiency_for(R),
+                          trans_algorithm=trans_algorithm, trans_latency=t_lat, trans_efficiency=t_eff,
+                          agg_latency=a_lat, agg_efficiency=a_eff)
+
     def moe_layer_costs(self, shape: ModelShape, ep_ranks: Sequence[int], tokens_per_rank: int, seq: int,
-                        num_ranks: int | None = None) -> MoELayerCosts:
+                        num_ranks: int | None = None, trans_algorithm: str = "fanout") -> MoELayerCosts:
         """perf.MoELayerCosts for one MoE layer of `shape` on the expert-parallel group `ep_ranks`.
 
         token_bytes/param sizes from the shape; t from the expert MLP at the average rows per local expert; the
-        group's links (`a2a_links`), with which the planner prices every exchange as `all_to_all` does here,
-        skewed ones included; the A2A bandwidth (eq. 1, for the callers that want one figure) is a callable whose
-        value at b bytes is b / (time of a uniform all-to-all in which each rank receives b bytes); Trans/Agg
-        bandwidth = expert bytes / chain broadcast time over the group; the non-MoE forward/backward are this
-        layer's attention + router times; backward_factor is the experts' backward / forward time in this model
-        (2 when GEMM efficiency does not depend on the layout).
+        group's links (`links`), with which the planner prices every exchange as `all_to_all` does here, skewed
+        ones included, and a layer's Trans and Agg as `broadcast_many` does with `trans_algorithm` ("fanout":
+        moebal's executor; "chain"); the A2A bandwidth (eq. 1, for the callers that want one figure) is a
+        callable whose value at b bytes is b / (time of a uniform all-to-all in which each rank receives b bytes);
+        Trans/Agg bandwidth (eq. 4, 5) = expert bytes / chain broadcast time over the group; the non-MoE
+        forward/backward are this layer's attention + router times; backward_factor is the experts' backward /
+        forward time in this model (2 when GEMM efficiency does not depend on the layout).
         """
-        from moebal.planner.perf import A2ALinks, MoELayerCosts
+        from moebal.planner.perf import MoELayerCosts
 
         ranks = list(ep_ranks)
         R = len(ranks)
         topo = self.topology(num_ranks or (max(ranks) + 1))
-        r = np.asarray(ranks, dtype=np.int64)
-        pair_P, link_P = topo.route(np.repeat(r, R), np.tile(r, R))  # as all_to_all routes an exchange
-        used, link_P = np.unique(link_P, return_inverse=True)
-        links = A2ALinks(num_ranks=R, pair_P=pair_P, link_P=link_P.astype(np.int64),
-                         capacity_L=topo.capacity_L[used] * self.profile.collective("all_to_all").efficiency_for(R),
-                         latency_s=(R - 1) * self._lat("all_to_all", topo, r) if R > 1 else 0.0)
         E = shape.num_experts
         rows = max(1.0, tokens_per_rank * shape.top_k / max(1, E // R))
         t_tok = self.experts_s(shape, [rows]) / rows
         param_bytes = shape.expert_params * self.act_bytes
         bcast = self.time_of(self.broadcast(topo, ranks[0], ranks, param_bytes), topo) if R > 1 else 1.0
+        links = self.group_links(topo, ranks, trans_algorithm)
 
         known: dict[float, float] = {}
 
@@ -604,13 +631,11 @@ class CostModel:
                              a2a_bandwidth=a2a_bw, trans_bandwidth=param_bytes / bcast,
                              agg_bandwidth=param_bytes / bcast, nonmoe_fwd_s=fwd,
                              nonmoe_bwd_s=bwd, backward_factor=float(backward),
-                             num_ranks=R, a2a_links=links)
+                             num_ranks=R, links=links)
 
 
 def _chain_order(topo: Topology, root: int, others: np.ndarray) -> np.ndarray:
-    """The order of a broadcast chain's members after `root`: the root's node-mates first, then node by node
-    (lowest node id first), ranks ascending within a node, so the chain leaves each node once. np.lexsort sorts by
-    its last key first."""
-    node = topo.node_R[others]
-    return np.lexsort((others, node, node != topo.node_R[root]))
+    """The order of a broadcast chain's members after `root` (`perf.chain_order`)."""
+    from moebal.planner.perf import chain_order
 
+    return chain_order(topo.node_R[others], others, int(topo.node_R[root]))

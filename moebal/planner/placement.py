@@ -47,6 +47,7 @@ from moebal.planner.perf import (
     PAPER_COSTS,
     FasterMoECosts,
     MoELayerCosts,
+    ReplicaLoads,
     a2a_loads,
     ep_loads,
     evaluate,
@@ -54,6 +55,7 @@ from moebal.planner.perf import (
     fastermoe_expert_loads,
     fastermoe_shadow,
     layer_time,
+    linked_times,
     placement_loads,
     replicas_from_held,
 )
@@ -244,11 +246,17 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
     next_cand = bounds[:-1]
     threshold = alpha * float(c_RE.sum()) / R  # eq. 7 on the mean rank load
     i = int(H_R.argmax())  # heaviest rank, lowest id on ties
-    # with the group's links, the exchanges' link loads follow each selection (perf.A2ALoads); else eq. 1
-    links = None if costs.a2a_links is None else a2a_loads(c_RE, owner_E[None, :] == np.arange(R)[:, None],
-                                                          owner_E, costs)
-    base = best = layer_time(costs, float(recv_R.max()), float(H_R[i]), 0, R, overlap,
-                             None if links is None else links.seconds())
+    # with the group's links, the exchanges' (and without overlap Trans/Agg's) link loads follow each selection
+    # (perf.A2ALoads, perf.ReplicaLoads; perf.linked_times says why not Trans/Agg under overlap); else eq. 1-8
+    a2a = rep = None
+    if costs.links is not None:
+        a2a = a2a_loads(c_RE, owner_E[None, :] == np.arange(R)[:, None], owner_E, costs)
+        rep = None if overlap else ReplicaLoads(costs.links, costs.expert_param_bytes, costs.expert_grad_bytes)
+
+    def linked(holders: int) -> tuple[float, float, float] | None:
+        return None if a2a is None else linked_times(costs, a2a, rep, holders, R)
+
+    base = best = layer_time(costs, float(recv_R.max()), float(H_R[i]), 0, R, overlap, linked(0))
     chosen: list[int] = []
     sent: list[np.ndarray] = []  # with a cap: the ranks each chosen expert goes to
     taken_R = np.zeros(R, dtype=np.int64)  # replicas each rank has received
@@ -259,7 +267,7 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
         e = cands[next_cand[i]]
         next_cand[i] += 1
         if max_replicas is None:
-            dH_R, moved, holders_e = dH_ER[e], moved_E[e], holders_E[e]
+            dH_R, moved, holders_e, to_R = dH_ER[e], moved_E[e], holders_E[e], include_RE[:, e]
         else:
             to_R = include_RE[:, e] & (taken_R < max_replicas)
             if not to_R.any():
@@ -272,12 +280,13 @@ def prophet_search(c_RE: np.ndarray, owner_E: np.ndarray, costs: MoELayerCosts, 
         H_R += dH_R
         H_R[i] -= moved
         recv_R[i] -= moved
-        if links is not None:
-            links.move(i, dH_R)
+        if a2a is not None:
+            a2a.move(i, dH_R)
+        if rep is not None:
+            rep.add(i, to_R)
         holders += holders_e
         i = int(H_R.argmax())
-        t = layer_time(costs, float(recv_R.max()), float(H_R[i]), holders, R, overlap,
-                       None if links is None else links.seconds())
+        t = layer_time(costs, float(recv_R.max()), float(H_R[i]), holders, R, overlap, linked(holders))
         if t < best:  # the paper's cnt = s: keep the best prefix, not a count of improvements
             best, best_len = t, len(chosen)
     if max_replicas is None:

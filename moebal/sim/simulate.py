@@ -74,8 +74,11 @@ class SimResult:
 
 
 def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSpec, predicted: np.ndarray,
-                    stages: Sequence[int], **options: Any) -> list[list[ExpertPlacement]] | None:
-    """Per MoE layer and EP group, the placement `policy` chooses from `predicted` counts [L, G, R, E]."""
+                    stages: Sequence[int], per_link: bool = True,
+                    **options: Any) -> list[list[ExpertPlacement]] | None:
+    """Per MoE layer and EP group, the placement `policy` chooses from `predicted` counts [L, G, R, E].
+    `per_link`: moebal's planner, which prices the exchanges, Trans and Agg on the group's links; False: the
+    paper's eq. 1-8 (one bandwidth per exchange, one transfer time per replicated expert), Pro-Prophet's own."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown placement policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if shape.num_experts == 0:
@@ -96,10 +99,13 @@ def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSp
             continue
         s = int(np.searchsorted(first, layer, side="right") - 1)
         if s not in costs_by_stage:
+            # the first group's links price every group of the stage (the groups are laid out alike); Trans and
+            # Agg as the program sends them
             layer_costs = cost.moe_layer_costs(shape, lay.ep_groups(s)[0].tolist(), tokens, spec.seq_len,
-                                               num_ranks=lay.ranks)
+                                               num_ranks=lay.ranks, trans_algorithm=spec.trans_algorithm)
             # the program issues Trans in the first micro-batch's forward and Agg in the last one's backward
-            costs_by_stage[s] = dataclasses.replace(layer_costs, overlap_share=1.0 / spec.micro_batches)
+            costs_by_stage[s] = dataclasses.replace(layer_costs, overlap_share=1.0 / spec.micro_batches,
+                                                    links=layer_costs.links if per_link else None)
         out.append([plan_experts(predicted[layer, g], policy, costs_by_stage[s], owner=static.owner, **options)
                     for g in range(lay.groups)])
     return out

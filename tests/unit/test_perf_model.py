@@ -282,12 +282,66 @@ def test_moving_tokens_off_an_owner_updates_both_exchanges_link_loads():
     rng = np.random.default_rng(2)
     t_RR = rng.integers(0, 500, (R, R)).astype(float)
     np.fill_diagonal(t_RR, 0)
-    loads = A2ALoads(costs.a2a_links, t_RR, costs.token_bytes)
+    loads = A2ALoads(costs.links, t_RR, costs.token_bytes)
     for i in (0, 5):
         moved = np.minimum(t_RR[:, i], rng.integers(0, 300, R))
         loads.move(i, moved)
         t_RR[:, i] -= moved
-    fresh = A2ALoads(costs.a2a_links, t_RR, costs.token_bytes)
+    fresh = A2ALoads(costs.links, t_RR, costs.token_bytes)
     np.testing.assert_allclose(loads.dispatch_L, fresh.dispatch_L, rtol=1e-12, atol=1e-6)
     np.testing.assert_allclose(loads.combine_L, fresh.combine_L, rtol=1e-12, atol=1e-6)
     assert not np.allclose(fresh.dispatch_L, fresh.combine_L)  # the reverse traffic loads other links
+
+
+@pytest.mark.parametrize("profile", ["a100", "h100", "rtx3090-nvlink"])
+@pytest.mark.parametrize("algorithm", ["fanout", "chain"])
+def test_link_priced_trans_and_agg_equal_the_simulators_grouped_broadcasts(profile, algorithm):
+    """A layer's Trans (every replicated expert from its owner to its holders, issued together) and Agg (the
+    gradients back) cost what `CostModel.broadcast_many` says, not one transfer time per expert added up."""
+    from moebal.planner.cost import CostModel, ModelShape
+    from moebal.planner.perf import replica_loads
+
+    cost = CostModel(profile, "bf16")
+    R, E = 8, 16
+    shape = ModelShape(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=64, ffn_dim=512, vocab_size=100,
+                       num_experts=E, top_k=2, expert_ffn_dim=512)
+    costs = cost.moe_layer_costs(shape, list(range(R)), 1024, 1024, trans_algorithm=algorithm)
+    topo = cost.topology(R)
+    rng = np.random.default_rng(3)
+    owner = np.arange(E) // 2
+    for replicated in (1, 3, 8):
+        held = np.zeros((R, E), bool)
+        held[owner, np.arange(E)] = True
+        for e in rng.choice(E, replicated, replace=False):
+            held[rng.random(R) < 0.6, e] = True
+        groups = [(int(owner[e]), np.flatnonzero(held[:, e]).tolist()) for e in range(E) if held[:, e].sum() > 1]
+        want = [cost.time_of(cost.broadcast_many(topo, groups, b, kind, algorithm), topo)
+                for b, kind in ((costs.expert_param_bytes, "broadcast"), (costs.expert_grad_bytes, "reduce"))]
+        assert replica_loads(held, owner, costs).seconds() == pytest.approx(tuple(want), rel=1e-12)
+    alone = cost.time_of(cost.broadcast_many(topo, [(0, list(range(R)))], costs.expert_param_bytes, "broadcast",
+                                             algorithm), topo)
+    four = np.zeros((R, E), bool)
+    four[owner, np.arange(E)] = True
+    four[:, [0, 4, 8, 12]] = True  # 4 experts of 4 owners to every rank: they share links, not queue
+    trans, _ = replica_loads(four, owner, costs).seconds()
+    assert trans < 4 * alone
+
+
+def test_under_overlap_trans_and_agg_keep_eq_4_and_5_while_the_exchanges_stay_per_link():
+    """Eq. 8 hides Trans under compute, but Trans in flight shares links with the exchanges: per-link Trans
+    without that sharing over-replicates (perf.linked_times), so under overlap Trans/Agg are eq. 4/5's."""
+    from moebal.planner.cost import CostModel, ModelShape
+
+    cost = CostModel("a100", "bf16")
+    R, E = 8, 8
+    shape = ModelShape(dim=1024, n_layers=1, n_heads=8, n_kv_heads=8, head_dim=128, ffn_dim=4096, vocab_size=100,
+                       num_experts=E, top_k=2, expert_ffn_dim=2048)
+    costs = cost.moe_layer_costs(shape, list(range(R)), 16384, 4096)
+    held = np.eye(R, dtype=bool)
+    held[:, [0, 3]] = True
+    c_RE = np.full((R, E), 100.0)
+    serial, hidden = (evaluate_held(c_RE, held, np.arange(E), costs, overlap=o) for o in (False, True))
+    holders = 2 * R
+    assert hidden.trans_s == pytest.approx(t_trans(costs, holders, R)) != pytest.approx(serial.trans_s)
+    assert hidden.agg_s == pytest.approx(t_agg(costs, holders, R))
+    assert hidden.a2a_s == serial.a2a_s  # the exchanges per link either way
