@@ -81,7 +81,7 @@ IssueFn = Callable[[int, ExpertPlacement], None]
 
 class DevicePaths:
     """A `PathProfile` on the device: per layer j >= 1 and path length m, the observed paths as sorted base-E codes
-    [P], each path's distribution of layer j's assignments [P, E] and its token count [P]. `estimate` gives what
+    [P], each path's distribution of layer j's assignments [P, E] (dense) and its token count [P]. `estimate` gives what
     `PathProfile.estimate` gives (up to float summation order) without leaving the device."""
 
     def __init__(self, profile: PathProfile, device: torch.device, path_len: int | None = None) -> None:
@@ -99,7 +99,8 @@ class DevicePaths:
             for m, t in enumerate(tabs[:used + 1]):
                 weights = E ** np.arange(m - 1, -1, -1, dtype=np.int64)
                 codes_P = t.keys_Pm.astype(np.int64) @ weights if m else np.zeros(len(t.tokens_P), dtype=np.int64)
-                layer.append((upload(codes_P, device, torch.int64), upload(t.psi(), device, torch.float64),
+                psi_PE = t.psi(np.arange(len(t.tokens_P)))  # the profile's sparse counts, dense here
+                layer.append((upload(codes_P, device, torch.int64), upload(psi_PE, device, torch.float64),
                               upload(t.tokens_P, device, torch.int64), upload(weights, device, torch.int64)))
             self.tables.append(layer)
 

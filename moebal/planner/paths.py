@@ -19,7 +19,14 @@ How moebal settles the thesis's gaps (docs/expert-parallel.md, "Lina's sample pa
 - **Top-k of Psi** (gap B4): `truncate=k` keeps each path's k most likely experts (the thesis's rule; the estimate
   then sums to less than the batch's assignments); `truncate=None` keeps the whole distribution (the expectation).
 
-Shape legend: L MoE layers, T tokens, K = top_k, E experts, P profiled paths, m path length.
+Storage: a path table keeps each path's counts sparse (CSR: only the non-zero (path, expert) counts), since at real
+sizes a path reaches few experts: 256 experts, top-8, paths of 3 layers, 524,288 Zipf-skewed tokens (236,923 full
+paths): layer 3's tables hold 56.5 MiB, against 0.54 GiB of dense int64 [P, E] counts (formats 1 and 2) and 1.06 GiB
+more of float64 [P, E] distributions the dense code cached for its estimates (docs/expert-parallel.md, "Lina's
+sample paths"). An estimate reads only the non-zeros of the paths its batch hits.
+
+Shape legend: L MoE layers, T tokens, K = top_k, E experts, P profiled paths, m path length, N non-zero (path,
+expert) counts, U distinct paths of a batch, V their non-zeros.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +44,9 @@ __all__ = ["PathProfile", "PathTable", "build_profile", "estimate_accuracy", "pr
 
 _UNREADABLE = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 """What reading a truncated, empty or foreign .npz raises (numpy opens members lazily)."""
-FORMAT = 2  # 2: layer 0's marginal is stored (format 1 had no table for layer 0; still read, without it)
+# 3: the counts sparse (per path its non-zero experts and counts); 2: dense [P, E] counts, layer 0's marginal stored;
+# 1: dense, no table for layer 0. Formats 1 and 2 are still read (converted to the sparse layout).
+FORMAT = 3
 # E^m at most this: a path table keeps a code -> row array for its lookups (int32, 1 MB at most per table: 64
 # experts with paths of 3 layers fit; a larger space uses the sorted codes)
 _DENSE_CODES = 1 << 18
@@ -44,27 +54,76 @@ _DENSE_CODES = 1 << 18
 
 @dataclass(frozen=True)
 class PathTable:
-    """Observed paths of one length m before one layer: keys [P, m] (expert ids, oldest layer first) and the
-    next layer's assignment counts per path [P, E] and tokens per path [P]."""
+    """Observed paths of one length m before one layer: keys [P, m] (expert ids, oldest layer first), tokens per path
+    [P] and the next layer's assignment counts per path, sparse (CSR): path p's non-zero counts are
+    counts_N[start_P1[p]:start_P1[p + 1]], of the experts experts_N[...] in ascending order (of E experts)."""
 
     keys_Pm: np.ndarray
-    counts_PE: np.ndarray
+    start_P1: np.ndarray
+    experts_N: np.ndarray
+    counts_N: np.ndarray
     tokens_P: np.ndarray
-    index: dict[tuple[int, ...], int] = field(default_factory=dict, compare=False, repr=False)
-    cache: dict[object, np.ndarray] = field(default_factory=dict, compare=False, repr=False)  # see psi, rows
+    num_experts: int
+    cache: dict[object, Any] = field(default_factory=dict, compare=False, repr=False)  # see index, _nonzeros, rows
 
-    def __post_init__(self) -> None:
-        if not self.index:
-            self.index.update({tuple(int(v) for v in k): i for i, k in enumerate(self.keys_Pm)})
+    @property
+    def index(self) -> dict[tuple[int, ...], int]:
+        """path -> row, built on first use: only paths too long for int64 codes look rows up in it (a dictionary
+        of 402,434 paths of 3 layers holds 55 MiB, about what their sparse counts do)."""
+        if "index" not in self.cache:
+            self.cache["index"] = {tuple(int(v) for v in k): i for i, k in enumerate(self.keys_Pm)}
+        out: dict[tuple[int, ...], int] = self.cache["index"]
+        return out
 
-    def psi(self, truncate: int | None = None) -> np.ndarray:
-        """psi_PE: each path's distribution of the next layer's assignments (sums to k; `truncate`: its k largest
-        entries), computed once per table and truncation."""
-        key = ("psi", truncate)
+    def psi(self, rows_U: np.ndarray, truncate: int | None = None) -> np.ndarray:
+        """psi_UE: the distribution of the next layer's assignments (sums to k; `truncate`: its k largest entries)
+        of each path in `rows_U`, dense: the counts divided by the path's tokens, as a dense [P, E] table would."""
+        row_V, experts_V, psi_V = self.psi_nonzeros(rows_U, truncate)
+        psi_UE = np.zeros((len(rows_U), self.num_experts))
+        psi_UE[row_V, experts_V] = psi_V
+        return psi_UE
+
+    def psi_nonzeros(self, rows_U: np.ndarray, truncate: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The non-zero entries of `psi(rows_U, truncate)`, V of them, by path then expert: (their position in
+        rows_U, their expert, their value)."""
+        row_V, experts_V, counts_V = self._gather(rows_U, truncate)
+        return row_V, experts_V, counts_V / np.maximum(self.tokens_P[rows_U], 1)[row_V]
+
+    def counts(self, rows_U: np.ndarray) -> np.ndarray:
+        """counts_UE: the assignment counts of each path in `rows_U`, dense (int64)."""
+        row_V, experts_V, counts_V = self._gather(rows_U, None)
+        counts_UE = np.zeros((len(rows_U), self.num_experts), dtype=np.int64)
+        counts_UE[row_V, experts_V] = counts_V
+        return counts_UE
+
+    def _gather(self, rows_U: np.ndarray, truncate: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The non-zeros of the paths `rows_U` (V of them): (their position in rows_U, expert, count)."""
+        start_P1, experts_N, counts_N = self._nonzeros(truncate)
+        rows_U = np.asarray(rows_U, dtype=np.int64)
+        lo_U = start_P1[rows_U]
+        len_U = start_P1[rows_U + 1] - lo_U
+        row_V = np.repeat(np.arange(len(rows_U)), len_U)
+        # the V-th non-zero lies at its path's start plus its place among the path's non-zeros
+        at_V = np.arange(len(row_V)) + np.repeat(lo_U - (np.cumsum(len_U) - len_U), len_U)
+        return row_V, experts_N[at_V], counts_N[at_V]
+
+    def _nonzeros(self, truncate: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start_P1, experts_N, counts_N) of the whole table, or of each path's `truncate` largest counts (ties:
+        lower expert id, as `_keep_top` on the distribution: a path's entries share its token count), computed
+        once per table and truncation."""
+        if truncate is None:
+            return self.start_P1, self.experts_N, self.counts_N
+        key = ("top", truncate)
         if key not in self.cache:
-            psi_PE = self.counts_PE / np.maximum(self.tokens_P, 1)[:, None]
-            self.cache[key] = psi_PE if truncate is None else _keep_top(psi_PE, truncate)
-        return self.cache[key]
+            P = len(self.tokens_P)
+            row_N = np.repeat(np.arange(P), np.diff(self.start_P1))
+            order = np.lexsort((self.experts_N, -self.counts_N, row_N))  # path first: each path's order in place
+            keep = np.sort(order[np.arange(len(order)) - self.start_P1[row_N] < truncate])
+            self.cache[key] = (_starts(np.bincount(row_N[keep], minlength=P)), self.experts_N[keep],
+                               self.counts_N[keep])
+        out: tuple[np.ndarray, np.ndarray, np.ndarray] = self.cache[key]
+        return out
 
     def rows(self, keys_Tm: np.ndarray, num_experts: int) -> np.ndarray:
         """The row of each key (-1: not observed). Keys are coded as base-E numbers, oldest layer most
@@ -119,7 +178,7 @@ class PathProfile:
         k), from its path (top-1 experts of every layer before `layer`, [T, >= layer]) with back-off."""
         psi_TE = np.zeros((paths_TL.shape[0], self.num_experts))
         for tab, hit, rows in self._backed_off(paths_TL, layer, min_tokens):
-            psi_TE[hit] = tab.psi()[rows]
+            psi_TE[hit] = tab.psi(rows)
         return psi_TE
 
     def estimate(self, paths_TL: np.ndarray, layer: int, truncate: int | None = None,
@@ -128,12 +187,17 @@ class PathProfile:
         P_{j(t)}(e)); `truncate=k` keeps only each token's k most likely experts (the thesis's top-k of Psi).
 
         Tokens of one path share its distribution, so the sum over tokens is a sum over the paths seen, each
-        weighted by its tokens: one bincount per path length and a [P] x [P, E] product, not a [T, E] gather
-        (the estimate runs between the gate and the all-to-all of every scheduled layer)."""
+        weighted by its tokens: per path length, one bincount of the tokens per path and one weighted bincount over
+        the non-zeros of the paths hit, not a [T, E] gather (the estimate runs between the gate and the all-to-all of
+        every scheduled layer). Per expert the products tokens x psi are added in path order, one at a time: the
+        bits a dense `(tokens_P[:, None] * psi_PE).sum(axis=0)` gives (the paths the batch misses add exact zeros),
+        whatever the BLAS (a `tokens_P @ psi_PE` product's rounding depends on its kernel's blocking)."""
         est_E = np.zeros(self.num_experts)
         for tab, _, rows in self._backed_off(paths_TL, layer, min_tokens):
-            psi_PE = tab.psi(truncate)
-            est_E += np.bincount(rows, minlength=psi_PE.shape[0]).astype(np.float64) @ psi_PE
+            hits_P = np.bincount(rows, minlength=len(tab.tokens_P))  # the batch's tokens per path
+            rows_U = np.flatnonzero(hits_P)
+            row_V, experts_V, psi_V = tab.psi_nonzeros(rows_U, truncate)
+            est_E += np.bincount(experts_V, weights=hits_P[rows_U][row_V] * psi_V, minlength=self.num_experts)
         return est_E
 
     def _backed_off(self, paths_TL: np.ndarray, layer: int, min_tokens: int
@@ -170,14 +234,16 @@ class PathProfile:
         tables = tuple(self.tables[lo + k][:min(self.path_len, k) + 1] for k in range(hi - lo))
         return PathProfile(num_experts=self.num_experts, top_k=self.top_k, path_len=self.path_len, tables=tables)
 
-    # ---- storage: one .npz, only observed paths ----
+    # ---- storage: one .npz, only observed paths and their non-zero counts ----
     def save(self, path: str | Path) -> None:
         arrays: dict[str, np.ndarray] = {"meta": np.array([FORMAT, self.num_experts, self.top_k, self.path_len,
                                                            self.num_layers], dtype=np.int64)}
         for j, tabs in enumerate(self.tables):
             for m, t in enumerate(tabs):
                 arrays[f"L{j}_m{m}_keys"] = t.keys_Pm.astype(np.int16)
-                arrays[f"L{j}_m{m}_counts"] = t.counts_PE.astype(np.int32)
+                arrays[f"L{j}_m{m}_nonzeros"] = np.diff(t.start_P1).astype(np.int32)
+                arrays[f"L{j}_m{m}_experts"] = t.experts_N.astype(np.int16)
+                arrays[f"L{j}_m{m}_counts"] = t.counts_N.astype(np.int32)
                 arrays[f"L{j}_m{m}_tokens"] = t.tokens_P.astype(np.int32)
         # whole or not at all: a temporary file beside `path`, renamed over it; written through a handle, so numpy
         # does not append ".npz" to a name without it (the file is exactly `path`)
@@ -195,20 +261,48 @@ class PathProfile:
         except (*_UNREADABLE, KeyError) as e:
             raise ValueError(f"{path}: not a path profile ({e}); build one with `moebal paths RUN_DIR -o FILE`") \
                 from e
-        if fmt not in (1, FORMAT):
-            raise ValueError(f"{path}: path profile format {fmt}, this moebal reads 1 and {FORMAT}: rebuild it with "
+        if fmt not in (1, 2, FORMAT):
+            raise ValueError(f"{path}: path profile format {fmt}, this moebal reads 1 to {FORMAT}: rebuild it with "
                              f"`moebal paths RUN_DIR -o FILE`")
         lengths = [min(l_, j) + 1 if j or fmt >= 2 else 0 for j in range(L)]  # format 1: no table for layer 0
         try:
-            tables = tuple(tuple(PathTable(z[f"L{j}_m{m}_keys"].astype(np.int64),
-                                           z[f"L{j}_m{m}_counts"].astype(np.int64),
-                                           z[f"L{j}_m{m}_tokens"].astype(np.int64))
-                                 for m in range(lengths[j]))
+            tables = tuple(tuple(_read_table(z, f"L{j}_m{m}_", m, E, dense=fmt < 3) for m in range(lengths[j]))
                            for j in range(L))
         except (*_UNREADABLE, KeyError) as e:
             raise ValueError(f"{path}: path profile incomplete or damaged ({e}); rebuild it with `moebal paths "
                              f"RUN_DIR -o FILE`") from e
         return cls(num_experts=E, top_k=K, path_len=l_, tables=tables)
+
+
+def _read_table(z: Any, name: str, m: int, E: int, dense: bool) -> PathTable:
+    """One table of an .npz: sparse (format 3) or dense [P, E] counts (formats 1 and 2), checked (ValueError:
+    what does not fit)."""
+    keys_Pm = z[name + "keys"].astype(np.int64)
+    tokens_P = z[name + "tokens"].astype(np.int64)
+    P = len(keys_Pm)
+    if keys_Pm.ndim != 2 or keys_Pm.shape[1] != m or tokens_P.shape != (P,):
+        raise ValueError(f"{name}keys {keys_Pm.shape} and {name}tokens {tokens_P.shape}: not [P, {m}] and [P]")
+    if dense:
+        counts_PE = z[name + "counts"]
+        if counts_PE.shape != (P, E):
+            raise ValueError(f"{name}counts {counts_PE.shape}: not [P, E] = {(P, E)}")
+        rows_N, experts_N = np.nonzero(counts_PE)  # row-major: by path, then expert (the CSR order)
+        start_P1, counts_N = _starts(np.bincount(rows_N, minlength=P)), counts_PE[rows_N, experts_N]
+    else:
+        nonzeros_P, experts_N, counts_N = (z[name + k] for k in ("nonzeros", "experts", "counts"))
+        if nonzeros_P.shape != (P,) or nonzeros_P.min(initial=0) < 0 or experts_N.ndim != 1 \
+                or experts_N.shape != counts_N.shape or len(experts_N) != nonzeros_P.sum():
+            raise ValueError(f"{name}nonzeros {nonzeros_P.shape}, experts {experts_N.shape}, counts "
+                             f"{counts_N.shape}: not [P] non-zeros per path and their [N] experts and counts")
+        start_P1 = _starts(nonzeros_P)
+        up_N1 = np.diff(experts_N.astype(np.int64)) > 0
+        up_N1[start_P1[(start_P1 > 0) & (start_P1 < len(experts_N))] - 1] = True  # a path's first: any expert
+        if not up_N1.all():
+            raise ValueError(f"{name}experts: not ascending within each path")
+    if len(experts_N) and (experts_N.min() < 0 or experts_N.max() >= E):
+        raise ValueError(f"{name}experts: ids outside 0..{E - 1}")
+    return PathTable(keys_Pm=keys_Pm, start_P1=start_P1, experts_N=experts_N.astype(np.int32),
+                     counts_N=counts_N.astype(np.int64), tokens_P=tokens_P, num_experts=E)
 
 
 def _keep_top(psi_TE: np.ndarray, k: int) -> np.ndarray:
@@ -244,10 +338,19 @@ def _table(top1_TL: np.ndarray, ids_TK: np.ndarray, layer: int, m: int, E: int) 
     keys_Pm, inv = np.unique(keys_Tm, axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     P, K = keys_Pm.shape[0], ids_TK.shape[1]
-    counts_PE = np.zeros((P, E), dtype=np.int64)
-    np.add.at(counts_PE, (np.repeat(inv, K), ids_TK.reshape(-1)), 1)
+    # one code per assignment, path * E + expert: sorted and counted, the codes are the table's CSR order
+    codes_N, counts_N = np.unique(np.repeat(inv, K) * E + ids_TK.reshape(-1), return_counts=True)
     tokens_P = np.bincount(inv, minlength=P).astype(np.int64)
-    return PathTable(keys_Pm=keys_Pm, counts_PE=counts_PE, tokens_P=tokens_P)
+    return PathTable(keys_Pm=keys_Pm, start_P1=_starts(np.bincount(codes_N // E, minlength=P)),
+                     experts_N=(codes_N % E).astype(np.int32), counts_N=counts_N.astype(np.int64), tokens_P=tokens_P,
+                     num_experts=E)
+
+
+def _starts(nonzeros_P: np.ndarray) -> np.ndarray:
+    """start_P1: where each path's non-zeros begin (and the last ends), from their numbers."""
+    start_P1 = np.zeros(len(nonzeros_P) + 1, dtype=np.int64)
+    np.cumsum(nonzeros_P, out=start_P1[1:])
+    return start_P1
 
 
 def previous_estimate(prev_counts_E: np.ndarray, prev_tokens: int, tokens: int) -> np.ndarray:

@@ -94,20 +94,28 @@ def test_layer_0_is_estimated_from_its_marginal() -> None:
     np.testing.assert_allclose(part.estimate(np.zeros((2, 0), dtype=np.int64), 0), [0, 2, 0, 0])
 
 
+def _dense_arrays(prof: PathProfile, fmt: int) -> dict[str, np.ndarray]:
+    """The arrays of a format-1 or format-2 file, as moebal wrote them before format 3: dense [P, E] counts (and in
+    format 1 no table for layer 0)."""
+    arrays = {"meta": np.array([fmt, prof.num_experts, prof.top_k, prof.path_len, prof.num_layers], dtype=np.int64)}
+    for j, tabs in enumerate(prof.tables):
+        for m, t in enumerate(tabs if j or fmt >= 2 else ()):
+            arrays[f"L{j}_m{m}_keys"] = t.keys_Pm.astype(np.int16)
+            arrays[f"L{j}_m{m}_counts"] = t.counts(np.arange(len(t.tokens_P))).astype(np.int32)
+            arrays[f"L{j}_m{m}_tokens"] = t.tokens_P.astype(np.int32)
+    return arrays
+
+
 def test_format_1_files_load_without_layer_0(tmp_path: Path) -> None:
     """A profile written before layer 0's marginal was stored (format 1) still loads; it estimates layers 1 on,
     and asking it for layer 0 names the fix."""
     prof = build_profile([_sample()], num_experts=4, path_len=2)
-    prof.save(tmp_path / "p2.npz")
-    with np.load(tmp_path / "p2.npz") as z:
-        arrays = {k: z[k] for k in z.files if not k.startswith("L0_")}
-    arrays["meta"] = arrays["meta"].copy()
-    arrays["meta"][0] = 1
+    arrays = _dense_arrays(prof, fmt=1)
     np.savez_compressed(tmp_path / "p1.npz", **arrays)
     old = PathProfile.load(tmp_path / "p1.npz")
     assert not old.estimates(0) and old.estimates(1)
     paths = np.array([[0, 1], [1, 1]])
-    np.testing.assert_allclose(old.estimate(paths, 2), prof.estimate(paths, 2))
+    np.testing.assert_array_equal(old.estimate(paths, 2), prof.estimate(paths, 2))
     with pytest.raises(ValueError, match="rebuild it with `moebal paths"):
         old.estimate(np.zeros((1, 0), dtype=np.int64), 0)
     arrays["meta"][0] = 9
@@ -151,7 +159,7 @@ def test_estimate_is_the_sum_of_the_tokens_distributions(monkeypatch: pytest.Mon
                 tab = reference.tables[layer][m]
                 row = tab.index.get(tuple(int(v) for v in path[layer - m:layer]), -1)
                 if row >= 0 and tab.tokens_P[row] >= (min_tokens if m else 1):
-                    out[t] = tab.counts_PE[row] / tab.tokens_P[row]
+                    out[t] = tab.counts(np.array([row]))[0] / tab.tokens_P[row]
                     break
         return out
     for dense_codes in (1 << 18, 0):  # the code -> row array, then sorted codes and searchsorted
@@ -166,3 +174,101 @@ def test_estimate_is_the_sum_of_the_tokens_distributions(monkeypatch: pytest.Mon
                 np.testing.assert_allclose(prof.estimate(paths_TL[:, :layer], layer, 1, min_tokens),
                                            paths_mod._keep_top(psi_TE, 1).sum(axis=0), rtol=1e-12)
         assert any(("lut", E) in t.cache for t in prof.tables[3]) == bool(dense_codes)
+
+
+def _skewed_samples(rng: np.random.Generator, E: int, L: int, K: int, T: int) -> list[np.ndarray]:
+    """[L, T, K] samples of distinct experts per token, Zipf-skewed (a few experts take most tokens)."""
+    logits = np.log(1.0 / np.arange(1, E + 1))[rng.permutation(E)]
+    return [np.argsort(-(logits + rng.gumbel(size=(L, T, E))), axis=2, kind="stable")[:, :, :K] for _ in range(2)]
+
+
+def _dense_tables(samples: list[np.ndarray], E: int, path_len: int) -> list[list[tuple[dict, np.ndarray, np.ndarray]]]:
+    """The dense profile, as moebal built it before the sparse layout: per layer and path length, the path ->
+    row dictionary, counts [P, E] (np.add.at over every assignment) and tokens [P]."""
+    ids_LTK = np.concatenate(samples, axis=1)
+    top1_TL = ids_LTK[:, :, 0].T
+    out = []
+    for j in range(ids_LTK.shape[0]):
+        layer = []
+        for m in range(min(path_len, j) + 1):
+            keys_Pm, inv = np.unique(top1_TL[:, j - m:j], axis=0, return_inverse=True)
+            inv = inv.reshape(-1)
+            counts_PE = np.zeros((len(keys_Pm), E), dtype=np.int64)
+            np.add.at(counts_PE, (np.repeat(inv, ids_LTK.shape[2]), ids_LTK[j].reshape(-1)), 1)
+            index = {tuple(int(v) for v in k): i for i, k in enumerate(keys_Pm)}
+            layer.append((index, counts_PE, np.bincount(inv, minlength=len(keys_Pm))))
+        out.append(layer)
+    return out
+
+
+def test_sparse_profile_equals_the_dense_one_bit_for_bit(tmp_path: Path) -> None:
+    """The sparse tables hold the dense tables' counts, and every distribution and estimate (back-off, min_tokens,
+    truncation with its ties) has the bits of the dense tables' sum over paths in path order: each token's path
+    looked up in a dictionary, tokens x psi_PE summed over every path (the missed ones add zeros), longest path
+    length first. A format-2 file of the same profile loads to the same bits."""
+    import moebal.planner.paths as paths_mod
+
+    rng = np.random.default_rng(11)
+    E, L, K, l_ = 12, 5, 3, 3
+    samples = _skewed_samples(rng, E, L, K, 300)
+    dense = _dense_tables(samples, E, l_)
+    prof = build_profile(samples, E, path_len=l_)
+    for tabs, ref in zip(prof.tables, dense, strict=True):
+        for tab, (_, counts_PE, tokens_P) in zip(tabs, ref, strict=True):
+            np.testing.assert_array_equal(tab.counts(np.arange(len(tab.tokens_P))), counts_PE)
+            np.testing.assert_array_equal(tab.tokens_P, tokens_P)
+            assert len(tab.counts_N) == np.count_nonzero(counts_PE)  # only the non-zeros
+    assert len(prof.tables[4][3].counts_N) < prof.tables[4][3].counts(np.arange(len(prof.tables[4][3].tokens_P))).size
+    np.savez_compressed(tmp_path / "p2.npz", **_dense_arrays(prof, fmt=2))
+    prof.save(tmp_path / "p3.npz")
+    loaded = [PathProfile.load(tmp_path / "p2.npz"), PathProfile.load(tmp_path / "p3.npz")]
+    paths_TL = np.concatenate([samples[0][:, :, 0].T[:150],  # seen paths, and unseen ones: every back-off
+                               rng.integers(0, E, size=(150, L))])
+
+    def reference(layer: int, truncate: int | None, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        psi_TE, est_E = np.zeros((len(paths_TL), E)), np.zeros(E)
+        todo = np.ones(len(paths_TL), dtype=bool)
+        for m in range(len(dense[layer]) - 1, -1, -1):
+            index, counts_PE, tokens_P = dense[layer][m]
+            psi_PE = counts_PE / np.maximum(tokens_P, 1)[:, None]
+            tokens_used_P = np.zeros(len(tokens_P))
+            for t in np.flatnonzero(todo):
+                row = index.get(tuple(int(v) for v in paths_TL[t, layer - m:layer]), -1)
+                if row >= 0 and tokens_P[row] >= (min_tokens if m else 1):
+                    psi_TE[t], todo[t] = psi_PE[row], False
+                    tokens_used_P[row] += 1
+            kept_PE = psi_PE if truncate is None else paths_mod._keep_top(psi_PE, truncate)
+            est_E += (tokens_used_P[:, None] * kept_PE).sum(axis=0)
+        return psi_TE, est_E
+    for layer in range(L):
+        for min_tokens in (1, 4):
+            for truncate in (None, 1, 2, E):
+                psi_TE, est_E = reference(layer, truncate, min_tokens)
+                for p in (prof, *loaded):
+                    np.testing.assert_array_equal(p.distributions(paths_TL[:, :layer], layer, min_tokens), psi_TE)
+                    np.testing.assert_array_equal(p.estimate(paths_TL[:, :layer], layer, truncate, min_tokens), est_E)
+
+
+def test_damaged_sparse_files_are_named(tmp_path: Path) -> None:
+    """A format-3 file whose sparse arrays do not fit together is refused with the table and what is wrong."""
+    prof = build_profile([_sample()], num_experts=4, path_len=2)
+    prof.save(tmp_path / "p.npz")
+    with np.load(tmp_path / "p.npz") as z:
+        good = {k: z[k] for k in z.files}
+    assert good["meta"][0] == 3
+    experts = good["L2_m2_experts"]
+    assert experts.tolist() == [2, 3, 0]  # paths (0, 1): experts 2 and 3; (1, 1): expert 0
+    for change, match in ((("L2_m2_experts", experts + 4), "ids outside 0..3"),
+                          (("L2_m2_experts", experts[[1, 0, 2]]), "not ascending"),  # path (0, 1): experts 3, 2
+                          (("L2_m2_nonzeros", good["L2_m2_nonzeros"] + 1), "non-zeros per path"),
+                          (("L2_m2_counts", good["L2_m2_counts"][:-1]), "non-zeros per path"),
+                          (("L2_m2_keys", good["L2_m2_keys"][:, :1]), "not \\[P, 2\\]"),
+                          (("L2_m2_tokens", None), "incomplete or damaged")):
+        arrays = dict(good)
+        if change[1] is None:
+            del arrays[change[0]]
+        else:
+            arrays[change[0]] = change[1]
+        np.savez_compressed(tmp_path / "bad.npz", **arrays)
+        with pytest.raises(ValueError, match=match):
+            PathProfile.load(tmp_path / "bad.npz")
