@@ -90,7 +90,8 @@ def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSp
     from moebal.planner.placement import plan_experts
 
     first = np.concatenate([[0], np.cumsum(stages)])
-    tokens = spec.micro_batches * spec.micro_batch_size * spec.seq_len
+    M = spec.micro_batches
+    tokens = spec.micro_batch_size * spec.seq_len  # one micro-batch's: the rows the program's expert GEMMs run
     out: list[list[ExpertPlacement]] = []
     costs_by_stage: dict[int, Any] = {}
     for layer in range(shape.n_layers):
@@ -103,8 +104,11 @@ def plan_placements(policy: str, cost: CostModel, shape: ModelShape, spec: SimSp
             # Agg as the program sends them
             layer_costs = cost.moe_layer_costs(shape, lay.ep_groups(s)[0].tolist(), tokens, spec.seq_len,
                                                num_ranks=lay.ranks, trans_algorithm=spec.trans_algorithm)
-            # the program issues Trans in the first micro-batch's forward and Agg in the last one's backward
-            costs_by_stage[s] = dataclasses.replace(layer_costs, overlap_share=1.0 / spec.micro_batches,
+            # the expert rate at one micro-batch's rows, the non-MoE work of all M (the counts are the step's); the
+            # program issues Trans in the first micro-batch's forward and Agg in the last one's backward
+            costs_by_stage[s] = dataclasses.replace(layer_costs, overlap_share=1.0 / M,
+                                                    nonmoe_fwd_s=layer_costs.nonmoe_fwd_s * M,
+                                                    nonmoe_bwd_s=layer_costs.nonmoe_bwd_s * M,
                                                     links=layer_costs.links if per_link else None)
         out.append([plan_experts(predicted[layer, g], policy, costs_by_stage[s], owner=static.owner, **options)
                     for g in range(lay.groups)])

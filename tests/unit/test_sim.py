@@ -159,21 +159,28 @@ def test_placements_price_the_overlap_window_of_one_micro_batch(monkeypatch) -> 
     from moebal.sim.simulate import plan_placements
 
     seen: list[float] = []
+    costs: list = []
     real = placement.plan_experts
 
     def spy(counts, policy, cost, owner=None, **opts):
         seen.append(cost.overlap_share)
+        costs.append(cost)
         return real(counts, policy, cost, owner, **opts)
 
     monkeypatch.setattr(placement, "plan_experts", spy)
     cm = CostModel("h100", "bf16")
+    one = cm.moe_layer_costs(TINY, list(range(8)), 512, 512, num_ranks=16)  # one micro-batch of stage 0's group
     for m in (1, 4):
         spec = SimSpec(layout=Layout(16, pp=2, ep=8), micro_batches=m, micro_batch_size=1, seq_len=512)
         predicted = SyntheticRouting(num_layers=4, num_experts=8, top_k=2, zipf_s=1.5).counts(
             0, spec.layout.groups, 8, m * 512)
         plan_placements("prophet", cm, TINY, spec, predicted, [2, 2], overlap=True)
         assert seen and set(seen) == {1.0 / m}
+        # the program's expert GEMMs run one micro-batch's rows; the non-MoE work is all M micro-batches'
+        assert costs[0].expert_tokens_per_s == one.expert_tokens_per_s
+        assert costs[0].nonmoe_fwd_s == pytest.approx(m * one.nonmoe_fwd_s)
         seen.clear()
+        costs.clear()
 
 
 def test_bad_layouts_are_clear() -> None:
