@@ -112,6 +112,7 @@ def _validate(streams: Sequence[Sequence[Instr]]) -> str:
     """'' when every stage computes each micro-batch once, forward before backward, and every transfer is
     posted after its producer, received before its consumer and waited for; else what is wrong."""
     P = len(streams)
+    posted = [{tuple(x) for x in stream} for stream in streams]  # once per stage, not per micro-batch and peer
     for p, stream in enumerate(streams):
         seen: set[Instr] = set()
         fwd = {j for op, j in stream if op == "F"}
@@ -146,7 +147,7 @@ def _validate(streams: Sequence[Sequence[Instr]]) -> str:
         for j in fwd:
             for what, peer in (("act", p + 1), ("grad", p - 1)):
                 sent = (f"send_{what}", j) in seen
-                if 0 <= peer < P and sent != ((f"recv_{what}", j) in {tuple(x) for x in streams[peer]}):
+                if 0 <= peer < P and sent != ((f"recv_{what}", j) in posted[peer]):
                     return f"stage {p}: {what} {j} is sent to stage {peer} without a matching receive"
     return ""
 

@@ -31,6 +31,9 @@ Gaps of the paper, settled (docs/microbatching.md has the long form):
     (P - 1) delta = thin * LB <= thin * OPT worse than the exact one (tested against the unthinned DP);
   * the DP runs at the limits a bound lets hold the optimum (`_search`), not at every one: a batch of
     thousands of samples leaves thousands of limits, each a DP over the batch;
+  * one DP call solves its limits in blocks (`_dp`): per prefix end, one vector step per block over the runs
+    its largest limit may allow, masked only where its smallest may not; the same sums and argmins as one
+    loop over every run (tests/unit/test_microbatch_dp.py), at a fraction of the work;
   * memory: the DP limits each micro-batch to memory / P (1F1B keeps up to P micro-batches in flight on
     the first stage); when even that cannot hold the longest sample, it retries with the whole budget (one
     micro-batch must fit) and leaves the rest to the memory-aware adaptive schedule (the reference's
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,61 +114,157 @@ class SplitResult:
     """Candidates whose DP ran (`_search`: the others' bounds could not beat the best)."""
 
 
-def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int) -> tuple[np.ndarray, np.ndarray]:
-    """run_t[i, k-1], mem[i, k-1]: time and memory of the run of k samples starting at sorted index i (inf where
-    the run leaves the batch or the cost table)."""
+@dataclass(frozen=True)
+class _Runs:
+    """Every run of the sorted samples, costed once per distinct padded length G: a run's time and memory depend
+    only on its rows k and its first sample's padded length (at most max_len / pad_multiple values)."""
+
+    t_GK: np.ndarray
+    """Time of a run of k samples whose first sample is in length group g (inf where the table has none)."""
+    mem_GK: np.ndarray | None
+    """Its memory; None when no memory limit asks for it."""
+    grp: np.ndarray
+    """[N] the length group of each sorted sample."""
+    span_G: np.ndarray
+    """[G] the most samples a run starting in the group can have (N less its first index, at most K)."""
+
+
+def _run_tables(L_desc: np.ndarray, cost: MicroBatchCost, pad_multiple: int, memory: bool) -> _Runs:
+    """The run tables of descending lengths (the memory table only when `memory`)."""
     N = len(L_desc)
     K = int(min(N, cost.rows_grid[-1]))
     k = np.arange(1, K + 1)
-    # a run's cost is a function of its rows and its padded length, of which a batch has few distinct values (at
-    # most max_len / pad_multiple): the table is interpolated once per length and its rows repeated
-    s, row = np.unique(_pad(L_desc, pad_multiple), return_inverse=True)
-    run_t = cost.time(k[None, :], s[:, None])[row]
-    mem = cost.memory(k[None, :], s[:, None])[row]
-    beyond = (np.arange(N)[:, None] + k[None, :]) > N
-    run_t[beyond] = np.inf
-    mem[beyond] = np.inf
-    return run_t, mem
+    s, first, grp = np.unique(_pad(L_desc, pad_multiple), return_index=True, return_inverse=True)
+    return _Runs(t_GK=cost.time(k[None, :], s[:, None]), mem_GK=cost.memory(k[None, :], s[:, None]) if memory
+                 else None, grp=grp.reshape(-1), span_G=np.minimum(N - first, K))
 
 
-def _candidates(T_ok: np.ndarray, delta: float) -> np.ndarray:
-    """Distinct finite run times, thinned to windows of width delta, each represented by its upper end."""
-    vals = np.unique(T_ok[np.isfinite(T_ok)])
+def _allowed(runs: _Runs, limit: float | None) -> np.ndarray:
+    """[G, K] the run times a memory limit allows (inf: no such run, no cost, or over the limit)."""
+    ok = np.isfinite(runs.t_GK) & (np.arange(1, runs.t_GK.shape[1] + 1)[None, :] <= runs.span_G[:, None])
+    if limit is not None:
+        assert runs.mem_GK is not None
+        ok &= runs.mem_GK <= limit
+    return np.where(ok, runs.t_GK, np.inf)
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """The runs by where they end: E[n - 1, k - 1] is the allowed time (`_allowed`) of the run of k samples that
+    ends at sorted index n (inf where k > n). A limit c allows no run ending at n longer than the number of
+    entries <= c in S[n - 1] (E's suffix minimum along k), and every run up to the number in P[n - 1] (E's prefix
+    maximum): both non-decreasing, so `np.searchsorted` counts them."""
+
+    E: np.ndarray
+    S: np.ndarray
+    P: np.ndarray
+
+
+def _ends(tt_GK: np.ndarray, grp: np.ndarray) -> _Ends:
+    """`_Ends` of the allowed times (`_allowed`) of the samples' length groups `grp`."""
+    N, K = grp.size, tt_GK.shape[1]
+    by_start = np.full((K + N, K), np.inf)  # row K + i: the runs starting at sorted index i; K rows of none first
+    by_start[K:] = tt_GK[grp]
+    # E[n - 1, k - 1] = by_start[K + n - k, k - 1]: a sheared view (strides in elements: K per n, 1 - K per k)
+    item = by_start.itemsize
+    E = np.ascontiguousarray(np.lib.stride_tricks.as_strided(by_start[K:], shape=(N, K),
+                                                             strides=(K * item, (1 - K) * item)))
+    return _Ends(E=E, S=np.minimum.accumulate(E[:, ::-1], axis=1)[:, ::-1], P=np.maximum.accumulate(E, axis=1))
+
+
+def _thin(vals: np.ndarray, delta: float) -> np.ndarray:
+    """Sorted distinct run times thinned to windows of width delta, each represented by its upper end."""
     if delta <= 0 or vals.size == 0:
         return vals
+    after = np.searchsorted(vals, vals + delta, side="right").tolist()  # one past the window opened at each
     keep = []
     i = 0
     while i < vals.size:
-        j = int(np.searchsorted(vals, vals[i] + delta, side="right")) - 1
-        keep.append(vals[j])
-        i = j + 1
-    return np.asarray(keep)
+        i = after[i]
+        keep.append(i - 1)
+    return vals[keep]
 
 
-def _dp(run_t: np.ndarray, ok: np.ndarray, tmax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f[C, N + 1] (least sum of run times with every run <= tmax[c]) and the argmin start of each prefix's
-    last run; all candidates at once, one vector step per prefix end n (runs are at most K long)."""
-    N, K = run_t.shape
+DP_STEP_S = 20e-6
+"""Cost model of `_dp`, for `_blocks` to group the limits by (measured on CPU-AVX2): the fixed cost of one vector
+step (one prefix end, one block of limits), of each (limit, run) pair in it, and the extra of each pair some
+limit of the block may not allow (masked)."""
+DP_PAIR_S = 1.5e-9
+DP_MASKED_S = 2e-9
+
+
+def _blocks(top_CN: np.ndarray, all_CN: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive limits (ascending; per prefix end, the most runs each may allow, top_CN, and the runs each
+    surely allows, all_CN) grouped into blocks [a, b) that run as one vector step per prefix end over the runs
+    the block's largest limit may allow, masked where its smallest may not: few blocks pay fewer steps, more
+    blocks fewer pairs."""
+    C = top_CN.shape[0]
+    top = top_CN.sum(axis=1).astype(np.float64)
+    every = all_CN.sum(axis=1).astype(np.float64)
+    steps = np.count_nonzero(top_CN, axis=1) * DP_STEP_S
+    out: list[tuple[int, int]] = []
+    for lo in range(0, C, 256):  # the partition DP is quadratic in the limits: 256 at a time
+        hi = min(C, lo + 256)
+        best = np.zeros(hi - lo + 1)
+        cut = np.zeros(hi - lo + 1, dtype=np.int64)
+        for j in range(1, hi - lo + 1):
+            a = np.arange(j)
+            size = j - a
+            total = best[:j] + size * ((DP_PAIR_S + DP_MASKED_S) * top[lo + j - 1]
+                                       - DP_MASKED_S * every[lo:lo + j]) + steps[lo + j - 1]
+            cut[j] = int(np.argmin(total))
+            best[j] = total[cut[j]]
+        j, part = hi - lo, []
+        while j > 0:
+            part.append((lo + int(cut[j]), lo + j))
+            j = int(cut[j])
+        out += part[::-1]
+    return out
+
+
+def _dp(ends: _Ends, tmax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """f[C, N + 1] (least sum of run times with every run <= tmax[c]) and the argmin start of each prefix's last
+    run (the shortest of equal ones; meaningful where f is finite). The limits run in blocks (`_blocks`), one
+    vector step per prefix end n over the runs ending at n that the block's largest limit may allow."""
+    N = ends.E.shape[0]
     C = tmax.shape[0]
     f = np.full((C, N + 1), np.inf)
     f[:, 0] = 0.0
     arg = np.zeros((C, N + 1), dtype=np.int64)
-    top = float(tmax.max()) if C else -np.inf
-    for n in range(1, N + 1):
-        k = np.arange(1, min(K, n) + 1)
-        i = n - k                                    # run [i, n) of k samples
-        t = run_t[i, k - 1]
-        # only the runs some candidate allows (the others are inf in every row: the same minima and argmins
-        # along the rows' finite entries, which are all a backtrack follows)
-        keep = np.flatnonzero(ok[i, k - 1] & (t <= top))
-        if keep.size == 0:
-            continue
-        i, t = i[keep], t[keep]
-        allowed = t[None, :] <= tmax[:, None]
-        val = np.where(allowed, f[:, i] + t[None, :], np.inf)
+    order = np.argsort(tmax, kind="stable")
+    lims = tmax[order]
+    top_NC = np.empty((N, C), dtype=np.int64)
+    all_NC = np.empty((N, C), dtype=np.int64)
+    for n in range(N):
+        top_NC[n] = np.searchsorted(ends.S[n], lims, side="right")
+        all_NC[n] = np.searchsorted(ends.P[n], lims, side="right")
+    for a, b in _blocks(top_NC.T, all_NC.T):
+        rows = order[a:b]
+        f[rows], arg[rows] = _dp_block(ends.E, lims[a:b], top_NC[:, b - 1], all_NC[:, a])
+    return f, arg
+
+
+def _dp_block(E: np.ndarray, tmax: np.ndarray, top_N: np.ndarray, all_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_dp` for one block of limits: the runs ending at n that any may allow are the last top_N[n - 1] samples',
+    and every limit allows the first all_N[n - 1] of them (k ascending: argmin's first minimum is the shortest)."""
+    N, C = E.shape[0], tmax.shape[0]
+    f = np.full((C, N + 1), np.inf)
+    f[:, 0] = 0.0
+    last = np.zeros((C, N + 1), dtype=np.int64)  # the last run's samples, less one
+    lim = tmax[:, None]
+    r = np.arange(C)
+    tops, alls = top_N.tolist(), all_N.tolist()
+    for n in (np.flatnonzero(top_N) + 1).tolist():
+        w, sure = tops[n - 1], alls[n - 1]
+        t = E[n - 1, :w]                               # runs [n - k, n), k = 1..w
+        val = f[:, n - w:n][:, ::-1] + t
+        if sure < w:
+            np.putmask(val[:, sure:], t[sure:] > lim, np.inf)
         best = val.argmin(axis=1)
-        f[:, n] = val[np.arange(C), best]
-        arg[:, n] = i[best]
+        f[:, n] = val[r, best]
+        last[:, n] = best
+    arg = np.arange(-1, N)[None, :] - last
+    arg[:, 0] = 0
     return f, arg
 
 
@@ -175,7 +273,7 @@ SEARCH_GRID = 64
 evaluated at once."""
 
 
-def _search(run_t: np.ndarray, ok: np.ndarray, cands: np.ndarray, stages: int,
+def _search(ends: _Ends, cands: np.ndarray, stages: int,
             dp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The DP (`_dp`) at the candidate limits that can hold the optimum, found by bounds: (the indices of the
     candidates evaluated, ascending; f[:, N] at them; their argmin rows).
@@ -188,12 +286,12 @@ def _search(run_t: np.ndarray, ok: np.ndarray, cands: np.ndarray, stages: int,
     are never evaluated. The rest are, SEARCH_GRID more per round, until none is left: the least h is then
     the one over every candidate, so the plan's Eq1 is within the thinning bound of the optimum as before (and
     exactly optimal with thin 0), while large batches evaluate a few hundred of their thousands of limits."""
-    C, N = cands.size, run_t.shape[0]
+    C, N = cands.size, ends.E.shape[0]
     f_N = np.full(C, np.nan)
     args: dict[int, np.ndarray] = {}
 
     def evaluate(idx: np.ndarray) -> None:
-        f, arg = _dp(run_t, ok, cands[idx])
+        f, arg = _dp(ends, cands[idx])
         f_N[idx] = f[:, N]
         for j, row in zip(idx.tolist(), arg):
             args[j] = row
@@ -218,8 +316,8 @@ def _search(run_t: np.ndarray, ok: np.ndarray, cands: np.ndarray, stages: int,
     return done, f_N[done], np.stack([args[j] for j in done.tolist()])
 
 
-def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, run_t: np.ndarray,
-                        ok: np.ndarray) -> list[tuple[int, int]]:
+def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, tt_GK: np.ndarray,
+                        grp: np.ndarray) -> list[tuple[int, int]]:
     """`runs` with its longest run halved until there are `dp` (one per data-parallel replica) or no run can
     be halved into two of at least R samples (R: the lockstep ranks, a row each) that fit the table. The DP's
     Eq1 counts a replica's share of the runs, so one run for two replicas is its "optimum" on a small batch."""
@@ -231,15 +329,14 @@ def _split_for_replicas(runs: list[tuple[int, int]], dp: int, R: int, run_t: np.
         _, j = max(cands)
         a, b = runs[j]
         m = a + (b - a) // 2
-        if not (ok[a, m - a - 1] and ok[m, b - m - 1] and np.isfinite(run_t[a, m - a - 1])
-                and np.isfinite(run_t[m, b - m - 1])):
+        if not (np.isfinite(tt_GK[grp[a], m - a - 1]) and np.isfinite(tt_GK[grp[m], b - m - 1])):
             break
         runs[j:j + 1] = [(a, m), (m, b)]
     return runs
 
 
 def _pick(idx: np.ndarray, f_N: np.ndarray, arg: np.ndarray, N: int, dp: int, R: int, stages: int,
-          run_t: np.ndarray, ok: np.ndarray) -> tuple[bool, float, list[tuple[int, int]], int] | None:
+          tt_GK: np.ndarray, grp: np.ndarray) -> tuple[bool, float, list[tuple[int, int]], int] | None:
     """The best of the candidates' splits by their actual Eq1, in ascending order of the limit (the first of
     equal ones); (whether a split was repaired for the replicas, its Eq1, its runs, the candidates read), or
     None when no candidate has a split."""
@@ -248,8 +345,8 @@ def _pick(idx: np.ndarray, f_N: np.ndarray, arg: np.ndarray, N: int, dp: int, R:
     for c in np.flatnonzero(np.isfinite(f_N)):
         runs = _backtrack(arg[c], N)
         if len(runs) < dp:  # every data-parallel replica needs a micro-batch: split the longest runs
-            runs, repaired = _split_for_replicas(runs, dp, R, run_t, ok), True
-        times = [float(run_t[i, n - i - 1]) for i, n in runs]
+            runs, repaired = _split_for_replicas(runs, dp, R, tt_GK, grp), True
+        times = [float(tt_GK[grp[i], n - i - 1]) for i, n in runs]
         obj = iteration_objective(times, stages, dp)
         short = len(runs) < dp  # a split that leaves a replica idle loses to any that feeds them all
         if best is None or (short, obj) < (best[0], best[1] - 1e-15 * abs(best[1])):
@@ -278,53 +375,55 @@ def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int =
     if N < R:
         raise ConfigError(f"{N} samples cannot give each of the {R} ranks that run micro-batches in lockstep a "
                           f"row: use a larger batch (data.batch_size)")
-    run_t, mem = _run_tables(L_desc, cost, pad_multiple)
+    table = _run_tables(L_desc, cost, pad_multiple, memory is not None)
+    grp = table.grp
     # the shortest run: one sample, or one row per lockstep rank; every sample must fit in one (a run of R
     # sorted samples costs what its longest one does, and every sample is the longest of such a run)
-    first = np.minimum(np.arange(N), N - R)
-    if not np.isfinite(run_t[first, R - 1]).all():
-        i = int(np.flatnonzero(~np.isfinite(run_t[first, R - 1]))[0])
+    first = grp[np.minimum(np.arange(N), N - R)]
+    if not np.isfinite(table.t_GK[first, R - 1]).all():
+        i = int(np.flatnonzero(~np.isfinite(table.t_GK[first, R - 1]))[0])
         raise ConfigError(f"a sample of length {int(L_desc[i])} has no cost: "
                           f"{cost.explain_infeasible(R, int(_pad(L_desc[i], pad_multiple)))}")
     modes = [("per-1f1b", memory / stages), ("single", memory)] if memory is not None else [("none", None)]
     for mode, limit in modes:
-        ok = np.isfinite(run_t) & (np.ones_like(run_t, dtype=bool) if limit is None else mem <= limit)
-        if not ok[first, R - 1].all():
+        tt = _allowed(table, limit)
+        if not np.isfinite(tt[first, R - 1]).all():
             continue
-        t_first = run_t[0][ok[0]]
+        t_first = tt[grp[0]][np.isfinite(tt[grp[0]])]
         lb = (stages - 1 + 1.0 / dp) * float(t_first.min())
         delta = thin * lb / (stages - 1) if stages > 1 else 0.0
-        exact = _candidates(np.where(ok, run_t, np.inf), 0.0)
+        exact = np.unique(tt[np.isfinite(tt)])
         if exact.size == 0:
             continue
-        cands = exact[-1:] if stages == 1 else _candidates(np.where(ok, run_t, np.inf), delta)
+        cands = exact[-1:] if stages == 1 else _thin(exact, delta)
+        ends = _ends(tt, grp)
         # Prune by an upper bound: the unconstrained split's Eq1 (UB >= OPT). The optimum's maximum m* has
         # (P - 1) m* <= UB, and its window representative is <= m* + delta, so larger limits never win.
-        f1, arg1 = _dp(run_t, ok, exact[-1:])
+        f1, arg1 = _dp(ends, exact[-1:])
         if np.isfinite(f1[0, N]):
             runs1 = _backtrack(arg1[0], N)
-            ub = iteration_objective([float(run_t[i, n - i - 1]) for i, n in runs1], stages, dp)
+            ub = iteration_objective([float(tt[grp[i], n - i - 1]) for i, n in runs1], stages, dp)
             if stages > 1:
                 cands = cands[(stages - 1) * cands <= ub + (stages - 1) * delta * (1 + 1e-12) + 1e-300]
-        longest = int(np.max(np.where(ok & (run_t <= cands.max()), np.arange(1, run_t.shape[1] + 1)[None, :], 0)))
-        width = max(longest, 1)
-        picked = _pick(*_search(run_t[:, :width], ok[:, :width], cands, stages, dp), N, dp, R, stages, run_t, ok)
+        picked = _pick(*_search(ends, cands, stages, dp), N, dp, R, stages, tt, grp)
         if picked is not None and picked[0] and picked[3] < cands.size:  # a repaired split: the bounds speak of
             # the DP's own splits, so every limit is evaluated
-            f, arg = _dp(run_t[:, :width], ok[:, :width], cands)
-            picked = _pick(np.arange(cands.size), f[:, N], arg, N, dp, R, stages, run_t, ok)
+            f, arg = _dp(ends, cands)
+            picked = _pick(np.arange(cands.size), f[:, N], arg, N, dp, R, stages, tt, grp)
         if picked is None:
             continue
         _, obj, runs, evaluated = picked
-        return SplitResult(runs=tuple(runs), times=tuple(float(run_t[i, n - i - 1]) for i, n in runs), objective=obj,
-                           candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
+        return SplitResult(runs=tuple(runs), times=tuple(float(tt[grp[i], n - i - 1]) for i, n in runs),
+                           objective=obj, candidates=int(cands.size), candidates_exact=int(exact.size), delta=delta,
                            memory_limit=limit, memory_mode=mode, evaluated=evaluated)
     if memory is None:  # every sample fits, yet no split into runs of R to K rows exists
-        raise ConfigError(f"{N} samples cannot be split into micro-batches of {R} to {run_t.shape[1]} rows (each of "
-                          f"the {R} ranks that run micro-batches in lockstep takes at most {int(cost.b_grid[-1])} "
+        raise ConfigError(f"{N} samples cannot be split into micro-batches of {R} to {table.t_GK.shape[1]} rows (each "
+                          f"of the {R} ranks that run micro-batches in lockstep takes at most {int(cost.b_grid[-1])} "
                           f"rows of the cost table): profile a larger token cap (pipeline.dynamic.max_tokens)")
-    worst = int(np.argmax(mem[first, R - 1]))
-    raise ConfigError(f"a sample of length {int(L_desc[worst])} needs {mem[first[worst], R - 1]:.4g} bytes of "
+    assert table.mem_GK is not None
+    need = table.mem_GK[first, R - 1]
+    worst = int(np.argmax(need))
+    raise ConfigError(f"a sample of length {int(L_desc[worst])} needs {need[worst]:.4g} bytes of "
                       f"activations on "
                       f"its largest stage, more than the memory budget {memory:.4g}: raise the budget, use "
                       f"more stages or cut long samples")
@@ -513,14 +612,21 @@ class MicroBatchPlan:
         return cls.from_dict(json.loads(text))
 
 
-def _micro(rows: list[list[int]], seq: int, lengths: np.ndarray, cost: MicroBatchCost) -> MicroBatch:
-    b = len(rows)
-    t = float(cost.time(b, seq))
-    if not math.isfinite(t):
-        raise ConfigError(f"a micro-batch of {b} rows x {seq} tokens has no cost: {cost.explain_infeasible(b, seq)}")
-    return MicroBatch(rows=tuple(tuple(int(i) for i in r) for r in rows), seq=int(seq),
-                      tokens=int(sum(int(lengths[i]) for r in rows for i in r)), time_s=t,
-                      memory=float(cost.memory(b, seq)))
+def _micros(parts: Sequence[tuple[list[list[int]], int]], lengths: np.ndarray,
+            cost: MicroBatchCost) -> list[MicroBatch]:
+    """Micro-batches of (rows, padded length) pairs, costed in one vector query; the first without a cost is an
+    error naming its shape."""
+    b = np.asarray([len(rows) for rows, _ in parts], dtype=np.int64)
+    seq = np.asarray([s for _, s in parts], dtype=np.int64)
+    t, mem = cost.time(b, seq), cost.memory(b, seq)
+    if not np.isfinite(t).all():
+        j = int(np.flatnonzero(~np.isfinite(t))[0])
+        rows_j, seq_j = int(b[j]), int(seq[j])
+        raise ConfigError(f"a micro-batch of {rows_j} rows x {seq_j} tokens has no cost: "
+                          f"{cost.explain_infeasible(rows_j, seq_j)}")
+    return [MicroBatch(rows=tuple(tuple(int(i) for i in r) for r in rows), seq=int(s),
+                       tokens=int(sum(int(lengths[i]) for r in rows for i in r)), time_s=float(t[j]),
+                       memory=float(mem[j])) for j, (rows, s) in enumerate(parts)]
 
 
 def _counts(n: int, cost: MicroBatchCost) -> list[int]:
@@ -583,26 +689,27 @@ def plan_microbatches(lengths: Sequence[Any], cost: MicroBatchCost, *, method: s
     if method == "dynamic":
         order = np.argsort(-L, kind="stable")
         split = dp_split(L[order], cost, P, dp=dp, memory=memory, thin=thin, pad_multiple=pad_multiple)
-        mbs = [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
-               for a, b in split.runs]
+        mbs = _micros([([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)))
+                       for a, b in split.runs], L, cost)
         meta.update(candidates=split.candidates, candidates_exact=split.candidates_exact,
                     candidates_evaluated=split.evaluated, delta_s=split.delta,
                     memory_mode=split.memory_mode, memory_limit=split.memory_limit, thin=thin)
     elif method == "padding":
         seq = int(_pad(L.max(), pad_multiple))
-        mbs = _best_count(lambda m: [_micro([[i] for i in part], seq, L, cost) for part in split_padding(L, m)],
+        mbs = _best_count(lambda m: _micros([([[i] for i in part], seq) for part in split_padding(L, m)], L, cost),
                           [num_micro] if num_micro else _counts(L.size, cost), P, dp, memory)
     elif method == "packing":
         rows = split_packing(L, cap)
-        mbs = _best_count(lambda m: [_micro([rows[r] for r in part], cap, L, cost)
-                                     for part in np.array_split(np.arange(len(rows)), min(m, len(rows)))],
+        mbs = _best_count(lambda m: _micros([([rows[r] for r in part], cap)
+                                             for part in np.array_split(np.arange(len(rows)), min(m, len(rows)))],
+                                            L, cost),
                           [num_micro] if num_micro else _counts(len(rows), cost), P, dp, memory)
     else:
         order = np.argsort(-L, kind="stable")
 
         def by_budget(budget: int) -> list[MicroBatch]:
-            return [_micro([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)), L, cost)
-                    for a, b in split_tokens(L[order], budget, pad_multiple)]
+            return _micros([([[int(order[i])] for i in range(a, b)], int(_pad(L[order[a]], pad_multiple)))
+                            for a, b in split_tokens(L[order], budget, pad_multiple)], L, cost)
 
         budgets = [token_budget] if token_budget else sorted({int(b * s) for b in cost.rows_grid for s in cost.s_grid
                                                               if s >= L.max()})
