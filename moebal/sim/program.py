@@ -101,7 +101,8 @@ class SimSpec:
     ar_chunk_bytes: float | None = None
     """Lina: all-reduce each gradient in chunks of this size instead of fused buckets."""
     grad_bytes: int = 4
-    """Bytes per gradient element on the wire (fp32 main gradients)."""
+    """Bytes per gradient element on the wire (fp32 main gradients); Agg's replica gradients travel in the compute
+    dtype, as Trans's replicas."""
     tie_weight_bytes: int = 4
     """Bytes per element of a tied embedding's stepped weight on its way to the last stage's head copy (with
     stages): 2 where the sharded optimizer keeps bf16 compute copies (`parallel.param_dtype: bf16`), which is what
@@ -507,7 +508,8 @@ class _Builder:
         member its op id (-1 when it takes no part)."""
         eng, cost, topo = self.eng, self.cost, self.topo
         ranks = self.lay.ep_groups(self.layer_stage(layer))[g]
-        nbytes = self.shape.expert_params * (self.spec.grad_bytes if reduce else self.cost.act_bytes)
+        # both in the compute dtype: the executor's replicas and their gradients travel in it (`wire_dtype`)
+        nbytes = self.shape.expert_params * self.cost.act_bytes
         kind = "reduce" if reduce else "broadcast"
         groups = [(int(ranks[o]), [int(ranks[h]) for h in hs]) for o, hs in self.moe[layer].replicated[g]]
         last = {int(r): -1 for r in ranks}

@@ -460,3 +460,22 @@ def test_tied_embeddings_across_stages_send_the_head_gradient_and_the_stepped_we
 
     assert seconds(half, "weight") < seconds(tied, "weight")
     assert seconds(half, "grad") == pytest.approx(seconds(tied, "grad"))
+
+
+def test_agg_sends_the_replica_gradients_in_the_compute_dtype_as_the_executor(monkeypatch) -> None:
+    # `ExpertParallel` sends replicas and their gradients in its wire dtype (the compute dtype): under bf16, Agg's
+    # bytes are Trans's, whatever SimSpec.grad_bytes (the fp32 main gradients of the data-parallel all-reduce)
+    cm = CostModel("h100", "bf16")
+    sent: dict[str, list[float]] = {"broadcast": [], "reduce": []}
+    real = cm.broadcast_many
+
+    def spy(topo, groups, nbytes, kind="broadcast", algorithm="chain"):
+        sent[kind].append(nbytes)
+        return real(topo, groups, nbytes, kind, algorithm)
+
+    monkeypatch.setattr(cm, "broadcast_many", spy)
+    spec = SimSpec(layout=Layout(8, ep=8), micro_batch_size=2, seq_len=256, trans_overlap=True, grad_bytes=4)
+    counts = SyntheticRouting(num_layers=4, num_experts=8, top_k=2, zipf_s=1.5).counts(1, 1, 8, 512)
+    rep = ExpertPlacement(num_ranks=8, owner=tuple(range(8)), replicas=((1, 2),) + ((),) * 7)
+    simulate(TINY, cm, spec, counts, [[rep]] + [[ExpertPlacement.static(8, 8)]] * 3)
+    assert sent["broadcast"] and sent["reduce"] == sent["broadcast"] == [TINY.expert_params * 2]
