@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from moebal.commands.plan_microbatches import _paper_gpt
+from moebal.commands.plan_microbatches import paper_table
 from moebal.planner.microbatch import dp_split, plan_microbatches
-from moebal.planner.microbatch_cost import analytic_table, default_grid
 
 
 def lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -56,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.repeats < 1 or any(n < 1 for n in sizes):
         ap.error("--repeats and every size must be at least 1")
-    shape = _paper_gpt()
-    stage_sizes = [len(x) for x in np.array_split(np.arange(shape.n_layers), 4)]
-    b, s = default_grid(4096, 8 * 4096)
-    cost = analytic_table(shape, "a100", stage_sizes, b, s, "bf16")
+    cost = paper_table(4, 4096)
     rows = []
     for n in sizes:
         L = lengths(n)

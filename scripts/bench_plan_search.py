@@ -26,8 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moebal.planner.microbatch as mb  # noqa: E402
-from moebal.commands.plan_microbatches import _paper_gpt  # noqa: E402
-from moebal.planner.microbatch_cost import analytic_table, default_grid  # noqa: E402
+from moebal.commands.plan_microbatches import paper_table  # noqa: E402
 
 VARIANTS = {"search": mb.SEARCH_GRID, "every limit": 10 ** 9}
 
@@ -46,10 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.repeats < 1 or any(n < 1 for n in sizes):
         ap.error("--repeats and every size must be at least 1")
-    shape = _paper_gpt()
-    sizes_per_stage = [len(x) for x in np.array_split(np.arange(shape.n_layers), 4)]
-    b, s = default_grid(4096, 8 * 4096)
-    cost = analytic_table(shape, "a100", sizes_per_stage, b, s, "bf16")
+    cost = paper_table(4, 4096)
     rows = []
     for n in sizes:
         L = np.sort(lengths(n))[::-1]

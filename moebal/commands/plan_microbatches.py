@@ -115,6 +115,16 @@ def _paper_gpt() -> Any:
                       vocab_size=50304)
 
 
+def paper_table(stages: int = 4, max_len: int = 4096) -> MicroBatchCost:
+    """The cost table of the DynaPipe paper's GPT (`_paper_gpt`) on the `a100` profile in bf16, its layers split
+    evenly over `stages`, the grid up to `max_len` tokens a sample and 8 x that a micro-batch (the setting of the
+    planner's own benchmarks)."""
+    shape = _paper_gpt()
+    sizes = [len(x) for x in np.array_split(np.arange(shape.n_layers), stages)]
+    b, s = default_grid(max_len, 8 * max_len)
+    return analytic_table(shape, "a100", sizes, b, s, "bf16")
+
+
 def _model(args: argparse.Namespace) -> tuple[Any, int]:
     from moebal.planner.cost import ModelShape
 
