@@ -104,6 +104,9 @@ class GroupLinks:
     """Per rank i, the transfers to it: (source, position in `links`, links), for `A2ALoads.move`."""
     by_src: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...] = field(init=False, repr=False)
     """Per rank i, the transfers from it: (destination, position in `links`, links)."""
+    by_exchange: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...] = field(init=False, repr=False)
+    """Per rank i, `by_dst[i]` and `by_src[i]` in one, over the links of two exchanges ([2L]: the transfers to i
+    on the first L, those from i on the second): one update for `A2ALoads.move`."""
     by_pair: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False)
     """(ptr [R * R + 1], links): the links of each pair, for a chain's hops."""
     inv_capacity_L: np.ndarray = field(init=False, repr=False)
@@ -122,6 +125,11 @@ class GroupLinks:
                 links, pos = np.unique(self.link_P[sel], return_inverse=True)
                 per_rank.append((other[sel], pos.astype(np.int64), links))
             object.__setattr__(self, name, tuple(per_rank))
+        L, merged = self.capacity_L.shape[0], []
+        for (to_peer, to_pos, to_links), (from_peer, from_pos, from_links) in zip(self.by_dst, self.by_src):
+            links, pos = np.unique(np.concatenate([to_links[to_pos], L + from_links[from_pos]]), return_inverse=True)
+            merged.append((np.concatenate([to_peer, from_peer]), pos.astype(np.int64), links))
+        object.__setattr__(self, "by_exchange", tuple(merged))
         object.__setattr__(self, "inv_capacity_L", 1.0 / self.capacity_L)
         order = np.argsort(self.pair_P, kind="stable")
         object.__setattr__(self, "by_pair", (np.searchsorted(self.pair_P[order], np.arange(R * R + 1)),
@@ -163,25 +171,25 @@ class A2ALoads:
     def __init__(self, links: GroupLinks, tokens_RR: np.ndarray, token_bytes: float) -> None:
         L = links.capacity_L.shape[0]
         self.links, self.token_bytes = links, float(token_bytes)
-        self._inv_cap = 1.0 / (links.capacity_L * links.a2a_efficiency)
+        self._inv_cap = np.tile(1.0 / (links.capacity_L * links.a2a_efficiency), 2)
         b_RR = np.asarray(tokens_RR, np.float64) * self.token_bytes
-        self.dispatch_L = np.bincount(links.link_P, weights=b_RR.ravel()[links.pair_P], minlength=L)
-        self.combine_L = np.bincount(links.link_P, weights=b_RR.T.ravel()[links.pair_P], minlength=L)
+        self.load_2L = np.concatenate([np.bincount(links.link_P, weights=b_RR.ravel()[links.pair_P], minlength=L),
+                                       np.bincount(links.link_P, weights=b_RR.T.ravel()[links.pair_P], minlength=L)])
+        self.dispatch_L, self.combine_L = self.load_2L[:L], self.load_2L[L:]  # views
 
     def move(self, i: int, tokens_R: np.ndarray) -> None:
         """tokens_R[r] of rank r's tokens no longer go to rank i (they stay on r): dispatch r -> i and combine
         i -> r carry that much less."""
+        peer, pos, links = self.links.by_exchange[i]
         b_R = np.asarray(tokens_R, np.float64) * self.token_bytes
-        for load_L, (peer, pos, links) in ((self.dispatch_L, self.links.by_dst[i]),
-                                           (self.combine_L, self.links.by_src[i])):
-            load_L[links] -= np.bincount(pos, weights=b_R[peer], minlength=links.size)
+        self.load_2L[links] -= np.bincount(pos, weights=b_R[peer], minlength=links.size)
 
     def seconds(self) -> float:
         """The layer's four exchanges: dispatch and combine in the forward, their reverses in the backward."""
         lat = self.links.a2a_latency_s
         if not self._inv_cap.size:
             return 4 * lat
-        busiest = float((self.dispatch_L * self._inv_cap).max() + (self.combine_L * self._inv_cap).max())
+        busiest = float((self.load_2L * self._inv_cap).reshape(2, -1).max(axis=1).sum())
         return 2.0 * (2 * lat + busiest)
 
 
