@@ -230,3 +230,40 @@ def test_capacity_keep_matches_brute_force(T: int, E: int, cap: int, policy: str
         for j, t in cand[:cap]:
             expected[t, j] = True
     assert torch.equal(kept, expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("case", ["sigmoid", "sigmoid_adaptive", "softmax_bias"])
+def test_extreme_router_logits_give_finite_weights_losses_and_gradients(case: str, autocast: bool) -> None:
+    """A token whose sigmoid scores all round to 0 (logits below about -88.7), or whose biased choice picks
+    experts of probability 0 (a logit gap above about 103): finite weights, outputs, losses and gradients, and
+    every other token's routing bit for bit what it is without the extreme token."""
+    torch.manual_seed(0)
+    gate = "softmax_topk" if case == "softmax_bias" else "sigmoid_topk"
+    layer = MoELayer(dim=8, ffn_dim=16, num_experts=4, top_k=2, gate=gate,
+                     adaptive_threshold=0.5 if case == "sigmoid_adaptive" else None,
+                     bias_update_rate=1e-3 if case == "softmax_bias" else 0.0)
+    with torch.no_grad():
+        if case == "softmax_bias":
+            layer.gate.weight.zero_()
+            layer.gate.weight[0].fill_(1.0)
+            layer.expert_bias.copy_(torch.tensor([-200.0, 0.0, 0.0, 0.0]))
+        else:
+            layer.gate.weight.fill_(-1.0)
+    x = torch.full((3, 8), 0.1)
+    x[1] = torch.linspace(-0.5, 0.5, 8)
+    x[0] = 14.0 if case == "softmax_bias" else 12.0  # logits [112, 0, 0, 0] or all -96
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = layer(x)
+    r = layer.last_routing
+    (y.float().sum() + layer.aux_loss).backward()
+    assert torch.isfinite(y).all() and torch.isfinite(layer.aux_loss)
+    assert torch.isfinite(r.weights_TK).all() and torch.isfinite(r.probs_TE).all()
+    assert torch.isfinite(layer.gate.weight.grad).all() and torch.isfinite(x.grad).all()
+    if case == "sigmoid":
+        assert torch.equal(r.probs_TE[0], torch.full((4,), 0.25))  # no score at all: uniform
+    if case == "softmax_bias":
+        assert torch.equal(r.weights_TK[0], torch.tensor([0.5, 0.5]))  # the chosen logits' own softmax
+    rest = route(r.logits_TE[1:], layer.spec, layer.expert_bias if case == "softmax_bias" else None)
+    assert torch.equal(rest.weights_TK, r.weights_TK[1:]) and torch.equal(rest.probs_TE, r.probs_TE[1:])
