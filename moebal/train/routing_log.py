@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moebal.routing import RoutingStats
     from moebal.train.trainer import Trainer
 
-__all__ = ["RoutingRecorder", "load_routing", "routing_files"]
+__all__ = ["RoutingRecorder", "cut_routing", "load_routing", "routing_files"]
 
 ROUTING_DIR = "routing"
 
@@ -55,6 +55,14 @@ class RoutingRecorder(Hook):
         with open(tmp, "wb") as f:
             np.savez_compressed(f, ids_LTK=sample)
         os.replace(tmp, out / f"step_{step:06d}.npz")
+
+
+def cut_routing(run_dir: str | Path, step: int) -> None:
+    """Delete the routing samples of steps after `step` (a resumed run records its own; one that stops earlier,
+    or records at another interval, would leave the discarded run's beside them)."""
+    for path in (Path(run_dir) / ROUTING_DIR).glob("step_*.npz"):
+        if _step_of(path)[0] > step:
+            path.unlink(missing_ok=True)
 
 
 def _step_of(path: Path) -> tuple[int, str]:

@@ -210,10 +210,27 @@ class Trainer:
         """The checkpoint to resume from, the same on every rank (the run directory must be shared). Without
         one, `require=False` (--auto-resume: a restarted job killed before its first checkpoint) starts over."""
         reader = open_for_resume(self.run_dir, resume, self.ctx.gather if self.ctx.distributed else None, require)
-        if resume is not False and reader is None and self.ctx.is_main:  # starting over: the failed attempt's
-            for name in ("metrics.jsonl", "plans.jsonl"):  # lines go
-                MetricsLog.truncate_after(self.run_dir / name, 0)
+        if resume is not False and reader is None:  # starting over: the failed attempt's lines go
+            self._cut_logs(0)
         return reader
+
+    def _cut_logs(self, step: int) -> None:
+        """Drop what a run wrote after `step` (its checkpoint, or 0 when starting over): the lines of metrics.jsonl,
+        plans.jsonl and every rank's comm/rank<r>.jsonl, and the routing samples. One writer per file: each rank
+        its own comm log, rank 0 the rest, with the comm logs of ranks this job no longer has."""
+        from moebal.train.routing_log import cut_routing
+
+        run, rank, world = self.run_dir, self.ctx.dims.rank, self.ctx.dims.world_size
+        MetricsLog.truncate_after(run / "comm" / f"rank{rank}.jsonl", step)
+        if not self.ctx.is_main:
+            return
+        for name in ("metrics.jsonl", "plans.jsonl"):
+            MetricsLog.truncate_after(run / name, step)
+        for path in sorted((run / "comm").glob("rank*.jsonl")):
+            r = path.stem.removeprefix("rank")
+            if r.isdigit() and int(r) >= world:
+                MetricsLog.truncate_after(path, step)
+        cut_routing(run, step)
 
     def _restore(self, reader: CheckpointReader) -> None:
         """Load under any layout: weights and optimizer state by logical name (experts follow their owner), the
@@ -244,9 +261,8 @@ class Trainer:
         for hook in self.hooks:
             hook.load_state_dict(mine.get("hooks", {}).get(hook.name, {}))
         restore_rng(mine["rng"])
-        if self.ctx.is_main:  # one writer: another rank rewriting the file could drop rank 0's new lines
-            for name in ("metrics.jsonl", "plans.jsonl"):
-                MetricsLog.truncate_after(self.run_dir / name, reader.step)
+        self._cut_logs(reader.step)  # one writer per file: another rank rewriting it could drop its new lines
+        if self.ctx.is_main:
             self.resume_note = _schedule_note(reader.path, self.cfg, reader.step)
 
     def save(self) -> Path:

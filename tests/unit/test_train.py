@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -184,6 +186,28 @@ def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path
     assert {"ckpt-0000001", "dashboard.svg", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
     assert finished.steps == 6 and finished.stopped_early is None
+
+
+def test_a_resume_cuts_every_log_and_routing_sample_of_the_discarded_steps(tmp_path):
+    """The lines and files of steps after the checkpoint go: metrics and plans, this rank's comm log and those of
+    ranks the job no longer has (a 2-rank run resumed in one process), and routing samples the resumed run does
+    not write again."""
+    cfg = tiny("train.steps=4", "train.ckpt_every=2", "train.eval_every=0")
+    Trainer(cfg, tmp_path).train()
+    (tmp_path / "comm").mkdir()
+    for r in (0, 1):
+        (tmp_path / "comm" / f"rank{r}.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 5)))
+    (tmp_path / "plans.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 5)))
+    (tmp_path / "routing").mkdir()
+    for s in (2, 4):
+        np.savez(tmp_path / "routing" / f"step_{s:06d}.npz", ids_LTK=np.zeros((1, 1, 1), np.int16))
+    shutil.rmtree(tmp_path / "ckpt-0000004")  # the job died after step 4's lines, before its checkpoint
+    Trainer(with_overrides(cfg, ["train.steps=3"]), tmp_path, resume=True).train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    for name in ("comm/rank0.jsonl", "comm/rank1.jsonl", "plans.jsonl"):
+        assert [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()] == [1, 2], name
+    assert sorted(p.name for p in (tmp_path / "routing").iterdir()) == ["step_000002.npz"]
 
 
 def test_a_restarted_rank_counts_the_time_limit_from_the_job_s_start(tmp_path, monkeypatch):
