@@ -3,13 +3,14 @@ the paths a command writes checked before it writes."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from moebal.errors import ConfigError
 
-__all__ = ["make_folder_of", "output_path", "refuse_replacing", "write_text_whole"]
+__all__ = ["complete_lines", "make_folder_of", "output_path", "refuse_replacing", "write_text_whole"]
 
 
 def make_folder_of(path: str | Path, flag: str) -> Path:
@@ -57,3 +58,16 @@ def write_text_whole(path: str | Path, text: str) -> Path:
         os.fsync(f.fileno())
     tmp.replace(path)
     return path
+
+
+def complete_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines log its writer appends whole: a last line without its newline that does not
+    parse is a write cut short (a crash, or a writer still at it) and is left out, as a reader of a live run's
+    log must; a bad line anywhere else stays for the reader to reject."""
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    return lines

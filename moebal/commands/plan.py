@@ -21,6 +21,7 @@ import numpy as np
 
 from moebal.commands.targets import add_target_parsers, run_target
 from moebal.errors import ConfigError
+from moebal.fileio import complete_lines
 
 TARGETS: dict[str, tuple[str, str]] = {
     "experts": ("moebal.commands.plan", "expert placement of MoE layers from a routing count matrix"),
@@ -228,7 +229,7 @@ def _load_counts(path: Path, layer: int | None, line: int) -> list[tuple[int | N
         if path.suffix == ".npy":
             data: Any = np.load(path, allow_pickle=False)
         elif path.suffix == ".jsonl":
-            lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+            lines = [ln for ln in complete_lines(path.read_text()) if ln.strip()]  # a live run's: its last whole
             if not lines:
                 raise ConfigError(f"--counts {path}: the file has no records")
             try:

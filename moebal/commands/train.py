@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from moebal.config import Config, absolute_inputs, refuse_cpu_only
 from moebal.distributed.groups import pick_device
 from moebal.errors import ConfigError
+from moebal.fileio import write_text_whole
 from moebal.interop.hf_config import load
 from moebal.train.precision import resolve_precision
 
@@ -372,7 +373,7 @@ def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, w
                "stopped_early": result.stopped_early, "rollbacks": result.rollbacks,
                "run_dir": str(result.run_dir),
                **trainer.strategy.summary(trainer)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    write_text_whole(out / "summary.json", json.dumps(summary, indent=1) + "\n")  # never a half-written summary
     print(json.dumps(summary) if args.json else "\n".join(summary_lines(result,
                                                                          trainer.strategy.summary_lines(summary))))
     return 0

@@ -28,6 +28,7 @@ import yaml
 
 from moebal.config import build_schema, read_yaml
 from moebal.errors import ConfigError
+from moebal.fileio import write_text_whole
 
 _D = TypeVar("_D")
 
@@ -306,7 +307,7 @@ def dump_profile(p: HardwareProfile, path: str | Path | None = None, header: str
     text: str = yaml.safe_dump(profile_to_dict(p), sort_keys=False, default_flow_style=False)
     if header:
         text = "".join(f"# {line}\n" for line in header.splitlines()) + text
-    if path is not None:
+    if path is not None:  # whole or not at all: a calibration killed mid-write keeps the old profile
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text, encoding="utf-8")
+        write_text_whole(path, text)
     return text

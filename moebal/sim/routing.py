@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moebal.errors import DataError
+from moebal.fileio import complete_lines
 
 __all__ = ["LoggedRouting", "SyntheticRouting", "mean_imbalance", "read_routing_log", "write_routing_log",
            "zipf_exponent_for"]
@@ -126,7 +127,7 @@ def read_routing_log(path: str | Path) -> list[np.ndarray]:
     """The [L, R, E] count arrays of a routing log (or of plans.jsonl lines that carry `counts`/`routing`)."""
     p = Path(path)
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = complete_lines(p.read_text(encoding="utf-8"))  # a live run's log: its whole lines
     except OSError as e:
         raise DataError(f"routing log {p}: cannot read it ({e})") from None
     out: list[np.ndarray] = []

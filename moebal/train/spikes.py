@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from moebal.config import SpikeConfig
 from moebal.errors import CheckpointError, ConfigError, DataError, TrainingError
+from moebal.fileio import complete_lines
 from moebal.train.hooks import Hook
 
 if TYPE_CHECKING:
@@ -163,7 +164,8 @@ def read_rollbacks(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # a record cut off before its newline (a crash while appending) is no record: its batches are retrained
+    for n, line in enumerate(complete_lines(path.read_text(encoding="utf-8")), 1):
         if not line.strip():
             continue
         try:
