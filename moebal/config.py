@@ -971,8 +971,9 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
         raise ConfigError(f"{source}: missing required key(s) {', '.join(prefix + k for k in missing)}")
     try:
         return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    except ConfigError as e:  # a section's own check: named, unless its message names its keys already
+        said = str(e) if not prefix or prefix in str(e) else f"'{where}': {e}"
+        raise ConfigError(f"{source}: {said}") from None
 
 
 def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
@@ -1225,8 +1226,9 @@ def _check_moe(c: Config) -> None:
     _need(moe.adaptive_threshold is None or 0.0 <= moe.adaptive_threshold <= 1.0,
           f"'moe.adaptive_threshold' is a probability gap in [0, 1] (or null); got {moe.adaptive_threshold}")
     _need(moe.shared_experts >= 0, f"'moe.shared_experts' must be >= 0; got {moe.shared_experts}")
-    _need(moe.jitter >= 0.0 and moe.aux_loss_coef >= 0.0 and moe.z_loss_coef >= 0.0 and moe.bias_update_rate >= 0.0,
-          "moe.jitter, moe.aux_loss_coef, moe.z_loss_coef and moe.bias_update_rate must be >= 0")
+    negative = [f"moe.{k}={getattr(moe, k)}" for k in ("jitter", "aux_loss_coef", "z_loss_coef", "bias_update_rate")
+                if not getattr(moe, k) >= 0.0]
+    _need(not negative, f"{', '.join(negative)}: must be >= 0")
     _need(moe.jitter < 1.0, f"'moe.jitter' scales the router's input by a factor in [1 - jitter, 1 + jitter]: it must "
                             f"be below 1; got {moe.jitter}")
     _need(moe.norm_topk or moe.gate != "topk_softmax",
@@ -1416,7 +1418,8 @@ def _check_train(t: TrainConfig) -> None:
     _need(0.0 <= t.min_lr_ratio <= 1.0, f"'train.min_lr_ratio' must be in [0, 1]; got {t.min_lr_ratio}")
     _need(0.0 < t.decay_fraction <= 1.0, f"'train.decay_fraction' (the share of the steps a wsd schedule decays "
           f"over) must be in (0, 1]; got {t.decay_fraction}")
-    _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0, f"AdamW betas must be in [0, 1); got {t.beta1}, {t.beta2}")
+    _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0,
+          f"train.beta1 and train.beta2 (AdamW's betas) must be in [0, 1); got {t.beta1}, {t.beta2}")
     for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
         _need(v >= 0, f"'{key}' must be >= 0; got {v}")
     for key, iv in [("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every)]:

@@ -267,3 +267,16 @@ def test_the_rank_split_of_accumulated_rows_names_the_multiple():
     ctx.check_batch(8, 4)
     with pytest.raises(ConfigError, match=r"2 ranks x train.grad_accum=4 micro-batches: .* a multiple of 8"):
         ctx.check_batch(12, 4)
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("planner.feedback.tolerance=2", "'planner.feedback': feedback: tolerance"),
+    ("pipeline.feedback.window=0", "'pipeline.feedback': feedback: tolerance"),
+    ("train.beta2=1.0", "train.beta1 and train.beta2 (AdamW's betas) must be in [0, 1); got 0.9, 1.0"),
+    ("moe.aux_loss_coef=-1", "moe.aux_loss_coef=-1.0: must be >= 0"),
+])
+def test_a_bad_value_s_error_names_its_key_or_section(override: str, named: str) -> None:
+    """Two sections share the feedback settings: the error says which one; a check over several keys says which."""
+    with pytest.raises(ConfigError) as e:
+        C.load(None, [override])
+    assert named in str(e.value)
