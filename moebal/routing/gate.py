@@ -10,7 +10,6 @@ Shape legend: T tokens, E experts, K = top_k (the most experts a token may take)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -144,17 +143,17 @@ def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder, bias_E: torch.
         if gate == "sigmoid_topk":
             p_TK = p_TK / (sum_T1 + SIGMOID_NORM_EPS)
         else:  # a selection bias can pick experts whose probabilities all round to 0: their log-space softmax
-            p_TK = _divide_or(p_TK, sum_T1, lambda: torch.softmax(logits_TE.gather(1, indices_TK), dim=-1))
+            p_TK = _divide_or(p_TK, sum_T1, torch.softmax(logits_TE.gather(1, indices_TK), dim=-1))
     return indices_TK, p_TK, probs_TE
 
 
-def _divide_or(num_TK: torch.Tensor, den_T1: torch.Tensor, fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """num / den per row, and `fallback()`'s row where den is 0 (every score rounded to 0: extreme logits), where
-    the quotient would be 0/0 = NaN. Rows with den > 0 are the plain quotient, bit for bit, values and gradients;
-    the gradient of a replaced row does not pass through the quotient (its denominator there is 1, not 0). No
-    host sync: both branches are computed."""
+def _divide_or(num_TK: torch.Tensor, den_T1: torch.Tensor, fallback: torch.Tensor | float) -> torch.Tensor:
+    """num / den per row, and `fallback`'s row (or value) where den is 0 (every score rounded to 0: extreme
+    logits), where the quotient would be 0/0 = NaN. Rows with den > 0 are the plain quotient, bit for bit, values
+    and gradients; the gradient of a replaced row does not pass through the quotient (its denominator there is 1,
+    not 0). No host sync: both branches are computed."""
     zero_T1 = den_T1 == 0
-    return torch.where(zero_T1, fallback(), num_TK / torch.where(zero_T1, torch.ones_like(den_T1), den_T1))
+    return torch.where(zero_T1, fallback, num_TK / torch.where(zero_T1, torch.ones_like(den_T1), den_T1))
 
 
 def _choice_scores(logits_TE: torch.Tensor, gate: GateOrder,
@@ -163,7 +162,7 @@ def _choice_scores(logits_TE: torch.Tensor, gate: GateOrder,
     if gate == "sigmoid_topk":
         scores_TE = torch.sigmoid(logits_TE)  # a row of logits below about -88.7 scores 0 everywhere: uniform
         probs_TE = _divide_or(scores_TE, scores_TE.sum(dim=-1, keepdim=True),
-                              lambda: torch.full_like(scores_TE, 1.0 / scores_TE.shape[-1]))
+                              1.0 / scores_TE.shape[-1])
         return (scores_TE if bias_E is None else scores_TE + bias_E), probs_TE, scores_TE
     probs_TE = torch.softmax(logits_TE, dim=-1)
     if bias_E is not None:
@@ -196,13 +195,12 @@ def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None =
     if spec.adaptive_threshold is not None and spec.top_k > 1:
         # the rule compares normalised probabilities; with norm_topk off (softmax_topk: Qwen2-MoE's) the combine
         # weights are the raw ones, so the gaps are taken on them renormalised
-        normalised = p_TK if spec.norm_topk else _divide_or(p_TK, p_TK.sum(dim=-1, keepdim=True),
-                                                             lambda: torch.zeros_like(p_TK))
+        normalised = p_TK if spec.norm_topk else _divide_or(p_TK, p_TK.sum(dim=-1, keepdim=True), 0.0)
         taken_TK = adaptive_take(normalised, spec.adaptive_threshold)
         # Renormalise over the taken experts (Mixtral convention, and what makes T=0 equal a top-1 gate and
         # T=1 a top-k gate); the paper's Eq. 5.3 uses raw probabilities, which matches neither.
         masked_TK = p_TK * taken_TK  # all 0 where every score rounded to 0: weights 0, as without adaptive k
-        weights_TK = _divide_or(masked_TK, masked_TK.sum(dim=-1, keepdim=True), lambda: torch.zeros_like(p_TK))
+        weights_TK = _divide_or(masked_TK, masked_TK.sum(dim=-1, keepdim=True), 0.0)
     active_TK = taken_TK
     capacity = None
     if spec.capacity_factor is not None:
