@@ -3,15 +3,17 @@
 Shape legend: B = rows, T = sequence, D = model dim, H = query heads, G = key/value heads, K = head dim.
 
 A layer runs its attention core as `moebal.kernels.sparse_attention`: per key/value head and query block of
-`block` tokens, the top-scoring key blocks by pooled q.k (the diagonal always kept, causal), k_n =
+`block` tokens, the top-scoring key blocks by causal pooled q.k (the diagonal always kept), k_n =
 round(density_i x (n + 1)) of them for query block n. The projections, rotary embedding, output projection and
 FFN are the layer's own, unchanged. At density 1 the layer runs its plain dense path.
 
 DynMo builds on hashed sparse FlashAttention (Pagliardini et al. 2023) and only says that the share of non-zero
 blocks s_i moves per layer and iteration; it gives no rule for it. Its gaps, settled here:
-- Which blocks: the top key blocks by a cheap score (mean-pooled query of the block's group x mean-pooled key),
-  not hashing, so the kept share is exactly the budget (the cost is predictable) and the choice is deterministic
-  (the same on any partition: migration changes no maths).
+- Which blocks: the top key blocks by a cheap score (the group's mean query over the `block` rows ending at the
+  query block's first row x the key block's mean key), not hashing, so the kept share is exactly the budget (the
+  cost is predictable) and the choice is deterministic (the same on any partition: migration changes no maths).
+  The query side reads no row after the block's first, so no token's output depends on a later token (its own
+  next-token target included), as with DynMo's per-token hashing.
 - How the budget moves (`budget`):
   - `coverage` (the sparsity rule): after each step, a layer's next density is the share of causal blocks it
     needed, on that step's data, for its kept blocks to cover `coverage` of the softmax mass of the pooled block
@@ -111,10 +113,10 @@ def sparse_attention_forward(attn: Attention, x_BTD: torch.Tensor, cos_TK: torch
     pad = -T % block
     if pad:
         # A prefix being generated (`moebal generate`; training and validation rows hold whole blocks): zero rows
-        # complete the last block. They come after every real query, so causal attention never reads them, and the
-        # last block's pooled query and key become its real rows' sums over the block: the key blocks that query
-        # block ranks keep the order its real rows' means give them (one positive factor), and its own block, the
-        # diagonal, is kept anyway. The padded rows' outputs are dropped below.
+        # complete the last block. They come after every real query, so causal attention never reads them; the
+        # pooled queries read no row after a block's first, and the last block's pooled key ranks nothing (no
+        # query block comes after it; its own, the diagonal, is kept anyway), so the selection is the one the
+        # whole row's forward makes. The padded rows' outputs are dropped below.
         q_BHTK, k_BGTK, v_BGTK = (F.pad(t, (0, 0, 0, pad)) for t in (q_BHTK, k_BGTK, v_BGTK))
     s_BGNN = block_scores(q_BHTK, k_BGTK, block)
     dtype = q_BHTK.dtype

@@ -6,11 +6,16 @@ X = the batch of one kernel call (query blocks x rows), L = a call's query lengt
 
 Selection (`select_blocks`, no gradient): the causal block grid of a sequence has N (N + 1) / 2 (query block,
 key block) pairs with key block <= query block. Per head and query block n, the kept key blocks are the
-k_n = clamp(round(density x (n + 1)), 1, n + 1) highest by a cheap score, the dot product of the block's
-mean-pooled query and mean-pooled key (scaled by 1 / sqrt(K)); the diagonal block is always kept (it holds the
-token itself, so no row is empty). Every head keeps the same count per query block (so one query block's work
-is one batched call), which also makes the kept share of the grid a function of the density and T alone
-(`kept_fraction`): the cost a planner predicts is exact, whatever the data.
+k_n = clamp(round(density x (n + 1)), 1, n + 1) highest by a cheap score, the dot product of a causal pooled
+query and the block's mean-pooled key (scaled by 1 / sqrt(K)); the diagonal block is always kept (it holds the
+token itself, so no row is empty). The pooled query of block n is the mean of the b queries ending at the
+block's first row (block n - 1's rows but its first, then block n's first): every row of the block comes at or
+after all of them, so a query's kept keys depend on no later token and the layer stays causal. (The block's own
+mean query would let a row's selection depend on the rows after it, its own next-token target included: a leak
+in training and validation that per-token selection, DynMo's hashing, does not have.) Every head keeps the same
+count per query block (so one query block's work is one batched call), which also makes the kept share of the
+grid a function of the density and T alone (`kept_fraction`): the cost a planner predicts is exact, whatever the
+data.
 
 Kernel (`block_sparse_attention`), three paths computing the same attention; `default_path` picks one per device
 and shape:
@@ -76,13 +81,18 @@ class BlockSelection:
 
 @torch.no_grad()
 def block_scores(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int) -> torch.Tensor:
-    """[B, G, N, N] pooled block scores: a group's mean-pooled query block (averaged over the group's heads) dot
-    the mean-pooled key block, over sqrt(K); -inf where the key block is after the query block. T must be a
-    multiple of `block`."""
+    """[B, G, N, N] pooled block scores: a group's causal pooled query of each block (the mean of the `block`
+    queries ending at the block's first row, averaged over the group's heads; module docstring) dot the
+    mean-pooled key block, over sqrt(K); -inf where the key block is after the query block. T must be a multiple
+    of `block`; a query block's score reads no row after its first."""
     B, H, T, K = q_BHTK.shape
     G, N = k_BGTK.shape[1], T // block
+    q6 = q_BHTK.float().view(B, G, H // G, N, block, K)
     # summed over the block first (contiguous), then averaged: a strided mean over both is ~2x slower
-    qm_BGNK = q_BHTK.float().view(B, G, H // G, N, block, K).sum(4).mean(2) / block
+    sum_BGNK, first_BGNK = q6.sum(4).mean(2), q6[:, :, :, :, 0].mean(2)
+    window_BGNK = first_BGNK.clone()  # block 0: its first row alone (only its diagonal block is there to keep)
+    window_BGNK[:, :, 1:] += sum_BGNK[:, :, :-1] - first_BGNK[:, :, :-1]
+    qm_BGNK = window_BGNK / block
     km_BGNK = k_BGTK.float().view(B, G, N, block, K).mean(3)
     s_BGNN = qm_BGNK @ km_BGNK.transpose(-1, -2) / math.sqrt(K)
     return s_BGNN.masked_fill(_grid_masks(N, q_BHTK.device)[0], float("-inf"))
@@ -122,8 +132,9 @@ def select_from_scores(s_BGNN: torch.Tensor, block: int, density: float) -> Bloc
 
 
 def select_blocks(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, block: int, density: float) -> BlockSelection:
-    """Per key/value head and query block, the top key blocks by pooled q.k score (the diagonal always kept,
-    causal). A group's query heads share its selection, so the kernel reads each kept block once per group."""
+    """Per key/value head and query block, the top key blocks by causal pooled q.k score (`block_scores`; the
+    diagonal always kept). A group's query heads share its selection, so the kernel reads each kept block once per
+    group."""
     return select_from_scores(block_scores(q_BHTK, k_BGTK, block), block, density)
 
 

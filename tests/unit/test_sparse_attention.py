@@ -235,7 +235,8 @@ def test_selection_keeps_diagonal_top_scores_and_counts() -> None:
     q, k, _ = _qkv(1, 2, 1, 96, 8, seed=3)
     sel = select_blocks(q, k, 16, 0.5)
     assert list(sel.counts) == kept_counts(6, 0.5) == [1, 1, 2, 2, 2, 3]
-    qm = q.detach().view(1, 1, 2, 6, 16, 8).mean(dim=(2, 4))
+    # the causal pooled query: the mean of the 16 queries ending at each block's first row (zeros before row 0)
+    qm = F.pad(q.detach(), (0, 0, 15, 0))[:, :, :96].reshape(1, 1, 2, 6, 16, 8).mean(dim=(2, 4))
     km = k.detach().view(1, 1, 6, 16, 8).mean(3)
     s = (qm @ km.transpose(-1, -2))[0, 0]
     pos = 0

@@ -322,9 +322,9 @@ def test_the_layer_at_density_one_is_the_plain_layer() -> None:
 @pytest.mark.parametrize("T", [5, 16, 37, 48])
 def test_a_prefix_of_any_length_keeps_its_real_rows_selection(T: int) -> None:
     """`moebal generate` runs a sparse-attention run on prefixes of every length; training rows hold whole blocks.
-    On a prefix that ends inside a block, each query block keeps the key blocks its real rows' mean-pooled scores
-    rank highest (the last block's mean over its real rows only), and the output is dense attention under that
-    selection's mask, to 1e-5; on whole blocks the same reference holds."""
+    On a prefix that ends inside a block, each query block keeps the key blocks its causal pooled query (the mean
+    of the `block` queries ending at its first row, written out here) ranks highest, and the output is dense
+    attention under that selection's mask, to 1e-5; on whole blocks the same reference holds."""
     from moebal.dynamism.sparse_attention import sparse_attention_forward
     from moebal.kernels.sparse_attention import dense_block_attention, select_from_scores
     from moebal.models.transformer import Attention, Rotary, apply_rotary
@@ -340,7 +340,8 @@ def test_a_prefix_of_any_length_keeps_its_real_rows_selection(T: int) -> None:
         k = apply_rotary(attn.project(x, attn.k_proj, 2, "k_norm"), cos, sin)
         v = attn.v_proj(x).view(2, T, 2, 8).transpose(1, 2)
         N = -(-T // block)
-        qm = torch.stack([q[:, :, n * block:(n + 1) * block].mean(2) for n in range(N)], 2)  # [B, H, N, K]
+        q_pad = torch.nn.functional.pad(q, (0, 0, block - 1, 0))  # row t + block - 1 holds query t
+        qm = torch.stack([q_pad[:, :, n * block:(n + 1) * block].mean(2) for n in range(N)], 2)  # [B, H, N, K]
         qm = qm.view(2, 2, 2, N, 8).mean(2)  # a group's heads averaged
         km = torch.stack([k[:, :, n * block:(n + 1) * block].mean(2) for n in range(N)], 2)
         s = (qm @ km.transpose(-1, -2) / 8 ** 0.5).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -math.inf)
@@ -349,3 +350,29 @@ def test_a_prefix_of_any_length_keeps_its_real_rows_selection(T: int) -> None:
         ref = dense_block_attention(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v)), sel)[:, :, :T]
         want = attn.o_proj(ref.transpose(1, 2).reshape(2, T, 32))
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_no_position_depends_on_a_later_token() -> None:
+    """The layer is causal at every density: changing the input at position t leaves every earlier position's output
+    bit for bit, including the rows of t's own query block before it (a block's own mean query as its score made
+    them depend on later rows, their next-token targets included), while the selection does move with the data."""
+    from moebal.dynamism.sparse_attention import sparse_attention_forward
+    from moebal.models.transformer import Attention, Rotary
+
+    torch.manual_seed(0)
+    block, T = 4, 32
+    attn = Attention(32, 4, 2, 8)
+    cos, sin = Rotary(8, 64, 500.0)(T, torch.float32)
+    x = torch.randn(3, T, 32)
+    moved = 0
+    with torch.no_grad():
+        for density in (0.3, 0.6):
+            base, s_base = sparse_attention_forward(attn, x, cos, sin, density, block)
+            for t in (5, 14, 27, 31):  # inside blocks and at a block's end
+                y = x.clone()
+                y[:, t] = torch.randn(3, 32) * 3
+                out, s = sparse_attention_forward(attn, y, cos, sin, density, block)
+                assert torch.equal(out[:, :t], base[:, :t]), (density, t)
+                assert not torch.equal(out[:, t], base[:, t])
+                moved += int(not torch.equal(s, s_base))
+    assert moved > 0  # the scores read the data (a selection independent of it would pass vacuously)
