@@ -9,7 +9,8 @@ highest router scores run the whole block (attention among the selected tokens o
 causal order, and the FFN); the others pass through unchanged. A selected token's output is
 h + sigmoid(score) x (block(h) - h): the router weight puts the router on the gradient path (Raposo multiply
 by the raw score; the sigmoid keeps the scale bounded). Selection is expert-choice top-k over the sequence,
-as in training in the paper.
+as in training in the paper; equal scores go to the earlier position (a stable sort, here and in
+`padded_selection`), so a row keeps the same tokens padded or not and on any device.
 
 The causal predictor (`predictor` > 0: its hidden width). Top-k over the row needs the row's later tokens, which
 sampling does not have. Raposo et al. (section 3.5) train "a small auxiliary MLP predictor (akin to a second
@@ -21,12 +22,14 @@ initial weights do not depend on it). At each routed forward in training it read
 binary cross-entropy against the selection (1 for the tokens the row keeps; a padded row's real tokens only), the
 kept tokens weighted by (1 - c) / c with c the batch's kept share so that both classes weigh the same (unweighted,
 the predictors of a default run fell to "skip" for every token within 9 steps at capacity 0.125: accuracy 1 - c,
-recall 0), joins the backward through `_AuxGrad`, with weight 1: it adds a gradient to the predictor's parameters
-only, so every other gradient is that of a run without it, bit for bit, and so are the losses without gradient
-clipping; with clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both
-ways). The reported loss is the language model's; `metrics()` gives each routed layer's predictor accuracy,
-recall (of the kept tokens, the share it picks) and precision (of those it picks, the share kept) at its last
-training forward. Training keeps routing by top-k (Raposo's rule; DynMo does not say): the predictor is what
+recall 0), joins the backward through `_AuxGrad`, weighted as the MoE auxiliary losses (`Dynamism.aux_weight`: the
+micro-batch's share of the step over the ranks that sum their gradients, so its gradient is one mean over the
+batch however the step is split): it adds a gradient to the predictor's parameters only, so every other
+gradient is that of a run without it, bit for bit, and so are the losses without gradient clipping; with
+clipping (`train.grad_clip`) its gradient joins the global norm like any parameter's (tested both ways). The
+reported loss is the language model's; `metrics()` gives each routed layer's predictor accuracy, recall (of the
+kept tokens, the share it picks) and precision (of those it picks, the share kept) at its last training
+forward. Training keeps routing by top-k (Raposo's rule; DynMo does not say): the predictor is what
 generation routes by (`causal_routing`), a token running the block where its predictor's logit is positive.
 
 A padded row (planned micro-batching: the carry's `ROW_TOKENS`) keeps the share of its real tokens, chosen among
@@ -69,18 +72,19 @@ __all__ = ["MixtureOfDepths", "padded_selection", "predictor_targets"]
 
 
 class _AuxGrad(torch.autograd.Function):
-    """h unchanged; `loss` (a scalar) receives gradient 1 in the backward that reaches h: an auxiliary loss
-    trained by the stage's own backward, wherever the layer runs (a pipeline stage, recomputation)."""
+    """h unchanged; `loss` (a scalar) receives gradient `weight` in the backward that reaches h: an auxiliary loss
+    trained by the stage's own backward, wherever the layer runs (a pipeline stage, recomputation). The weight is
+    the forward's (kept in ctx), so a recomputation's replay does not read another micro-batch's."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.loss_meta = (loss.dtype, loss.device)
+    def forward(ctx: Any, h: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.loss_meta = (loss.dtype, loss.device, weight)
         return h.view_as(h)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype, device = ctx.loss_meta
-        return g, torch.ones((), dtype=dtype, device=device)
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        dtype, device, weight = ctx.loss_meta
+        return g, torch.full((), weight, dtype=dtype, device=device), None
 
 
 def predictor_targets(pos_BC: torch.Tensor, T: int, n_B: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +223,9 @@ class MixtureOfDepths(Dynamism):
             return self._causal(layer, h_BTD, cos_TK, sin_TK, score_BT)
         if n_B is None:
             C = max(1, round(c * T))
-            pos_BC = torch.topk(score_BT, C, dim=1).indices.sort(dim=1).values
+            # ties go to the earlier position, as in `padded_selection` (topk's order among ties is unspecified:
+            # equal scores, e.g. a row's repeated first tokens in a small model, made a row's result differ padded)
+            pos_BC = torch.sort(score_BT, dim=1, descending=True, stable=True).indices[:, :C].sort(dim=1).values
         else:
             pos_BC = padded_selection(score_BT, c, n_B)
             C = pos_BC.shape[1]
@@ -249,7 +255,7 @@ class MixtureOfDepths(Dynamism):
                 (said_BT == kept_BT)[real_BT].float().mean(),  # accuracy over the real tokens
                 (said_BT & kept_BT).sum() / kept_BT.sum().clamp(min=1),  # recall: of the kept, predicted
                 (said_BT & kept_BT).sum() / said_BT.sum().clamp(min=1)])  # precision: of the predicted, kept
-        tied: torch.Tensor = _AuxGrad.apply(out_BTD, loss)  # Function.apply is typed Any
+        tied: torch.Tensor = _AuxGrad.apply(out_BTD, loss, self.aux_weight)  # Function.apply is typed Any
         return tied
 
     def _causal(self, layer: nn.Module, h_BTD: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor,

@@ -167,6 +167,11 @@ class Dynamism:
     changes_outputs = False
     """`layer_forward` computes something other than the plain layer (tokens that leave or skip a block, a sparse
     attention core): a served model runs its forward through the scheme (`serve`)."""
+    aux_weight = 1.0
+    """The weight of the running forward's auxiliary losses in the backward, set by the pipeline engine before each
+    forward: the micro-batch's share of the step (1/M, or its share of the batch's tokens under planned
+    micro-batching) over the stage's ranks that sum their gradients. A scheme's own auxiliary loss enters with it,
+    as the MoE layers' do, so its gradient is one mean over the batch whatever the split (micro-batches, ranks)."""
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = cfg

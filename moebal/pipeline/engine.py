@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moebal.dynamism.scheme import Dynamism
+from moebal.dynamism.scheme import ROW_TOKENS, Dynamism
 from moebal.models import noise
 from moebal.pipeline.observe import LayerProfiler
 from moebal.pipeline.p2p import PipeChain
@@ -166,17 +166,20 @@ class PipelineEngine:
 
     # ---- one iteration ----
     def run(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
-            micro_rows: list[int] | None = None) -> IterationResult:
+            micro_rows: list[int] | None = None, row_tokens: torch.Tensor | None = None) -> IterationResult:
         """Forward and backward of every micro-batch of this rank's rows; gradients accumulate.
 
         `micro_rows`: this rank's rows in each micro-batch, in order (every rank of a stage has the same count
-        of micro-batches); default: the rows cut into `num_micro` near-equal parts."""
+        of micro-batches); default: the rows cut into `num_micro` near-equal parts. `row_tokens`: each row's real
+        tokens (host int64 [B]; right padding follows them), None when no row is padded."""
         if micro_rows is None:
             M = min(self.num_micro, ids_BT.shape[0])
             ids, labels = torch.tensor_split(ids_BT, M), torch.tensor_split(labels_BT, M)
+            tokens = torch.tensor_split(row_tokens, M) if row_tokens is not None else None
         else:
             M = len(micro_rows)
             ids, labels = torch.split(ids_BT, micro_rows), torch.split(labels_BT, micro_rows)
+            tokens = torch.split(row_tokens, micro_rows) if row_tokens is not None else None
         saved: dict[int, _Saved] = {}
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
         self._cpu0 = 0.0
@@ -189,7 +192,8 @@ class PipelineEngine:
             for kind, j in ops:
                 if kind == "F":
                     with self.wgrad.capture(j) if split else nullcontext():
-                        saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result)
+                        saved[j] = self._forward(j, ids[j], labels[j], label_count, M, result,
+                                                 _padded(tokens, j, ids[j].shape[1]))
                 elif kind == "B":
                     # a recomputed layer's Linears run again in B: deferred like F's (their closures are F's)
                     with self.wgrad.capture(j) if split else nullcontext():
@@ -206,17 +210,21 @@ class PipelineEngine:
         return self.step_hold.step() if self.step_hold is not None else nullcontext()
 
     @torch.no_grad()
-    def evaluate(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, micro_rows: list[int]) -> float:
+    def evaluate(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor, micro_rows: list[int],
+                 row_tokens: torch.Tensor | None = None) -> float:
         """Forward only, for validation: F(j) of every micro-batch of this rank's rows in order (receive, the
         stage's layers through the scheme, send; no backward, hence no schedule to follow). Returns the summed
-        token cross-entropy of the rows on the last stage, 0 elsewhere. No gradient, profile or op record."""
+        token cross-entropy of the rows on the last stage, 0 elsewhere. No gradient, profile or op record.
+        `row_tokens` as `run`'s."""
         ids, labels = torch.split(ids_BT, micro_rows), torch.split(labels_BT, micro_rows)
+        tokens = torch.split(row_tokens, micro_rows) if row_tokens is not None else None
         result = IterationResult(loss_sum=0.0, aux_by_layer={}, busy_s=0.0)
         profiler, record_ops = self.profiler, self.record_ops
         self.profiler, self.record_ops = None, False
         try:
             for j in range(len(micro_rows)):
-                self._forward(j, ids[j], labels[j], 1, len(micro_rows), result)  # label count 1: sums
+                # label count 1: sums
+                self._forward(j, ids[j], labels[j], 1, len(micro_rows), result, _padded(tokens, j, ids[j].shape[1]))
         finally:
             self.profiler, self.record_ops = profiler, record_ops
         self.chain.flush()
@@ -238,12 +246,14 @@ class PipelineEngine:
         return self._wire
 
     def _forward(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int, M: int,
-                 result: IterationResult) -> _Saved:
+                 result: IterationResult, n_B: torch.Tensor | None = None) -> _Saved:
         h_in: torch.Tensor | None = None
         if self.chain.is_first:
-            carry = self.scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device)
+            carry = self.scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device, n_B)
         else:
             h_in, carry = self._receive_input(ids_BT)
+        if n_B is not None:  # every stage knows it from its own rows of the batch: never sent
+            carry[ROW_TOKENS] = n_B
         s = self._forward_compute(j, ids_BT, labels_BT, label_count, 1.0 / M, result, h_in, carry)
         if not self.chain.is_last:
             self.chain.send(s.out, self.chain.next)
@@ -276,6 +286,7 @@ class PipelineEngine:
         self._cpu0 = time.thread_time()
         marks: dict[int, float] = {}
         frozen = self.scheme.frozen_prefix()
+        self.scheme.aux_weight = aux_w / self.aux_ranks  # a scheme's own auxiliary loss, weighted as the MoE ones
         with self.autocast():
             if self.chain.is_first:
                 self.wgrad.slot = st.num_layers_slot()
@@ -395,6 +406,13 @@ class PipelineEngine:
             result.w_cpu_s += cpu
         if self.record_ops:
             result.ops.append((kind, j, t0, t1))
+
+
+def _padded(tokens: tuple[torch.Tensor, ...] | None, j: int, T: int) -> torch.Tensor | None:
+    """Micro-batch j's rows' real tokens (the schemes' `ROW_TOKENS`), None when none of its rows is padded."""
+    if tokens is None or int(tokens[j].min()) == T:
+        return None
+    return tokens[j]
 
 
 def last_backward(ops: Iterable[tuple[str, int]], kind: str = "B") -> int | None:

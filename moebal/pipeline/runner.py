@@ -372,7 +372,7 @@ class PipelineRunner:
     def after_migration(self) -> None:
         """Called on every rank after the balancer moved layers (the partition in `sizes` is the new one)."""
 
-    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor, int, list[int], torch.Tensor | None]:
         """The next training batch, split as `_rows` splits it."""
         batch = self.data.train.next_batch()
         out = self._rows(batch)
@@ -381,8 +381,11 @@ class PipelineRunner:
             self._row_index = self._last_index
         return out
 
-    def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
-        """This rank's rows of the global batch, the batch's label count and this rank's rows per micro-batch.
+    def _rows(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, list[int], torch.Tensor | None]:
+        """This rank's rows of the global batch, the batch's label count, this rank's rows per micro-batch and
+        each of its rows' real tokens (host int64, the schemes' `ROW_TOKENS`; None when no row of the batch is
+        padded: packed samples). The loader pads on the right and labels only padding -100, so a row's real
+        tokens are its labels.
 
         Micro-batch-major split: the global batch is cut into the M micro-batches first, and the ranks of a stage
         (data-parallel replicas x expert shards) split each micro-batch's rows. So global micro-batch j holds the
@@ -404,7 +407,8 @@ class PipelineRunner:
         mine = [torch.tensor_split(rows, n)[self.data_index]
                 for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
         self._last_index = index = torch.cat(mine)  # global row of each of this rank's rows (the curriculum's)
-        return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine]
+        real_B = (labels[index] != -100).sum(dim=1) if count < labels.numel() else None  # host: no sync
+        return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine], real_B
 
     def _num_micro(self) -> int:
         return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))
@@ -418,19 +422,19 @@ class PipelineRunner:
 
     def _next_input(self) -> tuple[Any, int]:
         """This step's input for the engine and the global batch's label count."""
-        ids, labels, count, sizes = self._batch()
-        return (ids, labels, sizes), count
+        ids, labels, count, sizes, real_B = self._batch()
+        return (ids, labels, sizes, real_B), count
 
     def _forward_tokens(self, work: Any) -> list[int]:
         """This rank's tokens in each forward of the step, in run order (the engine's micro-batches)."""
-        ids, _, sizes = work
+        ids, _, sizes, _ = work
         M = min(self.engine.num_micro, ids.shape[0]) if sizes is None else len(sizes)
         rows = [len(t) for t in torch.tensor_split(torch.arange(ids.shape[0]), M)] if sizes is None else sizes
         return [r * ids.shape[1] for r in rows]
 
     def _run_engine(self, work: Any, count: int) -> IterationResult:
-        ids, labels, sizes = work
-        return self.engine.run(ids, labels, count, sizes)
+        ids, labels, sizes, real_B = work
+        return self.engine.run(ids, labels, count, sizes, real_B)
 
     def train_step(self) -> dict[str, Any]:
         step = self.step + 1
@@ -574,8 +578,8 @@ class PipelineRunner:
         total, count = 0.0, 0
         try:
             for batch in batches:
-                ids, labels, n, rows = self._rows(batch)
-                total += self.engine.evaluate(ids, labels, rows)
+                ids, labels, n, rows, real_B = self._rows(batch)
+                total += self.engine.evaluate(ids, labels, rows, real_B)
                 count += n
         finally:
             self.stage.train()

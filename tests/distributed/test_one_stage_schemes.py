@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 
 from moebal.config import load
@@ -54,16 +55,40 @@ def _predictor_runs() -> dict[str, dict]:
     return out
 
 
+def _predictor_grads(nproc: int, micro_batches: int) -> dict[str, np.ndarray]:
+    """The MoD predictors' gradients of one step (summed over the stage's ranks, clipping off), as the optimizer
+    gets them."""
+    from moebal.dynamism.scheme import build_dynamism
+    from moebal.pipeline.runner import PipelineRunner
+
+    cfg = tiny(n_layers=4, pp=1, nproc=nproc, grad_clip=0.0)
+    runner = PipelineRunner(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline,
+                                                                                   micro_batches=micro_batches)),
+                            scheme=build_dynamism("mod", {**ALL["mod"], "start": 0, "predictor": 8}, cfg=cfg))
+    grads: dict[str, np.ndarray] = {}
+    clip = runner._clip
+
+    def capture(*args):
+        grads.update({n: p.grad.numpy().copy() for n, p in runner.stage.named_parameters()
+                      if p.grad is not None and "mod_predictor" in n})
+        return clip(*args)
+
+    runner._clip = capture
+    runner.train(1)
+    return grads
+
+
 def _one_rank(rank: int, world: int) -> dict:
     return {"schemes": _scheme_runs(1, 1), "plain": _train(tiny(pp=1), 4, micro_batches=2),
             "sharded": {shard: _sharded_runs(shard) for shard in ("optimizer", "full")},
-            "predictor": _predictor_runs()}
+            "predictor": _predictor_runs(), "predictor_grads": {m: _predictor_grads(1, m) for m in (1, 4)}}
 
 
 def _two_ranks(rank: int, world: int) -> dict:
     return {"two_stages": _scheme_runs(2, 2),
             "data_parallel": _scheme_runs(1, 2, ("sparse_attention", "freezing", "early_exit")),
-            "expert_parallel": _scheme_runs(1, 2, ("moe",))}  # a MoE model: the stage's 2 ranks are expert shards
+            "expert_parallel": _scheme_runs(1, 2, ("moe",)),  # a MoE model: the stage's 2 ranks are expert shards
+            "predictor_grads": _predictor_grads(2, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +133,19 @@ def test_mod_s_predictors_train_beside_the_run_and_change_it_only_through_the_cl
     assert clipped[0][0] == clipped[1][0] and clipped[0] != clipped[1]
     assert "predictor_accuracy" in runs["clip 0.0, predictor 8"]["records"][-1]
     assert "predictor_accuracy" not in runs["clip 0.0, predictor 0"]["records"][-1]
+
+
+def test_mod_s_predictor_gradient_is_one_mean_over_the_batch_however_the_step_is_split(one, two):
+    """The predictors' loss enters each forward weighted as the MoE auxiliary losses (`Dynamism.aux_weight`), so
+    their summed gradient is the same on 1 or 4 micro-batches and on 1 or 2 data-parallel ranks (it was the
+    sum of the forwards' means: 4x and 2x)."""
+    ref = one["predictor_grads"][1]
+    assert ref and all(np.abs(g).max() > 0 for g in ref.values())
+    scale = max(float(np.abs(g).max()) for g in ref.values())  # a bias's summed gradient may nearly cancel
+    for got in (one["predictor_grads"][4], two[0]["predictor_grads"]):
+        assert got.keys() == ref.keys()
+        for name, g in ref.items():
+            np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-4 * scale, err_msg=name)
 
 
 def test_the_scheme_acts_on_one_stage(one):
