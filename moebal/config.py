@@ -649,9 +649,10 @@ class PruningConfig:
     final_sparsity: float = 0.9
     """Target sparsity of the prunable matrices at the last pruning step."""
     initial_sparsity: float = 0.0
-    """Sparsity at `start`."""
+    """Sparsity at `start` (pruned after that step when above 0)."""
     start: int = 10
-    """t0 of the schedule; pruning steps are start + k * every, k = 1..steps."""
+    """t0 of the schedule; pruning steps are start + k * every, k = 1..steps (and `start` itself when
+    initial_sparsity is above 0)."""
     every: int = 10
     """Steps between pruning steps."""
     steps: int = 4

@@ -152,7 +152,8 @@ class LayerFreezing(Dynamism):
 
     def metrics(self) -> dict[str, Any]:
         return {"frozen_layers": self.frozen,
-                "plasticity": [None if p is None else round(p, 6) for p in self.plasticity]}
+                "plasticity": [None if p is None else round(p, 6) for p in self.plasticity],
+                "predicted_cost": [round(c, 4) for c in self.cost_factors(self.L)]}
 
     def on_resume(self, ctx: SchemeContext) -> None:
         if self.frozen:

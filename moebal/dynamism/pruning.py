@@ -89,11 +89,17 @@ def _logical_numel(layer: nn.Module) -> int:
 
 def zhu_gupta_schedule(final: float, initial: float = 0.0, start: int = 0, every: int = 1,
                        steps: int = 4) -> list[tuple[int, float]]:
-    """[(step, cumulative target sparsity)] for k = 1..n of the cubic schedule."""
+    """[(step, cumulative target sparsity)] of the cubic schedule: t0 + k dt for k = 1..n, and t0 itself (k = 0,
+    the sparsity s_i) when s_i > 0, as Zhu & Gupta prune at t in {t0, ..., t0 + n dt}; with s_i = 0 step t0 prunes
+    nothing. A step prunes after it trains, so a pruning at t0 needs t0 >= 1."""
     if not 0 <= initial <= final < 1 or every < 1 or steps < 1:
         raise ConfigError(f"pruning schedule: need 0 <= initial ({initial}) <= final ({final}) < 1, every ({every}) "
                           f">= 1 and steps ({steps}) >= 1")
-    return [(start + k * every, final + (initial - final) * (1 - k / steps) ** 3) for k in range(1, steps + 1)]
+    if initial > 0 and start < 1:
+        raise ConfigError(f"pruning schedule: initial_sparsity {initial} is reached after step `start`, the first "
+                          f"pruning step, which must be at least 1; got start {start}")
+    first = 0 if initial > 0 else 1
+    return [(start + k * every, final + (initial - final) * (1 - k / steps) ** 3) for k in range(first, steps + 1)]
 
 
 def global_magnitude_masks(layers: list[list[torch.Tensor]], keep: int) -> list[list[torch.Tensor]]:

@@ -51,6 +51,12 @@ def test_zhu_gupta_schedule_by_hand():
     assert rel == [0.5203, 0.557, 0.4632, 0.1233]
     with pytest.raises(ConfigError, match="pruning schedule"):
         zhu_gupta_schedule(1.0)
+    # s_i > 0: the schedule starts at t0 with s_i (Zhu & Gupta's t in {t0, ..., t0 + n dt}); it was left out
+    sched = zhu_gupta_schedule(0.9, 0.5, start=30, every=10, steps=4)
+    assert [t for t, _ in sched] == [30, 40, 50, 60, 70] and sched[0][1] == 0.5 and sched[-1][1] == pytest.approx(0.9)
+    assert [round(s, 4) for _, s in sched[1:]] == [0.7312, 0.85, 0.8938, 0.9]
+    with pytest.raises(ConfigError, match="must be at least 1"):
+        zhu_gupta_schedule(0.9, 0.5, start=0)
 
 
 def test_global_magnitude_masks_keep_the_largest_with_ties_in_model_order():
