@@ -198,6 +198,12 @@ def _common(hf: dict[str, Any], where: str, *, rope: float, eps: float, kv_defau
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "qk_norm": "none", "sliding_window": None}
 
 
+_NO_GROUPS: dict[str, Any] = {"first_dense": 0, "n_group": 1, "topk_group": None, "group_score": "max"}
+"""The routing fields of DeepSeek's that the other families fix: compared with a YAML that sets them, so a
+`moe.n_group` on a Mixtral checkpoint is refused rather than change its logits (`selection_bias` stays free: an
+aux-loss-free continuation of any family)."""
+
+
 def _mixtral(hf: dict[str, Any], where: str) -> HFFields:
     # Defaults are MixtralConfig's, so a config.json that omits a key means what it means to transformers.
     model = _common(hf, where, rope=1e6, eps=1e-5, kv_default=8, max_pos=4096 * 32, vocab=32000)
@@ -209,7 +215,8 @@ def _mixtral(hf: dict[str, Any], where: str) -> HFFields:
     model["ffn_dim"] = ffn
     moe = {"num_experts": _get(hf, "num_local_experts", 8, where), "top_k": _get(hf, "num_experts_per_tok", 2, where),
            "expert_ffn_dim": ffn, "every": 1, "dense_layers": (), "shared_experts": 0, "shared_ffn_dim": None,
-           "shared_gate": False, "router": "linear", "gate": "softmax_topk", "norm_topk": True, "score_scale": 1.0}
+           "shared_gate": False, "router": "linear", "gate": "softmax_topk", "norm_topk": True, "score_scale": 1.0,
+           **_NO_GROUPS}
     defaults = {"moe": {"aux_loss_coef": _get(hf, "router_aux_loss_coef", 0.001, where, float),
                         "jitter": _get(hf, "router_jitter_noise", 0.0, where, float)}}
     return HFFields("mixtral", {"model": model, "moe": moe}, defaults)
@@ -253,7 +260,7 @@ def _llama_moe(hf: dict[str, Any], where: str) -> HFFields:
     model["ffn_dim"] = total
     moe = {"num_experts": E, "top_k": k, "expert_ffn_dim": width, "every": 1, "dense_layers": (), "shared_experts": 0,
            "shared_ffn_dim": None, "shared_gate": False, "router": "mlp_tanh" if network == "mlp" else "linear",
-           "gate": "topk_softmax", "norm_topk": True, "score_scale": float(scale)}
+           "gate": "topk_softmax", "norm_topk": True, "score_scale": float(scale), **_NO_GROUPS}
     noise = float(hf.get("gate_noise_epsilon", 0.01)) if hf.get("gate_add_noise", True) else None
     return HFFields("llama_moe", {"model": model, "moe": moe}, {"moe": {"router_noise": noise}})
 
@@ -287,7 +294,8 @@ def _routed_moe(hf: dict[str, Any], where: str, n_layers: int, E: int, ffn: int,
     return {"num_experts": E, "top_k": _get(hf, "num_experts_per_tok", top_k, where), "expert_ffn_dim": ffn,
             "every": _get(hf, "decoder_sparse_step", 1, where), "dense_layers": _dense_layers(hf, where, n_layers),
             "shared_experts": 0, "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
-            "gate": "softmax_topk", "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0}
+            "gate": "softmax_topk", "norm_topk": bool(hf.get("norm_topk_prob", False)), "score_scale": 1.0,
+            **_NO_GROUPS}
 
 
 def _qwen2_moe(hf: dict[str, Any], where: str) -> HFFields:
@@ -473,7 +481,8 @@ def _fused_expert_links(hp: str, op: str, num_experts: int) -> list[Link]:
     return links
 
 
-_FUSED_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # the layouts transformers 5 has a fused form of
+# the fused layouts moebal reads (transformers 5 writes DeepSeek-V2/V3 fused too; those are refused: re-save)
+_FUSED_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def is_fused(names: Iterable[str]) -> bool:

@@ -205,8 +205,8 @@ def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None =
     capacity = None
     if spec.capacity_factor is not None:
         capacity = expert_capacity(spec.capacity_factor, logits_TE.shape[0], spec.top_k, spec.num_experts)
-        # Priority for the `probs` policy: the assignment's normalised top-k probability (before the
-        # adaptive renormalisation), which both gate orders share.
+        # Priority for the `probs` policy: the assignment's top-k probability (before the adaptive
+        # renormalisation; renormalised over the top k under norm_topk, raw without), which both gate orders share.
         active_TK = capacity_keep(indices_TK, taken_TK, p_TK, spec.num_experts, capacity, spec.drop_policy)
         # Dropped assignments lose their weight without renormalising the rest (GShard): the residual
         # connection carries a fully dropped token.

@@ -119,6 +119,13 @@ def test_config_overlay_fills_the_shape_and_rejects_disagreement(mixtral_dir, tm
     assert same.model.dim == 32
     with pytest.raises(ConfigError, match=r"model.dim is 64 here but 32 in the checkpoint.*remove these keys"):
         load(None, [f"hf.init_from={path}", "data.seq_len=32", "model.dim=64", f"data.tokenizer={path}/t.json"])
+    # DeepSeek's group-limited routing is Mixtral's too when fixed: a YAML that sets it changed the logits unasked
+    with pytest.raises(ConfigError, match=r"moe.n_group is 2 here but 1 in the checkpoint"):
+        load(None, [f"hf.init_from={path}", "data.seq_len=32", "moe.n_group=2", "moe.topk_group=1",
+                    f"data.tokenizer={path}/tokenizer.json"])
+    biased = load(None, [f"hf.init_from={path}", "data.seq_len=32", "moe.selection_bias=true",
+                         f"data.tokenizer={path}/tokenizer.json"])
+    assert biased.moe.selection_bias  # an aux-loss-free continuation stays open to every family
     with pytest.raises(ConfigError, match="no config.json"):
         load(None, [f"hf.init_from={tmp_path}"])
 
