@@ -13,7 +13,9 @@ How moebal settles the thesis's gaps (docs/expert-parallel.md, "Lina's inference
 - **Experts without an estimate** (unlisted, n_e = 0): spread evenly over the ranks left empty, else put on the
   rank with the fewest experts, then the lowest load (the thesis says "a random device": a deterministic choice
   lets every rank compute the same plan without a broadcast). When E > max_per_rank x N the cap cannot hold
-  and is raised to ceil(E / N).
+  and is raised to ceil(E / N). Split experts take a slot on each of their ranks, so the pieces can outnumber
+  the slots even below that (8 experts on 2 ranks, one split in two: 9): the last pieces then go past the cap,
+  to the least-loaded ranks that do not hold them (a preference, not a bound).
 - **A holder's least share** (moebal's; the thesis assumes an expert's cost linear in its tokens): with
   `min_rows` (the dispatcher's MIN_ROWS, the size it pads a group to), n_e is capped at
   max(1, floor(load_e / min_rows)), so no replica takes fewer rows than a padded group costs anyway.

@@ -290,11 +290,13 @@ def migration_layers(old: Sequence[int], new: Sequence[int]) -> list[tuple[int, 
 
 def iteration_time(loads: Floats, num_micro_batches: int, comm_s: float = 0.0) -> float:
     """Iteration time with unequal stages (DynPipe's model): (M - 1) x the slowest stage + the sum of all stages
-    (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward, gradient
-    back). Without transfers: exact for GPipe, an upper bound for 1F1B. With them 1F1B can take longer, since it
-    exposes a transfer on every micro-batch (2 stages, 4 micro-batches, forward 1, backward 2, transfer 1: 17
-    here, 19 replayed); `schedule.simulate` replays either. Loads are per-micro-batch forward+backward seconds;
-    `comm_s` is one boundary transfer."""
+    (the fill and drain of one micro-batch) + 2 (P - 1) boundary transfers (activation forward, gradient back).
+    Without transfers: exact for GPipe when one stage has both the largest forward and the largest backward (a
+    backward a fixed multiple of its forward, as here, where loads are sums), otherwise below GPipe's sum f + sum b
+    + (M - 1)(max f + max b) (f [2, 1], b [1, 3], M 2: 11 against 12); an upper bound for 1F1B. With them 1F1B can
+    take longer, since it exposes a transfer on every micro-batch (2 stages, 4 micro-batches, forward 1, backward 2,
+    transfer 1: 17 here, 19 replayed); `schedule.simulate` replays either. Loads are per-micro-batch
+    forward+backward seconds; `comm_s` is one boundary transfer."""
     return (num_micro_batches - 1) * max(loads) + sum(loads) + 2 * (len(loads) - 1) * comm_s
 
 
@@ -303,7 +305,8 @@ def replay_time(fwd_loads: Floats, bwd_loads: Floats, num_micro_batches: int,
     """Iteration time by replaying the schedule op by op (`schedule.simulate`) from each stage's forward and
     backward seconds per micro-batch, with `comm_s` per boundary transfer.
 
-    `iteration_time` is exact for GPipe but only an upper bound for 1F1B, and not a uniform one: it charges
+    `iteration_time` is exact for GPipe (where one stage has the largest forward and backward) but only an upper
+    bound for 1F1B, and not a uniform one: it charges
     the fill and drain of every stage in full, while in 1F1B a slowest *first* stage hides most of the later
     stages' fill behind its warm-up forwards. Measured on the 4-stage benchmark (Mixture-of-Depths, first
     stage slowest, dilate 3): static 2.99 s per iteration, `iteration_time` 3.12 s, the replay 2.95-2.97 s;

@@ -1,12 +1,16 @@
 """One MoE layer, forward and backward, simulated from Pro-Prophet's coefficients (`perf.MoELayerCosts`).
 
-A cross-check of the performance model: the engine replays the layer as ops and flows (Trans, dispatch
-all-to-all, forward expert compute, combine all-to-all, then the backward's two all-to-alls around the backward
-expert compute, then Agg) on a topology whose every rank has its own link of the A2A bandwidth, so the
-all-to-all takes max over links of bytes / bandwidth, eq. 1's max_i R_i * size / B when the receivers are the
-busiest links. Without overlap it reproduces eq. 6 exactly for placements whose replicas all go to every rank
-(n = 0); with `overlap`, Trans runs beside a non-MoE forward of nonmoe_fwd_s before the layer and Agg beside a
-non-MoE backward of nonmoe_bwd_s after it, the one-block version of the scheduler behind eq. 8.
+A cross-check of the performance model: the engine replays the layer as ops and flows (Trans, dispatch all-to-all,
+forward expert compute, combine all-to-all, then the backward's two all-to-alls around the backward expert compute,
+then Agg) on a topology whose every rank has its own link of the A2A bandwidth, so the all-to-all takes max over
+links of bytes / bandwidth, eq. 1's max_i R_i * size / B when the receivers are the busiest links. Without overlap
+it reproduces eq. 6 exactly for placements whose replicas all go to every rank (n = 0) where both of eq. 6's
+simplifications hold: the receivers are the busiest links (a rank sending more tokens than any rank receives loads
+its own link beyond eq. 1: 3 ranks, counts [[0, 1, 1], 0, 0], 11 against eq. 6's 7), and the replicas' chains share
+a link (at R = 2 with both experts replicated, the chains 0 -> 1 and 1 -> 0 run on separate links, where eq. 4/5
+charge two transfer times each); with `overlap`, Trans runs beside a non-MoE forward of nonmoe_fwd_s before the
+layer and Agg beside a non-MoE backward of nonmoe_bwd_s after it, the one-block version of the
+scheduler behind eq. 8.
 
 Shape legend: R = ranks, E = experts.
 """
