@@ -54,8 +54,8 @@ def lr_at(step: int, t: TrainConfig) -> float:
         decay = max(1, round(t.decay_fraction * (t.steps - t.warmup_steps)))
         start = t.steps - decay  # the first step below lr
         return t.lr if step < start else t.lr + (floor - t.lr) * min((step - start + 1) / decay, 1.0)
-    span = max(t.steps - t.warmup_steps - 1, 1)
-    progress = min(max(step - t.warmup_steps, 0) / span, 1.0)
+    span = t.steps - t.warmup_steps - 1  # the decay's steps after its first; none: its one step is the last
+    progress = 1.0 if span <= 0 else min(max(step - t.warmup_steps, 0) / span, 1.0)
     if t.schedule == "linear":
         return t.lr + (floor - t.lr) * progress
     return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

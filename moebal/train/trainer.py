@@ -255,6 +255,8 @@ class Trainer:
         self.last_val = s.get("last_val")
         self.loss_history = [float(x) for x in s.get("loss_history", [])]
         self.norm_history = [float(x) for x in s.get("grad_norm_history", [])]  # (none in older checkpoints)
+        self._recent.clear()  # the result's last tenth of steps spans the resume (none in older checkpoints)
+        self._recent.extend(s.get("recent", []))
         self._resumed_at = reader.step
         self.strategy.apply_state(reader)
         mine = s["ranks"][self.strategy.saved_rank(s)]
@@ -270,7 +272,8 @@ class Trainer:
         `keep_checkpoints` are kept."""
         global_state = {"data": self.strategy.data_state(), "tokens": self.tokens,
                         "train_seconds": self.train_seconds, "last_val": self.last_val, "kernels": self.kernels,
-                        "loss_history": self.loss_history, "grad_norm_history": self.norm_history}
+                        "loss_history": self.loss_history, "grad_norm_history": self.norm_history,
+                        "recent": list(self._recent)}
         rank_state = {"rng": rng_state(), "hooks": {h.name: h.state_dict() for h in self.hooks},
                       **self.strategy.rank_state()}
         self.checkpointer.ranks = self.strategy.writing_ranks()  # a released rank is not waited for
@@ -293,21 +296,24 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One step of the strategy between the hooks; returns its metrics record."""
         step = self.step + 1
+        # the step's time includes its hooks' work, as a pipeline's does: expert placement's Trans before the
+        # step, the placement planner and the step's bookkeeping after it
+        t0 = time.perf_counter()
         for hook in self.hooks:
             hook.before_step(self, step)
-        t0 = time.perf_counter()
         with noise.step_key(self.cfg.train.seed, step):  # router noise keyed by step (moebal/models/noise.py)
             out = self.strategy.train_step(self, step)
-        dt = time.perf_counter() - t0
-        self.step, self.tokens, self.train_seconds = step, self.tokens + out.tokens, self.train_seconds + dt
+        self.step, self.tokens = step, self.tokens + out.tokens
         record = out.record
-        for key, value in (("tokens", self.tokens), ("tokens_per_s", round(out.tokens / dt, 1)),
-                           ("step_time_s", round(dt, 4))):
-            record.setdefault(key, value)  # a pipeline's record has its own (per-step tokens)
         record["time"] = round(time.time(), 3)  # wall clock (recovery times, plots)
         if not self.strategy.released:
             for hook in self.hooks:
                 hook.after_step(self, step, out.stats, record)
+        dt = time.perf_counter() - t0
+        self.train_seconds += dt
+        for key, value in (("tokens", self.tokens), ("tokens_per_s", round(out.tokens / dt, 1)),
+                           ("step_time_s", round(dt, 4))):
+            record.setdefault(key, value)  # a pipeline's record has its own (per-step tokens)
         return record
 
     # ---- validation ---------------------------------------------------------------------------------

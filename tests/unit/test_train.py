@@ -42,6 +42,10 @@ def test_schedule_warms_up_then_decays_by_cosine_to_the_floor():
     mid = 10 + (99 - 10) / 2
     assert lr_at(int(mid), t) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 10) / 89)))
     assert lr_at(0, TrainConfig(steps=5, lr=2.0, warmup_steps=0, min_lr_ratio=0.5)) == 2.0
+    # one step after the warm-up is the last: at the floor, as wsd's (cosine and linear ran it at the peak)
+    for schedule in ("cosine", "linear", "wsd"):
+        one = TrainConfig(steps=5, lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule=schedule)
+        assert [round(lr_at(s, one), 6) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 0.1], schedule
 
 
 def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_stable_steps():
@@ -186,6 +190,35 @@ def test_time_limit_stops_early_like_a_finished_run_and_resume_finishes(tmp_path
     assert {"ckpt-0000001", "dashboard.svg", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     finished = Trainer(with_overrides(cfg, ["train.time_limit_min=null"]), tmp_path, resume=True).train()
     assert finished.steps == 6 and finished.stopped_early is None
+
+
+def test_the_step_time_includes_the_hooks_work(tmp_path):
+    """`step_time_s` and `tokens_per_s` count the hooks' work around the step (expert placement's Trans before it,
+    its planner after), as a pipeline's step time does; they left it out."""
+
+    class Slow(Hook):
+        def before_step(self, trainer, step):
+            time.sleep(0.05)
+
+        def after_step(self, trainer, step, stats, record):
+            time.sleep(0.05)
+
+    trainer = Trainer(tiny("train.steps=2", "train.eval_every=0"), tmp_path, hooks=[Slow()])
+    trainer.train()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert all(r["step_time_s"] >= 0.1 for r in lines), lines
+    assert trainer.train_seconds >= 0.2
+
+
+def test_a_resumed_run_s_result_is_the_uninterrupted_run_s(tmp_path):
+    """The result's figures over the last tenth of the steps (train loss, load imbalance) span a resume inside that
+    tenth: they were those of the steps run since the resume."""
+    cfg = tiny("train.steps=20", "train.eval_every=0")
+    whole = Trainer(cfg, tmp_path / "whole").train()
+    Trainer(cfg, tmp_path / "cut").train(stop_after=19)
+    resumed = Trainer(cfg, tmp_path / "cut", resume=True).train()
+    assert (resumed.steps, resumed.train_loss) == (20, whole.train_loss)
+    assert resumed.load_imbalance == whole.load_imbalance
 
 
 def test_a_resume_cuts_every_log_and_routing_sample_of_the_discarded_steps(tmp_path):
