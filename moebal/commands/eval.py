@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="path profile (default RUN_DIR/paths.npz; build it with "
                    "`moebal paths RUN_DIR`)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token at inference (default: the model's)")
-    p.add_argument("--batches", type=int, default=4, help="validation batches (default 4)")
+    p.add_argument("--batches", type=int, default=None, help="validation batches (default: the run's "
+                   "train.eval_batches, so that the loss is over the samples its validation read)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch over all ranks "
                    "(default: data.batch_size)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from moebal.distributed.testing import run_ranks
 
     run_dir = Path(args.run_dir)
-    if args.nproc < 1 or args.batches < 1 or (args.batch_size is not None and args.batch_size < 1):
+    if args.nproc < 1 or (args.batches is not None and args.batches < 1) or (args.batch_size is not None
+                                                                              and args.batch_size < 1):
         raise ConfigError(f"--nproc, --batches and --batch-size must be >= 1; got {args.nproc}, {args.batches}, "
                           f"{args.batch_size}")
     cfg, model, served = load_run_model(run_dir, args.top_k)
@@ -235,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
     if bs % args.nproc:
         raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")
     data = build_data(cfg)
-    val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, bs, args.batches)
+    # the run's own count by default: a different one spreads its samples over the split otherwise (linspace)
+    batches = args.batches if args.batches is not None else cfg.train.eval_batches
+    val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, bs, batches)
     pairs = [(b.ids_BT, b.labels_BT) for b in val if b.ids_BT.shape[0] == bs]
     if not pairs:  # a validation split shorter than one batch: as many of its rows as split evenly over the ranks
         rows = val[0].ids_BT.shape[0] // args.nproc * args.nproc

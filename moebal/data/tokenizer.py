@@ -43,7 +43,16 @@ class ByteTokenizer:
         return np.frombuffer(text, dtype=np.uint8)
 
     def decode(self, ids: np.ndarray) -> str:
-        return bytes(np.asarray(ids, dtype=np.uint8).tobytes()).decode("utf-8", errors="replace")
+        """UTF-8 of the bytes; an id no byte has (a model of `model.vocab_size` above 256 samples them) reads as
+        U+FFFD, as invalid bytes do (the uint8 cast showed it as the byte id % 256)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        text, start = [], 0
+        for i in np.flatnonzero((ids < 0) | (ids > 255)).tolist() + [ids.size]:
+            text.append(ids[start:i].astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+            if i < ids.size:
+                text.append("\ufffd")
+            start = i + 1
+        return "".join(text)
 
 
 class HFTokenizer:

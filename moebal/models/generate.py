@@ -393,9 +393,10 @@ def check_prompts(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     limit, longest = model.model.rotary.cos_TK.shape[0], max(len(p) for p in prompts)
-    if longest + max_new_tokens > limit:
+    if longest + max_new_tokens - 1 > limit:  # the last new token is returned, never fed back
         raise ValueError(f"the prompt's {longest} tokens and {max_new_tokens} new ones exceed the model's "
-                         f"max_seq_len ({limit}): shorten the prompt or lower max_new_tokens")
+                         f"max_seq_len ({limit}): the forward runs over {longest + max_new_tokens - 1} positions "
+                         f"(every token but the last new one); shorten the prompt or lower max_new_tokens")
     if cache:
         cached_form(model)  # refuses a served model without a cached form
 
@@ -440,7 +441,7 @@ def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_
     pad = [P - len(p) for p in prompts]
     ids_BT = torch.tensor([[0] * k + list(p) for k, p in zip(pad, prompts)], dtype=torch.long, device=device)
     pad_B = torch.tensor(pad, device=device) if any(pad) else None
-    kv = KVCache.empty(len(model.model.layers), P + max_new_tokens, latent)
+    kv = KVCache.empty(len(model.model.layers), P + max_new_tokens - 1, latent)  # the last token is not fed
     done = [False] * B
     t0 = time.perf_counter()
     step_BT = ids_BT

@@ -142,7 +142,8 @@ def test_eval_serves_a_scheme_s_run_as_its_training_validated_it(tmp_path: Path,
                "parallel.nproc=1", f"dynamism.scheme={scheme}", *SERVED[scheme])
     assert r.returncode == 0, r.stderr
     trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
-    r = moebal("eval", str(out), "--nproc", "2", "--policy", "oracle", "--batches", "2", "--json")
+    # the run's own validation batches by default (train.eval_batches 2; the default was 4 batches, other samples)
+    r = moebal("eval", str(out), "--nproc", "2", "--policy", "oracle", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["served"]["scheme"] == scheme and res["served"]["step"] == 3 and res["oracle"]["equal_static"], res

@@ -352,3 +352,15 @@ def test_mixture_draws_by_weight_and_resumes(tmp_path):
         with pytest.raises(DataError, match="data.mixture: sources .* share files"):
             build_data(from_dict({"data": {"mixture": shared, "samples": "documents", "seq_len": 32,
                                            "batch_size": 16}}))
+
+
+def test_the_byte_tokenizer_reads_an_id_no_byte_has_as_the_replacement_character():
+    """A model whose vocabulary is larger than 256 can sample ids the byte tokenizer has no byte for: they read as
+    U+FFFD, as invalid bytes do, not as their id modulo 256 (289 showed as "!")."""
+    from moebal.data.tokenizer import ByteTokenizer
+
+    t = ByteTokenizer()
+    assert t.decode(np.array([104, 105, 289, 33])) == "hi\ufffd!"
+    assert t.decode(np.frombuffer("héllo".encode(), dtype=np.uint8)) == "héllo"
+    assert t.decode(np.array([0xC3, 300, 0xA9])) == "\ufffd\ufffd\ufffd"  # a split sequence is invalid on each side
+    assert t.decode(np.array([], dtype=np.int64)) == ""

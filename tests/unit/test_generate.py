@@ -159,7 +159,17 @@ def test_generation_stops_at_a_stop_token_and_refuses_what_it_cannot_do() -> Non
     g = generate(model, [1, 2, 3], 8, stop_ids=[first.tokens[2]])
     assert g.stop == "stop_token" and g.tokens == first.tokens[:3] and first.stop == "length"
     with pytest.raises(ValueError, match="exceed the model's max_seq_len"):
-        generate(model, list(range(30)), 11)
+        generate(model, list(range(30)), 12)  # 41 positions of 40
+    # the last new token is never fed back: a prompt filling max_seq_len still gets its one next token, the
+    # prediction the forward over it makes (it was refused)
+    limit = model.model.rotary.cos_TK.shape[0]
+    whole = list(range(1, limit + 1))
+    for cache in (True, False):
+        want = int(model(torch.tensor([whole])).logits[0, -1].argmax())
+        assert generate(model, whole, 1, cache=cache).tokens == [want]
+        assert len(generate(model, whole[:-2], 3, cache=cache).tokens) == 3
+    with pytest.raises(ValueError, match="exceed the model's max_seq_len"):
+        generate(model, whole, 2)
     with pytest.raises(ValueError, match="no tokens"):
         generate(model, [], 4)
     with pytest.raises(ValueError, match="top_p must be in"):
