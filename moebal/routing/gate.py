@@ -177,7 +177,10 @@ def adaptive_take(p_TK: torch.Tensor, threshold: float) -> torch.Tensor:
     A token always takes its first choice; it takes choice j+1 only when it took choice j and
     p_j - p_{j+1} <= threshold, where p are the top-k probabilities renormalised to sum to one (the paper's
     "normalised" probabilities: for k = 2 the gap is (p1 - p2) / (p1 + p2), in [0, 1]). T = 0 gives top-1
-    (exact ties aside) and T = 1 gives top-k, for either gate order (both yield the same p_TK).
+    (exact ties aside) and T = 1 gives top-k, for either gate order (both yield the same p_TK). For k > 2 the
+    gaps are over all k choices' sum, so a given T takes more experts as k grows. With a selection bias the
+    choices are ranked on biased scores, and a choice more probable than the one before it (a negative gap)
+    is always taken: the first choice does not dominate, so T = 0 is top-1 only where the bias kept the order.
     """
     gaps_ok = (p_TK[:, :-1] - p_TK[:, 1:]) <= threshold
     first = torch.ones_like(p_TK[:, :1], dtype=torch.bool)
@@ -197,10 +200,12 @@ def route(logits_TE: torch.Tensor, spec: GateSpec, bias_E: torch.Tensor | None =
         # weights are the raw ones, so the gaps are taken on them renormalised
         normalised = p_TK if spec.norm_topk else _divide_or(p_TK, p_TK.sum(dim=-1, keepdim=True), 0.0)
         taken_TK = adaptive_take(normalised, spec.adaptive_threshold)
-        # Renormalise over the taken experts (Mixtral convention, and what makes T=0 equal a top-1 gate and
-        # T=1 a top-k gate); the paper's Eq. 5.3 uses raw probabilities, which matches neither.
+        # Under norm_topk, renormalise over the taken experts (Mixtral convention, and what makes T=0 equal a
+        # top-1 gate and T=1 a top-k gate); without it the taken experts keep their raw weights, so T=1 equals the
+        # norm_topk=false top-k gate (the paper's Eq. 5.3 uses raw probabilities). It renormalised regardless.
         masked_TK = p_TK * taken_TK  # all 0 where every score rounded to 0: weights 0, as without adaptive k
-        weights_TK = _divide_or(masked_TK, masked_TK.sum(dim=-1, keepdim=True), 0.0)
+        weights_TK = _divide_or(masked_TK, masked_TK.sum(dim=-1, keepdim=True), 0.0) if spec.norm_topk \
+            else masked_TK
     active_TK = taken_TK
     capacity = None
     if spec.capacity_factor is not None:

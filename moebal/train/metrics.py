@@ -34,8 +34,8 @@ def routing_record(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
         "load_imbalance": [round(s["imbalance"], 4) for s in per_layer],
         "dropped": [s["dropped"] for s in per_layer],
         # share of tokens that used more than one expert (adaptive gating varies it; fixed top-k>1 gives 1)
-        "multi_expert_share": [round(1.0 - s["used_k_share"][0], 4) if s["used_k_share"] else 0.0
-                               for s in per_layer],
+        # (the shares past the first, not 1 - the first: a layer that routed no token shares nothing)
+        "multi_expert_share": [round(sum(s["used_k_share"][1:]), 4) for s in per_layer],
         "expert_counts": [s["counts"] for s in per_layer],
     }
 

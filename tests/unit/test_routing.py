@@ -69,6 +69,13 @@ def test_adaptive_gating_takes_the_same_experts_whether_or_not_the_weights_are_n
             for n in (True, False))
     assert torch.equal(a.indices_TK, b.indices_TK) and torch.equal(a.active_TK, b.active_TK)
     assert 0 < int(a.active_TK[:, 1].sum()) < 64  # the threshold splits the tokens
+    # without norm_topk the taken experts keep their raw weights: T = 1 is the norm_topk=false top-k gate (the
+    # weights were renormalised regardless)
+    raw = route(logits, GateSpec(num_experts=8, top_k=2, norm_topk=False))
+    one = route(logits, GateSpec(num_experts=8, top_k=2, adaptive_threshold=1.0, norm_topk=False))
+    assert torch.equal(one.weights_TK, raw.weights_TK)
+    probs = torch.softmax(logits.float(), dim=-1).gather(1, b.indices_TK)
+    assert torch.equal(b.weights_TK, probs * b.active_TK)
 
 
 @settings(max_examples=30, deadline=None)
@@ -267,3 +274,15 @@ def test_extreme_router_logits_give_finite_weights_losses_and_gradients(case: st
         assert torch.equal(r.weights_TK[0], torch.tensor([0.5, 0.5]))  # the chosen logits' own softmax
     rest = route(r.logits_TE[1:], layer.spec, layer.expert_bias if case == "softmax_bias" else None)
     assert torch.equal(rest.weights_TK, r.weights_TK[1:]) and torch.equal(rest.probs_TE, r.probs_TE[1:])
+
+
+def test_a_layer_that_routed_no_token_shares_no_multi_expert_tokens() -> None:
+    """`multi_expert_share` is the share of tokens that took more than one expert: 0 for a layer with no token in the
+    step (a layer every token skipped or left), as for a top-1 layer; it was 1 - (the top-1 share, 0)."""
+    from moebal.routing.stats import packed_numbers
+    from moebal.train.metrics import routing_record
+
+    empty = packed_numbers([0] * 4 + [0] * 4 + [0, 0] + [0], 4)  # 4 experts, top-2, no token
+    top2 = packed_numbers([3, 1, 2, 2] + [3, 1, 2, 2] + [0, 4] + [4], 4)  # 4 tokens, each of two experts
+    top1 = packed_numbers([1, 1, 1, 1] + [1, 1, 1, 1] + [4] + [4], 4)
+    assert routing_record([empty, top2, top1])["multi_expert_share"] == [0.0, 1.0, 0.0]
