@@ -398,6 +398,9 @@ class CommScheduler:
             ev = self.log.event(kind, name, nbytes, layer=layer, chunk=chunk, group=group)
             if critical:
                 self._critical += 1
+                # a chunk held on the forecast wakes now: rule 2 blocks it from here, and the hold (`held_s`,
+                # what the forecast costs) ends; it slept to its hold's end, logging the queued collective's time
+                self._cond.notify_all()
             if kind == "a2a":  # the announced all-to-all is here: the look-ahead has done its job
                 self._lookahead = False
             ev.started = ev.queued

@@ -146,6 +146,32 @@ def test_forecast_holds_a_chunk_that_would_meet_the_next_all_to_all():
         plain.close()
 
 
+def test_a_hold_ends_when_the_all_to_all_is_queued_early():
+    """The forecast said 0.3 s; the all-to-all comes at 0.1 s and runs 0.5 s. The chunk's hold (`held_s`: what the
+    forecast costs in link idle time) ends when the all-to-all is queued, where rule 2 takes over; the chunk still
+    starts after it. The hold slept to its own end (0.4 s), so `held_s` counted the all-to-all's time too."""
+    sched = CommScheduler("lina", timeout_s=10)
+    try:
+        _backward_like_step(sched, 1, 0.3, 0.4)  # teaches: the all-to-all 0.3 s after the statistics
+        sched.log.end()
+        sched.log.begin(2)
+        sched.begin_step([_slow_chunk(0.4)])
+        sched.run("stats", lambda: None, name="balancing loss bwd", nbytes=64)
+        sched.ready(0)
+        time.sleep(0.1)
+        sched.issue("a2a", lambda: _TimedWork(0.5), name="L0 combine0 bwd", nbytes=4096).wait()
+        sched.drain()
+        comm = sched.log.end()
+        ev = {e.name: e for e in comm.events}
+        chunk, a2a = ev["dp_ep allreduce 0"], ev["L0 combine0 bwd"]
+        held = [sp for sp in comm.spans if sp.cat == "held"]
+        assert held and chunk.started >= a2a.finished
+        assert max(sp.end for sp in held) < a2a.queued + 0.15, (max(sp.end for sp in held) - a2a.queued)
+        assert comm.held_s < 0.25, comm.held_s
+    finally:
+        sched.close()
+
+
 def test_forecast_lets_a_chunk_go_that_finishes_before_the_next_all_to_all():
     """A chunk much shorter than the gap is issued at once: the forecast only holds what would overlap."""
     sched = CommScheduler("lina", timeout_s=10)
