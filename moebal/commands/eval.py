@@ -102,17 +102,19 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
             for b, ids in enumerate(job.batches):
                 per = ids.shape[0] // world
                 mine = ids[rank * per:(rank + 1) * per]
+                lab = job.labels[b][rank * per:(rank + 1) * per] if job.labels else None
+                # a padded row's real tokens, as the run's validation gives a served scheme (`served_forward`)
+                real_B = (lab != -100).sum(dim=1) if lab is not None else None
                 sched.begin()
                 with torch.no_grad():
-                    logits = model(mine).logits
+                    logits = model(mine, row_tokens=real_B).logits
                 fwd.append([dataclasses.asdict(r) for r in sched.records])
                 if policy == "static":
                     static_logits[b] = logits
                 elif b in static_logits:
                     equal = equal and bool(torch.equal(logits, static_logits[b]))
                     diff = max(diff, float((logits - static_logits[b]).abs().max()))
-                if job.labels:
-                    lab = job.labels[b][rank * per:(rank + 1) * per]
+                if lab is not None:
                     loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
                                             reduction="sum").item()
                     n += int((lab != -100).sum())  # labelled tokens: a documents batch pads with -100

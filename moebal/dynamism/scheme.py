@@ -120,12 +120,19 @@ def row_tokens(carry: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return carry.get(ROW_TOKENS)
 
 
-def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor) -> torch.Tensor:
+def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor,
+                   row_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """A served model body's forward (`Dynamism.serve`): the embedding, every decoder layer through the scheme's
-    `layer_forward` with a carry begun per batch (the engine's forward of a one-stage pipeline), the final norm."""
+    `layer_forward` with a carry begun per batch (the engine's forward of a one-stage pipeline), the final norm.
+    `row_tokens`: each row's real tokens (host int64 [B]) when rows end in right padding, the carry's `ROW_TOKENS`
+    as the engine sets it for the run's own validation (None, or every row full: no padding)."""
+    B, T = ids_BT.shape
+    n_B = None if row_tokens is None or int(row_tokens.min()) == T else row_tokens  # the engine's rule (`_padded`)
     h_BTD = body.embed_tokens(ids_BT)
-    cos_TK, sin_TK = body.rotary(ids_BT.shape[1], h_BTD.dtype)
-    carry = scheme.init_carry(ids_BT.shape[0], ids_BT.shape[1], ids_BT.device)
+    cos_TK, sin_TK = body.rotary(T, h_BTD.dtype)
+    carry = scheme.init_carry(B, T, ids_BT.device, n_B)
+    if n_B is not None:
+        carry[ROW_TOKENS] = n_B
     for i, layer in enumerate(body.layers):
         h_BTD = scheme.layer_forward(i, layer, h_BTD, cos_TK, sin_TK, carry)
     out_BTD: torch.Tensor = body.norm(h_BTD)

@@ -296,7 +296,11 @@ class MoebalModel(nn.Module):
         self.norm = RMSNorm(m.dim, m.norm_eps)
         self.rotary = rotary_for(cfg)
 
-    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids_BT: torch.Tensor, row_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`row_tokens`: each row's real tokens (host int64 [B]) when rows end in right padding, for a forward served
+        through a dynamism scheme (`dynamism.scheme.served_forward`: Mixture-of-Depths keeps padding out of its
+        routed slots); the plain stack does not use them (causal attention keeps right padding from every real
+        position)."""
         h_BTD = self.embed_tokens(ids_BT)
         cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
         for layer in self.layers:
@@ -354,8 +358,10 @@ class MoebalForCausalLM(nn.Module):
             if block.is_moe:
                 yield block.block_sparse_moe
 
-    def forward(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None) -> CausalLMOutput:
-        h_BTD = self.model(ids_BT)
+    def forward(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+                row_tokens: torch.Tensor | None = None) -> CausalLMOutput:
+        """`row_tokens`: each row's real tokens when rows end in padding (`MoebalModel.forward`)."""
+        h_BTD = self.model(ids_BT) if row_tokens is None else self.model(ids_BT, row_tokens)
         logits_BTV = self.lm_head(h_BTD)
         loss = None
         if labels_BT is not None:

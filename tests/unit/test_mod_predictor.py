@@ -117,3 +117,25 @@ def test_generation_routes_by_the_predictors_with_the_cache_as_without(experts: 
     prompts = [ids[0, :9].tolist(), ids[1, 5:9].tolist()]
     assert [g.tokens for g in generate_many(model, prompts, 6)] == \
         [g.tokens for g in generate_many(model, prompts, 6, cache=False)]
+
+
+def test_a_served_padded_row_keeps_the_routed_share_of_its_real_tokens() -> None:
+    """`moebal eval` serves a padded validation batch with its rows' real tokens (`served_forward`'s `row_tokens`,
+    as the engine's validation sets `ROW_TOKENS`): each padded row's real positions equal the row served alone,
+    unpadded, to 1e-5; served without them, padding takes routed slots and the padded rows differ; full rows give
+    the unpadded path's logits bit for bit."""
+    mod, model = _built(0)
+    mod.serve(model, 9)
+    model.eval()
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(7))
+    n_B = torch.tensor([16, 9, 4])
+    with torch.no_grad():
+        told = model(ids, row_tokens=n_B).logits
+        untold = model(ids).logits
+        alone = [model(ids[b:b + 1, :n]).logits[0] for b, n in enumerate(n_B.tolist())]
+        full = model(ids, row_tokens=torch.tensor([16, 16, 16])).logits
+    scale = untold.abs().max().item()
+    for b, n in enumerate(n_B.tolist()):
+        assert (told[b, :n] - alone[b]).abs().max().item() < 1e-5 * scale, b
+    assert all((untold[b, :n] - alone[b]).abs().max().item() > 1e-3 * scale for b, n in ((1, 9), (2, 4)))
+    assert torch.equal(full, untold)
