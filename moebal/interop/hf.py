@@ -207,10 +207,7 @@ aux-loss-free continuation of any family)."""
 def _mixtral(hf: dict[str, Any], where: str) -> HFFields:
     # Defaults are MixtralConfig's, so a config.json that omits a key means what it means to transformers.
     model = _common(hf, where, rope=1e6, eps=1e-5, kv_default=8, max_pos=4096 * 32, vocab=32000)
-    window = hf.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise CheckpointError(f"{where}: 'sliding_window' must be a positive integer or null; got {window!r}")
-    model["sliding_window"] = window
+    model["sliding_window"] = _window(hf, where)
     ffn = _get(hf, "intermediate_size", 14336, where)
     model["ffn_dim"] = ffn
     moe = {"num_experts": _get(hf, "num_local_experts", 8, where), "top_k": _get(hf, "num_experts_per_tok", 2, where),
@@ -276,7 +273,16 @@ def _dense_layers(hf: dict[str, Any], where: str, n_layers: int) -> tuple[int, .
 def _no_sliding_window(hf: dict[str, Any], where: str) -> None:
     if hf.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window is true; moebal implements one window for every layer "
-                              f"(Mixtral's sliding_window), not Qwen's per-layer windows (max_window_layers)")
+                              f"(Mixtral's and Qwen3-MoE's sliding_window), not Qwen2-MoE's per-layer windows "
+                              f"(max_window_layers, layer_types)")
+
+
+def _window(hf: dict[str, Any], where: str) -> int | None:
+    """The config's `sliding_window`: token t attends to t-W+1..t on every layer (None: full attention)."""
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise CheckpointError(f"{where}: 'sliding_window' must be a positive integer or null; got {window!r}")
+    return window
 
 
 def _num_experts(hf: dict[str, Any], where: str, default: int) -> int:
@@ -320,7 +326,8 @@ def _qwen3_moe(hf: dict[str, Any], where: str) -> HFFields:
     # RMSNorm over each query and key head before rotary.
     model = _common(hf, where, rope=10000.0, eps=1e-6, kv_default=4, max_pos=32768, vocab=151936,
                     shape=(2048, 24, 32))
-    _no_sliding_window(hf, where)
+    if hf.get("use_sliding_window"):  # transformers 5 windows every layer alike (max_window_layers is not read)
+        model["sliding_window"] = _window(hf, where)
     if hf.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias is true; biases on q, k, v and o are not supported "
                               f"(moebal has q/k/v biases only)")
@@ -1015,7 +1022,7 @@ _CAN = {
     "mixtral": {"sliding_window"},
     "llama_moe": {"llama_router"},
     "qwen2_moe": {"shared", "dense", "bias", "unnormalised"},
-    "qwen3_moe": {"dense", "unnormalised", "qk_head"},
+    "qwen3_moe": {"dense", "unnormalised", "qk_head", "sliding_window"},
     "olmoe": {"unnormalised", "qk_full"},
 }
 
@@ -1101,7 +1108,8 @@ def _hf_shape_fields(cfg: Config, arch: str) -> dict[str, Any]:
                    router_jitter_noise=moe.jitter)
     elif arch in ("qwen2_moe", "qwen3_moe"):
         out.update(routed, intermediate_size=m.ffn_dim, moe_intermediate_size=F, decoder_sparse_step=moe.every,
-                   mlp_only_layers=list(moe.dense_layers), use_sliding_window=False, sliding_window=None)
+                   mlp_only_layers=list(moe.dense_layers), use_sliding_window=m.sliding_window is not None,
+                   sliding_window=m.sliding_window)  # a window only in qwen3_moe (`_CAN`)
         if arch == "qwen2_moe":
             out.update(shared_expert_intermediate_size=_shared_width(cfg), qkv_bias=m.attention_bias)
         else:

@@ -227,6 +227,29 @@ def test_sliding_window_matches_transformers_past_the_window_and_trains_longer(t
     assert json.loads((out / "config.json").read_text())["sliding_window"] == 8
 
 
+def test_qwen3_moe_s_sliding_window_is_one_window_on_every_layer_as_in_transformers(tmp_path):
+    """Qwen3-MoE's `use_sliding_window: true` windows every layer alike in transformers 5 (Qwen2-MoE's per-layer
+    windows stay refused): the logits match past the window, the window matters, and the export writes it back
+    (a transformers model loaded from the export gives the same logits)."""
+    transformers = pytest.importorskip("transformers")
+    src = tmp_path / "src"
+    ref = tiny_qwen3_moe(src, use_sliding_window=True, sliding_window=8)
+    ours = from_hf(src).eval()
+    assert ours.config.model.sliding_window == 8
+    full = from_hf(src, cfg=config_from_hf(src, {"model": {"sliding_window": None}})).eval()
+    assert _err(ours, ref, T=40) < 1e-4 and _err(full, ref, T=40) > 1e-3
+    out = to_hf(ours, tmp_path / "out")
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["use_sliding_window"], saved["sliding_window"]) == (True, 8)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert _err(back, ref, T=40) < 1e-6
+    plain = to_hf(full, tmp_path / "plain", keep_origin=False)  # another model than the base config.json
+    assert json.loads((plain / "config.json").read_text())["use_sliding_window"] is False
+    tiny_qwen2_moe(tmp_path / "q2", use_sliding_window=True, sliding_window=8)
+    with pytest.raises(CheckpointError, match="not Qwen2-MoE's per-layer windows"):
+        from_hf(tmp_path / "q2")
+
+
 def test_sequence_longer_than_the_checkpoint_gives_one_way_advice(tmp_path):
     tiny_mixtral(tmp_path, max_position_embeddings=64)
     with pytest.raises(ConfigError, match=r"max_position_embeddings\): lower data.seq_len to at most 64$"):
