@@ -418,6 +418,10 @@ class Trainer:
         applied the step's gradients, so nothing of this state is saved, and the checkpoints written so far
         (each at a step checked good) are left as they are."""
         self.checkpointer.wait_quietly()  # a save in flight (train.ckpt_async) completes and is listed
+        # ... on every rank before any lists: rank 0 publishes a checkpoint (renames it into place) after every
+        # rank's part is written, so a rank listing while rank 0's rename was on its way rolled back one
+        # checkpoint further, by timing (a rollback's target, and so the run after it, depended on the load)
+        self.ctx.gather(None)
         sp = self.cfg.train.spike
         if sp.action == "stop":
             return self._stop(record, kind, why, "")

@@ -75,3 +75,35 @@ def test_a_rollback_trains_on_as_the_checkpoint_resumed_past_the_skipped_batches
     assert all(out["run"][s] == out["ref"][s] for s in range(4, 9)), (out["run"], out["ref"])
     if "prophet" in layout:
         assert sum(out["replicas"]) > 0  # Pro-Prophet replicated experts across the rollback
+
+
+def _async_target(rank: int, world: int, root: str) -> dict[str, Any]:
+    import time
+
+    from moebal.commands.train import build_trainer
+    from moebal.train.checkpoint import Checkpointer
+    from moebal.train.spikes import InjectedSpike, read_rollbacks, train_with_rollbacks
+
+    complete = Checkpointer._complete
+
+    def late(self: Any, tmp: Path, snap: Any) -> None:  # rank 0 publishes the step-4 save late
+        time.sleep(1.0 if snap.step == 4 else 0.0)
+        complete(self, tmp, snap)
+
+    Checkpointer._complete = late  # type: ignore[method-assign]
+    cfg = shard_cfg("none", 1, "static", 6, parallel={"pp": 2, "ep": 1},
+                    **{**SPIKE, "ckpt_every": 2, "ckpt_async": True})
+    first = build_trainer(cfg, Path(root) / "run", False, False)
+    first.hooks.append(InjectedSpike(5))
+    train_with_rollbacks(first, lambda ckpt, d: build_trainer(cfg, Path(root) / "run", str(ckpt), False, d),
+                         lambda t: t.train())
+    return {"rollbacks": read_rollbacks(Path(root) / "run")}
+
+
+def test_a_rollback_goes_back_to_the_save_of_the_step_before_however_late_its_publication(tmp_path):
+    """`train.ckpt_async`: the step-4 save is still being published by rank 0 when step 5 spikes. Every rank waits
+    for it before any lists the checkpoints, so the run goes back to step 4 (a rank that listed before rank 0's
+    rename went back to step 2, so the run after a rollback depended on timing)."""
+    (rec,) = run_ranks(_async_target, 2, str(tmp_path), timeout_s=300)[0]["rollbacks"]
+    assert (rec["step"], rec["resume_step"], rec["skipped_batches"]) == (5, 4, 2)
+
