@@ -241,14 +241,15 @@ def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str],
         if data is None:
             skipped.append(name)
             continue
-        if max_bytes is not None and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
+        cut = max_bytes is not None and total + len(data) > max_bytes
+        if cut:
+            data = data[: max_bytes - total]  # type: ignore[operator]
             data = data.decode("utf-8", errors="ignore").encode("utf-8")  # never cut inside a character
         if data:
             names.append(name)
             texts.append(data)
             total += len(data)
-        if max_bytes is not None and total >= max_bytes:
+        if cut:  # a prefix: nothing after the cut (a later document's bytes once filled a cut character's place)
             break
     return names, texts, skipped
 

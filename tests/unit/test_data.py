@@ -91,6 +91,16 @@ def test_max_bytes_reads_a_prefix(tmp_path):
     assert c.train.n_tokens == 500
 
 
+def test_max_bytes_cut_inside_a_character_ends_the_prefix(tmp_path):
+    """The 5th byte would split an "é": the prefix is "abcd" (whole characters), not "abcd" and the next
+    document's first byte in the cut character's place."""
+    (tmp_path / "1.txt").write_bytes(b"abcd")
+    (tmp_path / "2.txt").write_text("\u00e9" * 4, encoding="utf-8")
+    (tmp_path / "3.txt").write_bytes(b"xyz")
+    c = load_corpus(str(tmp_path), val_fraction=0.0, max_bytes=5)
+    assert bytes(c.train.tokens_N.tolist()) == b"abcd" and c.train.n_docs == 1
+
+
 # ---- errors ---------------------------------------------------------------------------------------------
 
 
