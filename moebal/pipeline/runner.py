@@ -398,17 +398,24 @@ class PipelineRunner:
         ids, labels = batch.ids_BT, batch.labels_BT
         count = int((labels != -100).sum())
         n = self.data_ranks
-        if ids.shape[0] < n:  # training batches are checked with the config; a validation set may be this small
-            raise ConfigError(f"a batch of {ids.shape[0]} rows (data.batch_size {self.cfg.data.batch_size}; a "
-                              f"validation set smaller than one batch) is split over the {n} ranks of a pipeline "
-                              "stage (data-parallel x expert-parallel), and every rank needs a row: hold out more "
-                              "(data.val_fraction, data.max_bytes) or set data.val_fraction 0")
+        self.check_rows(ids.shape[0])
         M = max(1, min(self._num_micro(), ids.shape[0] // n))  # every rank gets a row of every micro-batch
         mine = [torch.tensor_split(rows, n)[self.data_index]
                 for rows in torch.tensor_split(torch.arange(ids.shape[0]), M)]
         self._last_index = index = torch.cat(mine)  # global row of each of this rank's rows (the curriculum's)
         real_B = (labels[index] != -100).sum(dim=1) if count < labels.numel() else None  # host: no sync
         return ids[index].to(self.device), labels[index].to(self.device), count, [len(x) for x in mine], real_B
+
+    def check_rows(self, rows: int) -> None:
+        """A batch of `rows` rows can be split over this stage's ranks (each needs a row); ConfigError otherwise.
+        Training batches are checked with the config; a validation set may be smaller than one batch, so the
+        trainer checks its batches at the start too (`PipelineStep.start`), not at the first validation."""
+        n = self.data_ranks
+        if rows < n:
+            raise ConfigError(f"a batch of {rows} rows (data.batch_size {self.cfg.data.batch_size}; a validation "
+                              f"set smaller than one batch) is split over the {n} ranks of a pipeline stage "
+                              "(data-parallel x expert-parallel), and every rank needs a row: hold out more "
+                              "(data.val_fraction, data.max_bytes) or set data.val_fraction 0")
 
     def _num_micro(self) -> int:
         return min(self.opts.micro_batches, max(1, self.cfg.data.batch_size // self.data_ranks))

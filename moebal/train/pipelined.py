@@ -183,6 +183,8 @@ class PipelineStep:
                 f"{p.rebalance}, dynamism {cfg.dynamism.scheme}")
 
     def start(self, trainer: Trainer) -> None:
+        for batch in trainer.data.val:  # refused now, not at the first validation, hours into the run
+            self.runner.check_rows(batch.ids_BT.shape[0])
         self.runner.start()  # link measurements when planning needs them (collective along the chain)
 
     def train_step(self, trainer: Trainer, step: int) -> StepOutput:

@@ -311,3 +311,15 @@ def test_lina_expert_packing_chooses_a_layout_records_it_and_keeps_it_on_resume(
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "expert packing (Lina)" not in resumed.stderr  # read from packing.json, not measured again
     assert [r["step"] for r in _metrics(tmp_path / "packed")] == list(range(1, 11))
+
+
+def test_a_validation_set_too_small_for_a_pipeline_stage_s_ranks_is_refused_before_training(tmp_path):
+    """2 stages x 2 data-parallel ranks and a validation split of one row: every rank of a stage needs a row, so
+    the job stops at the start with the fix, not at its first validation after the training steps before it."""
+    text = tmp_path / "one.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(48)))
+    out = tmp_path / "run"
+    r = run_cli("train", "--steps", "4", "--seed", "0", "--out", str(out), *TINY, "--nproc", "4", "--pp", "2",
+                f"data.source={text}", "data.val_fraction=0.05", "data.max_bytes=null", "train.eval_every=2")
+    assert r.returncode == 2 and "every rank needs a row" in r.stderr, r.stderr[-2000:]
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
