@@ -526,7 +526,7 @@ ROWS: tuple[Row, ...] = (
         "parallel within its budget (docs/gpu.md)"),
     Row("expert parallelism = one process", "test_expert_parallel", fig_pytest,
         TEST, asserts="losses and gradients of 2 and 4 gloo ranks within 1e-5 of the single-process model"),
-    Row("Pro-Prophet step time, 2 ranks (busiest expert 4x the mean)", "expert_parallel", fig_expert_parallel,
+    Row("Pro-Prophet step time, 2 and 4 ranks (busiest expert 4x the mean)", "expert_parallel", fig_expert_parallel,
         "measured, policies rotated each round; the planner's cost model is probed live on the same ranks, "
         "not fitted to these figures", target="prophet+feedback within 3 % of static on balanced routing"),
     Row("planner latency (Pro-Prophet search)", "plan_latency", fig_plan_latency,
