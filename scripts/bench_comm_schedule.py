@@ -257,7 +257,10 @@ def _record(mode: str, world: int, xs: list[dict[str, Any]], meta: dict[str, Any
             "placement_comm_s": med("placement_s"), "cpu_s_per_rank": med("cpu_s"),
             "a2a_shared_s": med("a2a_shared_s"), "held_s": med("held_s"),
             "gradient_chunks": xs[-1]["chunks"], "a2a_chunks_last": xs[-1]["a2a_chunks"],
-            "replicas_per_step": statistics.mean(x["replicas"] for x in xs), **meta}
+            "replicas_per_step": statistics.mean(x["replicas"] for x in xs),
+            # every step, in order: the medians above can be re-derived from them
+            "per_step": [{k: x[k] for k in ("step_s", "a2a_s", "exposed_s", "allreduce_s", "placement_s", "held_s")}
+                         for x in xs], **meta}
 
 
 def summarise(records: list[dict[str, Any]]) -> list[str]:

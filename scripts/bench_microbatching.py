@@ -117,6 +117,8 @@ def summarise(results: list[dict[str, Any]], warmup: int, max_len: int) -> list[
                "steps_measured": len(win), "tokens_per_step_mean": statistics.mean(r["tokens"] for r in win),
                "bubble_ratio_median": statistics.median(r["bubble_ratio"] for r in win),
                "losses": [r["loss"] for r in recs],
+               # every measured step, in order: the totals and medians above can be re-derived from them
+               "step_times_s": [r["step_time_s"] for r in win], "step_tokens": [r["tokens"] for r in win],
                "load_avg": [round(x, 2) for x in results[0]["load"]]}
         for base in ("padding", "packing"):
             if base in per_step and base != m:

@@ -228,6 +228,7 @@ def _bench_case(shape: LayerShape, dtype_name: str, routing: str, args: argparse
                         "repeats": t.repeats, "ratio_to_dense": t.median / dense,
                         "min_ratio_to_dense": t.min / timings["dense"].min, "cpu_median_s": t.cpu_median,
                         "cpu_ratio_to_dense": t.cpu_median / timings["dense"].cpu_median,
+                        "samples_s": list(t.samples),  # every repeat, in round order
                         **case.info.get(name, {})})
     for name, reason in case.failed.items():
         records.append({"method": name, **common, **case.info.get(name, {}), "failed": reason})

@@ -36,6 +36,8 @@ class Timing:
     repeats: int
     cpu_median: float = float("nan")
     cpu_min: float = float("nan")
+    samples: tuple[float, ...] = ()
+    """Every timed call's wall seconds, in round order: the figures above can be re-derived from them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,7 +60,7 @@ def _precision(device: torch.device | str | None, autocast: torch.dtype | None) 
 def summarise(samples: list[float], cpu_samples: list[float] | None = None) -> Timing:
     cpu = cpu_samples or [float("nan")]
     return Timing(median=statistics.median(samples), min=min(samples), max=max(samples), repeats=len(samples),
-                  cpu_median=statistics.median(cpu), cpu_min=min(cpu))
+                  cpu_median=statistics.median(cpu), cpu_min=min(cpu), samples=tuple(samples))
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5, device: torch.device | str | None = None,
