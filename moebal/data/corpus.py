@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -218,17 +219,36 @@ def _load_cached(source: str, tokenizer: str, text_key: str, val_fraction: float
     to_val = [val_share(n) < val_fraction for n in names]
     split_by = "path-hash"
     if val_fraction > 0 and (all(to_val) or not any(to_val)):
-        # Too few documents for a hash split (one file, say): hold out the tail of every document instead.
+        # Too few documents for a hash split (one file, say): hold out the tail of every file instead
         split_by = "tail"
-        cut = [len(d) - int(round(len(d) * val_fraction)) for d in docs]
-        train = _join([d[:c] for d, c in zip(docs, cut)], tok)
-        val = _join([d[c:] for d, c in zip(docs, cut)], tok)
+        train, val = (_join(part, tok) for part in _tails(names, docs, val_fraction))
     else:
         train = _join([d for d, v in zip(docs, to_val) if not v], tok)
         val = _join([d for d, v in zip(docs, to_val) if v], tok)
     if train.n_tokens < 2:
         raise DataError(f"data.source '{source}': the training split has {train.n_tokens} token(s); add text")
     return Corpus(source=source, tokenizer=tok, train=train, val=val, n_skipped=skipped, split_by=split_by)
+
+
+def _tails(names: list[str], docs: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(training, validation) documents of the tail split: the last `val_fraction` of each file's tokens (of each
+    `.jsonl` line's) is held out. A file cut into blocks (`units: blocks`, consecutive documents of one name)
+    keeps its blocks whole but the one the cut falls in, so the training blocks keep their endings (holding
+    out the tail of every block cut every one of them)."""
+    train: list[np.ndarray] = []
+    val: list[np.ndarray] = []
+    for _, group in itertools.groupby(zip(names, docs), key=lambda nd: nd[0]):
+        parts = [d for _, d in group]
+        total = sum(len(d) for d in parts)
+        keep = total - int(round(total * val_fraction))
+        for d in parts:
+            take = min(len(d), max(keep, 0))
+            if take:
+                train.append(d[:take])
+            if take < len(d):
+                val.append(d[take:])
+            keep -= len(d)
+    return train, val
 
 
 def _read(source: str, text_key: str, max_bytes: int | None) -> tuple[list[str], list[bytes], list[str]]:

@@ -79,6 +79,18 @@ def test_single_file_falls_back_to_holding_out_its_tail(tmp_path):
     assert c.train.tokens_N.tobytes() == b"x" * 900 and c.val.tokens_N.tobytes() == b"y" * 100
 
 
+def test_a_single_file_s_blocks_keep_their_endings_under_the_tail_split(tmp_path):
+    """`units: blocks` of one file: the tail held out is the file's (its last blocks, the block the cut falls in
+    split), not every block's, so the training blocks before the cut are whole."""
+    blocks = [f"def f{i}():\n    return {i}\n\n".encode() for i in range(10)]  # 10 blocks of 26-27 bytes
+    (tmp_path / "one.txt").write_bytes(b"".join(blocks))
+    c = load_corpus(str(tmp_path / "one.txt"), val_fraction=0.2, units="blocks")
+    files = load_corpus(str(tmp_path / "one.txt"), val_fraction=0.2)
+    assert c.split_by == "tail" and c.val.tokens_N.tobytes() == files.val.tokens_N.tobytes()  # the file's tail
+    train = [c.train.tokens_N[a:b].tobytes() for a, b in zip(c.train.offsets_M[:-1], c.train.offsets_M[1:])]
+    assert train[:-1] == blocks[:len(train) - 1] and blocks[len(train) - 1].startswith(train[-1])
+
+
 def test_unigram_entropy_matches_hand_computed():
     tokens = np.array([0, 0, 1, 2], dtype=np.uint8)
     expected = -(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25))
