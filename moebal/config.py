@@ -309,6 +309,9 @@ class TrainConfig:
     """AdamW beta1."""
     beta2: float = 0.95
     """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon, added to the root of the second moment (torch's default). A resume takes the config's
+    betas and epsilon, not the checkpoint's: the optimizer is built from the config and loads only its state."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -1421,6 +1424,8 @@ def _check_train(t: TrainConfig) -> None:
           f"over) must be in (0, 1]; got {t.decay_fraction}")
     _need(0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0,
           f"train.beta1 and train.beta2 (AdamW's betas) must be in [0, 1); got {t.beta1}, {t.beta2}")
+    _need(math.isfinite(t.adam_eps) and t.adam_eps > 0, f"'train.adam_eps' (AdamW's epsilon) must be a positive "
+          f"number, e.g. 1e-8; got {t.adam_eps}")
     for key, v in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
         _need(v >= 0, f"'{key}' must be >= 0; got {v}")
     for key, iv in [("train.eval_every", t.eval_every), ("train.ckpt_every", t.ckpt_every)]:

@@ -223,7 +223,7 @@ class FullyShardedAdamW(torch.optim.Optimizer):
                  for g in groups]
         dense = [g for g in dense if g["params"]]
         # foreach: DTensor parameters (the fused kernel takes plain tensors)
-        self.dense = torch.optim.AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True) \
+        self.dense = torch.optim.AdamW(dense, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, foreach=True) \
             if dense else None
         has_experts = any(is_expert_param(p) for p in model.parameters())
         units = experts_at_rest(model, cfg, dims)

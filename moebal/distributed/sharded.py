@@ -269,7 +269,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     for p in fl.params)
         self.inner = torch.optim.AdamW([{"params": fl.leaves, "weight_decay": fl.weight_decay}
                                         for fl in self.flats if fl.leaves],
-                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
                                        fused=fused or None, foreach=None if fused else True)
         self._active = False
         self._next = 0  # position in `order` of the next bucket to issue

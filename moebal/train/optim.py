@@ -36,7 +36,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, skip: Sequence[torch.Tenso
     groups = param_groups(model, t.weight_decay, skip)
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
                              fused=fused or None, foreach=None if fused else True)
 
 

@@ -96,6 +96,24 @@ def test_resuming_an_ended_wsd_run_with_more_steps_says_its_lr_jumps(tmp_path, c
            "lr 0.0002, where this schedule has 0.002, and step 4 runs at 0.002" in err, err
 
 
+def test_adam_eps_is_the_config_s_and_a_resume_takes_the_new_config_s(tmp_path):
+    """`train.adam_eps` reaches AdamW (1e-8 by default, torch's); a resume builds its optimizer from its own config
+    and loads only the state, so another epsilon (or betas) applies from the resumed step on; 0 is refused."""
+    from moebal.commands.train import build_trainer
+    from moebal.models import build_model
+
+    assert build_optimizer(build_model(tiny()), TrainConfig()).defaults["eps"] == 1e-8
+    first = build_trainer(tiny("train.steps=2", "train.ckpt_every=2", "train.eval_every=0"), tmp_path / "a",
+                          False, False)
+    first.train()
+    again = build_trainer(tiny("train.steps=3", "train.eval_every=0", "train.adam_eps=1e-3", "train.beta1=0.8"),
+                          tmp_path / "b", str(tmp_path / "a" / "ckpt-0000002"), False)
+    assert again.step == 2 and len(again.strategy.optimizer.state) > 0  # the moments were loaded
+    assert {(g["eps"], g["betas"]) for g in again.strategy.optimizer.param_groups} == {(1e-3, (0.8, 0.95))}
+    with pytest.raises(ConfigError, match="train.adam_eps"):
+        tiny("train.adam_eps=0")
+
+
 def test_no_weight_decay_on_norms_biases_and_vectors():
     from moebal.models import build_model
 
