@@ -1126,6 +1126,10 @@ def _check_whole(c: Config) -> None:
     _need(par.param_dtype == "fp32" or t.precision == "bf16",
           "'parallel.param_dtype: bf16' computes dense layers in bf16 beside fp32 expert weights, which needs bf16 "
           "autocast: set train.precision=bf16, or parallel.param_dtype=fp32")
+    _need(par.param_dtype == "fp32" or not c.moe.router_fp32,
+          "'moe.router_fp32' computes the router from an fp32 weight, and 'parallel.param_dtype: bf16' keeps every "
+          "dense weight's compute copy, the router's included, in bf16: set parallel.param_dtype=fp32 (bf16 "
+          "autocast still computes the layers in bf16), or moe.router_fp32=false")
     _need(m.n_heads % m.n_kv_heads == 0,
           f"'model.n_kv_heads' ({m.n_kv_heads}) must divide 'model.n_heads' ({m.n_heads})")
     _need(m.head_dim is not None or m.dim % m.n_heads == 0,

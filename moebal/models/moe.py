@@ -263,19 +263,24 @@ class MoELayer(nn.Module):
         if self.training and self.jitter > 0:
             jitter = torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter, generator=g)
             x_TD = x_TD * jitter
-        if self.router_fp32:
-            # transformers' DeepSeek routers: fp32 input times an fp32 weight, whatever the model's dtype or autocast
-            with torch.autocast(x_TD.device.type, enabled=False):
-                logits_TE = torch.nn.functional.linear(x_TD.float(), self.gate.weight.float())
-        else:
-            logits_TE = self.gate(x_TD)
+        logits_TE = self._router_linear(self.gate, x_TD)
         if self.router == "mlp_tanh":
-            logits_TE = self.gate_out(torch.tanh(logits_TE))
+            logits_TE = self._router_linear(self.gate_out, torch.tanh(logits_TE))
         if self.training and self.router_noise is not None:
-            std_TE = torch.nn.functional.softplus(self.gate_noise(x_in)) + self.router_noise
+            std_TE = torch.nn.functional.softplus(self._router_linear(self.gate_noise, x_in)) + self.router_noise
             draw = torch.empty_like(logits_TE).normal_(generator=g)
             logits_TE = logits_TE + draw * std_TE
         return logits_TE
+
+    def _router_linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """One of the router's bias-free linears: with `router_fp32` an fp32 input times an fp32 weight whatever
+        the model's dtype or autocast (transformers' DeepSeek routers), every one of them (the tanh MLP's second
+        linear and the noise scale too: the logits are fp32 throughout); else the module under the autocast."""
+        if not self.router_fp32:
+            out: torch.Tensor = layer(x)
+            return out
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x.float(), layer.weight.float())
 
     def route(self, x_TD: torch.Tensor) -> Routing:
         """The routing decision for tokens x_TD (selection bias applied to the choice only)."""

@@ -348,7 +348,9 @@ def _stage_layers(n_layers: int, pp: int) -> list[range]:
 def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv: bool) -> tuple[float, float]:
     """(attention part, FFN part) bytes saved for backward per token of one decoder layer; `expand_kv`: keys and
     values are saved at every query head (fp32 grouped-query attention on CUDA)."""
-    m, r = cfg.model, 4  # the residual stream stays fp32 (fp32 embeddings, fp32 + bf16 sums)
+    # the residual stream stays fp32 (fp32 embeddings, fp32 + bf16 sums); bf16 under parallel.param_dtype bf16
+    # (a bf16 embedding copy), where counting it at fp32 errs high
+    m, r = cfg.model, 4
     D, H, G, hd = m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim
     if m.mla is not None:
         q = H * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim)

@@ -280,3 +280,13 @@ def test_a_bad_value_s_error_names_its_key_or_section(override: str, named: str)
     with pytest.raises(ConfigError) as e:
         C.load(None, [override])
     assert named in str(e.value)
+
+
+def test_router_fp32_is_refused_with_bf16_weight_copies():
+    """`moe.router_fp32` promises an fp32 router weight; `parallel.param_dtype: bf16` computes from bf16 copies of
+    every dense weight, the router's included: refused with both fixes named."""
+    with pytest.raises(ConfigError, match=r"router_fp32.*parallel.param_dtype=fp32.*moe.router_fp32=false"):
+        C.load(None, ["moe.router_fp32=true", "parallel.param_dtype=bf16", "parallel.shard=optimizer",
+                    "train.precision=bf16"])
+    assert C.load(None, ["moe.router_fp32=true", "train.precision=bf16"]).moe.router_fp32
+

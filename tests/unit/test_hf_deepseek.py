@@ -170,6 +170,18 @@ def test_router_fp32_ignores_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = layer.router_logits(x)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+    # every linear of the router: LLaMA-MoE's tanh MLP and its noise scale too (training, a seeded draw)
+    mlp = MoELayer(32, 8, 16, 4, router="mlp_tanh", router_noise=0.1, router_fp32=True)
+    want = torch.tanh(x @ mlp.gate.weight.t()) @ mlp.gate_out.weight.t()
+    for noisy in (False, True):
+        mlp.train(noisy)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(1)
+            got = mlp.router_logits(x)
+        torch.manual_seed(1)
+        std = torch.nn.functional.softplus(x @ mlp.gate_noise.weight.t()) + 0.1
+        draw = torch.empty_like(want).normal_()
+        assert got.dtype == torch.float32 and torch.equal(got, want + draw * std if noisy else want), noisy
 
 
 def test_convert_cli_both_ways_through_a_moebal_directory(tmp_path, capsys):
