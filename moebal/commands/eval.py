@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "train.eval_batches, so that the loss is over the samples its validation read)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch over all ranks "
                    "(default: data.batch_size)")
+    p.add_argument("--precision", default="run", choices=("run", "fp32", "bf16"),
+                   help="compute precision: the run's train.precision (default: bf16 autocast after a bf16 run, as "
+                        "its validation computed), or fp32 / bf16 autocast")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
@@ -64,6 +67,7 @@ class ServeJob:
     labels: list[Any] = field(default_factory=list)  # next-token labels per batch (optional: the loss)
     threads: int = 1
     dilate: float = 1.0  # > 1: emulated devices this many times slower than a core (CPU benchmarks only)
+    bf16: bool = False  # the forwards under bf16 autocast (fp32 weights), as a bf16 run's validation computed
 
 
 def pack(job: ServeJob) -> bytes:
@@ -106,7 +110,7 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
                 # a padded row's real tokens, as the run's validation gives a served scheme (`served_forward`)
                 real_B = (lab != -100).sum(dim=1) if lab is not None else None
                 sched.begin()
-                with torch.no_grad():
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=job.bf16):
                     logits = model(mine, row_tokens=real_B).logits
                 fwd.append([dataclasses.asdict(r) for r in sched.records])
                 if policy == "static":
@@ -223,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     from moebal.data import build_data, eval_batches
     from moebal.distributed.ep_generate import check_expert_parallel
     from moebal.distributed.testing import run_ranks
+    from moebal.train.precision import compute_precision
 
     run_dir = Path(args.run_dir)
     if args.nproc < 1 or (args.batches is not None and args.batches < 1) or (args.batch_size is not None
@@ -249,14 +254,17 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{run_dir}: the validation split holds {val[0].ids_BT.shape[0]} rows, fewer than "
                               f"--nproc {args.nproc}: use fewer ranks")
         pairs = [(val[0].ids_BT[:rows], val[0].labels_BT[:rows])]
+    precision = compute_precision(cfg.train.precision, torch.device("cpu")) if args.precision == "run" \
+        else args.precision
     job = ServeJob(model=model, batches=[ids for ids, _ in pairs], labels=[labels for _, labels in pairs],
-                   policies=[policies], profile=profile)
+                   policies=[policies], profile=profile, bf16=precision == "bf16")
     try:
         results = run_ranks(serve_worker, args.nproc, pack(job), timeout_s=1800)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     summary: dict[str, Any] = {"run_dir": str(run_dir), "nproc": args.nproc, "batches": len(pairs),
                                "top_k": model.moe_layers().__next__().top_k, "torch": torch.__version__,
+                               "precision": precision,
                                "served": dataclasses.asdict(served) if served else None}
     for p in policies:
         rs = [r["rounds"][0][p] for r in results]

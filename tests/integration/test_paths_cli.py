@@ -172,6 +172,28 @@ def test_eval_serves_a_scheme_s_run_as_its_training_validated_it(tmp_path: Path,
         assert "Traceback" not in r.stderr
 
 
+def test_eval_of_a_bf16_run_computes_under_its_autocast(tmp_path: Path) -> None:
+    """A bf16 run validated under bf16 autocast: `moebal eval` on 2 expert-parallel ranks computes as it did by
+    default (`--precision run`) and gives its validation loss (equal here); `--precision fp32` serves the fp32
+    weights in fp32, another loss (3e-5 relative apart on this model)."""
+    out = tmp_path / "run"
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.eval_every=", "train.ckpt_every=",
+                                                 "train.precision="))]
+    r = moebal("train", "--out", str(out), *tiny, "train.steps=3", "train.eval_every=3", "train.ckpt_every=3",
+               "parallel.nproc=1", "train.precision=bf16")
+    assert r.returncode == 0, r.stderr
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]["val_loss"]
+    served = {}
+    for precision in ("run", "fp32"):
+        r = moebal("eval", str(out), "--nproc", "2", "--policy", "oracle", "--json", "--precision", precision)
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        assert res["oracle"]["equal_static"], res
+        served[res["precision"]] = res["static"]["val_loss"]
+    assert abs(served["bf16"] - trained) <= 1e-6 * trained, (served, trained)
+    assert abs(served["fp32"] - trained) > 1e-6 * trained, (served, trained)
+
+
 def test_eval_loss_of_padded_documents_counts_the_labelled_tokens(tmp_path: Path) -> None:
     """`data.samples: documents` pads each batch's rows with label -100: `moebal eval`'s validation loss is the mean
     over the labelled tokens, the trainer's own validation loss of the same checkpoint and batches (it once divided

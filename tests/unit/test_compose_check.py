@@ -73,7 +73,7 @@ def test_verdicts(script):
 def test_the_served_loss_is_checked_where_serving_is_the_validation_s_computation(script):
     case = {"eval.top_k1": False, "moe.capacity_factor": None, "train.precision": "fp32"}
     assert script.served_tolerance(case) == 1e-5
-    assert script.served_tolerance({**case, "train.precision": "bf16"}) == 5e-3  # validated under bf16 autocast
+    assert script.served_tolerance({**case, "train.precision": "bf16"}) == 1e-3  # served under bf16 autocast too
     assert script.served_tolerance({**case, "eval.top_k1": True}) is None  # another model than the trained top-k
     assert script.served_tolerance({**case, "moe.capacity_factor": 1.25}) is None  # drops per the trainer's groups
 
