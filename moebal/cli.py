@@ -113,7 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         rank = os.environ.get("RANK", "0")
         line = f"moebal {args.command}: error{'' if rank == '0' else f' (rank {rank})'}: {e}"
-        if rank == "0":  # every rank sees the same bad input; one reports it
+        # every rank sees the same bad input, and rank 0 reports it; a rank whose RANK is no rank number, or
+        # one started by hand, without a launcher's error file to carry its line, reports it itself
+        by_hand = not (os.environ.get(ERRORS_ENV) or os.environ.get(TORCHRUN_ERROR_ENV))
+        if rank == "0" or not rank.isdigit() or by_hand:
             print(line, file=sys.stderr)
         elif os.environ.get(ERRORS_ENV):  # a local launcher says it should this rank fail alone
             with contextlib.suppress(OSError):

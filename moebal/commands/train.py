@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moebal.config import Config, absolute_inputs, refuse_cpu_only
-from moebal.distributed.groups import pick_device
+from moebal.distributed.groups import check_env_world, pick_device
 from moebal.errors import ConfigError
 from moebal.fileio import write_text_whole
 from moebal.interop.hf_config import load
@@ -230,6 +230,7 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
+    check_env_world()  # a rank started by hand with a bad torchrun environment: one line, not a traceback or a hang
     cfg, out = resolve_config(args)
     refuse_cpu_only(cfg, pick_device().type)
     from moebal.train.spikes import injected_spike

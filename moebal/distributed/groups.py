@@ -43,19 +43,44 @@ import torch.distributed as dist
 
 from moebal.errors import ConfigError
 
-__all__ = ["ParallelDims", "backend_for", "check_ranks_fit", "env_world", "pick_device"]
+__all__ = ["ParallelDims", "backend_for", "check_env_world", "check_ranks_fit", "env_world", "pick_device"]
 
 AXES = ("pp", "dp", "ep", "dp_ep", "world")
 
 
 def env_world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) when absent."""
-    try:
-        env = os.environ
-        return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
-    except ValueError as e:
-        raise ConfigError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({e}); "
-                          "launch with torchrun or moebal train --nproc") from None
+    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) when absent (`check_env_world`)."""
+    check_env_world()
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def check_env_world() -> None:
+    """The torchrun environment of a rank started by hand is consistent (ConfigError naming the variable
+    otherwise): RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE integers where set, 0 <= RANK < WORLD_SIZE,
+    0 <= LOCAL_RANK < LOCAL_WORLD_SIZE, and for more than one rank the rendezvous address (MASTER_ADDR, and
+    MASTER_PORT a port number). torchrun and `moebal train --nproc` set all of them."""
+    env = os.environ
+    fix = "launch with torchrun (or moebal launch) or moebal train --nproc N"
+    got: dict[str, int] = {}
+    for key, default, low in (("WORLD_SIZE", 1, 1), ("RANK", 0, 0), ("LOCAL_RANK", 0, 0), ("LOCAL_WORLD_SIZE", 1, 1)):
+        raw = env.get(key)
+        try:
+            got[key] = default if raw is None else int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {key}={raw!r} must be an integer: {fix}") from None
+        if got[key] < low:
+            raise ConfigError(f"environment variable {key}={raw} must be at least {low}: {fix}")
+    for key, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if key in env and size in env and got[key] >= got[size]:
+            raise ConfigError(f"environment variable {key}={got[key]} is not below {size}={got[size]}: {fix}")
+    if got["WORLD_SIZE"] > 1:
+        if not env.get("MASTER_ADDR"):
+            raise ConfigError(f"WORLD_SIZE={got['WORLD_SIZE']} but MASTER_ADDR is not set (the rendezvous host): "
+                              f"{fix}")
+        port = env.get("MASTER_PORT", "")
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"environment variable MASTER_PORT={port!r} must be a port number (1-65535): {fix}")
 
 
 def backend_for(device: torch.device) -> str:

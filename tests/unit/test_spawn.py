@@ -166,3 +166,46 @@ def test_under_torchrun_a_rank_s_error_is_its_error_file(tmp_path, monkeypatch, 
     line = failure.message["extraInfo"]["py_callstack"]
     assert line.startswith("moebal plan: error (rank 2): --costs: expected numbers"), line
     assert failure.timestamp > 0
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 spawn.ERRORS_ENV, "TORCHELASTIC_ERROR_FILE")
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be an integer"),
+    ({"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x' must be an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, "RANK=3 is not below WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "MASTER_ADDR is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "notaport"}, "MASTER_PORT='notaport'"),
+], ids=["world-abc", "local-world-x", "world-0", "rank-3-of-2", "no-master-addr", "bad-port"])
+def test_a_bad_torchrun_environment_is_one_line_naming_the_variable(monkeypatch, capsys, env, named):
+    """A rank started by hand (`moebal train` under a torchrun environment set by hand): a variable that is not an
+    integer, out of range, or a missing rendezvous is one line on stderr naming it, before anything starts (it was
+    a traceback, a hang in the rendezvous, or for WORLD_SIZE=0 a silent one-process run)."""
+    from moebal.cli import main
+    from moebal.distributed.groups import check_env_world
+
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    check_env_world()  # no torchrun environment: one process
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=named):
+        check_env_world()
+    assert main(["train", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_rank_with_no_rank_number_says_why_it_stopped(monkeypatch, capsys):
+    """RANK=x: no rank 0 reports the bad input, so this rank does (its stderr was empty)."""
+    from moebal.cli import main
+
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--steps", "1"]) == 2
+    assert "RANK='x' must be an integer" in capsys.readouterr().err
