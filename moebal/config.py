@@ -1019,12 +1019,6 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
-    if origin is dict:
-        if not isinstance(value, dict) or not value:
-            raise ConfigError(f"{source}: '{key}' must be a non-empty mapping, e.g. {{a: 1, b: 2}}; got {_show(value)}")
-        kt, vt = typing.get_args(tp)
-        return {_coerce(kt, str(k) if kt is str else k, source, f"{key}.{k}"): _coerce(vt, v, source, f"{key}.{k}")
-                for k, v in value.items()}
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and ("off" if not value else "on") in choices:
@@ -1091,6 +1085,19 @@ def _one_line(e: Exception) -> str:
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _divisors(n: int, most: int = 24) -> str:
+    """The divisors of `n` for an error message: the first `most` of them, found up to sqrt(n) within a bounded
+    search (a mistyped count of 1e30 experts must not hang the loader)."""
+    small: list[int] = []
+    k = 1
+    while k * k <= n and k <= 10**6:
+        if n % k == 0:
+            small.append(k)
+        k += 1
+    found = sorted(set(small) | {n // k for k in small})
+    return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most or k * k <= n else "")
 
 
 REFUSE_REBALANCE_PP1 = ("pipeline.rebalance and pipeline.repack move layers between pipeline stages, and parallel.pp "
@@ -1226,9 +1233,9 @@ def _check_moe(c: Config) -> None:
     _need(moe.shared_ffn_dim is None or moe.shared_ffn_dim >= 1,
           f"'moe.shared_ffn_dim' must be at least 1, or null for shared_experts x expert_ffn_dim; got "
           f"{moe.shared_ffn_dim}")
-    _need(par.ep is None or moe.num_experts % par.ep == 0,
-          f"'moe.num_experts' ({moe.num_experts}) is not divisible by 'parallel.ep' ({par.ep}): "
-          f"choose ep among {[k for k in range(1, moe.num_experts + 1) if moe.num_experts % k == 0]}")
+    if par.ep is not None and moe.num_experts % par.ep:  # the divisors listed only then (a huge count is cheap)
+        raise ConfigError(f"'moe.num_experts' ({moe.num_experts}) is not divisible by 'parallel.ep' ({par.ep}): "
+                          f"choose ep among {_divisors(moe.num_experts)}")
     _need(moe.capacity_factor is None or moe.capacity_factor > 0,
           f"'moe.capacity_factor' must be positive, or null for dropless; got {moe.capacity_factor}")
     _need(moe.adaptive_threshold is None or 0.0 <= moe.adaptive_threshold <= 1.0,
@@ -1283,8 +1290,9 @@ def _check_mla(m: ModelConfig) -> None:
 
 def _check_groups(moe: MoEConfig) -> None:
     E, G, tg = moe.num_experts, moe.n_group, moe.topk_group
-    _need(G >= 1 and E % G == 0, f"'moe.n_group' ({G}) must be a positive divisor of 'moe.num_experts' ({E}): "
-                                 f"choose among {[g for g in range(1, E + 1) if E % g == 0]}")
+    if G < 1 or E % G:
+        raise ConfigError(f"'moe.n_group' ({G}) must be a positive divisor of 'moe.num_experts' ({E}): choose among "
+                          f"{_divisors(E)}")
     _need(tg is None or 1 <= tg <= G, f"'moe.topk_group' must be in 1..moe.n_group ({G}), or null for every group; "
                                       f"got {tg}")
     allowed = (tg or G) * (E // G)

@@ -86,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
             out = hf_to_moebal(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
         else:
             out = _moebal_to_hf(args)
-    except BaseException:
+    except BaseException as e:
         for d in made:  # deepest first; one that is not empty (something else wrote there) stays
             try:
                 d.rmdir()
             except OSError:
                 break
+        if isinstance(e, OSError) and _written_beside(e, Path(args.dst)):
+            raise ConfigError(f"DST {args.dst}: cannot write there ({e.strerror or e}): give a writable path") from e
         raise
     files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
@@ -103,3 +105,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"moebal convert: wrote {out} ({len(files)} files, {size / 1e6:.1f} MB) in {summary['seconds']:.1f} s",
               file=sys.stderr)
     return 0
+
+
+def _written_beside(e: OSError, dst: Path) -> bool:
+    """Whether `e` is about a file the conversion writes: DST, something in it, or its temporary sibling (DST is
+    written beside itself and renamed into place), not a file of SRC."""
+    if not e.filename:
+        return False
+    where, dst = Path(str(e.filename)).absolute(), dst.absolute()
+    return where == dst or dst in where.parents or (where.parent == dst.parent
+                                                     and where.name.startswith(f".{dst.name}.tmp"))
+

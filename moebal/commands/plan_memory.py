@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -90,6 +91,8 @@ def run_memory(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
+    if not (math.isfinite(args.skew) and args.skew >= 1.0):  # a skew below 1 shrank the activations to "fits"
+        raise ConfigError(f"--skew is the busiest rank's routed rows / the mean, so at least 1; got {args.skew}")
     cfg = load(args.config, list(args.overrides))
     # the default holds the layout's own stages and expert-parallel group (a preset of ep 8 on one rank is no job)
     least = (args.pp or cfg.parallel.pp) * (args.ep or cfg.parallel.ep or 1)

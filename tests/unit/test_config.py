@@ -290,3 +290,13 @@ def test_router_fp32_is_refused_with_bf16_weight_copies():
                     "train.precision=bf16"])
     assert C.load(None, ["moe.router_fp32=true", "train.precision=bf16"]).moe.router_fp32
 
+
+
+def test_a_huge_expert_count_loads_at_once_and_a_divisor_hint_stays_short():
+    """The divisors in an error message are listed only when the check fails, and within a bounded search: a
+    mistyped `moe.num_experts=1e30` hung the loader, which listed them on every load."""
+    assert C.load(None, ["moe.num_experts=1e30"]).moe.num_experts > 10**29
+    with pytest.raises(ConfigError, match=r"choose ep among 1, 2, 4, 8, 16, 32, 64$"):
+        C.load(None, ["moe.num_experts=64", "parallel.ep=3"])
+    with pytest.raises(ConfigError, match=r"choose ep among 1, 2, 4, 5, 8, .*, \.\.\.$"):
+        C.load(None, [f"moe.num_experts={10**30}", "parallel.ep=3"])

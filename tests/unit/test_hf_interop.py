@@ -388,3 +388,17 @@ def test_a_failed_export_is_raised_on_every_rank_not_waited_on(monkeypatch):
         hook.on_end(trainer(main=False, others_failed=True))
     hook.on_end(trainer(main=False, others_failed=False))  # nobody failed: no error
     assert agreed == [True, False, False]
+
+
+def test_convert_to_an_unwritable_destination_is_one_line(mixtral_dir, tmp_path, capsys):
+    """A DST that cannot be written (under /proc: its temporary sibling cannot be made) is one line naming DST, not
+    a traceback; a SRC that is no checkpoint still says so."""
+    from moebal.cli import main
+
+    src, _ = mixtral_dir
+    assert main(["convert", "hf-to-moebal", str(src), "/proc/moebal-convert-test"]) == 2
+    err = capsys.readouterr().err
+    assert "DST /proc/moebal-convert-test: cannot write there" in err and "Traceback" not in err, err
+    assert main(["convert", "hf-to-moebal", str(tmp_path), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} has no config.json" in err and "DST" not in err, err

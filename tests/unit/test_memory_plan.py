@@ -335,6 +335,14 @@ def test_layout_errors_name_the_fix():
         plan_memory(cfg, MemoryLayout(ranks=4), BARE)
 
 
+@pytest.mark.parametrize("skew", ["0.5", "-1", "nan"])
+def test_a_routing_skew_below_one_is_refused(capsys, skew):
+    """`--skew` is the busiest rank's routed rows over the mean, so >= 1 (-1 once gave negative activations and a
+    "fits")."""
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", "--skew", skew]) == 2
+    assert "--skew is the busiest rank's routed rows / the mean, so at least 1" in capsys.readouterr().err
+
+
 def test_impossible_job_is_refused_in_one_line(capsys):
     assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "a100", "--ranks", "1", "--pp", "1", "--ep", "1"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
