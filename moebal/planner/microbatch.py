@@ -630,8 +630,10 @@ def _micros(parts: Sequence[tuple[list[list[int]], int]], lengths: np.ndarray,
 
 
 def _counts(n: int, cost: MicroBatchCost) -> list[int]:
-    """Micro-batch counts a baseline's search tries: n / r for every profiled row count r (powers of two)."""
-    return sorted({-(-n // int(r)) for r in cost.rows_grid if r <= n} | {n})
+    """Micro-batch counts a baseline's search tries: n / r for every profiled row count r (powers of two), and 1
+    (the whole batch, which no r gives when n is not a power of two: where lockstep ranks split every
+    micro-batch's rows it may be the only count that gives each a row)."""
+    return sorted({-(-n // int(r)) for r in cost.rows_grid} | {n, 1})
 
 
 def _best_count(make: Any, counts: Sequence[int], stages: int, dp: int, memory: float | None) -> list[MicroBatch]:

@@ -394,3 +394,14 @@ def test_a_checkpoints_plan_scale_is_taken_only_for_as_many_stages():
     current = [0.8, 0.8]
     assert [planner._scale_of(s, current) for s in (5, 6, 7, 8)] == [[0.5, 0.9], current, None, current]
     assert planner._scale_of(5, current) == current  # taken once
+
+
+def test_a_baseline_s_search_tries_the_whole_batch_as_one_micro_batch():
+    """3 samples, 2 ranks splitting every micro-batch's rows (lockstep): only one micro-batch gives each a row,
+    and no profiled row count r gives ceil(3 / r) = 1 below 3, so the padding baseline refused a batch that fits."""
+    from moebal.planner.microbatch import _counts
+
+    cost = quad_table(P=3, max_len=256, max_tokens=2048)
+    assert 1 in _counts(3, cost)
+    plan = plan_microbatches(np.array([2, 13, 8]), cost, method="padding", lockstep=2)
+    assert [mb.rows for mb in plan.micro_batches] == [((0,), (1,), (2,))]
