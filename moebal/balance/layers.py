@@ -63,6 +63,9 @@ def expand_repack(sizes: Sequence[int], chain_size: int) -> list[int]:
     k = len(sizes)
     if k > chain_size or k < 1:
         raise ConfigError(f"partition {list(sizes)} has more stages than the {chain_size} ranks of the pipeline")
+    if min(sizes[0], sizes[-1]) < 1 or min(sizes) < 0:
+        raise ConfigError(f"partition {list(sizes)}: the first and last stages hold the embedding and the head and "
+                          f"need a layer each, and no stage holds fewer than 0")
     if k == chain_size:
         return list(sizes)
     if k == 1:

@@ -211,7 +211,9 @@ def diffuse(costs: Floats, sizes: Sequence[int], memory: Floats | None = None,
     move, layer order never changes and stages never become empty. The one-hop move is the chain of length 1.
     """
     c = _check(costs, len(sizes))
-    mem = np.zeros(c.size) if memory is None else np.asarray(memory, dtype=np.float64)
+    mem = np.zeros(c.size) if memory is None else _check(memory, 1, "memory")
+    if mem.size != c.size:
+        raise ConfigError(f"memory has {mem.size} entries but costs has {c.size}: give one value per layer")
     cap = np.inf if capacity is None else float(capacity)
     sizes = list(sizes)
     stage_loads(c, sizes)  # validates the partition

@@ -140,6 +140,9 @@ def test_diffusion_respects_memory_cap():
     sizes = diffuse(costs, [2, 2, 2], memory=memory, capacity=2.0)
     assert sizes == [2, 2, 2]  # every neighbour is full
     assert diffuse(costs, [2, 2, 2])[2] == 1  # without the cap a layer leaves the heavy stage
+    for wrong in (memory[:1], [*memory, 1.0]):  # one value per layer, as partition_by_time asks
+        with pytest.raises(ConfigError, match="give one value per layer"):
+            diffuse(costs, [2, 2, 2], memory=wrong, capacity=2.0)
 
 
 def test_diffusion_counts_the_pinned_embedding_and_head_against_the_cap():

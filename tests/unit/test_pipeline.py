@@ -241,6 +241,9 @@ def test_expand_repack_keeps_first_and_last_ranks():
         expand_repack([8], 4)
     with pytest.raises(ConfigError, match="more stages"):
         expand_repack([1] * 5, 4)
+    for empty_end in ([0, 4], [4, 0], [0, 2, 2, 2]):  # a forced plan releasing the embedding's or the head's rank
+        with pytest.raises(ConfigError, match="the first and last stages hold the embedding and the head"):
+            expand_repack(empty_end, 4)
 
 
 def test_stage_partition_round_trip_and_validation():
