@@ -1153,7 +1153,7 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
                 stk, e, _ = view.experts[name]
                 return (f"{reader.path} has no expert {e} of '{stk}' (layer tensor '{name}' is missing from the "
                         f"manifest): the checkpoint is incomplete; resume from an older checkpoint")
-            return f"{reader.path} holds no tensor '{name}', which this model has: {fix}"
+            return f"{reader.path} holds no tensor '{name}', which this model has: {_scheme_fix(name, fix)}"
         shape = view.pieces[name][1] if name in view.pieces else own
         if list(entry["shape"]) != list(shape):
             return (f"{reader.path}: '{name}' has shape {tuple(entry['shape'])} in the checkpoint but "
@@ -1167,6 +1167,15 @@ def _mismatch(reader: CheckpointReader, view: _LocalView) -> str | None:
         if entry is None or list(entry["shape"]) != list(t.shape):
             return f"{reader.path}: '{kept}' (which '{name}' is tied to) is missing or not {tuple(t.shape)}: {fix}"
     return None
+
+
+def _scheme_fix(name: str, fix: str) -> str:
+    """The fix for a tensor one side lacks: Mixture-of-Depths' routers (and predictors) are model parameters, so
+    a resume that switches `dynamism.scheme` to or from mod changes the model."""
+    if ".mod_router." in name or ".mod_predictor." in name:
+        return ("Mixture-of-Depths' routers are model parameters, so dynamism.scheme cannot switch to or from mod "
+                "on resume: resume with the checkpoint's dynamism.scheme (its config.yaml)")
+    return fix
 
 
 def load_checkpoint(reader: CheckpointReader, module: nn.Module, optimizer: torch.optim.Optimizer | None
@@ -1272,8 +1281,8 @@ def load_agreed(reader: CheckpointReader, module: nn.Module, optimizer: torch.op
     stored = {n for n in reader.manifest["tensors"] if ":" not in n}
     extra = sorted(stored - needed)
     if extra:
+        fix = "resume with the model config the checkpoint was written with (its config.yaml)"
         raise CheckpointError(f"{reader.path} holds tensors this model does not have ({', '.join(extra[:3])}"
-                              f"{' ...' if len(extra) > 3 else ''}): resume with the model config the checkpoint "
-                              f"was written with (its config.yaml)")
+                              f"{' ...' if len(extra) > 3 else ''}): {_scheme_fix(extra[0], fix)}")
     assert pending is not None
     return pending

@@ -12,7 +12,7 @@ import torch
 from moebal.errors import CheckpointError
 from moebal.train import Trainer
 from moebal.train.checkpoint import find_checkpoints
-from tests.unit.test_train import tiny
+from tests.unit.test_train import TINY, tiny
 
 CASES = {
     # jitter and adaptive gating draw on the torch RNG and move the routing; the bias update is a buffer
@@ -111,3 +111,19 @@ def test_every_rank_takes_rank_0s_expert_kernel():
     assert seen == [{"kernel": "loop", "source": "auto"}]  # what this rank would have chosen alone
     assert out is not None and out["kernel"] == "grouped_mm"
     assert {layer.experts.kernel for layer in model.moe_layers()} == {"grouped_mm"}
+
+
+def test_a_switch_to_or_from_mixture_of_depths_on_resume_names_the_scheme(tmp_path):
+    """Mixture-of-Depths' routers are model parameters: a plain checkpoint resumed as mod lacks them, a mod one
+    resumed as another scheme holds them; each is refused naming `dynamism.scheme` (it said "the model config")."""
+    from moebal.cli import main
+    from moebal.commands.train import build_trainer
+
+    common = ["train", "--nproc", "1", "--steps", "2", "train.ckpt_every=2", "train.eval_every=0"]
+    tiny_args = [x for x in TINY if not x.startswith(("train.steps=", "train.ckpt_every=", "train.eval_every="))]
+    for scheme, other in (("none", "mod"), ("mod", "pruning")):
+        src = tmp_path / scheme
+        assert main([*common, "--out", str(src), *tiny_args, f"dynamism.scheme={scheme}"]) == 0
+        cfg = tiny("train.steps=3", "train.eval_every=0", f"dynamism.scheme={other}")
+        with pytest.raises(CheckpointError, match="dynamism.scheme cannot switch to or from mod on resume"):
+            build_trainer(cfg, tmp_path / f"{scheme}-{other}", str(src / "ckpt-0000002"), False)
