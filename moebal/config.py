@@ -1472,6 +1472,37 @@ def to_dict(c: Any) -> dict[str, Any]:
     return dataclasses.asdict(c)
 
 
+RESUME_QUIET = ("name", "train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.schedule",
+                "train.decay_fraction", "train.eval_every", "train.eval_batches", "train.ckpt_every",
+                "train.keep_checkpoints", "train.ckpt_async", "train.progress", "train.threads", "train.time_limit_min",
+                "train.record_routing_every", "train.spike", "hf.export_to", "hf.export_dtype", "hf.shard_gb",
+                "parallel", "planner", "scheduler", "pipeline")
+"""Settings a resume does not list as changed (`config_changes`): the run's bookkeeping (its length, what it
+writes and when), the learning-rate schedule (`optim.schedule_change` says what a change of it does), and the
+layout and the placement and scheduling policies, which carry a run over to other ranks (docs/checkpoints.md)."""
+
+
+def config_changes(saved: dict[str, Any], c: Config) -> list[str]:
+    """`key old -> new` for each setting of `c` whose value differs from `saved` (a checkpoint's config.yaml as
+    plain data), outside `RESUME_QUIET`: a resume's overrides that change what the run computes from the next
+    step on (a precision, the routing, the model's maths, the optimizer's hyperparameters), said rather than
+    taken silently. Keys `saved` lacks (a checkpoint of an older version) are not compared."""
+    def leaves(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict):
+            return {k: v for key, sub in d.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: d}
+
+    old, new = leaves(saved), leaves(to_dict(c))
+    quiet = tuple(RESUME_QUIET) + tuple(f"{k}." for k in RESUME_QUIET)
+    return [f"{k} {old[k]!r} -> {v!r}" for k, v in new.items()
+            if k in old and _plain_value(old[k]) != _plain_value(v) and not k.startswith(quiet)]
+
+
+def _plain_value(v: Any) -> Any:
+    """A setting as YAML holds it (tuples are lists there)."""
+    return [_plain_value(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
 def dump(c: Config, path: str | Path | None = None) -> str:
     """YAML text of a config; written whole to `path` when given (beside it, then renamed over it: a run's
     config.yaml is what `--resume` starts from)."""

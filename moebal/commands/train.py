@@ -351,7 +351,8 @@ def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, w
                      f"{' on rank 0' if trainer.ctx.distributed else ''}, {trainer.strategy.describe()}, "
                      f"{cfg.train.steps} steps, {cfg.train.precision}, run directory {out}{resumed}\n")
         if trainer.resume_note and not trainer.finished:
-            stream.write(f"moebal train: {trainer.resume_note}\n")
+            for note in trainer.resume_note.splitlines():
+                stream.write(f"moebal train: {note}\n")
         stream.flush()
     if trainer.finished:  # a resumed run that has nothing left: say so, keep its summary
         if main:

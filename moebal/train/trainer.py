@@ -140,7 +140,8 @@ class Trainer:
         """... and their gradient norms before clipping (`train.spike.grad_factor`'s reference; checkpointed)."""
         self._resumed_at: int | None = None
         self.resume_note: str | None = None
-        """A resume under another learning-rate schedule than the checkpoint's run (`optim.schedule_change`)."""
+        """What a resume changes against the checkpoint's run, a line each: another learning-rate schedule
+        (`optim.schedule_change`), other settings (`config.config_changes`)."""
         self.data = data or build_data(cfg)
         if strategy is None:
             strategy = self._local(model, load_weights=ckpt is None)
@@ -265,7 +266,8 @@ class Trainer:
         restore_rng(mine["rng"])
         self._cut_logs(reader.step)  # one writer per file: another rank rewriting it could drop its new lines
         if self.ctx.is_main:
-            self.resume_note = _schedule_note(reader.path, self.cfg, reader.step)
+            notes = [_schedule_note(reader.path, self.cfg, reader.step), _changes_note(reader.path, self.cfg)]
+            self.resume_note = "\n".join(n for n in notes if n) or None
 
     def save(self) -> Path:
         """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
@@ -503,6 +505,20 @@ def set_threads(cfg: Config) -> None:
     """torch's intra-op threads: `train.threads`, or this machine's cores divided among its ranks."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc or 1))  # ranks on this machine (torchrun)
     torch.set_num_threads(cfg.train.threads or default_threads(local))
+
+
+def _changes_note(ckpt: Path, cfg: Config) -> str | None:
+    """The settings this resume changes against the checkpoint's own config.yaml (`config.config_changes`), as a
+    line; None when none does (or the checkpoint has no config.yaml)."""
+    from moebal.config import config_changes, load_data
+    from moebal.errors import ConfigError
+
+    try:
+        changed = config_changes(load_data(ckpt / "config.yaml")[0], cfg)
+    except (OSError, ConfigError):
+        return None
+    return f"resumed with settings other than the checkpoint's, from the next step on: {', '.join(changed)}" \
+        if changed else None
 
 
 def _schedule_note(ckpt: Path, cfg: Config, step: int) -> str | None:

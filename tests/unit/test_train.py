@@ -114,6 +114,24 @@ def test_adam_eps_is_the_config_s_and_a_resume_takes_the_new_config_s(tmp_path):
         tiny("train.adam_eps=0")
 
 
+def test_a_resume_names_the_settings_it_changes(tmp_path, capsys):
+    """A resume's overrides that change the maths from the next step on (routing, precision, the optimizer's
+    epsilon) are listed in a line; its length, logging and layout are not; a plain resume says nothing."""
+    from moebal.cli import main
+
+    run = ["train", "--nproc", "1", "--out", str(tmp_path), *TINY, "train.eval_every=0", "train.ckpt_every=1",
+           "train.steps=2"]
+    assert main(run) == 0
+    capsys.readouterr()
+    assert main(["train", "--nproc", "1", "--out", str(tmp_path), "--resume", "--steps", "3", "moe.top_k=1",
+                 "train.adam_eps=1e-6", "train.threads=1"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if "other than the checkpoint's" in x]
+    assert lines == ["moebal train: resumed with settings other than the checkpoint's, from the next step on: "
+                     "moe.top_k 2 -> 1, train.adam_eps 1e-08 -> 1e-06"], lines
+    assert main(["train", "--nproc", "1", "--out", str(tmp_path), "--resume", "--steps", "4"]) == 0
+    assert "other than the checkpoint's" not in capsys.readouterr().err
+
+
 def test_no_weight_decay_on_norms_biases_and_vectors():
     from moebal.models import build_model
 
