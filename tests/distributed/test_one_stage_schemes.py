@@ -160,10 +160,21 @@ def test_the_scheme_acts_on_one_stage(one):
 @pytest.mark.parametrize("layout,name", [("data_parallel", "sparse_attention"), ("data_parallel", "freezing"),
                                          ("data_parallel", "early_exit"), ("expert_parallel", "moe")])
 def test_one_stage_on_two_ranks_matches_one_process(one, two, layout, name):
+    """Within rounding of one process, up to a discrete decision rounding can flip: a token whose early-exit
+    confidence lies within rounding of the threshold exits in one run and not the other (on an AVX-512 Xeon one
+    token of 128 at step 4, 1.7e-5 apart in the loss after it). The steps before the first flip agree to 1e-5,
+    the flip moves at most a token or two, and the losses after it stay within 1e-3."""
     got = [r[layout][name]["losses"] for r in two]
     assert got[0] == got[1]  # both ranks report the same loss
     ref = one["schemes"][name]["losses"]
-    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got[0], ref, strict=True)), (got[0], ref)
+    flip = len(ref)
+    if name == "early_exit":
+        mine, theirs = ([r["survival"] for r in run["records"]] for run in (two[0][layout][name], one["schemes"][name]))
+        flip = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), len(ref))
+        if flip < len(ref):
+            assert flip >= 2 and max(abs(a - b) for a, b in zip(mine[flip], theirs[flip])) <= 2 / 128, (mine, theirs)
+            assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(got[0][flip:], ref[flip:])), (got[0], ref)
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got[0][:flip], ref[:flip], strict=True)), (got[0], ref)
 
 
 def test_a_one_stage_run_refuses_what_only_the_trainer_without_a_pipeline_runs():
