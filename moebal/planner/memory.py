@@ -345,37 +345,70 @@ def _stage_layers(n_layers: int, pp: int) -> list[range]:
     return out
 
 
-def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv: bool) -> tuple[float, float]:
+def _norm_bytes(D: int, a: int) -> int:
+    """Bytes an RMSNorm over D keeps per token: its input and output, and in fp32 also the normalised copy its
+    weight's gradient reads and the reciprocal root (measured on a CPU: counting two of the four left fp32 layers
+    7-10 % under)."""
+    return 4 * 2 * D + (4 * D + 4 if a == 4 else 0)
+
+
+def _act_per_token(cfg: Config, moe_layer: bool, a: int, skew: float, expand_kv: bool,
+                   cuda: bool = True) -> tuple[float, float]:
     """(attention part, FFN part) bytes saved for backward per token of one decoder layer; `expand_kv`: keys and
-    values are saved at every query head (fp32 grouped-query attention on CUDA)."""
+    values are saved at every query head (fp32 grouped-query attention on CUDA); `cuda`: the attention core of
+    multi-head latent attention is a fused kernel (elsewhere its q/k and v head widths differ, so SDPA takes the
+    math path, which keeps the [H, T, T] probabilities)."""
     # the residual stream stays fp32 (fp32 embeddings, fp32 + bf16 sums); bf16 under parallel.param_dtype bf16
     # (a bf16 embedding copy), where counting it at fp32 errs high
-    m, r = cfg.model, 4
+    m = cfg.model
     D, H, G, hd = m.dim, m.n_heads, m.n_kv_heads, cfg.head_dim
+    norm = _norm_bytes(D, a)
+    extra = 0.0
     if m.mla is not None:
         q = H * (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim)
         kv, o = q + H * m.mla.v_head_dim, H * m.mla.v_head_dim
+        # the latent and its norm (and the query's low-rank path), fp32 norms
+        extra = _norm_bytes(m.mla.kv_lora_rank, 4) + (_norm_bytes(m.mla.q_lora_rank, 4) if m.mla.q_lora_rank else 0)
+        if not cuda:
+            extra += 4 * H * cfg.data.seq_len  # the math path's probabilities, per query row
     else:
         q, kv, o = H * hd, 2 * (H if expand_kv else G) * hd, H * hd
+        if m.qk_norm != "none":  # the query and key norms: their fp32 input and normalised copy, and the roots
+            extra = 2 * 4 * (H + G) * hd + 4 * ((H + G) if m.qk_norm == "head" else 2)
     casts = 3 * a * D if a == 2 else 0  # autocast casts the norm output once per projection
-    attn = r * 2 * D + casts + a * (q + kv + 2 * o) + 4 * H
+    attn = norm + casts + a * (q + kv + 2 * o) + 4 * H + extra
     ffn_cast = a * D if a == 2 else 0
     if not moe_layer:
-        return attn, r * 2 * D + ffn_cast + a * 4 * m.ffn_dim
+        return attn, norm + ffn_cast + a * 4 * m.ffn_dim
     moe, F = cfg.moe, cfg.expert_ffn_dim
     routed = moe.top_k * skew * (a * (2 * D + 4 * F) + 3 * 8)  # rows: x, h1, h3, silu, product, output; indices
     shared_f = cfg.shared_expert_ffn_dim
-    return attn, r * 2 * D + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
+    return attn, norm + ffn_cast + 4 * 3 * moe.num_experts + routed + a * 4 * shared_f
+
+
+def _moe_kept_without_replay(cfg: Config, a: int, skew: float) -> float:
+    """Bytes per token an expert-parallel MoE block keeps under `recompute: moe|full`: it is never replayed whole
+    (its all-to-alls; moebal/models/recompute.py), only its expert GEMMs are checkpointed, so the FFN norm, the
+    router's probabilities and the routed rows stay, each row's input and output counted on both sides of the
+    exchange (sent and received), with its indices and weight."""
+    moe, D = cfg.moe, cfg.model.dim
+    ffn_cast = a * D if a == 2 else 0
+    return _norm_bytes(D, a) + ffn_cast + 4 * 3 * moe.num_experts + moe.top_k * skew * (4 * a * D + 3 * 8)
 
 
 def _layer_acts(cfg: Config, i: int, a: int, skew: float, recompute: str, expand_kv: bool,
-                sparse: float = 0.0) -> tuple[float, float]:
+                sparse: float = 0.0, ep: int = 1, cuda: bool = True) -> tuple[float, float]:
     """(kept across the forward pass, full) activation bytes per token of layer i under `recompute`; `sparse`: what
-    a block-sparse attention core keeps beyond the dense one (`sparse_core_extra`), part of the attention region."""
-    attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew, expand_kv)
+    a block-sparse attention core keeps beyond the dense one (`sparse_core_extra`), part of the attention region;
+    `ep` > 1: its MoE block is expert-parallel, never replayed whole (`_moe_kept_without_replay`)."""
+    attn, ffn = _act_per_token(cfg, cfg.is_moe_layer(i), a, skew, expand_kv, cuda)
     attn += sparse
     inp = 4 * cfg.model.dim
-    kept = {"none": attn + ffn, "attention": inp + ffn, "moe": attn + inp, "full": inp}[recompute]
+    if ep > 1 and cfg.is_moe_layer(i) and recompute in ("moe", "full"):
+        ffn_kept = _moe_kept_without_replay(cfg, a, skew)
+        kept = attn + ffn_kept if recompute == "moe" else inp + ffn_kept
+    else:
+        kept = {"none": attn + ffn, "attention": inp + ffn, "moe": attn + inp, "full": inp}[recompute]
     return kept, attn + ffn
 
 
@@ -584,8 +617,9 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     tok = rows * cfg.data.seq_len / M
     inflight = 1 if not lay.pipelined else M if lay.schedule == "gpipe" else min(lay.pp - s, M)
     sparse = sparse_core_extra(cfg, a, cuda)
-    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv, sparse) for i in layers]
-    kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (4 * 2 * D if s == lay.pp - 1 else 0)
+    kept_full = [_layer_acts(cfg, i, a, lay.routing_skew, lay.recompute, expand_kv, sparse, lay.ep, cuda)
+                 for i in layers]
+    kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (_norm_bytes(D, a) if s == lay.pp - 1 else 0)
     one_layer = max((f for _, f in kept_full), default=0.0)
     t["activations"] = tok * (inflight * kept + one_layer)
     logit = (4 + 4 + 4 + 4) if a == 4 else (2 + 4 + 4 + 4)
