@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from moebal.commands.bench import at_least
 from moebal.commands.targets import add_target_parsers, run_target
 from moebal.errors import ConfigError
 from moebal.fileio import complete_lines
@@ -61,7 +62,7 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", default="0", help="prophet: low-count ranks excluded per expert; a comma list is searched")
     p.add_argument("--keep-zero", action="store_true", help="prophet: also send replicas to ranks with no tokens")
     p.add_argument("--overlap", action="store_true", help="cost with eq. 8 (Trans/Agg hidden under compute)")
-    p.add_argument("--k", type=int, default=2, help="broadcast_topk: how many hottest experts (default 2)")
+    p.add_argument("--k", type=at_least(1), default=2, help="broadcast_topk: how many hottest experts (default 2)")
     p.add_argument("--max-replicas", type=int, default=None, metavar="N",
                    help="the most replicas a rank receives per layer (planner.max_replicas; default: no cap)")
     p.add_argument("--config", metavar="CONFIG", help="dry run for a model (preset name or YAML, e.g. "
@@ -73,7 +74,8 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="synthetic routing seed for --config")
     p.add_argument("--bench", action="store_true", help="measure planner latency on synthetic skewed counts")
     p.add_argument("--bench-sizes", default="64x64,256x256", help="RANKSxEXPERTS list for --bench")
-    p.add_argument("--repeats", type=int, default=31, help="timed repeats per case for --bench (median reported)")
+    p.add_argument("--repeats", type=at_least(1), default=31,
+                   help="timed repeats per case for --bench (median reported)")
 
 
 def run_experts(args: argparse.Namespace) -> int:
@@ -291,7 +293,7 @@ def _bench(args: argparse.Namespace, costs: Any, policies: list[str]) -> int:
             for _ in range(3):  # warm-up
                 plan = plan_experts(c_RE, policy, costs, None, **opts)
             times = []
-            for _ in range(max(1, args.repeats)):
+            for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 plan_experts(c_RE, policy, costs, None, **opts)
                 times.append(time.perf_counter() - t0)

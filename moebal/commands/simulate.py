@@ -144,6 +144,8 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
     for name, v in (("--ranks", ranks), ("--pp", pp), ("--ep", ep), ("--micro-batch-size", args.micro_batch_size)):
         if v < 1:
             raise ConfigError(f"{name} must be >= 1; got {v}")
+    if args.trace_ranks < 0:
+        raise ConfigError(f"--trace-ranks must be >= 0 (0: every rank); got {args.trace_ranks}")
     m = args.micro_batches or (1 if pp == 1 else 4 * pp)
     lina: dict[str, Any] = (dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2)
                             if args.lina else {})

@@ -37,6 +37,7 @@ from moebal.dynamism.scheme import (
     Dynamism,
     SchemeContext,
     as_decoder,
+    check_steps,
     layer_token_flops,
     ramp,
     real_positions,
@@ -95,6 +96,7 @@ class EarlyExit(Dynamism):
                               f"{L} layers always runs); got {said}" + ("" if L >= 2 else ": use at least 2 layers"))
         if not -1.0 <= threshold <= 1.0:
             raise ConfigError(f"dynamism early_exit: threshold is a cosine similarity in [-1, 1]; got {threshold}")
+        check_steps("early_exit", start=start, ramp_steps=ramp_steps)
         self.L, self.threshold, self.start, self.ramp_steps = L, float(threshold), int(start), int(ramp_steps)
         flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(L)]
         self.kv_share = [f["kv"] / sum(f.values()) for f in flops]

@@ -29,7 +29,7 @@ from torch import nn
 
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import whole_tensor
-from moebal.dynamism.scheme import Dynamism, SchemeContext, register
+from moebal.dynamism.scheme import Dynamism, SchemeContext, check_steps, register
 from moebal.errors import ConfigError
 from moebal.sync import to_host
 
@@ -71,6 +71,7 @@ class LayerFreezing(Dynamism):
             raise ConfigError(f"dynamism freezing: threshold ({threshold}) > 0, check_every ({check_every}) >= 1 "
                               f"and max_fraction ({max_fraction}) in (0, 1) required")
         self.L = cfg.model.n_layers
+        check_steps("freezing", start=start)
         self.threshold, self.check_every, self.start = float(threshold), int(check_every), int(start)
         self.max_frozen = max(0, min(self.L - 1, int(max_fraction * self.L)))
         self.frozen = 0

@@ -60,7 +60,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, as_decoder, layer_token_flops, ramp, register, row_tokens, run_as_forward
+from moebal.dynamism.scheme import (
+    Dynamism,
+    as_decoder,
+    check_steps,
+    layer_token_flops,
+    ramp,
+    register,
+    row_tokens,
+    run_as_forward,
+)
 from moebal.errors import ConfigError
 from moebal.models.subset import skip_layer, subset_block
 from moebal.sync import host_values, upload
@@ -155,6 +164,7 @@ class MixtureOfDepths(Dynamism):
             raise ConfigError(f"dynamism mod: every ({every}) must be >= 1 and first_layer ({first_layer}) in "
                               f"[0, {L - 1}]")
         self.cfg, self.L = cfg, L
+        check_steps("mod", start=start, ramp_steps=ramp_steps)
         self.capacity, self.start, self.ramp_steps, self.seed = float(capacity), int(start), int(ramp_steps), seed
         self.routed = set(range(first_layer, L, every))
         self.flops = [layer_token_flops(cfg, i, cfg.data.seq_len) for i in range(L)]

@@ -50,7 +50,7 @@ from torch import nn
 
 from moebal.distributed.expert_parallel import is_expert_param
 from moebal.distributed.fsdp import mask_rows_, whole_tensor
-from moebal.dynamism.scheme import Dynamism, SchemeContext, register
+from moebal.dynamism.scheme import Dynamism, SchemeContext, check_steps, register
 from moebal.errors import ConfigError
 from moebal.kernels.bench import time_fn
 from moebal.sync import count_ids
@@ -348,6 +348,7 @@ class GradualPruning(Dynamism):
                  every: int = 10, steps: int = 4, kernel: str = "auto") -> None:
         if kernel not in ("auto", "dense", "csr"):
             raise ConfigError(f"dynamism pruning: kernel must be auto, dense or csr; got {kernel!r}")
+        check_steps("pruning", start=start)
         self.schedule = zhu_gupta_schedule(final_sparsity, initial_sparsity, start, every, steps)
         self.L, self.kernel = cfg.model.n_layers, kernel
         self.rows = max(1, cfg.data.batch_size) * cfg.data.seq_len  # refined by the runner (micro-batch rows)

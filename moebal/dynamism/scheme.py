@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, MoebalModel
     from moebal.pipeline.units import UnitMap
 
-__all__ = ["ROW_TOKENS", "SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "layer_token_flops",
+__all__ = ["ROW_TOKENS", "SCHEMES", "Dynamism", "SchemeContext", "as_decoder", "build_dynamism", "check_steps",
+           "layer_token_flops",
            "ramp", "real_positions", "register", "row_tokens", "run_as_forward", "served_forward", "served_scheme"]
 
 
@@ -351,6 +352,14 @@ def register(name: str) -> Callable[[type[Dynamism]], type[Dynamism]]:
         return cls
 
     return deco
+
+
+def check_steps(scheme: str, **steps: int) -> None:
+    """A scheme's step settings (`start`, `ramp_steps`) are step counts: ConfigError naming the key when one is
+    negative (a negative `start` or ramp once read as 0)."""
+    for key, value in steps.items():
+        if int(value) < 0:
+            raise ConfigError(f"dynamism.{scheme}.{key} is a step count, >= 0; got {value}")
 
 
 def ramp(step: int, start: int, length: int, begin: float, end: float) -> float:

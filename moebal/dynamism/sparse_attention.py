@@ -77,7 +77,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moebal.dynamism.scheme import Dynamism, SchemeContext, as_decoder, layer_token_flops, register, run_as_forward
+from moebal.dynamism.scheme import (
+    Dynamism,
+    SchemeContext,
+    as_decoder,
+    check_steps,
+    layer_token_flops,
+    register,
+    run_as_forward,
+)
 from moebal.errors import ConfigError
 from moebal.kernels.bench import time_interleaved
 from moebal.kernels.sparse_attention import (
@@ -230,6 +238,7 @@ class DynamicSparseAttention(Dynamism):
                               "unset model.mla and model.sliding_window (or use another scheme)")
         self.L, self.T, self.block, self.budget = m.n_layers, T, block, budget
         self.coverage, self.lo, self.hi, self.walk_step = coverage, min_density, max_density, walk_step
+        check_steps("sparse_attention", start=start)
         self.start, self.attn_weight, self.overhead, self.seed = start, attn_weight, overhead, seed
         self.costs = costs
         self.cost_source = "given"

@@ -311,6 +311,10 @@ def _check(c: ClusterConfig) -> None:
     if r.id is not None:
         _check_word("rendezvous.id", r.id, "torchrun")
     _check_train(c.train)
+    nproc = flatten_overrides(c.train.overrides).get("parallel.nproc")
+    _need(nproc is None or nproc == c.world_size,
+          f"'train.overrides': parallel.nproc={nproc} but the cluster file's nodes run {c.world_size} ranks, which "
+          f"torchrun gives every rank: drop parallel.nproc (the nodes' slots set it) or change the nodes")
     if c.launcher == "ssh":
         _check_ssh(c)
     else:

@@ -79,6 +79,7 @@ def test_human_output(capsys) -> None:
     (["--seq-len", "0"], "--seq-len must be >= 1; got 0"),
     (["--zipf", "-1"], "must be >= 0; got -1.0"),
     (["--trace", "/proc/no/such/t.json"], "--trace /proc/no/such/t.json: cannot make its folder"),
+    (["--trace-ranks", "-1"], "--trace-ranks must be >= 0 (0: every rank); got -1"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2

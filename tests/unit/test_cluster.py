@@ -251,6 +251,7 @@ def test_a_placeholder_inside_quotes_of_a_template_word_is_refused(tmp_path, tem
     ({"launcher": "slurm", "nodes": [{"slots": 2}], "slurm": {"options": ["--qos=a b"]}}, "one option word"),
     ({"train": {"overrides": {"train.steps; rm": 1}}}, "is not a config key"),
     ({"max_restarts": -1}, "'max_restarts' must be >= 0"),
+    ({"train": {"overrides": {"parallel": {"nproc": 4}}}}, "parallel.nproc=4 but the cluster file's nodes run 2 ranks"),
 ])
 def test_bad_cluster_files_name_the_key_and_the_fix(tmp_path, change, message):
     data = {"nodes": [{"host": "a", "slots": 2}], **change}

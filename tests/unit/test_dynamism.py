@@ -390,3 +390,12 @@ def test_mixture_of_depths_forgets_a_layer_that_left_the_stage():
     assert set(mod.metrics()["predictor_accuracy"]) == {1, 3}
     mod.drop_layer(3)
     assert mod.metrics()["predictor_accuracy"] == {1: 0.9}
+
+
+@pytest.mark.parametrize("scheme,key", [("early_exit", "start"), ("early_exit", "ramp_steps"), ("mod", "start"),
+                                        ("mod", "ramp_steps"), ("freezing", "start"), ("pruning", "start"),
+                                        ("sparse_attention", "start")])
+def test_a_negative_step_setting_is_refused_naming_it(scheme, key):
+    """`start` and `ramp_steps` are step counts: -1 once read as 0 (the scheme set in at once)."""
+    with pytest.raises(ConfigError, match=rf"dynamism\.{scheme}\.{key} is a step count, >= 0; got -1"):
+        build_dynamism(scheme, {key: -1, **({"block": 8} if scheme == "sparse_attention" else {})}, cfg=small())

@@ -102,3 +102,7 @@ def test_other_errors(tmp_path, capsys, files):
     assert "tokn_bytes" in capsys.readouterr().err
     assert main(["plan"]) == 2
     assert "experts" in capsys.readouterr().err  # the target list
+    for flag in ("--repeats", "--k"):  # counts below 1 once ran "a median of 0" or a top-0 broadcast
+        with pytest.raises(SystemExit):
+            main(["plan", "experts", "--counts", str(files / "c.json"), flag, "0"])
+        assert f"argument {flag}: must be >= 1; got 0" in capsys.readouterr().err
