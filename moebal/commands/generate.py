@@ -155,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = [_ids(s, cfg.model.vocab_size) for s in args.prompt_ids]
     stops = args.stop_id if args.stop_id is not None else eos_ids(src.hf_dir)
-    bad = [s for s in args.stop_id or [] if not 0 <= s < cfg.model.vocab_size]
+    bad = [s for s in args.stop_id or [] if s != -1 and not 0 <= s < cfg.model.vocab_size]
     if bad:  # a stop id no token can match: the generation would never stop early
-        raise ConfigError(f"--stop-id {bad[0]} is not a token of this model (ids 0..{cfg.model.vocab_size - 1})")
+        raise ConfigError(f"--stop-id {bad[0]} is not a token of this model (ids 0..{cfg.model.vocab_size - 1}; "
+                          f"-1: no stop id)")
     model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     form: Any = None
     try:

@@ -185,7 +185,7 @@ def test_a_mixture_of_depths_run_with_predictors_generates_through_them_with_the
     (["--prompt-ids", "1,300"], "ids [300] are outside the vocabulary 0..255"),
     (["--prompt", "x", "--device", "cuda"], "no CUDA device"),
     (["--prompt", "x", "--tokenizer", "nope.json"], "no tokenizer for text prompts: nope.json does not exist"),
-    (["--prompt", "x", "--stop-id", "9999"], "--stop-id 9999 is not a token of this model (ids 0..255)"),
+    (["--prompt", "x", "--stop-id", "9999"], "--stop-id 9999 is not a token of this model (ids 0..255; -1: no "),
 ])
 def test_bad_input_is_named_in_a_line(run_dir: Path, args: list[str], words: str) -> None:
     if "cuda" in args and torch.cuda.is_available():
