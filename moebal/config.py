@@ -1493,9 +1493,9 @@ def config_changes(saved: dict[str, Any], c: Config) -> list[str]:
         return {prefix[:-1]: d}
 
     old, new = leaves(saved), leaves(to_dict(c))
-    quiet = tuple(RESUME_QUIET) + tuple(f"{k}." for k in RESUME_QUIET)
     return [f"{k} {old[k]!r} -> {v!r}" for k, v in new.items()
-            if k in old and _plain_value(old[k]) != _plain_value(v) and not k.startswith(quiet)]
+            if k in old and _plain_value(old[k]) != _plain_value(v)
+            and not any(k == q or k.startswith(q + ".") for q in RESUME_QUIET)]
 
 
 def _plain_value(v: Any) -> Any:

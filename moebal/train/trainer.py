@@ -20,6 +20,7 @@ this rank's own under the same layout, rank 0's otherwise; `StepStrategy.saved_r
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -266,8 +267,7 @@ class Trainer:
         restore_rng(mine["rng"])
         self._cut_logs(reader.step)  # one writer per file: another rank rewriting it could drop its new lines
         if self.ctx.is_main:
-            notes = [_schedule_note(reader.path, self.cfg, reader.step), _changes_note(reader.path, self.cfg)]
-            self.resume_note = "\n".join(n for n in notes if n) or None
+            self.resume_note = _resume_notes(reader.path, self.cfg, reader.step)
 
     def save(self) -> Path:
         """Checkpoint the current step (in the background with `train.ckpt_async`); the newest
@@ -507,31 +507,26 @@ def set_threads(cfg: Config) -> None:
     torch.set_num_threads(cfg.train.threads or default_threads(local))
 
 
-def _changes_note(ckpt: Path, cfg: Config) -> str | None:
-    """The settings this resume changes against the checkpoint's own config.yaml (`config.config_changes`), as a
-    line; None when none does (or the checkpoint has no config.yaml)."""
-    from moebal.config import config_changes, load_data
-    from moebal.errors import ConfigError
-
-    try:
-        changed = config_changes(load_data(ckpt / "config.yaml")[0], cfg)
-    except (OSError, ConfigError):
-        return None
-    return f"resumed with settings other than the checkpoint's, from the next step on: {', '.join(changed)}" \
-        if changed else None
-
-
-def _schedule_note(ckpt: Path, cfg: Config, step: int) -> str | None:
-    """`optim.schedule_change` against the schedule in the checkpoint's own config.yaml (None without one)."""
+def _resume_notes(ckpt: Path, cfg: Config, step: int) -> str | None:
+    """What this resume changes against the checkpoint's own config.yaml (read once), a line each: another
+    learning-rate schedule (`optim.schedule_change`), other settings (`config.config_changes`); None when nothing
+    does, or the checkpoint has no readable config.yaml."""
     import dataclasses
 
-    from moebal.config import load_data
+    from moebal.config import config_changes, load_data
     from moebal.errors import ConfigError
     from moebal.train.optim import SCHEDULE_KEYS, schedule_change
 
     try:
-        train = load_data(ckpt / "config.yaml")[0].get("train") or {}
-        was = dataclasses.replace(cfg.train, **{k: train[k] for k in SCHEDULE_KEYS if k in train})
-    except (OSError, ConfigError, TypeError):
+        saved = load_data(ckpt / "config.yaml")[0]
+    except (OSError, ConfigError):
         return None
-    return schedule_change(was, cfg.train, step)
+    notes = []
+    train = saved.get("train") or {}
+    with contextlib.suppress(TypeError):  # a saved key of another type: no schedule to compare
+        notes.append(schedule_change(dataclasses.replace(cfg.train, **{k: train[k] for k in SCHEDULE_KEYS
+                                                                        if k in train}), cfg.train, step))
+    changed = config_changes(saved, cfg)
+    if changed:
+        notes.append(f"resumed with settings other than the checkpoint's, from the next step on: {', '.join(changed)}")
+    return "\n".join(n for n in notes if n) or None
