@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moebal.errors import ConfigError
+from moebal.models import padding
 from moebal.sync import upload
 
 if TYPE_CHECKING:
@@ -134,8 +135,9 @@ def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor,
     carry = scheme.init_carry(B, T, ids_BT.device, n_B)
     if n_B is not None:
         carry[ROW_TOKENS] = n_B
-    for i, layer in enumerate(body.layers):
-        h_BTD = scheme.layer_forward(i, layer, h_BTD, cos_TK, sin_TK, carry)
+    with padding.rows(n_B, T):  # the MoE losses leave out the padding, as the engine's forward does
+        for i, layer in enumerate(body.layers):
+            h_BTD = scheme.layer_forward(i, layer, h_BTD, cos_TK, sin_TK, carry)
     out_BTD: torch.Tensor = body.norm(h_BTD)
     return out_BTD
 

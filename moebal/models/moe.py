@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moebal.kernels.dispatch import DispatchPlan, combine, dispatch, make_plan
 from moebal.kernels.expert_ffn import KERNELS, KernelName, auto_kernel, grouped_mm_supports, swiglu_experts
-from moebal.models import noise
+from moebal.models import noise, padding
 from moebal.models.mlp import MLP
 from moebal.routing import (
     GateSpec,
@@ -299,6 +299,7 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoELayer: expected input (..., {self.dim}); got shape {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.dim)
+        real_T = padding.real_mask(x.shape[:-1], x.device) if self.records else None  # the losses leave padding out
         r = self.route(x_TD)
         out_TD = self.dispatcher.forward(x_TD, r)  # expert parallel: all-to-alls around the experts
         if self.shared_expert is not None:
@@ -309,55 +310,71 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             out_TD = out_TD + shared_TD
-        self._record(r)
+        self._record(r, real_T)
         return out_TD.view(x.shape).to(x.dtype)
 
     # ---- losses and statistics --------------------------------------------------------------------------
 
-    def _record(self, r: Routing) -> None:
+    def _record(self, r: Routing, real_T: torch.Tensor | None = None) -> None:
+        """The routing statistics (every position: the dispatched work) and the losses (`real_T`: bool [T], the
+        real positions when rows end in padding, moebal/models/padding.py; None: every position)."""
         if not self.records:
             return
         stats = RoutingStats.from_routing(r)
-        aux = self._losses(r, stats)  # in a replay too: the backward unpacks its saved tensors
+        aux = self._losses(r, stats, real_T)  # in a replay too: the backward unpacks its saved tensors
         if self._replay:
             return  # the forward recorded this step's statistics and loss already
         self.last_routing, self.last_stats, self.aux_loss = r, stats, aux
         if self.training and torch.is_grad_enabled():
             self._step_stats = stats.clone() if self._step_stats is None else self._step_stats.add(stats)
 
-    def _losses(self, r: Routing, stats: RoutingStats) -> torch.Tensor:
+    def _losses(self, r: Routing, stats: RoutingStats, real_T: torch.Tensor | None = None) -> torch.Tensor:
+        """The coefficient-weighted balancing and z losses over the real positions (`real_T`, None: all)."""
         aux = r.logits_TE.new_zeros(())
         counts_E = None
         if self.aux_loss_coef > 0:
             if self.spec.adaptive_threshold is not None:
                 # Adaptive Gating Eq. 5.4: f counts top-1 decisions only (every token's first choice).
-                counts_E = assignment_counts(r.indices_TK[:, :1], None, self.num_experts)
-            else:
+                first_T1 = None if real_T is None else real_T.unsqueeze(1)
+                counts_E = assignment_counts(r.indices_TK[:, :1], first_T1, self.num_experts)
+            elif real_T is None:
                 counts_E = stats.routed_E
+            else:
+                taken_TK = real_T.unsqueeze(1).expand_as(r.indices_TK)
+                counts_E = assignment_counts(r.indices_TK, taken_TK if r.taken_TK is None else taken_TK & r.taken_TK,
+                                             self.num_experts)
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
-            return aux + self._global_losses(r, counts_E, self.stats_reducer)
+            return aux + self._global_losses(r, counts_E, self.stats_reducer, real_T)
         if r.probs_TE.shape[0] == 0:  # no token: no balancing or z loss (a mean over nothing is NaN), as skip_layer
             return aux
         if counts_E is not None:
-            aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E)
+            aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E, real_T)
         if self.z_loss_coef > 0:
-            aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE)
+            aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE, real_T)
         return aux
 
-    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: StatsReducer) -> torch.Tensor:
+    def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: StatsReducer,
+                       real_T: torch.Tensor | None = None) -> torch.Tensor:
         """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward).
 
         Load balancing: f from the summed counts, P from the summed probabilities over the summed token count
         (a product of means is not a mean of products). Z-loss: the summed squares over the summed token count
         (a mean of per-rank means is not the mean when ranks hold different numbers of tokens, e.g. after early
         exits). Counts travel as fp32 (exact below 2^24 assignments per expert) beside the probability sums;
-        the sum carries the gradient back to each rank's own tokens."""
+        the sum carries the gradient back to each rank's own tokens. `real_T`: only these positions count (padding
+        left out: moebal/models/padding.py), by masked sums."""
         T, E = r.probs_TE.shape
-        parts = [torch.full((1,), float(T), dtype=torch.float32, device=r.probs_TE.device)]
+        probs_TE = r.probs_TE
+        if real_T is None:
+            parts = [torch.full((1,), float(T), dtype=torch.float32, device=r.probs_TE.device)]
+        else:
+            w_T = real_T.to(torch.float32)
+            parts, probs_TE = [w_T.sum().reshape(1)], r.probs_TE * w_T.unsqueeze(1).to(r.probs_TE.dtype)
         if counts_E is not None:
-            parts += [counts_E.to(torch.float32), r.probs_TE.sum(dim=0)]
+            parts += [counts_E.to(torch.float32), probs_TE.sum(dim=0)]
         if self.z_loss_coef > 0:
-            parts.append(torch.logsumexp(r.logits_TE.float(), dim=-1).square().sum().reshape(1))
+            z_T = torch.logsumexp(r.logits_TE.float(), dim=-1).square()
+            parts.append((z_T if real_T is None else z_T * w_T).sum().reshape(1))
         total = reducer.sum_grad(torch.cat(parts))
         tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
         aux = r.logits_TE.new_zeros(())

@@ -8,7 +8,8 @@ layers run plain).
 
 Exactness: the recomputation runs the same operations on the same inputs, with the random generators'
 states of the forward restored (`preserve_rng_state`) and the router noise's key of the forward
-(moebal/models/noise.py: router jitter and noise draw the same numbers), so fp32
+(moebal/models/noise.py: router jitter and noise draw the same numbers) and rows' padding
+(moebal/models/padding.py: the MoE losses leave out the same positions), so fp32
 losses and gradients are bit-identical to "none". What must not happen twice is the MoE block's bookkeeping:
 the replay of a recomputed region (the second call of the region's function) runs its MoE block inside
 `MoELayer.replaying()`, which recomputes the routing, statistics and auxiliary loss (the backward needs their
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moebal.models import noise
+from moebal.models import noise, padding
 
 if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
@@ -50,6 +51,7 @@ def recompute_call(fn: Callable[..., torch.Tensor], moe: MoELayer | None, *args:
     scheme's own bookkeeping that must not happen twice: dynamic sparse attention's coverage statistics)."""
     calls = 0
     key = noise.current_key()  # the replay draws router noise under its forward's key, not the one set then
+    rows = padding.current()  # and leaves out its forward's padding (moebal/models/padding.py)
 
     def run(*a: Any) -> torch.Tensor:
         nonlocal calls
@@ -57,6 +59,7 @@ def recompute_call(fn: Callable[..., torch.Tensor], moe: MoELayer | None, *args:
         with ExitStack() as stack:
             if calls > 1:
                 stack.enter_context(noise.keyed(key))
+                stack.enter_context(padding.restored(rows))
                 if moe is not None:
                     stack.enter_context(moe.replaying())
                 if replay is not None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebal.config import Config
+from moebal.models import padding
 from moebal.models.mlp import MLP
 from moebal.models.recompute import recompute_call
 
@@ -299,12 +300,14 @@ class MoebalModel(nn.Module):
     def forward(self, ids_BT: torch.Tensor, row_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """`row_tokens`: each row's real tokens (host int64 [B]) when rows end in right padding, for a forward served
         through a dynamism scheme (`dynamism.scheme.served_forward`: Mixture-of-Depths keeps padding out of its
-        routed slots); the plain stack does not use them (causal attention keeps right padding from every real
-        position)."""
+        routed slots); the plain stack leaves the padding out of its MoE losses only (moebal/models/padding.py:
+        causal attention keeps right padding from every real position)."""
         h_BTD = self.embed_tokens(ids_BT)
         cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
-        for layer in self.layers:
-            h_BTD = layer(h_BTD, cos_TK, sin_TK)
+        padded = row_tokens is not None and int(row_tokens.min()) < ids_BT.shape[1]
+        with padding.rows(row_tokens if padded else None, ids_BT.shape[1]):
+            for layer in self.layers:
+                h_BTD = layer(h_BTD, cos_TK, sin_TK)
         out_BTD: torch.Tensor = self.norm(h_BTD)
         return out_BTD
 

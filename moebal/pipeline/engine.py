@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebal.dynamism.scheme import ROW_TOKENS, Dynamism
-from moebal.models import noise
+from moebal.models import noise, padding
 from moebal.pipeline.observe import LayerProfiler
 from moebal.pipeline.p2p import PipeChain
 from moebal.pipeline.stage import PipelineStage
@@ -270,7 +270,9 @@ class PipelineEngine:
         if last is not None:
             last(True)
         try:
-            with noise.micro_batch_key(j):  # router noise keyed by micro-batch (moebal/models/noise.py)
+            # router noise keyed by micro-batch (moebal/models/noise.py), the MoE losses without its padding
+            # (moebal/models/padding.py)
+            with noise.micro_batch_key(j), padding.rows(carry.get(ROW_TOKENS), ids_BT.shape[1]):
                 return self._forward_pass(j, ids_BT, labels_BT, label_count, aux_w, result, h_in, carry)
         finally:
             if last is not None:

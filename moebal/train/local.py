@@ -24,7 +24,7 @@ import torch
 from moebal.config import Config
 from moebal.data import Batch, DataBundle, DocumentSampler, PackedSampler, ordering_sampler
 from moebal.data.curriculum import row_complexity
-from moebal.models import noise
+from moebal.models import noise, padding
 from moebal.routing import RoutingStats
 from moebal.sync import to_host
 from moebal.train.distributed import RunContext
@@ -158,7 +158,8 @@ class LocalStep:
         Every rank runs every micro-batch, one with no label tokens too (its weight is 0): the MoE layers'
         exchanges need every rank's forward. Returns the rank's loss, the mean auxiliary loss and the
         per-micro-batch row complexities (`data.order: complexity`; none without it)."""
-        parts = [part.to(self.device) for part in self._micro_batches(batch)]  # split on the host: no device sync
+        host_parts = self._micro_batches(batch)
+        parts = [part.to(self.device) for part in host_parts]  # split on the host: no device sync
         count, total = len(parts), max(batch.n_tokens, 1)
         loss = aux = torch.zeros((), device=self.device)
         rows: list[torch.Tensor] = []
@@ -168,7 +169,9 @@ class LocalStep:
                 if j == count - 1:  # arm what sends gradients during the backward pass: only the last pass's
                     self._arm_last_pass(trainer, step, count)  # are the step's sums
                 share = part.n_tokens / total
-                with self.autocast(), noise.micro_batch_key(j):
+                labels_BT = host_parts[j].labels_BT  # the MoE losses leave out its padding
+                with self.autocast(), noise.micro_batch_key(j), \
+                        padding.rows(padding.rows_of_labels(labels_BT), labels_BT.shape[1]):
                     out = self.model(part.ids_BT, part.labels_BT)
                 # a micro-batch without label tokens has a non-finite mean; its weight is 0 and it adds no
                 # gradient

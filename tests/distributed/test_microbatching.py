@@ -15,6 +15,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.distributed.testing import run_ranks
+from moebal.models import padding
 
 from .test_pipeline import _merge, reference_losses
 
@@ -132,7 +133,7 @@ def planned_reference(cfg: Config, plans: list[dict]) -> dict:
         loss = aux = 0.0
         for mb in plan.micro_batches:
             ids, labels = micro_batch_tensors(samples, mb)
-            res = model(ids, labels)
+            res = model(ids, labels, padding.rows_of_labels(labels))  # the MoE losses without the padding
             part = res.loss * int((labels != -100).sum()) / count
             weighted = res.aux_loss * mb.tokens / count
             (part + weighted).backward()
@@ -159,7 +160,7 @@ def reference_grads(cfg: Config) -> dict[str, torch.Tensor]:
     seed_everything(cfg.train.seed)
     model = build_model(cfg)
     batch = build_data(cfg).train.next_batch()
-    out = model(batch.ids_BT, batch.labels_BT)
+    out = model(batch.ids_BT, batch.labels_BT, padding.rows_of_labels(batch.labels_BT))
     (out.loss + out.aux_loss).backward()
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
