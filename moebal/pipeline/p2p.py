@@ -150,9 +150,12 @@ class PipeChain:
         return self._groups[0] if self._pos[dst] > self._pos[src] else self._groups[1]
 
     def send(self, t: torch.Tensor, dst: int) -> None:
+        """Post a send of t; t stays referenced until the send completes (memory: the sends still in flight,
+        never the whole iteration's: completed ones are dropped at each send)."""
         t = t.detach().contiguous()
+        self._reap()
         work = dist.isend(t, dst, group=self._group(self.rank, dst))
-        self._pending.append((work, t))  # the tensor stays referenced until the send completes
+        self._pending.append((work, t))
         self.bytes_sent += t.numel() * t.element_size()
         if self._board is not None:
             self._board.posted_to(self.rank, dst)
@@ -190,6 +193,20 @@ class PipeChain:
         if self._board is not None:
             self._board.wait_count(src, self.rank, seq)
         work.wait()
+
+    def _reap(self) -> None:
+        """Drop the sends that have completed, so their buffers free (a query, no wait: on NCCL an event query of
+        the communication stream, no host sync); `wait` on each first returns at once and raises a failed send's
+        error."""
+        if not self._pending:
+            return
+        held = []
+        for work, t in self._pending:
+            if work.is_completed():
+                work.wait()
+            else:
+                held.append((work, t))
+        self._pending = held
 
     def flush(self) -> None:
         """Wait for every send posted so far (their buffers may then be reused or freed)."""

@@ -418,3 +418,35 @@ def test_cost_tracker_normalises_profiles_by_the_predicted_factor():
     t.update(np.array([2.0, 1.0, 0.0, 0.0]), np.array([2.0, 2.0, 0.0, 0.0]), np.zeros(4), factors=[1.0, 1.0])
     assert t.layer_costs().tolist() == [5.0, 3.0]
     assert t.layer_costs([0.0, 1.0])[0] > 0  # a layer never costs nothing
+
+
+class _Send:
+    """A posted send that completes when told to (`is_completed` as NCCL's: the transfer is done)."""
+
+    def __init__(self) -> None:
+        self.done = self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_a_chain_holds_only_the_sends_still_in_flight(monkeypatch):
+    """The chain drops a completed send's buffer at its next send (waiting on it, which returns at once), and
+    keeps every send not yet completed until `flush`: a stage holds the sends in flight, not the iteration's."""
+    from moebal.pipeline import p2p
+
+    works: list[_Send] = []
+    monkeypatch.setattr(p2p.dist, "isend", lambda t, dst, group=None: works.append(_Send()) or works[-1])
+    chain = p2p.PipeChain([0, 1], 0)
+    for j in range(8):
+        chain.send(torch.full((4,), float(j)), 1)
+        if j % 2 == 0:
+            works[-1].done = True  # the even sends complete at once, the odd ones stay in flight
+    assert [float(t[0]) for _, t in chain._pending] == [1.0, 3.0, 5.0, 7.0]  # the odd ones: still in flight
+    assert all(w.waited for w in works[::2]) and not any(w.waited for w in works[1::2])
+    chain.flush()
+    assert chain._pending == [] and all(w.waited for w in works)
