@@ -104,9 +104,9 @@ def serve_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
                                   else None, dilate=job.dilate)
             fwd, equal, diff, loss, n = [], True, 0.0, 0.0, 0
             for b, ids in enumerate(job.batches):
-                per = ids.shape[0] // world
-                mine = ids[rank * per:(rank + 1) * per]
-                lab = job.labels[b][rank * per:(rank + 1) * per] if job.labels else None
+                # near-equal rows per rank: a validation split shorter than one batch need not divide evenly
+                mine = ids.tensor_split(world)[rank]
+                lab = job.labels[b].tensor_split(world)[rank] if job.labels else None
                 # a padded row's real tokens, as the run's validation gives a served scheme (`served_forward`)
                 real_B = (lab != -100).sum(dim=1) if lab is not None else None
                 sched.begin()
@@ -248,12 +248,11 @@ def run(args: argparse.Namespace) -> int:
     batches = args.batches if args.batches is not None else cfg.train.eval_batches
     val = eval_batches(data.corpus.val, cfg.data.samples, cfg.data.seq_len, bs, batches)
     pairs = [(b.ids_BT, b.labels_BT) for b in val if b.ids_BT.shape[0] == bs]
-    if not pairs:  # a validation split shorter than one batch: as many of its rows as split evenly over the ranks
-        rows = val[0].ids_BT.shape[0] // args.nproc * args.nproc
-        if rows == 0:
+    if not pairs:  # a validation split shorter than one batch: all its rows, split near-evenly over the ranks
+        if val[0].ids_BT.shape[0] < args.nproc:
             raise ConfigError(f"{run_dir}: the validation split holds {val[0].ids_BT.shape[0]} rows, fewer than "
                               f"--nproc {args.nproc}: use fewer ranks")
-        pairs = [(val[0].ids_BT[:rows], val[0].labels_BT[:rows])]
+        pairs = [(val[0].ids_BT, val[0].labels_BT)]
     precision = compute_precision(cfg.train.precision, torch.device("cpu")) if args.precision == "run" \
         else args.precision
     job = ServeJob(model=model, batches=[ids for ids, _ in pairs], labels=[labels for _, labels in pairs],
