@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import load_tokenizer
-    from moebal.models.generate import DepthRule, ExitRule, Sampling, cached_form, causal_routing
+    from moebal.models.generate import DepthRule, ExitRule, Sampling, cached_form, causal_routing, check_prompts
 
     if args.max_new_tokens < 1 or args.batch_size < 1 or args.nproc < 1:
         raise ConfigError(f"--max-new-tokens, --batch-size and --nproc must be >= 1; got {args.max_new_tokens}, "
@@ -178,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         how = ("no KV cache (the whole prefix runs for every new token)" if not cache else
                "KV-cached, exits included" if isinstance(form, ExitRule) else "KV-cached")
         print(f"served as the run validated after step {served.step}: {line}; {how}")
+    try:  # every prompt before the first is decoded: a bad one in a later batch after printed batches wastes them
+        check_prompts(model, prompts, args.max_new_tokens, cache)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ep = _expert_parallel(args, src, model, prompts, sampling, cache, stops) if args.nproc > 1 else None
     gens = ep[-1] if ep is not None else _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling,
                                                         cache, stops)

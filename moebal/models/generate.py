@@ -42,13 +42,16 @@ if TYPE_CHECKING:
 __all__ = ["DepthRule", "ExitRule", "Generation", "KVCache", "Lockstep", "Sampling", "cached_form", "cached_forward",
            "check_prompts", "dropless", "filter_logits", "generate", "generate_many", "next_tokens", "query_mask"]
 
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
 
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen from the logits (module docstring)."""
 
     temperature: float = 0.0
-    """0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)."""
+    """0: greedy (the most likely token); > 0: sample from softmax(logits / temperature). Below fp32's smallest
+    normal number (1.2e-38) greedy too: the fp32 logits divided by it would overflow (0 / 0 at the top token)."""
     top_k: int = 0
     """Sample among the k most likely tokens only (0: all)."""
     top_p: float = 1.0
@@ -65,7 +68,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _FP32_TINY
 
 
 @dataclass

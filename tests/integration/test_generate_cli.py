@@ -194,6 +194,14 @@ def test_bad_input_is_named_in_a_line(run_dir: Path, args: list[str], words: str
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_every_prompt_is_checked_before_the_first_batch_decodes(run_dir: Path) -> None:
+    """A prompt too long for the model in the second of two one-prompt batches: refused before the first
+    decodes, so nothing is printed (the check once ran per batch, after the earlier batches' output)."""
+    r = moebal("generate", str(run_dir), "--prompt", "def ", "--prompt", "x" * 60, "--batch-size", "1",
+               "--max-new-tokens", "8", "--json")
+    assert r.returncode == 2 and "exceed the model's max_seq_len (64)" in r.stderr and r.stdout == "", r
+
+
 def test_a_directory_that_is_neither_a_run_nor_a_checkpoint_is_named(tmp_path: Path) -> None:
     r = moebal("generate", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2 and "not a directory" in r.stderr

@@ -137,6 +137,9 @@ def test_top_k_and_top_p_keep_the_tokens_they_name() -> None:
     # a tiny temperature the check accepts: the most likely token, not inf - inf (it once ended in a NaN error)
     tiny = Sampling(temperature=1e-40, seed=1)
     assert next_tokens(logits, tiny, torch.Generator().manual_seed(1)).tolist() == [0]
+    # one that rounds to 0 in fp32 (below its smallest subnormal): greedy, not 0 / 0 at the top token
+    for t in (1e-46, 1e-300):
+        assert Sampling(temperature=t).greedy and next_tokens(logits, Sampling(temperature=t), None).tolist() == [0]
 
 
 def test_draws_follow_the_filtered_distribution_and_repeat_by_seed() -> None:
