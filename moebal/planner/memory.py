@@ -117,9 +117,11 @@ one calibration run of the calibration model as dp 4 with `shard: full` (`script
 _STATE = ("parameters", "optimizer state", "persistent gradient buffers")
 PHASE_TERMS = {
     "forward/backward": (*_STATE, "compute-dtype weight copies", "activations", "logits/loss", "all-to-all buffers",
-                         "pipeline p2p buffers", "replicas (Pro-Prophet)", "FSDP2 reduce-scatter buffers",
+                         "pipeline p2p buffers", "replicas (Pro-Prophet)", "Agg receive buffers (Pro-Prophet)",
+                         "FSDP2 reduce-scatter buffers",
                          "whole gradient sums (FSDP2)"),
-    "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy", "tied head gradient (full)"),
+    "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy", "tied head gradient (full)",
+                      "replicas (Pro-Prophet)"),
     "migration": (*_STATE, "migration: whole moments + new flats", "migration: moved layers whole"),
     "start-up": ("start-up (whole model built)",),
 }
@@ -138,6 +140,7 @@ _TERM_SETTING = {
     "logits/loss": "a smaller data.batch_size (or train.grad_accum above 8)",
     "whole gradient sums (FSDP2)": "parallel.accumulate=sharded",
     "replicas (Pro-Prophet)": "planner.max_replicas=1 (or planner.policy=static)",
+    "Agg receive buffers (Pro-Prophet)": "planner.policy=static",
     "migration: whole moments + new flats": "pipeline.rebalance=off",
     "migration: moved layers whole": "pipeline.rebalance=off",
 }
@@ -634,6 +637,9 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     local = cfg.moe.num_experts // lay.ep if cfg.moe.num_experts else 0
     # per layer: each replica buffer, its gradient and its row of the stacked weights, plus the owned rows stacked
     t["replicas (Pro-Prophet)"] = (n_moe * expert_params * a * (3 * reps + local) if reps else 0.0)
+    # Agg's receive buffers on the owner, one per (replicated expert it owns, holder), each other rank holding at
+    # most `reps` replicas of the rank's `local` experts (`ExpertParallel._agg_issue`): all of them at once
+    t["Agg receive buffers (Pro-Prophet)"] = n_moe * expert_params * a * min(local, reps) * (lay.ep - 1)
 
 
 def _expert_weight_bytes(cfg: Config, lay: MemoryLayout, specs: list[_Layer], whole: float) -> float:

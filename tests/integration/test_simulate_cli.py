@@ -156,11 +156,12 @@ def test_the_readme_row_of_the_1024_rank_simulation_is_what_its_command_prints(c
     memory = with_prophet["memory"]
     gb, of = (int(x) for x in re.search(r"do not fit this layout: (\d+) GB per rank of (\d+)", row).groups())
     assert not memory["fits"] and round(memory["peak_bytes"] / 1e9) == gb and memory["capacity_bytes"] / 1e9 == of
-    # ... and that one replica per rank and layer (planner.max_replicas=1) fits, at its time and peak
-    capped_s, capped_gb = (float(x) for x in re.search(
-        r"; ([\d.]+) s with them capped at one per rank and layer, `planner.max_replicas=1`, which fits: ([\d.]+) GB",
-        row).groups())
+    # ... and that one replica per rank and layer (planner.max_replicas=1) does not fit either, at its time and peak
+    capped_s, capped_gb, recv_gb = (float(x) for x in re.search(
+        r"; ([\d.]+) s with them capped at one per rank and layer, `planner.max_replicas=1`, which does not fit "
+        r"either: ([\d.]+) GB per rank, ([\d.]+) GB of it Agg's receive buffers", row).groups())
     capped = _json(capsys, [*command, "--policy", "prophet", "planner.max_replicas=1", "--json"])
-    assert round(capped["iteration_time_s"], 1) == capped_s and capped["memory"]["fits"]
+    assert round(capped["iteration_time_s"], 1) == capped_s and not capped["memory"]["fits"]
     assert round(capped["memory"]["peak_bytes"] / 1e9, 1) == capped_gb
+    assert round(capped["memory"]["terms"]["Agg receive buffers (Pro-Prophet)"] / 1e9, 1) == recv_gb
 

@@ -609,6 +609,12 @@ def test_the_replica_term_follows_the_policy_bound_and_planner_max_replicas():
     per = term() / (3 * 6 + 2)  # per layer: each replica, its gradient and its stacked row, plus the owned rows
     assert per > 0
     assert term("planner.max_replicas=1") == per * (3 * 1 + 2)
+    # Agg's receive buffers on the owner: each of the 3 other ranks may hold a replica of both its experts (6), or
+    # of one of them under a cap of 1 (3)
+    recv = plan_memory(load(None, args), lay, BARE).terms["Agg receive buffers (Pro-Prophet)"]
+    assert recv == per * 6
+    assert plan_memory(load(None, [*args, "planner.max_replicas=1"]), lay, BARE).terms[
+        "Agg receive buffers (Pro-Prophet)"] == per * 3
     assert term("planner.max_replicas=99") == term()
     assert term("planner.max_replicas=0") == 0.0
 
