@@ -1330,6 +1330,10 @@ def _check_plan_ahead(c: Config) -> None:
     _need(pl.path_profile is None or Path(pl.path_profile).is_file(),
           f"'planner.path_profile' {pl.path_profile!r} is not a file: build one with `moebal paths RUN_DIR -o FILE`, "
           f"or set it to null to build the profile online")
+    n_moe = sum(1 for i in range(c.model.n_layers) if c.is_moe_layer(i))
+    _need(pl.path_len < n_moe, f"'planner.plan_ahead: path' plans MoE layer j from the path through the "
+          f"planner.path_len ({pl.path_len}) MoE layers before it, so only layers path_len.. of the model's {n_moe} "
+          f"MoE layers: none here; set planner.path_len below {n_moe} (or plan_ahead off)")
 
 
 def _check_pipeline(p: PipelineConfig) -> None:

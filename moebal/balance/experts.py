@@ -575,7 +575,7 @@ def _plan_ahead(cfg: Config, ep: ExpertParallel, balancer: ExpertBalancer) -> Pl
 
     profile = PathProfile.load(p.path_profile) if p.path_profile else None
     return PlanAhead(len(ep.layers), cfg.moe.num_experts, p.path_len, balancer.plan_ahead, ep.dims.device,
-                     profile, refresh=p.path_refresh, window=p.path_window)
+                     profile, top_k=cfg.moe.top_k, refresh=p.path_refresh, window=p.path_window)
 
 
 def _read_windows(reader: CheckpointReader, shard: int, gather: Callable[[Any], list[Any]]
@@ -713,7 +713,7 @@ class StageExperts:
             return balancer.plan_ahead(ids[j], est_RE)
 
         self.ahead = PlanAhead(len(ids), self.cfg.moe.num_experts, p.path_len, plan, self.dims.device, profile,
-                               refresh=p.path_refresh, window=p.path_window)
+                               top_k=self.cfg.moe.top_k, refresh=p.path_refresh, window=p.path_window)
         self.ep.set_plan_ahead(self.ahead)
 
     def _ahead_observe(self, ids: list[int], counts: dict[int, np.ndarray]) -> None:

@@ -138,8 +138,11 @@ class PlanAhead:
     online from this rank's routing: `refresh`, `window` in steps)."""
 
     def __init__(self, num_layers: int, num_experts: int, path_len: int, plan: PlanFn, device: torch.device,
-                 profile: PathProfile | None = None, *, refresh: int = 10, window: int = 40,
+                 profile: PathProfile | None = None, *, top_k: int | None = None, refresh: int = 10, window: int = 40,
                  min_tokens: int = 1) -> None:
+        """`top_k`: the model's; a loaded profile recorded at another k is scaled to it (its distributions sum to
+        its own k: a top-1 profile on a top-2 model would plan from half the assignments), as Lina's inference
+        scheduler scales it (`LinaInference.profile_scale`). None: the profile's own k."""
         if num_experts ** path_len >= 2 ** 62:
             raise ValueError(f"planner.path_len {path_len} with {num_experts} experts: paths do not fit an int64 code "
                              f"(E^l < 2^62); use a shorter planner.path_len")
@@ -161,6 +164,7 @@ class PlanAhead:
         self.samples: deque[np.ndarray] = deque(maxlen=window + refresh - 1)
         self.fresh = 0  # samples taken since the last build
         self.paths: DevicePaths | None = None if profile is None else DevicePaths(profile, device, path_len)
+        self.profile_scale = 1.0 if profile is None or top_k is None else top_k / profile.top_k
         self.steps = 0
         self.scale = 1.0  # the step's tokens over its first forward's (`set_step_scale`)
         self._issue: IssueFn | None = None
@@ -219,7 +223,7 @@ class PlanAhead:
         if i + 1 not in self.pending or self.paths is None:
             return None
         est_E = self.paths.estimate(self._top1, i + 1, self.min_tokens)
-        return (est_E * (self.scale * SCALE)).round().to(torch.int64)
+        return (est_E * (self.scale * self.profile_scale * SCALE)).round().to(torch.int64)
 
     def on_counts(self, i: int, est_RE: list[list[int]]) -> None:
         """Layer i's count exchange brought every rank's fixed-point estimate of layer i+1: plan it, issue Trans."""
@@ -245,6 +249,7 @@ class PlanAhead:
 
     def _build(self, samples: list[np.ndarray]) -> None:
         self.paths = DevicePaths(build_profile(samples, self.E, self.path_len), self.device)
+        self.profile_scale = 1.0  # this model's own routing, at its own k
         self.fresh = 0
 
     def layer_accuracy(self, counts: dict[int, np.ndarray], previous: dict[int, np.ndarray | None],

@@ -154,6 +154,9 @@ def test_config_refusals(tmp_path) -> None:
             from_dict({**base, "planner": {**base["planner"], **bad}})
     with pytest.raises(ConfigError, match="token subsets"):
         from_dict({**base, "dynamism": {"scheme": "mod"}})
+    # a path as long as the MoE layers leaves no layer to plan ahead (it once ran, planning nothing)
+    with pytest.raises(ConfigError, match="set planner.path_len below 4"):
+        from_dict({**base, "planner": {**base["planner"], "path_len": 4}})
     # inside pipeline stages: with expert parallelism, not without it; token-subset schemes still refused
     stages = {**base, "parallel": {"pp": 2, "ep": 2, "nproc": 4}}
     assert from_dict(stages).planner.plan_ahead == "path"
@@ -195,6 +198,19 @@ def test_the_step_scale_multiplies_the_estimate() -> None:
     assert est is not None and est.tolist() == [0, 0, 10 * SCALE, 10 * SCALE]
     with pytest.raises(ValueError, match="positive"):
         ahead.set_step_scale(0.0)
+
+
+def test_a_profile_recorded_at_another_top_k_is_scaled_to_the_model_s() -> None:
+    """A top-1 profile on a top-2 model: its distributions sum to 1 per token, the model routes 2, so the
+    estimate is doubled (it planned from half the assignments); a profile at the model's own k is not scaled."""
+    top1 = build_profile([np.array([[[0]] * 4, [[2]] * 4])], 4, path_len=1)
+    top2 = build_profile([np.array([[[0, 1]] * 4, [[2, 3]] * 4])], 4, path_len=1)
+    for profile, want in ((top1, [0, 0, 8 * SCALE, 0]), (top2, [0, 0, 4 * SCALE, 4 * SCALE])):
+        ahead = PlanAhead(2, 4, 1, lambda j, est: ExpertPlacement.static(4, 2), torch.device("cpu"), profile,
+                          top_k=2)
+        ahead.arm(lambda j, p: None)
+        est = ahead.on_gate(0, torch.tensor([[0, 1]] * 4))
+        assert est is not None and est.tolist() == want and int(est.sum()) == 4 * 2 * SCALE
 
 
 class _Reader:
@@ -324,7 +340,7 @@ def test_one_process_training_refuses_plan_ahead(tmp_path) -> None:
     from tests.cli_util import run_cli
 
     model = ("model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "moe.num_experts=4",
-             "planner.plan_ahead=path")
+             "planner.plan_ahead=path", "planner.path_len=1")
     r = run_cli("train", "--steps", "1", "--nproc", "1", "--out", str(tmp_path / "a"), *model)
     assert r.returncode != 0 and "parallel.nproc 1 (one process)" in r.stderr and "plan_ahead off" in r.stderr
     r = run_cli("train", "--steps", "1", "--out", str(tmp_path / "b"), *model, env={"RANK": "0", "WORLD_SIZE": "1"})
