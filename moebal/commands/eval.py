@@ -197,10 +197,13 @@ def set_top_k(model: Any, k: int) -> None:
         layer.top_k = k
 
 
-def policies_and_profile(policy: str, profile_arg: str | None, source: Path, scheme: str) -> tuple[list[str], Any]:
+def policies_and_profile(policy: str, profile_arg: str | None, source: Path, scheme: str,
+                         model: Any) -> tuple[list[str], Any]:
     """(the policies to run, static first: its outputs are the reference the others must equal bit for bit; the
     path profile Lina's policies plan from, None for the others), for `--policy` and `--profile` (default
-    SOURCE/paths.npz) of a model trained with dynamism scheme `scheme`."""
+    SOURCE/paths.npz) of `model`, trained with dynamism scheme `scheme`; a profile of another model is refused
+    here, before any rank starts."""
+    from moebal.distributed.lina_inference import check_profile
     from moebal.planner.paths import PathProfile
 
     policies = ["static", "lina", "phase1", "oracle"] if policy == "all" else list(dict.fromkeys(["static", policy]))
@@ -216,9 +219,11 @@ def policies_and_profile(policy: str, profile_arg: str | None, source: Path, sch
         raise ConfigError(f"{path}: no path profile: build one with `moebal paths {source}` (record the routing "
                           f"with train.record_routing_every=N), or use --policy static")
     try:
-        return policies, PathProfile.load(path)
+        profile = PathProfile.load(path)
+        check_profile(model, profile)
     except ValueError as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from e
+    return policies, profile
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         check_expert_parallel(model, args.nproc, "its validation loss is in the run's metrics.jsonl")
     except ValueError as e:
         raise ConfigError(f"{run_dir}: {e}") from None
-    policies, profile = policies_and_profile(args.policy, args.profile, run_of(run_dir), cfg.dynamism.scheme)
+    policies, profile = policies_and_profile(args.policy, args.profile, run_of(run_dir), cfg.dynamism.scheme,
+                                             model)
     bs = args.batch_size or cfg.data.batch_size
     if bs % args.nproc:
         raise ConfigError(f"--batch-size {bs} must be a multiple of --nproc {args.nproc}")

@@ -217,7 +217,7 @@ def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts:
     from moebal.distributed.ep_generate import expert_parallel_generate
 
     policies, profile = policies_and_profile(args.policy, args.profile, run_of(Path(args.source)),
-                                             src.cfg.dynamism.scheme)
+                                             src.cfg.dynamism.scheme, model)
     try:
         res = expert_parallel_generate(model, prompts, args.nproc, args.max_new_tokens, sampling,
                                        batch_size=args.batch_size, stop_ids=stops, cache=cache, policies=policies,

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
     from moebal.routing import Routing
 
-__all__ = ["CPU_BLOCK_ROWS", "LAYER_PARTS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference",
+__all__ = ["CPU_BLOCK_ROWS", "LAYER_PARTS", "MIN_ROWS", "POLICIES", "LayerRecord", "LinaInference", "check_profile",
            "expert_rows", "slowest_rank_parts", "slowest_rank_times"]
 
 POLICIES = ("static", "lina", "phase1", "oracle")
@@ -138,6 +138,17 @@ class _ForwardState:
     tokens: float | None = None  # the batch's tokens over every rank, known from layer 0's count exchange on
 
 
+def check_profile(model: Any, profile: PathProfile) -> None:
+    """ValueError unless `profile` describes `model`'s MoE layers and experts (a command checks it before its
+    ranks start, the scheduler again on each rank)."""
+    layers = list(model.moe_layers())
+    E = layers[0].num_experts if layers else 0
+    if profile.num_layers != len(layers) or profile.num_experts != E:
+        raise ValueError(f"the path profile describes {profile.num_layers} layers of {profile.num_experts} "
+                         f"experts; the model has {len(layers)} MoE layers of {E}: build the profile from this "
+                         f"model's routing (`moebal paths RUN_DIR`)")
+
+
 class LinaInference:
     """Attach to a model (every rank holds the full model): each MoE layer's tokens go through a
     `LinaDispatcher` over `group`. Call `begin()` before each forward; `records` then holds its layers."""
@@ -151,11 +162,8 @@ class LinaInference:
             raise ValueError(f"policy {policy!r} plans from a path profile: build one with `moebal paths` and pass "
                              f"it (or use policy 'static' or 'oracle')")
         self.layers: list[MoELayer] = list(model.moe_layers())
-        if profile is not None and (profile.num_layers != len(self.layers)
-                                    or profile.num_experts != self.layers[0].num_experts):
-            raise ValueError(f"the path profile describes {profile.num_layers} layers of {profile.num_experts} "
-                             f"experts; the model has {len(self.layers)} MoE layers of "
-                             f"{self.layers[0].num_experts}: build the profile from this model's routing")
+        if profile is not None:
+            check_profile(model, profile)
         self.group, self.policy, self.profile = group, policy, profile
         self.profile_scale = 1.0 if profile is None else self.layers[0].top_k / profile.top_k
         """Served top_k / the profile's: a profile's distributions sum to the k it was recorded at, so a top-2

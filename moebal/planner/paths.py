@@ -264,6 +264,10 @@ class PathProfile:
         if fmt not in (1, 2, FORMAT):
             raise ValueError(f"{path}: path profile format {fmt}, this moebal reads 1 to {FORMAT}: rebuild it with "
                              f"`moebal paths RUN_DIR -o FILE`")
+        if not (E >= 1 and 1 <= K <= E and l_ >= 1 and L >= 0):
+            raise ValueError(f"{path}: path profile damaged: {E} experts, top-k {K}, path length {l_}, {L} layers "
+                             f"(needs at least 1 expert, 1 <= top-k <= experts, a path length >= 1); rebuild it with "
+                             f"`moebal paths RUN_DIR -o FILE`")
         lengths = [min(l_, j) + 1 if j or fmt >= 2 else 0 for j in range(L)]  # format 1: no table for layer 0
         try:
             tables = tuple(tuple(_read_table(z, f"L{j}_m{m}_", m, E, dense=fmt < 3) for m in range(lengths[j]))
@@ -301,6 +305,15 @@ def _read_table(z: Any, name: str, m: int, E: int, dense: bool) -> PathTable:
             raise ValueError(f"{name}experts: not ascending within each path")
     if len(experts_N) and (experts_N.min() < 0 or experts_N.max() >= E):
         raise ValueError(f"{name}experts: ids outside 0..{E - 1}")
+    if keys_Pm.size and (keys_Pm.min() < 0 or keys_Pm.max() >= E):
+        raise ValueError(f"{name}keys: expert ids outside 0..{E - 1}")
+    if P > 1:  # the lookups (`PathTable.rows`) need unique keys in ascending order (np.unique's)
+        step_Pm = np.diff(keys_Pm, axis=0)
+        first_P = np.argmax(step_Pm != 0, axis=1) if m else np.zeros(P - 1, dtype=np.int64)
+        if m == 0 or not (step_Pm[np.arange(P - 1), first_P] > 0).all():
+            raise ValueError(f"{name}keys: not unique paths in ascending order")
+    if (counts_N < 0).any() or (tokens_P < 0).any():
+        raise ValueError(f"{name}counts or tokens: negative")
     return PathTable(keys_Pm=keys_Pm, start_P1=start_P1, experts_N=experts_N.astype(np.int32),
                      counts_N=counts_N.astype(np.int64), tokens_P=tokens_P, num_experts=E)
 

@@ -68,6 +68,12 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
     (tmp_path / "empty.npz").write_bytes(b"")
     r = moebal("eval", str(out), "--nproc", "2", "--profile", str(tmp_path / "empty.npz"), "--policy", "lina")
     assert r.returncode == 2 and "not a path profile" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # a profile of another model (3 MoE layers against 2): refused before any rank starts, in eval and generate
+    build_profile([np.concatenate([samples[0], samples[0][:1]])], 4, 2).save(tmp_path / "three.npz")
+    for cmd in (("eval", str(out)), ("generate", str(out), "--prompt", "def ", "--max-new-tokens", "2")):
+        r = moebal(*cmd, "--nproc", "2", "--profile", str(tmp_path / "three.npz"), "--policy", "lina")
+        assert r.returncode == 2 and "describes 3 layers of 4 experts; the model has 2 MoE layers" in r.stderr, r
+        assert "Traceback" not in r.stderr and "rank 0 failed" not in r.stderr, r.stderr
     # a too-small --num-experts (the routing holds ids up to 3) and a bad --batch-size: errors, not tracebacks
     r = moebal("paths", str(out), "-o", str(tmp_path), "--path-len", "2")
     assert r.returncode == 2 and "is a folder: give a file path" in r.stderr, r.stderr

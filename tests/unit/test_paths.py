@@ -263,7 +263,13 @@ def test_damaged_sparse_files_are_named(tmp_path: Path) -> None:
                           (("L2_m2_nonzeros", good["L2_m2_nonzeros"] + 1), "non-zeros per path"),
                           (("L2_m2_counts", good["L2_m2_counts"][:-1]), "non-zeros per path"),
                           (("L2_m2_keys", good["L2_m2_keys"][:, :1]), "not \\[P, 2\\]"),
-                          (("L2_m2_tokens", None), "incomplete or damaged")):
+                          (("L2_m2_tokens", None), "incomplete or damaged"),
+                          # accepted once, then an IndexError, a negative estimate or a division by zero later
+                          (("L2_m2_keys", good["L2_m2_keys"] + 4), "keys: expert ids outside 0..3"),
+                          (("L2_m2_keys", good["L2_m2_keys"][::-1]), "not unique paths in ascending order"),
+                          (("L2_m2_counts", -good["L2_m2_counts"]), "negative"),
+                          (("L2_m2_tokens", -good["L2_m2_tokens"]), "negative"),
+                          (("meta", good["meta"] * np.array([1, 1, 0, 1, 1])), "top-k 0")):
         arrays = dict(good)
         if change[1] is None:
             del arrays[change[0]]
