@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moebal.config import Config, absolute_inputs, refuse_cpu_only
+from moebal.config import Config, TrainConfig, absolute_inputs, refuse_cpu_only
 from moebal.distributed.groups import check_env_world, pick_device
 from moebal.errors import ConfigError
 from moebal.fileio import write_text_whole
@@ -228,6 +228,16 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
                        max_restarts=args.max_restarts, restart_argv=restart)
 
 
+def warmup_note(t: TrainConfig) -> str | None:
+    """A line saying the learning rate never leaves its warm-up (`train.warmup_steps` >= `train.steps`: a short run
+    under the default 30 warm-up steps), None otherwise."""
+    if t.warmup_steps < t.steps or t.warmup_steps == 0:
+        return None
+    return (f"train.warmup_steps {t.warmup_steps} >= train.steps {t.steps}: the learning rate stays in its warm-up, "
+            f"rising to {t.steps / t.warmup_steps:.3g} x train.lr at the last step, and never decays; set "
+            f"train.warmup_steps below train.steps for the full schedule")
+
+
 def run(args: argparse.Namespace) -> int:
     wall0 = time.perf_counter()
     check_env_world()  # a rank started by hand with a bad torchrun environment: one line, not a traceback or a hang
@@ -251,9 +261,12 @@ def run(args: argparse.Namespace) -> int:
         check_plan_here(cfg, local)
     # a choice to shard is said once (by the launcher or a torchrun job's rank 0), after the plan's check: where
     # nothing fits its refusal is the one line; none, the run as it would be without sharding, goes unsaid
-    if line and cfg.parallel.shard != "none" and (
-            "RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)):
+    said_once = "RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)
+    if line and cfg.parallel.shard != "none" and said_once:
         print(f"moebal: {line}", file=sys.stderr, flush=True)
+    warm = warmup_note(cfg.train)
+    if warm and said_once:
+        print(f"moebal: {warm}", file=sys.stderr, flush=True)
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:

@@ -48,6 +48,22 @@ def test_schedule_warms_up_then_decays_by_cosine_to_the_floor():
         assert [round(lr_at(s, one), 6) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 0.1], schedule
 
 
+def test_a_run_that_never_leaves_its_warm_up_says_so(tmp_path):
+    """`train.warmup_steps` >= `train.steps` (a short run under the default 30): one line at start, how far the
+    learning rate rises; nothing when the schedule completes."""
+    from moebal.commands.train import warmup_note
+    from tests.cli_util import run_cli
+
+    assert warmup_note(TrainConfig(steps=4, warmup_steps=30)).startswith(
+        "train.warmup_steps 30 >= train.steps 4: the learning rate stays in its warm-up, rising to 0.133 x train.lr")
+    assert warmup_note(TrainConfig(steps=31, warmup_steps=30)) is None
+    assert warmup_note(TrainConfig(steps=4, warmup_steps=0)) is None
+    tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.warmup_steps="))]
+    r = run_cli("train", "--out", str(tmp_path / "run"), *tiny, "train.steps=2", "train.warmup_steps=5",
+                "parallel.nproc=1")
+    assert r.returncode == 0 and "moebal: train.warmup_steps 5 >= train.steps 2" in r.stderr, r.stderr
+
+
 def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_stable_steps():
     lin = TrainConfig(steps=11, lr=1.0, warmup_steps=1, min_lr_ratio=0.1, schedule="linear")
     assert [round(lr_at(s, lin), 6) for s in (0, 1, 6, 10, 12)] == [1.0, 1.0, 0.5, 0.1, 0.1]
