@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {"main": load_model(args.run), "mla": mla_model()}
     model = models["main"]
     single, many = prompts(args.prompt_len, args.prompts)
-    for mode in ("cache", "mla_latent", "mla_per_head"):  # warm-up: first calls allocate and pick kernels
+    for mode in MODES:  # warm-up, every mode: first calls allocate and pick kernels
         measure(models, mode, single[:8], many[:2], 4)
     cache_bytes: dict[str, int] = {}
     rounds: list[dict[str, Any]] = []
