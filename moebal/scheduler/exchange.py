@@ -230,8 +230,8 @@ class _Exchange(torch.autograd.Function):
             gx = grads[0] if grads[0] is not None else torch.zeros_like(x_in)
             for j, g in enumerate(grads[1:]):
                 prev = dW[j]
-                if g is not None:
-                    dW[j] = g if prev is None else prev + g
+                if g is not None:  # the chunks' sum in fp32 (bf16 stacked replicas), cast once below
+                    dW[j] = g.float() if prev is None else prev + g.float()
             gx_recv = torch.empty_like(gx).index_copy(0, ch.perm, gx) if ch.perm.numel() else gx
             sched.log.span("compute", f"{tag} experts{i} bwd", t)
             out = gx_recv.new_empty((sum(ch.send), gx_recv.shape[1]))
@@ -241,6 +241,7 @@ class _Exchange(torch.autograd.Function):
         ctx.graphs = []
         it = iter(dW)
         w_grads = [next(it) if w.requires_grad else None for w in ctx.wq]
+        w_grads = [g if g is None else g.to(w.dtype) for g, w in zip(w_grads, ctx.wq)]
         for j, w in enumerate(ctx.wq):
             if w.requires_grad and w_grads[j] is None:
                 w_grads[j] = torch.zeros_like(w)

@@ -117,6 +117,17 @@ def test_unquoted_off_is_the_choice_not_a_bool(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text("parallel:\n  pp: 2\npipeline:\n  rebalance: off\n")
     assert C.load(p).pipeline.rebalance == "off"
+    # an unquoted on where "on" is no choice: the message says what YAML made of it (it showed True)
+    with pytest.raises(ConfigError, match="got True \\(YAML's reading of an unquoted on, yes or true\\)"):
+        C.load(None, ["scheduler.expert_packing=on"])
+
+
+def test_scheduler_chunks_below_a_kilobyte_are_refused():
+    """1e-9 MB chunks were accepted: one all-reduce per gradient element, a step 330x slower on a toy model."""
+    for key in ("chunk_mb", "bucket_mb"):
+        with pytest.raises(ConfigError, match=f"'scheduler.{key}' must be at least 0.001"):
+            C.load(None, [f"scheduler.{key}=1e-9"])
+    assert C.load(None, ["scheduler.chunk_mb=0.002"]).scheduler.chunk_mb == 0.002
 
 
 def test_bad_override_syntax():
