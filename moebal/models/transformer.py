@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -304,8 +305,10 @@ class MoebalModel(nn.Module):
         causal attention keeps right padding from every real position)."""
         h_BTD = self.embed_tokens(ids_BT)
         cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
-        padded = row_tokens is not None and int(row_tokens.min()) < ids_BT.shape[1]
-        with padding.rows(row_tokens if padded else None, ids_BT.shape[1]):
+        # given: these rows (none padded: none); not given: the caller's (the trainer sets them around its call)
+        rows = nullcontext() if row_tokens is None else padding.rows(
+            row_tokens if row_tokens.numel() and int(row_tokens.min()) < ids_BT.shape[1] else None, ids_BT.shape[1])
+        with rows:
             for layer in self.layers:
                 h_BTD = layer(h_BTD, cos_TK, sin_TK)
         out_BTD: torch.Tensor = self.norm(h_BTD)

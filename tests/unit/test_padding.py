@@ -118,3 +118,41 @@ def test_rows_of_labels_and_the_mask():
         assert padding.real_mask((3, 4), torch.device("cpu")) is None
         assert padding.real_mask((2, 3), torch.device("cpu")) is None  # [B, Q] slots of the rows
     assert padding.current() is None
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_trainer_leaves_the_padding_of_documents_out_of_the_moe_losses(tmp_path, accum):
+    """The local trainer on `data.samples: documents` (rows right-padded, label -100), in one pass or two
+    micro-batches: its auxiliary loss is the masked one of each micro-batch's rows, not the one counting the
+    padding (the model's forward once reset the trainer's rows to none)."""
+    from moebal.config import Config, with_overrides
+    from moebal.train import Trainer
+    from tests.unit.test_train import TINY
+
+    cfg = with_overrides(Config(), [*TINY, "data.samples=documents", "data.units=blocks", f"train.grad_accum={accum}",
+                                    "moe.jitter=0.0", "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01"])
+    trainer = Trainer(cfg, tmp_path)
+    step = trainer.strategy
+    ref = copy.deepcopy(step.model)
+    batch = next(b for b in (step.data.train.next_batch() for _ in range(200)) if (b.labels_BT == -100).any())
+    _, aux, _ = step.forward_backward(trainer, 1, batch, 1.0)
+    parts = [batch.part(j, accum) for j in range(accum)]
+    with torch.no_grad():
+        masked = sum(float(ref(p.ids_BT, p.labels_BT, padding.rows_of_labels(p.labels_BT)).aux_loss) for p in parts)
+        counted = sum(float(ref(p.ids_BT, p.labels_BT).aux_loss) for p in parts)
+    assert float(aux) == pytest.approx(masked / accum, rel=1e-6, abs=0)
+    assert abs(counted - masked) > 1e-4 * masked
+
+
+def test_a_forward_without_row_tokens_keeps_the_caller_s_rows():
+    """`padding.rows` around a plain forward (the trainer's way) masks as `row_tokens` does; an empty batch's rows
+    (a rank's empty share) run."""
+    model = _model()
+    model.train()
+    ids = torch.randint(1, 256, (2, 12))
+    n_B = torch.tensor([5, 12])
+    with padding.rows(n_B, 12):
+        around = model(ids).aux_loss
+    assert torch.allclose(around, model(ids, row_tokens=n_B).aux_loss, rtol=1e-6, atol=0)
+    assert abs(float(around - model(ids).aux_loss)) > 1e-4
+    assert model(ids[:0], row_tokens=n_B[:0]).logits.shape == (0, 12, 256)
