@@ -2,12 +2,16 @@
 
 A rank's peak is modelled in phases, each a sum of terms, and the plan is their maximum:
 
-    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, sync, migration) + start-up leftovers)
+    peak = runtime + (1 + slack) * max(start-up, max(fwd/bwd, later, sync, migration) + start-up leftovers)
     state   = parameters + optimizer state + persistent gradient buffers
     fwd/bwd = state + compute-dtype weight copies + activations (saved for backward, in-flight micro-batches,
               one layer's backward working set) + logits/loss + all-to-all buffers + pipeline p2p buffers
               + Pro-Prophet replicas + FSDP2 reduce-scatter buffers (+ its whole gradient sums under
               `parallel.accumulate: whole`)
+    later   = (micro-batches: a pipeline's, gradient accumulation's) fwd/bwd with the activations beside
+              gradients (the micro-batches in flight after the first backward pass: the steady state's under
+              1F1B and zero bubble, one fewer under GPipe or when there is none) and the accumulated gradients
+              (the earlier passes', fp32: whole, or a rank's shards under `shard: full`)
     sync    = state + gradients + the gradient all-reduce's transient flat copy (or ZeRO's one-layer bucket)
     migration = state + (`shard: optimizer` with a pipeline whose layers can move) the stage's AdamW moments
               gathered whole and the rebuilt optimizer's new flats (moebal/pipeline/migrate.py); (`shard: full`)
@@ -18,15 +22,17 @@ A rank's peak is modelled in phases, each a sum of terms, and the plan is their 
     start-up leftovers = a share (the device's `startup_retained`: a CPU's malloc keeps some) of what the
               start-up built and freed
 
-Activations and gradients are not added: a backward pass frees each layer's activations as it creates that
-layer's gradients, so the two ends of the backward pass (all activations, no gradients; all gradients, no
-activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and the code they model:
+Within one backward pass activations and gradients are not added: it frees each layer's activations as it
+creates that layer's gradients, so its two ends (all activations, no gradients; all gradients, no activations)
+bound it. Across micro-batches they are (the later phase): the first backward pass's gradients stay while the
+next micro-batches' forwards build their activations. The terms (bytes, per rank, the worst pipeline stage)
+and the code they model:
 
 - parameters: fp32 master weights of what the rank holds (dense over its stage, experts / ep); `shard: full`
   (moebal/distributed/fsdp.py) divides the dense ones by the stage's ranks and the expert-parallel experts by
   the expert-data-parallel ranks (sharded at rest: `_expert_weight_bytes`, plus one MoE layer's experts gathered,
   two with a replicating policy's block-overlapped or planned-ahead Trans; in a pipeline stage too), plus the
-  weights FSDP2 gathers in the compute dtype: the root unit's (embedding, final norm, head: gathered for the
+  weights FSDP2 gathers in `parallel.param_dtype`: the root unit's (embedding, final norm, head: gathered for the
   whole forward and backward) and two decoder layers' dense weights (current and prefetched). In a pipeline
   stage every layer, the embedding and the head is an FSDP2 root of its own, resharded after its forward: the
   shards, the expert-parallel experts' parts and gathered layer as above (ep > 1; with ep 1 they are FSDP2's),
@@ -35,7 +41,9 @@ activations) bound it. The terms (bytes, per rank, the worst pipeline stage) and
   dtype) and FSDP2's flat reduce-scatter input (fp32) that they are copied into before they are freed, beside
   the earlier layers' activations (torch fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`).
 - compute-dtype weight copies: under bf16 autocast every matmul weight is cast once per forward and the cast
-  is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each.
+  is kept until the backward pass has used it (autocast's weight cache and the saved tensors): 2 bytes each;
+  under `shard: full` too when FSDP2 gathers fp32 (`parallel.param_dtype: fp32`, the default), none when it
+  gathers bf16 (nothing left to cast).
 - gradients: fp32, as autograd creates them (`.grad`); `shard: optimizer|full` keeps only the shard,
   reduce-scattered layer by layer, plus full-size gradients in flight: under `full` one layer's, under
   `optimizer` two layers' (one layer's gradients waiting for their buckets, the previous layer's send buffers
@@ -120,6 +128,10 @@ PHASE_TERMS = {
                          "pipeline p2p buffers", "replicas (Pro-Prophet)", "Agg receive buffers (Pro-Prophet)",
                          "FSDP2 reduce-scatter buffers",
                          "whole gradient sums (FSDP2)"),
+    "later micro-batches": (*_STATE, "compute-dtype weight copies", "activations beside gradients",
+                            "accumulated gradients", "logits/loss", "all-to-all buffers", "pipeline p2p buffers",
+                            "replicas (Pro-Prophet)", "Agg receive buffers (Pro-Prophet)",
+                            "FSDP2 reduce-scatter buffers", "whole gradient sums (FSDP2)"),
     "gradient sync": (*_STATE, "gradients", "gradient all-reduce copy", "tied head gradient (full)",
                       "replicas (Pro-Prophet)"),
     "migration": (*_STATE, "migration: whole moments + new flats", "migration: moved layers whole"),
@@ -130,6 +142,8 @@ _SHARD_BUCKET_ELEMS = 1 << 22
 """`shard: optimizer`'s reduce-scatter bucket (moebal/distributed/sharded.py DEFAULT_BUCKET_ELEMS): one send buffer
 of it is in flight beside a pipeline's whole gradients."""
 _SHARD_COST = {"none": 0.0, "optimizer": 0.02, "full": 0.1}
+_PARAM_DTYPE_COST = 0.01
+"""What --fit prices FSDP2 gathering bf16 weights at where the configuration gathers fp32 (`overhead`)."""
 _HOLD_COST = 0.05
 """What --fit prices giving up one of FSDP2's holds at (`overhead`)."""
 _RECOMPUTE_COST = {"none": 0.0, "attention": 0.1, "moe": 0.2, "full": 0.33}
@@ -139,6 +153,7 @@ _TERM_SETTING = {
     "compute-dtype weight copies": "parallel.shard=full", "activations": "train.recompute=full",
     "logits/loss": "a smaller data.batch_size (or train.grad_accum above 8)",
     "whole gradient sums (FSDP2)": "parallel.accumulate=sharded",
+    "accumulated gradients": "parallel.shard=full",
     "replicas (Pro-Prophet)": "planner.max_replicas=1 (or planner.policy=static)",
     "Agg receive buffers (Pro-Prophet)": "planner.policy=static",
     "migration: whole moments + new flats": "pipeline.rebalance=off",
@@ -242,7 +257,7 @@ class MemoryLayout:
     def describe(self) -> str:
         mb = (f" M={self.micro_batches} {self.schedule}" if self.pipelined else
               f" accum={self.micro_batches}" if self.micro_batches > 1 else "")
-        weights = " bf16-weights" if self.bf16_copies else ""
+        weights = " bf16-weights" if self.bf16_copies or (self.shard == "full" and self.param_dtype == "bf16") else ""
         if self.shard == "full" and self.micro_batches > 1 and self.accumulate == "whole":
             mb += " whole-sums"
         if self.shard == "full" and self.reshard == "step":
@@ -528,13 +543,14 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     fsdp_ep1 = lay.ep == 1
     whole = 0.0 if fsdp_ep1 else expert
     fsdp = dense + expert - whole
+    pa = 2 if lay.param_dtype == "bf16" else 4  # FSDP2 gathers its units in parallel.param_dtype, whatever autocast
     if lay.shard == "full" and lay.pipelined:  # in a stage every layer, the embedding and the head are FSDP2 roots
         # (a tied head copy is none: whole fp32 on every rank of the last stage)
         gathered = [x.dense + (x.expert if fsdp_ep1 else 0) for x in specs] + [V * D] * (first + (last and
                                                                                           not tied_copy))
         held_whole = sum(gathered) if lay.reshard == "step" else max(gathered, default=0.0)  # or one at a time
         t["parameters"] = (4 * (fsdp - tied_copy) / d_dense + 4 * tied_copy
-                           + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * a)
+                           + _expert_weight_bytes(cfg, lay, specs, whole) + held_whole * pa)
         unit = max(gathered, default=0.0)
     elif lay.shard == "full":  # the shards, the experts (at rest: parts), the root unit and two layers gathered
         root = dense - sum(x.dense for x in specs)
@@ -542,7 +558,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
         unit = max(layer_units, default=0.0)
         gathered_layers = sum(layer_units) if lay.reshard == "step" else 2 * unit  # every layer, or two at a time
         t["parameters"] = (4 * fsdp / d_dense + _expert_weight_bytes(cfg, lay, specs, whole)
-                           + (root + gathered_layers) * a)
+                           + (root + gathered_layers) * pa)
     elif lay.bf16_copies:  # bf16 copies, their fp32 masters sharded (dense over the stage, experts over "dp")
         copies = dense - tied_copy + (expert if lay.ep == 1 else 0)
         copies_e = expert if lay.bf16_experts else 0.0
@@ -555,7 +571,7 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # flat input they are copied into (fp32, parallel.reduce_dtype's default) at once, while the earlier layers'
     # activations are still held (torch fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce frees the gradients
     # only after the copy-in); measured on CPU: docs/memory.md, "Where a fully sharded CPU rank's memory goes"
-    t["FSDP2 reduce-scatter buffers"] = (a + 4) * unit if lay.shard == "full" else 0.0
+    t["FSDP2 reduce-scatter buffers"] = (pa + 4) * unit if lay.shard == "full" else 0.0
     # parallel.accumulate whole: FSDP2 adds each unit's gradients up whole, in reduce_dtype, from the first
     # micro-batch's backward to the last one's reduce-scatter, beside the later micro-batches' activations
     # (torch fsdp/_fully_shard/_fsdp_param.py `to_accumulated_grad_if_needed`)
@@ -566,8 +582,12 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
     if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts (and a tied head copy)
         t["compute-dtype weight copies"] = 2.0 * ((expert if lay.ep > 1 and not lay.bf16_experts else 0) + tied_copy)
-    if a == 2 and lay.shard == "full":  # FSDP2 casts its units; autocast casts a tied head copy, which is none
-        t["compute-dtype weight copies"] = 2.0 * tied_copy
+    if a == 2 and lay.shard == "full":
+        # FSDP2 casts its units to param_dtype: bf16 leaves autocast nothing to cast but a tied head copy (no
+        # unit); fp32 (the default) gathers fp32 weights, which autocast casts per matmul, every layer's cast kept
+        # for the backward pass as under shard none (the expert-parallel experts at this rank's share)
+        t["compute-dtype weight copies"] = 2.0 * tied_copy if pa == 2 else \
+            2.0 * (matmul - (sum(x.expert for x in specs) - expert))
     t["optimizer state"] = 8.0 * (held - tied_copy if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
@@ -594,6 +614,18 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     grad_sync = lay.stage_ranks > 1 or lay.ep > 1
     persistent = lay.shard == "none" and not lay.pipelined and lay.ep > 1 and cfg.moe.num_experts > 0
     t["persistent gradient buffers"] = 4.0 * held if persistent else 0.0
+    # micro-batches (a pipeline's, gradient accumulation's): the gradients of the first backward pass stay beside
+    # the later micro-batches' activations (`_activations`: "activations beside gradients"): fp32 and whole
+    # (none; optimizer's fp32 sums of the passes), a rank's reduce-scattered shards (full, accumulate sharded:
+    # FSDP2 adds each pass's into .grad) or the FSDP2 units' whole sums ("whole gradient sums (FSDP2)") with the
+    # expert-parallel experts' and a tied head copy's whole; already held when persistent
+    if lay.micro_batches == 1 or persistent:
+        accumulated = 0.0
+    elif lay.shard == "full":
+        accumulated = 4.0 * grads_kept if lay.accumulate == "sharded" else 4.0 * (whole + tied_copy)
+    else:
+        accumulated = 4.0 * held
+    t["accumulated gradients"] = accumulated
     transient = 0.0
     if lay.shard == "none" and grad_sync and not persistent:
         transient = 4.0 * (biggest if lay.pipelined else held)  # a pipeline's per-layer bucket; DP's flat copy
@@ -625,6 +657,19 @@ def _activations(cfg: Config, lay: MemoryLayout, s: int, layers: range, a: int, 
     kept = sum(k for k, _ in kept_full) + (8 if s == 0 else 0) + (_norm_bytes(D, a) if s == lay.pp - 1 else 0)
     one_layer = max((f for _, f in kept_full), default=0.0)
     t["activations"] = tok * (inflight * kept + one_layer)
+    # after a stage's (or an accumulating rank's) first backward pass, beside the gradients: under 1F1B and zero
+    # bubble the steady state's forwards keep the micro-batches in flight when there are more than in flight, else
+    # one fewer is left; GPipe's backward passes come after every forward (one fewer); gradient accumulation runs
+    # its micro-batches one at a time (the next one's)
+    if M == 1:
+        later = 0
+    elif not lay.pipelined:
+        later = 1
+    elif lay.schedule != "gpipe" and lay.pp - s < M:
+        later = inflight
+    else:
+        later = inflight - 1
+    t["activations beside gradients"] = tok * (later * kept + one_layer) if M > 1 else 0.0
     logit = (4 + 4 + 4 + 4) if a == 4 else (2 + 4 + 4 + 4)
     t["logits/loss"] = tok * m.vocab_size * logit if s == lay.pp - 1 else 0.0
     moe_here = any(cfg.is_moe_layer(i) for i in layers)
@@ -723,6 +768,15 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
 
 
 def _holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
+    """Each of `_fsdp_holds`, and under bf16 autocast with FSDP2 gathering fp32 weights, the same gathering bf16
+    (`parallel.param_dtype: bf16`: no fp32 gathers, no autocast copies of them)."""
+    for held in _fsdp_holds(lay):
+        yield held
+        if held.shard == "full" and held.precision == "bf16" and held.param_dtype == "fp32":
+            yield dataclasses.replace(held, param_dtype="bf16")
+
+
+def _fsdp_holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
     """`lay`, then (`shard: full`) without each of FSDP2's holds it has, and without both: whole gradient sums
     (`parallel.accumulate: whole`, with micro-batches) and weights gathered through the step (`parallel.reshard:
     step`)."""
@@ -758,7 +812,8 @@ def _refused(cfg: Config, lay: MemoryLayout) -> bool:
     config's own checks decide, so a proposed fix is one a run takes (a scheme's refusals under a sharded optimizer,
     layer rebalancing at one stage, options of the trainer without a pipeline)."""
     piped = pipelined(lay.pp, cfg.dynamism.scheme)
-    held: dict[str, Any] = {"shard": lay.shard, "accumulate": lay.accumulate, "reshard": lay.reshard}
+    held: dict[str, Any] = {"shard": lay.shard, "accumulate": lay.accumulate, "reshard": lay.reshard,
+                            "param_dtype": lay.param_dtype}
     par = dataclasses.replace(cfg.parallel, pp=lay.pp, ep=lay.ep, nproc=lay.ranks, **held)
     rc: dict[str, Any] = {"recompute": lay.recompute}
     train = dataclasses.replace(cfg.train, grad_accum=1 if piped else lay.micro_batches, **rc)
@@ -774,8 +829,8 @@ def _refused(cfg: Config, lay: MemoryLayout) -> bool:
     return False
 
 
-def overhead(lay: MemoryLayout, policy: str = "static", holds: tuple[str, str] = ("sharded", "micro_batch")
-             ) -> tuple[float, int, int, int]:
+def overhead(lay: MemoryLayout, policy: str = "static",
+             holds: tuple[str, str, str] = ("sharded", "micro_batch", "fp32")) -> tuple[float, int, int, int]:
     """The order --fit prefers among layouts of one rank count: the least estimated throughput overhead, then
     the fewest stages, the largest expert-parallel size (fewest experts per rank), the fewest micro-batches.
 
@@ -794,7 +849,10 @@ def overhead(lay: MemoryLayout, policy: str = "static", holds: tuple[str, str] =
     taken as half; dropping one is preferred to recomputation and to a pipeline (the default FSDP2 behaviour
     costs no FLOPs), a replica cap to dropping one (the measured gains of the holds are CPU ones, docs/memory.md:
     1.3x and 2.3x throughput on 4 gloo ranks time-slicing 2 cores; none is measured on GPUs, where FSDP2 overlaps
-    its collectives). Micro-batches themselves are not priced, a pipeline's or gradient accumulation's
+    its collectives); FSDP2 gathering bf16 weights instead of the configured fp32 ones (`parallel.param_dtype`,
+    the third of `holds`) 0.01: the same bf16 products autocast computes, the sharded fp32 masters kept, and half
+    the gathered bytes, but a change of numerics the configuration did not ask for. Micro-batches themselves are not
+    priced, a pipeline's or gradient accumulation's
     (`train.grad_accum`, pp 1): the same FLOPs in smaller products, whose per-pass fixed costs (launches, the
     all-to-alls' latency) this estimate leaves out alike for both; among equal scores the fewest stages, then the
     fewest micro-batches win, so accumulation is preferred to a pipeline that fits only by its micro-batches."""
@@ -804,7 +862,8 @@ def overhead(lay: MemoryLayout, policy: str = "static", holds: tuple[str, str] =
              + (0.02 / max(lay.max_replicas, 1) if lay.max_replicas is not None and lay.policy != "static" else 0.0)
              + _HOLD_COST * (lay.shard == "full" and lay.micro_batches > 1 and holds[0] == "whole"
                              and lay.accumulate != "whole")
-             + _HOLD_COST * (lay.shard == "full" and holds[1] == "step" and lay.reshard != "step"))
+             + _HOLD_COST * (lay.shard == "full" and holds[1] == "step" and lay.reshard != "step")
+             + _PARAM_DTYPE_COST * (lay.param_dtype != holds[2]))
     return (round(score, 6), lay.pp, -lay.ep, lay.micro_batches)
 
 
@@ -843,8 +902,8 @@ def fix_for(cfg: Config, plan: MemoryPlan, shards: tuple[str, ...] = SHARDS,
                ) if fitting else None
 
 
-def _held(lay: MemoryLayout) -> tuple[str, str]:
-    return lay.accumulate, lay.reshard
+def _held(lay: MemoryLayout) -> tuple[str, str, str]:
+    return lay.accumulate, lay.reshard, lay.param_dtype
 
 
 def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
@@ -852,7 +911,8 @@ def _changes(old: MemoryLayout, new: MemoryLayout) -> str:
     dynamism scheme at one stage too: `MemoryLayout.pipelined`) or, without one, gradient accumulation's
     (train.grad_accum, which a pipeline refuses: set back to 1 when one is proposed)."""
     keys = {"pp": "parallel.pp", "ep": "parallel.ep", "shard": "parallel.shard", "recompute": "train.recompute",
-            "policy": "planner.policy", "accumulate": "parallel.accumulate", "reshard": "parallel.reshard"}
+            "policy": "planner.policy", "accumulate": "parallel.accumulate", "reshard": "parallel.reshard",
+            "param_dtype": "parallel.param_dtype"}
     out = [f"{k}={getattr(new, f)}" for f, k in keys.items() if getattr(new, f) != getattr(old, f)]
     if new.max_replicas is not None and new.policy != "static" and new.max_replicas != old.max_replicas:
         out.append(f"planner.max_replicas={new.max_replicas}")

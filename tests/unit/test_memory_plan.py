@@ -147,7 +147,8 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     assert lo_dp["compute-dtype weight copies"] == 0
     full_dp = {k: plan_memory(cfg4, MemoryLayout(ranks=4, ep=2, shard="full", **kw), BARE).terms["parameters"]
                for k, kw in (("fp32", {"precision": "bf16"}), ("bf16", bf16))}
-    assert full_dp["fp32"] - full_dp["bf16"] == (4 - 2) * experts / 2  # FSDP2 gathers in the autocast dtype anyway
+    # FSDP2 gathers in param_dtype, not the autocast's: the root and two layers' dense weights at 4 bytes against 2
+    assert full_dp["fp32"] - full_dp["bf16"] == (4 - 2) * experts / 2 + (4 - 2) * ((dense - 288) + 2 * 288)
     ep = plan_memory(cfg, MemoryLayout(ranks=2, ep=2), BARE).terms
     assert ep["parameters"] == 4 * (dense + experts / 2)
     assert ep["persistent gradient buffers"] == 4 * (dense + experts / 2)  # GradSync's flat buffer
@@ -167,7 +168,11 @@ def test_terms_by_hand_sharded_and_expert_parallel():
     assert dp["FSDP2 reduce-scatter buffers"] == (4 + 4) * (layer + experts)
     assert full["FSDP2 reduce-scatter buffers"] == (4 + 4) * layer
     assert opt["FSDP2 reduce-scatter buffers"] == 0 and ep["FSDP2 reduce-scatter buffers"] == 0
+    # the unsharded gradients are in FSDP2's param_dtype: fp32 by default whatever the autocast, bf16 with it
     bf16 = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full", precision="bf16"), BARE).terms
+    assert bf16["FSDP2 reduce-scatter buffers"] == (4 + 4) * (layer + experts)
+    bf16 = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full", precision="bf16", param_dtype="bf16"),
+                       BARE).terms
     assert bf16["FSDP2 reduce-scatter buffers"] == (2 + 4) * (layer + experts)
     fwd = plan_memory(cfg, MemoryLayout(ranks=2, ep=1, shard="full"), BARE).phases["forward/backward"]
     assert fwd == dp["parameters"] + dp["optimizer state"] + dp["activations"] + dp["logits/loss"] + (
@@ -400,19 +405,25 @@ def test_presets_fit_on_their_clusters():
     llama, line = choose_shard(load("llama-moe-3.5b"), 8, dev, "bf16")  # one 8-GPU node
     assert llama.parallel.shard == "none", line
     assert plan_memory(llama, layout_from_config(llama, 8), dev).fits
-    # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full)
+    # 16 GPUs with the settings its YAML names (pp 2 x ep 8, recompute full): the first micro-batch's fp32
+    # gradients beside the second's activations leave no room unsharded (88.5 GB) or with ZeRO-2 (82.2 GB)
     mixtral, line = choose_shard(load("mixtral-8x7b"), 16, dev, "bf16")
-    assert mixtral.parallel.shard == "none", line
+    assert mixtral.parallel.shard == "full" and "none 88.5 GB, optimizer 82.2 GB would not" in line, line
     assert plan_memory(mixtral, layout_from_config(mixtral, 16), dev).fits
     # without the recompute no sharding fits: auto takes the closest (full), which the start-up check refuses
     closest, line = choose_shard(mixtral, 16, dev, "bf16", recompute="none")
     assert closest.parallel.shard == "full" and "nothing fits" in line
     assert not plan_memory(closest, layout_from_config(closest, 16, recompute="none"), dev).fits
-    # without the pipeline full sharding fits 16 GPUs with expert weights sharded at rest over dp 2 (75.5 GB):
-    # half of each rank's experts plus one MoE layer's gathered; the activations (an expert-parallel MoE block is
-    # never replayed whole) and then the expert gradients, whole until Agg, are the largest terms
+    # without the pipeline full sharding fits 16 GPUs with expert weights sharded at rest over dp 2 when FSDP2
+    # gathers bf16 (75.1 GB): half of each rank's experts plus one MoE layer's gathered; the activations (an
+    # expert-parallel MoE block is never replayed whole) and then the expert gradients, whole until Agg, are the
+    # largest terms. Gathering fp32 (the default) it does not (92.3 GB: autocast's bf16 casts of every layer's
+    # weights kept to the backward pass), and the refusal names the fix
+    bf16_weights = dataclasses.replace(mixtral, parallel=dataclasses.replace(mixtral.parallel, param_dtype="bf16"))
     planned = layout_from_config(mixtral, 16, pp=1, shard="full", recompute="moe")
-    plan = plan_memory(mixtral, planned, dev)
+    fp32_gathers = plan_memory(mixtral, planned, dev)
+    assert not fp32_gathers.fits and "fits with parallel.param_dtype=bf16" in refusal_line(mixtral, fp32_gathers)
+    plan = plan_memory(bf16_weights, layout_from_config(bf16_weights, 16, pp=1, shard="full", recompute="moe"), dev)
     assert plan.fits and plan.largest_term[0] == "activations"
     others = ("activations", "allocator slack", "start-up (whole model built)")
     assert plan.terms["gradients"] == max(v for k, v in plan.terms.items() if k not in others)
@@ -678,7 +689,7 @@ def test_fit_gives_up_fsdp2_holds_before_it_recomputes_or_adds_a_pipeline():
     assert fix(("sharded", "micro_batch"), ("sharded", "step")) == (
         "parallel.accumulate=sharded parallel.reshard=micro_batch")
     # the price: a replica cap < one hold < recomputation; a hold the base does not hold costs nothing
-    held = ("whole", "step")
+    held = ("whole", "step", "fp32")
     dropped = dataclasses.replace(lay, accumulate="sharded")
     assert overhead(lay, "static", held)[0] + 0.05 == pytest.approx(overhead(dropped, "static", held)[0])
     assert overhead(dropped, "static", held) < overhead(dataclasses.replace(lay, recompute="attention"), "static", held)
@@ -878,3 +889,52 @@ def test_a_one_stage_pipeline_is_planned_as_the_pipeline_engine_runs_it():
     gpipe = dataclasses.replace(staged, pipeline=dataclasses.replace(staged.pipeline, schedule="gpipe"))
     g = plan_memory(gpipe, layout_from_config(gpipe, 2, shard="none", ep=2), dev)
     assert g.terms["activations"] > 3 * one.terms["activations"]
+
+
+def test_later_micro_batches_add_the_first_backward_s_gradients_to_the_activations_in_flight():
+    """With micro-batches the first backward pass's gradients stay beside the next micro-batches' activations
+    (measured under shard full with 2 accumulated micro-batches: 13.24 MB against 11.64 planned without it):
+    accumulation one micro-batch's; 1F1B the steady state's in flight when micro-batches outnumber them, else one
+    fewer; GPipe one fewer. fp32 and whole under none, a rank's shards under full."""
+    cfg = load(None, [*TINY, "model.n_layers=4", "data.batch_size=8"])
+
+    def plan(**kw):
+        return plan_memory(cfg, MemoryLayout(**kw), BARE)
+
+    one = plan(ranks=1)
+    assert one.terms["accumulated gradients"] == 0 and one.phases["later micro-batches"] < one.phases[
+        "forward/backward"]
+    acc = plan(ranks=1, micro_batches=2)
+    held = one.terms["parameters"] / 4
+    assert acc.terms["accumulated gradients"] == 4 * held
+    assert acc.terms["activations beside gradients"] == acc.terms["activations"]  # one micro-batch at a time
+    assert acc.phases["later micro-batches"] == acc.phases["forward/backward"] + 4 * held
+
+    # (micro-batches, schedule, stage): whether the steady state keeps them all in flight beside the gradients
+    for M, schedule, s, same in ((4, "1f1b", 0, True), (2, "1f1b", 0, False), (2, "1f1b", 1, True),
+                                 (4, "zb", 0, True), (4, "gpipe", 0, False)):
+        st = _stage_terms_of(cfg, MemoryLayout(ranks=2, pp=2, micro_batches=M, schedule=schedule), s)
+        assert (st["activations beside gradients"] == st["activations"]) is same, (M, schedule, s)
+        assert st["activations beside gradients"] <= st["activations"] and st["accumulated gradients"] > 0
+    full = plan(ranks=2, shard="full", micro_batches=2)
+    assert full.terms["accumulated gradients"] == 4 * held / 2  # the rank's reduce-scattered shards
+
+
+def _stage_terms_of(cfg, lay, s):
+    from moebal.planner.memory import _layers, _stage_layers, _stage_terms
+
+    specs = _layers(cfg)
+    layers = _stage_layers(cfg.model.n_layers, lay.pp)[s]
+    return _stage_terms(cfg, specs, lay, s, layers, False)[0]
+
+
+def test_full_sharding_in_fp32_gathers_under_bf16_autocast_keeps_its_weight_casts():
+    """`shard: full` with bf16 autocast and the default fp32 `param_dtype`: FSDP2 gathers fp32 weights and autocast
+    keeps a bf16 cast of each matmul weight to the backward pass, as without sharding; with bf16 gathers, none."""
+    cfg = load(None, [*TINY, "model.n_layers=2"])
+    none = plan_memory(cfg, MemoryLayout(ranks=2, precision="bf16"), BARE).terms
+    fp32 = plan_memory(cfg, MemoryLayout(ranks=2, shard="full", precision="bf16"), BARE).terms
+    bf16 = plan_memory(cfg, MemoryLayout(ranks=2, shard="full", precision="bf16", param_dtype="bf16"), BARE).terms
+    assert fp32["compute-dtype weight copies"] == none["compute-dtype weight copies"] > 0
+    assert bf16["compute-dtype weight copies"] == 0
+    assert fp32["parameters"] > bf16["parameters"]  # its gathered units at 4 bytes
