@@ -229,11 +229,11 @@ def _spawn(args: argparse.Namespace, cfg: Config, out: Path, nproc: int) -> int:
 
 
 def warmup_note(t: TrainConfig) -> str | None:
-    """A line saying the learning rate never leaves its warm-up (`train.warmup_steps` >= `train.steps`: a short run
-    under the default 30 warm-up steps), None otherwise."""
-    if t.warmup_steps < t.steps or t.warmup_steps == 0:
+    """A line saying the learning rate never reaches `train.lr` (`train.warmup_steps` > `train.steps`: a short run
+    under the default 30 warm-up steps), None otherwise (a warm-up as long as the run reaches it at the last step)."""
+    if t.warmup_steps <= t.steps:
         return None
-    return (f"train.warmup_steps {t.warmup_steps} >= train.steps {t.steps}: the learning rate stays in its warm-up, "
+    return (f"train.warmup_steps {t.warmup_steps} > train.steps {t.steps}: the learning rate stays in its warm-up, "
             f"rising to {t.steps / t.warmup_steps:.3g} x train.lr at the last step, and never decays; set "
             f"train.warmup_steps below train.steps for the full schedule")
 

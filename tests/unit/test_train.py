@@ -55,13 +55,13 @@ def test_a_run_that_never_leaves_its_warm_up_says_so(tmp_path):
     from tests.cli_util import run_cli
 
     assert warmup_note(TrainConfig(steps=4, warmup_steps=30)).startswith(
-        "train.warmup_steps 30 >= train.steps 4: the learning rate stays in its warm-up, rising to 0.133 x train.lr")
-    assert warmup_note(TrainConfig(steps=31, warmup_steps=30)) is None
+        "train.warmup_steps 30 > train.steps 4: the learning rate stays in its warm-up, rising to 0.133 x train.lr")
+    assert warmup_note(TrainConfig(steps=30, warmup_steps=30)) is None  # it reaches train.lr at the last step
     assert warmup_note(TrainConfig(steps=4, warmup_steps=0)) is None
     tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.warmup_steps="))]
     r = run_cli("train", "--out", str(tmp_path / "run"), *tiny, "train.steps=2", "train.warmup_steps=5",
                 "parallel.nproc=1")
-    assert r.returncode == 0 and "moebal: train.warmup_steps 5 >= train.steps 2" in r.stderr, r.stderr
+    assert r.returncode == 0 and "moebal: train.warmup_steps 5 > train.steps 2" in r.stderr, r.stderr
 
 
 def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_stable_steps():
