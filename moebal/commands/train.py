@@ -264,9 +264,6 @@ def run(args: argparse.Namespace) -> int:
     said_once = "RANK" not in os.environ or (os.environ["RANK"] == "0" and LOCK_ENV not in os.environ)
     if line and cfg.parallel.shard != "none" and said_once:
         print(f"moebal: {line}", file=sys.stderr, flush=True)
-    warm = warmup_note(cfg.train)
-    if warm and said_once:
-        print(f"moebal: {warm}", file=sys.stderr, flush=True)
 
     # one live job per run directory (docs/training.md, Guarantees); what a dead job left half-written goes
     with lock_run_dir(out) as lock:
@@ -366,6 +363,9 @@ def _train(trainer: Trainer, cfg: Config, out: Path, args: argparse.Namespace, w
         if trainer.resume_note and not trainer.finished:
             for note in trainer.resume_note.splitlines():
                 stream.write(f"moebal train: {note}\n")
+        warm = warmup_note(cfg.train)
+        if warm and not trainer.finished:
+            stream.write(f"moebal train: {warm}\n")
         stream.flush()
     if trainer.finished:  # a resumed run that has nothing left: say so, keep its summary
         if main:

@@ -61,7 +61,7 @@ def test_a_run_that_never_leaves_its_warm_up_says_so(tmp_path):
     tiny = [x for x in TINY if not x.startswith(("train.steps=", "train.warmup_steps="))]
     r = run_cli("train", "--out", str(tmp_path / "run"), *tiny, "train.steps=2", "train.warmup_steps=5",
                 "parallel.nproc=1")
-    assert r.returncode == 0 and "moebal: train.warmup_steps 5 > train.steps 2" in r.stderr, r.stderr
+    assert r.returncode == 0 and "moebal train: train.warmup_steps 5 > train.steps 2" in r.stderr, r.stderr
 
 
 def test_linear_constant_and_wsd_schedules_and_extending_a_wsd_run_keeps_its_stable_steps():
