@@ -218,7 +218,7 @@ def test_pipeline_messages_travel_on_one_group_per_direction(monkeypatch):
     from moebal.pipeline.p2p import PipeChain
 
     used: list[tuple[str, int, Any]] = []
-    work = SimpleNamespace(wait=lambda: None)
+    work = SimpleNamespace(wait=lambda: None, is_completed=lambda: False)
     monkeypatch.setattr(dist, "isend", lambda t, dst, group=None: used.append(("send", dst, group)) or work)
     monkeypatch.setattr(dist, "irecv", lambda t, src, group=None: used.append(("irecv", src, group)) or work)
     monkeypatch.setattr(dist, "recv", lambda t, src, group=None: used.append(("recv", src, group)))
