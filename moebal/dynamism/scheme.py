@@ -25,7 +25,7 @@ from torch import nn
 
 from moebal.errors import ConfigError
 from moebal.models import padding
-from moebal.sync import upload
+from moebal.models.padding import real_positions
 
 if TYPE_CHECKING:
     from moebal.models.transformer import DecoderLayer, MoebalForCausalLM, MoebalModel
@@ -150,12 +150,6 @@ def served_scheme(body: MoebalModel) -> Dynamism | None:
         scheme: Dynamism = fwd.args[0]
         return scheme
     return None
-
-
-def real_positions(n_B: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
-    """bool [B, T]: True at the real positions of rows holding `n_B` (host) real tokens each, then padding. No
-    host sync: the counts go up to the device (`upload`)."""
-    return torch.arange(T, device=device) < upload(n_B, device).unsqueeze(1)
 
 
 class Dynamism:

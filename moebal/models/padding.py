@@ -28,7 +28,7 @@ import torch
 
 from moebal.sync import upload
 
-__all__ = ["Rows", "current", "real_mask", "restored", "rows", "rows_of_labels"]
+__all__ = ["Rows", "current", "real_mask", "real_positions", "restored", "rows", "rows_of_labels"]
 
 
 @dataclass(frozen=True)
@@ -79,4 +79,10 @@ def real_mask(lead: torch.Size | tuple[int, ...], device: torch.device) -> torch
     if r is None or tuple(lead) != (r.n_B.shape[0], r.T):
         return None
     B, T = lead
-    return (torch.arange(T, device=device) < upload(r.n_B, device).unsqueeze(1)).reshape(B * T)
+    return real_positions(r.n_B, T, device).reshape(B * T)
+
+
+def real_positions(n_B: torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
+    """bool [B, T]: True at the real positions of rows holding `n_B` (host) real tokens each, then padding. No
+    host sync: the counts go up to the device (`upload`)."""
+    return torch.arange(T, device=device) < upload(n_B, device).unsqueeze(1)
