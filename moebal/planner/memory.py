@@ -618,8 +618,8 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     # the later micro-batches' activations (`_activations`: "activations beside gradients"): fp32 and whole
     # (none; optimizer's fp32 sums of the passes), a rank's reduce-scattered shards (full, accumulate sharded:
     # FSDP2 adds each pass's into .grad) or the FSDP2 units' whole sums ("whole gradient sums (FSDP2)") with the
-    # expert-parallel experts' and a tied head copy's whole; already held when persistent
-    if lay.micro_batches == 1 or persistent:
+    # expert-parallel experts' and a tied head copy's whole
+    if lay.micro_batches == 1:  # (GradSync's persistent buffers take the last pass's sums only: not these)
         accumulated = 0.0
     elif lay.shard == "full":
         accumulated = 4.0 * grads_kept if lay.accumulate == "sharded" else 4.0 * (whole + tied_copy)
@@ -763,17 +763,20 @@ def _candidates(cfg: Config, ranks: int, base: MemoryLayout, shards: tuple[str, 
                     for rc in recomputes:
                         lay = dataclasses.replace(base, ranks=ranks, pp=pp, ep=ep, shard=shard, recompute=rc,
                                                   micro_batches=mb)
-                        for held in _holds(lay):
+                        for held in _holds(cfg, lay):
                             yield from (p for p in _placements(cfg, held) if not (built and _refused(cfg, p)))
 
 
-def _holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
+def _holds(cfg: Config, lay: MemoryLayout) -> Iterator[MemoryLayout]:
     """Each of `_fsdp_holds`, and under bf16 autocast with FSDP2 gathering fp32 weights, the same gathering bf16
-    (`parallel.param_dtype: bf16`: no fp32 gathers, no autocast copies of them)."""
+    (`parallel.param_dtype: bf16`: no fp32 gathers, no autocast copies of them) where the config takes it (not
+    with `train.precision: auto` or `moe.router_fp32`, which a bf16 param_dtype refuses)."""
     for held in _fsdp_holds(lay):
         yield held
         if held.shard == "full" and held.precision == "bf16" and held.param_dtype == "fp32":
-            yield dataclasses.replace(held, param_dtype="bf16")
+            bf16 = dataclasses.replace(held, param_dtype="bf16")
+            if not _refused(cfg, bf16):
+                yield bf16
 
 
 def _fsdp_holds(lay: MemoryLayout) -> Iterator[MemoryLayout]:
