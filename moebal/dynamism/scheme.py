@@ -129,7 +129,7 @@ def served_forward(scheme: Dynamism, body: MoebalModel, ids_BT: torch.Tensor,
     `row_tokens`: each row's real tokens (host int64 [B]) when rows end in right padding, the carry's `ROW_TOKENS`
     as the engine sets it for the run's own validation (None, or every row full: no padding)."""
     B, T = ids_BT.shape
-    n_B = None if row_tokens is None or int(row_tokens.min()) == T else row_tokens  # the engine's rule (`_padded`)
+    n_B = padding.padded(row_tokens, T)  # the engine's rule
     h_BTD = body.embed_tokens(ids_BT)
     cos_TK, sin_TK = body.rotary(T, h_BTD.dtype)
     carry = scheme.init_carry(B, T, ids_BT.device, n_B)

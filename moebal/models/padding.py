@@ -28,7 +28,7 @@ import torch
 
 from moebal.sync import upload
 
-__all__ = ["Rows", "current", "real_mask", "real_positions", "restored", "rows", "rows_of_labels"]
+__all__ = ["Rows", "current", "padded", "real_mask", "real_positions", "restored", "rows", "rows_of_labels"]
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,16 @@ def current() -> Rows | None:
     return _rows
 
 
+def padded(n_B: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """`n_B` (host int64 [B], each row's real tokens of T) when a row of it is padded, else None (none given, no
+    row, or every row full): the one rule the trainer, the pipeline engine and a served forward apply."""
+    return None if n_B is None or n_B.numel() == 0 or int(n_B.min()) == T else n_B
+
+
 def rows_of_labels(labels_BT: torch.Tensor) -> torch.Tensor | None:
     """Each row's real tokens from host labels (the loader labels only padding -100: moebal/data/loader.py), None
     when no row is padded."""
-    n_B = (labels_BT != -100).sum(dim=1)
-    return None if n_B.numel() == 0 or int(n_B.min()) == labels_BT.shape[1] else n_B
+    return padded((labels_BT != -100).sum(dim=1), labels_BT.shape[1])
 
 
 def real_mask(lead: torch.Size | tuple[int, ...], device: torch.device) -> torch.Tensor | None:

@@ -306,8 +306,8 @@ class MoebalModel(nn.Module):
         h_BTD = self.embed_tokens(ids_BT)
         cos_TK, sin_TK = self.rotary(ids_BT.shape[1], h_BTD.dtype)
         # given: these rows (none padded: none); not given: the caller's (the trainer sets them around its call)
-        rows = nullcontext() if row_tokens is None else padding.rows(
-            row_tokens if row_tokens.numel() and int(row_tokens.min()) < ids_BT.shape[1] else None, ids_BT.shape[1])
+        T = ids_BT.shape[1]
+        rows = nullcontext() if row_tokens is None else padding.rows(padding.padded(row_tokens, T), T)
         with rows:
             for layer in self.layers:
                 h_BTD = layer(h_BTD, cos_TK, sin_TK)

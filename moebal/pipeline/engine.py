@@ -412,9 +412,7 @@ class PipelineEngine:
 
 def _padded(tokens: tuple[torch.Tensor, ...] | None, j: int, T: int) -> torch.Tensor | None:
     """Micro-batch j's rows' real tokens (the schemes' `ROW_TOKENS`), None when none of its rows is padded."""
-    if tokens is None or int(tokens[j].min()) == T:
-        return None
-    return tokens[j]
+    return None if tokens is None else padding.padded(tokens[j], T)
 
 
 def last_backward(ops: Iterable[tuple[str, int]], kind: str = "B") -> int | None:

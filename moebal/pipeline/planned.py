@@ -56,6 +56,7 @@ from moebal.data.curriculum import sample_complexity
 from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import ROW_TOKENS, real_positions
 from moebal.errors import ConfigError
+from moebal.models import padding
 from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last_backward
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
@@ -99,7 +100,7 @@ def padded_rows(samples: list[np.ndarray], mb: MicroBatch, rows: tuple[tuple[int
     n = [0] * len(rows)
     for r, _, tokens, _ in spans(samples, mb, rows):
         n[r] += tokens
-    return None if min(n) == mb.seq else torch.tensor(n, dtype=torch.int64)
+    return padding.padded(torch.tensor(n, dtype=torch.int64), mb.seq)
 
 
 class PlannedEngine(PipelineEngine):
