@@ -578,16 +578,17 @@ def _stage_terms(cfg: Config, all_specs: list[_Layer], lay: MemoryLayout, s: int
     r = 2 if cfg.parallel.reduce_dtype == "bf16" else 4
     t["whole gradient sums (FSDP2)"] = (r * fsdp if lay.shard == "full" and lay.micro_batches > 1
                                         and lay.accumulate == "whole" else 0.0)
-    bf16_held = a == 2 and lay.shard != "full"
-    t["compute-dtype weight copies"] = 2.0 * (matmul - (sum(x.expert for x in specs) - expert)) if bf16_held else 0.0
-    if bf16_held and lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts (and a tied head copy)
+    # autocast's bf16 cast of every matmul weight the rank computes with (the expert-parallel experts at its share),
+    # kept for the backward pass
+    every_cast = 2.0 * (matmul - (sum(x.expert for x in specs) - expert))
+    if a == 4:
+        t["compute-dtype weight copies"] = 0.0
+    elif lay.bf16_copies:  # autocast casts only the fp32 expert-parallel experts (and a tied head copy)
         t["compute-dtype weight copies"] = 2.0 * ((expert if lay.ep > 1 and not lay.bf16_experts else 0) + tied_copy)
-    if a == 2 and lay.shard == "full":
-        # FSDP2 casts its units to param_dtype: bf16 leaves autocast nothing to cast but a tied head copy (no
-        # unit); fp32 (the default) gathers fp32 weights, which autocast casts per matmul, every layer's cast kept
-        # for the backward pass as under shard none (the expert-parallel experts at this rank's share)
-        t["compute-dtype weight copies"] = 2.0 * tied_copy if pa == 2 else \
-            2.0 * (matmul - (sum(x.expert for x in specs) - expert))
+    elif lay.shard == "full" and pa == 2:  # FSDP2 gathers bf16: nothing left to cast but a tied head copy (no unit)
+        t["compute-dtype weight copies"] = 2.0 * tied_copy
+    else:  # fp32 weights (none, optimizer, or full gathering fp32, its default): every layer's cast
+        t["compute-dtype weight copies"] = every_cast
     t["optimizer state"] = 8.0 * (held - tied_copy if lay.shard == "none" else sharded)
     # optimizer and full keep each rank's part of the sharded gradients, and expert-parallel experts' gradients
     # whole until Agg (their buckets go out after it, in `reduce`)
