@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from moebal.kernels.workers import cpu_workers, run_parallel
 from moebal.sync import count_ids, to_host
@@ -151,6 +152,7 @@ class _Dispatch(torch.autograd.Function):
         return _gather_rows(x_TD, plan.token_N)
 
     @staticmethod
+    @once_differentiable  # a second derivative is refused by name, not by an out= error inside
     def backward(ctx: Any, g_ND: torch.Tensor) -> tuple[torch.Tensor, None]:
         plan: DispatchPlan = ctx.plan
         g_ND = g_ND.contiguous()
@@ -175,6 +177,7 @@ class _Combine(torch.autograd.Function):
         return out_TD.index_add_(0, plan.token_N, y_ND * w_N1)
 
     @staticmethod
+    @once_differentiable  # a second derivative is refused by name, not by an out= error inside
     def backward(ctx: Any, g_TD: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         y_ND, w_N1 = ctx.saved_tensors
         plan: DispatchPlan = ctx.plan

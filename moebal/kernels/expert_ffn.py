@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from moebal.kernels.dispatch import DispatchPlan
 from moebal.kernels.workers import cpu_workers, run_parallel
@@ -307,6 +308,7 @@ class _SwiGLUExperts(torch.autograd.Function):
         return y_ND
 
     @staticmethod
+    @once_differentiable  # a second derivative is refused by name, not by an out= error inside
     def backward(ctx: Any, g_ND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         w1_EFD, w3_EFD, w2_EDF, *saved = ctx.saved_tensors
         grads = _IMPLS[ctx.kernel][1](g_ND.contiguous(), w1_EFD, w3_EFD, w2_EDF, tuple(saved), ctx.layout,

@@ -474,10 +474,12 @@ class _SplitBlocks(torch.autograd.Function):
 
 
 def _diag_grad(dd_Y1bK: torch.Tensor, B: int, G: int) -> torch.Tensor:
-    """[B, G, T, K]: the diagonal part's key (or value) gradient back in sequence order (one copy)."""
+    """[B, G, T, K]: the diagonal part's key (or value) gradient back in sequence order, contiguous (one copy: with
+    blocks of 1 the reshape alone may return a strided view, which the gathered blocks' `index_add_` cannot use
+    flat)."""
     Y, _, b, K = dd_Y1bK.shape
     N = Y // (B * G)
-    return dd_Y1bK.view(N, B, G, b, K).permute(1, 2, 0, 3, 4).reshape(B, G, N * b, K)
+    return dd_Y1bK.view(N, B, G, b, K).permute(1, 2, 0, 3, 4).reshape(B, G, N * b, K).contiguous()
 
 
 def split_block_attention(q_BHTK: torch.Tensor, k_BGTK: torch.Tensor, v_BGTK: torch.Tensor,

@@ -64,6 +64,27 @@ def test_dispatch_and_combine_against_dense_formula() -> None:
         lambda x, w: combine(dispatch(x, plan) * scale_E[expert_N, None], plan, w), (x_TD, w_TK))
 
 
+@pytest.mark.parametrize("op", ["dispatch", "experts", "combine"])
+def test_a_second_derivative_is_refused_by_name(op: str) -> None:
+    """The kernels' backward passes are first derivatives only: create_graph=True through one of them names that,
+    where it used to fail inside the backward on an out= argument."""
+    torch.manual_seed(0)
+    T, K, E, D, F = 4, 2, 3, 8, 16
+    idx_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    plan = make_plan(idx_TK, None, E)
+    x_TD = torch.randn(T, D, requires_grad=True)
+    w1, w3, w2 = (torch.randn(E, F, D, requires_grad=True), torch.randn(E, F, D, requires_grad=True),
+                  torch.randn(E, D, F, requires_grad=True))
+    w_TK = torch.rand(T, K, requires_grad=True)
+    x_ND = dispatch(x_TD, plan) if op == "dispatch" else dispatch(x_TD, plan).detach().requires_grad_(True)
+    y_ND = swiglu_experts(x_ND, w1, w3, w2, plan, "loop") if op == "experts" else x_ND * 2.0
+    out = combine(y_ND, plan, w_TK) if op == "combine" else y_ND.sum(dim=1)
+    g = torch.autograd.grad(out.square().sum(), x_ND if op == "experts" else
+                            (w_TK if op == "combine" else x_TD), create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_fused_experts_match_autograd_reference(kernel: str) -> None:
     torch.manual_seed(1)

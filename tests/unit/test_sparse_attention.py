@@ -179,6 +179,19 @@ def test_split_path_matches_masked_fallback(density: float) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("B, G, N", [(2, 2, 3), (1, 2, 4)])
+def test_split_path_with_blocks_of_one_token(B: int, G: int, N: int) -> None:
+    """Blocks of 1 with several query blocks keeping several key blocks: the diagonal gradient's reshape is then
+    a strided view, which the backward must still add the gathered blocks' gradients into."""
+    qkv = _qkv(B, 2 * G, G, N, 8, seed=3)
+    sel = select_blocks(qkv[0], qkv[1], 1, 1.0)
+    g_out = torch.randn(B, 2 * G, N, 8, generator=torch.Generator().manual_seed(4))
+    split = _out_and_grads(lambda *a: block_sparse_attention(*a, path="split"), qkv, sel, g_out)
+    ref = _out_and_grads(dense_block_attention, qkv, sel, g_out)
+    for a, b in zip(split, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads", [(4, 2), (4, 1), (2, 2)])
 def test_masked_path_with_expanded_keys_and_values_equals_grouped(heads: tuple[int, int]) -> None:
     """`expand_kv` (keys and values repeated to every query head in the masked calls, instead of `enable_gqa`)
