@@ -589,6 +589,10 @@ class StageShardedAdamW(FullyShardedAdamW):
         self._was = {id(p): before[n] for n, p in stage.named_parameters()}
         """id of each (sharded) parameter -> the parameter it was made from (itself when it was sharded, and
         for the plain expert-parallel experts)."""
+        held = {id(p) for p in stage.parameters()}
+        for old in self._was.values():
+            if id(old) not in held:  # only its identity keys a walk's state (`load_full_state`): its whole weights
+                old.data, old.grad = old.data.new_empty(0), None  # and gradient would stay beside the shards
         super().__init__(stage, cfg, dims, norm_channel=None, expert_divisor=1.0, expert_channels=expert_channels,
                          accumulate=True, skip=skip)
 

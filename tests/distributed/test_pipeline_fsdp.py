@@ -33,7 +33,10 @@ def _run(shard: str) -> dict[str, Any]:
     return {"records": out.records, "sizes": out.final_sizes, "optimizer": type(opt).__name__,
             "state_elems": sum(t.numel() for t in state if t.dim() > 0),
             "param_elems": sum(p.numel() for p in runner.full_state().values()),
-            "params": runner.full_state(), "static": static_bytes(runner.stage, opt)}
+            "params": runner.full_state(), "static": static_bytes(runner.stage, opt),
+            # what the sharded parameters were made from keeps no storage beside the shards
+            "unsharded_left": sum(old.numel() for old in getattr(opt, "_was", {}).values()
+                                  if not any(old is p for p in runner.stage.parameters()))}
 
 
 def _pairs(rank: int, world: int) -> dict[str, Any]:
@@ -63,6 +66,7 @@ def test_fully_sharded_pipeline_with_migrations_matches_unsharded(pairs):
         whole, got = plain["state_elems"], full["state_elems"]
         assert whole == 2 * plain["param_elems"] and got <= whole // 2 + 64, (got, whole)
         assert full["static"] < plain["static"]
+        assert full["unsharded_left"] == 0, full["unsharded_left"]
     rec = pairs[0]["full"]["records"]
     assert [x["migration"] for x in rec if "migration" in x] == ["forced", "forced-mid", "forced"]
 
