@@ -650,7 +650,10 @@ def _deepseek(hf: dict[str, Any], where: str, v3: bool) -> HFFields:
            "shared_ffn_dim": None, "shared_gate": False, "router": "linear",
            "score_scale": _get(hf, "routed_scaling_factor", 2.5 if v3 else 1.0, where, float),
            **_deepseek_routing(hf, where, v3)}
-    defaults = {"moe": {"aux_loss_coef": _get(hf, "aux_loss_alpha", 0.001, where, float), "router_fp32": True}}
+    # DeepSeek's balance loss is per sequence (`seq_aux`, true in the released configs and DeepSeek's default)
+    scope = "sequence" if _get(hf, "seq_aux", True, where, bool) else "layer"
+    defaults = {"moe": {"aux_loss_coef": _get(hf, "aux_loss_alpha", 0.001, where, float), "router_fp32": True,
+                        "aux_loss_scope": scope}}
     return HFFields("deepseek_v3" if v3 else "deepseek_v2", {"model": model, "moe": moe}, defaults)
 
 
@@ -764,7 +767,7 @@ def _deepseek_hf_fields(cfg: Config, arch: str) -> dict[str, Any]:
         "first_k_dense_replace": moe.first_dense, "moe_layer_freq": 1, "routed_scaling_factor": moe.score_scale,
         "norm_topk_prob": moe.norm_topk, "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
         "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim, "aux_loss_alpha": moe.aux_loss_coef}
+        "v_head_dim": mla.v_head_dim, "aux_loss_alpha": moe.aux_loss_coef, "seq_aux": moe.aux_loss_scope == "sequence"}
     if v3:
         out.update(n_group=moe.n_group, topk_group=moe.topk_group or moe.n_group, rope_interleave=mla.rope_interleave,
                    topk_method="noaux_tc", scoring_func="sigmoid")
@@ -1157,8 +1160,10 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     elif arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
         out.update(router_aux_loss_coef=cfg.moe.aux_loss_coef)
     elif arch in _DEEPSEEK:
-        if "aux_loss_alpha" in base:  # DeepSeek's own key; transformers 5 writes none
+        if "aux_loss_alpha" in base:  # DeepSeek's own keys; transformers 5 writes neither
             out.update(aux_loss_alpha=cfg.moe.aux_loss_coef)
+        if "seq_aux" in base:
+            out.update(seq_aux=cfg.moe.aux_loss_scope == "sequence")
     else:
         out.update(gate_add_noise=cfg.moe.router_noise is not None)
         if cfg.moe.router_noise is not None:

@@ -23,14 +23,18 @@ from moebal.kernels.expert_ffn import KERNELS, KernelName, auto_kernel, grouped_
 from moebal.models import noise, padding
 from moebal.models.mlp import MLP
 from moebal.routing import (
+    AuxLossScope,
     GateSpec,
     GroupScore,
     Routing,
     RoutingStats,
     assignment_counts,
+    balance_sums,
     load_balancing_loss,
     route,
     router_z_loss,
+    sequence_balancing_loss,
+    token_count,
     update_selection_bias,
 )
 
@@ -182,7 +186,8 @@ class MoELayer(nn.Module):
                  kernel: Literal["auto", "grouped_mm", "loop"] = "auto", init_std: float = 0.02,
                  norm_topk: bool = True, router_noise: float | None = None, shared_gate: bool = False,
                  n_group: int = 1, topk_group: int | None = None, group_score: GroupScore = "max",
-                 selection_bias: bool = False, router_fp32: bool = False) -> None:
+                 selection_bias: bool = False, router_fp32: bool = False,
+                 aux_loss_scope: AuxLossScope = "layer") -> None:
         super().__init__()
         _check_args(dim, ffn_dim, num_experts, top_k, router, jitter, shared_ffn_dim, aux_loss_coef,
                     z_loss_coef, bias_update_rate, init_std, router_noise, shared_gate)
@@ -195,6 +200,9 @@ class MoELayer(nn.Module):
         """The layer's model-wide index, which keys its router noise (the decoder layer sets it)."""
         self.router_fp32 = router_fp32
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
+        if aux_loss_scope not in ("layer", "pooled", "sequence"):
+            raise ValueError(f"MoELayer: aux_loss_scope must be layer, pooled or sequence; got {aux_loss_scope!r}")
+        self.aux_loss_scope = aux_loss_scope
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "mlp_tanh":
             self.gate_out = nn.Linear(num_experts, num_experts, bias=False)  # LLaMA-MoE v1: G2 tanh(G1 x)
@@ -211,6 +219,9 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(self)
         self.stats_reducer: StatsReducer | None = None  # sums statistics over data-parallel ranks (None: this device)
         self.aux_loss: torch.Tensor = torch.zeros(())
+        self.balance_sums: torch.Tensor | None = None
+        """With `aux_loss_scope: pooled`: the last forward's (tokens, counts, probability sums) for the model's one
+        loss over its layers (`pooled_balancing_loss`; not in `aux_loss`); None otherwise."""
         self.last_stats: RoutingStats | None = None
         self.last_routing: Routing | None = None
         self._step_stats: RoutingStats | None = None
@@ -236,7 +247,8 @@ class MoELayer(nn.Module):
                    bias_update_rate=moe.bias_update_rate, kernel=moe.kernel, init_std=cfg.model.init_std,
                    norm_topk=moe.norm_topk, router_noise=moe.router_noise, shared_gate=moe.shared_gate,
                    n_group=moe.n_group, topk_group=moe.topk_group, group_score=moe.group_score,
-                   selection_bias=moe.selection_bias, router_fp32=moe.router_fp32)
+                   selection_bias=moe.selection_bias, router_fp32=moe.router_fp32,
+                   aux_loss_scope=moe.aux_loss_scope)
         layer.recompute_local = cfg.train.recompute in ("moe", "full")
         return layer
 
@@ -310,29 +322,44 @@ class MoELayer(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             out_TD = out_TD + shared_TD
-        self._record(r, real_T)
+        self._record(r, real_T, math.prod(x.shape[:-2]) if x.dim() > 2 else 1)
         return out_TD.view(x.shape).to(x.dtype)
 
     # ---- losses and statistics --------------------------------------------------------------------------
 
-    def _record(self, r: Routing, real_T: torch.Tensor | None = None) -> None:
+    def _record(self, r: Routing, real_T: torch.Tensor | None = None, rows: int = 1) -> None:
         """The routing statistics (every position: the dispatched work) and the losses (`real_T`: bool [T], the
-        real positions when rows end in padding, moebal/models/padding.py; None: every position)."""
+        real positions when rows end in padding, moebal/models/padding.py; None: every position; `rows`: the
+        tokens' rows, for the per-sequence loss)."""
         if not self.records:
             return
         stats = RoutingStats.from_routing(r)
-        aux = self._losses(r, stats, real_T)  # in a replay too: the backward unpacks its saved tensors
+        aux, sums = self._losses(r, stats, real_T, rows)  # in a replay too: the backward unpacks its saved tensors
         if self._replay:
             return  # the forward recorded this step's statistics and loss already
-        self.last_routing, self.last_stats, self.aux_loss = r, stats, aux
+        self.last_routing, self.last_stats, self.aux_loss, self.balance_sums = r, stats, aux, sums
         if self.training and torch.is_grad_enabled():
             self._step_stats = stats.clone() if self._step_stats is None else self._step_stats.add(stats)
 
-    def _losses(self, r: Routing, stats: RoutingStats, real_T: torch.Tensor | None = None) -> torch.Tensor:
-        """The coefficient-weighted balancing and z losses over the real positions (`real_T`, None: all)."""
+    def _losses(self, r: Routing, stats: RoutingStats, real_T: torch.Tensor | None = None, rows: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The coefficient-weighted balancing and z losses over the real positions (`real_T`, None: all) of the
+        tokens' `rows` equal rows (row-major), and with
+        `aux_loss_scope: pooled` the layer's `balance_sums` (its balancing term is then the model's, not here).
+
+        Scopes: `layer` is each layer's Switch loss over the batch (global over the ranks with a reducer);
+        `pooled` one loss over every layer's batch (transformers'); `sequence` each layer's loss per row
+        (DeepSeek's `seq_aux`), a row's own routing and so never summed over ranks."""
         aux = r.logits_TE.new_zeros(())
-        counts_E = None
-        if self.aux_loss_coef > 0:
+        counts_E, sums = None, None
+        balancing = self.aux_loss_coef > 0
+        if balancing and self.aux_loss_scope == "sequence":
+            # the counted choices as for the other scopes: every taken one, or each token's first (adaptive)
+            first = self.spec.adaptive_threshold is not None
+            aux = aux + self.aux_loss_coef * sequence_balancing_loss(
+                r.probs_TE, r.indices_TK[:, :1] if first else r.indices_TK, None if first else r.taken_TK, rows,
+                real_T)
+        elif balancing:
             if self.spec.adaptive_threshold is not None:
                 # Adaptive Gating Eq. 5.4: f counts top-1 decisions only (every token's first choice).
                 first_T1 = None if real_T is None else real_T.unsqueeze(1)
@@ -344,18 +371,22 @@ class MoELayer(nn.Module):
                 counts_E = assignment_counts(r.indices_TK, taken_TK if r.taken_TK is None else taken_TK & r.taken_TK,
                                              self.num_experts)
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
-            return aux + self._global_losses(r, counts_E, self.stats_reducer, real_T)
+            return self._global_losses(r, counts_E, self.stats_reducer, real_T, aux)
+        if counts_E is not None and self.aux_loss_scope == "pooled":
+            sums = balance_sums(r.probs_TE, counts_E, real_T)  # no token: zero sums
         if r.probs_TE.shape[0] == 0:  # no token: no balancing or z loss (a mean over nothing is NaN), as skip_layer
-            return aux
-        if counts_E is not None:
+            return aux, sums
+        if counts_E is not None and sums is None:
             aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E, real_T)
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE, real_T)
-        return aux
+        return aux, sums
 
     def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: StatsReducer,
-                       real_T: torch.Tensor | None = None) -> torch.Tensor:
-        """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward).
+                       real_T: torch.Tensor | None = None, aux: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward), added
+        to `aux`; with `aux_loss_scope: pooled` the balancing term's global `balance_sums` instead of the term.
 
         Load balancing: f from the summed counts, P from the summed probabilities over the summed token count
         (a product of means is not a mean of products). Z-loss: the summed squares over the summed token count
@@ -363,28 +394,24 @@ class MoELayer(nn.Module):
         exits). Counts travel as fp32 (exact below 2^24 assignments per expert) beside the probability sums;
         the sum carries the gradient back to each rank's own tokens. `real_T`: only these positions count (padding
         left out: moebal/models/padding.py), by masked sums."""
-        T, E = r.probs_TE.shape
-        probs_TE = r.probs_TE
-        if real_T is None:
-            parts = [torch.full((1,), float(T), dtype=torch.float32, device=r.probs_TE.device)]
-        else:
-            w_T = real_T.to(torch.float32)
-            parts, probs_TE = [w_T.sum().reshape(1)], r.probs_TE * w_T.unsqueeze(1).to(r.probs_TE.dtype)
-        if counts_E is not None:
-            parts += [counts_E.to(torch.float32), probs_TE.sum(dim=0)]
+        E = r.probs_TE.shape[1]
+        parts = [token_count(r.probs_TE, real_T) if counts_E is None else balance_sums(r.probs_TE, counts_E, real_T)]
         if self.z_loss_coef > 0:
             z_T = torch.logsumexp(r.logits_TE.float(), dim=-1).square()
-            parts.append((z_T if real_T is None else z_T * w_T).sum().reshape(1))
+            parts.append((z_T if real_T is None else z_T * real_T.to(z_T.dtype)).sum().reshape(1))
         total = reducer.sum_grad(torch.cat(parts))
         tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
-        aux = r.logits_TE.new_zeros(())
-        if counts_E is not None:
+        aux = r.logits_TE.new_zeros(()) if aux is None else aux
+        sums = None
+        if counts_E is not None and self.aux_loss_scope == "pooled":
+            sums = total[:1 + 2 * E]
+        elif counts_E is not None:
             counts, P_E = total[1:1 + E].detach(), total[1 + E:1 + 2 * E] / tokens
             f_E = counts / counts.sum().clamp(min=1.0)
             aux = aux + self.aux_loss_coef * (self.num_experts * torch.sum(f_E * P_E))
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * (total[-1] / tokens)
-        return aux
+        return aux, sums
 
     def take_stats(self) -> RoutingStats:
         """Statistics accumulated by training forwards since the last call (then reset); no host sync."""
@@ -443,7 +470,7 @@ class MoELayer(nn.Module):
     def __getstate__(self) -> dict[str, object]:
         # The last forward's loss and routing hold autograd graphs, which deepcopy/pickle cannot copy.
         state = self.__dict__.copy()
-        state["aux_loss"] = torch.zeros(())
+        state["aux_loss"], state["balance_sums"] = torch.zeros(()), None
         state["last_routing"] = None
         return state
 

@@ -157,7 +157,7 @@ def skip_layer(layer: DecoderLayer, h_BTD: torch.Tensor) -> torch.Tensor:
         return h_BTD
     moe = layer.block_sparse_moe
     if moe.is_local():
-        moe.aux_loss = torch.zeros((), device=h_BTD.device)  # nothing routed: no balancing loss
+        moe.aux_loss, moe.balance_sums = torch.zeros((), device=h_BTD.device), None  # nothing routed: no loss
         return h_BTD
     # the peers' MoE input needs a gradient whenever this layer trains (layers freeze whole): so must this one,
     # or the dispatch all-to-all would be missing from this rank's backward while the peers wait in theirs

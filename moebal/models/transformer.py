@@ -29,6 +29,7 @@ from moebal.config import Config
 from moebal.models import padding
 from moebal.models.mlp import MLP
 from moebal.models.recompute import recompute_call
+from moebal.routing import pooled_balancing_loss
 
 if TYPE_CHECKING:
     from moebal.models.moe import MoELayer
@@ -366,15 +367,23 @@ class MoebalForCausalLM(nn.Module):
 
     def forward(self, ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
                 row_tokens: torch.Tensor | None = None) -> CausalLMOutput:
-        """`row_tokens`: each row's real tokens when rows end in padding (`MoebalModel.forward`)."""
+        """`row_tokens`: each row's real tokens when rows end in padding (`MoebalModel.forward`). `aux_loss`: the
+        MoE layers' losses summed, with `moe.aux_loss_scope: pooled` plus the one balancing loss over them all."""
+        for layer in self.moe_layers():
+            layer.balance_sums = None  # a layer this forward does not run adds nothing to the pooled loss
         h_BTD = self.model(ids_BT) if row_tokens is None else self.model(ids_BT, row_tokens)
         logits_BTV = self.lm_head(h_BTD)
         loss = None
         if labels_BT is not None:
             loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
         aux = logits_BTV.new_zeros((), dtype=torch.float32)
+        sums: list[torch.Tensor] = []
         for layer in self.moe_layers():  # the order of sum(..., start=aux)
             aux = aux + layer.aux_loss
+            if layer.balance_sums is not None:
+                sums.append(layer.balance_sums)
+        if sums:
+            aux = aux + self.config.moe.aux_loss_coef * pooled_balancing_loss(sums)
         return CausalLMOutput(logits=logits_BTV, loss=loss, aux_loss=aux)
 
     def num_parameters(self, active: bool = False) -> int:

@@ -5,7 +5,14 @@ Shape legend: T tokens, E experts, K = top_k.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+
+AuxLossScope = Literal["layer", "pooled", "sequence"]
+"""What one balancing loss measures: each layer's batch (Switch, summed over the layers: Megatron's), every
+layer's batch at once (transformers' `load_balancing_loss_func`) or each layer's each sequence (DeepSeek's
+`seq_aux`)."""
 
 
 def assignment_counts(indices_TK: torch.Tensor, taken_TK: torch.Tensor | None, num_experts: int) -> torch.Tensor:
@@ -35,6 +42,69 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, real_T: 
     w_T = real_T.to(probs_TE.dtype)
     P_E = (probs_TE * w_T.unsqueeze(1)).sum(dim=0) / w_T.sum().clamp(min=1)
     return num_experts * torch.sum(f_E * P_E)
+
+
+def balance_sums(probs_TE: torch.Tensor, counts_E: torch.Tensor, real_T: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """fp32 [1 + 2E]: (tokens, counts_E, the probabilities summed over the tokens) of one layer, over the tokens
+    `real_T` (bool [T]) marks only when given, for `pooled_balancing_loss`. The sums carry the gradient; summing
+    them over ranks keeps them sums."""
+    probs_TE = probs_TE.float()
+    if real_T is not None:
+        probs_TE = probs_TE * real_T.to(torch.float32).unsqueeze(1)
+    return torch.cat([token_count(probs_TE, real_T), counts_E.to(torch.float32), probs_TE.sum(dim=0)])
+
+
+def token_count(x_T: torch.Tensor, real_T: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [1]: the tokens of `x_T` (its first dimension), or those `real_T` (bool [T]) marks. No host sync."""
+    if real_T is None:
+        return torch.full((1,), float(x_T.shape[0]), dtype=torch.float32, device=x_T.device)
+    return real_T.to(torch.float32).sum().reshape(1)
+
+
+def pooled_balancing_loss(sums: list[torch.Tensor]) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (Mixtral, Qwen2/3-MoE, OLMoE) from each layer's `balance_sums`:
+    E * sum_e F_e * P_e with F_e the counts summed over the layers over the tokens summed over the layers (a
+    constant) and P_e the probabilities' sum over both, over the same count. One token's k choices all count, so
+    perfect balance gives k (1 when the counts hold first choices only: adaptive gating)."""
+    total = torch.stack(sums).sum(dim=0)
+    E = (total.shape[0] - 1) // 2
+    tokens = total[0].detach().clamp(min=1.0)  # no token anywhere: 0, not NaN
+    F_E, P_E = total[1:1 + E].detach() / tokens, total[1 + E:] / tokens
+    return E * torch.sum(F_E * P_E)
+
+
+def sequence_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, counted_TK: torch.Tensor | None,
+                            rows: int, real_T: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek's per-sequence balance loss (`seq_aux`, DeepSeek-V3 eq. 17-20) for T tokens in `rows` equal rows
+    (row-major): each row's E * sum_e f_e * P_e, f_e its counted choices of e over all its counted choices (a
+    constant; `counted_TK` bool, None: all), P_e the mean over the row's tokens of e's probability; the mean over
+    the rows holding a token. `real_T` (bool [T]): only these tokens (padding left out). Perfect balance in every
+    row gives 1. No host sync."""
+    T, E = probs_TE.shape
+    if T == 0:
+        return probs_TE.sum() * 0.0
+    row_T = torch.arange(T, device=probs_TE.device) // (T // rows)
+    probs_TE = probs_TE.float()
+    if real_T is not None:
+        w_T = real_T.to(torch.float32)
+        probs_TE = probs_TE * w_T.unsqueeze(1)
+        counted_TK = real_T.unsqueeze(1).expand_as(indices_TK) if counted_TK is None else \
+            counted_TK & real_T.unsqueeze(1)
+    else:
+        w_T = torch.ones(T, dtype=torch.float32, device=probs_TE.device)
+    ones_TK = torch.ones(indices_TK.shape, dtype=torch.float32, device=probs_TE.device) if counted_TK is None \
+        else counted_TK.to(torch.float32)
+    slot_TK = row_T.unsqueeze(1) * E + indices_TK
+    counts_RE = torch.zeros(rows * E, dtype=torch.float32, device=probs_TE.device).scatter_add_(
+        0, slot_TK.reshape(-1), ones_TK.reshape(-1)).view(rows, E)
+    tokens_R = torch.zeros(rows, dtype=torch.float32, device=probs_TE.device).index_add_(0, row_T, w_T)
+    P_RE = torch.zeros(rows, E, dtype=probs_TE.dtype, device=probs_TE.device).index_add_(0, row_T, probs_TE)
+    P_RE = P_RE / tokens_R.clamp(min=1.0).unsqueeze(1)
+    f_RE = counts_RE / counts_RE.sum(dim=1, keepdim=True).clamp(min=1.0)
+    loss_R = E * (f_RE * P_RE).sum(dim=1)
+    held_R = (tokens_R > 0).to(torch.float32)
+    return (loss_R * held_R).sum() / held_R.sum().clamp(min=1.0)
 
 
 def router_z_loss(logits_TE: torch.Tensor, real_T: torch.Tensor | None = None) -> torch.Tensor:

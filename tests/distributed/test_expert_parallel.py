@@ -17,11 +17,11 @@ from moebal.models import build_model
 from moebal.planner.plan import ExpertPlacement, default_owners
 
 
-def _cfg(experts: int, capacity: float | None = None):
+def _cfg(experts: int, capacity: float | None = None, scope: str = "layer", aux: float = 0.01):
     return from_dict({
         "model": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48, "max_seq_len": 16},
-        "moe": {"num_experts": experts, "top_k": 2, "expert_ffn_dim": 24, "aux_loss_coef": 0.01,
-                "z_loss_coef": 0.001, "capacity_factor": capacity},
+        "moe": {"num_experts": experts, "top_k": 2, "expert_ffn_dim": 24, "aux_loss_coef": aux,
+                "z_loss_coef": 0.001, "capacity_factor": capacity, "aux_loss_scope": scope},
         "data": {"seq_len": 16},
     })
 
@@ -41,8 +41,9 @@ def _placements(kind: str, E: int, R: int, step: int, layers: int) -> list[Exper
 def step_against_reference(model: torch.nn.Module, ref: torch.nn.Module, ep: ExpertParallel, ids: torch.Tensor,
                            placements: list[ExpertPlacement], per: int, worst: dict[str, float]) -> None:
     """One step of `model` on this rank's 2 rows of `ids` under expert parallelism and of `ref` on all rows in
-    one process (gradients left for the caller's optimizers); the worst relative loss and gradient and the worst
-    absolute parameter difference so far go into `worst`. Rank r holds experts [r * per, (r + 1) * per)."""
+    one process (gradients left for the caller's optimizers); the worst relative loss, auxiliary loss (the mean
+    over ranks: a global loss is the same on each, a per-sequence one each rank's rows') and gradient and the
+    worst absolute parameter difference so far go into `worst`. Rank r holds experts [r * per, (r + 1) * per)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = ids[:, :-1], ids[:, 1:]
     ep.apply(placements)
@@ -50,11 +51,13 @@ def step_against_reference(model: torch.nn.Module, ref: torch.nn.Module, ep: Exp
     (out.loss + out.aux_loss).backward()
     ep.aggregate()
     ep.sync_gradients()
-    loss = out.loss.detach().clone()
+    loss = torch.stack([out.loss.detach(), out.aux_loss.detach()])
     dist.all_reduce(loss)
     ref_out = ref(x, y)
     (ref_out.loss + ref_out.aux_loss).backward()
-    worst["loss"] = max(worst["loss"], abs(loss.item() / world - ref_out.loss.item()) / ref_out.loss.item())
+    worst["loss"] = max(worst["loss"], abs(loss[0].item() / world - ref_out.loss.item()) / ref_out.loss.item())
+    worst["aux"] = max(worst.get("aux", 0.0),
+                       abs(loss[1].item() / world - ref_out.aux_loss.item()) / ref_out.aux_loss.item())
     for p, rp in zip(model.parameters(), ref.parameters()):
         rg = rp.grad[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.grad
         rw = rp.detach()[rank * per:(rank + 1) * per] if is_expert_param(p) else rp.detach()
@@ -62,8 +65,9 @@ def step_against_reference(model: torch.nn.Module, ref: torch.nn.Module, ep: Exp
         worst["param"] = max(worst["param"], ((p.detach() - rw).abs().max()).item())
 
 
-def _worker(rank: int, world: int, experts: int, kind: str, steps: int) -> dict[str, float]:
-    cfg = _cfg(experts)
+def _worker(rank: int, world: int, experts: int, kind: str, steps: int, scope: str = "layer",
+            aux: float = 0.01) -> dict[str, float]:
+    cfg = _cfg(experts, scope=scope, aux=aux)
     torch.manual_seed(0)
     ref = build_model(cfg)
     model = copy.deepcopy(ref)
@@ -92,6 +96,18 @@ def _worker(rank: int, world: int, experts: int, kind: str, steps: int) -> dict[
 def test_expert_parallel_matches_single_process(world, experts, kind):
     for worst in run_ranks(_worker, world, experts, kind, 20):
         assert worst["loss"] < 1e-5, worst
+        assert worst["aux"] < 1e-5, worst
+        assert worst["grad"] < 1e-5, worst
+        assert worst["param"] < 1e-5, worst
+
+
+@pytest.mark.parametrize("scope", ["pooled", "sequence"])
+def test_balancing_loss_scopes_match_single_process(scope):
+    """moe.aux_loss_scope under expert parallelism, its loss weighted up to matter (0.5): pooled sums every
+    layer's statistics over the ranks, sequence keeps each rank's rows' own."""
+    for worst in run_ranks(_worker, 2, 4, "random", 8, scope, 0.5):
+        assert worst["loss"] < 1e-5, worst
+        assert worst["aux"] < 1e-5, worst
         assert worst["grad"] < 1e-5, worst
         assert worst["param"] < 1e-5, worst
 
