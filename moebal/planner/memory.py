@@ -845,9 +845,9 @@ def overhead(lay: MemoryLayout, policy: str = "static",
     idles (pp - 1) / (M + pp - 1) of the step (GPipe's bubble is the same share); giving up the configured
     placement policy for static placement 0.1 (what Pro-Prophet saves under skewed routing), capping its
     replicas at c per rank and MoE layer (below the configured cap) 0.02 / c: the hottest experts' first replicas
-    carry most of the gain (the simulated 1,024-rank Mixtral-8x7B step is 8.8 s at one replica per rank and layer
-    and 9.1 s uncapped, docs/simulator.md), so a cap costs at most what optimizer sharding does, and fewer
-    replicas more than more; giving up one of FSDP2's holds the configuration asks for (`holds`: its
+    carry most of the gain (the simulated 1,024-rank Mixtral-8x7B step is 8.59 s at one replica per rank and
+    layer and 8.47 s uncapped, 1.4 % slower, docs/simulator.md), so a cap costs at most what optimizer sharding
+    does, and fewer replicas more than more; giving up one of FSDP2's holds the configuration asks for (`holds`: its
     `parallel.accumulate` and `parallel.reshard`) 0.05: the collectives a hold saves are those of the default
     `full` layout, which `full`'s 0.1 already prices (its re-gathered weights), so a hold is worth part of it,
     taken as half; dropping one is preferred to recomputation and to a pipeline (the default FSDP2 behaviour
