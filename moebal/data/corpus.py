@@ -186,13 +186,14 @@ def load_corpus(source: str = "stdlib", tokenizer: str = "byte", *, text_key: st
     return _load_cached(source, tokenizer, text_key, val_fraction, max_bytes, add_special_tokens, units)
 
 
-_BLOCK_START = re.compile(rb"\n[ \t]*\n(?=[^\s)\]}])")
+_BLOCK_START = re.compile(rb"\n[ \t\r]*\n(?=[^\s)\]}])")  # a blank line may end in \r (CRLF files)
 
 
 def split_blocks(data: bytes) -> list[bytes]:
     """A text's top-level blocks: it is cut after every blank line that is followed by an unindented line
     (not a closing bracket): Python statements and definitions (with their leading comments), paragraphs of
-    prose. Lossless: the blocks concatenate back to the text (each keeps its trailing blank lines)."""
+    prose; CRLF line ends cut the same places as LF ones. Lossless: the blocks concatenate back to the text (each
+    keeps its trailing blank lines)."""
     cuts = [m.end() for m in _BLOCK_START.finditer(data)]
     edges = [0, *cuts, len(data)]
     return [data[a:b] for a, b in zip(edges[:-1], edges[1:]) if b > a]

@@ -325,6 +325,9 @@ def test_blocks_are_natural_lossless_documents(tmp_path):
     blocks = split_blocks(text)
     assert b"".join(blocks) == text
     assert [b.split(b"\n")[0] for b in blocks] == [b"import os", b"# note", b"class A:", b"z = 2"]
+    crlf = text.replace(b"\n", b"\r\n")  # Windows line ends cut the same blocks
+    assert [b.replace(b"\r\n", b"\n") for b in split_blocks(crlf)] == blocks
+    assert b"".join(split_blocks(crlf)) == crlf
     (tmp_path / "a.py.txt").write_bytes(text)
     (tmp_path / "b.jsonl").write_text('{"text": "one sample\\n\\nnot split"}\n{"text": "two"}\n')
     files = load_corpus(str(tmp_path), val_fraction=0.0)
