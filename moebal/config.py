@@ -207,7 +207,7 @@ class MoEConfig:
     aux_loss_scope: Literal["layer", "pooled", "sequence"] = "layer"
     """What the balancing loss measures: layer, each MoE layer's batch (balance gives 1; the layers' losses
     summed, Megatron's); pooled, one loss over every layer's batch (transformers' Mixtral, Qwen2/3-MoE and OLMoE
-    loss, balance gives top_k; not on the pipeline engine); sequence, each layer's loss per sequence, averaged
+    loss, balance gives top_k); sequence, each layer's loss per sequence, averaged
     (DeepSeek's seq_aux; not with dynamism mod or early_exit)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE)."""
@@ -1271,12 +1271,7 @@ def _check_moe(c: Config) -> None:
           f"moe.every ({moe.every}), moe.first_dense ({moe.first_dense}) and moe.dense_layers "
           f"({list(moe.dense_layers)}) leave none of the {c.model.n_layers} layers MoE: keep at least one, or set "
           "moe.num_experts=0 for a dense model")
-    # pooled: one loss over every MoE layer's counts, which a pipeline's stages would have to exchange before
-    # their backward passes (not built); sequence: a token subset's rows are gone
-    _need(moe.aux_loss_scope != "pooled" or not c.pipelined,
-          f"'moe.aux_loss_scope: pooled' is one loss over every MoE layer's counts, which the stages of a pipeline "
-          f"(parallel.pp={par.pp}, dynamism.scheme={c.dynamism.scheme}) do not share: set moe.aux_loss_scope=layer "
-          f"or sequence, or train without a pipeline (parallel.pp=1, dynamism.scheme=none)")
+    # sequence: a token subset's rows are gone
     _need(moe.aux_loss_scope != "sequence" or c.dynamism.scheme not in SUBSET_SCHEMES,
           f"'moe.aux_loss_scope: sequence' balances each sequence's routing, but 'dynamism.scheme: "
           f"{c.dynamism.scheme}' routes token subsets that hold no whole sequence: set moe.aux_loss_scope=layer")

@@ -44,6 +44,7 @@ from moebal.pipeline.stage import PipelineStage
 from moebal.pipeline.units import ATTN, LAYER
 from moebal.pipeline.zero_bubble import WeightGradQueue
 from moebal.planner.schedule import make_schedule
+from moebal.routing import pooled_balancing_loss
 from moebal.sync import to_host
 
 if TYPE_CHECKING:
@@ -103,16 +104,37 @@ class IterationResult:
         return vals[n:]
 
 
+POOLED = "pooled_sums"
+"""The carry key of `moe.aux_loss_scope: pooled`'s running sums: fp32 [1 + 2E] (tokens, counts, probability sums,
+detached) of every MoE layer up to this stage's, sent on with the activation; the last stage's are the
+micro-batch's totals, of which (tokens, counts) travel back with the gradient (`PipelineEngine` "Pooled")."""
+
+
 @dataclass
 class _Saved:
     h_in: torch.Tensor | None
     out: torch.Tensor
     aux: list[torch.Tensor]
     marks: dict[int, float]
+    pooled: torch.Tensor | None = None
+    """Pooled scope: this stage's MoE layers' `balance_sums` summed, carrying their gradient (None otherwise)."""
+    totals: torch.Tensor | None = None
+    """Pooled scope: the micro-batch's running sums after this stage (the totals on the last stage; detached)."""
+    aux_w: float = 0.0
+    """The micro-batch's auxiliary-loss weight (its share of the batch)."""
 
 
 class PipelineEngine:
-    """Runs one stage's share of an iteration; the stage, chain and scheme may change between iterations."""
+    """Runs one stage's share of an iteration; the stage, chain and scheme may change between iterations.
+
+    Pooled: under `moe.aux_loss_scope: pooled` the balancing loss of a micro-batch is one loss over every MoE
+    layer of every stage, E * sum_e (C_e / N) (P_e / N) with C, P and N summed over the layers
+    (`pooled_balancing_loss`). Given the totals C and N (constants: no gradient flows through counts) it is linear
+    in each layer's probability sums, so each stage's backward adds its own layers' part, coef * E * sum_e C_e P_e /
+    N^2 (the parts add up to the loss), once it knows the totals: the forward sends the running sums on beside the
+    activation (`POOLED`), and the backward sends the last stage's (N, C) back beside the input gradient, along
+    exactly the boundaries gradients cross (a stage whose output needs no gradient needs no totals). The last
+    stage logs the whole loss (under the last layer's slot: the per-layer slots are only summed)."""
 
     def __init__(self, stage: PipelineStage, chain: PipeChain, scheme: Dynamism | None = None,
                  schedule: str = "1f1b", num_micro: int = 1, autocast: Any = None, aux_ranks: int = 1) -> None:
@@ -127,6 +149,9 @@ class PipelineEngine:
         unit in while it is gathered (`parallel.param_dtype: bf16`), and the layers' output dtype depends on the
         sharding policy, so a stage's sends are cast to it (`_forward_compute`) and every receive allocates it."""
         make_schedule(schedule, chain.size, chain.index, num_micro)  # validates the names and sizes
+        moe = stage.cfg.moe
+        self.pooled = moe.aux_loss_scope == "pooled" and moe.num_experts > 0 and moe.aux_loss_coef > 0
+        """Whether the stages exchange `POOLED` sums (see the class docstring)."""
         self.wgrad = WeightGradQueue()
         self.profiler: LayerProfiler | None = None
         self.record_ops = False
@@ -240,7 +265,15 @@ class PipelineEngine:
         for name in self.scheme.carries:
             buf = torch.empty(B, T, dtype=torch.uint8, device=ids_BT.device)
             carry[name] = self.chain.recv(buf, self.chain.prev).bool()
+        if self.pooled:
+            carry[POOLED] = self.chain.recv(self.pooled_buffer(1 + 2 * self.stage.cfg.moe.num_experts,
+                                                               ids_BT.device), self.chain.prev)
         return h, carry
+
+    @staticmethod
+    def pooled_buffer(n: int, device: torch.device) -> torch.Tensor:
+        """A receive buffer of `n` pooled sums (fp32)."""
+        return torch.empty(n, dtype=torch.float32, device=device)
 
     def _act_dtype(self) -> torch.dtype:
         return self._wire
@@ -259,6 +292,8 @@ class PipelineEngine:
             self.chain.send(s.out, self.chain.next)
             for name in self.scheme.carries:
                 self.chain.send(carry[name].to(torch.uint8), self.chain.next)
+            if s.totals is not None:
+                self.chain.send(s.totals, self.chain.next)
         return s
 
     def _forward_compute(self, j: int, ids_BT: torch.Tensor, labels_BT: torch.Tensor, label_count: int,
@@ -299,6 +334,7 @@ class PipelineEngine:
                 h = h_in
             cos, sin = st.rope(ids_BT.shape[1], h.dtype)
             aux: list[torch.Tensor] = []
+            sums: list[torch.Tensor] = []
             for u in st.unit_ids:
                 i, kind = st.units.parts[u]
                 _mark(h, prof, marks, u)
@@ -316,6 +352,9 @@ class PipelineEngine:
                     result.add_aux(i, a, aux_w)  # on the device: no host read inside the schedule
                     if a.requires_grad:
                         aux.append(a.float() * aux_w / self.aux_ranks)
+                    if layer.block_sparse_moe.balance_sums is not None:  # taken: never read by a later pass
+                        sums.append(layer.block_sparse_moe.balance_sums)
+                        layer.block_sparse_moe.balance_sums = None
             if self.on_forward is not None:
                 self.on_forward(j, labels_BT)  # the stage's layers have run micro-batch j (their `last_routing`)
             if self.chain.is_last:
@@ -326,8 +365,29 @@ class PipelineEngine:
                 result.add_loss(out)
             else:
                 out = h.to(self._wire)  # what the next stage allocates (a no-op in the usual fp32 stream)
+        saved = _Saved(h_in, out, aux, marks, aux_w=aux_w)
+        if self.pooled:
+            self._pool(saved, sums, carry, result)
         self._op_done(result, "F", j, t0)
-        return _Saved(h_in, out, aux, marks)
+        return saved
+
+    def _pool(self, s: _Saved, sums: list[torch.Tensor], carry: dict[str, torch.Tensor],
+              result: IterationResult) -> None:
+        """Pooled scope, after F: this stage's layers' sums (with their gradient) into `s.pooled`, the running
+        sums after this stage into `s.totals` (and the carry, for the next stage); on the last stage the whole
+        loss logged."""
+        n = 1 + 2 * self.stage.cfg.moe.num_experts
+        device = s.out.device
+        running = carry.get(POOLED)
+        for part in sums:  # layer by layer, as `pooled_balancing_loss` adds them: the same bits on any partition
+            running = part.detach() if running is None else running + part.detach()
+        s.totals = torch.zeros(n, dtype=torch.float32, device=device) if running is None else running
+        local = torch.stack(sums).sum(dim=0) if sums else None  # its gradient: the same for each layer's sums
+        s.pooled = local if local is not None and local.requires_grad else None
+        carry[POOLED] = s.totals
+        if self.chain.is_last:
+            loss = self.stage.cfg.moe.aux_loss_coef * pooled_balancing_loss([s.totals])
+            result.add_aux(self.stage.cfg.model.n_layers - 1, loss, s.aux_w)
 
     def _backward(self, j: int, s: _Saved, M: int, result: IterationResult) -> None:
         if not self._output_needs_grad():
@@ -336,9 +396,19 @@ class PipelineEngine:
             grad = None
         else:
             grad = self.chain.recv(torch.empty_like(s.out), self.chain.next)
+            if self.pooled:  # the micro-batch's (tokens, counts), from the last stage
+                s.totals = self.chain.recv(self.pooled_buffer(1 + self.stage.cfg.moe.num_experts, grad.device),
+                                           self.chain.next)
         g_in = self._backward_compute(j, s, grad, result)
         if g_in is not None:
             self.chain.send(g_in, self.chain.prev)
+            if self.pooled:
+                self.chain.send(self.counts_back(s), self.chain.prev)
+
+    def counts_back(self, s: _Saved) -> torch.Tensor:
+        """Pooled scope: the (tokens, counts) totals to send to the previous stage with the input gradient."""
+        assert s.totals is not None
+        return s.totals[:1 + self.stage.cfg.moe.num_experts].contiguous()
 
     def _backward_compute(self, j: int, s: _Saved, grad: torch.Tensor | None,
                           result: IterationResult) -> torch.Tensor | None:
@@ -350,6 +420,13 @@ class PipelineEngine:
         self._cpu0 = time.thread_time()
         clock = self.profiler.clock if self.profiler is not None else time.perf_counter
         c0 = clock()
+        if s.pooled is not None:  # this stage's part of the pooled loss, from the totals (class docstring)
+            assert s.totals is not None, "the pooled loss's totals never arrived"
+            E = self.stage.cfg.moe.num_experts
+            tokens = s.totals[0].clamp(min=1.0)
+            part = (s.totals[1:1 + E] * s.pooled[1 + E:]).sum() * (E / (tokens * tokens))
+            s.aux.append(part * (self.stage.cfg.moe.aux_loss_coef * s.aux_w / self.aux_ranks))
+            s.pooled = None
         tensors = [s.out] + s.aux
         grads = [grad] + [None] * len(s.aux) if grad is not None else None
         if s.out.requires_grad or s.aux:

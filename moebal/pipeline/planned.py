@@ -57,7 +57,7 @@ from moebal.distributed.groups import ParallelDims
 from moebal.dynamism.scheme import ROW_TOKENS, real_positions
 from moebal.errors import ConfigError
 from moebal.models import padding
-from moebal.pipeline.engine import IterationResult, PipelineEngine, _Saved, last_backward
+from moebal.pipeline.engine import POOLED, IterationResult, PipelineEngine, _Saved, last_backward
 from moebal.pipeline.runner import PipelineRunner
 from moebal.planner.microbatch import MicroBatch, MicroBatchPlan
 from moebal.planner.microbatch_cost import MicroBatchCost
@@ -126,6 +126,10 @@ class PlannedEngine(PipelineEngine):
         recvs: dict[tuple[str, int], list[Any]] = {}
         sends: dict[tuple[str, int], list[Any]] = {}
         carries: dict[int, dict[str, torch.Tensor]] = {}  # a scheme's per-token state (early exit's active mask)
+        pooled_in: dict[int, torch.Tensor] = {}  # moe.aux_loss_scope pooled: the running sums (`POOLED`) received
+        totals_in: dict[int, torch.Tensor] = {}  # and the totals received back with the gradient
+        totals_out: dict[int, torch.Tensor] = {}  # and those to send back with the input gradient
+        E = self.stage.cfg.moe.num_experts
         names = self.scheme.carries
         self._last_backward = last_backward(rep.streams[chain.index])
         # a frozen prefix (`dynamism.scheme: freezing`) stops gradients at a boundary: a stage whose output needs
@@ -140,11 +144,18 @@ class PlannedEngine(PipelineEngine):
                     inputs[j] = torch.empty(len(rows[j]), mb.seq, D, dtype=dtype, device=device)
                     carries[j] = {n: torch.empty(len(rows[j]), mb.seq, dtype=torch.uint8, device=device)
                                   for n in names}
-                    recvs[("act", j)] = [chain.post_recv(t, chain.prev) for t in (inputs[j], *carries[j].values())]
+                    bufs = [inputs[j], *carries[j].values()]
+                    if self.pooled:  # then the running sums of the pooled loss
+                        pooled_in[j] = self.pooled_buffer(1 + 2 * E, device)
+                        bufs.append(pooled_in[j])
+                    recvs[("act", j)] = [chain.post_recv(t, chain.prev) for t in bufs]
                 elif op == "recv_grad":
                     if backward:
                         grads[j] = torch.empty_like(saved[j].out)
                         recvs[("grad", j)] = [chain.post_recv(grads[j], chain.next)]
+                        if self.pooled:
+                            totals_in[j] = self.pooled_buffer(1 + E, device)
+                            recvs[("grad", j)].append(chain.post_recv(totals_in[j], chain.next))
                 elif op in ("wait_act", "wait_grad"):
                     for handle in recvs.pop((op[5:], j), []):
                         chain.wait_recv(handle)
@@ -155,22 +166,33 @@ class PlannedEngine(PipelineEngine):
                              self.scheme.init_carry(ids.shape[0], ids.shape[1], device, n_B))
                     if n_B is not None:  # every stage knows it from the plan: never sent
                         carry[ROW_TOKENS] = n_B
+                    if j in pooled_in:
+                        carry[POOLED] = pooled_in.pop(j)
                     saved[j] = self._forward_compute(j, ids, labels, label_count, mb.tokens / total, result,
                                                      inputs.pop(j, None), carry)
                     if not chain.is_last:  # as the stage's layers left them: what the next stage receives
                         carries[j] = {n: carry[n] for n in names}
                 elif op == "B":
                     s = saved.pop(j)
+                    if j in totals_in:
+                        s.totals = totals_in.pop(j)
                     g = self._backward_compute(j, s, grads.pop(j, None), result) if backward else None
                     if g is not None:
                         grad_in[j] = g
+                        if self.pooled:
+                            totals_out[j] = self.counts_back(s)
                 elif op == "send_act":
                     carry = carries.pop(j)  # the sends keep their uint8 copies until waited for
                     out = [saved[j].out, *(carry[n].to(torch.uint8) for n in names)]
+                    totals = saved[j].totals  # the pooled loss's running sums (None without it)
+                    if totals is not None:
+                        out.append(totals)
                     sends[("act", j)] = [chain.post_send(t, chain.next) for t in out]
                 elif op == "send_grad":
                     if j in grad_in:
                         sends[("grad", j)] = [chain.post_send(grad_in.pop(j), chain.prev)]
+                        if j in totals_out:
+                            sends[("grad", j)].append(chain.post_send(totals_out.pop(j), chain.prev))
                 elif op.startswith("wait_send_"):
                     for handle in sends.pop((op[len("wait_send_"):], j), []):
                         chain.wait_send(handle)

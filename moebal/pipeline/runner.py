@@ -702,6 +702,10 @@ class PipelineRunner:
             part = vec[S + L:S + L + 1].clone()  # and scheme statistics are taken over the whole stage
             dist.all_reduce(part, group=self.stage_group)
             vec[S + L] = part[0]
+            if self.cfg.moe.aux_loss_scope == "sequence":  # each rank's rows' own balancing losses: their mean
+                aux_L = vec[S:S + L].clone()  # (the other scopes' are global, the same on every rank)
+                dist.all_reduce(aux_L, group=self.stage_group)
+                vec[S:S + L] = aux_L / self.data_ranks
             if extra:
                 stats = vec[n:n + extra].clone()
                 dist.all_reduce(stats, group=self.stage_group)

@@ -15,7 +15,11 @@ operations on the same operands (input gradient grad @ W; weight gradient grad^T
 flattened input; bias gradient the sum over rows), in the autocast dtype when autocast is on, then cast to
 the parameter's dtype and added to `.grad` in micro-batch order, as autograd's accumulation does. One
 difference is possible: a Linear called twice in one micro-batch gets two additions instead of one of the
-summed gradient (no model here does that). The engine tests compare the losses of "zb" and "1f1b" exactly.
+summed gradient (no model here does that). So is one more, for a weight tied to a tensor that is not a Linear's
+(`model.tie_embeddings` on a one-stage pipeline, where the head is the embedding): the embedding's part enters
+`.grad` in B and the head's in W, so with two or more micro-batches the additions run in another order (the
+embedding's gradient within 1e-7 relative of autograd's; across stages the head holds a copy and nothing
+changes). The engine tests compare the losses of "zb" and "1f1b" exactly.
 
 Fully sharded stages (`parallel.shard: full`): FSDP2 swaps a Linear's weight for the all-gathered one for the
 forward and the backward, and reduce-scatters in its post-backward hook only the gradients autograd produced;

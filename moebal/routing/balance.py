@@ -66,8 +66,12 @@ def pooled_balancing_loss(sums: list[torch.Tensor]) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Mixtral, Qwen2/3-MoE, OLMoE) from each layer's `balance_sums`:
     E * sum_e F_e * P_e with F_e the counts summed over the layers over the tokens summed over the layers (a
     constant) and P_e the probabilities' sum over both, over the same count. One token's k choices all count, so
-    perfect balance gives k (1 when the counts hold first choices only: adaptive gating)."""
-    total = torch.stack(sums).sum(dim=0)
+    perfect balance gives k (1 when the counts hold first choices only: adaptive gating). The sums add up in layer
+    order, one at a time: a pipeline's stages add theirs to the running sums they receive, so every partition
+    gives the same bits."""
+    total = sums[0]
+    for part in sums[1:]:
+        total = total + part
     E = (total.shape[0] - 1) // 2
     tokens = total[0].detach().clamp(min=1.0)  # no token anywhere: 0, not NaN
     F_E, P_E = total[1:1 + E].detach() / tokens, total[1 + E:] / tokens

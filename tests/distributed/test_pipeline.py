@@ -27,22 +27,24 @@ def tiny(n_layers: int = 4, pp: int = 2, moe: int = 0, batch: int = 8, nproc: in
 
 
 def reference_losses(cfg: Config, steps: int, micro: int = 1, counts: list | None = None,
-                     routing: list | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                     routing: list | None = None, aux: list | None = None
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The plain single-process loop: forward and backward of the batch (of its `micro` micro-batches in turn,
     accumulating: each micro-batch's mean loss weighted by its share of the labels, its auxiliary loss by
     1 / micro), clip, AdamW, then each MoE layer's selection bias stepped on the step's gate assignments (as the
     trainer does). `counts`: a list that receives each step's expert counts per MoE layer; `routing`: one that
-    receives each step's last micro-batch's top-k expert ids, [L, T, K] (what `train.record_routing_every` records)."""
+    receives each step's last micro-batch's top-k expert ids, [L, T, K] (what `train.record_routing_every` records);
+    `aux`: one that receives each step's auxiliary loss (the micro-batches' mean)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two OpenMP threads on a loaded 2-core machine run tiny GEMMs 100x slower
     try:
-        return _reference(cfg, steps, micro, counts, routing)
+        return _reference(cfg, steps, micro, counts, routing, aux)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(cfg: Config, steps: int, micro: int, counts: list | None, routing: list | None
-               ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(cfg: Config, steps: int, micro: int, counts: list | None, routing: list | None,
+               aux: list | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     from moebal.data import build_data
     from moebal.models import build_model
     from moebal.train.optim import build_optimizer, lr_at
@@ -60,14 +62,17 @@ def _reference(cfg: Config, steps: int, micro: int, counts: list | None, routing
         if micro == 1:
             out = model(b.ids_BT, b.labels_BT)
             (out.loss + out.aux_loss).backward()
-            total = out.loss.item()
+            total, aux_total = out.loss.item(), out.aux_loss.item()
         else:
-            count, total = int((b.labels_BT != -100).sum()), 0.0
+            count, total, aux_total = int((b.labels_BT != -100).sum()), 0.0, 0.0
             for ids, labels in zip(torch.tensor_split(b.ids_BT, micro), torch.tensor_split(b.labels_BT, micro)):
                 out = model(ids, labels)
                 part = out.loss * int((labels != -100).sum()) / count
                 (part + out.aux_loss / micro).backward()
                 total += part.item()
+                aux_total += out.aux_loss.item() / micro
+        if aux is not None:
+            aux.append(aux_total)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad()
