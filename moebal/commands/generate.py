@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
+    p.add_argument("--num-return-sequences", type=int, default=1,
+                   help="samples per prompt, each from its own generator (the first from --seed; default 1; "
+                        "needs --temperature > 0)")
     p.add_argument("--stop-id", type=int, action="append", default=None,
                    help="end a generation at this token id (repeatable; default: the checkpoint's eos_token_id "
                         "where its HF config names one, else none; -1: none)")
@@ -119,11 +122,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from moebal.data import load_tokenizer
-    from moebal.models.generate import DepthRule, ExitRule, Sampling, cached_form, causal_routing, check_prompts
+    from moebal.models.generate import (
+        DepthRule,
+        ExitRule,
+        Sampling,
+        cached_form,
+        causal_routing,
+        check_prompts,
+        sequence_seed,
+    )
 
-    if args.max_new_tokens < 1 or args.batch_size < 1 or args.nproc < 1:
-        raise ConfigError(f"--max-new-tokens, --batch-size and --nproc must be >= 1; got {args.max_new_tokens}, "
-                          f"{args.batch_size}, {args.nproc}")
+    counts = {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size, "--nproc": args.nproc,
+              "--num-return-sequences": args.num_return_sequences}
+    bad = {k: v for k, v in counts.items() if v < 1}
+    if bad:
+        raise ConfigError(f"{' and '.join(bad)} must be >= 1; got {', '.join(str(v) for v in bad.values())}")
     if args.nproc > 1 and args.device != "cpu":
         raise ConfigError(f"--nproc {args.nproc} decodes on local gloo ranks on the CPU; drop --device "
                           f"{args.device} (or generate on one process: --nproc 1)")
@@ -131,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
         raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+    if args.num_return_sequences > 1 and sampling.greedy:
+        raise ConfigError(f"--num-return-sequences {args.num_return_sequences} draws several samples of a prompt, "
+                          f"but greedy decoding (--temperature {args.temperature}) gives one text: set "
+                          f"--temperature > 0, or drop --num-return-sequences")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -154,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         prompts = [[int(i) for i in tok.encode(t.encode())] for t in args.prompt]
     else:
         prompts = [_ids(s, cfg.model.vocab_size) for s in args.prompt_ids]
+    n = args.num_return_sequences  # each prompt n times in a row, sample s from its own generator
+    sequences = [s for _ in prompts for s in range(n)]
+    prompts = [p for p in prompts for _ in range(n)]
+    seeds = [sequence_seed(args.seed, s) for s in sequences]
     stops = args.stop_id if args.stop_id is not None else eos_ids(src.hf_dir)
     bad = [s for s in args.stop_id or [] if s != -1 and not 0 <= s < cfg.model.vocab_size]
     if bad:  # a stop id no token can match: the generation would never stop early
@@ -182,13 +203,14 @@ def run(args: argparse.Namespace) -> int:
         check_prompts(model, prompts, args.max_new_tokens, cache)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    ep = _expert_parallel(args, src, model, prompts, sampling, cache, stops) if args.nproc > 1 else None
+    ep = _expert_parallel(args, src, model, prompts, sampling, cache, stops, seeds) if args.nproc > 1 else None
     gens = ep[-1] if ep is not None else _generations(model, prompts, args.batch_size, args.max_new_tokens, sampling,
-                                                        cache, stops)
-    for g in gens:
+                                                        cache, stops, seeds)
+    for g, seq in zip(gens, sequences):
         text = tok.decode(np.asarray(g.tokens)) if tok is not None else None
         if args.json:
-            print(json.dumps({"prompt_ids": g.prompt, "tokens": g.tokens, "text": text, "stop": g.stop,
+            print(json.dumps({"prompt_ids": g.prompt, "sequence": seq, "tokens": g.tokens, "text": text,
+                              "stop": g.stop,
                               "prefill_s": round(g.prefill_s, 6), "decode_tokens_per_s": round(g.tokens_per_s, 3),
                               "cache": cache, "cache_bytes_per_position": g.cache_bytes,
                               "served": line,
@@ -196,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             shown = repr(tok.decode(np.asarray(g.prompt)) + text) if tok is not None and text is not None else \
                 f"{g.prompt} -> {g.tokens}"
-            print(f"{shown}\n  [{len(g.tokens)} tokens, stop: {g.stop}, first token {g.prefill_s * 1e3:.0f} ms, "
+            which = f"sample {seq + 1} of {n}, " if n > 1 else ""
+            print(f"{shown}\n  [{which}{len(g.tokens)} tokens, stop: {g.stop}, first token {g.prefill_s * 1e3:.0f} ms, "
                   f"{g.tokens_per_s:.1f} tokens/s after it{'' if cache else ', no KV cache'}]")
     if ep is not None:
         summary = ep[0]
@@ -211,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts: list[list[int]], sampling: Any,
-                     cache: bool, stops: list[int]) -> tuple[dict[str, Any], list[Any]]:
+                     cache: bool, stops: list[int], seeds: list[int]) -> tuple[dict[str, Any], list[Any]]:
     """(the policies' summary, the last policy's generations) of an expert-parallel run on `--nproc` ranks."""
     from moebal.commands.eval import policies_and_profile, run_of
     from moebal.distributed.ep_generate import expert_parallel_generate
@@ -221,7 +244,7 @@ def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts:
     try:
         res = expert_parallel_generate(model, prompts, args.nproc, args.max_new_tokens, sampling,
                                        batch_size=args.batch_size, stop_ids=stops, cache=cache, policies=policies,
-                                       profile=profile)
+                                       profile=profile, seeds=seeds)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     static = [g.tokens for g in res["static"].generations]
@@ -233,13 +256,15 @@ def _expert_parallel(args: argparse.Namespace, src: Source, model: Any, prompts:
 
 
 def _generations(model: Any, prompts: list[list[int]], batch: int, new: int, sampling: Any, cache: bool,
-                 stops: list[int]) -> Iterator[Any]:
-    """Each prompt's generation, `batch` prompts at a time (moebal.models.generate.generate_many)."""
+                 stops: list[int], seeds: list[int]) -> Iterator[Any]:
+    """Each prompt's generation, `batch` prompts at a time (moebal.models.generate.generate_many), prompt i
+    sampling from a generator seeded with `seeds[i]`."""
     from moebal.models.generate import generate_many
 
     for i in range(0, len(prompts), batch):
         try:
-            yield from generate_many(model, prompts[i:i + batch], new, sampling, cache=cache, stop_ids=stops)
+            yield from generate_many(model, prompts[i:i + batch], new, sampling, cache=cache, stop_ids=stops,
+                                     seeds=seeds[i:i + batch])
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -61,6 +61,8 @@ class GenerateJob:
     warmup: bool = False
     """Run the first batch once under the first policy before the policies, untimed and dropped: the ranks' first
     forwards (allocations, first calls) then weigh on no policy's timings (benchmarks)."""
+    seeds: list[int] | None = None
+    """Each prompt's sampling seed (`generate_many`'s; None: `sampling.seed` for every one)."""
 
 
 @dataclass
@@ -136,8 +138,10 @@ def generate_worker(rank: int, world: int, packed: bytes) -> dict[str, Any]:
             n = min(job.batch_size, len(job.prompts) - start)
             idx, per = share(n, world, rank)
             prompts = [job.prompts[start + i] for i in idx] + [DUMMY_PROMPT] * (per - len(idx))
+            seeds = None if job.seeds is None else \
+                [job.seeds[start + i] for i in idx] + [job.sampling.seed] * (per - len(idx))
             gens = generate_many(model, prompts, job.max_new_tokens, job.sampling, cache=job.cache,
-                                 stop_ids=job.stop_ids, lockstep=lock)
+                                 stop_ids=job.stop_ids, lockstep=lock, seeds=seeds)
             mine += [(start + i, g) for i, g in zip(idx, gens)]
         lock.flush()
         return {"generations": mine, "forwards": lock.forwards}
@@ -162,9 +166,10 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
                              sampling: Sampling | None = None, *, batch_size: int = 8,
                              stop_ids: list[int] | None = None, cache: bool = True, policies: list[str] | None = None,
                              profile: Any = None, timeout_s: float = 1800.0,
-                             min_rows: int = MIN_ROWS, warmup: bool = False) -> dict[str, PolicyResult]:
+                             min_rows: int = MIN_ROWS, warmup: bool = False,
+                             seeds: list[int] | None = None) -> dict[str, PolicyResult]:
     """Each policy's generations of `prompts` on `nproc` gloo ranks (module docstring), policies in the order
-    given (default: static); `min_rows`: `LinaInference`'s (0: the thesis's allocation); `warmup`:
+    given (default: static); `min_rows`: `LinaInference`'s (0: the thesis's allocation); `warmup`, `seeds`:
     `GenerateJob`'s."""
     from moebal.distributed.testing import run_ranks
 
@@ -174,7 +179,8 @@ def expert_parallel_generate(model: Any, prompts: list[list[int]], nproc: int, m
     check_expert_parallel(model, nproc, "generate on one process")
     job = GenerateJob(model, [list(p) for p in prompts], batch_size, max_new_tokens, sampling or Sampling(),
                       list(stop_ids or []),
-                      cache, list(policies or ["static"]), profile, min_rows=min_rows, warmup=warmup)
+                      cache, list(policies or ["static"]), profile, min_rows=min_rows, warmup=warmup,
+                      seeds=None if seeds is None else list(seeds))
     buf = io.BytesIO()
     torch.save(job, buf)
     results = run_ranks(generate_worker, nproc, buf.getvalue(), timeout_s=timeout_s)

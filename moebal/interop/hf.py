@@ -1162,7 +1162,7 @@ def hf_config_for(cfg: Config, arch: str, dtype: torch.dtype, base: dict[str, An
     elif arch in _DEEPSEEK:
         if "aux_loss_alpha" in base:  # DeepSeek's own keys; transformers 5 writes neither
             out.update(aux_loss_alpha=cfg.moe.aux_loss_coef)
-        if "seq_aux" in base:
+        if "seq_aux" in base or cfg.moe.aux_loss_scope != "sequence":  # absent reads as true
             out.update(seq_aux=cfg.moe.aux_loss_scope == "sequence")
     else:
         out.update(gate_add_noise=cfg.moe.router_noise is not None)

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -414,7 +415,8 @@ def generate(model: MoebalForCausalLM, prompt: Sequence[int], max_new_tokens: in
 
 def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   sampling: Sampling = Sampling(), *, cache: bool = True, stop_ids: Sequence[int] = (),
-                  latent: bool = True, lockstep: Lockstep | None = None) -> list[Generation]:
+                  latent: bool = True, lockstep: Lockstep | None = None,
+                  seeds: Sequence[int] | None = None) -> list[Generation]:
     """Each prompt's generation: up to `max_new_tokens` tokens, ending early at a token of `stop_ids`.
 
     `cache`: the KV-cached decoder (module docstring), every prompt in one batch, left-padded to the longest; each
@@ -423,23 +425,39 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     Multi-head latent attention layers cache their latent (`latent`; KVCache's docstring). False: the model's
     whole forward over the prefix for every new token, one prompt after the other (a model served through a
     scheme without a cached form, or a reference). `lockstep`: this rank decodes beside others (`Lockstep`); each
-    rank must pass as many prompts and the same `max_new_tokens` and `cache`. The model is put in eval mode; the
-    rows of a batch share its timings."""
+    rank must pass as many prompts and the same `max_new_tokens` and `cache`. `seeds`: each prompt's generator seed
+    (default `sampling.seed` for every one; `sequence_seed` gives a prompt's further samples theirs). The model is
+    put in eval mode; the rows of a batch share its timings."""
     check_prompts(model, prompts, max_new_tokens, cache)
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"generate_many: {len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
+    seeds = [sampling.seed] * len(prompts) if seeds is None else list(seeds)
     model.eval()
     with torch.no_grad(), dropless(model), causal_routing(model):
         if not cache:
-            return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), False, latent, lockstep)[0]
-                    for p in prompts]
-        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), True, latent, lockstep)
+            return [_decode(model, [p], max_new_tokens, sampling, set(stop_ids), False, latent, lockstep, [seed])[0]
+                    for p, seed in zip(prompts, seeds)]
+        return _decode(model, prompts, max_new_tokens, sampling, set(stop_ids), True, latent, lockstep, seeds)
+
+
+def sequence_seed(seed: int, sequence: int) -> int:
+    """The generator seed of a prompt's `sequence`-th sample (`moebal generate --num-return-sequences`): `seed`
+    itself for the first (the text one sample gives), then a hash of (seed, sequence), so no two samples of a
+    prompt share a stream."""
+    if sequence == 0:
+        return seed
+    return int(np.random.SeedSequence([seed & (2**64 - 1), sequence]).generate_state(1, dtype=np.uint64)[0]
+               & (2**63 - 1))
 
 
 def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-            stops: set[int], cache: bool, latent: bool, lockstep: Lockstep | None) -> list[Generation]:
-    """`generate_many`'s loop over one batch (a single prompt when not `cache`)."""
+            stops: set[int], cache: bool, latent: bool, lockstep: Lockstep | None,
+            seeds: Sequence[int]) -> list[Generation]:
+    """`generate_many`'s loop over one batch (a single prompt when not `cache`), each row drawing from a generator
+    seeded with its seed."""
     device = model.lm_head.weight.device
     B, P = len(prompts), max(len(p) for p in prompts)
-    gens = None if sampling.greedy else [torch.Generator(device=device).manual_seed(sampling.seed) for _ in prompts]
+    gens = None if sampling.greedy else [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     outs = [Generation(prompt=list(p)) for p in prompts]
     pad = [P - len(p) for p in prompts]
     ids_BT = torch.tensor([[0] * k + list(p) for k, p in zip(pad, prompts)], dtype=torch.long, device=device)

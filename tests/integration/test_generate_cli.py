@@ -91,6 +91,26 @@ def test_a_run_s_checkpoint_generates_the_same_tokens_with_and_without_the_cache
     assert r.returncode == 0 and r.stdout.startswith("'def ") and "[4 tokens, stop: length" in r.stdout, r.stdout
 
 
+def test_several_samples_of_a_prompt_each_from_its_own_generator(run_dir: Path) -> None:
+    """`--num-return-sequences 3`: each prompt's 3 samples in a row, the first the one sample the seed gives alone,
+    the others different; the same tokens one prompt at a time and on 2 expert-parallel ranks."""
+    prompts = ["--prompt-ids", "100,101", "--prompt-ids", "35,36,37"]
+    sample = ["--temperature", "1.0", "--seed", "7", "--max-new-tokens", "10", "--json"]
+    three = _json(moebal("generate", str(run_dir), *prompts, *sample, "--num-return-sequences", "3"))
+    assert [g["sequence"] for g in three] == [0, 1, 2, 0, 1, 2]
+    assert [g["prompt_ids"] for g in three] == [[100, 101]] * 3 + [[35, 36, 37]] * 3
+    alone = _json(moebal("generate", str(run_dir), *prompts, *sample))
+    assert [three[0]["tokens"], three[3]["tokens"]] == [g["tokens"] for g in alone]
+    assert len({tuple(g["tokens"]) for g in three[:3]}) == 3 and len({tuple(g["tokens"]) for g in three[3:]}) == 3
+    one_by_one = _json(moebal("generate", str(run_dir), *prompts, *sample, "--num-return-sequences", "3",
+                              "--batch-size", "1"))
+    assert [g["tokens"] for g in one_by_one] == [g["tokens"] for g in three]
+    ep = _json(moebal("generate", str(run_dir), *prompts, *sample, "--num-return-sequences", "3", "--nproc", "2"))
+    assert [g["tokens"] for g in ep[:-1]] == [g["tokens"] for g in three]
+    text = moebal("generate", str(run_dir), *prompts[:2], *sample[:-1], "--num-return-sequences", "2")
+    assert text.returncode == 0 and "[sample 2 of 2, 10 tokens" in text.stdout, text.stdout
+
+
 def test_a_hf_checkpoint_and_its_conversion_generate_transformers_tokens(tmp_path: Path) -> None:
     """A tiny Mixtral written by transformers with its tokenizer.json: `moebal generate` on the directory and on
     its `moebal convert hf-to-moebal` copy gives transformers' greedy tokens for the encoded prompt, and stops at the
@@ -178,8 +198,10 @@ def test_a_mixture_of_depths_run_with_predictors_generates_through_them_with_the
 @pytest.mark.parametrize("args, words", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be a finite number"),
     (["--prompt", "x", "--top-p", "1.5"], "top-p must be in (0, 1]"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "must be >= 1; got 0, 8, 1"),
-    (["--prompt", "x", "--batch-size", "0"], "must be >= 1; got 64, 0, 1"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
+    (["--prompt", "x", "--batch-size", "0", "--nproc", "-1"], "--batch-size and --nproc must be >= 1; got 0, -1"),
+    (["--prompt", "x", "--num-return-sequences", "0"], "--num-return-sequences must be >= 1; got 0"),
+    (["--prompt", "x", "--num-return-sequences", "2"], "greedy decoding (--temperature 0.0) gives one text"),
     (["--prompt", "x", "--max-new-tokens", "70"], "exceed the model's max_seq_len (64)"),
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,300"], "ids [300] are outside the vocabulary 0..255"),

@@ -162,6 +162,10 @@ def test_deepseek_seq_aux_maps_to_the_sequence_scope_and_back(tmp_path):
     import json
 
     conf = json.loads(cfg_file.read_text())
+    assert "seq_aux" not in conf  # transformers writes none: it reads as true
+    layer = config_from_hf(tmp_path / "v2", {"moe": {"aux_loss_scope": "layer"}})
+    out = to_hf(from_hf(tmp_path / "v2", cfg=layer), tmp_path / "layer")
+    assert config_from_hf(out).moe.aux_loss_scope == "layer"  # written back as false, not left out
     conf["seq_aux"] = False
     cfg_file.write_text(json.dumps(conf))
     cfg = config_from_hf(tmp_path / "v2")
