@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
     counts = {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size, "--nproc": args.nproc,
               "--num-return-sequences": args.num_return_sequences}
-    bad = {k: v for k, v in counts.items() if v < 1}
-    if bad:
-        raise ConfigError(f"{' and '.join(bad)} must be >= 1; got {', '.join(str(v) for v in bad.values())}")
+    low = {k: v for k, v in counts.items() if v < 1}
+    if low:
+        raise ConfigError(f"{' and '.join(low)} must be >= 1; got {', '.join(str(v) for v in low.values())}")
     if args.nproc > 1 and args.device != "cpu":
         raise ConfigError(f"--nproc {args.nproc} decodes on local gloo ranks on the CPU; drop --device "
                           f"{args.device} (or generate on one process: --nproc 1)")

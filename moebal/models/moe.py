@@ -352,24 +352,19 @@ class MoELayer(nn.Module):
         (DeepSeek's `seq_aux`), a row's own routing and so never summed over ranks."""
         aux = r.logits_TE.new_zeros(())
         counts_E, sums = None, None
-        balancing = self.aux_loss_coef > 0
-        if balancing and self.aux_loss_scope == "sequence":
-            # the counted choices as for the other scopes: every taken one, or each token's first (adaptive)
-            first = self.spec.adaptive_threshold is not None
-            aux = aux + self.aux_loss_coef * sequence_balancing_loss(
-                r.probs_TE, r.indices_TK[:, :1] if first else r.indices_TK, None if first else r.taken_TK, rows,
-                real_T)
-        elif balancing:
-            if self.spec.adaptive_threshold is not None:
-                # Adaptive Gating Eq. 5.4: f counts top-1 decisions only (every token's first choice).
-                first_T1 = None if real_T is None else real_T.unsqueeze(1)
-                counts_E = assignment_counts(r.indices_TK[:, :1], first_T1, self.num_experts)
-            elif real_T is None:
-                counts_E = stats.routed_E
-            else:
-                taken_TK = real_T.unsqueeze(1).expand_as(r.indices_TK)
-                counts_E = assignment_counts(r.indices_TK, taken_TK if r.taken_TK is None else taken_TK & r.taken_TK,
-                                             self.num_experts)
+        if self.aux_loss_coef > 0:
+            # the counted choices: every taken one (a fixed top-k, HF Mixtral), or each token's first under
+            # adaptive gating (Adaptive Gating Eq. 5.4: f^1 is every token's top-1 decision); the real ones only
+            adaptive = self.spec.adaptive_threshold is not None
+            idx_TK, counted_TK = (r.indices_TK[:, :1], None) if adaptive else (r.indices_TK, r.taken_TK)
+            if real_T is not None:
+                real_TK = real_T.unsqueeze(1).expand_as(idx_TK)
+                counted_TK = real_TK if counted_TK is None else counted_TK & real_TK
+            if self.aux_loss_scope == "sequence":
+                aux = aux + self.aux_loss_coef * sequence_balancing_loss(r.probs_TE, idx_TK, counted_TK, rows, real_T)
+            else:  # every taken choice of every token: the step's statistics count them already
+                counts_E = stats.routed_E if counted_TK is r.taken_TK and not adaptive else \
+                    assignment_counts(idx_TK, counted_TK, self.num_experts)
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
             return self._global_losses(r, counts_E, self.stats_reducer, real_T, aux)
         if counts_E is not None and self.aux_loss_scope == "pooled":

@@ -94,7 +94,7 @@ def sequence_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, co
         w_T = real_T.to(torch.float32)
         probs_TE = probs_TE * w_T.unsqueeze(1)
         counted_TK = real_T.unsqueeze(1).expand_as(indices_TK) if counted_TK is None else \
-            counted_TK & real_T.unsqueeze(1)
+            counted_TK & real_T.unsqueeze(1)  # the real tokens' choices only (a no-op when the caller masked them)
     else:
         w_T = torch.ones(T, dtype=torch.float32, device=probs_TE.device)
     ones_TK = torch.ones(indices_TK.shape, dtype=torch.float32, device=probs_TE.device) if counted_TK is None \
