@@ -169,6 +169,8 @@ OPTIONS: dict[str, list[Any]] = {
     "pipeline.dynamic.lookahead": [2, 1, 3],
     # MoD's causal predictors: with them its runs generate KV-cached (last: the earlier options keep their draws)
     "dynamism.mod.predictor": [0, 16],
+    # what the balancing loss measures: pooled over the layers (its sums cross a pipeline's stages) or per row
+    "moe.aux_loss_scope": ["layer", "layer", "pooled", "sequence"],
 }
 """Each option's values, drawn uniformly (a value listed twice is drawn twice as often)."""
 
@@ -223,6 +225,8 @@ def sample(rng: random.Random, fixed: dict[str, Any] | None = None) -> dict[str,
         c["parallel.reshard"] = "micro_batch"
     if c["dynamism.scheme"] in ("early_exit", "mod"):
         c["train.record_routing_every"] = 0
+        if c["moe.aux_loss_scope"] == "sequence":
+            c["moe.aux_loss_scope"] = "layer"  # their MoE layers see token subsets, not rows
     if not c["moe.num_experts"]:
         c["parallel.ep"] = None if c["parallel.ep"] == 2 else c["parallel.ep"]
         c.update({"planner.policy": "static", "planner.plan_ahead": "off", "scheduler.expert_packing": "off",
