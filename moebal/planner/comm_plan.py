@@ -15,8 +15,9 @@ Shape legend: R = ranks in the expert-parallel group, E = experts.
   Smaller chunks pay the latency and the scheduler's turnaround (one chunk in flight: the next is issued when
   the last completes on every rank) many times; larger ones cannot use the short gaps between all-to-alls
   and make an arriving all-to-all wait longer behind the chunk in flight. Without the step's gradient size
-  the rule falls back to the smallest chunk whose fixed cost is 5 % of its time (about 36 MB on 100 Gb/s
-  InfiniBand, close to the thesis's 30 MB).
+  the rule falls back to the smallest chunk whose fixed cost is 5 % of its time (on the `a100` profile's
+  100 Gb/s InfiniBand 10 MB at 8 ranks and 12.3 MB at 16, where the ring's latency grows with the ranks; 91 MB
+  inside one NVLink node; the thesis chose 30 MB).
 - **All-to-all chunks** (Lina's all-to-all micro-ops; Tutel's `a2a_ffn_overlap_degree`, which its users pick by
   hand): the dispatch/experts/combine pipeline of `moebal.scheduler.exchange` replayed for c = 1..max_chunks
   with per-chunk latency, and the c with the smallest predicted forward + backward time. `overlap` says how

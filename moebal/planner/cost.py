@@ -361,6 +361,9 @@ class CostModel:
         else:
             gate = self.linear_s(tokens, shape.num_experts, shape.dim, backward)
         rows = tokens * shape.top_k
+        # the permute reads the token rows and writes their k copies; the [T, E] fp32 logits and probabilities
+        # pass through softmax, top-k, renormalisation, the losses and the statistics: about ten passes in about
+        # 16 kernels, an estimate rather than an op-by-op count (calibration's fit takes up the difference)
         nbytes = 2.0 * rows * shape.dim * self.act_bytes + 10.0 * tokens * shape.num_experts * 4
         return float(gate + self._elementwise(nbytes, 16, backward))
 
@@ -392,6 +395,9 @@ class CostModel:
     def head_s(self, shape: ModelShape, tokens: int, backward: bool = False) -> float:
         """Final norm, LM head GEMM and cross-entropy (fp32 logits)."""
         V = shape.vocab_size
+        # fp32 logits written, then read by the log-softmax and by its backward's gather (3 passes over [T, V]);
+        # the norm's reads and writes of [T, D] in fp32 (about 12 passes with its statistics); 11 kernels: an
+        # estimate rather than an op-by-op count
         nbytes = 3.0 * tokens * V * 4 + 12.0 * tokens * shape.dim * 4
         return float(self.linear_s(tokens, V, shape.dim, backward) + self._elementwise(nbytes, 11, backward))
 
@@ -402,10 +408,6 @@ class CostModel:
         """One AdamW step: its memory traffic plus ~10 kernels per parameter tensor (single-tensor loop)."""
         return float(self.mem_s(self.profile.optimizer_bytes_per_param * params)
                      + 10 * tensors * self.profile.op_overhead_s)
-
-    @property
-    def backward_factor(self) -> float:
-        return self.profile.backward_factor
 
     # ---- collectives ----
     def _lat(self, kind: str, topo: Topology, ranks: Sequence[int] | np.ndarray) -> float:

@@ -133,7 +133,9 @@ class HardwareProfile:
     memory_bytes: float
     """Device memory capacity in bytes."""
     attention_efficiency: float = 1.0
-    """Multiplier on GEMM efficiency for attention's batched matmuls (fused kernels; calibration fits it)."""
+    """Multiplier on GEMM efficiency for attention's batched matmuls (fused kernels; calibration fits it). 1.0 on
+    the GPU profiles is an assumption (attention's matmuls run as well as the GEMM curve of their shape), not a
+    measurement."""
     causal_attention_factor: float = 0.5
     """Share of the full T x T attention FLOPs a causal kernel computes (0.5: flash-style skips the masked half)."""
     grouped_gemm_efficiency: float = 1.0
@@ -143,9 +145,8 @@ class HardwareProfile:
     """Seconds of fixed cost per elementwise kernel (launch, dispatcher, autograd bookkeeping); GEMMs carry
     gemm.launch_s instead. 5 us is a GPU kernel-launch assumption; calibration measures a CPU host's."""
     optimizer_bytes_per_param: float = 32.0
-    """Memory traffic of one AdamW step per parameter (fp32 param, grad, m, v); calibration measures it."""
-    backward_factor: float = 2.0
-    """Backward / forward time the planners assume for work the cost model does not split into GEMMs."""
+    """Memory traffic of one AdamW step per parameter: fp32 param, m and v read and written (24 bytes), the
+    gradient read and written (8: foreach AdamW's in-place work on it); calibration measures it."""
     attention_backward_factor: float = 2.5
     """SDPA backward / forward (flash-style backward recomputes the scores: 2.5 is the FLOP ratio)."""
     intra: LinkSpec
@@ -225,7 +226,7 @@ def _check_profile(p: HardwareProfile) -> None:
     _need(p.gemm.half_dim >= 0 and p.gemm.launch_s >= 0 and p.gemm.cache_bytes >= 0,
           f"profile '{n}': gemm.half_dim, gemm.launch_s and gemm.cache_bytes must be >= 0")
     _need(0 < p.gemm.out_of_cache_efficiency <= 1, f"profile '{n}': gemm.out_of_cache_efficiency must be in (0, 1]")
-    for key in ("memory_bandwidth", "memory_bytes", "backward_factor", "attention_efficiency",
+    for key in ("memory_bandwidth", "memory_bytes", "attention_efficiency",
                 "causal_attention_factor", "attention_backward_factor", "grouped_gemm_efficiency",
                 "optimizer_bytes_per_param"):
         _need(_positive(getattr(p, key)), f"profile '{n}': {key} must be > 0; got {getattr(p, key)!r}")

@@ -127,20 +127,20 @@ def _check_session(results: list[list[dict]], runs: list[dict]) -> None:
 
 def test_two_ranks_losses_ordering_and_pipelining():
     """Scheduling moves communication, not maths: ddp, lina, two token chunks per exchange and the block
-    overlap (on emulated devices twice slower than a core) all give the unscheduled run's losses: ddp and lina
-    bitwise (two ranks: the sum a + b has one order), token chunks within 1e-6 relative (the experts' GEMMs and
-    their weight gradients are summed per chunk, another order in the last bits). The event log shows Lina's
-    rule held on every step, Trans before its layer's experts, Agg before the optimizer, and chunk 0's experts
-    computing while chunk 1 was still in transit."""
-    runs = [{"mode": "off"}, {"mode": "ddp"}, {"mode": "lina"},
+    overlap (on emulated devices twice slower than a core) all give the unscheduled run's losses: ddp and lina,
+    dilated or not, bitwise (two ranks: the sum a + b has one order), token chunks within 1e-6 relative (the
+    experts' GEMMs and their weight gradients are summed per chunk, another order in the last bits). The event
+    log shows Lina's rule held on every step, Trans before its layer's experts, Agg before the optimizer, and
+    chunk 0's experts computing while chunk 1 was still in transit."""
+    runs = [{"mode": "off"}, {"mode": "ddp"}, {"mode": "lina"}, {"mode": "lina", "dilate": 2.0},
             {"mode": "lina", "a2a_chunks": 2, "overlap": True, "chunk_bytes": 1024, "dilate": 2.0}]
     results = run_ranks(_session, 2, runs)
     _check_session(results, runs)
     last = [r[-1] for r in results]
     assert all(r["dilated_s"] > 0 for r in last)  # emulated slow devices (dilate 2): the same bits, later
     for r in results:
-        assert all(run["losses"] == r[0]["losses"] for run in r[:3])  # off, ddp, lina: bitwise
-        assert r[3]["losses"] == pytest.approx(r[0]["losses"], rel=1e-6, abs=0)
+        assert all(run["losses"] == r[0]["losses"] for run in r[:4])  # off, ddp, lina, lina dilated: bitwise
+        assert r[4]["losses"] == pytest.approx(r[0]["losses"], rel=1e-6, abs=0)
     for r in last:
         for rec in r["records"]:
             kinds = {e["kind"] for e in rec["events"]}
