@@ -161,9 +161,12 @@ class TiedEmbedding:
         weight = self.weight
         if weight is not None:
             if weight.requires_grad:
-                whole = whole_tensor(weight) if isinstance(weight, DTensor) else weight.detach()
+                gathered = isinstance(weight, DTensor)
+                whole = whole_tensor(weight) if gathered else weight.detach()
                 if self.copy is None:
                     self.chain.send(whole, self._peer())
+                    if gathered:  # a whole fp32 [V, D] of its own: waited for here, not held into the next step
+                        self.chain.flush()  # (gloo reports a send complete only once waited on: `PipeChain.send`)
                 else:  # one stage: the copy is here
                     with torch.no_grad():
                         self.copy.copy_(whole)

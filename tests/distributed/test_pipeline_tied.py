@@ -136,13 +136,25 @@ def _train_bf16(cfg: Config, steps: int, scheme: str = "none", options: dict | N
     """`_train` for bf16 weights (numpy has no bf16): the state as fp32 values, with each tensor's dtype."""
     from moebal.dynamism.scheme import build_dynamism
     from moebal.pipeline.runner import PipelineRunner
+    from moebal.pipeline.tied import TiedEmbedding
 
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, micro_batches=2))
-    runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg), **knobs)
-    out = runner.train(steps)
+    pending: list[list[tuple[int, ...]]] = []  # the sends a stage still holds after sharing the stepped weight
+    share = TiedEmbedding.share_weight
+
+    def spy(self: TiedEmbedding) -> None:
+        share(self)
+        pending.append([tuple(t.shape) for _, t in self.chain._pending])
+
+    TiedEmbedding.share_weight = spy  # type: ignore[method-assign]  # this rank's process only
+    try:
+        runner = PipelineRunner(cfg, scheme=build_dynamism(scheme, options or {}, cfg=cfg), **knobs)
+        out = runner.train(steps)
+    finally:
+        TiedEmbedding.share_weight = share  # type: ignore[method-assign]
     state = runner.full_state()
     return {"records": out.records, "state": {k: v.float().numpy() for k, v in state.items()},
-            "dtypes": {k: str(v.dtype) for k, v in state.items()}}
+            "dtypes": {k: str(v.dtype) for k, v in state.items()}, "pending_sends": pending}
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +316,6 @@ def test_tied_stages_under_full_sharding_match_unsharded(four):
     for a, b in zip(four[0]["bf16"]["records"], four[0]["fsdp_bf16"]["records"], strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=0.02), (a, b)
     _one_per_pipeline([r["fsdp_bf16"]["state"] for r in four])
+    # the stepped weight, gathered whole for the copy, is not held after its send (into the next step, on gloo)
+    sends = [r["fsdp_bf16"]["pending_sends"] for r in four]
+    assert all(len(s) == 4 and s == [[]] * 4 for s in sends), sends
