@@ -275,9 +275,16 @@ def load_profile(name_or_path: str | Path | HardwareProfile) -> HardwareProfile:
     return profile_from_dict(read_yaml(p), source=str(p))
 
 
+RETIRED_KEYS = {"backward_factor": "no planner read it (the cost model prices each backward part itself)"}
+"""Keys profiles once had, refused with why they went."""
+
+
 def profile_from_dict(data: Any, source: str = "<dict>") -> HardwareProfile:
     """Build and validate a profile from parsed YAML with the run config's rules and messages
-    (`moebal.config.build_schema`): unknown keys fail naming the closest valid one."""
+    (`moebal.config.build_schema`): unknown keys fail naming the closest valid one, retired ones saying why."""
+    for key, why in RETIRED_KEYS.items():
+        if isinstance(data, dict) and key in data:
+            raise ConfigError(f"{source}: '{key}' is no longer a profile key: {why}; delete the line")
     return build_schema(HardwareProfile, data, source=source)
 
 

@@ -64,6 +64,13 @@ def test_bad_profiles_name_the_problem(edit, message) -> None:
         profile_from_dict(d, source="bad.yaml")
 
 
+def test_a_retired_profile_key_is_refused_saying_why() -> None:
+    data = profile_to_dict(load_profile("h100"))
+    data["backward_factor"] = 2.0
+    with pytest.raises(ConfigError, match="'backward_factor' is no longer a profile key: no planner read it"):
+        profile_from_dict(data, source="old.yaml")
+
+
 def test_unknown_profile_suggests_a_name() -> None:
     with pytest.raises(ConfigError, match="did you mean 'h100'"):
         load_profile("h10")
