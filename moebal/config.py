@@ -1171,6 +1171,10 @@ def _check_whole(c: Config) -> None:
     _need(m.mla is None or c.dynamism.scheme not in ("mod", "early_exit", "sparse_attention"),
           f"'dynamism.scheme: {c.dynamism.scheme}' runs attention on token subsets with grouped-query attention's "
           f"projections; with model.mla (multi-head latent attention) use another scheme")
+    # the per-sequence balancing loss: a token subset's rows are gone
+    _need(c.moe.num_experts == 0 or c.moe.aux_loss_scope != "sequence" or c.dynamism.scheme not in SUBSET_SCHEMES,
+          f"'moe.aux_loss_scope: sequence' balances each sequence's routing, but 'dynamism.scheme: "
+          f"{c.dynamism.scheme}' routes token subsets that hold no whole sequence: set moe.aux_loss_scope=layer")
     _check_train(t)
     _check_grad_accum(c)
     _check_step_hold(par, c)
@@ -1271,10 +1275,6 @@ def _check_moe(c: Config) -> None:
           f"moe.every ({moe.every}), moe.first_dense ({moe.first_dense}) and moe.dense_layers "
           f"({list(moe.dense_layers)}) leave none of the {c.model.n_layers} layers MoE: keep at least one, or set "
           "moe.num_experts=0 for a dense model")
-    # sequence: a token subset's rows are gone
-    _need(moe.aux_loss_scope != "sequence" or c.dynamism.scheme not in SUBSET_SCHEMES,
-          f"'moe.aux_loss_scope: sequence' balances each sequence's routing, but 'dynamism.scheme: "
-          f"{c.dynamism.scheme}' routes token subsets that hold no whole sequence: set moe.aux_loss_scope=layer")
 
 
 def _check_mla(m: ModelConfig) -> None:
