@@ -400,7 +400,8 @@ def check_prompts(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
     if longest + max_new_tokens - 1 > limit:  # the last new token is returned, never fed back
         raise ValueError(f"the prompt's {longest} tokens and {max_new_tokens} new ones exceed the model's "
                          f"max_seq_len ({limit}): the forward runs over {longest + max_new_tokens - 1} positions "
-                         f"(every token but the last new one); shorten the prompt or lower max_new_tokens")
+                         f"(every token but the last new one); shorten the prompt or lower max_new_tokens "
+                         f"(--max-new-tokens)")
     if cache:
         cached_form(model)  # refuses a served model without a cached form
 

@@ -72,6 +72,8 @@ def _step_of(path: Path) -> tuple[int, str]:
 
 def routing_files(run_dir: str | Path) -> list[Path]:
     """The run's routing samples in step order (raises naming the fix when there are none)."""
+    if not Path(run_dir).is_dir():
+        raise ValueError(f"{run_dir} is not a directory: give the run directory of a `moebal train` run")
     # by step number: the names' zero padding ends at step 999,999, after which they no longer sort as text
     files = sorted((Path(run_dir) / ROUTING_DIR).glob("step_*.npz"), key=_step_of)
     if not files:

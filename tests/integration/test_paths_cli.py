@@ -86,6 +86,8 @@ def test_record_routing_then_build_profile(tmp_path: Path) -> None:
 def test_paths_errors_are_clear(tmp_path: Path) -> None:
     r = moebal("paths", str(tmp_path))
     assert r.returncode == 2 and "train.record_routing_every" in r.stderr and "Traceback" not in r.stderr
+    r = moebal("paths", str(tmp_path / "typo"))  # a wrong path is named as such, not "train with ..."
+    assert r.returncode == 2 and "is not a directory" in r.stderr and "record_routing_every" not in r.stderr
     r = moebal("train", *TINY, "train.record_routing_every=-1", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "record_routing_every" in r.stderr
     r = moebal("eval", str(tmp_path))

@@ -86,3 +86,33 @@ def test_ranks_work_under_their_launchers_lock(tmp_path, monkeypatch):
         monkeypatch.delenv(LOCK_ENV)
         monkeypatch.setenv("RANK", "1")  # torchrun: rank 0 holds it
         assert not lock_run_dir(run).held
+
+
+def test_a_job_that_fails_before_writing_leaves_no_directory_it_made(tmp_path):
+    """A mistyped --out (a resume of nothing, bad data) fails with its one line and leaves no new directory; a
+    directory that existed, or one the job wrote to, stays."""
+    new = tmp_path / "typo" / "run"
+    with pytest.raises(ConfigError, match="nothing here"), lock_run_dir(new):
+        raise ConfigError("nothing here")
+    assert not new.exists() and (tmp_path / "typo").is_dir()  # the parent it made is the user's choice of path
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(ConfigError), lock_run_dir(kept):
+        raise ConfigError("x")
+    assert kept.is_dir()
+    wrote = tmp_path / "wrote"
+    with pytest.raises(ConfigError), lock_run_dir(wrote):
+        (wrote / "config.yaml").write_text("{}")
+        raise ConfigError("x")
+    assert (wrote / "config.yaml").is_file()
+    with lock_run_dir(tmp_path / "fine"):
+        pass
+    assert (tmp_path / "fine" / LOCK_NAME).is_file()  # a job that ends normally keeps its directory
+
+
+def test_a_mistyped_out_with_resume_leaves_nothing(tmp_path):
+    from tests.cli_util import run_cli
+
+    r = run_cli("train", "--out", str(tmp_path / "typo"), "--resume")
+    assert r.returncode == 2 and "nothing to resume" in r.stderr, r.stderr
+    assert not (tmp_path / "typo").exists()
