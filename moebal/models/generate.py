@@ -29,10 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moebal.models import noise
 from moebal.models.mla import MLAttention
 from moebal.models.subset import skip_layer
 
@@ -443,12 +443,9 @@ def generate_many(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], ma
 
 def sequence_seed(seed: int, sequence: int) -> int:
     """The generator seed of a prompt's `sequence`-th sample (`moebal generate --num-return-sequences`): `seed`
-    itself for the first (the text one sample gives), then a hash of (seed, sequence), so no two samples of a
-    prompt share a stream."""
-    if sequence == 0:
-        return seed
-    return int(np.random.SeedSequence([seed & (2**64 - 1), sequence]).generate_state(1, dtype=np.uint64)[0]
-               & (2**63 - 1))
+    itself for the first (the text one sample gives), then (seed, sequence) mixed as router noise's keys are
+    (`noise.mixed_seed`), so no two samples of a prompt share a stream."""
+    return seed if sequence == 0 else noise.mixed_seed(seed, sequence)
 
 
 def _decode(model: MoebalForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,

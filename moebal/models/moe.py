@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import torch
 from torch import nn
@@ -200,8 +200,9 @@ class MoELayer(nn.Module):
         """The layer's model-wide index, which keys its router noise (the decoder layer sets it)."""
         self.router_fp32 = router_fp32
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = aux_loss_coef, z_loss_coef, bias_update_rate
-        if aux_loss_scope not in ("layer", "pooled", "sequence"):
-            raise ValueError(f"MoELayer: aux_loss_scope must be layer, pooled or sequence; got {aux_loss_scope!r}")
+        if aux_loss_scope not in get_args(AuxLossScope):
+            raise ValueError(f"MoELayer: aux_loss_scope must be one of {get_args(AuxLossScope)}; got "
+                             f"{aux_loss_scope!r}")
         self.aux_loss_scope = aux_loss_scope
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if router == "mlp_tanh":
@@ -363,23 +364,23 @@ class MoELayer(nn.Module):
             if self.aux_loss_scope == "sequence":
                 aux = aux + self.aux_loss_coef * sequence_balancing_loss(r.probs_TE, idx_TK, counted_TK, rows, real_T)
             else:  # every taken choice of every token: the step's statistics count them already
-                counts_E = stats.routed_E if counted_TK is r.taken_TK and not adaptive else \
+                counts_E = stats.routed_E if real_T is None and not adaptive else \
                     assignment_counts(idx_TK, counted_TK, self.num_experts)
         if self.stats_reducer is not None and (counts_E is not None or self.z_loss_coef > 0):
             return self._global_losses(r, counts_E, self.stats_reducer, real_T, aux)
-        if counts_E is not None and self.aux_loss_scope == "pooled":
+        pooled = self.aux_loss_scope == "pooled"
+        if counts_E is not None and pooled:
             sums = balance_sums(r.probs_TE, counts_E, real_T)  # no token: zero sums
         if r.probs_TE.shape[0] == 0:  # no token: no balancing or z loss (a mean over nothing is NaN), as skip_layer
             return aux, sums
-        if counts_E is not None and sums is None:
+        if counts_E is not None and not pooled:
             aux = aux + self.aux_loss_coef * load_balancing_loss(r.probs_TE, counts_E, real_T)
         if self.z_loss_coef > 0:
             aux = aux + self.z_loss_coef * router_z_loss(r.logits_TE, real_T)
         return aux, sums
 
     def _global_losses(self, r: Routing, counts_E: torch.Tensor | None, reducer: StatsReducer,
-                       real_T: torch.Tensor | None = None, aux: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       real_T: torch.Tensor | None, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The balancing and z losses over every rank's tokens, from one all-reduce (forward and backward), added
         to `aux`; with `aux_loss_scope: pooled` the balancing term's global `balance_sums` instead of the term.
 
@@ -396,7 +397,6 @@ class MoELayer(nn.Module):
             parts.append((z_T if real_T is None else z_T * real_T.to(z_T.dtype)).sum().reshape(1))
         total = reducer.sum_grad(torch.cat(parts))
         tokens = total[0].clamp(min=1.0)  # no token anywhere: P = 0, not NaN
-        aux = r.logits_TE.new_zeros(()) if aux is None else aux
         sums = None
         if counts_E is not None and self.aux_loss_scope == "pooled":
             sums = total[:1 + 2 * E]

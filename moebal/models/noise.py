@@ -67,12 +67,17 @@ def generator(device: torch.device, layer: int) -> torch.Generator | None:
     call), or None outside a key (draw from the global generator)."""
     if _key is None:
         return None
-    h = 0
-    for x in (*_key, layer):
-        h = _splitmix64((h ^ x) & _MASK)
     g = torch.Generator(device=device)
-    g.manual_seed(h >> 1)  # a non-negative 63-bit seed
+    g.manual_seed(mixed_seed(*_key, layer))
     return g
+
+
+def mixed_seed(*parts: int) -> int:
+    """A non-negative 63-bit seed mixing `parts` (splitmix64 over each in turn): every part changes all its bits."""
+    h = 0
+    for x in parts:
+        h = _splitmix64((h ^ x) & _MASK)
+    return h >> 1
 
 
 def _splitmix64(x: int) -> int:

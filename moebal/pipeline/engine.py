@@ -152,6 +152,9 @@ class PipelineEngine:
         moe = stage.cfg.moe
         self.pooled = moe.aux_loss_scope == "pooled" and moe.num_experts > 0 and moe.aux_loss_coef > 0
         """Whether the stages exchange `POOLED` sums (see the class docstring)."""
+        self.pooled_n, self.counts_n = 1 + 2 * moe.num_experts, 1 + moe.num_experts
+        """The running sums' length (tokens, counts, probability sums), and the (tokens, counts) totals' sent
+        back."""
         self.wgrad = WeightGradQueue()
         self.profiler: LayerProfiler | None = None
         self.record_ops = False
@@ -266,8 +269,7 @@ class PipelineEngine:
             buf = torch.empty(B, T, dtype=torch.uint8, device=ids_BT.device)
             carry[name] = self.chain.recv(buf, self.chain.prev).bool()
         if self.pooled:
-            carry[POOLED] = self.chain.recv(self.pooled_buffer(1 + 2 * self.stage.cfg.moe.num_experts,
-                                                               ids_BT.device), self.chain.prev)
+            carry[POOLED] = self.chain.recv(self.pooled_buffer(self.pooled_n, ids_BT.device), self.chain.prev)
         return h, carry
 
     @staticmethod
@@ -374,17 +376,15 @@ class PipelineEngine:
     def _pool(self, s: _Saved, sums: list[torch.Tensor], carry: dict[str, torch.Tensor],
               result: IterationResult) -> None:
         """Pooled scope, after F: this stage's layers' sums (with their gradient) into `s.pooled`, the running
-        sums after this stage into `s.totals` (and the carry, for the next stage); on the last stage the whole
-        loss logged."""
-        n = 1 + 2 * self.stage.cfg.moe.num_experts
-        device = s.out.device
+        sums after this stage (what the next stage receives) into `s.totals`; on the last stage the whole loss
+        logged."""
         running = carry.get(POOLED)
         for part in sums:  # layer by layer, as `pooled_balancing_loss` adds them: the same bits on any partition
             running = part.detach() if running is None else running + part.detach()
-        s.totals = torch.zeros(n, dtype=torch.float32, device=device) if running is None else running
+        s.totals = torch.zeros(self.pooled_n, dtype=torch.float32, device=s.out.device) if running is None \
+            else running
         local = torch.stack(sums).sum(dim=0) if sums else None  # its gradient: the same for each layer's sums
         s.pooled = local if local is not None and local.requires_grad else None
-        carry[POOLED] = s.totals
         if self.chain.is_last:
             loss = self.stage.cfg.moe.aux_loss_coef * pooled_balancing_loss([s.totals])
             result.add_aux(self.stage.cfg.model.n_layers - 1, loss, s.aux_w)
@@ -397,8 +397,7 @@ class PipelineEngine:
         else:
             grad = self.chain.recv(torch.empty_like(s.out), self.chain.next)
             if self.pooled:  # the micro-batch's (tokens, counts), from the last stage
-                s.totals = self.chain.recv(self.pooled_buffer(1 + self.stage.cfg.moe.num_experts, grad.device),
-                                           self.chain.next)
+                s.totals = self.chain.recv(self.pooled_buffer(self.counts_n, grad.device), self.chain.next)
         g_in = self._backward_compute(j, s, grad, result)
         if g_in is not None:
             self.chain.send(g_in, self.chain.prev)
@@ -408,7 +407,7 @@ class PipelineEngine:
     def counts_back(self, s: _Saved) -> torch.Tensor:
         """Pooled scope: the (tokens, counts) totals to send to the previous stage with the input gradient."""
         assert s.totals is not None
-        return s.totals[:1 + self.stage.cfg.moe.num_experts].contiguous()
+        return s.totals[:self.counts_n]
 
     def _backward_compute(self, j: int, s: _Saved, grad: torch.Tensor | None,
                           result: IterationResult) -> torch.Tensor | None:

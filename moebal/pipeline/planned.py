@@ -129,7 +129,6 @@ class PlannedEngine(PipelineEngine):
         pooled_in: dict[int, torch.Tensor] = {}  # moe.aux_loss_scope pooled: the running sums (`POOLED`) received
         totals_in: dict[int, torch.Tensor] = {}  # and the totals received back with the gradient
         totals_out: dict[int, torch.Tensor] = {}  # and those to send back with the input gradient
-        E = self.stage.cfg.moe.num_experts
         names = self.scheme.carries
         self._last_backward = last_backward(rep.streams[chain.index])
         # a frozen prefix (`dynamism.scheme: freezing`) stops gradients at a boundary: a stage whose output needs
@@ -146,7 +145,7 @@ class PlannedEngine(PipelineEngine):
                                   for n in names}
                     bufs = [inputs[j], *carries[j].values()]
                     if self.pooled:  # then the running sums of the pooled loss
-                        pooled_in[j] = self.pooled_buffer(1 + 2 * E, device)
+                        pooled_in[j] = self.pooled_buffer(self.pooled_n, device)
                         bufs.append(pooled_in[j])
                     recvs[("act", j)] = [chain.post_recv(t, chain.prev) for t in bufs]
                 elif op == "recv_grad":
@@ -154,7 +153,7 @@ class PlannedEngine(PipelineEngine):
                         grads[j] = torch.empty_like(saved[j].out)
                         recvs[("grad", j)] = [chain.post_recv(grads[j], chain.next)]
                         if self.pooled:
-                            totals_in[j] = self.pooled_buffer(1 + E, device)
+                            totals_in[j] = self.pooled_buffer(self.counts_n, device)
                             recvs[("grad", j)].append(chain.post_recv(totals_in[j], chain.next))
                 elif op in ("wait_act", "wait_grad"):
                     for handle in recvs.pop((op[5:], j), []):

@@ -699,13 +699,15 @@ class PipelineRunner:
         vec[t + 2 * P0 + pos] = res.busy_cpu_s
         vec[t + 3 * P0 + pos] = res.w_cpu_s
         if self.data_ranks > 1:  # the loss of each rank's rows adds up; norms are equal after the gradient sum,
-            part = vec[S + L:S + L + 1].clone()  # and scheme statistics are taken over the whole stage
+            # and scheme statistics are taken over the whole stage; under `moe.aux_loss_scope: sequence` the
+            # auxiliary losses are each rank's rows' own: their mean (the other scopes' are the same on every rank)
+            rows_own = self.cfg.moe.aux_loss_scope == "sequence"
+            lo = S if rows_own else S + L
+            part = vec[lo:S + L + 1].clone()
             dist.all_reduce(part, group=self.stage_group)
-            vec[S + L] = part[0]
-            if self.cfg.moe.aux_loss_scope == "sequence":  # each rank's rows' own balancing losses: their mean
-                aux_L = vec[S:S + L].clone()  # (the other scopes' are global, the same on every rank)
-                dist.all_reduce(aux_L, group=self.stage_group)
-                vec[S:S + L] = aux_L / self.data_ranks
+            vec[S + L] = part[-1]
+            if rows_own:
+                vec[S:S + L] = part[:L] / self.data_ranks
             if extra:
                 stats = vec[n:n + extra].clone()
                 dist.all_reduce(stats, group=self.stage_group)

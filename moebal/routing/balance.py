@@ -82,29 +82,26 @@ def sequence_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor, co
                             rows: int, real_T: torch.Tensor | None = None) -> torch.Tensor:
     """DeepSeek's per-sequence balance loss (`seq_aux`, DeepSeek-V3 eq. 17-20) for T tokens in `rows` equal rows
     (row-major): each row's E * sum_e f_e * P_e, f_e its counted choices of e over all its counted choices (a
-    constant; `counted_TK` bool, None: all), P_e the mean over the row's tokens of e's probability; the mean over
-    the rows holding a token. `real_T` (bool [T]): only these tokens (padding left out). Perfect balance in every
-    row gives 1. No host sync."""
+    constant), P_e the mean over the row's tokens of e's probability; the mean over the rows holding a token.
+    `real_T` (bool [T]): only these tokens (padding left out); `counted_TK` (bool): the choices counted, which
+    leave the padding out already when both are given (None: every choice of the real tokens). Perfect balance in
+    every row gives 1. Sums over each row's tokens in a fixed order (no atomics: the same bits on every run), no
+    host sync."""
     T, E = probs_TE.shape
     if T == 0:
         return probs_TE.sum() * 0.0
-    row_T = torch.arange(T, device=probs_TE.device) // (T // rows)
     probs_TE = probs_TE.float()
-    if real_T is not None:
+    if real_T is None:
+        tokens_R = torch.full((rows,), float(T // rows), dtype=torch.float32, device=probs_TE.device)
+    else:
         w_T = real_T.to(torch.float32)
         probs_TE = probs_TE * w_T.unsqueeze(1)
-        counted_TK = real_T.unsqueeze(1).expand_as(indices_TK) if counted_TK is None else \
-            counted_TK & real_T.unsqueeze(1)  # the real tokens' choices only (a no-op when the caller masked them)
-    else:
-        w_T = torch.ones(T, dtype=torch.float32, device=probs_TE.device)
-    ones_TK = torch.ones(indices_TK.shape, dtype=torch.float32, device=probs_TE.device) if counted_TK is None \
-        else counted_TK.to(torch.float32)
-    slot_TK = row_T.unsqueeze(1) * E + indices_TK
-    counts_RE = torch.zeros(rows * E, dtype=torch.float32, device=probs_TE.device).scatter_add_(
-        0, slot_TK.reshape(-1), ones_TK.reshape(-1)).view(rows, E)
-    tokens_R = torch.zeros(rows, dtype=torch.float32, device=probs_TE.device).index_add_(0, row_T, w_T)
-    P_RE = torch.zeros(rows, E, dtype=probs_TE.dtype, device=probs_TE.device).index_add_(0, row_T, probs_TE)
-    P_RE = P_RE / tokens_R.clamp(min=1.0).unsqueeze(1)
+        tokens_R = w_T.view(rows, -1).sum(dim=1)
+        if counted_TK is None:
+            counted_TK = real_T.unsqueeze(1).expand_as(indices_TK)
+    row_T1 = (torch.arange(T, device=probs_TE.device) // (T // rows)).unsqueeze(1)
+    counts_RE = assignment_counts(indices_TK + row_T1 * E, counted_TK, rows * E).view(rows, E).to(torch.float32)
+    P_RE = probs_TE.view(rows, -1, E).sum(dim=1) / tokens_R.clamp(min=1.0).unsqueeze(1)
     f_RE = counts_RE / counts_RE.sum(dim=1, keepdim=True).clamp(min=1.0)
     loss_R = E * (f_RE * P_RE).sum(dim=1)
     held_R = (tokens_R > 0).to(torch.float32)

@@ -35,13 +35,14 @@ _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 class RunLock:
     """A held run-directory lock; `release()` (or leaving the `with` block) gives it up."""
 
-    def __init__(self, path: Path, handle: IO[str] | None, created: bool = False) -> None:
+    def __init__(self, path: Path, handle: IO[str] | None, existed: Path | None = None) -> None:
         self.path, self._handle = path, handle
         self.held = handle is not None
         """Whether this process holds it (False in a launcher's rank, which works under the launcher's)."""
-        self.created = created
-        """Whether taking it created the run directory: a job that fails before writing anything there then
-        removes it (a mistyped --out leaves nothing behind)."""
+        self.existed = existed
+        """When taking it created the run directory (and maybe folders above it): the nearest folder that
+        existed. A job that fails before writing anything removes what it made up to there (a mistyped --out
+        leaves nothing behind)."""
 
     def release(self) -> None:
         if self._handle is not None:
@@ -52,12 +53,15 @@ class RunLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if exc[0] is not None and self.created and self.held:
+        if exc[0] is not None and self.existed is not None and self.held:
             run_dir = self.path.parent
             try:
                 if [p.name for p in run_dir.iterdir()] == [self.path.name]:  # nothing but the lock: undo the mkdir
                     self.path.unlink()
-                    run_dir.rmdir()
+                    for d in (run_dir, *run_dir.parents):  # and the empty folders made for it
+                        if d == self.existed or any(d.iterdir()):
+                            break
+                        d.rmdir()
             except OSError:
                 pass  # best effort: the failure being raised is what the user needs to see
         self.release()
@@ -116,7 +120,7 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
     path = run_dir / LOCK_NAME
     if os.environ.get(LOCK_ENV) == str(path.resolve()) or os.environ.get("RANK", "0") != "0":
         return RunLock(path, None)  # a launcher's rank, or a torchrun rank other than 0: rank 0 holds it
-    created = not run_dir.exists()
+    existed = next((d for d in (run_dir, *run_dir.parents) if d.exists()), None)  # the nearest that exists
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release()
@@ -139,4 +143,4 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                              "argv": sys.argv}) + "\n")
     handle.flush()
-    return RunLock(path, handle, created)
+    return RunLock(path, handle, None if existed == run_dir else existed)

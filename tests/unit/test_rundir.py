@@ -94,7 +94,7 @@ def test_a_job_that_fails_before_writing_leaves_no_directory_it_made(tmp_path):
     new = tmp_path / "typo" / "run"
     with pytest.raises(ConfigError, match="nothing here"), lock_run_dir(new):
         raise ConfigError("nothing here")
-    assert not new.exists() and (tmp_path / "typo").is_dir()  # the parent it made is the user's choice of path
+    assert not (tmp_path / "typo").exists() and tmp_path.is_dir()  # the folders it made, not the one that was
     kept = tmp_path / "kept"
     kept.mkdir()
     with pytest.raises(ConfigError), lock_run_dir(kept):
