@@ -195,9 +195,11 @@ class MoEConfig:
     adaptive_threshold: float | None = None
     """Adaptive top-k: a token takes its next expert only when the probability gap is <= this. null: fixed k."""
     capacity_factor: float | None = None
-    """Per-expert capacity = factor * tokens * k / experts; null is dropless."""
+    """Per-expert capacity = ceil(factor * tokens * k / experts), tokens counted per MoE call (a rank's, a
+    micro-batch's); null is dropless."""
     drop_policy: Literal["probs", "position"] = "probs"
-    """Which tokens an over-full expert keeps: the highest gate probabilities, or the earliest positions."""
+    """Which assignments an over-full expert keeps: the highest gate probabilities, or by choice rank then position
+    (every token's first choice before any second choice, earliest positions first; docs/moe-layer.md)."""
     jitter: float = 0.0
     """Multiplicative input jitter epsilon during training (Switch); 0 disables it."""
     score_scale: float = 1.0

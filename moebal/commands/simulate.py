@@ -32,9 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Pro-Prophet placement + block-wise Trans/Agg overlap")
     p.add_argument("--lina", action="store_true", help="Lina: all-reduce in 30 MB chunks, never while an "
                    "all-to-all is queued or running; all-to-all in 2 token chunks pipelined with the experts")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per iteration "
-                   "(default: 1 without pipeline, 4 x pp with one)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch per data-parallel rank")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per iteration (default: the "
+                   "config's, as `moebal plan memory` plans them: min(pipeline.micro_batches, rows per rank) with a "
+                   "pipeline, train.grad_accum without)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch per data-parallel "
+                   "rank (default: the config's rows per rank / micro-batches)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: data.seq_len)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16"), default=None,
@@ -98,13 +100,13 @@ def _memory(cfg: Any, spec: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     lay, m = spec.layout, spec.micro_batches
     stage_ranks = lay.ranks // lay.pp
-    rows = spec.micro_batch_size * stage_ranks * (m if lay.pp > 1 else 1)  # pp 1: one micro-batch at a time
+    rows = spec.micro_batch_size * stage_ranks * m  # pp 1: m micro-batches are gradient accumulation
     try:
         run = with_overrides(cfg, [f"data.batch_size={rows}", f"data.seq_len={spec.seq_len}"])
         dtype = args.dtype or cfg.train.precision.replace("auto", "bf16")
         precision = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         device = DeviceMemory.from_profile(load_profile(args.cluster), lay.ranks)
-        changes: dict[str, Any] = {"pp": lay.pp, "ep": lay.ep, "micro_batches": m if lay.pp > 1 else 1,
+        changes: dict[str, Any] = {"pp": lay.pp, "ep": lay.ep, "micro_batches": m,
                                    "schedule": spec.schedule, "policy": args.policy}
         if run.parallel.shard == "auto":  # as `moebal train` would settle it on these ranks
             run, _ = choose_shard(run, lay.ranks, device, precision, **changes)
@@ -142,20 +144,53 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
                           f"{[d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]}")
     ranks = args.ranks or pp * ep
     for name, v in (("--ranks", ranks), ("--pp", pp), ("--ep", ep), ("--micro-batch-size", args.micro_batch_size)):
-        if v < 1:
+        if v is not None and v < 1:
             raise ConfigError(f"{name} must be >= 1; got {v}")
     if args.trace_ranks < 0:
         raise ConfigError(f"--trace-ranks must be >= 0 (0: every rank); got {args.trace_ranks}")
-    m = args.micro_batches or (1 if pp == 1 else 4 * pp)
+    m, rows = _micro_batching(cfg, pp, args)
     lina: dict[str, Any] = (dict(lina_priority=True, ar_chunk_bytes=30e6, moe_schedule="lina", a2a_chunks=2)
                             if args.lina else {})
     # FasterMoE's policy keeps its own MoE schedule; --lina's priority and chunking still apply to it
     lina_schedule = lina.pop("moe_schedule", "serial")
     moe_schedule = "fastermoe" if args.policy == "fastermoe" else lina_schedule
-    return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=args.micro_batch_size,
+    return SimSpec(layout=Layout(ranks, pp=pp, ep=ep), micro_batches=m, micro_batch_size=rows,
                    seq_len=args.seq_len or cfg.data.seq_len, schedule=args.schedule, moe_schedule=moe_schedule,
                    trans_overlap=args.policy == "prophet", grad_bytes=4, recompute=cfg.train.recompute,
                    tie_weight_bytes=2 if tied_wire(cfg.parallel) == "bf16" else 4, **lina)  # bf16 compute copies
+
+
+def _micro_batching(cfg: Any, pp: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(micro-batches, rows per micro-batch per data-parallel rank). Each simulated rank runs the rows a rank of the
+    config's own job runs (weak scaling: the global batch grows with --ranks): that job is the ranks `moebal plan
+    memory` plans without --ranks (parallel.nproc, at least parallel.pp x parallel.ep), a stage of it shares
+    data.batch_size, and its rows go through min(pipeline.micro_batches, rows) micro-batches with a pipeline,
+    train.grad_accum without; --micro-batches and --micro-batch-size replace either."""
+    from moebal.config import pipelined
+
+    own_pp = cfg.parallel.pp
+    own_ranks = max(cfg.parallel.nproc or 1, own_pp * (cfg.parallel.ep or 1))
+    stage = own_ranks // own_pp
+    if cfg.data.batch_size % stage:
+        rows = None  # the config itself cannot run on its own ranks: no default to take
+    else:
+        rows = cfg.data.batch_size // stage
+    m = args.micro_batches
+    if m is None:
+        staged = pipelined(pp, cfg.dynamism.scheme)
+        m = min(cfg.pipeline.micro_batches if staged else cfg.train.grad_accum, rows or 1)
+    b = args.micro_batch_size
+    if b is None:
+        if rows is None:
+            raise ConfigError(f"data.batch_size {cfg.data.batch_size} does not split over the {stage} ranks of a "
+                              f"stage of the config's own job: give --micro-batch-size (rows per micro-batch per "
+                              f"rank) and --micro-batches")
+        if rows % m:
+            raise ConfigError(f"the config's {rows} rows per rank do not split into {m} micro-batches: give "
+                              f"--micro-batch-size (rows per micro-batch per rank) or --micro-batches a divisor of "
+                              f"{rows}")
+        b = rows // m
+    return m, b
 
 
 def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -129,11 +129,19 @@ def select_topk(logits_TE: torch.Tensor, k: int, gate: GateOrder, bias_E: torch.
     weights come from the unbiased scores. It is added to what the gate ranks: the logits of softmax gates
     (so both orders select the same experts for the same bias) and the sigmoid scores of sigmoid gates (as
     DeepSeek-V3's `e_score_correction_bias`). With `n_group` groups and `topk_group` < n_group the choice is
-    limited to each token's best groups (moebal/routing/groups.py), ranked on those same biased scores.
+    limited to each token's best groups (moebal/routing/groups.py), ranked on those same biased scores; with
+    `top2_sum` a softmax gate's groups are ranked on the softmax of its biased logits instead (a sum of two best
+    logits orders groups differently from a sum of two best probabilities: the orders and a zero bias would
+    otherwise choose differently).
     """
     choice_TE, probs_TE, scores_TE = _choice_scores(logits_TE, gate, bias_E)
     if n_group > 1 and topk_group is not None and topk_group < n_group:
-        choice_TE = group_limit(choice_TE, n_group, topk_group, group_score)
+        rank_TE = None
+        if group_score == "top2_sum" and gate != "sigmoid_topk":
+            # a maximum ranks groups alike on logits or probabilities, a sum of two does not: softmax gates rank
+            # their groups on the probabilities of the (biased) logits, whatever the order or a (zero) bias
+            rank_TE = probs_TE if bias_E is None else torch.softmax(logits_TE + bias_E, dim=-1)
+        choice_TE = group_limit(choice_TE, n_group, topk_group, group_score, rank_TE)
     indices_TK = choice_TE.topk(k, dim=-1).indices
     if gate == "topk_softmax":
         return indices_TK, torch.softmax(logits_TE.gather(1, indices_TK), dim=-1), probs_TE

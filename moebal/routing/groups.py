@@ -29,11 +29,14 @@ def group_scores(choice_TE: torch.Tensor, n_group: int, how: GroupScore) -> torc
     return grouped_TGM.topk(2, dim=-1).values.sum(dim=-1)
 
 
-def group_limit(choice_TE: torch.Tensor, n_group: int, topk_group: int, how: GroupScore) -> torch.Tensor:
+def group_limit(choice_TE: torch.Tensor, n_group: int, topk_group: int, how: GroupScore,
+                rank_TE: torch.Tensor | None = None) -> torch.Tensor:
     """The choice scores with every expert outside the token's `topk_group` best groups set to -inf, so a
-    following top-k can only pick inside them (no host sync: a mask, never an index list)."""
+    following top-k can only pick inside them (no host sync: a mask, never an index list). The groups are ranked
+    on `rank_TE` when given (scores in another space than the choice's), else on the choice scores."""
     T, E = choice_TE.shape
-    best_TG = group_scores(choice_TE, n_group, how).topk(topk_group, dim=-1).indices
+    ranked_TE = choice_TE if rank_TE is None else rank_TE
+    best_TG = group_scores(ranked_TE, n_group, how).topk(topk_group, dim=-1).indices
     keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=choice_TE.device).scatter_(1, best_TG, True)
     keep_TE = keep_TG.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     # -inf rather than HF V2's 0.0: the same choice for softmax probabilities (all > 0), and also right for

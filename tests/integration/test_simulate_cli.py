@@ -38,8 +38,9 @@ def test_policies_run_on_llama_moe(capsys, policy: str) -> None:
 
 def test_pipeline_and_lina_options(capsys) -> None:
     out = _json(capsys, ["simulate", "mixtral-8x7b", "--cluster", "h100", "--ranks", "32", "--pp", "4", "--lina",
-                         "--schedule", "gpipe", "--seq-len", "1024", "--json"])
-    assert out["meta"]["micro_batches"] == 16 and out["meta"]["stage_layers"] == [8, 8, 8, 8]
+                         "--schedule", "gpipe", "--seq-len", "1024", "--micro-batches", "8", "--micro-batch-size", "1",
+                         "--json"])
+    assert out["meta"]["micro_batches"] == 8 and out["meta"]["stage_layers"] == [8, 8, 8, 8]
     assert 0 < out["bubble_ratio"] < 1
 
 
@@ -165,3 +166,29 @@ def test_the_readme_row_of_the_1024_rank_simulation_is_what_its_command_prints(c
     assert round(capped["memory"]["peak_bytes"] / 1e9, 1) == capped_gb
     assert round(capped["memory"]["terms"]["Agg receive buffers (Pro-Prophet)"] / 1e9, 1) == recv_gb
 
+
+
+def test_micro_batches_default_to_the_configs_own_so_the_memory_line_is_plan_memorys(capsys) -> None:
+    # the Mixtral preset: a stage's 8 ranks share 16 rows, 2 per rank, min(pipeline.micro_batches 4, 2) = 2
+    # micro-batches of one; its own 4 x pp micro-batches once made this say "does not fit" (84.2 GB) where
+    # `moebal plan memory` said 77.7 GB
+    out = _json(capsys, ["simulate", "mixtral-8x7b", "--cluster", "h100-ndr400", "--json"])
+    assert (out["meta"]["ranks"], out["meta"]["micro_batches"], out["meta"]["micro_batch_size"]) == (16, 2, 1)
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100-ndr400", "--policy", "static", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert out["memory"]["fits"] and out["memory"]["peak_bytes"] == planned["peak_bytes"]
+    # the per-rank rows hold at any size (weak scaling); without a pipeline, accumulation's micro-batches
+    out = _json(capsys, ["simulate", "mixtral-8x7b", "--ranks", "64", "--json"])
+    assert (out["meta"]["micro_batches"], out["meta"]["micro_batch_size"]) == (2, 1)
+    out = _json(capsys, ["simulate", "--ep", "2", "--json", "data.batch_size=8", "train.grad_accum=2"])
+    assert (out["meta"]["micro_batches"], out["meta"]["micro_batch_size"]) == (2, 4)
+    out = _json(capsys, ["simulate", "mixtral-8x7b", "--micro-batches", "8", "--micro-batch-size", "1", "--json"])
+    assert (out["meta"]["micro_batches"], out["meta"]["micro_batch_size"]) == (8, 1)
+
+
+def test_micro_batches_that_do_not_split_the_configs_rows_are_refused_with_the_fix(capsys) -> None:
+    for argv, said in ((["mixtral-8x7b", "--micro-batches", "8"], "2 rows per rank do not split into 8"),
+                       (["mixtral-8x7b", "data.batch_size=12"], "does not split over the 8 ranks")):
+        assert main(["simulate", *argv]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--micro-batch-size" in err and len(err.strip().splitlines()) == 1, err

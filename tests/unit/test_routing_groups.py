@@ -34,7 +34,11 @@ def reference_route(logits_TE: torch.Tensor, k: int, gate: str, bias_E: torch.Te
             score = [math.exp(x) / z for x in row]
             choice = [x + b for x, b in zip(row, bias)] if bias_E is not None else score
         M = E // n_group
-        members = [choice[g * M:(g + 1) * M] for g in range(n_group)]
+        ranked = choice
+        if how == "top2_sum" and gate != "sigmoid_topk":  # softmax gates: the probabilities of the biased logits
+            zb = sum(math.exp(x + b) for x, b in zip(row, bias))
+            ranked = [math.exp(x + b) / zb for x, b in zip(row, bias)]
+        members = [ranked[g * M:(g + 1) * M] for g in range(n_group)]
         g_score = [max(m) if how == "max" else sum(sorted(m)[-2:]) for m in members]
         keep = sorted(range(n_group), key=lambda g: -g_score[g])[:topk_group or n_group]
         allowed = [e for e in range(E) if e // M in keep]
@@ -65,6 +69,8 @@ CASES = [  # gate, E, K, n_group, topk_group, group_score, norm_topk, scale, bia
     ("softmax_topk", 16, 6, 8, 3, "max", False, 16.0, False),  # DeepSeek-V2's group_limited_greedy
     ("softmax_topk", 16, 2, 2, 1, "max", True, 1.0, True),  # groups on biased logits
     ("topk_softmax", 16, 4, 4, 2, "max", True, 1.0, False),
+    ("softmax_topk", 16, 4, 4, 2, "top2_sum", True, 1.0, False),  # softmax gates' top2_sum: on probabilities
+    ("topk_softmax", 16, 4, 4, 2, "top2_sum", True, 1.0, True),
 ]
 
 
@@ -95,6 +101,21 @@ def test_group_limit_keeps_only_the_best_groups_by_hand() -> None:
     idx_TK, _, _ = select_topk(choice_TE.logit(eps=1e-6), 1, "sigmoid_topk", n_group=2, topk_group=1,
                                group_score="top2_sum")
     assert idx_TK[:, 0].tolist() in ([2, 3], [3, 3])
+
+
+@pytest.mark.parametrize("how", ["max", "top2_sum"])
+def test_softmax_gates_choose_alike_in_either_order_and_with_a_zero_bias(how) -> None:
+    # the sum of a group's two best logits once ranked groups for topk_softmax (and for any softmax gate with a
+    # bias), the sum of its two best probabilities for softmax_topk: 128 of 1,000 tokens chose other experts
+    logits_TE = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0)) * 2
+    by_hand = torch.tensor([[3.0, -5.0, 0.5, 0.5]])  # group {0, 1}: logits sum -2, probabilities 0.86 of 1
+    for x in (logits_TE, by_hand):
+        E = x.shape[1]
+        picks = [select_topk(x, 1 if E == 4 else 4, gate, bias, n_group=2 if E == 4 else 4, topk_group=1,
+                             group_score=how)[0]
+                 for gate in ("softmax_topk", "topk_softmax") for bias in (None, torch.zeros(E))]
+        assert all(torch.equal(picks[0], p) for p in picks[1:]), how
+    assert select_topk(by_hand, 1, "topk_softmax", n_group=2, topk_group=1, group_score=how)[0].item() == 0
 
 
 def test_sigmoid_bias_changes_the_choice_never_the_weights() -> None:
