@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ __all__ = [
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SUBSET_SCHEMES = ("mod", "early_exit")
+MAX_INT = 2**62
+"""The largest integer a config takes (a step count or seed beyond it overflows deques, torch and numpy)."""
+MAX_THREADS = 4096
 """Dynamism schemes whose layers run a subset of the tokens (a token skips a block, or leaves the network): a
 token's path over the MoE layers breaks there, so what follows every token through them (routing records, Lina's
 path estimates) cannot run with them."""
@@ -881,7 +885,36 @@ def resolve_path(path: str | Path) -> Path:
     raise ConfigError(f"config file '{path}' not found: give a YAML path or a preset name{hint}")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _NumberLoader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2's numbers and no dates. PyYAML reads YAML 1.1, where a leading zero is octal
+    and a colon base 60: `train.seed=010` was seed 8 (as was 008) and `train.time_limit_min=4:30` 270 minutes.
+    Here an integer is decimal (leading zeros allowed: 010 is 10), `0x`/`0o`/`0b` name their base, a float needs
+    no dot for its exponent (1e-4), and `4:30` or `2024-01-01` stay strings, which a number field then refuses
+    and a string field takes as written. Booleans keep YAML 1.1's words (on/off/yes/no), which the choice fields'
+    checks explain."""
+
+    def construct_yaml_int(self, node: yaml.Node) -> int:
+        text = str(self.construct_scalar(node)).replace("_", "")  # type: ignore[arg-type]
+        sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+        base = {"0x": 16, "0o": 8, "0b": 2}.get(digits[:2].lower(), 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+_NumberLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_NumberLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+)$"),
+    list("-+0123456789"))
+_NumberLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?"
+                                          r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+_NumberLoader.add_constructor("tag:yaml.org,2002:int", _NumberLoader.construct_yaml_int)
+
+
+class _UniqueKeyLoader(_NumberLoader):
     """yaml.safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last one, so a
     second `lr:` further down a section would quietly win). Keys brought in by a `<<` merge may be overridden."""
 
@@ -926,7 +959,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     if not all(parts):
         raise ConfigError(f"override {item!r}: empty key segment in '{key}'")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_NumberLoader) if raw.strip() else ""  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         value = raw
     node = data
@@ -1048,6 +1081,8 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:  # a count this size overflows torch and the standard library far into a run
+                raise ConfigError(f"{source}: '{key}' is {value}, beyond any run (at most 2**62): lower it")
             return value
         raise ConfigError(f"{source}: '{key}' must be an integer; got {_show(value)}")
     if tp is float:
@@ -1060,8 +1095,8 @@ def _coerce(tp: Any, value: Any, source: str, key: str) -> Any:
         if isinstance(value, str):
             return value
         kind = "true/false" if isinstance(value, bool) else "a number"
-        quote = (f" (YAML reads it as {kind}: quote it, '{str(value).lower() if isinstance(value, bool) else value}')"
-                 if isinstance(value, (bool, int, float)) else "")
+        quote = (f" (YAML reads it as {kind}: quote the value as you meant it, in a file {key.split('.')[-1]}: "
+                 f"'...', on a command line {key}=\"'...'\")" if isinstance(value, (bool, int, float)) else "")
         raise ConfigError(f"{source}: '{key}' must be a string; got {_show(value)}{quote}")
     raise TypeError(f"config field {key} has an unsupported type {tp!r}")  # a schema bug, not user input
 
@@ -1162,6 +1197,12 @@ def _check_whole(c: Config) -> None:
     _need(d.max_bytes is None or d.max_bytes > 0, f"'data.max_bytes' must be positive or null; got {d.max_bytes}")
     for src, w in (d.mixture or {}).items():
         _need(w > 0, f"'data.mixture.{src}' is a sampling weight and must be positive; got {w}")
+    # an empty path (an unset shell variable) would read as the working directory
+    for key, text in [("data.source", d.source), ("data.tokenizer", d.tokenizer), ("data.text_key", d.text_key),
+                      *((f"data.mixture key {k!r}", k) for k in d.mixture or {})]:
+        _need(bool(text.strip()), f"'{key}' is empty: name a path (or set the key's default back)")
+    for key, opt in [("hf.init_from", c.hf.init_from), ("planner.path_profile", c.planner.path_profile)]:
+        _need(opt is None or bool(opt.strip()), f"'{key}' is empty: name a path, or null for none")
     if d.order == "complexity":
         _need(c.moe.num_experts > 0 and c.moe.top_k > 1 and c.moe.adaptive_threshold is not None,
               "'data.order: complexity' orders samples by how many tokens the adaptive gate sends to two experts: "
@@ -1465,7 +1506,9 @@ def _check_train(t: TrainConfig) -> None:
                     ("train.keep_checkpoints", t.keep_checkpoints)]:
         _need(iv >= 1, f"'{key}' must be at least 1; got {iv}")
     _need(0 <= t.seed < 2 ** 32, f"'train.seed' must be in 0 .. 2**32 - 1 (numpy's seed range); got {t.seed}")
-    _need(t.threads is None or t.threads >= 1, f"'train.threads' must be at least 1 or null; got {t.threads}")
+    _need(t.threads is None or 1 <= t.threads <= MAX_THREADS,
+          f"'train.threads' must be from 1 to {MAX_THREADS} (torch's intra-op threads per process) or null; "
+          f"got {t.threads}")
     _need(t.time_limit_min is None or t.time_limit_min > 0,
           f"'train.time_limit_min' must be positive or null; got {t.time_limit_min}")
     _need(t.record_routing_every >= 0,
@@ -1547,7 +1590,7 @@ def absolute_inputs(c: Config) -> Config:
     loader's error to name it; names that are not paths ('stdlib', 'byte') are left alone."""
 
     def fix(p: str | None, names: tuple[str, ...] = ()) -> str | None:
-        if p is None or p in names or Path(p).expanduser().is_absolute() or not Path(p).expanduser().exists():
+        if not p or p in names or Path(p).expanduser().is_absolute() or not Path(p).expanduser().exists():
             return p
         return str(Path(p).expanduser().resolve())
 

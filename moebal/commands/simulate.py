@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -131,6 +132,8 @@ def _spec(cfg: Any, shape: Any, args: argparse.Namespace) -> Any:
         if given is not None and given < 1:  # 0 is falsy: it would silently fall back to the default below
             raise ConfigError(f"{name} must be >= 1; got {given}")
     pp = args.pp or cfg.parallel.pp
+    if args.ranks and args.ranks % pp:  # before a null ep is derived from ranks // pp
+        raise ConfigError(f"{args.ranks} ranks cannot form {pp} pipeline stages: choose --ranks a multiple of {pp}")
     ep = args.ep or cfg.parallel.ep
     if ep is None:  # the config's null: every rank of a stage (capped at one expert per rank)
         E = max(shape.num_experts, 1)
@@ -203,7 +206,7 @@ def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarra
     if args.step < 1:
         raise ConfigError(f"--step must be >= 1 (placements plan on the previous step); got {args.step}")
     if args.routing == "synthetic":
-        if args.zipf < 0 or args.drift < 0:
+        if not (math.isfinite(args.zipf) and math.isfinite(args.drift) and args.zipf >= 0 and args.drift >= 0):
             raise ConfigError(f"--zipf (the popularity skew, 0 uniform) and --drift (the popularity logits' "
                               f"random-walk step) must be >= 0; got {args.zipf}, {args.drift}")
         src = SyntheticRouting(num_layers=shape.n_layers, num_experts=shape.num_experts, top_k=shape.top_k,

@@ -226,7 +226,7 @@ class PipelineRunner:
             def autocast() -> Any:
                 return torch.autocast(self.device.type, dtype=torch.bfloat16)
         self.engine = PipelineEngine(self.stage, self.chain, self.scheme, self.opts.schedule,
-                                     self.opts.micro_batches, autocast, aux_ranks=self.data_ranks)
+                                     self._num_micro(), autocast, aux_ranks=self.data_ranks)  # capped at the rows
         self.engine.dilate = self.opts.dilate
         if self._fsdp_mesh is not None:  # zero bubble: W's gradients of FSDP2 shards are reduce-scattered by hand
             self.engine.wgrad.reducer = DeferredGradReducer(self.stage, self._fsdp_mesh,

@@ -204,6 +204,10 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+def _non_negative(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
 def _check_link(where: str, link: LinkSpec) -> None:
     _need(_positive(link.bandwidth), f"{where}.bandwidth must be > 0 bytes/s; got {link.bandwidth!r}")
     _need(link.latency_s >= 0 and math.isfinite(link.latency_s),
@@ -247,6 +251,13 @@ def _check_profile(p: HardwareProfile) -> None:
               f"use {', '.join(COLLECTIVES)}")
         _need(spec.efficiency > 0 and (spec.latency_s is None or spec.latency_s >= 0),
               f"profile '{n}': collectives.{kind}: efficiency must be > 0 and latency_s >= 0")
+        for table, ok, what in (("latency_by_world", _non_negative, ">= 0 seconds"),
+                                ("efficiency_by_world", _positive, "> 0")):
+            for world, v in getattr(spec, table).items():
+                where = f"profile '{n}': collectives.{kind}.{table}"
+                _need(str(world).isdigit() and int(world) >= 1,
+                      f"{where}: keys are group sizes (integers >= 1); got {world!r}")
+                _need(ok(v), f"{where}.{world} must be {what}; got {v!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -96,19 +96,22 @@ class SyntheticRouting:
             p = p * np.exp(rng.normal(0.0, self.source_spread, size=p.shape))
             p = p / p.sum(axis=-1, keepdims=True)
         c = rng.multinomial(tokens_per_rank * k, p.reshape(-1, E)).astype(np.float64).reshape(L, groups, ranks, E)
-        return _cap(c, tokens_per_rank)
+        return _cap(c, tokens_per_rank, np.ascontiguousarray(p))
 
 
-def _cap(c: np.ndarray, cap: float) -> np.ndarray:
-    """No expert takes a token twice: move each row's excess over `cap` to the other experts pro rata."""
-    for _ in range(8):
-        over = np.maximum(c - cap, 0.0)
-        excess = over.sum(axis=-1, keepdims=True)
+def _cap(c: np.ndarray, cap: float, p: np.ndarray) -> np.ndarray:
+    """No expert takes a token twice: move each row's excess over `cap` to the experts below it in proportion to
+    their popularity `p` (a token's next choice, drawn without replacement, follows the popularity of the
+    experts left), capping again until nothing is over (at most E rounds: each caps one more expert at least).
+    Spreading the excess by the experts' room instead flattened the tail: past Zipf 1.5 at top-2 the skew fell
+    as the exponent rose."""
+    for _ in range(c.shape[-1]):
+        excess = np.maximum(c - cap, 0.0).sum(axis=-1, keepdims=True)
         if not excess.any():
             break
         c = np.minimum(c, cap)
-        room = np.maximum(cap - c, 0.0)
-        c = c + excess * room / np.maximum(room.sum(axis=-1, keepdims=True), 1e-12)
+        w = p * (c < cap)
+        c = c + excess * w / np.maximum(w.sum(axis=-1, keepdims=True), 1e-300)
     return c
 
 

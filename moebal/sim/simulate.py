@@ -35,7 +35,8 @@ class SimResult:
     busy_s: np.ndarray
     """Per rank: time its compute stream is busy."""
     comm_s: dict[str, float]
-    """Mean per rank of time spent inside each kind of communication op (a2a, allreduce, trans, agg, p2p)."""
+    """Mean per rank of time spent inside each kind of communication op (a2a, allreduce, trans, agg, p2p, and
+    stats: the balancing statistics' all-reduce over an expert-parallel group)."""
     bytes_by_link_class: dict[str, float]
     max_link_bytes: float
     placements_summary: dict[str, Any]

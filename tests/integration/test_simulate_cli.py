@@ -79,12 +79,38 @@ def test_human_output(capsys) -> None:
     (["--micro-batches", "0"], "--micro-batches must be >= 1; got 0"),
     (["--seq-len", "0"], "--seq-len must be >= 1; got 0"),
     (["--zipf", "-1"], "must be >= 0; got -1.0"),
+    (["--zipf", "nan"], "must be >= 0; got nan"),  # nan and inf once reached numpy's sampler (a traceback)
+    (["--drift", "inf"], "must be >= 0; got 1.0, inf"),
+    (["--ranks", "1", "--pp", "2"], "1 ranks cannot form 2 pipeline stages"),  # once a ZeroDivisionError
+    (["--ranks", "3", "--pp", "4"], "3 ranks cannot form 4 pipeline stages"),
     (["--trace", "/proc/no/such/t.json"], "--trace /proc/no/such/t.json: cannot make its folder"),
     (["--trace-ranks", "-1"], "--trace-ranks must be >= 0 (0: every rank); got -1"),
 ])
 def test_bad_input_is_a_clear_error(capsys, argv: list[str], message: str) -> None:
     assert main(["simulate", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"efficiency_by_world": {"2": 0.0}}, "efficiency_by_world.2 must be > 0; got 0.0"),
+    ({"efficiency_by_world": {"two": 0.5}}, "keys are group sizes (integers >= 1); got 'two'"),
+    ({"latency_by_world": {"2": -1.0}}, "latency_by_world.2 must be >= 0 seconds; got -1.0"),
+])
+def test_a_profiles_per_group_size_tables_are_checked(capsys, tmp_path, table, message) -> None:
+    # a zero efficiency divided by zero inside the engine, a word for a key failed int(), a negative latency
+    # shortened the step; each is one line at load now
+    import yaml
+
+    from moebal.planner.hardware import PROFILE_DIR
+
+    prof = yaml.safe_load((PROFILE_DIR / "a100.yaml").read_text())
+    prof["collectives"] = {"all_to_all": table}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(prof))
+    assert main(["simulate", "--cluster", str(path), "--ranks", "2", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_calibrate_refits_recorded_timings_into_a_usable_profile(capsys, tmp_path, monkeypatch) -> None:

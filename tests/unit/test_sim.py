@@ -201,6 +201,20 @@ def test_synthetic_routing_matches_the_pro_prophet_description() -> None:
     assert np.allclose(c.sum(axis=-1), 4096)
 
 
+def test_synthetic_routing_grows_more_skewed_as_the_exponent_rises_past_the_one_per_token_cap() -> None:
+    # the hottest expert caps at one assignment per token; its excess once went to the others by their room
+    # (nearly uniform), so past Zipf 1.5 at top-2 the tail flattened as the exponent rose
+    T, shares = 4096, []
+    for s in (1.0, 2.0, 3.0, 5.0):
+        c = SyntheticRouting(num_layers=1, num_experts=8, top_k=2, zipf_s=s, drift=0.0).counts(0, 1, 4, T)
+        assert c.max() <= T and np.allclose(c.sum(axis=-1), 2 * T)  # capped, every assignment kept
+        load = np.sort(c.sum(axis=(0, 1, 2)))[::-1]
+        shares.append(load / load.sum())
+    lightest = [sh[-1] for sh in shares]
+    assert all(a > b for a, b in zip(lightest, lightest[1:])), lightest
+    assert shares[2][1] > 0.3  # Zipf 3: the second expert takes most second choices (0.29 of 1 before)
+
+
 def test_synthetic_routing_drifts_slowly_and_is_seeded() -> None:
     r = SyntheticRouting(num_layers=2, num_experts=8, top_k=2, zipf_s=1.0, drift=0.05, seed=1)
     a, b, far = r.popularity(10), r.popularity(11), r.popularity(400)
