@@ -1201,7 +1201,7 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
         raise ConfigError(f"unknown HF layout '{arch}'; choose one of {', '.join(_ARCH_CLASS)}")
     check_exportable(cfg, arch)
     if arch != "deepseek_v3":  # the one layout that stores the bias (e_score_correction_bias)
-        _check_selection_bias(source, cfg)
+        _check_selection_bias(source)
     config_json = hf_config_for(cfg, arch, dtype, base)
     entries = _out_tensors(source, hf_links(cfg, arch), dtype, _KEEP_FP32.get(arch))
     final = Path(path)
@@ -1232,7 +1232,7 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
     return final
 
 
-def _check_selection_bias(source: TensorSource, cfg: Config) -> None:
+def _check_selection_bias(source: TensorSource) -> None:
     for name in (n for n in source.info() if n.endswith("expert_bias")):
         if source.read(name).abs().max().item() != 0:
             raise ConfigError(f"'{name}' is non-zero: the auxiliary-loss-free selection bias changes which experts "
