@@ -1,16 +1,50 @@
 """Writing a small text file whole or not at all: a reader (or a run stopped mid-write) never sees half of it;
-the paths a command writes checked before it writes."""
+the paths a command writes checked before it writes; reading a user's text or JSON file with a one-line error
+(never a traceback) when it is missing, unreadable, not UTF-8 or not JSON; a file's SHA-256."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from moebal.errors import ConfigError
+from moebal.errors import ConfigError, MoebalError
 
-__all__ = ["complete_lines", "make_folder_of", "output_path", "refuse_replacing", "write_text_whole"]
+__all__ = ["complete_lines", "make_folder_of", "output_path", "read_json", "read_text", "refuse_replacing",
+           "sha256_of", "write_text_whole"]
+
+
+def read_text(path: str | Path, what: str, error: type[MoebalError] = ConfigError) -> str:
+    """The UTF-8 text of the file `path`; an `error` "{what} {path}: cannot read it (...)" when it is missing,
+    unreadable or not UTF-8 text (a binary file given by mistake)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise error(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path}: cannot read it (not UTF-8 text: {e.reason} at byte {e.start})") from None
+
+
+def read_json(path: str | Path, what: str, error: type[MoebalError] = ConfigError) -> Any:
+    """The parsed JSON file `path` (any JSON value: the caller checks its shape); an `error` naming `what` and
+    the path when it cannot be read (`read_text`) or is not valid JSON."""
+    text = read_text(path, what, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path}: not valid JSON ({e})") from None
+
+
+def sha256_of(path: str | Path) -> str:
+    """The hex SHA-256 of the file `path`, read in 4 MiB chunks (a checkpoint's shards do not fit in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def make_folder_of(path: str | Path, flag: str) -> Path:

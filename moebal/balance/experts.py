@@ -649,7 +649,7 @@ class StageExperts:
                 self.prepare_layer(i, stage.layer(i))
         self.balancer: ExpertBalancer | None = None
         self.step = 0  # steps observed: the feedback's clock
-        self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_stage_ahead`)
+        self.ahead: PlanAhead | None = None  # planner.plan_ahead: path (`_rebuild_ahead`)
         self.ahead_metrics: dict[int, dict[str, float]] = {}  # per global layer id, of the last observed step
         self.routing: dict[int, np.ndarray] = {}  # per global layer id: the step's stage-summed statistics
         if self.ep is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moebal.errors import ConfigError
+from moebal.fileio import read_json
 
 GEMM_SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((128, 128), (512, 256), (256, 768),
                                                                           (1024, 1024), (2048, 512))]
@@ -112,12 +113,7 @@ def _counts(text: str, flag: str, least: int, what: str) -> list[int]:
 
 def _read_records(path: Path) -> dict[str, Any]:
     """Timings `--records` wrote: a JSON object with at least the GEMM and memory probes the fit needs."""
-    try:
-        records = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"--from-records {path}: cannot read it ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--from-records {path}: not valid JSON ({e})") from None
+    records = read_json(path, "--from-records")
     if not (isinstance(records, dict) and records.get("gemm") and records.get("memory")):
         raise ConfigError(f"--from-records {path}: not the timings `moebal calibrate --records` writes (a JSON "
                           f"object with 'gemm' and 'memory' records)")

@@ -22,7 +22,7 @@ import numpy as np
 from moebal.commands.bench import at_least
 from moebal.commands.targets import add_target_parsers, run_target
 from moebal.errors import ConfigError
-from moebal.fileio import complete_lines
+from moebal.fileio import complete_lines, read_json, read_text
 
 TARGETS: dict[str, tuple[str, str]] = {
     "experts": ("moebal.commands.plan", "expert placement of MoE layers from a routing count matrix"),
@@ -214,12 +214,7 @@ def _load_costs(path: str | None) -> Any:
 
     if path is None:
         return DEFAULT_COSTS
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"--costs {path}: cannot read it ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--costs {path}: not valid JSON ({e})") from None
+    data = read_json(path, "--costs")
     if not isinstance(data, dict):
         raise ConfigError(f"--costs {path}: expected a JSON object of MoELayerCosts fields")
     return MoELayerCosts.from_dict(data)
@@ -227,23 +222,27 @@ def _load_costs(path: str | None) -> Any:
 
 def _load_counts(path: Path, layer: int | None, line: int) -> list[tuple[int | None, np.ndarray]]:
     """[(layer index or None, counts_RE)] from .npy, .json or .jsonl; ConfigError on anything else."""
-    try:
-        if path.suffix == ".npy":
+    if path.suffix == ".npy":
+        try:
             data: Any = np.load(path, allow_pickle=False)
-        elif path.suffix == ".jsonl":
-            lines = [ln for ln in complete_lines(path.read_text()) if ln.strip()]  # a live run's: its last whole
+        except OSError as e:
+            raise ConfigError(f"--counts {path}: cannot read it ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ConfigError(f"--counts {path}: cannot parse it ({e})") from None
+    else:
+        text = read_text(path, "--counts")
+        if path.suffix == ".jsonl":
+            lines = [ln for ln in complete_lines(text) if ln.strip()]  # a live run's: its last whole line
             if not lines:
                 raise ConfigError(f"--counts {path}: the file has no records")
             try:
-                data = json.loads(lines[line])
+                text = lines[line]
             except IndexError:
                 raise ConfigError(f"--counts {path}: --line {line} is out of range ({len(lines)} records)") from None
-        else:
-            data = json.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"--counts {path}: cannot read it ({e.strerror or e})") from None
-    except (json.JSONDecodeError, ValueError) as e:
-        raise ConfigError(f"--counts {path}: cannot parse it ({e})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--counts {path}: cannot parse it ({e})") from None
     data = _counts_field(data, path)
     try:
         arr = np.asarray(data, dtype=np.float64)

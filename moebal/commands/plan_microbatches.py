@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.fileio import output_path
+from moebal.fileio import output_path, read_text
 from moebal.planner.instructions import check_plan
 from moebal.planner.microbatch import METHODS, MicroBatchPlan, plan_microbatches
 from moebal.planner.microbatch_cost import MicroBatchCost, analytic_table, default_grid, load_cost
@@ -65,10 +65,7 @@ def add_microbatches_arguments(p: argparse.ArgumentParser) -> None:
 def read_lengths(path: str, text_key: str = "text") -> list[Any]:
     """Sample lengths from a file (see the module docstring); ConfigError naming the line on bad input."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"--lengths {path}: cannot read it ({e.strerror or e})") from None
+    text = read_text(p, "--lengths")
     if p.suffix == ".jsonl":
         out: list[Any] = []
         for n, line in enumerate(text.splitlines(), start=1):

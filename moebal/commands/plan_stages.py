@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moebal.errors import ConfigError
+from moebal.fileio import read_text
 from moebal.planner.partition import (
     diffuse,
     imbalance,
@@ -60,13 +61,11 @@ def _numbers(text: str, flag: str, key: str) -> list[float]:
     holds it: the last line of a .jsonl file)."""
     path = Path(text)
     if path.suffix in (".json", ".jsonl") or _is_file(path):
+        text_ = read_text(text, flag)
         try:
-            text_ = path.read_text()
             if path.suffix == ".jsonl":  # a run's plans.jsonl: the last plan's costs
                 text_ = [ln for ln in text_.splitlines() if ln.strip()][-1]
             data: Any = json.loads(text_)
-        except OSError as e:
-            raise ConfigError(f"{flag} {text}: cannot read it ({e.strerror or e})") from None
         except (json.JSONDecodeError, IndexError) as e:
             raise ConfigError(f"{flag} {text}: not valid JSON ({e})") from None
         if isinstance(data, dict):

@@ -52,6 +52,7 @@ import torch
 
 from moebal.config import Config, from_dict
 from moebal.errors import CheckpointError, ConfigError
+from moebal.fileio import read_json, sha256_of
 from moebal.interop.tensor_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -116,10 +117,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not f.is_file():
         raise CheckpointError(f"{p} has no config.json: a HF model directory holds config.json next to its "
                               f"*.safetensors (save it with save_pretrained, or copy the model's config.json there)")
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({' '.join(str(e).split())})") from None
+    data = read_json(f, "HF config", CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{f}: expected a JSON object")
     return data
@@ -1203,7 +1201,7 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
         raise ConfigError(f"unknown HF layout '{arch}'; choose one of {', '.join(_ARCH_CLASS)}")
     check_exportable(cfg, arch)
     if arch != "deepseek_v3":  # the one layout that stores the bias (e_score_correction_bias)
-        _check_selection_bias(source, cfg)
+        _check_selection_bias(source)
     config_json = hf_config_for(cfg, arch, dtype, base)
     entries = _out_tensors(source, hf_links(cfg, arch), dtype, _KEEP_FP32.get(arch))
     final = Path(path)
@@ -1234,7 +1232,7 @@ def write_hf(source: TensorSource, cfg: Config, path: str | Path, *, arch: str |
     return final
 
 
-def _check_selection_bias(source: TensorSource, cfg: Config) -> None:
+def _check_selection_bias(source: TensorSource) -> None:
     for name in (n for n in source.info() if n.endswith("expert_bias")):
         if source.read(name).abs().max().item() != 0:
             raise ConfigError(f"'{name}' is non-zero: the auxiliary-loss-free selection bias changes which experts "
@@ -1288,19 +1286,9 @@ def to_hf(model: MoebalForCausalLM, path: str | Path, *, arch: str | None = None
 # moebal weights directories
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(path: Path) -> None:
     """manifest.json: size and sha256 of every other file in `path`."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
              for p in sorted(path.iterdir()) if p.is_file() and p.name != MANIFEST}
     (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n", encoding="utf-8")
 
@@ -1319,7 +1307,7 @@ def verify_manifest(path: Path) -> None:
             raise CheckpointError(f"{f} is missing (listed in {m})")
         if f.stat().st_size != want["bytes"]:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, the manifest says {want['bytes']} (truncated?)")
-        if _sha256(f) != want["sha256"]:
+        if sha256_of(f) != want["sha256"]:
             raise CheckpointError(f"{f} is corrupt: its sha256 does not match {m}")
 
 

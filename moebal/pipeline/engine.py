@@ -17,7 +17,7 @@ One iteration on stage p (`PipelineEngine.run`; `evaluate` runs only the F ops, 
            the differentiable all-reduce, and the gradient sync sums the n copies), and send dL/dh_in to
            stage p - 1 (non-blocking);
      W(j): (zero-bubble schedule only) the weight gradients of the stage's Linear layers for micro-batch j,
-           which its B left for later (`wgrad.py`); local, no message;
+           which its B left for later (`zero_bubble.py` `WeightGradQueue`); local, no message;
   3. wait for every posted send (`chain.flush`).
 A gradient crosses the boundary in front of stage p only when something before it trains: with a frozen
 prefix of n layers, stages starting at layer <= n receive no gradient and their predecessors send none, on

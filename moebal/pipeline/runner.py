@@ -155,7 +155,7 @@ class PipelineRunner:
         self._build(cfg)
         self.records: list[dict[str, Any]] = []
         self.released_at: int | None = None
-        self._routing_sample: torch.Tensor | None = None  # `gather_routing`: rank 0's, until taken
+        self._routing_sample: torch.Tensor | None = None  # `_gather_routing`: rank 0's, until taken
         self._complexity: dict[int, torch.Tensor] = {}  # data.order complexity: per forward, [rows, stage MoE layers]
         self._row_tokens: list[int] = []
         self._row_index = self._last_index = torch.zeros(0, dtype=torch.int64)

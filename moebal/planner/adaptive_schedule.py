@@ -148,7 +148,7 @@ def memory_peaks(orders: Sequence[Sequence[Op]], act_PM: np.ndarray) -> tuple[fl
     return tuple(peaks)
 
 
-def cluster_orders(times_M: Sequence[float], clusters: int | None = None, seed: int = 0) -> list[list[int]]:
+def cluster_orders(times_M: Sequence[float], clusters: int | None = None) -> list[list[int]]:
     """Injection orders to try: micro-batches grouped by duration (1-D k-means, 3 groups when there are more
     than 20 micro-batches, else 4, as the reference), every permutation of the groups with members in their
     planner order, and the planner's order itself first. Deterministic."""
@@ -183,7 +183,6 @@ class ScheduleChoice:
 
     name: str
     order: tuple[int, ...]
-    orders: tuple[tuple[Op, ...], ...]
     timeline: Timeline
     candidates: tuple[tuple[str, float, bool], ...]
     """(schedule, best makespan over the orders tried, whether any order fit in memory)."""
@@ -201,8 +200,8 @@ def choose_schedule(fwd_PM: np.ndarray, bwd_PM: np.ndarray, act_PM: np.ndarray, 
     lim = np.inf if limit is None else float(limit)
     times = (fwd_PM + bwd_PM).max(axis=0)
     orders = cluster_orders(times, clusters)
-    best: tuple[float, str, list[int], list[list[Op]], Timeline] | None = None
-    fallback: tuple[float, str, list[int], list[list[Op]], Timeline] | None = None
+    best: tuple[float, str, list[int], Timeline] | None = None
+    fallback: tuple[float, str, list[int], Timeline] | None = None
     summary = []
     for name in schedules:
         best_here, fits_here = np.inf, False
@@ -213,14 +212,13 @@ def choose_schedule(fwd_PM: np.ndarray, bwd_PM: np.ndarray, act_PM: np.ndarray, 
             fits = max(tl.peak_P, default=0.0) <= lim * (1 + 1e-9)
             best_here = min(best_here, tl.makespan)
             fits_here |= fits
-            cand = (tl.makespan, name, order, ops, tl)
+            cand = (tl.makespan, name, order, tl)
             if fits and (best is None or tl.makespan < best[0]):
                 best = cand
-            if fallback is None or max(tl.peak_P) < max(fallback[4].peak_P):
+            if fallback is None or max(tl.peak_P) < max(fallback[3].peak_P):
                 fallback = cand
         summary.append((name, float(best_here), fits_here))
     chosen = best if best is not None else fallback  # nothing fits: the lowest peak (single micro-batches over)
     assert chosen is not None
-    _, name, order, ops, tl = chosen
-    return ScheduleChoice(name=name, order=tuple(order), orders=tuple(tuple(o) for o in ops), timeline=tl,
-                          candidates=tuple(summary))
+    _, name, order, tl = chosen
+    return ScheduleChoice(name=name, order=tuple(order), timeline=tl, candidates=tuple(summary))

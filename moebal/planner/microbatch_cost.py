@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from moebal.errors import ConfigError
-from moebal.fileio import write_text_whole
+from moebal.fileio import read_json, write_text_whole
 
 __all__ = ["MIN_GRID_LEN", "MicroBatchCost", "analytic_table", "default_grid", "load_cost", "stage_scale"]
 
@@ -219,12 +219,7 @@ class MicroBatchCost:
 
 
 def load_cost(path: str | Path) -> MicroBatchCost:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cost table {path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"cost table {path}: not valid JSON ({e})") from None
+    data = read_json(path, "cost table")
     if not isinstance(data, dict):
         raise ConfigError(f"cost table {path}: expected a JSON object")
     return MicroBatchCost.from_dict(data, where=f"cost table {path}")

@@ -48,7 +48,6 @@ class EngineResult:
     op_stream: np.ndarray
     op_start: np.ndarray
     op_end: np.ndarray
-    op_ready: np.ndarray
     op_is_comm: np.ndarray
     op_name: list[str]
     op_cat: list[str]
@@ -201,7 +200,6 @@ class _Run:
         self.ndeps = list(g.ndeps)
         self.start = [np.nan] * n_ops
         self.end = [np.nan] * n_ops
-        self.ready_t = [np.nan] * n_ops
         self.dep_t = [0.0] * n_ops
         self.arrived = [0] * n_coll
         self.c_start = [0.0] * n_coll
@@ -256,7 +254,7 @@ class _Run:
         if np.isnan(end).any():
             self.deadlock(end)
         return EngineResult(op_rank=np.asarray(g.rank), op_stream=np.asarray(g.stream), op_start=np.asarray(self.start),
-                            op_end=end, op_ready=np.asarray(self.ready_t), op_is_comm=np.asarray(g.coll) >= 0,
+                            op_end=end, op_is_comm=np.asarray(g.coll) >= 0,
                             op_name=g.name, op_cat=g.cat, streams=list(g.streams),
                             link_bytes=np.asarray(self.link_bytes, dtype=np.float64),
                             num_ranks=g.topo.num_ranks)
@@ -273,7 +271,6 @@ class _Run:
     # ---- ops ----
     def ready(self, op: int, t: float) -> None:
         g = self.g
-        self.ready_t[op] = t
         c = g.coll[op]
         if c < 0:
             self.start[op] = t
@@ -338,7 +335,7 @@ class _Run:
                 at[d] = t
             if ndeps[d] == 0:  # ready at its latest dependency's end (eager ends come out of time order)
                 if self.eager and coll[d] < 0:  # `ready` of an eager compute op, inline (most ops are these)
-                    td = self.ready_t[d] = self.start[d] = at[d]
+                    td = self.start[d] = at[d]
                     self.work.append((d, td + g.dur[d]))
                 else:
                     self.ready(d, at[d])

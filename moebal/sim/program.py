@@ -296,7 +296,7 @@ class _Builder:
         for s in range(self.lay.pp):
             for l_ in range(self.first_layer[s], self.first_layer[s + 1]):
                 if self.shape.is_moe(int(l_)):
-                    self._prepare_moe(s, int(l_))
+                    self._prepare_moe(int(l_))
             self._emit_stage(s)
         self._wire_pipeline()
         tied = self.shape.tie_embeddings and self.lay.pp > 1
@@ -308,7 +308,7 @@ class _Builder:
             self._tie_weights()
         return self.eng
 
-    def _prepare_moe(self, s: int, layer: int) -> None:
+    def _prepare_moe(self, layer: int) -> None:
         lay = self.lay
         if self.counts is None:
             raise ConfigError(f"layer {layer} is an MoE layer but no routing counts were given")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moebal.errors import DataError
-from moebal.fileio import complete_lines
+from moebal.fileio import complete_lines, read_text
 
 __all__ = ["LoggedRouting", "SyntheticRouting", "mean_imbalance", "read_routing_log", "write_routing_log",
            "zipf_exponent_for"]
@@ -129,10 +129,7 @@ def write_routing_log(path: str | Path, steps: list[np.ndarray], first_step: int
 def read_routing_log(path: str | Path) -> list[np.ndarray]:
     """The [L, R, E] count arrays of a routing log (or of plans.jsonl lines that carry `counts`/`routing`)."""
     p = Path(path)
-    try:
-        lines = complete_lines(p.read_text(encoding="utf-8"))  # a live run's log: its whole lines
-    except OSError as e:
-        raise DataError(f"routing log {p}: cannot read it ({e})") from None
+    lines = complete_lines(read_text(p, "routing log", DataError))  # a live run's log: its whole lines
     out: list[np.ndarray] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -55,7 +55,6 @@ one expert's row of a stacked tensor, without assembling the model (see docs/che
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -74,6 +73,7 @@ import torch
 from torch import nn
 
 from moebal.errors import CheckpointError
+from moebal.fileio import sha256_of
 from moebal.interop.tensor_io import TensorInfo
 
 if TYPE_CHECKING:
@@ -315,16 +315,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_record(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -828,7 +820,7 @@ def _verify_file(path: Path, name: str, record: dict[str, Any] | None) -> None:
     size = f.stat().st_size
     if size != record["bytes"]:
         raise CheckpointError(f"{f} has {size} bytes, the manifest says {record['bytes']} (truncated?)")
-    if _sha256(f) != record["sha256"]:
+    if sha256_of(f) != record["sha256"]:
         raise CheckpointError(f"{f} is corrupt: its sha256 does not match the manifest")
 
 

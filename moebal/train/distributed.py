@@ -274,15 +274,12 @@ class DataParallelHook(Hook):
         return sum_stats(stats, self.dims.group("dp_ep"))
 
 
-def sum_stats(stats: list[RoutingStats], group: Any, sched: CommScheduler | None = None) -> list[RoutingStats]:
+def sum_stats(stats: list[RoutingStats], group: Any) -> list[RoutingStats]:
     """Routing statistics summed over the ranks of `group` with one all-reduce of every layer's packed
     statistics (copies; the inputs stay local)."""
     if not stats:
         return []
     packed_LX = torch.stack([s.packed() for s in stats])
-    if sched is not None:
-        sched.all_reduce(packed_LX, group, name="routing stats")
-    else:
-        dist.all_reduce(packed_LX, group=group)
+    dist.all_reduce(packed_LX, group=group)
     E = stats[0].counts_E.numel()
     return [RoutingStats.unpack(packed_LX[i], E) for i in range(len(stats))]

@@ -75,7 +75,7 @@ class Lines:
     def draw(self, w: float, h: float) -> list[str]:
         pts = [(x, y) for xs, ys, *_ in self.series for x, y in zip(xs, ys) if math.isfinite(y)]
         if not pts:
-            return _frame(w, h, self.title) + [_text(w / 2, h / 2, "no data", anchor="middle")]
+            return _frame(w, self.title) + [_text(w / 2, h / 2, "no data", anchor="middle")]
         x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
         ys = [p[1] for p in pts] + [y for y, _, _ in self.hlines]
         y0, y1 = min(ys), max(ys)
@@ -84,7 +84,7 @@ class Lines:
         pad = 0.05 * (y1 - y0) if y1 > y0 else max(abs(y0) * 0.05, 0.5)
         y0, y1 = y0 - pad, y1 + pad
         ax = _Axes(w, h, x0, x1, y0, y1)
-        out = _frame(w, h, self.title) + ax.grid(self.xlabel, self.ylabel)
+        out = _frame(w, self.title) + ax.grid(self.xlabel, self.ylabel)
         for y, colour, _ in self.hlines:
             out.append(f'<line x1="{ax.px(x0):.1f}" y1="{ax.py(y):.1f}" x2="{ax.px(x1):.1f}" y2="{ax.py(y):.1f}" '
                        f'stroke="{_colour(colour)}" stroke-width="1" stroke-dasharray="5,3"/>')
@@ -114,12 +114,12 @@ class HeatMap:
 
     def draw(self, w: float, h: float) -> list[str]:
         if not self.values or not self.values[0]:
-            return _frame(w, h, self.title) + [_text(w / 2, h / 2, "no data", anchor="middle")]
+            return _frame(w, self.title) + [_text(w / 2, h / 2, "no data", anchor="middle")]
         n, rows = len(self.values), len(self.values[0])
         x0, x1 = float(self.steps[0]) - 0.5, float(self.steps[-1]) + 0.5
         ax = _Axes(w - 40, h, x0, x1, rows - 0.5, -0.5)
         vmax = self.vmax or max(max(r) for r in self.values) or 1.0
-        out = _frame(w, h, self.title)
+        out = _frame(w, self.title)
         cw = (ax.px(x1) - ax.px(x0)) / n
         ch = (ax.py(rows - 0.5) - ax.py(-0.5)) / rows
         for i, row in enumerate(self.values):
@@ -152,7 +152,7 @@ class Bars:
         x1 = self.xmax or max((b[2] for b in self.bars), default=1.0)
         n = max(len(self.lanes), 1)
         ax = _Axes(w, h, 0.0, x1 if x1 > 0 else 1.0, n - 0.5, -0.5)
-        out = _frame(w, h, self.title) + ax.grid(self.xlabel, "", yticks=[], lines=False)
+        out = _frame(w, self.title) + ax.grid(self.xlabel, "", yticks=[], lines=False)
         lane_h = (ax.py(n - 0.5) - ax.py(-0.5)) / n
         for j, name in enumerate(self.lanes):
             out.append(_text(_PAD_L - 4, ax.py(j) + 3, name, anchor="end", size=9))
@@ -251,7 +251,7 @@ class _Axes:
         return out
 
 
-def _frame(w: float, h: float, title: str) -> list[str]:
+def _frame(w: float, title: str) -> list[str]:
     return [_text(w / 2, 15, title, anchor="middle", size=11)] if title else []
 
 

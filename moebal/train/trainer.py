@@ -426,12 +426,12 @@ class Trainer:
         self.ctx.gather(None)
         sp = self.cfg.train.spike
         if sp.action == "stop":
-            return self._stop(record, kind, why, "")
+            return self._stop(kind, why, "")
         if len(self.rollbacks) >= sp.max_rollbacks:
-            return self._stop(record, kind, why, f"the run has made its train.spike.max_rollbacks "
-                                                 f"({sp.max_rollbacks}) rollbacks")
+            return self._stop(kind, why, f"the run has made its train.spike.max_rollbacks ({sp.max_rollbacks}) "
+                                         f"rollbacks")
         if len(self.strategy.writing_ranks()) < self.ctx.dims.world_size:
-            return self._stop(record, kind, why, "a re-pack released ranks, which a rollback cannot bring back")
+            return self._stop(kind, why, "a re-pack released ranks, which a rollback cannot bring back")
         # the newest checkpoint at least `back` steps old (else the oldest kept) that every rank sees (an async
         # save's last rename may still be on its way)
         kept = [step_of(p) for p in find_checkpoints(self.run_dir)]
@@ -439,7 +439,7 @@ class Trainer:
         mine = max(old_enough) if old_enough else min(kept, default=-1)
         resume_step = min(self.ctx.gather(mine))
         if resume_step < 0:
-            return self._stop(record, kind, why, "there is no checkpoint to roll back to")
+            return self._stop(kind, why, "there is no checkpoint to roll back to")
         return self._rollback(record, why, resume_step)
 
     def _rollback(self, record: dict[str, Any], why: str, resume_step: int) -> Rollback:
@@ -466,7 +466,7 @@ class Trainer:
         return Rollback(f"step {self.step}: {why}: rolled back to {path} (rollback {len(self.rollbacks) + 1} of at "
                         f"most {sp.max_rollbacks}), skipping {batches}{moved}", entry, path)
 
-    def _stop(self, record: dict[str, Any], kind: str, why: str, no_rollback: str) -> TrainingError:
+    def _stop(self, kind: str, why: str, no_rollback: str) -> TrainingError:
         """The error of a bad step that ends the run (`no_rollback`: why a rollback was not made); the message
         names the newest checkpoint and what to change."""
         found = find_checkpoints(self.run_dir)

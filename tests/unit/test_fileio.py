@@ -1,14 +1,16 @@
-"""moebal/fileio.py: whole-file writes, the paths a command may replace, and a live log's whole lines."""
+"""moebal/fileio.py: whole-file writes, the paths a command may replace, a live log's whole lines, and reading a
+user's text or JSON file with a one-line error."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from moebal.errors import ConfigError
-from moebal.fileio import complete_lines, refuse_replacing, write_text_whole
+from moebal.errors import ConfigError, DataError
+from moebal.fileio import complete_lines, read_json, read_text, refuse_replacing, sha256_of, write_text_whole
 
 
 def test_a_directory_is_not_replaced_when_it_is_or_holds_what_must_be_kept(tmp_path: Path) -> None:
@@ -67,3 +69,58 @@ def test_a_calibrated_profile_is_written_whole(tmp_path: Path, monkeypatch) -> N
     with pytest.raises(OSError, match="killed"):
         dump_profile(load_profile("h100"), path)
     assert path.read_text() == before
+
+
+BINARY = b"\x89PNG\r\n\x1a\n\x00\xff\xfe"  # a file given by mistake: not UTF-8 text
+
+
+def test_a_missing_binary_or_broken_json_file_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "bin.json").write_bytes(BINARY)
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}', encoding="utf-8")
+    assert read_json(tmp_path / "ok.json", "--x") == {"a": [1, 2]}
+    for name, said in (("none.json", "cannot read it (No such file"), ("bin.json", "cannot read it (not UTF-8 text"),
+                       ("bad.json", "not valid JSON (")):
+        with pytest.raises(ConfigError, match=r"^--x \S+" + name.replace(".", r"\.") + ": " + re.escape(said)):
+            read_json(tmp_path / name, "--x")
+    with pytest.raises(DataError, match="log .*bin.json: cannot read it"):
+        read_text(tmp_path / "bin.json", "log", DataError)
+
+
+def test_sha256_of_a_file() -> None:
+    import hashlib
+    import tempfile
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(b"x" * ((1 << 22) + 5))  # more than one chunk
+        f.flush()
+        assert sha256_of(f.name) == hashlib.sha256(b"x" * ((1 << 22) + 5)).hexdigest()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["plan", "experts", "--counts", "{bin}.json"], "--counts"),
+    (["plan", "experts", "--counts", "{bin}.jsonl"], "--counts"),
+    (["plan", "experts", "--counts", "{counts}", "--costs", "{bin}.json"], "--costs"),
+    (["plan", "microbatches", "--lengths", "{bin}.json", "--stages", "2"], "--lengths"),
+    (["plan", "microbatches", "--lengths", "{lengths}", "--stages", "2", "--cost", "{bin}.json"], "cost table"),
+    (["plan", "stages", "--costs", "{bin}.json", "--stages", "2"], "--costs"),
+    (["simulate", "--routing", "{bin}.jsonl"], "routing log"),
+    (["calibrate", "--quick", "--out", "{tmp}/p.yaml", "--from-records", "{bin}.json"], "--from-records"),
+    (["convert", "hf-to-moebal", "{bin}", "{tmp}/mb"], "HF config"),  # {bin}/config.json
+])
+def test_a_binary_input_file_is_a_one_line_error_at_every_cli_site(tmp_path: Path, capsys, argv: list[str],
+                                                                    flag: str) -> None:
+    from moebal.cli import main
+
+    for suffix in (".json", ".jsonl"):
+        (tmp_path / f"bin{suffix}").write_bytes(BINARY)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_bytes(BINARY)
+    (tmp_path / "counts.json").write_text("[[3, 1], [2, 2]]", encoding="utf-8")
+    (tmp_path / "lengths.json").write_text("[100, 200, 300, 400]", encoding="utf-8")
+    paths = {"bin": tmp_path / "bin", "counts": tmp_path / "counts.json", "lengths": tmp_path / "lengths.json",
+             "tmp": tmp_path}
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f": error: {flag} {tmp_path / 'bin'}" in err and "cannot read it (not UTF-8 text" in err, err
