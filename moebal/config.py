@@ -894,7 +894,7 @@ class _NumberLoader(yaml.SafeLoader):
     checks explain."""
 
     def construct_yaml_int(self, node: yaml.Node) -> int:
-        text = str(self.construct_scalar(node)).replace("_", "")  # type: ignore[arg-type]
+        text = str(self.construct_scalar(node)).replace("_", "")
         sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
         base = {"0x": 16, "0o": 8, "0b": 2}.get(digits[:2].lower(), 10)
         return sign * int(digits[2:] if base != 10 else digits, base)

@@ -366,7 +366,9 @@ def _backtrack(arg: np.ndarray, N: int) -> list[tuple[int, int]]:
 
 def dp_split(L_desc: np.ndarray, cost: MicroBatchCost, stages: int, *, dp: int = 1, memory: float | None = None,
              thin: float = 0.01, pad_multiple: int = 8) -> SplitResult:
-    """The best contiguous split of descending lengths under Eq1 (exact when thin == 0)."""
+    """The best contiguous split of descending lengths under Eq1: exact when thin == 0 and the best split has at
+    least `dp` micro-batches; one with fewer (each replica needs one) is repaired by halving, not re-searched
+    (docs/microbatching.md)."""
     if stages < 1 or dp < 1:
         raise ConfigError(f"stages ({stages}) and data-parallel size ({dp}) must be at least 1")
     if thin < 0:

@@ -85,8 +85,10 @@ def partition_by_time(costs: Floats, num_stages: int, memory: Floats | None = No
     pinned embedding/head bytes. The min-max partition is rarely unique (any layer off the slowest stage can
     often sit on either side of a boundary). With `current` (the partition in use), the optimal partition that
     moves the fewest layers from it is returned, so a tie never proposes a migration that buys nothing;
-    remaining ties, and every tie without `current`, go to the earliest boundaries, so every rank computes
-    the same answer from the same inputs.
+    remaining ties, and every tie without `current`, go to one fixed choice (the backtrack takes, from the last
+    stage back, the earliest boundary whose prefix is optimal for its own sub-problem: not always the partition
+    with the earliest boundaries, e.g. [2, 1, 1] for costs [1, 1, 2, 5] on 3 stages where [1, 2, 1] ties), so
+    every rank computes the same answer from the same inputs.
 
     Dynamic programming over (stage, prefix) (`_contiguous_min`), exact: no epsilon of the bisection-plus-probe
     scheme, which DynPipe's extraction found can also leave a stage empty.
@@ -143,7 +145,8 @@ def _contiguous_min(P: int, L: int, value: Callable[[int], np.ndarray],
     """Dynamic programming over (stage, prefix): the least `fold` of stage values over partitions of layers
     [0, L) into P non-empty contiguous stages. `value(p)[i, k]` is stage p over layers [k, i) (inf: not a
     stage); `start` is the fold's identity. Returns (the optimum, the argmin starts for `_backtrack`); among
-    equal optima the earliest boundaries (argmin takes the first minimum). O(P * L^2) arithmetic, one numpy
+    equal optima, per prefix, the earliest start (argmin takes the first minimum), which fixes the choice but is
+    not the earliest boundaries overall (`partition_by_time`). O(P * L^2) arithmetic, one numpy
     [L + 1, L + 1] table per stage."""
     best = np.full((P + 1, L + 1), np.inf)
     best[0, 0] = start
