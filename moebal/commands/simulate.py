@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "popularity (0 = uniform)")
     p.add_argument("--drift", type=float, default=0.05, help="synthetic routing: locality drift per step")
     p.add_argument("--seed", type=int, default=0, help="synthetic routing seed")
-    p.add_argument("--step", type=int, default=1, help="which step to simulate (placements plan on step - 1)")
+    p.add_argument("--step", type=int, default=None, help="which step to simulate (placements plan on the step "
+                   "before; default 1, with a routing log its second logged step; a log's steps are the ones it "
+                   "names)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--trace-ranks", type=int, default=64, help="ranks in the trace (the first N; 0 = all)")
@@ -203,16 +205,16 @@ def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarra
         return None, None
     lay = spec.layout
     tokens = spec.micro_batches * spec.micro_batch_size * spec.seq_len
-    if args.step < 1:
+    if args.step is not None and args.step < 1 and args.routing == "synthetic":
         raise ConfigError(f"--step must be >= 1 (placements plan on the previous step); got {args.step}")
     if args.routing == "synthetic":
+        step = 1 if args.step is None else args.step
         if not (math.isfinite(args.zipf) and math.isfinite(args.drift) and args.zipf >= 0 and args.drift >= 0):
             raise ConfigError(f"--zipf (the popularity skew, 0 uniform) and --drift (the popularity logits' "
                               f"random-walk step) must be >= 0; got {args.zipf}, {args.drift}")
         src = SyntheticRouting(num_layers=shape.n_layers, num_experts=shape.num_experts, top_k=shape.top_k,
                                zipf_s=args.zipf, drift=args.drift, seed=args.seed)
-        return src.counts(args.step, lay.groups, lay.ep, tokens), src.counts(args.step - 1, lay.groups, lay.ep,
-                                                                            tokens)
+        return src.counts(step, lay.groups, lay.ep, tokens), src.counts(step - 1, lay.groups, lay.ep, tokens)
     log = LoggedRouting.from_file(args.routing)
     if log.num_experts != shape.num_experts:
         raise ConfigError(f"routing log {args.routing} has {log.num_experts} experts but the model has "
@@ -225,7 +227,10 @@ def _routing(args: argparse.Namespace, shape: Any, spec: Any) -> tuple[np.ndarra
         out[moe_layers] = c
         return out
 
-    return full(args.step), full(args.step - 1)
+    step = log.first_replayable() if args.step is None else args.step
+    if log.step_ids is None and step < 1:
+        raise ConfigError(f"--step must be >= 1 (placements plan on the previous step); got {step}")
+    return full(step), full(log.previous(step))
 
 
 def _print(out: dict[str, Any]) -> None:

@@ -9,9 +9,10 @@ Routing log format (`routing.jsonl`, one JSON object per line, one line per trai
 
 `counts[l][r][e]` is the number of token-expert assignments that rank r routed to expert e in the l-th MoE
 layer during that step (all micro-batches). Extra keys are ignored, so a run's `plans.jsonl` whose lines carry
-a `counts` (or `routing`) field replays too. Replaying into a simulated job of another size keeps each
-layer's per-source expert shares: logged rows are cycled over the simulated ranks and rescaled to the
-simulated tokens per rank; logged layers are cycled over the model's MoE layers.
+a `counts` (or `routing`) field replays too; a step is the line that names it (`LoggedRouting`). Replaying into
+a simulated job of another size keeps each layer's per-source expert shares: logged rows are cycled over the
+simulated ranks and rescaled to the simulated tokens per rank; logged layers are cycled over the model's MoE
+layers.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from moebal.errors import DataError
+from moebal.errors import ConfigError, DataError
 from moebal.fileio import complete_lines, read_text
 
 __all__ = ["LoggedRouting", "SyntheticRouting", "mean_imbalance", "read_routing_log", "write_routing_log",
@@ -128,9 +130,14 @@ def write_routing_log(path: str | Path, steps: list[np.ndarray], first_step: int
 
 def read_routing_log(path: str | Path) -> list[np.ndarray]:
     """The [L, R, E] count arrays of a routing log (or of plans.jsonl lines that carry `counts`/`routing`)."""
+    return [arr for _, arr in _read_routing(path)]
+
+
+def _read_routing(path: str | Path) -> list[tuple[Any, np.ndarray]]:
+    """(the line's `step` value or None, its counts) per line with counts."""
     p = Path(path)
     lines = complete_lines(read_text(p, "routing log", DataError))  # a live run's log: its whole lines
-    out: list[np.ndarray] = []
+    out: list[tuple[Any, np.ndarray]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -145,9 +152,9 @@ def read_routing_log(path: str | Path) -> list[np.ndarray]:
         arr = np.asarray(counts, dtype=np.float64) if _rectangular(counts) else None
         if arr is None or arr.ndim != 3 or (arr < 0).any() or not np.isfinite(arr).all():
             raise DataError(f"{p}:{n}: 'counts' must be a non-negative layers x ranks x experts array of numbers")
-        if out and arr.shape != out[0].shape:
-            raise DataError(f"{p}:{n}: counts shape {arr.shape} differs from the first line's {out[0].shape}")
-        out.append(arr)
+        if out and arr.shape != out[0][1].shape:
+            raise DataError(f"{p}:{n}: counts shape {arr.shape} differs from the first line's {out[0][1].shape}")
+        out.append((rec.get("step"), arr))
     if not out:
         raise DataError(f"routing log {p} has no line with a 'counts' field; see moebal/sim/routing.py for the format")
     return out
@@ -163,21 +170,53 @@ def _rectangular(x: object) -> bool:
 
 @dataclass(frozen=True)
 class LoggedRouting:
-    """Replays logged steps (cycling) into a simulated layout (see the module docstring)."""
+    """Replays logged steps into a simulated layout (see the module docstring). With `step_ids` (every line
+    named its distinct integer `step`, as a run's logs do) a step is the line that logged it, and the step before
+    it is the line before (a run logs every `train.log_every` steps); without, a step is a line index, cycling."""
 
     steps: tuple[np.ndarray, ...]
+    step_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> LoggedRouting:
-        return cls(tuple(read_routing_log(path)))
+        lines = _read_routing(path)
+        ids = [s for s, _ in lines]
+        named = all(isinstance(s, int) and not isinstance(s, bool) for s in ids) and len(set(ids)) == len(ids)
+        return cls(tuple(arr for _, arr in lines), tuple(ids) if named else None)
 
     @property
     def num_experts(self) -> int:
         return int(self.steps[0].shape[2])
 
+    def first_replayable(self) -> int:
+        """The first step with a step before it to plan on (the default `moebal simulate --step`)."""
+        return 1 if self.step_ids is None or len(self.step_ids) < 2 else self.step_ids[1]
+
+    def previous(self, step: int) -> int:
+        """The step placements plan on: the logged step before `step` (or `step - 1` without step ids)."""
+        if self.step_ids is None:
+            return step - 1
+        i = self._index(step)
+        if i == 0:
+            raise ConfigError(f"step {step} is the routing log's first: placements plan on the step before it; "
+                              f"choose a later one ({self._span()})")
+        return self.step_ids[i - 1]
+
+    def _index(self, step: int) -> int:
+        if self.step_ids is None:
+            return step % len(self.steps)
+        if step not in self.step_ids:
+            raise ConfigError(f"step {step} is not in the routing log ({self._span()})")
+        return self.step_ids.index(step)
+
+    def _span(self) -> str:
+        ids = self.step_ids or ()
+        shown = ", ".join(map(str, ids[:6])) + (f", ..., {ids[-1]}" if len(ids) > 6 else "")
+        return f"its {len(ids)} logged steps: {shown}"
+
     def counts(self, step: int, num_layers: int, groups: int, ranks: int, tokens_per_rank: int,
                top_k: int) -> np.ndarray:
-        c_LRE = self.steps[step % len(self.steps)]
+        c_LRE = self.steps[self._index(step)]
         Lg, Rg, _ = c_LRE.shape
         layers = c_LRE[np.arange(num_layers) % Lg]
         rows = layers[:, np.arange(groups * ranks) % Rg]  # [L, G*R, E], logged sources cycled

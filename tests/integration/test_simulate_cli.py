@@ -62,6 +62,22 @@ def test_replayed_routing_log(capsys, tmp_path) -> None:
     assert out["iteration_time_s"] > 0
 
 
+def test_a_logged_step_replays_the_step_that_logged_it(capsys, tmp_path) -> None:
+    # steps 10, 11, 12 of a log where only 11 is skewed: --step 11 replays 11 (it once replayed line 11 mod 3,
+    # step 12), and the default is the log's second step, the first with a step before it
+    uniform, skewed = np.full((4, 8, 8), 100.0), np.full((4, 8, 8), 100.0)
+    skewed[..., 0] = 700.0
+    log = tmp_path / "plans.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "counts": c.tolist()}) + "\n"
+                           for s, c in ((10, uniform), (11, skewed), (12, uniform))))
+    argv = ["simulate", "--cluster", "a100", "--ranks", "8", "--ep", "8", "--routing", str(log), "--json"]
+    times = {k: _json(capsys, [*argv, *k])["iteration_time_s"] for k in ((), ("--step", "11"), ("--step", "12"))}
+    assert times[()] == times[("--step", "11")] > times[("--step", "12")]
+    for step, said in (("10", "step 10 is the routing log's first"), ("13", "step 13 is not in the routing log")):
+        assert main([*argv, "--step", step]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_human_output(capsys) -> None:
     assert main(["simulate", "--cluster", "rtx3090", "--ranks", "4", "--ep", "4"]) == 0
     text = capsys.readouterr().out

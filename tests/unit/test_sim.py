@@ -233,6 +233,28 @@ def test_routing_log_round_trip_and_rescaling(tmp_path) -> None:
     assert np.allclose(c[0, 0, 0] / 20, row) and np.allclose(c[2], c[0])  # layers cycle
 
 
+def test_a_logs_steps_are_the_steps_it_names(tmp_path) -> None:
+    # a run logs every train.log_every steps: step 20 is the line that says 20, and the step before it the line
+    # before (K once picked line K mod n, so --step 20 of a log of steps 10, 20, 30 replayed step 30)
+    steps = [np.full((1, 2, 4), float(i + 1)) for i in range(3)]
+    path = tmp_path / "plans.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, c in enumerate(steps):
+            f.write(json.dumps({"step": 10 * (i + 1), "counts": (c * [[[1, 2, 3, 4]]]).tolist()}) + "\n")
+    log = LoggedRouting.from_file(path)
+    assert log.step_ids == (10, 20, 30) and log.first_replayable() == 20 and log.previous(30) == 20
+    assert np.array_equal(log.counts(20, 1, 1, 2, 100, 2), log.counts(20, 1, 1, 2, 100, 2))
+    with pytest.raises(ConfigError, match=r"step 25 is not in the routing log \(its 3 logged steps: 10, 20, 30\)"):
+        log.counts(25, 1, 1, 2, 100, 2)
+    with pytest.raises(ConfigError, match="step 10 is the routing log's first"):
+        log.previous(10)
+    write_routing_log(path, steps)  # steps 0, 1, 2
+    assert LoggedRouting.from_file(path).previous(2) == 1
+    path.write_text("".join(json.dumps({"counts": c.tolist()}) + "\n" for c in steps))  # no steps: line indices
+    unnamed = LoggedRouting.from_file(path)
+    assert unnamed.step_ids is None and unnamed.previous(4) == 3 and unnamed.first_replayable() == 1
+
+
 def test_bad_routing_logs_are_clear(tmp_path) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_text('{"step": 0, "counts": [[1, 2], [3]]}\n')
