@@ -1582,6 +1582,17 @@ def with_overrides(c: Config, overrides: typing.Sequence[str]) -> Config:
     return from_dict(data, source="<overrides>")
 
 
+def refuse_flag_and_override(args: Any, overrides: typing.Sequence[str],
+                             pairs: typing.Sequence[tuple[str, str]]) -> None:
+    """A command's flag and an override of the key it sets, both given, would leave one silently ignored: refuse
+    them. `pairs` are (the argparse attribute, the config key); a flag left at None is not given."""
+    given = {item.partition("=")[0].strip(): item for item in overrides}
+    for flag, key in pairs:
+        if getattr(args, flag, None) is not None and key in given:
+            raise ConfigError(f"--{flag.replace('_', '-')} and the override {given[key]} both set {key}: give one "
+                              f"of them")
+
+
 def absolute_inputs(c: Config) -> Config:
     """`c` with the input paths that exist relative to the working directory made absolute: data.source,
     data.tokenizer, data.mixture's sources, hf.init_from and planner.path_profile. `moebal train` applies it

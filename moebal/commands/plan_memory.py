@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from moebal.config import refuse_flag_and_override
 from moebal.errors import ConfigError
 from moebal.planner.memory import (
     RECOMPUTES,
@@ -93,6 +94,10 @@ def run_memory(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {v}")
     if not (math.isfinite(args.skew) and args.skew >= 1.0):  # a skew below 1 shrank the activations to "fits"
         raise ConfigError(f"--skew is the busiest rank's routed rows / the mean, so at least 1; got {args.skew}")
+    refuse_flag_and_override(args, args.overrides, (
+        ("pp", "parallel.pp"), ("ep", "parallel.ep"), ("shard", "parallel.shard"), ("recompute", "train.recompute"),
+        ("schedule", "pipeline.schedule"), ("policy", "planner.policy"), ("precision", "train.precision"),
+        ("ranks", "parallel.nproc")))
     cfg = load(args.config, list(args.overrides))
     # the default holds the layout's own stages and expert-parallel group (a preset of ep 8 on one rank is no job)
     least = (args.pp or cfg.parallel.pp) * (args.ep or cfg.parallel.ep or 1)

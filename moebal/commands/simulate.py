@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from moebal.config import refuse_flag_and_override
 from moebal.errors import ConfigError
 from moebal.fileio import output_path
 
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `moebal simulate moe.top_k=1`: an override, not a file
         config, overrides = None, [config, *overrides]
+    refuse_flag_and_override(args, overrides, (("pp", "parallel.pp"), ("ep", "parallel.ep"),
+                                               ("seq_len", "data.seq_len"), ("dtype", "train.precision")))
     cfg = load(config, overrides)
     shape = ModelShape.from_config(cfg)
     # a modelled cluster's GPUs compute bf16 natively: that is what precision auto means there

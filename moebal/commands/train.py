@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moebal.config import Config, TrainConfig, absolute_inputs, refuse_cpu_only
+from moebal.config import Config, TrainConfig, absolute_inputs, refuse_cpu_only, refuse_flag_and_override
 from moebal.distributed.groups import check_env_world, pick_device
 from moebal.errors import ConfigError
 from moebal.fileio import write_text_whole
@@ -76,13 +76,10 @@ def _refuse_conflicts(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.resume and args.resume_from:
         raise ConfigError("--resume (the newest checkpoint of --out) and --resume-from CKPT (a chosen one) "
                           "conflict: give one of them")
-    given = {item.partition("=")[0].strip(): item for item in overrides}
-    for flag, key in (("steps", "train.steps"), ("seed", "train.seed"), ("nproc", "parallel.nproc"),
-                      ("ep", "parallel.ep"), ("pp", "parallel.pp"), ("policy", "planner.policy"),
-                      ("rebalance", "pipeline.rebalance"), ("dynamism", "dynamism.scheme"),
-                      ("microbatching", "pipeline.microbatching")):
-        if getattr(args, flag, None) is not None and key in given:
-            raise ConfigError(f"--{flag} and the override {given[key]} both set {key}: give one of them")
+    refuse_flag_and_override(args, overrides, (
+        ("steps", "train.steps"), ("seed", "train.seed"), ("nproc", "parallel.nproc"), ("ep", "parallel.ep"),
+        ("pp", "parallel.pp"), ("policy", "planner.policy"), ("rebalance", "pipeline.rebalance"),
+        ("dynamism", "dynamism.scheme"), ("microbatching", "pipeline.microbatching")))
 
 
 def resolve_config(args: argparse.Namespace) -> tuple[Config, Path]:

@@ -99,6 +99,7 @@ def test_human_output(capsys) -> None:
     (["--drift", "inf"], "must be >= 0; got 1.0, inf"),
     (["--ranks", "1", "--pp", "2"], "1 ranks cannot form 2 pipeline stages"),  # once a ZeroDivisionError
     (["--ranks", "3", "--pp", "4"], "3 ranks cannot form 4 pipeline stages"),
+    (["--ep", "2", "parallel.ep=4"], "--ep and the override parallel.ep=4 both set parallel.ep: give one of them"),
     (["--trace", "/proc/no/such/t.json"], "--trace /proc/no/such/t.json: cannot make its folder"),
     (["--trace-ranks", "-1"], "--trace-ranks must be >= 0 (0: every rank); got -1"),
 ])

@@ -130,7 +130,8 @@ def test_a_full_disk_is_one_line_and_the_leftover_does_not_block_the_resume(tmp_
 
 def test_an_unwritable_run_directory_and_an_impossible_size_are_one_line(tmp_path):
     for args, expect in [(["--out", "/proc/nope/run"], "cannot create the run directory /proc/nope/run: "),
-                         (["model.dim=1e24", "--out", str(tmp_path / "big")], "parameters (model.dim=")]:
+                         (["model.dim=1e12", "--out", str(tmp_path / "big")], "parameters (model.dim="),
+                         (["model.dim=1e24", "--out", str(tmp_path / "big")], "beyond any run (at most 2**62)")]:
         r = moebal(*args, "train.steps=1")
         assert r.returncode == 2 and expect in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -355,6 +355,16 @@ def test_a_routing_skew_below_one_is_refused(capsys, skew):
     assert "--skew is the busiest rank's routed rows / the mean, so at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, key", [(["--pp", "2", "parallel.pp=1"], "parallel.pp"),
+                                       (["--shard", "none", "parallel.shard=full"], "parallel.shard"),
+                                       (["--ranks", "16", "parallel.nproc=8"], "parallel.nproc")])
+def test_a_flag_and_an_override_of_its_key_are_refused(capsys, argv, key):
+    # the flag silently won (`moebal train` refused the same conflict)
+    assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "h100", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"both set {key}: give one of them" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_impossible_job_is_refused_in_one_line(capsys):
     assert main(["plan", "memory", "mixtral-8x7b", "--cluster", "a100", "--ranks", "1", "--pp", "1", "--ep", "1"]) == 1
     out = capsys.readouterr().out.strip().splitlines()
