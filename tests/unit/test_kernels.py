@@ -29,7 +29,9 @@ from moebal.kernels.expert_ffn import (
     grouped_mm_supports,
     padded_layout,
 )
+from moebal.models import moe as moe_mod
 from moebal.models.moe import SwiGLUExperts
+from moebal.routing import GateSpec, route
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (tests/conftest.py)
 
@@ -45,6 +47,50 @@ def test_plan_by_hand() -> None:
     plan = make_plan(idx_TK, active_TK, 4)
     assert plan.counts_E.tolist() == [1, 2, 1, 0]
     assert plan.token_N.tolist() == [1, 1, 2, 0]
+
+
+@pytest.mark.parametrize("how", ["by hand", "capacity", "adaptive"])
+def test_an_untrimmed_plan_marks_exactly_the_active_assignments_valid(how: str) -> None:
+    """`trim=False` keeps every row and marks as valid the first n, n the number of active assignments: one row
+    more would let a kernel's unwritten tail row (anything, NaN included) into the output."""
+    if how == "by hand":
+        idx_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
+        active_TK = torch.tensor([[True, False], [True, True], [False, True]])
+        E = 4
+    else:
+        g = torch.Generator().manual_seed(5)
+        E = 4
+        spec = GateSpec(num_experts=E, top_k=2, **({"capacity_factor": 0.5} if how == "capacity"
+                                                   else {"adaptive_threshold": 0.3}))
+        r = route(torch.randn(24, E, generator=g) * 2, spec)
+        idx_TK, active_TK = r.indices_TK, r.active_TK
+    assert active_TK is not None and 0 < int(active_TK.sum()) < active_TK.numel()
+    n = int(active_TK.sum())
+    plan = make_plan(idx_TK, active_TK, E, trim=False)
+    assert plan.valid_N is not None and plan.valid_N.shape == (active_TK.numel(),)
+    assert plan.valid_N.tolist() == [True] * n + [False] * (active_TK.numel() - n)
+    assert int(plan.counts_E.sum()) == n
+
+
+def test_a_kernels_unwritten_tail_rows_never_reach_the_layer_output(monkeypatch) -> None:
+    """A grouped kernel on an untrimmed plan may leave the inactive assignments' rows as they were (torch.empty:
+    NaN here); with capacity drops the layer's output and gradients stay finite."""
+    real = moe_mod.swiglu_experts
+
+    def kernel(x, w1, w3, w2, plan, name):
+        y = real(x, w1, w3, w2, plan, name)
+        n = int(plan.counts_E.sum())
+        return torch.cat([y[:n], torch.full_like(y[n:], float("nan"))])
+
+    monkeypatch.setattr(moe_mod, "swiglu_experts", kernel)
+    torch.manual_seed(0)
+    layer = moe_mod.MoELayer(32, 16, 4, 2, capacity_factor=0.5, kernel="grouped_mm")
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    out = layer(x)
+    assert int(layer.last_stats.dropped) > 0
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_dispatch_and_combine_against_dense_formula() -> None:

@@ -131,6 +131,29 @@ def test_sigmoid_bias_changes_the_choice_never_the_weights() -> None:
     torch.testing.assert_close(r.weights_TK.sum(-1), torch.tensor([2.5]))  # normalised, then scaled
 
 
+@pytest.mark.parametrize("gate, with_bias, scale", [("sigmoid_topk", False, 1.0), ("sigmoid_topk", True, 2.5),
+                                                     ("softmax_topk", False, 1.0), ("softmax_topk", True, 2.5)])
+def test_normalised_weights_pass_the_router_gradient_through_their_sum(gate, with_bias, scale) -> None:
+    """The logits' gradient of the normalised combine weights equals autograd of the plain formula on the same
+    chosen experts, s_i / (sum_chosen s_j + eps) * scale (DeepSeek-V3 eq. 15-16; Mixtral's renormalised top-k):
+    the sum is differentiated, not treated as a constant."""
+    T, E, K = 24, 8, 3
+    g = torch.Generator().manual_seed(11)
+    logits_TE = (torch.randn(T, E, generator=g) * 2).requires_grad_()
+    bias_E = torch.randn(E, generator=g) * 0.3 if with_bias else None
+    c_TK = torch.randn(T, K, generator=g, dtype=torch.float64)  # a random cotangent per weight
+    r = route(logits_TE, GateSpec(num_experts=E, top_k=K, gate=gate, score_scale=scale), bias_E)
+    (r.weights_TK.double() * c_TK).sum().backward()
+    ref_TE = logits_TE.detach().double().requires_grad_()  # float64 reference; route itself computes in fp32
+    scores_TE = torch.sigmoid(ref_TE) if gate == "sigmoid_topk" else torch.softmax(ref_TE, dim=-1)
+    s_TK = scores_TE.gather(1, r.indices_TK)
+    eps = 1e-20 if gate == "sigmoid_topk" else 0.0  # HF DeepseekV3TopkRouter's
+    ((s_TK / (s_TK.sum(-1, keepdim=True) + eps) * scale) * c_TK).sum().backward()
+    assert logits_TE.grad is not None and ref_TE.grad is not None
+    assert ref_TE.grad.abs().max() > 0.05  # a gradient that could be missed
+    torch.testing.assert_close(logits_TE.grad.double(), ref_TE.grad, rtol=0, atol=1e-6)
+
+
 def test_groups_without_a_limit_change_nothing() -> None:
     logits_TE = torch.randn(30, 16, generator=torch.Generator().manual_seed(3))
     plain = route(logits_TE, GateSpec(num_experts=16, top_k=4))
