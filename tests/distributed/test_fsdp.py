@@ -141,6 +141,57 @@ def test_full_sharding_checkpoints_are_written_by_each_owner_and_resume_unsharde
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (a["step"], a["grad_norm"], b["grad_norm"])
 
 
+def _clip_below(rank: int, world: int) -> dict[str, Any]:
+    """`FullyShardedAdamW.clip_grad_norm` after one backward pass on 2 ranks (ep 2: FSDP2 dense shards over both,
+    each rank's experts in the sharded optimizer): a max_norm above the norm keeps every dense shard and expert
+    part of the gradient as it was, bit for bit; one below scales them to it."""
+    import torch
+    import torch.distributed as dist
+
+    from moebal.distributed.expert_parallel import ExpertParallel
+    from moebal.distributed.fsdp import FullyShardedAdamW, fully_shard_model
+    from moebal.distributed.groups import ParallelDims
+    from moebal.models import build_model
+
+    torch.set_num_threads(1)
+    cfg = shard_cfg("full", 2)
+    dims = ParallelDims(world_size=world, rank=rank, ep=2).init()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ep = ExpertParallel(model, dims, sync_gradients=False)
+    fully_shard_model(model, cfg, dims)
+    opt = FullyShardedAdamW(model, cfg, dims)
+    assert opt.experts is not None
+    ids = torch.randint(0, 256, (2 * world, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[2 * rank:2 * rank + 2, :-1], ids[2 * rank:2 * rank + 2, 1:]
+    opt.begin()
+    out = model(x, y)
+    (out.loss + out.aux_loss).backward()
+    ep.sync_gradients()
+    opt.reduce()
+
+    def grads() -> list[torch.Tensor]:
+        expert = [leaf.grad for fl in opt.experts.flats for leaf in fl.leaves if leaf.grad is not None]
+        return [g.clone() for g in opt._dense_grads() + expert]
+
+    before, above = grads(), 1e3
+    norm = float(opt.clip_grad_norm(above))
+    kept = len(before) > 0 and all(torch.equal(a, b) for a, b in zip(grads(), before))
+    opt.clip_grad_norm(norm / 4)
+    scaled = float(opt.clip_grad_norm(float("inf")))
+    opt.close()
+    dist.barrier()
+    return {"norm": norm, "above": above, "kept": kept, "scaled": scaled}
+
+
+def test_full_sharding_clip_with_the_norm_below_max_norm_changes_no_gradient():
+    """torch's clip_grad_norm_ rule: the coefficient max_norm / norm is clamped at 1 (never scales gradients up)."""
+    for r in run_ranks(_clip_below, 2):
+        assert 0 < r["norm"] < r["above"], r
+        assert r["kept"], r
+        assert math.isclose(r["scaled"], r["norm"] / 4, rel_tol=1e-5), r
+
+
 # ---- mixed precision -----------------------------------------------------------------------------------------
 
 BF16_STEPS = 6

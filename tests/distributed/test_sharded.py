@@ -270,6 +270,45 @@ def test_single_tensor_adamw_adds_eps_after_the_bias_correction_as_torch():
     torch.testing.assert_close(p, ref.detach(), rtol=0, atol=1e-6)
 
 
+def _clip_below(rank: int, world: int) -> dict[str, Any]:
+    """`ShardedAdamW.clip_grad_norm` on 2 ranks (data parallel, parameters cut over both owners): a max_norm above
+    the gradient norm keeps every owned gradient part as it was, bit for bit; one below scales them to it."""
+    from torch import nn
+
+    from moebal.config import TrainConfig
+    from moebal.distributed.groups import ParallelDims
+    from moebal.distributed.sharded import ShardedAdamW
+
+    torch.set_num_threads(1)
+    dims = ParallelDims(world_size=world, rank=rank, ep=1).init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
+    opt = ShardedAdamW(model, TrainConfig(lr=1e-2), dims, bucket_elems=16)
+    opt.begin()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+    model(x).square().sum().backward()
+    opt.reduce()
+
+    def parts() -> list[torch.Tensor]:
+        return [leaf.grad.clone() for fl in opt.flats for leaf in fl.leaves if leaf.grad is not None]
+
+    before, above = parts(), 1e3
+    norm = float(opt.clip_grad_norm(above))
+    kept = len(before) > 0 and all(torch.equal(a, b) for a, b in zip(parts(), before))
+    opt.clip_grad_norm(norm / 4)
+    scaled = float(opt.clip_grad_norm(float("inf")))
+    opt.close()
+    return {"norm": norm, "above": above, "kept": kept, "scaled": scaled}
+
+
+def test_sharded_clip_with_the_norm_below_max_norm_changes_no_gradient():
+    """torch's clip_grad_norm_ rule: the coefficient max_norm / norm is clamped at 1 (never scales gradients up)."""
+    for r in run_ranks(_clip_below, 2):
+        assert 0 < r["norm"] < r["above"], r
+        assert r["kept"], r
+        assert math.isclose(r["scaled"], r["norm"] / 4, rel_tol=1e-5), r
+
+
 def test_native_reduce_scatter_only_where_nccl_serves_the_device():
     from moebal.distributed.sharded import native_reduce_scatter
 

@@ -179,6 +179,32 @@ def test_gradient_norm_accumulators_live_on_the_gradients_device(reduced):
     assert len(reduced) == 1 and reduced[0].device.type == "meta"
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_clipping_with_the_norm_below_max_norm_changes_no_gradient(reduced, ep):
+    """The distributed clip (2 ranks; the all-reduce recorded, so the norm is this rank's) follows torch's
+    clip_grad_norm_: a max_norm above the norm keeps every gradient, dense and expert, bit for bit (the
+    coefficient is clamped at 1); one below scales them to it, as torch's does."""
+    from moebal.distributed.expert_parallel import _EXPERT_ATTR
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    setattr(model[1].weight, _EXPERT_ATTR, True)  # as ExpertParallel marks its experts' weights
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([b.reshape(-1) for b in before]))
+    got = _ctx(ep).clip_grad_norm(model, 10 * float(norm))
+    assert float(got) == pytest.approx(float(norm), rel=1e-6)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    ref = [torch.nn.Parameter(b.clone()) for b in before]
+    for r, b in zip(ref, before):
+        r.grad = b.clone()
+    torch.nn.utils.clip_grad_norm_(ref, float(norm) / 4)
+    _ctx(ep).clip_grad_norm(model, float(norm) / 4)
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
 def test_set_chunk_bytes_agrees_on_the_host(reduced):
     from moebal.distributed.expert_parallel import ExpertParallel
 

@@ -211,6 +211,32 @@ def test_the_runner_replays_zero_bubble_with_each_stage_s_measured_w_share():
     assert t_iter([1, 3]) == replay_time([1.0, 3.0], [2.0, 6.0], 4, 0.0, "zb", [0.5, 0.5 / 6])
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_runners_clip_never_scales_gradients_up(sharded):
+    """`PipelineRunner._clip`: torch's clip_grad_norm_ rule over the per-slot squares, whether the stage's
+    gradients are its own (scaled in place) or a sharded optimizer's parts (`scale_grads`): a norm below
+    grad_clip leaves them as they were, bit for bit; one above scales them by grad_clip / norm."""
+    from types import SimpleNamespace
+
+    from moebal.pipeline.runner import PipelineRunner
+
+    stage = torch.nn.Linear(3, 2)
+    for p in stage.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(0))
+    before = [p.grad.clone() for p in stage.parameters()]
+    coefs: list[float] = []
+    runner = SimpleNamespace(cfg=from_dict({"train": {"grad_clip": 1.0}}), stage=stage, optimizer=None,
+                             sharded=SimpleNamespace(scale_grads=lambda c: coefs.append(float(c))) if sharded else None)
+    sq_S = torch.tensor([0.09, 0.16], dtype=torch.float64)  # norm 0.5: below grad_clip, yet above a tenth of it
+    assert PipelineRunner._clip(runner, sq_S) == pytest.approx(0.5)  # type: ignore[arg-type]
+    assert coefs == [] and all(torch.equal(p.grad, b) for p, b in zip(stage.parameters(), before))
+    assert PipelineRunner._clip(runner, 16 * sq_S) == pytest.approx(2.0)  # type: ignore[arg-type]
+    if sharded:
+        assert coefs == [pytest.approx(0.5)]
+    else:
+        assert all(torch.allclose(p.grad, b / 2) for p, b in zip(stage.parameters(), before))
+
+
 def test_repack_releases_ranks_when_fewer_stages_run_as_fast():
     # 16 layers: a dense front and a tail whose tokens have exited (the early-exit profile); four stages are
     # bottlenecked at 2 (two front layers), and so are three: [2, 2, 12] loads 2, 2, 1.2
