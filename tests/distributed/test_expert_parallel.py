@@ -112,6 +112,44 @@ def test_balancing_loss_scopes_match_single_process(scope):
         assert worst["param"] < 1e-5, worst
 
 
+def _z_loss_uneven(rank: int, world: int) -> dict[str, float]:
+    """One MoE layer under a `StatsReducer` with 3 tokens on rank 0 and 9 on rank 1 against the layer in one
+    process over all 12: z-loss coefficient 1 and router init std 0.5, so that the router logits are far from 0
+    and the per-token z values differ (with the other tests' 0.02 and 0.001 a wrong mean hides under 1e-5)."""
+    from moebal.distributed.expert_parallel import StatsReducer
+    from moebal.models.moe import MoELayer
+
+    def layer() -> MoELayer:
+        torch.manual_seed(0)
+        return MoELayer(16, 8, 4, 2, aux_loss_coef=0.0, z_loss_coef=1.0, init_std=0.5)
+
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1))
+    m = layer()
+    m.set_stats_reducer(StatsReducer(None))  # the default group: both ranks
+    m(x[:3] if rank == 0 else x[3:])
+    m.aux_loss.backward()
+    grad = m.gate.weight.grad.clone()
+    dist.all_reduce(grad)
+    grad /= world  # the data-parallel mean of the gradients
+    loss = m.aux_loss.detach().clone()
+    dist.all_reduce(loss)
+    loss /= world
+    ref = layer()
+    ref(x)
+    ref.aux_loss.backward()
+    return {"loss": abs(loss.item() - ref.aux_loss.item()) / ref.aux_loss.item(),
+            "grad": ((grad - ref.gate.weight.grad).norm() / ref.gate.weight.grad.norm()).item()}
+
+
+def test_z_loss_with_uneven_tokens_per_rank_is_the_global_token_mean():
+    """The z-loss over ranks holding different numbers of tokens (after early exits, uneven packing) is the mean
+    over every token, not the mean of the ranks' means (which weighs rank 0's 3 tokens as rank 1's 9): loss and
+    router gradient as one process's over all tokens."""
+    for worst in run_ranks(_z_loss_uneven, 2):
+        assert worst["loss"] < 1e-5, worst
+        assert worst["grad"] < 1e-5, worst
+
+
 def _budget_worker(rank: int, world: int) -> dict:
     """One bf16-autocast step with replicas: host syncs per MoE layer (through moebal.sync), the dtype of every
     token payload, and the loss against the single-process model under the same autocast."""
