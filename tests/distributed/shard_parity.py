@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -148,3 +148,14 @@ def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
             if ln and key != "step":
                 out[k] = reader.optimizer_state(ln)[key]
     return out
+
+
+def clip_probe(opt: Any, grads: Callable[[], list[torch.Tensor]]) -> dict:
+    """Clip at a max_norm above the norm (the gradients `grads` reads must stay bit for bit), then at a quarter of
+    it; the norm, whether the gradients were kept, and the norm after the second clip."""
+    before, above = grads(), 1e3
+    norm = float(opt.clip_grad_norm(above))
+    kept = len(before) > 0 and all(torch.equal(a, b) for a, b in zip(grads(), before))
+    opt.clip_grad_norm(norm / 4)
+    scaled = float(opt.clip_grad_norm(float("inf")))
+    return {"norm": norm, "above": above, "kept": kept, "scaled": scaled}

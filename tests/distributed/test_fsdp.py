@@ -18,6 +18,7 @@ from tests.distributed.shard_parity import (
     STEPS,
     check_parity,
     checkpoint_state,
+    clip_probe,
     leg,
     pair,
     rel,
@@ -174,14 +175,10 @@ def _clip_below(rank: int, world: int) -> dict[str, Any]:
         expert = [leaf.grad for fl in opt.experts.flats for leaf in fl.leaves if leaf.grad is not None]
         return [g.clone() for g in opt._dense_grads() + expert]
 
-    before, above = grads(), 1e3
-    norm = float(opt.clip_grad_norm(above))
-    kept = len(before) > 0 and all(torch.equal(a, b) for a, b in zip(grads(), before))
-    opt.clip_grad_norm(norm / 4)
-    scaled = float(opt.clip_grad_norm(float("inf")))
+    out = clip_probe(opt, grads)
     opt.close()
     dist.barrier()
-    return {"norm": norm, "above": above, "kept": kept, "scaled": scaled}
+    return out
 
 
 def test_full_sharding_clip_with_the_norm_below_max_norm_changes_no_gradient():

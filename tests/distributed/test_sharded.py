@@ -19,6 +19,7 @@ from tests.distributed.shard_parity import (
     RESUME_STEPS,
     check_parity,
     checkpoint_state,
+    clip_probe,
     leg,
     pair,
     rel,
@@ -292,13 +293,10 @@ def _clip_below(rank: int, world: int) -> dict[str, Any]:
     def parts() -> list[torch.Tensor]:
         return [leaf.grad.clone() for fl in opt.flats for leaf in fl.leaves if leaf.grad is not None]
 
-    before, above = parts(), 1e3
-    norm = float(opt.clip_grad_norm(above))
-    kept = len(before) > 0 and all(torch.equal(a, b) for a, b in zip(parts(), before))
-    opt.clip_grad_norm(norm / 4)
-    scaled = float(opt.clip_grad_norm(float("inf")))
+    out = clip_probe(opt, parts)
     opt.close()
-    return {"norm": norm, "above": above, "kept": kept, "scaled": scaled}
+    return out
+
 
 
 def test_sharded_clip_with_the_norm_below_max_norm_changes_no_gradient():
